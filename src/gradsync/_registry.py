@@ -1,0 +1,44 @@
+"""Name → factory registries (``gradsync.sparsify.get("dgc", density=0.01)``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+
+
+class Registry(Generic[T]):
+    """A small registry of named factories with clear errors for unknown names."""
+
+    def __init__(self, kind: str) -> None:
+        self.kind = kind
+        self._factories: dict[str, Callable[..., T]] = {}
+
+    def register(self, *names: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+        """Class decorator: register the factory under each of ``names``."""
+
+        def deco(factory: Callable[..., T]) -> Callable[..., T]:
+            for name in names:
+                if name in self._factories:
+                    raise ValueError(f"{self.kind} {name!r} is already registered")
+                self._factories[name] = factory
+            return factory
+
+        return deco
+
+    def get(self, name: str, **options: object) -> T:
+        """Build the ``name`` entry with ``options``; unknown names raise ``ValueError``."""
+        try:
+            factory = self._factories[name]
+        except KeyError:
+            raise ValueError(
+                f"unknown {self.kind} {name!r}; available: {', '.join(self.names())}"
+            ) from None
+        return factory(**options)
+
+    def names(self) -> list[str]:
+        return sorted(self._factories)
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._factories

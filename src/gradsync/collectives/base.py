@@ -1,0 +1,92 @@
+"""The collective contract (DESIGN.md): every rank calls ``coll(sel, group, step)``.
+
+``SyncResult.dense`` is the SUM over ranks (callers divide by P), bitwise identical on every
+rank; ``kept`` are the local indices that entered it (exact collectives keep all of them; Ok-Topk
+and gTop-k only those surviving the global selection); ``stats`` is this rank's traffic, counted
+by :class:`~gradsync.collectives.comm.Comm` at the torch.distributed call.
+"""
+
+from __future__ import annotations
+
+import time
+from abc import ABC, abstractmethod
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.collectives.comm import Comm, CommStats
+from gradsync.sparsegrad import SparseGrad
+
+__all__ = ["Collective", "SyncResult"]
+
+
+@dataclass
+class SyncResult:
+    """What a collective returns on each rank."""
+
+    dense: torch.Tensor
+    kept: torch.Tensor
+    stats: CommStats = field(default_factory=CommStats)
+    info: dict[str, Any] = field(default_factory=dict)  # algorithm-specific (e.g. "lossy")
+
+
+class Collective(ABC):
+    """Base class: input checks, a shape consensus, timing; subclasses implement ``_reduce``.
+
+    ``check_shapes`` (default on) runs one all-reduce of two int64 words so that ranks passing
+    different ``numel`` or dtypes fail with a clear ``ValueError`` on every rank instead of
+    hanging or corrupting memory. Its 16 bytes are counted like any other traffic.
+    """
+
+    name: str = "?"
+    exact: bool = True  # does `dense` equal the sum of every rank's selection?
+
+    def __init__(self, *, check_shapes: bool = True) -> None:
+        self.check_shapes = check_shapes
+
+    def __call__(
+        self, sel: SparseGrad, group: dist.ProcessGroup | None = None, step: int = 0
+    ) -> SyncResult:
+        if not isinstance(sel, SparseGrad):
+            raise ValueError(f"{self.name}: expected a SparseGrad, got {type(sel).__name__}")
+        comm = Comm(group)
+        t0 = time.perf_counter()
+        if self.check_shapes and comm.size > 1:
+            self._agree(sel, comm)
+        dense, kept, info = self._reduce(sel, comm, step)
+        comm.stats.seconds = time.perf_counter() - t0
+        return SyncResult(dense=dense, kept=kept, stats=comm.stats, info=info)
+
+    @staticmethod
+    def _agree(sel: SparseGrad, comm: Comm) -> None:
+        code = _DTYPE_CODES.get(sel.dtype, 0)
+        word = torch.tensor([sel.numel, code, -sel.numel, -code], dtype=torch.int64)
+        comm.all_reduce(word, op=dist.ReduceOp.MAX)
+        if int(word[0]) != -int(word[2]) or int(word[1]) != -int(word[3]):
+            raise ValueError(
+                f"ranks disagree on the tensor: numel ranges over [{-int(word[2])}, "
+                f"{int(word[0])}], dtype codes over [{-int(word[3])}, {int(word[1])}]; "
+                f"this rank ({comm.rank}) has numel={sel.numel}, dtype={sel.dtype}"
+            )
+
+    @abstractmethod
+    def _reduce(
+        self, sel: SparseGrad, comm: Comm, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """Return (dense SUM, kept local indices, info) using only ``comm`` for traffic."""
+
+    # Stateful collectives (Ok-Topk) override these.
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if state:
+            raise ValueError(f"{self.name}: unexpected state keys {sorted(state)}")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}

@@ -1,0 +1,148 @@
+"""`SparseGrad`: the sparse gradient every layer of gradsync passes down.
+
+A SparseGrad is a selection of entries of a flat tensor of ``numel`` elements:
+``indices`` (int64, strictly increasing, in ``[0, numel)``) and ``values`` (the gradient's
+dtype, one per index). It is the contract between sparsifiers, formats and collectives
+(DESIGN.md, "Contracts every layer keeps").
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["SparseGrad", "check_finite"]
+
+
+def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
+    """Raise ``ValueError`` naming ``what`` when ``x`` holds a NaN or an Inf."""
+    if x.is_floating_point() and x.numel() and not bool(torch.isfinite(x).all()):
+        n_nan = int(torch.isnan(x).sum())
+        n_inf = int(torch.isinf(x).sum())
+        raise ValueError(f"{what} holds non-finite values ({n_nan} NaN, {n_inf} Inf)")
+
+
+@dataclass(frozen=True, eq=False)
+class SparseGrad:
+    """Sparse selection ``(indices, values)`` of a flat tensor of ``numel`` elements.
+
+    Construction validates: indices must be a 1-D int64 tensor, strictly increasing (so no
+    duplicates), in ``[0, numel)``; values must be 1-D, floating point, of the same length and
+    on the same device. Violations raise ``ValueError``. Pass ``validate=False`` only for
+    indices you produced yourself in sorted order (the hot path of a collective).
+    """
+
+    indices: torch.Tensor
+    values: torch.Tensor
+    numel: int
+
+    def __init__(
+        self, indices: torch.Tensor, values: torch.Tensor, numel: int, *, validate: bool = True
+    ) -> None:
+        object.__setattr__(self, "indices", indices)
+        object.__setattr__(self, "values", values)
+        object.__setattr__(self, "numel", int(numel))
+        if validate:
+            self._validate()
+
+    def _validate(self) -> None:
+        i, v, n = self.indices, self.values, self.numel
+        if not isinstance(i, torch.Tensor) or not isinstance(v, torch.Tensor):
+            raise ValueError("SparseGrad: indices and values must be torch.Tensors")
+        if n < 0:
+            raise ValueError(f"SparseGrad: numel must be >= 0, got {n}")
+        if i.dtype != torch.int64:
+            raise ValueError(f"SparseGrad: indices must be int64, got {i.dtype}")
+        if i.dim() != 1 or v.dim() != 1:
+            raise ValueError(
+                f"SparseGrad: indices and values must be 1-D, got shapes "
+                f"{tuple(i.shape)} and {tuple(v.shape)}"
+            )
+        if i.numel() != v.numel():
+            raise ValueError(
+                f"SparseGrad: {i.numel()} indices but {v.numel()} values (shape mismatch)"
+            )
+        if not v.is_floating_point():
+            raise ValueError(f"SparseGrad: values must be floating point, got {v.dtype}")
+        if i.device != v.device:
+            raise ValueError(f"SparseGrad: indices on {i.device} but values on {v.device}")
+        if i.numel():
+            lo, hi = int(i[0]), int(i[-1])
+            if i.numel() > 1 and not bool((i[1:] > i[:-1]).all()):
+                raise ValueError(
+                    "SparseGrad: indices must be strictly increasing (unsorted or duplicate)"
+                )
+            if lo < 0 or hi >= n:
+                raise ValueError(f"SparseGrad: indices out of range [0, {n}): min {lo}, max {hi}")
+
+    # -- construction ------------------------------------------------------------------
+    @classmethod
+    def empty(
+        cls, numel: int, dtype: torch.dtype = torch.float32, device: torch.device | str = "cpu"
+    ) -> SparseGrad:
+        """The empty selection of a tensor of ``numel`` elements."""
+        return cls(
+            torch.empty(0, dtype=torch.int64, device=device),
+            torch.empty(0, dtype=dtype, device=device),
+            numel,
+            validate=False,
+        )
+
+    @classmethod
+    def from_dense(cls, x: torch.Tensor) -> SparseGrad:
+        """Select the nonzeros of the flat view of ``x``."""
+        flat = x.reshape(-1)
+        idx = torch.nonzero(flat, as_tuple=False).reshape(-1)
+        return cls(idx, flat[idx], flat.numel(), validate=False)
+
+    @classmethod
+    def from_indices(cls, x: torch.Tensor, indices: torch.Tensor) -> SparseGrad:
+        """Gather ``x`` at ``indices`` (any order, no duplicates) into a valid SparseGrad."""
+        flat = x.reshape(-1)
+        idx = torch.sort(indices.to(torch.int64).reshape(-1)).values
+        return cls(idx, flat[idx], flat.numel())
+
+    # -- views -------------------------------------------------------------------------
+    def __len__(self) -> int:
+        return int(self.indices.numel())
+
+    @property
+    def nnz(self) -> int:
+        return len(self)
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.values.dtype
+
+    @property
+    def device(self) -> torch.device:
+        return self.values.device
+
+    @property
+    def density(self) -> float:
+        """Selected fraction of the tensor (0.0 for an empty tensor)."""
+        return len(self) / self.numel if self.numel else 0.0
+
+    def to_dense(self) -> torch.Tensor:
+        """Dense flat tensor of ``numel`` elements with the selected values scattered in."""
+        out = torch.zeros(self.numel, dtype=self.values.dtype, device=self.values.device)
+        out[self.indices] = self.values
+        return out
+
+    def wire_bytes(self, index_bytes: int = 4) -> int:
+        """COO size on the wire: ``nnz × (index_bytes + value bytes)``."""
+        if index_bytes not in (4, 8):
+            raise ValueError(f"index_bytes must be 4 or 8, got {index_bytes}")
+        return len(self) * (index_bytes + self.values.element_size())
+
+    def to(self, *args, **kwargs) -> SparseGrad:
+        """Move/cast the values (``.to(dtype)``/``.to(device)``); indices follow the device."""
+        v = self.values.to(*args, **kwargs)
+        return SparseGrad(self.indices.to(v.device), v, self.numel, validate=False)
+
+    def __repr__(self) -> str:
+        return (
+            f"SparseGrad(nnz={len(self)}, numel={self.numel}, density={self.density:.4g}, "
+            f"dtype={self.values.dtype}, device={self.values.device})"
+        )

@@ -1,0 +1,103 @@
+"""The sparsifier contract: ``select(x, step=…) -> SparseGrad`` on a flat tensor.
+
+Every sparsifier targets ``k = max(1, round(density · n))`` entries of an ``n``-element tensor
+(all of them when ``density == 1``), never modifies ``x``, draws any randomness from its own
+seeded ``torch.Generator`` (never the global RNG), rejects NaN/Inf input with ``ValueError``
+(the engine decides the policy), and works on fp32, bf16 and fp16. Threshold estimators do not
+hit ``k`` exactly; each reports the relative deviation of its last count from ``k`` in
+``last_deviation`` so callers and benchmarks can see how far off it was.
+"""
+
+from __future__ import annotations
+
+import math
+from abc import ABC, abstractmethod
+from typing import Any
+
+import torch
+
+from gradsync.sparsegrad import SparseGrad, check_finite
+
+__all__ = ["Sparsifier", "target_k", "validate_density"]
+
+
+def validate_density(density: float) -> float:
+    """Return ``density`` as float if it lies in (0, 1]; raise ``ValueError`` otherwise."""
+    try:
+        d = float(density)
+    except (TypeError, ValueError):
+        raise ValueError(f"density must be a number in (0, 1], got {density!r}") from None
+    if not (0.0 < d <= 1.0) or math.isnan(d):
+        raise ValueError(f"density must be in (0, 1], got {density!r}")
+    return d
+
+
+def target_k(n: int, density: float) -> int:
+    """k = max(1, round(density · n)) for n > 0, capped at n; 0 for an empty tensor."""
+    if n <= 0:
+        return 0
+    return min(n, max(1, round(density * n)))
+
+
+class Sparsifier(ABC):
+    """Base class: validation, k, deviation reporting, state; subclasses implement ``_select``.
+
+    ``_select(x, k, step)`` receives a 1-D, finite, floating tensor with ``0 < k < n`` and
+    returns the selected int64 indices (any order, no duplicates). The base class handles
+    ``k == n`` (density 1 or tiny tensors), sorting, gathering the values and the deviation.
+    """
+
+    name: str = "?"
+
+    def __init__(self, density: float, *, seed: int = 0) -> None:
+        self.density = validate_density(density)
+        self.seed = int(seed)
+        self.generator = torch.Generator().manual_seed(self.seed)
+        self.last_k = 0
+        self.last_count = 0
+
+    # -- public -----------------------------------------------------------------------
+    def select(self, x: torch.Tensor, step: int = 0) -> SparseGrad:
+        """Select about ``k`` entries of the flat tensor ``x`` (not modified)."""
+        if not isinstance(x, torch.Tensor):
+            raise ValueError(f"{self.name}: expected a torch.Tensor, got {type(x).__name__}")
+        if x.dim() != 1:
+            raise ValueError(f"{self.name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
+        if not x.is_floating_point():
+            raise ValueError(f"{self.name}: expected a floating tensor, got {x.dtype}")
+        check_finite(x, f"{self.name}: input gradient")
+        n = x.numel()
+        k = target_k(n, self.density)
+        if k >= n:
+            idx = torch.arange(n, device=x.device)
+        else:
+            idx = self._select(x, k, step)
+            idx = torch.sort(idx.to(torch.int64)).values
+        self.last_k, self.last_count = k, int(idx.numel())
+        return SparseGrad(idx, x[idx], n, validate=False)
+
+    @property
+    def last_deviation(self) -> float:
+        """(count − k) / k of the last call (0.0 before any call)."""
+        return (self.last_count - self.last_k) / self.last_k if self.last_k else 0.0
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"density": self.density, "seed": self.seed,
+                "generator": self.generator.get_state()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if float(state["density"]) != self.density:
+            raise ValueError(
+                f"{self.name}: state was saved with density {state['density']}, "
+                f"this sparsifier has {self.density}"
+            )
+        self.seed = int(state["seed"])
+        self.generator.set_state(state["generator"])
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(density={self.density:g})"
+
+    # -- subclass hook ----------------------------------------------------------------
+    @abstractmethod
+    def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:
+        """Indices (int64, unique, any order) of about k entries of x; 0 < k < n."""
