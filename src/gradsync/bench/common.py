@@ -1,0 +1,101 @@
+"""Shared output for benchmarks: a rich table on stdout, JSON and a PNG in the output folder.
+
+Benchmarks are commands, never timed tests. Times on shared machines are noisy, so every
+benchmark reports medians and ratios measured in the same run.
+"""
+
+from __future__ import annotations
+
+import json
+import platform
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+__all__ = ["add_common_args", "median_time", "out_dir", "print_table", "write_outputs"]
+
+
+def add_common_args(parser, name: str) -> None:
+    """``--out`` (default bench-out/<name>) and ``--repeats``."""
+    parser.add_argument("--out", default=f"bench-out/{name}", help="folder for JSON and PNG")
+    parser.add_argument("--repeats", type=int, default=5, help="timed repetitions (median)")
+
+
+def out_dir(path: str | Path) -> Path:
+    p = Path(path)
+    p.mkdir(parents=True, exist_ok=True)
+    return p
+
+
+def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(max(1, repeats)):
+        t0 = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """Print ``rows`` under ``columns`` as a rich table (plain text when not a terminal)."""
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    for c in columns:
+        table.add_column(str(c), justify="right")
+    for r in rows:
+        table.add_row(*[_fmt(v) for v in r])
+    Console(width=max(100, 14 * len(columns))).print(table)
+
+
+def _fmt(v: Any) -> str:
+    if isinstance(v, float):
+        if v == 0:
+            return "0"
+        if abs(v) >= 1e4 or abs(v) < 1e-3:
+            return f"{v:.3e}"
+        return f"{v:.4g}"
+    return str(v)
+
+
+def write_outputs(
+    name: str,
+    rows: list[dict[str, Any]],
+    out: str | Path,
+    plot: Callable[[Any], None] | None = None,
+    meta: dict[str, Any] | None = None,
+) -> tuple[Path, Path | None]:
+    """Write ``<out>/<name>.json`` (rows + environment) and, with ``plot(ax)``, a PNG."""
+    d = out_dir(out)
+    env = {
+        "torch": torch.__version__,
+        "python": platform.python_version(),
+        "machine": platform.machine(),
+        "threads": torch.get_num_threads(),
+        "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    jpath = d / f"{name}.json"
+    jpath.write_text(json.dumps({"benchmark": name, "env": env, "meta": meta or {},
+                                 "rows": rows}, indent=2, default=str))
+    ppath = None
+    if plot is not None:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+
+        fig, ax = plt.subplots(figsize=(7, 4.5))
+        plot(ax)
+        fig.tight_layout()
+        ppath = d / f"{name}.png"
+        fig.savefig(ppath, dpi=120)
+        plt.close(fig)
+    return jpath, ppath

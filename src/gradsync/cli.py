@@ -1,0 +1,58 @@
+"""Command line: ``python -m gradsync <command> …``.
+
+``bench <name> [args]`` runs the benchmark module ``gradsync.bench.<name>`` (each owns its
+arguments: ``python -m gradsync bench <name> --help``); ``bench list`` lists them.
+``demo`` runs the short comparison that ``make demo`` shows.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import pkgutil
+import sys
+
+import gradsync.bench
+
+
+def bench_names() -> list[str]:
+    return sorted(
+        m.name for m in pkgutil.iter_modules(gradsync.bench.__path__)
+        if not m.name.startswith("_") and m.name != "common"
+    )
+
+
+def _bench(argv: list[str]) -> int:
+    names = bench_names()
+    if not argv or argv[0] in ("-h", "--help", "list"):
+        print("usage: python -m gradsync bench <name> [options]\n\nbenchmarks: " + ", ".join(names))
+        return 0
+    name, rest = argv[0], argv[1:]
+    if name not in names:
+        print(f"unknown benchmark {name!r}; available: {', '.join(names)}", file=sys.stderr)
+        return 2
+    return int(importlib.import_module(f"gradsync.bench.{name}").main(rest) or 0)
+
+
+def _demo(argv: list[str]) -> int:
+    from gradsync.bench import demo
+
+    return int(demo.main(argv) or 0)
+
+
+COMMANDS = {"bench": _bench, "demo": _demo}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(
+        prog="python -m gradsync",
+        description="gradsync: sparsified gradient synchronization for PyTorch.",
+    )
+    parser.add_argument("command", choices=sorted(COMMANDS), help="what to run")
+    if not argv or argv[0] in ("-h", "--help"):
+        parser.print_help()
+        return 0
+    if argv[0] not in COMMANDS:
+        parser.parse_args(argv[:1])  # prints the error and exits 2
+    return COMMANDS[argv[0]](argv[1:])
