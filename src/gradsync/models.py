@@ -147,7 +147,7 @@ def real_gradients(
         xb, yb = batch()
         opt.zero_grad(set_to_none=True)
         loss = loss_fn(net(xb), yb)
-        if not math.isfinite(float(loss)):
+        if not math.isfinite(loss.detach().item()):
             raise RuntimeError(f"{model}: non-finite loss while sampling gradients")
         loss.backward()
         for n, p in net.named_parameters():
