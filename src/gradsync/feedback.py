@@ -1,0 +1,156 @@
+"""Error feedback: what compression does not send stays in a residual and is sent later.
+
+Per named tensor ``w`` and step ``t`` (SSFusion §II-B, DGC §3.2, Ok-Topk Algorithm 2):
+
+    acc_t      = residual_{t-1} + g_t                       (plain error feedback)
+    consumed_t = acc_t at the indices the collective used
+    residual_t = acc_t − consumed_t                         (exactly what was not sent)
+
+so ``acc == consumed + residual`` holds bit for bit at every step: gradient mass is never lost
+or invented by compression. When the caller sends values in a lower precision than the
+residual (e.g. residuals in fp32 for bf16 gradients), it passes the values it really sent and
+the rounding error stays in the residual: ``residual[i] = acc[i] − sent[i]``, exact because
+``sent[i]`` is a rounding of ``acc[i]`` (Sterbenz).
+
+DGC momentum correction (DGC §3.2, "momentum correction" and "momentum factor masking"), with
+momentum ``m``:
+
+    u_t = m · u_{t-1} + g_t           (velocity, local)
+    acc_t = v_{t-1} + u_t             (v: the residual, accumulated velocity)
+    v_t = acc_t − consumed_t ;  u_t[consumed] = 0   (factor masking)
+
+NaN/Inf gradients are rejected with ``ValueError`` *before* any state changes, so a residual is
+never polluted by a non-finite value; the engine decides whether to raise or skip the step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradsync.sparsegrad import check_finite
+
+__all__ = ["ErrorFeedback"]
+
+
+class ErrorFeedback:
+    """Residual memory keyed by tensor name.
+
+    Args:
+        momentum: DGC momentum-correction factor ``m`` in [0, 1); 0 is plain error feedback.
+        residual_dtype: dtype of the residual (and velocity); ``None`` keeps each gradient's own
+            dtype. ``torch.float32`` accumulates bf16/fp16 gradients without losing small
+            updates to rounding.
+    """
+
+    def __init__(self, momentum: float = 0.0, residual_dtype: torch.dtype | None = None) -> None:
+        if not 0.0 <= float(momentum) < 1.0:
+            raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if residual_dtype is not None and not residual_dtype.is_floating_point:
+            raise ValueError(f"residual_dtype must be floating point, got {residual_dtype}")
+        self.momentum = float(momentum)
+        self.residual_dtype = residual_dtype
+        self._residual: dict[str, torch.Tensor] = {}
+        self._velocity: dict[str, torch.Tensor] = {}
+        self._pending: set[str] = set()  # accumulated, not yet updated
+
+    # -- the two steps of every iteration ---------------------------------------------
+    def accumulate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+        """Return ``acc = residual + grad`` (with momentum correction when enabled).
+
+        ``acc`` is a new tensor of ``grad``'s shape in the residual dtype; the caller selects
+        from it and then calls :meth:`update` with what was consumed.
+        """
+        check_finite(grad, f"gradient of {name!r}")
+        dtype = self.residual_dtype or grad.dtype
+        g = grad.detach().to(dtype)
+        res = self._residual.get(name)
+        if res is not None and (res.shape != g.shape or res.dtype != dtype):
+            raise ValueError(
+                f"gradient of {name!r} has shape {tuple(g.shape)}/{dtype}, but its residual has "
+                f"{tuple(res.shape)}/{res.dtype} (did the model change?)"
+            )
+        if self.momentum:
+            u = self._velocity.get(name)
+            u = g.clone() if u is None else u.mul_(self.momentum).add_(g)
+            self._velocity[name] = u
+            g = u
+        acc = g.clone() if res is None else res + g
+        self._pending.add(name)
+        return acc
+
+    def update(
+        self,
+        name: str,
+        acc: torch.Tensor,
+        consumed_indices: torch.Tensor,
+        sent_values: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Keep in the residual exactly what was not consumed; return the new residual.
+
+        ``consumed_indices`` index the flattened ``acc``; ``sent_values`` (optional, same
+        length) are the values actually sent, when they differ from ``acc`` at those indices
+        (lower precision): their rounding error stays in the residual.
+        """
+        if name not in self._pending:
+            raise ValueError(f"update({name!r}) without a preceding accumulate({name!r})")
+        idx = consumed_indices.reshape(-1).to(torch.int64)
+        flat = acc.detach().reshape(-1)
+        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= flat.numel()):
+            raise ValueError(f"consumed indices of {name!r} out of range [0, {flat.numel()})")
+        residual = flat.clone()
+        if sent_values is None:
+            residual[idx] = 0
+        else:
+            if sent_values.numel() != idx.numel():
+                raise ValueError(
+                    f"{idx.numel()} consumed indices but {sent_values.numel()} sent values"
+                )
+            residual[idx] = flat[idx] - sent_values.reshape(-1).to(flat.dtype)
+        if self.momentum:
+            self._velocity[name].view(-1)[idx] = 0  # momentum factor masking
+        self._residual[name] = residual.view_as(acc)
+        self._pending.discard(name)
+        return self._residual[name]
+
+    # -- inspection and state -----------------------------------------------------------
+    def residual(self, name: str) -> torch.Tensor | None:
+        return self._residual.get(name)
+
+    def names(self) -> list[str]:
+        return sorted(self._residual)
+
+    def reset(self, name: str | None = None) -> None:
+        """Forget the residual (and velocity) of ``name``, or of every tensor."""
+        for store in (self._residual, self._velocity):
+            if name is None:
+                store.clear()
+            else:
+                store.pop(name, None)
+        if name is None:
+            self._pending.clear()
+        else:
+            self._pending.discard(name)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "momentum": self.momentum,
+            "residual_dtype": str(self.residual_dtype) if self.residual_dtype else None,
+            "residual": {k: v.clone() for k, v in self._residual.items()},
+            "velocity": {k: v.clone() for k, v in self._velocity.items()},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if float(state["momentum"]) != self.momentum:
+            raise ValueError(
+                f"state has momentum {state['momentum']}, this ErrorFeedback has {self.momentum}"
+            )
+        mine = str(self.residual_dtype) if self.residual_dtype else None
+        if state.get("residual_dtype") != mine:
+            raise ValueError(
+                f"state has residual_dtype {state.get('residual_dtype')}, this one has {mine}"
+            )
+        self._residual = {k: v.clone() for k, v in state["residual"].items()}
+        self._velocity = {k: v.clone() for k, v in state["velocity"].items()}
+        self._pending.clear()

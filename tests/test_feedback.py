@@ -1,0 +1,148 @@
+"""Error feedback: conservation bit for bit, DGC momentum correction, state, bad input."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradsync.feedback import ErrorFeedback
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _grad(n: int, seed: int, dtype=torch.float32) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    return (torch.randn(n, generator=g) * torch.rand(n, generator=g).pow(4)).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+def test_conservation_bit_for_bit_over_steps(dtype):
+    ef = ErrorFeedback()
+    n = 997
+    g = torch.Generator().manual_seed(1)
+    for step in range(20):
+        grad = _grad(n, step, dtype)
+        acc = ef.accumulate("w", grad)
+        k = int(torch.randint(0, n, (1,), generator=g))
+        idx = torch.randperm(n, generator=g)[:k]
+        consumed = torch.zeros_like(acc)
+        consumed[idx] = acc[idx]
+        res = ef.update("w", acc, idx)
+        assert torch.equal(consumed + res, acc)  # acc == consumed + residual, exactly
+        assert torch.equal(res[idx], torch.zeros_like(res[idx]))
+
+
+def test_residual_carries_what_was_not_sent():
+    ef = ErrorFeedback()
+    g1 = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    acc = ef.accumulate("w", g1)
+    ef.update("w", acc, torch.tensor([3]))
+    g2 = torch.tensor([0.5, 0.5, 0.5, 0.5])
+    acc2 = ef.accumulate("w", g2)
+    # independent reference: entries 0..2 were not sent at step 1 and come back
+    assert torch.equal(acc2, torch.tensor([1.5, 2.5, 3.5, 0.5]))
+
+
+def test_lower_precision_send_keeps_rounding_error():
+    ef = ErrorFeedback(residual_dtype=torch.float32)
+    grad = _grad(4096, 3, torch.bfloat16)
+    acc = ef.accumulate("w", grad)
+    assert acc.dtype == torch.float32
+    acc = acc + _grad(4096, 4) * 1e-3  # values not representable in bf16
+    idx = torch.arange(0, 4096, 3)
+    sent = acc[idx].to(torch.bfloat16)
+    res = ef.update("w", acc, idx, sent_values=sent)
+    consumed = torch.zeros_like(acc)
+    consumed[idx] = sent.float()
+    assert torch.equal(consumed + res, acc)
+    assert bool((res[idx] != 0).any())  # rounding error really is kept, not dropped
+
+
+def test_dgc_momentum_correction_matches_recurrence():
+    m = 0.9
+    ef = ErrorFeedback(momentum=m)
+    n = 64
+    u = torch.zeros(n)
+    v = torch.zeros(n)
+    for step in range(6):
+        grad = _grad(n, 10 + step)
+        acc = ef.accumulate("w", grad)
+        u = m * u + grad
+        v_acc = v + u
+        assert torch.allclose(acc, v_acc, rtol=0, atol=1e-6)
+        idx = torch.topk(acc.abs(), 8).indices
+        res = ef.update("w", acc, idx)
+        v = v_acc.clone()
+        v[idx] = 0
+        u[idx] = 0  # factor masking
+        assert torch.allclose(res, v, rtol=0, atol=1e-6)
+
+
+def test_state_dict_round_trip_exact():
+    ef = ErrorFeedback(momentum=0.5)
+    for step in range(3):
+        for name in ("a", "b"):
+            acc = ef.accumulate(name, _grad(50, step))
+            ef.update(name, acc, torch.arange(step, 50, 7))
+    state = ef.state_dict()
+    ef2 = ErrorFeedback(momentum=0.5)
+    ef2.load_state_dict(state)
+    grad = _grad(50, 99)
+    a1, a2 = ef.accumulate("a", grad), ef2.accumulate("a", grad)
+    assert torch.equal(a1, a2)
+    with pytest.raises(ValueError, match="momentum"):
+        ErrorFeedback(momentum=0.1).load_state_dict(state)
+
+
+def test_nonfinite_rejected_without_pollution():
+    ef = ErrorFeedback()
+    acc = ef.accumulate("w", torch.ones(8))
+    ef.update("w", acc, torch.tensor([0]))
+    before = ef.residual("w").clone()
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        g = torch.ones(8)
+        g[3] = bad
+        with pytest.raises(ValueError, match="'w'"):
+            ef.accumulate("w", g)
+        assert torch.equal(ef.residual("w"), before)
+
+
+def test_bad_input():
+    with pytest.raises(ValueError):
+        ErrorFeedback(momentum=1.0)
+    with pytest.raises(ValueError):
+        ErrorFeedback(residual_dtype=torch.int32)
+    ef = ErrorFeedback()
+    with pytest.raises(ValueError, match="without a preceding"):
+        ef.update("w", torch.ones(3), torch.tensor([0]))
+    acc = ef.accumulate("w", torch.ones(3))
+    with pytest.raises(ValueError, match="out of range"):
+        ef.update("w", acc, torch.tensor([3]))
+    with pytest.raises(ValueError, match="sent values"):
+        ef.update("w", acc, torch.tensor([0, 1]), sent_values=torch.ones(1))
+    ef.update("w", acc, torch.tensor([0]))
+    with pytest.raises(ValueError, match="shape"):
+        ef.accumulate("w", torch.ones(4))
+
+
+@settings(max_examples=60, deadline=None)
+@given(
+    n=st.integers(1, 300),
+    steps=st.integers(1, 5),
+    frac=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from(DTYPES),
+    momentum=st.sampled_from([0.0, 0.9]),
+)
+def test_conservation_property(n, steps, frac, seed, dtype, momentum):
+    ef = ErrorFeedback(momentum=momentum)
+    g = torch.Generator().manual_seed(seed)
+    for t in range(steps):
+        acc = ef.accumulate("p", _grad(n, seed + t, dtype))
+        idx = torch.randperm(n, generator=g)[: int(frac * n)]
+        res = ef.update("p", acc, idx)
+        consumed = torch.zeros_like(acc)
+        consumed[idx] = acc[idx]
+        assert torch.equal(consumed + res, acc)

@@ -1,0 +1,68 @@
+"""SparseGrad: validation, dense round trips, sizes."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradsync import SparseGrad
+
+
+def test_validation_errors():
+    v = torch.ones(3)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        SparseGrad(torch.tensor([2, 1, 3]), v, 10)
+    with pytest.raises(ValueError, match="strictly increasing"):
+        SparseGrad(torch.tensor([1, 1, 3]), v, 10)
+    with pytest.raises(ValueError, match="out of range"):
+        SparseGrad(torch.tensor([1, 2, 10]), v, 10)
+    with pytest.raises(ValueError, match="out of range"):
+        SparseGrad(torch.tensor([-1, 2, 3]), v, 10)
+    with pytest.raises(ValueError, match="mismatch"):
+        SparseGrad(torch.tensor([1, 2]), v, 10)
+    with pytest.raises(ValueError, match="int64"):
+        SparseGrad(torch.tensor([1, 2, 3], dtype=torch.int32), v, 10)
+    with pytest.raises(ValueError, match="floating"):
+        SparseGrad(torch.tensor([1, 2, 3]), torch.ones(3, dtype=torch.int64), 10)
+    with pytest.raises(ValueError, match="1-D"):
+        SparseGrad(torch.tensor([[1, 2, 3]]), v, 10)
+    with pytest.raises(ValueError, match="numel"):
+        SparseGrad(torch.tensor([], dtype=torch.int64), torch.ones(0), -1)
+
+
+def test_empty_and_views():
+    e = SparseGrad.empty(5, torch.bfloat16)
+    assert len(e) == 0 and e.density == 0.0 and e.wire_bytes() == 0
+    assert torch.equal(e.to_dense(), torch.zeros(5, dtype=torch.bfloat16))
+    s = SparseGrad(torch.tensor([0, 4]), torch.tensor([1.5, -2.0]), 5)
+    assert len(s) == 2 and s.nnz == 2 and s.density == pytest.approx(0.4)
+    assert s.wire_bytes() == 2 * (4 + 4) and s.wire_bytes(8) == 2 * 12
+    assert s.to(torch.float16).wire_bytes() == 2 * (4 + 2)
+    with pytest.raises(ValueError):
+        s.wire_bytes(3)
+    assert "nnz=2" in repr(s)
+
+
+def test_from_indices_sorts():
+    x = torch.arange(10.0)
+    s = SparseGrad.from_indices(x, torch.tensor([7, 2, 5]))
+    assert s.indices.tolist() == [2, 5, 7] and s.values.tolist() == [2.0, 5.0, 7.0]
+
+
+@settings(max_examples=80, deadline=None)
+@given(
+    n=st.integers(0, 500),
+    density=st.floats(0.0, 1.0),
+    seed=st.integers(0, 2**16),
+    dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]),
+)
+def test_dense_round_trip(n, density, seed, dtype):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g).to(dtype)
+    x[torch.rand(n, generator=g) > density] = 0
+    s = SparseGrad.from_dense(x)
+    assert torch.equal(s.to_dense(), x)
+    assert len(s) == int((x != 0).sum())
+    SparseGrad(s.indices, s.values, s.numel)  # what from_dense built is valid
