@@ -35,7 +35,7 @@ def _bench(argv: list[str]) -> int:
 
 
 def _demo(argv: list[str]) -> int:
-    from gradsync.bench import demo
+    from gradsync import demo
 
     return int(demo.main(argv) or 0)
 
