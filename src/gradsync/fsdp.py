@@ -1,0 +1,479 @@
+"""TAGC for FSDP2: a compressed reduce-scatter installed into ``fully_shard`` (TAGC §3).
+
+TAGC §3.1 / Algorithm 1 ("THLC communication hook"), run by every rank for each FSDP unit:
+
+    1  g_shard ← g_shard + acc                       # local accumulation (§3.2)
+    2  g_shard, acc_next ← sparsify(g_shard, θ)      # zero a fraction θ of the values
+    3  local_index ← create_index(g_shard)
+    4  index ← All-Reduce(local_index)               # here: OR, reduce-scattered per shard
+    5  local_count_sketch ← compress(g_shard, index)
+    6  Reduce(local_count_sketch, d)                 # here: ONE reduce-scatter, d = owner
+    8  if LOCAL RANK = d:
+    10     g ← peeling_decompress(index, count_sketch)
+
+FSDP2 hands its reduce-scatter the flat ``P × S`` buffer (chunk ``j`` holds this rank's
+gradient of the shard rank ``j`` owns, every parameter of the unit padded along dim 0) and
+expects this rank's shard ``S`` back. :class:`_TAGCReduceScatter` replaces that call through
+``FSDPModule.set_custom_reduce_scatter``: for each destination chunk ``j`` it adds the accumulator
+``acc`` (what θ zeroed last step), keeps the ``round((1 − θ)·S)`` largest magnitudes
+(``sparsify.get("fraction")``), builds the chunk's bit index and count sketch
+(:mod:`gradsync.formats.sketch`), then
+
+* reduce-scatters the packed indices with a bitwise OR (gloo's ``ReduceOp.BOR``; on backends
+  without it, e.g. NCCL, a pairwise exchange of the packed bitmaps followed by a local OR — the
+  same ``(P − 1)·B`` bytes). 1-bit bitmaps are never SUMmed (a carry would corrupt a neighbour);
+  4-bit indices are per-element counters and ARE summed, exact for P ≤ 15 (TAGC's 4-bit mode);
+* reduce-scatters the sketches with SUM: owner ``d`` receives Σ_ranks sketch(chunk d) — the
+  "Reduce to the master device" of Algorithm 1, done for all P shards in one call;
+* peels its own shard with the OR index and writes it into FSDP's output.
+
+Selective compression (§3.2): ``TAGCConfig.policy(module_name, module)`` decides per module;
+inside one FSDP unit the parameters of compressed modules travel as above and the others in a
+plain reduce-scatter, so a transformer block wrapped as one unit sends its q/k/v projection and
+norms uncompressed and its MLP and attention output projection compressed. The default
+:func:`non_attention_linear` is the paper's "non-attention linear layers": feed-forward linears,
+embeddings, the LM head and the attention output projection.
+
+θ = 0 means "no sparsification": the compressed path then carries the raw gradients and is exact
+whenever the union of the ranks' nonzeros is peelable (density below ≈ 0.82/ratio — sparse
+gradients such as embedding rows of unused tokens); dense gradients need θ > 0 (TAGC Table 1:
+80% zeros at 2x, 90% at 4x, 98.75% at 10x). A failed peel is reported (``TAGC.stats()``) or, with
+``on_failure="raise"``, raised on every rank (one 8-byte all-reduce of the lossy flag per unit
+call keeps the ranks in step, so none is left waiting in a collective).
+
+Reduction: :func:`compress` calls ``set_force_sum_reduction_for_comms(True)`` so FSDP passes
+``ReduceOp.SUM`` and divides by P itself afterwards (verified against torch 2.13's
+``foreach_reduce``); ``ReduceOp.AVG`` is still accepted (the owner divides explicitly). Sketch
+and decoding are fp32 whatever the gradient dtype (so bf16/fp16 gradients send fp32 sketches).
+Traffic goes only through :class:`gradsync.collectives.comm.Comm`, so bytes are counted at the
+torch.distributed call. The FSDP1 (``FullyShardedDataParallel``) path is not implemented.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.distributed.fsdp._fully_shard._fsdp_api import ReduceScatter
+from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
+
+from gradsync import sparsify
+from gradsync.collectives.comm import Comm
+from gradsync.formats.sketch import CountSketch, PeelError, pack_index, unpack_index
+
+__all__ = ["TAGC", "TAGCConfig", "all_layers", "compress", "non_attention_linear"]
+
+RATIOS = (2, 4, 10)  # TAGC compression levels (Table 1)
+INDEX_BITS = (1, 4)
+
+# Leaf names of attention *input* projections (q, k, v and their fused forms).
+_ATTN_INPUT = re.compile(
+    r"(^|_)(q|k|v|qk|kv|qkv|wq|wk|wv|wqkv|query|key|value|c_attn|in_proj)(_proj|_linear)?$"
+)
+
+
+def non_attention_linear(name: str, module: nn.Module) -> bool:
+    """TAGC §3.2 default policy: compress non-attention linear layers.
+
+    True for ``nn.Embedding`` (token/position embeddings) and for every ``nn.Linear`` except the
+    attention input projections (leaf names like ``q``, ``k_proj``, ``attn_qkv``, ``c_attn``,
+    ``query_key_value``): feed-forward linears, the LM head and the attention output projection
+    are compressed. Norms, the fused ``in_proj_weight`` of ``nn.MultiheadAttention`` and any
+    other module are sent uncompressed.
+    """
+    if isinstance(module, nn.Embedding):
+        return True
+    if isinstance(module, nn.Linear):
+        leaf = name.rsplit(".", 1)[-1].lower()
+        return not (_ATTN_INPUT.search(leaf) or leaf.endswith("query_key_value"))
+    return False
+
+
+def all_layers(name: str, module: nn.Module) -> bool:
+    """Policy that compresses every parameter ("TAGC, all layers" in Table 2)."""
+    return True
+
+
+@dataclass(frozen=True)
+class TAGCConfig:
+    """TAGC hyper-parameters, validated at construction (``ValueError``).
+
+    ``ratio``: sketch compression level, 2, 4 or 10; ``index_bits``: 1 (bitmap, OR-reduced) or
+    4 (counters, summed; P ≤ 15); ``theta``: fraction θ ∈ [0, 1) of each shard's values zeroed
+    (and accumulated locally) before compression, 0 = no sparsification; ``policy``:
+    ``(module_name, module) -> bool``, which modules' parameters are compressed;
+    ``on_failure``: "report" (estimate unpeeled values, count them) or "raise";
+    ``seed``: hash seed of the count sketches (identical on every rank).
+    """
+
+    ratio: int = 10
+    index_bits: int = 1
+    theta: float = 0.99
+    policy: Callable[[str, nn.Module], bool] = non_attention_linear
+    on_failure: str = "report"
+    seed: int = 0
+
+    def __post_init__(self) -> None:
+        if isinstance(self.ratio, bool) or self.ratio not in RATIOS:
+            raise ValueError(f"ratio must be one of {RATIOS}, got {self.ratio!r}")
+        if isinstance(self.index_bits, bool) or self.index_bits not in INDEX_BITS:
+            raise ValueError(f"index_bits must be one of {INDEX_BITS}, got {self.index_bits!r}")
+        try:
+            theta = float(self.theta)
+        except (TypeError, ValueError):
+            raise ValueError(f"theta must be a number in [0, 1), got {self.theta!r}") from None
+        if math.isnan(theta) or not 0.0 <= theta < 1.0:
+            raise ValueError(f"theta must be in [0, 1), got {self.theta!r}")
+        object.__setattr__(self, "theta", theta)
+        if not callable(self.policy):
+            raise ValueError(f"policy must be callable (name, module) -> bool, "
+                             f"got {type(self.policy).__name__}")
+        if self.on_failure not in ("report", "raise"):
+            raise ValueError(f"on_failure must be 'report' or 'raise', got {self.on_failure!r}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
+            raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+
+
+@dataclass
+class UnitStats:
+    """Traffic and peeling outcome of one FSDP unit on this rank (cumulative)."""
+
+    calls: int = 0
+    bytes_sent: int = 0
+    bytes_recv: int = 0
+    plain_bytes: int = 0  # bytes sent in the uncompressed reduce-scatter
+    index_bytes: int = 0  # bytes sent for the OR of the bit index
+    sketch_bytes: int = 0  # bytes sent in the sketch reduce-scatter
+    lossy_peels: int = 0  # peels of shards this rank owns that were lossy
+    unresolved: int = 0  # nonzeros those peels could not resolve (estimated instead)
+    union_nnz: int = 0  # Σ nonzeros of the OR index of this rank's shards
+    seconds: float = 0.0
+
+    def as_dict(self) -> dict[str, float]:
+        return dict(self.__dict__)
+
+
+@dataclass
+class _Unit:
+    """One FSDP unit: its layout inside a shard chunk and its TAGC state on this rank."""
+
+    name: str
+    module: FSDPModule
+    shard_numel: int  # S: elements per shard chunk (padded), as FSDP lays them out
+    compressed_params: list[str]
+    plain_params: list[str]
+    comp_idx: torch.Tensor | None  # positions in the chunk that are compressed (None: all)
+    plain_idx: torch.Tensor | None  # positions sent uncompressed (None: all)
+    n_comp: int
+    n_plain: int
+    sketch: CountSketch | None = None
+    acc: torch.Tensor | None = None  # (P, n_comp): what θ zeroed, per destination chunk
+    stats: UnitStats = field(default_factory=UnitStats)
+
+    @property
+    def compressed(self) -> bool:
+        return self.n_comp > 0
+
+
+def _fsdp_param_group(module: FSDPModule):
+    """The single FSDPParamGroup of ``module`` (None when it manages no parameters)."""
+    groups = module._get_fsdp_state()._fsdp_param_groups  # torch 2.13 layout
+    if len(groups) > 1:
+        raise ValueError("TAGC: FSDP units with several parameter groups (per-parameter "
+                         "meshes) are not supported by set_custom_reduce_scatter")
+    return groups[0] if groups else None
+
+
+def _positions(segments: list[tuple[int, int]], device: torch.device) -> torch.Tensor:
+    if not segments:
+        return torch.empty(0, dtype=torch.int64, device=device)
+    return torch.cat([torch.arange(a, a + n, dtype=torch.int64, device=device)
+                      for a, n in segments])
+
+
+class TAGC:
+    """TAGC installed on the FSDP2 units of a model; build it with :func:`compress`."""
+
+    def __init__(self, model: nn.Module, config: TAGCConfig) -> None:
+        if not isinstance(config, TAGCConfig):
+            raise ValueError(f"config must be a TAGCConfig, got {type(config).__name__}")
+        self.config = config
+        self.model = model
+        self.rank = dist.get_rank() if dist.is_initialized() else 0
+        self.world_size = dist.get_world_size() if dist.is_initialized() else 1
+        if config.index_bits == 4 and self.world_size > 15:
+            raise ValueError(f"index_bits=4 sums 4-bit counters, exact only for P <= 15; "
+                             f"this job has P = {self.world_size} (use index_bits=1)")
+        density = 1.0 - config.theta
+        self._sparsifier = None
+        if config.theta > 0:
+            name = "fraction" if "fraction" in sparsify.names() else "topk"
+            self._sparsifier = sparsify.get(name, density=density, seed=config.seed)
+        self.force_pairwise_or = False  # tests: exercise the non-gloo OR path on gloo
+        self.units: dict[str, _Unit] = {}
+        names = {id(m): n for n, m in model.named_modules()}
+        fsdp_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+        if not fsdp_modules:
+            raise ValueError("compress: the model has no fully_shard-ed (FSDP2) module")
+        for i, (mname, m) in enumerate(fsdp_modules):
+            group = _fsdp_param_group(m)
+            if group is None:
+                continue
+            unit = self._layout(mname or "root", m, group, names, i)
+            self.units[unit.name] = unit
+            m.set_force_sum_reduction_for_comms(True)
+            m.set_custom_reduce_scatter(_TAGCReduceScatter(self, unit))
+
+    def _layout(self, uname: str, m: FSDPModule, group, names: dict[int, str],
+                i: int) -> _Unit:
+        comp_seg: list[tuple[int, int]] = []
+        plain_seg: list[tuple[int, int]] = []
+        comp_names: list[str] = []
+        plain_names: list[str] = []
+        offset = 0
+        device = None
+        for fp in group.fsdp_params:
+            if not fp.sharded_param.requires_grad:
+                continue  # FSDP never reduce-scatters a frozen parameter
+            info = fp._module_info
+            owner = info.module
+            owner_name = names.get(id(owner), type(owner).__name__)
+            numel = fp.padded_sharded_param_size.numel()
+            pname = f"{owner_name}.{info.param_name}" if owner_name else info.param_name
+            device = fp.sharded_param.device
+            if bool(self.config.policy(owner_name, owner)):
+                comp_seg.append((offset, numel))
+                comp_names.append(pname)
+            else:
+                plain_seg.append((offset, numel))
+                plain_names.append(pname)
+            offset += numel
+        device = device or torch.device("cpu")
+        n_comp = sum(n for _, n in comp_seg)
+        n_plain = sum(n for _, n in plain_seg)
+        unit = _Unit(
+            name=uname, module=m, shard_numel=offset, compressed_params=comp_names,
+            plain_params=plain_names,
+            comp_idx=None if n_plain == 0 else _positions(comp_seg, device),
+            plain_idx=None if n_comp == 0 else _positions(plain_seg, device),
+            n_comp=n_comp, n_plain=n_plain,
+        )
+        if n_comp:
+            unit.sketch = CountSketch(n_comp, self.config.ratio, seed=self.config.seed + i,
+                                      device=device)
+        return unit
+
+    # -- reporting --------------------------------------------------------------------
+    def stats(self) -> dict[str, Any]:
+        """This rank's traffic and peeling outcome since the last :meth:`reset_stats`.
+
+        ``steps`` is the largest number of reduce-scatter calls of any unit (one per
+        backward that reduces gradients); ``bytes_sent_per_step`` the total sent bytes divided
+        by it. Lossy peels and unresolved nonzeros count the shards this rank owns.
+        """
+        units = {n: u.stats.as_dict() for n, u in self.units.items()}
+        steps = max((u.stats.calls for u in self.units.values()), default=0)
+        tot = {k: sum(u.stats.as_dict()[k] for u in self.units.values())
+               for k in UnitStats().as_dict()}
+        per = max(steps, 1)
+        return {
+            "steps": steps,
+            "bytes_sent": tot["bytes_sent"], "bytes_recv": tot["bytes_recv"],
+            "bytes_sent_per_step": tot["bytes_sent"] / per,
+            "bytes_recv_per_step": tot["bytes_recv"] / per,
+            "plain_bytes_per_step": tot["plain_bytes"] / per,
+            "index_bytes_per_step": tot["index_bytes"] / per,
+            "sketch_bytes_per_step": tot["sketch_bytes"] / per,
+            "lossy_peels": tot["lossy_peels"], "unresolved": tot["unresolved"],
+            "seconds_per_step": tot["seconds"] / per,
+            "units": units,
+        }
+
+    def reset_stats(self) -> None:
+        for u in self.units.values():
+            u.stats = UnitStats()
+
+    def plan(self) -> dict[str, dict[str, list[str]]]:
+        """Per unit: which parameters travel compressed and which uncompressed."""
+        return {n: {"compressed": list(u.compressed_params), "plain": list(u.plain_params)}
+                for n, u in self.units.items()}
+
+    # -- checkpointing ----------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """Accumulators of this rank under per-rank keys ``rank{r}/{unit}``.
+
+        ``torch.distributed.checkpoint`` de-duplicates equal keys across ranks; the rank in
+        the key keeps every rank's residual. ``world_size`` is saved for the load check.
+        """
+        return {
+            "world_size": self.world_size,
+            "theta": self.config.theta,
+            "accumulators": {f"rank{self.rank}/{n}": u.acc.clone()
+                             for n, u in self.units.items() if u.acc is not None},
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        ws = int(state.get("world_size", -1))
+        if ws != self.world_size:
+            raise ValueError(f"TAGC state was saved with world size {ws}, this job has "
+                             f"{self.world_size}: accumulators are per rank and per shard "
+                             "layout and cannot be re-sharded")
+        accs = state.get("accumulators", {})
+        prefix = f"rank{self.rank}/"
+        unknown = [k[len(prefix):] for k in accs
+                   if k.startswith(prefix) and k[len(prefix):] not in self.units]
+        if unknown:
+            raise ValueError(f"TAGC state holds accumulators for unknown units {unknown}")
+        for n, u in self.units.items():
+            t = accs.get(prefix + n)
+            if t is None:
+                u.acc = None
+                continue
+            want = (self.world_size, u.n_comp)
+            if tuple(t.shape) != want:
+                raise ValueError(f"TAGC accumulator {prefix + n} has shape {tuple(t.shape)}, "
+                                 f"expected {want}")
+            u.acc = t.detach().clone()
+
+    def remove(self) -> None:
+        """Give every unit FSDP's default reduce-scatter back (accumulators are dropped)."""
+        for u in self.units.values():
+            u.module.set_custom_reduce_scatter(DefaultReduceScatter())
+            u.acc = None
+
+
+def compress(model: nn.Module, config: TAGCConfig | None = None) -> TAGC:
+    """Install TAGC on every FSDP2 unit of ``model`` (call after ``fully_shard``)."""
+    return TAGC(model, config if config is not None else TAGCConfig())
+
+
+class _TAGCReduceScatter(ReduceScatter):
+    """FSDP2 reduce-scatter of one unit: plain part + TAGC Algorithm 1 for the rest."""
+
+    def __init__(self, tagc: TAGC, unit: _Unit) -> None:
+        self.tagc = tagc
+        self.unit = unit
+
+    def allocate(self, size, *, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        return torch.empty(*size, dtype=dtype, device=device)
+
+    def __call__(self, output_tensor: torch.Tensor, input_tensor: torch.Tensor,
+                 group: dist.ProcessGroup, op=dist.ReduceOp.SUM,
+                 async_op: bool = False) -> None:
+        t0 = time.perf_counter()
+        u = self.unit
+        comm = Comm(group)
+        P, S = comm.size, output_tensor.numel()
+        if op == dist.ReduceOp.SUM:
+            average = False
+        elif op == dist.ReduceOp.AVG:
+            average = True
+        else:
+            raise ValueError(f"TAGC reduce-scatter supports SUM and AVG, got {op!r} "
+                             "(do not combine with set_gradient_divide_factor)")
+        if input_tensor.numel() != P * S or u.shard_numel != S:
+            raise ValueError(
+                f"TAGC unit {u.name!r}: reduce-scatter of {input_tensor.numel()} -> {S} "
+                f"elements does not match its layout ({P} x {u.shard_numel}); a parameter "
+                "without a gradient changes FSDP's buffer layout — use "
+                "set_reduce_scatter_unused_params(True) for conditionally used parameters")
+        x = input_tensor.view(P, S)
+        out = output_tensor.view(-1)
+        st = u.stats
+        if u.n_plain:
+            xp = x if u.plain_idx is None else x.index_select(1, u.plain_idx)
+            yp = out if u.plain_idx is None else out.new_empty(u.n_plain)
+            before = comm.stats.bytes_sent
+            comm.reduce_scatter(yp, xp.reshape(-1))
+            st.plain_bytes += comm.stats.bytes_sent - before
+            if u.plain_idx is not None:
+                out.index_copy_(0, u.plain_idx, yp)
+        if u.n_comp:
+            xc = x if u.comp_idx is None else x.index_select(1, u.comp_idx)
+            yc = self._compressed(xc, comm)
+            if u.comp_idx is None:
+                out.copy_(yc)
+            else:
+                out.index_copy_(0, u.comp_idx, yc.to(out.dtype))
+        if average:
+            out.div_(P)
+        st.calls += 1
+        st.bytes_sent += comm.stats.bytes_sent
+        st.bytes_recv += comm.stats.bytes_recv
+        st.seconds += time.perf_counter() - t0
+        return None
+
+    # -- TAGC Algorithm 1 for the compressed part of the unit -----------------------------
+    def _compressed(self, g: torch.Tensor, comm: Comm) -> torch.Tensor:
+        """(P, n) chunks of this rank -> this rank's shard of the SUM over ranks, (n,)."""
+        cfg, u, sk = self.tagc.config, self.unit, self.unit.sketch
+        P, n = g.shape
+        # 1: g ← g + acc (local accumulation of what θ zeroed before)
+        if u.acc is not None:
+            g = g + u.acc.to(g.dtype)
+        # 2: g, acc_next ← sparsify(g, θ), per destination chunk (each owner's shard)
+        spars = self.tagc._sparsifier
+        if spars is not None:
+            q = torch.zeros_like(g)
+            for j in range(P):
+                sel = spars.select(g[j])
+                q[j, sel.indices] = sel.values
+            u.acc = g - q  # exact: selected entries leave 0, the rest stay
+        else:
+            q = g
+        # 3-4: local index per destination chunk; owner receives the OR over ranks
+        local_index = torch.stack([pack_index(q[j] != 0, cfg.index_bits) for j in range(P)])
+        index = self._or_reduce_scatter(local_index, comm)
+        nonzero = unpack_index(index, n, cfg.index_bits)
+        # 5-6: count sketch per chunk; one reduce-scatter: owner d gets Σ_ranks sketch(chunk d)
+        local_sketch = torch.stack([sk.encode(q[j]) for j in range(P)])
+        count_sketch = torch.empty(sk.length, dtype=torch.float32, device=g.device)
+        before = comm.stats.bytes_sent
+        comm.reduce_scatter(count_sketch, local_sketch.view(-1))
+        u.stats.sketch_bytes += comm.stats.bytes_sent - before
+        # 10: g ← peeling_decompress(index, count_sketch) on the owner
+        values, report = sk.peel(count_sketch, nonzero, on_failure="report", dtype=g.dtype)
+        u.stats.union_nnz += int(nonzero.sum())
+        if report.lossy:
+            u.stats.lossy_peels += 1
+            u.stats.unresolved += report.unresolved
+        if cfg.on_failure == "raise":
+            flag = torch.tensor([int(report.unresolved)], dtype=torch.int64, device=g.device)
+            comm.all_reduce(flag, op=dist.ReduceOp.MAX)
+            if int(flag) > 0:
+                raise PeelError(report) if report.lossy else RuntimeError(
+                    f"TAGC unit {u.name!r}: peeling failed on another rank's shard "
+                    f"({int(flag)} nonzeros unresolved there); on_failure='raise'")
+        return values
+
+    def _or_reduce_scatter(self, local_index: torch.Tensor, comm: Comm) -> torch.Tensor:
+        """(P, B) packed indices -> this rank's (B,) aggregate: OR (1-bit) / SUM (4-bit)."""
+        P, B = local_index.shape
+        out = torch.empty(B, dtype=torch.uint8, device=local_index.device)
+        before = comm.stats.bytes_sent
+        if self.tagc.config.index_bits == 4:
+            # 4-bit counters: a SUM counts holders per element, no carry for P <= 15.
+            comm.reduce_scatter(out, local_index.view(-1))
+        elif (not self.tagc.force_pairwise_or
+              and dist.get_backend(comm.group) == dist.Backend.GLOO):
+            comm.reduce_scatter(out, local_index.view(-1), op=dist.ReduceOp.BOR)
+        else:
+            # No bitwise-OR reduction (NCCL): step s sends chunk (r+s) to its owner and
+            # receives chunk r from rank r−s, then ORs locally; (P−1)·B bytes like a ring.
+            r = comm.rank
+            out.copy_(local_index[r])
+            buf = torch.empty_like(out)
+            for s in range(1, P):
+                dst, src = (r + s) % P, (r - s) % P
+                comm.sendrecv(local_index[dst].contiguous(), dst, buf, src)
+                out.bitwise_or_(buf)
+        self.unit.stats.index_bytes += comm.stats.bytes_sent - before
+        return out
