@@ -1,0 +1,417 @@
+"""Ok-Topk: the O(k) sparse allreduce (Li & Hoefler, PPoPP'22, §3.1, Algorithm 1).
+
+Semantics (§3.1): ``Top_k( Σ_{i<P} Top_k(G_i) )``. The inner Top_k is the *caller's* local
+selection: every rank passes ``sel``, already sparsified to about k entries (Algorithm 1 line 3,
+e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 5–14:
+
+1. **Balanced split** (§3.1.1, lines 5–7). The index space is cut into P regions; rank d owns
+   region d = ``[b_d, b_{d+1})``. Every τ steps the boundaries are re-evaluated: each rank takes
+   the P equal-count cut points of its local indices, and one all-reduce of P numbers
+   (P−1 cut sums and the number of contributing ranks) averages them. In between they are reused.
+2. **Split and reduce** (§3.1.1, line 8). P−1 steps; step j sends the local entries of region
+   (r+j) mod P to rank (r+j) mod P and receives from (r−j) mod P (destination rotation, Fig. 2b).
+   The entry counts are exchanged first; the payloads go out in buckets of min(4, P) non-blocking
+   messages, and a bucket is reduced (merged) while the next one is in flight (Fig. 2c).
+   Contributions are added in float64 and rounded once to the gradient's dtype: the sum of a
+   few fp32/bf16/fp16 values is exact in float64 (unless their exponents span more than about
+   29 bits), so the reduced value does not depend on the arrival order of the buckets.
+3. **Global top-k by threshold reuse** (§3.1.3, lines 9–12). Each rank keeps the entries of its
+   reduced region with ``|v| >= θ``. θ is computed exactly every τ′ steps — the k-th largest
+   magnitude of the union of the reduced regions, found by a distributed radix select
+   (8 all-reduces of 16 counts, never the entries themselves) — and reused in between, with small
+   multiplicative nudges after every step. If a reused θ admits a count outside [2k/3, 4k/3]
+   it is recomputed exactly in the same step, so the count stays in that range.
+4. **Balance and allgatherv** (§3.1.2, line 13). The selected counts are all-gathered; if the
+   largest exceeds 4× the average (§5.3), the selected entries are re-distributed into P equal
+   contiguous chunks by point-to-point messages (order preserved), then all-gathered with an
+   exact-size allgatherv. Every rank receives the same list, so ``dense`` is bitwise identical.
+5. ``kept`` = local indices ∩ global selection (line 14; Algorithm 2 line 6 zeroes the residual
+   only there).
+
+Volume per rank (Table 1, COO = 2 words per entry): between the Theorem 3.1 lower bound
+2k(P−1)/P and 6k(P−1)/P words, plus O(P) control words per step (sizes, counts) and, every τ′
+steps, the radix select's 8×16 words. Indices travel as int32 when numel < 2**31, int64 otherwise,
+never through a float buffer (the reference code sends them as float32, which is wrong above
+2**24), and data balancing is always available (the reference enables it only for BERT).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from gradsync.collectives import registry
+from gradsync.collectives.base import Collective
+from gradsync.collectives.comm import Comm
+from gradsync.sparsegrad import SparseGrad
+
+__all__ = ["OkTopk"]
+
+_RADIX_BITS = 4  # radix select: 16 bins per round, 8 rounds over the 32 bits of a float32
+_STATE_KEYS = (
+    "numel", "world_size", "boundaries", "boundary_step", "theta", "theta_step",
+    "boundary_evaluations", "exact_evaluations",
+)
+
+
+def wire_index_dtype(numel: int) -> torch.dtype:
+    """int32 on the wire when every index fits (numel < 2**31), else int64; never a float."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def pack(idx: torch.Tensor, val: torch.Tensor, wire_index: torch.dtype) -> torch.Tensor:
+    """One uint8 message ``[indices as wire_index][values]`` (bit-exact, no float casts)."""
+    return torch.cat([idx.to(wire_index).contiguous().view(torch.uint8),
+                      val.contiguous().view(torch.uint8)])
+
+
+def unpack(
+    buf: torch.Tensor, n: int, wire_index: torch.dtype, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack` for a message of ``n`` entries: (int64 indices, values)."""
+    ib = torch.empty(0, dtype=wire_index).element_size()
+    vb = torch.empty(0, dtype=dtype).element_size()
+    if buf.numel() != n * (ib + vb):
+        raise ValueError(f"oktopk: message of {buf.numel()} bytes is not {n} entries")
+    idx = buf[: n * ib].view(wire_index).to(torch.int64)
+    raw = buf[n * ib:]
+    if (n * ib) % vb:  # the values' view needs an aligned offset
+        raw = raw.clone()
+    return idx, raw.view(dtype)
+
+
+def _merge(idx: list[torch.Tensor], val: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse SUM of several (indices, float64 values) lists → sorted unique indices, sums."""
+    i = torch.cat(idx)
+    v = torch.cat(val)
+    uniq, inv = torch.unique(i, sorted=True, return_inverse=True)
+    return uniq, torch.zeros(uniq.numel(), dtype=torch.float64, device=v.device).index_add_(0, inv, v)
+
+
+def _due(step: int, last: int | None, period: int) -> bool:
+    """Re-evaluate at steps 0, period, 2·period, … ((t−1) mod period == 0 with t = step + 1),
+    on the first call, and when the step went backwards (a new run)."""
+    return last is None or step < last or step // period != last // period
+
+
+def _as_f32(x: float) -> float:
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+@registry.register("oktopk")
+class OkTopk(Collective):
+    """Ok-Topk O(k) sparse allreduce (Algorithm 1); stateful (boundaries, θ).
+
+    Args:
+        density: target global density; k = max(1, round(density·numel)).
+        k: target global count (instead of ``density``). With neither, k is the mean of the
+            ranks' local selection sizes (one extra all-reduce of one word per step).
+        tau: τ, the period (in steps) of the region-boundary re-evaluation (paper: 64).
+        tau_prime: τ′, the period of the exact global-threshold re-evaluation (paper: 32).
+        balance_factor: data balancing runs when max count > balance_factor × mean (paper: 4).
+        bucket: messages per bucket in split and reduce; min(bucket, P) (paper: 4).
+        nudge: multiplicative step of θ between exact evaluations (count > 1.1k → θ·(1+nudge),
+            count < 0.9k → θ/(1+nudge)).
+
+    ``step`` must be the same on every rank (it drives the τ and τ′ schedules).
+    """
+
+    name = "oktopk"
+    exact = False
+
+    def __init__(
+        self,
+        *,
+        density: float | None = None,
+        k: int | None = None,
+        tau: int = 64,
+        tau_prime: int = 32,
+        balance_factor: float = 4.0,
+        bucket: int = 4,
+        nudge: float = 0.05,
+        check_shapes: bool = True,
+    ) -> None:
+        super().__init__(check_shapes=check_shapes)
+        if density is not None and k is not None:
+            raise ValueError("oktopk: give density or k, not both")
+        if density is not None and not (0.0 < float(density) <= 1.0):
+            raise ValueError(f"oktopk: density must be in (0, 1], got {density}")
+        if k is not None and (int(k) != k or k < 1):
+            raise ValueError(f"oktopk: k must be a positive integer, got {k}")
+        for nm, v in (("tau", tau), ("tau_prime", tau_prime), ("bucket", bucket)):
+            if int(v) != v or v < 1:
+                raise ValueError(f"oktopk: {nm} must be a positive integer, got {v}")
+        if not balance_factor >= 1.0:
+            raise ValueError(f"oktopk: balance_factor must be >= 1, got {balance_factor}")
+        if not 0.0 < nudge < 1.0:
+            raise ValueError(f"oktopk: nudge must be in (0, 1), got {nudge}")
+        self.density = None if density is None else float(density)
+        self.k = None if k is None else int(k)
+        self.tau, self.tau_prime, self.bucket = int(tau), int(tau_prime), int(bucket)
+        self.balance_factor, self.nudge = float(balance_factor), float(nudge)
+        self._state: dict[str, Any] = {key: None for key in _STATE_KEYS}
+        self._state["boundary_evaluations"] = 0
+        self._state["exact_evaluations"] = 0
+
+    def __repr__(self) -> str:
+        target = f"density={self.density}" if self.density is not None else f"k={self.k}"
+        return f"OkTopk({target}, tau={self.tau}, tau_prime={self.tau_prime})"
+
+    # -- state ------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        s = dict(self._state)
+        if s["boundaries"] is not None:
+            s["boundaries"] = s["boundaries"].clone()
+        return s
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) != set(_STATE_KEYS):
+            raise ValueError(f"oktopk: state keys {sorted(state)} != expected {sorted(_STATE_KEYS)}")
+        b = state["boundaries"]
+        if b is not None and (not isinstance(b, torch.Tensor) or b.dtype != torch.int64
+                              or b.dim() != 1):
+            raise ValueError("oktopk: state 'boundaries' must be a 1-D int64 tensor or None")
+        self._state = dict(state)
+        if b is not None:
+            self._state["boundaries"] = b.clone()
+
+    # -- Algorithm 1 ------------------------------------------------------------------
+    def _reduce(
+        self, sel: SparseGrad, comm: Comm, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        P, n, dev = comm.size, sel.numel, sel.device
+        st = self._state
+        if st["numel"] != n or st["world_size"] != P:  # a different tensor: start afresh
+            st.update(numel=n, world_size=P, boundaries=None, boundary_step=None,
+                      theta=None, theta_step=None)
+        k = self._target_k(sel, comm)
+        wire = wire_index_dtype(n)
+        bad = int(sel.values.numel() > 0 and not bool(torch.isfinite(sel.values).all()))
+
+        # Lines 5–7: balanced split, boundaries re-evaluated every τ steps.
+        new_bounds = _due(step, st["boundary_step"], self.tau)
+        bounds = self._balanced_split(sel, comm) if new_bounds else st["boundaries"]
+
+        # Line 8: split and reduce → the reduced entries of this rank's region.
+        r_idx, r_val, received = self._split_and_reduce(sel, bounds, comm, wire)
+        mags = r_val.abs().to(torch.float32)
+        if not bad and r_val.numel() and not bool(torch.isfinite(mags).all()):
+            bad = 1  # an overflow in the reduction (e.g. fp16): report, do not select garbage
+
+        # Lines 9–12: global threshold θ, exact every τ′ steps, reused (and nudged) in between.
+        theta, reason = st["theta"], None
+        if _due(step, st["theta_step"], self.tau_prime) or theta is None:
+            theta, reason = self._exact_threshold(mags, k, comm), "periodic"
+        mask = mags >= theta
+        cb = comm.all_gather(torch.tensor([int(mask.sum()), bad], dtype=torch.int64, device=dev))
+        if int(cb[:, 1].sum()):
+            culprits = [i for i in range(P) if int(cb[i, 1])]
+            raise ValueError(f"oktopk: non-finite values in the selection or its reduction on "
+                             f"ranks {culprits} (step {step})")
+        counts = [int(c) for c in cb[:, 0]]
+        total = sum(counts)
+        if reason is None and ((total < 2 * k / 3 and theta > 0.0) or total > 4 * k / 3):
+            theta, reason = self._exact_threshold(mags, k, comm), "out_of_range"
+            mask = mags >= theta
+            counts = comm.all_gather_counts(int(mask.sum()), dev)
+            total = sum(counts)
+        g_idx, g_val = r_idx[mask], r_val[mask]
+
+        # Line 13: data balancing (if the largest count > 4× the mean), then allgatherv.
+        balanced = total > 0 and max(counts) > self.balance_factor * total / P
+        if balanced:
+            g_idx, g_val, counts = self._balance(g_idx, g_val, counts, comm, wire)
+        eb = torch.empty(0, dtype=wire).element_size() + sel.values.element_size()
+        blocks = comm.all_gather_v(pack(g_idx, g_val, wire), [c * eb for c in counts])
+        parts = [unpack(b, c, wire, sel.dtype) for b, c in zip(blocks, counts)]
+        all_idx = torch.cat([p[0] for p in parts])  # region order = index order: sorted
+        all_val = torch.cat([p[1] for p in parts])
+        dense = torch.zeros(n, dtype=sel.dtype, device=dev)
+        dense[all_idx] = all_val
+
+        # Line 14: the local entries that made it into the global selection.
+        kept = sel.indices[torch.isin(sel.indices, all_idx)]
+
+        # Commit the state only now (a ValueError above leaves it untouched on every rank).
+        if new_bounds:
+            st["boundaries"], st["boundary_step"] = bounds, step
+            st["boundary_evaluations"] += 1
+        if reason is not None:
+            st["theta_step"] = step
+            st["exact_evaluations"] += 1
+        next_theta = theta
+        if theta > 0.0 and total > 1.1 * k:
+            next_theta = theta * (1.0 + self.nudge)
+        elif theta > 0.0 and total < 0.9 * k:
+            next_theta = theta / (1.0 + self.nudge)
+        st["theta"] = _as_f32(next_theta)
+        info = {
+            "k": k,
+            "threshold": theta,
+            "threshold_exact": reason is not None,
+            "threshold_reason": reason,
+            "next_threshold": st["theta"],
+            "selected": total,
+            "counts": counts,
+            "balanced": balanced,
+            "boundaries": [int(b) for b in bounds],
+            "boundaries_recomputed": new_bounds,
+            "region_entries": int(r_idx.numel()),
+            "received_entries": received,
+        }
+        return dense, kept, info
+
+    # -- pieces -----------------------------------------------------------------------
+    def _target_k(self, sel: SparseGrad, comm: Comm) -> int:
+        if self.k is not None:
+            return self.k
+        if self.density is not None:
+            return max(1, round(self.density * sel.numel))
+        c = torch.tensor([len(sel)], dtype=torch.int64, device=sel.device)
+        comm.all_reduce(c)
+        return max(1, math.ceil(int(c) / comm.size))
+
+    def _balanced_split(self, sel: SparseGrad, comm: Comm) -> torch.Tensor:
+        """Boundaries b_0 = 0 ≤ b_1 ≤ … ≤ b_P = numel: the mean over ranks of each rank's P
+        equal-count cut points of its local indices (one all-reduce of P numbers)."""
+        P, n, m = comm.size, sel.numel, len(sel)
+        word = torch.zeros(P, dtype=torch.int64, device=sel.device)
+        if m:  # cut point i = the first index of the i-th of P equal-count parts
+            pos = torch.arange(1, P, device=sel.device) * m // P
+            word[: P - 1] = sel.indices[pos]
+            word[P - 1] = 1
+        comm.all_reduce(word)
+        contributors = int(word[P - 1])
+        if contributors:
+            cuts = word[: P - 1] // contributors
+        else:  # nobody selected anything: an even split
+            cuts = torch.arange(1, P, device=sel.device) * n // P
+        return torch.cat([torch.zeros(1, dtype=torch.int64, device=sel.device), cuts,
+                          torch.full((1,), n, dtype=torch.int64, device=sel.device)]).cpu()
+
+    def _split_and_reduce(
+        self, sel: SparseGrad, bounds: torch.Tensor, comm: Comm, wire: torch.dtype
+    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """P−1 steps with destination rotation; buckets of min(bucket, P) messages, each
+        reduced while the next is in flight. Returns (indices, values, entries received)."""
+        P, r, dev = comm.size, comm.rank, sel.device
+        off = [int(o) for o in torch.searchsorted(sel.indices, bounds.to(dev))]
+
+        def region(d: int) -> tuple[torch.Tensor, torch.Tensor]:
+            return sel.indices[off[d]:off[d + 1]], sel.values[off[d]:off[d + 1]]
+
+        own_i, own_v = region(r)
+        acc_i, acc_v = own_i, own_v.to(torch.float64)
+        if P == 1:
+            return acc_i, acc_v.to(sel.dtype), 0
+        # Sizes first: step j sends |region (r+j)| to (r+j) and receives from (r−j).
+        out_sizes = torch.tensor([off[(r + j) % P + 1] - off[(r + j) % P] for j in range(1, P)],
+                                 dtype=torch.int64, device=dev)
+        in_sizes = torch.empty(P - 1, dtype=torch.int64, device=dev)
+        works = []
+        for j in range(1, P):
+            works.append(comm.irecv(in_sizes[j - 1:j], (r - j) % P))
+            works.append(comm.isend(out_sizes[j - 1:j], (r + j) % P))
+        for w in works:
+            w.wait()
+        n_in = [int(c) for c in in_sizes]
+        eb = torch.empty(0, dtype=wire).element_size() + sel.values.element_size()
+
+        def post(js: list[int]) -> tuple[list, list]:
+            pending, got = [], []
+            for j in js:
+                src, dst = (r - j) % P, (r + j) % P
+                buf = torch.empty(n_in[j - 1] * eb, dtype=torch.uint8, device=dev)
+                if buf.numel():
+                    pending.append((comm.irecv(buf, src), buf))
+                    got.append((buf, n_in[j - 1]))
+                di, dv = region(dst)
+                if di.numel():
+                    msg = pack(di, dv, wire)
+                    pending.append((comm.isend(msg, dst), msg))  # keep msg alive until wait
+            return pending, got
+
+        B = min(self.bucket, P)
+        buckets = [list(range(s, min(s + B, P))) for s in range(1, P, B)]
+        inflight = post(buckets[0])
+        for b in range(len(buckets)):
+            current = inflight
+            if b + 1 < len(buckets):
+                inflight = post(buckets[b + 1])  # the next bucket flies while we reduce
+            for w, _ in current[0]:
+                w.wait()
+            if current[1]:
+                parts = [unpack(buf, c, wire, sel.dtype) for buf, c in current[1]]
+                acc_i, acc_v = _merge([acc_i] + [p[0] for p in parts],
+                                      [acc_v] + [p[1].to(torch.float64) for p in parts])
+        return acc_i, acc_v.to(sel.dtype), sum(n_in)
+
+    def _exact_threshold(self, mags: torch.Tensor, k: int, comm: Comm) -> float:
+        """θ = the k-th largest magnitude over the union of all ranks' reduced regions.
+
+        Radix select on the bit patterns of the float32 magnitudes (non-negative floats order
+        like their bits): 8 rounds, each one all-reduce of a 16-bin histogram of the next 4 bits
+        among the candidates that share the prefix found so far. Returns 0.0 when the union
+        holds fewer than k entries (select everything)."""
+        bits = mags[torch.isfinite(mags)].contiguous().view(torch.int32).to(torch.int64)
+        nbins = 1 << _RADIX_BITS
+        prefix, remaining = 0, k
+        cand = bits
+        for shift in range(32 - _RADIX_BITS, -1, -_RADIX_BITS):
+            digit = (cand >> shift) & (nbins - 1)
+            hist = torch.bincount(digit, minlength=nbins).to(torch.int64)
+            comm.all_reduce(hist)
+            if shift == 32 - _RADIX_BITS and int(hist.sum()) < k:
+                return 0.0
+            above = torch.flip(torch.cumsum(torch.flip(hist, [0]), 0), [0])  # count ≥ digit
+            d = int((above >= remaining).nonzero().max())
+            remaining -= int(above[d]) - int(hist[d])
+            prefix |= d << shift
+            cand = cand[digit == d]
+        return float(torch.tensor([prefix], dtype=torch.int32).view(torch.float32))
+
+    def _balance(
+        self, idx: torch.Tensor, val: torch.Tensor, counts: list[int], comm: Comm,
+        wire: torch.dtype,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
+        """Re-distribute the selected entries into P equal contiguous chunks of their
+        rank-ordered concatenation (§3.1.2 data balancing): rank r's block covers positions
+        [S_r, S_r + c_r); rank d receives [T_d, T_{d+1}), T_d = ⌊d·total/P⌋. Order is kept."""
+        P, r, dev = comm.size, comm.rank, idx.device
+        total = sum(counts)
+        S = [0]
+        for c in counts:
+            S.append(S[-1] + c)
+        T = [d * total // P for d in range(P + 1)]
+
+        def overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int]:
+            return max(a0, b0), min(a1, b1)
+
+        eb = torch.empty(0, dtype=wire).element_size() + val.element_size()
+        works, incoming = [], []
+        for s in range(P):  # receive from s the part of its block in my target range
+            lo, hi = overlap(S[s], S[s + 1], T[r], T[r + 1])
+            if hi > lo and s != r:
+                buf = torch.empty((hi - lo) * eb, dtype=torch.uint8, device=dev)
+                works.append((comm.irecv(buf, s), buf))
+                incoming.append((s, buf, hi - lo))
+        for d in range(P):  # send to d the part of my block in its target range
+            lo, hi = overlap(S[r], S[r + 1], T[d], T[d + 1])
+            if hi > lo and d != r:
+                msg = pack(idx[lo - S[r]:hi - S[r]], val[lo - S[r]:hi - S[r]], wire)
+                works.append((comm.isend(msg, d), msg))
+        for w, _ in works:
+            w.wait()
+        pieces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
+            s: unpack(buf, c, wire, val.dtype) for s, buf, c in incoming
+        }
+        lo, hi = overlap(S[r], S[r + 1], T[r], T[r + 1])
+        if hi > lo:
+            pieces[r] = (idx[lo - S[r]:hi - S[r]], val[lo - S[r]:hi - S[r]])
+        order = sorted(pieces)
+        if not order:
+            return idx[:0], val[:0], [T[d + 1] - T[d] for d in range(P)]
+        return (torch.cat([pieces[s][0] for s in order]), torch.cat([pieces[s][1] for s in order]),
+                [T[d + 1] - T[d] for d in range(P)])
