@@ -1,0 +1,193 @@
+"""gTop-k: global top-k by a reduction tree and a broadcast tree (Ok-Topk §2, Table 1 row
+"gTop-k"; Shi et al. [42]).
+
+P = 2^m ranks. Reduction tree, rounds j = 0 … m−1 at distance 2^j: rank r with r mod 2^(j+1) =
+2^j sends its ≤ k entries to r − 2^j and leaves the tree; the receiver adds them to its own
+(``index_add``) and keeps the top-k by magnitude of the ≤ 2k merged entries. After m rounds
+rank 0 holds the global top-k, which travels back down the same binomial tree (broadcast).
+Volume on the busiest rank (the root): 4k·log2 P words (k entries of 2 words, received and
+sent once per round). P not a power of two: rank r ≥ P' = 2^⌊log2 P⌋ is folded into r − P'
+first (one more merge there) and receives the result from it at the end.
+
+``kept`` is exact, not "local index ∈ final k": an entry dropped at an inner merge may re-enter
+from another subtree, and then its value is *not* in the sum. So each broadcast message carries,
+besides the final k, one bit per entry saying whether the receiver's subtree contribution
+survived every merge above it; every rank combines that with its own merges. The sum over ranks
+of the kept entries therefore equals ``dense`` exactly (conservation for the residuals).
+
+k: ``k=`` or ``density=`` (k = ⌈density·numel⌉) fix it; by default k is the largest local
+selection in the merged subtrees (the usual case: every rank selects the same k).
+Ties in magnitude are broken by the smaller index, so the result is deterministic; ``dense`` is
+the root's result copied to every rank, hence bitwise identical.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+from gradsync.collectives import registry
+from gradsync.collectives.base import Collective
+from gradsync.collectives.comm import Comm
+from gradsync.sparsegrad import SparseGrad
+
+__all__ = ["GTopk"]
+
+_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
+
+
+def _top_k(idx: torch.Tensor, val: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The k entries of largest |val| (ties: smaller index first), returned in index order."""
+    if idx.numel() <= k:
+        return idx, val
+    order = torch.argsort(val.abs(), descending=True, stable=True)[:k]  # idx is increasing
+    order = torch.sort(order).values
+    return idx[order], val[order]
+
+
+def _merge(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], k: int):
+    """Add two sparse sets by index (index_add) and keep the top-k of the ≤ 2k entries."""
+    idx = torch.cat([a[0], b[0]])
+    val = torch.cat([a[1], b[1]])
+    uniq, slot = torch.unique(idx, sorted=True, return_inverse=True)
+    out = torch.zeros(uniq.numel(), dtype=val.dtype, device=val.device).index_add_(0, slot, val)
+    return _top_k(uniq, out, k)
+
+
+def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
+    pad = (-mask.numel()) % 8
+    m = torch.cat([mask, mask.new_zeros(pad)]).view(-1, 8).to(torch.uint8)
+    return (m * _BIT_WEIGHTS.to(m.device)).sum(dim=1, dtype=torch.uint8)
+
+
+def _unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
+    bits = (packed.view(-1, 1) & _BIT_WEIGHTS.to(packed.device)) != 0
+    return bits.view(-1)[:count]
+
+
+@registry.register("gtopk")
+class GTopk(Collective):
+    """gTop-k sparse allreduce: tree of pairwise top-k merges, then a broadcast of the top-k."""
+
+    name = "gtopk"
+    exact = False
+
+    def __init__(
+        self, k: int | None = None, density: float | None = None, *, check_shapes: bool = True
+    ) -> None:
+        super().__init__(check_shapes=check_shapes)
+        if k is not None and density is not None:
+            raise ValueError("gtopk: give k or density, not both")
+        if k is not None and (not isinstance(k, int) or k < 0):
+            raise ValueError(f"gtopk: k must be an int >= 0, got {k!r}")
+        if density is not None and not 0.0 < density <= 1.0:
+            raise ValueError(f"gtopk: density must be in (0, 1], got {density!r}")
+        self.k, self.density = k, density
+
+    def _fixed_k(self, numel: int) -> int | None:
+        if self.k is not None:
+            return self.k
+        if self.density is not None:
+            return math.ceil(self.density * numel)
+        return None
+
+    def __repr__(self) -> str:
+        return f"GTopk(k={self.k}, density={self.density})"
+
+    # -- wire ------------------------------------------------------------------------------
+    def _setup(self, sel: SparseGrad) -> None:
+        self._index = torch.int32 if sel.numel < 2**31 else torch.int64  # never a float buffer
+        self._ib = torch.empty(0, dtype=self._index).element_size()
+        self._vb = sel.values.element_size()
+        self._dtype, self._device = sel.dtype, sel.device
+
+    def _send_up(self, comm: Comm, s: tuple[torch.Tensor, torch.Tensor], k: int, dst: int):
+        """Reduction-tree message: header (count, subtree k), then indices and values."""
+        comm.send(torch.tensor([s[0].numel(), k], dtype=torch.int64, device=self._device), dst)
+        if s[0].numel():
+            comm.send(torch.cat([s[0].to(self._index).view(torch.uint8),
+                                 s[1].contiguous().view(torch.uint8)]), dst)
+
+    def _recv_up(self, comm: Comm, src: int):
+        header = torch.empty(2, dtype=torch.int64, device=self._device)
+        comm.recv(header, src)
+        count, k = int(header[0]), int(header[1])
+        buf = torch.empty(count * (self._ib + self._vb), dtype=torch.uint8, device=self._device)
+        if count:
+            comm.recv(buf, src)
+        cut = count * self._ib
+        return (buf[:cut].view(self._index).to(torch.int64), buf[cut:].view(self._dtype)), k
+
+    def _send_down(self, comm: Comm, final, alive: torch.Tensor, dst: int) -> None:
+        """Broadcast-tree message: count, then the final entries and one 'alive' bit each."""
+        count = final[0].numel()
+        comm.send(torch.tensor([count], dtype=torch.int64, device=self._device), dst)
+        if count:
+            comm.send(torch.cat([final[0].to(self._index).view(torch.uint8),
+                                 final[1].contiguous().view(torch.uint8),
+                                 _pack_bits(alive)]), dst)
+
+    def _recv_down(self, comm: Comm, src: int):
+        header = torch.empty(1, dtype=torch.int64, device=self._device)
+        comm.recv(header, src)
+        count = int(header)
+        a, b = count * self._ib, count * (self._ib + self._vb)
+        buf = torch.empty(b + (count + 7) // 8, dtype=torch.uint8, device=self._device)
+        if count:
+            comm.recv(buf, src)
+        final = (buf[:a].view(self._index).to(torch.int64), buf[a:b].view(self._dtype))
+        return final, _unpack_bits(buf[b:], count)
+
+    # -- algorithm -------------------------------------------------------------------------
+    def _reduce(
+        self, sel: SparseGrad, comm: Comm, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        P, r, n = comm.size, comm.rank, sel.numel
+        self._setup(sel)
+        fixed = self._fixed_k(n)
+        k = fixed if fixed is not None else len(sel)
+        s = _top_k(sel.indices, sel.values, k)  # this rank's ≤ k entries
+        own = s[0]
+        merges: list[tuple[int, torch.Tensor]] = []  # (child, indices kept by that merge)
+        parent: int | None = None
+
+        def merge_from(child: int) -> None:
+            nonlocal s, k
+            got, k_child = self._recv_up(comm, child)
+            k = k if fixed is not None else max(k, k_child)
+            s = _merge(s, got, k)
+            merges.append((child, s[0]))
+
+        P2 = 1 << (P.bit_length() - 1)  # P' = the largest power of two ≤ P
+        if r >= P2:  # fold: an extra rank is a leaf under r − P'
+            parent = r - P2
+            self._send_up(comm, s, k, parent)
+        else:
+            if r + P2 < P:
+                merge_from(r + P2)
+            d = 1  # reduction tree: distance 2^j in round j
+            while d < P2:
+                if r & d:
+                    parent = r - d
+                    self._send_up(comm, s, k, parent)
+                    break
+                merge_from(r + d)
+                d *= 2
+
+        # Broadcast tree (the reduction tree reversed): final top-k and survival bits.
+        if parent is None:
+            final, alive = s, torch.ones(s[0].numel(), dtype=torch.bool, device=self._device)
+        else:
+            final, alive = self._recv_down(comm, parent)
+        # A contribution merged at merge t reached the root iff the index survived merges
+        # t, t+1, … here and everything above (``alive`` from the parent).
+        for child, kept_idx in reversed(merges):
+            alive = alive & torch.isin(final[0], kept_idx)
+            self._send_down(comm, final, alive, child)
+        kept = own[torch.isin(own, final[0][alive])]
+
+        dense = torch.zeros(n, dtype=sel.dtype, device=sel.device)
+        dense[final[0]] = final[1]
+        return dense, kept, {"k": k, "global_count": int(final[0].numel())}
