@@ -146,3 +146,17 @@ def test_conservation_property(n, steps, frac, seed, dtype, momentum):
         consumed = torch.zeros_like(acc)
         consumed[idx] = acc[idx]
         assert torch.equal(consumed + res, acc)
+
+
+def test_discard_leaves_state_as_before():
+    ef = ErrorFeedback(momentum=0.9)
+    acc = ef.accumulate("w", torch.ones(6))
+    ef.update("w", acc, torch.tensor([1]))
+    before = ef.state_dict()
+    ef.accumulate("w", torch.full((6,), 5.0))
+    ef.discard("w")
+    after = ef.state_dict()
+    assert torch.equal(before["residual"]["w"], after["residual"]["w"])
+    assert torch.equal(before["velocity"]["w"], after["velocity"]["w"])
+    with pytest.raises(ValueError, match="without a preceding"):
+        ef.update("w", acc, torch.tensor([0]))

@@ -54,6 +54,7 @@ class ErrorFeedback:
         self._residual: dict[str, torch.Tensor] = {}
         self._velocity: dict[str, torch.Tensor] = {}
         self._pending: set[str] = set()  # accumulated, not yet updated
+        self._pending_velocity: dict[str, torch.Tensor] = {}
 
     # -- the two steps of every iteration ---------------------------------------------
     def accumulate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
@@ -73,8 +74,8 @@ class ErrorFeedback:
             )
         if self.momentum:
             u = self._velocity.get(name)
-            u = g.clone() if u is None else u.mul_(self.momentum).add_(g)
-            self._velocity[name] = u
+            u = g.clone() if u is None else u * self.momentum + g
+            self._pending_velocity[name] = u  # committed by update(), dropped by discard()
             g = u
         acc = g.clone() if res is None else res + g
         self._pending.add(name)
@@ -109,10 +110,18 @@ class ErrorFeedback:
                 )
             residual[idx] = flat[idx] - sent_values.reshape(-1).to(flat.dtype)
         if self.momentum:
-            self._velocity[name].view(-1)[idx] = 0  # momentum factor masking
+            u = self._pending_velocity.pop(name)
+            u.view(-1)[idx] = 0  # momentum factor masking
+            self._velocity[name] = u
         self._residual[name] = residual.view_as(acc)
         self._pending.discard(name)
         return self._residual[name]
+
+    def discard(self, name: str) -> None:
+        """Drop a pending :meth:`accumulate` of ``name``: residual and velocity stay as they
+        were before it (a skipped step)."""
+        self._pending.discard(name)
+        self._pending_velocity.pop(name, None)
 
     # -- inspection and state -----------------------------------------------------------
     def residual(self, name: str) -> torch.Tensor | None:
@@ -130,8 +139,9 @@ class ErrorFeedback:
                 store.pop(name, None)
         if name is None:
             self._pending.clear()
+            self._pending_velocity.clear()
         else:
-            self._pending.discard(name)
+            self.discard(name)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -154,3 +164,4 @@ class ErrorFeedback:
         self._residual = {k: v.clone() for k, v in state["residual"].items()}
         self._velocity = {k: v.clone() for k, v in state["velocity"].items()}
         self._pending.clear()
+        self._pending_velocity.clear()
