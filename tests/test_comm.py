@@ -1,0 +1,202 @@
+"""Comm's byte accounting, checked against the formulas of its contract (comm.py docstring).
+
+One ``run_distributed`` call per world size runs every operation on a fresh ``Comm`` and returns
+its stats and results; the parent checks them against independently written formulas.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from gradsync.collectives.comm import Comm
+from gradsync.testing import run_distributed
+
+WORLD_SIZES = [1, 2, 3, 5]
+
+
+def _block(owner: int, dtype: torch.dtype = torch.int64) -> torch.Tensor:
+    """Rank ``owner``'s all_gather_v block: uneven lengths, rank 0's is empty."""
+    return (torch.arange(2 * owner) + 100 * owner).to(dtype)
+
+
+def _comm_rank(rank: int, world_size: int) -> dict:
+    P = world_size
+    out: dict = {}
+
+    if P > 1:
+        # send/recv: rank 0 sends 3·j fp32 to each j, then each j answers with j bf16.
+        c = Comm()
+        if rank == 0:
+            for j in range(1, P):
+                c.send(torch.full((3 * j,), float(j)), j)
+            got = []
+            for j in range(1, P):
+                buf = torch.empty(j, dtype=torch.bfloat16)
+                c.recv(buf, j)
+                got.append(buf)
+            out["p2p_got"] = got
+        else:
+            buf = torch.empty(3 * rank)
+            c.recv(buf, 0)
+            out["p2p_got"] = [buf]
+            c.send(torch.full((rank,), -float(rank), dtype=torch.bfloat16), 0)
+        out["p2p"] = c.stats
+
+        # sendrecv around the ring: 5·(r+1) int32 to the right, from the left.
+        c = Comm()
+        buf = torch.empty(5 * ((rank - 1) % P + 1), dtype=torch.int32)
+        c.sendrecv(torch.full((5 * (rank + 1),), rank, dtype=torch.int32), (rank + 1) % P,
+                   buf, (rank - 1) % P)
+        out["sendrecv"], out["sendrecv_got"] = c.stats, buf
+
+    # all_gather_v: uneven blocks (rank 0 empty), counts gathered by Comm.
+    c = Comm()
+    out["agv_got"] = c.all_gather_v(_block(rank))
+    out["agv"] = c.stats
+    # all_gather_v with counts given: nothing but the payload travels.
+    c = Comm()
+    out["agv_counts_got"] = c.all_gather_v(_block(rank, torch.float32),
+                                           [2 * j for j in range(P)])
+    out["agv_counts"] = c.stats
+    # all_gather_v with every block empty.
+    c = Comm()
+    out["agv_empty_got"] = c.all_gather_v(torch.empty(0, dtype=torch.bfloat16))
+    out["agv_empty"] = c.stats
+
+    # all_reduce of 10 fp32 (40 bytes) and of 7 bf16 (14 bytes, not divisible by P).
+    c = Comm()
+    t = torch.full((10,), float(rank + 1))
+    c.all_reduce(t)
+    out["ar_got"], out["ar"] = t, c.stats
+    c = Comm()
+    t = torch.full((7,), float(rank), dtype=torch.bfloat16)
+    c.all_reduce(t)
+    out["ar16_got"], out["ar16"] = t, c.stats
+
+    # broadcast of 6 fp32 (24 bytes) from the last rank.
+    c = Comm()
+    t = torch.arange(6, dtype=torch.float32) if rank == P - 1 else torch.zeros(6)
+    c.broadcast(t, P - 1)
+    out["bc_got"], out["bc"] = t, c.stats
+
+    # all_gather of 3 int64 (24 bytes) and reduce_scatter of P × 4 fp32.
+    c = Comm()
+    out["ag_got"] = c.all_gather(torch.full((3,), rank, dtype=torch.int64))
+    out["ag"] = c.stats
+    c = Comm()
+    rs = torch.empty(4)
+    c.reduce_scatter(rs, torch.arange(4.0 * P) + rank)
+    out["rs_got"], out["rs"] = rs, c.stats
+    return out
+
+
+@pytest.fixture(scope="module", params=WORLD_SIZES)
+def world(request):
+    P = request.param
+    return P, run_distributed(_comm_rank, P, timeout=120)
+
+
+def test_send_recv_bytes_exact(world):
+    P, outs = world
+    if P == 1:
+        pytest.skip("no peer")
+    sent0, recv0 = sum(12 * j for j in range(1, P)), sum(2 * j for j in range(1, P))
+    assert (outs[0]["p2p"].bytes_sent, outs[0]["p2p"].bytes_recv) == (sent0, recv0)
+    assert outs[0]["p2p"].messages == P - 1
+    for j in range(1, P):
+        s = outs[j]["p2p"]
+        assert (s.bytes_sent, s.bytes_recv, s.messages) == (2 * j, 12 * j, 1)
+        assert torch.equal(outs[j]["p2p_got"][0], torch.full((3 * j,), float(j)))
+        assert torch.equal(outs[0]["p2p_got"][j - 1],
+                           torch.full((j,), -float(j), dtype=torch.bfloat16))
+    for r, o in enumerate(outs):
+        s, left = o["sendrecv"], (r - 1) % P
+        assert (s.bytes_sent, s.bytes_recv, s.messages) == (20 * (r + 1), 20 * (left + 1), 1)
+        assert torch.equal(o["sendrecv_got"], torch.full((5 * (left + 1),), left,
+                                                         dtype=torch.int32))
+
+
+def test_all_gather_v_uneven_and_empty(world):
+    P, outs = world
+    block_bytes = [16 * j for j in range(P)]  # 2j int64
+    counts_bytes = 8 * (P - 1)  # the counts' ring all_gather of one int64
+    for r, o in enumerate(outs):
+        assert [g.tolist() for g in o["agv_got"]] == [_block(j).tolist() for j in range(P)]
+        s = o["agv"]
+        # received: every other rank's block exactly once, no padding
+        assert s.bytes_recv == counts_bytes + sum(block_bytes) - block_bytes[r]
+        # sent: the ring forwards every block except the right neighbour's own
+        assert s.bytes_sent == counts_bytes + sum(block_bytes) - block_bytes[(r + 1) % P]
+        c = o["agv_counts"]
+        assert [g.tolist() for g in o["agv_counts_got"]] == [
+            _block(j, torch.float32).tolist() for j in range(P)]
+        assert c.bytes_recv == (sum(block_bytes) - block_bytes[r]) // 2  # fp32: 4 bytes
+        assert c.bytes_sent == (sum(block_bytes) - block_bytes[(r + 1) % P]) // 2
+        e = o["agv_empty"]
+        assert [g.numel() for g in o["agv_empty_got"]] == [0] * P
+        assert all(g.dtype == torch.bfloat16 for g in o["agv_empty_got"])
+        assert (e.bytes_sent, e.bytes_recv) == (counts_bytes, counts_bytes)
+    # over the group, every byte sent is received
+    assert sum(o["agv"].bytes_sent for o in outs) == sum(o["agv"].bytes_recv for o in outs)
+
+
+def test_all_reduce_ring_formula(world):
+    P, outs = world
+    for o in outs:
+        assert torch.equal(o["ar_got"], torch.full((10,), float(P * (P + 1) // 2)))
+        assert torch.equal(o["ar16_got"],
+                           torch.full((7,), float(P * (P - 1) // 2), dtype=torch.bfloat16))
+        for key, b in (("ar", 40), ("ar16", 14)):
+            s = o[key]
+            assert s.bytes_sent == s.bytes_recv == 2 * (P - 1) * b // P
+            assert s.messages == 2 * (P - 1)
+
+
+def test_broadcast_binomial_tree(world):
+    P, outs = world
+    B = 24
+    for r, o in enumerate(outs):
+        assert torch.equal(o["bc_got"], torch.arange(6, dtype=torch.float32))
+        assert o["bc"].bytes_recv == (0 if r == P - 1 else B)
+    assert sum(o["bc"].bytes_sent for o in outs) == (P - 1) * B
+    assert sum(o["bc"].bytes_recv for o in outs) == (P - 1) * B
+    assert sum(o["bc"].messages for o in outs) == P - 1
+    # a binomial tree: the root sends ⌈log2 P⌉ copies, nobody sends more
+    assert outs[P - 1]["bc"].bytes_sent == B * (P - 1).bit_length()
+    assert max(o["bc"].bytes_sent for o in outs) == B * (P - 1).bit_length()
+
+
+def test_all_gather_and_reduce_scatter(world):
+    P, outs = world
+    for r, o in enumerate(outs):
+        assert torch.equal(o["ag_got"], torch.arange(P).repeat_interleave(3).view(P, 3))
+        assert o["ag"].bytes_sent == o["ag"].bytes_recv == (P - 1) * 24
+        expected = (torch.arange(4.0 * P) * P + P * (P - 1) / 2)[4 * r: 4 * r + 4]
+        assert torch.equal(o["rs_got"], expected)
+        assert o["rs"].bytes_sent == o["rs"].bytes_recv == (P - 1) * 16
+
+
+def test_single_rank_comm_without_process_group():
+    import torch.distributed as dist
+
+    assert not dist.is_initialized()
+    c = Comm()
+    assert (c.rank, c.size, c.global_rank(0)) == (0, 1, 0)
+    t = torch.arange(5.0)
+    assert c.all_reduce(t) is None
+    assert torch.equal(t, torch.arange(5.0))
+    assert torch.equal(c.all_gather(t), torch.arange(5.0).view(1, 5))
+    got = c.all_gather_v(torch.arange(3))
+    assert len(got) == 1 and torch.equal(got[0], torch.arange(3))
+    assert c.all_gather_counts(7) == [7]
+    c.broadcast(t, 0)
+    rs = torch.empty(5)
+    c.reduce_scatter(rs, t)
+    assert torch.equal(rs, t)
+    c.barrier()
+    assert (c.stats.bytes_sent, c.stats.bytes_recv, c.stats.messages) == (0, 0, 0)
+    with pytest.raises(ValueError, match="counts"):
+        c.all_gather_v(torch.arange(3), [4])
+    with pytest.raises(ValueError, match="reduce_scatter"):
+        c.reduce_scatter(torch.empty(2), torch.empty(5))
