@@ -1,0 +1,595 @@
+"""The cost model the fusion planners consume: SSFusion §IV-A "Various time estimation".
+
+Every number is measured, never hard-coded:
+
+* ``T_b^l`` (``backward``): seconds between the previous gradient becoming ready and gradient l
+  becoming ready, in backward order — :func:`profile_backward` records it with per-parameter
+  post-accumulate-grad hooks (the paper traces 100 iterations; we take the median of a few).
+* ``T_cm`` via the α-β model (Eq. 1): ring all-reduce ``T_AR(B) = 2(P−1)α + 2(P−1)/P·B·β``
+  (Eq. 4) and ring all-gather of B bytes per rank ``T_AG(B) = (P−1)α + (P−1)·B·β`` (Eq. 3).
+  :func:`profile_collectives` times both on the real group and :func:`fit_alpha_beta` inverts
+  Eq. 3 / Eq. 4 by least squares.
+* ``T_gpu^l`` (``sparsify``, "inline": on the compute stream) and the offloaded sparsification
+  time of SSFusion-O (``offload``: on a worker thread, hand-off and host copies included), each an
+  affine fit ``t(n) = a + b·n`` in the tensor's element count (:func:`profile_sparsifier`).
+
+``python -m gradsync profile`` (:func:`main`) measures a model's backward, the sparsifiers and —
+under several ranks — the collectives, prints the model as a table and writes it as JSON that
+``CostModel.from_dict`` reads back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+__all__ = [
+    "AffineFit",
+    "AlphaBeta",
+    "CostModel",
+    "fit_affine",
+    "fit_alpha_beta",
+    "main",
+    "missing_rate",
+    "profile_backward",
+    "profile_collectives",
+    "profile_sparsifier",
+]
+
+INDEX_BYTES = 4  # a sparse entry travels as an int32 index + one value (numel < 2**31)
+
+
+def _finite(x: Any, what: str) -> float:
+    try:
+        v = float(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number, got {x!r}") from None
+    if not math.isfinite(v):
+        raise ValueError(f"{what} must be finite, got {x!r}")
+    return v
+
+
+# ---------------------------------------------------------------------------------------------
+# Fits
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class AffineFit:
+    """``t(n) = a + b·n`` seconds; a, b ≥ 0."""
+
+    a: float
+    b: float
+
+    def __post_init__(self) -> None:
+        self.a, self.b = _finite(self.a, "AffineFit.a"), _finite(self.b, "AffineFit.b")
+        if self.a < 0 or self.b < 0:
+            raise ValueError(f"AffineFit needs a, b >= 0, got a={self.a}, b={self.b}")
+
+    def __call__(self, n: float) -> float:
+        return self.a + self.b * n
+
+
+@dataclass
+class AlphaBeta:
+    """Per-message latency α (s) and per-byte time β (s/B) of Eq. 1."""
+
+    alpha: float
+    beta: float
+
+    def __post_init__(self) -> None:
+        self.alpha = _finite(self.alpha, "alpha")
+        self.beta = _finite(self.beta, "beta")
+        if self.alpha < 0 or self.beta < 0:
+            raise ValueError(f"AlphaBeta needs α, β >= 0, got α={self.alpha}, β={self.beta}")
+
+
+def fit_affine(xs: Sequence[float], ts: Sequence[float]) -> AffineFit:
+    """Least-squares ``t = a + b·x`` with a, b ≥ 0 (the constrained optimum, not a clip).
+
+    When the unconstrained fit has a < 0 the best fit through the origin is taken; when b < 0
+    the best constant. With a single distinct x the slope is unidentifiable: b = 0, a = mean t.
+    """
+    xs = [_finite(x, "x") for x in xs]
+    ts = [_finite(t, "t") for t in ts]
+    if not xs or len(xs) != len(ts):
+        raise ValueError(f"fit_affine needs equally many (≥ 1) xs and ts, got {len(xs)}, "
+                         f"{len(ts)}")
+    n = len(xs)
+    mx, mt = sum(xs) / n, sum(ts) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    mean_only = AffineFit(max(0.0, mt), 0.0)
+    if sxx == 0:
+        return mean_only
+    b = sum((x - mx) * (t - mt) for x, t in zip(xs, ts)) / sxx
+    a = mt - b * mx
+    if a >= 0 and b >= 0:
+        return AffineFit(a, b)
+    candidates = [mean_only]
+    sx2 = sum(x * x for x in xs)
+    if sx2 > 0:
+        candidates.append(AffineFit(0.0, max(0.0, sum(x * t for x, t in zip(xs, ts)) / sx2)))
+
+    def sse(f: AffineFit) -> float:
+        return sum((f(x) - t) ** 2 for x, t in zip(xs, ts))
+
+    return min(candidates, key=sse)
+
+
+def fit_alpha_beta(
+    kind: str, P: int, nbytes: Sequence[int], seconds: Sequence[float]
+) -> AlphaBeta:
+    """Invert Eq. 4 (``kind="allreduce"``) or Eq. 3 (``"allgather"``) by least squares.
+
+    A fit ``t(B) = a + b·B`` of the measurements gives, for the ring all-reduce,
+    α = a / 2(P−1) and β = b·P / 2(P−1); for the ring all-gather (B bytes per rank)
+    α = a / (P−1) and β = b / (P−1). With P = 1 no collective costs anything: α = β = 0.
+    """
+    if kind not in ("allreduce", "allgather"):
+        raise ValueError(f"kind must be 'allreduce' or 'allgather', got {kind!r}")
+    if int(P) != P or P < 1:
+        raise ValueError(f"P must be a positive integer, got {P!r}")
+    fit = fit_affine(nbytes, seconds)
+    if P == 1:
+        return AlphaBeta(0.0, 0.0)
+    if kind == "allreduce":
+        return AlphaBeta(fit.a / (2 * (P - 1)), fit.b * P / (2 * (P - 1)))
+    return AlphaBeta(fit.a / (P - 1), fit.b / (P - 1))
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+# ---------------------------------------------------------------------------------------------
+@dataclass
+class CostModel:
+    """Everything the planners know about one training job (SSFusion §IV-A)."""
+
+    P: int
+    order: list[str]  # tensor names in backward order (the order gradients become ready)
+    numel: dict[str, int]
+    elem_bytes: int  # bytes per gradient element (4 for fp32)
+    backward: dict[str, float]  # T_b^l
+    sparsify: AffineFit  # T_gpu: inline sparsification time vs numel
+    offload: AffineFit  # SSFusion-O: sparsification on the worker thread, copies included
+    allreduce: AlphaBeta  # Eq. 4
+    allgather: AlphaBeta  # Eq. 3
+    info: dict[str, Any] = field(default_factory=dict)  # provenance (device, sparsifier, …)
+
+    def __post_init__(self) -> None:
+        if int(self.P) != self.P or self.P < 1:
+            raise ValueError(f"CostModel.P must be a positive integer, got {self.P!r}")
+        self.P = int(self.P)
+        self.order = [str(n) for n in self.order]
+        if len(set(self.order)) != len(self.order):
+            raise ValueError("CostModel.order has duplicate tensor names")
+        missing = [n for n in self.order if n not in self.numel or n not in self.backward]
+        if missing:
+            raise ValueError(f"CostModel: no numel/backward time for {missing[:5]}")
+        for n in self.order:
+            if int(self.numel[n]) != self.numel[n] or self.numel[n] < 0:
+                raise ValueError(f"CostModel.numel[{n!r}] must be an integer >= 0")
+            t = _finite(self.backward[n], f"backward[{n!r}]")
+            if t < 0:
+                raise ValueError(f"CostModel.backward[{n!r}] must be >= 0, got {t}")
+        if int(self.elem_bytes) != self.elem_bytes or self.elem_bytes < 1:
+            raise ValueError(f"CostModel.elem_bytes must be a positive integer, "
+                             f"got {self.elem_bytes!r}")
+        for name, cls in (("sparsify", AffineFit), ("offload", AffineFit),
+                          ("allreduce", AlphaBeta), ("allgather", AlphaBeta)):
+            if not isinstance(getattr(self, name), cls):
+                raise ValueError(f"CostModel.{name} must be a {cls.__name__}")
+
+    # -- times -------------------------------------------------------------------------
+    @property
+    def entry_bytes(self) -> int:
+        """Bytes of one sparse entry on the wire: int32 index + one value."""
+        return INDEX_BYTES + self.elem_bytes
+
+    def t_sparsify(self, numel: int, offload: bool = False) -> float:
+        """T_gpu (inline) or the offloaded sparsification time of an ``numel``-element tensor."""
+        return (self.offload if offload else self.sparsify)(numel)
+
+    def t_allreduce(self, nbytes: int) -> float:
+        """Eq. 4: ``2(P−1)α + 2(P−1)/P·B·β`` (0 with one rank)."""
+        p, ab = self.P, self.allreduce
+        return 2 * (p - 1) * ab.alpha + 2 * (p - 1) / p * nbytes * ab.beta
+
+    def t_allgather(self, nbytes_per_rank: int) -> float:
+        """Eq. 3: ``(P−1)α + (P−1)·B·β`` with B bytes per rank (0 with one rank)."""
+        p, ab = self.P, self.allgather
+        return (p - 1) * ab.alpha + (p - 1) * nbytes_per_rank * ab.beta
+
+    # -- JSON ----------------------------------------------------------------------------
+    def to_dict(self) -> dict[str, Any]:
+        return {
+            "P": self.P,
+            "order": list(self.order),
+            "numel": {n: int(self.numel[n]) for n in self.order},
+            "elem_bytes": self.elem_bytes,
+            "backward": {n: float(self.backward[n]) for n in self.order},
+            "sparsify": {"a": self.sparsify.a, "b": self.sparsify.b},
+            "offload": {"a": self.offload.a, "b": self.offload.b},
+            "allreduce": {"alpha": self.allreduce.alpha, "beta": self.allreduce.beta},
+            "allgather": {"alpha": self.allgather.alpha, "beta": self.allgather.beta},
+            "info": json.loads(json.dumps(self.info, default=str)),
+        }
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> CostModel:
+        try:
+            return cls(
+                P=d["P"], order=list(d["order"]),
+                numel={k: int(v) for k, v in d["numel"].items()},
+                elem_bytes=d["elem_bytes"],
+                backward={k: float(v) for k, v in d["backward"].items()},
+                sparsify=AffineFit(**d["sparsify"]), offload=AffineFit(**d["offload"]),
+                allreduce=AlphaBeta(**d["allreduce"]), allgather=AlphaBeta(**d["allgather"]),
+                info=dict(d.get("info", {})),
+            )
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not a CostModel dict: {e!r}") from None
+
+    def table_rows(self) -> list[list[Any]]:
+        """(quantity, value) rows for ``print_table``."""
+        rows: list[list[Any]] = [
+            ["P", self.P], ["tensors", len(self.order)],
+            ["elements", sum(self.numel[n] for n in self.order)],
+            ["Σ T_b (s)", sum(self.backward[n] for n in self.order)],
+            ["sparsify a (s)", self.sparsify.a], ["sparsify b (s/elem)", self.sparsify.b],
+            ["offload a (s)", self.offload.a], ["offload b (s/elem)", self.offload.b],
+            ["all-reduce α (s)", self.allreduce.alpha], ["all-reduce β (s/B)", self.allreduce.beta],
+            ["all-gather α (s)", self.allgather.alpha], ["all-gather β (s/B)", self.allgather.beta],
+        ]
+        return rows
+
+
+def missing_rate(selected_counts: dict[str, int]) -> float:
+    """Tensor missing rate (SSFusion §III-A, Table I): tensors with nothing selected / tensors."""
+    if not selected_counts:
+        raise ValueError("missing_rate needs at least one tensor")
+    for n, c in selected_counts.items():
+        if int(c) != c or c < 0:
+            raise ValueError(f"selected count of {n!r} must be an integer >= 0, got {c!r}")
+    return sum(1 for c in selected_counts.values() if c == 0) / len(selected_counts)
+
+
+# ---------------------------------------------------------------------------------------------
+# Profilers
+# ---------------------------------------------------------------------------------------------
+def _sizes(sizes: Sequence[int]) -> list[int]:
+    out = [int(s) for s in sizes]
+    if not out or any(s < 1 for s in out):
+        raise ValueError(f"sizes must be a non-empty list of positive integers, got {sizes!r}")
+    return out
+
+
+def profile_collectives(
+    group=None, sizes: Sequence[int] = (1 << 10, 1 << 14, 1 << 17, 1 << 20), repeats: int = 5,
+    device=None,
+) -> tuple[AlphaBeta, AlphaBeta]:
+    """Time all-reduce and all-gather of ``sizes`` bytes on ``group``; fit α, β (Eq. 3, 4).
+
+    Every rank must call it. Each point is the median over ``repeats`` (after one warm-up),
+    each call bracketed by a barrier; the medians are then max-reduced over ranks (the slowest
+    rank is what a synchronous step waits for), so every rank returns the same fit.
+    """
+    import torch
+    import torch.distributed as dist
+
+    from gradsync.collectives.comm import Comm
+
+    sizes = _sizes(sizes)
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    comm = Comm(group)
+    if comm.size == 1:
+        return AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0)
+    dev = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device())
+        if dist.get_backend(group) == "nccl" else torch.device("cpu"))
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        fn()  # warm-up
+        sync()
+        ts = []
+        for _ in range(repeats):
+            comm.barrier()
+            t0 = time.perf_counter()
+            fn()
+            sync()
+            ts.append(time.perf_counter() - t0)
+        return statistics.median(ts)
+
+    ar, ag = [], []
+    for s in sizes:
+        x = torch.ones(max(1, s // 4), dtype=torch.float32, device=dev)
+        ar.append(timed(lambda x=x: comm.all_reduce(x)))
+        ag.append(timed(lambda x=x: comm.all_gather(x)))
+    t = torch.tensor(ar + ag, dtype=torch.float64, device=dev)
+    comm.all_reduce(t, op=dist.ReduceOp.MAX)
+    t = t.cpu().tolist()
+    nb = [max(1, s // 4) * 4 for s in sizes]
+    return (fit_alpha_beta("allreduce", comm.size, nb, t[: len(sizes)]),
+            fit_alpha_beta("allgather", comm.size, nb, t[len(sizes):]))
+
+
+def _heavy_tailed(n: int, seed: int, device) -> Any:
+    """A gradient-like vector: Gaussian with log-normal scales (heavy tails), seeded."""
+    import torch
+
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, generator=g) * torch.exp(1.5 * torch.randn(n, generator=g))
+    return x.to(device)
+
+
+class _Worker:
+    """One long-lived worker thread (SSFusion-O's CPU sparsification thread)."""
+
+    def __init__(self) -> None:
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsync-offload")
+
+    def close(self) -> None:
+        self.pool.shutdown(wait=True)
+
+
+def _offloaded_select(sparsifier, x, step: int):
+    """What SSFusion-O runs on the worker: copy to host, select there, copy the result back."""
+    if x.is_cuda:
+        import torch
+
+        host = torch.empty(x.shape, dtype=x.dtype, pin_memory=True)
+        host.copy_(x, non_blocking=True)
+        torch.cuda.current_stream(x.device).synchronize()
+        sel = sparsifier.select(host, step)
+        return sel.to(x.device, non_blocking=True)
+    return sparsifier.select(x, step)
+
+
+def profile_sparsifier(
+    sparsifier, sizes: Sequence[int] = (1 << 10, 1 << 14, 1 << 17, 1 << 20), repeats: int = 3,
+    offload: bool = False, device=None, seed: int = 0,
+) -> AffineFit:
+    """Median time of ``sparsifier.select`` on seeded heavy-tailed tensors of ``sizes``
+    elements, fitted as ``a + b·n``.
+
+    ``offload=True`` times the hand-off to a worker thread and back (and, on CUDA, the
+    device→host and host→device copies) — what SSFusion-O's T_offload contains.
+    """
+    import torch
+
+    sizes = _sizes(sizes)
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+
+    def sync() -> None:
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    worker = _Worker() if offload else None
+    try:
+        ts = []
+        for i, n in enumerate(sizes):
+            x = _heavy_tailed(n, seed + i, dev)
+
+            def once(x=x) -> None:
+                if worker is None:
+                    sparsifier.select(x, 0)
+                else:
+                    worker.pool.submit(_offloaded_select, sparsifier, x, 0).result()
+                sync()
+
+            once()  # warm-up
+            samples = []
+            for _ in range(repeats):
+                sync()
+                t0 = time.perf_counter()
+                once()
+                samples.append(time.perf_counter() - t0)
+            ts.append(statistics.median(samples))
+    finally:
+        if worker is not None:
+            worker.close()
+    return fit_affine(sizes, ts)
+
+
+def profile_backward(
+    model, step: Callable[[], Any], repeats: int = 3
+) -> tuple[list[str], dict[str, int], dict[str, float]]:
+    """Backward order and T_b^l of ``model``'s parameters (SSFusion §IV-A "T_b^l").
+
+    ``step()`` runs the forward pass and returns the scalar loss; we call ``.backward()`` on it
+    with a post-accumulate-grad hook on every parameter that records when its gradient is
+    ready. T_b^l = ready(l) − ready(l−1) (the first from the start of ``backward()``), median
+    over ``repeats`` (after one warm-up). Parameters without a gradient are left out.
+    """
+    import torch
+
+    params = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    stamps: dict[str, float] = {}
+    cuda = any(p.is_cuda for _, p in params)
+
+    def hook_for(name: str):
+        def hook(_p) -> None:
+            if cuda:
+                torch.cuda.synchronize()
+            stamps[name] = time.perf_counter()
+
+        return hook
+
+    handles = [p.register_post_accumulate_grad_hook(hook_for(n)) for n, p in params]
+    runs: list[dict[str, float]] = []
+    order: list[str] = []
+    try:
+        for r in range(repeats + 1):
+            model.zero_grad(set_to_none=True)
+            loss = step()
+            stamps.clear()
+            if cuda:
+                torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            loss.backward()
+            seq = sorted(stamps.items(), key=lambda kv: kv[1])
+            if r == 0:
+                order = [n for n, _ in seq]
+                continue
+            prev, tb = t0, {}
+            for n, t in seq:
+                tb[n] = t - prev
+                prev = t
+            runs.append(tb)
+    finally:
+        for h in handles:
+            h.remove()
+        model.zero_grad(set_to_none=True)
+    if not order:
+        raise ValueError("profile_backward: no parameter received a gradient")
+    numel = {n: p.numel() for n, p in params if n in set(order)}
+    backward = {n: statistics.median(r.get(n, 0.0) for r in runs) for n in order}
+    return order, numel, backward
+
+
+# ---------------------------------------------------------------------------------------------
+# python -m gradsync profile
+# ---------------------------------------------------------------------------------------------
+def _model_step(name: str, batch: int, seed: int, device):
+    import torch
+    from torch import nn
+
+    from gradsync import models
+
+    net = models.build(name, seed=seed).to(device)
+    g = torch.Generator().manual_seed(seed)
+    if name == "gpt_tiny":
+        x = torch.randint(256, (batch, net.context), generator=g).to(device)
+        y = torch.randint(256, (batch, net.context), generator=g).to(device)
+
+        def step():
+            out = net(x)
+            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    else:
+        x = torch.randn(batch, 1, 28, 28, generator=g).to(device)
+        y = torch.randint(10, (batch,), generator=g).to(device)
+
+        def step():
+            return nn.functional.cross_entropy(net(x), y)
+
+    return net, step
+
+
+def _collectives_rank(rank: int, world_size: int, sizes, repeats) -> tuple[dict, dict]:
+    ar, ag = profile_collectives(None, sizes=sizes, repeats=repeats)
+    return vars(ar), vars(ag)
+
+
+def build_cost_model(args, P: int, collectives: tuple[AlphaBeta, AlphaBeta]) -> CostModel:
+    import torch
+
+    from gradsync import sparsify
+
+    dev = torch.device(args.device)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    net, step = _model_step(args.model, args.batch, args.seed, dev)
+    order, numel, backward = profile_backward(net, step, repeats=args.repeats)
+    sp = sparsify.get(args.sparsifier, density=args.density, seed=args.seed)
+    inline = profile_sparsifier(sp, sizes=sizes, repeats=args.repeats, device=dev)
+    off = profile_sparsifier(sp, sizes=sizes, repeats=args.repeats, device=dev, offload=True)
+    elem = next(net.parameters()).element_size()
+    return CostModel(
+        P=P, order=order, numel=numel, elem_bytes=elem, backward=backward, sparsify=inline,
+        offload=off, allreduce=collectives[0], allgather=collectives[1],
+        info={"model": args.model, "batch": args.batch, "sparsifier": args.sparsifier,
+              "density": args.density, "device": str(dev), "sizes": sizes,
+              "repeats": args.repeats, "threads": torch.get_num_threads()},
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m gradsync profile``: measure a cost model, print it, write it as JSON."""
+    import torch
+
+    from gradsync import models, sparsify
+
+    parser = argparse.ArgumentParser(
+        prog="python -m gradsync profile",
+        description="Profile backward, sparsification and collective times (SSFusion §IV-A) "
+        "into a cost model JSON the fusion planners read.")
+    parser.add_argument("--model", default="cnn", choices=models.names())
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--sparsifier", default="topk", choices=sparsify.names())
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--world-size", type=int, default=0,
+                        help="profile collectives on N local gloo ranks (run_distributed); "
+                        "under torchrun the launched group is used")
+    parser.add_argument("--sizes", default=",".join(str(1 << e) for e in (10, 14, 17, 20)),
+                        help="comma-separated tensor sizes (sparsifier: elements; "
+                        "collectives: bytes)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats")
+    parser.add_argument("--out", default="bench-out/profile/costmodel.json")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.quick:
+        args.sizes, args.repeats = "256,4096,16384", 2
+    if args.repeats < 1 or args.batch < 1:
+        raise ValueError("--repeats and --batch must be >= 1")
+    sizes = [int(s) for s in args.sizes.split(",")]
+
+    import torch.distributed as dist
+
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and args.world_size == 0
+    rank = 0
+    if torchrun:
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+        rank, P = dist.get_rank(), dist.get_world_size()
+        if args.device.startswith("cuda"):
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        coll = profile_collectives(None, sizes=sizes, repeats=args.repeats)
+    elif args.world_size > 1:
+        from gradsync.testing import run_distributed
+
+        P = args.world_size
+        res = run_distributed(_collectives_rank, P, sizes, args.repeats, timeout=600)
+        coll = (AlphaBeta(**res[0][0]), AlphaBeta(**res[0][1]))
+    else:
+        P, coll = 1, (AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0))
+    cost = build_cost_model(args, P, coll)
+    if rank == 0:
+        from rich.console import Console
+        from rich.table import Table
+
+        # rich directly: bench/ sits above this layer and must not be imported from here.
+        table = Table(title=f"cost model: {args.model}, {args.sparsifier} on {args.device}, "
+                      f"P={P}")
+        table.add_column("quantity")
+        table.add_column("value", justify="right")
+        for q, v in cost.table_rows():
+            table.add_row(str(q), f"{v:.4g}" if isinstance(v, float) else str(v))
+        Console(width=100).print(table)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(cost.to_dict(), indent=2))
+        print(f"wrote {out}")
+    if torchrun and dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    sys.exit(main())
