@@ -1,0 +1,436 @@
+"""COO and DenseStream wire formats: round trips, exact sizes, §III-A block rules, fuzzing.
+
+References are computed independently of the code under test: block sizes by a plain Python
+walk over the nonzeros, hostile buffers packed by hand with ``struct``.
+"""
+
+from __future__ import annotations
+
+import struct
+from itertools import pairwise
+
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from gradsync.formats import coo
+from gradsync.formats import densestream as ds
+from gradsync.sparsegrad import SparseGrad
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3}
+FAST = settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+SLOW = settings(max_examples=3000, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(BITS[t.dtype])
+
+
+def same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and torch.equal(bits(a), bits(b))
+
+
+# -- inputs --------------------------------------------------------------------------------
+@st.composite
+def sparse_grads(draw, max_numel: int = 400, raw_bits: bool | None = None):
+    """A random selection: uniform, clustered or dense, with normal or arbitrary-bit values."""
+    numel = draw(st.integers(0, max_numel))
+    dtype = draw(st.sampled_from(DTYPES))
+    seed = draw(st.integers(0, 2**31 - 1))
+    shape = draw(st.sampled_from(["uniform", "clustered", "runs", "full"]))
+    g = torch.Generator().manual_seed(seed)
+    if numel == 0:
+        mask = torch.zeros(0, dtype=torch.bool)
+    elif shape == "uniform":
+        mask = torch.rand(numel, generator=g) < draw(st.floats(0.0, 1.0))
+    elif shape == "full":
+        mask = torch.ones(numel, dtype=torch.bool)
+    elif shape == "clustered":  # a dense window with a few strays elsewhere
+        lo = int(torch.randint(numel, (1,), generator=g))
+        hi = min(numel, lo + int(torch.randint(1, 64, (1,), generator=g)))
+        mask = torch.rand(numel, generator=g) < 0.02
+        mask[lo:hi] |= torch.rand(hi - lo, generator=g) < 0.8
+    else:  # runs separated by gaps of 0..6 zeros: exercises the gap rule at its edge
+        gaps = torch.randint(0, 7, (numel,), generator=g)
+        runs = torch.randint(1, 4, (numel,), generator=g)
+        mask = torch.zeros(numel, dtype=torch.bool)
+        pos = 0
+        for gap, run in zip(gaps.tolist(), runs.tolist()):  # test-side reference only
+            pos += gap
+            if pos >= numel:
+                break
+            mask[pos:pos + run] = True
+            pos += run
+    idx = torch.nonzero(mask).reshape(-1)
+    use_bits = draw(st.booleans()) if raw_bits is None else raw_bits
+    if use_bits:  # any bit pattern: NaN payloads, ±Inf, −0.0, +0.0, subnormals
+        ib = BITS[dtype]
+        info = torch.iinfo(ib)
+        vals = torch.randint(info.min, info.max, (idx.numel(),), generator=g,
+                             dtype=torch.int64).to(ib).view(dtype)
+    else:
+        vals = torch.randn(idx.numel(), generator=g).to(dtype)
+    return SparseGrad(idx, vals, numel)
+
+
+def nonzero_entries(sel: SparseGrad) -> tuple[list[int], torch.Tensor]:
+    keep = bits(sel.values) != 0
+    return sel.indices[keep].tolist(), sel.values[keep]
+
+
+def reference_payload(sel: SparseGrad, iw: int) -> tuple[int, int, int]:
+    """(blocks, Σ lengths, payload bytes) by walking the nonzeros in Python (§III-A)."""
+    idx, _ = nonzero_entries(sel)
+    k = sel.values.element_size()
+    if not idx:
+        return 0, 0, 0
+    nblocks, total = 1, 1
+    for a, b in pairwise(idx):
+        zeros = b - a - 1
+        if zeros * k <= 2 * iw:  # keep the zeros inside the block
+            total += zeros + 1
+        else:
+            nblocks += 1
+            total += 1
+    return nblocks, total, nblocks * 2 * iw + k * total
+
+
+# -- COO -----------------------------------------------------------------------------------
+@FAST
+@given(sel=sparse_grads(), iw=st.sampled_from([4, 8]))
+def test_coo_roundtrip_bitwise_and_size(sel, iw):
+    buf = coo.encode(sel, index_bytes=iw)
+    assert buf.dtype == torch.uint8 and buf.dim() == 1
+    assert len(buf) == coo.size_bytes(sel, iw) == coo.HEADER_BYTES + len(sel) * (
+        iw + sel.values.element_size())
+    out = coo.decode(buf, numel=sel.numel, dtype=sel.dtype)
+    assert out.numel == sel.numel and out.indices.dtype == torch.int64
+    assert torch.equal(out.indices, sel.indices)
+    assert same_bits(out.values, sel.values)
+    assert torch.equal(coo.encode(out, iw), buf)
+
+
+def test_coo_header_layout_is_documented_one():
+    sel = SparseGrad(torch.tensor([3, 7]), torch.tensor([1.5, -2.0]), 10)
+    raw = bytes(coo.encode(sel).tolist())
+    assert raw[:24] == struct.pack("<4sBBBBqq", b"GSCO", 1, 4, 1, 0, 10, 2)
+    assert raw[24:32] == struct.pack("<ii", 3, 7)
+    assert raw[32:] == struct.pack("<ff", 1.5, -2.0)
+
+
+def test_coo_int32_only_below_2_31():
+    big = SparseGrad.empty(2**31)
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        coo.encode(big, index_bytes=4)
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        coo.size_bytes(big, index_bytes=4)
+    out = coo.decode(coo.encode(big, index_bytes=8))
+    assert out.numel == 2**31 and len(out) == 0
+    sel = SparseGrad(torch.tensor([2**31 - 1, 2**40]), torch.tensor([1.0, 2.0]), 2**41)
+    assert torch.equal(coo.decode(coo.encode(sel, index_bytes=8)).indices, sel.indices)
+    with pytest.raises(ValueError, match="index_bytes"):
+        coo.encode(SparseGrad.empty(4), index_bytes=2)
+
+
+def test_coo_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="SparseGrad"):
+        coo.encode(torch.zeros(3))
+    with pytest.raises(ValueError, match="dtype"):
+        coo.encode(SparseGrad(torch.tensor([0]), torch.tensor([1.0], dtype=torch.complex64), 2,
+                              validate=False))
+    buf = coo.encode(SparseGrad(torch.tensor([1]), torch.tensor([1.0]), 4))
+    with pytest.raises(ValueError, match="numel"):
+        coo.decode(buf, numel=5)
+    with pytest.raises(ValueError, match="expected"):
+        coo.decode(buf, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="uint8"):
+        coo.decode(buf.view(torch.int8))
+    with pytest.raises(ValueError, match="uint8"):
+        coo.decode([1, 2, 3])
+    assert len(coo.decode(bytes(buf.tolist()))) == 1
+
+
+def _coo_raw(numel, nnz, idx, vals, *, iw=4, code=1, magic=b"GSCO", version=1, reserved=0):
+    ifmt = {4: "i", 8: "q"}[iw]
+    return (struct.pack("<4sBBBBqq", magic, version, iw, code, reserved, numel, nnz)
+            + struct.pack(f"<{len(idx)}{ifmt}", *idx) + struct.pack(f"<{len(vals)}f", *vals))
+
+
+@pytest.mark.parametrize("raw, what", [
+    (b"", "shorter"),
+    (b"GSCO", "shorter"),
+    (_coo_raw(4, 1, [1], [1.0], magic=b"GSDS"), "magic"),
+    (_coo_raw(4, 1, [1], [1.0], version=2), "version"),
+    (_coo_raw(4, 1, [1], [1.0], iw=4, code=9), "dtype code"),
+    (_coo_raw(4, 1, [1], [1.0], reserved=1), "reserved"),
+    (_coo_raw(4, 1, [1], [1.0])[:-1], "truncated"),
+    (_coo_raw(4, 1, [1], [1.0]) + b"\0", "truncated"),
+    (_coo_raw(2**62, 2**62, [], [], iw=8), "truncated"),     # nnz larger than the buffer holds
+    (_coo_raw(10, -1, [], []), "nnz"),
+    (_coo_raw(4, 5, [0, 1, 2, 3, 3], [1.0] * 5), "nnz"),  # nnz > numel
+    (_coo_raw(-4, 0, [], []), "numel"),
+    (_coo_raw(2**31, 0, [], []), "numel"),                # int32 indices, numel too large
+    (_coo_raw(4, 1, [4], [1.0]), "range"),
+    (_coo_raw(4, 1, [-1], [1.0]), "range"),
+    (_coo_raw(4, 2, [2, 1], [1.0, 1.0]), "increasing"),
+    (_coo_raw(4, 2, [1, 1], [1.0, 1.0]), "increasing"),
+    (_coo_raw(2**40, 1, [2**40], [1.0], iw=8), "range"),
+])
+def test_coo_hostile_buffers(raw, what):
+    with pytest.raises(ValueError, match=what):
+        coo.decode(raw)
+
+
+# -- DenseStream ---------------------------------------------------------------------------
+@FAST
+@given(sel=sparse_grads(), iw=st.sampled_from([4, 8]))
+def test_densestream_roundtrip_size_and_closed_form(sel, iw):
+    buf = ds.encode(sel, index_bytes=iw)
+    out = ds.decode(buf, numel=sel.numel, dtype=sel.dtype)
+    # to_dense round-trips bit for bit; decode returns exactly the nonzeros.
+    assert same_bits(out.to_dense(), sel.to_dense())
+    ref_idx, ref_val = nonzero_entries(sel)
+    assert out.indices.tolist() == ref_idx
+    assert same_bits(out.values, ref_val)
+    # Exact size: len(encode) == size_bytes == header + blocks·2·iw + K·Σ lengths.
+    nblocks, total, payload = reference_payload(sel, iw)
+    assert len(buf) == ds.size_bytes(sel, iw) == ds.HEADER_BYTES + payload
+    starts, lengths = ds.blocks(sel, iw)
+    assert starts.numel() == nblocks and int(lengths.sum()) == total
+    # Canonical: re-encoding the decoded selection gives the same bytes.
+    assert torch.equal(ds.encode(out, iw), buf)
+    # A dense tensor encodes like its SparseGrad.
+    assert torch.equal(ds.encode(sel.to_dense(), iw), buf)
+
+
+@FAST
+@given(sel=sparse_grads(), iw=st.sampled_from([4, 8]))
+def test_densestream_blocks_obey_section_3a_rules(sel, iw):
+    k = sel.values.element_size()
+    z = (2 * iw) // k
+    dense_bits = bits(sel.to_dense())
+    starts, lengths = ds.blocks(sel, iw)
+    s, n = starts.tolist(), lengths.tolist()
+    covered = torch.zeros(sel.numel, dtype=torch.bool)
+    for i, (a, m) in enumerate(zip(s, n)):
+        blk = dense_bits[a:a + m]
+        assert m >= 1 and blk[0] != 0 and blk[-1] != 0               # rule 1
+        run = longest = 0
+        for b in blk.tolist():                                        # rule 2
+            run = run + 1 if b == 0 else 0
+            longest = max(longest, run)
+        assert longest * k <= 2 * iw and longest <= z
+        if i:
+            assert a - (s[i - 1] + n[i - 1]) > z                      # split only when cheaper
+        covered[a:a + m] = True
+    assert not bool((dense_bits[~covered] != 0).any())                # every nonzero covered
+
+
+def test_gap_rule_examples_from_the_brief():
+    # 4-byte index and length: fp32 keeps ≤ 2 zeros inside a block, bf16/fp16 keep ≤ 4.
+    assert ds.max_zero_run(4, 4) == 2 and ds.max_zero_run(4, 2) == 4
+    assert ds.max_zero_run(8, 4) == 4 and ds.max_zero_run(8, 8) == 2
+    for zeros, fp32_blocks, half_blocks in [(2, 1, 1), (3, 2, 1), (4, 2, 1), (5, 2, 2)]:
+        x = torch.zeros(20)
+        x[3] = 1.0
+        x[4 + zeros] = 2.0
+        assert ds.blocks(x)[0].numel() == fp32_blocks
+        assert ds.blocks(x.to(torch.bfloat16))[0].numel() == half_blocks
+        assert ds.blocks(x.to(torch.float16))[0].numel() == half_blocks
+    # Fig. 2 of the paper: 3 zeros between two runs make two blocks (4-byte everything).
+    x = torch.tensor([0, 1, 1, 0, 1, 0, 0, 1, 0, 0, 0, 1, 1, 0], dtype=torch.float32)
+    starts, lengths = ds.blocks(x)
+    assert starts.tolist() == [1, 11] and lengths.tolist() == [7, 2]
+    assert ds.size_bytes(x) == ds.HEADER_BYTES + 2 * 8 + 4 * 9
+
+
+@FAST
+@given(sel=sparse_grads(raw_bits=False), iw=st.sampled_from([4, 8]))
+def test_densestream_size_bounds_against_coo(sel, iw):
+    """What holds (derived in the module docstring), with payload = size − header."""
+    k = sel.values.element_size()
+    idx, _ = nonzero_entries(sel)
+    nnz = len(idx)
+    payload = ds.size_bytes(sel, iw) - ds.HEADER_BYTES
+    coo_payload = nnz * (iw + k)            # COO of the same nonzeros
+    if nnz == 0:
+        assert payload == 0
+        return
+    assert 2 * iw + k * nnz <= payload <= (2 * iw + k) * nnz
+    assert payload <= coo_payload + iw * nnz                 # at most one length per nonzero
+    assert payload <= 2 * iw + k * (idx[-1] - idx[0] + 1)    # ≤ one pair over the dense span
+    assert payload <= 2 * iw + k * sel.numel                 # ... and over the whole tensor
+    gaps = [b - a - 1 for a, b in pairwise(idx)]
+    if all(g * k > 2 * iw for g in gaps):                    # all singletons: equality
+        assert payload == coo_payload + iw * nnz
+    if all(g == 0 for g in gaps):                            # one run: dense plus one pair
+        assert payload == 2 * iw + k * nnz
+
+
+def test_densestream_extremes():
+    x = torch.randn(1000)
+    x[x == 0] = 1.0
+    assert ds.size_bytes(x) == ds.HEADER_BYTES + 8 + 4 * 1000      # fully dense: one block
+    sel = SparseGrad(torch.arange(0, 1000, 10), torch.ones(100), 1000)   # all singletons
+    assert ds.size_bytes(sel) - ds.HEADER_BYTES == coo.size_bytes(sel) - coo.HEADER_BYTES + 400
+    empty = SparseGrad.empty(7, torch.bfloat16)
+    assert len(ds.encode(empty)) == ds.HEADER_BYTES
+    out = ds.decode(ds.encode(empty))
+    assert out.numel == 7 and len(out) == 0 and out.dtype == torch.bfloat16
+    # Explicit +0.0 entries are not stored; −0.0 is (bitwise round trip).
+    sel = SparseGrad(torch.tensor([1, 2, 5]), torch.tensor([0.0, -0.0, 3.0]), 8)
+    out = ds.decode(ds.encode(sel))
+    assert out.indices.tolist() == [2, 5] and same_bits(out.to_dense(), sel.to_dense())
+
+
+def test_densestream_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        ds.encode(SparseGrad.empty(2**31), index_bytes=4)
+    with pytest.raises(ValueError, match="index_bytes"):
+        ds.size_bytes(torch.ones(3), index_bytes=5)
+    with pytest.raises(ValueError, match="floating"):
+        ds.encode(torch.ones(3, dtype=torch.int32))
+    with pytest.raises(ValueError, match="SparseGrad"):
+        ds.encode([1.0, 2.0])
+    big = SparseGrad(torch.tensor([5, 2**40]), torch.tensor([1.0, 2.0]), 2**41)
+    assert torch.equal(ds.decode(ds.encode(big, index_bytes=8)).indices, big.indices)
+    buf = ds.encode(torch.ones(4))
+    with pytest.raises(ValueError, match="numel"):
+        ds.decode(buf, numel=3)
+    with pytest.raises(ValueError, match="expected"):
+        ds.decode(buf, dtype=torch.float16)
+
+
+def _ds_raw(numel, starts, lengths, vals, *, nb=None, total=None, iw=4, code=1, magic=b"GSDS"):
+    ifmt = {4: "i", 8: "q"}[iw]
+    nb = len(starts) if nb is None else nb
+    total = len(vals) if total is None else total
+    return (struct.pack("<4sBBBBqqq", magic, 1, iw, code, 0, numel, nb, total)
+            + struct.pack(f"<{len(starts)}{ifmt}", *starts)
+            + struct.pack(f"<{len(lengths)}{ifmt}", *lengths)
+            + struct.pack(f"<{len(vals)}f", *vals))
+
+
+def test_densestream_hand_packed_buffer_decodes():
+    raw = _ds_raw(20, [2, 10], [3, 1], [1.0, 0.0, 2.0, 3.0])
+    out = ds.decode(raw)
+    assert out.indices.tolist() == [2, 4, 10] and out.values.tolist() == [1.0, 2.0, 3.0]
+
+
+U32_MAX = 2**32 - 1
+
+
+@pytest.mark.parametrize("raw, what", [
+    (b"GSDS\x01", "shorter"),
+    (_ds_raw(20, [2], [1], [1.0], magic=b"GSCO"), "magic"),
+    (_ds_raw(20, [2], [1], [1.0])[:-2], "truncated"),
+    (_ds_raw(20, [2], [1], [1.0], total=2**60), "inconsistent"),          # total > numel
+    (_ds_raw(2**62, [2], [1], [1.0], iw=8, nb=2**61, total=2**61), "truncated"),
+    (_ds_raw(20, [2], [1], [1.0], nb=-1), "inconsistent"),
+    (_ds_raw(20, [2, 5], [1, 1], [1.0], nb=2, total=1), "inconsistent"),
+    (_ds_raw(20, [2], [0], [], total=0, nb=1), "inconsistent"),         # a block, no values
+    (_ds_raw(20, [2, 9], [0, 2], [1.0, 1.0]), "length < 1"),
+    (_ds_raw(20, [-1], [1], [1.0]), "outside"),
+    (_ds_raw(20, [19], [2], [1.0, 1.0]), "outside"),
+    (_ds_raw(20, [2**31 - 1], [1], [1.0]), "outside"),
+    (_ds_raw(2**40, [5], [2**63 - 1], [1.0], iw=8), "length|outside|sum"),   # length overflow
+    (_ds_raw(2**40, [2**63 - 1], [1], [1.0], iw=8), "outside"),             # start + length
+    (_ds_raw(20, [2, 2], [1, 1], [1.0, 1.0]), "overlapping"),
+    (_ds_raw(20, [9, 2], [1, 1], [1.0, 1.0]), "overlapping"),
+    (_ds_raw(20, [2, 3], [2, 1], [1.0, 1.0, 1.0]), "overlapping"),
+    (_ds_raw(20, [2, 10], [2, 2], [1.0, 1.0, 1.0], total=3), "truncated|sum"),
+    (_ds_raw(20, [2], [2], [1.0, 0.0]), "rule 1"),
+    (_ds_raw(20, [2], [2], [0.0, 1.0]), "rule 1"),
+    (_ds_raw(20, [2], [5], [1.0, 0.0, 0.0, 0.0, 1.0]), "rule 2"),
+    (_ds_raw(20, [2, 5], [1, 1], [1.0, 1.0]), "gap rule"),               # should be one block
+    (_ds_raw(2**31, [2], [1], [1.0]), "numel"),                          # int32 indices
+])
+def test_densestream_hostile_buffers(raw, what):
+    with pytest.raises(ValueError, match=what):
+        ds.decode(raw)
+
+
+# -- fuzzing: random bytes, truncations, bit flips ------------------------------------------
+FORMATS = {"coo": coo, "densestream": ds}
+
+
+def _decode_or_valueerror(fmt, raw: bytes, iw_hint: int | None = None) -> None:
+    """decode either raises ValueError or returns a valid, canonical SparseGrad."""
+    try:
+        out = fmt.decode(raw)
+    except ValueError:
+        return
+    out._validate()  # a valid SparseGrad (sorted, in range, matching lengths)
+    iw = raw[5]
+    assert bytes(fmt.encode(out, index_bytes=iw).tolist()) == raw  # accepted ⇒ canonical
+
+
+def _fuzz_random_bytes(data):
+    fmt = FORMATS[data.draw(st.sampled_from(sorted(FORMATS)))]
+    # A valid header prefix (else nearly everything fails on the magic) with random fields.
+    n_fields = 2 if fmt is coo else 3
+    head = struct.pack("<4sBBBB", fmt.MAGIC, 1, data.draw(st.sampled_from([4, 8, 3])),
+                       data.draw(st.sampled_from([1, 2, 3, 7])), 0)
+    fields = [data.draw(st.one_of(st.integers(-2, 64), st.integers(-2**63, 2**63 - 1)))
+              for _ in range(n_fields)]
+    body = data.draw(st.binary(max_size=256))
+    raw = head + struct.pack(f"<{n_fields}q", *fields) + body
+    if data.draw(st.booleans()):
+        raw = data.draw(st.binary(max_size=64))
+    _decode_or_valueerror(fmt, raw)
+
+
+def _fuzz_mutations(data):
+    name = data.draw(st.sampled_from(sorted(FORMATS)))
+    fmt = FORMATS[name]
+    sel = data.draw(sparse_grads(max_numel=120))
+    iw = data.draw(st.sampled_from([4, 8]))
+    raw = bytes(fmt.encode(sel, index_bytes=iw).tolist())
+    cut = data.draw(st.integers(0, len(raw) - 1))
+    with pytest.raises(ValueError):
+        fmt.decode(raw[:cut])                          # every truncation is detected
+    flipped = bytearray(raw)
+    for _ in range(data.draw(st.integers(1, 4))):
+        pos = data.draw(st.integers(0, len(raw) - 1))
+        flipped[pos] ^= 1 << data.draw(st.integers(0, 7))
+    _decode_or_valueerror(fmt, bytes(flipped))
+    # Header words rewritten to extreme values: a count (nnz, blocks, Σ lengths) can never
+    # match the buffer; numel may legitimately grow (with 8-byte indices).
+    word = data.draw(st.integers(1, 3 if fmt is ds else 2))
+    extreme = bytearray(raw)
+    extreme[8 * word: 8 * word + 8] = struct.pack(
+        "<q", data.draw(st.sampled_from([-1, 2**31, 2**62, 2**63 - 1, -2**63])))
+    if word == 1:
+        _decode_or_valueerror(fmt, bytes(extreme))
+    else:
+        with pytest.raises(ValueError):
+            fmt.decode(bytes(extreme))
+
+
+@FAST
+@given(data=st.data())
+def test_fuzz_random_buffers(data):
+    _fuzz_random_bytes(data)
+
+
+@FAST
+@given(data=st.data())
+def test_fuzz_truncations_and_bit_flips(data):
+    _fuzz_mutations(data)
+
+
+@pytest.mark.slow
+@SLOW
+@given(data=st.data())
+def test_fuzz_campaign_random(data):
+    _fuzz_random_bytes(data)
+
+
+@pytest.mark.slow
+@SLOW
+@given(data=st.data())
+def test_fuzz_campaign_mutations(data):
+    _fuzz_mutations(data)
