@@ -5,8 +5,8 @@ DESIGN.md, "Measuring": a slow link is emulated with network namespaces, veth pa
 
 Topology of ``shaped_world(P, bandwidth)``::
 
-    ns <tag>-r0  [veth <n>r0a 10.231.77.1] ──┐
-    ns <tag>-r1  [veth <n>r1a 10.231.77.2] ──┤  veth <n>r*b ── bridge <n>br   (ns <tag>-br)
+    ns <tag>-r0  [veth <s>r0a 10.231.77.1] ──┐
+    ns <tag>-r1  [veth <s>r1a 10.231.77.2] ──┤  veth <s>r*b ── bridge <s>br   (ns <tag>-br)
     …                                        ┘
 
 Every veth is shaped on egress at both ends (``tbf rate <bandwidth>``): the rank's end limits
@@ -20,7 +20,8 @@ in front of every gloo connection. So **propagation delay is not emulated**: the
 argument here is tbf's queueing bound and nothing else, and shaped runs model bandwidth-bound
 links with the (sub-millisecond) α of a veth pair.
 
-Lifetime. Namespaces are named ``gsne-<pid>-<n>-…`` after the creating process. They are removed
+Lifetime. Namespaces are named ``<tag>-…`` = ``gsne-<pid>-<n>-…`` after the creating process
+(interfaces, created inside them, ``<s>`` = ``gs<pid % 10000>n<n % 100>``). They are removed
 when the ``with`` block exits — normally, by an exception, by Ctrl-C (``KeyboardInterrupt``) or
 by SIGTERM (turned into ``SystemExit`` while the block runs) — and by an ``atexit`` hook as a
 last resort. A process killed with SIGKILL cannot clean up; the next ``shaped_world`` removes
@@ -218,7 +219,9 @@ class ShapedWorld:
         return self.addresses[0]
 
     def _setup(self) -> None:
-        short = self.tag.replace("-", "")[-8:]  # interface names must stay ≤ 15 characters
+        # Interface names must stay ≤ 15 characters: gs<pid % 10000>n<n % 100>r<rank>a|b|br.
+        pid, n = self.tag.split("-")[1:3]
+        short = f"gs{int(pid) % 10000}n{int(n) % 100}"
         self.bridge_ns = f"{self.tag}-br"
         bridge = f"{short}br"
         tbf = ["tbf", "rate", f"{self.bandwidth_bps}bit", "burst", str(self.burst_bytes),
@@ -456,14 +459,22 @@ def _collect(procs: list[subprocess.Popen], results: list[str], logs: list, time
             fail(DistributedError(r, payload), raised)
         return True
 
+    def arrived(r: int) -> int | None:
+        with contextlib.suppress(OSError):
+            return os.stat(results[r]).st_mtime_ns
+        return None
+
     while len(done) < p and time.monotonic() < stop_at:
         progressed = False
+        # Results in the order they were written, so the root cause (the first rank to fail)
+        # comes before peers that failed because it went away.
+        ready = sorted((t, r) for r in range(p) if r not in done and (t := arrived(r)) is not None)
+        for _, r in ready:
+            progressed = receive(r) or progressed
         for r in range(p):
             if r in done:
                 continue
-            if receive(r):
-                progressed = True
-            elif procs[r].poll() is not None and not receive(r):
+            if procs[r].poll() is not None and not receive(r):
                 done[r] = None
                 fail(DistributedError(r, f"process exited with code {procs[r].returncode} "
                                          f"without a result{_tail(logs[r])}"), died)
