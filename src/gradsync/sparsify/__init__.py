@@ -22,6 +22,14 @@ def names() -> list[str]:
 
 
 # Importing the modules registers them.
-from gradsync.sparsify import randomk, topk  # noqa: E402,F401
+from gradsync.sparsify import (  # noqa: E402,F401
+    dgc,
+    gaussiank,
+    randomk,
+    redsync,
+    sidco,
+    threshold,
+    topk,
+)
 
 __all__ = ["Sparsifier", "get", "names", "registry", "target_k", "validate_density"]

@@ -18,7 +18,7 @@ import torch
 
 from gradsync.sparsegrad import SparseGrad, check_finite
 
-__all__ = ["Sparsifier", "target_k", "validate_density"]
+__all__ = ["Sparsifier", "magnitudes", "target_k", "validate_density"]
 
 
 def validate_density(density: float) -> float:
@@ -39,6 +39,12 @@ def target_k(n: int, density: float) -> int:
     return min(n, max(1, round(density * n)))
 
 
+def magnitudes(x: torch.Tensor) -> torch.Tensor:
+    """|x| in fp32: thresholds are Python floats, and comparing them against a bf16/fp16 tensor
+    would round the threshold to the tensor's dtype. fp32 magnitudes compare exactly."""
+    return x.abs().float()
+
+
 class Sparsifier(ABC):
     """Base class: validation, k, deviation reporting, state; subclasses implement ``_select``.
 
@@ -55,6 +61,9 @@ class Sparsifier(ABC):
         self.generator = torch.Generator().manual_seed(self.seed)
         self.last_k = 0
         self.last_count = 0
+        # Threshold estimators record the magnitude threshold of their last selection (every
+        # selected entry has |x| >= last_threshold); None for selectors without one.
+        self.last_threshold: float | None = None
 
     # -- public -----------------------------------------------------------------------
     def select(self, x: torch.Tensor, step: int = 0) -> SparseGrad:

@@ -1,15 +1,34 @@
-"""Random-k: k positions drawn uniformly without replacement (SSFusion §II baseline).
+"""Random-k: k positions drawn uniformly without replacement (SSFusion §II baseline, [65]).
 
 Randomness comes from the sparsifier's own seeded ``torch.Generator``: the same seed gives the
 same positions on every rank, and the global RNG is never touched.
+
+Cost is O(k log k), not O(n): for k ≪ n we draw positions *with* replacement and keep the first
+k distinct ones in draw order (sequential sampling: the first k distinct draws of an i.i.d.
+uniform stream are a uniform k-subset), topping up when duplicates left fewer than k. When k is
+a sizeable fraction of n, a full ``randperm`` is as cheap and is used instead.
 """
 
 from __future__ import annotations
+
+import math
 
 import torch
 
 from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier
+
+# Above this fraction k/n the expected number of draws, n·ln(n/(n−k)), approaches n: randperm.
+_RANDPERM_FRACTION = 0.25
+
+
+def _first_distinct(draws: torch.Tensor) -> torch.Tensor:
+    """The distinct values of ``draws`` in order of first occurrence."""
+    uniq, inverse = torch.unique(draws, return_inverse=True)
+    pos = torch.arange(draws.numel(), dtype=torch.int64)
+    first = torch.full((uniq.numel(),), draws.numel(), dtype=torch.int64)
+    first.scatter_reduce_(0, inverse, pos, reduce="amin")
+    return uniq[torch.argsort(first)]
 
 
 @registry.register("randomk")
@@ -18,4 +37,14 @@ class RandomK(Sparsifier):
 
     def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:
         n = x.numel()
-        return torch.randperm(n, generator=self.generator)[:k].to(x.device)
+        if k > _RANDPERM_FRACTION * n:
+            return torch.randperm(n, generator=self.generator)[:k].to(x.device)
+        draws = torch.empty(0, dtype=torch.int64)
+        have = 0
+        while have < k:
+            # Expected distinct values among m more draws ≈ m·(n − have)/n; 10% + 16 slack.
+            m = math.ceil((k - have) * n / (n - have) * 1.1) + 16
+            draws = torch.cat([draws, torch.randint(n, (m,), generator=self.generator)])
+            chosen = _first_distinct(draws)
+            have = chosen.numel()
+        return chosen[:k].to(x.device)
