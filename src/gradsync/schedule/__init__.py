@@ -1,0 +1,172 @@
+"""Planners: which gradients share a fusion buffer and how each buffer is sent.
+
+Pure functions of tensor names/sizes (backward order), a target density and, for the schemes
+that need one, a measured :class:`~gradsync.costmodel.CostModel` — no processes, no
+torch.distributed. ``make_plan(scheme, names, numel, density, cost)`` returns a JSON-safe
+:class:`Plan`; ``simulate(plan, cost)`` predicts its timeline.
+
+=============  =============================================================================
+scheme         plan
+=============  =============================================================================
+dense          fixed ``bucket_bytes`` buckets, all-reduced after the backward (fixed.py)
+dense_ovlp     the same buckets, each all-reduced as soon as it is ready (WFBP)
+topka …        one buffer with every tensor, sparsified as one vector (topka, topkdsa, gtopk,
+               gaussiank, oktopk, densestream — the engine picks the collective by name)
+multi_tensor,  MG-WFBP/OMGS merging on the cost model, fused sparsification (mgwfbp.py)
+omgs
+cupcake        exact DP over contiguous groupings minimising ``simulate`` (cupcake.py)
+per_tensor     cupcake's buffers (fixed buckets without a cost model), every tensor sparsified
+ssfusion       cupcake's buffers + Eq. 2 selection + density compensation (ssfusion.py)
+ssfusion_o     + SSFusion-O offloading
+ssfusion_oi    + SSFusion-I all-reduce / all-gather split
+=============  =============================================================================
+"""
+
+from __future__ import annotations
+
+from gradsync.costmodel import CostModel, missing_rate
+from gradsync.schedule.cupcake import cupcake_groups
+from gradsync.schedule.fixed import fixed_buckets
+from gradsync.schedule.mgwfbp import mgwfbp_groups
+from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
+from gradsync.schedule.simulate import Timeline, buffer_comm_time, buffer_parts, simulate
+from gradsync.schedule.ssfusion import (
+    best_split,
+    compensate,
+    interleave_buffer,
+    offload_buffer,
+    selective_buffers,
+)
+
+__all__ = [
+    "SCHEMES",
+    "BufferPlan",
+    "Plan",
+    "TensorPlan",
+    "Timeline",
+    "best_split",
+    "buffer_comm_time",
+    "buffer_parts",
+    "compensate",
+    "cupcake_groups",
+    "entries",
+    "fixed_buckets",
+    "make_plan",
+    "mgwfbp_groups",
+    "missing_rate",
+    "needs_cost_model",
+    "simulate",
+]
+
+SCHEMES = ("dense", "dense_ovlp", "topka", "topkdsa", "gtopk", "gaussiank", "oktopk",
+           "densestream", "per_tensor", "multi_tensor", "omgs", "cupcake", "ssfusion",
+           "ssfusion_o", "ssfusion_oi")
+_SINGLE_BUFFER = ("topka", "topkdsa", "gtopk", "gaussiank", "oktopk", "densestream")
+_NEEDS_COST = ("multi_tensor", "omgs", "cupcake", "ssfusion", "ssfusion_o", "ssfusion_oi")
+
+
+def needs_cost_model(scheme: str) -> bool:
+    """Whether ``make_plan(scheme, …)`` needs a cost model (``per_tensor`` uses one if given)."""
+    if scheme not in SCHEMES:
+        raise ValueError(f"unknown scheme {scheme!r}; available: {', '.join(SCHEMES)}")
+    return scheme in _NEEDS_COST
+
+
+def _check_density(x, what: str) -> float:
+    try:
+        d = float(x)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number in (0, 1], got {x!r}") from None
+    if not 0.0 < d <= 1.0:  # also rejects NaN
+        raise ValueError(f"{what} must be in (0, 1], got {x!r}")
+    return d
+
+
+def make_plan(
+    scheme: str,
+    names: list[str],
+    numel: dict[str, int],
+    density: float,
+    cost: CostModel | None = None,
+    *,
+    elem_bytes: int = 4,
+    bucket_bytes: int = 25 * 2**20,
+    min_density: float = 0.001,
+) -> Plan:
+    """Plan ``scheme`` for the tensors ``names`` (backward order) at target ``density``."""
+    needs = needs_cost_model(scheme)  # raises on an unknown scheme
+    density = _check_density(density, "density")
+    min_density = _check_density(min_density, "min_density")
+    names = [str(n) for n in names]
+    if not names:
+        raise ValueError("make_plan needs at least one tensor")
+    if len(set(names)) != len(names):
+        raise ValueError("make_plan: duplicate tensor names")
+    for n in names:
+        if n not in numel:
+            raise ValueError(f"make_plan: no numel for tensor {n!r}")
+        v = numel[n]
+        if isinstance(v, bool) or int(v) != v or v < 0:
+            raise ValueError(f"make_plan: numel[{n!r}] must be an integer >= 0, got {v!r}")
+    numel = {n: int(numel[n]) for n in names}
+    if int(elem_bytes) != elem_bytes or elem_bytes < 1:
+        raise ValueError(f"elem_bytes must be a positive integer, got {elem_bytes!r}")
+    if int(bucket_bytes) != bucket_bytes or bucket_bytes < 1:
+        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+    if cost is not None:
+        if not isinstance(cost, CostModel):
+            raise ValueError(f"cost must be a CostModel, got {type(cost).__name__}")
+        missing = [n for n in names if n not in cost.backward]
+        if missing:
+            raise ValueError(f"the cost model has no backward time for {missing[:5]}")
+    elif needs:
+        raise ValueError(f"scheme {scheme!r} needs a cost model (gradsync.costmodel)")
+
+    info: dict = {"density": density}
+
+    def dense_buffers(groups):
+        return [BufferPlan(tuple(TensorPlan(n, numel[n], None) for n in g), "dense")
+                for g in groups]
+
+    def fused_buffers(groups):
+        return [BufferPlan(tuple(TensorPlan(n, numel[n], None) for n in g), "fused", density)
+                for g in groups]
+
+    def per_tensor_buffers(groups):
+        return [BufferPlan(tuple(TensorPlan(n, numel[n], density) for n in g), "per_tensor")
+                for g in groups]
+
+    overlap = True
+    if scheme in ("dense", "dense_ovlp"):
+        buffers = dense_buffers(fixed_buckets(names, numel, elem_bytes, bucket_bytes))
+        overlap = scheme == "dense_ovlp"
+    elif scheme in _SINGLE_BUFFER:
+        buffers = fused_buffers([names])
+    elif scheme in ("multi_tensor", "omgs"):
+        buffers = fused_buffers(mgwfbp_groups(names, numel, cost, density))
+    elif scheme == "cupcake":
+        groups, t = cupcake_groups(names, numel, cost, density)
+        buffers = fused_buffers(groups)
+        info["dp_iteration"] = t
+    elif scheme == "per_tensor":
+        if cost is None:
+            groups = fixed_buckets(names, numel, elem_bytes, bucket_bytes)
+        else:
+            groups, _ = cupcake_groups(names, numel, cost, density)
+        buffers = per_tensor_buffers(groups)
+    else:  # ssfusion, ssfusion_o, ssfusion_oi
+        groups, _ = cupcake_groups(names, numel, cost, density)
+        buffers, info["eq2"] = selective_buffers(groups, numel, cost, density, min_density)
+        if scheme in ("ssfusion_o", "ssfusion_oi"):
+            pairs = [offload_buffer(b, cost) for b in buffers]
+            buffers, info["offload"] = [p[0] for p in pairs], [p[1] for p in pairs]
+        if scheme == "ssfusion_oi":
+            pairs = [interleave_buffer(b, cost) for b in buffers]
+            buffers, info["split"] = [p[0] for p in pairs], [p[1] for p in pairs]
+    plan = Plan(scheme, buffers, overlap=overlap, info=info)
+    if cost is not None:
+        tl = simulate(plan, cost)
+        info["predicted"] = {"iteration": tl.iteration, "backward": tl.backward,
+                             "sparsify": tl.sparsify, "comm": tl.comm,
+                             "exposed_comm": tl.exposed_comm}
+    return plan

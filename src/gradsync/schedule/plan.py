@@ -1,0 +1,159 @@
+"""What a planner returns: fusion buffers, and how each tensor in them is sent.
+
+A :class:`Plan` is a list of :class:`BufferPlan` in backward order; every buffer lists its
+:class:`TensorPlan` entries in backward order, and the buffers together cover every gradient
+tensor exactly once. Buffer modes (SSFusion §II-D):
+
+* ``"dense"`` — the buffer is all-reduced as it is (Dense / DenseOvlp / WFBP buckets);
+* ``"fused"`` — multi-tensor sparsification: the concatenated buffer is sparsified as one
+  vector at ``density`` (OMGS, Cupcake, TopkA/Ok-Topk/… with one buffer);
+* ``"per_tensor"`` — each tensor as its :class:`TensorPlan` says: sparsified at its own
+  ``density`` or sent dense (``density=None``), sparsified inline or on the worker thread
+  (``offload``, SSFusion-O), and dense tensors either in the buffer's all-gather part or in its
+  all-reduce part (``allreduce``, SSFusion-I).
+
+Plans are JSON-safe (``to_dict`` / ``from_dict``) so rank 0 can plan and broadcast.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+__all__ = ["MODES", "BufferPlan", "Plan", "TensorPlan", "entries"]
+
+MODES = ("dense", "fused", "per_tensor")
+
+
+def _check_density(d: Any, what: str) -> float:
+    try:
+        v = float(d)
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number in (0, 1], got {d!r}") from None
+    if math.isnan(v) or not 0.0 < v <= 1.0:
+        raise ValueError(f"{what} must be in (0, 1], got {d!r}")
+    return v
+
+
+def entries(numel: int, density: float | None) -> int:
+    """Entries a tensor contributes: k = max(1, round(density·n)) capped at n (the sparsifier
+    contract, ``target_k``), or all n when it is sent dense (``density is None``)."""
+    if numel <= 0:
+        return 0
+    if density is None:
+        return numel
+    return min(numel, max(1, round(density * numel)))
+
+
+@dataclass(frozen=True)
+class TensorPlan:
+    name: str
+    numel: int
+    density: float | None  # None: sent dense; else sparsified at this density
+    offload: bool = False  # SSFusion-O: sparsify on the worker thread
+    allreduce: bool = False  # SSFusion-I: travels in the buffer's all-reduce part
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"TensorPlan.name must be a non-empty string, got {self.name!r}")
+        if int(self.numel) != self.numel or self.numel < 0:
+            raise ValueError(f"TensorPlan {self.name!r}: numel must be an integer >= 0")
+        if self.density is not None:
+            object.__setattr__(self, "density",
+                               _check_density(self.density, f"density of {self.name!r}"))
+        if self.density is None and self.offload:
+            raise ValueError(f"TensorPlan {self.name!r}: a dense tensor cannot be offloaded")
+        if self.density is not None and self.allreduce:
+            raise ValueError(f"TensorPlan {self.name!r}: only dense tensors can be all-reduced")
+
+    @property
+    def k(self) -> int:
+        return entries(self.numel, self.density)
+
+
+@dataclass(frozen=True)
+class BufferPlan:
+    tensors: tuple[TensorPlan, ...]  # in backward order
+    mode: str  # "dense" | "fused" | "per_tensor"
+    density: float | None = None  # for mode "fused"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tensors", tuple(self.tensors))
+        if not self.tensors:
+            raise ValueError("a BufferPlan needs at least one tensor")
+        if self.mode not in MODES:
+            raise ValueError(f"buffer mode must be one of {MODES}, got {self.mode!r}")
+        if self.mode == "fused":
+            object.__setattr__(self, "density", _check_density(self.density, "fused density"))
+        elif self.density is not None:
+            raise ValueError(f"buffer mode {self.mode!r} takes no buffer density")
+        if self.mode != "per_tensor" and any(
+            t.density is not None or t.offload or t.allreduce for t in self.tensors
+        ):
+            raise ValueError(f"in a {self.mode!r} buffer every TensorPlan must be plain "
+                             "(density None, no offload, no allreduce)")
+
+    @property
+    def numel(self) -> int:
+        return sum(t.numel for t in self.tensors)
+
+    @property
+    def names(self) -> list[str]:
+        return [t.name for t in self.tensors]
+
+    def k(self) -> int:
+        """Entries this buffer puts into all-gather (0 for a dense buffer)."""
+        if self.mode == "dense":
+            return 0
+        if self.mode == "fused":
+            return entries(self.numel, self.density)
+        return sum(t.k for t in self.tensors if not t.allreduce)
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"mode": self.mode, "density": self.density,
+                "tensors": [{"name": t.name, "numel": t.numel, "density": t.density,
+                             "offload": t.offload, "allreduce": t.allreduce}
+                            for t in self.tensors]}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> BufferPlan:
+        return cls(tensors=tuple(TensorPlan(**t) for t in d["tensors"]), mode=d["mode"],
+                   density=d.get("density"))
+
+
+@dataclass
+class Plan:
+    scheme: str
+    buffers: list[BufferPlan]
+    overlap: bool = True  # False: communication starts only after the whole backward
+    info: dict = field(default_factory=dict)  # predicted times, Eq. 2 status, split points, …
+
+    def __post_init__(self) -> None:
+        self.buffers = list(self.buffers)
+        if not self.buffers:
+            raise ValueError("a Plan needs at least one buffer")
+        names = self.names
+        if len(set(names)) != len(names):
+            dup = sorted({n for n in names if names.count(n) > 1})
+            raise ValueError(f"plan lists tensors more than once: {dup[:5]}")
+
+    @property
+    def names(self) -> list[str]:
+        """Every tensor, in the plan's (backward) order."""
+        return [t.name for b in self.buffers for t in b.tensors]
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"scheme": self.scheme, "overlap": self.overlap,
+                "buffers": [b.to_dict() for b in self.buffers],
+                "info": json.loads(json.dumps(self.info, default=str))}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Plan:
+        try:
+            return cls(scheme=str(d["scheme"]),
+                       buffers=[BufferPlan.from_dict(b) for b in d["buffers"]],
+                       overlap=bool(d.get("overlap", True)), info=dict(d.get("info", {})))
+        except (KeyError, TypeError, AttributeError) as e:
+            raise ValueError(f"not a Plan dict: {e!r}") from None

@@ -1,0 +1,135 @@
+"""Timeline of one iteration under a :class:`Plan` and a :class:`CostModel`.
+
+The pipeline of SSFusion Fig. 1 / Fig. 7 / Fig. 8 / Fig. 10 as a recurrence:
+
+* the **compute stream** produces gradients in backward order, gradient l after T_b^l; inline
+  sparsification (T_gpu, per tensor in a ``per_tensor`` buffer, once per buffer over the
+  concatenation in a ``fused`` buffer when its last gradient is ready) runs on the same stream,
+  so it delays the rest of the backward;
+* **offloaded** sparsification (SSFusion-O) runs on one serial worker thread: a tensor starts
+  when its gradient is ready and the worker is free, and takes T_offload;
+* **communication** is one serial channel. Buffer i starts at max(its ready time, end of
+  buffer i−1's communication) and takes ``dense``: T_AR(n·elem_bytes) (Eq. 4);
+  ``fused``/``per_tensor``: T_AG(k·(4 + elem_bytes)) (Eq. 3) for its k sparse entries (a dense
+  tensor in the all-gather part counts all its n entries). A buffer with an all-reduce part
+  (SSFusion-I) runs T_AR(dense part) as soon as that part's tensors are ready and the channel
+  is free, then T_AG(sparse part) once both the all-reduce and the sparse part are done —
+  T2 = max(T_AR, compute of the rest) + T_AG of §IV-D.
+* ``overlap=False`` (Dense vs DenseOvlp): the channel opens only after the last gradient.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from gradsync.costmodel import CostModel
+from gradsync.schedule.plan import BufferPlan, Plan
+
+__all__ = ["Timeline", "buffer_parts", "simulate"]
+
+
+@dataclass
+class Timeline:
+    iteration: float  # seconds from the start of the backward to the end of the last message
+    backward: float  # Σ T_b
+    sparsify: float  # total sparsification work (inline + offloaded)
+    comm: float  # total time the channel is busy
+    exposed_comm: float  # iteration − end of the compute stream (communication not hidden)
+    buffers: list[dict[str, Any]] = field(default_factory=list)
+
+
+def buffer_parts(buf: BufferPlan, cost: CostModel) -> tuple[int, int]:
+    """(all-reduce bytes, all-gather bytes per rank) of one buffer."""
+    if buf.mode == "dense":
+        return buf.numel * cost.elem_bytes, 0
+    if buf.mode == "fused":
+        return 0, buf.k() * cost.entry_bytes
+    ar = sum(t.numel for t in buf.tensors if t.allreduce) * cost.elem_bytes
+    return ar, buf.k() * cost.entry_bytes
+
+
+def buffer_comm_time(buf: BufferPlan, cost: CostModel) -> float:
+    """T_cm of one buffer alone (both parts, back to back)."""
+    ar, ag = _parts(buf, cost)
+    return (cost.t_allreduce(ar[1]) if ar[0] else 0.0) + (cost.t_allgather(ag[1]) if ag[0] else 0.0)
+
+
+def _parts(buf: BufferPlan, cost: CostModel) -> tuple[tuple[bool, int], tuple[bool, int]]:
+    """((has AR part, bytes), (has AG part, bytes per rank)): an empty part launches nothing."""
+    ar_bytes, ag_bytes = buffer_parts(buf, cost)
+    if buf.mode == "dense":
+        return (True, ar_bytes), (False, 0)
+    if buf.mode == "fused":
+        return (False, 0), (True, ag_bytes)
+    has_ar = any(t.allreduce for t in buf.tensors)
+    has_ag = any(not t.allreduce for t in buf.tensors)
+    return (has_ar, ar_bytes), (has_ag, ag_bytes)
+
+
+def simulate(plan: Plan, cost: CostModel) -> Timeline:
+    """Predict one iteration of ``plan`` under ``cost`` (see the module docstring)."""
+    missing = [n for n in plan.names if n not in cost.backward]
+    if missing:
+        raise ValueError(f"the cost model has no backward time for {missing[:5]}")
+    clock = 0.0  # compute stream
+    worker = 0.0  # offload thread: free from this time on
+    backward = sparsify = 0.0
+    ready: list[tuple[float, float]] = []  # per buffer: (AR part ready, AG part ready)
+    for buf in plan.buffers:
+        t_ar = t_ag = 0.0
+        for t in buf.tensors:
+            clock += cost.backward[t.name]  # T_b^l
+            backward += cost.backward[t.name]
+            done = clock
+            if buf.mode == "per_tensor" and t.density is not None:
+                if t.offload:
+                    run = cost.t_sparsify(t.numel, offload=True)
+                    worker = max(worker, clock) + run
+                    done = worker
+                else:
+                    run = cost.t_sparsify(t.numel)
+                    clock += run
+                    done = clock
+                sparsify += run
+            if t.allreduce:
+                t_ar = max(t_ar, done)
+            else:
+                t_ag = max(t_ag, done)
+        if buf.mode == "fused":  # one sparsification of the concatenated buffer
+            run = cost.t_sparsify(buf.numel)
+            clock += run
+            sparsify += run
+            t_ag = clock
+        elif buf.mode == "dense":
+            t_ar, t_ag = t_ag, 0.0
+        ready.append((t_ar, t_ag))
+    compute_end = clock
+    channel = 0.0 if plan.overlap else compute_end
+    comm = 0.0
+    rows = []
+    for buf, (r_ar, r_ag) in zip(plan.buffers, ready):
+        (has_ar, ar_bytes), (has_ag, ag_bytes) = _parts(buf, cost)
+        row: dict[str, Any] = {"mode": buf.mode, "tensors": len(buf.tensors),
+                               "ar_bytes": ar_bytes, "ag_bytes": ag_bytes}
+        start = None
+        if has_ar:
+            s = max(r_ar, channel)
+            d = cost.t_allreduce(ar_bytes)
+            channel = s + d
+            comm += d
+            start = s
+            row.update(ar_ready=r_ar, ar_start=s, ar_end=channel)
+        if has_ag:
+            s = max(r_ag, channel)
+            d = cost.t_allgather(ag_bytes)
+            channel = s + d
+            comm += d
+            start = s if start is None else start
+            row.update(ag_ready=r_ag, ag_start=s, ag_end=channel)
+        row.update(ready=max(r_ar if has_ar else 0.0, r_ag if has_ag else 0.0), start=start,
+                   end=channel)
+        rows.append(row)
+    iteration = max(channel, compute_end, worker)
+    return Timeline(iteration=iteration, backward=backward, sparsify=sparsify, comm=comm,
+                    exposed_comm=iteration - compute_end, buffers=rows)
