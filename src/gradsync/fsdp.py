@@ -219,6 +219,7 @@ class TAGC:
             self._sparsifier = sparsify.get(name, density=density, seed=config.seed)
         self.force_pairwise_or = False  # tests: exercise the non-gloo OR path on gloo
         self.units: dict[str, _Unit] = {}
+        self._comms: dict[str, _TAGCReduceScatter] = {}
         names = {id(m): n for n, m in model.named_modules()}
         fsdp_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
         if not fsdp_modules:
@@ -229,8 +230,9 @@ class TAGC:
                 continue
             unit = self._layout(mname or "root", m, group, names, i)
             self.units[unit.name] = unit
+            self._comms[unit.name] = _TAGCReduceScatter(self, unit)
             m.set_force_sum_reduction_for_comms(True)
-            m.set_custom_reduce_scatter(_TAGCReduceScatter(self, unit))
+            m.set_custom_reduce_scatter(self._comms[unit.name])
 
     def _layout(self, uname: str, m: FSDPModule, group, names: dict[int, str],
                 i: int) -> _Unit:
@@ -300,6 +302,12 @@ class TAGC:
     def reset_stats(self) -> None:
         for u in self.units.values():
             u.stats = UnitStats()
+
+    def reduce_scatter(self, unit: str) -> ReduceScatter:
+        """The ReduceScatter installed on ``unit`` (what FSDP calls for it)."""
+        if unit not in self.units:
+            raise ValueError(f"unknown unit {unit!r}; units: {sorted(self.units)}")
+        return self._comms[unit]
 
     def plan(self) -> dict[str, dict[str, list[str]]]:
         """Per unit: which parameters travel compressed and which uncompressed."""
