@@ -29,7 +29,6 @@ from __future__ import annotations
 import numpy as np
 
 from gradsync.costmodel import CostModel
-from gradsync.schedule.plan import entries
 
 __all__ = ["cupcake_groups"]
 
@@ -44,12 +43,11 @@ def cupcake_groups(names: list[str], numel: dict[str, int], cost: CostModel,
     B = np.concatenate([[0.0], np.cumsum(tb)])
     N = np.concatenate([[0], np.cumsum(ns)])
     a, b = cost.sparsify.a, cost.sparsify.b
-    # T_cm of group (i, j] for every pair, from the group's element count.
-    sizes = N[None, :] - N[:, None]  # [i, j] = N_j − N_i
-    uniq, inv = np.unique(np.maximum(sizes, 0), return_inverse=True)
-    t_cm = np.array([cost.t_allgather(entries(int(s), density) * cost.entry_bytes)
-                     for s in uniq.tolist()])
-    C = t_cm[inv].reshape(sizes.shape)
+    # T_cm of group (i, j] for every pair (Eq. 3 on k(N_j − N_i) entries), vectorised.
+    sizes = np.maximum(N[None, :] - N[:, None], 0)  # [i, j] = N_j − N_i
+    k = np.where(sizes > 0, np.minimum(sizes, np.maximum(1, np.round(density * sizes))), 0)
+    p, ab = cost.P, cost.allgather
+    C = (p - 1) * ab.alpha + (p - 1) * (k * cost.entry_bytes) * ab.beta
     E = np.full((L + 1, L + 1), np.inf)  # E[m, j]
     E[0, 0] = 0.0
     parent = np.zeros((L + 1, L + 1), dtype=np.int64)

@@ -14,9 +14,14 @@ sparsification (sent dense) one by one until
 where T_gpu^j = 0 for an excluded tensor (its backward still runs; only its sparsification is
 saved). The first exclusion count that satisfies Eq. 2 is taken ("maximum overlap": excluding
 more would only shorten the computation that the previous buffer's communication hides).
+Exclusions stop at the compensation budget: a tensor is excluded only while the buffer's
+sparsified tensors, lowered to at most the density floor, can absorb the dense ones (so the
+buffer still sends ≈ density·n_i entries). The paper's argument (Insight #2: the excluded small
+tensors are a negligible share of the bytes) assumes exactly this; without the bound, Eq. 2 can
+be bought by sending large tensors dense, which Eq. 2 does not charge for.
 Eq. 2 is defined for 2 ≤ i ≤ M only: buffer 1 has no earlier communication to overlap with and,
 as in Fig. 7(b), stays per-tensor sparsified. When Eq. 2 cannot hold even with every tensor
-excluded (Σ T_b^j alone exceeds T_cm^{i−1}), the planner falls back to the exclusion count
+excluded within that budget, the planner falls back to the exclusion count
 (smallest first, 0..N_i) that minimises the simulated iteration time — keeping everything
 sparsified when excluding does not help — and records ``eq2: "unreachable"``.
 
@@ -138,12 +143,24 @@ def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: Cost
             # Σ_j (T_b^j + T_gpu^j) with the e smallest excluded (T_gpu = 0 for them)
             return tb + sum(tsp[n] for n in ascending[e:])
 
-        chosen = next((e for e in range(len(names) + 1) if t_cm_prev >= t_comp(e)), None)
+        # Compensation budget: exclude only while the sparsified tensors can absorb the dense
+        # ones above the density floor (the buffer then sends ≈ density·n_i entries);
+        # beyond it every exclusion adds traffic that Eq. 2 does not see.
+        # (same test as ``compensate``'s floor: Σ_S k(n, floor) ≥ density·n_i − Σ_D n).
+        floor, k_target = min(min_density, density), density * sum(numel[n] for n in names)
+        k_floor = [entries(numel[n], floor) for n in ascending]
+        e_max, dense_n = 0, 0
+        while e_max < len(names):
+            dense_n += numel[ascending[e_max]]
+            if sum(k_floor[e_max + 1:]) >= k_target - dense_n:
+                break
+            e_max += 1
+        chosen = next((e for e in range(e_max + 1) if t_cm_prev >= t_comp(e)), None)
         status = "holds"
         if chosen is None:  # Eq. 2 unreachable: least simulated time, ties to fewer exclusions
             status = "unreachable"
             best_t = None
-            for e in range(len(names) + 1):
+            for e in range(e_max + 1):
                 cand, _ = _per_tensor_buffer(names, numel, set(ascending[:e]), density,
                                              min_density)
                 rest = [_per_tensor_buffer(g, numel, set(), density, min_density)[0]
@@ -155,7 +172,8 @@ def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: Cost
         buf, cinfo = _per_tensor_buffer(names, numel, set(excluded), density, min_density)
         buffers.append(buf)
         infos.append({"buffer": i, "eq2": status, "T_cm_prev": t_cm_prev,
-                      "T_comp": t_comp(chosen), "excluded": list(excluded), **cinfo})
+                      "T_comp": t_comp(chosen), "max_excluded": e_max,
+                      "excluded": list(excluded), **cinfo})
     return buffers, infos
 
 
