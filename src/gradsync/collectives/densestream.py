@@ -1,0 +1,270 @@
+"""DenseStream allreduce (DSA): DenseStream §III-B, Algorithm 2 ``DenseStreamAllReduce``.
+
+Three phases, every partition on the wire DenseStream-encoded (§III-A,
+:mod:`gradsync.formats.densestream`):
+
+1. *balanced split* (Alg. 2 lines 15–16; the boundary consensus of Ok-Topk §3.1.1): each rank
+   cuts its sorted local indices into P′ equal-count parts; the cut points of all ranks are
+   averaged by one all-reduce of P′ integers (P′−1 cut points and a count of ranks that had any
+   index; a rank with an empty selection does not vote) into the global region boundaries
+   ``B[0] = 0 ≤ B[1] ≤ … ≤ B[P′] = numel``. They are re-evaluated every τ = 64 steps and kept
+   in between (``state_dict`` carries them).
+2. *scatter-reduce* by recursive halving (Alg. 2 line 17, Fig. 3): at distance d = P′/2, P′/4,
+   …, 1, rank r and r XOR d exchange the half of their current region range that the other
+   keeps, and reduce it into their own half; after log2 P′ rounds rank r holds region r
+   reduced over all ranks.
+3. *allgather* by recursive doubling (Alg. 2 line 18): at distance d = 1, 2, …, P′/2, rank r and
+   r XOR d exchange everything they hold; the ranges are disjoint, so this is a concatenation.
+
+P′ = 2^⌊log2 P⌋. For P that is not a power of two the P − P′ extra ranks are folded in first
+and out at the end, as in Rabenseifner's allreduce: among the first 2(P − P′) ranks each even
+rank sends its whole selection to the next odd rank, which adds it to its own; at the end the
+odd rank sends the complete result back.
+
+Each message pair is a length (one int64) and then the encoded bytes, both through
+:class:`~gradsync.collectives.comm.Comm`, so the byte counts are exact; an empty partition sends
+only its length. Indices are int64 in memory, int32 on the wire when numel < 2**31.
+
+Exact and bitwise identical on every rank: region j is summed once, by its owner, and the
+allgather and the unfold only copy the owner's bits (the DenseStream round trip is bitwise),
+so every rank scatters the same values into ``dense``. ``kept`` is every local index.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from gradsync.collectives import registry
+from gradsync.collectives.base import Collective
+from gradsync.collectives.comm import Comm
+from gradsync.formats import densestream as dsfmt
+from gradsync.sparsegrad import SparseGrad
+
+__all__ = ["DenseStreamAllreduce"]
+
+
+def _slice(sel: SparseGrad, lo: int, hi: int) -> SparseGrad:
+    """The entries of ``sel`` with index in ``[lo, hi)`` (indices stay global)."""
+    a, b = torch.searchsorted(sel.indices, torch.tensor([lo, hi], device=sel.device)).tolist()
+    return SparseGrad(sel.indices[a:b], sel.values[a:b], sel.numel, validate=False)
+
+
+def _reduce_sum(mine: SparseGrad, theirs: SparseGrad) -> SparseGrad:
+    """Sparse SUM of two selections (duplicates accumulate; indices stay sorted, unique)."""
+    if len(theirs) == 0:
+        return mine
+    if len(mine) == 0:
+        return theirs
+    union, inv = torch.unique(torch.cat([mine.indices, theirs.indices]), sorted=True,
+                              return_inverse=True)
+    vals = torch.zeros(union.numel(), dtype=mine.dtype, device=mine.device)
+    vals.index_add_(0, inv[:len(mine)], mine.values)    # each slot gets ≤ 1 value from each
+    vals.index_add_(0, inv[len(mine):], theirs.values)
+    return SparseGrad(union, vals, mine.numel, validate=False)
+
+
+def _concat(low: SparseGrad, high: SparseGrad) -> SparseGrad:
+    """Join selections over disjoint index ranges, ``low`` entirely below ``high``."""
+    return SparseGrad(torch.cat([low.indices, high.indices]),
+                      torch.cat([low.values, high.values]), low.numel, validate=False)
+
+
+@registry.register("densestream")
+class DenseStreamAllreduce(Collective):
+    """DSA (DenseStream Algorithm 2). ``tau``: steps between boundary re-evaluations (τ).
+
+    ``index_bytes``: width of starts and lengths on the wire (default 4 when numel < 2**31,
+    else 8).
+    """
+
+    name = "densestream"
+
+    def __init__(self, *, tau: int = 64, index_bytes: int | None = None,
+                 check_shapes: bool = True) -> None:
+        super().__init__(check_shapes=check_shapes)
+        if int(tau) < 1:
+            raise ValueError(f"densestream: tau must be >= 1, got {tau}")
+        if index_bytes not in (None, 4, 8):
+            raise ValueError(f"densestream: index_bytes must be 4, 8 or None, got {index_bytes}")
+        self.tau = int(tau)
+        self.index_bytes = index_bytes
+        # (numel, P′) → (step of the last evaluation, boundaries B[0..P′])
+        self._bounds: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+
+    # -- phase 1: balanced split ------------------------------------------------------------
+    def _balanced_split(self, sel: SparseGrad, comm: Comm, step: int, regions: int
+                        ) -> tuple[torch.Tensor, bool]:
+        """Boundaries ``B`` (int64, P′+1 entries) of the P′ regions; re-evaluated every τ."""
+        n = sel.numel
+        key = (n, regions)
+        held = self._bounds.get(key)
+        if held is not None and held[0] // self.tau == step // self.tau:
+            return held[1], False
+        if n * comm.size >= 2**63:
+            raise ValueError(f"densestream: numel {n} too large to average boundaries over "
+                             f"{comm.size} ranks in int64")
+        # Local cut points: region j starts at this rank's (j·k/P′)-th selected index.
+        k = len(sel)
+        vote = torch.zeros(regions, dtype=torch.int64)
+        if k:
+            j = torch.arange(1, regions)
+            vote[:regions - 1] = sel.indices.cpu()[(j * k) // regions]
+            vote[regions - 1] = 1                       # this rank votes
+        comm.all_reduce(vote)                          # one all-reduce of P′ integers
+        voters = int(vote[regions - 1])
+        if voters:
+            cuts = vote[:regions - 1] // voters        # average cut points (integer, exact)
+        else:                                          # nobody selected anything: even split
+            cuts = (torch.arange(1, regions) * n) // regions
+        bounds = torch.cat([torch.zeros(1, dtype=torch.int64), cuts,
+                            torch.tensor([n], dtype=torch.int64)])
+        self._bounds[key] = (step, bounds)
+        return bounds, True
+
+    # -- messages -----------------------------------------------------------------------
+    def _encode(self, part: SparseGrad, iw: int) -> torch.Tensor:
+        if len(part) == 0:
+            return torch.empty(0, dtype=torch.uint8, device=part.device)
+        return dsfmt.encode(part, index_bytes=iw)
+
+    def _decode(self, buf: torch.Tensor, like: SparseGrad, lo: int, hi: int) -> SparseGrad:
+        if buf.numel() == 0:
+            return SparseGrad.empty(like.numel, like.dtype, like.device)
+        got = dsfmt.decode(buf, numel=like.numel, dtype=like.dtype)
+        if len(got) and (int(got.indices[0]) < lo or int(got.indices[-1]) >= hi):
+            raise ValueError(f"densestream: a peer sent indices outside its range [{lo}, {hi})")
+        return got
+
+    @staticmethod
+    def _check_len(m: int, like: SparseGrad, iw: int) -> int:
+        most = dsfmt.HEADER_BYTES + like.numel * (2 * iw + like.values.element_size())
+        if not 0 <= m <= most:
+            raise ValueError(f"densestream: a peer announced {m} bytes (at most {most} possible)")
+        return m
+
+    def _exchange(self, part: SparseGrad, peer: int, comm: Comm, iw: int, lo: int, hi: int
+                  ) -> SparseGrad:
+        """Send ``part`` to ``peer`` and receive its partition (indices in ``[lo, hi)``)."""
+        payload = self._encode(part, iw)
+        n_out = torch.tensor([payload.numel()], dtype=torch.int64)
+        n_in = torch.zeros(1, dtype=torch.int64)
+        comm.sendrecv(n_out, peer, n_in, peer)         # sizes first
+        buf = torch.empty(self._check_len(int(n_in), part, iw), dtype=torch.uint8,
+                          device=part.device)
+        comm.sendrecv(payload, peer, buf, peer)
+        return self._decode(buf, part, lo, hi)
+
+    def _send(self, part: SparseGrad, peer: int, comm: Comm, iw: int) -> None:
+        payload = self._encode(part, iw)
+        comm.send(torch.tensor([payload.numel()], dtype=torch.int64), peer)
+        if payload.numel():
+            comm.send(payload, peer)
+
+    def _recv(self, like: SparseGrad, peer: int, comm: Comm, iw: int) -> SparseGrad:
+        n_in = torch.zeros(1, dtype=torch.int64)
+        comm.recv(n_in, peer)
+        buf = torch.empty(self._check_len(int(n_in), like, iw), dtype=torch.uint8,
+                          device=like.device)
+        if buf.numel():
+            comm.recv(buf, peer)
+        return self._decode(buf, like, 0, like.numel)
+
+    # -- Algorithm 2 ------------------------------------------------------------------------
+    def _reduce(
+        self, sel: SparseGrad, comm: Comm, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        P, r, n = comm.size, comm.rank, sel.numel
+        if P == 1:
+            return sel.to_dense(), sel.indices, {"regions": 1}
+        iw = self.index_bytes or (4 if n < 2**31 else 8)
+        if iw == 4 and n >= 2**31:
+            raise ValueError(f"densestream: index_bytes=4 needs numel < 2**31, got {n}")
+        p2 = 1 << (P.bit_length() - 1)                 # P′: ranks in halving/doubling
+        rem = P - p2
+        sent: dict[str, int] = {}
+
+        def mark(phase: str, before: int) -> int:
+            sent[phase] = comm.stats.bytes_sent - before
+            return comm.stats.bytes_sent
+
+        t = comm.stats.bytes_sent
+        B, recomputed = self._balanced_split(sel, comm, step, p2)
+        t = mark("balanced_split", t)
+        bounds = B.tolist()
+
+        # Fold (Rabenseifner): even ranks below 2·rem hand their selection to the next rank.
+        acc = sel
+        if r < 2 * rem:
+            if r % 2 == 0:
+                self._send(sel, r + 1, comm, iw)
+                me = -1                                # sits out halving and doubling
+            else:
+                acc = _reduce_sum(sel, self._recv(sel, r - 1, comm, iw))
+                me = r // 2
+        else:
+            me = r - rem
+        t = mark("fold", t)
+
+        def real(v: int) -> int:                       # rank of virtual rank v in 0..P′−1
+            return 2 * v + 1 if v < rem else v + rem
+
+        if me >= 0:
+            # Scatter-reduce, recursive halving: keep half of [lo, hi), send the other half.
+            lo, hi, d = 0, p2, p2 // 2
+            while d >= 1:
+                mid = (lo + hi) // 2
+                (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if me & d else \
+                    ((lo, mid), (mid, hi))
+                got = self._exchange(_slice(acc, bounds[slo], bounds[shi]), real(me ^ d), comm,
+                                     iw, bounds[klo], bounds[khi])
+                acc = _reduce_sum(_slice(acc, bounds[klo], bounds[khi]), got)
+                lo, hi, d = klo, khi, d // 2
+            region_nnz = len(acc)                      # region `me`, reduced over all ranks
+            t = mark("scatter_reduce", t)
+            # Allgather, recursive doubling: my 2^t regions for my partner's 2^t regions.
+            d = 1
+            while d < p2:
+                peer = me ^ d
+                plo = (peer // d) * d                  # partner holds regions [plo, plo + d)
+                got = self._exchange(acc, real(peer), comm, iw, bounds[plo], bounds[plo + d])
+                acc = _concat(got, acc) if me & d else _concat(acc, got)
+                d *= 2
+            t = mark("allgather", t)
+        else:
+            region_nnz = 0
+        # Unfold: the odd ranks return the complete result to the even ranks they absorbed.
+        if r < 2 * rem:
+            if r % 2 == 1:
+                self._send(acc, r - 1, comm, iw)
+            else:
+                acc = self._recv(sel, r + 1, comm, iw)
+        mark("unfold", t)
+        info = {"regions": p2, "boundaries": B, "boundaries_recomputed": recomputed,
+                "region_nnz": region_nnz, "global_nnz": len(acc), "bytes_sent_by_phase": sent}
+        return acc.to_dense(), sel.indices, info
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"tau": self.tau,
+                "boundaries": [{"numel": n, "regions": p, "step": s, "bounds": b.clone()}
+                               for (n, p), (s, b) in sorted(self._bounds.items())]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) != {"tau", "boundaries"}:
+            raise ValueError(f"densestream: unexpected state keys {sorted(state)}")
+        if int(state["tau"]) != self.tau:
+            raise ValueError(f"densestream: state saved with tau={state['tau']}, this "
+                             f"collective has tau={self.tau}")
+        loaded: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+        for e in state["boundaries"]:
+            n, p, b = int(e["numel"]), int(e["regions"]), e["bounds"].to(torch.int64)
+            if b.shape != (p + 1,) or int(b[0]) != 0 or int(b[-1]) != n or bool(
+                    (b[1:] < b[:-1]).any()):
+                raise ValueError(f"densestream: bad saved boundaries for numel={n}, P′={p}")
+            loaded[(n, p)] = (int(e["step"]), b.clone())
+        self._bounds = loaded
+
+    def __repr__(self) -> str:
+        return f"DenseStreamAllreduce(tau={self.tau}, index_bytes={self.index_bytes})"

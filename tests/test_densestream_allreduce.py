@@ -1,0 +1,198 @@
+"""DenseStream allreduce (DSA) on real gloo ranks: exact SUM, bitwise equal on every rank.
+
+One ``run_distributed`` call per world size runs every case. Each rank regenerates its input
+from the case's seed; the parent regenerates all ranks' inputs the same way and sums them
+with plain torch (in float64) as the independent reference.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import gradsync.collectives.densestream  # noqa: F401  (registers "densestream")
+from gradsync.collectives import get
+from gradsync.collectives.densestream import DenseStreamAllreduce
+from gradsync.sparsegrad import SparseGrad
+from gradsync.testing import run_distributed
+
+KINDS = ["overlap", "disjoint", "clustered", "empty_some", "empty_all", "dense", "runs"]
+
+
+def make_sel(case: dict, rank: int, world_size: int) -> SparseGrad:
+    """Rank ``rank``'s selection for ``case`` (deterministic in the case's seed)."""
+    n, kind, dtype = case["numel"], case["kind"], case["dtype"]
+    g = torch.Generator().manual_seed(case["seed"] * 1000 + rank)
+    shared = torch.Generator().manual_seed(case["seed"])
+    if kind == "overlap":      # a shared part plus a private part: partial overlap
+        common = torch.randperm(n, generator=shared)[: n // 20]
+        own = torch.randperm(n, generator=g)[: n // 10]
+        idx = torch.unique(torch.cat([common, own]))
+    elif kind == "disjoint":
+        idx = torch.arange(rank, n, world_size)
+        idx = idx[torch.rand(idx.numel(), generator=g) < 0.3]
+    elif kind == "clustered":  # everything in one narrow window: one region gets it all
+        lo = (3 * n) // 4
+        idx = torch.unique(lo + torch.randint(0, 40, (25,), generator=g))
+    elif kind == "empty_some":
+        idx = (torch.empty(0, dtype=torch.int64) if rank % 2 == 0
+               else torch.randperm(n, generator=g)[: n // 8])
+    elif kind == "empty_all":
+        idx = torch.empty(0, dtype=torch.int64)
+    elif kind == "dense":
+        idx = torch.arange(n)
+    elif kind == "runs":       # short runs with small gaps: multi-element DenseStream blocks
+        starts = torch.randperm(n - 6, generator=g)[: n // 30]
+        idx = torch.unique((starts[:, None] + torch.arange(5)[None, :]).reshape(-1))
+        idx = idx[torch.rand(idx.numel(), generator=g) < 0.7]
+    else:
+        raise AssertionError(kind)
+    idx = torch.sort(idx.to(torch.int64)).values
+    if case["values"] == "int":  # small integers: every summation order is exact
+        vals = torch.randint(-8, 9, (idx.numel(),), generator=g).to(dtype)
+    else:
+        vals = torch.randn(idx.numel(), generator=g).to(dtype)
+    return SparseGrad(idx, vals, n)
+
+
+def reference(case: dict, world_size: int) -> torch.Tensor:
+    acc = torch.zeros(case["numel"], dtype=torch.float64)
+    for r in range(world_size):
+        s = make_sel(case, r, world_size)
+        acc[s.indices] += s.values.double()
+    return acc
+
+
+def cases() -> list[dict]:
+    out, seed = [], 1
+    for dtype in (torch.float32, torch.bfloat16):
+        for kind in KINDS:
+            for values in ("int", "normal"):
+                numel = 1009 if seed % 2 else 1000        # 1009: not divisible by any P
+                out.append({"kind": kind, "dtype": dtype, "values": values, "numel": numel,
+                            "seed": seed})
+                seed += 1
+    out.append({"kind": "overlap", "dtype": torch.float16, "values": "int", "numel": 777,
+                "seed": seed})
+    out.append({"kind": "runs", "dtype": torch.float32, "values": "normal", "numel": 1009,
+                "seed": seed + 1, "index_bytes": 8})
+    return out
+
+
+def _rank_cases(rank: int, world_size: int, case_list: list[dict]) -> list[dict]:
+    results = []
+    for case in case_list:
+        coll = get("densestream", index_bytes=case.get("index_bytes"))
+        sel = make_sel(case, rank, world_size)
+        res = coll(sel, step=0)
+        results.append({"dense": res.dense, "kept": res.kept,
+                        "sent": res.stats.bytes_sent, "recv": res.stats.bytes_recv,
+                        "info": {k: v for k, v in res.info.items() if k != "boundaries"},
+                        "bounds": res.info.get("boundaries")})
+    return results
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int32) if t.element_size() == 4 else t.view(torch.int16)
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 4, 5, 8])
+def test_dsa_sum_exact_and_bitwise_identical(world_size):
+    case_list = cases()
+    per_rank = run_distributed(_rank_cases, world_size, case_list, timeout=240)
+    for c, case in enumerate(case_list):
+        outs = [per_rank[r][c] for r in range(world_size)]
+        what = f"P={world_size} {case}"
+        dense0 = outs[0]["dense"]
+        assert dense0.dtype == case["dtype"] and dense0.shape == (case["numel"],), what
+        for r, o in enumerate(outs):
+            # bitwise identical on every rank
+            assert torch.equal(_bits(o["dense"]), _bits(dense0)), f"{what}: rank {r} differs"
+            # exact collective: every local index is kept
+            assert torch.equal(o["kept"], make_sel(case, r, world_size).indices), what
+        ref = reference(case, world_size)
+        if case["values"] == "int":   # exact in any order: must match bit for bit
+            assert torch.equal(dense0, ref.to(case["dtype"])), what
+        else:
+            tol = 1e-5 if case["dtype"] == torch.float32 else 4e-2
+            torch.testing.assert_close(dense0.double(), ref, rtol=tol, atol=tol * 4, msg=what)
+        # every byte sent is received by someone
+        assert sum(o["sent"] for o in outs) == sum(o["recv"] for o in outs), what
+        if world_size > 1:
+            bounds = outs[0]["bounds"]
+            assert bounds[0] == 0 and bounds[-1] == case["numel"], what
+            assert bool((bounds[1:] >= bounds[:-1]).all()), what
+            for o in outs:
+                assert torch.equal(o["bounds"], bounds), what
+
+
+# -- traffic, boundaries and state ---------------------------------------------------------
+def _rank_traffic(rank: int, world_size: int, n: int) -> dict:
+    coll = DenseStreamAllreduce(tau=3)
+    # Every rank selects everything: regions are equal slices, each one dense block.
+    sel = SparseGrad(torch.arange(n), torch.full((n,), float(rank + 1)), n)
+    r0 = coll(sel, step=0)
+    r1 = coll(sel, step=1)                       # same τ window: boundaries reused
+    r3 = coll(sel, step=3)                       # next window: re-evaluated
+    state = coll.state_dict()
+    fresh = DenseStreamAllreduce(tau=3)
+    fresh.load_state_dict(state)
+    r4 = fresh(sel, step=4)                      # restored state: reused, no all-reduce
+    # Clustered selections move the boundaries towards the cluster.
+    clustered = SparseGrad(torch.arange(n - 64, n), torch.ones(64), n)
+    rc = DenseStreamAllreduce()(clustered, step=0)
+    return {"sent": [r.stats.bytes_sent for r in (r0, r1, r3, r4)],
+            "recomputed": [r.info["boundaries_recomputed"] for r in (r0, r1, r3, r4)],
+            "phases": r0.info["bytes_sent_by_phase"], "bounds": r0.info["boundaries"],
+            "dense": r4.dense, "clustered_bounds": rc.info["boundaries"],
+            "clustered_regions": rc.info["region_nnz"]}
+
+
+def test_dsa_traffic_boundaries_and_state_at_p4():
+    n, P = 4000, 4
+    outs = run_distributed(_rank_traffic, P, n, timeout=240)
+    for o in outs:
+        assert o["recomputed"] == [True, False, True, False]
+        assert torch.equal(o["dense"], torch.full((n,), float(sum(range(1, P + 1)))))
+        # equal-count cut points of arange(n): j·n/P
+        assert o["bounds"].tolist() == [0, 1000, 2000, 3000, 4000]
+        # Exact bytes (Comm's ring accounting for all-reduces: 2(P−1)/P · bytes):
+        shape_check = 2 * 3 * 32 // 4               # base class: 4 int64 words
+        split = 2 * 3 * (8 * P) // 4                # P′ = 4 int64 words
+        def block(m):                               # one DenseStream block of m fp32 values
+            return 32 + 8 + 4 * m
+        halving = (8 + block(2000)) + (8 + block(1000))
+        doubling = (8 + block(1000)) + (8 + block(2000))
+        assert o["phases"] == {"balanced_split": split, "fold": 0,
+                               "scatter_reduce": halving, "allgather": doubling, "unfold": 0}
+        assert o["sent"] == [shape_check + split + halving + doubling,
+                             shape_check + halving + doubling,
+                             shape_check + split + halving + doubling,
+                             shape_check + halving + doubling]
+        cb = o["clustered_bounds"].tolist()
+        assert cb == [0, n - 48, n - 32, n - 16, n]
+    assert [o["clustered_regions"] for o in outs] == [16, 16, 16, 16]
+
+
+def test_state_dict_validation_and_single_rank():
+    coll = DenseStreamAllreduce(tau=5)
+    sel = SparseGrad(torch.tensor([1, 4]), torch.tensor([2.0, -1.0]), 6)
+    res = coll(sel)
+    assert torch.equal(res.dense, torch.tensor([0, 2.0, 0, 0, -1.0, 0]))
+    assert torch.equal(res.kept, sel.indices) and res.stats.bytes_sent == 0
+    state = {"tau": 5, "boundaries": [{"numel": 10, "regions": 2, "step": 0,
+                                       "bounds": torch.tensor([0, 4, 10])}]}
+    coll.load_state_dict(state)
+    assert coll.state_dict()["boundaries"][0]["bounds"].tolist() == [0, 4, 10]
+    with pytest.raises(ValueError, match="tau"):
+        DenseStreamAllreduce(tau=6).load_state_dict(state)
+    with pytest.raises(ValueError, match="keys"):
+        coll.load_state_dict({"tau": 5})
+    bad = {"tau": 5, "boundaries": [{"numel": 10, "regions": 2, "step": 0,
+                                     "bounds": torch.tensor([0, 7, 4])}]}
+    with pytest.raises(ValueError, match="boundaries"):
+        coll.load_state_dict(bad)
+    with pytest.raises(ValueError, match="tau"):
+        DenseStreamAllreduce(tau=0)
+    with pytest.raises(ValueError, match="index_bytes"):
+        DenseStreamAllreduce(index_bytes=2)
