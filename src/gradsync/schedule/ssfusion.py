@@ -21,9 +21,10 @@ tensors are a negligible share of the bytes) assumes exactly this; without the b
 be bought by sending large tensors dense, which Eq. 2 does not charge for.
 Eq. 2 is defined for 2 ≤ i ≤ M only: buffer 1 has no earlier communication to overlap with and,
 as in Fig. 7(b), stays per-tensor sparsified. When Eq. 2 cannot hold even with every tensor
-excluded within that budget, the planner falls back to the exclusion count
-(smallest first, 0..N_i) that minimises the simulated iteration time — keeping everything
-sparsified when excluding does not help — and records ``eq2: "unreachable"``.
+excluded within that budget, the planner falls back to the exclusion count (smallest first,
+0..N_i) that minimises the simulated iteration time — keeping everything sparsified when
+excluding does not help; gains under 1 ppm (e.g. one entry saved by rounding) count as ties,
+which go to fewer exclusions — and records ``eq2: "unreachable"``.
 
 **Density-aware compensation.** The paper's four steps: (i) the buffer's element count n_i;
 (ii) the number of elements selective sparsification sends; (iii) their difference from the
@@ -166,7 +167,7 @@ def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: Cost
                 rest = [_per_tensor_buffer(g, numel, set(), density, min_density)[0]
                         for g in groups[i + 1:]]
                 t = simulate(Plan("ssfusion", [*buffers, cand, *rest]), cost).iteration
-                if best_t is None or t < best_t:
+                if best_t is None or t < best_t * (1 - 1e-6):  # < 1 ppm: a tie
                     best_t, chosen = t, e
         excluded = ascending[:chosen]
         buf, cinfo = _per_tensor_buffer(names, numel, set(excluded), density, min_density)

@@ -1,0 +1,521 @@
+"""Planners and the timeline simulator (pure; no processes).
+
+Expected values are computed here from the formulas (Eq. 2, 3, 4, §IV-C, §IV-D), not taken from
+the code under test.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradsync.costmodel import AffineFit, AlphaBeta, CostModel
+from gradsync.schedule import (
+    SCHEMES,
+    BufferPlan,
+    Plan,
+    TensorPlan,
+    best_split,
+    compensate,
+    cupcake_groups,
+    entries,
+    fixed_buckets,
+    make_plan,
+    mgwfbp_groups,
+    needs_cost_model,
+    selective_buffers,
+    simulate,
+)
+from gradsync.sparsify.base import target_k
+
+
+def cost_model(numel, tb, *, P=4, sp=(2e-4, 1e-9), off=(4e-4, 3e-9), ar=(5e-5, 1e-9),
+               ag=(5e-5, 1e-9), elem_bytes=4):
+    names = list(numel)
+    return CostModel(P=P, order=names, numel=dict(numel), elem_bytes=elem_bytes,
+                     backward=dict(tb), sparsify=AffineFit(*sp), offload=AffineFit(*off),
+                     allreduce=AlphaBeta(*ar), allgather=AlphaBeta(*ag))
+
+
+def random_model(seed, L=None, sizes=(32, 300, 4096, 50_000, 400_000)):
+    rng = random.Random(seed)
+    L = L or rng.randint(3, 40)
+    names = [f"p{i}" for i in range(L)]
+    numel = {n: rng.choice(sizes) for n in names}
+    tb = {n: rng.uniform(2e-5, 2e-4) + numel[n] * rng.uniform(0, 3e-9) for n in names}
+    cm = cost_model(numel, tb, P=rng.choice([2, 4, 8, 16]),
+                    sp=(rng.uniform(0, 4e-4), rng.uniform(0, 3e-9)),
+                    off=(rng.uniform(0, 8e-4), rng.uniform(0, 6e-9)),
+                    ar=(rng.uniform(1e-6, 2e-4), rng.uniform(1e-11, 3e-9)),
+                    ag=(rng.uniform(1e-6, 2e-4), rng.uniform(1e-11, 3e-9)))
+    return names, numel, cm
+
+
+# ---- the comm formulas, written out here (Eq. 3 and Eq. 4) ---------------------------------
+def t_ar(cm, nbytes):
+    return 2 * (cm.P - 1) * cm.allreduce.alpha + 2 * (cm.P - 1) / cm.P * nbytes * cm.allreduce.beta
+
+
+def t_ag(cm, nbytes):
+    return (cm.P - 1) * cm.allgather.alpha + (cm.P - 1) * nbytes * cm.allgather.beta
+
+
+# ---------------------------------------------------------------------------------------------
+def test_every_scheme_covers_every_tensor_once_in_backward_order():
+    for seed in range(6):
+        names, numel, cm = random_model(seed)
+        for scheme in SCHEMES:
+            plan = make_plan(scheme, names, numel, 0.01, cm)
+            assert plan.names == names, scheme
+            assert plan.scheme == scheme
+            for b in plan.buffers:
+                for t in b.tensors:
+                    assert t.numel == numel[t.name]
+            if scheme in ("per_tensor",):
+                assert all(t.density == 0.01 for b in plan.buffers for t in b.tensors)
+            # the plan's predicted time is the simulator's
+            assert plan.info["predicted"]["iteration"] == pytest.approx(
+                simulate(plan, cm).iteration)
+        for scheme in ("dense", "dense_ovlp", "topka", "oktopk", "per_tensor"):
+            assert make_plan(scheme, names, numel, 0.05).names == names  # no cost model needed
+
+
+def test_scheme_shapes():
+    names, numel, cm = random_model(3, L=12)
+    d = make_plan("dense", names, numel, 0.01, bucket_bytes=1 << 20)
+    o = make_plan("dense_ovlp", names, numel, 0.01, bucket_bytes=1 << 20)
+    assert not d.overlap and o.overlap
+    assert [b.names for b in d.buffers] == [b.names for b in o.buffers]
+    assert all(b.mode == "dense" for b in d.buffers)
+    for s in ("topka", "topkdsa", "gtopk", "gaussiank", "oktopk", "densestream"):
+        p = make_plan(s, names, numel, 0.02)
+        assert len(p.buffers) == 1 and p.buffers[0].mode == "fused"
+        assert p.buffers[0].density == 0.02
+    for s in ("multi_tensor", "omgs", "cupcake"):
+        assert all(b.mode == "fused" for b in make_plan(s, names, numel, 0.01, cm).buffers)
+    cup = make_plan("cupcake", names, numel, 0.01, cm)
+    for s in ("per_tensor", "ssfusion", "ssfusion_o", "ssfusion_oi"):
+        p = make_plan(s, names, numel, 0.01, cm)
+        assert [b.names for b in p.buffers] == [b.names for b in cup.buffers], s
+        assert all(b.mode == "per_tensor" for b in p.buffers)
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.integers(1, 20000))
+def test_fixed_buckets_respect_the_byte_cap(sizes, cap):
+    names = [f"t{i}" for i in range(len(sizes))]
+    numel = dict(zip(names, sizes))
+    groups = fixed_buckets(names, numel, 4, cap)
+    assert [n for g in groups for n in g] == names
+    for i, g in enumerate(groups):
+        nbytes = sum(numel[n] * 4 for n in g)
+        assert nbytes <= cap or len(g) == 1
+        if i + 1 < len(groups):  # a bucket closes only when the next tensor does not fit
+            assert nbytes + numel[groups[i + 1][0]] * 4 > cap
+
+
+@settings(max_examples=100, deadline=None)
+@given(st.integers(0, 10**7), st.floats(1e-6, 1.0))
+def test_entries_is_the_sparsifier_k(n, d):
+    assert entries(n, d) == target_k(n, d)
+    assert entries(n, None) == n
+
+
+# ---- simulator on hand-built timelines ------------------------------------------------------
+def test_simulate_dense_buckets_with_and_without_overlap():
+    # P=2: T_AR(B) = 2α + B·β; α = 0.5, β = 0.01 s/B; every bucket is 200 B → 3 s.
+    numel = {"a": 25, "b": 25, "c": 50}
+    cm = cost_model(numel, {"a": 1.0, "b": 2.0, "c": 1.0}, P=2, ar=(0.5, 0.01))
+    buckets = [BufferPlan((TensorPlan("a", 25, None), TensorPlan("b", 25, None)), "dense"),
+               BufferPlan((TensorPlan("c", 50, None),), "dense")]
+    # overlap: bucket 1 ready at 3, sent 3→6; bucket 2 ready at 4, waits, 6→9.
+    tl = simulate(Plan("dense_ovlp", buckets, overlap=True), cm)
+    assert tl.iteration == pytest.approx(9.0)
+    assert tl.backward == pytest.approx(4.0) and tl.sparsify == 0
+    assert tl.comm == pytest.approx(6.0) and tl.exposed_comm == pytest.approx(5.0)
+    # no overlap: the channel opens at 4: 4→7, 7→10.
+    tl = simulate(Plan("dense", buckets, overlap=False), cm)
+    assert tl.iteration == pytest.approx(10.0) and tl.exposed_comm == pytest.approx(6.0)
+    assert [r["start"] for r in tl.buffers] == pytest.approx([4.0, 7.0])
+
+
+def test_simulate_fused_buffers():
+    # P=3: T_AG(B) = 2α + 2Bβ, α=0.1, β=0.001; T_sp = 0.2 + 1e-4·n.
+    numel = {"x": 1000, "y": 3000}
+    cm = cost_model(numel, {"x": 1.0, "y": 1.0}, P=3, sp=(0.2, 1e-4), ag=(0.1, 0.001))
+    plan = Plan("cupcake", [BufferPlan((TensorPlan("x", 1000, None),), "fused", 0.01),
+                            BufferPlan((TensorPlan("y", 3000, None),), "fused", 0.01)])
+    # x: ready 1 + (0.2+0.1) = 1.3; k=10 → 80 B → 0.2 + 0.16 = 0.36 → ends 1.66
+    # y: compute 1.3 + 1 = 2.3, sparsify 0.2+0.3 → ready 2.8; k=30 → 240 B → 0.68 → 3.48
+    tl = simulate(plan, cm)
+    assert tl.iteration == pytest.approx(3.48)
+    assert tl.sparsify == pytest.approx(0.8)
+    assert tl.comm == pytest.approx(0.36 + 0.68)
+    one = Plan("topka", [BufferPlan((TensorPlan("x", 1000, None), TensorPlan("y", 3000, None)),
+                                    "fused", 0.01)])
+    # one buffer: ready 2 + 0.2 + 0.4 = 2.6; k=40 → 320 B → 0.84 → 3.44
+    assert simulate(one, cm).iteration == pytest.approx(3.44)
+
+
+def test_simulate_per_tensor_offload_and_interleaving():
+    # P=2: T_AR(B) = 2α_r + Bβ_r (α_r=0.05, β_r=0.001), T_AG(B) = α_g + Bβ_g (α_g=0.1,
+    # β_g=0.002). Inline T_sp = 0.5, offloaded 1.5 (b = 0).
+    numel = {"u": 100, "v": 1000, "w": 2000, "z": 10}
+    tb = {"u": 1.0, "v": 1.0, "w": 1.0, "z": 1.0}
+    cm = cost_model(numel, tb, P=2, sp=(0.5, 0.0), off=(1.5, 0.0), ar=(0.05, 0.001),
+                    ag=(0.1, 0.002))
+    buf = BufferPlan((TensorPlan("u", 100, None, allreduce=True),
+                      TensorPlan("v", 1000, 0.01),
+                      TensorPlan("w", 2000, 0.01, offload=True),
+                      TensorPlan("z", 10, None)), "per_tensor")
+    # compute: u ready 1; v ready 2, inline sparsify → 2.5; w grad at 3.5, worker 3.5→5.0;
+    # z ready 4.5. AR part (u, 400 B): ready 1 → 0.1 + 0.4 = 0.5 → 1.0..1.5.
+    # AG part: v k=10, w k=20, z 10 dense entries → 40 entries × 8 B = 320 B → 0.1+0.64=0.74;
+    # ready = max(2.5, 5.0, 4.5) = 5.0 → 5.0..5.74.
+    tl = simulate(Plan("ssfusion_oi", [buf]), cm)
+    row = tl.buffers[0]
+    assert row["ar_start"] == pytest.approx(1.0) and row["ar_end"] == pytest.approx(1.5)
+    assert row["ag_start"] == pytest.approx(5.0) and row["ag_end"] == pytest.approx(5.74)
+    assert tl.iteration == pytest.approx(5.74)
+    assert tl.sparsify == pytest.approx(2.0)
+    assert tl.exposed_comm == pytest.approx(5.74 - 4.5)
+    # the same buffer with w inline: w done at 4.0, z ready at 5.0 → AG 5.0..5.74 as well,
+    # but the compute stream now ends at 5.0
+    inline = BufferPlan(tuple(TensorPlan(t.name, t.numel, t.density, False, t.allreduce)
+                              for t in buf.tensors), "per_tensor")
+    tl2 = simulate(Plan("ssfusion_i", [inline]), cm)
+    assert tl2.iteration == pytest.approx(5.74) and tl2.exposed_comm == pytest.approx(0.74)
+
+
+# ---- Cupcake's DP -----------------------------------------------------------------------------
+def contiguous_groupings(names):
+    L = len(names)
+    for cuts in itertools.product([False, True], repeat=L - 1):
+        groups, cur = [], [names[0]]
+        for n, cut in zip(names[1:], cuts):
+            if cut:
+                groups.append(cur)
+                cur = []
+            cur.append(n)
+        groups.append(cur)
+        yield groups
+
+
+def fused_plan(groups, numel, density):
+    return Plan("x", [BufferPlan(tuple(TensorPlan(n, numel[n], None) for n in g), "fused",
+                                 density) for g in groups])
+
+
+def test_cupcake_dp_equals_brute_force_over_contiguous_groupings():
+    for seed in range(12):
+        names, numel, cm = random_model(100 + seed, L=random.Random(seed).randint(1, 10))
+        density = random.Random(seed).choice([0.001, 0.01, 0.1])
+        groups, t_dp = cupcake_groups(names, numel, cm, density)
+        brute = min(simulate(fused_plan(g, numel, density), cm).iteration
+                    for g in contiguous_groupings(names))
+        got = simulate(fused_plan(groups, numel, density), cm).iteration
+        assert got == pytest.approx(brute, rel=1e-9, abs=1e-12)
+        assert t_dp == pytest.approx(got, rel=1e-9, abs=1e-12)
+
+
+def test_cupcake_is_never_worse_than_fixed_wfbp_or_one_buffer():
+    for seed in range(15):
+        names, numel, cm = random_model(200 + seed)
+        cup = simulate(make_plan("cupcake", names, numel, 0.01, cm), cm).iteration
+        others = {
+            "single": [names],
+            "wfbp": [[n] for n in names],
+            "mgwfbp": mgwfbp_groups(names, numel, cm, 0.01),
+            "fixed": fixed_buckets(names, numel, 4, 1 << 20),
+        }
+        for what, groups in others.items():
+            t = simulate(fused_plan(groups, numel, 0.01), cm).iteration
+            assert cup <= t * (1 + 1e-12), (seed, what)
+
+
+def test_single_rank_fuses_everything():
+    names, numel, cm = random_model(7, L=15)
+    cm.P = 1  # no communication cost at all: one sparsification start-up is best
+    assert len(make_plan("cupcake", names, numel, 0.01, cm).buffers) == 1
+
+
+def test_mgwfbp_merges_when_startup_dominates_and_splits_when_it_does_not():
+    names = [f"t{i}" for i in range(6)]
+    numel = dict.fromkeys(names, 1000)
+    tb = dict.fromkeys(names, 1e-3)
+    # huge start-up, free bytes → merging never delays enough to pay: one buffer
+    cm = cost_model(numel, tb, P=4, sp=(0, 0), ag=(1.0, 0))
+    assert len(mgwfbp_groups(names, numel, cm, 0.1)) == 1
+    # no start-up, bytes cost → sending each gradient when ready is as good: never merge
+    # would delay; WFBP (one per tensor)
+    cm = cost_model(numel, tb, P=4, sp=(0, 0), ag=(0, 1e-7))
+    assert len(mgwfbp_groups(names, numel, cm, 0.1)) == len(names)
+
+
+# ---- SSFusion: Eq. 2 selection and compensation -----------------------------------------------
+def eq2_comp(buf, cm):
+    """Σ_j (T_b^j + T_gpu^j) over the buffer, T_gpu = 0 for a dense tensor."""
+    return sum(cm.backward[t.name] + (cm.sparsify.a + cm.sparsify.b * t.numel
+                                      if t.density is not None else 0.0) for t in buf.tensors)
+
+
+def comm_time(buf, cm):
+    """T_cm of a per-tensor buffer without an all-reduce part (everything all-gathered)."""
+    k = sum(t.numel if t.density is None else target_k(t.numel, t.density) for t in buf.tensors)
+    return t_ag(cm, k * (4 + cm.elem_bytes))
+
+
+def test_eq2_holds_with_the_fewest_exclusions_of_the_smallest_tensors():
+    # buffer 0: one big tensor whose all-gather takes T_cm^1; buffer 1: three small tensors
+    # and a large one. Inline T_sp = 1 ms each (b = 0), T_b = 0.1 ms each.
+    numel = {"big0": 2_000_000, "s1": 300, "s2": 100, "s3": 200, "big4": 1_000_000}
+    tb = dict.fromkeys(numel, 1e-4)
+    # T_cm^1 = 3α + 3·k·8·β with k = 20000 → choose β so that T_cm^1 = 2.45 ms:
+    # all sparsified: 0.4 + 4 = 4.4 ms; −s2: 3.4; −s3: 2.4 ≤ 2.45 → exactly two exclusions.
+    beta = (2.45e-3 - 3 * 1e-5) / (3 * 20000 * 8)
+    cm = cost_model(numel, tb, P=4, sp=(1e-3, 0.0), ag=(1e-5, beta))
+    groups = [["big0"], ["s1", "s2", "s3", "big4"]]
+    bufs, info = selective_buffers(groups, numel, cm, 0.01)
+    assert info[0]["eq2"] == "n/a" and all(t.density is not None for t in bufs[0].tensors)
+    assert info[1]["eq2"] == "holds"
+    assert sorted(info[1]["excluded"]) == ["s2", "s3"]  # the two smallest
+    dense = {t.name for t in bufs[1].tensors if t.density is None}
+    assert dense == {"s2", "s3"}
+    assert comm_time(bufs[0], cm) >= eq2_comp(bufs[1], cm)  # Eq. 2
+    # one exclusion fewer (only s2) would violate it
+    assert comm_time(bufs[0], cm) < eq2_comp(bufs[1], cm) + 1e-3
+
+
+def test_eq2_on_random_plans_holds_where_reported_and_excludes_smallest_first():
+    holds = unreachable = 0
+    for seed in range(25):
+        names, numel, cm = random_model(300 + seed)
+        plan = make_plan("ssfusion", names, numel, 0.01, cm)
+        for i, (buf, inf) in enumerate(zip(plan.buffers, plan.info["eq2"])):
+            dense = [t for t in buf.tensors if t.density is None]
+            sparse = [t for t in buf.tensors if t.density is not None]
+            if dense and sparse:  # excluded tensors are never larger than sparsified ones
+                assert max(t.numel for t in dense) <= min(t.numel for t in sparse)
+            if i == 0:
+                assert inf["eq2"] == "n/a" and not dense
+                continue
+            prev = comm_time(plan.buffers[i - 1], cm)
+            if inf["eq2"] == "holds":
+                holds += 1
+                assert prev >= eq2_comp(buf, cm) * (1 - 1e-12)
+            else:
+                unreachable += 1
+                assert inf["eq2"] == "unreachable"
+    assert holds and unreachable  # both paths exercised
+
+
+def test_eq2_unreachable_falls_back_sensibly():
+    # previous buffer's communication is tiny; the backward alone exceeds it → unreachable.
+    numel = {"a": 1_000_000, "b": 50, "c": 80, "d": 500_000}
+    tb = dict.fromkeys(numel, 1e-2)
+    # sparsification costs nothing: excluding cannot help → everything stays sparsified
+    cm = cost_model(numel, tb, P=4, sp=(0.0, 0.0), ag=(1e-6, 1e-12))
+    bufs, info = selective_buffers([["a"], ["b", "c", "d"]], numel, cm, 0.01)
+    assert info[1]["eq2"] == "unreachable"
+    assert info[1]["excluded"] == [] and all(t.density == 0.01 for t in bufs[1].tensors)
+    # expensive sparsification start-up: excluding the small ones now shortens the iteration
+    cm = cost_model(numel, tb, P=4, sp=(5e-3, 0.0), ag=(1e-6, 1e-12))
+    bufs, info = selective_buffers([["a"], ["b", "c", "d"]], numel, cm, 0.01)
+    assert info[1]["eq2"] == "unreachable"
+    assert sorted(info[1]["excluded"]) == ["b", "c"]
+    base = [BufferPlan(tuple(TensorPlan(n, numel[n], 0.01) for n in g), "per_tensor")
+            for g in (["a"], ["b", "c", "d"])]
+    assert simulate(Plan("s", bufs), cm).iteration < simulate(Plan("p", base), cm).iteration
+
+
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(20_000, 2_000_000), min_size=1, max_size=8),
+       st.lists(st.integers(1, 2000), min_size=0, max_size=10),
+       st.sampled_from([0.005, 0.01, 0.05]))
+def test_compensation_keeps_the_buffer_at_the_target_density(large, small, density):
+    numels = small + large
+    sparse = [False] * len(small) + [True] * len(large)
+    d, info = compensate(numels, sparse, density, min_density=0.001)
+    k_target = density * sum(numels)
+    k = sum(small) + sum(target_k(n, d) for n in large)
+    assert info["k_sent"] == k
+    assert d >= 0.001 and d <= density
+    if info["floor"]:
+        assert d == 0.001
+        assert sum(target_k(n, 0.001) for n in large) >= k_target - sum(small)
+    else:
+        assert abs(k - k_target) <= 0.03 * k_target + len(large)
+
+
+def test_compensation_floor_and_no_op_cases():
+    d, info = compensate([1000, 10**6], [False, True], 0.01)
+    assert d == pytest.approx((0.01 * 1_001_000 - 1000) / 10**6, rel=1e-3)
+    d, info = compensate([50_000, 10**6], [False, True], 0.01)  # dense part too big
+    assert d == 0.001 and info["floor"]
+    d, info = compensate([10**6, 10**6], [True, True], 0.01)  # nothing excluded
+    assert d == 0.01
+    d, info = compensate([10**6], [True], 0.0005)  # target below the floor: never raised
+    assert d == 0.0005
+    assert compensate([10, 20], [False, False], 0.01)[0] is None
+
+
+def test_ssfusion_plan_sends_about_the_target_volume():
+    for seed in range(10):
+        names, numel, cm = random_model(400 + seed, sizes=(64, 512, 200_000, 1_000_000))
+        plan = make_plan("ssfusion", names, numel, 0.01, cm)
+        for buf, inf in zip(plan.buffers, plan.info["eq2"]):
+            k = sum(t.k for t in buf.tensors)
+            target = 0.01 * buf.numel
+            if not inf["floor"]:
+                assert abs(k - target) <= 0.03 * target + len(buf.tensors)
+            for t in buf.tensors:
+                assert t.density is None or t.density >= 0.001
+
+
+# ---- SSFusion-O ------------------------------------------------------------------------------
+def test_offload_marks_exactly_the_tensors_that_finish_within_the_buffer_backward():
+    checked = 0
+    for seed in range(25):
+        names, numel, cm = random_model(500 + seed)
+        plan = make_plan("ssfusion_o", names, numel, 0.01, cm)
+        for buf in plan.buffers:
+            bound = sum(cm.backward[t.name] for t in buf.tensors)
+            clock = worker = 0.0
+            for t in buf.tensors:
+                clock += cm.backward[t.name]
+                if t.density is None:
+                    assert not t.offload
+                    continue
+                finish = max(clock, worker) + cm.offload.a + cm.offload.b * t.numel
+                if t.offload:
+                    assert finish <= bound * (1 + 1e-12)
+                    worker = finish
+                    checked += 1
+                else:  # kept inline only when offloading it would overrun the backward
+                    assert finish > bound
+                    clock += cm.sparsify.a + cm.sparsify.b * t.numel
+    assert checked > 0
+
+
+# ---- SSFusion-I -------------------------------------------------------------------------------
+def brute_t1_t2(tb, tsp, dense, dbytes, agbytes, P, ar, ag):
+    n = len(tb)
+    best = math.inf
+    for l in range(n + 1):
+        in_ar = [j < l and dense[j] for j in range(n)]
+        t1 = sum(tb[j] + tsp[j] for j in range(l))
+        rest = sum(tb[j] + tsp[j] for j in range(l, n))
+        ar_b = sum(dbytes[j] for j in range(n) if in_ar[j])
+        ag_b = sum(agbytes[j] for j in range(n) if not in_ar[j])
+        tar = (2 * (P - 1) * ar[0] + 2 * (P - 1) / P * ar_b * ar[1]) if any(in_ar) else 0.0
+        tag = ((P - 1) * ag[0] + (P - 1) * ag_b * ag[1]) if not all(in_ar) else 0.0
+        best = min(best, t1 + max(tar, rest) + tag)
+    return best
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.data())
+def test_best_split_is_the_brute_force_minimum_of_t1_plus_t2(data):
+    n = data.draw(st.integers(1, 9))
+    f = st.floats(0, 1e-2)
+    tb = data.draw(st.lists(f, min_size=n, max_size=n))
+    tsp = data.draw(st.lists(f, min_size=n, max_size=n))
+    dense = data.draw(st.lists(st.booleans(), min_size=n, max_size=n))
+    tsp = [0.0 if d else s for d, s in zip(dense, tsp)]
+    dbytes = data.draw(st.lists(st.integers(4, 10**6), min_size=n, max_size=n))
+    agbytes = [b * 2 if d else data.draw(st.integers(8, 10**5)) for b, d in zip(dbytes, dense)]
+    P = data.draw(st.integers(1, 64))
+    ar = (data.draw(st.floats(0, 1e-3)), data.draw(st.floats(0, 1e-8)))
+    ag = (data.draw(st.floats(0, 1e-3)), data.draw(st.floats(0, 1e-8)))
+    cm = cost_model({"x": 1}, {"x": 0.0}, P=P, ar=ar, ag=ag)
+    l, v = best_split(tb, tsp, dense, dbytes, agbytes, cm.t_allreduce, cm.t_allgather)
+    assert 0 <= l <= n
+    expect = brute_t1_t2(tb, tsp, dense, dbytes, agbytes, P, ar, ag)
+    assert v == pytest.approx(expect, rel=1e-9, abs=1e-15)
+
+
+def test_ssfusion_oi_splits_every_buffer_at_its_best_split():
+    seen_ar = 0
+    for seed in range(20):
+        names, numel, cm = random_model(600 + seed)
+        cm.allgather = AlphaBeta(cm.allgather.alpha, cm.allreduce.beta * 20)  # AG expensive
+        plan = make_plan("ssfusion_oi", names, numel, 0.01, cm)
+        base = make_plan("ssfusion_o", names, numel, 0.01, cm)
+        for buf, ref, sp in zip(plan.buffers, base.buffers, plan.info["split"]):
+            # same sparsification decisions as SSFusion-O; only the all-reduce flags differ
+            assert [(t.name, t.density, t.offload) for t in buf.tensors] == \
+                   [(t.name, t.density, t.offload) for t in ref.tensors]
+            l = sp["split"]
+            flags = [t.allreduce for t in buf.tensors]
+            assert flags == [j < l and t.density is None for j, t in enumerate(buf.tensors)]
+            seen_ar += sum(flags)
+            ts = buf.tensors
+            tsp = [0.0 if t.density is None or t.offload else
+                   cm.sparsify.a + cm.sparsify.b * t.numel for t in ts]
+            expect = brute_t1_t2([cm.backward[t.name] for t in ts], tsp,
+                                 [t.density is None for t in ts], [t.numel * 4 for t in ts],
+                                 [t.k * 8 for t in ts], cm.P,
+                                 (cm.allreduce.alpha, cm.allreduce.beta),
+                                 (cm.allgather.alpha, cm.allgather.beta))
+            assert sp["T1+T2"] == pytest.approx(expect, rel=1e-9)
+    assert seen_ar > 0
+
+
+# ---- round trips and bad inputs ---------------------------------------------------------------
+def test_plan_round_trips_through_json():
+    names, numel, cm = random_model(11, L=20)
+    for scheme in SCHEMES:
+        plan = make_plan(scheme, names, numel, 0.01, cm)
+        back = Plan.from_dict(json.loads(json.dumps(plan.to_dict())))
+        assert back.buffers == plan.buffers
+        assert back.overlap == plan.overlap and back.scheme == plan.scheme
+        assert back.to_dict() == plan.to_dict()
+
+
+def test_bad_inputs_raise_value_error():
+    names, numel, cm = random_model(12, L=6)
+    with pytest.raises(ValueError, match="unknown scheme"):
+        make_plan("nope", names, numel, 0.01, cm)
+    with pytest.raises(ValueError, match="unknown scheme"):
+        needs_cost_model("nope")
+    for s in ("multi_tensor", "omgs", "cupcake", "ssfusion", "ssfusion_o", "ssfusion_oi"):
+        assert needs_cost_model(s)
+        with pytest.raises(ValueError, match="cost model"):
+            make_plan(s, names, numel, 0.01)
+    assert not needs_cost_model("dense") and not needs_cost_model("per_tensor")
+    for d in (0, -0.1, 1.5, float("nan"), "x", None):
+        with pytest.raises(ValueError, match="density"):
+            make_plan("topka", names, numel, d)
+    assert make_plan("topka", names, numel, 1.0).buffers[0].density == 1.0
+    with pytest.raises(ValueError):
+        make_plan("dense", [], {}, 0.01)
+    with pytest.raises(ValueError, match="duplicate"):
+        make_plan("dense", ["a", "a"], {"a": 1}, 0.01)
+    with pytest.raises(ValueError, match="numel"):
+        make_plan("dense", ["a", "b"], {"a": 1}, 0.01)
+    with pytest.raises(ValueError, match="backward time"):
+        make_plan("cupcake", [*names, "extra"], {**numel, "extra": 5}, 0.01, cm)
+    with pytest.raises(ValueError):
+        make_plan("dense", names, numel, 0.01, bucket_bytes=0)
+    with pytest.raises(ValueError):
+        TensorPlan("a", 10, None, offload=True)
+    with pytest.raises(ValueError):
+        TensorPlan("a", 10, 0.1, allreduce=True)
+    with pytest.raises(ValueError):
+        BufferPlan((TensorPlan("a", 10, 0.1),), "dense")
+    with pytest.raises(ValueError):
+        BufferPlan((TensorPlan("a", 10, None),), "fused")  # fused needs a density
+    with pytest.raises(ValueError):
+        BufferPlan((), "dense")
+    with pytest.raises(ValueError, match="more than once"):
+        Plan("x", [BufferPlan((TensorPlan("a", 1, None),), "dense")] * 2)
+    with pytest.raises(ValueError):
+        Plan.from_dict({"buffers": []})
+    with pytest.raises(ValueError, match="backward time"):
+        simulate(Plan("x", [BufferPlan((TensorPlan("zz", 1, None),), "dense")]), cm)
