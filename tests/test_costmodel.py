@@ -1,0 +1,176 @@
+"""The cost model: fits recover known parameters, Eq. 3/4, JSON, the profilers and the command."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from gradsync import costmodel
+from gradsync.costmodel import (
+    AffineFit,
+    AlphaBeta,
+    CostModel,
+    fit_affine,
+    fit_alpha_beta,
+    missing_rate,
+    profile_backward,
+    profile_collectives,
+    profile_sparsifier,
+)
+from gradsync.sparsify import get as get_sparsifier
+from gradsync.testing import run_distributed
+
+
+def small_model(P=4):
+    return CostModel(P=P, order=["b", "a"], numel={"a": 10, "b": 1000}, elem_bytes=4,
+                     backward={"a": 1e-3, "b": 2e-3}, sparsify=AffineFit(1e-4, 2e-9),
+                     offload=AffineFit(3e-4, 5e-9), allreduce=AlphaBeta(1e-5, 1e-9),
+                     allgather=AlphaBeta(2e-5, 3e-9), info={"source": "test"})
+
+
+# ---- fits ------------------------------------------------------------------------------------
+@settings(max_examples=50, deadline=None)
+@given(st.floats(0, 1e-2), st.floats(0, 1e-6), st.lists(st.integers(1, 10**7), min_size=2,
+                                                          max_size=8, unique=True))
+def test_fit_affine_recovers_exact_lines(a, b, xs):
+    f = fit_affine(xs, [a + b * x for x in xs])
+    assert f.a == pytest.approx(a, rel=1e-6, abs=1e-12)
+    assert f.b == pytest.approx(b, rel=1e-6, abs=1e-15)
+
+
+def test_fit_affine_with_noise_and_clamping():
+    rng = random.Random(0)
+    xs = [2**e for e in range(8, 22)]
+    ts = [3e-4 + 2e-9 * x + rng.gauss(0, 1e-6) for x in xs]
+    f = fit_affine(xs, ts)
+    assert f.a == pytest.approx(3e-4, rel=0.05) and f.b == pytest.approx(2e-9, rel=0.05)
+    # data through a negative intercept: the constrained fit goes through the origin
+    f = fit_affine([1, 2, 3], [0.5, 1.5, 2.5])  # unconstrained a = −0.5
+    assert f.a == 0 and f.b == pytest.approx((0.5 + 3 + 7.5) / 14)
+    # decreasing data: the best non-negative fit is a constant
+    f = fit_affine([1, 2, 3], [3.0, 2.0, 1.0])
+    assert f.b == 0 and f.a == pytest.approx(2.0)
+    assert fit_affine([5, 5], [1.0, 3.0]) == AffineFit(2.0, 0.0)
+    for bad in (([], []), ([1, 2], [1.0]), ([1, float("nan")], [1.0, 2.0])):
+        with pytest.raises(ValueError):
+            fit_affine(*bad)
+
+
+@pytest.mark.parametrize("P", [2, 3, 8, 64])
+def test_fit_alpha_beta_inverts_eq3_and_eq4(P):
+    alpha, beta = 3e-5, 2e-9
+    sizes = [1 << 10, 1 << 14, 1 << 17, 1 << 20]
+    ar = [2 * (P - 1) * alpha + 2 * (P - 1) / P * s * beta for s in sizes]  # Eq. 4
+    ag = [(P - 1) * alpha + (P - 1) * s * beta for s in sizes]  # Eq. 3
+    for kind, ts in (("allreduce", ar), ("allgather", ag)):
+        ab = fit_alpha_beta(kind, P, sizes, ts)
+        assert ab.alpha == pytest.approx(alpha, rel=1e-6)
+        assert ab.beta == pytest.approx(beta, rel=1e-6)
+    cm = small_model(P)
+    cm.allreduce = fit_alpha_beta("allreduce", P, sizes, ar)
+    cm.allgather = fit_alpha_beta("allgather", P, sizes, ag)
+    for s, t1, t2 in zip(sizes, ar, ag):
+        assert cm.t_allreduce(s) == pytest.approx(t1) and cm.t_allgather(s) == pytest.approx(t2)
+    assert fit_alpha_beta("allreduce", 1, sizes, ar) == AlphaBeta(0.0, 0.0)
+    with pytest.raises(ValueError):
+        fit_alpha_beta("broadcast", P, sizes, ar)
+    with pytest.raises(ValueError):
+        fit_alpha_beta("allreduce", 0, sizes, ar)
+
+
+# ---- the model -------------------------------------------------------------------------------
+def test_cost_model_times_and_round_trip():
+    cm = small_model(P=4)
+    assert cm.t_sparsify(1000) == pytest.approx(1e-4 + 2e-6)
+    assert cm.t_sparsify(1000, offload=True) == pytest.approx(3e-4 + 5e-6)
+    assert cm.t_allreduce(4000) == pytest.approx(6 * 1e-5 + 1.5 * 4000 * 1e-9)
+    assert cm.t_allgather(800) == pytest.approx(3 * 2e-5 + 3 * 800 * 3e-9)
+    assert cm.entry_bytes == 8
+    d = json.loads(json.dumps(cm.to_dict()))
+    back = CostModel.from_dict(d)
+    assert back == cm
+    assert back.order == ["b", "a"]
+    one = small_model(P=1)
+    assert one.t_allreduce(10**6) == 0 and one.t_allgather(10**6) == 0
+
+
+def test_cost_model_rejects_bad_input():
+    good = small_model().to_dict()
+    for key, value in (("P", 0), ("elem_bytes", 0), ("order", ["a", "a"]),
+                       ("order", ["a", "zz"]), ("backward", {"a": -1.0, "b": 0.0})):
+        with pytest.raises(ValueError):
+            CostModel.from_dict({**good, key: value})
+    with pytest.raises(ValueError):
+        CostModel.from_dict({"P": 2})
+    with pytest.raises(ValueError):
+        AffineFit(-1.0, 0.0)
+    with pytest.raises(ValueError):
+        AlphaBeta(0.0, float("inf"))
+
+
+def test_missing_rate():
+    assert missing_rate({"a": 0, "b": 3, "c": 0, "d": 1}) == 0.5
+    assert missing_rate({"a": 5}) == 0.0
+    with pytest.raises(ValueError):
+        missing_rate({})
+    with pytest.raises(ValueError):
+        missing_rate({"a": -1})
+
+
+# ---- profilers -------------------------------------------------------------------------------
+def test_profile_sparsifier_inline_and_offloaded():
+    sp = get_sparsifier("topk", density=0.01)
+    sizes = (1 << 8, 1 << 12, 1 << 16)
+    inline = profile_sparsifier(sp, sizes=sizes, repeats=2)
+    off = profile_sparsifier(sp, sizes=sizes, repeats=2, offload=True)
+    for f in (inline, off):
+        assert f.a >= 0 and f.b >= 0
+        assert f(1 << 16) > 0  # selecting from 65536 entries takes measurable time
+    with pytest.raises(ValueError):
+        profile_sparsifier(sp, sizes=(), repeats=2)
+
+
+def test_profile_backward_gives_reverse_layer_order():
+    from gradsync import models
+
+    net = models.build("mlp")
+    g = torch.Generator().manual_seed(0)
+    x, y = torch.randn(8, 1, 28, 28, generator=g), torch.randint(10, (8,), generator=g)
+    order, numel, tb = profile_backward(
+        net, lambda: torch.nn.functional.cross_entropy(net(x), y), repeats=2)
+    params = dict(net.named_parameters())
+    assert sorted(order) == sorted(params)
+    assert numel == {n: p.numel() for n, p in params.items()}
+    # the last layer's gradients become ready before the first layer's
+    assert order.index("net.5.weight") < order.index("net.1.weight")
+    assert all(t >= 0 for t in tb.values()) and sum(tb.values()) > 0
+    assert all(p.grad is None for p in net.parameters())  # left clean
+
+
+def _collectives(rank, world_size):
+    return profile_collectives(sizes=(1 << 10, 1 << 16), repeats=2)
+
+
+def test_profile_collectives_agree_across_ranks():
+    assert profile_collectives() == (AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0))  # one rank
+    (ar0, ag0), (ar1, ag1) = run_distributed(_collectives, 2, timeout=120)
+    assert ar0 == ar1 and ag0 == ag1  # max over ranks: everyone plans with the same numbers
+    assert ar0.alpha + ar0.beta > 0 and ag0.alpha + ag0.beta > 0
+
+
+def test_profile_command_writes_a_cost_model(tmp_path, capsys):
+    out = tmp_path / "cm.json"
+    assert costmodel.main(["--quick", "--model", "mlp", "--out", str(out)]) == 0
+    cm = CostModel.from_dict(json.loads(out.read_text()))
+    assert cm.P == 1 and len(cm.order) == 6 and cm.info["model"] == "mlp"
+    assert "all-gather" in capsys.readouterr().out
+    # the planners accept what the profiler wrote
+    from gradsync.schedule import make_plan
+
+    plan = make_plan("ssfusion_oi", cm.order, cm.numel, 0.01, cm)
+    assert plan.names == cm.order
