@@ -174,6 +174,7 @@ class _Unit:
     plain_idx: torch.Tensor | None  # positions sent uncompressed (None: all)
     n_comp: int
     n_plain: int
+    prev_force_sum: bool = False  # FSDP's setting before compress(), restored by remove()
     sketch: CountSketch | None = None
     acc: torch.Tensor | None = None  # (P, n_comp): what θ zeroed, per destination chunk
     stats: UnitStats = field(default_factory=UnitStats)
@@ -229,6 +230,7 @@ class TAGC:
             if group is None:
                 continue
             unit = self._layout(mname or "root", m, group, names, i)
+            unit.prev_force_sum = bool(getattr(group, "force_sum_reduction_for_comms", False))
             self.units[unit.name] = unit
             self._comms[unit.name] = _TAGCReduceScatter(self, unit)
             m.set_force_sum_reduction_for_comms(True)
@@ -355,6 +357,7 @@ class TAGC:
         """Give every unit FSDP's default reduce-scatter back (accumulators are dropped)."""
         for u in self.units.values():
             u.module.set_custom_reduce_scatter(DefaultReduceScatter())
+            u.module.set_force_sum_reduction_for_comms(u.prev_force_sum)
             u.acc = None
 
 
