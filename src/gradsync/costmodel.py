@@ -553,11 +553,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and args.world_size == 0
     rank = 0
     if torchrun:
+        if args.device.startswith("cuda"):  # before NCCL initialises: one GPU per rank
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            args.device = f"cuda:{torch.cuda.current_device()}"
         if not dist.is_initialized():
             dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
         rank, P = dist.get_rank(), dist.get_world_size()
-        if args.device.startswith("cuda"):
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
         coll = profile_collectives(None, sizes=sizes, repeats=args.repeats)
     elif args.world_size > 1:
         from gradsync.testing import run_distributed
