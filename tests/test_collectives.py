@@ -1,0 +1,323 @@
+"""The generic collective suite: every registered collective against an independent reference.
+
+One ``run_distributed`` call per world size P ∈ {1, 2, 3, 4, 5, 8}: the rank function loops over
+every collective, fp32 and bf16, and every selection case, and returns all results. The parent
+regenerates each rank's selection from its seed and sums them with plain torch (float64).
+Values are multiples of 1/2 of magnitude ≤ 8, so with P ≤ 8 every partial sum is exact in fp32
+and bf16 and bitwise comparison against the reference is meaningful.
+
+Checks (contract in DESIGN.md): exact collectives return the SUM and keep every local index;
+non-exact ones (``exact = False``) return a sum of kept entries (Σ over ranks of the kept
+entries == ``dense``: conservation), supported on the union of the selections; ``dense`` is
+bitwise identical on all ranks; ``kept`` ⊆ local indices; every byte sent is received;
+mismatched ``numel`` raises ``ValueError`` on every rank. At P ∈ {2, 4, 8} the bytes of TopkA,
+TopkDSA and gTop-k are checked against Ok-Topk Table 1.
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.util
+import math
+import traceback
+
+import pytest
+import torch
+
+import gradsync.collectives as collectives
+from gradsync.sparsegrad import SparseGrad
+from gradsync.testing import run_distributed
+
+# Import every collective module that exists in the tree (they self-register).
+for _mod in ("dense", "topka", "topkdsa", "gtopk", "oktopk", "densestream", "lhc"):
+    if importlib.util.find_spec(f"gradsync.collectives.{_mod}") is not None:
+        importlib.import_module(f"gradsync.collectives.{_mod}")
+
+NAMES = collectives.names()
+WORLD_SIZES = [1, 2, 3, 4, 5, 8]
+DTYPES = [torch.float32, torch.bfloat16]
+# gTop-k drops an entry at an inner merge of its tree even if the same index re-enters from
+# another subtree, so its values at the support are partial sums (of the kept entries), not the
+# full SUM; every other non-exact collective reduces its selected indices completely.
+PARTIAL_AT_SUPPORT = {"gtopk"}
+
+# case name → numel (7 cases; numel not divisible by P, and one smaller than P)
+CASES = {
+    "overlap": 997,
+    "disjoint": 997,
+    "clustered": 1001,
+    "some_empty": 998,
+    "all_empty": 513,
+    "dense_ish": 301,
+    "tiny": 3,
+}
+
+
+def selection(case: str, rank: int, P: int, dtype: torch.dtype) -> SparseGrad:
+    """Rank ``rank``'s selection for ``case``: a pure function of its arguments (seeded)."""
+    n = CASES[case]
+    g = torch.Generator().manual_seed(1000 * list(CASES).index(case) + 10 * P + rank)
+    if case == "overlap":  # random, plus a block that every rank selects
+        idx = torch.cat([torch.randperm(n, generator=g)[:100], torch.arange(20)])
+    elif case == "disjoint":  # rank r: a random half of the indices ≡ r (mod P)
+        own = torch.arange(rank, n, P)
+        idx = own[torch.randperm(own.numel(), generator=g)[: own.numel() // 2]]
+    elif case == "clustered":  # everyone inside [500, 540)
+        idx = 500 + torch.randperm(40, generator=g)[:25]
+    elif case == "some_empty":  # odd ranks select nothing
+        idx = torch.randperm(n, generator=g)[:80] if rank % 2 == 0 else torch.empty(0)
+    elif case == "all_empty":
+        idx = torch.empty(0)
+    elif case == "dense_ish":  # 2/3 of the tensor per rank: forces fill-in
+        idx = torch.randperm(n, generator=g)[:200]
+    elif case == "tiny":  # numel 3 < P for P ≥ 4
+        idx = torch.randperm(n, generator=g)[: int(torch.randint(0, 4, (1,), generator=g))]
+    else:
+        raise AssertionError(case)
+    idx = torch.unique(idx.to(torch.int64))  # sorted, no duplicates
+    mag = torch.randint(1, 17, (idx.numel(),), generator=g).to(torch.float32) / 2
+    sign = torch.randint(0, 2, (idx.numel(),), generator=g).to(torch.float32) * 2 - 1
+    return SparseGrad(idx, (mag * sign).to(dtype), n)
+
+
+def reference(case: str, P: int, dtype: torch.dtype) -> torch.Tensor:
+    """The SUM of every rank's selection, in float64 with plain torch."""
+    ref = torch.zeros(CASES[case], dtype=torch.float64)
+    for r in range(P):
+        s = selection(case, r, P, dtype)
+        ref.index_add_(0, s.indices, s.values.to(torch.float64))
+    return ref
+
+
+# -- Table 1 volume cases (fp32, int32 indices on the wire: one entry = 2 words = 8 bytes) ------
+VOL_N, VOL_K = 4096, 64
+
+
+def volume_selection(case: str, rank: int, P: int) -> SparseGrad:
+    g = torch.Generator().manual_seed(77 + 10 * P + (0 if case == "same" else rank))
+    if case == "same":  # identical index sets on every rank (TopkDSA's best case)
+        idx = torch.randperm(VOL_N, generator=g)[:VOL_K]
+    elif case == "random":  # independent, low density: P·k ≤ n/8
+        idx = torch.randperm(VOL_N, generator=g)[: VOL_K // 2]
+    elif case == "fill":  # independent, density 3/8 per rank: TopkDSA switches to dense
+        idx = torch.randperm(VOL_N, generator=g)[: 3 * VOL_N // 8]
+    else:
+        raise AssertionError(case)
+    idx = torch.sort(idx).values
+    val = torch.randint(1, 9, (idx.numel(),), generator=g).to(torch.float32) * (rank + 1)
+    return SparseGrad(idx, val, VOL_N)
+
+
+VOLUME_RUNS = [("topka", "random"), ("topkdsa", "same"), ("topkdsa", "random"),
+               ("topkdsa", "fill"), ("gtopk", "same")]
+
+
+# -- gTop-k cases worked out by hand ------------------------------------------------------
+def gtopk_hand_case(P: int, rank: int) -> SparseGrad:
+    if P == 2:  # merge {0:5, 1:1} + {1:1, 2:4} = {0:5, 1:2, 2:4}; top-2 = {0:5, 2:4}
+        table = {0: ([0, 1], [5.0, 1.0]), 1: ([1, 2], [1.0, 4.0])}
+    else:  # P = 4, k = 1. Round 1: 0 ← 1 keeps {0:3} (drops rank 1's {5:1}); 2 ← 3 gives
+        # {5:4}. Round 2: 0 ← 2 keeps {5:4}. Index 5 is final but rank 1's value is not in it.
+        table = {0: ([0], [3.0]), 1: ([5], [1.0]), 2: ([5], [2.0]), 3: ([5], [2.0])}
+    idx, val = table[rank]
+    return SparseGrad(torch.tensor(idx), torch.tensor(val), 8)
+
+
+GTOPK_HAND = {  # P → (final dense as {index: value}, kept per rank)
+    2: ({0: 5.0, 2: 4.0}, [[0], [2]]),
+    4: ({5: 4.0}, [[], [], [5], [5]]),
+}
+
+
+def _rank_fn(rank: int, world_size: int, names: list[str]) -> dict:
+    P = world_size
+    out: dict = {"cases": {}, "mismatch": {}, "volume": {}, "hand": None, "errors": {}}
+    for name in names:
+        # An exception is recorded against its collective (if every rank raises alike, the
+        # others still run); a rank raising alone makes its peers time out.
+        try:
+            for dtype in DTYPES:
+                for case in CASES:
+                    coll = collectives.get(name)  # fresh: stateful collectives start afresh
+                    res = coll(selection(case, rank, P, dtype), step=0)
+                    out["cases"][name, str(dtype), case] = (
+                        res.dense, res.kept, res.stats.bytes_sent, res.stats.bytes_recv,
+                    )
+        except Exception:
+            out["errors"][name] = f"{name} {dtype} {case}:\n{traceback.format_exc()}"
+            continue
+        if P > 1:  # mismatched numel: every rank must raise ValueError (and nobody hangs)
+            try:
+                collectives.get(name)(SparseGrad.empty(10 + (rank == 0)))
+                out["mismatch"][name] = "returned"
+            except ValueError as e:
+                out["mismatch"][name] = f"ValueError: {e}"
+            except Exception:
+                out["mismatch"][name] = traceback.format_exc()
+    if P in (2, 4, 8):
+        for name, case in VOLUME_RUNS:
+            res = collectives.get(name, check_shapes=False)(volume_selection(case, rank, P))
+            out["volume"][name, case] = (res.stats.bytes_sent, res.stats.bytes_recv, res.info,
+                                         res.dense)
+    if P in GTOPK_HAND:
+        res = collectives.get("gtopk", check_shapes=False)(gtopk_hand_case(P, rank))
+        out["hand"] = (res.dense, res.kept)
+    return out
+
+
+_RUNS: dict[int, list[dict]] = {}
+
+
+def results(P: int) -> list[dict]:
+    """One run_distributed call per world size, shared by every test below."""
+    if P not in _RUNS:
+        _RUNS[P] = run_distributed(_rank_fn, P, NAMES, timeout=180)
+    return _RUNS[P]
+
+
+def _no_errors(outs: list[dict], name: str) -> None:
+    for r, o in enumerate(outs):
+        if name in o["errors"]:
+            pytest.fail(f"rank {r} raised in {o['errors'][name]}")
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def test_expected_collectives_registered():
+    for name in ("dense", "topka", "topkdsa", "gtopk"):
+        assert name in NAMES
+    assert collectives.get("topkdsa").exact and not collectives.get("gtopk").exact
+
+
+@pytest.mark.parametrize("P", WORLD_SIZES)
+@pytest.mark.parametrize("name", NAMES)
+def test_sum_kept_and_bitwise(P, name):
+    outs = results(P)
+    _no_errors(outs, name)
+    exact = collectives.get(name).exact
+    for dtype in DTYPES:
+        for case in CASES:
+            what = f"{name} P={P} {dtype} {case}"
+            ref = reference(case, P, dtype)
+            sels = [selection(case, r, P, dtype) for r in range(P)]
+            dense0 = outs[0]["cases"][name, str(dtype), case][0]
+            assert dense0.dtype == dtype and dense0.shape == (CASES[case],), what
+            kept_sum = torch.zeros(CASES[case], dtype=torch.float64)
+            for r, o in enumerate(outs):
+                dense, kept = o["cases"][name, str(dtype), case][:2]
+                assert torch.equal(_bits(dense), _bits(dense0)), f"{what}: rank {r} differs"
+                assert kept.dtype == torch.int64, what
+                assert bool(torch.isin(kept, sels[r].indices).all()), f"{what}: kept ⊄ local"
+                assert torch.unique(kept).numel() == kept.numel(), what
+                if exact:
+                    assert torch.equal(torch.sort(kept).values, sels[r].indices), what
+                pos = torch.searchsorted(sels[r].indices, kept)
+                kept_sum.index_add_(0, kept, sels[r].values[pos].to(torch.float64))
+            got = dense0.to(torch.float64)
+            if exact:
+                assert torch.equal(got, ref), f"{what}: dense != reference SUM"
+            else:
+                assert torch.equal(got, kept_sum), f"{what}: Σ kept != dense"
+                union = torch.zeros(CASES[case], dtype=torch.bool)
+                for s in sels:
+                    union[s.indices] = True
+                assert not bool((got != 0)[~union].any()), f"{what}: outside the selections"
+                if name not in PARTIAL_AT_SUPPORT:
+                    nz = got != 0
+                    assert torch.equal(got[nz], ref[nz]), f"{what}: != reference at support"
+            if P == 1 and exact:
+                assert all(o["cases"][name, str(dtype), case][2] == 0 for o in outs), what
+
+
+@pytest.mark.parametrize("P", WORLD_SIZES)
+@pytest.mark.parametrize("name", NAMES)
+def test_stats_counted(P, name):
+    outs = results(P)
+    _no_errors(outs, name)
+    for dtype in DTYPES:
+        for case in CASES:
+            stats = [o["cases"][name, str(dtype), case][2:] for o in outs]
+            sent = sum(s for s, _ in stats)
+            assert sent == sum(r for _, r in stats), f"{name} {case}: bytes sent != received"
+            anything = any(len(selection(case, r, P, dtype)) for r in range(P))
+            if P > 1 and anything:
+                # more than the 32-byte shape consensus (ring all-reduce) of every rank
+                assert sent > P * (2 * (P - 1) * 32 // P), f"{name} {case}: no payload"
+
+
+@pytest.mark.parametrize("P", [p for p in WORLD_SIZES if p > 1])
+@pytest.mark.parametrize("name", NAMES)
+def test_mismatched_numel_raises_everywhere(P, name):
+    _no_errors(results(P), name)
+    got = [o["mismatch"][name] for o in results(P)]
+    assert all(g.startswith("ValueError") for g in got), got
+
+
+def _vol(P: int, name: str, case: str) -> list[tuple[int, int, dict]]:
+    """(bytes sent, bytes received, info) per rank."""
+    return [o["volume"][name, case][:3] for o in results(P)]
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_table1_topka(P):
+    """TopkA: 2k(P−1) words per rank, plus the gathered counts (one int64 per peer)."""
+    k = VOL_K // 2
+    avg_sent = sum(s for s, _, _ in _vol(P, "topka", "random")) / P
+    assert avg_sent == 2 * k * (P - 1) * 4 + 8 * (P - 1)
+    for _, recv, _ in _vol(P, "topka", "random"):
+        assert recv == 2 * k * (P - 1) * 4 + 8 * (P - 1)
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_table1_topkdsa(P):
+    """TopkDSA: between 4k(P−1)/P words (same indices everywhere) and the dense cap."""
+    headers = 8 * 2 * int(math.log2(P))  # one int64 per step, 2·log2 P steps
+    # Best case: identical, uniformly spread indices reach the lower bound exactly.
+    same = _vol(P, "topkdsa", "same")
+    assert sum(s for s, _, _ in same) / P == 4 * VOL_K * (P - 1) / P * 4 + headers
+    assert all(info["dense_sends"] == 0 for _, _, info in same)
+    # Independent low-density selections: inside Table 1's interval [4k(P−1)/P, (2k+n)(P−1)/P].
+    k = VOL_K // 2
+    avg = sum(s for s, _, _ in _vol(P, "topkdsa", "random")) / P - headers
+    assert 4 * k * (P - 1) / P * 4 <= avg <= (2 * k + VOL_N) * (P - 1) / P * 4
+    # Fill-in: the switch to dense caps the volume at a dense allreduce, 2n(P−1)/P words.
+    k = 3 * VOL_N // 8
+    fill = _vol(P, "topkdsa", "fill")
+    avg = sum(s for s, _, _ in fill) / P - headers
+    assert 4 * k * (P - 1) / P * 4 <= avg <= 2 * VOL_N * (P - 1) / P * 4
+    assert all(info["dense_sends"] > 0 for _, _, info in fill)
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_table1_gtopk(P):
+    """gTop-k: at most 4k·log2 P words per rank (the root's volume) plus control words."""
+    k, m = VOL_K, int(math.log2(P))
+    # root: receives m × (16-byte header + k entries), sends m × (8-byte header + k entries
+    # + k survival bits)
+    control = m * (16 + 8 + (k + 7) // 8)
+    vol = [s + r for s, r, _ in _vol(P, "gtopk", "same")]
+    assert vol[0] == 4 * k * m * 4 + control
+    assert max(vol) == vol[0]
+
+
+@pytest.mark.parametrize("P", sorted(GTOPK_HAND))
+def test_gtopk_hand_worked(P):
+    final, kept = GTOPK_HAND[P]
+    expected = torch.zeros(8)
+    for i, v in final.items():
+        expected[i] = v
+    for r, o in enumerate(results(P)):
+        dense, k = o["hand"]
+        assert torch.equal(dense, expected)
+        assert k.tolist() == kept[r]
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_gtopk_full_overlap_is_exact(P):
+    """With identical index sets nothing is dropped, so gTop-k returns the full SUM."""
+    ref = sum(volume_selection("same", r, P).to_dense() for r in range(P))
+    for o in results(P):
+        assert torch.equal(o["volume"]["gtopk", "same"][3], ref)
+        assert o["volume"]["gtopk", "same"][2]["global_count"] == VOL_K
