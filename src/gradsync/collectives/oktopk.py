@@ -87,7 +87,8 @@ def _merge(idx: list[torch.Tensor], val: list[torch.Tensor]) -> tuple[torch.Tens
     i = torch.cat(idx)
     v = torch.cat(val)
     uniq, inv = torch.unique(i, sorted=True, return_inverse=True)
-    return uniq, torch.zeros(uniq.numel(), dtype=torch.float64, device=v.device).index_add_(0, inv, v)
+    out = torch.zeros(uniq.numel(), dtype=torch.float64, device=v.device)
+    return uniq, out.index_add_(0, inv, v)
 
 
 def _due(step: int, last: int | None, period: int) -> bool:
@@ -130,7 +131,7 @@ class OkTopk(Collective):
         tau_prime: int = 32,
         balance_factor: float = 4.0,
         bucket: int = 4,
-        nudge: float = 0.05,
+        nudge: float = 0.02,
         check_shapes: bool = True,
     ) -> None:
         super().__init__(check_shapes=check_shapes)
@@ -168,7 +169,9 @@ class OkTopk(Collective):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if set(state) != set(_STATE_KEYS):
-            raise ValueError(f"oktopk: state keys {sorted(state)} != expected {sorted(_STATE_KEYS)}")
+            raise ValueError(
+                f"oktopk: state keys {sorted(state)} != expected {sorted(_STATE_KEYS)}"
+            )
         b = state["boundaries"]
         if b is not None and (not isinstance(b, torch.Tensor) or b.dtype != torch.int64
                               or b.dim() != 1):
@@ -197,19 +200,22 @@ class OkTopk(Collective):
         # Line 8: split and reduce → the reduced entries of this rank's region.
         r_idx, r_val, received = self._split_and_reduce(sel, bounds, comm, wire)
         mags = r_val.abs().to(torch.float32)
-        if not bad and r_val.numel() and not bool(torch.isfinite(mags).all()):
-            bad = 1  # an overflow in the reduction (e.g. fp16): report, do not select garbage
+        # A non-finite reduced value (NaN received, or an fp16/bf16 overflow of the sum).
+        bad_sum = int(r_val.numel() > 0 and not bool(torch.isfinite(mags).all()))
 
         # Lines 9–12: global threshold θ, exact every τ′ steps, reused (and nudged) in between.
         theta, reason = st["theta"], None
         if _due(step, st["theta_step"], self.tau_prime) or theta is None:
             theta, reason = self._exact_threshold(mags, k, comm), "periodic"
         mask = mags >= theta
-        cb = comm.all_gather(torch.tensor([int(mask.sum()), bad], dtype=torch.int64, device=dev))
-        if int(cb[:, 1].sum()):
-            culprits = [i for i in range(P) if int(cb[i, 1])]
-            raise ValueError(f"oktopk: non-finite values in the selection or its reduction on "
-                             f"ranks {culprits} (step {step})")
+        cb = comm.all_gather(
+            torch.tensor([int(mask.sum()), bad, bad_sum], dtype=torch.int64, device=dev)
+        )
+        if int(cb[:, 1:].sum()):  # every rank raises the same error: nothing hangs
+            inputs = [i for i in range(P) if int(cb[i, 1])]
+            sums = [i for i in range(P) if int(cb[i, 2])]
+            raise ValueError(f"oktopk: non-finite values in the selection on ranks {inputs}, "
+                             f"in the reduced sums of the regions of ranks {sums} (step {step})")
         counts = [int(c) for c in cb[:, 0]]
         total = sum(counts)
         if reason is None and ((total < 2 * k / 3 and theta > 0.0) or total > 4 * k / 3):
@@ -221,11 +227,12 @@ class OkTopk(Collective):
 
         # Line 13: data balancing (if the largest count > 4× the mean), then allgatherv.
         balanced = total > 0 and max(counts) > self.balance_factor * total / P
+        chunks = counts
         if balanced:
-            g_idx, g_val, counts = self._balance(g_idx, g_val, counts, comm, wire)
+            g_idx, g_val, chunks = self._balance(g_idx, g_val, counts, comm, wire)
         eb = torch.empty(0, dtype=wire).element_size() + sel.values.element_size()
-        blocks = comm.all_gather_v(pack(g_idx, g_val, wire), [c * eb for c in counts])
-        parts = [unpack(b, c, wire, sel.dtype) for b, c in zip(blocks, counts)]
+        blocks = comm.all_gather_v(pack(g_idx, g_val, wire), [c * eb for c in chunks])
+        parts = [unpack(b, c, wire, sel.dtype) for b, c in zip(blocks, chunks)]
         all_idx = torch.cat([p[0] for p in parts])  # region order = index order: sorted
         all_val = torch.cat([p[1] for p in parts])
         dense = torch.zeros(n, dtype=sel.dtype, device=dev)
@@ -254,7 +261,7 @@ class OkTopk(Collective):
             "threshold_reason": reason,
             "next_threshold": st["theta"],
             "selected": total,
-            "counts": counts,
+            "counts": counts,  # selected per region owner, before balancing
             "balanced": balanced,
             "boundaries": [int(b) for b in bounds],
             "boundaries_recomputed": new_bounds,

@@ -1,0 +1,342 @@
+"""Ok-Topk O(k) sparse allreduce (collectives/oktopk.py), checked against independent references.
+
+Every rank's selection is regenerated in the parent from its seed; the reference is the exact
+SUM of all ranks' selections (float64, rounded once to the dtype) and the global-threshold rule
+``|R| >= θ`` applied to it. One ``run_distributed`` call per world size runs every case (cached,
+shared by the tests of that world size).
+"""
+
+from __future__ import annotations
+
+import copy
+import functools
+
+import pytest
+import torch
+
+import gradsync.collectives.oktopk as oktopk_mod
+from gradsync import collectives
+from gradsync.sparsegrad import SparseGrad
+from gradsync.testing import run_distributed
+
+WORLDS = [1, 2, 3, 4, 5, 8]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+# -- inputs (used by the ranks and, independently, by the parent) ----------------------------
+def _selection(case: dict, rank: int, world: int, step: int) -> SparseGrad:
+    """Rank ``rank``'s local selection for ``case`` at ``step`` (deterministic from the seed)."""
+    n, kloc, kind = case["numel"], case["kloc"], case["kind"]
+    dtype = DTYPES[case["dtype"]]
+    g = torch.Generator().manual_seed(case["seed"] * 100_003 + step * 1009 + rank)
+    jump_step, jump = case.get("jump", (step + 1, 1.0))
+    scale = case.get("decay", 1.0) ** step * (jump if step >= jump_step else 1.0)
+    if kind == "empty_all" or (kind == "empty_some" and rank % 2 == 1):
+        return SparseGrad.empty(n, dtype)
+    if kind in ("heavy", "empty_some"):  # top-k of a heavy-tailed gradient (realistic)
+        x = torch.randn(n, generator=g) * torch.exp(1.5 * torch.randn(n, generator=g))
+        idx = x.abs().topk(min(kloc, n)).indices
+    elif kind == "laplace":  # top-k of a Laplace gradient: a slowly drifting distribution
+        u = torch.rand(n, generator=g) * 0.999999 + 0.0000005
+        x = torch.where(u < 0.5, torch.log(2 * u), -torch.log(2 - 2 * u))
+        idx = x.abs().topk(min(kloc, n)).indices
+    elif kind == "overlap":  # every rank picks the same indices: maximal duplicates
+        x = torch.randn(n, generator=g)
+        idx = torch.randperm(n, generator=torch.Generator().manual_seed(case["seed"]))[:kloc]
+    elif kind == "clustered":  # Fig. 1: a 1/(2P) share of every rank's picks in a narrow
+        x = torch.rand(n, generator=g)  # band inside region 0, with the largest magnitudes:
+        lo, width = 0, max(1, n // 40)  # the global top-k (k = kloc/2) crowds into region 0
+        x[lo:lo + width] += 10.0 * (1.0 + torch.rand(width, generator=g))
+        nb = max(1, kloc // (2 * world))
+        band = lo + torch.randperm(width, generator=g)[:nb]
+        rest = torch.randperm(n, generator=g)
+        rest = rest[(rest < lo) | (rest >= lo + width)][: kloc - nb]
+        idx = torch.cat([band, rest])
+        x = x * torch.where(torch.rand(n, generator=g) < 0.5, -1.0, 1.0)
+    elif kind == "tail":  # a few entries near the end of a > 2**24 tensor (float32-inexact)
+        idx = torch.tensor([3 + rank, n - 1 - 2 * rank, n - 2, 2**24 + 1 + 2 * rank])
+        x = torch.zeros(n)
+        x[idx] = torch.tensor([1.0, -2.0, 3.0, 4.0]) * (rank + 1)
+    else:
+        raise AssertionError(kind)
+    return SparseGrad.from_indices((scale * x).to(dtype), idx)
+
+
+def _reference(case: dict, world: int, step: int):
+    """(R in the dtype, union mask, per-rank selections): the exact SUM of all selections."""
+    sels = [_selection(case, r, world, step) for r in range(world)]
+    acc = torch.zeros(case["numel"], dtype=torch.float64)
+    union = torch.zeros(case["numel"], dtype=torch.bool)
+    for s in sels:  # plain torch, rank order, float64: exact for these magnitudes
+        acc[s.indices] += s.values.double()
+        union[s.indices] = True
+    return acc.to(DTYPES[case["dtype"]]), union, sels
+
+
+def _cases(world: int) -> list[dict]:
+    base = {"numel": 20_000, "kloc": 200, "steps": [0, 1], "opts": {"density": 0.01}}
+    balance = {} if world >= 5 else {"balance_factor": 1.0}  # 4× cannot trigger at P <= 4
+    return [
+        {**base, "name": "heavy-fp32", "kind": "heavy", "dtype": "fp32", "seed": 1},
+        {**base, "name": "heavy-bf16", "kind": "heavy", "dtype": "bf16", "seed": 2},
+        {**base, "name": "clustered-fp32", "kind": "clustered", "dtype": "fp32", "seed": 3,
+         "opts": {"k": 100, **balance}},
+        {**base, "name": "clustered-bf16", "kind": "clustered", "dtype": "bf16", "seed": 4,
+         "opts": {"k": 100, **balance}},
+        {**base, "name": "empty-some", "kind": "empty_some", "dtype": "fp32", "seed": 5},
+        {**base, "name": "empty-all", "kind": "empty_all", "dtype": "bf16", "seed": 6,
+         "steps": [0]},
+        {"name": "overlap-fp16-odd-numel", "kind": "overlap", "dtype": "fp16", "seed": 7,
+         "numel": 10_007, "kloc": 60, "steps": [0, 1], "opts": {"k": 40}},
+        {"name": "tiny", "kind": "heavy", "dtype": "fp32", "seed": 8, "numel": 3, "kloc": 2,
+         "steps": [0], "opts": {}},  # numel < P for P >= 4; k = mean local count
+    ]
+
+
+# -- rank side -------------------------------------------------------------------------------
+def _run_case(rank: int, world: int, case: dict) -> list[dict]:
+    coll = collectives.get("oktopk", **case["opts"])
+    out = []
+    for step in case["steps"]:
+        res = coll(_selection(case, rank, world, step), step=step)
+        out.append({"dense": res.dense, "kept": res.kept, "info": res.info,
+                    "sent": res.stats.bytes_sent, "recv": res.stats.bytes_recv,
+                    "state": copy.deepcopy(coll.state_dict())})
+    return out
+
+
+def _reuse_case() -> dict:
+    # Gradients shrink 1% a step (threshold nudges must follow), then drop 100× from step 14.
+    return {"name": "reuse", "kind": "laplace", "dtype": "fp32", "seed": 11, "numel": 20_000,
+            "kloc": 400, "decay": 0.99, "jump": (14, 0.01), "steps": list(range(16)),
+            "opts": {"density": 0.02, "tau": 6, "tau_prime": 4}}
+
+
+def _rank_main(rank: int, world: int, cases: list[dict]) -> dict:
+    out = {"cases": [_run_case(rank, world, c) for c in cases]}
+    # Threshold reuse schedule and a state_dict round trip: B resumes from A's state at step 7.
+    case = _reuse_case()
+    out["reuse"] = _run_case(rank, world, case)
+    b = collectives.get("oktopk", **case["opts"])
+    b.load_state_dict(copy.deepcopy(out["reuse"][6]["state"]))
+    out["resumed"] = [b(_selection(case, rank, world, s), step=s) for s in case["steps"][7:]]
+    out["resumed"] = [{"dense": r.dense, "kept": r.kept, "info": r.info} for r in out["resumed"]]
+    # Non-finite input on one rank: a ValueError on every rank, nothing hangs.
+    bad = _selection(_cases(world)[0], rank, world, 0)
+    if rank == world - 1:
+        bad.values[0] = float("nan")
+    try:
+        collectives.get("oktopk", density=0.01)(bad)
+        out["nan"] = None
+    except ValueError as e:
+        out["nan"] = str(e)
+    return out
+
+
+@functools.cache
+def _results(world: int) -> list[dict]:
+    return run_distributed(_rank_main, world, _cases(world), timeout=240)
+
+
+# -- checks ----------------------------------------------------------------------------------
+def _check_step(case: dict, world: int, step: int, per_rank: list[dict]) -> None:
+    R, union, sels = _reference(case, world, step)
+    dtype = DTYPES[case["dtype"]]
+    infos = [p["info"] for p in per_rank]
+    theta = infos[0]["threshold"]
+    assert all(i["threshold"] == theta and i["selected"] == infos[0]["selected"] for i in infos)
+    # 1. dense is bitwise identical on every rank.
+    d0 = per_rank[0]["dense"]
+    assert d0.dtype == dtype and d0.numel() == case["numel"]
+    for p in per_rank[1:]:
+        assert torch.equal(p["dense"].view(BITS[dtype]), d0.view(BITS[dtype]))
+    # 2. its support is what the global threshold admits, with the exact SUM there.
+    admitted = union & (R.abs().float() >= theta) if theta > 0 else union.clone()
+    assert infos[0]["selected"] == int(admitted.sum())
+    assert torch.equal(d0[admitted].view(BITS[dtype]), R[admitted].view(BITS[dtype]))
+    assert not bool(d0[~admitted].any())
+    # 3. kept = local ∩ global; Σ over ranks of the kept local values == dense there.
+    acc = torch.zeros(case["numel"], dtype=torch.float64)
+    for s, p in zip(sels, per_rank):
+        expect_kept = s.indices[admitted[s.indices]]
+        assert torch.equal(p["kept"], expect_kept)
+        pos = torch.searchsorted(s.indices, p["kept"])
+        acc[p["kept"]] += s.values[pos].double()
+    assert torch.equal(acc.to(dtype)[admitted].view(BITS[dtype]),
+                       d0[admitted].view(BITS[dtype]))
+    # 4. the count: exactly k after an exact evaluation (continuous data), else in [2k/3, 4k/3].
+    k, u, sel = infos[0]["k"], int(union.sum()), infos[0]["selected"]
+    if theta == 0.0:  # the union holds at most k entries: all of them
+        assert sel == u and infos[0]["threshold_exact"] and u <= k
+    elif infos[0]["threshold_exact"]:
+        assert sel == k or (dtype != torch.float32 and k <= sel <= 4 * k / 3)  # bf16/fp16 ties
+    else:
+        assert 2 * k / 3 <= sel <= 4 * k / 3
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_matches_dense_reference(world):
+    out = _results(world)
+    cases = _cases(world)
+    for ci, case in enumerate(cases):
+        for si, step in enumerate(case["steps"]):
+            per_rank = [out[r]["cases"][ci][si] for r in range(world)]
+            try:
+                _check_step(case, world, step, per_rank)
+            except AssertionError as e:
+                raise AssertionError(f"{case['name']} step {step} P={world}: {e}") from e
+
+
+@pytest.mark.parametrize("world", WORLDS)
+def test_clustered_selection_triggers_data_balancing(world):
+    out = _results(world)
+    names = [c["name"] for c in _cases(world)]
+    for name in ("clustered-fp32", "clustered-bf16"):
+        info = out[0]["cases"][names.index(name)][0]["info"]
+        counts = info["counts"]
+        if world == 1:
+            assert not info["balanced"]
+            continue
+        # Balancing runs exactly when the largest count exceeds the factor × the mean.
+        factor = 4.0 if world >= 5 else 1.0
+        assert info["balanced"] == (max(counts) > factor * sum(counts) / world)
+        assert info["balanced"], (name, counts)
+        if world >= 5:  # the Fig. 1 band concentrates the global top-k on few ranks
+            assert max(counts) > 4 * sum(counts) / world
+    # Balanced split: every region receives about the same number of local entries (Fig. 1c).
+    heavy = [out[r]["cases"][0][0]["info"]["region_entries"] for r in range(world)]
+    assert max(heavy) <= 2 * (sum(heavy) / world) + 10
+
+
+@pytest.mark.parametrize("world", [w for w in WORLDS if w > 1])
+def test_bytes_within_table1_bound(world):
+    """Realistic selections (top-k of heavy-tailed gradients) at a step that reuses the
+    boundaries and θ: payload ≤ 6k(P−1)/P words (Table 1; COO = 2 words per entry, i.e.
+    3k(P−1)/P entries) + O(P) control words; some rank receives ≥ the Theorem 3.1 bound."""
+    out = _results(world)
+    for ci in (0, 1):  # heavy fp32, heavy bf16
+        case = _cases(world)[ci]
+        eb = 4 + torch.empty(0, dtype=DTYPES[case["dtype"]]).element_size()
+        per_rank = [out[r]["cases"][ci][1] for r in range(world)]
+        info = per_rank[0]["info"]
+        assert not info["threshold_exact"] and not info["boundaries_recomputed"]
+        k, sel = info["k"], info["selected"]
+        control = 8 * (4 * world + 8)  # sizes, counts, shape check: O(P) words
+        for p in per_rank:
+            assert p["sent"] <= 3 * k * (world - 1) / world * eb + control, (p["sent"], k)
+        lower = sel * (world - 1) / world * eb  # Theorem 3.1 (2 words per entry)
+        assert max(p["recv"] for p in per_rank) >= lower
+
+
+@pytest.mark.parametrize("world", [1, 3, 5])
+def test_threshold_reuse_schedule_and_state_round_trip(world):
+    out = _results(world)
+    case = _reuse_case()
+    steps = case["steps"]
+    reuse = [[out[r]["reuse"][i] for r in range(world)] for i in range(len(steps))]
+    for i, step in enumerate(steps):
+        _check_step(case, world, step, reuse[i])
+    infos = [reuse[i][0]["info"] for i in range(len(steps))]
+    reasons = {s: i["threshold_reason"] for s, i in zip(steps, infos) if i["threshold_exact"]}
+    # τ′ = 4: exact θ at 0, 4, 8, 12; the 100× drop at step 14 forces one out-of-range recompute.
+    assert reasons == {0: "periodic", 4: "periodic", 8: "periodic", 12: "periodic",
+                       14: "out_of_range"}
+    # τ = 6: boundaries at 0, 6, 12 only, reused (unchanged) in between.
+    recomputed = [s for s, i in zip(steps, infos) if i["boundaries_recomputed"]]
+    assert recomputed == [0, 6, 12]
+    assert infos[1]["boundaries"] == infos[5]["boundaries"]
+    assert reuse[-1][0]["state"]["exact_evaluations"] == 5
+    assert reuse[-1][0]["state"]["boundary_evaluations"] == 3
+    # Between exact evaluations θ is reused and nudged: shrinking gradients lower it.
+    nudged = [i for i in infos if i["next_threshold"] < i["threshold"]]
+    assert nudged, "the 1%/step decay should have nudged θ down at least once"
+    for i in infos:
+        assert 2 * i["k"] / 3 <= i["selected"] <= 4 * i["k"] / 3
+    # The resumed collective continues bit for bit.
+    for j, step in enumerate(steps[7:]):
+        for r in range(world):
+            a, b = out[r]["reuse"][7 + j], out[r]["resumed"][j]
+            assert torch.equal(a["dense"], b["dense"]), step
+            assert torch.equal(a["kept"], b["kept"]), step
+            assert a["info"] == b["info"], step
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_nonfinite_input_raises_on_every_rank(world):
+    msgs = [o["nan"] for o in _results(world)]
+    assert all(m is not None and f"selection on ranks [{world - 1}]," in m for m in msgs), msgs
+    assert msgs[0] == msgs[-1]
+
+
+# -- indices above 2**24 (float32 cannot hold them) ------------------------------------------
+def _tail_rank(rank: int, world: int, case: dict) -> dict:
+    res = collectives.get("oktopk", k=8)(_selection(case, rank, world, 0))
+    nz = res.dense.nonzero().view(-1)
+    return {"idx": nz, "val": res.dense[nz], "kept": res.kept, "info": res.info}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_indices_above_2_pow_24_are_exact(world):
+    case = {"kind": "tail", "numel": 2**24 + 9, "kloc": 4, "dtype": "fp32", "seed": 0}
+    out = run_distributed(_tail_rank, world, case, timeout=240)
+    acc: dict[int, float] = {}
+    sels = [_selection(case, r, world, 0) for r in range(world)]
+    for s in sels:
+        for i, v in zip(s.indices.tolist(), s.values.tolist()):
+            acc[i] = acc.get(i, 0.0) + v
+    top = sorted(acc, key=lambda i: -abs(acc[i]))[:8]
+    theta = sorted((abs(v) for v in acc.values()), reverse=True)[min(8, len(acc)) - 1]
+    expect = sorted(i for i in acc if abs(acc[i]) >= theta and acc[i] != 0.0)
+    assert set(top) <= set(expect)
+    assert any(i > 2**24 and i % 2 == 1 for i in expect)  # not representable in float32
+    for o in out:
+        assert o["idx"].tolist() == expect
+        assert o["val"].tolist() == [acc[i] for i in expect]
+    for s, o in zip(sels, out):
+        assert o["kept"].tolist() == [i for i in s.indices.tolist() if i in set(expect)]
+
+
+def test_wire_helpers_keep_int64_indices_exact():
+    idx = torch.tensor([0, 2**24 + 1, 2**31 + 3, 2**40 + 5])
+    val = torch.tensor([1.0, -2.0, 3.0, 4.0], dtype=torch.bfloat16)
+    assert oktopk_mod.wire_index_dtype(2**31 - 1) == torch.int32
+    assert oktopk_mod.wire_index_dtype(2**31) == torch.int64
+    buf = oktopk_mod.pack(idx, val, torch.int64)
+    assert buf.dtype == torch.uint8 and buf.numel() == 4 * (8 + 2)
+    i2, v2 = oktopk_mod.unpack(buf, 4, torch.int64, torch.bfloat16)
+    assert torch.equal(i2, idx) and torch.equal(v2, val)
+    odd = oktopk_mod.pack(idx[:3] % 2**31, val[:3].double(), torch.int32)  # unaligned values
+    i3, v3 = oktopk_mod.unpack(odd, 3, torch.int32, torch.float64)
+    assert torch.equal(i3, idx[:3] % 2**31) and torch.equal(v3, val[:3].double())
+    with pytest.raises(ValueError, match="not 3 entries"):
+        oktopk_mod.unpack(odd[:-1], 3, torch.int32, torch.float64)
+
+
+# -- single process: argument and state validation -------------------------------------------
+@pytest.mark.parametrize("opts, match", [
+    ({"density": 0.0}, "density"), ({"density": 1.5}, "density"), ({"k": 0}, "k must"),
+    ({"density": 0.1, "k": 3}, "not both"), ({"tau": 0}, "tau"), ({"tau_prime": 2.5}, "tau_prime"),
+    ({"bucket": 0}, "bucket"), ({"balance_factor": 0.5}, "balance_factor"),
+    ({"nudge": 0.0}, "nudge"),
+])
+def test_bad_options_raise(opts, match):
+    with pytest.raises(ValueError, match=match):
+        collectives.get("oktopk", **opts)
+
+
+def test_bad_state_raises_and_good_state_round_trips():
+    c = collectives.get("oktopk", density=0.1)
+    x = torch.randn(100, generator=torch.Generator().manual_seed(0))
+    c(SparseGrad.from_indices(x, x.abs().topk(10).indices), step=0)
+    state = c.state_dict()
+    with pytest.raises(ValueError, match="state keys"):
+        c.load_state_dict({"theta": 1.0})
+    with pytest.raises(ValueError, match="boundaries"):
+        c.load_state_dict({**state, "boundaries": [0, 100]})
+    d = collectives.get("oktopk", density=0.1)
+    d.load_state_dict(state)
+    assert d.state_dict()["theta"] == state["theta"]
+    assert torch.equal(d.state_dict()["boundaries"], state["boundaries"])
+    with pytest.raises(ValueError, match="SparseGrad"):
+        c(x)
