@@ -202,7 +202,7 @@ def test_threshold_reuse_period_and_window():
     period = 8
     sp = make("threshold", 0.01, period=period)
     g = torch.Generator().manual_seed(0)
-    x = gradient_like(50_000, seed=0)
+    x = gradient_like(20_000, seed=0)
     exact_calls = []
     for t in range(40):
         # a slowly drifting gradient: scale and content change a little every step
