@@ -10,9 +10,10 @@ Accounting convention (per rank, payload bytes; headers of the transport are not
   ``2(P−1)`` messages — the "Dense" row of Ok-Topk Table 1 (gloo's own algorithm may differ).
 * ``reduce_scatter`` of a P·B buffer: ring, ``(P−1)·B`` sent and received, ``P−1`` messages.
 * ``all_gather`` of B bytes per rank: ring, ``(P−1)·B`` sent and received, ``P−1`` messages.
-* ``all_gather_v`` (variable sizes): a ring of exact-size point-to-point messages, so each rank
-  sends and receives exactly the other ranks' bytes, ``Σ_{j≠r} B_j``, with no padding. The counts
-  themselves travel in a small ``all_gather`` that is counted too.
+* ``all_gather_v`` (variable sizes): a ring of exact-size point-to-point messages with no
+  padding: rank r receives every other rank's bytes, ``Σ_{j≠r} B_j``, and sends every block but
+  its right neighbour's, ``Σ_{j≠r+1} B_j`` (the group's totals are equal). The counts themselves
+  travel in a small ``all_gather`` that is counted too.
 * ``broadcast`` of B bytes from ``src``: a binomial tree; each non-root receives B once and sends
   B to each of its children.
 
