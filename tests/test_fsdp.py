@@ -351,6 +351,23 @@ def test_good_config_accepted():
             assert (c.ratio, c.index_bits, c.theta) == (ratio, bits, 0.0)
 
 
+def test_sparse_chunk_encoding_equals_the_sketch_encode():
+    from gradsync.formats.sketch import CountSketch
+    from gradsync.fsdp import _encode_chunks
+
+    g = torch.Generator().manual_seed(3)
+    for n, ratio in ((50_000, 10), (3000, 2), (700, 4)):  # hashed, and the identity layout
+        sk = CountSketch(n, ratio, seed=5)
+        q = torch.randn(3, n, generator=g) * (torch.rand(3, n, generator=g) < 0.05)
+        want = torch.stack([sk.encode(q[j]) for j in range(3)])
+        torch.testing.assert_close(_encode_chunks(sk, q), want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(_encode_chunks(sk, q.to(torch.bfloat16)),
+                                   torch.stack([sk.encode(q[j].to(torch.bfloat16))
+                                                for j in range(3)]), rtol=1e-6, atol=1e-6)
+    with pytest.raises(ValueError):
+        _encode_chunks(sk, torch.full((1, 700), float("nan")))
+
+
 def test_default_policy_on_module_names():
     lin, emb, ln = nn.Linear(4, 4), nn.Embedding(4, 4), nn.LayerNorm(4)
     for name in ("blocks.0.attn_qkv", "attn.q_proj", "attn.k_proj", "attn.v_proj", "h.0.c_attn",

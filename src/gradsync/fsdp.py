@@ -200,6 +200,30 @@ def _positions(segments: list[tuple[int, int]], device: torch.device) -> torch.T
                       for a, n in segments])
 
 
+def _encode_chunks(sk: CountSketch, q: torch.Tensor) -> torch.Tensor:
+    """Count sketches of the P rows of ``q`` at once, from their nonzeros only: (P, length).
+
+    Equals ``torch.stack([sk.encode(q[j]) for j in range(P)])`` (the sketch is linear; zeros
+    add nothing) but costs O(nnz) instead of O(n) — after θ-sparsification 1% of the chunk.
+    Private helper: it maps positions to cells with the sketch's own ``_element_cells`` (the
+    single source of its layout) and falls back to ``encode`` per row if that is missing.
+    """
+    P, n = q.shape
+    if n != sk.n:
+        raise ValueError(f"sketch of {sk.n} elements cannot encode chunks of {n}")
+    if not hasattr(sk, "_element_cells"):
+        return torch.stack([sk.encode(q[j]) for j in range(P)])
+    if q.is_floating_point() and not bool(torch.isfinite(q).all()):
+        raise ValueError("TAGC: gradient holds non-finite values (NaN/Inf)")
+    j, pos = torch.nonzero(q, as_tuple=True)
+    v = q[j, pos].to(torch.float32)
+    cells, signs = sk._element_cells(pos)  # (E, k) flat cells of one sketch, (E, k) ±1
+    cells = cells + (j * sk.length).unsqueeze(1)
+    out = torch.zeros(P * sk.length, dtype=torch.float32, device=q.device)
+    out.index_add_(0, cells.reshape(-1), (signs * v.unsqueeze(1)).reshape(-1))
+    return out.view(P, sk.length)
+
+
 class TAGC:
     """TAGC installed on the FSDP2 units of a model; build it with :func:`compress`."""
 
@@ -445,7 +469,7 @@ class _TAGCReduceScatter(ReduceScatter):
         index = self._or_reduce_scatter(local_index, comm)
         nonzero = unpack_index(index, n, cfg.index_bits)
         # 5-6: count sketch per chunk; one reduce-scatter: owner d gets Σ_ranks sketch(chunk d)
-        local_sketch = torch.stack([sk.encode(q[j]) for j in range(P)])
+        local_sketch = _encode_chunks(sk, q)
         count_sketch = torch.empty(sk.length, dtype=torch.float32, device=g.device)
         before = comm.stats.bytes_sent
         comm.reduce_scatter(count_sketch, local_sketch.view(-1))
