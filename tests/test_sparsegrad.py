@@ -66,3 +66,19 @@ def test_dense_round_trip(n, density, seed, dtype):
     assert torch.equal(s.to_dense(), x)
     assert len(s) == int((x != 0).sum())
     SparseGrad(s.indices, s.values, s.numel)  # what from_dense built is valid
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_all_finite_and_check_finite(dtype):
+    from gradsync.sparsegrad import all_finite, check_finite
+
+    x = torch.randn(257).to(dtype)
+    assert all_finite(x) and all_finite(torch.empty(0, dtype=dtype))
+    check_finite(x)
+    for bad in (float("nan"), float("inf"), -float("inf")):
+        for pos in (0, 128, 256):
+            y = x.clone()
+            y[pos] = bad
+            assert not all_finite(y)
+            with pytest.raises(ValueError, match="non-finite"):
+                check_finite(y, "g")

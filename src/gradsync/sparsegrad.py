@@ -12,12 +12,21 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SparseGrad", "check_finite"]
+__all__ = ["SparseGrad", "all_finite", "check_finite"]
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """True when ``x`` holds no NaN/Inf: one reduction pass, no temporary tensor (NaN
+    propagates through min/max and ±Inf shows up in them)."""
+    if not (x.is_floating_point() and x.numel()):
+        return True
+    lo, hi = torch.aminmax(x)
+    return bool(torch.isfinite(lo) & torch.isfinite(hi))
 
 
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
     """Raise ``ValueError`` naming ``what`` when ``x`` holds a NaN or an Inf."""
-    if x.is_floating_point() and x.numel() and not bool(torch.isfinite(x).all()):
+    if not all_finite(x):
         n_nan = int(torch.isnan(x).sum())
         n_inf = int(torch.isinf(x).sum())
         raise ValueError(f"{what} holds non-finite values ({n_nan} NaN, {n_inf} Inf)")

@@ -24,6 +24,7 @@ def names() -> list[str]:
 # Importing the modules registers them.
 from gradsync.sparsify import (  # noqa: E402,F401
     dgc,
+    fraction,
     gaussiank,
     randomk,
     redsync,
