@@ -2,7 +2,8 @@
 
 ``bench <name> [args]`` runs the benchmark module ``gradsync.bench.<name>`` (each owns its
 arguments: ``python -m gradsync bench <name> --help``); ``bench list`` lists them.
-``demo`` runs the short comparison that ``make demo`` shows.
+``demo`` runs the short comparison that ``make demo`` shows; ``profile`` measures and prints
+the cost model (backward, sparsification and collective times) the planners consume.
 """
 
 from __future__ import annotations
@@ -40,7 +41,13 @@ def _demo(argv: list[str]) -> int:
     return int(demo.main(argv) or 0)
 
 
-COMMANDS = {"bench": _bench, "demo": _demo}
+def _profile(argv: list[str]) -> int:
+    from gradsync import costmodel
+
+    return int(costmodel.main(argv) or 0)
+
+
+COMMANDS = {"bench": _bench, "demo": _demo, "profile": _profile}
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,0 +1,101 @@
+"""`Config`: the validated settings of a :class:`gradsync.GradSync` engine and the DDP hook.
+
+Every field is checked at construction; a bad value raises ``ValueError`` naming the field and
+the accepted values, so a typo fails before any process group work starts.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass, fields
+from typing import Any
+
+from gradsync import sparsify
+from gradsync.schedule import SCHEMES
+
+__all__ = ["ENGINE_SPARSIFIERS", "Config"]
+
+# The sparsifiers an engine scheme may use (Config.sparsifier); every scheme uses the same one
+# so that experiments compare schemes, not sparsifiers.
+ENGINE_SPARSIFIERS = ("dgc", "topk", "gaussiank", "redsync", "sidco", "randomk")
+NONFINITE_POLICIES = ("raise", "skip_step")
+
+
+@dataclass(frozen=True)
+class Config:
+    """Settings of gradient synchronization.
+
+    Attributes:
+        scheme: one of ``gradsync.schedule.SCHEMES`` (``dense``, ``dense_ovlp``, ``topka``,
+            ``topkdsa``, ``gtopk``, ``gaussiank``, ``oktopk``, ``densestream``, ``per_tensor``,
+            ``multi_tensor``/``omgs``, ``cupcake``, ``ssfusion``, ``ssfusion_o``,
+            ``ssfusion_oi``).
+        density: fraction of gradient entries sent, in (0, 1].
+        sparsifier: how entries are chosen (``dgc`` default; ``topk``, ``gaussiank``,
+            ``redsync``, ``sidco``, ``randomk``). The ``gaussiank`` scheme always uses
+            Gaussian-k, as the Ok-Topk paper runs it.
+        momentum: DGC momentum correction inside error feedback (0 = plain error feedback).
+        warmup_steps: online-profiling iterations before a cost-model plan is fixed
+            (SSFusion §IV-B uses 5).
+        bucket_mb: fusion-buffer size of the ``dense`` schemes (DDP's 25 MB).
+        min_density: floor of SSFusion's density-aware compensation (0.001).
+        nonfinite: ``"raise"`` (default: a NaN/Inf gradient raises ``ValueError`` naming the
+            parameter) or ``"skip_step"`` (the step's gradients are zeroed on every rank,
+            residuals untouched).
+        timeout_s: timeout of the engine's process group; a dead or hung peer makes the
+            step fail after this many seconds instead of hanging.
+        seed: seeds every sparsifier's generator (with the tensor name and rank mixed in).
+        check_every: every K steps verify that parameters are identical on all ranks
+            (0 = never).
+    """
+
+    scheme: str = "ssfusion_oi"
+    density: float = 0.01
+    sparsifier: str = "dgc"
+    momentum: float = 0.0
+    warmup_steps: int = 5
+    bucket_mb: float = 25.0
+    min_density: float = 0.001
+    nonfinite: str = "raise"
+    timeout_s: float = 300.0
+    seed: int = 0
+    check_every: int = 0
+
+    def __post_init__(self) -> None:
+        if self.scheme not in SCHEMES:
+            raise ValueError(f"Config.scheme {self.scheme!r} is unknown; choose one of "
+                             f"{', '.join(SCHEMES)}")
+        sparsify.validate_density(self.density)
+        if self.sparsifier not in ENGINE_SPARSIFIERS or self.sparsifier not in sparsify.names():
+            raise ValueError(f"Config.sparsifier {self.sparsifier!r} is unknown; choose one of "
+                             f"{', '.join(s for s in ENGINE_SPARSIFIERS if s in sparsify.names())}")
+        if not 0.0 <= self.momentum < 1.0:
+            raise ValueError(f"Config.momentum must be in [0, 1), got {self.momentum!r}")
+        if int(self.warmup_steps) != self.warmup_steps or self.warmup_steps < 1:
+            raise ValueError(f"Config.warmup_steps must be an integer >= 1, got "
+                             f"{self.warmup_steps!r}")
+        if not (self.bucket_mb > 0 and math.isfinite(self.bucket_mb)):
+            raise ValueError(f"Config.bucket_mb must be > 0, got {self.bucket_mb!r}")
+        if not 0.0 < self.min_density <= self.density:
+            raise ValueError(f"Config.min_density must be in (0, density={self.density}], got "
+                             f"{self.min_density!r}")
+        if self.nonfinite not in NONFINITE_POLICIES:
+            raise ValueError(f"Config.nonfinite must be one of {NONFINITE_POLICIES}, got "
+                             f"{self.nonfinite!r}")
+        if not self.timeout_s > 0:
+            raise ValueError(f"Config.timeout_s must be > 0, got {self.timeout_s!r}")
+        if int(self.check_every) != self.check_every or self.check_every < 0:
+            raise ValueError(f"Config.check_every must be an integer >= 0, got "
+                             f"{self.check_every!r}")
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> Config:
+        """Build from a dict (e.g. parsed YAML/JSON); unknown keys raise ``ValueError``."""
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise ValueError(f"unknown Config keys {unknown}; known: {sorted(known)}")
+        return cls(**d)
+
+    def to_dict(self) -> dict[str, Any]:
+        return asdict(self)
