@@ -254,10 +254,19 @@ class ShapedWorld:
         if self._closed:
             return
         self._closed = True
-        for ns in reversed(self._created):
-            with contextlib.suppress(Exception):
-                _sh("ip", "netns", "del", ns)
-        self._created.clear()
+        # A second Ctrl-C or SIGTERM must not cut the clean-up short: defer them until it is done.
+        main = threading.current_thread() is threading.main_thread()
+        deferred = {signal.SIGINT, signal.SIGTERM}
+        if main:
+            signal.pthread_sigmask(signal.SIG_BLOCK, deferred)
+        try:
+            for ns in reversed(self._created):
+                with contextlib.suppress(Exception):
+                    _sh("ip", "netns", "del", ns)
+            self._created.clear()
+        finally:
+            if main:
+                signal.pthread_sigmask(signal.SIG_UNBLOCK, deferred)
 
     def run(self, fn: Callable[..., Any], *args: Any, timeout: float = 120.0,
             **kwargs: Any) -> list[Any]:
@@ -269,10 +278,15 @@ class ShapedWorld:
 
 @contextlib.contextmanager
 def _teardown_on_signals(teardown: Callable[[], None]) -> Iterator[None]:
-    """SIGTERM → ``SystemExit`` inside the block (SIGINT already raises); ``atexit`` backstop."""
+    """SIGTERM → ``SystemExit`` inside the block (SIGINT already raises); ``atexit`` backstop.
+
+    A SIGTERM handler the program installed itself is left alone (it decides how to exit;
+    ``atexit`` still runs if it exits through Python).
+    """
     atexit.register(teardown)
     previous = None
-    if threading.current_thread() is threading.main_thread():
+    if (threading.current_thread() is threading.main_thread()
+            and signal.getsignal(signal.SIGTERM) == signal.SIG_DFL):
         def on_term(signum: int, frame: Any) -> None:
             raise SystemExit(128 + signum)
 
@@ -380,7 +394,7 @@ def run_shaped(
 
 def _check_picklable(fn: Callable[..., Any]) -> None:
     if getattr(fn, "__module__", None) == "__main__" or "<locals>" in getattr(
-            fn, "__qualname__", "<locals>"):
+            fn, "__qualname__", ""):
         raise ValueError(
             f"run_shaped: fn must be a module-level function of an importable module "
             f"(it is pickled by reference into another process), got {fn!r}"
