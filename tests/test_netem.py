@@ -186,7 +186,8 @@ with shaped_world(2, "10mbit") as w:
 
 
 def _start_holder() -> tuple[subprocess.Popen, str]:
-    proc = subprocess.Popen([sys.executable, "-c", _HOLD], stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen([sys.executable, "-c", _HOLD], stdout=subprocess.PIPE,
+                            stderr=subprocess.DEVNULL, text=True)
     tag = proc.stdout.readline().strip()
     assert tag.startswith(f"gsne-{proc.pid}-"), tag
     return proc, tag
@@ -198,16 +199,17 @@ def _names_with(tag: str) -> list[str]:
 
 
 @needs_root
-def test_sigterm_cleans_up_and_sigkill_leftovers_are_removed_as_stale():
-    proc, tag = _start_holder()
-    try:
-        assert len(_names_with(tag)) == 3  # two ranks and the bridge
-        proc.send_signal(signal.SIGTERM)
-        assert proc.wait(timeout=30) != 0
-        assert _names_with(tag) == []
-    finally:
-        proc.kill()
-        proc.wait()
+def test_signals_clean_up_and_sigkill_leftovers_are_removed_as_stale():
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        proc, tag = _start_holder()
+        try:
+            assert len(_names_with(tag)) == 3  # two ranks and the bridge
+            proc.send_signal(sig)
+            assert proc.wait(timeout=30) != 0
+            assert _names_with(tag) == [], sig
+        finally:
+            proc.kill()
+            proc.wait()
     proc, tag = _start_holder()
     try:
         proc.kill()  # SIGKILL: no chance to clean up
