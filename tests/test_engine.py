@@ -296,3 +296,81 @@ def test_single_process_without_process_group():
     s = sync.stats()
     assert s["world_size"] == 1 and s["step"] == 3 and s["last"]["bytes_sent"] == 0
     sync.close()
+
+
+def _nonfinite(rank, world_size, policy, bad_rank, scheme):
+    model = build("mlp", seed=1)
+    sync = GradSync(model, Config(scheme=scheme, density=0.05, sparsifier="topk",
+                                  warmup_steps=1, nonfinite=policy))
+    results = []
+    for step in range(4):
+        model.zero_grad()
+        x, y = _batch("cnn", rank, step)
+        handle = None
+        if step == 2 and rank == bad_rank:  # the NaN appears during backward, as in real life
+            def poison(g):
+                g = g.clone()
+                g[3, 5] = float("nan")
+                return g
+            handle = model.net[1].weight.register_hook(poison)
+        _loss(model, "cnn", x, y).backward()
+        if handle is not None:
+            handle.remove()
+        before = {n: (sync.ef.residual(n).clone() if sync.ef.residual(n) is not None else None)
+                  for n in sync.params}
+        try:
+            ok = sync.synchronize()
+            results.append(("ok", ok))
+        except ValueError as e:
+            results.append(("raised", str(e)))
+        after = {n: sync.ef.residual(n) for n in sync.params}
+        if step == 2:
+            untouched = all(b is None or torch.equal(b, after[n]) for n, b in before.items())
+            grads_zero = all(float(p.grad.abs().sum()) == 0 for p in model.parameters())
+            results.append(("untouched", untouched, grads_zero))
+        for r in after.values():
+            assert r is None or bool(torch.isfinite(r).all())
+    sync.close()
+    return results
+
+
+@pytest.mark.parametrize("bad_rank", [0, 2])
+def test_nonfinite_raise_on_every_rank(bad_rank):
+    out = run_distributed(_nonfinite, 3, "raise", bad_rank, "ssfusion_oi", timeout=300)
+    for rank, res in enumerate(out):
+        assert res[2][0] == "raised"
+        if rank == bad_rank:
+            assert "net.1.weight" in res[2][1]
+        else:
+            assert "another rank" in res[2][1]
+        assert res[3][1]  # residuals untouched
+        assert res[4] == ("ok", True)  # training continues afterwards
+
+
+@pytest.mark.parametrize("scheme", ["dense", "oktopk"])
+def test_nonfinite_skip_step(scheme):
+    out = run_distributed(_nonfinite, 2, "skip_step", 1, scheme, timeout=300)
+    for res in out:
+        assert res[2] == ("ok", False)
+        assert res[3] == ("untouched", True, True)
+        assert res[4] == ("ok", True)
+
+
+def _diverge(rank, world_size):
+    model = build("mlp", seed=1)
+    sync = GradSync(model, Config(scheme="topka", density=0.1, warmup_steps=1, check_every=2))
+    for step in range(4):
+        model.zero_grad()
+        x, y = _batch("cnn", rank, step)
+        _loss(model, "cnn", x, y).backward()
+        if step == 3 and rank == 1:
+            with torch.no_grad():
+                model.net[1].bias[0] += 1.0  # a replica drifts
+        sync.synchronize()
+    return "no error"
+
+
+def test_check_every_detects_divergence():
+    with pytest.raises(gradsync.testing.DistributedError,
+                       match=r"first diverging parameter: net\.1\.bias"):
+        run_distributed(_diverge, 2, timeout=120)

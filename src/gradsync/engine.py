@@ -188,8 +188,6 @@ class GradSync:
             raise RuntimeError("GradSync.synchronize() after close()")
         if self._no_sync:
             raise RuntimeError("GradSync.synchronize() inside no_sync(): leave the block first")
-        if self.cfg.check_every and self.step and self.step % self.cfg.check_every == 0:
-            check_consistency(self.model, self.group)
         stats = StepStats()
         profiling = self._warmup_left > 0
         if profiling:
@@ -233,6 +231,9 @@ class GradSync:
             self._warmup_left -= 1
             if self._warmup_left == 0:
                 self._make_final_plan()
+        if self.cfg.check_every and self.step % self.cfg.check_every == 0:
+            # only here, once this step's jobs have drained: the check uses the same group
+            check_consistency(self.model, self.group)
         return ok
 
     def stats(self) -> dict[str, Any]:

@@ -22,6 +22,6 @@ def names() -> list[str]:
     return registry.names()
 
 
-from gradsync.collectives import dense, densestream, gtopk, oktopk, topka, topkdsa  # noqa: E402,F401
+from gradsync.collectives import dense, densestream, gtopk, lhc, oktopk, topka, topkdsa  # noqa: E402,F401
 
 __all__ = ["Collective", "Comm", "CommStats", "SyncResult", "get", "names", "registry"]

@@ -35,9 +35,9 @@ class SyncResult:
 class Collective(ABC):
     """Base class: input checks, a shape consensus, timing; subclasses implement ``_reduce``.
 
-    ``check_shapes`` (default on) runs one all-reduce of two int64 words so that ranks passing
+    ``check_shapes`` (default on) runs one all-reduce of four int64 words so that ranks passing
     different ``numel`` or dtypes fail with a clear ``ValueError`` on every rank instead of
-    hanging or corrupting memory. Its 16 bytes are counted like any other traffic.
+    hanging or corrupting memory. Its 32 bytes are counted like any other traffic.
     """
 
     name: str = "?"
