@@ -3,7 +3,9 @@
 ``bench <name> [args]`` runs the benchmark module ``gradsync.bench.<name>`` (each owns its
 arguments: ``python -m gradsync bench <name> --help``); ``bench list`` lists them.
 ``demo`` runs the short comparison that ``make demo`` shows; ``profile`` measures and prints
-the cost model (backward, sparsification and collective times) the planners consume.
+the cost model (backward, sparsification and collective times) the planners consume;
+``train`` trains a model with a scheme on local workers or under torchrun; ``report``
+reproduces the papers' tables; ``simulate`` predicts iteration time at large P.
 """
 
 from __future__ import annotations
@@ -35,19 +37,23 @@ def _bench(argv: list[str]) -> int:
     return int(importlib.import_module(f"gradsync.bench.{name}").main(rest) or 0)
 
 
-def _demo(argv: list[str]) -> int:
-    from gradsync import demo
+def _module_main(module: str):
+    """A command that runs ``<module>.main(argv)`` (imported only when used)."""
 
-    return int(demo.main(argv) or 0)
+    def run(argv: list[str]) -> int:
+        return int(importlib.import_module(module).main(argv) or 0)
 
-
-def _profile(argv: list[str]) -> int:
-    from gradsync import costmodel
-
-    return int(costmodel.main(argv) or 0)
+    return run
 
 
-COMMANDS = {"bench": _bench, "demo": _demo, "profile": _profile}
+COMMANDS = {
+    "bench": _bench,
+    "demo": _module_main("gradsync.demo"),
+    "profile": _module_main("gradsync.costmodel"),
+    "train": _module_main("gradsync.train"),
+    "report": _module_main("gradsync.report"),
+    "simulate": _module_main("gradsync.sim.simulate"),
+}
 
 
 def main(argv: list[str] | None = None) -> int:
