@@ -14,7 +14,7 @@ import math
 import torch
 from torch import nn
 
-__all__ = ["CNN", "MLP", "TinyGPT", "build", "names", "real_gradients"]
+__all__ = ["CNN", "MLP", "ResNet18", "TinyGPT", "build", "names", "real_gradients"]
 
 
 class CNN(nn.Module):
@@ -87,7 +87,43 @@ class TinyGPT(nn.Module):
         return self.lm_head(self.ln_f(x))
 
 
-_BUILDERS = {"cnn": CNN, "mlp": MLP, "gpt_tiny": TinyGPT}
+class BasicBlock(nn.Module):
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, cout, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(cout)
+        self.conv2 = nn.Conv2d(cout, cout, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(cout)
+        self.shortcut = nn.Sequential()
+        if stride != 1 or cin != cout:
+            self.shortcut = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                          nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = torch.relu(self.bn1(self.conv1(x)))
+        return torch.relu(self.bn2(self.conv2(y)) + self.shortcut(x))
+
+
+class ResNet18(nn.Module):
+    """ResNet-18 (He et al.), CIFAR-style stem for small grey images (11.2 M parameters)."""
+
+    def __init__(self, classes: int = 10, channels: int = 1) -> None:
+        super().__init__()
+        self.stem = nn.Sequential(nn.Conv2d(channels, 64, 3, 1, 1, bias=False),
+                                  nn.BatchNorm2d(64), nn.ReLU())
+        layers, cin = [], 64
+        for cout, stride in ((64, 1), (128, 2), (256, 2), (512, 2)):
+            layers += [BasicBlock(cin, cout, stride), BasicBlock(cout, cout, 1)]
+            cin = cout
+        self.layers = nn.Sequential(*layers)
+        self.fc = nn.Linear(512, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.layers(self.stem(x))
+        return self.fc(torch.flatten(nn.functional.adaptive_avg_pool2d(x, 1), 1))
+
+
+_BUILDERS = {"cnn": CNN, "mlp": MLP, "gpt_tiny": TinyGPT, "resnet18": ResNet18}
 
 
 def names() -> list[str]:
@@ -109,8 +145,8 @@ def real_gradients(
 ) -> dict[str, torch.Tensor]:
     """Per-parameter gradients of ``model`` after ``steps`` SGD steps on real data.
 
-    ``cnn``/``mlp`` train on Fashion-MNIST (raises ``DatasetUnavailable`` when it is not
-    installed); ``gpt_tiny`` trains on the bytes of this package's own source text. With
+    ``cnn``/``mlp``/``resnet18`` train on Fashion-MNIST (raises ``DatasetUnavailable`` when it
+    is not installed); ``gpt_tiny`` trains on the bytes of this package's own source text. With
     ``accumulate=True`` the gradients of all steps are summed (what a residual accumulates
     when nothing is sent), which is the input DenseStream Table I measures.
     """
