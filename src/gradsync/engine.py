@@ -25,6 +25,20 @@ scheme runs at least one such step to observe the real backward order of the gra
 Invariants (tested): ``dense`` results are bitwise identical on every rank, so replicas never
 drift; per parameter and step, ``accumulated == sent + residual`` exactly (error feedback);
 at density 1 every scheme's averaged gradient equals plain DDP's within float tolerance.
+
+Audit (opt-in, for tests and debugging): ``GradSync(model, cfg, audit=True)`` keeps, for the
+last step, one :class:`AuditRecord` per parameter in ``sync.audit_log`` (``audit=callable``
+calls it with each record instead): the accumulated gradient ``acc``, the indices and values
+this rank really put on the wire that entered the result (taken from the payload handed to the
+collective, before it ran) and the new residual, so that
+``acc == scatter(sent_indices, sent_values) + residual`` can be checked bit for bit. It clones
+every accumulated gradient and payload; leave it off in training.
+
+Checkpoints: :meth:`GradSync.state_dict` holds everything a bitwise resume needs — step,
+warm-up progress and backward-order samples, plan and cost model, residuals and DGC velocities,
+every sparsifier's generator and threshold state, every collective's state (Ok-Topk thresholds
+and boundaries, DenseStream boundaries) — and is per rank (residuals differ across ranks);
+:mod:`gradsync.checkpoint` saves it with the model and optimizer (torch.save or DCP).
 """
 
 from __future__ import annotations
@@ -32,7 +46,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
@@ -50,7 +64,12 @@ from gradsync.feedback import ErrorFeedback
 from gradsync.schedule import BufferPlan, Plan
 from gradsync.sparsegrad import SparseGrad, all_finite
 
-__all__ = ["GradSync", "StepStats"]
+__all__ = ["AuditRecord", "GradSync", "StepStats"]
+
+# Config fields that change the trajectory: a checkpoint must be loaded with equal values.
+# (nonfinite, timeout_s and check_every may change between runs.)
+_RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "warmup_steps", "bucket_mb",
+                  "min_density", "seed")
 
 # The sparse collective each scheme reduces with (the papers' pairings): the fusion schemes of
 # SSFusion all-gather their COO selections (TopkA), the Ok-Topk/DenseStream schemes use theirs.
@@ -92,6 +111,24 @@ class StepStats:
 
 
 @dataclass
+class AuditRecord:
+    """What one parameter's synchronization did on this rank in one step (``audit=True``).
+
+    All tensors are flat copies in the accumulator's dtype / int64. For ``dense`` jobs (no
+    error feedback) ``acc`` is the raw gradient, every index is sent and ``residual`` is zeros.
+    """
+
+    step: int
+    name: str
+    mode: str  # the job's mode: "dense", "fused", "per_tensor"
+    transport: str  # "allreduce" or the collective's name
+    acc: torch.Tensor  # accumulated gradient (residual + gradient, momentum-corrected)
+    sent_indices: torch.Tensor  # positions in ``acc`` consumed by the collective
+    sent_values: torch.Tensor  # the values at those positions as they were handed to it
+    residual: torch.Tensor  # residual after the step
+
+
+@dataclass
 class _Job:
     """One collective of a plan: a group of tensors and how they travel."""
 
@@ -109,6 +146,7 @@ class _Launched:
     accs: dict[str, torch.Tensor]  # per-tensor accumulated gradient (flat)
     future: Future
     nonfinite: list[str]
+    audit_accs: dict[str, torch.Tensor] | None = None  # clones of accs (audit only)
 
 
 class GradSync:
@@ -123,10 +161,17 @@ class GradSync:
             engine's background communication never interleaves with the caller's own
             collectives) with ``config.timeout_s``. Without an initialised process group the
             engine runs as a single rank.
+        audit: ``True`` keeps the last step's :class:`AuditRecord` s in ``audit_log``; a
+            callable receives every record as it is made; ``False`` (default) records nothing.
     """
 
     def __init__(self, model: nn.Module, config: Config | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None,
+                 audit: bool | Callable[[AuditRecord], None] = False) -> None:
+        if not (isinstance(audit, bool) or callable(audit)):
+            raise ValueError(f"audit must be a bool or a callable, got {type(audit).__name__}")
+        self._audit = audit
+        self.audit_log: list[AuditRecord] = []
         self.cfg = config or Config()
         self.model = model
         self.params: dict[str, nn.Parameter] = {
@@ -189,6 +234,7 @@ class GradSync:
         if self._no_sync:
             raise RuntimeError("GradSync.synchronize() inside no_sync(): leave the block first")
         stats = StepStats()
+        self.audit_log = []
         profiling = self._warmup_left > 0
         if profiling:
             self._record_backward_order()
@@ -207,8 +253,8 @@ class GradSync:
         bad_local = sorted({n for lj in self._launched for n in lj.nonfinite})
         ok = self._agree_finite(bad_local, stats)
         if ok:
-            for launched, (dense, kept, cstats, sp_s) in zip(self._launched, results):
-                self._apply(launched, dense, kept, stats)
+            for launched, (dense, kept, cstats, sp_s, sent) in zip(self._launched, results):
+                self._apply(launched, dense, kept, stats, sent)
                 stats.sparsify_s += sp_s
                 stats.bytes_sent += cstats.bytes_sent
                 stats.bytes_recv += cstats.bytes_recv
@@ -243,25 +289,71 @@ class GradSync:
                 "plan": self.plan.info if self.plan else {}}
 
     def state_dict(self) -> dict[str, Any]:
-        """Residuals, sparsifier/collective state, plan and cost model of this rank."""
+        """Everything this rank needs to resume bitwise (see the module docstring).
+
+        Residuals, velocities and sparsifier generators differ across ranks: save one state per
+        rank (:mod:`gradsync.checkpoint` does, under ``rank{r}/`` keys for DCP).
+        """
         return {
             "rank": self.rank, "world_size": self.P, "step": self.step,
             "config": self.cfg.to_dict(),
             "params": {n: list(p.shape) for n, p in self.params.items()},
+            "dtypes": {n: str(p.dtype) for n, p in self.params.items()},
             "warmup_left": self._warmup_left,
             "plan": self.plan.to_dict() if self.plan else None,
             "cost": self.cost.to_dict() if self.cost else None,
             "feedback": self.ef.state_dict(),
             "sparsifiers": {k: s.state_dict() for k, s in self._sparsifiers.items()},
             "collectives": {k: c.state_dict() for k, c in self._collectives.items()},
-            "bwd_times": list(self._bwd_times),
+            "bwd_times": [dict(t) for t in self._bwd_times],
+            "total": self.total.as_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a different world size, scheme or model raises."""
+        """Restore :meth:`state_dict` of the same rank.
+
+        A different world size, rank, scheme, trajectory-relevant config field (density,
+        sparsifier, momentum, warm-up, bucket size, min density, seed) or model (parameter
+        names, shapes, dtypes) raises ``ValueError`` before anything is changed.
+        """
+        self.check_compatible(state)
+        # build every component first, so a bad entry raises before the engine changes
+        sparsifiers = {}
+        for k, s in state["sparsifiers"].items():
+            seed = (self.cfg.seed * 1_000_003 + _stable_hash(k) * 31 + self.rank) % 2**62
+            sp = sparsify.get(self._sparsifier_name(), density=s["density"], seed=seed)
+            sp.load_state_dict(s)
+            sparsifiers[k] = sp
+        colls = {}
+        for k, s in state["collectives"].items():
+            c = self._new_collective()
+            c.load_state_dict(s)
+            colls[k] = c
+        ef = ErrorFeedback(momentum=self.cfg.momentum)
+        ef.load_state_dict(state["feedback"])
+        cost = costmodel.CostModel.from_dict(state["cost"]) if state["cost"] else None
+        plan = Plan.from_dict(state["plan"]) if state["plan"] is not None else None
+        if plan is not None:
+            self._set_plan(plan)
+        self.step = int(state["step"])
+        self._warmup_left = int(state["warmup_left"])
+        self.cost = cost
+        self.ef = ef
+        self._sparsifiers = sparsifiers
+        self._collectives = colls
+        self._bwd_times = [dict(t) for t in state.get("bwd_times", [])]
+        self.total = StepStats()
+        for k, v in state.get("total", {}).items():
+            if k != "missing_rate" and hasattr(self.total, k):
+                setattr(self.total, k, v)
+
+    def check_compatible(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` unless ``state`` was saved by this rank of an equal set-up."""
+        if not isinstance(state, dict) or "world_size" not in state or "config" not in state:
+            raise ValueError("not a GradSync state_dict (no world_size/config entries)")
         if state["world_size"] != self.P:
             raise ValueError(f"checkpoint is from world size {state['world_size']}, this job "
-                             f"has {self.P}")
+                             f"has {self.P}: residuals are per rank and cannot be re-sharded")
         if state["config"]["scheme"] != self.cfg.scheme:
             raise ValueError(f"checkpoint is for scheme {state['config']['scheme']!r}, this "
                              f"engine runs {self.cfg.scheme!r}")
@@ -269,17 +361,18 @@ class GradSync:
         if state["params"] != mine:
             raise ValueError("checkpoint is for a different model: "
                              f"{_diff_params(state['params'], mine)}")
-        self.step = int(state["step"])
-        self._warmup_left = int(state["warmup_left"])
-        self.cost = (costmodel.CostModel.from_dict(state["cost"]) if state["cost"] else None)
-        if state["plan"] is not None:
-            self._set_plan(Plan.from_dict(state["plan"]))
-        self.ef.load_state_dict(state["feedback"])
-        for k, s in state["sparsifiers"].items():
-            self._sparsifier(k, s["density"]).load_state_dict(s)
-        for k, s in state["collectives"].items():
-            self._collective_for(k).load_state_dict(s)
-        self._bwd_times = list(state.get("bwd_times", []))
+        dtypes = {n: str(p.dtype) for n, p in self.params.items()}
+        if state.get("dtypes", dtypes) != dtypes:
+            bad = sorted(n for n in dtypes if state["dtypes"].get(n) != dtypes[n])
+            raise ValueError(f"checkpoint is for a different model: dtypes differ for {bad[:5]}")
+        if state.get("rank", self.rank) != self.rank:
+            raise ValueError(f"checkpoint state of rank {state['rank']} loaded on rank "
+                             f"{self.rank}: residuals are per rank, load this rank's own state")
+        cfg = self.cfg.to_dict()
+        diff = [f"{k}: saved {state['config'].get(k)!r}, here {cfg[k]!r}"
+                for k in _RESUME_FIELDS if state["config"].get(k) != cfg[k]]
+        if diff:
+            raise ValueError(f"checkpoint was saved with a different configuration: {diff}")
 
     def close(self) -> None:
         """Remove the hooks and stop the worker threads."""
@@ -448,8 +541,9 @@ class GradSync:
                     parts.append(self._sparsifier(n, d).select(accs[n], self.step))
             payload = ("parts", parts)
         self._inline_sparsify_s += time.perf_counter() - t0
+        audit_accs = {n: a.detach().clone() for n, a in accs.items()} if self._audit else None
         future = self._comm.submit(self._communicate, job, self._next_job, payload, self.step)
-        self._launched.append(_Launched(job, accs, future, nonfinite))
+        self._launched.append(_Launched(job, accs, future, nonfinite, audit_accs))
 
     def _offload(self, sp: sparsify.Sparsifier, acc: torch.Tensor) -> Future:
         """SSFusion-O: sparsify on the worker thread (via pinned host memory on CUDA)."""
@@ -475,15 +569,20 @@ class GradSync:
         return self._worker.submit(work)
 
     def _communicate(self, job: _Job, index: int, payload: Any, step: int):
-        """Runs on the communication thread: one collective, in plan order."""
+        """Runs on the communication thread: one collective, in plan order.
+
+        Returns ``(dense_sum, kept, comm_stats, offload_s, sent)``; ``sent`` is ``None``
+        unless auditing, then a copy of the (indices, values) handed to the collective.
+        """
         kind, data = payload
         offload_s = 0.0
         if kind == "dense":
+            sent = (None, data.clone()) if self._audit else None
             comm = Comm(self.group)
             t0 = time.perf_counter()
             comm.all_reduce(data)
             comm.stats.seconds = time.perf_counter() - t0
-            return data, None, comm.stats, 0.0
+            return data, None, comm.stats, 0.0, sent
         sels = []
         for part in data:
             if isinstance(part, Future):
@@ -491,19 +590,21 @@ class GradSync:
                 offload_s += s
             sels.append(part)
         sel = _concat(sels) if kind == "parts" else sels[0]
+        sent = (sel.indices.clone(), sel.values.clone()) if self._audit else None
         if job.transport == "allreduce":
             comm = Comm(self.group)
             dense = sel.to_dense()
             t0 = time.perf_counter()
             comm.all_reduce(dense)
             comm.stats.seconds = time.perf_counter() - t0
-            return dense, sel.indices, comm.stats, offload_s
+            return dense, sel.indices, comm.stats, offload_s, sent
         coll = self._collective_for(f"job:{index}")
         res = coll(sel, group=self.group, step=step)
-        return res.dense, res.kept, res.stats, offload_s
+        return res.dense, res.kept, res.stats, offload_s, sent
 
     def _apply(self, launched: _Launched, dense: torch.Tensor, kept: torch.Tensor | None,
-               stats: StepStats) -> None:
+               stats: StepStats, sent: tuple[torch.Tensor | None, torch.Tensor] | None = None
+               ) -> None:
         """Write averaged gradients and update residuals with what was consumed."""
         job = launched.job
         offset = 0
@@ -516,6 +617,8 @@ class GradSync:
             kept = kept.to(torch.int64)
             starts = torch.tensor([b[1] for b in bounds], dtype=torch.int64, device=kept.device)
             owner = torch.searchsorted(starts, kept, right=True) - 1
+            if sent is not None:
+                kept_values = _values_at(sent[0], sent[1], kept)
         for i, (n, lo, hi) in enumerate(bounds):
             p = self.params[n]
             g = avg[lo:hi].view_as(p).to(p.dtype)
@@ -527,11 +630,28 @@ class GradSync:
             stats.numel += hi - lo
             if job.mode == "dense":
                 stats.selected += hi - lo
+                if sent is not None:
+                    acc = launched.audit_accs[n]
+                    self._record(AuditRecord(
+                        self.step, n, job.mode, job.transport, acc,
+                        torch.arange(hi - lo, device=acc.device), sent[1][lo:hi].clone(),
+                        torch.zeros_like(acc)))
                 continue
-            local = kept[owner == i] - lo
-            self.ef.update(n, launched.accs[n], local)
+            mine = owner == i
+            local = kept[mine] - lo
+            residual = self.ef.update(n, launched.accs[n], local)
             stats.selected += int(local.numel())
             stats.missing += int(local.numel() == 0)
+            if sent is not None:
+                self._record(AuditRecord(
+                    self.step, n, job.mode, job.transport, launched.audit_accs[n], local.clone(),
+                    kept_values[mine].clone(), residual.detach().reshape(-1).clone()))
+
+    def _record(self, rec: AuditRecord) -> None:
+        if callable(self._audit):
+            self._audit(rec)
+        else:
+            self.audit_log.append(rec)
 
     def _agree_finite(self, bad_local: list[str], stats: StepStats) -> bool:
         """All ranks agree whether any gradient was non-finite, then apply the policy."""
@@ -567,12 +687,15 @@ class GradSync:
             self._sparsifiers[key] = sp
         return sp
 
+    def _new_collective(self) -> collectives.Collective:
+        name = _SCHEME_COLLECTIVE.get(self.cfg.scheme, "topka")
+        opts = {"density": self.cfg.density} if name == "oktopk" else {}
+        return collectives.get(name, **opts)
+
     def _collective_for(self, key: str) -> collectives.Collective:
         coll = self._collectives.get(key)
         if coll is None:
-            name = _SCHEME_COLLECTIVE.get(self.cfg.scheme, "topka")
-            opts = {"density": self.cfg.density} if name == "oktopk" else {}
-            coll = collectives.get(name, **opts)
+            coll = self._new_collective()
             self._collectives[key] = coll
         return coll
 
@@ -586,6 +709,22 @@ def _concat(parts: list[SparseGrad]) -> SparseGrad:
         vals.append(s.values)
         offset += s.numel
     return SparseGrad(torch.cat(idx), torch.cat(vals), offset, validate=False)
+
+
+def _values_at(indices: torch.Tensor, values: torch.Tensor, at: torch.Tensor) -> torch.Tensor:
+    """``values`` of the selection ``(indices, values)`` at positions ``at`` (audit only).
+
+    A position the selection does not hold gets NaN, so an audit comparison fails loudly.
+    """
+    at = at.to(torch.int64)
+    if indices.numel() == 0:
+        return torch.full(at.shape, float("nan"), dtype=values.dtype, device=values.device)
+    order = torch.argsort(indices.to(torch.int64))
+    srt = indices.to(torch.int64)[order]
+    pos = torch.searchsorted(srt, at).clamp_(max=srt.numel() - 1)
+    out = values[order[pos]].clone()
+    out[srt[pos] != at] = float("nan")
+    return out
 
 
 def _backward_profile(
