@@ -24,25 +24,26 @@ def _comm_rank(rank: int, world_size: int) -> dict:
     P = world_size
     out: dict = {}
 
-    if P > 1:
-        # send/recv: rank 0 sends 3·j fp32 to each j, then each j answers with j bf16.
-        c = Comm()
-        if rank == 0:
-            for j in range(1, P):
-                c.send(torch.full((3 * j,), float(j)), j)
-            got = []
-            for j in range(1, P):
-                buf = torch.empty(j, dtype=torch.bfloat16)
-                c.recv(buf, j)
-                got.append(buf)
-            out["p2p_got"] = got
-        else:
-            buf = torch.empty(3 * rank)
-            c.recv(buf, 0)
-            out["p2p_got"] = [buf]
-            c.send(torch.full((rank,), -float(rank), dtype=torch.bfloat16), 0)
-        out["p2p"] = c.stats
+    # send/recv: rank 0 sends 3·j fp32 to each j, then each j answers with j bf16
+    # (P = 1: no peer, nothing moves and nothing is counted).
+    c = Comm()
+    if rank == 0:
+        for j in range(1, P):
+            c.send(torch.full((3 * j,), float(j)), j)
+        got = []
+        for j in range(1, P):
+            buf = torch.empty(j, dtype=torch.bfloat16)
+            c.recv(buf, j)
+            got.append(buf)
+        out["p2p_got"] = got
+    else:
+        buf = torch.empty(3 * rank)
+        c.recv(buf, 0)
+        out["p2p_got"] = [buf]
+        c.send(torch.full((rank,), -float(rank), dtype=torch.bfloat16), 0)
+    out["p2p"] = c.stats
 
+    if P > 1:
         # sendrecv around the ring: 5·(r+1) int32 to the right, from the left.
         c = Comm()
         buf = torch.empty(5 * ((rank - 1) % P + 1), dtype=torch.int32)
@@ -98,9 +99,7 @@ def world(request):
 
 
 def test_send_recv_bytes_exact(world):
-    P, outs = world
-    if P == 1:
-        pytest.skip("no peer")
+    P, outs = world  # P = 1: no peer, nothing sent or received
     sent0, recv0 = sum(12 * j for j in range(1, P)), sum(2 * j for j in range(1, P))
     assert (outs[0]["p2p"].bytes_sent, outs[0]["p2p"].bytes_recv) == (sent0, recv0)
     assert outs[0]["p2p"].messages == P - 1
@@ -110,6 +109,11 @@ def test_send_recv_bytes_exact(world):
         assert torch.equal(outs[j]["p2p_got"][0], torch.full((3 * j,), float(j)))
         assert torch.equal(outs[0]["p2p_got"][j - 1],
                            torch.full((j,), -float(j), dtype=torch.bfloat16))
+
+
+@pytest.mark.parametrize("world", [2, 3, 5], indirect=True)  # a ring needs a peer
+def test_sendrecv_ring_bytes_exact(world):
+    P, outs = world
     for r, o in enumerate(outs):
         s, left = o["sendrecv"], (r - 1) % P
         assert (s.bytes_sent, s.bytes_recv, s.messages) == (20 * (r + 1), 20 * (left + 1), 1)

@@ -207,7 +207,18 @@ def _rank_fn(rank: int, world: int, train: bool) -> dict:
 @pytest.fixture(scope="module", params=[2, 4])
 def runs(request):
     world = request.param
-    return world, run_distributed(_rank_fn, world, world == 2, timeout=300)
+    return world, _run(world)
+
+
+@functools.lru_cache(maxsize=2)
+def _run(world: int):
+    return run_distributed(_rank_fn, world, world == 2, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def train_run():
+    """The training run (2 ranks only, for time): shared with the P=2 equivalence checks."""
+    return 2, _run(2)
 
 
 # -- checks ----------------------------------------------------------------------------------
@@ -286,10 +297,8 @@ def test_theta0_fsdp_gradients_equal_plain_fsdp2(runs):
     assert max(res[r]["equiv"]["diffs"]["embed.weight/scale"] for r in range(world)) > 0
 
 
-def test_default_theta_training_loss_goes_down(runs):
-    world, res = runs
-    if world != 2:
-        pytest.skip("training runs on 2 ranks only (time)")
+def test_default_theta_training_loss_goes_down(train_run):
+    world, res = train_run
     for r in range(world):
         tr = res[r]["train"]
         losses = tr["losses"]
@@ -303,10 +312,8 @@ def test_default_theta_training_loss_goes_down(runs):
         assert st["sketch_bytes_per_step"] + st["index_bytes_per_step"] < st["plain_bytes_per_step"]
 
 
-def test_policy_selects_by_module(runs):
-    world, res = runs
-    if world != 2:
-        pytest.skip("plan is checked on the training run")
+def test_policy_selects_by_module(train_run):
+    _, res = train_run
     plan = res[0]["train"]["plan"]
     comp = {p for u in plan.values() for p in u["compressed"]}
     plain = {p for u in plan.values() for p in u["plain"]}
@@ -321,10 +328,8 @@ def test_policy_selects_by_module(runs):
     assert not comp & plain
 
 
-def test_state_dict_round_trip(runs):
-    world, res = runs
-    if world != 2:
-        pytest.skip("checkpoint is checked on the training run")
+def test_state_dict_round_trip(train_run):
+    world, res = train_run
     for r in range(world):
         tr = res[r]["train"]
         assert tr["keys"] == [f"rank{r}/{u}" for u in ("blocks.0", "blocks.1", "root")]
