@@ -58,7 +58,7 @@ from typing import Any
 
 import torch
 
-from gradsync.testing import DistributedError, DistributedTimeout, run_distributed
+from gradsync.testing import DistributedError, finish, run_distributed
 
 __all__ = [
     "NetemUnavailable",
@@ -495,16 +495,7 @@ def _collect(procs: list[subprocess.Popen], results: list[str], logs: list, time
                 progressed = True
         if not progressed:
             time.sleep(0.05)
-    failures = died + raised
-    if failures:
-        root = failures[0]
-        others = sorted(e.rank for e in failures[1:])
-        if others:
-            root.args = (f"{root.args[0]}\n(ranks {others} failed too, likely as a consequence)",)
-        raise root
-    if len(done) < p:
-        raise DistributedTimeout([r for r in range(p) if r not in done], timeout)
-    return [done[r] for r in range(p)]
+    return finish(done, died, raised, p, timeout)
 
 
 def _tail(log_f: Any, n: int = 2000) -> str:

@@ -180,6 +180,17 @@ def _collect(procs: list, results: Any, world_size: int, timeout: float) -> list
                 done[r] = None
                 msg = f"process exited with code {p.exitcode} without a result"
                 fail(DistributedError(r, msg), died)
+    return finish(done, died, raised, world_size, timeout)
+
+
+def finish(done: dict[int, Any], died: list[DistributedError], raised: list[DistributedError],
+           world_size: int, timeout: float) -> list[Any]:
+    """Turn collected per-rank outcomes into results in rank order, or the root-cause error.
+
+    A rank that died without a result comes first (its peers usually fail *because* it went
+    away), then the first rank that raised; the others are named as likely consequences.
+    Ranks with no outcome at all timed out. Shared by every launcher (loopback, netns).
+    """
     failures = died + raised
     if failures:
         root = failures[0]
