@@ -1,0 +1,307 @@
+"""Communication patterns of the collectives, step by step, under the α-β model.
+
+Ok-Topk §2 / §3.1 and Table 1, DenseStream §III-B (Eq. 4–6), SparCML's DSA as Ok-Topk describes
+it, SSFusion §IV-A Eq. 3 / Eq. 4. Each function returns the *steps* one rank goes through: a
+step is ``Step(messages, nbytes)`` — ``messages`` start-ups (each costs α) and ``nbytes`` on the
+busiest direction of the busiest rank in that step (each byte costs β; links are bidirectional
+and direct, the papers' assumption, so a step that sends and receives the same amount costs
+``α + β·nbytes``). Then
+
+    T = Σ_steps (messages·α + nbytes·β)            (comm_time)
+    volume = Σ_steps nbytes                        (Table 1's bandwidth column, in bytes)
+
+Notation: n gradient elements, k entries selected per rank (k = d·n), P ranks,
+P′ = 2^⌊log2 P⌋, K bytes per value, E = index_bytes + K bytes per COO entry (Table 1's
+"2 words per entry" with 4-byte words and fp32), u(m) the union density of m ranks'
+selections (:func:`union_density`).
+
+=============  ===========================================================  =================
+collective     steps                                                        Table 1 volume
+=============  ===========================================================  =================
+dense (ring)   2(P−1) steps of n/P values (Eq. 4)                           2n(P−1)/P
+topka          P−1 steps of k entries (ring all-gather, Eq. 3)              2k(P−1)
+topkdsa        log2 P′ halving steps: half the current range at density     [4k(P−1)/P,
+               u(2^(s−1)), COO or dense, whichever is smaller (fill-in);     (2k+n)(P−1)/P]
+               log2 P′ doubling steps of 2^t regions at density u(P)
+gtopk          log2 P′ reduction rounds + log2 P′ broadcast rounds of k     4k·log2 P
+               entries (the root's link)
+oktopk         split and reduce: P−1 steps of k/P entries (balanced          [2k(P−1)/P,
+               regions, destination rotation); balance: P−1 steps of k/P     6k(P−1)/P]
+               (only when imbalanced); allgatherv of the k global entries:
+               ⌈log2 P⌉ doubling steps; + amortised boundary / threshold
+               re-evaluation (every τ = 64 / τ′ = 32 steps)
+densestream    like topkdsa with balanced regions and every partition        [2k(P−1)/P entries,
+               DenseStream-encoded (dense blocks; :func:`densestream_entry   Eq. 6 upper bound]
+               _bytes`)
+=============  ===========================================================  =================
+
+Latency terms. Dense and TopkA are modelled as the ring algorithms (Eq. 3 / Eq. 4, what gloo and
+NCCL run and what the fusion planners assume), so their α terms are 2(P−1) and P−1 rather than
+Table 1's 2·log2 P (Rabenseifner) and log2 P (recursive doubling); the bandwidth terms are
+identical. TopkDSA is modelled as the recursive halving/doubling that ``gradsync.collectives.
+topkdsa`` runs (2·log2 P′ start-ups; Table 1 lists (P + 2 log P)α for SparCML's variant).
+Control traffic of the implementations (the 32-byte shape check of every collective, count
+headers before variable-size payloads, gTop-k's one-bit-per-entry "kept" mask) is not modelled.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import dataclass
+
+__all__ = [
+    "COLLECTIVES",
+    "Step",
+    "comm_time",
+    "dense_ring",
+    "densestream",
+    "densestream_entry_bytes",
+    "gtopk",
+    "oktopk",
+    "pattern",
+    "topka",
+    "topkdsa",
+    "union_density",
+    "volume",
+]
+
+TAU = 64  # Ok-Topk / DenseStream region re-evaluation period τ
+TAU_PRIME = 32  # Ok-Topk threshold re-evaluation period τ′
+RADIX_ROUNDS = 8  # gradsync's Ok-Topk exact threshold: 8 all-reduces of 16 counts
+
+
+@dataclass(frozen=True)
+class Step:
+    """One step of a collective on one rank: start-ups (α each) and bytes (β each)."""
+
+    messages: float
+    nbytes: float
+
+
+def comm_time(steps: list[Step], alpha: float, beta: float) -> float:
+    """``Σ (messages·α + nbytes·β)`` seconds."""
+    return sum(s.messages * alpha + s.nbytes * beta for s in steps)
+
+
+def volume(steps: list[Step]) -> float:
+    """Bytes on the busiest direction of the busiest rank, summed over steps."""
+    return sum(s.nbytes for s in steps)
+
+
+def _check(P: int, n: int, k: int) -> None:
+    if isinstance(P, bool) or int(P) != P or P < 1:
+        raise ValueError(f"P must be a positive integer, got {P!r}")
+    if int(n) != n or n < 0:
+        raise ValueError(f"n must be an integer >= 0, got {n!r}")
+    if int(k) != k or not 0 <= k <= n:
+        raise ValueError(f"k must be an integer in [0, n={n}], got {k!r}")
+
+
+def union_density(d: float, m: float, gamma: float = 1.0) -> float:
+    """Density of the union of m ranks' selections at density d each.
+
+    ``u(m) = 1 − (1 − d)^(m^γ)``: γ = 1 is independent positions (every rank picks its entries
+    as if at random — the fill-in of TopkDSA after s halving steps is then 1 − (1 − d)^(2^s));
+    γ = 0 is full overlap (u = d, Ok-Topk's best case); in between, ranks agree partly, as real
+    gradients do. γ is the parameter the simulator exposes (``--union-gamma``).
+    """
+    if not 0.0 <= d <= 1.0:
+        raise ValueError(f"density must be in [0, 1], got {d!r}")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma must be in [0, 1], got {gamma!r}")
+    if m < 1:
+        raise ValueError(f"m must be >= 1, got {m!r}")
+    if d >= 1.0:
+        return 1.0
+    return 1.0 - (1.0 - d) ** (m**gamma)
+
+
+Union = Callable[[float], float]  # m ranks → union density
+
+
+def densestream_entry_bytes(rho: float, value_bytes: int = 4, index_bytes: int = 4) -> float:
+    """Expected DenseStream bytes per nonzero of a stream whose nonzeros sit independently at
+    density ρ (DenseStream §III-A, gap rule Z = ⌊2·index_bytes/K⌋ zeros).
+
+    A nonzero preceded by g zeros (probability ρ(1−ρ)^g) joins the previous block when g ≤ Z
+    (it costs its value and the g zeros, K·(g + 1)) and opens a block otherwise (a start and a
+    length, 2·index_bytes, plus K). ρ → 0 gives 2·index_bytes + K (one block per nonzero: the
+    Eq. 3 lower bound the paper calls "close to key-value"), ρ = 1 gives K (dense).
+    """
+    if not 0.0 <= rho <= 1.0:
+        raise ValueError(f"rho must be in [0, 1], got {rho!r}")
+    from gradsync.formats.densestream import max_zero_run
+
+    K = value_bytes
+    Z = max_zero_run(index_bytes, value_bytes)
+    joined = sum(rho * (1 - rho) ** g * g * K for g in range(Z + 1))
+    return K + joined + (1 - rho) ** (Z + 1) * 2 * index_bytes
+
+
+# ---------------------------------------------------------------------------------------------
+# The collectives
+# ---------------------------------------------------------------------------------------------
+def dense_ring(P: int, n: int, value_bytes: int = 4) -> list[Step]:
+    """Ring all-reduce (SSFusion Eq. 4): reduce-scatter then all-gather, 2(P−1) steps of n/P."""
+    _check(P, n, 0)
+    return [Step(1, n / P * value_bytes) for _ in range(2 * (P - 1))]
+
+
+def topka(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4) -> list[Step]:
+    """TopkA (Ok-Topk §2): ring all-gather of every rank's k COO entries (Eq. 3)."""
+    _check(P, n, k)
+    return [Step(1, k * (index_bytes + value_bytes)) for _ in range(P - 1)]
+
+
+def _sparse_or_dense(span: float, rho: float, entry: float, value_bytes: int) -> float:
+    """Bytes of a stream over ``span`` elements at density ρ: COO, or dense when smaller."""
+    return min(span * rho * entry, span * value_bytes)
+
+
+def topkdsa(P: int, n: int, k: int, union: Union, value_bytes: int = 4,
+            index_bytes: int = 4) -> list[Step]:
+    """TopkDSA (SparCML's dynamic sparse allreduce, Ok-Topk §2): recursive halving then
+    recursive doubling on COO streams that switch to dense when COO would be larger.
+
+    Before halving step s (s = 1 … log2 P′) a rank's stream is the union of 2^(s−1) ranks'
+    selections (density ``union(2^(s−1))``); it sends the half of its range its partner keeps,
+    n/2^s elements. The doubling steps send 2^t reduced regions of n/P′ at density
+    ``union(P)``. With P ≠ P′ the extra ranks fold in (k entries) and out (the result) first and
+    last.
+    """
+    _check(P, n, k)
+    if P == 1:
+        return []
+    E, K = index_bytes + value_bytes, value_bytes
+    m = int(P).bit_length() - 1  # log2 P′
+    Pp = 2**m
+    steps: list[Step] = []
+    if Pp != P:
+        steps.append(Step(1, min(k * E, n * K)))
+    for s in range(1, m + 1):
+        steps.append(Step(1, _sparse_or_dense(n / 2**s, union(2 ** (s - 1)), E, K)))
+    for t in range(m):
+        steps.append(Step(1, _sparse_or_dense(2**t * n / Pp, union(P), E, K)))
+    if Pp != P:
+        steps.append(Step(1, _sparse_or_dense(n, union(P), E, K)))
+    return steps
+
+
+def gtopk(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4) -> list[Step]:
+    """gTop-k (Ok-Topk §2, Shi et al.): log2 P′ reduction rounds then log2 P′ broadcast
+    rounds; on the root's link every round carries k entries (Table 1: 4k·log2 P words).
+    """
+    _check(P, n, k)
+    if P == 1:
+        return []
+    E = index_bytes + value_bytes
+    m = int(P).bit_length() - 1  # log2 P′
+    fold = 1 if 2**m != P else 0
+    return [Step(1, k * E) for _ in range(2 * m + 2 * fold)]
+
+
+def oktopk(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4, *,
+           outside: float | None = None, balance: bool = False,
+           amortised: bool = True) -> list[Step]:
+    """Ok-Topk's O(k) sparse allreduce (§3.1, Eq. 1–3, Algorithm 1).
+
+    * split and reduce (Eq. 1): P−1 steps with destination rotation; a rank sends the local
+      entries of the other ranks' regions, a fraction ``outside`` of its k (balanced regions:
+      (P−1)/P, so k/P per step: ``(P−1)α + 2k(P−1)/P β``; 0 in Theorem 3.1's best case);
+    * counts all-gather (⌈log2 P⌉ start-ups, P integers);
+    * data balancing (only when the largest rank holds > 4× the average; ``balance=True`` models
+      the worst case of Eq. 2, all k global entries on one rank: P−1 steps of k/P);
+    * allgatherv of the k global top-k entries by recursive doubling: ⌈log2 P⌉ steps,
+      k(P−1)/P entries in all;
+    * ``amortised``: the region boundaries (one all-reduce of P numbers every τ = 64 steps) and
+      the exact threshold (8 all-reduces every τ′ = 32 steps) as fractional start-ups.
+
+    Volume: 2k(P−1)/P (outside = 0) … 4k(P−1)/P (balanced) … 6k(P−1)/P (+ balancing) words.
+    """
+    _check(P, n, k)
+    if P == 1:
+        return []
+    E = index_bytes + value_bytes
+    if outside is None:
+        outside = (P - 1) / P
+    if not 0.0 <= outside <= 1.0:
+        raise ValueError(f"outside must be in [0, 1], got {outside!r}")
+    steps = [Step(1, k * outside / (P - 1) * E) for _ in range(P - 1)]  # split and reduce
+    lg = math.ceil(math.log2(P))
+    steps += [Step(1, min(2**t, P - 2**t) * 8) for t in range(lg)]  # counts all-gather
+    if balance:
+        steps += [Step(1, k / P * E) for _ in range(P - 1)]
+    steps += [Step(1, min(2**t, P - 2**t) * k / P * E) for t in range(lg)]  # allgatherv
+    if amortised:
+        ar = 2 * lg  # start-ups of one small all-reduce
+        steps.append(Step(ar / TAU + RADIX_ROUNDS * ar / TAU_PRIME, 0.0))
+    return steps
+
+
+def densestream(P: int, n: int, k: int, union: Union, value_bytes: int = 4,
+                index_bytes: int = 4, *, ratio: float | None = None,
+                amortised: bool = True) -> list[Step]:
+    """DenseStream allreduce (DenseStream §III-B, Eq. 4–6): balanced split, recursive-halving
+    scatter-reduce, recursive-doubling all-gather, every partition DenseStream-encoded.
+
+    With balanced regions every partition holds k/P′ of each rank's entries over n/P′ elements,
+    so a partition that has summed m ranks has density ``union(m)``. Halving step s sends P′/2^s
+    partitions (n/2^s elements) at density ``union(2^(s−1))``; doubling step t sends 2^t regions
+    at ``union(P)``. Bytes per nonzero: :func:`densestream_entry_bytes` at that density, or
+    ``ratio``·E when a measured DenseStream/COO size ratio (Table I) is given; never more than
+    the dense span plus one block header.
+    """
+    _check(P, n, k)
+    if P == 1:
+        return []
+    E, K = index_bytes + value_bytes, value_bytes
+    if ratio is not None and not ratio > 0:
+        raise ValueError(f"ratio must be > 0, got {ratio!r}")
+
+    def size(span: float, rho: float) -> float:
+        per = ratio * E if ratio is not None else densestream_entry_bytes(rho, K, index_bytes)
+        return min(span * rho * per, span * K + 2 * index_bytes)
+
+    m = int(P).bit_length() - 1  # log2 P′
+    Pp = 2**m
+    steps: list[Step] = []
+    if Pp != P:
+        steps.append(Step(1, size(n, k / n if n else 0.0)))
+    for s in range(1, m + 1):
+        steps.append(Step(1, size(n / 2**s, union(2 ** (s - 1)))))
+    for t in range(m):
+        steps.append(Step(1, size(2**t * n / Pp, union(P))))
+    if Pp != P:
+        steps.append(Step(1, size(n, union(P))))
+    if amortised:
+        steps.append(Step(2 * m / TAU, 0.0))
+    return steps
+
+
+COLLECTIVES = ("dense", "topka", "topkdsa", "gtopk", "oktopk", "densestream")
+
+
+def pattern(name: str, P: int, n: int, k: int, *, union: Union | None = None,
+            value_bytes: int = 4, index_bytes: int = 4,
+            densestream_ratio: float | None = None) -> list[Step]:
+    """The steps of collective ``name`` (one of :data:`COLLECTIVES`; ``gaussiank`` = topka)."""
+    if union is None:
+        d = k / n if n else 0.0
+
+        def union(m: float) -> float:
+            return union_density(d, m)
+
+    if name == "dense":
+        return dense_ring(P, n, value_bytes)
+    if name in ("topka", "gaussiank"):
+        return topka(P, n, k, value_bytes, index_bytes)
+    if name == "topkdsa":
+        return topkdsa(P, n, k, union, value_bytes, index_bytes)
+    if name == "gtopk":
+        return gtopk(P, n, k, value_bytes, index_bytes)
+    if name == "oktopk":
+        return oktopk(P, n, k, value_bytes, index_bytes)
+    if name == "densestream":
+        return densestream(P, n, k, union, value_bytes, index_bytes, ratio=densestream_ratio)
+    raise ValueError(f"unknown collective {name!r}; available: {', '.join(COLLECTIVES)}")
