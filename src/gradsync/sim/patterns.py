@@ -46,7 +46,6 @@ headers before variable-size payloads, gTop-k's one-bit-per-entry "kept" mask) i
 
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -228,7 +227,7 @@ def oktopk(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4, *
     if not 0.0 <= outside <= 1.0:
         raise ValueError(f"outside must be in [0, 1], got {outside!r}")
     steps = [Step(1, k * outside / (P - 1) * E) for _ in range(P - 1)]  # split and reduce
-    lg = math.ceil(math.log2(P))
+    lg = (int(P) - 1).bit_length()  # ⌈log2 P⌉
     steps += [Step(1, min(2**t, P - 2**t) * 8) for t in range(lg)]  # counts all-gather
     if balance:
         steps += [Step(1, k / P * E) for _ in range(P - 1)]

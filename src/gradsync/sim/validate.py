@@ -1,0 +1,208 @@
+"""``python -m gradsync simulate --validate``: predictions vs measured GradSync runs.
+
+For each P in ``--validate-workers`` (default 2, 4, 8) the model trains with
+:class:`gradsync.engine.GradSync` on P ranks joined by tbf-shaped links of ``--bandwidth``
+(:func:`gradsync.netem.run_shaped`, needs root; otherwise loopback, and the output says so).
+Inside the same run, before training, every rank profiles its compute *at the same time*
+(:func:`gradsync.sim.simulate.profile_model`: T_b^l per tensor, forward, optimizer step,
+sparsification fit), so the cost model the prediction uses carries the contention of P ranks
+sharing this machine's cores; the slowest rank's profile is used (a synchronous step waits for
+it). Each rank also takes the top-k of one real gradient and the ranks all-gather the masks, so
+the union density u(m) of the selections — and the γ of ``u(m) = 1 − (1 − d)^(m^γ)`` — is
+measured, not assumed. Then every scheme runs ``warmup_steps + 2`` untimed steps and
+``--steps`` timed ones (forward, backward, ``synchronize()``, optimizer step); the measured
+iteration is the median over steps of the slowest rank's step time.
+
+The prediction for the same P uses the profiled compute, the *nominal* network (β = 1/
+``--bandwidth``, α = ``--latency``; tbf adds no propagation delay, so the real α is a veth's)
+and the measured γ. Error = (predicted − measured) / measured.
+
+Limits, stated in the output: with P ranks on a machine of C cores (P > C) the ranks are
+compute-bound and time-share the cores; communication then also competes for CPU with the other
+ranks' compute, which the α-β model does not know about.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import statistics
+import time
+from typing import Any
+
+from gradsync.costmodel import CostModel
+
+__all__ = ["run_validation"]
+
+
+def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: float,
+          sparsifier: str, batch: int, steps: int, seed: int, repeats: int,
+          bucket_mb: float) -> dict[str, Any]:
+    import torch
+    import torch.distributed as dist
+
+    from gradsync.config import Config
+    from gradsync.engine import GradSync
+    from gradsync.schedule import entries
+    from gradsync.sim.simulate import model_step, profile_model
+
+    P = world_size
+    dist.barrier()
+    cost, fwd, stp = profile_model(model, batch, sparsifier, density, seed, repeats, rank)
+
+    # union density of the ranks' top-k selections of one real gradient
+    net, step = model_step(model, batch, seed, rank)
+    step().backward()
+    flat = torch.cat([p.grad.reshape(-1) for p in net.parameters() if p.grad is not None])
+    n = flat.numel()
+    k = entries(n, density)
+    mask = torch.zeros(n, dtype=torch.uint8)
+    mask[torch.topk(flat.abs(), k, sorted=False).indices] = 1
+    masks = [torch.empty_like(mask) for _ in range(P)]
+    dist.all_gather(masks, mask)
+    union: dict[int, float] = {}
+    acc = torch.zeros(n, dtype=torch.uint8)
+    for m in range(1, P + 1):
+        acc |= masks[m - 1]
+        union[m] = float(acc.sum()) / n
+
+    results: dict[str, Any] = {}
+    for scheme in schemes:
+        net, step = model_step(model, batch, seed, rank)
+        opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+        cfg = Config(scheme=scheme, density=density, sparsifier=sparsifier, bucket_mb=bucket_mb)
+        sync = GradSync(net, cfg)
+        warm = cfg.warmup_steps + 2
+        times, stats = [], []
+        try:
+            dist.barrier()
+            for i in range(warm + steps):
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                step().backward()
+                sync.synchronize()
+                opt.step()
+                dt = time.perf_counter() - t0
+                if i >= warm:
+                    times.append(dt)
+                    stats.append(sync.stats()["last"])
+        finally:
+            sync.close()
+        results[scheme] = {"times": times, "stats": stats}
+    dist.barrier()
+    return {"cost": cost.to_dict(), "forward_s": fwd, "step_s": stp, "union": union,
+            "results": results}
+
+
+def _gamma(union: dict[int, float], d: float) -> float | None:
+    """γ of ``u(m) = 1 − (1 − d)^(m^γ)`` fitted to the measured u(m), m ≥ 2 (least squares in
+    log m); None when P = 1 or the data cannot define it."""
+    xs, ys = [], []
+    for m, u in union.items():
+        if m < 2 or not 0 < u < 1 or not 0 < d < 1:
+            continue
+        eff = math.log1p(-u) / math.log1p(-d)  # effective number of independent ranks
+        if eff <= 0:
+            continue
+        xs.append(math.log(m))
+        ys.append(math.log(eff))
+    if not xs:
+        return None
+    g = sum(x * y for x, y in zip(xs, ys)) / sum(x * x for x in xs)
+    return min(1.0, max(0.0, g))
+
+
+def run_validation(a) -> int:
+    from gradsync import netem
+    from gradsync.bench.common import print_table, write_outputs
+    from gradsync.sim.simulate import NOTE, _plot_vs_p, predict
+    from gradsync.testing import run_distributed
+
+    cores = os.cpu_count() or 1
+    load0 = os.getloadavg()
+    rows: list[dict[str, Any]] = []
+    per_p: dict[int, Any] = {}
+    link = None
+    for P in a.validate_list:
+        args = (a.model, a.scheme_list, a.density, a.sparsifier, a.batch, a.steps, a.seed,
+                a.repeats, a.bucket_mb)
+        t0 = time.perf_counter()
+        if a.loopback:
+            res = run_distributed(_rank, P, *args, timeout=a.timeout)
+            shaped, reason = False, "--loopback"
+        else:
+            res = netem.run_shaped(_rank, P, *args, bandwidth=a.bandwidth, timeout=a.timeout)
+            shaped, reason = res.shaped, res.reason
+        wall = time.perf_counter() - t0
+        link = (f"tbf {a.bandwidth} per rank and direction" if shaped
+                else f"loopback ({reason}); the prediction still assumes {a.bandwidth}")
+        # the slowest rank's compute profile
+        costs = [CostModel.from_dict(r["cost"]) for r in res]
+        slow = max(range(P), key=lambda r: sum(costs[r].backward.values()))
+        cost = costs[slow]
+        fwd = max(r["forward_s"] for r in res)
+        stp = max(r["step_s"] for r in res)
+        union = {int(m): u for m, u in res[0]["union"].items()}
+        n = sum(cost.numel.values())
+        gamma = _gamma(union, max(1, round(a.density * n)) / n)
+        g_use = a.union_gamma if gamma is None else gamma
+        per_p[P] = {"shaped": shaped, "link": link, "wall_s": wall, "union": union,
+                    "gamma": gamma, "slowest_rank": slow, "forward_s": fwd, "step_s": stp,
+                    "cost_model": cost.to_dict()}
+        for scheme in a.scheme_list:
+            steps = [max(r["results"][scheme]["times"][i] for r in res)
+                     for i in range(a.steps)]
+            meas = statistics.median(steps)
+
+            def med(key: str, scheme: str = scheme, res: Any = res) -> float:
+                return statistics.median(
+                    max(r["results"][scheme]["stats"][i][key] for r in res)
+                    for i in range(a.steps))
+
+            pred = predict(scheme, cost, P, a.net, a.density, union_gamma=g_use,
+                           forward_s=fwd, step_s=stp, densestream_ratio=a.densestream_ratio,
+                           bucket_bytes=int(a.bucket_mb * 2**20))
+            rows.append({
+                "scheme": scheme, "P": P, "shaped": shaped, "measured_s": meas,
+                "measured_steps_s": steps, "predicted_s": pred["iteration_s"],
+                "error": (pred["iteration_s"] - meas) / meas,
+                "measured_backward_s": med("backward_s"),
+                "predicted_backward_s": pred["backward_s"],
+                "measured_wait_s": med("wait_s"), "predicted_exposed_comm_s":
+                    pred["exposed_comm_s"],
+                "measured_sparsify_s": med("sparsify_s"),
+                "predicted_sparsify_s": pred["sparsify_s"],
+                "measured_bytes_sent": med("bytes_sent"),
+                "predicted_volume_bytes": pred["volume_bytes"],
+                "union_gamma_used": g_use, "prediction": pred,
+            })
+    load1 = os.getloadavg()
+    print(f"NOTE: {NOTE}. Validation: measured GradSync runs vs predictions.")
+    print(f"model {a.model}, batch {a.batch}/rank, {a.sparsifier} at density {a.density}, "
+          f"{a.steps} timed steps per scheme; link: {link}; predicted with α={a.latency}, "
+          f"β=1/{a.bandwidth}; this machine has {cores} cores; load average before "
+          f"{load0[0]:.2f}, after {load1[0]:.2f}")
+    for P, info in per_p.items():
+        g = info["gamma"]
+        bound = f"compute-bound: {P} ranks share {cores} cores" if cores < P else ""
+        print(f"P={P}: union density of top-k selections u(P)={info['union'][P]:.4f} "
+              f"(d={a.density}), fitted γ={'n/a' if g is None else f'{g:.3f}'}; "
+              f"Σ T_b (slowest rank, under contention)="
+              f"{sum(info['cost_model']['backward'].values()) * 1e3:.1f} ms; {bound}")
+    cols = ["scheme", "P", "measured ms", "predicted ms", "error %", "bwd meas ms",
+            "bwd pred ms", "wait meas ms", "exposed pred ms", "MB sent meas", "MB pred"]
+    table = [[r["scheme"], r["P"], r["measured_s"] * 1e3, r["predicted_s"] * 1e3,
+              100 * r["error"], r["measured_backward_s"] * 1e3,
+              r["predicted_backward_s"] * 1e3, r["measured_wait_s"] * 1e3,
+              r["predicted_exposed_comm_s"] * 1e3, r["measured_bytes_sent"] / 1e6,
+              r["predicted_volume_bytes"] / 1e6] for r in rows]
+    print_table(f"simulate --validate: {a.model} on {link}", cols, table)
+    meta = {"note": NOTE, "link": link, "bandwidth": a.bandwidth, "latency": a.latency,
+            "cores": cores, "loadavg_before": load0, "loadavg_after": load1,
+            "density": a.density, "sparsifier": a.sparsifier, "batch": a.batch,
+            "steps": a.steps, "per_P": {str(k): v for k, v in per_p.items()},
+            "compute_bound_P": [P for P in a.validate_list if cores < P]}
+    j, png = write_outputs("validate", rows, a.out, meta=meta, plot=_plot_vs_p(
+        rows, f"{a.model}: predicted vs measured, {link}", measured=True))
+    print(f"wrote {j} and {png}")
+    return 0

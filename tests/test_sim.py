@@ -1,0 +1,290 @@
+"""The scale simulator: Table 1 volumes, monotonicity, the command, bad input, validation smoke.
+
+The Table 1 formulas below are written out from Ok-Topk Table 1 / DenseStream Eq. 5–6, in
+4-byte words with COO = 2 words per entry (fp32 value + int32 index), independently of
+``gradsync.sim.patterns``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+import torch
+
+from gradsync.costmodel import AffineFit, AlphaBeta, CostModel
+from gradsync.sim import patterns
+from gradsync.sim import simulate as sim
+
+WORD = 4  # bytes
+
+
+def words(steps) -> float:
+    return patterns.volume(steps) / WORD
+
+
+POW2 = [2, 4, 8, 16, 64, 256]
+ANY_P = [1, 2, 3, 5, 6, 7, 8, 12, 100]
+
+
+# ----------------------------------------------------------------------------- Table 1 volumes
+@pytest.mark.parametrize("P", ANY_P)
+def test_dense_and_topka_volumes(P):
+    n, k = 100_000, 1_000
+    assert words(patterns.dense_ring(P, n)) == pytest.approx(2 * n * (P - 1) / P)
+    assert words(patterns.topka(P, n, k)) == pytest.approx(2 * k * (P - 1))
+    # messages: ring all-reduce 2(P−1), ring all-gather P−1 (Eq. 4 / Eq. 3)
+    assert sum(s.messages for s in patterns.dense_ring(P, n)) == 2 * (P - 1)
+    assert sum(s.messages for s in patterns.topka(P, n, k)) == P - 1
+
+
+@pytest.mark.parametrize("P", POW2)
+def test_topkdsa_volume_between_table1_bounds(P):
+    n, k = 1 << 20, 1 << 13
+    d = k / n
+    best = 4 * k * (P - 1) / P  # indices fully overlapping, uniformly spread
+    fill_in = (2 * k + n) * (P - 1) / P  # reduce-scatter sparse, allgather dense
+    assert words(patterns.topkdsa(P, n, k, lambda m: d)) == pytest.approx(best)
+    assert words(patterns.topkdsa(P, n, k, lambda m: d if m < P else 1.0)) == pytest.approx(
+        fill_in)
+    # every stream dense: the dense allreduce volume
+    assert words(patterns.topkdsa(P, n, k, lambda m: 1.0)) == pytest.approx(
+        2 * n * (P - 1) / P)
+    # independent positions: the fill-in density after s halving steps is 1 − (1 − d)^(2^s)
+    indep = patterns.topkdsa(P, n, k, lambda m: 1 - (1 - d) ** m)
+    assert best <= words(indep) <= 2 * n * (P - 1) / P
+    for s, st in enumerate(indep[: int(math.log2(P))], start=1):
+        rho = 1 - (1 - d) ** (2 ** (s - 1))
+        assert st.nbytes == pytest.approx(min(n / 2**s * rho * 2 * WORD, n / 2**s * WORD))
+
+
+@pytest.mark.parametrize("P", POW2)
+def test_gtopk_volume(P):
+    n, k = 1 << 20, 5000
+    assert words(patterns.gtopk(P, n, k)) == pytest.approx(4 * k * math.log2(P))
+    assert sum(s.messages for s in patterns.gtopk(P, n, k)) == 2 * math.log2(P)
+
+
+@pytest.mark.parametrize("P", ANY_P[1:])
+def test_oktopk_volume_bounds(P):
+    n, k = 1 << 22, 40_000
+    counts = 8 * (P - 1) / WORD  # the counts all-gather: P int64 per rank, P − 1 received
+    lower = 2 * k * (P - 1) / P  # Theorem 3.1
+    upper = 6 * k * (P - 1) / P  # Eq. 3
+    best = patterns.oktopk(P, n, k, outside=0.0, amortised=False)
+    typical = patterns.oktopk(P, n, k, amortised=False)
+    worst = patterns.oktopk(P, n, k, balance=True, amortised=False)
+    assert words(best) - counts == pytest.approx(lower)
+    assert words(typical) - counts == pytest.approx(4 * k * (P - 1) / P)
+    assert words(worst) - counts == pytest.approx(upper)
+    # start-ups: (P−1) split-and-reduce + ⌈log2 P⌉ counts + ⌈log2 P⌉ allgatherv (+ P−1 balance)
+    lg = math.ceil(math.log2(P))
+    assert sum(s.messages for s in typical) == (P - 1) + 2 * lg
+    assert sum(s.messages for s in worst) == 2 * (P - 1) + 2 * lg
+
+
+@pytest.mark.parametrize("P", POW2)
+def test_densestream_volume_eq5_eq6(P):
+    n, k = 1 << 24, 1 << 14  # P·k < n: disjoint selections never fill the range
+    d = k / n
+    # COO-sized encoding (ratio 1): full overlap gives Eq. 6's lower bound, 2k(P−1)/P entries
+    full = patterns.densestream(P, n, k, lambda m: d, ratio=1.0, amortised=False)
+    assert words(full) / 2 == pytest.approx(2 * k * (P - 1) / P)
+    # disjoint selections: the allgather carries (P−1)k entries (Eq. 5 upper bound) and every
+    # halving step P′/2^s partitions of 2^(s−1)·k/P entries = k/2 entries
+    disjoint = patterns.densestream(P, n, k, lambda m: min(1.0, m * d), ratio=1.0,
+                                    amortised=False)
+    m = int(math.log2(P))
+    assert sum(s.nbytes for s in disjoint[:m]) / (2 * WORD) == pytest.approx(k / 2 * m)
+    assert sum(s.nbytes for s in disjoint[m:]) / (2 * WORD) == pytest.approx((P - 1) * k)
+
+
+def test_densestream_entry_bytes_matches_the_format():
+    from gradsync.formats import densestream as fmt
+    from gradsync.sparsegrad import SparseGrad
+
+    assert patterns.densestream_entry_bytes(0.0) == pytest.approx(12.0)  # index+length+value
+    assert patterns.densestream_entry_bytes(1.0) == pytest.approx(4.0)  # dense
+    g = torch.Generator().manual_seed(0)
+    n = 200_000
+    for rho in (0.01, 0.1, 0.3):
+        mask = torch.rand(n, generator=g) < rho
+        idx = mask.nonzero().reshape(-1)
+        sel = SparseGrad(idx, torch.ones(idx.numel()), n)
+        per = fmt.size_bytes(sel) / idx.numel()
+        assert patterns.densestream_entry_bytes(rho) == pytest.approx(per, rel=0.03)
+
+
+def test_union_density():
+    d = 0.01
+    for s in range(6):
+        assert patterns.union_density(d, 2**s) == pytest.approx(1 - (1 - d) ** (2**s))
+        assert patterns.union_density(d, 2**s, gamma=0.0) == pytest.approx(d)
+    assert patterns.union_density(d, 16, 0.5) < patterns.union_density(d, 16, 1.0)
+    with pytest.raises(ValueError):
+        patterns.union_density(d, 4, gamma=1.5)
+    with pytest.raises(ValueError):
+        patterns.union_density(1.5, 4)
+    with pytest.raises(ValueError):
+        patterns.pattern("nope", 4, 100, 1)
+    with pytest.raises(ValueError):
+        patterns.topka(4, 100, 101)
+
+
+# ----------------------------------------------------------------------------- predictions
+def tiny_cost() -> CostModel:
+    order = [f"t{i}" for i in range(6)]
+    numel = {n: 10_000 * (i + 1) for i, n in enumerate(order)}
+    return CostModel(P=1, order=order, numel=numel, elem_bytes=4,
+                     backward={n: 0.002 for n in order}, sparsify=AffineFit(1e-4, 1e-8),
+                     offload=AffineFit(2e-4, 1e-8), allreduce=AlphaBeta(0, 0),
+                     allgather=AlphaBeta(0, 0))
+
+
+def test_topka_time_grows_with_P_and_one_buffer_timeline():
+    cost = tiny_cost()
+    net = sim.Network(50e-6, 8 / 1e9)
+    n = sum(cost.numel.values())
+    prev = -1.0
+    for P in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        r = sim.predict("topka", cost, P, net, 0.01, forward_s=0.01, step_s=0.001)
+        assert r["iteration_s"] > prev
+        prev = r["iteration_s"]
+        # iteration = forward + Σ T_b + T_sparsify(n) + (P−1)(α + k·8·β) + step
+        k = round(0.01 * n)
+        expect = 0.01 + 6 * 0.002 + (1e-4 + 1e-8 * n) + (P - 1) * (50e-6 + k * 8 * 8e-9) + 0.001
+        assert r["iteration_s"] == pytest.approx(expect)
+    # Ok-Topk's volume stays below 6k(P−1)/P words while TopkA's grows with P
+    r = sim.predict("oktopk", cost, 256, net, 0.01)
+    assert r["volume_bytes"] / WORD <= 6 * round(0.01 * n) * 255 / 256 + 8 * 255 / WORD
+
+
+def test_fusion_schemes_use_the_planned_network():
+    cost = tiny_cost()
+    net = sim.Network(1e-4, 8 / 1e8)
+    dense = sim.predict("dense", cost, 8, net, 0.01)
+    n = sum(cost.numel.values())
+    # one bucket, all-reduced after the backward: Eq. 4 with the command line's α, β
+    t_ar = 2 * 7 * 1e-4 + 2 * 7 / 8 * n * 4 * 8e-8
+    assert dense["comm_s"] == pytest.approx(t_ar)
+    assert dense["iteration_s"] == pytest.approx(6 * 0.002 + t_ar)
+    assert dense["volume_bytes"] == pytest.approx(2 * 7 / 8 * n * 4)
+    for scheme in ("dense_ovlp", "ssfusion_oi", "cupcake"):
+        r = sim.predict(scheme, cost, 8, net, 0.01)
+        assert r["iteration_s"] >= r["backward_s"] > 0
+    with pytest.raises(ValueError):
+        sim.predict("nope", cost, 8, net, 0.01)
+    with pytest.raises(ValueError):
+        sim.predict("topka", cost, 0, net, 0.01)
+
+
+def write_table(path):
+    cost = tiny_cost()
+    lines = ["# sparsify_a=1e-4 sparsify_b=1e-8 forward_s=0.005 step_s=0.001",
+             "name,numel,backward_s"]
+    lines += [f"{n},{cost.numel[n]},{cost.backward[n]}" for n in cost.order]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def test_simulate_command_writes_rows(tmp_path, capsys):
+    table = tmp_path / "layers.csv"
+    write_table(table)
+    out = tmp_path / "out"
+    schemes = ["dense_ovlp", "topka", "topkdsa", "gtopk", "oktopk", "densestream",
+               "ssfusion_oi"]
+    assert sim.main(["--table", str(table), "--schemes", ",".join(schemes), "--workers",
+                     "8,16,32", "--bandwidth", "1gbit", "--latency", "50us", "--out",
+                     str(out)]) == 0
+    text = capsys.readouterr().out
+    assert "planning tool, not a distributed runtime" in text
+    doc = json.loads((out / "simulate.json").read_text())
+    assert (out / "simulate.png").stat().st_size > 0
+    rows = doc["rows"]
+    assert [(r["scheme"], r["P"]) for r in rows] == [(s, p) for s in schemes
+                                                     for p in (8, 16, 32)]
+    for r in rows:
+        assert r["iteration_s"] == pytest.approx(0.005 + r["sync_end_s"] + 0.001)
+        assert r["iteration_s"] > r["backward_s"] == pytest.approx(6 * 0.002)
+    assert doc["meta"]["alpha_s"] == pytest.approx(50e-6)
+    assert doc["meta"]["beta_s_per_byte"] == pytest.approx(8e-9)
+
+
+def test_simulate_command_reads_a_cost_model_json(tmp_path):
+    cj = tmp_path / "cost.json"
+    cost = tiny_cost()
+    cost.info["forward_s"] = 0.003
+    cj.write_text(json.dumps(cost.to_dict()))
+    assert sim.main(["--cost-model", str(cj), "--schemes", "topka", "--workers", "2,4",
+                     "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "simulate.json").read_text())["rows"]
+    assert rows[0]["forward_s"] == pytest.approx(0.003) and rows[1]["P"] == 4
+
+
+@pytest.mark.parametrize("bad", [
+    ["--workers", "0"], ["--workers", "8,x"], ["--density", "2"], ["--density", "0"],
+    ["--schemes", "dense,nope"], ["--bandwidth", "10Mbps"], ["--latency", "fast"],
+    ["--union-gamma", "1.5"], ["--densestream-ratio", "0"], ["--steps", "0"],
+    ["--forward-s", "-1"],
+])
+def test_bad_arguments_raise(bad, tmp_path):
+    table = tmp_path / "layers.csv"
+    write_table(table)
+    with pytest.raises(ValueError):
+        sim.main(["--table", str(table), "--out", str(tmp_path), *bad])
+
+
+def test_bad_sources_rejected(tmp_path):
+    bad = tmp_path / "bad.csv"
+    bad.write_text("a,b\n1,2\n")
+    with pytest.raises(ValueError, match="name,numel,backward_s"):
+        sim.main(["--table", str(bad), "--out", str(tmp_path)])
+    bad.write_text("name,numel,backward_s\nx,ten,0.1\n")
+    with pytest.raises(ValueError, match="bad numel"):
+        sim.main(["--table", str(bad), "--out", str(tmp_path)])
+    j = tmp_path / "c.json"
+    j.write_text("{}")
+    with pytest.raises(ValueError):
+        sim.main(["--cost-model", str(j), "--out", str(tmp_path)])
+    with pytest.raises(SystemExit):  # two cost model sources at once
+        sim.main(["--cost-model", str(j), "--table", str(bad)])
+    with pytest.raises(ValueError):
+        sim.Network(-1.0, 1e-9)
+
+
+# ----------------------------------------------------------------------------- validation
+def test_validate_smoke_on_loopback(tmp_path, capsys):
+    assert sim.main(["--validate", "--loopback", "--validate-workers", "2", "--steps", "2",
+                     "--model", "mlp", "--schemes", "dense_ovlp,topka", "--repeats", "1",
+                     "--batch", "8", "--out", str(tmp_path)]) == 0
+    assert "loopback" in capsys.readouterr().out
+    doc = json.loads((tmp_path / "validate.json").read_text())
+    rows = doc["rows"]
+    assert [(r["scheme"], r["P"]) for r in rows] == [("dense_ovlp", 2), ("topka", 2)]
+    for r in rows:
+        assert r["measured_s"] > 0 and r["predicted_s"] > 0 and not r["shaped"]
+        assert r["error"] == pytest.approx((r["predicted_s"] - r["measured_s"])
+                                           / r["measured_s"])
+        assert len(r["measured_steps_s"]) == 2
+    # bytes are exact on both sides: the dense ring all-reduce of the whole MLP at P = 2
+    dense = rows[0]
+    assert dense["measured_bytes_sent"] == pytest.approx(dense["predicted_volume_bytes"],
+                                                         rel=0.01)
+    u = doc["meta"]["per_P"]["2"]["union"]
+    assert 0.01 <= u["2"] <= 0.02 + 1e-9  # between full overlap and disjoint at d = 1%
+    assert (tmp_path / "validate.png").stat().st_size > 0
+
+
+@pytest.mark.slow
+def test_validate_on_shaped_links(tmp_path):
+    """P = 2, 4 over 100 Mbit/s tbf links (root; falls back to loopback otherwise)."""
+    assert sim.main(["--validate", "--validate-workers", "2,4", "--steps", "5", "--model",
+                     "cnn", "--schemes", "dense_ovlp,topka,oktopk", "--bandwidth", "100mbit",
+                     "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "validate.json").read_text())["rows"]
+    assert len(rows) == 6
+    for r in rows:
+        assert r["measured_s"] > 0 and math.isfinite(r["error"])
+        if r["shaped"] and r["scheme"] == "dense_ovlp":
+            # bandwidth-bound: the prediction is within a factor of 2
+            assert 0.5 < r["predicted_s"] / r["measured_s"] < 2.0
