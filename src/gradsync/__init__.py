@@ -10,7 +10,21 @@ Layers (DESIGN.md), data flowing down, imports never pointing up::
     testing       run_distributed(): real multi-rank gloo jobs on loopback
 """
 
+from typing import Any
+
 from gradsync.sparsegrad import SparseGrad
 
 __version__ = "0.1.0"
-__all__ = ["SparseGrad", "__version__"]
+__all__ = ["Config", "GradSync", "SparseGrad", "__version__", "check_consistency"]
+
+# Imported on first use (PEP 562): ``import gradsync`` stays light and free of import cycles.
+_LAZY = {"GradSync": "gradsync.engine", "Config": "gradsync.config",
+         "check_consistency": "gradsync.consistency"}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
