@@ -257,16 +257,7 @@ class _Data:
                 raise ValueError(f"text corpus too small for {P} ranks at context {context}")
             self.shard_len = max(1, len(self.train) // context)
         else:
-            if kind == "fashion-mnist":
-                from gradsync.data import fashion_mnist
-
-                x, y = fashion_mnist(train=True)
-                self.test_x, self.test_y = fashion_mnist(train=False)
-            else:
-                from gradsync.data import synthetic_images
-
-                x, y = synthetic_images(8192, seed=seed)
-                self.test_x, self.test_y = synthetic_images(2048, seed=seed + 1)
+            x, y, self.test_x, self.test_y = _images(kind, seed)
             perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
             mine = perm[rank::P]  # disjoint by rank, same permutation everywhere
             self.x, self.y = x[mine], y[mine]
@@ -313,7 +304,31 @@ class _Data:
                    self.test_y[lo:lo + self.batch].to(self.device))
 
 
+_CACHE: dict[tuple, Any] = {}  # per process: the data is read once for all schemes
+
+
+def _images(kind: str, seed: int) -> tuple[torch.Tensor, ...]:
+    key = ("images", kind, seed)
+    if key not in _CACHE:
+        if kind == "fashion-mnist":
+            from gradsync.data import fashion_mnist
+
+            _CACHE[key] = (*fashion_mnist(train=True), *fashion_mnist(train=False))
+        else:
+            from gradsync.data import synthetic_images
+
+            _CACHE[key] = (*synthetic_images(8192, seed=seed),
+                           *synthetic_images(2048, seed=seed + 1))
+    return _CACHE[key]
+
+
 def _text_tokens() -> torch.Tensor:
+    if "text" not in _CACHE:
+        _CACHE["text"] = _read_text()
+    return _CACHE["text"]
+
+
+def _read_text() -> torch.Tensor:
     """Bytes of a real text corpus as int64 tokens (gradsync.data's, else our own source)."""
     from gradsync import data
 

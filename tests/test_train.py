@@ -1,0 +1,168 @@
+"""``python -m gradsync train``: CLI, real 2-rank runs (engine scheme + torch DDP peer),
+metrics.json schema, argument validation, the failing-worker path, data shards."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import shutil
+import statistics
+import subprocess
+
+import pytest
+import torch
+
+from gradsync import cli, models, train
+
+FIELDS = {"step", "loss", "time_s", "elapsed_s", "samples_per_s", "bytes_sent", "bytes_recv",
+          "backward_s", "sparsify_s", "comm_s", "wait_s", "missing_rate", "warmup"}
+
+
+def _numel(name: str) -> int:
+    return sum(p.numel() for p in models.build(name).parameters())
+
+
+def test_help_lists_options_and_schemes(capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(["train", "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    for opt in ("--model", "--data", "--scheme", "--density", "--sparsifier", "--steps",
+                "--epochs", "--batch-size", "--lr", "--seed", "--bandwidth", "--latency",
+                "--out", "--eval-batches", "--world-size"):
+        assert opt in out
+    for scheme in ("ddp", "ddp_powersgd", "ddp_fp16", "ssfusion_oi", "oktopk",
+                   "ddp_gradsync_ssfusion"):
+        assert scheme in out
+    assert "not" in out and "propagation" in out  # --latency says what it is not
+
+
+def test_two_schemes_on_two_workers_metrics_and_table(tmp_path, capsys):
+    P, B, steps, warm = 2, 8, 3, 1
+    rc = train.main(["--world-size", str(P), "--steps", str(steps), "--scheme", "ddp,oktopk",
+                     "--warmup-steps", str(warm), "--batch-size", str(B), "--eval-batches", "2",
+                     "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "ddp" in out and "oktopk" in out and "samples/s" in out and "vs ddp" in out
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["schema"] == "gradsync.train/1"
+    assert m["config"]["schemes"] == ["ddp", "oktopk"] and m["config"]["world_size"] == P
+    assert m["config"]["model"] == "cnn" and m["config"]["batch_size"] == B
+    assert m["environment"]["link"] == "loopback" and m["environment"]["shaped"] is False
+    assert {"torch", "python", "cpus", "load_avg", "launcher", "backend"} <= set(
+        m["environment"])
+    assert [r["scheme"] for r in m["runs"]] == ["ddp", "oktopk"]
+    n = _numel("cnn")
+    for run in m["runs"]:
+        assert len(run["steps"]) == steps and len(run["bytes_sent_per_rank"]) == P
+        for i, rec in enumerate(run["steps"]):
+            assert set(rec) == FIELDS
+            assert rec["step"] == i and rec["warmup"] == (i <= warm)
+            assert math.isfinite(rec["loss"]) and rec["time_s"] > 0
+            assert rec["samples_per_s"] == pytest.approx(P * B / rec["time_s"])
+            assert 0.0 <= rec["missing_rate"] <= 1.0
+        el = [r["elapsed_s"] for r in run["steps"]]
+        assert el == sorted(el) and el[-1] == pytest.approx(sum(r["time_s"] for r in
+                                                                 run["steps"]))
+        s = run["summary"]
+        meas = run["steps"][warm + 1:]
+        assert s["measured_steps"] == len(meas) == steps - warm - 1
+        assert s["samples_per_s"] == pytest.approx(statistics.median(
+            P * B / r["time_s"] for r in meas))
+        assert 0.0 <= s["test_accuracy"] <= 1.0 and s["test_samples"] == 2 * B
+        assert math.isfinite(s["final_loss"])
+    ddp, okt = (r["summary"] for r in m["runs"])
+    # torch's all-reduce hook sends every fp32 gradient once per step: the ring's 2(P-1)/P·4n
+    for per_rank in m["runs"][0]["bytes_sent_per_rank"]:
+        assert per_rank == [2 * (P - 1) / P * 4 * n] * steps
+    assert ddp["speedup_vs_ddp"] == 1.0
+    assert okt["speedup_vs_ddp"] == pytest.approx(okt["samples_per_s"] / ddp["samples_per_s"])
+    assert 0 < okt["bytes_per_step"] < ddp["bytes_per_step"] / 10  # 1% density
+    for png in ("loss_vs_time.png", "throughput.png"):
+        assert (tmp_path / png).stat().st_size > 1000
+
+
+def test_language_model_on_text_reports_perplexity(tmp_path, capsys):
+    rc = train.main(["--model", "gpt_tiny", "--world-size", "1", "--steps", "2",
+                     "--scheme", "ssfusion_oi", "--warmup-steps", "1", "--batch-size", "4",
+                     "--eval-batches", "2", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["config"]["data"] == "text" and m["config"]["optimizer"] == "adamw"
+    s = m["runs"][0]["summary"]
+    # untrained byte-level model: perplexity near the 256-symbol uniform, and exp(loss)
+    assert 1.0 < s["perplexity"] < 1000 and s["perplexity"] == pytest.approx(
+        math.exp(s["eval_loss"]))
+    assert "eval ppl" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["--density", "0"], ["--density", "1.5"], ["--density", "nan"], ["--density", "x"],
+    ["--world-size", "0"], ["--bandwidth", "10mbps"], ["--bandwidth", "fast"],
+    ["--latency", "5ms"], ["--scheme", "nope"], ["--scheme", "ddp,ddp"],
+    ["--steps", "3", "--epochs", "1"], ["--steps", "0"], ["--model", "nope"],
+    ["--model", "gpt_tiny", "--data", "fashion-mnist"], ["--eval-batches", "-1"],
+    ["--sparsifier", "nope"], ["--lr", "-1"],
+])
+def test_bad_arguments_exit_2(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        train.main(argv)
+    assert e.value.code == 2
+    assert "error" in capsys.readouterr().err
+
+
+def _our_namespaces() -> list[str]:
+    if shutil.which("ip") is None:
+        return []
+    r = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True)
+    return [ln for ln in r.stdout.splitlines() if ln.startswith(f"gsne-{os.getpid()}-")]
+
+
+def test_failing_worker_names_rank_exits_nonzero_and_cleans_up(capsys):
+    rc = train.main(["--world-size", "2", "--steps", "3", "--scheme", "ddp", "--fail-rank", "1",
+                     "--bandwidth", "1gbit", "--data", "synthetic", "--eval-batches", "0",
+                     "--no-progress", "--timeout", "120"])
+    assert rc == 1
+    err = capsys.readouterr().err
+    assert "training failed on rank 1" in err and "injected failure" in err
+    assert _our_namespaces() == []  # shaped (root) or loopback: nothing is left behind
+
+
+def test_rank_shards_are_disjoint_and_cover_the_data():
+    P, B = 3, 16
+    shards = [train._Data("synthetic", "classify", r, P, B, 7, 0, torch.device("cpu"))
+              for r in range(P)]
+    x_all = train._images("synthetic", 7)[0]
+    assert sum(s.shard_len for s in shards) == len(x_all)
+    keys = torch.cat([s.x.flatten(1)[:, :4] for s in shards])
+    assert len({tuple(k.tolist()) for k in keys}) == len(x_all)  # no image on two ranks
+    # an epoch visits each of a rank's images once, in a seeded order
+    a = train._Data("synthetic", "classify", 1, P, B, 7, 0, torch.device("cpu"))
+    seen = torch.cat([a.next()[0] for _ in range(a.steps_per_epoch())])
+    assert len({tuple(k.tolist()) for k in seen.flatten(1)[:, :4]}) == len(seen)
+    b = train._Data("synthetic", "classify", 1, P, B, 7, 0, torch.device("cpu"))
+    assert torch.equal(b.next()[0], seen[:B])
+
+
+def test_summarize_medians_after_warmup_and_bytes_over_ranks():
+    def recs(rank):
+        return [{"step": i, "loss": 1.0 / (i + 1) + rank, "time_s": 0.1 * (i + 1),
+                 "elapsed_s": 0.0, "samples_per_s": 10.0 * (i + 1), "bytes_sent": 100 * i + rank,
+                 "bytes_recv": 0, "backward_s": 0.01 * i, "sparsify_s": float("nan"),
+                 "comm_s": 0.0, "wait_s": 0.0, "missing_rate": 0.5 if i == 4 else 0.0,
+                 "warmup": i <= 1} for i in range(5)]
+
+    results = [{"rank": r, "runs": [{"scheme": s, "task": "classify", "records": recs(r),
+                                     "eval": {}} for s in ("ddp", "topka")]}
+               for r in (1, 0)]
+    runs = train.summarize(results, warmup_steps=1)
+    s = runs[0]["summary"]
+    assert s["measured_steps"] == 3  # steps 2, 3, 4
+    assert s["samples_per_s"] == 40.0 and s["step_s"] == pytest.approx(0.4)
+    assert s["backward_s"] == pytest.approx(0.03) and math.isnan(s["sparsify_s"])
+    assert s["bytes_per_step"] == pytest.approx((200 + 300 + 400) / 3 + 0.5)
+    assert s["missing_rate"] == pytest.approx(0.5 / 3)
+    assert s["final_loss"] == pytest.approx(0.2 + 0.5)  # mean over ranks of the last loss
+    assert runs[1]["summary"]["speedup_vs_ddp"] == 1.0
