@@ -1,0 +1,330 @@
+"""Checkpoint and resume (gradsync.checkpoint) on real gloo ranks, P = 2.
+
+A first job trains, saving mid-run with plain ``torch.save`` per rank and with DCP, and runs on
+uninterrupted; a second job — new processes, a NEW process group, fresh models initialised
+differently, fresh optimizers and engines — loads each checkpoint and continues. The parent
+asserts that every resumed run ends bitwise where the uninterrupted one did (parameters and
+sync state, per rank), that every rank got back its own residuals (they differ across ranks),
+for ``ssfusion_oi`` (DGC + momentum correction, saved both during warm-up and after it),
+``oktopk`` (thresholds and boundaries) and the FSDP2 TAGC path; and that loading from a
+different world size, scheme or model raises ``ValueError``. It also pins the torch fact the
+DCP layout rests on: DCP keeps ONE copy of an entry saved under the same key by every rank.
+
+Warm-up: the final plan of the cost-model schemes is computed from timings measured during
+the warm-up steps, so two uninterrupted runs can already differ in their plan. The children
+therefore pin those measurements (fixed α/β, sparsifier and backward-time fits; the backward
+*order* is still observed); what a mid-warm-up resume must then carry — warm-up progress,
+the observed backward samples, the provisional plan, residuals, generators — is tested.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync import checkpoint, costmodel, engine
+from gradsync.config import Config
+from gradsync.engine import GradSync
+from gradsync.models import build
+from gradsync.testing import run_distributed
+
+P = 2
+TOTAL = 7  # engine runs: steps 0..6
+SAVE_AT = (2, 4)  # ssfusion_oi with warmup_steps=3: step 2 is mid-warm-up, 4 after it
+TAGC_TOTAL, TAGC_SAVE = 4, 2
+ENGINE_CASES = {
+    "ssfusion_oi": Config(scheme="ssfusion_oi", density=0.05, warmup_steps=3, momentum=0.9),
+    "oktopk": Config(scheme="oktopk", density=0.05, warmup_steps=3, momentum=0.9),
+}
+FORMATS = ("plain", "dcp")
+
+
+# -- helpers run in the children --------------------------------------------------------------
+def _pin_profiles() -> None:
+    """Fixed timing measurements (see the module docstring); the order is still observed."""
+    costmodel.profile_collectives = lambda group=None, **kw: (
+        costmodel.AlphaBeta(5e-5, 1e-9), costmodel.AlphaBeta(5e-5, 2e-9))
+    costmodel.profile_sparsifier = lambda sp, offload=False, **kw: (
+        costmodel.AffineFit(2e-5, 5e-10) if offload else costmodel.AffineFit(1e-5, 2e-9))
+    orig = engine._backward_profile
+    if not getattr(orig, "pinned", False):
+        def pinned(samples, names):
+            order, _ = orig(samples, names)
+            return order, {n: 1e-5 * (i + 1) for i, n in enumerate(order)}
+        pinned.pinned = True
+        engine._backward_profile = pinned
+
+
+def _digest(tensors) -> str:
+    h = hashlib.sha256()
+    for t in tensors:
+        if t is None:
+            h.update(b"none")
+            continue
+        if hasattr(t, "to_local"):
+            t = t.to_local()
+        t = t.detach().cpu().contiguous().reshape(-1)
+        if t.dtype in (torch.bfloat16, torch.float16):
+            t = t.view(torch.int16)
+        h.update(t.numpy().tobytes())
+    return h.hexdigest()
+
+
+def _params(model) -> str:
+    return _digest(p for _, p in model.named_parameters())
+
+
+def _sync_digest(sync) -> str:
+    """Residuals and velocities (engine) or accumulators (TAGC) of this rank."""
+    if isinstance(sync, GradSync):
+        st = sync.ef.state_dict()
+        return _digest([st["residual"][k] for k in sorted(st["residual"])]
+                       + [st["velocity"][k] for k in sorted(st["velocity"])])
+    return _digest(sync.units[n].acc for n in sorted(sync.units))
+
+
+def _batch(rank: int, step: int):
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g)
+
+
+def _engine_run(name: str, seed: int = 1):
+    model = build("mlp", seed=seed)
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    return model, opt, GradSync(model, ENGINE_CASES[name])
+
+
+def _engine_step(rank, step, model, opt, sync) -> None:
+    opt.zero_grad(set_to_none=True)
+    x, y = _batch(rank, step)
+    nn.functional.cross_entropy(model(x), y).backward()
+    sync.synchronize()
+    opt.step()
+
+
+def _gpt():
+    from torch.distributed.fsdp import fully_shard
+
+    m = build("gpt_tiny", seed=0, dim=32, layers=2, heads=2, context=16)
+    for blk in m.blocks:
+        fully_shard(blk)
+    fully_shard(m)
+    return m
+
+
+def _tagc_run(seed_shift: bool = False):
+    from gradsync.fsdp import TAGCConfig, compress
+
+    m = _gpt()
+    if seed_shift:  # a fresh model that differs from the saved one: the load must overwrite
+        with torch.no_grad():
+            for p in m.parameters():
+                p.to_local().add_(0.5)
+    t = compress(m, TAGCConfig(ratio=4, theta=0.9))
+    opt = torch.optim.Adam(m.parameters(), lr=3e-3)
+    return m, opt, t
+
+
+def _tagc_step(rank, step, m, opt) -> None:
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randint(0, 256, (4, 16), generator=g)
+    y = torch.randint(0, 256, (4, 16), generator=g)
+    out = m(x)
+    opt.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+    opt.step()
+
+
+def _save(fmt, path, **kw) -> None:
+    (checkpoint.save if fmt == "plain" else checkpoint.save_dcp)(path, **kw)
+
+
+def _load(fmt, path, **kw):
+    return (checkpoint.load if fmt == "plain" else checkpoint.load_dcp)(path, **kw)
+
+
+def _dedup_fact(rank: int, path: str) -> dict:
+    """What DCP does with one key saved by every rank with different contents."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"same": torch.full((3,), float(rank)), f"rank{rank}/own": torch.full((3,),
+              float(rank))}, checkpoint_id=path)
+    back = {"same": torch.zeros(3), f"rank{rank}/own": torch.zeros(3)}
+    dcp.load(back, checkpoint_id=path)
+    return {"same": back["same"].tolist(), "own": back[f"rank{rank}/own"].tolist()}
+
+
+# -- job 1: train, save, go on ----------------------------------------------------------------
+def _straight(rank: int, world: int, path: str) -> dict:
+    _pin_profiles()
+    out: dict = {"dedup": _dedup_fact(rank, os.path.join(path, "dedup"))}
+    for name in ENGINE_CASES:
+        model, opt, sync = _engine_run(name)
+        saved = {}
+        for step in range(TOTAL):
+            if step in SAVE_AT:
+                for fmt in FORMATS:
+                    _save(fmt, os.path.join(path, f"{name}-{fmt}-{step}"), sync=sync,
+                          model=model, optimizer=opt, extra={"step": step})
+                st = sync.state_dict()
+                saved[step] = {"sync": _sync_digest(sync), "warmup_left": st["warmup_left"],
+                               "collectives": st["collectives"]}
+            _engine_step(rank, step, model, opt, sync)
+        out[name] = {"params": _params(model), "sync": _sync_digest(sync), "saved": saved,
+                     "plan": sync.plan.to_dict()}
+        sync.close()
+    m, opt, t = _tagc_run()
+    for step in range(TAGC_TOTAL):
+        if step == TAGC_SAVE:
+            for fmt in FORMATS:
+                _save(fmt, os.path.join(path, f"tagc-{fmt}"), sync=t, model=m, optimizer=opt)
+            saved_acc = _sync_digest(t)
+        _tagc_step(rank, step, m, opt)
+    out["tagc"] = {"params": _params(m), "sync": _sync_digest(t), "saved": saved_acc,
+                   "stats": t.stats()}
+    return out
+
+
+# -- job 2: a new process group resumes from every checkpoint ---------------------------------
+def _errors(fmt, path, **kw) -> str | None:
+    try:
+        _load(fmt, path, **kw)
+    except ValueError as e:
+        return str(e)
+    return None
+
+
+def _resume(rank: int, world: int, path: str) -> dict:
+    _pin_profiles()
+    out: dict = {}
+    for name in ENGINE_CASES:
+        for fmt in FORMATS:
+            for step in SAVE_AT:
+                model, opt, sync = _engine_run(name, seed=77)
+                extra = _load(fmt, os.path.join(path, f"{name}-{fmt}-{step}"), sync=sync,
+                              model=model, optimizer=opt)
+                loaded = _sync_digest(sync)
+                for s in range(step, TOTAL):
+                    _engine_step(rank, s, model, opt, sync)
+                out[(name, fmt, step)] = {"params": _params(model), "sync": _sync_digest(sync),
+                                          "loaded": loaded, "extra": extra,
+                                          "plan": sync.plan.to_dict()}
+                sync.close()
+    for fmt in FORMATS:
+        m, opt, t = _tagc_run(seed_shift=True)
+        _load(fmt, os.path.join(path, f"tagc-{fmt}"), sync=t, model=m, optimizer=opt)
+        loaded = _sync_digest(t)
+        for s in range(TAGC_SAVE, TAGC_TOTAL):
+            _tagc_step(rank, s, m, opt)
+        out[("tagc", fmt)] = {"params": _params(m), "sync": _sync_digest(t), "loaded": loaded}
+    # mismatches: another scheme, another model, TAGC vs engine — all before anything changes
+    errs: dict = {}
+    for fmt in FORMATS:
+        src = os.path.join(path, f"ssfusion_oi-{fmt}-4")
+        m = build("mlp", seed=5)
+        before = _params(m)
+        s = GradSync(m, Config(scheme="oktopk", density=0.05, warmup_steps=3, momentum=0.9))
+        errs[(fmt, "scheme")] = _errors(fmt, src, sync=s, model=m)
+        s.close()
+        c = build("cnn", seed=5)
+        s = GradSync(c, ENGINE_CASES["ssfusion_oi"])
+        errs[(fmt, "model")] = _errors(fmt, src, sync=s, model=c)
+        s.close()
+        errs[(fmt, "untouched")] = before == _params(m)
+        tm, _, tt = _tagc_run()
+        errs[(fmt, "tagc")] = _errors(fmt, src, sync=tt, model=tm)
+    out["errors"] = errs
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    path = str(tmp_path_factory.mktemp("ckpt"))
+    straight = run_distributed(_straight, P, path, timeout=300)
+    resumed = run_distributed(_resume, P, path, timeout=300)
+    return path, straight, resumed
+
+
+def test_dcp_deduplicates_one_key_across_ranks(runs):
+    """The fact behind the per-rank keys (torch 2.13): a key saved by every rank with
+    different values is stored once, and every rank loads that single copy."""
+    _, straight, _ = runs
+    same = [o["dedup"]["same"] for o in straight]
+    assert same[0] == same[1]  # both ranks got the same copy ...
+    assert any(s != [float(r)] * 3 for r, s in enumerate(same))  # ... so one lost its own
+    for r, o in enumerate(straight):
+        assert o["dedup"]["own"] == [float(r)] * 3  # per-rank keys keep every rank's
+
+
+@pytest.mark.parametrize("name", list(ENGINE_CASES))
+@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("step", SAVE_AT)
+def test_engine_resume_is_bitwise(runs, name, fmt, step):
+    _, straight, resumed = runs
+    for rank in range(P):
+        s, r = straight[rank][name], resumed[rank][(name, fmt, step)]
+        assert r["loaded"] == s["saved"][step]["sync"], "a rank did not get its own residuals"
+        assert r["extra"] == {"step": step}
+        assert r["plan"] == s["plan"]
+        assert r["params"] == s["params"], (name, fmt, step, rank)
+        assert r["sync"] == s["sync"], (name, fmt, step, rank)
+    # residuals differ across ranks, so "its own" above is a real check
+    assert straight[0][name]["saved"][step]["sync"] != straight[1][name]["saved"][step]["sync"]
+
+
+def test_resume_points_cover_warmup_and_oktopk_state(runs):
+    _, straight, _ = runs
+    saved = straight[0]["ssfusion_oi"]["saved"]
+    assert saved[2]["warmup_left"] == 1 and saved[4]["warmup_left"] == 0
+    for step in SAVE_AT:  # Ok-Topk's boundaries and threshold were part of the saved state
+        (coll,) = straight[0]["oktopk"]["saved"][step]["collectives"].values()
+        assert coll["boundaries"] is not None and coll["theta"] is not None
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_fsdp_tagc_resume_is_bitwise(runs, fmt):
+    _, straight, resumed = runs
+    for rank in range(P):
+        s, r = straight[rank]["tagc"], resumed[rank][("tagc", fmt)]
+        assert r["loaded"] == s["saved"]
+        assert r["params"] == s["params"], (fmt, rank)
+        assert r["sync"] == s["sync"], (fmt, rank)
+    assert straight[0]["tagc"]["saved"] != straight[1]["tagc"]["saved"]
+    assert straight[0]["tagc"]["stats"]["sketch_bytes_per_step"] > 0  # TAGC really ran
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_mismatched_checkpoint_raises(runs, fmt):
+    path, _, resumed = runs
+    for o in resumed:
+        errs = o["errors"]
+        assert errs[(fmt, "scheme")] and "scheme" in errs[(fmt, "scheme")]
+        assert errs[(fmt, "model")] and "different model" in errs[(fmt, "model")]
+        assert errs[(fmt, "tagc")] and "tagc" in errs[(fmt, "tagc")]
+        assert errs[(fmt, "untouched")]
+    # a different world size: a single process (P = 1) loading the P = 2 checkpoint
+    model = build("mlp", seed=1)
+    sync = GradSync(model, ENGINE_CASES["ssfusion_oi"])
+    src = os.path.join(path, f"ssfusion_oi-{fmt}-4")
+    with pytest.raises(ValueError, match="2 ranks"):
+        _load(fmt, src, sync=sync, model=model)
+    sync.close()
+
+
+def test_engine_rejects_another_ranks_state():
+    a = GradSync(build("mlp", seed=1), ENGINE_CASES["oktopk"])
+    st = a.state_dict()
+    st["rank"] = 1
+    with pytest.raises(ValueError, match="rank 1"):
+        a.load_state_dict(st)
+    st["rank"] = 0
+    st["config"] = {**st["config"], "density": 0.1}
+    with pytest.raises(ValueError, match="density"):
+        a.load_state_dict(st)
+    a.close()
+    assert not dist.is_initialized()
