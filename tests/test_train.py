@@ -166,3 +166,18 @@ def test_summarize_medians_after_warmup_and_bytes_over_ranks():
     assert s["missing_rate"] == pytest.approx(0.5 / 3)
     assert s["final_loss"] == pytest.approx(0.2 + 0.5)  # mean over ranks of the last loss
     assert runs[1]["summary"]["speedup_vs_ddp"] == 1.0
+
+
+def test_missing_dataset_falls_back_to_synthetic_with_a_note(tmp_path, monkeypatch, capsys):
+    from gradsync import data
+
+    monkeypatch.setattr(data, "FASHION_MNIST_DIR", tmp_path)  # an empty folder
+    a = train.parse_args(["--scheme", "ddp"])
+    assert a.data == "fashion-mnist"
+    train._resolve_data(a)
+    assert a.data == "synthetic"
+    out = capsys.readouterr().out
+    assert out.count("\n") == 1 and "SYNTHETIC" in out and "apt-get install" in out
+    b = train.parse_args(["--data", "synthetic"])
+    train._resolve_data(b)
+    assert b.data == "synthetic" and capsys.readouterr().out == ""

@@ -46,6 +46,9 @@ Time breakdown per step (SSFusion Fig. 13), in seconds:
 * ``wait_s``: the exposed communication — engine: ``synchronize()`` blocked on
   communication; DDP peers: end of the last hook call to ``loss.backward()`` returning.
 
+For ``ddp_gradsync_<s>`` only ``backward_s`` (all of ``loss.backward()``, its blocking hook
+included), bytes and the missing rate are recorded; the other three are NaN.
+
 ``--out DIR`` writes ``metrics.json``, ``loss_vs_time.png`` and ``throughput.png``.
 ``metrics.json`` schema (``"schema": "gradsync.train/1"``)::
 
@@ -641,7 +644,7 @@ def _spec(a: argparse.Namespace) -> dict:
             "timeout": a.timeout, "progress": not a.no_progress, "fail_rank": a.fail_rank}
 
 
-def _resolve_data(a: argparse.Namespace) -> None:
+def _resolve_data(a: argparse.Namespace, quiet: bool = False) -> None:
     """Real data by default; synthetic only by choice or, with a note, when it is missing."""
     if a.data != "fashion-mnist":
         return
@@ -650,7 +653,9 @@ def _resolve_data(a: argparse.Namespace) -> None:
     try:
         fashion_mnist(train=False, limit=1)
     except DatasetUnavailable as e:
-        print(f"note: {e}; training on SYNTHETIC images instead (accuracy is meaningless)")
+        if not quiet:
+            print(f"note: {e}; training on SYNTHETIC images instead (accuracy is "
+                  "meaningless)")
         a.data = "synthetic"
 
 
@@ -839,6 +844,7 @@ def _main_torchrun(a: argparse.Namespace) -> int:
 def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if _torchrun_env():
+        _resolve_data(a, quiet=os.environ["RANK"] != "0")
         return _main_torchrun(a)
     from gradsync.testing import DistributedError, DistributedTimeout
 
