@@ -39,7 +39,8 @@ SAVE_AT = (2, 4)  # ssfusion_oi with warmup_steps=3: step 2 is mid-warm-up, 4 af
 TAGC_TOTAL, TAGC_SAVE = 4, 2
 ENGINE_CASES = {
     "ssfusion_oi": Config(scheme="ssfusion_oi", density=0.05, warmup_steps=3, momentum=0.9),
-    "oktopk": Config(scheme="oktopk", density=0.05, warmup_steps=3, momentum=0.9),
+    # momentum 0: Ok-Topk then reuses its threshold θ at step 4 (a resume without θ would not)
+    "oktopk": Config(scheme="oktopk", density=0.05, warmup_steps=3, momentum=0.0),
 }
 FORMATS = ("plain", "dcp")
 
@@ -209,10 +210,12 @@ def _resume(rank: int, world: int, path: str) -> dict:
                 extra = _load(fmt, os.path.join(path, f"{name}-{fmt}-{step}"), sync=sync,
                               model=model, optimizer=opt)
                 loaded = _sync_digest(sync)
+                colls = sync.state_dict()["collectives"]
                 for s in range(step, TOTAL):
                     _engine_step(rank, s, model, opt, sync)
                 out[(name, fmt, step)] = {"params": _params(model), "sync": _sync_digest(sync),
                                           "loaded": loaded, "extra": extra,
+                                          "collectives": colls,
                                           "plan": sync.plan.to_dict()}
                 sync.close()
     for fmt in FORMATS:
@@ -275,6 +278,27 @@ def test_engine_resume_is_bitwise(runs, name, fmt, step):
         assert r["sync"] == s["sync"], (name, fmt, step, rank)
     # residuals differ across ranks, so "its own" above is a real check
     assert straight[0][name]["saved"][step]["sync"] != straight[1][name]["saved"][step]["sync"]
+
+
+def _same(a, b) -> bool:
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        return isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and torch.equal(a, b)
+    if isinstance(a, dict) and isinstance(b, dict):
+        return a.keys() == b.keys() and all(_same(a[k], b[k]) for k in a)
+    if isinstance(a, list | tuple) and isinstance(b, list | tuple):
+        return len(a) == len(b) and all(_same(x, y) for x, y in zip(a, b))
+    return a == b
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_collective_state_is_restored(runs, fmt):
+    """Ok-Topk's boundaries and threshold θ come back exactly (the sums they produce at P = 2
+    are the same whatever the boundaries, so the trajectory alone would not show it)."""
+    _, straight, resumed = runs
+    for rank in range(P):
+        for step in SAVE_AT:
+            saved = straight[rank]["oktopk"]["saved"][step]["collectives"]
+            assert _same(resumed[rank][("oktopk", fmt, step)]["collectives"], saved)
 
 
 def test_resume_points_cover_warmup_and_oktopk_state(runs):
