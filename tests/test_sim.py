@@ -266,6 +266,7 @@ def test_validate_smoke_on_loopback(tmp_path, capsys):
         assert r["error"] == pytest.approx((r["predicted_s"] - r["measured_s"])
                                            / r["measured_s"])
         assert len(r["measured_steps_s"]) == 2
+        assert r["predicted_fitted_s"] > 0 and r["fitted_alpha_s"] >= 0
     # bytes are exact on both sides: the dense ring all-reduce of the whole MLP at P = 2
     dense = rows[0]
     assert dense["measured_bytes_sent"] == pytest.approx(dense["predicted_volume_bytes"],

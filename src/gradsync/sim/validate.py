@@ -15,7 +15,10 @@ iteration is the median over steps of the slowest rank's step time.
 
 The prediction for the same P uses the profiled compute, the *nominal* network (β = 1/
 ``--bandwidth``, α = ``--latency``; tbf adds no propagation delay, so the real α is a veth's)
-and the measured γ. Error = (predicted − measured) / measured.
+and the measured γ. Error = (predicted − measured) / measured. A second prediction uses α, β
+fitted in the same run to the group's all-gather times (Eq. 3, ``profile_collectives``): the
+gap between the two shows how much of the error is the network model (gloo's per-message
+software cost on a loaded machine is far above a wire's α) rather than the compute profile.
 
 Limits, stated in the output: with P ranks on a machine of C cores (P > C) the ranks are
 compute-bound and time-share the cores; communication then also competes for CPU with the other
@@ -66,6 +69,11 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
         acc |= masks[m - 1]
         union[m] = float(acc.sum()) / n
 
+    # α, β of this group's all-gather as gloo delivers them here (Eq. 3 fit), for comparison
+    from gradsync.costmodel import profile_collectives
+
+    ar, ag = profile_collectives(None, sizes=(1 << 10, 1 << 14, 1 << 17), repeats=3)
+
     results: dict[str, Any] = {}
     for scheme in schemes:
         net, step = model_step(model, batch, seed, rank)
@@ -91,7 +99,7 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
         results[scheme] = {"times": times, "stats": stats}
     dist.barrier()
     return {"cost": cost.to_dict(), "forward_s": fwd, "step_s": stp, "union": union,
-            "results": results}
+            "allreduce_fit": vars(ar), "allgather_fit": vars(ag), "results": results}
 
 
 def _gamma(union: dict[int, float], d: float) -> float | None:
@@ -115,7 +123,7 @@ def _gamma(union: dict[int, float], d: float) -> float | None:
 def run_validation(a) -> int:
     from gradsync import netem
     from gradsync.bench.common import print_table, write_outputs
-    from gradsync.sim.simulate import NOTE, _plot_vs_p, predict
+    from gradsync.sim.simulate import NOTE, Network, _plot_vs_p, predict
     from gradsync.testing import run_distributed
 
     cores = os.cpu_count() or 1
@@ -146,7 +154,10 @@ def run_validation(a) -> int:
         n = sum(cost.numel.values())
         gamma = _gamma(union, max(1, round(a.density * n)) / n)
         g_use = a.union_gamma if gamma is None else gamma
-        per_p[P] = {"shaped": shaped, "link": link, "wall_s": wall, "union": union,
+        ag = res[0]["allgather_fit"]
+        fitted = Network(ag["alpha"], ag["beta"] if ag["beta"] > 0 else a.net.beta)
+        per_p[P] = {"allreduce_fit": res[0]["allreduce_fit"], "allgather_fit": ag,
+                    "shaped": shaped, "link": link, "wall_s": wall, "union": union,
                     "gamma": gamma, "slowest_rank": slow, "forward_s": fwd, "step_s": stp,
                     "cost_model": cost.to_dict()}
         for scheme in a.scheme_list:
@@ -162,6 +173,9 @@ def run_validation(a) -> int:
             pred = predict(scheme, cost, P, a.net, a.density, union_gamma=g_use,
                            forward_s=fwd, step_s=stp, densestream_ratio=a.densestream_ratio,
                            bucket_bytes=int(a.bucket_mb * 2**20))
+            fit = predict(scheme, cost, P, fitted, a.density, union_gamma=g_use,
+                          forward_s=fwd, step_s=stp, densestream_ratio=a.densestream_ratio,
+                          bucket_bytes=int(a.bucket_mb * 2**20))
             rows.append({
                 "scheme": scheme, "P": P, "shaped": shaped, "measured_s": meas,
                 "measured_steps_s": steps, "predicted_s": pred["iteration_s"],
@@ -174,6 +188,9 @@ def run_validation(a) -> int:
                 "predicted_sparsify_s": pred["sparsify_s"],
                 "measured_bytes_sent": med("bytes_sent"),
                 "predicted_volume_bytes": pred["volume_bytes"],
+                "predicted_fitted_s": fit["iteration_s"],
+                "error_fitted": (fit["iteration_s"] - meas) / meas,
+                "fitted_alpha_s": fitted.alpha, "fitted_beta_s_per_byte": fitted.beta,
                 "union_gamma_used": g_use, "prediction": pred,
             })
     load1 = os.getloadavg()
@@ -188,11 +205,15 @@ def run_validation(a) -> int:
         print(f"P={P}: union density of top-k selections u(P)={info['union'][P]:.4f} "
               f"(d={a.density}), fitted γ={'n/a' if g is None else f'{g:.3f}'}; "
               f"Σ T_b (slowest rank, under contention)="
-              f"{sum(info['cost_model']['backward'].values()) * 1e3:.1f} ms; {bound}")
-    cols = ["scheme", "P", "measured ms", "predicted ms", "error %", "bwd meas ms",
+              f"{sum(info['cost_model']['backward'].values()) * 1e3:.1f} ms; all-gather fit "
+              f"on this link α={info['allgather_fit']['alpha'] * 1e6:.0f} us, "
+              f"β={info['allgather_fit']['beta']:.3g} s/B; {bound}")
+    cols = ["scheme", "P", "measured ms", "predicted ms", "error %", "pred fit-αβ ms",
+            "err fit %", "bwd meas ms",
             "bwd pred ms", "wait meas ms", "exposed pred ms", "MB sent meas", "MB pred"]
     table = [[r["scheme"], r["P"], r["measured_s"] * 1e3, r["predicted_s"] * 1e3,
-              100 * r["error"], r["measured_backward_s"] * 1e3,
+              100 * r["error"], r["predicted_fitted_s"] * 1e3, 100 * r["error_fitted"],
+              r["measured_backward_s"] * 1e3,
               r["predicted_backward_s"] * 1e3, r["measured_wait_s"] * 1e3,
               r["predicted_exposed_comm_s"] * 1e3, r["measured_bytes_sent"] / 1e6,
               r["predicted_volume_bytes"] / 1e6] for r in rows]
