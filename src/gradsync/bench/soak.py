@@ -142,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
     add_common_args(ap, "soak")
     ap.add_argument("--steps", type=int, default=2000)
-    ap.add_argument("--world-size", type=int, default=4)
+    ap.add_argument("--world-size", type=int, default=None, help="ranks (4; --quick: 2)")
     ap.add_argument("--schemes", nargs="+", default=list(SCHEMES))
     ap.add_argument("--density", type=float, default=0.01)
     ap.add_argument("--hidden", type=int, default=64, help="MLP hidden width")
@@ -159,13 +159,15 @@ def main(argv: list[str] | None = None) -> int:
                     help="allowed RSS growth per rank after warm-up (MiB)")
     ap.add_argument("--timeout", type=float, default=3600.0, help="per scheme, seconds")
     ap.add_argument("--quick", action="store_true",
-                    help="P=2, 60 steps, 2 schemes (smoke test, seconds)")
+                    help="P=2, 40 steps, 2 schemes (smoke test, seconds)")
     a = ap.parse_args(argv)
     if a.quick:
-        a.steps, a.world_size, a.warmup, a.sample_every = 60, 2, 20, 5
-        a.check_every, a.nan_every, a.stall_every, a.stall_ms = 20, 13, 25, 50.0
+        a.steps, a.warmup, a.sample_every = 40, 10, 5
+        a.world_size = 2 if a.world_size is None else a.world_size
+        a.check_every, a.nan_every, a.stall_every, a.stall_ms = 10, 9, 20, 50.0
         if a.schemes == list(SCHEMES):
             a.schemes = ["dense_ovlp", "topka"]
+    a.world_size = 4 if a.world_size is None else a.world_size
     from gradsync.config import Config
 
     for s in a.schemes:
