@@ -336,9 +336,6 @@ def _ddp_mismatch(rank: int, world_size: int, cases: list[dict]):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="gradsync.ddp.register/hook do no signature check: a "
-                   "density mismatch is silently accepted, a scheme mismatch aborts a rank in "
-                   "gloo (SIGABRT, 'collective mismatch') at the first backward")
 def test_ddp_hook_mismatched_config_fails_at_registration():
     cases = [{"density": 0.5}, {"scheme": "per_tensor"}]  # the abort (if any) last
     out = run_distributed(_ddp_mismatch, 2, cases, timeout=HARNESS_TIMEOUT_S)
@@ -371,9 +368,6 @@ def _tagc_mismatch(rank: int, world_size: int, cases: list[dict]):
     return out
 
 
-@pytest.mark.xfail(strict=True, reason="gradsync.fsdp.compress does no signature check: a "
-                   "sketch seed mismatch silently corrupts every compressed gradient (~100% "
-                   "relative error, lossy_peels 0); a ratio mismatch aborts a rank in gloo")
 def test_tagc_mismatched_config_fails_at_compress():
     cases = [{"seed": 5}, {"ratio": 4}]  # the abort (if any) last
     out = run_distributed(_tagc_mismatch, 2, cases, timeout=HARNESS_TIMEOUT_S)

@@ -35,6 +35,7 @@ from torch import nn
 from gradsync import collectives, sparsify
 from gradsync.collectives.comm import Comm, CommStats
 from gradsync.config import Config
+from gradsync.consistency import signature_check
 from gradsync.feedback import ErrorFeedback
 from gradsync.sparsegrad import SparseGrad
 
@@ -60,6 +61,8 @@ class HookState:
     calls: int = 0
     missing: int = 0
     tensors: int = 0
+    shapes: list[tuple[str, tuple[int, ...]]] | None = None  # the model's, when known
+    checked: bool = False  # configuration agreed across ranks
 
     def __post_init__(self) -> None:
         if self.cfg.scheme not in DDP_SCHEMES:
@@ -115,6 +118,8 @@ def _densities(state: HookState, numels: list[int]) -> list[float | None]:
 
 def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The comm hook: blocking collectives inside, a completed future out."""
+    if not state.checked:
+        _agree(state)
     buf = bucket.buffer()
     comm = Comm(state.group)
     P = comm.size
@@ -187,12 +192,25 @@ def hook(cfg: Config, model: nn.Module | None = None, group: dist.ProcessGroup |
     """``(state, hook)`` for frameworks with separate slots (Lightning, Accelerate).
 
     Pass ``model`` (the module DDP wraps) so residuals are keyed by parameter name, which
-    makes ``state.state_dict()`` portable across restarts.
+    makes ``state.state_dict()`` portable across restarts. The ranks' configurations and
+    models are compared (one small all-gather) here when the process group already exists,
+    otherwise at the hook's first call; a difference raises ``ValueError`` on every rank.
     """
     state = HookState(cfg=cfg, group=group, small_numel=small_numel)
     if model is not None:
         state.names = {id(p): n for n, p in model.named_parameters()}
+        state.shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+    if dist.is_available() and dist.is_initialized():
+        _agree(state)
     return state, _sparse_hook
+
+
+def _agree(state: HookState) -> None:
+    """All ranks must run the same hook configuration on the same model."""
+    if not state.checked and dist.get_world_size(state.group) > 1:
+        signature_check({"config": state.cfg.to_dict(), "small_numel": state.small_numel,
+                         "params": state.shapes}, state.group)
+    state.checked = True
 
 
 def register(ddp_model: nn.parallel.DistributedDataParallel, cfg: Config,

@@ -67,6 +67,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 
 from gradsync import sparsify
 from gradsync.collectives.comm import Comm
+from gradsync.consistency import signature_check
 from gradsync.formats.sketch import CountSketch, PeelError, pack_index, unpack_index
 
 __all__ = ["TAGC", "TAGCConfig", "all_layers", "compress", "non_attention_linear"]
@@ -256,9 +257,24 @@ class TAGC:
             unit = self._layout(mname or "root", m, group, names, i)
             unit.prev_force_sum = bool(getattr(group, "force_sum_reduction_for_comms", False))
             self.units[unit.name] = unit
+        # Every rank must hash, sparsify and split identically, or each owner peels garbage
+        # (a seed mismatch) or the collectives mismatch: agree before touching the model.
+        if self.world_size > 1:
+            signature_check(self._signature())
+        for unit in self.units.values():
             self._comms[unit.name] = _TAGCReduceScatter(self, unit)
-            m.set_force_sum_reduction_for_comms(True)
-            m.set_custom_reduce_scatter(self._comms[unit.name])
+            unit.module.set_force_sum_reduction_for_comms(True)
+            unit.module.set_custom_reduce_scatter(self._comms[unit.name])
+
+    def _signature(self) -> dict:
+        c = self.config
+        policy = getattr(c.policy, "__qualname__", repr(c.policy))
+        return {
+            "ratio": c.ratio, "index_bits": c.index_bits, "theta": c.theta,
+            "on_failure": c.on_failure, "seed": c.seed, "policy": policy,
+            "units": [(u.name, u.shard_numel, u.compressed_params, u.plain_params)
+                      for u in self.units.values()],
+        }
 
     def _layout(self, uname: str, m: FSDPModule, group, names: dict[int, str],
                 i: int) -> _Unit:
