@@ -20,6 +20,7 @@ the observed backward samples, the provisional plan, residuals, generators — i
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 
 import pytest
@@ -31,6 +32,7 @@ from gradsync import checkpoint, costmodel, engine
 from gradsync.config import Config
 from gradsync.engine import GradSync
 from gradsync.models import build
+from gradsync.schedule import SCHEMES
 from gradsync.testing import run_distributed
 
 P = 2
@@ -160,10 +162,49 @@ def _dedup_fact(rank: int, path: str) -> dict:
     return {"same": back["same"].tolist(), "own": back[f"rank{rank}/own"].tolist()}
 
 
+# every scheme (and the generator-driven sparsifiers), resumed in-process mid-warm-up
+SWEEP = [(s, "dgc") for s in SCHEMES] + [("topka", "randomk"), ("per_tensor", "redsync"),
+                                          ("ssfusion", "sidco"), ("multi_tensor", "topk")]
+
+
+def _sweep(rank: int) -> dict:
+    """Save at step 1 (warm-up not finished for the cost-model schemes), run to step 4; a
+    fresh engine and model loading the bytes must end bitwise equal."""
+    out = {}
+    for scheme, sp in SWEEP:
+        cfg = Config(scheme=scheme, density=0.05, sparsifier=sp, warmup_steps=2, momentum=0.5)
+        runs, saved = [], {}
+        for resumed in (False, True):
+            model = build("mlp", seed=3 if resumed else 1)
+            sync = GradSync(model, cfg)
+            start = 0
+            if resumed:
+                ck = torch.load(io.BytesIO(saved["blob"]), weights_only=False)
+                model.load_state_dict(ck["model"])
+                sync.load_state_dict(ck["sync"])
+                start = 1
+            for step in range(start, 4):
+                if step == 1 and not resumed:
+                    buf = io.BytesIO()
+                    torch.save({"model": model.state_dict(), "sync": sync.state_dict()}, buf)
+                    saved["blob"] = buf.getvalue()
+                model.zero_grad(set_to_none=True)
+                x, y = _batch(rank, step)
+                nn.functional.cross_entropy(model(x), y).backward()
+                sync.synchronize()
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(p.grad, alpha=-0.05)
+            runs.append((_params(model), _sync_digest(sync)))
+            sync.close()
+        out[(scheme, sp)] = runs
+    return out
+
+
 # -- job 1: train, save, go on ----------------------------------------------------------------
 def _straight(rank: int, world: int, path: str) -> dict:
     _pin_profiles()
-    out: dict = {"dedup": _dedup_fact(rank, os.path.join(path, "dedup"))}
+    out: dict = {"dedup": _dedup_fact(rank, os.path.join(path, "dedup")), "sweep": _sweep(rank)}
     for name in ENGINE_CASES:
         model, opt, sync = _engine_run(name)
         saved = {}
@@ -308,6 +349,14 @@ def test_resume_points_cover_warmup_and_oktopk_state(runs):
     for step in SAVE_AT:  # Ok-Topk's boundaries and threshold were part of the saved state
         (coll,) = straight[0]["oktopk"]["saved"][step]["collectives"].values()
         assert coll["boundaries"] is not None and coll["theta"] is not None
+
+
+def test_every_scheme_resumes_bitwise_mid_warmup(runs):
+    _, straight, _ = runs
+    for rank in range(P):
+        for case, (plain, resumed) in straight[rank]["sweep"].items():
+            assert resumed == plain, (case, rank)
+    assert len(straight[0]["sweep"]) == len(SWEEP)
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
