@@ -181,3 +181,24 @@ def test_missing_dataset_falls_back_to_synthetic_with_a_note(tmp_path, monkeypat
     b = train.parse_args(["--data", "synthetic"])
     train._resolve_data(b)
     assert b.data == "synthetic" and capsys.readouterr().out == ""
+
+
+@pytest.mark.slow
+def test_torchrun_worker_mode(tmp_path):
+    """Under torchrun each process is one rank (gloo on CPU); rank 0 writes the metrics."""
+    import sys
+
+    torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
+    if torchrun is None:
+        pytest.skip("torchrun not installed next to this interpreter")
+    r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m",
+                        "gradsync", "train", "--scheme", "ddp,oktopk", "--steps", "3",
+                        "--warmup-steps", "1", "--batch-size", "8", "--eval-batches", "1",
+                        "--data", "synthetic", "--no-progress", "--out", str(tmp_path)],
+                       capture_output=True, text=True, timeout=300,
+                       env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert r.returncode == 0, r.stderr[-3000:]
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["environment"]["launcher"] == "torchrun" and m["config"]["world_size"] == 2
+    n = _numel("cnn")
+    assert m["runs"][0]["bytes_sent_per_rank"] == [[4 * n] * 3] * 2  # ring, P = 2

@@ -845,6 +845,8 @@ def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
     if _torchrun_env():
         _resolve_data(a, quiet=os.environ["RANK"] != "0")
+        if a.bandwidth is not None and os.environ["RANK"] == "0":
+            print("note: --bandwidth/--latency shape only local workers; ignored under torchrun")
         return _main_torchrun(a)
     from gradsync.testing import DistributedError, DistributedTimeout
 
