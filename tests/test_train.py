@@ -96,6 +96,22 @@ def test_language_model_on_text_reports_perplexity(tmp_path, capsys):
     assert 1.0 < s["perplexity"] < 1000 and s["perplexity"] == pytest.approx(
         math.exp(s["eval_loss"]))
     assert "eval ppl" in capsys.readouterr().out
+    assert m["runs"][0]["task"] == "causal_lm"
+    assert s["eval_tokens"] == 2 * 4 * 32  # every position of 2 batches × 4 windows × context
+
+
+def test_masked_language_model_scores_only_masked_tokens(tmp_path):
+    pytest.importorskip("transformers")
+    rc = train.main(["--model", "bert_small", "--world-size", "1", "--steps", "2",
+                     "--scheme", "topka", "--warmup-steps", "1", "--batch-size", "2",
+                     "--eval-batches", "2", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    run = json.loads((tmp_path / "metrics.json").read_text())["runs"][0]
+    assert run["task"] == "masked_lm"
+    s = run["summary"]
+    # BERT masks ~15% of the positions (at least one per row): far fewer than all of them
+    assert 2 * 2 <= s["eval_tokens"] < 0.5 * 2 * 2 * 128
+    assert math.isfinite(s["eval_loss"]) and s["perplexity"] > 1.0
 
 
 @pytest.mark.parametrize("argv", [
@@ -132,17 +148,17 @@ def test_failing_worker_names_rank_exits_nonzero_and_cleans_up(capsys):
 
 def test_rank_shards_are_disjoint_and_cover_the_data():
     P, B = 3, 16
-    shards = [train._Data("synthetic", "classify", r, P, B, 7, 0, torch.device("cpu"))
+    shards = [train._Data("synthetic", "image", r, P, B, 7, torch.device("cpu"))
               for r in range(P)]
     x_all = train._images("synthetic", 7)[0]
     assert sum(s.shard_len for s in shards) == len(x_all)
     keys = torch.cat([s.x.flatten(1)[:, :4] for s in shards])
     assert len({tuple(k.tolist()) for k in keys}) == len(x_all)  # no image on two ranks
     # an epoch visits each of a rank's images once, in a seeded order
-    a = train._Data("synthetic", "classify", 1, P, B, 7, 0, torch.device("cpu"))
+    a = train._Data("synthetic", "image", 1, P, B, 7, torch.device("cpu"))
     seen = torch.cat([a.next()[0] for _ in range(a.steps_per_epoch())])
     assert len({tuple(k.tolist()) for k in seen.flatten(1)[:, :4]}) == len(seen)
-    b = train._Data("synthetic", "classify", 1, P, B, 7, 0, torch.device("cpu"))
+    b = train._Data("synthetic", "image", 1, P, B, 7, torch.device("cpu"))
     assert torch.equal(b.next()[0], seen[:B])
 
 
@@ -154,7 +170,7 @@ def test_summarize_medians_after_warmup_and_bytes_over_ranks():
                  "comm_s": 0.0, "wait_s": 0.0, "missing_rate": 0.5 if i == 4 else 0.0,
                  "warmup": i <= 1} for i in range(5)]
 
-    results = [{"rank": r, "runs": [{"scheme": s, "task": "classify", "records": recs(r),
+    results = [{"rank": r, "runs": [{"scheme": s, "task": "image", "records": recs(r),
                                      "eval": {}} for s in ("ddp", "topka")]}
                for r in (1, 0)]
     runs = train.summarize(results, warmup_steps=1)

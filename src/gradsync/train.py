@@ -31,9 +31,11 @@ see DESIGN.md), so its overlap is understated.
 
 Each rank trains on its own seeded, disjoint shard of the training data; all ranks start from
 the same model (``gradsync.models.build(name, seed)``); SGD with momentum 0.9 (AdamW for the
-language models). Data: ``fashion-mnist`` for image models, ``text`` (bytes of a text corpus:
-gradsync's own source files) for language models, ``synthetic`` only when asked for or, with a
-one-line note, when Fashion-MNIST is not installed.
+transformers: GPT, BERT, ViT); the loss is ``gradsync.models.loss``. Data: ``fashion-mnist``
+for image models, ``text`` for language models (``gradsync.data.text_corpus``, byte ids, word
+ids for ``lstm``; causal or masked targets per ``gradsync.models.task``), ``synthetic`` only
+when asked for. When the real data is not installed it says so in one line and uses synthetic
+images, or gradsync's own source text for the language models.
 
 Time breakdown per step (SSFusion Fig. 13), in seconds:
 
@@ -55,12 +57,13 @@ included), bytes and the missing rate are recorded; the other three are NaN.
     {
       "schema": "gradsync.train/1",
       "config": {model, data, schemes, world_size, steps, batch_size, lr, optimizer, density,
-                 sparsifier, seed, warmup_steps, eval_batches, bandwidth, latency},
+                 sparsifier, seed, warmup_steps, eval_batches, bandwidth, latency,
+                 text_fallback},
       "environment": {torch, python, machine, cpus, load_avg, time, launcher
                       ("local"|"torchrun"), backend, device, link ("loopback"|"tbf …"),
                       shaped, bandwidth_bps, propagation_delay},
       "runs": [{
-        "scheme": str,
+        "scheme": str, "task": "image" | "causal_lm" | "masked_lm",
         "steps": [{"step", "loss", "time_s", "elapsed_s", "samples_per_s", "bytes_sent",
                    "bytes_recv", "backward_s", "sparsify_s", "comm_s", "wait_s",
                    "missing_rate", "warmup"}, …],          # rank 0's records
@@ -68,7 +71,8 @@ included), bytes and the missing rate are recorded; the other three are NaN.
         "summary": {"scheme", "measured_steps", "samples_per_s", "step_s", "backward_s",
                     "sparsify_s", "comm_s", "wait_s", "bytes_per_step", "mb_per_step",
                     "missing_rate", "final_loss", "speedup_vs_ddp" (null without ddp),
-                    "test_accuracy" (classification) | "eval_loss", "perplexity" (LMs)}
+                    "test_accuracy", "test_samples" (images) | "eval_loss", "perplexity",
+                    "eval_tokens" (language models; masked LMs: over the masked tokens)}
       }, …]
     }
 
@@ -217,87 +221,106 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
             netem.parse_time(a.latency)
         except ValueError as e:
             p.error(f"--latency: {e}")
-    is_lm = _is_lm_name(a.model)
+    from gradsync import models
+
+    try:  # a model needing a missing optional dependency fails here, not in every rank
+        models.build(a.model, seed=0, device="meta")
+    except (ImportError, RuntimeError) as e:
+        p.error(f"--model {a.model}: {e}")
+    is_lm = models.task(a.model) != "image"
     natural = "text" if is_lm else "fashion-mnist"
     if a.data is None:
         a.data = natural
     elif a.data != "synthetic" and a.data != natural:
         p.error(f"--data {a.data} does not fit model {a.model} (use {natural} or synthetic)")
+    a.text_fallback = False
     if a.steps is None and a.epochs is None:
         a.steps = 50
     if a.lr is None:
-        a.lr = 3e-3 if is_lm else 0.05
+        a.lr = 3e-3 if _uses_adamw(a.model) else 0.05
     return a
 
 
-def _is_lm_name(name: str) -> bool:
-    from gradsync import models
-
-    return _is_lm(models.build(name, seed=0))
-
-
-def _is_lm(model: nn.Module) -> bool:
-    """Language models take token ids and expose their ``context`` length."""
-    return hasattr(model, "context") and any(isinstance(m, nn.Embedding) for m in model.modules())
+def _uses_adamw(name: str) -> bool:
+    """Transformers (GPT, BERT, ViT) train with AdamW; the others with SGD + momentum."""
+    return name.startswith(("gpt", "bert", "vit"))
 
 
 # ------------------------------------------------------------------------------ data
 class _Data:
-    """One rank's shard of the training data and the evaluation set (seeded, disjoint)."""
+    """One rank's shard of the training data and the evaluation set (seeded, disjoint).
+
+    Images: a seeded permutation of the training set, rank r takes every P-th image from r;
+    each epoch visits the shard in a new seeded order. Text: the first 90 % of the corpus
+    tokens cut into P contiguous, disjoint regions; batches are seeded random windows of a
+    rank's region (``gradsync.data.lm_batches``: causal or masked targets); the last 10 % is
+    the evaluation text.
+    """
 
     def __init__(self, kind: str, task: str, rank: int, P: int, batch: int, seed: int,
-                 context: int, device: torch.device) -> None:
+                 device: torch.device, model_name: str = "", model: nn.Module | None = None,
+                 text_fallback: bool = False) -> None:
         self.kind, self.task, self.rank, self.P, self.batch = kind, task, rank, P, batch
-        self.seed, self.context, self.device = seed, context, device
-        if task == "lm":
-            tokens = _text_tokens() if kind == "text" else torch.randint(
-                256, (200_000,), generator=torch.Generator().manual_seed(seed))
-            split = int(len(tokens) * 0.9)
-            train, self.test = tokens[:split], tokens[split:]
-            per = len(train) // P  # contiguous, disjoint region per rank
-            self.train = train[rank * per:(rank + 1) * per]
-            if len(self.train) <= context + 1 or len(self.test) <= context + 1:
-                raise ValueError(f"text corpus too small for {P} ranks at context {context}")
-            self.shard_len = max(1, len(self.train) // context)
-        else:
+        self.seed, self.device = seed, device
+        self._epoch, self._order, self._pos = -1, None, 0
+        if task == "image":
             x, y, self.test_x, self.test_y = _images(kind, seed)
             perm = torch.randperm(len(x), generator=torch.Generator().manual_seed(seed))
             mine = perm[rank::P]  # disjoint by rank, same permutation everywhere
             self.x, self.y = x[mine], y[mine]
             self.shard_len = len(mine)
-        self._epoch, self._order, self._pos = -1, None, 0
+            return
+        from gradsync import data
+
+        tok = (data.word_tokenizer(max_vocab=getattr(model, "vocab", 10_000),
+                                   fallback=text_fallback)
+               if model_name == "lstm" else data.ByteTokenizer())
+        if kind == "text":
+            tokens = _text_tokens(tok, text_fallback)
+        else:
+            tokens = torch.randint(tok.regular_size, (400_000,),
+                                   generator=torch.Generator().manual_seed(seed))
+        self.T = int(min(getattr(model, "context", None) or 128, 128))
+        split = int(len(tokens) * 0.9)
+        train, self.test = tokens[:split], tokens[split:]
+        per = len(train) // P
+        self.train = train[rank * per:(rank + 1) * per]
+        if len(self.train) < self.T + 2 or len(self.test) < self.T + 2:
+            raise ValueError(f"text too small for {P} ranks at sequence length {self.T}")
+        self.shard_len = len(self.train) // self.T
+        self._lm_kw = {"kind": "masked" if task == "masked_lm" else "causal",
+                       "mask_id": tok.mask_id, "random_high": tok.regular_size}
+        self._stream = data.lm_batches(self.train, batch, self.T, seed=self._seed(0),
+                                       **self._lm_kw)
 
     def steps_per_epoch(self) -> int:
         return max(1, self.shard_len // self.batch)
 
-    def _gen(self, epoch: int) -> torch.Generator:
-        return torch.Generator().manual_seed((self.seed * 1_000_003 + self.rank) * 7919 + epoch)
+    def _seed(self, epoch: int) -> int:
+        return (self.seed * 1_000_003 + self.rank) * 7919 + epoch
 
     def next(self) -> tuple[torch.Tensor, torch.Tensor]:
-        if self.task == "lm":
-            if self._order is None:
-                self._order = self._gen(0)
-            g, c = self._order, self.context
-            starts = torch.randint(len(self.train) - c - 1, (self.batch,), generator=g)
-            offs = starts[:, None] + torch.arange(c + 1)
-            win = self.train[offs]
-            return win[:, :-1].to(self.device), win[:, 1:].to(self.device)
+        if self.task != "image":
+            xb, yb = next(self._stream)
+            return xb.to(self.device), yb.to(self.device)
         if self._order is None or self._pos + self.batch > len(self._order):
             self._epoch += 1
-            self._order = torch.randperm(self.shard_len, generator=self._gen(self._epoch))
+            g = torch.Generator().manual_seed(self._seed(self._epoch))
+            self._order = torch.randperm(self.shard_len, generator=g)
             self._pos = 0
         i = self._order[self._pos:self._pos + self.batch]
         self._pos += self.batch
         return self.x[i].to(self.device), self.y[i].to(self.device)
 
     def eval_batches(self, n: int):
-        if self.task == "lm":
-            g = torch.Generator().manual_seed(self.seed + 12345)
-            c = self.context
-            for _ in range(n):
-                starts = torch.randint(len(self.test) - c - 1, (self.batch,), generator=g)
-                win = self.test[starts[:, None] + torch.arange(c + 1)]
-                yield win[:, :-1].to(self.device), win[:, 1:].to(self.device)
+        if n <= 0:
+            return
+        if self.task != "image":
+            from gradsync import data
+
+            for xb, yb in data.lm_batches(self.test, self.batch, self.T, seed=self.seed + 12345,
+                                          steps=n, **self._lm_kw):
+                yield xb.to(self.device), yb.to(self.device)
             return
         for b in range(n):
             lo = b * self.batch
@@ -325,33 +348,11 @@ def _images(kind: str, seed: int) -> tuple[torch.Tensor, ...]:
     return _CACHE[key]
 
 
-def _text_tokens() -> torch.Tensor:
-    if "text" not in _CACHE:
-        _CACHE["text"] = _read_text()
-    return _CACHE["text"]
-
-
-def _read_text() -> torch.Tensor:
-    """Bytes of a real text corpus as int64 tokens (gradsync.data's, else our own source)."""
+def _text_tokens(tok: Any, fallback: bool) -> torch.Tensor:
+    """The offline text corpus (``gradsync.data.text_corpus``) encoded by ``tok``."""
     from gradsync import data
 
-    for name in ("text_corpus", "text_bytes", "text"):
-        fn = getattr(data, name, None)
-        if callable(fn):
-            out = fn()
-            if isinstance(out, bytes | bytearray):
-                return torch.frombuffer(bytearray(out), dtype=torch.uint8).to(torch.int64)
-            if isinstance(out, torch.Tensor):
-                return out.to(torch.int64).reshape(-1)
-    root = Path(__file__).parent
-    text = b"".join(p.read_bytes() for p in sorted(root.rglob("*.py")))
-    return torch.frombuffer(bytearray(text), dtype=torch.uint8).to(torch.int64)
-
-
-def _loss(task: str, out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    if task == "lm":
-        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-    return nn.functional.cross_entropy(out, y)
+    return data.corpus_tokens(tok, fallback=fallback)
 
 
 # ------------------------------------------------------------------------------ DDP peers
@@ -446,8 +447,8 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 # ------------------------------------------------------------------------------ the worker
-def _optimizer(model: nn.Module, lm: bool, lr: float) -> torch.optim.Optimizer:
-    if lm:
+def _optimizer(model: nn.Module, adamw: bool, lr: float) -> torch.optim.Optimizer:
+    if adamw:
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
 
@@ -460,9 +461,9 @@ def _train_scheme(scheme: str, rank: int, P: int, spec: dict, device: torch.devi
     from gradsync.schedule import SCHEMES
 
     model = models.build(spec["model"], seed=spec["seed"]).to(device)
-    task = "lm" if _is_lm(model) else "classify"
-    data = _Data(spec["data"], task, rank, P, spec["batch_size"], spec["seed"],
-                 getattr(model, "context", 0), device)
+    task = models.task(spec["model"])
+    data = _Data(spec["data"], task, rank, P, spec["batch_size"], spec["seed"], device,
+                 spec["model"], model, spec.get("text_fallback", False))
     steps = spec["steps"] or max(1, round(spec["epochs"] * data.steps_per_epoch()))
     warm = spec["warmup_steps"]
     sync = ddp_model = gstate = meter = None
@@ -505,7 +506,7 @@ def _train_scheme(scheme: str, rank: int, P: int, spec: dict, device: torch.devi
             ddp_model.register_comm_hook(_HookState(inner, inner_state, meter, blocking),
                                          _metered_hook)
             counting = _counting_all_reduce(meter)
-    opt = _optimizer(model, task == "lm", spec["lr"])
+    opt = _optimizer(model, _uses_adamw(spec["model"]), spec["lr"])
     records: list[dict] = []
     elapsed = 0.0
     fail_rank = spec.get("fail_rank")
@@ -523,7 +524,7 @@ def _train_scheme(scheme: str, rank: int, P: int, spec: dict, device: torch.devi
                     torch.cuda.synchronize(device)
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
-                loss = _loss(task, net(xb), yb)
+                loss = models.loss(net(xb), yb)
                 if meter is not None:
                     meter.reset()
                     b0 = meter.bytes_sent
@@ -589,22 +590,26 @@ def _train_scheme(scheme: str, rank: int, P: int, spec: dict, device: torch.devi
 def _evaluate(model: nn.Module, task: str, data: _Data, n: int) -> dict:
     if n <= 0:
         return {}
+    from gradsync import models
+
     model.eval()
     total_loss, correct, count, tokens = 0.0, 0, 0, 0
     try:
         for xb, yb in data.eval_batches(n):
             out = model(xb)
-            if task == "lm":
-                total_loss += float(_loss(task, out, yb)) * yb.numel()
-                tokens += yb.numel()
+            if task != "image":  # mean over target tokens (masked LMs: the masked ones)
+                t = int((yb != -100).sum())
+                total_loss += float(models.loss(out, yb)) * t
+                tokens += t
             else:
                 correct += int((out.argmax(1) == yb).sum())
                 count += len(yb)
     finally:
         model.train()
-    if task == "lm":
+    if task != "image":
         mean = total_loss / max(tokens, 1)
-        return {"eval_loss": mean, "perplexity": math.exp(min(mean, 50.0))}
+        return {"eval_loss": mean, "perplexity": math.exp(min(mean, 50.0)),
+                "eval_tokens": tokens}
     return {"test_accuracy": correct / max(count, 1), "test_samples": count}
 
 
@@ -641,14 +646,24 @@ def _spec(a: argparse.Namespace) -> dict:
             "steps": a.steps, "epochs": a.epochs, "batch_size": a.batch_size, "lr": a.lr,
             "density": a.density, "sparsifier": a.sparsifier, "seed": a.seed,
             "warmup_steps": a.warmup_steps, "eval_batches": a.eval_batches,
-            "timeout": a.timeout, "progress": not a.no_progress, "fail_rank": a.fail_rank}
+            "timeout": a.timeout, "progress": not a.no_progress, "fail_rank": a.fail_rank,
+            "text_fallback": getattr(a, "text_fallback", False)}
 
 
 def _resolve_data(a: argparse.Namespace, quiet: bool = False) -> None:
-    """Real data by default; synthetic only by choice or, with a note, when it is missing."""
+    """Real data by default; a stand-in only by choice or, with a note, when it is missing."""
+    from gradsync.data import DatasetUnavailable, fashion_mnist, text_corpus
+
+    if a.data == "text":
+        try:
+            text_corpus(limit=1)
+        except DatasetUnavailable as e:
+            if not quiet:
+                print(f"note: {e}; training on gradsync's own SOURCE TEXT instead")
+            a.text_fallback = True
+        return
     if a.data != "fashion-mnist":
         return
-    from gradsync.data import DatasetUnavailable, fashion_mnist
 
     try:
         fashion_mnist(train=False, limit=1)
@@ -718,7 +733,7 @@ def summarize(results: list[dict], warmup_steps: int) -> list[dict]:
 
 
 def table_rows(runs: list[dict]) -> tuple[list[str], list[list[Any]]]:
-    lm = any(r["task"] == "lm" for r in runs)
+    lm = any(r["task"] != "image" for r in runs)
     cols = ["scheme", "samples/s", "vs ddp", "step ms", "bwd ms", "sparsify ms", "comm ms",
             "exposed ms", "MB/step", "missing %", "final loss",
             "eval ppl" if lm else "test acc %"]
@@ -791,7 +806,8 @@ def _config(a: argparse.Namespace, world_size: int) -> dict:
     return {"model": a.model, "data": a.data, "schemes": list(a.schemes),
             "world_size": world_size, "steps": a.steps, "epochs": a.epochs,
             "batch_size": a.batch_size, "lr": a.lr,
-            "optimizer": "adamw" if _is_lm_name(a.model) else "sgd(momentum=0.9)",
+            "optimizer": "adamw" if _uses_adamw(a.model) else "sgd(momentum=0.9)",
+            "text_fallback": a.text_fallback,
             "density": a.density, "sparsifier": a.sparsifier, "seed": a.seed,
             "warmup_steps": a.warmup_steps, "eval_batches": a.eval_batches,
             "bandwidth": a.bandwidth, "latency": a.latency}
