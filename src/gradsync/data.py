@@ -205,16 +205,20 @@ def word_tokenizer(max_vocab: int = 10_000, fallback: bool = False) -> WordToken
     return WordTokenizer.build(text_corpus(fallback=fallback), max_vocab)
 
 
-_TOKENS: dict[tuple, torch.Tensor] = {}
+_TOKENS: dict[tuple, tuple[object, torch.Tensor]] = {}
 
 
 def corpus_tokens(tokenizer: ByteTokenizer | WordTokenizer, *, fallback: bool = False,
                   limit: int | None = None) -> torch.Tensor:
-    """The corpus encoded by ``tokenizer`` as one int64 tensor (cached per tokenizer)."""
-    key = (id(tokenizer), type(tokenizer).__name__, fallback, limit)
+    """The corpus encoded by ``tokenizer`` as one int64 tensor (cached per tokenizer; the
+    cache holds the tokenizer too, so its ``id`` cannot be reused by another one)."""
+    who = "bytes" if isinstance(tokenizer, ByteTokenizer) else id(tokenizer)
+    key = (who, fallback, limit, str(TEXT_CORPUS_DIR))
     if key not in _TOKENS:
-        _TOKENS[key] = tokenizer.encode(text_corpus(fallback=fallback, limit=limit))
-    return _TOKENS[key]
+        if len(_TOKENS) >= 8:
+            _TOKENS.clear()
+        _TOKENS[key] = (tokenizer, tokenizer.encode(text_corpus(fallback=fallback, limit=limit)))
+    return _TOKENS[key][1]
 
 
 def lm_batches(
