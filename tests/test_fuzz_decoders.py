@@ -319,19 +319,12 @@ def test_address_space_limit_catches_a_huge_allocation():
     assert resource.getrlimit(resource.RLIMIT_AS)[0] != 0
 
 
-@pytest.mark.xfail(strict=True, raises=RuntimeError,
-                   reason="coo.to_bytes (formats/coo.py:131) views an empty tensor of stride 0 "
-                   "as uint8, which torch refuses; an empty selection built from numpy or "
-                   "expand() cannot be encoded (densestream copies and is fine)")
 def test_coo_encode_empty_selection_with_stride_0():
     empty = torch.from_numpy(np.zeros(0, dtype=np.int64))  # numpy gives stride 0
     sel = SparseGrad(empty, torch.zeros(0), 10)
     assert coo.decode(coo.encode(sel)).numel == 10
 
 
-@pytest.mark.xfail(strict=True, reason="densestream.decode (formats/densestream.py:170, 182) "
-                   "returns SparseGrad(indices=[], values=<total values>) for a header with 0 "
-                   "blocks and total length > 0: the header check allows blocks=0 < total")
 def test_densestream_zero_blocks_with_values_is_rejected():
     raw = struct.pack("<4sBBBBqqq", densestream.MAGIC, 1, 4, 1, 0, 39, 0, 3)
     raw += struct.pack("<3f", 1.0, 2.0, 3.0)

@@ -128,6 +128,8 @@ def view_as(buf: torch.Tensor, start: int, count: int, dtype: torch.dtype) -> to
 
 def to_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of a 1-D tensor (no copy when contiguous)."""
+    if t.numel() == 0:  # torch refuses to view some empty tensors (e.g. stride 0 from numpy)
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
     return t.contiguous().view(torch.uint8)
 
 

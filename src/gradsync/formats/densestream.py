@@ -167,9 +167,10 @@ def decode(buf: torch.Tensor | bytes, *, numel: int | None = None,
     if dtype is not None and vdtype != dtype:
         raise ValueError(f"densestream.decode: buffer holds {vdtype}, expected {dtype}")
     vb = torch.empty(0, dtype=vdtype).element_size()
-    if not 0 <= nb <= total <= n:
+    if not 0 <= nb <= total <= n or (nb == 0) != (total == 0):
         raise ValueError(f"densestream.decode: blocks={nb}, total length={total} inconsistent "
-                         f"with numel={n} (need 0 ≤ blocks ≤ length ≤ numel)")
+                         f"with numel={n} (need 0 ≤ blocks ≤ length ≤ numel, and no values "
+                         f"without a block)")
     expected = HEADER_BYTES + nb * 2 * iw + total * vb  # Python ints: no overflow
     if buf.numel() != expected:
         raise ValueError(f"densestream.decode: buffer of {buf.numel()} bytes, header implies "
@@ -179,8 +180,9 @@ def decode(buf: torch.Tensor | bytes, *, numel: int | None = None,
     lengths = view_as(buf, HEADER_BYTES + nb * iw, nb, idx_dtype).to(torch.int64)
     stream = view_as(buf, HEADER_BYTES + 2 * nb * iw, total, vdtype)
     empty = torch.empty(0, dtype=torch.int64, device=buf.device)
-    if nb == 0:
-        return SparseGrad(empty, stream.clone(), n, validate=False)
+    if nb == 0:  # total == 0 too (checked above)
+        return SparseGrad(empty, torch.empty(0, dtype=vdtype, device=buf.device), n,
+                          validate=False)
     # Every comparison below is overflow-free: lengths ≥ 1 is checked before n − lengths, and
     # starts + lengths is formed only once both are known to lie in [0, n].
     if not bool((lengths >= 1).all()):
