@@ -187,7 +187,8 @@ def _train(rank: int, world: int, steps: int = 30) -> dict:
     same = {n: bool(torch.equal(t.units[n].acc, t2.units[n].acc)) for n in t.units}
     errors = []
     for bad in ({**sd, "world_size": world + 1},
-                {**sd, "accumulators": {k: v[:, :-1] for k, v in sd["accumulators"].items()}}):
+                {**sd, "accumulators": {k: v[:, :-1] for k, v in sd["accumulators"].items()}},
+                {**sd, "seed": sd["seed"] + 1}, {**sd, "ratio": 4}, {**sd, "theta": 0.5}):
         try:
             t2.load_state_dict(bad)
             errors.append(None)
@@ -336,6 +337,9 @@ def test_state_dict_round_trip(train_run):
         assert all(tr["same"].values()) and len(tr["same"]) == 3
         assert tr["errors"][0] is not None and "world size" in tr["errors"][0]
         assert tr["errors"][1] is not None and "shape" in tr["errors"][1]
+        # accumulators of another TAGC configuration are refused
+        for err, field in zip(tr["errors"][2:], ("seed", "ratio", "theta")):
+            assert err is not None and f"{field}=" in err
 
 
 # -- single-process checks -------------------------------------------------------------------

@@ -225,6 +225,10 @@ def _encode_chunks(sk: CountSketch, q: torch.Tensor) -> torch.Tensor:
     return out.view(P, sk.length)
 
 
+# Configuration a checkpoint's accumulators depend on (checked when loading).
+_TRAJECTORY_FIELDS = ("theta", "ratio", "index_bits", "seed")
+
+
 class TAGC:
     """TAGC installed on the FSDP2 units of a model; build it with :func:`compress`."""
 
@@ -365,17 +369,23 @@ class TAGC:
         """
         return {
             "world_size": self.world_size,
-            "theta": self.config.theta,
+            **{k: getattr(self.config, k) for k in _TRAJECTORY_FIELDS},
             "accumulators": {f"rank{self.rank}/{n}": u.acc.clone()
                              for n, u in self.units.items() if u.acc is not None},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a different world size or TAGC configuration (θ,
+        ratio, index width, sketch seed: the accumulators mean something else) raises."""
         ws = int(state.get("world_size", -1))
         if ws != self.world_size:
             raise ValueError(f"TAGC state was saved with world size {ws}, this job has "
                              f"{self.world_size}: accumulators are per rank and per shard "
                              "layout and cannot be re-sharded")
+        for k in _TRAJECTORY_FIELDS:
+            if k not in state or state[k] != getattr(self.config, k):
+                raise ValueError(f"TAGC state was saved with {k}={state.get(k)!r}, this "
+                                 f"TAGCConfig has {k}={getattr(self.config, k)!r}")
         accs = state.get("accumulators", {})
         prefix = f"rank{self.rank}/"
         unknown = [k[len(prefix):] for k in accs
