@@ -69,7 +69,7 @@ def _context() -> mp.context.BaseContext:
         method = "spawn"
     ctx = mp.get_context(method)
     if method == "forkserver":
-        ctx.set_forkserver_preload(["torch", "torch.distributed", "gradsync"])
+        ctx.set_forkserver_preload(["torch", "torch.distributed", "torch._dynamo", "gradsync"])
     return ctx
 
 
