@@ -31,7 +31,10 @@ see DESIGN.md), so its overlap is understated.
 
 Each rank trains on its own seeded, disjoint shard of the training data; all ranks start from
 the same model (``gradsync.models.build(name, seed)``); SGD with momentum 0.9 (AdamW for the
-transformers: GPT, BERT, ViT); the loss is ``gradsync.models.loss``. Data: ``fashion-mnist``
+transformers: GPT, BERT, ViT); for sparse schemes the momentum moves into error feedback as
+DGC's momentum correction (§3.2) and SGD itself runs without momentum — measured on the CNN
+at 1% density, 4 ranks, 100 steps: ssfusion_oi 71.7% → 76.3% test accuracy, oktopk 76.7% →
+77.5% (dense 80.1%). The loss is ``gradsync.models.loss``. Data: ``fashion-mnist``
 for image models, ``text`` for language models (``gradsync.data.text_corpus``, byte ids, word
 ids for ``lstm``; causal or masked targets per ``gradsync.models.task``), ``synthetic`` only
 when asked for. When the real data is not installed it says so in one line and uses synthetic
@@ -447,10 +450,25 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 # ------------------------------------------------------------------------------ the worker
-def _optimizer(model: nn.Module, adamw: bool, lr: float) -> torch.optim.Optimizer:
+MOMENTUM = 0.9
+
+
+def _momentum_correction(scheme: str, adamw: bool) -> bool:
+    """DGC §3.2: with sparse updates, SGD's momentum moves into error feedback (momentum
+    correction + factor masking) and the optimizer itself runs without momentum; otherwise
+    the momentum of entries that are sent late is applied to stale values and the loss
+    spikes. Dense schemes and AdamW keep the optimizer's own state."""
+    sparse = scheme.startswith("ddp_gradsync_") or not scheme.startswith("ddp")
+    return not adamw and sparse and scheme not in ("dense", "dense_ovlp",
+                                                   "ddp_gradsync_dense")
+
+
+def _optimizer(model: nn.Module, adamw: bool, lr: float,
+               momentum_correction: bool = False) -> torch.optim.Optimizer:
     if adamw:
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
-    return torch.optim.SGD(model.parameters(), lr=lr, momentum=0.9)
+    return torch.optim.SGD(model.parameters(), lr=lr,
+                           momentum=0.0 if momentum_correction else MOMENTUM)
 
 
 def _train_scheme(scheme: str, rank: int, P: int, spec: dict, device: torch.device,
@@ -470,9 +488,11 @@ def _train_scheme(scheme: str, rank: int, P: int, spec: dict, device: torch.devi
     counting = contextlib.nullcontext()
     net: nn.Module = model
     if scheme in SCHEMES:
+        mc = _momentum_correction(scheme, _uses_adamw(spec["model"]))
         sync = GradSync(model, Config(scheme=scheme, density=spec["density"],
                                       sparsifier=spec["sparsifier"], seed=spec["seed"],
-                                      warmup_steps=warm, timeout_s=spec["timeout"]))
+                                      warmup_steps=warm, timeout_s=spec["timeout"],
+                                      momentum=MOMENTUM if mc else 0.0))
     else:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -484,9 +504,11 @@ def _train_scheme(scheme: str, rank: int, P: int, spec: dict, device: torch.devi
         if scheme.startswith("ddp_gradsync_"):
             from gradsync import ddp as gddp
 
+            mc = _momentum_correction(scheme, _uses_adamw(spec["model"]))
             gstate = gddp.register(ddp_model, Config(
                 scheme=scheme.removeprefix("ddp_gradsync_"), density=spec["density"],
-                sparsifier=spec["sparsifier"], seed=spec["seed"]))
+                sparsifier=spec["sparsifier"], seed=spec["seed"],
+                momentum=MOMENTUM if mc else 0.0))
         else:
             from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
             from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
@@ -506,7 +528,8 @@ def _train_scheme(scheme: str, rank: int, P: int, spec: dict, device: torch.devi
             ddp_model.register_comm_hook(_HookState(inner, inner_state, meter, blocking),
                                          _metered_hook)
             counting = _counting_all_reduce(meter)
-    opt = _optimizer(model, _uses_adamw(spec["model"]), spec["lr"])
+    opt = _optimizer(model, _uses_adamw(spec["model"]), spec["lr"],
+                     _momentum_correction(scheme, _uses_adamw(spec["model"])))
     records: list[dict] = []
     elapsed = 0.0
     fail_rank = spec.get("fail_rank")
@@ -806,7 +829,9 @@ def _config(a: argparse.Namespace, world_size: int) -> dict:
     return {"model": a.model, "data": a.data, "schemes": list(a.schemes),
             "world_size": world_size, "steps": a.steps, "epochs": a.epochs,
             "batch_size": a.batch_size, "lr": a.lr,
-            "optimizer": "adamw" if _uses_adamw(a.model) else "sgd(momentum=0.9)",
+            "optimizer": "adamw" if _uses_adamw(a.model) else (
+                "sgd(momentum=0.9; sparse schemes: momentum 0 in SGD, DGC momentum "
+                "correction 0.9 in error feedback)"),
             "text_fallback": a.text_fallback,
             "density": a.density, "sparsifier": a.sparsifier, "seed": a.seed,
             "warmup_steps": a.warmup_steps, "eval_batches": a.eval_batches,
