@@ -6,6 +6,7 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 DATASET := /usr/share/datasets/fashion-mnist
+CORPUS := /usr/share/games/fortunes
 # Parallel test workers: pytest-xdist; multi-rank tests spawn their own processes.
 TEST_WORKERS ?= 2
 
@@ -18,18 +19,26 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip >/dev/null
 	# torch==2.13.0 is served by the local CPU wheel (pinned in pyproject.toml).
 	$(PY) -m pip install -q "torch==2.13.0"
-	$(PY) -m pip install -q -e ".[dev]"
+	# torchvision 0.28.0 is the release built for torch 2.13.0; --no-deps keeps the pinned CPU
+	# torch (gradsync.models.import_torchvision copes with its CUDA-linked C++ ops).
+	$(PY) -m pip install -q --no-deps "torchvision==0.28.0"
+	$(PY) -m pip install -q -e ".[dev,models]"
 	@touch $(STAMP)
 
-# Real Fashion-MNIST from Debian, when we are root and it is missing.
+# Real data from Debian, when we are root and it is missing: Fashion-MNIST for the vision
+# models, the fortunes text collection as the offline corpus of the language models.
+APT_GET = apt-get install -y -q --no-install-recommends
 dataset:
-	@if [ ! -d $(DATASET) ]; then \
-	  if [ "$$(id -u)" = 0 ]; then \
-	    (apt-get install -y -q dataset-fashion-mnist >/dev/null 2>&1 || \
-	     (apt-get update -q >/dev/null && apt-get install -y -q dataset-fashion-mnist >/dev/null)) \
-	     || echo "warning: could not install dataset-fashion-mnist; training falls back to synthetic data"; \
-	  else echo "note: not root; skipping dataset-fashion-mnist (install it with apt to use real data)"; fi; \
-	fi
+	@for pair in "$(DATASET):dataset-fashion-mnist" "$(CORPUS):fortunes"; do \
+	  dir=$${pair%%:*}; pkg=$${pair##*:}; \
+	  if [ ! -d $$dir ]; then \
+	    if [ "$$(id -u)" = 0 ]; then \
+	      ($(APT_GET) $$pkg >/dev/null 2>&1 || \
+	       (apt-get update -q >/dev/null && $(APT_GET) $$pkg >/dev/null)) \
+	       || echo "warning: could not install $$pkg; gradsync falls back only where asked to"; \
+	    else echo "note: not root; skipping $$pkg (apt-get install $$pkg to use the real data)"; fi; \
+	  fi; \
+	done
 
 test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" tests
