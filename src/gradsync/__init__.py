@@ -7,6 +7,9 @@ Layers (DESIGN.md), data flowing down, imports never pointing up::
     feedback      error feedback: what is not sent stays in a residual
     formats/      wire encodings (coo, densestream, sketch) with exact sizes
     collectives/  sparse/dense collectives returning the global SUM, with byte accounting
+    schedule/     fusion planners (SSFusion, Cupcake, OMGS, …) over a measured cost model
+    engine        GradSync: hooks → fusion buffers → overlapped sparse sync → .grad
+    ddp, fsdp     integrations: DDP comm hook, TAGC for FSDP2
     testing       run_distributed(): real multi-rank gloo jobs on loopback
 """
 
@@ -22,9 +25,16 @@ _LAZY = {"GradSync": "gradsync.engine", "Config": "gradsync.config",
          "check_consistency": "gradsync.consistency"}
 
 
-def __getattr__(name: str) -> Any:
-    if name in _LAZY:
-        import importlib
+# Submodules reachable as attributes (``gradsync.ddp.register``) without an explicit import.
+_SUBMODULES = {"checkpoint", "collectives", "ddp", "feedback", "formats", "fsdp", "models",
+               "schedule", "sparsify", "testing"}
 
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
+    if name in _SUBMODULES:
+        return importlib.import_module(f"gradsync.{name}")
     raise AttributeError(f"module 'gradsync' has no attribute {name!r}")
