@@ -190,6 +190,9 @@ def _faults(rank: int, world_size: int, cases: list[tuple[str, str, str]], outdi
         res["close_s"] = time.monotonic() - t0
         if rank != FAULTY:
             _write(outdir, rank, tag + "-closed", res)
+        # drop the DDP/FSDP/engine objects before their group: a DDP whose group was
+        # destroyed first can hang in its destructor
+        del model, step_fn, close
         dist.destroy_process_group(group)
     return "done"
 
@@ -333,6 +336,7 @@ def _ddp_mismatch(rank: int, world_size: int, cases: list[dict]):
             out.append(("trained", ""))
         except ValueError as e:
             out.append(("ValueError", str(e)))
+        del ddp  # before its group goes
         dist.destroy_process_group(group)
     return out
 
