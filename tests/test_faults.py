@@ -8,8 +8,9 @@ larger than the ranks' timeouts, so what is observed is the ranks' own error, no
 killing them. Survivors write what they saw to a file (a dead rank makes ``run_distributed``
 raise, which would lose their return values).
 
-Mismatched configurations (model shapes, scheme, density, dtype) must be detected at
-``GradSync`` construction on every rank, with an error naming the difference.
+Mismatched configurations (model shapes, scheme, density, dtype, layers, check_every) must be
+detected at ``GradSync`` construction on every rank, with an error naming the difference; the
+DDP hook (scheme, density) at registration and TAGC (sketch seed, ratio) at ``compress``.
 """
 
 from __future__ import annotations
