@@ -32,3 +32,5 @@ def test_bench_fsdp_rejects_bad_arguments(tmp_path):
         fsdp.main(["--world-size", "1", "--quick", "--out", str(tmp_path)])
     with pytest.raises(ValueError):
         fsdp.main(["--ratio", "3", "--quick", "--out", str(tmp_path)])
+    with pytest.raises(ValueError):
+        fsdp.main(["--bandwidth", "fast", "--quick", "--out", str(tmp_path)])

@@ -15,7 +15,8 @@ ratio to FSDP in the same run, gradient-exchange milliseconds per step (time ins
 reduce-scatter calls) and per MB of gradient, bytes this rank sent per step in the
 reduce-scatters (counted by :class:`~gradsync.collectives.comm.Comm` at the call; for FSDP from
 its exact shard layout with the same ring accounting), lossy peels and unresolved nonzeros summed
-over ranks, and the last loss. Runs on loopback; no link emulation.
+over ranks, and the last loss. Runs on loopback, or with ``--bandwidth`` on per-rank
+tbf-shaped links (:mod:`gradsync.netem`, root; otherwise a one-line note and loopback).
 """
 
 from __future__ import annotations
@@ -154,6 +155,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--index-bits", type=int, default=1)
     ap.add_argument("--theta", type=float, default=0.99)
     ap.add_argument("--timeout", type=float, default=1200.0)
+    ap.add_argument("--bandwidth", default=None,
+                    help="per-rank tbf-shaped links of this rate (root; e.g. 100mbit, 1gbit); "
+                         "default loopback")
     ap.add_argument("--quick", action="store_true",
                     help="tiny model and 3 steps (smoke test, seconds)")
     a = ap.parse_args(argv)
@@ -168,9 +172,19 @@ def main(argv: list[str] | None = None) -> int:
     TAGCConfig(ratio=a.ratio, index_bits=a.index_bits, theta=a.theta)  # validates early
     opts = {k: getattr(a, k) for k in ("dim", "layers", "heads", "context", "batch", "lr",
                                        "ratio", "index_bits", "theta", "steps", "warmup")}
-    from gradsync.testing import run_distributed
+    if a.bandwidth is not None:
+        from gradsync import netem
 
-    out = run_distributed(_rank, a.world_size, opts, timeout=a.timeout)
+        netem.parse_bandwidth(a.bandwidth)  # a bad rate fails before anything starts
+        out = netem.run_shaped(_rank, a.world_size, opts, bandwidth=a.bandwidth,
+                               timeout=a.timeout)
+        link = (f"tbf {a.bandwidth} per rank and direction" if out.shaped
+                else f"loopback ({a.bandwidth} requested; {out.reason})")
+    else:
+        from gradsync.testing import run_distributed
+
+        out = run_distributed(_rank, a.world_size, opts, timeout=a.timeout)
+        link = "loopback gloo"
     r0 = out[0]
     mb = r0["n_params"] * 4 / 2**20
     base_b = r0["FSDP"]["bytes_sent_per_step"]
@@ -196,7 +210,7 @@ def main(argv: list[str] | None = None) -> int:
     print_table(
         f"FSDP2 vs TAGC (P={a.world_size}, TinyGPT dim {a.dim} × {a.layers} layers, "
         f"{r0['n_params']:,} params; {a.ratio}x, {a.index_bits}-bit index, θ={a.theta}; "
-        f"median of {a.steps} steps; loopback gloo)",
+        f"median of {a.steps} steps; {link})",
         cols, [[row[c] for c in cols] for row in rows])
     print("iter_s: slowest rank's median iteration (fwd+bwd+Adam); xchg_ms: rank 0's seconds "
           "inside the reduce-scatter calls per step (ms/MB of fp32 gradient); sent_B/step: rank "
@@ -215,7 +229,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.legend()
 
     meta = {**opts, "world_size": a.world_size, "n_params": r0["n_params"],
-            "link": "loopback (no emulation)",
+            "link": link,
             "per_rank": [{v: {k: o[v][k] for k in ("median_s", "bytes_sent_per_step")}
                           for v in VARIANTS} for o in out]}
     jpath, ppath = write_outputs("fsdp", rows, a.out, plot=plot, meta=meta)
