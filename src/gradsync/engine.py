@@ -247,8 +247,11 @@ class GradSync:
                 results.append(launched.future.result())
             except Exception as e:
                 self._reset_step()
-                raise RuntimeError(f"gradsync: communication failed on rank {self.rank}: "
-                                   f"{e}") from e
+                raise RuntimeError(
+                    f"gradsync: communication failed on rank {self.rank} at step {self.step}: "
+                    f"{e}\n(a peer that died, stalled or left the job makes this happen after "
+                    f"Config.timeout_s={self.cfg.timeout_s:g}s; check the other ranks' logs)"
+                ) from e
         stats.wait_s = time.perf_counter() - t0
         bad_local = sorted({n for lj in self._launched for n in lj.nonfinite})
         ok = self._agree_finite(bad_local, stats)
