@@ -124,13 +124,12 @@ def all_schemes() -> list[str]:
 
 # ------------------------------------------------------------------------------ arguments
 def _density(s: str) -> float:
+    from gradsync.sparsify import validate_density  # the one rule every layer applies
+
     try:
-        d = float(s)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number in (0, 1], got {s!r}") from None
-    if not 0.0 < d <= 1.0:  # rejects NaN too
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {s!r}")
-    return d
+        return validate_density(s)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _positive_int(s: str) -> int:
