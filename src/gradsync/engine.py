@@ -323,8 +323,8 @@ class GradSync:
         # build every component first, so a bad entry raises before the engine changes
         sparsifiers = {}
         for k, s in state["sparsifiers"].items():
-            seed = (self.cfg.seed * 1_000_003 + _stable_hash(k) * 31 + self.rank) % 2**62
-            sp = sparsify.get(self._sparsifier_name(), density=s["density"], seed=seed)
+            sp = sparsify.get(self._sparsifier_name(), density=s["density"],
+                              seed=self._sparsifier_seed(k))
             sp.load_state_dict(s)
             sparsifiers[k] = sp
         colls = {}
@@ -682,11 +682,15 @@ class GradSync:
     def _sparsifier_name(self) -> str:
         return "gaussiank" if self.cfg.scheme == "gaussiank" else self.cfg.sparsifier
 
+    def _sparsifier_seed(self, key: str) -> int:
+        """Each sparsifier's own generator seed: the config seed, its key and this rank."""
+        return (self.cfg.seed * 1_000_003 + _stable_hash(key) * 31 + self.rank) % 2**62
+
     def _sparsifier(self, key: str, density: float) -> sparsify.Sparsifier:
         sp = self._sparsifiers.get(key)
         if sp is None or sp.density != density:
-            seed = (self.cfg.seed * 1_000_003 + _stable_hash(key) * 31 + self.rank) % 2**62
-            sp = sparsify.get(self._sparsifier_name(), density=density, seed=seed)
+            sp = sparsify.get(self._sparsifier_name(), density=density,
+                              seed=self._sparsifier_seed(key))
             self._sparsifiers[key] = sp
         return sp
 
