@@ -101,7 +101,7 @@ def test_language_model_on_text_reports_perplexity(tmp_path, capsys):
 
 
 def test_masked_language_model_scores_only_masked_tokens(tmp_path):
-    pytest.importorskip("transformers")
+    # bert_small needs transformers, which make install provides: missing, this test fails
     rc = train.main(["--model", "bert_small", "--world-size", "1", "--steps", "2",
                      "--scheme", "topka", "--warmup-steps", "1", "--batch-size", "2",
                      "--eval-batches", "2", "--out", str(tmp_path), "--no-progress"])
@@ -205,8 +205,7 @@ def test_torchrun_worker_mode(tmp_path):
     import sys
 
     torchrun = shutil.which("torchrun", path=os.path.dirname(sys.executable))
-    if torchrun is None:
-        pytest.skip("torchrun not installed next to this interpreter")
+    assert torchrun is not None, "torchrun is installed with torch next to this interpreter"
     r = subprocess.run([torchrun, "--standalone", "--nproc-per-node", "2", "-m",
                         "gradsync", "train", "--scheme", "ddp,oktopk", "--steps", "3",
                         "--warmup-steps", "1", "--batch-size", "8", "--eval-batches", "1",
