@@ -69,6 +69,7 @@ from gradsync import sparsify
 from gradsync.collectives.comm import Comm
 from gradsync.consistency import signature_check
 from gradsync.formats.sketch import CountSketch, PeelError, pack_index, unpack_index
+from gradsync.sparsegrad import check_finite
 
 __all__ = ["TAGC", "TAGCConfig", "all_layers", "compress", "non_attention_linear"]
 
@@ -206,19 +207,16 @@ def _encode_chunks(sk: CountSketch, q: torch.Tensor) -> torch.Tensor:
 
     Equals ``torch.stack([sk.encode(q[j]) for j in range(P)])`` (the sketch is linear; zeros
     add nothing) but costs O(nnz) instead of O(n) — after θ-sparsification 1% of the chunk.
-    Private helper: it maps positions to cells with the sketch's own ``_element_cells`` (the
-    single source of its layout) and falls back to ``encode`` per row if that is missing.
+    Positions map to cells through the sketch's own ``element_cells``, the single source of
+    its layout.
     """
     P, n = q.shape
     if n != sk.n:
         raise ValueError(f"sketch of {sk.n} elements cannot encode chunks of {n}")
-    if not hasattr(sk, "_element_cells"):
-        return torch.stack([sk.encode(q[j]) for j in range(P)])
-    if q.is_floating_point() and not bool(torch.isfinite(q).all()):
-        raise ValueError("TAGC: gradient holds non-finite values (NaN/Inf)")
+    check_finite(q, "TAGC: gradient")
     j, pos = torch.nonzero(q, as_tuple=True)
     v = q[j, pos].to(torch.float32)
-    cells, signs = sk._element_cells(pos)  # (E, k) flat cells of one sketch, (E, k) ±1
+    cells, signs = sk.element_cells(pos)  # (E, k) flat cells of one sketch, (E, k) ±1
     cells = cells + (j * sk.length).unsqueeze(1)
     out = torch.zeros(P * sk.length, dtype=torch.float32, device=q.device)
     out.index_add_(0, cells.reshape(-1), (signs * v.unsqueeze(1)).reshape(-1))

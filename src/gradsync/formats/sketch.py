@@ -195,8 +195,11 @@ class CountSketch:
         return sketch.view(-1)
 
     # -- decode ------------------------------------------------------------------------
-    def _element_cells(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Flat sketch cells (E, k) and signs (E, k) of the elements at flat positions ``pos``."""
+    def element_cells(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Flat sketch cells (E, k) and signs (E, k) of the elements at flat positions ``pos``.
+
+        The one description of the layout: ``encode``, ``peel``, ``cell_counts`` and TAGC's
+        O(nnz) chunk encoder all go through it."""
         L = self.lanes
         b, l = pos // L, pos % L
         cells = self.hashes[b] * L + (l.unsqueeze(1) + self.offsets[b]) % L
@@ -205,7 +208,7 @@ class CountSketch:
     def cell_counts(self, nonzero: torch.Tensor) -> torch.Tensor:
         """Number of nonzero elements (of the global mask) hashed into each cell, int64."""
         self._check_mask(nonzero)
-        cells, _ = self._element_cells(torch.nonzero(nonzero).view(-1))
+        cells, _ = self.element_cells(torch.nonzero(nonzero).view(-1))
         return torch.bincount(cells.reshape(-1), minlength=self.length)
 
     def _check_mask(self, nonzero: torch.Tensor) -> None:
@@ -251,7 +254,7 @@ class CountSketch:
 
         values = torch.zeros(self.n, dtype=torch.float32, device=self.device)
         pos = torch.nonzero(nonzero).view(-1)  # the union's nonzeros, E of them
-        cells, sg = self._element_cells(pos)  # (E, k)
+        cells, sg = self.element_cells(pos)  # (E, k)
         # Counts per cell, computed locally from the global index (never sent).
         count = torch.bincount(cells.reshape(-1), minlength=self.length)
         residual = sketch.to(torch.float32, copy=True)
