@@ -45,7 +45,7 @@ import torch
 from gradsync.collectives import registry
 from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
-from gradsync.sparsegrad import SparseGrad
+from gradsync.sparsegrad import SparseGrad, all_finite
 
 __all__ = ["OkTopk"]
 
@@ -191,7 +191,7 @@ class OkTopk(Collective):
                       theta=None, theta_step=None)
         k = self._target_k(sel, comm)
         wire = wire_index_dtype(n)
-        bad = int(sel.values.numel() > 0 and not bool(torch.isfinite(sel.values).all()))
+        bad = int(not all_finite(sel.values))
 
         # Lines 5–7: balanced split, boundaries re-evaluated every τ steps.
         new_bounds = _due(step, st["boundary_step"], self.tau)
@@ -201,7 +201,7 @@ class OkTopk(Collective):
         r_idx, r_val, received = self._split_and_reduce(sel, bounds, comm, wire)
         mags = r_val.abs().to(torch.float32)
         # A non-finite reduced value (NaN received, or an fp16/bf16 overflow of the sum).
-        bad_sum = int(r_val.numel() > 0 and not bool(torch.isfinite(mags).all()))
+        bad_sum = int(not all_finite(mags))
 
         # Lines 9–12: global threshold θ, exact every τ′ steps, reused (and nudged) in between.
         theta, reason = st["theta"], None
