@@ -91,9 +91,14 @@ def as_buffer(buf: object) -> torch.Tensor:
     return buf
 
 
-def unpack_header(buf: torch.Tensor, magic: bytes, n_fields: int, what: str
+def unpack_header(buf: torch.Tensor, magic: bytes, n_fields: int, what: str, *,
+                  numel: int | None = None, dtype: torch.dtype | None = None
                   ) -> tuple[int, torch.dtype, list[int]]:
-    """Parse and check the common header: returns (index width, value dtype, int64 fields)."""
+    """Parse and check the common header: returns (index width, value dtype, int64 fields).
+
+    The first field is the tensor's numel in every format: it must fit the index width, and
+    match ``numel``/``dtype`` when the caller states what it expects.
+    """
     size = 8 + 8 * n_fields
     if buf.numel() < size:
         raise ValueError(f"{what}: buffer of {buf.numel()} bytes is shorter than the "
@@ -111,7 +116,14 @@ def unpack_header(buf: torch.Tensor, magic: bytes, n_fields: int, what: str
         raise ValueError(f"{what}: bad value dtype code {code}")
     if reserved != 0:
         raise ValueError(f"{what}: reserved header byte is {reserved}, expected 0")
-    return iw, CODE_DTYPES[code], fields
+    n, vdtype = fields[0], CODE_DTYPES[code]
+    if n < 0 or (iw == 4 and n >= 2**31):
+        raise ValueError(f"{what}: numel {n} out of range for {iw}-byte indices")
+    if numel is not None and n != numel:
+        raise ValueError(f"{what}: buffer holds numel={n}, expected {numel}")
+    if dtype is not None and vdtype != dtype:
+        raise ValueError(f"{what}: buffer holds {vdtype}, expected {dtype}")
+    return iw, vdtype, fields
 
 
 def view_as(buf: torch.Tensor, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
@@ -154,13 +166,8 @@ def decode(buf: torch.Tensor | bytes, *, numel: int | None = None,
            dtype: torch.dtype | None = None) -> SparseGrad:
     """Decode a COO buffer; ``numel``/``dtype`` (optional) must match what it declares."""
     buf = as_buffer(buf)
-    iw, vdtype, (n, nnz) = unpack_header(buf, MAGIC, 2, "coo.decode")
-    if n < 0 or (iw == 4 and n >= 2**31):
-        raise ValueError(f"coo.decode: numel {n} out of range for {iw}-byte indices")
-    if numel is not None and n != numel:
-        raise ValueError(f"coo.decode: buffer holds numel={n}, expected {numel}")
-    if dtype is not None and vdtype != dtype:
-        raise ValueError(f"coo.decode: buffer holds {vdtype}, expected {dtype}")
+    iw, vdtype, (n, nnz) = unpack_header(buf, MAGIC, 2, "coo.decode", numel=numel,
+                                         dtype=dtype)
     vb = torch.empty(0, dtype=vdtype).element_size()
     if nnz < 0 or nnz > n:
         raise ValueError(f"coo.decode: nnz {nnz} out of range [0, numel={n}]")

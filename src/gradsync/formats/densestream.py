@@ -159,13 +159,8 @@ def decode(buf: torch.Tensor | bytes, *, numel: int | None = None,
     ``numel``/``dtype`` (optional) must match what the buffer declares.
     """
     buf = as_buffer(buf)
-    iw, vdtype, (n, nb, total) = unpack_header(buf, MAGIC, 3, "densestream.decode")
-    if n < 0 or (iw == 4 and n >= 2**31):
-        raise ValueError(f"densestream.decode: numel {n} out of range for {iw}-byte indices")
-    if numel is not None and n != numel:
-        raise ValueError(f"densestream.decode: buffer holds numel={n}, expected {numel}")
-    if dtype is not None and vdtype != dtype:
-        raise ValueError(f"densestream.decode: buffer holds {vdtype}, expected {dtype}")
+    iw, vdtype, (n, nb, total) = unpack_header(buf, MAGIC, 3, "densestream.decode",
+                                               numel=numel, dtype=dtype)
     vb = torch.empty(0, dtype=vdtype).element_size()
     if not 0 <= nb <= total <= n or (nb == 0) != (total == 0):
         raise ValueError(f"densestream.decode: blocks={nb}, total length={total} inconsistent "
