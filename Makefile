@@ -20,7 +20,7 @@ $(STAMP): pyproject.toml
 	# torch==2.13.0 is served by the local CPU wheel (pinned in pyproject.toml).
 	$(PY) -m pip install -q "torch==2.13.0"
 	# torchvision 0.28.0 is the release built for torch 2.13.0; --no-deps keeps the pinned CPU
-	# torch (gradsync.models.import_torchvision copes with its CUDA-linked C++ ops).
+	# torch (gradsync.apps.models.import_torchvision copes with its CUDA-linked C++ ops).
 	$(PY) -m pip install -q --no-deps "torchvision==0.28.0"
 	$(PY) -m pip install -q -e ".[dev,models]"
 	@touch $(STAMP)
@@ -45,6 +45,7 @@ test: install
 
 lint: install
 	$(VENV)/bin/ruff check src tests
+	$(VENV)/bin/lint-imports --no-cache
 
 demo: install
 	$(PY) -m gradsync demo

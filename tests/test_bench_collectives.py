@@ -7,7 +7,7 @@ import json
 import pytest
 
 from gradsync import collectives
-from gradsync.bench import collectives as bench
+from gradsync.apps.bench import collectives as bench
 
 
 def test_bench_collectives_smoke(tmp_path, capsys):

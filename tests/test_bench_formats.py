@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gradsync.cli import main as cli_main
+from gradsync.apps.cli import main as cli_main
 
 
 def test_bench_formats_quick(tmp_path, capsys):

@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gradsync.bench import fsdp
+from gradsync.apps.bench import fsdp
 
 
 def test_bench_fsdp_quick(tmp_path):

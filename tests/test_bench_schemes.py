@@ -7,8 +7,8 @@ import math
 
 import pytest
 
-from gradsync import models
-from gradsync.bench import schemes as bench
+from gradsync.apps import models
+from gradsync.apps.bench import schemes as bench
 
 
 def test_bench_schemes_smoke(tmp_path, capsys):

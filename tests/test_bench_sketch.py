@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 
-from gradsync.cli import main
+from gradsync.apps.cli import main
 
 
 def test_bench_sketch_smoke(tmp_path):

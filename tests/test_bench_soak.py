@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from gradsync.bench import soak
+from gradsync.apps.bench import soak
 
 
 def test_bench_soak_quick(tmp_path):

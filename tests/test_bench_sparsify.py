@@ -7,8 +7,9 @@ import json
 import pytest
 import torch
 
-from gradsync import cli, sparsify
-from gradsync.bench.sparsify import heavy_tailed
+from gradsync import sparsify
+from gradsync.apps import cli
+from gradsync.apps.bench.sparsify import heavy_tailed
 
 
 def test_bench_sparsify_quick(tmp_path, capsys):

@@ -28,11 +28,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync import checkpoint, costmodel, engine
-from gradsync.config import Config
+from gradsync.apps.models import build
 from gradsync.engine import GradSync
-from gradsync.models import build
-from gradsync.schedule import SCHEMES
+from gradsync.engine import sync as engine
+from gradsync.engine.config import Config
+from gradsync.integrations import checkpoint
+from gradsync.schedule import SCHEMES, costmodel
 from gradsync.testing import run_distributed
 
 P = 2
@@ -121,7 +122,7 @@ def _gpt():
 
 
 def _tagc_run(seed_shift: bool = False):
-    from gradsync.fsdp import TAGCConfig, compress
+    from gradsync.integrations.fsdp import TAGCConfig, compress
 
     m = _gpt()
     if seed_shift:  # a fresh model that differs from the saved one: the load must overwrite

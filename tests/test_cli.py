@@ -5,7 +5,7 @@ from __future__ import annotations
 import subprocess
 import sys
 
-from gradsync import cli
+from gradsync.apps import cli
 
 
 def test_help_and_bench_list(capsys):

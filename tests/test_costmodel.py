@@ -10,8 +10,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradsync import costmodel
-from gradsync.costmodel import (
+from gradsync.schedule.costmodel import (
     AffineFit,
     AlphaBeta,
     CostModel,
@@ -136,7 +135,7 @@ def test_profile_sparsifier_inline_and_offloaded():
 
 
 def test_profile_backward_gives_reverse_layer_order():
-    from gradsync import models
+    from gradsync.apps import models
 
     net = models.build("mlp")
     g = torch.Generator().manual_seed(0)
@@ -165,7 +164,9 @@ def test_profile_collectives_agree_across_ranks():
 
 def test_profile_command_writes_a_cost_model(tmp_path, capsys):
     out = tmp_path / "cm.json"
-    assert costmodel.main(["--quick", "--model", "mlp", "--out", str(out)]) == 0
+    from gradsync.apps import profile
+
+    assert profile.main(["--quick", "--model", "mlp", "--out", str(out)]) == 0
     cm = CostModel.from_dict(json.loads(out.read_text()))
     assert cm.P == 1 and len(cm.order) == 6 and cm.info["model"] == "mlp"
     assert "all-gather" in capsys.readouterr().out

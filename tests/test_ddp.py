@@ -8,10 +8,10 @@ import torch
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-import gradsync.ddp
-from gradsync.config import Config
-from gradsync.consistency import parameter_digest
-from gradsync.models import build
+import gradsync.integrations.ddp
+from gradsync.apps.models import build
+from gradsync.engine.config import Config
+from gradsync.engine.consistency import parameter_digest
 from gradsync.testing import run_distributed
 
 

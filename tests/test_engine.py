@@ -9,9 +9,9 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
-from gradsync.config import Config
+from gradsync.apps.models import build
 from gradsync.engine import GradSync
-from gradsync.models import build
+from gradsync.engine.config import Config
 from gradsync.schedule import SCHEMES
 from gradsync.testing import run_distributed
 
@@ -90,7 +90,7 @@ def _train_sparse(rank, world_size, schemes, steps):
             _loss(model, "cnn", x, y).backward()
             sync.synchronize()
             opt.step()
-        out[scheme] = gradsync.consistency.parameter_digest(model)[0]
+        out[scheme] = gradsync.engine.consistency.parameter_digest(model)[0]
         sync.close()
     return out
 
@@ -235,7 +235,7 @@ def _checkpoint(rank, world_size, scheme, path):
     torch.save({"model": model.state_dict(), "opt": opt.state_dict(),
                 "sync": sync.state_dict()}, f"{path}/ckpt{rank}.pt")
     run(4, model, opt, sync, start=4)
-    straight = gradsync.consistency.parameter_digest(model)[0]
+    straight = gradsync.engine.consistency.parameter_digest(model)[0]
     sync.close()
     # resume in a fresh engine from the checkpoint
     model2 = build("cnn", seed=99)
@@ -246,7 +246,7 @@ def _checkpoint(rank, world_size, scheme, path):
     opt2.load_state_dict(ck["opt"])
     sync2.load_state_dict(ck["sync"])
     run(4, model2, opt2, sync2, start=4)
-    resumed = gradsync.consistency.parameter_digest(model2)[0]
+    resumed = gradsync.engine.consistency.parameter_digest(model2)[0]
     errors = []
     for bad in (Config(scheme="topka", density=0.01), ):
         try:

@@ -28,9 +28,9 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.config import Config
+from gradsync.apps.models import build
 from gradsync.engine import GradSync
-from gradsync.models import build
+from gradsync.engine.config import Config
 from gradsync.testing import DistributedError, run_distributed
 
 RANK_TIMEOUT_S = 5.0  # the ranks' own collective timeout
@@ -111,7 +111,7 @@ def _ddp_setup(scheme: str):
     """DDP over a short-timeout group with gradsync's comm hook (small buckets: several)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import gradsync.ddp
+    import gradsync.integrations.ddp
 
     group = dist.new_group(timeout=timedelta(seconds=RANK_TIMEOUT_S))
     model = build("mlp", seed=0, hidden=32)
@@ -130,7 +130,7 @@ def _fsdp_setup(scheme: str):
     from torch.distributed.device_mesh import DeviceMesh
     from torch.distributed.fsdp import fully_shard
 
-    from gradsync.fsdp import TAGCConfig, all_layers, compress
+    from gradsync.integrations.fsdp import TAGCConfig, all_layers, compress
 
     group = dist.new_group(timeout=timedelta(seconds=RANK_TIMEOUT_S))
     mesh = DeviceMesh.from_group(group, "cpu")
@@ -229,8 +229,8 @@ def _check_survivors(outdir: str, tag: str, world_size: int, fault: str,
         assert r in closed and closed[r]["close_s"] < slack, f"{tag} rank {r}: close() hung"
 
 
-PATH_FILE = {"engine": "gradsync/engine.py", "ddp": "gradsync/ddp.py",
-             "fsdp": "gradsync/fsdp.py"}
+PATH_FILE = {"engine": "gradsync/engine/", "ddp": "gradsync/integrations/",
+             "fsdp": "gradsync/integrations/"}
 STALL_CASES = [("engine", "topka", "stall"), ("ddp", "ssfusion_oi", "stall"),
                ("fsdp", "tagc", "stall")]
 SLOW_STALL_CASES = [("engine", s, "stall")
@@ -321,7 +321,7 @@ def _ddp_mismatch(rank: int, world_size: int, cases: list[dict]):
     """gradsync's DDP hook with rank 1's Config differing per case; one step each."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    import gradsync.ddp
+    import gradsync.integrations.ddp
 
     out = []
     for diff in cases:
@@ -355,7 +355,7 @@ def _tagc_mismatch(rank: int, world_size: int, cases: list[dict]):
     """TAGC installed with rank 1's TAGCConfig differing per case; one step each."""
     from torch.distributed.fsdp import fully_shard
 
-    from gradsync.fsdp import TAGCConfig, all_layers, compress
+    from gradsync.integrations.fsdp import TAGCConfig, all_layers, compress
 
     out = []
     for diff in cases:

@@ -17,8 +17,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.fsdp import TAGCConfig, all_layers, non_attention_linear
-from gradsync.models import build
+from gradsync.apps.models import build
+from gradsync.integrations.fsdp import TAGCConfig, all_layers, non_attention_linear
 from gradsync.testing import run_distributed
 
 # -- synthetic reduce-scatter inputs, regenerated in the parent ------------------------------
@@ -58,7 +58,7 @@ THETA_CASE = 7  # θ = 0.95, dense input, two steps: accumulation
 def _fc_tagc(config):
     from torch.distributed.fsdp import fully_shard
 
-    from gradsync.fsdp import compress
+    from gradsync.integrations.fsdp import compress
 
     model = nn.Sequential()
     model.add_module("fc", nn.Linear(COLS, ROWS, bias=False))
@@ -126,7 +126,7 @@ VOCAB = 4096
 
 def _equivalence(rank: int, world: int) -> dict:
     """θ = 0, embedding compressed; inputs use 32 of 4096 tokens (sparse embedding grads)."""
-    from gradsync.fsdp import compress
+    from gradsync.integrations.fsdp import compress
 
     plain, tagc_model = _gpt(vocab=VOCAB), _gpt(vocab=VOCAB)
     t = compress(tagc_model, TAGCConfig(ratio=4, theta=0.0,
@@ -162,7 +162,7 @@ def _text() -> torch.Tensor:
 
 def _train(rank: int, world: int, steps: int = 30) -> dict:
     """Default TAGC (θ = 0.99, 10x, 1-bit, non-attention linear) on real text."""
-    from gradsync.fsdp import compress
+    from gradsync.integrations.fsdp import compress
 
     m = _gpt()
     t = compress(m, TAGCConfig())
@@ -362,7 +362,7 @@ def test_good_config_accepted():
 
 def test_sparse_chunk_encoding_equals_the_sketch_encode():
     from gradsync.formats.sketch import CountSketch
-    from gradsync.fsdp import _encode_chunks
+    from gradsync.integrations.fsdp import _encode_chunks
 
     g = torch.Generator().manual_seed(3)
     for n, ratio in ((50_000, 10), (3000, 2), (700, 4)):  # hashed, and the identity layout

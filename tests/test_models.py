@@ -15,7 +15,7 @@ import sys
 import pytest
 import torch
 
-from gradsync import data, models
+from gradsync.apps import data, models
 
 SMALL = ["cnn", "mlp", "resnet18", "resnet50", "vit", "gpt_tiny", "gpt2_small", "bert_small",
          "lstm"]

@@ -12,8 +12,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradsync import netem
-from gradsync.netem import (
+from gradsync.testing import DistributedError, DistributedTimeout, netem, run_distributed
+from gradsync.testing.netem import (
     NetemUnavailable,
     parse_bandwidth,
     parse_size,
@@ -21,7 +21,6 @@ from gradsync.netem import (
     run_shaped,
     shaped_world,
 )
-from gradsync.testing import DistributedError, DistributedTimeout, run_distributed
 
 needs_root = pytest.mark.skipif(
     netem.netem_available() is not None, reason=f"shaped links: {netem.netem_available()}"
@@ -178,7 +177,7 @@ def _my_workers() -> list[int]:
 
 _HOLD = """
 import sys, time
-from gradsync.netem import shaped_world
+from gradsync.testing.netem import shaped_world
 with shaped_world(2, "10mbit") as w:
     print(w.tag, flush=True)
     time.sleep(120)

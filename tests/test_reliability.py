@@ -27,12 +27,11 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
-from gradsync import costmodel
-from gradsync.config import Config
-from gradsync.consistency import ReplicaDivergence, parameter_digest
+from gradsync.apps.models import build
 from gradsync.engine import GradSync
-from gradsync.models import build
-from gradsync.schedule import SCHEMES
+from gradsync.engine.config import Config
+from gradsync.engine.consistency import ReplicaDivergence, parameter_digest
+from gradsync.schedule import SCHEMES, costmodel
 from gradsync.testing import run_distributed
 
 STEPS = 4  # 2 warm-up (profiling) steps + 2 with the final plan

@@ -8,7 +8,7 @@ import json
 import pytest
 import torch
 
-from gradsync import cli, report
+from gradsync.apps import cli, report
 
 
 def _run(tmp_path, table: str) -> list[dict]:

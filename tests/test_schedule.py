@@ -15,7 +15,6 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradsync.costmodel import AffineFit, AlphaBeta, CostModel
 from gradsync.schedule import (
     SCHEMES,
     BufferPlan,
@@ -32,6 +31,7 @@ from gradsync.schedule import (
     selective_buffers,
     simulate,
 )
+from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
 from gradsync.sparsify.base import target_k
 
 

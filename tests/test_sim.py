@@ -2,7 +2,7 @@
 
 The Table 1 formulas below are written out from Ok-Topk Table 1 / DenseStream Eq. 5–6, in
 4-byte words with COO = 2 words per entry (fp32 value + int32 index), independently of
-``gradsync.sim.patterns``.
+``gradsync.apps.sim.patterns``.
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ import math
 import pytest
 import torch
 
-from gradsync.costmodel import AffineFit, AlphaBeta, CostModel
-from gradsync.sim import patterns
-from gradsync.sim import simulate as sim
+from gradsync.apps.sim import patterns
+from gradsync.apps.sim import simulate as sim
+from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
 
 WORD = 4  # bytes
 

@@ -1,6 +1,6 @@
 """How far from k each threshold estimator lands, on heavy-tailed and on real gradients.
 
-Inputs: (a) :func:`gradsync.bench.sparsify.heavy_tailed`, a seeded gradient-like mix (random
+Inputs: (a) :func:`gradsync.apps.bench.sparsify.heavy_tailed`, a seeded gradient-like mix (random
 signs, lognormal magnitudes, eight "layers" whose scales span three decades, outliers, zeros);
 (b) real gradients of the CNN on Fashion-MNIST (``gradsync.models.real_gradients("cnn")``),
 flattened and concatenated, and each of its tensors with ≥ 10 000 elements. Densities 0.001,
@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from gradsync import sparsify
-from gradsync.bench.sparsify import heavy_tailed
-from gradsync.models import real_gradients
+from gradsync.apps.bench.sparsify import heavy_tailed
+from gradsync.apps.models import real_gradients
 
 DENSITIES = (0.001, 0.01, 0.1)
 

@@ -13,7 +13,7 @@ import subprocess
 import pytest
 import torch
 
-from gradsync import cli, models, train
+from gradsync.apps import cli, models, train
 
 FIELDS = {"step", "loss", "time_s", "elapsed_s", "samples_per_s", "bytes_sent", "bytes_recv",
           "backward_s", "sparsify_s", "comm_s", "wait_s", "missing_rate", "warmup"}
@@ -185,7 +185,7 @@ def test_summarize_medians_after_warmup_and_bytes_over_ranks():
 
 
 def test_missing_dataset_falls_back_to_synthetic_with_a_note(tmp_path, monkeypatch, capsys):
-    from gradsync import data
+    from gradsync.apps import data
 
     monkeypatch.setattr(data, "FASHION_MNIST_DIR", tmp_path)  # an empty folder
     a = train.parse_args(["--scheme", "ddp"])

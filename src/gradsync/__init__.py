@@ -1,16 +1,19 @@
 """gradsync: cheaper gradient synchronization for PyTorch data-parallel training.
 
 Sparsify → encode → reduce with sparse collectives → schedule behind the backward pass.
-Layers (DESIGN.md), data flowing down, imports never pointing up::
+The package is laid out in layers, data flowing down and imports never pointing up
+(``docs/architecture.md``; ``make lint`` enforces it)::
 
-    sparsify/     which entries to send (topk, randomk, dgc, gaussiank, redsync, sidco, …)
-    feedback      error feedback: what is not sent stays in a residual
-    formats/      wire encodings (coo, densestream, sketch) with exact sizes
-    collectives/  sparse/dense collectives returning the global SUM, with byte accounting
-    schedule/     fusion planners (SSFusion, Cupcake, OMGS, …) over a measured cost model
-    engine        GradSync: hooks → fusion buffers → overlapped sparse sync → .grad
-    ddp, fsdp     integrations: DDP comm hook, TAGC for FSDP2
-    testing       run_distributed(): real multi-rank gloo jobs on loopback
+    sparsegrad      SparseGrad, the type every layer passes down
+    sparsify/       which entries to send (topk, randomk, dgc, gaussiank, redsync, sidco, …)
+    feedback        error feedback: what is not sent stays in a residual
+    formats/        wire encodings (coo, densestream, sketch) with exact sizes
+    collectives/    sparse/dense collectives returning the global SUM, with byte accounting
+    schedule/       the table of schemes, fusion planners, the cost model
+    engine/         GradSync and Config: hooks → fusion buffers → overlapped sync → .grad
+    integrations/   ddp (comm hook), fsdp (TAGC), checkpoint
+    testing/        launchers: run_distributed() on real gloo ranks, netem-shaped links
+    apps/           the commands: train, bench, simulate, report, demo, profile
 """
 
 from typing import Any
@@ -21,13 +24,17 @@ __version__ = "0.1.0"
 __all__ = ["Config", "GradSync", "SparseGrad", "__version__", "check_consistency"]
 
 # Imported on first use (PEP 562): ``import gradsync`` stays light and free of import cycles.
-_LAZY = {"GradSync": "gradsync.engine", "Config": "gradsync.config",
-         "check_consistency": "gradsync.consistency"}
+_LAZY = {"GradSync": "gradsync.engine", "Config": "gradsync.engine.config",
+         "check_consistency": "gradsync.engine.consistency"}
 
 
-# Submodules reachable as attributes (``gradsync.ddp.register``) without an explicit import.
-_SUBMODULES = {"checkpoint", "collectives", "ddp", "feedback", "formats", "fsdp", "models",
-               "schedule", "sparsify", "testing"}
+# Submodules reachable as attributes (``gradsync.ddp.register``) without an explicit import; the
+# integrations and the model zoo keep their short names (``gradsync.ddp`` is
+# ``gradsync.ddp``).
+_SUBMODULES = {"checkpoint": "integrations.checkpoint", "collectives": "collectives",
+               "ddp": "integrations.ddp", "engine": "engine", "feedback": "feedback",
+               "formats": "formats", "fsdp": "integrations.fsdp", "models": "apps.models",
+               "schedule": "schedule", "sparsify": "sparsify", "testing": "testing"}
 
 
 def __getattr__(name: str) -> Any:
@@ -36,5 +43,5 @@ def __getattr__(name: str) -> Any:
     if name in _LAZY:
         return getattr(importlib.import_module(_LAZY[name]), name)
     if name in _SUBMODULES:
-        return importlib.import_module(f"gradsync.{name}")
+        return importlib.import_module(f"gradsync.{_SUBMODULES[name]}")
     raise AttributeError(f"module 'gradsync' has no attribute {name!r}")

@@ -1,7 +1,7 @@
-"""``python -m gradsync …`` — see ``gradsync.cli``."""
+"""``python -m gradsync …`` — see ``gradsync.apps.cli``."""
 
 import sys
 
-from gradsync.cli import main
+from gradsync.apps.cli import main
 
 sys.exit(main())

@@ -1,7 +1,7 @@
 """Planners: which gradients share a fusion buffer and how each buffer is sent.
 
 Pure functions of tensor names/sizes (backward order), a target density and, for the schemes
-that need one, a measured :class:`~gradsync.costmodel.CostModel` — no processes, no
+that need one, a measured :class:`~gradsync.schedule.costmodel.CostModel` — no processes, no
 torch.distributed. ``make_plan(scheme, names, numel, density, cost)`` returns a JSON-safe
 :class:`Plan`; ``simulate(plan, cost)`` predicts its timeline.
 
@@ -24,12 +24,11 @@ ssfusion_oi    + SSFusion-I all-reduce / all-gather split
 
 from __future__ import annotations
 
-from gradsync.costmodel import CostModel, missing_rate
+from gradsync.schedule.costmodel import CostModel, missing_rate
 from gradsync.schedule.cupcake import cupcake_groups
 from gradsync.schedule.fixed import fixed_buckets
 from gradsync.schedule.mgwfbp import mgwfbp_groups
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
-from gradsync.schedule.simulate import Timeline, buffer_comm_time, buffer_parts, simulate
 from gradsync.schedule.ssfusion import (
     best_split,
     compensate,
@@ -37,6 +36,7 @@ from gradsync.schedule.ssfusion import (
     offload_buffer,
     selective_buffers,
 )
+from gradsync.schedule.timeline import Timeline, buffer_comm_time, buffer_parts, simulate
 
 __all__ = [
     "SCHEMES",
@@ -120,7 +120,7 @@ def make_plan(
         if missing:
             raise ValueError(f"the cost model has no backward time for {missing[:5]}")
     elif needs:
-        raise ValueError(f"scheme {scheme!r} needs a cost model (gradsync.costmodel)")
+        raise ValueError(f"scheme {scheme!r} needs a cost model (gradsync.schedule.costmodel)")
 
     info: dict = {"density": density}
 

@@ -3,7 +3,7 @@
 Cupcake fuses consecutive gradients (backward order) into buffers that are each sparsified as
 one vector and all-gathered, choosing the fusion that minimises the iteration time. Its released
 code lacks FindOptFusion (DESIGN.md); we compute it exactly as a dynamic program over contiguous
-groups with the simulator's recurrence (simulate.py, mode ``"fused"``, overlap on).
+groups with the simulator's recurrence (timeline.py, mode ``"fused"``, overlap on).
 
 Why the DP is exact. With gradients 1..L in backward order, B_j = Σ_{l≤j} T_b^l,
 N_j = Σ_{l≤j} n_l, and the sparsifier's affine time T_sp(n) = a + b·n, a grouping whose m-th
@@ -28,7 +28,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from gradsync.costmodel import CostModel
+from gradsync.schedule.costmodel import CostModel
 
 __all__ = ["cupcake_groups"]
 

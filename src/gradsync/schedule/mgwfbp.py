@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from gradsync.costmodel import CostModel
+from gradsync.schedule.costmodel import CostModel
 from gradsync.schedule.plan import entries
 
 __all__ = ["fused_comm", "mgwfbp_groups"]

@@ -58,9 +58,9 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from gradsync.costmodel import CostModel
+from gradsync.schedule.costmodel import CostModel
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
-from gradsync.schedule.simulate import buffer_comm_time, simulate
+from gradsync.schedule.timeline import buffer_comm_time, simulate
 
 __all__ = [
     "best_split",

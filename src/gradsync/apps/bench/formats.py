@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gradsync.bench.common import add_common_args, median_time, print_table, write_outputs
+from gradsync.apps.bench.common import add_common_args, median_time, print_table, write_outputs
 from gradsync.formats import coo
 from gradsync.formats import densestream as ds
 from gradsync.sparsegrad import SparseGrad
@@ -87,7 +87,7 @@ def main(argv: list[str] | None = None) -> int:
     steps, repeats = (2, 2) if a.quick else (a.steps, a.repeats)
     iw = a.index_bytes
 
-    from gradsync.models import real_gradients
+    from gradsync.apps.models import real_gradients
 
     grads = real_gradients(a.model, steps=steps, accumulate=True)
     flat = torch.cat([g.reshape(-1) for g in grads.values()])

@@ -34,8 +34,8 @@ from torch import nn
 
 from gradsync import collectives, sparsify
 from gradsync.collectives.comm import Comm, CommStats
-from gradsync.config import Config
-from gradsync.consistency import signature_check
+from gradsync.engine.config import Config
+from gradsync.engine.consistency import signature_check
 from gradsync.feedback import ErrorFeedback
 from gradsync.sparsegrad import SparseGrad
 

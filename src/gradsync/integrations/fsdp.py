@@ -67,7 +67,7 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 
 from gradsync import sparsify
 from gradsync.collectives.comm import Comm
-from gradsync.consistency import signature_check
+from gradsync.engine.consistency import signature_check
 from gradsync.formats.sketch import CountSketch, PeelError, pack_index, unpack_index
 from gradsync.sparsegrad import check_finite
 

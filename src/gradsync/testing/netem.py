@@ -28,9 +28,10 @@ last resort. A process killed with SIGKILL cannot clean up; the next ``shaped_wo
 every ``gsne-<pid>-…`` namespace whose ``<pid>`` is no longer running.
 
 ``run_shaped(fn, P, …)`` runs ``fn(rank, P, …)`` like :func:`gradsync.testing.run_distributed`,
-but each rank is a separate ``ip netns exec <ns> python -m gradsync._netem_worker`` process on
-its shaped link. Without root, ``ip`` or ``tc`` (or when the namespaces cannot be created) it
-warns in one line and runs on loopback; the returned :class:`ShapedResults` says which happened.
+but each rank is a separate ``ip netns exec <ns> python -m gradsync.testing._netem_worker``
+process on its shaped link. Without root, ``ip`` or ``tc`` (or when the namespaces cannot be
+created) it warns in one line and runs on loopback; the returned :class:`ShapedResults` says
+which happened.
 """
 
 from __future__ import annotations
@@ -193,7 +194,7 @@ def cleanup_stale() -> list[str]:
                 _sh("ip", "netns", "del", ns)
                 removed.append(ns)
     if removed:
-        log.info("gradsync.netem: removed %d stale namespaces: %s", len(removed), removed)
+        log.info("gradsync.testing.netem: removed %d stale namespaces: %s", len(removed), removed)
     return removed
 
 
@@ -386,7 +387,8 @@ def run_shaped(
             reason = str(e)
     if not fallback:
         raise NetemUnavailable(reason)
-    warnings.warn(f"gradsync.netem: no shaped links ({reason}); running on loopback instead",
+    warnings.warn(f"gradsync.testing.netem: no shaped links ({reason}); running on loopback "
+                  "instead",
                   RuntimeWarning, stacklevel=2)
     out = run_distributed(fn, world_size, *args, timeout=timeout, **kwargs)
     return ShapedResults(out, shaped=False, bandwidth_bps=bps, reason=reason)
@@ -439,7 +441,7 @@ def _run_in_namespaces(world: ShapedWorld, fn: Callable[..., Any], args: tuple, 
                 logs.append(log_f)
                 procs.append(subprocess.Popen(
                     ["ip", "netns", "exec", world.namespaces[r], sys.executable, "-m",
-                     "gradsync._netem_worker", spec],
+                     "gradsync.testing._netem_worker", spec],
                     env=rank_env, stderr=log_f, stdin=subprocess.DEVNULL,
                     start_new_session=True,
                 ))

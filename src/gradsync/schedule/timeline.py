@@ -23,7 +23,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradsync.costmodel import CostModel
+from gradsync.schedule.costmodel import CostModel
 from gradsync.schedule.plan import BufferPlan, Plan
 
 __all__ = ["Timeline", "buffer_parts", "simulate"]

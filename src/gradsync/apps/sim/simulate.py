@@ -8,11 +8,11 @@ the optimizer step), the network is the one you plan for (α = ``--latency``, β
 * fusion schemes (``dense``, ``dense_ovlp``, ``per_tensor``, ``multi_tensor``/``omgs``,
   ``cupcake``, ``ssfusion``, ``ssfusion_o``, ``ssfusion_oi``): the plan of
   :func:`gradsync.schedule.make_plan` for a cost model at P ranks and the timeline of
-  :func:`gradsync.schedule.simulate` (WFBP overlap, offload worker, SSFusion-I split), whose
+  :func:`gradsync.schedule.timeline` (WFBP overlap, offload worker, SSFusion-I split), whose
   buffers cost Eq. 4 (ring all-reduce) and Eq. 3 (ring all-gather of COO entries);
 * one-buffer sparse schemes (``topka``, ``gaussiank``, ``topkdsa``, ``gtopk``, ``oktopk``,
   ``densestream``): the whole gradient is sparsified once after the backward and reduced by the
-  collective's step-by-step pattern (:mod:`gradsync.sim.patterns`, Ok-Topk Table 1 /
+  collective's step-by-step pattern (:mod:`gradsync.apps.sim.patterns`, Ok-Topk Table 1 /
   DenseStream Eq. 4–6), including TopkDSA's and DenseStream's fill-in: the union density of m
   ranks' selections is ``u(m) = 1 − (1 − d)^(m^γ)`` with ``--union-gamma`` γ (1 = independent
   positions, the stated default and the pessimistic end; 0 = full overlap; ``--validate``
@@ -22,10 +22,10 @@ Iteration = forward + (backward, sparsification and exposed communication from t
 optimizer step. The breakdown columns say where the time goes.
 
 ``--validate`` runs the same model with :class:`gradsync.engine.GradSync` on P = 2, 4, 8 ranks
-over tbf-shaped links (:func:`gradsync.netem.run_shaped`, root; loopback otherwise, and the
+over tbf-shaped links (:func:`gradsync.testing.netem.run_shaped`, root; loopback otherwise, and the
 output says so), profiles the cost model *inside* that run (every rank at once, so the backward
 times include the contention of P ranks sharing this machine's cores), predicts, and tabulates
-prediction vs measurement (:mod:`gradsync.sim.validate`).
+prediction vs measurement (:mod:`gradsync.apps.sim.validate`).
 """
 
 from __future__ import annotations
@@ -40,10 +40,10 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gradsync.costmodel import AffineFit, AlphaBeta, CostModel
+from gradsync.apps.sim import patterns
 from gradsync.schedule import SCHEMES, entries, make_plan
 from gradsync.schedule import simulate as timeline_of
-from gradsync.sim import patterns
+from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
 
 __all__ = ["FUSION_SCHEMES", "ONE_BUFFER", "Network", "load_table", "main", "predict",
            "profile_model"]
@@ -67,7 +67,7 @@ class Network:
 
     @classmethod
     def parse(cls, bandwidth: str, latency: str) -> Network:
-        from gradsync.netem import parse_bandwidth, parse_time
+        from gradsync.testing.netem import parse_bandwidth, parse_time
 
         return cls(parse_time(latency), 8.0 / parse_bandwidth(bandwidth))
 
@@ -181,32 +181,6 @@ def load_table(path: str | Path) -> tuple[CostModel, float, float]:
     return cost, meta.get("forward_s", 0.0), meta.get("step_s", 0.0)
 
 
-def model_step(name: str, batch: int, seed: int, rank: int = 0):
-    """(model, loss closure) of ``gradsync.models`` ``name`` on seeded random inputs."""
-    import torch
-    from torch import nn
-
-    from gradsync import models
-
-    net = models.build(name, seed=seed)
-    g = torch.Generator().manual_seed(seed * 1009 + rank)
-    if name == "gpt_tiny":
-        x = torch.randint(256, (batch, net.context), generator=g)
-        y = torch.randint(256, (batch, net.context), generator=g)
-
-        def step():
-            out = net(x)
-            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-    else:
-        x = torch.randn(batch, 1, 28, 28, generator=g)
-        y = torch.randint(10, (batch,), generator=g)
-
-        def step():
-            return nn.functional.cross_entropy(net(x), y)
-
-    return net, step
-
-
 def _median_s(fn, repeats: int) -> float:
     fn()
     ts = []
@@ -224,9 +198,11 @@ def profile_model(name: str, batch: int, sparsifier: str, density: float, seed: 
     Returns (cost model with P = 1, forward_s, step_s)."""
     import torch
 
-    from gradsync import costmodel, sparsify
+    from gradsync import sparsify
+    from gradsync.apps import models
+    from gradsync.schedule import costmodel
 
-    net, step = model_step(name, batch, seed, rank)
+    net, step = models.model_step(name, batch, seed, rank)
     order, numel, backward = costmodel.profile_backward(net, step, repeats=repeats)
     forward = _median_s(step, repeats)  # with autograd on, as in training
     opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
@@ -269,7 +245,8 @@ def _schemes(s: str) -> list[str]:
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    from gradsync import models, sparsify
+    from gradsync import sparsify
+    from gradsync.apps import models
 
     p = argparse.ArgumentParser(
         prog="python -m gradsync simulate",
@@ -385,11 +362,11 @@ def _plot_vs_p(rows: list[dict[str, Any]], title: str, measured: bool = False):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from gradsync.bench.common import print_table, write_outputs
+    from gradsync.apps.bench.common import print_table, write_outputs
 
     a = parse_args(argv)
     if a.validate:
-        from gradsync.sim.validate import run_validation
+        from gradsync.apps.sim.validate import run_validation
 
         return run_validation(a)
     cost, fwd, stp, src = _source(a)

@@ -1,6 +1,6 @@
 """``python -m gradsync bench fsdp``: plain FSDP2 vs TAGC, like TAGC Table 2 (§4.2).
 
-Trains a GPT-like model (:class:`gradsync.models.TinyGPT`, each block and the root
+Trains a GPT-like model (:class:`gradsync.apps.models.TinyGPT`, each block and the root
 ``fully_shard``-ed) on the bytes of this package's sources on ``--world-size`` gloo ranks and
 times iterations (forward + backward + Adam step) of three variants, interleaved step by step so
 that load changes on a shared machine hit all of them alike:
@@ -16,7 +16,7 @@ reduce-scatter calls) and per MB of gradient, bytes this rank sent per step in t
 reduce-scatters (counted by :class:`~gradsync.collectives.comm.Comm` at the call; for FSDP from
 its exact shard layout with the same ring accounting), lossy peels and unresolved nonzeros summed
 over ranks, and the last loss. Runs on loopback, or with ``--bandwidth`` on per-rank
-tbf-shaped links (:mod:`gradsync.netem`, root; otherwise a one-line note and loopback).
+tbf-shaped links (:mod:`gradsync.testing.netem`, root; otherwise a one-line note and loopback).
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from gradsync.bench.common import add_common_args, print_table, write_outputs
+from gradsync.apps.bench.common import add_common_args, print_table, write_outputs
 
 VARIANTS = ("FSDP", "TAGC all", "TAGC non-attn")
 
@@ -58,8 +58,8 @@ def _rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
     from torch.distributed.fsdp import fully_shard
 
-    from gradsync.fsdp import TAGCConfig, all_layers, compress, non_attention_linear
-    from gradsync.models import build
+    from gradsync.apps.models import build
+    from gradsync.integrations.fsdp import TAGCConfig, all_layers, compress, non_attention_linear
 
     def model():
         m = build("gpt_tiny", seed=0, dim=opts["dim"], layers=opts["layers"],
@@ -167,13 +167,13 @@ def main(argv: list[str] | None = None) -> int:
         raise ValueError("--world-size must be >= 2 (FSDP does not reduce-scatter on 1 rank)")
     if a.steps < 1:
         raise ValueError("--steps must be >= 1")
-    from gradsync.fsdp import TAGCConfig
+    from gradsync.integrations.fsdp import TAGCConfig
 
     TAGCConfig(ratio=a.ratio, index_bits=a.index_bits, theta=a.theta)  # validates early
     opts = {k: getattr(a, k) for k in ("dim", "layers", "heads", "context", "batch", "lr",
                                        "ratio", "index_bits", "theta", "steps", "warmup")}
     if a.bandwidth is not None:
-        from gradsync import netem
+        from gradsync.testing import netem
 
         netem.parse_bandwidth(a.bandwidth)  # a bad rate fails before anything starts
         out = netem.run_shaped(_rank, a.world_size, opts, bandwidth=a.bandwidth,

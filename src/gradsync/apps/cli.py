@@ -1,6 +1,6 @@
 """Command line: ``python -m gradsync <command> …``.
 
-``bench <name> [args]`` runs the benchmark module ``gradsync.bench.<name>`` (each owns its
+``bench <name> [args]`` runs the benchmark module ``gradsync.apps.bench.<name>`` (each owns its
 arguments: ``python -m gradsync bench <name> --help``); ``bench list`` lists them.
 ``demo`` runs the short comparison that ``make demo`` shows; ``profile`` measures and prints
 the cost model (backward, sparsification and collective times) the planners consume;
@@ -15,12 +15,12 @@ import importlib
 import pkgutil
 import sys
 
-import gradsync.bench
+import gradsync.apps.bench
 
 
 def bench_names() -> list[str]:
     return sorted(
-        m.name for m in pkgutil.iter_modules(gradsync.bench.__path__)
+        m.name for m in pkgutil.iter_modules(gradsync.apps.bench.__path__)
         if not m.name.startswith("_") and m.name != "common"
     )
 
@@ -34,7 +34,7 @@ def _bench(argv: list[str]) -> int:
     if name not in names:
         print(f"unknown benchmark {name!r}; available: {', '.join(names)}", file=sys.stderr)
         return 2
-    return int(importlib.import_module(f"gradsync.bench.{name}").main(rest) or 0)
+    return int(importlib.import_module(f"gradsync.apps.bench.{name}").main(rest) or 0)
 
 
 def _module_main(module: str):
@@ -48,11 +48,11 @@ def _module_main(module: str):
 
 COMMANDS = {
     "bench": _bench,
-    "demo": _module_main("gradsync.demo"),
-    "profile": _module_main("gradsync.costmodel"),
-    "train": _module_main("gradsync.train"),
-    "report": _module_main("gradsync.report"),
-    "simulate": _module_main("gradsync.sim.simulate"),
+    "demo": _module_main("gradsync.apps.demo"),
+    "profile": _module_main("gradsync.apps.profile"),
+    "train": _module_main("gradsync.apps.train"),
+    "report": _module_main("gradsync.apps.report"),
+    "simulate": _module_main("gradsync.apps.sim.simulate"),
 }
 
 

@@ -18,8 +18,9 @@ each started after a barrier. Reported per collective and density:
   process with plain torch (≈ 0 for exact collectives; Ok-Topk and gTop-k drop entries by design).
 
 Links: loopback (default) or, with ``--bandwidth``, per-rank tbf-shaped links from
-:mod:`gradsync.netem` (root only; otherwise it says so and runs on loopback). ``--latency`` is
-tbf's queueing bound, not a propagation delay: netem is unavailable, so delay is not emulated.
+:mod:`gradsync.testing.netem` (root only; otherwise it says so and runs on loopback).
+``--latency`` is tbf's queueing bound, not a propagation delay: netem is unavailable, so delay
+is not emulated.
 Each collective runs in its own set of rank processes, so one that fails or hangs is reported
 in its row and the others still run.
 """
@@ -36,11 +37,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from gradsync import collectives, netem
-from gradsync.bench.common import add_common_args, print_table, write_outputs
+from gradsync import collectives
+from gradsync.apps.bench.common import add_common_args, print_table, write_outputs
 from gradsync.sparsify import get as get_sparsifier
 from gradsync.sparsify import target_k
-from gradsync.testing import DistributedError, DistributedTimeout, run_distributed
+from gradsync.testing import DistributedError, DistributedTimeout, netem, run_distributed
 
 NAME = "collectives"
 # Collectives added alongside this benchmark; imported here when present so the bench covers

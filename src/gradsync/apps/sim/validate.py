@@ -2,9 +2,9 @@
 
 For each P in ``--validate-workers`` (default 2, 4, 8) the model trains with
 :class:`gradsync.engine.GradSync` on P ranks joined by tbf-shaped links of ``--bandwidth``
-(:func:`gradsync.netem.run_shaped`, needs root; otherwise loopback, and the output says so).
+(:func:`gradsync.testing.netem.run_shaped`, needs root; otherwise loopback, and the output says so).
 Inside the same run, before training, every rank profiles its compute *at the same time*
-(:func:`gradsync.sim.simulate.profile_model`: T_b^l per tensor, forward, optimizer step,
+(:func:`gradsync.apps.sim.simulate.profile_model`: T_b^l per tensor, forward, optimizer step,
 sparsification fit), so the cost model the prediction uses carries the contention of P ranks
 sharing this machine's cores; the slowest rank's profile is used (a synchronous step waits for
 it). Each rank also takes the top-k of one real gradient and the ranks all-gather the masks, so
@@ -33,7 +33,7 @@ import statistics
 import time
 from typing import Any
 
-from gradsync.costmodel import CostModel
+from gradsync.schedule.costmodel import CostModel
 
 __all__ = ["run_validation"]
 
@@ -44,10 +44,11 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
     import torch
     import torch.distributed as dist
 
-    from gradsync.config import Config
+    from gradsync.apps.models import model_step
+    from gradsync.apps.sim.simulate import profile_model
     from gradsync.engine import GradSync
+    from gradsync.engine.config import Config
     from gradsync.schedule import entries
-    from gradsync.sim.simulate import model_step, profile_model
 
     P = world_size
     dist.barrier()
@@ -70,7 +71,7 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
         union[m] = float(acc.sum()) / n
 
     # α, β of this group's all-gather as gloo delivers them here (Eq. 3 fit), for comparison
-    from gradsync.costmodel import profile_collectives
+    from gradsync.schedule.costmodel import profile_collectives
 
     ar, ag = profile_collectives(None, sizes=(1 << 10, 1 << 14, 1 << 17), repeats=3)
 
@@ -121,10 +122,9 @@ def _gamma(union: dict[int, float], d: float) -> float | None:
 
 
 def run_validation(a) -> int:
-    from gradsync import netem
-    from gradsync.bench.common import print_table, write_outputs
-    from gradsync.sim.simulate import NOTE, Network, _plot_vs_p, predict
-    from gradsync.testing import run_distributed
+    from gradsync.apps.bench.common import print_table, write_outputs
+    from gradsync.apps.sim.simulate import NOTE, Network, _plot_vs_p, predict
+    from gradsync.testing import netem, run_distributed
 
     cores = os.cpu_count() or 1
     load0 = os.getloadavg()

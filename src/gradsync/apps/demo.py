@@ -1,7 +1,7 @@
 """``make demo`` / ``python -m gradsync demo``: does sparse synchronization pay on a slow link?
 
 Trains the default model (the CNN) on real Fashion-MNIST on 4 local workers joined by an
-emulated 100 Mbit/s link per rank (``tc tbf`` in network namespaces, :mod:`gradsync.netem`;
+emulated 100 Mbit/s link per rank (``tc tbf`` in network namespaces, :mod:`gradsync.testing.netem`;
 root only — otherwise it says so and uses loopback, where communication is nearly free and the
 comparison says little), once per scheme with the same seed, data and number of steps:
 
@@ -28,8 +28,8 @@ SCHEMES = ("ddp", "ddp_powersgd", "ssfusion_oi", "oktopk", "densestream")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gradsync import train
-    from gradsync.bench.common import print_table
+    from gradsync.apps import train
+    from gradsync.apps.bench.common import print_table
     from gradsync.testing import DistributedError, DistributedTimeout
 
     parser = argparse.ArgumentParser(prog="python -m gradsync demo", description=__doc__,

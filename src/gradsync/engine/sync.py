@@ -56,12 +56,12 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync import collectives, costmodel, schedule, sparsify
+from gradsync import collectives, schedule, sparsify
 from gradsync.collectives.comm import Comm
-from gradsync.config import Config
-from gradsync.consistency import check_consistency, signature_check
+from gradsync.engine.config import Config
+from gradsync.engine.consistency import check_consistency, signature_check
 from gradsync.feedback import ErrorFeedback
-from gradsync.schedule import BufferPlan, Plan
+from gradsync.schedule import BufferPlan, Plan, costmodel
 from gradsync.sparsegrad import SparseGrad, all_finite
 
 __all__ = ["AuditRecord", "GradSync", "StepStats"]

@@ -13,22 +13,19 @@ Every number is measured, never hard-coded:
   time of SSFusion-O (``offload``: on a worker thread, hand-off and host copies included), each an
   affine fit ``t(n) = a + b·n`` in the tensor's element count (:func:`profile_sparsifier`).
 
-``python -m gradsync profile`` (:func:`main`) measures a model's backward, the sparsifiers and —
-under several ranks — the collectives, prints the model as a table and writes it as JSON that
-``CostModel.from_dict`` reads back.
+``python -m gradsync profile`` (``gradsync.apps.profile``) measures a model's backward, the
+sparsifiers and — under several ranks — the collectives with these functions, prints the model
+as a table and writes it as JSON that ``CostModel.from_dict`` reads back.
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
-import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 __all__ = [
@@ -37,7 +34,6 @@ __all__ = [
     "CostModel",
     "fit_affine",
     "fit_alpha_beta",
-    "main",
     "missing_rate",
     "profile_backward",
     "profile_collectives",
@@ -459,138 +455,3 @@ def profile_backward(
     numel = {n: p.numel() for n, p in params if n in set(order)}
     backward = {n: statistics.median(r.get(n, 0.0) for r in runs) for n in order}
     return order, numel, backward
-
-
-# ---------------------------------------------------------------------------------------------
-# python -m gradsync profile
-# ---------------------------------------------------------------------------------------------
-def _model_step(name: str, batch: int, seed: int, device):
-    import torch
-    from torch import nn
-
-    from gradsync import models
-
-    net = models.build(name, seed=seed).to(device)
-    g = torch.Generator().manual_seed(seed)
-    if name == "gpt_tiny":
-        x = torch.randint(256, (batch, net.context), generator=g).to(device)
-        y = torch.randint(256, (batch, net.context), generator=g).to(device)
-
-        def step():
-            out = net(x)
-            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-    else:
-        x = torch.randn(batch, 1, 28, 28, generator=g).to(device)
-        y = torch.randint(10, (batch,), generator=g).to(device)
-
-        def step():
-            return nn.functional.cross_entropy(net(x), y)
-
-    return net, step
-
-
-def _collectives_rank(rank: int, world_size: int, sizes, repeats) -> tuple[dict, dict]:
-    ar, ag = profile_collectives(None, sizes=sizes, repeats=repeats)
-    return vars(ar), vars(ag)
-
-
-def build_cost_model(args, P: int, collectives: tuple[AlphaBeta, AlphaBeta]) -> CostModel:
-    import torch
-
-    from gradsync import sparsify
-
-    dev = torch.device(args.device)
-    sizes = [int(s) for s in args.sizes.split(",")]
-    net, step = _model_step(args.model, args.batch, args.seed, dev)
-    order, numel, backward = profile_backward(net, step, repeats=args.repeats)
-    sp = sparsify.get(args.sparsifier, density=args.density, seed=args.seed)
-    inline = profile_sparsifier(sp, sizes=sizes, repeats=args.repeats, device=dev)
-    off = profile_sparsifier(sp, sizes=sizes, repeats=args.repeats, device=dev, offload=True)
-    elem = next(net.parameters()).element_size()
-    return CostModel(
-        P=P, order=order, numel=numel, elem_bytes=elem, backward=backward, sparsify=inline,
-        offload=off, allreduce=collectives[0], allgather=collectives[1],
-        info={"model": args.model, "batch": args.batch, "sparsifier": args.sparsifier,
-              "density": args.density, "device": str(dev), "sizes": sizes,
-              "repeats": args.repeats, "threads": torch.get_num_threads()},
-    )
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m gradsync profile``: measure a cost model, print it, write it as JSON."""
-    import torch
-
-    from gradsync import models, sparsify
-
-    parser = argparse.ArgumentParser(
-        prog="python -m gradsync profile",
-        description="Profile backward, sparsification and collective times (SSFusion §IV-A) "
-        "into a cost model JSON the fusion planners read.")
-    parser.add_argument("--model", default="cnn", choices=models.names())
-    parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--sparsifier", default="topk", choices=sparsify.names())
-    parser.add_argument("--density", type=float, default=0.01)
-    parser.add_argument("--world-size", type=int, default=0,
-                        help="profile collectives on N local gloo ranks (run_distributed); "
-                        "under torchrun the launched group is used")
-    parser.add_argument("--sizes", default=",".join(str(1 << e) for e in (10, 14, 17, 20)),
-                        help="comma-separated tensor sizes (sparsifier: elements; "
-                        "collectives: bytes)")
-    parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats")
-    parser.add_argument("--out", default="bench-out/profile/costmodel.json")
-    args = parser.parse_args(list(argv) if argv is not None else None)
-    if args.quick:
-        args.sizes, args.repeats = "256,4096,16384", 2
-    if args.repeats < 1 or args.batch < 1:
-        raise ValueError("--repeats and --batch must be >= 1")
-    sizes = [int(s) for s in args.sizes.split(",")]
-
-    import torch.distributed as dist
-
-    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and args.world_size == 0
-    rank = 0
-    if torchrun:
-        if args.device.startswith("cuda"):  # before NCCL initialises: one GPU per rank
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-            args.device = f"cuda:{torch.cuda.current_device()}"
-        if not dist.is_initialized():
-            dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
-        rank, P = dist.get_rank(), dist.get_world_size()
-        coll = profile_collectives(None, sizes=sizes, repeats=args.repeats)
-    elif args.world_size > 1:
-        from gradsync.testing import run_distributed
-
-        P = args.world_size
-        res = run_distributed(_collectives_rank, P, sizes, args.repeats, timeout=600)
-        coll = (AlphaBeta(**res[0][0]), AlphaBeta(**res[0][1]))
-    else:
-        P, coll = 1, (AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0))
-    cost = build_cost_model(args, P, coll)
-    if rank == 0:
-        from rich.console import Console
-        from rich.table import Table
-
-        # rich directly: bench/ sits above this layer and must not be imported from here.
-        table = Table(title=f"cost model: {args.model}, {args.sparsifier} on {args.device}, "
-                      f"P={P}")
-        table.add_column("quantity")
-        table.add_column("value", justify="right")
-        for q, v in cost.table_rows():
-            table.add_row(str(q), f"{v:.4g}" if isinstance(v, float) else str(v))
-        Console(width=100).print(table)
-        out = Path(args.out)
-        out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(cost.to_dict(), indent=2))
-        print(f"wrote {out}")
-    if torchrun and dist.is_initialized():
-        dist.destroy_process_group()
-    return 0
-
-
-if __name__ == "__main__":  # pragma: no cover
-    import sys
-
-    sys.exit(main())

@@ -7,7 +7,7 @@ table.
 * ``census`` — SSFusion §III-B, Table II: small (< 102,400 elements, "≈ 200 KB") vs large
   gradient tensors of ResNet-152, ViT-large, BERT-large and GPT2-large, as number % and total-size
   % of all parameter tensors. The models are the published definitions
-  (:func:`gradsync.models.reference`) built on the meta device: shapes only, no memory.
+  (:func:`gradsync.apps.models.reference`) built on the meta device: shapes only, no memory.
 * ``missing`` — SSFusion §III-A, Table I: tensor missing rate (tensors of which no element was
   selected / all tensors) of per-tensor sparsification and of multi-tensor sparsification at
   fusion degrees 20–100 %, DGC at density 0.01 as in the paper, on real gradients. The paper
@@ -21,10 +21,10 @@ table.
   table's bandwidth terms. COO: 2 words per entry (int32 index + fp32 value), so words =
   bytes / 4. The shape check is disabled so only the algorithm's own traffic is counted.
 * ``densestream`` — DenseStream §IV-B, Table I: DenseStream / COO size at density 1/5/10 % on
-  the accumulated real gradients of ResNet-50 and VGG-16 (``gradsync.bench.formats``' functions).
+  the accumulated real gradients of ResNet-50 and VGG-16 (``bench.formats``' functions).
 * ``tagc`` — TAGC §2.2, Table 1: the sparsity (θ, % zeros of the summed gradient) above which
   LHC's peeling is lossless at 2x/4x/10x, measured by a density sweep with
-  ``gradsync.bench.sketch``'s inputs and ``CountSketch``.
+  ``gradsync.apps.bench.sketch``'s inputs and ``CountSketch``.
 """
 
 from __future__ import annotations
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from gradsync.bench.common import print_table, write_outputs
+from gradsync.apps.bench.common import print_table, write_outputs
 
 __all__ = ["TABLES", "main"]
 
@@ -110,7 +110,7 @@ VIT_SPLIT = "ViT-large (q/k/v split, transformers)"
 
 
 def _vit_large_split_qkv() -> torch.nn.Module:
-    from gradsync.models import import_transformers
+    from gradsync.apps.models import import_transformers
 
     tf = import_transformers("the split-q/k/v ViT-large census row")
     cfg = tf.ViTConfig(hidden_size=1024, num_hidden_layers=24, num_attention_heads=16,
@@ -120,7 +120,7 @@ def _vit_large_split_qkv() -> torch.nn.Module:
 
 
 def run_census(a: argparse.Namespace) -> list[dict[str, Any]]:
-    from gradsync import models
+    from gradsync.apps import models
 
     chosen = ["ResNet-152", "GPT2-large"] if a.quick else [*CENSUS_MODELS, VIT_SPLIT]
     rows, table = [], []
@@ -178,7 +178,7 @@ def missing_rates(grads: dict[str, torch.Tensor], density: float = 0.01,
 
 
 def run_missing(a: argparse.Namespace) -> list[dict[str, Any]]:
-    from gradsync import models
+    from gradsync.apps import models
 
     names = ["cnn"] if a.quick else [m for m in a.models.split(",") if m]
     steps, batch = (1, 8) if a.quick else (a.steps, a.batch_size)
@@ -284,8 +284,8 @@ _DS_PAPER_NAME = {"vgg16": "VGG16", "resnet50": "ResNet50"}
 
 
 def run_densestream(a: argparse.Namespace) -> list[dict[str, Any]]:
-    from gradsync.bench.formats import PAPER_TABLE_I, _sizes, _topk
-    from gradsync.models import real_gradients
+    from gradsync.apps.bench.formats import PAPER_TABLE_I, _sizes, _topk
+    from gradsync.apps.models import real_gradients
 
     names = ["cnn"] if a.quick else [m for m in a.models.split(",") if m]
     steps, batch = (1, 8) if a.quick else (a.steps, a.batch_size)
@@ -323,7 +323,7 @@ def run_densestream(a: argparse.Namespace) -> list[dict[str, Any]]:
 # tagc (TAGC Table 1)
 # ---------------------------------------------------------------------------------------------
 def run_tagc(a: argparse.Namespace) -> list[dict[str, Any]]:
-    from gradsync.bench.sketch import QUICK_SWEEP, RATIOS, SWEEP, TABLE1, _input
+    from gradsync.apps.bench.sketch import QUICK_SWEEP, RATIOS, SWEEP, TABLE1, _input
     from gradsync.formats.sketch import CountSketch
 
     n = 20_000 if a.quick else int(a.n)

@@ -10,7 +10,7 @@ communication and *exposed* communication (what the step waited for) — beside 
 (global samples/s, median after warm-up), bytes each rank sends per step (counted at the
 torch.distributed call) and the tensor missing rate (SSFusion Table I). PyTorch's own DDP
 all-reduce (``ddp``) and its PowerSGD hook (``ddp_powersgd``) run as peers in the same job, so
-the speed-ups are same-run ratios. See :mod:`gradsync.train` for how each time is measured for
+the speed-ups are same-run ratios. See :mod:`gradsync.apps.train` for how each time is measured for
 the DDP peers (from their comm-hook timestamps) and for the engine (``GradSync.stats()``).
 
 Links: loopback, or with ``--bandwidth`` per-rank tbf-shaped links (root; otherwise a one-line
@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from gradsync.bench.common import print_table, write_outputs
+from gradsync.apps.bench.common import print_table, write_outputs
 
 DEFAULT_SCHEMES = ("ddp", "ddp_powersgd", "dense_ovlp", "topka", "oktopk", "densestream",
                    "per_tensor", "multi_tensor", "cupcake", "ssfusion", "ssfusion_o",
@@ -34,7 +34,7 @@ QUICK_SCHEMES = ("ddp", "ddp_powersgd", "topka", "ssfusion_oi")
 
 
 def _parse(argv: list[str] | None):
-    from gradsync import train
+    from gradsync.apps import train
 
     p = argparse.ArgumentParser(prog="python -m gradsync bench schemes", description=__doc__,
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -99,7 +99,7 @@ def _plot(rows: list[dict], title: str):
 
 
 def main(argv: list[str] | None = None) -> int:
-    from gradsync import train
+    from gradsync.apps import train
     from gradsync.testing import DistributedError, DistributedTimeout
 
     a, b = _parse(argv)

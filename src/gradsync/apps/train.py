@@ -4,9 +4,9 @@ Two ways to run:
 
 * **local workers** (default): ``--world-size N`` real gloo processes on loopback
   (:func:`gradsync.testing.run_distributed`), or, with ``--bandwidth 100mbit``, one network
-  namespace per rank on tbf-shaped links (:func:`gradsync.netem.run_shaped`; root only,
+  namespace per rank on tbf-shaped links (:func:`gradsync.testing.netem.run_shaped`; root only,
   otherwise it says so in one line and uses loopback). ``--latency`` is tbf's queueing bound,
-  **not** a propagation delay (not emulated; see :mod:`gradsync.netem`).
+  **not** a propagation delay (not emulated; see :mod:`gradsync.testing.netem`).
 * **one worker of a torchrun job**, when ``RANK``, ``WORLD_SIZE``, ``LOCAL_RANK`` and
   ``MASTER_ADDR`` are set: ``init_process_group`` with NCCL when CUDA is available (model and
   data on ``cuda:LOCAL_RANK``), else gloo; rank 0 prints the summary and writes ``--out``.
@@ -30,13 +30,13 @@ worker while a DDP peer trains, with the ring accounting of :class:`gradsync.col
 see DESIGN.md), so its overlap is understated.
 
 Each rank trains on its own seeded, disjoint shard of the training data; all ranks start from
-the same model (``gradsync.models.build(name, seed)``); SGD with momentum 0.9 (AdamW for the
+the same model (``gradsync.apps.models.build(name, seed)``); SGD with momentum 0.9 (AdamW for the
 transformers: GPT, BERT, ViT); for sparse schemes the momentum moves into error feedback as
 DGC's momentum correction (§3.2) and SGD itself runs without momentum — measured on the CNN
 at 1% density, 4 ranks, 100 steps: ssfusion_oi 71.7% → 76.3% test accuracy, oktopk 76.7% →
-77.5% (dense 80.1%). The loss is ``gradsync.models.loss``. Data: ``fashion-mnist``
-for image models, ``text`` for language models (``gradsync.data.text_corpus``, byte ids, word
-ids for ``lstm``; causal or masked targets per ``gradsync.models.task``), ``synthetic`` only
+77.5% (dense 80.1%). The loss is ``gradsync.apps.models.loss``. Data: ``fashion-mnist``
+for image models, ``text`` for language models (``gradsync.apps.data.text_corpus``, byte ids, word
+ids for ``lstm``; causal or masked targets per ``gradsync.apps.models.task``), ``synthetic`` only
 when asked for. When the real data is not installed it says so in one line and uses synthetic
 images, or gradsync's own source text for the language models.
 
@@ -116,7 +116,7 @@ DATASETS = ("fashion-mnist", "text", "synthetic")
 
 def all_schemes() -> list[str]:
     """Every accepted ``--scheme`` value."""
-    from gradsync import ddp as gddp
+    from gradsync.integrations import ddp as gddp
     from gradsync.schedule import SCHEMES
 
     return [*DDP_PEERS, *SCHEMES, *(f"ddp_gradsync_{s}" for s in gddp.DDP_SCHEMES)]
@@ -153,8 +153,8 @@ def _positive_float(s: str) -> float:
 
 
 def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentParser:
-    from gradsync import models
-    from gradsync.config import ENGINE_SPARSIFIERS
+    from gradsync.apps import models
+    from gradsync.engine.config import ENGINE_SPARSIFIERS
 
     p = argparse.ArgumentParser(prog=prog, description=__doc__.split("\n\n")[0],
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -182,7 +182,7 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
                    help="emulate per-rank links of this rate (tbf, root): 100mbit, 1gbit, …")
     p.add_argument("--latency", default=None,
                    help="tbf queueing bound (e.g. 50ms); NOT a propagation delay, which is not "
-                        "emulated (see gradsync.netem)")
+                        "emulated (see gradsync.testing.netem)")
     p.add_argument("--out", default=None, help="write metrics.json and PNG plots here")
     p.add_argument("--eval-batches", type=int, default=20,
                    help="test batches for accuracy / perplexity (0 = no evaluation)")
@@ -196,7 +196,7 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
 def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = None
                ) -> argparse.Namespace:
     """Parse and validate; bad values exit with status 2 (argparse errors)."""
-    from gradsync import netem
+    from gradsync.testing import netem
 
     p = parser or build_parser()
     a = p.parse_args(argv)
@@ -223,7 +223,7 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
             netem.parse_time(a.latency)
         except ValueError as e:
             p.error(f"--latency: {e}")
-    from gradsync import models
+    from gradsync.apps import models
 
     try:  # a model needing a missing optional dependency fails here, not in every rank
         models.build(a.model, seed=0, device="meta")
@@ -255,7 +255,7 @@ class _Data:
     Images: a seeded permutation of the training set, rank r takes every P-th image from r;
     each epoch visits the shard in a new seeded order. Text: the first 90 % of the corpus
     tokens cut into P contiguous, disjoint regions; batches are seeded random windows of a
-    rank's region (``gradsync.data.lm_batches``: causal or masked targets); the last 10 % is
+    rank's region (``gradsync.apps.data.lm_batches``: causal or masked targets); the last 10 % is
     the evaluation text.
     """
 
@@ -272,7 +272,7 @@ class _Data:
             self.x, self.y = x[mine], y[mine]
             self.shard_len = len(mine)
             return
-        from gradsync import data
+        from gradsync.apps import data
 
         tok = (data.word_tokenizer(max_vocab=getattr(model, "vocab", 10_000),
                                    fallback=text_fallback)
@@ -318,7 +318,7 @@ class _Data:
         if n <= 0:
             return
         if self.task != "image":
-            from gradsync import data
+            from gradsync.apps import data
 
             for xb, yb in data.lm_batches(self.test, self.batch, self.T, seed=self.seed + 12345,
                                           steps=n, **self._lm_kw):
@@ -339,11 +339,11 @@ def _images(kind: str, seed: int) -> tuple[torch.Tensor, ...]:
     key = ("images", kind, seed)
     if key not in _CACHE:
         if kind == "fashion-mnist":
-            from gradsync.data import fashion_mnist
+            from gradsync.apps.data import fashion_mnist
 
             _CACHE[key] = (*fashion_mnist(train=True), *fashion_mnist(train=False))
         else:
-            from gradsync.data import synthetic_images
+            from gradsync.apps.data import synthetic_images
 
             _CACHE[key] = (*synthetic_images(8192, seed=seed),
                            *synthetic_images(2048, seed=seed + 1))
@@ -351,8 +351,8 @@ def _images(kind: str, seed: int) -> tuple[torch.Tensor, ...]:
 
 
 def _text_tokens(tok: Any, fallback: bool) -> torch.Tensor:
-    """The offline text corpus (``gradsync.data.text_corpus``) encoded by ``tok``."""
-    from gradsync import data
+    """The offline text corpus (``gradsync.apps.data.text_corpus``) encoded by ``tok``."""
+    from gradsync.apps import data
 
     return data.corpus_tokens(tok, fallback=fallback)
 
@@ -472,9 +472,9 @@ def _optimizer(model: nn.Module, adamw: bool, lr: float,
 
 def _train_scheme(scheme: str, rank: int, P: int, spec: dict, device: torch.device,
                   progress: Any) -> dict:
-    from gradsync import models
-    from gradsync.config import Config
+    from gradsync.apps import models
     from gradsync.engine import GradSync
+    from gradsync.engine.config import Config
     from gradsync.schedule import SCHEMES
 
     model = models.build(spec["model"], seed=spec["seed"]).to(device)
@@ -501,7 +501,7 @@ def _train_scheme(scheme: str, rank: int, P: int, spec: dict, device: torch.devi
             ddp_model = DDP(model, device_ids=ids, broadcast_buffers=False)
         net = ddp_model
         if scheme.startswith("ddp_gradsync_"):
-            from gradsync import ddp as gddp
+            from gradsync.integrations import ddp as gddp
 
             mc = _momentum_correction(scheme, _uses_adamw(spec["model"]))
             gstate = gddp.register(ddp_model, Config(
@@ -612,7 +612,7 @@ def _train_scheme(scheme: str, rank: int, P: int, spec: dict, device: torch.devi
 def _evaluate(model: nn.Module, task: str, data: _Data, n: int) -> dict:
     if n <= 0:
         return {}
-    from gradsync import models
+    from gradsync.apps import models
 
     model.eval()
     total_loss, correct, count, tokens = 0.0, 0, 0, 0
@@ -649,7 +649,7 @@ def train_worker(rank: int, world_size: int, spec: dict) -> dict:
     """One rank: train every scheme of ``spec["schemes"]`` in turn; returns its records.
 
     A module-level function so that :func:`gradsync.testing.run_distributed` and
-    :func:`gradsync.netem.run_shaped` can start it on every rank.
+    :func:`gradsync.testing.netem.run_shaped` can start it on every rank.
     """
     if spec.get("device"):
         device = torch.device(spec["device"])
@@ -674,7 +674,7 @@ def _spec(a: argparse.Namespace) -> dict:
 
 def _resolve_data(a: argparse.Namespace, quiet: bool = False) -> None:
     """Real data by default; a stand-in only by choice or, with a note, when it is missing."""
-    from gradsync.data import DatasetUnavailable, fashion_mnist, text_corpus
+    from gradsync.apps.data import DatasetUnavailable, fashion_mnist, text_corpus
 
     if a.data == "text":
         try:
@@ -698,8 +698,7 @@ def _resolve_data(a: argparse.Namespace, quiet: bool = False) -> None:
 
 def launch(a: argparse.Namespace) -> tuple[list[dict], dict]:
     """Run the local workers; returns (per-rank results, link info)."""
-    from gradsync import netem
-    from gradsync.testing import run_distributed
+    from gradsync.testing import netem, run_distributed
 
     spec = _spec(a)
     if a.bandwidth is not None:
@@ -839,7 +838,7 @@ def _config(a: argparse.Namespace, world_size: int) -> dict:
 
 def report(a: argparse.Namespace, results: list[dict], env: dict, title: str) -> list[dict]:
     """Print the comparison table (and write --out); returns the runs."""
-    from gradsync.bench.common import print_table
+    from gradsync.apps.bench.common import print_table
 
     runs = summarize(results, a.warmup_steps)
     cols, rows = table_rows(runs)

@@ -11,7 +11,7 @@ data labelled by a fixed random teacher, so the loss goes down) for ``--steps`` 
   leak of one gradient-sized buffer per step of this model, 0.2 MiB, would exceed it within
   100 steps);
 * **replica divergence**: every ``--check-every`` steps the ranks all-gather a SHA-256 of their
-  parameters (:func:`gradsync.consistency.parameter_digest`) and count mismatches; at the end
+  parameters (:func:`gradsync.engine.consistency.parameter_digest`) and count mismatches; at the end
   they all-gather the flat parameters and report ``max |θ_r − θ_0|`` over ranks and entries.
   Both must be 0 (the engine promises bitwise-identical replicas);
 * **faults injected and survived**: every ``--nan-every`` steps one rank (rotating) gets a NaN
@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from gradsync.bench.common import add_common_args, print_table, write_outputs
+from gradsync.apps.bench.common import add_common_args, print_table, write_outputs
 
 SCHEMES = ("dense_ovlp", "topka", "oktopk", "densestream", "ssfusion_oi")
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -63,10 +63,10 @@ def _rank(rank: int, world: int, scheme: str, o: dict[str, Any]) -> dict[str, An
     import torch.distributed as dist
     from torch import nn
 
-    from gradsync.config import Config
-    from gradsync.consistency import parameter_digest
+    from gradsync.apps.models import build
     from gradsync.engine import GradSync
-    from gradsync.models import build
+    from gradsync.engine.config import Config
+    from gradsync.engine.consistency import parameter_digest
 
     torch.set_num_threads(1)
     model = build("mlp", seed=o["seed"], hidden=o["hidden"])
@@ -168,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         if a.schemes == list(SCHEMES):
             a.schemes = ["dense_ovlp", "topka"]
     a.world_size = 4 if a.world_size is None else a.world_size
-    from gradsync.config import Config
+    from gradsync.engine.config import Config
 
     for s in a.schemes:
         Config(scheme=s, density=a.density)  # validates early: ValueError naming the field

@@ -1,6 +1,6 @@
-"""One rank of :func:`gradsync.netem.run_shaped`, started inside its network namespace.
+"""One rank of :func:`gradsync.testing.netem.run_shaped`, started inside its network namespace.
 
-``python -m gradsync._netem_worker <spec.pkl>``: the spec holds a header (the parent's
+``python -m gradsync.testing._netem_worker <spec.pkl>``: the spec holds a header (the parent's
 ``sys.path``, rank, world size, rendezvous, timeout, result path) followed by the pickled
 ``(fn, args, kwargs)``, which is unpickled only after ``sys.path`` is restored so that ``fn``
 resolves by reference. The outcome — ``(True, return value)`` or ``(False, traceback)`` — is
@@ -28,7 +28,7 @@ def _write(path: str, outcome: tuple) -> None:
 
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
-        print("usage: python -m gradsync._netem_worker <spec.pkl>", file=sys.stderr)
+        print("usage: python -m gradsync.testing._netem_worker <spec.pkl>", file=sys.stderr)
         return 2
     with open(argv[0], "rb") as f:
         head = pickle.load(f)

@@ -39,8 +39,8 @@ Fashion-MNIST adaptations (1 × 28 × 28 grey images, 10 classes), random init, 
 * ``reference(name)`` gives the *unadapted* published definitions (ResNet-152 and ViT-L/16 at
   224 pixels and 1000 classes, bert-large, gpt2-large) for the SSFusion Table II census.
 
-Language models: ``gpt2_*``/``bert_*``/``gpt_tiny`` read bytes (``gradsync.data.ByteTokenizer``,
-256 byte ids + a mask id 256); ``lstm`` reads words (``gradsync.data.WordTokenizer`` built from
+Language models: ``gpt2_*``/``bert_*``/``gpt_tiny`` read bytes (``data.ByteTokenizer``,
+256 byte ids + a mask id 256); ``lstm`` reads words (``data.WordTokenizer`` built from
 the corpus, its vocabulary size is the model's). GPT-2 is a causal LM (next-token targets),
 BERT a masked LM (15 % of positions; 80/10/10 mask/random/keep; other targets −100).
 
@@ -466,7 +466,7 @@ def loss(out: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
 
 
 def _tokenizer(name: str, net: nn.Module | None, fallback: bool):
-    from gradsync import data
+    from gradsync.apps import data
 
     if name == "lstm":
         vocab = net.vocab if net is not None else 10_000
@@ -482,12 +482,12 @@ def batches(
     """Endless ``(inputs, targets)`` batches of model ``name``'s natural data, seeded.
 
     Images: Fashion-MNIST (``DatasetUnavailable`` when not installed; ``limit`` caps the images
-    read). Language models: the offline text corpus (``gradsync.data.text_corpus``; with
+    read). Language models: the offline text corpus (``gradsync.apps.data.text_corpus``; with
     ``fallback=True`` this package's source text when the corpus is missing), byte ids or (lstm)
     word ids, ``seq_len`` tokens (default: the model's context, at most 128), causal or masked
     targets per :func:`task`. ``model`` (the built model) supplies context and vocabulary.
     """
-    from gradsync import data
+    from gradsync.apps import data
 
     if batch_size < 1:
         raise ValueError(f"batch_size must be >= 1, got {batch_size}")
@@ -573,3 +573,27 @@ def real_gradients(
             for n, g in grads.items():
                 total[n] += g
     return total if accumulate and total is not None else last
+
+
+def model_step(name: str, batch: int, seed: int, rank: int = 0,
+               device: torch.device | str | None = None):
+    """``(model, step)`` for timing: ``models.build(name, seed)`` and a closure that runs the
+    forward pass on fixed seeded random inputs (bytes for ``gpt_tiny``, 28×28 images otherwise)
+    and returns the loss. ``rank`` varies the inputs, not the weights."""
+    net = build(name, seed=seed).to(device or "cpu")
+    g = torch.Generator().manual_seed(seed * 1009 + rank)
+    if name == "gpt_tiny":
+        x = torch.randint(256, (batch, net.context), generator=g).to(device or "cpu")
+        y = torch.randint(256, (batch, net.context), generator=g).to(device or "cpu")
+
+        def step() -> torch.Tensor:
+            out = net(x)
+            return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    else:
+        x = torch.randn(batch, 1, 28, 28, generator=g).to(device or "cpu")
+        y = torch.randint(10, (batch,), generator=g).to(device or "cpu")
+
+        def step() -> torch.Tensor:
+            return nn.functional.cross_entropy(net(x), y)
+
+    return net, step

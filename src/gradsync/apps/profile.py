@@ -1,0 +1,122 @@
+"""``python -m gradsync profile``: measure the cost model the fusion planners read.
+
+SSFusion §IV-A "Various time estimation": a model's per-tensor backward times T_b^l, the
+sparsifier's inline and offloaded cost, and — on several ranks — the α-β fits of all-reduce and
+all-gather, measured with :mod:`gradsync.schedule.costmodel`'s profilers, printed as a table and
+written as the JSON that ``CostModel.from_dict`` reads back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+from collections.abc import Sequence
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from rich.console import Console
+from rich.table import Table
+
+from gradsync import sparsify
+from gradsync.apps import models
+from gradsync.schedule.costmodel import (
+    AlphaBeta,
+    CostModel,
+    profile_backward,
+    profile_collectives,
+    profile_sparsifier,
+)
+from gradsync.testing import run_distributed
+
+
+def _collectives_rank(rank: int, world_size: int, sizes, repeats) -> tuple[dict, dict]:
+    ar, ag = profile_collectives(None, sizes=sizes, repeats=repeats)
+    return vars(ar), vars(ag)
+
+
+def build_cost_model(args, P: int, collectives: tuple[AlphaBeta, AlphaBeta]) -> CostModel:
+    dev = torch.device(args.device)
+    sizes = [int(s) for s in args.sizes.split(",")]
+    net, step = models.model_step(args.model, args.batch, args.seed, device=dev)
+    order, numel, backward = profile_backward(net, step, repeats=args.repeats)
+    sp = sparsify.get(args.sparsifier, density=args.density, seed=args.seed)
+    inline = profile_sparsifier(sp, sizes=sizes, repeats=args.repeats, device=dev)
+    off = profile_sparsifier(sp, sizes=sizes, repeats=args.repeats, device=dev, offload=True)
+    elem = next(net.parameters()).element_size()
+    return CostModel(
+        P=P, order=order, numel=numel, elem_bytes=elem, backward=backward, sparsify=inline,
+        offload=off, allreduce=collectives[0], allgather=collectives[1],
+        info={"model": args.model, "batch": args.batch, "sparsifier": args.sparsifier,
+              "density": args.density, "device": str(dev), "sizes": sizes,
+              "repeats": args.repeats, "threads": torch.get_num_threads()},
+    )
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``python -m gradsync profile``: measure a cost model, print it, write it as JSON."""
+    parser = argparse.ArgumentParser(
+        prog="python -m gradsync profile",
+        description="Profile backward, sparsification and collective times (SSFusion §IV-A) "
+        "into a cost model JSON the fusion planners read.")
+    parser.add_argument("--model", default="cnn", choices=models.names())
+    parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--sparsifier", default="topk", choices=sparsify.names())
+    parser.add_argument("--density", type=float, default=0.01)
+    parser.add_argument("--world-size", type=int, default=0,
+                        help="profile collectives on N local gloo ranks (run_distributed); "
+                        "under torchrun the launched group is used")
+    parser.add_argument("--sizes", default=",".join(str(1 << e) for e in (10, 14, 17, 20)),
+                        help="comma-separated tensor sizes (sparsifier: elements; "
+                        "collectives: bytes)")
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats")
+    parser.add_argument("--out", default="bench-out/profile/costmodel.json")
+    args = parser.parse_args(list(argv) if argv is not None else None)
+    if args.quick:
+        args.sizes, args.repeats = "256,4096,16384", 2
+    if args.repeats < 1 or args.batch < 1:
+        raise ValueError("--repeats and --batch must be >= 1")
+    sizes = [int(s) for s in args.sizes.split(",")]
+
+    torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and args.world_size == 0
+    rank = 0
+    if torchrun:
+        if args.device.startswith("cuda"):  # before NCCL initialises: one GPU per rank
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+            args.device = f"cuda:{torch.cuda.current_device()}"
+        if not dist.is_initialized():
+            dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
+        rank, P = dist.get_rank(), dist.get_world_size()
+        coll = profile_collectives(None, sizes=sizes, repeats=args.repeats)
+    elif args.world_size > 1:
+        P = args.world_size
+        res = run_distributed(_collectives_rank, P, sizes, args.repeats, timeout=600)
+        coll = (AlphaBeta(**res[0][0]), AlphaBeta(**res[0][1]))
+    else:
+        P, coll = 1, (AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0))
+    cost = build_cost_model(args, P, coll)
+    if rank == 0:
+        table = Table(title=f"cost model: {args.model}, {args.sparsifier} on {args.device}, "
+                      f"P={P}")
+        table.add_column("quantity")
+        table.add_column("value", justify="right")
+        for q, v in cost.table_rows():
+            table.add_row(str(q), f"{v:.4g}" if isinstance(v, float) else str(v))
+        Console(width=100).print(table)
+        out = Path(args.out)
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(cost.to_dict(), indent=2))
+        print(f"wrote {out}")
+    if torchrun and dist.is_initialized():
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":  # pragma: no cover
+    import sys
+
+    sys.exit(main())
