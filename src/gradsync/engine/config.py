@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, fields
 from typing import Any
 
 from gradsync import sparsify
-from gradsync.schedule import SCHEMES
+from gradsync.schedule import schemes
 
 __all__ = ["ENGINE_SPARSIFIERS", "Config"]
 
@@ -26,10 +26,10 @@ class Config:
     """Settings of gradient synchronization.
 
     Attributes:
-        scheme: one of ``gradsync.schedule.SCHEMES`` (``dense``, ``dense_ovlp``, ``topka``,
-            ``topkdsa``, ``gtopk``, ``gaussiank``, ``oktopk``, ``densestream``, ``per_tensor``,
-            ``multi_tensor``/``omgs``, ``cupcake``, ``ssfusion``, ``ssfusion_o``,
-            ``ssfusion_oi``).
+        scheme: a name in the table of schemes ``gradsync.schedule.SCHEMES`` (``dense``,
+            ``dense_ovlp``, ``topka``, ``topkdsa``, ``gtopk``, ``gaussiank``, ``oktopk``,
+            ``densestream``, ``per_tensor``, ``multi_tensor``/``omgs``, ``cupcake``,
+            ``ssfusion``, ``ssfusion_o``, ``ssfusion_oi``).
         density: fraction of gradient entries sent, in (0, 1].
         sparsifier: how entries are chosen (``dgc`` default; ``topk``, ``gaussiank``,
             ``redsync``, ``sidco``, ``randomk``). The ``gaussiank`` scheme always uses
@@ -62,9 +62,9 @@ class Config:
     check_every: int = 0
 
     def __post_init__(self) -> None:
-        if self.scheme not in SCHEMES:
+        if self.scheme not in schemes.SCHEMES:
             raise ValueError(f"Config.scheme {self.scheme!r} is unknown; choose one of "
-                             f"{', '.join(SCHEMES)}")
+                             f"{', '.join(schemes.SCHEMES)}")
         sparsify.validate_density(self.density)
         if self.sparsifier not in ENGINE_SPARSIFIERS or self.sparsifier not in sparsify.names():
             raise ValueError(f"Config.sparsifier {self.sparsifier!r} is unknown; choose one of "

@@ -684,7 +684,7 @@ class GradSync:
 
     def _sparsifier_seed(self, key: str) -> int:
         """Each sparsifier's own generator seed: the config seed, its key and this rank."""
-        return (self.cfg.seed * 1_000_003 + _stable_hash(key) * 31 + self.rank) % 2**62
+        return sparsify.seed_for(self.cfg.seed, key, self.rank)
 
     def _sparsifier(self, key: str, density: float) -> sparsify.Sparsifier:
         sp = self._sparsifiers.get(key)
@@ -758,13 +758,6 @@ def _backward_profile(
         rest = [backward[n] for n in order[1:]]
         backward[order[0]] = sum(rest) / len(rest)
     return order, backward
-
-
-def _stable_hash(s: str) -> int:
-    h = 1469598103934665603
-    for b in s.encode():
-        h = ((h ^ b) * 1099511628211) % 2**64
-    return h
 
 
 def _global(group: dist.ProcessGroup | None, rank: int) -> int:

@@ -2,33 +2,20 @@
 
 Pure functions of tensor names/sizes (backward order), a target density and, for the schemes
 that need one, a measured :class:`~gradsync.schedule.costmodel.CostModel` — no processes, no
-torch.distributed. ``make_plan(scheme, names, numel, density, cost)`` returns a JSON-safe
-:class:`Plan`; ``simulate(plan, cost)`` predicts its timeline.
-
-=============  =============================================================================
-scheme         plan
-=============  =============================================================================
-dense          fixed ``bucket_bytes`` buckets, all-reduced after the backward (fixed.py)
-dense_ovlp     the same buckets, each all-reduced as soon as it is ready (WFBP)
-topka …        one buffer with every tensor, sparsified as one vector (topka, topkdsa, gtopk,
-               gaussiank, oktopk, densestream — the engine picks the collective by name)
-multi_tensor,  MG-WFBP/OMGS merging on the cost model, fused sparsification (mgwfbp.py)
-omgs
-cupcake        exact DP over contiguous groupings minimising ``simulate`` (cupcake.py)
-per_tensor     cupcake's buffers (fixed buckets without a cost model), every tensor sparsified
-ssfusion       cupcake's buffers + Eq. 2 selection + density compensation (ssfusion.py)
-ssfusion_o     + SSFusion-O offloading
-ssfusion_oi    + SSFusion-I all-reduce / all-gather split
-=============  =============================================================================
+torch.distributed. :data:`SCHEMES` (:mod:`.schemes`) is the table of schemes;
+``make_plan(scheme, names, numel, density, cost)`` runs the scheme's planner and returns a
+JSON-safe :class:`Plan`; ``simulate(plan, cost)`` (:mod:`.timeline`) predicts its timeline.
 """
 
 from __future__ import annotations
 
+from gradsync.schedule import schemes
 from gradsync.schedule.costmodel import CostModel, missing_rate
 from gradsync.schedule.cupcake import cupcake_groups
 from gradsync.schedule.fixed import fixed_buckets
 from gradsync.schedule.mgwfbp import mgwfbp_groups
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
+from gradsync.schedule.schemes import SCHEMES, Scheme
 from gradsync.schedule.ssfusion import (
     best_split,
     compensate,
@@ -42,6 +29,7 @@ __all__ = [
     "SCHEMES",
     "BufferPlan",
     "Plan",
+    "Scheme",
     "TensorPlan",
     "Timeline",
     "best_split",
@@ -58,18 +46,9 @@ __all__ = [
     "simulate",
 ]
 
-SCHEMES = ("dense", "dense_ovlp", "topka", "topkdsa", "gtopk", "gaussiank", "oktopk",
-           "densestream", "per_tensor", "multi_tensor", "omgs", "cupcake", "ssfusion",
-           "ssfusion_o", "ssfusion_oi")
-_SINGLE_BUFFER = ("topka", "topkdsa", "gtopk", "gaussiank", "oktopk", "densestream")
-_NEEDS_COST = ("multi_tensor", "omgs", "cupcake", "ssfusion", "ssfusion_o", "ssfusion_oi")
-
-
 def needs_cost_model(scheme: str) -> bool:
     """Whether ``make_plan(scheme, …)`` needs a cost model (``per_tensor`` uses one if given)."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown scheme {scheme!r}; available: {', '.join(SCHEMES)}")
-    return scheme in _NEEDS_COST
+    return schemes.get(scheme).needs_cost_model
 
 
 def _check_density(x, what: str) -> float:
@@ -94,7 +73,8 @@ def make_plan(
     min_density: float = 0.001,
 ) -> Plan:
     """Plan ``scheme`` for the tensors ``names`` (backward order) at target ``density``."""
-    needs = needs_cost_model(scheme)  # raises on an unknown scheme
+    spec = schemes.get(scheme)  # raises on an unknown scheme
+    needs = spec.needs_cost_model
     density = _check_density(density, "density")
     min_density = _check_density(min_density, "min_density")
     names = [str(n) for n in names]
@@ -136,34 +116,32 @@ def make_plan(
         return [BufferPlan(tuple(TensorPlan(n, numel[n], density) for n in g), "per_tensor")
                 for g in groups]
 
-    overlap = True
-    if scheme in ("dense", "dense_ovlp"):
+    if spec.planner == "fixed":
         buffers = dense_buffers(fixed_buckets(names, numel, elem_bytes, bucket_bytes))
-        overlap = scheme == "dense_ovlp"
-    elif scheme in _SINGLE_BUFFER:
+    elif spec.planner == "single":
         buffers = fused_buffers([names])
-    elif scheme in ("multi_tensor", "omgs"):
+    elif spec.planner == "mgwfbp":
         buffers = fused_buffers(mgwfbp_groups(names, numel, cost, density))
-    elif scheme == "cupcake":
+    elif spec.planner == "cupcake":
         groups, t = cupcake_groups(names, numel, cost, density)
         buffers = fused_buffers(groups)
         info["dp_iteration"] = t
-    elif scheme == "per_tensor":
+    elif spec.planner == "per_tensor":
         if cost is None:
             groups = fixed_buckets(names, numel, elem_bytes, bucket_bytes)
         else:
             groups, _ = cupcake_groups(names, numel, cost, density)
         buffers = per_tensor_buffers(groups)
-    else:  # ssfusion, ssfusion_o, ssfusion_oi
+    else:  # ssfusion, with SSFusion-O and SSFusion-I as the record says
         groups, _ = cupcake_groups(names, numel, cost, density)
         buffers, info["eq2"] = selective_buffers(groups, numel, cost, density, min_density)
-        if scheme in ("ssfusion_o", "ssfusion_oi"):
+        if spec.offload:
             pairs = [offload_buffer(b, cost) for b in buffers]
             buffers, info["offload"] = [p[0] for p in pairs], [p[1] for p in pairs]
-        if scheme == "ssfusion_oi":
+        if spec.interleave:
             pairs = [interleave_buffer(b, cost) for b in buffers]
             buffers, info["split"] = [p[0] for p in pairs], [p[1] for p in pairs]
-    plan = Plan(scheme, buffers, overlap=overlap, info=info)
+    plan = Plan(scheme, buffers, overlap=spec.overlap, info=info)
     if cost is not None:
         tl = simulate(plan, cost)
         info["predicted"] = {"iteration": tl.iteration, "backward": tl.backward,

@@ -18,7 +18,7 @@ import torch
 
 from gradsync.sparsegrad import SparseGrad, check_finite
 
-__all__ = ["Sparsifier", "magnitudes", "target_k", "validate_density"]
+__all__ = ["Sparsifier", "magnitudes", "seed_for", "target_k", "validate_density"]
 
 
 def validate_density(density: float) -> float:
@@ -37,6 +37,17 @@ def target_k(n: int, density: float) -> int:
     if n <= 0:
         return 0
     return min(n, max(1, round(density * n)))
+
+
+def seed_for(seed: int, key: str, rank: int) -> int:
+    """The seed of one sparsifier's generator: the run's ``seed``, the tensor or buffer ``key``
+    and the ``rank`` mixed (FNV-1a of the key, stable across processes and Python versions), so
+    that no two tensors and no two ranks draw the same random stream. Every integration uses
+    this one rule."""
+    h = 1469598103934665603
+    for b in key.encode():
+        h = ((h ^ b) * 1099511628211) % 2**64
+    return (int(seed) * 1_000_003 + h * 31 + int(rank)) % 2**62
 
 
 def magnitudes(x: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,118 @@
+"""The table of schemes: what each ``Config.scheme`` is, in one place.
+
+A scheme is a planner (how tensors are grouped into fusion buffers and how each buffer is sent)
+plus the collective its sparse buffers are reduced with. The engine, ``Config``, the DDP hook,
+the simulator and ``train`` all read this table; adding a scheme is one :class:`Scheme` record
+here plus its algorithm files (a planner in ``schedule/``, a collective in ``collectives/``).
+
+Planners (``Scheme.planner``):
+
+=============  =============================================================================
+``fixed``      DDP-style ``bucket_mb`` buckets, all-reduced dense (fixed.py)
+``single``     one buffer with every tensor, sparsified as one vector (the collectives' papers)
+``mgwfbp``     MG-WFBP/OMGS merging on the cost model, fused sparsification (mgwfbp.py)
+``cupcake``    Cupcake's exact DP over contiguous groupings, fused sparsification (cupcake.py)
+``per_tensor`` Cupcake's buffers, every tensor sparsified on its own
+``ssfusion``   Cupcake's buffers + SSFusion's selective sparsification (ssfusion.py), with
+               SSFusion-O offloading (``offload``) and SSFusion-I interleaving (``interleave``)
+=============  =============================================================================
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+
+__all__ = ["PLANNERS", "SCHEMES", "Scheme", "get", "names"]
+
+PLANNERS = ("fixed", "single", "mgwfbp", "cupcake", "per_tensor", "ssfusion")
+
+
+@dataclass(frozen=True)
+class Scheme:
+    """One row of the table.
+
+    Attributes:
+        name: the ``Config.scheme`` value.
+        planner: one of :data:`PLANNERS`.
+        collective: the ``gradsync.collectives`` name sparse buffers are reduced with; dense
+            buffers are always all-reduced.
+        collective_options: ``Config`` fields passed to the collective's constructor under the
+            same name (Ok-Topk sizes its buckets from ``density``).
+        sparsifier: the sparsifier this scheme always uses (the Gaussian-k scheme runs
+            Gaussian-k, as Ok-Topk's paper does); ``None`` uses ``Config.sparsifier``.
+        needs_cost_model: plans from the cost model measured during warm-up.
+        overlap: buffers are sent during the backward pass (``False``: after it).
+        offload: SSFusion-O, sparsification offloaded to a worker thread.
+        interleave: SSFusion-I, a buffer's dense tensors are all-reduced, the rest all-gathered.
+        ddp_hook: available as a DDP comm hook (``gradsync.ddp``), inside DDP's own buckets.
+        paper: where the scheme comes from.
+    """
+
+    name: str
+    planner: str
+    collective: str = "topka"
+    collective_options: tuple[str, ...] = ()
+    sparsifier: str | None = None
+    needs_cost_model: bool = False
+    overlap: bool = True
+    offload: bool = False
+    interleave: bool = False
+    ddp_hook: bool = False
+    paper: str = ""
+
+    def __post_init__(self) -> None:
+        if self.planner not in PLANNERS:
+            raise ValueError(f"scheme {self.name!r}: planner must be one of {PLANNERS}, "
+                             f"got {self.planner!r}")
+        if (self.offload or self.interleave) and self.planner != "ssfusion":
+            raise ValueError(f"scheme {self.name!r}: offload/interleave are SSFusion's")
+
+    @property
+    def sparse(self) -> bool:
+        """Whether gradients are compressed (error feedback, momentum correction apply)."""
+        return self.planner != "fixed"
+
+
+_TABLE = (
+    Scheme("dense", "fixed", overlap=False, ddp_hook=True,
+           paper="PyTorch DDP without overlap (SSFusion §II 'Dense')"),
+    Scheme("dense_ovlp", "fixed", paper="wait-free backpropagation (SSFusion §II 'DenseOvlp')"),
+    Scheme("topka", "single", "topka", paper="DenseStream §II 'TopkA' (all-gather of COO)"),
+    Scheme("topkdsa", "single", "topkdsa", paper="DenseStream §II 'TopkDSA' (SparCML)"),
+    Scheme("gtopk", "single", "gtopk", paper="Ok-Topk §2 'gTop-k' (Shi et al.)"),
+    Scheme("gaussiank", "single", "topka", sparsifier="gaussiank",
+           paper="Ok-Topk §2 'Gaussian-k' (Shi et al.)"),
+    Scheme("oktopk", "single", "oktopk", collective_options=("density",),
+           paper="Ok-Topk §3, Algorithm 1"),
+    Scheme("densestream", "single", "densestream", paper="DenseStream §IV"),
+    Scheme("per_tensor", "per_tensor", ddp_hook=True, paper="SSFusion §II-D per-tensor"),
+    Scheme("multi_tensor", "mgwfbp", needs_cost_model=True,
+           paper="SSFusion §II-D multi-tensor (MG-WFBP / OMGS)"),
+    Scheme("omgs", "mgwfbp", needs_cost_model=True, paper="OMGS-SGD (= multi_tensor)"),
+    Scheme("cupcake", "cupcake", needs_cost_model=True, paper="Cupcake (SSFusion §II-D)"),
+    Scheme("ssfusion", "ssfusion", needs_cost_model=True, ddp_hook=True,
+           paper="SSFusion §IV-B selective sparsification"),
+    Scheme("ssfusion_o", "ssfusion", needs_cost_model=True, offload=True,
+           paper="SSFusion §IV-C (SSFusion-O)"),
+    Scheme("ssfusion_oi", "ssfusion", needs_cost_model=True, offload=True, interleave=True,
+           ddp_hook=True, paper="SSFusion §IV-C/D (SSFusion-O + SSFusion-I)"),
+)
+
+
+# name → Scheme, read-only; iterating yields the names in table order.
+SCHEMES: Mapping[str, Scheme] = MappingProxyType({s.name: s for s in _TABLE})
+
+
+def get(name: str) -> Scheme:
+    """The record of scheme ``name``; an unknown name raises ``ValueError`` naming the choices."""
+    try:
+        return SCHEMES[name]
+    except (KeyError, TypeError):
+        raise ValueError(f"unknown scheme {name!r}; choose one of {', '.join(SCHEMES)}") from None
+
+
+def names() -> list[str]:
+    """Every scheme name, in table order."""
+    return list(SCHEMES)
