@@ -1,7 +1,7 @@
 """gradsync: cheaper gradient synchronization for PyTorch data-parallel training.
 
 Sparsify → encode → reduce with sparse collectives → schedule behind the backward pass.
-The package is laid out in layers, data flowing down and imports never pointing up
+The package is laid out in layers; each entry below may import only the entries above it
 (``docs/architecture.md``; ``make lint`` enforces it)::
 
     sparsegrad      SparseGrad, the type every layer passes down
