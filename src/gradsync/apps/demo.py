@@ -29,7 +29,7 @@ SCHEMES = ("ddp", "ddp_powersgd", "ssfusion_oi", "oktopk", "densestream")
 
 def main(argv: list[str] | None = None) -> int:
     from gradsync.apps import train
-    from gradsync.apps.bench.common import print_table
+    from gradsync.apps.common import print_table
     from gradsync.testing import DistributedError, DistributedTimeout
 
     parser = argparse.ArgumentParser(prog="python -m gradsync demo", description=__doc__,

@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from gradsync.apps.bench.common import print_table, write_outputs
+from gradsync.apps.common import print_table, write_outputs
 
 __all__ = ["TABLES", "main"]
 

@@ -838,7 +838,7 @@ def _config(a: argparse.Namespace, world_size: int) -> dict:
 
 def report(a: argparse.Namespace, results: list[dict], env: dict, title: str) -> list[dict]:
     """Print the comparison table (and write --out); returns the runs."""
-    from gradsync.apps.bench.common import print_table
+    from gradsync.apps.common import print_table
 
     runs = summarize(results, a.warmup_steps)
     cols, rows = table_rows(runs)

@@ -24,7 +24,7 @@ from typing import Any
 
 import torch
 
-from gradsync.apps.bench.common import add_common_args, median_time, print_table, write_outputs
+from gradsync.apps.common import add_common_args, median_time, print_table, write_outputs
 from gradsync.formats import coo
 from gradsync.formats import densestream as ds
 from gradsync.sparsegrad import SparseGrad

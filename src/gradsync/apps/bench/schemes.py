@@ -25,7 +25,7 @@ from __future__ import annotations
 import argparse
 import time
 
-from gradsync.apps.bench.common import print_table, write_outputs
+from gradsync.apps.common import print_table, write_outputs
 
 DEFAULT_SCHEMES = ("ddp", "ddp_powersgd", "dense_ovlp", "topka", "oktopk", "densestream",
                    "per_tensor", "multi_tensor", "cupcake", "ssfusion", "ssfusion_o",

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gradsync.apps.bench.common import add_common_args, median_time, print_table, write_outputs
+from gradsync.apps.common import add_common_args, median_time, print_table, write_outputs
 
 RATIOS = (2, 4, 10)
 TABLE1 = {2: 0.20, 4: 0.10, 10: 0.0125}  # union density at TAGC Table 1's θ (80/90/98.75%)

@@ -362,7 +362,7 @@ def _plot_vs_p(rows: list[dict[str, Any]], title: str, measured: bool = False):
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    from gradsync.apps.bench.common import print_table, write_outputs
+    from gradsync.apps.common import print_table, write_outputs
 
     a = parse_args(argv)
     if a.validate:

@@ -122,7 +122,7 @@ def _gamma(union: dict[int, float], d: float) -> float | None:
 
 
 def run_validation(a) -> int:
-    from gradsync.apps.bench.common import print_table, write_outputs
+    from gradsync.apps.common import print_table, write_outputs
     from gradsync.apps.sim.simulate import NOTE, Network, _plot_vs_p, predict
     from gradsync.testing import netem, run_distributed
 
