@@ -69,7 +69,7 @@ class Runner:
         self.net: nn.Module = model  # what the forward pass calls
         self.momentum_correction = momentum_correction(choice, spec.adamw)
 
-    def config(self, spec: TrainSpec, **extra):
+    def gradsync_config(self, spec: TrainSpec, **extra):
         """The gradsync ``Config`` of this scheme under ``spec``."""
         from gradsync.engine.config import Config
 
@@ -103,7 +103,7 @@ class EngineRunner(Runner):
         from gradsync.engine import GradSync
 
         super().__init__(choice, model, spec)
-        self.sync = GradSync(model, self.config(spec, warmup_steps=spec.warmup_steps,
+        self.sync = GradSync(model, self.gradsync_config(spec, warmup_steps=spec.warmup_steps,
                                                 timeout_s=spec.timeout))
 
     def after_backward(self) -> None:
@@ -137,7 +137,7 @@ class DDPHookRunner(Runner):
 
         super().__init__(choice, model, spec)
         self.net = wrap_ddp(model, device)
-        self.state = gddp.register(self.net, self.config(spec))
+        self.state = gddp.register(self.net, self.gradsync_config(spec))
         self.before_backward()
 
     def before_backward(self) -> None:
