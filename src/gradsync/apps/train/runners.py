@@ -103,8 +103,8 @@ class EngineRunner(Runner):
         from gradsync.engine import GradSync
 
         super().__init__(choice, model, spec)
-        self.sync = GradSync(model, self.gradsync_config(spec, warmup_steps=spec.warmup_steps,
-                                                timeout_s=spec.timeout))
+        cfg = self.gradsync_config(spec, warmup_steps=spec.warmup_steps, timeout_s=spec.timeout)
+        self.sync = GradSync(model, cfg)
 
     def after_backward(self) -> None:
         self.sync.synchronize()
