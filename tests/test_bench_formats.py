@@ -39,3 +39,25 @@ def test_bench_formats_quick(tmp_path, capsys):
         ("paper VGG16", 0.01, 1.11), ("paper ResNet50", 0.1, 0.82)}
     out = capsys.readouterr().out
     assert "paper VGG16" in out and "DenseStream / COO" in out
+
+
+def test_payload_sizes_are_the_encoded_lengths():
+    """``payload_sizes`` (which ``report densestream`` also uses) against the real encoders."""
+    import torch
+
+    from gradsync.apps.bench.formats import payload_sizes, top_k
+    from gradsync.formats import coo
+    from gradsync.formats import densestream as ds
+
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(3))
+    x[1000:1400] *= 50  # a run of large entries: DenseStream blocks longer than 1
+    sel = top_k(x, 0.05)
+    assert len(sel) == 250
+    assert set(sel.indices.tolist()) == set(x.abs().topk(250).indices.tolist())
+    for iw in (4, 8):
+        s = payload_sizes(sel, iw)
+        assert s["coo_bytes"] == coo.encode(sel, index_bytes=iw).numel()
+        assert s["ds_bytes"] == ds.encode(sel, index_bytes=iw).numel()
+        assert s["ratio"] == (s["ds_bytes"] - ds.HEADER_BYTES) / (s["coo_bytes"]
+                                                                  - coo.HEADER_BYTES)
+        assert s["blocks"] < s["nnz"] == 250 and s["mean_block_len"] > 1

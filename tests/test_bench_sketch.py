@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 
+import torch
+
 from gradsync.apps.cli import main
 
 
@@ -27,3 +29,13 @@ def test_bench_sketch_smoke(tmp_path):
     assert {r["ratio"] for r in peel} == {2, 4, 10}
     assert all(0.0 <= r["success_rate"] <= 1.0 for r in peel)
     assert {r["ratio"] for r in rows if r["table"] == "throughput"} == {2, 4, 10}
+
+
+def test_sparse_input_is_seeded_and_masked():
+    from gradsync.apps.bench.sketch import sparse_input
+
+    x, mask = sparse_input(20_000, 0.1, 5)
+    assert torch.equal(x != 0, mask)  # non-zero exactly where the mask says
+    assert 1800 < int(mask.sum()) < 2200  # about density · n
+    y, _ = sparse_input(20_000, 0.1, 5)
+    assert torch.equal(x, y) and not torch.equal(x, sparse_input(20_000, 0.1, 6)[0])

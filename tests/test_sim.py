@@ -179,6 +179,25 @@ def test_fusion_schemes_use_the_planned_network():
         sim.predict("topka", cost, 0, net, 0.01)
 
 
+
+def test_every_scheme_of_the_table_is_predicted_by_its_planner_and_collective():
+    from gradsync.schedule import schemes
+
+    cost = tiny_cost()
+    net = sim.Network(1e-4, 8 / 1e8)
+    rows = {name: sim.predict(name, cost, 8, net, 0.01) for name in schemes.SCHEMES}
+    for name, r in rows.items():
+        sch = schemes.get(name)
+        assert math.isfinite(r["iteration_s"]) and r["iteration_s"] > 0
+        if sch.planner == "single":  # one buffer, reduced by the scheme's own collective
+            assert r["buffers"] == 1 and r["collective"] == sch.collective
+        else:
+            assert r["collective"] == ("allreduce+topka" if sch.sparse else "allreduce")
+    # Gaussian-k selects differently but sends what TopkA sends
+    assert rows["gaussiank"]["volume_bytes"] == rows["topka"]["volume_bytes"]
+    assert rows["gaussiank"]["collective"] == "topka"
+    assert rows["oktopk"]["volume_bytes"] != rows["topka"]["volume_bytes"]
+
 def write_table(path):
     cost = tiny_cost()
     lines = ["# sparsify_a=1e-4 sparsify_b=1e-8 forward_s=0.005 step_s=0.001",

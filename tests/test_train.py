@@ -129,6 +129,81 @@ def test_bad_arguments_exit_2(argv, capsys):
     assert "error" in capsys.readouterr().err
 
 
+
+def test_scheme_choices_come_from_the_scheme_table():
+    from gradsync.schedule.schemes import SCHEMES
+
+    hooks = {"ddp_gradsync_dense", "ddp_gradsync_per_tensor", "ddp_gradsync_ssfusion",
+             "ddp_gradsync_ssfusion_oi"}  # the schemes with a DDP comm hook (README)
+    assert set(train.all_schemes()) == {"ddp", "ddp_powersgd", "ddp_fp16"} | set(SCHEMES) | hooks
+    assert len(train.all_schemes()) == 3 + len(SCHEMES) + len(hooks)
+    assert {n for n, c in train.scheme_choices().items() if c.runner == "ddp_hook"} == hooks
+    hook = train.scheme_choice("ddp_gradsync_ssfusion")
+    assert hook.scheme is SCHEMES["ssfusion"] and hook.scheme.ddp_hook
+    assert train.scheme_choice("oktopk").runner == "engine"
+    assert train.scheme_choice("ddp_powersgd").runner == "torch_ddp"
+    assert train.scheme_choice("ddp_powersgd").scheme is None
+    for bad in ("ddp_gradsync_topka", "ddp_gradsync_", "ddp_other", "Dense"):
+        with pytest.raises(ValueError, match="unknown scheme"):
+            train.scheme_choice(bad)
+        with pytest.raises(ValueError, match="scheme"):
+            train.TrainSpec(schemes=(bad,))
+
+
+def test_momentum_correction_exactly_for_sparse_gradsync_schemes():
+    from gradsync.apps.train.runners import momentum_correction
+
+    for name, choice in train.scheme_choices().items():
+        # the rule as first written, on the names: sparse unless a torch hook or dense
+        sparse = name.startswith("ddp_gradsync_") or not name.startswith("ddp")
+        expect = sparse and name not in ("dense", "dense_ovlp", "ddp_gradsync_dense")
+        assert momentum_correction(choice, adamw=False) == expect, name
+        assert momentum_correction(choice, adamw=True) is False
+    cnn = train.TrainSpec(model="cnn")
+    opt = train.make_optimizer(models.build("cnn"), cnn.adamw, cnn.lr, True)
+    assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.0
+    opt = train.make_optimizer(models.build("cnn"), cnn.adamw, cnn.lr, False)
+    assert opt.defaults["momentum"] == 0.9 and opt.defaults["lr"] == 0.05
+
+
+def test_spec_fills_model_defaults_validates_and_pickles():
+    import pickle
+
+    cnn = train.TrainSpec(schemes=["ddp", "oktopk"])
+    assert (cnn.data, cnn.lr, cnn.steps, cnn.adamw) == ("fashion-mnist", 0.05, 50, False)
+    assert cnn.schemes == ("ddp", "oktopk") and cnn.bandwidth_bps is None
+    assert [c.runner for c in cnn.choices] == ["torch_ddp", "engine"]
+    gpt = train.TrainSpec(model="gpt_tiny", epochs=0.5)
+    assert (gpt.data, gpt.lr, gpt.steps, gpt.epochs, gpt.adamw) == ("text", 3e-3, None, 0.5,
+                                                                   True)
+    assert train.TrainSpec(bandwidth="100mbit").bandwidth_bps == 100_000_000
+    cfg = cnn.config(4)
+    assert list(cfg) == ["model", "data", "schemes", "world_size", "steps", "epochs",
+                         "batch_size", "lr", "optimizer", "text_fallback", "density",
+                         "sparsifier", "seed", "warmup_steps", "eval_batches", "bandwidth",
+                         "latency"]
+    assert cfg["world_size"] == 4 and cfg["schemes"] == ["ddp", "oktopk"]
+    assert pickle.loads(pickle.dumps(gpt)) == gpt  # every rank receives it
+    for kw, field in [({"steps": 0}, "steps"), ({"steps": 2, "epochs": 1.0}, "epochs"),
+                      ({"epochs": -1.0}, "epochs"), ({"latency": "5ms"}, "latency"),
+                      ({"bandwidth": "fast"}, "bandwidth"), ({"schemes": ()}, "scheme"),
+                      ({"schemes": ("ddp", "ddp")}, "twice"), ({"density": 0.0}, "density"),
+                      ({"eval_batches": -1}, "eval_batches"), ({"model": "nope"}, "model"),
+                      ({"data": "text"}, "does not fit"), ({"lr": float("inf")}, "lr"),
+                      ({"sparsifier": "nope"}, "sparsifier"), ({"world_size": 0}, "world_size"),
+                      ({"warmup_steps": 0}, "warmup_steps"), ({"batch_size": 1.5}, "batch_size"),
+                      ({"timeout": 0}, "timeout")]:
+        with pytest.raises(ValueError, match=field):
+            train.TrainSpec(**kw)
+
+
+def test_union_length_of_hook_intervals():
+    from gradsync.apps.train.metering import union_length
+
+    assert union_length([]) == 0.0
+    assert union_length([(3.0, 4.0), (0.0, 1.0), (0.5, 2.0), (1.5, 1.8)]) == 3.0
+    assert union_length([(0.0, 1.0), (1.0, 2.0)]) == 2.0
+
 def _our_namespaces() -> list[str]:
     if shutil.which("ip") is None:
         return []
@@ -148,17 +223,17 @@ def test_failing_worker_names_rank_exits_nonzero_and_cleans_up(capsys):
 
 def test_rank_shards_are_disjoint_and_cover_the_data():
     P, B = 3, 16
-    shards = [train._Data("synthetic", "image", r, P, B, 7, torch.device("cpu"))
+    shards = [train.RankData("synthetic", "image", r, P, B, 7, torch.device("cpu"))
               for r in range(P)]
-    x_all = train._images("synthetic", 7)[0]
+    x_all = train.load_images("synthetic", 7)[0]
     assert sum(s.shard_len for s in shards) == len(x_all)
     keys = torch.cat([s.x.flatten(1)[:, :4] for s in shards])
     assert len({tuple(k.tolist()) for k in keys}) == len(x_all)  # no image on two ranks
     # an epoch visits each of a rank's images once, in a seeded order
-    a = train._Data("synthetic", "image", 1, P, B, 7, torch.device("cpu"))
+    a = train.RankData("synthetic", "image", 1, P, B, 7, torch.device("cpu"))
     seen = torch.cat([a.next()[0] for _ in range(a.steps_per_epoch())])
     assert len({tuple(k.tolist()) for k in seen.flatten(1)[:, :4]}) == len(seen)
-    b = train._Data("synthetic", "image", 1, P, B, 7, torch.device("cpu"))
+    b = train.RankData("synthetic", "image", 1, P, B, 7, torch.device("cpu"))
     assert torch.equal(b.next()[0], seen[:B])
 
 
@@ -190,12 +265,12 @@ def test_missing_dataset_falls_back_to_synthetic_with_a_note(tmp_path, monkeypat
     monkeypatch.setattr(data, "FASHION_MNIST_DIR", tmp_path)  # an empty folder
     a = train.parse_args(["--scheme", "ddp"])
     assert a.data == "fashion-mnist"
-    train._resolve_data(a)
+    a = train.resolve_data(a)
     assert a.data == "synthetic"
     out = capsys.readouterr().out
     assert out.count("\n") == 1 and "SYNTHETIC" in out and "apt-get install" in out
     b = train.parse_args(["--data", "synthetic"])
-    train._resolve_data(b)
+    b = train.resolve_data(b)
     assert b.data == "synthetic" and capsys.readouterr().out == ""
 
 

@@ -21,7 +21,7 @@ import gradsync.apps.bench
 def bench_names() -> list[str]:
     return sorted(
         m.name for m in pkgutil.iter_modules(gradsync.apps.bench.__path__)
-        if not m.name.startswith("_") and m.name != "common"
+        if not m.name.startswith("_")
     )
 
 

@@ -29,7 +29,7 @@ SCHEMES = ("ddp", "ddp_powersgd", "ssfusion_oi", "oktopk", "densestream")
 
 def main(argv: list[str] | None = None) -> int:
     from gradsync.apps import train
-    from gradsync.apps.bench.common import print_table
+    from gradsync.apps.common import print_table
     from gradsync.testing import DistributedError, DistributedTimeout
 
     parser = argparse.ArgumentParser(prog="python -m gradsync demo", description=__doc__,
@@ -40,39 +40,39 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--world-size", type=int, default=4)
     parser.add_argument("--schemes", default=",".join(SCHEMES))
     d = parser.parse_args(argv)
-    a = train.parse_args([
+    spec = train.parse_args([
         "--model", "cnn", "--scheme", d.schemes, "--world-size", str(d.world_size),
         "--steps", str(d.steps), "--batch-size", "32", "--density", "0.01",
         "--bandwidth", d.bandwidth, "--eval-batches", "60", "--out", d.out, "--no-progress",
     ], parser=train.build_parser("python -m gradsync demo"))
-    train._resolve_data(a)
-    print(f"gradsync demo: {a.model} on {a.data}, {a.world_size} workers, {a.steps} steps of "
-          f"{a.batch_size} samples per worker and scheme, density {a.density}, link "
-          f"{a.bandwidth} per rank (tbf; no propagation delay)")
-    print(f"schemes: {', '.join(a.schemes)}  (a few minutes on 2 cores)", flush=True)
+    spec = train.resolve_data(spec)
+    print(f"gradsync demo: {spec.model} on {spec.data}, {spec.world_size} workers, {spec.steps} "
+          f"steps of {spec.batch_size} samples per worker and scheme, density {spec.density}, "
+          f"link {spec.bandwidth} per rank (tbf; no propagation delay)")
+    print(f"schemes: {', '.join(spec.schemes)}  (a few minutes on 2 cores)", flush=True)
     t0 = time.perf_counter()
     try:
-        results, link = train.launch(a)
+        results, link = train.launch(spec)
     except (DistributedError, DistributedTimeout) as e:
         print(f"demo failed: {e}")
         return 1
     env = train.environment("local", "gloo", "cpu", link)
-    runs = train.summarize(results, a.warmup_steps)
+    runs = train.summarize(results, spec.warmup_steps)
     rows = []
     for r in runs:
         s = r["summary"]
         rows.append([s["scheme"], s["samples_per_s"],
                      f"{s['speedup_vs_ddp']:.2f}x" if s["speedup_vs_ddp"] else "-",
                      s["mb_per_step"], 100 * s.get("test_accuracy", float("nan"))])
-    print_table(f"gradsync demo — {a.model}, P={a.world_size}, {link['link']}, "
-                f"{a.steps} steps",
+    print_table(f"gradsync demo — {spec.model}, P={spec.world_size}, {link['link']}, "
+                f"{spec.steps} steps",
                 ["scheme", "samples/s", "speed-up vs ddp", "MB sent/step/rank",
                  "test accuracy %"], rows)
-    paths = train.write_metrics(a.out, train._config(a, len(results)), env, runs)
+    paths = train.write_metrics(spec.out, spec.config(len(results)), env, runs)
     if not link["shaped"]:
         print("note: ran on loopback (no shaped links, see the note above): communication is "
               "almost free here, so speed-ups understate what a slow link shows")
-    print(f"test accuracy: first {a.eval_batches * a.batch_size} "
+    print(f"test accuracy: first {spec.eval_batches * spec.batch_size} "
           "images of the real test split, after the same number of steps for every scheme")
     print(f"demo finished in {time.perf_counter() - t0:.0f} s; metrics and plots: "
           + ", ".join(str(p) for p in paths))

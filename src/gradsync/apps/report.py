@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from gradsync.apps.bench.common import print_table, write_outputs
+from gradsync.apps.common import print_table, write_outputs
 
 __all__ = ["TABLES", "main"]
 
@@ -284,7 +284,7 @@ _DS_PAPER_NAME = {"vgg16": "VGG16", "resnet50": "ResNet50"}
 
 
 def run_densestream(a: argparse.Namespace) -> list[dict[str, Any]]:
-    from gradsync.apps.bench.formats import PAPER_TABLE_I, _sizes, _topk
+    from gradsync.apps.bench.formats import PAPER_TABLE_I, payload_sizes, top_k
     from gradsync.apps.models import real_gradients
 
     names = ["cnn"] if a.quick else [m for m in a.models.split(",") if m]
@@ -297,8 +297,8 @@ def run_densestream(a: argparse.Namespace) -> list[dict[str, Any]]:
         flat = torch.cat([g.reshape(-1) for g in grads.values()])
         line: list[Any] = [f"{name} (ours)", f"{flat.numel() / 1e6:.1f}M"]
         for d in densities:
-            whole = _sizes(_topk(flat, d), 4)
-            parts = [_sizes(_topk(g, d), 4) for g in grads.values()]
+            whole = payload_sizes(top_k(flat, d), 4)
+            parts = [payload_sizes(top_k(g, d), 4) for g in grads.values()]
             ds_p, coo_p = sum(p["ds_payload"] for p in parts), sum(p["coo_payload"] for p in parts)
             rows.append({"model": name, "density": d, "steps": steps, "batch_size": batch,
                          "ratio_whole_model": whole["ratio"], "ratio_per_tensor": ds_p / coo_p,
@@ -323,7 +323,7 @@ def run_densestream(a: argparse.Namespace) -> list[dict[str, Any]]:
 # tagc (TAGC Table 1)
 # ---------------------------------------------------------------------------------------------
 def run_tagc(a: argparse.Namespace) -> list[dict[str, Any]]:
-    from gradsync.apps.bench.sketch import QUICK_SWEEP, RATIOS, SWEEP, TABLE1, _input
+    from gradsync.apps.bench.sketch import QUICK_SWEEP, RATIOS, SWEEP, TABLE1, sparse_input
     from gradsync.formats.sketch import CountSketch
 
     n = 20_000 if a.quick else int(a.n)
@@ -335,7 +335,7 @@ def run_tagc(a: argparse.Namespace) -> list[dict[str, Any]]:
         for d in sorted(set(sweep) | {TABLE1[ratio]}):
             ok = 0
             for t in range(trials):
-                x, mask = _input(n, d, 1000 * t + 7)
+                x, mask = sparse_input(n, d, 1000 * t + 7)
                 cs = CountSketch(n, ratio, seed=t)
                 ok += not cs.peel(cs.encode(x), mask)[1].lossy
             rates[d] = ok / trials

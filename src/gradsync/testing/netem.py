@@ -1,7 +1,7 @@
 """Emulated slow links: one network namespace per rank, a bridge, ``tc tbf`` on every veth.
 
-DESIGN.md, "Measuring": a slow link is emulated with network namespaces, veth pairs and
-``tc … tbf`` (needs root); without root the benchmark says so and runs on loopback.
+How gradsync measures on a slow link: the link is emulated with network namespaces, veth pairs
+and ``tc … tbf`` (needs root); without root the benchmark says so and runs on loopback.
 
 Topology of ``shaped_world(P, bandwidth)``::
 

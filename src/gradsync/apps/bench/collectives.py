@@ -38,7 +38,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync import collectives
-from gradsync.apps.bench.common import add_common_args, print_table, write_outputs
+from gradsync.apps.common import add_common_args, print_table, write_outputs
 from gradsync.sparsify import get as get_sparsifier
 from gradsync.sparsify import target_k
 from gradsync.testing import DistributedError, DistributedTimeout, netem, run_distributed

@@ -24,25 +24,34 @@ from typing import Any
 
 import torch
 
-from gradsync.apps.bench.common import add_common_args, median_time, print_table, write_outputs
+from gradsync.apps.common import add_common_args, median_time, print_table, write_outputs
 from gradsync.formats import coo
 from gradsync.formats import densestream as ds
 from gradsync.sparsegrad import SparseGrad
 
 # DenseStream Table I: compression ratio DenseStream / key-value, epochs 1, 5, 50.
+__all__ = ["PAPER_TABLE_I", "main", "payload_sizes", "top_k"]
+
 PAPER_TABLE_I: dict[str, dict[float, tuple[float, float, float]]] = {
     "VGG16": {0.01: (1.11, 0.99, 1.03), 0.05: (0.86, 0.89, 0.85), 0.10: (0.75, 0.77, 0.75)},
     "ResNet50": {0.01: (0.98, 1.09, 1.11), 0.05: (0.86, 0.89, 0.94), 0.10: (0.82, 0.85, 0.89)},
 }
 
 
-def _topk(x: torch.Tensor, density: float) -> SparseGrad:
+def top_k(x: torch.Tensor, density: float) -> SparseGrad:
+    """The exact top-k of ``x`` flattened, k from ``density`` (what the formats are sized on)."""
     from gradsync.sparsify import get
 
     return get("topk", density=density).select(x.reshape(-1))
 
 
-def _sizes(sel: SparseGrad, iw: int) -> dict[str, Any]:
+def payload_sizes(sel: SparseGrad, iw: int) -> dict[str, Any]:
+    """Exact encoded sizes of ``sel`` as DenseStream and as COO with ``iw``-byte indices.
+
+    Returns numel, nnz, DenseStream's block count and mean block length, both formats' sizes
+    with (``*_bytes``) and without (``*_payload``) their headers, and the ratios DenseStream /
+    COO of the payloads (``ratio``, Table I's figure) and of the whole buffers.
+    """
     starts, lengths = ds.blocks(sel, iw)
     coo_b, ds_b = coo.size_bytes(sel, iw), ds.size_bytes(sel, iw)
     coo_p, ds_p = coo_b - coo.HEADER_BYTES, ds_b - ds.HEADER_BYTES
@@ -108,7 +117,7 @@ def _measure(grads: dict[str, torch.Tensor], flat: torch.Tensor, densities: list
     for d in densities:
         per = []
         for name, g in grads.items():
-            r = {"kind": "tensor", "tensor": name, "density": d, **_sizes(_topk(g, d), iw)}
+            r = {"kind": "tensor", "tensor": name, "density": d, **payload_sizes(top_k(g, d), iw)}
             rows.append(r)
             per.append(r)
         tot = {k: sum(r[k] for r in per) for k in ("numel", "nnz", "blocks", "coo_bytes",
@@ -116,9 +125,9 @@ def _measure(grads: dict[str, torch.Tensor], flat: torch.Tensor, densities: list
         rows.append({"kind": "model_sum", "tensor": "ALL (per-tensor top-k)", "density": d,
                      **tot, "ratio": tot["ds_payload"] / tot["coo_payload"],
                      "ratio_with_headers": tot["ds_bytes"] / tot["coo_bytes"]})
-        sel = _topk(flat, d)
+        sel = top_k(flat, d)
         rows.append({"kind": "model_flat", "tensor": "ALL (flat, global top-k)", "density": d,
-                     **_sizes(sel, iw)})
+                     **payload_sizes(sel, iw)})
         rows.append({"kind": "throughput", "tensor": "ALL (flat, global top-k)", "density": d,
                      **_throughput(sel, iw, repeats)})
     for model, by_d in PAPER_TABLE_I.items():

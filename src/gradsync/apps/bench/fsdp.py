@@ -30,7 +30,7 @@ from typing import Any
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from gradsync.apps.bench.common import add_common_args, print_table, write_outputs
+from gradsync.apps.common import add_common_args, print_table, write_outputs
 
 VARIANTS = ("FSDP", "TAGC all", "TAGC non-attn")
 

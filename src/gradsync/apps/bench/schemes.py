@@ -24,8 +24,12 @@ from __future__ import annotations
 
 import argparse
 import time
+from typing import TYPE_CHECKING
 
-from gradsync.apps.bench.common import print_table, write_outputs
+from gradsync.apps.common import print_table, write_outputs
+
+if TYPE_CHECKING:
+    from gradsync.apps.train import TrainSpec
 
 DEFAULT_SCHEMES = ("ddp", "ddp_powersgd", "dense_ovlp", "topka", "oktopk", "densestream",
                    "per_tensor", "multi_tensor", "cupcake", "ssfusion", "ssfusion_o",
@@ -33,7 +37,7 @@ DEFAULT_SCHEMES = ("ddp", "ddp_powersgd", "dense_ovlp", "topka", "oktopk", "dens
 QUICK_SCHEMES = ("ddp", "ddp_powersgd", "topka", "ssfusion_oi")
 
 
-def _parse(argv: list[str] | None):
+def _parse(argv: list[str] | None) -> tuple[TrainSpec, argparse.Namespace]:
     from gradsync.apps import train
 
     p = argparse.ArgumentParser(prog="python -m gradsync bench schemes", description=__doc__,
@@ -73,8 +77,8 @@ def _parse(argv: list[str] | None):
     if not b.progress:
         targs.append("--no-progress")
     # validation (density, world size, bandwidth, schemes) is train's, with argparse errors
-    a = train.parse_args(targs, parser=train.build_parser("python -m gradsync bench schemes"))
-    return a, b
+    spec = train.parse_args(targs, parser=train.build_parser("python -m gradsync bench schemes"))
+    return spec, b
 
 
 def _plot(rows: list[dict], title: str):
@@ -102,19 +106,19 @@ def main(argv: list[str] | None = None) -> int:
     from gradsync.apps import train
     from gradsync.testing import DistributedError, DistributedTimeout
 
-    a, b = _parse(argv)
-    train._resolve_data(a)
-    print(f"bench schemes: {a.model} on {a.data}, P={a.world_size}, {a.steps} steps × "
-          f"{a.batch_size} per rank and scheme, density {a.density} ({a.sparsifier}), "
-          f"{len(a.schemes)} schemes", flush=True)
+    spec, b = _parse(argv)
+    spec = train.resolve_data(spec)
+    print(f"bench schemes: {spec.model} on {spec.data}, P={spec.world_size}, {spec.steps} steps × "
+          f"{spec.batch_size} per rank and scheme, density {spec.density} ({spec.sparsifier}), "
+          f"{len(spec.schemes)} schemes", flush=True)
     t0 = time.perf_counter()
     try:
-        results, link = train.launch(a)
+        results, link = train.launch(spec)
     except (DistributedError, DistributedTimeout) as e:
         print(f"bench schemes failed: {e}")
         return 1
     wall = time.perf_counter() - t0
-    runs = train.summarize(results, a.warmup_steps)
+    runs = train.summarize(results, spec.warmup_steps)
     rows = []
     for r in runs:
         s = r["summary"]
@@ -126,8 +130,8 @@ def main(argv: list[str] | None = None) -> int:
             "bytes_per_step": s["bytes_per_step"], "missing_rate": s["missing_rate"],
             "final_loss": s["final_loss"], "measured_steps": s["measured_steps"],
         })
-    title = (f"bench schemes — {a.model}, P={a.world_size}, {link['link']}, "
-             f"density {a.density}, {a.steps} steps")
+    title = (f"bench schemes — {spec.model}, P={spec.world_size}, {link['link']}, "
+             f"density {spec.density}, {spec.steps} steps")
     cols = ["scheme", "samples/s", "vs ddp", "step ms", "backward ms", "sparsify ms",
             "comm ms", "exposed ms", "MB/step", "missing %", "final loss"]
     print_table(title, cols, [[
@@ -135,7 +139,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{r['speedup_vs_ddp']:.2f}x" if r["speedup_vs_ddp"] else "-",
         r["step_ms"], r["backward_ms"], r["sparsify_ms"], r["comm_ms"], r["exposed_ms"],
         r["bytes_per_step"] / 1e6, 100 * r["missing_rate"], r["final_loss"]] for r in rows])
-    meta = {"config": train._config(a, len(results)), "link": link, "wall_s": wall,
+    meta = {"config": spec.config(len(results)), "link": link, "wall_s": wall,
             "environment": train.environment("local", "gloo", "cpu", link),
             "quick": b.quick, "runs": runs,
             "notes": "times: medians over the steps after warmup_steps+1; samples/s global; "

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from gradsync.apps.bench.common import add_common_args, median_time, print_table, write_outputs
+from gradsync.apps.common import add_common_args, median_time, print_table, write_outputs
 
 RATIOS = (2, 4, 10)
 TABLE1 = {2: 0.20, 4: 0.10, 10: 0.0125}  # union density at TAGC Table 1's θ (80/90/98.75%)
@@ -31,7 +31,8 @@ SWEEP = (0.01, 0.02, 0.04, 0.06, 0.07, 0.08, 0.09, 0.10, 0.12, 0.15, 0.18, 0.20,
 QUICK_SWEEP = (0.01, 0.04, 0.08, 0.12, 0.2, 0.3, 0.4, 0.5, 0.6)
 
 
-def _input(n: int, density: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def sparse_input(n: int, density: float, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A seeded length-``n`` vector with about ``density·n`` Gaussian non-zeros, and its mask."""
     g = torch.Generator().manual_seed(seed)
     mask = torch.rand(n, generator=g) < density
     return torch.randn(n, generator=g) * mask, mask
@@ -123,7 +124,7 @@ def main(argv: list[str] | None = None) -> int:
         for d in sweep:
             ok = 0
             for t in range(trials):
-                x, mask = _input(n, d, 1000 * t + 7)
+                x, mask = sparse_input(n, d, 1000 * t + 7)
                 cs = CountSketch(n, ratio, seed=t)
                 ok += not cs.peel(cs.encode(x), mask)[1].lossy
             rates.append(ok / trials)
@@ -146,7 +147,7 @@ def main(argv: list[str] | None = None) -> int:
         d = TABLE1[ratio]
         ok = {True: 0, False: 0}
         for t in range(trials):
-            x, mask = _input(n, d, 1000 * t + 7)
+            x, mask = sparse_input(n, d, 1000 * t + 7)
             for shift in (True, False):
                 cs = CountSketch(n, ratio, seed=t, shift=shift)
                 ok[shift] += not cs.peel(cs.encode(x), mask)[1].lossy
@@ -160,7 +161,7 @@ def main(argv: list[str] | None = None) -> int:
     # 3. throughput ----------------------------------------------------------------------
     table = []
     for ratio in RATIOS:
-        x, mask = _input(n, TABLE1[ratio], 3)
+        x, mask = sparse_input(n, TABLE1[ratio], 3)
         cs = CountSketch(n, ratio, seed=0)
         s = cs.encode(x)
         t_enc = median_time(lambda cs=cs, x=x: cs.encode(x), repeats)

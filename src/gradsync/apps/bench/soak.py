@@ -36,7 +36,7 @@ from typing import Any
 
 import torch
 
-from gradsync.apps.bench.common import add_common_args, print_table, write_outputs
+from gradsync.apps.common import add_common_args, print_table, write_outputs
 
 SCHEMES = ("dense_ovlp", "topka", "oktopk", "densestream", "ssfusion_oi")
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096

@@ -18,7 +18,7 @@ import math
 
 import torch
 
-from gradsync.apps.bench.common import add_common_args, median_time, print_table, write_outputs
+from gradsync.apps.common import add_common_args, median_time, print_table, write_outputs
 
 __all__ = ["heavy_tailed", "main"]
 

@@ -1,8 +1,13 @@
 """Scale simulator: predicted iteration time per scheme at large P (a planning tool).
 
-``python -m gradsync simulate`` (:mod:`gradsync.apps.sim.simulate`); the collectives' step-by-step
-α-β patterns in :mod:`gradsync.apps.sim.patterns`; ``--validate`` compares predictions with measured
-GradSync runs on shaped links (:mod:`gradsync.apps.sim.validate`).
+Modules, each importing only the ones listed after it:
+
+* :mod:`gradsync.apps.sim.simulate`: the command line, ``python -m gradsync simulate``;
+* :mod:`gradsync.apps.sim.validate`: ``--validate``, predictions vs measured GradSync runs on
+  shaped links;
+* :mod:`gradsync.apps.sim.predict`: the prediction (:func:`~gradsync.apps.sim.predict.predict`,
+  the α-β :class:`~gradsync.apps.sim.predict.Network`, the compute it starts from);
+* :mod:`gradsync.apps.sim.patterns`: the collectives' step-by-step α-β patterns.
 """
 
 from gradsync.apps.sim.patterns import Step, comm_time, pattern, union_density, volume

@@ -5,18 +5,20 @@ is measured (SSFusion §IV-A: T_b^l per tensor, the sparsification fit, plus the
 the optimizer step), the network is the one you plan for (α = ``--latency``, β = 1/
 ``--bandwidth``), and each scheme's synchronization is costed step by step:
 
-* fusion schemes (``dense``, ``dense_ovlp``, ``per_tensor``, ``multi_tensor``/``omgs``,
-  ``cupcake``, ``ssfusion``, ``ssfusion_o``, ``ssfusion_oi``): the plan of
-  :func:`gradsync.schedule.make_plan` for a cost model at P ranks and the timeline of
-  :func:`gradsync.schedule.timeline` (WFBP overlap, offload worker, SSFusion-I split), whose
-  buffers cost Eq. 4 (ring all-reduce) and Eq. 3 (ring all-gather of COO entries);
-* one-buffer sparse schemes (``topka``, ``gaussiank``, ``topkdsa``, ``gtopk``, ``oktopk``,
-  ``densestream``): the whole gradient is sparsified once after the backward and reduced by the
-  collective's step-by-step pattern (:mod:`gradsync.apps.sim.patterns`, Ok-Topk Table 1 /
-  DenseStream Eq. 4–6), including TopkDSA's and DenseStream's fill-in: the union density of m
-  ranks' selections is ``u(m) = 1 − (1 − d)^(m^γ)`` with ``--union-gamma`` γ (1 = independent
-  positions, the stated default and the pessimistic end; 0 = full overlap; ``--validate``
-  measures γ on the model's real top-k selections across ranks).
+* fusion schemes (every planner but ``single`` in :mod:`gradsync.schedule.schemes`: ``dense``,
+  ``dense_ovlp``, ``per_tensor``, ``multi_tensor``/``omgs``, ``cupcake``, ``ssfusion``,
+  ``ssfusion_o``, ``ssfusion_oi``): the plan of :func:`gradsync.schedule.make_plan` for a cost
+  model at P ranks and its timeline (:func:`gradsync.schedule.simulate`: WFBP overlap, offload
+  worker, SSFusion-I split), whose buffers cost Eq. 4 (ring all-reduce) and Eq. 3 (ring
+  all-gather of COO entries);
+* one-buffer sparse schemes (planner ``single``: ``topka``, ``gaussiank``, ``topkdsa``,
+  ``gtopk``, ``oktopk``, ``densestream``): the whole gradient is sparsified once after the
+  backward and reduced by its ``Scheme.collective``'s step-by-step pattern
+  (:mod:`gradsync.apps.sim.patterns`, Ok-Topk Table 1 / DenseStream Eq. 4–6), including
+  TopkDSA's and DenseStream's fill-in: the union density of m ranks' selections is
+  ``u(m) = 1 − (1 − d)^(m^γ)`` with ``--union-gamma`` γ (1 = independent positions, the stated
+  default and the pessimistic end; 0 = full overlap; ``--validate`` measures γ on the model's
+  real top-k selections across ranks).
 
 Iteration = forward + (backward, sparsification and exposed communication from the timeline) +
 optimizer step. The breakdown columns say where the time goes.
@@ -26,201 +28,35 @@ over tbf-shaped links (:func:`gradsync.testing.netem.run_shaped`, root; loopback
 output says so), profiles the cost model *inside* that run (every rank at once, so the backward
 times include the contention of P ranks sharing this machine's cores), predicts, and tabulates
 prediction vs measurement (:mod:`gradsync.apps.sim.validate`).
+
+This module is the command line; the prediction itself (:func:`predict`, :class:`Network`,
+:func:`load_table`, :func:`profile_model`) lives in :mod:`gradsync.apps.sim.predict` and is
+re-exported here.
 """
 
 from __future__ import annotations
 
 import argparse
-import csv
 import json
 import math
-import statistics
-import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from gradsync.apps.sim import patterns
-from gradsync.schedule import SCHEMES, entries, make_plan
-from gradsync.schedule import simulate as timeline_of
-from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
+from gradsync.apps.sim.predict import (
+    NOTE,
+    Network,
+    load_table,
+    plot_vs_p,
+    predict,
+    profile_model,
+)
+from gradsync.schedule import SCHEMES
+from gradsync.schedule.costmodel import CostModel
+from gradsync.sparsify import validate_density
 
-__all__ = ["FUSION_SCHEMES", "ONE_BUFFER", "Network", "load_table", "main", "predict",
+__all__ = ["NOTE", "Network", "load_table", "main", "parse_args", "predict", "predict_all",
            "profile_model"]
-
-ONE_BUFFER = {"topka": "topka", "gaussiank": "topka", "topkdsa": "topkdsa", "gtopk": "gtopk",
-              "oktopk": "oktopk", "densestream": "densestream"}
-FUSION_SCHEMES = tuple(s for s in SCHEMES if s not in ONE_BUFFER)
-NOTE = ("planning tool, not a distributed runtime: times are predictions of the α-β model "
-        "from one worker's measured compute, not measurements")
-
-
-class Network:
-    """The network planned for: α seconds per message, β seconds per byte."""
-
-    def __init__(self, alpha: float, beta: float) -> None:
-        if not (math.isfinite(alpha) and alpha >= 0):
-            raise ValueError(f"latency α must be a finite number >= 0 s, got {alpha!r}")
-        if not (math.isfinite(beta) and beta > 0):
-            raise ValueError(f"β must be a finite number > 0 s/B, got {beta!r}")
-        self.alpha, self.beta = float(alpha), float(beta)
-
-    @classmethod
-    def parse(cls, bandwidth: str, latency: str) -> Network:
-        from gradsync.testing.netem import parse_bandwidth, parse_time
-
-        return cls(parse_time(latency), 8.0 / parse_bandwidth(bandwidth))
-
-
-def _at(base: CostModel, P: int, net: Network) -> CostModel:
-    """``base``'s compute with P ranks on ``net`` (Eq. 3 / Eq. 4 with the planned α, β)."""
-    ab = AlphaBeta(net.alpha, net.beta)
-    return CostModel(P=P, order=list(base.order), numel=dict(base.numel),
-                     elem_bytes=base.elem_bytes, backward=dict(base.backward),
-                     sparsify=base.sparsify, offload=base.offload, allreduce=ab, allgather=ab,
-                     info=dict(base.info))
-
-
-def predict(
-    scheme: str, base: CostModel, P: int, net: Network, density: float, *,
-    union_gamma: float = 1.0, forward_s: float = 0.0, step_s: float = 0.0,
-    densestream_ratio: float | None = None, bucket_bytes: int = 25 * 2**20,
-    min_density: float = 0.001,
-) -> dict[str, Any]:
-    """One row: predicted iteration time of ``scheme`` at P ranks and its breakdown."""
-    if scheme not in SCHEMES:
-        raise ValueError(f"unknown scheme {scheme!r}; available: {', '.join(SCHEMES)}")
-    if isinstance(P, bool) or int(P) != P or P < 1:
-        raise ValueError(f"P must be a positive integer, got {P!r}")
-    if not 0.0 < density <= 1.0:
-        raise ValueError(f"density must be in (0, 1], got {density!r}")
-    if not 0.0 <= union_gamma <= 1.0:
-        raise ValueError(f"union_gamma must be in [0, 1], got {union_gamma!r}")
-    cost = _at(base, int(P), net)
-    row: dict[str, Any] = {"scheme": scheme, "P": int(P)}
-    if scheme in ONE_BUFFER:
-        n = sum(cost.numel[t] for t in cost.order)
-        k = entries(n, density)
-        d = k / n if n else 0.0
-
-        def union(m: float) -> float:
-            return patterns.union_density(d, m, union_gamma)
-
-        coll = ONE_BUFFER[scheme]
-        steps = patterns.pattern(coll, cost.P, n, k, union=union, value_bytes=cost.elem_bytes,
-                                 densestream_ratio=densestream_ratio)
-        backward = sum(cost.backward[t] for t in cost.order)
-        sparsify = cost.t_sparsify(n)
-        comm = patterns.comm_time(steps, net.alpha, net.beta)
-        row.update(collective=coll, backward_s=backward, sparsify_s=sparsify, comm_s=comm,
-                   exposed_comm_s=comm, sync_end_s=backward + sparsify + comm,
-                   volume_bytes=patterns.volume(steps),
-                   messages=sum(s.messages for s in steps), buffers=1,
-                   union_density=union(cost.P))
-    else:
-        plan = make_plan(scheme, list(cost.order), cost.numel, density, cost,
-                         elem_bytes=cost.elem_bytes, bucket_bytes=bucket_bytes,
-                         min_density=min_density)
-        tl = timeline_of(plan, cost)
-        p = cost.P
-        vol = sum(b["ar_bytes"] * 2 * (p - 1) / p + b["ag_bytes"] * (p - 1) for b in tl.buffers)
-        msgs = sum(2 * (p - 1) * ("ar_start" in b) + (p - 1) * ("ag_start" in b)
-                   for b in tl.buffers)
-        row.update(collective="allreduce" if scheme.startswith("dense") else "allreduce+topka",
-                   backward_s=tl.backward, sparsify_s=tl.sparsify, comm_s=tl.comm,
-                   exposed_comm_s=tl.exposed_comm, sync_end_s=tl.iteration, volume_bytes=vol,
-                   messages=msgs, buffers=len(plan.buffers), union_density=None)
-    row["forward_s"] = forward_s
-    row["step_s"] = step_s
-    row["iteration_s"] = forward_s + row["sync_end_s"] + step_s
-    return row
-
-
-# ---------------------------------------------------------------------------------------------
-# Cost model sources
-# ---------------------------------------------------------------------------------------------
-def load_table(path: str | Path) -> tuple[CostModel, float, float]:
-    """A per-layer table: CSV ``name,numel,backward_s`` in backward order, plus optional
-    ``# key=value`` lines for ``elem_bytes`` (4), ``sparsify_a``/``sparsify_b`` (s, s/element;
-    0), ``offload_a``/``offload_b`` (default: the sparsify fit), ``forward_s``, ``step_s`` (0).
-    Returns (cost model with P = 1, forward_s, step_s)."""
-    text = Path(path).read_text()
-    meta: dict[str, float] = {}
-    body = []
-    for ln, line in enumerate(text.splitlines(), 1):
-        s = line.strip()
-        if not s:
-            continue
-        if s.startswith("#"):
-            for part in s[1:].replace(",", " ").split():
-                if "=" in part:
-                    key, val = part.split("=", 1)
-                    try:
-                        meta[key.strip()] = float(val)
-                    except ValueError:
-                        raise ValueError(f"{path}:{ln}: {key}={val!r} is not a number") from None
-            continue
-        body.append(s)
-    rows = list(csv.DictReader(body))
-    if not rows or not {"name", "numel", "backward_s"} <= set(rows[0]):
-        raise ValueError(f"{path}: expected a CSV header 'name,numel,backward_s' and >= 1 row")
-    order, numel, backward = [], {}, {}
-    for i, r in enumerate(rows):
-        try:
-            n, b = int(r["numel"]), float(r["backward_s"])
-        except (TypeError, ValueError):
-            raise ValueError(f"{path}: row {i + 1} has a bad numel or backward_s: {r}") from None
-        order.append(r["name"])
-        numel[r["name"]], backward[r["name"]] = n, b
-    sp = AffineFit(meta.get("sparsify_a", 0.0), meta.get("sparsify_b", 0.0))
-    off = AffineFit(meta.get("offload_a", sp.a), meta.get("offload_b", sp.b))
-    cost = CostModel(P=1, order=order, numel=numel, elem_bytes=int(meta.get("elem_bytes", 4)),
-                     backward=backward, sparsify=sp, offload=off,
-                     allreduce=AlphaBeta(0.0, 0.0), allgather=AlphaBeta(0.0, 0.0),
-                     info={"source": str(path)})
-    return cost, meta.get("forward_s", 0.0), meta.get("step_s", 0.0)
-
-
-def _median_s(fn, repeats: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
-def profile_model(name: str, batch: int, sparsifier: str, density: float, seed: int = 0,
-                  repeats: int = 3, rank: int = 0) -> tuple[CostModel, float, float]:
-    """Measure one worker here: T_b^l (``profile_backward``), the sparsifier fit
-    (``profile_sparsifier``, sizes up to the whole model), the forward pass and an SGD step.
-    Returns (cost model with P = 1, forward_s, step_s)."""
-    import torch
-
-    from gradsync import sparsify
-    from gradsync.apps import models
-    from gradsync.schedule import costmodel
-
-    net, step = models.model_step(name, batch, seed, rank)
-    order, numel, backward = costmodel.profile_backward(net, step, repeats=repeats)
-    forward = _median_s(step, repeats)  # with autograd on, as in training
-    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-    step().backward()
-    step_s = _median_s(opt.step, repeats)
-    net.zero_grad(set_to_none=True)
-    n = sum(numel.values())
-    sizes = sorted({s for s in (1 << 10, 1 << 14, 1 << 17, 1 << 20) if s < n} | {n})
-    sp = sparsify.get(sparsifier, density=density, seed=seed)
-    inline = costmodel.profile_sparsifier(sp, sizes=sizes, repeats=repeats)
-    off = costmodel.profile_sparsifier(sp, sizes=sizes, repeats=repeats, offload=True)
-    cost = CostModel(P=1, order=order, numel=numel, elem_bytes=4, backward=backward,
-                     sparsify=inline, offload=off, allreduce=AlphaBeta(0.0, 0.0),
-                     allgather=AlphaBeta(0.0, 0.0),
-                     info={"model": name, "batch": batch, "sparsifier": sparsifier,
-                           "density": density, "threads": torch.get_num_threads(),
-                           "forward_s": forward, "step_s": step_s})
-    return cost, forward, step_s
 
 
 # ---------------------------------------------------------------------------------------------
@@ -286,8 +122,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     a.scheme_list = _schemes(a.schemes)
     a.worker_list = _int_list(a.workers, "--workers")
     a.validate_list = _int_list(a.validate_workers, "--validate-workers")
-    if not 0.0 < a.density <= 1.0:
-        raise ValueError(f"--density must be in (0, 1], got {a.density}")
+    try:
+        a.density = validate_density(a.density)
+    except ValueError as e:
+        raise ValueError(f"--{e}") from None
     if not 0.0 <= a.union_gamma <= 1.0:
         raise ValueError(f"--union-gamma must be in [0, 1], got {a.union_gamma}")
     if a.densestream_ratio is not None and not a.densestream_ratio > 0:
@@ -341,33 +179,12 @@ def predict_all(a: argparse.Namespace, cost: CostModel, fwd: float, stp: float,
     return rows
 
 
-def _plot_vs_p(rows: list[dict[str, Any]], title: str, measured: bool = False):
-    def plot(ax) -> None:
-        for scheme in dict.fromkeys(r["scheme"] for r in rows):
-            rs = [r for r in rows if r["scheme"] == scheme]
-            line = ax.plot([r["P"] for r in rs], [r["predicted_s" if measured else
-                                                      "iteration_s"] for r in rs],
-                           marker="o", label=f"{scheme}" + (" predicted" if measured else ""))
-            if measured:
-                ax.plot([r["P"] for r in rs], [r["measured_s"] for r in rs], marker="x",
-                        linestyle="--", color=line[0].get_color(), label=f"{scheme} measured")
-        ax.set_xscale("log", base=2)
-        ax.set_yscale("log")
-        ax.set_xlabel("workers P")
-        ax.set_ylabel("iteration time (s)")
-        ax.set_title(title, fontsize=9)
-        ax.legend(fontsize=7)
-
-    return plot
-
-
 def main(argv: Sequence[str] | None = None) -> int:
-    from gradsync.apps.bench.common import print_table, write_outputs
+    from gradsync.apps.common import print_table, write_outputs
+    from gradsync.apps.sim.validate import run_validation
 
     a = parse_args(argv)
     if a.validate:
-        from gradsync.apps.sim.validate import run_validation
-
         return run_validation(a)
     cost, fwd, stp, src = _source(a)
     rows = predict_all(a, cost, fwd, stp, a.worker_list)
@@ -389,7 +206,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             "alpha_s": a.net.alpha, "beta_s_per_byte": a.net.beta, "density": a.density,
             "union_gamma": a.union_gamma, "densestream_ratio": a.densestream_ratio,
             "forward_s": fwd, "step_s": stp, "cost_model": cost.to_dict()}
-    j, png = write_outputs("simulate", rows, a.out, meta=meta, plot=_plot_vs_p(
+    j, png = write_outputs("simulate", rows, a.out, meta=meta, plot=plot_vs_p(
         rows, f"{cost.info.get('model', a.model)}, d={a.density}, {a.bandwidth}, "
         f"α={a.latency} (predicted)"))
     print(f"wrote {j} and {png}")

@@ -4,7 +4,7 @@ For each P in ``--validate-workers`` (default 2, 4, 8) the model trains with
 :class:`gradsync.engine.GradSync` on P ranks joined by tbf-shaped links of ``--bandwidth``
 (:func:`gradsync.testing.netem.run_shaped`, needs root; otherwise loopback, and the output says so).
 Inside the same run, before training, every rank profiles its compute *at the same time*
-(:func:`gradsync.apps.sim.simulate.profile_model`: T_b^l per tensor, forward, optimizer step,
+(:func:`gradsync.apps.sim.predict.profile_model`: T_b^l per tensor, forward, optimizer step,
 sparsification fit), so the cost model the prediction uses carries the contention of P ranks
 sharing this machine's cores; the slowest rank's profile is used (a synchronous step waits for
 it). Each rank also takes the top-k of one real gradient and the ranks all-gather the masks, so
@@ -45,7 +45,7 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
     import torch.distributed as dist
 
     from gradsync.apps.models import model_step
-    from gradsync.apps.sim.simulate import profile_model
+    from gradsync.apps.sim.predict import profile_model
     from gradsync.engine import GradSync
     from gradsync.engine.config import Config
     from gradsync.schedule import entries
@@ -122,8 +122,9 @@ def _gamma(union: dict[int, float], d: float) -> float | None:
 
 
 def run_validation(a) -> int:
-    from gradsync.apps.bench.common import print_table, write_outputs
-    from gradsync.apps.sim.simulate import NOTE, Network, _plot_vs_p, predict
+    from gradsync.apps.common import print_table, write_outputs
+    from gradsync.apps.sim.predict import NOTE, Network, plot_vs_p, predict
+    from gradsync.schedule import entries
     from gradsync.testing import netem, run_distributed
 
     cores = os.cpu_count() or 1
@@ -152,7 +153,7 @@ def run_validation(a) -> int:
         stp = max(r["step_s"] for r in res)
         union = {int(m): u for m, u in res[0]["union"].items()}
         n = sum(cost.numel.values())
-        gamma = _gamma(union, max(1, round(a.density * n)) / n)
+        gamma = _gamma(union, entries(n, a.density) / n)
         g_use = a.union_gamma if gamma is None else gamma
         ag = res[0]["allgather_fit"]
         fitted = Network(ag["alpha"], ag["beta"] if ag["beta"] > 0 else a.net.beta)
@@ -223,7 +224,7 @@ def run_validation(a) -> int:
             "density": a.density, "sparsifier": a.sparsifier, "batch": a.batch,
             "steps": a.steps, "per_P": {str(k): v for k, v in per_p.items()},
             "compute_bound_P": [P for P in a.validate_list if cores < P]}
-    j, png = write_outputs("validate", rows, a.out, meta=meta, plot=_plot_vs_p(
+    j, png = write_outputs("validate", rows, a.out, meta=meta, plot=plot_vs_p(
         rows, f"{a.model}: predicted vs measured, {link}", measured=True))
     print(f"wrote {j} and {png}")
     return 0

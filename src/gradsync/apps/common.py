@@ -1,4 +1,5 @@
-"""Shared output for benchmarks: a rich table on stdout, JSON and a PNG in the output folder.
+"""Output shared by the commands (train, demo, report, simulate, the benchmarks): a rich table
+on stdout, JSON and a PNG in the output folder, and the median timer.
 
 Benchmarks are commands, never timed tests. Times on shared machines are noisy, so every
 benchmark reports medians and ratios measured in the same run.

@@ -1,0 +1,215 @@
+"""The simulator's prediction: one scheme's iteration time at P ranks on an α-β network.
+
+What ``python -m gradsync simulate`` (:mod:`gradsync.apps.sim.simulate`) tabulates and
+``--validate`` (:mod:`gradsync.apps.sim.validate`) compares with measured runs:
+
+* :class:`Network`: the network planned for, α seconds per message and β seconds per byte;
+* :func:`predict`: the iteration time of one scheme from a cost model's compute. The table of
+  schemes (:mod:`gradsync.schedule.schemes`) decides how: a ``single``-planner scheme
+  sparsifies the whole gradient once after the backward and reduces it with its collective's
+  step-by-step pattern (:mod:`gradsync.apps.sim.patterns`); every other planner's plan
+  (:func:`gradsync.schedule.make_plan`) is costed by the timeline of
+  :func:`gradsync.schedule.simulate` (WFBP overlap, offload worker, SSFusion-I split), whose
+  buffers cost Eq. 4 (ring all-reduce) and Eq. 3 (ring all-gather of COO entries);
+* the compute a prediction starts from: :func:`load_table` (a per-layer CSV) or
+  :func:`profile_model` (measured here, SSFusion §IV-A);
+* :func:`plot_vs_p`: predicted (and measured) iteration time against P.
+"""
+
+from __future__ import annotations
+
+import csv
+import math
+from pathlib import Path
+from typing import Any
+
+from gradsync.apps.common import median_time
+from gradsync.apps.sim import patterns
+from gradsync.schedule import entries, make_plan, schemes
+from gradsync.schedule import simulate as timeline_of
+from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
+from gradsync.sparsify import validate_density
+
+__all__ = ["NOTE", "Network", "at_scale", "load_table", "plot_vs_p", "predict", "profile_model"]
+
+NOTE = ("planning tool, not a distributed runtime: times are predictions of the α-β model "
+        "from one worker's measured compute, not measurements")
+
+
+class Network:
+    """The network planned for: α seconds per message, β seconds per byte."""
+
+    def __init__(self, alpha: float, beta: float) -> None:
+        if not (math.isfinite(alpha) and alpha >= 0):
+            raise ValueError(f"latency α must be a finite number >= 0 s, got {alpha!r}")
+        if not (math.isfinite(beta) and beta > 0):
+            raise ValueError(f"β must be a finite number > 0 s/B, got {beta!r}")
+        self.alpha, self.beta = float(alpha), float(beta)
+
+    @classmethod
+    def parse(cls, bandwidth: str, latency: str) -> Network:
+        from gradsync.testing.netem import parse_bandwidth, parse_time
+
+        return cls(parse_time(latency), 8.0 / parse_bandwidth(bandwidth))
+
+
+def at_scale(base: CostModel, P: int, net: Network) -> CostModel:
+    """``base``'s compute with P ranks on ``net`` (Eq. 3 / Eq. 4 with the planned α, β)."""
+    ab = AlphaBeta(net.alpha, net.beta)
+    return CostModel(P=P, order=list(base.order), numel=dict(base.numel),
+                     elem_bytes=base.elem_bytes, backward=dict(base.backward),
+                     sparsify=base.sparsify, offload=base.offload, allreduce=ab, allgather=ab,
+                     info=dict(base.info))
+
+
+def predict(
+    scheme: str, base: CostModel, P: int, net: Network, density: float, *,
+    union_gamma: float = 1.0, forward_s: float = 0.0, step_s: float = 0.0,
+    densestream_ratio: float | None = None, bucket_bytes: int = 25 * 2**20,
+    min_density: float = 0.001,
+) -> dict[str, Any]:
+    """One row: predicted iteration time of ``scheme`` at P ranks and its breakdown."""
+    sch = schemes.get(scheme)  # an unknown name raises ValueError naming the choices
+    if isinstance(P, bool) or int(P) != P or P < 1:
+        raise ValueError(f"P must be a positive integer, got {P!r}")
+    density = validate_density(density)
+    if not 0.0 <= union_gamma <= 1.0:
+        raise ValueError(f"union_gamma must be in [0, 1], got {union_gamma!r}")
+    cost = at_scale(base, int(P), net)
+    row: dict[str, Any] = {"scheme": scheme, "P": int(P)}
+    if sch.planner == "single":  # the whole gradient, one sparsification, one collective
+        n = sum(cost.numel[t] for t in cost.order)
+        k = entries(n, density)
+        d = k / n if n else 0.0
+
+        def union(m: float) -> float:
+            return patterns.union_density(d, m, union_gamma)
+
+        coll = sch.collective
+        steps = patterns.pattern(coll, cost.P, n, k, union=union, value_bytes=cost.elem_bytes,
+                                 densestream_ratio=densestream_ratio)
+        backward = sum(cost.backward[t] for t in cost.order)
+        sparsify = cost.t_sparsify(n)
+        comm = patterns.comm_time(steps, net.alpha, net.beta)
+        row.update(collective=coll, backward_s=backward, sparsify_s=sparsify, comm_s=comm,
+                   exposed_comm_s=comm, sync_end_s=backward + sparsify + comm,
+                   volume_bytes=patterns.volume(steps),
+                   messages=sum(s.messages for s in steps), buffers=1,
+                   union_density=union(cost.P))
+    else:
+        plan = make_plan(scheme, list(cost.order), cost.numel, density, cost,
+                         elem_bytes=cost.elem_bytes, bucket_bytes=bucket_bytes,
+                         min_density=min_density)
+        tl = timeline_of(plan, cost)
+        p = cost.P
+        vol = sum(b["ar_bytes"] * 2 * (p - 1) / p + b["ag_bytes"] * (p - 1) for b in tl.buffers)
+        msgs = sum(2 * (p - 1) * ("ar_start" in b) + (p - 1) * ("ag_start" in b)
+                   for b in tl.buffers)
+        row.update(collective=f"allreduce+{sch.collective}" if sch.sparse else "allreduce",
+                   backward_s=tl.backward, sparsify_s=tl.sparsify, comm_s=tl.comm,
+                   exposed_comm_s=tl.exposed_comm, sync_end_s=tl.iteration, volume_bytes=vol,
+                   messages=msgs, buffers=len(plan.buffers), union_density=None)
+    row["forward_s"] = forward_s
+    row["step_s"] = step_s
+    row["iteration_s"] = forward_s + row["sync_end_s"] + step_s
+    return row
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost model sources
+# ---------------------------------------------------------------------------------------------
+def load_table(path: str | Path) -> tuple[CostModel, float, float]:
+    """A per-layer table: CSV ``name,numel,backward_s`` in backward order, plus optional
+    ``# key=value`` lines for ``elem_bytes`` (4), ``sparsify_a``/``sparsify_b`` (s, s/element;
+    0), ``offload_a``/``offload_b`` (default: the sparsify fit), ``forward_s``, ``step_s`` (0).
+    Returns (cost model with P = 1, forward_s, step_s)."""
+    text = Path(path).read_text()
+    meta: dict[str, float] = {}
+    body = []
+    for ln, line in enumerate(text.splitlines(), 1):
+        s = line.strip()
+        if not s:
+            continue
+        if s.startswith("#"):
+            for part in s[1:].replace(",", " ").split():
+                if "=" in part:
+                    key, val = part.split("=", 1)
+                    try:
+                        meta[key.strip()] = float(val)
+                    except ValueError:
+                        raise ValueError(f"{path}:{ln}: {key}={val!r} is not a number") from None
+            continue
+        body.append(s)
+    rows = list(csv.DictReader(body))
+    if not rows or not {"name", "numel", "backward_s"} <= set(rows[0]):
+        raise ValueError(f"{path}: expected a CSV header 'name,numel,backward_s' and >= 1 row")
+    order, numel, backward = [], {}, {}
+    for i, r in enumerate(rows):
+        try:
+            n, b = int(r["numel"]), float(r["backward_s"])
+        except (TypeError, ValueError):
+            raise ValueError(f"{path}: row {i + 1} has a bad numel or backward_s: {r}") from None
+        order.append(r["name"])
+        numel[r["name"]], backward[r["name"]] = n, b
+    sp = AffineFit(meta.get("sparsify_a", 0.0), meta.get("sparsify_b", 0.0))
+    off = AffineFit(meta.get("offload_a", sp.a), meta.get("offload_b", sp.b))
+    cost = CostModel(P=1, order=order, numel=numel, elem_bytes=int(meta.get("elem_bytes", 4)),
+                     backward=backward, sparsify=sp, offload=off,
+                     allreduce=AlphaBeta(0.0, 0.0), allgather=AlphaBeta(0.0, 0.0),
+                     info={"source": str(path)})
+    return cost, meta.get("forward_s", 0.0), meta.get("step_s", 0.0)
+
+
+def profile_model(name: str, batch: int, sparsifier: str, density: float, seed: int = 0,
+                  repeats: int = 3, rank: int = 0) -> tuple[CostModel, float, float]:
+    """Measure one worker here: T_b^l (``profile_backward``), the sparsifier fit
+    (``profile_sparsifier``, sizes up to the whole model), the forward pass and an SGD step.
+    Returns (cost model with P = 1, forward_s, step_s)."""
+    import torch
+
+    from gradsync import sparsify
+    from gradsync.apps import models
+    from gradsync.schedule import costmodel
+
+    net, step = models.model_step(name, batch, seed, rank)
+    order, numel, backward = costmodel.profile_backward(net, step, repeats=repeats)
+    forward = median_time(step, repeats)  # with autograd on, as in training
+    opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
+    step().backward()
+    step_s = median_time(opt.step, repeats)
+    net.zero_grad(set_to_none=True)
+    n = sum(numel.values())
+    sizes = sorted({s for s in (1 << 10, 1 << 14, 1 << 17, 1 << 20) if s < n} | {n})
+    sp = sparsify.get(sparsifier, density=density, seed=seed)
+    inline = costmodel.profile_sparsifier(sp, sizes=sizes, repeats=repeats)
+    off = costmodel.profile_sparsifier(sp, sizes=sizes, repeats=repeats, offload=True)
+    cost = CostModel(P=1, order=order, numel=numel, elem_bytes=4, backward=backward,
+                     sparsify=inline, offload=off, allreduce=AlphaBeta(0.0, 0.0),
+                     allgather=AlphaBeta(0.0, 0.0),
+                     info={"model": name, "batch": batch, "sparsifier": sparsifier,
+                           "density": density, "threads": torch.get_num_threads(),
+                           "forward_s": forward, "step_s": step_s})
+    return cost, forward, step_s
+
+
+def plot_vs_p(rows: list[dict[str, Any]], title: str, measured: bool = False):
+    """A ``plot(ax)`` for :func:`gradsync.apps.common.write_outputs`: iteration time against P
+    per scheme, log-log; with ``measured``, rows carry ``predicted_s`` and ``measured_s``."""
+
+    def plot(ax) -> None:
+        for scheme in dict.fromkeys(r["scheme"] for r in rows):
+            rs = [r for r in rows if r["scheme"] == scheme]
+            line = ax.plot([r["P"] for r in rs], [r["predicted_s" if measured else
+                                                      "iteration_s"] for r in rs],
+                           marker="o", label=f"{scheme}" + (" predicted" if measured else ""))
+            if measured:
+                ax.plot([r["P"] for r in rs], [r["measured_s"] for r in rs], marker="x",
+                        linestyle="--", color=line[0].get_color(), label=f"{scheme} measured")
+        ax.set_xscale("log", base=2)
+        ax.set_yscale("log")
+        ax.set_xlabel("workers P")
+        ax.set_ylabel("iteration time (s)")
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=7)
+
+    return plot

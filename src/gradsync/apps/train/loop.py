@@ -1,0 +1,134 @@
+"""The training loop: one rank trains every scheme of a spec in turn and records each step.
+
+Each rank trains on its own seeded, disjoint shard (:class:`~.shards.RankData`); all ranks start
+from the same model (``gradsync.apps.models.build(name, seed)``); the loss is
+``gradsync.apps.models.loss``. A step is timed from ``zero_grad`` to the end of the optimizer
+step (CUDA synchronized at both ends); the runner (:mod:`.runners`) adds its breakdown.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from gradsync.apps.train.runners import make_optimizer, make_runner
+from gradsync.apps.train.shards import RankData
+from gradsync.apps.train.spec import SchemeChoice, TrainSpec
+
+__all__ = ["evaluate", "progress_bar", "train_scheme", "train_worker"]
+
+
+def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
+                 device: torch.device, progress: Any = None) -> dict:
+    """Train one scheme on this rank; returns ``{"scheme", "task", "records", "eval"}``
+    (``records``: one dict per step, the ``steps`` fields of ``metrics.json``; ``eval``: rank
+    0's evaluation, empty elsewhere)."""
+    from gradsync.apps import models
+
+    model = models.build(spec.model, seed=spec.seed).to(device)
+    task = models.task(spec.model)
+    data = RankData(spec.data, task, rank, P, spec.batch_size, spec.seed, device, spec.model,
+                    model, spec.text_fallback)
+    steps = spec.steps or max(1, round(spec.epochs * data.steps_per_epoch()))
+    runner = make_runner(choice, model, spec, device, P)
+    opt = make_optimizer(model, spec.adamw, spec.lr, runner.momentum_correction)
+    records: list[dict] = []
+    elapsed = 0.0
+    task_id = None
+    if progress is not None:
+        task_id = progress.add_task(choice.name, total=steps, loss=float("nan"), sps=0.0)
+    try:
+        with runner.metering():
+            for step in range(steps):
+                if spec.fail_rank == rank and step == 1:
+                    raise RuntimeError(f"injected failure on rank {rank} at step {step} "
+                                       "(--fail-rank)")
+                xb, yb = data.next()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                t0 = time.perf_counter()
+                opt.zero_grad(set_to_none=True)
+                loss = models.loss(runner.net(xb), yb)
+                runner.before_backward()
+                tb = time.perf_counter()
+                loss.backward()
+                tw = time.perf_counter()
+                runner.after_backward()
+                opt.step()
+                if device.type == "cuda":
+                    torch.cuda.synchronize(device)
+                dt = time.perf_counter() - t0
+                elapsed += dt
+                rec = {"step": step, "loss": float(loss.detach()), "time_s": dt,
+                       "elapsed_s": elapsed, "samples_per_s": P * spec.batch_size / dt,
+                       "warmup": step <= spec.warmup_steps, **runner.step_metrics(tb, tw)}
+                records.append(rec)
+                if progress is not None:
+                    progress.update(task_id, advance=1, loss=rec["loss"],
+                                    sps=rec["samples_per_s"])
+        evaluation = evaluate(model, task, data, spec.eval_batches) if rank == 0 else {}
+    finally:
+        runner.close()
+    if dist.is_initialized() and P > 1:
+        dist.barrier()  # the next scheme starts together
+    return {"scheme": choice.name, "task": task, "records": records, "eval": evaluation}
+
+
+@torch.no_grad()
+def evaluate(model: nn.Module, task: str, data: RankData, n: int) -> dict:
+    """Test accuracy over ``n`` test batches (images), or the mean loss over the target tokens
+    and its perplexity (language models; masked LMs: the masked tokens). ``n <= 0``: ``{}``."""
+    if n <= 0:
+        return {}
+    from gradsync.apps import models
+
+    model.eval()
+    total_loss, correct, count, tokens = 0.0, 0, 0, 0
+    try:
+        for xb, yb in data.eval_batches(n):
+            out = model(xb)
+            if task != "image":  # mean over target tokens (masked LMs: the masked ones)
+                t = int((yb != -100).sum())
+                total_loss += float(models.loss(out, yb)) * t
+                tokens += t
+            else:
+                correct += int((out.argmax(1) == yb).sum())
+                count += len(yb)
+    finally:
+        model.train()
+    if task != "image":
+        mean = total_loss / max(tokens, 1)
+        return {"eval_loss": mean, "perplexity": math.exp(min(mean, 50.0)),
+                "eval_tokens": tokens}
+    return {"test_accuracy": correct / max(count, 1), "test_samples": count}
+
+
+def progress_bar(rank: int, enabled: bool) -> contextlib.AbstractContextManager:
+    """Rank 0's rich progress bars (one per scheme), or nothing."""
+    if rank != 0 or not enabled:
+        return contextlib.nullcontext(None)
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn
+
+    return Progress(TextColumn("{task.description:>18}"), BarColumn(), MofNCompleteColumn(),
+                    TextColumn("loss {task.fields[loss]:.3f}"),
+                    TextColumn("{task.fields[sps]:.0f} samples/s"))
+
+
+def train_worker(rank: int, world_size: int, spec: TrainSpec) -> dict:
+    """One rank: train every scheme of ``spec.schemes`` in turn; returns its records.
+
+    A module-level function so that :func:`gradsync.testing.run_distributed` and
+    :func:`gradsync.testing.netem.run_shaped` can start it on every rank.
+    """
+    device = torch.device(spec.device or "cpu")
+    runs = []
+    with progress_bar(rank, spec.progress) as progress:
+        for choice in spec.choices:
+            runs.append(train_scheme(choice, rank, world_size, spec, device, progress))
+    return {"rank": rank, "runs": runs}

@@ -1,0 +1,204 @@
+"""How each scheme synchronizes one step's gradients: the three runners and the optimizer.
+
+* :class:`EngineRunner`: every engine scheme through :class:`gradsync.GradSync` (hooks on the
+  model; ``synchronize()`` after ``loss.backward()``); its step breakdown is
+  ``GradSync.stats()["last"]``.
+* :class:`DDPHookRunner`: ``ddp_gradsync_<s>``, torch DDP with gradsync's comm hook
+  (:func:`gradsync.ddp.register`); the hook is blocking, so only ``backward_s`` (all of
+  ``loss.backward()``), bytes and the missing rate are recorded, the other times are NaN.
+* :class:`TorchDDPRunner`: torch's own DDP as peers: ``ddp`` (torch's ``allreduce_hook``, the
+  same all-reduce as DDP's built-in one, but through Python so its bytes are counted),
+  ``ddp_powersgd`` (``powerSGD_hook``, rank 1, error feedback, compression from step 2; made
+  blocking per bucket, so its overlap is understated), ``ddp_fp16`` (``fp16_compress_hook``);
+  metered by :mod:`gradsync.apps.train.metering`.
+
+DDP runs with ``broadcast_buffers=False`` (the engine does not synchronize buffers either).
+
+Momentum (DGC §3.2): with sparse updates SGD's momentum moves into error feedback (momentum
+correction + factor masking) and the optimizer itself runs without momentum; otherwise the
+momentum of entries that are sent late is applied to stale values and the loss spikes. Dense
+schemes, torch's hooks and AdamW keep the optimizer's own state.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+from gradsync.apps.train.metering import (
+    Meter,
+    MeteredHookState,
+    counting_all_reduce,
+    metered_hook,
+)
+from gradsync.apps.train.spec import SchemeChoice, TrainSpec
+
+__all__ = ["MOMENTUM", "DDPHookRunner", "EngineRunner", "Runner", "TorchDDPRunner",
+           "make_optimizer", "make_runner", "momentum_correction", "wrap_ddp"]
+
+MOMENTUM = 0.9
+NAN = float("nan")
+
+
+def momentum_correction(choice: SchemeChoice, adamw: bool) -> bool:
+    """Whether SGD's momentum moves into error feedback (DGC §3.2, module docstring)."""
+    return not adamw and choice.sparse
+
+
+def make_optimizer(model: nn.Module, adamw: bool, lr: float,
+                   momentum_correction: bool = False) -> torch.optim.Optimizer:
+    """AdamW (weight decay 0.01) or SGD with momentum 0.9 (0 under momentum correction)."""
+    if adamw:
+        return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
+    return torch.optim.SGD(model.parameters(), lr=lr,
+                           momentum=0.0 if momentum_correction else MOMENTUM)
+
+
+class Runner:
+    """One scheme on one rank. The loop calls, per step: the forward through :attr:`net`,
+    :meth:`before_backward`, ``loss.backward()``, :meth:`after_backward`, the optimizer step,
+    then :meth:`step_metrics`; :meth:`metering` is entered around all steps and :meth:`close`
+    is called once at the end."""
+
+    def __init__(self, choice: SchemeChoice, model: nn.Module, spec: TrainSpec) -> None:
+        self.choice = choice
+        self.net: nn.Module = model  # what the forward pass calls
+        self.momentum_correction = momentum_correction(choice, spec.adamw)
+
+    def gradsync_config(self, spec: TrainSpec, **extra):
+        """The gradsync ``Config`` of this scheme under ``spec``."""
+        from gradsync.engine.config import Config
+
+        if self.choice.scheme is None:
+            raise ValueError(f"{self.choice.name!r} is not a gradsync scheme")
+        return Config(scheme=self.choice.scheme.name, density=spec.density,
+                      sparsifier=spec.sparsifier, seed=spec.seed,
+                      momentum=MOMENTUM if self.momentum_correction else 0.0, **extra)
+
+    def metering(self) -> contextlib.AbstractContextManager:
+        return contextlib.nullcontext()
+
+    def before_backward(self) -> None:
+        pass
+
+    def after_backward(self) -> None:
+        pass
+
+    def step_metrics(self, backward_start: float, backward_end: float) -> dict[str, float]:
+        """bytes_sent, bytes_recv, backward_s, sparsify_s, comm_s, wait_s, missing_rate."""
+        raise NotImplementedError
+
+    def close(self) -> None:
+        pass
+
+
+class EngineRunner(Runner):
+    """An engine scheme: :class:`gradsync.GradSync` on the bare model."""
+
+    def __init__(self, choice: SchemeChoice, model: nn.Module, spec: TrainSpec) -> None:
+        from gradsync.engine import GradSync
+
+        super().__init__(choice, model, spec)
+        cfg = self.gradsync_config(spec, warmup_steps=spec.warmup_steps, timeout_s=spec.timeout)
+        self.sync = GradSync(model, cfg)
+
+    def after_backward(self) -> None:
+        self.sync.synchronize()
+
+    def step_metrics(self, backward_start: float, backward_end: float) -> dict[str, float]:
+        last = self.sync.stats()["last"]
+        return {k: last[k] for k in ("bytes_sent", "bytes_recv", "backward_s", "sparsify_s",
+                                     "comm_s", "wait_s", "missing_rate")}
+
+    def close(self) -> None:
+        self.sync.close()
+
+
+def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
+    """torch DDP around ``model``, without buffer broadcasts (module docstring)."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    ids = [device.index] if device.type == "cuda" else None
+    with warnings.catch_warnings():  # broadcast_buffers=False is what we mean
+        warnings.simplefilter("ignore", FutureWarning)
+        return DDP(model, device_ids=ids, broadcast_buffers=False)
+
+
+class DDPHookRunner(Runner):
+    """``ddp_gradsync_<s>``: torch DDP with gradsync's comm hook running scheme ``s``."""
+
+    def __init__(self, choice: SchemeChoice, model: nn.Module, spec: TrainSpec,
+                 device: torch.device) -> None:
+        from gradsync.integrations import ddp as gddp
+
+        super().__init__(choice, model, spec)
+        self.net = wrap_ddp(model, device)
+        self.state = gddp.register(self.net, self.gradsync_config(spec))
+        self.before_backward()
+
+    def before_backward(self) -> None:
+        s = self.state
+        self.b0, self.r0 = s.total.bytes_sent, s.total.bytes_recv
+        self.miss0, self.tens0 = s.missing, s.tensors
+
+    def step_metrics(self, backward_start: float, backward_end: float) -> dict[str, float]:
+        s = self.state
+        tensors = s.tensors - self.tens0
+        return {"bytes_sent": s.total.bytes_sent - self.b0,
+                "bytes_recv": s.total.bytes_recv - self.r0,
+                "backward_s": backward_end - backward_start, "sparsify_s": NAN,
+                "comm_s": NAN, "wait_s": NAN,
+                "missing_rate": (s.missing - self.miss0) / tensors if tensors else 0.0}
+
+
+class TorchDDPRunner(Runner):
+    """torch DDP with one of torch's own comm hooks, metered (:mod:`.metering`)."""
+
+    def __init__(self, choice: SchemeChoice, model: nn.Module, spec: TrainSpec,
+                 device: torch.device, P: int) -> None:
+        from torch.distributed.algorithms.ddp_comm_hooks import default_hooks
+        from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+        super().__init__(choice, model, spec)
+        self.net = wrap_ddp(model, device)
+        if choice.name == "ddp":
+            inner, inner_state, blocking = default_hooks.allreduce_hook, None, False
+        elif choice.name == "ddp_fp16":
+            inner, inner_state, blocking = default_hooks.fp16_compress_hook, None, False
+        elif choice.name == "ddp_powersgd":
+            inner = psgd.powerSGD_hook
+            inner_state = psgd.PowerSGDState(process_group=None, matrix_approximation_rank=1,
+                                             start_powerSGD_iter=2, random_seed=spec.seed)
+            blocking = True
+        else:
+            raise ValueError(f"{choice.name!r} is not one of torch's DDP hooks")
+        self.meter = Meter(P, blocking=blocking)
+        self.net.register_comm_hook(MeteredHookState(inner, inner_state, self.meter),
+                                    metered_hook)
+
+    @contextlib.contextmanager
+    def metering(self) -> Iterator[None]:
+        with counting_all_reduce(self.meter):
+            yield
+
+    def before_backward(self) -> None:
+        self.meter.start_step()
+
+    def step_metrics(self, backward_start: float, backward_end: float) -> dict[str, float]:
+        return self.meter.step_metrics(backward_start, backward_end)
+
+
+def make_runner(choice: SchemeChoice, model: nn.Module, spec: TrainSpec, device: torch.device,
+                P: int) -> Runner:
+    """The runner of ``choice`` (``choice.runner`` picks it) for ``model`` on this rank."""
+    if choice.runner == "engine":
+        return EngineRunner(choice, model, spec)
+    if choice.runner == "ddp_hook":
+        return DDPHookRunner(choice, model, spec, device)
+    if choice.runner == "torch_ddp":
+        return TorchDDPRunner(choice, model, spec, device, P)
+    raise ValueError(f"unknown runner {choice.runner!r}")

@@ -1,0 +1,243 @@
+"""What one ``python -m gradsync train`` job is: the accepted schemes and the validated spec.
+
+:class:`TrainSpec` replaces the command line's namespace everywhere below it: every rank
+receives it (it pickles), the runners and the loop read it, and :meth:`TrainSpec.config` is the
+``"config"`` object of ``metrics.json``. It validates itself and fills the defaults that depend
+on the model (data set, learning rate), so a spec that exists is one that can run.
+
+Schemes come from the table :data:`gradsync.schedule.schemes.SCHEMES`; :func:`scheme_choices`
+turns it into the ``--scheme`` values ``train`` accepts and how each one runs
+(:class:`SchemeChoice`): torch's own DDP hooks (:data:`DDP_PEERS`), every engine scheme through
+:class:`gradsync.GradSync`, and ``ddp_gradsync_<s>`` for every scheme with ``Scheme.ddp_hook``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import Any
+
+from gradsync.schedule.schemes import SCHEMES, Scheme
+
+__all__ = ["ADAMW_LR", "DATASETS", "DDP_HOOK_PREFIX", "DDP_PEERS", "DEFAULT_STEPS", "RUNNERS",
+           "SGD_LR", "SchemeChoice", "TrainSpec", "all_schemes", "defaults", "scheme_choice",
+           "scheme_choices", "uses_adamw"]
+
+DDP_PEERS = ("ddp", "ddp_powersgd", "ddp_fp16")  # torch's own comm hooks, run as peers
+DDP_HOOK_PREFIX = "ddp_gradsync_"  # + a scheme with Scheme.ddp_hook: gradsync's DDP comm hook
+DATASETS = ("fashion-mnist", "text", "synthetic")
+RUNNERS = ("engine", "ddp_hook", "torch_ddp")
+DEFAULT_STEPS = 50
+SGD_LR, ADAMW_LR = 0.05, 3e-3
+
+
+@dataclass(frozen=True)
+class SchemeChoice:
+    """One accepted ``--scheme`` value.
+
+    Attributes:
+        name: the ``--scheme`` value.
+        runner: ``"engine"`` (:class:`gradsync.GradSync`), ``"ddp_hook"`` (torch DDP with
+            gradsync's comm hook, :mod:`gradsync.ddp`) or ``"torch_ddp"`` (torch DDP with one
+            of torch's own comm hooks).
+        scheme: the gradsync scheme that runs; ``None`` for torch's own hooks.
+    """
+
+    name: str
+    runner: str
+    scheme: Scheme | None = None
+
+    @property
+    def sparse(self) -> bool:
+        """Gradients are sparsified (DGC's momentum correction applies). torch's PowerSGD and
+        fp16 hooks compress too but keep the optimizer's momentum, as torch runs them."""
+        return self.scheme is not None and self.scheme.sparse
+
+
+def scheme_choices() -> dict[str, SchemeChoice]:
+    """Every accepted ``--scheme`` value → how it runs, in the order ``--help`` lists them."""
+    out = {n: SchemeChoice(n, "torch_ddp") for n in DDP_PEERS}
+    out.update({n: SchemeChoice(n, "engine", s) for n, s in SCHEMES.items()})
+    out.update({DDP_HOOK_PREFIX + n: SchemeChoice(DDP_HOOK_PREFIX + n, "ddp_hook", s)
+                for n, s in SCHEMES.items() if s.ddp_hook})
+    return out
+
+
+def all_schemes() -> list[str]:
+    """Every accepted ``--scheme`` value."""
+    return list(scheme_choices())
+
+
+def scheme_choice(name: str) -> SchemeChoice:
+    """How ``--scheme name`` runs; an unknown name raises ``ValueError`` naming the choices."""
+    choices = scheme_choices()
+    if name not in choices:
+        raise ValueError(f"unknown scheme {name!r}; choose from {', '.join(choices)}")
+    return choices[name]
+
+
+def uses_adamw(model: str) -> bool:
+    """Transformers (GPT, BERT, ViT) train with AdamW; the others with SGD + momentum."""
+    return model.startswith(("gpt", "bert", "vit"))
+
+
+def _int(name: str, v: Any, low: int) -> None:
+    if isinstance(v, bool) or not isinstance(v, int) or v < low:
+        raise ValueError(f"{name} must be an integer >= {low}, got {v!r}")
+
+
+def _positive(name: str, v: Any) -> None:
+    if isinstance(v, bool) or not isinstance(v, int | float) or not (v > 0 and math.isfinite(v)):
+        raise ValueError(f"{name} must be a positive number, got {v!r}")
+
+
+@dataclass(frozen=True)
+class TrainSpec:
+    """One training job: the model, the schemes run in turn, their shared settings, the launch.
+
+    Defaults that depend on the model are filled in: ``data`` (``fashion-mnist`` for image
+    models, ``text`` for language models), ``lr`` (:data:`SGD_LR` with SGD + momentum 0.9,
+    :data:`ADAMW_LR` with AdamW) and ``steps`` (:data:`DEFAULT_STEPS` unless ``epochs`` is
+    given). Invalid values raise ``ValueError`` naming the field.
+
+    Attributes:
+        model: a :func:`gradsync.apps.models.names` entry.
+        schemes: ``--scheme`` values (:func:`all_schemes`), each run once, in order.
+        data: one of :data:`DATASETS`; ``synthetic`` or the model's own data set.
+        world_size: local workers (a torchrun job has its own).
+        steps, epochs: how long each scheme trains: steps, or passes over a rank's shard.
+        batch_size: samples per rank and step.
+        lr, density, sparsifier, seed: optimizer and ``Config`` settings shared by the schemes.
+        warmup_steps: the engine's profiling steps; the first ``warmup_steps + 1`` steps are
+            not measured.
+        eval_batches: test batches for accuracy / perplexity (0: no evaluation).
+        bandwidth, latency: tbf-shaped per-rank links (``latency`` is tbf's queueing bound, not
+            a propagation delay); ``None``: loopback.
+        timeout: seconds before a hung job is stopped.
+        out: where ``metrics.json`` and the plots go (``None``: nowhere).
+        progress: rank 0 shows progress bars.
+        fail_rank: a rank that raises at step 1 (tests of the failure path).
+        text_fallback: the language models train on gradsync's own source text (the corpus is
+            not installed; :func:`gradsync.apps.train.resolve_data` decides).
+        device: the device every rank trains on (``None``: CPU; torchrun sets ``cuda:<local>``).
+    """
+
+    model: str = "cnn"
+    schemes: tuple[str, ...] = ("ssfusion_oi",)
+    data: str | None = None
+    world_size: int = 2
+    steps: int | None = None
+    epochs: float | None = None
+    batch_size: int = 32
+    lr: float | None = None
+    density: float = 0.01
+    sparsifier: str = "dgc"
+    seed: int = 0
+    warmup_steps: int = 5
+    eval_batches: int = 20
+    bandwidth: str | None = None
+    latency: str | None = None
+    timeout: float = 900.0
+    out: str | None = None
+    progress: bool = True
+    fail_rank: int | None = None
+    text_fallback: bool = False
+    device: str | None = None
+
+    def __post_init__(self) -> None:
+        from gradsync.apps import models
+        from gradsync.engine.config import ENGINE_SPARSIFIERS
+        from gradsync.sparsify import validate_density
+        from gradsync.testing import netem
+
+        def fill(name: str, value: Any) -> None:  # frozen: defaults are set once, here
+            object.__setattr__(self, name, value)
+
+        if self.model not in models.names():
+            raise ValueError(f"model: unknown {self.model!r}; choose from "
+                             f"{', '.join(models.names())}")
+        fill("schemes", tuple(self.schemes))
+        known = scheme_choices()
+        bad = [s for s in self.schemes if s not in known]
+        if not self.schemes or bad:
+            raise ValueError(f"scheme: unknown {bad or list(self.schemes)}; choose from "
+                             f"{', '.join(known)}")
+        if len(set(self.schemes)) != len(self.schemes):
+            raise ValueError(f"scheme: {','.join(self.schemes)!r} names a scheme twice")
+        natural = "fashion-mnist" if models.task(self.model) == "image" else "text"
+        if self.data is None:
+            fill("data", natural)
+        elif self.data not in DATASETS:
+            raise ValueError(f"data: unknown {self.data!r}; choose from {', '.join(DATASETS)}")
+        elif self.data not in ("synthetic", natural):
+            raise ValueError(f"data {self.data} does not fit model {self.model} (use {natural} "
+                             "or synthetic)")
+        _int("world_size", self.world_size, 1)
+        if self.steps is not None and self.epochs is not None:
+            raise ValueError("give steps or epochs, not both")
+        if self.steps is None and self.epochs is None:
+            fill("steps", DEFAULT_STEPS)
+        if self.steps is not None:
+            _int("steps", self.steps, 1)
+        else:
+            _positive("epochs", self.epochs)
+        _int("batch_size", self.batch_size, 1)
+        if self.lr is None:
+            fill("lr", ADAMW_LR if uses_adamw(self.model) else SGD_LR)
+        _positive("lr", self.lr)
+        fill("density", validate_density(self.density))
+        if self.sparsifier not in ENGINE_SPARSIFIERS:
+            raise ValueError(f"sparsifier: unknown {self.sparsifier!r}; choose from "
+                             f"{', '.join(ENGINE_SPARSIFIERS)}")
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise ValueError(f"seed must be an integer, got {self.seed!r}")
+        _int("warmup_steps", self.warmup_steps, 1)
+        _int("eval_batches", self.eval_batches, 0)
+        if self.bandwidth is not None:
+            try:
+                netem.parse_bandwidth(self.bandwidth)
+            except ValueError as e:
+                raise ValueError(f"bandwidth: {e}") from None
+        elif self.latency is not None:
+            raise ValueError("latency shapes links: give bandwidth too")
+        if self.latency is not None:
+            try:
+                netem.parse_time(self.latency)
+            except ValueError as e:
+                raise ValueError(f"latency: {e}") from None
+        _positive("timeout", self.timeout)
+
+    @property
+    def bandwidth_bps(self) -> int | None:
+        """The shaped links' rate in bits per second (``None``: loopback)."""
+        from gradsync.testing import netem
+
+        return None if self.bandwidth is None else netem.parse_bandwidth(self.bandwidth)
+
+    @property
+    def adamw(self) -> bool:
+        """The model trains with AdamW (:func:`uses_adamw`)."""
+        return uses_adamw(self.model)
+
+    @property
+    def choices(self) -> list[SchemeChoice]:
+        """How each of :attr:`schemes` runs, in order."""
+        return [scheme_choice(s) for s in self.schemes]
+
+    def config(self, world_size: int) -> dict[str, Any]:
+        """The ``"config"`` object of ``metrics.json`` for a job of ``world_size`` ranks."""
+        return {"model": self.model, "data": self.data, "schemes": list(self.schemes),
+                "world_size": world_size, "steps": self.steps, "epochs": self.epochs,
+                "batch_size": self.batch_size, "lr": self.lr,
+                "optimizer": "adamw" if self.adamw else (
+                    "sgd(momentum=0.9; sparse schemes: momentum 0 in SGD, DGC momentum "
+                    "correction 0.9 in error feedback)"),
+                "text_fallback": self.text_fallback,
+                "density": self.density, "sparsifier": self.sparsifier, "seed": self.seed,
+                "warmup_steps": self.warmup_steps, "eval_batches": self.eval_batches,
+                "bandwidth": self.bandwidth, "latency": self.latency}
+
+
+def defaults() -> dict[str, Any]:
+    """:class:`TrainSpec`'s field defaults (the command line's defaults)."""
+    return {f.name: f.default for f in fields(TrainSpec)}

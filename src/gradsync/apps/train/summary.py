@@ -1,0 +1,149 @@
+"""Summaries of a training job: per-scheme medians, the comparison table, ``metrics.json``.
+
+``samples_per_s`` is global (all ranks) and, like the times, the median over the steps after
+the ``warmup_steps + 1`` first ones; ``bytes_per_step`` is the mean over ranks and measured
+steps; ``final_loss`` the mean over ranks of the last step's loss; ``speedup_vs_ddp`` the ratio
+of samples/s to the ``ddp`` run of the same job (``None`` without one). The schema of
+``metrics.json`` is in :mod:`gradsync.apps.train`.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from gradsync.apps.common import print_table
+from gradsync.apps.train.spec import TrainSpec
+
+__all__ = ["SCHEMA", "environment", "report", "summarize", "table_rows", "write_metrics"]
+
+SCHEMA = "gradsync.train/1"
+
+
+def _median(xs: list[float]) -> float:
+    xs = [x for x in xs if not (isinstance(x, float) and math.isnan(x))]
+    return statistics.median(xs) if xs else float("nan")
+
+
+def summarize(results: list[dict], warmup_steps: int) -> list[dict]:
+    """Per scheme: the summary and the records (the fields: :mod:`gradsync.apps.train`)."""
+    runs = []
+    by_rank = sorted(results, key=lambda r: r["rank"])
+    for i, run0 in enumerate(by_rank[0]["runs"]):
+        recs = run0["records"]
+        skip = min(warmup_steps + 1, max(0, len(recs) - 1))
+        meas = recs[skip:]
+        per_rank = [r["runs"][i]["records"] for r in by_rank]
+        sent = [[x["bytes_sent"] for x in rr] for rr in per_rank]
+        measured_bytes = [b for rr in sent for b in rr[skip:]]
+        bytes_per_step = statistics.fmean(measured_bytes) if measured_bytes else 0.0
+        s = {"scheme": run0["scheme"], "measured_steps": len(meas),
+             "samples_per_s": _median([x["samples_per_s"] for x in meas]),
+             "step_s": _median([x["time_s"] for x in meas])}
+        for k in ("backward_s", "sparsify_s", "comm_s", "wait_s"):
+            s[k] = _median([x[k] for x in meas])
+        s["bytes_per_step"] = bytes_per_step
+        s["mb_per_step"] = bytes_per_step / 1e6
+        s["missing_rate"] = statistics.fmean([x["missing_rate"] for x in meas]) if meas else 0.0
+        s["final_loss"] = statistics.fmean([rr[-1]["loss"] for rr in per_rank if rr])
+        s.update(run0["eval"])
+        runs.append({"scheme": run0["scheme"], "task": run0["task"], "steps": recs,
+                     "bytes_sent_per_rank": sent, "summary": s})
+    base = next((r["summary"] for r in runs if r["scheme"] == "ddp"), None)
+    for r in runs:
+        s = r["summary"]
+        s["speedup_vs_ddp"] = (s["samples_per_s"] / base["samples_per_s"]
+                               if base and base["samples_per_s"] > 0 else None)
+    return runs
+
+
+def table_rows(runs: list[dict]) -> tuple[list[str], list[list[Any]]]:
+    """The comparison table's columns and one row per run (:func:`summarize`'s output)."""
+    lm = any(r["task"] != "image" for r in runs)
+    cols = ["scheme", "samples/s", "vs ddp", "step ms", "bwd ms", "sparsify ms", "comm ms",
+            "exposed ms", "MB/step", "missing %", "final loss",
+            "eval ppl" if lm else "test acc %"]
+    rows = []
+    for r in runs:
+        s = r["summary"]
+        q = s.get("perplexity") if lm else (100 * s["test_accuracy"]
+                                            if "test_accuracy" in s else None)
+        rows.append([s["scheme"], s["samples_per_s"],
+                     f"{s['speedup_vs_ddp']:.2f}x" if s["speedup_vs_ddp"] else "-",
+                     1e3 * s["step_s"], 1e3 * s["backward_s"], 1e3 * s["sparsify_s"],
+                     1e3 * s["comm_s"], 1e3 * s["wait_s"], s["mb_per_step"],
+                     100 * s["missing_rate"], s["final_loss"], "-" if q is None else q])
+    return cols, rows
+
+
+def environment(launcher: str, backend: str, device: str, link: dict) -> dict:
+    """The ``"environment"`` object of ``metrics.json``; ``link`` is the link description
+    :func:`gradsync.apps.train.launch` returns."""
+    return {"torch": torch.__version__, "python": platform.python_version(),
+            "machine": platform.machine(), "cpus": os.cpu_count(),
+            "load_avg": list(os.getloadavg()) if hasattr(os, "getloadavg") else None,
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S"), "launcher": launcher,
+            "backend": backend, "device": device, **link,
+            "propagation_delay": "not emulated"}
+
+
+def write_metrics(out: str | Path, config: dict, env: dict, runs: list[dict]) -> list[Path]:
+    """``metrics.json`` plus ``loss_vs_time.png`` and ``throughput.png``; returns the paths."""
+    d = Path(out)
+    d.mkdir(parents=True, exist_ok=True)
+    paths = [d / "metrics.json"]
+    paths[0].write_text(json.dumps({"schema": SCHEMA, "config": config, "environment": env,
+                                    "runs": runs}, indent=1, default=_json_default))
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for r in runs:
+        ax.plot([x["elapsed_s"] for x in r["steps"]], [x["loss"] for x in r["steps"]],
+                label=r["scheme"])
+    ax.set_xlabel("training time on rank 0 (s)")
+    ax.set_ylabel("training loss (rank 0)")
+    ax.set_title(f"loss vs time — {env.get('link', '')}")
+    ax.legend()
+    fig.tight_layout()
+    paths.append(d / "loss_vs_time.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    names = [r["scheme"] for r in runs]
+    ax.bar(names, [r["summary"]["samples_per_s"] for r in runs], color="tab:blue")
+    ax.set_ylabel("samples/s (median after warm-up, all ranks)")
+    ax.set_title(f"throughput per scheme — {env.get('link', '')}")
+    ax.tick_params(axis="x", rotation=45)
+    fig.tight_layout()
+    paths.append(d / "throughput.png")
+    fig.savefig(paths[-1], dpi=110)
+    plt.close(fig)
+    return paths
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, float | int):
+        return o
+    return str(o)
+
+
+def report(spec: TrainSpec, results: list[dict], env: dict, title: str) -> list[dict]:
+    """Print the comparison table (and write ``spec.out``); returns the runs."""
+    runs = summarize(results, spec.warmup_steps)
+    cols, rows = table_rows(runs)
+    print_table(title, cols, rows)
+    if spec.out:
+        paths = write_metrics(spec.out, spec.config(len(results)), env, runs)
+        print("wrote " + ", ".join(str(p) for p in paths))
+    return runs
