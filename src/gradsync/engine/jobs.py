@@ -69,9 +69,10 @@ class Job:
     transport: Transport
     collective: str = ""  # the gradsync.collectives name, for Transport.COLLECTIVE
     density: float | None = None  # Mode.FUSED: of the whole buffer
-    densities: dict[str, float | None] = field(default_factory=dict)  # Mode.PER_TENSOR;
-    # None: sent whole (excluded by selective sparsification)
-    offload: frozenset[str] = frozenset()  # Mode.PER_TENSOR: sparsified on the worker thread
+    # Mode.PER_TENSOR: each tensor's density (None: sent whole, excluded by §IV-B), and the
+    # tensors SSFusion-O sparsifies on the worker thread (§IV-C)
+    densities: dict[str, float | None] = field(default_factory=dict)
+    offload: frozenset[str] = frozenset()
 
     @property
     def wire(self) -> str:
