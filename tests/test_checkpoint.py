@@ -29,8 +29,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.apps.models import build
-from gradsync.engine import GradSync
-from gradsync.engine import sync as engine
+from gradsync.engine import GradSync, warmup
 from gradsync.engine.config import Config
 from gradsync.integrations import checkpoint
 from gradsync.schedule import SCHEMES, costmodel
@@ -55,13 +54,13 @@ def _pin_profiles() -> None:
         costmodel.AlphaBeta(5e-5, 1e-9), costmodel.AlphaBeta(5e-5, 2e-9))
     costmodel.profile_sparsifier = lambda sp, offload=False, **kw: (
         costmodel.AffineFit(2e-5, 5e-10) if offload else costmodel.AffineFit(1e-5, 2e-9))
-    orig = engine._backward_profile
+    orig = warmup.backward_profile
     if not getattr(orig, "pinned", False):
         def pinned(samples, names):
             order, _ = orig(samples, names)
             return order, {n: 1e-5 * (i + 1) for i, n in enumerate(order)}
         pinned.pinned = True
-        engine._backward_profile = pinned
+        warmup.backward_profile = pinned
 
 
 def _digest(tensors) -> str:

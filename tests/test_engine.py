@@ -9,10 +9,13 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
+from gradsync import sparsify
 from gradsync.apps.models import build
-from gradsync.engine import GradSync
+from gradsync.engine import GradSync, Stateful
+from gradsync.engine.components import Components
 from gradsync.engine.config import Config
-from gradsync.schedule import SCHEMES
+from gradsync.engine.jobs import Mode, Transport, plan_jobs
+from gradsync.schedule import SCHEMES, BufferPlan, Plan, TensorPlan, schemes
 from gradsync.testing import run_distributed
 
 ALL_SCHEMES = list(SCHEMES)
@@ -375,3 +378,64 @@ def test_check_every_detects_divergence():
     with pytest.raises(gradsync.testing.DistributedError,
                        match=r"first diverging parameter: net\.1\.bias"):
         run_distributed(_diverge, 2, timeout=120)
+
+
+def test_gradsync_is_stateful_and_checks_identity_first():
+    sync = GradSync(build("mlp"), Config(scheme="oktopk", density=0.05, warmup_steps=1))
+    assert isinstance(sync, Stateful)
+    me = sync.identity()
+    assert (me.kind, me.rank, me.world_size, me.group) == ("oktopk", 0, 1, None)
+    st = sync.state_dict()
+    assert st["rank"] == 0 and st["world_size"] == 1
+    with pytest.raises(ValueError, match="saved by 2 ranks"):
+        sync.check_compatible({**st, "world_size": 2})
+    with pytest.raises(ValueError, match="no rank/world_size"):
+        sync.check_compatible({"config": st["config"]})
+    with pytest.raises(ValueError, match="no config"):
+        sync.check_compatible({k: v for k, v in st.items() if k != "config"})
+    sync.check_compatible(st)  # its own state passes
+    sync.close()
+
+
+def test_plan_jobs_split_ssfusion_i_buffers_and_use_the_scheme_collective():
+    """A per-tensor buffer becomes Buffer_AR (all-reduce) then Buffer_AG (the collective)."""
+    tensors = (TensorPlan("a", 10, None, allreduce=True), TensorPlan("b", 100, 0.1),
+               TensorPlan("c", 5, None), TensorPlan("d", 100, 0.1, offload=True))
+    plan = Plan("ssfusion_oi", [BufferPlan((TensorPlan("x", 3, None),), "dense"),
+                                BufferPlan(tensors, "per_tensor"),
+                                BufferPlan((TensorPlan("y", 7, None),), "fused", 0.5)])
+    jobs = plan_jobs(plan, "oktopk", ["a", "b", "c", "d", "x", "y"])
+    assert [(j.names, j.mode, j.transport, j.wire) for j in jobs] == [
+        (("x",), Mode.DENSE, Transport.ALLREDUCE, "allreduce"),
+        (("a",), Mode.PER_TENSOR, Transport.ALLREDUCE, "allreduce"),
+        (("b", "c", "d"), Mode.PER_TENSOR, Transport.COLLECTIVE, "oktopk"),
+        (("y",), Mode.FUSED, Transport.COLLECTIVE, "oktopk")]
+    assert jobs[2].densities == {"b": 0.1, "c": None, "d": 0.1}
+    assert jobs[2].offload == frozenset({"d"}) and jobs[3].density == 0.5
+    with pytest.raises(ValueError, match="exactly once"):
+        plan_jobs(plan, "oktopk", ["a", "b", "c", "d", "x", "y", "z"])
+
+
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_components_follow_the_table_of_schemes(scheme):
+    spec = schemes.get(scheme)
+    parts = Components(Config(scheme=scheme, density=0.05, sparsifier="randomk", seed=3), rank=1)
+    coll = parts.collective("job:0")
+    assert coll.name == spec.collective and parts.collective("job:0") is coll
+    if "density" in spec.collective_options:  # Ok-Topk sizes its buckets from the density
+        assert coll.density == 0.05
+    sp = parts.sparsifier("net.1.weight", 0.05)
+    assert sp.name == (spec.sparsifier or "randomk")
+    assert parts.sparsifier("net.1.weight", 0.05) is sp  # cached while the density holds
+    assert parts.sparsifier("net.1.weight", 0.02) is not sp
+    # seeded by the one rule seed_for(seed, key, rank): random-k picks the same entries as a
+    # sparsifier built by hand with that seed, and other entries on another rank
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(0))
+
+    def picks(seed):
+        return sparsify.get(sp.name, density=0.05, seed=seed).select(x, 0).indices
+
+    mine = parts.new_sparsifier("net.1.weight", 0.05).select(x, 0).indices
+    assert torch.equal(mine, picks(sparsify.seed_for(3, "net.1.weight", 1)))
+    if sp.name == "randomk":
+        assert not torch.equal(mine, picks(sparsify.seed_for(3, "net.1.weight", 0)))

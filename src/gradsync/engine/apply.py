@@ -1,0 +1,72 @@
+"""A job's result on the training thread: averaged gradients into ``.grad``, the rest kept.
+
+The collective returns the SUM over ranks of the job's tensors (concatenated) and, for sparse
+jobs, which of this rank's entries entered it (``kept``). Per tensor of the job:
+
+* ``.grad = sum / P``, in the parameter's dtype;
+* error feedback's second half: the residual keeps exactly what was not consumed,
+  ``residual = acc`` with the kept positions zeroed, so ``acc == sent + residual`` bit for bit
+  (``docs/architecture.md``, "Contracts": conservation);
+* a tensor of which no entry was kept counts as *missing* (SSFusion Table I);
+* with auditing, one :class:`~gradsync.engine.audit.AuditRecord`.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradsync.engine.audit import AuditRecord, AuditSink, values_at
+from gradsync.engine.jobs import JobResult, Launched, Mode
+from gradsync.engine.stats import StepStats
+from gradsync.feedback import ErrorFeedback
+
+__all__ = ["apply"]
+
+
+def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter],
+          P: int, ef: ErrorFeedback, stats: StepStats, step: int, audit: AuditSink) -> None:
+    """Write the averaged gradients of ``launched`` and update its residuals."""
+    job = launched.job
+    offset = 0
+    bounds = []
+    for n in job.names:
+        numel = params[n].numel()
+        bounds.append((n, offset, offset + numel))
+        offset += numel
+    avg = torch.div(result.dense, P)
+    kept = result.kept
+    sent = result.sent_values is not None  # auditing
+    if kept is not None:
+        kept = kept.to(torch.int64)
+        starts = torch.tensor([b[1] for b in bounds], dtype=torch.int64, device=kept.device)
+        owner = torch.searchsorted(starts, kept, right=True) - 1
+        if sent:
+            kept_values = values_at(result.sent_indices, result.sent_values, kept)
+    for i, (n, lo, hi) in enumerate(bounds):
+        p = params[n]
+        g = avg[lo:hi].view_as(p).to(p.dtype)
+        if p.grad is None:
+            p.grad = g.clone()
+        else:
+            p.grad.copy_(g)
+        stats.tensors += 1
+        stats.numel += hi - lo
+        if job.mode is Mode.DENSE:
+            stats.selected += hi - lo
+            if sent:
+                acc = launched.audit_accs[n]
+                audit.record(AuditRecord(
+                    step, n, job.mode.value, job.wire, acc,
+                    torch.arange(hi - lo, device=acc.device),
+                    result.sent_values[lo:hi].clone(), torch.zeros_like(acc)))
+            continue
+        mine = owner == i
+        local = kept[mine] - lo
+        residual = ef.update(n, launched.accs[n], local)
+        stats.selected += int(local.numel())
+        stats.missing += int(local.numel() == 0)
+        if sent:
+            audit.record(AuditRecord(
+                step, n, job.mode.value, job.wire, launched.audit_accs[n], local.clone(),
+                kept_values[mine].clone(), residual.detach().reshape(-1).clone()))

@@ -1,0 +1,83 @@
+"""The sparsifiers and collectives of one engine, as the table of schemes says, with their state.
+
+``gradsync.schedule.schemes.get(cfg.scheme)`` names the scheme's sparse collective
+(``Scheme.collective``), the ``Config`` fields its constructor takes (``collective_options``:
+Ok-Topk sizes its buckets from ``density``) and the sparsifier it always uses (``sparsifier``:
+the Gaussian-k scheme runs Gaussian-k, as Ok-Topk's paper does; otherwise
+``Config.sparsifier``).
+
+Every fused buffer (key ``buffer:<job>``) and every per-tensor-sparsified tensor (key: its
+name) has its own sparsifier, seeded by the one rule :func:`gradsync.sparsify.seed_for` (config
+seed, key, rank); every sparse job has its own collective (key ``job:<job>``), since Ok-Topk
+and DenseStream carry state (thresholds, region boundaries) from step to step.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from gradsync import collectives, sparsify
+from gradsync.engine.config import Config
+from gradsync.schedule import schemes
+
+__all__ = ["Components"]
+
+
+class Components:
+    """Sparsifiers and collectives, built on first use and kept with their state."""
+
+    def __init__(self, cfg: Config, rank: int) -> None:
+        spec = schemes.get(cfg.scheme)
+        self.seed = cfg.seed
+        self.rank = rank
+        self.sparsifier_name = spec.sparsifier or cfg.sparsifier
+        self.collective_name = spec.collective
+        self.collective_options = {f: getattr(cfg, f) for f in spec.collective_options}
+        self.sparsifiers: dict[str, sparsify.Sparsifier] = {}
+        self.collectives: dict[str, collectives.Collective] = {}
+
+    def new_sparsifier(self, key: str, density: float) -> sparsify.Sparsifier:
+        return sparsify.get(self.sparsifier_name, density=density,
+                            seed=sparsify.seed_for(self.seed, key, self.rank))
+
+    def new_collective(self) -> collectives.Collective:
+        return collectives.get(self.collective_name, **self.collective_options)
+
+    def sparsifier(self, key: str, density: float) -> sparsify.Sparsifier:
+        """The sparsifier of ``key``; a new one when its planned density changed."""
+        sp = self.sparsifiers.get(key)
+        if sp is None or sp.density != density:
+            sp = self.new_sparsifier(key, density)
+            self.sparsifiers[key] = sp
+        return sp
+
+    def collective(self, key: str) -> collectives.Collective:
+        coll = self.collectives.get(key)
+        if coll is None:
+            coll = self.new_collective()
+            self.collectives[key] = coll
+        return coll
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"sparsifiers": {k: s.state_dict() for k, s in self.sparsifiers.items()},
+                "collectives": {k: c.state_dict() for k, c in self.collectives.items()}}
+
+    def loaded(self, state: dict[str, Any]) -> tuple[dict[str, sparsify.Sparsifier],
+                                                     dict[str, collectives.Collective]]:
+        """Build every component of ``state`` without changing this object (a bad entry
+        raises here, before the engine changes); :meth:`install` puts them in place."""
+        sparsifiers = {}
+        for k, s in state["sparsifiers"].items():
+            sp = self.new_sparsifier(k, s["density"])
+            sp.load_state_dict(s)
+            sparsifiers[k] = sp
+        colls = {}
+        for k, s in state["collectives"].items():
+            c = self.new_collective()
+            c.load_state_dict(s)
+            colls[k] = c
+        return sparsifiers, colls
+
+    def install(self, built: tuple[dict[str, sparsify.Sparsifier],
+                                   dict[str, collectives.Collective]]) -> None:
+        self.sparsifiers, self.collectives = built

@@ -1,0 +1,183 @@
+"""Plan → jobs: the collectives one step issues, in plan order (SSFusion §II-D, §IV-D).
+
+A *plan* (:mod:`gradsync.schedule`) groups tensors into fusion buffers and says, per buffer,
+whether it is all-reduced dense, sparsified as one fused vector (multi-tensor), or sparsified
+per tensor (SSFusion: small tensors dense; SSFusion-I: a dense all-reduce part and a sparse
+all-gather part). The engine turns each buffer into one or two :class:`Job` s and runs them
+strictly in plan order on one communication thread, so every rank issues the same collectives
+in the same order:
+
+=============  ==========================================  =====================================
+buffer mode    job(s)                                      transport
+=============  ==========================================  =====================================
+``dense``      the raw gradients, concatenated (no error   :attr:`Transport.ALLREDUCE`
+               feedback): Dense / DenseOvlp buckets
+``fused``      residual + gradient of every tensor,        :attr:`Transport.COLLECTIVE`
+               sparsified as one vector (multi-tensor)
+``per_tensor`` Buffer_AR: the tensors SSFusion-I moved to  :attr:`Transport.ALLREDUCE`
+               the all-reduce part (§IV-D), sent whole
+               Buffer_AG: every other tensor, each         :attr:`Transport.COLLECTIVE`
+               sparsified at its own density (§IV-B) or
+               sent whole when selective sparsification
+               excluded it
+=============  ==========================================  =====================================
+
+The types that carry a job through a step live here too: the :class:`Payload` the training
+thread hands to the communication thread, the :class:`JobResult` that comes back, the
+:class:`Launched` job waiting for it, and :class:`StepRun`, one step's progress through the
+jobs (wait-free backpropagation: a job launches as soon as all its tensors are ready).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+import torch
+
+from gradsync.collectives.comm import CommStats
+from gradsync.schedule import Plan
+from gradsync.sparsegrad import SparseGrad
+
+__all__ = ["Job", "JobResult", "Launched", "Mode", "Payload", "StepRun", "Transport",
+           "concat", "plan_jobs"]
+
+
+class Mode(StrEnum):
+    """How a job's tensors are compressed (the buffer modes of ``gradsync.schedule.plan``)."""
+
+    DENSE = "dense"  # raw gradients, no error feedback
+    FUSED = "fused"  # one selection over the concatenated buffer (multi-tensor)
+    PER_TENSOR = "per_tensor"  # one selection per tensor, each at its own density (SSFusion)
+
+
+class Transport(StrEnum):
+    """How a job travels."""
+
+    ALLREDUCE = "allreduce"  # a dense sum over the group
+    COLLECTIVE = "collective"  # the scheme's sparse collective (``Scheme.collective``)
+
+
+@dataclass(frozen=True)
+class Job:
+    """One collective of a plan: a group of tensors (backward order) and how they travel."""
+
+    names: tuple[str, ...]
+    mode: Mode
+    transport: Transport
+    collective: str = ""  # the gradsync.collectives name, for Transport.COLLECTIVE
+    density: float | None = None  # Mode.FUSED: of the whole buffer
+    # Mode.PER_TENSOR: each tensor's density (None: sent whole, excluded by §IV-B), and the
+    # tensors SSFusion-O sparsifies on the worker thread (§IV-C)
+    densities: dict[str, float | None] = field(default_factory=dict)
+    offload: frozenset[str] = frozenset()
+
+    @property
+    def wire(self) -> str:
+        """``"allreduce"`` or the collective's name (what an audit record calls it)."""
+        return self.collective if self.transport is Transport.COLLECTIVE else "allreduce"
+
+
+def plan_jobs(plan: Plan, collective: str, names: Sequence[str]) -> list[Job]:
+    """The jobs of ``plan`` in plan order; sparse ones go through ``collective``.
+
+    Raises ``ValueError`` unless the jobs cover every tensor in ``names`` exactly once.
+    """
+    jobs: list[Job] = []
+    for buf in plan.buffers:
+        tensors = tuple(t.name for t in buf.tensors)
+        if buf.mode == Mode.DENSE:
+            jobs.append(Job(tensors, Mode.DENSE, Transport.ALLREDUCE))
+        elif buf.mode == Mode.FUSED:
+            jobs.append(Job(tensors, Mode.FUSED, Transport.COLLECTIVE, collective,
+                            density=buf.density))
+        elif buf.mode == Mode.PER_TENSOR:
+            buffer_ar = [t for t in buf.tensors if t.allreduce]  # SSFusion-I, §IV-D
+            buffer_ag = [t for t in buf.tensors if not t.allreduce]
+            for part, transport in ((buffer_ar, Transport.ALLREDUCE),
+                                    (buffer_ag, Transport.COLLECTIVE)):
+                if part:
+                    jobs.append(Job(
+                        tuple(t.name for t in part), Mode.PER_TENSOR, transport,
+                        collective if transport is Transport.COLLECTIVE else "",
+                        densities={t.name: t.density for t in part},
+                        offload=frozenset(t.name for t in part if t.offload)))
+        else:
+            raise ValueError(f"plan buffer mode {buf.mode!r} is unknown")
+    covered = sorted(n for j in jobs for n in j.names)
+    if covered != sorted(names):
+        raise ValueError("plan does not cover every parameter exactly once")
+    return jobs
+
+
+@dataclass
+class Payload:
+    """What the training thread hands to the communication thread for one job.
+
+    ``dense``: :attr:`Mode.DENSE`'s concatenated raw gradients. ``selections``: one selection
+    over the buffer (:attr:`Mode.FUSED`) or one per tensor in the job's order
+    (:attr:`Mode.PER_TENSOR`), an offloaded one as the worker's future of
+    ``(selection, seconds)``.
+    """
+
+    dense: torch.Tensor | None = None
+    selections: list[SparseGrad | Future] = field(default_factory=list)
+
+
+@dataclass
+class JobResult:
+    """What one job's collective produced on this rank."""
+
+    dense: torch.Tensor  # the SUM over ranks, over the job's concatenated tensors
+    kept: torch.Tensor | None  # positions of this rank's entries that entered the sum
+    # (None for Mode.DENSE: everything, and there is no residual)
+    stats: CommStats
+    offload_s: float = 0.0  # sparsification time spent on the worker thread
+    sent_indices: torch.Tensor | None = None  # audit only: the selection handed to the
+    sent_values: torch.Tensor | None = None  # collective (indices None for Mode.DENSE)
+
+
+@dataclass
+class Launched:
+    """A job handed to the communication thread, and what its result will be applied to."""
+
+    job: Job
+    index: int  # position in the plan's jobs (keys the job's collective)
+    accs: dict[str, torch.Tensor]  # per tensor: the accumulated gradient (flat)
+    nonfinite: list[str]  # tensors whose gradient held NaN/Inf (sent as zeros)
+    future: Future[JobResult]
+    audit_accs: dict[str, torch.Tensor] | None = None  # clones of ``accs`` (audit only)
+
+
+@dataclass
+class StepRun:
+    """One step's progress through the jobs (wait-free backpropagation)."""
+
+    ready: set[str] = field(default_factory=set)  # tensors whose gradient hook fired
+    next_job: int = 0  # jobs before it are launched
+    launched: list[Launched] = field(default_factory=list)
+    hook_times: dict[str, float] = field(default_factory=dict)  # first hook per tensor
+    first_hook: float = 0.0
+    last_hook: float = 0.0
+    inline_sparsify_s: float = 0.0
+
+    def hooked(self, name: str, now: float) -> None:
+        self.first_hook = self.first_hook or now
+        self.last_hook = now
+        self.hook_times.setdefault(name, now)
+
+    @property
+    def backward_s(self) -> float:
+        return (self.last_hook - self.first_hook) if self.first_hook else 0.0
+
+
+def concat(parts: list[SparseGrad]) -> SparseGrad:
+    """Concatenate per-tensor selections into one selection over the fused buffer."""
+    idx, vals, offset = [], [], 0
+    for s in parts:
+        idx.append(s.indices + offset)
+        vals.append(s.values)
+        offset += s.numel
+    return SparseGrad(torch.cat(idx), torch.cat(vals), offset, validate=False)

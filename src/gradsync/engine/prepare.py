@@ -1,0 +1,85 @@
+"""A job on the training thread: error feedback, then selective sparsification (SSFusion §IV-B,
+§IV-C).
+
+For every tensor of the job, as soon as the job's tensors are all ready:
+
+1. **Non-finite check.** A gradient holding NaN/Inf is replaced by zeros, so it never enters a
+   residual; the ranks agree on the step's fate after the collectives (``Config.nonfinite``).
+2. **Error feedback.** ``acc = residual + gradient`` (DGC's momentum correction when
+   ``Config.momentum`` > 0); dense jobs skip it and send the raw gradient.
+3. **Selection**, as the plan decided:
+
+   * ``fused`` (multi-tensor): the concatenated accumulators are sparsified as one vector at
+     the buffer's density — a small tensor may lose every entry ("tensor missing");
+   * ``per_tensor`` (SSFusion §IV-B): each tensor is sparsified on its own at the density the
+     planner gave it (the target density, or lower where density-aware compensation pays for
+     the tensors selective sparsification excluded); an excluded tensor travels whole (every
+     index); a tensor SSFusion-O offloads (§IV-C) goes to the worker thread and travels as a
+     future that the communication thread waits for.
+
+Only step 3 counts as inline sparsification time.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+
+import torch
+
+from gradsync import sparsify
+from gradsync.engine.jobs import Job, Mode, Payload
+from gradsync.feedback import ErrorFeedback
+from gradsync.sparsegrad import SparseGrad, all_finite
+
+__all__ = ["Prepared", "prepare"]
+
+Sparsifiers = Callable[[str, float], sparsify.Sparsifier]  # (key, density) -> its sparsifier
+Offload = Callable[[sparsify.Sparsifier, torch.Tensor, int], Future]  # Executor.offload
+
+
+@dataclass
+class Prepared:
+    """A job ready for the communication thread: its payload and what stays behind."""
+
+    accs: dict[str, torch.Tensor]  # per tensor: the accumulated gradient (flat)
+    nonfinite: list[str]  # tensors whose gradient held NaN/Inf
+    payload: Payload
+    sparsify_s: float  # inline selection time
+
+
+def prepare(job: Job, index: int, grads: dict[str, torch.Tensor], ef: ErrorFeedback,
+            sparsifier: Sparsifiers, offload: Offload, step: int) -> Prepared:
+    """Steps 1–3 above for job ``index`` of the plan; ``grads`` are the flat gradients."""
+    nonfinite = [n for n in job.names if not all_finite(grads[n])]
+    accs: dict[str, torch.Tensor] = {}
+    for n in job.names:
+        g = grads[n]
+        if n in nonfinite:
+            accs[n] = torch.zeros_like(g)  # never enters a residual; the step is agreed later
+        elif job.mode is Mode.DENSE:
+            accs[n] = g
+        else:
+            accs[n] = ef.accumulate(n, g)
+    t0 = time.perf_counter()
+    if job.mode is Mode.DENSE:
+        payload = Payload(dense=torch.cat([accs[n] for n in job.names]))
+    elif job.mode is Mode.FUSED:
+        flat = torch.cat([accs[n] for n in job.names])
+        sp = sparsifier(f"buffer:{index}", job.density)
+        payload = Payload(selections=[sp.select(flat, step)])
+    else:
+        parts: list[SparseGrad | Future] = []
+        for n in job.names:
+            d = job.densities[n]
+            if d is None:  # excluded from sparsification: every entry travels
+                parts.append(SparseGrad(torch.arange(accs[n].numel(), device=accs[n].device),
+                                        accs[n], accs[n].numel(), validate=False))
+            elif n in job.offload:  # SSFusion-O
+                parts.append(offload(sparsifier(n, d), accs[n], step))
+            else:
+                parts.append(sparsifier(n, d).select(accs[n], step))
+        payload = Payload(selections=parts)
+    return Prepared(accs, nonfinite, payload, time.perf_counter() - t0)
