@@ -60,6 +60,7 @@ from gradsync import collectives, schedule, sparsify
 from gradsync.collectives.comm import Comm
 from gradsync.engine.config import Config
 from gradsync.engine.consistency import check_consistency, signature_check
+from gradsync.engine.state import Identity
 from gradsync.feedback import ErrorFeedback
 from gradsync.schedule import BufferPlan, Plan, costmodel
 from gradsync.sparsegrad import SparseGrad, all_finite
@@ -290,6 +291,10 @@ class GradSync:
         return {"step": self.step, "scheme": self.cfg.scheme, "world_size": self.P,
                 "last": self.last.as_dict(), "total": self.total.as_dict(),
                 "plan": self.plan.info if self.plan else {}}
+
+    def identity(self) -> Identity:
+        """Who this engine is, for checkpoints (:class:`gradsync.engine.state.Stateful`)."""
+        return Identity(self.cfg.scheme, self.rank, self.P, self.group)
 
     def state_dict(self) -> dict[str, Any]:
         """Everything this rank needs to resume bitwise (see the module docstring).
