@@ -6,9 +6,10 @@ differently, fresh optimizers and engines — loads each checkpoint and continue
 asserts that every resumed run ends bitwise where the uninterrupted one did (parameters and
 sync state, per rank), that every rank got back its own residuals (they differ across ranks),
 for ``ssfusion_oi`` (DGC + momentum correction, saved both during warm-up and after it),
-``oktopk`` (thresholds and boundaries) and the FSDP2 TAGC path; and that loading from a
-different world size, scheme or model raises ``ValueError``. It also pins the torch fact the
-DCP layout rests on: DCP keeps ONE copy of an entry saved under the same key by every rank.
+``oktopk`` (thresholds and boundaries), the DDP comm hook and the FSDP2 TAGC path; and that
+loading from a different world size, scheme, configuration, rank or model raises
+``ValueError``. It also pins the torch fact the DCP layout rests on: DCP keeps ONE copy of an
+entry saved under the same key by every rank.
 
 Warm-up: the final plan of the cost-model schemes is computed from timings measured during
 the warm-up steps, so two uninterrupted runs can already differ in their plan. The children
@@ -32,6 +33,7 @@ from gradsync.apps.models import build
 from gradsync.engine import GradSync, warmup
 from gradsync.engine.config import Config
 from gradsync.integrations import checkpoint
+from gradsync.integrations import ddp as gddp
 from gradsync.schedule import SCHEMES, costmodel
 from gradsync.testing import run_distributed
 
@@ -45,6 +47,9 @@ ENGINE_CASES = {
     "oktopk": Config(scheme="oktopk", density=0.05, warmup_steps=3, momentum=0.0),
 }
 FORMATS = ("plain", "dcp")
+HOOK_CFG = Config(scheme="ssfusion_oi", density=0.05, momentum=0.9)  # DGC: random streams
+HOOK_TOTAL, HOOK_SAVE = 5, 3
+HOOK_SMALL = 1000  # the biases travel dense, the weights sparsified and compensated
 
 
 # -- helpers run in the children --------------------------------------------------------------
@@ -84,7 +89,7 @@ def _params(model) -> str:
 
 def _sync_digest(sync) -> str:
     """Residuals and velocities (engine) or accumulators (TAGC) of this rank."""
-    if isinstance(sync, GradSync):
+    if isinstance(sync, GradSync | gddp.HookState):
         st = sync.ef.state_dict()
         return _digest([st["residual"][k] for k in sorted(st["residual"])]
                        + [st["velocity"][k] for k in sorted(st["velocity"])])
@@ -140,6 +145,24 @@ def _tagc_step(rank, step, m, opt) -> None:
     out = m(x)
     opt.zero_grad(set_to_none=True)
     nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1)).backward()
+    opt.step()
+
+
+def _hook_run(seed: int = 1, cfg: Config = HOOK_CFG):
+    """A model under DDP with the gradsync comm hook; the optimizer sees DDP's parameters."""
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    model = build("mlp", seed=seed)
+    ddp = DDP(model)
+    state = gddp.register(ddp, cfg, small_numel=HOOK_SMALL)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05, momentum=0.9)
+    return model, ddp, opt, state
+
+
+def _hook_step(rank, step, ddp, opt) -> None:
+    opt.zero_grad(set_to_none=True)
+    x, y = _batch(rank, step)
+    nn.functional.cross_entropy(ddp(x), y).backward()
     opt.step()
 
 
@@ -230,6 +253,17 @@ def _straight(rank: int, world: int, path: str) -> dict:
         _tagc_step(rank, step, m, opt)
     out["tagc"] = {"params": _params(m), "sync": _sync_digest(t), "saved": saved_acc,
                    "stats": t.stats()}
+    model, ddp, opt, hs = _hook_run()
+    for step in range(HOOK_TOTAL):
+        if step == HOOK_SAVE:
+            for fmt in FORMATS:
+                _save(fmt, os.path.join(path, f"hook-{fmt}"), sync=hs, model=model,
+                      optimizer=opt, extra={"step": step})
+            saved_hook = _sync_digest(hs)
+            n_sparse = len(hs.sparsifiers)
+        _hook_step(rank, step, ddp, opt)
+    out["hook"] = {"params": _params(model), "sync": _sync_digest(hs), "saved": saved_hook,
+                   "sparsifiers": n_sparse, "stats": hs.stats()}
     return out
 
 
@@ -284,7 +318,53 @@ def _resume(rank: int, world: int, path: str) -> dict:
         tm, _, tt = _tagc_run()
         errs[(fmt, "tagc")] = _errors(fmt, src, sync=tt, model=tm)
     out["errors"] = errs
+    out["hook_errors"] = _hook_resume(rank, world, path, out)
     return out
+
+
+def _hook_resume(rank: int, world: int, path: str, out: dict) -> dict:
+    """The DDP hook resumes from both formats; another rank's state, another configuration and
+    a checkpoint whose rank files were swapped are refused before anything changes."""
+    import shutil
+
+    for fmt in FORMATS:
+        model, ddp, opt, hs = _hook_run(seed=77)
+        extra = _load(fmt, os.path.join(path, f"hook-{fmt}"), sync=hs, model=model,
+                      optimizer=opt)
+        loaded = _sync_digest(hs)
+        for s in range(HOOK_SAVE, HOOK_TOTAL):
+            _hook_step(rank, s, ddp, opt)
+        out[("hook", fmt)] = {"params": _params(model), "sync": _sync_digest(hs),
+                              "loaded": loaded, "extra": extra}
+    errs: dict = {}
+    src = os.path.join(path, "hook-plain")
+    model, ddp, opt, hs = _hook_run(seed=77)
+    before = (_params(model), _sync_digest(hs))
+    other = torch.load(os.path.join(src, f"rank{1 - rank}.pt"), weights_only=False)["sync"]
+    try:
+        hs.load_state_dict(other)
+    except ValueError as e:
+        errs["other_rank"] = str(e)
+    if rank == 0:  # a checkpoint whose rank files were swapped
+        swapped = os.path.join(path, "hook-swapped")
+        os.makedirs(swapped)
+        for r in range(world):
+            shutil.copy(os.path.join(src, f"rank{r}.pt"),
+                        os.path.join(swapped, f"rank{world - 1 - r}.pt"))
+    dist.barrier()
+    errs["swapped"] = _errors("plain", os.path.join(path, "hook-swapped"), sync=hs,
+                              model=model, optimizer=opt)
+    for fmt in FORMATS:
+        _, _, _, dense = _hook_run(seed=77, cfg=Config(scheme="ssfusion_oi", density=0.1,
+                                                       momentum=0.9))
+        errs[(fmt, "config")] = _errors(fmt, os.path.join(path, f"hook-{fmt}"), sync=dense,
+                                        model=model, optimizer=opt)
+        s = GradSync(model, HOOK_CFG)  # the engine's state is not the hook's
+        errs[(fmt, "engine")] = _errors(fmt, os.path.join(path, f"hook-{fmt}"), sync=s,
+                                        model=model)
+        s.close()
+    errs["untouched"] = before == (_params(model), _sync_digest(hs))
+    return errs
 
 
 @pytest.fixture(scope="module")
@@ -374,6 +454,34 @@ def test_fsdp_tagc_resume_is_bitwise(runs, fmt):
     assert straight[0]["tagc"]["stats"]["sketch_bytes_per_step"] > 0  # TAGC really ran
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_ddp_hook_resume_is_bitwise(runs, fmt):
+    """Each rank gets back its own residuals, velocities and generators: the resumed job ends
+    where the uninterrupted one did."""
+    _, straight, resumed = runs
+    for rank in range(P):
+        s, r = straight[rank]["hook"], resumed[rank][("hook", fmt)]
+        assert r["loaded"] == s["saved"], "a rank did not get its own residuals"
+        assert r["extra"] == {"step": HOOK_SAVE}
+        assert r["params"] == s["params"], (fmt, rank)
+        assert r["sync"] == s["sync"], (fmt, rank)
+    assert straight[0]["hook"]["saved"] != straight[1]["hook"]["saved"]
+    assert straight[0]["hook"]["sparsifiers"] == 3  # the three weights were sparsified
+    assert straight[0]["hook"]["stats"]["calls"] > 0
+
+
+def test_ddp_hook_refuses_foreign_state(runs):
+    _, _, resumed = runs
+    for rank, o in enumerate(resumed):
+        errs = o["hook_errors"]
+        assert f"belongs to rank {1 - rank}" in errs["other_rank"]
+        assert errs["swapped"] and f"belongs to rank {P - 1 - rank}" in errs["swapped"]
+        for fmt in FORMATS:
+            assert errs[(fmt, "config")] and "density" in errs[(fmt, "config")]
+            assert errs[(fmt, "engine")] and "ddp_hook:ssfusion_oi" in errs[(fmt, "engine")]
+        assert errs["untouched"]
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_mismatched_checkpoint_raises(runs, fmt):
@@ -391,6 +499,9 @@ def test_mismatched_checkpoint_raises(runs, fmt):
     with pytest.raises(ValueError, match="2 ranks"):
         _load(fmt, src, sync=sync, model=model)
     sync.close()
+    hook_state, _ = gddp.hook(HOOK_CFG, model=model, small_numel=HOOK_SMALL)
+    with pytest.raises(ValueError, match="2 ranks"):
+        _load(fmt, os.path.join(path, f"hook-{fmt}"), sync=hook_state, model=model)
 
 
 def test_engine_rejects_another_ranks_state():

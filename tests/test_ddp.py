@@ -1,5 +1,6 @@
 """The DDP comm hook: same loss curve as plain DDP at density 1, sparse training consistent,
-(state, hook) form, bucket rebuilds, no_sync, bad schemes."""
+(state, hook) form, bucket rebuilds, no_sync, bad schemes; the engine's compensation and
+seeding rule; the Stateful protocol (identity, state_dict checks)."""
 
 from __future__ import annotations
 
@@ -9,9 +10,12 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync.integrations.ddp
+from gradsync import sparsify
 from gradsync.apps.models import build
 from gradsync.engine.config import Config
 from gradsync.engine.consistency import parameter_digest
+from gradsync.engine.state import Identity, Stateful
+from gradsync.integrations.ddp import HookState, _densities
 from gradsync.testing import run_distributed
 
 
@@ -46,6 +50,8 @@ def _train(rank, world_size, scheme, density, steps, use_hook, small_numel):
         opt.step()
         losses.append(loss.item())
     stats = state.stats() if state is not None else None
+    if state is not None:
+        stats["seeds"] = {n: sp.seed for n, sp in state.sparsifiers.items()}
     return losses, parameter_digest(model)[0], stats
 
 
@@ -63,9 +69,15 @@ def test_sparse_hook_keeps_replicas_identical(world_size):
     out = run_distributed(_train, world_size, "ssfusion_oi", 0.01, 12, "pair", 1000,
                           timeout=300)
     assert len({o[1] for o in out}) == 1
-    for _, _, stats in out:
+    for rank, (_, _, stats) in enumerate(out):
         assert stats["missing_rate"] == 0.0  # selective sparsification never drops a tensor
         assert stats["total"]["bytes_sent"] > 0
+        # the engine's seeding rule: run seed, parameter name and rank mixed
+        assert stats["seeds"] and all(seed == sparsify.seed_for(0, n, rank)
+                                      for n, seed in stats["seeds"].items())
+    seeds = [set(o[2]["seeds"].values()) for o in out]
+    assert len(seeds[0]) == len(out[0][2]["seeds"])  # every tensor its own stream ...
+    assert not seeds[0] & seeds[1]  # ... and every rank
     # sparse training still learns on real-ish data: the loss goes down on average
     losses = out[0][0]
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 + 0.5
@@ -73,19 +85,89 @@ def test_sparse_hook_keeps_replicas_identical(world_size):
 
 def test_hook_rejects_engine_only_schemes():
     with pytest.raises(ValueError, match="DDP hook supports"):
-        gradsync.ddp.HookState(cfg=Config(scheme="oktopk"))
+        HookState(cfg=Config(scheme="oktopk"))
     with pytest.raises(ValueError):
-        gradsync.ddp.HookState(cfg=Config(scheme="per_tensor"), small_numel=-1)
+        HookState(cfg=Config(scheme="per_tensor"), small_numel=-1)
+    # the table of schemes decides which schemes have a hook
+    assert set(gradsync.ddp.DDP_SCHEMES) == {"dense", "per_tensor", "ssfusion", "ssfusion_oi"}
+
+
+def _sent(numels, ds):
+    """Entries a bucket sends, counted with the sparsifier contract k = max(1, round(d·n))."""
+    return sum(n if d is None else max(1, round(d * n)) for n, d in zip(numels, ds))
 
 
 def test_compensation_keeps_bucket_budget():
-    state = gradsync.ddp.HookState(cfg=Config(scheme="ssfusion", density=0.01,
-                                              min_density=0.001))
+    state = HookState(cfg=Config(scheme="ssfusion", density=0.01, min_density=0.001))
     numels = [200_000, 300_000, 50, 1000, 64]
-    ds = gradsync.ddp._densities(state, numels)
+    ds = _densities(state, numels)
     assert ds[2] is ds[3] is ds[4] is None and ds[0] == ds[1]
-    k = sum(n * d if d else n for n, d in zip(numels, ds))
-    assert abs(k - 0.01 * sum(numels)) / (0.01 * sum(numels)) < 0.01
+    assert 0.001 < ds[0] < 0.01
+    # the bucket sends density × bucket numel entries, up to the rounding of each k
+    assert abs(_sent(numels, ds) - 0.01 * sum(numels)) <= 1
     # when small tensors alone exceed the budget the large ones hit the floor
-    ds = gradsync.ddp._densities(state, [200_000, 90_000, 90_000])
-    assert ds[0] == 0.001
+    ds = _densities(state, [200_000, 90_000, 90_000])
+    assert ds == [0.001, None, None]
+    # nothing to compensate: density unchanged; nothing large: everything dense
+    assert _densities(state, [200_000, 300_000]) == [0.01, 0.01]
+    assert _densities(state, [50, 64]) == [None, None]
+    # per_tensor: every tensor at the density, none dense
+    pt = HookState(cfg=Config(scheme="per_tensor", density=0.01))
+    assert _densities(pt, numels) == [0.01] * 5
+
+
+def test_sparsifiers_seeded_per_tensor():
+    state = HookState(cfg=Config(scheme="per_tensor", density=0.05, sparsifier="randomk",
+                                 seed=3))
+    a, b = state.sparsifier("w1", 0.05), state.sparsifier("w2", 0.05)
+    assert (a.seed, b.seed) == (sparsify.seed_for(3, "w1", 0), sparsify.seed_for(3, "w2", 0))
+    x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
+    assert not torch.equal(a.select(x).indices, b.select(x).indices)  # independent streams
+
+
+def _filled_state(cfg, model, small_numel=1000):
+    """A hook state that holds residuals and generators, filled without a process group."""
+    state, _ = gradsync.ddp.hook(cfg, model=model, small_numel=small_numel)
+    g = torch.Generator().manual_seed(5)
+    for name, p in model.named_parameters():
+        acc = state.ef.accumulate(name, torch.randn(p.numel(), generator=g))
+        sel = state.sparsifier(name, cfg.density).select(acc)
+        state.ef.update(name, acc, sel.indices)
+    return state
+
+
+def test_hook_state_round_trip_and_checks():
+    cfg = Config(scheme="ssfusion_oi", density=0.05, sparsifier="randomk", momentum=0.9)
+    model = build("mlp", seed=1)
+    state = _filled_state(cfg, model)
+    assert isinstance(state, Stateful)
+    assert state.identity() == Identity("ddp_hook:ssfusion_oi", 0, 1, None)
+    sd = state.state_dict()
+    assert (sd["rank"], sd["world_size"], sd["config"]) == (0, 1, cfg.to_dict())
+    fresh, _ = gradsync.ddp.hook(cfg, model=build("mlp", seed=2), small_numel=1000)
+    fresh.load_state_dict(sd)
+    x = torch.randn(5000, generator=torch.Generator().manual_seed(1))
+    for name, _ in model.named_parameters():
+        want, got = state.ef.state_dict(), fresh.ef.state_dict()
+        assert torch.equal(want["residual"][name], got["residual"][name])
+        assert torch.equal(want["velocity"][name], got["velocity"][name])
+        # the generators continue where they were
+        assert torch.equal(state.sparsifiers[name].select(x).indices,
+                           fresh.sparsifiers[name].select(x).indices)
+    before = {k: v.clone() for k, v in fresh.ef.state_dict()["residual"].items()}
+    bad = [({**sd, "rank": 1}, "rank 1"), ({**sd, "world_size": 2}, "2 ranks"),
+           ({**sd, "config": {**sd["config"], "density": 0.1}}, "density"),
+           ({**sd, "config": {**sd["config"], "seed": 7}}, "seed"),
+           ({**sd, "small_numel": 5}, "small_numel"),
+           ({**sd, "params": {**sd["params"], "net.1.weight": [1, 2]}}, "different model"),
+           ({"feedback": sd["feedback"]}, "rank/world_size")]
+    for state_dict, match in bad:
+        with pytest.raises(ValueError, match=match):
+            fresh.load_state_dict(state_dict)
+    other, _ = gradsync.ddp.hook(Config(scheme="per_tensor", density=0.05,
+                                        sparsifier="randomk", momentum=0.9), model=model,
+                                 small_numel=1000)
+    with pytest.raises(ValueError, match="scheme"):
+        other.load_state_dict(sd)
+    after = fresh.ef.state_dict()["residual"]
+    assert all(torch.equal(before[k], after[k]) for k in before)  # nothing changed

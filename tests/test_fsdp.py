@@ -43,13 +43,13 @@ def _dense_input(case: int, rank: int) -> torch.Tensor:
     return torch.randn(ROWS * COLS, generator=torch.Generator().manual_seed(1000 * case + rank))
 
 
-# (case id, ratio, index_bits, pairwise OR, op, per-rank density, on_failure)
+# (case id, ratio, index_bits, index method, op, per-rank density)
 EXACT_CASES = [
-    (1, 2, 1, False, "sum", 0.05),
-    (2, 4, 4, False, "sum", 0.02),
-    (3, 10, 1, True, "avg", 0.004),
-    (4, 10, 4, False, "sum", 0.004),
-    (5, 4, 1, True, "sum", 0.02),
+    (1, 2, 1, "auto", "sum", 0.05),  # gloo: bitwise-OR reduce-scatter
+    (2, 4, 4, "auto", "sum", 0.02),  # summed 4-bit counters
+    (3, 10, 1, "gather", "avg", 0.004),  # the pairwise exchange other backends use
+    (4, 10, 4, "auto", "sum", 0.004),
+    (5, 4, 1, "max", "sum", 0.02),  # a byte per element, MAX
 ]
 LOSSY_CASE = 6  # density 0.5 at 10x: peeling must fail and say so
 THETA_CASE = 7  # θ = 0.95, dense input, two steps: accumulation
@@ -77,9 +77,9 @@ def _call(tagc, x: torch.Tensor, op: str = "sum") -> torch.Tensor:
 
 def _synthetic_cases(rank: int, world: int) -> dict:
     res: dict = {"exact": {}}
-    for case, ratio, bits, pairwise, op, density in EXACT_CASES:
-        t = _fc_tagc(TAGCConfig(ratio=ratio, index_bits=bits, theta=0.0, policy=all_layers))
-        t.force_pairwise_or = pairwise
+    for case, ratio, bits, method, op, density in EXACT_CASES:
+        t = _fc_tagc(TAGCConfig(ratio=ratio, index_bits=bits, theta=0.0, policy=all_layers,
+                                index_method=method))
         out = _call(t, _sparse_input(case, rank, world, density), op)
         u = t.units["root"]
         res["exact"][case] = {"out": out, "stats": t.stats(), "length": u.sketch.length,
@@ -186,16 +186,23 @@ def _train(rank: int, world: int, steps: int = 30) -> dict:
     t2.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
     same = {n: bool(torch.equal(t.units[n].acc, t2.units[n].acc)) for n in t.units}
     errors = []
+    cfg = sd["config"]
     for bad in ({**sd, "world_size": world + 1},
                 {**sd, "accumulators": {k: v[:, :-1] for k, v in sd["accumulators"].items()}},
-                {**sd, "seed": sd["seed"] + 1}, {**sd, "ratio": 4}, {**sd, "theta": 0.5}):
+                {**sd, "config": {**cfg, "seed": cfg["seed"] + 1}},
+                {**sd, "config": {**cfg, "ratio": 4}}, {**sd, "config": {**cfg, "theta": 0.5}},
+                {**sd, "rank": (rank + 1) % world},
+                {**sd, "plan": {**sd["plan"], "root": []}}):
         try:
             t2.load_state_dict(bad)
             errors.append(None)
         except ValueError as e:
             errors.append(str(e))
+    identity = t.identity()
     return {"losses": losses, "stats": t.stats(), "keys": sorted(sd["accumulators"]),
-            "same": same, "errors": errors, "plan": t.plan()}
+            "same": same, "errors": errors, "plan": t.plan(),
+            "identity": (identity.kind, identity.rank, identity.world_size),
+            "header": (sd["rank"], sd["world_size"], sd["config"])}
 
 
 def _rank_fn(rank: int, world: int, train: bool) -> dict:
@@ -230,7 +237,7 @@ def _expected(world: int, inputs: list[torch.Tensor]) -> list[torch.Tensor]:
 
 def test_compressed_path_exact_when_peelable(runs):
     world, res = runs
-    for case, _ratio, bits, _pairwise, op, density in EXACT_CASES:
+    for case, _ratio, bits, method, op, density in EXACT_CASES:
         want = _expected(world, [_sparse_input(case, r, world, density) for r in range(world)])
         for r in range(world):
             got = res[r]["synthetic"]["exact"][case]
@@ -242,7 +249,8 @@ def test_compressed_path_exact_when_peelable(runs):
             n, length = got["n"], got["length"]
             assert length < n  # a real compression
             assert got["stats"]["sketch_bytes_per_step"] == (world - 1) * length * 4
-            assert got["stats"]["index_bytes_per_step"] == (world - 1) * math.ceil(n * bits / 8)
+            index_bytes = n if method == "max" else math.ceil(n * bits / 8)
+            assert got["stats"]["index_bytes_per_step"] == (world - 1) * index_bytes
             assert got["stats"]["plain_bytes_per_step"] == 0
 
 
@@ -335,11 +343,16 @@ def test_state_dict_round_trip(train_run):
         tr = res[r]["train"]
         assert tr["keys"] == [f"rank{r}/{u}" for u in ("blocks.0", "blocks.1", "root")]
         assert all(tr["same"].values()) and len(tr["same"]) == 3
-        assert tr["errors"][0] is not None and "world size" in tr["errors"][0]
+        assert tr["errors"][0] is not None and f"{world + 1} ranks" in tr["errors"][0]
         assert tr["errors"][1] is not None and "shape" in tr["errors"][1]
         # accumulators of another TAGC configuration are refused
-        for err, field in zip(tr["errors"][2:], ("seed", "ratio", "theta")):
+        for err, field in zip(tr["errors"][2:5], ("seed", "ratio", "theta")):
             assert err is not None and f"{field}=" in err
+        assert tr["errors"][5] is not None and f"rank {(r + 1) % world}" in tr["errors"][5]
+        assert tr["errors"][6] is not None and "other units" in tr["errors"][6]
+        assert tr["identity"] == ("tagc", r, world)
+        assert tr["header"] == (r, world, {"theta": 0.99, "ratio": 10, "index_bits": 1,
+                                           "seed": 0})
 
 
 # -- single-process checks -------------------------------------------------------------------
@@ -347,6 +360,7 @@ def test_state_dict_round_trip(train_run):
     {"ratio": 3}, {"ratio": 1}, {"ratio": True}, {"index_bits": 2}, {"index_bits": 8},
     {"theta": -0.1}, {"theta": 1.0}, {"theta": float("nan")}, {"theta": "high"},
     {"policy": "non_attention_linear"}, {"on_failure": "ignore"}, {"seed": -1}, {"seed": 1.5},
+    {"index_method": "xor"}, {"index_method": None},
 ])
 def test_bad_config_raises(kwargs):
     with pytest.raises(ValueError):
@@ -360,9 +374,20 @@ def test_good_config_accepted():
             assert (c.ratio, c.index_bits, c.theta) == (ratio, bits, 0.0)
 
 
+def test_auto_index_method():
+    """OR on gloo, summed counters for 4 bits up to P = 15, else the pairwise exchange
+    (never a byte-per-element MAX: in a reduce-scatter the bitmaps are cheaper at every P)."""
+    from gradsync.collectives.tagc import choose_method
+
+    for P in (2, 15, 16, 64):
+        assert choose_method(1, P, "gloo") == "bor"
+        assert choose_method(1, P, "nccl") == "gather"
+        assert choose_method(4, P, "nccl") == ("count4" if P <= 15 else "gather")
+
+
 def test_sparse_chunk_encoding_equals_the_sketch_encode():
+    from gradsync.collectives.tagc import encode_chunks as _encode_chunks
     from gradsync.formats.sketch import CountSketch
-    from gradsync.integrations.fsdp import _encode_chunks
 
     g = torch.Generator().manual_seed(3)
     for n, ratio in ((50_000, 10), (3000, 2), (700, 4)):  # hashed, and the identity layout

@@ -19,11 +19,13 @@ Two storage layouts, same contract (a resumed job continues bitwise like the uni
   pickled skeleton (``gradsync/rank{r}/skeleton``). Model and optimizer go through
   ``torch.distributed.checkpoint.state_dict`` (sharded DTensors for FSDP2).
 
-``sync`` is a :class:`gradsync.GradSync` or a :class:`gradsync.fsdp.TAGC` (anything with
-``state_dict``/``load_state_dict``, ``world_size``/``P`` and ``rank``). Loading checks, before
-anything changes, that the checkpoint comes from the same world size, the same scheme (a
-GradSync scheme, or ``"tagc"``) and the same model (parameter names and shapes) and raises
-``ValueError`` naming the difference otherwise.
+``sync`` is any :class:`gradsync.engine.state.Stateful`: a :class:`gradsync.GradSync`, the
+DDP hook's :class:`gradsync.ddp.HookState` or a :class:`gradsync.fsdp.TAGC`. Its ``identity()``
+gives the header (kind — the scheme, ``"ddp_hook:<scheme>"`` or ``"tagc"`` — and world size),
+the rank whose state a file holds and the process group DCP runs over. Loading checks, before
+anything changes, that the checkpoint comes from the same kind, world size and model (parameter
+names and shapes), that it holds this rank's state, and then asks ``sync.check_compatible`` about
+its own state (configuration, rank); every mismatch raises ``ValueError`` naming the difference.
 """
 
 from __future__ import annotations
@@ -34,22 +36,21 @@ import os
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
+
+from gradsync.engine.state import Identity, Stateful, check_identity
 
 __all__ = ["load", "load_dcp", "save", "save_dcp"]
 
-FORMAT = 1
+FORMAT = 2  # 2: the header names the Stateful's kind (1 named a scheme)
 
 
 # ---------------------------------------------------------------------------------- identity
-def _identity(sync: Any) -> tuple[str, int, int]:
-    """(scheme, world size, rank) of a GradSync engine or a TAGC instance."""
-    if hasattr(sync, "cfg") and hasattr(sync, "P"):
-        return str(sync.cfg.scheme), int(sync.P), int(sync.rank)
-    if hasattr(sync, "units") and hasattr(sync, "world_size"):
-        return "tagc", int(sync.world_size), int(sync.rank)
-    raise ValueError(f"sync must be a GradSync or a TAGC, got {type(sync).__name__}")
+def _identity(sync: Stateful) -> Identity:
+    if not isinstance(sync, Stateful):
+        raise ValueError("sync must implement gradsync.engine.state.Stateful (GradSync, the "
+                         f"DDP hook's HookState, TAGC), got {type(sync).__name__}")
+    return sync.identity()
 
 
 def _model_signature(model: nn.Module | None) -> dict[str, list[int]] | None:
@@ -58,22 +59,21 @@ def _model_signature(model: nn.Module | None) -> dict[str, list[int]] | None:
     return {n: list(p.shape) for n, p in model.named_parameters()}  # DTensor: global shape
 
 
-def _header(sync: Any, model: nn.Module | None, optimizer: Any) -> dict[str, Any]:
-    scheme, world, _ = _identity(sync)
-    return {"format": FORMAT, "scheme": scheme, "world_size": world,
+def _header(me: Identity, model: nn.Module | None, optimizer: Any) -> dict[str, Any]:
+    """Identical on every rank (DCP stores it once): no rank in it."""
+    return {"format": FORMAT, "kind": me.kind, "world_size": me.world_size,
             "model": _model_signature(model), "optimizer": optimizer is not None}
 
 
-def _check_header(h: dict[str, Any], sync: Any, model: nn.Module | None,
+def _check_header(h: dict[str, Any], rank: int, me: Identity, model: nn.Module | None,
                   optimizer: Any) -> None:
-    scheme, world, _ = _identity(sync)
+    """The header against this job, then ``rank`` (whose state this rank's entry holds)."""
     if h.get("format") != FORMAT:
         raise ValueError(f"checkpoint format {h.get('format')!r} is not {FORMAT}")
-    if h["world_size"] != world:
-        raise ValueError(f"checkpoint was saved by {h['world_size']} ranks, this job has {world}: "
-                         "residuals are per rank and cannot be re-sharded")
-    if h["scheme"] != scheme:
-        raise ValueError(f"checkpoint is for scheme {h['scheme']!r}, this job runs {scheme!r}")
+    check_identity({"rank": rank, "world_size": h["world_size"]}, me, "checkpoint")
+    if h["kind"] != me.kind:
+        raise ValueError(f"checkpoint holds the state of {h['kind']!r}, this job runs "
+                         f"{me.kind!r} (another scheme or integration)")
     mine = _model_signature(model)
     if model is not None:
         if h["model"] is None:
@@ -92,12 +92,13 @@ def _rank_file(path: str, rank: int) -> str:
     return os.path.join(path, f"rank{rank}.pt")
 
 
-def save(path: str, *, sync: Any, model: nn.Module | None = None, optimizer: Any = None,
+def save(path: str, *, sync: Stateful, model: nn.Module | None = None, optimizer: Any = None,
          extra: dict[str, Any] | None = None) -> str:
     """Write this rank's checkpoint to ``path/rank{r}.pt`` (every rank calls it)."""
-    _, _, rank = _identity(sync)
+    me = _identity(sync)
+    rank = me.rank
     os.makedirs(path, exist_ok=True)
-    blob = {"header": _header(sync, model, optimizer), "rank": rank,
+    blob = {"header": _header(me, model, optimizer), "rank": rank,
             "sync": sync.state_dict(),
             "model": model.state_dict() if model is not None else None,
             "optimizer": optimizer.state_dict() if optimizer is not None else None,
@@ -109,10 +110,11 @@ def save(path: str, *, sync: Any, model: nn.Module | None = None, optimizer: Any
     return f
 
 
-def load(path: str, *, sync: Any, model: nn.Module | None = None,
+def load(path: str, *, sync: Stateful, model: nn.Module | None = None,
          optimizer: Any = None) -> dict[str, Any]:
     """Load this rank's file written by :func:`save`; returns its ``extra`` dict."""
-    _, world, rank = _identity(sync)
+    me = _identity(sync)
+    world, rank = me.world_size, me.rank
     files = glob.glob(os.path.join(path, "rank*.pt"))
     if not files:
         raise ValueError(f"no checkpoint files rank*.pt in {path!r}")
@@ -120,11 +122,8 @@ def load(path: str, *, sync: Any, model: nn.Module | None = None,
         raise ValueError(f"checkpoint in {path!r} was saved by {len(files)} ranks, this job "
                          f"has {world}: residuals are per rank and cannot be re-sharded")
     blob = torch.load(_rank_file(path, rank), weights_only=False, map_location="cpu")
-    _check_header(blob["header"], sync, model, optimizer)
-    if blob["rank"] != rank:
-        raise ValueError(f"{_rank_file(path, rank)} holds rank {blob['rank']}'s state")
-    if hasattr(sync, "check_compatible"):
-        sync.check_compatible(blob["sync"])  # before the model and optimizer change
+    _check_header(blob["header"], blob["rank"], me, model, optimizer)
+    sync.check_compatible(blob["sync"])  # before the model and optimizer change
     if model is not None:
         model.load_state_dict(blob["model"])
     if optimizer is not None:
@@ -188,11 +187,7 @@ def _unpickle(b: Any) -> Any:
     return b
 
 
-def _group(sync: Any) -> dist.ProcessGroup | None:
-    return getattr(sync, "group", None)
-
-
-def save_dcp(path: str, *, sync: Any, model: nn.Module | None = None, optimizer: Any = None,
+def save_dcp(path: str, *, sync: Stateful, model: nn.Module | None = None, optimizer: Any = None,
              extra: dict[str, Any] | None = None) -> None:
     """Save with ``torch.distributed.checkpoint`` (every rank calls it, collectively)."""
     import torch.distributed.checkpoint as dcp
@@ -201,14 +196,15 @@ def save_dcp(path: str, *, sync: Any, model: nn.Module | None = None, optimizer:
         get_optimizer_state_dict,
     )
 
-    _, _, rank = _identity(sync)
+    me = _identity(sync)
+    rank = me.rank
     if optimizer is not None and model is None:
         raise ValueError("save_dcp: an optimizer needs its model (for parameter names)")
     tensors: list[torch.Tensor] = []
     skeleton = _split({"sync": sync.state_dict(), "extra": extra or {}}, tensors)
     state: dict[str, Any] = {
         # identical on every rank: de-duplicated to one copy, which is what we want
-        "gradsync/header": _pickle(_header(sync, model, optimizer)),
+        "gradsync/header": _pickle(_header(me, model, optimizer)),
         f"gradsync/rank{rank}/skeleton": _pickle({"rank": rank, "skeleton": skeleton}),
     }
     for i, t in enumerate(tensors):
@@ -217,10 +213,10 @@ def save_dcp(path: str, *, sync: Any, model: nn.Module | None = None, optimizer:
         state["model"] = get_model_state_dict(model)
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    dcp.save(state, checkpoint_id=path, process_group=_group(sync))
+    dcp.save(state, checkpoint_id=path, process_group=me.group)
 
 
-def load_dcp(path: str, *, sync: Any, model: nn.Module | None = None,
+def load_dcp(path: str, *, sync: Stateful, model: nn.Module | None = None,
              optimizer: Any = None) -> dict[str, Any]:
     """Load a :func:`save_dcp` checkpoint: this rank's own sync state, model and optimizer.
 
@@ -234,26 +230,26 @@ def load_dcp(path: str, *, sync: Any, model: nn.Module | None = None,
         set_optimizer_state_dict,
     )
 
-    _, _, rank = _identity(sync)
+    me = _identity(sync)
+    rank, group = me.rank, me.group
     if optimizer is not None and model is None:
         raise ValueError("load_dcp: an optimizer needs its model (for parameter names)")
     if not os.path.isdir(path):
         raise ValueError(f"no DCP checkpoint directory {path!r}")
-    group = _group(sync)
     keys = set(dcp.FileSystemReader(path).read_metadata().state_dict_metadata)
     if "gradsync/header" not in keys:
         raise ValueError(f"{path!r} is not a gradsync DCP checkpoint (no gradsync/header)")
     head = {"gradsync/header": b""}
     dcp.load(head, checkpoint_id=path, process_group=group)
-    _check_header(_unpickle(head["gradsync/header"]), sync, model, optimizer)
+    header = _unpickle(head["gradsync/header"])
+    _check_header(header, rank, me, model, optimizer)
     own = f"gradsync/rank{rank}/skeleton"
     if own not in keys:  # defensive: the header's world size already matched
         raise ValueError(f"{path!r} holds no state for rank {rank}")
     sk = {own: b""}
     dcp.load(sk, checkpoint_id=path, process_group=group)
     got = _unpickle(sk[own])
-    if got["rank"] != rank:
-        raise ValueError(f"{own} holds rank {got['rank']}'s state")
+    check_identity({"rank": got["rank"], "world_size": header["world_size"]}, me, "checkpoint")
     refs = _refs(got["skeleton"])
     state: dict[str, Any] = {f"gradsync/rank{rank}/t{r.i}": torch.empty(r.shape, dtype=r.dtype)
                              for r in refs}
@@ -261,9 +257,10 @@ def load_dcp(path: str, *, sync: Any, model: nn.Module | None = None,
         state["model"] = get_model_state_dict(model)
     if optimizer is not None:
         state["optimizer"] = get_optimizer_state_dict(model, optimizer)
-    # check the sync state before the model or optimizer change
-    if hasattr(sync, "check_compatible"):
-        sync.check_compatible(_join(got["skeleton"], {r.i: None for r in refs})["sync"])
+    # check the sync state before the model or optimizer change (its tensors are not loaded
+    # yet: meta tensors of their shapes and dtypes stand in for them)
+    sync.check_compatible(_join(got["skeleton"], {
+        r.i: torch.empty(r.shape, dtype=r.dtype, device="meta") for r in refs})["sync"])
     dcp.load(state, checkpoint_id=path, process_group=group)
     restored = _join(got["skeleton"],
                      {r.i: state[f"gradsync/rank{rank}/t{r.i}"] for r in refs})

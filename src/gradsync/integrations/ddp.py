@@ -16,13 +16,25 @@ Inside a bucket (SSFusion §III–IV applied to DDP's own fusion buffers):
   sparsified ones in an all-gather (SSFusion-I's split, with the split fixed by sparsification);
 * ``dense``: a plain all-reduce (a baseline through the same hook).
 
-Facts this relies on (DESIGN.md): the hook's second parameter must be named ``bucket``;
-``functools.partial`` and callable instances are rejected, plain functions work; buckets are
-rebuilt after iteration 0, so residuals are keyed by parameter name, not by bucket; under
-``no_sync()`` the hook is not called (gradients accumulate in DDP's buffers); on gloo a second
-collective cannot be launched from ``Future.then``, so the hook runs its collectives blocking
-and returns a completed future. (No ``from __future__ import annotations`` here: DDP compares
-the ``bucket`` annotation with ``dist.GradBucket`` itself, not with its string.)
+The hook runs the engine's pieces: the scheme's record in :mod:`gradsync.schedule.schemes`
+(which schemes have a hook, their collective and sparsifier, whether a bucket is interleaved),
+SSFusion's density-aware compensation (:func:`gradsync.schedule.ssfusion.compensate`), the
+sparsifier-seeding rule (:func:`gradsync.sparsify.seed_for`: run seed, parameter name, rank) and
+error feedback. What differs from :class:`gradsync.GradSync` is the fusion buffer (DDP's bucket)
+and the selection rule (a size threshold instead of Eq. 2, which needs the engine's cost
+model); SSFusion-O's offloading is the engine's alone.
+
+Facts this relies on (docs/architecture.md, "torch.distributed facts"): the hook's second
+parameter must be named ``bucket``; ``functools.partial`` and callable instances are rejected,
+plain functions work; buckets are rebuilt after iteration 0, so residuals are keyed by parameter
+name, not by bucket; under ``no_sync()`` the hook is not called (gradients accumulate in DDP's
+buffers); on gloo a second collective cannot be launched from ``Future.then``, so the hook runs
+its collectives blocking and returns a completed future. (No ``from __future__ import
+annotations`` here: DDP compares the ``bucket`` annotation with ``dist.GradBucket`` itself, not
+with its string.)
+
+:class:`HookState` implements :class:`gradsync.engine.state.Stateful` (identity
+``"ddp_hook:<scheme>"``), so :mod:`gradsync.checkpoint` saves and restores it per rank.
 """
 
 from dataclasses import dataclass, field
@@ -36,18 +48,29 @@ from gradsync import collectives, sparsify
 from gradsync.collectives.comm import Comm, CommStats
 from gradsync.engine.config import Config
 from gradsync.engine.consistency import signature_check
+from gradsync.engine.state import Identity, check_identity
 from gradsync.feedback import ErrorFeedback
+from gradsync.schedule import schemes
+from gradsync.schedule.ssfusion import compensate
 from gradsync.sparsegrad import SparseGrad
 
-__all__ = ["HookState", "hook", "register"]
+__all__ = ["DDP_SCHEMES", "HookState", "hook", "register"]
 
-DDP_SCHEMES = ("dense", "per_tensor", "ssfusion", "ssfusion_oi")
+# The schemes with a DDP hook: the rows of the table of schemes marked ``ddp_hook``.
+DDP_SCHEMES = tuple(name for name, s in schemes.SCHEMES.items() if s.ddp_hook)
 SMALL_NUMEL = 102_400  # SSFusion Insight #2: ~200 KB of fp32
+# Config fields that change the hook's trajectory: a checkpoint must be loaded with equal values.
+RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "min_density", "seed")
 
 
 @dataclass
 class HookState:
-    """Everything the hook keeps between calls (pass it as DDP's comm ``state``)."""
+    """Everything the hook keeps between calls (pass it as DDP's comm ``state``).
+
+    Implements :class:`gradsync.engine.state.Stateful`: ``state_dict()`` holds this rank's
+    residuals and sparsifier generators with its rank, world size and configuration, and
+    ``load_state_dict`` refuses another rank's state, world size, configuration or model.
+    """
 
     cfg: Config
     group: dist.ProcessGroup | None = None
@@ -55,7 +78,8 @@ class HookState:
     names: dict[int, str] = field(default_factory=dict)  # id(param) -> name
     ef: ErrorFeedback = field(init=False)
     sparsifiers: dict[str, sparsify.Sparsifier] = field(default_factory=dict)
-    allgather: collectives.Collective = field(init=False)
+    scheme: schemes.Scheme = field(init=False)  # the row of the table of schemes
+    collective: collectives.Collective = field(init=False)  # for the sparse parts
     last: CommStats = field(default_factory=CommStats)
     total: CommStats = field(default_factory=CommStats)
     calls: int = 0
@@ -65,13 +89,15 @@ class HookState:
     checked: bool = False  # configuration agreed across ranks
 
     def __post_init__(self) -> None:
-        if self.cfg.scheme not in DDP_SCHEMES:
+        self.scheme = schemes.get(self.cfg.scheme)
+        if not self.scheme.ddp_hook:
             raise ValueError(f"the DDP hook supports schemes {DDP_SCHEMES}, got "
                              f"{self.cfg.scheme!r} (use gradsync.GradSync for the others)")
         if self.small_numel < 0:
             raise ValueError(f"small_numel must be >= 0, got {self.small_numel}")
         self.ef = ErrorFeedback(momentum=self.cfg.momentum)
-        self.allgather = collectives.get("topka")
+        options = {k: getattr(self.cfg, k) for k in self.scheme.collective_options}
+        self.collective = collectives.get(self.scheme.collective, **options)
 
     def name_of(self, p: torch.Tensor) -> str:
         name = self.names.get(id(p))
@@ -79,11 +105,14 @@ class HookState:
             name = self.names[id(p)] = f"param{len(self.names)}:{tuple(p.shape)}"
         return name
 
+    def _new_sparsifier(self, name: str, density: float) -> sparsify.Sparsifier:
+        return sparsify.get(self.scheme.sparsifier or self.cfg.sparsifier, density=density,
+                            seed=sparsify.seed_for(self.cfg.seed, name, self.identity().rank))
+
     def sparsifier(self, name: str, density: float) -> sparsify.Sparsifier:
         sp = self.sparsifiers.get(name)
         if sp is None or sp.density != density:
-            sp = sparsify.get(self.cfg.sparsifier, density=density, seed=self.cfg.seed)
-            self.sparsifiers[name] = sp
+            sp = self.sparsifiers[name] = self._new_sparsifier(name, density)
         return sp
 
     def stats(self) -> dict[str, Any]:
@@ -91,29 +120,72 @@ class HookState:
                 "calls": self.calls,
                 "missing_rate": self.missing / self.tensors if self.tensors else 0.0}
 
+    # -- checkpointing (gradsync.engine.state.Stateful) ---------------------------------
+    def identity(self) -> Identity:
+        """``"ddp_hook:<scheme>"``, this rank and the size of the hook's group."""
+        comm = Comm(self.group)
+        return Identity(f"ddp_hook:{self.cfg.scheme}", comm.rank, comm.size, self.group)
+
+    def _params(self) -> dict[str, list[int]] | None:
+        return None if self.shapes is None else {n: list(s) for n, s in self.shapes}
+
     def state_dict(self) -> dict[str, Any]:
-        return {"feedback": self.ef.state_dict(),
+        """This rank's residuals and sparsifier generators, with what they depend on."""
+        me = self.identity()
+        return {"rank": me.rank, "world_size": me.world_size, "config": self.cfg.to_dict(),
+                "small_numel": self.small_numel, "params": self._params(),
+                "feedback": self.ef.state_dict(),
                 "sparsifiers": {k: s.state_dict() for k, s in self.sparsifiers.items()}}
 
+    def check_compatible(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` unless ``state`` was saved by this rank of a job with the same
+        world size, trajectory-relevant configuration and model; changes nothing."""
+        check_identity(state, self.identity(), "DDP hook")
+        saved = state.get("config")
+        if not isinstance(saved, dict):
+            raise ValueError("not a DDP hook state_dict (no config entry)")
+        cfg = self.cfg.to_dict()
+        diff = [f"{k}: saved {saved.get(k)!r}, here {cfg[k]!r}"
+                for k in RESUME_FIELDS if saved.get(k) != cfg[k]]
+        if state.get("small_numel") != self.small_numel:
+            diff.append(f"small_numel: saved {state.get('small_numel')!r}, "
+                        f"here {self.small_numel!r}")
+        if diff:
+            raise ValueError(f"the DDP hook state was saved with a different configuration: "
+                             f"{diff}")
+        mine, theirs = self._params(), state.get("params")
+        if mine is not None and theirs is not None and mine != theirs:
+            bad = sorted(set(mine) ^ set(theirs)) or sorted(
+                n for n in mine if mine[n] != theirs[n])
+            raise ValueError(f"the DDP hook state is for a different model (parameters "
+                             f"{bad[:5]} differ)")
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.ef.load_state_dict(state["feedback"])
+        """Restore :meth:`state_dict` of this rank; raises before changing anything."""
+        self.check_compatible(state)
+        ef = ErrorFeedback(momentum=self.cfg.momentum)
+        ef.load_state_dict(state["feedback"])
+        sparsifiers = {}
         for k, s in state["sparsifiers"].items():
-            self.sparsifier(k, s["density"]).load_state_dict(s)
+            sparsifiers[k] = self._new_sparsifier(k, s["density"])
+            sparsifiers[k].load_state_dict(s)
+        self.ef, self.sparsifiers = ef, sparsifiers
 
 
 def _densities(state: HookState, numels: list[int]) -> list[float | None]:
-    """Per-tensor density; None = not sparsified (selective sparsification + compensation)."""
+    """Per-tensor density of one bucket; None = sent dense.
+
+    ``per_tensor``: every tensor at ``density``. SSFusion: tensors below ``small_numel`` are
+    not sparsified and the others get the density-aware compensation of the engine's planner
+    (:func:`gradsync.schedule.ssfusion.compensate`: the bucket sends about
+    ``density × bucket numel`` entries, floor ``min_density``).
+    """
     cfg = state.cfg
-    if cfg.scheme == "per_tensor":
+    if state.scheme.planner == "per_tensor":
         return [cfg.density] * len(numels)
-    small = [n < state.small_numel for n in numels]
-    large_numel = sum(n for n, s in zip(numels, small) if not s)
-    if not large_numel:
-        return [None] * len(numels)
-    # density-aware compensation: k_target = density × bucket numel, minus what travels dense
-    k_target = cfg.density * sum(numels) - sum(n for n, s in zip(numels, small) if s)
-    d = min(cfg.density, max(cfg.min_density, k_target / large_numel))
-    return [None if s else d for s in small]
+    sparse = [n >= state.small_numel for n in numels]
+    d, _ = compensate(numels, sparse, cfg.density, cfg.min_density)
+    return [d if s else None for s in sparse]
 
 
 def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -123,7 +195,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     buf = bucket.buffer()
     comm = Comm(state.group)
     P = comm.size
-    if state.cfg.scheme == "dense":
+    if not state.scheme.sparse:  # dense: a plain all-reduce
         comm.all_reduce(buf)
         buf.div_(P)
         return _done(state, comm.stats, buf)
@@ -135,7 +207,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     for n in numels:
         offsets.append(offsets[-1] + n)
     accs, sparse_parts, dense_parts = {}, [], []
-    to_allreduce = state.cfg.scheme == "ssfusion_oi"
+    to_allreduce = state.scheme.interleave  # SSFusion-I: dense tensors in an all-reduce
     for i, (name, d) in enumerate(zip(names, densities)):
         acc = state.ef.accumulate(name, buf[offsets[i]:offsets[i + 1]])
         accs[name] = acc
@@ -155,8 +227,8 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     if sparse_parts:
         idx = torch.cat([s.indices + offsets[i] for i, s in sparse_parts])
         vals = torch.cat([s.values for _, s in sparse_parts])
-        res = state.allgather(SparseGrad(idx, vals, buf.numel(), validate=False),
-                              group=state.group)
+        res = state.collective(SparseGrad(idx, vals, buf.numel(), validate=False),
+                               group=state.group)
         out += res.dense
         kept = res.kept
         for i, _ in sparse_parts:

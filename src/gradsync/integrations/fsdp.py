@@ -2,30 +2,25 @@
 
 TAGC §3.1 / Algorithm 1 ("THLC communication hook"), run by every rank for each FSDP unit:
 
-    1  g_shard ← g_shard + acc                       # local accumulation (§3.2)
-    2  g_shard, acc_next ← sparsify(g_shard, θ)      # zero a fraction θ of the values
-    3  local_index ← create_index(g_shard)
-    4  index ← All-Reduce(local_index)               # here: OR, reduce-scattered per shard
-    5  local_count_sketch ← compress(g_shard, index)
-    6  Reduce(local_count_sketch, d)                 # here: ONE reduce-scatter, d = owner
-    8  if LOCAL RANK = d:
-    10     g ← peeling_decompress(index, count_sketch)
+    1  g_shard ← g_shard + acc                       # local accumulation (§3.2)       here
+    2  g_shard, acc_next ← sparsify(g_shard, θ)      # zero a fraction θ of the values  here
+    3  local_index ← create_index(g_shard)           # ┐
+    4  index ← All-Reduce(local_index)               # │ gradsync.collectives.tagc:
+    5  local_count_sketch ← compress(g_shard, index) # │ OR and SUM reduce-scatters,
+    6  Reduce(local_count_sketch, d)                 # │ peeling on the owner
+    10 g ← peeling_decompress(index, count_sketch)   # ┘
 
 FSDP2 hands its reduce-scatter the flat ``P × S`` buffer (chunk ``j`` holds this rank's
 gradient of the shard rank ``j`` owns, every parameter of the unit padded along dim 0) and
 expects this rank's shard ``S`` back. :class:`_TAGCReduceScatter` replaces that call through
-``FSDPModule.set_custom_reduce_scatter``: for each destination chunk ``j`` it adds the accumulator
-``acc`` (what θ zeroed last step), keeps the ``round((1 − θ)·S)`` largest magnitudes
-(``sparsify.get("fraction")``), builds the chunk's bit index and count sketch
-(:mod:`gradsync.formats.sketch`), then
-
-* reduce-scatters the packed indices with a bitwise OR (gloo's ``ReduceOp.BOR``; on backends
-  without it, e.g. NCCL, a pairwise exchange of the packed bitmaps followed by a local OR — the
-  same ``(P − 1)·B`` bytes). 1-bit bitmaps are never SUMmed (a carry would corrupt a neighbour);
-  4-bit indices are per-element counters and ARE summed, exact for P ≤ 15 (TAGC's 4-bit mode);
-* reduce-scatters the sketches with SUM: owner ``d`` receives Σ_ranks sketch(chunk d) — the
-  "Reduce to the master device" of Algorithm 1, done for all P shards in one call;
-* peels its own shard with the OR index and writes it into FSDP's output.
+``FSDPModule.set_custom_reduce_scatter``: for each destination chunk ``j`` it adds the
+accumulator ``acc`` (what θ zeroed last step) and keeps the ``round((1 − θ)·S)`` largest
+magnitudes (``sparsify.get("fraction")``);
+:func:`gradsync.collectives.tagc.compressed_reduce_scatter` then reduce-scatters the chunks'
+bit indices (OR) and count sketches (SUM) and peels this rank's shard, which is written into
+FSDP's output. ``TAGCConfig.index_method`` picks how the
+index OR travels (``"auto"``: bitwise-OR reduce-scatter on gloo, a pairwise bitmap exchange
+elsewhere, summed 4-bit counters for ``index_bits=4``; table in that module).
 
 Selective compression (§3.2): ``TAGCConfig.policy(module_name, module)`` decides per module;
 inside one FSDP unit the parameters of compressed modules travel as above and the others in a
@@ -43,10 +38,15 @@ call keeps the ranks in step, so none is left waiting in a collective).
 
 Reduction: :func:`compress` calls ``set_force_sum_reduction_for_comms(True)`` so FSDP passes
 ``ReduceOp.SUM`` and divides by P itself afterwards (verified against torch 2.13's
-``foreach_reduce``); ``ReduceOp.AVG`` is still accepted (the owner divides explicitly). Sketch
-and decoding are fp32 whatever the gradient dtype (so bf16/fp16 gradients send fp32 sketches).
-Traffic goes only through :class:`gradsync.collectives.comm.Comm`, so bytes are counted at the
-torch.distributed call. The FSDP1 (``FullyShardedDataParallel``) path is not implemented.
+``foreach_reduce``; docs/architecture.md, "torch.distributed facts"); ``ReduceOp.AVG`` is still
+accepted (the owner divides explicitly). Sketch and decoding are fp32 whatever the gradient
+dtype (so bf16/fp16 gradients send fp32 sketches). Traffic goes only through
+:class:`gradsync.collectives.comm.Comm`, so bytes are counted at the torch.distributed call.
+The FSDP1 (``FullyShardedDataParallel``) path is not implemented.
+
+:class:`TAGC` implements :class:`gradsync.engine.state.Stateful` (identity ``"tagc"``): its
+per-rank accumulators go into checkpoints with the rank, world size and configuration they
+depend on.
 """
 
 from __future__ import annotations
@@ -67,9 +67,11 @@ from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceS
 
 from gradsync import sparsify
 from gradsync.collectives.comm import Comm
+from gradsync.collectives.lhc import INDEX_METHODS
+from gradsync.collectives.tagc import agree_lossless, compressed_reduce_scatter
 from gradsync.engine.consistency import signature_check
-from gradsync.formats.sketch import CountSketch, PeelError, pack_index, unpack_index
-from gradsync.sparsegrad import check_finite
+from gradsync.engine.state import Identity, check_identity
+from gradsync.formats.sketch import CountSketch
 
 __all__ = ["TAGC", "TAGCConfig", "all_layers", "compress", "non_attention_linear"]
 
@@ -113,7 +115,9 @@ class TAGCConfig:
     (and accumulated locally) before compression, 0 = no sparsification; ``policy``:
     ``(module_name, module) -> bool``, which modules' parameters are compressed;
     ``on_failure``: "report" (estimate unpeeled values, count them) or "raise";
-    ``seed``: hash seed of the count sketches (identical on every rank).
+    ``seed``: hash seed of the count sketches (identical on every rank);
+    ``index_method``: how the bit index is OR-aggregated, ``"auto"`` or one of
+    ``"bor"``, ``"gather"``, ``"max"``, ``"count4"`` (:mod:`gradsync.collectives.tagc`).
     """
 
     ratio: int = 10
@@ -122,6 +126,7 @@ class TAGCConfig:
     policy: Callable[[str, nn.Module], bool] = non_attention_linear
     on_failure: str = "report"
     seed: int = 0
+    index_method: str = "auto"
 
     def __post_init__(self) -> None:
         if isinstance(self.ratio, bool) or self.ratio not in RATIOS:
@@ -142,6 +147,9 @@ class TAGCConfig:
             raise ValueError(f"on_failure must be 'report' or 'raise', got {self.on_failure!r}")
         if isinstance(self.seed, bool) or not isinstance(self.seed, int) or self.seed < 0:
             raise ValueError(f"seed must be a non-negative int, got {self.seed!r}")
+        if self.index_method not in INDEX_METHODS:
+            raise ValueError(f"index_method must be one of {INDEX_METHODS}, "
+                             f"got {self.index_method!r}")
 
 
 @dataclass
@@ -202,27 +210,6 @@ def _positions(segments: list[tuple[int, int]], device: torch.device) -> torch.T
                       for a, n in segments])
 
 
-def _encode_chunks(sk: CountSketch, q: torch.Tensor) -> torch.Tensor:
-    """Count sketches of the P rows of ``q`` at once, from their nonzeros only: (P, length).
-
-    Equals ``torch.stack([sk.encode(q[j]) for j in range(P)])`` (the sketch is linear; zeros
-    add nothing) but costs O(nnz) instead of O(n) — after θ-sparsification 1% of the chunk.
-    Positions map to cells through the sketch's own ``element_cells``, the single source of
-    its layout.
-    """
-    P, n = q.shape
-    if n != sk.n:
-        raise ValueError(f"sketch of {sk.n} elements cannot encode chunks of {n}")
-    check_finite(q, "TAGC: gradient")
-    j, pos = torch.nonzero(q, as_tuple=True)
-    v = q[j, pos].to(torch.float32)
-    cells, signs = sk.element_cells(pos)  # (E, k) flat cells of one sketch, (E, k) ±1
-    cells = cells + (j * sk.length).unsqueeze(1)
-    out = torch.zeros(P * sk.length, dtype=torch.float32, device=q.device)
-    out.index_add_(0, cells.reshape(-1), (signs * v.unsqueeze(1)).reshape(-1))
-    return out.view(P, sk.length)
-
-
 # Configuration a checkpoint's accumulators depend on (checked when loading).
 _TRAJECTORY_FIELDS = ("theta", "ratio", "index_bits", "seed")
 
@@ -237,15 +224,16 @@ class TAGC:
         self.model = model
         self.rank = dist.get_rank() if dist.is_initialized() else 0
         self.world_size = dist.get_world_size() if dist.is_initialized() else 1
-        if config.index_bits == 4 and self.world_size > 15:
+        counters = config.index_method == "count4" or (
+            config.index_bits == 4 and config.index_method == "auto")
+        if counters and self.world_size > 15:
             raise ValueError(f"index_bits=4 sums 4-bit counters, exact only for P <= 15; "
                              f"this job has P = {self.world_size} (use index_bits=1)")
-        density = 1.0 - config.theta
         self._sparsifier = None
-        if config.theta > 0:
-            name = "fraction" if "fraction" in sparsify.names() else "topk"
-            self._sparsifier = sparsify.get(name, density=density, seed=config.seed)
-        self.force_pairwise_or = False  # tests: exercise the non-gloo OR path on gloo
+        if config.theta > 0:  # TAGC §3.2: at least θ of each chunk's values become zero
+            self._sparsifier = sparsify.get(
+                "fraction", theta=config.theta,
+                seed=sparsify.seed_for(config.seed, "tagc", self.rank))
         self.units: dict[str, _Unit] = {}
         self._comms: dict[str, _TAGCReduceScatter] = {}
         names = {id(m): n for n, m in model.named_modules()}
@@ -274,6 +262,7 @@ class TAGC:
         return {
             "ratio": c.ratio, "index_bits": c.index_bits, "theta": c.theta,
             "on_failure": c.on_failure, "seed": c.seed, "policy": policy,
+            "index_method": c.index_method,
             "units": [(u.name, u.shard_numel, u.compressed_params, u.plain_params)
                       for u in self.units.values()],
         }
@@ -358,48 +347,67 @@ class TAGC:
         return {n: {"compressed": list(u.compressed_params), "plain": list(u.plain_params)}
                 for n, u in self.units.items()}
 
-    # -- checkpointing ----------------------------------------------------------------
+    # -- checkpointing (gradsync.engine.state.Stateful) ---------------------------------
+    def identity(self) -> Identity:
+        """``"tagc"``, this rank, the world size (TAGC runs over the default group)."""
+        return Identity("tagc", self.rank, self.world_size)
+
+    def _plan_state(self) -> dict[str, list[str]]:
+        return {n: list(u.compressed_params) for n, u in self.units.items()}
+
     def state_dict(self) -> dict[str, Any]:
-        """Accumulators of this rank under per-rank keys ``rank{r}/{unit}``.
+        """This rank's accumulators under per-rank keys ``rank{r}/{unit}``, with the rank,
+        world size, trajectory configuration (θ, ratio, index width, sketch seed) and the
+        compressed parameters of each unit they belong to.
 
         ``torch.distributed.checkpoint`` de-duplicates equal keys across ranks; the rank in
-        the key keeps every rank's residual. ``world_size`` is saved for the load check.
+        the key keeps every rank's residual.
         """
         return {
-            "world_size": self.world_size,
-            **{k: getattr(self.config, k) for k in _TRAJECTORY_FIELDS},
+            "rank": self.rank, "world_size": self.world_size,
+            "config": {k: getattr(self.config, k) for k in _TRAJECTORY_FIELDS},
+            "plan": self._plan_state(),
             "accumulators": {f"rank{self.rank}/{n}": u.acc.clone()
                              for n, u in self.units.items() if u.acc is not None},
         }
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`; a different world size or TAGC configuration (θ,
-        ratio, index width, sketch seed: the accumulators mean something else) raises."""
-        ws = int(state.get("world_size", -1))
-        if ws != self.world_size:
-            raise ValueError(f"TAGC state was saved with world size {ws}, this job has "
-                             f"{self.world_size}: accumulators are per rank and per shard "
-                             "layout and cannot be re-sharded")
+    def check_compatible(self, state: dict[str, Any]) -> None:
+        """Raise ``ValueError`` unless ``state`` was saved by this rank of a job with the same
+        world size, TAGC configuration (the accumulators mean something else otherwise) and
+        units; changes nothing."""
+        check_identity(state, self.identity(), "TAGC")
+        saved = state.get("config")
+        if not isinstance(saved, dict):
+            raise ValueError("not a TAGC state_dict (no config entry)")
         for k in _TRAJECTORY_FIELDS:
-            if k not in state or state[k] != getattr(self.config, k):
-                raise ValueError(f"TAGC state was saved with {k}={state.get(k)!r}, this "
+            if saved.get(k) != getattr(self.config, k):
+                raise ValueError(f"TAGC state was saved with {k}={saved.get(k)!r}, this "
                                  f"TAGCConfig has {k}={getattr(self.config, k)!r}")
-        accs = state.get("accumulators", {})
+        plan = self._plan_state()
+        if state.get("plan") != plan:
+            raise ValueError(f"TAGC state was saved for other units or another policy: saved "
+                             f"{state.get('plan')}, here {plan}")
         prefix = f"rank{self.rank}/"
-        unknown = [k[len(prefix):] for k in accs
-                   if k.startswith(prefix) and k[len(prefix):] not in self.units]
+        accs = state.get("accumulators", {})
+        unknown = [k for k in accs if not k.startswith(prefix)
+                   or k[len(prefix):] not in self.units]
         if unknown:
-            raise ValueError(f"TAGC state holds accumulators for unknown units {unknown}")
-        for n, u in self.units.items():
-            t = accs.get(prefix + n)
-            if t is None:
-                u.acc = None
-                continue
-            want = (self.world_size, u.n_comp)
+            raise ValueError(f"TAGC state holds accumulators {unknown} that are not this "
+                             f"rank's units")
+        for k, t in accs.items():
+            want = (self.world_size, self.units[k[len(prefix):]].n_comp)
             if tuple(t.shape) != want:
-                raise ValueError(f"TAGC accumulator {prefix + n} has shape {tuple(t.shape)}, "
+                raise ValueError(f"TAGC accumulator {k} has shape {tuple(t.shape)}, "
                                  f"expected {want}")
-            u.acc = t.detach().clone()
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` after :meth:`check_compatible` (nothing changes when
+        it raises)."""
+        self.check_compatible(state)
+        accs = state.get("accumulators", {})
+        for n, u in self.units.items():
+            t = accs.get(f"rank{self.rank}/{n}")
+            u.acc = None if t is None else t.detach().clone()
 
     def remove(self) -> None:
         """Give every unit FSDP's default reduce-scatter back (accumulators are dropped)."""
@@ -473,8 +481,7 @@ class _TAGCReduceScatter(ReduceScatter):
     # -- TAGC Algorithm 1 for the compressed part of the unit -----------------------------
     def _compressed(self, g: torch.Tensor, comm: Comm) -> torch.Tensor:
         """(P, n) chunks of this rank -> this rank's shard of the SUM over ranks, (n,)."""
-        cfg, u, sk = self.tagc.config, self.unit, self.unit.sketch
-        P, n = g.shape
+        cfg, u = self.tagc.config, self.unit
         # 1: g ← g + acc (local accumulation of what θ zeroed before)
         if u.acc is not None:
             g = g + u.acc.to(g.dtype)
@@ -482,57 +489,22 @@ class _TAGCReduceScatter(ReduceScatter):
         spars = self.tagc._sparsifier
         if spars is not None:
             q = torch.zeros_like(g)
-            for j in range(P):
+            for j in range(g.shape[0]):
                 sel = spars.select(g[j])
                 q[j, sel.indices] = sel.values
             u.acc = g - q  # exact: selected entries leave 0, the rest stay
         else:
             q = g
-        # 3-4: local index per destination chunk; owner receives the OR over ranks
-        local_index = torch.stack([pack_index(q[j] != 0, cfg.index_bits) for j in range(P)])
-        index = self._or_reduce_scatter(local_index, comm)
-        nonzero = unpack_index(index, n, cfg.index_bits)
-        # 5-6: count sketch per chunk; one reduce-scatter: owner d gets Σ_ranks sketch(chunk d)
-        local_sketch = _encode_chunks(sk, q)
-        count_sketch = torch.empty(sk.length, dtype=torch.float32, device=g.device)
-        before = comm.stats.bytes_sent
-        comm.reduce_scatter(count_sketch, local_sketch.view(-1))
-        u.stats.sketch_bytes += comm.stats.bytes_sent - before
-        # 10: g ← peeling_decompress(index, count_sketch) on the owner
-        values, report = sk.peel(count_sketch, nonzero, on_failure="report", dtype=g.dtype)
-        u.stats.union_nnz += int(nonzero.sum())
-        if report.lossy:
-            u.stats.lossy_peels += 1
-            u.stats.unresolved += report.unresolved
+        # 3-10: OR index and sketch reduce-scatters, peeling of this rank's shard
+        res = compressed_reduce_scatter(q, u.sketch, comm, index_bits=cfg.index_bits,
+                                        index_method=cfg.index_method)
+        st = u.stats
+        st.index_bytes += res.index_bytes
+        st.sketch_bytes += res.sketch_bytes
+        st.union_nnz += res.union_nnz
+        if res.report.lossy:
+            st.lossy_peels += 1
+            st.unresolved += res.report.unresolved
         if cfg.on_failure == "raise":
-            flag = torch.tensor([int(report.unresolved)], dtype=torch.int64, device=g.device)
-            comm.all_reduce(flag, op=dist.ReduceOp.MAX)
-            if int(flag) > 0:
-                raise PeelError(report) if report.lossy else RuntimeError(
-                    f"TAGC unit {u.name!r}: peeling failed on another rank's shard "
-                    f"({int(flag)} nonzeros unresolved there); on_failure='raise'")
-        return values
-
-    def _or_reduce_scatter(self, local_index: torch.Tensor, comm: Comm) -> torch.Tensor:
-        """(P, B) packed indices -> this rank's (B,) aggregate: OR (1-bit) / SUM (4-bit)."""
-        P, B = local_index.shape
-        out = torch.empty(B, dtype=torch.uint8, device=local_index.device)
-        before = comm.stats.bytes_sent
-        if self.tagc.config.index_bits == 4:
-            # 4-bit counters: a SUM counts holders per element, no carry for P <= 15.
-            comm.reduce_scatter(out, local_index.view(-1))
-        elif (not self.tagc.force_pairwise_or
-              and dist.get_backend(comm.group) == dist.Backend.GLOO):
-            comm.reduce_scatter(out, local_index.view(-1), op=dist.ReduceOp.BOR)
-        else:
-            # No bitwise-OR reduction (NCCL): step s sends chunk (r+s) to its owner and
-            # receives chunk r from rank r−s, then ORs locally; (P−1)·B bytes like a ring.
-            r = comm.rank
-            out.copy_(local_index[r])
-            buf = torch.empty_like(out)
-            for s in range(1, P):
-                dst, src = (r + s) % P, (r - s) % P
-                comm.sendrecv(local_index[dst].contiguous(), dst, buf, src)
-                out.bitwise_or_(buf)
-        self.unit.stats.index_bytes += comm.stats.bytes_sent - before
-        return out
+            agree_lossless(res.report, comm, g.device, f"TAGC unit {u.name!r}")
+        return res.values
