@@ -29,12 +29,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conftest import image_batch, pin_profiles, sharded_gpt
 from gradsync.apps.models import build
-from gradsync.engine import GradSync, warmup
+from gradsync.engine import GradSync
 from gradsync.engine.config import Config
 from gradsync.integrations import checkpoint
 from gradsync.integrations import ddp as gddp
-from gradsync.schedule import SCHEMES, costmodel
+from gradsync.schedule import SCHEMES
 from gradsync.testing import run_distributed
 
 P = 2
@@ -53,21 +54,6 @@ HOOK_SMALL = 1000  # the biases travel dense, the weights sparsified and compens
 
 
 # -- helpers run in the children --------------------------------------------------------------
-def _pin_profiles() -> None:
-    """Fixed timing measurements (see the module docstring); the order is still observed."""
-    costmodel.profile_collectives = lambda group=None, **kw: (
-        costmodel.AlphaBeta(5e-5, 1e-9), costmodel.AlphaBeta(5e-5, 2e-9))
-    costmodel.profile_sparsifier = lambda sp, offload=False, **kw: (
-        costmodel.AffineFit(2e-5, 5e-10) if offload else costmodel.AffineFit(1e-5, 2e-9))
-    orig = warmup.backward_profile
-    if not getattr(orig, "pinned", False):
-        def pinned(samples, names):
-            order, _ = orig(samples, names)
-            return order, {n: 1e-5 * (i + 1) for i, n in enumerate(order)}
-        pinned.pinned = True
-        warmup.backward_profile = pinned
-
-
 def _digest(tensors) -> str:
     h = hashlib.sha256()
     for t in tensors:
@@ -96,11 +82,6 @@ def _sync_digest(sync) -> str:
     return _digest(sync.units[n].acc for n in sorted(sync.units))
 
 
-def _batch(rank: int, step: int):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g)
-
-
 def _engine_run(name: str, seed: int = 1):
     model = build("mlp", seed=seed)
     opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
@@ -109,26 +90,16 @@ def _engine_run(name: str, seed: int = 1):
 
 def _engine_step(rank, step, model, opt, sync) -> None:
     opt.zero_grad(set_to_none=True)
-    x, y = _batch(rank, step)
+    x, y = image_batch(rank, step)
     nn.functional.cross_entropy(model(x), y).backward()
     sync.synchronize()
     opt.step()
 
 
-def _gpt():
-    from torch.distributed.fsdp import fully_shard
-
-    m = build("gpt_tiny", seed=0, dim=32, layers=2, heads=2, context=16)
-    for blk in m.blocks:
-        fully_shard(blk)
-    fully_shard(m)
-    return m
-
-
 def _tagc_run(seed_shift: bool = False):
     from gradsync.integrations.fsdp import TAGCConfig, compress
 
-    m = _gpt()
+    m = sharded_gpt(dim=32, layers=2, heads=2, context=16)
     if seed_shift:  # a fresh model that differs from the saved one: the load must overwrite
         with torch.no_grad():
             for p in m.parameters():
@@ -161,7 +132,7 @@ def _hook_run(seed: int = 1, cfg: Config = HOOK_CFG):
 
 def _hook_step(rank, step, ddp, opt) -> None:
     opt.zero_grad(set_to_none=True)
-    x, y = _batch(rank, step)
+    x, y = image_batch(rank, step)
     nn.functional.cross_entropy(ddp(x), y).backward()
     opt.step()
 
@@ -213,7 +184,7 @@ def _sweep(rank: int) -> dict:
                     torch.save({"model": model.state_dict(), "sync": sync.state_dict()}, buf)
                     saved["blob"] = buf.getvalue()
                 model.zero_grad(set_to_none=True)
-                x, y = _batch(rank, step)
+                x, y = image_batch(rank, step)
                 nn.functional.cross_entropy(model(x), y).backward()
                 sync.synchronize()
                 with torch.no_grad():
@@ -227,7 +198,7 @@ def _sweep(rank: int) -> dict:
 
 # -- job 1: train, save, go on ----------------------------------------------------------------
 def _straight(rank: int, world: int, path: str) -> dict:
-    _pin_profiles()
+    pin_profiles()
     out: dict = {"dedup": _dedup_fact(rank, os.path.join(path, "dedup")), "sweep": _sweep(rank)}
     for name in ENGINE_CASES:
         model, opt, sync = _engine_run(name)
@@ -277,7 +248,7 @@ def _errors(fmt, path, **kw) -> str | None:
 
 
 def _resume(rank: int, world: int, path: str) -> dict:
-    _pin_profiles()
+    pin_profiles()
     out: dict = {}
     for name in ENGINE_CASES:
         for fmt in FORMATS:

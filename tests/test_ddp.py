@@ -10,6 +10,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync.integrations.ddp
+from conftest import image_batch
 from gradsync import sparsify
 from gradsync.apps.models import build
 from gradsync.engine.config import Config
@@ -17,11 +18,6 @@ from gradsync.engine.consistency import parameter_digest
 from gradsync.engine.state import Identity, Stateful
 from gradsync.integrations.ddp import HookState, _densities
 from gradsync.testing import run_distributed
-
-
-def _batch(rank, step, n=16):
-    g = torch.Generator().manual_seed(97 * rank + step)
-    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
 def _train(rank, world_size, scheme, density, steps, use_hook, small_numel):
@@ -42,9 +38,9 @@ def _train(rank, world_size, scheme, density, steps, use_hook, small_numel):
         opt.zero_grad(set_to_none=True)
         if step == 2:  # gradient accumulation: the hook is not called inside no_sync
             with ddp.no_sync():
-                x, y = _batch(rank, 1000 + step)
+                x, y = image_batch(rank, 1000 + step, 16)
                 nn.functional.cross_entropy(ddp(x), y).backward()
-        x, y = _batch(rank, step)
+        x, y = image_batch(rank, step, 16)
         loss = nn.functional.cross_entropy(ddp(x), y)
         loss.backward()
         opt.step()

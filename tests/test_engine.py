@@ -9,6 +9,8 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
+from conftest import batch
+from conftest import loss as model_loss
 from gradsync import sparsify
 from gradsync.apps.models import build
 from gradsync.engine import GradSync, Stateful
@@ -21,19 +23,7 @@ from gradsync.testing import run_distributed
 ALL_SCHEMES = list(SCHEMES)
 
 
-def _batch(model_name: str, rank: int, step: int, n: int = 8):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    if model_name == "gpt_tiny":
-        x = torch.randint(0, 256, (n, 16), generator=g)
-        return x, torch.randint(0, 256, (n, 16), generator=g)
-    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
 
-
-def _loss(model, model_name, x, y):
-    out = model(x)
-    if model_name == "gpt_tiny":
-        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
-    return nn.functional.cross_entropy(out, y)
 
 
 def _small(model_name: str):
@@ -54,8 +44,8 @@ def _density_one(rank, world_size, model_names, schemes):
             worst = 0.0
             for step in range(4):  # 2 profiling steps, then the final plan
                 model.zero_grad(set_to_none=True)
-                x, y = _batch(model_name, rank, step)
-                _loss(model, model_name, x, y).backward()
+                x, y = batch(model_name, rank, step)
+                model_loss(model, model_name, x, y).backward()
                 ref = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
                 for t in ref.values():  # the reference: plain torch.distributed, as DDP does
                     dist.all_reduce(t)
@@ -89,8 +79,8 @@ def _train_sparse(rank, world_size, schemes, steps):
         sync = GradSync(model, Config(scheme=scheme, density=0.01, warmup_steps=2))
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
-            x, y = _batch("cnn", rank, step)
-            _loss(model, "cnn", x, y).backward()
+            x, y = batch("cnn", rank, step)
+            model_loss(model, "cnn", x, y).backward()
             sync.synchronize()
             opt.step()
         out[scheme] = gradsync.engine.consistency.parameter_digest(model)[0]
@@ -151,8 +141,8 @@ def _conservation(rank, world_size, scheme):
     total_avg = {n: torch.zeros_like(p) for n, p in model.named_parameters()}
     for step in range(6):
         model.zero_grad()
-        x, y = _batch("cnn", rank, step)
-        _loss(model, "cnn", x, y).backward()
+        x, y = batch("cnn", rank, step)
+        model_loss(model, "cnn", x, y).backward()
         for n, p in model.named_parameters():
             total_g[n] += p.grad
         sync.synchronize()
@@ -186,8 +176,8 @@ def _no_sync_frozen_unused(rank, world_size):
         model.zero_grad(set_to_none=True)
         with sync.no_sync():
             for micro in range(2):
-                x, y = _batch("cnn", rank, 10 * step + micro)
-                _loss(model, "cnn", x, y).backward()
+                x, y = batch("cnn", rank, 10 * step + micro)
+                model_loss(model, "cnn", x, y).backward()
         local = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
         ref = {n: g.clone() for n, g in local.items()}
         for t in ref.values():
@@ -201,7 +191,7 @@ def _no_sync_frozen_unused(rank, world_size):
     assert torch.equal(model.features[0].weight, frozen_before)
     # a parameter that gets no gradient on this step (unused branch): synchronized as zeros
     model.zero_grad(set_to_none=True)
-    x, y = _batch("cnn", rank, 99)
+    x, y = batch("cnn", rank, 99)
     feats = model.features(x).flatten(1)
     loss = nn.functional.cross_entropy(model.classifier[3](torch.relu(
         model.classifier[1](feats))), y) if rank == 0 else model.classifier[1](feats).sum()
@@ -225,8 +215,8 @@ def _checkpoint(rank, world_size, scheme, path):
     def run(steps, model, opt, sync, start=0):
         for step in range(start, start + steps):
             opt.zero_grad(set_to_none=True)
-            x, y = _batch("cnn", rank, step)
-            _loss(model, "cnn", x, y).backward()
+            x, y = batch("cnn", rank, step)
+            model_loss(model, "cnn", x, y).backward()
             sync.synchronize()
             opt.step()
 
@@ -293,8 +283,8 @@ def test_single_process_without_process_group():
     sync = GradSync(model, Config(scheme="ssfusion_oi", density=0.1, warmup_steps=1))
     for step in range(3):
         model.zero_grad()
-        x, y = _batch("cnn", 0, step)
-        _loss(model, "cnn", x, y).backward()
+        x, y = batch("cnn", 0, step)
+        model_loss(model, "cnn", x, y).backward()
         sync.synchronize()
     s = sync.stats()
     assert s["world_size"] == 1 and s["step"] == 3 and s["last"]["bytes_sent"] == 0
@@ -308,7 +298,7 @@ def _nonfinite(rank, world_size, policy, bad_rank, scheme):
     results = []
     for step in range(4):
         model.zero_grad()
-        x, y = _batch("cnn", rank, step)
+        x, y = batch("cnn", rank, step)
         handle = None
         if step == 2 and rank == bad_rank:  # the NaN appears during backward, as in real life
             def poison(g):
@@ -316,7 +306,7 @@ def _nonfinite(rank, world_size, policy, bad_rank, scheme):
                 g[3, 5] = float("nan")
                 return g
             handle = model.net[1].weight.register_hook(poison)
-        _loss(model, "cnn", x, y).backward()
+        model_loss(model, "cnn", x, y).backward()
         if handle is not None:
             handle.remove()
         before = {n: (sync.ef.residual(n).clone() if sync.ef.residual(n) is not None else None)
@@ -365,8 +355,8 @@ def _diverge(rank, world_size):
     sync = GradSync(model, Config(scheme="topka", density=0.1, warmup_steps=1, check_every=2))
     for step in range(4):
         model.zero_grad()
-        x, y = _batch("cnn", rank, step)
-        _loss(model, "cnn", x, y).backward()
+        x, y = batch("cnn", rank, step)
+        model_loss(model, "cnn", x, y).backward()
         if step == 3 and rank == 1:
             with torch.no_grad():
                 model.net[1].bias[0] += 1.0  # a replica drifts

@@ -28,6 +28,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conftest import image_batch
 from gradsync.apps.models import build
 from gradsync.engine import GradSync
 from gradsync.engine.config import Config
@@ -39,11 +40,6 @@ HARNESS_TIMEOUT_S = 150.0  # run_distributed's: far above the ranks' own
 PEER_FAILURE = re.compile(r"time[d ]?out|timed out|closed|reset|peer|broken pipe|connection",
                           re.IGNORECASE)
 FAULTY = 1  # the rank that dies or stalls
-
-
-def _batch(rank: int, step: int, n: int = 8):
-    g = torch.Generator().manual_seed(7919 * rank + step)
-    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
 
 
 def _write(outdir: str, rank: int, tag: str, res: dict) -> None:
@@ -168,7 +164,7 @@ def _faults(rank: int, world_size: int, cases: list[tuple[str, str, str]], outdi
         t_fault = None
         for step in range(4):
             model.zero_grad()
-            x, y = _batch(rank, step)
+            x, y = image_batch(rank, step)
             handle = None
             if step == 2:
                 t_fault = time.monotonic()
@@ -332,7 +328,7 @@ def _ddp_mismatch(rank: int, world_size: int, cases: list[dict]):
               **(diff if rank == 1 else {})}
         try:
             gradsync.ddp.register(ddp, Config(**kw), small_numel=1000)
-            x, y = _batch(rank, 0)
+            x, y = image_batch(rank, 0)
             nn.functional.cross_entropy(ddp(x), y).backward()
             out.append(("trained", ""))
         except ValueError as e:
@@ -366,7 +362,7 @@ def _tagc_mismatch(rank: int, world_size: int, cases: list[dict]):
         kw = {"ratio": 2, "theta": 0.9, "policy": all_layers, **(diff if rank == 1 else {})}
         try:
             compress(model, TAGCConfig(**kw))
-            x, y = _batch(rank, 0)
+            x, y = image_batch(rank, 0)
             nn.functional.cross_entropy(model(x), y).backward()
             out.append(("trained", ""))
         except ValueError as e:

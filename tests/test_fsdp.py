@@ -17,7 +17,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.apps.models import build
+from conftest import sharded_gpt
 from gradsync.integrations.fsdp import TAGCConfig, all_layers, non_attention_linear
 from gradsync.testing import run_distributed
 
@@ -106,14 +106,7 @@ def _synthetic_cases(rank: int, world: int) -> dict:
 
 
 # -- TinyGPT under fully_shard ---------------------------------------------------------------
-def _gpt(dim: int = 64, layers: int = 2, vocab: int = 256):
-    from torch.distributed.fsdp import fully_shard
 
-    m = build("gpt_tiny", seed=0, dim=dim, layers=layers, vocab=vocab)
-    for blk in m.blocks:
-        fully_shard(blk)
-    fully_shard(m)
-    return m
 
 
 def _lm_loss(m, xb, yb):
@@ -128,7 +121,8 @@ def _equivalence(rank: int, world: int) -> dict:
     """θ = 0, embedding compressed; inputs use 32 of 4096 tokens (sparse embedding grads)."""
     from gradsync.integrations.fsdp import compress
 
-    plain, tagc_model = _gpt(vocab=VOCAB), _gpt(vocab=VOCAB)
+    plain = sharded_gpt(vocab=VOCAB)
+    tagc_model = sharded_gpt(vocab=VOCAB)
     t = compress(tagc_model, TAGCConfig(ratio=4, theta=0.0,
                                         policy=lambda name, mod: name == "embed"))
     g = torch.Generator().manual_seed(rank)
@@ -164,7 +158,7 @@ def _train(rank: int, world: int, steps: int = 30) -> dict:
     """Default TAGC (θ = 0.99, 10x, 1-bit, non-attention linear) on real text."""
     from gradsync.integrations.fsdp import compress
 
-    m = _gpt()
+    m = sharded_gpt()
     t = compress(m, TAGCConfig())
     data, g = _text(), torch.Generator().manual_seed(rank)
     opt = torch.optim.Adam(m.parameters(), lr=3e-3)
@@ -182,7 +176,7 @@ def _train(rank: int, world: int, steps: int = 30) -> dict:
     sd = t.state_dict()
     buf = io.BytesIO()
     torch.save(sd, buf)
-    t2 = compress(_gpt(), TAGCConfig())
+    t2 = compress(sharded_gpt(), TAGCConfig())
     t2.load_state_dict(torch.load(io.BytesIO(buf.getvalue())))
     same = {n: bool(torch.equal(t.units[n].acc, t2.units[n].acc)) for n in t.units}
     errors = []

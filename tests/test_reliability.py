@@ -27,6 +27,7 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
+from conftest import image_batch, pin_profiles
 from gradsync.apps.models import build
 from gradsync.engine import GradSync
 from gradsync.engine.config import Config
@@ -38,19 +39,11 @@ STEPS = 4  # 2 warm-up (profiling) steps + 2 with the final plan
 LR = 0.1
 
 
-def _batch(rank: int, step: int, n: int = 8):
-    g = torch.Generator().manual_seed(1000 * rank + step)
-    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
-
-
 def _cheap_profiles(pinned: bool) -> None:
     """Cheaper cost-model profiling in this child (time, not semantics): a short α/β profile
     (two sizes, one repeat), or with ``pinned`` fixed fits without any timing."""
     if pinned:
-        costmodel.profile_collectives = lambda group=None, **kw: (
-            costmodel.AlphaBeta(5e-5, 1e-9), costmodel.AlphaBeta(5e-5, 2e-9))
-        costmodel.profile_sparsifier = lambda sp, offload=False, **kw: (
-            costmodel.AffineFit(2e-5, 5e-10) if offload else costmodel.AffineFit(1e-5, 2e-9))
+        pin_profiles(backward=False)
         return
     orig = costmodel.profile_collectives
     if not isinstance(orig, functools.partial):
@@ -110,7 +103,7 @@ def _replicas(rank: int, world_size: int, cases: list[tuple[str, float]], audit:
         audits = []
         for step in range(STEPS):
             model.zero_grad(set_to_none=True)
-            x, y = _batch(rank, step)
+            x, y = image_batch(rank, step)
             nn.functional.cross_entropy(model(x), y).backward()
             grads = {n: p.grad.detach().clone() for n, p in sync.params.items()}
             prev_res = {n: sync.ef.residual(n).reshape(-1).clone() for n in sync.params
@@ -136,7 +129,7 @@ def _drift(rank: int, group) -> tuple[int, str]:
     try:
         for step in range(6):
             model.zero_grad(set_to_none=True)
-            x, y = _batch(rank, step)
+            x, y = image_batch(rank, step)
             nn.functional.cross_entropy(model(x), y).backward()
             if step == 2 and rank == 1:
                 with torch.no_grad():

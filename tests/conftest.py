@@ -1,0 +1,66 @@
+"""Helpers shared by the test files (importable as ``conftest`` in the test processes and in
+the ranks ``run_distributed`` starts, which import the test module that uses them).
+
+Inputs are seeded per rank and step; nothing here touches the global RNG.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from gradsync.apps.models import build
+from gradsync.engine import warmup
+from gradsync.schedule import costmodel
+
+
+def image_batch(rank: int, step: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
+    """``n`` random 1×28×28 images and labels of 10 classes, different per rank and step."""
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    return torch.randn(n, 1, 28, 28, generator=g), torch.randint(0, 10, (n,), generator=g)
+
+
+def batch(model_name: str, rank: int, step: int, n: int = 8) -> tuple[torch.Tensor, ...]:
+    """:func:`image_batch`, or ``n`` random 16-byte sequences and targets for ``gpt_tiny``."""
+    if model_name != "gpt_tiny":
+        return image_batch(rank, step, n)
+    g = torch.Generator().manual_seed(1000 * rank + step)
+    x = torch.randint(0, 256, (n, 16), generator=g)
+    return x, torch.randint(0, 256, (n, 16), generator=g)
+
+
+def loss(model: nn.Module, model_name: str, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Cross-entropy of ``model(x)``; per token for ``gpt_tiny``."""
+    out = model(x)
+    if model_name == "gpt_tiny":
+        return nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), y.reshape(-1))
+    return nn.functional.cross_entropy(out, y)
+
+
+def sharded_gpt(**kwargs) -> nn.Module:
+    """A ``gpt_tiny`` (seed 0, ``kwargs`` to its constructor) with every block and the whole
+    model under FSDP2's ``fully_shard`` (call inside a process group)."""
+    from torch.distributed.fsdp import fully_shard
+
+    m = build("gpt_tiny", seed=0, **kwargs)
+    for blk in m.blocks:
+        fully_shard(blk)
+    fully_shard(m)
+    return m
+
+
+def pin_profiles(backward: bool = True) -> None:
+    """Replace the engine's timing measurements in this process by fixed fits (α/β, inline and
+    offloaded sparsification) and, with ``backward``, fixed per-tensor backward times (the
+    backward *order* is still observed), so cost-model plans are the same on every run."""
+    costmodel.profile_collectives = lambda group=None, **kw: (
+        costmodel.AlphaBeta(5e-5, 1e-9), costmodel.AlphaBeta(5e-5, 2e-9))
+    costmodel.profile_sparsifier = lambda sp, offload=False, **kw: (
+        costmodel.AffineFit(2e-5, 5e-10) if offload else costmodel.AffineFit(1e-5, 2e-9))
+    orig = warmup.backward_profile
+    if backward and not getattr(orig, "pinned", False):
+        def pinned(samples, names):
+            order, _ = orig(samples, names)
+            return order, {n: 1e-5 * (i + 1) for i, n in enumerate(order)}
+        pinned.pinned = True
+        warmup.backward_profile = pinned
