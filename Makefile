@@ -19,9 +19,10 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip >/dev/null
 	# torch==2.13.0 is served by the local CPU wheel (pinned in pyproject.toml).
 	$(PY) -m pip install -q "torch==2.13.0"
-	# torchvision 0.28.0 is the release built for torch 2.13.0; --no-deps keeps the pinned CPU
-	# torch (gradsync.apps.models.import_torchvision copes with its CUDA-linked C++ ops).
-	$(PY) -m pip install -q --no-deps "torchvision==0.28.0"
+	# gradsync needs no torchvision. An earlier set-up installed the PyPI wheel, whose CUDA-linked
+	# C++ ops cannot load with the CPU torch: its import (and torchmetrics', Lightning's,
+	# transformers' model classes') then fails. Remove it.
+	$(PY) -m pip uninstall -q -y torchvision 2>/dev/null || true
 	$(PY) -m pip install -q -e ".[dev,models]"
 	@touch $(STAMP)
 

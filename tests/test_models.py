@@ -9,8 +9,11 @@ set-up installs ``gradsync[models]``); it is never skipped.
 
 from __future__ import annotations
 
+import hashlib
+import importlib.machinery
 import importlib.util
 import sys
+import types
 
 import pytest
 import torch
@@ -32,10 +35,13 @@ def test_names_cover_the_zoo():
 
 def test_optional_dependencies_installed_and_torch_kept():
     # The set-up installs gradsync[models]; without it this fails with the install hint.
-    tvm = models.import_torchvision()
     tf = models.import_transformers()
-    assert hasattr(tvm, "resnet152") and hasattr(tf, "GPT2LMHeadModel")
+    assert hasattr(tf, "GPT2LMHeadModel")
     assert torch.__version__.split("+")[0] == "2.13.0"  # transformers did not pull another torch
+    # ResNet/VGG/ViT are gradsync's own definitions: no optional dependency.
+    for name in ("resnet50", "resnet152", "vgg16", "vgg19", "vit", "vit_large"):
+        assert models.requires(name) is None, name
+    assert models.requires("gpt2_small") == "transformers"
 
 
 def _digest(net: torch.nn.Module) -> list[torch.Tensor]:
@@ -108,8 +114,9 @@ def test_large_model_real_deterministic_forward_backward(name):
 
 def test_published_parameter_counts():
     # Counts from torchvision's and the model cards' documentation, not from this code.
-    expected = {"resnet152": 60_192_808, "vgg16": 138_357_544, "vit_large": 304_326_632,
-                "gpt2_large": 774_030_080}
+    expected = {"resnet18": 11_689_512, "resnet50": 25_557_032, "resnet152": 60_192_808,
+                "vgg16": 138_357_544, "vgg19": 143_667_240, "vit": 86_567_656,  # ViT-B/16
+                "vit_large": 304_326_632, "gpt2_large": 774_030_080}
     for name, count in expected.items():
         net = models.reference(name, device="meta")
         assert sum(p.numel() for p in net.parameters()) == count, name
@@ -118,15 +125,118 @@ def test_published_parameter_counts():
     assert fm == 60_192_808 - 3 * 7 * 7 * 64 + 3 * 3 * 64 - 2048 * 990 - 990
 
 
+# Derived from torchvision 0.28.0 (the release for torch 2.13.0) before gradsync dropped it: for
+# the published models (``reference``: torchvision's resnet18/50/152, vgg16/19, vit_b_16,
+# vit_l_16 with weights=None) and the zoo's Fashion-MNIST builds as gradsync made them from
+# torchvision (stem/first conv/patch embedding replaced as the models docstring says), the number
+# of parameter tensors, of parameters, of buffers, and the first 16 hex digits of the SHA-256 of
+# "name:d0xd1x…" for every named parameter in order, joined by ";".
+TORCHVISION_LAYOUT = {
+    "build:resnet50": (161, 23_519_690, 159, "0036aeee9e535b6c"),
+    "build:resnet152": (467, 58_155_466, 465, "b1d12c86daa5e1d6"),
+    "build:vgg16": (32, 134_300_362, 0, "69419b5ba74cf152"),
+    "build:vgg19": (38, 139_610_058, 0, "8e4252d93ccaf53d"),
+    "build:vit": (152, 5_353_738, 0, "2bf7f73f6f873c0b"),
+    "build:vit_large": (296, 302_391_306, 0, "4644d859f4701c29"),
+    "reference:resnet18": (62, 11_689_512, 60, "59a11ecb23ba6b5b"),
+    "reference:resnet50": (161, 25_557_032, 159, "c37ec69c5de4357a"),
+    "reference:resnet152": (467, 60_192_808, 465, "fa33a3a949fc77de"),
+    "reference:vgg16": (32, 138_357_544, 0, "1e00765c2426fca6"),
+    "reference:vgg19": (38, 143_667_240, 0, "e227b7d6e2461316"),
+    "reference:vit": (152, 86_567_656, 0, "79bfc889022aea6f"),
+    "reference:vit_large": (296, 304_326_632, 0, "b8d8480cf1fdc604"),
+}
+
+
+def _layout(net: torch.nn.Module) -> tuple[int, int, int, str]:
+    named = list(net.named_parameters())
+    text = ";".join(f"{n}:{'x'.join(map(str, p.shape))}" for n, p in named)
+    return (len(named), sum(p.numel() for _, p in named), len(list(net.buffers())),
+            hashlib.sha256(text.encode()).hexdigest()[:16])
+
+
+@pytest.mark.parametrize("key", sorted(TORCHVISION_LAYOUT))
+def test_vision_models_have_torchvisions_layout(key):
+    kind, name = key.split(":")
+    net = (models.build(name, device="meta") if kind == "build" else
+           models.reference(name, device="meta"))
+    assert _layout(net) == TORCHVISION_LAYOUT[key]
+
+
+def test_vision_model_shapes_by_hand():
+    shapes = {k: tuple(p.shape) for k, p in models.reference("resnet152").named_parameters()}
+    assert shapes["conv1.weight"] == (64, 3, 7, 7)  # ImageNet stem
+    assert shapes["layer3.35.conv3.weight"] == (1024, 256, 1, 1)  # 36 blocks in stage 3
+    assert shapes["layer4.0.downsample.0.weight"] == (2048, 1024, 1, 1)
+    assert shapes["fc.weight"] == (1000, 2048)
+    fm = {k: tuple(p.shape) for k, p in models.build("resnet50", device="meta").named_parameters()}
+    assert fm["conv1.weight"] == (64, 1, 3, 3) and fm["fc.weight"] == (10, 2048)
+    vgg = {k: tuple(p.shape) for k, p in models.build("vgg19", device="meta").named_parameters()}
+    assert vgg["1.features.0.weight"] == (64, 1, 3, 3)
+    assert vgg["1.classifier.0.weight"] == (4096, 512 * 7 * 7)
+    assert sum(k.endswith("weight") and v[-1] == 3 for k, v in vgg.items()) == 16  # 16 convs
+    vit = {k: tuple(p.shape) for k, p in models.reference("vit_large").named_parameters()}
+    assert vit["conv_proj.weight"] == (1024, 3, 16, 16)
+    assert vit["encoder.pos_embedding"] == (1, 14 * 14 + 1, 1024)
+    assert vit["encoder.layers.encoder_layer_23.self_attention.in_proj_weight"] == (3 * 1024, 1024)
+    assert vit["encoder.layers.encoder_layer_23.mlp.0.weight"] == (4096, 1024)
+    tiny = {k: tuple(p.shape) for k, p in models.build("vit", device="meta").named_parameters()}
+    assert tiny["conv_proj.weight"] == (192, 1, 4, 4)
+    assert tiny["encoder.pos_embedding"] == (1, 7 * 7 + 1, 192)
+
+
+def test_vision_initialisation_follows_the_papers():
+    net = models.build("vgg16", seed=0)
+    fc = net[1].classifier[0].weight
+    assert abs(fc.std().item() - 0.01) < 1e-4 and not net[1].classifier[0].bias.any()
+    conv = net[1].features[2].weight  # He normal, fan-out: std = sqrt(2 / (64 · 9))
+    he = (2 / (64 * 9)) ** 0.5
+    assert abs(conv.std().item() / he - 1) < 0.03  # 36,864 samples: ±0.4 % is one sigma
+    res = models.build("resnet50", seed=0)
+    assert bool((res.layer1[0].bn1.weight == 1).all()) and not res.layer1[0].bn1.bias.any()
+    vit = models.build("vit", seed=0)
+    assert not vit.heads.head.weight.any() and not vit.class_token.any()  # zero head and token
+    assert abs(vit.encoder.pos_embedding.std().item() - 0.02) < 0.002
+
+
 def test_missing_dependency_names_the_extra(monkeypatch):
     real = importlib.util.find_spec
     monkeypatch.setattr(importlib.util, "find_spec",
                         lambda n, *a: None if n == "transformers" else real(n, *a))
     with pytest.raises(ImportError, match=r"gradsync\[models\]"):
         models.build("gpt2_small")
+    # The vision models need nothing optional: they build with torchvision unimportable.
+    monkeypatch.setitem(sys.modules, "torchvision", None)
     monkeypatch.setitem(sys.modules, "torchvision.models", None)
-    with pytest.raises(ImportError, match=r"gradsync\[models\]"):
-        models.build("resnet50")
+    assert models.build("resnet50", device="meta").fc.out_features == 10
+
+
+class _BrokenTransformers(types.ModuleType):
+    """transformers as it behaves when an installed torchvision cannot load."""
+
+    def __getattr__(self, name: str):
+        raise ModuleNotFoundError(f"Could not import module {name!r}.")
+
+
+def test_a_broken_torchvision_is_named(monkeypatch):
+    fake = _BrokenTransformers("transformers")
+    fake.__spec__ = importlib.machinery.ModuleSpec("transformers", None)
+    monkeypatch.setitem(sys.modules, "transformers", fake)
+    real = importlib.util.find_spec
+    torchvision_present = {"value": True}
+
+    def find_spec(n, *a):
+        if n == "torchvision":
+            return importlib.machinery.ModuleSpec(n, None) if torchvision_present["value"] else None
+        return real(n, *a)
+
+    monkeypatch.setattr(importlib.util, "find_spec", find_spec)
+    with pytest.raises(ImportError, match="pip uninstall torchvision"):
+        models.build("gpt2_small")
+    torchvision_present["value"] = False  # then transformers' own error is not reworded
+    with pytest.raises(ImportError, match="Could not import module") as e:
+        models.build("bert_small")
+    assert "torchvision" not in str(e.value)
 
 
 def test_real_gradients_of_a_language_model():

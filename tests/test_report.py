@@ -30,6 +30,17 @@ def test_census_matches_table_ii_counts(tmp_path, capsys):
         assert r["small_size_pct"] == pytest.approx(r["paper_small_size_pct"], abs=0.1)
 
 
+def test_census_of_the_published_vision_models():
+    # Census rows as printed while models.reference() still came from torchvision 0.28.0
+    # (`report census`): (tensors, small tensors, elements). Our own definitions must agree.
+    from gradsync.apps import models
+
+    before = {"resnet152": (467, 338, 60_192_808), "vit_large": (296, 197, 304_326_632)}
+    for name, (tensors, small, elements) in before.items():
+        c = report.census_of(models.reference(name, device="meta"))
+        assert (c["tensors"], c["small_tensors"], c["elements"]) == (tensors, small, elements)
+
+
 def test_census_of_by_hand():
     net = torch.nn.Sequential(torch.nn.Linear(400, 300), torch.nn.Linear(10, 10))
     c = report.census_of(net)  # tensors: 120000 (large), 300, 100, 10 (small)

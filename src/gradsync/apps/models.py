@@ -15,10 +15,10 @@ name              definition                                              data
 ================  ======================================================  ====================
 cnn, mlp          defined here (LeNet-style CNN, 3-layer MLP)             Fashion-MNIST
 resnet18          defined here (He et al., CIFAR-style stem)              Fashion-MNIST
-resnet50/152      torchvision ``resnet50``/``resnet152``                  Fashion-MNIST
-vgg16/19          torchvision ``vgg16``/``vgg19`` (no batch norm)         Fashion-MNIST
-vit               torchvision ``VisionTransformer``, ViT-Tiny dims        Fashion-MNIST
-vit_large         torchvision ViT-L/16 layers (24 × 1024, 16 heads)       Fashion-MNIST
+resnet50/152      defined here (He et al., bottleneck, CIFAR-style stem)  Fashion-MNIST
+vgg16/19          defined here (Simonyan & Zisserman D/E, no batch norm)  Fashion-MNIST
+vit               defined here (Dosovitskiy et al.), ViT-Tiny dims        Fashion-MNIST
+vit_large         defined here, ViT-L/16 layers (24 × 1024, 16 heads)     Fashion-MNIST
 gpt_tiny          defined here (2-layer GPT, bytes)                       this package's source
 gpt2_small        transformers ``GPT2LMHeadModel``, reduced config         text corpus, bytes
 gpt2_large        ``GPT2LMHeadModel``, the real gpt2-large config (774 M)  text corpus, bytes
@@ -31,9 +31,9 @@ Fashion-MNIST adaptations (1 × 28 × 28 grey images, 10 classes), random init, 
 
 * ResNet-50/152: the ImageNet stem (7×7 stride-2 conv + max-pool, for 224-pixel images) is
   replaced by a 3×3 stride-1 conv on 1 channel and no max-pool — the usual CIFAR stem, as in
-  ``resnet18`` here. Every other layer is torchvision's.
+  ``resnet18`` here. Every other layer is the published one.
 * VGG-16/19: the first conv takes 1 channel and the images are zero-padded to 32 × 32 so that
-  the five 2×2 max-pools end at 1 × 1 (28 would end at 0); torchvision's adaptive 7 × 7 pool and
+  the five 2×2 max-pools end at 1 × 1 (28 would end at 0); the published adaptive 7 × 7 pool and
   its 25088-4096-4096 classifier are kept (so the parameter count is the paper's, 134/139 M).
 * ViT: image 28, patch 4 (7 × 7 = 49 patches + a class token), patch embedding on 1 channel.
 * ``reference(name)`` gives the *unadapted* published definitions (ResNet-152 and ViT-L/16 at
@@ -44,22 +44,20 @@ Language models: ``gpt2_*``/``bert_*``/``gpt_tiny`` read bytes (``data.ByteToken
 the corpus, its vocabulary size is the model's). GPT-2 is a causal LM (next-token targets),
 BERT a masked LM (15 % of positions; 80/10/10 mask/random/keep; other targets −100).
 
-torchvision and transformers are optional (``pip install 'gradsync[models]'``; ``make install``
-installs them). The PyPI torchvision wheel is built against CUDA torch; with the CPU torch pinned
-here its C++ extension (detection ops: nms, roi_align, …) cannot load, and torchvision's import
-then fails on ``register_fake("torchvision::nms")``. :func:`import_torchvision` defines the two
-op schemas that import needs when (and only when) the extension did not load, so the pure-Python
-model definitions import and run; the detection ops themselves stay unavailable.
+ResNet, VGG and ViT are this module's own definitions (:class:`ResNet`, :class:`VGG`,
+:class:`ViT`): their module and parameter names, shapes and order are those of the common
+published definitions (torchvision's), so parameter counts and per-tensor tables match them;
+torchvision is neither needed nor imported. transformers is optional
+(``pip install 'gradsync[models]'``; ``make install`` installs it).
 """
 
 from __future__ import annotations
 
 import contextlib
 import importlib
-import importlib.machinery
 import importlib.util
 import math
-import sys
+from collections import OrderedDict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -69,8 +67,8 @@ import torch
 from torch import nn
 
 __all__ = [
-    "CNN", "LSTMLM", "MLP", "ResNet18", "TinyGPT", "batches", "build", "gradient_steps",
-    "import_torchvision", "import_transformers", "loss", "names", "real_gradients", "reference",
+    "CNN", "LSTMLM", "MLP", "VGG", "ResNet", "ResNet18", "TinyGPT", "ViT", "batches", "build",
+    "gradient_steps", "import_transformers", "loss", "names", "real_gradients", "reference",
     "requires", "task",
 ]
 
@@ -238,103 +236,289 @@ class PadTo(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Optional dependencies
+# Vision models at paper scale: ResNet (bottleneck), VGG, ViT
 # ---------------------------------------------------------------------------------------------
-_TORCHVISION_SHIM: list[Any] = []  # keeps the schema Library alive (it unregisters when freed)
+# Written for this package from the papers; module and parameter names, shapes and order are those
+# of the common published definitions, so checkpoints and per-tensor tables line up with theirs.
+class Bottleneck(nn.Module):
+    """ResNet bottleneck block (He et al. 2016, §3.3 "Deeper Bottleneck Architectures").
+
+    1×1 reduce → 3×3 → 1×1 expand (``expansion`` = 4), batch norm after each conv, a projection
+    shortcut (1×1 conv + BN) when the shape changes. The stride sits on the 3×3 conv ("v1.5").
+    """
+
+    expansion = 4
+
+    def __init__(self, cin: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        cout = width * self.expansion
+        self.conv1 = nn.Conv2d(cin, width, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.conv2 = nn.Conv2d(width, width, 3, stride, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.conv3 = nn.Conv2d(width, cout, 1, bias=False)
+        self.bn3 = nn.BatchNorm2d(cout)
+        self.relu = nn.ReLU(inplace=True)
+        self.downsample = None
+        if stride != 1 or cin != cout:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, cout, 1, stride, bias=False),
+                                            nn.BatchNorm2d(cout))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.relu(self.bn1(self.conv1(x)))
+        y = self.relu(self.bn2(self.conv2(y)))
+        y = self.bn3(self.conv3(y))
+        return self.relu(y + (x if self.downsample is None else self.downsample(x)))
 
 
+class BuildingBlock(nn.Module):
+    """ResNet building block (He et al. 2016, Fig. 5 left: two 3×3 convs; ResNet-18/34)."""
+
+    expansion = 1
+
+    def __init__(self, cin: int, width: int, stride: int = 1) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(cin, width, 3, stride, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(width)
+        self.relu = nn.ReLU(inplace=True)
+        self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
+        self.bn2 = nn.BatchNorm2d(width)
+        self.downsample = None
+        if stride != 1 or cin != width:
+            self.downsample = nn.Sequential(nn.Conv2d(cin, width, 1, stride, bias=False),
+                                            nn.BatchNorm2d(width))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.bn2(self.conv2(self.relu(self.bn1(self.conv1(x)))))
+        return self.relu(y + (x if self.downsample is None else self.downsample(x)))
+
+
+RESNET_STAGES = {18: (BuildingBlock, (2, 2, 2, 2)), 50: (Bottleneck, (3, 4, 6, 3)),
+                 152: (Bottleneck, (3, 8, 36, 3))}  # He et al. 2016, Table 1
+
+
+class ResNet(nn.Module):
+    """ResNet-18/50/152 (He et al. 2016, Table 1).
+
+    ``stem="imagenet"``: 7×7 stride-2 conv and 3×3 stride-2 max-pool (224-pixel images);
+    ``stem="small"``: 3×3 stride-1 conv and no pooling (28/32-pixel images). Four stages of
+    64/128/256/512-wide blocks (stages 2–4 halve the resolution), global average pool, linear.
+    Initialisation: convs He-normal (fan-out), batch norm weight 1 and bias 0, the classifier
+    PyTorch's default.
+    """
+
+    def __init__(self, depth: int = 50, classes: int = 1000, channels: int = 3,
+                 stem: str = "imagenet") -> None:
+        super().__init__()
+        if depth not in RESNET_STAGES:
+            raise ValueError(f"ResNet depth must be one of {sorted(RESNET_STAGES)}, got {depth}")
+        if stem not in ("imagenet", "small"):
+            raise ValueError(f"stem must be 'imagenet' or 'small', got {stem!r}")
+        block, counts = RESNET_STAGES[depth]
+        self.conv1 = (nn.Conv2d(channels, 64, 7, 2, 3, bias=False) if stem == "imagenet" else
+                      nn.Conv2d(channels, 64, 3, 1, 1, bias=False))
+        self.bn1 = nn.BatchNorm2d(64)
+        self.relu = nn.ReLU(inplace=True)
+        self.maxpool = nn.MaxPool2d(3, 2, 1) if stem == "imagenet" else nn.Identity()
+        cin = 64
+        for i, (width, n) in enumerate(zip((64, 128, 256, 512), counts), start=1):
+            stage = []
+            for j in range(n):
+                stage.append(block(cin, width, 2 if (j == 0 and i > 1) else 1))
+                cin = width * block.expansion
+            self.add_module(f"layer{i}", nn.Sequential(*stage))
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(cin, classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
+        x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+# Simonyan & Zisserman 2015, Table 1: configurations D (16 weight layers) and E (19); 0 = max-pool.
+VGG_CONFIGS = {16: (64, 64, 0, 128, 128, 0, 256, 256, 256, 0, 512, 512, 512, 0,
+                    512, 512, 512, 0),
+               19: (64, 64, 0, 128, 128, 0, 256, 256, 256, 256, 0, 512, 512, 512, 512, 0,
+                    512, 512, 512, 512, 0)}
+
+
+class VGG(nn.Module):
+    """VGG-16/19 without batch norm (Simonyan & Zisserman 2015, configurations D and E).
+
+    ``features``: 3×3 convs (padding 1) + ReLU, 2×2 max-pools; an adaptive 7×7 average pool; the
+    ``classifier`` 25088 → 4096 → 4096 → ``classes`` with ReLU and dropout. Initialisation:
+    convs He-normal (fan-out), linear weights N(0, 0.01²) (the paper's §3.1), biases 0.
+    """
+
+    def __init__(self, depth: int = 16, classes: int = 1000, channels: int = 3,
+                 dropout: float = 0.5) -> None:
+        super().__init__()
+        if depth not in VGG_CONFIGS:
+            raise ValueError(f"VGG depth must be one of {sorted(VGG_CONFIGS)}, got {depth}")
+        layers: list[nn.Module] = []
+        cin = channels
+        for width in VGG_CONFIGS[depth]:
+            if width == 0:
+                layers.append(nn.MaxPool2d(2, 2))
+            else:
+                layers += [nn.Conv2d(cin, width, 3, padding=1), nn.ReLU(inplace=True)]
+                cin = width
+        self.features = nn.Sequential(*layers)
+        self.avgpool = nn.AdaptiveAvgPool2d(7)
+        self.classifier = nn.Sequential(
+            nn.Linear(512 * 7 * 7, 4096), nn.ReLU(True), nn.Dropout(dropout),
+            nn.Linear(4096, 4096), nn.ReLU(True), nn.Dropout(dropout),
+            nn.Linear(4096, classes),
+        )
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+                nn.init.zeros_(m.bias)
+            elif isinstance(m, nn.Linear):
+                nn.init.normal_(m.weight, 0.0, 0.01)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.classifier(torch.flatten(self.avgpool(self.features(x)), 1))
+
+
+class ViTMLP(nn.Sequential):
+    """The encoder MLP: Linear → GELU → Dropout → Linear → Dropout (Xavier-uniform weights)."""
+
+    def __init__(self, dim: int, hidden: int, dropout: float) -> None:
+        super().__init__(nn.Linear(dim, hidden), nn.GELU(), nn.Dropout(dropout),
+                         nn.Linear(hidden, dim), nn.Dropout(dropout))
+        for m in (self[0], self[3]):
+            nn.init.xavier_uniform_(m.weight)
+            nn.init.normal_(m.bias, std=1e-6)
+
+
+class ViTBlock(nn.Module):
+    """Pre-norm encoder block (Dosovitskiy et al. 2021, Eq. 2–3): x + MSA(LN(x)), then + MLP(LN)."""
+
+    def __init__(self, dim: int, heads: int, mlp: int, dropout: float = 0.0) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim, eps=1e-6)
+        self.self_attention = nn.MultiheadAttention(dim, heads, batch_first=True)
+        self.dropout = nn.Dropout(dropout)
+        self.ln_2 = nn.LayerNorm(dim, eps=1e-6)
+        self.mlp = ViTMLP(dim, mlp, dropout)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = self.ln_1(x)
+        x = x + self.dropout(self.self_attention(y, y, y, need_weights=False)[0])
+        return x + self.mlp(self.ln_2(x))
+
+
+class ViTEncoder(nn.Module):
+    """Learned position embeddings (N(0, 0.02²)), ``layers`` blocks, a final layer norm."""
+
+    def __init__(self, tokens: int, layers: int, heads: int, dim: int, mlp: int,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        self.pos_embedding = nn.Parameter(torch.empty(1, tokens, dim).normal_(std=0.02))
+        self.dropout = nn.Dropout(dropout)
+        self.layers = nn.Sequential(OrderedDict(
+            (f"encoder_layer_{i}", ViTBlock(dim, heads, mlp, dropout)) for i in range(layers)))
+        self.ln = nn.LayerNorm(dim, eps=1e-6)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.ln(self.layers(self.dropout(x + self.pos_embedding)))
+
+
+class ViT(nn.Module):
+    """Vision Transformer (Dosovitskiy et al. 2021, §3.1, Eq. 1–4).
+
+    ``patch``×``patch`` patches embedded by a strided conv (``conv_proj``), a learned class token
+    (zeros) prepended, the :class:`ViTEncoder`, and a linear head on the class token's output,
+    initialised to zero (the paper's §3.1 head). Defaults: ViT-B/16 at 224 pixels.
+    """
+
+    def __init__(self, image_size: int = 224, patch: int = 16, layers: int = 12, heads: int = 12,
+                 dim: int = 768, mlp: int = 3072, classes: int = 1000, channels: int = 3,
+                 dropout: float = 0.0) -> None:
+        super().__init__()
+        if image_size % patch:
+            raise ValueError(f"image_size {image_size} is not a multiple of patch {patch}")
+        self.image_size, self.patch, self.dim = image_size, patch, dim
+        self.conv_proj = nn.Conv2d(channels, dim, patch, patch)
+        self.class_token = nn.Parameter(torch.zeros(1, 1, dim))
+        self.encoder = ViTEncoder((image_size // patch) ** 2 + 1, layers, heads, dim, mlp, dropout)
+        self.heads = nn.Sequential(OrderedDict(head=nn.Linear(dim, classes)))
+        nn.init.trunc_normal_(self.conv_proj.weight, std=math.sqrt(1 / (channels * patch * patch)))
+        nn.init.zeros_(self.conv_proj.bias)
+        nn.init.zeros_(self.heads.head.weight)
+        nn.init.zeros_(self.heads.head.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.shape[-2:] != (self.image_size, self.image_size):
+            raise ValueError(f"ViT expects {self.image_size}×{self.image_size} images, "
+                             f"got {tuple(x.shape[-2:])}")
+        x = self.conv_proj(x).flatten(2).transpose(1, 2)  # (B, patches, dim)
+        x = torch.cat([self.class_token.expand(x.shape[0], -1, -1), x], dim=1)
+        return self.heads(self.encoder(x)[:, 0])
+
+
+# ---------------------------------------------------------------------------------------------
+# Optional dependency: transformers
+# ---------------------------------------------------------------------------------------------
 def _missing(pkg: str, what: str) -> ImportError:
     return ImportError(f"{what} needs the optional dependency {pkg!r}: {INSTALL_HINT}")
 
 
-def import_torchvision(what: str = "this model"):
-    """Import torchvision's model definitions with the CPU torch pinned here.
-
-    When torchvision's C++ extension cannot load (the PyPI wheel links CUDA libraries absent
-    with CPU torch), define the schemas of ``torchvision::nms``/``qnms`` that its import
-    registers fake kernels for; nothing else changes. Raises ``ImportError`` with the install
-    hint when torchvision is not installed.
-    """
-    if "torchvision" not in sys.modules:
-        spec = importlib.util.find_spec("torchvision")
-        if spec is None or spec.origin is None:
-            raise _missing("torchvision", what)
-        if not _torchvision_ops_loadable(Path(spec.origin).parent) and not _TORCHVISION_SHIM:
-            lib = torch.library.Library("torchvision", "FRAGMENT")
-            for op in ("nms", "qnms"):
-                lib.define(f"{op}(Tensor dets, Tensor scores, float iou_threshold) -> Tensor")
-            _TORCHVISION_SHIM.append(lib)
-    try:
-        return importlib.import_module("torchvision.models")
-    except ImportError as e:
-        raise _missing("torchvision", what) from e
-
-
-def _torchvision_ops_loadable(folder: Path) -> bool:
-    if hasattr(torch.ops.torchvision, "nms"):
-        return True
-    for suffix in importlib.machinery.EXTENSION_SUFFIXES:
-        lib = folder / f"_C{suffix}"
-        if lib.exists():
-            try:
-                torch.ops.load_library(str(lib))
-                return True
-            except (OSError, RuntimeError):
-                return False
-    return False
-
-
 def import_transformers(what: str = "this model"):
-    """Import transformers (it imports torchvision when present: made importable first)."""
+    """Import transformers; ``ImportError`` with the install hint when it is not installed."""
     if importlib.util.find_spec("transformers") is None:
         raise _missing("transformers", what)
-    if importlib.util.find_spec("torchvision") is not None:
-        import_torchvision(what)
     try:
         return importlib.import_module("transformers")
     except ImportError as e:
         raise _missing("transformers", what) from e
 
 
+def _hf_classes(what: str, *names: str) -> list[Any]:
+    """``transformers``' classes ``names``. transformers imports torchvision whenever one is
+    installed; a torchvision built for another torch (an older set-up's) then breaks the model
+    classes, and this says so instead of transformers' "Could not import module"."""
+    tf = import_transformers(what)
+    try:
+        return [getattr(tf, n) for n in names]
+    except ImportError as e:
+        if importlib.util.find_spec("torchvision") is None:
+            raise
+        raise ImportError(
+            f"{what}: transformers could not load {', '.join(names)} because the installed "
+            f"torchvision does not work with torch {torch.__version__} ({e.__cause__ or e}). "
+            "gradsync needs no torchvision: `pip uninstall torchvision` (make install does "
+            "this)") from e
+
+
 # ---------------------------------------------------------------------------------------------
 # Builders
 # ---------------------------------------------------------------------------------------------
-def _resnet_tv(depth: int, classes: int = 10, channels: int = 1) -> nn.Module:
-    tvm = import_torchvision(f"resnet{depth}")
-    net = getattr(tvm, f"resnet{depth}")(weights=None, num_classes=classes)
-    net.conv1 = nn.Conv2d(channels, 64, 3, 1, 1, bias=False)
-    nn.init.kaiming_normal_(net.conv1.weight, mode="fan_out", nonlinearity="relu")
-    net.maxpool = nn.Identity()
-    return net
+def _resnet(depth: int, classes: int = 10, channels: int = 1) -> nn.Module:
+    return ResNet(depth, classes=classes, channels=channels, stem="small")
 
 
-def _vgg_tv(depth: int, classes: int = 10, channels: int = 1) -> nn.Module:
-    tvm = import_torchvision(f"vgg{depth}")
-    net = getattr(tvm, f"vgg{depth}")(weights=None, num_classes=classes)
-    old = net.features[0]
-    conv = nn.Conv2d(channels, old.out_channels, 3, padding=1)
-    nn.init.kaiming_normal_(conv.weight, mode="fan_out", nonlinearity="relu")
-    nn.init.zeros_(conv.bias)
-    net.features[0] = conv
-    return nn.Sequential(PadTo(32), net)
+def _vgg(depth: int, classes: int = 10, channels: int = 1) -> nn.Module:
+    return nn.Sequential(PadTo(32), VGG(depth, classes=classes, channels=channels))
 
 
 _VIT_DIMS = {"vit": (12, 3, 192, 768), "vit_large": (24, 16, 1024, 4096)}  # layers, heads, d, mlp
 
 
-def _vit_tv(size: str, classes: int = 10, channels: int = 1, image_size: int = 28,
-            patch_size: int = 4) -> nn.Module:
-    tvm = import_torchvision(size)
+def _vit(size: str, classes: int = 10, channels: int = 1, image_size: int = 28,
+         patch_size: int = 4) -> nn.Module:
     layers, heads, dim, mlp = _VIT_DIMS[size]
-    net = tvm.VisionTransformer(image_size=image_size, patch_size=patch_size, num_layers=layers,
-                                num_heads=heads, hidden_dim=dim, mlp_dim=mlp, num_classes=classes)
-    old = net.conv_proj
-    net.conv_proj = nn.Conv2d(channels, dim, patch_size, patch_size)
-    fan_in = channels * patch_size * patch_size  # torchvision's own init of conv_proj
-    nn.init.trunc_normal_(net.conv_proj.weight, std=math.sqrt(1 / fan_in))
-    nn.init.zeros_(net.conv_proj.bias)
-    del old
-    return net
+    return ViT(image_size, patch_size, layers, heads, dim, mlp, classes=classes,
+               channels=channels)
 
 
 # GPT-2 / BERT configs. "large" are the published ones (gpt2-large: 36 × 1280, 20 heads,
@@ -353,15 +537,15 @@ _BERT = {
 
 
 def _gpt2(size: str, **overrides: Any) -> nn.Module:
-    tf = import_transformers(size)
-    cfg = tf.GPT2Config(**{**_GPT2[size], **overrides})
-    return HFLogits(tf.GPT2LMHeadModel(cfg), context=min(cfg.n_positions, 128))
+    config, model = _hf_classes(size, "GPT2Config", "GPT2LMHeadModel")
+    cfg = config(**{**_GPT2[size], **overrides})
+    return HFLogits(model(cfg), context=min(cfg.n_positions, 128))
 
 
 def _bert(size: str, **overrides: Any) -> nn.Module:
-    tf = import_transformers(size)
-    cfg = tf.BertConfig(**{**_BERT[size], **overrides})
-    return HFLogits(tf.BertForMaskedLM(cfg), context=min(cfg.max_position_embeddings, 128))
+    config, model = _hf_classes(size, "BertConfig", "BertForMaskedLM")
+    cfg = config(**{**_BERT[size], **overrides})
+    return HFLogits(model(cfg), context=min(cfg.max_position_embeddings, 128))
 
 
 @dataclass(frozen=True)
@@ -379,12 +563,12 @@ _SPECS: dict[str, _Spec] = {
     "cnn": _Spec(CNN, "image"),
     "mlp": _Spec(MLP, "image"),
     "resnet18": _Spec(ResNet18, "image"),
-    "resnet50": _Spec(_partial(_resnet_tv, 50), "image", "torchvision"),
-    "resnet152": _Spec(_partial(_resnet_tv, 152), "image", "torchvision"),
-    "vgg16": _Spec(_partial(_vgg_tv, 16), "image", "torchvision"),
-    "vgg19": _Spec(_partial(_vgg_tv, 19), "image", "torchvision"),
-    "vit": _Spec(_partial(_vit_tv, "vit"), "image", "torchvision"),
-    "vit_large": _Spec(_partial(_vit_tv, "vit_large"), "image", "torchvision"),
+    "resnet50": _Spec(_partial(_resnet, 50), "image"),
+    "resnet152": _Spec(_partial(_resnet, 152), "image"),
+    "vgg16": _Spec(_partial(_vgg, 16), "image"),
+    "vgg19": _Spec(_partial(_vgg, 19), "image"),
+    "vit": _Spec(_partial(_vit, "vit"), "image"),
+    "vit_large": _Spec(_partial(_vit, "vit_large"), "image"),
     "gpt_tiny": _Spec(TinyGPT, "causal_lm"),
     "gpt2_small": _Spec(_partial(_gpt2, "gpt2_small"), "causal_lm", "transformers"),
     "gpt2_large": _Spec(_partial(_gpt2, "gpt2_large"), "causal_lm", "transformers"),
@@ -437,22 +621,24 @@ def build(name: str, seed: int = 0, *, device: torch.device | str | None = None,
 def reference(name: str, *, device: torch.device | str | None = "meta") -> nn.Module:
     """The *published* definition (no Fashion-MNIST adaptation), on ``device`` (meta: no memory).
 
-    ``resnet152``/``resnet50``/``vgg16``/``vgg19`` and ``vit_large`` (ViT-L/16) at 224 pixels,
-    3 channels and 1000 classes; ``bert_large``/``gpt2_large`` are their zoo builds. Used for
-    SSFusion Table II (small-tensor census). Seed 0.
+    ``resnet18``/``resnet50``/``resnet152``/``vgg16``/``vgg19`` at 224 pixels, 3 channels and
+    1000 classes (ImageNet stem); ``vit`` is ViT-B/16 and ``vit_large`` ViT-L/16 (224 pixels,
+    1000 classes); ``bert_large``/``gpt2_large`` are their zoo builds. Used for SSFusion Table II
+    (small-tensor census). Seed 0.
     """
+    published: dict[str, Callable[[], nn.Module]] = {
+        "resnet18": lambda: ResNet(18), "resnet50": lambda: ResNet(50),
+        "resnet152": lambda: ResNet(152), "vgg16": lambda: VGG(16), "vgg19": lambda: VGG(19),
+        "vit": lambda: ViT(),  # ViT-B/16
+        "vit_large": lambda: ViT(layers=24, heads=16, dim=1024, mlp=4096),  # ViT-L/16
+        "bert_large": _spec("bert_large").builder, "gpt2_large": _spec("gpt2_large").builder,
+    }
+    if name not in published:
+        raise ValueError(f"no published reference definition for {name!r}")
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(0)
         with torch.device(device) if device is not None else contextlib.nullcontext():
-            if name in ("resnet50", "resnet152", "vgg16", "vgg19", "resnet18"):
-                return getattr(import_torchvision(name), name)(weights=None)
-            if name == "vit_large":
-                return import_torchvision(name).vit_l_16(weights=None)
-            if name == "vit":
-                return import_torchvision(name).vit_b_16(weights=None)
-            if name in ("bert_large", "gpt2_large"):
-                return _spec(name).builder()
-    raise ValueError(f"no published reference definition for {name!r}")
+            return published[name]()
 
 
 # ---------------------------------------------------------------------------------------------

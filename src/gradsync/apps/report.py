@@ -103,9 +103,10 @@ def census_of(model: torch.nn.Module, small: int = SMALL_ELEMENTS) -> dict[str, 
             "large_size_pct": 100 * (total - e_small) / total}
 
 
-# torchvision's ViT-L/16 fuses q, k, v into one in_proj tensor per layer (296 tensors); a ViT
-# with separate q/k/v projections (transformers' ViT, 392 tensors) is shown as a second row:
-# the paper's 62.76 % matches 246/392 (ours: 245/392), so it likely counted a split-q/k/v ViT.
+# The published ViT-L/16 (models.reference, laid out as torchvision's) fuses q, k, v into one
+# in_proj tensor per layer (296 tensors); a ViT with separate q/k/v projections (transformers'
+# ViT, 392 tensors) is shown as a second row: the paper's 62.76 % matches 246/392 (ours:
+# 245/392), so it likely counted a split-q/k/v ViT.
 VIT_SPLIT = "ViT-large (q/k/v split, transformers)"
 
 
