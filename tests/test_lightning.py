@@ -1,0 +1,180 @@
+"""gradsync.lightning.GradSyncStrategy with a real pytorch-lightning Trainer on 2 CPU ranks.
+
+The test launches this file under torchrun (``python -m torch.distributed.run``, gloo): each
+process is one rank and Lightning detects the torchrun environment. The worker trains with the
+README's snippet (README_SNIPPET, executed verbatim), then again for one epoch, saves a
+checkpoint, resumes it in a fresh Trainer and compares the final parameters bitwise; finally it
+tries to resume with another configuration. Each rank writes what it saw to ``rank{r}.pt``.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+from gradsync import Config
+from gradsync.integrations import ranks
+from gradsync.integrations.ddp import hook
+
+# The README's Lightning snippet; `module` and `loader` are defined around it.
+README_SNIPPET = """\
+import pytorch_lightning as pl
+import gradsync
+
+cfg = gradsync.Config(scheme="per_tensor", density=0.1)
+strategy = gradsync.lightning.GradSyncStrategy(cfg)
+trainer = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=2)
+trainer.fit(module, loader)  # torchrun --nproc-per-node 2 train.py
+print(strategy.stats()["total"]["bytes_sent"])  # this rank's gradsync traffic
+trainer.save_checkpoint("last.ckpt")  # every rank's gradsync state, each its own
+"""
+CONFIG = {"scheme": "per_tensor", "density": 0.1}  # the snippet's
+EPOCHS, SAMPLES, BATCH = 2, 256, 16
+
+
+def _worker(out: str) -> None:
+    import pytorch_lightning as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    from gradsync.integrations.lightning import GradSyncStrategy
+
+    class Regression(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+            self.losses: list[float] = []
+
+        def training_step(self, batch, batch_idx):
+            x, y = batch
+            loss = nn.functional.mse_loss(self.net(x), y)
+            self.losses.append(loss.item())
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(SAMPLES, 16, generator=g)
+    y = torch.tanh(x @ torch.randn(16, 4, generator=g)) + 0.01 * torch.randn(SAMPLES, 4,
+                                                                            generator=g)
+    loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
+
+    def model(seed: int) -> Regression:
+        torch.manual_seed(seed)
+        return Regression()
+
+    def trainer(strategy, epochs: int) -> pl.Trainer:
+        return pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs,
+                          logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                          enable_model_summary=False, num_sanity_val_steps=0)
+
+    def params(m: nn.Module) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+    os.chdir(out)
+    rank = int(os.environ["RANK"])
+    res: dict = {}
+    # 1. the README snippet, uninterrupted
+    ns = {"module": model(0), "loader": loader}
+    exec(README_SNIPPET, ns)
+    res["stats"] = ns["strategy"].stats()
+    res["losses"] = ns["module"].losses
+    res["full"] = params(ns["module"])
+    # 2. one epoch, checkpoint, resume in a fresh Trainer (and a differently initialised model)
+    cfg = Config(**CONFIG)
+    first = model(0)
+    t = trainer(GradSyncStrategy(cfg), 1)
+    t.fit(first, loader)
+    t.save_checkpoint(os.path.join(out, "epoch1.ckpt"))
+    second = model(1)
+    resumed = GradSyncStrategy(cfg)
+    trainer(resumed, EPOCHS).fit(second, loader, ckpt_path=os.path.join(out, "epoch1.ckpt"))
+    res["resumed"] = params(second)
+    res["resumed_calls"] = resumed.stats()["calls"]
+    # 3. the same checkpoint with another configuration is refused
+    try:
+        other = Config(**{**CONFIG, "density": 0.2})
+        trainer(GradSyncStrategy(other), EPOCHS).fit(model(0), loader,
+                                                     ckpt_path=os.path.join(out, "epoch1.ckpt"))
+        res["refused"] = None
+    except ValueError as e:
+        res["refused"] = str(e)
+    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
+def _torchrun(out, nproc: int = 2) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1", "PL_DISABLE_FORK": "1"}
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={nproc}", __file__, str(out)],
+                          env=env, capture_output=True, text=True, timeout=600)
+
+
+def test_lightning_train_checkpoint_resume_refuse(tmp_path):
+    r = _torchrun(tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+    res = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
+    for rk in res:
+        # the hook ran and counted its traffic, whatever the device (CPU here)
+        assert rk["stats"]["calls"] >= EPOCHS * SAMPLES // (2 * BATCH)
+        assert rk["stats"]["total"]["bytes_sent"] > 0
+        # the loss falls
+        losses = rk["losses"]
+        assert sum(losses[-4:]) / 4 < 0.5 * sum(losses[:4]) / 4, losses
+        # resuming at the end of epoch 1 ends bitwise where the uninterrupted run ended
+        assert rk["resumed_calls"] == rk["stats"]["calls"] // EPOCHS
+        for k, v in rk["full"].items():
+            assert torch.equal(rk["resumed"][k], v), k
+        assert rk["refused"] is not None and "different configuration" in rk["refused"]
+        assert "density" in rk["refused"]
+    # the replicas agree
+    for k, v in res[0]["full"].items():
+        assert torch.equal(res[1]["full"][k], v), k
+    # the checkpoint holds each rank's own, different residuals (rank 0 saved it alone)
+    ckpt = torch.load(tmp_path / "epoch1.ckpt", weights_only=False)
+    saved = ckpt["gradsync"]
+    assert saved["world_size"] == 2 and [s["rank"] for s in saved["ranks"]] == [0, 1]
+    r0, r1 = (s["feedback"]["residual"] for s in saved["ranks"])
+    assert set(r0) == set(r1) and set(r0) == {n for n, _ in
+                                              nn.Sequential(nn.Linear(16, 64), nn.Tanh(),
+                                                            nn.Linear(64, 4)).named_parameters(
+                                                  prefix="net")}
+    assert any(not torch.equal(r0[n], r1[n]) for n in r0)
+    assert all(r0[n].abs().sum() > 0 for n in r0)
+
+
+def test_restore_refuses_other_world_size_and_foreign_dicts():
+    """ranks.restore checks the world size before picking an entry (one process: P = 1)."""
+    state, _ = hook(Config(**CONFIG), nn.Linear(3, 2))
+    mine = ranks.gather(state)
+    assert mine is not None and mine["world_size"] == 1
+    ranks.restore(state, mine)  # its own state loads
+    two = {**mine, "world_size": 2, "ranks": [mine["ranks"][0]] * 2}
+    with pytest.raises(ValueError, match="saved by 2 ranks, this job has 1"):
+        ranks.restore(state, two)
+    with pytest.raises(ValueError, match="not gradsync DDP-hook state"):
+        ranks.restore(state, {"rank": 0})
+    other, _ = hook(Config(**{**CONFIG, "density": 0.2}), nn.Linear(3, 2))
+    with pytest.raises(ValueError, match="different configuration"):
+        ranks.restore(other, mine)
+
+
+def test_strategy_refuses_comm_hook_arguments():
+    from gradsync.integrations.lightning import GradSyncStrategy
+
+    with pytest.raises(TypeError, match="installs gradsync's comm hook itself"):
+        GradSyncStrategy(Config(**CONFIG), ddp_comm_hook=lambda s, b: None)
+    with pytest.raises(ValueError, match="supports schemes"):
+        GradSyncStrategy(Config(scheme="oktopk"))
+    with pytest.raises(RuntimeError, match="no gradsync hook yet"):
+        GradSyncStrategy(Config(**CONFIG)).stats()
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])
