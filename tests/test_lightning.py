@@ -35,7 +35,7 @@ CONFIG = {"scheme": "per_tensor", "density": 0.1}  # the snippet's
 EPOCHS, SAMPLES, BATCH = 2, 256, 16
 
 
-def _worker(out: str) -> None:
+def _worker(out: str, phase: str) -> None:
     import pytorch_lightning as pl
     from torch.utils.data import DataLoader, TensorDataset
 
@@ -66,8 +66,8 @@ def _worker(out: str) -> None:
         torch.manual_seed(seed)
         return Regression()
 
-    def trainer(strategy, epochs: int) -> pl.Trainer:
-        return pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=epochs,
+    def trainer(strategy, epochs: int, devices: int = 2) -> pl.Trainer:
+        return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=epochs,
                           logger=False, enable_checkpointing=False, enable_progress_bar=False,
                           enable_model_summary=False, num_sanity_val_steps=0)
 
@@ -75,51 +75,71 @@ def _worker(out: str) -> None:
         return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
     os.chdir(out)
-    rank = int(os.environ["RANK"])
+    ckpt = os.path.join(out, "epoch1.ckpt")
+    cfg = Config(**CONFIG)
     res: dict = {}
-    # 1. the README snippet, uninterrupted
+    if phase == "one":  # a 1-rank job resuming the 2-rank checkpoint
+        try:
+            trainer(GradSyncStrategy(cfg), EPOCHS, devices=1).fit(model(0), loader, ckpt_path=ckpt)
+        except ValueError as e:
+            res["refused"] = str(e)
+        torch.save(res, os.path.join(out, "one.pt"))
+        return
+    # 1. the README snippet, uninterrupted (under "popen" Lightning starts rank 1 itself)
     ns = {"module": model(0), "loader": loader}
     exec(README_SNIPPET, ns)
+    rank = ns["trainer"].global_rank
     res["stats"] = ns["strategy"].stats()
     res["losses"] = ns["module"].losses
     res["full"] = params(ns["module"])
-    # 2. one epoch, checkpoint, resume in a fresh Trainer (and a differently initialised model)
-    cfg = Config(**CONFIG)
-    first = model(0)
-    t = trainer(GradSyncStrategy(cfg), 1)
-    t.fit(first, loader)
-    t.save_checkpoint(os.path.join(out, "epoch1.ckpt"))
-    second = model(1)
-    resumed = GradSyncStrategy(cfg)
-    trainer(resumed, EPOCHS).fit(second, loader, ckpt_path=os.path.join(out, "epoch1.ckpt"))
-    res["resumed"] = params(second)
-    res["resumed_calls"] = resumed.stats()["calls"]
-    # 3. the same checkpoint with another configuration is refused
-    try:
-        other = Config(**{**CONFIG, "density": 0.2})
-        trainer(GradSyncStrategy(other), EPOCHS).fit(model(0), loader,
-                                                     ckpt_path=os.path.join(out, "epoch1.ckpt"))
-        res["refused"] = None
-    except ValueError as e:
-        res["refused"] = str(e)
-    torch.save(res, os.path.join(out, f"rank{rank}.pt"))
+    if phase == "main":
+        # 2. one epoch, checkpoint, resume in a fresh Trainer (and a differently initialised
+        # model)
+        first = model(0)
+        t = trainer(GradSyncStrategy(cfg), 1)
+        t.fit(first, loader)
+        t.save_checkpoint(ckpt)
+        second = model(1)
+        resumed = GradSyncStrategy(cfg)
+        trainer(resumed, EPOCHS).fit(second, loader, ckpt_path=ckpt)
+        res["resumed"] = params(second)
+        res["resumed_calls"] = resumed.stats()["calls"]
+        # 3. the same checkpoint with another configuration is refused, and so is one without
+        # gradsync state
+        res["refused"] = {}
+        plain = os.path.join(out, "plain.ckpt")
+        if rank == 0:
+            c = torch.load(ckpt, weights_only=False)
+            del c["gradsync"]
+            torch.save(c, plain)
+        torch.distributed.barrier()
+        for what, c, path in (("config", Config(**{**CONFIG, "density": 0.2}), ckpt),
+                              ("missing", cfg, plain)):
+            try:
+                trainer(GradSyncStrategy(c), EPOCHS).fit(model(0), loader, ckpt_path=path)
+            except ValueError as e:
+                res["refused"][what] = str(e)
+    torch.save(res, os.path.join(out, f"{phase}{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
-def _torchrun(out, nproc: int = 2) -> subprocess.CompletedProcess:
+def _run(out, phase: str, nproc: int | None = 2) -> None:
+    """This file as a worker: under torchrun with ``nproc`` processes, or (None) as a plain
+    script whose Trainer starts the other rank itself."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         [os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")]),
-        "OMP_NUM_THREADS": "1", "PL_DISABLE_FORK": "1"}
-    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
-                           f"--nproc-per-node={nproc}", __file__, str(out)],
-                          env=env, capture_output=True, text=True, timeout=600)
+        "OMP_NUM_THREADS": "1"}
+    launch = [] if nproc is None else ["-m", "torch.distributed.run", "--standalone",
+                                       f"--nproc-per-node={nproc}"]
+    r = subprocess.run([sys.executable, *launch, os.path.abspath(__file__), str(out), phase],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 
 def test_lightning_train_checkpoint_resume_refuse(tmp_path):
-    r = _torchrun(tmp_path)
-    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
-    res = [torch.load(tmp_path / f"rank{i}.pt") for i in range(2)]
+    _run(tmp_path, "main")
+    res = [torch.load(tmp_path / f"main{i}.pt") for i in range(2)]
     for rk in res:
         # the hook ran and counted its traffic, whatever the device (CPU here)
         assert rk["stats"]["calls"] >= EPOCHS * SAMPLES // (2 * BATCH)
@@ -131,8 +151,9 @@ def test_lightning_train_checkpoint_resume_refuse(tmp_path):
         assert rk["resumed_calls"] == rk["stats"]["calls"] // EPOCHS
         for k, v in rk["full"].items():
             assert torch.equal(rk["resumed"][k], v), k
-        assert rk["refused"] is not None and "different configuration" in rk["refused"]
-        assert "density" in rk["refused"]
+        assert "different configuration" in rk["refused"]["config"]
+        assert "density: saved 0.1, here 0.2" in rk["refused"]["config"]
+        assert "has no 'gradsync' entry" in rk["refused"]["missing"]
     # the replicas agree
     for k, v in res[0]["full"].items():
         assert torch.equal(res[1]["full"][k], v), k
@@ -147,6 +168,24 @@ def test_lightning_train_checkpoint_resume_refuse(tmp_path):
                                                   prefix="net")}
     assert any(not torch.equal(r0[n], r1[n]) for n in r0)
     assert all(r0[n].abs().sum() > 0 for n in r0)
+    # a 1-rank job cannot take the 2-rank checkpoint
+    _run(tmp_path, "one", nproc=1)
+    refused = torch.load(tmp_path / "one.pt")["refused"]
+    assert "saved by 2 ranks, this job has 1" in refused
+
+
+def test_lightning_starts_its_own_processes(tmp_path):
+    """`python train.py` with devices=2: Lightning launches rank 1; the hook runs on both."""
+    _run(tmp_path, "popen", nproc=None)
+    res = [torch.load(tmp_path / f"popen{i}.pt") for i in range(2)]
+    for rk in res:
+        assert rk["stats"]["calls"] == EPOCHS * SAMPLES // (2 * BATCH)
+        assert rk["stats"]["total"]["bytes_sent"] > 0
+    # 2 ranks: what one sends (all-gathers) the other receives
+    for a, b in ((0, 1), (1, 0)):
+        assert res[a]["stats"]["total"]["bytes_sent"] == res[b]["stats"]["total"]["bytes_recv"]
+    for k, v in res[0]["full"].items():
+        assert torch.equal(res[1]["full"][k], v), k
 
 
 def test_restore_refuses_other_world_size_and_foreign_dicts():
@@ -177,4 +216,4 @@ def test_strategy_refuses_comm_hook_arguments():
 
 
 if __name__ == "__main__":
-    _worker(sys.argv[1])
+    _worker(sys.argv[1], sys.argv[2])
