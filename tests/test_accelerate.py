@@ -59,6 +59,17 @@ def _worker(out: str, phase: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ns = {"torch": torch, "model": model, "optimizer": optimizer,
           "batches": [_batch(s, rank) for s in range(K)]}
+    if phase == "other":  # another configuration must not take this checkpoint
+        snippet = RESUME_SNIPPET.replace("density=0.1", "density=0.2")
+        try:
+            exec(snippet, ns)
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        torch.save({"refused": refused}, os.path.join(out, f"other{rank}.pt"))
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return
     exec(README_SNIPPET if phase == "train" else RESUME_SNIPPET, ns)
     model, optimizer, accelerator = ns["model"], ns["optimizer"], ns["accelerator"]
     losses = []
@@ -108,6 +119,11 @@ def test_accelerate_save_state_load_state_bitwise(tmp_path):
     r0, r1 = (s["feedback"]["residual"] for s in saved["ranks"])
     assert set(r0) == {n for n, _ in _net(0).named_parameters()} == set(r1)
     assert any(not torch.equal(r0[n], r1[n]) for n in r0)
+    # another configuration is refused on every rank
+    _torchrun(tmp_path, "other")
+    for r in range(2):
+        refused = torch.load(tmp_path / f"other{r}.pt")["refused"]
+        assert refused is not None and "density: saved 0.1, here 0.2" in refused
 
 
 def test_register_refuses_a_model_without_ddp(monkeypatch):
@@ -124,6 +140,14 @@ def test_register_refuses_a_model_without_ddp(monkeypatch):
     monkeypatch.setenv("WORLD_SIZE", "2")
     with pytest.raises(TypeError, match=r"2 processes were launched.*Accelerator\(cpu=True\)"):
         gradsync.accelerate.register(accelerator, model, cfg)
+
+
+def test_docstring_shows_the_tested_snippet():
+    import textwrap
+
+    import gradsync.integrations.accelerate as mod
+
+    assert textwrap.indent(README_SNIPPET, "    ") in mod.__doc__
 
 
 if __name__ == "__main__":

@@ -215,5 +215,13 @@ def test_strategy_refuses_comm_hook_arguments():
         GradSyncStrategy(Config(**CONFIG)).stats()
 
 
+def test_docstring_shows_the_tested_snippet():
+    import textwrap
+
+    import gradsync.integrations.lightning as mod
+
+    assert textwrap.indent(README_SNIPPET, "    ") in mod.__doc__
+
+
 if __name__ == "__main__":
     _worker(sys.argv[1], sys.argv[2])

@@ -91,7 +91,9 @@ class GradSyncStrategy(DDPStrategy):
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: Any,
                         storage_options: Any | None = None) -> None:
         """Add every rank's hook state (gathered to rank 0) and write as Lightning does.
-        Called on every rank (``Trainer.save_checkpoint`` and ``ModelCheckpoint`` do)."""
+
+        A collective: call ``Trainer.save_checkpoint`` on every rank, as Lightning requires
+        (``ModelCheckpoint`` does), never under ``if trainer.is_global_zero``."""
         if self.hook_state is not None:
             gathered = ranks.gather(self.hook_state)
             if gathered is not None:
