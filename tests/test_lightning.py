@@ -46,6 +46,7 @@ def _worker(out: str, phase: str) -> None:
             super().__init__()
             self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
             self.losses: list[float] = []
+            self.momentum = 0.9
 
         def training_step(self, batch, batch_idx):
             x, y = batch
@@ -54,7 +55,7 @@ def _worker(out: str, phase: str) -> None:
             return loss
 
         def configure_optimizers(self):
-            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=self.momentum)
 
     g = torch.Generator().manual_seed(0)
     x = torch.randn(SAMPLES, 16, generator=g)
@@ -62,9 +63,11 @@ def _worker(out: str, phase: str) -> None:
                                                                             generator=g)
     loader = DataLoader(TensorDataset(x, y), batch_size=BATCH, shuffle=False)
 
-    def model(seed: int) -> Regression:
+    def model(seed: int, momentum: float = 0.9) -> Regression:
         torch.manual_seed(seed)
-        return Regression()
+        m = Regression()
+        m.momentum = momentum
+        return m
 
     def trainer(strategy, epochs: int, devices: int = 2) -> pl.Trainer:
         return pl.Trainer(strategy=strategy, accelerator="cpu", devices=devices, max_epochs=epochs,
@@ -104,6 +107,15 @@ def _worker(out: str, phase: str) -> None:
         trainer(resumed, EPOCHS).fit(second, loader, ckpt_path=ckpt)
         res["resumed"] = params(second)
         res["resumed_calls"] = resumed.stats()["calls"]
+        # a second fit() of the same Trainer goes on with the residuals of the first (its
+        # optimizer is created anew, so without momentum to compare with one fit)
+        for name, fits in (("once", (EPOCHS,)), ("twice", (1, EPOCHS))):
+            m = model(0, momentum=0.0)
+            t = trainer(GradSyncStrategy(cfg), fits[0])
+            for epochs in fits:
+                t.fit_loop.max_epochs = epochs
+                t.fit(m, loader)
+            res[name] = params(m)
         # 3. the same checkpoint with another configuration is refused, and so is one without
         # gradsync state
         res["refused"] = {}
@@ -151,6 +163,7 @@ def test_lightning_train_checkpoint_resume_refuse(tmp_path):
         assert rk["resumed_calls"] == rk["stats"]["calls"] // EPOCHS
         for k, v in rk["full"].items():
             assert torch.equal(rk["resumed"][k], v), k
+            assert torch.equal(rk["twice"][k], rk["once"][k]), k
         assert "different configuration" in rk["refused"]["config"]
         assert "density: saved 0.1, here 0.2" in rk["refused"]["config"]
         assert "has no 'gradsync' entry" in rk["refused"]["missing"]

@@ -76,11 +76,21 @@ class GradSyncStrategy(DDPStrategy):
 
     def configure_ddp(self) -> None:
         """Wrap the module in DDP (as ``DDPStrategy`` does), install gradsync's hook on any
-        device, and restore each rank's hook state when resuming."""
+        device, and restore each rank's hook state when resuming (from the checkpoint, or from
+        the previous ``fit`` of this strategy when the model is the same)."""
         assert isinstance(self.model, pl.LightningModule)
         self.model = self._setup_model(self.model)
+        previous = self.hook_state
         self.hook_state = ddp.register(self.model, self.config, self.small_numel)
         resume, self._resume = self._resume, None
+        if resume is None and previous is not None:  # another fit() of the same Trainer
+            carried = previous.state_dict()
+            try:
+                self.hook_state.check_compatible(carried)
+            except ValueError:  # another model: its residuals do not apply
+                carried = None
+            if carried is not None:
+                self.hook_state.load_state_dict(carried)
         if resume is _MISSING:
             raise ValueError(f"the checkpoint has no {CHECKPOINT_KEY!r} entry: it was not saved "
                              f"with GradSyncStrategy, so the ranks' residuals are lost; resume "
