@@ -34,6 +34,7 @@ _LAZY = {"GradSync": "gradsync.engine", "Config": "gradsync.engine.config",
 _SUBMODULES = {"checkpoint": "integrations.checkpoint", "collectives": "collectives",
                "ddp": "integrations.ddp", "engine": "engine", "feedback": "feedback",
                "formats": "formats", "fsdp": "integrations.fsdp", "models": "apps.models",
+               "lightning": "integrations.lightning", "accelerate": "integrations.accelerate",
                "schedule": "schedule", "sparsify": "sparsify", "testing": "testing"}
 
 

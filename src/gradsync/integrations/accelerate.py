@@ -1,0 +1,90 @@
+"""Hugging Face Accelerate: gradsync's DDP comm hook on the model ``accelerator.prepare`` wrapped.
+
+Usage (``torchrun --nproc-per-node 2 train.py``)::
+
+    from accelerate import Accelerator
+    import gradsync
+
+    accelerator = Accelerator(cpu=True)  # on GPUs: Accelerator()
+    model, optimizer = accelerator.prepare(model, optimizer)
+    cfg = gradsync.Config(scheme="per_tensor", density=0.1)
+    hook_state = gradsync.accelerate.register(accelerator, model, cfg)  # after prepare()
+    for x, y in batches:
+        optimizer.zero_grad()
+        accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+        optimizer.step()
+    accelerator.save_state("ckpt")  # with each rank's gradsync state
+    print(hook_state.stats()["total"]["bytes_sent"])  # this rank's gradsync traffic
+
+and, to resume in a new process, the same set-up followed by ``accelerator.load_state("ckpt")``
+(``tests/test_accelerate.py`` runs both as they stand, on 2 CPU ranks).
+
+Accelerate has no comm-hook slot that it honours (``DistributedDataParallelKwargs(comm_hook=…)``
+takes only its built-in hooks), so :func:`register` installs the hook on the
+``DistributedDataParallel`` that ``prepare`` returned. ``save_state`` writes registered objects
+on the main process only and ``load_state`` reads that one file on every process; the hook's
+state is per rank, so the object :func:`register` hands to ``register_for_checkpointing``
+gathers every rank's state into that file (:func:`gradsync.integrations.ranks.gather`) and
+gives each rank its own entry back, refusing one from another world size, configuration or
+model with a ``ValueError``.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+from torch import nn
+
+from gradsync.engine.config import Config
+from gradsync.integrations import ddp, ranks
+
+__all__ = ["HookCheckpoint", "register"]
+
+
+class HookCheckpoint:
+    """What :func:`register` hands to ``accelerator.register_for_checkpointing``.
+
+    ``state_dict()`` is a collective (``save_state`` calls it on every process, in the same
+    order): it returns every rank's hook state on the process that writes the file (the main
+    process, or each node's local main with ``save_on_each_node``) and a marker elsewhere.
+    ``load_state_dict`` restores this rank's own entry onto the accelerator's device.
+    """
+
+    def __init__(self, state: ddp.HookState, accelerator: Any) -> None:
+        self.state = state
+        self.accelerator = accelerator
+
+    def state_dict(self) -> dict[str, Any]:
+        each_node = bool(getattr(self.accelerator.project_configuration, "save_on_each_node",
+                                 False))
+        gathered = ranks.gather(self.state, everywhere=each_node)
+        return gathered if gathered is not None else {"format": "not written by this rank"}
+
+    def load_state_dict(self, saved: dict[str, Any]) -> None:
+        ranks.restore(self.state, saved, self.accelerator.device)
+
+
+def register(accelerator: Any, model: nn.Module, cfg: Config,
+             small_numel: int = ddp.SMALL_NUMEL) -> ddp.HookState:
+    """Install gradsync's comm hook on ``model`` (``accelerator.prepare``'s result) and register
+    its per-rank state for ``accelerator.save_state``/``load_state``; returns the hook's state
+    (``stats()``).
+
+    Raises ``TypeError`` when ``model`` is not wrapped in ``DistributedDataParallel``: Accelerate
+    wraps it only when it runs several processes.
+    """
+    if not isinstance(model, nn.parallel.DistributedDataParallel):
+        procs = int(os.environ.get("WORLD_SIZE", "1"))
+        hint = (f"{procs} processes were launched but Accelerate runs each on its own "
+                f"(distributed type {accelerator.distributed_type}): on CPU create "
+                f"Accelerator(cpu=True)" if procs > 1 else
+                "launch the script with several processes, e.g. "
+                "`torchrun --nproc-per-node 2 train.py`")
+        raise TypeError(
+            f"gradsync.accelerate.register needs the DistributedDataParallel model that "
+            f"accelerator.prepare() returns when several processes run; got "
+            f"{type(model).__name__}: {hint}, and pass prepare()'s result")
+    state = ddp.register(model, cfg, small_numel)
+    accelerator.register_for_checkpointing(HookCheckpoint(state, accelerator))
+    return state

@@ -1,0 +1,154 @@
+"""gradsync.accelerate.register with a real Accelerator under torchrun, 2 CPU ranks (gloo).
+
+Launch 1 runs the README's snippet (README_SNIPPET, verbatim) for K steps, which ends with
+``accelerator.save_state``, then trains N more steps. Launch 2, in new processes, runs the
+README's resume snippet (RESUME_SNIPPET: the same set-up and ``accelerator.load_state``) and
+the same N steps; every rank must end bitwise where launch 1 ended. Each rank writes what it
+saw to ``{phase}{rank}.pt``.
+"""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+from torch import nn
+
+SETUP = """\
+from accelerate import Accelerator
+import gradsync
+
+accelerator = Accelerator(cpu=True)  # on GPUs: Accelerator()
+model, optimizer = accelerator.prepare(model, optimizer)
+cfg = gradsync.Config(scheme="per_tensor", density=0.1)
+hook_state = gradsync.accelerate.register(accelerator, model, cfg)  # after prepare()
+"""
+# The README's Accelerate snippets; `model`, `optimizer`, `batches` and `torch` come before.
+README_SNIPPET = SETUP + """\
+for x, y in batches:
+    optimizer.zero_grad()
+    accelerator.backward(torch.nn.functional.mse_loss(model(x), y))
+    optimizer.step()
+accelerator.save_state("ckpt")  # with each rank's gradsync state
+print(hook_state.stats()["total"]["bytes_sent"])  # this rank's gradsync traffic
+"""
+RESUME_SNIPPET = SETUP + """\
+accelerator.load_state("ckpt")  # each rank gets its own gradsync state back
+"""
+K, N, BATCH = 6, 6, 8
+
+
+def _net(seed: int) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+
+
+def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rank `rank`'s batch at `step`: a fixed regression task, different data per rank."""
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    x = torch.randn(BATCH, 16, generator=g)
+    w = torch.randn(16, 4, generator=torch.Generator().manual_seed(7))
+    return x, torch.tanh(x @ w)
+
+
+def _worker(out: str, phase: str) -> None:
+    os.chdir(out)
+    rank = int(os.environ["RANK"])
+    model = _net(0 if phase == "train" else 1)  # the resumed run starts elsewhere on purpose
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    ns = {"torch": torch, "model": model, "optimizer": optimizer,
+          "batches": [_batch(s, rank) for s in range(K)]}
+    if phase == "other":  # another configuration must not take this checkpoint
+        snippet = RESUME_SNIPPET.replace("density=0.1", "density=0.2")
+        try:
+            exec(snippet, ns)
+            refused = None
+        except ValueError as e:
+            refused = str(e)
+        torch.save({"refused": refused}, os.path.join(out, f"other{rank}.pt"))
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+        return
+    exec(README_SNIPPET if phase == "train" else RESUME_SNIPPET, ns)
+    model, optimizer, accelerator = ns["model"], ns["optimizer"], ns["accelerator"]
+    losses = []
+    for s in range(K, K + N):
+        x, y = _batch(s, rank)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        losses.append(loss.item())
+    res = {"stats": ns["hook_state"].stats(), "losses": losses,
+           "distributed_type": accelerator.distributed_type.name,
+           "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
+    torch.save(res, os.path.join(out, f"{phase}{rank}.pt"))
+    accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+
+
+def _torchrun(out, phase: str) -> None:
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        [os.path.join(os.path.dirname(__file__), "..", "src"), os.environ.get("PYTHONPATH", "")]),
+        "OMP_NUM_THREADS": "1"}
+    r = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                        "--nproc-per-node=2", __file__, str(out), phase],
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
+
+
+def test_accelerate_save_state_load_state_bitwise(tmp_path):
+    _torchrun(tmp_path, "train")
+    _torchrun(tmp_path, "resume")
+    full = [torch.load(tmp_path / f"train{r}.pt") for r in range(2)]
+    resumed = [torch.load(tmp_path / f"resume{r}.pt") for r in range(2)]
+    for f, g in zip(full, resumed):
+        assert f["distributed_type"] == "MULTI_CPU"
+        assert f["stats"]["calls"] == K + N and f["stats"]["total"]["bytes_sent"] > 0
+        assert g["stats"]["calls"] == N and g["stats"]["total"]["bytes_sent"] > 0
+        assert f["losses"][-1] < f["losses"][0]
+        assert f["losses"] == g["losses"]
+        for k, v in f["params"].items():
+            assert torch.equal(g["params"][k], v), k
+    for k, v in full[0]["params"].items():
+        assert torch.equal(full[1]["params"][k], v), k
+    # the main process wrote one file holding both ranks' own (different) residuals
+    saved = torch.load(tmp_path / "ckpt" / "custom_checkpoint_0.pkl", weights_only=False)
+    assert saved["world_size"] == 2 and [s["rank"] for s in saved["ranks"]] == [0, 1]
+    r0, r1 = (s["feedback"]["residual"] for s in saved["ranks"])
+    assert set(r0) == {n for n, _ in _net(0).named_parameters()} == set(r1)
+    assert any(not torch.equal(r0[n], r1[n]) for n in r0)
+    # another configuration is refused on every rank
+    _torchrun(tmp_path, "other")
+    for r in range(2):
+        refused = torch.load(tmp_path / f"other{r}.pt")["refused"]
+        assert refused is not None and "density: saved 0.1, here 0.2" in refused
+
+
+def test_register_refuses_a_model_without_ddp(monkeypatch):
+    from accelerate import Accelerator
+
+    import gradsync
+
+    accelerator = Accelerator(cpu=True)  # one process: prepare() does not wrap in DDP
+    model = accelerator.prepare(_net(0))
+    cfg = gradsync.Config(scheme="per_tensor")
+    with pytest.raises(TypeError, match=r"DistributedDataParallel.*torchrun --nproc-per-node"):
+        gradsync.accelerate.register(accelerator, model, cfg)
+    # torchrun's processes without cpu=True: Accelerate runs each alone, and says so
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(TypeError, match=r"2 processes were launched.*Accelerator\(cpu=True\)"):
+        gradsync.accelerate.register(accelerator, model, cfg)
+
+
+def test_docstring_shows_the_tested_snippet():
+    import textwrap
+
+    import gradsync.integrations.accelerate as mod
+
+    assert textwrap.indent(README_SNIPPET, "    ") in mod.__doc__
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1], sys.argv[2])
