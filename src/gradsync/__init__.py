@@ -11,7 +11,7 @@ The package is laid out in layers; each entry below may import only the entries 
     collectives/    sparse/dense collectives returning the global SUM, with byte accounting
     schedule/       the table of schemes, fusion planners, the cost model
     engine/         GradSync and Config: hooks → fusion buffers → overlapped sync → .grad
-    integrations/   ddp (comm hook), fsdp (TAGC), checkpoint
+    integrations/   ddp (comm hook), fsdp (TAGC), checkpoint, lightning, accelerate
     testing/        launchers: run_distributed() on real gloo ranks, netem-shaped links
     apps/           the commands: train, bench, simulate, report, demo, profile
 """
