@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import traceback
 
@@ -189,6 +190,14 @@ def test_expected_collectives_registered():
     for name in ("dense", "topka", "topkdsa", "gtopk"):
         assert name in NAMES
     assert collectives.get("topkdsa").exact and not collectives.get("gtopk").exact
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_registry_sets_the_name_once(name):
+    """``@registry.register("gtopk")`` is the only place a collective's name is written."""
+    c = collectives.get(name)
+    assert c.name == name and type(c).name == name
+    assert f'name = "{name}"' not in inspect.getsource(type(c))
 
 
 @pytest.mark.parametrize("P", WORLD_SIZES)

@@ -40,7 +40,7 @@ class Collective(ABC):
     hanging or corrupting memory. Its 32 bytes are counted like any other traffic.
     """
 
-    name: str = "?"
+    name: str = "?"  # set by ``registry.register(name)``
     exact: bool = True  # does `dense` equal the sum of every rank's selection?
 
     def __init__(self, *, check_shapes: bool = True) -> None:

@@ -79,7 +79,6 @@ class DenseStreamAllreduce(Collective):
     else 8).
     """
 
-    name = "densestream"
 
     def __init__(self, *, tau: int = 64, index_bytes: int | None = None,
                  check_shapes: bool = True) -> None:

@@ -71,7 +71,6 @@ def _unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
 class GTopk(Collective):
     """gTop-k sparse allreduce: tree of pairwise top-k merges, then a broadcast of the top-k."""
 
-    name = "gtopk"
     exact = False
 
     def __init__(

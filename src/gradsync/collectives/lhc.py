@@ -108,7 +108,6 @@ def all_or_index(
 class LHC(Collective):
     """Index OR-allreduce + count-sketch SUM-allreduce + peeling (module docstring)."""
 
-    name = "lhc"
     exact = True  # lossless whenever peeling succeeds; info["lossy"] says when it did not
 
     def __init__(

@@ -119,7 +119,6 @@ class OkTopk(Collective):
     ``step`` must be the same on every rank (it drives the τ and τ′ schedules).
     """
 
-    name = "oktopk"
     exact = False
 
     def __init__(

@@ -22,7 +22,7 @@ from gradsync.sparsegrad import SparseGrad
 
 @registry.register("topka")
 class TopkA(Collective):
-    name = "topka"
+    """TopkA: all-gather-v of every rank's entries, then a scatter-add in rank order."""
 
     def _reduce(
         self, sel: SparseGrad, comm: Comm, step: int

@@ -163,7 +163,6 @@ class _Wire:
 class TopkDSA(Collective):
     """SparCML's dynamic sparse allreduce (exact SUM; sparse ↔ dense switch per stream)."""
 
-    name = "topkdsa"
     exact = True
 
     def _reduce(

@@ -64,7 +64,7 @@ class Sparsifier(ABC):
     ``k == n`` (density 1 or tiny tensors), sorting, gathering the values and the deviation.
     """
 
-    name: str = "?"
+    name: str = "?"  # set by ``registry.register(name)``
 
     def __init__(self, density: float, *, seed: int = 0) -> None:
         self.density = validate_density(density)
