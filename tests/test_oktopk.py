@@ -16,7 +16,7 @@ import torch
 
 import gradsync.collectives.oktopk as oktopk_mod
 from gradsync import collectives
-from gradsync.sparsegrad import SparseGrad
+from gradsync.sparsegrad import SparseGrad, target_k
 from gradsync.testing import run_distributed
 
 WORLDS = [1, 2, 3, 4, 5, 8]
@@ -340,3 +340,14 @@ def test_bad_state_raises_and_good_state_round_trips():
     assert torch.equal(d.state_dict()["boundaries"], state["boundaries"])
     with pytest.raises(ValueError, match="SparseGrad"):
         c(x)
+
+
+def test_k_from_density_is_target_k_and_an_empty_tensor_selects_nothing():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    sel = SparseGrad.from_indices(x, x.abs().topk(40).indices)
+    for d in (0.011, 0.02, 0.0004):
+        res = collectives.get("oktopk", density=d)(sel, step=0)
+        assert res.info["k"] == target_k(1000, d)
+    res = collectives.get("oktopk", density=0.5)(SparseGrad.empty(0), step=0)
+    assert res.info["k"] == 0 and res.dense.numel() == 0 and res.kept.numel() == 0
+    assert res.info["threshold"] == 0.0

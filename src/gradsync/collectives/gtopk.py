@@ -15,7 +15,8 @@ besides the final k, one bit per entry saying whether the receiver's subtree con
 survived every merge above it; every rank combines that with its own merges. The sum over ranks
 of the kept entries therefore equals ``dense`` exactly (conservation for the residuals).
 
-k: ``k=`` or ``density=`` (k = ⌈density·numel⌉) fix it; by default k is the largest local
+k: ``k=`` or ``density=`` (k = ``target_k(numel, density)`` = max(1, round(density·numel)),
+the rule of every sparsifier and collective) fix it; by default k is the largest local
 selection in the merged subtrees (the usual case: every rank selects the same k).
 Ties in magnitude are broken by the smaller index, so the result is deterministic; ``dense`` is
 the root's result copied to every rank, hence bitwise identical.
@@ -23,7 +24,6 @@ the root's result copied to every rank, hence bitwise identical.
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -31,7 +31,7 @@ import torch
 from gradsync.collectives import registry
 from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
-from gradsync.sparsegrad import SparseGrad
+from gradsync.sparsegrad import SparseGrad, target_k, validate_density
 
 __all__ = ["GTopk"]
 
@@ -81,15 +81,15 @@ class GTopk(Collective):
             raise ValueError("gtopk: give k or density, not both")
         if k is not None and (not isinstance(k, int) or k < 0):
             raise ValueError(f"gtopk: k must be an int >= 0, got {k!r}")
-        if density is not None and not 0.0 < density <= 1.0:
-            raise ValueError(f"gtopk: density must be in (0, 1], got {density!r}")
+        if density is not None:
+            density = validate_density(density, "gtopk: density")
         self.k, self.density = k, density
 
     def _fixed_k(self, numel: int) -> int | None:
         if self.k is not None:
             return self.k
         if self.density is not None:
-            return math.ceil(self.density * numel)
+            return target_k(numel, self.density)
         return None
 
     def __repr__(self) -> str:

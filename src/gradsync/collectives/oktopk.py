@@ -45,7 +45,7 @@ import torch
 from gradsync.collectives import registry
 from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
-from gradsync.sparsegrad import SparseGrad, all_finite
+from gradsync.sparsegrad import SparseGrad, all_finite, target_k, validate_density
 
 __all__ = ["OkTopk"]
 
@@ -106,7 +106,8 @@ class OkTopk(Collective):
     """Ok-Topk O(k) sparse allreduce (Algorithm 1); stateful (boundaries, θ).
 
     Args:
-        density: target global density; k = max(1, round(density·numel)).
+        density: target global density; k = ``target_k(numel, density)``
+            = max(1, round(density·numel)).
         k: target global count (instead of ``density``). With neither, k is the mean of the
             ranks' local selection sizes (one extra all-reduce of one word per step).
         tau: τ, the period (in steps) of the region-boundary re-evaluation (paper: 64).
@@ -136,8 +137,8 @@ class OkTopk(Collective):
         super().__init__(check_shapes=check_shapes)
         if density is not None and k is not None:
             raise ValueError("oktopk: give density or k, not both")
-        if density is not None and not (0.0 < float(density) <= 1.0):
-            raise ValueError(f"oktopk: density must be in (0, 1], got {density}")
+        if density is not None:
+            density = validate_density(density, "oktopk: density")
         if k is not None and (int(k) != k or k < 1):
             raise ValueError(f"oktopk: k must be a positive integer, got {k}")
         for nm, v in (("tau", tau), ("tau_prime", tau_prime), ("bucket", bucket)):
@@ -147,7 +148,7 @@ class OkTopk(Collective):
             raise ValueError(f"oktopk: balance_factor must be >= 1, got {balance_factor}")
         if not 0.0 < nudge < 1.0:
             raise ValueError(f"oktopk: nudge must be in (0, 1), got {nudge}")
-        self.density = None if density is None else float(density)
+        self.density = density
         self.k = None if k is None else int(k)
         self.tau, self.tau_prime, self.bucket = int(tau), int(tau_prime), int(bucket)
         self.balance_factor, self.nudge = float(balance_factor), float(nudge)
@@ -274,7 +275,7 @@ class OkTopk(Collective):
         if self.k is not None:
             return self.k
         if self.density is not None:
-            return max(1, round(self.density * sel.numel))
+            return target_k(sel.numel, self.density)
         c = torch.tensor([len(sel)], dtype=torch.int64, device=sel.device)
         comm.all_reduce(c)
         return max(1, math.ceil(int(c) / comm.size))
@@ -360,7 +361,8 @@ class OkTopk(Collective):
         Radix select on the bit patterns of the float32 magnitudes (non-negative floats order
         like their bits): 8 rounds, each one all-reduce of a 16-bin histogram of the next 4 bits
         among the candidates that share the prefix found so far. Returns 0.0 when the union
-        holds fewer than k entries (select everything)."""
+        holds fewer than k entries or none at all (select everything; k is 0 only for an empty
+        tensor, ``target_k(0, density) == 0``)."""
         bits = mags[torch.isfinite(mags)].contiguous().view(torch.int32).to(torch.int64)
         nbins = 1 << _RADIX_BITS
         prefix, remaining = 0, k
@@ -369,7 +371,7 @@ class OkTopk(Collective):
             digit = (cand >> shift) & (nbins - 1)
             hist = torch.bincount(digit, minlength=nbins).to(torch.int64)
             comm.all_reduce(hist)
-            if shift == 32 - _RADIX_BITS and int(hist.sum()) < k:
+            if shift == 32 - _RADIX_BITS and (int(hist.sum()) < k or not int(hist.sum())):
                 return 0.0
             above = torch.flip(torch.cumsum(torch.flip(hist, [0]), 0), [0])  # count ≥ digit
             d = int((above >= remaining).nonzero().max())
