@@ -16,6 +16,7 @@ import torch
 
 import gradsync.collectives.oktopk as oktopk_mod
 from gradsync import collectives
+from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.sparsegrad import SparseGrad, target_k
 from gradsync.testing import run_distributed
 
@@ -340,6 +341,73 @@ def test_bad_state_raises_and_good_state_round_trips():
     assert torch.equal(d.state_dict()["boundaries"], state["boundaries"])
     with pytest.raises(ValueError, match="SparseGrad"):
         c(x)
+
+
+# -- the balanced split and its period rule (collectives/regions.py, shared with DenseStream) --
+def test_period_rule_is_algorithm_1s_every_tau_steps():
+    """Ok-Topk Algorithm 1 re-evaluates when (t − 1) mod τ == 0, t = step + 1: steps 0, τ, 2τ…"""
+    tau = 64
+
+    def run(steps):
+        last, at = None, []
+        for s in steps:
+            if due(s, last, tau):
+                at.append(s)
+                last = s
+        return at
+
+    steps = list(range(300))
+    assert run(steps) == [s for s in steps if s % tau == 0] == [0, 64, 128, 192, 256]
+    # A skipped step (e.g. a non-finite gradient at step 64) does not skip the re-evaluation.
+    assert run([s for s in steps if s != 64]) == [0, 65, 128, 192, 256]
+    # The first call evaluates whatever the step; a step earlier than the last evaluation (a new
+    # run, an older checkpoint) evaluates again, even inside the same τ-window; a step that is
+    # only earlier than the previous call does not.
+    assert run([70, 71, 65, 66, 130]) == [70, 65, 130]
+    assert run([70, 75, 72, 127]) == [70]
+    assert due(0, None, 1) and due(5, 4, 1) and not due(4, 4, 1)
+
+
+class _Votes:
+    """A stand-in for Comm over ``P`` ranks whose all-reduce returns the SUM of the ranks'
+    words, which the test collects in a first pass (the split is deterministic)."""
+
+    def __init__(self, P: int, total: torch.Tensor | None = None) -> None:
+        self.size, self.total, self.seen = P, total, None
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self.seen = t.clone()
+        if self.total is not None:
+            t.copy_(self.total)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 7])
+def test_balanced_boundaries_match_a_plain_python_reference(P):
+    n = 10_007
+    g = torch.Generator().manual_seed(P)
+    sels = []
+    for r in range(P):
+        m = 0 if r == 1 else int(torch.randint(1, 400, (1,), generator=g))  # rank 1: no vote
+        sels.append(torch.sort(torch.randperm(n, generator=g)[:m]).values)
+    words = []
+    for idx in sels:
+        c = _Votes(P)
+        balanced_boundaries(idx, n, P, c)
+        words.append(c.seen)
+    total = torch.stack(words).sum(0)
+    got = [balanced_boundaries(idx, n, P, _Votes(P, total)) for idx in sels]
+    # Reference: each voting rank's cut points idx[j·m // P], averaged with floor division.
+    votes = [[int(idx[j * len(idx) // P]) for j in range(1, P)] for idx in sels if len(idx)]
+    cuts = [sum(v[j] for v in votes) // len(votes) for j in range(P - 1)]
+    ref = [0, *cuts, n]
+    for b in got:
+        assert b.dtype == torch.int64 and b.device.type == "cpu" and b.tolist() == ref
+    # Nobody selected anything: an even split.
+    empty = torch.empty(0, dtype=torch.int64)
+    even = balanced_boundaries(empty, n, P, _Votes(P, torch.zeros(P, dtype=torch.int64)))
+    assert even.tolist() == [j * n // P for j in range(P + 1)]
+    with pytest.raises(ValueError, match="too large"):
+        balanced_boundaries(empty, 2**62, P + 1, _Votes(P + 1))
 
 
 def test_k_from_density_is_target_k_and_an_empty_tensor_selects_nothing():

@@ -8,7 +8,10 @@ Three phases, every partition on the wire DenseStream-encoded (§III-A,
    averaged by one all-reduce of P′ integers (P′−1 cut points and a count of ranks that had any
    index; a rank with an empty selection does not vote) into the global region boundaries
    ``B[0] = 0 ≤ B[1] ≤ … ≤ B[P′] = numel``. They are re-evaluated every τ = 64 steps and kept
-   in between (``state_dict`` carries them).
+   in between (``state_dict`` carries them). Split and period rule are Ok-Topk's, shared
+   through :mod:`gradsync.collectives.regions` (``balanced_boundaries``, ``due``): re-evaluate
+   at steps 0, τ, 2τ, … — on the first step of every τ-window — and whenever the step is
+   earlier than the last evaluation's.
 2. *scatter-reduce* by recursive halving (Alg. 2 line 17, Fig. 3): at distance d = P′/2, P′/4,
    …, 1, rank r and r XOR d exchange the half of their current region range that the other
    keeps, and reduce it into their own half; after log2 P′ rounds rank r holds region r
@@ -39,6 +42,7 @@ import torch
 from gradsync.collectives import registry
 from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
+from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats import densestream as dsfmt
 from gradsync.sparsegrad import SparseGrad
 
@@ -96,29 +100,11 @@ class DenseStreamAllreduce(Collective):
     def _balanced_split(self, sel: SparseGrad, comm: Comm, step: int, regions: int
                         ) -> tuple[torch.Tensor, bool]:
         """Boundaries ``B`` (int64, P′+1 entries) of the P′ regions; re-evaluated every τ."""
-        n = sel.numel
-        key = (n, regions)
+        key = (sel.numel, regions)
         held = self._bounds.get(key)
-        if held is not None and held[0] // self.tau == step // self.tau:
+        if held is not None and not due(step, held[0], self.tau):
             return held[1], False
-        if n * comm.size >= 2**63:
-            raise ValueError(f"densestream: numel {n} too large to average boundaries over "
-                             f"{comm.size} ranks in int64")
-        # Local cut points: region j starts at this rank's (j·k/P′)-th selected index.
-        k = len(sel)
-        vote = torch.zeros(regions, dtype=torch.int64)
-        if k:
-            j = torch.arange(1, regions)
-            vote[:regions - 1] = sel.indices.cpu()[(j * k) // regions]
-            vote[regions - 1] = 1                       # this rank votes
-        comm.all_reduce(vote)                          # one all-reduce of P′ integers
-        voters = int(vote[regions - 1])
-        if voters:
-            cuts = vote[:regions - 1] // voters        # average cut points (integer, exact)
-        else:                                          # nobody selected anything: even split
-            cuts = (torch.arange(1, regions) * n) // regions
-        bounds = torch.cat([torch.zeros(1, dtype=torch.int64), cuts,
-                            torch.tensor([n], dtype=torch.int64)])
+        bounds = balanced_boundaries(sel.indices, sel.numel, regions, comm)
         self._bounds[key] = (step, bounds)
         return bounds, True
 

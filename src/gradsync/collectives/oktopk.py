@@ -7,7 +7,9 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
 1. **Balanced split** (§3.1.1, lines 5–7). The index space is cut into P regions; rank d owns
    region d = ``[b_d, b_{d+1})``. Every τ steps the boundaries are re-evaluated: each rank takes
    the P equal-count cut points of its local indices, and one all-reduce of P numbers
-   (P−1 cut sums and the number of contributing ranks) averages them. In between they are reused.
+   (P−1 cut sums and the number of contributing ranks) averages them. In between they are reused
+   (:mod:`gradsync.collectives.regions`: ``balanced_boundaries`` and the period rule ``due``,
+   shared with DenseStream).
 2. **Split and reduce** (§3.1.1, line 8). P−1 steps; step j sends the local entries of region
    (r+j) mod P to rank (r+j) mod P and receives from (r−j) mod P (destination rotation, Fig. 2b).
    The entry counts are exchanged first; the payloads go out in buckets of min(4, P) non-blocking
@@ -45,6 +47,7 @@ import torch
 from gradsync.collectives import registry
 from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
+from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.sparsegrad import SparseGrad, all_finite, target_k, validate_density
 
 __all__ = ["OkTopk"]
@@ -89,12 +92,6 @@ def _merge(idx: list[torch.Tensor], val: list[torch.Tensor]) -> tuple[torch.Tens
     uniq, inv = torch.unique(i, sorted=True, return_inverse=True)
     out = torch.zeros(uniq.numel(), dtype=torch.float64, device=v.device)
     return uniq, out.index_add_(0, inv, v)
-
-
-def _due(step: int, last: int | None, period: int) -> bool:
-    """Re-evaluate at steps 0, period, 2·period, … ((t−1) mod period == 0 with t = step + 1),
-    on the first call, and when the step went backwards (a new run)."""
-    return last is None or step < last or step // period != last // period
 
 
 def _as_f32(x: float) -> float:
@@ -194,8 +191,9 @@ class OkTopk(Collective):
         bad = int(not all_finite(sel.values))
 
         # Lines 5–7: balanced split, boundaries re-evaluated every τ steps.
-        new_bounds = _due(step, st["boundary_step"], self.tau)
-        bounds = self._balanced_split(sel, comm) if new_bounds else st["boundaries"]
+        new_bounds = due(step, st["boundary_step"], self.tau)
+        bounds = (balanced_boundaries(sel.indices, n, P, comm) if new_bounds
+                  else st["boundaries"])
 
         # Line 8: split and reduce → the reduced entries of this rank's region.
         r_idx, r_val, received = self._split_and_reduce(sel, bounds, comm, wire)
@@ -205,7 +203,7 @@ class OkTopk(Collective):
 
         # Lines 9–12: global threshold θ, exact every τ′ steps, reused (and nudged) in between.
         theta, reason = st["theta"], None
-        if _due(step, st["theta_step"], self.tau_prime) or theta is None:
+        if due(step, st["theta_step"], self.tau_prime) or theta is None:
             theta, reason = self._exact_threshold(mags, k, comm), "periodic"
         mask = mags >= theta
         cb = comm.all_gather(
@@ -279,24 +277,6 @@ class OkTopk(Collective):
         c = torch.tensor([len(sel)], dtype=torch.int64, device=sel.device)
         comm.all_reduce(c)
         return max(1, math.ceil(int(c) / comm.size))
-
-    def _balanced_split(self, sel: SparseGrad, comm: Comm) -> torch.Tensor:
-        """Boundaries b_0 = 0 ≤ b_1 ≤ … ≤ b_P = numel: the mean over ranks of each rank's P
-        equal-count cut points of its local indices (one all-reduce of P numbers)."""
-        P, n, m = comm.size, sel.numel, len(sel)
-        word = torch.zeros(P, dtype=torch.int64, device=sel.device)
-        if m:  # cut point i = the first index of the i-th of P equal-count parts
-            pos = torch.arange(1, P, device=sel.device) * m // P
-            word[: P - 1] = sel.indices[pos]
-            word[P - 1] = 1
-        comm.all_reduce(word)
-        contributors = int(word[P - 1])
-        if contributors:
-            cuts = word[: P - 1] // contributors
-        else:  # nobody selected anything: an even split
-            cuts = torch.arange(1, P, device=sel.device) * n // P
-        return torch.cat([torch.zeros(1, dtype=torch.int64, device=sel.device), cuts,
-                          torch.full((1,), n, dtype=torch.int64, device=sel.device)]).cpu()
 
     def _split_and_reduce(
         self, sel: SparseGrad, bounds: torch.Tensor, comm: Comm, wire: torch.dtype
