@@ -6,10 +6,10 @@ regenerates each rank's selection from its seed and sums them with plain torch (
 Values are multiples of 1/2 of magnitude ≤ 8, so with P ≤ 8 every partial sum is exact in fp32
 and bf16 and bitwise comparison against the reference is meaningful.
 
-Checks (contract in DESIGN.md): exact collectives return the SUM and keep every local index;
-non-exact ones (``exact = False``) return a sum of kept entries (Σ over ranks of the kept
-entries == ``dense``: conservation), supported on the union of the selections; ``dense`` is
-bitwise identical on all ranks; ``kept`` ⊆ local indices; every byte sent is received;
+Checks (docs/architecture.md, "Contracts"): exact collectives return the SUM and keep every
+local index; non-exact ones (``exact = False``) return a sum of kept entries (Σ over ranks of
+the kept entries == ``dense``: conservation), supported on the union of the selections;
+``dense`` is bitwise identical on all ranks; ``kept`` ⊆ local indices; every byte sent is received;
 mismatched ``numel`` raises ``ValueError`` on every rank. At P ∈ {2, 4, 8} the bytes of TopkA,
 TopkDSA and gTop-k are checked against Ok-Topk Table 1.
 """

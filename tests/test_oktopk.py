@@ -14,7 +14,6 @@ import functools
 import pytest
 import torch
 
-import gradsync.collectives.oktopk as oktopk_mod
 from gradsync import collectives
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.sparsegrad import SparseGrad, target_k
@@ -296,22 +295,6 @@ def test_indices_above_2_pow_24_are_exact(world):
         assert o["val"].tolist() == [acc[i] for i in expect]
     for s, o in zip(sels, out):
         assert o["kept"].tolist() == [i for i in s.indices.tolist() if i in set(expect)]
-
-
-def test_wire_helpers_keep_int64_indices_exact():
-    idx = torch.tensor([0, 2**24 + 1, 2**31 + 3, 2**40 + 5])
-    val = torch.tensor([1.0, -2.0, 3.0, 4.0], dtype=torch.bfloat16)
-    assert oktopk_mod.wire_index_dtype(2**31 - 1) == torch.int32
-    assert oktopk_mod.wire_index_dtype(2**31) == torch.int64
-    buf = oktopk_mod.pack(idx, val, torch.int64)
-    assert buf.dtype == torch.uint8 and buf.numel() == 4 * (8 + 2)
-    i2, v2 = oktopk_mod.unpack(buf, 4, torch.int64, torch.bfloat16)
-    assert torch.equal(i2, idx) and torch.equal(v2, val)
-    odd = oktopk_mod.pack(idx[:3] % 2**31, val[:3].double(), torch.int32)  # unaligned values
-    i3, v3 = oktopk_mod.unpack(odd, 3, torch.int32, torch.float64)
-    assert torch.equal(i3, idx[:3] % 2**31) and torch.equal(v3, val[:3].double())
-    with pytest.raises(ValueError, match="not 3 entries"):
-        oktopk_mod.unpack(odd[:-1], 3, torch.int32, torch.float64)
 
 
 # -- single process: argument and state validation -------------------------------------------

@@ -26,7 +26,8 @@ odd rank sends the complete result back.
 
 Each message pair is a length (one int64) and then the encoded bytes, both through
 :class:`~gradsync.collectives.comm.Comm`, so the byte counts are exact; an empty partition sends
-only its length. Indices are int64 in memory, int32 on the wire when numel < 2**31.
+only its length. Indices are int64 in memory, int32 on the wire when numel < 2**31
+(:func:`gradsync.formats.wire.wire_index_bytes`).
 
 Exact and bitwise identical on every rank: region j is summed once, by its owner, and the
 allgather and the unfold only copy the owner's bits (the DenseStream round trip is bitwise),
@@ -44,6 +45,7 @@ from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats import densestream as dsfmt
+from gradsync.formats.wire import check_index_bytes, wire_index_bytes
 from gradsync.sparsegrad import SparseGrad
 
 __all__ = ["DenseStreamAllreduce"]
@@ -163,9 +165,8 @@ class DenseStreamAllreduce(Collective):
         P, r, n = comm.size, comm.rank, sel.numel
         if P == 1:
             return sel.to_dense(), sel.indices, {"regions": 1}
-        iw = self.index_bytes or (4 if n < 2**31 else 8)
-        if iw == 4 and n >= 2**31:
-            raise ValueError(f"densestream: index_bytes=4 needs numel < 2**31, got {n}")
+        iw = self.index_bytes or wire_index_bytes(n)
+        check_index_bytes(iw, n)
         p2 = 1 << (P.bit_length() - 1)                 # P′: ranks in halving/doubling
         rem = P - p2
         sent: dict[str, int] = {}

@@ -32,9 +32,11 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
 
 Volume per rank (Table 1, COO = 2 words per entry): between the Theorem 3.1 lower bound
 2k(P−1)/P and 6k(P−1)/P words, plus O(P) control words per step (sizes, counts) and, every τ′
-steps, the radix select's 8×16 words. Indices travel as int32 when numel < 2**31, int64 otherwise,
-never through a float buffer (the reference code sends them as float32, which is wrong above
-2**24), and data balancing is always available (the reference enables it only for BERT).
+steps, the radix select's 8×16 words. Every message is ``[indices][values]``
+(:func:`gradsync.formats.wire.pack_entries`): indices travel as int32 when numel < 2**31, int64
+otherwise, never through a float buffer (the reference code sends them as float32, which is
+wrong above 2**24), and data balancing is always available (the reference enables it only for
+BERT).
 """
 
 from __future__ import annotations
@@ -48,6 +50,7 @@ from gradsync.collectives import registry
 from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
+from gradsync.formats.wire import entry_bytes, pack_entries, unpack_entries, wire_index_dtype
 from gradsync.sparsegrad import SparseGrad, all_finite, target_k, validate_density
 
 __all__ = ["OkTopk"]
@@ -57,32 +60,6 @@ _STATE_KEYS = (
     "numel", "world_size", "boundaries", "boundary_step", "theta", "theta_step",
     "boundary_evaluations", "exact_evaluations",
 )
-
-
-def wire_index_dtype(numel: int) -> torch.dtype:
-    """int32 on the wire when every index fits (numel < 2**31), else int64; never a float."""
-    return torch.int32 if numel < 2**31 else torch.int64
-
-
-def pack(idx: torch.Tensor, val: torch.Tensor, wire_index: torch.dtype) -> torch.Tensor:
-    """One uint8 message ``[indices as wire_index][values]`` (bit-exact, no float casts)."""
-    return torch.cat([idx.to(wire_index).contiguous().view(torch.uint8),
-                      val.contiguous().view(torch.uint8)])
-
-
-def unpack(
-    buf: torch.Tensor, n: int, wire_index: torch.dtype, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack` for a message of ``n`` entries: (int64 indices, values)."""
-    ib = torch.empty(0, dtype=wire_index).element_size()
-    vb = torch.empty(0, dtype=dtype).element_size()
-    if buf.numel() != n * (ib + vb):
-        raise ValueError(f"oktopk: message of {buf.numel()} bytes is not {n} entries")
-    idx = buf[: n * ib].view(wire_index).to(torch.int64)
-    raw = buf[n * ib:]
-    if (n * ib) % vb:  # the values' view needs an aligned offset
-        raw = raw.clone()
-    return idx, raw.view(dtype)
 
 
 def _merge(idx: list[torch.Tensor], val: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -188,6 +165,7 @@ class OkTopk(Collective):
                       theta=None, theta_step=None)
         k = self._target_k(sel, comm)
         wire = wire_index_dtype(n)
+        eb = entry_bytes(wire, sel.dtype)
         bad = int(not all_finite(sel.values))
 
         # Lines 5–7: balanced split, boundaries re-evaluated every τ steps.
@@ -196,7 +174,7 @@ class OkTopk(Collective):
                   else st["boundaries"])
 
         # Line 8: split and reduce → the reduced entries of this rank's region.
-        r_idx, r_val, received = self._split_and_reduce(sel, bounds, comm, wire)
+        r_idx, r_val, received = self._split_and_reduce(sel, bounds, comm, wire, eb)
         mags = r_val.abs().to(torch.float32)
         # A non-finite reduced value (NaN received, or an fp16/bf16 overflow of the sum).
         bad_sum = int(not all_finite(mags))
@@ -227,10 +205,9 @@ class OkTopk(Collective):
         balanced = total > 0 and max(counts) > self.balance_factor * total / P
         chunks = counts
         if balanced:
-            g_idx, g_val, chunks = self._balance(g_idx, g_val, counts, comm, wire)
-        eb = torch.empty(0, dtype=wire).element_size() + sel.values.element_size()
-        blocks = comm.all_gather_v(pack(g_idx, g_val, wire), [c * eb for c in chunks])
-        parts = [unpack(b, c, wire, sel.dtype) for b, c in zip(blocks, chunks)]
+            g_idx, g_val, chunks = self._balance(g_idx, g_val, counts, comm, wire, eb)
+        blocks = comm.all_gather_v(pack_entries(g_idx, g_val, wire), [c * eb for c in chunks])
+        parts = [unpack_entries(b, c, wire, sel.dtype, "oktopk") for b, c in zip(blocks, chunks)]
         all_idx = torch.cat([p[0] for p in parts])  # region order = index order: sorted
         all_val = torch.cat([p[1] for p in parts])
         dense = torch.zeros(n, dtype=sel.dtype, device=dev)
@@ -279,7 +256,7 @@ class OkTopk(Collective):
         return max(1, math.ceil(int(c) / comm.size))
 
     def _split_and_reduce(
-        self, sel: SparseGrad, bounds: torch.Tensor, comm: Comm, wire: torch.dtype
+        self, sel: SparseGrad, bounds: torch.Tensor, comm: Comm, wire: torch.dtype, eb: int
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """P−1 steps with destination rotation; buckets of min(bucket, P) messages, each
         reduced while the next is in flight. Returns (indices, values, entries received)."""
@@ -304,7 +281,6 @@ class OkTopk(Collective):
         for w in works:
             w.wait()
         n_in = [int(c) for c in in_sizes]
-        eb = torch.empty(0, dtype=wire).element_size() + sel.values.element_size()
 
         def post(js: list[int]) -> tuple[list, list]:
             pending, got = [], []
@@ -316,7 +292,7 @@ class OkTopk(Collective):
                     got.append((buf, n_in[j - 1]))
                 di, dv = region(dst)
                 if di.numel():
-                    msg = pack(di, dv, wire)
+                    msg = pack_entries(di, dv, wire)
                     pending.append((comm.isend(msg, dst), msg))  # keep msg alive until wait
             return pending, got
 
@@ -330,7 +306,8 @@ class OkTopk(Collective):
             for w, _ in current[0]:
                 w.wait()
             if current[1]:
-                parts = [unpack(buf, c, wire, sel.dtype) for buf, c in current[1]]
+                parts = [unpack_entries(buf, c, wire, sel.dtype, "oktopk")
+                         for buf, c in current[1]]
                 acc_i, acc_v = _merge([acc_i] + [p[0] for p in parts],
                                       [acc_v] + [p[1].to(torch.float64) for p in parts])
         return acc_i, acc_v.to(sel.dtype), sum(n_in)
@@ -362,7 +339,7 @@ class OkTopk(Collective):
 
     def _balance(
         self, idx: torch.Tensor, val: torch.Tensor, counts: list[int], comm: Comm,
-        wire: torch.dtype,
+        wire: torch.dtype, eb: int,
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Re-distribute the selected entries into P equal contiguous chunks of their
         rank-ordered concatenation (§3.1.2 data balancing): rank r's block covers positions
@@ -377,7 +354,6 @@ class OkTopk(Collective):
         def overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int]:
             return max(a0, b0), min(a1, b1)
 
-        eb = torch.empty(0, dtype=wire).element_size() + val.element_size()
         works, incoming = [], []
         for s in range(P):  # receive from s the part of its block in my target range
             lo, hi = overlap(S[s], S[s + 1], T[r], T[r + 1])
@@ -388,12 +364,12 @@ class OkTopk(Collective):
         for d in range(P):  # send to d the part of my block in its target range
             lo, hi = overlap(S[r], S[r + 1], T[d], T[d + 1])
             if hi > lo and d != r:
-                msg = pack(idx[lo - S[r]:hi - S[r]], val[lo - S[r]:hi - S[r]], wire)
+                msg = pack_entries(idx[lo - S[r]:hi - S[r]], val[lo - S[r]:hi - S[r]], wire)
                 works.append((comm.isend(msg, d), msg))
         for w, _ in works:
             w.wait()
         pieces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
-            s: unpack(buf, c, wire, val.dtype) for s, buf, c in incoming
+            s: unpack_entries(buf, c, wire, val.dtype, "oktopk") for s, buf, c in incoming
         }
         lo, hi = overlap(S[r], S[r + 1], T[r], T[r + 1])
         if hi > lo:
