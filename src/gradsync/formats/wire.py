@@ -87,8 +87,8 @@ def wire_index_dtype(numel: int) -> torch.dtype:
 
 
 def wire_index_bytes(numel: int) -> int:
-    """Bytes of one index on the wire: 4 when numel < 2**31, else 8."""
-    return 4 if numel < 2**31 else 8
+    """Bytes of one index on the wire (:func:`wire_index_dtype`'s width): 4 or 8."""
+    return torch.empty(0, dtype=wire_index_dtype(numel)).element_size()
 
 
 def check_index_bytes(index_bytes: int, numel: int) -> torch.dtype:
