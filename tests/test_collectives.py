@@ -6,10 +6,10 @@ regenerates each rank's selection from its seed and sums them with plain torch (
 Values are multiples of 1/2 of magnitude ≤ 8, so with P ≤ 8 every partial sum is exact in fp32
 and bf16 and bitwise comparison against the reference is meaningful.
 
-Checks (contract in DESIGN.md): exact collectives return the SUM and keep every local index;
-non-exact ones (``exact = False``) return a sum of kept entries (Σ over ranks of the kept
-entries == ``dense``: conservation), supported on the union of the selections; ``dense`` is
-bitwise identical on all ranks; ``kept`` ⊆ local indices; every byte sent is received;
+Checks (docs/architecture.md, "Contracts"): exact collectives return the SUM and keep every
+local index; non-exact ones (``exact = False``) return a sum of kept entries (Σ over ranks of
+the kept entries == ``dense``: conservation), supported on the union of the selections;
+``dense`` is bitwise identical on all ranks; ``kept`` ⊆ local indices; every byte sent is received;
 mismatched ``numel`` raises ``ValueError`` on every rank. At P ∈ {2, 4, 8} the bytes of TopkA,
 TopkDSA and gTop-k are checked against Ok-Topk Table 1.
 """
@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import importlib
 import importlib.util
+import inspect
 import math
 import traceback
 
@@ -25,7 +26,7 @@ import pytest
 import torch
 
 import gradsync.collectives as collectives
-from gradsync.sparsegrad import SparseGrad
+from gradsync.sparsegrad import SparseGrad, target_k
 from gradsync.testing import run_distributed
 
 # Import every collective module that exists in the tree (they self-register).
@@ -191,6 +192,14 @@ def test_expected_collectives_registered():
     assert collectives.get("topkdsa").exact and not collectives.get("gtopk").exact
 
 
+@pytest.mark.parametrize("name", NAMES)
+def test_registry_sets_the_name_once(name):
+    """``@registry.register("gtopk")`` is the only place a collective's name is written."""
+    c = collectives.get(name)
+    assert c.name == name and type(c).name == name
+    assert f'name = "{name}"' not in inspect.getsource(type(c))
+
+
 @pytest.mark.parametrize("P", WORLD_SIZES)
 @pytest.mark.parametrize("name", NAMES)
 def test_sum_kept_and_bitwise(P, name):
@@ -321,3 +330,26 @@ def test_gtopk_full_overlap_is_exact(P):
     for o in results(P):
         assert torch.equal(o["volume"]["gtopk", "same"][3], ref)
         assert o["volume"]["gtopk", "same"][2]["global_count"] == VOL_K
+
+
+def test_gtopk_density_k_is_target_k_round_not_ceil():
+    """gTop-k's k from a density is the one rule, ``target_k`` (it used ⌈density·n⌉ before):
+    0.07·100 is 7.000000000000001 in float64, so ceil kept 8 entries; 0.012·100 = 1.2, 2."""
+    n = 100
+    x = torch.arange(1, n + 1, dtype=torch.float32) * torch.tensor([1.0, -1.0]).repeat(n // 2)
+    sel = SparseGrad(torch.arange(n), x, n)
+    for density, k in [(0.07, 7), (0.012, 1), (0.12, 12), (0.015, 2), (0.001, 1), (1.0, 100)]:
+        assert target_k(n, density) == k
+        res = collectives.get("gtopk", density=density)(sel)
+        assert res.info["k"] == k
+        # The k largest magnitudes are n−k+1 … n (values ±(i+1)): a plain-Python reference.
+        expect = torch.zeros(n)
+        for i in range(n - k, n):
+            expect[i] = x[i]
+        assert torch.equal(res.dense, expect)
+        assert res.kept.tolist() == list(range(n - k, n))
+    assert math.ceil(0.07 * n) == 8 and math.ceil(0.012 * n) == 2  # what the old rule kept
+    with pytest.raises(ValueError, match="gtopk: density"):
+        collectives.get("gtopk", density=0.0)
+    with pytest.raises(ValueError, match="gtopk: density"):
+        collectives.get("gtopk", density=float("nan"))

@@ -138,11 +138,16 @@ def _rank_traffic(rank: int, world_size: int, n: int) -> dict:
     fresh = DenseStreamAllreduce(tau=3)
     fresh.load_state_dict(state)
     r4 = fresh(sel, step=4)                      # restored state: reused, no all-reduce
+    # The period rule is Ok-Topk's (collectives/regions.py): a step earlier than the step the
+    # boundaries were evaluated at re-evaluates, even inside the same τ-window.
+    late = DenseStreamAllreduce(tau=3)
+    r5 = late(sel, step=5)                       # first call: evaluated mid-window
+    r4b = late(sel, step=4)                      # same window, before the evaluation
     # Clustered selections move the boundaries towards the cluster.
     clustered = SparseGrad(torch.arange(n - 64, n), torch.ones(64), n)
     rc = DenseStreamAllreduce()(clustered, step=0)
-    return {"sent": [r.stats.bytes_sent for r in (r0, r1, r3, r4)],
-            "recomputed": [r.info["boundaries_recomputed"] for r in (r0, r1, r3, r4)],
+    return {"sent": [r.stats.bytes_sent for r in (r0, r1, r3, r4, r5, r4b)],
+            "recomputed": [r.info["boundaries_recomputed"] for r in (r0, r1, r3, r4, r5, r4b)],
             "phases": r0.info["bytes_sent_by_phase"], "bounds": r0.info["boundaries"],
             "dense": r4.dense, "clustered_bounds": rc.info["boundaries"],
             "clustered_regions": rc.info["region_nnz"]}
@@ -152,7 +157,7 @@ def test_dsa_traffic_boundaries_and_state_at_p4():
     n, P = 4000, 4
     outs = run_distributed(_rank_traffic, P, n, timeout=240)
     for o in outs:
-        assert o["recomputed"] == [True, False, True, False]
+        assert o["recomputed"] == [True, False, True, False, True, True]
         assert torch.equal(o["dense"], torch.full((n,), float(sum(range(1, P + 1)))))
         # equal-count cut points of arange(n): j·n/P
         assert o["bounds"].tolist() == [0, 1000, 2000, 3000, 4000]
@@ -168,7 +173,9 @@ def test_dsa_traffic_boundaries_and_state_at_p4():
         assert o["sent"] == [shape_check + split + halving + doubling,
                              shape_check + halving + doubling,
                              shape_check + split + halving + doubling,
-                             shape_check + halving + doubling]
+                             shape_check + halving + doubling,
+                             shape_check + split + halving + doubling,
+                             shape_check + split + halving + doubling]
         cb = o["clustered_bounds"].tolist()
         assert cb == [0, n - 48, n - 32, n - 16, n]
     assert [o["clustered_regions"] for o in outs] == [16, 16, 16, 16]

@@ -1,4 +1,5 @@
-"""COO and DenseStream wire formats: round trips, exact sizes, §III-A block rules, fuzzing.
+"""COO and DenseStream wire formats: round trips, exact sizes, §III-A block rules, fuzzing;
+the shared wire helpers (formats/wire.py): index width, entries, header, bit packing.
 
 References are computed independently of the code under test: block sizes by a plain Python
 walk over the nonzeros, hostile buffers packed by hand with ``struct``.
@@ -14,7 +15,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from gradsync.formats import coo
+from gradsync.formats import coo, wire
 from gradsync.formats import densestream as ds
 from gradsync.sparsegrad import SparseGrad
 
@@ -96,6 +97,83 @@ def reference_payload(sel: SparseGrad, iw: int) -> tuple[int, int, int]:
             nblocks += 1
             total += 1
     return nblocks, total, nblocks * 2 * iw + k * total
+
+
+# -- shared wire helpers ---------------------------------------------------------------------
+def test_wire_index_width_is_int32_exactly_below_2_31():
+    assert wire.wire_index_dtype(0) == wire.wire_index_dtype(2**31 - 1) == torch.int32
+    assert wire.wire_index_dtype(2**31) == wire.wire_index_dtype(2**40) == torch.int64
+    assert wire.wire_index_bytes(2**31 - 1) == 4 and wire.wire_index_bytes(2**31) == 8
+    assert wire.check_index_bytes(4, 2**31 - 1) == torch.int32
+    assert wire.check_index_bytes(8, 2**31) == torch.int64
+    with pytest.raises(ValueError, match="2\\*\\*31"):
+        wire.check_index_bytes(4, 2**31)
+    with pytest.raises(ValueError, match="index_bytes"):
+        wire.check_index_bytes(2, 10)
+
+
+def test_wire_entries_keep_int64_indices_exact():
+    idx = torch.tensor([0, 2**24 + 1, 2**31 + 3, 2**40 + 5])
+    val = torch.tensor([1.0, -2.0, 3.0, 4.0], dtype=torch.bfloat16)
+    buf = wire.pack_entries(idx, val, torch.int64)
+    assert buf.dtype == torch.uint8 and buf.numel() == 4 * (8 + 2)
+    assert wire.entry_bytes(torch.int64, torch.bfloat16) == 10
+    assert bytes(buf[:32].tolist()) == struct.pack("<4q", *idx.tolist())  # indices first
+    i2, v2 = wire.unpack_entries(buf, 4, torch.int64, torch.bfloat16)
+    assert i2.dtype == torch.int64 and torch.equal(i2, idx) and torch.equal(v2, val)
+    odd = wire.pack_entries(idx[:3] % 2**31, val[:3].double(), torch.int32)  # unaligned values
+    assert bytes(odd.tolist()) == struct.pack("<3i3d", *(idx[:3] % 2**31).tolist(),
+                                              *val[:3].double().tolist())
+    i3, v3 = wire.unpack_entries(odd, 3, torch.int32, torch.float64)
+    assert torch.equal(i3, idx[:3] % 2**31) and torch.equal(v3, val[:3].double())
+    with pytest.raises(ValueError, match="not 3 entries"):
+        wire.unpack_entries(odd[:-1], 3, torch.int32, torch.float64)
+    e_i, e_v = wire.unpack_entries(wire.pack_entries(idx[:0], val[:0], torch.int32), 0,
+                                   torch.int32, torch.bfloat16)
+    assert e_i.numel() == 0 and e_v.dtype == torch.bfloat16
+
+
+def test_wire_header_round_trip_and_layout():
+    buf = wire.pack_header(b"TEST", 8, wire.dtype_code(torch.float16), 2**40, -3, 7)
+    assert bytes(buf.tolist()) == struct.pack("<4sBBBBqqq", b"TEST", 1, 8, 2, 0, 2**40, -3, 7)
+    assert buf.numel() == wire.header_bytes(3) == 32
+    iw, dtype, fields = wire.unpack_header(buf, b"TEST", 3, "t")
+    assert (iw, dtype, fields) == (8, torch.float16, [2**40, -3, 7])
+    with pytest.raises(ValueError, match="expected 5"):
+        wire.unpack_header(buf, b"TEST", 3, "t", numel=5)
+    with pytest.raises(ValueError, match="magic"):
+        wire.unpack_header(buf, b"OTHR", 3, "t")
+    with pytest.raises(ValueError, match="unsupported value dtype"):
+        wire.dtype_code(torch.int32)
+
+
+def test_dtype_codes_are_one_table():
+    """Both formats write the one table's codes (the collectives' shape consensus reads it)."""
+    documented = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}
+    assert documented == wire.DTYPE_CODES
+    assert all(wire.CODE_DTYPES[c] == d for d, c in wire.DTYPE_CODES.items())
+    for d, c in CODES.items():
+        assert bytes(coo.encode(SparseGrad.empty(3, d)).tolist())[6] == c
+        assert bytes(ds.encode(SparseGrad.empty(3, d)).tolist())[6] == c
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 300), bits_=st.sampled_from([1, 4]), seed=st.integers(0, 10**6))
+def test_wire_bit_packing_layout(n, bits_, seed):
+    g = torch.Generator().manual_seed(seed)
+    mask = torch.rand(n, generator=g) < 0.4
+    buf = wire.pack_bits(mask, bits_)
+    assert buf.dtype == torch.uint8 and buf.numel() == wire.packed_bytes(n, bits_)
+    assert buf.numel() == (n * bits_ + 7) // 8
+    # Independent reference: element i is bit i·bits of the little-endian integer.
+    ref = sum(1 << (i * bits_) for i in range(n) if bool(mask[i]))
+    assert bytes(buf.tolist()) == ref.to_bytes(buf.numel(), "little")
+    assert torch.equal(wire.unpack_bits(buf, n, bits_), mask.to(torch.uint8))
+    if n % (8 // bits_):  # a nonzero padding field is rejected
+        bad = buf.clone()
+        bad[-1] |= 1 << (8 - bits_)
+        with pytest.raises(ValueError, match="padding"):
+            wire.unpack_bits(bad, n, bits_)
 
 
 # -- COO -----------------------------------------------------------------------------------

@@ -14,9 +14,9 @@ import functools
 import pytest
 import torch
 
-import gradsync.collectives.oktopk as oktopk_mod
 from gradsync import collectives
-from gradsync.sparsegrad import SparseGrad
+from gradsync.collectives.regions import balanced_boundaries, due
+from gradsync.sparsegrad import SparseGrad, target_k
 from gradsync.testing import run_distributed
 
 WORLDS = [1, 2, 3, 4, 5, 8]
@@ -297,22 +297,6 @@ def test_indices_above_2_pow_24_are_exact(world):
         assert o["kept"].tolist() == [i for i in s.indices.tolist() if i in set(expect)]
 
 
-def test_wire_helpers_keep_int64_indices_exact():
-    idx = torch.tensor([0, 2**24 + 1, 2**31 + 3, 2**40 + 5])
-    val = torch.tensor([1.0, -2.0, 3.0, 4.0], dtype=torch.bfloat16)
-    assert oktopk_mod.wire_index_dtype(2**31 - 1) == torch.int32
-    assert oktopk_mod.wire_index_dtype(2**31) == torch.int64
-    buf = oktopk_mod.pack(idx, val, torch.int64)
-    assert buf.dtype == torch.uint8 and buf.numel() == 4 * (8 + 2)
-    i2, v2 = oktopk_mod.unpack(buf, 4, torch.int64, torch.bfloat16)
-    assert torch.equal(i2, idx) and torch.equal(v2, val)
-    odd = oktopk_mod.pack(idx[:3] % 2**31, val[:3].double(), torch.int32)  # unaligned values
-    i3, v3 = oktopk_mod.unpack(odd, 3, torch.int32, torch.float64)
-    assert torch.equal(i3, idx[:3] % 2**31) and torch.equal(v3, val[:3].double())
-    with pytest.raises(ValueError, match="not 3 entries"):
-        oktopk_mod.unpack(odd[:-1], 3, torch.int32, torch.float64)
-
-
 # -- single process: argument and state validation -------------------------------------------
 @pytest.mark.parametrize("opts, match", [
     ({"density": 0.0}, "density"), ({"density": 1.5}, "density"), ({"k": 0}, "k must"),
@@ -340,3 +324,81 @@ def test_bad_state_raises_and_good_state_round_trips():
     assert torch.equal(d.state_dict()["boundaries"], state["boundaries"])
     with pytest.raises(ValueError, match="SparseGrad"):
         c(x)
+
+
+# -- the balanced split and its period rule (collectives/regions.py, shared with DenseStream) --
+def test_period_rule_is_algorithm_1s_every_tau_steps():
+    """Ok-Topk Algorithm 1 re-evaluates when (t − 1) mod τ == 0, t = step + 1: steps 0, τ, 2τ…"""
+    tau = 64
+
+    def run(steps):
+        last, at = None, []
+        for s in steps:
+            if due(s, last, tau):
+                at.append(s)
+                last = s
+        return at
+
+    steps = list(range(300))
+    assert run(steps) == [s for s in steps if s % tau == 0] == [0, 64, 128, 192, 256]
+    # A skipped step (e.g. a non-finite gradient at step 64) does not skip the re-evaluation.
+    assert run([s for s in steps if s != 64]) == [0, 65, 128, 192, 256]
+    # The first call evaluates whatever the step; a step earlier than the last evaluation (a new
+    # run, an older checkpoint) evaluates again, even inside the same τ-window; a step that is
+    # only earlier than the previous call does not.
+    assert run([70, 71, 65, 66, 130]) == [70, 65, 130]
+    assert run([70, 75, 72, 127]) == [70]
+    assert due(0, None, 1) and due(5, 4, 1) and not due(4, 4, 1)
+
+
+class _Votes:
+    """A stand-in for Comm over ``P`` ranks whose all-reduce returns the SUM of the ranks'
+    words, which the test collects in a first pass (the split is deterministic)."""
+
+    def __init__(self, P: int, total: torch.Tensor | None = None) -> None:
+        self.size, self.total, self.seen = P, total, None
+
+    def all_reduce(self, t: torch.Tensor) -> None:
+        self.seen = t.clone()
+        if self.total is not None:
+            t.copy_(self.total)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 4, 7])
+def test_balanced_boundaries_match_a_plain_python_reference(P):
+    n = 10_007
+    g = torch.Generator().manual_seed(P)
+    sels = []
+    for r in range(P):
+        m = 0 if r == 1 else int(torch.randint(1, 400, (1,), generator=g))  # rank 1: no vote
+        sels.append(torch.sort(torch.randperm(n, generator=g)[:m]).values)
+    words = []
+    for idx in sels:
+        c = _Votes(P)
+        balanced_boundaries(idx, n, P, c)
+        words.append(c.seen)
+    total = torch.stack(words).sum(0)
+    got = [balanced_boundaries(idx, n, P, _Votes(P, total)) for idx in sels]
+    # Reference: each voting rank's cut points idx[j·m // P], averaged with floor division.
+    votes = [[int(idx[j * len(idx) // P]) for j in range(1, P)] for idx in sels if len(idx)]
+    cuts = [sum(v[j] for v in votes) // len(votes) for j in range(P - 1)]
+    ref = [0, *cuts, n]
+    for b in got:
+        assert b.dtype == torch.int64 and b.device.type == "cpu" and b.tolist() == ref
+    # Nobody selected anything: an even split.
+    empty = torch.empty(0, dtype=torch.int64)
+    even = balanced_boundaries(empty, n, P, _Votes(P, torch.zeros(P, dtype=torch.int64)))
+    assert even.tolist() == [j * n // P for j in range(P + 1)]
+    with pytest.raises(ValueError, match="too large"):
+        balanced_boundaries(empty, 2**62, P + 1, _Votes(P + 1))
+
+
+def test_k_from_density_is_target_k_and_an_empty_tensor_selects_nothing():
+    x = torch.randn(1000, generator=torch.Generator().manual_seed(3))
+    sel = SparseGrad.from_indices(x, x.abs().topk(40).indices)
+    for d in (0.011, 0.02, 0.0004):
+        res = collectives.get("oktopk", density=d)(sel, step=0)
+        assert res.info["k"] == target_k(1000, d)
+    res = collectives.get("oktopk", density=0.5)(SparseGrad.empty(0), step=0)
+    assert res.info["k"] == 0 and res.dense.numel() == 0 and res.kept.numel() == 0
+    assert res.info["threshold"] == 0.0

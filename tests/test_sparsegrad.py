@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+from fractions import Fraction
+
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradsync import SparseGrad
+from gradsync import SparseGrad, sparsify
+from gradsync.sparsegrad import target_k, validate_density
 
 
 def test_validation_errors():
@@ -82,3 +85,37 @@ def test_all_finite_and_check_finite(dtype):
             assert not all_finite(y)
             with pytest.raises(ValueError, match="non-finite"):
                 check_finite(y, "g")
+
+
+# -- the shared rules: target_k and validate_density -------------------------------------------
+@settings(max_examples=200, deadline=None)
+@given(n=st.integers(-3, 10**9), d=st.floats(1e-9, 1.0))
+def test_target_k_is_round_clamped_to_1_and_n(n, d):
+    k = target_k(n, d)
+    if n <= 0:
+        assert k == 0
+        return
+    # Independent reference: the float64 product rounded half to even, by exact arithmetic.
+    exact = Fraction(d * n)
+    lo = exact.numerator // exact.denominator
+    frac = exact - lo
+    nearest = lo + (frac > Fraction(1, 2) or (frac == Fraction(1, 2) and lo % 2 == 1))
+    assert k == min(n, max(1, nearest))
+    assert 1 <= k <= n
+
+
+def test_target_k_rounds_where_ceil_would_not():
+    assert target_k(100, 0.07) == 7  # 0.07·100 = 7.000000000000001 in float64; ceil gives 8
+    assert target_k(10, 0.12) == 1 and target_k(10, 0.15) == 2 and target_k(10, 0.25) == 2
+    assert target_k(3, 0.01) == 1 and target_k(5, 1.0) == 5 and target_k(0, 0.5) == 0
+
+
+@pytest.mark.parametrize("bad", [0.0, -0.1, 1.01, float("nan"), float("inf"), "x", None, [0.1]])
+def test_validate_density_rejects_and_names_what(bad):
+    with pytest.raises(ValueError, match="min_density must"):
+        validate_density(bad, "min_density")
+
+
+def test_validate_density_accepts_and_is_reexported():
+    assert validate_density(1) == 1.0 and validate_density("0.25") == 0.25
+    assert sparsify.validate_density is validate_density and sparsify.target_k is target_k

@@ -6,6 +6,7 @@ comparisons against the threshold each estimator reports).
 
 from __future__ import annotations
 
+import inspect
 import io
 import itertools
 import math
@@ -52,6 +53,33 @@ def check_valid(sel: SparseGrad, x: torch.Tensor) -> None:
 
 def test_registry_lists_the_zoo():
     assert set(ALL) <= set(sparsify.names())
+
+
+@pytest.mark.parametrize("name", sorted(set(ALL) | {"fraction"}))
+def test_registry_sets_the_name_once(name):
+    """``@registry.register("dgc")`` is the only place a sparsifier's name is written."""
+    s = make(name, 0.1)
+    assert s.name == name and type(s).name == name
+    assert f'name = "{name}"' not in inspect.getsource(type(s))
+
+
+def test_registry_register_names_aliases_and_duplicates():
+    reg = type(sparsify.registry)("thing")  # a fresh Registry
+
+    @reg.register("first", "alias")
+    class Thing:
+        def __init__(self, x: int = 0) -> None:
+            self.x = x
+
+    assert Thing.name == "first" and reg.names() == ["alias", "first"]
+    assert isinstance(reg.get("alias", x=2), Thing) and reg.get("first").x == 0
+    with pytest.raises(ValueError, match="already registered"):
+        reg.register("other", "alias")(type("Other", (), {}))
+    assert "other" not in reg and reg.names() == ["alias", "first"]  # nothing half-registered
+    with pytest.raises(ValueError, match="non-empty"):
+        reg.register("")
+    with pytest.raises(ValueError, match="unknown thing 'nope'"):
+        reg.get("nope")
 
 
 @pytest.mark.parametrize("name", ALL)

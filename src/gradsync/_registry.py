@@ -15,14 +15,26 @@ class Registry(Generic[T]):
         self.kind = kind
         self._factories: dict[str, Callable[..., T]] = {}
 
-    def register(self, *names: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
-        """Class decorator: register the factory under each of ``names``."""
+    def register(self, name: str, *aliases: str) -> Callable[[Callable[..., T]], Callable[..., T]]:
+        """Class decorator: register the factory under ``name`` (and any ``aliases``) and, for a
+        class, set its ``name`` attribute to ``name``, so that the name is written once::
+
+            @registry.register("dgc")
+            class DGC(Sparsifier): ...      # DGC.name == "dgc"
+        """
+        names = (name, *aliases)
+        for n in names:
+            if not isinstance(n, str) or not n:
+                raise ValueError(f"{self.kind} names must be non-empty strings, got {n!r}")
 
         def deco(factory: Callable[..., T]) -> Callable[..., T]:
-            for name in names:
-                if name in self._factories:
-                    raise ValueError(f"{self.kind} {name!r} is already registered")
-                self._factories[name] = factory
+            for n in names:
+                if n in self._factories:
+                    raise ValueError(f"{self.kind} {n!r} is already registered")
+            for n in names:
+                self._factories[n] = factory
+            if isinstance(factory, type):
+                factory.name = name  # type: ignore[attr-defined]
             return factory
 
         return deco

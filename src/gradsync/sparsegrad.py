@@ -3,16 +3,50 @@
 A SparseGrad is a selection of entries of a flat tensor of ``numel`` elements:
 ``indices`` (int64, strictly increasing, in ``[0, numel)``) and ``values`` (the gradient's
 dtype, one per index). It is the contract between sparsifiers, formats and collectives
-(DESIGN.md, "Contracts every layer keeps").
+(docs/architecture.md, "Contracts").
+
+The two rules every layer shares live here, at the bottom, so that no layer writes its own:
+:func:`validate_density` (a density lies in (0, 1]) and :func:`target_k` (the number of entries
+a density selects from n, ``max(1, round(density · n))`` capped at n).
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
 
-__all__ = ["SparseGrad", "all_finite", "check_finite"]
+__all__ = [
+    "SparseGrad",
+    "all_finite",
+    "check_finite",
+    "check_indices",
+    "target_k",
+    "validate_density",
+]
+
+
+def validate_density(density: object, what: str = "density") -> float:
+    """Return ``density`` as a float if it lies in (0, 1]; raise ``ValueError`` naming ``what``
+    otherwise (NaN, ±Inf, non-numbers included). The one density rule of every layer."""
+    try:
+        d = float(density)  # type: ignore[arg-type]
+    except (TypeError, ValueError):
+        raise ValueError(f"{what} must be a number in (0, 1], got {density!r}") from None
+    if math.isnan(d) or not 0.0 < d <= 1.0:
+        raise ValueError(f"{what} must be in (0, 1], got {density!r}")
+    return d
+
+
+def target_k(n: int, density: float) -> int:
+    """k = max(1, round(density · n)) for n > 0, capped at n; 0 for an empty tensor.
+
+    The number of entries a density selects, for every sparsifier, planner and collective.
+    ``round`` is Python's (ties to even), applied to the float64 product ``density · n``."""
+    if n <= 0:
+        return 0
+    return min(n, max(1, round(density * n)))
 
 
 def all_finite(x: torch.Tensor) -> bool:
@@ -30,6 +64,21 @@ def check_finite(x: torch.Tensor, what: str = "tensor") -> None:
         n_nan = int(torch.isnan(x).sum())
         n_inf = int(torch.isinf(x).sum())
         raise ValueError(f"{what} holds non-finite values ({n_nan} NaN, {n_inf} Inf)")
+
+
+def check_indices(indices: torch.Tensor, numel: int, what: str) -> None:
+    """Raise ``ValueError`` (prefixed ``what``) unless the 1-D integer ``indices`` are strictly
+    increasing (sorted, no duplicates) and lie in ``[0, numel)``. Vectorised: one comparison
+    pass, and the range follows from the first and last index. Used by :class:`SparseGrad` and
+    by every decoder that reads indices off the wire."""
+    m = indices.numel()
+    if not m:
+        return
+    if m > 1 and not bool((indices[1:] > indices[:-1]).all()):
+        raise ValueError(f"{what}: indices must be strictly increasing (unsorted or duplicate)")
+    lo, hi = int(indices[0]), int(indices[-1])
+    if lo < 0 or hi >= numel:
+        raise ValueError(f"{what}: indices out of range [0, {numel}): min {lo}, max {hi}")
 
 
 @dataclass(frozen=True, eq=False)
@@ -76,14 +125,7 @@ class SparseGrad:
             raise ValueError(f"SparseGrad: values must be floating point, got {v.dtype}")
         if i.device != v.device:
             raise ValueError(f"SparseGrad: indices on {i.device} but values on {v.device}")
-        if i.numel():
-            lo, hi = int(i[0]), int(i[-1])
-            if i.numel() > 1 and not bool((i[1:] > i[:-1]).all()):
-                raise ValueError(
-                    "SparseGrad: indices must be strictly increasing (unsorted or duplicate)"
-                )
-            if lo < 0 or hi >= n:
-                raise ValueError(f"SparseGrad: indices out of range [0, {n}): min {lo}, max {hi}")
+        check_indices(i, n, "SparseGrad")
 
     # -- construction ------------------------------------------------------------------
     @classmethod

@@ -1,4 +1,5 @@
-"""The collective contract (DESIGN.md): every rank calls ``coll(sel, group, step)``.
+"""The collective contract (docs/architecture.md, "Contracts"): every rank calls
+``coll(sel, group, step)``.
 
 ``SyncResult.dense`` is the SUM over ranks (callers divide by P), bitwise identical on every
 rank; ``kept`` are the local indices that entered it (exact collectives keep all of them; Ok-Topk
@@ -17,6 +18,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.collectives.comm import Comm, CommStats
+from gradsync.formats.wire import DTYPE_CODES
 from gradsync.sparsegrad import SparseGrad
 
 __all__ = ["Collective", "SyncResult"]
@@ -40,7 +42,7 @@ class Collective(ABC):
     hanging or corrupting memory. Its 32 bytes are counted like any other traffic.
     """
 
-    name: str = "?"
+    name: str = "?"  # set by ``registry.register(name)``
     exact: bool = True  # does `dense` equal the sum of every rank's selection?
 
     def __init__(self, *, check_shapes: bool = True) -> None:
@@ -61,7 +63,7 @@ class Collective(ABC):
 
     @staticmethod
     def _agree(sel: SparseGrad, comm: Comm) -> None:
-        code = _DTYPE_CODES.get(sel.dtype, 0)
+        code = DTYPE_CODES.get(sel.dtype, 0)
         word = torch.tensor([sel.numel, code, -sel.numel, -code], dtype=torch.int64)
         comm.all_reduce(word, op=dist.ReduceOp.MAX)
         if int(word[0]) != -int(word[2]) or int(word[1]) != -int(word[3]):
@@ -88,5 +90,3 @@ class Collective(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}()"
 
-
-_DTYPE_CODES = {torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4}

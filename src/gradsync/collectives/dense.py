@@ -17,8 +17,6 @@ from gradsync.sparsegrad import SparseGrad
 
 @registry.register("dense")
 class Dense(Collective):
-    name = "dense"
-
     def _reduce(
         self, sel: SparseGrad, comm: Comm, step: int
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:

@@ -8,7 +8,10 @@ Three phases, every partition on the wire DenseStream-encoded (§III-A,
    averaged by one all-reduce of P′ integers (P′−1 cut points and a count of ranks that had any
    index; a rank with an empty selection does not vote) into the global region boundaries
    ``B[0] = 0 ≤ B[1] ≤ … ≤ B[P′] = numel``. They are re-evaluated every τ = 64 steps and kept
-   in between (``state_dict`` carries them).
+   in between (``state_dict`` carries them). Split and period rule are Ok-Topk's, shared
+   through :mod:`gradsync.collectives.regions` (``balanced_boundaries``, ``due``): re-evaluate
+   at steps 0, τ, 2τ, … — on the first step of every τ-window — and whenever the step is
+   earlier than the last evaluation's.
 2. *scatter-reduce* by recursive halving (Alg. 2 line 17, Fig. 3): at distance d = P′/2, P′/4,
    …, 1, rank r and r XOR d exchange the half of their current region range that the other
    keeps, and reduce it into their own half; after log2 P′ rounds rank r holds region r
@@ -23,7 +26,8 @@ odd rank sends the complete result back.
 
 Each message pair is a length (one int64) and then the encoded bytes, both through
 :class:`~gradsync.collectives.comm.Comm`, so the byte counts are exact; an empty partition sends
-only its length. Indices are int64 in memory, int32 on the wire when numel < 2**31.
+only its length. Indices are int64 in memory, int32 on the wire when numel < 2**31
+(:func:`gradsync.formats.wire.wire_index_bytes`).
 
 Exact and bitwise identical on every rank: region j is summed once, by its owner, and the
 allgather and the unfold only copy the owner's bits (the DenseStream round trip is bitwise),
@@ -39,7 +43,9 @@ import torch
 from gradsync.collectives import registry
 from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
+from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats import densestream as dsfmt
+from gradsync.formats.wire import check_index_bytes, wire_index_bytes
 from gradsync.sparsegrad import SparseGrad
 
 __all__ = ["DenseStreamAllreduce"]
@@ -79,7 +85,6 @@ class DenseStreamAllreduce(Collective):
     else 8).
     """
 
-    name = "densestream"
 
     def __init__(self, *, tau: int = 64, index_bytes: int | None = None,
                  check_shapes: bool = True) -> None:
@@ -97,29 +102,11 @@ class DenseStreamAllreduce(Collective):
     def _balanced_split(self, sel: SparseGrad, comm: Comm, step: int, regions: int
                         ) -> tuple[torch.Tensor, bool]:
         """Boundaries ``B`` (int64, P′+1 entries) of the P′ regions; re-evaluated every τ."""
-        n = sel.numel
-        key = (n, regions)
+        key = (sel.numel, regions)
         held = self._bounds.get(key)
-        if held is not None and held[0] // self.tau == step // self.tau:
+        if held is not None and not due(step, held[0], self.tau):
             return held[1], False
-        if n * comm.size >= 2**63:
-            raise ValueError(f"densestream: numel {n} too large to average boundaries over "
-                             f"{comm.size} ranks in int64")
-        # Local cut points: region j starts at this rank's (j·k/P′)-th selected index.
-        k = len(sel)
-        vote = torch.zeros(regions, dtype=torch.int64)
-        if k:
-            j = torch.arange(1, regions)
-            vote[:regions - 1] = sel.indices.cpu()[(j * k) // regions]
-            vote[regions - 1] = 1                       # this rank votes
-        comm.all_reduce(vote)                          # one all-reduce of P′ integers
-        voters = int(vote[regions - 1])
-        if voters:
-            cuts = vote[:regions - 1] // voters        # average cut points (integer, exact)
-        else:                                          # nobody selected anything: even split
-            cuts = (torch.arange(1, regions) * n) // regions
-        bounds = torch.cat([torch.zeros(1, dtype=torch.int64), cuts,
-                            torch.tensor([n], dtype=torch.int64)])
+        bounds = balanced_boundaries(sel.indices, sel.numel, regions, comm)
         self._bounds[key] = (step, bounds)
         return bounds, True
 
@@ -178,9 +165,8 @@ class DenseStreamAllreduce(Collective):
         P, r, n = comm.size, comm.rank, sel.numel
         if P == 1:
             return sel.to_dense(), sel.indices, {"regions": 1}
-        iw = self.index_bytes or (4 if n < 2**31 else 8)
-        if iw == 4 and n >= 2**31:
-            raise ValueError(f"densestream: index_bytes=4 needs numel < 2**31, got {n}")
+        iw = self.index_bytes or wire_index_bytes(n)
+        check_index_bytes(iw, n)
         p2 = 1 << (P.bit_length() - 1)                 # P′: ranks in halving/doubling
         rem = P - p2
         sent: dict[str, int] = {}

@@ -15,15 +15,20 @@ besides the final k, one bit per entry saying whether the receiver's subtree con
 survived every merge above it; every rank combines that with its own merges. The sum over ranks
 of the kept entries therefore equals ``dense`` exactly (conservation for the residuals).
 
-k: ``k=`` or ``density=`` (k = ⌈density·numel⌉) fix it; by default k is the largest local
+k: ``k=`` or ``density=`` (k = ``target_k(numel, density)`` = max(1, round(density·numel)),
+the rule of every sparsifier and collective) fix it; by default k is the largest local
 selection in the merged subtrees (the usual case: every rank selects the same k).
+
+Wire: every message is a header of int64 control words (count, and the subtree's k going up),
+then ``[indices][values]`` (:func:`gradsync.formats.wire.pack_entries`, int32 indices when
+numel < 2**31) and, going down, one packed survival bit per entry
+(:func:`gradsync.formats.wire.pack_bits`).
 Ties in magnitude are broken by the smaller index, so the result is deterministic; ``dense`` is
 the root's result copied to every rank, hence bitwise identical.
 """
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -31,11 +36,18 @@ import torch
 from gradsync.collectives import registry
 from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
-from gradsync.sparsegrad import SparseGrad
+from gradsync.formats.wire import (
+    entry_bytes,
+    pack_bits,
+    pack_entries,
+    packed_bytes,
+    unpack_bits,
+    unpack_entries,
+    wire_index_dtype,
+)
+from gradsync.sparsegrad import SparseGrad, target_k, validate_density
 
 __all__ = ["GTopk"]
-
-_BIT_WEIGHTS = torch.tensor([1, 2, 4, 8, 16, 32, 64, 128], dtype=torch.uint8)
 
 
 def _top_k(idx: torch.Tensor, val: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -56,22 +68,10 @@ def _merge(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Te
     return _top_k(uniq, out, k)
 
 
-def _pack_bits(mask: torch.Tensor) -> torch.Tensor:
-    pad = (-mask.numel()) % 8
-    m = torch.cat([mask, mask.new_zeros(pad)]).view(-1, 8).to(torch.uint8)
-    return (m * _BIT_WEIGHTS.to(m.device)).sum(dim=1, dtype=torch.uint8)
-
-
-def _unpack_bits(packed: torch.Tensor, count: int) -> torch.Tensor:
-    bits = (packed.view(-1, 1) & _BIT_WEIGHTS.to(packed.device)) != 0
-    return bits.view(-1)[:count]
-
-
 @registry.register("gtopk")
 class GTopk(Collective):
     """gTop-k sparse allreduce: tree of pairwise top-k merges, then a broadcast of the top-k."""
 
-    name = "gtopk"
     exact = False
 
     def __init__(
@@ -82,15 +82,15 @@ class GTopk(Collective):
             raise ValueError("gtopk: give k or density, not both")
         if k is not None and (not isinstance(k, int) or k < 0):
             raise ValueError(f"gtopk: k must be an int >= 0, got {k!r}")
-        if density is not None and not 0.0 < density <= 1.0:
-            raise ValueError(f"gtopk: density must be in (0, 1], got {density!r}")
+        if density is not None:
+            density = validate_density(density, "gtopk: density")
         self.k, self.density = k, density
 
     def _fixed_k(self, numel: int) -> int | None:
         if self.k is not None:
             return self.k
         if self.density is not None:
-            return math.ceil(self.density * numel)
+            return target_k(numel, self.density)
         return None
 
     def __repr__(self) -> str:
@@ -98,47 +98,43 @@ class GTopk(Collective):
 
     # -- wire ------------------------------------------------------------------------------
     def _setup(self, sel: SparseGrad) -> None:
-        self._index = torch.int32 if sel.numel < 2**31 else torch.int64  # never a float buffer
-        self._ib = torch.empty(0, dtype=self._index).element_size()
-        self._vb = sel.values.element_size()
+        self._index = wire_index_dtype(sel.numel)
+        self._eb = entry_bytes(self._index, sel.dtype)
         self._dtype, self._device = sel.dtype, sel.device
 
     def _send_up(self, comm: Comm, s: tuple[torch.Tensor, torch.Tensor], k: int, dst: int):
         """Reduction-tree message: header (count, subtree k), then indices and values."""
         comm.send(torch.tensor([s[0].numel(), k], dtype=torch.int64, device=self._device), dst)
         if s[0].numel():
-            comm.send(torch.cat([s[0].to(self._index).view(torch.uint8),
-                                 s[1].contiguous().view(torch.uint8)]), dst)
+            comm.send(pack_entries(s[0], s[1], self._index), dst)
 
     def _recv_up(self, comm: Comm, src: int):
         header = torch.empty(2, dtype=torch.int64, device=self._device)
         comm.recv(header, src)
         count, k = int(header[0]), int(header[1])
-        buf = torch.empty(count * (self._ib + self._vb), dtype=torch.uint8, device=self._device)
+        buf = torch.empty(count * self._eb, dtype=torch.uint8, device=self._device)
         if count:
             comm.recv(buf, src)
-        cut = count * self._ib
-        return (buf[:cut].view(self._index).to(torch.int64), buf[cut:].view(self._dtype)), k
+        return unpack_entries(buf, count, self._index, self._dtype, "gtopk"), k
 
     def _send_down(self, comm: Comm, final, alive: torch.Tensor, dst: int) -> None:
         """Broadcast-tree message: count, then the final entries and one 'alive' bit each."""
         count = final[0].numel()
         comm.send(torch.tensor([count], dtype=torch.int64, device=self._device), dst)
         if count:
-            comm.send(torch.cat([final[0].to(self._index).view(torch.uint8),
-                                 final[1].contiguous().view(torch.uint8),
-                                 _pack_bits(alive)]), dst)
+            comm.send(torch.cat([pack_entries(final[0], final[1], self._index),
+                                 pack_bits(alive)]), dst)
 
     def _recv_down(self, comm: Comm, src: int):
         header = torch.empty(1, dtype=torch.int64, device=self._device)
         comm.recv(header, src)
         count = int(header)
-        a, b = count * self._ib, count * (self._ib + self._vb)
-        buf = torch.empty(b + (count + 7) // 8, dtype=torch.uint8, device=self._device)
+        b = count * self._eb
+        buf = torch.empty(b + packed_bytes(count, 1), dtype=torch.uint8, device=self._device)
         if count:
             comm.recv(buf, src)
-        final = (buf[:a].view(self._index).to(torch.int64), buf[a:b].view(self._dtype))
-        return final, _unpack_bits(buf[b:], count)
+        final = unpack_entries(buf[:b], count, self._index, self._dtype, "gtopk")
+        return final, unpack_bits(buf[b:], count) > 0
 
     # -- algorithm -------------------------------------------------------------------------
     def _reduce(

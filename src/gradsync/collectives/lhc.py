@@ -46,7 +46,8 @@ import torch.distributed as dist
 from gradsync.collectives import registry
 from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
-from gradsync.formats.sketch import LANES, CountSketch, pack_index, unpack_counts
+from gradsync.formats.sketch import LANES, CountSketch
+from gradsync.formats.wire import pack_bits, unpack_bits
 from gradsync.sparsegrad import SparseGrad
 
 __all__ = ["LHC", "all_or_index", "choose_index_method"]
@@ -85,30 +86,29 @@ def all_or_index(
     if P == 1:
         return mask.clone(), method
     if method == "bor":
-        buf = pack_index(mask, 1)
+        buf = pack_bits(mask, 1)
         comm.all_reduce(buf, op=dist.ReduceOp.BOR)
-        return unpack_counts(buf, n, 1) > 0, method
+        return unpack_bits(buf, n, 1) > 0, method
     if method == "gather":
-        bufs = comm.all_gather(pack_index(mask, 1))  # (P, n/8)
+        bufs = comm.all_gather(pack_bits(mask, 1))  # (P, n/8)
         out = bufs[0]
         for r in range(1, P):
             out = out | bufs[r]
-        return unpack_counts(out, n, 1) > 0, method
+        return unpack_bits(out, n, 1) > 0, method
     if method == "max":
         buf = mask.to(torch.uint8)
         comm.all_reduce(buf, op=dist.ReduceOp.MAX)
         return buf > 0, method
     # count4: per element, how many ranks hold it (≤ P ≤ 15, so no carry between nibbles)
-    buf = pack_index(mask, 4)
+    buf = pack_bits(mask, 4)
     comm.all_reduce(buf, op=dist.ReduceOp.SUM)
-    return unpack_counts(buf, n, 4) > 0, method
+    return unpack_bits(buf, n, 4) > 0, method
 
 
 @registry.register("lhc")
 class LHC(Collective):
     """Index OR-allreduce + count-sketch SUM-allreduce + peeling (module docstring)."""
 
-    name = "lhc"
     exact = True  # lossless whenever peeling succeeds; info["lossy"] says when it did not
 
     def __init__(

@@ -7,7 +7,9 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
 1. **Balanced split** (§3.1.1, lines 5–7). The index space is cut into P regions; rank d owns
    region d = ``[b_d, b_{d+1})``. Every τ steps the boundaries are re-evaluated: each rank takes
    the P equal-count cut points of its local indices, and one all-reduce of P numbers
-   (P−1 cut sums and the number of contributing ranks) averages them. In between they are reused.
+   (P−1 cut sums and the number of contributing ranks) averages them. In between they are reused
+   (:mod:`gradsync.collectives.regions`: ``balanced_boundaries`` and the period rule ``due``,
+   shared with DenseStream).
 2. **Split and reduce** (§3.1.1, line 8). P−1 steps; step j sends the local entries of region
    (r+j) mod P to rank (r+j) mod P and receives from (r−j) mod P (destination rotation, Fig. 2b).
    The entry counts are exchanged first; the payloads go out in buckets of min(4, P) non-blocking
@@ -30,9 +32,11 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
 
 Volume per rank (Table 1, COO = 2 words per entry): between the Theorem 3.1 lower bound
 2k(P−1)/P and 6k(P−1)/P words, plus O(P) control words per step (sizes, counts) and, every τ′
-steps, the radix select's 8×16 words. Indices travel as int32 when numel < 2**31, int64 otherwise,
-never through a float buffer (the reference code sends them as float32, which is wrong above
-2**24), and data balancing is always available (the reference enables it only for BERT).
+steps, the radix select's 8×16 words. Every message is ``[indices][values]``
+(:func:`gradsync.formats.wire.pack_entries`): indices travel as int32 when numel < 2**31, int64
+otherwise, never through a float buffer (the reference code sends them as float32, which is
+wrong above 2**24), and data balancing is always available (the reference enables it only for
+BERT).
 """
 
 from __future__ import annotations
@@ -45,7 +49,9 @@ import torch
 from gradsync.collectives import registry
 from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
-from gradsync.sparsegrad import SparseGrad, all_finite
+from gradsync.collectives.regions import balanced_boundaries, due
+from gradsync.formats.wire import entry_bytes, pack_entries, unpack_entries, wire_index_dtype
+from gradsync.sparsegrad import SparseGrad, all_finite, target_k, validate_density
 
 __all__ = ["OkTopk"]
 
@@ -54,32 +60,6 @@ _STATE_KEYS = (
     "numel", "world_size", "boundaries", "boundary_step", "theta", "theta_step",
     "boundary_evaluations", "exact_evaluations",
 )
-
-
-def wire_index_dtype(numel: int) -> torch.dtype:
-    """int32 on the wire when every index fits (numel < 2**31), else int64; never a float."""
-    return torch.int32 if numel < 2**31 else torch.int64
-
-
-def pack(idx: torch.Tensor, val: torch.Tensor, wire_index: torch.dtype) -> torch.Tensor:
-    """One uint8 message ``[indices as wire_index][values]`` (bit-exact, no float casts)."""
-    return torch.cat([idx.to(wire_index).contiguous().view(torch.uint8),
-                      val.contiguous().view(torch.uint8)])
-
-
-def unpack(
-    buf: torch.Tensor, n: int, wire_index: torch.dtype, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack` for a message of ``n`` entries: (int64 indices, values)."""
-    ib = torch.empty(0, dtype=wire_index).element_size()
-    vb = torch.empty(0, dtype=dtype).element_size()
-    if buf.numel() != n * (ib + vb):
-        raise ValueError(f"oktopk: message of {buf.numel()} bytes is not {n} entries")
-    idx = buf[: n * ib].view(wire_index).to(torch.int64)
-    raw = buf[n * ib:]
-    if (n * ib) % vb:  # the values' view needs an aligned offset
-        raw = raw.clone()
-    return idx, raw.view(dtype)
 
 
 def _merge(idx: list[torch.Tensor], val: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -91,12 +71,6 @@ def _merge(idx: list[torch.Tensor], val: list[torch.Tensor]) -> tuple[torch.Tens
     return uniq, out.index_add_(0, inv, v)
 
 
-def _due(step: int, last: int | None, period: int) -> bool:
-    """Re-evaluate at steps 0, period, 2·period, … ((t−1) mod period == 0 with t = step + 1),
-    on the first call, and when the step went backwards (a new run)."""
-    return last is None or step < last or step // period != last // period
-
-
 def _as_f32(x: float) -> float:
     return float(torch.tensor(x, dtype=torch.float32))
 
@@ -106,7 +80,8 @@ class OkTopk(Collective):
     """Ok-Topk O(k) sparse allreduce (Algorithm 1); stateful (boundaries, θ).
 
     Args:
-        density: target global density; k = max(1, round(density·numel)).
+        density: target global density; k = ``target_k(numel, density)``
+            = max(1, round(density·numel)).
         k: target global count (instead of ``density``). With neither, k is the mean of the
             ranks' local selection sizes (one extra all-reduce of one word per step).
         tau: τ, the period (in steps) of the region-boundary re-evaluation (paper: 64).
@@ -119,7 +94,6 @@ class OkTopk(Collective):
     ``step`` must be the same on every rank (it drives the τ and τ′ schedules).
     """
 
-    name = "oktopk"
     exact = False
 
     def __init__(
@@ -137,8 +111,8 @@ class OkTopk(Collective):
         super().__init__(check_shapes=check_shapes)
         if density is not None and k is not None:
             raise ValueError("oktopk: give density or k, not both")
-        if density is not None and not (0.0 < float(density) <= 1.0):
-            raise ValueError(f"oktopk: density must be in (0, 1], got {density}")
+        if density is not None:
+            density = validate_density(density, "oktopk: density")
         if k is not None and (int(k) != k or k < 1):
             raise ValueError(f"oktopk: k must be a positive integer, got {k}")
         for nm, v in (("tau", tau), ("tau_prime", tau_prime), ("bucket", bucket)):
@@ -148,7 +122,7 @@ class OkTopk(Collective):
             raise ValueError(f"oktopk: balance_factor must be >= 1, got {balance_factor}")
         if not 0.0 < nudge < 1.0:
             raise ValueError(f"oktopk: nudge must be in (0, 1), got {nudge}")
-        self.density = None if density is None else float(density)
+        self.density = density
         self.k = None if k is None else int(k)
         self.tau, self.tau_prime, self.bucket = int(tau), int(tau_prime), int(bucket)
         self.balance_factor, self.nudge = float(balance_factor), float(nudge)
@@ -191,21 +165,23 @@ class OkTopk(Collective):
                       theta=None, theta_step=None)
         k = self._target_k(sel, comm)
         wire = wire_index_dtype(n)
+        eb = entry_bytes(wire, sel.dtype)
         bad = int(not all_finite(sel.values))
 
         # Lines 5–7: balanced split, boundaries re-evaluated every τ steps.
-        new_bounds = _due(step, st["boundary_step"], self.tau)
-        bounds = self._balanced_split(sel, comm) if new_bounds else st["boundaries"]
+        new_bounds = due(step, st["boundary_step"], self.tau)
+        bounds = (balanced_boundaries(sel.indices, n, P, comm) if new_bounds
+                  else st["boundaries"])
 
         # Line 8: split and reduce → the reduced entries of this rank's region.
-        r_idx, r_val, received = self._split_and_reduce(sel, bounds, comm, wire)
+        r_idx, r_val, received = self._split_and_reduce(sel, bounds, comm, wire, eb)
         mags = r_val.abs().to(torch.float32)
         # A non-finite reduced value (NaN received, or an fp16/bf16 overflow of the sum).
         bad_sum = int(not all_finite(mags))
 
         # Lines 9–12: global threshold θ, exact every τ′ steps, reused (and nudged) in between.
         theta, reason = st["theta"], None
-        if _due(step, st["theta_step"], self.tau_prime) or theta is None:
+        if due(step, st["theta_step"], self.tau_prime) or theta is None:
             theta, reason = self._exact_threshold(mags, k, comm), "periodic"
         mask = mags >= theta
         cb = comm.all_gather(
@@ -229,10 +205,9 @@ class OkTopk(Collective):
         balanced = total > 0 and max(counts) > self.balance_factor * total / P
         chunks = counts
         if balanced:
-            g_idx, g_val, chunks = self._balance(g_idx, g_val, counts, comm, wire)
-        eb = torch.empty(0, dtype=wire).element_size() + sel.values.element_size()
-        blocks = comm.all_gather_v(pack(g_idx, g_val, wire), [c * eb for c in chunks])
-        parts = [unpack(b, c, wire, sel.dtype) for b, c in zip(blocks, chunks)]
+            g_idx, g_val, chunks = self._balance(g_idx, g_val, counts, comm, wire, eb)
+        blocks = comm.all_gather_v(pack_entries(g_idx, g_val, wire), [c * eb for c in chunks])
+        parts = [unpack_entries(b, c, wire, sel.dtype, "oktopk") for b, c in zip(blocks, chunks)]
         all_idx = torch.cat([p[0] for p in parts])  # region order = index order: sorted
         all_val = torch.cat([p[1] for p in parts])
         dense = torch.zeros(n, dtype=sel.dtype, device=dev)
@@ -275,31 +250,13 @@ class OkTopk(Collective):
         if self.k is not None:
             return self.k
         if self.density is not None:
-            return max(1, round(self.density * sel.numel))
+            return target_k(sel.numel, self.density)
         c = torch.tensor([len(sel)], dtype=torch.int64, device=sel.device)
         comm.all_reduce(c)
         return max(1, math.ceil(int(c) / comm.size))
 
-    def _balanced_split(self, sel: SparseGrad, comm: Comm) -> torch.Tensor:
-        """Boundaries b_0 = 0 ≤ b_1 ≤ … ≤ b_P = numel: the mean over ranks of each rank's P
-        equal-count cut points of its local indices (one all-reduce of P numbers)."""
-        P, n, m = comm.size, sel.numel, len(sel)
-        word = torch.zeros(P, dtype=torch.int64, device=sel.device)
-        if m:  # cut point i = the first index of the i-th of P equal-count parts
-            pos = torch.arange(1, P, device=sel.device) * m // P
-            word[: P - 1] = sel.indices[pos]
-            word[P - 1] = 1
-        comm.all_reduce(word)
-        contributors = int(word[P - 1])
-        if contributors:
-            cuts = word[: P - 1] // contributors
-        else:  # nobody selected anything: an even split
-            cuts = torch.arange(1, P, device=sel.device) * n // P
-        return torch.cat([torch.zeros(1, dtype=torch.int64, device=sel.device), cuts,
-                          torch.full((1,), n, dtype=torch.int64, device=sel.device)]).cpu()
-
     def _split_and_reduce(
-        self, sel: SparseGrad, bounds: torch.Tensor, comm: Comm, wire: torch.dtype
+        self, sel: SparseGrad, bounds: torch.Tensor, comm: Comm, wire: torch.dtype, eb: int
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """P−1 steps with destination rotation; buckets of min(bucket, P) messages, each
         reduced while the next is in flight. Returns (indices, values, entries received)."""
@@ -324,7 +281,6 @@ class OkTopk(Collective):
         for w in works:
             w.wait()
         n_in = [int(c) for c in in_sizes]
-        eb = torch.empty(0, dtype=wire).element_size() + sel.values.element_size()
 
         def post(js: list[int]) -> tuple[list, list]:
             pending, got = [], []
@@ -336,7 +292,7 @@ class OkTopk(Collective):
                     got.append((buf, n_in[j - 1]))
                 di, dv = region(dst)
                 if di.numel():
-                    msg = pack(di, dv, wire)
+                    msg = pack_entries(di, dv, wire)
                     pending.append((comm.isend(msg, dst), msg))  # keep msg alive until wait
             return pending, got
 
@@ -350,7 +306,8 @@ class OkTopk(Collective):
             for w, _ in current[0]:
                 w.wait()
             if current[1]:
-                parts = [unpack(buf, c, wire, sel.dtype) for buf, c in current[1]]
+                parts = [unpack_entries(buf, c, wire, sel.dtype, "oktopk")
+                         for buf, c in current[1]]
                 acc_i, acc_v = _merge([acc_i] + [p[0] for p in parts],
                                       [acc_v] + [p[1].to(torch.float64) for p in parts])
         return acc_i, acc_v.to(sel.dtype), sum(n_in)
@@ -361,7 +318,8 @@ class OkTopk(Collective):
         Radix select on the bit patterns of the float32 magnitudes (non-negative floats order
         like their bits): 8 rounds, each one all-reduce of a 16-bin histogram of the next 4 bits
         among the candidates that share the prefix found so far. Returns 0.0 when the union
-        holds fewer than k entries (select everything)."""
+        holds fewer than k entries or none at all (select everything; k is 0 only for an empty
+        tensor, ``target_k(0, density) == 0``)."""
         bits = mags[torch.isfinite(mags)].contiguous().view(torch.int32).to(torch.int64)
         nbins = 1 << _RADIX_BITS
         prefix, remaining = 0, k
@@ -370,7 +328,7 @@ class OkTopk(Collective):
             digit = (cand >> shift) & (nbins - 1)
             hist = torch.bincount(digit, minlength=nbins).to(torch.int64)
             comm.all_reduce(hist)
-            if shift == 32 - _RADIX_BITS and int(hist.sum()) < k:
+            if shift == 32 - _RADIX_BITS and (int(hist.sum()) < k or not int(hist.sum())):
                 return 0.0
             above = torch.flip(torch.cumsum(torch.flip(hist, [0]), 0), [0])  # count ≥ digit
             d = int((above >= remaining).nonzero().max())
@@ -381,7 +339,7 @@ class OkTopk(Collective):
 
     def _balance(
         self, idx: torch.Tensor, val: torch.Tensor, counts: list[int], comm: Comm,
-        wire: torch.dtype,
+        wire: torch.dtype, eb: int,
     ) -> tuple[torch.Tensor, torch.Tensor, list[int]]:
         """Re-distribute the selected entries into P equal contiguous chunks of their
         rank-ordered concatenation (§3.1.2 data balancing): rank r's block covers positions
@@ -396,7 +354,6 @@ class OkTopk(Collective):
         def overlap(a0: int, a1: int, b0: int, b1: int) -> tuple[int, int]:
             return max(a0, b0), min(a1, b1)
 
-        eb = torch.empty(0, dtype=wire).element_size() + val.element_size()
         works, incoming = [], []
         for s in range(P):  # receive from s the part of its block in my target range
             lo, hi = overlap(S[s], S[s + 1], T[r], T[r + 1])
@@ -407,12 +364,12 @@ class OkTopk(Collective):
         for d in range(P):  # send to d the part of my block in its target range
             lo, hi = overlap(S[r], S[r + 1], T[d], T[d + 1])
             if hi > lo and d != r:
-                msg = pack(idx[lo - S[r]:hi - S[r]], val[lo - S[r]:hi - S[r]], wire)
+                msg = pack_entries(idx[lo - S[r]:hi - S[r]], val[lo - S[r]:hi - S[r]], wire)
                 works.append((comm.isend(msg, d), msg))
         for w, _ in works:
             w.wait()
         pieces: dict[int, tuple[torch.Tensor, torch.Tensor]] = {
-            s: unpack(buf, c, wire, val.dtype) for s, buf, c in incoming
+            s: unpack_entries(buf, c, wire, val.dtype, "oktopk") for s, buf, c in incoming
         }
         lo, hi = overlap(S[r], S[r + 1], T[r], T[r + 1])
         if hi > lo:

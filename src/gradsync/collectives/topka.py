@@ -2,8 +2,11 @@
 
 Ok-Topk §2 / Table 1: volume per rank 2k(P−1) words (COO, one index and one value per entry).
 k varies by rank, so the counts are gathered first and the payload travels as an exact-size
-all-gather-v (no padding, no even ``numel // P`` split). Duplicates across ranks accumulate
-(``index_add_``), never overwrite. Indices stay int64 end to end (never through a float buffer).
+all-gather-v (no padding, no even ``numel // P`` split) of one ``[indices][values]`` message per
+rank (:func:`gradsync.formats.wire.pack_entries`). Duplicates across ranks accumulate
+(``index_add_``), never overwrite. Indices are int64 in memory and travel as int32 when
+numel < 2**31, else int64 (:func:`~gradsync.formats.wire.wire_index_dtype`), never through a
+float buffer.
 
 Every rank adds the P contributions in rank order, so ``dense`` is bitwise identical everywhere.
 """
@@ -17,22 +20,24 @@ import torch
 from gradsync.collectives import registry
 from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
+from gradsync.formats.wire import entry_bytes, pack_entries, unpack_entries, wire_index_dtype
 from gradsync.sparsegrad import SparseGrad
 
 
 @registry.register("topka")
 class TopkA(Collective):
-    name = "topka"
+    """TopkA: all-gather-v of every rank's entries, then a scatter-add in rank order."""
 
     def _reduce(
         self, sel: SparseGrad, comm: Comm, step: int
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         counts = comm.all_gather_counts(len(sel), sel.device)
-        # int32 indices on the wire when they fit (DESIGN.md: int32 allowed below 2**31).
-        wire_index = torch.int32 if sel.numel < 2**31 else torch.int64
-        all_idx = comm.all_gather_v(sel.indices.to(wire_index), counts)
-        all_val = comm.all_gather_v(sel.values, counts)
+        wire = wire_index_dtype(sel.numel)
+        eb = entry_bytes(wire, sel.dtype)
+        msgs = comm.all_gather_v(pack_entries(sel.indices, sel.values, wire),
+                                 [c * eb for c in counts])
         dense = torch.zeros(sel.numel, dtype=sel.dtype, device=sel.device)
-        for idx, val in zip(all_idx, all_val):
-            dense.index_add_(0, idx.to(torch.int64), val)
+        for msg, c in zip(msgs, counts):
+            idx, val = unpack_entries(msg, c, wire, sel.dtype, "topka")
+            dense.index_add_(0, idx, val)
         return dense, sel.indices, {"counts": counts}

@@ -9,7 +9,8 @@ Rabenseifner's allreduce on sparse streams, P = 2^m ranks:
 2. *Allgather by recursive doubling.* In step s rank r exchanges its reduced range with
    r XOR 2^s; the ranges are adjacent and concatenate.
 
-Dynamic switch ("fill-in"): each stream is sent as COO (int32 index + value per entry) unless
+Dynamic switch ("fill-in"): each stream is sent as COO (``[indices][values]``,
+:func:`gradsync.formats.wire.pack_entries`; int32 indices when numel < 2**31) unless
 that would exceed the dense size of its range, in which case it is sent dense; a stream that is
 dense stays dense. The decision is local to the sender and per stream, so a one-word header
 (the entry count, or −1 for dense) precedes each payload. Volume per rank (Table 1, in words):
@@ -33,6 +34,14 @@ import torch
 from gradsync.collectives import registry
 from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
+from gradsync.formats.wire import (
+    entry_bytes,
+    pack_entries,
+    to_bytes,
+    unpack_entries,
+    view_as,
+    wire_index_dtype,
+)
 from gradsync.sparsegrad import SparseGrad
 
 __all__ = ["TopkDSA"]
@@ -95,36 +104,33 @@ class _Wire:
     """Encoding of streams on the wire: header (count or −1), then one packed byte payload."""
 
     def __init__(self, numel: int, dtype: torch.dtype, device: torch.device) -> None:
-        self.index = torch.int32 if numel < 2**31 else torch.int64  # never a float buffer
-        self.ib = torch.empty(0, dtype=self.index).element_size()
+        self.index = wire_index_dtype(numel)
+        self.eb = entry_bytes(self.index, dtype)
         self.dtype, self.device = dtype, device
         self.vb = torch.empty(0, dtype=dtype).element_size()
         self.dense_sends = 0
 
     def encode(self, s: _Stream) -> tuple[torch.Tensor, torch.Tensor]:
         n_range = s.hi - s.lo
-        if not s.is_dense and s.idx.numel() * (self.ib + self.vb) > n_range * self.vb:
+        if not s.is_dense and s.idx.numel() * self.eb > n_range * self.vb:
             s = _Stream(s.lo, s.hi, buf=s.densified())  # the switch to dense
         if s.is_dense:
             self.dense_sends += 1
             header = torch.tensor([_DENSE], dtype=torch.int64, device=self.device)
-            return header, s.buf.contiguous().view(torch.uint8)
+            return header, to_bytes(s.buf)
         header = torch.tensor([s.idx.numel()], dtype=torch.int64, device=self.device)
-        payload = torch.cat([s.idx.to(self.index).view(torch.uint8),
-                             s.val.contiguous().view(torch.uint8)])
-        return header, payload
+        return header, pack_entries(s.idx, s.val, self.index)
 
     def payload_bytes(self, header: int, lo: int, hi: int) -> int:
         if header == _DENSE:
             return (hi - lo) * self.vb
-        return header * (self.ib + self.vb)
+        return header * self.eb
 
     def decode(self, header: int, payload: torch.Tensor, lo: int, hi: int) -> _Stream:
         if header == _DENSE:
-            return _Stream(lo, hi, buf=payload.view(self.dtype))
-        cut = header * self.ib
-        idx = payload[:cut].view(self.index).to(torch.int64)
-        return _Stream(lo, hi, idx=idx, val=payload[cut:].view(self.dtype))
+            return _Stream(lo, hi, buf=view_as(payload, 0, hi - lo, self.dtype))
+        idx, val = unpack_entries(payload, header, self.index, self.dtype, "topkdsa")
+        return _Stream(lo, hi, idx=idx, val=val)
 
     def empty_header(self) -> torch.Tensor:
         return torch.empty(1, dtype=torch.int64, device=self.device)
@@ -163,7 +169,6 @@ class _Wire:
 class TopkDSA(Collective):
     """SparCML's dynamic sparse allreduce (exact SUM; sparse ↔ dense switch per stream)."""
 
-    name = "topkdsa"
     exact = True
 
     def _reduce(

@@ -41,6 +41,7 @@ the interleaved ``[start, length, values]`` stream and lets both ends work vecto
     ...     L × K             values of every block, in order
 
 ``size_bytes(sel) == HEADER_BYTES + B·2·index_bytes + K·L == len(encode(sel))``.
+The header and dtype codes are :mod:`gradsync.formats.wire`'s (shared with COO).
 ``decode`` accepts exactly the canonical encodings (the rules above hold, blocks lie in range,
 sorted, not overlapping); anything else raises ``ValueError``. Hence for every buffer it
 accepts, ``encode(decode(buf), index_bytes) == buf`` byte for byte.
@@ -50,12 +51,13 @@ from __future__ import annotations
 
 import torch
 
-from gradsync.formats.coo import (
+from gradsync.formats.wire import (
     BITS_DTYPES,
     INDEX_DTYPES,
     as_buffer,
     check_index_bytes,
     dtype_code,
+    header_bytes,
     pack_header,
     to_bytes,
     unpack_header,
@@ -66,7 +68,7 @@ from gradsync.sparsegrad import SparseGrad
 __all__ = ["HEADER_BYTES", "MAGIC", "blocks", "decode", "encode", "max_zero_run", "size_bytes"]
 
 MAGIC = b"GSDS"
-HEADER_BYTES = 32
+HEADER_BYTES = header_bytes(3)  # 32: numel, blocks, Σ lengths
 
 
 def max_zero_run(index_bytes: int, value_bytes: int) -> int:

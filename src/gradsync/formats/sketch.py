@@ -44,12 +44,13 @@ every rank and device). On CPU encode and peel are deterministic, so every rank 
 summed sketch to bitwise identical values. (On CUDA, ``index_add_`` uses atomics; run with
 ``torch.use_deterministic_algorithms(True)`` if bitwise equality across ranks matters there.)
 
-The bit index (``pack_index``/``unpack_index``): ``index_bits=1`` is a packed bitmap (bit i of
-byte i // 8 is element i, little-endian bit order); ``index_bits=4`` holds one 4-bit counter per
-element (element 2i in the low nibble of byte i), so summing packed 4-bit indices of P <= 15
-ranks counts, per element, how many ranks hold it — exactly, with no carry between nibbles.
-Summing packed 1-bit bitmaps is WRONG (1 + 1 carries into the neighbour bit); the OR is the
-collective's job (``collectives/lhc.py``).
+The bit index (``pack_index``/``unpack_index``) is :mod:`gradsync.formats.wire`'s bit packing
+under TAGC's names: ``index_bits=1`` is a packed bitmap (bit i of byte i // 8 is element i,
+little-endian bit order); ``index_bits=4`` holds one 4-bit counter per element (element 2i in the
+low nibble of byte i), so summing packed 4-bit indices of P <= 15 ranks counts, per element, how
+many ranks hold it — exactly, with no carry between nibbles. Summing packed 1-bit bitmaps is
+WRONG (1 + 1 carries into the neighbour bit); the OR is the collective's job
+(``collectives/lhc.py``).
 """
 
 from __future__ import annotations
@@ -59,6 +60,7 @@ from dataclasses import dataclass
 
 import torch
 
+from gradsync.formats.wire import check_int, pack_bits, packed_bytes, unpack_bits
 from gradsync.sparsegrad import check_finite
 
 __all__ = [
@@ -99,14 +101,6 @@ class PeelError(RuntimeError):
         )
 
 
-def _check_int(name: str, v: object, lo: int) -> int:
-    if isinstance(v, bool) or not isinstance(v, int):
-        raise ValueError(f"{name} must be an int, got {type(v).__name__} {v!r}")
-    if v < lo:
-        raise ValueError(f"{name} must be >= {lo}, got {v}")
-    return v
-
-
 class CountSketch:
     """The LHC count sketch of an ``n``-element tensor at compression ``ratio`` (module doc)."""
 
@@ -120,10 +114,10 @@ class CountSketch:
         device="cpu",
         shift: bool = True,
     ) -> None:
-        self.n = _check_int("n", n, 0)
-        self.ratio = _check_int("ratio", ratio, 1)
-        self.seed = _check_int("seed", seed, 0)
-        self.lanes = _check_int("lanes", lanes, 1)
+        self.n = check_int("n", n, 0)
+        self.ratio = check_int("ratio", ratio, 1)
+        self.seed = check_int("seed", seed, 0)
+        self.lanes = check_int("lanes", lanes, 1)
         self.device = torch.device(device)
         B = math.ceil(self.n / self.lanes)  # blocks
         R = math.ceil(B / self.ratio)  # sketch rows
@@ -288,63 +282,15 @@ class CountSketch:
         return values.to(dtype), report
 
 
-# -- the bit index -----------------------------------------------------------------------
-def _check_bits(index_bits: object) -> int:
-    if isinstance(index_bits, bool) or index_bits not in (1, 4):
-        raise ValueError(f"index_bits must be 1 or 4, got {index_bits!r}")
-    return int(index_bits)  # type: ignore[arg-type]
-
-
-def index_wire_bytes(n: int, index_bits: int) -> int:
-    """Bytes of a packed index of ``n`` elements: ``ceil(n · index_bits / 8)``."""
-    _check_int("n", n, 0)
-    return (n * _check_bits(index_bits) + 7) // 8
-
-
-_SHIFT8 = torch.arange(8, dtype=torch.uint8)
-
-
-def pack_index(mask: torch.Tensor, index_bits: int = 1) -> torch.Tensor:
-    """``bool[n]`` -> uint8 wire buffer of ``index_wire_bytes(n, index_bits)`` bytes."""
-    bits = _check_bits(index_bits)
-    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
-        raise ValueError("pack_index: mask must be a 1-D bool tensor, got "
-                         f"{getattr(mask, 'dtype', type(mask).__name__)} "
-                         f"{tuple(getattr(mask, 'shape', ()))}")
-    n = mask.numel()
-    per_byte = 8 // bits
-    nb = index_wire_bytes(n, bits)
-    m = torch.zeros(nb * per_byte, dtype=torch.uint8, device=mask.device)
-    m[:n] = mask
-    m = m.view(nb, per_byte)
-    shift = _SHIFT8.to(mask.device)[:per_byte] * bits  # bit i (1-bit) or nibble i (4-bit)
-    return (m << shift).sum(dim=1, dtype=torch.uint8)
-
-
-def unpack_counts(buf: torch.Tensor, n: int, index_bits: int = 4) -> torch.Tensor:
-    """uint8 wire buffer -> per-element counter ``uint8[n]`` (0/1 for a 1-bit bitmap).
-
-    Validates type, length and that the padding bits past ``n`` are zero (``ValueError``).
-    """
-    bits = _check_bits(index_bits)
-    _check_int("n", n, 0)
-    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
-        raise ValueError("unpack_index: buffer must be a 1-D uint8 tensor, got "
-                         f"{getattr(buf, 'dtype', type(buf).__name__)} "
-                         f"{tuple(getattr(buf, 'shape', ()))}")
-    nb = index_wire_bytes(n, bits)
-    if buf.numel() != nb:
-        raise ValueError(f"unpack_index: {n} elements at {bits} bit(s) need {nb} bytes, "
-                         f"got {buf.numel()}")
-    per_byte = 8 // bits
-    shift = _SHIFT8.to(buf.device)[:per_byte] * bits
-    vals = ((buf.unsqueeze(1) >> shift) & ((1 << bits) - 1)).view(-1)
-    if vals.numel() > n and bool(vals[n:].any()):
-        raise ValueError("unpack_index: nonzero padding bits past the last element "
-                         "(corrupt or foreign buffer)")
-    return vals[:n]
+# -- the bit index (TAGC's names for formats.wire's bit packing) ----------------------------
+#: Bytes of a packed index of ``n`` elements: ``ceil(n · index_bits / 8)``.
+index_wire_bytes = packed_bytes
+#: ``bool[n]`` -> uint8 wire buffer of ``index_wire_bytes(n, index_bits)`` bytes.
+pack_index = pack_bits
+#: uint8 wire buffer -> per-element counter ``uint8[n]`` (0/1 for a 1-bit bitmap); validates.
+unpack_counts = unpack_bits
 
 
 def unpack_index(buf: torch.Tensor, n: int, index_bits: int = 1) -> torch.Tensor:
     """uint8 wire buffer -> ``bool[n]`` (for 4-bit counters: count > 0); validates."""
-    return unpack_counts(buf, n, index_bits) > 0
+    return unpack_bits(buf, n, index_bits) > 0

@@ -24,6 +24,7 @@ from gradsync.schedule.ssfusion import (
     selective_buffers,
 )
 from gradsync.schedule.timeline import Timeline, buffer_comm_time, buffer_parts, simulate
+from gradsync.sparsegrad import validate_density
 
 __all__ = [
     "SCHEMES",
@@ -51,16 +52,6 @@ def needs_cost_model(scheme: str) -> bool:
     return schemes.get(scheme).needs_cost_model
 
 
-def _check_density(x, what: str) -> float:
-    try:
-        d = float(x)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a number in (0, 1], got {x!r}") from None
-    if not 0.0 < d <= 1.0:  # also rejects NaN
-        raise ValueError(f"{what} must be in (0, 1], got {x!r}")
-    return d
-
-
 def make_plan(
     scheme: str,
     names: list[str],
@@ -75,8 +66,8 @@ def make_plan(
     """Plan ``scheme`` for the tensors ``names`` (backward order) at target ``density``."""
     spec = schemes.get(scheme)  # raises on an unknown scheme
     needs = spec.needs_cost_model
-    density = _check_density(density, "density")
-    min_density = _check_density(min_density, "min_density")
+    density = validate_density(density, "density")
+    min_density = validate_density(min_density, "min_density")
     names = [str(n) for n in names]
     if not names:
         raise ValueError("make_plan needs at least one tensor")

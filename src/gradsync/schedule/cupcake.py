@@ -2,8 +2,9 @@
 
 Cupcake fuses consecutive gradients (backward order) into buffers that are each sparsified as
 one vector and all-gathered, choosing the fusion that minimises the iteration time. Its released
-code lacks FindOptFusion (DESIGN.md); we compute it exactly as a dynamic program over contiguous
-groups with the simulator's recurrence (timeline.py, mode ``"fused"``, overlap on).
+code lacks FindOptFusion (docs/architecture.md, "Facts from the reference implementations");
+we compute it exactly as a dynamic program over contiguous groups with the simulator's
+recurrence (timeline.py, mode ``"fused"``, overlap on).
 
 Why the DP is exact. With gradients 1..L in backward order, B_j = Σ_{l≤j} T_b^l,
 N_j = Σ_{l≤j} n_l, and the sparsifier's affine time T_sp(n) = a + b·n, a grouping whose m-th
@@ -29,6 +30,7 @@ from __future__ import annotations
 import numpy as np
 
 from gradsync.schedule.costmodel import CostModel
+from gradsync.sparsegrad import target_k
 
 __all__ = ["cupcake_groups"]
 
@@ -43,9 +45,12 @@ def cupcake_groups(names: list[str], numel: dict[str, int], cost: CostModel,
     B = np.concatenate([[0.0], np.cumsum(tb)])
     N = np.concatenate([[0], np.cumsum(ns)])
     a, b = cost.sparsify.a, cost.sparsify.b
-    # T_cm of group (i, j] for every pair (Eq. 3 on k(N_j − N_i) entries), vectorised.
+    # T_cm of group (i, j] for every pair (Eq. 3 on k(N_j − N_i) entries), vectorised; k is
+    # the one rule target_k, evaluated once per distinct group size.
     sizes = np.maximum(N[None, :] - N[:, None], 0)  # [i, j] = N_j − N_i
-    k = np.where(sizes > 0, np.minimum(sizes, np.maximum(1, np.round(density * sizes))), 0)
+    uniq, inv = np.unique(sizes, return_inverse=True)
+    k = np.array([target_k(int(s), density) for s in uniq], dtype=np.int64)[inv]
+    k = k.reshape(sizes.shape)
     p, ab = cost.P, cost.allgather
     C = (p - 1) * ab.alpha + (p - 1) * (k * cost.entry_bytes) * ab.beta
     E = np.full((L + 1, L + 1), np.inf)  # E[m, j]

@@ -18,33 +18,23 @@ Plans are JSON-safe (``to_dict`` / ``from_dict``) so rank 0 can plan and broadca
 from __future__ import annotations
 
 import json
-import math
 from dataclasses import dataclass, field
 from typing import Any
+
+from gradsync.sparsegrad import target_k, validate_density
 
 __all__ = ["MODES", "BufferPlan", "Plan", "TensorPlan", "entries"]
 
 MODES = ("dense", "fused", "per_tensor")
 
 
-def _check_density(d: Any, what: str) -> float:
-    try:
-        v = float(d)
-    except (TypeError, ValueError):
-        raise ValueError(f"{what} must be a number in (0, 1], got {d!r}") from None
-    if math.isnan(v) or not 0.0 < v <= 1.0:
-        raise ValueError(f"{what} must be in (0, 1], got {d!r}")
-    return v
-
-
 def entries(numel: int, density: float | None) -> int:
-    """Entries a tensor contributes: k = max(1, round(density·n)) capped at n (the sparsifier
-    contract, ``target_k``), or all n when it is sent dense (``density is None``)."""
-    if numel <= 0:
-        return 0
+    """Entries a tensor contributes: ``target_k(numel, density)`` = max(1, round(density·n))
+    capped at n (the sparsifier contract), or all n when it is sent dense (``density is None``).
+    """
     if density is None:
-        return numel
-    return min(numel, max(1, round(density * numel)))
+        return max(numel, 0)
+    return target_k(numel, density)
 
 
 @dataclass(frozen=True)
@@ -62,7 +52,7 @@ class TensorPlan:
             raise ValueError(f"TensorPlan {self.name!r}: numel must be an integer >= 0")
         if self.density is not None:
             object.__setattr__(self, "density",
-                               _check_density(self.density, f"density of {self.name!r}"))
+                               validate_density(self.density, f"density of {self.name!r}"))
         if self.density is None and self.offload:
             raise ValueError(f"TensorPlan {self.name!r}: a dense tensor cannot be offloaded")
         if self.density is not None and self.allreduce:
@@ -86,7 +76,7 @@ class BufferPlan:
         if self.mode not in MODES:
             raise ValueError(f"buffer mode must be one of {MODES}, got {self.mode!r}")
         if self.mode == "fused":
-            object.__setattr__(self, "density", _check_density(self.density, "fused density"))
+            object.__setattr__(self, "density", validate_density(self.density, "fused density"))
         elif self.density is not None:
             raise ValueError(f"buffer mode {self.mode!r} takes no buffer density")
         if self.mode != "per_tensor" and any(

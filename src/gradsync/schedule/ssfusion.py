@@ -31,8 +31,8 @@ which go to fewer exclusions — and records ``eq2: "unreachable"``.
 target k = density·n_i; (iv) lower the density d′ of the buffer's sparsified (large) tensors until
 the difference is near zero: Σ_{sparsified} k(n_j, d′) ≈ density·n_i − Σ_{excluded} n_j (found by
 bisection, since k(n, d′) is a step function). Lower bound 0.001 (``min_density``; never above
-the target density). SSFusion's published code leaves the density unchanged (DESIGN.md); this is
-the paper's intent.
+the target density). SSFusion's published code leaves the density unchanged (docs/architecture.md,
+"Facts from the reference implementations"); this is the paper's intent.
 
 **SSFusion-O (§IV-C Step-1).** In each buffer, sparsified tensors are taken in backward order; a
 tensor is offloaded to the (single, serial) worker thread when its offloaded sparsification

@@ -1,42 +1,26 @@
 """The sparsifier contract: ``select(x, step=…) -> SparseGrad`` on a flat tensor.
 
-Every sparsifier targets ``k = max(1, round(density · n))`` entries of an ``n``-element tensor
-(all of them when ``density == 1``), never modifies ``x``, draws any randomness from its own
-seeded ``torch.Generator`` (never the global RNG), rejects NaN/Inf input with ``ValueError``
-(the engine decides the policy), and works on fp32, bf16 and fp16. Threshold estimators do not
-hit ``k`` exactly; each reports the relative deviation of its last count from ``k`` in
-``last_deviation`` so callers and benchmarks can see how far off it was.
+Every sparsifier targets ``k = target_k(n, density) = max(1, round(density · n))`` entries of
+an ``n``-element tensor (all of them when ``density == 1``), never modifies ``x``, draws any
+randomness from its own seeded ``torch.Generator`` (never the global RNG), rejects NaN/Inf input
+with ``ValueError`` (the engine decides the policy), and works on fp32, bf16 and fp16.
+``target_k`` and ``validate_density`` are :mod:`gradsync.sparsegrad`'s, re-exported here and as
+``gradsync.sparsify.target_k`` / ``gradsync.sparsify.validate_density``.
+
+Threshold estimators do not hit ``k`` exactly; each reports the relative deviation of its last
+count from ``k`` in ``last_deviation`` so callers and benchmarks can see how far off it was.
 """
 
 from __future__ import annotations
 
-import math
 from abc import ABC, abstractmethod
 from typing import Any
 
 import torch
 
-from gradsync.sparsegrad import SparseGrad, check_finite
+from gradsync.sparsegrad import SparseGrad, check_finite, target_k, validate_density
 
 __all__ = ["Sparsifier", "magnitudes", "seed_for", "target_k", "validate_density"]
-
-
-def validate_density(density: float) -> float:
-    """Return ``density`` as float if it lies in (0, 1]; raise ``ValueError`` otherwise."""
-    try:
-        d = float(density)
-    except (TypeError, ValueError):
-        raise ValueError(f"density must be a number in (0, 1], got {density!r}") from None
-    if not (0.0 < d <= 1.0) or math.isnan(d):
-        raise ValueError(f"density must be in (0, 1], got {density!r}")
-    return d
-
-
-def target_k(n: int, density: float) -> int:
-    """k = max(1, round(density · n)) for n > 0, capped at n; 0 for an empty tensor."""
-    if n <= 0:
-        return 0
-    return min(n, max(1, round(density * n)))
 
 
 def seed_for(seed: int, key: str, rank: int) -> int:
@@ -64,7 +48,7 @@ class Sparsifier(ABC):
     ``k == n`` (density 1 or tiny tensors), sorting, gathering the values and the deviation.
     """
 
-    name: str = "?"
+    name: str = "?"  # set by ``registry.register(name)``
 
     def __init__(self, density: float, *, seed: int = 0) -> None:
         self.density = validate_density(density)

@@ -11,9 +11,10 @@ The top-k threshold is estimated on a strided sample instead of the whole tensor
    candidates and stop;
 4. truncate to k.
 
-DESIGN.md ("DGC threshold"). The reference truncates to the *first* k candidates by position,
-which drops large entries at high indices; here the truncation keeps the k largest candidates
-(a top-k over at most 1.3·k values, cheap). The result therefore never exceeds k and, unless
+docs/architecture.md, "Facts from the reference implementations" (DGC threshold): the
+reference truncates to the *first* k candidates by position, which drops large entries at high
+indices; here the truncation keeps the k largest candidates (a top-k over at most 1.3·k values,
+cheap). The result therefore never exceeds k and, unless
 all 10 adjustments were used, holds at least 0.8·k entries.
 """
 
@@ -30,8 +31,6 @@ from gradsync.sparsify.base import Sparsifier, magnitudes
 
 @registry.register("dgc")
 class DGC(Sparsifier):
-    name = "dgc"
-
     def __init__(self, density: float, *, seed: int = 0, sample_ratio: float = 0.01,
                  max_adjust: int = 10, lower: float = 0.8, upper: float = 1.3) -> None:
         super().__init__(density, seed=seed)

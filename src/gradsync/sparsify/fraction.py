@@ -19,8 +19,6 @@ from gradsync.sparsify.base import Sparsifier
 
 @registry.register("fraction")
 class Fraction(Sparsifier):
-    name = "fraction"
-
     def __init__(
         self, density: float | None = None, *, theta: float | None = None, seed: int = 0
     ) -> None:

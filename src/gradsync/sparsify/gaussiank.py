@@ -30,8 +30,6 @@ from gradsync.sparsify.base import Sparsifier, magnitudes
 
 @registry.register("gaussiank")
 class GaussianK(Sparsifier):
-    name = "gaussiank"
-
     def __init__(self, density: float, *, seed: int = 0, max_adjust: int = 6,
                  lower: float = 2 / 3, upper: float = 4 / 3) -> None:
         super().__init__(density, seed=seed)

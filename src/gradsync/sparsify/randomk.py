@@ -33,8 +33,6 @@ def _first_distinct(draws: torch.Tensor) -> torch.Tensor:
 
 @registry.register("randomk")
 class RandomK(Sparsifier):
-    name = "randomk"
-
     def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:
         n = x.numel()
         if k > _RANDPERM_FRACTION * n:

@@ -31,8 +31,6 @@ from gradsync.sparsify.base import Sparsifier, magnitudes
 
 @registry.register("redsync")
 class RedSync(Sparsifier):
-    name = "redsync"
-
     def __init__(self, density: float, *, seed: int = 0, max_iters: int = 40,
                  lower: float = 2 / 3, upper: float = 4 / 3) -> None:
         super().__init__(density, seed=seed)

@@ -60,8 +60,6 @@ def _gpareto_quantile(y: torch.Tensor, delta: float) -> float:
 
 @registry.register("sidco")
 class SIDCo(Sparsifier):
-    name = "sidco"
-
     def __init__(self, density: float, *, seed: int = 0, dist: str = "exp",
                  stages: int | None = None, first_ratio: float = 0.25,
                  stage_ratio: float = 0.25) -> None:

@@ -1,4 +1,5 @@
-"""Ok-Topk's threshold reuse (Ok-Topk §3.1.3, Algorithm 1 lines 2–4; DESIGN.md "Ok-Topk").
+"""Ok-Topk's threshold reuse (Ok-Topk §3.1.3, Algorithm 1 lines 2–4; docs/architecture.md,
+"Facts from the reference implementations", Ok-Topk).
 
 The gradient values form a slowly changing stochastic process, so the top-k threshold of one
 iteration is a good threshold for the next ones. Every τ′ iterations (``period``, 32 by default;
@@ -35,8 +36,6 @@ _CLOCKS = ("calls", "step")
 
 @registry.register("threshold")
 class ThresholdReuse(Sparsifier):
-    name = "threshold"
-
     def __init__(self, density: float, *, seed: int = 0, period: int = 32,
                  clock: str = "calls", nudge: float = 1.2, max_nudges: int = 3) -> None:
         super().__init__(density, seed=seed)

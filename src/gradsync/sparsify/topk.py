@@ -13,8 +13,6 @@ from gradsync.sparsify.base import Sparsifier
 
 @registry.register("topk")
 class TopK(Sparsifier):
-    name = "topk"
-
     def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:
         # torch.topk has no bf16/fp16 kernel on every backend; magnitudes compare exactly in fp32.
         return torch.topk(x.abs().float(), k, sorted=False).indices

@@ -1,0 +1,278 @@
+"""The wire chores every format and collective shares, each written once.
+
+* **Index width** (docs/architecture.md, "Contracts": int32 on the wire): indices are int64 in
+  memory and travel as int32 when every index fits (``numel < 2**31``), else int64 — never
+  through a float buffer. :func:`wire_index_dtype` is that choice; :func:`check_index_bytes`
+  validates a width the caller asked for.
+* **Entries** ``[indices][values]``: one uint8 message holding ``count`` indices at the wire
+  width, then the ``count`` values bit for bit (:func:`pack_entries` / :func:`unpack_entries`,
+  :func:`entry_bytes`). The COO format's body and the messages of TopkA, TopkDSA, gTop-k and
+  Ok-Topk all have this layout.
+* **Value dtype codes**: one byte per value dtype (:data:`DTYPE_CODES`, :func:`dtype_code`), in
+  the format headers and in the collectives' shape consensus.
+* **Header** of the wire formats (:func:`pack_header` / :func:`unpack_header`): magic, version,
+  index width, value dtype code, a reserved zero byte, then int64 fields, the first being numel.
+* **Bit packing** (:func:`pack_bits` / :func:`unpack_bits`): ``bits=1``, a packed bitmap (bit i
+  of byte i // 8 is element i, little-endian bit order); ``bits=4``, one 4-bit counter per
+  element (element 2i in the low nibble of byte i). TAGC's bit index, the DDP/FSDP TAGC path and
+  gTop-k's survival bits use it.
+* **Bytes**: :func:`as_buffer` (accept a uint8 tensor or bytes), :func:`to_bytes`,
+  :func:`view_as` (a typed view at any byte offset, copying only when unaligned).
+
+Every reader validates what it reads and raises ``ValueError`` on a truncated, corrupted or
+hostile buffer; nothing larger than the buffer implies is allocated.
+"""
+
+from __future__ import annotations
+
+import struct
+import sys
+
+import torch
+
+__all__ = [
+    "BITS_DTYPES",
+    "CODE_DTYPES",
+    "DTYPE_CODES",
+    "INDEX_DTYPES",
+    "VERSION",
+    "as_buffer",
+    "check_index_bytes",
+    "check_int",
+    "dtype_code",
+    "entry_bytes",
+    "header_bytes",
+    "pack_bits",
+    "pack_entries",
+    "pack_header",
+    "packed_bytes",
+    "to_bytes",
+    "unpack_bits",
+    "unpack_entries",
+    "unpack_header",
+    "view_as",
+    "wire_index_bytes",
+    "wire_index_dtype",
+]
+
+if sys.byteorder != "little":  # pragma: no cover - every platform torch ships for
+    raise ImportError("gradsync wire formats assume a little-endian host")
+
+VERSION = 1
+
+#: value dtype ↔ one-byte code on the wire
+DTYPE_CODES: dict[torch.dtype, int] = {
+    torch.float32: 1, torch.float16: 2, torch.bfloat16: 3, torch.float64: 4,
+}
+CODE_DTYPES: dict[int, torch.dtype] = {c: d for d, c in DTYPE_CODES.items()}
+#: integer dtype with the same width as each value dtype (bit tests, e.g. "is +0.0")
+BITS_DTYPES: dict[int, torch.dtype] = {2: torch.int16, 4: torch.int32, 8: torch.int64}
+#: index width in bytes → wire dtype of the indices
+INDEX_DTYPES: dict[int, torch.dtype] = {4: torch.int32, 8: torch.int64}
+
+
+def check_int(name: str, v: object, lo: int) -> int:
+    """``v`` if it is an int (not a bool) ``>= lo``; else ``ValueError`` naming ``name``."""
+    if isinstance(v, bool) or not isinstance(v, int):
+        raise ValueError(f"{name} must be an int, got {type(v).__name__} {v!r}")
+    if v < lo:
+        raise ValueError(f"{name} must be >= {lo}, got {v}")
+    return v
+
+
+# -- index width --------------------------------------------------------------------------
+def wire_index_dtype(numel: int) -> torch.dtype:
+    """int32 when every index of a ``numel``-element tensor fits (numel < 2**31), else int64."""
+    return torch.int32 if numel < 2**31 else torch.int64
+
+
+def wire_index_bytes(numel: int) -> int:
+    """Bytes of one index on the wire (:func:`wire_index_dtype`'s width): 4 or 8."""
+    return torch.empty(0, dtype=wire_index_dtype(numel)).element_size()
+
+
+def check_index_bytes(index_bytes: int, numel: int) -> torch.dtype:
+    """The wire dtype of indices of width ``index_bytes`` for a tensor of ``numel`` elements."""
+    if index_bytes not in INDEX_DTYPES:
+        raise ValueError(f"index_bytes must be 4 or 8, got {index_bytes!r}")
+    if index_bytes == 4 and numel >= 2**31:
+        raise ValueError(f"int32 indices need numel < 2**31, got numel={numel}; "
+                         "use index_bytes=8")
+    return INDEX_DTYPES[index_bytes]
+
+
+# -- value dtypes -------------------------------------------------------------------------
+def dtype_code(dtype: torch.dtype) -> int:
+    """The one-byte wire code of a value dtype; ``ValueError`` for an unsupported one."""
+    try:
+        return DTYPE_CODES[dtype]
+    except KeyError:
+        raise ValueError(f"unsupported value dtype {dtype}; supported: "
+                         f"{', '.join(str(d) for d in DTYPE_CODES)}") from None
+
+
+# -- bytes --------------------------------------------------------------------------------
+def as_buffer(buf: object) -> torch.Tensor:
+    """Accept a 1-D uint8 tensor (any device) or a bytes-like object; else ``ValueError``."""
+    if isinstance(buf, bytes | bytearray | memoryview):
+        raw = bytearray(buf)
+        return (torch.frombuffer(raw, dtype=torch.uint8) if raw
+                else torch.empty(0, dtype=torch.uint8))
+    if not isinstance(buf, torch.Tensor):
+        raise ValueError(f"expected a uint8 tensor or bytes, got {type(buf).__name__}")
+    if buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise ValueError(f"expected a 1-D uint8 tensor, got {buf.dtype} of shape "
+                         f"{tuple(buf.shape)}")
+    return buf
+
+
+def to_bytes(t: torch.Tensor) -> torch.Tensor:
+    """The bytes of a 1-D tensor (no copy when contiguous)."""
+    if t.numel() == 0:  # torch refuses to view some empty tensors (e.g. stride 0 from numpy)
+        return torch.empty(0, dtype=torch.uint8, device=t.device)
+    return t.contiguous().view(torch.uint8)
+
+
+def view_as(buf: torch.Tensor, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
+    """``count`` elements of ``dtype`` read from byte ``start`` of ``buf`` (copy if unaligned)."""
+    width = torch.empty(0, dtype=dtype).element_size()
+    chunk = buf[start:start + count * width]
+    if count == 0:
+        return torch.empty(0, dtype=dtype, device=buf.device)
+    try:
+        return chunk.view(dtype)
+    except RuntimeError:  # storage offset not a multiple of the element size
+        return chunk.clone().view(dtype)
+
+
+# -- header -------------------------------------------------------------------------------
+def header_bytes(n_fields: int) -> int:
+    """Size of a header with ``n_fields`` int64 fields: 8 + 8·n_fields."""
+    return 8 + 8 * n_fields
+
+
+def pack_header(magic: bytes, index_bytes: int, code: int, *fields: int,
+                device: torch.device | str = "cpu") -> torch.Tensor:
+    """``magic, version, index width, dtype code, 0`` followed by int64 ``fields``."""
+    raw = struct.pack("<4sBBBB" + "q" * len(fields), magic, VERSION, index_bytes, code, 0,
+                      *fields)
+    return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
+
+
+def unpack_header(buf: torch.Tensor, magic: bytes, n_fields: int, what: str, *,
+                  numel: int | None = None, dtype: torch.dtype | None = None
+                  ) -> tuple[int, torch.dtype, list[int]]:
+    """Parse and check the common header: returns (index width, value dtype, int64 fields).
+
+    The first field is the tensor's numel in every format: it must fit the index width, and
+    match ``numel``/``dtype`` when the caller states what it expects.
+    """
+    size = header_bytes(n_fields)
+    if buf.numel() < size:
+        raise ValueError(f"{what}: buffer of {buf.numel()} bytes is shorter than the "
+                         f"{size}-byte header (truncated)")
+    raw = bytes(buf[:size].cpu().tolist())
+    got_magic, version, iw, code, reserved, *fields = struct.unpack(
+        "<4sBBBB" + "q" * n_fields, raw)
+    if got_magic != magic:
+        raise ValueError(f"{what}: bad magic {got_magic!r}, expected {magic!r}")
+    if version != VERSION:
+        raise ValueError(f"{what}: unsupported version {version}")
+    if iw not in INDEX_DTYPES:
+        raise ValueError(f"{what}: bad index width {iw}")
+    if code not in CODE_DTYPES:
+        raise ValueError(f"{what}: bad value dtype code {code}")
+    if reserved != 0:
+        raise ValueError(f"{what}: reserved header byte is {reserved}, expected 0")
+    n, vdtype = fields[0], CODE_DTYPES[code]
+    if n < 0 or (iw == 4 and n >= 2**31):
+        raise ValueError(f"{what}: numel {n} out of range for {iw}-byte indices")
+    if numel is not None and n != numel:
+        raise ValueError(f"{what}: buffer holds numel={n}, expected {numel}")
+    if dtype is not None and vdtype != dtype:
+        raise ValueError(f"{what}: buffer holds {vdtype}, expected {dtype}")
+    return iw, vdtype, fields
+
+
+# -- entries [indices][values] ----------------------------------------------------------------
+def entry_bytes(index_dtype: torch.dtype, dtype: torch.dtype) -> int:
+    """Bytes of one entry: one index of ``index_dtype`` and one value of ``dtype``."""
+    return (torch.empty(0, dtype=index_dtype).element_size()
+            + torch.empty(0, dtype=dtype).element_size())
+
+
+def pack_entries(indices: torch.Tensor, values: torch.Tensor,
+                 index_dtype: torch.dtype) -> torch.Tensor:
+    """One uint8 message ``[indices as index_dtype][values]`` (bit-exact, no float casts)."""
+    return torch.cat([to_bytes(indices.to(index_dtype)), to_bytes(values)])
+
+
+def unpack_entries(buf: torch.Tensor, count: int, index_dtype: torch.dtype,
+                   dtype: torch.dtype, what: str = "entries"
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_entries` for a message of ``count`` entries: (int64 indices,
+    values). The values are a view of ``buf`` when aligned (a copy otherwise); the indices are
+    not checked here (a decoder that needs sorted, in-range indices calls
+    :func:`gradsync.sparsegrad.check_indices`). ``ValueError`` when the size is not exactly
+    ``count`` entries."""
+    ib = torch.empty(0, dtype=index_dtype).element_size()
+    if buf.numel() != count * entry_bytes(index_dtype, dtype):
+        raise ValueError(f"{what}: message of {buf.numel()} bytes is not {count} entries")
+    idx = view_as(buf, 0, count, index_dtype).to(torch.int64)
+    return idx, view_as(buf, count * ib, count, dtype)
+
+
+# -- bit packing ----------------------------------------------------------------------------
+def _check_bits(bits: object) -> int:
+    if isinstance(bits, bool) or bits not in (1, 4):
+        raise ValueError(f"bits per element (index_bits) must be 1 or 4, got {bits!r}")
+    return int(bits)  # type: ignore[arg-type]
+
+
+def packed_bytes(n: int, bits: int) -> int:
+    """Bytes of ``n`` packed elements of ``bits`` (1 or 4) bits: ``ceil(n · bits / 8)``."""
+    check_int("n", n, 0)
+    return (n * _check_bits(bits) + 7) // 8
+
+
+_SHIFT8 = torch.arange(8, dtype=torch.uint8)
+
+
+def pack_bits(mask: torch.Tensor, bits: int = 1) -> torch.Tensor:
+    """``bool[n]`` -> uint8 buffer of ``packed_bytes(n, bits)`` bytes (layout: module doc)."""
+    bits = _check_bits(bits)
+    if not isinstance(mask, torch.Tensor) or mask.dtype != torch.bool or mask.dim() != 1:
+        raise ValueError("pack_bits: mask must be a 1-D bool tensor, got "
+                         f"{getattr(mask, 'dtype', type(mask).__name__)} "
+                         f"{tuple(getattr(mask, 'shape', ()))}")
+    n = mask.numel()
+    per_byte = 8 // bits
+    nb = packed_bytes(n, bits)
+    m = torch.zeros(nb * per_byte, dtype=torch.uint8, device=mask.device)
+    m[:n] = mask
+    m = m.view(nb, per_byte)
+    shift = _SHIFT8.to(mask.device)[:per_byte] * bits  # bit i (1-bit) or nibble i (4-bit)
+    return (m << shift).sum(dim=1, dtype=torch.uint8)
+
+
+def unpack_bits(buf: torch.Tensor, n: int, bits: int = 1) -> torch.Tensor:
+    """uint8 buffer -> per-element field ``uint8[n]`` (0/1 for a 1-bit bitmap, the counter for
+    4 bits). Validates type, length and that the padding bits past ``n`` are zero
+    (``ValueError``)."""
+    bits = _check_bits(bits)
+    check_int("n", n, 0)
+    if not isinstance(buf, torch.Tensor) or buf.dtype != torch.uint8 or buf.dim() != 1:
+        raise ValueError("unpack_bits: buffer must be a 1-D uint8 tensor, got "
+                         f"{getattr(buf, 'dtype', type(buf).__name__)} "
+                         f"{tuple(getattr(buf, 'shape', ()))}")
+    nb = packed_bytes(n, bits)
+    if buf.numel() != nb:
+        raise ValueError(f"unpack_bits: {n} elements at {bits} bit(s) need {nb} bytes, "
+                         f"got {buf.numel()}")
+    per_byte = 8 // bits
+    shift = _SHIFT8.to(buf.device)[:per_byte] * bits
+    vals = ((buf.unsqueeze(1) >> shift) & ((1 << bits) - 1)).view(-1)
+    if vals.numel() > n and bool(vals[n:].any()):
+        raise ValueError("unpack_bits: nonzero padding bits past the last element "
+                         "(corrupt or foreign buffer)")
+    return vals[:n]
