@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "CommStats"]
+__all__ = ["Comm", "CommStats", "ring_allreduce_bytes"]
 
 
 @dataclass
@@ -48,6 +48,13 @@ class CommStats:
 
     def as_dict(self) -> dict[str, float]:
         return asdict(self)
+
+
+def ring_allreduce_bytes(nbytes: int, P: int) -> int:
+    """Bytes one rank sends (and receives) in a ring all-reduce of ``nbytes``: 2(P−1)/P·B,
+    rounded down (0 for one rank). The accounting of :meth:`Comm.all_reduce`, also used to meter
+    all-reduces gradsync does not issue itself (torch's own DDP hooks)."""
+    return 2 * (P - 1) * nbytes // P if P > 1 else 0
 
 
 def _nbytes(t: torch.Tensor) -> int:
@@ -119,8 +126,8 @@ class Comm:
         p = self.size
         if p == 1:
             return None
-        b = _nbytes(t)
-        self._count(2 * (p - 1) * b // p, 2 * (p - 1) * b // p, 2 * (p - 1))
+        b = ring_allreduce_bytes(_nbytes(t), p)
+        self._count(b, b, 2 * (p - 1))
         return dist.all_reduce(t, op=op, group=self.group, async_op=async_op)
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:

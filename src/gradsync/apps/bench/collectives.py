@@ -39,6 +39,7 @@ import torch.distributed as dist
 
 from gradsync import collectives
 from gradsync.apps.common import add_common_args, print_table, write_outputs
+from gradsync.formats.wire import wire_index_bytes
 from gradsync.sparsify import get as get_sparsifier
 from gradsync.sparsify import target_k
 from gradsync.testing import DistributedError, DistributedTimeout, netem, run_distributed
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> int:
         print(f"note: {note}")
     p, numel = a.world_size, a.numel
     vb = torch.empty(0, dtype=DTYPES[a.dtype]).element_size()
-    ib = 4 if numel < 2**31 else 8
+    ib = wire_index_bytes(numel)
 
     refs = {d: reference(numel, p, d, a.seed, a.dtype) for d in a.densities}
     run_args = (a.densities, numel, a.seed, a.dtype, a.warmup, a.repeats)

@@ -27,6 +27,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync.collectives.comm import ring_allreduce_bytes
+
 __all__ = ["Meter", "MeteredHookState", "counting_all_reduce", "metered_hook", "union_length"]
 
 
@@ -53,7 +55,7 @@ class Meter:
     def count_allreduce(self, t: torch.Tensor) -> None:
         b = t.numel() * t.element_size()
         with self.lock:  # ring accounting, as Comm.all_reduce
-            self.bytes_sent += round(2 * (self.P - 1) / self.P * b) if self.P > 1 else 0
+            self.bytes_sent += ring_allreduce_bytes(b, self.P)
 
     def step_metrics(self, backward_start: float, backward_end: float) -> dict[str, float]:
         """This step's record fields (module docstring), given when ``loss.backward()`` started
