@@ -429,3 +429,65 @@ def test_components_follow_the_table_of_schemes(scheme):
     assert torch.equal(mine, picks(sparsify.seed_for(3, "net.1.weight", 1)))
     if sp.name == "randomk":
         assert not torch.equal(mine, picks(sparsify.seed_for(3, "net.1.weight", 0)))
+
+
+# ------------------------------------------------------------------ start from rank 0's state
+def _seeded_replica(seed: int) -> nn.Module:
+    """A model whose parameters AND buffers depend on ``seed``: BatchNorm running statistics,
+    a frozen layer and a bool buffer (set from the seed, so rebuilding it is bit-exact)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(6, 8), nn.BatchNorm1d(8), nn.ReLU(), nn.Linear(8, 3),
+                          nn.Linear(3, 3))
+    model[4].requires_grad_(False)
+    model.register_buffer("mask", torch.rand(5) > 0.5)
+    model[1].running_mean.copy_(torch.randn(8))
+    model[1].running_var.copy_(torch.rand(8) + 0.5)
+    model[1].num_batches_tracked.fill_(seed)
+    return model
+
+
+def _states(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _start(rank, world_size, broadcast):
+    model = _seeded_replica(100 + rank)
+    before = _states(model)
+    sync = GradSync(model, Config(scheme="topka", density=0.1, sparsifier="topk",
+                                  warmup_steps=1, broadcast_initial=broadcast))
+    after = _states(model)
+    sync.close()
+    return before, after
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_every_rank_starts_from_rank_zeros_parameters_and_buffers(P):
+    out = run_distributed(_start, P, True, timeout=120)
+    ref = _states(_seeded_replica(100))  # rank 0's model, rebuilt here independently
+    assert set(ref) >= {"0.weight", "1.running_mean", "1.running_var", "4.weight", "mask"}
+    for rank, (before, after) in enumerate(out):
+        assert set(after) == set(ref)
+        for k in ref:
+            assert after[k].dtype == ref[k].dtype and torch.equal(after[k], ref[k]), (rank, k)
+        if rank:  # the broadcast did something: this rank started elsewhere
+            assert not torch.equal(before["0.weight"], ref["0.weight"])
+            assert not torch.equal(before["1.running_mean"], ref["1.running_mean"])
+            assert not torch.equal(before["1.num_batches_tracked"], ref["1.num_batches_tracked"])
+            assert not torch.equal(before["4.weight"], ref["4.weight"])  # frozen, too
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_broadcast_initial_off_leaves_each_rank_its_own_start(P):
+    out = run_distributed(_start, P, False, timeout=120)
+    for rank, (before, after) in enumerate(out):
+        mine = _states(_seeded_replica(100 + rank))
+        for k in mine:
+            assert torch.equal(after[k], mine[k]) and torch.equal(before[k], mine[k]), (rank, k)
+    assert not torch.equal(out[0][1]["0.weight"], out[1][1]["0.weight"])
+    assert not torch.equal(out[0][1]["1.running_var"], out[1][1]["1.running_var"])
+
+
+def test_broadcast_initial_is_validated():
+    with pytest.raises(ValueError, match="broadcast_initial"):
+        Config(broadcast_initial=1)
+    assert Config().broadcast_initial is True

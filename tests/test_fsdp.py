@@ -18,7 +18,14 @@ import torch.distributed as dist
 from torch import nn
 
 from conftest import sharded_gpt
-from gradsync.integrations.fsdp import TAGCConfig, all_layers, non_attention_linear
+from gradsync.integrations.fsdp import (
+    TAGCConfig,
+    all_layers,
+    compressed_parameters,
+    compressed_share,
+    linear_like,
+    non_attention_linear,
+)
 from gradsync.testing import run_distributed
 
 # -- synthetic reduce-scatter inputs, regenerated in the parent ------------------------------
@@ -407,3 +414,97 @@ def test_default_policy_on_module_names():
     assert non_attention_linear("embed", emb)
     assert not non_attention_linear("ln1", ln)
     assert not non_attention_linear("attn", nn.MultiheadAttention(4, 2))
+
+
+# -- the policy on Hugging Face GPT-2 (Conv1D layers) -----------------------------------------
+class _DuckLinear(nn.Module):
+    """A linear layer that is no nn.Linear (as quantised and adapter linears are)."""
+
+    def __init__(self, n_in: int, n_out: int) -> None:
+        super().__init__()
+        self.in_features, self.out_features = n_in, n_out
+        self.weight = nn.Parameter(torch.zeros(n_out, n_in))
+        self.bias = nn.Parameter(torch.zeros(n_out))
+
+
+def test_linear_like_by_duck_typing():
+    from transformers.pytorch_utils import Conv1D
+
+    hf = Conv1D(12, 4)  # nf=12 outputs, nx=4 inputs: weight (in, out), transposed vs Linear
+    assert tuple(hf.weight.shape) == (4, 12) and not isinstance(hf, nn.Linear)
+    for m in (nn.Linear(4, 3), hf, _DuckLinear(4, 3)):
+        assert linear_like(m), type(m).__name__
+    for m in (nn.Embedding(4, 3), nn.LayerNorm(4), nn.Conv1d(2, 3, 1), nn.Conv2d(2, 3, 1),
+              nn.MultiheadAttention(4, 2), nn.Sequential(nn.Linear(2, 2)), nn.Bilinear(2, 2, 2)):
+        assert not linear_like(m), type(m).__name__
+    assert non_attention_linear("h.0.mlp.c_fc", hf) and non_attention_linear("h.0.attn.c_proj", hf)
+    assert not non_attention_linear("h.0.attn.c_attn", hf)
+    assert non_attention_linear("mlp.up", _DuckLinear(4, 3))
+    assert not non_attention_linear("attn.q_proj", _DuckLinear(4, 3))
+
+
+def _gpt2_expected():
+    """The names TAGC §3.2 compresses in gpt2_small and their share, from its config alone."""
+    from gradsync.apps.models import build
+
+    model = build("gpt2_small")
+    cfg = model.hf.config
+    E, L, V, N = cfg.n_embd, cfg.n_layer, cfg.vocab_size, cfg.n_positions
+    inner = cfg.n_inner or 4 * E
+    comp = {"hf.transformer.wte.weight", "hf.transformer.wpe.weight"}
+    plain = {"hf.transformer.ln_f.weight", "hf.transformer.ln_f.bias"}
+    for i in range(L):
+        b = f"hf.transformer.h.{i}."
+        comp |= {b + f"{m}.{p}" for m in ("attn.c_proj", "mlp.c_fc", "mlp.c_proj")
+                 for p in ("weight", "bias")}
+        plain |= {b + f"{m}.{p}" for m in ("attn.c_attn", "ln_1", "ln_2")
+                  for p in ("weight", "bias")}
+    per_block_comp = (E * E + E) + (E * inner + inner) + (inner * E + E)
+    per_block_plain = (E * 3 * E + 3 * E) + 4 * E
+    n_comp = V * E + N * E + L * per_block_comp  # lm_head is tied to wte: counted once
+    n_all = n_comp + L * per_block_plain + 2 * E
+    return model, comp, plain, n_comp / n_all
+
+
+def test_gpt2_small_feed_forward_and_post_attention_projections_are_compressed():
+    from transformers.pytorch_utils import Conv1D
+
+    model, comp, plain, share = _gpt2_expected()
+    blk = model.hf.transformer.h[0]
+    assert all(isinstance(m, Conv1D) for m in (blk.attn.c_attn, blk.attn.c_proj, blk.mlp.c_fc,
+                                               blk.mlp.c_proj))
+    chosen = compressed_parameters(model)
+    assert set(chosen) == comp and not set(chosen) & plain
+    assert compressed_share(model) == pytest.approx(share, abs=1e-12)
+    assert 0.7 < compressed_share(model) < 0.85  # "roughly 80%" (TAGC §3.2), not 9.4%
+    # the share follows the policy: all layers -> 1, nothing -> 0
+    assert compressed_share(model, all_layers) == 1.0
+    assert compressed_share(model, lambda n, m: False) == 0.0
+
+
+def _gpt2_tagc(rank: int, world: int) -> dict:
+    """gpt2_small under FSDP2 (every block and the model) with default TAGC: one step."""
+    from torch.distributed.fsdp import fully_shard
+
+    from gradsync.apps.models import build
+    from gradsync.integrations.fsdp import compress
+
+    m = build("gpt2_small", seed=0)
+    for blk in m.hf.transformer.h:
+        fully_shard(blk)
+    fully_shard(m)
+    t = compress(m, TAGCConfig())
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randint(0, 256, (4, 16), generator=g)
+    out = m(x)
+    nn.functional.cross_entropy(out.reshape(-1, out.shape[-1]), x.reshape(-1)).backward()
+    return {"plan": t.plan(), "stats": t.stats()}
+
+
+def test_gpt2_small_under_fsdp2_compresses_those_layers():
+    _, comp, plain, _ = _gpt2_expected()
+    res = run_distributed(_gpt2_tagc, 2, timeout=300)
+    for r in res:
+        got_comp = {p for u in r["plan"].values() for p in u["compressed"]}
+        got_plain = {p for u in r["plan"].values() for p in u["plain"]}
+        assert got_comp == comp and got_plain == plain

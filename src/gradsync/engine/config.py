@@ -47,6 +47,11 @@ class Config:
         seed: seeds every sparsifier's generator (with the tensor name and rank mixed in).
         check_every: every K steps verify that parameters are identical on all ranks
             (0 = never).
+        broadcast_initial: ``True`` (default): :class:`gradsync.GradSync` copies rank 0's
+            parameters and buffers to every rank at construction, as
+            ``DistributedDataParallel`` does, so replicas start equal whatever each rank's
+            seed; ``False`` leaves each rank's initial values alone. The DDP hook ignores it
+            (DDP itself broadcasts at construction).
     """
 
     scheme: str = "ssfusion_oi"
@@ -60,6 +65,7 @@ class Config:
     timeout_s: float = 300.0
     seed: int = 0
     check_every: int = 0
+    broadcast_initial: bool = True
 
     def __post_init__(self) -> None:
         if self.scheme not in schemes.SCHEMES:
@@ -87,6 +93,9 @@ class Config:
         if int(self.check_every) != self.check_every or self.check_every < 0:
             raise ValueError(f"Config.check_every must be an integer >= 0, got "
                              f"{self.check_every!r}")
+        if not isinstance(self.broadcast_initial, bool):
+            raise ValueError(f"Config.broadcast_initial must be True or False, got "
+                             f"{self.broadcast_initial!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:

@@ -5,7 +5,9 @@ hashes (32 bytes per rank) and raises :class:`ReplicaDivergence` naming the rank
 diverging parameter when they differ. ``signature_check(sig, group)`` all-gathers a small
 description of the configuration and model (scheme, density, parameter names and shapes) at
 engine construction and raises ``ValueError`` naming the difference, so mismatched ranks fail
-at once instead of hanging in a collective later.
+at once instead of hanging in a collective later. ``broadcast_states(model, group)`` copies the
+source rank's parameters and buffers to every rank (what ``DistributedDataParallel`` does at
+construction), so replicas start bit-identical.
 """
 
 from __future__ import annotations
@@ -17,7 +19,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-__all__ = ["ReplicaDivergence", "check_consistency", "parameter_digest", "signature_check"]
+from gradsync.collectives.comm import Comm, CommStats
+
+__all__ = ["ReplicaDivergence", "broadcast_states", "check_consistency", "parameter_digest",
+           "signature_check", "state_signature"]
+
+# Largest flat buffer one broadcast moves (DDP coalesces its initial broadcast the same way).
+_BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024
 
 
 class ReplicaDivergence(RuntimeError):
@@ -97,3 +105,49 @@ def _describe(a: Any, b: Any) -> str:
             if x != y:
                 return f"{x!r} vs {y!r}"
     return f"{a!r} vs {b!r}"
+
+
+def _module_states(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    """Every parameter (frozen ones too) and every buffer, each once, in module order."""
+    return ([(f"param:{n}", p) for n, p in model.named_parameters()]
+            + [(f"buffer:{n}", b) for n, b in model.named_buffers()])
+
+
+def state_signature(model: nn.Module) -> list[tuple[str, tuple[int, ...], str]]:
+    """Name, shape and dtype of every tensor :func:`broadcast_states` moves (for
+    :func:`signature_check`: ranks whose tensors differ would otherwise hang in the broadcast)."""
+    return [(n, tuple(t.shape), str(t.dtype)) for n, t in _module_states(model)]
+
+
+def broadcast_states(model: nn.Module, group: dist.ProcessGroup | None = None,
+                     src: int = 0) -> CommStats:
+    """Overwrite every rank's parameters and buffers with group rank ``src``'s, in place.
+
+    Tensors are flattened into buckets of one device and dtype (at most 64 MiB each) and each
+    bucket is broadcast once, so a model costs a few collectives, not one per tensor. Every
+    rank of ``group`` must call it with the same model structure (check with
+    :func:`state_signature` first). Returns the traffic, counted by :class:`Comm`.
+    """
+    comm = Comm(group)
+    if comm.size == 1:
+        return comm.stats
+    buckets: dict[tuple[torch.device, torch.dtype], list[list[torch.Tensor]]] = {}
+    for _, t in _module_states(model):
+        if t.numel() == 0:
+            continue
+        chunks = buckets.setdefault((t.device, t.dtype), [[]])
+        used = sum(x.numel() for x in chunks[-1]) * t.element_size()
+        if chunks[-1] and used + t.numel() * t.element_size() > _BROADCAST_BUCKET_BYTES:
+            chunks.append([])
+        chunks[-1].append(t)
+    with torch.no_grad():
+        for (_, dtype), chunks in buckets.items():
+            for chunk in chunks:
+                flat = torch.cat([t.detach().reshape(-1) for t in chunk])
+                wire = flat.view(torch.uint8) if dtype == torch.bool else flat
+                comm.broadcast(wire, src)
+                offset = 0
+                for t in chunk:
+                    t.copy_(flat[offset:offset + t.numel()].view_as(t))
+                    offset += t.numel()
+    return comm.stats

@@ -54,7 +54,12 @@ from gradsync.engine.apply import apply
 from gradsync.engine.audit import AuditRecord, AuditSink
 from gradsync.engine.components import Components
 from gradsync.engine.config import Config
-from gradsync.engine.consistency import check_consistency, signature_check
+from gradsync.engine.consistency import (
+    broadcast_states,
+    check_consistency,
+    signature_check,
+    state_signature,
+)
 from gradsync.engine.executor import Executor
 from gradsync.engine.jobs import Job, Launched, StepRun, plan_jobs
 from gradsync.engine.prepare import prepare
@@ -81,6 +86,11 @@ class GradSync:
             (frozen parameters are ignored, parameters without a gradient in a step count as
             zero).
         config: a :class:`Config` (default ``Config()``: SSFusion-OI with DGC at 1%).
+            With ``config.broadcast_initial`` (the default) the constructor overwrites every
+            rank's parameters and buffers (frozen ones too) with rank 0's, on ``group``, before
+            anything else uses them, as ``DistributedDataParallel`` does: replicas start
+            bit-identical whatever each rank's seed. It is a collective, so every rank of the
+            group must construct the engine; build the model and load its weights first.
         group: the process group; ``None`` creates a dedicated group over all ranks (so the
             engine's background communication never interleaves with the caller's own
             collectives) with ``config.timeout_s``. Without an initialised process group the
@@ -113,6 +123,9 @@ class GradSync:
         self.rank, self.P = probe.rank, probe.size
         if self.P > 1:
             signature_check(self._signature(), group)
+            if self.cfg.broadcast_initial:
+                # DDP's rule: every replica starts from rank 0's parameters and buffers
+                broadcast_states(model, group, src=0)
         self.ef = ErrorFeedback(momentum=self.cfg.momentum)
         self.step = 0
         self.plan: Plan | None = None
@@ -308,8 +321,11 @@ class GradSync:
 
     # ------------------------------------------------------------------ internals
     def _signature(self) -> dict[str, Any]:
-        return {"config": self.cfg.to_dict(),
-                "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in self.params.items()]}
+        sig = {"config": self.cfg.to_dict(),
+               "params": [(n, tuple(p.shape), str(p.dtype)) for n, p in self.params.items()]}
+        if self.cfg.broadcast_initial:
+            sig["states"] = state_signature(self.model)  # what the broadcast will move
+        return sig
 
     def _set_plan(self, plan: Plan) -> None:
         self._jobs: list[Job] = plan_jobs(plan, self._parts.collective_name, list(self.params))

@@ -37,6 +37,7 @@ with its string.)
 ``"ddp_hook:<scheme>"``), so :mod:`gradsync.checkpoint` saves and restores it per rank.
 """
 
+import contextlib
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -87,6 +88,9 @@ class HookState:
     tensors: int = 0
     shapes: list[tuple[str, tuple[int, ...]]] | None = None  # the model's, when known
     checked: bool = False  # configuration agreed across ranks
+    # SSFusion-I's last asynchronous all-reduce (its work and buffer), kept until the next call:
+    # see _sparse_hook for why
+    retired: tuple[Any, ...] = ()
 
     def __post_init__(self) -> None:
         self.scheme = schemes.get(self.cfg.scheme)
@@ -220,23 +224,41 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
             sparse_parts.append((i, state.sparsifier(name, d).select(acc)))
     out = torch.zeros_like(buf)
     kept_by_tensor: dict[int, torch.Tensor] = {}
+    work = None
     if dense_parts:
         flat = torch.cat([accs[names[i]] for i in dense_parts])
         work = comm.all_reduce(flat, async_op=True)  # interleaved with the all-gather below
     stats = comm.stats
-    if sparse_parts:
-        idx = torch.cat([s.indices + offsets[i] for i, s in sparse_parts])
-        vals = torch.cat([s.values for _, s in sparse_parts])
-        res = state.collective(SparseGrad(idx, vals, buf.numel(), validate=False),
-                               group=state.group)
-        out += res.dense
-        kept = res.kept
-        for i, _ in sparse_parts:
-            sel = kept[(kept >= offsets[i]) & (kept < offsets[i + 1])] - offsets[i]
-            kept_by_tensor[i] = sel
-        stats += res.stats
-    if dense_parts:
+    try:
+        if sparse_parts:
+            idx = torch.cat([s.indices + offsets[i] for i, s in sparse_parts])
+            vals = torch.cat([s.values for _, s in sparse_parts])
+            res = state.collective(SparseGrad(idx, vals, buf.numel(), validate=False),
+                                   group=state.group)
+            out += res.dense
+            kept = res.kept
+            for i, _ in sparse_parts:
+                sel = kept[(kept >= offsets[i]) & (kept < offsets[i + 1])] - offsets[i]
+                kept_by_tensor[i] = sel
+            stats += res.stats
+    except BaseException:
+        # SSFusion-I's all-reduce is waited for on every path, a failing all-gather included:
+        # a work left pending keeps this bucket's tensors in gloo's worker thread, which may
+        # then release them while the interpreter shuts down
+        if work is not None:
+            with contextlib.suppress(Exception):
+                work.wait()
+        raise
+    if work is not None:
         work.wait()
+        # gloo's worker thread drops its own reference to a finished work a moment after
+        # wait() returns. If it held the last one, it would free this Python tensor there and
+        # need the GIL; at interpreter exit that thread then dies inside a C++ destructor and
+        # the process aborts ("terminate called without an active exception"). Keeping the
+        # work and its buffer until the next call (or until the state is freed, on the main
+        # thread) makes the training thread the one that frees them.
+        state.retired = (work, flat)
+    if dense_parts:
         pos = 0
         for i in dense_parts:
             out[offsets[i]:offsets[i + 1]] = flat[pos:pos + numels[i]]

@@ -27,7 +27,10 @@ inside one FSDP unit the parameters of compressed modules travel as above and th
 plain reduce-scatter, so a transformer block wrapped as one unit sends its q/k/v projection and
 norms uncompressed and its MLP and attention output projection compressed. The default
 :func:`non_attention_linear` is the paper's "non-attention linear layers": feed-forward linears,
-embeddings, the LM head and the attention output projection.
+embeddings, the LM head and the attention output projection, with linear layers recognised by
+duck typing (:func:`linear_like`: ``nn.Linear``, Hugging Face's ``Conv1D`` in GPT-2, other
+modules with ``in_features``/``out_features``). :func:`compressed_share` reports the fraction of
+a model's parameters a policy compresses.
 
 θ = 0 means "no sparsification": the compressed path then carries the raw gradients and is exact
 whenever the union of the ranks' nonzeros is peelable (density below ≈ 0.82/ratio — sparse
@@ -73,7 +76,8 @@ from gradsync.engine.consistency import signature_check
 from gradsync.engine.state import Identity, check_identity
 from gradsync.formats.sketch import CountSketch
 
-__all__ = ["TAGC", "TAGCConfig", "all_layers", "compress", "non_attention_linear"]
+__all__ = ["TAGC", "TAGCConfig", "all_layers", "compress", "compressed_parameters",
+           "compressed_share", "linear_like", "non_attention_linear"]
 
 RATIOS = (2, 4, 10)  # TAGC compression levels (Table 1)
 INDEX_BITS = (1, 4)
@@ -84,21 +88,93 @@ _ATTN_INPUT = re.compile(
 )
 
 
+def linear_like(module: nn.Module) -> bool:
+    """Whether ``module`` is a dense linear layer, recognised by duck typing.
+
+    True for ``nn.Linear`` and its subclasses; for Hugging Face's
+    ``transformers.pytorch_utils.Conv1D`` (GPT-2's ``c_attn``, ``c_proj``, ``c_fc``: a linear
+    layer whose weight is stored transposed, ``(in, out)``), recognised by its class name so that
+    transformers is never imported here; and for any other module that carries
+    ``in_features``/``out_features`` and a 2-D ``weight`` (quantised or adapter linears). Its own
+    parameters must be that 2-D ``weight`` and at most a 1-D ``bias``; embeddings, norms and
+    convolutions (3-D or 4-D weights) are not linear-like.
+    """
+    if isinstance(module, nn.Linear):
+        return True
+    own = dict(module.named_parameters(recurse=False))
+    weight = own.pop("weight", None)
+    bias = own.pop("bias", None)
+    if own or not isinstance(weight, torch.Tensor) or weight.dim() != 2:
+        return False
+    if bias is not None and bias.dim() != 1:
+        return False
+    if type(module).__name__ == "Conv1D" and hasattr(module, "nf"):  # transformers' Conv1D
+        return True
+    return isinstance(getattr(module, "in_features", None), int) and isinstance(
+        getattr(module, "out_features", None), int)
+
+
 def non_attention_linear(name: str, module: nn.Module) -> bool:
     """TAGC §3.2 default policy: compress non-attention linear layers.
 
-    True for ``nn.Embedding`` (token/position embeddings) and for every ``nn.Linear`` except the
-    attention input projections (leaf names like ``q``, ``k_proj``, ``attn_qkv``, ``c_attn``,
-    ``query_key_value``): feed-forward linears, the LM head and the attention output projection
-    are compressed. Norms, the fused ``in_proj_weight`` of ``nn.MultiheadAttention`` and any
-    other module are sent uncompressed.
+    True for ``nn.Embedding`` (token/position embeddings) and for every linear-like module
+    (:func:`linear_like`: ``nn.Linear``, Hugging Face ``Conv1D``, other linears by duck typing)
+    except the attention input projections (leaf names like ``q``, ``k_proj``, ``attn_qkv``,
+    ``c_attn``, ``query_key_value``): feed-forward linears (GPT-2's ``mlp.c_fc`` and
+    ``mlp.c_proj``), the LM head and the attention output projection (``attn.c_proj``,
+    ``out_proj``) are compressed. Norms, the fused ``in_proj_weight`` of
+    ``nn.MultiheadAttention`` and any other module are sent uncompressed.
+    :func:`compressed_share` says what fraction of a model this selects.
     """
     if isinstance(module, nn.Embedding):
         return True
-    if isinstance(module, nn.Linear):
+    if linear_like(module):
         leaf = name.rsplit(".", 1)[-1].lower()
         return not (_ATTN_INPUT.search(leaf) or leaf.endswith("query_key_value"))
     return False
+
+
+def compressed_parameters(model: nn.Module,
+                          policy: Callable[[str, nn.Module], bool] | None = None) -> list[str]:
+    """Names of the trainable parameters ``policy`` (default :func:`non_attention_linear`)
+    compresses: those whose owning module it selects, as :func:`compress` decides per unit.
+
+    A parameter shared by several modules (tied embeddings) counts once, under its first
+    owner in ``model.named_modules()`` order.
+    """
+    policy = policy or non_attention_linear
+    seen: set[int] = set()
+    out = []
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            if bool(policy(mname, module)):
+                out.append(f"{mname}.{pname}" if mname else pname)
+    return out
+
+
+def compressed_share(model: nn.Module,
+                     policy: Callable[[str, nn.Module], bool] | None = None) -> float:
+    """Fraction of ``model``'s trainable parameter elements that ``policy`` (default
+    :func:`non_attention_linear`) compresses, in [0, 1] (shared parameters counted once).
+
+    TAGC §3.2 compresses the non-attention linear layers, most of a transformer's parameters;
+    a low share means the policy misses the model's layers.
+    """
+    chosen = set(compressed_parameters(model, policy))
+    total = comp = 0
+    seen: set[int] = set()
+    for mname, module in model.named_modules():
+        for pname, p in module.named_parameters(recurse=False):
+            if id(p) in seen or not p.requires_grad:
+                continue
+            seen.add(id(p))
+            total += p.numel()
+            if (f"{mname}.{pname}" if mname else pname) in chosen:
+                comp += p.numel()
+    return comp / total if total else 0.0
 
 
 def all_layers(name: str, module: nn.Module) -> bool:
