@@ -1,8 +1,9 @@
 """DDP integration: a comm hook that sparsifies inside each DDP bucket.
 
 ``gradsync.ddp.register(ddp_model, cfg)`` installs the hook; ``gradsync.ddp.hook(cfg, model)``
-returns ``(state, hook)`` for frameworks that take the two separately (Lightning's
-``DDPStrategy(ddp_comm_state=…, ddp_comm_hook=…)``, Accelerate's comm-hook slot).
+returns ``(state, hook)`` for code that registers the hook itself. Lightning and Accelerate
+use :mod:`gradsync.lightning` and :mod:`gradsync.accelerate` (Lightning installs comm hooks
+only on CUDA, and Accelerate has no comm-hook setting it honours).
 
 Inside a bucket (SSFusion §III–IV applied to DDP's own fusion buffers):
 
