@@ -5,11 +5,6 @@
 never imports this package; tests and the applications do.
 """
 
-from gradsync.testing.distributed import (
-    DistributedError,
-    DistributedTimeout,
-    finish,
-    run_distributed,
-)
+from gradsync.testing.distributed import DistributedError, DistributedTimeout, run_distributed
 
-__all__ = ["DistributedError", "DistributedTimeout", "finish", "run_distributed"]
+__all__ = ["DistributedError", "DistributedTimeout", "run_distributed"]

@@ -59,7 +59,7 @@ from typing import Any
 
 import torch
 
-from gradsync.testing import DistributedError, finish, run_distributed
+from gradsync.testing.distributed import DistributedError, finish, run_distributed
 
 __all__ = [
     "NetemUnavailable",
