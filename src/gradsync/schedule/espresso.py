@@ -58,10 +58,11 @@ def espresso_buffers(names: list[str], numel: dict[str, int], cost: CostModel, d
     """One buffer per tensor (backward order), each with Espresso's option (module doc), and
     the decision record (options, predicted iteration time, walks)."""
     choice = dict.fromkeys(names, "dense")
+    variants = {(n, o): BufferPlan((_tensor(n, numel[n], o, density),), "per_tensor")
+                for n in names for o in OPTIONS}  # built once: the walk only looks them up
 
     def iteration(ch: dict[str, str]) -> float:
-        bufs = [BufferPlan((_tensor(n, numel[n], ch[n], density),), "per_tensor") for n in names]
-        return simulate(Plan("espresso", bufs), cost).iteration
+        return simulate(Plan("espresso", [variants[n, ch[n]] for n in names]), cost).iteration
 
     best = iteration(choice)
     walks = 0
@@ -78,6 +79,5 @@ def espresso_buffers(names: list[str], numel: dict[str, int], cost: CostModel, d
                     best, choice[n], changed = t, opt, True
         if not changed:
             break
-    buffers = [BufferPlan((_tensor(n, numel[n], choice[n], density),), "per_tensor")
-               for n in names]
+    buffers = [variants[n, choice[n]] for n in names]
     return buffers, {"options": choice, "iteration": best, "walks": walks}
