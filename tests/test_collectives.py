@@ -30,7 +30,7 @@ from gradsync.sparsegrad import SparseGrad, target_k
 from gradsync.testing import run_distributed
 
 # Import every collective module that exists in the tree (they self-register).
-for _mod in ("dense", "topka", "topkdsa", "gtopk", "oktopk", "densestream", "lhc"):
+for _mod in ("dense", "topka", "topkdsa", "gtopk", "oktopk", "densestream", "lhc", "spardl"):
     if importlib.util.find_spec(f"gradsync.collectives.{_mod}") is not None:
         importlib.import_module(f"gradsync.collectives.{_mod}")
 
@@ -39,8 +39,9 @@ WORLD_SIZES = [1, 2, 3, 4, 5, 8]
 DTYPES = [torch.float32, torch.bfloat16]
 # gTop-k drops an entry at an inner merge of its tree even if the same index re-enters from
 # another subtree, so its values at the support are partial sums (of the kept entries), not the
-# full SUM; every other non-exact collective reduces its selected indices completely.
-PARTIAL_AT_SUPPORT = {"gtopk"}
+# full SUM; SparDL's re-sparsification after each addition does the same to partial sums of
+# its blocks. Every other non-exact collective reduces its selected indices completely.
+PARTIAL_AT_SUPPORT = {"gtopk", "spardl"}
 
 # case name → numel (7 cases; numel not divisible by P, and one smaller than P)
 CASES = {

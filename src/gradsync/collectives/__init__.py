@@ -22,6 +22,15 @@ def names() -> list[str]:
     return registry.names()
 
 
-from gradsync.collectives import dense, densestream, gtopk, lhc, oktopk, topka, topkdsa  # noqa: E402,F401
+from gradsync.collectives import (  # noqa: E402,F401
+    dense,
+    densestream,
+    gtopk,
+    lhc,
+    oktopk,
+    spardl,
+    topka,
+    topkdsa,
+)
 
 __all__ = ["Collective", "Comm", "CommStats", "SyncResult", "get", "names", "registry"]

@@ -12,7 +12,9 @@ from __future__ import annotations
 from gradsync.schedule import schemes
 from gradsync.schedule.costmodel import CostModel, missing_rate
 from gradsync.schedule.cupcake import cupcake_groups
+from gradsync.schedule.espresso import espresso_buffers
 from gradsync.schedule.fixed import fixed_buckets
+from gradsync.schedule.hipress import hipress_buffers
 from gradsync.schedule.mgwfbp import mgwfbp_groups
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
 from gradsync.schedule.schemes import SCHEMES, Scheme
@@ -123,6 +125,10 @@ def make_plan(
         else:
             groups, _ = cupcake_groups(names, numel, cost, density)
         buffers = per_tensor_buffers(groups)
+    elif spec.planner == "hipress":
+        buffers, info["hipress"] = hipress_buffers(names, numel, cost, density, bucket_bytes)
+    elif spec.planner == "espresso":
+        buffers, info["espresso"] = espresso_buffers(names, numel, cost, density)
     else:  # ssfusion, with SSFusion-O and SSFusion-I as the record says
         groups, _ = cupcake_groups(names, numel, cost, density)
         buffers, info["eq2"] = selective_buffers(groups, numel, cost, density, min_density)

@@ -15,6 +15,10 @@ Planners (``Scheme.planner``):
 ``per_tensor`` Cupcake's buffers, every tensor sparsified on its own
 ``ssfusion``   Cupcake's buffers + SSFusion's selective sparsification (ssfusion.py), with
                SSFusion-O offloading (``offload``) and SSFusion-I interleaving (``interleave``)
+``hipress``    HiPress: compress-or-not per tensor from a static cost model, compressed tensors
+               alone, the others bulk-synchronized (hipress.py)
+``espresso``   Espresso: per tensor dense, sparsified inline or offloaded, chosen on the
+               timeline of ready times; one message per tensor, no fusion (espresso.py)
 =============  =============================================================================
 """
 
@@ -26,7 +30,8 @@ from types import MappingProxyType
 
 __all__ = ["PLANNERS", "SCHEMES", "Scheme", "get", "names"]
 
-PLANNERS = ("fixed", "single", "mgwfbp", "cupcake", "per_tensor", "ssfusion")
+PLANNERS = ("fixed", "single", "mgwfbp", "cupcake", "per_tensor", "ssfusion", "hipress",
+            "espresso")
 
 
 @dataclass(frozen=True)
@@ -98,6 +103,12 @@ _TABLE = (
            paper="SSFusion §IV-C (SSFusion-O)"),
     Scheme("ssfusion_oi", "ssfusion", needs_cost_model=True, offload=True, interleave=True,
            ddp_hook=True, paper="SSFusion §IV-C/D (SSFusion-O + SSFusion-I)"),
+    Scheme("hipress", "hipress", needs_cost_model=True,
+           paper="HiPress (SOSP'21) CaSync selective compression + bulk synchronization"),
+    Scheme("espresso", "espresso", needs_cost_model=True,
+           paper="Espresso (EuroSys'23) per-tensor compression option and CPU offload"),
+    Scheme("spardl", "single", "spardl", collective_options=("density",),
+           paper="SparDL (ICDE'24) Spar-Reduce-Scatter + Spar-All-Gather"),
 )
 
 

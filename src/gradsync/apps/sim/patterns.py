@@ -33,6 +33,9 @@ oktopk         split and reduce: P−1 steps of k/P entries (balanced          [
 densestream    like topkdsa with balanced regions and every partition        [2k(P−1)/P entries,
                DenseStream-encoded (dense blocks; :func:`densestream_entry   Eq. 6 upper bound]
                _bytes`)
+spardl         ⌈log2 P⌉ Spar-Reduce-Scatter rounds of ≤ k/P entries per     ≤ 4k(P−1)/P
+               forwarded block, survival bits back, ring all-gather of the   (+ 1 bit per
+               P reduced blocks                                             SRS entry)
 =============  ===========================================================  =================
 
 Latency terms. Dense and TopkA are modelled as the ring algorithms (Eq. 3 / Eq. 4, what gloo and
@@ -59,6 +62,7 @@ __all__ = [
     "gtopk",
     "oktopk",
     "pattern",
+    "spardl",
     "topka",
     "topkdsa",
     "union_density",
@@ -278,7 +282,19 @@ def densestream(P: int, n: int, k: int, union: Union, value_bytes: int = 4,
     return steps
 
 
-COLLECTIVES = ("dense", "topka", "topkdsa", "gtopk", "oktopk", "densestream")
+def spardl(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4) -> list[Step]:
+    """SparDL (ICDE'24, ``gradsync.collectives.spardl``): ⌈log2 P⌉ Spar-Reduce-Scatter rounds,
+    round s forwarding the blocks at distance ≡ 2^s (mod 2^(s+1)), each re-sparsified to at most
+    k_B = ⌈k/P⌉ entries (an upper bound: every block full); the same rounds backwards with one
+    survival bit per entry; then a ring all-gather of the P reduced blocks of ≤ k_B entries."""
+    _check(P, n, k)
+    E, kb = index_bytes + value_bytes, -(-k // P)
+    blocks = [len(range(1 << s, P, 2 << s)) for s in range((P - 1).bit_length())]
+    return ([Step(1, b * kb * E) for b in blocks] + [Step(1, -(-b * kb // 8)) for b in blocks]
+            + [Step(1, kb * E) for _ in range(P - 1)])
+
+
+COLLECTIVES = ("dense", "topka", "topkdsa", "gtopk", "oktopk", "densestream", "spardl")
 
 
 def pattern(name: str, P: int, n: int, k: int, *, union: Union | None = None,
@@ -301,6 +317,8 @@ def pattern(name: str, P: int, n: int, k: int, *, union: Union | None = None,
         return gtopk(P, n, k, value_bytes, index_bytes)
     if name == "oktopk":
         return oktopk(P, n, k, value_bytes, index_bytes)
+    if name == "spardl":
+        return spardl(P, n, k, value_bytes, index_bytes)
     if name == "densestream":
         return densestream(P, n, k, union, value_bytes, index_bytes, ratio=densestream_ratio)
     raise ValueError(f"unknown collective {name!r}; available: {', '.join(COLLECTIVES)}")

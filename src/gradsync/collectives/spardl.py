@@ -1,0 +1,302 @@
+"""SparDL: Spar-Reduce-Scatter with global residual collection, then Spar-All-Gather
+(Zhao et al., "SparDL: Distributed Deep Learning Training with Efficient Sparse
+Communication", ICDE'24, §IV).
+
+SparDL attacks the *sparse gradient accumulation dilemma*: when sparse vectors are added
+along a reduce-scatter they fill in, and the volume of later rounds grows towards dense. Its
+Spar-Reduce-Scatter (SRS) keeps every round at O(k) by sparsifying again after each addition.
+
+Notation: P ranks, k entries per rank (``k = target_k(numel, density)``, or the largest
+local selection when no density is given), P blocks of the index space, block b owned by rank
+b, and the per-block budget ``k_B = ⌈k / P⌉``.
+
+1. **Blocks.** The index space is cut into P balanced regions (Ok-Topk's boundary consensus,
+   :mod:`gradsync.collectives.regions`, re-evaluated every τ = 64 steps), so that each rank
+   holds about k/P of its entries in every block.
+2. **Spar-Reduce-Scatter**, S = ⌈log2 P⌉ rounds, for any P (not only powers of two). Let
+   ``j = (b − r) mod P`` be block b's distance from rank r. In round s (distance d = 2^s)
+   rank r holds the blocks whose j is a multiple of d; it
+
+   * sends to rank (r + d) mod P the held blocks with bit s of j set, each *sparsified* to its
+     k_B largest magnitudes (ties: smaller index first),
+   * receives from rank (r − d) mod P the blocks that rank forwards — they are at distance
+     j − d from r, a multiple of 2d — adds them to its own partial sums (``index_add``) and
+     *re-sparsifies* every block it received to k_B.
+
+   A contribution of rank q to block b travels along the binary digits of (b − q) mod P and
+   reaches b after S rounds; after the last round rank r holds only block r, summed over every
+   rank (what survived), with at most k_B entries. Each round sends at most
+   ``k_B · #blocks`` entries, O(k), instead of the fill-in of a plain sparse reduce-scatter.
+3. **Spar-All-Gather**: the P reduced blocks (≤ k_B entries each) are all-gathered (exact-size
+   all-gather-v of ``[indices][values]``); every rank writes the same owner's bits into
+   ``dense``, so ``dense`` is bitwise identical everywhere.
+
+**Global residual collection.** Whatever a round drops — at the sparsification before a send
+or the re-sparsification after an addition — must not be lost. In SparDL the dropping worker
+adds it to its own residual. gradsync's collective contract returns ``kept``, the local indices
+whose value entered ``dense``, and the caller keeps everything else as *this rank's* residual
+(docs/architecture.md, "Conservation"); so the collective tells every rank which of its own
+entries survived: after the reduce-scatter the rounds are walked backwards and each receiver
+returns one bit per entry it received ("still alive at the end"), packed with
+:func:`gradsync.formats.wire.pack_bits`. A dropped partial sum thus goes back, contribution by
+contribution, into the residuals of the ranks that contributed it: no gradient mass is lost in
+any round, and per rank ``accumulated == consumed + residual`` holds exactly. The bits cost
+``⌈|R_s| / 8⌉`` bytes per round, where |R_s| is the number of entries received in round s.
+
+Wire, per rank: round s sends one int64 count and then ``|T_s|`` entries of
+``index_bytes + value bytes`` (int32 indices when numel < 2**31,
+:func:`~gradsync.formats.wire.pack_entries`); the reverse walk sends ``⌈|R_s| / 8⌉`` bytes
+back; the all-gather sends the block counts (one int64 per rank, ring all-gather) and the
+blocks (ring all-gather-v). Every received count and index is validated (sorted, in the blocks
+the schedule says the sender forwards) before use.
+
+Not exact (``exact = False``): with density 1 (k = numel) nothing is ever dropped and the
+result is the exact SUM.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from gradsync.collectives import registry
+from gradsync.collectives.base import Collective
+from gradsync.collectives.comm import Comm
+from gradsync.collectives.regions import balanced_boundaries, due
+from gradsync.formats.wire import (
+    entry_bytes,
+    pack_bits,
+    pack_entries,
+    packed_bytes,
+    unpack_bits,
+    unpack_entries,
+    wire_index_dtype,
+)
+from gradsync.sparsegrad import SparseGrad, check_indices, target_k, validate_density
+
+__all__ = ["SparDL", "block_top_k", "rounds"]
+
+
+def rounds(P: int) -> int:
+    """S = ⌈log2 P⌉, the number of Spar-Reduce-Scatter rounds (0 for one rank)."""
+    return (P - 1).bit_length()
+
+
+def block_top_k(values: torch.Tensor, block: torch.Tensor, k_b: int, P: int) -> torch.Tensor:
+    """Keep-mask of the ``k_b`` largest ``|values|`` within each block (``block`` holds each
+    entry's block id in ``[0, P)``; entries are in index order, so ties go to the smaller
+    index)."""
+    m = values.numel()
+    keep = torch.zeros(m, dtype=torch.bool, device=values.device)
+    if m == 0 or k_b <= 0:
+        return keep
+    order = torch.argsort(values.abs(), descending=True, stable=True)
+    order = order[torch.argsort(block[order], stable=True)]  # by block, then by |v| desc
+    counts = torch.bincount(block, minlength=P)
+    start = torch.cumsum(counts, 0) - counts
+    rank_in_block = torch.arange(m, device=values.device) - start[block[order]]
+    keep[order[rank_in_block < k_b]] = True
+    return keep
+
+
+def _add(ai: torch.Tensor, av: torch.Tensor, bi: torch.Tensor, bv: torch.Tensor
+         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sparse sum of (ai, av) and (bi, bv), both sorted and unique: ``a`` added first."""
+    if bi.numel() == 0:
+        return ai, av
+    union, inv = torch.unique(torch.cat([ai, bi]), sorted=True, return_inverse=True)
+    out = torch.zeros(union.numel(), dtype=av.dtype, device=av.device)
+    out.index_add_(0, inv[: ai.numel()], av)
+    out.index_add_(0, inv[ai.numel():], bv)
+    return union, out
+
+
+@registry.register("spardl")
+class SparDL(Collective):
+    """SparDL's Spar-Reduce-Scatter + Spar-All-Gather for any P (module doc).
+
+    Args:
+        density: k = ``target_k(numel, density)`` entries per rank (the engine passes
+            ``Config.density``).
+        k: k directly, instead of ``density``. With neither, k is the largest local selection
+            (one 8-byte MAX all-reduce per call).
+        tau: steps between re-evaluations of the block boundaries (τ).
+    """
+
+    exact = False
+
+    def __init__(self, density: float | None = None, k: int | None = None, *, tau: int = 64,
+                 check_shapes: bool = True) -> None:
+        super().__init__(check_shapes=check_shapes)
+        if density is not None and k is not None:
+            raise ValueError("spardl: give density or k, not both")
+        if density is not None:
+            density = validate_density(density, "spardl: density")
+        if k is not None and (isinstance(k, bool) or not isinstance(k, int) or k < 0):
+            raise ValueError(f"spardl: k must be an int >= 0, got {k!r}")
+        if isinstance(tau, bool) or not isinstance(tau, int) or tau < 1:
+            raise ValueError(f"spardl: tau must be an int >= 1, got {tau!r}")
+        self.density, self.k, self.tau = density, k, tau
+        # (numel, P) → (step of the last evaluation, boundaries B[0..P])
+        self._bounds: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+
+    def __repr__(self) -> str:
+        return f"SparDL(density={self.density}, k={self.k}, tau={self.tau})"
+
+    # -- k and blocks ----------------------------------------------------------------------
+    def _target_k(self, sel: SparseGrad, comm: Comm) -> int:
+        if self.k is not None:
+            return self.k
+        if self.density is not None:
+            return target_k(sel.numel, self.density)
+        word = torch.tensor([len(sel)], dtype=torch.int64, device=sel.device)
+        comm.all_reduce(word, op=dist.ReduceOp.MAX)
+        return int(word)
+
+    def _blocks(self, sel: SparseGrad, comm: Comm, step: int) -> tuple[torch.Tensor, bool]:
+        key = (sel.numel, comm.size)
+        held = self._bounds.get(key)
+        if held is not None and not due(step, held[0], self.tau):
+            return held[1], False
+        bounds = balanced_boundaries(sel.indices, sel.numel, comm.size, comm)
+        self._bounds[key] = (step, bounds)
+        return bounds, True
+
+    # -- the algorithm ---------------------------------------------------------------------
+    def _reduce(
+        self, sel: SparseGrad, comm: Comm, step: int
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        P, r, n = comm.size, comm.rank, sel.numel
+        if P == 1:
+            return sel.to_dense(), sel.indices, {"rounds": 0, "dropped": 0}
+        dev, dtype = sel.device, sel.dtype
+        k = self._target_k(sel, comm)
+        k_b = math.ceil(k / P)
+        B, recomputed = self._blocks(sel, comm, step)
+        B_dev = B.to(dev)
+        wire = wire_index_dtype(n)
+        eb = entry_bytes(wire, dtype)
+
+        def dist_of(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+            """(block id, its distance j = (b − r) mod P from this rank) of each index."""
+            blk = torch.searchsorted(B_dev, idx, right=True) - 1
+            return blk, (blk - r) % P
+
+        idx, val = sel.indices, sel.values  # the partial sums this rank holds, index order
+        history: list[dict[str, torch.Tensor]] = []  # per round, for the backward walk
+        S = rounds(P)
+        for s in range(S):
+            d = 1 << s
+            dst, src = (r + d) % P, (r - d) % P
+            blk, j = dist_of(idx)
+            out = (j & d) != 0
+            # sparsify each forwarded block to k_B
+            fwd = out.nonzero().view(-1)
+            fwd = fwd[block_top_k(val[fwd], blk[fwd], k_b, P)]
+            t_idx, t_val = idx[fwd], val[fwd]
+            k_idx, k_val = idx[~out], val[~out]
+            # count, then entries
+            got = torch.zeros(1, dtype=torch.int64, device=dev)
+            comm.sendrecv(torch.tensor([t_idx.numel()], dtype=torch.int64, device=dev), dst,
+                          got, src)
+            r_idx, r_val = self._receive(comm, int(got), pack_entries(t_idx, t_val, wire), s,
+                                         B, n, wire, dtype)
+            # add, then re-sparsify every block this round delivered to
+            m_idx, m_val = _add(k_idx, k_val, r_idx, r_val)
+            blk, j = dist_of(m_idx)
+            recv_blocks = (j % (2 * d) == 0) & (j + d < P)
+            keep = ~recv_blocks
+            sub = recv_blocks.nonzero().view(-1)
+            keep[sub[block_top_k(m_val[sub], blk[sub], k_b, P)]] = True
+            history.append({"sent": t_idx, "kept_part": k_idx,
+                            "recv": r_idx, "merged": m_idx})
+            idx, val = m_idx[keep], m_val[keep]
+
+        # Global residual collection: walk the rounds backwards; an entry is alive when it
+        # reached the owner's final block. ``alive`` is the set of live indices in the state.
+        alive = idx
+        for s in reversed(range(S)):
+            d = 1 << s
+            dst, src = (r + d) % P, (r - d) % P
+            h = history[s]
+            merged_alive = h["merged"][torch.isin(h["merged"], alive)]
+            recv_alive = torch.isin(h["recv"], merged_alive)
+            bits = torch.empty(packed_bytes(h["sent"].numel(), 1), dtype=torch.uint8,
+                               device=dev)
+            comm.sendrecv(pack_bits(recv_alive), src, bits, dst)
+            sent_alive = unpack_bits(bits, h["sent"].numel()) > 0
+            alive = torch.cat([h["kept_part"][torch.isin(h["kept_part"], merged_alive)],
+                               h["sent"][sent_alive]])
+        kept = sel.indices[torch.isin(sel.indices, alive)]
+
+        # Spar-All-Gather of the reduced blocks
+        counts = comm.all_gather_counts(idx.numel(), dev)
+        msgs = comm.all_gather_v(pack_entries(idx, val, wire), [c * eb for c in counts])
+        dense = torch.zeros(n, dtype=dtype, device=dev)
+        for owner, (msg, c) in enumerate(zip(msgs, counts)):
+            if c > k_b:
+                raise ValueError(f"spardl: rank {owner} announced {c} entries for its block, "
+                                 f"more than k_B = {k_b}")
+            g_idx, g_val = unpack_entries(msg, c, wire, dtype, "spardl")
+            self._check_block(g_idx, owner, B, n, f"spardl: block of rank {owner}")
+            dense[g_idx] = g_val
+        info = {"k": k, "k_block": k_b, "rounds": S, "boundaries": B,
+                "boundaries_recomputed": recomputed, "block_nnz": idx.numel(),
+                "global_nnz": sum(counts), "dropped": len(sel) - kept.numel(),
+                "sent_per_round": [h["sent"].numel() for h in history]}
+        return dense, kept, info
+
+    @staticmethod
+    def _receive(comm: Comm, count: int, payload: torch.Tensor, s: int, B: torch.Tensor, n: int,
+                 wire: torch.dtype, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Round ``s``: send ``payload`` to rank r + 2^s while receiving ``count`` entries from
+        rank r − 2^s, validated against the blocks the schedule lets that rank forward."""
+        P, r, d = comm.size, comm.rank, 1 << s
+        src = (r - d) % P
+        blocks = [(r + j) % P for j in range(0, P, 2 * d) if j + d < P]  # what src forwards
+        room = sum(int(B[b + 1] - B[b]) for b in blocks)
+        if not 0 <= count <= room:
+            raise ValueError(f"spardl: rank {src} announced {count} entries in round {s}; "
+                             f"its blocks for this rank hold at most {room}")
+        buf = torch.empty(count * entry_bytes(wire, dtype), dtype=torch.uint8,
+                          device=payload.device)
+        comm.sendrecv(payload, (r + d) % P, buf, src)
+        r_idx, r_val = unpack_entries(buf, count, wire, dtype, "spardl")
+        check_indices(r_idx, n, f"spardl: round {s} from rank {src}")
+        if count:
+            j = ((torch.searchsorted(B.to(r_idx.device), r_idx, right=True) - 1) - r) % P
+            if not bool(((j % (2 * d) == 0) & (j + d < P)).all()):
+                raise ValueError(f"spardl: rank {src} sent indices outside the blocks it "
+                                 f"forwards in round {s}")
+        return r_idx, r_val
+
+    @staticmethod
+    def _check_block(idx: torch.Tensor, owner: int, B: torch.Tensor, n: int, what: str) -> None:
+        check_indices(idx, n, what)
+        if idx.numel() and (int(idx[0]) < int(B[owner]) or int(idx[-1]) >= int(B[owner + 1])):
+            raise ValueError(f"{what}: indices outside its block [{int(B[owner])}, "
+                             f"{int(B[owner + 1])})")
+
+    # -- state ---------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        return {"tau": self.tau,
+                "boundaries": [{"numel": n, "regions": p, "step": s, "bounds": b.clone()}
+                               for (n, p), (s, b) in sorted(self._bounds.items())]}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        if set(state) != {"tau", "boundaries"}:
+            raise ValueError(f"spardl: unexpected state keys {sorted(state)}")
+        if int(state["tau"]) != self.tau:
+            raise ValueError(f"spardl: state saved with tau={state['tau']}, this collective "
+                             f"has tau={self.tau}")
+        loaded: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+        for e in state["boundaries"]:
+            n, p, b = int(e["numel"]), int(e["regions"]), e["bounds"].to(torch.int64)
+            if b.shape != (p + 1,) or int(b[0]) != 0 or int(b[-1]) != n or bool(
+                    (b[1:] < b[:-1]).any()):
+                raise ValueError(f"spardl: bad saved boundaries for numel={n}, P={p}")
+            loaded[(n, p)] = (int(e["step"]), b.clone())
+        self._bounds = loaded
