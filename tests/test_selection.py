@@ -8,6 +8,8 @@ give), not taken from the code under test.
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 
@@ -120,3 +122,102 @@ def test_engine_runs_the_planned_model_wide_densities():
                 assert dp == pytest.approx(d, rel=0.01) and ran[name] == dp
     finally:
         sync.close()
+
+
+# ---- SIDCo: adaptive stages ----------------------------------------------------------------
+def _sidco_inputs():
+    """A heavy-tailed mixture of layer scales (eight layers, three decades of scale, outliers,
+    zeros) at three seeds, and the CNN's gradients over eight SGD steps on Fashion-MNIST
+    (the whole model, fused, and its largest tensor): each sequence is what one sparsifier
+    sees step after step."""
+    from gradsync.apps.bench.sparsify import heavy_tailed
+    from gradsync.apps.models import gradient_steps
+
+    steps = list(gradient_steps("cnn", 8, 32, 0.05, 0))
+    return {
+        "heavy-tailed mixture": [heavy_tailed(200_000, seed=s) for s in (1, 2, 3)],
+        "cnn (fused)": [torch.cat([g.reshape(-1) for g in st.values()]) for st in steps],
+        "cnn classifier.1.weight": [st["classifier.1.weight"].reshape(-1) for st in steps],
+    }
+
+
+@pytest.fixture(scope="module")
+def sidco_inputs():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # memory-bound passes: one thread is faster on a loaded machine
+    try:
+        yield _sidco_inputs()
+    finally:
+        torch.set_num_threads(before)
+
+
+@pytest.mark.parametrize("dist", ["exp", "gpareto"])
+@pytest.mark.parametrize("density", [0.001, 0.01, 0.1])
+def test_sidco_count_is_near_k_after_adapting_its_stages(sidco_inputs, dist, density):
+    from gradsync import sparsify
+
+    for name, seq in sidco_inputs.items():
+        sp = sparsify.get("sidco", density=density, dist=dist, seed=0)
+        ratios = []
+        for call in range(40):
+            x = seq[call % len(seq)]
+            sp.select(x)
+            ratios.append(sp.last_count / sp.last_k)
+        late = ratios[-10:]
+        assert all(0.5 <= r <= 2.0 for r in late), (name, [round(r, 3) for r in ratios])
+        assert 1 <= sp.m <= max(1, math.ceil(math.log2(1 / density)))
+
+
+def test_sidco_without_adaptation_misses_k_on_the_mixture(sidco_inputs):
+    # the miss that adaptation fixes: the density rule's stages alone (no count feedback)
+    from gradsync import sparsify
+
+    x = sidco_inputs["heavy-tailed mixture"][1]
+    fixed = sparsify.get("sidco", density=0.01, adapt=False)
+    fixed.select(x)
+    assert fixed.last_count / fixed.last_k < 0.5
+
+
+def test_sidco_stage_control_settles_instead_of_oscillating():
+    from gradsync import sparsify
+
+    # count/k by M as measured on a CNN conv weight at 0.1%: 5.6 at M = 1, 0.72 at M = 2, ...
+    by_m = {1: 5.6, 2: 0.72, 3: 0.67, 4: 0.78, 5: 1.17}
+    sp = sparsify.get("sidco", density=0.001)
+    sp.m = 1
+    trail = []
+    for _ in range(40):
+        for _ in range(sp.period):
+            sp._adapt(by_m.get(sp.m, 1.5))
+        trail.append(sp.m)
+    # M = 1 is too many: up to 2 (too few); back to 1 would be worse (known), so it tries 3
+    # (worse still, 0.67) and returns to 2, where it stays: both neighbours are known worse.
+    # Without the memory it would alternate 1, 2, 1, 2 (half the windows at 5.6·k); with it,
+    # M = 1 is retried only once the memory of it is stale (every ``memory`` windows).
+    assert trail[:3] == [2, 3, 2]
+    assert trail.count(2) >= 0.85 * len(trail)
+    assert trail.count(1) <= len(trail) // sp.memory + 1
+    # and the other way round: too few at the lower bound explores upwards
+    sp = sparsify.get("sidco", density=0.001, dist="gpareto")
+    sp.m = 1
+    for _ in range(sp.period):
+        sp._adapt(0.38)
+    assert sp.m == 2
+
+
+def test_sidco_state_round_trips_its_stage_control(sidco_inputs):
+    from gradsync import sparsify
+
+    seq = sidco_inputs["heavy-tailed mixture"]
+    a = sparsify.get("sidco", density=0.01)
+    for c in range(7):
+        a.select(seq[c % 3])
+    b = sparsify.get("sidco", density=0.01)
+    b.load_state_dict(a.state_dict())
+    for c in range(7, 20):
+        sa, sb = a.select(seq[c % 3]), b.select(seq[c % 3])
+        assert torch.equal(sa.indices, sb.indices) and a.m == b.m
+    with pytest.raises(ValueError):
+        sparsify.get("sidco", density=0.01, stages=3, adapt=True)
+    with pytest.raises(ValueError):
+        sparsify.get("sidco", density=0.01, period=0)
