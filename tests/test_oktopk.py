@@ -402,3 +402,81 @@ def test_k_from_density_is_target_k_and_an_empty_tensor_selects_nothing():
     res = collectives.get("oktopk", density=0.5)(SparseGrad.empty(0), step=0)
     assert res.info["k"] == 0 and res.dense.numel() == 0 and res.kept.numel() == 0
     assert res.info["threshold"] == 0.0
+
+
+# -- the engine's oktopk scheme: local selection by threshold reuse (Algorithm 1 lines 2–4) --
+def _engine_oktopk(rank, world_size, tau_prime, steps, resume_at):
+    import gradsync.engine.consistency
+    from conftest import image_batch
+    from gradsync.apps.models import build
+    from gradsync.engine import GradSync
+    from gradsync.engine.config import Config
+
+    def make():
+        model = build("mlp", seed=1)
+        cfg = Config(scheme="oktopk", density=0.01, local_tau_prime=tau_prime, warmup_steps=1)
+        return model, GradSync(model, cfg)
+
+    def step(model, sync, s):
+        model.zero_grad()
+        x, y = image_batch(rank, s, 16)
+        torch.nn.functional.cross_entropy(model(x), y).backward()
+        sync.synchronize()
+        (key, sp), = [(k, v) for k, v in sync._parts.sparsifiers.items()
+                      if k.startswith("buffer:")]
+        return {"key": key, "name": sp.name, "clock": getattr(sp, "clock", None),
+                "period": getattr(sp, "period", None), "exact": getattr(sp, "last_exact", None),
+                "count": sp.last_count, "k": sp.last_k, "thr": getattr(sp, "thr", None)}
+
+    model, sync = make()
+    log, saved = [], None
+    for s in range(steps):
+        log.append(step(model, sync, s))
+        if s == resume_at:
+            saved = (copy.deepcopy(model.state_dict()), sync.state_dict())
+    final = gradsync.engine.consistency.parameter_digest(model)[0]
+    sync.close()
+    model2, sync2 = make()
+    model2.load_state_dict(saved[0])
+    sync2.load_state_dict(saved[1])
+    log2 = [step(model2, sync2, s) for s in range(resume_at + 1, steps)]
+    resumed = gradsync.engine.consistency.parameter_digest(model2)[0]
+    sync2.close()
+    return log, log2, final == resumed
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_engine_oktopk_reuses_the_local_threshold_between_exact_steps(world):
+    tau, steps, resume_at = 4, 11, 5
+    out = run_distributed(_engine_oktopk, world, tau, steps, resume_at, timeout=300)
+    for log, log2, same in out:
+        assert {e["name"] for e in log} == {"threshold"}
+        assert {(e["clock"], e["period"]) for e in log} == {("step", tau)}
+        exact = [s for s, e in enumerate(log) if e["exact"]]
+        # Algorithm 1 line 2: exact when t mod τ′ = 0, reused in between (these gradients
+        # never push the nudged count out of [2k/3, 4k/3], which would force a recompute)
+        assert exact == [0, 4, 8]
+        for e in log:
+            if e["exact"]:
+                assert e["count"] == e["k"]
+            else:
+                assert 2 * e["k"] <= 3 * e["count"] <= 4 * e["k"]
+        # the threshold and its counters travel in state_dict: the resumed run is the same
+        assert log2 == log[resume_at + 1:]
+        assert same
+
+
+def test_engine_oktopk_threshold_reuse_is_configurable():
+    from gradsync.engine.components import Components
+    from gradsync.engine.config import Config
+
+    parts = Components(Config(scheme="oktopk", local_tau_prime=7), 0)
+    sp = parts.sparsifier("buffer:0", 0.01)
+    assert (sp.name, sp.period, sp.clock) == ("threshold", 7, "step")
+    off = Components(Config(scheme="oktopk", local_tau_prime=0, sparsifier="topk"), 0)
+    assert off.sparsifier("buffer:0", 0.01).name == "topk"
+    # other schemes keep Config.sparsifier
+    assert Components(Config(scheme="topka"), 0).sparsifier("buffer:0", 0.01).name == "dgc"
+    for bad in (-1, 1.5, "4", True):
+        with pytest.raises(ValueError, match="local_tau_prime"):
+            Config(scheme="oktopk", local_tau_prime=bad)

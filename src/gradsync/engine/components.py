@@ -3,8 +3,10 @@
 ``gradsync.schedule.schemes.get(cfg.scheme)`` names the scheme's sparse collective
 (``Scheme.collective``), the ``Config`` fields its constructor takes (``collective_options``:
 Ok-Topk sizes its buckets from ``density``) and the sparsifier it always uses (``sparsifier``:
-the Gaussian-k scheme runs Gaussian-k, as Ok-Topk's paper does; otherwise
-``Config.sparsifier``).
+the Gaussian-k scheme runs Gaussian-k, as Ok-Topk's paper does; Ok-Topk selects locally by
+threshold reuse, exact every τ′ = ``Config.local_tau_prime`` steps, with the options
+``sparsifier_options``/``sparsifier_config`` of its row; a 0 in such a field, or no
+``sparsifier`` in the row, means ``Config.sparsifier``).
 
 Every fused buffer (key ``buffer:<job>``) and every per-tensor-sparsified tensor (key: its
 name) has its own sparsifier, seeded by the one rule :func:`gradsync.sparsify.seed_for` (config
@@ -30,7 +32,12 @@ class Components:
         spec = schemes.get(cfg.scheme)
         self.seed = cfg.seed
         self.rank = rank
-        self.sparsifier_name = spec.sparsifier or cfg.sparsifier
+        config = {kw: getattr(cfg, f) for kw, f in spec.sparsifier_config}
+        if spec.sparsifier is None or any(v == 0 for v in config.values()):
+            self.sparsifier_name, self.sparsifier_options = cfg.sparsifier, {}
+        else:
+            self.sparsifier_name = spec.sparsifier
+            self.sparsifier_options = {**dict(spec.sparsifier_options), **config}
         self.collective_name = spec.collective
         self.collective_options = {f: getattr(cfg, f) for f in spec.collective_options}
         self.sparsifiers: dict[str, sparsify.Sparsifier] = {}
@@ -38,7 +45,8 @@ class Components:
 
     def new_sparsifier(self, key: str, density: float) -> sparsify.Sparsifier:
         return sparsify.get(self.sparsifier_name, density=density,
-                            seed=sparsify.seed_for(self.seed, key, self.rank))
+                            seed=sparsify.seed_for(self.seed, key, self.rank),
+                            **self.sparsifier_options)
 
     def new_collective(self) -> collectives.Collective:
         return collectives.get(self.collective_name, **self.collective_options)

@@ -52,6 +52,11 @@ class Config:
             ``DistributedDataParallel`` does, so replicas start equal whatever each rank's
             seed; ``False`` leaves each rank's initial values alone. The DDP hook ignores it
             (DDP itself broadcasts at construction).
+        local_tau_prime: τ′ of Ok-Topk's local threshold reuse (Algorithm 1 lines 2–4), for
+            the schemes whose row in the table of schemes takes it (``oktopk``): the local
+            top-k threshold is computed exactly every τ′ steps and reused in between (32, the
+            paper's τ′). ``0`` turns reuse off: the scheme then selects with
+            ``Config.sparsifier``.
     """
 
     scheme: str = "ssfusion_oi"
@@ -66,6 +71,7 @@ class Config:
     seed: int = 0
     check_every: int = 0
     broadcast_initial: bool = True
+    local_tau_prime: int = 32
 
     def __post_init__(self) -> None:
         if self.scheme not in schemes.SCHEMES:
@@ -96,6 +102,10 @@ class Config:
         if not isinstance(self.broadcast_initial, bool):
             raise ValueError(f"Config.broadcast_initial must be True or False, got "
                              f"{self.broadcast_initial!r}")
+        if (not isinstance(self.local_tau_prime, int) or isinstance(self.local_tau_prime, bool)
+                or self.local_tau_prime < 0):
+            raise ValueError(f"Config.local_tau_prime must be an integer >= 0 (0 = no threshold "
+                             f"reuse), got {self.local_tau_prime!r}")
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:

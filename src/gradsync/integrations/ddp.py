@@ -11,8 +11,9 @@ Inside a bucket (SSFusion §III–IV applied to DDP's own fusion buffers):
   concatenated and all-gathered (TopkA);
 * ``ssfusion``: selective sparsification — tensors smaller than ``small_numel`` (SSFusion's
   102,400-element heuristic, Insight #2) are not sparsified; density-aware compensation lowers
-  the large tensors' density (floor ``cfg.min_density``) so the bucket sends about
-  ``density × bucket numel`` entries; everything travels in one all-gather;
+  the large tensors' density (floor ``cfg.min_density``) so the model sends about
+  ``density × model numel`` entries (computed once over the model's parameters, §IV-B(i);
+  per bucket when no model is given); everything travels in one all-gather;
 * ``ssfusion_oi``: as ``ssfusion``, but the unsparsified tensors travel in an all-reduce and the
   sparsified ones in an all-gather (SSFusion-I's split, with the split fixed by sparsification);
 * ``dense``: a plain all-reduce (a baseline through the same hook).
@@ -39,6 +40,8 @@ with its string.)
 """
 
 import contextlib
+import functools
+import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -181,16 +184,31 @@ def _densities(state: HookState, numels: list[int]) -> list[float | None]:
     """Per-tensor density of one bucket; None = sent dense.
 
     ``per_tensor``: every tensor at ``density``. SSFusion: tensors below ``small_numel`` are
-    not sparsified and the others get the density-aware compensation of the engine's planner
-    (:func:`gradsync.schedule.ssfusion.compensate`: the bucket sends about
-    ``density × bucket numel`` entries, floor ``min_density``).
+    not sparsified and the others get SSFusion's density-aware compensation, the engine
+    planner's function (:func:`gradsync.schedule.ssfusion.compensate`), applied as §IV-B(i)
+    says: over the **whole model** — once, over every parameter of the model given to
+    :func:`hook`/:func:`register` — so the model sends about ``density × model numel`` entries
+    and every sparsified tensor gets the same d′ (floor ``min_density``), whatever bucket it
+    is in. Without a model the hook only sees buckets, and compensates within each bucket.
     """
     cfg = state.cfg
     if state.scheme.planner == "per_tensor":
         return [cfg.density] * len(numels)
     sparse = [n >= state.small_numel for n in numels]
-    d, _ = compensate(numels, sparse, cfg.density, cfg.min_density)
+    if state.shapes is not None:
+        every = tuple(math.prod(s) for _, s in state.shapes)
+        d = _model_density(every, state.small_numel, cfg.density, cfg.min_density)
+    else:
+        d, _ = compensate(numels, sparse, cfg.density, cfg.min_density)
     return [d if s else None for s in sparse]
+
+
+@functools.lru_cache(maxsize=64)
+def _model_density(numels: tuple[int, ...], small_numel: int, density: float,
+                   min_density: float) -> float | None:
+    """SSFusion's compensated density d′ over all of a model's parameters (computed once)."""
+    d, _ = compensate(numels, [n >= small_numel for n in numels], density, min_density)
+    return d
 
 
 def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

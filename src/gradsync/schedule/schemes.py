@@ -46,7 +46,13 @@ class Scheme:
         collective_options: ``Config`` fields passed to the collective's constructor under the
             same name (Ok-Topk sizes its buckets from ``density``).
         sparsifier: the sparsifier this scheme always uses (the Gaussian-k scheme runs
-            Gaussian-k, as Ok-Topk's paper does); ``None`` uses ``Config.sparsifier``.
+            Gaussian-k, as Ok-Topk's paper does; Ok-Topk selects locally by threshold reuse,
+            Algorithm 1 lines 2–4); ``None`` uses ``Config.sparsifier``.
+        sparsifier_options: fixed keyword arguments of that sparsifier (Ok-Topk: its period is
+            counted in training steps, ``clock="step"``).
+        sparsifier_config: ``(keyword, Config field)`` pairs passed to that sparsifier
+            (Ok-Topk: ``period`` ← ``Config.local_tau_prime``, τ′). A field set to 0 turns the
+            scheme's own sparsifier off: ``Config.sparsifier`` is used instead.
         needs_cost_model: plans from the cost model measured during warm-up.
         overlap: buffers are sent during the backward pass (``False``: after it).
         offload: SSFusion-O, sparsification offloaded to a worker thread.
@@ -60,6 +66,8 @@ class Scheme:
     collective: str = "topka"
     collective_options: tuple[str, ...] = ()
     sparsifier: str | None = None
+    sparsifier_options: tuple[tuple[str, object], ...] = ()
+    sparsifier_config: tuple[tuple[str, str], ...] = ()
     needs_cost_model: bool = False
     overlap: bool = True
     offload: bool = False
@@ -90,7 +98,9 @@ _TABLE = (
     Scheme("gaussiank", "single", "topka", sparsifier="gaussiank",
            paper="Ok-Topk §2 'Gaussian-k' (Shi et al.)"),
     Scheme("oktopk", "single", "oktopk", collective_options=("density",),
-           paper="Ok-Topk §3, Algorithm 1"),
+           sparsifier="threshold", sparsifier_options=(("clock", "step"),),
+           sparsifier_config=(("period", "local_tau_prime"),),
+           paper="Ok-Topk §3, Algorithm 1 (local threshold reuse: lines 2–4)"),
     Scheme("densestream", "single", "densestream", paper="DenseStream §IV"),
     Scheme("per_tensor", "per_tensor", ddp_hook=True, paper="SSFusion §II-D per-tensor"),
     Scheme("multi_tensor", "mgwfbp", needs_cost_model=True,

@@ -5,8 +5,8 @@ and SSFusion-I (§IV-D).
 (cupcake.py); every tensor starts sparsified individually at ``density`` (per-tensor).
 
 **§IV-B Step-2, overlap-maximised selection (Eq. 2).** Buffers are decided in backward order,
-so the previous buffer's communication time T_cm^{i−1} is final when buffer i is decided. For
-buffer i ≥ 2 the tensors are sorted by ascending size and the smallest are excluded from
+so the previous buffer's communication time T_cm^{i−1} is known when buffer i is decided. In
+each buffer the tensors are sorted by ascending size and the smallest are excluded from
 sparsification (sent dense) one by one until
 
     T_cm^{i−1} ≥ Σ_{j=1}^{N_i} (T_b^j + T_gpu^j)                                  (Eq. 2)
@@ -14,25 +14,33 @@ sparsification (sent dense) one by one until
 where T_gpu^j = 0 for an excluded tensor (its backward still runs; only its sparsification is
 saved). The first exclusion count that satisfies Eq. 2 is taken ("maximum overlap": excluding
 more would only shorten the computation that the previous buffer's communication hides).
-Exclusions stop at the compensation budget: a tensor is excluded only while the buffer's
+T_cm^{i−1} is that of buffer i−1 with the exclusions decided so far, compensated model-wide
+(later exclusions lower d′ a little further; ``info["T_cm_prev"]`` records the value used).
+When Eq. 2 cannot hold, the planner takes the exclusion count (smallest first, 0..N_i) that
+minimises the simulated iteration time — keeping everything sparsified when excluding does not
+help; gains under 1 ppm count as ties, which go to fewer exclusions — and records
+``eq2: "unreachable"``. **Buffer 1** is treated the same way: Eq. 2 is written for
+2 ≤ i ≤ M because Buffer_1 has no earlier communication to hide its computation (T_cm^0 = 0,
+Eq. 2 never holds), but the selection still applies to it — Fig. 8(b) leaves G5 and G4 of
+Buffer_1 unsparsified — so its small tensors are excluded when that shortens the simulated
+iteration (``eq2: "n/a"``).
+Exclusions stop at the compensation budget: a tensor is excluded only while the model's
 sparsified tensors, lowered to at most the density floor, can absorb the dense ones (so the
-buffer still sends ≈ density·n_i entries). The paper's argument (Insight #2: the excluded small
-tensors are a negligible share of the bytes) assumes exactly this; without the bound, Eq. 2 can
-be bought by sending large tensors dense, which Eq. 2 does not charge for.
-Eq. 2 is defined for 2 ≤ i ≤ M only: buffer 1 has no earlier communication to overlap with and,
-as in Fig. 7(b), stays per-tensor sparsified. When Eq. 2 cannot hold even with every tensor
-excluded within that budget, the planner falls back to the exclusion count (smallest first,
-0..N_i) that minimises the simulated iteration time — keeping everything sparsified when
-excluding does not help; gains under 1 ppm (e.g. one entry saved by rounding) count as ties,
-which go to fewer exclusions — and records ``eq2: "unreachable"``.
+model still sends ≈ density·n entries). This guard is ours: the paper's argument (Insight #2:
+the excluded small tensors are a negligible share of the bytes) assumes it; without it, Eq. 2
+could be bought by sending large tensors dense, which Eq. 2 does not charge for.
 
-**Density-aware compensation.** The paper's four steps: (i) the buffer's element count n_i;
-(ii) the number of elements selective sparsification sends; (iii) their difference from the
-target k = density·n_i; (iv) lower the density d′ of the buffer's sparsified (large) tensors until
-the difference is near zero: Σ_{sparsified} k(n_j, d′) ≈ density·n_i − Σ_{excluded} n_j (found by
-bisection, since k(n, d′) is a step function). Lower bound 0.001 (``min_density``; never above
-the target density). SSFusion's published code leaves the density unchanged (docs/architecture.md,
-"Facts from the reference implementations"); this is the paper's intent.
+**Density-aware compensation (§IV-B, model-wide).** The paper's four steps: (i) the number of
+gradient elements n (the model's); (ii) the number of elements selective sparsification sends;
+(iii) their difference from the target k = density·n; (iv) lower the density d′ of the
+sparsified (large) tensors until the difference is near zero:
+Σ_{sparsified} k(n_j, d′) ≈ density·n − Σ_{excluded} n_j (``compensate``, by bisection, since
+k(n, d′) is a step function). One d′ for every sparsified tensor of the model, so the dense
+small tensors' cost is spread over all large tensors, not over the few in the same buffer.
+Lower bound 0.001 (``min_density``; never above the target density). The DDP hook calls the same
+function over all of the model's parameters (integrations/ddp.py). SSFusion's published code
+leaves the density unchanged (docs/architecture.md, "Facts from the reference
+implementations"); this is the paper's intent.
 
 **SSFusion-O (§IV-C Step-1).** In each buffer, sparsified tensors are taken in backward order; a
 tensor is offloaded to the (single, serial) worker thread when its offloaded sparsification
@@ -55,6 +63,7 @@ early the all-reduce can start.
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -76,16 +85,25 @@ __all__ = [
 # ---------------------------------------------------------------------------------------------
 def compensate(numels: Sequence[int], sparse: Sequence[bool], density: float,
                min_density: float = 0.001) -> tuple[float | None, dict[str, Any]]:
-    """Density d′ for the sparsified tensors of a buffer (None when none is sparsified)."""
+    """Density d′ of the sparsified tensors among ``numels`` (None when none is sparsified).
+
+    Call it with **all of the model's tensors** (§IV-B(i): "the number of gradient elements" is
+    the model's): the entries the excluded tensors send whole are taken from every sparsified
+    tensor of the model alike, so Σ_sparsified k(n_j, d′) ≈ density·Σ n − Σ_excluded n_j
+    (bisection, since k(n, d′) is a step function), floor ``min(min_density, density)``.
+    """
+    numels, sparse = list(numels), list(sparse)
+    if len(numels) != len(sparse):
+        raise ValueError("compensate: numels and sparse differ in length")
     total = sum(numels)
     k_target = density * total
     dense_n = sum(n for n, s in zip(numels, sparse) if not s)
-    S = [n for n, s in zip(numels, sparse) if s]
+    S = Counter(n for n, s in zip(numels, sparse) if s)  # size → how many (models repeat sizes)
     floor = min(min_density, density)
     info: dict[str, Any] = {"k_target": k_target, "dense_numel": dense_n, "floor": False}
 
     def f(d: float) -> int:  # entries the sparsified tensors send at density d
-        return sum(entries(n, d) for n in S)
+        return sum(c * entries(n, d) for n, c in S.items())
 
     if not S:
         info.update(density=None, k_sent=dense_n)
@@ -111,12 +129,16 @@ def compensate(numels: Sequence[int], sparse: Sequence[bool], density: float,
     return d, info
 
 
-def _per_tensor_buffer(names: Sequence[str], numel: dict[str, int], excluded: set[str],
-                       density: float, min_density: float) -> tuple[BufferPlan, dict]:
-    sparse = [n not in excluded for n in names]
-    d, info = compensate([numel[n] for n in names], sparse, density, min_density)
-    tensors = tuple(TensorPlan(n, numel[n], d if s else None) for n, s in zip(names, sparse))
-    return BufferPlan(tensors, "per_tensor"), info
+def _compensated(groups: Sequence[Sequence[str]], numel: dict[str, int], excluded: set[str],
+                 density: float, min_density: float) -> tuple[list[BufferPlan], dict]:
+    """Per-tensor buffers over ``groups``: ``excluded`` sent whole, every other tensor at the
+    model-wide compensated density d′."""
+    names = [n for g in groups for n in g]
+    d, info = compensate([numel[n] for n in names], [n not in excluded for n in names], density,
+                         min_density)
+    bufs = [BufferPlan(tuple(TensorPlan(n, numel[n], None if n in excluded else d) for n in g),
+                       "per_tensor") for g in groups]
+    return bufs, info
 
 
 # ---------------------------------------------------------------------------------------------
@@ -125,56 +147,58 @@ def _per_tensor_buffer(names: Sequence[str], numel: dict[str, int], excluded: se
 def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: CostModel,
                       density: float, min_density: float = 0.001
                       ) -> tuple[list[BufferPlan], list[dict[str, Any]]]:
-    """Per-tensor buffers over ``groups`` with Eq. 2 selection and density compensation."""
-    buffers: list[BufferPlan] = []
+    """Per-tensor buffers over ``groups`` with Eq. 2 selection in every buffer and model-wide
+    density-aware compensation; one info dict per buffer (the last compensation in each)."""
+    everything = [n for g in groups for n in g]
+    floor = min(min_density, density)
+    k_target = density * sum(numel[n] for n in everything)
+    k_floor = {n: entries(numel[n], floor) for n in everything}
+    excluded: set[str] = set()
     infos: list[dict[str, Any]] = []
     for i, names in enumerate(groups):
         tb = sum(cost.backward[n] for n in names)
         tsp = {n: cost.t_sparsify(numel[n]) for n in names}
-        if i == 0:
-            buf, cinfo = _per_tensor_buffer(names, numel, set(), density, min_density)
-            buffers.append(buf)
-            infos.append({"buffer": 0, "eq2": "n/a", "excluded": [],
-                          "T_comp": tb + sum(tsp.values()), **cinfo})
-            continue
-        t_cm_prev = buffer_comm_time(buffers[-1], cost)  # T_cm^{i−1}
         ascending = sorted(names, key=lambda n: (numel[n], names.index(n)))
 
         def t_comp(e: int, ascending=ascending, tb=tb, tsp=tsp) -> float:
             # Σ_j (T_b^j + T_gpu^j) with the e smallest excluded (T_gpu = 0 for them)
             return tb + sum(tsp[n] for n in ascending[e:])
 
-        # Compensation budget: exclude only while the sparsified tensors can absorb the dense
-        # ones above the density floor (the buffer then sends ≈ density·n_i entries);
-        # beyond it every exclusion adds traffic that Eq. 2 does not see.
-        # (same test as ``compensate``'s floor: Σ_S k(n, floor) ≥ density·n_i − Σ_D n).
-        floor, k_target = min(min_density, density), density * sum(numel[n] for n in names)
-        k_floor = [entries(numel[n], floor) for n in ascending]
-        e_max, dense_n = 0, 0
+        # Compensation budget (model-wide): exclude only while the model's sparsified tensors,
+        # at the density floor, can still absorb what the excluded ones send whole.
+        dense_n = sum(numel[n] for n in excluded)
+        sparse_floor = sum(k_floor[n] for n in everything if n not in excluded)
+        e_max = 0
         while e_max < len(names):
-            dense_n += numel[ascending[e_max]]
-            if sum(k_floor[e_max + 1:]) >= k_target - dense_n:
+            n = ascending[e_max]
+            if dense_n + numel[n] + sparse_floor - k_floor[n] >= k_target:
                 break
+            dense_n += numel[n]
+            sparse_floor -= k_floor[n]
             e_max += 1
-        chosen = next((e for e in range(e_max + 1) if t_cm_prev >= t_comp(e)), None)
-        status = "holds"
-        if chosen is None:  # Eq. 2 unreachable: least simulated time, ties to fewer exclusions
-            status = "unreachable"
+        if i == 0:  # T_cm^0: nothing earlier to overlap with, Eq. 2 cannot hold
+            t_cm_prev, status = 0.0, "n/a"
+            chosen = None
+        else:
+            current, _ = _compensated(groups, numel, excluded, density, min_density)
+            t_cm_prev, status = buffer_comm_time(current[i - 1], cost), "holds"  # T_cm^{i−1}
+            chosen = next((e for e in range(e_max + 1) if t_cm_prev >= t_comp(e)), None)
+        if chosen is None:  # least simulated time, ties (< 1 ppm) to fewer exclusions
+            status = "unreachable" if i else status
             best_t = None
             for e in range(e_max + 1):
-                cand, _ = _per_tensor_buffer(names, numel, set(ascending[:e]), density,
-                                             min_density)
-                rest = [_per_tensor_buffer(g, numel, set(), density, min_density)[0]
-                        for g in groups[i + 1:]]
-                t = simulate(Plan("ssfusion", [*buffers, cand, *rest]), cost).iteration
-                if best_t is None or t < best_t * (1 - 1e-6):  # < 1 ppm: a tie
+                cand, _ = _compensated(groups, numel, excluded | set(ascending[:e]), density,
+                                       min_density)
+                t = simulate(Plan("ssfusion", cand), cost).iteration
+                if best_t is None or t < best_t * (1 - 1e-6):
                     best_t, chosen = t, e
-        excluded = ascending[:chosen]
-        buf, cinfo = _per_tensor_buffer(names, numel, set(excluded), density, min_density)
-        buffers.append(buf)
+        excluded |= set(ascending[:chosen])
         infos.append({"buffer": i, "eq2": status, "T_cm_prev": t_cm_prev,
                       "T_comp": t_comp(chosen), "max_excluded": e_max,
-                      "excluded": list(excluded), **cinfo})
+                      "excluded": list(ascending[:chosen])})
+    buffers, cinfo = _compensated(groups, numel, excluded, density, min_density)
+    for inf in infos:
+        inf.update(cinfo)
     return buffers, infos
 
 
