@@ -210,7 +210,7 @@ def _expect_no_bitwise(setup) -> bool:
 
 
 @pytest.mark.parametrize("setup", setups("cpu-gloo-P1", "cpu-gloo-P3", "cpu-as-nccl-P2",
-                                         "cpu-staged-P3", *CUDA_IDS))
+                                         "cpu-as-nccl-P3", "cpu-staged-P3", *CUDA_IDS))
 def test_collectives_on_device(setup):
     outs = launch(_collectives_rank, setup)
     P, device = len(outs), setup[1]

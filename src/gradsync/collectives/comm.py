@@ -33,8 +33,12 @@ Devices (docs/architecture.md, "GPU path"). ``Comm`` reads the group's backend
   counted.
 * NCCL has no bitwise reduction: ``all_reduce(op=BOR/BAND/BXOR)`` raises ``ValueError`` there
   (:meth:`Comm.reduces_bitwise`); LHC/TAGC pick an OR that NCCL has (collectives/lhc.py).
-* ``sendrecv`` posts its two messages as one ``batch_isend_irecv`` on NCCL (a receive and a
-  send to the same peer on one NCCL stream would otherwise wait on each other).
+* Point-to-point on NCCL is grouped: a receive and a send between the same two ranks share
+  one NCCL stream, so posted one by one (``irecv`` then ``isend`` on both sides) each waits
+  for the other forever. So on NCCL ``isend``/``irecv`` only queue their message, and the
+  queue goes out as one ``batch_isend_irecv`` when any of their handles is waited on or the
+  ``Comm`` does anything else (``sendrecv`` is such a pair) — every handle must be waited on,
+  as on any backend. Blocking ``send``/``recv`` go out at once.
 
 Testing without a GPU: :func:`emulate_backend` makes the ``Comm`` objects of a process map
 devices to backends as a given string says while gloo still moves the bytes —
@@ -45,6 +49,7 @@ group would be. ``tests/test_cuda.py`` runs the collectives under both.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
@@ -138,6 +143,37 @@ class _Staged:
         return self._into is None and self._work.is_completed()
 
 
+class _Batch:
+    """Queued NCCL ``isend``/``irecv`` posted together; waited on once (a gloo work waited on
+    a second time can block, and emulation runs this on gloo)."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works: list[dist.Work] | None = works
+
+    def wait(self) -> None:
+        works, self.works = self.works, None
+        for w in works or ():
+            w.wait()
+
+
+class _Deferred:
+    """The handle of an ``isend``/``irecv`` queued on NCCL (module docstring): ``wait()``
+    posts the queue first if nobody has yet, then waits for the whole batch."""
+
+    def __init__(self, comm: Comm) -> None:
+        self._comm = comm
+        self.batch: _Batch | None = None
+
+    def wait(self) -> bool:
+        if self.batch is None:
+            self._comm.flush()
+        self.batch.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.batch is not None and self.batch.works is None
+
+
 class _Done:
     """The handle of an ``async_op`` call that completed synchronously (it was staged)."""
 
@@ -174,6 +210,7 @@ class Comm:
         else:
             self.device = torch.device("cpu")
         self.stats = CommStats()
+        self._queued: list[tuple[dist.P2POp, _Deferred]] = []
 
     # -- helpers ----------------------------------------------------------------------
     def global_rank(self, group_rank: int) -> int:
@@ -207,6 +244,22 @@ class Comm:
         dev = self.wire_device(t.device, op)
         return t if dev is None else t.to(dev, copy=True)
 
+    def flush(self) -> None:
+        """Post the queued NCCL ``isend``/``irecv`` as one batch (module docstring)."""
+        if not self._queued:
+            return
+        ops = [op for op, _ in self._queued]
+        handles = [h for _, h in self._queued]
+        self._queued = []
+        batch = _Batch(dist.batch_isend_irecv(ops))
+        for h in handles:
+            h.batch = batch
+
+    def _queue(self, fn: Callable, wire: torch.Tensor, peer: int) -> _Deferred:
+        handle = _Deferred(self)
+        self._queued.append((dist.P2POp(fn, wire, self.global_rank(peer), self.group), handle))
+        return handle
+
     def _check_op(self, what: str, op: dist.ReduceOp.RedOpType, wire: torch.Tensor) -> None:
         if op in _BITWISE and self._devices.get(wire.device.type) == "nccl":
             raise ValueError(f"{what}: NCCL has no bitwise reduction ({op}); exchange the "
@@ -219,10 +272,12 @@ class Comm:
 
     # -- point to point ---------------------------------------------------------------
     def send(self, t: torch.Tensor, dst: int) -> None:
+        self.flush()
         self._count(_nbytes(t), 0, 1)
         dist.send(self._staged(t, "send"), self.global_rank(dst), group=self.group)
 
     def recv(self, t: torch.Tensor, src: int) -> None:
+        self.flush()
         self._count(0, _nbytes(t), 0)
         wire = self._staged(t, "recv")
         dist.recv(wire, self.global_rank(src), group=self.group)
@@ -232,36 +287,29 @@ class Comm:
     def isend(self, t: torch.Tensor, dst: int) -> dist.Work:
         self._count(_nbytes(t), 0, 1)
         wire = self._staged(t, "send")
-        work = dist.isend(wire, self.global_rank(dst), group=self.group)
+        if self._devices.get(wire.device.type) == "nccl":
+            work = self._queue(dist.isend, wire, dst)
+        else:
+            work = dist.isend(wire, self.global_rank(dst), group=self.group)
         return work if wire is t else _Staged(work, wire, None)
 
     def irecv(self, t: torch.Tensor, src: int) -> dist.Work:
         self._count(0, _nbytes(t), 0)
         wire = self._staged(t, "recv")
-        work = dist.irecv(wire, self.global_rank(src), group=self.group)
+        if self._devices.get(wire.device.type) == "nccl":
+            work = self._queue(dist.irecv, wire, src)
+        else:
+            work = dist.irecv(wire, self.global_rank(src), group=self.group)
         return work if wire is t else _Staged(work, wire, t)
 
     def sendrecv(
         self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int
     ) -> None:
-        """Send to ``dst`` and receive from ``src`` concurrently (either may be ``None``)."""
+        """Send to ``dst`` and receive from ``src`` concurrently (either may be ``None``); on
+        NCCL the two go out as one batch (module docstring)."""
+        self.flush()
         recv = recv if recv is not None and recv.numel() else None
         send = send if send is not None and send.numel() else None
-        batched = [t for t in (recv, send) if t is not None]
-        if batched and all(self._devices.get(t.device.type) == "nccl"
-                           and self.wire_device(t.device, "recv") is None for t in batched):
-            # NCCL: one group, or a receive queued before a send on the same peer's stream
-            # would wait forever for the peer's send queued behind its own receive
-            ops = []
-            if recv is not None:
-                self._count(0, _nbytes(recv), 0)
-                ops.append(dist.P2POp(dist.irecv, recv, self.global_rank(src), self.group))
-            if send is not None:
-                self._count(_nbytes(send), 0, 1)
-                ops.append(dist.P2POp(dist.isend, send, self.global_rank(dst), self.group))
-            for w in dist.batch_isend_irecv(ops):
-                w.wait()
-            return
         works = []
         if recv is not None:
             works.append(self.irecv(recv, src))
@@ -276,6 +324,7 @@ class Comm:
     ):
         """In-place all-reduce of ``t`` (ring accounting). A bitwise ``op`` where the backend
         has none (NCCL) raises ``ValueError`` (so does :meth:`reduce_scatter`)."""
+        self.flush()
         p = self.size
         if p == 1:
             return None
@@ -291,6 +340,7 @@ class Comm:
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """All-gather equal-size tensors: returns a ``(P, *t.shape)`` tensor, rank order."""
+        self.flush()
         p = self.size
         out = torch.empty((p, *t.shape), dtype=t.dtype, device=t.device)
         if p == 1:
@@ -312,6 +362,7 @@ class Comm:
         self, out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
     ) -> None:
         """Reduce ``inp`` (P equal chunks) over ranks; rank r receives chunk r in ``out``."""
+        self.flush()
         p = self.size
         if inp.numel() != p * out.numel():
             raise ValueError(f"reduce_scatter: input of {inp.numel()} != {p} × {out.numel()}")
@@ -331,6 +382,7 @@ class Comm:
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         """Broadcast ``t`` from group rank ``src`` (binomial-tree accounting)."""
+        self.flush()
         p = self.size
         if p == 1:
             return
@@ -382,5 +434,6 @@ class Comm:
         return blocks  # type: ignore[return-value]
 
     def barrier(self) -> None:
+        self.flush()
         if self.size > 1:
             dist.barrier(group=self.group)
