@@ -24,11 +24,17 @@ serial worker thread instead of the training thread. On the CPU it selects in pl
 
 Both threads are bound to the CUDA device current where the engine was built (the current
 device is per thread), so NCCL control words and copies land on the job's GPU.
+
+Bitwise-identical replicas on CUDA need ``torch.use_deterministic_algorithms(True)``: the
+collectives' merges (``index_add_`` with indices from several ranks) use atomics on CUDA, so two
+ranks adding the same values may round differently. The executor warns once when a multi-rank
+CUDA job runs without it.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -66,6 +72,11 @@ class Executor:
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="gradsync-sparsify",
                                           initializer=self._bind_device)
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        if (self._cuda is not None and Comm(group).size > 1
+                and not torch.are_deterministic_algorithms_enabled()):
+            warnings.warn("gradsync on CUDA: replicas stay bitwise identical only under "
+                          "torch.use_deterministic_algorithms(True) (index_add_ uses atomics "
+                          "on CUDA); see docs/architecture.md, 'GPU path'", stacklevel=3)
 
     def _bind_device(self) -> None:
         if self._cuda is not None:
