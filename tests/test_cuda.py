@@ -18,6 +18,7 @@ Every result is compared with a dense reference computed here with plain torch o
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -80,12 +81,17 @@ def launch(fn, setup, *args, timeout: float = 300):
                            cuda=device == "cuda", timeout=timeout)
 
 
-def _prepare(device: str, emulate: str | None) -> torch.device:
-    """In a rank: the emulated device map, deterministic kernels on CUDA, the device."""
+def _prepare(device: str, emulate: str | None, model: bool = False) -> torch.device:
+    """In a rank: the emulated device map, deterministic kernels on CUDA, the device.
+
+    Without a ``model`` every op must have a deterministic CUDA kernel (gradsync's own code
+    only); with one, ops of the model's that have none only warn (``warn_only``) — gradsync's
+    ops still take their deterministic kernels."""
     comm_mod.emulate_backend(emulate)
     dev = torch.device(device)
     if dev.type == "cuda":
-        torch.use_deterministic_algorithms(True)
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS
+        torch.use_deterministic_algorithms(True, warn_only=model)
         dev = torch.device("cuda", torch.cuda.current_device())
     return dev
 
@@ -288,7 +294,7 @@ ENGINE_SCHEMES = ["dense_ovlp", "topka", "oktopk", "ssfusion_o", "ssfusion_oi"]
 
 
 def _engine_rank(rank: int, P: int, device: str, emulate: str | None) -> dict:
-    dev = _prepare(device, emulate)
+    dev = _prepare(device, emulate, model=True)
     pin_profiles()  # the same plans on every run (the offload is chosen for large tensors)
     out: dict = {}
     for scheme in ENGINE_SCHEMES:
@@ -421,7 +427,7 @@ def test_profile_sparsifier_runs_on_device(device):
 def _ddp_rank(rank: int, P: int, device: str, emulate: str | None) -> dict:
     from torch.nn.parallel import DistributedDataParallel as DDP
 
-    dev = _prepare(device, emulate)
+    dev = _prepare(device, emulate, model=True)
     ids = [dev] if dev.type == "cuda" else None
     out = {}
     for scheme, density in (("per_tensor", 1.0), ("ssfusion_oi", 0.05)):
