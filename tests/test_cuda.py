@@ -505,6 +505,9 @@ def test_tagc_fsdp_on_device(setup):
 def test_run_distributed_refuses_nccl_without_enough_gpus():
     with pytest.raises(ValueError, match=r"CUDA|GPU"):
         run_distributed(_noop, _gpus() + 1, backend="nccl")
+    if not _gpus():
+        with pytest.raises(ValueError, match="CUDA"):
+            run_distributed(_noop, 1, cuda=True)
 
 
 def _noop(rank: int, P: int) -> int:

@@ -42,7 +42,7 @@ Devices (docs/architecture.md, "GPU path"). ``Comm`` reads the group's backend
 
 Testing without a GPU: :func:`emulate_backend` makes the ``Comm`` objects of a process map
 devices to backends as a given string says while gloo still moves the bytes —
-``"cpu:nccl"`` runs NCCL's code paths (no bitwise reduction, batched ``sendrecv``) on CPU
+``"cpu:nccl"`` runs NCCL's code paths (no bitwise reduction, queued point-to-point) on CPU
 tensors, ``"cuda:gloo"`` stages every CPU tensor through a copy as a CPU tensor on an NCCL
 group would be. ``tests/test_cuda.py`` runs the collectives under both.
 """

@@ -102,7 +102,7 @@ class Executor:
             host = torch.empty(acc.shape, dtype=acc.dtype, pin_memory=True)
             with torch.cuda.stream(stream):
                 host.copy_(acc, non_blocking=True)
-                ready = torch.cuda.Event()
+                ready = torch.cuda.Event(blocking=True)  # the worker sleeps, not spins
                 ready.record(stream)
             acc.record_stream(stream)
 
