@@ -300,7 +300,8 @@ def _engine_rank(rank: int, P: int, device: str, emulate: str | None) -> dict:
     for scheme in ENGINE_SCHEMES:
         model = build("cnn", seed=3).to(dev)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        sync = GradSync(model, Config(scheme=scheme, density=0.05, warmup_steps=2))
+        sync = GradSync(model, Config(scheme=scheme, density=0.05, warmup_steps=2,
+                                      check_every=2))  # the cross-rank digest check too
         worst = 0.0
         for step in range(4):  # 2 profiling steps, then the final plan
             opt.zero_grad(set_to_none=True)
