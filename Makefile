@@ -10,7 +10,7 @@ CORPUS := /usr/share/games/fortunes
 # Parallel test workers: pytest-xdist; multi-rank tests spawn their own processes.
 TEST_WORKERS ?= 2
 
-.PHONY: install test lint demo bench clean
+.PHONY: install test lint demo bench gpu-check clean
 
 install: $(STAMP) dataset
 
@@ -53,6 +53,20 @@ demo: install
 
 bench: install
 	$(PY) -m gradsync bench sparsify
+
+# The GPU path (docs/architecture.md, "GPU path"): the tests marked `cuda` — collectives, engine,
+# DDP hook and TAGC on CUDA, NCCL at P = 1 (and on every GPU where there are several), gloo on
+# CUDA tensors at P = 2, 3. Needs a CUDA build of torch: GPU_PY=/path/to/python to use another
+# interpreter than the venv's (whose pinned wheel is the CPU one). Fails where CUDA is absent.
+GPU_PY ?= $(PY)
+gpu-check:
+	@$(GPU_PY) -c "import sys, torch; ok = torch.cuda.is_available(); \
+	print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| NCCL', \
+	      '.'.join(map(str, torch.cuda.nccl.version())) if ok else 'n/a'); \
+	[print('device', i, torch.cuda.get_device_name(i), torch.cuda.get_device_capability(i)) \
+	 for i in range(torch.cuda.device_count())]; \
+	ok or sys.exit('gpu-check: no CUDA device visible to this torch; nothing was run')"
+	$(GPU_PY) -m pytest -v -m cuda tests/test_cuda.py
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache bench-out

@@ -14,6 +14,16 @@ from gradsync.engine import warmup
 from gradsync.schedule import costmodel
 
 
+def pytest_collection_modifyitems(config, items):
+    """Deselect the tests marked ``cuda`` where CUDA is absent (``make gpu-check`` runs them)."""
+    if torch.cuda.is_available():
+        return
+    cuda = [it for it in items if it.get_closest_marker("cuda") is not None]
+    if cuda:
+        config.hook.pytest_deselected(items=cuda)
+        items[:] = [it for it in items if it.get_closest_marker("cuda") is None]
+
+
 def image_batch(rank: int, step: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` random 1×28×28 images and labels of 10 classes, different per rank and step."""
     g = torch.Generator().manual_seed(1000 * rank + step)

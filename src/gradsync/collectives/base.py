@@ -64,7 +64,8 @@ class Collective(ABC):
     @staticmethod
     def _agree(sel: SparseGrad, comm: Comm) -> None:
         code = DTYPE_CODES.get(sel.dtype, 0)
-        word = torch.tensor([sel.numel, code, -sel.numel, -code], dtype=torch.int64)
+        word = torch.tensor([sel.numel, code, -sel.numel, -code], dtype=torch.int64,
+                            device=comm.device)
         comm.all_reduce(word, op=dist.ReduceOp.MAX)
         if int(word[0]) != -int(word[2]) or int(word[1]) != -int(word[3]):
             raise ValueError(

@@ -18,16 +18,44 @@ Accounting convention (per rank, payload bytes; headers of the transport are not
   B to each of its children.
 
 Use ``Comm.size == 1`` fast paths freely: with one rank nothing is sent and nothing is counted.
+
+Devices (docs/architecture.md, "GPU path"). ``Comm`` reads the group's backend
+(``dist.get_backend``) and knows which device each backend takes:
+
+* ``Comm.device`` is where control tensors (counts, headers, flags) live: the current CUDA
+  device for NCCL, else the CPU (gloo; and ``cpu:gloo,cuda:nccl`` groups, whose gloo half moves
+  small CPU words without a device sync).
+* Payloads stay on the caller's device. When the backend cannot take a tensor where it is —
+  a CPU tensor on an NCCL group, or a CUDA tensor on gloo for anything but ``all_reduce`` and
+  ``broadcast`` (gloo has no CUDA send/recv, and its CUDA all-gather/reduce-scatter are not
+  guaranteed) — ``Comm`` stages it through the other device and copies the result back, so
+  every collective runs unchanged on either. Staging copies are not wire bytes and are not
+  counted.
+* NCCL has no bitwise reduction: ``all_reduce(op=BOR/BAND/BXOR)`` raises ``ValueError`` there
+  (:meth:`Comm.reduces_bitwise`); LHC/TAGC pick an OR that NCCL has (collectives/lhc.py).
+* Point-to-point on NCCL is grouped: a receive and a send between the same two ranks share
+  one NCCL stream, so posted one by one (``irecv`` then ``isend`` on both sides) each waits
+  for the other forever. So on NCCL ``isend``/``irecv`` only queue their message, and the
+  queue goes out as one ``batch_isend_irecv`` when any of their handles is waited on or the
+  ``Comm`` does anything else (``sendrecv`` is such a pair) — every handle must be waited on,
+  as on any backend. Blocking ``send``/``recv`` go out at once.
+
+Testing without a GPU: :func:`emulate_backend` makes the ``Comm`` objects of a process map
+devices to backends as a given string says while gloo still moves the bytes —
+``"cpu:nccl"`` runs NCCL's code paths (no bitwise reduction, queued point-to-point) on CPU
+tensors, ``"cuda:gloo"`` stages every CPU tensor through a copy as a CPU tensor on an NCCL
+group would be. ``tests/test_cuda.py`` runs the collectives under both.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "CommStats", "ring_allreduce_bytes"]
+__all__ = ["Comm", "CommStats", "backend_devices", "emulate_backend", "ring_allreduce_bytes"]
 
 
 @dataclass
@@ -61,11 +89,109 @@ def _nbytes(t: torch.Tensor) -> int:
     return t.numel() * t.element_size()
 
 
+# The operations gloo runs on CUDA tensors itself (torch.distributed's backend table); the
+# others are staged through host memory.
+_GLOO_CUDA_OPS = frozenset({"all_reduce", "broadcast"})
+_BITWISE = (dist.ReduceOp.BOR, dist.ReduceOp.BAND, dist.ReduceOp.BXOR)
+
+
+def backend_devices(backend: str) -> dict[str, str]:
+    """Device type -> backend of a ``dist.get_backend`` string: ``"nccl"`` -> ``{cuda: nccl}``,
+    ``"gloo"`` -> ``{cpu: gloo, cuda: gloo}``, ``"cpu:gloo,cuda:nccl"`` -> as written; an
+    unknown single backend is taken to move tensors of every device (nothing is staged)."""
+    backend = backend.lower()
+    if ":" in backend:
+        pairs = [pair.split(":", 1) for pair in backend.split(",")]
+        if any(len(p) != 2 or not p[0] or not p[1] for p in pairs):
+            raise ValueError(f"backend {backend!r}: expected 'device:backend[,...]'")
+        return dict(pairs)
+    if backend == "nccl":
+        return {"cuda": "nccl"}
+    if backend in ("gloo", "mpi"):
+        return {"cpu": backend, "cuda": backend}
+    return {}
+
+
+_EMULATED: str | None = None
+
+
+def emulate_backend(backend: str | None) -> None:
+    """From now on in this process, ``Comm`` maps devices to backends as ``backend`` (a
+    ``dist.get_backend``-style string such as ``"cpu:nccl"``) instead of the group's own;
+    ``None`` restores the real mapping. For tests (module docstring)."""
+    global _EMULATED
+    if backend is not None:
+        backend_devices(backend)  # validates
+    _EMULATED = backend
+
+
+class _Staged:
+    """The handle of a staged ``isend``/``irecv``: ``wait()`` also copies a received tensor
+    back to the caller's device."""
+
+    def __init__(self, work: dist.Work, wire: torch.Tensor, into: torch.Tensor | None):
+        self._work, self._wire, self._into = work, wire, into
+
+    def wait(self) -> bool:
+        ok = self._work.wait()
+        if self._into is not None:
+            self._into.copy_(self._wire)
+            self._into = None
+        return ok
+
+    def is_completed(self) -> bool:
+        return self._into is None and self._work.is_completed()
+
+
+class _Batch:
+    """Queued NCCL ``isend``/``irecv`` posted together; waited on once (a gloo work waited on
+    a second time can block, and emulation runs this on gloo)."""
+
+    def __init__(self, works: list[dist.Work]) -> None:
+        self.works: list[dist.Work] | None = works
+
+    def wait(self) -> None:
+        works, self.works = self.works, None
+        for w in works or ():
+            w.wait()
+
+
+class _Deferred:
+    """The handle of an ``isend``/``irecv`` queued on NCCL (module docstring): ``wait()``
+    posts the queue first if nobody has yet, then waits for the whole batch."""
+
+    def __init__(self, comm: Comm) -> None:
+        self._comm = comm
+        self.batch: _Batch | None = None
+
+    def wait(self) -> bool:
+        if self.batch is None:
+            self._comm.flush()
+        self.batch.wait()
+        return True
+
+    def is_completed(self) -> bool:
+        return self.batch is not None and self.batch.works is None
+
+
+class _Done:
+    """The handle of an ``async_op`` call that completed synchronously (it was staged)."""
+
+    def wait(self) -> bool:
+        return True
+
+    def is_completed(self) -> bool:
+        return True
+
+
 class Comm:
     """Counts every byte a rank hands to torch.distributed within one group.
 
     ``group=None`` is the default group. Without an initialised process group, ``Comm`` acts
     as a single rank (size 1), so single-process code paths need no special casing.
+
+    ``backend`` is the group's backend string (``"none"`` without a process group) and
+    ``device`` the device of its control tensors (module docstring).
     """
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
@@ -73,9 +199,18 @@ class Comm:
         if dist.is_available() and dist.is_initialized():
             self.rank = dist.get_rank(group)
             self.size = dist.get_world_size(group)
+            self.backend = str(dist.get_backend(group))
         else:
             self.rank, self.size = 0, 1
+            self.backend = "none"
+        self._devices = backend_devices(_EMULATED or self.backend)
+        if ("cpu" not in self._devices and self._devices.get("cuda") == "nccl"
+                and torch.cuda.is_available()):  # NCCL only: this thread's CUDA device
+            self.device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            self.device = torch.device("cpu")
         self.stats = CommStats()
+        self._queued: list[tuple[dist.P2POp, _Deferred]] = []
 
     # -- helpers ----------------------------------------------------------------------
     def global_rank(self, group_rank: int) -> int:
@@ -84,6 +219,52 @@ class Comm:
             return group_rank
         return dist.get_global_rank(self.group, group_rank)
 
+    def wire_device(self, device: torch.device, op: str) -> torch.device | None:
+        """Where ``op`` must move a tensor on ``device`` when the backend cannot take it there,
+        or ``None`` when it can (module docstring)."""
+        if not self._devices:
+            return None
+        be = self._devices.get(device.type)
+        if be is not None and not (be == "gloo" and device.type == "cuda"
+                                   and op not in _GLOO_CUDA_OPS):
+            return None
+        if device.type != "cpu" and "cpu" in self._devices:
+            return torch.device("cpu")
+        return self.device
+
+    def reduces_bitwise(self, device: torch.device | str | None = None) -> bool:
+        """Whether ``all_reduce`` with a bitwise op works for a tensor on ``device`` (default
+        the control device): not where it would run on NCCL."""
+        dev = self.device if device is None else torch.device(device)
+        dev = self.wire_device(dev, "all_reduce") or dev
+        return self._devices.get(dev.type) != "nccl"
+
+    def _staged(self, t: torch.Tensor, op: str) -> torch.Tensor:
+        """``t`` itself, or a copy on the device the backend takes (see :meth:`wire_device`)."""
+        dev = self.wire_device(t.device, op)
+        return t if dev is None else t.to(dev, copy=True)
+
+    def flush(self) -> None:
+        """Post the queued NCCL ``isend``/``irecv`` as one batch (module docstring)."""
+        if not self._queued:
+            return
+        ops = [op for op, _ in self._queued]
+        handles = [h for _, h in self._queued]
+        self._queued = []
+        batch = _Batch(dist.batch_isend_irecv(ops))
+        for h in handles:
+            h.batch = batch
+
+    def _queue(self, fn: Callable, wire: torch.Tensor, peer: int) -> _Deferred:
+        handle = _Deferred(self)
+        self._queued.append((dist.P2POp(fn, wire, self.global_rank(peer), self.group), handle))
+        return handle
+
+    def _check_op(self, what: str, op: dist.ReduceOp.RedOpType, wire: torch.Tensor) -> None:
+        if op in _BITWISE and self._devices.get(wire.device.type) == "nccl":
+            raise ValueError(f"{what}: NCCL has no bitwise reduction ({op}); exchange the "
+                             "bits and combine them locally instead (collectives/lhc.py)")
+
     def _count(self, sent: int, recv: int, messages: int) -> None:
         self.stats.bytes_sent += int(sent)
         self.stats.bytes_recv += int(recv)
@@ -91,29 +272,48 @@ class Comm:
 
     # -- point to point ---------------------------------------------------------------
     def send(self, t: torch.Tensor, dst: int) -> None:
+        self.flush()
         self._count(_nbytes(t), 0, 1)
-        dist.send(t, self.global_rank(dst), group=self.group)
+        dist.send(self._staged(t, "send"), self.global_rank(dst), group=self.group)
 
     def recv(self, t: torch.Tensor, src: int) -> None:
+        self.flush()
         self._count(0, _nbytes(t), 0)
-        dist.recv(t, self.global_rank(src), group=self.group)
+        wire = self._staged(t, "recv")
+        dist.recv(wire, self.global_rank(src), group=self.group)
+        if wire is not t:
+            t.copy_(wire)
 
     def isend(self, t: torch.Tensor, dst: int) -> dist.Work:
         self._count(_nbytes(t), 0, 1)
-        return dist.isend(t, self.global_rank(dst), group=self.group)
+        wire = self._staged(t, "send")
+        if self._devices.get(wire.device.type) == "nccl":
+            work = self._queue(dist.isend, wire, dst)
+        else:
+            work = dist.isend(wire, self.global_rank(dst), group=self.group)
+        return work if wire is t else _Staged(work, wire, None)
 
     def irecv(self, t: torch.Tensor, src: int) -> dist.Work:
         self._count(0, _nbytes(t), 0)
-        return dist.irecv(t, self.global_rank(src), group=self.group)
+        wire = self._staged(t, "recv")
+        if self._devices.get(wire.device.type) == "nccl":
+            work = self._queue(dist.irecv, wire, src)
+        else:
+            work = dist.irecv(wire, self.global_rank(src), group=self.group)
+        return work if wire is t else _Staged(work, wire, t)
 
     def sendrecv(
         self, send: torch.Tensor | None, dst: int, recv: torch.Tensor | None, src: int
     ) -> None:
-        """Send to ``dst`` and receive from ``src`` concurrently (either may be ``None``)."""
+        """Send to ``dst`` and receive from ``src`` concurrently (either may be ``None``); on
+        NCCL the two go out as one batch (module docstring)."""
+        self.flush()
+        recv = recv if recv is not None and recv.numel() else None
+        send = send if send is not None and send.numel() else None
         works = []
-        if recv is not None and recv.numel():
+        if recv is not None:
             works.append(self.irecv(recv, src))
-        if send is not None and send.numel():
+        if send is not None:
             works.append(self.isend(send, dst))
         for w in works:
             w.wait()
@@ -122,16 +322,25 @@ class Comm:
     def all_reduce(
         self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op=False
     ):
-        """In-place all-reduce of ``t`` (ring accounting)."""
+        """In-place all-reduce of ``t`` (ring accounting). A bitwise ``op`` where the backend
+        has none (NCCL) raises ``ValueError`` (so does :meth:`reduce_scatter`)."""
+        self.flush()
         p = self.size
         if p == 1:
             return None
+        wire = self._staged(t, "all_reduce")
+        self._check_op("all_reduce", op, wire)
         b = ring_allreduce_bytes(_nbytes(t), p)
         self._count(b, b, 2 * (p - 1))
-        return dist.all_reduce(t, op=op, group=self.group, async_op=async_op)
+        if wire is t:
+            return dist.all_reduce(t, op=op, group=self.group, async_op=async_op)
+        dist.all_reduce(wire, op=op, group=self.group)
+        t.copy_(wire)
+        return _Done() if async_op else None
 
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """All-gather equal-size tensors: returns a ``(P, *t.shape)`` tensor, rank order."""
+        self.flush()
         p = self.size
         out = torch.empty((p, *t.shape), dtype=t.dtype, device=t.device)
         if p == 1:
@@ -139,13 +348,21 @@ class Comm:
             return out
         b = _nbytes(t)
         self._count((p - 1) * b, (p - 1) * b, p - 1)
-        dist.all_gather_single(out.view(-1), t.contiguous().view(-1), group=self.group)
+        flat = t.contiguous().view(-1)
+        wire = self._staged(flat, "all_gather")
+        if wire is flat:
+            dist.all_gather_single(out.view(-1), flat, group=self.group)
+            return out
+        got = torch.empty(out.numel(), dtype=t.dtype, device=wire.device)
+        dist.all_gather_single(got, wire, group=self.group)
+        out.view(-1).copy_(got)
         return out
 
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
     ) -> None:
         """Reduce ``inp`` (P equal chunks) over ranks; rank r receives chunk r in ``out``."""
+        self.flush()
         p = self.size
         if inp.numel() != p * out.numel():
             raise ValueError(f"reduce_scatter: input of {inp.numel()} != {p} × {out.numel()}")
@@ -154,10 +371,18 @@ class Comm:
             return
         b = _nbytes(out)
         self._count((p - 1) * b, (p - 1) * b, p - 1)
-        dist.reduce_scatter_single(out, inp, op=op, group=self.group)
+        wire_in = self._staged(inp, "reduce_scatter")
+        self._check_op("reduce_scatter", op, wire_in)
+        if wire_in is inp:
+            dist.reduce_scatter_single(out, inp, op=op, group=self.group)
+            return
+        wire_out = torch.empty(out.shape, dtype=out.dtype, device=wire_in.device)
+        dist.reduce_scatter_single(wire_out, wire_in, op=op, group=self.group)
+        out.copy_(wire_out)
 
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         """Broadcast ``t`` from group rank ``src`` (binomial-tree accounting)."""
+        self.flush()
         p = self.size
         if p == 1:
             return
@@ -171,12 +396,17 @@ class Comm:
                 children += 1
             mask <<= 1
         self._count(children * b, b if v else 0, children)
-        dist.broadcast(t, self.global_rank(src), group=self.group)
+        wire = self._staged(t, "broadcast")
+        dist.broadcast(wire, self.global_rank(src), group=self.group)
+        if wire is not t:
+            t.copy_(wire)
 
-    def all_gather_counts(self, n: int, device: torch.device | str = "cpu") -> list[int]:
-        """All-gather one integer per rank (e.g. a selection size)."""
-        return [int(c) for c in self.all_gather(torch.tensor([n], dtype=torch.int64,
-                                                             device=device)).view(-1)]
+    def all_gather_counts(self, n: int, device: torch.device | str | None = None) -> list[int]:
+        """All-gather one integer per rank (e.g. a selection size); the word travels on
+        ``device`` (default :attr:`device`, the control device)."""
+        word = torch.tensor([n], dtype=torch.int64,
+                            device=self.device if device is None else device)
+        return self.all_gather(word).view(-1).tolist()
 
     def all_gather_v(self, t: torch.Tensor, counts: list[int] | None = None) -> list[torch.Tensor]:
         """All-gather 1-D tensors of different lengths; returns one tensor per rank.
@@ -188,7 +418,7 @@ class Comm:
         p = self.size
         t = t.reshape(-1)
         if counts is None:
-            counts = self.all_gather_counts(t.numel(), t.device)
+            counts = self.all_gather_counts(t.numel())
         if len(counts) != p or counts[self.rank] != t.numel():
             raise ValueError(f"all_gather_v: counts {counts} do not match this rank's "
                              f"{t.numel()} elements at rank {self.rank} of {p}")
@@ -204,5 +434,6 @@ class Comm:
         return blocks  # type: ignore[return-value]
 
     def barrier(self) -> None:
+        self.flush()
         if self.size > 1:
             dist.barrier(group=self.group)

@@ -135,8 +135,8 @@ class DenseStreamAllreduce(Collective):
                   ) -> SparseGrad:
         """Send ``part`` to ``peer`` and receive its partition (indices in ``[lo, hi)``)."""
         payload = self._encode(part, iw)
-        n_out = torch.tensor([payload.numel()], dtype=torch.int64)
-        n_in = torch.zeros(1, dtype=torch.int64)
+        n_out = torch.tensor([payload.numel()], dtype=torch.int64, device=comm.device)
+        n_in = torch.zeros(1, dtype=torch.int64, device=comm.device)
         comm.sendrecv(n_out, peer, n_in, peer)         # sizes first
         buf = torch.empty(self._check_len(int(n_in), part, iw), dtype=torch.uint8,
                           device=part.device)
@@ -145,12 +145,12 @@ class DenseStreamAllreduce(Collective):
 
     def _send(self, part: SparseGrad, peer: int, comm: Comm, iw: int) -> None:
         payload = self._encode(part, iw)
-        comm.send(torch.tensor([payload.numel()], dtype=torch.int64), peer)
+        comm.send(torch.tensor([payload.numel()], dtype=torch.int64, device=comm.device), peer)
         if payload.numel():
             comm.send(payload, peer)
 
     def _recv(self, like: SparseGrad, peer: int, comm: Comm, iw: int) -> SparseGrad:
-        n_in = torch.zeros(1, dtype=torch.int64)
+        n_in = torch.zeros(1, dtype=torch.int64, device=comm.device)
         comm.recv(n_in, peer)
         buf = torch.empty(self._check_len(int(n_in), like, iw), dtype=torch.uint8,
                           device=like.device)

@@ -27,8 +27,12 @@ method         what travels                                bytes sent per rank
                                                             a nibble holds counts ≤ 15)
 =============  ==========================================  ==============================
 
-``index_bits=1``, ``index_method="auto"``: ``bor`` where the backend is gloo, else ``gather``
-for P < 16 (cheaper than ``max`` while P − 1 < 16(P−1)/P) and ``max`` from P = 16 on.
+``index_bits=1``, ``index_method="auto"``: ``bor`` where the backend has a bitwise OR for the
+mask's device (gloo; :meth:`Comm.reduces_bitwise`), else — NCCL, whose reductions are only
+SUM/PROD/MIN/MAX/AVG — ``gather`` for P < 16 (cheaper than ``max`` while P − 1 < 16(P−1)/P)
+and ``max`` from P = 16 on. Both fallbacks are exact ORs and run on gloo too (name them, or
+``comm.emulate_backend("cpu:nccl")`` to make ``auto`` choose as on NCCL); ``bor`` named
+explicitly on NCCL raises ``ValueError`` (from ``Comm.all_reduce``).
 ``index_bits=4``: ``count4`` (TAGC's 4-bit index; the summed counters are exact) for P ≤ 15;
 for P > 15 the counters would overflow into the neighbour nibble, so it falls back to the
 1-bit choice above (``info["index_method"]`` says which ran).
@@ -55,17 +59,14 @@ __all__ = ["LHC", "all_or_index", "choose_index_method"]
 INDEX_METHODS = ("auto", "bor", "gather", "max", "count4")
 
 
-def _backend(comm: Comm) -> str:
-    if comm.size == 1:
-        return "none"
-    return str(dist.get_backend(comm.group))
-
-
-def choose_index_method(index_bits: int, P: int, backend: str) -> str:
-    """The ``auto`` choice for the index OR (module docstring table)."""
+def choose_index_method(index_bits: int, P: int, backend: str,
+                        bitwise: bool | None = None) -> str:
+    """The ``auto`` choice for the index OR (module docstring table). ``bitwise``: whether the
+    backend reduces with bitwise OR where the mask lives (:meth:`Comm.reduces_bitwise`);
+    ``None``: only gloo does."""
     if index_bits == 4 and P <= 15:
         return "count4"
-    if backend == "gloo":
+    if backend == "gloo" if bitwise is None else bitwise:
         return "bor"
     return "gather" if P < 16 else "max"
 
@@ -80,7 +81,8 @@ def all_or_index(
         raise ValueError(f"index_bits must be 1 or 4, got {index_bits!r}")
     P, n = comm.size, mask.numel()
     if method == "auto":
-        method = choose_index_method(index_bits, P, _backend(comm))
+        method = choose_index_method(index_bits, P, comm.backend,
+                                     P > 1 and comm.reduces_bitwise(mask.device))
     if method == "count4" and P > 15:
         raise ValueError(f"4-bit counters summed over P = {P} > 15 ranks overflow a nibble")
     if P == 1:

@@ -74,9 +74,9 @@ class RSResult:
     sketch_bytes: int  # bytes this rank sent for the sketches (line 6)
 
 
-def choose_method(index_bits: int, P: int, backend: str) -> str:
+def choose_method(index_bits: int, P: int, backend: str, bitwise: bool | None = None) -> str:
     """The ``"auto"`` index aggregation of a reduce-scatter (module docstring)."""
-    method = choose_index_method(index_bits, P, backend)
+    method = choose_index_method(index_bits, P, backend, bitwise)
     return "gather" if method == "max" else method
 
 
@@ -111,8 +111,8 @@ def index_reduce_scatter(mask: torch.Tensor, comm: Comm, index_bits: int = 1,
     if comm.size != P:
         raise ValueError(f"index_reduce_scatter: {P} chunks for {comm.size} ranks")
     if method == "auto":
-        backend = "none" if P == 1 else str(dist.get_backend(comm.group))
-        method = choose_method(index_bits, P, backend)
+        method = choose_method(index_bits, P, comm.backend,
+                               P > 1 and comm.reduces_bitwise(mask.device))
     if method == "count4" and P > 15:
         raise ValueError(f"4-bit counters summed over P = {P} > 15 ranks overflow a nibble")
     if method == "max":
@@ -163,7 +163,7 @@ def compressed_reduce_scatter(q: torch.Tensor, sketch: CountSketch, comm: Comm, 
     return RSResult(values, report, int(nonzero.sum()), method, index_bytes, sketch_bytes)
 
 
-def agree_lossless(report: PeelReport, comm: Comm, device: torch.device | str = "cpu",
+def agree_lossless(report: PeelReport, comm: Comm, device: torch.device | str | None = None,
                    what: str = "TAGC") -> None:
     """Raise on EVERY rank when any rank's peel was lossy (``on_failure="raise"``).
 
@@ -171,7 +171,8 @@ def agree_lossless(report: PeelReport, comm: Comm, device: torch.device | str = 
     left waiting in the next collective. The rank whose peel failed raises
     :class:`~gradsync.formats.sketch.PeelError`, the others ``RuntimeError``.
     """
-    flag = torch.tensor([int(report.unresolved)], dtype=torch.int64, device=device)
+    flag = torch.tensor([int(report.unresolved)], dtype=torch.int64,
+                        device=comm.device if device is None else device)
     comm.all_reduce(flag, op=dist.ReduceOp.MAX)
     if int(flag) > 0:
         if report.lossy:

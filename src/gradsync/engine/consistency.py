@@ -50,11 +50,11 @@ def parameter_digest(model: nn.Module) -> tuple[bytes, list[tuple[str, bytes]]]:
 
 
 def _gather_bytes(blob: bytes, group: dist.ProcessGroup | None) -> list[bytes]:
-    world = dist.get_world_size(group)
-    t = torch.frombuffer(bytearray(blob), dtype=torch.uint8)
-    out = torch.empty(world * t.numel(), dtype=torch.uint8)
+    world, dev = dist.get_world_size(group), Comm(group).device  # NCCL: the GPU
+    t = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(dev)
+    out = torch.empty(world * t.numel(), dtype=torch.uint8, device=dev)
     dist.all_gather_single(out, t, group=group)
-    return [bytes(c.tolist()) for c in out.view(world, -1)]
+    return [bytes(c.tolist()) for c in out.cpu().view(world, -1)]
 
 
 def check_consistency(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:

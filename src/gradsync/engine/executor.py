@@ -8,14 +8,33 @@ selection the offload worker has not finished yet is waited for here, on the com
 thread, never on the training thread.
 
 **Offload worker** (SSFusion-O, §IV-C): the tensors the planner offloaded are sparsified on one
-serial worker thread instead of the training thread. On CUDA the accumulated gradient is copied
-to pinned host memory without blocking, the worker waits for that copy's event, selects on the
-host and moves the selection back to the device; on the CPU it selects in place.
+serial worker thread instead of the training thread. On the CPU it selects in place. On CUDA
+(docs/architecture.md, "GPU path"):
+
+1. the training thread makes the executor's own *offload stream* wait for the work queued so
+   far on its current stream (the accumulated gradient is ready then), and queues there a
+   non-blocking copy into a pinned host buffer, and an event after it. The copy overlaps the
+   backward kernels still to come on the compute stream; the gradient is marked as used by the
+   offload stream (``record_stream``), so the allocator cannot hand its memory out before the
+   copy is done;
+2. the worker thread waits for that event only, selects on the host, pins the selection and
+   queues non-blocking host→device copies on the training thread's stream (captured in step 1;
+   the device's default stream, which the communication thread queues on too), so every later
+   use of the selection is ordered after its copy without another wait.
+
+Both threads are bound to the CUDA device current where the engine was built (the current
+device is per thread), so NCCL control words and copies land on the job's GPU.
+
+Bitwise-identical replicas on CUDA need ``torch.use_deterministic_algorithms(True)``: the
+collectives' merges (``index_add_`` with indices from several ranks) use atomics on CUDA, so two
+ranks adding the same values may round differently. The executor warns once when a multi-rank
+CUDA job runs without it.
 """
 
 from __future__ import annotations
 
 import time
+import warnings
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -45,8 +64,30 @@ class Executor:
         self.group = group
         self._collective = collective
         self._audit = audit
-        self._comm = ThreadPoolExecutor(1, thread_name_prefix="gradsync-comm")
-        self._worker = ThreadPoolExecutor(1, thread_name_prefix="gradsync-sparsify")
+        # the caller's CUDA device, if it uses CUDA at all (never initialise CUDA for a CPU job)
+        self._cuda = (torch.cuda.current_device()
+                      if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+        self._comm = ThreadPoolExecutor(1, thread_name_prefix="gradsync-comm",
+                                        initializer=self._bind_device)
+        self._worker = ThreadPoolExecutor(1, thread_name_prefix="gradsync-sparsify",
+                                          initializer=self._bind_device)
+        self._streams: dict[torch.device, torch.cuda.Stream] = {}
+        if (self._cuda is not None and Comm(group).size > 1
+                and not torch.are_deterministic_algorithms_enabled()):
+            warnings.warn("gradsync on CUDA: replicas stay bitwise identical only under "
+                          "torch.use_deterministic_algorithms(True) (index_add_ uses atomics "
+                          "on CUDA); see docs/architecture.md, 'GPU path'", stacklevel=3)
+
+    def _bind_device(self) -> None:
+        if self._cuda is not None:
+            torch.cuda.set_device(self._cuda)
+
+    def _offload_stream(self, device: torch.device) -> torch.cuda.Stream:
+        """SSFusion-O's own CUDA stream on ``device`` (created once)."""
+        stream = self._streams.get(device)
+        if stream is None:
+            stream = self._streams[device] = torch.cuda.Stream(device)
+        return stream
 
     def offload(self, sp: sparsify.Sparsifier, acc: torch.Tensor, step: int) -> Future:
         """SSFusion-O: sparsify on the worker thread (via pinned host memory on CUDA).
@@ -54,18 +95,25 @@ class Executor:
         The future's result is ``(selection, seconds spent selecting)``.
         """
         if acc.is_cuda:
+            dev = acc.device
+            stream = self._offload_stream(dev)
+            consumer = torch.cuda.current_stream(dev)  # the training thread's
+            stream.wait_stream(consumer)  # acc is computed
             host = torch.empty(acc.shape, dtype=acc.dtype, pin_memory=True)
-            host.copy_(acc, non_blocking=True)
-            ready = torch.cuda.Event()
-            ready.record()
+            with torch.cuda.stream(stream):
+                host.copy_(acc, non_blocking=True)
+                ready = torch.cuda.Event(blocking=True)  # the worker sleeps, not spins
+                ready.record(stream)
+            acc.record_stream(stream)
 
             def work() -> tuple[SparseGrad, float]:
-                ready.synchronize()
+                ready.synchronize()  # the host copy only; the compute stream runs on
                 t0 = time.perf_counter()
                 sel = sp.select(host, step)
-                out = SparseGrad(sel.indices.to(acc.device, non_blocking=True),
-                                 sel.values.to(acc.device, non_blocking=True), sel.numel,
-                                 validate=False)
+                idx, val = sel.indices.pin_memory(), sel.values.pin_memory()
+                with torch.cuda.stream(consumer):  # ordered before every later use
+                    out = SparseGrad(idx.to(dev, non_blocking=True),
+                                     val.to(dev, non_blocking=True), sel.numel, validate=False)
                 return out, time.perf_counter() - t0
         else:
             def work() -> tuple[SparseGrad, float]:

@@ -220,7 +220,8 @@ class GradSync:
                 plan, self.cost = warmup.final_plan(
                     self.cfg, self._warmup.samples, list(self.params), self._numel,
                     next(iter(self.params.values())).element_size(),
-                    self._parts.sparsifier_name, self.group, self.rank, self.P)
+                    self._parts.sparsifier_name, self.group, self.rank, self.P,
+                    device=next(iter(self.params.values())).device)
                 self._set_plan(plan)
         if self.cfg.check_every and self.step % self.cfg.check_every == 0:
             # only here, once this step's jobs have drained: the check uses the same group
@@ -336,6 +337,8 @@ class GradSync:
             return
         name = self._name_of[id(p)]
         run = self._run
+        if p.is_cuda and self._warmup.left > 0:  # profiling: when the gradient IS ready
+            torch.cuda.current_stream(p.device).synchronize()
         run.hooked(name, time.perf_counter())
         if self._warmup.left > 0 or not self.plan.overlap:
             return  # profiling steps and non-overlapped plans launch in synchronize()

@@ -101,25 +101,26 @@ def provisional_plan(cfg: Config, order: list[str], numel: dict[str, int]) -> Pl
 
 def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str],
                numel: dict[str, int], elem_bytes: int, sparsifier: str,
-               group: dist.ProcessGroup | None, rank: int, P: int
+               group: dist.ProcessGroup | None, rank: int, P: int, device=None
                ) -> tuple[Plan, costmodel.CostModel | None]:
     """After the profiling steps: cost model → plan on rank 0 → broadcast (every rank calls).
 
     ``samples``: the hook timestamps of the profiling steps; ``names``, ``numel``,
     ``elem_bytes``: the synchronized tensors (registration order); ``sparsifier``: the name of
-    the engine's sparsifier, whose cost is profiled.
+    the engine's sparsifier, whose cost is profiled on ``device`` (the parameters'; None: CPU),
+    where the job's collectives are profiled too.
     """
     order, backward = backward_profile(samples, list(names))
     needs = schemes.get(cfg.scheme).needs_cost_model
     payload: list[Any] = [None]
     if needs:
-        ar, ag = costmodel.profile_collectives(group)
+        ar, ag = costmodel.profile_collectives(group, device=device)
     if rank == 0:
         cost = None
         if needs:
             probe = sparsify.get(sparsifier, density=cfg.density, seed=cfg.seed)
-            inline = costmodel.profile_sparsifier(probe)
-            offload = costmodel.profile_sparsifier(probe, offload=True)
+            inline = costmodel.profile_sparsifier(probe, device=device)
+            offload = costmodel.profile_sparsifier(probe, offload=True, device=device)
             cost = costmodel.CostModel(
                 P=P, order=order, numel=dict(numel), elem_bytes=elem_bytes,
                 backward=backward, sparsify=inline, offload=offload,

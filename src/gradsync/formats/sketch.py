@@ -277,7 +277,10 @@ class CountSketch:
             if on_failure == "raise":
                 raise PeelError(report)
             # Count-sketch estimate: median of the sign-corrected (residual) cells.
-            values[pos] = (sg * residual[cells]).median(dim=1).values
+            # (torch.median's lower median by a sort: median(dim) has no deterministic CUDA
+            # kernel and raises under torch.use_deterministic_algorithms)
+            est = (sg * residual[cells]).sort(dim=1).values
+            values[pos] = est[:, (est.shape[1] - 1) // 2]
             report.estimated = unresolved
         return values.to(dtype), report
 

@@ -538,14 +538,14 @@ class _TAGCReduceScatter(ReduceScatter):
             comm.reduce_scatter(yp, xp.reshape(-1))
             st.plain_bytes += comm.stats.bytes_sent - before
             if u.plain_idx is not None:
-                out.index_copy_(0, u.plain_idx, yp)
+                out[u.plain_idx] = yp  # index_put_: deterministic on CUDA, index_copy_ not
         if u.n_comp:
             xc = x if u.comp_idx is None else x.index_select(1, u.comp_idx)
             yc = self._compressed(xc, comm)
             if u.comp_idx is None:
                 out.copy_(yc)
             else:
-                out.index_copy_(0, u.comp_idx, yc.to(out.dtype))
+                out[u.comp_idx] = yc.to(out.dtype)
         if average:
             out.div_(P)
         st.calls += 1

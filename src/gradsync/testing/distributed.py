@@ -14,6 +14,13 @@ Guarantees, each tested in ``tests/test_testing.py``:
 * a rank that dies without raising (``os._exit``, a signal) is reported with its exit code;
 * world size 1 works.
 
+Backends and devices: ``backend="gloo"`` (default) or ``"nccl"``, or any string
+``init_process_group`` takes (``"cpu:gloo,cuda:nccl"``). With ``cuda=True`` — the default when
+the backend names NCCL — rank r first calls ``torch.cuda.set_device(r % device_count)``, so
+NCCL gets one GPU per rank and gloo ranks on CUDA tensors share the GPUs there are. NCCL with
+more ranks than GPUs raises ``ValueError`` here (NCCL refuses two ranks on one GPU); ask for
+CUDA without a GPU and it raises too.
+
 ``fn`` must be picklable (a module-level function). Return values travel back through
 ``torch.save``, so tensors, dicts and dataclasses of tensors all work. Children are forked from
 a server process that has already imported torch, which keeps a rank's start-up well under a
@@ -79,6 +86,7 @@ def _worker(
     world_size: int,
     init_method: str,
     backend: str,
+    cuda: bool,
     timeout: float,
     results: Any,
     args: tuple,
@@ -91,6 +99,8 @@ def _worker(
     )
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
     try:
+        if cuda:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
             backend, init_method=init_method, rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout),
@@ -113,9 +123,13 @@ def run_distributed(
     *args: Any,
     timeout: float = 120.0,
     backend: str = "gloo",
+    cuda: bool | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return results.
+
+    ``backend``: the process group's; ``cuda``: set one CUDA device per rank (default: when
+    the backend names NCCL; module docstring).
 
     Raises :class:`DistributedError` (with the failing rank's traceback) if any rank raised or
     died, and :class:`DistributedTimeout` if any rank is still running after ``timeout``
@@ -125,6 +139,16 @@ def run_distributed(
         raise ValueError(f"world_size must be >= 1, got {world_size}")
     if timeout <= 0:
         raise ValueError(f"timeout must be > 0, got {timeout}")
+    nccl = "nccl" in backend.lower()
+    cuda = nccl if cuda is None else bool(cuda)
+    if cuda or nccl:
+        gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if gpus == 0:
+            raise ValueError(f"run_distributed: backend {backend!r} with cuda={cuda} needs a "
+                             "CUDA device and none is available")
+        if nccl and world_size > gpus:
+            raise ValueError(f"run_distributed: NCCL runs one rank per GPU; {world_size} ranks "
+                             f"for {gpus} GPU(s) (use gloo on CUDA tensors for more ranks)")
     ctx = _context()
     results = ctx.Queue()
     with tempfile.TemporaryDirectory(prefix="gradsync-rdzv-") as tmp:
@@ -132,7 +156,8 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, init_method, backend, timeout, results, args, kwargs),
+                args=(fn, r, world_size, init_method, backend, cuda, timeout, results, args,
+                      kwargs),
                 daemon=True,
             )
             for r in range(world_size)
