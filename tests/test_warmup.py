@@ -114,3 +114,15 @@ def test_ddp_hook_follows_the_schedule() -> None:
     per_step = [b - a for a, b in zip([0, *cum[:-1]], cum)]
     # bytes fall with the density: 0.5 → 0.2 → 0.05
     assert per_step[0] > 2 * per_step[2] > 0 and per_step[2] > 2 * per_step[4] > 0, per_step
+
+
+def test_train_flag() -> None:
+    from gradsync.apps.train.command import parse_args
+
+    spec = parse_args(["--scheme", "topka", "--density", "0.01", "--density-warmup", "4:10"])
+    warm, period = spec.warmup_schedule()
+    assert period == 10 and len(warm) == 4 and warm == Config.dgc_warmup(0.01, 4)
+    assert warm[0] == pytest.approx(0.01 ** 0.2)
+    with pytest.raises(SystemExit):
+        parse_args(["--density-warmup", "4"])
+    assert parse_args(["--scheme", "topka"]).warmup_schedule() == ((), 0)

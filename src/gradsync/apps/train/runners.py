@@ -77,9 +77,11 @@ class Runner:
 
         if self.choice.scheme is None:
             raise ValueError(f"{self.choice.name!r} is not a gradsync scheme")
+        warm, period = spec.warmup_schedule()
         return Config(scheme=self.choice.scheme.name, density=spec.density,
                       sparsifier=spec.sparsifier, seed=spec.seed,
-                      momentum=MOMENTUM if self.momentum_correction else 0.0, **extra)
+                      momentum=MOMENTUM if self.momentum_correction else 0.0,
+                      density_warmup=warm, density_warmup_steps=period, **extra)
 
     def metering(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
