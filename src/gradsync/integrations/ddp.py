@@ -15,7 +15,10 @@ Inside a bucket (SSFusion §III–IV applied to DDP's own fusion buffers):
   ``density × bucket numel`` entries; everything travels in one all-gather;
 * ``ssfusion_oi``: as ``ssfusion``, but the unsparsified tensors travel in an all-reduce and the
   sparsified ones in an all-gather (SSFusion-I's split, with the split fixed by sparsification);
-* ``dense``: a plain all-reduce (a baseline through the same hook).
+* ``dense``: a plain all-reduce (a baseline through the same hook);
+* ``auto``: per bucket, every tensor sparsified and all-gathered, or the bucket all-reduced
+  (with error feedback), whichever :func:`gradsync.schedule.auto.bucket_sparse` predicts faster
+  from the link and sparsifier costs measured once, at the first call, on every rank alike.
 
 The hook runs the engine's pieces: the scheme's record in :mod:`gradsync.schedule.schemes`
 (which schemes have a hook, their collective and sparsifier, whether a bucket is interleaved),
@@ -51,8 +54,10 @@ from gradsync.collectives.comm import Comm, CommStats
 from gradsync.engine.config import Config
 from gradsync.engine.consistency import signature_check
 from gradsync.engine.state import Identity, check_identity
+from gradsync.engine.warmup import link_costs
 from gradsync.feedback import ErrorFeedback
 from gradsync.schedule import schemes
+from gradsync.schedule.auto import bucket_sparse
 from gradsync.schedule.ssfusion import compensate
 from gradsync.sparsegrad import SparseGrad
 
@@ -92,6 +97,7 @@ class HookState:
     # SSFusion-I's last asynchronous all-reduce (its work and buffer), kept until the next call:
     # see _sparse_hook for why
     retired: tuple[Any, ...] = ()
+    link: tuple[Any, ...] | None = None  # auto: the measured (all-reduce, all-gather, sparsify)
 
     def __post_init__(self) -> None:
         self.scheme = schemes.get(self.cfg.scheme)
@@ -177,7 +183,8 @@ class HookState:
         self.ef, self.sparsifiers = ef, sparsifiers
 
 
-def _densities(state: HookState, numels: list[int]) -> list[float | None]:
+def _densities(state: HookState, numels: list[int], elem_bytes: int = 4
+               ) -> list[float | None]:
     """Per-tensor density of one bucket; None = sent dense.
 
     ``per_tensor``: every tensor at ``density``. SSFusion: tensors below ``small_numel`` are
@@ -186,6 +193,12 @@ def _densities(state: HookState, numels: list[int]) -> list[float | None]:
     ``density × bucket numel`` entries, floor ``min_density``).
     """
     cfg = state.cfg
+    if state.scheme.planner == "auto":  # measured once, agreed by every rank
+        P = dist.get_world_size(state.group)
+        if state.link is None and P > 1:
+            state.link = link_costs(state._new_sparsifier("auto:probe", cfg.density), state.group)
+        sparse = P > 1 and bucket_sparse(numels, cfg.density, P, elem_bytes, *state.link)
+        return [cfg.density if sparse else None] * len(numels)
     if state.scheme.planner == "per_tensor":
         return [cfg.density] * len(numels)
     sparse = [n >= state.small_numel for n in numels]
@@ -207,12 +220,13 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     params = bucket.parameters()
     numels = [p.numel() for p in params]
     names = [state.name_of(p) for p in params]
-    densities = _densities(state, numels)
+    densities = _densities(state, numels, buf.element_size())
     offsets = [0]
     for n in numels:
         offsets.append(offsets[-1] + n)
     accs, sparse_parts, dense_parts = {}, [], []
-    to_allreduce = state.scheme.interleave  # SSFusion-I: dense tensors in an all-reduce
+    # SSFusion-I and auto: dense tensors in an all-reduce
+    to_allreduce = state.scheme.interleave or state.scheme.planner == "auto"
     for i, (name, d) in enumerate(zip(names, densities)):
         acc = state.ef.accumulate(name, buf[offsets[i]:offsets[i + 1]])
         accs[name] = acc
