@@ -193,8 +193,7 @@ class GradSync:
                     f"{e}\n(a peer that died, stalled or left the job makes this happen after "
                     f"Config.timeout_s={self.cfg.timeout_s:g}s; check the other ranks' logs)"
                 ) from e
-        t_done = time.perf_counter()
-        stats.wait_s = t_done - t0
+        stats.wait_s = time.perf_counter() - t0
         bad_local = sorted({n for lj in run.launched for n in lj.nonfinite})
         ok = self._agree_finite(bad_local, stats)
         if ok:
@@ -225,7 +224,7 @@ class GradSync:
                     self._parts.sparsifier_name, self.group, self.rank, self.P)
                 self._set_plan(plan)
         elif self._drift is not None and self.cost is not None and ok and run.first_hook:
-            self._watch(run, results, t_done)
+            self._watch(run, results, time.perf_counter())
         if self.cfg.check_every and self.step % self.cfg.check_every == 0:
             # only here, once this step's jobs have drained: the check uses the same group
             check_consistency(self.model, self.group)

@@ -33,11 +33,15 @@ reference. The best candidate replaces it only when its predicted iteration is a
 ``margin`` (default :data:`MARGIN` = 5 %) shorter: a cost model that is a few percent wrong then
 cannot make ``auto`` slower than the dense plan it would have run otherwise.
 
-**Re-planning** (the engine's, :mod:`gradsync.engine.warmup`): when the measured step drifts
+**Measured, not only predicted** (the engine's, :mod:`gradsync.engine.warmup`): the decision
+record names the runner-up (``alternative``: the dense plan when a sparse one was chosen, the
+best sparse plan when the dense one was), which the engine runs once for a window and keeps
+only if it is measured faster — a sparse plan by ``margin``. When the measured step later drifts
 from the prediction, :func:`calibrated` rescales the cost model by the measured/predicted ratios
-of all-reduce, all-gather and sparsification time and the engine plans again; the new plan is
-taken only when it beats the current plan, under the same calibrated model, by ``margin``
-(hysteresis: the plan does not flap between two near-equal choices).
+of all-reduce, all-gather and sparsification time and the engine plans again; a new plan is
+taken only when it beats the current one, under the same calibrated model, by ``margin``, and
+it too is measured against the plan it replaced (hysteresis: no flapping between near-equal
+choices).
 
 **The DDP hook** has no warm-up timeline, so it asks the static question per DDP bucket
 (:func:`bucket_sparse`): sparsifying each tensor and all-gathering, T_sp + T_AG(k·E), against
@@ -54,7 +58,8 @@ from gradsync.schedule.fixed import fixed_buckets
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
 from gradsync.schedule.timeline import simulate
 
-__all__ = ["MARGIN", "OPTIONS", "auto_buffers", "bucket_sparse", "calibrated", "option_buffer"]
+__all__ = ["MARGIN", "OPTIONS", "auto_buffers", "bucket_sparse", "calibrated", "has_sparse",
+           "option_buffer"]
 
 OPTIONS = ("dense", "fused", "offload")
 MARGIN = 0.05  # a sparse plan must be predicted this much faster than the dense one
@@ -119,12 +124,23 @@ def auto_buffers(names: list[str], numel: dict[str, int], cost: CostModel, densi
         if best is None or t < best[3] * (1 - 1e-6):
             best = (label, choice, buffers, t)
     label, choice, buffers, t_best = best
+    # the runner-up the engine measures once against the choice (warmup.Drift): the dense plan
+    # when a sparse one is chosen, the best sparse one when the dense plan is
+    alternative = dense if any(o != "dense" for o in choice) else None
     if not t_best < t_dense * (1 - margin):  # not enough gain: DDP's dense plan
+        alternative = buffers if any(o != "dense" for o in choice) else None
         label, choice, buffers, t_best = "ddp_buckets", ["dense"] * len(dense), dense, t_dense
     info = {"grouping": label, "options": choice, "iteration": t_best,
             "dense_iteration": t_dense, "margin": margin, "walks": walks,
-            "sparse_buffers": sum(o != "dense" for o in choice)}
+            "sparse_buffers": sum(o != "dense" for o in choice),
+            "alternative": None if alternative is None else [b.to_dict() for b in alternative]}
     return buffers, info
+
+
+def has_sparse(buffers: list[BufferPlan]) -> bool:
+    """Whether any tensor of ``buffers`` is sparsified."""
+    return any(b.mode == "fused" or any(t.density is not None for t in b.tensors)
+               for b in buffers)
 
 
 def calibrated(cost: CostModel, allreduce: float = 1.0, allgather: float = 1.0,
