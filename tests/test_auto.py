@@ -51,8 +51,8 @@ def _cost(beta: float, sparsify: AffineFit, P: int = 4, alpha: float = 5e-5,
 
 def _ddp_dense_plan(bucket_bytes: int) -> Plan:
     groups = fixed_buckets(list(NUMEL), NUMEL, 4, bucket_bytes)
-    return Plan("x", [BufferPlan(tuple(TensorPlan(n, NUMEL[n], None, allreduce=True)
-                                       for n in g), "per_tensor") for g in groups])
+    return Plan("x", [BufferPlan(tuple(TensorPlan(n, NUMEL[n], None) for n in g), "dense")
+                      for g in groups])
 
 
 # ------------------------------------------------------------------------------------ planner
@@ -251,6 +251,19 @@ def test_the_runner_up_is_measured_once(dense_scale, kept):
     assert d.trial is None and d.probed
 
 
+def test_leaving_a_sparse_plan_flushes_the_residuals_first():
+    cost = _cost(SLOW, AffineFit(1e-4, 1e-9))
+    sparse = make_plan("auto", list(NUMEL), NUMEL, 0.01, cost, bucket_bytes=4 * MB)
+    dense = _ddp_dense_plan(4 * MB)
+    d = warmup.Drift()
+    step = d.change(sparse, dense)  # sparse → dense: one step with error feedback first
+    assert [b.mode for b in step.buffers] == ["per_tensor"] * len(dense.buffers)
+    assert all(t.allreduce and t.density is None for b in step.buffers for t in b.tensors)
+    assert step.names == dense.names and d.after_step() is dense and d.after_step() is None
+    assert d.change(dense, sparse) is sparse and d.after_step() is None  # nothing to flush
+    assert auto.flushing(sparse).to_dict()["buffers"] == sparse.to_dict()["buffers"]
+
+
 # ------------------------------------------------------------------------------------ engine
 def _slow_link() -> None:
     """Pinned measurements (plans independent of timing noise): a 100 Mbit/s link and a cheap
@@ -293,8 +306,9 @@ def _engine(rank: int, P: int) -> dict:
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme="auto", density=0.01, sparsifier="topk",
                                   warmup_steps=2, check_every=0), audit=True)
-    conserved, plans = True, []
+    conserved, plans, stranded = True, [], 0.0
     for step in range(10):
+        ran = sync.plan
         model.zero_grad(set_to_none=True)
         x, y = image_batch(rank, step)
         nn.functional.cross_entropy(model(x), y).backward()
@@ -303,6 +317,10 @@ def _engine(rank: int, P: int) -> dict:
             recon = torch.zeros_like(rec.acc).index_put_((rec.sent_indices,),
                                                          rec.sent_values, accumulate=True)
             conserved &= bool(torch.equal(rec.acc, recon + rec.residual))
+        if all(b.mode == "dense" for b in ran.buffers):  # raw all-reduce: nothing may be
+            stranded = max(stranded, max(  # left in a residual by an earlier sparse step
+                (float(r.abs().max()) for n in sync.params
+                 if (r := sync.ef.residual(n)) is not None and r.numel()), default=0.0))
         if step >= 1:
             plans.append([b.to_dict() for b in sync.plan.buffers])
         with torch.no_grad():
@@ -312,7 +330,7 @@ def _engine(rank: int, P: int) -> dict:
                first_sparse=any(b["mode"] == "fused" or any(t["density"] is not None
                                                              for t in b["tensors"])
                                 for b in plans[0]),
-               digest=parameter_digest(model)[0])
+               digest=parameter_digest(model)[0], stranded=stranded)
     sync.close()
     return out
 
@@ -323,6 +341,7 @@ def test_auto_in_the_engine(P):
     for rank, o in enumerate(out):
         assert o["density_one"] < 1e-5, (P, rank, o["density_one"])
         assert o["conserved"], (P, rank)
+        assert o["stranded"] == 0.0, (P, rank)
     assert len({o["digest"] for o in out}) == 1, P
     for o in out[1:]:  # every rank, every step: the same plan and the same re-plan record
         assert o["plans"] == out[0]["plans"] and o["replans"] == out[0]["replans"]

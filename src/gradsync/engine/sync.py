@@ -341,12 +341,15 @@ class GradSync:
         sp = run.inline_sparsify_s + sum(r.offload_s for r in results)
         self._drift.record(t_done - run.first_hook, ar, ag, sp,
                            max(0.0, run.backward_s - run.inline_sparsify_s))
+        flushed = self._drift.after_step()  # a flushing step ran: now its plan
+        if flushed is not None:
+            self._set_plan(flushed)
         if self._drift.due:
             got = self._drift.check(self.cfg, self.plan, self.cost, self.group, self.rank,
                                     self.P)
             if got is not None:
                 plan, self.cost = got
-                self._set_plan(plan)
+                self._set_plan(self._drift.change(self.plan, plan))
 
     def _set_plan(self, plan: Plan) -> None:
         self._jobs: list[Job] = plan_jobs(plan, self._parts.collective_name, list(self.params))

@@ -110,10 +110,9 @@ def provisional_plan(cfg: Config, order: list[str], numel: dict[str, int]) -> Pl
     spec = schemes.get(cfg.scheme)
     if not spec.needs_cost_model:
         return schedule.make_plan(cfg.scheme, order, numel, cfg.density, **_plan_kw(cfg))
-    if spec.planner == "auto":  # DDP's buckets, all-reduced (error feedback runs)
+    if spec.planner == "auto":  # DDP's buckets, all-reduced (nothing is compressed yet)
         base = schedule.make_plan("dense_ovlp", order, numel, cfg.density, **_plan_kw(cfg))
-        bufs = [auto.option_buffer(b.names, numel, "dense", cfg.density) for b in base.buffers]
-        return Plan(scheme=cfg.scheme, buffers=bufs, info={"provisional": True})
+        return Plan(scheme=cfg.scheme, buffers=base.buffers, info={"provisional": True})
     if spec.planner in _FUSED_PLANNERS:
         # fixed buckets, sparsified as fused vectors: multi-tensor semantics while profiling
         base = schedule.make_plan("dense_ovlp", order, numel, cfg.density, **_plan_kw(cfg))
@@ -229,6 +228,22 @@ class Drift:
     reference: float | None = None  # measured step of the plan in use (None: its prediction)
     trial: dict[str, Any] | None = None  # the replaced plan, its model and measured step
     events: list[dict[str, Any]] = field(default_factory=list)
+    pending: Plan | None = None  # the plan to run after this step's flushing step
+
+    def change(self, old: Plan, new: Plan) -> Plan:
+        """The plan to run next step when ``new`` replaces ``old``: when ``old`` sparsified
+        something and ``new`` has dense buffers, first one step of ``auto.flushing(new)`` (the
+        residuals are sent), then ``new`` (:meth:`after_step`)."""
+        if auto.has_sparse(old.buffers) and any(b.mode == "dense" for b in new.buffers):
+            self.pending = new
+            return auto.flushing(new)
+        self.pending = None
+        return new
+
+    def after_step(self) -> Plan | None:
+        """The plan a flushing step was for, once that step has run (else ``None``)."""
+        plan, self.pending = self.pending, None
+        return plan
 
     @classmethod
     def for_config(cls, cfg: Config, P: int) -> Drift | None:

@@ -12,10 +12,12 @@ What it is built from (no new model, only a choice between the existing ones):
   per **fusion buffer** instead of per tensor, and Espresso's greedy walk over options on the
   timeline (Wang et al., EuroSys'23, §5) applied to buffers instead of single tensors.
 
-**Options per buffer.** ``dense``: every tensor travels whole in the buffer's all-reduce part
-(T_AR of its n·K bytes; error feedback still runs, so a residual left by a sparse step is sent,
-never stranded); ``fused``: the buffer is sparsified as one vector (multi-tensor, T_gpu of its
-n elements on the compute stream) and all-gathered (T_AG of k·(4+K) bytes per rank);
+**Options per buffer.** ``dense``: the buffer is all-reduced as it is (T_AR of its n·K bytes),
+exactly DDP's bucket; when a plan with sparse tensors is replaced, the engine first runs one
+step of :func:`flushing` (the dense buffers in their all-reduce part *with* error feedback), so
+a residual left by a sparse step is sent, never stranded; ``fused``: the buffer is sparsified
+as one vector (multi-tensor, T_gpu of its n elements on the compute stream) and all-gathered
+(T_AG of k·(4+K) bytes per rank);
 ``offload``: every tensor sparsified on its own on the worker thread (SSFusion-O's T_offload)
 and all-gathered.
 
@@ -58,8 +60,8 @@ from gradsync.schedule.fixed import fixed_buckets
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
 from gradsync.schedule.timeline import simulate
 
-__all__ = ["MARGIN", "OPTIONS", "auto_buffers", "bucket_sparse", "calibrated", "has_sparse",
-           "option_buffer"]
+__all__ = ["MARGIN", "OPTIONS", "auto_buffers", "bucket_sparse", "calibrated", "flushing",
+           "has_sparse", "option_buffer"]
 
 OPTIONS = ("dense", "fused", "offload")
 MARGIN = 0.05  # a sparse plan must be predicted this much faster than the dense one
@@ -69,8 +71,7 @@ def option_buffer(names: list[str], numel: dict[str, int], option: str,
                   density: float) -> BufferPlan:
     """The buffer of ``names`` sent as ``option`` (one of :data:`OPTIONS`)."""
     if option == "dense":
-        return BufferPlan(tuple(TensorPlan(n, numel[n], None, allreduce=True) for n in names),
-                          "per_tensor")
+        return BufferPlan(tuple(TensorPlan(n, numel[n], None) for n in names), "dense")
     if option == "fused":
         return BufferPlan(tuple(TensorPlan(n, numel[n], None) for n in names), "fused", density)
     if option == "offload":
@@ -135,6 +136,16 @@ def auto_buffers(names: list[str], numel: dict[str, int], cost: CostModel, densi
             "sparse_buffers": sum(o != "dense" for o in choice),
             "alternative": None if alternative is None else [b.to_dict() for b in alternative]}
     return buffers, info
+
+
+def flushing(plan: Plan) -> Plan:
+    """``plan`` with every ``dense`` buffer sent in its all-reduce part with error feedback
+    (same bytes, same time in the model): one step of it sends the residuals a sparse plan
+    left behind."""
+    bufs = [BufferPlan(tuple(TensorPlan(t.name, t.numel, None, allreduce=True)
+                             for t in b.tensors), "per_tensor") if b.mode == "dense" else b
+            for b in plan.buffers]
+    return Plan(plan.scheme, bufs, plan.overlap, {**plan.info, "flushing": True})
 
 
 def has_sparse(buffers: list[BufferPlan]) -> bool:
