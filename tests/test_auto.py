@@ -33,6 +33,7 @@ from gradsync.testing import run_distributed
 
 FAST = 1 / 10e9  # s/B: 80 Gbit/s
 SLOW = 8 / 100e6  # s/B: 100 Mbit/s
+MID = 8 / 5e9  # s/B: 5 Gbit/s, where sparse wins on NUMEL but not by PROBE_RATIO
 MB = 2**20
 
 # a ResNet-ish gradient list in backward order: a few large tensors and many small ones
@@ -76,6 +77,9 @@ def test_slow_link_sparsifies_the_large_buffers():
     # predicted at least the margin faster than DDP's dense plan, computed here on its own
     t_dense = simulate(_ddp_dense_plan(4 * MB), cost).iteration
     assert plan.info["predicted"]["iteration"] < t_dense * (1 - auto.MARGIN)
+    # dense is predicted far more than PROBE_RATIO slower: not worth measuring
+    assert t_dense > auto.PROBE_RATIO * plan.info["predicted"]["iteration"]
+    assert info["alternative"] is None
     # and no slower than sparsifying every Cupcake/DDP buffer fused
     for bucket in (4 * MB, 64 * MB):
         groups = fixed_buckets(list(NUMEL), NUMEL, 4, bucket)
@@ -225,8 +229,9 @@ def test_the_runner_up_is_measured_once(dense_scale, kept):
     """The sparse choice vs the dense runner-up: dense is kept unless the sparse plan was
     measured at least the margin faster."""
     cfg = Config(scheme="auto", density=0.01, bucket_mb=4)
-    cost = _cost(SLOW, AffineFit(1e-4, 1e-9))
+    cost = _cost(MID, AffineFit(1e-4, 1e-9))
     plan = make_plan("auto", list(NUMEL), NUMEL, 0.01, cost, bucket_bytes=4 * MB)
+    assert plan.info["auto"]["sparse_buffers"] > 0  # sparse chosen, dense within PROBE_RATIO
     d = warmup.Drift()
     for _ in range(warmup.DRIFT_WINDOW):
         d.record(*_measured(plan, cost, 1.0))
@@ -280,6 +285,7 @@ def _engine(rank: int, P: int) -> dict:
     # a fast watch, and every window counts as drift (no ratio lies in [2, 0.5]), so that the
     # re-plan runs in this short test, whatever the timing
     warmup.DRIFT_WINDOW, warmup.DRIFT_PATIENCE, warmup.DRIFT_THRESHOLD = 2, 1, -0.5
+    auto.PROBE_RATIO = float("inf")  # the runner-up is always measured here
     out: dict = {}
     # density 1 against the plain all-reduce average (what DDP computes)
     model = build("mlp", seed=1)

@@ -17,7 +17,8 @@ exactly DDP's bucket; when a plan with sparse tensors is replaced, the engine fi
 step of :func:`flushing` (the dense buffers in their all-reduce part *with* error feedback), so
 a residual left by a sparse step is sent, never stranded; ``fused``: the buffer is sparsified
 as one vector (multi-tensor, T_gpu of its n elements on the compute stream) and all-gathered
-(T_AG of k·(4+K) bytes per rank);
+(T_AG of k·(4+K) bytes per rank); ``inline``: every tensor sparsified on its own on the
+compute stream (layer-wise, no tensor misses the step) and all-gathered;
 ``offload``: every tensor sparsified on its own on the worker thread (SSFusion-O's T_offload)
 and all-gathered.
 
@@ -28,7 +29,7 @@ sparsification at ``density`` (the grouping sparse buffers are best at,
 the buffers are walked in backward order and each takes the option that minimises the simulated
 iteration with the others fixed; walks repeat until nothing changes (at most ``passes``; a walk
 never raises the predicted time, so it ends). Ties (within 1 ppm) keep the simpler option
-(dense, fused, offload).
+(dense, fused, inline, offload).
 
 **Never slower than DDP (the switch margin).** The all-dense plan on DDP's buckets is the
 reference. The best candidate replaces it only when its predicted iteration is at least
@@ -37,13 +38,14 @@ cannot make ``auto`` slower than the dense plan it would have run otherwise.
 
 **Measured, not only predicted** (the engine's, :mod:`gradsync.engine.warmup`): the decision
 record names the runner-up (``alternative``: the dense plan when a sparse one was chosen, the
-best sparse plan when the dense one was), which the engine runs once for a window and keeps
-only if it is measured faster — a sparse plan by ``margin``. When the measured step later drifts
-from the prediction, :func:`calibrated` rescales the cost model by the measured/predicted ratios
-of all-reduce, all-gather and sparsification time and the engine plans again; a new plan is
-taken only when it beats the current one, under the same calibrated model, by ``margin``, and
-it too is measured against the plan it replaced (hysteresis: no flapping between near-equal
-choices).
+best sparse plan when the dense one was; none when it is predicted more than
+:data:`PROBE_RATIO` times slower, since measuring a clearly worse plan only costs steps), which
+the engine runs once for a window and keeps only if it is measured faster — a sparse plan by
+``margin``. When the measured step later drifts from the prediction, :func:`calibrated`
+rescales the cost model by the measured/predicted ratios of all-reduce, all-gather and
+sparsification time and the engine plans again; a new plan is taken only when it beats the
+current one, under the same calibrated model, by ``margin``, and it too is measured against the
+plan it replaced (hysteresis: no flapping between near-equal choices).
 
 **The DDP hook** has no warm-up timeline, so it asks the static question per DDP bucket
 (:func:`bucket_sparse`): sparsifying each tensor and all-gathering, T_sp + T_AG(k·E), against
@@ -60,11 +62,12 @@ from gradsync.schedule.fixed import fixed_buckets
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
 from gradsync.schedule.timeline import simulate
 
-__all__ = ["MARGIN", "OPTIONS", "auto_buffers", "bucket_sparse", "calibrated", "flushing",
-           "has_sparse", "option_buffer"]
+__all__ = ["MARGIN", "OPTIONS", "PROBE_RATIO", "auto_buffers", "bucket_sparse", "calibrated",
+           "flushing", "has_sparse", "option_buffer"]
 
-OPTIONS = ("dense", "fused", "offload")
+OPTIONS = ("dense", "fused", "inline", "offload")
 MARGIN = 0.05  # a sparse plan must be predicted this much faster than the dense one
+PROBE_RATIO = 2.0  # the runner-up is measured only when predicted within this factor
 
 
 def option_buffer(names: list[str], numel: dict[str, int], option: str,
@@ -74,6 +77,8 @@ def option_buffer(names: list[str], numel: dict[str, int], option: str,
         return BufferPlan(tuple(TensorPlan(n, numel[n], None) for n in names), "dense")
     if option == "fused":
         return BufferPlan(tuple(TensorPlan(n, numel[n], None) for n in names), "fused", density)
+    if option == "inline":
+        return BufferPlan(tuple(TensorPlan(n, numel[n], density) for n in names), "per_tensor")
     if option == "offload":
         return BufferPlan(tuple(TensorPlan(n, numel[n], density, offload=True) for n in names),
                           "per_tensor")
@@ -127,10 +132,13 @@ def auto_buffers(names: list[str], numel: dict[str, int], cost: CostModel, densi
     label, choice, buffers, t_best = best
     # the runner-up the engine measures once against the choice (warmup.Drift): the dense plan
     # when a sparse one is chosen, the best sparse one when the dense plan is
-    alternative = dense if any(o != "dense" for o in choice) else None
+    alternative, t_alt = (dense, t_dense) if any(o != "dense" for o in choice) else (None, 0.0)
     if not t_best < t_dense * (1 - margin):  # not enough gain: DDP's dense plan
-        alternative = buffers if any(o != "dense" for o in choice) else None
+        alternative, t_alt = ((buffers, t_best) if any(o != "dense" for o in choice)
+                              else (None, 0.0))
         label, choice, buffers, t_best = "ddp_buckets", ["dense"] * len(dense), dense, t_dense
+    if alternative is not None and t_alt > PROBE_RATIO * t_best:  # clearly worse: not measured
+        alternative = None
     info = {"grouping": label, "options": choice, "iteration": t_best,
             "dense_iteration": t_dense, "margin": margin, "walks": walks,
             "sparse_buffers": sum(o != "dense" for o in choice),
