@@ -40,7 +40,12 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
     if kept is not None:
         kept = kept.to(torch.int64)
         starts = torch.tensor([b[1] for b in bounds], dtype=torch.int64, device=kept.device)
-        owner = torch.searchsorted(starts, kept, right=True) - 1
+        # sorted kept (what every all-reduce part and most collectives return): each tensor's
+        # entries are one slice, found by binary search, instead of one mask per tensor over
+        # all of kept (O(tensors · kept), 30 ms per CNN step for a dense all-reduce part)
+        cuts = (torch.searchsorted(kept, torch.cat([starts, starts.new_tensor([offset])])).tolist()
+                if bool((kept[1:] >= kept[:-1]).all()) else None)
+        owner = torch.searchsorted(starts, kept, right=True) - 1 if cuts is None else None
         if sent:
             kept_values = values_at(result.sent_indices, result.sent_values, kept)
     for i, (n, lo, hi) in enumerate(bounds):
@@ -61,7 +66,7 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
                     torch.arange(hi - lo, device=acc.device),
                     result.sent_values[lo:hi].clone(), torch.zeros_like(acc)))
             continue
-        mine = owner == i
+        mine = owner == i if cuts is None else slice(cuts[i], cuts[i + 1])
         local = kept[mine] - lo
         residual = ef.update(n, launched.accs[n], local)
         stats.selected += int(local.numel())

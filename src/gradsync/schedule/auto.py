@@ -153,7 +153,7 @@ def flushing(plan: Plan) -> Plan:
     bufs = [BufferPlan(tuple(TensorPlan(t.name, t.numel, None, allreduce=True)
                              for t in b.tensors), "per_tensor") if b.mode == "dense" else b
             for b in plan.buffers]
-    return Plan(plan.scheme, bufs, plan.overlap, {**plan.info, "flushing": True})
+    return Plan(plan.scheme, bufs, plan.overlap, dict(plan.info))
 
 
 def has_sparse(buffers: list[BufferPlan]) -> bool:
