@@ -349,7 +349,7 @@ class GradSync:
                                     self.P)
             if got is not None:
                 plan, self.cost = got
-                self._set_plan(self._drift.change(self.cfg, self.plan, plan))
+                self._set_plan(self._drift.change(self.plan, plan))
 
     def _set_plan(self, plan: Plan) -> None:
         self._jobs: list[Job] = plan_jobs(plan, self._parts.collective_name, list(self.params))

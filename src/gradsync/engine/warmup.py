@@ -47,7 +47,7 @@ from gradsync.engine.config import Config
 from gradsync.schedule import BufferPlan, Plan, auto, costmodel, schemes
 
 __all__ = ["DRIFT_PATIENCE", "DRIFT_THRESHOLD", "DRIFT_WINDOW", "Drift", "Warmup",
-           "backward_profile", "final_plan", "link_costs", "provisional_plan", "with_momentum"]
+           "backward_profile", "final_plan", "link_costs", "provisional_plan"]
 
 DRIFT_THRESHOLD = 0.25  # |measured / predicted step − 1| beyond this (either way) is drift
 DRIFT_WINDOW = 5  # steps per measurement (their median)
@@ -112,8 +112,7 @@ def provisional_plan(cfg: Config, order: list[str], numel: dict[str, int]) -> Pl
         return schedule.make_plan(cfg.scheme, order, numel, cfg.density, **_plan_kw(cfg))
     if spec.planner == "auto":  # DDP's buckets, all-reduced (nothing is compressed yet)
         base = schedule.make_plan("dense_ovlp", order, numel, cfg.density, **_plan_kw(cfg))
-        return with_momentum(cfg, Plan(scheme=cfg.scheme, buffers=base.buffers,
-                                       info={"provisional": True}))
+        return Plan(scheme=cfg.scheme, buffers=base.buffers, info={"provisional": True})
     if spec.planner in _FUSED_PLANNERS:
         # fixed buckets, sparsified as fused vectors: multi-tensor semantics while profiling
         base = schedule.make_plan("dense_ovlp", order, numel, cfg.density, **_plan_kw(cfg))
@@ -154,17 +153,7 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
                 allreduce=ar, allgather=ag)
         plan = schedule.make_plan(cfg.scheme, order, numel, cfg.density, cost, **_plan_kw(cfg))
         payload = [{"plan": plan.to_dict(), "cost": cost.to_dict() if cost else None}]
-    plan, cost = _from_rank0(payload, group, P)
-    return with_momentum(cfg, plan), cost
-
-
-def with_momentum(cfg: Config, plan: Plan) -> Plan:
-    """``auto`` with DGC momentum correction (``Config.momentum`` > 0): its dense buffers go
-    through error feedback too (``auto.flushing``), where the momentum lives — a plain dense
-    all-reduce would train without momentum. Other schemes' plans are returned as they are."""
-    if cfg.momentum > 0 and schemes.get(cfg.scheme).planner == "auto":
-        return auto.flushing(plan)
-    return plan
+    return _from_rank0(payload, group, P)
 
 
 def _from_rank0(payload: list[Any], group: dist.ProcessGroup | None, P: int
@@ -241,14 +230,10 @@ class Drift:
     events: list[dict[str, Any]] = field(default_factory=list)
     pending: Plan | None = None  # the plan to run after this step's flushing step
 
-    def change(self, cfg: Config, old: Plan, new: Plan) -> Plan:
+    def change(self, old: Plan, new: Plan) -> Plan:
         """The plan to run next step when ``new`` replaces ``old``: when ``old`` sparsified
         something and ``new`` has dense buffers, first one step of ``auto.flushing(new)`` (the
-        residuals are sent), then ``new`` (:meth:`after_step`); with DGC momentum correction
-        always the ``flushing`` form (:func:`with_momentum`)."""
-        self.pending = None
-        if cfg.momentum > 0:
-            return with_momentum(cfg, new)
+        residuals are sent), then ``new`` (:meth:`after_step`)."""
         if auto.has_sparse(old.buffers) and any(b.mode == "dense" for b in new.buffers):
             self.pending = new
             return auto.flushing(new)
