@@ -149,18 +149,24 @@ def crossover(rows: list[dict], links: list[str]) -> dict:
 def _plot_crossover(cross: dict, title: str):
     def plot(ax) -> None:
         links = sorted(cross["links"], key=lambda k: cross["rate_bps"][k])  # slow → fast
+        import matplotlib
+
         x = list(range(len(links)))
-        for scheme, by_link in cross["speedup_vs_ddp"].items():
+        colors = matplotlib.colormaps["tab20"].colors
+        for i, (scheme, by_link) in enumerate(cross["speedup_vs_ddp"].items()):
             ys = [by_link.get(k) for k in links]
             ys = [y if y is not None else float("nan") for y in ys]
             style = ({"color": "black", "linewidth": 2.5, "marker": "o", "zorder": 3}
-                     if scheme == "auto" else {"linewidth": 1, "marker": ".", "alpha": 0.8})
+                     if scheme == "auto" else
+                     {"color": colors[i % len(colors)], "linewidth": 1, "alpha": 0.9,
+                      "marker": "os^vD<>"[i % 7], "markersize": 4,
+                      "linestyle": ("-", "--", ":")[(i // len(colors)) % 3]})
             ax.plot(x, ys, label=scheme, **style)
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
         ax.set_xticks(x, links)
         ax.set_xlabel("link rate per rank (slow → fast)")
         ax.set_ylabel("speed-up over DDP (samples/s ratio)")
-        ax.set_yscale("log")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=6, ncol=2)
 
