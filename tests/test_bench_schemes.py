@@ -106,6 +106,7 @@ def test_default_schemes_include_the_new_ones():
         assert name in bench.DEFAULT_SCHEMES
 
 
+@pytest.mark.slow  # 17 s on a quiet machine, 51 s under load: a benchmark run, not a unit test
 def test_bench_schemes_two_links(tmp_path, capsys):
     """One command, two links (shaped when this runs as root, else loopback with a note)."""
     names = ["ddp", "topka", "auto"]
