@@ -1,4 +1,6 @@
-"""Smoke test of ``python -m gradsync bench schemes``: tiny run on 2 loopback ranks, JSON rows."""
+"""``python -m gradsync bench schemes``: a tiny run on 2 loopback ranks (JSON rows), the
+``--bandwidth`` list (parsing, validation), the crossover's ratios against numbers computed
+here, and one command over two links writing the crossover JSON and PNG."""
 
 from __future__ import annotations
 
@@ -37,6 +39,9 @@ def test_bench_schemes_smoke(tmp_path, capsys):
         assert math.isfinite(r["final_loss"])
         assert r["samples_per_s"] == pytest.approx(P * 8 / (r["step_ms"] / 1e3))
     assert [run["scheme"] for run in data["meta"]["runs"]] == names
+    cross = json.loads((tmp_path / "crossover.json").read_text())  # one link: one column
+    assert [r["scheme"] for r in cross["rows"]] == names
+    assert cross["rows"][0]["loopback"] == 1.0
 
 
 @pytest.mark.parametrize("argv", [["--density", "0"], ["--world-size", "0"],
@@ -45,3 +50,86 @@ def test_bench_schemes_rejects_bad_arguments(argv, tmp_path):
     with pytest.raises(SystemExit) as e:
         bench.main([*argv, "--quick", "--out", str(tmp_path)])
     assert e.value.code == 2
+
+
+# ------------------------------------------------------------------------- several links
+def test_bandwidth_list_parses_and_validates():
+    assert bench.parse_links("loopback,1gbit,100mbit") == ["loopback", "1gbit", "100mbit"]
+    assert bench.parse_links(" LOOPBACK , 2.5mbit") == ["loopback", "2.5mbit"]
+    assert bench.parse_links("1gbit") == ["1gbit"]
+    assert bench.link_rate("100mbit") == 1e8 and bench.link_rate("loopback") == float("inf")
+    for bad, msg in (("loopback,,1gbit", "empty"), ("1gbit,1000mbit", "repeats"),
+                     ("loopback,Loopback", "repeats"), ("10mbps", "ambiguous|bps|bandwidth"),
+                     ("", "empty")):
+        with pytest.raises(ValueError, match=msg):
+            bench.parse_links(bad)
+
+
+@pytest.mark.parametrize("argv", [["--bandwidth", "loopback,,1gbit"],
+                                  ["--bandwidth", "1gbit,1gbit"],
+                                  ["--bandwidth", "loopback,10mbps"],
+                                  ["--latency", "5ms"]])
+def test_bench_schemes_rejects_bad_link_lists(argv, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        bench.main([*argv, "--quick", "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert "--bandwidth" in capsys.readouterr().err or "--latency" in argv
+
+
+def _row(link, scheme, sps, ddp_sps):
+    return {"link": link, "scheme": scheme, "samples_per_s": sps,
+            "speedup_vs_ddp": sps / ddp_sps}
+
+
+def test_crossover_ratios_and_outputs(tmp_path):
+    from gradsync.apps.common import write_outputs
+
+    rows = [_row("loopback", "ddp", 100.0, 100.0), _row("loopback", "topka", 50.0, 100.0),
+            _row("loopback", "auto", 97.0, 100.0),
+            _row("100mbit", "ddp", 10.0, 10.0), _row("100mbit", "topka", 30.0, 10.0),
+            _row("100mbit", "auto", 28.5, 10.0)]
+    cross = bench.crossover(rows, ["loopback", "100mbit"])
+    assert cross["speedup_vs_ddp"]["topka"] == {"loopback": 0.5, "100mbit": 3.0}
+    lo, slow = cross["auto"]["loopback"], cross["auto"]["100mbit"]
+    assert lo["best_fixed"] == "ddp" and lo["auto_vs_ddp"] == pytest.approx(0.97)
+    assert lo["auto_vs_best_fixed"] == pytest.approx(0.97)
+    assert slow["best_fixed"] == "topka" and slow["auto_vs_best_fixed"] == pytest.approx(0.95)
+    assert slow["auto_vs_ddp"] == pytest.approx(2.85)
+    assert cross["rate_bps"] == {"loopback": float("inf"), "100mbit": 1e8}
+    jpath, ppath = write_outputs("crossover", [], tmp_path,
+                                 plot=bench._plot_crossover(cross, "t"), meta=cross)
+    assert jpath.exists() and ppath.stat().st_size > 1000
+
+
+def test_default_schemes_include_the_new_ones():
+    for name in ("hipress", "espresso", "spardl", "auto"):
+        assert name in bench.DEFAULT_SCHEMES
+
+
+@pytest.mark.slow  # 17 s on a quiet machine, 51 s under load: a benchmark run, not a unit test
+def test_bench_schemes_two_links(tmp_path, capsys):
+    """One command, two links (shaped when this runs as root, else loopback with a note)."""
+    names = ["ddp", "topka", "auto"]
+    rc = bench.main(["--quick", "--steps", "3", "--schemes", ",".join(names),
+                     "--bandwidth", "loopback,100mbit", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "crossover" in out and "auto / best fixed" in out
+    data = json.loads((tmp_path / "schemes.json").read_text())
+    assert [(r["link"], r["scheme"]) for r in data["rows"]] == [
+        (k, n) for k in ("loopback", "100mbit") for n in names]
+    cross = json.loads((tmp_path / "crossover.json").read_text())
+    assert [r["scheme"] for r in cross["rows"]] == names
+    for r in cross["rows"]:
+        assert set(r) == {"scheme", "loopback", "100mbit"}
+    ddp = {r["link"]: r["samples_per_s"] for r in data["rows"] if r["scheme"] == "ddp"}
+    for r in data["rows"]:  # the crossover's numbers are the rows' same-run ratios
+        by = next(c for c in cross["rows"] if c["scheme"] == r["scheme"])
+        assert by[r["link"]] == pytest.approx(r["samples_per_s"] / ddp[r["link"]])
+    auto = cross["meta"]["crossover"]["auto"]
+    for k in ("loopback", "100mbit"):
+        best = max((r for r in data["rows"] if r["link"] == k and r["scheme"] != "auto"),
+                   key=lambda r: r["samples_per_s"])
+        assert auto[k]["best_fixed"] == best["scheme"]
+    assert (tmp_path / "crossover.png").stat().st_size > 1000
+    assert (tmp_path / "schemes.png").stat().st_size > 1000

@@ -85,7 +85,8 @@ def test_hook_rejects_engine_only_schemes():
     with pytest.raises(ValueError):
         HookState(cfg=Config(scheme="per_tensor"), small_numel=-1)
     # the table of schemes decides which schemes have a hook
-    assert set(gradsync.ddp.DDP_SCHEMES) == {"dense", "per_tensor", "ssfusion", "ssfusion_oi"}
+    assert set(gradsync.ddp.DDP_SCHEMES) == {"dense", "per_tensor", "ssfusion", "ssfusion_oi",
+                                             "auto"}
 
 
 def _sent(numels, ds):

@@ -42,7 +42,12 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
     if kept is not None:
         kept = kept.to(torch.int64)
         starts = torch.tensor([b[1] for b in bounds], dtype=torch.int64, device=kept.device)
-        owner = torch.searchsorted(starts, kept, right=True) - 1
+        # sorted kept (what every all-reduce part and most collectives return): each tensor's
+        # entries are one slice, found by binary search, instead of one mask per tensor over
+        # all of kept (O(tensors · kept), 30 ms per CNN step for a dense all-reduce part)
+        cuts = (torch.searchsorted(kept, torch.cat([starts, starts.new_tensor([offset])])).tolist()
+                if bool((kept[1:] >= kept[:-1]).all()) else None)
+        owner = torch.searchsorted(starts, kept, right=True) - 1 if cuts is None else None
         if sent:
             kept_values = values_at(result.sent_indices, result.sent_values, kept)
     for i, (n, lo, hi) in enumerate(bounds):
@@ -70,7 +75,7 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
                     torch.zeros_like(acc) if residual is None
                     else residual.detach().reshape(-1).clone()))
             continue
-        mine = owner == i
+        mine = owner == i if cuts is None else slice(cuts[i], cuts[i + 1])
         local = kept[mine] - lo
         residual = ef.update(n, launched.accs[n], local,
                              _sent(launched.accs[n], local, p.dtype))

@@ -134,6 +134,7 @@ class GradSync:
         self._parts = Components(self.cfg, self.rank)
         self._numel = {n: p.numel() for n, p in self.params.items()}
         self._warmup = warmup.Warmup.for_config(self.cfg)
+        self._drift = warmup.Drift.for_config(self.cfg, self.P)  # auto's re-planning
         self._set_plan(warmup.provisional_plan(self.cfg, list(reversed(self.params)),
                                                self._numel))
         self._exec = Executor(group, self._parts.collective, self._audit.enabled)
@@ -224,6 +225,8 @@ class GradSync:
                     self._parts.sparsifier_name, self.group, self.rank, self.P,
                     device=next(iter(self.params.values())).device)
                 self._set_plan(plan)
+        elif self._drift is not None and self.cost is not None and ok and run.first_hook:
+            self._watch(run, results, time.perf_counter())
         if self.cfg.check_every and self.step % self.cfg.check_every == 0:
             # only here, once this step's jobs have drained: the check uses the same group
             check_consistency(self.model, self.group)
@@ -328,6 +331,27 @@ class GradSync:
         if self.cfg.broadcast_initial:
             sig["states"] = state_signature(self.model)  # what the broadcast will move
         return sig
+
+    def _watch(self, run: StepRun, results: list, t_done: float) -> None:
+        """``auto``: this step's measurements; at a window's end the ranks agree whether the
+        step drifted from the prediction and, if so, take rank 0's new plan
+        (:class:`~gradsync.engine.warmup.Drift`)."""
+        ar = sum(r.stats.seconds for lj, r in zip(run.launched, results)
+                 if lj.job.transport == "allreduce")
+        ag = sum(r.stats.seconds for lj, r in zip(run.launched, results)
+                 if lj.job.transport != "allreduce")
+        sp = run.inline_sparsify_s + sum(r.offload_s for r in results)
+        self._drift.record(t_done - run.first_hook, ar, ag, sp,
+                           max(0.0, run.backward_s - run.inline_sparsify_s))
+        flushed = self._drift.after_step()  # a flushing step ran: now its plan
+        if flushed is not None:
+            self._set_plan(flushed)
+        if self._drift.due:
+            got = self._drift.check(self.cfg, self.plan, self.cost, self.group, self.rank,
+                                    self.P)
+            if got is not None:
+                plan, self.cost = got
+                self._set_plan(self._drift.change(self.plan, plan))
 
     def _set_plan(self, plan: Plan) -> None:
         self._jobs: list[Job] = plan_jobs(plan, self._parts.collective_name, list(self.params))

@@ -11,23 +11,47 @@ builds the :class:`~gradsync.schedule.costmodel.CostModel` and plans; the plan a
 model are broadcast so every rank runs the same one. Every scheme runs at least one such step to
 observe the real backward order of the gradients.
 
+``auto`` (:mod:`gradsync.schedule.auto`) profiles like the cost-model schemes but on DDP's
+dense buckets, and afterwards keeps checking its plan (:class:`Drift`): per window of
+:data:`DRIFT_WINDOW` steps the median measured step (first gradient ready → gradients
+written), all-reduce, all-gather, sparsification and backward times are max-reduced over the
+ranks (so every rank holds the same numbers and takes the same decision). The first window after the
+warm-up puts the planner's runner-up on trial for one window (dense against the chosen sparse
+plan, or the best sparse plan against the chosen dense one); the measured faster one stays, a
+sparse one only if ``auto.MARGIN`` faster. Afterwards, when the step is off the reference (the
+kept plan's measured step; the prediction before any measurement) by more than
+:data:`DRIFT_THRESHOLD` (either way) in :data:`DRIFT_PATIENCE` consecutive windows, rank 0
+rescales the cost model by the measured / predicted ratios
+(:func:`gradsync.schedule.auto.calibrated`), plans again, takes the new plan only if it is
+predicted ``auto.MARGIN`` faster than the current one under the same rescaled model, and
+broadcasts plan and model; a new plan is on trial against the old one for a window, and the
+reference is re-based either way, so the same drift does not trigger again (hysteresis).
+
 The measurements are looked up at call time — ``costmodel.profile_collectives``,
 ``costmodel.profile_sparsifier`` and this module's ``backward_profile`` — so a test can pin them.
 """
 
 from __future__ import annotations
 
+import statistics
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from gradsync import schedule, sparsify
+from gradsync.collectives.comm import Comm
 from gradsync.engine.config import Config
-from gradsync.schedule import BufferPlan, Plan, costmodel, schemes
+from gradsync.schedule import BufferPlan, Plan, auto, costmodel, schemes
 
-__all__ = ["Warmup", "backward_profile", "final_plan", "provisional_plan"]
+__all__ = ["DRIFT_PATIENCE", "DRIFT_THRESHOLD", "DRIFT_WINDOW", "Drift", "Warmup",
+           "backward_profile", "final_plan", "link_costs", "provisional_plan"]
+
+DRIFT_THRESHOLD = 0.25  # |measured / predicted step − 1| beyond this (either way) is drift
+DRIFT_WINDOW = 5  # steps per measurement (their median)
+DRIFT_PATIENCE = 2  # consecutive drifted windows before auto plans again
 
 # The planners whose buffers are sparsified as one fused vector (the others: per tensor).
 _FUSED_PLANNERS = ("single", "mgwfbp", "cupcake")
@@ -86,6 +110,9 @@ def provisional_plan(cfg: Config, order: list[str], numel: dict[str, int]) -> Pl
     spec = schemes.get(cfg.scheme)
     if not spec.needs_cost_model:
         return schedule.make_plan(cfg.scheme, order, numel, cfg.density, **_plan_kw(cfg))
+    if spec.planner == "auto":  # DDP's buckets, all-reduced (nothing is compressed yet)
+        base = schedule.make_plan("dense_ovlp", order, numel, cfg.density, **_plan_kw(cfg))
+        return Plan(scheme=cfg.scheme, buffers=base.buffers, info={"provisional": True})
     if spec.planner in _FUSED_PLANNERS:
         # fixed buckets, sparsified as fused vectors: multi-tensor semantics while profiling
         base = schedule.make_plan("dense_ovlp", order, numel, cfg.density, **_plan_kw(cfg))
@@ -127,9 +154,196 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
                 allreduce=ar, allgather=ag)
         plan = schedule.make_plan(cfg.scheme, order, numel, cfg.density, cost, **_plan_kw(cfg))
         payload = [{"plan": plan.to_dict(), "cost": cost.to_dict() if cost else None}]
+    return _from_rank0(payload, group, P)
+
+
+def _from_rank0(payload: list[Any], group: dist.ProcessGroup | None, P: int
+                ) -> tuple[Plan, costmodel.CostModel | None]:
+    """Rank 0's ``{"plan", "cost"}`` on every rank."""
     if P > 1:
         src = 0 if group is None else dist.get_global_rank(group, 0)
         dist.broadcast_object_list(payload, src=src, group=group)
     got = payload[0]
     cost = costmodel.CostModel.from_dict(got["cost"]) if got["cost"] else None
     return Plan.from_dict(got["plan"]), cost
+
+
+# The measured quantities of one step, in this order (see Drift).
+_FIELDS = ("step", "allreduce", "allgather", "sparsify", "backward")
+
+
+def _predicted(plan: Plan, cost: costmodel.CostModel) -> dict[str, float]:
+    """What ``cost`` predicts for the quantities of :data:`_FIELDS` under ``plan``."""
+    tl = schedule.simulate(plan, cost)
+    ar = ag = 0.0
+    for b in plan.buffers:
+        ar_b, ag_b = schedule.buffer_parts(b, cost)
+        if b.mode == "dense" or any(t.allreduce for t in b.tensors):
+            ar += cost.t_allreduce(ar_b)
+        if b.mode != "dense" and any(not t.allreduce for t in b.tensors):
+            ag += cost.t_allgather(ag_b)
+    first = plan.buffers[0].tensors[0].name  # its own T_b precedes the first hook
+    return {"step": tl.iteration - cost.backward[first], "allreduce": ar, "allgather": ag,
+            "sparsify": tl.sparsify, "backward": tl.backward - cost.backward[first]}
+
+
+def _prediction(plan: Plan, cost: costmodel.CostModel) -> dict[str, float]:
+    """``Plan.info["predicted"]`` as ``make_plan`` writes it."""
+    tl = schedule.simulate(plan, cost)
+    return {"iteration": tl.iteration, "backward": tl.backward, "sparsify": tl.sparsify,
+            "comm": tl.comm, "exposed_comm": tl.exposed_comm}
+
+
+def _ratio(measured: float, predicted: float) -> float | None:
+    return measured / predicted if measured > 0 and predicted > 0 else None
+
+
+def _effective(step: float, plan: Plan) -> float:
+    """A measured step, handicapped by ``auto.MARGIN`` when the plan sparsifies anything: a
+    sparse plan must be measured that much faster than a dense one to be kept."""
+    return step / (1 - auto.MARGIN) if auto.has_sparse(plan.buffers) else step
+
+
+@dataclass
+class Drift:
+    """``auto``'s watch on its plan (module doc). One row of measurements per step; every
+    :data:`DRIFT_WINDOW` steps the ranks agree on the window's medians, and then:
+
+    1. the first window after the warm-up: the planner's runner-up (``info["auto"]
+       ["alternative"]``) is put on trial for the next window;
+    2. the window after a trial: the trial plan is kept if it was measured faster than the plan
+       it replaced (a sparse plan by ``auto.MARGIN``), otherwise the replaced plan comes back;
+       the kept plan's measured step is the new reference;
+    3. otherwise the drift test against the reference (the prediction until a plan has been
+       measured), and after :data:`DRIFT_PATIENCE` drifted windows a re-plan on the rescaled
+       model; a different plan goes on trial as in 2.
+
+    Every decision is a function of the agreed numbers and of plans every rank holds, so every
+    rank takes it alike; a new plan comes from rank 0.
+    """
+
+    rows: list[list[float]] = field(default_factory=list)
+    strikes: int = 0
+    checks: int = 0
+    probed: bool = False
+    reference: float | None = None  # measured step of the plan in use (None: its prediction)
+    trial: dict[str, Any] | None = None  # the replaced plan, its model and measured step
+    events: list[dict[str, Any]] = field(default_factory=list)
+    pending: Plan | None = None  # the plan to run after this step's flushing step
+
+    def change(self, old: Plan, new: Plan) -> Plan:
+        """The plan to run next step when ``new`` replaces ``old``: when ``old`` sparsified
+        something and ``new`` has dense buffers, first one step of ``auto.flushing(new)`` (the
+        residuals are sent), then ``new`` (:meth:`after_step`)."""
+        if auto.has_sparse(old.buffers) and any(b.mode == "dense" for b in new.buffers):
+            self.pending = new
+            return auto.flushing(new)
+        self.pending = None
+        return new
+
+    def after_step(self) -> Plan | None:
+        """The plan a flushing step was for, once that step has run (else ``None``)."""
+        plan, self.pending = self.pending, None
+        return plan
+
+    @classmethod
+    def for_config(cls, cfg: Config, P: int) -> Drift | None:
+        """A watch for ``auto`` with more than one rank; ``None`` otherwise."""
+        return cls() if schemes.get(cfg.scheme).planner == "auto" and P > 1 else None
+
+    def record(self, step_s: float, allreduce_s: float, allgather_s: float, sparsify_s: float,
+               backward_s: float) -> None:
+        """One step's measurements (seconds, this rank)."""
+        self.rows.append([step_s, allreduce_s, allgather_s, sparsify_s, backward_s])
+
+    @property
+    def due(self) -> bool:
+        return len(self.rows) >= DRIFT_WINDOW
+
+    def _event(self, plan: Plan, **what: Any) -> None:
+        self.events.append({"check": self.checks, **what})
+        plan.info["replans"] = list(self.events)
+
+    def check(self, cfg: Config, plan: Plan, cost: costmodel.CostModel,
+              group: dist.ProcessGroup | None, rank: int, P: int
+              ) -> tuple[Plan, costmodel.CostModel] | None:
+        """Close the window (every rank calls it at the same step); returns the plan and model
+        to run from now on, or ``None`` to keep the current ones (class doc)."""
+        med = [statistics.median(col) for col in zip(*self.rows)]
+        self.rows.clear()
+        t = torch.tensor(med, dtype=torch.float64)
+        Comm(group).all_reduce(t, op=dist.ReduceOp.MAX)  # every rank: the same numbers
+        measured = dict(zip(_FIELDS, t.tolist()))
+        self.checks += 1
+        step = measured["step"]
+        if self.trial is not None:  # 2. keep the trial plan or bring the replaced one back
+            old, before = Plan.from_dict(self.trial["plan"]), self.trial["step"]
+            keep = _effective(step, plan) < _effective(before, old)
+            self.reference = step if keep else before
+            back = None if keep else (old, costmodel.CostModel.from_dict(self.trial["cost"]))
+            self.trial = None
+            self._event(plan if keep else old, kind="trial", measured=step,
+                        replaced_measured=before, kept=keep)
+            return back
+        alt = plan.info.get("auto", {}).get("alternative")
+        if not self.probed and alt:  # 1. measure the runner-up once
+            self.probed = True
+            new = Plan(plan.scheme, [BufferPlan.from_dict(b) for b in alt], plan.overlap,
+                       {**plan.info, "auto": {**plan.info["auto"], "alternative": None}})
+            new.info["predicted"] = _prediction(new, cost)
+            self.trial = {"plan": plan.to_dict(), "cost": cost.to_dict(), "step": step}
+            self._event(new, kind="probe", measured=step)
+            return new, cost
+        self.probed = True
+        pred = _predicted(plan, cost)
+        ref = self.reference if self.reference is not None else pred["step"]
+        r = _ratio(step, ref)
+        drifted = r is not None and not 1 / (1 + DRIFT_THRESHOLD) <= r <= 1 + DRIFT_THRESHOLD
+        self.strikes = self.strikes + 1 if drifted else 0
+        if self.strikes < DRIFT_PATIENCE:
+            return None
+        self.strikes = 0  # 3. re-plan on the rescaled model
+        f = {k: _ratio(measured[k], pred[k]) for k in _FIELDS[1:]}
+        link = f["allreduce"] or f["allgather"] or 1.0  # one link: a missing side follows
+        factors = {"allreduce": f["allreduce"] or link, "allgather": f["allgather"] or link,
+                   "sparsify": f["sparsify"] or 1.0, "backward": f["backward"] or 1.0}
+        payload: list[Any] = [None]
+        if rank == 0:
+            new_cost = auto.calibrated(cost, **factors)
+            current = schedule.simulate(plan, new_cost).iteration
+            new = schedule.make_plan(cfg.scheme, list(new_cost.order), dict(new_cost.numel),
+                                     cfg.density, new_cost, **_plan_kw(cfg))
+            switch = (new.info["predicted"]["iteration"] < current * (1 - auto.MARGIN)
+                      and [b.to_dict() for b in new.buffers]
+                      != [b.to_dict() for b in plan.buffers])
+            keep = new if switch else Plan(plan.scheme, plan.buffers, plan.overlap,
+                                           dict(plan.info))
+            if not switch:  # re-base the prediction on the rescaled model
+                keep.info["predicted"] = _prediction(keep, new_cost)
+            keep.info["switched"] = switch
+            keep.info["current_iteration"] = current
+            payload = [{"plan": keep.to_dict(), "cost": new_cost.to_dict()}]
+        new_plan, new_cost = _from_rank0(payload, group, P)
+        switched = bool(new_plan.info.pop("switched"))
+        current = new_plan.info.pop("current_iteration")
+        if switched:
+            self.trial = {"plan": plan.to_dict(), "cost": cost.to_dict(), "step": step}
+        self.reference = None if switched else step
+        self._event(new_plan, kind="replan", ratio=r, factors=factors, measured=step,
+                    current_iteration=current,
+                    new_iteration=new_plan.info["predicted"]["iteration"], switched=switched)
+        return new_plan, new_cost
+
+
+def link_costs(sparsifier: sparsify.Sparsifier, group: dist.ProcessGroup | None
+               ) -> tuple[costmodel.AlphaBeta, costmodel.AlphaBeta, costmodel.AffineFit]:
+    """The DDP hook's cost model for ``auto`` (a collective): all-reduce and all-gather α/β of
+    ``group`` and the inline cost of ``sparsifier``, max-reduced over the ranks so that every
+    rank decides every bucket alike."""
+    ar, ag = costmodel.profile_collectives(group)
+    sp = costmodel.profile_sparsifier(sparsifier)
+    if Comm(group).size > 1:
+        t = torch.tensor([sp.a, sp.b], dtype=torch.float64)
+        Comm(group).all_reduce(t, op=dist.ReduceOp.MAX)
+        sp = costmodel.AffineFit(*t.tolist())
+    return ar, ag, sp

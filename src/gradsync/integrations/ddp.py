@@ -16,7 +16,10 @@ Inside a bucket (SSFusion §III–IV applied to DDP's own fusion buffers):
   per bucket when no model is given); everything travels in one all-gather;
 * ``ssfusion_oi``: as ``ssfusion``, but the unsparsified tensors travel in an all-reduce and the
   sparsified ones in an all-gather (SSFusion-I's split, with the split fixed by sparsification);
-* ``dense``: a plain all-reduce (a baseline through the same hook).
+* ``dense``: a plain all-reduce (a baseline through the same hook);
+* ``auto``: per bucket, every tensor sparsified and all-gathered, or the bucket all-reduced
+  (with error feedback), whichever :func:`gradsync.schedule.auto.bucket_sparse` predicts faster
+  from the link and sparsifier costs measured once, at the first call, on every rank alike.
 
 The hook runs the engine's pieces: the scheme's record in :mod:`gradsync.schedule.schemes`
 (which schemes have a hook, their collective and sparsifier, whether a bucket is interleaved),
@@ -54,8 +57,10 @@ from gradsync.collectives.comm import Comm, CommStats
 from gradsync.engine.config import Config
 from gradsync.engine.consistency import signature_check
 from gradsync.engine.state import Identity, check_identity
+from gradsync.engine.warmup import link_costs
 from gradsync.feedback import ErrorFeedback
 from gradsync.schedule import schemes
+from gradsync.schedule.auto import bucket_sparse
 from gradsync.schedule.ssfusion import compensate
 from gradsync.sparsegrad import SparseGrad
 
@@ -97,6 +102,7 @@ class HookState:
     # SSFusion-I's last asynchronous all-reduce (its work and buffer), kept until the next call:
     # see _sparse_hook for why
     retired: tuple[Any, ...] = ()
+    link: tuple[Any, ...] | None = None  # auto: the measured (all-reduce, all-gather, sparsify)
 
     def __post_init__(self) -> None:
         self.scheme = schemes.get(self.cfg.scheme)
@@ -183,7 +189,8 @@ class HookState:
         self.steps = int(state.get("steps", 0))
 
 
-def _densities(state: HookState, numels: list[int]) -> list[float | None]:
+def _densities(state: HookState, numels: list[int], elem_bytes: int = 4
+               ) -> list[float | None]:
     """Per-tensor density of one bucket; None = sent dense.
 
     ``per_tensor``: every tensor at ``density``. SSFusion: tensors below ``small_numel`` are
@@ -195,6 +202,12 @@ def _densities(state: HookState, numels: list[int]) -> list[float | None]:
     is in. Without a model the hook only sees buckets, and compensates within each bucket.
     """
     cfg = state.cfg
+    if state.scheme.planner == "auto":  # measured once, agreed by every rank
+        P = dist.get_world_size(state.group)
+        if state.link is None and P > 1:
+            state.link = link_costs(state._new_sparsifier("auto:probe", cfg.density), state.group)
+        sparse = P > 1 and bucket_sparse(numels, cfg.density, P, elem_bytes, *state.link)
+        return [cfg.density if sparse else None] * len(numels)
     if state.scheme.planner == "per_tensor":
         return [cfg.density] * len(numels)
     sparse = [n >= state.small_numel for n in numels]
@@ -238,13 +251,14 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         comm.all_reduce(buf)
         buf.div_(P)
         return _done(state, comm.stats, buf, bucket.is_last())
-    densities = _densities(state, numels)
+    densities = _densities(state, numels, buf.element_size())
     d_now = state.cfg.density_at(state.steps)  # DGC's warm-up (Config.density_warmup)
     if d_now != state.cfg.density:
         f = d_now / state.cfg.density
         densities = [None if d is None else min(1.0, d * f) for d in densities]
     accs, sparse_parts, dense_parts = {}, [], []
-    to_allreduce = state.scheme.interleave  # SSFusion-I: dense tensors in an all-reduce
+    # SSFusion-I and auto: dense tensors in an all-reduce
+    to_allreduce = state.scheme.interleave or state.scheme.planner == "auto"
     for i, (name, d) in enumerate(zip(names, densities)):
         acc = state.ef.accumulate(name, buf[offsets[i]:offsets[i + 1]])
         accs[name] = acc

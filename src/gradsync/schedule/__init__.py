@@ -10,6 +10,7 @@ JSON-safe :class:`Plan`; ``simulate(plan, cost)`` (:mod:`.timeline`) predicts it
 from __future__ import annotations
 
 from gradsync.schedule import schemes
+from gradsync.schedule.auto import auto_buffers
 from gradsync.schedule.costmodel import CostModel, missing_rate
 from gradsync.schedule.cupcake import cupcake_groups
 from gradsync.schedule.espresso import espresso_buffers
@@ -129,6 +130,8 @@ def make_plan(
         buffers, info["hipress"] = hipress_buffers(names, numel, cost, density, bucket_bytes)
     elif spec.planner == "espresso":
         buffers, info["espresso"] = espresso_buffers(names, numel, cost, density)
+    elif spec.planner == "auto":
+        buffers, info["auto"] = auto_buffers(names, numel, cost, density, bucket_bytes)
     else:  # ssfusion, with SSFusion-O and SSFusion-I as the record says
         groups, _ = cupcake_groups(names, numel, cost, density)
         buffers, info["eq2"] = selective_buffers(groups, numel, cost, density, min_density)

@@ -19,6 +19,8 @@ Planners (``Scheme.planner``):
                alone, the others bulk-synchronized (hipress.py)
 ``espresso``   Espresso: per tensor dense, sparsified inline or offloaded, chosen on the
                timeline of ready times; one message per tensor, no fusion (espresso.py)
+``auto``       per fusion buffer a dense all-reduce or a sparse all-gather, from the measured
+               cost model, never predicted slower than DDP; re-planned on drift (auto.py)
 =============  =============================================================================
 """
 
@@ -31,7 +33,7 @@ from types import MappingProxyType
 __all__ = ["PLANNERS", "SCHEMES", "Scheme", "get", "names"]
 
 PLANNERS = ("fixed", "single", "mgwfbp", "cupcake", "per_tensor", "ssfusion", "hipress",
-            "espresso")
+            "espresso", "auto")
 
 
 @dataclass(frozen=True)
@@ -119,6 +121,9 @@ _TABLE = (
            paper="Espresso (EuroSys'23) per-tensor compression option and CPU offload"),
     Scheme("spardl", "single", "spardl", collective_options=("density",),
            paper="SparDL (ICDE'24) Spar-Reduce-Scatter + Spar-All-Gather"),
+    Scheme("auto", "auto", "topka", needs_cost_model=True, ddp_hook=True,
+           paper="cost-model choice dense vs sparse per buffer (SSFusion §IV-A model, HiPress "
+                 "compress-or-not, Espresso's walk)"),
 )
 
 

@@ -1,7 +1,8 @@
-"""``python -m gradsync bench schemes``: every sync scheme training one model, side by side.
+"""``python -m gradsync bench schemes``: every sync scheme training one model, side by side,
+on one or several links.
 
 ``python -m gradsync bench schemes --model resnet18 --world-size 4 --density 0.01
-[--bandwidth 1gbit] [--steps 30] [--schemes …] [--quick]``
+[--bandwidth loopback,1gbit,100mbit] [--steps 30] [--schemes …] [--quick]``
 
 Trains a few dozen steps per scheme on real gloo ranks (the workers of
 ``python -m gradsync train``: same seed, same data shards, same initial model for every scheme)
@@ -13,11 +14,16 @@ all-reduce (``ddp``) and its PowerSGD hook (``ddp_powersgd``) run as peers in th
 the speed-ups are same-run ratios. See :mod:`gradsync.apps.train` for how each time is measured for
 the DDP peers (from their comm-hook timestamps) and for the engine (``GradSync.stats()``).
 
-Links: loopback, or with ``--bandwidth`` per-rank tbf-shaped links (root; otherwise a one-line
-note and loopback). ``--latency`` is tbf's queueing bound, not a propagation delay.
+Links: ``--bandwidth`` is a comma-separated list of ``loopback`` and tc rates (``100mbit``,
+``1gbit``, …); each rate gives per-rank tbf-shaped links (root; otherwise a one-line note and
+loopback). One job runs per link, every scheme in each. ``--latency`` is tbf's queueing bound,
+not a propagation delay, and applies to the shaped links.
 
-Writes ``schemes.json`` (rows + environment + the train metrics) and ``schemes.png`` (stacked
-breakdown bars) under ``--out``.
+Writes ``schemes.json`` (rows of every link + environment + the train metrics) and
+``schemes.png`` (stacked breakdown bars, per link), and the crossover — speed-up over DDP per
+scheme and link, and ``auto`` against DDP and against the best fixed scheme of the same link —
+as a table, ``crossover.json`` and ``crossover.png`` (speed-up over DDP against link rate, one
+line per scheme) under ``--out``.
 """
 
 from __future__ import annotations
@@ -33,11 +39,37 @@ if TYPE_CHECKING:
 
 DEFAULT_SCHEMES = ("ddp", "ddp_powersgd", "dense_ovlp", "topka", "oktopk", "densestream",
                    "per_tensor", "multi_tensor", "cupcake", "ssfusion", "ssfusion_o",
-                   "ssfusion_oi")
+                   "ssfusion_oi", "hipress", "espresso", "spardl", "auto")
 QUICK_SCHEMES = ("ddp", "ddp_powersgd", "topka", "ssfusion_oi")
+LOOPBACK = "loopback"
 
 
-def _parse(argv: list[str] | None) -> tuple[TrainSpec, argparse.Namespace]:
+def parse_links(value: str) -> list[str]:
+    """The links of ``--bandwidth``: ``loopback`` and tc rates, comma-separated, in the order
+    given; an empty item, a duplicate (also the same rate spelled twice) or a bad rate raises
+    ``ValueError``."""
+    from gradsync.testing import netem
+
+    items = [v.strip() for v in str(value).split(",")]
+    if not items or any(not v for v in items):
+        raise ValueError(f"--bandwidth: an empty item in {value!r} (e.g. loopback,1gbit,100mbit)")
+    seen: dict[object, str] = {}
+    for v in items:
+        key: object = LOOPBACK if v.lower() == LOOPBACK else netem.parse_bandwidth(v)
+        if key in seen:
+            raise ValueError(f"--bandwidth: {v!r} repeats {seen[key]!r}")
+        seen[key] = v
+    return [LOOPBACK if v.lower() == LOOPBACK else v for v in items]
+
+
+def link_rate(link: str) -> float:
+    """Bits per second of a link of :func:`parse_links` (loopback: infinity)."""
+    from gradsync.testing import netem
+
+    return float("inf") if link == LOOPBACK else float(netem.parse_bandwidth(link))
+
+
+def _parse(argv: list[str] | None) -> tuple[list[TrainSpec], list[str], argparse.Namespace]:
     from gradsync.apps import train
 
     p = argparse.ArgumentParser(prog="python -m gradsync bench schemes", description=__doc__,
@@ -46,7 +78,9 @@ def _parse(argv: list[str] | None) -> tuple[TrainSpec, argparse.Namespace]:
     p.add_argument("--world-size", default=None, help="default 4 (--quick: 2)")
     p.add_argument("--density", default="0.01")
     p.add_argument("--sparsifier", default="dgc")
-    p.add_argument("--bandwidth", default=None, help="tbf-shaped links: 100mbit, 1gbit, …")
+    p.add_argument("--bandwidth", default=LOOPBACK,
+                   help="links, comma-separated: loopback and tbf rates (100mbit, 1gbit, …); "
+                        "default loopback")
     p.add_argument("--latency", default=None, help="tbf queueing bound, not a delay")
     p.add_argument("--steps", default=None, help="steps per scheme (default 30; --quick 4)")
     p.add_argument("--batch-size", default=None, help="per rank (default 16; --quick 8)")
@@ -59,6 +93,12 @@ def _parse(argv: list[str] | None) -> tuple[TrainSpec, argparse.Namespace]:
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
     p.add_argument("--progress", action="store_true", help="show the training progress bars")
     b = p.parse_args(argv)
+    try:
+        links = parse_links(b.bandwidth)
+    except ValueError as e:
+        p.error(str(e))
+    if b.latency is not None and links == [LOOPBACK]:
+        p.error("--latency shapes links: give a rate in --bandwidth too")
     q = b.quick
     targs = [
         "--model", b.model or ("cnn" if q else "resnet18"),
@@ -70,20 +110,72 @@ def _parse(argv: list[str] | None) -> tuple[TrainSpec, argparse.Namespace]:
         "--scheme", b.schemes or ",".join(QUICK_SCHEMES if q else DEFAULT_SCHEMES),
         "--seed", b.seed, "--eval-batches", "0",
     ]
-    if b.bandwidth is not None:
-        targs += ["--bandwidth", b.bandwidth]
-    if b.latency is not None:
-        targs += ["--latency", b.latency]
     if not b.progress:
         targs.append("--no-progress")
-    # validation (density, world size, bandwidth, schemes) is train's, with argparse errors
-    spec = train.parse_args(targs, parser=train.build_parser("python -m gradsync bench schemes"))
-    return spec, b
+    specs = []
+    for link in links:  # validation (density, world size, schemes) is train's
+        extra = [] if link == LOOPBACK else ["--bandwidth", link] + (
+            ["--latency", b.latency] if b.latency is not None else [])
+        specs.append(train.parse_args(
+            targs + extra, parser=train.build_parser("python -m gradsync bench schemes")))
+    return specs, links, b
 
 
-def _plot(rows: list[dict], title: str):
+def crossover(rows: list[dict], links: list[str]) -> dict:
+    """Speed-up over DDP per scheme and link, and per link ``auto`` against DDP and against the
+    best fixed scheme (the fastest other scheme of that link's run)."""
+    table: dict[str, dict[str, float | None]] = {}
+    best: dict[str, dict] = {}
+    for link in links:
+        mine = [r for r in rows if r["link"] == link]
+        for r in mine:
+            table.setdefault(r["scheme"], {})[link] = r["speedup_vs_ddp"]
+        fixed = [r for r in mine if r["scheme"] != "auto"]
+        auto_row = next((r for r in mine if r["scheme"] == "auto"), None)
+        ddp_row = next((r for r in mine if r["scheme"] == "ddp"), None)
+        top = max(fixed, key=lambda r: r["samples_per_s"], default=None)
+        best[link] = {
+            "best_fixed": top["scheme"] if top else None,
+            "best_fixed_samples_per_s": top["samples_per_s"] if top else None,
+            "auto_vs_ddp": (auto_row["samples_per_s"] / ddp_row["samples_per_s"]
+                            if auto_row and ddp_row else None),
+            "auto_vs_best_fixed": (auto_row["samples_per_s"] / top["samples_per_s"]
+                                   if auto_row and top else None),
+        }
+    return {"links": links, "rate_bps": {k: link_rate(k) for k in links},
+            "speedup_vs_ddp": table, "auto": best}
+
+
+def _plot_crossover(cross: dict, title: str):
     def plot(ax) -> None:
-        names = [r["scheme"] for r in rows]
+        links = sorted(cross["links"], key=lambda k: cross["rate_bps"][k])  # slow → fast
+        import matplotlib
+
+        x = list(range(len(links)))
+        colors = matplotlib.colormaps["tab20"].colors
+        for i, (scheme, by_link) in enumerate(cross["speedup_vs_ddp"].items()):
+            ys = [by_link.get(k) for k in links]
+            ys = [y if y is not None else float("nan") for y in ys]
+            style = ({"color": "black", "linewidth": 2.5, "marker": "o", "zorder": 3}
+                     if scheme == "auto" else
+                     {"color": colors[i % len(colors)], "linewidth": 1, "alpha": 0.9,
+                      "marker": "os^vD<>"[i % 7], "markersize": 4,
+                      "linestyle": ("-", "--", ":")[(i // len(colors)) % 3]})
+            ax.plot(x, ys, label=scheme, **style)
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set_xticks(x, links)
+        ax.set_xlabel("link rate per rank (slow → fast)")
+        ax.set_ylabel("speed-up over DDP (samples/s ratio)")
+        ax.yaxis.set_major_formatter(matplotlib.ticker.FormatStrFormatter("%gx"))
+        ax.set_title(title, fontsize=9)
+        ax.legend(fontsize=6, ncol=2)
+
+    return plot
+
+
+def _plot(rows: list[dict], title: str, several: bool):
+    def plot(ax) -> None:
+        names = [f"{r['scheme']} @ {r['link']}" if several else r["scheme"] for r in rows]
         x = range(len(rows))
         bottom = [0.0] * len(rows)
         for key, label, color in (("backward_ms", "backward", "tab:blue"),
@@ -94,7 +186,8 @@ def _plot(rows: list[dict], title: str):
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.scatter(x, [r["comm_ms"] if r["comm_ms"] == r["comm_ms"] else 0.0 for r in rows],
                    marker="_", s=300, color="black", label="communication (total)", zorder=3)
-        ax.set_xticks(list(x), names, rotation=45, ha="right")
+        ax.set_xticks(list(x), names, rotation=45 if not several else 90, ha="right",
+                      fontsize=8 if not several else 5)
         ax.set_ylabel("ms per step (median)")
         ax.set_title(title, fontsize=9)
         ax.legend(fontsize=8)
@@ -102,48 +195,85 @@ def _plot(rows: list[dict], title: str):
     return plot
 
 
+def _ratio(v: float | None) -> str:
+    return f"{v:.2f}x" if v else "-"
+
+
 def main(argv: list[str] | None = None) -> int:
     from gradsync.apps import train
     from gradsync.testing import DistributedError, DistributedTimeout
 
-    spec, b = _parse(argv)
-    spec = train.resolve_data(spec)
+    specs, links, b = _parse(argv)
+    specs = [train.resolve_data(specs[0])] + [
+        train.resolve_data(s, quiet=True) for s in specs[1:]]
+    spec = specs[0]
     print(f"bench schemes: {spec.model} on {spec.data}, P={spec.world_size}, {spec.steps} steps × "
           f"{spec.batch_size} per rank and scheme, density {spec.density} ({spec.sparsifier}), "
-          f"{len(spec.schemes)} schemes", flush=True)
+          f"{len(spec.schemes)} schemes, links {', '.join(links)}", flush=True)
     t0 = time.perf_counter()
-    try:
-        results, link = train.launch(spec)
-    except (DistributedError, DistributedTimeout) as e:
-        print(f"bench schemes failed: {e}")
-        return 1
+    rows, all_runs, descr, ranks = [], {}, {}, 0
+    for name, sp in zip(links, specs):
+        try:
+            results, link = train.launch(sp)
+        except (DistributedError, DistributedTimeout) as e:
+            print(f"bench schemes failed on {name}: {e}")
+            return 1
+        descr[name] = link
+        ranks = len(results)
+        runs = train.summarize(results, sp.warmup_steps)
+        all_runs[name] = runs
+        mine = []
+        for r in runs:
+            s = r["summary"]
+            mine.append({
+                "link": name, "scheme": s["scheme"], "samples_per_s": s["samples_per_s"],
+                "speedup_vs_ddp": s["speedup_vs_ddp"], "step_ms": 1e3 * s["step_s"],
+                "backward_ms": 1e3 * s["backward_s"], "sparsify_ms": 1e3 * s["sparsify_s"],
+                "comm_ms": 1e3 * s["comm_s"], "exposed_ms": 1e3 * s["wait_s"],
+                "bytes_per_step": s["bytes_per_step"], "missing_rate": s["missing_rate"],
+                "final_loss": s["final_loss"], "measured_steps": s["measured_steps"],
+            })
+        title = (f"bench schemes — {spec.model}, P={spec.world_size}, {link['link']}, "
+                 f"density {spec.density}, {spec.steps} steps")
+        cols = ["scheme", "samples/s", "vs ddp", "step ms", "backward ms", "sparsify ms",
+                "comm ms", "exposed ms", "MB/step", "missing %", "final loss"]
+        print_table(title, cols, [[
+            r["scheme"], r["samples_per_s"], _ratio(r["speedup_vs_ddp"]),
+            r["step_ms"], r["backward_ms"], r["sparsify_ms"], r["comm_ms"], r["exposed_ms"],
+            r["bytes_per_step"] / 1e6, 100 * r["missing_rate"], r["final_loss"]] for r in mine])
+        rows += mine
     wall = time.perf_counter() - t0
-    runs = train.summarize(results, spec.warmup_steps)
-    rows = []
-    for r in runs:
-        s = r["summary"]
-        rows.append({
-            "scheme": s["scheme"], "samples_per_s": s["samples_per_s"],
-            "speedup_vs_ddp": s["speedup_vs_ddp"], "step_ms": 1e3 * s["step_s"],
-            "backward_ms": 1e3 * s["backward_s"], "sparsify_ms": 1e3 * s["sparsify_s"],
-            "comm_ms": 1e3 * s["comm_s"], "exposed_ms": 1e3 * s["wait_s"],
-            "bytes_per_step": s["bytes_per_step"], "missing_rate": s["missing_rate"],
-            "final_loss": s["final_loss"], "measured_steps": s["measured_steps"],
-        })
-    title = (f"bench schemes — {spec.model}, P={spec.world_size}, {link['link']}, "
-             f"density {spec.density}, {spec.steps} steps")
-    cols = ["scheme", "samples/s", "vs ddp", "step ms", "backward ms", "sparsify ms",
-            "comm ms", "exposed ms", "MB/step", "missing %", "final loss"]
-    print_table(title, cols, [[
-        r["scheme"], r["samples_per_s"],
-        f"{r['speedup_vs_ddp']:.2f}x" if r["speedup_vs_ddp"] else "-",
-        r["step_ms"], r["backward_ms"], r["sparsify_ms"], r["comm_ms"], r["exposed_ms"],
-        r["bytes_per_step"] / 1e6, 100 * r["missing_rate"], r["final_loss"]] for r in rows])
-    meta = {"config": spec.config(len(results)), "link": link, "wall_s": wall,
-            "environment": train.environment("local", "gloo", "cpu", link),
-            "quick": b.quick, "runs": runs,
+    cross = crossover(rows, links)
+    ctitle = (f"crossover — {spec.model}, P={spec.world_size}, density {spec.density}: "
+              f"speed-up over DDP")
+    print_table(ctitle, ["scheme", *links], [
+        [scheme, *(_ratio(by.get(k)) for k in links)]
+        for scheme, by in cross["speedup_vs_ddp"].items()])
+    if any(v["auto_vs_ddp"] is not None for v in cross["auto"].values()):
+        print_table("auto against DDP and the best fixed scheme (samples/s ratios, same run)",
+                    ["link", "auto / ddp", "best fixed", "auto / best fixed"],
+                    [[k, _ratio(v["auto_vs_ddp"]), v["best_fixed"] or "-",
+                      _ratio(v["auto_vs_best_fixed"])] for k, v in cross["auto"].items()])
+    one = len(links) == 1
+    config = spec.config(ranks)
+    config["bandwidth"] = links if not one else config["bandwidth"]
+    meta = {"config": config, "links": links,
+            "link": descr[links[0]] if one else descr, "wall_s": wall,
+            "environment": train.environment("local", "gloo", "cpu", descr[links[0]]),
+            "quick": b.quick, "runs": all_runs[links[0]] if one else all_runs,
+            "crossover": cross,
             "notes": "times: medians over the steps after warmup_steps+1; samples/s global; "
                      "bytes per rank per step, ring accounting at the torch.distributed call"}
-    jpath, ppath = write_outputs("schemes", rows, b.out, plot=_plot(rows, title), meta=meta)
-    print(f"bench schemes: {wall:.0f} s; wrote {jpath} and {ppath}")
+    title = (f"bench schemes — {spec.model}, P={spec.world_size}, "
+             f"{descr[links[0]]['link'] if one else ', '.join(links)}, "
+             f"density {spec.density}, {spec.steps} steps")
+    jpath, ppath = write_outputs("schemes", rows, b.out, plot=_plot(rows, title, not one),
+                                 meta=meta)
+    crows = [{"scheme": sc, **{k: by.get(k) for k in links}}
+             for sc, by in cross["speedup_vs_ddp"].items()]
+    cj, cp = write_outputs("crossover", crows, b.out, plot=_plot_crossover(cross, ctitle),
+                           meta={"crossover": cross, "model": spec.model,
+                                 "world_size": spec.world_size, "density": spec.density,
+                                 "steps": spec.steps, "links": descr})
+    print(f"bench schemes: {wall:.0f} s; wrote {jpath}, {ppath}, {cj} and {cp}")
     return 0
