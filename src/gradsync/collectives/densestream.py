@@ -46,7 +46,7 @@ from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats import densestream as dsfmt
 from gradsync.formats.wire import check_index_bytes, wire_index_bytes
-from gradsync.sparsegrad import SparseGrad
+from gradsync.sparsegrad import SparseGrad, sparse_sum
 
 __all__ = ["DenseStreamAllreduce"]
 
@@ -58,17 +58,10 @@ def _slice(sel: SparseGrad, lo: int, hi: int) -> SparseGrad:
 
 
 def _reduce_sum(mine: SparseGrad, theirs: SparseGrad) -> SparseGrad:
-    """Sparse SUM of two selections (duplicates accumulate; indices stay sorted, unique)."""
-    if len(theirs) == 0:
-        return mine
-    if len(mine) == 0:
-        return theirs
-    union, inv = torch.unique(torch.cat([mine.indices, theirs.indices]), sorted=True,
-                              return_inverse=True)
-    vals = torch.zeros(union.numel(), dtype=mine.dtype, device=mine.device)
-    vals.index_add_(0, inv[:len(mine)], mine.values)    # each slot gets ≤ 1 value from each
-    vals.index_add_(0, inv[len(mine):], theirs.values)
-    return SparseGrad(union, vals, mine.numel, validate=False)
+    """Sparse SUM of two selections, ``mine`` added first
+    (:func:`~gradsync.sparsegrad.sparse_sum`)."""
+    idx, val = sparse_sum([(mine.indices, mine.values), (theirs.indices, theirs.values)])
+    return SparseGrad(idx, val, mine.numel, validate=False)
 
 
 def _concat(low: SparseGrad, high: SparseGrad) -> SparseGrad:

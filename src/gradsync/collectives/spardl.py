@@ -75,7 +75,15 @@ from gradsync.formats.wire import (
     unpack_entries,
     wire_index_dtype,
 )
-from gradsync.sparsegrad import SparseGrad, check_indices, target_k, validate_density
+from gradsync.sparsegrad import (
+    SparseGrad,
+    check_indices,
+    isin_sorted,
+    sparse_sum,
+    target_k,
+    top_k_mask,
+    validate_density,
+)
 
 __all__ = ["SparDL", "block_top_k", "rounds"]
 
@@ -87,31 +95,21 @@ def rounds(P: int) -> int:
 
 def block_top_k(values: torch.Tensor, block: torch.Tensor, k_b: int, P: int) -> torch.Tensor:
     """Keep-mask of the ``k_b`` largest ``|values|`` within each block (``block`` holds each
-    entry's block id in ``[0, P)``; entries are in index order, so ties go to the smaller
-    index)."""
+    entry's block id in ``[0, P)``, non-decreasing: entries are in index order and blocks are
+    contiguous index ranges, so ties go to the smaller index). One O(m) selection per block
+    (:func:`gradsync.sparsegrad.top_k_mask`) instead of a sort of all entries."""
     m = values.numel()
     keep = torch.zeros(m, dtype=torch.bool, device=values.device)
     if m == 0 or k_b <= 0:
         return keep
-    order = torch.argsort(values.abs(), descending=True, stable=True)
-    order = order[torch.argsort(block[order], stable=True)]  # by block, then by |v| desc
-    counts = torch.bincount(block, minlength=P)
-    start = torch.cumsum(counts, 0) - counts
-    rank_in_block = torch.arange(m, device=values.device) - start[block[order]]
-    keep[order[rank_in_block < k_b]] = True
+    cuts = torch.searchsorted(block, torch.arange(P + 1, device=block.device)).tolist()
+    for b in range(P):
+        lo, hi = cuts[b], cuts[b + 1]
+        if hi - lo > k_b:
+            keep[lo:hi] = top_k_mask(values[lo:hi], k_b)
+        elif hi > lo:
+            keep[lo:hi] = True
     return keep
-
-
-def _add(ai: torch.Tensor, av: torch.Tensor, bi: torch.Tensor, bv: torch.Tensor
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse sum of (ai, av) and (bi, bv), both sorted and unique: ``a`` added first."""
-    if bi.numel() == 0:
-        return ai, av
-    union, inv = torch.unique(torch.cat([ai, bi]), sorted=True, return_inverse=True)
-    out = torch.zeros(union.numel(), dtype=av.dtype, device=av.device)
-    out.index_add_(0, inv[: ai.numel()], av)
-    out.index_add_(0, inv[ai.numel():], bv)
-    return union, out
 
 
 @registry.register("spardl")
@@ -197,7 +195,8 @@ class SparDL(Collective):
             fwd = out.nonzero().view(-1)
             fwd = fwd[block_top_k(val[fwd], blk[fwd], k_b, P)]
             t_idx, t_val = idx[fwd], val[fwd]
-            k_idx, k_val = idx[~out], val[~out]
+            kp = (~out).nonzero().view(-1)
+            k_idx, k_val = idx[kp], val[kp]
             # count, then entries
             got = torch.zeros(1, dtype=torch.int64, device=dev)
             comm.sendrecv(torch.tensor([t_idx.numel()], dtype=torch.int64, device=dev), dst,
@@ -205,14 +204,14 @@ class SparDL(Collective):
             r_idx, r_val = self._receive(comm, int(got), pack_entries(t_idx, t_val, wire), s,
                                          B, n, wire, dtype)
             # add, then re-sparsify every block this round delivered to
-            m_idx, m_val = _add(k_idx, k_val, r_idx, r_val)
+            m_idx, m_val = sparse_sum([(k_idx, k_val), (r_idx, r_val)])
             blk, j = dist_of(m_idx)
             recv_blocks = (j % (2 * d) == 0) & (j + d < P)
             keep = ~recv_blocks
             sub = recv_blocks.nonzero().view(-1)
             keep[sub[block_top_k(m_val[sub], blk[sub], k_b, P)]] = True
-            history.append({"sent": t_idx, "kept_part": k_idx,
-                            "recv": r_idx, "merged": m_idx})
+            history.append({"state": idx, "fwd": fwd, "kp": kp, "sent": t_idx,
+                            "kept_part": k_idx, "recv": r_idx, "merged": m_idx})
             idx, val = m_idx[keep], m_val[keep]
 
         # Global residual collection: walk the rounds backwards; an entry is alive when it
@@ -222,15 +221,17 @@ class SparDL(Collective):
             d = 1 << s
             dst, src = (r + d) % P, (r - d) % P
             h = history[s]
-            merged_alive = h["merged"][torch.isin(h["merged"], alive)]
-            recv_alive = torch.isin(h["recv"], merged_alive)
+            merged_alive = h["merged"][isin_sorted(h["merged"], alive)]
+            recv_alive = isin_sorted(h["recv"], merged_alive)
             bits = torch.empty(packed_bytes(h["sent"].numel(), 1), dtype=torch.uint8,
                                device=dev)
             comm.sendrecv(pack_bits(recv_alive), src, bits, dst)
             sent_alive = unpack_bits(bits, h["sent"].numel()) > 0
-            alive = torch.cat([h["kept_part"][torch.isin(h["kept_part"], merged_alive)],
-                               h["sent"][sent_alive]])
-        kept = sel.indices[torch.isin(sel.indices, alive)]
+            live = torch.zeros(h["state"].numel(), dtype=torch.bool, device=dev)
+            live[h["kp"]] = isin_sorted(h["kept_part"], merged_alive)
+            live[h["fwd"]] = sent_alive
+            alive = h["state"][live]  # the state before round s, in index order
+        kept = sel.indices[isin_sorted(sel.indices, alive)]
 
         # Spar-All-Gather of the reduced blocks
         counts = comm.all_gather_counts(idx.numel(), dev)
