@@ -178,6 +178,9 @@ def test_isin_sorted_matches_torch_isin():
     x = torch.randint(-5, 510, (1000,), generator=g)
     assert torch.equal(isin_sorted(x, ref), torch.isin(x, ref))
     assert not isin_sorted(x, ref[:0]).any() and isin_sorted(x[:0], ref).numel() == 0
+    far = torch.unique(torch.randint(0, 10**9, (50,), generator=g))  # the binary-search path
+    y = torch.cat([far[::3], torch.randint(-10, 10**9 + 10, (100,), generator=g), far[-1:] + 1])
+    assert torch.equal(isin_sorted(y, far), torch.isin(y, far))
 
 
 @pytest.mark.parametrize("k", [0, 1, 7, 50, 99, 100, 150])

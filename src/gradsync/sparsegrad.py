@@ -145,10 +145,20 @@ def sparse_sum(parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
 
 
 def isin_sorted(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    """``torch.isin(x, ref)`` for a strictly increasing ``ref``: a binary search per element of
-    ``x`` (O(|x| log |ref|)) instead of ``isin``'s sort of both."""
+    """``torch.isin(x, ref)`` for a strictly increasing int64 ``ref`` (``x``: any int64), without
+    ``isin``'s sorts: a bitmap over ``ref``'s span when that span is at most
+    ``DENSE_SPAN_FACTOR`` × the entries (O(span + |x| + |ref|)), else a binary search per
+    element of ``x`` (O(|x| log |ref|))."""
     if ref.numel() == 0 or x.numel() == 0:
         return torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    lo, hi = int(ref[0]), int(ref[-1])
+    span = hi - lo + 1
+    if span <= DENSE_SPAN_FACTOR * (x.numel() + ref.numel()):
+        bitmap = torch.zeros(span + 1, dtype=torch.bool, device=x.device)  # [span]: outside
+        bitmap[ref - lo if lo else ref] = True
+        at = x - lo if lo else x
+        at = torch.where((at >= 0) & (at < span), at, span)
+        return bitmap[at]
     pos = torch.searchsorted(ref, x).clamp_(max=ref.numel() - 1)
     return ref[pos] == x
 

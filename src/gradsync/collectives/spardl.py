@@ -85,31 +85,12 @@ from gradsync.sparsegrad import (
     validate_density,
 )
 
-__all__ = ["SparDL", "block_top_k", "rounds"]
+__all__ = ["SparDL", "rounds"]
 
 
 def rounds(P: int) -> int:
     """S = ⌈log2 P⌉, the number of Spar-Reduce-Scatter rounds (0 for one rank)."""
     return (P - 1).bit_length()
-
-
-def block_top_k(values: torch.Tensor, block: torch.Tensor, k_b: int, P: int) -> torch.Tensor:
-    """Keep-mask of the ``k_b`` largest ``|values|`` within each block (``block`` holds each
-    entry's block id in ``[0, P)``, non-decreasing: entries are in index order and blocks are
-    contiguous index ranges, so ties go to the smaller index). One O(m) selection per block
-    (:func:`gradsync.sparsegrad.top_k_mask`) instead of a sort of all entries."""
-    m = values.numel()
-    keep = torch.zeros(m, dtype=torch.bool, device=values.device)
-    if m == 0 or k_b <= 0:
-        return keep
-    cuts = torch.searchsorted(block, torch.arange(P + 1, device=block.device)).tolist()
-    for b in range(P):
-        lo, hi = cuts[b], cuts[b + 1]
-        if hi - lo > k_b:
-            keep[lo:hi] = top_k_mask(values[lo:hi], k_b)
-        elif hi > lo:
-            keep[lo:hi] = True
-    return keep
 
 
 @registry.register("spardl")
@@ -178,60 +159,76 @@ class SparDL(Collective):
         wire = wire_index_dtype(n)
         eb = entry_bytes(wire, dtype)
 
-        def dist_of(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            """(block id, its distance j = (b − r) mod P from this rank) of each index."""
-            blk = torch.searchsorted(B_dev, idx, right=True) - 1
-            return blk, (blk - r) % P
+        def segments(i: torch.Tensor) -> list[int]:
+            """Block b's entries are ``i[cuts[b]:cuts[b + 1]]`` (``i`` sorted; blocks are
+            contiguous index ranges): P + 1 binary searches instead of one per entry."""
+            return torch.searchsorted(i, B_dev).tolist()
 
+        def top(v: torch.Tensor, a: int, b: int) -> torch.Tensor:
+            """Positions in ``[a, b)`` of the k_B largest ``|v|`` there (all if at most k_B)."""
+            if b - a <= k_b:
+                return torch.arange(a, b, device=dev)
+            return torch.nonzero(top_k_mask(v[a:b], k_b)).view(-1) + a
+
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
         idx, val = sel.indices, sel.values  # the partial sums this rank holds, index order
         history: list[dict[str, torch.Tensor]] = []  # per round, for the backward walk
         S = rounds(P)
         for s in range(S):
             d = 1 << s
             dst, src = (r + d) % P, (r - d) % P
-            blk, j = dist_of(idx)
-            out = (j & d) != 0
-            # sparsify each forwarded block to k_B
-            fwd = out.nonzero().view(-1)
-            fwd = fwd[block_top_k(val[fwd], blk[fwd], k_b, P)]
+            # forward the blocks whose distance j = (b − r) mod P has bit s set, each
+            # sparsified to k_B; keep the others whole (block order = index order)
+            cuts = segments(idx)
+            fwd_p, kp_p = [], []
+            for b in range(P):
+                if cuts[b + 1] > cuts[b]:
+                    if ((b - r) % P) & d:
+                        fwd_p.append(top(val, cuts[b], cuts[b + 1]))
+                    else:
+                        kp_p.append(torch.arange(cuts[b], cuts[b + 1], device=dev))
+            fwd = torch.cat(fwd_p) if fwd_p else empty
+            kp = torch.cat(kp_p) if kp_p else empty
             t_idx, t_val = idx[fwd], val[fwd]
-            kp = (~out).nonzero().view(-1)
             k_idx, k_val = idx[kp], val[kp]
             # count, then entries
             got = torch.zeros(1, dtype=torch.int64, device=dev)
             comm.sendrecv(torch.tensor([t_idx.numel()], dtype=torch.int64, device=dev), dst,
                           got, src)
             r_idx, r_val = self._receive(comm, int(got), pack_entries(t_idx, t_val, wire), s,
-                                         B, n, wire, dtype)
+                                         B_dev, n, wire, dtype)
             # add, then re-sparsify every block this round delivered to
             m_idx, m_val = sparse_sum([(k_idx, k_val), (r_idx, r_val)])
-            blk, j = dist_of(m_idx)
-            recv_blocks = (j % (2 * d) == 0) & (j + d < P)
-            keep = ~recv_blocks
-            sub = recv_blocks.nonzero().view(-1)
-            keep[sub[block_top_k(m_val[sub], blk[sub], k_b, P)]] = True
+            cuts = segments(m_idx)
+            keep = None
+            for b in range(P):
+                j = (b - r) % P
+                if j % (2 * d) == 0 and j + d < P and cuts[b + 1] - cuts[b] > k_b:
+                    if keep is None:
+                        keep = torch.ones(m_idx.numel(), dtype=torch.bool, device=dev)
+                    keep[cuts[b]:cuts[b + 1]] = top_k_mask(m_val[cuts[b]:cuts[b + 1]], k_b)
             history.append({"state": idx, "fwd": fwd, "kp": kp, "sent": t_idx,
-                            "kept_part": k_idx, "recv": r_idx, "merged": m_idx})
-            idx, val = m_idx[keep], m_val[keep]
+                            "kept_part": k_idx, "recv": r_idx})
+            idx, val = (m_idx, m_val) if keep is None else (m_idx[keep], m_val[keep])
 
         # Global residual collection: walk the rounds backwards; an entry is alive when it
-        # reached the owner's final block. ``alive`` is the set of live indices in the state.
+        # reached the owner's final block. ``alive`` is the set of live indices in the state
+        # after round s (a subset of that round's merged entries).
         alive = idx
         for s in reversed(range(S)):
             d = 1 << s
             dst, src = (r + d) % P, (r - d) % P
             h = history[s]
-            merged_alive = h["merged"][isin_sorted(h["merged"], alive)]
-            recv_alive = isin_sorted(h["recv"], merged_alive)
+            recv_alive = isin_sorted(h["recv"], alive)
             bits = torch.empty(packed_bytes(h["sent"].numel(), 1), dtype=torch.uint8,
                                device=dev)
             comm.sendrecv(pack_bits(recv_alive), src, bits, dst)
             sent_alive = unpack_bits(bits, h["sent"].numel()) > 0
             live = torch.zeros(h["state"].numel(), dtype=torch.bool, device=dev)
-            live[h["kp"]] = isin_sorted(h["kept_part"], merged_alive)
+            live[h["kp"]] = isin_sorted(h["kept_part"], alive)
             live[h["fwd"]] = sent_alive
             alive = h["state"][live]  # the state before round s, in index order
-        kept = sel.indices[isin_sorted(sel.indices, alive)]
+        kept = alive  # the state before round 0 is sel.indices
 
         # Spar-All-Gather of the reduced blocks
         counts = comm.all_gather_counts(idx.numel(), dev)
@@ -254,11 +251,13 @@ class SparDL(Collective):
     def _receive(comm: Comm, count: int, payload: torch.Tensor, s: int, B: torch.Tensor, n: int,
                  wire: torch.dtype, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Round ``s``: send ``payload`` to rank r + 2^s while receiving ``count`` entries from
-        rank r − 2^s, validated against the blocks the schedule lets that rank forward."""
+        rank r − 2^s, validated against the blocks the schedule lets that rank forward
+        (``B``: the block boundaries, on the payload's device)."""
         P, r, d = comm.size, comm.rank, 1 << s
         src = (r - d) % P
         blocks = [(r + j) % P for j in range(0, P, 2 * d) if j + d < P]  # what src forwards
-        room = sum(int(B[b + 1] - B[b]) for b in blocks)
+        bl = B.tolist()
+        room = sum(bl[b + 1] - bl[b] for b in blocks)
         if not 0 <= count <= room:
             raise ValueError(f"spardl: rank {src} announced {count} entries in round {s}; "
                              f"its blocks for this rank hold at most {room}")
@@ -267,9 +266,11 @@ class SparDL(Collective):
         comm.sendrecv(payload, (r + d) % P, buf, src)
         r_idx, r_val = unpack_entries(buf, count, wire, dtype, "spardl")
         check_indices(r_idx, n, f"spardl: round {s} from rank {src}")
-        if count:
-            j = ((torch.searchsorted(B.to(r_idx.device), r_idx, right=True) - 1) - r) % P
-            if not bool(((j % (2 * d) == 0) & (j + d < P)).all()):
+        if count:  # per block, how many received entries fall in it: only forwarded blocks
+            per_block = torch.diff(torch.searchsorted(r_idx, B))
+            allowed = torch.zeros(P, dtype=torch.bool, device=B.device)
+            allowed[blocks] = True
+            if bool(per_block[~allowed].any()):
                 raise ValueError(f"spardl: rank {src} sent indices outside the blocks it "
                                  f"forwards in round {s}")
         return r_idx, r_val
