@@ -105,6 +105,32 @@ def test_sketch_sums_to_independent_reference():
     assert cs.encode(x).tolist() == ref
 
 
+@pytest.mark.parametrize("shift", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_entries_is_encode_of_the_dense_tensor_bit_for_bit(shift, dtype):
+    """The O(nnz) encoder (LHC's) against the reference sum above, then bitwise against
+    ``encode`` of the dense tensor; bad positions raise."""
+    n = 5000
+    x, mask = sparse_input(n, 0.3, seed=4, dtype=dtype)
+    cs = CountSketch(n, 4, seed=9, lanes=64, shift=shift)
+    pos = torch.nonzero(mask).view(-1)
+    got = cs.encode_entries(pos, x[pos])
+    ref = torch.zeros(cs.length, dtype=torch.float64)
+    for i in pos.tolist():
+        b, lane = divmod(i, cs.lanes)
+        for j in range(3):
+            c = int(cs.hashes[b, j]) * cs.lanes + (lane + int(cs.offsets[b, j])) % cs.lanes
+            ref[c] += float(cs.signs[b, j]) * float(x[i])
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got.view(torch.int32), cs.encode(x).view(torch.int32))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        cs.encode_entries(pos.flip(0), x[pos])
+    with pytest.raises(ValueError, match="out of range"):
+        cs.encode_entries(pos + n, x[pos])
+    with pytest.raises(ValueError, match="non-finite"):
+        cs.encode_entries(pos, torch.full((pos.numel(),), float("nan")))
+
+
 # -- peeling -------------------------------------------------------------------------------
 @pytest.mark.parametrize("ratio,zeros", [(2, 0.80), (4, 0.90), (10, 0.9875)])
 def test_peeling_round_trip_at_table1_sparsities(ratio, zeros):

@@ -68,7 +68,7 @@ from dataclasses import dataclass
 import torch
 
 from gradsync.formats.wire import check_int, pack_bits, packed_bytes, unpack_bits
-from gradsync.sparsegrad import check_finite
+from gradsync.sparsegrad import check_finite, check_indices, flatnonzero
 
 __all__ = [
     "MAX_ROUNDS",
@@ -191,20 +191,34 @@ class CountSketch:
         if x.device != self.device:
             raise ValueError(f"CountSketch.encode: tensor on {x.device}, sketch on {self.device}")
         check_finite(x, "CountSketch.encode: input")
-        B, L = self.blocks, self.lanes
-        xb = torch.zeros(B * L, dtype=torch.float32, device=self.device)
-        xb[: self.n] = x  # pad the last block with zeros (fp32 accumulation)
-        xb = xb.view(B, L)
-        sketch = torch.zeros(self.rows, L, dtype=torch.float32, device=self.device)
-        for j in range(self.hashes.shape[1]):  # k = 3 hashes (1 in the identity layout)
-            contrib = xb * self.signs[:, j : j + 1]
-            if self.shift:  # lane l of block b lands in lane (l + offset_j(b)) mod L
-                lane = (self._lane + self.offsets[:, j : j + 1]) % L
-                cells = self.hashes[:, j : j + 1] * L + lane
-                sketch.view(-1).index_add_(0, cells.view(-1), contrib.view(-1))
-            else:
-                sketch.index_add_(0, self.hashes[:, j], contrib)
-        return sketch.view(-1)
+        pos = flatnonzero(x != 0)  # zeros add nothing (and ±0 leaves every cell's bits alone)
+        return self._encode_at(pos, torch.index_select(x, 0, pos))
+
+    def encode_entries(self, pos: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """The sketch of the tensor whose only nonzeros are ``values`` at flat positions ``pos``
+        (int64, strictly increasing, in ``[0, n)``): O(nnz) instead of ``encode``'s O(n), and
+        bit for bit ``encode`` of that dense tensor (the same additions in the same order)."""
+        if not isinstance(pos, torch.Tensor) or not isinstance(values, torch.Tensor):
+            raise ValueError("CountSketch.encode_entries: expected tensors")
+        if pos.dtype != torch.int64 or pos.dim() != 1 or values.shape != pos.shape:
+            raise ValueError(f"CountSketch.encode_entries: expected 1-D int64 positions and as "
+                             f"many values, got {pos.dtype} {tuple(pos.shape)} and "
+                             f"{tuple(values.shape)}")
+        if not values.is_floating_point():
+            raise ValueError(f"CountSketch.encode_entries: expected floating values, got "
+                             f"{values.dtype}")
+        check_indices(pos, self.n, "CountSketch.encode_entries")
+        check_finite(values, "CountSketch.encode_entries: input")
+        return self._encode_at(pos, values)
+
+    def _encode_at(self, pos: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Add ``sign · value`` (fp32) into every cell of every element, hash by hash and, within
+        a hash, in position order — the order of a dense pass over the blocks."""
+        cells, signs = self.element_cells(pos)
+        contrib = signs * values.to(torch.float32).unsqueeze(1)
+        sketch = torch.zeros(self.length, dtype=torch.float32, device=self.device)
+        sketch.index_add_(0, cells.t().reshape(-1), contrib.t().reshape(-1))
+        return sketch
 
     # -- decode ------------------------------------------------------------------------
     def element_cells(self, pos: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,14 +227,16 @@ class CountSketch:
         The one description of the layout: ``encode``, ``peel``, ``cell_counts`` and TAGC's
         O(nnz) chunk encoder all go through it."""
         L = self.lanes
-        b, l = pos // L, pos % L
-        cells = self.hashes[b] * L + (l.unsqueeze(1) + self.offsets[b]) % L
-        return cells, self.signs[b]
+        b = torch.div(pos, L, rounding_mode="floor")
+        lane = torch.index_select(self.offsets, 0, b).add_((pos - b * L).unsqueeze(1))
+        lane = torch.where(lane >= L, lane - L, lane)  # (l + offset) mod L, both in [0, L)
+        cells = torch.index_select(self.hashes, 0, b).mul_(L).add_(lane)
+        return cells, torch.index_select(self.signs, 0, b)
 
     def cell_counts(self, nonzero: torch.Tensor) -> torch.Tensor:
         """Number of nonzero elements (of the global mask) hashed into each cell, int64."""
         self._check_mask(nonzero)
-        cells, _ = self.element_cells(torch.nonzero(nonzero).view(-1))
+        cells, _ = self.element_cells(flatnonzero(nonzero))
         return torch.bincount(cells.reshape(-1), minlength=self.length)
 
     def _check_mask(self, nonzero: torch.Tensor) -> None:
@@ -271,7 +287,7 @@ class CountSketch:
 
         dev = self.device
         values = torch.zeros(self.n, dtype=torch.float32, device=dev)
-        pos = torch.nonzero(nonzero).view(-1)  # the union's nonzeros, E of them
+        pos = flatnonzero(nonzero)  # the union's nonzeros, E of them
         cells, sg = self.element_cells(pos)  # (E, k)
         E, k = cells.shape
         # Per cell, computed locally from the global index (never sent): how many unresolved
@@ -283,44 +299,58 @@ class CountSketch:
         ids.index_add_(0, flat_all, torch.arange(E, device=dev).repeat_interleave(k))
         residual = sketch.to(torch.float32, copy=True)
         resolved = torch.zeros(E, dtype=torch.bool, device=dev)
-        cand = torch.arange(E, device=dev)  # round 1 looks at every element
+        cand: torch.Tensor | None = None  # None: round 1 looks at every element
         rounds = visits = 0
         capped = False
-        while cand.numel():
+        while cand is None or cand.numel():
             if rounds == max_rounds:
                 capped = True
                 break
-            c_c = cells[cand]
+            if cand is None:
+                c_c, s_c = cells, sg
+            else:
+                c_c, s_c = torch.index_select(cells, 0, cand), torch.index_select(sg, 0, cand)
             visits += c_c.numel()
-            pure = count[c_c] == 1  # (E', k): cells holding only this element
-            ok = pure.any(dim=1)
-            if rounds == 0:  # later candidates all hold a pure cell (they come from one)
-                if not bool(ok.any()):
+            pure = (torch.index_select(count, 0, c_c.view(-1)) == 1).view(-1, k)
+            if cand is None:  # later candidates all hold a pure cell (they come from one)
+                cand = flatnonzero(pure.any(dim=1))
+                if not cand.numel():
                     break
-                cand, pure, c_c = cand[ok], pure[ok], c_c[ok]
+                c_c, s_c = torch.index_select(c_c, 0, cand), torch.index_select(s_c, 0, cand)
+                pure = torch.index_select(pure, 0, cand)
             rounds += 1
-            s_c = sg[cand]
             j = pure.to(torch.int8).argmax(dim=1, keepdim=True)  # first pure cell
-            v = s_c.gather(1, j).view(-1) * residual[c_c.gather(1, j).view(-1)]
-            values[pos[cand]] = v
-            resolved[cand] = True
+            v = s_c.gather(1, j).view(-1) * torch.index_select(residual, 0,
+                                                               c_c.gather(1, j).view(-1))
+            values.index_copy_(0, torch.index_select(pos, 0, cand), v)
+            resolved.index_fill_(0, cand, True)
             # Subtract the resolved elements from all their cells (pure ones become 0).
-            flat = c_c.reshape(-1)
-            residual.index_add_(0, flat, -(s_c * v.unsqueeze(1)).reshape(-1))
+            flat = c_c.view(-1)
+            residual.index_add_(0, flat, (s_c * v.unsqueeze(1)).neg_().view(-1))
             count.index_add_(0, flat, torch.full((flat.numel(),), -1, dtype=count.dtype,
                                                  device=dev))
-            ids.index_add_(0, flat, -cand.repeat_interleave(k))
+            ids.index_add_(0, flat, cand.repeat_interleave(k).neg_())
             # The next round: the one element of every cell this round left pure.
-            cand = torch.unique(ids[flat[count[flat] == 1]])
-        left = ~resolved
-        unresolved = int(left.sum())
+            left1 = torch.index_select(flat, 0, flatnonzero(
+                torch.index_select(count, 0, flat) == 1))
+            nxt = torch.index_select(ids, 0, left1)
+            if nxt.numel() > E // 8:  # dedupe by a mark: O(E), in at most 8 rounds
+                cand = flatnonzero(torch.zeros(E, dtype=torch.bool, device=dev)
+                                   .index_fill_(0, nxt, True))
+            else:  # O(f log f) on a small frontier
+                cand = torch.unique(nxt)
+        left = flatnonzero(~resolved)
+        unresolved = int(left.numel())
         report = PeelReport(lossy=unresolved > 0, unresolved=unresolved, rounds=rounds,
                             estimated=0, capped=capped, visits=visits)
         if unresolved:
             if on_failure == "raise":
                 raise PeelError(report)
             # Count-sketch estimate: median of the sign-corrected (residual) cells.
-            values[pos[left]] = (sg[left] * residual[cells[left]]).median(dim=1).values
+            c_l = torch.index_select(cells, 0, left)
+            est = (torch.index_select(sg, 0, left)
+                   * torch.index_select(residual, 0, c_l.view(-1)).view(-1, k))
+            values.index_copy_(0, torch.index_select(pos, 0, left), est.median(dim=1).values)
             report.estimated = unresolved
         return values.to(dtype), report
 
