@@ -350,7 +350,12 @@ class CountSketch:
             c_l = torch.index_select(cells, 0, left)
             est = (torch.index_select(sg, 0, left)
                    * torch.index_select(residual, 0, c_l.view(-1)).view(-1, k))
-            values.index_copy_(0, torch.index_select(pos, 0, left), est.median(dim=1).values)
+            if k == 3:  # the median of three, by comparisons only (exact, as median is)
+                lo, hi = torch.minimum(est[:, 0], est[:, 1]), torch.maximum(est[:, 0], est[:, 1])
+                med = torch.maximum(lo, torch.minimum(hi, est[:, 2]))
+            else:
+                med = est.median(dim=1).values
+            values.index_copy_(0, torch.index_select(pos, 0, left), med)
             report.estimated = unresolved
         return values.to(dtype), report
 
