@@ -199,6 +199,9 @@ def top_k_mask(values: torch.Tensor, k: int) -> torch.Tensor:
     return keep
 
 
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integer of a value dtype
+
+
 @dataclass(frozen=True, eq=False)
 class SparseGrad:
     """Sparse selection ``(indices, values)`` of a flat tensor of ``numel`` elements.
@@ -295,8 +298,13 @@ class SparseGrad:
 
     def to_dense(self) -> torch.Tensor:
         """Dense flat tensor of ``numel`` elements with the selected values scattered in."""
-        out = torch.zeros(self.numel, dtype=self.values.dtype, device=self.values.device)
-        out[self.indices] = self.values
+        v = self.values
+        out = torch.zeros(self.numel, dtype=v.dtype, device=v.device)
+        bits = _BITS.get(v.element_size())
+        if bits is None:
+            out[self.indices] = v
+        else:  # index_copy_ on the bit patterns: cheaper than out[i] = v, and NaN payloads kept
+            out.view(bits).index_copy_(0, self.indices, v.contiguous().view(bits))
         return out
 
     def wire_bytes(self, index_bytes: int = 4) -> int:

@@ -190,6 +190,5 @@ class GTopk(Collective):
             self._send_down(comm, final, alive, child)
         kept = own[isin_sorted(own, final[0][alive])]
 
-        dense = torch.zeros(n, dtype=sel.dtype, device=sel.device)
-        dense[final[0]] = final[1]
+        dense = SparseGrad(final[0], final[1], n, validate=False).to_dense()
         return dense, kept, {"k": k, "global_count": int(final[0].numel())}

@@ -210,8 +210,7 @@ class OkTopk(Collective):
         all_idx = torch.cat([p[0] for p in parts])  # region order = index order: sorted
         check_indices(all_idx, n, "oktopk: the gathered global selection")
         all_val = torch.cat([p[1] for p in parts])
-        dense = torch.zeros(n, dtype=sel.dtype, device=dev)
-        dense[all_idx] = all_val
+        dense = SparseGrad(all_idx, all_val, n, validate=False).to_dense()
 
         # Line 14: the local entries that made it into the global selection.
         kept = sel.indices[isin_sorted(sel.indices, all_idx)]

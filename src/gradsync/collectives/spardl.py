@@ -233,14 +233,16 @@ class SparDL(Collective):
         # Spar-All-Gather of the reduced blocks
         counts = comm.all_gather_counts(idx.numel(), dev)
         msgs = comm.all_gather_v(pack_entries(idx, val, wire), [c * eb for c in counts])
-        dense = torch.zeros(n, dtype=dtype, device=dev)
+        parts = []
         for owner, (msg, c) in enumerate(zip(msgs, counts)):
             if c > k_b:
                 raise ValueError(f"spardl: rank {owner} announced {c} entries for its block, "
                                  f"more than k_B = {k_b}")
             g_idx, g_val = unpack_entries(msg, c, wire, dtype, "spardl")
             self._check_block(g_idx, owner, B, n, f"spardl: block of rank {owner}")
-            dense[g_idx] = g_val
+            parts.append((g_idx, g_val))
+        dense = SparseGrad(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), n,
+                           validate=False).to_dense()  # blocks in owner order: disjoint
         info = {"k": k, "k_block": k_b, "rounds": S, "boundaries": B,
                 "boundaries_recomputed": recomputed, "block_nnz": idx.numel(),
                 "global_nnz": sum(counts), "dropped": len(sel) - kept.numel(),
