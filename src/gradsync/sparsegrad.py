@@ -142,7 +142,7 @@ def sparse_sum(parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
         for i, v in parts:
             local = i - lo if lo else i
             acc.index_add_(0, local, v.to(dtype))
-            hit[local] = True
+            hit.index_fill_(0, local, True)
         at = flatnonzero(hit)
         return (at + lo if lo else at), torch.index_select(acc, 0, at)
     union, inv = torch.unique(torch.cat([i for i, _ in parts]), sorted=True,
@@ -165,11 +165,9 @@ def isin_sorted(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     lo, hi = int(ref[0]), int(ref[-1])
     span = hi - lo + 1
     if span <= DENSE_SPAN_FACTOR * (x.numel() + ref.numel()):
-        bitmap = torch.zeros(span + 1, dtype=torch.bool, device=x.device)  # [span]: outside
-        bitmap[ref - lo if lo else ref] = True
-        at = x - lo if lo else x
-        at = torch.where((at >= 0) & (at < span), at, span)
-        return bitmap[at]
+        bitmap = torch.zeros(span + 2, dtype=torch.bool, device=x.device)  # ends: outside
+        bitmap.index_fill_(0, ref - (lo - 1), True)
+        return torch.index_select(bitmap, 0, (x - (lo - 1)).clamp_(0, span + 1))
     pos = torch.searchsorted(ref, x).clamp_(max=ref.numel() - 1)
     return ref[pos] == x
 
@@ -193,9 +191,9 @@ def top_k_mask(values: torch.Tensor, k: int) -> torch.Tensor:
         return keep
     theta = torch.kthvalue(a, m - k + 1).values  # the k-th largest magnitude
     keep = a > theta
-    need = k - int(keep.sum())
+    need = k - int(torch.count_nonzero(keep))
     if need:
-        keep[torch.nonzero(a == theta).view(-1)[:need]] = True
+        keep.index_fill_(0, flatnonzero(a == theta)[:need], True)
     return keep
 
 

@@ -48,6 +48,7 @@ from gradsync.formats.wire import (
 from gradsync.sparsegrad import (
     SparseGrad,
     check_indices,
+    flatnonzero,
     isin_sorted,
     sparse_sum,
     target_k,
@@ -62,8 +63,8 @@ def _top_k(idx: torch.Tensor, val: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     """The k entries of largest |val| (ties: smaller index first), returned in index order."""
     if idx.numel() <= k:
         return idx, val
-    keep = top_k_mask(val, k)  # idx is increasing: position order is index order
-    return idx[keep], val[keep]
+    at = flatnonzero(top_k_mask(val, k))  # idx is increasing: position order is index order
+    return torch.index_select(idx, 0, at), torch.index_select(val, 0, at)
 
 
 def _merge(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], k: int):
@@ -188,7 +189,8 @@ class GTopk(Collective):
         for child, kept_idx in reversed(merges):
             alive = alive & isin_sorted(final[0], kept_idx)
             self._send_down(comm, final, alive, child)
-        kept = own[isin_sorted(own, final[0][alive])]
+        kept = torch.index_select(own, 0, flatnonzero(isin_sorted(
+            own, torch.index_select(final[0], 0, flatnonzero(alive)))))
 
         dense = SparseGrad(final[0], final[1], n, validate=False).to_dense()
         return dense, kept, {"k": k, "global_count": int(final[0].numel())}

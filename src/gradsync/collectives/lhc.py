@@ -161,7 +161,7 @@ class LHC(Collective):
         comm.all_reduce(sketch, op=dist.ReduceOp.SUM)
         # 3. g <- peeling_decompress(index, count_sketch), identically on every rank
         dense, report = cs.peel(sketch, index, on_failure=self.on_failure, dtype=sel.dtype)
-        union = int(index.sum())
+        union = int(torch.count_nonzero(index))
         info = {
             "lossy": report.lossy,
             "unresolved": report.unresolved,

@@ -55,6 +55,7 @@ from gradsync.sparsegrad import (
     SparseGrad,
     all_finite,
     check_indices,
+    flatnonzero,
     isin_sorted,
     sparse_sum,
     target_k,
@@ -198,7 +199,8 @@ class OkTopk(Collective):
             mask = mags >= theta
             counts = comm.all_gather_counts(int(mask.sum()), dev)
             total = sum(counts)
-        g_idx, g_val = r_idx[mask], r_val[mask]
+        at = flatnonzero(mask)
+        g_idx, g_val = torch.index_select(r_idx, 0, at), torch.index_select(r_val, 0, at)
 
         # Line 13: data balancing (if the largest count > 4× the mean), then allgatherv.
         balanced = total > 0 and max(counts) > self.balance_factor * total / P

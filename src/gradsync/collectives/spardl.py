@@ -78,6 +78,7 @@ from gradsync.formats.wire import (
 from gradsync.sparsegrad import (
     SparseGrad,
     check_indices,
+    flatnonzero,
     isin_sorted,
     sparse_sum,
     target_k,
@@ -168,7 +169,7 @@ class SparDL(Collective):
             """Positions in ``[a, b)`` of the k_B largest ``|v|`` there (all if at most k_B)."""
             if b - a <= k_b:
                 return torch.arange(a, b, device=dev)
-            return torch.nonzero(top_k_mask(v[a:b], k_b)).view(-1) + a
+            return flatnonzero(top_k_mask(v[a:b], k_b)) + a
 
         empty = torch.empty(0, dtype=torch.int64, device=dev)
         idx, val = sel.indices, sel.values  # the partial sums this rank holds, index order
@@ -189,8 +190,8 @@ class SparDL(Collective):
                         kp_p.append(torch.arange(cuts[b], cuts[b + 1], device=dev))
             fwd = torch.cat(fwd_p) if fwd_p else empty
             kp = torch.cat(kp_p) if kp_p else empty
-            t_idx, t_val = idx[fwd], val[fwd]
-            k_idx, k_val = idx[kp], val[kp]
+            t_idx, t_val = torch.index_select(idx, 0, fwd), torch.index_select(val, 0, fwd)
+            k_idx, k_val = torch.index_select(idx, 0, kp), torch.index_select(val, 0, kp)
             # count, then entries
             got = torch.zeros(1, dtype=torch.int64, device=dev)
             comm.sendrecv(torch.tensor([t_idx.numel()], dtype=torch.int64, device=dev), dst,
@@ -209,7 +210,11 @@ class SparDL(Collective):
                     keep[cuts[b]:cuts[b + 1]] = top_k_mask(m_val[cuts[b]:cuts[b + 1]], k_b)
             history.append({"state": idx, "fwd": fwd, "kp": kp, "sent": t_idx,
                             "kept_part": k_idx, "recv": r_idx})
-            idx, val = (m_idx, m_val) if keep is None else (m_idx[keep], m_val[keep])
+            if keep is None:
+                idx, val = m_idx, m_val
+            else:
+                at = flatnonzero(keep)
+                idx, val = torch.index_select(m_idx, 0, at), torch.index_select(m_val, 0, at)
 
         # Global residual collection: walk the rounds backwards; an entry is alive when it
         # reached the owner's final block. ``alive`` is the set of live indices in the state
@@ -225,9 +230,9 @@ class SparDL(Collective):
             comm.sendrecv(pack_bits(recv_alive), src, bits, dst)
             sent_alive = unpack_bits(bits, h["sent"].numel()) > 0
             live = torch.zeros(h["state"].numel(), dtype=torch.bool, device=dev)
-            live[h["kp"]] = isin_sorted(h["kept_part"], alive)
-            live[h["fwd"]] = sent_alive
-            alive = h["state"][live]  # the state before round s, in index order
+            live.index_copy_(0, h["kp"], isin_sorted(h["kept_part"], alive))
+            live.index_copy_(0, h["fwd"], sent_alive)
+            alive = torch.index_select(h["state"], 0, flatnonzero(live))  # index order
         kept = alive  # the state before round 0 is sel.indices
 
         # Spar-All-Gather of the reduced blocks

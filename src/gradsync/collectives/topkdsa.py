@@ -73,9 +73,8 @@ class _Stream:
     def densified(self) -> torch.Tensor:
         if self.is_dense:
             return self.buf
-        out = torch.zeros(self.hi - self.lo, dtype=self.val.dtype, device=self.val.device)
-        out[self.idx - self.lo] = self.val
-        return out
+        return SparseGrad(self.idx - self.lo, self.val, self.hi - self.lo,
+                          validate=False).to_dense()
 
 
 def _add(a: _Stream, b: _Stream) -> _Stream:
