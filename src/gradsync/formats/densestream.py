@@ -56,6 +56,7 @@ from gradsync.formats.wire import (
     INDEX_DTYPES,
     as_buffer,
     check_index_bytes,
+    check_int,
     dtype_code,
     header_bytes,
     pack_header,
@@ -64,7 +65,8 @@ from gradsync.formats.wire import (
 )
 from gradsync.sparsegrad import SparseGrad, flatnonzero
 
-__all__ = ["HEADER_BYTES", "MAGIC", "blocks", "decode", "encode", "max_zero_run", "size_bytes"]
+__all__ = ["HEADER_BYTES", "MAGIC", "blocks", "decode", "encode", "max_zero_run", "size_bytes",
+           "split"]
 
 MAGIC = b"GSDS"
 HEADER_BYTES = header_bytes(3)  # 32: numel, blocks, Σ lengths
@@ -252,3 +254,26 @@ def decode(buf: torch.Tensor | bytes, *, numel: int | None = None,
                                  "gap rule (rule 2)")
             raise ValueError("densestream.decode: blocks closer than the gap rule allows")
     return SparseGrad(idx, values, n, validate=False)
+
+
+def split(buf: torch.Tensor | bytes, count: int) -> list[torch.Tensor]:
+    """The ``count`` encodings laid back to back in ``buf``, as views of it (each still to be
+    :func:`decode`-d). Only the headers are read here: ``ValueError`` when one is invalid, runs
+    past the end, or the pieces do not fill ``buf`` exactly."""
+    buf = as_buffer(buf)
+    check_int("count", count, 0)
+    pieces, at = [], 0
+    for _ in range(count):
+        iw, vdtype, (_, nb, total) = unpack_header(buf[at:], MAGIC, 3, "densestream.split")
+        if nb < 0 or total < 0:
+            raise ValueError(f"densestream.split: blocks={nb}, total length={total} negative")
+        size = HEADER_BYTES + nb * 2 * iw + total * torch.empty(0, dtype=vdtype).element_size()
+        if at + size > buf.numel():
+            raise ValueError(f"densestream.split: an encoding of {size} bytes runs past the "
+                             f"end of the {buf.numel()}-byte buffer (truncated)")
+        pieces.append(buf[at:at + size])
+        at += size
+    if at != buf.numel():
+        raise ValueError(f"densestream.split: {buf.numel() - at} bytes left after {count} "
+                         "encodings")
+    return pieces
