@@ -18,6 +18,9 @@ Three phases, every partition on the wire DenseStream-encoded (§III-A,
    reduced over all ranks.
 3. *allgather* by recursive doubling (Alg. 2 line 18): at distance d = 1, 2, …, P′/2, rank r and
    r XOR d exchange everything they hold; the ranges are disjoint, so this is a concatenation.
+   Each region travels as its owner encoded it: a message is the d encodings of the sender's
+   regions back to back, forwarded as received (never decoded and re-encoded on the way), and
+   the receiver decodes and range-checks every region (:func:`gradsync.formats.densestream.split`).
 
 P′ = 2^⌊log2 P⌋. For P that is not a power of two the P − P′ extra ranks are folded in first
 and out at the end, as in Rabenseifner's allreduce: among the first 2(P − P′) ranks each even
@@ -26,7 +29,8 @@ odd rank sends the complete result back.
 
 Each message pair is a length (one int64) and then the encoded bytes, both through
 :class:`~gradsync.collectives.comm.Comm`, so the byte counts are exact; an empty partition sends
-only its length. Indices are int64 in memory, int32 on the wire when numel < 2**31
+only its length in the fold and the scatter-reduce, and its 32-byte header in the allgather.
+Indices are int64 in memory, int32 on the wire when numel < 2**31
 (:func:`gradsync.formats.wire.wire_index_bytes`).
 
 Exact and bitwise identical on every rank: region j is summed once, by its owner, and the
