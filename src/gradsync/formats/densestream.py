@@ -217,22 +217,34 @@ def decode(buf: torch.Tensor | bytes, *, numel: int | None = None,
     starts = view_as(buf, HEADER_BYTES, nb, idx_dtype).to(torch.int64)
     lengths = view_as(buf, HEADER_BYTES + nb * iw, nb, idx_dtype).to(torch.int64)
     stream = view_as(buf, HEADER_BYTES + 2 * nb * iw, total, vdtype)
-    # The block table in one combined pass: lengths ≥ 1, each block inside [0, n) (the first
-    # start ≥ 0 and, with sortedness, every start), sorted and not overlapping, lengths summing
-    # to the header's total. Overflow-free where it matters: starts + lengths can wrap only for
-    # an entry whose "start ≤ n − length" term is already false.
+    # The block table and the gap rule in one pass of reductions: lengths ≥ 1; blocks sorted
+    # and separated by more than Z zeros (the gap rule: a closer pair would be one canonical
+    # block); the first start ≥ 0 and the last end ≤ n (with the above: every block inside
+    # [0, n)); lengths summing to the header's total. With 4-byte fields nothing can wrap in
+    # int64; with 8-byte fields every block is first checked on its own (start ≥ 0,
+    # start ≤ n − length), so no sum below can wrap either.
+    z = max_zero_run(iw, vb)
     cum = torch.cumsum(lengths, 0)  # each block's exclusive end in the stream
     ends = starts + lengths
-    good = ((lengths >= 1) & (starts <= n - lengths)).all() & (starts[0] >= 0) & (
-        cum[-1] == total)
+    words = [lengths.min(), starts[0], ends[-1], cum[-1]]
     if nb > 1:
-        good &= (starts[1:] >= ends[:-1]).all()
-    if not bool(good):
+        words.append((starts[1:] - ends[:-1]).min())
+    if iw == 8:
+        words.append(((starts >= 0) & (starts <= n - lengths)).all().long())
+    lmin, first, last, summed, *rest = torch.stack(words).tolist()
+    gap = rest[0] if nb > 1 else z + 1
+    entries_ok = bool(rest[-1]) if iw == 8 else True
+    table_ok = (entries_ok and lmin >= 1 and first >= 0 and last <= n and summed == total
+                and gap >= 0)
+    if not (table_ok and gap > z):
+        if table_ok:
+            raise ValueError("densestream.decode: blocks closer than the gap rule allows")
         raise ValueError(f"densestream.decode: {_structure_error(starts, lengths, n, total)}")
     offsets = cum - lengths  # each block's first position in the stream
     bits = stream.view(BITS_DTYPES[vb])
     # Rule 1: blocks begin and end with a nonzero (not the bits of +0.0).
-    if not bool((torch.index_select(bits, 0, torch.cat([offsets, cum.sub_(1)])) != 0).all()):
+    if int(torch.count_nonzero(torch.index_select(bits, 0, torch.cat([offsets, cum.sub_(1)])))
+           ) != 2 * nb:
         raise ValueError("densestream.decode: a block begins or ends with a zero (rule 1)")
     # Each nonzero's index: its stream position plus its block's shift starts − offsets.
     # Block starts are nonzeros (rule 1), so "opens a block" marks nonzeros.
@@ -241,18 +253,15 @@ def decode(buf: torch.Tensor | bytes, *, numel: int | None = None,
     if where.numel() == total:  # no zeros stored: every position is an entry
         values = stream.clone()
     else:
+        # Rule 2: no run of more than Z zeros inside a block. Blocks begin and end with a
+        # nonzero, so zero runs never cross a block boundary: it is the stream's longest run.
+        if int(torch.diff(where).max()) > z + 1:
+            raise ValueError("densestream.decode: a zero run inside a block exceeds the gap "
+                             "rule (rule 2)")
         opens = torch.index_select(opens, 0, where)
         values = torch.index_select(bits, 0, where).view(vdtype)  # bit for bit
     shift = torch.index_select(starts - offsets, 0, torch.cumsum(opens, 0).sub_(1))
     idx = shift.add_(where)
-    # Rule 2 and the gap rule: a new block opens exactly where more than Z zeros precede.
-    if idx.numel() > 1:
-        apart = torch.diff(idx) > max_zero_run(iw, vb) + 1
-        if not torch.equal(apart, opens[1:]):
-            if bool((apart & ~opens[1:]).any()):
-                raise ValueError("densestream.decode: a zero run inside a block exceeds the "
-                                 "gap rule (rule 2)")
-            raise ValueError("densestream.decode: blocks closer than the gap rule allows")
     return SparseGrad(idx, values, n, validate=False)
 
 
