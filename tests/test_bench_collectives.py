@@ -41,12 +41,18 @@ def test_bench_collectives_smoke(tmp_path, capsys):
         assert bound <= topka["bytes_sent_mean"] <= bound + 64
         assert topka["bytes_sent_max"] >= topka["bytes_sent_mean"]
         assert dense["time_over_dense"] == pytest.approx(1.0)
+        assert dense["time_over_dense_interleaved"] == pytest.approx(1.0)
+        # the dense all-reduce timed after every TopkA call, in the same rank processes
+        assert len(topka["dense_interleaved_times_s"]) == 2
+        ratios = [t / d for t, d in zip(topka["times_s"], topka["dense_interleaved_times_s"])]
+        assert topka["time_over_dense_interleaved"] == pytest.approx(sum(ratios) / 2)
     for r in data["rows"]:
         assert "error" in r or r["bytes_sent_mean"] > 0
     assert "topka" in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("argv", [["--density", "0"], ["--density", "x"], ["--numel", "1.5"],
+                                  ["--threads", "0"],
                                   ["--bandwidth", "10mbps"], ["--latency", "5ms"]])
 def test_bench_collectives_rejects_bad_arguments(argv, tmp_path):
     with pytest.raises(SystemExit) as e:

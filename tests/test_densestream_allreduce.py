@@ -167,7 +167,8 @@ def test_dsa_traffic_boundaries_and_state_at_p4():
         def block(m):                               # one DenseStream block of m fp32 values
             return 32 + 8 + 4 * m
         halving = (8 + block(2000)) + (8 + block(1000))
-        doubling = (8 + block(1000)) + (8 + block(2000))
+        # the allgather forwards each region's own encoding: 1, then 2 regions of 1000
+        doubling = (8 + block(1000)) + (8 + 2 * block(1000))
         assert o["phases"] == {"balanced_split": split, "fold": 0,
                                "scatter_reduce": halving, "allgather": doubling, "unfold": 0}
         assert o["sent"] == [shape_check + split + halving + doubling,

@@ -512,3 +512,23 @@ def test_fuzz_campaign_random(data):
 @given(data=st.data())
 def test_fuzz_campaign_mutations(data):
     _fuzz_mutations(data)
+
+
+def test_densestream_split_back_to_back_encodings():
+    """DSA's allgather forwards one encoding per region, back to back: split finds them."""
+    a = SparseGrad(torch.tensor([1, 2, 9]), torch.tensor([1.0, 2.0, 3.0]), 20)
+    b = SparseGrad.empty(20)
+    c = SparseGrad(torch.tensor([15]), torch.tensor([-4.0]), 20)
+    bufs = [ds.encode(x) for x in (a, b, c)]
+    joined = torch.cat(bufs)
+    pieces = ds.split(joined, 3)
+    assert [p.numel() for p in pieces] == [x.numel() for x in bufs]
+    for p, x in zip(pieces, (a, b, c)):
+        assert torch.equal(ds.decode(p).to_dense(), x.to_dense())
+    assert ds.split(joined[:0], 0) == []
+    with pytest.raises(ValueError, match="left after"):
+        ds.split(joined, 2)
+    with pytest.raises(ValueError, match=r"past the end|shorter"):
+        ds.split(joined[:-1], 3)
+    with pytest.raises(ValueError, match="magic"):
+        ds.split(torch.cat([bufs[0], coo.encode(a)]), 2)

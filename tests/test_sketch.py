@@ -12,6 +12,7 @@ from hypothesis import strategies as st
 import gradsync.sparsify.fraction  # noqa: F401  (registers "fraction")
 from gradsync import sparsify
 from gradsync.formats.sketch import (
+    MAX_ROUNDS,
     CountSketch,
     PeelError,
     index_wire_bytes,
@@ -102,6 +103,32 @@ def test_sketch_sums_to_independent_reference():
             c = r * L + (lane + int(cs.offsets[b, j])) % L
             ref[c] += float(cs.signs[b, j]) * float(x[i])
     assert cs.encode(x).tolist() == ref
+
+
+@pytest.mark.parametrize("shift", [True, False])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_encode_entries_is_encode_of_the_dense_tensor_bit_for_bit(shift, dtype):
+    """The O(nnz) encoder (LHC's) against the reference sum above, then bitwise against
+    ``encode`` of the dense tensor; bad positions raise."""
+    n = 5000
+    x, mask = sparse_input(n, 0.3, seed=4, dtype=dtype)
+    cs = CountSketch(n, 4, seed=9, lanes=64, shift=shift)
+    pos = torch.nonzero(mask).view(-1)
+    got = cs.encode_entries(pos, x[pos])
+    ref = torch.zeros(cs.length, dtype=torch.float64)
+    for i in pos.tolist():
+        b, lane = divmod(i, cs.lanes)
+        for j in range(3):
+            c = int(cs.hashes[b, j]) * cs.lanes + (lane + int(cs.offsets[b, j])) % cs.lanes
+            ref[c] += float(cs.signs[b, j]) * float(x[i])
+    assert torch.allclose(got.double(), ref, rtol=1e-5, atol=1e-4)
+    assert torch.equal(got.view(torch.int32), cs.encode(x).view(torch.int32))
+    with pytest.raises(ValueError, match="strictly increasing"):
+        cs.encode_entries(pos.flip(0), x[pos])
+    with pytest.raises(ValueError, match="out of range"):
+        cs.encode_entries(pos + n, x[pos])
+    with pytest.raises(ValueError, match="non-finite"):
+        cs.encode_entries(pos, torch.full((pos.numel(),), float("nan")))
 
 
 # -- peeling -------------------------------------------------------------------------------
@@ -242,6 +269,91 @@ def test_peel_fuzz_never_crashes(data):
         vals, rep = cs.peel(sk, mask)
         assert vals.shape == (n,) and bool(torch.isfinite(vals).all())
         assert rep.rounds <= int(mask.sum())
+
+
+# -- a hostile mask: peeling's work stays bounded ------------------------------------------------
+def chain_mask(cs: CountSketch, length: int) -> tuple[torch.Tensor, list[int], int]:
+    """A mask crafted against ``cs``'s own hashes on which peeling frees one element per round
+    from each end of a chain (LHC's previous peel rescanned every unresolved element in each of
+    those rounds: O(E²)).
+
+    A *core* of whole blocks whose three rows all lie in a row set H, pruned until every row of H
+    is held by at least 2 core blocks: each cell of an H row then counts ≥ 2 core elements
+    forever, so no core element is ever pure (a stopping set). A *chain* e_1 … e_m of elements
+    outside the core, e_t = {c_{t−1}, c_t, h_t}: c_t is a fresh cell of a row outside H held by
+    e_t and e_{t+1} only, h_t a core cell. Only the ends are pure; resolving e_t frees
+    e_{t+1}. Returns (mask, chain positions, core elements)."""
+    L, R, B = cs.lanes, cs.rows, cs.blocks
+    rows, offs = cs.hashes.tolist(), cs.offsets.tolist()
+    H = set(range(int(0.58 * R)))
+    core = [b for b in range(B) if set(rows[b]) <= H and (b + 1) * L <= cs.n]
+    while True:  # prune: every row of the core held by ≥ 2 core blocks
+        deg = {r: 0 for r in H}
+        for b in core:
+            for r in rows[b]:
+                deg[r] += 1
+        H = {r for r, d in deg.items() if d >= 2}
+        kept = [b for b in core if set(rows[b]) <= H]
+        if len(kept) == len(core):
+            break
+        core = kept
+    by_row: dict[int, list[tuple[int, int]]] = {}
+    for b in range(B):
+        if b not in core:
+            for j, r in enumerate(rows[b]):
+                by_row.setdefault(r, []).append((b, j))
+    start = next(r for r in range(R) if r not in H)
+    cell, used, chain = (start, 0), {(start, 0)}, []
+    while len(chain) < length:
+        r, lane = cell
+        step = None
+        for b, j in by_row[r]:
+            lo = (lane - offs[b][j]) % L
+            if b * L + lo >= cs.n:
+                continue
+            other = [(rows[b][i], (lo + offs[b][i]) % L) for i in range(3) if i != j]
+            for new, h in (other, other[::-1]):
+                if new[0] not in H and new not in used and h[0] in H:
+                    step = (b * L + lo, new)
+                    break
+            if step:
+                break
+        if step is None:
+            break
+        chain.append(step[0])
+        used.add(step[1])
+        cell = step[1]
+    mask = torch.zeros(cs.n, dtype=torch.bool)
+    for b in core:
+        mask[b * L:(b + 1) * L] = True
+    mask[chain] = True
+    return mask, chain, len(core) * L
+
+
+def test_peel_work_is_bounded_on_a_crafted_chain():
+    """The hostile input takes about m/2 rounds (one element from each end of the chain per
+    round): peeling still resolves every chain element exactly while visiting at most 2·k·E
+    element-cell pairs in all, and the default round cap stops it and reports the rest lossy."""
+    cs = CountSketch(1 << 20, 10, seed=3)
+    mask, chain, n_core = chain_mask(cs, 3000)
+    m, E = len(chain), int(mask.sum())
+    assert m == 3000 and n_core + m == E
+    x = torch.zeros(cs.n)
+    x[mask] = torch.randint(1, 100, (E,), generator=torch.Generator().manual_seed(0)).float()
+    sketch = cs.encode(x)
+    vals, rep = cs.peel(sketch, mask, max_rounds=10**6)
+    assert rep.rounds >= m // 2  # crafted: the chain frees ~2 elements per round
+    assert torch.equal(vals[chain], x[chain])  # integers: every chain element exact
+    assert rep.unresolved == n_core and rep.lossy and not rep.capped  # the core is stuck
+    assert rep.visits <= 2 * 3 * E  # linear work (the old peel: ≈ rounds × 3E)
+    vals, rep = cs.peel(sketch, mask)  # the default cap
+    assert rep.capped and rep.rounds == MAX_ROUNDS and rep.lossy
+    assert rep.unresolved == n_core + m - 2 * MAX_ROUNDS and rep.estimated == rep.unresolved
+    assert rep.visits <= 2 * 3 * E
+    with pytest.raises(PeelError, match="round cap"):
+        cs.peel(sketch, mask, max_rounds=5, on_failure="raise")
+    with pytest.raises(ValueError, match="max_rounds"):
+        cs.peel(sketch, mask, max_rounds=0)
 
 
 # -- bit index -----------------------------------------------------------------------------

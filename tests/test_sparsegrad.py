@@ -10,7 +10,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradsync import SparseGrad, sparsify
-from gradsync.sparsegrad import target_k, validate_density
+from gradsync.sparsegrad import (
+    isin_sorted,
+    sparse_sum,
+    target_k,
+    top_k_mask,
+    validate_density,
+)
 
 
 def test_validation_errors():
@@ -119,3 +125,76 @@ def test_validate_density_rejects_and_names_what(bad):
 def test_validate_density_accepts_and_is_reexported():
     assert validate_density(1) == 1.0 and validate_density("0.25") == 0.25
     assert sparsify.validate_density is validate_density and sparsify.target_k is target_k
+
+
+# -- the shared operations on selections: sparse_sum, isin_sorted, top_k_mask ---------------
+def _random_parts(n: int, sizes: list[int], seed: int, dtype=torch.float32):
+    g = torch.Generator().manual_seed(seed)
+    parts = []
+    for m in sizes:
+        idx = torch.sort(torch.randperm(n, generator=g)[:m]).values
+        parts.append((idx, torch.randn(m, generator=g).to(dtype)))
+    return parts
+
+
+@pytest.mark.parametrize("n,sizes", [
+    (50, [10, 20, 5]),            # span small against the entries: the dense scatter
+    (10**7, [30, 40, 7, 0, 12]),  # span far larger than the entries: the sort
+    (1000, [0, 0]),               # nothing at all
+    (1000, [0, 17]),              # one part holds everything
+])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_sparse_sum_is_the_left_fold_of_the_parts(n, sizes, dtype):
+    """Reference: a dict of per-index running sums, added part by part in list order in the
+    output dtype (independent of the helper's scatter/sort paths), bit for bit."""
+    parts = _random_parts(n, sizes, seed=len(sizes) + n, dtype=dtype)
+    ref: dict[int, torch.Tensor] = {}
+    for idx, val in parts:
+        for i, v in zip(idx.tolist(), val):
+            ref[i] = ref.get(i, torch.zeros((), dtype=dtype)) + v
+    got_i, got_v = sparse_sum(parts)
+    assert got_i.dtype == torch.int64 and got_v.dtype == dtype
+    assert got_i.tolist() == sorted(ref)
+    want = torch.stack([ref[i] for i in sorted(ref)]) if ref else torch.empty(0, dtype=dtype)
+    assert torch.equal(got_v.view(-1), want.view(-1))
+    # a wider accumulator: the parts' values are converted, not rounded first
+    wide_i, wide_v = sparse_sum(parts, torch.float64)
+    assert torch.equal(wide_i, got_i) and wide_v.dtype == torch.float64
+
+
+def test_sparse_sum_order_is_the_order_of_the_parts():
+    """Three values whose fp32 sum depends on the order: the helper follows the list."""
+    i = torch.tensor([3])
+    a, b, c = (torch.tensor([x], dtype=torch.float32) for x in (1e8, -1e8, 1.0))
+    assert float(sparse_sum([(i, a), (i, b), (i, c)])[1]) == 1.0  # (1e8 − 1e8) + 1
+    assert float(sparse_sum([(i, a), (i, c), (i, b)])[1]) == 0.0  # (1e8 + 1) − 1e8
+    with pytest.raises(ValueError, match="no parts"):
+        sparse_sum([])
+
+
+def test_isin_sorted_matches_torch_isin():
+    g = torch.Generator().manual_seed(1)
+    ref = torch.unique(torch.randint(0, 500, (200,), generator=g))
+    x = torch.randint(-5, 510, (1000,), generator=g)
+    assert torch.equal(isin_sorted(x, ref), torch.isin(x, ref))
+    assert not isin_sorted(x, ref[:0]).any() and isin_sorted(x[:0], ref).numel() == 0
+    far = torch.unique(torch.randint(0, 10**9, (50,), generator=g))  # the binary-search path
+    y = torch.cat([far[::3], torch.randint(-10, 10**9 + 10, (100,), generator=g), far[-1:] + 1])
+    assert torch.equal(isin_sorted(y, far), torch.isin(y, far))
+
+
+@pytest.mark.parametrize("k", [0, 1, 7, 50, 99, 100, 150])
+def test_top_k_mask_is_the_stable_sort_with_ties_to_the_smaller_position(k):
+    g = torch.Generator().manual_seed(k)
+    v = torch.randint(-6, 7, (100,), generator=g).float()  # many ties, signs mixed
+    order = sorted(range(100), key=lambda p: (-abs(float(v[p])), p))  # independent reference
+    want = torch.zeros(100, dtype=torch.bool)
+    want[order[:k]] = True
+    assert torch.equal(top_k_mask(v, k), want)
+    assert torch.equal(top_k_mask(v.to(torch.bfloat16), k), want)
+    w = v.clone()
+    w[[5, 60]] = float("nan")  # NaN ranks above every number, like the descending sort
+    order = sorted(range(100), key=lambda p: (0 if p in (5, 60) else 1, -abs(float(w[p])), p))
+    want = torch.zeros(100, dtype=torch.bool)
+    want[order[:k]] = True
+    assert torch.equal(top_k_mask(w, k), want)

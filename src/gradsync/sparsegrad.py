@@ -8,13 +8,20 @@ dtype, one per index). It is the contract between sparsifiers, formats and colle
 The two rules every layer shares live here, at the bottom, so that no layer writes its own:
 :func:`validate_density` (a density lies in (0, 1]) and :func:`target_k` (the number of entries
 a density selects from n, ``max(1, round(density · n))`` capped at n).
+
+So do the three operations on selections that the collectives share, each written once:
+:func:`sparse_sum` (the sum of several selections, added in a fixed order so that every rank
+gets the same bits), :func:`isin_sorted` (membership in a sorted index list) and
+:func:`top_k_mask` (the k largest magnitudes, ties to the smaller position).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -22,7 +29,11 @@ __all__ = [
     "all_finite",
     "check_finite",
     "check_indices",
+    "flatnonzero",
+    "isin_sorted",
+    "sparse_sum",
     "target_k",
+    "top_k_mask",
     "validate_density",
 ]
 
@@ -79,6 +90,118 @@ def check_indices(indices: torch.Tensor, numel: int, what: str) -> None:
     lo, hi = int(indices[0]), int(indices[-1])
     if lo < 0 or hi >= numel:
         raise ValueError(f"{what}: indices out of range [0, {numel}): min {lo}, max {hi}")
+
+
+def flatnonzero(mask: torch.Tensor) -> torch.Tensor:
+    """Positions (int64, increasing) of the True entries of a 1-D bool tensor: the compaction
+    every sparse path needs. On CPU numpy's ``flatnonzero`` (zero-copy views both ways; torch's
+    CPU ``nonzero`` is several times slower), elsewhere ``torch.nonzero``."""
+    if mask.device.type == "cpu":
+        return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
+    return torch.nonzero(mask).view(-1)
+
+
+#: :func:`sparse_sum` scatters into a dense buffer over the parts' index span when the span is
+#: at most this many times the number of entries (one pass over the span beats a sort of the
+#: entries); otherwise it sorts the entries.
+DENSE_SPAN_FACTOR = 16
+
+
+def sparse_sum(parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
+               dtype: torch.dtype | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sum of several sparse selections: the one merge of every collective.
+
+    ``parts`` are ``(indices, values)`` pairs, each with 1-D int64 indices strictly increasing
+    (as in a :class:`SparseGrad`; not re-checked here) and one value per index, all on one
+    device. Returns ``(indices, sums)``: the sorted union of the indices and, per index, the
+    sum in ``dtype`` (default: the first part's value dtype) of the values of the parts that
+    hold it, formed as ``((0 + v_a) + v_b) + …`` in the order of ``parts``. The order is fixed
+    and each part is added by its own pass (no index repeats within a part), so the same parts
+    in the same order give the same bits on every rank and device.
+
+    Cost O(m + span) when the parts' index span is at most ``DENSE_SPAN_FACTOR`` × m (m: the
+    entries; a scatter into a dense buffer over the span), else O(m log m) (a sort).
+    """
+    if not parts:
+        raise ValueError("sparse_sum: no parts")
+    dtype = parts[0][1].dtype if dtype is None else dtype
+    dev = parts[0][0].device
+    parts = [(i, v) for i, v in parts if i.numel()]
+    if not parts:
+        return (torch.empty(0, dtype=torch.int64, device=dev),
+                torch.empty(0, dtype=dtype, device=dev))
+    if len(parts) == 1:
+        i, v = parts[0]
+        return i, torch.zeros(i.numel(), dtype=dtype, device=dev).add_(v)
+    m = sum(i.numel() for i, _ in parts)
+    lo, hi = min(int(i[0]) for i, _ in parts), max(int(i[-1]) for i, _ in parts)
+    span = hi - lo + 1
+    if span <= DENSE_SPAN_FACTOR * m:
+        acc = torch.zeros(span, dtype=dtype, device=dev)
+        hit = torch.zeros(span, dtype=torch.bool, device=dev)
+        for i, v in parts:
+            local = i - lo if lo else i
+            acc.index_add_(0, local, v.to(dtype))
+            hit.index_fill_(0, local, True)
+        at = flatnonzero(hit)
+        return (at + lo if lo else at), torch.index_select(acc, 0, at)
+    union, inv = torch.unique(torch.cat([i for i, _ in parts]), sorted=True,
+                              return_inverse=True)
+    out = torch.zeros(union.numel(), dtype=dtype, device=dev)
+    start = 0
+    for i, v in parts:
+        out.index_add_(0, inv[start:start + i.numel()], v.to(dtype))
+        start += i.numel()
+    return union, out
+
+
+def isin_sorted(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
+    """``torch.isin(x, ref)`` for a strictly increasing int64 ``ref`` (``x``: any int64), without
+    ``isin``'s sorts: a bitmap over ``ref``'s span when that span is at most
+    ``DENSE_SPAN_FACTOR`` × the entries (O(span + |x| + |ref|)), else a binary search per
+    element of ``x`` (O(|x| log |ref|))."""
+    if ref.numel() == 0 or x.numel() == 0:
+        return torch.zeros(x.shape, dtype=torch.bool, device=x.device)
+    lo, hi = int(ref[0]), int(ref[-1])
+    span = hi - lo + 1
+    if span <= DENSE_SPAN_FACTOR * (x.numel() + ref.numel()):
+        bitmap = torch.zeros(span + 2, dtype=torch.bool, device=x.device)  # ends: outside
+        bitmap.index_fill_(0, ref - (lo - 1), True)
+        return torch.index_select(bitmap, 0, (x - (lo - 1)).clamp_(0, span + 1))
+    pos = torch.searchsorted(ref, x).clamp_(max=ref.numel() - 1)
+    return ref[pos] == x
+
+
+def top_k_mask(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Keep-mask of the ``k`` entries of largest ``|values|``, ties going to the smaller
+    position: the first k of a stable descending sort by magnitude, found in O(m) by a
+    selection of the k-th largest magnitude (NaN magnitudes rank above every number; with a
+    NaN present the sort itself runs)."""
+    m = values.numel()
+    if k >= m:
+        return torch.ones(m, dtype=torch.bool, device=values.device)
+    if k <= 0:
+        return torch.zeros(m, dtype=torch.bool, device=values.device)
+    a = values.abs()
+    if a.dtype in (torch.float16, torch.bfloat16):
+        a = a.float()  # exact; kthvalue lacks half kernels on some backends
+    nan = torch.isnan(a)
+    if bool(nan.any()):  # the sort's order: NaN first
+        keep = torch.zeros(m, dtype=torch.bool, device=values.device)
+        keep[torch.argsort(a, descending=True, stable=True)[:k]] = True
+        return keep
+    if a.device.type == "cpu":  # the k-th largest magnitude; numpy's selection is ~10x faster
+        theta = float(np.partition(a.numpy(), m - k)[m - k])
+    else:
+        theta = float(torch.kthvalue(a, m - k + 1).values)
+    keep = a > theta  # theta is one of a's values: the comparison is exact in a's dtype
+    need = k - int(torch.count_nonzero(keep))
+    if need:
+        keep.index_fill_(0, flatnonzero(a == theta)[:need], True)
+    return keep
+
+
+_BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integer of a value dtype
 
 
 @dataclass(frozen=True, eq=False)
@@ -177,8 +300,13 @@ class SparseGrad:
 
     def to_dense(self) -> torch.Tensor:
         """Dense flat tensor of ``numel`` elements with the selected values scattered in."""
-        out = torch.zeros(self.numel, dtype=self.values.dtype, device=self.values.device)
-        out[self.indices] = self.values
+        v = self.values
+        out = torch.zeros(self.numel, dtype=v.dtype, device=v.device)
+        bits = _BITS.get(v.element_size())
+        if bits is None:
+            out[self.indices] = v
+        else:  # index_copy_ on the bit patterns: cheaper than out[i] = v, and NaN payloads kept
+            out.view(bits).index_copy_(0, self.indices, v.contiguous().view(bits))
         return out
 
     def wire_bytes(self, index_bytes: int = 4) -> int:

@@ -18,6 +18,9 @@ Three phases, every partition on the wire DenseStream-encoded (§III-A,
    reduced over all ranks.
 3. *allgather* by recursive doubling (Alg. 2 line 18): at distance d = 1, 2, …, P′/2, rank r and
    r XOR d exchange everything they hold; the ranges are disjoint, so this is a concatenation.
+   Each region travels as its owner encoded it: a message is the d encodings of the sender's
+   regions back to back, forwarded as received (never decoded and re-encoded on the way), and
+   the receiver decodes and range-checks every region (:func:`gradsync.formats.densestream.split`).
 
 P′ = 2^⌊log2 P⌋. For P that is not a power of two the P − P′ extra ranks are folded in first
 and out at the end, as in Rabenseifner's allreduce: among the first 2(P − P′) ranks each even
@@ -26,7 +29,8 @@ odd rank sends the complete result back.
 
 Each message pair is a length (one int64) and then the encoded bytes, both through
 :class:`~gradsync.collectives.comm.Comm`, so the byte counts are exact; an empty partition sends
-only its length. Indices are int64 in memory, int32 on the wire when numel < 2**31
+only its length in the fold and the scatter-reduce, and its 32-byte header in the allgather.
+Indices are int64 in memory, int32 on the wire when numel < 2**31
 (:func:`gradsync.formats.wire.wire_index_bytes`).
 
 Exact and bitwise identical on every rank: region j is summed once, by its owner, and the
@@ -46,7 +50,7 @@ from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats import densestream as dsfmt
 from gradsync.formats.wire import check_index_bytes, wire_index_bytes
-from gradsync.sparsegrad import SparseGrad
+from gradsync.sparsegrad import SparseGrad, sparse_sum
 
 __all__ = ["DenseStreamAllreduce"]
 
@@ -58,23 +62,10 @@ def _slice(sel: SparseGrad, lo: int, hi: int) -> SparseGrad:
 
 
 def _reduce_sum(mine: SparseGrad, theirs: SparseGrad) -> SparseGrad:
-    """Sparse SUM of two selections (duplicates accumulate; indices stay sorted, unique)."""
-    if len(theirs) == 0:
-        return mine
-    if len(mine) == 0:
-        return theirs
-    union, inv = torch.unique(torch.cat([mine.indices, theirs.indices]), sorted=True,
-                              return_inverse=True)
-    vals = torch.zeros(union.numel(), dtype=mine.dtype, device=mine.device)
-    vals.index_add_(0, inv[:len(mine)], mine.values)    # each slot gets ≤ 1 value from each
-    vals.index_add_(0, inv[len(mine):], theirs.values)
-    return SparseGrad(union, vals, mine.numel, validate=False)
-
-
-def _concat(low: SparseGrad, high: SparseGrad) -> SparseGrad:
-    """Join selections over disjoint index ranges, ``low`` entirely below ``high``."""
-    return SparseGrad(torch.cat([low.indices, high.indices]),
-                      torch.cat([low.values, high.values]), low.numel, validate=False)
+    """Sparse SUM of two selections, ``mine`` added first
+    (:func:`~gradsync.sparsegrad.sparse_sum`)."""
+    idx, val = sparse_sum([(mine.indices, mine.values), (theirs.indices, theirs.values)])
+    return SparseGrad(idx, val, mine.numel, validate=False)
 
 
 @registry.register("densestream")
@@ -125,23 +116,37 @@ class DenseStreamAllreduce(Collective):
         return got
 
     @staticmethod
-    def _check_len(m: int, like: SparseGrad, iw: int) -> int:
-        most = dsfmt.HEADER_BYTES + like.numel * (2 * iw + like.values.element_size())
+    def _check_len(m: int, like: SparseGrad, iw: int, regions: int = 1) -> int:
+        most = regions * dsfmt.HEADER_BYTES + like.numel * (2 * iw + like.values.element_size())
         if not 0 <= m <= most:
             raise ValueError(f"densestream: a peer announced {m} bytes (at most {most} possible)")
         return m
 
+    def _swap(self, payload: torch.Tensor, peer: int, comm: Comm, like: SparseGrad, iw: int,
+              regions: int = 1) -> torch.Tensor:
+        """Send ``payload`` to ``peer`` and receive its payload: sizes first, then the bytes."""
+        n_out = torch.tensor([payload.numel()], dtype=torch.int64, device=comm.device)
+        n_in = torch.zeros(1, dtype=torch.int64, device=comm.device)
+        comm.sendrecv(n_out, peer, n_in, peer)
+        buf = torch.empty(self._check_len(int(n_in), like, iw, regions), dtype=torch.uint8,
+                          device=like.device)
+        comm.sendrecv(payload, peer, buf, peer)
+        return buf
+
     def _exchange(self, part: SparseGrad, peer: int, comm: Comm, iw: int, lo: int, hi: int
                   ) -> SparseGrad:
         """Send ``part`` to ``peer`` and receive its partition (indices in ``[lo, hi)``)."""
-        payload = self._encode(part, iw)
-        n_out = torch.tensor([payload.numel()], dtype=torch.int64, device=comm.device)
-        n_in = torch.zeros(1, dtype=torch.int64, device=comm.device)
-        comm.sendrecv(n_out, peer, n_in, peer)         # sizes first
-        buf = torch.empty(self._check_len(int(n_in), part, iw), dtype=torch.uint8,
-                          device=part.device)
-        comm.sendrecv(payload, peer, buf, peer)
-        return self._decode(buf, part, lo, hi)
+        return self._decode(self._swap(self._encode(part, iw), peer, comm, part, iw), part,
+                            lo, hi)
+
+    def _pieces(self, buf: torch.Tensor, like: SparseGrad, regions: range, bounds: list[int]
+                ) -> list[tuple[int, torch.Tensor, SparseGrad]]:
+        """Split a payload of one encoding per region (``regions``, in order) and decode each,
+        checked against its region's range: (region, its bytes, its entries)."""
+        out = []
+        for q, piece in zip(regions, dsfmt.split(buf, len(regions)), strict=True):
+            out.append((q, piece, self._decode(piece, like, bounds[q], bounds[q + 1])))
+        return out
 
     def _send(self, part: SparseGrad, peer: int, comm: Comm, iw: int) -> None:
         payload = self._encode(part, iw)
@@ -209,24 +214,41 @@ class DenseStreamAllreduce(Collective):
                 lo, hi, d = klo, khi, d // 2
             region_nnz = len(acc)                      # region `me`, reduced over all ranks
             t = mark("scatter_reduce", t)
-            # Allgather, recursive doubling: my 2^t regions for my partner's 2^t regions.
+            # Allgather, recursive doubling: my 2^t regions for my partner's 2^t regions. Each
+            # region travels as its owner encoded it, the encodings back to back (forwarded,
+            # never re-encoded); every region is decoded and range-checked on arrival.
+            held = {me: (dsfmt.encode(acc, index_bytes=iw), acc)}
             d = 1
             while d < p2:
                 peer = me ^ d
                 plo = (peer // d) * d                  # partner holds regions [plo, plo + d)
-                got = self._exchange(acc, real(peer), comm, iw, bounds[plo], bounds[plo + d])
-                acc = _concat(got, acc) if me & d else _concat(acc, got)
+                payload = torch.cat([held[q][0] for q in sorted(held)])
+                buf = self._swap(payload, real(peer), comm, sel, iw, d)
+                for q, piece, part in self._pieces(buf, sel, range(plo, plo + d), bounds):
+                    held[q] = (piece, part)
                 d *= 2
             t = mark("allgather", t)
         else:
             region_nnz = 0
-        # Unfold: the odd ranks return the complete result to the even ranks they absorbed.
+        # Unfold: the odd ranks return every region to the even ranks they absorbed.
         if r < 2 * rem:
             if r % 2 == 1:
-                self._send(acc, r - 1, comm, iw)
+                payload = torch.cat([held[q][0] for q in sorted(held)])
+                comm.send(torch.tensor([payload.numel()], dtype=torch.int64, device=comm.device),
+                          r - 1)
+                comm.send(payload, r - 1)
             else:
-                acc = self._recv(sel, r + 1, comm, iw)
+                n_in = torch.zeros(1, dtype=torch.int64, device=comm.device)
+                comm.recv(n_in, r + 1)
+                buf = torch.empty(self._check_len(int(n_in), sel, iw, p2), dtype=torch.uint8,
+                                  device=sel.device)
+                comm.recv(buf, r + 1)
+                held = {q: (piece, part)
+                        for q, piece, part in self._pieces(buf, sel, range(p2), bounds)}
         mark("unfold", t)
+        parts = [held[q][1] for q in range(p2)]       # region order = index order
+        acc = SparseGrad(torch.cat([a.indices for a in parts]),
+                         torch.cat([a.values for a in parts]), n, validate=False)
         info = {"regions": p2, "boundaries": B, "boundaries_recomputed": recomputed,
                 "region_nnz": region_nnz, "global_nnz": len(acc), "bytes_sent_by_phase": sent}
         return acc.to_dense(), sel.indices, info

@@ -45,7 +45,16 @@ from gradsync.formats.wire import (
     unpack_entries,
     wire_index_dtype,
 )
-from gradsync.sparsegrad import SparseGrad, target_k, validate_density
+from gradsync.sparsegrad import (
+    SparseGrad,
+    check_indices,
+    flatnonzero,
+    isin_sorted,
+    sparse_sum,
+    target_k,
+    top_k_mask,
+    validate_density,
+)
 
 __all__ = ["GTopk"]
 
@@ -54,18 +63,13 @@ def _top_k(idx: torch.Tensor, val: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     """The k entries of largest |val| (ties: smaller index first), returned in index order."""
     if idx.numel() <= k:
         return idx, val
-    order = torch.argsort(val.abs(), descending=True, stable=True)[:k]  # idx is increasing
-    order = torch.sort(order).values
-    return idx[order], val[order]
+    at = flatnonzero(top_k_mask(val, k))  # idx is increasing: position order is index order
+    return torch.index_select(idx, 0, at), torch.index_select(val, 0, at)
 
 
 def _merge(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], k: int):
-    """Add two sparse sets by index (index_add) and keep the top-k of the ≤ 2k entries."""
-    idx = torch.cat([a[0], b[0]])
-    val = torch.cat([a[1], b[1]])
-    uniq, slot = torch.unique(idx, sorted=True, return_inverse=True)
-    out = torch.zeros(uniq.numel(), dtype=val.dtype, device=val.device).index_add_(0, slot, val)
-    return _top_k(uniq, out, k)
+    """Add two sparse sets by index (``a`` first) and keep the top-k of the ≤ 2k entries."""
+    return _top_k(*sparse_sum([a, b]), k)
 
 
 @registry.register("gtopk")
@@ -100,7 +104,7 @@ class GTopk(Collective):
     def _setup(self, sel: SparseGrad) -> None:
         self._index = wire_index_dtype(sel.numel)
         self._eb = entry_bytes(self._index, sel.dtype)
-        self._dtype, self._device = sel.dtype, sel.device
+        self._dtype, self._device, self._n = sel.dtype, sel.device, sel.numel
 
     def _send_up(self, comm: Comm, s: tuple[torch.Tensor, torch.Tensor], k: int, dst: int):
         """Reduction-tree message: header (count, subtree k), then indices and values."""
@@ -115,7 +119,9 @@ class GTopk(Collective):
         buf = torch.empty(count * self._eb, dtype=torch.uint8, device=self._device)
         if count:
             comm.recv(buf, src)
-        return unpack_entries(buf, count, self._index, self._dtype, "gtopk"), k
+        got = unpack_entries(buf, count, self._index, self._dtype, "gtopk")
+        check_indices(got[0], self._n, f"gtopk: entries from rank {src}")
+        return got, k
 
     def _send_down(self, comm: Comm, final, alive: torch.Tensor, dst: int) -> None:
         """Broadcast-tree message: count, then the final entries and one 'alive' bit each."""
@@ -134,6 +140,7 @@ class GTopk(Collective):
         if count:
             comm.recv(buf, src)
         final = unpack_entries(buf[:b], count, self._index, self._dtype, "gtopk")
+        check_indices(final[0], self._n, f"gtopk: final entries from rank {src}")
         return final, unpack_bits(buf[b:], count) > 0
 
     # -- algorithm -------------------------------------------------------------------------
@@ -180,10 +187,10 @@ class GTopk(Collective):
         # A contribution merged at merge t reached the root iff the index survived merges
         # t, t+1, … here and everything above (``alive`` from the parent).
         for child, kept_idx in reversed(merges):
-            alive = alive & torch.isin(final[0], kept_idx)
+            alive = alive & isin_sorted(final[0], kept_idx)
             self._send_down(comm, final, alive, child)
-        kept = own[torch.isin(own, final[0][alive])]
+        kept = torch.index_select(own, 0, flatnonzero(isin_sorted(
+            own, torch.index_select(final[0], 0, flatnonzero(alive)))))
 
-        dense = torch.zeros(n, dtype=sel.dtype, device=sel.device)
-        dense[final[0]] = final[1]
+        dense = SparseGrad(final[0], final[1], n, validate=False).to_dense()
         return dense, kept, {"k": k, "global_count": int(final[0].numel())}

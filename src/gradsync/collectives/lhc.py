@@ -155,15 +155,15 @@ class LHC(Collective):
         n = sel.numel
         cs = self.sketch_for(n, sel.device)
         # 1. local_index <- create_index(q); index <- OR over ranks
-        local = torch.zeros(n, dtype=torch.bool, device=sel.device)
-        local[sel.indices] = True
+        local = torch.zeros(n, dtype=torch.bool, device=sel.device).index_fill_(
+            0, sel.indices, True)
         index, method = all_or_index(local, comm, self.index_bits, self.index_method)
         # 2. local_count_sketch <- compress(q); count_sketch <- All-Reduce SUM
-        sketch = cs.encode(sel.to_dense())
+        sketch = cs.encode_entries(sel.indices, sel.values)  # O(nnz), = encode(to_dense())
         comm.all_reduce(sketch, op=dist.ReduceOp.SUM)
         # 3. g <- peeling_decompress(index, count_sketch), identically on every rank
         dense, report = cs.peel(sketch, index, on_failure=self.on_failure, dtype=sel.dtype)
-        union = int(index.sum())
+        union = int(torch.count_nonzero(index))
         info = {
             "lossy": report.lossy,
             "unresolved": report.unresolved,

@@ -51,7 +51,16 @@ from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats.wire import entry_bytes, pack_entries, unpack_entries, wire_index_dtype
-from gradsync.sparsegrad import SparseGrad, all_finite, target_k, validate_density
+from gradsync.sparsegrad import (
+    SparseGrad,
+    all_finite,
+    check_indices,
+    flatnonzero,
+    isin_sorted,
+    sparse_sum,
+    target_k,
+    validate_density,
+)
 
 __all__ = ["OkTopk"]
 
@@ -60,15 +69,6 @@ _STATE_KEYS = (
     "numel", "world_size", "boundaries", "boundary_step", "theta", "theta_step",
     "boundary_evaluations", "exact_evaluations",
 )
-
-
-def _merge(idx: list[torch.Tensor], val: list[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse SUM of several (indices, float64 values) lists → sorted unique indices, sums."""
-    i = torch.cat(idx)
-    v = torch.cat(val)
-    uniq, inv = torch.unique(i, sorted=True, return_inverse=True)
-    out = torch.zeros(uniq.numel(), dtype=torch.float64, device=v.device)
-    return uniq, out.index_add_(0, inv, v)
 
 
 def _as_f32(x: float) -> float:
@@ -199,7 +199,8 @@ class OkTopk(Collective):
             mask = mags >= theta
             counts = comm.all_gather_counts(int(mask.sum()), dev)
             total = sum(counts)
-        g_idx, g_val = r_idx[mask], r_val[mask]
+        at = flatnonzero(mask)
+        g_idx, g_val = torch.index_select(r_idx, 0, at), torch.index_select(r_val, 0, at)
 
         # Line 13: data balancing (if the largest count > 4× the mean), then allgatherv.
         balanced = total > 0 and max(counts) > self.balance_factor * total / P
@@ -209,12 +210,12 @@ class OkTopk(Collective):
         blocks = comm.all_gather_v(pack_entries(g_idx, g_val, wire), [c * eb for c in chunks])
         parts = [unpack_entries(b, c, wire, sel.dtype, "oktopk") for b, c in zip(blocks, chunks)]
         all_idx = torch.cat([p[0] for p in parts])  # region order = index order: sorted
+        check_indices(all_idx, n, "oktopk: the gathered global selection")
         all_val = torch.cat([p[1] for p in parts])
-        dense = torch.zeros(n, dtype=sel.dtype, device=dev)
-        dense[all_idx] = all_val
+        dense = SparseGrad(all_idx, all_val, n, validate=False).to_dense()
 
         # Line 14: the local entries that made it into the global selection.
-        kept = sel.indices[torch.isin(sel.indices, all_idx)]
+        kept = sel.indices[isin_sorted(sel.indices, all_idx)]
 
         # Commit the state only now (a ValueError above leaves it untouched on every rank).
         if new_bounds:
@@ -267,6 +268,7 @@ class OkTopk(Collective):
             return sel.indices[off[d]:off[d + 1]], sel.values[off[d]:off[d + 1]]
 
         own_i, own_v = region(r)
+        lo, hi = int(bounds[r]), int(bounds[r + 1])
         acc_i, acc_v = own_i, own_v.to(torch.float64)
         if P == 1:
             return acc_i, acc_v.to(sel.dtype), 0
@@ -308,8 +310,12 @@ class OkTopk(Collective):
             if current[1]:
                 parts = [unpack_entries(buf, c, wire, sel.dtype, "oktopk")
                          for buf, c in current[1]]
-                acc_i, acc_v = _merge([acc_i] + [p[0] for p in parts],
-                                      [acc_v] + [p[1].to(torch.float64) for p in parts])
+                for p in parts:  # sorted, inside this rank's region
+                    check_indices(p[0], hi, "oktopk: a peer's entries for this region")
+                    if p[0].numel() and int(p[0][0]) < lo:
+                        raise ValueError(f"oktopk: a peer sent index {int(p[0][0])} below "
+                                         f"this rank's region [{lo}, {hi})")
+                acc_i, acc_v = sparse_sum([(acc_i, acc_v), *parts], torch.float64)
         return acc_i, acc_v.to(sel.dtype), sum(n_in)
 
     def _exact_threshold(self, mags: torch.Tensor, k: int, comm: Comm) -> float:

@@ -75,43 +75,23 @@ from gradsync.formats.wire import (
     unpack_entries,
     wire_index_dtype,
 )
-from gradsync.sparsegrad import SparseGrad, check_indices, target_k, validate_density
+from gradsync.sparsegrad import (
+    SparseGrad,
+    check_indices,
+    flatnonzero,
+    isin_sorted,
+    sparse_sum,
+    target_k,
+    top_k_mask,
+    validate_density,
+)
 
-__all__ = ["SparDL", "block_top_k", "rounds"]
+__all__ = ["SparDL", "rounds"]
 
 
 def rounds(P: int) -> int:
     """S = ⌈log2 P⌉, the number of Spar-Reduce-Scatter rounds (0 for one rank)."""
     return (P - 1).bit_length()
-
-
-def block_top_k(values: torch.Tensor, block: torch.Tensor, k_b: int, P: int) -> torch.Tensor:
-    """Keep-mask of the ``k_b`` largest ``|values|`` within each block (``block`` holds each
-    entry's block id in ``[0, P)``; entries are in index order, so ties go to the smaller
-    index)."""
-    m = values.numel()
-    keep = torch.zeros(m, dtype=torch.bool, device=values.device)
-    if m == 0 or k_b <= 0:
-        return keep
-    order = torch.argsort(values.abs(), descending=True, stable=True)
-    order = order[torch.argsort(block[order], stable=True)]  # by block, then by |v| desc
-    counts = torch.bincount(block, minlength=P)
-    start = torch.cumsum(counts, 0) - counts
-    rank_in_block = torch.arange(m, device=values.device) - start[block[order]]
-    keep[order[rank_in_block < k_b]] = True
-    return keep
-
-
-def _add(ai: torch.Tensor, av: torch.Tensor, bi: torch.Tensor, bv: torch.Tensor
-         ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sparse sum of (ai, av) and (bi, bv), both sorted and unique: ``a`` added first."""
-    if bi.numel() == 0:
-        return ai, av
-    union, inv = torch.unique(torch.cat([ai, bi]), sorted=True, return_inverse=True)
-    out = torch.zeros(union.numel(), dtype=av.dtype, device=av.device)
-    out.index_add_(0, inv[: ai.numel()], av)
-    out.index_add_(0, inv[ai.numel():], bv)
-    return union, out
 
 
 @registry.register("spardl")
@@ -180,69 +160,94 @@ class SparDL(Collective):
         wire = wire_index_dtype(n)
         eb = entry_bytes(wire, dtype)
 
-        def dist_of(idx: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-            """(block id, its distance j = (b − r) mod P from this rank) of each index."""
-            blk = torch.searchsorted(B_dev, idx, right=True) - 1
-            return blk, (blk - r) % P
+        def segments(i: torch.Tensor) -> list[int]:
+            """Block b's entries are ``i[cuts[b]:cuts[b + 1]]`` (``i`` sorted; blocks are
+            contiguous index ranges): P + 1 binary searches instead of one per entry."""
+            return torch.searchsorted(i, B_dev).tolist()
 
+        def top(v: torch.Tensor, a: int, b: int) -> torch.Tensor:
+            """Positions in ``[a, b)`` of the k_B largest ``|v|`` there (all if at most k_B)."""
+            if b - a <= k_b:
+                return torch.arange(a, b, device=dev)
+            return flatnonzero(top_k_mask(v[a:b], k_b)) + a
+
+        empty = torch.empty(0, dtype=torch.int64, device=dev)
         idx, val = sel.indices, sel.values  # the partial sums this rank holds, index order
         history: list[dict[str, torch.Tensor]] = []  # per round, for the backward walk
         S = rounds(P)
         for s in range(S):
             d = 1 << s
             dst, src = (r + d) % P, (r - d) % P
-            blk, j = dist_of(idx)
-            out = (j & d) != 0
-            # sparsify each forwarded block to k_B
-            fwd = out.nonzero().view(-1)
-            fwd = fwd[block_top_k(val[fwd], blk[fwd], k_b, P)]
-            t_idx, t_val = idx[fwd], val[fwd]
-            k_idx, k_val = idx[~out], val[~out]
+            # forward the blocks whose distance j = (b − r) mod P has bit s set, each
+            # sparsified to k_B; keep the others whole (block order = index order)
+            cuts = segments(idx)
+            fwd_p, kp_p = [], []
+            for b in range(P):
+                if cuts[b + 1] > cuts[b]:
+                    if ((b - r) % P) & d:
+                        fwd_p.append(top(val, cuts[b], cuts[b + 1]))
+                    else:
+                        kp_p.append(torch.arange(cuts[b], cuts[b + 1], device=dev))
+            fwd = torch.cat(fwd_p) if fwd_p else empty
+            kp = torch.cat(kp_p) if kp_p else empty
+            t_idx, t_val = torch.index_select(idx, 0, fwd), torch.index_select(val, 0, fwd)
+            k_idx, k_val = torch.index_select(idx, 0, kp), torch.index_select(val, 0, kp)
             # count, then entries
             got = torch.zeros(1, dtype=torch.int64, device=dev)
             comm.sendrecv(torch.tensor([t_idx.numel()], dtype=torch.int64, device=dev), dst,
                           got, src)
             r_idx, r_val = self._receive(comm, int(got), pack_entries(t_idx, t_val, wire), s,
-                                         B, n, wire, dtype)
+                                         B_dev, n, wire, dtype)
             # add, then re-sparsify every block this round delivered to
-            m_idx, m_val = _add(k_idx, k_val, r_idx, r_val)
-            blk, j = dist_of(m_idx)
-            recv_blocks = (j % (2 * d) == 0) & (j + d < P)
-            keep = ~recv_blocks
-            sub = recv_blocks.nonzero().view(-1)
-            keep[sub[block_top_k(m_val[sub], blk[sub], k_b, P)]] = True
-            history.append({"sent": t_idx, "kept_part": k_idx,
-                            "recv": r_idx, "merged": m_idx})
-            idx, val = m_idx[keep], m_val[keep]
+            m_idx, m_val = sparse_sum([(k_idx, k_val), (r_idx, r_val)])
+            cuts = segments(m_idx)
+            keep = None
+            for b in range(P):
+                j = (b - r) % P
+                if j % (2 * d) == 0 and j + d < P and cuts[b + 1] - cuts[b] > k_b:
+                    if keep is None:
+                        keep = torch.ones(m_idx.numel(), dtype=torch.bool, device=dev)
+                    keep[cuts[b]:cuts[b + 1]] = top_k_mask(m_val[cuts[b]:cuts[b + 1]], k_b)
+            history.append({"state": idx, "fwd": fwd, "kp": kp, "sent": t_idx,
+                            "kept_part": k_idx, "recv": r_idx})
+            if keep is None:
+                idx, val = m_idx, m_val
+            else:
+                at = flatnonzero(keep)
+                idx, val = torch.index_select(m_idx, 0, at), torch.index_select(m_val, 0, at)
 
         # Global residual collection: walk the rounds backwards; an entry is alive when it
-        # reached the owner's final block. ``alive`` is the set of live indices in the state.
+        # reached the owner's final block. ``alive`` is the set of live indices in the state
+        # after round s (a subset of that round's merged entries).
         alive = idx
         for s in reversed(range(S)):
             d = 1 << s
             dst, src = (r + d) % P, (r - d) % P
             h = history[s]
-            merged_alive = h["merged"][torch.isin(h["merged"], alive)]
-            recv_alive = torch.isin(h["recv"], merged_alive)
+            recv_alive = isin_sorted(h["recv"], alive)
             bits = torch.empty(packed_bytes(h["sent"].numel(), 1), dtype=torch.uint8,
                                device=dev)
             comm.sendrecv(pack_bits(recv_alive), src, bits, dst)
             sent_alive = unpack_bits(bits, h["sent"].numel()) > 0
-            alive = torch.cat([h["kept_part"][torch.isin(h["kept_part"], merged_alive)],
-                               h["sent"][sent_alive]])
-        kept = sel.indices[torch.isin(sel.indices, alive)]
+            live = torch.zeros(h["state"].numel(), dtype=torch.bool, device=dev)
+            live.index_copy_(0, h["kp"], isin_sorted(h["kept_part"], alive))
+            live.index_copy_(0, h["fwd"], sent_alive)
+            alive = torch.index_select(h["state"], 0, flatnonzero(live))  # index order
+        kept = alive  # the state before round 0 is sel.indices
 
         # Spar-All-Gather of the reduced blocks
         counts = comm.all_gather_counts(idx.numel(), dev)
         msgs = comm.all_gather_v(pack_entries(idx, val, wire), [c * eb for c in counts])
-        dense = torch.zeros(n, dtype=dtype, device=dev)
+        parts = []
         for owner, (msg, c) in enumerate(zip(msgs, counts)):
             if c > k_b:
                 raise ValueError(f"spardl: rank {owner} announced {c} entries for its block, "
                                  f"more than k_B = {k_b}")
             g_idx, g_val = unpack_entries(msg, c, wire, dtype, "spardl")
             self._check_block(g_idx, owner, B, n, f"spardl: block of rank {owner}")
-            dense[g_idx] = g_val
+            parts.append((g_idx, g_val))
+        dense = SparseGrad(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), n,
+                           validate=False).to_dense()  # blocks in owner order: disjoint
         info = {"k": k, "k_block": k_b, "rounds": S, "boundaries": B,
                 "boundaries_recomputed": recomputed, "block_nnz": idx.numel(),
                 "global_nnz": sum(counts), "dropped": len(sel) - kept.numel(),
@@ -253,11 +258,13 @@ class SparDL(Collective):
     def _receive(comm: Comm, count: int, payload: torch.Tensor, s: int, B: torch.Tensor, n: int,
                  wire: torch.dtype, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Round ``s``: send ``payload`` to rank r + 2^s while receiving ``count`` entries from
-        rank r − 2^s, validated against the blocks the schedule lets that rank forward."""
+        rank r − 2^s, validated against the blocks the schedule lets that rank forward
+        (``B``: the block boundaries, on the payload's device)."""
         P, r, d = comm.size, comm.rank, 1 << s
         src = (r - d) % P
         blocks = [(r + j) % P for j in range(0, P, 2 * d) if j + d < P]  # what src forwards
-        room = sum(int(B[b + 1] - B[b]) for b in blocks)
+        bl = B.tolist()
+        room = sum(bl[b + 1] - bl[b] for b in blocks)
         if not 0 <= count <= room:
             raise ValueError(f"spardl: rank {src} announced {count} entries in round {s}; "
                              f"its blocks for this rank hold at most {room}")
@@ -266,9 +273,11 @@ class SparDL(Collective):
         comm.sendrecv(payload, (r + d) % P, buf, src)
         r_idx, r_val = unpack_entries(buf, count, wire, dtype, "spardl")
         check_indices(r_idx, n, f"spardl: round {s} from rank {src}")
-        if count:
-            j = ((torch.searchsorted(B.to(r_idx.device), r_idx, right=True) - 1) - r) % P
-            if not bool(((j % (2 * d) == 0) & (j + d < P)).all()):
+        if count:  # per block, how many received entries fall in it: only forwarded blocks
+            per_block = torch.diff(torch.searchsorted(r_idx, B))
+            allowed = torch.zeros(P, dtype=torch.bool, device=B.device)
+            allowed[blocks] = True
+            if bool(per_block[~allowed].any()):
                 raise ValueError(f"spardl: rank {src} sent indices outside the blocks it "
                                  f"forwards in round {s}")
         return r_idx, r_val

@@ -42,7 +42,7 @@ from gradsync.formats.wire import (
     view_as,
     wire_index_dtype,
 )
-from gradsync.sparsegrad import SparseGrad
+from gradsync.sparsegrad import SparseGrad, check_indices, sparse_sum
 
 __all__ = ["TopkDSA"]
 
@@ -73,9 +73,8 @@ class _Stream:
     def densified(self) -> torch.Tensor:
         if self.is_dense:
             return self.buf
-        out = torch.zeros(self.hi - self.lo, dtype=self.val.dtype, device=self.val.device)
-        out[self.idx - self.lo] = self.val
-        return out
+        return SparseGrad(self.idx - self.lo, self.val, self.hi - self.lo,
+                          validate=False).to_dense()
 
 
 def _add(a: _Stream, b: _Stream) -> _Stream:
@@ -86,11 +85,8 @@ def _add(a: _Stream, b: _Stream) -> _Stream:
         if b.is_dense:
             return _Stream(a.lo, a.hi, buf=a.buf + b.buf)
         return _Stream(a.lo, a.hi, buf=a.buf.clone().index_add_(0, b.idx - a.lo, b.val))
-    idx = torch.cat([a.idx, b.idx])
-    val = torch.cat([a.val, b.val])
-    uniq, slot = torch.unique(idx, sorted=True, return_inverse=True)
-    out = torch.zeros(uniq.numel(), dtype=val.dtype, device=val.device).index_add_(0, slot, val)
-    return _Stream(a.lo, a.hi, idx=uniq, val=out)
+    idx, val = sparse_sum([(a.idx, a.val), (b.idx, b.val)])
+    return _Stream(a.lo, a.hi, idx=idx, val=val)
 
 
 def _join(a: _Stream, b: _Stream) -> _Stream:
@@ -130,6 +126,10 @@ class _Wire:
         if header == _DENSE:
             return _Stream(lo, hi, buf=view_as(payload, 0, hi - lo, self.dtype))
         idx, val = unpack_entries(payload, header, self.index, self.dtype, "topkdsa")
+        check_indices(idx, hi, "topkdsa: a peer's stream")
+        if idx.numel() and int(idx[0]) < lo:
+            raise ValueError(f"topkdsa: a peer's stream has index {int(idx[0])} below its "
+                             f"range [{lo}, {hi})")
         return _Stream(lo, hi, idx=idx, val=val)
 
     def empty_header(self) -> torch.Tensor:

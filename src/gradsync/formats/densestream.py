@@ -56,16 +56,17 @@ from gradsync.formats.wire import (
     INDEX_DTYPES,
     as_buffer,
     check_index_bytes,
+    check_int,
     dtype_code,
     header_bytes,
     pack_header,
-    to_bytes,
     unpack_header,
     view_as,
 )
-from gradsync.sparsegrad import SparseGrad
+from gradsync.sparsegrad import SparseGrad, flatnonzero
 
-__all__ = ["HEADER_BYTES", "MAGIC", "blocks", "decode", "encode", "max_zero_run", "size_bytes"]
+__all__ = ["HEADER_BYTES", "MAGIC", "blocks", "decode", "encode", "max_zero_run", "size_bytes",
+           "split"]
 
 MAGIC = b"GSDS"
 HEADER_BYTES = header_bytes(3)  # 32: numel, blocks, Σ lengths
@@ -74,11 +75,6 @@ HEADER_BYTES = header_bytes(3)  # 32: numel, blocks, Σ lengths
 def max_zero_run(index_bytes: int, value_bytes: int) -> int:
     """Z: the most consecutive zeros a block holds, ``⌊2·index_bytes / K⌋`` (rule 2)."""
     return (2 * index_bytes) // value_bytes
-
-
-def _nonzero_bits(v: torch.Tensor) -> torch.Tensor:
-    """Mask of values whose bit pattern is not +0.0 (−0.0 and NaN count as nonzero)."""
-    return v.contiguous().view(BITS_DTYPES[v.element_size()]) != 0
 
 
 def _entries(sel_or_dense: SparseGrad | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
@@ -95,28 +91,37 @@ def _entries(sel_or_dense: SparseGrad | torch.Tensor) -> tuple[torch.Tensor, tor
         raise ValueError(f"densestream: expected a SparseGrad or a tensor, got "
                          f"{type(sel_or_dense).__name__}")
     dtype_code(val.dtype)
-    keep = _nonzero_bits(val)
-    return idx[keep], val[keep], n
+    bits = val.contiguous().view(BITS_DTYPES[val.element_size()])
+    if int(torch.count_nonzero(bits)) == val.numel():  # the usual case: nothing to drop
+        return idx, val, n
+    keep = flatnonzero(bits != 0)
+    return (torch.index_select(idx, 0, keep),
+            torch.index_select(bits, 0, keep).view(val.dtype), n)  # bit for bit
 
 
-def _find_blocks(idx: torch.Tensor, z: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Block of each nonzero (sorted ``idx``), and the blocks' starts and lengths.
+def _find_blocks(idx: torch.Tensor, z: int, positions: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The blocks' starts and lengths for sorted nonzero ``idx`` and, with ``positions``, each
+    nonzero's position in the concatenated block values.
 
     A new block begins after a gap of more than ``z`` zeros between consecutive nonzeros
-    (rule 2); each block starts and ends at a nonzero (rule 1).
+    (rule 2); each block starts and ends at a nonzero (rule 1). A nonzero's position is its
+    index minus the zeros left out before it (the gaps that split blocks). O(nnz), with
+    compactions and cumulative sums only (no per-entry gathers).
     """
     if idx.numel() == 0:
         e = torch.empty(0, dtype=torch.int64, device=idx.device)
         return e, e, e
-    gaps = idx[1:] - idx[:-1] - 1                       # zeros between consecutive nonzeros
-    cut = gaps > z
-    one = torch.ones(1, dtype=torch.bool, device=idx.device)
-    first = torch.cat([one, cut])                      # nonzero j opens a block
-    last = torch.cat([cut, one])                       # nonzero j closes a block
-    block_of = torch.cumsum(first.to(torch.int64), 0) - 1
-    starts = idx[first]
-    lengths = idx[last] - starts + 1
-    return block_of, starts, lengths
+    gaps = torch.diff(idx)  # zeros between consecutive nonzeros, plus one
+    cut = gaps > z + 1
+    at = flatnonzero(cut)  # nonzero at + 1 opens a block, nonzero at closes one
+    starts = torch.cat([idx[:1], torch.index_select(idx, 0, at + 1)])
+    lengths = torch.cat([torch.index_select(idx, 0, at), idx[-1:]]).sub_(starts).add_(1)
+    if not positions:
+        return starts, lengths, None
+    pos = idx - idx[0]
+    pos[1:] -= torch.cumsum(gaps.sub_(1).mul_(cut), 0)  # zeros left out up to each nonzero
+    return starts, lengths, pos
 
 
 def blocks(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4
@@ -124,7 +129,7 @@ def blocks(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4
     """The dense blocks ``(starts, lengths)`` (int64) DenseStream cuts ``sel_or_dense`` into."""
     idx, val, n = _entries(sel_or_dense)
     check_index_bytes(index_bytes, n)
-    _, starts, lengths = _find_blocks(idx, max_zero_run(index_bytes, val.element_size()))
+    starts, lengths, _ = _find_blocks(idx, max_zero_run(index_bytes, val.element_size()))
     return starts, lengths
 
 
@@ -132,33 +137,65 @@ def size_bytes(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4) ->
     """Exact encoded size: ``HEADER_BYTES + blocks·2·index_bytes + K·Σ lengths``."""
     idx, val, n = _entries(sel_or_dense)
     check_index_bytes(index_bytes, n)
-    _, starts, lengths = _find_blocks(idx, max_zero_run(index_bytes, val.element_size()))
+    starts, lengths, _ = _find_blocks(idx, max_zero_run(index_bytes, val.element_size()))
     return HEADER_BYTES + starts.numel() * 2 * index_bytes + val.element_size() * int(
         lengths.sum())
 
 
 def encode(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4) -> torch.Tensor:
-    """Encode the nonzeros of a SparseGrad (or of a dense tensor) as DenseStream bytes."""
+    """Encode the nonzeros of a SparseGrad (or of a dense tensor) as DenseStream bytes.
+
+    One output buffer, written in place: the header, the starts and lengths (converted to the
+    index width while copied) and the block values (zero-filled, then the nonzeros scattered
+    to their positions)."""
     idx, val, n = _entries(sel_or_dense)
     idx_dtype = check_index_bytes(index_bytes, n)
-    block_of, starts, lengths = _find_blocks(idx, max_zero_run(index_bytes, val.element_size()))
-    total = int(lengths.sum()) if lengths.numel() else 0
-    # Position of each nonzero inside the concatenated block values.
-    offsets = torch.cumsum(lengths, 0) - lengths
-    pos = offsets[block_of] + (idx - starts[block_of])
-    stream = torch.zeros(total, dtype=val.dtype, device=val.device)
-    stream[pos] = val
-    header = pack_header(MAGIC, index_bytes, dtype_code(val.dtype), n, starts.numel(), total,
-                         device=val.device)
-    return torch.cat([header, to_bytes(starts.to(idx_dtype)), to_bytes(lengths.to(idx_dtype)),
-                      to_bytes(stream)])
+    vb = val.element_size()
+    dev = val.device
+    if idx.numel() == 0:
+        return pack_header(MAGIC, index_bytes, dtype_code(val.dtype), n, 0, 0, device=dev)
+    starts, lengths, pos = _find_blocks(idx, max_zero_run(index_bytes, vb), positions=True)
+    nb, total = starts.numel(), int(pos[-1]) + 1
+    vals_at = HEADER_BYTES + 2 * nb * index_bytes  # a multiple of 8: every view is aligned
+    out = torch.empty(vals_at + total * vb, dtype=torch.uint8, device=dev)
+    out[:HEADER_BYTES] = pack_header(MAGIC, index_bytes, dtype_code(val.dtype), n, nb, total,
+                                     device=dev)
+    out[HEADER_BYTES:HEADER_BYTES + nb * index_bytes].view(idx_dtype).copy_(starts)
+    out[HEADER_BYTES + nb * index_bytes:vals_at].view(idx_dtype).copy_(lengths)
+    # Values move as their bit patterns (integer views: a float kernel may quieten NaN
+    # payloads); scatter_/index_select are far cheaper than x[i] on CPU.
+    bits = BITS_DTYPES[vb]
+    stream = out[vals_at:].view(bits)
+    stream.zero_()
+    stream.scatter_(0, pos, val.contiguous().view(bits))
+    return out
+
+
+def _structure_error(starts: torch.Tensor, lengths: torch.Tensor, n: int, total: int) -> str:
+    """The first rule a block table breaks (called only once a combined check has failed)."""
+    if not bool((lengths >= 1).all()):
+        return "a block has length < 1"
+    # Overflow-free: lengths ≥ 1 is known before n − lengths, and starts + lengths is formed
+    # only once both are known to lie in [0, n].
+    if not bool(((starts >= 0) & (starts <= n - lengths)).all()):
+        return f"a block lies outside [0, {n})"
+    ends = starts + lengths
+    if starts.numel() > 1 and not bool((starts[1:] >= ends[:-1]).all()):
+        return "blocks unsorted or overlapping"
+    return f"lengths sum to {int(lengths.sum())}, header says {total}"
 
 
 def decode(buf: torch.Tensor | bytes, *, numel: int | None = None,
            dtype: torch.dtype | None = None) -> SparseGrad:
     """Decode DenseStream bytes into the SparseGrad of their nonzeros (validated).
 
-    ``numel``/``dtype`` (optional) must match what the buffer declares.
+    ``numel``/``dtype`` (optional) must match what the buffer declares. Validation is
+    vectorised and done once: the block table (lengths ≥ 1, inside ``[0, numel)``, sorted, not
+    overlapping, lengths summing to the header's total) in one combined pass, then the rules
+    of §III-A together — every block begins and ends with a nonzero (rule 1), and consecutive
+    nonzeros lie in different blocks exactly when more than Z zeros separate them (rule 2 inside
+    a block, the gap rule between blocks): the buffer is the canonical encoding of its
+    nonzeros.
     """
     buf = as_buffer(buf)
     iw, vdtype, (n, nb, total) = unpack_header(buf, MAGIC, 3, "densestream.decode",
@@ -172,47 +209,80 @@ def decode(buf: torch.Tensor | bytes, *, numel: int | None = None,
     if buf.numel() != expected:
         raise ValueError(f"densestream.decode: buffer of {buf.numel()} bytes, header implies "
                          f"{expected}; truncated or corrupted")
+    dev = buf.device
+    if nb == 0:  # total == 0 too (checked above)
+        return SparseGrad(torch.empty(0, dtype=torch.int64, device=dev),
+                          torch.empty(0, dtype=vdtype, device=dev), n, validate=False)
     idx_dtype = INDEX_DTYPES[iw]
     starts = view_as(buf, HEADER_BYTES, nb, idx_dtype).to(torch.int64)
     lengths = view_as(buf, HEADER_BYTES + nb * iw, nb, idx_dtype).to(torch.int64)
     stream = view_as(buf, HEADER_BYTES + 2 * nb * iw, total, vdtype)
-    empty = torch.empty(0, dtype=torch.int64, device=buf.device)
-    if nb == 0:  # total == 0 too (checked above)
-        return SparseGrad(empty, torch.empty(0, dtype=vdtype, device=buf.device), n,
-                          validate=False)
-    # Every comparison below is overflow-free: lengths ≥ 1 is checked before n − lengths, and
-    # starts + lengths is formed only once both are known to lie in [0, n].
-    if not bool((lengths >= 1).all()):
-        raise ValueError("densestream.decode: a block has length < 1")
-    if not bool(((starts >= 0) & (starts <= n - lengths)).all()):
-        raise ValueError(f"densestream.decode: a block lies outside [0, {n})")
-    ends = starts + lengths                             # exclusive
-    if nb > 1 and not bool((starts[1:] >= ends[:-1]).all()):
-        raise ValueError("densestream.decode: blocks unsorted or overlapping")
-    if int(lengths.sum()) != total:
-        raise ValueError(f"densestream.decode: lengths sum to {int(lengths.sum())}, header "
-                         f"says {total}")
-    # Index of every stored element, then keep the nonzeros.
-    block_of = torch.repeat_interleave(torch.arange(nb, device=buf.device), lengths)
-    offsets = torch.cumsum(lengths, 0) - lengths
-    pos = torch.arange(total, device=buf.device)
-    nz = _nonzero_bits(stream)
-    # Rule 1: blocks begin and end with a nonzero.
-    if not bool((nz[offsets] & nz[offsets + lengths - 1]).all()):
+    # The block table and the gap rule in one pass of reductions: lengths ≥ 1; blocks sorted
+    # and separated by more than Z zeros (the gap rule: a closer pair would be one canonical
+    # block); the first start ≥ 0 and the last end ≤ n (with the above: every block inside
+    # [0, n)); lengths summing to the header's total. With 4-byte fields nothing can wrap in
+    # int64; with 8-byte fields every block is first checked on its own (start ≥ 0,
+    # start ≤ n − length), so no sum below can wrap either.
+    z = max_zero_run(iw, vb)
+    cum = torch.cumsum(lengths, 0)  # each block's exclusive end in the stream
+    ends = starts + lengths
+    words = [lengths.min(), starts[0], ends[-1], cum[-1]]
+    if nb > 1:
+        words.append((starts[1:] - ends[:-1]).min())
+    if iw == 8:
+        words.append(((starts >= 0) & (starts <= n - lengths)).all().long())
+    lmin, first, last, summed, *rest = torch.stack(words).tolist()
+    gap = rest[0] if nb > 1 else z + 1
+    entries_ok = bool(rest[-1]) if iw == 8 else True
+    table_ok = (entries_ok and lmin >= 1 and first >= 0 and last <= n and summed == total
+                and gap >= 0)
+    if not (table_ok and gap > z):
+        if table_ok:
+            raise ValueError("densestream.decode: blocks closer than the gap rule allows")
+        raise ValueError(f"densestream.decode: {_structure_error(starts, lengths, n, total)}")
+    offsets = cum - lengths  # each block's first position in the stream
+    bits = stream.view(BITS_DTYPES[vb])
+    # Rule 1: blocks begin and end with a nonzero (not the bits of +0.0).
+    if int(torch.count_nonzero(torch.index_select(bits, 0, torch.cat([offsets, cum.sub_(1)])))
+           ) != 2 * nb:
         raise ValueError("densestream.decode: a block begins or ends with a zero (rule 1)")
-    # Rule 2: no run of more than Z zeros inside a block (its ends are nonzero, so runs of
-    # zeros lie between consecutive nonzeros of the same block).
-    where = pos[nz]
-    if where.numel() > 1:
-        same = block_of[where[1:]] == block_of[where[:-1]]
-        run = where[1:] - where[:-1] - 1
-        if bool((same & (run > max_zero_run(iw, vb))).any()):
+    # Each nonzero's index: its stream position plus its block's shift starts − offsets.
+    # Block starts are nonzeros (rule 1), so "opens a block" marks nonzeros.
+    opens = torch.zeros(total, dtype=torch.bool, device=dev).index_fill_(0, offsets, True)
+    where = flatnonzero(bits != 0)
+    if where.numel() == total:  # no zeros stored: every position is an entry
+        values = stream.clone()
+    else:
+        # Rule 2: no run of more than Z zeros inside a block. Blocks begin and end with a
+        # nonzero, so zero runs never cross a block boundary: it is the stream's longest run.
+        if int(torch.diff(where).max()) > z + 1:
             raise ValueError("densestream.decode: a zero run inside a block exceeds the gap "
                              "rule (rule 2)")
-    # Blocks of the canonical encoding are separated by more than Z zeros.
-    if nb > 1:
-        sep = starts[1:] - ends[:-1]
-        if bool((sep <= max_zero_run(iw, vb)).any()):
-            raise ValueError("densestream.decode: blocks closer than the gap rule allows")
-    idx = starts[block_of[where]] + (where - offsets[block_of[where]])
-    return SparseGrad(idx, stream[where].clone(), n, validate=False)
+        opens = torch.index_select(opens, 0, where)
+        values = torch.index_select(bits, 0, where).view(vdtype)  # bit for bit
+    shift = torch.index_select(starts - offsets, 0, torch.cumsum(opens, 0).sub_(1))
+    idx = shift.add_(where)
+    return SparseGrad(idx, values, n, validate=False)
+
+
+def split(buf: torch.Tensor | bytes, count: int) -> list[torch.Tensor]:
+    """The ``count`` encodings laid back to back in ``buf``, as views of it (each still to be
+    :func:`decode`-d). Only the headers are read here: ``ValueError`` when one is invalid, runs
+    past the end, or the pieces do not fill ``buf`` exactly."""
+    buf = as_buffer(buf)
+    check_int("count", count, 0)
+    pieces, at = [], 0
+    for _ in range(count):
+        iw, vdtype, (_, nb, total) = unpack_header(buf[at:], MAGIC, 3, "densestream.split")
+        if nb < 0 or total < 0:
+            raise ValueError(f"densestream.split: blocks={nb}, total length={total} negative")
+        size = HEADER_BYTES + nb * 2 * iw + total * torch.empty(0, dtype=vdtype).element_size()
+        if at + size > buf.numel():
+            raise ValueError(f"densestream.split: an encoding of {size} bytes runs past the "
+                             f"end of the {buf.numel()}-byte buffer (truncated)")
+        pieces.append(buf[at:at + size])
+        at += size
+    if at != buf.numel():
+        raise ValueError(f"densestream.split: {buf.numel() - at} bytes left after {count} "
+                         "encodings")
+    return pieces

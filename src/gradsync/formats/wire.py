@@ -28,6 +28,7 @@ from __future__ import annotations
 import struct
 import sys
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -246,6 +247,8 @@ def pack_bits(mask: torch.Tensor, bits: int = 1) -> torch.Tensor:
                          f"{getattr(mask, 'dtype', type(mask).__name__)} "
                          f"{tuple(getattr(mask, 'shape', ()))}")
     n = mask.numel()
+    if bits == 1 and mask.device.type == "cpu":  # numpy's packbits: the same layout, ~100x faster
+        return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
     per_byte = 8 // bits
     nb = packed_bytes(n, bits)
     m = torch.zeros(nb * per_byte, dtype=torch.uint8, device=mask.device)
@@ -269,6 +272,11 @@ def unpack_bits(buf: torch.Tensor, n: int, bits: int = 1) -> torch.Tensor:
     if buf.numel() != nb:
         raise ValueError(f"unpack_bits: {n} elements at {bits} bit(s) need {nb} bytes, "
                          f"got {buf.numel()}")
+    if bits == 1 and buf.device.type == "cpu":  # numpy's unpackbits, the padding checked apart
+        if n % 8 and nb and int(buf[-1]) >> (n % 8):
+            raise ValueError("unpack_bits: nonzero padding bits past the last element "
+                             "(corrupt or foreign buffer)")
+        return torch.from_numpy(np.unpackbits(buf.numpy(), count=n, bitorder="little"))
     per_byte = 8 // bits
     shift = _SHIFT8.to(buf.device)[:per_byte] * bits
     vals = ((buf.unsqueeze(1) >> shift) & ((1 << bits) - 1)).view(-1)

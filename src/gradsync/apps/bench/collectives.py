@@ -10,7 +10,13 @@ exact top-k at each density to each collective: one warm-up call, then ``--repea
 each started after a barrier. Reported per collective and density:
 
 * time: per repetition the maximum over ranks (a collective is done when its slowest rank is),
-  then the median over repetitions; and the ratio to ``dense`` in the same run;
+  then the median over repetitions; and the ratio to ``dense`` in the same run. On a shared
+  machine the load drifts between the runs of two collectives, so each repetition is also
+  followed, in the same rank processes, by a dense all-reduce of the same selection: the
+  column "× dense (interleaved)" is the median over repetitions of the collective's time over
+  that dense time (both maxima over ranks);
+* ``--threads``: torch intra-op threads per rank (default 1: P ranks share the machine's cores,
+  and P × the default threads would oversubscribe them);
 * bytes sent per rank, mean and max over ranks, from ``SyncResult.stats`` (counted by ``Comm``);
 * those bytes over the Ok-Topk Theorem 3.1 lower bound (§3): no O(k) sparse allreduce sends less
   than 2k(P−1)/P entries, here priced at (index + value) bytes, index int32 on the wire;
@@ -86,15 +92,20 @@ def build(name: str, density: float) -> collectives.Collective:
 
 
 def _rank(rank: int, world_size: int, name: str, densities: list[float], numel: int, seed: int,
-          dtype: str, warmup: int, repeats: int) -> list[dict[str, Any]]:
-    """Run collective ``name`` at every density; return timings, traffic and rank 0's sums."""
+          dtype: str, warmup: int, repeats: int, threads: int = 1) -> list[dict[str, Any]]:
+    """Run collective ``name`` at every density; return timings, traffic and rank 0's sums.
+
+    After each call of a collective other than ``dense`` a dense all-reduce of the same
+    selection is timed in the same processes (``dense_times``)."""
+    torch.set_num_threads(max(1, threads))
     import_collectives()  # a fresh rank process has only what gradsync.collectives imports
     x = gradient(numel, rank, seed, DTYPES[dtype])
     out = []
     for density in densities:
         sel = get_sparsifier("topk", density=density).select(x)
         coll = build(name, density)
-        times, sent, recv, msgs = [], [], [], []
+        ref = collectives.get("dense") if name != "dense" else None
+        times, dense_times, sent, recv, msgs = [], [], [], [], []
         info: dict[str, Any] = {}
         for step in range(warmup + repeats):
             dist.barrier()
@@ -107,8 +118,15 @@ def _rank(rank: int, world_size: int, name: str, densities: list[float], numel: 
                 recv.append(res.stats.bytes_recv)
                 msgs.append(res.stats.messages)
                 info = {k: v for k, v in res.info.items() if isinstance(v, bool | int | float)}
+            if ref is not None:
+                dist.barrier()
+                t0 = time.perf_counter()
+                ref(sel, step=step)
+                if step >= warmup:
+                    dense_times.append(time.perf_counter() - t0)
         out.append({
             "density": density, "k_local": len(sel), "times": times,
+            "dense_times": dense_times or times,
             "bytes_sent": statistics.fmean(sent), "bytes_recv": statistics.fmean(recv),
             "messages": statistics.fmean(msgs), "info": info, "exact": bool(coll.exact),
             "dense": res.dense if rank == 0 else None,
@@ -149,6 +167,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=1)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--timeout", type=float, default=600.0, help="seconds per collective run")
+    p.add_argument("--threads", type=int, default=1,
+                   help="torch intra-op threads per rank (1: the ranks share the cores)")
     p.add_argument("--quick", action="store_true", help="small defaults for a smoke run")
     a = p.parse_args(argv)
     if a.numel is None:
@@ -164,8 +184,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--density: cannot parse {a.density!r}")
     if not a.densities or not all(0 < d <= 1 for d in a.densities):
         p.error(f"--density values must be in (0, 1], got {a.density!r}")
-    if a.world_size < 1 or a.repeats < 1 or a.warmup < 0:
-        p.error("--world-size and --repeats must be >= 1, --warmup >= 0")
+    if a.world_size < 1 or a.repeats < 1 or a.warmup < 0 or a.threads < 1:
+        p.error("--world-size, --repeats and --threads must be >= 1, --warmup >= 0")
     if a.bandwidth is not None:
         try:
             a.bandwidth_bps = netem.parse_bandwidth(a.bandwidth)
@@ -193,7 +213,7 @@ def main(argv: list[str] | None = None) -> int:
     ib = wire_index_bytes(numel)
 
     refs = {d: reference(numel, p, d, a.seed, a.dtype) for d in a.densities}
-    run_args = (a.densities, numel, a.seed, a.dtype, a.warmup, a.repeats)
+    run_args = (a.densities, numel, a.seed, a.dtype, a.warmup, a.repeats, a.threads)
 
     shaped, link = False, "loopback"
     world_cm = None
@@ -237,6 +257,7 @@ def main(argv: list[str] | None = None) -> int:
     _table(rows, a, link)
     meta = {"world_size": p, "numel": numel, "densities": a.densities, "dtype": a.dtype,
             "repeats": a.repeats, "warmup": a.warmup, "seed": a.seed, "link": link,
+            "threads_per_rank": a.threads,
             "shaped": shaped, "bandwidth": a.bandwidth,
             "bandwidth_bps": getattr(a, "bandwidth_bps", None),
             "tbf_latency": a.latency, "propagation_delay": "not emulated",
@@ -266,12 +287,16 @@ def _rows(results: dict[str, Any], a: argparse.Namespace, refs: dict, vb: int, i
                 continue
             per = [r[j] for r in res]
             reps = [max(t) for t in zip(*(q["times"] for q in per))]
+            dense_reps = [max(t) for t in zip(*(q["dense_times"] for q in per))]
             sent = [q["bytes_sent"] for q in per]
             ref, union = refs[density]
             d0 = per[0]["dense"].double()
             err = float((d0 - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
             row.update({
                 "time_s": statistics.median(reps), "times_s": reps,
+                "dense_interleaved_times_s": dense_reps,
+                "time_over_dense_interleaved": statistics.median(
+                    t / d for t, d in zip(reps, dense_reps)),
                 "bytes_sent_mean": statistics.fmean(sent), "bytes_sent_max": max(sent),
                 "bytes_recv_mean": statistics.fmean(q["bytes_recv"] for q in per),
                 "messages_mean": statistics.fmean(q["messages"] for q in per),
@@ -290,17 +315,18 @@ def _rows(results: dict[str, Any], a: argparse.Namespace, refs: dict, vb: int, i
 
 
 def _table(rows: list[dict[str, Any]], a: argparse.Namespace, link: str) -> None:
-    cols = ["collective", "density", "k", "time ms", "× dense", "sent MB mean", "sent MB max",
-            "mean/LB", "max/LB", "rel err", "note"]
+    cols = ["collective", "density", "k", "time ms", "× dense", "× dense (interleaved)",
+            "sent MB mean", "sent MB max", "mean/LB", "max/LB", "rel err", "note"]
     out = []
     for r in rows:
         if "error" in r:
-            out.append([r["collective"], r["density"], r["k"], *["-"] * 7, r["error"][:60]])
+            out.append([r["collective"], r["density"], r["k"], *["-"] * 8, r["error"][:60]])
             continue
         # True boolean flags from SyncResult.info (e.g. lhc's lossy=True when peeling failed).
         flags = ", ".join(f"{k}={v}" for k, v in r["info"].items() if isinstance(v, bool) and v)
         out.append([r["collective"], r["density"], r["k"], 1e3 * r["time_s"],
-                    r.get("time_over_dense", "-"), r["bytes_sent_mean"] / 1e6,
+                    r.get("time_over_dense", "-"), r["time_over_dense_interleaved"],
+                    r["bytes_sent_mean"] / 1e6,
                     r["bytes_sent_max"] / 1e6, r["sent_over_bound_mean"],
                     r["sent_over_bound_max"], r["rel_err"],
                     ("exact" if r["exact"] else "lossy by design") + (f"; {flags}" if flags
