@@ -180,8 +180,8 @@ def test_spec_fills_model_defaults_validates_and_pickles():
     cfg = cnn.config(4)
     assert list(cfg) == ["model", "data", "schemes", "world_size", "steps", "epochs",
                          "batch_size", "lr", "optimizer", "text_fallback", "density",
-                         "sparsifier", "seed", "warmup_steps", "eval_batches", "bandwidth",
-                         "latency"]
+                         "sparsifier", "seed", "warmup_steps", "eval_batches",
+                         "density_warmup", "bandwidth", "latency"]
     assert cfg["world_size"] == 4 and cfg["schemes"] == ["ddp", "oktopk"]
     assert pickle.loads(pickle.dumps(gpt)) == gpt  # every rank receives it
     for kw, field in [({"steps": 0}, "steps"), ({"steps": 2, "epochs": 1.0}, "epochs"),
