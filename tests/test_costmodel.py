@@ -175,3 +175,59 @@ def test_profile_command_writes_a_cost_model(tmp_path, capsys):
 
     plan = make_plan("ssfusion_oi", cm.order, cm.numel, 0.01, cm)
     assert plan.names == cm.order
+
+
+# ---- issue 14: the collectives' CPU work ------------------------------------------------------
+def test_fit_compute_recovers_synthetic_measurements():
+    from gradsync.schedule.costmodel import ComputeCost, fit_compute
+
+    rng = random.Random(3)
+    ms = [256, 4096, 32768, 131072]
+    merge = [2e-5 + 3e-9 * m * (1 + rng.uniform(-0.01, 0.01)) for m in ms]
+    codec = [5e-5 + 7e-9 * m * (1 + rng.uniform(-0.01, 0.01)) for m in ms]
+    c = fit_compute(4e-4, (ms, merge), (ms, codec))
+    assert c.message == 4e-4
+    assert c.merge.b == pytest.approx(3e-9, rel=0.03) and c.merge.a == pytest.approx(2e-5,
+                                                                                     abs=5e-6)
+    assert c.codec.b == pytest.approx(7e-9, rel=0.03) and c.codec.a == pytest.approx(5e-5,
+                                                                                     abs=1e-5)
+    # 10 messages, 1000 entries merged, 2000 encoded, in 4 calls — priced independently
+    expect = 10 * 4e-4 + 4 * c.merge.a + c.merge.b * 1000 + 4 * c.codec.a + c.codec.b * 2000
+    assert c.collective(10, merged=1000, encoded=2000, calls=4) == pytest.approx(expect)
+    assert ComputeCost.from_dict(json.loads(json.dumps(c.to_dict()))) == c
+    with pytest.raises(ValueError, match="message"):
+        ComputeCost(message=-1.0)
+    with pytest.raises(ValueError):
+        fit_compute(float("nan"), (ms, merge), (ms, codec))
+
+
+def test_cost_model_prices_compute_in_eq3_eq4_and_round_trips():
+    from gradsync.schedule.costmodel import ComputeCost
+
+    base = small_model(P=4)
+    c = ComputeCost(message=1e-4, merge=AffineFit(1e-5, 2e-9), codec=AffineFit(3e-5, 4e-9))
+    cost = small_model(P=4)
+    cost.compute = c
+    B = 8000  # bytes per rank: 1000 entries of 8 bytes
+    # all-reduce: 2(P−1) messages' software cost on top of Eq. 4
+    assert cost.t_allreduce(B) - base.t_allreduce(B) == pytest.approx(6 * 1e-4)
+    # all-gather: counts + payload messages, P−1 received messages decoded and merged
+    extra = 6 * 1e-4 + 3 * 1e-5 + 2e-9 * 3000 + 3 * 3e-5 + 4e-9 * 4000
+    assert cost.t_allgather(B) - base.t_allgather(B) == pytest.approx(extra)
+    back = CostModel.from_dict(json.loads(json.dumps(cost.to_dict())))
+    assert back.compute == c and back.t_allgather(B) == pytest.approx(cost.t_allgather(B))
+    assert "compute" not in base.to_dict() and CostModel.from_dict(base.to_dict()).compute is None
+    one = small_model(P=1)
+    one.compute = c
+    assert one.t_allgather(B) == 0.0
+
+
+def test_profile_compute_measures_merge_and_codec():
+    from gradsync.schedule.costmodel import profile_compute
+
+    c = profile_compute(sizes=(64, 4096, 65536), repeats=2, message_s=2e-4, numel=1 << 17)
+    assert c.message == 2e-4
+    # merging / coding 65536 entries costs more than 64 of them
+    assert c.merge(65536) > c.merge(64) and c.codec(65536) > c.codec(64)
+    with pytest.raises(ValueError):
+        profile_compute(sizes=(), repeats=1)

@@ -82,3 +82,14 @@ def test_ddp_and_fsdp_snippets_run():
     for r in run_distributed(_run_ddp_and_fsdp_snippets, 2, timeout=240):
         assert r["ddp_calls"] >= 1 and r["ddp_bytes"] > 0
         assert r["tagc_bytes"] > 0
+
+
+def test_report_cluster_line_is_a_real_command():
+    """README: `python -m gradsync report cluster` predicts the papers' cluster experiments
+    from a profile derived from published figures (the run itself: tests/test_report.py)."""
+    from gradsync.apps import report, report_cluster
+
+    text = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    assert "`python -m gradsync report cluster`" in text and "derived from published" in text
+    assert "cluster" in report.TABLES
+    assert report_cluster.load_profile()["label"] == "derived from published figures"

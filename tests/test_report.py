@@ -102,3 +102,51 @@ def test_bad_arguments_exit():
         report.main(["nonsense"])
     with pytest.raises(SystemExit):
         report.main([])
+
+
+def test_report_cluster_prints_every_paper_row_and_labels_the_profile(tmp_path, capsys):
+    """`report cluster --quick`: every paper row of SSFusion Fig. 11/16, Ok-Topk Fig. 12 and
+    DenseStream Table II is printed beside the paper's number, JSON + PNG written, and the
+    profile is labelled as derived from published figures."""
+    from gradsync.apps import report_cluster as rc
+
+    rows = _run(tmp_path, "cluster")
+    out = capsys.readouterr().out
+    assert "DERIVED FROM PUBLISHED FIGURES" in out
+    expected = (len(rc.FIG11_MODELS) + len(rc.FIG11_PAIRS) + len(rc.FIG16) + 2
+                + len(rc.DS_TABLE_II))
+    assert len(rows) == expected
+    assert all(r["profile"] == "derived from published figures" for r in rows)
+    assert sum(r["figure"] == "DenseStream Table II" for r in rows) == 20
+    for r in rows:  # the paper's number is the table's, the error is computed from it
+        if "paper_lo" in r:
+            assert r["error_lo"] == pytest.approx(r["predicted_lo"] - r["paper_lo"])
+        else:
+            assert r["error_rel"] == pytest.approx((r["predicted"] - r["paper"]) / r["paper"])
+            assert f"{r['paper']:.3g}" in out
+    ds = {r["row"]: r["paper"] for r in rows if r["figure"] == "DenseStream Table II"}
+    assert ds["VGG16 Dense (s)"] == 7.61 and ds["ResNet50 DSA, density 10% (s)"] == 0.43
+    assert (tmp_path / "report_cluster.png").stat().st_size > 0
+    doc = json.loads((tmp_path / "report_cluster.json").read_text())
+    assert doc["meta"]["profile"] == "derived from published figures"
+
+
+def test_cluster_profile_cites_every_number_and_dense_ring_is_eq4(tmp_path):
+    from gradsync.apps import report_cluster as rc
+
+    prof = rc.load_profile()
+    assert prof["label"] == "derived from published figures"
+    for sect in ("gpus", "links", "workloads"):
+        assert all(v["source"] for v in prof[sect].values())
+    # VGG16 on DenseStream's 4 nodes over 1 Gbit/s: Eq. 4 by hand, 25 MB buckets' α aside
+    cost = rc.cost_model(prof, "densestream_vgg16", quick=True)[0]
+    n = sum(cost.numel.values())
+    p = rc.Predictor(prof, quick=True)
+    r = p.row("densestream_vgg16", "dense", 4, "1gbit")
+    assert r["link_s"] == pytest.approx(2 * 3 / 4 * n * 4 * 8 / 1e9, rel=0.01)
+    bad = dict(prof)
+    bad["links"] = {"x": {"bits_per_s": 1e9, "alpha": 0.0}}
+    path = tmp_path / "bad.json"
+    path.write_text(json.dumps(bad))
+    with pytest.raises(ValueError, match="cite no source"):
+        rc.load_profile(path)

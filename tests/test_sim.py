@@ -271,6 +271,43 @@ def test_bad_sources_rejected(tmp_path):
         sim.Network(-1.0, 1e-9)
 
 
+def test_prediction_includes_the_collectives_compute():
+    """Issue 14: with a fitted ComputeCost the one-buffer schemes add messages' software cost,
+    merges and codec on top of the link time; fusion schemes price it per buffer."""
+    from gradsync.schedule.costmodel import ComputeCost
+
+    bare = tiny_cost()
+    cost = tiny_cost()
+    cost.compute = ComputeCost(message=3e-4, merge=AffineFit(1e-5, 2e-8),
+                               codec=AffineFit(2e-5, 5e-8))
+    net = sim.Network(50e-6, 8 / 1e8)
+    n = sum(cost.numel.values())
+    k = round(0.01 * n)
+    for P in (2, 4, 8):
+        b = sim.predict("topka", bare, P, net, 0.01)
+        r = sim.predict("topka", cost, P, net, 0.01)
+        assert b["compute_s"] == 0.0 and r["link_s"] == pytest.approx(b["comm_s"])
+        # TopkA: P−1 payload + P−1 counts + 2(P−1) shape-check messages; P·k entries merged,
+        # (P−1)·k sent and received entries coded twice; one merge/codec call per payload step
+        expect = (4 * (P - 1) * 3e-4 + (P - 1) * 1e-5 + 2e-8 * P * k + (P - 1) * 2e-5
+                  + 5e-8 * 2 * (P - 1) * k)
+        assert r["compute_s"] == pytest.approx(expect)
+        assert r["iteration_s"] == pytest.approx(b["iteration_s"] + expect)
+        for scheme in ("oktopk", "densestream", "topkdsa", "gtopk", "spardl"):
+            b = sim.predict(scheme, bare, P, net, 0.01)
+            r = sim.predict(scheme, cost, P, net, 0.01)
+            assert r["compute_s"] > 0
+            assert r["iteration_s"] == pytest.approx(b["iteration_s"] + r["compute_s"])
+        d = sim.predict("dense", cost, P, net, 0.01)
+        # dense: one bucket, 2(P−1) messages' software cost
+        assert d["compute_s"] == pytest.approx(2 * (P - 1) * 3e-4)
+        assert d["iteration_s"] == pytest.approx(sim.predict("dense", bare, P, net, 0.01)
+                                                 ["iteration_s"] + d["compute_s"])
+        s = sim.predict("ssfusion_oi", cost, P, net, 0.01)
+        assert s["compute_s"] > 0 and s["link_s"] + s["compute_s"] == pytest.approx(s["comm_s"])
+    assert sim.predict("topka", cost, 1, net, 0.01)["compute_s"] == 0.0
+
+
 # ----------------------------------------------------------------------------- validation
 def test_validate_smoke_on_loopback(tmp_path, capsys):
     assert sim.main(["--validate", "--loopback", "--validate-workers", "2", "--steps", "2",
@@ -286,6 +323,8 @@ def test_validate_smoke_on_loopback(tmp_path, capsys):
                                            / r["measured_s"])
         assert len(r["measured_steps_s"]) == 2
         assert r["predicted_fitted_s"] > 0 and r["fitted_alpha_s"] >= 0
+        # issue 14: the prediction carries the collectives' compute fitted in the same run
+        assert r["predicted_compute_s"] >= 0 and r["predicted_no_compute_s"] <= r["predicted_s"]
     # bytes are exact on both sides: the dense ring all-reduce of the whole MLP at P = 2
     dense = rows[0]
     assert dense["measured_bytes_sent"] == pytest.approx(dense["predicted_volume_bytes"],

@@ -1,7 +1,9 @@
 """``python -m gradsync profile``: measure the cost model the fusion planners read.
 
 SSFusion §IV-A "Various time estimation": a model's per-tensor backward times T_b^l, the
-sparsifier's inline and offloaded cost, and — on several ranks — the α-β fits of all-reduce and
+sparsifier's inline and offloaded cost, the collectives' CPU work (issue 14: merge and codec
+fits of :func:`~gradsync.schedule.costmodel.profile_compute`, and the per-message software cost,
+the all-gather α measured on the group), and — on several ranks — the α-β fits of all-reduce and
 all-gather, measured with :mod:`gradsync.schedule.costmodel`'s profilers, printed as a table and
 written as the JSON that ``CostModel.from_dict`` reads back.
 """
@@ -26,6 +28,7 @@ from gradsync.schedule.costmodel import (
     CostModel,
     profile_backward,
     profile_collectives,
+    profile_compute,
     profile_sparsifier,
 )
 from gradsync.testing import run_distributed
@@ -45,12 +48,21 @@ def build_cost_model(args, P: int, collectives: tuple[AlphaBeta, AlphaBeta]) -> 
     inline = profile_sparsifier(sp, sizes=sizes, repeats=args.repeats, device=dev)
     off = profile_sparsifier(sp, sizes=sizes, repeats=args.repeats, device=dev, offload=True)
     elem = next(net.parameters()).element_size()
+    n = sum(numel.values())
+    message = args.message_s if args.message_s is not None else collectives[1].alpha
+    compute = profile_compute(sizes=[min(s, n) for s in (1 << 8, 1 << 12, 1 << 15, 1 << 17)],
+                              repeats=args.repeats, message_s=message, numel=n, device=dev,
+                              seed=args.seed)
     return CostModel(
         P=P, order=order, numel=numel, elem_bytes=elem, backward=backward, sparsify=inline,
         offload=off, allreduce=collectives[0], allgather=collectives[1],
         info={"model": args.model, "batch": args.batch, "sparsifier": args.sparsifier,
               "density": args.density, "device": str(dev), "sizes": sizes,
-              "repeats": args.repeats, "threads": torch.get_num_threads()},
+              "repeats": args.repeats, "threads": torch.get_num_threads(),
+              "message_s_source": ("--message-s" if args.message_s is not None else
+                                   f"all-gather α on {P} ranks" if P > 1 else
+                                   "none (P = 1: give --world-size or --message-s)")},
+        compute=compute,
     )
 
 
@@ -71,6 +83,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                         help="comma-separated tensor sizes (sparsifier: elements; "
                         "collectives: bytes)")
     parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--message-s", type=float, default=None,
+                        help="per-message software cost (s) of the collectives; default: the "
+                        "all-gather α measured with --world-size (0 on one rank)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats")
@@ -80,6 +95,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.sizes, args.repeats = "256,4096,16384", 2
     if args.repeats < 1 or args.batch < 1:
         raise ValueError("--repeats and --batch must be >= 1")
+    if args.message_s is not None and not args.message_s >= 0:
+        raise ValueError(f"--message-s must be >= 0, got {args.message_s}")
     sizes = [int(s) for s in args.sizes.split(",")]
 
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and args.world_size == 0

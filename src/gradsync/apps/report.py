@@ -22,6 +22,9 @@ table.
   bytes / 4. The shape check is disabled so only the algorithm's own traffic is counted.
 * ``densestream`` — DenseStream §IV-B, Table I: DenseStream / COO size at density 1/5/10 % on
   the accumulated real gradients of ResNet-50 and VGG-16 (``bench.formats``' functions).
+* ``cluster`` — the papers' cluster experiments (SSFusion Fig. 11 and 16, Ok-Topk Fig. 12,
+  DenseStream Table II) predicted by the simulator from a GPU-cluster profile derived from
+  published figures (:mod:`gradsync.apps.report_cluster`).
 * ``tagc`` — TAGC §2.2, Table 1: the sparsity (θ, % zeros of the summed gradient) above which
   LHC's peeling is lossless at 2x/4x/10x, measured by a density sweep with
   ``gradsync.apps.bench.sketch``'s inputs and ``CountSketch``.
@@ -39,6 +42,7 @@ from typing import Any
 
 import torch
 
+from gradsync.apps import report_cluster
 from gradsync.apps.common import print_table, write_outputs
 
 __all__ = ["TABLES", "main"]
@@ -371,6 +375,7 @@ TABLES: dict[str, Callable[[argparse.Namespace], list[dict[str, Any]]]] = {
     "oktopk-volume": run_oktopk_volume,
     "densestream": run_densestream,
     "tagc": run_tagc,
+    "cluster": report_cluster.run,
 }
 
 
@@ -401,6 +406,10 @@ def _parser() -> argparse.ArgumentParser:
             sp.add_argument("--volume-steps", type=int, default=3)
         if name in ("oktopk-volume", "tagc") or both:
             sp.add_argument("--n", type=float, default=1 << 20, help="elements")
+        if name == "cluster" or both:
+            sp.add_argument("--profile", default=None,
+                            help="GPU-cluster cost profile JSON (default: the bundled one, "
+                            "derived from published figures)")
         if name == "tagc" or both:
             sp.add_argument("--trials", type=int, default=5, help="seeds per density")
     return p
@@ -422,7 +431,9 @@ def main(argv: list[str] | None = None) -> int:
         rows = TABLES[name](ns)
         jpath, _ = write_outputs(f"report_{name.replace('-', '_')}", rows, a.out,
                                  meta={"table": name, "quick": a.quick,
-                                       "seconds": time.perf_counter() - t0})
+                                       "seconds": time.perf_counter() - t0}
+                                 | ({"profile": report_cluster.LABEL} if name == "cluster"
+                                    else {}))
         print(f"wrote {jpath}")
     return 0
 

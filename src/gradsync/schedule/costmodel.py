@@ -31,12 +31,15 @@ from typing import Any
 __all__ = [
     "AffineFit",
     "AlphaBeta",
+    "ComputeCost",
     "CostModel",
     "fit_affine",
     "fit_alpha_beta",
+    "fit_compute",
     "missing_rate",
     "profile_backward",
     "profile_collectives",
+    "profile_compute",
     "profile_sparsifier",
 ]
 
@@ -84,6 +87,70 @@ class AlphaBeta:
         self.beta = _finite(self.beta, "beta")
         if self.alpha < 0 or self.beta < 0:
             raise ValueError(f"AlphaBeta needs α, β >= 0, got α={self.alpha}, β={self.beta}")
+
+
+@dataclass
+class ComputeCost:
+    """A collective's CPU work beyond the wire (issue 14), fitted by :func:`profile_compute`.
+
+    * ``message``: software cost of one point-to-point message or collective start-up (gloo,
+      Python, the kernel's socket path) on top of the link's α, seconds per message; it also
+      prices the control collectives (shape check, count exchanges) as their messages;
+    * ``merge``: ``t(m) = a + b·m`` to merge m received sparse entries into a dense
+      accumulator (``index_add_``), one call per received message;
+    * ``codec``: ``t(m) = a + b·m`` to encode and decode m entries for the wire
+      (``pack_entries`` + ``unpack_entries``), one call per message.
+
+    :meth:`collective` prices a collective's messages and merged / encoded entries.
+    """
+
+    message: float = 0.0
+    merge: AffineFit = field(default_factory=lambda: AffineFit(0.0, 0.0))
+    codec: AffineFit = field(default_factory=lambda: AffineFit(0.0, 0.0))
+
+    def __post_init__(self) -> None:
+        self.message = _finite(self.message, "ComputeCost.message")
+        if self.message < 0:
+            raise ValueError(f"ComputeCost.message must be >= 0 s, got {self.message}")
+        for name in ("merge", "codec"):
+            v = getattr(self, name)
+            if isinstance(v, dict):
+                v = AffineFit(**v)
+                setattr(self, name, v)
+            if not isinstance(v, AffineFit):
+                raise ValueError(f"ComputeCost.{name} must be an AffineFit or a dict a, b")
+
+    def collective(self, messages: float, merged: float = 0.0, encoded: float = 0.0,
+                   calls: float | None = None) -> float:
+        """Seconds of CPU work: ``messages``·message + merge and codec of the entries, with
+        the affine start-up ``a`` paid once per call (default: per message)."""
+        c = messages if calls is None else calls
+        t = messages * self.message
+        if merged > 0:
+            t += c * self.merge.a + self.merge.b * merged
+        if encoded > 0:
+            t += c * self.codec.a + self.codec.b * encoded
+        return t
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"message": self.message, "merge": vars(self.merge).copy(),
+                "codec": vars(self.codec).copy()}
+
+    @classmethod
+    def from_dict(cls, d: dict[str, Any]) -> ComputeCost:
+        try:
+            return cls(message=d.get("message", 0.0), merge=AffineFit(**d["merge"]),
+                       codec=AffineFit(**d["codec"]))
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"not a ComputeCost dict: {e!r}") from None
+
+
+def fit_compute(message_s: float, merge: tuple[Sequence[float], Sequence[float]],
+                codec: tuple[Sequence[float], Sequence[float]]) -> ComputeCost:
+    """A :class:`ComputeCost` from micro-benchmark samples: ``message_s`` seconds per message,
+    ``merge`` / ``codec`` as (entries, seconds) pairs fitted with :func:`fit_affine`."""
+    return ComputeCost(message=max(0.0, _finite(message_s, "message_s")),
+                       merge=fit_affine(*merge), codec=fit_affine(*codec))
 
 
 def fit_affine(xs: Sequence[float], ts: Sequence[float]) -> AffineFit:
@@ -156,6 +223,7 @@ class CostModel:
     allreduce: AlphaBeta  # Eq. 4
     allgather: AlphaBeta  # Eq. 3
     info: dict[str, Any] = field(default_factory=dict)  # provenance (device, sparsifier, …)
+    compute: ComputeCost | None = None  # CPU work of the collectives (issue 14); None = none
 
     def __post_init__(self) -> None:
         if int(self.P) != self.P or self.P < 1:
@@ -180,6 +248,10 @@ class CostModel:
                           ("allreduce", AlphaBeta), ("allgather", AlphaBeta)):
             if not isinstance(getattr(self, name), cls):
                 raise ValueError(f"CostModel.{name} must be a {cls.__name__}")
+        if isinstance(self.compute, dict):
+            self.compute = ComputeCost.from_dict(self.compute)
+        if self.compute is not None and not isinstance(self.compute, ComputeCost):
+            raise ValueError("CostModel.compute must be a ComputeCost or None")
 
     # -- times -------------------------------------------------------------------------
     @property
@@ -194,12 +266,30 @@ class CostModel:
     def t_allreduce(self, nbytes: int) -> float:
         """Eq. 4: ``2(P−1)α + 2(P−1)/P·B·β`` (0 with one rank)."""
         p, ab = self.P, self.allreduce
-        return 2 * (p - 1) * ab.alpha + 2 * (p - 1) / p * nbytes * ab.beta
+        return (2 * (p - 1) * ab.alpha + 2 * (p - 1) / p * nbytes * ab.beta
+                + self.t_compute_allreduce(nbytes))
 
     def t_allgather(self, nbytes_per_rank: int) -> float:
         """Eq. 3: ``(P−1)α + (P−1)·B·β`` with B bytes per rank (0 with one rank)."""
         p, ab = self.P, self.allgather
-        return (p - 1) * ab.alpha + (p - 1) * nbytes_per_rank * ab.beta
+        return ((p - 1) * ab.alpha + (p - 1) * nbytes_per_rank * ab.beta
+                + self.t_compute_allgather(nbytes_per_rank))
+
+    def t_compute_allreduce(self, nbytes: int) -> float:
+        """CPU work of a ring all-reduce (``compute``): 2(P−1) messages' software cost."""
+        if self.compute is None or self.P == 1:
+            return 0.0
+        return self.compute.collective(2 * (self.P - 1))
+
+    def t_compute_allgather(self, nbytes_per_rank: int) -> float:
+        """CPU work of a sparse all-gather of COO entries (``compute``): the counts exchange
+        and P−1 payload messages, each received message decoded and merged
+        (``nbytes_per_rank`` / entry_bytes entries per message)."""
+        if self.compute is None or self.P == 1:
+            return 0.0
+        p, m = self.P, nbytes_per_rank / self.entry_bytes
+        return self.compute.collective(2 * (p - 1), merged=(p - 1) * m, encoded=p * m,
+                                       calls=p - 1)
 
     # -- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:
@@ -214,7 +304,7 @@ class CostModel:
             "allreduce": {"alpha": self.allreduce.alpha, "beta": self.allreduce.beta},
             "allgather": {"alpha": self.allgather.alpha, "beta": self.allgather.beta},
             "info": json.loads(json.dumps(self.info, default=str)),
-        }
+        } | ({} if self.compute is None else {"compute": self.compute.to_dict()})
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> CostModel:
@@ -227,6 +317,7 @@ class CostModel:
                 sparsify=AffineFit(**d["sparsify"]), offload=AffineFit(**d["offload"]),
                 allreduce=AlphaBeta(**d["allreduce"]), allgather=AlphaBeta(**d["allgather"]),
                 info=dict(d.get("info", {})),
+                compute=(ComputeCost.from_dict(d["compute"]) if d.get("compute") else None),
             )
         except (KeyError, TypeError, AttributeError) as e:
             raise ValueError(f"not a CostModel dict: {e!r}") from None
@@ -242,6 +333,11 @@ class CostModel:
             ["all-reduce α (s)", self.allreduce.alpha], ["all-reduce β (s/B)", self.allreduce.beta],
             ["all-gather α (s)", self.allgather.alpha], ["all-gather β (s/B)", self.allgather.beta],
         ]
+        if self.compute is not None:
+            c = self.compute
+            rows += [["message software cost (s)", c.message], ["merge a (s)", c.merge.a],
+                     ["merge b (s/entry)", c.merge.b], ["codec a (s)", c.codec.a],
+                     ["codec b (s/entry)", c.codec.b]]
         return rows
 
 
@@ -399,6 +495,55 @@ def profile_sparsifier(
         if worker is not None:
             worker.close()
     return fit_affine(sizes, ts)
+
+
+def profile_compute(
+    sizes: Sequence[int] = (1 << 8, 1 << 12, 1 << 15, 1 << 17), repeats: int = 5,
+    message_s: float = 0.0, numel: int = 1 << 20, device=None, seed: int = 0,
+) -> ComputeCost:
+    """Micro-benchmarks of a collective's CPU work, fitted (:func:`fit_compute`):
+
+    * merge: ``index_add_`` of m seeded entries into a ``numel``-element accumulator;
+    * codec: ``pack_entries`` then ``unpack_entries`` of m entries (the wire's COO format);
+    * ``message_s``: the per-message software cost, measured by the caller on a real group
+      (α of :func:`profile_collectives` on loopback, or on the link validated); a group is
+      needed for it, so this function only records it.
+
+    Each point is the median of ``repeats`` after one warm-up; sizes are entries (≤ numel).
+    """
+    import torch
+
+    from gradsync.formats.wire import pack_entries, unpack_entries, wire_index_dtype
+
+    sizes = [min(s, numel) for s in _sizes(sizes)]
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    g = torch.Generator().manual_seed(seed)
+    wire = wire_index_dtype(numel)
+    acc = torch.zeros(numel, device=dev)
+
+    def timed(fn: Callable[[], Any]) -> float:
+        fn()
+        out = []
+        for _ in range(repeats):
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            t0 = time.perf_counter()
+            fn()
+            if dev.type == "cuda":
+                torch.cuda.synchronize(dev)
+            out.append(time.perf_counter() - t0)
+        return statistics.median(out)
+
+    merge_t, codec_t = [], []
+    for m in sizes:
+        idx = torch.randperm(numel, generator=g)[:m].sort().values.to(dev)
+        val = torch.randn(m, generator=g).to(dev)
+        merge_t.append(timed(lambda i=idx, v=val: acc.index_add_(0, i, v)))
+        codec_t.append(timed(lambda i=idx, v=val, m=m: unpack_entries(
+            pack_entries(i, v, wire), m, wire, v.dtype, "profile")))
+    return fit_compute(message_s, (sizes, merge_t), (sizes, codec_t))
 
 
 def profile_backward(

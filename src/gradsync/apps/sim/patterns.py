@@ -67,6 +67,7 @@ __all__ = [
     "topkdsa",
     "union_density",
     "volume",
+    "work",
 ]
 
 TAU = 64  # Ok-Topk / DenseStream region re-evaluation period τ
@@ -322,3 +323,39 @@ def pattern(name: str, P: int, n: int, k: int, *, union: Union | None = None,
     if name == "densestream":
         return densestream(P, n, k, union, value_bytes, index_bytes, ratio=densestream_ratio)
     raise ValueError(f"unknown collective {name!r}; available: {', '.join(COLLECTIVES)}")
+
+
+@dataclass(frozen=True)
+class Work:
+    """A collective's CPU work on one rank (issue 14): ``control`` messages of control
+    collectives, ``calls`` merge/codec calls (one per payload step), ``merged`` entries summed
+    into the accumulator and ``encoded`` entries encoded for or decoded from the wire."""
+
+    control: float
+    calls: float
+    merged: float
+    encoded: float
+
+
+def work(name: str, steps: list[Step], P: int, k: int, value_bytes: int = 4,
+         index_bytes: int = 4) -> Work:
+    """The CPU work of collective ``name`` whose wire steps are ``steps``.
+
+    Every sparse collective runs the base class's shape check (one small all-reduce:
+    2(P−1) messages, ring); every received entry is decoded once and merged once, every sent
+    entry encoded once, so with e = Σ nbytes / (index_bytes + value_bytes) entries over the
+    steps, merged = e and encoded = 2e. TopkA also exchanges counts (an all-gather: P−1
+    messages) and scatter-adds all P contributions (its own included: merged = P·k). Dense
+    ring all-reduce: no control collective, no codec; its reduction is part of gloo's time.
+    """
+    if P == 1 or name == "dense":
+        return Work(0.0, 0.0, 0.0, 0.0)
+    E = index_bytes + value_bytes
+    payload = [s for s in steps if s.nbytes > 0]
+    e = sum(s.nbytes for s in payload) / E
+    control = 2.0 * (P - 1)
+    merged = e
+    if name in ("topka", "gaussiank"):
+        control += P - 1
+        merged = float(P * k)
+    return Work(control=control, calls=float(len(payload)), merged=merged, encoded=2.0 * e)

@@ -59,7 +59,7 @@ def at_scale(base: CostModel, P: int, net: Network) -> CostModel:
     return CostModel(P=P, order=list(base.order), numel=dict(base.numel),
                      elem_bytes=base.elem_bytes, backward=dict(base.backward),
                      sparsify=base.sparsify, offload=base.offload, allreduce=ab, allgather=ab,
-                     info=dict(base.info))
+                     info=dict(base.info), compute=base.compute)
 
 
 def predict(
@@ -90,8 +90,16 @@ def predict(
                                  densestream_ratio=densestream_ratio)
         backward = sum(cost.backward[t] for t in cost.order)
         sparsify = cost.t_sparsify(n)
-        comm = patterns.comm_time(steps, net.alpha, net.beta)
+        link = patterns.comm_time(steps, net.alpha, net.beta)
+        w = patterns.work(coll, steps, cost.P, k, cost.elem_bytes)
+        compute = 0.0
+        if cost.compute is not None:  # issue 14: the collective's CPU work
+            compute = cost.compute.collective(sum(s.messages for s in steps) + w.control,
+                                              merged=w.merged, encoded=w.encoded,
+                                              calls=max(w.calls, 1.0))
+        comm = link + compute
         row.update(collective=coll, backward_s=backward, sparsify_s=sparsify, comm_s=comm,
+                   link_s=link, compute_s=compute,
                    exposed_comm_s=comm, sync_end_s=backward + sparsify + comm,
                    volume_bytes=patterns.volume(steps),
                    messages=sum(s.messages for s in steps), buffers=1,
@@ -102,11 +110,16 @@ def predict(
                          min_density=min_density)
         tl = timeline_of(plan, cost)
         p = cost.P
+        compute = 0.0
+        for b in tl.buffers:
+            compute += (cost.t_compute_allreduce(b["ar_bytes"]) * ("ar_start" in b)
+                        + cost.t_compute_allgather(b["ag_bytes"]) * ("ag_start" in b))
         vol = sum(b["ar_bytes"] * 2 * (p - 1) / p + b["ag_bytes"] * (p - 1) for b in tl.buffers)
         msgs = sum(2 * (p - 1) * ("ar_start" in b) + (p - 1) * ("ag_start" in b)
                    for b in tl.buffers)
         row.update(collective=f"allreduce+{sch.collective}" if sch.sparse else "allreduce",
                    backward_s=tl.backward, sparsify_s=tl.sparsify, comm_s=tl.comm,
+                   link_s=tl.comm - compute, compute_s=compute,
                    exposed_comm_s=tl.exposed_comm, sync_end_s=tl.iteration, volume_bytes=vol,
                    messages=msgs, buffers=len(plan.buffers), union_density=None)
     row["forward_s"] = forward_s

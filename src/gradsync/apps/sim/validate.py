@@ -33,7 +33,7 @@ import statistics
 import time
 from typing import Any
 
-from gradsync.schedule.costmodel import CostModel
+from gradsync.schedule.costmodel import ComputeCost, CostModel
 
 __all__ = ["run_validation"]
 
@@ -74,6 +74,10 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
     from gradsync.schedule.costmodel import profile_collectives
 
     ar, ag = profile_collectives(None, sizes=(1 << 10, 1 << 14, 1 << 17), repeats=3)
+    # issue 14: the collectives' CPU work, fitted here under the same contention
+    from gradsync.schedule.costmodel import profile_compute
+
+    compute = profile_compute(repeats=repeats, numel=n, seed=seed + rank)
 
     results: dict[str, Any] = {}
     for scheme in schemes:
@@ -99,7 +103,8 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
             sync.close()
         results[scheme] = {"times": times, "stats": stats}
     dist.barrier()
-    return {"cost": cost.to_dict(), "forward_s": fwd, "step_s": stp, "union": union,
+    return {"cost": cost.to_dict(), "compute": compute.to_dict(), "forward_s": fwd,
+            "step_s": stp, "union": union,
             "allreduce_fit": vars(ar), "allgather_fit": vars(ag), "results": results}
 
 
@@ -149,6 +154,14 @@ def run_validation(a) -> int:
         costs = [CostModel.from_dict(r["cost"]) for r in res]
         slow = max(range(P), key=lambda r: sum(costs[r].backward.values()))
         cost = costs[slow]
+        # the collectives' CPU work: the slowest rank's merge/codec fit; the software cost per
+        # message is what the in-run all-gather fit's α has above the nominal α (tbf adds no
+        # propagation delay, so that α is gloo's and the kernel's per-message cost)
+        comp = [ComputeCost.from_dict(r["compute"]) for r in res]
+        cslow = max(range(P), key=lambda r: comp[r].merge(1 << 14) + comp[r].codec(1 << 14))
+        cost.compute = ComputeCost(
+            message=max(0.0, res[0]["allgather_fit"]["alpha"] - a.net.alpha),
+            merge=comp[cslow].merge, codec=comp[cslow].codec)
         fwd = max(r["forward_s"] for r in res)
         stp = max(r["step_s"] for r in res)
         union = {int(m): u for m, u in res[0]["union"].items()}
@@ -174,7 +187,11 @@ def run_validation(a) -> int:
             pred = predict(scheme, cost, P, a.net, a.density, union_gamma=g_use,
                            forward_s=fwd, step_s=stp, densestream_ratio=a.densestream_ratio,
                            bucket_bytes=int(a.bucket_mb * 2**20))
-            fit = predict(scheme, cost, P, fitted, a.density, union_gamma=g_use,
+            bare = CostModel.from_dict(cost.to_dict() | {"compute": None})
+            nocomp = predict(scheme, bare, P, a.net, a.density, union_gamma=g_use,
+                             forward_s=fwd, step_s=stp, densestream_ratio=a.densestream_ratio,
+                             bucket_bytes=int(a.bucket_mb * 2**20))
+            fit = predict(scheme, bare, P, fitted, a.density, union_gamma=g_use,
                           forward_s=fwd, step_s=stp, densestream_ratio=a.densestream_ratio,
                           bucket_bytes=int(a.bucket_mb * 2**20))
             rows.append({
@@ -189,6 +206,9 @@ def run_validation(a) -> int:
                 "predicted_sparsify_s": pred["sparsify_s"],
                 "measured_bytes_sent": med("bytes_sent"),
                 "predicted_volume_bytes": pred["volume_bytes"],
+                "predicted_no_compute_s": nocomp["iteration_s"],
+                "error_no_compute": (nocomp["iteration_s"] - meas) / meas,
+                "predicted_link_s": pred["link_s"], "predicted_compute_s": pred["compute_s"],
                 "predicted_fitted_s": fit["iteration_s"],
                 "error_fitted": (fit["iteration_s"] - meas) / meas,
                 "fitted_alpha_s": fitted.alpha, "fitted_beta_s_per_byte": fitted.beta,
@@ -209,11 +229,12 @@ def run_validation(a) -> int:
               f"{sum(info['cost_model']['backward'].values()) * 1e3:.1f} ms; all-gather fit "
               f"on this link α={info['allgather_fit']['alpha'] * 1e6:.0f} us, "
               f"β={info['allgather_fit']['beta']:.3g} s/B; {bound}")
-    cols = ["scheme", "P", "measured ms", "predicted ms", "error %", "pred fit-αβ ms",
-            "err fit %", "bwd meas ms",
+    cols = ["scheme", "P", "measured ms", "predicted ms", "error %", "err no-compute %",
+            "link pred ms", "compute pred ms", "err fit-αβ %", "bwd meas ms",
             "bwd pred ms", "wait meas ms", "exposed pred ms", "MB sent meas", "MB pred"]
     table = [[r["scheme"], r["P"], r["measured_s"] * 1e3, r["predicted_s"] * 1e3,
-              100 * r["error"], r["predicted_fitted_s"] * 1e3, 100 * r["error_fitted"],
+              100 * r["error"], 100 * r["error_no_compute"], r["predicted_link_s"] * 1e3,
+              r["predicted_compute_s"] * 1e3, 100 * r["error_fitted"],
               r["measured_backward_s"] * 1e3,
               r["predicted_backward_s"] * 1e3, r["measured_wait_s"] * 1e3,
               r["predicted_exposed_comm_s"] * 1e3, r["measured_bytes_sent"] / 1e6,
