@@ -148,3 +148,35 @@ def test_rejects_bad_arguments(argv, msg, tmp_path, capsys):
         conv.main([*argv, "--out", str(tmp_path)])
     assert e.value.code == 2
     assert msg in capsys.readouterr().err
+
+
+def test_train_spec_eval_every_is_validated():
+    from gradsync.apps.train import TrainSpec
+
+    assert TrainSpec(eval_every=5).eval_every == 5 and TrainSpec().eval_every == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="eval_every"):
+            TrainSpec(eval_every=bad)
+
+
+def test_readme_accuracy_paragraph_links_the_written_results():
+    """README's "Accuracy" claims: the command exists, the results page it links exists and
+    was written by the command (its recorded command parses with the command's own parser)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    section = readme.split("## Accuracy", 1)[1].split("\n## ", 1)[0]
+    assert "`python -m gradsync bench convergence`" in section
+    assert "(docs/results/convergence.md)" in section and "`--write-docs`" in section
+    page = (root / "docs" / "results" / "convergence.md").read_text()
+    assert "Written by the command, not by hand." in page and "machine: " in page
+    line = next(x for x in page.splitlines() if x.startswith("- command: `"))
+    command = line.removeprefix("- command: `").removesuffix("`")
+    prefix = "python -m gradsync bench convergence"
+    assert command.startswith(prefix)
+    import shlex
+
+    a = conv.parse_args(shlex.split(command.removeprefix(prefix)))
+    assert "ddp" in a.scheme_list and a.seeds >= 2
+    assert "| scheme |" in page and "Δ vs ddp [95% CI]" in page

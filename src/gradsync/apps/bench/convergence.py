@@ -99,7 +99,7 @@ def _std(xs: list[float]) -> float | None:
     return statistics.stdev(xs) if len(xs) > 1 else None
 
 
-def _parse(argv: list[str] | None) -> argparse.Namespace:
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from gradsync.apps import models
     from gradsync.apps.train import all_schemes
 
@@ -375,7 +375,7 @@ def write_docs(path: Path, results: list[tuple[list[dict], dict]], command: str,
 
 def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    a = _parse(argv)
+    a = parse_args(argv)
     if a.seeds < 2:
         print("note: with 1 seed there is no interval (shown as n/a); use --seeds 2 or more")
     if "ddp" not in a.scheme_list:
@@ -414,5 +414,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_SCHEMES", "T975", "aggregate", "main", "paired_ci", "t975", "table",
-           "write_docs"]
+__all__ = ["DEFAULT_SCHEMES", "T975", "aggregate", "main", "paired_ci", "parse_args", "t975",
+           "table", "write_docs"]

@@ -239,7 +239,6 @@ class TrainSpec:
                 "text_fallback": self.text_fallback,
                 "density": self.density, "sparsifier": self.sparsifier, "seed": self.seed,
                 "warmup_steps": self.warmup_steps, "eval_batches": self.eval_batches,
-                "eval_every": self.eval_every,
                 "bandwidth": self.bandwidth, "latency": self.latency}
 
 
