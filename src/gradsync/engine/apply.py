@@ -5,7 +5,9 @@ jobs, which of this rank's entries entered it (``kept``). Per tensor of the job:
 
 * ``.grad = sum / P``, in the parameter's dtype;
 * error feedback's second half: the residual keeps exactly what was not consumed,
-  ``residual = acc`` with the kept positions zeroed, so ``acc == sent + residual`` bit for bit
+  ``residual = acc`` with the kept positions zeroed (or holding the wire dtype's rounding
+  error, when residuals are fp32 and values travel in bf16/fp16), so
+  ``acc == sent + residual`` bit for bit
   (``docs/architecture.md``, "Contracts": conservation);
 * a tensor of which no entry was kept counts as *missing* (SSFusion Table I);
 * with auditing, one :class:`~gradsync.engine.audit.AuditRecord`.
@@ -54,19 +56,37 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
         stats.numel += hi - lo
         if job.mode is Mode.DENSE:
             stats.selected += hi - lo
+            residual = None
+            if ef.momentum:  # the velocity was sent whole: no residual, momentum kept
+                acc = launched.accs[n]
+                residual = ef.update(n, acc, torch.arange(hi - lo, device=acc.device),
+                                     _sent(acc, None, p.dtype))
             if sent:
                 acc = launched.audit_accs[n]
                 audit.record(AuditRecord(
                     step, n, job.mode.value, job.wire, acc,
                     torch.arange(hi - lo, device=acc.device),
-                    result.sent_values[lo:hi].clone(), torch.zeros_like(acc)))
+                    result.sent_values[lo:hi].clone(),
+                    torch.zeros_like(acc) if residual is None
+                    else residual.detach().reshape(-1).clone()))
             continue
         mine = owner == i
         local = kept[mine] - lo
-        residual = ef.update(n, launched.accs[n], local)
+        residual = ef.update(n, launched.accs[n], local,
+                             _sent(launched.accs[n], local, p.dtype))
         stats.selected += int(local.numel())
         stats.missing += int(local.numel() == 0)
         if sent:
             audit.record(AuditRecord(
                 step, n, job.mode.value, job.wire, launched.audit_accs[n], local.clone(),
                 kept_values[mine].clone(), residual.detach().reshape(-1).clone()))
+
+
+def _sent(acc: torch.Tensor, local: torch.Tensor | None, dtype: torch.dtype
+          ) -> torch.Tensor | None:
+    """The values that travelled for ``local`` (all of ``acc`` when None): ``acc``'s rounded to
+    the wire dtype, or None when no rounding happened (the residual keeps the rounding)."""
+    if acc.dtype == dtype:
+        return None
+    flat = acc.reshape(-1)
+    return (flat if local is None else flat[local]).to(dtype)

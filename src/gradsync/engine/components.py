@@ -48,8 +48,11 @@ class Components:
                             seed=sparsify.seed_for(self.seed, key, self.rank),
                             **self.sparsifier_options)
 
-    def new_collective(self) -> collectives.Collective:
-        return collectives.get(self.collective_name, **self.collective_options)
+    def new_collective(self, density: float | None = None) -> collectives.Collective:
+        options = dict(self.collective_options)
+        if density is not None and "density" in options:
+            options["density"] = density
+        return collectives.get(self.collective_name, **options)
 
     def sparsifier(self, key: str, density: float) -> sparsify.Sparsifier:
         """The sparsifier of ``key``; a new one when its planned density changed."""
@@ -59,10 +62,17 @@ class Components:
             self.sparsifiers[key] = sp
         return sp
 
-    def collective(self, key: str) -> collectives.Collective:
+    def collective(self, key: str, density: float | None = None) -> collectives.Collective:
+        """The collective of ``key``; ``density`` (DGC's warm-up) rebuilds one that selects at
+        a density of its own (Ok-Topk, SparDL) when it differs; None means
+        ``Config.density``."""
         coll = self.collectives.get(key)
+        if "density" in self.collective_options:
+            want = self.collective_options["density"] if density is None else density
+            if coll is not None and getattr(coll, "density", want) != want:
+                coll = None
         if coll is None:
-            coll = self.new_collective()
+            coll = self.new_collective(density)
             self.collectives[key] = coll
         return coll
 

@@ -6,9 +6,12 @@ the accepted values, so a typo fails before any process group work starts.
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import asdict, dataclass, fields
 from typing import Any
+
+import torch
 
 from gradsync import sparsify
 from gradsync.schedule import schemes
@@ -19,6 +22,8 @@ __all__ = ["ENGINE_SPARSIFIERS", "Config"]
 # so that experiments compare schemes, not sparsifiers.
 ENGINE_SPARSIFIERS = ("dgc", "topk", "gaussiank", "redsync", "sidco", "randomk")
 NONFINITE_POLICIES = ("raise", "skip_step")
+RESIDUAL_DTYPES = {"auto": "auto", "float32": torch.float32, "float64": torch.float64,
+                   "param": None}
 
 
 @dataclass(frozen=True)
@@ -57,6 +62,19 @@ class Config:
             top-k threshold is computed exactly every τ′ steps and reused in between (32, the
             paper's τ′). ``0`` turns reuse off: the scheme then selects with
             ``Config.sparsifier``.
+        residual_dtype: dtype of error feedback's residuals and DGC velocities: ``"auto"``
+            (default: fp32 for bf16/fp16 parameters, the parameter's dtype otherwise),
+            ``"float32"``, ``"float64"`` or ``"param"`` (the parameter's own dtype; 16-bit
+            residuals lose small entries to rounding, see ``gradsync.feedback``). Values still
+            travel in the parameter's dtype; the rounding stays in the residual.
+        density_warmup: DGC's warm-up (off by default, ``()``): the densities of the first
+            periods of training, each in (density, 1] and non-increasing, e.g.
+            ``(0.25, 0.0625, 0.015625, 0.004)`` (DGC's four warm-up epochs);
+            :meth:`dgc_warmup` builds the exponential schedule. After the last period the
+            target ``density`` applies.
+        density_warmup_steps: the length of one warm-up period in synchronized steps (an
+            epoch's steps for DGC's per-epoch schedule); required (> 0) with
+            ``density_warmup``.
     """
 
     scheme: str = "ssfusion_oi"
@@ -72,6 +90,9 @@ class Config:
     check_every: int = 0
     broadcast_initial: bool = True
     local_tau_prime: int = 32
+    residual_dtype: str = "auto"
+    density_warmup: tuple[float, ...] = ()
+    density_warmup_steps: int = 0
 
     def __post_init__(self) -> None:
         if self.scheme not in schemes.SCHEMES:
@@ -106,6 +127,47 @@ class Config:
                 or self.local_tau_prime < 0):
             raise ValueError(f"Config.local_tau_prime must be an integer >= 0 (0 = no threshold "
                              f"reuse), got {self.local_tau_prime!r}")
+        if self.residual_dtype not in RESIDUAL_DTYPES:
+            raise ValueError(f"Config.residual_dtype must be one of {tuple(RESIDUAL_DTYPES)}, "
+                             f"got {self.residual_dtype!r}")
+        if isinstance(self.density_warmup, list):  # from JSON/YAML
+            object.__setattr__(self, "density_warmup", tuple(self.density_warmup))
+        w = self.density_warmup
+        if not isinstance(w, tuple) or not all(
+                isinstance(d, (int, float)) and not isinstance(d, bool) for d in w):
+            raise ValueError(f"Config.density_warmup must be a tuple of densities, got {w!r}")
+        if (any(not self.density < d <= 1.0 for d in w)
+                or any(a < b for a, b in itertools.pairwise(w))):
+            raise ValueError(f"Config.density_warmup densities must lie in (density="
+                             f"{self.density}, 1] and not increase, got {w!r}")
+        if (not isinstance(self.density_warmup_steps, int)
+                or isinstance(self.density_warmup_steps, bool) or self.density_warmup_steps < 0
+                or (w and self.density_warmup_steps == 0)):
+            raise ValueError(f"Config.density_warmup_steps must be an integer >= 0, and > 0 with "
+                             f"density_warmup, got {self.density_warmup_steps!r}")
+
+    def density_at(self, step: int) -> float:
+        """The density of synchronized step ``step`` (``density_warmup``, then ``density``)."""
+        if self.density_warmup_steps:
+            period = step // self.density_warmup_steps
+            if period < len(self.density_warmup):
+                return float(self.density_warmup[period])
+        return self.density
+
+    @staticmethod
+    def dgc_warmup(density: float, periods: int) -> tuple[float, ...]:
+        """DGC's exponential warm-up: ``coeff^(e+1)`` for ``e < periods`` with
+        ``coeff = density^(1/(periods+1))`` (so the next period would be ``density``)."""
+        if int(periods) != periods or periods < 1:
+            raise ValueError(f"dgc_warmup: periods must be an integer >= 1, got {periods!r}")
+        sparsify.validate_density(density)
+        coeff = density ** (1.0 / (periods + 1))
+        return tuple(coeff ** (e + 1) for e in range(periods))
+
+    @property
+    def feedback_dtype(self) -> torch.dtype | str | None:
+        """``residual_dtype`` as :class:`gradsync.feedback.ErrorFeedback` takes it."""
+        return RESIDUAL_DTYPES[self.residual_dtype]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:

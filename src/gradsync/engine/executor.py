@@ -138,7 +138,7 @@ class Executor:
             if isinstance(part, Future):
                 part, s = part.result()
                 offload_s += s
-            sels.append(part)
+            sels.append(payload.wire(part))
         sel = concat(sels) if job.mode is Mode.PER_TENSOR else sels[0]
         sent_idx, sent_vals = ((sel.indices.clone(), sel.values.clone()) if self._audit
                                else (None, None))
@@ -146,7 +146,8 @@ class Executor:
             dense = sel.to_dense()
             stats = self._all_reduce(dense)
             return JobResult(dense, sel.indices, stats, offload_s, sent_idx, sent_vals)
-        res = self._collective(f"job:{index}")(sel, group=self.group, step=step)
+        res = self._collective(f"job:{index}", job.collective_density)(sel, group=self.group,
+                                                                        step=step)
         return JobResult(res.dense, res.kept, res.stats, offload_s, sent_idx, sent_vals)
 
     def _all_reduce(self, data: torch.Tensor):

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from concurrent.futures import Future
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from enum import StrEnum
 
 import torch
@@ -42,7 +42,7 @@ from gradsync.schedule import Plan
 from gradsync.sparsegrad import SparseGrad
 
 __all__ = ["Job", "JobResult", "Launched", "Mode", "Payload", "StepRun", "Transport",
-           "concat", "plan_jobs"]
+           "at_density", "concat", "plan_jobs"]
 
 
 class Mode(StrEnum):
@@ -73,11 +73,26 @@ class Job:
     # tensors SSFusion-O sparsifies on the worker thread (§IV-C)
     densities: dict[str, float | None] = field(default_factory=dict)
     offload: frozenset[str] = frozenset()
+    # the density the scheme's collective selects at (Ok-Topk, SparDL); None: Config.density
+    collective_density: float | None = None
 
     @property
     def wire(self) -> str:
         """``"allreduce"`` or the collective's name (what an audit record calls it)."""
         return self.collective if self.transport is Transport.COLLECTIVE else "allreduce"
+
+
+def at_density(job: Job, density: float, target: float) -> Job:
+    """``job`` during DGC's density warm-up (``Config.density_warmup``): every planned density
+    scaled by ``density / target`` (capped at 1, so SSFusion's compensation keeps its shape) and
+    the collective's own selection at ``density``. Dense jobs are returned unchanged."""
+    if job.mode is Mode.DENSE or density == target:
+        return job
+    f = density / target
+    return replace(job, density=None if job.density is None else min(1.0, job.density * f),
+                   densities={n: None if d is None else min(1.0, d * f)
+                              for n, d in job.densities.items()},
+                   collective_density=density)
 
 
 def plan_jobs(plan: Plan, collective: str, names: Sequence[str]) -> list[Job]:
@@ -124,6 +139,14 @@ class Payload:
 
     dense: torch.Tensor | None = None
     selections: list[SparseGrad | Future] = field(default_factory=list)
+    wire_dtype: torch.dtype | None = None  # selections' values are cast to it before sending
+
+    def wire(self, sel: SparseGrad) -> SparseGrad:
+        """``sel`` with its values in :attr:`wire_dtype` (the gradients' dtype)."""
+        if self.wire_dtype is None or sel.values.dtype == self.wire_dtype:
+            return sel
+        return SparseGrad(sel.indices, sel.values.to(self.wire_dtype), sel.numel,
+                          validate=False)
 
 
 @dataclass

@@ -6,7 +6,10 @@ For every tensor of the job, as soon as the job's tensors are all ready:
 1. **Non-finite check.** A gradient holding NaN/Inf is replaced by zeros, so it never enters a
    residual; the ranks agree on the step's fate after the collectives (``Config.nonfinite``).
 2. **Error feedback.** ``acc = residual + gradient`` (DGC's momentum correction when
-   ``Config.momentum`` > 0); dense jobs skip it and send the raw gradient.
+   ``Config.momentum`` > 0), in the residual dtype (fp32 for 16-bit gradients by default);
+   dense jobs skip it and send the raw gradient, unless ``Config.momentum`` > 0: then they send
+   the velocity (a tensor sent whole keeps its momentum, ``gradsync.feedback``). Values travel
+   in the gradient's dtype (``Payload.wire_dtype``); the rounding stays in the residual.
 3. **Selection**, as the plan decided:
 
    * ``fused`` (multi-tensor): the concatenated accumulators are sparsified as one vector at
@@ -59,17 +62,18 @@ def prepare(job: Job, index: int, grads: dict[str, torch.Tensor], ef: ErrorFeedb
         g = grads[n]
         if n in nonfinite:
             accs[n] = torch.zeros_like(g)  # never enters a residual; the step is agreed later
-        elif job.mode is Mode.DENSE:
+        elif job.mode is Mode.DENSE and not ef.momentum:
             accs[n] = g
-        else:
+        else:  # dense jobs with momentum keep a velocity (feedback.py: sent whole)
             accs[n] = ef.accumulate(n, g)
+    wire = grads[job.names[0]].dtype  # values travel in the gradients' dtype
     t0 = time.perf_counter()
     if job.mode is Mode.DENSE:
-        payload = Payload(dense=torch.cat([accs[n] for n in job.names]))
+        payload = Payload(dense=torch.cat([accs[n].to(grads[n].dtype) for n in job.names]))
     elif job.mode is Mode.FUSED:
         flat = torch.cat([accs[n] for n in job.names])
         sp = sparsifier(f"buffer:{index}", job.density)
-        payload = Payload(selections=[sp.select(flat, step)])
+        payload = Payload(selections=[sp.select(flat, step)], wire_dtype=wire)
     else:
         parts: list[SparseGrad | Future] = []
         for n in job.names:
@@ -81,5 +85,5 @@ def prepare(job: Job, index: int, grads: dict[str, torch.Tensor], ef: ErrorFeedb
                 parts.append(offload(sparsifier(n, d), accs[n], step))
             else:
                 parts.append(sparsifier(n, d).select(accs[n], step))
-        payload = Payload(selections=parts)
+        payload = Payload(selections=parts, wire_dtype=wire)
     return Prepared(accs, nonfinite, payload, time.perf_counter() - t0)

@@ -61,7 +61,7 @@ from gradsync.engine.consistency import (
     state_signature,
 )
 from gradsync.engine.executor import Executor
-from gradsync.engine.jobs import Job, Launched, StepRun, plan_jobs
+from gradsync.engine.jobs import Job, Launched, StepRun, at_density, plan_jobs
 from gradsync.engine.prepare import prepare
 from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.stats import StepStats
@@ -73,7 +73,8 @@ __all__ = ["GradSync"]
 # Config fields that change the trajectory: a checkpoint must be loaded with equal values.
 # (nonfinite, timeout_s and check_every may change between runs.)
 _RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "warmup_steps", "bucket_mb",
-                  "min_density", "seed")
+                  "min_density", "seed", "local_tau_prime", "residual_dtype", "density_warmup",
+                  "density_warmup_steps")
 
 
 class GradSync:
@@ -126,7 +127,7 @@ class GradSync:
             if self.cfg.broadcast_initial:
                 # DDP's rule: every replica starts from rank 0's parameters and buffers
                 broadcast_states(model, group, src=0)
-        self.ef = ErrorFeedback(momentum=self.cfg.momentum)
+        self.ef = ErrorFeedback(momentum=self.cfg.momentum, residual_dtype=self.cfg.feedback_dtype)
         self.step = 0
         self.plan: Plan | None = None
         self.cost: costmodel.CostModel | None = None
@@ -271,7 +272,7 @@ class GradSync:
         self.check_compatible(state)
         # build every component first, so a bad entry raises before the engine changes
         parts = self._parts.loaded(state)
-        ef = ErrorFeedback(momentum=self.cfg.momentum)
+        ef = ErrorFeedback(momentum=self.cfg.momentum, residual_dtype=self.cfg.feedback_dtype)
         ef.load_state_dict(state["feedback"])
         cost = costmodel.CostModel.from_dict(state["cost"]) if state["cost"] else None
         plan = Plan.from_dict(state["plan"]) if state["plan"] is not None else None
@@ -363,6 +364,7 @@ class GradSync:
         return p.grad.detach().reshape(-1)
 
     def _launch(self, job: Job, index: int) -> None:
+        job = at_density(job, self.cfg.density_at(self.step), self.cfg.density)  # DGC warm-up
         prep = prepare(job, index, {n: self._grad(n) for n in job.names}, self.ef,
                        self._parts.sparsifier, self._exec.offload, self.step)
         self._run.inline_sparsify_s += prep.sparsify_s

@@ -65,7 +65,8 @@ __all__ = ["DDP_SCHEMES", "HookState", "hook", "register"]
 DDP_SCHEMES = tuple(name for name, s in schemes.SCHEMES.items() if s.ddp_hook)
 SMALL_NUMEL = 102_400  # SSFusion Insight #2: ~200 KB of fp32
 # Config fields that change the hook's trajectory: a checkpoint must be loaded with equal values.
-RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "min_density", "seed")
+RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "min_density", "seed",
+                 "residual_dtype", "density_warmup", "density_warmup_steps")
 
 
 @dataclass
@@ -88,6 +89,7 @@ class HookState:
     last: CommStats = field(default_factory=CommStats)
     total: CommStats = field(default_factory=CommStats)
     calls: int = 0
+    steps: int = 0  # backward passes seen (DDP's last bucket of each); DGC's warm-up clock
     missing: int = 0
     tensors: int = 0
     shapes: list[tuple[str, tuple[int, ...]]] | None = None  # the model's, when known
@@ -103,7 +105,7 @@ class HookState:
                              f"{self.cfg.scheme!r} (use gradsync.GradSync for the others)")
         if self.small_numel < 0:
             raise ValueError(f"small_numel must be >= 0, got {self.small_numel}")
-        self.ef = ErrorFeedback(momentum=self.cfg.momentum)
+        self.ef = ErrorFeedback(momentum=self.cfg.momentum, residual_dtype=self.cfg.feedback_dtype)
         options = {k: getattr(self.cfg, k) for k in self.scheme.collective_options}
         self.collective = collectives.get(self.scheme.collective, **options)
 
@@ -142,7 +144,7 @@ class HookState:
         me = self.identity()
         return {"rank": me.rank, "world_size": me.world_size, "config": self.cfg.to_dict(),
                 "small_numel": self.small_numel, "params": self._params(),
-                "feedback": self.ef.state_dict(),
+                "feedback": self.ef.state_dict(), "steps": self.steps,
                 "sparsifiers": {k: s.state_dict() for k, s in self.sparsifiers.items()}}
 
     def check_compatible(self, state: dict[str, Any]) -> None:
@@ -171,13 +173,14 @@ class HookState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` of this rank; raises before changing anything."""
         self.check_compatible(state)
-        ef = ErrorFeedback(momentum=self.cfg.momentum)
+        ef = ErrorFeedback(momentum=self.cfg.momentum, residual_dtype=self.cfg.feedback_dtype)
         ef.load_state_dict(state["feedback"])
         sparsifiers = {}
         for k, s in state["sparsifiers"].items():
             sparsifiers[k] = self._new_sparsifier(k, s["density"])
             sparsifiers[k].load_state_dict(s)
         self.ef, self.sparsifiers = ef, sparsifiers
+        self.steps = int(state.get("steps", 0))
 
 
 def _densities(state: HookState, numels: list[int]) -> list[float | None]:
@@ -218,17 +221,28 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     buf = bucket.buffer()
     comm = Comm(state.group)
     P = comm.size
-    if not state.scheme.sparse:  # dense: a plain all-reduce
-        comm.all_reduce(buf)
-        buf.div_(P)
-        return _done(state, comm.stats, buf)
     params = bucket.parameters()
     numels = [p.numel() for p in params]
     names = [state.name_of(p) for p in params]
-    densities = _densities(state, numels)
     offsets = [0]
     for n in numels:
         offsets.append(offsets[-1] + n)
+    if not state.scheme.sparse:  # dense: a plain all-reduce (of the velocities, with momentum)
+        if state.ef.momentum:
+            accs = [state.ef.accumulate(name, buf[offsets[i]:offsets[i + 1]])
+                    for i, name in enumerate(names)]
+            buf.copy_(torch.cat(accs))  # rounded to the gradients' dtype; residual keeps it
+            for i, name in enumerate(names):
+                state.ef.update(name, accs[i], torch.arange(numels[i], device=buf.device),
+                                _sent(accs[i], buf[offsets[i]:offsets[i + 1]]))
+        comm.all_reduce(buf)
+        buf.div_(P)
+        return _done(state, comm.stats, buf, bucket.is_last())
+    densities = _densities(state, numels)
+    d_now = state.cfg.density_at(state.steps)  # DGC's warm-up (Config.density_warmup)
+    if d_now != state.cfg.density:
+        f = d_now / state.cfg.density
+        densities = [None if d is None else min(1.0, d * f) for d in densities]
     accs, sparse_parts, dense_parts = {}, [], []
     to_allreduce = state.scheme.interleave  # SSFusion-I: dense tensors in an all-reduce
     for i, (name, d) in enumerate(zip(names, densities)):
@@ -241,17 +255,18 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
                                                acc, acc.numel(), validate=False)))
         else:
             sparse_parts.append((i, state.sparsifier(name, d).select(acc)))
+    wire = buf.dtype  # values travel in the gradients' dtype (residuals may be fp32)
     out = torch.zeros_like(buf)
     kept_by_tensor: dict[int, torch.Tensor] = {}
     work = None
     if dense_parts:
-        flat = torch.cat([accs[names[i]] for i in dense_parts])
+        flat = torch.cat([accs[names[i]] for i in dense_parts]).to(wire)
         work = comm.all_reduce(flat, async_op=True)  # interleaved with the all-gather below
     stats = comm.stats
     try:
         if sparse_parts:
             idx = torch.cat([s.indices + offsets[i] for i, s in sparse_parts])
-            vals = torch.cat([s.values for _, s in sparse_parts])
+            vals = torch.cat([s.values for _, s in sparse_parts]).to(wire)
             res = state.collective(SparseGrad(idx, vals, buf.numel(), validate=False),
                                    group=state.group)
             out += res.dense
@@ -284,14 +299,27 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
             kept_by_tensor[i] = torch.arange(numels[i], device=buf.device)
             pos += numels[i]
     for i, name in enumerate(names):
-        state.ef.update(name, accs[name], kept_by_tensor[i])
+        k = kept_by_tensor[i]
+        state.ef.update(name, accs[name], k, _sent(accs[name].reshape(-1)[k], None, wire))
         state.tensors += 1
         state.missing += int(kept_by_tensor[i].numel() == 0)
     buf.copy_(torch.div(out, P))
-    return _done(state, stats, buf)
+    return _done(state, stats, buf, bucket.is_last())
 
 
-def _done(state: HookState, stats: CommStats, buf: torch.Tensor) -> torch.futures.Future:
+def _sent(acc: torch.Tensor, wire: torch.Tensor | None, dtype: torch.dtype | None = None
+          ) -> torch.Tensor | None:
+    """The values that travelled for ``acc`` (``wire``, or ``acc`` cast to ``dtype``); None when
+    they are ``acc`` itself (same dtype: nothing was rounded)."""
+    out_dtype = wire.dtype if wire is not None else dtype
+    if acc.dtype == out_dtype:
+        return None
+    return wire.reshape(-1) if wire is not None else acc.reshape(-1).to(out_dtype)
+
+
+def _done(state: HookState, stats: CommStats, buf: torch.Tensor,
+          last: bool = False) -> torch.futures.Future:
+    state.steps += int(last)
     state.last = stats
     state.total += stats
     state.calls += 1

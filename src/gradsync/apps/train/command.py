@@ -44,6 +44,9 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
                    help="local workers (ignored under torchrun)")
     p.add_argument("--density", type=float, default=d["density"])
     p.add_argument("--sparsifier", default=d["sparsifier"], choices=ENGINE_SPARSIFIERS)
+    p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
+                   help="DGC's warm-up: PERIODS periods of STEPS steps at exponentially "
+                        "decreasing densities before --density (gradsync schemes; default off)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--steps", type=int, default=None, help=f"default {DEFAULT_STEPS}")
     g.add_argument("--epochs", type=float, default=None,
@@ -83,7 +86,7 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
             batch_size=a.batch_size, lr=a.lr, density=a.density, sparsifier=a.sparsifier,
             seed=a.seed, warmup_steps=a.warmup_steps, eval_batches=a.eval_batches,
             bandwidth=a.bandwidth, latency=a.latency, timeout=a.timeout, out=a.out,
-            progress=not a.no_progress, fail_rank=a.fail_rank)
+            progress=not a.no_progress, fail_rank=a.fail_rank, density_warmup=a.density_warmup)
     except ValueError as e:
         p.error(str(e))
     try:  # a model needing a missing optional dependency fails here, not in every rank

@@ -15,9 +15,11 @@
 DDP runs with ``broadcast_buffers=False`` (the engine does not synchronize buffers either).
 
 Momentum (DGC §3.2): with sparse updates SGD's momentum moves into error feedback (momentum
-correction + factor masking) and the optimizer itself runs without momentum; otherwise the
-momentum of entries that are sent late is applied to stale values and the loss spikes. Dense
-schemes, torch's hooks and AdamW keep the optimizer's own state.
+correction, with factor masking on the compressed tensors only) and the optimizer itself runs
+without momentum; otherwise the momentum of entries that are sent late is applied to stale
+values and the loss spikes. Tensors sent whole keep ordinary momentum inside error feedback
+(``gradsync.feedback``), so at density 1 this is exactly SGD with momentum. Dense schemes,
+torch's hooks and AdamW keep the optimizer's own state.
 """
 
 from __future__ import annotations
@@ -75,9 +77,11 @@ class Runner:
 
         if self.choice.scheme is None:
             raise ValueError(f"{self.choice.name!r} is not a gradsync scheme")
+        warm, period = spec.warmup_schedule()
         return Config(scheme=self.choice.scheme.name, density=spec.density,
                       sparsifier=spec.sparsifier, seed=spec.seed,
-                      momentum=MOMENTUM if self.momentum_correction else 0.0, **extra)
+                      momentum=MOMENTUM if self.momentum_correction else 0.0,
+                      density_warmup=warm, density_warmup_steps=period, **extra)
 
     def metering(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

@@ -122,6 +122,9 @@ class TrainSpec:
         text_fallback: the language models train on gradsync's own source text (the corpus is
             not installed; :func:`gradsync.apps.train.resolve_data` decides).
         device: the device every rank trains on (``None``: CPU; torchrun sets ``cuda:<local>``).
+        density_warmup: DGC's warm-up for the gradsync schemes, ``"PERIODS:STEPS"``: PERIODS
+            periods of STEPS steps at exponentially decreasing densities
+            (``Config.dgc_warmup``), then ``density``; ``None``: off.
     """
 
     model: str = "cnn"
@@ -146,6 +149,7 @@ class TrainSpec:
     fail_rank: int | None = None
     text_fallback: bool = False
     device: str | None = None
+    density_warmup: str | None = None
 
     def __post_init__(self) -> None:
         from gradsync.apps import models
@@ -210,6 +214,23 @@ class TrainSpec:
             except ValueError as e:
                 raise ValueError(f"latency: {e}") from None
         _positive("timeout", self.timeout)
+        if self.density_warmup is not None:
+            self.warmup_schedule()  # raises on a malformed value
+
+    def warmup_schedule(self) -> tuple[tuple[float, ...], int]:
+        """``(Config.density_warmup, Config.density_warmup_steps)`` of :attr:`density_warmup`."""
+        from gradsync.engine.config import Config
+
+        if self.density_warmup is None:
+            return (), 0
+        try:
+            periods, steps = (int(v) for v in self.density_warmup.split(":"))
+            if periods < 1 or steps < 1:
+                raise ValueError
+        except ValueError:
+            raise ValueError(f"density_warmup: expected PERIODS:STEPS (two integers >= 1), got "
+                             f"{self.density_warmup!r}") from None
+        return Config.dgc_warmup(self.density, periods), steps
 
     @property
     def bandwidth_bps(self) -> int | None:
@@ -239,6 +260,7 @@ class TrainSpec:
                 "text_fallback": self.text_fallback,
                 "density": self.density, "sparsifier": self.sparsifier, "seed": self.seed,
                 "warmup_steps": self.warmup_steps, "eval_batches": self.eval_batches,
+                "density_warmup": self.density_warmup,
                 "bandwidth": self.bandwidth, "latency": self.latency}
 
 

@@ -1,0 +1,27 @@
+"""``python -m gradsync demo`` (``make demo``): its table reports test accuracy on the whole
+test split (README: "test accuracy on the whole 10,000-image test split")."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from gradsync.apps import demo
+from gradsync.apps.data import FASHION_MNIST_DIR
+
+
+@pytest.mark.skipif(not (Path(FASHION_MNIST_DIR) / "t10k-images-idx3-ubyte.gz").exists(),
+                    reason="needs the real Fashion-MNIST (make install puts it in as root)")
+def test_demo_evaluates_the_whole_test_split(tmp_path: Path, capsys) -> None:
+    rc = demo.main(["--steps", "2", "--world-size", "2", "--schemes", "ddp,topka",
+                    "--bandwidth", "loopback", "--out", str(tmp_path)])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "test accuracy: 10000 images of the fashion-mnist test split" in out
+    metrics = json.loads((tmp_path / "metrics.json").read_text())
+    runs = metrics["runs"]
+    assert [r["summary"]["scheme"] for r in runs] == ["ddp", "topka"]
+    assert all(r["summary"]["test_samples"] == 10_000 for r in runs)
+    assert all(0.0 <= r["summary"]["test_accuracy"] <= 1.0 for r in runs)

@@ -1,0 +1,128 @@
+"""DGC's density warm-up (issue 11, cause 6): ``Config.density_warmup``.
+
+The first periods run at exponentially decreasing densities, then the target. Checked: the
+schedule itself, its validation, the entries the engine really selects per step (audit, for a
+fused buffer and for Ok-Topk whose collective selects at a density of its own), conservation
+during the warm-up, and the DDP hook's bytes per step.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from conftest import image_batch, pin_profiles
+from gradsync import ddp as gddp
+from gradsync.apps.models import build
+from gradsync.engine import GradSync
+from gradsync.engine.config import Config
+from gradsync.testing import run_distributed
+
+WARM = (0.5, 0.2)
+
+
+def test_schedule_and_dgc_values() -> None:
+    c = Config(density=0.05, density_warmup=WARM, density_warmup_steps=3)
+    assert [c.density_at(s) for s in range(8)] == [0.5] * 3 + [0.2] * 3 + [0.05] * 2
+    assert Config(density=0.05).density_at(0) == 0.05  # off by default
+    # DGC: 25%, 6.25%, 1.5625%, 0.39% before 0.1% — coeff^(e+1) with coeff = d^(1/(E+1))
+    w = Config.dgc_warmup(0.001, 4)
+    assert w == pytest.approx([0.001 ** (e / 5) for e in range(1, 5)])
+    assert w[0] == pytest.approx(0.2512, abs=1e-4) and w[-1] == pytest.approx(0.00398, abs=1e-5)
+
+
+@pytest.mark.parametrize("kw, match", [
+    ({"density_warmup": (0.5,), "density_warmup_steps": 0}, "density_warmup_steps"),
+    ({"density_warmup": (0.2, 0.5), "density_warmup_steps": 2}, "not increase"),
+    ({"density_warmup": (0.01,), "density_warmup_steps": 2}, r"lie in \(density"),
+    ({"density_warmup": (1.5,), "density_warmup_steps": 2}, r"lie in \(density"),
+    ({"density_warmup": "0.5", "density_warmup_steps": 2}, "tuple of densities"),
+    ({"density_warmup_steps": -1}, "density_warmup_steps"),
+])
+def test_bad_schedules_fail_at_construction(kw: dict, match: str) -> None:
+    with pytest.raises(ValueError, match=match):
+        Config(density=0.05, **kw)
+
+
+def _engine_rank(rank: int, P: int, scheme: str) -> dict:
+    pin_profiles(backward=True)
+    model = build("mlp", seed=2)
+    n = sum(p.numel() for p in model.parameters())
+    cfg = Config(scheme=scheme, density=0.05, sparsifier="topk", warmup_steps=2,
+                 density_warmup=WARM, density_warmup_steps=2, local_tau_prime=0)
+    sync = GradSync(model, cfg, audit=True)
+    sent, conserved = [], True
+    for step in range(6):
+        model.zero_grad(set_to_none=True)
+        x, y = image_batch(rank, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        sync.synchronize()
+        sent.append(sum(r.sent_indices.numel() for r in sync.audit_log))
+        for r in sync.audit_log:
+            recon = torch.zeros_like(r.acc).index_put_((r.sent_indices,), r.sent_values,
+                                                       accumulate=True)
+            conserved &= bool(torch.equal(r.acc, recon + r.residual))
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(p.grad, alpha=-0.05)
+    sync.close()
+    return {"n": n, "sent": sent, "conserved": conserved}
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_engine_follows_the_schedule(P: int) -> None:
+    for rank_out in run_distributed(_engine_rank, P, "topka"):
+        n, sent = rank_out["n"], rank_out["sent"]
+        assert rank_out["conserved"]
+        want = [round(d * n) for d in (0.5, 0.5, 0.2, 0.2, 0.05, 0.05)]
+        assert sent == want, (sent, want)
+
+
+def test_oktopk_collective_selects_at_the_warmup_density() -> None:
+    for rank_out in run_distributed(_engine_rank, 2, "oktopk"):
+        n, sent = rank_out["n"], rank_out["sent"]
+        assert rank_out["conserved"]
+        # Ok-Topk keeps about k = density·n globally: the warm-up steps keep far more
+        assert min(sent[:2]) > 4 * max(sent[4:]), sent
+        assert max(sent[4:]) <= 2 * 0.05 * n, sent
+
+
+def _hook_rank(rank: int, P: int) -> list[int]:
+    model = build("mlp", seed=2)
+    wrapped = DDP(model)
+    state = gddp.register(wrapped, Config(scheme="per_tensor", density=0.05,
+                                          sparsifier="topk", density_warmup=WARM,
+                                          density_warmup_steps=2))
+    sent = []
+    for step in range(6):
+        wrapped.zero_grad(set_to_none=True)
+        x, y = image_batch(rank, step)
+        nn.functional.cross_entropy(wrapped(x), y).backward()
+        sent.append(state.total.bytes_sent)  # cumulative
+    assert state.steps == 6
+    dist.barrier()
+    return [state.steps, *sent]
+
+
+def test_ddp_hook_follows_the_schedule() -> None:
+    out = run_distributed(_hook_rank, 2)
+    steps, *cum = out[0]
+    assert steps == 6
+    per_step = [b - a for a, b in zip([0, *cum[:-1]], cum)]
+    # bytes fall with the density: 0.5 → 0.2 → 0.05
+    assert per_step[0] > 2 * per_step[2] > 0 and per_step[2] > 2 * per_step[4] > 0, per_step
+
+
+def test_train_flag() -> None:
+    from gradsync.apps.train.command import parse_args
+
+    spec = parse_args(["--scheme", "topka", "--density", "0.01", "--density-warmup", "4:10"])
+    warm, period = spec.warmup_schedule()
+    assert period == 10 and len(warm) == 4 and warm == Config.dgc_warmup(0.01, 4)
+    assert warm[0] == pytest.approx(0.01 ** 0.2)
+    with pytest.raises(SystemExit):
+        parse_args(["--density-warmup", "4"])
+    assert parse_args(["--scheme", "topka"]).warmup_schedule() == ((), 0)
