@@ -14,7 +14,7 @@ from gradsync.apps.bench import convergence as conv
 
 def test_tiny_run_end_to_end(tmp_path, capsys):
     P, steps = 2, 4
-    docs = tmp_path / "docs" / "convergence.md"
+    docs = tmp_path / "docs" / "study.md"
     argv = ["--model", "cnn,gpt_tiny", "--data", "synthetic", "--schemes", "ddp,topka",
             "--seeds", "2", "--steps", str(steps), "--world-size", str(P), "--batch-size", "8",
             "--eval-points", "2", "--image-eval-batches", "3", "--lm-eval-batches", "2",
@@ -59,8 +59,9 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
     assert data["meta"]["command"] in md and "machine: " in md and "date: " in md
     assert "| scheme | test acc % mean ± std |" in md and "| perplexity mean ± std |" in md
     assert md.count("| topka |") == 2 and md.count("| ddp |") == 2
-    assert (docs.parent / "convergence.json").exists()
-    assert (docs.parent / "convergence.png").exists()
+    assert json.loads((docs.parent / "study.json").read_text()) == data
+    assert (docs.parent / "study.png").stat().st_size > 1000
+    assert "[study.png](study.png)" in md
 
 
 def test_t_quantiles_against_the_t_distribution():

@@ -32,12 +32,17 @@ the evaluation spacing).
 Writes ``<out>/convergence.json`` (rows per model, every seed's final value, bytes and
 history) and ``<out>/convergence.png`` (metric against step, mean with a ±1 std band per
 scheme). ``--write-docs`` also writes ``docs/results/convergence.md`` (the tables, the exact
-command, the date, the machine and its load) and copies the JSON and PNG beside it.
+command, the date, the machine and its load) and copies the JSON and PNG beside it under the
+same name (``convergence.json``/``.png``; ``--write-docs docs/results/lm.md``: ``lm.json``…).
 
-Cost (measured 2026-11-23 on the 2-core machine, loaded, load average ~12): one CNN job of
-4 ranks × 80 steps × 10 schemes with 4 whole-split evaluations each takes about
-see ``DEFAULT_STEPS``; the default run (3 seeds, both models, 10 schemes) is sized to fit in
-about 30 minutes on 2 quiet cores.
+Cost (measured 2026-11-23 on the 2-core machine while loaded, load average 13–17, so the
+4 ranks got a fraction of the 2 cores): ``train --model cnn`` with 2 schemes × 80 steps × 4
+ranks and one whole-split evaluation took 71 s (≈ 30 s per scheme and seed);
+``train --model gpt_tiny`` with 2 schemes × 60 steps took 113 s (≈ 55 s per scheme and seed).
+The default run is 10 schemes × 3 seeds per model: CNN at 160 steps ≈ 30 × 55 s ≈ 28 min and
+TinyGPT at 60 steps ≈ 28 min on that loaded machine; on 2 quiet cores, where the ranks get
+the whole machine, that extrapolates to roughly 2–3× less, about 30 minutes for both (an
+estimate, not a measurement: see docs/results/convergence.md for a measured wall time).
 """
 
 from __future__ import annotations
@@ -58,7 +63,7 @@ from gradsync.apps.common import print_table, write_outputs
 DEFAULT_SCHEMES = ("ddp", "ddp_powersgd", "per_tensor", "multi_tensor", "cupcake", "topka",
                    "oktopk", "densestream", "ssfusion", "ssfusion_oi")
 DEFAULT_MODELS = ("cnn", "gpt_tiny")
-DEFAULT_STEPS = {"cnn": 80, "gpt_tiny": 60, "lstm": 60}  # per model unless --steps
+DEFAULT_STEPS = {"cnn": 160, "gpt_tiny": 60, "lstm": 60}  # per model unless --steps
 TEST_IMAGES = 10_000  # Fashion-MNIST's test split
 TARGET = 0.99  # time to reach 99 % of DDP's final mean accuracy
 DOCS_PATH = Path("docs/results/convergence.md")
@@ -118,6 +123,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--density", type=float, default=0.01)
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
+                   help="train's DGC density warm-up for the gradsync schemes (default off)")
     p.add_argument("--eval-points", type=int, default=4,
                    help="evaluations per run (evenly spaced, the last at the end)")
     p.add_argument("--image-eval-batches", type=int, default=None,
@@ -169,7 +176,7 @@ def _spec(a: argparse.Namespace, model: str, seed: int):
                          world_size=a.world_size, steps=steps, batch_size=a.batch_size,
                          density=a.density, seed=seed, eval_batches=n_eval,
                          eval_every=max(1, steps // a.eval_points), timeout=a.timeout,
-                         progress=False)
+                         progress=False, density_warmup=a.density_warmup)
     except ValueError as e:
         raise SystemExit(f"python -m gradsync bench convergence: error: {e}") from None
     return resolve_data(spec, quiet=seed != 1)
@@ -253,6 +260,7 @@ def _run_model(a: argparse.Namespace, model: str) -> tuple[list[dict], dict]:
             "eval_batches": spec.eval_batches, "eval_every": spec.eval_every,
             "evaluated": evaluated,
             "world_size": spec.world_size, "density": spec.density,
+            "density_warmup": spec.density_warmup,
             "text_fallback": spec.text_fallback, "link": link.get("link", "loopback")}
     return rows, info
 
@@ -405,7 +413,7 @@ def main(argv: list[str] | None = None) -> int:
         arts = []
         for p in (jpath, ppath):
             if p is not None:
-                dst = dpath.parent / p.name
+                dst = dpath.parent / (dpath.stem + p.suffix)  # beside it, its name
                 dpath.parent.mkdir(parents=True, exist_ok=True)
                 if p.resolve() != dst.resolve():
                     shutil.copyfile(p, dst)
