@@ -365,7 +365,8 @@ def write_docs(path: Path, results: list[tuple[list[dict], dict]], command: str,
              "and rank-0 training seconds to the first evaluation point that reaches it "
              "(resolution: the evaluation spacing), mean over the seeds that reach it.",
              "- MB/step: bytes each rank sends per step, counted at the torch.distributed "
-             "call.", ""]
+             "call (train's `bytes_per_step`: mean over ranks and the steps after the first "
+             "warmup_steps + 1), mean over seeds.", ""]
     for rows, info in results:
         cols, cells = table(rows, info)
         lines += [f"## {_title(info, len(rows[0]['seeds']) if rows else 0)}", "",
