@@ -39,10 +39,12 @@ Cost (measured 2026-11-23 on the 2-core machine while loaded, load average 13–
 4 ranks got a fraction of the 2 cores): ``train --model cnn`` with 2 schemes × 80 steps × 4
 ranks and one whole-split evaluation took 71 s (≈ 30 s per scheme and seed);
 ``train --model gpt_tiny`` with 2 schemes × 60 steps took 113 s (≈ 55 s per scheme and seed).
-The default run is 10 schemes × 3 seeds per model: CNN at 160 steps ≈ 30 × 55 s ≈ 28 min and
-TinyGPT at 60 steps ≈ 28 min on that loaded machine; on 2 quiet cores, where the ranks get
-the whole machine, that extrapolates to roughly 2–3× less, about 30 minutes for both (an
-estimate, not a measurement: see docs/results/convergence.md for a measured wall time).
+The default run is 10 schemes × 3 seeds per model. Measured for the CNN part
+(``--model cnn --seeds 3``, 160 steps, 4 whole-split evaluations per run): 824 s, 1039 s and
+342 s for seeds 1–3 (load average 20–44 for the first two, ~8 for the third), 36.8 min in all
+(docs/results/convergence.md). Extrapolated to 2 quiet cores: CNN ≤ 3 × 342 s ≈ 17 min, and
+TinyGPT (60 steps, 113 s loaded for 2 schemes) about 10 min: the default run fits in about 30
+minutes (an extrapolation; the TinyGPT part of the default study was not run here).
 """
 
 from __future__ import annotations
