@@ -26,9 +26,10 @@ __all__ = ["evaluate", "progress_bar", "train_scheme", "train_worker"]
 
 def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                  device: torch.device, progress: Any = None) -> dict:
-    """Train one scheme on this rank; returns ``{"scheme", "task", "records", "eval"}``
-    (``records``: one dict per step, the ``steps`` fields of ``metrics.json``; ``eval``: rank
-    0's evaluation, empty elsewhere)."""
+    """Train one scheme on this rank; returns ``{"scheme", "task", "records", "eval",
+    "history"}`` (``records``: one dict per step, the ``steps`` fields of ``metrics.json``;
+    ``eval``: rank 0's evaluation, empty elsewhere; ``history``: with ``spec.eval_every``, rank
+    0's ``{"step", "elapsed_s", **evaluation}`` every ``eval_every`` steps and at the end)."""
     from gradsync.apps import models
 
     model = models.build(spec.model, seed=spec.seed).to(device)
@@ -39,6 +40,7 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
     runner = make_runner(choice, model, spec, device, P)
     opt = make_optimizer(model, spec.adamw, spec.lr, runner.momentum_correction)
     records: list[dict] = []
+    history: list[dict] = []
     elapsed = 0.0
     task_id = None
     if progress is not None:
@@ -69,15 +71,22 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                        "elapsed_s": elapsed, "samples_per_s": P * spec.batch_size / dt,
                        "warmup": step <= spec.warmup_steps, **runner.step_metrics(tb, tw)}
                 records.append(rec)
+                if (rank == 0 and spec.eval_every and (step + 1) % spec.eval_every == 0
+                        and step + 1 < steps):  # the final point is added below
+                    history.append({"step": step + 1, "elapsed_s": elapsed,
+                                    **evaluate(model, task, data, spec.eval_batches)})
                 if progress is not None:
                     progress.update(task_id, advance=1, loss=rec["loss"],
                                     sps=rec["samples_per_s"])
         evaluation = evaluate(model, task, data, spec.eval_batches) if rank == 0 else {}
+        if rank == 0 and spec.eval_every:
+            history.append({"step": steps, "elapsed_s": elapsed, **evaluation})
     finally:
         runner.close()
     if dist.is_initialized() and P > 1:
         dist.barrier()  # the next scheme starts together
-    return {"scheme": choice.name, "task": task, "records": records, "eval": evaluation}
+    return {"scheme": choice.name, "task": task, "records": records, "eval": evaluation,
+            "history": history}
 
 
 @torch.no_grad()

@@ -111,6 +111,8 @@ class TrainSpec:
         warmup_steps: the engine's profiling steps; the first ``warmup_steps + 1`` steps are
             not measured.
         eval_batches: test batches for accuracy / perplexity (0: no evaluation).
+        eval_every: rank 0 also evaluates every this many steps (and at the end) into the
+            run's ``history`` (0: only the final evaluation; ``bench convergence`` uses it).
         bandwidth, latency: tbf-shaped per-rank links (``latency`` is tbf's queueing bound, not
             a propagation delay); ``None``: loopback.
         timeout: seconds before a hung job is stopped.
@@ -138,6 +140,7 @@ class TrainSpec:
     seed: int = 0
     warmup_steps: int = 5
     eval_batches: int = 20
+    eval_every: int = 0
     bandwidth: str | None = None
     latency: str | None = None
     timeout: float = 900.0
@@ -197,6 +200,7 @@ class TrainSpec:
             raise ValueError(f"seed must be an integer, got {self.seed!r}")
         _int("warmup_steps", self.warmup_steps, 1)
         _int("eval_batches", self.eval_batches, 0)
+        _int("eval_every", self.eval_every, 0)
         if self.bandwidth is not None:
             try:
                 netem.parse_bandwidth(self.bandwidth)

@@ -1,0 +1,429 @@
+"""``python -m gradsync bench convergence``: does a scheme cost accuracy? Schemes × seeds × a
+fixed step budget, compared with DDP (issue 11, "The study").
+
+``python -m gradsync bench convergence [--model cnn,gpt_tiny] [--schemes …] [--seeds 3]
+[--steps N] [--world-size 4] [--density 0.01] [--out DIR] [--write-docs [PATH]]``
+
+Each (model, seed) is one ``python -m gradsync train`` job (:func:`gradsync.apps.train.launch`,
+loopback gloo ranks) that trains every scheme in turn from the same initial model on the same
+seeded data shards in the same order, so seed ``s`` gives every scheme the same data order and
+differences between schemes are paired by seed. Seeds are ``1 … --seeds``.
+
+Workloads (``--model``, comma-separated; default both):
+
+* ``cnn``: the CNN on Fashion-MNIST, test accuracy on the **whole** 10,000-image test split
+  (``eval_batches = ceil(10000 / batch)``);
+* ``gpt_tiny`` (or ``lstm``): a language model on the text corpus, perplexity on
+  ``--lm-eval-batches`` seeded windows of the held-out last 10 % of the corpus.
+
+Rank 0 also evaluates at ``--eval-points`` evenly spaced steps (``TrainSpec.eval_every``) for
+the accuracy-against-step curves and the time to a target.
+
+Per model and scheme the table gives: mean ± std over seeds (sample std) of the final accuracy
+(or perplexity); the mean paired difference to ``ddp`` with its 95 % interval
+``mean(d) ± t_{0.975, n-1} · sd(d) / sqrt(n)`` over the seeds' differences ``d`` (``n/a`` with
+fewer than 2 seeds or without ``ddp``); bytes each rank sends per step (counted at the
+torch.distributed call, the train summary's ``bytes_per_step``, mean over seeds); and the steps
+and rank-0 training seconds (evaluation excluded) until the first evaluation point at which
+the scheme reaches 99 % of DDP's mean final accuracy (perplexity: at most DDP's / 0.99), mean
+over the seeds that reach it, with how many did ("not reached" otherwise; the resolution is
+the evaluation spacing).
+
+Writes ``<out>/convergence.json`` (rows per model, every seed's final value, bytes and
+history) and ``<out>/convergence.png`` (metric against step, mean with a ±1 std band per
+scheme). ``--write-docs`` also writes ``docs/results/convergence.md`` (the tables, the exact
+command, the date, the machine and its load) and copies the JSON and PNG beside it under the
+same name (``convergence.json``/``.png``; ``--write-docs docs/results/lm.md``: ``lm.json``…).
+
+Cost (measured 2026-11-23 on the 2-core machine while loaded, load average 13–17, so the
+4 ranks got a fraction of the 2 cores): ``train --model cnn`` with 2 schemes × 80 steps × 4
+ranks and one whole-split evaluation took 71 s (≈ 30 s per scheme and seed);
+``train --model gpt_tiny`` with 2 schemes × 60 steps took 113 s (≈ 55 s per scheme and seed).
+The default run is 10 schemes × 3 seeds per model. Measured for the CNN part
+(``--model cnn --seeds 3``, 160 steps, 4 whole-split evaluations per run): 824 s, 1039 s and
+342 s for seeds 1–3 (load average 20–44 for the first two, ~8 for the third), 36.8 min in all
+(docs/results/convergence.md). Extrapolated to 2 quiet cores: CNN ≤ 3 × 342 s ≈ 17 min, and
+TinyGPT (60 steps, 113 s loaded for 2 schemes) about 10 min: the default run fits in about 30
+minutes (an extrapolation; the TinyGPT part of the default study was not run here).
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from gradsync.apps.common import print_table, write_outputs
+
+DEFAULT_SCHEMES = ("ddp", "ddp_powersgd", "per_tensor", "multi_tensor", "cupcake", "topka",
+                   "oktopk", "densestream", "ssfusion", "ssfusion_oi")
+DEFAULT_MODELS = ("cnn", "gpt_tiny")
+DEFAULT_STEPS = {"cnn": 160, "gpt_tiny": 60, "lstm": 60}  # per model unless --steps
+TEST_IMAGES = 10_000  # Fashion-MNIST's test split
+TARGET = 0.99  # time to reach 99 % of DDP's final mean accuracy
+DOCS_PATH = Path("docs/results/convergence.md")
+
+# t_{0.975, df}, df = 1 … 30 (two-sided 95 %), from the standard tables.
+T975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004,
+        2.262157, 2.228139, 2.200985, 2.178813, 2.160369, 2.144787, 2.131450, 2.119905,
+        2.109816, 2.100922, 2.093024, 2.085963, 2.079614, 2.073873, 2.068658, 2.063899,
+        2.059539, 2.055529, 2.051831, 2.048407, 2.045230, 2.042272)
+
+
+def t975(df: int) -> float:
+    """Student's t quantile t_{0.975, df}: the table for df ≤ 30, beyond it the Cornish–Fisher
+    expansion around z = 1.959964 (error < 1e-4 for df > 30)."""
+    if isinstance(df, bool) or not isinstance(df, int) or df < 1:
+        raise ValueError(f"degrees of freedom must be an integer >= 1, got {df!r}")
+    if df <= len(T975):
+        return T975[df - 1]
+    z = 1.959963984540054
+    return (z + (z**3 + z) / (4 * df) + (5 * z**5 + 16 * z**3 + 3 * z) / (96 * df**2)
+            + (3 * z**7 + 19 * z**5 + 17 * z**3 - 15 * z) / (384 * df**3))
+
+
+def paired_ci(xs: list[float], base: list[float]) -> dict[str, Any]:
+    """Mean paired difference ``xs[i] - base[i]`` and its 95 % t interval over the pairs;
+    ``half``/``low``/``high`` are ``None`` with fewer than 2 pairs."""
+    if len(xs) != len(base) or not xs:
+        raise ValueError(f"paired_ci needs equally many values, got {len(xs)} and {len(base)}")
+    d = [a - b for a, b in zip(xs, base)]
+    mean = statistics.fmean(d)
+    if len(d) < 2:
+        return {"mean": mean, "half": None, "low": None, "high": None, "n": len(d)}
+    half = t975(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
+    return {"mean": mean, "half": half, "low": mean - half, "high": mean + half, "n": len(d)}
+
+
+def _std(xs: list[float]) -> float | None:
+    return statistics.stdev(xs) if len(xs) > 1 else None
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from gradsync.apps import models
+    from gradsync.apps.train import all_schemes
+
+    p = argparse.ArgumentParser(prog="python -m gradsync bench convergence",
+                                description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=",".join(DEFAULT_MODELS),
+                   help="comma-separated: cnn (Fashion-MNIST accuracy) and/or a language "
+                        "model, gpt_tiny or lstm (perplexity); default both cnn,gpt_tiny")
+    p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
+                   help="comma-separated; ddp should be among them (the reference)")
+    p.add_argument("--seeds", type=int, default=3, help="seeds 1 … N (>= 2 for the interval)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="steps per scheme (default: " + ", ".join(
+                       f"{k} {v}" for k, v in DEFAULT_STEPS.items()) + ")")
+    p.add_argument("--world-size", type=int, default=4)
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
+                   help="train's DGC density warm-up for the gradsync schemes (default off)")
+    p.add_argument("--eval-points", type=int, default=4,
+                   help="evaluations per run (evenly spaced, the last at the end)")
+    p.add_argument("--image-eval-batches", type=int, default=None,
+                   help="test batches for accuracy (default: the whole test split)")
+    p.add_argument("--lm-eval-batches", type=int, default=20,
+                   help="held-out windows (batches) for the perplexity")
+    p.add_argument("--data", default=None, help="override the data set (synthetic for tests)")
+    p.add_argument("--out", default="bench-out/convergence")
+    p.add_argument("--write-docs", nargs="?", const=str(DOCS_PATH), default=None,
+                   metavar="PATH", help=f"also write PATH (default {DOCS_PATH}) with the "
+                                        "table, command, date and machine")
+    p.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
+    a = p.parse_args(argv)
+    a.models = [m.strip() for m in a.model.split(",") if m.strip()]
+    a.scheme_list = [s.strip() for s in a.schemes.split(",") if s.strip()]
+    known = set(all_schemes())
+    bad = [s for s in a.scheme_list if s not in known]
+    if bad or not a.scheme_list:
+        p.error(f"--schemes: unknown {bad or a.scheme_list}; choose from "
+                f"{', '.join(all_schemes())}")
+    if len(set(a.scheme_list)) != len(a.scheme_list):
+        p.error("--schemes names a scheme twice")
+    for m in a.models:
+        if m not in models.names():
+            p.error(f"--model: unknown {m!r}; choose from {', '.join(models.names())}")
+    if not a.models:
+        p.error("--model: give at least one model")
+    if a.seeds < 1:
+        p.error(f"--seeds must be >= 1, got {a.seeds}")
+    if a.steps is not None and a.steps < 1:
+        p.error(f"--steps must be >= 1, got {a.steps}")
+    if a.eval_points < 1:
+        p.error(f"--eval-points must be >= 1, got {a.eval_points}")
+    return a
+
+
+def _spec(a: argparse.Namespace, model: str, seed: int):
+    from gradsync.apps import models
+    from gradsync.apps.train import TrainSpec, resolve_data
+
+    image = models.task(model) == "image"
+    steps = a.steps or DEFAULT_STEPS.get(model, 80)
+    if image:
+        n_eval = a.image_eval_batches or math.ceil(TEST_IMAGES / a.batch_size)
+    else:
+        n_eval = a.lm_eval_batches
+    try:
+        spec = TrainSpec(model=model, schemes=tuple(a.scheme_list), data=a.data,
+                         world_size=a.world_size, steps=steps, batch_size=a.batch_size,
+                         density=a.density, seed=seed, eval_batches=n_eval,
+                         eval_every=max(1, steps // a.eval_points), timeout=a.timeout,
+                         progress=False, density_warmup=a.density_warmup)
+    except ValueError as e:
+        raise SystemExit(f"python -m gradsync bench convergence: error: {e}") from None
+    return resolve_data(spec, quiet=seed != 1)
+
+
+def _metric(task: str) -> tuple[str, bool]:
+    """(summary key, higher is better)."""
+    return ("test_accuracy", True) if task == "image" else ("perplexity", False)
+
+
+def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
+              schemes: list[str]) -> list[dict]:
+    """Rows per scheme from ``per_seed[seed] = [{"scheme", "final", "bytes_per_step",
+    "history"}, …]`` (see the module docstring for the fields)."""
+    key, higher = _metric(task)
+    seeds = sorted(per_seed)
+    by = {s: [next(r for r in per_seed[sd] if r["scheme"] == s) for sd in seeds] for s in schemes}
+    ddp = by.get("ddp")
+    ddp_mean = statistics.fmean([r["final"] for r in ddp]) if ddp else None
+    target = None
+    if ddp_mean is not None:
+        target = TARGET * ddp_mean if higher else ddp_mean / TARGET
+    rows = []
+    for s in schemes:
+        finals = [r["final"] for r in by[s]]
+        row: dict[str, Any] = {
+            "model": model, "scheme": s, "metric": key, "seeds": seeds, "finals": finals,
+            "mean": statistics.fmean(finals), "std": _std(finals),
+            "bytes_per_step": statistics.fmean([r["bytes_per_step"] for r in by[s]]),
+            "diff_vs_ddp": None, "target": target, "steps_to_target": None,
+            "seconds_to_target": None, "reached": None,
+            "history": [r["history"] for r in by[s]]}
+        if ddp is not None:
+            row["diff_vs_ddp"] = paired_ci(finals, [r["final"] for r in ddp])
+        if target is not None and all(r["history"] for r in by[s]):
+            hits = []
+            for r in by[s]:
+                hit = next((h for h in r["history"]
+                            if (h[key] >= target if higher else h[key] <= target)), None)
+                if hit is not None:
+                    hits.append(hit)
+            row["reached"] = len(hits)
+            if hits:
+                row["steps_to_target"] = statistics.fmean([h["step"] for h in hits])
+                row["seconds_to_target"] = statistics.fmean([h["elapsed_s"] for h in hits])
+        rows.append(row)
+    return rows
+
+
+def _run_model(a: argparse.Namespace, model: str) -> tuple[list[dict], dict]:
+    from gradsync.apps import models, train
+    from gradsync.testing import DistributedError, DistributedTimeout
+
+    key, _ = _metric(models.task(model))
+    per_seed: dict[int, list[dict]] = {}
+    evaluated = None  # test images (accuracy) or target tokens (perplexity) per evaluation
+    spec = None
+    link: dict = {}
+    for seed in range(1, a.seeds + 1):
+        spec = _spec(a, model, seed)
+        t0 = time.perf_counter()
+        try:
+            results, link = train.launch(spec)
+        except (DistributedError, DistributedTimeout) as e:
+            raise RuntimeError(f"{model} seed {seed} failed: {e}") from e
+        runs = train.summarize(results, spec.warmup_steps)
+        rank0 = next(r for r in results if r["rank"] == 0)
+        ev = rank0["runs"][0]["eval"]
+        evaluated = ev.get("test_samples", ev.get("eval_tokens"))
+        per_seed[seed] = [{"scheme": r["scheme"], "final": r["summary"][key],
+                           "bytes_per_step": r["summary"]["bytes_per_step"],
+                           "history": [{k: h[k] for k in ("step", "elapsed_s", key)}
+                                       for h in rr.get("history", [])]}
+                          for r, rr in zip(runs, rank0["runs"])]
+        print(f"bench convergence: {model} seed {seed}: {len(runs)} schemes in "
+              f"{time.perf_counter() - t0:.0f} s", flush=True)
+    assert spec is not None
+    rows = aggregate(model, models.task(model), per_seed, a.scheme_list)
+    info = {"model": model, "task": models.task(model), "data": spec.data, "metric": key,
+            "steps": spec.steps, "batch_size": spec.batch_size, "lr": spec.lr,
+            "eval_batches": spec.eval_batches, "eval_every": spec.eval_every,
+            "evaluated": evaluated,
+            "world_size": spec.world_size, "density": spec.density,
+            "density_warmup": spec.density_warmup,
+            "text_fallback": spec.text_fallback, "link": link.get("link", "loopback")}
+    return rows, info
+
+
+def _fmt(v: float | None, fmt: str = "{:.2f}") -> str:
+    return "n/a" if v is None else fmt.format(v)
+
+
+def table(rows: list[dict], info: dict) -> tuple[list[str], list[list[str]]]:
+    """Columns and formatted cells of one model's table (printed and written to the docs)."""
+    acc = info["metric"] == "test_accuracy"
+    scale = 100.0 if acc else 1.0
+    name = "test acc %" if acc else "perplexity"
+    cols = ["scheme", f"{name} mean ± std", "Δ vs ddp [95% CI]", "MB/step",
+            "steps to target", "s to target"]
+    out = []
+    for r in rows:
+        std = "" if r["std"] is None else f" ± {scale * r['std']:.2f}"
+        d = r["diff_vs_ddp"]
+        if d is None:
+            dcell = "n/a (no ddp)"
+        elif r["scheme"] == "ddp":
+            dcell = "0"
+        elif d["half"] is None:
+            dcell = f"{scale * d['mean']:+.2f} [n/a: 1 seed]"
+        else:
+            dcell = f"{scale * d['mean']:+.2f} [{scale * d['low']:+.2f}, {scale * d['high']:+.2f}]"
+        if r["reached"] is None:
+            st = ss = "n/a"
+        elif r["reached"] == 0:
+            st = ss = "not reached"
+        else:
+            k = f" ({r['reached']}/{len(r['seeds'])})" if r["reached"] < len(r["seeds"]) else ""
+            st, ss = f"{r['steps_to_target']:.0f}{k}", f"{r['seconds_to_target']:.1f}{k}"
+        out.append([r["scheme"], f"{scale * r['mean']:.2f}{std}", dcell,
+                    f"{r['bytes_per_step'] / 1e6:.4f}", st, ss])
+    return cols, out
+
+
+def _title(info: dict, n_seeds: int) -> str:
+    n = info.get("evaluated")
+    if info["metric"] == "test_accuracy":
+        what = ("accuracy on the whole test split" if n == TEST_IMAGES
+                else f"accuracy on {n} test images")
+    else:
+        what = f"held-out perplexity ({n} tokens)"
+    return (f"{info['model']} on {info['data']} — {what}; P={info['world_size']}, "
+            f"{info['steps']} steps × {info['batch_size']}/rank, density {info['density']}, "
+            f"{n_seeds} seeds, {info['link']}")
+
+
+def _plot(results: list[tuple[list[dict], dict]]):
+    def plot(ax) -> None:
+        fig = ax.figure
+        fig.set_size_inches(7 * len(results), 4.8)
+        ax.remove()
+        axes = fig.subplots(1, len(results), squeeze=False)[0]
+        for axis, (rows, info) in zip(axes, results):
+            acc = info["metric"] == "test_accuracy"
+            scale = 100.0 if acc else 1.0
+            for r in rows:
+                hs = [h for h in r["history"] if h]
+                if hs and all(len(h) == len(hs[0]) for h in hs):
+                    steps = [p["step"] for p in hs[0]]
+                    vals = [[scale * h[i][info["metric"]] for h in hs] for i in range(len(steps))]
+                    mean = [statistics.fmean(v) for v in vals]
+                    sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
+                    line, = axis.plot(steps, mean, marker="o", ms=3, label=r["scheme"])
+                    axis.fill_between(steps, [m - s for m, s in zip(mean, sd)],
+                                      [m + s for m, s in zip(mean, sd)],
+                                      color=line.get_color(), alpha=0.15)
+            if rows and rows[0]["target"] is not None:
+                axis.axhline(scale * rows[0]["target"], color="gray", ls=":", lw=1,
+                             label="99% of ddp")
+            axis.set_xlabel("step")
+            axis.set_ylabel("test accuracy %" if acc else "held-out perplexity")
+            axis.set_title(_title(info, len(rows[0]["seeds"]) if rows else 0), fontsize=8)
+            axis.legend(fontsize=7, ncol=2)
+
+    return plot
+
+
+def _machine_note() -> str:
+    cpus = os.cpu_count() or 0
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    state = "loaded" if load > 0.75 * cpus else "quiet"
+    return f"machine: {cpus} cores, {state} (1-min load average {load:.1f} at the end)"
+
+
+def write_docs(path: Path, results: list[tuple[list[dict], dict]], command: str, wall: float,
+               artifacts: list[Path]) -> Path:
+    """The markdown page: one table per model, the command, the date and the machine."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = ["# Convergence study (`python -m gradsync bench convergence`)", "",
+             "Written by the command, not by hand.", "",
+             f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
+             f"- command: `{command}`",
+             f"- {_machine_note()}; wall time {wall / 60:.1f} min",
+             "- Δ vs ddp: mean over seeds of the paired difference (same seed, same data "
+             "order), 95 % interval mean ± t(0.975, n−1)·sd/√n; accuracy in points.",
+             "- target: 99 % of ddp's mean final accuracy (perplexity: ddp's / 0.99); steps "
+             "and rank-0 training seconds to the first evaluation point that reaches it "
+             "(resolution: the evaluation spacing), mean over the seeds that reach it.",
+             "- MB/step: bytes each rank sends per step, counted at the torch.distributed "
+             "call (train's `bytes_per_step`: mean over ranks and the steps after the first "
+             "warmup_steps + 1), mean over seeds.", ""]
+    for rows, info in results:
+        cols, cells = table(rows, info)
+        lines += [f"## {_title(info, len(rows[0]['seeds']) if rows else 0)}", "",
+                  "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+        lines += ["| " + " | ".join(c) + " |" for c in cells]
+        if info.get("text_fallback"):
+            lines += ["", "Note: the text corpus is not installed; trained on gradsync's own "
+                          "source text."]
+        lines.append("")
+    for p in artifacts:
+        lines.append(f"- [{p.name}]({p.name})")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a = parse_args(argv)
+    if a.seeds < 2:
+        print("note: with 1 seed there is no interval (shown as n/a); use --seeds 2 or more")
+    if "ddp" not in a.scheme_list:
+        print("note: no ddp among the schemes: differences and targets are n/a")
+    print(f"bench convergence: {','.join(a.models)} × {len(a.scheme_list)} schemes × "
+          f"{a.seeds} seeds, P={a.world_size}, density {a.density}", flush=True)
+    t0 = time.perf_counter()
+    results = []
+    try:
+        for model in a.models:
+            results.append(_run_model(a, model))
+    except RuntimeError as e:
+        print(f"bench convergence failed: {e}", file=sys.stderr)
+        return 1
+    wall = time.perf_counter() - t0
+    for rows, info in results:
+        cols, cells = table(rows, info)
+        print_table(_title(info, a.seeds), cols, cells)
+    command = "python -m gradsync bench convergence" + (" " + shlex.join(argv) if argv else "")
+    meta = {"command": command, "wall_s": wall, "models": [info for _, info in results],
+            "target_fraction": TARGET, "machine": _machine_note()}
+    rows_all = [r for rows, _ in results for r in rows]
+    jpath, ppath = write_outputs("convergence", rows_all, a.out, plot=_plot(results), meta=meta)
+    print(f"bench convergence: {wall:.0f} s; wrote {jpath} and {ppath}")
+    if a.write_docs:
+        dpath = Path(a.write_docs)
+        arts = []
+        for p in (jpath, ppath):
+            if p is not None:
+                dst = dpath.parent / (dpath.stem + p.suffix)  # beside it, its name
+                dpath.parent.mkdir(parents=True, exist_ok=True)
+                if p.resolve() != dst.resolve():
+                    shutil.copyfile(p, dst)
+                arts.append(dst)
+        print(f"wrote {write_docs(dpath, results, command, wall, arts)}")
+    return 0
+
+
+__all__ = ["DEFAULT_SCHEMES", "T975", "aggregate", "main", "paired_ci", "parse_args", "t975",
+           "table", "write_docs"]

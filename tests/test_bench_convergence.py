@@ -1,0 +1,183 @@
+"""``python -m gradsync bench convergence``: a tiny run end to end (JSON, PNG, markdown), the
+paired 95 % interval against hand computations, and input validation."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from gradsync.apps import models
+from gradsync.apps.bench import convergence as conv
+
+
+def test_tiny_run_end_to_end(tmp_path, capsys):
+    P, steps = 2, 4
+    docs = tmp_path / "docs" / "study.md"
+    argv = ["--model", "cnn,gpt_tiny", "--data", "synthetic", "--schemes", "ddp,topka",
+            "--seeds", "2", "--steps", str(steps), "--world-size", str(P), "--batch-size", "8",
+            "--eval-points", "2", "--image-eval-batches", "3", "--lm-eval-batches", "2",
+            "--out", str(tmp_path / "out"), "--write-docs", str(docs)]
+    assert conv.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "Δ vs ddp [95% CI]" in out and "topka" in out
+    data = json.loads((tmp_path / "out" / "convergence.json").read_text())
+    assert (tmp_path / "out" / "convergence.png").stat().st_size > 1000
+    rows = {(r["model"], r["scheme"]): r for r in data["rows"]}
+    assert sorted(rows) == [("cnn", "ddp"), ("cnn", "topka"), ("gpt_tiny", "ddp"),
+                            ("gpt_tiny", "topka")]
+    n = sum(p.numel() for p in models.build("cnn").parameters())
+    # torch's DDP all-reduce: every fp32 gradient in the ring, 2(P-1)/P·4n bytes per rank
+    assert rows["cnn", "ddp"]["bytes_per_step"] == 2 * (P - 1) / P * 4 * n
+    assert 0 < rows["cnn", "topka"]["bytes_per_step"] < rows["cnn", "ddp"]["bytes_per_step"] / 10
+    for (model, _), r in rows.items():
+        key = "test_accuracy" if model == "cnn" else "perplexity"
+        assert r["metric"] == key and r["seeds"] == [1, 2] and len(r["finals"]) == 2
+        assert all(math.isfinite(f) for f in r["finals"])
+        if model == "cnn":
+            assert all(0 <= f <= 1 for f in r["finals"])
+        else:
+            assert all(f > 1 for f in r["finals"])
+        for h in r["history"]:  # evaluations at steps 2 and 4; the last one is the final
+            assert [p["step"] for p in h] == [2, 4]
+            assert h[0]["elapsed_s"] < h[1]["elapsed_s"]
+        assert [h[-1][key] for h in r["history"]] == r["finals"]
+        ddp = rows[model, "ddp"]["finals"]
+        d = [a - b for a, b in zip(r["finals"], ddp)]
+        assert r["diff_vs_ddp"]["mean"] == pytest.approx((d[0] + d[1]) / 2)
+        # two seeds: t(0.975, 1) = 12.706, sd of two values = |d0 - d1| / sqrt(2)
+        half = 12.706205 * abs(d[0] - d[1]) / math.sqrt(2) / math.sqrt(2)
+        assert r["diff_vs_ddp"]["half"] == pytest.approx(half, abs=1e-12)
+        assert r["mean"] == pytest.approx(sum(r["finals"]) / 2)
+    cnn_ddp = rows["cnn", "ddp"]
+    assert cnn_ddp["target"] == pytest.approx(0.99 * sum(cnn_ddp["finals"]) / 2)
+    lm_ddp = rows["gpt_tiny", "ddp"]
+    assert lm_ddp["target"] == pytest.approx(sum(lm_ddp["finals"]) / 2 / 0.99)
+    assert data["meta"]["command"] == "python -m gradsync bench convergence " + " ".join(argv)
+    md = docs.read_text()
+    assert data["meta"]["command"] in md and "machine: " in md and "date: " in md
+    assert "| scheme | test acc % mean ± std |" in md and "| perplexity mean ± std |" in md
+    assert md.count("| topka |") == 2 and md.count("| ddp |") == 2
+    assert json.loads((docs.parent / "study.json").read_text()) == data
+    assert (docs.parent / "study.png").stat().st_size > 1000
+    assert "[study.png](study.png)" in md
+
+
+def test_t_quantiles_against_the_t_distribution():
+    """The table (and the expansion beyond it) against the t CDF integrated numerically from
+    its density Γ((ν+1)/2) / (√(νπ) Γ(ν/2)) · (1 + t²/ν)^(−(ν+1)/2)."""
+
+    def cdf(t: float, nu: int, n: int = 4000) -> float:
+        c = math.exp(math.lgamma((nu + 1) / 2) - math.lgamma(nu / 2)) / math.sqrt(nu * math.pi)
+        h = t / n
+        s = sum((1 if i in (0, n) else 4 if i % 2 else 2)
+                * (1 + (i * h) ** 2 / nu) ** (-(nu + 1) / 2) for i in range(n + 1))
+        return 0.5 + c * s * h / 3
+
+    assert conv.t975(1) == pytest.approx(math.tan(math.pi * 0.475), abs=1e-4)  # Cauchy
+    for df in [*range(1, 31), 31, 40, 60, 120]:
+        assert cdf(conv.t975(df), df) == pytest.approx(0.975, abs=5e-6), df
+    assert conv.t975(10**6) == pytest.approx(1.959964, abs=1e-5)
+    for bad in (0, -1, 2.5, True):
+        with pytest.raises(ValueError, match="degrees of freedom"):
+            conv.t975(bad)
+
+
+def test_paired_ci_by_hand():
+    # d = [-0.01, -0.02, -0.01]: mean -0.04/3, sd = sqrt(((1/3)²+(2/3)²+(1/3)²)·1e-4 / 2)
+    # = 0.01/sqrt(3), so sd/sqrt(3) = 0.01/3 and the half width t(0.975, 2)·0.01/3.
+    ci = conv.paired_ci([0.80, 0.82, 0.79], [0.81, 0.84, 0.80])
+    assert ci["mean"] == pytest.approx(-0.04 / 3)
+    assert ci["half"] == pytest.approx(4.302653 * 0.01 / 3, rel=1e-9)
+    assert ci["low"] == pytest.approx(ci["mean"] - ci["half"])
+    assert ci["high"] == pytest.approx(ci["mean"] + ci["half"]) and ci["n"] == 3
+    same = conv.paired_ci([0.5, 0.6], [0.4, 0.5])  # constant difference: zero width
+    assert same["mean"] == pytest.approx(0.1) and same["half"] == pytest.approx(0.0)
+    one = conv.paired_ci([0.9], [0.8])  # one seed: no interval
+    assert one["mean"] == pytest.approx(0.1) and one["half"] is None and one["low"] is None
+    with pytest.raises(ValueError, match="equally many"):
+        conv.paired_ci([0.1, 0.2], [0.1])
+
+
+def _run(final: float, hist: list[tuple[int, float, float]], b: float = 100.0) -> dict:
+    return {"final": final, "bytes_per_step": b,
+            "history": [{"step": s, "elapsed_s": t, "test_accuracy": v} for s, t, v in hist]}
+
+
+def test_aggregate_target_and_one_seed_na():
+    per_seed = {
+        1: [{"scheme": "ddp", **_run(0.80, [(10, 1.0, 0.70), (20, 2.0, 0.80)], 1000)},
+            {"scheme": "a", **_run(0.79, [(10, 1.5, 0.795), (20, 3.0, 0.79)])},
+            {"scheme": "b", **_run(0.50, [(10, 1.0, 0.40), (20, 2.0, 0.50)])}],
+        2: [{"scheme": "ddp", **_run(0.82, [(10, 1.2, 0.81), (20, 2.4, 0.82)], 1000)},
+            {"scheme": "a", **_run(0.78, [(10, 1.1, 0.70), (20, 2.2, 0.78)])},
+            {"scheme": "b", **_run(0.52, [(10, 1.0, 0.40), (20, 2.0, 0.52)])}],
+    }
+    rows = {r["scheme"]: r for r in conv.aggregate("cnn", "image", per_seed, ["ddp", "a", "b"])}
+    target = 0.99 * 0.81
+    assert rows["a"]["target"] == pytest.approx(target)
+    # target 0.8019: ddp seed 1 never (0.80 at best); seed 2 at step 10 (1.2 s)
+    assert rows["ddp"]["reached"] == 1 and rows["ddp"]["steps_to_target"] == 10
+    assert rows["ddp"]["seconds_to_target"] == pytest.approx(1.2)
+    # a: 0.795 at best, below the target in both seeds
+    assert rows["a"]["reached"] == 0 and rows["a"]["steps_to_target"] is None
+    assert rows["b"]["diff_vs_ddp"]["mean"] == pytest.approx(-0.30)
+    assert rows["a"]["std"] == pytest.approx(math.sqrt(0.00005))
+    _, cells = conv.table(list(rows.values()), {"metric": "test_accuracy"})
+    cell = dict(zip([c[0] for c in cells], cells))
+    assert cell["a"][4] == "not reached" and cell["ddp"][4] == "10 (1/2)"
+    assert cell["ddp"][5] == "1.2 (1/2)" and cell["ddp"][2] == "0"
+    assert cell["b"][2] == "-30.00 [-30.00, -30.00]"  # d = -0.30 in both seeds
+    # a: d = -0.01, -0.04 → mean -2.5 points, half 12.706205·0.03/√2/√2 = 0.190593 → 19.06
+    assert cell["a"][2] == "-2.50 [-21.56, +16.56]"
+    one = conv.aggregate("cnn", "image", {1: per_seed[1]}, ["ddp", "a"])
+    _, cells = conv.table(one, {"metric": "test_accuracy"})
+    assert cells[1][2] == "-1.00 [n/a: 1 seed]" and cells[1][1] == "79.00"
+    no_hist = {1: [{"scheme": "ddp", **_run(0.8, [])}, {"scheme": "a", **_run(0.7, [])}]}
+    _, cells = conv.table(conv.aggregate("cnn", "image", no_hist, ["ddp", "a"]),
+                          {"metric": "test_accuracy"})
+    assert cells[1][4] == "n/a" and cells[1][5] == "n/a"
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--schemes", "ddp,nope"], "unknown"), (["--model", "nope"], "unknown"),
+    (["--seeds", "0"], "--seeds"), (["--steps", "0"], "--steps"),
+    (["--schemes", "ddp,ddp"], "twice"), (["--eval-points", "0"], "--eval-points")])
+def test_rejects_bad_arguments(argv, msg, tmp_path, capsys):
+    with pytest.raises(SystemExit) as e:
+        conv.main([*argv, "--out", str(tmp_path)])
+    assert e.value.code == 2
+    assert msg in capsys.readouterr().err
+
+
+def test_train_spec_eval_every_is_validated():
+    from gradsync.apps.train import TrainSpec
+
+    assert TrainSpec(eval_every=5).eval_every == 5 and TrainSpec().eval_every == 0
+    for bad in (-1, 1.5, True):
+        with pytest.raises(ValueError, match="eval_every"):
+            TrainSpec(eval_every=bad)
+
+
+def test_readme_accuracy_paragraph_links_the_written_results():
+    """README's "Accuracy" claims: the command exists, the results page it links exists and
+    was written by the command (its recorded command parses with the command's own parser)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    section = readme.split("## Accuracy", 1)[1].split("\n## ", 1)[0]
+    assert "`python -m gradsync bench convergence`" in section
+    assert "(docs/results/convergence.md)" in section and "`--write-docs`" in section
+    page = (root / "docs" / "results" / "convergence.md").read_text()
+    assert "Written by the command, not by hand." in page and "machine: " in page
+    line = next(x for x in page.splitlines() if x.startswith("- command: `"))
+    command = line.removeprefix("- command: `").removesuffix("`")
+    prefix = "python -m gradsync bench convergence"
+    assert command.startswith(prefix)
+    import shlex
+
+    a = conv.parse_args(shlex.split(command.removeprefix(prefix)))
+    assert "ddp" in a.scheme_list and a.seeds >= 2
+    assert "| scheme |" in page and "Δ vs ddp [95% CI]" in page
