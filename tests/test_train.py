@@ -134,7 +134,7 @@ def test_scheme_choices_come_from_the_scheme_table():
     from gradsync.schedule.schemes import SCHEMES
 
     hooks = {"ddp_gradsync_dense", "ddp_gradsync_per_tensor", "ddp_gradsync_ssfusion",
-             "ddp_gradsync_ssfusion_oi"}  # the schemes with a DDP comm hook (README)
+             "ddp_gradsync_ssfusion_oi", "ddp_gradsync_auto"}  # schemes with a DDP comm hook
     assert set(train.all_schemes()) == {"ddp", "ddp_powersgd", "ddp_fp16"} | set(SCHEMES) | hooks
     assert len(train.all_schemes()) == 3 + len(SCHEMES) + len(hooks)
     assert {n for n, c in train.scheme_choices().items() if c.runner == "ddp_hook"} == hooks
