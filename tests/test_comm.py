@@ -204,3 +204,42 @@ def test_single_rank_comm_without_process_group():
         c.all_gather_v(torch.arange(3), [4])
     with pytest.raises(ValueError, match="reduce_scatter"):
         c.reduce_scatter(torch.empty(2), torch.empty(5))
+
+
+def _exit_safety_rank(rank: int, world_size: int) -> dict:
+    """Inside a backward pass: autograd's stashed context is lifted while Comm calls
+    torch.distributed and put back after; every call's work is kept (comm.py, "Exit safety")."""
+    from gradsync.collectives import comm as comm_mod
+
+    seen: dict = {}
+    c = Comm()
+    x = torch.ones(4, requires_grad=True)
+
+    def grad_hook(g: torch.Tensor) -> torch.Tensor:
+        seen["in_backward"] = torch._C._is_key_in_tls("context")
+        with comm_mod.outside_backward():
+            seen["lifted"] = torch._C._is_key_in_tls("context")
+        seen["restored"] = torch._C._is_key_in_tls("context")
+        before = len(comm_mod._KEPT)
+        out = g.clone()
+        c.all_reduce(out)
+        c.all_gather(out)
+        c.broadcast(out, 0)
+        seen["kept_after_three"] = min(len(comm_mod._KEPT) - before, 3)
+        seen["still_restored"] = torch._C._is_key_in_tls("context")
+        return out
+
+    x.register_hook(grad_hook)
+    (x * (rank + 1)).sum().backward()
+    seen["grad"] = x.grad.tolist()
+    seen["after_backward"] = torch._C._is_key_in_tls("context")
+    return seen
+
+
+@pytest.mark.parametrize("world", [1, 2, 3])
+def test_comm_calls_outside_backward_context_and_keeps_works(world):
+    for seen in run_distributed(_exit_safety_rank, world, timeout=120):
+        assert seen["in_backward"] and not seen["lifted"] and seen["restored"]
+        assert seen["still_restored"] and not seen["after_backward"]
+        assert seen["kept_after_three"] == (3 if world > 1 else 0)  # P = 1 sends nothing
+        assert seen["grad"] == [float(sum(range(1, world + 1)))] * 4  # summed over ranks

@@ -6,6 +6,14 @@ process exit with the hook. Each test launches a small DDP + hook training scrip
 two launches at a time, and requires every launch to exit 0 with no ``terminate called`` and
 no abort in its output. The script ends as users' scripts do: ``destroy_process_group()``
 with no barrier before it, then interpreter exit.
+
+Two torch 2.13 mechanisms abort such a process (collectives/comm.py, "Exit safety"), both a
+gloo worker thread taking the GIL during interpreter shutdown: a work created inside the
+backward pass holds autograd's stashed ``contextvars.Context``, and a finished work whose last
+reference gloo's thread drops frees Python tensors. Measured on this script, 2 launches at a
+time on 2 cores: before ``Comm`` handled both, 1 of 40 (per_tensor) and 2 of 80 (ssfusion_oi)
+launches aborted; after, 0 of 90 each. Plain DDP without gradsync's hook (its own all-reduce
+runs inside the backward pass) aborted in 23 of 60.
 """
 
 from __future__ import annotations

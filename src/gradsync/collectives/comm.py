@@ -45,17 +45,95 @@ devices to backends as a given string says while gloo still moves the bytes —
 ``"cpu:nccl"`` runs NCCL's code paths (no bitwise reduction, queued point-to-point) on CPU
 tensors, ``"cuda:gloo"`` stages every CPU tensor through a copy as a CPU tensor on an NCCL
 group would be. ``tests/test_cuda.py`` runs the collectives under both.
+
+Exit safety. Every ``torch.autograd.backward`` of torch 2.13 stashes a Python object (a
+``contextvars.Context``) in the thread's C++ thread-local state, and a gloo work captures that
+state when it is created. A collective issued inside the backward pass (the DDP comm hook,
+FSDP's reduce-scatter) therefore holds a Python object, and when gloo's worker thread drops
+the last reference to a finished work it must take the GIL. If that happens while the
+interpreter shuts down, the worker thread is killed inside a C++ destructor and the process
+aborts with "terminate called without an active exception". ``Comm`` issues every call with
+that object lifted from the thread-local state (:func:`outside_backward`) and puts it back
+afterwards, so its works hold no Python object (tests/test_exit.py).
+
+The tensors a work holds are Python tensors, and dropping a work's last reference frees them,
+which needs the GIL as well. gloo's worker thread drops its reference a moment after the work
+completes, so if the caller's reference went first the worker thread frees the tensors. So
+``Comm`` issues every call with ``async_op=True``, waits, and keeps the last
+``KEPT_WORKS`` works of the process (:func:`_kept`): the training thread frees them, later.
+An ``atexit`` handler keeps the last ones alive past the interpreter's exit, so no work is
+freed by gloo's thread while the interpreter shuts down.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import atexit
+import collections
+import contextlib
+import ctypes
+import functools
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
 
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "CommStats", "backend_devices", "emulate_backend", "ring_allreduce_bytes"]
+__all__ = ["Comm", "CommStats", "backend_devices", "emulate_backend", "outside_backward",
+           "ring_allreduce_bytes"]
+
+_TLS_KEY = "context"  # what torch.autograd.graph._engine_run_backward stashes
+
+
+@contextlib.contextmanager
+def outside_backward() -> Iterator[None]:
+    """Run a ``torch.distributed`` call without the Python object that the backward pass
+    keeps in the C++ thread-local state, then put it back (module docstring, "Exit safety").
+    A no-op outside a backward pass and on a torch without that state."""
+    C = torch._C
+    if not (hasattr(C, "_is_key_in_tls") and C._is_key_in_tls(_TLS_KEY)):
+        yield
+        return
+    saved = C._get_obj_in_tls(_TLS_KEY)
+    C._remove_obj_from_tls(_TLS_KEY)
+    try:
+        yield
+    finally:
+        C._stash_obj_in_tls(_TLS_KEY, saved)
+
+
+KEPT_WORKS = 8
+_KEPT: collections.deque = collections.deque(maxlen=KEPT_WORKS)
+
+
+def _kept(work: dist.Work | None) -> dist.Work | None:
+    """Keep one of the last ``KEPT_WORKS`` works alive (module docstring, "Exit safety")."""
+    if work is not None:
+        _KEPT.append(work)
+    return work
+
+
+@atexit.register
+def _outlive_interpreter() -> None:
+    """The last works outlive the interpreter: their tensors are never freed during its
+    shutdown, where a gloo thread dropping the last reference would abort the process."""
+    for work in _KEPT:
+        ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
+
+
+def _waited(work: dist.Work | None) -> None:
+    """Wait for a call issued with ``async_op=True`` and keep its work (:func:`_kept`)."""
+    if work is not None:
+        _kept(work).wait()
+
+
+def _outside_backward(fn: Callable) -> Callable:
+    """Decorate a :class:`Comm` method that calls ``torch.distributed``
+    (:func:`outside_backward`)."""
+    @functools.wraps(fn)
+    def wrapped(*args, **kwargs):
+        with outside_backward():
+            return fn(*args, **kwargs)
+    return wrapped
 
 
 @dataclass
@@ -244,6 +322,7 @@ class Comm:
         dev = self.wire_device(t.device, op)
         return t if dev is None else t.to(dev, copy=True)
 
+    @_outside_backward
     def flush(self) -> None:
         """Post the queued NCCL ``isend``/``irecv`` as one batch (module docstring)."""
         if not self._queued:
@@ -271,35 +350,39 @@ class Comm:
         self.stats.messages += int(messages)
 
     # -- point to point ---------------------------------------------------------------
+    @_outside_backward
     def send(self, t: torch.Tensor, dst: int) -> None:
         self.flush()
         self._count(_nbytes(t), 0, 1)
-        dist.send(self._staged(t, "send"), self.global_rank(dst), group=self.group)
+        _waited(dist.isend(self._staged(t, "send"), self.global_rank(dst), group=self.group))
 
+    @_outside_backward
     def recv(self, t: torch.Tensor, src: int) -> None:
         self.flush()
         self._count(0, _nbytes(t), 0)
         wire = self._staged(t, "recv")
-        dist.recv(wire, self.global_rank(src), group=self.group)
+        _waited(dist.irecv(wire, self.global_rank(src), group=self.group))
         if wire is not t:
             t.copy_(wire)
 
+    @_outside_backward
     def isend(self, t: torch.Tensor, dst: int) -> dist.Work:
         self._count(_nbytes(t), 0, 1)
         wire = self._staged(t, "send")
         if self._devices.get(wire.device.type) == "nccl":
             work = self._queue(dist.isend, wire, dst)
         else:
-            work = dist.isend(wire, self.global_rank(dst), group=self.group)
+            work = _kept(dist.isend(wire, self.global_rank(dst), group=self.group))
         return work if wire is t else _Staged(work, wire, None)
 
+    @_outside_backward
     def irecv(self, t: torch.Tensor, src: int) -> dist.Work:
         self._count(0, _nbytes(t), 0)
         wire = self._staged(t, "recv")
         if self._devices.get(wire.device.type) == "nccl":
             work = self._queue(dist.irecv, wire, src)
         else:
-            work = dist.irecv(wire, self.global_rank(src), group=self.group)
+            work = _kept(dist.irecv(wire, self.global_rank(src), group=self.group))
         return work if wire is t else _Staged(work, wire, t)
 
     def sendrecv(
@@ -319,6 +402,7 @@ class Comm:
             w.wait()
 
     # -- collectives ------------------------------------------------------------------
+    @_outside_backward
     def all_reduce(
         self, t: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, async_op=False
     ):
@@ -332,12 +416,17 @@ class Comm:
         self._check_op("all_reduce", op, wire)
         b = ring_allreduce_bytes(_nbytes(t), p)
         self._count(b, b, 2 * (p - 1))
+        work = _kept(dist.all_reduce(wire, op=op, group=self.group, async_op=True))
         if wire is t:
-            return dist.all_reduce(t, op=op, group=self.group, async_op=async_op)
-        dist.all_reduce(wire, op=op, group=self.group)
+            if async_op:
+                return work
+            work.wait()
+            return None
+        work.wait()
         t.copy_(wire)
         return _Done() if async_op else None
 
+    @_outside_backward
     def all_gather(self, t: torch.Tensor) -> torch.Tensor:
         """All-gather equal-size tensors: returns a ``(P, *t.shape)`` tensor, rank order."""
         self.flush()
@@ -351,13 +440,15 @@ class Comm:
         flat = t.contiguous().view(-1)
         wire = self._staged(flat, "all_gather")
         if wire is flat:
-            dist.all_gather_single(out.view(-1), flat, group=self.group)
+            _waited(dist.all_gather_single(out.view(-1), flat, group=self.group,
+                                           async_op=True))
             return out
         got = torch.empty(out.numel(), dtype=t.dtype, device=wire.device)
-        dist.all_gather_single(got, wire, group=self.group)
+        _waited(dist.all_gather_single(got, wire, group=self.group, async_op=True))
         out.view(-1).copy_(got)
         return out
 
+    @_outside_backward
     def reduce_scatter(
         self, out: torch.Tensor, inp: torch.Tensor, op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM
     ) -> None:
@@ -374,12 +465,14 @@ class Comm:
         wire_in = self._staged(inp, "reduce_scatter")
         self._check_op("reduce_scatter", op, wire_in)
         if wire_in is inp:
-            dist.reduce_scatter_single(out, inp, op=op, group=self.group)
+            _waited(dist.reduce_scatter_single(out, inp, op=op, group=self.group, async_op=True))
             return
         wire_out = torch.empty(out.shape, dtype=out.dtype, device=wire_in.device)
-        dist.reduce_scatter_single(wire_out, wire_in, op=op, group=self.group)
+        _waited(dist.reduce_scatter_single(wire_out, wire_in, op=op, group=self.group,
+                                           async_op=True))
         out.copy_(wire_out)
 
+    @_outside_backward
     def broadcast(self, t: torch.Tensor, src: int) -> None:
         """Broadcast ``t`` from group rank ``src`` (binomial-tree accounting)."""
         self.flush()
@@ -397,7 +490,7 @@ class Comm:
             mask <<= 1
         self._count(children * b, b if v else 0, children)
         wire = self._staged(t, "broadcast")
-        dist.broadcast(wire, self.global_rank(src), group=self.group)
+        _waited(dist.broadcast(wire, self.global_rank(src), group=self.group, async_op=True))
         if wire is not t:
             t.copy_(wire)
 
@@ -433,7 +526,8 @@ class Comm:
             blocks[recv_owner] = buf
         return blocks  # type: ignore[return-value]
 
+    @_outside_backward
     def barrier(self) -> None:
         self.flush()
         if self.size > 1:
-            dist.barrier(group=self.group)
+            _waited(dist.barrier(group=self.group, async_op=True))

@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.collectives.comm import Comm, CommStats
+from gradsync.collectives.comm import Comm, CommStats, outside_backward
 
 __all__ = ["ReplicaDivergence", "broadcast_states", "check_consistency", "parameter_digest",
            "signature_check", "state_signature"]
@@ -53,7 +53,8 @@ def _gather_bytes(blob: bytes, group: dist.ProcessGroup | None) -> list[bytes]:
     world, dev = dist.get_world_size(group), Comm(group).device  # NCCL: the GPU
     t = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(dev)
     out = torch.empty(world * t.numel(), dtype=torch.uint8, device=dev)
-    dist.all_gather_single(out, t, group=group)
+    with outside_backward():  # collectives/comm.py, "Exit safety"
+        dist.all_gather_single(out, t, group=group)
     return [bytes(c.tolist()) for c in out.cpu().view(world, -1)]
 
 
@@ -83,7 +84,8 @@ def signature_check(signature: Any, group: dist.ProcessGroup | None = None) -> N
     """All ranks must pass equal ``signature`` objects; otherwise raise ``ValueError``."""
     world = dist.get_world_size(group)
     sigs: list[Any] = [None] * world
-    dist.all_gather_object(sigs, signature, group=group)
+    with outside_backward():  # may run in the DDP hook's first call (collectives/comm.py)
+        dist.all_gather_object(sigs, signature, group=group)
     mine = dist.get_rank(group)
     for r, s in enumerate(sigs):
         if s != sigs[0]:

@@ -99,9 +99,6 @@ class HookState:
     tensors: int = 0
     shapes: list[tuple[str, tuple[int, ...]]] | None = None  # the model's, when known
     checked: bool = False  # configuration agreed across ranks
-    # SSFusion-I's last asynchronous all-reduce (its work and buffer), kept until the next call:
-    # see _sparse_hook for why
-    retired: tuple[Any, ...] = ()
     link: tuple[Any, ...] | None = None  # auto: the measured (all-reduce, all-gather, sparsify)
 
     def __post_init__(self) -> None:
@@ -298,14 +295,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
                 work.wait()
         raise
     if work is not None:
-        work.wait()
-        # gloo's worker thread drops its own reference to a finished work a moment after
-        # wait() returns. If it held the last one, it would free this Python tensor there and
-        # need the GIL; at interpreter exit that thread then dies inside a C++ destructor and
-        # the process aborts ("terminate called without an active exception"). Keeping the
-        # work and its buffer until the next call (or until the state is freed, on the main
-        # thread) makes the training thread the one that frees them.
-        state.retired = (work, flat)
+        work.wait()  # Comm keeps the work, so gloo's thread never frees it (comm.py, "Exit safety")
     if dense_parts:
         pos = 0
         for i in dense_parts:
