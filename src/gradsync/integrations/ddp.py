@@ -44,7 +44,6 @@ with its string.)
 
 import contextlib
 import functools
-import math
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -98,6 +97,7 @@ class HookState:
     missing: int = 0
     tensors: int = 0
     shapes: list[tuple[str, tuple[int, ...]]] | None = None  # the model's, when known
+    trained: tuple[int, ...] | None = None  # numels of the parameters DDP reduces (trainable)
     checked: bool = False  # configuration agreed across ranks
     link: tuple[Any, ...] | None = None  # auto: the measured (all-reduce, all-gather, sparsify)
 
@@ -193,8 +193,9 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4
     ``per_tensor``: every tensor at ``density``. SSFusion: tensors below ``small_numel`` are
     not sparsified and the others get SSFusion's density-aware compensation, the engine
     planner's function (:func:`gradsync.schedule.ssfusion.compensate`), applied as §IV-B(i)
-    says: over the **whole model** — once, over every parameter of the model given to
-    :func:`hook`/:func:`register` — so the model sends about ``density × model numel`` entries
+    says: over the **whole model** — once, over every trainable parameter of the model given
+    to :func:`hook`/:func:`register` (frozen ones never reach DDP's buckets; the set is read
+    at registration) — so the model sends about ``density × trained numel`` entries
     and every sparsified tensor gets the same d′ (floor ``min_density``), whatever bucket it
     is in. Without a model the hook only sees buckets, and compensates within each bucket.
     """
@@ -208,9 +209,8 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4
     if state.scheme.planner == "per_tensor":
         return [cfg.density] * len(numels)
     sparse = [n >= state.small_numel for n in numels]
-    if state.shapes is not None:
-        every = tuple(math.prod(s) for _, s in state.shapes)
-        d = _model_density(every, state.small_numel, cfg.density, cfg.min_density)
+    if state.trained is not None:
+        d = _model_density(state.trained, state.small_numel, cfg.density, cfg.min_density)
     else:
         d, _ = compensate(numels, sparse, cfg.density, cfg.min_density)
     return [d if s else None for s in sparse]
@@ -345,6 +345,8 @@ def hook(cfg: Config, model: nn.Module | None = None, group: dist.ProcessGroup |
     if model is not None:
         state.names = {id(p): n for n, p in model.named_parameters()}
         state.shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        # frozen parameters never reach DDP's buckets: they take no part in the budget
+        state.trained = tuple(p.numel() for p in model.parameters() if p.requires_grad)
     if dist.is_available() and dist.is_initialized():
         _agree(state)
     return state, _sparse_hook
