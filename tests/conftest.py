@@ -24,6 +24,19 @@ def pytest_collection_modifyitems(config, items):
         items[:] = [it for it in items if it.get_closest_marker("cuda") is None]
 
 
+def conserved(records) -> bool:
+    """Per rank and step, accumulated = sent + residual, bit for bit, for every audit record of
+    a step (``GradSync(..., audit=True).audit_log``): the sent entries scattered with
+    accumulation (a repeated index would count twice) plus the residual equal the accumulated
+    gradient exactly."""
+    ok = True
+    for rec in records:
+        recon = torch.zeros_like(rec.acc).index_put_((rec.sent_indices,), rec.sent_values,
+                                                     accumulate=True)
+        ok &= bool(torch.equal(rec.acc, recon + rec.residual))
+    return ok
+
+
 def image_batch(rank: int, step: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` random 1×28×28 images and labels of 10 classes, different per rank and step."""
     g = torch.Generator().manual_seed(1000 * rank + step)

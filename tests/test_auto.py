@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from conftest import conserved as conserved_records
 from conftest import image_batch, pin_profiles
 from gradsync.apps.models import build
 from gradsync.engine import GradSync, warmup
@@ -319,10 +320,7 @@ def _engine(rank: int, P: int) -> dict:
         x, y = image_batch(rank, step)
         nn.functional.cross_entropy(model(x), y).backward()
         sync.synchronize()
-        for rec in sync.audit_log:
-            recon = torch.zeros_like(rec.acc).index_put_((rec.sent_indices,),
-                                                         rec.sent_values, accumulate=True)
-            conserved &= bool(torch.equal(rec.acc, recon + rec.residual))
+        conserved &= conserved_records(sync.audit_log)
         if all(b.mode == "dense" for b in ran.buffers):  # raw all-reduce: nothing may be
             stranded = max(stranded, max(  # left in a residual by an earlier sparse step
                 (float(r.abs().max()) for n in sync.params

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+from conftest import conserved as conserved_records
 from conftest import image_batch, pin_profiles
 from gradsync import ddp as gddp
 from gradsync.apps.models import build
@@ -61,10 +62,7 @@ def _engine_rank(rank: int, P: int, scheme: str) -> dict:
         nn.functional.cross_entropy(model(x), y).backward()
         sync.synchronize()
         sent.append(sum(r.sent_indices.numel() for r in sync.audit_log))
-        for r in sync.audit_log:
-            recon = torch.zeros_like(r.acc).index_put_((r.sent_indices,), r.sent_values,
-                                                       accumulate=True)
-            conserved &= bool(torch.equal(r.acc, recon + r.residual))
+        conserved &= conserved_records(sync.audit_log)
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(p.grad, alpha=-0.05)
