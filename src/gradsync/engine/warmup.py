@@ -26,6 +26,10 @@ rescales the cost model by the measured / predicted ratios
 predicted ``auto.MARGIN`` faster than the current one under the same rescaled model, and
 broadcasts plan and model; a new plan is on trial against the old one for a window, and the
 reference is re-based either way, so the same drift does not trigger again (hysteresis).
+The whole watch — the window's rows, strikes, checks, whether the runner-up was probed, the
+reference, a trial in progress, the events and a pending post-flush plan — is plain data in
+:meth:`Drift.state_dict`, part of the engine's per-rank ``state_dict()``, so a resumed run goes
+on exactly as an uninterrupted one; a checkpoint without it resumes with a fresh watch.
 
 The measurements are looked up at call time — ``costmodel.profile_collectives``,
 ``costmodel.profile_sparsifier`` and this module's ``backward_profile`` — so a test can pin them.
