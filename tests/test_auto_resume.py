@@ -2,13 +2,13 @@
 
 Real gloo ranks at P = 2 and 3 train the MLP with ``auto`` for ``TOTAL`` steps, crossing several
 drift windows: the runner-up's probe, its trial, two drifted windows and the re-plan they cause
-(each a plan change, one of them through a flushing step). The same job is then interrupted at
-every step of ``SAVE_AT`` — right after a sparse → dense change (a trial in progress, a pending
-post-flush plan, an empty window) and in the middle of a window with one strike — and resumed
-from scratch (new model initialised differently, new engine with a new process group, new
-optimizer, all loaded from ``torch.save`` bytes). The resumed run must end with the drift state
-(rows, strikes, checks, probed, reference, trial, events, pending), plan, cost model and
-parameters of the uninterrupted run, bitwise.
+(each a plan change; the two from sparse to dense through a flushing step). The same job is then
+interrupted at every step of ``SAVE_AT`` — right after a sparse → dense change (a trial in
+progress, a pending post-flush plan, an empty window) and in the middle of a window with one
+strike — and resumed from scratch (new model initialised differently, new engine with a new
+process group, new optimizer, all loaded from ``torch.save`` bytes). The resumed run must end
+with the drift state (rows, strikes, checks, probed, reference, trial, events, pending), plan,
+cost model and parameters of the uninterrupted run, bitwise.
 
 Deterministic timing: plan choices follow measured times. Cost-model profiling is pinned (a
 100 Mbit/s link and a cheap sparsifier, as in ``test_auto.py``, so the first plan sparsifies the
@@ -248,19 +248,22 @@ def test_a_corrupted_drift_entry_raises_before_anything_changes(runs):
         assert o["untouched"]
 
 
-@pytest.mark.parametrize("edit", [
-    lambda s: s.pop("checks"),
-    lambda s: s.update(extra=1),
-    lambda s: s.update(rows=[[1.0, 2.0]]),
-    lambda s: s.update(rows=[[1.0, 2.0, 3.0, 4.0, float("nan")]]),
-    lambda s: s.update(strikes=1.5),
-    lambda s: s.update(checks=True),
-    lambda s: s.update(probed="yes"),
-    lambda s: s.update(reference=-1.0),
-    lambda s: s.update(trial={"plan": None, "cost": None, "step": 1.0}),
-    lambda s: s.update(events=["probe"]),
-    lambda s: s.update(pending=[1, 2]),
-])
+MALFORMED = {
+    "missing": lambda s: s.pop("checks"),
+    "unknown": lambda s: s.update(extra=1),
+    "short_row": lambda s: s.update(rows=[[1.0, 2.0]]),
+    "nan_row": lambda s: s.update(rows=[[1.0, 2.0, 3.0, 4.0, float("nan")]]),
+    "float_strikes": lambda s: s.update(strikes=1.5),
+    "bool_checks": lambda s: s.update(checks=True),
+    "str_probed": lambda s: s.update(probed="yes"),
+    "negative_reference": lambda s: s.update(reference=-1.0),
+    "empty_trial": lambda s: s.update(trial={"plan": None, "cost": None, "step": 1.0}),
+    "str_events": lambda s: s.update(events=["probe"]),
+    "list_pending": lambda s: s.update(pending=[1, 2]),
+}
+
+
+@pytest.mark.parametrize("edit", MALFORMED.values(), ids=MALFORMED.keys())
 def test_malformed_drift_states_are_refused(edit):
     d = warmup.Drift(rows=[[0.1, 0.01, 0.02, 0.001, 0.05]], strikes=1, checks=3, probed=True,
                      reference=0.1, events=[{"check": 0, "kind": "probe", "measured": 0.1}])
