@@ -29,7 +29,8 @@ drift; per parameter and step, ``accumulated == sent + residual`` exactly (error
 at density 1 every scheme's averaged gradient equals plain DDP's within float tolerance.
 
 Checkpoints: :meth:`GradSync.state_dict` holds everything a bitwise resume needs — step,
-warm-up progress and backward-order samples, plan and cost model, residuals and DGC velocities,
+warm-up progress and backward-order samples, plan and cost model, ``auto``'s drift watch
+(window, strikes, trial, pending plan), residuals and DGC velocities,
 every sparsifier's generator and threshold state, every collective's state (Ok-Topk thresholds
 and boundaries, DenseStream boundaries) — and is per rank (residuals differ across ranks);
 :mod:`gradsync.checkpoint` saves it with the model and optimizer (torch.save or DCP).
@@ -263,6 +264,7 @@ class GradSync:
             "collectives": parts["collectives"],
             "bwd_times": [dict(t) for t in self._warmup.samples],
             "total": self.total.as_dict(),
+            "drift": self._drift.state_dict() if self._drift is not None else None,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -270,9 +272,12 @@ class GradSync:
 
         A different world size, rank, scheme, trajectory-relevant config field (density,
         sparsifier, momentum, warm-up, bucket size, min density, seed) or model (parameter
-        names, shapes, dtypes) raises ``ValueError`` before anything is changed.
+        names, shapes, dtypes) raises ``ValueError`` before anything is changed, and so does a
+        malformed ``auto`` drift entry. A checkpoint without a drift entry (saved before it was
+        kept) resumes ``auto`` with a fresh watch: a new window and a new trial of the runner-up.
         """
         self.check_compatible(state)
+        drift = self._drift_from(state)
         # build every component first, so a bad entry raises before the engine changes
         parts = self._parts.loaded(state)
         ef = ErrorFeedback(momentum=self.cfg.momentum, residual_dtype=self.cfg.feedback_dtype)
@@ -288,6 +293,7 @@ class GradSync:
         self.ef = ef
         self._parts.install(parts)
         self.total = StepStats.from_dict(state.get("total", {}))
+        self._drift = drift
 
     def check_compatible(self, state: dict[str, Any]) -> None:
         """Raise ``ValueError`` unless ``state`` was saved by this rank of an equal set-up."""
@@ -310,6 +316,20 @@ class GradSync:
                 for k in _RESUME_FIELDS if state["config"].get(k) != cfg[k]]
         if diff:
             raise ValueError(f"checkpoint was saved with a different configuration: {diff}")
+        self._drift_from(state)
+
+    def _drift_from(self, state: dict[str, Any]) -> warmup.Drift | None:
+        """``auto``'s drift watch as ``state`` holds it: a fresh one when there is no entry (a
+        checkpoint from before it was saved); ``ValueError`` when the entry is malformed or
+        does not fit this engine (only ``auto`` with P > 1 keeps a watch)."""
+        if "drift" not in state:
+            return warmup.Drift.for_config(self.cfg, self.P)
+        saved = state["drift"]
+        if (saved is None) != (self._drift is None):
+            raise ValueError(f"checkpoint's drift entry is {'empty' if saved is None else 'set'}"
+                             f", but scheme {self.cfg.scheme!r} at P = {self.P} "
+                             f"{'keeps a' if self._drift is not None else 'has no'} drift watch")
+        return None if saved is None else warmup.Drift.from_state_dict(saved)
 
     def close(self) -> None:
         """Remove the hooks and stop the worker threads."""

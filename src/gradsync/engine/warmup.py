@@ -26,6 +26,10 @@ rescales the cost model by the measured / predicted ratios
 predicted ``auto.MARGIN`` faster than the current one under the same rescaled model, and
 broadcasts plan and model; a new plan is on trial against the old one for a window, and the
 reference is re-based either way, so the same drift does not trigger again (hysteresis).
+The whole watch — the window's rows, strikes, checks, whether the runner-up was probed, the
+reference, a trial in progress, the events and a pending post-flush plan — is plain data in
+:meth:`Drift.state_dict`, part of the engine's per-rank ``state_dict()``, so a resumed run goes
+on exactly as an uninterrupted one; a checkpoint without it resumes with a fresh watch.
 
 The measurements are looked up at call time — ``costmodel.profile_collectives``,
 ``costmodel.profile_sparsifier`` and this module's ``backward_profile`` — so a test can pin them.
@@ -33,9 +37,11 @@ The measurements are looked up at call time — ``costmodel.profile_collectives`
 
 from __future__ import annotations
 
+import copy
+import math
 import statistics
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import torch
@@ -198,6 +204,13 @@ def _ratio(measured: float, predicted: float) -> float | None:
     return measured / predicted if measured > 0 and predicted > 0 else None
 
 
+def _time(x: Any) -> float | None:
+    """``x`` as a measured time (a finite number >= 0), else ``None``."""
+    if isinstance(x, bool) or not isinstance(x, int | float):
+        return None
+    return float(x) if math.isfinite(x) and x >= 0 else None
+
+
 def _effective(step: float, plan: Plan) -> float:
     """A measured step, handicapped by ``auto.MARGIN`` when the plan sparsifies anything: a
     sparse plan must be measured that much faster than a dense one to be kept."""
@@ -245,6 +258,74 @@ class Drift:
         """The plan a flushing step was for, once that step has run (else ``None``)."""
         plan, self.pending = self.pending, None
         return plan
+
+    def state_dict(self) -> dict[str, Any]:
+        """The whole watch as plain data (numbers, lists, plan and cost-model dicts): the
+        window's rows, strikes, checks, whether the runner-up was probed, the reference, a
+        trial in progress, the events and a pending post-flush plan. Part of the engine's
+        per-rank :meth:`~gradsync.engine.GradSync.state_dict` (the same on every rank)."""
+        return {"rows": [[float(x) for x in r] for r in self.rows], "strikes": self.strikes,
+                "checks": self.checks, "probed": self.probed, "reference": self.reference,
+                "trial": copy.deepcopy(self.trial), "events": copy.deepcopy(self.events),
+                "pending": self.pending.to_dict() if self.pending is not None else None}
+
+    @classmethod
+    def from_state_dict(cls, state: Any) -> Drift:
+        """The watch :meth:`state_dict` describes; ``ValueError`` naming the entry that is
+        missing or malformed."""
+        if not isinstance(state, dict):
+            raise ValueError(f"auto's drift state must be a dict, got {type(state).__name__}")
+        keys = {f.name for f in fields(cls)}
+        if set(state) != keys:
+            raise ValueError(f"auto's drift state: missing entries {sorted(keys - set(state))},"
+                             f" unknown entries {sorted(set(state) - keys)}")
+
+        def bad(what: str, why: str) -> ValueError:
+            return ValueError(f"auto's drift state: {what} {why}, got {state[what]!r:.200}")
+
+        rows = state["rows"]
+        if not isinstance(rows, list) or not all(
+                isinstance(r, list | tuple) and len(r) == len(_FIELDS)
+                and all(_time(x) is not None for x in r) for r in rows):
+            raise bad("rows", f"must be a list of rows of {len(_FIELDS)} finite times >= 0")
+        for what in ("strikes", "checks"):
+            v = state[what]
+            if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+                raise bad(what, "must be an int >= 0")
+        if not isinstance(state["probed"], bool):
+            raise bad("probed", "must be a bool")
+        if state["reference"] is not None and _time(state["reference"]) is None:
+            raise bad("reference", "must be None or a finite time >= 0")
+        trial = state["trial"]
+        if trial is not None:
+            try:
+                if set(trial) != {"plan", "cost", "step"} or _time(trial["step"]) is None:
+                    raise ValueError("needs a plan, a cost model and a finite step")
+                Plan.from_dict(trial["plan"])
+                costmodel.CostModel.from_dict(trial["cost"])
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
+                raise bad("trial", f"is not a trial ({e})") from None
+        events = state["events"]
+        if not isinstance(events, list) or not all(
+                isinstance(e, dict) and isinstance(e.get("check"), int) for e in events):
+            raise bad("events", "must be a list of event dicts (each with its check)")
+        pending = None
+        if state["pending"] is not None:
+            try:
+                pending = Plan.from_dict(state["pending"])
+            except (ValueError, TypeError, KeyError, AttributeError) as e:
+                raise bad("pending", f"is not a plan ({e})") from None
+        return cls(rows=[[float(x) for x in r] for r in rows], strikes=state["strikes"],
+                   checks=state["checks"], probed=state["probed"],
+                   reference=None if state["reference"] is None else float(state["reference"]),
+                   trial=copy.deepcopy(trial), events=copy.deepcopy(events), pending=pending)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; a malformed state raises ``ValueError`` and changes
+        nothing."""
+        loaded = Drift.from_state_dict(state)
+        for f in fields(self):
+            setattr(self, f.name, getattr(loaded, f.name))
 
     @classmethod
     def for_config(cls, cfg: Config, P: int) -> Drift | None:

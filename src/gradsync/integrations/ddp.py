@@ -19,7 +19,9 @@ Inside a bucket (SSFusion §III–IV applied to DDP's own fusion buffers):
 * ``dense``: a plain all-reduce (a baseline through the same hook);
 * ``auto``: per bucket, every tensor sparsified and all-gathered, or the bucket all-reduced
   (with error feedback), whichever :func:`gradsync.schedule.auto.bucket_sparse` predicts faster
-  from the link and sparsifier costs measured once, at the first call, on every rank alike.
+  from the link and sparsifier costs measured once, at the first call, on every rank alike
+  (``HookState.link``, kept in ``state_dict()``: a resumed job does not measure again). There
+  is no drift watch here: nothing else is measured.
 
 The hook runs the engine's pieces: the scheme's record in :mod:`gradsync.schedule.schemes`
 (which schemes have a hook, their collective and sparsifier, whether a bucket is interleaved),
@@ -60,6 +62,7 @@ from gradsync.engine.warmup import link_costs
 from gradsync.feedback import ErrorFeedback
 from gradsync.schedule import schemes
 from gradsync.schedule.auto import bucket_sparse
+from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 from gradsync.schedule.ssfusion import compensate
 from gradsync.sparsegrad import SparseGrad
 
@@ -78,7 +81,8 @@ class HookState:
     """Everything the hook keeps between calls (pass it as DDP's comm ``state``).
 
     Implements :class:`gradsync.engine.state.Stateful`: ``state_dict()`` holds this rank's
-    residuals and sparsifier generators with its rank, world size and configuration, and
+    residuals and sparsifier generators (and ``auto``'s measured link, so a resumed job decides
+    every bucket as before) with its rank, world size and configuration, and
     ``load_state_dict`` refuses another rank's state, world size, configuration or model.
     """
 
@@ -148,7 +152,22 @@ class HookState:
         return {"rank": me.rank, "world_size": me.world_size, "config": self.cfg.to_dict(),
                 "small_numel": self.small_numel, "params": self._params(),
                 "feedback": self.ef.state_dict(), "steps": self.steps,
-                "sparsifiers": {k: s.state_dict() for k, s in self.sparsifiers.items()}}
+                "sparsifiers": {k: s.state_dict() for k, s in self.sparsifiers.items()},
+                "link": None if self.link is None else [vars(x).copy() for x in self.link]}
+
+    @staticmethod
+    def _link_from(state: dict[str, Any]) -> tuple[Any, ...] | None:
+        """``auto``'s measured link in ``state`` (``None``: absent, measured again at the next
+        call); ``ValueError`` when malformed."""
+        saved = state.get("link")
+        if saved is None:
+            return None
+        try:
+            ar, ag, sp = saved
+            return AlphaBeta(**ar), AlphaBeta(**ag), AffineFit(**sp)
+        except (ValueError, TypeError) as e:
+            raise ValueError(f"the DDP hook state's link entry is malformed ({e}): "
+                             f"{saved!r:.200}") from None
 
     def check_compatible(self, state: dict[str, Any]) -> None:
         """Raise ``ValueError`` unless ``state`` was saved by this rank of a job with the same
@@ -172,6 +191,7 @@ class HookState:
                 n for n in mine if mine[n] != theirs[n])
             raise ValueError(f"the DDP hook state is for a different model (parameters "
                              f"{bad[:5]} differ)")
+        self._link_from(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` of this rank; raises before changing anything."""
@@ -182,8 +202,10 @@ class HookState:
         for k, s in state["sparsifiers"].items():
             sparsifiers[k] = self._new_sparsifier(k, s["density"])
             sparsifiers[k].load_state_dict(s)
+        link = self._link_from(state)
         self.ef, self.sparsifiers = ef, sparsifiers
         self.steps = int(state.get("steps", 0))
+        self.link = link
 
 
 def _densities(state: HookState, numels: list[int], elem_bytes: int = 4
