@@ -130,7 +130,7 @@ def _job(rank: int, P: int) -> dict:
     _pin(rank)
     model, sync = _new_job(seed=1)
     opt = _sgd(model)
-    blobs, saved = {}, {}
+    blobs, saved, traffic = {}, {}, []
     for step in range(TOTAL):
         if step in SAVE_AT:
             buf = io.BytesIO()
@@ -138,8 +138,13 @@ def _job(rank: int, P: int) -> dict:
                         "sync": sync.state_dict()}, buf)
             blobs[step] = buf.getvalue()
             saved[step] = sync.state_dict()["drift"]
+        plan = sync.plan.to_dict()
         _step(rank, step, model, sync, opt)
-    out = {"straight": _end(model, sync), "saved": saved}
+        st = sync.state_dict()
+        traffic.append({"messages": sync.last.messages, "bytes": sync.last.bytes_sent,
+                        "checks": st["drift"]["checks"] if st["drift"] else 0,
+                        "same_plan": plan == st["plan"] == sync.plan.to_dict(), "plan": plan})
+    out = {"straight": _end(model, sync), "saved": saved, "traffic": traffic}
     sync.close()
     out["resumed"] = {m: _resume(rank, blobs[m], m) for m in SAVE_AT}
     # a checkpoint from before the drift entry existed: a fresh watch
@@ -338,3 +343,21 @@ def test_ddp_hook_auto_keeps_its_measured_link():
         assert o["same"]
         assert o["err"] is not None and "link" in o["err"]
         assert o["old_link"] is None
+
+
+def test_the_watch_traffic_is_counted_in_its_step(runs):
+    """A window's close costs one all-reduce of the 5 agreed medians (fp64, 40 B): a ring of
+    2(P − 1) messages and 2(P − 1)/P · 40 B sent, counted in the step that closed it. Compared
+    with the step before it, with the same plan and no check, under the fixed plan."""
+    P, out = runs
+    for o in out:
+        t = o["traffic"]
+        pairs = [(t[s - 1], t[s]) for s in range(WARMUP + 1, TOTAL)
+                 if t[s]["checks"] == t[s - 1]["checks"] + 1 and t[s - 1]["checks"] == (
+                     t[s - 2]["checks"] if s >= 2 else 0)
+                 and t[s]["same_plan"] and t[s - 1]["same_plan"]
+                 and t[s]["plan"] == t[s - 1]["plan"]]
+        assert pairs, "no window closed under an unchanged plan"
+        for before, closing in pairs:
+            assert closing["messages"] - before["messages"] == 2 * (P - 1)
+            assert closing["bytes"] - before["bytes"] == 2 * (P - 1) * 40 // P

@@ -243,3 +243,26 @@ def test_comm_calls_outside_backward_context_and_keeps_works(world):
         assert seen["still_restored"] and not seen["after_backward"]
         assert seen["kept_after_three"] == (3 if world > 1 else 0)  # P = 1 sends nothing
         assert seen["grad"] == [float(sum(range(1, world + 1)))] * 4  # summed over ranks
+
+
+def _broadcast_object_rank(rank: int, world_size: int) -> dict:
+    c = Comm()
+    obj = {"plan": [1, 2, 3], "who": "rank 1", "x": 0.5} if rank == 1 % world_size else None
+    got = c.broadcast_object(obj, 1 % world_size)
+    return {"got": got, "sent": c.stats.bytes_sent, "recv": c.stats.bytes_recv}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 5])
+def test_broadcast_object_arrives_everywhere_and_is_counted(world):
+    import pickle
+
+    obj = {"plan": [1, 2, 3], "who": "rank 1", "x": 0.5}
+    blob = 8 + len(pickle.dumps(obj))  # the length word, then the pickle
+    out = run_distributed(_broadcast_object_rank, world, timeout=120)
+    assert all(o["got"] == obj for o in out)
+    if world == 1:
+        assert out[0]["sent"] == out[0]["recv"] == 0
+        return
+    root = 1 % world
+    assert out[root]["recv"] == 0 and all(o["recv"] == blob for r, o in enumerate(out) if r != root)
+    assert sum(o["sent"] for o in out) == (world - 1) * blob  # a tree: each non-root gets it once

@@ -72,8 +72,10 @@ import collections
 import contextlib
 import ctypes
 import functools
+import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -493,6 +495,21 @@ class Comm:
         _waited(dist.broadcast(wire, self.global_rank(src), group=self.group, async_op=True))
         if wire is not t:
             t.copy_(wire)
+
+    def broadcast_object(self, obj: Any, src: int) -> Any:
+        """Group rank ``src``'s picklable ``obj`` on every rank: its pickled length (one int64
+        word) and then its bytes, both as :meth:`broadcast` (so counted). Like
+        ``dist.broadcast_object_list`` it unpickles what ``src`` sent: for a job's own ranks."""
+        if self.size == 1:
+            return obj
+        mine = self.rank == src
+        blob = pickle.dumps(obj) if mine else b""
+        n = torch.tensor([len(blob)], dtype=torch.int64, device=self.device)
+        self.broadcast(n, src)
+        buf = (torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(self.device) if mine
+               else torch.empty(int(n), dtype=torch.uint8, device=self.device))
+        self.broadcast(buf, src)
+        return obj if mine else pickle.loads(buf.cpu().numpy().tobytes())
 
     def all_gather_counts(self, n: int, device: torch.device | str | None = None) -> list[int]:
         """All-gather one integer per rank (e.g. a selection size); the word travels on

@@ -367,8 +367,11 @@ class GradSync:
         if flushed is not None:
             self._set_plan(flushed)
         if self._drift.due:
+            comm = Comm(self.group)
             got = self._drift.check(self.cfg, self.plan, self.cost, self.group, self.rank,
-                                    self.P)
+                                    self.P, comm)
+            self.last.add_traffic(comm.stats)  # the watch's own traffic, in this step's bytes
+            self.total.add_traffic(comm.stats)
             if got is not None:
                 plan, self.cost = got
                 self._set_plan(self._drift.change(self.plan, plan))

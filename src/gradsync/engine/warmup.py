@@ -163,13 +163,12 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
     return _from_rank0(payload, group, P)
 
 
-def _from_rank0(payload: list[Any], group: dist.ProcessGroup | None, P: int
-                ) -> tuple[Plan, costmodel.CostModel | None]:
-    """Rank 0's ``{"plan", "cost"}`` on every rank."""
-    if P > 1:
-        src = 0 if group is None else dist.get_global_rank(group, 0)
-        dist.broadcast_object_list(payload, src=src, group=group)
+def _from_rank0(payload: list[Any], group: dist.ProcessGroup | None, P: int,
+                comm: Comm | None = None) -> tuple[Plan, costmodel.CostModel | None]:
+    """Rank 0's ``{"plan", "cost"}`` on every rank (through ``comm``, which counts it)."""
     got = payload[0]
+    if P > 1:
+        got = (comm or Comm(group)).broadcast_object(got, 0)
     cost = costmodel.CostModel.from_dict(got["cost"]) if got["cost"] else None
     return Plan.from_dict(got["plan"]), cost
 
@@ -346,14 +345,16 @@ class Drift:
         plan.info["replans"] = list(self.events)
 
     def check(self, cfg: Config, plan: Plan, cost: costmodel.CostModel,
-              group: dist.ProcessGroup | None, rank: int, P: int
+              group: dist.ProcessGroup | None, rank: int, P: int, comm: Comm | None = None
               ) -> tuple[Plan, costmodel.CostModel] | None:
         """Close the window (every rank calls it at the same step); returns the plan and model
-        to run from now on, or ``None`` to keep the current ones (class doc)."""
+        to run from now on, or ``None`` to keep the current ones (class doc). Its traffic (the
+        window's all-reduce, a re-plan's broadcast) goes through ``comm``, which counts it."""
+        comm = comm or Comm(group)
         med = [statistics.median(col) for col in zip(*self.rows)]
         self.rows.clear()
         t = torch.tensor(med, dtype=torch.float64)
-        Comm(group).all_reduce(t, op=dist.ReduceOp.MAX)  # every rank: the same numbers
+        comm.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank: the same numbers
         measured = dict(zip(_FIELDS, t.tolist()))
         self.checks += 1
         step = measured["step"]
@@ -404,7 +405,7 @@ class Drift:
             keep.info["switched"] = switch
             keep.info["current_iteration"] = current
             payload = [{"plan": keep.to_dict(), "cost": new_cost.to_dict()}]
-        new_plan, new_cost = _from_rank0(payload, group, P)
+        new_plan, new_cost = _from_rank0(payload, group, P, comm)
         switched = bool(new_plan.info.pop("switched"))
         current = new_plan.info.pop("current_iteration")
         if switched:
