@@ -347,3 +347,24 @@ def test_validate_on_shaped_links(tmp_path):
         if r["shaped"] and r["scheme"] == "dense_ovlp":
             # bandwidth-bound: the prediction is within a factor of 2
             assert 0.5 < r["predicted_s"] / r["measured_s"] < 2.0
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_oktopk_exact_threshold_rate_sets_its_amortised_start_ups(P):
+    """The amortised control step: one all-reduce of P numbers every τ = 64 steps and, in the
+    given share of steps, the exact threshold's 8 all-reduces; each small all-reduce costs
+    2⌈log2 P⌉ start-ups (recursive doubling)."""
+    n, k = 1_000_000, 10_000
+    lg = math.ceil(math.log2(P))
+    for rate, want in ((None, 2 * lg / 64 + 8 * 2 * lg / 32), (0.0, 2 * lg / 64),
+                       (1.0, 2 * lg / 64 + 8 * 2 * lg)):
+        steps = patterns.oktopk(P, n, k, exact_rate=rate)
+        assert steps[-1].nbytes == 0 and steps[-1].messages == pytest.approx(want)
+        base = patterns.oktopk(P, n, k, amortised=False)
+        assert steps[:-1] == base  # the payload steps do not depend on the rate
+    with pytest.raises(ValueError, match="exact_rate"):
+        patterns.oktopk(P, n, k, exact_rate=1.5)
+    alpha = 1e-3  # a predicted row grows by the extra start-ups times α
+    lo = patterns.comm_time(patterns.pattern("oktopk", P, n, k, oktopk_exact_rate=0.0), alpha, 0)
+    hi = patterns.comm_time(patterns.pattern("oktopk", P, n, k, oktopk_exact_rate=1.0), alpha, 0)
+    assert hi - lo == pytest.approx(8 * 2 * lg * alpha)

@@ -66,9 +66,11 @@ def predict(
     scheme: str, base: CostModel, P: int, net: Network, density: float, *,
     union_gamma: float = 1.0, forward_s: float = 0.0, step_s: float = 0.0,
     densestream_ratio: float | None = None, bucket_bytes: int = 25 * 2**20,
-    min_density: float = 0.001,
+    min_density: float = 0.001, oktopk_exact_rate: float | None = None,
 ) -> dict[str, Any]:
-    """One row: predicted iteration time of ``scheme`` at P ranks and its breakdown."""
+    """One row: predicted iteration time of ``scheme`` at P ranks and its breakdown.
+    ``oktopk_exact_rate``: the share of steps in which Ok-Topk computes its threshold exactly
+    (:func:`gradsync.apps.sim.patterns.oktopk`; default 1/τ′)."""
     sch = schemes.get(scheme)  # an unknown name raises ValueError naming the choices
     if isinstance(P, bool) or int(P) != P or P < 1:
         raise ValueError(f"P must be a positive integer, got {P!r}")
@@ -87,7 +89,8 @@ def predict(
 
         coll = sch.collective
         steps = patterns.pattern(coll, cost.P, n, k, union=union, value_bytes=cost.elem_bytes,
-                                 densestream_ratio=densestream_ratio)
+                                 densestream_ratio=densestream_ratio,
+                                 oktopk_exact_rate=oktopk_exact_rate)
         backward = sum(cost.backward[t] for t in cost.order)
         sparsify = cost.t_sparsify(n)
         link = patterns.comm_time(steps, net.alpha, net.beta)

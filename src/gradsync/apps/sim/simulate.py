@@ -107,6 +107,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="union density u(m) = 1-(1-d)^(m^γ); 1 = independent, 0 = overlap")
     p.add_argument("--densestream-ratio", type=float, default=None,
                    help="DenseStream/COO size ratio (Table I); default: independent positions")
+    p.add_argument("--oktopk-exact-rate", type=float, default=None,
+                   help="share of steps in which Ok-Topk computes its threshold exactly "
+                        "(default 1/32, the paper's reuse; --validate measures it)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -130,6 +133,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise ValueError(f"--union-gamma must be in [0, 1], got {a.union_gamma}")
     if a.densestream_ratio is not None and not a.densestream_ratio > 0:
         raise ValueError(f"--densestream-ratio must be > 0, got {a.densestream_ratio}")
+    if a.oktopk_exact_rate is not None and not 0.0 <= a.oktopk_exact_rate <= 1.0:
+        raise ValueError(f"--oktopk-exact-rate must be in [0, 1], got {a.oktopk_exact_rate}")
     for name in ("batch", "repeats", "steps"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name} must be >= 1, got {getattr(a, name)}")
@@ -175,7 +180,8 @@ def predict_all(a: argparse.Namespace, cost: CostModel, fwd: float, stp: float,
             rows.append(predict(scheme, cost, P, a.net, a.density, union_gamma=a.union_gamma,
                                 forward_s=fwd, step_s=stp,
                                 densestream_ratio=a.densestream_ratio,
-                                bucket_bytes=int(a.bucket_mb * 2**20)))
+                                bucket_bytes=int(a.bucket_mb * 2**20),
+                                oktopk_exact_rate=a.oktopk_exact_rate))
     return rows
 
 

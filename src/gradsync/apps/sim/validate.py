@@ -73,7 +73,8 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
     # α, β of this group's all-gather as gloo delivers them here (Eq. 3 fit), for comparison
     from gradsync.schedule.costmodel import profile_collectives
 
-    ar, ag = profile_collectives(None, sizes=(1 << 10, 1 << 14, 1 << 17), repeats=3)
+    # an 8-byte point anchors α: the per-message cost comes from the smallest all-reduce
+    ar, ag = profile_collectives(None, sizes=(8, 1 << 10, 1 << 14, 1 << 17), repeats=5)
     # issue 14: the collectives' CPU work, fitted here under the same contention
     from gradsync.schedule.costmodel import profile_compute
 
@@ -87,9 +88,12 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
         sync = GradSync(net, cfg)
         warm = cfg.warmup_steps + 2
         times, stats = [], []
+        exact0 = 0
         try:
             dist.barrier()
             for i in range(warm + steps):
+                if i == warm:
+                    exact0 = _exact_evaluations(sync)
                 t0 = time.perf_counter()
                 opt.zero_grad(set_to_none=True)
                 step().backward()
@@ -99,13 +103,22 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
                 if i >= warm:
                     times.append(dt)
                     stats.append(sync.stats()["last"])
+            exact = (_exact_evaluations(sync) - exact0) / steps
         finally:
             sync.close()
-        results[scheme] = {"times": times, "stats": stats}
+        results[scheme] = {"times": times, "stats": stats, "exact_rate": exact}
     dist.barrier()
     return {"cost": cost.to_dict(), "compute": compute.to_dict(), "forward_s": fwd,
             "step_s": stp, "union": union,
             "allreduce_fit": vars(ar), "allgather_fit": vars(ag), "results": results}
+
+
+def _exact_evaluations(sync: Any) -> int:
+    """Ok-Topk's exact threshold computations so far, over the engine's collectives (0 for
+    the others): the simulator's ``oktopk_exact_rate`` is measured from it."""
+    colls = sync.state_dict().get("collectives") or {}
+    return sum(int(s.get("exact_evaluations", 0)) for s in colls.values()
+               if isinstance(s, dict))
 
 
 def _gamma(union: dict[int, float], d: float) -> float | None:
@@ -160,7 +173,9 @@ def run_validation(a) -> int:
         comp = [ComputeCost.from_dict(r["compute"]) for r in res]
         cslow = max(range(P), key=lambda r: comp[r].merge(1 << 14) + comp[r].codec(1 << 14))
         cost.compute = ComputeCost(
-            message=max(0.0, res[0]["allgather_fit"]["alpha"] - a.net.alpha),
+            # per message: a ring all-reduce's start-up spread over its 2(P − 1) messages,
+            # less the link's own α (issue 14: the per-message software cost)
+            message=max(0.0, res[0]["allreduce_fit"]["alpha"] / (2 * (P - 1)) - a.net.alpha),
             merge=comp[cslow].merge, codec=comp[cslow].codec)
         fwd = max(r["forward_s"] for r in res)
         stp = max(r["step_s"] for r in res)
@@ -184,16 +199,18 @@ def run_validation(a) -> int:
                     max(r["results"][scheme]["stats"][i][key] for r in res)
                     for i in range(a.steps))
 
+            rate = max(r["results"][scheme]["exact_rate"] for r in res)  # agreed θ decisions
+            kw = {"oktopk_exact_rate": rate}
             pred = predict(scheme, cost, P, a.net, a.density, union_gamma=g_use,
                            forward_s=fwd, step_s=stp, densestream_ratio=a.densestream_ratio,
-                           bucket_bytes=int(a.bucket_mb * 2**20))
+                           bucket_bytes=int(a.bucket_mb * 2**20), **kw)
             bare = CostModel.from_dict(cost.to_dict() | {"compute": None})
             nocomp = predict(scheme, bare, P, a.net, a.density, union_gamma=g_use,
                              forward_s=fwd, step_s=stp, densestream_ratio=a.densestream_ratio,
-                             bucket_bytes=int(a.bucket_mb * 2**20))
+                             bucket_bytes=int(a.bucket_mb * 2**20), **kw)
             fit = predict(scheme, bare, P, fitted, a.density, union_gamma=g_use,
                           forward_s=fwd, step_s=stp, densestream_ratio=a.densestream_ratio,
-                          bucket_bytes=int(a.bucket_mb * 2**20))
+                          bucket_bytes=int(a.bucket_mb * 2**20), **kw)
             rows.append({
                 "scheme": scheme, "P": P, "shaped": shaped, "measured_s": meas,
                 "measured_steps_s": steps, "predicted_s": pred["iteration_s"],
@@ -212,7 +229,7 @@ def run_validation(a) -> int:
                 "predicted_fitted_s": fit["iteration_s"],
                 "error_fitted": (fit["iteration_s"] - meas) / meas,
                 "fitted_alpha_s": fitted.alpha, "fitted_beta_s_per_byte": fitted.beta,
-                "union_gamma_used": g_use, "prediction": pred,
+                "union_gamma_used": g_use, "oktopk_exact_rate": rate, "prediction": pred,
             })
     load1 = os.getloadavg()
     print(f"NOTE: {NOTE}. Validation: measured GradSync runs vs predictions.")
@@ -240,6 +257,10 @@ def run_validation(a) -> int:
               r["predicted_exposed_comm_s"] * 1e3, r["measured_bytes_sent"] / 1e6,
               r["predicted_volume_bytes"] / 1e6] for r in rows]
     print_table(f"simulate --validate: {a.model} on {link}", cols, table)
+    ok = [r for r in rows if r["oktopk_exact_rate"] > 0]
+    if ok:
+        print("Ok-Topk exact thresholds (measured share of timed steps, used by the prediction): "
+              + ", ".join(f"{r['scheme']} P={r['P']}: {r['oktopk_exact_rate']:.2f}" for r in ok))
     meta = {"note": NOTE, "link": link, "bandwidth": a.bandwidth, "latency": a.latency,
             "cores": cores, "loadavg_before": load0, "loadavg_after": load1,
             "density": a.density, "sparsifier": a.sparsifier, "batch": a.batch,
