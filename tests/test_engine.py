@@ -491,3 +491,34 @@ def test_broadcast_initial_is_validated():
     with pytest.raises(ValueError, match="broadcast_initial"):
         Config(broadcast_initial=1)
     assert Config().broadcast_initial is True
+
+
+def _warmup_traffic_rank(rank: int, world_size: int) -> list[int]:
+    from conftest import image_batch
+
+    model = build("mlp", seed=1)
+    sync = GradSync(model, Config(scheme="ssfusion", density=0.05, sparsifier="topk",
+                                  warmup_steps=2, check_every=0))
+    sent = []
+    for step in range(2):  # the two profiling steps; the plan is made after the second
+        model.zero_grad(set_to_none=True)
+        x, y = image_batch(rank, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        sync.synchronize()
+        sent.append(sync.last.bytes_sent)
+    sync.close()
+    return sent
+
+
+def test_warmup_profiling_and_plan_broadcast_are_counted():
+    """The step that ends the warm-up also sends the cost model's collective probes and the
+    plan's broadcast, and counts them. P = 2, the default probes: all-reduce and all-gather of
+    1 KiB, 16 KiB, 128 KiB and 1 MiB, each 1 + 5 times (a ring all-reduce of s bytes sends s at
+    P = 2, an all-gather s), then a max-reduce of the 8 medians (fp64, 64 B); rank 0 also
+    broadcasts the plan (a length word and a pickle)."""
+    sizes = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
+    probes = sum(6 * (s + s) for s in sizes) + 64
+    out = run_distributed(_warmup_traffic_rank, 2, timeout=180)
+    extra = [s[1] - s[0] for s in out]  # the two profiling steps send the same gradients
+    assert extra[1] == probes
+    assert extra[0] > probes + 8  # rank 0: the probes and the plan it broadcasts

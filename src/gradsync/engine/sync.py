@@ -220,11 +220,14 @@ class GradSync:
         if profiling:
             self._warmup.left -= 1
             if self._warmup.left == 0:
+                comm = Comm(self.group)
                 plan, self.cost = warmup.final_plan(
                     self.cfg, self._warmup.samples, list(self.params), self._numel,
                     next(iter(self.params.values())).element_size(),
                     self._parts.sparsifier_name, self.group, self.rank, self.P,
-                    device=next(iter(self.params.values())).device)
+                    device=next(iter(self.params.values())).device, comm=comm)
+                self.last.add_traffic(comm.stats)  # profiling and the plan: this step's bytes
+                self.total.add_traffic(comm.stats)
                 self._set_plan(plan)
         elif self._drift is not None and self.cost is not None and ok and run.first_hook:
             self._watch(run, results, time.perf_counter())

@@ -134,9 +134,10 @@ def provisional_plan(cfg: Config, order: list[str], numel: dict[str, int]) -> Pl
 
 def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str],
                numel: dict[str, int], elem_bytes: int, sparsifier: str,
-               group: dist.ProcessGroup | None, rank: int, P: int, device=None
-               ) -> tuple[Plan, costmodel.CostModel | None]:
+               group: dist.ProcessGroup | None, rank: int, P: int, device=None,
+               comm: Comm | None = None) -> tuple[Plan, costmodel.CostModel | None]:
     """After the profiling steps: cost model → plan on rank 0 → broadcast (every rank calls).
+    The collectives' probes and the plan's broadcast go through ``comm``, which counts them.
 
     ``samples``: the hook timestamps of the profiling steps; ``names``, ``numel``,
     ``elem_bytes``: the synchronized tensors (registration order); ``sparsifier``: the name of
@@ -147,7 +148,7 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
     needs = schemes.get(cfg.scheme).needs_cost_model
     payload: list[Any] = [None]
     if needs:
-        ar, ag = costmodel.profile_collectives(group, device=device)
+        ar, ag = costmodel.profile_collectives(group, device=device, comm=comm)
     if rank == 0:
         cost = None
         if needs:
@@ -160,7 +161,7 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
                 allreduce=ar, allgather=ag)
         plan = schedule.make_plan(cfg.scheme, order, numel, cfg.density, cost, **_plan_kw(cfg))
         payload = [{"plan": plan.to_dict(), "cost": cost.to_dict() if cost else None}]
-    return _from_rank0(payload, group, P)
+    return _from_rank0(payload, group, P, comm)
 
 
 def _from_rank0(payload: list[Any], group: dist.ProcessGroup | None, P: int,

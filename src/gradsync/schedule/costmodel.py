@@ -363,13 +363,15 @@ def _sizes(sizes: Sequence[int]) -> list[int]:
 
 def profile_collectives(
     group=None, sizes: Sequence[int] = (1 << 10, 1 << 14, 1 << 17, 1 << 20), repeats: int = 5,
-    device=None,
+    device=None, comm=None,
 ) -> tuple[AlphaBeta, AlphaBeta]:
     """Time all-reduce and all-gather of ``sizes`` bytes on ``group``; fit α, β (Eq. 3, 4).
 
     Every rank must call it. Each point is the median over ``repeats`` (after one warm-up),
     each call bracketed by a barrier; the medians are then max-reduced over ranks (the slowest
-    rank is what a synchronous step waits for), so every rank returns the same fit.
+    rank is what a synchronous step waits for), so every rank returns the same fit. ``comm``
+    (a :class:`~gradsync.collectives.comm.Comm` of ``group``) counts the probes' traffic for the
+    caller; by default a fresh one.
     """
     import torch
     import torch.distributed as dist
@@ -379,7 +381,7 @@ def profile_collectives(
     sizes = _sizes(sizes)
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    comm = Comm(group)
+    comm = comm if comm is not None else Comm(group)
     if comm.size == 1:
         return AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0)
     dev = torch.device(device) if device is not None else (
