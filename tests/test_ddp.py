@@ -168,3 +168,26 @@ def test_hook_state_round_trip_and_checks():
         other.load_state_dict(sd)
     after = fresh.ef.state_dict()["residual"]
     assert all(torch.equal(before[k], after[k]) for k in before)  # nothing changed
+
+
+def _auto_hook_traffic(rank: int, world_size: int) -> list[int]:
+    model = build("mlp", seed=1)
+    ddp = DDP(model, bucket_cap_mb=25)  # one bucket: one hook call per step
+    state = gradsync.ddp.register(ddp, Config(scheme="auto", density=0.05, sparsifier="topk"))
+    sent = []
+    for step in range(2):
+        ddp.zero_grad(set_to_none=True)
+        x, y = image_batch(rank, step)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        sent.append(state.last.bytes_sent)
+    return sent
+
+
+def test_auto_hook_counts_its_link_measurement():
+    """The DDP hook's ``auto`` measures the link at its first call; that traffic is counted in
+    the call. P = 2, the default probes: all-reduce and all-gather of 1 KiB … 1 MiB, 1 + 5
+    times each (s bytes sent per call at P = 2), the 8 medians' max-reduce (64 B) and the
+    sparsifier fit's (16 B)."""
+    probes = sum(6 * (s + s) for s in (1 << 10, 1 << 14, 1 << 17, 1 << 20)) + 64 + 16
+    for first, second in run_distributed(_auto_hook_traffic, 2, timeout=180):
+        assert first - second == probes  # the same bucket both steps, plus the probes once

@@ -418,15 +418,17 @@ class Drift:
         return new_plan, new_cost
 
 
-def link_costs(sparsifier: sparsify.Sparsifier, group: dist.ProcessGroup | None
+def link_costs(sparsifier: sparsify.Sparsifier, group: dist.ProcessGroup | None,
+               comm: Comm | None = None
                ) -> tuple[costmodel.AlphaBeta, costmodel.AlphaBeta, costmodel.AffineFit]:
     """The DDP hook's cost model for ``auto`` (a collective): all-reduce and all-gather α/β of
     ``group`` and the inline cost of ``sparsifier``, max-reduced over the ranks so that every
-    rank decides every bucket alike."""
-    ar, ag = costmodel.profile_collectives(group)
+    rank decides every bucket alike. Its traffic goes through ``comm``, which counts it."""
+    comm = comm if comm is not None else Comm(group)
+    ar, ag = costmodel.profile_collectives(group, comm=comm)
     sp = costmodel.profile_sparsifier(sparsifier)
-    if Comm(group).size > 1:
+    if comm.size > 1:
         t = torch.tensor([sp.a, sp.b], dtype=torch.float64)
-        Comm(group).all_reduce(t, op=dist.ReduceOp.MAX)
+        comm.all_reduce(t, op=dist.ReduceOp.MAX)
         sp = costmodel.AffineFit(*t.tolist())
     return ar, ag, sp

@@ -208,8 +208,8 @@ class HookState:
         self.link = link
 
 
-def _densities(state: HookState, numels: list[int], elem_bytes: int = 4
-               ) -> list[float | None]:
+def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
+               comm: Comm | None = None) -> list[float | None]:
     """Per-tensor density of one bucket; None = sent dense.
 
     ``per_tensor``: every tensor at ``density``. SSFusion: tensors below ``small_numel`` are
@@ -225,7 +225,8 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4
     if state.scheme.planner == "auto":  # measured once, agreed by every rank
         P = dist.get_world_size(state.group)
         if state.link is None and P > 1:
-            state.link = link_costs(state._new_sparsifier("auto:probe", cfg.density), state.group)
+            state.link = link_costs(state._new_sparsifier("auto:probe", cfg.density), state.group,
+                                    comm)  # counted in this call's traffic
         sparse = P > 1 and bucket_sparse(numels, cfg.density, P, elem_bytes, *state.link)
         return [cfg.density if sparse else None] * len(numels)
     if state.scheme.planner == "per_tensor":
@@ -270,7 +271,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         comm.all_reduce(buf)
         buf.div_(P)
         return _done(state, comm.stats, buf, bucket.is_last())
-    densities = _densities(state, numels, buf.element_size())
+    densities = _densities(state, numels, buf.element_size(), comm)
     d_now = state.cfg.density_at(state.steps)  # DGC's warm-up (Config.density_warmup)
     if d_now != state.cfg.density:
         f = d_now / state.cfg.density
