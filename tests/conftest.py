@@ -37,6 +37,29 @@ def conserved(records) -> bool:
     return ok
 
 
+def density_one_error(model: nn.Module, sync, rank: int, P: int, steps: int = 4) -> float:
+    """Train ``steps`` steps of ``model`` under ``sync`` (an engine at density 1) and return
+    the worst relative difference of its ``.grad`` from what DDP computes: the gradients
+    all-reduced by ``torch.distributed`` directly and divided by P."""
+    import torch.distributed as dist
+
+    worst = 0.0
+    for step in range(steps):
+        model.zero_grad(set_to_none=True)
+        x, y = image_batch(rank, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        ref = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
+        for t in ref.values():
+            if P > 1:
+                dist.all_reduce(t)
+            t.div_(P)
+        sync.synchronize()
+        for n, p in model.named_parameters():
+            scale = ref[n].abs().max().item() + 1e-12
+            worst = max(worst, (p.grad - ref[n]).abs().max().item() / scale)
+    return worst
+
+
 def image_batch(rank: int, step: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` random 1×28×28 images and labels of 10 classes, different per rank and step."""
     g = torch.Generator().manual_seed(1000 * rank + step)

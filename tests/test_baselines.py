@@ -19,11 +19,10 @@ import math
 import numpy as np
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from conftest import conserved as conserved_records
-from conftest import image_batch, pin_profiles
+from conftest import density_one_error, image_batch, pin_profiles
 from gradsync import collectives
 from gradsync.apps.models import build
 from gradsync.engine import GradSync
@@ -326,19 +325,7 @@ def _engine(rank: int, P: int, steps: int) -> dict:
         model = build("mlp", seed=1)
         sync = GradSync(model, Config(scheme=scheme, density=1.0, sparsifier="topk",
                                       warmup_steps=2))
-        worst = 0.0
-        for step in range(4):
-            model.zero_grad(set_to_none=True)
-            x, y = image_batch(rank, step)
-            nn.functional.cross_entropy(model(x), y).backward()
-            ref = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
-            for t in ref.values():
-                dist.all_reduce(t)
-                t.div_(P)
-            sync.synchronize()
-            for n, p in model.named_parameters():
-                scale = ref[n].abs().max().item() + 1e-12
-                worst = max(worst, (p.grad - ref[n]).abs().max().item() / scale)
+        worst = density_one_error(model, sync, rank, P)
         sync.close()
         # 5% density: conservation per parameter and step, bit for bit; replicas identical
         model = build("mlp", seed=1)
