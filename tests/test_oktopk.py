@@ -106,11 +106,12 @@ def _run_case(rank: int, world: int, case: dict) -> list[dict]:
     return out
 
 
-def _reuse_case() -> dict:
+def _reuse_case(band: tuple[float, float] | None = (2 / 3, 4 / 3)) -> dict:
     # Gradients shrink 1% a step (threshold nudges must follow), then drop 100× from step 14.
+    opts = {"density": 0.02, "tau": 6, "tau_prime": 4}
     return {"name": "reuse", "kind": "laplace", "dtype": "fp32", "seed": 11, "numel": 20_000,
             "kloc": 400, "decay": 0.99, "jump": (14, 0.01), "steps": list(range(16)),
-            "opts": {"density": 0.02, "tau": 6, "tau_prime": 4}}
+            "opts": opts if band is None else {**opts, "recompute_band": band}}
 
 
 def _rank_main(rank: int, world: int, cases: list[dict]) -> dict:
@@ -122,6 +123,7 @@ def _rank_main(rank: int, world: int, cases: list[dict]) -> dict:
     b.load_state_dict(copy.deepcopy(out["reuse"][6]["state"]))
     out["resumed"] = [b(_selection(case, rank, world, s), step=s) for s in case["steps"][7:]]
     out["resumed"] = [{"dense": r.dense, "kept": r.kept, "info": r.info} for r in out["resumed"]]
+    out["pure"] = _run_case(rank, world, _reuse_case(band=None))  # the default: paper's reuse
     # Non-finite input on one rank: a ValueError on every rank, nothing hangs.
     bad = _selection(_cases(world)[0], rank, world, 0)
     if rank == world - 1:
@@ -165,14 +167,18 @@ def _check_step(case: dict, world: int, step: int, per_rank: list[dict]) -> None
         acc[p["kept"]] += s.values[pos].double()
     assert torch.equal(acc.to(dtype)[admitted].view(BITS[dtype]),
                        d0[admitted].view(BITS[dtype]))
-    # 4. the count: exactly k after an exact evaluation (continuous data), else in [2k/3, 4k/3].
+    # 4. the count: exactly k after an exact evaluation (continuous data); a reused θ keeps it
+    # in [lo·k, hi·k] when a recompute band is set, else only within the union (the paper).
     k, u, sel = infos[0]["k"], int(union.sum()), infos[0]["selected"]
+    band = case["opts"].get("recompute_band")
     if theta == 0.0:  # the union holds at most k entries: all of them
         assert sel == u and infos[0]["threshold_exact"] and u <= k
     elif infos[0]["threshold_exact"]:
         assert sel == k or (dtype != torch.float32 and k <= sel <= 4 * k / 3)  # bf16/fp16 ties
+    elif band is not None:
+        assert band[0] * k <= sel <= band[1] * k
     else:
-        assert 2 * k / 3 <= sel <= 4 * k / 3
+        assert sel <= u
 
 
 @pytest.mark.parametrize("world", WORLDS)
@@ -253,6 +259,16 @@ def test_threshold_reuse_schedule_and_state_round_trip(world):
     assert nudged, "the 1%/step decay should have nudged θ down at least once"
     for i in infos:
         assert 2 * i["k"] / 3 <= i["selected"] <= 4 * i["k"] / 3
+    # The default (no band, the paper's reuse): θ is exact only on the τ′ schedule; after the
+    # 100× drop the reused θ admits almost nothing until the next exact evaluation (step 16).
+    pure = [[out[r]["pure"][i] for r in range(world)] for i in range(len(steps))]
+    for i, step in enumerate(steps):
+        _check_step(_reuse_case(band=None), world, step, pure[i])
+    pinfos = [pure[i][0]["info"] for i in range(len(steps))]
+    assert {s: i["threshold_reason"] for s, i in zip(steps, pinfos) if i["threshold_exact"]} \
+        == {0: "periodic", 4: "periodic", 8: "periodic", 12: "periodic"}
+    assert pure[-1][0]["state"]["exact_evaluations"] == 4
+    assert pinfos[14]["selected"] < 2 * pinfos[14]["k"] / 3
     # The resumed collective continues bit for bit.
     for j, step in enumerate(steps[7:]):
         for r in range(world):
@@ -302,7 +318,9 @@ def test_indices_above_2_pow_24_are_exact(world):
     ({"density": 0.0}, "density"), ({"density": 1.5}, "density"), ({"k": 0}, "k must"),
     ({"density": 0.1, "k": 3}, "not both"), ({"tau": 0}, "tau"), ({"tau_prime": 2.5}, "tau_prime"),
     ({"bucket": 0}, "bucket"), ({"balance_factor": 0.5}, "balance_factor"),
-    ({"nudge": 0.0}, "nudge"),
+    ({"nudge": 0.0}, "nudge"), ({"recompute_band": (1.2, 2.0)}, "recompute_band"),
+    ({"recompute_band": (0.5, 0.9)}, "recompute_band"), ({"recompute_band": 3}, "pair"),
+    ({"recompute_band": (0.5, float("inf"))}, "recompute_band"),
 ])
 def test_bad_options_raise(opts, match):
     with pytest.raises(ValueError, match=match):
