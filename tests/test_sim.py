@@ -368,3 +368,83 @@ def test_oktopk_exact_threshold_rate_sets_its_amortised_start_ups(P):
     lo = patterns.comm_time(patterns.pattern("oktopk", P, n, k, oktopk_exact_rate=0.0), alpha, 0)
     hi = patterns.comm_time(patterns.pattern("oktopk", P, n, k, oktopk_exact_rate=1.0), alpha, 0)
     assert hi - lo == pytest.approx(8 * 2 * lg * alpha)
+
+
+# ----------------------------------------------------------------------------- contention
+def test_contention_floor_four_ranks_on_two_cores_by_hand():
+    """Issue 14: P·σ·W / C. TopkA on the tiny model: W = forward 10 ms + Σ T_b 12 ms +
+    T_sparsify(210 000) = 0.1 + 2.1 ms + step 1 ms = 25.2 ms of profiled work per rank. A
+    profile of one rank alone (σ = 1): 4 ranks on 2 cores need 4 · 25.2 / 2 = 50.4 ms, twice
+    the timeline's iteration. A profile taken with all 4 ranks busy (σ = min(1, 2/4)): the
+    floor is W itself, below the timeline's iteration, so nothing changes."""
+    from gradsync.apps.sim.contention import Contention
+
+    cost = tiny_cost()
+    net = sim.Network(1e-6, 8 / 1e10)
+    old = sim.predict("topka", cost, 4, net, 0.01, forward_s=0.010, step_s=0.001)
+    alone = sim.predict("topka", cost, 4, net, 0.01, forward_s=0.010, step_s=0.001,
+                        contention=Contention(cores=2, share=1.0))
+    assert alone["cpu_work_s"] == pytest.approx(0.0252)
+    assert alone["cpu_floor_s"] == pytest.approx(0.0504)
+    assert alone["iteration_s"] == pytest.approx(0.0504)
+    assert alone["iteration_s"] > 1.9 * old["iteration_s"]
+    busy = sim.predict("topka", cost, 4, net, 0.01, forward_s=0.010, step_s=0.001,
+                       contention=Contention(cores=2))
+    assert busy["cpu_floor_s"] == pytest.approx(0.0252)
+    assert busy["iteration_s"] == old["iteration_s"]
+    # enough cores: no floor binds (3 threads per rank, 4 ranks, 12 cores)
+    many = sim.predict("topka", cost, 4, net, 0.01, forward_s=0.010, step_s=0.001,
+                       contention=Contention(cores=12, share=1.0))
+    assert many["iteration_s"] == old["iteration_s"]
+    with pytest.raises(ValueError):
+        Contention(cores=0)
+    with pytest.raises(ValueError):
+        Contention(cores=2, round_s=-1e-3)
+
+
+def test_contention_off_reproduces_the_old_prediction_exactly():
+    """``contention=None`` (the default) and a contention that cannot bind (cores without
+    limit, no loaded rounds) give the same rows, number for number, for every scheme."""
+    from gradsync.apps.sim.contention import Contention
+    from gradsync.schedule import schemes
+    from gradsync.schedule.costmodel import ComputeCost
+
+    cost = tiny_cost()
+    cost.compute = ComputeCost(message=3e-4, merge=AffineFit(1e-5, 2e-8),
+                               codec=AffineFit(2e-5, 5e-8))
+    net = sim.Network(50e-6, 8 / 1e8)
+    for name in schemes.SCHEMES:
+        for P in (1, 2, 8):
+            base = sim.predict(name, cost, P, net, 0.01, forward_s=0.004, step_s=0.001)
+            off = sim.predict(name, cost, P, net, 0.01, forward_s=0.004, step_s=0.001,
+                              contention=None)
+            free = sim.predict(name, cost, P, net, 0.01, forward_s=0.004, step_s=0.001,
+                               contention=Contention(cores=1e9))
+            assert off == base and base["cpu_floor_s"] is None and base["round_wait_s"] == 0
+            for key in ("iteration_s", "comm_s", "link_s", "compute_s", "exposed_comm_s"):
+                assert free[key] == base[key], (name, P, key)
+
+
+def test_loaded_rounds_are_charged_to_buffers_that_start_during_the_backward():
+    """The timeline's ``round_s``: two dense buckets of the tiny model, the first (t0…t2,
+    ready at 6 ms) starts while the backward runs and pays 2(P−1)·round_s more; the second
+    (t3…t5, ready at 12 ms = the end of the compute stream) does not. Free links, P = 4,
+    round_s = 1 ms: the first bucket ends at 6 + 6 = 12 ms, the iteration is 12 ms and the
+    wait 6 ms; with round_s = 3 ms the first ends at 24 ms and delays the second to 24 ms."""
+    from gradsync.schedule import simulate
+    from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan
+
+    cost = tiny_cost()
+    cost.P = 4
+    ts = [TensorPlan(n, cost.numel[n], None) for n in cost.order]
+    plan = Plan("dense_ovlp", [BufferPlan(tuple(ts[:3]), "dense"),
+                               BufferPlan(tuple(ts[3:]), "dense")])
+    tl0 = simulate(plan, cost)
+    assert tl0.iteration == pytest.approx(0.012) and tl0.round_wait == 0
+    tl = simulate(plan, cost, round_s=1e-3)
+    assert tl.round_wait == pytest.approx(6e-3) and tl.iteration == pytest.approx(0.012)
+    assert tl.buffers[0]["end"] == pytest.approx(0.012)
+    tl = simulate(plan, cost, round_s=3e-3)
+    assert tl.round_wait == pytest.approx(18e-3)
+    assert tl.buffers[1]["start"] == pytest.approx(0.024)
+    assert tl.iteration == pytest.approx(0.024) and tl.exposed_comm == pytest.approx(0.012)
