@@ -448,3 +448,39 @@ def test_loaded_rounds_are_charged_to_buffers_that_start_during_the_backward():
     assert tl.round_wait == pytest.approx(18e-3)
     assert tl.buffers[1]["start"] == pytest.approx(0.024)
     assert tl.iteration == pytest.approx(0.024) and tl.exposed_comm == pytest.approx(0.012)
+
+
+def test_validate_models_message_cost_and_loaded_round():
+    """simulate --validate's cost model: the all-reduce fit's α is already per message (Eq. 4's
+    intercept over 2(P − 1)), so the software cost per message is that α less the link's α —
+    not divided by 2(P − 1) once more; the loaded round is (loaded − idle) / 2(P − 1)."""
+    from gradsync.apps.sim.validate import _models
+    from gradsync.schedule.costmodel import ComputeCost, fit_alpha_beta
+
+    P = 8
+    sizes = [8, 1 << 10, 1 << 14]
+    ar = fit_alpha_beta("allreduce", P, sizes, [0.014 + 1e-8 * b for b in sizes])
+    comp = ComputeCost(merge=AffineFit(1e-5, 1e-9), codec=AffineFit(2e-5, 1e-9)).to_dict()
+    res = [{"cost": tiny_cost().to_dict(), "compute": comp, "allreduce_fit": vars(ar),
+            "round_idle_s": 0.004 + r * 1e-4, "round_loaded_s": 0.018} for r in range(P)]
+    cost, cont = _models(res, 50e-6, 2)
+    assert cost.compute.message == pytest.approx(0.014 / 14 - 50e-6)
+    assert cont.cores == 2 and cont.share is None and cont.sigma(P) == 0.25
+    assert cont.round_s == pytest.approx((0.018 - 0.0047) / 14)
+
+
+def test_profile_round_latency_on_two_ranks():
+    from gradsync.testing import run_distributed
+
+    res = run_distributed(_round_latency_rank, 2)
+    assert res[0] == res[1]  # max over ranks on both
+    idle, loaded = res[0]
+    assert 0 < idle < 1 and 0 < loaded < 5
+
+
+def _round_latency_rank(rank, world_size):
+    from gradsync.apps.sim.contention import profile_round_latency
+
+    x = torch.randn(256, 256, requires_grad=True)
+    loss = (x @ x).square().sum()
+    return profile_round_latency(lambda: loss.backward(retain_graph=True), repeats=5)
