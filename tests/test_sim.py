@@ -244,7 +244,7 @@ def test_simulate_command_reads_a_cost_model_json(tmp_path):
     ["--workers", "0"], ["--workers", "8,x"], ["--density", "2"], ["--density", "0"],
     ["--schemes", "dense,nope"], ["--bandwidth", "10Mbps"], ["--latency", "fast"],
     ["--union-gamma", "1.5"], ["--densestream-ratio", "0"], ["--steps", "0"],
-    ["--forward-s", "-1"],
+    ["--forward-s", "-1"], ["--cores", "0"], ["--cores", "2", "--round-latency=-1ms"],
 ])
 def test_bad_arguments_raise(bad, tmp_path):
     table = tmp_path / "layers.csv"
@@ -484,3 +484,20 @@ def _round_latency_rank(rank, world_size):
     x = torch.randn(256, 256, requires_grad=True)
     loss = (x @ x).square().sum()
     return profile_round_latency(lambda: loss.backward(retain_graph=True), repeats=5)
+
+
+def test_simulate_command_cores_turns_contention_on(tmp_path):
+    """``--cores`` (off by default): a table's compute is one rank's alone (σ = 1), so 8 ranks
+    on 1 core need at least 8·W; without it the rows carry no floor."""
+    table = tmp_path / "layers.csv"
+    write_table(table)
+    base = ["--table", str(table), "--schemes", "topka,ssfusion_oi", "--workers", "8"]
+    assert sim.main([*base, "--out", str(tmp_path / "off")]) == 0
+    assert sim.main([*base, "--cores", "1", "--out", str(tmp_path / "on")]) == 0
+    off = json.loads((tmp_path / "off" / "simulate.json").read_text())["rows"]
+    on = json.loads((tmp_path / "on" / "simulate.json").read_text())["rows"]
+    for a, b in zip(off, on):
+        assert a["cpu_floor_s"] is None
+        assert b["cpu_floor_s"] == pytest.approx(8 * b["cpu_work_s"])
+        assert b["iteration_s"] == pytest.approx(max(a["iteration_s"], b["cpu_floor_s"]))
+        assert b["iteration_s"] > a["iteration_s"]

@@ -114,7 +114,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--cores", type=float, default=None,
                    help="CPU contention (apps/sim/contention.py): the cores P ranks share; "
                         "off unless given (--validate: this machine's count)")
-    p.add_argument("--round-latency", default="0us",
+    p.add_argument("--round-latency", default=None,
                    help="with --cores: what one synchronising round costs above its idle "
                         "price under load (--validate measures it)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
@@ -156,7 +156,8 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
 
     a.contention = None
     if a.cores is not None:  # a profile of one rank alone: σ = 1
-        a.contention = Contention(a.cores, parse_time(a.round_latency), share=1.0)
+        rnd = parse_time(a.round_latency) if a.round_latency is not None else 0.0
+        a.contention = Contention(a.cores, rnd, share=1.0)
     return a
 
 
