@@ -392,6 +392,13 @@ def test_contention_floor_four_ranks_on_two_cores_by_hand():
                        contention=Contention(cores=2))
     assert busy["cpu_floor_s"] == pytest.approx(0.0252)
     assert busy["iteration_s"] == old["iteration_s"]
+    # each torch.distributed call's CPU: TopkA at P = 4 makes the shape check, the counts
+    # all-gather and 3 point-to-point steps
+    assert busy["dist_calls"] == 5
+    calls = sim.predict("topka", cost, 4, net, 0.01, forward_s=0.010, step_s=0.001,
+                        contention=Contention(cores=2, share=1.0, call_cpu_s=1e-3))
+    assert calls["cpu_floor_s"] == pytest.approx(4 * (0.0252 + 5 * 1e-3) / 2)
+    assert calls["iteration_s"] == pytest.approx(0.0604)
     # enough cores: no floor binds (3 threads per rank, 4 ranks, 12 cores)
     many = sim.predict("topka", cost, 4, net, 0.01, forward_s=0.010, step_s=0.001,
                        contention=Contention(cores=12, share=1.0))
@@ -462,11 +469,13 @@ def test_validate_models_message_cost_and_loaded_round():
     ar = fit_alpha_beta("allreduce", P, sizes, [0.014 + 1e-8 * b for b in sizes])
     comp = ComputeCost(merge=AffineFit(1e-5, 1e-9), codec=AffineFit(2e-5, 1e-9)).to_dict()
     res = [{"cost": tiny_cost().to_dict(), "compute": comp, "allreduce_fit": vars(ar),
-            "round_idle_s": 0.004 + r * 1e-4, "round_loaded_s": 0.018} for r in range(P)]
+            "round_idle_s": 0.004 + r * 1e-4, "round_loaded_s": 0.018,
+            "call_cpu_s": 1e-4 * (1 + r % 3)} for r in range(P)]
     cost, cont = _models(res, 50e-6, 2)
     assert cost.compute.message == pytest.approx(0.014 / 14 - 50e-6)
     assert cont.cores == 2 and cont.share is None and cont.sigma(P) == 0.25
     assert cont.round_s == pytest.approx((0.018 - 0.0047) / 14)
+    assert cont.call_cpu_s == pytest.approx(3e-4)
 
 
 def test_profile_round_latency_on_two_ranks():
@@ -474,8 +483,8 @@ def test_profile_round_latency_on_two_ranks():
 
     res = run_distributed(_round_latency_rank, 2)
     assert res[0] == res[1]  # max over ranks on both
-    idle, loaded = res[0]
-    assert 0 < idle < 1 and 0 < loaded < 5
+    idle, loaded, cpu = res[0]
+    assert 0 < idle < 1 and 0 < loaded < 5 and 0 < cpu < 1
 
 
 def _round_latency_rank(rank, world_size):
@@ -501,3 +510,17 @@ def test_simulate_command_cores_turns_contention_on(tmp_path):
         assert b["cpu_floor_s"] == pytest.approx(8 * b["cpu_work_s"])
         assert b["iteration_s"] == pytest.approx(max(a["iteration_s"], b["cpu_floor_s"]))
         assert b["iteration_s"] > a["iteration_s"]
+
+
+def test_work_counts_torch_distributed_calls():
+    """``Work.dist_calls``: Ok-Topk at P = 8 makes 7 split-and-reduce, 3 counts and 3
+    allgatherv point-to-point steps, one shape check, and with the exact threshold in every
+    step 8 small all-reduces (+ the boundaries' every τ = 64 steps); TopkA: the shape check,
+    the counts all-gather and P − 1 ring steps; the dense ring all-reduce is one call."""
+    n, k = 1_000_000, 10_000
+    ok = patterns.pattern("oktopk", 8, n, k, oktopk_exact_rate=1.0)
+    assert patterns.work("oktopk", ok, 8, k).dist_calls == pytest.approx(1 + 13 + 8 + 1 / 64)
+    ta = patterns.pattern("topka", 8, n, k)
+    assert patterns.work("topka", ta, 8, k).dist_calls == 2 + 7
+    assert patterns.work("dense", patterns.dense_ring(8, n), 8, 0).dist_calls == 1
+    assert patterns.work("topka", [], 1, 0).dist_calls == 0

@@ -83,8 +83,8 @@ def predict(
     per start-up of a buffer that starts during the backward; a one-buffer collective starts
     after it and pays the idle price),
     ``cpu_work_s`` the CPU work of one rank (forward, backward, sparsification, the
-    collective's merges and codec, step) and ``cpu_floor_s`` the contention floor on the
-    iteration (None when off)."""
+    collective's merges and codec, step), ``dist_calls`` its torch.distributed calls and
+    ``cpu_floor_s`` the contention floor on the iteration (None when off)."""
     sch = schemes.get(scheme)  # an unknown name raises ValueError naming the choices
     if isinstance(P, bool) or int(P) != P or P < 1:
         raise ValueError(f"P must be a positive integer, got {P!r}")
@@ -116,9 +116,11 @@ def predict(
                                               calls=max(w.calls, 1.0))
         rounds = sum(s.messages for s in steps) + w.control
         wait = 0.0  # it runs after every rank's backward: its rounds pay the idle price
+        calls = w.dist_calls
         comm = link + compute
         row.update(collective=coll, backward_s=backward, sparsify_s=sparsify, comm_s=comm,
                    link_s=link, compute_s=compute, rounds=rounds, round_wait_s=wait,
+                   dist_calls=calls,
                    exposed_comm_s=comm, sync_end_s=backward + sparsify + comm,
                    volume_bytes=patterns.volume(steps),
                    messages=sum(s.messages for s in steps), buffers=1,
@@ -129,12 +131,15 @@ def predict(
                          min_density=min_density)
         tl = timeline_of(plan, cost, round_s=contention.round_s if contention else 0.0)
         p = cost.P
-        compute = rounds = 0.0
+        compute = rounds = calls = 0.0
         for b in tl.buffers:
             compute += (cost.t_compute_allreduce(b["ar_bytes"]) * ("ar_start" in b)
                         + cost.t_compute_allgather(b["ag_bytes"]) * ("ag_start" in b))
             # the start-ups t_compute_allreduce / t_compute_allgather price: 2(P−1) each
             rounds += 2 * (p - 1) * (("ar_start" in b) + ("ag_start" in b))
+            # one gloo all-reduce; TopkA: shape check, counts, P − 1 point-to-point steps
+            calls += ("ar_start" in b) + (p + 1) * ("ag_start" in b)
+        calls *= p > 1
         wait = tl.round_wait
         vol = sum(b["ar_bytes"] * 2 * (p - 1) / p + b["ag_bytes"] * (p - 1) for b in tl.buffers)
         msgs = sum(2 * (p - 1) * ("ar_start" in b) + (p - 1) * ("ag_start" in b)
@@ -142,7 +147,7 @@ def predict(
         row.update(collective=f"allreduce+{sch.collective}" if sch.sparse else "allreduce",
                    backward_s=tl.backward, sparsify_s=tl.sparsify, comm_s=tl.comm,
                    link_s=tl.comm - compute - wait, compute_s=compute, rounds=rounds,
-                   round_wait_s=wait,
+                   round_wait_s=wait, dist_calls=calls,
                    exposed_comm_s=tl.exposed_comm, sync_end_s=tl.iteration, volume_bytes=vol,
                    messages=msgs, buffers=len(plan.buffers), union_density=None)
     row["forward_s"] = forward_s
@@ -154,7 +159,7 @@ def predict(
                          + max(0.0, row["compute_s"] - row["rounds"] * per_msg) + step_s)
     row["cpu_floor_s"] = None
     if contention is not None:
-        row["cpu_floor_s"] = contention.floor(row["cpu_work_s"], cost.P)
+        row["cpu_floor_s"] = contention.floor(row["cpu_work_s"], cost.P, row["dist_calls"])
         row["iteration_s"] = max(row["iteration_s"], row["cpu_floor_s"])
     return row
 

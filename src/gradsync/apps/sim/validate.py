@@ -88,7 +88,7 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
     # backward only (autograd's C++ engine, as during training), not the Python forward: the
     # rounds' price under busy cores, not under a busy interpreter lock
     loss = step()
-    round_idle, round_loaded = profile_round_latency(
+    round_idle, round_loaded, call_cpu = profile_round_latency(
         lambda loss=loss: loss.backward(retain_graph=True))
     net.zero_grad(set_to_none=True)
 
@@ -124,6 +124,7 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
     return {"cost": cost.to_dict(), "compute": compute.to_dict(), "forward_s": fwd,
             "step_s": stp, "union": union, "profile_share": share,
             "round_idle_s": round_idle, "round_loaded_s": round_loaded,
+            "call_cpu_s": call_cpu,
             "allreduce_fit": vars(ar), "allgather_fit": vars(ag), "results": results}
 
 
@@ -162,8 +163,9 @@ def _models(res: list[dict[str, Any]], link_alpha: float,
       message is the in-run all-reduce fit's α — already per message, Eq. 4's intercept over
       its 2(P − 1) start-ups (:func:`~gradsync.schedule.costmodel.fit_alpha_beta`) — less the
       link's own α (tbf adds no propagation delay, so the rest is gloo's and the kernel's);
-    * contention: ``cores`` and the loaded round (:func:`~gradsync.apps.sim.contention.
-      round_extra` of the ranks' 8-byte all-reduce, idle and under load).
+    * contention: ``cores``, the loaded round (:func:`~gradsync.apps.sim.contention.
+      round_extra` of the ranks' 8-byte all-reduce, idle and under load) and the CPU of one
+      round (the slowest rank's CPU seconds per 8-byte all-reduce call).
     """
     P = len(res)
     costs = [CostModel.from_dict(r["cost"]) for r in res]
@@ -174,7 +176,8 @@ def _models(res: list[dict[str, Any]], link_alpha: float,
                                merge=comp[cslow].merge, codec=comp[cslow].codec)
     rnd = round_extra(max(r["round_idle_s"] for r in res),
                       max(r["round_loaded_s"] for r in res), P)
-    return cost, Contention(cores=cores, round_s=rnd)
+    return cost, Contention(cores=cores, round_s=rnd,
+                            call_cpu_s=max(r["call_cpu_s"] for r in res))
 
 
 def run_validation(a) -> int:
@@ -218,6 +221,7 @@ def run_validation(a) -> int:
                     "round_idle_s": max(r["round_idle_s"] for r in res),
                     "round_loaded_s": max(r["round_loaded_s"] for r in res),
                     "round_s": contention.round_s, "share": contention.sigma(P),
+                    "call_cpu_s": contention.call_cpu_s,
                     "profile_share_measured": [r["profile_share"] for r in res]}
         for scheme in a.scheme_list:
             steps = [max(r["results"][scheme]["times"][i] for r in res)
@@ -285,7 +289,8 @@ def run_validation(a) -> int:
         print(f"P={P} contention: {info['cores']} cores; 8-byte all-reduce idle "
               f"{info['round_idle_s'] * 1e3:.2f} ms, with every rank's backward looping "
               f"{info['round_loaded_s'] * 1e3:.2f} ms → {info['round_s'] * 1e3:.3f} ms per "
-              f"round; profile share σ={info['share']:.2f} (CPU/wall measured per rank while "
+              f"round, {info['call_cpu_s'] * 1e3:.3f} ms CPU per call; profile share "
+              f"σ={info['share']:.2f} (CPU/wall measured per rank while "
               f"profiling: {min(sh):.2f}–{max(sh):.2f})")
     cols = ["scheme", "P", "measured ms", "predicted ms", "error %", "err no-contention %",
             "err no-compute %", "round wait pred ms", "CPU floor pred ms", "CPU floor meas ms",
