@@ -35,7 +35,7 @@ communication) on C < 3P cores, they do not; :class:`Contention` adds the two te
   that starts before the compute stream ends (WFBP overlap); a one-buffer collective
   (``planner="single"``) starts after the backward and sparsification, and its rounds pay the
   idle price (``ComputeCost.message``). Charging every round of every collective the loaded
-  price over-predicted by up to 2.5× at P = 8 (docs/architecture.md).
+  price over-predicted the sparse schemes at P = 8 by +28…+117 % (docs/architecture.md).
 
 ``contention=None`` (the default of :func:`gradsync.apps.sim.predict.predict`) leaves every
 prediction as it was.
