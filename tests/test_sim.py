@@ -244,7 +244,7 @@ def test_simulate_command_reads_a_cost_model_json(tmp_path):
     ["--workers", "0"], ["--workers", "8,x"], ["--density", "2"], ["--density", "0"],
     ["--schemes", "dense,nope"], ["--bandwidth", "10Mbps"], ["--latency", "fast"],
     ["--union-gamma", "1.5"], ["--densestream-ratio", "0"], ["--steps", "0"],
-    ["--forward-s", "-1"],
+    ["--forward-s", "-1"], ["--cores", "0"], ["--cores", "2", "--round-latency=-1ms"],
 ])
 def test_bad_arguments_raise(bad, tmp_path):
     table = tmp_path / "layers.csv"
@@ -368,3 +368,159 @@ def test_oktopk_exact_threshold_rate_sets_its_amortised_start_ups(P):
     lo = patterns.comm_time(patterns.pattern("oktopk", P, n, k, oktopk_exact_rate=0.0), alpha, 0)
     hi = patterns.comm_time(patterns.pattern("oktopk", P, n, k, oktopk_exact_rate=1.0), alpha, 0)
     assert hi - lo == pytest.approx(8 * 2 * lg * alpha)
+
+
+# ----------------------------------------------------------------------------- contention
+def test_contention_floor_four_ranks_on_two_cores_by_hand():
+    """Issue 14: P·σ·W / C. TopkA on the tiny model: W = forward 10 ms + Σ T_b 12 ms +
+    T_sparsify(210 000) = 0.1 + 2.1 ms + step 1 ms = 25.2 ms of profiled work per rank. A
+    profile of one rank alone (σ = 1): 4 ranks on 2 cores need 4 · 25.2 / 2 = 50.4 ms, twice
+    the timeline's iteration. A profile taken with all 4 ranks busy (σ = min(1, 2/4)): the
+    floor is W itself, below the timeline's iteration, so nothing changes."""
+    from gradsync.apps.sim.contention import Contention
+
+    cost = tiny_cost()
+    net = sim.Network(1e-6, 8 / 1e10)
+    old = sim.predict("topka", cost, 4, net, 0.01, forward_s=0.010, step_s=0.001)
+    alone = sim.predict("topka", cost, 4, net, 0.01, forward_s=0.010, step_s=0.001,
+                        contention=Contention(cores=2, share=1.0))
+    assert alone["cpu_work_s"] == pytest.approx(0.0252)
+    assert alone["cpu_floor_s"] == pytest.approx(0.0504)
+    assert alone["iteration_s"] == pytest.approx(0.0504)
+    assert alone["iteration_s"] > 1.9 * old["iteration_s"]
+    busy = sim.predict("topka", cost, 4, net, 0.01, forward_s=0.010, step_s=0.001,
+                       contention=Contention(cores=2))
+    assert busy["cpu_floor_s"] == pytest.approx(0.0252)
+    assert busy["iteration_s"] == old["iteration_s"]
+    # each torch.distributed call's CPU: TopkA at P = 4 makes the shape check, the counts
+    # all-gather and 3 point-to-point steps
+    assert busy["dist_calls"] == 5
+    calls = sim.predict("topka", cost, 4, net, 0.01, forward_s=0.010, step_s=0.001,
+                        contention=Contention(cores=2, share=1.0, call_cpu_s=1e-3))
+    assert calls["cpu_floor_s"] == pytest.approx(4 * (0.0252 + 5 * 1e-3) / 2)
+    assert calls["iteration_s"] == pytest.approx(0.0604)
+    # enough cores: no floor binds (3 threads per rank, 4 ranks, 12 cores)
+    many = sim.predict("topka", cost, 4, net, 0.01, forward_s=0.010, step_s=0.001,
+                       contention=Contention(cores=12, share=1.0))
+    assert many["iteration_s"] == old["iteration_s"]
+    with pytest.raises(ValueError):
+        Contention(cores=0)
+    with pytest.raises(ValueError):
+        Contention(cores=2, round_s=-1e-3)
+
+
+def test_contention_off_reproduces_the_old_prediction_exactly():
+    """``contention=None`` (the default) and a contention that cannot bind (cores without
+    limit, no loaded rounds) give the same rows, number for number, for every scheme."""
+    from gradsync.apps.sim.contention import Contention
+    from gradsync.schedule import schemes
+    from gradsync.schedule.costmodel import ComputeCost
+
+    cost = tiny_cost()
+    cost.compute = ComputeCost(message=3e-4, merge=AffineFit(1e-5, 2e-8),
+                               codec=AffineFit(2e-5, 5e-8))
+    net = sim.Network(50e-6, 8 / 1e8)
+    for name in schemes.SCHEMES:
+        for P in (1, 2, 8):
+            base = sim.predict(name, cost, P, net, 0.01, forward_s=0.004, step_s=0.001)
+            off = sim.predict(name, cost, P, net, 0.01, forward_s=0.004, step_s=0.001,
+                              contention=None)
+            free = sim.predict(name, cost, P, net, 0.01, forward_s=0.004, step_s=0.001,
+                               contention=Contention(cores=1e9))
+            assert off == base and base["cpu_floor_s"] is None and base["round_wait_s"] == 0
+            for key in ("iteration_s", "comm_s", "link_s", "compute_s", "exposed_comm_s"):
+                assert free[key] == base[key], (name, P, key)
+
+
+def test_loaded_rounds_are_charged_to_buffers_that_start_during_the_backward():
+    """The timeline's ``round_s``: two dense buckets of the tiny model, the first (t0…t2,
+    ready at 6 ms) starts while the backward runs and pays 2(P−1)·round_s more; the second
+    (t3…t5, ready at 12 ms = the end of the compute stream) does not. Free links, P = 4,
+    round_s = 1 ms: the first bucket ends at 6 + 6 = 12 ms, the iteration is 12 ms and the
+    wait 6 ms; with round_s = 3 ms the first ends at 24 ms and delays the second to 24 ms."""
+    from gradsync.schedule import simulate
+    from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan
+
+    cost = tiny_cost()
+    cost.P = 4
+    ts = [TensorPlan(n, cost.numel[n], None) for n in cost.order]
+    plan = Plan("dense_ovlp", [BufferPlan(tuple(ts[:3]), "dense"),
+                               BufferPlan(tuple(ts[3:]), "dense")])
+    tl0 = simulate(plan, cost)
+    assert tl0.iteration == pytest.approx(0.012) and tl0.round_wait == 0
+    tl = simulate(plan, cost, round_s=1e-3)
+    assert tl.round_wait == pytest.approx(6e-3) and tl.iteration == pytest.approx(0.012)
+    assert tl.buffers[0]["end"] == pytest.approx(0.012)
+    tl = simulate(plan, cost, round_s=3e-3)
+    assert tl.round_wait == pytest.approx(18e-3)
+    assert tl.buffers[1]["start"] == pytest.approx(0.024)
+    assert tl.iteration == pytest.approx(0.024) and tl.exposed_comm == pytest.approx(0.012)
+
+
+def test_validate_models_message_cost_and_loaded_round():
+    """simulate --validate's cost model: the all-reduce fit's α is already per message (Eq. 4's
+    intercept over 2(P − 1)), so the software cost per message is that α less the link's α —
+    not divided by 2(P − 1) once more; the loaded round is (loaded − idle) / 2(P − 1)."""
+    from gradsync.apps.sim.validate import _models
+    from gradsync.schedule.costmodel import ComputeCost, fit_alpha_beta
+
+    P = 8
+    sizes = [8, 1 << 10, 1 << 14]
+    ar = fit_alpha_beta("allreduce", P, sizes, [0.014 + 1e-8 * b for b in sizes])
+    comp = ComputeCost(merge=AffineFit(1e-5, 1e-9), codec=AffineFit(2e-5, 1e-9)).to_dict()
+    res = [{"cost": tiny_cost().to_dict(), "compute": comp, "allreduce_fit": vars(ar),
+            "round_idle_s": 0.004 + r * 1e-4, "round_loaded_s": 0.018,
+            "call_cpu_s": 1e-4 * (1 + r % 3)} for r in range(P)]
+    cost, cont = _models(res, 50e-6, 2)
+    assert cost.compute.message == pytest.approx(0.014 / 14 - 50e-6)
+    assert cont.cores == 2 and cont.share is None and cont.sigma(P) == 0.25
+    assert cont.round_s == pytest.approx((0.018 - 0.0047) / 14)
+    assert cont.call_cpu_s == pytest.approx(3e-4)
+
+
+def test_profile_round_latency_on_two_ranks():
+    from gradsync.testing import run_distributed
+
+    res = run_distributed(_round_latency_rank, 2)
+    assert res[0] == res[1]  # max over ranks on both
+    idle, loaded, cpu = res[0]
+    assert 0 < idle < 1 and 0 < loaded < 5 and 0 < cpu < 1
+
+
+def _round_latency_rank(rank, world_size):
+    from gradsync.apps.sim.contention import profile_round_latency
+
+    x = torch.randn(256, 256, requires_grad=True)
+    loss = (x @ x).square().sum()
+    return profile_round_latency(lambda: loss.backward(retain_graph=True), repeats=5)
+
+
+def test_simulate_command_cores_turns_contention_on(tmp_path):
+    """``--cores`` (off by default): a table's compute is one rank's alone (σ = 1), so 8 ranks
+    on 1 core need at least 8·W; without it the rows carry no floor."""
+    table = tmp_path / "layers.csv"
+    write_table(table)
+    base = ["--table", str(table), "--schemes", "topka,ssfusion_oi", "--workers", "8"]
+    assert sim.main([*base, "--out", str(tmp_path / "off")]) == 0
+    assert sim.main([*base, "--cores", "1", "--out", str(tmp_path / "on")]) == 0
+    off = json.loads((tmp_path / "off" / "simulate.json").read_text())["rows"]
+    on = json.loads((tmp_path / "on" / "simulate.json").read_text())["rows"]
+    for a, b in zip(off, on):
+        assert a["cpu_floor_s"] is None
+        assert b["cpu_floor_s"] == pytest.approx(8 * b["cpu_work_s"])
+        assert b["iteration_s"] == pytest.approx(max(a["iteration_s"], b["cpu_floor_s"]))
+        assert b["iteration_s"] > a["iteration_s"]
+
+
+def test_work_counts_torch_distributed_calls():
+    """``Work.dist_calls``: Ok-Topk at P = 8 makes 7 split-and-reduce, 3 counts and 3
+    allgatherv point-to-point steps, one shape check, and with the exact threshold in every
+    step 8 small all-reduces (+ the boundaries' every τ = 64 steps); TopkA: the shape check,
+    the counts all-gather and P − 1 ring steps; the dense ring all-reduce is one call."""
+    n, k = 1_000_000, 10_000
+    ok = patterns.pattern("oktopk", 8, n, k, oktopk_exact_rate=1.0)
+    assert patterns.work("oktopk", ok, 8, k).dist_calls == pytest.approx(1 + 13 + 8 + 1 / 64)
+    ta = patterns.pattern("topka", 8, n, k)
+    assert patterns.work("topka", ta, 8, k).dist_calls == 2 + 7
+    assert patterns.work("dense", patterns.dense_ring(8, n), 8, 0).dist_calls == 1
+    assert patterns.work("topka", [], 1, 0).dist_calls == 0

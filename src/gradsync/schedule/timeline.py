@@ -16,6 +16,10 @@ The pipeline of SSFusion Fig. 1 / Fig. 7 / Fig. 8 / Fig. 10 as a recurrence:
   is free, then T_AG(sparse part) once both the all-reduce and the sparse part are done —
   T2 = max(T_AR, compute of the rest) + T_AG of §IV-D.
 * ``overlap=False`` (Dense vs DenseOvlp): the channel opens only after the last gradient.
+* ``round_s`` (CPU contention, ``gradsync.apps.sim.contention``; 0 by default): a part that
+  starts while the compute stream still runs pays ``round_s`` more per start-up (2(P−1) for
+  either part, what ``CostModel.t_compute_allreduce``/``t_compute_allgather`` price): its
+  rounds wait for busy cores. A part that starts after the compute stream ends does not.
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ class Timeline:
     sparsify: float  # total sparsification work (inline + offloaded)
     comm: float  # total time the channel is busy
     exposed_comm: float  # iteration − end of the compute stream (communication not hidden)
+    round_wait: float = 0.0  # the part of ``comm`` that ``round_s`` added
     buffers: list[dict[str, Any]] = field(default_factory=list)
 
 
@@ -67,7 +72,7 @@ def _parts(buf: BufferPlan, cost: CostModel) -> tuple[tuple[bool, int], tuple[bo
     return (has_ar, ar_bytes), (has_ag, ag_bytes)
 
 
-def simulate(plan: Plan, cost: CostModel) -> Timeline:
+def simulate(plan: Plan, cost: CostModel, round_s: float = 0.0) -> Timeline:
     """Predict one iteration of ``plan`` under ``cost`` (see the module docstring)."""
     missing = [n for n in plan.names if n not in cost.backward]
     if missing:
@@ -106,7 +111,8 @@ def simulate(plan: Plan, cost: CostModel) -> Timeline:
         ready.append((t_ar, t_ag))
     compute_end = clock
     channel = 0.0 if plan.overlap else compute_end
-    comm = 0.0
+    comm = wait = 0.0
+    loaded = 2 * (cost.P - 1) * round_s  # per part started while the compute stream runs
     rows = []
     for buf, (r_ar, r_ag) in zip(plan.buffers, ready):
         (has_ar, ar_bytes), (has_ag, ag_bytes) = _parts(buf, cost)
@@ -115,14 +121,18 @@ def simulate(plan: Plan, cost: CostModel) -> Timeline:
         start = None
         if has_ar:
             s = max(r_ar, channel)
-            d = cost.t_allreduce(ar_bytes)
+            extra = loaded if s < compute_end else 0.0
+            d = cost.t_allreduce(ar_bytes) + extra
+            wait += extra
             channel = s + d
             comm += d
             start = s
             row.update(ar_ready=r_ar, ar_start=s, ar_end=channel)
         if has_ag:
             s = max(r_ag, channel)
-            d = cost.t_allgather(ag_bytes)
+            extra = loaded if s < compute_end else 0.0
+            d = cost.t_allgather(ag_bytes) + extra
+            wait += extra
             channel = s + d
             comm += d
             start = s if start is None else start
@@ -132,4 +142,4 @@ def simulate(plan: Plan, cost: CostModel) -> Timeline:
         rows.append(row)
     iteration = max(channel, compute_end, worker)
     return Timeline(iteration=iteration, backward=backward, sparsify=sparsify, comm=comm,
-                    exposed_comm=iteration - compute_end, buffers=rows)
+                    exposed_comm=iteration - compute_end, buffers=rows, round_wait=wait)

@@ -7,6 +7,8 @@ Modules, each importing only the ones listed after it:
   shaped links;
 * :mod:`gradsync.apps.sim.predict`: the prediction (:func:`~gradsync.apps.sim.predict.predict`,
   the α-β :class:`~gradsync.apps.sim.predict.Network`, the compute it starts from);
+* :mod:`gradsync.apps.sim.contention`: P ranks sharing C cores (the CPU work floor, the
+  loaded price of a synchronising round);
 * :mod:`gradsync.apps.sim.patterns`: the collectives' step-by-step α-β patterns.
 """
 

@@ -339,12 +339,16 @@ def pattern(name: str, P: int, n: int, k: int, *, union: Union | None = None,
 class Work:
     """A collective's CPU work on one rank (issue 14): ``control`` messages of control
     collectives, ``calls`` merge/codec calls (one per payload step), ``merged`` entries summed
-    into the accumulator and ``encoded`` entries encoded for or decoded from the wire."""
+    into the accumulator and ``encoded`` entries encoded for or decoded from the wire;
+    ``dist_calls`` torch.distributed calls (one per payload step — a point-to-point exchange —,
+    one per small all-reduce of an amortised step, one per control collective), each paying a
+    call's software path (CPU contention, ``gradsync.apps.sim.contention``)."""
 
     control: float
     calls: float
     merged: float
     encoded: float
+    dist_calls: float = 0.0
 
 
 def work(name: str, steps: list[Step], P: int, k: int, value_bytes: int = 4,
@@ -358,14 +362,21 @@ def work(name: str, steps: list[Step], P: int, k: int, value_bytes: int = 4,
     messages) and scatter-adds all P contributions (its own included: merged = P·k). Dense
     ring all-reduce: no control collective, no codec; its reduction is part of gloo's time.
     """
-    if P == 1 or name == "dense":
+    if P == 1:
         return Work(0.0, 0.0, 0.0, 0.0)
+    if name == "dense":
+        return Work(0.0, 0.0, 0.0, 0.0, dist_calls=1.0)
     E = index_bytes + value_bytes
     payload = [s for s in steps if s.nbytes > 0]
     e = sum(s.nbytes for s in payload) / E
-    control = 2.0 * (P - 1)
+    control, control_calls = 2.0 * (P - 1), 1.0  # the shape check: one small all-reduce
     merged = e
     if name in ("topka", "gaussiank"):
         control += P - 1
+        control_calls += 1  # the counts all-gather
         merged = float(P * k)
-    return Work(control=control, calls=float(len(payload)), merged=merged, encoded=2.0 * e)
+    small = 2 * max(1, (int(P) - 1).bit_length())  # start-ups of one small all-reduce
+    dist_calls = (control_calls + sum(s.messages for s in payload)
+                  + sum(s.messages for s in steps if s.nbytes <= 0) / small)
+    return Work(control=control, calls=float(len(payload)), merged=merged, encoded=2.0 * e,
+                dist_calls=dist_calls)

@@ -11,6 +11,9 @@ What ``python -m gradsync simulate`` (:mod:`gradsync.apps.sim.simulate`) tabulat
   (:func:`gradsync.schedule.make_plan`) is costed by the timeline of
   :func:`gradsync.schedule.simulate` (WFBP overlap, offload worker, SSFusion-I split), whose
   buffers cost Eq. 4 (ring all-reduce) and Eq. 3 (ring all-gather of COO entries);
+* :class:`~gradsync.apps.sim.contention.Contention` (``contention=``, off by default): P ranks
+  sharing C cores — a round that runs during the backward pays its loaded price, and the
+  iteration is at least all ranks' CPU work over the cores;
 * the compute a prediction starts from: :func:`load_table` (a per-layer CSV) or
   :func:`profile_model` (measured here, SSFusion §IV-A);
 * :func:`plot_vs_p`: predicted (and measured) iteration time against P.
@@ -25,6 +28,7 @@ from typing import Any
 
 from gradsync.apps.common import median_time
 from gradsync.apps.sim import patterns
+from gradsync.apps.sim.contention import Contention
 from gradsync.schedule import entries, make_plan, schemes
 from gradsync.schedule import simulate as timeline_of
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
@@ -67,10 +71,20 @@ def predict(
     union_gamma: float = 1.0, forward_s: float = 0.0, step_s: float = 0.0,
     densestream_ratio: float | None = None, bucket_bytes: int = 25 * 2**20,
     min_density: float = 0.001, oktopk_exact_rate: float | None = None,
+    contention: Contention | None = None,
 ) -> dict[str, Any]:
     """One row: predicted iteration time of ``scheme`` at P ranks and its breakdown.
     ``oktopk_exact_rate``: the share of steps in which Ok-Topk computes its threshold exactly
-    (:func:`gradsync.apps.sim.patterns.oktopk`; default 1/τ′)."""
+    (:func:`gradsync.apps.sim.patterns.oktopk`; default 1/τ′). ``contention``: P ranks sharing
+    the cores (:mod:`gradsync.apps.sim.contention`); None leaves the prediction as without it.
+
+    Row terms: ``rounds`` synchronising rounds (start-ups of the payload and control
+    messages), ``round_wait_s`` what the loaded rounds add to ``comm_s`` (``contention.round_s``
+    per start-up of a buffer that starts during the backward; a one-buffer collective starts
+    after it and pays the idle price),
+    ``cpu_work_s`` the CPU work of one rank (forward, backward, sparsification, the
+    collective's merges and codec, step), ``dist_calls`` its torch.distributed calls and
+    ``cpu_floor_s`` the contention floor on the iteration (None when off)."""
     sch = schemes.get(scheme)  # an unknown name raises ValueError naming the choices
     if isinstance(P, bool) or int(P) != P or P < 1:
         raise ValueError(f"P must be a positive integer, got {P!r}")
@@ -100,9 +114,13 @@ def predict(
             compute = cost.compute.collective(sum(s.messages for s in steps) + w.control,
                                               merged=w.merged, encoded=w.encoded,
                                               calls=max(w.calls, 1.0))
+        rounds = sum(s.messages for s in steps) + w.control
+        wait = 0.0  # it runs after every rank's backward: its rounds pay the idle price
+        calls = w.dist_calls
         comm = link + compute
         row.update(collective=coll, backward_s=backward, sparsify_s=sparsify, comm_s=comm,
-                   link_s=link, compute_s=compute,
+                   link_s=link, compute_s=compute, rounds=rounds, round_wait_s=wait,
+                   dist_calls=calls,
                    exposed_comm_s=comm, sync_end_s=backward + sparsify + comm,
                    volume_bytes=patterns.volume(steps),
                    messages=sum(s.messages for s in steps), buffers=1,
@@ -111,23 +129,38 @@ def predict(
         plan = make_plan(scheme, list(cost.order), cost.numel, density, cost,
                          elem_bytes=cost.elem_bytes, bucket_bytes=bucket_bytes,
                          min_density=min_density)
-        tl = timeline_of(plan, cost)
+        tl = timeline_of(plan, cost, round_s=contention.round_s if contention else 0.0)
         p = cost.P
-        compute = 0.0
+        compute = rounds = calls = 0.0
         for b in tl.buffers:
             compute += (cost.t_compute_allreduce(b["ar_bytes"]) * ("ar_start" in b)
                         + cost.t_compute_allgather(b["ag_bytes"]) * ("ag_start" in b))
+            # the start-ups t_compute_allreduce / t_compute_allgather price: 2(P−1) each
+            rounds += 2 * (p - 1) * (("ar_start" in b) + ("ag_start" in b))
+            # one gloo all-reduce; TopkA: shape check, counts, P − 1 point-to-point steps
+            calls += ("ar_start" in b) + (p + 1) * ("ag_start" in b)
+        calls *= p > 1
+        wait = tl.round_wait
         vol = sum(b["ar_bytes"] * 2 * (p - 1) / p + b["ag_bytes"] * (p - 1) for b in tl.buffers)
         msgs = sum(2 * (p - 1) * ("ar_start" in b) + (p - 1) * ("ag_start" in b)
                    for b in tl.buffers)
         row.update(collective=f"allreduce+{sch.collective}" if sch.sparse else "allreduce",
                    backward_s=tl.backward, sparsify_s=tl.sparsify, comm_s=tl.comm,
-                   link_s=tl.comm - compute, compute_s=compute,
+                   link_s=tl.comm - compute - wait, compute_s=compute, rounds=rounds,
+                   round_wait_s=wait, dist_calls=calls,
                    exposed_comm_s=tl.exposed_comm, sync_end_s=tl.iteration, volume_bytes=vol,
                    messages=msgs, buffers=len(plan.buffers), union_density=None)
     row["forward_s"] = forward_s
     row["step_s"] = step_s
     row["iteration_s"] = forward_s + row["sync_end_s"] + step_s
+    # merges and codec; the per-message price is latency (gloo, the kernel), not work
+    per_msg = cost.compute.message if cost.compute is not None else 0.0
+    row["cpu_work_s"] = (forward_s + row["backward_s"] + row["sparsify_s"]
+                         + max(0.0, row["compute_s"] - row["rounds"] * per_msg) + step_s)
+    row["cpu_floor_s"] = None
+    if contention is not None:
+        row["cpu_floor_s"] = contention.floor(row["cpu_work_s"], cost.P, row["dist_calls"])
+        row["iteration_s"] = max(row["iteration_s"], row["cpu_floor_s"])
     return row
 
 

@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gradsync.apps.sim.contention import Contention
 from gradsync.apps.sim.predict import (
     NOTE,
     Network,
@@ -110,6 +111,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--oktopk-exact-rate", type=float, default=None,
                    help="share of steps in which Ok-Topk computes its threshold exactly "
                         "(default 1/32, the paper's reuse; --validate measures it)")
+    p.add_argument("--cores", type=float, default=None,
+                   help="CPU contention (apps/sim/contention.py): the cores P ranks share; "
+                        "off unless given (--validate: this machine's count)")
+    p.add_argument("--round-latency", default=None,
+                   help="with --cores: what one synchronising round costs above its idle "
+                        "price under load (--validate measures it)")
     p.add_argument("--bucket-mb", type=float, default=25.0)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
@@ -145,6 +152,12 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     if not (a.bucket_mb > 0 and math.isfinite(a.bucket_mb)):
         raise ValueError(f"--bucket-mb must be > 0, got {a.bucket_mb}")
     a.net = Network.parse(a.bandwidth, a.latency)
+    from gradsync.testing.netem import parse_time
+
+    a.contention = None
+    if a.cores is not None:  # a profile of one rank alone: σ = 1
+        rnd = parse_time(a.round_latency) if a.round_latency is not None else 0.0
+        a.contention = Contention(a.cores, rnd, share=1.0)
     return a
 
 
@@ -181,7 +194,8 @@ def predict_all(a: argparse.Namespace, cost: CostModel, fwd: float, stp: float,
                                 forward_s=fwd, step_s=stp,
                                 densestream_ratio=a.densestream_ratio,
                                 bucket_bytes=int(a.bucket_mb * 2**20),
-                                oktopk_exact_rate=a.oktopk_exact_rate))
+                                oktopk_exact_rate=a.oktopk_exact_rate,
+                                contention=a.contention))
     return rows
 
 

@@ -33,6 +33,7 @@ import statistics
 import time
 from typing import Any
 
+from gradsync.apps.sim.contention import Contention, round_extra
 from gradsync.schedule.costmodel import ComputeCost, CostModel
 
 __all__ = ["run_validation"]
@@ -52,7 +53,9 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
 
     P = world_size
     dist.barrier()
+    c0, w0 = time.process_time(), time.perf_counter()
     cost, fwd, stp = profile_model(model, batch, sparsifier, density, seed, repeats, rank)
+    share = (time.process_time() - c0) / (time.perf_counter() - w0)  # σ, as a check
 
     # union density of the ranks' top-k selections of one real gradient
     net, step = model_step(model, batch, seed, rank)
@@ -79,6 +82,15 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
     from gradsync.schedule.costmodel import profile_compute
 
     compute = profile_compute(repeats=repeats, numel=n, seed=seed + rank)
+    # issue 14, contention: an 8-byte all-reduce idle and with every rank's backward looping
+    from gradsync.apps.sim.contention import profile_round_latency
+
+    # backward only (autograd's C++ engine, as during training), not the Python forward: the
+    # rounds' price under busy cores, not under a busy interpreter lock
+    loss = step()
+    round_idle, round_loaded, call_cpu = profile_round_latency(
+        lambda loss=loss: loss.backward(retain_graph=True))
+    net.zero_grad(set_to_none=True)
 
     results: dict[str, Any] = {}
     for scheme in schemes:
@@ -87,14 +99,14 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
         cfg = Config(scheme=scheme, density=density, sparsifier=sparsifier, bucket_mb=bucket_mb)
         sync = GradSync(net, cfg)
         warm = cfg.warmup_steps + 2
-        times, stats = [], []
+        times, stats, cpu = [], [], []
         exact0 = 0
         try:
             dist.barrier()
             for i in range(warm + steps):
                 if i == warm:
                     exact0 = _exact_evaluations(sync)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 opt.zero_grad(set_to_none=True)
                 step().backward()
                 sync.synchronize()
@@ -102,14 +114,17 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
                 dt = time.perf_counter() - t0
                 if i >= warm:
                     times.append(dt)
+                    cpu.append(time.process_time() - c0)  # every thread of this rank
                     stats.append(sync.stats()["last"])
             exact = (_exact_evaluations(sync) - exact0) / steps
         finally:
             sync.close()
-        results[scheme] = {"times": times, "stats": stats, "exact_rate": exact}
+        results[scheme] = {"times": times, "cpu": cpu, "stats": stats, "exact_rate": exact}
     dist.barrier()
     return {"cost": cost.to_dict(), "compute": compute.to_dict(), "forward_s": fwd,
-            "step_s": stp, "union": union,
+            "step_s": stp, "union": union, "profile_share": share,
+            "round_idle_s": round_idle, "round_loaded_s": round_loaded,
+            "call_cpu_s": call_cpu,
             "allreduce_fit": vars(ar), "allgather_fit": vars(ag), "results": results}
 
 
@@ -139,13 +154,39 @@ def _gamma(union: dict[int, float], d: float) -> float | None:
     return min(1.0, max(0.0, g))
 
 
+def _models(res: list[dict[str, Any]], link_alpha: float,
+            cores: float) -> tuple[CostModel, Contention]:
+    """The cost model and the contention of one validated P from the ranks' profiles.
+
+    * compute: the slowest rank's profile (a synchronous step waits for it);
+    * the collectives' CPU work: the slowest rank's merge/codec fit; the software cost per
+      message is the in-run all-reduce fit's α — already per message, Eq. 4's intercept over
+      its 2(P − 1) start-ups (:func:`~gradsync.schedule.costmodel.fit_alpha_beta`) — less the
+      link's own α (tbf adds no propagation delay, so the rest is gloo's and the kernel's);
+    * contention: ``cores``, the loaded round (:func:`~gradsync.apps.sim.contention.
+      round_extra` of the ranks' 8-byte all-reduce, idle and under load) and the CPU of one
+      round (the slowest rank's CPU seconds per 8-byte all-reduce call).
+    """
+    P = len(res)
+    costs = [CostModel.from_dict(r["cost"]) for r in res]
+    cost = costs[max(range(P), key=lambda r: sum(costs[r].backward.values()))]
+    comp = [ComputeCost.from_dict(r["compute"]) for r in res]
+    cslow = max(range(P), key=lambda r: comp[r].merge(1 << 14) + comp[r].codec(1 << 14))
+    cost.compute = ComputeCost(message=max(0.0, res[0]["allreduce_fit"]["alpha"] - link_alpha),
+                               merge=comp[cslow].merge, codec=comp[cslow].codec)
+    rnd = round_extra(max(r["round_idle_s"] for r in res),
+                      max(r["round_loaded_s"] for r in res), P)
+    return cost, Contention(cores=cores, round_s=rnd,
+                            call_cpu_s=max(r["call_cpu_s"] for r in res))
+
+
 def run_validation(a) -> int:
     from gradsync.apps.common import print_table, write_outputs
     from gradsync.apps.sim.predict import NOTE, Network, plot_vs_p, predict
     from gradsync.schedule import entries
     from gradsync.testing import netem, run_distributed
 
-    cores = os.cpu_count() or 1
+    cores = a.cores if a.cores is not None else (os.cpu_count() or 1)
     load0 = os.getloadavg()
     rows: list[dict[str, Any]] = []
     per_p: dict[int, Any] = {}
@@ -163,20 +204,8 @@ def run_validation(a) -> int:
         wall = time.perf_counter() - t0
         link = (f"tbf {a.bandwidth} per rank and direction" if shaped
                 else f"loopback ({reason}); the prediction still assumes {a.bandwidth}")
-        # the slowest rank's compute profile
-        costs = [CostModel.from_dict(r["cost"]) for r in res]
-        slow = max(range(P), key=lambda r: sum(costs[r].backward.values()))
-        cost = costs[slow]
-        # the collectives' CPU work: the slowest rank's merge/codec fit; the software cost per
-        # message is what the in-run all-gather fit's α has above the nominal α (tbf adds no
-        # propagation delay, so that α is gloo's and the kernel's per-message cost)
-        comp = [ComputeCost.from_dict(r["compute"]) for r in res]
-        cslow = max(range(P), key=lambda r: comp[r].merge(1 << 14) + comp[r].codec(1 << 14))
-        cost.compute = ComputeCost(
-            # per message: a ring all-reduce's start-up spread over its 2(P − 1) messages,
-            # less the link's own α (issue 14: the per-message software cost)
-            message=max(0.0, res[0]["allreduce_fit"]["alpha"] / (2 * (P - 1)) - a.net.alpha),
-            merge=comp[cslow].merge, codec=comp[cslow].codec)
+        cost, contention = _models(res, a.net.alpha, cores)
+        slow = max(range(P), key=lambda r: sum(res[r]["cost"]["backward"].values()))
         fwd = max(r["forward_s"] for r in res)
         stp = max(r["step_s"] for r in res)
         union = {int(m): u for m, u in res[0]["union"].items()}
@@ -188,7 +217,12 @@ def run_validation(a) -> int:
         per_p[P] = {"allreduce_fit": res[0]["allreduce_fit"], "allgather_fit": ag,
                     "shaped": shaped, "link": link, "wall_s": wall, "union": union,
                     "gamma": gamma, "slowest_rank": slow, "forward_s": fwd, "step_s": stp,
-                    "cost_model": cost.to_dict()}
+                    "cost_model": cost.to_dict(), "cores": cores,
+                    "round_idle_s": max(r["round_idle_s"] for r in res),
+                    "round_loaded_s": max(r["round_loaded_s"] for r in res),
+                    "round_s": contention.round_s, "share": contention.sigma(P),
+                    "call_cpu_s": contention.call_cpu_s,
+                    "profile_share_measured": [r["profile_share"] for r in res]}
         for scheme in a.scheme_list:
             steps = [max(r["results"][scheme]["times"][i] for r in res)
                      for i in range(a.steps)]
@@ -200,21 +234,26 @@ def run_validation(a) -> int:
                     for i in range(a.steps))
 
             rate = max(r["results"][scheme]["exact_rate"] for r in res)  # agreed θ decisions
-            kw = {"oktopk_exact_rate": rate}
-            pred = predict(scheme, cost, P, a.net, a.density, union_gamma=g_use,
-                           forward_s=fwd, step_s=stp, densestream_ratio=a.densestream_ratio,
-                           bucket_bytes=int(a.bucket_mb * 2**20), **kw)
+
+            kw = {"union_gamma": g_use, "forward_s": fwd, "step_s": stp,
+                  "densestream_ratio": a.densestream_ratio, "oktopk_exact_rate": rate,
+                  "bucket_bytes": int(a.bucket_mb * 2**20)}
             bare = CostModel.from_dict(cost.to_dict() | {"compute": None})
-            nocomp = predict(scheme, bare, P, a.net, a.density, union_gamma=g_use,
-                             forward_s=fwd, step_s=stp, densestream_ratio=a.densestream_ratio,
-                             bucket_bytes=int(a.bucket_mb * 2**20), **kw)
-            fit = predict(scheme, bare, P, fitted, a.density, union_gamma=g_use,
-                          forward_s=fwd, step_s=stp, densestream_ratio=a.densestream_ratio,
-                          bucket_bytes=int(a.bucket_mb * 2**20), **kw)
+            pred = predict(scheme, cost, P, a.net, a.density, contention=contention, **kw)
+            nocont = predict(scheme, cost, P, a.net, a.density, **kw)
+            nocomp = predict(scheme, bare, P, a.net, a.density, **kw)
+            fit = predict(scheme, bare, P, fitted, a.density, **kw)
+            cpu = statistics.median(max(r["results"][scheme]["cpu"][i] for r in res)
+                                    for i in range(a.steps))
             rows.append({
                 "scheme": scheme, "P": P, "shaped": shaped, "measured_s": meas,
                 "measured_steps_s": steps, "predicted_s": pred["iteration_s"],
                 "error": (pred["iteration_s"] - meas) / meas,
+                "predicted_no_contention_s": nocont["iteration_s"],
+                "error_no_contention": (nocont["iteration_s"] - meas) / meas,
+                "predicted_round_wait_s": pred["round_wait_s"],
+                "predicted_cpu_floor_s": pred["cpu_floor_s"],
+                "predicted_cpu_work_s": pred["cpu_work_s"], "measured_cpu_s": cpu,
                 "measured_backward_s": med("backward_s"),
                 "predicted_backward_s": pred["backward_s"],
                 "measured_wait_s": med("wait_s"), "predicted_exposed_comm_s":
@@ -246,17 +285,32 @@ def run_validation(a) -> int:
               f"{sum(info['cost_model']['backward'].values()) * 1e3:.1f} ms; all-gather fit "
               f"on this link α={info['allgather_fit']['alpha'] * 1e6:.0f} us, "
               f"β={info['allgather_fit']['beta']:.3g} s/B; {bound}")
-    cols = ["scheme", "P", "measured ms", "predicted ms", "error %", "err no-compute %",
+        sh = info["profile_share_measured"]
+        print(f"P={P} contention: {info['cores']} cores; 8-byte all-reduce idle "
+              f"{info['round_idle_s'] * 1e3:.2f} ms, with every rank's backward looping "
+              f"{info['round_loaded_s'] * 1e3:.2f} ms → {info['round_s'] * 1e3:.3f} ms per "
+              f"round, {info['call_cpu_s'] * 1e3:.3f} ms CPU per call; profile share "
+              f"σ={info['share']:.2f} (CPU/wall measured per rank while "
+              f"profiling: {min(sh):.2f}–{max(sh):.2f})")
+    cols = ["scheme", "P", "measured ms", "predicted ms", "error %", "err no-contention %",
+            "err no-compute %", "round wait pred ms", "CPU floor pred ms", "CPU floor meas ms",
             "link pred ms", "compute pred ms", "err fit-αβ %", "bwd meas ms",
             "bwd pred ms", "wait meas ms", "exposed pred ms", "MB sent meas", "MB pred"]
     table = [[r["scheme"], r["P"], r["measured_s"] * 1e3, r["predicted_s"] * 1e3,
-              100 * r["error"], 100 * r["error_no_compute"], r["predicted_link_s"] * 1e3,
+              100 * r["error"], 100 * r["error_no_contention"], 100 * r["error_no_compute"],
+              r["predicted_round_wait_s"] * 1e3, r["predicted_cpu_floor_s"] * 1e3,
+              r["P"] * r["measured_cpu_s"] / cores * 1e3, r["predicted_link_s"] * 1e3,
               r["predicted_compute_s"] * 1e3, 100 * r["error_fitted"],
               r["measured_backward_s"] * 1e3,
               r["predicted_backward_s"] * 1e3, r["measured_wait_s"] * 1e3,
               r["predicted_exposed_comm_s"] * 1e3, r["measured_bytes_sent"] / 1e6,
               r["predicted_volume_bytes"] / 1e6] for r in rows]
     print_table(f"simulate --validate: {a.model} on {link}", cols, table)
+    for key, what in (("error", "with contention"), ("error_no_contention", "without it"),
+                      ("error_no_compute", "without compute or contention")):
+        errs = [abs(r[key]) for r in rows]
+        print(f"{what}: {sum(e <= 0.25 for e in errs)} of {len(rows)} rows within 25 %, "
+              f"median |error| {100 * statistics.median(errs):.0f} %")
     ok = [r for r in rows if r["oktopk_exact_rate"] > 0]
     if ok:
         print("Ok-Topk exact thresholds (measured share of timed steps, used by the prediction): "
