@@ -220,10 +220,11 @@ def oktopk(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4, *
       k(P−1)/P entries in all;
     * ``amortised``: the region boundaries (one all-reduce of P numbers every τ = 64 steps) and
       the exact threshold (8 all-reduces) as fractional start-ups: ``exact_rate`` of the steps
-      compute θ exactly, by default 1/τ′ (every τ′ = 32 steps, the paper's reuse). gradsync's
-      collective also recomputes θ when a reused one admits a count outside [2k/3, 4k/3]; on
-      the CNN in training that happened in 15 of 25 steps at P = 2 and 23 of 25 at P = 4, so
-      ``simulate --validate`` passes the rate it measured.
+      compute θ exactly, by default 1/τ′ (every τ′ = 32 steps, the paper's reuse, the
+      collective's default). With ``OkTopk(recompute_band=…)`` it also recomputes θ when a
+      reused one admits a count outside the band; with (2/3, 4/3) on the CNN that happened in
+      15 of 25 steps at P = 2 and 23 of 25 at P = 4, so ``simulate --validate`` passes the
+      rate it measured.
 
     Volume: 2k(P−1)/P (outside = 0) … 4k(P−1)/P (balanced) … 6k(P−1)/P (+ balancing) words.
     """
