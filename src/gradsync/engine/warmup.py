@@ -15,10 +15,11 @@ observe the real backward order of the gradients.
 dense buckets, and afterwards keeps checking its plan (:class:`Drift`): per window of
 :data:`DRIFT_WINDOW` steps the median measured step (first gradient ready → gradients
 written), all-reduce, all-gather, sparsification and backward times are max-reduced over the
-ranks (so every rank holds the same numbers and takes the same decision). The first window after the
-warm-up puts the planner's runner-up on trial for one window (dense against the chosen sparse
-plan, or the best sparse plan against the chosen dense one); the measured faster one stays, a
-sparse one only if ``auto.MARGIN`` faster. Afterwards, when the step is off the reference (the
+ranks (so every rank holds the same numbers and takes the same decision). After the warm-up
+each of the planner's runners-up (DDP's dense plan, the best sparse plan, TopkA's one fused
+buffer: those that differ from the choice) is put on trial for one window against the plan in
+use, one after the other; the measured faster one stays, a sparse one only if
+``auto.MARGIN`` faster. Afterwards, when the step is off the reference (the
 kept plan's measured step; the prediction before any measurement) by more than
 :data:`DRIFT_THRESHOLD` (either way) in :data:`DRIFT_PATIENCE` consecutive windows, rank 0
 rescales the cost model by the measured / predicted ratios
@@ -26,7 +27,7 @@ rescales the cost model by the measured / predicted ratios
 predicted ``auto.MARGIN`` faster than the current one under the same rescaled model, and
 broadcasts plan and model; a new plan is on trial against the old one for a window, and the
 reference is re-based either way, so the same drift does not trigger again (hysteresis).
-The whole watch — the window's rows, strikes, checks, whether the runner-up was probed, the
+The whole watch — the window's rows, strikes, checks, whether the runners-up were probed, the
 reference, a trial in progress, the events and a pending post-flush plan — is plain data in
 :meth:`Drift.state_dict`, part of the engine's per-rank ``state_dict()``, so a resumed run goes
 on exactly as an uninterrupted one; a checkpoint without it resumes with a fresh watch.
@@ -222,8 +223,9 @@ class Drift:
     """``auto``'s watch on its plan (module doc). One row of measurements per step; every
     :data:`DRIFT_WINDOW` steps the ranks agree on the window's medians, and then:
 
-    1. the first window after the warm-up: the planner's runner-up (``info["auto"]
-       ["alternative"]``) is put on trial for the next window;
+    1. the first window after the warm-up, and the first after each trial of step 1: the
+       planner's next runner-up (``info["auto"]["alternatives"]``) is put on trial for the
+       next window, until each has been measured once;
     2. the window after a trial: the trial plan is kept if it was measured faster than the plan
        it replaced (a sparse plan by ``auto.MARGIN``), otherwise the replaced plan comes back;
        the kept plan's measured step is the new reference;
@@ -368,13 +370,19 @@ class Drift:
             self._event(plan if keep else old, kind="trial", measured=step,
                         replaced_measured=before, kept=keep)
             return back
-        alt = plan.info.get("auto", {}).get("alternative")
-        if not self.probed and alt:  # 1. measure the runner-up once
-            self.probed = True
-            new = Plan(plan.scheme, [BufferPlan.from_dict(b) for b in alt], plan.overlap,
-                       {**plan.info, "auto": {**plan.info["auto"], "alternative": None}})
+        alts = plan.info.get("auto", {}).get("alternatives") or []
+        if not self.probed and alts:  # 1. measure each runner-up once, in turn
+            rest = alts[1:]
+            self.probed = not rest
+
+            def holding(buffers: list[BufferPlan]) -> Plan:  # the runners-up left to measure
+                return Plan(plan.scheme, buffers, plan.overlap,
+                            {**plan.info, "auto": {**plan.info["auto"], "alternatives": rest}})
+
+            new = holding([BufferPlan.from_dict(b) for b in alts[0]])
             new.info["predicted"] = _prediction(new, cost)
-            self.trial = {"plan": plan.to_dict(), "cost": cost.to_dict(), "step": step}
+            self.trial = {"plan": holding(list(plan.buffers)).to_dict(), "cost": cost.to_dict(),
+                          "step": step}
             self._event(new, kind="probe", measured=step)
             return new, cost
         self.probed = True

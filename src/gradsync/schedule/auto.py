@@ -39,15 +39,17 @@ reference. The best candidate replaces it only when its predicted iteration is a
 cannot make ``auto`` slower than the dense plan it would have run otherwise.
 
 **Measured, not only predicted** (the engine's, :mod:`gradsync.engine.warmup`): the decision
-record names the runner-up (``alternative``: the dense plan when a sparse one was chosen, the
-best sparse plan when the dense one was; none when it is predicted more than
-:data:`PROBE_RATIO` times slower, since measuring a clearly worse plan only costs steps), which
-the engine runs once for a window and keeps only if it is measured faster — a sparse plan by
-``margin``. When the measured step later drifts from the prediction, :func:`calibrated`
-rescales the cost model by the measured/predicted ratios of all-reduce, all-gather and
-sparsification time and the engine plans again; a new plan is taken only when it beats the
-current one, under the same calibrated model, by ``margin``, and it too is measured against the
-plan it replaced (hysteresis: no flapping between near-equal choices).
+record lists the runners-up (``alternatives``: of DDP's dense plan, the best sparse plan and
+TopkA's plan — the whole gradient as one fused buffer after the backward — those that differ
+from the choice, in order of prediction). The engine runs each once for a window against the
+plan in use and keeps the one measured faster, a sparse plan only by ``margin``. Every
+runner-up is measured, however much slower it is predicted: on a 2-core machine the model
+under-predicted sparse plans by up to 4× (docs/architecture.md, simulator validation), and
+measuring costs two windows per runner-up, once. When the measured step later drifts from the
+prediction, :func:`calibrated` rescales the cost model by the measured/predicted ratios of
+all-reduce, all-gather and sparsification time and the engine plans again; a new plan is taken
+only when it beats the current one, under the same calibrated model, by ``margin``, and it too
+is measured against the plan it replaced (hysteresis: no flapping between near-equal choices).
 
 **The DDP hook** has no warm-up timeline, so it asks the static question per DDP bucket
 (:func:`bucket_sparse`): sparsifying each tensor and all-gathering, T_sp + T_AG(k·E), against
@@ -64,12 +66,11 @@ from gradsync.schedule.fixed import fixed_buckets
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
 from gradsync.schedule.timeline import simulate
 
-__all__ = ["MARGIN", "OPTIONS", "PROBE_RATIO", "auto_buffers", "bucket_sparse", "calibrated",
+__all__ = ["MARGIN", "OPTIONS", "auto_buffers", "bucket_sparse", "calibrated",
            "flushing", "has_sparse", "option_buffer"]
 
 OPTIONS = ("dense", "fused", "inline", "offload")
 MARGIN = 0.05  # a sparse plan must be predicted this much faster than the dense one
-PROBE_RATIO = 2.0  # the runner-up is measured only when predicted within this factor
 
 
 def option_buffer(names: list[str], numel: dict[str, int], option: str,
@@ -132,19 +133,27 @@ def auto_buffers(names: list[str], numel: dict[str, int], cost: CostModel, densi
         if best is None or t < best[3] * (1 - 1e-6):
             best = (label, choice, buffers, t)
     label, choice, buffers, t_best = best
-    # the runner-up the engine measures once against the choice (warmup.Drift): the dense plan
-    # when a sparse one is chosen, the best sparse one when the dense plan is
-    alternative, t_alt = (dense, t_dense) if any(o != "dense" for o in choice) else (None, 0.0)
+    # the runners-up the engine measures once each against the choice (warmup.Drift): of DDP's
+    # dense plan, the best sparse plan and TopkA's plan (one fused buffer after the backward),
+    # those that differ from the choice, in order of prediction
+    runners = [(t_dense, dense)]
+    if any(o != "dense" for o in choice):
+        runners.append((t_best, buffers))
+    if cost.P > 1:
+        one = [option_buffer(list(names), numel, "fused", density)]
+        runners.append((simulate(Plan("auto", one), cost).iteration, one))
     if not t_best < t_dense * (1 - margin):  # not enough gain: DDP's dense plan
-        alternative, t_alt = ((buffers, t_best) if any(o != "dense" for o in choice)
-                              else (None, 0.0))
         label, choice, buffers, t_best = "ddp_buckets", ["dense"] * len(dense), dense, t_dense
-    if alternative is not None and t_alt > PROBE_RATIO * t_best:  # clearly worse: not measured
-        alternative = None
+    chosen = [b.to_dict() for b in buffers]
+    alternatives: list[list[dict[str, Any]]] = []
+    for _, bufs in sorted(runners, key=lambda r: r[0]):
+        d = [b.to_dict() for b in bufs]
+        if d != chosen and d not in alternatives:
+            alternatives.append(d)
     info = {"grouping": label, "options": choice, "iteration": t_best,
             "dense_iteration": t_dense, "margin": margin, "walks": walks,
             "sparse_buffers": sum(o != "dense" for o in choice),
-            "alternative": None if alternative is None else [b.to_dict() for b in alternative]}
+            "alternatives": alternatives if cost.P > 1 else []}
     return buffers, info
 
 
