@@ -57,7 +57,10 @@ __all__ = ["DRIFT_PATIENCE", "DRIFT_THRESHOLD", "DRIFT_WINDOW", "Drift", "Warmup
            "backward_profile", "final_plan", "link_costs", "provisional_plan"]
 
 DRIFT_THRESHOLD = 0.25  # |measured / predicted step − 1| beyond this (either way) is drift
-DRIFT_WINDOW = 5  # steps per measurement (their median)
+# steps per measurement (their median). 10, not 5: on a loaded 2-core machine single steps vary
+# by ±30 %, and with 5-step medians a trial kept the slower plan (CNN, P = 4, loopback: a sparse
+# plan at 40 ms kept over DDP's dense buckets at 31 ms)
+DRIFT_WINDOW = 10
 DRIFT_PATIENCE = 2  # consecutive drifted windows before auto plans again
 
 # The planners whose buffers are sparsified as one fused vector (the others: per tensor).
