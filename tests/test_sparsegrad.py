@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from gradsync import SparseGrad, sparsify
 from gradsync.sparsegrad import (
+    flatnonzero,
     isin_sorted,
     sparse_sum,
     target_k,
@@ -192,6 +193,8 @@ def test_top_k_mask_is_the_stable_sort_with_ties_to_the_smaller_position(k):
     want[order[:k]] = True
     assert torch.equal(top_k_mask(v, k), want)
     assert torch.equal(top_k_mask(v.to(torch.bfloat16), k), want)
+    u = torch.randn(1000, generator=g)  # continuous: no ties (the one-pass path)
+    assert torch.equal(flatnonzero(top_k_mask(u, k)), u.abs().topk(k).indices.sort().values)
     w = v.clone()
     w[[5, 60]] = float("nan")  # NaN ranks above every number, like the descending sort
     order = sorted(range(100), key=lambda p: (0 if p in (5, 60) else 1, -abs(float(w[p])), p))

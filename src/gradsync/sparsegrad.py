@@ -194,10 +194,14 @@ def top_k_mask(values: torch.Tensor, k: int) -> torch.Tensor:
         theta = float(np.partition(a.numpy(), m - k)[m - k])
     else:
         theta = float(torch.kthvalue(a, m - k + 1).values)
-    keep = a > theta  # theta is one of a's values: the comparison is exact in a's dtype
+    # theta is one of a's values: the comparisons are exact in a's dtype. Without ties at
+    # theta (the usual case) the entries >= theta are exactly k: one pass.
+    keep = a >= theta
+    if int(torch.count_nonzero(keep)) == k:
+        return keep
+    keep = a > theta  # ties at theta: the first ``need`` of them by position
     need = k - int(torch.count_nonzero(keep))
-    if need:
-        keep.index_fill_(0, flatnonzero(a == theta)[:need], True)
+    keep.index_fill_(0, flatnonzero(a == theta)[:need], True)
     return keep
 
 
