@@ -310,7 +310,7 @@ def _engine(rank: int, P: int) -> dict:
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme="auto", density=0.01, sparsifier="topk",
                                   warmup_steps=2, check_every=0), audit=True)
-    conserved, plans, stranded = True, [], 0.0
+    conserved, plans, stranded, probing = True, [], 0.0, []
     for step in range(14):  # warm-up, two probes and their trials, a re-plan
         ran = sync.plan
         model.zero_grad(set_to_none=True)
@@ -324,6 +324,7 @@ def _engine(rank: int, P: int) -> dict:
                  if (r := sync.ef.residual(n)) is not None and r.numel()), default=0.0))
         if step >= 1:
             plans.append([b.to_dict() for b in sync.plan.buffers])
+        probing.append(sync.stats()["probing"])
         with torch.no_grad():
             for p in model.parameters():
                 p.add_(p.grad, alpha=-0.1)
@@ -331,7 +332,8 @@ def _engine(rank: int, P: int) -> dict:
                first_sparse=any(b["mode"] == "fused" or any(t["density"] is not None
                                                              for t in b["tensors"])
                                 for b in plans[0]),
-               digest=parameter_digest(model)[0], stranded=stranded)
+               digest=parameter_digest(model)[0], stranded=stranded, probing=probing,
+               events=[e["kind"] for e in sync.plan.info.get("replans", [])])
     sync.close()
     return out
 
@@ -350,6 +352,12 @@ def test_auto_in_the_engine(P):
         assert out[0]["first_sparse"]  # the (pinned) slow link: sparse after the warm-up
         kinds = [e["kind"] for e in out[0]["replans"]]
         assert kinds[:4] == ["probe", "trial"] * 2 and "replan" in kinds, kinds
+        # stats()["probing"]: from the warm-up until the second runner-up's trial has ended
+        # (window of 2 steps after 2 warm-up steps: probes close at steps 3 and 7, their trials
+        # at 5 and 9)
+        assert out[0]["probing"][:10] == [True] * 9 + [False], out[0]["probing"]
+    else:
+        assert not any(out[0]["probing"])  # one rank: no watch, nothing to probe
 
 
 # ------------------------------------------------------------------------------------ DDP hook

@@ -76,23 +76,31 @@ def test_bench_schemes_rejects_bad_link_lists(argv, tmp_path, capsys):
     assert "--bandwidth" in capsys.readouterr().err or "--latency" in argv
 
 
-def _row(link, scheme, sps, ddp_sps):
+def _row(link, scheme, sps, ddp_sps, settled=None, probing=0):
     return {"link": link, "scheme": scheme, "samples_per_s": sps,
-            "speedup_vs_ddp": sps / ddp_sps}
+            "speedup_vs_ddp": sps / ddp_sps, "probing_steps": probing,
+            "settled_samples_per_s": sps if settled is None else settled}
 
 
 def test_crossover_ratios_and_outputs(tmp_path):
     from gradsync.apps.common import write_outputs
 
     rows = [_row("loopback", "ddp", 100.0, 100.0), _row("loopback", "topka", 50.0, 100.0),
-            _row("loopback", "auto", 97.0, 100.0),
+            _row("loopback", "auto", 80.0, 100.0, settled=96.0, probing=40),
             _row("100mbit", "ddp", 10.0, 10.0), _row("100mbit", "topka", 30.0, 10.0),
             _row("100mbit", "auto", 28.5, 10.0)]
     cross = bench.crossover(rows, ["loopback", "100mbit"])
     assert cross["speedup_vs_ddp"]["topka"] == {"loopback": 0.5, "100mbit": 3.0}
     lo, slow = cross["auto"]["loopback"], cross["auto"]["100mbit"]
-    assert lo["best_fixed"] == "ddp" and lo["auto_vs_ddp"] == pytest.approx(0.97)
-    assert lo["auto_vs_best_fixed"] == pytest.approx(0.97)
+    assert lo["best_fixed"] == "ddp" and lo["auto_vs_ddp"] == pytest.approx(0.80)
+    assert lo["auto_vs_best_fixed"] == pytest.approx(0.80)
+    assert lo["auto_settled_vs_ddp"] == pytest.approx(0.96) and lo["auto_probing_steps"] == 40
+    assert slow["auto_settled_vs_best_fixed"] == pytest.approx(0.95)
+    # a run that ended while probing has no settled figure
+    ended = bench.crossover([_row("1gbit", "ddp", 10.0, 10.0),
+                             _row("1gbit", "auto", 9.0, 10.0, settled=float("nan"), probing=9)],
+                            ["1gbit"])["auto"]["1gbit"]
+    assert ended["auto_settled_vs_ddp"] is None and ended["auto_vs_ddp"] == pytest.approx(0.9)
     assert slow["best_fixed"] == "topka" and slow["auto_vs_best_fixed"] == pytest.approx(0.95)
     assert slow["auto_vs_ddp"] == pytest.approx(2.85)
     assert cross["rate_bps"] == {"loopback": float("inf"), "100mbit": 1e8}

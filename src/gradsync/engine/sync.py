@@ -237,10 +237,16 @@ class GradSync:
         return ok
 
     def stats(self) -> dict[str, Any]:
-        """Figures of the last step and cumulative ones (bytes, time breakdown, missing rate)."""
+        """Figures of the last step and cumulative ones (bytes, time breakdown, missing rate).
+
+        ``probing``: ``auto`` is still measuring its runners-up (a trial in progress or one
+        still to come, :class:`~gradsync.engine.warmup.Drift`); always False for other
+        schemes. Throughput after probing is what a long run sees."""
+        d = self._drift
         return {"step": self.step, "scheme": self.cfg.scheme, "world_size": self.P,
                 "last": self.last.as_dict(), "total": self.total.as_dict(),
-                "plan": self.plan.info if self.plan else {}}
+                "plan": self.plan.info if self.plan else {},
+                "probing": d is not None and (not d.probed or d.trial is not None)}
 
     def identity(self) -> Identity:
         """Who this engine is: its scheme, rank and world size, and its process group."""

@@ -22,7 +22,9 @@ not a propagation delay, and applies to the shaped links.
 Writes ``schemes.json`` (rows of every link + environment + the train metrics) and
 ``schemes.png`` (stacked breakdown bars, per link), and the crossover — speed-up over DDP per
 scheme and link, and ``auto`` against DDP and against the best fixed scheme of the same link —
-as a table, ``crossover.json`` and ``crossover.png`` (speed-up over DDP against link rate, one
+over all measured steps and, "settled", after the steps in which ``auto`` measures its
+runners-up once (their count is printed; a run longer than that sees the settled figure) — as a
+table, ``crossover.json`` and ``crossover.png`` (speed-up over DDP against link rate, one
 line per scheme) under ``--out``.
 """
 
@@ -121,6 +123,14 @@ def _parse(argv: list[str] | None) -> tuple[list[TrainSpec], list[str], argparse
     return specs, links, b
 
 
+def _over(row: dict | None, key: str, base: dict | None) -> float | None:
+    """``row[key]`` over ``base``'s samples/s; None when either is missing or not a number."""
+    v = row.get(key) if row else None
+    if v is None or base is None or not base["samples_per_s"] or v != v:  # v != v: NaN
+        return None
+    return v / base["samples_per_s"]
+
+
 def crossover(rows: list[dict], links: list[str]) -> dict:
     """Speed-up over DDP per scheme and link, and per link ``auto`` against DDP and against the
     best fixed scheme (the fastest other scheme of that link's run)."""
@@ -141,6 +151,10 @@ def crossover(rows: list[dict], links: list[str]) -> dict:
                             if auto_row and ddp_row else None),
             "auto_vs_best_fixed": (auto_row["samples_per_s"] / top["samples_per_s"]
                                    if auto_row and top else None),
+            # after auto's one-time probing of its runners-up (what a long run sees)
+            "auto_probing_steps": auto_row.get("probing_steps") if auto_row else None,
+            "auto_settled_vs_ddp": _over(auto_row, "settled_samples_per_s", ddp_row),
+            "auto_settled_vs_best_fixed": _over(auto_row, "settled_samples_per_s", top),
         }
     return {"links": links, "rate_bps": {k: link_rate(k) for k in links},
             "speedup_vs_ddp": table, "auto": best}
@@ -232,6 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                 "comm_ms": 1e3 * s["comm_s"], "exposed_ms": 1e3 * s["wait_s"],
                 "bytes_per_step": s["bytes_per_step"], "missing_rate": s["missing_rate"],
                 "final_loss": s["final_loss"], "measured_steps": s["measured_steps"],
+                "probing_steps": s["probing_steps"],
+                "settled_samples_per_s": s["settled_samples_per_s"],
             })
         title = (f"bench schemes — {spec.model}, P={spec.world_size}, {link['link']}, "
                  f"density {spec.density}, {spec.steps} steps")
@@ -250,10 +266,14 @@ def main(argv: list[str] | None = None) -> int:
         [scheme, *(_ratio(by.get(k)) for k in links)]
         for scheme, by in cross["speedup_vs_ddp"].items()])
     if any(v["auto_vs_ddp"] is not None for v in cross["auto"].values()):
-        print_table("auto against DDP and the best fixed scheme (samples/s ratios, same run)",
-                    ["link", "auto / ddp", "best fixed", "auto / best fixed"],
+        print_table("auto against DDP and the best fixed scheme (samples/s ratios, same run; "
+                    "settled: after auto's probing steps)",
+                    ["link", "auto / ddp", "best fixed", "auto / best fixed", "probing steps",
+                     "settled / ddp", "settled / best fixed"],
                     [[k, _ratio(v["auto_vs_ddp"]), v["best_fixed"] or "-",
-                      _ratio(v["auto_vs_best_fixed"])] for k, v in cross["auto"].items()])
+                      _ratio(v["auto_vs_best_fixed"]), v["auto_probing_steps"],
+                      _ratio(v["auto_settled_vs_ddp"]), _ratio(v["auto_settled_vs_best_fixed"])]
+                     for k, v in cross["auto"].items()])
     one = len(links) == 1
     config = spec.config(ranks)
     config["bandwidth"] = links if not one else config["bandwidth"]

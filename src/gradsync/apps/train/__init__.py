@@ -70,11 +70,13 @@ included), bytes and the missing rate are recorded; the other three are NaN.
         "scheme": str, "task": "image" | "causal_lm" | "masked_lm",
         "steps": [{"step", "loss", "time_s", "elapsed_s", "samples_per_s", "bytes_sent",
                    "bytes_recv", "backward_s", "sparsify_s", "comm_s", "wait_s",
-                   "missing_rate", "warmup"}, …],          # rank 0's records
+                   "missing_rate", "warmup", "probing" (engine schemes)}, …],  # rank 0's
         "bytes_sent_per_rank": [[per-step bytes of rank r] for r in ranks],
         "summary": {"scheme", "measured_steps", "samples_per_s", "step_s", "backward_s",
                     "sparsify_s", "comm_s", "wait_s", "bytes_per_step", "mb_per_step",
                     "missing_rate", "final_loss", "speedup_vs_ddp" (null without ddp),
+                    "probing_steps", "settled_samples_per_s" (auto: measured steps up to its
+                    last runner-up trial, and the median samples/s after them),
                     "test_accuracy", "test_samples" (images) | "eval_loss", "perplexity",
                     "eval_tokens" (language models; masked LMs: over the masked tokens)}
       }, …]

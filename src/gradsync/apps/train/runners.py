@@ -114,9 +114,11 @@ class EngineRunner(Runner):
         self.sync.synchronize()
 
     def step_metrics(self, backward_start: float, backward_end: float) -> dict[str, float]:
-        last = self.sync.stats()["last"]
-        return {k: last[k] for k in ("bytes_sent", "bytes_recv", "backward_s", "sparsify_s",
-                                     "comm_s", "wait_s", "missing_rate")}
+        st = self.sync.stats()
+        last = st["last"]
+        return {**{k: last[k] for k in ("bytes_sent", "bytes_recv", "backward_s", "sparsify_s",
+                                        "comm_s", "wait_s", "missing_rate")},
+                "probing": st["probing"]}
 
     def close(self) -> None:
         self.sync.close()

@@ -3,8 +3,11 @@
 ``samples_per_s`` is global (all ranks) and, like the times, the median over the steps after
 the ``warmup_steps + 1`` first ones; ``bytes_per_step`` is the mean over ranks and measured
 steps; ``final_loss`` the mean over ranks of the last step's loss; ``speedup_vs_ddp`` the ratio
-of samples/s to the ``ddp`` run of the same job (``None`` without one). The schema of
-``metrics.json`` is in :mod:`gradsync.apps.train`.
+of samples/s to the ``ddp`` run of the same job (``None`` without one). ``auto`` measures its
+runners-up once after its warm-up (one window each, slower plans included): ``probing_steps``
+counts the measured steps up to its last probing step, ``settled_samples_per_s`` is the median
+after them — what a run longer than the probing sees (NaN when the run ended probing). The
+schema of ``metrics.json`` is in :mod:`gradsync.apps.train`.
 """
 
 from __future__ import annotations
@@ -54,6 +57,10 @@ def summarize(results: list[dict], warmup_steps: int) -> list[dict]:
         s["mb_per_step"] = bytes_per_step / 1e6
         s["missing_rate"] = statistics.fmean([x["missing_rate"] for x in meas]) if meas else 0.0
         s["final_loss"] = statistics.fmean([rr[-1]["loss"] for rr in per_rank if rr])
+        # auto: the measured steps up to its last probing step, and the median after them
+        last = max((j for j, x in enumerate(meas) if x.get("probing")), default=-1)
+        s["probing_steps"] = last + 1
+        s["settled_samples_per_s"] = _median([x["samples_per_s"] for x in meas[last + 1:]])
         s.update(run0["eval"])
         runs.append({"scheme": run0["scheme"], "task": run0["task"], "steps": recs,
                      "bytes_sent_per_rank": sent, "summary": s})
