@@ -122,7 +122,7 @@ def test_bench_schemes_two_links(tmp_path, capsys):
                      "--bandwidth", "loopback,100mbit", "--out", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
-    assert "crossover" in out and "auto / best fixed" in out
+    assert "crossover" in out and "auto/best" in out and "settled/ddp" in out
     data = json.loads((tmp_path / "schemes.json").read_text())
     assert [(r["link"], r["scheme"]) for r in data["rows"]] == [
         (k, n) for k in ("loopback", "100mbit") for n in names]

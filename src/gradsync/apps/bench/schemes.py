@@ -268,8 +268,8 @@ def main(argv: list[str] | None = None) -> int:
     if any(v["auto_vs_ddp"] is not None for v in cross["auto"].values()):
         print_table("auto against DDP and the best fixed scheme (samples/s ratios, same run; "
                     "settled: after auto's probing steps)",
-                    ["link", "auto / ddp", "best fixed", "auto / best fixed", "probing steps",
-                     "settled / ddp", "settled / best fixed"],
+                    ["link", "auto/ddp", "best fixed", "auto/best", "probing steps",
+                     "settled/ddp", "settled/best"],
                     [[k, _ratio(v["auto_vs_ddp"]), v["best_fixed"] or "-",
                       _ratio(v["auto_vs_best_fixed"]), v["auto_probing_steps"],
                       _ratio(v["auto_settled_vs_ddp"]), _ratio(v["auto_settled_vs_best_fixed"])]

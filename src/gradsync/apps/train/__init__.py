@@ -70,7 +70,7 @@ included), bytes and the missing rate are recorded; the other three are NaN.
         "scheme": str, "task": "image" | "causal_lm" | "masked_lm",
         "steps": [{"step", "loss", "time_s", "elapsed_s", "samples_per_s", "bytes_sent",
                    "bytes_recv", "backward_s", "sparsify_s", "comm_s", "wait_s",
-                   "missing_rate", "warmup", "probing" (engine schemes)}, …],  # rank 0's
+                   "missing_rate", "warmup", "probing" (auto)}, …],  # rank 0's records
         "bytes_sent_per_rank": [[per-step bytes of rank r] for r in ranks],
         "summary": {"scheme", "measured_steps", "samples_per_s", "step_s", "backward_s",
                     "sparsify_s", "comm_s", "wait_s", "bytes_per_step", "mb_per_step",

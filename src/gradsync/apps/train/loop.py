@@ -69,7 +69,8 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                 elapsed += dt
                 rec = {"step": step, "loss": float(loss.detach()), "time_s": dt,
                        "elapsed_s": elapsed, "samples_per_s": P * spec.batch_size / dt,
-                       "warmup": step <= spec.warmup_steps, **runner.step_metrics(tb, tw)}
+                       "warmup": step <= spec.warmup_steps, "probing": False,  # auto: engine's
+                       **runner.step_metrics(tb, tw)}
                 records.append(rec)
                 if (rank == 0 and spec.eval_every and (step + 1) % spec.eval_every == 0
                         and step + 1 < steps):  # the final point is added below
