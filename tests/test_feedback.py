@@ -160,3 +160,37 @@ def test_discard_leaves_state_as_before():
     assert torch.equal(before["velocity"]["w"], after["velocity"]["w"])
     with pytest.raises(ValueError, match="without a preceding"):
         ef.update("w", acc, torch.tensor([0]))
+
+
+@pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
+def test_sent_whole_without_indices_equals_every_index(wire):
+    """``update(name, acc, None)`` (sent whole, no index work) leaves the residual and the
+    velocity exactly as consuming every index does, in any order; the rounding of a 16-bit
+    wire stays in the residual."""
+    a, b = ErrorFeedback(momentum=0.9), ErrorFeedback(momentum=0.9)
+    n = 513
+    for step in range(6):
+        grad = _grad(n, step)
+        acc_a, acc_b = a.accumulate("w", grad), b.accumulate("w", grad)
+        assert torch.equal(acc_a, acc_b)  # same velocities so far
+        perm = torch.randperm(n, generator=torch.Generator().manual_seed(step))
+        sent = acc_a.to(wire)
+        ra = a.update("w", acc_a, None, None if wire == torch.float32 else sent)
+        rb = b.update("w", acc_b, perm, None if wire == torch.float32 else sent[perm])
+        assert torch.equal(ra, rb)
+        assert torch.equal(acc_a, sent.float() + ra)  # conservation, bit for bit
+    # the velocity kept going as SGD's buffer: gradients 1, 2, 3 give 1, 2.9, 5.61
+    ef = ErrorFeedback(momentum=0.9)
+    out = []
+    for g in (1.0, 2.0, 3.0):
+        acc = ef.accumulate("w", torch.full((4,), g))
+        out.append(acc[0].item())
+        ef.update("w", acc, None)
+    assert out == pytest.approx([1.0, 2.9, 5.61])
+
+
+def test_sent_whole_checks_the_sent_values():
+    ef = ErrorFeedback()
+    acc = ef.accumulate("w", torch.ones(8))
+    with pytest.raises(ValueError, match="8 consumed entries"):
+        ef.update("w", acc, None, torch.ones(7))

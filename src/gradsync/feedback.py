@@ -100,7 +100,7 @@ class ErrorFeedback:
             )
         if self.momentum:
             u = self._velocity.get(name)
-            u = g.clone() if u is None else u * self.momentum + g
+            u = g.clone() if u is None else (u * self.momentum).add_(g)  # SGD's rounding
             self._pending_velocity[name] = u  # committed by update(), dropped by discard()
             g = u
         acc = g.clone() if res is None else res + g
@@ -111,33 +111,46 @@ class ErrorFeedback:
         self,
         name: str,
         acc: torch.Tensor,
-        consumed_indices: torch.Tensor,
+        consumed_indices: torch.Tensor | None,
         sent_values: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """Keep in the residual exactly what was not consumed; return the new residual.
 
-        ``consumed_indices`` index the flattened ``acc``; ``sent_values`` (optional, same
-        length) are the values actually sent, when they differ from ``acc`` at those indices
-        (lower precision): their rounding error stays in the residual.
+        ``consumed_indices`` index the flattened ``acc``; ``None`` means every entry was
+        consumed (the tensor was sent whole: no index work, and the velocity carries on).
+        ``sent_values`` (optional, one per consumed entry) are the values actually sent, when
+        they differ from ``acc`` there (lower precision): their rounding error stays in the
+        residual.
         """
         if name not in self._pending:
             raise ValueError(f"update({name!r}) without a preceding accumulate({name!r})")
-        idx = consumed_indices.reshape(-1).to(torch.int64)
         flat = acc.detach().reshape(-1)
-        if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= flat.numel()):
-            raise ValueError(f"consumed indices of {name!r} out of range [0, {flat.numel()})")
-        residual = flat.clone()
-        if sent_values is None:
-            residual[idx] = 0
+        whole = consumed_indices is None
+        if whole:
+            if sent_values is None:
+                residual = torch.zeros_like(flat)
+            elif sent_values.numel() != flat.numel():
+                raise ValueError(f"{flat.numel()} consumed entries (all of {name!r}) but "
+                                 f"{sent_values.numel()} sent values")
+            else:
+                residual = flat - sent_values.reshape(-1).to(flat.dtype)
         else:
-            if sent_values.numel() != idx.numel():
-                raise ValueError(
-                    f"{idx.numel()} consumed indices but {sent_values.numel()} sent values"
-                )
-            residual[idx] = flat[idx] - sent_values.reshape(-1).to(flat.dtype)
+            idx = consumed_indices.reshape(-1).to(torch.int64)
+            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= flat.numel()):
+                raise ValueError(f"consumed indices of {name!r} out of range [0, {flat.numel()})")
+            whole = idx.numel() == flat.numel()  # distinct indices (a selection): all of it
+            residual = flat.clone()
+            if sent_values is None:
+                residual[idx] = 0
+            else:
+                if sent_values.numel() != idx.numel():
+                    raise ValueError(
+                        f"{idx.numel()} consumed indices but {sent_values.numel()} sent values"
+                    )
+                residual[idx] = flat[idx] - sent_values.reshape(-1).to(flat.dtype)
         if self.momentum:
             u = self._pending_velocity.pop(name)
-            if idx.numel() < flat.numel():  # compressed: momentum factor masking (DGC §3.2)
+            if not whole:  # compressed: momentum factor masking (DGC §3.2)
                 u.view(-1)[idx] = 0
             # else sent whole: the velocity carries on, as SGD's momentum buffer does
             self._velocity[name] = u

@@ -64,8 +64,7 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
             residual = None
             if ef.momentum:  # the velocity was sent whole: no residual, momentum kept
                 acc = launched.accs[n]
-                residual = ef.update(n, acc, torch.arange(hi - lo, device=acc.device),
-                                     _sent(acc, None, p.dtype))
+                residual = ef.update(n, acc, None, _sent(acc, None, p.dtype))
             if sent:
                 acc = launched.audit_accs[n]
                 audit.record(AuditRecord(
@@ -77,8 +76,9 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
             continue
         mine = owner == i if cuts is None else slice(cuts[i], cuts[i + 1])
         local = kept[mine] - lo
-        residual = ef.update(n, launched.accs[n], local,
-                             _sent(launched.accs[n], local, p.dtype))
+        whole = local.numel() == hi - lo  # distinct indices: every entry (no index work)
+        residual = ef.update(n, launched.accs[n], None if whole else local,
+                             _sent(launched.accs[n], None if whole else local, p.dtype))
         stats.selected += int(local.numel())
         stats.missing += int(local.numel() == 0)
         if sent:

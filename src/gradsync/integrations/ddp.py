@@ -266,7 +266,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
                     for i, name in enumerate(names)]
             buf.copy_(torch.cat(accs))  # rounded to the gradients' dtype; residual keeps it
             for i, name in enumerate(names):
-                state.ef.update(name, accs[i], torch.arange(numels[i], device=buf.device),
+                state.ef.update(name, accs[i], None,
                                 _sent(accs[i], buf[offsets[i]:offsets[i + 1]]))
         comm.all_reduce(buf)
         buf.div_(P)
@@ -291,7 +291,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
             sparse_parts.append((i, state.sparsifier(name, d).select(acc)))
     wire = buf.dtype  # values travel in the gradients' dtype (residuals may be fp32)
     out = torch.zeros_like(buf)
-    kept_by_tensor: dict[int, torch.Tensor] = {}
+    kept_by_tensor: dict[int, torch.Tensor | None] = {}
     work = None
     if dense_parts:
         flat = torch.cat([accs[names[i]] for i in dense_parts]).to(wire)
@@ -323,13 +323,15 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         pos = 0
         for i in dense_parts:
             out[offsets[i]:offsets[i + 1]] = flat[pos:pos + numels[i]]
-            kept_by_tensor[i] = torch.arange(numels[i], device=buf.device)
+            kept_by_tensor[i] = None  # sent whole
             pos += numels[i]
     for i, name in enumerate(names):
         k = kept_by_tensor[i]
-        state.ef.update(name, accs[name], k, _sent(accs[name].reshape(-1)[k], None, wire))
+        flat_acc = accs[name].reshape(-1)
+        state.ef.update(name, accs[name], k,
+                        _sent(flat_acc if k is None else flat_acc[k], None, wire))
         state.tensors += 1
-        state.missing += int(kept_by_tensor[i].numel() == 0)
+        state.missing += int(k is not None and k.numel() == 0)
     buf.copy_(torch.div(out, P))
     return _done(state, stats, buf, bucket.is_last())
 
