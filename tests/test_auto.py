@@ -198,13 +198,42 @@ def test_drift_replans_after_patience_and_only_then():
     assert new_cost.allgather.beta == pytest.approx(SLOW / 1000)
     assert ev["switched"] and new_plan.info["auto"]["sparse_buffers"] == 0  # now dense
     assert d.events == [ev] and d.strikes == 0
-    # the switch is on trial: measured slower than the plan it replaced, that plan comes back
-    for _ in range(warmup.DRIFT_WINDOW):
-        d.record(*_measured(plan, cost, 0.5))
-    back, back_cost = d.check(cfg, new_plan, new_cost, None, 0, 1)
-    assert [b.to_dict() for b in back.buffers] == [b.to_dict() for b in plan.buffers]
-    assert back_cost.to_dict() == cost.to_dict()
-    assert back.info["replans"][-1]["kind"] == "trial" and not back.info["replans"][-1]["kept"]
+    # the switch is on trial: measured slower than the plan it replaced, that plan stays
+    fast = _measured(plan, cost, 1.0)
+    fast = [fast[0] * 0.2, fast[1] / 1000, fast[2] / 1000, fast[3], fast[4]]
+    now, kept = _trial(d, cfg, (new_plan, new_cost), _measured(plan, cost, 0.5), fast)
+    assert not kept and now[0].info["replans"][-1]["kind"] == "trial"
+    assert [b.to_dict() for b in now[0].buffers] == [b.to_dict() for b in plan.buffers]
+    assert now[1].to_dict() == cost.to_dict()
+    assert [e["kind"] for e in d.events] == ["replan", "trial_back", "trial"]
+
+
+def _trial(d, cfg, candidate, cand_row, inc_row):
+    """Run the A-B-B-A trial that ``d`` just started (the candidate in use): the candidate's
+    half windows measure ``cand_row``, the plan in use's last one ``inc_row``. Returns the
+    (plan, cost) in use afterwards and whether the candidate was kept."""
+    half = max(1, warmup.DRIFT_WINDOW // 2)
+    got = None
+    for i in range(warmup.TRIAL_WINDOWS):
+        assert d.trial is not None
+        for _ in range(half):
+            d.record(*cand_row)
+        got = d.check(cfg, *candidate, None, 0, 1)
+        assert (got is None) == (i < warmup.TRIAL_WINDOWS - 1)
+    back, back_cost = got  # the plan in use, for one more half window
+    assert back.info["replans"][-1]["kind"] == "trial_back"
+    assert d.trial["candidate"]["plan"] == candidate[0].to_dict()
+    for _ in range(half):
+        d.record(*inc_row)
+    got = d.check(cfg, back, back_cost, None, 0, 1)
+    assert d.trial is None
+    ev = d.events[-1]
+    assert ev["kind"] == "trial" and ev["kept"] == (got is not None)
+    if got is None:
+        return (back, back_cost), False
+    assert got[0].to_dict()["buffers"] == candidate[0].to_dict()["buffers"]
+    assert got[1].to_dict() == candidate[1].to_dict()
+    return got, True
 
 
 def test_drift_keeps_the_plan_without_a_margin_of_gain():
@@ -222,11 +251,27 @@ def test_drift_keeps_the_plan_without_a_margin_of_gain():
     assert [b.to_dict() for b in new_plan.buffers] == [b.to_dict() for b in plan.buffers]
     assert new_plan.info["predicted"]["iteration"] == pytest.approx(
         2 * plan.info["predicted"]["iteration"], rel=1e-6)
+    # the conditions changed: the rescaled model's runners-up are measured again, one trial
+    # each (here each slower than the plan in use, which stays)
+    alts = new_plan.info["auto"]["alternatives"]
+    assert alts and not d.probed
+    assert [b.to_dict() for b in plan.buffers] not in alts
+    current = (new_plan, new_cost)
+    for i, ref in enumerate(alts):
+        for _ in range(warmup.DRIFT_WINDOW):
+            d.record(*_measured(plan, cost, 2.0))
+        probe = d.check(cfg, *current, None, 0, 1)
+        assert [b.to_dict() for b in probe[0].buffers] == ref
+        assert d.probed == (i == len(alts) - 1)
+        current, kept = _trial(d, cfg, probe, _measured(plan, cost, 3.0),
+                               _measured(plan, cost, 2.0))
+        assert not kept
+        assert [b.to_dict() for b in current[0].buffers] == [b.to_dict() for b in plan.buffers]
     # the next windows at the new level are not drift any more (hysteresis)
     for _ in range(warmup.DRIFT_PATIENCE + 1):
         for _ in range(warmup.DRIFT_WINDOW):
             d.record(*_measured(plan, cost, 2.0))
-        assert d.check(cfg, new_plan, new_cost, None, 0, 1) is None
+        assert d.check(cfg, *current, None, 0, 1) is None
 
 
 def test_each_runner_up_is_measured_once():
@@ -253,17 +298,12 @@ def test_each_runner_up_is_measured_once():
         probe, probe_cost = d.check(cfg, current, cost, None, 0, 1)
         assert probe_cost is cost and d.probed == (i == len(expect) - 1)
         assert [b.to_dict() for b in probe.buffers] == [b.to_dict() for b in ref.buffers]
-        for _ in range(warmup.DRIFT_WINDOW):
-            row = _measured(plan, cost, 1.0)
-            d.record(sparse_step * scale[id(ref)], *row[1:])
-        got = d.check(cfg, probe, cost, None, 0, 1)
-        kept = scale[id(ref)] < 1 - auto.MARGIN
-        assert (got is None) == kept
-        current = probe if kept else got[0]
-        ev = current.info["replans"][-1]
-        assert ev["kind"] == "trial" and ev["kept"] == kept
+        row = _measured(plan, cost, 1.0)
+        (current, _), kept = _trial(d, cfg, (probe, cost),
+                                    [sparse_step * scale[id(ref)], *row[1:]], row)
+        assert kept == (scale[id(ref)] < 1 - auto.MARGIN)
     assert [b.to_dict() for b in current.buffers] == [b.to_dict() for b in one.buffers]
-    assert [e["kind"] for e in d.events] == ["probe", "trial"] * len(expect)
+    assert [e["kind"] for e in d.events] == ["probe", "trial_back", "trial"] * len(expect)
     for _ in range(warmup.DRIFT_WINDOW):  # every runner-up measured once: no further trial
         d.record(*_measured(one, cost, 0.8))
     assert d.check(cfg, current, cost, None, 0, 1) is None and d.trial is None and d.probed
@@ -311,7 +351,7 @@ def _engine(rank: int, P: int) -> dict:
     sync = GradSync(model, Config(scheme="auto", density=0.01, sparsifier="topk",
                                   warmup_steps=2, check_every=0), audit=True)
     conserved, plans, stranded, probing = True, [], 0.0, []
-    for step in range(14):  # warm-up, two probes and their trials, a re-plan
+    for step in range(16):  # warm-up, two probes and their trials, a re-plan
         ran = sync.plan
         model.zero_grad(set_to_none=True)
         x, y = image_batch(rank, step)
@@ -351,11 +391,11 @@ def test_auto_in_the_engine(P):
     if P > 1:
         assert out[0]["first_sparse"]  # the (pinned) slow link: sparse after the warm-up
         kinds = [e["kind"] for e in out[0]["replans"]]
-        assert kinds[:4] == ["probe", "trial"] * 2 and "replan" in kinds, kinds
+        assert kinds[:6] == ["probe", "trial_back", "trial"] * 2 and "replan" in kinds, kinds
         # stats()["probing"]: from the warm-up until the second runner-up's trial has ended
-        # (window of 2 steps after 2 warm-up steps: probes close at steps 3 and 7, their trials
-        # at 5 and 9)
-        assert out[0]["probing"][:10] == [True] * 9 + [False], out[0]["probing"]
+        # (window of 2 steps after 2 warm-up steps, trial half windows of 1: the probes close
+        # at steps 3 and 8, their trials at 6 and 11)
+        assert out[0]["probing"][:12] == [True] * 11 + [False], out[0]["probing"]
     else:
         assert not any(out[0]["probing"])  # one rank: no watch, nothing to probe
 
@@ -391,3 +431,25 @@ def test_auto_ddp_hook_agrees_and_equals_ddp_at_density_one():
     assert out[0]["link"] == out[1]["link"]
     for o in out:
         assert o["worst"] < 1e-5 and o["sent"] > 0
+
+
+def test_a_trial_in_progress_round_trips_and_malformed_trials_are_refused():
+    cost = _cost(SLOW, AffineFit(1e-4, 1e-9))
+    plan = make_plan("auto", list(NUMEL), NUMEL, 0.01, cost, bucket_bytes=4 * MB)
+    dense = _ddp_dense_plan(4 * MB)
+    trial = {"plan": plan.to_dict(), "cost": cost.to_dict(), "step": 0.2, "measured": [0.1, 0.3],
+             "candidate": {"plan": dense.to_dict(), "cost": cost.to_dict()}}
+    d = warmup.Drift(checks=4, probed=True, trial=trial)
+    assert warmup.Drift.from_state_dict(d.state_dict()) == d
+    # a checkpoint from one-window trials (plan, cost, step) resumes as a trial just started
+    old = {**d.state_dict(), "trial": {k: trial[k] for k in ("plan", "cost", "step")}}
+    assert warmup.Drift.from_state_dict(old).trial == {**old["trial"], "measured": [],
+                                                       "candidate": None}
+    bad = {"long": {**trial, "measured": [0.1] * (warmup.TRIAL_WINDOWS + 1)},
+           "nan": {**trial, "measured": [float("nan")]},
+           "half_candidate": {**trial, "candidate": {"plan": dense.to_dict()}},
+           "bad_candidate": {**trial, "candidate": {"plan": {}, "cost": cost.to_dict()}},
+           "extra": {**trial, "x": 1}}
+    for t in bad.values():
+        with pytest.raises(ValueError, match="drift state: trial"):
+            warmup.Drift.from_state_dict({**d.state_dict(), "trial": t})

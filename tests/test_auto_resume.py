@@ -46,18 +46,22 @@ from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 from gradsync.testing import run_distributed
 
 SLOW = 8 / 100e6  # s/B: 100 Mbit/s
-WINDOW = 3  # steps per drift window here (the default is 5)
+WINDOW = 3  # steps per drift window here (the default is 10)
 WARMUP = 2
-TOTAL = 23  # steps 0..22: warm-up 0-1, windows of steps 2-4, 5-7, …, 20-22 (checks 0-6)
-SAVE_AT = (11, 18)  # before 11: just after check 2 (dense probe, flush pending); 18: mid-window
+TOTAL = 24  # steps 0..23: warm-up 0-1, windows of 3 steps (a trial's: 1 step), checks 0-12, a flush
+SAVE_AT = (11, 18)  # before 11: just after check 4 (dense probe, flush pending); 18: mid-window
 CFG = Config(scheme="auto", density=0.01, sparsifier="topk", warmup_steps=WARMUP,
              check_every=0, momentum=0.0)
 
-# the measured step (s) of each window, by check: the sparse plan, the first runner-up measured
-# slower (the sparse plan comes back), the sparse plan, the second runner-up measured slower
-# (back again), then three times the reference in two windows (drift: a re-plan after
-# DRIFT_PATIENCE = 2), then steady
-STEPS = (0.010, 0.013, 0.010, 0.013, 0.030, 0.030, 0.030, 0.030)
+# the measured step (s) of each window, by check (a trial's windows are one step: WINDOW // 2):
+# the sparse plan (A), the first runner-up measured slower (B, B), the sparse plan back (A: it
+# stays); the same for the second runner-up; then three times the reference in two windows
+# (drift: a re-plan after DRIFT_PATIENCE = 2, switched to dense), the dense plan on trial
+# measured faster (B, B) than the sparse plan (A: dense is kept), then steady
+STEPS = (0.010, 0.013, 0.013, 0.010,
+         0.010, 0.013, 0.013, 0.010,
+         0.030, 0.030, 0.020, 0.020, 0.030, 0.030)
+CHECKS = 13  # windows closed by the end: 4 + 4 (two trials), 2 (drift), 3 (the re-plan's trial)
 
 
 def _row(checks: int, i: int, rank: int) -> list[float]:
@@ -204,20 +208,21 @@ def test_the_run_crosses_windows_and_the_save_points_hold_state(runs):
             assert agreed(o["saved"][m]) == agreed(out[0]["saved"][m])
     assert out[-1]["saved"][SAVE_AT[-1]]["rows"] != out[0]["saved"][SAVE_AT[-1]]["rows"]
     drift = out[0]["straight"]["drift"]
-    _, trial, _, trial1, replan, trial2 = drift["events"]
+    _, _, trial, _, _, trial1, replan, _, trial2 = drift["events"]
     assert [e["kind"] for e in drift["events"]] == [
-        "probe", "trial", "probe", "trial", "replan", "trial"]
+        "probe", "trial_back", "trial", "probe", "trial_back", "trial", "replan", "trial_back",
+        "trial"]
     # both runners-up were measured slower: the sparse plan came back each time
     assert not trial["kept"] and not trial1["kept"]
     # two drifted windows, then the re-plan on the rescaled (fast) link: dense, kept
     assert replan["switched"] and replan["factors"]["allgather"] < 0.01, replan
     assert trial2["kept"]
     assert all(b["mode"] == "dense" for b in out[0]["straight"]["plan"]["buffers"])
-    assert drift["checks"] == (TOTAL - WARMUP) // WINDOW and drift["probed"]
+    assert drift["checks"] == CHECKS and drift["probed"]
     first, mid = (out[0]["saved"][m] for m in SAVE_AT)
-    # after check 2: the sparse plan is on trial against the dense runner-up, reached through
+    # after check 4: the dense runner-up is on trial against the sparse plan, reached through
     # a flushing step that has not run yet
-    assert first["checks"] == 3 and first["trial"] is not None and first["pending"] is not None
+    assert first["checks"] == 5 and first["trial"] is not None and first["pending"] is not None
     assert first["rows"] == [] and first["probed"]
     # mid-window: one drifted window counted, one row of the next recorded
     assert mid["strikes"] == 1 and len(mid["rows"]) == 1 and mid["reference"] is not None

@@ -17,16 +17,21 @@ dense buckets, and afterwards keeps checking its plan (:class:`Drift`): per wind
 written), all-reduce, all-gather, sparsification and backward times are max-reduced over the
 ranks (so every rank holds the same numbers and takes the same decision). After the warm-up
 each of the planner's runners-up (DDP's dense plan, the best sparse plan, TopkA's one fused
-buffer: those that differ from the choice) is put on trial for one window against the plan in
-use, one after the other; the measured faster one stays, a sparse one only if
+buffer: those that differ from the choice) is put on trial against the plan in use, one after
+the other; a trial is A-B-B-A (the plan in use for a window, the runner-up for
+:data:`TRIAL_WINDOWS` half windows, the plan in use for one more), so a load that comes or goes
+meanwhile weighs on both; the measured faster one stays, a sparse one only if
 ``auto.MARGIN`` faster. Afterwards, when the step is off the reference (the
 kept plan's measured step; the prediction before any measurement) by more than
 :data:`DRIFT_THRESHOLD` (either way) in :data:`DRIFT_PATIENCE` consecutive windows, rank 0
 rescales the cost model by the measured / predicted ratios
 (:func:`gradsync.schedule.auto.calibrated`), plans again, takes the new plan only if it is
 predicted ``auto.MARGIN`` faster than the current one under the same rescaled model, and
-broadcasts plan and model; a new plan is on trial against the old one for a window, and the
-reference is re-based either way, so the same drift does not trigger again (hysteresis).
+broadcasts plan and model; a new plan is on trial against the old one, and the reference is
+re-based either way, so the same drift does not trigger again (hysteresis). When the plan stays,
+the runners-up of the rescaled model are measured again, one trial each: the conditions that
+drifted (another job's load that came or went, a link that changed) may have changed which plan
+is faster, and only a measurement says so.
 The whole watch — the window's rows, strikes, checks, whether the runners-up were probed, the
 reference, a trial in progress, the events and a pending post-flush plan — is plain data in
 :meth:`Drift.state_dict`, part of the engine's per-rank ``state_dict()``, so a resumed run goes
@@ -53,7 +58,7 @@ from gradsync.collectives.comm import Comm
 from gradsync.engine.config import Config
 from gradsync.schedule import BufferPlan, Plan, auto, costmodel, schemes
 
-__all__ = ["DRIFT_PATIENCE", "DRIFT_THRESHOLD", "DRIFT_WINDOW", "Drift", "Warmup",
+__all__ = ["DRIFT_PATIENCE", "DRIFT_THRESHOLD", "DRIFT_WINDOW", "TRIAL_WINDOWS", "Drift", "Warmup",
            "backward_profile", "final_plan", "link_costs", "provisional_plan"]
 
 DRIFT_THRESHOLD = 0.25  # |measured / predicted step − 1| beyond this (either way) is drift
@@ -62,6 +67,12 @@ DRIFT_THRESHOLD = 0.25  # |measured / predicted step − 1| beyond this (either 
 # plan at 40 ms kept over DDP's dense buckets at 31 ms)
 DRIFT_WINDOW = 10
 DRIFT_PATIENCE = 2  # consecutive drifted windows before auto plans again
+# A trial is A-B-B-A: the plan in use for a window, the candidate for TRIAL_WINDOWS half
+# windows, the plan in use again for one half window; the means of each plan's window medians
+# decide. A load that comes or goes during the trial then weighs on both plans alike (measured:
+# with one window each, a load that came between the two windows kept a sparse plan at 0.38x
+# DDP for the rest of a 300-step run on loopback).
+TRIAL_WINDOWS = 2
 
 # The planners whose buffers are sparsified as one fused vector (the others: per tensor).
 _FUSED_PLANNERS = ("single", "mgwfbp", "cupcake")
@@ -178,6 +189,10 @@ def _from_rank0(payload: list[Any], group: dist.ProcessGroup | None, P: int,
     return Plan.from_dict(got["plan"]), cost
 
 
+# A trial in progress (Drift.trial): the plan in use before it, its model and window median,
+# the candidate's half-window medians, and the candidate once the plan in use is back.
+_TRIAL_KEYS = ("plan", "cost", "step", "measured", "candidate")
+
 # The measured quantities of one step, in this order (see Drift).
 _FIELDS = ("step", "allreduce", "allgather", "sparsify", "backward")
 
@@ -227,14 +242,17 @@ class Drift:
     :data:`DRIFT_WINDOW` steps the ranks agree on the window's medians, and then:
 
     1. the first window after the warm-up, and the first after each trial of step 1: the
-       planner's next runner-up (``info["auto"]["alternatives"]``) is put on trial for the
-       next window, until each has been measured once;
-    2. the window after a trial: the trial plan is kept if it was measured faster than the plan
-       it replaced (a sparse plan by ``auto.MARGIN``), otherwise the replaced plan comes back;
-       the kept plan's measured step is the new reference;
+       planner's next runner-up (``info["auto"]["alternatives"]``) is put on trial, until each
+       has been measured;
+    2. a trial (A-B-B-A): the window just closed measured the plan in use (A); the candidate
+       runs :data:`TRIAL_WINDOWS` half windows (B), then the plan in use one more (A). The
+       candidate is kept if the mean of its medians is below the plan in use's (a sparse plan
+       by ``auto.MARGIN``); the kept plan's measured step is the new reference;
     3. otherwise the drift test against the reference (the prediction until a plan has been
        measured), and after :data:`DRIFT_PATIENCE` drifted windows a re-plan on the rescaled
-       model; a different plan goes on trial as in 2.
+       model: a different plan predicted ``auto.MARGIN`` faster goes on trial as in 2; else the
+       plan stays and the runners-up of the rescaled model are measured again as in 1 (the
+       conditions changed: what was measured before no longer holds).
 
     Every decision is a function of the agreed numbers and of plans every rank holds, so every
     rank takes it alike; a new plan comes from rank 0.
@@ -304,10 +322,24 @@ class Drift:
         trial = state["trial"]
         if trial is not None:
             try:
-                if set(trial) != {"plan", "cost", "step"} or _time(trial["step"]) is None:
-                    raise ValueError("needs a plan, a cost model and a finite step")
+                if isinstance(trial, dict) and set(trial) == {"plan", "cost", "step"}:
+                    trial = {**trial, "measured": [], "candidate": None}  # one-window trials
+                if (not isinstance(trial, dict) or set(trial) != set(_TRIAL_KEYS)
+                        or _time(trial["step"]) is None):
+                    raise ValueError(f"needs the entries {sorted(_TRIAL_KEYS)} and a finite "
+                                     "step")
                 Plan.from_dict(trial["plan"])
                 costmodel.CostModel.from_dict(trial["cost"])
+                if not (isinstance(trial["measured"], list)
+                        and len(trial["measured"]) <= TRIAL_WINDOWS
+                        and all(_time(x) is not None for x in trial["measured"])):
+                    raise ValueError(f"measured must be at most {TRIAL_WINDOWS} finite times")
+                cand = trial["candidate"]
+                if cand is not None:
+                    if not isinstance(cand, dict) or set(cand) != {"plan", "cost"}:
+                        raise ValueError("a candidate needs a plan and a cost model")
+                    Plan.from_dict(cand["plan"])
+                    costmodel.CostModel.from_dict(cand["cost"])
             except (ValueError, TypeError, KeyError, AttributeError) as e:
                 raise bad("trial", f"is not a trial ({e})") from None
         events = state["events"]
@@ -344,7 +376,8 @@ class Drift:
 
     @property
     def due(self) -> bool:
-        return len(self.rows) >= DRIFT_WINDOW
+        """Whether the window is full (a half window during a trial's B-B-A part)."""
+        return len(self.rows) >= (max(1, DRIFT_WINDOW // 2) if self.trial else DRIFT_WINDOW)
 
     def _event(self, plan: Plan, **what: Any) -> None:
         self.events.append({"check": self.checks, **what})
@@ -364,15 +397,8 @@ class Drift:
         measured = dict(zip(_FIELDS, t.tolist()))
         self.checks += 1
         step = measured["step"]
-        if self.trial is not None:  # 2. keep the trial plan or bring the replaced one back
-            old, before = Plan.from_dict(self.trial["plan"]), self.trial["step"]
-            keep = _effective(step, plan) < _effective(before, old)
-            self.reference = step if keep else before
-            back = None if keep else (old, costmodel.CostModel.from_dict(self.trial["cost"]))
-            self.trial = None
-            self._event(plan if keep else old, kind="trial", measured=step,
-                        replaced_measured=before, kept=keep)
-            return back
+        if self.trial is not None:  # 2. A-B-B-A: go on, or keep one of the two plans
+            return self._trial(plan, cost, step)
         alts = plan.info.get("auto", {}).get("alternatives") or []
         if not self.probed and alts:  # 1. measure each runner-up once, in turn
             rest = alts[1:]
@@ -384,8 +410,7 @@ class Drift:
 
             new = holding([BufferPlan.from_dict(b) for b in alts[0]])
             new.info["predicted"] = _prediction(new, cost)
-            self.trial = {"plan": holding(list(plan.buffers)).to_dict(), "cost": cost.to_dict(),
-                          "step": step}
+            self.trial = _trial_of(holding(list(plan.buffers)), cost, step)
             self._event(new, kind="probe", measured=step)
             return new, cost
         self.probed = True
@@ -412,8 +437,16 @@ class Drift:
                       != [b.to_dict() for b in plan.buffers])
             keep = new if switch else Plan(plan.scheme, plan.buffers, plan.overlap,
                                            dict(plan.info))
-            if not switch:  # re-base the prediction on the rescaled model
+            if not switch:  # re-base the prediction on the rescaled model, and its runners-up
                 keep.info["predicted"] = _prediction(keep, new_cost)
+                mine = [b.to_dict() for b in plan.buffers]
+                alts: list[Any] = []
+                for bufs in ([b.to_dict() for b in new.buffers],
+                             *new.info.get("auto", {}).get("alternatives", [])):
+                    if bufs != mine and bufs not in alts:
+                        alts.append(bufs)
+                if "auto" in keep.info:
+                    keep.info["auto"] = {**keep.info["auto"], "alternatives": alts}
             keep.info["switched"] = switch
             keep.info["current_iteration"] = current
             payload = [{"plan": keep.to_dict(), "cost": new_cost.to_dict()}]
@@ -421,12 +454,46 @@ class Drift:
         switched = bool(new_plan.info.pop("switched"))
         current = new_plan.info.pop("current_iteration")
         if switched:
-            self.trial = {"plan": plan.to_dict(), "cost": cost.to_dict(), "step": step}
+            self.trial = _trial_of(plan, cost, step)
+        else:  # the conditions changed: measure the runners-up of the rescaled model again
+            self.probed = not new_plan.info.get("auto", {}).get("alternatives")
         self.reference = None if switched else step
         self._event(new_plan, kind="replan", ratio=r, factors=factors, measured=step,
                     current_iteration=current,
                     new_iteration=new_plan.info["predicted"]["iteration"], switched=switched)
         return new_plan, new_cost
+
+    def _trial(self, plan: Plan, cost: costmodel.CostModel, step: float
+               ) -> tuple[Plan, costmodel.CostModel] | None:
+        """Step 2 of the class doc: ``step`` is the median of the half window just closed."""
+        t = self.trial
+        if t["candidate"] is None:  # a B window of the candidate closed
+            t["measured"].append(step)
+            if len(t["measured"]) < TRIAL_WINDOWS:
+                return None
+            # the plan in use (A) again for one half window; the candidate is remembered
+            t["candidate"] = {"plan": plan.to_dict(), "cost": cost.to_dict()}
+            back = Plan.from_dict(t["plan"])
+            self._event(back, kind="trial_back", measured=statistics.fmean(t["measured"]))
+            return back, costmodel.CostModel.from_dict(t["cost"])
+        cand = Plan.from_dict(t["candidate"]["plan"])
+        mine = statistics.fmean(t["measured"])
+        before = statistics.fmean([t["step"], step])  # its two A windows
+        keep = _effective(mine, cand) < _effective(before, plan)
+        self.reference = mine if keep else before
+        self.trial = None
+        self._event(cand if keep else plan, kind="trial", measured=mine,
+                    replaced_measured=before, kept=keep)
+        if not keep:
+            return None
+        return cand, costmodel.CostModel.from_dict(t["candidate"]["cost"])
+
+
+def _trial_of(plan: Plan, cost: costmodel.CostModel, step: float) -> dict[str, Any]:
+    """A trial against ``plan`` (in use until now; its window measured ``step``)."""
+    return {"plan": plan.to_dict(), "cost": cost.to_dict(), "step": step, "measured": [],
+            "candidate": None}
+
 
 
 def link_costs(sparsifier: sparsify.Sparsifier, group: dist.ProcessGroup | None,
