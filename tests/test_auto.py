@@ -272,6 +272,18 @@ def test_drift_keeps_the_plan_without_a_margin_of_gain():
         for _ in range(warmup.DRIFT_WINDOW):
             d.record(*_measured(plan, cost, 2.0))
         assert d.check(cfg, *current, None, 0, 1) is None
+    # back-off: that re-measurement kept the plan, so the next re-plan needs twice the drifted
+    # windows in a row
+    assert d.reprobes == 1 and d.patience == 2 * warmup.DRIFT_PATIENCE
+    for w in range(2 * warmup.DRIFT_PATIENCE):
+        for _ in range(warmup.DRIFT_WINDOW):
+            d.record(*_measured(plan, cost, 4.0))
+        got = d.check(cfg, *current, None, 0, 1)
+        assert (got is None) == (w < 2 * warmup.DRIFT_PATIENCE - 1), w
+    assert got[0].info["replans"][-1]["kind"] == "replan"
+    # a watch saved before the back-off existed resumes with none
+    old = {k: v for k, v in d.state_dict().items() if k != "reprobes"}
+    assert warmup.Drift.from_state_dict(old).reprobes == 0
 
 
 def test_each_runner_up_is_measured_once():

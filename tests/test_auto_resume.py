@@ -243,7 +243,7 @@ def test_a_checkpoint_without_drift_entry_resumes_with_a_fresh_watch(runs):
     for o in out:
         old = o["old"]
         fresh = {"rows": [], "strikes": 0, "checks": 0, "probed": False, "reference": None,
-                 "trial": None, "events": [], "pending": None}
+                 "trial": None, "events": [], "pending": None, "reprobes": 0}
         assert old["loaded"] == fresh
         # the plan records that its runners-up were all measured: no probe again; the count of
         # checks restarts
@@ -272,6 +272,7 @@ MALFORMED = {
     "float_strikes": lambda s: s.update(strikes=1.5),
     "bool_checks": lambda s: s.update(checks=True),
     "str_probed": lambda s: s.update(probed="yes"),
+    "negative_reprobes": lambda s: s.update(reprobes=-1),
     "negative_reference": lambda s: s.update(reference=-1.0),
     "empty_trial": lambda s: s.update(trial={"plan": None, "cost": None, "step": 1.0}),
     "str_events": lambda s: s.update(events=["probe"]),

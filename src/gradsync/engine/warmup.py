@@ -31,7 +31,9 @@ broadcasts plan and model; a new plan is on trial against the old one, and the r
 re-based either way, so the same drift does not trigger again (hysteresis). When the plan stays,
 the runners-up of the rescaled model are measured again, one trial each: the conditions that
 drifted (another job's load that came or went, a link that changed) may have changed which plan
-is faster, and only a measurement says so.
+is faster, and only a measurement says so. Each re-measurement that keeps the plan doubles the
+drifted windows the next one needs (up to 32 × :data:`DRIFT_PATIENCE`): on a noisy machine
+windows can look drifted without a lasting change, and every trial runs a slower plan.
 The whole watch — the window's rows, strikes, checks, whether the runners-up were probed, the
 reference, a trial in progress, the events and a pending post-flush plan — is plain data in
 :meth:`Drift.state_dict`, part of the engine's per-rank ``state_dict()``, so a resumed run goes
@@ -252,7 +254,9 @@ class Drift:
        measured), and after :data:`DRIFT_PATIENCE` drifted windows a re-plan on the rescaled
        model: a different plan predicted ``auto.MARGIN`` faster goes on trial as in 2; else the
        plan stays and the runners-up of the rescaled model are measured again as in 1 (the
-       conditions changed: what was measured before no longer holds).
+       conditions changed: what was measured before no longer holds). Each such
+       re-measurement that keeps the plan doubles the drifted windows needed next time
+       (:attr:`patience`); a trial that changes the plan resets it.
 
     Every decision is a function of the agreed numbers and of plans every rank holds, so every
     rank takes it alike; a new plan comes from rank 0.
@@ -266,6 +270,7 @@ class Drift:
     trial: dict[str, Any] | None = None  # the replaced plan, its model and measured step
     events: list[dict[str, Any]] = field(default_factory=list)
     pending: Plan | None = None  # the plan to run after this step's flushing step
+    reprobes: int = 0  # re-measurements after drift that kept the plan, in a row (back-off)
 
     def change(self, old: Plan, new: Plan) -> Plan:
         """The plan to run next step when ``new`` replaces ``old``: when ``old`` sparsified
@@ -290,7 +295,8 @@ class Drift:
         return {"rows": [[float(x) for x in r] for r in self.rows], "strikes": self.strikes,
                 "checks": self.checks, "probed": self.probed, "reference": self.reference,
                 "trial": copy.deepcopy(self.trial), "events": copy.deepcopy(self.events),
-                "pending": self.pending.to_dict() if self.pending is not None else None}
+                "pending": self.pending.to_dict() if self.pending is not None else None,
+                "reprobes": self.reprobes}
 
     @classmethod
     def from_state_dict(cls, state: Any) -> Drift:
@@ -299,6 +305,8 @@ class Drift:
         if not isinstance(state, dict):
             raise ValueError(f"auto's drift state must be a dict, got {type(state).__name__}")
         keys = {f.name for f in fields(cls)}
+        if "reprobes" not in state and set(state) == keys - {"reprobes"}:
+            state = {**state, "reprobes": 0}  # saved before the back-off existed
         if set(state) != keys:
             raise ValueError(f"auto's drift state: missing entries {sorted(keys - set(state))},"
                              f" unknown entries {sorted(set(state) - keys)}")
@@ -311,7 +319,7 @@ class Drift:
                 isinstance(r, list | tuple) and len(r) == len(_FIELDS)
                 and all(_time(x) is not None for x in r) for r in rows):
             raise bad("rows", f"must be a list of rows of {len(_FIELDS)} finite times >= 0")
-        for what in ("strikes", "checks"):
+        for what in ("strikes", "checks", "reprobes"):
             v = state[what]
             if not isinstance(v, int) or isinstance(v, bool) or v < 0:
                 raise bad(what, "must be an int >= 0")
@@ -355,7 +363,8 @@ class Drift:
         return cls(rows=[[float(x) for x in r] for r in rows], strikes=state["strikes"],
                    checks=state["checks"], probed=state["probed"],
                    reference=None if state["reference"] is None else float(state["reference"]),
-                   trial=copy.deepcopy(trial), events=copy.deepcopy(events), pending=pending)
+                   trial=copy.deepcopy(trial), events=copy.deepcopy(events), pending=pending,
+                   reprobes=state["reprobes"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`; a malformed state raises ``ValueError`` and changes
@@ -373,6 +382,14 @@ class Drift:
                backward_s: float) -> None:
         """One step's measurements (seconds, this rank)."""
         self.rows.append([step_s, allreduce_s, allgather_s, sparsify_s, backward_s])
+
+    @property
+    def patience(self) -> int:
+        """Drifted windows in a row before a re-plan: :data:`DRIFT_PATIENCE`, doubled after
+        each re-measurement of the runners-up that kept the plan (at most 32×), so that noise
+        that only looks like drift does not keep ``auto`` measuring slower plans, while a
+        lasting change is still answered."""
+        return DRIFT_PATIENCE * 2 ** min(self.reprobes, 5)
 
     @property
     def due(self) -> bool:
@@ -419,7 +436,7 @@ class Drift:
         r = _ratio(step, ref)
         drifted = r is not None and not 1 / (1 + DRIFT_THRESHOLD) <= r <= 1 + DRIFT_THRESHOLD
         self.strikes = self.strikes + 1 if drifted else 0
-        if self.strikes < DRIFT_PATIENCE:
+        if self.strikes < self.patience:
             return None
         self.strikes = 0  # 3. re-plan on the rescaled model
         f = {k: _ratio(measured[k], pred[k]) for k in _FIELDS[1:]}
@@ -457,6 +474,7 @@ class Drift:
             self.trial = _trial_of(plan, cost, step)
         else:  # the conditions changed: measure the runners-up of the rescaled model again
             self.probed = not new_plan.info.get("auto", {}).get("alternatives")
+            self.reprobes += not self.probed
         self.reference = None if switched else step
         self._event(new_plan, kind="replan", ratio=r, factors=factors, measured=step,
                     current_iteration=current,
@@ -482,6 +500,8 @@ class Drift:
         keep = _effective(mine, cand) < _effective(before, plan)
         self.reference = mine if keep else before
         self.trial = None
+        if keep:  # a measured change: drift is worth answering promptly again
+            self.reprobes = 0
         self._event(cand if keep else plan, kind="trial", measured=mine,
                     replaced_measured=before, kept=keep)
         if not keep:
