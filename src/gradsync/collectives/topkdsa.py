@@ -217,4 +217,6 @@ class TopkDSA(Collective):
 
         if r + P2 < P:  # unfold: the extra rank gets this rank's bits
             wire.send(comm, mine, r + P2)
-        return mine.densified().clone(), sel.indices, {"dense_sends": wire.dense_sends}
+        # a fresh tensor either way (to_dense, or a dense stream built by +, cat or a received
+        # buffer of exactly [0, n)): no copy of the result
+        return mine.densified(), sel.indices, {"dense_sends": wire.dense_sends}
