@@ -105,7 +105,7 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
         cfg = Config(scheme=scheme, density=density, sparsifier=sparsifier, bucket_mb=bucket_mb)
         sync = GradSync(net, cfg)
         warm = cfg.warmup_steps + 2
-        times, stats, cpu = [], [], []
+        times, stats, cpu, fwds, afters = [], [], [], [], []
         exact0 = 0
         try:
             dist.barrier()
@@ -114,18 +114,24 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
                     exact0 = _exact_evaluations(sync)
                 t0, c0 = time.perf_counter(), time.process_time()
                 opt.zero_grad(set_to_none=True)
-                step().backward()
+                loss = step()
+                t1 = time.perf_counter()
+                loss.backward()
                 sync.synchronize()
+                t2 = time.perf_counter()
                 opt.step()
                 dt = time.perf_counter() - t0
                 if i >= warm:
                     times.append(dt)
+                    fwds.append(t1 - t0)  # zero_grad and the forward pass
+                    afters.append(t2 - t1)  # backward and synchronize()
                     cpu.append(time.process_time() - c0)  # every thread of this rank
                     stats.append(sync.stats()["last"])
             exact = (_exact_evaluations(sync) - exact0) / steps
         finally:
             sync.close()
-        results[scheme] = {"times": times, "cpu": cpu, "stats": stats, "exact_rate": exact}
+        results[scheme] = {"times": times, "cpu": cpu, "stats": stats, "exact_rate": exact,
+                           "forward": fwds, "backward_sync": afters}
     dist.barrier()
     return {"cost": cost.to_dict(), "compute": compute.to_dict(), "forward_s": fwd,
             "step_s": stp, "union": union, "profile_share": share,
@@ -246,6 +252,10 @@ def run_validation(a) -> int:
 
             rate = max(r["results"][scheme]["exact_rate"] for r in res)  # agreed θ decisions
 
+            def med_raw(key: str, scheme: str = scheme, res: Any = res) -> float:
+                return statistics.median(max(r["results"][scheme][key][i] for r in res)
+                                         for i in range(a.steps))
+
             kw = {"union_gamma": g_use, "forward_s": fwd, "step_s": stp,
                   "densestream_ratio": a.densestream_ratio, "oktopk_exact_rate": rate,
                   "bucket_bytes": int(a.bucket_mb * 2**20)}
@@ -275,6 +285,9 @@ def run_validation(a) -> int:
                 "measured_wait_s": med("wait_s"), "predicted_exposed_comm_s":
                     pred["exposed_comm_s"],
                 "measured_sparsify_s": med("sparsify_s"),
+                "measured_forward_s": med_raw("forward"),
+                "measured_backward_sync_s": med_raw("backward_sync"),
+                "measured_comm_s": med("comm_s"), "predicted_comm_s": pred["comm_s"],
                 "predicted_sparsify_s": pred["sparsify_s"],
                 "measured_bytes_sent": med("bytes_sent"),
                 "predicted_volume_bytes": pred["volume_bytes"],
@@ -314,7 +327,8 @@ def run_validation(a) -> int:
             "err no-contention %", "err no-compute %", "round wait pred ms",
             "CPU floor pred ms", "CPU floor meas ms", "link pred ms", "compute pred ms",
             "coll CPU pred ms", "err fit-αβ %", "bwd meas ms",
-            "bwd pred ms", "wait meas ms", "exposed pred ms", "MB sent meas", "MB pred"]
+            "bwd pred ms", "wait meas ms", "exposed pred ms", "comm meas ms", "comm pred ms",
+            "fwd meas ms", "fwd pred ms", "MB sent meas", "MB pred"]
     table = [[r["scheme"], r["P"], r["measured_s"] * 1e3, r["predicted_s"] * 1e3,
               100 * r["error"], 100 * r["error_no_call_cpu"], 100 * r["error_no_contention"],
               100 * r["error_no_compute"],
@@ -324,7 +338,9 @@ def run_validation(a) -> int:
               (r["predicted_collective_cpu_s"] or 0.0) * 1e3, 100 * r["error_fitted"],
               r["measured_backward_s"] * 1e3,
               r["predicted_backward_s"] * 1e3, r["measured_wait_s"] * 1e3,
-              r["predicted_exposed_comm_s"] * 1e3, r["measured_bytes_sent"] / 1e6,
+              r["predicted_exposed_comm_s"] * 1e3, r["measured_comm_s"] * 1e3,
+              r["predicted_comm_s"] * 1e3, r["measured_forward_s"] * 1e3,
+              r["prediction"]["forward_s"] * 1e3, r["measured_bytes_sent"] / 1e6,
               r["predicted_volume_bytes"] / 1e6] for r in rows]
     print_table(f"simulate --validate: {a.model} on {link}", cols, table)
     for key, what in (("error", "with contention and the collectives' CPU per call"),
