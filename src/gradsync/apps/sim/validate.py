@@ -9,7 +9,10 @@ sparsification fit), so the cost model the prediction uses carries the contentio
 sharing this machine's cores; the slowest rank's profile is used (a synchronous step waits for
 it). Each rank also takes the top-k of one real gradient and the ranks all-gather the masks, so
 the union density u(m) of the selections — and the γ of ``u(m) = 1 − (1 − d)^(m^γ)`` — is
-measured, not assumed. Then every scheme runs ``warmup_steps + 2`` untimed steps and
+measured, not assumed. The ranks then run each sparse scheme's collective on their own top-m
+of that gradient (m = k/4, k/2, k) and record its process CPU per call
+(:mod:`gradsync.apps.sim.callcpu`), which the prediction uses as the collective's compute. Then
+every scheme runs ``warmup_steps + 2`` untimed steps and
 ``--steps`` timed ones (forward, backward, ``synchronize()``, optimizer step); the measured
 iteration is the median over steps of the slowest rank's step time.
 
