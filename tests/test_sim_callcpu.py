@@ -209,6 +209,12 @@ def test_contention_floor_counts_the_measured_cpu_instead_of_micro_terms_and_cal
     assert old["cpu_work_s"] > 0.0252  # the micro terms were in W
     assert new["iteration_s"] == pytest.approx(max(new["sync_end_s"] + 0.011,
                                                    new["cpu_floor_s"]))
+    # a profile taken with all 4 ranks busy (σ = 2/4) scales the profiled wall work W, not
+    # the measured CPU: floor = 4·(0.5·25.2 + 8 + amortised·1) / 2 ms
+    busy = sim.predict("oktopk", cost, P, net, 0.01, forward_s=0.010, step_s=0.001,
+                       contention=Contention(cores=2, call_cpu_s=1e-3), collective_cpu=calls)
+    assert busy["cpu_floor_s"] == pytest.approx(
+        4 * (0.5 * 0.0252 + 0.008 + w.amortised_calls * 1e-3) / 2)
     # before: the micro terms in W and every call at the 8-byte call's CPU
     assert old["cpu_floor_s"] == pytest.approx(4 * (old["cpu_work_s"] + w.dist_calls * 1e-3) / 2)
     assert math.isfinite(new["iteration_s"])
