@@ -470,12 +470,19 @@ def test_validate_models_message_cost_and_loaded_round():
     comp = ComputeCost(merge=AffineFit(1e-5, 1e-9), codec=AffineFit(2e-5, 1e-9)).to_dict()
     res = [{"cost": tiny_cost().to_dict(), "compute": comp, "allreduce_fit": vars(ar),
             "round_idle_s": 0.004 + r * 1e-4, "round_loaded_s": 0.018,
-            "call_cpu_s": 1e-4 * (1 + r % 3)} for r in range(P)]
-    cost, cont = _models(res, 50e-6, 2)
+            "call_cpu_s": 1e-4 * (1 + r % 3),
+            # the collectives' CPU per call, [entries, cpu_s, wall_s] (already max over ranks)
+            "collective_cpu": {"topka": [[1000, 0.004 + 1e-7 * 1000, 0.01],
+                                         [4000, 0.004 + 1e-7 * 4000, 0.02]]}}
+           for r in range(P)]
+    cost, cont, calls = _models(res, 50e-6, 2)
     assert cost.compute.message == pytest.approx(0.014 / 14 - 50e-6)
     assert cont.cores == 2 and cont.share is None and cont.sigma(P) == 0.25
     assert cont.round_s == pytest.approx((0.018 - 0.0047) / 14)
     assert cont.call_cpu_s == pytest.approx(3e-4)
+    fit = calls.fit("topka", P)
+    assert fit.a == pytest.approx(0.004) and fit.b == pytest.approx(1e-7)
+    assert calls.fit("topka", 4) is None and calls.fit("oktopk", P) is None
 
 
 def test_profile_round_latency_on_two_ranks():

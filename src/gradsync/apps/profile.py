@@ -5,7 +5,10 @@ sparsifier's inline and offloaded cost, the collectives' CPU work (issue 14: mer
 fits of :func:`~gradsync.schedule.costmodel.profile_compute`, and the per-message software cost,
 the all-gather α measured on the group), and — on several ranks — the α-β fits of all-reduce and
 all-gather, measured with :mod:`gradsync.schedule.costmodel`'s profilers, printed as a table and
-written as the JSON that ``CostModel.from_dict`` reads back.
+written as the JSON that ``CostModel.from_dict`` reads back. On several ranks it also runs the
+sparse schemes' collectives on the model's real gradient and stores their process CPU per call
+under ``"collective_cpu"`` (:mod:`gradsync.apps.sim.callcpu`; ``python -m gradsync simulate
+--cost-model`` uses it at that P).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from rich.table import Table
 
 from gradsync import sparsify
 from gradsync.apps import models
+from gradsync.apps.sim.callcpu import CollectiveCPU
 from gradsync.schedule.costmodel import (
     AlphaBeta,
     CostModel,
@@ -34,9 +38,24 @@ from gradsync.schedule.costmodel import (
 from gradsync.testing import run_distributed
 
 
-def _collectives_rank(rank: int, world_size: int, sizes, repeats) -> tuple[dict, dict]:
+def _collectives_rank(rank: int, world_size: int, sizes, repeats,
+                      call_cpu: tuple | None = None) -> tuple[dict, dict, dict]:
     ar, ag = profile_collectives(None, sizes=sizes, repeats=repeats)
-    return vars(ar), vars(ag)
+    return vars(ar), vars(ag), _collective_cpu(rank, call_cpu)
+
+
+def _collective_cpu(rank: int, call_cpu: tuple | None) -> dict:
+    """Every rank: the process CPU per call of the schemes' collectives on this rank's real
+    gradient (:func:`~gradsync.apps.sim.callcpu.profile_collective_cpu`); {} when not asked."""
+    if not call_cpu:
+        return {}
+    from gradsync.apps.sim.callcpu import profile_collective_cpu
+
+    model, batch, seed, density, schemes, device = call_cpu
+    net, step = models.model_step(model, batch, seed, rank, device=device)
+    step().backward()
+    flat = torch.cat([p.grad.reshape(-1) for p in net.parameters() if p.grad is not None])
+    return profile_collective_cpu(schemes, flat, density)
 
 
 def build_cost_model(args, P: int, collectives: tuple[AlphaBeta, AlphaBeta]) -> CostModel:
@@ -86,6 +105,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--message-s", type=float, default=None,
                         help="per-message software cost (s) of the collectives; default: the "
                         "all-gather α measured with --world-size (0 on one rank)")
+    parser.add_argument("--collective-cpu", default="topka,oktopk,densestream",
+                        help="schemes whose collectives' CPU per call is measured on the "
+                        "group (needs --world-size or torchrun; '' for none)")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--quick", action="store_true", help="small sizes, 2 repeats")
@@ -98,6 +120,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.message_s is not None and not args.message_s >= 0:
         raise ValueError(f"--message-s must be >= 0, got {args.message_s}")
     sizes = [int(s) for s in args.sizes.split(",")]
+    from gradsync.schedule import schemes as scheme_table
+
+    call_schemes = [s.strip() for s in args.collective_cpu.split(",") if s.strip()]
+    for s in call_schemes:
+        scheme_table.get(s)  # an unknown name raises ValueError naming the choices
+    call_cpu = ((args.model, args.batch, args.seed, args.density, call_schemes, "cpu")
+                if call_schemes else None)
 
     torchrun = "RANK" in os.environ and "WORLD_SIZE" in os.environ and args.world_size == 0
     rank = 0
@@ -109,13 +138,18 @@ def main(argv: Sequence[str] | None = None) -> int:
             dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
         rank, P = dist.get_rank(), dist.get_world_size()
         coll = profile_collectives(None, sizes=sizes, repeats=args.repeats)
+        # the collectives run on CPU tensors: a gloo group only
+        gloo = dist.get_backend() == "gloo"
+        samples = _collective_cpu(rank, call_cpu) if P > 1 and gloo else {}
     elif args.world_size > 1:
         P = args.world_size
-        res = run_distributed(_collectives_rank, P, sizes, args.repeats, timeout=600)
+        res = run_distributed(_collectives_rank, P, sizes, args.repeats, call_cpu, timeout=600)
         coll = (AlphaBeta(**res[0][0]), AlphaBeta(**res[0][1]))
+        samples = res[0][2]
     else:
-        P, coll = 1, (AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0))
+        P, coll, samples = 1, (AlphaBeta(0.0, 0.0), AlphaBeta(0.0, 0.0)), {}
     cost = build_cost_model(args, P, coll)
+    calls = CollectiveCPU.from_samples(P, samples) if samples else None
     if rank == 0:
         table = Table(title=f"cost model: {args.model}, {args.sparsifier} on {args.device}, "
                       f"P={P}")
@@ -124,9 +158,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         for q, v in cost.table_rows():
             table.add_row(str(q), f"{v:.4g}" if isinstance(v, float) else str(v))
         Console(width=100).print(table)
+        if calls is not None:
+            print(f"collectives' CPU per call at P={P}: {calls.describe(P)}")
         out = Path(args.out)
         out.parent.mkdir(parents=True, exist_ok=True)
-        out.write_text(json.dumps(cost.to_dict(), indent=2))
+        doc = cost.to_dict() | ({"collective_cpu": calls.to_dict()} if calls else {})
+        out.write_text(json.dumps(doc, indent=2))
         print(f"wrote {out}")
     if torchrun and dist.is_initialized():
         dist.destroy_process_group()

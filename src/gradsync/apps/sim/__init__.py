@@ -9,6 +9,8 @@ Modules, each importing only the ones listed after it:
   the α-β :class:`~gradsync.apps.sim.predict.Network`, the compute it starts from);
 * :mod:`gradsync.apps.sim.contention`: P ranks sharing C cores (the CPU work floor, the
   loaded price of a synchronising round);
+* :mod:`gradsync.apps.sim.callcpu`: the collectives' own CPU per call, measured on the group
+  at the job's P (a floor over the merge and codec terms);
 * :mod:`gradsync.apps.sim.patterns`: the collectives' step-by-step α-β patterns.
 """
 

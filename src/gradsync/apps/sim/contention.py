@@ -26,6 +26,10 @@ communication) on C < 3P cores, they do not; :class:`Contention` adds the two te
   collective; a fusion buffer's all-reduce is one call, its sparse all-gather P + 1):
 
       T ≥ P·(σ·W + calls·call_cpu_s) / C.
+
+  Where a collective's own CPU per call was measured (:mod:`gradsync.apps.sim.callcpu`),
+  that CPU X replaces its merges and codec in W and its calls in ``calls`` (it contains
+  their CPU): T ≥ P·(σ·W + calls·call_cpu_s + X) / C.
 * **loaded rounds**: a synchronising round that runs while the backward pass keeps the cores
   busy waits for each rank's communication thread to be scheduled. ``round_s`` is what one
   round costs above its idle price: the same 8-byte all-reduce timed on the group idle and
@@ -79,10 +83,11 @@ class Contention:
         """σ at P ranks."""
         return self.share if self.share is not None else min(1.0, self.cores / P)
 
-    def floor(self, work_s: float, P: int, calls: float = 0.0) -> float:
-        """Brent's bound: P ranks' CPU work (``work_s`` profiled seconds and ``calls``
-        torch.distributed calls each) on the cores."""
-        return P * (self.sigma(P) * work_s + calls * self.call_cpu_s) / self.cores
+    def floor(self, work_s: float, P: int, calls: float = 0.0, cpu_s: float = 0.0) -> float:
+        """Brent's bound: P ranks' CPU work (``work_s`` profiled wall seconds, ``calls``
+        torch.distributed calls and ``cpu_s`` measured CPU seconds — the collectives' per
+        call, :mod:`gradsync.apps.sim.callcpu` — each) on the cores."""
+        return P * (self.sigma(P) * work_s + calls * self.call_cpu_s + cpu_s) / self.cores
 
 
 def round_extra(idle_s: float, loaded_s: float, P: int) -> float:

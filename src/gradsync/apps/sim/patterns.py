@@ -343,13 +343,17 @@ class Work:
     into the accumulator and ``encoded`` entries encoded for or decoded from the wire;
     ``dist_calls`` torch.distributed calls (one per payload step — a point-to-point exchange —,
     one per small all-reduce of an amortised step, one per control collective), each paying a
-    call's software path (CPU contention, ``gradsync.apps.sim.contention``)."""
+    call's software path (CPU contention, ``gradsync.apps.sim.contention``);
+    ``amortised_calls`` those of them made only in some steps (Ok-Topk's and DenseStream's
+    re-evaluations: the small all-reduces of the amortised step), which a CPU profile of the
+    steps in between (:mod:`gradsync.apps.sim.callcpu`) does not contain."""
 
     control: float
     calls: float
     merged: float
     encoded: float
     dist_calls: float = 0.0
+    amortised_calls: float = 0.0
 
 
 def work(name: str, steps: list[Step], P: int, k: int, value_bytes: int = 4,
@@ -377,7 +381,7 @@ def work(name: str, steps: list[Step], P: int, k: int, value_bytes: int = 4,
         control_calls += 1  # the counts all-gather
         merged = float(P * k)
     small = 2 * max(1, (int(P) - 1).bit_length())  # start-ups of one small all-reduce
-    dist_calls = (control_calls + sum(s.messages for s in payload)
-                  + sum(s.messages for s in steps if s.nbytes <= 0) / small)
+    amortised = sum(s.messages for s in steps if s.nbytes <= 0) / small
+    dist_calls = control_calls + sum(s.messages for s in payload) + amortised
     return Work(control=control, calls=float(len(payload)), merged=merged, encoded=2.0 * e,
-                dist_calls=dist_calls)
+                dist_calls=dist_calls, amortised_calls=amortised)

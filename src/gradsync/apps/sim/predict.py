@@ -14,6 +14,8 @@ What ``python -m gradsync simulate`` (:mod:`gradsync.apps.sim.simulate`) tabulat
 * :class:`~gradsync.apps.sim.contention.Contention` (``contention=``, off by default): P ranks
   sharing C cores — a round that runs during the backward pays its loaded price, and the
   iteration is at least all ranks' CPU work over the cores;
+* :class:`~gradsync.apps.sim.callcpu.CollectiveCPU` (``collective_cpu=``, off by default): the
+  collectives' own CPU per call, measured at P, a floor over the merge and codec terms;
 * the compute a prediction starts from: :func:`load_table` (a per-layer CSV) or
   :func:`profile_model` (measured here, SSFusion §IV-A);
 * :func:`plot_vs_p`: predicted (and measured) iteration time against P.
@@ -23,11 +25,13 @@ from __future__ import annotations
 
 import csv
 import math
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from gradsync.apps.common import median_time
 from gradsync.apps.sim import patterns
+from gradsync.apps.sim.callcpu import CollectiveCPU
 from gradsync.apps.sim.contention import Contention
 from gradsync.schedule import entries, make_plan, schemes
 from gradsync.schedule import simulate as timeline_of
@@ -66,25 +70,59 @@ def at_scale(base: CostModel, P: int, net: Network) -> CostModel:
                      info=dict(base.info), compute=base.compute)
 
 
+@dataclass
+class _WithCallCPU(CostModel):
+    """A cost model whose sparse all-gather (a fusion buffer's collective) costs at least its
+    measured CPU per call (:class:`~gradsync.apps.sim.callcpu.CollectiveCPU`): the message
+    start-ups' software cost plus max(merges and codec, ``call(m)``) for m entries per rank.
+    The timeline times buffers with it; the plan is made without it, as the engine makes
+    its own (its cost model has no such term)."""
+
+    call: AffineFit | None = None
+
+    def t_compute_allgather(self, nbytes_per_rank: int) -> float:
+        base = super().t_compute_allgather(nbytes_per_rank)
+        if self.call is None or self.P == 1:
+            return base
+        msg = 2 * (self.P - 1) * self.compute.message if self.compute is not None else 0.0
+        return msg + max(base - msg, self.call(nbytes_per_rank / self.entry_bytes))
+
+
+def _with_call(cost: CostModel, call: AffineFit | None) -> CostModel:
+    if call is None:
+        return cost
+    return _WithCallCPU(P=cost.P, order=list(cost.order), numel=dict(cost.numel),
+                        elem_bytes=cost.elem_bytes, backward=dict(cost.backward),
+                        sparsify=cost.sparsify, offload=cost.offload,
+                        allreduce=cost.allreduce, allgather=cost.allgather,
+                        info=dict(cost.info), compute=cost.compute, call=call)
+
+
 def predict(
     scheme: str, base: CostModel, P: int, net: Network, density: float, *,
     union_gamma: float = 1.0, forward_s: float = 0.0, step_s: float = 0.0,
     densestream_ratio: float | None = None, bucket_bytes: int = 25 * 2**20,
     min_density: float = 0.001, oktopk_exact_rate: float | None = None,
-    contention: Contention | None = None,
+    contention: Contention | None = None, collective_cpu: CollectiveCPU | None = None,
 ) -> dict[str, Any]:
     """One row: predicted iteration time of ``scheme`` at P ranks and its breakdown.
     ``oktopk_exact_rate``: the share of steps in which Ok-Topk computes its threshold exactly
     (:func:`gradsync.apps.sim.patterns.oktopk`; default 1/τ′). ``contention``: P ranks sharing
     the cores (:mod:`gradsync.apps.sim.contention`); None leaves the prediction as without it.
+    ``collective_cpu``: the collectives' CPU per call measured at P
+    (:mod:`gradsync.apps.sim.callcpu`); where it has the scheme's collective at P, a call's
+    compute is the messages' software cost plus max(merges and codec, the measured CPU), and
+    the contention floor counts that CPU; None (or no fit at P) leaves the micro terms.
 
     Row terms: ``rounds`` synchronising rounds (start-ups of the payload and control
     messages), ``round_wait_s`` what the loaded rounds add to ``comm_s`` (``contention.round_s``
     per start-up of a buffer that starts during the backward; a one-buffer collective starts
     after it and pays the idle price),
-    ``cpu_work_s`` the CPU work of one rank (forward, backward, sparsification, the
-    collective's merges and codec, step), ``dist_calls`` its torch.distributed calls and
-    ``cpu_floor_s`` the contention floor on the iteration (None when off)."""
+    ``cpu_work_s`` the profiled work of one rank (forward, backward, sparsification, the
+    collective's merges and codec where no CPU per call was measured, step),
+    ``collective_cpu_s`` the measured CPU of its collective calls (None where not measured),
+    ``dist_calls`` its torch.distributed calls outside those and ``cpu_floor_s`` the
+    contention floor on the iteration (None when off)."""
     sch = schemes.get(scheme)  # an unknown name raises ValueError naming the choices
     if isinstance(P, bool) or int(P) != P or P < 1:
         raise ValueError(f"P must be a positive integer, got {P!r}")
@@ -109,18 +147,23 @@ def predict(
         sparsify = cost.t_sparsify(n)
         link = patterns.comm_time(steps, net.alpha, net.beta)
         w = patterns.work(coll, steps, cost.P, k, cost.elem_bytes)
-        compute = 0.0
-        if cost.compute is not None:  # issue 14: the collective's CPU work
-            compute = cost.compute.collective(sum(s.messages for s in steps) + w.control,
-                                              merged=w.merged, encoded=w.encoded,
-                                              calls=max(w.calls, 1.0))
         rounds = sum(s.messages for s in steps) + w.control
+        msg_s = micro = 0.0
+        if cost.compute is not None:  # issue 14: the collective's CPU work
+            msg_s = rounds * cost.compute.message
+            micro = cost.compute.collective(0.0, merged=w.merged, encoded=w.encoded,
+                                            calls=max(w.calls, 1.0))
+        call_cpu = (collective_cpu.seconds(coll, cost.P, k)
+                    if collective_cpu is not None and cost.P > 1 else None)
+        if call_cpu is None:  # the micro terms: profiled wall time, work of W
+            compute, work, calls = msg_s + micro, micro, w.dist_calls
+        else:  # measured CPU per call: covers the calls of a step, not the amortised ones
+            compute, work, calls = msg_s + max(micro, call_cpu), 0.0, w.amortised_calls
         wait = 0.0  # it runs after every rank's backward: its rounds pay the idle price
-        calls = w.dist_calls
         comm = link + compute
         row.update(collective=coll, backward_s=backward, sparsify_s=sparsify, comm_s=comm,
                    link_s=link, compute_s=compute, rounds=rounds, round_wait_s=wait,
-                   dist_calls=calls,
+                   dist_calls=calls, collective_cpu_s=call_cpu, collective_work_s=work,
                    exposed_comm_s=comm, sync_end_s=backward + sparsify + comm,
                    volume_bytes=patterns.volume(steps),
                    messages=sum(s.messages for s in steps), buffers=1,
@@ -129,16 +172,29 @@ def predict(
         plan = make_plan(scheme, list(cost.order), cost.numel, density, cost,
                          elem_bytes=cost.elem_bytes, bucket_bytes=bucket_bytes,
                          min_density=min_density)
-        tl = timeline_of(plan, cost, round_s=contention.round_s if contention else 0.0)
         p = cost.P
-        compute = rounds = calls = 0.0
+        fit = (collective_cpu.fit(sch.collective, p)
+               if collective_cpu is not None and sch.sparse and p > 1 else None)
+        timed = _with_call(cost, fit)
+        tl = timeline_of(plan, timed, round_s=contention.round_s if contention else 0.0)
+        msg = cost.compute.message if cost.compute is not None else 0.0
+        compute = rounds = calls = work = 0.0
+        call_cpu = None if fit is None else 0.0
         for b in tl.buffers:
-            compute += (cost.t_compute_allreduce(b["ar_bytes"]) * ("ar_start" in b)
-                        + cost.t_compute_allgather(b["ag_bytes"]) * ("ag_start" in b))
+            ar, ag = "ar_start" in b, "ag_start" in b
+            if ar:  # one gloo all-reduce: its start-ups' software cost, no merge or codec
+                compute += cost.t_compute_allreduce(b["ar_bytes"])
+                calls += 1
+            if ag:  # TopkA: shape check, counts, P − 1 point-to-point steps
+                compute += timed.t_compute_allgather(b["ag_bytes"])
+                if fit is None or p == 1:
+                    work += max(0.0, cost.t_compute_allgather(b["ag_bytes"])
+                                - 2 * (p - 1) * msg * (p > 1))
+                    calls += p + 1
+                else:
+                    call_cpu += fit(b["ag_bytes"] / cost.entry_bytes)
             # the start-ups t_compute_allreduce / t_compute_allgather price: 2(P−1) each
-            rounds += 2 * (p - 1) * (("ar_start" in b) + ("ag_start" in b))
-            # one gloo all-reduce; TopkA: shape check, counts, P − 1 point-to-point steps
-            calls += ("ar_start" in b) + (p + 1) * ("ag_start" in b)
+            rounds += 2 * (p - 1) * (ar + ag)
         calls *= p > 1
         wait = tl.round_wait
         vol = sum(b["ar_bytes"] * 2 * (p - 1) / p + b["ag_bytes"] * (p - 1) for b in tl.buffers)
@@ -147,19 +203,21 @@ def predict(
         row.update(collective=f"allreduce+{sch.collective}" if sch.sparse else "allreduce",
                    backward_s=tl.backward, sparsify_s=tl.sparsify, comm_s=tl.comm,
                    link_s=tl.comm - compute - wait, compute_s=compute, rounds=rounds,
-                   round_wait_s=wait, dist_calls=calls,
-                   exposed_comm_s=tl.exposed_comm, sync_end_s=tl.iteration, volume_bytes=vol,
+                   round_wait_s=wait, dist_calls=calls, collective_cpu_s=call_cpu,
+                   collective_work_s=work, exposed_comm_s=tl.exposed_comm,
+                   sync_end_s=tl.iteration, volume_bytes=vol,
                    messages=msgs, buffers=len(plan.buffers), union_density=None)
     row["forward_s"] = forward_s
     row["step_s"] = step_s
     row["iteration_s"] = forward_s + row["sync_end_s"] + step_s
-    # merges and codec; the per-message price is latency (gloo, the kernel), not work
-    per_msg = cost.compute.message if cost.compute is not None else 0.0
+    # merges and codec (where no CPU per call was measured); the per-message price is latency
+    # (gloo, the kernel), not work
     row["cpu_work_s"] = (forward_s + row["backward_s"] + row["sparsify_s"]
-                         + max(0.0, row["compute_s"] - row["rounds"] * per_msg) + step_s)
+                         + row.pop("collective_work_s") + step_s)
     row["cpu_floor_s"] = None
     if contention is not None:
-        row["cpu_floor_s"] = contention.floor(row["cpu_work_s"], cost.P, row["dist_calls"])
+        row["cpu_floor_s"] = contention.floor(row["cpu_work_s"], cost.P, row["dist_calls"],
+                                              cpu_s=row["collective_cpu_s"] or 0.0)
         row["iteration_s"] = max(row["iteration_s"], row["cpu_floor_s"])
     return row
 

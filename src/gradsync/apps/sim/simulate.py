@@ -43,6 +43,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gradsync.apps.sim.callcpu import CollectiveCPU
 from gradsync.apps.sim.contention import Contention
 from gradsync.apps.sim.predict import (
     NOTE,
@@ -155,6 +156,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     from gradsync.testing.netem import parse_time
 
     a.contention = None
+    a.collective_cpu = None  # --cost-model: its "collective_cpu", when it has one
     if a.cores is not None:  # a profile of one rank alone: σ = 1
         rnd = parse_time(a.round_latency) if a.round_latency is not None else 0.0
         a.contention = Contention(a.cores, rnd, share=1.0)
@@ -168,6 +170,11 @@ def _source(a: argparse.Namespace) -> tuple[CostModel, float, float, str]:
         except (OSError, json.JSONDecodeError) as e:
             raise ValueError(f"--cost-model {a.cost_model}: {e}") from None
         cost = CostModel.from_dict(d)
+        if d.get("collective_cpu"):  # issue 14: the collectives' CPU per call, per P
+            try:
+                a.collective_cpu = CollectiveCPU.from_dict(d["collective_cpu"])
+            except ValueError as e:
+                raise ValueError(f"--cost-model {a.cost_model}: {e}") from None
         fwd = float(cost.info.get("forward_s", 0.0))
         stp = float(cost.info.get("step_s", 0.0))
         src = f"cost model {a.cost_model}"
@@ -195,7 +202,8 @@ def predict_all(a: argparse.Namespace, cost: CostModel, fwd: float, stp: float,
                                 densestream_ratio=a.densestream_ratio,
                                 bucket_bytes=int(a.bucket_mb * 2**20),
                                 oktopk_exact_rate=a.oktopk_exact_rate,
-                                contention=a.contention))
+                                contention=a.contention,
+                                collective_cpu=getattr(a, "collective_cpu", None)))
     return rows
 
 
@@ -215,6 +223,11 @@ def main(argv: Sequence[str] | None = None) -> int:
           f"Σ T_b={sum(cost.backward.values()) * 1e3:.2f} ms, forward={fwd * 1e3:.2f} ms, "
           f"optimizer step={stp * 1e3:.2f} ms; network: {net}; density {a.density}; "
           f"union γ={a.union_gamma}")
+    if a.collective_cpu is not None:
+        ps = sorted(a.collective_cpu.fits)
+        print(f"collectives' CPU per call measured at P={', '.join(map(str, ps))} (used there; "
+              "other P price merges and codec only): "
+              + " | ".join(f"P={P}: {a.collective_cpu.describe(P)}" for P in ps))
     cols = ["scheme", "P", "iteration ms", "backward ms", "sparsify ms", "exposed comm ms",
             "comm ms", "MB/rank", "messages"]
     table = [[r["scheme"], r["P"], r["iteration_s"] * 1e3, r["backward_s"] * 1e3,

@@ -9,7 +9,10 @@ sparsification fit), so the cost model the prediction uses carries the contentio
 sharing this machine's cores; the slowest rank's profile is used (a synchronous step waits for
 it). Each rank also takes the top-k of one real gradient and the ranks all-gather the masks, so
 the union density u(m) of the selections — and the γ of ``u(m) = 1 − (1 − d)^(m^γ)`` — is
-measured, not assumed. Then every scheme runs ``warmup_steps + 2`` untimed steps and
+measured, not assumed. The ranks then run each sparse scheme's collective on their own top-m
+of that gradient (m = k/4, k/2, k) and record its process CPU per call
+(:mod:`gradsync.apps.sim.callcpu`), which the prediction uses as the collective's compute. Then
+every scheme runs ``warmup_steps + 2`` untimed steps and
 ``--steps`` timed ones (forward, backward, ``synchronize()``, optimizer step); the measured
 iteration is the median over steps of the slowest rank's step time.
 
@@ -33,6 +36,7 @@ import statistics
 import time
 from typing import Any
 
+from gradsync.apps.sim.callcpu import CollectiveCPU
 from gradsync.apps.sim.contention import Contention, round_extra
 from gradsync.schedule.costmodel import ComputeCost, CostModel
 
@@ -82,6 +86,11 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
     from gradsync.schedule.costmodel import profile_compute
 
     compute = profile_compute(repeats=repeats, numel=n, seed=seed + rank)
+    # issue 14: each sparse scheme's collective, run here at this P and n on this rank's top-m
+    # of the real gradient (m = k/4, k/2, k): process CPU seconds per call
+    from gradsync.apps.sim.callcpu import profile_collective_cpu
+
+    call_samples = profile_collective_cpu(schemes, flat, density)
     # issue 14, contention: an 8-byte all-reduce idle and with every rank's backward looping
     from gradsync.apps.sim.contention import profile_round_latency
 
@@ -99,7 +108,7 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
         cfg = Config(scheme=scheme, density=density, sparsifier=sparsifier, bucket_mb=bucket_mb)
         sync = GradSync(net, cfg)
         warm = cfg.warmup_steps + 2
-        times, stats, cpu = [], [], []
+        times, stats, cpu, fwds, afters = [], [], [], [], []
         exact0 = 0
         try:
             dist.barrier()
@@ -108,23 +117,29 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
                     exact0 = _exact_evaluations(sync)
                 t0, c0 = time.perf_counter(), time.process_time()
                 opt.zero_grad(set_to_none=True)
-                step().backward()
+                loss = step()
+                t1 = time.perf_counter()
+                loss.backward()
                 sync.synchronize()
+                t2 = time.perf_counter()
                 opt.step()
                 dt = time.perf_counter() - t0
                 if i >= warm:
                     times.append(dt)
+                    fwds.append(t1 - t0)  # zero_grad and the forward pass
+                    afters.append(t2 - t1)  # backward and synchronize()
                     cpu.append(time.process_time() - c0)  # every thread of this rank
                     stats.append(sync.stats()["last"])
             exact = (_exact_evaluations(sync) - exact0) / steps
         finally:
             sync.close()
-        results[scheme] = {"times": times, "cpu": cpu, "stats": stats, "exact_rate": exact}
+        results[scheme] = {"times": times, "cpu": cpu, "stats": stats, "exact_rate": exact,
+                           "forward": fwds, "backward_sync": afters}
     dist.barrier()
     return {"cost": cost.to_dict(), "compute": compute.to_dict(), "forward_s": fwd,
             "step_s": stp, "union": union, "profile_share": share,
             "round_idle_s": round_idle, "round_loaded_s": round_loaded,
-            "call_cpu_s": call_cpu,
+            "call_cpu_s": call_cpu, "collective_cpu": call_samples,
             "allreduce_fit": vars(ar), "allgather_fit": vars(ag), "results": results}
 
 
@@ -155,7 +170,7 @@ def _gamma(union: dict[int, float], d: float) -> float | None:
 
 
 def _models(res: list[dict[str, Any]], link_alpha: float,
-            cores: float) -> tuple[CostModel, Contention]:
+            cores: float) -> tuple[CostModel, Contention, CollectiveCPU]:
     """The cost model and the contention of one validated P from the ranks' profiles.
 
     * compute: the slowest rank's profile (a synchronous step waits for it);
@@ -165,7 +180,9 @@ def _models(res: list[dict[str, Any]], link_alpha: float,
       link's own α (tbf adds no propagation delay, so the rest is gloo's and the kernel's);
     * contention: ``cores``, the loaded round (:func:`~gradsync.apps.sim.contention.
       round_extra` of the ranks' 8-byte all-reduce, idle and under load) and the CPU of one
-      round (the slowest rank's CPU seconds per 8-byte all-reduce call).
+      round (the slowest rank's CPU seconds per 8-byte all-reduce call);
+    * the collectives' CPU per call (:mod:`gradsync.apps.sim.callcpu`), fitted to the
+      samples every rank holds (already the maximum over ranks).
     """
     P = len(res)
     costs = [CostModel.from_dict(r["cost"]) for r in res]
@@ -176,8 +193,9 @@ def _models(res: list[dict[str, Any]], link_alpha: float,
                                merge=comp[cslow].merge, codec=comp[cslow].codec)
     rnd = round_extra(max(r["round_idle_s"] for r in res),
                       max(r["round_loaded_s"] for r in res), P)
+    calls = CollectiveCPU.from_samples(P, res[0].get("collective_cpu") or {})
     return cost, Contention(cores=cores, round_s=rnd,
-                            call_cpu_s=max(r["call_cpu_s"] for r in res))
+                            call_cpu_s=max(r["call_cpu_s"] for r in res)), calls
 
 
 def run_validation(a) -> int:
@@ -204,7 +222,7 @@ def run_validation(a) -> int:
         wall = time.perf_counter() - t0
         link = (f"tbf {a.bandwidth} per rank and direction" if shaped
                 else f"loopback ({reason}); the prediction still assumes {a.bandwidth}")
-        cost, contention = _models(res, a.net.alpha, cores)
+        cost, contention, callcpu = _models(res, a.net.alpha, cores)
         slow = max(range(P), key=lambda r: sum(res[r]["cost"]["backward"].values()))
         fwd = max(r["forward_s"] for r in res)
         stp = max(r["step_s"] for r in res)
@@ -222,6 +240,8 @@ def run_validation(a) -> int:
                     "round_loaded_s": max(r["round_loaded_s"] for r in res),
                     "round_s": contention.round_s, "share": contention.sigma(P),
                     "call_cpu_s": contention.call_cpu_s,
+                    "collective_cpu": callcpu.to_dict(),
+                    "collective_cpu_text": callcpu.describe(P),
                     "profile_share_measured": [r["profile_share"] for r in res]}
         for scheme in a.scheme_list:
             steps = [max(r["results"][scheme]["times"][i] for r in res)
@@ -235,12 +255,18 @@ def run_validation(a) -> int:
 
             rate = max(r["results"][scheme]["exact_rate"] for r in res)  # agreed θ decisions
 
+            def med_raw(key: str, scheme: str = scheme, res: Any = res) -> float:
+                return statistics.median(max(r["results"][scheme][key][i] for r in res)
+                                         for i in range(a.steps))
+
             kw = {"union_gamma": g_use, "forward_s": fwd, "step_s": stp,
                   "densestream_ratio": a.densestream_ratio, "oktopk_exact_rate": rate,
                   "bucket_bytes": int(a.bucket_mb * 2**20)}
             bare = CostModel.from_dict(cost.to_dict() | {"compute": None})
-            pred = predict(scheme, cost, P, a.net, a.density, contention=contention, **kw)
-            nocont = predict(scheme, cost, P, a.net, a.density, **kw)
+            pred = predict(scheme, cost, P, a.net, a.density, contention=contention,
+                           collective_cpu=callcpu, **kw)
+            nocall = predict(scheme, cost, P, a.net, a.density, contention=contention, **kw)
+            nocont = predict(scheme, cost, P, a.net, a.density, collective_cpu=callcpu, **kw)
             nocomp = predict(scheme, bare, P, a.net, a.density, **kw)
             fit = predict(scheme, bare, P, fitted, a.density, **kw)
             cpu = statistics.median(max(r["results"][scheme]["cpu"][i] for r in res)
@@ -249,6 +275,9 @@ def run_validation(a) -> int:
                 "scheme": scheme, "P": P, "shaped": shaped, "measured_s": meas,
                 "measured_steps_s": steps, "predicted_s": pred["iteration_s"],
                 "error": (pred["iteration_s"] - meas) / meas,
+                "predicted_no_call_cpu_s": nocall["iteration_s"],
+                "error_no_call_cpu": (nocall["iteration_s"] - meas) / meas,
+                "predicted_collective_cpu_s": pred["collective_cpu_s"],
                 "predicted_no_contention_s": nocont["iteration_s"],
                 "error_no_contention": (nocont["iteration_s"] - meas) / meas,
                 "predicted_round_wait_s": pred["round_wait_s"],
@@ -259,6 +288,9 @@ def run_validation(a) -> int:
                 "measured_wait_s": med("wait_s"), "predicted_exposed_comm_s":
                     pred["exposed_comm_s"],
                 "measured_sparsify_s": med("sparsify_s"),
+                "measured_forward_s": med_raw("forward"),
+                "measured_backward_sync_s": med_raw("backward_sync"),
+                "measured_comm_s": med("comm_s"), "predicted_comm_s": pred["comm_s"],
                 "predicted_sparsify_s": pred["sparsify_s"],
                 "measured_bytes_sent": med("bytes_sent"),
                 "predicted_volume_bytes": pred["volume_bytes"],
@@ -292,21 +324,31 @@ def run_validation(a) -> int:
               f"round, {info['call_cpu_s'] * 1e3:.3f} ms CPU per call; profile share "
               f"σ={info['share']:.2f} (CPU/wall measured per rank while "
               f"profiling: {min(sh):.2f}–{max(sh):.2f})")
-    cols = ["scheme", "P", "measured ms", "predicted ms", "error %", "err no-contention %",
-            "err no-compute %", "round wait pred ms", "CPU floor pred ms", "CPU floor meas ms",
-            "link pred ms", "compute pred ms", "err fit-αβ %", "bwd meas ms",
-            "bwd pred ms", "wait meas ms", "exposed pred ms", "MB sent meas", "MB pred"]
+        print(f"P={P} collectives' CPU per call (process CPU, max over ranks; fit c0 + c1·m "
+              f"for m entries per rank): {info['collective_cpu_text']}")
+    cols = ["scheme", "P", "measured ms", "predicted ms", "error %", "err no-call-CPU %",
+            "err no-contention %", "err no-compute %", "round wait pred ms",
+            "CPU floor pred ms", "CPU floor meas ms", "link pred ms", "compute pred ms",
+            "coll CPU pred ms", "err fit-αβ %", "bwd meas ms",
+            "bwd pred ms", "wait meas ms", "exposed pred ms", "comm meas ms", "comm pred ms",
+            "fwd meas ms", "fwd pred ms", "MB sent meas", "MB pred"]
     table = [[r["scheme"], r["P"], r["measured_s"] * 1e3, r["predicted_s"] * 1e3,
-              100 * r["error"], 100 * r["error_no_contention"], 100 * r["error_no_compute"],
+              100 * r["error"], 100 * r["error_no_call_cpu"], 100 * r["error_no_contention"],
+              100 * r["error_no_compute"],
               r["predicted_round_wait_s"] * 1e3, r["predicted_cpu_floor_s"] * 1e3,
               r["P"] * r["measured_cpu_s"] / cores * 1e3, r["predicted_link_s"] * 1e3,
-              r["predicted_compute_s"] * 1e3, 100 * r["error_fitted"],
+              r["predicted_compute_s"] * 1e3,
+              (r["predicted_collective_cpu_s"] or 0.0) * 1e3, 100 * r["error_fitted"],
               r["measured_backward_s"] * 1e3,
               r["predicted_backward_s"] * 1e3, r["measured_wait_s"] * 1e3,
-              r["predicted_exposed_comm_s"] * 1e3, r["measured_bytes_sent"] / 1e6,
+              r["predicted_exposed_comm_s"] * 1e3, r["measured_comm_s"] * 1e3,
+              r["predicted_comm_s"] * 1e3, r["measured_forward_s"] * 1e3,
+              r["prediction"]["forward_s"] * 1e3, r["measured_bytes_sent"] / 1e6,
               r["predicted_volume_bytes"] / 1e6] for r in rows]
     print_table(f"simulate --validate: {a.model} on {link}", cols, table)
-    for key, what in (("error", "with contention"), ("error_no_contention", "without it"),
+    for key, what in (("error", "with contention and the collectives' CPU per call"),
+                      ("error_no_call_cpu", "without the CPU per call (the previous model)"),
+                      ("error_no_contention", "without contention"),
                       ("error_no_compute", "without compute or contention")):
         errs = [abs(r[key]) for r in rows]
         print(f"{what}: {sum(e <= 0.25 for e in errs)} of {len(rows)} rows within 25 %, "
