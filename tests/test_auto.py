@@ -465,3 +465,24 @@ def test_a_trial_in_progress_round_trips_and_malformed_trials_are_refused():
     for t in bad.values():
         with pytest.raises(ValueError, match="drift state: trial"):
             warmup.Drift.from_state_dict({**d.state_dict(), "trial": t})
+
+
+def test_trials_compare_whole_iterations_not_the_backward_part():
+    """A runner-up whose gradients are ready sooner after the first hook ("step") but whose
+    whole iteration (forward and optimizer included: what the user waits for) is longer is
+    not kept; the drift reference is then that iteration."""
+    cfg = Config(scheme="auto", density=0.01, bucket_mb=4)
+    cost = _cost(MID, AffineFit(1e-4, 1e-9))
+    plan = make_plan("auto", list(NUMEL), NUMEL, 0.01, cost, bucket_bytes=4 * MB)
+    row = _measured(plan, cost, 1.0)
+    d = warmup.Drift()
+    for _ in range(warmup.DRIFT_WINDOW):
+        d.record(*row, iteration_s=2 * row[0])
+    probe = d.check(cfg, plan, cost, None, 0, 1)
+    assert d.events[-1]["measured"] == pytest.approx(2 * row[0])  # the iteration
+    # the runner-up: half the step, but 1.5x the iteration
+    (current, _), kept = _trial(d, cfg, probe, [0.5 * row[0], *row[1:], 3 * row[0]],
+                                [*row, 2 * row[0]])
+    assert not kept
+    assert [b.to_dict() for b in current.buffers] == [b.to_dict() for b in plan.buffers]
+    assert d.reference == pytest.approx(2 * row[0])

@@ -268,7 +268,7 @@ MALFORMED = {
     "missing": lambda s: s.pop("checks"),
     "unknown": lambda s: s.update(extra=1),
     "short_row": lambda s: s.update(rows=[[1.0, 2.0]]),
-    "nan_row": lambda s: s.update(rows=[[1.0, 2.0, 3.0, 4.0, float("nan")]]),
+    "nan_row": lambda s: s.update(rows=[[1.0, 2.0, 3.0, 4.0, 5.0, float("nan")]]),
     "float_strikes": lambda s: s.update(strikes=1.5),
     "bool_checks": lambda s: s.update(checks=True),
     "str_probed": lambda s: s.update(probed="yes"),
@@ -282,7 +282,7 @@ MALFORMED = {
 
 @pytest.mark.parametrize("edit", MALFORMED.values(), ids=MALFORMED.keys())
 def test_malformed_drift_states_are_refused(edit):
-    d = warmup.Drift(rows=[[0.1, 0.01, 0.02, 0.001, 0.05]], strikes=1, checks=3, probed=True,
+    d = warmup.Drift(rows=[[0.1, 0.01, 0.02, 0.001, 0.05, 0.12]], strikes=1, checks=3, probed=True,
                      reference=0.1, events=[{"check": 0, "kind": "probe", "measured": 0.1}])
     state = d.state_dict()
     assert warmup.Drift.from_state_dict(state) == d  # the round trip
@@ -358,8 +358,8 @@ def test_ddp_hook_auto_keeps_its_measured_link():
 
 
 def test_the_watch_traffic_is_counted_in_its_step(runs):
-    """A window's close costs one all-reduce of the 5 agreed medians (fp64, 40 B): a ring of
-    2(P − 1) messages and 2(P − 1)/P · 40 B sent, counted in the step that closed it. Compared
+    """A window's close costs one all-reduce of the 6 agreed medians (fp64, 48 B): a ring of
+    2(P − 1) messages and 2(P − 1)/P · 48 B sent, counted in the step that closed it. Compared
     with the step before it, with the same plan and no check, under the fixed plan."""
     P, out = runs
     for o in out:
@@ -372,4 +372,4 @@ def test_the_watch_traffic_is_counted_in_its_step(runs):
         assert pairs, "no window closed under an unchanged plan"
         for before, closing in pairs:
             assert closing["messages"] - before["messages"] == 2 * (P - 1)
-            assert closing["bytes"] - before["bytes"] == 2 * (P - 1) * 40 // P
+            assert closing["bytes"] - before["bytes"] == 2 * (P - 1) * 48 // P

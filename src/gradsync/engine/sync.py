@@ -136,6 +136,7 @@ class GradSync:
         self._numel = {n: p.numel() for n, p in self.params.items()}
         self._warmup = warmup.Warmup.for_config(self.cfg)
         self._drift = warmup.Drift.for_config(self.cfg, self.P)  # auto's re-planning
+        self._last_done: float | None = None  # when the last watched step ended (auto)
         self._set_plan(warmup.provisional_plan(self.cfg, list(reversed(self.params)),
                                                self._numel))
         self._exec = Executor(group, self._parts.collective, self._audit.enabled)
@@ -303,6 +304,7 @@ class GradSync:
         self._parts.install(parts)
         self.total = StepStats.from_dict(state.get("total", {}))
         self._drift = drift
+        self._last_done = None
 
     def check_compatible(self, state: dict[str, Any]) -> None:
         """Raise ``ValueError`` unless ``state`` was saved by this rank of an equal set-up."""
@@ -370,8 +372,10 @@ class GradSync:
         ag = sum(r.stats.seconds for lj, r in zip(run.launched, results)
                  if lj.job.transport != "allreduce")
         sp = run.inline_sparsify_s + sum(r.offload_s for r in results)
+        last, self._last_done = self._last_done, t_done
         self._drift.record(t_done - run.first_hook, ar, ag, sp,
-                           max(0.0, run.backward_s - run.inline_sparsify_s))
+                           max(0.0, run.backward_s - run.inline_sparsify_s),
+                           None if last is None else t_done - last)
         flushed = self._drift.after_step()  # a flushing step ran: now its plan
         if flushed is not None:
             self._set_plan(flushed)

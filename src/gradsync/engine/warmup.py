@@ -14,8 +14,12 @@ observe the real backward order of the gradients.
 ``auto`` (:mod:`gradsync.schedule.auto`) profiles like the cost-model schemes but on DDP's
 dense buckets, and afterwards keeps checking its plan (:class:`Drift`): per window of
 :data:`DRIFT_WINDOW` steps the median measured step (first gradient ready → gradients
-written), all-reduce, all-gather, sparsification and backward times are max-reduced over the
-ranks (so every rank holds the same numbers and takes the same decision). After the warm-up
+written), all-reduce, all-gather, sparsification and backward times and the whole iteration
+(gradients written → gradients written: forward and optimizer included) are max-reduced over
+the ranks (so every rank holds the same numbers and takes the same decision). Trials and the
+drift reference compare iterations — what the user waits for; a plan that speeds up the
+backward part but slows the rest is not faster — and the cost model, which has no forward
+pass, is checked against the step. After the warm-up
 each of the planner's runners-up (DDP's dense plan, the best sparse plan, TopkA's one fused
 buffer: those that differ from the choice) is put on trial against the plan in use, one after
 the other; a trial is A-B-B-A (the plan in use for a window, the runner-up for
@@ -195,8 +199,12 @@ def _from_rank0(payload: list[Any], group: dist.ProcessGroup | None, P: int,
 # the candidate's half-window medians, and the candidate once the plan in use is back.
 _TRIAL_KEYS = ("plan", "cost", "step", "measured", "candidate")
 
-# The measured quantities of one step, in this order (see Drift).
-_FIELDS = ("step", "allreduce", "allgather", "sparsify", "backward")
+# The measured quantities of one step, in this order (see Drift): "step" from the first gradient
+# hook to the gradients written (what the cost model predicts), the four parts the model is
+# rescaled by, and "iteration", the wall time since the previous step's gradients were written
+# (forward, optimizer and the training loop's own work included: what a plan costs the user).
+_FIELDS = ("step", "allreduce", "allgather", "sparsify", "backward", "iteration")
+_PARTS = ("allreduce", "allgather", "sparsify", "backward")
 
 
 def _predicted(plan: Plan, cost: costmodel.CostModel) -> dict[str, float]:
@@ -315,6 +323,9 @@ class Drift:
             return ValueError(f"auto's drift state: {what} {why}, got {state[what]!r:.200}")
 
         rows = state["rows"]
+        if isinstance(rows, list) and all(isinstance(r, list | tuple) and len(r) == 5
+                                          for r in rows):
+            rows = [[*r, r[0]] for r in rows]  # saved before "iteration": the step stands in
         if not isinstance(rows, list) or not all(
                 isinstance(r, list | tuple) and len(r) == len(_FIELDS)
                 and all(_time(x) is not None for x in r) for r in rows):
@@ -379,9 +390,11 @@ class Drift:
         return cls() if schemes.get(cfg.scheme).planner == "auto" and P > 1 else None
 
     def record(self, step_s: float, allreduce_s: float, allgather_s: float, sparsify_s: float,
-               backward_s: float) -> None:
-        """One step's measurements (seconds, this rank)."""
-        self.rows.append([step_s, allreduce_s, allgather_s, sparsify_s, backward_s])
+               backward_s: float, iteration_s: float | None = None) -> None:
+        """One step's measurements (seconds, this rank); ``iteration_s`` (None: ``step_s``)
+        is the wall time since the previous step's gradients were written."""
+        self.rows.append([step_s, allreduce_s, allgather_s, sparsify_s, backward_s,
+                          step_s if iteration_s is None else iteration_s])
 
     @property
     def patience(self) -> int:
@@ -413,7 +426,7 @@ class Drift:
         comm.all_reduce(t, op=dist.ReduceOp.MAX)  # every rank: the same numbers
         measured = dict(zip(_FIELDS, t.tolist()))
         self.checks += 1
-        step = measured["step"]
+        step = measured["iteration"]  # trials and the reference: what the user waits for
         if self.trial is not None:  # 2. A-B-B-A: go on, or keep one of the two plans
             return self._trial(plan, cost, step)
         alts = plan.info.get("auto", {}).get("alternatives") or []
@@ -432,14 +445,16 @@ class Drift:
             return new, cost
         self.probed = True
         pred = _predicted(plan, cost)
-        ref = self.reference if self.reference is not None else pred["step"]
-        r = _ratio(step, ref)
+        # against the measured reference (an iteration), else the prediction (which has no
+        # forward pass: the step it predicts is compared with the measured step)
+        r = (_ratio(step, self.reference) if self.reference is not None
+             else _ratio(measured["step"], pred["step"]))
         drifted = r is not None and not 1 / (1 + DRIFT_THRESHOLD) <= r <= 1 + DRIFT_THRESHOLD
         self.strikes = self.strikes + 1 if drifted else 0
         if self.strikes < self.patience:
             return None
         self.strikes = 0  # 3. re-plan on the rescaled model
-        f = {k: _ratio(measured[k], pred[k]) for k in _FIELDS[1:]}
+        f = {k: _ratio(measured[k], pred[k]) for k in _PARTS}
         link = f["allreduce"] or f["allgather"] or 1.0  # one link: a missing side follows
         factors = {"allreduce": f["allreduce"] or link, "allgather": f["allgather"] or link,
                    "sparsify": f["sparsify"] or 1.0, "backward": f["backward"] or 1.0}
