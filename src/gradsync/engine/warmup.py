@@ -257,7 +257,7 @@ class Drift:
     2. a trial (A-B-B-A): the window just closed measured the plan in use (A); the candidate
        runs :data:`TRIAL_WINDOWS` half windows (B), then the plan in use one more (A). The
        candidate is kept if the mean of its medians is below the plan in use's (a sparse plan
-       by ``auto.MARGIN``); the kept plan's measured step is the new reference;
+       by ``auto.MARGIN``); the kept plan's measured iteration is the new reference;
     3. otherwise the drift test against the reference (the prediction until a plan has been
        measured), and after :data:`DRIFT_PATIENCE` drifted windows a re-plan on the rescaled
        model: a different plan predicted ``auto.MARGIN`` faster goes on trial as in 2; else the
