@@ -327,9 +327,10 @@ def _nonfinite(rank, world_size, policy, bad_rank, scheme):
     return results
 
 
+@pytest.mark.parametrize("scheme", ["ssfusion_oi", "dense_ovlp"])
 @pytest.mark.parametrize("bad_rank", [0, 1, 2])  # every rank position of P = 3
-def test_nonfinite_raise_on_every_rank(bad_rank):
-    out = run_distributed(_nonfinite, 3, "raise", bad_rank, "ssfusion_oi", timeout=300)
+def test_nonfinite_raise_on_every_rank(bad_rank, scheme):
+    out = run_distributed(_nonfinite, 3, "raise", bad_rank, scheme, timeout=300)
     for rank, res in enumerate(out):
         assert res[2][0] == "raised"
         if rank == bad_rank:
@@ -348,6 +349,28 @@ def test_nonfinite_skip_step(scheme, bad_rank):
         assert res[2] == ("ok", False)
         assert res[3] == ("untouched", True, True)
         assert res[4] == ("ok", True)
+
+
+def _dense_messages(rank, world_size):
+    model = build("mlp", seed=1)
+    sync = GradSync(model, Config(scheme="dense_ovlp", warmup_steps=1))
+    for step in range(3):
+        model.zero_grad()
+        x, y = batch("cnn", rank, step)
+        model_loss(model, "cnn", x, y).backward()
+        sync.synchronize()
+    out = (sync.last.messages, len(sync.plan.buffers))
+    sync.close()
+    return out
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_a_dense_step_needs_no_agreement_collective(P):
+    """Plain all-reduces carry a rank's non-finite gradient as a NaN, so the ranks agree on the
+    step from the sums themselves: a step sends the buffers' ring all-reduces and nothing
+    else (the skip and raise policies on dense schemes are tested above)."""
+    for messages, buffers in run_distributed(_dense_messages, P, timeout=300):
+        assert messages == buffers * 2 * (P - 1)
 
 
 def _diverge(rank, world_size):

@@ -61,7 +61,12 @@ def prepare(job: Job, index: int, grads: dict[str, torch.Tensor], ef: ErrorFeedb
     for n in job.names:
         g = grads[n]
         if n in nonfinite:
-            accs[n] = torch.zeros_like(g)  # never enters a residual; the step is agreed later
+            # never enters a residual; the step is agreed later. A dense job carries one NaN
+            # for it instead: the all-reduce's sum then shows every rank that some rank had a
+            # non-finite gradient, with no agreement collective (sync.GradSync.synchronize)
+            accs[n] = torch.zeros_like(g)
+            if job.mode is Mode.DENSE:
+                accs[n].view(-1)[:1] = float("nan")
         elif job.mode is Mode.DENSE and not ef.momentum:
             accs[n] = g
         else:  # dense jobs with momentum keep a velocity (feedback.py: sent whole)

@@ -62,12 +62,13 @@ from gradsync.engine.consistency import (
     state_signature,
 )
 from gradsync.engine.executor import Executor
-from gradsync.engine.jobs import Job, Launched, StepRun, at_density, plan_jobs
+from gradsync.engine.jobs import Job, Launched, Mode, StepRun, at_density, plan_jobs
 from gradsync.engine.prepare import prepare
 from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.stats import StepStats
 from gradsync.feedback import ErrorFeedback
 from gradsync.schedule import Plan, costmodel
+from gradsync.sparsegrad import all_finite
 
 __all__ = ["GradSync"]
 
@@ -198,7 +199,12 @@ class GradSync:
                 ) from e
         stats.wait_s = time.perf_counter() - t0
         bad_local = sorted({n for lj in run.launched for n in lj.nonfinite})
-        ok = self._agree_finite(bad_local, stats)
+        # a step of plain all-reduces needs no agreement: a rank's non-finite gradient travels
+        # as a NaN (prepare), so the sums every rank holds are non-finite alike
+        agreed = (None if not run.launched or any(lj.job.mode is not Mode.DENSE
+                                                  for lj in run.launched)
+                  else not all(all_finite(r.dense) for r in results))
+        ok = self._agree_finite(bad_local, stats, agreed)
         if ok:
             for launched, res in zip(run.launched, results):
                 apply(launched, res, self.params, self.P, self.ef, stats, self.step,
@@ -434,17 +440,21 @@ class GradSync:
         self._run.launched.append(Launched(job, index, prep.accs, prep.nonfinite, future,
                                            audit_accs))
 
-    def _agree_finite(self, bad_local: list[str], stats: StepStats) -> bool:
-        """All ranks agree whether any gradient was non-finite, then apply the policy."""
-        flag = torch.tensor([1 if bad_local else 0], dtype=torch.int64)
-        if self.P > 1:
+    def _agree_finite(self, bad_local: list[str], stats: StepStats,
+                      agreed: bool | None = None) -> bool:
+        """All ranks agree whether any gradient was non-finite (``agreed``: already known
+        alike on every rank, no collective), then apply the policy."""
+        flag = torch.tensor([1 if (bad_local if agreed is None else agreed) else 0],
+                            dtype=torch.int64)
+        if self.P > 1 and agreed is None:
             comm = Comm(self.group)
             comm.all_reduce(flag, op=dist.ReduceOp.MAX)
             stats.add_traffic(comm.stats)
         if not int(flag):
             return True
         where = (f"on this rank ({self.rank}) in {bad_local}" if bad_local
-                 else "on another rank")
+                 else "on another rank" if agreed is None
+                 else "on another rank (or the all-reduced sum overflowed)")
         if self.cfg.nonfinite == "raise":
             for name in self.params:
                 self.ef.discard(name)
