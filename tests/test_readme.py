@@ -93,3 +93,51 @@ def test_report_cluster_line_is_a_real_command():
     assert "`python -m gradsync report cluster`" in text and "derived from published" in text
     assert "cluster" in report.TABLES
     assert report_cluster.load_profile()["label"] == "derived from published figures"
+
+
+def _run_adamw_snippet(rank: int, world_size: int) -> dict:
+    """README's AdamW block, then three steps of the loop above it against DDP + AdamW."""
+    import copy
+
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+
+    import gradsync
+    from gradsync.apps.models import build
+
+    model = build("cnn", seed=0)
+    ref = copy.deepcopy(model)
+    ns = {"gradsync": gradsync, "model": model}
+    exec(_block_after("### With your own training loop: `GradSync`", 1), ns)
+    sync, opt = ns["sync"], ns["opt"]
+    ref_opt = torch.optim.AdamW(ref.parameters(), lr=3e-3, betas=(0.9, 0.999))
+    g = torch.Generator().manual_seed(rank)
+    worst = 0.0
+    for _ in range(3):  # inside the W steps sent whole: exact AdamW
+        x, y = torch.randn(8, 1, 28, 28, generator=g), torch.randint(0, 10, (8,), generator=g)
+        opt.zero_grad()
+        nn.functional.cross_entropy(model(x), y).backward()
+        sync.synchronize()
+        opt.step()
+        ref_opt.zero_grad()
+        nn.functional.cross_entropy(ref(x), y).backward()
+        for p in ref.parameters():
+            dist.all_reduce(p.grad)
+            p.grad.div_(world_size)
+        ref_opt.step()
+        worst = max(worst, max((p - q).abs().max().item()
+                               for p, q in zip(model.parameters(), ref.parameters())))
+    moved = max((p - q).abs().max().item()
+                for p, q in zip(model.parameters(), build("cnn", seed=0).parameters()))
+    sync.close()
+    return {"worst": worst, "moved": moved, "W": ns["W"], "scheme": sync.cfg.scheme}
+
+
+def test_adamw_snippet_is_adamw_while_sent_whole():
+    from gradsync.testing import run_distributed
+
+    for r in run_distributed(_run_adamw_snippet, 2, timeout=240):
+        assert r["scheme"] == "topka" and r["W"] == 100
+        assert r["moved"] > 3e-3  # three AdamW steps of lr 3e-3 moved the weights
+        assert r["worst"] < 0.02 * 3e-3, r  # and they are AdamW's (tests/test_optim.py)

@@ -90,7 +90,8 @@ def test_language_model_on_text_reports_perplexity(tmp_path, capsys):
                      "--eval-batches", "2", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
-    assert m["config"]["data"] == "text" and m["config"]["optimizer"] == "adamw"
+    assert m["config"]["data"] == "text" and m["config"]["optimizer"].startswith("adamw(")
+    assert "FrozenVarianceAdamW" in m["config"]["optimizer"]
     s = m["runs"][0]["summary"]
     # untrained byte-level model: perplexity near the 256-symbol uniform, and exp(loss)
     assert 1.0 < s["perplexity"] < 1000 and s["perplexity"] == pytest.approx(
@@ -158,12 +159,41 @@ def test_momentum_correction_exactly_for_sparse_gradsync_schemes():
         sparse = name.startswith("ddp_gradsync_") or not name.startswith("ddp")
         expect = sparse and name not in ("dense", "dense_ovlp", "ddp_gradsync_dense")
         assert momentum_correction(choice, adamw=False) == expect, name
-        assert momentum_correction(choice, adamw=True) is False
+        assert momentum_correction(choice, adamw=True) == expect, name  # AdamW's β1 too
     cnn = train.TrainSpec(model="cnn")
     opt = train.make_optimizer(models.build("cnn"), cnn.adamw, cnn.lr, True)
     assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.0
     opt = train.make_optimizer(models.build("cnn"), cnn.adamw, cnn.lr, False)
     assert opt.defaults["momentum"] == 0.9 and opt.defaults["lr"] == 0.05
+
+
+def test_adamw_sparse_schemes_warm_up_whole_then_freeze():
+    from gradsync.apps.train.runners import EngineRunner
+    from gradsync.optim import FrozenVarianceAdamW
+
+    gpt = train.TrainSpec(model="gpt_tiny", schemes=("topka", "dense_ovlp"), steps=60)
+    assert gpt.adam_freeze_step(60) == 6 and gpt.adam_freeze_step(3) == 1  # 10 %, at least 1
+    assert train.TrainSpec(model="gpt_tiny", adam_warmup=9).adam_freeze_step(60) == 9
+    assert gpt.engine_warmup(60, True) == ((1.0,), 6)  # the warm-up is sent whole
+    assert gpt.engine_warmup(60, False) == ((), 0)
+    dgc = train.TrainSpec(model="gpt_tiny", density_warmup="2:4", adam_warmup=6)
+    warm, period = dgc.engine_warmup(60, True)  # whole periods first, then DGC's schedule
+    assert (warm[:2], period, len(warm)) == ((1.0, 1.0), 4, 4) and dgc.adam_freeze_step(60) == 8
+    assert train.TrainSpec(model="cnn").engine_warmup(60, True) == ((), 0)  # SGD: unchanged
+    model = models.build("gpt_tiny")
+    opt = train.make_optimizer(model, True, gpt.lr, True, 6)
+    assert isinstance(opt, FrozenVarianceAdamW) and opt.defaults["freeze_step"] == 6
+    assert opt.defaults["betas"][0] == 0.9
+    assert isinstance(train.make_optimizer(model, True, gpt.lr, False), torch.optim.AdamW)
+    runner = EngineRunner(gpt.choices[0], model, gpt, steps=60)
+    try:
+        cfg = runner.sync.cfg
+        assert (cfg.momentum, cfg.density_warmup, cfg.density_warmup_steps) == (0.9, (1.0,), 6)
+        assert cfg.density_at(5) == 1.0 and cfg.density_at(6) == gpt.density
+    finally:
+        runner.close()
+    with pytest.raises(ValueError, match="adam_warmup"):
+        train.TrainSpec(model="gpt_tiny", adam_warmup=0)
 
 
 def test_spec_fills_model_defaults_validates_and_pickles():
@@ -181,7 +211,7 @@ def test_spec_fills_model_defaults_validates_and_pickles():
     assert list(cfg) == ["model", "data", "schemes", "world_size", "steps", "epochs",
                          "batch_size", "lr", "optimizer", "text_fallback", "density",
                          "sparsifier", "seed", "warmup_steps", "eval_batches",
-                         "density_warmup", "bandwidth", "latency"]
+                         "density_warmup", "adam_warmup", "bandwidth", "latency"]
     assert cfg["world_size"] == 4 and cfg["schemes"] == ["ddp", "oktopk"]
     assert pickle.loads(pickle.dumps(gpt)) == gpt  # every rank receives it
     for kw, field in [({"steps": 0}, "steps"), ({"steps": 2, "epochs": 1.0}, "epochs"),

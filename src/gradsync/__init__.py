@@ -7,6 +7,7 @@ The package is laid out in layers; each entry below may import only the entries 
     sparsegrad      SparseGrad, the type every layer passes down
     sparsify/       which entries to send (topk, randomk, dgc, gaussiank, redsync, sidco, …)
     feedback        error feedback: what is not sent stays in a residual
+    optim           FrozenVarianceAdamW: AdamW on velocities sent through error feedback
     formats/        wire encodings (coo, densestream, sketch) with exact sizes
     collectives/    sparse/dense collectives returning the global SUM, with byte accounting
     schedule/       the table of schemes, fusion planners, the cost model
@@ -33,7 +34,8 @@ _LAZY = {"GradSync": "gradsync.engine", "Config": "gradsync.engine.config",
 # ``gradsync.ddp``).
 _SUBMODULES = {"checkpoint": "integrations.checkpoint", "collectives": "collectives",
                "ddp": "integrations.ddp", "engine": "engine", "feedback": "feedback",
-               "formats": "formats", "fsdp": "integrations.fsdp", "models": "apps.models",
+               "optim": "optim", "formats": "formats", "fsdp": "integrations.fsdp",
+               "models": "apps.models",
                "lightning": "integrations.lightning", "accelerate": "integrations.accelerate",
                "schedule": "schedule", "sparsify": "sparsify", "testing": "testing"}
 

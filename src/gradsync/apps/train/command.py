@@ -47,6 +47,10 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
     p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
                    help="DGC's warm-up: PERIODS periods of STEPS steps at exponentially "
                         "decreasing densities before --density (gradsync schemes; default off)")
+    p.add_argument("--adam-warmup", type=int, default=None, metavar="STEPS",
+                   help="AdamW with a sparse scheme: steps of exact AdamW, gradients sent "
+                        "whole, before its variance freezes (gradsync.optim; default 10%% of "
+                        "the steps)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--steps", type=int, default=None, help=f"default {DEFAULT_STEPS}")
     g.add_argument("--epochs", type=float, default=None,
@@ -86,7 +90,8 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
             batch_size=a.batch_size, lr=a.lr, density=a.density, sparsifier=a.sparsifier,
             seed=a.seed, warmup_steps=a.warmup_steps, eval_batches=a.eval_batches,
             bandwidth=a.bandwidth, latency=a.latency, timeout=a.timeout, out=a.out,
-            progress=not a.no_progress, fail_rank=a.fail_rank, density_warmup=a.density_warmup)
+            progress=not a.no_progress, fail_rank=a.fail_rank, density_warmup=a.density_warmup,
+            adam_warmup=a.adam_warmup)
     except ValueError as e:
         p.error(str(e))
     try:  # a model needing a missing optional dependency fails here, not in every rank

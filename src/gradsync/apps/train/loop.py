@@ -37,8 +37,9 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
     data = RankData(spec.data, task, rank, P, spec.batch_size, spec.seed, device, spec.model,
                     model, spec.text_fallback)
     steps = spec.steps or max(1, round(spec.epochs * data.steps_per_epoch()))
-    runner = make_runner(choice, model, spec, device, P)
-    opt = make_optimizer(model, spec.adamw, spec.lr, runner.momentum_correction)
+    runner = make_runner(choice, model, spec, device, P, steps)
+    opt = make_optimizer(model, spec.adamw, spec.lr, runner.momentum_correction,
+                         spec.adam_freeze_step(steps))
     records: list[dict] = []
     history: list[dict] = []
     elapsed = 0.0

@@ -19,7 +19,10 @@ correction, with factor masking on the compressed tensors only) and the optimize
 without momentum; otherwise the momentum of entries that are sent late is applied to stale
 values and the loss spikes. Tensors sent whole keep ordinary momentum inside error feedback
 (``gradsync.feedback``), so at density 1 this is exactly SGD with momentum. Dense schemes,
-torch's hooks and AdamW keep the optimizer's own state.
+and torch's hooks keep the optimizer's own state. AdamW with a sparse scheme moves its first
+moment into error feedback the same way and runs :class:`gradsync.optim.FrozenVarianceAdamW`:
+exact AdamW while the gradients are sent whole (``TrainSpec.adam_freeze_step`` steps, the
+engine's ``density_warmup`` starts with them), then the variance frozen (1-bit Adam's recipe).
 """
 
 from __future__ import annotations
@@ -47,13 +50,24 @@ NAN = float("nan")
 
 
 def momentum_correction(choice: SchemeChoice, adamw: bool) -> bool:
-    """Whether SGD's momentum moves into error feedback (DGC §3.2, module docstring)."""
-    return not adamw and choice.sparse
+    """Whether the optimizer's momentum (SGD's, AdamW's first moment) moves into error feedback
+    (DGC §3.2, module docstring): for every sparse scheme."""
+    return choice.sparse
 
 
 def make_optimizer(model: nn.Module, adamw: bool, lr: float,
-                   momentum_correction: bool = False) -> torch.optim.Optimizer:
-    """AdamW (weight decay 0.01) or SGD with momentum 0.9 (0 under momentum correction)."""
+                   momentum_correction: bool = False,
+                   freeze_step: int | None = None) -> torch.optim.Optimizer:
+    """AdamW (weight decay 0.01; under momentum correction
+    :class:`~gradsync.optim.FrozenVarianceAdamW` with β1 = 0.9, its variance frozen after
+    ``freeze_step`` steps) or SGD with momentum 0.9 (0 under momentum correction)."""
+    if adamw and momentum_correction:
+        from gradsync.optim import FrozenVarianceAdamW
+
+        if freeze_step is None:
+            raise ValueError("AdamW under momentum correction needs freeze_step")
+        return FrozenVarianceAdamW(model.parameters(), lr=lr, betas=(MOMENTUM, 0.999),
+                                   weight_decay=0.01, freeze_step=freeze_step)
     if adamw:
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     return torch.optim.SGD(model.parameters(), lr=lr,
@@ -66,10 +80,12 @@ class Runner:
     then :meth:`step_metrics`; :meth:`metering` is entered around all steps and :meth:`close`
     is called once at the end."""
 
-    def __init__(self, choice: SchemeChoice, model: nn.Module, spec: TrainSpec) -> None:
+    def __init__(self, choice: SchemeChoice, model: nn.Module, spec: TrainSpec,
+                 steps: int | None = None) -> None:
         self.choice = choice
         self.net: nn.Module = model  # what the forward pass calls
         self.momentum_correction = momentum_correction(choice, spec.adamw)
+        self.steps = spec.steps if steps is None else steps  # of this run
 
     def gradsync_config(self, spec: TrainSpec, **extra):
         """The gradsync ``Config`` of this scheme under ``spec``."""
@@ -77,7 +93,7 @@ class Runner:
 
         if self.choice.scheme is None:
             raise ValueError(f"{self.choice.name!r} is not a gradsync scheme")
-        warm, period = spec.warmup_schedule()
+        warm, period = spec.engine_warmup(self.steps or 1, self.momentum_correction)
         return Config(scheme=self.choice.scheme.name, density=spec.density,
                       sparsifier=spec.sparsifier, seed=spec.seed,
                       momentum=MOMENTUM if self.momentum_correction else 0.0,
@@ -103,10 +119,11 @@ class Runner:
 class EngineRunner(Runner):
     """An engine scheme: :class:`gradsync.GradSync` on the bare model."""
 
-    def __init__(self, choice: SchemeChoice, model: nn.Module, spec: TrainSpec) -> None:
+    def __init__(self, choice: SchemeChoice, model: nn.Module, spec: TrainSpec,
+                 steps: int | None = None) -> None:
         from gradsync.engine import GradSync
 
-        super().__init__(choice, model, spec)
+        super().__init__(choice, model, spec, steps)
         cfg = self.gradsync_config(spec, warmup_steps=spec.warmup_steps, timeout_s=spec.timeout)
         self.sync = GradSync(model, cfg)
 
@@ -138,10 +155,10 @@ class DDPHookRunner(Runner):
     """``ddp_gradsync_<s>``: torch DDP with gradsync's comm hook running scheme ``s``."""
 
     def __init__(self, choice: SchemeChoice, model: nn.Module, spec: TrainSpec,
-                 device: torch.device) -> None:
+                 device: torch.device, steps: int | None = None) -> None:
         from gradsync.integrations import ddp as gddp
 
-        super().__init__(choice, model, spec)
+        super().__init__(choice, model, spec, steps)
         self.net = wrap_ddp(model, device)
         self.state = gddp.register(self.net, self.gradsync_config(spec))
         self.before_backward()
@@ -199,12 +216,13 @@ class TorchDDPRunner(Runner):
 
 
 def make_runner(choice: SchemeChoice, model: nn.Module, spec: TrainSpec, device: torch.device,
-                P: int) -> Runner:
-    """The runner of ``choice`` (``choice.runner`` picks it) for ``model`` on this rank."""
+                P: int, steps: int | None = None) -> Runner:
+    """The runner of ``choice`` (``choice.runner`` picks it) for ``model`` on this rank, in a
+    run of ``steps`` steps (``None``: ``spec.steps``)."""
     if choice.runner == "engine":
-        return EngineRunner(choice, model, spec)
+        return EngineRunner(choice, model, spec, steps)
     if choice.runner == "ddp_hook":
-        return DDPHookRunner(choice, model, spec, device)
+        return DDPHookRunner(choice, model, spec, device, steps)
     if choice.runner == "torch_ddp":
         return TorchDDPRunner(choice, model, spec, device, P)
     raise ValueError(f"unknown runner {choice.runner!r}")

@@ -29,6 +29,9 @@ DATASETS = ("fashion-mnist", "text", "synthetic")
 RUNNERS = ("engine", "ddp_hook", "torch_ddp")
 DEFAULT_STEPS = 50
 SGD_LR, ADAMW_LR = 0.05, 3e-3
+# AdamW under compression (gradsync.optim): the share of a run's steps spent in exact AdamW with
+# gradients sent whole before the variance freezes, when TrainSpec.adam_warmup is not given.
+ADAM_WARMUP_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -125,6 +128,10 @@ class TrainSpec:
         density_warmup: DGC's warm-up for the gradsync schemes, ``"PERIODS:STEPS"``: PERIODS
             periods of STEPS steps at exponentially decreasing densities
             (``Config.dgc_warmup``), then ``density``; ``None``: off.
+        adam_warmup: AdamW with a sparse scheme (:class:`gradsync.optim.FrozenVarianceAdamW`):
+            the steps of exact AdamW, gradients sent whole, before the variance freezes
+            (rounded up to whole ``density_warmup`` periods); ``None``:
+            :data:`ADAM_WARMUP_SHARE` of the run's steps, at least 1.
     """
 
     model: str = "cnn"
@@ -150,6 +157,7 @@ class TrainSpec:
     text_fallback: bool = False
     device: str | None = None
     density_warmup: str | None = None
+    adam_warmup: int | None = None
 
     def __post_init__(self) -> None:
         from gradsync.apps import models
@@ -216,6 +224,8 @@ class TrainSpec:
         _positive("timeout", self.timeout)
         if self.density_warmup is not None:
             self.warmup_schedule()  # raises on a malformed value
+        if self.adam_warmup is not None:
+            _int("adam_warmup", self.adam_warmup, 1)
 
     def warmup_schedule(self) -> tuple[tuple[float, ...], int]:
         """``(Config.density_warmup, Config.density_warmup_steps)`` of :attr:`density_warmup`."""
@@ -231,6 +241,27 @@ class TrainSpec:
             raise ValueError(f"density_warmup: expected PERIODS:STEPS (two integers >= 1), got "
                              f"{self.density_warmup!r}") from None
         return Config.dgc_warmup(self.density, periods), steps
+
+    def adam_freeze_step(self, steps: int) -> int:
+        """The optimizer step after which :class:`~gradsync.optim.FrozenVarianceAdamW` freezes
+        its variance in a run of ``steps`` steps (:attr:`adam_warmup`)."""
+        w = (self.adam_warmup if self.adam_warmup is not None
+             else max(1, math.ceil(ADAM_WARMUP_SHARE * steps)))
+        _, period = self.warmup_schedule()
+        return math.ceil(w / period) * period if period else w
+
+    def engine_warmup(self, steps: int, momentum_correction: bool
+                      ) -> tuple[tuple[float, ...], int]:
+        """``(Config.density_warmup, Config.density_warmup_steps)`` of a scheme: DGC's warm-up
+        (:meth:`warmup_schedule`), after :meth:`adam_freeze_step` steps sent whole when AdamW's
+        momentum moves into error feedback (``momentum_correction``)."""
+        warm, period = self.warmup_schedule()
+        if not (self.adamw and momentum_correction) or self.density >= 1:
+            return warm, period
+        freeze = self.adam_freeze_step(steps)
+        if period:
+            return (1.0,) * (freeze // period) + warm, period
+        return (1.0,), freeze
 
     @property
     def bandwidth_bps(self) -> int | None:
@@ -254,13 +285,16 @@ class TrainSpec:
         return {"model": self.model, "data": self.data, "schemes": list(self.schemes),
                 "world_size": world_size, "steps": self.steps, "epochs": self.epochs,
                 "batch_size": self.batch_size, "lr": self.lr,
-                "optimizer": "adamw" if self.adamw else (
+                "optimizer": (
+                    "adamw(sparse schemes: gradsync.optim.FrozenVarianceAdamW, DGC momentum "
+                    "correction 0.9 in error feedback, variance frozen after adam_warmup steps "
+                    "sent whole)") if self.adamw else (
                     "sgd(momentum=0.9; sparse schemes: momentum 0 in SGD, DGC momentum "
                     "correction 0.9 in error feedback)"),
                 "text_fallback": self.text_fallback,
                 "density": self.density, "sparsifier": self.sparsifier, "seed": self.seed,
                 "warmup_steps": self.warmup_steps, "eval_batches": self.eval_batches,
-                "density_warmup": self.density_warmup,
+                "density_warmup": self.density_warmup, "adam_warmup": self.adam_warmup,
                 "bandwidth": self.bandwidth, "latency": self.latency}
 
 
