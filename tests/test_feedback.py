@@ -194,3 +194,37 @@ def test_sent_whole_checks_the_sent_values():
     acc = ef.accumulate("w", torch.ones(8))
     with pytest.raises(ValueError, match="8 consumed entries"):
         ef.update("w", acc, None, torch.ones(7))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_zero_residual_shortcut_matches_plain_arithmetic(momentum):
+    """After a whole send the residual is known to be zeros and is neither re-added nor
+    re-allocated; a mixed sequence of whole, partial and rounded sends must still equal the
+    recurrence written out in float64 (acc = u + r, r = acc − sent)."""
+    ef = ErrorFeedback(momentum=momentum)
+    n, u, r = 64, torch.zeros(64, dtype=torch.float64), torch.zeros(64, dtype=torch.float64)
+    gen = torch.Generator().manual_seed(3)
+    plan = ["whole", "whole", "partial", "whole", "rounded", "partial", "whole", "whole"]
+    for step, how in enumerate(plan):
+        g = torch.randn(n, generator=gen)
+        acc = ef.accumulate("w", g)
+        u = momentum * u + g.double() if momentum else g.double()
+        ref_acc = u + r
+        torch.testing.assert_close(acc.double(), ref_acc, rtol=1e-6, atol=1e-6)
+        if how == "whole":
+            res = ef.update("w", acc, None)
+            r = torch.zeros_like(r)
+        elif how == "rounded":  # whole, over a bf16 wire: the rounding stays behind
+            sent = acc.to(torch.bfloat16)
+            res = ef.update("w", acc, None, sent)
+            r = acc.double() - sent.double()
+        else:
+            idx = torch.arange(step % 3, n, 3)
+            res = ef.update("w", acc, idx)
+            r = acc.double().clone()
+            r[idx] = 0
+            if momentum:
+                u[idx] = 0  # factor masking
+        torch.testing.assert_close(res.double(), r, rtol=0, atol=1e-7)
+        if how == "rounded":
+            assert res.abs().sum() > 0  # a real rounding residual, not the zeros shortcut

@@ -75,6 +75,7 @@ class ErrorFeedback:
         self._velocity: dict[str, torch.Tensor] = {}
         self._pending: set[str] = set()  # accumulated, not yet updated
         self._pending_velocity: dict[str, torch.Tensor] = {}
+        self._zero: set[str] = set()  # residuals known to be all zeros (sent whole)
 
     def dtype_for(self, grad_dtype: torch.dtype) -> torch.dtype:
         """The dtype a gradient of ``grad_dtype`` accumulates in."""
@@ -83,13 +84,15 @@ class ErrorFeedback:
         return self.residual_dtype or grad_dtype
 
     # -- the two steps of every iteration ---------------------------------------------
-    def accumulate(self, name: str, grad: torch.Tensor) -> torch.Tensor:
+    def accumulate(self, name: str, grad: torch.Tensor, check: bool = True) -> torch.Tensor:
         """Return ``acc = residual + grad`` (with momentum correction when enabled).
 
         ``acc`` is a new tensor of ``grad``'s shape in the residual dtype; the caller selects
-        from it and then calls :meth:`update` with what was consumed.
+        from it and then calls :meth:`update` with what was consumed. ``check=False`` skips the
+        NaN/Inf check, for a caller that has just checked ``grad`` itself.
         """
-        check_finite(grad, f"gradient of {name!r}")
+        if check:
+            check_finite(grad, f"gradient of {name!r}")
         dtype = self.dtype_for(grad.dtype)
         g = grad.detach().to(dtype)
         res = self._residual.get(name)
@@ -103,7 +106,8 @@ class ErrorFeedback:
             u = g.clone() if u is None else (u * self.momentum).add_(g)  # SGD's rounding
             self._pending_velocity[name] = u  # committed by update(), dropped by discard()
             g = u
-        acc = g.clone() if res is None else res + g
+        # a residual of zeros (the tensor was sent whole) adds nothing: no pass over it
+        acc = g.clone() if res is None or name in self._zero else res + g
         self._pending.add(name)
         return acc
 
@@ -127,7 +131,11 @@ class ErrorFeedback:
         flat = acc.detach().reshape(-1)
         whole = consumed_indices is None
         if whole:
-            if sent_values is None:
+            old = self._residual.get(name)
+            if sent_values is None and name in self._zero and old is not None \
+                    and old.shape == acc.shape and old.dtype == flat.dtype:
+                residual = old.view(-1)  # still all zeros: nothing to write
+            elif sent_values is None:
                 residual = torch.zeros_like(flat)
             elif sent_values.numel() != flat.numel():
                 raise ValueError(f"{flat.numel()} consumed entries (all of {name!r}) but "
@@ -155,6 +163,10 @@ class ErrorFeedback:
             # else sent whole: the velocity carries on, as SGD's momentum buffer does
             self._velocity[name] = u
         self._residual[name] = residual.view_as(acc)
+        if whole and sent_values is None:
+            self._zero.add(name)
+        else:
+            self._zero.discard(name)
         self._pending.discard(name)
         return self._residual[name]
 
@@ -181,8 +193,10 @@ class ErrorFeedback:
         if name is None:
             self._pending.clear()
             self._pending_velocity.clear()
+            self._zero.clear()
         else:
             self.discard(name)
+            self._zero.discard(name)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -204,6 +218,7 @@ class ErrorFeedback:
             )
         self._residual = {k: v.clone() for k, v in state["residual"].items()}
         self._velocity = {k: v.clone() for k, v in state["velocity"].items()}
+        self._zero.clear()
         self._pending.clear()
         self._pending_velocity.clear()
 
