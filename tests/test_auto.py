@@ -321,6 +321,60 @@ def test_each_runner_up_is_measured_once():
     assert d.check(cfg, current, cost, None, 0, 1) is None and d.trial is None and d.probed
 
 
+def _rounds(d, cfg, candidate, incumbent, cand_steps, inc_steps):
+    """Drive a trial ``d`` just started (the candidate in use) through its rounds: round r's
+    candidate half windows measure ``cand_steps[r]`` (an iteration), the plan in use's closing
+    half window ``inc_steps[r]``. Returns the event kinds and the (plan, cost) in use."""
+    half = max(1, warmup.DRIFT_WINDOW // 2)
+    now = candidate
+    for c, i in zip(cand_steps, inc_steps):
+        for _ in range(warmup.TRIAL_WINDOWS):
+            for _ in range(half):
+                d.record(*_measured(candidate[0], candidate[1], 1.0), iteration_s=c)
+            got = d.check(cfg, *now, None, 0, 1)
+        now = got  # the plan in use, back for one half window
+        for _ in range(half):
+            d.record(*_measured(incumbent[0], incumbent[1], 1.0), iteration_s=i)
+        got = d.check(cfg, *now, None, 0, 1)
+        if d.trial is None:
+            return [e["kind"] for e in d.events], (got or now)
+        now = got  # too close: the candidate again
+    raise AssertionError("the trial did not end")
+
+
+def test_a_close_trial_goes_on_and_the_rounds_decide():
+    """Within TRIAL_CLOSE the trial repeats B-B-A (at most TRIAL_ROUNDS rounds); clear results
+    end it after one round; the decision is on the means over all rounds."""
+    cfg = Config(scheme="auto", density=0.01, bucket_mb=4)
+    cost = _cost(MID, AffineFit(1e-4, 1e-9))
+    plan = make_plan("auto", list(NUMEL), NUMEL, 0.01, cost, bucket_bytes=4 * MB)
+    assert auto.has_sparse(plan.buffers)
+    dense = _ddp_dense_plan(4 * MB)
+
+    def start(first_a):
+        d = warmup.Drift(probed=True)
+        d.trial = warmup._trial_of(plan, cost, first_a)
+        return d
+
+    # a dense candidate 4 % faster than the sparse plan in use (the margin makes it ~9 %):
+    # close, so all three rounds run; the dense one is kept
+    d = start(1.04)
+    kinds, (now, _) = _rounds(d, cfg, (dense, cost), (plan, cost), [1.0] * 3, [1.04] * 3)
+    assert kinds == ["trial_back", "trial_again"] * (warmup.TRIAL_ROUNDS - 1) + [
+        "trial_back", "trial"]
+    assert d.events[-1]["kept"] and not auto.has_sparse(now.buffers)
+    # clearly slower (30 %): one round
+    d = start(1.0)
+    kinds, (now, _) = _rounds(d, cfg, (dense, cost), (plan, cost), [1.3], [1.0])
+    assert kinds == ["trial_back", "trial"] and not d.events[-1]["kept"]
+    assert auto.has_sparse(now.buffers)
+    # a first round that looks like a win by 4 %, a second that shows a loss: the means decide
+    d = start(1.04)
+    kinds, (now, _) = _rounds(d, cfg, (dense, cost), (plan, cost), [1.0, 1.5], [1.04, 1.0])
+    assert kinds == ["trial_back", "trial_again", "trial_back", "trial"]
+    assert not d.events[-1]["kept"] and d.reference == pytest.approx((1.04 + 1.04 + 1.0) / 3)
+
+
 def test_leaving_a_sparse_plan_flushes_the_residuals_first():
     cost = _cost(SLOW, AffineFit(1e-4, 1e-9))
     sparse = make_plan("auto", list(NUMEL), NUMEL, 0.01, cost, bucket_bytes=4 * MB)
@@ -350,6 +404,7 @@ def _engine(rank: int, P: int) -> dict:
     # a fast watch, and every window counts as drift (no ratio lies in [2, 0.5]), so that the
     # re-plan runs in this short test, whatever the timing
     warmup.DRIFT_WINDOW, warmup.DRIFT_PATIENCE, warmup.DRIFT_THRESHOLD = 2, 1, -0.5
+    warmup.TRIAL_ROUNDS = 1  # real timings: a close trial would go on (tested on its own)
     out: dict = {}
     # density 1 against the plain all-reduce average (what DDP computes)
     model = build("mlp", seed=1)
@@ -449,15 +504,22 @@ def test_a_trial_in_progress_round_trips_and_malformed_trials_are_refused():
     cost = _cost(SLOW, AffineFit(1e-4, 1e-9))
     plan = make_plan("auto", list(NUMEL), NUMEL, 0.01, cost, bucket_bytes=4 * MB)
     dense = _ddp_dense_plan(4 * MB)
-    trial = {"plan": plan.to_dict(), "cost": cost.to_dict(), "step": 0.2, "measured": [0.1, 0.3],
+    trial = {"plan": plan.to_dict(), "cost": cost.to_dict(), "step": 0.2,
+             "measured": [0.1, 0.3, 0.2, 0.2], "incumbent": [0.21],
              "candidate": {"plan": dense.to_dict(), "cost": cost.to_dict()}}
     d = warmup.Drift(checks=4, probed=True, trial=trial)
     assert warmup.Drift.from_state_dict(d.state_dict()) == d
     # a checkpoint from one-window trials (plan, cost, step) resumes as a trial just started
     old = {**d.state_dict(), "trial": {k: trial[k] for k in ("plan", "cost", "step")}}
     assert warmup.Drift.from_state_dict(old).trial == {**old["trial"], "measured": [],
-                                                       "candidate": None}
-    bad = {"long": {**trial, "measured": [0.1] * (warmup.TRIAL_WINDOWS + 1)},
+                                                       "candidate": None, "incumbent": []}
+    # and one from single-round trials, in its first round
+    one = {k: v for k, v in trial.items() if k != "incumbent"}
+    assert warmup.Drift.from_state_dict({**d.state_dict(), "trial": one}).trial == {
+        **one, "incumbent": []}
+    most = warmup.TRIAL_WINDOWS * warmup.TRIAL_ROUNDS
+    bad = {"long": {**trial, "measured": [0.1] * (most + 1)},
+           "rounds": {**trial, "incumbent": [0.1] * warmup.TRIAL_ROUNDS},
            "nan": {**trial, "measured": [float("nan")]},
            "half_candidate": {**trial, "candidate": {"plan": dense.to_dict()}},
            "bad_candidate": {**trial, "candidate": {"plan": {}, "cost": cost.to_dict()}},

@@ -24,7 +24,8 @@ each of the planner's runners-up (DDP's dense plan, the best sparse plan, TopkA'
 buffer: those that differ from the choice) is put on trial against the plan in use, one after
 the other; a trial is A-B-B-A (the plan in use for a window, the runner-up for
 :data:`TRIAL_WINDOWS` half windows, the plan in use for one more), so a load that comes or goes
-meanwhile weighs on both; the measured faster one stays, a sparse one only if
+meanwhile weighs on both; a trial too close to call (within :data:`TRIAL_CLOSE`) repeats B-B-A,
+up to :data:`TRIAL_ROUNDS` rounds; the measured faster one stays, a sparse one only if
 ``auto.MARGIN`` faster. Afterwards, when the step is off the reference (the
 kept plan's measured step; the prediction before any measurement) by more than
 :data:`DRIFT_THRESHOLD` (either way) in :data:`DRIFT_PATIENCE` consecutive windows, rank 0
@@ -64,8 +65,9 @@ from gradsync.collectives.comm import Comm
 from gradsync.engine.config import Config
 from gradsync.schedule import BufferPlan, Plan, auto, costmodel, schemes
 
-__all__ = ["DRIFT_PATIENCE", "DRIFT_THRESHOLD", "DRIFT_WINDOW", "TRIAL_WINDOWS", "Drift", "Warmup",
-           "backward_profile", "final_plan", "link_costs", "provisional_plan"]
+__all__ = ["DRIFT_PATIENCE", "DRIFT_THRESHOLD", "DRIFT_WINDOW", "TRIAL_CLOSE", "TRIAL_ROUNDS",
+           "TRIAL_WINDOWS", "Drift", "Warmup", "backward_profile", "final_plan", "link_costs",
+           "provisional_plan"]
 
 DRIFT_THRESHOLD = 0.25  # |measured / predicted step − 1| beyond this (either way) is drift
 # steps per measurement (their median). 10, not 5: on a loaded 2-core machine single steps vary
@@ -79,6 +81,14 @@ DRIFT_PATIENCE = 2  # consecutive drifted windows before auto plans again
 # with one window each, a load that came between the two windows kept a sparse plan at 0.38x
 # DDP for the rest of a 300-step run on loopback).
 TRIAL_WINDOWS = 2
+# A close trial goes on: when the two plans' means are within TRIAL_CLOSE of each other (after
+# the margin), the candidate runs another TRIAL_WINDOWS half windows and the plan in use another
+# one (B-B-A again), up to TRIAL_ROUNDS rounds, and the means over all rounds decide. Half-window
+# medians vary by ±10-20 % on the 2-core machine (CNN, P = 4, 1 Gbit/s: the dense plan's trial
+# measured 55 and 60 ms in two runs while whole runs of DDP took 45 ms); a near tie costs
+# little whichever plan runs the extra rounds, a wrong pick costs the rest of the run.
+TRIAL_CLOSE = 0.10
+TRIAL_ROUNDS = 3
 
 # The planners whose buffers are sparsified as one fused vector (the others: per tensor).
 _FUSED_PLANNERS = ("single", "mgwfbp", "cupcake")
@@ -196,8 +206,9 @@ def _from_rank0(payload: list[Any], group: dist.ProcessGroup | None, P: int,
 
 
 # A trial in progress (Drift.trial): the plan in use before it, its model and window median,
-# the candidate's half-window medians, and the candidate once the plan in use is back.
-_TRIAL_KEYS = ("plan", "cost", "step", "measured", "candidate")
+# the candidate's half-window medians, the candidate once the plan in use is back, and the plan
+# in use's half-window medians of the rounds closed so far ("incumbent").
+_TRIAL_KEYS = ("plan", "cost", "step", "measured", "candidate", "incumbent")
 
 # The measured quantities of one step, in this order (see Drift): "step" from the first gradient
 # hook to the gradients written (what the cost model predicts), the four parts the model is
@@ -257,7 +268,9 @@ class Drift:
     2. a trial (A-B-B-A): the window just closed measured the plan in use (A); the candidate
        runs :data:`TRIAL_WINDOWS` half windows (B), then the plan in use one more (A). The
        candidate is kept if the mean of its medians is below the plan in use's (a sparse plan
-       by ``auto.MARGIN``); the kept plan's measured iteration is the new reference;
+       by ``auto.MARGIN``); when the two are within :data:`TRIAL_CLOSE`, B-B-A runs again (at
+       most :data:`TRIAL_ROUNDS` rounds) and the means over the rounds decide; the kept plan's
+       measured iteration is the new reference;
     3. otherwise the drift test against the reference (the prediction until a plan has been
        measured), and after :data:`DRIFT_PATIENCE` drifted windows a re-plan on the rescaled
        model: a different plan predicted ``auto.MARGIN`` faster goes on trial as in 2; else the
@@ -343,16 +356,24 @@ class Drift:
             try:
                 if isinstance(trial, dict) and set(trial) == {"plan", "cost", "step"}:
                     trial = {**trial, "measured": [], "candidate": None}  # one-window trials
+                if isinstance(trial, dict) and set(trial) == set(_TRIAL_KEYS) - {"incumbent"}:
+                    trial = {**trial, "incumbent": []}  # saved before close trials went on
                 if (not isinstance(trial, dict) or set(trial) != set(_TRIAL_KEYS)
                         or _time(trial["step"]) is None):
                     raise ValueError(f"needs the entries {sorted(_TRIAL_KEYS)} and a finite "
                                      "step")
                 Plan.from_dict(trial["plan"])
                 costmodel.CostModel.from_dict(trial["cost"])
+                most = TRIAL_WINDOWS * TRIAL_ROUNDS
                 if not (isinstance(trial["measured"], list)
-                        and len(trial["measured"]) <= TRIAL_WINDOWS
+                        and len(trial["measured"]) <= most
                         and all(_time(x) is not None for x in trial["measured"])):
-                    raise ValueError(f"measured must be at most {TRIAL_WINDOWS} finite times")
+                    raise ValueError(f"measured must be at most {most} finite times")
+                if not (isinstance(trial["incumbent"], list)
+                        and len(trial["incumbent"]) < TRIAL_ROUNDS
+                        and all(_time(x) is not None for x in trial["incumbent"])):
+                    raise ValueError(f"incumbent must be fewer than {TRIAL_ROUNDS} finite "
+                                     "times")
                 cand = trial["candidate"]
                 if cand is not None:
                     if not isinstance(cand, dict) or set(cand) != {"plan", "cost"}:
@@ -502,7 +523,7 @@ class Drift:
         t = self.trial
         if t["candidate"] is None:  # a B window of the candidate closed
             t["measured"].append(step)
-            if len(t["measured"]) < TRIAL_WINDOWS:
+            if len(t["measured"]) < TRIAL_WINDOWS * (len(t["incumbent"]) + 1):
                 return None
             # the plan in use (A) again for one half window; the candidate is remembered
             t["candidate"] = {"plan": plan.to_dict(), "cost": cost.to_dict()}
@@ -510,9 +531,17 @@ class Drift:
             self._event(back, kind="trial_back", measured=statistics.fmean(t["measured"]))
             return back, costmodel.CostModel.from_dict(t["cost"])
         cand = Plan.from_dict(t["candidate"]["plan"])
+        t["incumbent"].append(step)
         mine = statistics.fmean(t["measured"])
-        before = statistics.fmean([t["step"], step])  # its two A windows
-        keep = _effective(mine, cand) < _effective(before, plan)
+        before = statistics.fmean([t["step"], *t["incumbent"]])  # its A windows
+        b, a = _effective(mine, cand), _effective(before, plan)
+        if abs(b - a) < TRIAL_CLOSE * min(a, b) and len(t["incumbent"]) < TRIAL_ROUNDS:
+            # too close to call: the candidate again (B-B), then the plan in use (A)
+            again = t["candidate"]
+            t["candidate"] = None
+            self._event(cand, kind="trial_again", measured=mine, replaced_measured=before)
+            return Plan.from_dict(again["plan"]), costmodel.CostModel.from_dict(again["cost"])
+        keep = b < a
         self.reference = mine if keep else before
         self.trial = None
         if keep:  # a measured change: drift is worth answering promptly again
@@ -527,7 +556,7 @@ class Drift:
 def _trial_of(plan: Plan, cost: costmodel.CostModel, step: float) -> dict[str, Any]:
     """A trial against ``plan`` (in use until now; its window measured ``step``)."""
     return {"plan": plan.to_dict(), "cost": cost.to_dict(), "step": step, "measured": [],
-            "candidate": None}
+            "candidate": None, "incumbent": []}
 
 
 
