@@ -124,3 +124,39 @@ def test_train_flag() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--density-warmup", "4"])
     assert parse_args(["--scheme", "topka"]).warmup_schedule() == ((), 0)
+
+
+def _whole_rank(rank: int, P: int, scheme: str) -> dict:
+    """Profiling step 0, steps 1-2 at warm-up density 1, then 5 %: bytes sent per step."""
+    from gradsync.collectives.comm import ring_allreduce_bytes
+
+    pin_profiles(backward=True)
+    model = build("mlp", seed=2)
+    n_bytes = sum(p.numel() for p in model.parameters()) * 4
+    sync = GradSync(model, Config(scheme=scheme, density=0.05, sparsifier="topk",
+                                  warmup_steps=1, density_warmup=(1.0,),
+                                  density_warmup_steps=3, momentum=0.9), audit=True)
+    sent, conserved = [], True
+    for step in range(5):
+        model.zero_grad(set_to_none=True)
+        x, y = image_batch(rank, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        sync.synchronize()
+        sent.append(sync.stats()["last"]["bytes_sent"])
+        conserved &= conserved_records(sync.audit_log)
+    sync.close()
+    # plus the 8-byte all-reduce by which the ranks agree that no gradient was NaN/Inf
+    return {"sent": sent, "ring": ring_allreduce_bytes(n_bytes, P) + ring_allreduce_bytes(8, P),
+            "conserved": conserved}
+
+
+@pytest.mark.parametrize("scheme", ["topka", "oktopk", "ssfusion"])
+def test_warmup_at_density_one_is_a_dense_allreduce(scheme: str) -> None:
+    """At density 1 every entry travels: the warm-up step costs DDP's ring all-reduce bytes,
+    not an all-gather of every entry (P − 1 times the gradient from every rank)."""
+    for rank_out in run_distributed(_whole_rank, 3, scheme):
+        sent, ring = rank_out["sent"], rank_out["ring"]
+        assert rank_out["conserved"]
+        # steps 1, 2 at density 1: the ring all-reduce's bytes (to the ring's rounding, per job)
+        assert abs(sent[1] - ring) <= 8 and abs(sent[2] - ring) <= 8, (sent, ring)
+        assert max(sent[3:]) < ring / 4, (sent, ring)  # then 5 %: far fewer

@@ -85,9 +85,15 @@ class Job:
 def at_density(job: Job, density: float, target: float) -> Job:
     """``job`` during DGC's density warm-up (``Config.density_warmup``): every planned density
     scaled by ``density / target`` (capped at 1, so SSFusion's compensation keeps its shape) and
-    the collective's own selection at ``density``. Dense jobs are returned unchanged."""
+    the collective's own selection at ``density``. Dense jobs are returned unchanged. At
+    density 1 every entry travels: a dense all-reduce through error feedback (the all-reduce
+    part of a per-tensor job, every tensor excluded), DDP's bytes instead of an all-gather of
+    every entry from every rank (P/2 times as many; AdamW's warm-up, ``gradsync.optim``)."""
     if job.mode is Mode.DENSE or density == target:
         return job
+    if density >= 1.0:
+        return Job(job.names, Mode.PER_TENSOR, Transport.ALLREDUCE,
+                   densities=dict.fromkeys(job.names))
     f = density / target
     return replace(job, density=None if job.density is None else min(1.0, job.density * f),
                    densities={n: None if d is None else min(1.0, d * f)
