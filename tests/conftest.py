@@ -60,6 +60,19 @@ def density_one_error(model: nn.Module, sync, rank: int, P: int, steps: int = 4)
     return worst
 
 
+def ddp_reference_step(ref: nn.Module, opt: torch.optim.Optimizer, x: torch.Tensor,
+                       y: torch.Tensor, P: int) -> None:
+    """One step of what DDP computes, written without gradsync: cross-entropy, gradients
+    averaged with ``torch.distributed.all_reduce``, then ``opt``."""
+    ref.zero_grad(set_to_none=True)
+    nn.functional.cross_entropy(ref(x), y).backward()
+    for p in ref.parameters():
+        if P > 1:
+            torch.distributed.all_reduce(p.grad)
+        p.grad.div_(P)
+    opt.step()
+
+
 def image_batch(rank: int, step: int, n: int = 8) -> tuple[torch.Tensor, torch.Tensor]:
     """``n`` random 1×28×28 images and labels of 10 classes, different per rank and step."""
     g = torch.Generator().manual_seed(1000 * rank + step)

@@ -13,10 +13,9 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
-from conftest import image_batch, pin_profiles
+from conftest import ddp_reference_step, image_batch, pin_profiles
 from gradsync.apps.models import build
 from gradsync.engine import GradSync
 from gradsync.engine.config import Config
@@ -128,14 +127,8 @@ def _engine_adam(rank: int, P: int, scheme: str) -> dict[str, float]:
     worst, after = 0.0, 0.0
     for step in range(STEPS):
         x, y = image_batch(rank, step)
-        for m in (model, ref):
-            m.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(ref(x), y).backward()
-        for p in ref.parameters():
-            if P > 1:
-                dist.all_reduce(p.grad)
-            p.grad.div_(P)
-        ref_opt.step()
+        ddp_reference_step(ref, ref_opt, x, y, P)
+        model.zero_grad(set_to_none=True)
         nn.functional.cross_entropy(model(x), y).backward()
         sync.synchronize()
         opt.step()

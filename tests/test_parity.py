@@ -17,11 +17,10 @@ import copy
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
-from conftest import image_batch, pin_profiles
+from conftest import ddp_reference_step, image_batch, pin_profiles
 from gradsync import ddp as gddp
 from gradsync.apps.models import build
 from gradsync.engine import GradSync
@@ -60,14 +59,8 @@ def _train_pair(rank: int, P: int, sync_model: nn.Module, step_fn) -> float:
     ref_opt = torch.optim.SGD(ref.parameters(), lr=LR, momentum=M)
     for step in range(STEPS):
         x, y = image_batch(rank, step)
-        for model in (sync_model, ref):
-            model.zero_grad(set_to_none=True)
-        nn.functional.cross_entropy(ref(x), y).backward()
-        for p in ref.parameters():
-            if P > 1:
-                dist.all_reduce(p.grad)
-            p.grad.div_(P)
-        ref_opt.step()
+        ddp_reference_step(ref, ref_opt, x, y, P)
+        sync_model.zero_grad(set_to_none=True)
         step_fn(x, y)
         opt.step()
     worst = 0.0
