@@ -5,8 +5,8 @@ feedback: each rank keeps a velocity ``u_t = β1 · u_{t-1} + g_t``, compresses 
 optimizer applies the average of what was sent. Adam cannot simply follow: it divides every
 coordinate by the root of its second moment ``v``, so a coordinate whose accumulated gradient
 arrives once every hundred steps moves about as far as one dense step would, not a hundred —
-compressed AdamW runs behind (measured on TinyGPT at 1 % density: +46 % held-out perplexity
-after 200 steps, ``docs/results/convergence.md``).
+compressed AdamW runs behind (TinyGPT, 1 % density, P = 4, 200 steps, one seed: TopkA with
+AdamW reached held-out perplexity 15.71 against DDP's 10.74; with this optimizer 13.15).
 
 The recipe of 1-bit Adam (Tang et al., ICML 2021, §3): run exact Adam while gradients travel
 uncompressed for a short warm-up, then **freeze** ``v`` and compress the momentum with error
@@ -14,8 +14,8 @@ feedback; with ``v`` fixed the update is linear in the momentum, so error feedba
 (every entry is applied eventually) carries over to the parameters. :class:`FrozenVarianceAdamW`
 is the optimizer half of that recipe on top of DGC's momentum correction:
 
-* its ``.grad`` is the averaged velocity ``ū_t`` that :class:`gradsync.GradSync` (or the DDP
-  hook) writes with ``Config(momentum=β1)``;
+* its ``.grad`` is the averaged velocity ``ū_t`` that :class:`gradsync.GradSync` writes with
+  ``Config(momentum=β1)``;
 * warm-up, steps ``t ≤ freeze_step``: gradients must be sent whole (``Config.density_warmup =
   (1.0,)`` for those steps), so ``ū_t = β1 · ū_{t-1} + ḡ_t`` and the optimizer recovers
   ``ḡ_t = ū_t − β1 · ū_{t-1}`` and updates ``v`` exactly as AdamW does; the update equals
