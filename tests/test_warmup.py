@@ -160,3 +160,33 @@ def test_warmup_at_density_one_is_a_dense_allreduce(scheme: str) -> None:
         # steps 1, 2 at density 1: the ring all-reduce's bytes (to the ring's rounding, per job)
         assert abs(sent[1] - ring) <= 8 and abs(sent[2] - ring) <= 8, (sent, ring)
         assert max(sent[3:]) < ring / 4, (sent, ring)  # then 5 %: far fewer
+
+
+def _hook_whole_rank(rank: int, P: int, scheme: str) -> dict:
+    from gradsync.collectives.comm import ring_allreduce_bytes
+
+    model = build("mlp", seed=2)
+    wrapped = DDP(model)
+    state = gddp.register(wrapped, Config(scheme=scheme, density=0.05, sparsifier="topk",
+                                          density_warmup=(1.0,), density_warmup_steps=2,
+                                          momentum=0.9))
+    n_bytes = sum(p.numel() for p in model.parameters()) * 4
+    sent, prev = [], 0
+    for step in range(4):
+        wrapped.zero_grad(set_to_none=True)
+        x, y = image_batch(rank, step)
+        nn.functional.cross_entropy(wrapped(x), y).backward()
+        sent.append(state.total.bytes_sent - prev)
+        prev = state.total.bytes_sent
+    dist.barrier()
+    return {"sent": sent, "ring": ring_allreduce_bytes(n_bytes, P)}
+
+
+@pytest.mark.parametrize("scheme", ["per_tensor", "ssfusion"])
+def test_ddp_hook_warmup_at_density_one_is_a_dense_allreduce(scheme: str) -> None:
+    for rank_out in run_distributed(_hook_whole_rank, 3, scheme):
+        sent, ring = rank_out["sent"], rank_out["ring"]
+        # step 0 also carries the hook's one-time checks and link measurement; step 1 is a
+        # warm-up step at density 1: the ring all-reduce's bytes, to its rounding per bucket
+        assert abs(sent[1] - ring) <= 8, (sent, ring)
+        assert max(sent[2:]) < sent[1], (sent, ring)  # then 5 %: sparse again

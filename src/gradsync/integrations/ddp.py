@@ -277,8 +277,13 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         f = d_now / state.cfg.density
         densities = [None if d is None else min(1.0, d * f) for d in densities]
     accs, sparse_parts, dense_parts = {}, [], []
+    # a warm-up step at density 1 (DGC's, AdamW's in gradsync.optim): every entry travels, so
+    # the whole bucket goes through the all-reduce (DDP's bytes, not an all-gather of all of it)
+    whole = d_now >= 1.0 > state.cfg.density
+    if whole:
+        densities = [None] * len(densities)
     # SSFusion-I and auto: dense tensors in an all-reduce
-    to_allreduce = state.scheme.interleave or state.scheme.planner == "auto"
+    to_allreduce = whole or state.scheme.interleave or state.scheme.planner == "auto"
     for i, (name, d) in enumerate(zip(names, densities)):
         acc = state.ef.accumulate(name, buf[offsets[i]:offsets[i + 1]])
         accs[name] = acc
