@@ -131,10 +131,9 @@ class ErrorFeedback:
         flat = acc.detach().reshape(-1)
         whole = consumed_indices is None
         if whole:
-            old = self._residual.get(name)
-            if sent_values is None and name in self._zero and old is not None \
-                    and old.shape == acc.shape and old.dtype == flat.dtype:
-                residual = old.view(-1)  # still all zeros: nothing to write
+            if sent_values is None and name in self._zero:
+                # still all zeros (accumulate checked its shape and dtype): nothing to write
+                residual = self._residual[name].view(-1)
             elif sent_values is None:
                 residual = torch.zeros_like(flat)
             elif sent_values.numel() != flat.numel():

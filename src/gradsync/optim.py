@@ -105,7 +105,8 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
                     prev = state["prev_velocity"]
                     g = u - b1 * prev
                     v.mul_(b2).addcmul_(g, g, value=1 - b2)
-                    prev.copy_(u)
+                    if t < frozen_at:
+                        prev.copy_(u)
                 denom = (v / (1 - b2 ** min(t, frozen_at))).sqrt_().add_(group["eps"])
                 update = u.mul_((1 - b1) / (1 - b1 ** t)).div_(denom)
                 if t == frozen_at:  # the variance freezes (this step was still AdamW's)

@@ -537,10 +537,10 @@ class Drift:
         b, a = _effective(mine, cand), _effective(before, plan)
         if abs(b - a) < TRIAL_CLOSE * min(a, b) and len(t["incumbent"]) < TRIAL_ROUNDS:
             # too close to call: the candidate again (B-B), then the plan in use (A)
-            again = t["candidate"]
+            cand_cost = costmodel.CostModel.from_dict(t["candidate"]["cost"])
             t["candidate"] = None
             self._event(cand, kind="trial_again", measured=mine, replaced_measured=before)
-            return Plan.from_dict(again["plan"]), costmodel.CostModel.from_dict(again["cost"])
+            return cand, cand_cost
         keep = b < a
         self.reference = mine if keep else before
         self.trial = None

@@ -273,15 +273,15 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         return _done(state, comm.stats, buf, bucket.is_last())
     densities = _densities(state, numels, buf.element_size(), comm)
     d_now = state.cfg.density_at(state.steps)  # DGC's warm-up (Config.density_warmup)
-    if d_now != state.cfg.density:
-        f = d_now / state.cfg.density
-        densities = [None if d is None else min(1.0, d * f) for d in densities]
-    accs, sparse_parts, dense_parts = {}, [], []
     # a warm-up step at density 1 (DGC's, AdamW's in gradsync.optim): every entry travels, so
     # the whole bucket goes through the all-reduce (DDP's bytes, not an all-gather of all of it)
     whole = d_now >= 1.0 > state.cfg.density
     if whole:
         densities = [None] * len(densities)
+    elif d_now != state.cfg.density:
+        f = d_now / state.cfg.density
+        densities = [None if d is None else min(1.0, d * f) for d in densities]
+    accs, sparse_parts, dense_parts = {}, [], []
     # SSFusion-I and auto: dense tensors in an all-reduce
     to_allreduce = whole or state.scheme.interleave or state.scheme.planner == "auto"
     for i, (name, d) in enumerate(zip(names, densities)):
