@@ -79,12 +79,12 @@ def test_slow_link_sparsifies_the_large_buffers():
     t_dense = simulate(_ddp_dense_plan(4 * MB), cost).iteration
     assert plan.info["predicted"]["iteration"] < t_dense * (1 - auto.MARGIN)
     # the runners-up, measured by the engine however slow their prediction: DDP's dense plan
-    # and TopkA's (one fused buffer), in order of prediction
+    # first (the reference, though predicted slower here), then TopkA's (one fused buffer)
     one = Plan("x", [BufferPlan(tuple(TensorPlan(n, NUMEL[n], None) for n in NUMEL), "fused",
                                 0.01)])
-    runners = sorted([(t_dense, _ddp_dense_plan(4 * MB)), (simulate(one, cost).iteration, one)],
-                     key=lambda r: r[0])
-    assert info["alternatives"] == [[b.to_dict() for b in p.buffers] for _, p in runners]
+    assert simulate(one, cost).iteration < t_dense
+    assert info["alternatives"] == [[b.to_dict() for b in p.buffers]
+                                    for p in (_ddp_dense_plan(4 * MB), one)]
     # and no slower than sparsifying every Cupcake/DDP buffer fused
     for bucket in (4 * MB, 64 * MB):
         groups = fixed_buckets(list(NUMEL), NUMEL, 4, bucket)
@@ -297,7 +297,8 @@ def test_each_runner_up_is_measured_once():
     dense = _ddp_dense_plan(4 * MB)
     one = Plan("x", [BufferPlan(tuple(TensorPlan(n, NUMEL[n], None) for n in NUMEL), "fused",
                                 0.01)])
-    expect = sorted([dense, one], key=lambda p: simulate(p, cost).iteration)
+    expect = [dense, one]  # DDP's dense plan first, though predicted slower here
+    assert simulate(one, cost).iteration < simulate(dense, cost).iteration
     alts = plan.info["auto"]["alternatives"]
     assert alts == [[b.to_dict() for b in p.buffers] for p in expect]
     sparse_step = _measured(plan, cost, 1.0)[0]

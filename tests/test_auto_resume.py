@@ -1,7 +1,7 @@
 """``scheme="auto"`` resumes its drift watch (issue 13): checkpoints carry ``warmup.Drift``.
 
 Real gloo ranks at P = 2 and 3 train the MLP with ``auto`` for ``TOTAL`` steps, crossing several
-drift windows: the runners-up's probes (TopkA's one fused buffer, then DDP's dense plan), their
+drift windows: the runners-up's probes (DDP's dense plan, then TopkA's one fused buffer), their
 trials, two drifted windows and the re-plan they cause (each a plan change; those from sparse to
 dense through a flushing step). The same job is then
 interrupted at every step of ``SAVE_AT`` — right after a sparse → dense change (a trial in
@@ -49,7 +49,7 @@ SLOW = 8 / 100e6  # s/B: 100 Mbit/s
 WINDOW = 3  # steps per drift window here (the default is 10)
 WARMUP = 2
 TOTAL = 24  # steps 0..23: warm-up 0-1, windows of 3 steps (a trial's: 1 step), checks 0-12, a flush
-SAVE_AT = (11, 18)  # before 11: just after check 4 (dense probe, flush pending); 18: mid-window
+SAVE_AT = (5, 18)  # before 5: just after check 0 (dense probe, flush pending); 18: mid-window
 CFG = Config(scheme="auto", density=0.01, sparsifier="topk", warmup_steps=WARMUP,
              check_every=0, momentum=0.0)
 
@@ -220,10 +220,10 @@ def test_the_run_crosses_windows_and_the_save_points_hold_state(runs):
     assert all(b["mode"] == "dense" for b in out[0]["straight"]["plan"]["buffers"])
     assert drift["checks"] == CHECKS and drift["probed"]
     first, mid = (out[0]["saved"][m] for m in SAVE_AT)
-    # after check 4: the dense runner-up is on trial against the sparse plan, reached through
-    # a flushing step that has not run yet
-    assert first["checks"] == 5 and first["trial"] is not None and first["pending"] is not None
-    assert first["rows"] == [] and first["probed"]
+    # after check 0: the dense runner-up (probed first) is on trial against the sparse plan,
+    # reached through a flushing step that has not run yet
+    assert first["checks"] == 1 and first["trial"] is not None and first["pending"] is not None
+    assert first["rows"] == [] and not first["probed"]  # TopkA's buffer still to measure
     # mid-window: one drifted window counted, one row of the next recorded
     assert mid["strikes"] == 1 and len(mid["rows"]) == 1 and mid["reference"] is not None
 

@@ -351,6 +351,60 @@ def test_nonfinite_skip_step(scheme, bad_rank):
         assert res[4] == ("ok", True)
 
 
+def _mixed_nonfinite(rank, world_size, policy, bad_rank):
+    """A plan of a dense buffer and a sparse one; a NaN in the dense buffer's tensor on one rank."""
+    model = build("mlp", seed=1)
+    sync = GradSync(model, Config(scheme="topka", density=0.05, warmup_steps=1, nonfinite=policy))
+    names = list(reversed(sync.params))
+    dense = [n for n in names if n == "net.1.weight"]
+    sparse = [n for n in names if n not in dense]
+    plan = Plan("topka", [BufferPlan(tuple(TensorPlan(n, sync.params[n].numel(), None)
+                                           for n in sparse), "fused", 0.05),
+                          BufferPlan(tuple(TensorPlan(n, sync.params[n].numel(), None)
+                                           for n in dense), "dense")])
+    out = []
+    for step in range(4):
+        model.zero_grad()
+        x, y = batch("cnn", rank, step)
+        handle = None
+        if step == 2 and rank == bad_rank:
+            handle = model.net[1].weight.register_hook(
+                lambda g: g.index_put((torch.tensor([3]), torch.tensor([5])),
+                                      torch.tensor(float("inf"))))
+        model_loss(model, "cnn", x, y).backward()
+        if handle is not None:
+            handle.remove()
+        try:
+            out.append(("ok", sync.synchronize()))
+        except ValueError as e:
+            out.append(("raised", str(e)))
+        if step == 0:  # warm-up over: pin the mixed plan (a checkpoint carrying it)
+            st = sync.state_dict()
+            sync.load_state_dict({**st, "plan": plan.to_dict()})
+            assert [j.mode for j in sync._jobs] == [Mode.FUSED, Mode.DENSE]
+        if step == 2:
+            out.append(all(p.grad is None or bool(torch.isfinite(p.grad).all())
+                           for p in model.parameters()))
+    sync.close()
+    return out
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_a_nonfinite_gradient_in_a_dense_buffer_of_a_mixed_plan_is_caught(policy):
+    """Dense buffers carry the raw gradient (no per-tensor check); an Inf in one still stops
+    the step on every rank, names the tensor on its rank, and never reaches ``.grad``."""
+    out = run_distributed(_mixed_nonfinite, 3, policy, 1, timeout=300)
+    for rank, res in enumerate(out):
+        assert res[0] == ("ok", True) and res[1] == ("ok", True)
+        if policy == "raise":
+            assert res[2][0] == "raised"
+            assert ("net.1.weight" in res[2][1]) == (rank == 1), res[2][1]
+        else:
+            assert res[2] == ("ok", False)
+            assert res[3] is True  # skipped: gradients zeroed, nothing non-finite
+        assert res[-1] == ("ok", True)  # training goes on
+
+
 def _dense_messages(rank, world_size):
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme="dense_ovlp", warmup_steps=1))

@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from gradsync.engine.audit import AuditRecord, AuditSink, values_at
-from gradsync.engine.jobs import JobResult, Launched, Mode
+from gradsync.engine.jobs import JobResult, Launched, Mode, Transport
 from gradsync.engine.stats import StepStats
 from gradsync.feedback import ErrorFeedback
 
@@ -36,7 +36,10 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
         numel = params[n].numel()
         bounds.append((n, offset, offset + numel))
         offset += numel
-    avg = torch.div(result.dense, P)
+    # the sum of an all-reduce is this step's own buffer (prepare's concatenation or the
+    # all-reduce part's densified selection): divided in place; a collective's may be its own
+    avg = (result.dense.div_(P) if job.transport is Transport.ALLREDUCE
+           else torch.div(result.dense, P))
     kept = result.kept
     sent = result.sent_values is not None  # auditing
     if kept is not None:
@@ -53,8 +56,8 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
     for i, (n, lo, hi) in enumerate(bounds):
         p = params[n]
         g = avg[lo:hi].view_as(p).to(p.dtype)
-        if p.grad is None:
-            p.grad = g.clone()
+        if p.grad is None:  # a view of this step's averaged buffer: no copy
+            p.grad = g
         else:
             p.grad.copy_(g)
         stats.tensors += 1

@@ -186,11 +186,28 @@ class StepRun:
 
     ready: set[str] = field(default_factory=set)  # tensors whose gradient hook fired
     next_job: int = 0  # jobs before it are launched
+    # per job of the plan: how many of its tensors are not ready yet (set by the first hook),
+    # so a hook costs O(1), not a scan of the next job's names (O(tensors²) per step)
+    waiting: list[int] | None = None
     launched: list[Launched] = field(default_factory=list)
     hook_times: dict[str, float] = field(default_factory=dict)  # first hook per tensor
     first_hook: float = 0.0
     last_hook: float = 0.0
     inline_sparsify_s: float = 0.0
+
+    def mark_ready(self, name: str, job: int, sizes: Sequence[int]) -> None:
+        """Tensor ``name`` (of job index ``job``; ``sizes``: every job's tensor count) is
+        ready; a second hook of the same tensor in one step changes nothing."""
+        if name in self.ready:
+            return
+        self.ready.add(name)
+        if self.waiting is None:
+            self.waiting = list(sizes)
+        self.waiting[job] -= 1
+
+    def job_ready(self, job: int) -> bool:
+        """Whether every tensor of job index ``job`` is ready."""
+        return self.waiting is not None and self.waiting[job] == 0
 
     def hooked(self, name: str, now: float) -> None:
         self.first_hook = self.first_hook or now

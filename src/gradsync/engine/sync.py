@@ -199,12 +199,20 @@ class GradSync:
                 ) from e
         stats.wait_s = time.perf_counter() - t0
         bad_local = sorted({n for lj in run.launched for n in lj.nonfinite})
-        # a step of plain all-reduces needs no agreement: a rank's non-finite gradient travels
-        # as a NaN (prepare), so the sums every rank holds are non-finite alike
-        agreed = (None if not run.launched or any(lj.job.mode is not Mode.DENSE
-                                                  for lj in run.launched)
-                  else not all(all_finite(r.dense) for r in results))
-        ok = self._agree_finite(bad_local, stats, agreed)
+        # Plain all-reduces (Mode.DENSE) carry a rank's non-finite gradient as it is (prepare
+        # does not look at them), so their sums, alike on every rank, are non-finite then: one
+        # check of the sums instead of one per tensor. A step of only such jobs needs no
+        # agreement collective; in a mixed step it joins this rank's flag.
+        dense = [r.dense for lj, r in zip(run.launched, results) if lj.job.mode is Mode.DENSE]
+        dense_bad = not all(all_finite(d) for d in dense)
+        if dense_bad:  # rare: name this rank's culprits for the message
+            bad_local = sorted({*bad_local, *(n for lj in run.launched
+                                              if lj.job.mode is Mode.DENSE
+                                              for n in lj.job.names
+                                              if not all_finite(self._grad(n)))})
+        only_dense = bool(run.launched) and len(dense) == len(run.launched)
+        agreed = dense_bad if only_dense else None
+        ok = self._agree_finite(bad_local or dense_bad, stats, agreed, bad_local)
         if ok:
             for launched, res in zip(run.launched, results):
                 apply(launched, res, self.params, self.P, self.ef, stats, self.step,
@@ -397,6 +405,11 @@ class GradSync:
 
     def _set_plan(self, plan: Plan) -> None:
         self._jobs: list[Job] = plan_jobs(plan, self._parts.collective_name, list(self.params))
+        self._job_of = {n: i for i, j in enumerate(self._jobs) for n in j.names}
+        self._job_sizes = [len(j.names) for j in self._jobs]
+        run = getattr(self, "_run", None)
+        if run is not None and run.ready:  # a plan loaded between hooks: recount
+            run.waiting = [sum(n not in run.ready for n in j.names) for j in self._jobs]
         self.plan = plan
 
     def _hook(self, p: torch.Tensor) -> None:
@@ -410,7 +423,7 @@ class GradSync:
         if self._warmup.left > 0 or not self.plan.overlap:
             return  # profiling steps and non-overlapped plans launch in synchronize()
         with self._lock:
-            run.ready.add(name)
+            run.mark_ready(name, self._job_of[name], self._job_sizes)
             self._launch_ready(force=False)
 
     def _launch_ready(self, force: bool) -> None:
@@ -418,7 +431,7 @@ class GradSync:
         run = self._run
         while run.next_job < len(self._jobs):
             job = self._jobs[run.next_job]
-            if not force and any(n not in run.ready for n in job.names):
+            if not force and not run.job_ready(run.next_job):
                 return
             self._launch(job, run.next_job)
             run.next_job += 1
@@ -440,11 +453,12 @@ class GradSync:
         self._run.launched.append(Launched(job, index, prep.accs, prep.nonfinite, future,
                                            audit_accs))
 
-    def _agree_finite(self, bad_local: list[str], stats: StepStats,
-                      agreed: bool | None = None) -> bool:
-        """All ranks agree whether any gradient was non-finite (``agreed``: already known
-        alike on every rank, no collective), then apply the policy."""
-        flag = torch.tensor([1 if (bad_local if agreed is None else agreed) else 0],
+    def _agree_finite(self, bad: bool, stats: StepStats, agreed: bool | None,
+                      bad_local: list[str]) -> bool:
+        """All ranks agree whether any gradient was non-finite (``bad``: this rank saw one;
+        ``agreed``: already known alike on every rank, no collective), then apply the policy
+        (``bad_local``: this rank's non-finite tensors, for the message)."""
+        flag = torch.tensor([1 if (bad if agreed is None else agreed) else 0],
                             dtype=torch.int64)
         if self.P > 1 and agreed is None:
             comm = Comm(self.group)

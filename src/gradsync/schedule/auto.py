@@ -41,8 +41,12 @@ cannot make ``auto`` slower than the dense plan it would have run otherwise.
 **Measured, not only predicted** (the engine's, :mod:`gradsync.engine.warmup`): the decision
 record lists the runners-up (``alternatives``: of DDP's dense plan, the best sparse plan and
 TopkA's plan — the whole gradient as one fused buffer after the backward — those that differ
-from the choice, in order of prediction). The engine runs each once for a window against the
-plan in use and keeps the one measured faster, a sparse plan only by ``margin``. Every
+from the choice; DDP's dense plan first, the others in order of prediction). The engine runs
+each once for a window against the plan in use and keeps the one measured faster, a sparse
+plan only by ``margin``. The dense plan goes first because it is what the promise is measured
+against: where the model wrongly chose a sparse plan (it under-predicts them on a shared CPU),
+the first trial already returns to it, and the other sparse runners-up are then measured
+against it rather than against each other first. Every
 runner-up is measured, however much slower it is predicted: on a 2-core machine the model
 under-predicted sparse plans by up to 4× (docs/architecture.md, simulator validation), and
 measuring costs two windows per runner-up, once. When the measured step later drifts from the
@@ -135,7 +139,7 @@ def auto_buffers(names: list[str], numel: dict[str, int], cost: CostModel, densi
     label, choice, buffers, t_best = best
     # the runners-up the engine measures once each against the choice (warmup.Drift): of DDP's
     # dense plan, the best sparse plan and TopkA's plan (one fused buffer after the backward),
-    # those that differ from the choice, in order of prediction
+    # those that differ from the choice, DDP's first, then in order of prediction
     runners = [(t_dense, dense)]
     if any(o != "dense" for o in choice):
         runners.append((t_best, buffers))
@@ -146,7 +150,8 @@ def auto_buffers(names: list[str], numel: dict[str, int], cost: CostModel, densi
         label, choice, buffers, t_best = "ddp_buckets", ["dense"] * len(dense), dense, t_dense
     chosen = [b.to_dict() for b in buffers]
     alternatives: list[list[dict[str, Any]]] = []
-    for _, bufs in sorted(runners, key=lambda r: r[0]):
+    # DDP's dense plan first (the promise's reference), then the others by prediction
+    for _, bufs in [runners[0], *sorted(runners[1:], key=lambda r: r[0])]:
         d = [b.to_dict() for b in bufs]
         if d != chosen and d not in alternatives:
             alternatives.append(d)
