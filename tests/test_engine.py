@@ -405,6 +405,53 @@ def test_a_nonfinite_gradient_in_a_dense_buffer_of_a_mixed_plan_is_caught(policy
         assert res[-1] == ("ok", True)  # training goes on
 
 
+def _dense_momentum_nonfinite(rank, world_size, policy):
+    """dense_ovlp with DGC momentum: a NaN on rank 1 at step 2 rides in its velocity."""
+    model = build("mlp", seed=1)
+    sync = GradSync(model, Config(scheme="dense_ovlp", warmup_steps=1, momentum=0.9,
+                                  nonfinite=policy))
+    out = []
+    for step in range(4):
+        model.zero_grad()
+        x, y = batch("cnn", rank, step)
+        handle = None
+        if step == 2 and rank == 1:
+            handle = model.net[1].weight.register_hook(
+                lambda g: g.index_put((torch.tensor([0]), torch.tensor([1])),
+                                      torch.tensor(float("nan"))))
+        model_loss(model, "cnn", x, y).backward()
+        if handle is not None:
+            handle.remove()
+        before = sync.ef.state_dict()["velocity"]
+        try:
+            out.append(("ok", sync.synchronize()))
+        except ValueError as e:
+            out.append(("raised", str(e)))
+        after = sync.ef.state_dict()["velocity"]
+        if step == 2:
+            out.append(("velocity untouched", sorted(before) == sorted(after) and all(
+                torch.equal(before[n], after[n]) for n in before)))
+        assert all(bool(torch.isfinite(v).all()) for v in after.values())
+    sync.close()
+    return out
+
+
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_a_nonfinite_gradient_in_a_dense_buffer_with_momentum_leaves_the_velocity(policy):
+    """Dense buffers with momentum send the velocity unchecked; a NaN in it shows in the sum,
+    and the pending velocity is dropped on every rank (residual and velocity as before)."""
+    for rank, res in enumerate(run_distributed(_dense_momentum_nonfinite, 2, policy,
+                                               timeout=300)):
+        assert res[0] == res[1] == ("ok", True)
+        if policy == "raise":
+            assert res[2][0] == "raised"
+            assert ("net.1.weight" in res[2][1]) == (rank == 1), res[2][1]
+        else:
+            assert res[2] == ("ok", False)
+        assert res[3] == ("velocity untouched", True)
+        assert res[4] == ("ok", True)
+
+
 def _dense_messages(rank, world_size):
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme="dense_ovlp", warmup_steps=1))

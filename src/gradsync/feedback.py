@@ -106,8 +106,13 @@ class ErrorFeedback:
             u = g.clone() if u is None else (u * self.momentum).add_(g)  # SGD's rounding
             self._pending_velocity[name] = u  # committed by update(), dropped by discard()
             g = u
-        # a residual of zeros (the tensor was sent whole) adds nothing: no pass over it
-        acc = g.clone() if res is None or name in self._zero else res + g
+        # a residual of zeros (the tensor was sent whole) adds nothing: no pass over it. With
+        # momentum, acc is then the pending velocity itself (no copy): nothing writes to acc,
+        # and update() masks the velocity only after it has copied acc into the residual
+        if res is None or name in self._zero:
+            acc = g if self.momentum else g.clone()
+        else:
+            acc = res + g
         self._pending.add(name)
         return acc
 

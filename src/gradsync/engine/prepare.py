@@ -5,8 +5,9 @@ For every tensor of the job, as soon as the job's tensors are all ready:
 
 1. **Non-finite check.** A gradient holding NaN/Inf is replaced by zeros, so it never enters a
    residual; the ranks agree on the step's fate after the collectives (``Config.nonfinite``).
-   Dense jobs without momentum keep no residual and skip the check: the raw gradient travels,
-   and its NaN/Inf shows in the all-reduced sum on every rank, which the engine checks once.
+   Dense jobs skip the check: the gradient (or its velocity, still pending) travels as it is,
+   its NaN/Inf shows in the all-reduced sum on every rank, which the engine checks once, and a
+   skipped step discards the pending velocity.
 2. **Error feedback.** ``acc = residual + gradient`` (DGC's momentum correction when
    ``Config.momentum`` > 0), in the residual dtype (fp32 for 16-bit gradients by default);
    dense jobs skip it and send the raw gradient, unless ``Config.momentum`` > 0: then they send
@@ -58,10 +59,11 @@ class Prepared:
 def prepare(job: Job, index: int, grads: dict[str, torch.Tensor], ef: ErrorFeedback,
             sparsifier: Sparsifiers, offload: Offload, step: int) -> Prepared:
     """Steps 1–3 above for job ``index`` of the plan; ``grads`` are the flat gradients."""
-    # a plain all-reduce carries the raw gradient: a NaN/Inf shows in the sum on every rank
-    # (GradSync.synchronize checks the sums), so no per-tensor pass here
-    raw = job.mode is Mode.DENSE and not ef.momentum
-    nonfinite = [] if raw else [n for n in job.names if not all_finite(grads[n])]
+    # a plain all-reduce carries the gradient (or its velocity) as it is: a NaN/Inf shows in the
+    # sum on every rank (GradSync.synchronize checks the sums, and a pending velocity is then
+    # discarded), so no per-tensor pass here
+    dense = job.mode is Mode.DENSE
+    nonfinite = [] if dense else [n for n in job.names if not all_finite(grads[n])]
     accs: dict[str, torch.Tensor] = {}
     for n in job.names:
         g = grads[n]
@@ -72,7 +74,7 @@ def prepare(job: Job, index: int, grads: dict[str, torch.Tensor], ef: ErrorFeedb
             accs[n] = torch.zeros_like(g)
             if job.mode is Mode.DENSE:
                 accs[n].view(-1)[:1] = float("nan")
-        elif raw:
+        elif dense and not ef.momentum:
             accs[n] = g
         else:  # dense jobs with momentum keep a velocity (feedback.py: sent whole)
             accs[n] = ef.accumulate(n, g, check=False)  # checked just above
