@@ -20,7 +20,7 @@ def test_bench_schemes_smoke(tmp_path, capsys):
                      "--out", str(tmp_path)])
     assert rc == 0
     out = capsys.readouterr().out
-    assert all(n in out for n in names) and "exposed ms" in out
+    assert all(n in out for n in names) and "exposed ms" in out and "cpu ms" in out
     data = json.loads((tmp_path / "schemes.json").read_text())
     assert (tmp_path / "schemes.png").stat().st_size > 1000
     rows = {r["scheme"]: r for r in data["rows"]}
@@ -36,6 +36,7 @@ def test_bench_schemes_smoke(tmp_path, capsys):
         assert r["measured_steps"] == steps - 2  # --quick: warm-up 1, so steps 0-1 excluded
         assert r["samples_per_s"] > 0 and r["step_ms"] > 0 and r["backward_ms"] >= 0
         assert r["comm_ms"] >= 0 and r["exposed_ms"] >= 0 and 0 <= r["missing_rate"] <= 1
+        assert 0 < r["cpu_ms"] < math.inf  # the busiest rank's process CPU per step
         assert math.isfinite(r["final_loss"])
         assert r["samples_per_s"] == pytest.approx(P * 8 / (r["step_ms"] / 1e3))
     assert [run["scheme"] for run in data["meta"]["runs"]] == names

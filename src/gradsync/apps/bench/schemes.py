@@ -8,8 +8,10 @@ Trains a few dozen steps per scheme on real gloo ranks (the workers of
 ``python -m gradsync train``: same seed, same data shards, same initial model for every scheme)
 and reports, per scheme, the SSFusion Fig. 13 breakdown — backward, sparsification,
 communication and *exposed* communication (what the step waited for) — beside throughput
-(global samples/s, median after warm-up), bytes each rank sends per step (counted at the
-torch.distributed call) and the tensor missing rate (SSFusion Table I). PyTorch's own DDP
+(global samples/s, median after warm-up), the process CPU time of a step (``cpu ms``: the
+busiest rank's, every thread; with more ranks than cores it sets the step time), bytes each
+rank sends per step (counted at the torch.distributed call) and the tensor missing rate
+(SSFusion Table I). PyTorch's own DDP
 all-reduce (``ddp``) and its PowerSGD hook (``ddp_powersgd``) run as peers in the same job, so
 the speed-ups are same-run ratios. See :mod:`gradsync.apps.train` for how each time is measured for
 the DDP peers (from their comm-hook timestamps) and for the engine (``GradSync.stats()``).
@@ -244,7 +246,8 @@ def main(argv: list[str] | None = None) -> int:
                 "speedup_vs_ddp": s["speedup_vs_ddp"], "step_ms": 1e3 * s["step_s"],
                 "backward_ms": 1e3 * s["backward_s"], "sparsify_ms": 1e3 * s["sparsify_s"],
                 "comm_ms": 1e3 * s["comm_s"], "exposed_ms": 1e3 * s["wait_s"],
-                "bytes_per_step": s["bytes_per_step"], "missing_rate": s["missing_rate"],
+                "cpu_ms": 1e3 * s["cpu_s"], "bytes_per_step": s["bytes_per_step"],
+                "missing_rate": s["missing_rate"],
                 "final_loss": s["final_loss"], "measured_steps": s["measured_steps"],
                 "probing_steps": s["probing_steps"],
                 "settled_samples_per_s": s["settled_samples_per_s"],
@@ -252,11 +255,12 @@ def main(argv: list[str] | None = None) -> int:
         title = (f"bench schemes — {spec.model}, P={spec.world_size}, {link['link']}, "
                  f"density {spec.density}, {spec.steps} steps")
         cols = ["scheme", "samples/s", "vs ddp", "step ms", "backward ms", "sparsify ms",
-                "comm ms", "exposed ms", "MB/step", "missing %", "final loss"]
+                "comm ms", "exposed ms", "cpu ms", "MB/step", "missing %", "final loss"]
         print_table(title, cols, [[
             r["scheme"], r["samples_per_s"], _ratio(r["speedup_vs_ddp"]),
             r["step_ms"], r["backward_ms"], r["sparsify_ms"], r["comm_ms"], r["exposed_ms"],
-            r["bytes_per_step"] / 1e6, 100 * r["missing_rate"], r["final_loss"]] for r in mine])
+            r["cpu_ms"], r["bytes_per_step"] / 1e6, 100 * r["missing_rate"], r["final_loss"]]
+            for r in mine])
         rows += mine
     wall = time.perf_counter() - t0
     cross = crossover(rows, links)

@@ -72,12 +72,12 @@ included), bytes and the missing rate are recorded; the other three are NaN.
                       shaped, bandwidth_bps, propagation_delay},
       "runs": [{
         "scheme": str, "task": "image" | "causal_lm" | "masked_lm",
-        "steps": [{"step", "loss", "time_s", "elapsed_s", "samples_per_s", "bytes_sent",
+        "steps": [{"step", "loss", "time_s", "cpu_s", "elapsed_s", "samples_per_s", "bytes_sent",
                    "bytes_recv", "backward_s", "sparsify_s", "comm_s", "wait_s",
                    "missing_rate", "warmup", "probing" (auto)}, …],  # rank 0's records
         "bytes_sent_per_rank": [[per-step bytes of rank r] for r in ranks],
         "summary": {"scheme", "measured_steps", "samples_per_s", "step_s", "backward_s",
-                    "sparsify_s", "comm_s", "wait_s", "bytes_per_step", "mb_per_step",
+                    "sparsify_s", "comm_s", "wait_s", "cpu_s", "bytes_per_step", "mb_per_step",
                     "missing_rate", "final_loss", "speedup_vs_ddp" (null without ddp),
                     "probing_steps", "settled_samples_per_s" (auto: measured steps up to its
                     last runner-up trial, and the median samples/s after them),
@@ -87,9 +87,11 @@ included), bytes and the missing rate are recorded; the other three are NaN.
     }
 
 ``samples_per_s`` is global (all ranks) and, like the times, the median over the steps after
-the ``warmup_steps + 1`` first ones; ``bytes_per_step`` is the mean over ranks and measured
-steps; ``final_loss`` the mean over ranks of the last step's loss; test accuracy is measured
-on rank 0 on the first ``eval_batches × batch_size`` images of the real test split.
+the ``warmup_steps + 1`` first ones; ``cpu_s`` is a step's process CPU time (every thread of
+the rank: training, communication, gloo), the busiest rank's per step, then the median — with
+more ranks than cores it is what sets the step time; ``bytes_per_step`` is the mean over ranks
+and measured steps; ``final_loss`` the mean over ranks of the last step's loss; test accuracy is
+measured on rank 0 on the first ``eval_batches × batch_size`` images of the real test split.
 
 Programmatic use (what ``demo`` and ``bench schemes`` do)::
 

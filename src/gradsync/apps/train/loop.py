@@ -55,7 +55,7 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                 xb, yb = data.next()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 opt.zero_grad(set_to_none=True)
                 loss = models.loss(runner.net(xb), yb)
                 runner.before_backward()
@@ -67,8 +67,9 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
+                cpu = time.process_time() - c0  # every thread of this rank's process
                 elapsed += dt
-                rec = {"step": step, "loss": float(loss.detach()), "time_s": dt,
+                rec = {"step": step, "loss": float(loss.detach()), "time_s": dt, "cpu_s": cpu,
                        "elapsed_s": elapsed, "samples_per_s": P * spec.batch_size / dt,
                        "warmup": step <= spec.warmup_steps, "probing": False,  # auto: engine's
                        **runner.step_metrics(tb, tw)}

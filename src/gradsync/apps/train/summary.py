@@ -53,6 +53,10 @@ def summarize(results: list[dict], warmup_steps: int) -> list[dict]:
              "step_s": _median([x["time_s"] for x in meas])}
         for k in ("backward_s", "sparsify_s", "comm_s", "wait_s"):
             s[k] = _median([x[k] for x in meas])
+        # process CPU of a step (all threads), the busiest rank's: with more ranks than cores
+        # it, not the link, sets the step time
+        s["cpu_s"] = _median([max(rr[j].get("cpu_s", math.nan) for rr in per_rank)
+                              for j in range(skip, min(len(rr) for rr in per_rank))])
         s["bytes_per_step"] = bytes_per_step
         s["mb_per_step"] = bytes_per_step / 1e6
         s["missing_rate"] = statistics.fmean([x["missing_rate"] for x in meas]) if meas else 0.0
