@@ -549,3 +549,41 @@ def test_trials_compare_whole_iterations_not_the_backward_part():
     assert not kept
     assert [b.to_dict() for b in current.buffers] == [b.to_dict() for b in plan.buffers]
     assert d.reference == pytest.approx(2 * row[0])
+
+
+def _call_cost(rank: int, P: int, call_s: float) -> dict:
+    """auto's first plan on the MLP over a pinned 100 Mbit/s link, with a sparse collective
+    that costs ``call_s`` per call (the warm-up's probe pinned to it)."""
+    _slow_link()
+    seen = []
+
+    def probe(collective, group=None, **kw):
+        seen.append(type(collective).__name__)
+        return call_s
+
+    costmodel.profile_sparse_call = probe
+    model = build("mlp", seed=1)
+    sync = GradSync(model, Config(scheme="auto", density=0.01, warmup_steps=2))
+    for step in range(3):
+        model.zero_grad()
+        x, y = image_batch(rank, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        sync.synchronize()
+    out = {"alpha": sync.cost.allgather.alpha, "info": dict(sync.cost.info), "seen": seen,
+           "sparse": auto.has_sparse(sync.plan.buffers)}
+    sync.close()
+    return out
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_a_sparse_collectives_cost_per_call_enters_autos_model(P):
+    """The warm-up times one call of the scheme's collective and prices it per all-gather:
+    free calls leave the slow link's choice sparse; a call dearer than the dense all-reduce
+    makes auto keep DDP's dense buckets."""
+    free = run_distributed(_call_cost, P, 0.0, timeout=300)
+    dear = run_distributed(_call_cost, P, 5.0, timeout=300)
+    for f, d in zip(free, dear):
+        assert f["seen"] == d["seen"] == ["TopkA"]  # a fresh instance of auto's collective
+        assert f["alpha"] == 5e-5 and f["sparse"]
+        assert d["info"]["sparse_call_s"] == 5.0
+        assert (P - 1) * d["alpha"] == pytest.approx(5.0) and not d["sparse"]

@@ -19,7 +19,9 @@ from gradsync.schedule.costmodel import (
     missing_rate,
     profile_backward,
     profile_collectives,
+    profile_sparse_call,
     profile_sparsifier,
+    with_call_cost,
 )
 from gradsync.sparsify import get as get_sparsifier
 from gradsync.testing import run_distributed
@@ -160,6 +162,53 @@ def test_profile_collectives_agree_across_ranks():
     (ar0, ag0), (ar1, ag1) = run_distributed(_collectives, 2, timeout=120)
     assert ar0 == ar1 and ag0 == ag1  # max over ranks: everyone plans with the same numbers
     assert ar0.alpha + ar0.beta > 0 and ag0.alpha + ag0.beta > 0
+
+
+class _Slow:
+    """A sparse collective that takes 20 ms per call on top of TopkA (a known fixed cost)."""
+
+    def __init__(self):
+        from gradsync import collectives
+
+        self.inner, self.calls = collectives.get("topka"), 0
+
+    def __call__(self, sel, group=None, step=0):
+        import time
+
+        self.calls += 1
+        time.sleep(0.02)
+        return self.inner(sel, group=group, step=step)
+
+
+def _sparse_call(rank, world_size):
+    from gradsync.collectives.comm import Comm
+
+    comm, coll = Comm(None), _Slow()
+    t = profile_sparse_call(coll, repeats=3, comm=comm)
+    return t, coll.calls, comm.stats.bytes_sent
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_profile_sparse_call_times_one_call_alike_on_every_rank(P):
+    assert profile_sparse_call(_Slow(), repeats=1) == 0.0  # one rank: nothing to time
+    out = run_distributed(_sparse_call, P, timeout=120)
+    assert len({t for t, _, _ in out}) == 1  # max over ranks: one number everywhere
+    for t, calls, sent in out:
+        assert 0.02 <= t < 0.5 and calls == 4  # a warm-up and three timed calls
+        assert sent > 0  # the probes' bytes are counted in the caller's Comm
+
+
+def test_with_call_cost_prices_the_call_once_per_all_gather():
+    ag = AlphaBeta(1e-4, 1e-9)
+    for P in (2, 4, 8):
+        got = with_call_cost(ag, 5e-3, P)
+        assert got.beta == ag.beta
+        # a tiny all-gather now costs the measured call: (P - 1)·α′ = 5 ms
+        assert (P - 1) * got.alpha == pytest.approx(5e-3)
+    assert with_call_cost(ag, 1e-5, 4) == ag  # cheaper than the raw α: unchanged
+    assert with_call_cost(ag, 5e-3, 1) == ag
+    with pytest.raises(ValueError, match="call_s"):
+        with_call_cost(ag, float("nan"), 4)
 
 
 def test_profile_command_writes_a_cost_model(tmp_path, capsys):

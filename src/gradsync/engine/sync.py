@@ -240,7 +240,8 @@ class GradSync:
                     self.cfg, self._warmup.samples, list(self.params), self._numel,
                     next(iter(self.params.values())).element_size(),
                     self._parts.sparsifier_name, self.group, self.rank, self.P,
-                    device=next(iter(self.params.values())).device, comm=comm)
+                    device=next(iter(self.params.values())).device, comm=comm,
+                    new_collective=self._parts.new_collective)
                 self.last.add_traffic(comm.stats)  # profiling and the plan: this step's bytes
                 self.total.add_traffic(comm.stats)
                 self._set_plan(plan)

@@ -45,6 +45,7 @@ reference, a trial in progress, the events and a pending post-flush plan — is 
 on exactly as an uninterrupted one; a checkpoint without it resumes with a fresh watch.
 
 The measurements are looked up at call time — ``costmodel.profile_collectives``,
+``costmodel.profile_sparse_call``,
 ``costmodel.profile_sparsifier`` and this module's ``backward_profile`` — so a test can pin them.
 """
 
@@ -53,7 +54,7 @@ from __future__ import annotations
 import copy
 import math
 import statistics
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from typing import Any
 
@@ -166,20 +167,33 @@ def provisional_plan(cfg: Config, order: list[str], numel: dict[str, int]) -> Pl
 def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str],
                numel: dict[str, int], elem_bytes: int, sparsifier: str,
                group: dist.ProcessGroup | None, rank: int, P: int, device=None,
-               comm: Comm | None = None) -> tuple[Plan, costmodel.CostModel | None]:
+               comm: Comm | None = None,
+               new_collective: Callable[[], Any] | None = None,
+               ) -> tuple[Plan, costmodel.CostModel | None]:
     """After the profiling steps: cost model → plan on rank 0 → broadcast (every rank calls).
     The collectives' probes and the plan's broadcast go through ``comm``, which counts them.
 
     ``samples``: the hook timestamps of the profiling steps; ``names``, ``numel``,
     ``elem_bytes``: the synchronized tensors (registration order); ``sparsifier``: the name of
     the engine's sparsifier, whose cost is profiled on ``device`` (the parameters'; None: CPU),
-    where the job's collectives are profiled too.
+    where the job's collectives are profiled too. ``auto`` also times one call of a fresh
+    instance of the scheme's sparse collective (``new_collective``;
+    ``costmodel.profile_sparse_call``) and adds that fixed cost per call to the all-gather's α
+    (``costmodel.with_call_cost``): without it the model priced a sparse buffer as a raw
+    all-gather and chose multi-buffer sparse plans that ran 1.5–2× slower than DDP's dense
+    buckets on loopback (CNN, P = 4), until the trials replaced them.
     """
     order, backward = backward_profile(samples, list(names))
-    needs = schemes.get(cfg.scheme).needs_cost_model
+    spec = schemes.get(cfg.scheme)
+    needs = spec.needs_cost_model
     payload: list[Any] = [None]
+    call_s = None
     if needs:
         ar, ag = costmodel.profile_collectives(group, device=device, comm=comm)
+        if spec.planner == "auto" and new_collective is not None and P > 1:
+            call_s = costmodel.profile_sparse_call(new_collective(), group, device=device,
+                                                   comm=comm)
+            ag = costmodel.with_call_cost(ag, call_s, P)
     if rank == 0:
         cost = None
         if needs:
@@ -189,7 +203,8 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
             cost = costmodel.CostModel(
                 P=P, order=order, numel=dict(numel), elem_bytes=elem_bytes,
                 backward=backward, sparsify=inline, offload=offload,
-                allreduce=ar, allgather=ag)
+                allreduce=ar, allgather=ag,
+                info={} if call_s is None else {"sparse_call_s": call_s})
         plan = schedule.make_plan(cfg.scheme, order, numel, cfg.density, cost, **_plan_kw(cfg))
         payload = [{"plan": plan.to_dict(), "cost": cost.to_dict() if cost else None}]
     return _from_rank0(payload, group, P, comm)

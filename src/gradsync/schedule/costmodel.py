@@ -40,7 +40,9 @@ __all__ = [
     "profile_backward",
     "profile_collectives",
     "profile_compute",
+    "profile_sparse_call",
     "profile_sparsifier",
+    "with_call_cost",
 ]
 
 INDEX_BYTES = 4  # a sparse entry travels as an int32 index + one value (numel < 2**31)
@@ -415,6 +417,63 @@ def profile_collectives(
     nb = [max(1, s // 4) * 4 for s in sizes]
     return (fit_alpha_beta("allreduce", comm.size, nb, t[: len(sizes)]),
             fit_alpha_beta("allgather", comm.size, nb, t[len(sizes):]))
+
+
+def profile_sparse_call(collective: Callable[..., Any], group=None, repeats: int = 5,
+                        numel: int = 1024, device=None, comm=None) -> float:
+    """Wall time of one call of the sparse ``collective`` on a selection of one entry per
+    rank: its fixed cost per call — control collectives (counts, shapes), encoding, decoding,
+    the merge's start-up and Python — which a raw all-gather's α does not contain (on 2 CPU
+    cores, 3–7 ms per TopkA call at P = 4 against α ≈ 0.1 ms; docs/architecture.md).
+
+    Every rank must call it. The median over ``repeats`` (after one warm-up), each call after
+    a barrier, max-reduced over ranks, so every rank returns the same number. The calls'
+    traffic is added to ``comm``'s counters (by default a fresh
+    :class:`~gradsync.collectives.comm.Comm` of ``group``). ``collective`` is called as
+    ``collective(selection, group=group, step=0)``; give it a fresh instance (stateful
+    collectives keep what they see).
+    """
+    import torch
+    import torch.distributed as dist
+
+    from gradsync.collectives.comm import Comm
+    from gradsync.sparsegrad import SparseGrad
+
+    if repeats < 1:
+        raise ValueError(f"repeats must be >= 1, got {repeats}")
+    comm = comm if comm is not None else Comm(group)
+    if comm.size == 1:
+        return 0.0
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    sel = SparseGrad(torch.tensor([comm.rank % numel], device=dev),
+                     torch.ones(1, device=dev), numel)
+
+    def once() -> None:
+        res = collective(sel, group=group, step=0)
+        comm.stats += res.stats
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+
+    once()  # warm-up
+    ts = []
+    for _ in range(repeats):
+        comm.barrier()
+        t0 = time.perf_counter()
+        once()
+        ts.append(time.perf_counter() - t0)
+    t = torch.tensor([statistics.median(ts)], dtype=torch.float64, device=dev)
+    comm.all_reduce(t, op=dist.ReduceOp.MAX)
+    return float(t.item())
+
+
+def with_call_cost(allgather: AlphaBeta, call_s: float, P: int) -> AlphaBeta:
+    """``allgather`` (Eq. 3's α, β) with a sparse collective's measured cost per call: the part
+    of ``call_s`` above the (P − 1)·α a tiny all-gather already costs, spread over its P − 1
+    messages, so T_AG = (P − 1)·α′ + (P − 1)·bytes·β prices it once per buffer."""
+    if P <= 1:
+        return allgather
+    extra = max(0.0, _finite(call_s, "call_s") - (P - 1) * allgather.alpha)
+    return AlphaBeta(allgather.alpha + extra / (P - 1), allgather.beta)
 
 
 def _heavy_tailed(n: int, seed: int, device) -> Any:
