@@ -110,8 +110,9 @@ def sharded_gpt(**kwargs) -> nn.Module:
 
 def pin_profiles(backward: bool = True) -> None:
     """Replace the engine's timing measurements in this process by fixed fits (α/β, inline and
-    offloaded sparsification, no extra cost per sparse call) and, with ``backward``, fixed per-tensor backward times (the
-    backward *order* is still observed), so cost-model plans are the same on every run."""
+    offloaded sparsification, no extra cost per sparse call) and, with ``backward``, fixed
+    per-tensor backward times (the backward *order* is still observed), so cost-model plans
+    are the same on every run."""
     costmodel.profile_collectives = lambda group=None, **kw: (
         costmodel.AlphaBeta(5e-5, 1e-9), costmodel.AlphaBeta(5e-5, 2e-9))
     costmodel.profile_sparsifier = lambda sp, offload=False, **kw: (
