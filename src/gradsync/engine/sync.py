@@ -167,7 +167,9 @@ class GradSync:
             self._no_sync = prev
 
     def synchronize(self) -> bool:
-        """Finish the step's synchronization and write averaged gradients into ``.grad``.
+        """Finish the step's synchronization and write averaged gradients into ``.grad``
+        (copied into an existing ``.grad``; where it is ``None`` — ``zero_grad()``'s default —
+        a view of this step's averaged buffer, new every step, so no copy is made).
 
         Returns ``True``, or ``False`` when ``Config.nonfinite == "skip_step"`` and some rank
         had a NaN/Inf gradient (then every rank's gradients are zeroed and residuals are left
