@@ -351,6 +351,18 @@ def test_nonfinite_skip_step(scheme, bad_rank):
         assert res[4] == ("ok", True)
 
 
+def _poisoned_backward(model, rank: int, step: int, poison: bool, value: float) -> None:
+    """One backward of the MLP on this rank's batch; with ``poison``, ``value`` (NaN/Inf)
+    appears in net.1.weight's gradient during the backward, as in real life."""
+    x, y = batch("cnn", rank, step)
+    handle = model.net[1].weight.register_hook(
+        lambda g: g.index_put((torch.tensor([3]), torch.tensor([5])), torch.tensor(value))
+    ) if poison else None
+    model_loss(model, "cnn", x, y).backward()
+    if handle is not None:
+        handle.remove()
+
+
 def _mixed_nonfinite(rank, world_size, policy, bad_rank):
     """A plan of a dense buffer and a sparse one; a NaN in the dense buffer's tensor on one rank."""
     model = build("mlp", seed=1)
@@ -365,15 +377,7 @@ def _mixed_nonfinite(rank, world_size, policy, bad_rank):
     out = []
     for step in range(4):
         model.zero_grad()
-        x, y = batch("cnn", rank, step)
-        handle = None
-        if step == 2 and rank == bad_rank:
-            handle = model.net[1].weight.register_hook(
-                lambda g: g.index_put((torch.tensor([3]), torch.tensor([5])),
-                                      torch.tensor(float("inf"))))
-        model_loss(model, "cnn", x, y).backward()
-        if handle is not None:
-            handle.remove()
+        _poisoned_backward(model, rank, step, step == 2 and rank == bad_rank, float("inf"))
         try:
             out.append(("ok", sync.synchronize()))
         except ValueError as e:
@@ -413,15 +417,7 @@ def _dense_momentum_nonfinite(rank, world_size, policy):
     out = []
     for step in range(4):
         model.zero_grad()
-        x, y = batch("cnn", rank, step)
-        handle = None
-        if step == 2 and rank == 1:
-            handle = model.net[1].weight.register_hook(
-                lambda g: g.index_put((torch.tensor([0]), torch.tensor([1])),
-                                      torch.tensor(float("nan"))))
-        model_loss(model, "cnn", x, y).backward()
-        if handle is not None:
-            handle.remove()
+        _poisoned_backward(model, rank, step, step == 2 and rank == 1, float("nan"))
         before = sync.ef.state_dict()["velocity"]
         try:
             out.append(("ok", sync.synchronize()))
