@@ -214,7 +214,7 @@ class GradSync:
                                               if not all_finite(self._grad(n)))})
         only_dense = bool(run.launched) and len(dense) == len(run.launched)
         agreed = dense_bad if only_dense else None
-        ok = self._agree_finite(bad_local or dense_bad, stats, agreed, bad_local)
+        ok = self._agree_finite(bool(bad_local) or dense_bad, stats, agreed, bad_local)
         if ok:
             for launched, res in zip(run.launched, results):
                 apply(launched, res, self.params, self.P, self.ef, stats, self.step,
