@@ -55,19 +55,31 @@ def _engine_rank(rank: int, P: int, scheme: str) -> dict:
     cfg = Config(scheme=scheme, density=0.05, sparsifier="topk", warmup_steps=2,
                  density_warmup=WARM, density_warmup_steps=2, local_tau_prime=0)
     sync = GradSync(model, cfg, audit=True)
-    sent, conserved = [], True
-    for step in range(6):
+    sent, conserved = _audited_steps(
+        model, sync, rank, 6, lambda: sum(r.sent_indices.numel() for r in sync.audit_log),
+        lr=0.05)
+    return {"n": n, "sent": sent, "conserved": conserved}
+
+
+def _audited_steps(model, sync, rank: int, steps: int, measure, lr: float = 0.0
+                   ) -> tuple[list, bool]:
+    """``steps`` training steps of ``model`` through ``sync`` (SGD at ``lr`` when > 0):
+    ``measure()`` after each, and whether every audit record conserved its gradient. Closes
+    ``sync``."""
+    out, conserved = [], True
+    for step in range(steps):
         model.zero_grad(set_to_none=True)
         x, y = image_batch(rank, step)
         nn.functional.cross_entropy(model(x), y).backward()
         sync.synchronize()
-        sent.append(sum(r.sent_indices.numel() for r in sync.audit_log))
+        out.append(measure())
         conserved &= conserved_records(sync.audit_log)
-        with torch.no_grad():
-            for p in model.parameters():
-                p.add_(p.grad, alpha=-0.05)
+        if lr:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.add_(p.grad, alpha=-lr)
     sync.close()
-    return {"n": n, "sent": sent, "conserved": conserved}
+    return out, conserved
 
 
 @pytest.mark.parametrize("P", [1, 2, 3])
@@ -136,15 +148,8 @@ def _whole_rank(rank: int, P: int, scheme: str) -> dict:
     sync = GradSync(model, Config(scheme=scheme, density=0.05, sparsifier="topk",
                                   warmup_steps=1, density_warmup=(1.0,),
                                   density_warmup_steps=3, momentum=0.9), audit=True)
-    sent, conserved = [], True
-    for step in range(5):
-        model.zero_grad(set_to_none=True)
-        x, y = image_batch(rank, step)
-        nn.functional.cross_entropy(model(x), y).backward()
-        sync.synchronize()
-        sent.append(sync.stats()["last"]["bytes_sent"])
-        conserved &= conserved_records(sync.audit_log)
-    sync.close()
+    sent, conserved = _audited_steps(model, sync, rank, 5,
+                                     lambda: sync.stats()["last"]["bytes_sent"])
     # plus the 8-byte all-reduce by which the ranks agree that no gradient was NaN/Inf
     return {"sent": sent, "ring": ring_allreduce_bytes(n_bytes, P) + ring_allreduce_bytes(8, P),
             "conserved": conserved}
