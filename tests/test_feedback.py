@@ -228,3 +228,73 @@ def test_zero_residual_shortcut_matches_plain_arithmetic(momentum):
         torch.testing.assert_close(res.double(), r, rtol=0, atol=1e-7)
         if how == "rounded":
             assert res.abs().sum() > 0  # a real rounding residual, not the zeros shortcut
+
+
+# -- preconditioning (gradsync.engine.preconditioning; the optimizer's frozen variance) ------
+def test_precondition_rescales_what_is_held_and_what_enters():
+    m, s = 0.9, torch.tensor([2.0, 0.5, 4.0, 1.0])
+    g1, g2 = torch.tensor([1.0, -2.0, 3.0, 0.25]), torch.tensor([0.5, 1.0, -1.0, 2.0])
+    ef = ErrorFeedback(momentum=m)
+    acc = ef.accumulate("w", g1)
+    ef.update("w", acc, torch.tensor([2]))  # entry 2 sent: residual and velocity zero there
+    ef.precondition("w", s)
+    assert ef.transforms("w")
+    # written out in float64: residual [1, -2, 0, 0.25] and velocity [1, -2, 0, 0.25] scaled
+    held = torch.tensor([1.0, -2.0, 0.0, 0.25], dtype=torch.float64) * s.double()
+    u2 = m * held + s.double() * g2.double()
+    acc2 = ef.accumulate("w", g2)
+    torch.testing.assert_close(acc2.double(), held + u2)
+    res = ef.update("w", acc2, torch.tensor([0, 3]))
+    assert torch.equal(res[[0, 3]], torch.zeros(2)) and torch.equal(res[[1, 2]], acc2[[1, 2]])
+
+
+def test_precondition_without_momentum_makes_a_whole_send_carry_the_scaled_gradient():
+    ef = ErrorFeedback()
+    assert not ef.transforms("w")  # a plain all-reduce may send the raw gradient
+    ef.precondition("w", torch.full((3,), 8.0))
+    assert ef.transforms("w")  # now it must send acc
+    g = torch.tensor([1.0, 2.0, 3.0])
+    acc = ef.accumulate("w", g)
+    assert torch.equal(acc, 8 * g) and torch.equal(g, torch.tensor([1.0, 2.0, 3.0]))
+
+
+def test_a_second_precondition_rescales_by_the_ratio():
+    ef = ErrorFeedback()
+    ef.accumulate("w", torch.tensor([1.0, 1.0]))
+    ef.update("w", torch.tensor([1.0, 1.0]), torch.tensor([0]))  # residual [0, 1]
+    ef.precondition("w", torch.tensor([2.0, 2.0]))
+    ef.precondition("w", torch.tensor([6.0, 6.0]))  # as if scaled by 6 from the start
+    assert torch.equal(ef.residual("w"), torch.tensor([0.0, 6.0]))
+
+
+def test_precondition_state_round_trip_and_old_states():
+    ef = ErrorFeedback(momentum=0.5)
+    ef.precondition("w", torch.tensor([3.0, 1.0]))
+    ef.update("w", ef.accumulate("w", torch.tensor([1.0, 1.0])), torch.tensor([1]))
+    state = ef.state_dict()
+    again = ErrorFeedback(momentum=0.5)
+    again.load_state_dict(state)
+    g = torch.tensor([0.5, 0.25])
+    assert torch.equal(again.accumulate("w", g), ef.accumulate("w", g))
+    old = ErrorFeedback(momentum=0.5)
+    old.load_state_dict({k: v for k, v in state.items() if k != "scale"})  # before scales
+    assert old.scale("w") is None
+
+
+@pytest.mark.parametrize("scale, what", [(torch.tensor([1.0, 0.0]), "> 0"),
+                                         (torch.tensor([1.0, float("inf")]), "finite"),
+                                         (torch.tensor([1, 2]), "floating"),
+                                         (torch.ones(3), "entries")])
+def test_bad_scales_are_refused(scale, what):
+    ef = ErrorFeedback()
+    ef.update("w", ef.accumulate("w", torch.ones(2)), torch.tensor([0]))
+    with pytest.raises(ValueError, match=what):
+        ef.precondition("w", scale)
+    assert torch.equal(ef.residual("w"), torch.tensor([0.0, 1.0])) and ef.scale("w") is None
+
+
+def test_precondition_between_accumulate_and_update_is_refused():
+    ef = ErrorFeedback()
+    ef.accumulate("w", torch.ones(2))
+    with pytest.raises(ValueError, match="between"):
+        ef.precondition("w", torch.ones(2))

@@ -93,6 +93,7 @@ def test_language_model_on_text_reports_perplexity(tmp_path, capsys):
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["config"]["data"] == "text" and m["config"]["optimizer"].startswith("adamw(")
     assert "FrozenVarianceAdamW" in m["config"]["optimizer"]
+    assert "preconditions" in m["config"]["optimizer"]
     s = m["runs"][0]["summary"]
     # untrained byte-level model: perplexity near the 256-symbol uniform, and exp(loss)
     assert 1.0 < s["perplexity"] < 1000 and s["perplexity"] == pytest.approx(
@@ -191,6 +192,10 @@ def test_adamw_sparse_schemes_warm_up_whole_then_freeze():
         cfg = runner.sync.cfg
         assert (cfg.momentum, cfg.density_warmup, cfg.density_warmup_steps) == (0.9, (1.0,), 6)
         assert cfg.density_at(5) == 1.0 and cfg.density_at(6) == gpt.density
+        # the optimizer hands the engine its frozen variance (gradsync.optim, "Preconditioned")
+        assert runner.preconditioner is runner.sync
+        opt = train.make_optimizer(model, True, gpt.lr, True, 6, sync=runner.preconditioner)
+        assert opt.sync is runner.sync
     finally:
         runner.close()
     with pytest.raises(ValueError, match="adam_warmup"):

@@ -33,6 +33,13 @@ loses the small entries it accumulates to rounding (measured: 0.3% of the gradie
 bf16 steps). The values then travel in the gradient's dtype and the rounding stays in the
 residual (``sent_values`` below).
 
+**Preconditioning** (:meth:`ErrorFeedback.precondition`). A tensor may carry a fixed,
+positive per-entry scale ``s``; from then on its gradient enters as ``s ⊙ g_t`` (in the residual
+dtype), and the residual and velocity it already holds are multiplied by ``s`` once, so
+everything accumulated stays in one unit. The selection then ranks entries by ``|s ⊙ acc|``, what
+they contribute to the update of an optimizer that divides by a frozen ``1/s``
+(:class:`gradsync.optim.FrozenVarianceAdamW`), instead of by the raw gradient's magnitude.
+
 NaN/Inf gradients are rejected with ``ValueError`` *before* any state changes, so a residual is
 never polluted by a non-finite value; the engine decides whether to raise or skip the step.
 """
@@ -45,7 +52,7 @@ import torch
 
 from gradsync.sparsegrad import check_finite
 
-__all__ = ["ErrorFeedback"]
+__all__ = ["ErrorFeedback", "check_scale"]
 
 
 class ErrorFeedback:
@@ -76,12 +83,48 @@ class ErrorFeedback:
         self._pending: set[str] = set()  # accumulated, not yet updated
         self._pending_velocity: dict[str, torch.Tensor] = {}
         self._zero: set[str] = set()  # residuals known to be all zeros (sent whole)
+        self._scale: dict[str, torch.Tensor] = {}  # precondition(): fixed per-entry scales
 
     def dtype_for(self, grad_dtype: torch.dtype) -> torch.dtype:
         """The dtype a gradient of ``grad_dtype`` accumulates in."""
         if self.residual_dtype == "auto":
             return torch.float32 if grad_dtype in (torch.bfloat16, torch.float16) else grad_dtype
         return self.residual_dtype or grad_dtype
+
+    def transforms(self, name: str) -> bool:
+        """Whether :meth:`accumulate` changes ``name``'s gradient even when it is sent whole
+        (momentum or a scale): a dense all-reduce must then carry ``acc``, not the gradient."""
+        return bool(self.momentum) or name in self._scale
+
+    def precondition(self, name: str, scale: torch.Tensor) -> None:
+        """From the next :meth:`accumulate` on, ``name``'s gradient enters multiplied by
+        ``scale`` (finite, > 0, as many entries, flat or shaped alike); a residual and velocity
+        already held are multiplied by it now (module docstring, "Preconditioning"). A second
+        call replaces the scale and rescales the state by the ratio. ``ValueError`` between
+        :meth:`accumulate` and :meth:`update`, or for a bad scale."""
+        if name in self._pending:
+            raise ValueError(f"precondition({name!r}) between accumulate() and update(): "
+                             "scales change between steps only")
+        s = check_scale(name, scale)
+        old = self._scale.get(name)
+        if old is not None and old.numel() != s.numel():
+            raise ValueError(f"the scale of {name!r} has {s.numel()} entries, its previous "
+                             f"scale {old.numel()}")
+        factor = s if old is None else s / old.reshape(s.shape)
+        for store in (self._residual, self._velocity):  # held flat or shaped: entries match
+            held = store.get(name)
+            if held is None:
+                continue
+            if held.numel() != s.numel():
+                raise ValueError(f"the scale of {name!r} has {s.numel()} entries, its "
+                                 f"residual {held.numel()}")
+            store[name] = held * factor.reshape(held.shape).to(held.device, held.dtype)
+        self._scale[name] = s.clone()
+        # a zero residual stays zero: _zero still holds
+
+    def scale(self, name: str) -> torch.Tensor | None:
+        """``name``'s preconditioning scale (fp32), or None."""
+        return self._scale.get(name)
 
     # -- the two steps of every iteration ---------------------------------------------
     def accumulate(self, name: str, grad: torch.Tensor, check: bool = True) -> torch.Tensor:
@@ -95,6 +138,12 @@ class ErrorFeedback:
             check_finite(grad, f"gradient of {name!r}")
         dtype = self.dtype_for(grad.dtype)
         g = grad.detach().to(dtype)
+        s = self._scale.get(name)
+        if s is not None:
+            if s.numel() != g.numel():
+                raise ValueError(f"gradient of {name!r} has {g.numel()} entries, its scale "
+                                 f"{s.numel()}")
+            g = g * s.reshape(g.shape).to(g.device, dtype)  # new: never the caller's gradient
         res = self._residual.get(name)
         if res is not None and (res.shape != g.shape or res.dtype != dtype):
             raise ValueError(
@@ -103,14 +152,17 @@ class ErrorFeedback:
             )
         if self.momentum:
             u = self._velocity.get(name)
-            u = g.clone() if u is None else (u * self.momentum).add_(g)  # SGD's rounding
+            if u is None:
+                u = g if s is not None else g.clone()  # g is already a copy when scaled
+            else:
+                u = (u * self.momentum).add_(g)  # SGD's rounding
             self._pending_velocity[name] = u  # committed by update(), dropped by discard()
             g = u
         # a residual of zeros (the tensor was sent whole) adds nothing: no pass over it. With
         # momentum, acc is then the pending velocity itself (no copy): nothing writes to acc,
         # and update() masks the velocity only after it has copied acc into the residual
         if res is None or name in self._zero:
-            acc = g if self.momentum else g.clone()
+            acc = g if self.momentum or s is not None else g.clone()
         else:
             acc = res + g
         self._pending.add(name)
@@ -188,7 +240,7 @@ class ErrorFeedback:
         return sorted(self._residual)
 
     def reset(self, name: str | None = None) -> None:
-        """Forget the residual (and velocity) of ``name``, or of every tensor."""
+        """Forget the residual (and velocity) of ``name``, or of every tensor; scales stay."""
         for store in (self._residual, self._velocity):
             if name is None:
                 store.clear()
@@ -208,6 +260,7 @@ class ErrorFeedback:
             "residual_dtype": _dtype_name(self.residual_dtype),
             "residual": {k: v.clone() for k, v in self._residual.items()},
             "velocity": {k: v.clone() for k, v in self._velocity.items()},
+            "scale": {k: v.clone() for k, v in self._scale.items()},
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -222,9 +275,23 @@ class ErrorFeedback:
             )
         self._residual = {k: v.clone() for k, v in state["residual"].items()}
         self._velocity = {k: v.clone() for k, v in state["velocity"].items()}
+        # saved before preconditioning existed: no scales
+        self._scale = {k: v.to(torch.float32).clone() for k, v in state.get("scale", {}).items()}
         self._zero.clear()
         self._pending.clear()
         self._pending_velocity.clear()
+
+
+def check_scale(name: str, scale: object) -> torch.Tensor:
+    """``scale`` as fp32 if it is a floating tensor, finite and > 0 everywhere; else
+    ``ValueError`` naming ``name``."""
+    if not (isinstance(scale, torch.Tensor) and scale.is_floating_point()):
+        raise ValueError(f"the scale of {name!r} must be a floating tensor, got "
+                         f"{type(scale).__name__}")
+    s = scale.detach().to(torch.float32)
+    if not bool(torch.isfinite(s).all()) or not bool((s > 0).all()):
+        raise ValueError(f"the scale of {name!r} must be finite and > 0 everywhere")
+    return s
 
 
 def _dtype_name(d: torch.dtype | str | None) -> str | None:

@@ -65,7 +65,7 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
         if job.mode is Mode.DENSE:
             stats.selected += hi - lo
             residual = None
-            if ef.momentum:  # the velocity was sent whole: no residual, momentum kept
+            if ef.transforms(n):  # the velocity (or scaled gradient) was sent whole
                 acc = launched.accs[n]
                 residual = ef.update(n, acc, None, _sent(acc, None, p.dtype))
             if sent:

@@ -13,6 +13,7 @@ construction), so replicas start bit-identical.
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from typing import Any
 
 import torch
@@ -21,8 +22,8 @@ from torch import nn
 
 from gradsync.collectives.comm import Comm, CommStats, outside_backward
 
-__all__ = ["ReplicaDivergence", "broadcast_states", "check_consistency", "parameter_digest",
-           "signature_check", "state_signature"]
+__all__ = ["ReplicaDivergence", "broadcast_states", "check_consistency", "check_same_tensors",
+           "parameter_digest", "signature_check", "state_signature"]
 
 # Largest flat buffer one broadcast moves (DDP coalesces its initial broadcast the same way).
 _BROADCAST_BUCKET_BYTES = 64 * 1024 * 1024
@@ -39,14 +40,19 @@ def _tensor_digest(t: torch.Tensor) -> bytes:
     return hashlib.sha256(data.numpy().tobytes()).digest()
 
 
-def parameter_digest(model: nn.Module) -> tuple[bytes, list[tuple[str, bytes]]]:
-    """SHA-256 over all parameters (and per parameter), bit-exact."""
-    per = [(n, _tensor_digest(p)) for n, p in model.named_parameters()]
+def _digests(named: Sequence[tuple[str, torch.Tensor]]) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """SHA-256 over every tensor (and per tensor), bit-exact, names included."""
+    per = [(n, _tensor_digest(t)) for n, t in named]
     h = hashlib.sha256()
     for n, d in per:
         h.update(n.encode())
         h.update(d)
     return h.digest(), per
+
+
+def parameter_digest(model: nn.Module) -> tuple[bytes, list[tuple[str, bytes]]]:
+    """SHA-256 over all parameters (and per parameter), bit-exact."""
+    return _digests(list(model.named_parameters()))
 
 
 def _gather_bytes(blob: bytes, group: dist.ProcessGroup | None) -> list[bytes]:
@@ -58,26 +64,46 @@ def _gather_bytes(blob: bytes, group: dist.ProcessGroup | None) -> list[bytes]:
     return [bytes(c.tolist()) for c in out.cpu().view(world, -1)]
 
 
-def check_consistency(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
-    """Raise :class:`ReplicaDivergence` unless every rank holds bit-identical parameters."""
+def _divergence(named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None
+                ) -> tuple[list[int], str] | None:
+    """None when every rank holds bit-identical ``named`` tensors; else the ranks that differ
+    from rank 0 and the first differing name (one more small gather per name)."""
     if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size(group) == 1:
-        return
-    total, per = parameter_digest(model)
-    digests = _gather_bytes(total, group)
+        return None
+    total, per = _digests(named)
+    # the count travels too: the per-name gathers below must run as often on every rank
+    digests = _gather_bytes(total + len(per).to_bytes(8, "little"), group)
     if len(set(digests)) == 1:
-        return
-    ref = digests[0]
-    bad = [r for r, d in enumerate(digests) if d != ref]
-    # find the first diverging parameter (one more small gather per parameter name)
+        return None
+    bad = [r for r, d in enumerate(digests) if d != digests[0]]
+    if len({d[-8:] for d in digests}) > 1:
+        return bad, "the ranks pass different numbers of tensors"
     first = "?"
     for name, d in per:
         if len(set(_gather_bytes(d, group))) > 1:
             first = name
             break
-    raise ReplicaDivergence(
-        f"parameters differ across ranks: ranks {bad} disagree with rank 0 "
-        f"(first diverging parameter: {first})"
-    )
+    return bad, first
+
+
+def check_consistency(model: nn.Module, group: dist.ProcessGroup | None = None) -> None:
+    """Raise :class:`ReplicaDivergence` unless every rank holds bit-identical parameters."""
+    found = _divergence(list(model.named_parameters()), group)
+    if found is not None:
+        raise ReplicaDivergence(
+            f"parameters differ across ranks: ranks {found[0]} disagree with rank 0 "
+            f"(first diverging parameter: {found[1]})"
+        )
+
+
+def check_same_tensors(named: Sequence[tuple[str, torch.Tensor]], what: str,
+                       group: dist.ProcessGroup | None = None) -> None:
+    """``ValueError`` on every rank unless every rank passes bit-identical ``named`` tensors
+    (same names, same order); ``what`` names them in the message."""
+    found = _divergence(named, group)
+    if found is not None:
+        raise ValueError(f"{what} differ across ranks: ranks {found[0]} disagree with rank 0 "
+                         f"(first: {found[1]})")
 
 
 def signature_check(signature: Any, group: dist.ProcessGroup | None = None) -> None:

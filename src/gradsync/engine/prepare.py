@@ -10,8 +10,9 @@ For every tensor of the job, as soon as the job's tensors are all ready:
    skipped step discards the pending velocity.
 2. **Error feedback.** ``acc = residual + gradient`` (DGC's momentum correction when
    ``Config.momentum`` > 0), in the residual dtype (fp32 for 16-bit gradients by default);
-   dense jobs skip it and send the raw gradient, unless ``Config.momentum`` > 0: then they send
-   the velocity (a tensor sent whole keeps its momentum, ``gradsync.feedback``). Values travel
+   dense jobs skip it and send the raw gradient, unless ``Config.momentum`` > 0 (they send the
+   velocity: a tensor sent whole keeps its momentum, ``gradsync.feedback``) or the tensor has a
+   preconditioning scale (:meth:`GradSync.precondition`: the scaled one). Values travel
    in the gradient's dtype (``Payload.wire_dtype``); the rounding stays in the residual.
 3. **Selection**, as the plan decided:
 
@@ -74,9 +75,10 @@ def prepare(job: Job, index: int, grads: dict[str, torch.Tensor], ef: ErrorFeedb
             accs[n] = torch.zeros_like(g)
             if job.mode is Mode.DENSE:
                 accs[n].view(-1)[:1] = float("nan")
-        elif dense and not ef.momentum:
+        elif dense and not ef.transforms(n):
             accs[n] = g
-        else:  # dense jobs with momentum keep a velocity (feedback.py: sent whole)
+        else:  # dense jobs with momentum keep a velocity (feedback.py: sent whole); a scale
+            # (GradSync.precondition) applies to every path
             accs[n] = ef.accumulate(n, g, check=False)  # checked just above
     wire = grads[job.names[0]].dtype  # values travel in the gradients' dtype
     t0 = time.perf_counter()

@@ -19,6 +19,8 @@ Where each part lives (one module each, named after the SSFusion section it impl
   the planned densities (§IV-B), hand-off of offloaded tensors (§IV-C);
 * :mod:`.executor` — the communication thread and SSFusion-O's offload worker (§IV-C);
 * :mod:`.apply` — the sums back into ``.grad`` and the residuals;
+* :mod:`.preconditioning` — :meth:`GradSync.precondition`'s per-entry scales (frozen-variance
+  AdamW);
 * :mod:`.warmup` — the profiling steps, the cost model and rank 0's plan (§IV-A);
 * :mod:`.components` — the scheme's sparsifiers and collectives (the table of schemes);
 * :mod:`.audit`, :mod:`.stats`, :mod:`.state` — audit records, step figures, the
@@ -30,7 +32,7 @@ at density 1 every scheme's averaged gradient equals plain DDP's within float to
 
 Checkpoints: :meth:`GradSync.state_dict` holds everything a bitwise resume needs — step,
 warm-up progress and backward-order samples, plan and cost model, ``auto``'s drift watch
-(window, strikes, trial, pending plan), residuals and DGC velocities,
+(window, strikes, trial, pending plan), residuals, DGC velocities and preconditioning scales,
 every sparsifier's generator and threshold state, every collective's state (Ok-Topk thresholds
 and boundaries, DenseStream boundaries) — and is per rank (residuals differ across ranks);
 :mod:`gradsync.checkpoint` saves it with the model and optimizer (torch.save or DCP).
@@ -41,7 +43,7 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
 
@@ -63,6 +65,7 @@ from gradsync.engine.consistency import (
 )
 from gradsync.engine.executor import Executor
 from gradsync.engine.jobs import Job, Launched, Mode, StepRun, at_density, plan_jobs
+from gradsync.engine.preconditioning import apply_scales
 from gradsync.engine.prepare import prepare
 from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.stats import StepStats
@@ -253,6 +256,27 @@ class GradSync:
             # only here, once this step's jobs have drained: the check uses the same group
             check_consistency(self.model, self.group)
         return ok
+
+    def precondition(self, scales: Mapping[nn.Parameter | str, torch.Tensor]) -> None:
+        """Compress ``scale ⊙ gradient`` from the next step on, per parameter (a parameter or
+        its name → a positive tensor of its shape); residuals and velocities held are rescaled
+        now, so nothing accumulated changes meaning (:mod:`gradsync.engine.preconditioning`).
+        ``.grad`` then holds the averaged *scaled* update: the optimizer must not divide again
+        (:class:`gradsync.optim.FrozenVarianceAdamW` calls this at its freeze when given
+        ``sync=``). Every rank must pass bit-identical scales (checked: ``ValueError`` on every
+        rank otherwise); call it between steps. The scales are part of :meth:`state_dict`."""
+        if self._run.first_hook or self._run.launched:  # a gradient hook has fired
+            raise ValueError("GradSync.precondition: a step is in progress (call it after "
+                             "synchronize(), before the next backward)")
+
+        def resolve(key: object) -> tuple[str, tuple[int, ...]]:
+            name = key if isinstance(key, str) else self._name_of.get(id(key))
+            if name is None or name not in self.params:
+                raise ValueError(f"GradSync.precondition: {key if isinstance(key, str) else 'a'}"
+                                 " parameter this GradSync does not synchronize")
+            return name, tuple(self.params[name].shape)
+
+        apply_scales(self.ef, scales, resolve, self.group, "GradSync")
 
     def stats(self) -> dict[str, Any]:
         """Figures of the last step and cumulative ones (bytes, time breakdown, missing rate).

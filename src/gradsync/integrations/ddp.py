@@ -46,6 +46,7 @@ with its string.)
 
 import contextlib
 import functools
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,6 +58,7 @@ from gradsync import collectives, sparsify
 from gradsync.collectives.comm import Comm, CommStats
 from gradsync.engine.config import Config
 from gradsync.engine.consistency import signature_check
+from gradsync.engine.preconditioning import apply_scales
 from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.warmup import link_costs
 from gradsync.feedback import ErrorFeedback
@@ -121,6 +123,26 @@ class HookState:
         if name is None:  # no model given: stable within the run only
             name = self.names[id(p)] = f"param{len(self.names)}:{tuple(p.shape)}"
         return name
+
+    def precondition(self, scales: Mapping[torch.Tensor | str, torch.Tensor]) -> None:
+        """:meth:`gradsync.GradSync.precondition` for the hook: from the next backward on,
+        every bucket compresses ``scale ⊙ gradient`` of the given parameters (a parameter, or
+        its name when the hook was given the model), and DDP's ``.grad`` holds the averaged
+        scaled update. Checked across ranks; call it between steps."""
+        shapes = dict(self.shapes or [])
+
+        def resolve(key: object) -> tuple[str, tuple[int, ...]]:
+            if isinstance(key, str):
+                if key not in shapes:
+                    raise ValueError(f"HookState.precondition: no parameter named {key!r} "
+                                     "(names need hook(cfg, model))")
+                return key, shapes[key]
+            if not isinstance(key, torch.Tensor):
+                raise ValueError(f"HookState.precondition: keys are parameters or names, got "
+                                 f"{type(key).__name__}")
+            return self.name_of(key), tuple(key.shape)
+
+        apply_scales(self.ef, scales, resolve, self.group, "HookState")
 
     def _new_sparsifier(self, name: str, density: float) -> sparsify.Sparsifier:
         return sparsify.get(self.scheme.sparsifier or self.cfg.sparsifier, density=density,
@@ -261,7 +283,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     for n in numels:
         offsets.append(offsets[-1] + n)
     if not state.scheme.sparse:  # dense: a plain all-reduce (of the velocities, with momentum)
-        if state.ef.momentum:
+        if any(state.ef.transforms(name) for name in names):
             accs = [state.ef.accumulate(name, buf[offsets[i]:offsets[i + 1]])
                     for i, name in enumerate(names)]
             buf.copy_(torch.cat(accs))  # rounded to the gradients' dtype; residual keeps it

@@ -39,7 +39,7 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
     steps = spec.steps or max(1, round(spec.epochs * data.steps_per_epoch()))
     runner = make_runner(choice, model, spec, device, P, steps)
     opt = make_optimizer(model, spec.adamw, spec.lr, runner.momentum_correction,
-                         spec.adam_freeze_step(steps))
+                         spec.adam_freeze_step(steps), sync=runner.preconditioner)
     records: list[dict] = []
     history: list[dict] = []
     elapsed = 0.0

@@ -22,7 +22,9 @@ values and the loss spikes. Tensors sent whole keep ordinary momentum inside err
 and torch's hooks keep the optimizer's own state. AdamW with a sparse scheme moves its first
 moment into error feedback the same way and runs :class:`gradsync.optim.FrozenVarianceAdamW`:
 exact AdamW while the gradients are sent whole (``TrainSpec.adam_freeze_step`` steps, the
-engine's ``density_warmup`` starts with them), then the variance frozen (1-bit Adam's recipe).
+engine's ``density_warmup`` starts with them), then the variance frozen (1-bit Adam's recipe)
+and handed to error feedback as preconditioning scales, so the selection ranks entries by what
+they move (``Runner.preconditioner``; :mod:`gradsync.optim`).
 """
 
 from __future__ import annotations
@@ -30,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import warnings
 from collections.abc import Iterator
+from typing import Any
 
 import torch
 from torch import nn
@@ -57,17 +60,18 @@ def momentum_correction(choice: SchemeChoice, adamw: bool) -> bool:
 
 def make_optimizer(model: nn.Module, adamw: bool, lr: float,
                    momentum_correction: bool = False,
-                   freeze_step: int | None = None) -> torch.optim.Optimizer:
+                   freeze_step: int | None = None, sync: Any = None) -> torch.optim.Optimizer:
     """AdamW (weight decay 0.01; under momentum correction
     :class:`~gradsync.optim.FrozenVarianceAdamW` with β1 = 0.9, its variance frozen after
-    ``freeze_step`` steps) or SGD with momentum 0.9 (0 under momentum correction)."""
+    ``freeze_step`` steps and handed to ``sync``'s error feedback as preconditioning scales)
+    or SGD with momentum 0.9 (0 under momentum correction)."""
     if adamw and momentum_correction:
         from gradsync.optim import FrozenVarianceAdamW
 
         if freeze_step is None:
             raise ValueError("AdamW under momentum correction needs freeze_step")
         return FrozenVarianceAdamW(model.parameters(), lr=lr, betas=(MOMENTUM, 0.999),
-                                   weight_decay=0.01, freeze_step=freeze_step)
+                                   weight_decay=0.01, freeze_step=freeze_step, sync=sync)
     if adamw:
         return torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.01)
     return torch.optim.SGD(model.parameters(), lr=lr,
@@ -86,6 +90,9 @@ class Runner:
         self.net: nn.Module = model  # what the forward pass calls
         self.momentum_correction = momentum_correction(choice, spec.adamw)
         self.steps = spec.steps if steps is None else steps  # of this run
+        # what FrozenVarianceAdamW hands its scales at the freeze (gradsync.optim): the
+        # engine or the DDP hook's state; None for torch's own hooks
+        self.preconditioner: Any = None
 
     def gradsync_config(self, spec: TrainSpec, **extra):
         """The gradsync ``Config`` of this scheme under ``spec``."""
@@ -125,7 +132,7 @@ class EngineRunner(Runner):
 
         super().__init__(choice, model, spec, steps)
         cfg = self.gradsync_config(spec, warmup_steps=spec.warmup_steps, timeout_s=spec.timeout)
-        self.sync = GradSync(model, cfg)
+        self.sync = self.preconditioner = GradSync(model, cfg)
 
     def after_backward(self) -> None:
         self.sync.synchronize()
@@ -160,7 +167,7 @@ class DDPHookRunner(Runner):
 
         super().__init__(choice, model, spec, steps)
         self.net = wrap_ddp(model, device)
-        self.state = gddp.register(self.net, self.gradsync_config(spec))
+        self.state = self.preconditioner = gddp.register(self.net, self.gradsync_config(spec))
         self.before_backward()
 
     def before_backward(self) -> None:

@@ -288,7 +288,8 @@ class TrainSpec:
                 "optimizer": (
                     "adamw(sparse schemes: gradsync.optim.FrozenVarianceAdamW, DGC momentum "
                     "correction 0.9 in error feedback, variance frozen after adam_warmup steps "
-                    "sent whole)") if self.adamw else (
+                    "sent whole, then 1/(sqrt(v)+eps) preconditions error feedback)"
+                ) if self.adamw else (
                     "sgd(momentum=0.9; sparse schemes: momentum 0 in SGD, DGC momentum "
                     "correction 0.9 in error feedback)"),
                 "text_fallback": self.text_fallback,
