@@ -138,10 +138,16 @@ def spardl_reference(sels: list[SparseGrad], density: float) -> dict:
             continue
         b = 2 * (P - 1) * 32 // P  # the shape consensus (ring all-reduce of 4 int64)
         b += 2 * (P - 1) * (8 * P) // P  # the block boundaries (P int64, ring all-reduce)
-        b += sum(8 + 8 * sent[r][s] for s in range(S))  # count, then entries, per round
+        # per round one message of fixed capacity: a count, then room for k_B entries (or the
+        # whole block, if smaller) of every block r forwards: distance ≡ 2^s mod 2^(s+1)
+        for s in range(S):
+            room = sum(min(kb, B[blk + 1] - B[blk]) for blk in range(P)
+                       if (blk - r) % P % 2 ** (s + 1) == 2**s)
+            assert sent[r][s] <= room
+            b += 8 + 8 * room
         b += sum(math.ceil(sent[(r - 2**s) % P][s] / 8) for s in range(S))  # survival bits
-        b += 8 * (P - 1)  # the block counts (ring all-gather of one int64)
-        b += sum(8 * final[j] for j in range(P) if j != (r + 1) % P)  # ring all-gather-v
+        b += (P - 1) * (8 + 8 * kb)  # ring all-gather of a count and room for k_B entries
+        assert max(final) <= kb
         nbytes.append(b)
     return {"dense": dense, "kept": [torch.tensor(sorted(x), dtype=torch.int64) for x in kept],
             "bytes": nbytes, "sent": sent}

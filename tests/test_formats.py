@@ -133,6 +133,43 @@ def test_wire_entries_keep_int64_indices_exact():
     assert e_i.numel() == 0 and e_v.dtype == torch.bfloat16
 
 
+@settings(max_examples=60, deadline=None)
+@given(capacity=st.integers(0, 40), data=st.data(),
+       index=st.sampled_from([torch.int32, torch.int64]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_wire_fixed_entries_round_trip_at_any_count(capacity, data, index, dtype):
+    count = data.draw(st.integers(0, capacity))
+    g = torch.Generator().manual_seed(capacity * 41 + count)
+    idx = torch.sort(torch.randperm(1000, generator=g)[:count]).values
+    val = torch.randn(count, generator=g).to(dtype)
+    buf = wire.pack_entries_fixed(idx, val, index, capacity)
+    # layout: an int64 count, the entries as pack_entries lays them out, zeros to the capacity
+    size = 8 + capacity * wire.entry_bytes(index, dtype)
+    assert buf.numel() == size == wire.fixed_entries_bytes(capacity, index, dtype)
+    assert struct.unpack("<q", bytes(buf[:8].tolist()))[0] == count
+    body = wire.pack_entries(idx, val, index)
+    assert torch.equal(buf[8:8 + body.numel()], body) and not buf[8 + body.numel():].any()
+    i2, v2 = wire.unpack_entries_fixed(buf, capacity, index, dtype)
+    assert torch.equal(i2, idx) and torch.equal(v2.view(torch.int16 if dtype != torch.float32
+                                                        else torch.int32),
+                                                val.view(torch.int16 if dtype != torch.float32
+                                                         else torch.int32))
+
+
+def test_wire_fixed_entries_refuse_hostile_counts_and_sizes():
+    idx, val = torch.tensor([1, 5]), torch.tensor([1.0, 2.0])
+    with pytest.raises(ValueError, match="exceed the capacity"):
+        wire.pack_entries_fixed(idx, val, torch.int32, 1)
+    buf = wire.pack_entries_fixed(idx, val, torch.int32, 3)
+    with pytest.raises(ValueError, match="bytes"):
+        wire.unpack_entries_fixed(buf[:-1], 3, torch.int32, torch.float32)
+    for bad in (4, -1):  # above the capacity, negative: refused before anything is read
+        forged = buf.clone()
+        forged[:8] = torch.tensor(list(struct.pack("<q", bad)), dtype=torch.uint8)
+        with pytest.raises(ValueError, match="announces"):
+            wire.unpack_entries_fixed(forged, 3, torch.int32, torch.float32)
+
+
 def test_wire_header_round_trip_and_layout():
     buf = wire.pack_header(b"TEST", 8, wire.dtype_code(torch.float16), 2**40, -3, 7)
     assert bytes(buf.tolist()) == struct.pack("<4sBBBBqqq", b"TEST", 1, 8, 2, 0, 2**40, -3, 7)

@@ -43,12 +43,18 @@ contribution, into the residuals of the ranks that contributed it: no gradient m
 any round, and per rank ``accumulated == consumed + residual`` holds exactly. The bits cost
 ``⌈|R_s| / 8⌉`` bytes per round, where |R_s| is the number of entries received in round s.
 
-Wire, per rank: round s sends one int64 count and then ``|T_s|`` entries of
-``index_bytes + value bytes`` (int32 indices when numel < 2**31,
-:func:`~gradsync.formats.wire.pack_entries`); the reverse walk sends ``⌈|R_s| / 8⌉`` bytes
-back; the all-gather sends the block counts (one int64 per rank, ring all-gather) and the
-blocks (ring all-gather-v). Every received count and index is validated (sorted, in the blocks
-the schedule says the sender forwards) before use.
+Wire, per rank: round s sends one message of a fixed capacity, ``C_s = Σ min(k_B, |block|)``
+over the blocks it forwards, which the receiver knows too (the boundaries are agreed):
+an int64 count, the ``|T_s|`` entries of ``index_bytes + value bytes`` (int32 indices when
+numel < 2**31) and zeros up to ``C_s`` entries (:func:`~gradsync.formats.wire.pack_entries_fixed`).
+The reverse walk sends ``⌈|R_s| / 8⌉`` bytes back; the all-gather sends one message of capacity
+k_B per rank (ring all-gather). One message per round and one all-gather instead of a count
+exchange before every payload and a count all-gather before a ring all-gather-v: P = 4 ranks on
+2 cores spent most of a call waiting for those exchanges (1 % density, n = 4e6: 22 of 43 ms).
+The padding is counted like any byte sent: a forwarded block holds fewer than k_B entries only
+where a rank's selection is thin in it. Every received count and index is validated (count
+within the capacity, sorted, in the blocks the schedule says the sender forwards, at most k_B
+per block) before use.
 
 Not exact (``exact = False``): with density 1 (k = numel) nothing is ever dropped and the
 result is the exact SUM.
@@ -67,12 +73,12 @@ from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats.wire import (
-    entry_bytes,
+    fixed_entries_bytes,
     pack_bits,
-    pack_entries,
+    pack_entries_fixed,
     packed_bytes,
     unpack_bits,
-    unpack_entries,
+    unpack_entries_fixed,
     wire_index_dtype,
 )
 from gradsync.sparsegrad import (
@@ -86,12 +92,25 @@ from gradsync.sparsegrad import (
     validate_density,
 )
 
-__all__ = ["SparDL", "rounds"]
+__all__ = ["SparDL", "capacity", "forwarded", "rounds"]
 
 
 def rounds(P: int) -> int:
     """S = ⌈log2 P⌉, the number of Spar-Reduce-Scatter rounds (0 for one rank)."""
     return (P - 1).bit_length()
+
+
+def forwarded(r: int, s: int, P: int) -> list[int]:
+    """The blocks rank ``r`` forwards in round ``s``: distance j = (b − r) mod P ≡ 2^s
+    (mod 2^(s+1)), the held blocks with bit s of j set."""
+    d = 1 << s
+    return [(r + j) % P for j in range(d, P, 2 * d)]
+
+
+def capacity(blocks: list[int], bl: list[int], k_b: int) -> int:
+    """Most entries a round's message can hold: k_B per block, or the whole block if smaller
+    (``bl``: the boundaries)."""
+    return sum(min(k_b, bl[b + 1] - bl[b]) for b in blocks)
 
 
 @registry.register("spardl")
@@ -156,9 +175,8 @@ class SparDL(Collective):
         k = self._target_k(sel, comm)
         k_b = math.ceil(k / P)
         B, recomputed = self._blocks(sel, comm, step)
-        B_dev = B.to(dev)
+        B_dev, bl = B.to(dev), B.tolist()
         wire = wire_index_dtype(n)
-        eb = entry_bytes(wire, dtype)
 
         def segments(i: torch.Tensor) -> list[int]:
             """Block b's entries are ``i[cuts[b]:cuts[b + 1]]`` (``i`` sorted; blocks are
@@ -192,12 +210,10 @@ class SparDL(Collective):
             kp = torch.cat(kp_p) if kp_p else empty
             t_idx, t_val = torch.index_select(idx, 0, fwd), torch.index_select(val, 0, fwd)
             k_idx, k_val = torch.index_select(idx, 0, kp), torch.index_select(val, 0, kp)
-            # count, then entries
-            got = torch.zeros(1, dtype=torch.int64, device=dev)
-            comm.sendrecv(torch.tensor([t_idx.numel()], dtype=torch.int64, device=dev), dst,
-                          got, src)
-            r_idx, r_val = self._receive(comm, int(got), pack_entries(t_idx, t_val, wire), s,
-                                         B_dev, n, wire, dtype)
+            # one message of the round's fixed capacity: count, entries, padding
+            cap = capacity(forwarded(r, s, P), bl, k_b)
+            r_idx, r_val = self._receive(comm, pack_entries_fixed(t_idx, t_val, wire, cap), s,
+                                         B_dev, bl, k_b, n, wire, dtype)
             # add, then re-sparsify every block this round delivered to
             m_idx, m_val = sparse_sum([(k_idx, k_val), (r_idx, r_val)])
             cuts = segments(m_idx)
@@ -235,19 +251,18 @@ class SparDL(Collective):
             alive = torch.index_select(h["state"], 0, flatnonzero(live))  # index order
         kept = alive  # the state before round 0 is sel.indices
 
-        # Spar-All-Gather of the reduced blocks
-        counts = comm.all_gather_counts(idx.numel(), dev)
-        msgs = comm.all_gather_v(pack_entries(idx, val, wire), [c * eb for c in counts])
-        parts = []
-        for owner, (msg, c) in enumerate(zip(msgs, counts)):
-            if c > k_b:
-                raise ValueError(f"spardl: rank {owner} announced {c} entries for its block, "
-                                 f"more than k_B = {k_b}")
-            g_idx, g_val = unpack_entries(msg, c, wire, dtype, "spardl")
+        # Spar-All-Gather of the reduced blocks: at most k_B entries each, so one all-gather
+        # of a fixed capacity (no counts first)
+        cap = k_b  # the same on every rank
+        msgs = comm.all_gather(pack_entries_fixed(idx, val, wire, cap))
+        dense = torch.zeros(n, dtype=dtype, device=dev)
+        counts = []
+        for owner in range(P):
+            g_idx, g_val = unpack_entries_fixed(msgs[owner], cap, wire, dtype,
+                                                f"spardl: block of rank {owner}")
             self._check_block(g_idx, owner, B, n, f"spardl: block of rank {owner}")
-            parts.append((g_idx, g_val))
-        dense = SparseGrad(torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), n,
-                           validate=False).to_dense()  # blocks in owner order: disjoint
+            dense.index_copy_(0, g_idx, g_val)  # blocks are disjoint: one writer per index
+            counts.append(g_idx.numel())
         info = {"k": k, "k_block": k_b, "rounds": S, "boundaries": B,
                 "boundaries_recomputed": recomputed, "block_nnz": idx.numel(),
                 "global_nnz": sum(counts), "dropped": len(sel) - kept.numel(),
@@ -255,31 +270,33 @@ class SparDL(Collective):
         return dense, kept, info
 
     @staticmethod
-    def _receive(comm: Comm, count: int, payload: torch.Tensor, s: int, B: torch.Tensor, n: int,
-                 wire: torch.dtype, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Round ``s``: send ``payload`` to rank r + 2^s while receiving ``count`` entries from
-        rank r − 2^s, validated against the blocks the schedule lets that rank forward
-        (``B``: the block boundaries, on the payload's device)."""
+    def _receive(comm: Comm, payload: torch.Tensor, s: int, B: torch.Tensor, bl: list[int],
+                 k_b: int, n: int, wire: torch.dtype, dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Round ``s``: send ``payload`` to rank r + 2^s while receiving the fixed-capacity
+        message of rank r − 2^s, validated against the blocks the schedule lets that rank
+        forward (``B``: the block boundaries on the payload's device, ``bl`` as a list)."""
         P, r, d = comm.size, comm.rank, 1 << s
         src = (r - d) % P
-        blocks = [(r + j) % P for j in range(0, P, 2 * d) if j + d < P]  # what src forwards
-        bl = B.tolist()
-        room = sum(bl[b + 1] - bl[b] for b in blocks)
-        if not 0 <= count <= room:
-            raise ValueError(f"spardl: rank {src} announced {count} entries in round {s}; "
-                             f"its blocks for this rank hold at most {room}")
-        buf = torch.empty(count * entry_bytes(wire, dtype), dtype=torch.uint8,
+        blocks = forwarded(src, s, P)  # the same as [(r + j) % P for j = 0, 2d, … < P − d]
+        cap = capacity(blocks, bl, k_b)
+        buf = torch.empty(fixed_entries_bytes(cap, wire, dtype), dtype=torch.uint8,
                           device=payload.device)
         comm.sendrecv(payload, (r + d) % P, buf, src)
-        r_idx, r_val = unpack_entries(buf, count, wire, dtype, "spardl")
+        r_idx, r_val = unpack_entries_fixed(buf, cap, wire, dtype,
+                                            f"spardl: round {s} from rank {src}")
         check_indices(r_idx, n, f"spardl: round {s} from rank {src}")
-        if count:  # per block, how many received entries fall in it: only forwarded blocks
+        if r_idx.numel():  # per block, how many received entries fall in it: only
+            # forwarded blocks, at most k_B in each
             per_block = torch.diff(torch.searchsorted(r_idx, B))
             allowed = torch.zeros(P, dtype=torch.bool, device=B.device)
             allowed[blocks] = True
             if bool(per_block[~allowed].any()):
                 raise ValueError(f"spardl: rank {src} sent indices outside the blocks it "
                                  f"forwards in round {s}")
+            if int(per_block.max()) > k_b:
+                raise ValueError(f"spardl: rank {src} sent more than k_B = {k_b} entries of "
+                                 f"one block in round {s}")
         return r_idx, r_val
 
     @staticmethod

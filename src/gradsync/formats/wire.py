@@ -7,7 +7,10 @@
 * **Entries** ``[indices][values]``: one uint8 message holding ``count`` indices at the wire
   width, then the ``count`` values bit for bit (:func:`pack_entries` / :func:`unpack_entries`,
   :func:`entry_bytes`). The COO format's body and the messages of TopkA, TopkDSA, gTop-k and
-  Ok-Topk all have this layout.
+  Ok-Topk all have this layout. A message of *fixed* size (the receiver knows an upper bound
+  and needs no count message first) is ``[count as int64][entries][zeros up to capacity]``
+  (:func:`pack_entries_fixed` / :func:`unpack_entries_fixed`); SparDL's rounds and
+  all-gather use it.
 * **Value dtype codes**: one byte per value dtype (:data:`DTYPE_CODES`, :func:`dtype_code`), in
   the format headers and in the collectives' shape consensus.
 * **Header** of the wire formats (:func:`pack_header` / :func:`unpack_header`): magic, version,
@@ -42,14 +45,17 @@ __all__ = [
     "check_int",
     "dtype_code",
     "entry_bytes",
+    "fixed_entries_bytes",
     "header_bytes",
     "pack_bits",
     "pack_entries",
+    "pack_entries_fixed",
     "pack_header",
     "packed_bytes",
     "to_bytes",
     "unpack_bits",
     "unpack_entries",
+    "unpack_entries_fixed",
     "unpack_header",
     "view_as",
     "wire_index_bytes",
@@ -206,6 +212,43 @@ def pack_entries(indices: torch.Tensor, values: torch.Tensor,
                  index_dtype: torch.dtype) -> torch.Tensor:
     """One uint8 message ``[indices as index_dtype][values]`` (bit-exact, no float casts)."""
     return torch.cat([to_bytes(indices.to(index_dtype)), to_bytes(values)])
+
+
+def fixed_entries_bytes(capacity: int, index_dtype: torch.dtype, dtype: torch.dtype) -> int:
+    """Size of a :func:`pack_entries_fixed` message: 8 + ``capacity`` entries."""
+    return 8 + capacity * entry_bytes(index_dtype, dtype)
+
+
+def pack_entries_fixed(indices: torch.Tensor, values: torch.Tensor, index_dtype: torch.dtype,
+                       capacity: int) -> torch.Tensor:
+    """``[count (int64)][indices][values][zeros]``, exactly
+    :func:`fixed_entries_bytes` (capacity) bytes; ``ValueError`` when more than ``capacity``
+    entries are given."""
+    count = indices.numel()
+    if count > capacity:
+        raise ValueError(f"pack_entries_fixed: {count} entries exceed the capacity {capacity}")
+    out = torch.zeros(fixed_entries_bytes(capacity, index_dtype, values.dtype), dtype=torch.uint8,
+                      device=values.device)
+    out[:8] = to_bytes(torch.tensor([count], dtype=torch.int64, device=values.device))
+    body = pack_entries(indices, values, index_dtype)
+    out[8:8 + body.numel()] = body
+    return out
+
+
+def unpack_entries_fixed(buf: torch.Tensor, capacity: int, index_dtype: torch.dtype,
+                         dtype: torch.dtype, what: str = "entries"
+                         ) -> tuple[torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_entries_fixed`: (int64 indices, values) of the ``count`` entries
+    the message announces. ``ValueError`` when the size is not the capacity's or the count is
+    negative or above ``capacity`` (the padding is not read)."""
+    if buf.numel() != fixed_entries_bytes(capacity, index_dtype, dtype):
+        raise ValueError(f"{what}: message of {buf.numel()} bytes, a capacity of {capacity} "
+                         f"entries needs {fixed_entries_bytes(capacity, index_dtype, dtype)}")
+    count = int(view_as(buf, 0, 1, torch.int64)[0])
+    if not 0 <= count <= capacity:
+        raise ValueError(f"{what}: a message announces {count} entries, capacity {capacity}")
+    return unpack_entries(buf[8:8 + count * entry_bytes(index_dtype, dtype)], count,
+                          index_dtype, dtype, what)
 
 
 def unpack_entries(buf: torch.Tensor, count: int, index_dtype: torch.dtype,

@@ -295,13 +295,16 @@ def densestream(P: int, n: int, k: int, union: Union, value_bytes: int = 4,
 def spardl(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4) -> list[Step]:
     """SparDL (ICDE'24, ``gradsync.collectives.spardl``): ⌈log2 P⌉ Spar-Reduce-Scatter rounds,
     round s forwarding the blocks at distance ≡ 2^s (mod 2^(s+1)), each re-sparsified to at most
-    k_B = ⌈k/P⌉ entries (an upper bound: every block full); the same rounds backwards with one
-    survival bit per entry; then a ring all-gather of the P reduced blocks of ≤ k_B entries."""
+    k_B = ⌈k/P⌉ entries, in one message of that fixed capacity plus an 8-byte count (exact
+    unless a block is smaller than k_B); the same rounds backwards with one survival bit per
+    entry (an upper bound: every block full); then a ring all-gather of the P reduced blocks,
+    each a message of capacity k_B plus its count."""
     _check(P, n, k)
     E, kb = index_bytes + value_bytes, -(-k // P)
     blocks = [len(range(1 << s, P, 2 << s)) for s in range((P - 1).bit_length())]
-    return ([Step(1, b * kb * E) for b in blocks] + [Step(1, -(-b * kb // 8)) for b in blocks]
-            + [Step(1, kb * E) for _ in range(P - 1)])
+    return ([Step(1, 8 + b * kb * E) for b in blocks]
+            + [Step(1, -(-b * kb // 8)) for b in blocks]
+            + [Step(1, 8 + kb * E) for _ in range(P - 1)])
 
 
 COLLECTIVES = ("dense", "topka", "topkdsa", "gtopk", "oktopk", "densestream", "spardl")
