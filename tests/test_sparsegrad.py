@@ -11,6 +11,7 @@ from hypothesis import strategies as st
 
 from gradsync import SparseGrad, sparsify
 from gradsync.sparsegrad import (
+    densify,
     flatnonzero,
     isin_sorted,
     sparse_sum,
@@ -201,3 +202,16 @@ def test_top_k_mask_is_the_stable_sort_with_ties_to_the_smaller_position(k):
     want = torch.zeros(100, dtype=torch.bool)
     want[order[:k]] = True
     assert torch.equal(top_k_mask(w, k), want)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_densify_writes_disjoint_parts_bit_for_bit(dtype):
+    nan = torch.tensor([float("nan")], dtype=dtype)
+    parts = [(torch.tensor([0, 3]), torch.tensor([1.5, -0.0], dtype=dtype)),
+             (torch.tensor([], dtype=torch.int64), torch.tensor([], dtype=dtype)),
+             (torch.tensor([5]), nan)]
+    out = densify(parts, 7, dtype, "cpu")
+    expect = torch.zeros(7, dtype=dtype)
+    expect[0], expect[3], expect[5] = 1.5, -0.0, nan[0]
+    width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[expect.element_size()]
+    assert torch.equal(out.view(width), expect.view(width))  # −0.0 and the NaN bits kept

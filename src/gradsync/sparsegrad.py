@@ -29,6 +29,7 @@ __all__ = [
     "all_finite",
     "check_finite",
     "check_indices",
+    "densify",
     "flatnonzero",
     "isin_sorted",
     "sparse_sum",
@@ -208,6 +209,23 @@ def top_k_mask(values: torch.Tensor, k: int) -> torch.Tensor:
 _BITS = {2: torch.int16, 4: torch.int32, 8: torch.int64}  # same-width integer of a value dtype
 
 
+def densify(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], numel: int, dtype: torch.dtype,
+            device: torch.device | str) -> torch.Tensor:
+    """A zero tensor of ``numel`` elements with each part's values written at its indices, bit
+    for bit (NaN payloads kept). The parts' indices must be disjoint (e.g. the regions of a
+    reduce-scatter, one owner each): no concatenation of the parts first."""
+    out = torch.zeros(numel, dtype=dtype, device=device)
+    bits = _BITS.get(out.element_size())
+    for idx, val in parts:
+        if not idx.numel():
+            continue
+        if bits is None:
+            out[idx] = val
+        else:  # index_copy_ on the bit patterns: cheaper than out[i] = v, and NaN payloads kept
+            out.view(bits).index_copy_(0, idx, val.contiguous().view(bits))
+    return out
+
+
 @dataclass(frozen=True, eq=False)
 class SparseGrad:
     """Sparse selection ``(indices, values)`` of a flat tensor of ``numel`` elements.
@@ -304,14 +322,8 @@ class SparseGrad:
 
     def to_dense(self) -> torch.Tensor:
         """Dense flat tensor of ``numel`` elements with the selected values scattered in."""
-        v = self.values
-        out = torch.zeros(self.numel, dtype=v.dtype, device=v.device)
-        bits = _BITS.get(v.element_size())
-        if bits is None:
-            out[self.indices] = v
-        else:  # index_copy_ on the bit patterns: cheaper than out[i] = v, and NaN payloads kept
-            out.view(bits).index_copy_(0, self.indices, v.contiguous().view(bits))
-        return out
+        return densify([(self.indices, self.values)], self.numel, self.values.dtype,
+                       self.values.device)
 
     def wire_bytes(self, index_bytes: int = 4) -> int:
         """COO size on the wire: ``nnz × (index_bytes + value bytes)``."""

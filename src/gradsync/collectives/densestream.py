@@ -50,7 +50,7 @@ from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats import densestream as dsfmt
 from gradsync.formats.wire import check_index_bytes, wire_index_bytes
-from gradsync.sparsegrad import SparseGrad, sparse_sum
+from gradsync.sparsegrad import SparseGrad, densify, sparse_sum
 
 __all__ = ["DenseStreamAllreduce"]
 
@@ -246,12 +246,12 @@ class DenseStreamAllreduce(Collective):
                 held = {q: (piece, part)
                         for q, piece, part in self._pieces(buf, sel, range(p2), bounds)}
         mark("unfold", t)
-        parts = [held[q][1] for q in range(p2)]       # region order = index order
-        acc = SparseGrad(torch.cat([a.indices for a in parts]),
-                         torch.cat([a.values for a in parts]), n, validate=False)
+        parts = [held[q][1] for q in range(p2)]       # disjoint regions: written in place
+        dense = densify([(a.indices, a.values) for a in parts], n, sel.dtype, sel.device)
         info = {"regions": p2, "boundaries": B, "boundaries_recomputed": recomputed,
-                "region_nnz": region_nnz, "global_nnz": len(acc), "bytes_sent_by_phase": sent}
-        return acc.to_dense(), sel.indices, info
+                "region_nnz": region_nnz, "global_nnz": sum(len(a) for a in parts),
+                "bytes_sent_by_phase": sent}
+        return dense, sel.indices, info
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:

@@ -84,6 +84,7 @@ from gradsync.formats.wire import (
 from gradsync.sparsegrad import (
     SparseGrad,
     check_indices,
+    densify,
     flatnonzero,
     isin_sorted,
     sparse_sum,
@@ -255,14 +256,14 @@ class SparDL(Collective):
         # of a fixed capacity (no counts first)
         cap = k_b  # the same on every rank
         msgs = comm.all_gather(pack_entries_fixed(idx, val, wire, cap))
-        dense = torch.zeros(n, dtype=dtype, device=dev)
-        counts = []
+        parts = []
         for owner in range(P):
             g_idx, g_val = unpack_entries_fixed(msgs[owner], cap, wire, dtype,
                                                 f"spardl: block of rank {owner}")
             self._check_block(g_idx, owner, B, n, f"spardl: block of rank {owner}")
-            dense.index_copy_(0, g_idx, g_val)  # blocks are disjoint: one writer per index
-            counts.append(g_idx.numel())
+            parts.append((g_idx, g_val))
+        dense = densify(parts, n, dtype, dev)  # blocks are disjoint: one writer per index
+        counts = [p[0].numel() for p in parts]
         info = {"k": k, "k_block": k_b, "rounds": S, "boundaries": B,
                 "boundaries_recomputed": recomputed, "block_nnz": idx.numel(),
                 "global_nnz": sum(counts), "dropped": len(sel) - kept.numel(),
