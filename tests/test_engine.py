@@ -270,9 +270,18 @@ def test_mismatched_configuration_fails_on_every_rank():
 
 def test_config_validation():
     for bad in ({"scheme": "nope"}, {"density": 0.0}, {"density": 1.5}, {"sparsifier": "x"},
-                {"nonfinite": "ignore"}, {"warmup_steps": 0}, {"min_density": 0.5}):
+                {"nonfinite": "ignore"}, {"warmup_steps": 0}, {"min_density": 0.5},
+                {"momentum_masking": "no"}):
         with pytest.raises(ValueError):
             Config(**bad)
+    # the masking option reaches error feedback, in the engine and in the DDP hook
+    cfg = Config(scheme="per_tensor", momentum=0.9)  # the default: no masking
+    assert not cfg.momentum_masking and not cfg.new_feedback().masking
+    assert Config(momentum=0.9, momentum_masking=True).new_feedback().masking
+    assert not gradsync.ddp.HookState(cfg=cfg).ef.masking
+    sync = GradSync(build("mlp"), cfg)
+    assert not sync.ef.masking
+    sync.close()
     with pytest.raises(ValueError, match="unknown Config keys"):
         Config.from_dict({"scheme": "topka", "densty": 0.1})
     assert Config.from_dict({"scheme": "topka"}).scheme == "topka"

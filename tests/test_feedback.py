@@ -298,3 +298,40 @@ def test_precondition_between_accumulate_and_update_is_refused():
     ef.accumulate("w", torch.ones(2))
     with pytest.raises(ValueError, match="between"):
         ef.precondition("w", torch.ones(2))
+
+
+# -- momentum factor masking (Config.momentum_masking) ----------------------------------------
+@pytest.mark.parametrize("masking", [True, False])
+def test_an_entry_sent_every_step_with_and_without_masking(masking):
+    # entry 0 is sent at every step, entry 1 never; gradient 1 for both, m = 0.9
+    m, steps = 0.9, 100
+    ef = ErrorFeedback(momentum=m, masking=masking)
+    sent = []
+    for _ in range(steps):
+        acc = ef.accumulate("w", torch.ones(2, dtype=torch.float64))
+        sent.append(float(acc[0]))
+        ef.update("w", acc, torch.tensor([0]))
+    # dense SGD momentum's buffer, written out: b_t = m·b_{t-1} + 1
+    dense, b = [], 0.0
+    for _ in range(steps):
+        b = m * b + 1.0
+        dense.append(b)
+    if masking:  # DGC: the velocity is zeroed at each send, so each step moves by g only
+        assert sent == [1.0] * steps
+        assert sum(dense) / sum(sent) > 8  # ~1/(1 − m) of the momentum's steps are lost
+    else:  # the velocity carries on: exactly dense momentum's steps
+        assert sent == pytest.approx(dense, rel=1e-12)
+    # entry 1 (never sent) accumulates the same velocities either way
+    assert float(ef.residual("w")[1]) == pytest.approx(sum(dense), rel=1e-12)
+
+
+def test_masking_is_validated_and_part_of_the_state():
+    with pytest.raises(ValueError, match="masking"):
+        ErrorFeedback(momentum=0.9, masking=1)
+    saved = ErrorFeedback(momentum=0.9, masking=False).state_dict()
+    with pytest.raises(ValueError, match="masking"):
+        ErrorFeedback(momentum=0.9).load_state_dict(saved)
+    old = {k: v for k, v in ErrorFeedback(momentum=0.9).state_dict().items() if k != "masking"}
+    ErrorFeedback(momentum=0.9).load_state_dict(old)  # saved before the option: masking on
+    with pytest.raises(ValueError, match="masking"):
+        ErrorFeedback(momentum=0.9, masking=False).load_state_dict(old)

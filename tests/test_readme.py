@@ -132,13 +132,13 @@ def _run_adamw_snippet(rank: int, world_size: int) -> dict:
                 for p, q in zip(model.parameters(), build("cnn", seed=0).parameters()))
     sync.close()
     return {"worst": worst, "moved": moved, "W": ns["W"], "scheme": sync.cfg.scheme,
-            "linked": opt.sync is sync}
+            "linked": opt.sync is sync, "masking": sync.cfg.momentum_masking}
 
 
 def test_adamw_snippet_is_adamw_while_sent_whole():
     from gradsync.testing import run_distributed
 
     for r in run_distributed(_run_adamw_snippet, 2, timeout=240):
-        assert r["scheme"] == "topka" and r["W"] == 100 and r["linked"]
+        assert r["scheme"] == "topka" and r["W"] == 100 and r["linked"] and not r["masking"]
         assert r["moved"] > 3e-3  # three AdamW steps of lr 3e-3 moved the weights
         assert r["worst"] < 0.02 * 3e-3, r  # and they are AdamW's (tests/test_optim.py)

@@ -14,6 +14,7 @@ from typing import Any
 import torch
 
 from gradsync import sparsify
+from gradsync.feedback import ErrorFeedback
 from gradsync.schedule import schemes
 
 __all__ = ["ENGINE_SPARSIFIERS", "Config"]
@@ -40,6 +41,14 @@ class Config:
             ``redsync``, ``sidco``, ``randomk``). The ``gaussiank`` scheme always uses
             Gaussian-k, as the Ok-Topk paper runs it.
         momentum: DGC momentum correction inside error feedback (0 = plain error feedback).
+        momentum_masking: DGC's momentum factor masking: ``True`` zeroes the velocity of
+            every entry a compressed tensor sends (DGC §3.2). ``False`` (default) keeps it, so
+            every entry's cumulative update is exactly dense momentum's, only delayed; masking
+            drops the momentum's tail, which shrinks the step of entries sent at every step
+            by up to ``1 − momentum``, and more so the higher the density (measured: CNN, SGD,
+            10 %: 3.8 points below DDP with masking, 0.2 without; ``gradsync.feedback``,
+            "Masking"). Checkpoints saved before this option had masking on: resume them with
+            ``True``.
         warmup_steps: online-profiling iterations before a cost-model plan is fixed
             (SSFusion §IV-B uses 5).
         bucket_mb: fusion-buffer size of the ``dense`` schemes (DDP's 25 MB).
@@ -81,6 +90,7 @@ class Config:
     density: float = 0.01
     sparsifier: str = "dgc"
     momentum: float = 0.0
+    momentum_masking: bool = False
     warmup_steps: int = 5
     bucket_mb: float = 25.0
     min_density: float = 0.001
@@ -104,6 +114,9 @@ class Config:
                              f"{', '.join(s for s in ENGINE_SPARSIFIERS if s in sparsify.names())}")
         if not 0.0 <= self.momentum < 1.0:
             raise ValueError(f"Config.momentum must be in [0, 1), got {self.momentum!r}")
+        if not isinstance(self.momentum_masking, bool):
+            raise ValueError(f"Config.momentum_masking must be True or False, got "
+                             f"{self.momentum_masking!r}")
         if int(self.warmup_steps) != self.warmup_steps or self.warmup_steps < 1:
             raise ValueError(f"Config.warmup_steps must be an integer >= 1, got "
                              f"{self.warmup_steps!r}")
@@ -168,6 +181,12 @@ class Config:
     def feedback_dtype(self) -> torch.dtype | str | None:
         """``residual_dtype`` as :class:`gradsync.feedback.ErrorFeedback` takes it."""
         return RESIDUAL_DTYPES[self.residual_dtype]
+
+    def new_feedback(self) -> ErrorFeedback:
+        """A fresh :class:`~gradsync.feedback.ErrorFeedback` as this config sets it up
+        (momentum, masking, residual dtype)."""
+        return ErrorFeedback(momentum=self.momentum, residual_dtype=self.feedback_dtype,
+                             masking=self.momentum_masking)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:

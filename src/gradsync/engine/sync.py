@@ -69,7 +69,6 @@ from gradsync.engine.preconditioning import apply_scales
 from gradsync.engine.prepare import prepare
 from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.stats import StepStats
-from gradsync.feedback import ErrorFeedback
 from gradsync.schedule import Plan, costmodel
 from gradsync.sparsegrad import all_finite
 
@@ -132,7 +131,7 @@ class GradSync:
             if self.cfg.broadcast_initial:
                 # DDP's rule: every replica starts from rank 0's parameters and buffers
                 broadcast_states(model, group, src=0)
-        self.ef = ErrorFeedback(momentum=self.cfg.momentum, residual_dtype=self.cfg.feedback_dtype)
+        self.ef = self.cfg.new_feedback()
         self.step = 0
         self.plan: Plan | None = None
         self.cost: costmodel.CostModel | None = None
@@ -331,7 +330,7 @@ class GradSync:
         drift = self._drift_from(state)
         # build every component first, so a bad entry raises before the engine changes
         parts = self._parts.loaded(state)
-        ef = ErrorFeedback(momentum=self.cfg.momentum, residual_dtype=self.cfg.feedback_dtype)
+        ef = self.cfg.new_feedback()
         ef.load_state_dict(state["feedback"])
         cost = costmodel.CostModel.from_dict(state["cost"]) if state["cost"] else None
         plan = Plan.from_dict(state["plan"]) if state["plan"] is not None else None

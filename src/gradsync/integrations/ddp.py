@@ -114,7 +114,7 @@ class HookState:
                              f"{self.cfg.scheme!r} (use gradsync.GradSync for the others)")
         if self.small_numel < 0:
             raise ValueError(f"small_numel must be >= 0, got {self.small_numel}")
-        self.ef = ErrorFeedback(momentum=self.cfg.momentum, residual_dtype=self.cfg.feedback_dtype)
+        self.ef = self.cfg.new_feedback()
         options = {k: getattr(self.cfg, k) for k in self.scheme.collective_options}
         self.collective = collectives.get(self.scheme.collective, **options)
 
@@ -218,7 +218,7 @@ class HookState:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` of this rank; raises before changing anything."""
         self.check_compatible(state)
-        ef = ErrorFeedback(momentum=self.cfg.momentum, residual_dtype=self.cfg.feedback_dtype)
+        ef = self.cfg.new_feedback()
         ef.load_state_dict(state["feedback"])
         sparsifiers = {}
         for k, s in state["sparsifiers"].items():

@@ -15,9 +15,9 @@ What it is built from (no new model, only a choice between the existing ones):
 **Options per buffer.** ``dense``: the buffer is all-reduced as it is (T_AR of its n·K bytes),
 exactly DDP's bucket; when a plan with sparse tensors is replaced, the engine first runs one
 step of :func:`flushing` (the dense buffers in their all-reduce part *with* error feedback), so
-a residual left by a sparse step is sent, never stranded (with DGC momentum correction a tensor
-sent whole keeps no velocity anyway: factor masking clears every sent entry, so error feedback
-on a dense buffer would train exactly as the plain all-reduce does); ``fused``: the buffer is
+a residual left by a sparse step is sent, never stranded (with DGC momentum correction every
+dense buffer goes through error feedback anyway: its velocity carries on, as SGD's momentum
+buffer does); ``fused': the buffer is
 sparsified as one vector (multi-tensor, T_gpu of its n elements on the compute stream) and
 all-gathered (T_AG of k·(4+K) bytes per rank); ``inline``: every tensor sparsified on its own on the
 compute stream (layer-wise, no tensor misses the step) and all-gathered;

@@ -15,7 +15,8 @@
 DDP runs with ``broadcast_buffers=False`` (the engine does not synchronize buffers either).
 
 Momentum (DGC §3.2): with sparse updates SGD's momentum moves into error feedback (momentum
-correction, with factor masking on the compressed tensors only) and the optimizer itself runs
+correction; the velocity of sent entries carries on, ``Config.momentum_masking=False``) and
+the optimizer itself runs
 without momentum; otherwise the momentum of entries that are sent late is applied to stale
 values and the loss spikes. Tensors sent whole keep ordinary momentum inside error feedback
 (``gradsync.feedback``), so at density 1 this is exactly SGD with momentum. Dense schemes,
@@ -24,7 +25,8 @@ moment into error feedback the same way and runs :class:`gradsync.optim.FrozenVa
 exact AdamW while the gradients are sent whole (``TrainSpec.adam_freeze_step`` steps, the
 engine's ``density_warmup`` starts with them), then the variance frozen (1-bit Adam's recipe)
 and handed to error feedback as preconditioning scales, so the selection ranks entries by what
-they move (``Runner.preconditioner``; :mod:`gradsync.optim`).
+they move (``Runner.preconditioner``; :mod:`gradsync.optim`). Error feedback keeps the velocity
+of the entries it sends (``Config.momentum_masking=False``, the default), with SGD and AdamW.
 """
 
 from __future__ import annotations

@@ -288,10 +288,11 @@ class TrainSpec:
                 "optimizer": (
                     "adamw(sparse schemes: gradsync.optim.FrozenVarianceAdamW, DGC momentum "
                     "correction 0.9 in error feedback, variance frozen after adam_warmup steps "
-                    "sent whole, then 1/(sqrt(v)+eps) preconditions error feedback)"
+                    "sent whole, then 1/(sqrt(v)+eps) preconditions error feedback; no "
+                    "momentum factor masking)"
                 ) if self.adamw else (
                     "sgd(momentum=0.9; sparse schemes: momentum 0 in SGD, DGC momentum "
-                    "correction 0.9 in error feedback)"),
+                    "correction 0.9 in error feedback, no momentum factor masking)"),
                 "text_fallback": self.text_fallback,
                 "density": self.density, "sparsifier": self.sparsifier, "seed": self.seed,
                 "warmup_steps": self.warmup_steps, "eval_batches": self.eval_batches,
