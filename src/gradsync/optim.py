@@ -33,9 +33,10 @@ Adam would move a small-gradient layer (LayerNorm, embeddings) as far. Given the
 feedback then accumulates and compresses ``s ⊙ u``, and the optimizer applies
 ``p ← p − lr · m̂_t`` without dividing. Sent whole this is the same update (linear in ``u``);
 compressed, the selection ranks entries by what they move. Measured on TinyGPT (1 %, P = 4,
-3 seeds, held-out perplexity; DDP 17.03 at 60 steps, 10.84 at 200): TopkA 23.05 → 20.57 at 60
-steps and 12.99 → 12.44 at 200, SSFusion 27.85 → 24.27 and 16.46 → 13.90; per_tensor, whose
-budget is per tensor, gains least (22.36 → 21.26, 12.57 → 12.54).
+3 seeds, held-out perplexity, 60 steps, DDP 17.03; momentum factor masking still on then): TopkA
+23.05 → 20.15, SSFusion 27.85 → 24.15, Ok-Topk 24.18 → 21.35; per_tensor, whose budget is per
+tensor, gains least (22.36 → 20.93). At 600 steps (2 seeds, DDP 7.74): TopkA 8.53 → 8.40,
+SSFusion 9.45 → 9.19, per_tensor 8.50 → 8.54.
 
 **Safeguard.** An entry with (almost) no gradient during the warm-up has a variance near 0, and a
 frozen 0 would turn its first later gradient into a step of ``lr / eps``; at the freeze every
