@@ -8,7 +8,7 @@ are small (a LayerNorm, a deep layer) but whose ``d`` is small too moves as much
 With the scale ``s = 1 / d`` handed to error feedback (:meth:`ErrorFeedback.precondition`), the
 selection ranks ``|s ⊙ acc|`` — the entries' contributions to the update — and the optimizer
 applies what arrives without dividing. Sent whole, nothing changes: the update is linear in
-``acc`` either way (tests/test_optim.py checks it at density 1 across the freeze).
+``acc`` either way (tests/test_preconditioning.py checks it at density 1 across the freeze).
 
 :func:`apply_scales` is the one helper :meth:`gradsync.GradSync.precondition` and the DDP hook's
 :meth:`~gradsync.integrations.ddp.HookState.precondition` share: it names the tensors, checks
