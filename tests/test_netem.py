@@ -175,8 +175,13 @@ def _my_workers() -> list[int]:
     return found
 
 
+# The holder starts as an ordinary program would: SIGINT raising KeyboardInterrupt, SIGTERM at its
+# default. It inherits the pytest worker's dispositions otherwise, and an xdist worker has been
+# seen with SIGINT ignored (SIGINT in /proc/<holder>/status SigIgn), so SIGINT never arrived.
 _HOLD = """
-import sys, time
+import signal, sys, time
+signal.signal(signal.SIGINT, signal.default_int_handler)
+signal.signal(signal.SIGTERM, signal.SIG_DFL)
 from gradsync.testing.netem import shaped_world
 with shaped_world(2, "10mbit") as w:
     print(w.tag, flush=True)
