@@ -40,24 +40,25 @@ def apply_scales(ef: ErrorFeedback, scales: Mapping[object, torch.Tensor], resol
     named: dict[str, torch.Tensor] = {}
     for key, s in scales.items():
         name, shape = resolve(key)
-        if not isinstance(s, torch.Tensor) or not s.is_floating_point():
-            raise ValueError(f"{owner}.precondition: the scale of {name!r} must be a floating "
-                             f"tensor, got {type(s).__name__}")
+        if not isinstance(s, torch.Tensor):
+            raise ValueError(f"{owner}.precondition: the scale of {name!r} must be a tensor, "
+                             f"got {type(s).__name__}")
         if tuple(s.shape) != tuple(shape):
             raise ValueError(f"{owner}.precondition: the scale of {name!r} has shape "
                              f"{tuple(s.shape)}, the parameter {tuple(shape)}")
         if name in named:
             raise ValueError(f"{owner}.precondition: {name!r} given twice")
-        named[name] = s.detach().to(torch.float32)  # stays on its device
+        named[name] = s.detach()  # stays on its device and in its dtype until checked
     order = sorted(named)
     check_same_tensors([(n, named[n]) for n in order], f"{owner}.precondition: the scales",
                        group)
     # identical on every rank now, so a bad value fails on every rank alike, before any change
+    checked = {}
     for n in order:
         try:
-            check_scale(n, named[n])
+            checked[n] = check_scale(n, named[n])
         except ValueError as e:
             raise ValueError(f"{owner}.precondition: {e}") from None
     for n in order:
-        ef.precondition(n, named[n])
+        ef.precondition(n, checked[n])
     return order
