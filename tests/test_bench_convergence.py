@@ -181,3 +181,46 @@ def test_readme_accuracy_paragraph_links_the_written_results():
     a = conv.parse_args(shlex.split(command.removeprefix(prefix)))
     assert "ddp" in a.scheme_list and a.seeds >= 2
     assert "| scheme |" in page and "Δ vs ddp [95% CI]" in page
+
+
+def _curve(points: list[tuple[int, float]], key: str = "test_accuracy") -> list[dict]:
+    return [{"step": s, "elapsed_s": 0.0, key: v} for s, v in points]
+
+
+def test_ddp_steps_for_interpolates_on_ddp_mean_curve():
+    # ddp's two seeds average to 0.5, 0.7, 0.8 at steps 10, 20, 30
+    ddp = [_curve([(10, 0.4), (20, 0.6), (30, 0.8)]), _curve([(10, 0.6), (20, 0.8), (30, 0.8)])]
+    f = conv.ddp_steps_for
+    assert f(ddp, "test_accuracy", True, 0.75) == {"step": pytest.approx(25.0), "bound": "="}
+    assert f(ddp, "test_accuracy", True, 0.7) == {"step": pytest.approx(20.0), "bound": "="}
+    assert f(ddp, "test_accuracy", True, 0.45) == {"step": 10.0, "bound": "≤"}
+    assert f(ddp, "test_accuracy", True, 0.85) == {"step": 30.0, "bound": "≥"}
+    # perplexity: lower is better; 20, 15, 10 → 12 is reached 3/5 of the way from 20 to 30
+    lm = [_curve([(10, 20.0), (20, 15.0), (30, 10.0)], "perplexity")]
+    assert f(lm, "perplexity", False, 12.0) == {"step": pytest.approx(26.0), "bound": "="}
+    assert f(lm, "perplexity", False, 9.0) == {"step": 30.0, "bound": "≥"}
+    # no history, or seeds evaluated at different steps: nothing to say
+    assert f([[]], "perplexity", False, 12.0) is None
+    assert f([_curve([(10, 0.5)]), _curve([(20, 0.5)])], "test_accuracy", True, 0.5) is None
+
+
+def test_aggregate_and_table_give_ddp_equivalent_steps():
+    per_seed = {
+        1: [{"scheme": "ddp", **_run(0.80, [(10, 0.5, 0.60), (20, 1.0, 0.80)])},
+            {"scheme": "a", **_run(0.70, [(10, 0.5, 0.50), (20, 1.0, 0.70)])},
+            {"scheme": "b", **_run(0.90, [(10, 0.5, 0.50), (20, 1.0, 0.90)])}],
+        2: [{"scheme": "ddp", **_run(0.80, [(10, 0.5, 0.60), (20, 1.0, 0.80)])},
+            {"scheme": "a", **_run(0.76, [(10, 0.5, 0.50), (20, 1.0, 0.76)])},
+            {"scheme": "b", **_run(0.50, [(10, 0.5, 0.50), (20, 1.0, 0.50)])}],
+    }
+    rows = conv.aggregate("cnn", "image", per_seed, ["ddp", "a", "b"])
+    by = {r["scheme"]: r for r in rows}
+    # a's mean 0.73 lies 0.65 of the way from ddp's 0.60 (step 10) to 0.80 (step 20)
+    assert by["a"]["ddp_steps"]["step"] == pytest.approx(16.5)
+    assert by["ddp"]["ddp_steps"] == {"step": pytest.approx(20.0), "bound": "="}
+    # b's mean 0.70 → step 15
+    assert by["b"]["ddp_steps"]["step"] == pytest.approx(15.0)
+    cols, cells = conv.table(rows, {"metric": "test_accuracy", "steps": 20})
+    assert cols[-1] == "ddp steps to its mean"
+    cell = {c[0]: c[-1] for c in cells}
+    assert cell == {"ddp": "20 (100 %)", "a": "16 (82 %)", "b": "15 (75 %)"}

@@ -52,9 +52,13 @@ def print_table(title: str, columns: Sequence[str], rows: Sequence[Sequence[Any]
     table = Table(title=title)
     for c in columns:
         table.add_column(str(c), justify="right")
-    for r in rows:
-        table.add_row(*[_fmt(v) for v in r])
-    Console(width=max(100, 14 * len(columns))).print(table)
+    cells = [[_fmt(v) for v in r] for r in rows]
+    for r in cells:
+        table.add_row(*r)
+    # wide enough that no header or cell wraps (3 characters of padding and rule per column)
+    widest = sum(max([len(str(c))] + [len(r[i]) for r in cells if i < len(r)]) + 3
+                 for i, c in enumerate(columns)) + 1
+    Console(width=max(100, 14 * len(columns), widest)).print(table)
 
 
 def _fmt(v: Any) -> str:

@@ -27,7 +27,10 @@ torch.distributed call, the train summary's ``bytes_per_step``, mean over seeds)
 and rank-0 training seconds (evaluation excluded) until the first evaluation point at which
 the scheme reaches 99 % of DDP's mean final accuracy (perplexity: at most DDP's / 0.99), mean
 over the seeds that reach it, with how many did ("not reached" otherwise; the resolution is
-the evaluation spacing).
+the evaluation spacing); and the other way round, the step at which DDP's mean curve reaches
+the scheme's mean final value (:func:`ddp_steps_for`, linear between evaluation points, with
+its share of the budget): how many of DDP's steps the scheme's budget was worth, the extra
+training a compressed run needs to match DDP.
 
 Writes ``<out>/convergence.json`` (rows per model, every seed's final value, bytes and
 history) and ``<out>/convergence.png`` (metric against step, mean with a ±1 std band per
@@ -189,6 +192,35 @@ def _metric(task: str) -> tuple[str, bool]:
     return ("test_accuracy", True) if task == "image" else ("perplexity", False)
 
 
+def ddp_steps_for(ddp_histories: list[list[dict]], key: str, higher: bool, value: float
+                  ) -> dict[str, Any] | None:
+    """The step at which DDP's mean curve reaches ``value``: how many of DDP's steps a
+    scheme's budget was worth when its final mean is ``value``.
+
+    DDP's curve is the mean over seeds at each evaluation point (every seed must have the same
+    points); the step is interpolated linearly between the last point that falls short of
+    ``value`` and the first that reaches it. ``{"step": s, "bound": "="}``; ``"≤"`` with the
+    first point when DDP had reached ``value`` already there; ``"≥"`` with the last point when
+    it never does (the scheme ends better than DDP). ``None`` without a usable history."""
+    if not ddp_histories or not all(ddp_histories) or any(
+            [p["step"] for p in h] != [p["step"] for p in ddp_histories[0]]
+            for h in ddp_histories):
+        return None
+    steps = [p["step"] for p in ddp_histories[0]]
+    curve = [statistics.fmean(h[i][key] for h in ddp_histories) for i in range(len(steps))]
+
+    def reaches(v: float) -> bool:
+        return v >= value if higher else v <= value
+
+    i = next((i for i, v in enumerate(curve) if reaches(v)), None)
+    if i is None:
+        return {"step": float(steps[-1]), "bound": "≥"}
+    if i == 0:
+        return {"step": float(steps[0]), "bound": "≤"}
+    (s0, v0), (s1, v1) = (steps[i - 1], curve[i - 1]), (steps[i], curve[i])
+    return {"step": s0 + (s1 - s0) * (value - v0) / (v1 - v0), "bound": "="}
+
+
 def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
               schemes: list[str]) -> list[dict]:
     """Rows per scheme from ``per_seed[seed] = [{"scheme", "final", "bytes_per_step",
@@ -209,10 +241,12 @@ def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
             "mean": statistics.fmean(finals), "std": _std(finals),
             "bytes_per_step": statistics.fmean([r["bytes_per_step"] for r in by[s]]),
             "diff_vs_ddp": None, "target": target, "steps_to_target": None,
-            "seconds_to_target": None, "reached": None,
+            "seconds_to_target": None, "reached": None, "ddp_steps": None,
             "history": [r["history"] for r in by[s]]}
         if ddp is not None:
             row["diff_vs_ddp"] = paired_ci(finals, [r["final"] for r in ddp])
+            row["ddp_steps"] = ddp_steps_for([r["history"] for r in ddp], key, higher,
+                                             row["mean"])
         if target is not None and all(r["history"] for r in by[s]):
             hits = []
             for r in by[s]:
@@ -277,7 +311,7 @@ def table(rows: list[dict], info: dict) -> tuple[list[str], list[list[str]]]:
     scale = 100.0 if acc else 1.0
     name = "test acc %" if acc else "perplexity"
     cols = ["scheme", f"{name} mean ± std", "Δ vs ddp [95% CI]", "MB/step",
-            "steps to target", "s to target"]
+            "steps to target", "s to target", "ddp steps to its mean"]
     out = []
     for r in rows:
         std = "" if r["std"] is None else f" ± {scale * r['std']:.2f}"
@@ -297,8 +331,15 @@ def table(rows: list[dict], info: dict) -> tuple[list[str], list[list[str]]]:
         else:
             k = f" ({r['reached']}/{len(r['seeds'])})" if r["reached"] < len(r["seeds"]) else ""
             st, ss = f"{r['steps_to_target']:.0f}{k}", f"{r['seconds_to_target']:.1f}{k}"
+        eq = r.get("ddp_steps")
+        if eq is None:
+            ecell = "n/a"
+        else:
+            last = info.get("steps")
+            share = f" ({100 * eq['step'] / last:.0f} %)" if last and eq["bound"] == "=" else ""
+            ecell = f"{'' if eq['bound'] == '=' else eq['bound'] + ' '}{eq['step']:.0f}{share}"
         out.append([r["scheme"], f"{scale * r['mean']:.2f}{std}", dcell,
-                    f"{r['bytes_per_step'] / 1e6:.4f}", st, ss])
+                    f"{r['bytes_per_step'] / 1e6:.4f}", st, ss, ecell])
     return cols, out
 
 
@@ -366,6 +407,9 @@ def write_docs(path: Path, results: list[tuple[list[dict], dict]], command: str,
              "- target: 99 % of ddp's mean final accuracy (perplexity: ddp's / 0.99); steps "
              "and rank-0 training seconds to the first evaluation point that reaches it "
              "(resolution: the evaluation spacing), mean over the seeds that reach it.",
+             "- ddp steps to its mean: the step at which ddp's mean curve reaches the "
+             "scheme's mean final value (linear between evaluation points; ≤: already at the "
+             "first point, ≥: never), with its share of the budget.",
              "- MB/step: bytes each rank sends per step, counted at the torch.distributed "
              "call (train's `bytes_per_step`: mean over ranks and the steps after the first "
              "warmup_steps + 1), mean over seeds.", ""]
@@ -425,5 +469,5 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_SCHEMES", "T975", "aggregate", "main", "paired_ci", "parse_args", "t975",
-           "table", "write_docs"]
+__all__ = ["DEFAULT_SCHEMES", "T975", "aggregate", "ddp_steps_for", "main", "paired_ci",
+           "parse_args", "t975", "table", "write_docs"]
