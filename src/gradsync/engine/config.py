@@ -16,6 +16,7 @@ import torch
 from gradsync import sparsify
 from gradsync.feedback import ErrorFeedback
 from gradsync.schedule import schemes
+from gradsync.schedule.plan import Plan
 
 __all__ = ["ENGINE_SPARSIFIERS", "Config"]
 
@@ -84,6 +85,18 @@ class Config:
         density_warmup_steps: the length of one warm-up period in synchronized steps (an
             epoch's steps for DGC's per-epoch schedule); required (> 0) with
             ``density_warmup``.
+        plan: a plan to run instead of the one the scheme's planner would make (``None``,
+            default: plan as usual). The schemes whose row in the table of schemes
+            ``needs_cost_model`` (``multi_tensor``, ``cupcake``, ``ssfusion*``, ``auto``, …)
+            plan from times measured in the warm-up, so two runs with the same seed can get
+            different plans, and hence different (equally valid) results. To replay a run,
+            pass its plan: ``GradSync.plan.to_dict()``, the ``plan`` of a run in ``train``'s
+            ``metrics.json``, or an entry of its ``plans.json``. It must be a
+            :class:`~gradsync.schedule.plan.Plan` dict made for this ``scheme``; the engine
+            checks at construction that it lists every synchronized tensor once with its
+            size. The warm-up steps still run as usual (so a replay is bitwise the original
+            run), but nothing is profiled and ``auto`` never re-plans. The DDP hook does not
+            take one (it decides per DDP bucket).
     """
 
     scheme: str = "ssfusion_oi"
@@ -103,6 +116,7 @@ class Config:
     residual_dtype: str = "auto"
     density_warmup: tuple[float, ...] = ()
     density_warmup_steps: int = 0
+    plan: dict[str, Any] | None = None
 
     def __post_init__(self) -> None:
         if self.scheme not in schemes.SCHEMES:
@@ -158,6 +172,19 @@ class Config:
                 or (w and self.density_warmup_steps == 0)):
             raise ValueError(f"Config.density_warmup_steps must be an integer >= 0, and > 0 with "
                              f"density_warmup, got {self.density_warmup_steps!r}")
+
+        if self.plan is not None:
+            if not isinstance(self.plan, dict):
+                raise ValueError(f"Config.plan must be a plan dict (Plan.to_dict()) or None, "
+                                 f"got {type(self.plan).__name__}")
+            try:
+                plan = Plan.from_dict(self.plan)
+            except ValueError as e:
+                raise ValueError(f"Config.plan is not a valid plan: {e}") from None
+            if plan.scheme != self.scheme:
+                raise ValueError(f"Config.plan was made for scheme {plan.scheme!r}, this "
+                                 f"config runs {self.scheme!r}")
+            object.__setattr__(self, "plan", plan.to_dict())  # a normalised copy
 
     def density_at(self, step: int) -> float:
         """The density of synchronized step ``step`` (``density_warmup``, then ``density``)."""

@@ -78,7 +78,7 @@ __all__ = ["GradSync"]
 # (nonfinite, timeout_s and check_every may change between runs.)
 _RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "warmup_steps", "bucket_mb",
                   "min_density", "seed", "local_tau_prime", "residual_dtype", "density_warmup",
-                  "density_warmup_steps")
+                  "density_warmup_steps", "plan")
 
 
 class GradSync:
@@ -137,6 +137,7 @@ class GradSync:
         self.cost: costmodel.CostModel | None = None
         self._parts = Components(self.cfg, self.rank)
         self._numel = {n: p.numel() for n, p in self.params.items()}
+        self._given = warmup.given_plan(self.cfg, self._numel)  # Config.plan, checked
         self._warmup = warmup.Warmup.for_config(self.cfg)
         self._drift = warmup.Drift.for_config(self.cfg, self.P)  # auto's re-planning
         self._last_done: float | None = None  # when the last watched step ended (auto)
@@ -238,7 +239,9 @@ class GradSync:
         self._run = StepRun()
         if profiling:
             self._warmup.left -= 1
-            if self._warmup.left == 0:
+            if self._warmup.left == 0 and self._given is not None:
+                self._set_plan(self._given)  # a replay: nothing to profile or plan
+            elif self._warmup.left == 0:
                 comm = Comm(self.group)
                 plan, self.cost = warmup.final_plan(
                     self.cfg, self._warmup.samples, list(self.params), self._numel,

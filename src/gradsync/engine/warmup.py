@@ -164,6 +164,24 @@ def provisional_plan(cfg: Config, order: list[str], numel: dict[str, int]) -> Pl
     return plan
 
 
+def given_plan(cfg: Config, numel: dict[str, int]) -> Plan | None:
+    """``Config.plan`` as a :class:`Plan`, checked against the synchronized tensors (``numel``:
+    name → size): every one listed exactly once, with its size; ``None`` without one."""
+    if cfg.plan is None:
+        return None
+    plan = Plan.from_dict(cfg.plan)
+    listed = {t.name: t.numel for b in plan.buffers for t in b.tensors}
+    missing = sorted(set(numel) - set(listed))
+    unknown = sorted(set(listed) - set(numel))
+    sizes = sorted(n for n in set(listed) & set(numel) if listed[n] != numel[n])
+    if missing or unknown or sizes:
+        why = [f"{what} {names[:5]}" for what, names in (
+            ("missing", missing), ("not synchronized here", unknown), ("sizes differ for", sizes))
+            if names]
+        raise ValueError(f"Config.plan does not fit this model: {'; '.join(why)}")
+    return plan
+
+
 def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str],
                numel: dict[str, int], elem_bytes: int, sparsifier: str,
                group: dist.ProcessGroup | None, rank: int, P: int, device=None,
@@ -423,7 +441,8 @@ class Drift:
     @classmethod
     def for_config(cls, cfg: Config, P: int) -> Drift | None:
         """A watch for ``auto`` with more than one rank; ``None`` otherwise."""
-        return cls() if schemes.get(cfg.scheme).planner == "auto" and P > 1 else None
+        auto = schemes.get(cfg.scheme).planner == "auto"
+        return cls() if auto and P > 1 and cfg.plan is None else None
 
     def record(self, step_s: float, allreduce_s: float, allgather_s: float, sparsify_s: float,
                backward_s: float, iteration_s: float | None = None) -> None:

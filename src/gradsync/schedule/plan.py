@@ -12,11 +12,15 @@ tensor exactly once. Buffer modes (SSFusion §II-D):
   (``offload``, SSFusion-O), and dense tensors either in the buffer's all-gather part or in its
   all-reduce part (``allreduce``, SSFusion-I).
 
-Plans are JSON-safe (``to_dict`` / ``from_dict``) so rank 0 can plan and broadcast.
+Plans are JSON-safe (``to_dict`` / ``from_dict``) so rank 0 can plan and broadcast, and a run's
+plan can be saved and handed back (``Config.plan``) to replay it. ``digest()`` names a plan's
+structure (what decides the numerics: buffers, modes, densities, offload and all-reduce
+choices, overlap), not its ``info``.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 from dataclasses import dataclass, field
 from typing import Any
@@ -138,6 +142,13 @@ class Plan:
         return {"scheme": self.scheme, "overlap": self.overlap,
                 "buffers": [b.to_dict() for b in self.buffers],
                 "info": json.loads(json.dumps(self.info, default=str))}
+
+    def digest(self) -> str:
+        """12 hex digits of SHA-256 over the plan's structure (scheme, overlap, buffers; not
+        ``info``): two runs with the same digest sent every tensor the same way."""
+        d = self.to_dict()
+        del d["info"]
+        return hashlib.sha256(json.dumps(d, sort_keys=True).encode()).hexdigest()[:12]
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Plan:
