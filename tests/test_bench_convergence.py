@@ -254,3 +254,26 @@ def test_readme_longer_budget_claim_holds_in_the_written_results():
     assert 0.0 < rel_gap(long) < rel_gap(short)
     eq = long["topka"]["ddp_steps"]
     assert eq["bound"] == "=" and 0.7 <= eq["step"] / long_steps <= 0.9
+
+
+def test_plans_note_names_schemes_whose_plan_varied_across_seeds():
+    rows = [{"scheme": "topka", "seeds": [1, 2, 3], "plans": ["a", "a", "a"]},
+            {"scheme": "multi_tensor", "seeds": [1, 2, 3], "plans": ["b", "c", "b"]},
+            {"scheme": "ddp", "seeds": [1, 2, 3], "plans": [None, None, None]}]
+    note = conv.plans_note(rows)
+    assert "multi_tensor (2 plans in 3 seeds)" in note and "topka" not in note
+    assert "ddp" not in note and "`train --plan`" in note
+    assert conv.plans_note(rows[:1] + rows[2:]) == ""
+
+
+def test_tiny_run_records_plan_digests_and_plans(tmp_path, capsys):
+    argv = ["--model", "cnn", "--data", "synthetic", "--schemes", "ddp,multi_tensor",
+            "--seeds", "1", "--steps", "4", "--world-size", "2", "--batch-size", "4",
+            "--eval-points", "1", "--image-eval-batches", "1", "--out", str(tmp_path)]
+    assert conv.main(argv) == 0
+    rows = {r["scheme"]: r for r in json.loads((tmp_path / "convergence.json").read_text())["rows"]}
+    assert rows["ddp"]["plans"] == [None]
+    plans = json.loads((tmp_path / "plans-cnn-seed1.json").read_text())
+    from gradsync.schedule import Plan
+
+    assert rows["multi_tensor"]["plans"] == [Plan.from_dict(plans["multi_tensor"]).digest()]

@@ -217,8 +217,10 @@ def test_spec_fills_model_defaults_validates_and_pickles():
     assert list(cfg) == ["model", "data", "schemes", "world_size", "steps", "epochs",
                          "batch_size", "lr", "optimizer", "text_fallback", "density",
                          "sparsifier", "seed", "warmup_steps", "eval_batches",
-                         "density_warmup", "adam_warmup", "bandwidth", "latency"]
+                         "density_warmup", "adam_warmup", "bandwidth", "latency",
+                         "replayed_plans"]
     assert cfg["world_size"] == 4 and cfg["schemes"] == ["ddp", "oktopk"]
+    assert cfg["replayed_plans"] == []
     assert pickle.loads(pickle.dumps(gpt)) == gpt  # every rank receives it
     for kw, field in [({"steps": 0}, "steps"), ({"steps": 2, "epochs": 1.0}, "epochs"),
                       ({"epochs": -1.0}, "epochs"), ({"latency": "5ms"}, "latency"),

@@ -32,11 +32,14 @@ the scheme's mean final value (:func:`ddp_steps_for`, linear between evaluation 
 its share of the budget): how many of DDP's steps the scheme's budget was worth, the extra
 training a compressed run needs to match DDP.
 
-Writes ``<out>/convergence.json`` (rows per model, every seed's final value, bytes and
-history) and ``<out>/convergence.png`` (metric against step, mean with a ±1 std band per
-scheme). ``--write-docs`` also writes ``docs/results/convergence.md`` (the tables, the exact
-command, the date, the machine and its load) and copies the JSON and PNG beside it under the
-same name (``convergence.json``/``.png``; ``--write-docs docs/results/lm.md``: ``lm.json``…).
+Writes ``<out>/convergence.json`` (rows per model, every seed's final value, bytes, history
+and plan digest), ``<out>/convergence.png`` (metric against step, mean with a ±1 std band per
+scheme) and ``<out>/plans-<model>-seed<s>.json`` (each job's engine plans, what ``train
+--plan`` replays: the schemes that plan from measured times may plan differently per seed,
+and the page says which did). ``--write-docs`` also writes ``docs/results/convergence.md``
+(the tables, the exact command, the date, the machine and its load) and copies the JSON and
+PNG beside it under the same name (``convergence.json``/``.png``; ``--write-docs
+docs/results/lm.md``: ``lm.json``…).
 
 Cost (measured 2026-11-23 on the 2-core machine while loaded, load average 13–17, so the
 4 ranks got a fraction of the 2 cores): ``train --model cnn`` with 2 schemes × 80 steps × 4
@@ -53,6 +56,7 @@ minutes (an extrapolation; the TinyGPT part of the default study was not run her
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shlex
@@ -224,7 +228,7 @@ def ddp_steps_for(ddp_histories: list[list[dict]], key: str, higher: bool, value
 def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
               schemes: list[str]) -> list[dict]:
     """Rows per scheme from ``per_seed[seed] = [{"scheme", "final", "bytes_per_step",
-    "history"}, …]`` (see the module docstring for the fields)."""
+    "history", "plan_digest" (optional)}, …]`` (see the module docstring for the fields)."""
     key, higher = _metric(task)
     seeds = sorted(per_seed)
     by = {s: [next(r for r in per_seed[sd] if r["scheme"] == s) for sd in seeds] for s in schemes}
@@ -242,6 +246,7 @@ def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
             "bytes_per_step": statistics.fmean([r["bytes_per_step"] for r in by[s]]),
             "diff_vs_ddp": None, "target": target, "steps_to_target": None,
             "seconds_to_target": None, "reached": None, "ddp_steps": None,
+            "plans": [r.get("plan_digest") for r in by[s]],
             "history": [r["history"] for r in by[s]]}
         if ddp is not None:
             row["diff_vs_ddp"] = paired_ci(finals, [r["final"] for r in ddp])
@@ -279,11 +284,16 @@ def _run_model(a: argparse.Namespace, model: str) -> tuple[list[dict], dict]:
         except (DistributedError, DistributedTimeout) as e:
             raise RuntimeError(f"{model} seed {seed} failed: {e}") from e
         runs = train.summarize(results, spec.warmup_steps)
+        plans = {r["scheme"]: r["plan"] for r in runs if r.get("plan") is not None}
+        if plans:  # what `train --plan` replays
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            (Path(a.out) / f"plans-{model}-seed{seed}.json").write_text(json.dumps(plans))
         rank0 = next(r for r in results if r["rank"] == 0)
         ev = rank0["runs"][0]["eval"]
         evaluated = ev.get("test_samples", ev.get("eval_tokens"))
         per_seed[seed] = [{"scheme": r["scheme"], "final": r["summary"][key],
                            "bytes_per_step": r["summary"]["bytes_per_step"],
+                           "plan_digest": r["summary"].get("plan_digest"),
                            "history": [{k: h[k] for k in ("step", "elapsed_s", key)}
                                        for h in rr.get("history", [])]}
                           for r, rr in zip(runs, rank0["runs"])]
@@ -386,6 +396,19 @@ def _plot(results: list[tuple[list[dict], dict]]):
     return plot
 
 
+def plans_note(rows: list[dict]) -> str:
+    """A sentence naming the schemes whose plan differed between seeds ("" when none did)."""
+    varied = [(r["scheme"], len({p for p in r.get("plans", []) if p}), len(r["seeds"]))
+              for r in rows if len({p for p in r.get("plans", []) if p}) > 1]
+    if not varied:
+        return ""
+    names = ", ".join(f"{s} ({n} plans in {k} seeds)" for s, n, k in varied)
+    return (f"Plans differed between seeds for {names}: these schemes plan from times "
+            "measured in their warm-up, so their spread includes the plan's. Each seed's plan "
+            "digest is in the JSON (`plans`), its plans in the `--out` folder "
+            "(`plans-<model>-seed<s>.json`, what `train --plan` replays).")
+
+
 def _machine_note() -> str:
     cpus = os.cpu_count() or 0
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
@@ -418,6 +441,9 @@ def write_docs(path: Path, results: list[tuple[list[dict], dict]], command: str,
         lines += [f"## {_title(info, len(rows[0]['seeds']) if rows else 0)}", "",
                   "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(c) + " |" for c in cells]
+        varied = plans_note(rows)
+        if varied:
+            lines += ["", varied]
         if info.get("text_fallback"):
             lines += ["", "Note: the text corpus is not installed; trained on gradsync's own "
                           "source text."]

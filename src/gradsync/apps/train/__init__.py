@@ -59,14 +59,18 @@ Time breakdown per step (SSFusion Fig. 13), in seconds:
 For ``ddp_gradsync_<s>`` only ``backward_s`` (all of ``loss.backward()``, its blocking hook
 included), bytes and the missing rate are recorded; the other three are NaN.
 
-``--out DIR`` writes ``metrics.json``, ``loss_vs_time.png`` and ``throughput.png``.
+``--out DIR`` writes ``metrics.json``, ``plans.json`` (scheme → the plan each engine run ended
+with), ``loss_vs_time.png`` and ``throughput.png``. ``--plan FILE`` replays such a
+``plans.json`` (``Config.plan``): the schemes that plan from times measured in their warm-up
+(``multi_tensor``, ``cupcake``, ``ssfusion*``, ``auto``, …) may otherwise plan differently, and
+so train differently, in two runs with the same seed.
 ``metrics.json`` schema (``"schema": "gradsync.train/1"``)::
 
     {
       "schema": "gradsync.train/1",
       "config": {model, data, schemes, world_size, steps, batch_size, lr, optimizer, density,
                  sparsifier, seed, warmup_steps, eval_batches, bandwidth, latency,
-                 text_fallback},
+                 text_fallback, replayed_plans (the schemes run with ``--plan``)},
       "environment": {torch, python, machine, cpus, load_avg, time, launcher
                       ("local"|"torchrun"), backend, device, link ("loopback"|"tbf …"),
                       shaped, bandwidth_bps, propagation_delay},
@@ -82,7 +86,9 @@ included), bytes and the missing rate are recorded; the other three are NaN.
                     "probing_steps", "settled_samples_per_s" (auto: measured steps up to its
                     last runner-up trial, and the median samples/s after them),
                     "test_accuracy", "test_samples" (images) | "eval_loss", "perplexity",
-                    "eval_tokens" (language models; masked LMs: over the masked tokens)}
+                    "eval_tokens" (language models; masked LMs: over the masked tokens),
+                    "plan_digest" (``Plan.digest()``; null outside the engine)},
+        "plan": the engine's plan at the end (``Plan.to_dict()``) | null
       }, …]
     }
 

@@ -5,10 +5,12 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import json
 import os
 import sys
 import time
 import warnings
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -66,7 +68,12 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
     p.add_argument("--latency", default=None,
                    help="tbf queueing bound (e.g. 50ms); NOT a propagation delay, which is not "
                         "emulated (see gradsync.testing.netem)")
-    p.add_argument("--out", default=None, help="write metrics.json and PNG plots here")
+    p.add_argument("--out", default=None,
+                   help="write metrics.json, plans.json and PNG plots here")
+    p.add_argument("--plan", default=None, metavar="FILE",
+                   help="replay the engine schemes' plans from an earlier --out's plans.json "
+                        "(the schemes that plan from measured times otherwise may plan "
+                        "differently in every run)")
     p.add_argument("--eval-batches", type=int, default=d["eval_batches"],
                    help="test batches for accuracy / perplexity (0 = no evaluation)")
     p.add_argument("--timeout", type=float, default=d["timeout"],
@@ -91,7 +98,7 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
             seed=a.seed, warmup_steps=a.warmup_steps, eval_batches=a.eval_batches,
             bandwidth=a.bandwidth, latency=a.latency, timeout=a.timeout, out=a.out,
             progress=not a.no_progress, fail_rank=a.fail_rank, density_warmup=a.density_warmup,
-            adam_warmup=a.adam_warmup)
+            adam_warmup=a.adam_warmup, plans=_read_plans(a.plan, p))
     except ValueError as e:
         p.error(str(e))
     try:  # a model needing a missing optional dependency fails here, not in every rank
@@ -99,6 +106,16 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
     except (ImportError, RuntimeError) as e:
         p.error(f"--model {spec.model}: {e}")
     return spec
+
+
+def _read_plans(path: str | None, p: argparse.ArgumentParser) -> dict | None:
+    """``--plan FILE``'s JSON (argument errors when it cannot be read)."""
+    if path is None:
+        return None
+    try:
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        p.error(f"--plan {path}: {e}")
 
 
 def launch(spec: TrainSpec) -> tuple[list[dict], dict]:

@@ -27,9 +27,11 @@ __all__ = ["evaluate", "progress_bar", "train_scheme", "train_worker"]
 def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                  device: torch.device, progress: Any = None) -> dict:
     """Train one scheme on this rank; returns ``{"scheme", "task", "records", "eval",
-    "history"}`` (``records``: one dict per step, the ``steps`` fields of ``metrics.json``;
-    ``eval``: rank 0's evaluation, empty elsewhere; ``history``: with ``spec.eval_every``, rank
-    0's ``{"step", "elapsed_s", **evaluation}`` every ``eval_every`` steps and at the end)."""
+    "history", "plan"}`` (``records``: one dict per step, the ``steps`` fields of
+    ``metrics.json``; ``eval``: rank 0's evaluation, empty elsewhere; ``history``: with
+    ``spec.eval_every``, rank 0's ``{"step", "elapsed_s", **evaluation}`` every ``eval_every``
+    steps and at the end; ``plan``: the engine's plan at the end, ``Plan.to_dict()``, or
+    ``None`` outside the engine)."""
     from gradsync.apps import models
 
     model = models.build(spec.model, seed=spec.seed).to(device)
@@ -84,12 +86,13 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
         evaluation = evaluate(model, task, data, spec.eval_batches) if rank == 0 else {}
         if rank == 0 and spec.eval_every:
             history.append({"step": steps, "elapsed_s": elapsed, **evaluation})
+        plan = runner.plan()
     finally:
         runner.close()
     if dist.is_initialized() and P > 1:
         dist.barrier()  # the next scheme starts together
     return {"scheme": choice.name, "task": task, "records": records, "eval": evaluation,
-            "history": history}
+            "history": history, "plan": plan}
 
 
 @torch.no_grad()

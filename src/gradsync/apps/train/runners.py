@@ -111,6 +111,10 @@ class Runner:
     def metering(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
+    def plan(self) -> dict[str, Any] | None:
+        """The plan the run ended with (``Plan.to_dict()``); ``None`` outside the engine."""
+        return None
+
     def before_backward(self) -> None:
         pass
 
@@ -133,8 +137,12 @@ class EngineRunner(Runner):
         from gradsync.engine import GradSync
 
         super().__init__(choice, model, spec, steps)
-        cfg = self.gradsync_config(spec, warmup_steps=spec.warmup_steps, timeout_s=spec.timeout)
+        cfg = self.gradsync_config(spec, warmup_steps=spec.warmup_steps, timeout_s=spec.timeout,
+                                   plan=(spec.plans or {}).get(choice.name))
         self.sync = self.preconditioner = GradSync(model, cfg)
+
+    def plan(self) -> dict[str, Any] | None:
+        return self.sync.plan.to_dict() if self.sync.plan is not None else None
 
     def after_backward(self) -> None:
         self.sync.synchronize()

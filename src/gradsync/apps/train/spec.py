@@ -132,6 +132,10 @@ class TrainSpec:
             the steps of exact AdamW, gradients sent whole, before the variance freezes
             (rounded up to whole ``density_warmup`` periods); ``None``:
             :data:`ADAM_WARMUP_SHARE` of the run's steps, at least 1.
+        plans: ``--plan FILE``: scheme → plan (``Config.plan``) for the engine schemes, as
+            ``plans.json`` of an earlier ``--out`` holds them; each engine scheme run must have
+            one, made for it (the others take none, extra entries are ignored). ``None``: every
+            engine scheme plans as usual.
     """
 
     model: str = "cnn"
@@ -158,6 +162,7 @@ class TrainSpec:
     device: str | None = None
     density_warmup: str | None = None
     adam_warmup: int | None = None
+    plans: dict[str, dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
         from gradsync.apps import models
@@ -226,6 +231,28 @@ class TrainSpec:
             self.warmup_schedule()  # raises on a malformed value
         if self.adam_warmup is not None:
             _int("adam_warmup", self.adam_warmup, 1)
+        if self.plans is not None:
+            self._check_plans()
+
+    def _check_plans(self) -> None:
+        from gradsync.schedule.plan import Plan
+
+        if not isinstance(self.plans, dict):
+            raise ValueError(f"plans must map scheme names to plans, got "
+                             f"{type(self.plans).__name__}")
+        engine = [c.name for c in self.choices if c.runner == "engine"]
+        missing = [s for s in engine if s not in self.plans]
+        if missing:
+            raise ValueError(f"plans: no plan for {missing} (it has "
+                             f"{sorted(self.plans) or 'none'})")
+        for name in engine:
+            try:
+                plan = Plan.from_dict(self.plans[name])
+            except ValueError as e:
+                raise ValueError(f"plans: the plan for {name!r} is not valid: {e}") from None
+            if plan.scheme != name:
+                raise ValueError(f"plans: the plan under {name!r} was made for scheme "
+                                 f"{plan.scheme!r}")
 
     def warmup_schedule(self) -> tuple[tuple[float, ...], int]:
         """``(Config.density_warmup, Config.density_warmup_steps)`` of :attr:`density_warmup`."""
@@ -297,7 +324,8 @@ class TrainSpec:
                 "density": self.density, "sparsifier": self.sparsifier, "seed": self.seed,
                 "warmup_steps": self.warmup_steps, "eval_batches": self.eval_batches,
                 "density_warmup": self.density_warmup, "adam_warmup": self.adam_warmup,
-                "bandwidth": self.bandwidth, "latency": self.latency}
+                "bandwidth": self.bandwidth, "latency": self.latency,
+                "replayed_plans": sorted(self.plans) if self.plans else []}
 
 
 def defaults() -> dict[str, Any]:

@@ -25,6 +25,7 @@ import torch
 
 from gradsync.apps.common import print_table
 from gradsync.apps.train.spec import TrainSpec
+from gradsync.schedule.plan import Plan
 
 __all__ = ["SCHEMA", "environment", "report", "summarize", "table_rows", "write_metrics"]
 
@@ -66,8 +67,10 @@ def summarize(results: list[dict], warmup_steps: int) -> list[dict]:
         s["probing_steps"] = last + 1
         s["settled_samples_per_s"] = _median([x["samples_per_s"] for x in meas[last + 1:]])
         s.update(run0["eval"])
+        plan = run0.get("plan")
+        s["plan_digest"] = None if plan is None else Plan.from_dict(plan).digest()
         runs.append({"scheme": run0["scheme"], "task": run0["task"], "steps": recs,
-                     "bytes_sent_per_rank": sent, "summary": s})
+                     "bytes_sent_per_rank": sent, "summary": s, "plan": plan})
     base = next((r["summary"] for r in runs if r["scheme"] == "ddp"), None)
     for r in runs:
         s = r["summary"]
@@ -107,12 +110,18 @@ def environment(launcher: str, backend: str, device: str, link: dict) -> dict:
 
 
 def write_metrics(out: str | Path, config: dict, env: dict, runs: list[dict]) -> list[Path]:
-    """``metrics.json`` plus ``loss_vs_time.png`` and ``throughput.png``; returns the paths."""
+    """``metrics.json``, ``plans.json`` (the engine runs' plans by scheme, what ``train --plan``
+    replays; only when there is one) plus ``loss_vs_time.png`` and ``throughput.png``; returns
+    the paths."""
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
     paths = [d / "metrics.json"]
     paths[0].write_text(json.dumps({"schema": SCHEMA, "config": config, "environment": env,
                                     "runs": runs}, indent=1, default=_json_default))
+    plans = {r["scheme"]: r["plan"] for r in runs if r.get("plan") is not None}
+    if plans:
+        paths.append(d / "plans.json")
+        paths[-1].write_text(json.dumps(plans, indent=1))
     import matplotlib
 
     matplotlib.use("Agg")
