@@ -164,6 +164,66 @@ def test_sparse_sum_is_the_left_fold_of_the_parts(n, sizes, dtype):
     assert torch.equal(wide_i, got_i) and wide_v.dtype == torch.float64
 
 
+def _left_fold(parts, dtype):
+    ref: dict[int, torch.Tensor] = {}
+    for idx, val in parts:
+        for i, v in zip(idx.tolist(), val):
+            ref[i] = ref.get(i, torch.zeros((), dtype=dtype)) + v.to(dtype)
+    return ref
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.data(), st.integers(2, 9), st.sampled_from([torch.float32, torch.bfloat16]),
+       st.booleans())
+def test_sparse_sum_both_paths_are_the_left_fold(data, n_parts, dtype, wide):
+    """Parts drawn from one small pool of indices (so many parts share an index, up to all of
+    them) laid out either densely (the scatter path) or spread over a span far above the
+    entries (the merge path, with an index held by 2 … n_parts parts), against the dict fold,
+    bit for bit; values include ±0.0."""
+    pool_size = data.draw(st.integers(1, 40))
+    spread = data.draw(st.booleans())
+    step = 10_000 if spread else 1
+    pool = [step * i + data.draw(st.integers(0, step - 1)) for i in range(pool_size)]
+    parts = []
+    for _ in range(n_parts):
+        chosen = sorted(data.draw(st.sets(st.sampled_from(pool), max_size=pool_size)))
+        vals = data.draw(st.lists(st.sampled_from([0.0, -0.0, 1.5, -2.25, 1e8, -1e8, 3e-3]),
+                                  min_size=len(chosen), max_size=len(chosen)))
+        parts.append((torch.tensor(chosen, dtype=torch.int64),
+                      torch.tensor(vals, dtype=torch.float32).to(dtype)))
+    out_dtype = torch.float64 if wide else dtype
+    ref = _left_fold(parts, out_dtype)
+    got_i, got_v = sparse_sum(parts, out_dtype)
+    assert got_i.tolist() == sorted(ref)
+    want = torch.stack([ref[i] for i in sorted(ref)]) if ref else torch.empty(0, dtype=out_dtype)
+    bits = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16}
+    assert torch.equal(got_v.view(bits[out_dtype]), want.view(bits[out_dtype]))  # -0.0 too
+
+
+def test_sparse_sum_merge_path_runs_where_the_span_is_wide():
+    """The merge path (span > SUM_SPAN_FACTOR × entries) and the scatter agree bit for bit on
+    the same overlapping parts shifted apart, and the merge never allocates the span."""
+    import gradsync.sparsegrad as sg
+
+    g = torch.Generator().manual_seed(3)
+    near = [(torch.sort(torch.randperm(300, generator=g)[:m]).values,
+             torch.randn(m, generator=g)) for m in (120, 200, 90, 250)]
+    far = [(i * 1000, v) for i, v in near]  # the same overlaps, span 1000× wider
+    m = sum(i.numel() for i, _ in near)
+    assert 299 < sg.SUM_SPAN_FACTOR * m < 299_000
+    ni, nv = sparse_sum(near)
+    fi, fv = sparse_sum(far)
+    assert torch.equal(fi, ni * 1000) and torch.equal(fv, nv)
+    calls = []
+    orig = torch.zeros
+    try:
+        sg.torch.zeros = lambda *a, **k: calls.append(a) or orig(*a, **k)
+        sparse_sum(far)
+    finally:
+        sg.torch.zeros = orig
+    assert all(a[0] <= m for a in calls)  # nothing of the span's size
+
+
 def test_sparse_sum_order_is_the_order_of_the_parts():
     """Three values whose fp32 sum depends on the order: the helper follows the list."""
     i = torch.tensor([3])
