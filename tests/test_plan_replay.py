@@ -217,8 +217,8 @@ def test_train_writes_plans_and_replays_them(tmp_path, capsys):
     (None, "--plan"),                                        # no such file
     ("{not json", "--plan"),
     ({"cupcake": {}}, r"no plan for \['multi_tensor'\]"),
-    ({"multi_tensor": {"scheme": "multi_tensor"}}, "not valid"),
-    ({"multi_tensor": "CUPCAKE"}, "not valid"),
+    ({"multi_tensor": {"scheme": "multi_tensor"}}, r"plans\['multi_tensor'\]: .*not a valid"),
+    ({"multi_tensor": "CUPCAKE"}, "must be a plan dict"),
     ([1], "must map scheme names"),
 ])
 def test_train_refuses_bad_plan_files(tmp_path, capsys, content, msg):

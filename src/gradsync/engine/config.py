@@ -94,9 +94,10 @@ class Config:
             ``metrics.json``, or an entry of its ``plans.json``. It must be a
             :class:`~gradsync.schedule.plan.Plan` dict made for this ``scheme``; the engine
             checks at construction that it lists every synchronized tensor once with its
-            size. The warm-up steps still run as usual (so a replay is bitwise the original
-            run), but nothing is profiled and ``auto`` never re-plans. The DDP hook does not
-            take one (it decides per DDP bucket).
+            size. The warm-up steps still run as usual, so the plan a run ended with replays
+            that run bitwise, except for ``auto``, whose plan can change during a run (given
+            a plan, ``auto`` keeps it and never re-plans); nothing is profiled. The DDP hook
+            does not take one (it decides per DDP bucket).
     """
 
     scheme: str = "ssfusion_oi"

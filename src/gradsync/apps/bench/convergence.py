@@ -398,8 +398,9 @@ def _plot(results: list[tuple[list[dict], dict]]):
 
 def plans_note(rows: list[dict]) -> str:
     """A sentence naming the schemes whose plan differed between seeds ("" when none did)."""
-    varied = [(r["scheme"], len({p for p in r.get("plans", []) if p}), len(r["seeds"]))
-              for r in rows if len({p for p in r.get("plans", []) if p}) > 1]
+    distinct = [(r["scheme"], len({p for p in r.get("plans", []) if p}), len(r["seeds"]))
+                for r in rows]
+    varied = [d for d in distinct if d[1] > 1]
     if not varied:
         return ""
     names = ", ".join(f"{s} ({n} plans in {k} seeds)" for s, n, k in varied)

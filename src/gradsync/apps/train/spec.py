@@ -235,7 +235,9 @@ class TrainSpec:
             self._check_plans()
 
     def _check_plans(self) -> None:
-        from gradsync.schedule.plan import Plan
+        """Every engine scheme run has a plan that ``Config`` accepts for it (its own checks,
+        so a bad file fails here, at the command line, not in every rank)."""
+        from gradsync.engine.config import Config
 
         if not isinstance(self.plans, dict):
             raise ValueError(f"plans must map scheme names to plans, got "
@@ -247,12 +249,9 @@ class TrainSpec:
                              f"{sorted(self.plans) or 'none'})")
         for name in engine:
             try:
-                plan = Plan.from_dict(self.plans[name])
+                Config(scheme=name, plan=self.plans[name])
             except ValueError as e:
-                raise ValueError(f"plans: the plan for {name!r} is not valid: {e}") from None
-            if plan.scheme != name:
-                raise ValueError(f"plans: the plan under {name!r} was made for scheme "
-                                 f"{plan.scheme!r}")
+                raise ValueError(f"plans[{name!r}]: {e}") from None
 
     def warmup_schedule(self) -> tuple[tuple[float, ...], int]:
         """``(Config.density_warmup, Config.density_warmup_steps)`` of :attr:`density_warmup`."""
