@@ -104,6 +104,7 @@ def test_config_plan_validation():
     hand = _hand_plan()
     cfg = Config(scheme="multi_tensor", density=D, plan=hand.to_dict())
     assert cfg.plan == hand.to_dict() and cfg.plan is not hand.to_dict()
+    assert Config.from_dict(cfg.to_dict()) == cfg  # the JSON/YAML round trip keeps it
     with pytest.raises(ValueError, match="must be a plan dict"):
         Config(scheme="multi_tensor", plan=[1, 2])
     with pytest.raises(ValueError, match="not a valid plan"):
