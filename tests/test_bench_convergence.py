@@ -262,18 +262,49 @@ def test_plans_note_names_schemes_whose_plan_varied_across_seeds():
             {"scheme": "ddp", "seeds": [1, 2, 3], "plans": [None, None, None]}]
     note = conv.plans_note(rows)
     assert "multi_tensor (2 plans in 3 seeds)" in note and "topka" not in note
-    assert "ddp" not in note and "`train --plan`" in note
+    assert "ddp" not in note and "`--plans DIR` replays" in note
     assert conv.plans_note(rows[:1] + rows[2:]) == ""
 
 
-def test_tiny_run_records_plan_digests_and_plans(tmp_path, capsys):
-    argv = ["--model", "cnn", "--data", "synthetic", "--schemes", "ddp,multi_tensor",
-            "--seeds", "1", "--steps", "4", "--world-size", "2", "--batch-size", "4",
-            "--eval-points", "1", "--image-eval-batches", "1", "--out", str(tmp_path)]
-    assert conv.main(argv) == 0
-    rows = {r["scheme"]: r for r in json.loads((tmp_path / "convergence.json").read_text())["rows"]}
-    assert rows["ddp"]["plans"] == [None]
-    plans = json.loads((tmp_path / "plans-cnn-seed1.json").read_text())
-    from gradsync.schedule import Plan
+def _plans_argv(out, *extra: str) -> list[str]:
+    return ["--model", "cnn", "--data", "synthetic", "--schemes", "ddp,multi_tensor",
+            "--seeds", "2", "--steps", "8", "--world-size", "2", "--batch-size", "4",
+            "--eval-points", "1", "--image-eval-batches", "1", "--out", str(out), *extra]
 
-    assert rows["multi_tensor"]["plans"] == [Plan.from_dict(plans["multi_tensor"]).digest()]
+
+def test_tiny_run_records_plans_and_replays_them(tmp_path, capsys):
+    """(8 steps: past train's 5 warm-up steps, after which a plan is made or taken.)
+    Each job's plans are written beside the JSON and their digests kept per seed; ``--plans``
+    replays a folder of them: a hand-made plan for seed 2 (other than the planner's) is the
+    one that runs, and every final value of the replayed study is bitwise the same in a
+    second replay."""
+    from gradsync.schedule import BufferPlan, Plan
+
+    a = tmp_path / "a"
+    assert conv.main(_plans_argv(a)) == 0
+    rows = {r["scheme"]: r for r in json.loads((a / "convergence.json").read_text())["rows"]}
+    assert rows["ddp"]["plans"] == [None, None]
+    plans = {s: json.loads((a / f"plans-cnn-seed{s}.json").read_text()) for s in (1, 2)}
+    assert rows["multi_tensor"]["plans"] == [
+        Plan.from_dict(plans[s]["multi_tensor"]).digest() for s in (1, 2)]
+    # seed 2 gets every tensor as its own fused buffer
+    mine = Plan.from_dict(plans[2]["multi_tensor"])
+    hand = Plan(scheme="multi_tensor", buffers=[
+        BufferPlan(tensors=(t,), mode="fused", density=0.01)
+        for b in mine.buffers for t in b.tensors])
+    assert hand.digest() != mine.digest()
+    (a / "plans-cnn-seed2.json").write_text(json.dumps({"multi_tensor": hand.to_dict()}))
+    finals = []
+    for out in (tmp_path / "b", tmp_path / "c"):
+        assert conv.main(_plans_argv(out, "--plans", str(a))) == 0
+        got = {r["scheme"]: r for r in json.loads((out / "convergence.json").read_text())["rows"]}
+        assert got["multi_tensor"]["plans"] == [rows["multi_tensor"]["plans"][0], hand.digest()]
+        finals.append({s: r["finals"] for s, r in got.items()})
+    assert finals[0] == finals[1]
+
+
+def test_plans_folder_without_a_job_file_is_refused(tmp_path, capsys):
+    (tmp_path / "plans-cnn-seed1.json").write_text("{}")
+    with pytest.raises(SystemExit) as e:
+        conv.parse_args(_plans_argv(tmp_path / "o", "--plans", str(tmp_path)))
+    assert e.value.code == 2 and "plans-cnn-seed2.json" in capsys.readouterr().err

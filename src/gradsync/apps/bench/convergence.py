@@ -34,12 +34,12 @@ training a compressed run needs to match DDP.
 
 Writes ``<out>/convergence.json`` (rows per model, every seed's final value, bytes, history
 and plan digest), ``<out>/convergence.png`` (metric against step, mean with a ±1 std band per
-scheme) and ``<out>/plans-<model>-seed<s>.json`` (each job's engine plans, what ``train
---plan`` replays: the schemes that plan from measured times may plan differently per seed,
-and the page says which did). ``--write-docs`` also writes ``docs/results/convergence.md``
-(the tables, the exact command, the date, the machine and its load) and copies the JSON and
-PNG beside it under the same name (``convergence.json``/``.png``; ``--write-docs
-docs/results/lm.md``: ``lm.json``…).
+scheme) and ``<out>/plans-<model>-seed<s>.json`` (each job's engine plans: the schemes that
+plan from measured times may plan differently per seed, and the page says which did;
+``--plans DIR`` replays a folder of them, job by job, as ``train --plan`` does).
+``--write-docs`` also writes ``docs/results/convergence.md`` (the tables, the exact command,
+the date, the machine and its load) and copies the JSON and PNG beside it under the same name
+(``convergence.json``/``.png``; ``--write-docs docs/results/lm.md``: ``lm.json``…).
 
 Cost (measured 2026-11-23 on the 2-core machine while loaded, load average 13–17, so the
 4 ranks got a fraction of the 2 cores): ``train --model cnn`` with 2 schemes × 80 steps × 4
@@ -146,6 +146,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    metavar="PATH", help=f"also write PATH (default {DOCS_PATH}) with the "
                                         "table, command, date and machine")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
+    p.add_argument("--plans", default=None, metavar="DIR",
+                   help="replay the plans an earlier run wrote to its --out "
+                        "(plans-<model>-seed<s>.json per job; train --plan)")
     a = p.parse_args(argv)
     a.models = [m.strip() for m in a.model.split(",") if m.strip()]
     a.scheme_list = [s.strip() for s in a.schemes.split(",") if s.strip()]
@@ -167,7 +170,21 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--steps must be >= 1, got {a.steps}")
     if a.eval_points < 1:
         p.error(f"--eval-points must be >= 1, got {a.eval_points}")
+    a.plan_files = {}
+    if a.plans is not None:
+        for m in a.models:
+            for seed in range(1, a.seeds + 1):
+                f = plans_file(a.plans, m, seed)
+                try:
+                    a.plan_files[m, seed] = json.loads(f.read_text())
+                except (OSError, ValueError) as e:
+                    p.error(f"--plans {a.plans}: {f.name}: {e}")
     return a
+
+
+def plans_file(folder: str | Path, model: str, seed: int) -> Path:
+    """Where a job writes (and ``--plans`` reads) its engine plans."""
+    return Path(folder) / f"plans-{model}-seed{seed}.json"
 
 
 def _spec(a: argparse.Namespace, model: str, seed: int):
@@ -185,7 +202,8 @@ def _spec(a: argparse.Namespace, model: str, seed: int):
                          world_size=a.world_size, steps=steps, batch_size=a.batch_size,
                          density=a.density, seed=seed, eval_batches=n_eval,
                          eval_every=max(1, steps // a.eval_points), timeout=a.timeout,
-                         progress=False, density_warmup=a.density_warmup)
+                         progress=False, density_warmup=a.density_warmup,
+                         plans=a.plan_files.get((model, seed)))
     except ValueError as e:
         raise SystemExit(f"python -m gradsync bench convergence: error: {e}") from None
     return resolve_data(spec, quiet=seed != 1)
@@ -287,7 +305,7 @@ def _run_model(a: argparse.Namespace, model: str) -> tuple[list[dict], dict]:
         plans = {r["scheme"]: r["plan"] for r in runs if r.get("plan") is not None}
         if plans:  # what `train --plan` replays
             Path(a.out).mkdir(parents=True, exist_ok=True)
-            (Path(a.out) / f"plans-{model}-seed{seed}.json").write_text(json.dumps(plans))
+            plans_file(a.out, model, seed).write_text(json.dumps(plans))
         rank0 = next(r for r in results if r["rank"] == 0)
         ev = rank0["runs"][0]["eval"]
         evaluated = ev.get("test_samples", ev.get("eval_tokens"))
@@ -407,7 +425,7 @@ def plans_note(rows: list[dict]) -> str:
     return (f"Plans differed between seeds for {names}: these schemes plan from times "
             "measured in their warm-up, so their spread includes the plan's. Each seed's plan "
             "digest is in the JSON (`plans`), its plans in the `--out` folder "
-            "(`plans-<model>-seed<s>.json`, what `train --plan` replays).")
+            "(`plans-<model>-seed<s>.json`, which `--plans DIR` replays).")
 
 
 def _machine_note() -> str:
