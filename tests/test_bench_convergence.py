@@ -303,6 +303,18 @@ def test_tiny_run_records_plans_and_replays_them(tmp_path, capsys):
     assert finals[0] == finals[1]
 
 
+def test_readme_accuracy_section_names_the_plan_replay():
+    """README's Accuracy section: the page names the schemes whose plan varied (plans_note,
+    tested above), plans go to ``--out`` and ``--plans DIR`` replays them (the replay test
+    above)."""
+    root = Path(__file__).resolve().parents[1]
+    section = root.joinpath("README.md").read_text().split("## Accuracy", 1)[1].split("\n## ")[0]
+    text = " ".join(section.split())
+    assert "the page names the schemes whose plan varied across seeds" in text
+    assert "every job's plans are written to `--out`, and `--plans DIR` replays them" in text
+    assert conv.parse_args([]).plans is None  # the option exists, off by default
+
+
 def test_plans_folder_without_a_job_file_is_refused(tmp_path, capsys):
     (tmp_path / "plans-cnn-seed1.json").write_text("{}")
     with pytest.raises(SystemExit) as e:
