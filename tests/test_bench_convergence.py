@@ -163,11 +163,13 @@ def test_train_spec_eval_every_is_validated():
             TrainSpec(eval_every=bad)
 
 
-def test_readme_accuracy_paragraph_links_the_written_results():
+def test_readme_accuracy_paragraph_links_the_written_results(monkeypatch):
     """README's "Accuracy" claims: the command exists, and every results page the section
     links exists and was written by the command (its recorded command parses with the
-    command's own parser, and its output file is the page itself)."""
+    command's own parser, from the repository root as it ran, and its output file is the page
+    itself)."""
     root = Path(__file__).resolve().parents[1]
+    monkeypatch.chdir(root)  # recorded paths (--plans, --write-docs) are relative to it
     readme = (root / "README.md").read_text()
     section = readme.split("## Accuracy", 1)[1].split("\n## ", 1)[0]
     assert "`python -m gradsync bench convergence`" in section and "`--write-docs`" in section

@@ -423,8 +423,10 @@ def plans_note(rows: list[dict]) -> str:
         return ""
     names = ", ".join(f"{s} ({n} plans in {k} seeds)" for s, n, k in varied)
     return (f"Plans differed between seeds for {names}: these schemes plan from times "
-            "measured in their warm-up, so their spread includes the plan's. Each seed's plan "
-            "digest is in the JSON (`plans`), its plans in the `--out` folder "
+            "measured in their warm-up. Another plan can change the result (MG-WFBP merging "
+            "two buffers into one changes which entries are selected) or leave it bit for bit "
+            "(moving an SSFusion buffer boundary changes no tensor's selection or sum). Each "
+            "seed's plan digest is in the JSON (`plans`), its plans in the `--out` folder "
             "(`plans-<model>-seed<s>.json`, which `--plans DIR` replays).")
 
 
