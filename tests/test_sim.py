@@ -434,10 +434,12 @@ def test_contention_off_reproduces_the_old_prediction_exactly():
 
 def test_loaded_rounds_are_charged_to_buffers_that_start_during_the_backward():
     """The timeline's ``round_s``: two dense buckets of the tiny model, the first (t0…t2,
-    ready at 6 ms) starts while the backward runs and pays 2(P−1)·round_s more; the second
-    (t3…t5, ready at 12 ms = the end of the compute stream) does not. Free links, P = 4,
-    round_s = 1 ms: the first bucket ends at 6 + 6 = 12 ms, the iteration is 12 ms and the
-    wait 6 ms; with round_s = 3 ms the first ends at 24 ms and delays the second to 24 ms."""
+    ready at 6 ms) starts while the backward runs and pays 2(P−1)·round_s more, but only while
+    the compute stream runs; the second (t3…t5, ready at 12 ms = the end of the compute
+    stream) pays nothing more. Free links, P = 4, round_s = 1 ms: the first bucket's L = 6 ms
+    fits in the 6 ms of backward left, so it ends at 12 ms, the wait is 6 ms. With round_s =
+    3 ms (L = 18 ms) its rounds are only a third done when the backward ends at 12 ms; with
+    free links the rest cost nothing idle, so it still ends at 12 ms (wait 6 ms, not 18)."""
     from gradsync.schedule import simulate
     from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan
 
@@ -452,9 +454,40 @@ def test_loaded_rounds_are_charged_to_buffers_that_start_during_the_backward():
     assert tl.round_wait == pytest.approx(6e-3) and tl.iteration == pytest.approx(0.012)
     assert tl.buffers[0]["end"] == pytest.approx(0.012)
     tl = simulate(plan, cost, round_s=3e-3)
-    assert tl.round_wait == pytest.approx(18e-3)
-    assert tl.buffers[1]["start"] == pytest.approx(0.024)
-    assert tl.iteration == pytest.approx(0.024) and tl.exposed_comm == pytest.approx(0.012)
+    assert tl.round_wait == pytest.approx(6e-3)
+    assert tl.buffers[0]["end"] == pytest.approx(0.012)
+    assert tl.buffers[1]["start"] == pytest.approx(0.012)
+    assert tl.iteration == pytest.approx(0.012) and tl.exposed_comm == pytest.approx(0.0)
+
+
+def test_loaded_rounds_slow_a_part_only_until_the_backward_ends():
+    """A part of idle duration b starting with E − s of compute left, its start-ups costing
+    L more in all under load, progresses at b/(b + L) while the compute runs and at full speed
+    after: it takes b + min(L, (E − s)·L/(b + L)). Worked by hand on the tiny model (one dense
+    bucket per tensor, t0 ready at 2 ms, compute ends at 12 ms) with a link that makes each
+    part take b = 2 ms idle and P = 2, round_s = 3 ms (L = 6 ms): t0's part starts at 2 ms
+    with 10 ms left, L + b = 8 ≤ 10, so it pays all of L and ends at 10 ms; t1 (ready at 4 ms)
+    starts at 10 ms with 2 ms left: 2·6/8 = 1.5 ms more, it ends at 13.5 ms; every later part
+    starts after the compute stream and takes 2 ms."""
+    from gradsync.schedule import simulate
+    from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan
+
+    cost = tiny_cost()
+    cost.P = 2
+    ts = [TensorPlan(n, cost.numel[n], None) for n in cost.order]
+    plan = Plan("dense_ovlp", [BufferPlan((t,), "dense") for t in ts])
+    b = 2e-3
+    cost.t_allreduce = lambda nbytes: b  # every part: 2 ms idle
+    tl = simulate(plan, cost, round_s=3e-3)
+    ends = [r["end"] for r in tl.buffers]
+    assert ends[0] == pytest.approx(0.010)
+    assert ends[1] == pytest.approx(0.0135)
+    for i in range(2, len(ends)):
+        assert ends[i] == pytest.approx(ends[i - 1] + b)
+    assert tl.round_wait == pytest.approx(0.006 + 0.0015)
+    # before the change every part that started during the backward paid all of L: t1 would
+    # have ended at 10 + 2 + 6 = 18 ms
+    assert ends[1] < 0.018
 
 
 def test_validate_models_message_cost_and_loaded_round():
@@ -531,3 +564,77 @@ def test_work_counts_torch_distributed_calls():
     assert patterns.work("topka", ta, 8, k).dist_calls == 2 + 7
     assert patterns.work("dense", patterns.dense_ring(8, n), 8, 0).dist_calls == 1
     assert patterns.work("topka", [], 1, 0).dist_calls == 0
+
+
+def test_a_scheme_with_its_own_sparsifier_is_timed_with_that_sparsifier_fit():
+    """Gaussian-k and Ok-Topk select with their own sparsifiers (the scheme table), not with
+    ``--sparsifier``: ``profile_model(own=…)`` fits them into ``info["sparsifiers"]`` and the
+    prediction times their selection with that fit; other schemes keep the cost model's; a
+    cost model without the entry falls back to it; a malformed entry is refused."""
+    from gradsync.apps.sim.predict import own_sparsifiers
+
+    assert own_sparsifiers(["topka", "gaussiank", "oktopk", "ssfusion"], "dgc") == [
+        "gaussiank", "threshold"]
+    assert own_sparsifiers(["gaussiank", "topka"], "gaussiank") == []
+    cost = tiny_cost()
+    n = sum(cost.numel.values())
+    net = sim.Network(50e-6, 8 / 1e9)
+    plain = sim.predict("gaussiank", cost, 4, net, 0.01)
+    assert plain["sparsify_s"] == pytest.approx(1e-4 + 1e-8 * n)  # the cost model's fit
+    cost.info["sparsifiers"] = {"gaussiank": {"a": 5e-3, "b": 1e-9}}
+    own = sim.predict("gaussiank", cost, 4, net, 0.01)
+    assert own["sparsify_s"] == pytest.approx(5e-3 + 1e-9 * n)
+    assert own["iteration_s"] - plain["iteration_s"] == pytest.approx(
+        5e-3 + 1e-9 * n - (1e-4 + 1e-8 * n))
+    assert sim.predict("topka", cost, 4, net, 0.01)["sparsify_s"] == plain["sparsify_s"]
+    cost.info["sparsifiers"] = {"gaussiank": {"a": -1.0, "b": 0.0}}
+    with pytest.raises(ValueError, match="sparsifiers"):
+        sim.predict("gaussiank", cost, 4, net, 0.01)
+    cost.info["sparsifiers"] = {"gaussiank": [1, 2]}
+    with pytest.raises(ValueError, match="sparsifiers"):
+        sim.predict("gaussiank", cost, 4, net, 0.01)
+
+
+def test_profile_model_fits_the_schemes_own_sparsifiers():
+    from gradsync.apps.sim.predict import profile_model
+
+    cost, _, _ = profile_model("mlp", 8, "dgc", 0.01, repeats=1, own=["gaussiank"])
+    fit = cost.info["sparsifiers"]["gaussiank"]
+    assert set(fit) == {"a", "b"} and fit["a"] >= 0 and fit["b"] >= 0
+    assert fit["a"] + fit["b"] > 0  # it timed something
+    bare, _, _ = profile_model("mlp", 8, "dgc", 0.01, repeats=1)
+    assert "sparsifiers" not in bare.info
+
+
+def test_predict_times_a_given_plan():
+    """``predict(plan=…)`` times that plan instead of the planner's (what ``simulate
+    --validate`` does with the plan a measured run used): the planner's own plan given back
+    gives the same row; another plan (one fused buffer per tensor, where Cupcake's planner
+    fuses the whole tiny model at α = 5 ms) gives that plan's timeline; a plan for another scheme or
+    over other tensors is refused."""
+    from gradsync.schedule import make_plan, simulate
+    from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan
+
+    cost = tiny_cost()
+    net = sim.Network(5e-3, 8 / 1e7)  # high α: fusion pays
+    row = sim.predict("cupcake", cost, 4, net, 0.01)
+    from gradsync.apps.sim.predict import at_scale
+
+    scaled = at_scale(cost, 4, net)
+    own = make_plan("cupcake", list(cost.order), cost.numel, 0.01, scaled,
+                    elem_bytes=4, bucket_bytes=25 * 2**20, min_density=0.001)
+    assert row["plan_digest"] == own.digest()
+    assert sim.predict("cupcake", cost, 4, net, 0.01, plan=own) == row
+    assert len(own.buffers) == 1  # at α = 5 ms Cupcake fuses the whole model
+    each = Plan("cupcake", [BufferPlan((TensorPlan(t, cost.numel[t], None),), "fused", 0.01)
+                            for t in cost.order])
+    other = sim.predict("cupcake", cost, 4, net, 0.01, plan=each)
+    assert other["plan_digest"] == each.digest() != own.digest()
+    assert other["buffers"] == len(cost.order)
+    assert other["sync_end_s"] == pytest.approx(simulate(each, scaled).iteration)
+    assert other["iteration_s"] > row["iteration_s"]  # six start-ups of 3 × 5 ms each
+    with pytest.raises(ValueError, match="expected 'cupcake'"):
+        sim.predict("cupcake", cost, 4, net, 0.01, plan=Plan("ssfusion", each.buffers))
+    short = Plan("cupcake", each.buffers[1:])
+    with pytest.raises(ValueError, match="tensors"):
+        sim.predict("cupcake", cost, 4, net, 0.01, plan=short)

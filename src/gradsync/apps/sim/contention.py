@@ -35,8 +35,10 @@ communication) on C < 3P cores, they do not; :class:`Contention` adds the two te
   round costs above its idle price: the same 8-byte all-reduce timed on the group idle and
   with every rank running backward passes in a loop (:func:`profile_round_latency`), the
   difference spread over the ring's 2(P − 1) rounds (:func:`round_extra`). The timeline
-  (:func:`gradsync.schedule.simulate`, ``round_s``) charges it to every start-up of a buffer
-  that starts before the compute stream ends (WFBP overlap); a one-buffer collective
+  (:func:`gradsync.schedule.simulate`, ``round_s``) charges it to the start-ups of a buffer
+  that run before the compute stream ends (WFBP overlap): a buffer that starts during the
+  backward progresses at the loaded rate until the backward ends and at the idle rate after;
+  a one-buffer collective
   (``planner="single"``) starts after the backward and sparsification, and its rounds pay the
   idle price (``ComputeCost.message``). Charging every round of every collective the loaded
   price over-predicted the sparse schemes at P = 8 by +28…+117 % (docs/architecture.md).

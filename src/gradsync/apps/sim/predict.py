@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import csv
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -36,6 +37,7 @@ from gradsync.apps.sim.contention import Contention
 from gradsync.schedule import entries, make_plan, schemes
 from gradsync.schedule import simulate as timeline_of
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
+from gradsync.schedule.plan import Plan
 from gradsync.sparsify import validate_density
 
 __all__ = ["NOTE", "Network", "at_scale", "load_table", "plot_vs_p", "predict", "profile_model"]
@@ -59,6 +61,28 @@ class Network:
         from gradsync.testing.netem import parse_bandwidth, parse_time
 
         return cls(parse_time(latency), 8.0 / parse_bandwidth(bandwidth))
+
+
+def scheme_sparsify(cost: CostModel, scheme: str) -> AffineFit:
+    """The inline sparsification fit of ``scheme``: its own sparsifier's
+    (``Scheme.sparsifier``: Gaussian-k, Ok-Topk's threshold reuse) where the cost model holds
+    a fit of it (``info["sparsifiers"][name]``, written by :func:`profile_model`), else the
+    cost model's (the ``--sparsifier`` every other scheme uses)."""
+    own = schemes.get(scheme).sparsifier
+    fit = (cost.info.get("sparsifiers") or {}).get(own) if own else None
+    if fit is None:
+        return cost.sparsify
+    try:
+        return AffineFit(float(fit["a"]), float(fit["b"]))
+    except (KeyError, TypeError, ValueError) as e:
+        raise ValueError(f"cost model info['sparsifiers'][{own!r}] must be {{'a': s, 'b': "
+                         f"s/element}} with a, b ≥ 0, got {fit!r} ({e})") from None
+
+
+def own_sparsifiers(scheme_names: Sequence[str], sparsifier: str) -> list[str]:
+    """The sparsifiers the schemes ``scheme_names`` run instead of ``sparsifier``."""
+    own = (schemes.get(s).sparsifier for s in scheme_names)
+    return sorted({o for o in own if o and o != sparsifier})
 
 
 def at_scale(base: CostModel, P: int, net: Network) -> CostModel:
@@ -104,6 +128,7 @@ def predict(
     densestream_ratio: float | None = None, bucket_bytes: int = 25 * 2**20,
     min_density: float = 0.001, oktopk_exact_rate: float | None = None,
     contention: Contention | None = None, collective_cpu: CollectiveCPU | None = None,
+    plan: Plan | None = None,
 ) -> dict[str, Any]:
     """One row: predicted iteration time of ``scheme`` at P ranks and its breakdown.
     ``oktopk_exact_rate``: the share of steps in which Ok-Topk computes its threshold exactly
@@ -113,6 +138,9 @@ def predict(
     (:mod:`gradsync.apps.sim.callcpu`); where it has the scheme's collective at P, a call's
     compute is the messages' software cost plus max(merges and codec, the measured CPU), and
     the contention floor counts that CPU; None (or no fit at P) leaves the micro terms.
+    ``plan``: time this plan (made for ``scheme``, over the cost model's tensors) instead of
+    the one the scheme's planner makes from ``base`` — ``simulate --validate`` passes the plan
+    a measured run used; ignored by one-buffer schemes (``planner="single"``), which have one.
 
     Row terms: ``rounds`` synchronising rounds (start-ups of the payload and control
     messages), ``round_wait_s`` what the loaded rounds add to ``comm_s`` (``contention.round_s``
@@ -144,7 +172,7 @@ def predict(
                                  densestream_ratio=densestream_ratio,
                                  oktopk_exact_rate=oktopk_exact_rate)
         backward = sum(cost.backward[t] for t in cost.order)
-        sparsify = cost.t_sparsify(n)
+        sparsify = scheme_sparsify(cost, scheme)(n)
         link = patterns.comm_time(steps, net.alpha, net.beta)
         w = patterns.work(coll, steps, cost.P, k, cost.elem_bytes)
         rounds = sum(s.messages for s in steps) + w.control
@@ -169,9 +197,15 @@ def predict(
                    messages=sum(s.messages for s in steps), buffers=1,
                    union_density=union(cost.P))
     else:
-        plan = make_plan(scheme, list(cost.order), cost.numel, density, cost,
-                         elem_bytes=cost.elem_bytes, bucket_bytes=bucket_bytes,
-                         min_density=min_density)
+        if plan is None:
+            plan = make_plan(scheme, list(cost.order), cost.numel, density, cost,
+                             elem_bytes=cost.elem_bytes, bucket_bytes=bucket_bytes,
+                             min_density=min_density)
+        elif plan.scheme != scheme or sorted(plan.names) != sorted(cost.order):
+            raise ValueError(f"predict: the given plan is for {plan.scheme!r} over "
+                             f"{len(plan.names)} tensors; expected {scheme!r} over the cost "
+                             f"model's {len(cost.order)}")
+        row["plan_digest"] = plan.digest()
         p = cost.P
         fit = (collective_cpu.fit(sch.collective, p)
                if collective_cpu is not None and sch.sparse and p > 1 else None)
@@ -268,9 +302,12 @@ def load_table(path: str | Path) -> tuple[CostModel, float, float]:
 
 
 def profile_model(name: str, batch: int, sparsifier: str, density: float, seed: int = 0,
-                  repeats: int = 3, rank: int = 0) -> tuple[CostModel, float, float]:
+                  repeats: int = 3, rank: int = 0, own: Sequence[str] = ()
+                  ) -> tuple[CostModel, float, float]:
     """Measure one worker here: T_b^l (``profile_backward``), the sparsifier fit
-    (``profile_sparsifier``, sizes up to the whole model), the forward pass and an SGD step.
+    (``profile_sparsifier``, sizes up to the whole model), the forward pass and an SGD step;
+    with ``own`` (:func:`own_sparsifiers`), the inline fit of each of those sparsifiers too,
+    in ``info["sparsifiers"]`` (:func:`scheme_sparsify` reads it).
     Returns (cost model with P = 1, forward_s, step_s)."""
     import torch
 
@@ -290,12 +327,18 @@ def profile_model(name: str, batch: int, sparsifier: str, density: float, seed: 
     sp = sparsify.get(sparsifier, density=density, seed=seed)
     inline = costmodel.profile_sparsifier(sp, sizes=sizes, repeats=repeats)
     off = costmodel.profile_sparsifier(sp, sizes=sizes, repeats=repeats, offload=True)
+    fits = {}
+    for other in own:  # the schemes' own sparsifiers, with their default options
+        fit = costmodel.profile_sparsifier(sparsify.get(other, density=density, seed=seed),
+                                           sizes=sizes, repeats=repeats)
+        fits[other] = {"a": fit.a, "b": fit.b}
     cost = CostModel(P=1, order=order, numel=numel, elem_bytes=4, backward=backward,
                      sparsify=inline, offload=off, allreduce=AlphaBeta(0.0, 0.0),
                      allgather=AlphaBeta(0.0, 0.0),
                      info={"model": name, "batch": batch, "sparsifier": sparsifier,
                            "density": density, "threads": torch.get_num_threads(),
-                           "forward_s": forward, "step_s": step_s})
+                           "forward_s": forward, "step_s": step_s}
+                     | ({"sparsifiers": fits} if fits else {}))
     return cost, forward, step_s
 
 

@@ -49,6 +49,7 @@ from gradsync.apps.sim.predict import (
     NOTE,
     Network,
     load_table,
+    own_sparsifiers,
     plot_vs_p,
     predict,
     profile_model,
@@ -183,7 +184,8 @@ def _source(a: argparse.Namespace) -> tuple[CostModel, float, float, str]:
         src = f"table {a.table}"
     else:
         cost, fwd, stp = profile_model(a.model, a.batch, a.sparsifier, a.density, a.seed,
-                                       a.repeats)
+                                       a.repeats,
+                                       own=own_sparsifiers(a.scheme_list, a.sparsifier))
         src = f"profiled here: {a.model}, batch {a.batch}, {a.sparsifier}"
     if a.forward_s is not None:
         fwd = a.forward_s

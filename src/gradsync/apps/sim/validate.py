@@ -39,6 +39,7 @@ from typing import Any
 from gradsync.apps.sim.callcpu import CollectiveCPU
 from gradsync.apps.sim.contention import Contention, round_extra
 from gradsync.schedule.costmodel import ComputeCost, CostModel
+from gradsync.schedule.plan import Plan
 
 __all__ = ["run_validation"]
 
@@ -50,7 +51,7 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
     import torch.distributed as dist
 
     from gradsync.apps.models import model_step
-    from gradsync.apps.sim.predict import profile_model
+    from gradsync.apps.sim.predict import own_sparsifiers, profile_model
     from gradsync.engine import GradSync
     from gradsync.engine.config import Config
     from gradsync.schedule import entries
@@ -58,7 +59,8 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
     P = world_size
     dist.barrier()
     c0, w0 = time.process_time(), time.perf_counter()
-    cost, fwd, stp = profile_model(model, batch, sparsifier, density, seed, repeats, rank)
+    cost, fwd, stp = profile_model(model, batch, sparsifier, density, seed, repeats, rank,
+                                   own=own_sparsifiers(schemes, sparsifier))
     share = (time.process_time() - c0) / (time.perf_counter() - w0)  # σ, as a check
 
     # union density of the ranks' top-k selections of one real gradient
@@ -131,10 +133,11 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
                     cpu.append(time.process_time() - c0)  # every thread of this rank
                     stats.append(sync.stats()["last"])
             exact = (_exact_evaluations(sync) - exact0) / steps
+            plan = sync.plan.to_dict() if sync.plan is not None else None  # agreed by ranks
         finally:
             sync.close()
         results[scheme] = {"times": times, "cpu": cpu, "stats": stats, "exact_rate": exact,
-                           "forward": fwds, "backward_sync": afters}
+                           "forward": fwds, "backward_sync": afters, "plan": plan}
     dist.barrier()
     return {"cost": cost.to_dict(), "compute": compute.to_dict(), "forward_s": fwd,
             "step_s": stp, "union": union, "profile_share": share,
@@ -269,12 +272,24 @@ def run_validation(a) -> int:
             nocont = predict(scheme, cost, P, a.net, a.density, collective_cpu=callcpu, **kw)
             nocomp = predict(scheme, bare, P, a.net, a.density, **kw)
             fit = predict(scheme, bare, P, fitted, a.density, **kw)
+            # the plan the run used: the planners that plan from measured times (MG-WFBP,
+            # SSFusion, HiPress, Espresso) may choose another plan from the profile than the
+            # run did from its warm-up; timing the run's own plan separates the timing model's
+            # error from the planner's choice
+            ran = res[0]["results"][scheme].get("plan")
+            ran_plan = Plan.from_dict(ran) if ran and "plan_digest" in pred else None
+            asrun = (predict(scheme, cost, P, a.net, a.density, contention=contention,
+                             collective_cpu=callcpu, plan=ran_plan, **kw)
+                     if ran_plan is not None else pred)
             cpu = statistics.median(max(r["results"][scheme]["cpu"][i] for r in res)
                                     for i in range(a.steps))
             rows.append({
                 "scheme": scheme, "P": P, "shaped": shaped, "measured_s": meas,
                 "measured_steps_s": steps, "predicted_s": pred["iteration_s"],
                 "error": (pred["iteration_s"] - meas) / meas,
+                "plan_same": ran_plan is None or ran_plan.digest() == pred["plan_digest"],
+                "predicted_run_plan_s": asrun["iteration_s"],
+                "error_run_plan": (asrun["iteration_s"] - meas) / meas, "run_plan": ran,
                 "predicted_no_call_cpu_s": nocall["iteration_s"],
                 "error_no_call_cpu": (nocall["iteration_s"] - meas) / meas,
                 "predicted_collective_cpu_s": pred["collective_cpu_s"],
@@ -326,14 +341,17 @@ def run_validation(a) -> int:
               f"profiling: {min(sh):.2f}–{max(sh):.2f})")
         print(f"P={P} collectives' CPU per call (process CPU, max over ranks; fit c0 + c1·m "
               f"for m entries per rank): {info['collective_cpu_text']}")
-    cols = ["scheme", "P", "measured ms", "predicted ms", "error %", "err no-call-CPU %",
+    cols = ["scheme", "P", "measured ms", "predicted ms", "error %", "plan as run",
+            "err run's plan %", "err no-call-CPU %",
             "err no-contention %", "err no-compute %", "round wait pred ms",
             "CPU floor pred ms", "CPU floor meas ms", "link pred ms", "compute pred ms",
             "coll CPU pred ms", "err fit-αβ %", "bwd meas ms",
             "bwd pred ms", "wait meas ms", "exposed pred ms", "comm meas ms", "comm pred ms",
             "fwd meas ms", "fwd pred ms", "MB sent meas", "MB pred"]
     table = [[r["scheme"], r["P"], r["measured_s"] * 1e3, r["predicted_s"] * 1e3,
-              100 * r["error"], 100 * r["error_no_call_cpu"], 100 * r["error_no_contention"],
+              100 * r["error"], "same" if r["plan_same"] else "other",
+              100 * r["error_run_plan"], 100 * r["error_no_call_cpu"],
+              100 * r["error_no_contention"],
               100 * r["error_no_compute"],
               r["predicted_round_wait_s"] * 1e3, r["predicted_cpu_floor_s"] * 1e3,
               r["P"] * r["measured_cpu_s"] / cores * 1e3, r["predicted_link_s"] * 1e3,
@@ -347,12 +365,16 @@ def run_validation(a) -> int:
               r["predicted_volume_bytes"] / 1e6] for r in rows]
     print_table(f"simulate --validate: {a.model} on {link}", cols, table)
     for key, what in (("error", "with contention and the collectives' CPU per call"),
+                      ("error_run_plan", "the same, timing the plan each run used"),
                       ("error_no_call_cpu", "without the CPU per call (the previous model)"),
                       ("error_no_contention", "without contention"),
                       ("error_no_compute", "without compute or contention")):
         errs = [abs(r[key]) for r in rows]
         print(f"{what}: {sum(e <= 0.25 for e in errs)} of {len(rows)} rows within 25 %, "
               f"median |error| {100 * statistics.median(errs):.0f} %")
+    other = [f"{r['scheme']} P={r['P']}" for r in rows if not r["plan_same"]]
+    print(f"plans: the planner chose another plan from the profile than the run did in "
+          f"{len(other)} of {len(rows)} rows{': ' + ', '.join(other) if other else ''}")
     ok = [r for r in rows if r["oktopk_exact_rate"] > 0]
     if ok:
         print("Ok-Topk exact thresholds (measured share of timed steps, used by the prediction): "
