@@ -638,3 +638,36 @@ def test_predict_times_a_given_plan():
     short = Plan("cupcake", each.buffers[1:])
     with pytest.raises(ValueError, match="tensors"):
         sim.predict("cupcake", cost, 4, net, 0.01, plan=short)
+
+
+def test_the_collectives_cpu_delays_the_backward_on_a_shared_core():
+    """``steal``: a part's CPU, run while the backward runs, pushes the rest of the compute
+    stream back by steal·cpu·overlap/d. Tiny model, one dense bucket per tensor (ready every
+    2 ms, the backward ends at 12 ms), each part 2 ms of which 1 ms CPU. Worked by hand with
+    steal = 1: the parts run [2, 4], [5, 7], [8, 10], [11, 13], [14, 16], each pushing the
+    compute stream back by 1 ms, so t5 is ready at 17 ms and the iteration ends at 19 ms
+    (14 ms without). steal = 0.5: 16.5 ms. A timeline bound by the channel (4 ms parts) keeps
+    its end: the delays fall inside the waits."""
+    from gradsync.apps.sim.contention import Contention
+    from gradsync.schedule import simulate
+    from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan
+
+    cost = tiny_cost()
+    cost.P = 2
+    plan = Plan("dense_ovlp", [BufferPlan((TensorPlan(n, cost.numel[n], None),), "dense")
+                               for n in cost.order])
+    cost.t_allreduce = lambda nbytes: 2e-3
+    cost.t_compute_allreduce = lambda nbytes: 1e-3
+    assert simulate(plan, cost).iteration == pytest.approx(0.014)
+    tl = simulate(plan, cost, steal=1.0)
+    assert [r["ar_start"] for r in tl.buffers] == pytest.approx(
+        [0.002, 0.005, 0.008, 0.011, 0.014, 0.017])
+    assert tl.iteration == pytest.approx(0.019) and tl.exposed_comm == pytest.approx(0.002)
+    assert simulate(plan, cost, steal=0.5).iteration == pytest.approx(0.0165)
+    cost.t_allreduce = lambda nbytes: 4e-3
+    assert simulate(plan, cost, steal=1.0).iteration == pytest.approx(
+        simulate(plan, cost).iteration) == pytest.approx(0.026)
+    # one core or less per rank: all of it; two or more: none; linear in between
+    assert Contention(cores=2).steal(1) == 0.0
+    assert Contention(cores=2).steal(2) == Contention(cores=2).steal(8) == 1.0
+    assert Contention(cores=4).steal(3) == pytest.approx(2 - 4 / 3)

@@ -26,6 +26,12 @@ The pipeline of SSFusion Fig. 1 / Fig. 7 / Fig. 8 / Fig. 10 as a recurrence:
   made a part that starts just before the end of the backward wait as if the backward went
   on: per-tensor plans at P = 8 were over-predicted by up to +59 %.) A part that starts
   after the compute stream ends pays nothing more.
+* ``steal`` (CPU contention; 0 by default): the share of a part's CPU (``CostModel.
+  t_compute_allreduce``/``t_compute_allgather``: message software, merges and codec, or the
+  collective's measured CPU per call) that the compute stream loses while both run, for
+  ranks with at most one core each (``Contention.steal``). A part that runs d seconds, o of
+  them before the compute stream ends, pushes the rest of the compute stream (later
+  gradients, the end of the backward) back by steal·cpu·o/d.
 """
 
 from __future__ import annotations
@@ -88,7 +94,7 @@ def _loaded_extra(base: float, loaded: float, remaining: float) -> float:
     return min(loaded, remaining * loaded / (base + loaded))
 
 
-def simulate(plan: Plan, cost: CostModel, round_s: float = 0.0) -> Timeline:
+def simulate(plan: Plan, cost: CostModel, round_s: float = 0.0, steal: float = 0.0) -> Timeline:
     """Predict one iteration of ``plan`` under ``cost`` (see the module docstring)."""
     missing = [n for n in plan.names if n not in cost.backward]
     if missing:
@@ -130,7 +136,15 @@ def simulate(plan: Plan, cost: CostModel, round_s: float = 0.0) -> Timeline:
     comm = wait = 0.0
     loaded = 2 * (cost.P - 1) * round_s  # a part's start-ups, all run while the compute stream runs
     rows = []
+    shift = 0.0  # how far the comm's CPU has pushed the compute stream back so far
+    end = compute_end
+
+    def stolen(s: float, d: float, cpu: float) -> float:
+        overlap = max(0.0, min(s + d, end) - s)
+        return steal * cpu * overlap / d if d > 0 else 0.0
+
     for buf, (r_ar, r_ag) in zip(plan.buffers, ready):
+        r_ar, r_ag = r_ar + shift, r_ag + shift
         (has_ar, ar_bytes), (has_ag, ag_bytes) = _parts(buf, cost)
         row: dict[str, Any] = {"mode": buf.mode, "tensors": len(buf.tensors),
                                "ar_bytes": ar_bytes, "ag_bytes": ag_bytes}
@@ -138,8 +152,10 @@ def simulate(plan: Plan, cost: CostModel, round_s: float = 0.0) -> Timeline:
         if has_ar:
             s = max(r_ar, channel)
             base = cost.t_allreduce(ar_bytes)
-            extra = _loaded_extra(base, loaded, compute_end - s)
+            extra = _loaded_extra(base, loaded, end - s)
             d = base + extra
+            x = stolen(s, d, cost.t_compute_allreduce(ar_bytes))
+            shift, end = shift + x, end + x
             wait += extra
             channel = s + d
             comm += d
@@ -148,8 +164,10 @@ def simulate(plan: Plan, cost: CostModel, round_s: float = 0.0) -> Timeline:
         if has_ag:
             s = max(r_ag, channel)
             base = cost.t_allgather(ag_bytes)
-            extra = _loaded_extra(base, loaded, compute_end - s)
+            extra = _loaded_extra(base, loaded, end - s)
             d = base + extra
+            x = stolen(s, d, cost.t_compute_allgather(ag_bytes))
+            shift, end = shift + x, end + x
             wait += extra
             channel = s + d
             comm += d
@@ -158,6 +176,6 @@ def simulate(plan: Plan, cost: CostModel, round_s: float = 0.0) -> Timeline:
         row.update(ready=max(r_ar if has_ar else 0.0, r_ag if has_ag else 0.0), start=start,
                    end=channel)
         rows.append(row)
-    iteration = max(channel, compute_end, worker)
+    iteration = max(channel, end, worker)
     return Timeline(iteration=iteration, backward=backward, sparsify=sparsify, comm=comm,
-                    exposed_comm=iteration - compute_end, buffers=rows, round_wait=wait)
+                    exposed_comm=iteration - end, buffers=rows, round_wait=wait)

@@ -43,6 +43,15 @@ communication) on C < 3P cores, they do not; :class:`Contention` adds the two te
   idle price (``ComputeCost.message``). Charging every round of every collective the loaded
   price over-predicted the sparse schemes at P = 8 by +28…+117 % (docs/architecture.md).
 
+* **the collectives' CPU on the compute side** (:meth:`Contention.steal`): the other
+  direction. A rank with at most one core runs its communication thread's CPU (message
+  software, merges and codec, or the collective's measured CPU per call) on the core its
+  backward pass needs, so a buffer sent during the backward pushes the rest of the backward
+  back by its CPU (:func:`gradsync.schedule.simulate`, ``steal``). Measured on 2 cores at
+  P = 2, 100 Mbit/s: the schemes that send during the backward measured a 13–18 ms backward,
+  the one-buffer schemes 7 ms, as profiled; the loaded round was 0.01 ms, so the rounds were
+  not what waited.
+
 ``contention=None`` (the default of :func:`gradsync.apps.sim.predict.predict`) leaves every
 prediction as it was.
 """
@@ -64,12 +73,14 @@ class Contention:
     ``share``: σ, the core share of one rank's thread while its compute was profiled (None:
     min(1, cores/P), a profile taken with all P ranks busy); ``round_s``: seconds one
     synchronising round costs above its idle price under load; ``call_cpu_s``: CPU seconds
-    one rank spends per torch.distributed call."""
+    one rank spends per torch.distributed call; ``steal_cpu``: whether the collectives' CPU
+    delays the backward on a shared core (:meth:`steal`; off to see what it adds)."""
 
     cores: float
     round_s: float = 0.0
     share: float | None = None
     call_cpu_s: float = 0.0
+    steal_cpu: bool = True
 
     def __post_init__(self) -> None:
         if not (math.isfinite(self.cores) and self.cores > 0):
@@ -84,6 +95,14 @@ class Contention:
     def sigma(self, P: int) -> float:
         """σ at P ranks."""
         return self.share if self.share is not None else min(1.0, self.cores / P)
+
+    def steal(self, P: int) -> float:
+        """The share of a collective's CPU, run while the backward pass runs, that delays the
+        backward: 1 when a rank has at most one core (P ≥ cores), 0 from two cores per rank
+        up (a spare core runs the communication thread), linear in between."""
+        if not self.steal_cpu:
+            return 0.0
+        return min(1.0, max(0.0, 2.0 - self.cores / P))
 
     def floor(self, work_s: float, P: int, calls: float = 0.0, cpu_s: float = 0.0) -> float:
         """Brent's bound: P ranks' CPU work (``work_s`` profiled wall seconds, ``calls``

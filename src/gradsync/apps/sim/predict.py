@@ -210,7 +210,8 @@ def predict(
         fit = (collective_cpu.fit(sch.collective, p)
                if collective_cpu is not None and sch.sparse and p > 1 else None)
         timed = _with_call(cost, fit)
-        tl = timeline_of(plan, timed, round_s=contention.round_s if contention else 0.0)
+        tl = timeline_of(plan, timed, round_s=contention.round_s if contention else 0.0,
+                         steal=contention.steal(p) if contention else 0.0)
         msg = cost.compute.message if cost.compute is not None else 0.0
         compute = rounds = calls = work = 0.0
         call_cpu = None if fit is None else 0.0

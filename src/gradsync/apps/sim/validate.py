@@ -30,6 +30,7 @@ ranks' compute, which the α-β model does not know about.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import statistics
@@ -269,6 +270,9 @@ def run_validation(a) -> int:
             pred = predict(scheme, cost, P, a.net, a.density, contention=contention,
                            collective_cpu=callcpu, **kw)
             nocall = predict(scheme, cost, P, a.net, a.density, contention=contention, **kw)
+            nosteal = predict(scheme, cost, P, a.net, a.density, collective_cpu=callcpu,
+                              contention=dataclasses.replace(contention, steal_cpu=False),
+                              **kw)
             nocont = predict(scheme, cost, P, a.net, a.density, collective_cpu=callcpu, **kw)
             nocomp = predict(scheme, bare, P, a.net, a.density, **kw)
             fit = predict(scheme, bare, P, fitted, a.density, **kw)
@@ -291,6 +295,8 @@ def run_validation(a) -> int:
                 "predicted_run_plan_s": asrun["iteration_s"],
                 "error_run_plan": (asrun["iteration_s"] - meas) / meas, "run_plan": ran,
                 "predicted_no_call_cpu_s": nocall["iteration_s"],
+                "predicted_no_steal_s": nosteal["iteration_s"],
+                "error_no_steal": (nosteal["iteration_s"] - meas) / meas,
                 "error_no_call_cpu": (nocall["iteration_s"] - meas) / meas,
                 "predicted_collective_cpu_s": pred["collective_cpu_s"],
                 "predicted_no_contention_s": nocont["iteration_s"],
@@ -342,7 +348,7 @@ def run_validation(a) -> int:
         print(f"P={P} collectives' CPU per call (process CPU, max over ranks; fit c0 + c1·m "
               f"for m entries per rank): {info['collective_cpu_text']}")
     cols = ["scheme", "P", "measured ms", "predicted ms", "error %", "plan as run",
-            "err run's plan %", "err no-call-CPU %",
+            "err run's plan %", "err no-steal %", "err no-call-CPU %",
             "err no-contention %", "err no-compute %", "round wait pred ms",
             "CPU floor pred ms", "CPU floor meas ms", "link pred ms", "compute pred ms",
             "coll CPU pred ms", "err fit-αβ %", "bwd meas ms",
@@ -350,7 +356,7 @@ def run_validation(a) -> int:
             "fwd meas ms", "fwd pred ms", "MB sent meas", "MB pred"]
     table = [[r["scheme"], r["P"], r["measured_s"] * 1e3, r["predicted_s"] * 1e3,
               100 * r["error"], "same" if r["plan_same"] else "other",
-              100 * r["error_run_plan"], 100 * r["error_no_call_cpu"],
+              100 * r["error_run_plan"], 100 * r["error_no_steal"], 100 * r["error_no_call_cpu"],
               100 * r["error_no_contention"],
               100 * r["error_no_compute"],
               r["predicted_round_wait_s"] * 1e3, r["predicted_cpu_floor_s"] * 1e3,
@@ -366,6 +372,7 @@ def run_validation(a) -> int:
     print_table(f"simulate --validate: {a.model} on {link}", cols, table)
     for key, what in (("error", "with contention and the collectives' CPU per call"),
                       ("error_run_plan", "the same, timing the plan each run used"),
+                      ("error_no_steal", "without the collectives' CPU delaying the backward"),
                       ("error_no_call_cpu", "without the CPU per call (the previous model)"),
                       ("error_no_contention", "without contention"),
                       ("error_no_compute", "without compute or contention")):
