@@ -100,10 +100,13 @@ def test_scheme_shapes():
     for s in ("multi_tensor", "omgs", "cupcake"):
         assert all(b.mode == "fused" for b in make_plan(s, names, numel, 0.01, cm).buffers)
     cup = make_plan("cupcake", names, numel, 0.01, cm)
-    for s in ("per_tensor", "ssfusion", "ssfusion_o", "ssfusion_oi"):
+    for s in ("ssfusion", "ssfusion_o", "ssfusion_oi"):
         p = make_plan(s, names, numel, 0.01, cm)
         assert [b.names for b in p.buffers] == [b.names for b in cup.buffers], s
         assert all(b.mode == "per_tensor" for b in p.buffers)
+    pt = make_plan("per_tensor", names, numel, 0.01, cm, bucket_bytes=1 << 20)
+    assert [b.names for b in pt.buffers] == [b.names for b in o.buffers]  # DDP's buckets
+    assert all(b.mode == "per_tensor" for b in pt.buffers)
 
 
 @settings(max_examples=60, deadline=None)
@@ -589,3 +592,25 @@ def test_bad_inputs_raise_value_error():
         Plan.from_dict({"buffers": []})
     with pytest.raises(ValueError, match="backward time"):
         simulate(Plan("x", [BufferPlan((TensorPlan("zz", 1, None),), "dense")]), cm)
+
+
+def test_schemes_without_a_cost_model_plan_as_the_engine_runs_them():
+    """The engine gives a scheme that does not need a cost model none (warm-up: one step for
+    the backward order), so the simulator, which always has one, must get the same plan:
+    per_tensor is DDP's buckets with every tensor sparsified on its own, never Cupcake's."""
+    names, numel, cm = random_model(12, L=6)
+    bucket = 4 * sum(numel.values()) // 2  # DDP's buckets: two or three
+    kw = {"elem_bytes": 4, "bucket_bytes": bucket}
+    for s in SCHEMES:
+        if needs_cost_model(s):
+            continue
+        with_cost = make_plan(s, names, numel, 0.01, cm, **kw)
+        without = make_plan(s, names, numel, 0.01, **kw)
+        assert (with_cost.buffers, with_cost.overlap) == (without.buffers, without.overlap), s
+    pt = make_plan("per_tensor", names, numel, 0.01, cm, **kw)
+    ddp = make_plan("dense_ovlp", names, numel, 0.01, cm, **kw)
+    assert len(ddp.buffers) >= 2
+    assert [[t.name for t in b.tensors] for b in pt.buffers] == \
+        [[t.name for t in b.tensors] for b in ddp.buffers]
+    assert all(b.mode == "per_tensor" and all(t.density == 0.01 for t in b.tensors)
+               for b in pt.buffers)

@@ -51,7 +51,7 @@ __all__ = [
 ]
 
 def needs_cost_model(scheme: str) -> bool:
-    """Whether ``make_plan(scheme, …)`` needs a cost model (``per_tensor`` uses one if given)."""
+    """Whether ``make_plan(scheme, …)`` needs a cost model."""
     return schemes.get(scheme).needs_cost_model
 
 
@@ -120,12 +120,8 @@ def make_plan(
         groups, t = cupcake_groups(names, numel, cost, density)
         buffers = fused_buffers(groups)
         info["dp_iteration"] = t
-    elif spec.planner == "per_tensor":
-        if cost is None:
-            groups = fixed_buckets(names, numel, elem_bytes, bucket_bytes)
-        else:
-            groups, _ = cupcake_groups(names, numel, cost, density)
-        buffers = per_tensor_buffers(groups)
+    elif spec.planner == "per_tensor":  # fusion after sparsification, DDP's buckets (§II-D)
+        buffers = per_tensor_buffers(fixed_buckets(names, numel, elem_bytes, bucket_bytes))
     elif spec.planner == "hipress":
         buffers, info["hipress"] = hipress_buffers(names, numel, cost, density, bucket_bytes)
     elif spec.planner == "espresso":

@@ -12,7 +12,8 @@ Planners (``Scheme.planner``):
 ``single``     one buffer with every tensor, sparsified as one vector (the collectives' papers)
 ``mgwfbp``     MG-WFBP/OMGS merging on the cost model, fused sparsification (mgwfbp.py)
 ``cupcake``    Cupcake's exact DP over contiguous groupings, fused sparsification (cupcake.py)
-``per_tensor`` Cupcake's buffers, every tensor sparsified on its own
+``per_tensor`` DDP-style ``bucket_mb`` buckets, every tensor sparsified on its own (SSFusion
+               §II-D: fusion after sparsification, as Horovod and PyTorch DDP fuse)
 ``ssfusion``   Cupcake's buffers + SSFusion's selective sparsification (ssfusion.py), with
                SSFusion-O offloading (``offload``) and SSFusion-I interleaving (``interleave``)
 ``hipress``    HiPress: compress-or-not per tensor from a static cost model, compressed tensors
