@@ -671,3 +671,61 @@ def test_the_collectives_cpu_delays_the_backward_on_a_shared_core():
     assert Contention(cores=2).steal(1) == 0.0
     assert Contention(cores=2).steal(2) == Contention(cores=2).steal(8) == 1.0
     assert Contention(cores=4).steal(3) == pytest.approx(2 - 4 / 3)
+
+
+def test_a_sparse_buffer_pays_the_start_ups_of_the_collective_it_calls():
+    """A fused buffer's TopkA call runs the shape check (a small ring all-reduce, 2(P−1)
+    messages), the counts all-gather (P−1) and the payload (P−1), as the one-buffer TopkA
+    does: the timeline prices 4(P−1) start-ups per sparse buffer, where it priced 2(P−1) and
+    under-predicted every fusion scheme against the one-buffer path."""
+    from gradsync.schedule.costmodel import ComputeCost
+    from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan
+
+    cost = tiny_cost()
+    msg = 3e-4
+    cost.compute = ComputeCost(message=msg, merge=AffineFit(0, 0), codec=AffineFit(0, 0))
+    net = sim.Network(50e-6, 8 / 1e8)
+    one = Plan("multi_tensor", [BufferPlan(tuple(TensorPlan(t, cost.numel[t], None)
+                                                 for t in cost.order), "fused", 0.01)])
+    for P in (2, 3, 4, 8):
+        single = sim.predict("topka", cost, P, net, 0.01)
+        fused = sim.predict("multi_tensor", cost, P, net, 0.01, plan=one)
+        assert single["rounds"] == fused["rounds"] == 4 * (P - 1)
+        assert fused["compute_s"] == pytest.approx(4 * (P - 1) * msg)
+        assert single["compute_s"] == pytest.approx(4 * (P - 1) * msg)
+        dense = sim.predict("dense", cost, P, net, 0.01)
+        assert dense["rounds"] == 2 * (P - 1)
+
+
+def test_the_simulator_plans_as_the_engine_plans():
+    """The engine plans from its warm-up: α/β timed on the link (each message's software cost
+    inside α), no merge or codec term. The simulator plans with that view (``engine_view``)
+    and times the plan with its whole model. Here a codec of 4 ms per call makes every sparse
+    all-gather dear under the whole model, so planning with it sends Espresso's small tensors
+    dense; the engine, which does not see the codec, sends them sparse, and so does the
+    prediction."""
+    from gradsync.apps.sim.predict import at_scale, engine_view
+    from gradsync.schedule import make_plan
+    from gradsync.schedule.costmodel import ComputeCost
+
+    cost = tiny_cost()
+    cost.compute = ComputeCost(message=2e-4, merge=AffineFit(0, 0), codec=AffineFit(4e-3, 0))
+    net = sim.Network(50e-6, 8 / 1e8)
+    scaled = at_scale(cost, 4, net)
+    view = engine_view(scaled)
+    assert view.compute is None
+    assert view.allreduce.alpha == pytest.approx(50e-6 + 2e-4)
+    assert view.allgather.alpha == pytest.approx(50e-6 + 2e-4)
+    assert view.allgather.beta == scaled.allgather.beta and view.backward == scaled.backward
+    assert engine_view(tiny_cost()) == tiny_cost()  # nothing to fold in without a compute term
+
+    def plan(c):
+        return make_plan("espresso", list(c.order), c.numel, 0.01, c, elem_bytes=4)
+
+    row = sim.predict("espresso", cost, 4, net, 0.01)
+    assert row["plan_digest"] == plan(view).digest() != plan(scaled).digest()
+    sparse = [t.density is not None and not t.allreduce
+              for b in plan(view).buffers for t in b.tensors]
+    whole = [t.density is not None and not t.allreduce
+             for b in plan(scaled).buffers for t in b.tensors]
+    assert sum(sparse) > sum(whole)

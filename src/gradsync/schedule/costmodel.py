@@ -277,21 +277,32 @@ class CostModel:
         return ((p - 1) * ab.alpha + (p - 1) * nbytes_per_rank * ab.beta
                 + self.t_compute_allgather(nbytes_per_rank))
 
+    def startups_allreduce(self) -> int:
+        """Message start-ups of one ring all-reduce: 2(P−1)."""
+        return 2 * (self.P - 1)
+
+    def startups_allgather(self) -> int:
+        """Message start-ups of one sparse all-gather call (TopkA, ``collectives/topka.py``):
+        the base class's shape check (a small ring all-reduce, 2(P−1)), the counts all-gather
+        (P−1) and the payload (P−1): 4(P−1), as ``apps/sim/patterns.work`` counts the
+        one-buffer schemes' call."""
+        return 4 * (self.P - 1)
+
     def t_compute_allreduce(self, nbytes: int) -> float:
-        """CPU work of a ring all-reduce (``compute``): 2(P−1) messages' software cost."""
+        """CPU work of a ring all-reduce (``compute``): its start-ups' software cost."""
         if self.compute is None or self.P == 1:
             return 0.0
-        return self.compute.collective(2 * (self.P - 1))
+        return self.compute.collective(self.startups_allreduce())
 
     def t_compute_allgather(self, nbytes_per_rank: int) -> float:
-        """CPU work of a sparse all-gather of COO entries (``compute``): the counts exchange
-        and P−1 payload messages, each received message decoded and merged
-        (``nbytes_per_rank`` / entry_bytes entries per message)."""
+        """CPU work of a sparse all-gather of COO entries (``compute``): its start-ups'
+        software cost (:meth:`startups_allgather`) and the P−1 received messages, each decoded
+        and merged (``nbytes_per_rank`` / entry_bytes entries per message)."""
         if self.compute is None or self.P == 1:
             return 0.0
         p, m = self.P, nbytes_per_rank / self.entry_bytes
-        return self.compute.collective(2 * (p - 1), merged=(p - 1) * m, encoded=p * m,
-                                       calls=p - 1)
+        return self.compute.collective(self.startups_allgather(), merged=(p - 1) * m,
+                                       encoded=p * m, calls=p - 1)
 
     # -- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -17,15 +17,15 @@ The pipeline of SSFusion Fig. 1 / Fig. 7 / Fig. 8 / Fig. 10 as a recurrence:
   T2 = max(T_AR, compute of the rest) + T_AG of §IV-D.
 * ``overlap=False`` (Dense vs DenseOvlp): the channel opens only after the last gradient.
 * ``round_s`` (CPU contention, ``gradsync.apps.sim.contention``; 0 by default): while the
-  compute stream runs, every start-up of a part (2(P−1) for either part, what
-  ``CostModel.t_compute_allreduce``/``t_compute_allgather`` price) costs ``round_s`` more: its
-  rounds wait for busy cores. Once the compute stream ends they run at the idle price. A part
-  of idle duration b that starts at s, with L = 2(P−1)·round_s, therefore progresses at the
-  rate b/(b + L) until the compute stream ends at E and at full speed after: it takes
-  b + min(L, (E − s)·L/(b + L)). (Charging the whole L to every part that starts before E
-  made a part that starts just before the end of the backward wait as if the backward went
-  on: per-tensor plans at P = 8 were over-predicted by up to +59 %.) A part that starts
-  after the compute stream ends pays nothing more.
+  compute stream runs, every start-up of a part (``CostModel.startups_allreduce``/
+  ``startups_allgather``, what ``t_compute_allreduce``/``t_compute_allgather`` price) costs
+  ``round_s`` more: its rounds wait for busy cores. Once the compute stream ends they run at
+  the idle price. A part of idle duration b that starts at s, with L = start-ups·round_s,
+  therefore progresses at the rate b/(b + L) until the compute stream ends at E and at full
+  speed after: it takes b + min(L, (E − s)·L/(b + L)). (Charging the whole L to every part
+  that starts before E made a part that starts just before the end of the backward wait as
+  if the backward went on: per-tensor plans at P = 8 were over-predicted by up to +59 %.) A
+  part that starts after the compute stream ends pays nothing more.
 * ``steal`` (CPU contention; 0 by default): the share of a part's CPU (``CostModel.
   t_compute_allreduce``/``t_compute_allgather``: message software, merges and codec, or the
   collective's measured CPU per call) that the compute stream loses while both run, for
@@ -134,7 +134,6 @@ def simulate(plan: Plan, cost: CostModel, round_s: float = 0.0, steal: float = 0
     compute_end = clock
     channel = 0.0 if plan.overlap else compute_end
     comm = wait = 0.0
-    loaded = 2 * (cost.P - 1) * round_s  # a part's start-ups, all run while the compute stream runs
     rows = []
     shift = 0.0  # how far the comm's CPU has pushed the compute stream back so far
     end = compute_end
@@ -152,7 +151,7 @@ def simulate(plan: Plan, cost: CostModel, round_s: float = 0.0, steal: float = 0
         if has_ar:
             s = max(r_ar, channel)
             base = cost.t_allreduce(ar_bytes)
-            extra = _loaded_extra(base, loaded, end - s)
+            extra = _loaded_extra(base, cost.startups_allreduce() * round_s, end - s)
             d = base + extra
             x = stolen(s, d, cost.t_compute_allreduce(ar_bytes))
             shift, end = shift + x, end + x
@@ -164,7 +163,7 @@ def simulate(plan: Plan, cost: CostModel, round_s: float = 0.0, steal: float = 0
         if has_ag:
             s = max(r_ag, channel)
             base = cost.t_allgather(ag_bytes)
-            extra = _loaded_extra(base, loaded, end - s)
+            extra = _loaded_extra(base, cost.startups_allgather() * round_s, end - s)
             d = base + extra
             x = stolen(s, d, cost.t_compute_allgather(ag_bytes))
             shift, end = shift + x, end + x

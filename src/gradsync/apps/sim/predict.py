@@ -10,7 +10,8 @@ What ``python -m gradsync simulate`` (:mod:`gradsync.apps.sim.simulate`) tabulat
   step-by-step pattern (:mod:`gradsync.apps.sim.patterns`); every other planner's plan
   (:func:`gradsync.schedule.make_plan`) is costed by the timeline of
   :func:`gradsync.schedule.simulate` (WFBP overlap, offload worker, SSFusion-I split), whose
-  buffers cost Eq. 4 (ring all-reduce) and Eq. 3 (ring all-gather of COO entries);
+  buffers cost Eq. 4 (ring all-reduce) and Eq. 3 (ring all-gather of COO entries). The plan
+  is the one the engine would make (:func:`engine_view`), not the best under this model;
 * :class:`~gradsync.apps.sim.contention.Contention` (``contention=``, off by default): P ranks
   sharing C cores — a round that runs during the backward pays its loaded price, and the
   iteration is at least all ranks' CPU work over the cores;
@@ -26,7 +27,7 @@ from __future__ import annotations
 import csv
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -40,7 +41,8 @@ from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
 from gradsync.schedule.plan import Plan
 from gradsync.sparsify import validate_density
 
-__all__ = ["NOTE", "Network", "at_scale", "load_table", "plot_vs_p", "predict", "profile_model"]
+__all__ = ["NOTE", "Network", "at_scale", "engine_view", "load_table", "plot_vs_p", "predict",
+           "profile_model"]
 
 NOTE = ("planning tool, not a distributed runtime: times are predictions of the α-β model "
         "from one worker's measured compute, not measurements")
@@ -99,8 +101,7 @@ class _WithCallCPU(CostModel):
     """A cost model whose sparse all-gather (a fusion buffer's collective) costs at least its
     measured CPU per call (:class:`~gradsync.apps.sim.callcpu.CollectiveCPU`): the message
     start-ups' software cost plus max(merges and codec, ``call(m)``) for m entries per rank.
-    The timeline times buffers with it; the plan is made without it, as the engine makes
-    its own (its cost model has no such term)."""
+    The timeline times buffers with it; the plan is made without it (:func:`engine_view`)."""
 
     call: AffineFit | None = None
 
@@ -108,8 +109,23 @@ class _WithCallCPU(CostModel):
         base = super().t_compute_allgather(nbytes_per_rank)
         if self.call is None or self.P == 1:
             return base
-        msg = 2 * (self.P - 1) * self.compute.message if self.compute is not None else 0.0
+        msg = self.startups_allgather() * self.compute.message if self.compute is not None else 0.0
         return msg + max(base - msg, self.call(nbytes_per_rank / self.entry_bytes))
+
+
+def engine_view(cost: CostModel) -> CostModel:
+    """The cost model the engine plans with, from ``cost``: its warm-up times each collective
+    on the link, so each message's software cost (``compute.message``) is part of the α it
+    measures, and it has no other compute term (no merge or codec cost, no start-ups beyond
+    Eq. 3/4's). The simulator plans with this and times the plan with ``cost``: planning with
+    the whole model chose plans the engine never runs (Espresso's small tensors sent dense
+    where every run sent them sparse) and under-predicted them (docs/architecture.md)."""
+    if cost.compute is None:
+        return cost
+    m = cost.compute.message
+    return replace(cost, allreduce=AlphaBeta(cost.allreduce.alpha + m, cost.allreduce.beta),
+                   allgather=AlphaBeta(cost.allgather.alpha + m, cost.allgather.beta),
+                   compute=None)
 
 
 def _with_call(cost: CostModel, call: AffineFit | None) -> CostModel:
@@ -198,7 +214,7 @@ def predict(
                    union_density=union(cost.P))
     else:
         if plan is None:
-            plan = make_plan(scheme, list(cost.order), cost.numel, density, cost,
+            plan = make_plan(scheme, list(cost.order), cost.numel, density, engine_view(cost),
                              elem_bytes=cost.elem_bytes, bucket_bytes=bucket_bytes,
                              min_density=min_density)
         elif plan.scheme != scheme or sorted(plan.names) != sorted(cost.order):
@@ -224,12 +240,12 @@ def predict(
                 compute += timed.t_compute_allgather(b["ag_bytes"])
                 if fit is None or p == 1:
                     work += max(0.0, cost.t_compute_allgather(b["ag_bytes"])
-                                - 2 * (p - 1) * msg * (p > 1))
+                                - cost.startups_allgather() * msg)
                     calls += p + 1
                 else:
                     call_cpu += fit(b["ag_bytes"] / cost.entry_bytes)
-            # the start-ups t_compute_allreduce / t_compute_allgather price: 2(P−1) each
-            rounds += 2 * (p - 1) * (ar + ag)
+            # the start-ups t_compute_allreduce / t_compute_allgather price
+            rounds += cost.startups_allreduce() * ar + cost.startups_allgather() * ag
         calls *= p > 1
         wait = tl.round_wait
         vol = sum(b["ar_bytes"] * 2 * (p - 1) / p + b["ag_bytes"] * (p - 1) for b in tl.buffers)
