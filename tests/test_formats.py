@@ -466,10 +466,61 @@ U32_MAX = 2**32 - 1
 def test_densestream_hostile_buffers(raw, what):
     with pytest.raises(ValueError, match=what):
         ds.decode(raw)
+    numel = struct.unpack_from("<q", raw, 8)[0] if len(raw) >= 16 else 20
+    if 0 <= numel <= 1 << 20:  # decode_into refuses it for the same reason, into any out
+        with pytest.raises(ValueError, match=what):
+            ds.decode_into(raw, torch.zeros(numel))
+
+
+@FAST
+@given(sel=sparse_grads(), iw=st.sampled_from([4, 8]), fill=st.booleans())
+def test_densestream_decode_into_writes_the_blocks_bit_for_bit(sel, iw, fill):
+    """Into zeros: the selection's dense tensor, bit for bit, and its count of nonzeros.
+    Over other values: exactly the indices the blocks cover are written (their zeros too)."""
+    buf = ds.encode(sel, index_bytes=iw)
+    ref_idx, _ = nonzero_entries(sel)
+    out = torch.zeros(sel.numel, dtype=sel.dtype)
+    assert ds.decode_into(buf, out) == len(ref_idx)
+    assert same_bits(out, sel.to_dense())
+    if fill:
+        out = torch.full((sel.numel,), 7.0, dtype=sel.dtype)
+        ds.decode_into(buf, out)
+        covered = torch.zeros(sel.numel, dtype=torch.bool)
+        for a, m in zip(*[t.tolist() for t in ds.blocks(sel, iw)]):
+            covered[a:a + m] = True
+        assert same_bits(out[covered], sel.to_dense()[covered])
+        assert bool((out[~covered] == 7.0).all())
+
+
+def test_densestream_decode_into_checks_its_range_and_its_out():
+    raw = _ds_raw(20, [2, 10], [3, 1], [1.0, 0.0, 2.0, 3.0])
+    out = torch.zeros(20)
+    assert ds.decode_into(raw, out, lo=2, hi=11) == 3
+    assert out[[2, 4, 10]].tolist() == [1.0, 2.0, 3.0] and int((out != 0).sum()) == 3
+    for lo, hi in [(3, 20), (0, 10)]:  # the first start below lo; the last index at hi
+        with pytest.raises(ValueError, match="outside"):
+            ds.decode_into(raw, torch.zeros(20), lo=lo, hi=hi)
+    with pytest.raises(ValueError, match="numel"):
+        ds.decode_into(raw, torch.zeros(21))
+    with pytest.raises(ValueError, match="expected"):
+        ds.decode_into(raw, torch.zeros(20, dtype=torch.float16))
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        ds.decode_into(raw, torch.zeros(40)[::2])
 
 
 # -- fuzzing: random bytes, truncations, bit flips ------------------------------------------
 FORMATS = {"coo": coo, "densestream": ds}
+
+
+def _refused_by_decode_into(fmt, raw: bytes) -> None:
+    """What decode refuses, decode_into refuses too (into a tensor of the declared numel)."""
+    if fmt is not ds or len(raw) < 16:
+        return
+    numel, code = struct.unpack_from("<q", raw, 8)[0], raw[6]
+    dtype = {1: torch.float32, 2: torch.float16, 3: torch.bfloat16}.get(code, torch.float32)
+    if 0 <= numel <= 1 << 20:
+        with pytest.raises(ValueError):
+            ds.decode_into(raw, torch.zeros(numel, dtype=dtype))
 
 
 def _decode_or_valueerror(fmt, raw: bytes, iw_hint: int | None = None) -> None:
@@ -477,10 +528,15 @@ def _decode_or_valueerror(fmt, raw: bytes, iw_hint: int | None = None) -> None:
     try:
         out = fmt.decode(raw)
     except ValueError:
+        _refused_by_decode_into(fmt, raw)
         return
     out._validate()  # a valid SparseGrad (sorted, in range, matching lengths)
     iw = raw[5]
     assert bytes(fmt.encode(out, index_bytes=iw).tolist()) == raw  # accepted ⇒ canonical
+    if fmt is ds and out.numel <= 1 << 20:  # decode_into accepts it too, and agrees
+        dense = torch.zeros(out.numel, dtype=out.dtype)
+        assert ds.decode_into(raw, dense) == len(out)
+        assert same_bits(dense, out.to_dense())
 
 
 def _fuzz_random_bytes(data):

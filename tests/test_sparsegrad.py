@@ -11,9 +11,12 @@ from hypothesis import strategies as st
 
 from gradsync import SparseGrad, sparsify
 from gradsync.sparsegrad import (
+    add_at,
     densify,
     flatnonzero,
     isin_sorted,
+    mark_at,
+    put_at,
     sparse_sum,
     target_k,
     top_k_mask,
@@ -275,3 +278,38 @@ def test_densify_writes_disjoint_parts_bit_for_bit(dtype):
     expect[0], expect[3], expect[5] = 1.5, -0.0, nan[0]
     width = {2: torch.int16, 4: torch.int32, 8: torch.int64}[expect.element_size()]
     assert torch.equal(out.view(width), expect.view(width))  # −0.0 and the NaN bits kept
+
+
+_INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(0, 300), seed=st.integers(0, 2**31 - 1),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_scatters_of_distinct_indices_match_a_python_loop_bit_for_bit(n, seed, dtype):
+    """put_at / add_at / mark_at against element-by-element Python, on values that include
+    ±0.0, NaN payloads and ±Inf (moved and added as IEEE says, once per target)."""
+    g = torch.Generator().manual_seed(seed)
+    base = torch.randn(n, generator=g).to(dtype)
+    m = int(torch.randint(0, n + 1, (1,), generator=g)) if n else 0
+    idx = torch.randperm(n, generator=g)[:m]  # distinct, in any order
+    src = torch.randn(m, generator=g).to(dtype)
+    specials = torch.tensor([0.0, -0.0, float("inf"), -float("inf"), float("nan")]).to(dtype)
+    if m:
+        src[: min(m, 5)] = specials[: min(m, 5)]
+        src.view(_INT[dtype])[min(m, 5) - 1] |= 1  # a NaN (or odd-bit) payload
+    put_ref, add_ref = base.clone(), base.clone()
+    mask = torch.rand(n, generator=g) < 0.3
+    mask_ref = mask.clone()
+    for i, v in zip(idx.tolist(), src, strict=True):  # v: a 0-d tensor, payload kept
+        put_ref.view(_INT[dtype])[i] = v.view(_INT[dtype])
+        add_ref[i] = (add_ref[i].float() + v.float()).to(dtype)  # one rounding
+        mask_ref[i] = True
+    out = base.clone()
+    put_at(out.view(_INT[dtype]), idx, src.view(_INT[dtype]))
+    assert torch.equal(out.view(_INT[dtype]), put_ref.view(_INT[dtype]))
+    out = base.clone()
+    assert add_at(out, idx, src) is out
+    same = (out.view(_INT[dtype]) == add_ref.view(_INT[dtype])) | (out.isnan() & add_ref.isnan())
+    assert bool(same.all())
+    assert torch.equal(mark_at(mask, idx), mask_ref)

@@ -9,7 +9,10 @@ The two rules every layer shares live here, at the bottom, so that no layer writ
 :func:`validate_density` (a density lies in (0, 1]) and :func:`target_k` (the number of entries
 a density selects from n, ``max(1, round(density · n))`` capped at n).
 
-So do the three operations on selections that the collectives share, each written once:
+So do the three scatters every sparse path makes, for *distinct* indices — :func:`put_at`
+(``out[idx] = src``), :func:`add_at` (``out[idx] += src``) and :func:`mark_at`
+(``mask[idx] = True``) — which pick the fastest kernel per device, and the three operations on
+selections that the collectives share, each written once:
 :func:`sparse_sum` (the sum of several selections, added in a fixed order so that every rank
 gets the same bits), :func:`isin_sorted` (membership in a sorted index list) and
 :func:`top_k_mask` (the k largest magnitudes, ties to the smaller position).
@@ -26,12 +29,15 @@ import torch
 
 __all__ = [
     "SparseGrad",
+    "add_at",
     "all_finite",
     "check_finite",
     "check_indices",
     "densify",
     "flatnonzero",
     "isin_sorted",
+    "mark_at",
+    "put_at",
     "sparse_sum",
     "target_k",
     "top_k_mask",
@@ -102,6 +108,35 @@ def flatnonzero(mask: torch.Tensor) -> torch.Tensor:
     return torch.nonzero(mask).view(-1)
 
 
+# The scatters of distinct indices. Measured on CPU (one thread, 1.3 M sorted distinct indices
+# into 4 M fp32): index_copy_ 4.0 ms, scatter_ 2.0 ms; index_fill_ of a bool 4.2 ms, scatter_ of
+# ones into its bytes 1.8 ms; index_add_ 2.3–2.8 ms, scatter_add_ 1.9–2.4 ms. With distinct
+# indices every target is written (or added to) once, so both kernels give the same bits; on
+# other devices the index_* kernels stay (their deterministic variants are the documented ones).
+def put_at(out: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``out[idx] = src`` along dim 0 of 1-D tensors, for distinct int64 ``idx``; returns
+    ``out``. Moves values as they are (pass integer views to keep NaN payloads)."""
+    if out.device.type == "cpu":
+        return out.scatter_(0, idx, src)
+    return out.index_copy_(0, idx, src)
+
+
+def add_at(out: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
+    """``out[idx] += src`` along dim 0 of 1-D tensors, for distinct int64 ``idx``: one addition
+    per target, so the same bits on every rank whichever kernel runs; returns ``out``."""
+    if out.device.type == "cpu":
+        return out.scatter_add_(0, idx, src)
+    return out.index_add_(0, idx, src)
+
+
+def mark_at(mask: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
+    """``mask[idx] = True`` for a 1-D bool ``mask`` and int64 ``idx``; returns ``mask``."""
+    if mask.device.type == "cpu":
+        mask.view(torch.uint8).scatter_(0, idx, torch.ones(idx.numel(), dtype=torch.uint8))
+        return mask
+    return mask.index_fill_(0, idx, True)
+
+
 #: :func:`isin_sorted` marks a bitmap over ``ref``'s span when that span is at most this many
 #: times the entries; otherwise it binary-searches.
 DENSE_SPAN_FACTOR = 16
@@ -151,8 +186,8 @@ def sparse_sum(parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
         hit = torch.zeros(span, dtype=torch.bool, device=dev)
         for i, v in parts:
             local = i - lo if lo else i
-            acc.index_add_(0, local, v.to(dtype))
-            hit.index_fill_(0, local, True)
+            add_at(acc, local, v.to(dtype))
+            mark_at(hit, local)
         at = flatnonzero(hit)
         return (at + lo if lo else at), torch.index_select(acc, 0, at)
     return _merge(parts, dtype)
@@ -178,13 +213,13 @@ def _merge(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtyp
         # the index a later entry belongs to: its position less the later entries up to it
         group = later - torch.arange(1, later.numel() + 1, device=cat.device)
         if len(parts) == 2:  # one later entry per index at most
-            out.index_add_(0, group, torch.index_select(val_all, 0, later))
+            add_at(out, group, torch.index_select(val_all, 0, later))
         else:
             level = later - torch.index_select(starts, 0, group)  # 1: second part holding it
             for j in range(1, int(level.max()) + 1):
                 at = flatnonzero(level == j)
-                out.index_add_(0, torch.index_select(group, 0, at),
-                               torch.index_select(val_all, 0, torch.index_select(later, 0, at)))
+                add_at(out, torch.index_select(group, 0, at),
+                       torch.index_select(val_all, 0, torch.index_select(later, 0, at)))
     return torch.index_select(idx_all, 0, starts), out
 
 
@@ -199,7 +234,7 @@ def isin_sorted(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     span = hi - lo + 1
     if span <= DENSE_SPAN_FACTOR * (x.numel() + ref.numel()):
         bitmap = torch.zeros(span + 2, dtype=torch.bool, device=x.device)  # ends: outside
-        bitmap.index_fill_(0, ref - (lo - 1), True)
+        mark_at(bitmap, ref - (lo - 1))
         return torch.index_select(bitmap, 0, (x - (lo - 1)).clamp_(0, span + 1))
     pos = torch.searchsorted(ref, x).clamp_(max=ref.numel() - 1)
     return ref[pos] == x
@@ -253,8 +288,8 @@ def densify(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], numel: int, dtyp
             continue
         if bits is None:
             out[idx] = val
-        else:  # index_copy_ on the bit patterns: cheaper than out[i] = v, and NaN payloads kept
-            out.view(bits).index_copy_(0, idx, val.contiguous().view(bits))
+        else:  # on the bit patterns: cheaper than out[i] = v, and NaN payloads kept
+            put_at(out.view(bits), idx, val.contiguous().view(bits))
     return out
 
 

@@ -20,7 +20,9 @@ Three phases, every partition on the wire DenseStream-encoded (§III-A,
    r XOR d exchange everything they hold; the ranges are disjoint, so this is a concatenation.
    Each region travels as its owner encoded it: a message is the d encodings of the sender's
    regions back to back, forwarded as received (never decoded and re-encoded on the way), and
-   the receiver decodes and range-checks every region (:func:`gradsync.formats.densestream.split`).
+   the receiver validates and range-checks every region and decodes it straight into the
+   dense result (:func:`gradsync.formats.densestream.split`, ``decode_into``: the regions are
+   disjoint, so no per-entry index list is built).
 
 P′ = 2^⌊log2 P⌋. For P that is not a power of two the P − P′ extra ranks are folded in first
 and out at the end, as in Rabenseifner's allreduce: among the first 2(P − P′) ranks each even
@@ -139,14 +141,16 @@ class DenseStreamAllreduce(Collective):
         return self._decode(self._swap(self._encode(part, iw), peer, comm, part, iw), part,
                             lo, hi)
 
-    def _pieces(self, buf: torch.Tensor, like: SparseGrad, regions: range, bounds: list[int]
-                ) -> list[tuple[int, torch.Tensor, SparseGrad]]:
-        """Split a payload of one encoding per region (``regions``, in order) and decode each,
-        checked against its region's range: (region, its bytes, its entries)."""
-        out = []
-        for q, piece in zip(regions, dsfmt.split(buf, len(regions)), strict=True):
-            out.append((q, piece, self._decode(piece, like, bounds[q], bounds[q + 1])))
-        return out
+    @staticmethod
+    def _write(buf: torch.Tensor, dense: torch.Tensor, regions: range, bounds: list[int]
+               ) -> tuple[list[torch.Tensor], int]:
+        """Split a payload of one encoding per region (``regions``, in order) and decode each
+        straight into ``dense``, checked against its region's range (the regions are disjoint,
+        so each writes only its own indices): the encodings, and the nonzeros written."""
+        pieces = dsfmt.split(buf, len(regions))
+        nnz = sum(dsfmt.decode_into(piece, dense, lo=bounds[q], hi=bounds[q + 1])
+                  for q, piece in zip(regions, pieces, strict=True))
+        return pieces, nnz
 
     def _send(self, part: SparseGrad, peer: int, comm: Comm, iw: int) -> None:
         payload = self._encode(part, iw)
@@ -216,16 +220,20 @@ class DenseStreamAllreduce(Collective):
             t = mark("scatter_reduce", t)
             # Allgather, recursive doubling: my 2^t regions for my partner's 2^t regions. Each
             # region travels as its owner encoded it, the encodings back to back (forwarded,
-            # never re-encoded); every region is decoded and range-checked on arrival.
-            held = {me: (dsfmt.encode(acc, index_bytes=iw), acc)}
+            # never re-encoded); every region is validated, range-checked and decoded straight
+            # into the result on arrival (the regions are disjoint).
+            dense = densify([(acc.indices, acc.values)], n, sel.dtype, sel.device)
+            held = {me: dsfmt.encode(acc, index_bytes=iw)}
+            global_nnz = region_nnz
             d = 1
             while d < p2:
                 peer = me ^ d
                 plo = (peer // d) * d                  # partner holds regions [plo, plo + d)
-                payload = torch.cat([held[q][0] for q in sorted(held)])
+                payload = torch.cat([held[q] for q in sorted(held)])
                 buf = self._swap(payload, real(peer), comm, sel, iw, d)
-                for q, piece, part in self._pieces(buf, sel, range(plo, plo + d), bounds):
-                    held[q] = (piece, part)
+                pieces, got = self._write(buf, dense, range(plo, plo + d), bounds)
+                held.update(zip(range(plo, plo + d), pieces, strict=True))
+                global_nnz += got
                 d *= 2
             t = mark("allgather", t)
         else:
@@ -233,7 +241,7 @@ class DenseStreamAllreduce(Collective):
         # Unfold: the odd ranks return every region to the even ranks they absorbed.
         if r < 2 * rem:
             if r % 2 == 1:
-                payload = torch.cat([held[q][0] for q in sorted(held)])
+                payload = torch.cat([held[q] for q in sorted(held)])
                 comm.send(torch.tensor([payload.numel()], dtype=torch.int64, device=comm.device),
                           r - 1)
                 comm.send(payload, r - 1)
@@ -243,13 +251,11 @@ class DenseStreamAllreduce(Collective):
                 buf = torch.empty(self._check_len(int(n_in), sel, iw, p2), dtype=torch.uint8,
                                   device=sel.device)
                 comm.recv(buf, r + 1)
-                held = {q: (piece, part)
-                        for q, piece, part in self._pieces(buf, sel, range(p2), bounds)}
+                dense = torch.zeros(n, dtype=sel.dtype, device=sel.device)
+                _, global_nnz = self._write(buf, dense, range(p2), bounds)
         mark("unfold", t)
-        parts = [held[q][1] for q in range(p2)]       # disjoint regions: written in place
-        dense = densify([(a.indices, a.values) for a in parts], n, sel.dtype, sel.device)
         info = {"regions": p2, "boundaries": B, "boundaries_recomputed": recomputed,
-                "region_nnz": region_nnz, "global_nnz": sum(len(a) for a in parts),
+                "region_nnz": region_nnz, "global_nnz": global_nnz,
                 "bytes_sent_by_phase": sent}
         return dense, sel.indices, info
 

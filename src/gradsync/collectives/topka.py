@@ -4,9 +4,9 @@ Ok-Topk §2 / Table 1: volume per rank 2k(P−1) words (COO, one index and one v
 k varies by rank, so the counts are gathered first and the payload travels as an exact-size
 all-gather-v (no padding, no even ``numel // P`` split) of one ``[indices][values]`` message per
 rank (:func:`gradsync.formats.wire.pack_entries`). Duplicates across ranks accumulate
-(``index_add_``), never overwrite. Indices are int64 in memory and travel as int32 when
-numel < 2**31, else int64 (:func:`~gradsync.formats.wire.wire_index_dtype`), never through a
-float buffer.
+(:func:`~gradsync.sparsegrad.add_at`), never overwrite. Indices are int64 in memory and travel
+as int32 when numel < 2**31, else int64 (:func:`~gradsync.formats.wire.wire_index_dtype`),
+never through a float buffer.
 
 Every rank adds the P contributions in rank order, so ``dense`` is bitwise identical everywhere.
 """
@@ -21,7 +21,7 @@ from gradsync.collectives import registry
 from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
 from gradsync.formats.wire import entry_bytes, pack_entries, unpack_entries, wire_index_dtype
-from gradsync.sparsegrad import SparseGrad
+from gradsync.sparsegrad import SparseGrad, add_at
 
 
 @registry.register("topka")
@@ -39,5 +39,5 @@ class TopkA(Collective):
         dense = torch.zeros(sel.numel, dtype=sel.dtype, device=sel.device)
         for msg, c in zip(msgs, counts):
             idx, val = unpack_entries(msg, c, wire, sel.dtype, "topka")
-            dense.index_add_(0, idx, val)
+            add_at(dense, idx, val)
         return dense, sel.indices, {"counts": counts}

@@ -49,6 +49,8 @@ accepts, ``encode(decode(buf), index_bytes) == buf`` byte for byte.
 
 from __future__ import annotations
 
+from typing import NamedTuple
+
 import torch
 
 from gradsync.formats.wire import (
@@ -63,10 +65,10 @@ from gradsync.formats.wire import (
     unpack_header,
     view_as,
 )
-from gradsync.sparsegrad import SparseGrad, flatnonzero
+from gradsync.sparsegrad import SparseGrad, flatnonzero, put_at
 
-__all__ = ["HEADER_BYTES", "MAGIC", "blocks", "decode", "encode", "max_zero_run", "size_bytes",
-           "split"]
+__all__ = ["HEADER_BYTES", "MAGIC", "blocks", "decode", "decode_into", "encode", "max_zero_run",
+           "size_bytes", "split"]
 
 MAGIC = b"GSDS"
 HEADER_BYTES = header_bytes(3)  # 32: numel, blocks, Σ lengths
@@ -105,22 +107,22 @@ def _find_blocks(idx: torch.Tensor, z: int, positions: bool = False
     nonzero's position in the concatenated block values.
 
     A new block begins after a gap of more than ``z`` zeros between consecutive nonzeros
-    (rule 2); each block starts and ends at a nonzero (rule 1). A nonzero's position is its
-    index minus the zeros left out before it (the gaps that split blocks). O(nnz), with
-    compactions and cumulative sums only (no per-entry gathers).
+    (rule 2); each block starts and ends at a nonzero (rule 1). A nonzero's position is the
+    previous one's plus its index gap inside a block, plus one across a cut (the zeros of a
+    cut gap are not stored): one cumulative sum. O(nnz) passes, O(blocks) gathers.
     """
     if idx.numel() == 0:
         e = torch.empty(0, dtype=torch.int64, device=idx.device)
         return e, e, e
     gaps = torch.diff(idx)  # zeros between consecutive nonzeros, plus one
-    cut = gaps > z + 1
-    at = flatnonzero(cut)  # nonzero at + 1 opens a block, nonzero at closes one
+    at = flatnonzero(gaps > z + 1)  # nonzero at + 1 opens a block, nonzero at closes one
     starts = torch.cat([idx[:1], torch.index_select(idx, 0, at + 1)])
     lengths = torch.cat([torch.index_select(idx, 0, at), idx[-1:]]).sub_(starts).add_(1)
     if not positions:
         return starts, lengths, None
-    pos = idx - idx[0]
-    pos[1:] -= torch.cumsum(gaps.sub_(1).mul_(cut), 0)  # zeros left out up to each nonzero
+    pos = torch.empty(idx.numel(), dtype=torch.int64, device=idx.device)
+    pos[:1] = 0
+    torch.cumsum(put_at(gaps, at, torch.ones_like(at)), 0, out=pos[1:])
     return starts, lengths, pos
 
 
@@ -185,6 +187,87 @@ def _structure_error(starts: torch.Tensor, lengths: torch.Tensor, n: int, total:
     return f"lengths sum to {int(lengths.sum())}, header says {total}"
 
 
+class _Table(NamedTuple):
+    """A validated buffer (:func:`_read`); the tensors are ``None`` when it has no block."""
+
+    numel: int
+    dtype: torch.dtype
+    z: int                         # Z, the most zeros a block holds (rule 2)
+    span: tuple[int, int]          # the first block's start, the last block's end
+    offsets: torch.Tensor | None   # each block's first position in the stream
+    jumps: torch.Tensor | None     # see _read
+    bits: torch.Tensor | None      # the stored values as their bit patterns
+
+
+def _read(buf: torch.Tensor | bytes, what: str, numel: int | None, dtype: torch.dtype | None
+          ) -> _Table:
+    """The header and the block table of a buffer, validated.
+
+    The block table and the gap rule are checked in one pass of reductions: lengths ≥ 1;
+    blocks sorted and separated by more than Z zeros (the gap rule: a closer pair would be one
+    canonical block); the first start ≥ 0 and the last end ≤ n (with the above: every block
+    inside [0, n)); lengths summing to the header's total. With 4-byte fields nothing can wrap
+    in int64; with 8-byte fields every block is first checked on its own (start ≥ 0,
+    start ≤ n − length), so no sum below can wrap either. Then rule 1: every block begins and
+    ends with a nonzero (not the bits of +0.0). Rule 2 inside the blocks is the caller's (it
+    has the stream's nonzeros, or checks the zero runs directly).
+
+    ``jumps[b]`` is how far block b's first index lies from the previous block's last index
+    (block 0: its start, from 0), so a cumulative sum of ones with ``jumps`` at the
+    ``offsets`` gives every stored position's index.
+    """
+    buf = as_buffer(buf)
+    iw, vdtype, (n, nb, total) = unpack_header(buf, MAGIC, 3, what, numel=numel, dtype=dtype)
+    vb = torch.empty(0, dtype=vdtype).element_size()
+    z = max_zero_run(iw, vb)
+    if not 0 <= nb <= total <= n or (nb == 0) != (total == 0):
+        raise ValueError(f"{what}: blocks={nb}, total length={total} inconsistent "
+                         f"with numel={n} (need 0 ≤ blocks ≤ length ≤ numel, and no values "
+                         f"without a block)")
+    expected = HEADER_BYTES + nb * 2 * iw + total * vb  # Python ints: no overflow
+    if buf.numel() != expected:
+        raise ValueError(f"{what}: buffer of {buf.numel()} bytes, header implies "
+                         f"{expected}; truncated or corrupted")
+    if nb == 0:  # total == 0 too (checked above)
+        return _Table(n, vdtype, z, (0, 0), None, None, None)
+    idx_dtype = INDEX_DTYPES[iw]
+    starts = view_as(buf, HEADER_BYTES, nb, idx_dtype).to(torch.int64)
+    lengths = view_as(buf, HEADER_BYTES + nb * iw, nb, idx_dtype).to(torch.int64)
+    stream = view_as(buf, HEADER_BYTES + 2 * nb * iw, total, vdtype)
+    cum = torch.cumsum(lengths, 0)  # each block's exclusive end in the stream
+    ends = starts + lengths
+    between = starts[1:] - ends[:-1]  # zeros left out between consecutive blocks
+    words = [lengths.min(), starts[0], ends[-1], cum[-1]]
+    if nb > 1:
+        words.append(between.min())
+    if iw == 8:
+        words.append(((starts >= 0) & (starts <= n - lengths)).all().long())
+    lmin, first, last, summed, *rest = torch.stack(words).tolist()
+    gap = rest[0] if nb > 1 else z + 1
+    entries_ok = bool(rest[-1]) if iw == 8 else True
+    table_ok = (entries_ok and lmin >= 1 and first >= 0 and last <= n and summed == total
+                and gap >= 0)
+    if not (table_ok and gap > z):
+        if table_ok:
+            raise ValueError(f"{what}: blocks closer than the gap rule allows")
+        raise ValueError(f"{what}: {_structure_error(starts, lengths, n, total)}")
+    offsets = cum - lengths  # each block's first position in the stream
+    bits = stream.view(BITS_DTYPES[vb])
+    if int(torch.count_nonzero(torch.index_select(bits, 0, torch.cat([offsets, cum.sub_(1)])))
+           ) != 2 * nb:
+        raise ValueError(f"{what}: a block begins or ends with a zero (rule 1)")
+    jumps = torch.cat([starts[:1], between.add_(1)])
+    return _Table(n, vdtype, z, (first, last), offsets, jumps, bits)
+
+
+def _stored_indices(offsets: torch.Tensor, jumps: torch.Tensor, total: int) -> torch.Tensor:
+    """The index of every stored position: one more than the previous position's, or, at a
+    block's first position, the previous block's last index plus the block's jump."""
+    step = torch.ones(total, dtype=torch.int64, device=offsets.device)
+    put_at(step, offsets, jumps)
+    return torch.cumsum(step, 0)
+
+
 def decode(buf: torch.Tensor | bytes, *, numel: int | None = None,
            dtype: torch.dtype | None = None) -> SparseGrad:
     """Decode DenseStream bytes into the SparseGrad of their nonzeros (validated).
@@ -197,72 +280,60 @@ def decode(buf: torch.Tensor | bytes, *, numel: int | None = None,
     a block, the gap rule between blocks): the buffer is the canonical encoding of its
     nonzeros.
     """
-    buf = as_buffer(buf)
-    iw, vdtype, (n, nb, total) = unpack_header(buf, MAGIC, 3, "densestream.decode",
-                                               numel=numel, dtype=dtype)
-    vb = torch.empty(0, dtype=vdtype).element_size()
-    if not 0 <= nb <= total <= n or (nb == 0) != (total == 0):
-        raise ValueError(f"densestream.decode: blocks={nb}, total length={total} inconsistent "
-                         f"with numel={n} (need 0 ≤ blocks ≤ length ≤ numel, and no values "
-                         f"without a block)")
-    expected = HEADER_BYTES + nb * 2 * iw + total * vb  # Python ints: no overflow
-    if buf.numel() != expected:
-        raise ValueError(f"densestream.decode: buffer of {buf.numel()} bytes, header implies "
-                         f"{expected}; truncated or corrupted")
-    dev = buf.device
-    if nb == 0:  # total == 0 too (checked above)
+    t = _read(buf, "densestream.decode", numel, dtype)
+    n, vdtype, bits = t.numel, t.dtype, t.bits
+    if bits is None:
+        dev = as_buffer(buf).device
         return SparseGrad(torch.empty(0, dtype=torch.int64, device=dev),
                           torch.empty(0, dtype=vdtype, device=dev), n, validate=False)
-    idx_dtype = INDEX_DTYPES[iw]
-    starts = view_as(buf, HEADER_BYTES, nb, idx_dtype).to(torch.int64)
-    lengths = view_as(buf, HEADER_BYTES + nb * iw, nb, idx_dtype).to(torch.int64)
-    stream = view_as(buf, HEADER_BYTES + 2 * nb * iw, total, vdtype)
-    # The block table and the gap rule in one pass of reductions: lengths ≥ 1; blocks sorted
-    # and separated by more than Z zeros (the gap rule: a closer pair would be one canonical
-    # block); the first start ≥ 0 and the last end ≤ n (with the above: every block inside
-    # [0, n)); lengths summing to the header's total. With 4-byte fields nothing can wrap in
-    # int64; with 8-byte fields every block is first checked on its own (start ≥ 0,
-    # start ≤ n − length), so no sum below can wrap either.
-    z = max_zero_run(iw, vb)
-    cum = torch.cumsum(lengths, 0)  # each block's exclusive end in the stream
-    ends = starts + lengths
-    words = [lengths.min(), starts[0], ends[-1], cum[-1]]
-    if nb > 1:
-        words.append((starts[1:] - ends[:-1]).min())
-    if iw == 8:
-        words.append(((starts >= 0) & (starts <= n - lengths)).all().long())
-    lmin, first, last, summed, *rest = torch.stack(words).tolist()
-    gap = rest[0] if nb > 1 else z + 1
-    entries_ok = bool(rest[-1]) if iw == 8 else True
-    table_ok = (entries_ok and lmin >= 1 and first >= 0 and last <= n and summed == total
-                and gap >= 0)
-    if not (table_ok and gap > z):
-        if table_ok:
-            raise ValueError("densestream.decode: blocks closer than the gap rule allows")
-        raise ValueError(f"densestream.decode: {_structure_error(starts, lengths, n, total)}")
-    offsets = cum - lengths  # each block's first position in the stream
-    bits = stream.view(BITS_DTYPES[vb])
-    # Rule 1: blocks begin and end with a nonzero (not the bits of +0.0).
-    if int(torch.count_nonzero(torch.index_select(bits, 0, torch.cat([offsets, cum.sub_(1)])))
-           ) != 2 * nb:
-        raise ValueError("densestream.decode: a block begins or ends with a zero (rule 1)")
-    # Each nonzero's index: its stream position plus its block's shift starts − offsets.
-    # Block starts are nonzeros (rule 1), so "opens a block" marks nonzeros.
-    opens = torch.zeros(total, dtype=torch.bool, device=dev).index_fill_(0, offsets, True)
+    at = _stored_indices(t.offsets, t.jumps, bits.numel())
     where = flatnonzero(bits != 0)
-    if where.numel() == total:  # no zeros stored: every position is an entry
-        values = stream.clone()
-    else:
-        # Rule 2: no run of more than Z zeros inside a block. Blocks begin and end with a
-        # nonzero, so zero runs never cross a block boundary: it is the stream's longest run.
-        if int(torch.diff(where).max()) > z + 1:
-            raise ValueError("densestream.decode: a zero run inside a block exceeds the gap "
-                             "rule (rule 2)")
-        opens = torch.index_select(opens, 0, where)
-        values = torch.index_select(bits, 0, where).view(vdtype)  # bit for bit
-    shift = torch.index_select(starts - offsets, 0, torch.cumsum(opens, 0).sub_(1))
-    idx = shift.add_(where)
-    return SparseGrad(idx, values, n, validate=False)
+    if where.numel() == bits.numel():  # no zeros stored: every position is an entry
+        return SparseGrad(at, bits.clone().view(vdtype), n, validate=False)
+    # Rule 2: no run of more than Z zeros inside a block. Blocks begin and end with a nonzero
+    # (rule 1), so zero runs never cross a block boundary: it is the stream's longest run.
+    if int(torch.diff(where).max()) > t.z + 1:
+        raise ValueError("densestream.decode: a zero run inside a block exceeds the gap "
+                         "rule (rule 2)")
+    return SparseGrad(torch.index_select(at, 0, where),
+                      torch.index_select(bits, 0, where).view(vdtype),  # bit for bit
+                      n, validate=False)
+
+
+def decode_into(buf: torch.Tensor | bytes, out: torch.Tensor, *, lo: int = 0,
+                hi: int | None = None) -> int:
+    """Decode DenseStream bytes straight into the dense 1-D ``out``: the allgather's path.
+
+    Validated exactly as :func:`decode` (the buffer's numel and dtype must be ``out``'s), and
+    every block must lie inside ``[lo, hi)`` (default: all of ``out``). Every index a block
+    covers is written: the nonzeros with their bits, the zeros stored inside blocks with +0.0.
+    So into a zero tensor, or over indices no other selection touches (the disjoint regions of
+    a reduce-scatter), the result is ``densify`` of :func:`decode`'s entries bit for bit, with
+    no per-entry index built for the nonzeros. Returns the number of nonzeros written.
+    """
+    if not isinstance(out, torch.Tensor) or out.dim() != 1 or not out.is_contiguous():
+        raise ValueError("densestream.decode_into: out must be a contiguous 1-D tensor")
+    hi = out.numel() if hi is None else hi
+    t = _read(buf, "densestream.decode_into", out.numel(), out.dtype)
+    bits, z = t.bits, t.z
+    if bits is None:
+        return 0
+    if t.span[0] < lo or t.span[1] > hi:
+        raise ValueError(f"densestream.decode_into: a block lies outside [{lo}, {hi})")
+    total = bits.numel()
+    zero = bits == 0
+    nnz = total - int(torch.count_nonzero(zero))
+    if nnz < total and total > z:
+        # Rule 2: Z + 1 zeros in a row anywhere in the stream (zero runs never cross a block
+        # boundary, rule 1) — an AND of Z + 1 shifted views.
+        run = zero[:total - z].clone()
+        for s in range(1, z + 1):
+            run &= zero[s:total - z + s]
+        if bool(run.any()):
+            raise ValueError("densestream.decode_into: a zero run inside a block exceeds the "
+                             "gap rule (rule 2)")
+    put_at(out.view(bits.dtype), _stored_indices(t.offsets, t.jumps, total), bits)
+    return nnz
 
 
 def split(buf: torch.Tensor | bytes, count: int) -> list[torch.Tensor]:
