@@ -232,14 +232,20 @@ def _read(buf: torch.Tensor | bytes, what: str, numel: int | None, dtype: torch.
         return _Table(n, vdtype, z, (0, 0), None, None, None)
     idx_dtype = INDEX_DTYPES[iw]
     starts = view_as(buf, HEADER_BYTES, nb, idx_dtype).to(torch.int64)
-    lengths = view_as(buf, HEADER_BYTES + nb * iw, nb, idx_dtype).to(torch.int64)
+    lengths = view_as(buf, HEADER_BYTES + nb * iw, nb, idx_dtype)  # summed in int64 below
     stream = view_as(buf, HEADER_BYTES + 2 * nb * iw, total, vdtype)
-    cum = torch.cumsum(lengths, 0)  # each block's exclusive end in the stream
+    # bounds[b]: block b's first position in the stream; bounds[b + 1]: its exclusive end
+    bounds = torch.empty(nb + 1, dtype=torch.int64, device=buf.device)
+    bounds[:1] = 0
+    torch.cumsum(lengths, 0, dtype=torch.int64, out=bounds[1:])
     ends = starts + lengths
-    between = starts[1:] - ends[:-1]  # zeros left out between consecutive blocks
-    words = [lengths.min(), starts[0], ends[-1], cum[-1]]
+    # jumps[b] = starts[b] − ends[b − 1] + 1 (block 0: its start); first the zeros between
+    jumps = torch.empty(nb, dtype=torch.int64, device=buf.device)
+    jumps[:1] = starts[:1]
+    torch.sub(starts[1:], ends[:-1], out=jumps[1:])  # zeros left out between blocks
+    words = [lengths.min().long(), starts[0], ends[-1], bounds[-1]]
     if nb > 1:
-        words.append(between.min())
+        words.append(jumps[1:].min())
     if iw == 8:
         words.append(((starts >= 0) & (starts <= n - lengths)).all().long())
     lmin, first, last, summed, *rest = torch.stack(words).tolist()
@@ -250,13 +256,14 @@ def _read(buf: torch.Tensor | bytes, what: str, numel: int | None, dtype: torch.
     if not (table_ok and gap > z):
         if table_ok:
             raise ValueError(f"{what}: blocks closer than the gap rule allows")
-        raise ValueError(f"{what}: {_structure_error(starts, lengths, n, total)}")
-    offsets = cum - lengths  # each block's first position in the stream
+        raise ValueError(f"{what}: {_structure_error(starts, lengths.long(), n, total)}")
     bits = stream.view(BITS_DTYPES[vb])
-    if int(torch.count_nonzero(torch.index_select(bits, 0, torch.cat([offsets, cum.sub_(1)])))
-           ) != 2 * nb:
+    offsets = bounds[:-1]
+    if (int(torch.count_nonzero(torch.index_select(bits, 0, offsets)))
+            + int(torch.count_nonzero(torch.index_select(bits, 0, bounds[1:] - 1)))
+            != 2 * nb):
         raise ValueError(f"{what}: a block begins or ends with a zero (rule 1)")
-    jumps = torch.cat([starts[:1], between.add_(1)])
+    jumps[1:].add_(1)
     return _Table(n, vdtype, z, (first, last), offsets, jumps, bits)
 
 
@@ -321,19 +328,14 @@ def decode_into(buf: torch.Tensor | bytes, out: torch.Tensor, *, lo: int = 0,
     if t.span[0] < lo or t.span[1] > hi:
         raise ValueError(f"densestream.decode_into: a block lies outside [{lo}, {hi})")
     total = bits.numel()
-    zero = bits == 0
-    nnz = total - int(torch.count_nonzero(zero))
-    if nnz < total and total > z:
-        # Rule 2: Z + 1 zeros in a row anywhere in the stream (zero runs never cross a block
-        # boundary, rule 1) — an AND of Z + 1 shifted views.
-        run = zero[:total - z].clone()
-        for s in range(1, z + 1):
-            run &= zero[s:total - z + s]
-        if bool(run.any()):
-            raise ValueError("densestream.decode_into: a zero run inside a block exceeds the "
-                             "gap rule (rule 2)")
+    zeros = flatnonzero(bits == 0)  # the zeros stored inside blocks
+    # Rule 2: no Z + 1 zeros in a row (zero runs never cross a block boundary, rule 1): the
+    # zero positions j and j + Z of a sorted list lie Z apart exactly when all between are zeros
+    if zeros.numel() > z and bool(((zeros[z:] - zeros[:-z]) == z).any()):
+        raise ValueError("densestream.decode_into: a zero run inside a block exceeds the gap "
+                         "rule (rule 2)")
     put_at(out.view(bits.dtype), _stored_indices(t.offsets, t.jumps, total), bits)
-    return nnz
+    return total - zeros.numel()
 
 
 def split(buf: torch.Tensor | bytes, count: int) -> list[torch.Tensor]:
