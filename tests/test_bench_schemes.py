@@ -46,7 +46,8 @@ def test_bench_schemes_smoke(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("argv", [["--density", "0"], ["--world-size", "0"],
-                                  ["--bandwidth", "10mbps"], ["--schemes", "nope"]])
+                                  ["--bandwidth", "10mbps"], ["--schemes", "nope"],
+                                  ["--repeats", "0"]])
 def test_bench_schemes_rejects_bad_arguments(argv, tmp_path):
     with pytest.raises(SystemExit) as e:
         bench.main([*argv, "--quick", "--out", str(tmp_path)])
@@ -108,6 +109,49 @@ def test_crossover_ratios_and_outputs(tmp_path):
     jpath, ppath = write_outputs("crossover", [], tmp_path,
                                  plot=bench._plot_crossover(cross, "t"), meta=cross)
     assert jpath.exists() and ppath.stat().st_size > 1000
+
+
+def test_crossover_over_repeats_is_the_median_of_same_run_ratios():
+    """Three repeats of one link: medians and ranges of the same-run ratios, computed here."""
+    runs = [  # (ddp, topka, auto samples/s, auto settled) per repeat
+        (100.0, 90.0, 120.0, 120.0), (50.0, 60.0, 40.0, 45.0), (80.0, 72.0, 84.0, 88.0)]
+    rows = []
+    for k, (d, t, a, settled) in enumerate(runs):
+        for r in (_row("1gbit", "ddp", d, d), _row("1gbit", "topka", t, d),
+                  _row("1gbit", "auto", a, d, settled=settled, probing=10 * k)):
+            rows.append({**r, "repeat": k})
+    cross = bench.crossover_over_repeats(rows, ["1gbit"])
+    assert cross["repeats"] == 3 and len(cross["per_repeat"]) == 3
+    # topka/ddp: 0.9, 1.2, 0.9 → median 0.9, range [0.9, 1.2]; auto/ddp: 1.2, 0.8, 1.05
+    assert cross["speedup_vs_ddp"]["topka"]["1gbit"] == pytest.approx(0.9)
+    assert cross["speedup_range"]["topka"]["1gbit"] == pytest.approx([0.9, 1.2])
+    assert cross["speedup_vs_ddp"]["auto"]["1gbit"] == pytest.approx(1.05)
+    a = cross["auto"]["1gbit"]
+    assert a["best_fixed"] == "ddp"  # fastest fixed scheme in 2 of the 3 repeats
+    # auto over the best fixed of each repeat: 120/100, 40/60, 84/80
+    assert a["auto_vs_best_fixed"] == pytest.approx(1.05)
+    assert a["auto_vs_best_fixed_range"] == pytest.approx([40 / 60, 1.2])
+    assert a["auto_settled_vs_ddp"] == pytest.approx(1.1)  # 1.2, 0.9, 1.1
+    assert a["auto_probing_steps"] == 10 and a["auto_probing_steps_range"] == [0, 20]
+
+
+def test_bench_schemes_repeats_alternate_the_order(tmp_path, capsys):
+    names = ["ddp", "topka"]
+    rc = bench.main(["--quick", "--steps", "3", "--schemes", ",".join(names), "--repeats", "2",
+                     "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "run 2/2 (reversed order)" in out and "median of 2 runs" in out
+    data = json.loads((tmp_path / "schemes.json").read_text())
+    assert [(r["repeat"], r["scheme"]) for r in data["rows"]] == [
+        (0, "ddp"), (0, "topka"), (1, "ddp"), (1, "topka")]
+    runs = data["meta"]["runs"]  # per repeat: the schemes in the order they ran
+    assert [[r["scheme"] for r in rep] for rep in runs] == [names, names[::-1]]
+    assert data["meta"]["config"]["repeats"] == 2
+    cross = json.loads((tmp_path / "crossover.json").read_text())["meta"]["crossover"]
+    ratios = [r["speedup_vs_ddp"] for r in data["rows"] if r["scheme"] == "topka"]
+    assert cross["speedup_vs_ddp"]["topka"]["loopback"] == pytest.approx(sum(ratios) / 2)
+    assert cross["speedup_range"]["topka"]["loopback"] == pytest.approx(sorted(ratios))
 
 
 def test_default_schemes_include_the_new_ones():

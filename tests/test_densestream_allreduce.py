@@ -110,6 +110,10 @@ def test_dsa_sum_exact_and_bitwise_identical(world_size):
             assert torch.equal(_bits(o["dense"]), _bits(dense0)), f"{what}: rank {r} differs"
             # exact collective: every local index is kept
             assert torch.equal(o["kept"], make_sel(case, r, world_size).indices), what
+            # global_nnz: the result's nonzeros (bit patterns other than +0.0), on every rank
+            if world_size > 1:
+                assert o["info"]["global_nnz"] == int(torch.count_nonzero(_bits(o["dense"]))), \
+                    what
         ref = reference(case, world_size)
         if case["values"] == "int":   # exact in any order: must match bit for bit
             assert torch.equal(dense0, ref.to(case["dtype"])), what

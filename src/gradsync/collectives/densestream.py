@@ -51,7 +51,7 @@ from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats import densestream as dsfmt
-from gradsync.formats.wire import check_index_bytes, wire_index_bytes
+from gradsync.formats.wire import BITS_DTYPES, check_index_bytes, wire_index_bytes
 from gradsync.sparsegrad import SparseGrad, densify, sparse_sum
 
 __all__ = ["DenseStreamAllreduce"]
@@ -224,7 +224,8 @@ class DenseStreamAllreduce(Collective):
             # into the result on arrival (the regions are disjoint).
             dense = densify([(acc.indices, acc.values)], n, sel.dtype, sel.device)
             held = {me: dsfmt.encode(acc, index_bytes=iw)}
-            global_nnz = region_nnz
+            global_nnz = int(torch.count_nonzero(           # what the others decode of it
+                acc.values.view(BITS_DTYPES[acc.values.element_size()])))
             d = 1
             while d < p2:
                 peer = me ^ d

@@ -2,7 +2,7 @@
 on one or several links.
 
 ``python -m gradsync bench schemes --model resnet18 --world-size 4 --density 0.01
-[--bandwidth loopback,1gbit,100mbit] [--steps 30] [--schemes …] [--quick]``
+[--bandwidth loopback,1gbit,100mbit] [--steps 30] [--schemes …] [--repeats N] [--quick]``
 
 Trains a few dozen steps per scheme on real gloo ranks (the workers of
 ``python -m gradsync train``: same seed, same data shards, same initial model for every scheme)
@@ -28,13 +28,24 @@ over all measured steps and, "settled", after the steps in which ``auto`` measur
 runners-up once (their count is printed; a run longer than that sees the settled figure) — as a
 table, ``crossover.json`` and ``crossover.png`` (speed-up over DDP against link rate, one
 line per scheme) under ``--out``.
+
+``--repeats N`` runs every link's job N times, the schemes in reverse order every other time,
+and the crossover gives per figure the median of the N same-run ratios with their range
+(:func:`crossover_over_repeats`; each repeat's own crossover is in ``per_repeat``). One job
+runs the schemes one after another, so a machine whose speed drifts during the job (a shared
+host) favours the schemes that ran while it was fast: on this 2-core machine two identical
+runs of ``--bandwidth loopback,1gbit,100mbit --schemes ddp,dense_ovlp,topka,auto --steps 300``
+(CNN, P = 4) gave ``auto`` 1.16× then 0.81× DDP on loopback and 0.82× then 1.00× at
+1 Gbit/s. A single run cannot resolve differences of that size; quote the median.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
+import statistics
 import time
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from gradsync.apps.common import print_table, write_outputs
 
@@ -93,6 +104,10 @@ def _parse(argv: list[str] | None) -> tuple[list[TrainSpec], list[str], argparse
     p.add_argument("--schemes", default=None,
                    help=f"comma-separated (default {','.join(DEFAULT_SCHEMES)})")
     p.add_argument("--seed", default="0")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each link's job N times, the scheme order reversed every other "
+                        "time; the crossover is then the median of the same-run ratios, with "
+                        "their range (default 1)")
     p.add_argument("--out", default="bench-out/schemes")
     p.add_argument("--quick", action="store_true", help="tiny settings for a smoke run")
     p.add_argument("--progress", action="store_true", help="show the training progress bars")
@@ -103,6 +118,8 @@ def _parse(argv: list[str] | None) -> tuple[list[TrainSpec], list[str], argparse
         p.error(str(e))
     if b.latency is not None and links == [LOOPBACK]:
         p.error("--latency shapes links: give a rate in --bandwidth too")
+    if b.repeats < 1:
+        p.error(f"--repeats must be >= 1, got {b.repeats}")
     q = b.quick
     targs = [
         "--model", b.model or ("cnn" if q else "resnet18"),
@@ -162,6 +179,42 @@ def crossover(rows: list[dict], links: list[str]) -> dict:
             "speedup_vs_ddp": table, "auto": best}
 
 
+def crossover_over_repeats(rows: list[dict], links: list[str]) -> dict:
+    """:func:`crossover` of each repeat's rows (``row["repeat"]``), then per figure the median
+    over the repeats and its range ``[min, max]``: the ratios are same-run ones, so a load that
+    drifts between jobs moves a repeat's ratios less than its times, and alternating the scheme
+    order puts the drift on both ends alike. ``best_fixed`` is the scheme fastest in most
+    repeats (ties: the first in the rows)."""
+    reps = sorted({r["repeat"] for r in rows})
+    each = [crossover([r for r in rows if r["repeat"] == k], links) for k in reps]
+
+    def agg(values: list) -> tuple[float | None, list[float] | None]:
+        xs = [v for v in values if v is not None and v == v]
+        return ((statistics.median(xs), [min(xs), max(xs)]) if xs else (None, None))
+
+    table: dict[str, dict[str, float | None]] = {}
+    spread: dict[str, dict[str, list[float] | None]] = {}
+    for scheme in each[0]["speedup_vs_ddp"]:
+        for link in links:
+            mid, rng = agg([c["speedup_vs_ddp"].get(scheme, {}).get(link) for c in each])
+            table.setdefault(scheme, {})[link] = mid
+            spread.setdefault(scheme, {})[link] = rng
+    best: dict[str, dict] = {}
+    for link in links:
+        names = [c["auto"][link]["best_fixed"] for c in each]
+        order = [r["scheme"] for r in rows if r["link"] == link]
+        fig: dict[str, Any] = {"best_fixed": max(
+            dict.fromkeys(n for n in names if n), default=None,
+            key=lambda n: (names.count(n), -order.index(n)))}
+        for key in ("best_fixed_samples_per_s", "auto_vs_ddp", "auto_vs_best_fixed",
+                    "auto_probing_steps", "auto_settled_vs_ddp", "auto_settled_vs_best_fixed"):
+            fig[key], fig[key + "_range"] = agg([c["auto"][link][key] for c in each])
+        best[link] = fig
+    return {"links": links, "rate_bps": {k: link_rate(k) for k in links},
+            "speedup_vs_ddp": table, "speedup_range": spread, "auto": best,
+            "repeats": len(reps), "per_repeat": each}
+
+
 def _plot_crossover(cross: dict, title: str):
     def plot(ax) -> None:
         links = sorted(cross["links"], key=lambda k: cross["rate_bps"][k])  # slow → fast
@@ -191,7 +244,8 @@ def _plot_crossover(cross: dict, title: str):
 
 def _plot(rows: list[dict], title: str, several: bool):
     def plot(ax) -> None:
-        names = [f"{r['scheme']} @ {r['link']}" if several else r["scheme"] for r in rows]
+        names = [(f"{r['scheme']} @ {r['link']}" if several else r["scheme"])
+                 + (f" #{r['repeat'] + 1}" if "repeat" in r else "") for r in rows]
         x = range(len(rows))
         bottom = [0.0] * len(rows)
         for key, label, color in (("backward_ms", "backward", "tab:blue"),
@@ -228,59 +282,83 @@ def main(argv: list[str] | None = None) -> int:
           f"{len(spec.schemes)} schemes, links {', '.join(links)}", flush=True)
     t0 = time.perf_counter()
     rows, all_runs, descr, ranks = [], {}, {}, 0
-    for name, sp in zip(links, specs):
-        try:
-            results, link = train.launch(sp)
-        except (DistributedError, DistributedTimeout) as e:
-            print(f"bench schemes failed on {name}: {e}")
-            return 1
-        descr[name] = link
-        ranks = len(results)
-        runs = train.summarize(results, sp.warmup_steps)
-        all_runs[name] = runs
-        mine = []
-        for r in runs:
-            s = r["summary"]
-            mine.append({
-                "link": name, "scheme": s["scheme"], "samples_per_s": s["samples_per_s"],
-                "speedup_vs_ddp": s["speedup_vs_ddp"], "step_ms": 1e3 * s["step_s"],
-                "backward_ms": 1e3 * s["backward_s"], "sparsify_ms": 1e3 * s["sparsify_s"],
-                "comm_ms": 1e3 * s["comm_s"], "exposed_ms": 1e3 * s["wait_s"],
-                "cpu_ms": 1e3 * s["cpu_s"], "bytes_per_step": s["bytes_per_step"],
-                "missing_rate": s["missing_rate"],
-                "final_loss": s["final_loss"], "measured_steps": s["measured_steps"],
-                "probing_steps": s["probing_steps"],
-                "settled_samples_per_s": s["settled_samples_per_s"],
-            })
-        title = (f"bench schemes — {spec.model}, P={spec.world_size}, {link['link']}, "
-                 f"density {spec.density}, {spec.steps} steps")
-        cols = ["scheme", "samples/s", "vs ddp", "step ms", "backward ms", "sparsify ms",
-                "comm ms", "exposed ms", "cpu ms", "MB/step", "missing %", "final loss"]
-        print_table(title, cols, [[
-            r["scheme"], r["samples_per_s"], _ratio(r["speedup_vs_ddp"]),
-            r["step_ms"], r["backward_ms"], r["sparsify_ms"], r["comm_ms"], r["exposed_ms"],
-            r["cpu_ms"], r["bytes_per_step"] / 1e6, 100 * r["missing_rate"], r["final_loss"]]
-            for r in mine])
-        rows += mine
+    n_rep = b.repeats
+    for rep in range(n_rep):
+        for name, base in zip(links, specs):
+            # every other repeat runs the schemes in reverse order: drift in the machine's
+            # speed during a job then falls on the first and the last schemes alike
+            sp = base if rep % 2 == 0 else dataclasses.replace(
+                base, schemes=tuple(reversed(base.schemes)))
+            try:
+                results, link = train.launch(sp)
+            except (DistributedError, DistributedTimeout) as e:
+                print(f"bench schemes failed on {name}: {e}")
+                return 1
+            descr[name] = link
+            ranks = len(results)
+            runs = train.summarize(results, sp.warmup_steps)
+            if n_rep == 1:
+                all_runs[name] = runs
+            else:
+                all_runs.setdefault(name, []).append(runs)
+            mine = []
+            for r in sorted(runs, key=lambda r: base.schemes.index(r["scheme"])):
+                s = r["summary"]
+                mine.append({
+                    "link": name, "scheme": s["scheme"], "samples_per_s": s["samples_per_s"],
+                    "speedup_vs_ddp": s["speedup_vs_ddp"], "step_ms": 1e3 * s["step_s"],
+                    "backward_ms": 1e3 * s["backward_s"], "sparsify_ms": 1e3 * s["sparsify_s"],
+                    "comm_ms": 1e3 * s["comm_s"], "exposed_ms": 1e3 * s["wait_s"],
+                    "cpu_ms": 1e3 * s["cpu_s"], "bytes_per_step": s["bytes_per_step"],
+                    "missing_rate": s["missing_rate"],
+                    "final_loss": s["final_loss"], "measured_steps": s["measured_steps"],
+                    "probing_steps": s["probing_steps"],
+                    "settled_samples_per_s": s["settled_samples_per_s"],
+                })
+                if n_rep > 1:
+                    mine[-1]["repeat"] = rep
+            title = (f"bench schemes — {spec.model}, P={spec.world_size}, {link['link']}, "
+                     f"density {spec.density}, {spec.steps} steps"
+                     + (f", run {rep + 1}/{n_rep} ({'reversed' if rep % 2 else 'in'} order)"
+                        if n_rep > 1 else ""))
+            cols = ["scheme", "samples/s", "vs ddp", "step ms", "backward ms", "sparsify ms",
+                    "comm ms", "exposed ms", "cpu ms", "MB/step", "missing %", "final loss"]
+            print_table(title, cols, [[
+                r["scheme"], r["samples_per_s"], _ratio(r["speedup_vs_ddp"]),
+                r["step_ms"], r["backward_ms"], r["sparsify_ms"], r["comm_ms"],
+                r["exposed_ms"], r["cpu_ms"], r["bytes_per_step"] / 1e6,
+                100 * r["missing_rate"], r["final_loss"]] for r in mine])
+            rows += mine
     wall = time.perf_counter() - t0
-    cross = crossover(rows, links)
+    cross = crossover(rows, links) if n_rep == 1 else crossover_over_repeats(rows, links)
+    rng = cross.get("speedup_range", {})
+
+    def cell(v: float | None, span: list[float] | None = None) -> str:
+        return _ratio(v) + (f" [{span[0]:.2f}–{span[1]:.2f}]" if span else "")
+
     ctitle = (f"crossover — {spec.model}, P={spec.world_size}, density {spec.density}: "
-              f"speed-up over DDP")
+              f"speed-up over DDP" + (f", median of {n_rep} runs [range]" if n_rep > 1 else ""))
     print_table(ctitle, ["scheme", *links], [
-        [scheme, *(_ratio(by.get(k)) for k in links)]
+        [scheme, *(cell(by.get(k), rng.get(scheme, {}).get(k)) for k in links)]
         for scheme, by in cross["speedup_vs_ddp"].items()])
     if any(v["auto_vs_ddp"] is not None for v in cross["auto"].values()):
         print_table("auto against DDP and the best fixed scheme (samples/s ratios, same run; "
-                    "settled: after auto's probing steps)",
+                    "settled: after auto's probing steps)"
+                    + (f"; median of {n_rep} runs [range]" if n_rep > 1 else ""),
                     ["link", "auto/ddp", "best fixed", "auto/best", "probing steps",
                      "settled/ddp", "settled/best"],
-                    [[k, _ratio(v["auto_vs_ddp"]), v["best_fixed"] or "-",
-                      _ratio(v["auto_vs_best_fixed"]), v["auto_probing_steps"],
-                      _ratio(v["auto_settled_vs_ddp"]), _ratio(v["auto_settled_vs_best_fixed"])]
+                    [[k, cell(v["auto_vs_ddp"], v.get("auto_vs_ddp_range")),
+                      v["best_fixed"] or "-",
+                      cell(v["auto_vs_best_fixed"], v.get("auto_vs_best_fixed_range")),
+                      v["auto_probing_steps"],
+                      cell(v["auto_settled_vs_ddp"], v.get("auto_settled_vs_ddp_range")),
+                      cell(v["auto_settled_vs_best_fixed"],
+                           v.get("auto_settled_vs_best_fixed_range"))]
                      for k, v in cross["auto"].items()])
     one = len(links) == 1
     config = spec.config(ranks)
     config["bandwidth"] = links if not one else config["bandwidth"]
+    config["repeats"] = n_rep
     meta = {"config": config, "links": links,
             "link": descr[links[0]] if one else descr, "wall_s": wall,
             "environment": train.environment("local", "gloo", "cpu", descr[links[0]]),
@@ -291,7 +369,8 @@ def main(argv: list[str] | None = None) -> int:
     title = (f"bench schemes — {spec.model}, P={spec.world_size}, "
              f"{descr[links[0]]['link'] if one else ', '.join(links)}, "
              f"density {spec.density}, {spec.steps} steps")
-    jpath, ppath = write_outputs("schemes", rows, b.out, plot=_plot(rows, title, not one),
+    jpath, ppath = write_outputs("schemes", rows, b.out,
+                                 plot=_plot(rows, title, not one or n_rep > 1),
                                  meta=meta)
     crows = [{"scheme": sc, **{k: by.get(k) for k in links}}
              for sc, by in cross["speedup_vs_ddp"].items()]
