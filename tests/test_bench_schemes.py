@@ -78,10 +78,11 @@ def test_bench_schemes_rejects_bad_link_lists(argv, tmp_path, capsys):
     assert "--bandwidth" in capsys.readouterr().err or "--latency" in argv
 
 
-def _row(link, scheme, sps, ddp_sps, settled=None, probing=0):
+def _row(link, scheme, sps, ddp_sps, settled=None, probing=0, settled_bytes=1e5):
     return {"link": link, "scheme": scheme, "samples_per_s": sps,
             "speedup_vs_ddp": sps / ddp_sps, "probing_steps": probing,
-            "settled_samples_per_s": sps if settled is None else settled}
+            "settled_samples_per_s": sps if settled is None else settled,
+            "settled_bytes_per_step": settled_bytes}
 
 
 def test_crossover_ratios_and_outputs(tmp_path):
@@ -97,6 +98,7 @@ def test_crossover_ratios_and_outputs(tmp_path):
     assert lo["best_fixed"] == "ddp" and lo["auto_vs_ddp"] == pytest.approx(0.80)
     assert lo["auto_vs_best_fixed"] == pytest.approx(0.80)
     assert lo["auto_settled_vs_ddp"] == pytest.approx(0.96) and lo["auto_probing_steps"] == 40
+    assert lo["auto_settled_mb_per_step"] == pytest.approx(0.1)
     assert slow["auto_settled_vs_best_fixed"] == pytest.approx(0.95)
     # a run that ended while probing has no settled figure
     ended = bench.crossover([_row("1gbit", "ddp", 10.0, 10.0),
@@ -118,7 +120,8 @@ def test_crossover_over_repeats_is_the_median_of_same_run_ratios():
     rows = []
     for k, (d, t, a, settled) in enumerate(runs):
         for r in (_row("1gbit", "ddp", d, d), _row("1gbit", "topka", t, d),
-                  _row("1gbit", "auto", a, d, settled=settled, probing=10 * k)):
+                  _row("1gbit", "auto", a, d, settled=settled, probing=10 * k,
+                 settled_bytes=[2.5e6, 1e5, 2e5][k])):
             rows.append({**r, "repeat": k})
     cross = bench.crossover_over_repeats(rows, ["1gbit"])
     assert cross["repeats"] == 3 and len(cross["per_repeat"]) == 3
@@ -133,6 +136,8 @@ def test_crossover_over_repeats_is_the_median_of_same_run_ratios():
     assert a["auto_vs_best_fixed_range"] == pytest.approx([40 / 60, 1.2])
     assert a["auto_settled_vs_ddp"] == pytest.approx(1.1)  # 1.2, 0.9, 1.1
     assert a["auto_probing_steps"] == 10 and a["auto_probing_steps_range"] == [0, 20]
+    assert a["auto_settled_mb_per_step"] == pytest.approx(0.2)
+    assert a["auto_settled_mb_per_step_range"] == pytest.approx([0.1, 2.5])
 
 
 def test_bench_schemes_repeats_alternate_the_order(tmp_path, capsys):
@@ -168,6 +173,7 @@ def test_bench_schemes_two_links(tmp_path, capsys):
     assert rc == 0
     out = capsys.readouterr().out
     assert "crossover" in out and "auto/best" in out and "settled/ddp" in out
+    assert "settled MB/step" in out
     data = json.loads((tmp_path / "schemes.json").read_text())
     assert [(r["link"], r["scheme"]) for r in data["rows"]] == [
         (k, n) for k in ("loopback", "100mbit") for n in names]

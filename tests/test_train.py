@@ -301,19 +301,23 @@ def test_summarize_medians_after_warmup_and_bytes_over_ranks():
 def test_summarize_settled_throughput_after_autos_probing():
     probing = [False, False, True, True, False, True, False, False, False]  # steps 0..8
     sps = [1.0, 1.0, 5.0, 6.0, 50.0, 7.0, 60.0, 80.0, 70.0]
+    sent = [5000, 5000, 900, 900, 30, 900, 10, 20, 30]  # the probes send a dense plan's bytes
     recs = [{"step": i, "loss": 1.0, "time_s": 1 / v, "elapsed_s": 0.0, "samples_per_s": v,
-             "bytes_sent": 0, "bytes_recv": 0, "backward_s": 0.0, "sparsify_s": 0.0,
+             "bytes_sent": b, "bytes_recv": 0, "backward_s": 0.0, "sparsify_s": 0.0,
              "comm_s": 0.0, "wait_s": 0.0, "missing_rate": 0.0, "warmup": i <= 1,
-             "probing": p} for i, (v, p) in enumerate(zip(sps, probing))]
+             "probing": p} for i, (v, p, b) in enumerate(zip(sps, probing, sent))]
     s = train.summarize([{"rank": 0, "runs": [{"scheme": "auto", "task": "image",
                                                "records": recs, "eval": {}}]}], 1)[0]["summary"]
     assert s["measured_steps"] == 7 and s["samples_per_s"] == 50.0  # median of steps 2..8
     assert s["probing_steps"] == 4  # measured steps 2..5: up to the last probing one
     assert s["settled_samples_per_s"] == 70.0  # median of steps 6, 7, 8
+    assert s["settled_bytes_per_step"] == 20.0  # mean of steps 6, 7, 8
+    assert s["bytes_per_step"] == pytest.approx((900 * 3 + 30 + 10 + 20 + 30) / 7)
     recs[-1]["probing"] = True  # ended while probing: no settled figure
     s = train.summarize([{"rank": 0, "runs": [{"scheme": "auto", "task": "image",
                                                "records": recs, "eval": {}}]}], 1)[0]["summary"]
     assert s["probing_steps"] == 7 and math.isnan(s["settled_samples_per_s"])
+    assert math.isnan(s["settled_bytes_per_step"])
 
 
 def test_missing_dataset_falls_back_to_synthetic_with_a_note(tmp_path, monkeypatch, capsys):

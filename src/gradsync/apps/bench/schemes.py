@@ -150,6 +150,11 @@ def _over(row: dict | None, key: str, base: dict | None) -> float | None:
     return v / base["samples_per_s"]
 
 
+def _mb(v: float | None) -> float | None:
+    """Bytes as MB; None for None or NaN."""
+    return None if v is None or v != v else v / 1e6
+
+
 def crossover(rows: list[dict], links: list[str]) -> dict:
     """Speed-up over DDP per scheme and link, and per link ``auto`` against DDP and against the
     best fixed scheme (the fastest other scheme of that link's run)."""
@@ -172,6 +177,8 @@ def crossover(rows: list[dict], links: list[str]) -> dict:
                                    if auto_row and top else None),
             # after auto's one-time probing of its runners-up (what a long run sees)
             "auto_probing_steps": auto_row.get("probing_steps") if auto_row else None,
+            "auto_settled_mb_per_step": _mb(auto_row.get("settled_bytes_per_step")
+                                            if auto_row else None),
             "auto_settled_vs_ddp": _over(auto_row, "settled_samples_per_s", ddp_row),
             "auto_settled_vs_best_fixed": _over(auto_row, "settled_samples_per_s", top),
         }
@@ -207,7 +214,8 @@ def crossover_over_repeats(rows: list[dict], links: list[str]) -> dict:
             dict.fromkeys(n for n in names if n), default=None,
             key=lambda n: (names.count(n), -order.index(n)))}
         for key in ("best_fixed_samples_per_s", "auto_vs_ddp", "auto_vs_best_fixed",
-                    "auto_probing_steps", "auto_settled_vs_ddp", "auto_settled_vs_best_fixed"):
+                    "auto_probing_steps", "auto_settled_vs_ddp", "auto_settled_vs_best_fixed",
+                    "auto_settled_mb_per_step"):
             fig[key], fig[key + "_range"] = agg([c["auto"][link][key] for c in each])
         best[link] = fig
     return {"links": links, "rate_bps": {k: link_rate(k) for k in links},
@@ -314,6 +322,7 @@ def main(argv: list[str] | None = None) -> int:
                     "final_loss": s["final_loss"], "measured_steps": s["measured_steps"],
                     "probing_steps": s["probing_steps"],
                     "settled_samples_per_s": s["settled_samples_per_s"],
+                    "settled_bytes_per_step": s["settled_bytes_per_step"],
                 })
                 if n_rep > 1:
                     mine[-1]["repeat"] = rep
@@ -346,14 +355,16 @@ def main(argv: list[str] | None = None) -> int:
                     "settled: after auto's probing steps)"
                     + (f"; median of {n_rep} runs [range]" if n_rep > 1 else ""),
                     ["link", "auto/ddp", "best fixed", "auto/best", "probing steps",
-                     "settled/ddp", "settled/best"],
+                     "settled/ddp", "settled/best", "settled MB/step"],
                     [[k, cell(v["auto_vs_ddp"], v.get("auto_vs_ddp_range")),
                       v["best_fixed"] or "-",
                       cell(v["auto_vs_best_fixed"], v.get("auto_vs_best_fixed_range")),
                       v["auto_probing_steps"],
                       cell(v["auto_settled_vs_ddp"], v.get("auto_settled_vs_ddp_range")),
                       cell(v["auto_settled_vs_best_fixed"],
-                           v.get("auto_settled_vs_best_fixed_range"))]
+                           v.get("auto_settled_vs_best_fixed_range")),
+                      "-" if v["auto_settled_mb_per_step"] is None
+                      else f"{v['auto_settled_mb_per_step']:.4g}"]
                      for k, v in cross["auto"].items()])
     one = len(links) == 1
     config = spec.config(ranks)

@@ -83,8 +83,9 @@ so train differently, in two runs with the same seed.
         "summary": {"scheme", "measured_steps", "samples_per_s", "step_s", "backward_s",
                     "sparsify_s", "comm_s", "wait_s", "cpu_s", "bytes_per_step", "mb_per_step",
                     "missing_rate", "final_loss", "speedup_vs_ddp" (null without ddp),
-                    "probing_steps", "settled_samples_per_s" (auto: measured steps up to its
-                    last runner-up trial, and the median samples/s after them),
+                    "probing_steps", "settled_samples_per_s", "settled_bytes_per_step" (auto:
+                    measured steps up to its last runner-up trial, and the median samples/s
+                    and mean bytes per rank and step after them),
                     "test_accuracy", "test_samples" (images) | "eval_loss", "perplexity",
                     "eval_tokens" (language models; masked LMs: over the masked tokens),
                     "plan_digest" (``Plan.digest()``; null outside the engine)},

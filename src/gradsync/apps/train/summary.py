@@ -6,7 +6,9 @@ steps; ``final_loss`` the mean over ranks of the last step's loss; ``speedup_vs_
 of samples/s to the ``ddp`` run of the same job (``None`` without one). ``auto`` measures its
 runners-up once after its warm-up (one window each, slower plans included): ``probing_steps``
 counts the measured steps up to its last probing step, ``settled_samples_per_s`` is the median
-after them — what a run longer than the probing sees (NaN when the run ended probing). The
+after them — what a run longer than the probing sees (NaN when the run ended probing) — and
+``settled_bytes_per_step`` the mean bytes per rank and step after them (``bytes_per_step``
+includes the probes, e.g. DDP's dense plan on trial on a slow link). The
 schema of ``metrics.json`` is in :mod:`gradsync.apps.train`.
 """
 
@@ -66,6 +68,9 @@ def summarize(results: list[dict], warmup_steps: int) -> list[dict]:
         last = max((j for j, x in enumerate(meas) if x.get("probing")), default=-1)
         s["probing_steps"] = last + 1
         s["settled_samples_per_s"] = _median([x["samples_per_s"] for x in meas[last + 1:]])
+        # what the plan it settled on sends (bytes_per_step averages the probes in too)
+        settled = [b for rr in sent for b in rr[skip + last + 1:]]
+        s["settled_bytes_per_step"] = statistics.fmean(settled) if settled else float("nan")
         s.update(run0["eval"])
         plan = run0.get("plan")
         s["plan_digest"] = None if plan is None else Plan.from_dict(plan).digest()
