@@ -46,9 +46,16 @@ def test_bench_collectives_smoke(tmp_path, capsys):
         assert len(topka["dense_interleaved_times_s"]) == 2
         ratios = [t / d for t, d in zip(topka["times_s"], topka["dense_interleaved_times_s"])]
         assert topka["time_over_dense_interleaved"] == pytest.approx(sum(ratios) / 2)
+        # and its process CPU: the busiest rank's per repetition, over the dense call's after it
+        assert len(topka["cpus_s"]) == len(topka["dense_interleaved_cpus_s"]) == 2
+        assert topka["cpu_s"] > 0 and min(topka["dense_interleaved_cpus_s"]) > 0
+        cpu_ratios = [c / d for c, d in zip(topka["cpus_s"], topka["dense_interleaved_cpus_s"])]
+        assert topka["cpu_over_dense_interleaved"] == pytest.approx(sum(cpu_ratios) / 2)
+        assert dense["cpu_over_dense_interleaved"] == pytest.approx(1.0)
     for r in data["rows"]:
         assert "error" in r or r["bytes_sent_mean"] > 0
-    assert "topka" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "topka" in out and "cpu × dense" in out
 
 
 @pytest.mark.parametrize("argv", [["--density", "0"], ["--density", "x"], ["--numel", "1.5"],

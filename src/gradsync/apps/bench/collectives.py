@@ -15,6 +15,12 @@ each started after a barrier. Reported per collective and density:
   followed, in the same rank processes, by a dense all-reduce of the same selection: the
   column "× dense (interleaved)" is the median over repetitions of the collective's time over
   that dense time (both maxima over ranks);
+* CPU: each call's process CPU on each rank (``time.process_time``, every thread), the busiest
+  rank's per repetition; ``cpu ms`` is its median, and "cpu × dense (interleaved)" the median
+  over repetitions of that over the busiest rank's CPU for the dense all-reduce right after.
+  With more ranks than cores a call is CPU-bound, and this ratio moved least between runs
+  (P = 4 on 2 cores, n = 4e6, three runs: DenseStream at 10 % 3.05–3.32 against a wall ratio of
+  2.69–3.16);
 * ``--threads``: torch intra-op threads per rank (default 1: P ranks share the machine's cores,
   and P × the default threads would oversubscribe them);
 * bytes sent per rank, mean and max over ranks, from ``SyncResult.stats`` (counted by ``Comm``);
@@ -106,27 +112,31 @@ def _rank(rank: int, world_size: int, name: str, densities: list[float], numel: 
         coll = build(name, density)
         ref = collectives.get("dense") if name != "dense" else None
         times, dense_times, sent, recv, msgs = [], [], [], [], []
+        cpus, dense_cpus = [], []  # process CPU per call (every thread of the rank)
         info: dict[str, Any] = {}
         for step in range(warmup + repeats):
             dist.barrier()
-            t0 = time.perf_counter()
+            c0, t0 = time.process_time(), time.perf_counter()
             res = coll(sel, step=step)
-            dt = time.perf_counter() - t0
+            dt, dc = time.perf_counter() - t0, time.process_time() - c0
             if step >= warmup:
                 times.append(dt)
+                cpus.append(dc)
                 sent.append(res.stats.bytes_sent)
                 recv.append(res.stats.bytes_recv)
                 msgs.append(res.stats.messages)
                 info = {k: v for k, v in res.info.items() if isinstance(v, bool | int | float)}
             if ref is not None:
                 dist.barrier()
-                t0 = time.perf_counter()
+                c0, t0 = time.process_time(), time.perf_counter()
                 ref(sel, step=step)
                 if step >= warmup:
                     dense_times.append(time.perf_counter() - t0)
+                    dense_cpus.append(time.process_time() - c0)
         out.append({
             "density": density, "k_local": len(sel), "times": times,
             "dense_times": dense_times or times,
+            "cpus": cpus, "dense_cpus": dense_cpus or cpus,
             "bytes_sent": statistics.fmean(sent), "bytes_recv": statistics.fmean(recv),
             "messages": statistics.fmean(msgs), "info": info, "exact": bool(coll.exact),
             "dense": res.dense if rank == 0 else None,
@@ -288,6 +298,8 @@ def _rows(results: dict[str, Any], a: argparse.Namespace, refs: dict, vb: int, i
             per = [r[j] for r in res]
             reps = [max(t) for t in zip(*(q["times"] for q in per))]
             dense_reps = [max(t) for t in zip(*(q["dense_times"] for q in per))]
+            cpu_reps = [max(c) for c in zip(*(q["cpus"] for q in per))]
+            dense_cpu_reps = [max(c) for c in zip(*(q["dense_cpus"] for q in per))]
             sent = [q["bytes_sent"] for q in per]
             ref, union = refs[density]
             d0 = per[0]["dense"].double()
@@ -297,6 +309,11 @@ def _rows(results: dict[str, Any], a: argparse.Namespace, refs: dict, vb: int, i
                 "dense_interleaved_times_s": dense_reps,
                 "time_over_dense_interleaved": statistics.median(
                     t / d for t, d in zip(reps, dense_reps)),
+                "cpu_s": statistics.median(cpu_reps), "cpus_s": cpu_reps,
+                "dense_interleaved_cpus_s": dense_cpu_reps,
+                "cpu_over_dense_interleaved": statistics.median(
+                    c / d for c, d in zip(cpu_reps, dense_cpu_reps) if d > 0)
+                if any(d > 0 for d in dense_cpu_reps) else math.nan,
                 "bytes_sent_mean": statistics.fmean(sent), "bytes_sent_max": max(sent),
                 "bytes_recv_mean": statistics.fmean(q["bytes_recv"] for q in per),
                 "messages_mean": statistics.fmean(q["messages"] for q in per),
@@ -316,16 +333,18 @@ def _rows(results: dict[str, Any], a: argparse.Namespace, refs: dict, vb: int, i
 
 def _table(rows: list[dict[str, Any]], a: argparse.Namespace, link: str) -> None:
     cols = ["collective", "density", "k", "time ms", "× dense", "× dense (interleaved)",
-            "sent MB mean", "sent MB max", "mean/LB", "max/LB", "rel err", "note"]
+            "cpu ms", "cpu × dense (interleaved)", "sent MB mean", "sent MB max", "mean/LB",
+            "max/LB", "rel err", "note"]
     out = []
     for r in rows:
         if "error" in r:
-            out.append([r["collective"], r["density"], r["k"], *["-"] * 8, r["error"][:60]])
+            out.append([r["collective"], r["density"], r["k"], *["-"] * 10, r["error"][:60]])
             continue
         # True boolean flags from SyncResult.info (e.g. lhc's lossy=True when peeling failed).
         flags = ", ".join(f"{k}={v}" for k, v in r["info"].items() if isinstance(v, bool) and v)
         out.append([r["collective"], r["density"], r["k"], 1e3 * r["time_s"],
                     r.get("time_over_dense", "-"), r["time_over_dense_interleaved"],
+                    1e3 * r["cpu_s"], r["cpu_over_dense_interleaved"],
                     r["bytes_sent_mean"] / 1e6,
                     r["bytes_sent_max"] / 1e6, r["sent_over_bound_mean"],
                     r["sent_over_bound_max"], r["rel_err"],
