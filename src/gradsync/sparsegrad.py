@@ -165,7 +165,7 @@ def sparse_sum(parts: Sequence[tuple[torch.Tensor, torch.Tensor]],
     the entries m, a scatter into a dense buffer over the span, O(m + span); otherwise a merge
     of the sorted parts: a stable sort of their concatenation (on CPU numpy's timsort, which
     merges the P sorted runs in O(m log P)), then per index its first value and, level by level,
-    the later parts' values (one ``index_add_`` per level, every target once).
+    the later parts' values (one :func:`add_at` per level, every target once).
     """
     if not parts:
         raise ValueError("sparse_sum: no parts")

@@ -18,9 +18,9 @@ each started after a barrier. Reported per collective and density:
 * CPU: each call's process CPU on each rank (``time.process_time``, every thread), the busiest
   rank's per repetition; ``cpu ms`` is its median, and "cpu × dense (interleaved)" the median
   over repetitions of that over the busiest rank's CPU for the dense all-reduce right after.
-  With more ranks than cores a call is CPU-bound, and this ratio moved least between runs
-  (P = 4 on 2 cores, n = 4e6, three runs: DenseStream at 10 % 3.05–3.32 against a wall ratio of
-  2.69–3.16);
+  With more ranks than cores a call is CPU-bound and this ratio follows the wall ratio
+  (P = 4 on 2 cores, n = 4e6, three runs: DenseStream at 10 % 3.05–3.32 against 2.69–3.16 in
+  wall time, SparDL 2.64–3.04 against 2.73–2.91), telling where the time goes;
 * ``--threads``: torch intra-op threads per rank (default 1: P ranks share the machine's cores,
   and P × the default threads would oversubscribe them);
 * bytes sent per rank, mean and max over ranks, from ``SyncResult.stats`` (counted by ``Comm``);
