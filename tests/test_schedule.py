@@ -109,18 +109,31 @@ def test_scheme_shapes():
     assert all(b.mode == "per_tensor" for b in pt.buffers)
 
 
-@settings(max_examples=60, deadline=None)
-@given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.integers(1, 20000))
-def test_fixed_buckets_respect_the_byte_cap(sizes, cap):
+@settings(max_examples=80, deadline=None)
+@given(st.lists(st.integers(0, 5000), min_size=1, max_size=40), st.integers(1, 20000),
+       st.integers(1, 20000))
+def test_fixed_buckets_are_ddps_buckets(sizes, first, cap):
+    """The reference is torch's own assignment, the function DDP's Reducer rebuilds its
+    buckets with (limits: the first bucket's, then every later one's)."""
+    import torch
+    import torch.distributed as dist
+
     names = [f"t{i}" for i in range(len(sizes))]
     numel = dict(zip(names, sizes))
-    groups = fixed_buckets(names, numel, 4, cap)
-    assert [n for g in groups for n in g] == names
-    for i, g in enumerate(groups):
-        nbytes = sum(numel[n] * 4 for n in g)
-        assert nbytes <= cap or len(g) == 1
-        if i + 1 < len(groups):  # a bucket closes only when the next tensor does not fit
-            assert nbytes + numel[groups[i + 1][0]] * 4 > cap
+    groups = fixed_buckets(names, numel, 4, cap, first)
+    tensors = [torch.empty(n) for n in sizes]
+    ref, _ = dist._compute_bucket_assignment_by_size(tensors, [first, cap],
+                                                     [False] * len(sizes))
+    assert groups == [[names[i] for i in b] for b in ref]
+
+
+def test_fixed_buckets_close_once_the_limit_is_reached():
+    numel = {"a": 100, "b": 200, "c": 40, "d": 300, "e": 1}
+    # first limit 400 B: a (400 B) fills it; later limit 1000 B: b+c = 960 B, +d = 2160 B closes it
+    assert fixed_buckets(list(numel), numel, 4, 1000, 400) == [["a"], ["b", "c", "d"], ["e"]]
+    assert fixed_buckets(list(numel), numel, 4, 10_000, 10_000) == [list(numel)]
+    with pytest.raises(ValueError, match="limits must be > 0"):
+        fixed_buckets(list(numel), numel, 4, 1000, 0)
 
 
 @settings(max_examples=100, deadline=None)

@@ -139,7 +139,9 @@ def backward_profile(
 
 
 def _plan_kw(cfg: Config) -> dict[str, Any]:
-    return {"bucket_bytes": int(cfg.bucket_mb * 2**20), "min_density": cfg.min_density}
+    return {"bucket_bytes": max(1, int(cfg.bucket_mb * 2**20)),
+            "first_bucket_bytes": max(1, int(cfg.first_bucket_mb * 2**20)),
+            "min_density": cfg.min_density}
 
 
 def provisional_plan(cfg: Config, order: list[str], numel: dict[str, int]) -> Plan:

@@ -14,7 +14,7 @@ from gradsync.schedule.auto import auto_buffers
 from gradsync.schedule.costmodel import CostModel, missing_rate
 from gradsync.schedule.cupcake import cupcake_groups
 from gradsync.schedule.espresso import espresso_buffers
-from gradsync.schedule.fixed import fixed_buckets
+from gradsync.schedule.fixed import DDP_FIRST_BUCKET_BYTES, fixed_buckets
 from gradsync.schedule.hipress import hipress_buffers
 from gradsync.schedule.mgwfbp import mgwfbp_groups
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
@@ -30,6 +30,7 @@ from gradsync.schedule.timeline import Timeline, buffer_comm_time, buffer_parts,
 from gradsync.sparsegrad import validate_density
 
 __all__ = [
+    "DDP_FIRST_BUCKET_BYTES",
     "SCHEMES",
     "BufferPlan",
     "Plan",
@@ -64,9 +65,15 @@ def make_plan(
     *,
     elem_bytes: int = 4,
     bucket_bytes: int = 25 * 2**20,
+    first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
     min_density: float = 0.001,
 ) -> Plan:
-    """Plan ``scheme`` for the tensors ``names`` (backward order) at target ``density``."""
+    """Plan ``scheme`` for the tensors ``names`` (backward order) at target ``density``.
+
+    ``bucket_bytes`` and ``first_bucket_bytes`` are DDP's bucket limits (:mod:`.fixed`), used
+    by the schemes that fuse as DDP does (``dense``, ``dense_ovlp``, ``per_tensor``, and
+    ``auto``'s dense reference); HiPress caps its bulk all-reduces at ``bucket_bytes``.
+    """
     spec = schemes.get(scheme)  # raises on an unknown scheme
     needs = spec.needs_cost_model
     density = validate_density(density, "density")
@@ -85,8 +92,9 @@ def make_plan(
     numel = {n: int(numel[n]) for n in names}
     if int(elem_bytes) != elem_bytes or elem_bytes < 1:
         raise ValueError(f"elem_bytes must be a positive integer, got {elem_bytes!r}")
-    if int(bucket_bytes) != bucket_bytes or bucket_bytes < 1:
-        raise ValueError(f"bucket_bytes must be a positive integer, got {bucket_bytes!r}")
+    for key, v in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)):
+        if isinstance(v, bool) or int(v) != v or v < 1:
+            raise ValueError(f"{key} must be a positive integer, got {v!r}")
     if cost is not None:
         if not isinstance(cost, CostModel):
             raise ValueError(f"cost must be a CostModel, got {type(cost).__name__}")
@@ -110,8 +118,9 @@ def make_plan(
         return [BufferPlan(tuple(TensorPlan(n, numel[n], density) for n in g), "per_tensor")
                 for g in groups]
 
+    ddp_buckets = fixed_buckets(names, numel, elem_bytes, bucket_bytes, first_bucket_bytes)
     if spec.planner == "fixed":
-        buffers = dense_buffers(fixed_buckets(names, numel, elem_bytes, bucket_bytes))
+        buffers = dense_buffers(ddp_buckets)
     elif spec.planner == "single":
         buffers = fused_buffers([names])
     elif spec.planner == "mgwfbp":
@@ -121,13 +130,14 @@ def make_plan(
         buffers = fused_buffers(groups)
         info["dp_iteration"] = t
     elif spec.planner == "per_tensor":  # fusion after sparsification, DDP's buckets (§II-D)
-        buffers = per_tensor_buffers(fixed_buckets(names, numel, elem_bytes, bucket_bytes))
+        buffers = per_tensor_buffers(ddp_buckets)
     elif spec.planner == "hipress":
         buffers, info["hipress"] = hipress_buffers(names, numel, cost, density, bucket_bytes)
     elif spec.planner == "espresso":
         buffers, info["espresso"] = espresso_buffers(names, numel, cost, density)
     elif spec.planner == "auto":
-        buffers, info["auto"] = auto_buffers(names, numel, cost, density, bucket_bytes)
+        buffers, info["auto"] = auto_buffers(names, numel, cost, density, bucket_bytes,
+                                                 first_bucket_bytes=first_bucket_bytes)
     else:  # ssfusion, with SSFusion-O and SSFusion-I as the record says
         groups, _ = cupcake_groups(names, numel, cost, density)
         buffers, info["eq2"] = selective_buffers(groups, numel, cost, density, min_density)

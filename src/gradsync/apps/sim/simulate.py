@@ -119,7 +119,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--round-latency", default=None,
                    help="with --cores: what one synchronising round costs above its idle "
                         "price under load (--validate measures it)")
-    p.add_argument("--bucket-mb", type=float, default=25.0)
+    p.add_argument("--bucket-mb", type=float, default=25.0,
+                   help="DDP's bucket size (MiB) for the schemes that fuse as DDP does")
+    p.add_argument("--first-bucket-mb", type=float, default=1.0,
+                   help="the first bucket's size (MiB), DDP's 1 MiB (Config.first_bucket_mb)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-out/simulate")
@@ -151,8 +154,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         x = getattr(a, name)
         if x is not None and not (math.isfinite(x) and x >= 0):
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {x}")
-    if not (a.bucket_mb > 0 and math.isfinite(a.bucket_mb)):
-        raise ValueError(f"--bucket-mb must be > 0, got {a.bucket_mb}")
+    for name in ("bucket_mb", "first_bucket_mb"):
+        x = getattr(a, name)
+        if not (x > 0 and math.isfinite(x)):
+            raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {x}")
     a.net = Network.parse(a.bandwidth, a.latency)
     from gradsync.testing.netem import parse_time
 
@@ -203,6 +208,7 @@ def predict_all(a: argparse.Namespace, cost: CostModel, fwd: float, stp: float,
                                 forward_s=fwd, step_s=stp,
                                 densestream_ratio=a.densestream_ratio,
                                 bucket_bytes=int(a.bucket_mb * 2**20),
+                                first_bucket_bytes=int(a.first_bucket_mb * 2**20),
                                 oktopk_exact_rate=a.oktopk_exact_rate,
                                 contention=a.contention,
                                 collective_cpu=getattr(a, "collective_cpu", None)))

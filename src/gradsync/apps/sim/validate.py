@@ -47,7 +47,7 @@ __all__ = ["run_validation"]
 
 def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: float,
           sparsifier: str, batch: int, steps: int, seed: int, repeats: int,
-          bucket_mb: float) -> dict[str, Any]:
+          bucket_mb: float, first_bucket_mb: float) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -108,7 +108,8 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
     for scheme in schemes:
         net, step = model_step(model, batch, seed, rank)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
-        cfg = Config(scheme=scheme, density=density, sparsifier=sparsifier, bucket_mb=bucket_mb)
+        cfg = Config(scheme=scheme, density=density, sparsifier=sparsifier, bucket_mb=bucket_mb,
+                     first_bucket_mb=first_bucket_mb)
         sync = GradSync(net, cfg)
         warm = cfg.warmup_steps + 2
         times, stats, cpu, fwds, afters = [], [], [], [], []
@@ -215,7 +216,7 @@ def run_validation(a) -> int:
     link = None
     for P in a.validate_list:
         args = (a.model, a.scheme_list, a.density, a.sparsifier, a.batch, a.steps, a.seed,
-                a.repeats, a.bucket_mb)
+                a.repeats, a.bucket_mb, a.first_bucket_mb)
         t0 = time.perf_counter()
         if a.loopback:
             res = run_distributed(_rank, P, *args, timeout=a.timeout)
@@ -265,7 +266,8 @@ def run_validation(a) -> int:
 
             kw = {"union_gamma": g_use, "forward_s": fwd, "step_s": stp,
                   "densestream_ratio": a.densestream_ratio, "oktopk_exact_rate": rate,
-                  "bucket_bytes": int(a.bucket_mb * 2**20)}
+                  "bucket_bytes": int(a.bucket_mb * 2**20),
+                  "first_bucket_bytes": int(a.first_bucket_mb * 2**20)}
             bare = CostModel.from_dict(cost.to_dict() | {"compute": None})
             pred = predict(scheme, cost, P, a.net, a.density, contention=contention,
                            collective_cpu=callcpu, **kw)
