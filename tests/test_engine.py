@@ -39,7 +39,7 @@ def _density_one(rank, world_size, model_names, schemes):
         for scheme in schemes:
             model = _small(model_name)
             cfg = Config(scheme=scheme, density=1.0, sparsifier="topk", warmup_steps=2,
-                         bucket_mb=0.05)
+                         bucket_mb=0.05, first_bucket_mb=0.05)
             sync = GradSync(model, cfg)
             worst = 0.0
             for step in range(4):  # 2 profiling steps, then the final plan
@@ -104,6 +104,40 @@ class TwoScale(nn.Module):
 
     def forward(self, x):
         return self.big(x) * 1e3 + self.small(x) * 1e-3
+
+
+def _buckets_beside_ddp(rank, world_size, cap_mb):
+    """DDP's buckets after its rebuild (gradient-ready order) and the dense plan's buffers,
+    each as a list of sets of parameter names; ``cap_mb`` None: both defaults."""
+    import copy
+
+    model = build("cnn", seed=3)
+    ddp = nn.parallel.DistributedDataParallel(
+        copy.deepcopy(model), **({} if cap_mb is None else {"bucket_cap_mb": cap_mb}))
+    kw = {} if cap_mb is None else {"bucket_mb": cap_mb, "first_bucket_mb": cap_mb}
+    sync = GradSync(model, Config(scheme="dense_ovlp", warmup_steps=2, **kw))
+    for step in range(4):
+        x, y = batch("cnn", rank, step)
+        for m in (ddp, model):
+            m.zero_grad(set_to_none=True)
+            model_loss(m, "cnn", x, y).backward()
+        sync.synchronize()
+    names = [n for n, _ in model.named_parameters()]
+    data = ddp._get_ddp_logging_data()
+    ddp_buckets = [{names[int(i)] for i in b.split()}
+                   for b in data["rebuilt_per_bucket_param_indices"].split(",")]
+    ours = [set(b.names) for b in sync.plan.buffers]
+    sync.close()
+    return ddp_buckets, ours
+
+
+@pytest.mark.parametrize("cap_mb", [None, 0.05])
+def test_dense_plan_has_the_buckets_of_a_real_ddp(cap_mb):
+    """DDP's first bucket (1 MiB by default) holds the gradients ready first, so their
+    all-reduce overlaps the rest of the backward pass; the engine's dense plan is the same."""
+    for ddp_buckets, ours in run_distributed(_buckets_beside_ddp, 2, cap_mb, timeout=180):
+        assert ours == ddp_buckets
+        assert len(ours) >= 2  # the CNN is 1.7 MB: one 25 MB bucket would not overlap
 
 
 def _missing(rank, world_size, scheme):
@@ -271,7 +305,8 @@ def test_mismatched_configuration_fails_on_every_rank():
 def test_config_validation():
     for bad in ({"scheme": "nope"}, {"density": 0.0}, {"density": 1.5}, {"sparsifier": "x"},
                 {"nonfinite": "ignore"}, {"warmup_steps": 0}, {"min_density": 0.5},
-                {"momentum_masking": "no"}):
+                {"momentum_masking": "no"}, {"bucket_mb": 0.0}, {"first_bucket_mb": 0.0},
+                {"first_bucket_mb": float("inf")}):
         with pytest.raises(ValueError):
             Config(**bad)
     # the masking option reaches error feedback, in the engine and in the DDP hook
@@ -651,3 +686,39 @@ def test_warmup_profiling_and_plan_broadcast_are_counted():
     extra = [s[1] - s[0] for s in out]  # the two profiling steps send the same gradients
     assert extra[1] == probes
     assert extra[0] > probes + 8  # rank 0: the probes and the plan it broadcasts
+
+
+def test_an_all_reduce_in_flight_is_timed_to_its_completion_not_to_the_wait():
+    """The communication thread issues an all-reduce and returns (``JobResult.in_flight``);
+    its seconds run from issue to the backend's completion, however late the training thread
+    waits, and ``dense`` is read only after :meth:`JobResult.settle`."""
+    import time
+
+    from gradsync.collectives.comm import CommStats
+    from gradsync.engine.jobs import InFlight, JobResult
+
+    class Work:  # a backend handle: completes when its future is set
+        def __init__(self):
+            self.fut = torch.futures.Future()
+            self.waited = False
+
+        def get_future(self):
+            return self.fut
+
+        def wait(self):
+            self.waited = True
+            return self.fut.wait()
+
+    work, stats = Work(), CommStats()
+    t0 = time.perf_counter()
+    res = JobResult(torch.zeros(3), None, stats, in_flight=InFlight(work, stats, t0))
+    time.sleep(0.05)
+    work.fut.set_result(None)  # the sum arrives 50 ms after issue
+    time.sleep(0.2)  # the training thread comes to wait much later
+    assert res.settle() is res and work.waited and res.in_flight is None
+    assert 0.04 <= stats.seconds < 0.2, stats.seconds
+    # no work (one rank, or a staged call that completed at issue): done at issue
+    stats2 = CommStats()
+    JobResult(torch.zeros(1), None, stats2,
+              in_flight=InFlight(None, stats2, time.perf_counter())).settle()
+    assert 0 <= stats2.seconds < 0.05

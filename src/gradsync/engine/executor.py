@@ -5,7 +5,11 @@ every job's collective strictly in plan order, so every rank issues the same col
 same order while the backward pass goes on. A per-tensor buffer's two parts under SSFusion-I
 (§IV-D) are two jobs here: Buffer_AR's all-reduce, then Buffer_AG's sparse collective. A
 selection the offload worker has not finished yet is waited for here, on the communication
-thread, never on the training thread.
+thread, never on the training thread. An all-reduce (a dense buffer, or Buffer_AR) is issued
+and not waited for here: the next job goes out at once, as DDP's Reducer issues its buckets,
+and the training thread waits for the sum itself (``JobResult.settle``), with no wake-up of this
+thread between the sum's arrival and the optimizer step. On a 2-core machine at P = 4, where
+every thread competes for a core, that hop cost the dense plan several milliseconds a step.
 
 **Offload worker** (SSFusion-O, §IV-C): the tensors the planner offloaded are sparsified on one
 serial worker thread instead of the training thread. On the CPU it selects in place. On CUDA
@@ -42,8 +46,8 @@ import torch
 import torch.distributed as dist
 
 from gradsync import collectives, sparsify
-from gradsync.collectives.comm import Comm
-from gradsync.engine.jobs import Job, JobResult, Mode, Payload, Transport, concat
+from gradsync.collectives.comm import Comm, CommStats
+from gradsync.engine.jobs import InFlight, Job, JobResult, Mode, Payload, Transport, concat
 from gradsync.sparsegrad import SparseGrad
 
 __all__ = ["Executor"]
@@ -130,8 +134,8 @@ class Executor:
         if job.mode is Mode.DENSE:
             data = payload.dense
             sent = data.clone() if self._audit else None
-            stats = self._all_reduce(data)
-            return JobResult(data, None, stats, 0.0, None, sent)
+            stats, in_flight = self._all_reduce(data)
+            return JobResult(data, None, stats, sent_values=sent, in_flight=in_flight)
         offload_s = 0.0
         sels = []
         for part in payload.selections:
@@ -144,18 +148,22 @@ class Executor:
                                else (None, None))
         if job.transport is Transport.ALLREDUCE:  # SSFusion-I's Buffer_AR
             dense = sel.to_dense()
-            stats = self._all_reduce(dense)
-            return JobResult(dense, sel.indices, stats, offload_s, sent_idx, sent_vals)
+            stats, in_flight = self._all_reduce(dense)
+            return JobResult(dense, sel.indices, stats, offload_s, sent_idx, sent_vals,
+                             in_flight)
         res = self._collective(f"job:{index}", job.collective_density)(sel, group=self.group,
                                                                         step=step)
         return JobResult(res.dense, res.kept, res.stats, offload_s, sent_idx, sent_vals)
 
-    def _all_reduce(self, data: torch.Tensor):
+    def _all_reduce(self, data: torch.Tensor) -> tuple[CommStats, InFlight]:
+        """Issue the all-reduce of ``data`` and return without waiting for it: the next job
+        is issued at once, as DDP's Reducer issues its buckets, and the training thread waits
+        (:meth:`JobResult.settle`) with no hop through this thread when the sum arrives.
+        Returns the stats (their ``seconds`` are set by the wait) and the call in flight."""
         comm = Comm(self.group)
         t0 = time.perf_counter()
-        comm.all_reduce(data)
-        comm.stats.seconds = time.perf_counter() - t0
-        return comm.stats
+        work = comm.all_reduce(data, async_op=True)
+        return comm.stats, InFlight(work, comm.stats, t0)
 
     def close(self) -> None:
         """Let the queued jobs finish, then stop both threads."""

@@ -30,6 +30,7 @@ jobs (wait-free backpropagation: a job launches as soon as all its tensors are r
 
 from __future__ import annotations
 
+import time
 from collections.abc import Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
@@ -41,7 +42,7 @@ from gradsync.collectives.comm import CommStats
 from gradsync.schedule import Plan
 from gradsync.sparsegrad import SparseGrad
 
-__all__ = ["Job", "JobResult", "Launched", "Mode", "Payload", "StepRun", "Transport",
+__all__ = ["InFlight", "Job", "JobResult", "Launched", "Mode", "Payload", "StepRun", "Transport",
            "at_density", "concat", "plan_jobs"]
 
 
@@ -166,6 +167,40 @@ class JobResult:
     offload_s: float = 0.0  # sparsification time spent on the worker thread
     sent_indices: torch.Tensor | None = None  # audit only: the selection handed to the
     sent_values: torch.Tensor | None = None  # collective (indices None for Mode.DENSE)
+    # an all-reduce the communication thread issued and did not wait for (``dense`` is its
+    # buffer): :meth:`settle` waits for it on the training thread
+    in_flight: InFlight | None = None
+
+    def settle(self) -> JobResult:
+        """Wait for the all-reduce still in flight, if any: ``dense`` holds the sum after."""
+        if self.in_flight is not None:
+            self.in_flight.wait()
+            self.in_flight = None
+        return self
+
+
+class InFlight:
+    """An all-reduce issued with ``async_op=True`` (``work``: its handle, None when it completed
+    at issue). :meth:`wait` sets ``stats.seconds`` to the time from issue to completion, taken
+    when the backend completes it (its future's callback), not when someone waits."""
+
+    def __init__(self, work, stats: CommStats, t0: float) -> None:
+        self._work, self._stats, self._t0 = work, stats, t0
+        self._done: float | None = None
+        future = getattr(work, "get_future", None)
+        if future is None:  # no work (one rank), or a staged call that completed at issue
+            self._done = time.perf_counter()
+        else:
+            future().then(self._completed)
+
+    def _completed(self, _fut) -> None:
+        self._done = time.perf_counter()
+
+    def wait(self) -> None:
+        """Block until the all-reduce is done (a failure or timeout raises here)."""
+        if self._work is not None:
+            self._work.wait()
+        self._stats.seconds = (self._done or time.perf_counter()) - self._t0
 
 
 @dataclass

@@ -77,8 +77,8 @@ __all__ = ["GradSync"]
 # Config fields that change the trajectory: a checkpoint must be loaded with equal values.
 # (nonfinite, timeout_s and check_every may change between runs.)
 _RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "warmup_steps", "bucket_mb",
-                  "min_density", "seed", "local_tau_prime", "residual_dtype", "density_warmup",
-                  "density_warmup_steps", "plan")
+                  "first_bucket_mb", "min_density", "seed", "local_tau_prime", "residual_dtype",
+                  "density_warmup", "density_warmup_steps", "plan")
 
 
 class GradSync:
@@ -194,7 +194,7 @@ class GradSync:
         results = []
         for launched in run.launched:
             try:
-                results.append(launched.future.result())
+                results.append(launched.future.result().settle())
             except Exception as e:
                 self._run = StepRun()
                 raise RuntimeError(
