@@ -39,7 +39,7 @@ def _density_one(rank, world_size, model_names, schemes):
         for scheme in schemes:
             model = _small(model_name)
             cfg = Config(scheme=scheme, density=1.0, sparsifier="topk", warmup_steps=2,
-                         bucket_mb=0.05, first_bucket_mb=0.05)
+                         bucket_mb=0.05)
             sync = GradSync(model, cfg)
             worst = 0.0
             for step in range(4):  # 2 profiling steps, then the final plan
@@ -114,7 +114,9 @@ def _buckets_beside_ddp(rank, world_size, cap_mb):
     model = build("cnn", seed=3)
     ddp = nn.parallel.DistributedDataParallel(
         copy.deepcopy(model), **({} if cap_mb is None else {"bucket_cap_mb": cap_mb}))
-    kw = {} if cap_mb is None else {"bucket_mb": cap_mb, "first_bucket_mb": cap_mb}
+    # DDP's default layout is Config.first_bucket_mb=1; given a cap, DDP uses it for every
+    # bucket, as the engine's default does
+    kw = {"first_bucket_mb": 1.0} if cap_mb is None else {"bucket_mb": cap_mb}
     sync = GradSync(model, Config(scheme="dense_ovlp", warmup_steps=2, **kw))
     for step in range(4):
         x, y = batch("cnn", rank, step)

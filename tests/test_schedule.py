@@ -16,6 +16,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradsync.schedule import (
+    DDP_FIRST_BUCKET_BYTES,
     SCHEMES,
     BufferPlan,
     Plan,
@@ -125,6 +126,10 @@ def test_fixed_buckets_are_ddps_buckets(sizes, first, cap):
     ref, _ = dist._compute_bucket_assignment_by_size(tensors, [first, cap],
                                                      [False] * len(sizes))
     assert groups == [[names[i] for i in b] for b in ref]
+    # no first limit: every bucket at the cap (DDP given bucket_cap_mb)
+    uniform, _ = dist._compute_bucket_assignment_by_size(tensors, [cap], [False] * len(sizes))
+    assert fixed_buckets(names, numel, 4, cap) == [[names[i] for i in b] for b in uniform]
+    assert DDP_FIRST_BUCKET_BYTES == dist._DEFAULT_FIRST_BUCKET_BYTES
 
 
 def test_fixed_buckets_close_once_the_limit_is_reached():

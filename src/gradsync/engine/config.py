@@ -55,10 +55,12 @@ class Config:
         bucket_mb: fusion-buffer size of the schemes that fuse as DDP does (``dense``,
             ``dense_ovlp``, ``per_tensor``, ``auto``'s dense reference): DDP's 25 MiB.
         first_bucket_mb: the first such buffer's size (in backward order: the gradients
-            ready first), DDP's 1 MiB (``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``). A
-            buffer closes once it reaches its size, as DDP's buckets do
-            (:mod:`gradsync.schedule.fixed`); set it equal to ``bucket_mb`` for uniform
-            buffers (what DDP does when ``bucket_cap_mb`` is given).
+            ready first); ``None`` (default): ``bucket_mb``, DDP's layout when
+            ``bucket_cap_mb`` is given. ``1.0`` is DDP's default layout (a 1 MiB first bucket,
+            ``torch.distributed._DEFAULT_FIRST_BUCKET_BYTES``), whose early all-reduce overlaps
+            the backward; on a CPU host where ranks share cores it took CPU from the backward
+            instead (:mod:`gradsync.schedule.fixed`). A buffer closes once it reaches its
+            size, as DDP's buckets do.
         min_density: floor of SSFusion's density-aware compensation (0.001).
         nonfinite: ``"raise"`` (default: a NaN/Inf gradient raises ``ValueError`` naming the
             parameter) or ``"skip_step"`` (the step's gradients are zeroed on every rank,
@@ -113,7 +115,7 @@ class Config:
     momentum_masking: bool = False
     warmup_steps: int = 5
     bucket_mb: float = 25.0
-    first_bucket_mb: float = 1.0
+    first_bucket_mb: float | None = None
     min_density: float = 0.001
     nonfinite: str = "raise"
     timeout_s: float = 300.0
@@ -144,7 +146,8 @@ class Config:
                              f"{self.warmup_steps!r}")
         if not (self.bucket_mb > 0 and math.isfinite(self.bucket_mb)):
             raise ValueError(f"Config.bucket_mb must be > 0, got {self.bucket_mb!r}")
-        if not (self.first_bucket_mb > 0 and math.isfinite(self.first_bucket_mb)):
+        if self.first_bucket_mb is not None and not (
+                self.first_bucket_mb > 0 and math.isfinite(self.first_bucket_mb)):
             raise ValueError(f"Config.first_bucket_mb must be > 0, got {self.first_bucket_mb!r}")
         if not 0.0 < self.min_density <= self.density:
             raise ValueError(f"Config.min_density must be in (0, density={self.density}], got "

@@ -140,7 +140,8 @@ def backward_profile(
 
 def _plan_kw(cfg: Config) -> dict[str, Any]:
     return {"bucket_bytes": max(1, int(cfg.bucket_mb * 2**20)),
-            "first_bucket_bytes": max(1, int(cfg.first_bucket_mb * 2**20)),
+            "first_bucket_bytes": (None if cfg.first_bucket_mb is None
+                                   else max(1, int(cfg.first_bucket_mb * 2**20))),
             "min_density": cfg.min_density}
 
 

@@ -65,14 +65,15 @@ def make_plan(
     *,
     elem_bytes: int = 4,
     bucket_bytes: int = 25 * 2**20,
-    first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
+    first_bucket_bytes: int | None = None,
     min_density: float = 0.001,
 ) -> Plan:
     """Plan ``scheme`` for the tensors ``names`` (backward order) at target ``density``.
 
-    ``bucket_bytes`` and ``first_bucket_bytes`` are DDP's bucket limits (:mod:`.fixed`), used
-    by the schemes that fuse as DDP does (``dense``, ``dense_ovlp``, ``per_tensor``, and
-    ``auto``'s dense reference); HiPress caps its bulk all-reduces at ``bucket_bytes``.
+    ``bucket_bytes`` and ``first_bucket_bytes`` (None: ``bucket_bytes``) are DDP's bucket limits
+    (:mod:`.fixed`), used by the schemes that fuse as DDP does (``dense``, ``dense_ovlp``,
+    ``per_tensor``, and ``auto``'s dense reference); HiPress caps its bulk all-reduces at
+    ``bucket_bytes``.
     """
     spec = schemes.get(scheme)  # raises on an unknown scheme
     needs = spec.needs_cost_model
@@ -93,7 +94,7 @@ def make_plan(
     if int(elem_bytes) != elem_bytes or elem_bytes < 1:
         raise ValueError(f"elem_bytes must be a positive integer, got {elem_bytes!r}")
     for key, v in (("bucket_bytes", bucket_bytes), ("first_bucket_bytes", first_bucket_bytes)):
-        if isinstance(v, bool) or int(v) != v or v < 1:
+        if v is not None and (isinstance(v, bool) or int(v) != v or v < 1):
             raise ValueError(f"{key} must be a positive integer, got {v!r}")
     if cost is not None:
         if not isinstance(cost, CostModel):

@@ -24,7 +24,7 @@ compute stream (layer-wise, no tensor misses the step) and all-gathered;
 ``offload``: every tensor sparsified on its own on the worker thread (SSFusion-O's T_offload)
 and all-gathered.
 
-**Groupings.** Two candidate groupings are planned: DDP's buckets (1 MiB, then ``bucket_bytes``; the
+**Groupings.** Two candidate groupings are planned: DDP's ``bucket_bytes`` buckets (the
 grouping a dense all-reduce is best at) and Cupcake's optimal contiguous fusion for fused
 sparsification at ``density`` (the grouping sparse buffers are best at,
 :func:`~gradsync.schedule.cupcake.cupcake_groups`). For each, starting from every buffer dense,
@@ -41,12 +41,7 @@ cannot make ``auto`` slower than the dense plan it would have run otherwise.
 **Measured, not only predicted** (the engine's, :mod:`gradsync.engine.warmup`): the decision
 record lists the runners-up (``alternatives``: of DDP's dense plan, the best sparse plan and
 TopkA's plan — the whole gradient as one fused buffer after the backward — those that differ
-from the choice; DDP's dense plan first, the others in order of prediction). When the choice
-is DDP's dense plan over more than one bucket, the whole gradient as one dense all-reduce after
-the backward is a runner-up too: the model prices the overlap of DDP's small first bucket as
-free, but where the ranks share few cores the early all-reduce takes CPU from the backward
-(CNN, P = 4, 2 cores, loopback: one bucket ran 1.00–1.03× DDP's step rate, DDP's two
-0.93–0.95×, measured step by step in one job; docs/architecture.md, "DDP's buckets"). The engine runs
+from the choice; DDP's dense plan first, the others in order of prediction). The engine runs
 each once for a window against the plan in use and keeps the one measured faster, a sparse
 plan only by ``margin``. The dense plan goes first because it is what the promise is measured
 against: where the model wrongly chose a sparse plan (it under-predicts them on a shared CPU),
@@ -71,7 +66,7 @@ from typing import Any
 
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
 from gradsync.schedule.cupcake import cupcake_groups
-from gradsync.schedule.fixed import DDP_FIRST_BUCKET_BYTES, fixed_buckets
+from gradsync.schedule.fixed import fixed_buckets
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
 from gradsync.schedule.timeline import simulate
 
@@ -125,7 +120,7 @@ def _walk(groups: list[list[str]], numel: dict[str, int], cost: CostModel, densi
 
 def auto_buffers(names: list[str], numel: dict[str, int], cost: CostModel, density: float,
                  bucket_bytes: int, margin: float = MARGIN, passes: int = 4, *,
-                 first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
+                 first_bucket_bytes: int | None = None,
                  ) -> tuple[list[BufferPlan], dict[str, Any]]:
     """``auto``'s buffers over ``names`` (backward order) and its decision record
     (``bucket_bytes``, ``first_bucket_bytes``: DDP's bucket limits, :mod:`.fixed`)."""
@@ -155,9 +150,6 @@ def auto_buffers(names: list[str], numel: dict[str, int], cost: CostModel, densi
         runners.append((simulate(Plan("auto", one), cost).iteration, one))
     if not t_best < t_dense * (1 - margin):  # not enough gain: DDP's dense plan
         label, choice, buffers, t_best = "ddp_buckets", ["dense"] * len(dense), dense, t_dense
-        if len(dense) > 1:  # and the same sums in one all-reduce after the backward
-            whole = [option_buffer(list(names), numel, "dense", density)]
-            runners.append((simulate(Plan("auto", whole), cost).iteration, whole))
     chosen = [b.to_dict() for b in buffers]
     alternatives: list[list[dict[str, Any]]] = []
     # DDP's dense plan first (the promise's reference), then the others by prediction

@@ -5,11 +5,15 @@ DDP's rule (``torch.distributed._compute_bucket_assignment_by_size``, which the 
 when it rebuilds its buckets in the order gradients became ready after the first iteration):
 gradients join the open bucket in backward order, and the bucket closes as soon as its size
 *reaches* its limit, so a bucket overshoots its limit by less than its last gradient. The first
-bucket's limit is ``first_bucket_bytes`` (DDP's ``_DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB, when
-``bucket_cap_mb`` is left at its default), every later bucket's ``bucket_bytes``. The small
-first bucket holds the gradients that are ready first, so their all-reduce starts while the
-rest of the backward pass runs; one 25 MB bucket over a small model would wait for the whole
-backward pass (measured on the CNN at 1 Gbit/s: 0.90–0.96× DDP's throughput with one bucket).
+bucket's limit is ``first_bucket_bytes``, every later bucket's ``bucket_bytes``. DDP itself
+uses a 1 MiB first bucket (:data:`DDP_FIRST_BUCKET_BYTES`) when ``bucket_cap_mb`` is left at
+its default and ``bucket_cap_mb`` for every bucket when it is given; ``first_bucket_bytes=None``
+(gradsync's default, ``Config.first_bucket_mb``) is the latter. The small first bucket starts
+the all-reduce of the gradients ready first while the backward pass runs. Where ranks share few
+cores that early all-reduce takes CPU from the backward instead: measured step by step in one
+job (CNN, P = 4, 2 cores), the engine's dense plan ran 0.93–0.95× DDP's step rate with DDP's
+two buckets and 1.00–1.03× with one on loopback, 0.94–0.97× and 0.93–0.96× at 1 Gbit/s
+(docs/architecture.md, "DDP's buckets").
 """
 
 from __future__ import annotations
@@ -21,10 +25,13 @@ DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_
 
 def fixed_buckets(
     names: list[str], numel: dict[str, int], elem_bytes: int, bucket_bytes: int,
-    first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
+    first_bucket_bytes: int | None = None,
 ) -> list[list[str]]:
     """Contiguous groups of ``names`` (backward order), DDP's buckets: the first closes once it
-    holds ``first_bucket_bytes`` bytes or more, every later one at ``bucket_bytes``."""
+    holds ``first_bucket_bytes`` bytes or more (None: ``bucket_bytes``), every later one at
+    ``bucket_bytes``."""
+    if first_bucket_bytes is None:
+        first_bucket_bytes = bucket_bytes
     if bucket_bytes <= 0 or first_bucket_bytes <= 0:
         raise ValueError(f"bucket limits must be > 0, got first_bucket_bytes="
                          f"{first_bucket_bytes}, bucket_bytes={bucket_bytes}")

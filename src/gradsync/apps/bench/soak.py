@@ -73,8 +73,7 @@ def _rank(rank: int, world: int, scheme: str, o: dict[str, Any]) -> dict[str, An
     opt = torch.optim.SGD(model.parameters(), lr=o["lr"], momentum=0.9)
     sync = GradSync(model, Config(scheme=scheme, density=o["density"], sparsifier="topk",
                                   warmup_steps=o["engine_warmup"], nonfinite="skip_step",
-                                  timeout_s=o["timeout_s"], bucket_mb=o["bucket_mb"],
-                                  first_bucket_mb=o["bucket_mb"]))
+                                  timeout_s=o["timeout_s"], bucket_mb=o["bucket_mb"]))
     xs, ys = _data(o["samples"], o["seed"])
     g = torch.Generator().manual_seed(1_000_003 * (rank + 1) + o["seed"])
     target = model.net[3].weight  # the hidden layer's weight receives the injected NaN

@@ -35,7 +35,7 @@ from gradsync.apps.common import median_time
 from gradsync.apps.sim import patterns
 from gradsync.apps.sim.callcpu import CollectiveCPU
 from gradsync.apps.sim.contention import Contention
-from gradsync.schedule import DDP_FIRST_BUCKET_BYTES, entries, make_plan, schemes
+from gradsync.schedule import entries, make_plan, schemes
 from gradsync.schedule import simulate as timeline_of
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
 from gradsync.schedule.plan import Plan
@@ -142,7 +142,7 @@ def predict(
     scheme: str, base: CostModel, P: int, net: Network, density: float, *,
     union_gamma: float = 1.0, forward_s: float = 0.0, step_s: float = 0.0,
     densestream_ratio: float | None = None, bucket_bytes: int = 25 * 2**20,
-    first_bucket_bytes: int = DDP_FIRST_BUCKET_BYTES,
+    first_bucket_bytes: int | None = None,
     min_density: float = 0.001, oktopk_exact_rate: float | None = None,
     contention: Contention | None = None, collective_cpu: CollectiveCPU | None = None,
     plan: Plan | None = None,

@@ -121,8 +121,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                         "price under load (--validate measures it)")
     p.add_argument("--bucket-mb", type=float, default=25.0,
                    help="DDP's bucket size (MiB) for the schemes that fuse as DDP does")
-    p.add_argument("--first-bucket-mb", type=float, default=1.0,
-                   help="the first bucket's size (MiB), DDP's 1 MiB (Config.first_bucket_mb)")
+    p.add_argument("--first-bucket-mb", type=float, default=None,
+                   help="the first bucket's size (MiB; default: --bucket-mb; DDP's default "
+                        "layout: 1, Config.first_bucket_mb)")
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--out", default="bench-out/simulate")
@@ -156,7 +157,7 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 0, got {x}")
     for name in ("bucket_mb", "first_bucket_mb"):
         x = getattr(a, name)
-        if not (x > 0 and math.isfinite(x)):
+        if x is not None and not (x > 0 and math.isfinite(x)):
             raise ValueError(f"--{name.replace('_', '-')} must be > 0, got {x}")
     a.net = Network.parse(a.bandwidth, a.latency)
     from gradsync.testing.netem import parse_time
@@ -199,6 +200,10 @@ def _source(a: argparse.Namespace) -> tuple[CostModel, float, float, str]:
     return cost, fwd, stp, src
 
 
+def _mib(mb: float | None) -> int | None:
+    return None if mb is None else int(mb * 2**20)
+
+
 def predict_all(a: argparse.Namespace, cost: CostModel, fwd: float, stp: float,
                 workers: list[int]) -> list[dict[str, Any]]:
     rows = []
@@ -207,8 +212,8 @@ def predict_all(a: argparse.Namespace, cost: CostModel, fwd: float, stp: float,
             rows.append(predict(scheme, cost, P, a.net, a.density, union_gamma=a.union_gamma,
                                 forward_s=fwd, step_s=stp,
                                 densestream_ratio=a.densestream_ratio,
-                                bucket_bytes=int(a.bucket_mb * 2**20),
-                                first_bucket_bytes=int(a.first_bucket_mb * 2**20),
+                                bucket_bytes=_mib(a.bucket_mb),
+                                first_bucket_bytes=_mib(a.first_bucket_mb),
                                 oktopk_exact_rate=a.oktopk_exact_rate,
                                 contention=a.contention,
                                 collective_cpu=getattr(a, "collective_cpu", None)))

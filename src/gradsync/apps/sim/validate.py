@@ -47,7 +47,7 @@ __all__ = ["run_validation"]
 
 def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: float,
           sparsifier: str, batch: int, steps: int, seed: int, repeats: int,
-          bucket_mb: float, first_bucket_mb: float) -> dict[str, Any]:
+          bucket_mb: float, first_bucket_mb: float | None) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -267,7 +267,8 @@ def run_validation(a) -> int:
             kw = {"union_gamma": g_use, "forward_s": fwd, "step_s": stp,
                   "densestream_ratio": a.densestream_ratio, "oktopk_exact_rate": rate,
                   "bucket_bytes": int(a.bucket_mb * 2**20),
-                  "first_bucket_bytes": int(a.first_bucket_mb * 2**20)}
+                  "first_bucket_bytes": (None if a.first_bucket_mb is None
+                                         else int(a.first_bucket_mb * 2**20))}
             bare = CostModel.from_dict(cost.to_dict() | {"compute": None})
             pred = predict(scheme, cost, P, a.net, a.density, contention=contention,
                            collective_cpu=callcpu, **kw)
