@@ -8,8 +8,8 @@ selection the offload worker has not finished yet is waited for here, on the com
 thread, never on the training thread. An all-reduce (a dense buffer, or Buffer_AR) is issued
 and not waited for here: the next job goes out at once, as DDP's Reducer issues its buckets,
 and the training thread waits for the sum itself (``JobResult.settle``), with no wake-up of this
-thread between the sum's arrival and the optimizer step. On a 2-core machine at P = 4, where
-every thread competes for a core, that hop cost the dense plan several milliseconds a step.
+thread between the sum's arrival and the optimizer step (measured on 2 cores at P = 4: −4…−1 %
+on loopback, +0.5…+3 % at 1 Gbit/s, docs/architecture.md, "DDP's buckets").
 
 **Offload worker** (SSFusion-O, §IV-C): the tensors the planner offloaded are sparsified on one
 serial worker thread instead of the training thread. On the CPU it selects in place. On CUDA
