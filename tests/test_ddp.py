@@ -191,3 +191,79 @@ def test_auto_hook_counts_its_link_measurement():
     probes = sum(6 * (s + s) for s in (1 << 10, 1 << 14, 1 << 17, 1 << 20)) + 64 + 16
     for first, second in run_distributed(_auto_hook_traffic, 2, timeout=180):
         assert first - second == probes  # the same bucket both steps, plus the probes once
+
+
+def _auto_trial(rank: int, world_size: int, slow: str) -> dict:
+    """The DDP hook's ``auto`` with a link model that predicts sparse (1 Mbit/s), on a real
+    loopback; ``slow``: the mode whose steps are made 30 ms slower (a stand-in for its cost)."""
+    import time
+
+    from gradsync.integrations.ddp import TRIAL_ORDER, TRIAL_STEPS
+    from gradsync.schedule.costmodel import AffineFit, AlphaBeta
+
+    model = build("mlp", seed=1)
+    ddp = DDP(model, bucket_cap_mb=25)  # one bucket
+    state = gradsync.ddp.register(ddp, Config(scheme="auto", density=0.05, sparsifier="topk"))
+    slow_link = AlphaBeta(1e-4, 8 / 1e6)
+    state.link = (slow_link, slow_link, AffineFit(0.0, 0.0))  # predicts sparse
+    modes, sent = [], []
+    steps = len(TRIAL_ORDER) * TRIAL_STEPS + 4
+    for step in range(steps):
+        mode = state.auto_mode()
+        if mode == slow:
+            time.sleep(0.03)
+        ddp.zero_grad(set_to_none=True)
+        x, y = image_batch(rank, step)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        modes.append(mode)
+        sent.append(state.last.bytes_sent)
+    fresh, _ = gradsync.ddp.hook(Config(scheme="auto", density=0.05, sparsifier="topk"),
+                                 model=model)
+    fresh.load_state_dict(state.state_dict())
+    return {"modes": modes, "sent": sent, "verdict": state.trial["verdict"],
+            "measured": state.trial["measured"], "resumed_mode": fresh.auto_mode(),
+            "numel": sum(p.numel() for p in model.parameters())}
+
+
+@pytest.mark.parametrize("slow,verdict", [("model", "dense"), ("dense", "model")])
+def test_auto_hook_measures_its_prediction_against_all_dense(slow, verdict):
+    """A-B-B-A windows of the prediction and all-dense, then the faster of the two (the
+    prediction only by the margin) on every rank; a dense step sends DDP's bytes."""
+    from gradsync.integrations.ddp import TRIAL_STEPS
+
+    out = run_distributed(_auto_trial, 2, slow, timeout=300)
+    for r in out:
+        assert r["verdict"] == verdict and r["resumed_mode"] == verdict
+        assert r["measured"] == out[0]["measured"]  # max-reduced: the same numbers
+        w = TRIAL_STEPS
+        # step 0 decides and measures the link; the trial starts at step 1
+        assert r["modes"][:1 + w] == ["model"] * (1 + w)
+        assert r["modes"][1 + w:1 + 3 * w] == ["dense"] * (2 * w)
+        assert r["modes"][1 + 3 * w:1 + 4 * w] == ["model"] * w
+        # step 1 + 4w takes the verdict at its first bucket (read before it: the last window)
+        assert set(r["modes"][2 + 4 * w:]) == {verdict}
+        dense_bytes = 2 * (2 - 1) / 2 * r["numel"] * 4  # ring all-reduce at P = 2, fp32
+        modes, sent = r["modes"][1:1 + 4 * w] + r["modes"][2 + 4 * w:], \
+            r["sent"][1:1 + 4 * w] + r["sent"][2 + 4 * w:]
+        dense_steps = [b for m, b in zip(modes, sent) if m == "dense"]
+        model_steps = [b for m, b in zip(modes, sent) if m == "model"]
+        # the verdict's step also carries the 16-byte max-reduce
+        assert set(dense_steps) <= {dense_bytes, dense_bytes + 16}
+        assert max(model_steps) < dense_bytes / 4
+
+
+def test_auto_hook_trial_entries_are_checked_on_load():
+    model = build("mlp", seed=1)
+    state, _ = gradsync.ddp.hook(Config(scheme="auto", density=0.05), model=model)
+    state.trial = {"start": 3, "verdict": None, "times": {"model": [0.1, 0.2], "dense": [0.3]}}
+    state.steps = 9  # in the second window: all-dense
+    sd = state.state_dict()
+    fresh, _ = gradsync.ddp.hook(Config(scheme="auto", density=0.05), model=model)
+    fresh.load_state_dict(sd)
+    assert fresh.trial == state.trial and fresh.auto_mode() == "dense"
+    for bad in ({"start": 3}, {"start": 3, "verdict": "sometimes",
+                               "times": {"model": [], "dense": []}},
+                {"start": "x", "verdict": None, "times": {"model": [], "dense": []}}):
+        with pytest.raises(ValueError, match="trial"):
+            fresh.load_state_dict({**sd, "trial": bad})
+    assert fresh.trial == state.trial  # nothing changed

@@ -20,8 +20,16 @@ Inside a bucket (SSFusion §III–IV applied to DDP's own fusion buffers):
 * ``auto``: per bucket, every tensor sparsified and all-gathered, or the bucket all-reduced
   (with error feedback), whichever :func:`gradsync.schedule.auto.bucket_sparse` predicts faster
   from the link and sparsifier costs measured once, at the first call, on every rank alike
-  (``HookState.link``, kept in ``state_dict()``: a resumed job does not measure again). There
-  is no drift watch here: nothing else is measured.
+  (``HookState.link``, kept in ``state_dict()``: a resumed job does not measure again).
+  **Measured, not only predicted**: when the prediction sparsifies any bucket, the next
+  ``4 × TRIAL_STEPS`` steps run the prediction, all-dense, all-dense, the prediction
+  (A-B-B-A, so a drifting machine favours neither), timing each step between two calls of
+  DDP's first bucket; the ranks max-reduce the two means, and the prediction is kept only when
+  it ran at least ``auto.MARGIN`` faster, else every bucket is all-reduced from then on
+  (``HookState.trial``, kept in ``state_dict()``). The model under-predicts inline
+  sparsification inside DDP's backward where ranks share cores: on loopback and at 1 Gbit/s
+  (CNN, P = 4, 2 cores) it sparsified every bucket and ran at 0.58–0.70× DDP. There is no
+  drift watch after the trial.
 
 The hook runs the engine's pieces: the scheme's record in :mod:`gradsync.schedule.schemes`
 (which schemes have a hook, their collective and sparsifier, whether a bucket is interleaved),
@@ -46,6 +54,9 @@ with its string.)
 
 import contextlib
 import functools
+import math
+import statistics
+import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -63,12 +74,16 @@ from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.warmup import link_costs
 from gradsync.feedback import ErrorFeedback
 from gradsync.schedule import schemes
-from gradsync.schedule.auto import bucket_sparse
+from gradsync.schedule.auto import MARGIN, bucket_sparse
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 from gradsync.schedule.ssfusion import compensate
 from gradsync.sparsegrad import SparseGrad
 
-__all__ = ["DDP_SCHEMES", "HookState", "hook", "register"]
+__all__ = ["DDP_SCHEMES", "TRIAL_ORDER", "TRIAL_STEPS", "HookState", "hook", "register"]
+
+# auto's trial of its prediction against all-dense: windows of TRIAL_STEPS steps, A-B-B-A
+TRIAL_STEPS = 5
+TRIAL_ORDER = ("model", "dense", "dense", "model")
 
 # The schemes with a DDP hook: the rows of the table of schemes marked ``ddp_hook``.
 DDP_SCHEMES = tuple(name for name, s in schemes.SCHEMES.items() if s.ddp_hook)
@@ -106,6 +121,10 @@ class HookState:
     trained: tuple[int, ...] | None = None  # numels of the parameters DDP reduces (trainable)
     checked: bool = False  # configuration agreed across ranks
     link: tuple[Any, ...] | None = None  # auto: the measured (all-reduce, all-gather, sparsify)
+    # auto's trial of the prediction against all-dense: {"start": step, "times": {"model": [...],
+    # "dense": [...]}, "verdict": None | "model" | "dense"}; None: no trial (yet)
+    trial: dict[str, Any] | None = None
+    _last_first: tuple[int, float] | None = field(default=None, repr=False)  # (step, time)
 
     def __post_init__(self) -> None:
         self.scheme = schemes.get(self.cfg.scheme)
@@ -178,7 +197,10 @@ class HookState:
                 "small_numel": self.small_numel, "params": self._params(),
                 "feedback": self.ef.state_dict(), "steps": self.steps,
                 "sparsifiers": {k: s.state_dict() for k, s in self.sparsifiers.items()},
-                "link": None if self.link is None else [vars(x).copy() for x in self.link]}
+                "link": None if self.link is None else [vars(x).copy() for x in self.link],
+                "trial": None if self.trial is None else {
+                    "start": self.trial["start"], "verdict": self.trial["verdict"],
+                    "times": {k: list(v) for k, v in self.trial["times"].items()}}}
 
     @staticmethod
     def _link_from(state: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -217,6 +239,7 @@ class HookState:
             raise ValueError(f"the DDP hook state is for a different model (parameters "
                              f"{bad[:5]} differ)")
         self._link_from(state)
+        self._trial_from(state)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` of this rank; raises before changing anything."""
@@ -228,9 +251,62 @@ class HookState:
             sparsifiers[k] = self._new_sparsifier(k, s["density"])
             sparsifiers[k].load_state_dict(s)
         link = self._link_from(state)
+        trial = self._trial_from(state)
         self.ef, self.sparsifiers = ef, sparsifiers
         self.steps = int(state.get("steps", 0))
-        self.link = link
+        self.link, self.trial, self._last_first = link, trial, None
+
+    @staticmethod
+    def _trial_from(state: dict[str, Any]) -> dict[str, Any] | None:
+        """``auto``'s trial in ``state`` (``None``: absent); ``ValueError`` when malformed."""
+        saved = state.get("trial")
+        if saved is None:
+            return None
+        try:
+            trial = {"start": int(saved["start"]), "verdict": saved["verdict"],
+                     "times": {k: [float(t) for t in saved["times"][k]]
+                               for k in ("model", "dense")}}
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"the DDP hook state's trial entry is malformed ({e!r}): "
+                             f"{saved!r:.200}") from None
+        if trial["verdict"] not in (None, "model", "dense"):
+            raise ValueError(f"the DDP hook state's trial verdict must be None, 'model' or "
+                             f"'dense', got {trial['verdict']!r}")
+        return trial
+
+    def auto_mode(self) -> str:
+        """``auto``'s mode at this step: ``"model"`` (the prediction's buckets) or ``"dense"``
+        (every bucket all-reduced): the trial's window, or its verdict once it is over (the
+        step whose first bucket takes the verdict reads as the last window before it runs)."""
+        t = self.trial
+        if t is None:
+            return "model"
+        if t["verdict"] is not None:
+            return t["verdict"]
+        if self.steps < t["start"]:
+            return "model"
+        return TRIAL_ORDER[min((self.steps - t["start"]) // TRIAL_STEPS, len(TRIAL_ORDER) - 1)]
+
+    def _time_step(self, first_bucket: bool, comm: Comm) -> None:
+        """At DDP's first bucket of a step: the previous step's time goes to its window; after
+        the last window the ranks agree on the verdict (one 16-byte max-reduce)."""
+        t = self.trial
+        if t is None or t["verdict"] is not None or not first_bucket:
+            return
+        now = time.perf_counter()
+        prev, self._last_first = self._last_first, (self.steps, now)
+        if prev is not None and prev[0] == self.steps - 1 and prev[0] >= t["start"]:
+            w = (prev[0] - t["start"]) // TRIAL_STEPS
+            if w < len(TRIAL_ORDER):
+                t["times"][TRIAL_ORDER[w]].append(now - prev[1])
+        if self.steps - t["start"] < len(TRIAL_ORDER) * TRIAL_STEPS:
+            return
+        means = torch.tensor([statistics.fmean(t["times"][k]) if t["times"][k] else math.inf
+                              for k in ("model", "dense")], dtype=torch.float64)
+        comm.all_reduce(means, op=dist.ReduceOp.MAX)  # every rank: the same verdict
+        model, dense = means.tolist()
+        t["verdict"] = "model" if model < dense * (1 - MARGIN) else "dense"
+        t["measured"] = {"model": model, "dense": dense}
 
 
 def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
@@ -253,6 +329,11 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
             state.link = link_costs(state._new_sparsifier("auto:probe", cfg.density), state.group,
                                     comm)  # counted in this call's traffic
         sparse = P > 1 and bucket_sparse(numels, cfg.density, P, elem_bytes, *state.link)
+        if sparse and state.trial is None:  # the prediction sparsifies: measure it
+            state.trial = {"start": state.steps + 1, "verdict": None,
+                           "times": {"model": [], "dense": []}}
+        if state.trial is not None and state.auto_mode() == "dense":
+            sparse = False
         return [cfg.density if sparse else None] * len(numels)
     if state.scheme.planner == "per_tensor":
         return [cfg.density] * len(numels)
@@ -279,6 +360,8 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     buf = bucket.buffer()
     comm = Comm(state.group)
     P = comm.size
+    if state.scheme.planner == "auto":
+        state._time_step(bucket.index() == 0, comm)
     params = bucket.parameters()
     numels = [p.numel() for p in params]
     names = [state.name_of(p) for p in params]
