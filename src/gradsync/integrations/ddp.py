@@ -44,7 +44,8 @@ parameter must be named ``bucket``; ``functools.partial`` and callable instances
 plain functions work; buckets are rebuilt after iteration 0, so residuals are keyed by parameter
 name, not by bucket; under ``no_sync()`` the hook is not called (gradients accumulate in DDP's
 buffers); on gloo a second collective cannot be launched from ``Future.then``, so the hook runs
-its collectives blocking and returns a completed future. (No ``from __future__ import
+a sparse bucket's collectives blocking and returns a completed future, and issues a bucket sent
+whole as its one asynchronous all-reduce, with only the averaging in ``.then``. (No ``from __future__ import
 annotations`` here: DDP compares the ``bucket`` annotation with ``dist.GradBucket`` itself, not
 with its string.)
 
@@ -354,7 +355,8 @@ def _model_density(numels: tuple[int, ...], small_numel: int, density: float,
 
 
 def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-    """The comm hook: blocking collectives inside, a completed future out."""
+    """The comm hook: a bucket sent whole leaves its all-reduce in flight (DDP's own path);
+    a bucket with sparse parts runs its collectives blocking and returns a completed future."""
     if not state.checked:
         _agree(state)
     buf = bucket.buffer()
