@@ -57,7 +57,8 @@ is measured against the plan it replaced (hysteresis: no flapping between near-e
 
 **The DDP hook** has no warm-up timeline, so it asks the static question per DDP bucket
 (:func:`bucket_sparse`): sparsifying each tensor and all-gathering, T_sp + T_AG(k·E), against
-T_AR(n·K), with the same margin.
+T_AR(n·K), with the same margin; when the answer sparsifies, it measures the answer against
+all-dense in a short trial and keeps the faster (``gradsync.integrations.ddp``).
 """
 
 from __future__ import annotations
