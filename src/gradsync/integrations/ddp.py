@@ -45,9 +45,9 @@ plain functions work; buckets are rebuilt after iteration 0, so residuals are ke
 name, not by bucket; under ``no_sync()`` the hook is not called (gradients accumulate in DDP's
 buffers); on gloo a second collective cannot be launched from ``Future.then``, so the hook runs
 a sparse bucket's collectives blocking and returns a completed future, and issues a bucket sent
-whole as its one asynchronous all-reduce, with only the averaging in ``.then``. (No ``from __future__ import
-annotations`` here: DDP compares the ``bucket`` annotation with ``dist.GradBucket`` itself, not
-with its string.)
+whole as its one asynchronous all-reduce, with only the averaging in ``.then``. (No
+``from __future__ import annotations`` here: DDP compares the ``bucket`` annotation with
+``dist.GradBucket`` itself, not with its string.)
 
 :class:`HookState` implements :class:`gradsync.engine.state.Stateful` (identity
 ``"ddp_hook:<scheme>"``), so :mod:`gradsync.checkpoint` saves and restores it per rank.
