@@ -245,6 +245,7 @@ def test_simulate_command_reads_a_cost_model_json(tmp_path):
     ["--schemes", "dense,nope"], ["--bandwidth", "10Mbps"], ["--latency", "fast"],
     ["--union-gamma", "1.5"], ["--densestream-ratio", "0"], ["--steps", "0"],
     ["--forward-s", "-1"], ["--cores", "0"], ["--cores", "2", "--round-latency=-1ms"],
+    ["--bucket-mb", "0"], ["--first-bucket-mb", "0"], ["--first-bucket-mb", "inf"],
 ])
 def test_bad_arguments_raise(bad, tmp_path):
     table = tmp_path / "layers.csv"
@@ -729,3 +730,15 @@ def test_the_simulator_plans_as_the_engine_plans():
     whole = [t.density is not None and not t.allreduce
              for b in plan(scaled).buffers for t in b.tensors]
     assert sum(sparse) > sum(whole)
+
+
+def test_ddps_first_bucket_is_planned_and_overlaps_in_the_prediction():
+    """``first_bucket_bytes`` (``--first-bucket-mb``): the first gradient alone fills the first
+    bucket, its all-reduce starts during the backward, so the prediction is shorter."""
+    cost = tiny_cost()
+    net = sim.Network(1e-4, 8 / 1e8)
+    one = sim.predict("dense_ovlp", cost, 4, net, 0.01)
+    first = sim.predict("dense_ovlp", cost, 4, net, 0.01,
+                        first_bucket_bytes=4 * cost.numel[cost.order[0]])
+    assert (one["buffers"], first["buffers"]) == (1, 2)
+    assert first["iteration_s"] < one["iteration_s"]
