@@ -220,6 +220,7 @@ def _auto_trial(rank: int, world_size: int, slow: str) -> dict:
     fresh, _ = gradsync.ddp.hook(Config(scheme="auto", density=0.05, sparsifier="topk"),
                                  model=model)
     fresh.load_state_dict(state.state_dict())
+    assert fresh.trial == state.trial
     return {"modes": modes, "sent": sent, "verdict": state.trial["verdict"],
             "measured": state.trial["measured"], "resumed_mode": fresh.auto_mode(),
             "numel": sum(p.numel() for p in model.parameters())}

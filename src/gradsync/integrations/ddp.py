@@ -200,8 +200,7 @@ class HookState:
                 "sparsifiers": {k: s.state_dict() for k, s in self.sparsifiers.items()},
                 "link": None if self.link is None else [vars(x).copy() for x in self.link],
                 "trial": None if self.trial is None else {
-                    "start": self.trial["start"], "verdict": self.trial["verdict"],
-                    "times": {k: list(v) for k, v in self.trial["times"].items()}}}
+                    **self.trial, "times": {k: list(v) for k, v in self.trial["times"].items()}}}
 
     @staticmethod
     def _link_from(state: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -267,6 +266,8 @@ class HookState:
             trial = {"start": int(saved["start"]), "verdict": saved["verdict"],
                      "times": {k: [float(t) for t in saved["times"][k]]
                                for k in ("model", "dense")}}
+            if "measured" in saved:  # the agreed means behind the verdict
+                trial["measured"] = {k: float(saved["measured"][k]) for k in ("model", "dense")}
         except (KeyError, TypeError, ValueError) as e:
             raise ValueError(f"the DDP hook state's trial entry is malformed ({e!r}): "
                              f"{saved!r:.200}") from None
