@@ -195,7 +195,7 @@ def test_auto_hook_counts_its_link_measurement():
 
 def _auto_trial(rank: int, world_size: int, slow: str) -> dict:
     """The DDP hook's ``auto`` with a link model that predicts sparse (1 Mbit/s), on a real
-    loopback; ``slow``: the mode whose steps are made 30 ms slower (a stand-in for its cost)."""
+    loopback; ``slow``: the mode whose steps are made 250 ms slower (a stand-in for its cost)."""
     import time
 
     from gradsync.integrations.ddp import TRIAL_ORDER, TRIAL_STEPS
@@ -211,7 +211,7 @@ def _auto_trial(rank: int, world_size: int, slow: str) -> dict:
     for step in range(steps):
         mode = state.auto_mode()
         if mode == slow:
-            time.sleep(0.03)
+            time.sleep(0.25)
         ddp.zero_grad(set_to_none=True)
         x, y = image_batch(rank, step)
         nn.functional.cross_entropy(ddp(x), y).backward()
