@@ -221,7 +221,9 @@ def _auto_trial(rank: int, world_size: int, slow: str) -> dict:
                                  model=model)
     fresh.load_state_dict(state.state_dict())
     assert fresh.trial == state.trial
-    return {"modes": modes, "sent": sent, "verdict": state.trial["verdict"],
+    residual = max((r.abs().max().item() for r in state.ef.state_dict()["residual"].values()),
+                   default=0.0)
+    return {"modes": modes, "sent": sent, "verdict": state.trial["verdict"], "residual": residual,
             "measured": state.trial["measured"], "resumed_mode": fresh.auto_mode(),
             "numel": sum(p.numel() for p in model.parameters())}
 
@@ -251,6 +253,9 @@ def test_auto_hook_measures_its_prediction_against_all_dense(slow, verdict):
         # the verdict's step also carries the 16-byte max-reduce
         assert set(dense_steps) <= {dense_bytes, dense_bytes + 16}
         assert max(model_steps) < dense_bytes / 4
+        # momentum 0: after a dense step nothing is held back, the sparse steps' residuals
+        # included (they travel in the first all-reduce); after a sparse one, something is
+        assert (r["residual"] == 0.0) == (verdict == "dense"), r["residual"]
 
 
 def test_auto_hook_trial_entries_are_checked_on_load():

@@ -372,12 +372,14 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     for n in numels:
         offsets.append(offsets[-1] + n)
     if not state.scheme.sparse:  # dense: a plain all-reduce (of the velocities, with momentum)
-        return _all_reduce_bucket(state, comm, buf, names, offsets, bucket.is_last())
+        return _all_reduce_bucket(state, comm, buf, names, offsets, bucket.is_last(),
+                                  any(state.ef.transforms(name) for name in names))
     densities = _densities(state, numels, buf.element_size(), comm)
     if state.scheme.planner == "auto" and all(d is None for d in densities):
         # every tensor sent whole: DDP's own path, the all-reduce left in flight so the
-        # backward goes on (a blocking one here held autograd: 0.69-0.87x DDP)
-        return _all_reduce_bucket(state, comm, buf, names, offsets, bucket.is_last())
+        # backward goes on (a blocking one here held autograd: 0.69-0.87x DDP); through
+        # error feedback, which holds what earlier sparse steps left behind
+        return _all_reduce_bucket(state, comm, buf, names, offsets, bucket.is_last(), True)
     d_now = state.cfg.density_at(state.steps)  # DGC's warm-up (Config.density_warmup)
     # a warm-up step at density 1 (DGC's, AdamW's in gradsync.optim): every entry travels, so
     # the whole bucket goes through the all-reduce (DDP's bytes, not an all-gather of all of it)
@@ -458,12 +460,13 @@ def _sent(acc: torch.Tensor, wire: torch.Tensor | None, dtype: torch.dtype | Non
 
 
 def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: list[str],
-                       offsets: list[int], last: bool) -> torch.futures.Future:
+                       offsets: list[int], last: bool, feedback: bool) -> torch.futures.Future:
     """A bucket sent whole, as DDP's default hook sends it: issued, not waited for (the future
-    completes with ``buf`` averaged once the sum is in). Tensors whose error feedback
-    transforms them (momentum's velocity, a preconditioning scale) send that, and their
-    residual keeps only the rounding to the gradients' dtype, settled before the sum is in."""
-    if any(state.ef.transforms(name) for name in names):
+    completes with ``buf`` averaged once the sum is in). With ``feedback`` every tensor sends
+    error feedback's ``acc`` (residual + gradient, momentum's velocity, a preconditioning
+    scale), and its residual keeps only the rounding to the gradients' dtype, settled before
+    the sum is in; without, the raw gradients travel (nothing is held back for them)."""
+    if feedback:
         accs = [state.ef.accumulate(name, buf[offsets[i]:offsets[i + 1]])
                 for i, name in enumerate(names)]
         buf.copy_(torch.cat(accs))  # rounded to the gradients' dtype; residual keeps it
