@@ -22,6 +22,7 @@ from gradsync.schedule import (
     Plan,
     TensorPlan,
     best_split,
+    bucket_bytes_of,
     compensate,
     cupcake_groups,
     entries,
@@ -139,6 +140,9 @@ def test_fixed_buckets_close_once_the_limit_is_reached():
     assert fixed_buckets(list(numel), numel, 4, 10_000, 10_000) == [list(numel)]
     with pytest.raises(ValueError, match="limits must be > 0"):
         fixed_buckets(list(numel), numel, 4, 1000, 0)
+    # Config.bucket_mb / --bucket-mb in MiB, as bytes
+    assert bucket_bytes_of(1.0) == DDP_FIRST_BUCKET_BYTES and bucket_bytes_of(25) == 25 << 20
+    assert bucket_bytes_of(None) is None and bucket_bytes_of(1e-9) == 1
 
 
 @settings(max_examples=100, deadline=None)

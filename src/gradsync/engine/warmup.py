@@ -139,9 +139,8 @@ def backward_profile(
 
 
 def _plan_kw(cfg: Config) -> dict[str, Any]:
-    return {"bucket_bytes": max(1, int(cfg.bucket_mb * 2**20)),
-            "first_bucket_bytes": (None if cfg.first_bucket_mb is None
-                                   else max(1, int(cfg.first_bucket_mb * 2**20))),
+    return {"bucket_bytes": schedule.bucket_bytes_of(cfg.bucket_mb),
+            "first_bucket_bytes": schedule.bucket_bytes_of(cfg.first_bucket_mb),
             "min_density": cfg.min_density}
 
 

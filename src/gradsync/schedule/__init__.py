@@ -14,7 +14,7 @@ from gradsync.schedule.auto import auto_buffers
 from gradsync.schedule.costmodel import CostModel, missing_rate
 from gradsync.schedule.cupcake import cupcake_groups
 from gradsync.schedule.espresso import espresso_buffers
-from gradsync.schedule.fixed import DDP_FIRST_BUCKET_BYTES, fixed_buckets
+from gradsync.schedule.fixed import DDP_FIRST_BUCKET_BYTES, bucket_bytes_of, fixed_buckets
 from gradsync.schedule.hipress import hipress_buffers
 from gradsync.schedule.mgwfbp import mgwfbp_groups
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
@@ -38,6 +38,7 @@ __all__ = [
     "TensorPlan",
     "Timeline",
     "best_split",
+    "bucket_bytes_of",
     "buffer_comm_time",
     "buffer_parts",
     "compensate",
@@ -119,9 +120,9 @@ def make_plan(
         return [BufferPlan(tuple(TensorPlan(n, numel[n], density) for n in g), "per_tensor")
                 for g in groups]
 
-    ddp_buckets = fixed_buckets(names, numel, elem_bytes, bucket_bytes, first_bucket_bytes)
     if spec.planner == "fixed":
-        buffers = dense_buffers(ddp_buckets)
+        buffers = dense_buffers(fixed_buckets(names, numel, elem_bytes, bucket_bytes,
+                                              first_bucket_bytes))
     elif spec.planner == "single":
         buffers = fused_buffers([names])
     elif spec.planner == "mgwfbp":
@@ -131,7 +132,8 @@ def make_plan(
         buffers = fused_buffers(groups)
         info["dp_iteration"] = t
     elif spec.planner == "per_tensor":  # fusion after sparsification, DDP's buckets (§II-D)
-        buffers = per_tensor_buffers(ddp_buckets)
+        buffers = per_tensor_buffers(fixed_buckets(names, numel, elem_bytes, bucket_bytes,
+                                                   first_bucket_bytes))
     elif spec.planner == "hipress":
         buffers, info["hipress"] = hipress_buffers(names, numel, cost, density, bucket_bytes)
     elif spec.planner == "espresso":

@@ -18,9 +18,15 @@ two buckets and 1.00–1.03× with one on loopback, 0.94–0.97× and 0.93–0.9
 
 from __future__ import annotations
 
-__all__ = ["DDP_FIRST_BUCKET_BYTES", "fixed_buckets"]
+__all__ = ["DDP_FIRST_BUCKET_BYTES", "bucket_bytes_of", "fixed_buckets"]
 
 DDP_FIRST_BUCKET_BYTES = 1024 * 1024  # torch.distributed._DEFAULT_FIRST_BUCKET_BYTES
+
+
+def bucket_bytes_of(mb: float | None) -> int | None:
+    """A bucket limit in MiB (``Config.bucket_mb``, ``--bucket-mb``) as bytes, at least 1;
+    ``None`` stays ``None`` (the first bucket's limit that follows the others)."""
+    return None if mb is None else max(1, int(mb * 2**20))
 
 
 def fixed_buckets(

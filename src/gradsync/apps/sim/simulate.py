@@ -54,7 +54,7 @@ from gradsync.apps.sim.predict import (
     predict,
     profile_model,
 )
-from gradsync.schedule import SCHEMES
+from gradsync.schedule import SCHEMES, bucket_bytes_of
 from gradsync.schedule.costmodel import CostModel
 from gradsync.sparsify import validate_density
 
@@ -200,10 +200,6 @@ def _source(a: argparse.Namespace) -> tuple[CostModel, float, float, str]:
     return cost, fwd, stp, src
 
 
-def _mib(mb: float | None) -> int | None:
-    return None if mb is None else int(mb * 2**20)
-
-
 def predict_all(a: argparse.Namespace, cost: CostModel, fwd: float, stp: float,
                 workers: list[int]) -> list[dict[str, Any]]:
     rows = []
@@ -212,8 +208,8 @@ def predict_all(a: argparse.Namespace, cost: CostModel, fwd: float, stp: float,
             rows.append(predict(scheme, cost, P, a.net, a.density, union_gamma=a.union_gamma,
                                 forward_s=fwd, step_s=stp,
                                 densestream_ratio=a.densestream_ratio,
-                                bucket_bytes=_mib(a.bucket_mb),
-                                first_bucket_bytes=_mib(a.first_bucket_mb),
+                                bucket_bytes=bucket_bytes_of(a.bucket_mb),
+                                first_bucket_bytes=bucket_bytes_of(a.first_bucket_mb),
                                 oktopk_exact_rate=a.oktopk_exact_rate,
                                 contention=a.contention,
                                 collective_cpu=getattr(a, "collective_cpu", None)))

@@ -39,6 +39,7 @@ from typing import Any
 
 from gradsync.apps.sim.callcpu import CollectiveCPU
 from gradsync.apps.sim.contention import Contention, round_extra
+from gradsync.schedule import bucket_bytes_of
 from gradsync.schedule.costmodel import ComputeCost, CostModel
 from gradsync.schedule.plan import Plan
 
@@ -266,9 +267,8 @@ def run_validation(a) -> int:
 
             kw = {"union_gamma": g_use, "forward_s": fwd, "step_s": stp,
                   "densestream_ratio": a.densestream_ratio, "oktopk_exact_rate": rate,
-                  "bucket_bytes": int(a.bucket_mb * 2**20),
-                  "first_bucket_bytes": (None if a.first_bucket_mb is None
-                                         else int(a.first_bucket_mb * 2**20))}
+                  "bucket_bytes": bucket_bytes_of(a.bucket_mb),
+                  "first_bucket_bytes": bucket_bytes_of(a.first_bucket_mb)}
             bare = CostModel.from_dict(cost.to_dict() | {"compute": None})
             pred = predict(scheme, cost, P, a.net, a.density, contention=contention,
                            collective_cpu=callcpu, **kw)
