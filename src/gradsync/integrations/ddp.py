@@ -39,6 +39,21 @@ error feedback. What differs from :class:`gradsync.GradSync` is the fusion buffe
 and the selection rule (a size threshold instead of Eq. 2, which needs the engine's cost
 model); SSFusion-O's offloading is the engine's alone.
 
+**Non-finite gradients.** Nothing is checked tensor by tensor. A bucket sent whole carries a
+rank's NaN/Inf in its all-reduce, so the sum is non-finite on every rank; a bucket with sparse
+parts is checked once (one pass) before selection, and a non-finite one accumulates nothing and
+sends a NaN in place of its payload (the same collectives, so every rank's sum shows it). Where
+the sum arrives, every rank alike: a finite sum commits error feedback; a non-finite one leaves
+the bucket's residuals and velocities as before the step (``ErrorFeedback.discard``), counts
+``HookState.nonfinite`` (``stats()["nonfinite_buckets"]``), and under ``Config.nonfinite``
+``"raise"`` fails the bucket's future, which DDP raises from ``backward()`` on every rank (a
+hook that raises itself leaves DDP's reducer unusable, and a rank that raised alone left its
+peers in a collective it never joined); under ``"skip_step"`` the non-finite average stays in
+``.grad`` on every rank, as under plain DDP, so ``torch.amp.GradScaler`` (or the caller's
+check) skips ``optimizer.step()`` and can lower its scale. ``GradSync`` instead zeroes the
+step's gradients and returns ``False`` from ``synchronize()``: the hook has no return value,
+and zeros would hide an overflow from the GradScaler.
+
 Facts this relies on (docs/architecture.md, "torch.distributed facts"): the hook's second
 parameter must be named ``bucket``; ``functools.partial`` and callable instances are rejected,
 plain functions work; buckets are rebuilt after iteration 0, so residuals are keyed by parameter
@@ -57,6 +72,7 @@ import contextlib
 import functools
 import math
 import statistics
+import threading
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -78,7 +94,7 @@ from gradsync.schedule import schemes
 from gradsync.schedule.auto import MARGIN, bucket_sparse
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 from gradsync.schedule.ssfusion import compensate
-from gradsync.sparsegrad import SparseGrad
+from gradsync.sparsegrad import SparseGrad, all_finite
 
 __all__ = ["DDP_SCHEMES", "TRIAL_ORDER", "TRIAL_STEPS", "HookState", "hook", "register"]
 
@@ -118,6 +134,7 @@ class HookState:
     steps: int = 0  # backward passes seen (DDP's last bucket of each); DGC's warm-up clock
     missing: int = 0
     tensors: int = 0
+    nonfinite: int = 0  # buckets whose sum was NaN/Inf (module doc, "Non-finite gradients")
     shapes: list[tuple[str, tuple[int, ...]]] | None = None  # the model's, when known
     trained: tuple[int, ...] | None = None  # numels of the parameters DDP reduces (trainable)
     checked: bool = False  # configuration agreed across ranks
@@ -126,6 +143,7 @@ class HookState:
     # "dense": [...]}, "verdict": None | "model" | "dense"}; None: no trial (yet)
     trial: dict[str, Any] | None = None
     _last_first: tuple[int, float] | None = field(default=None, repr=False)  # (step, time)
+    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
         self.scheme = schemes.get(self.cfg.scheme)
@@ -179,7 +197,7 @@ class HookState:
 
     def stats(self) -> dict[str, Any]:
         return {"last": self.last.as_dict(), "total": self.total.as_dict(),
-                "calls": self.calls,
+                "calls": self.calls, "nonfinite_buckets": self.nonfinite,
                 "missing_rate": self.missing / self.tensors if self.tensors else 0.0}
 
     # -- checkpointing (gradsync.engine.state.Stateful) ---------------------------------
@@ -373,13 +391,15 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         offsets.append(offsets[-1] + n)
     if not state.scheme.sparse:  # dense: a plain all-reduce (of the velocities, with momentum)
         return _all_reduce_bucket(state, comm, buf, names, offsets, bucket.is_last(),
-                                  any(state.ef.transforms(name) for name in names))
+                                  any(state.ef.transforms(name) for name in names),
+                                  bucket.index())
     densities = _densities(state, numels, buf.element_size(), comm)
     if state.scheme.planner == "auto" and all(d is None for d in densities):
         # every tensor sent whole: DDP's own path, the all-reduce left in flight so the
         # backward goes on (a blocking one here held autograd: 0.69-0.87x DDP); through
         # error feedback, which holds what earlier sparse steps left behind
-        return _all_reduce_bucket(state, comm, buf, names, offsets, bucket.is_last(), True)
+        return _all_reduce_bucket(state, comm, buf, names, offsets, bucket.is_last(), True,
+                                  bucket.index())
     d_now = state.cfg.density_at(state.steps)  # DGC's warm-up (Config.density_warmup)
     # a warm-up step at density 1 (DGC's, AdamW's in gradsync.optim): every entry travels, so
     # the whole bucket goes through the all-reduce (DDP's bytes, not an all-gather of all of it)
@@ -392,12 +412,17 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     accs, sparse_parts, dense_parts = {}, [], []
     # SSFusion-I and auto: dense tensors in an all-reduce
     to_allreduce = whole or state.scheme.interleave or state.scheme.planner == "auto"
+    # one pass over the bucket instead of one per tensor; a non-finite bucket accumulates
+    # nothing and sends a NaN instead, so every rank's sum shows it (module doc)
+    poisoned = not all_finite(buf)
     for i, (name, d) in enumerate(zip(names, densities)):
-        acc = state.ef.accumulate(name, buf[offsets[i]:offsets[i + 1]])
+        lo, hi = offsets[i], offsets[i + 1]
+        acc = (torch.zeros_like(buf[lo:hi]) if poisoned
+               else state.ef.accumulate(name, buf[lo:hi], check=False))
         accs[name] = acc
         if d is None and to_allreduce:
             dense_parts.append(i)
-        elif d is None:
+        elif d is None or poisoned:
             sparse_parts.append((i, SparseGrad(torch.arange(acc.numel(), device=acc.device),
                                                acc, acc.numel(), validate=False)))
         else:
@@ -408,12 +433,18 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     work = None
     if dense_parts:
         flat = torch.cat([accs[names[i]] for i in dense_parts]).to(wire)
+        if poisoned:
+            flat[:1] = math.nan
         work = comm.all_reduce(flat, async_op=True)  # interleaved with the all-gather below
     stats = comm.stats
     try:
         if sparse_parts:
-            idx = torch.cat([s.indices + offsets[i] for i, s in sparse_parts])
-            vals = torch.cat([s.values for _, s in sparse_parts]).to(wire)
+            if poisoned:  # one entry, a NaN: the all-gather's shape is any rank's count
+                idx = torch.tensor([offsets[sparse_parts[0][0]]], device=buf.device)
+                vals = torch.full((1,), math.nan, dtype=wire, device=buf.device)
+            else:
+                idx = torch.cat([s.indices + offsets[i] for i, s in sparse_parts])
+                vals = torch.cat([s.values for _, s in sparse_parts]).to(wire)
             res = state.collective(SparseGrad(idx, vals, buf.numel(), validate=False),
                                    group=state.group)
             out += res.dense
@@ -438,6 +469,12 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
             out[offsets[i]:offsets[i + 1]] = flat[pos:pos + numels[i]]
             kept_by_tensor[i] = None  # sent whole
             pos += numels[i]
+    if not all_finite(out):  # alike on every rank: the sums are
+        for name in names:
+            state.ef.discard(name)  # residuals and velocities as before this step
+        buf.copy_(torch.div(out, P))
+        err = _nonfinite(state, bucket.index(), names, poisoned, comm.rank, state.steps)
+        return _done(state, stats, buf, bucket.is_last(), err)
     for i, name in enumerate(names):
         k = kept_by_tensor[i]
         flat_acc = accs[name].reshape(-1)
@@ -460,31 +497,74 @@ def _sent(acc: torch.Tensor, wire: torch.Tensor | None, dtype: torch.dtype | Non
 
 
 def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: list[str],
-                       offsets: list[int], last: bool, feedback: bool) -> torch.futures.Future:
+                       offsets: list[int], last: bool, feedback: bool,
+                       bucket_index: int = 0) -> torch.futures.Future:
     """A bucket sent whole, as DDP's default hook sends it: issued, not waited for (the future
     completes with ``buf`` averaged once the sum is in). With ``feedback`` every tensor sends
     error feedback's ``acc`` (residual + gradient, momentum's velocity, a preconditioning
-    scale), and its residual keeps only the rounding to the gradients' dtype, settled before
-    the sum is in; without, the raw gradients travel (nothing is held back for them)."""
-    if feedback:
-        accs = [state.ef.accumulate(name, buf[offsets[i]:offsets[i + 1]])
+    scale), and its residual keeps only the rounding to the gradients' dtype, committed once
+    the sum is in and finite; without, the raw gradients travel (nothing is held back for
+    them). No tensor is checked on its own: a NaN/Inf shows in every rank's sum, which is
+    checked where it arrives (module doc, "Non-finite gradients")."""
+    accs = []
+    if feedback:  # not checked here: a NaN/Inf travels and shows in every rank's sum
+        accs = [state.ef.accumulate(name, buf[offsets[i]:offsets[i + 1]], check=False)
                 for i, name in enumerate(names)]
         buf.copy_(torch.cat(accs))  # rounded to the gradients' dtype; residual keeps it
-        for i, name in enumerate(names):
-            state.ef.update(name, accs[i], None, _sent(accs[i], buf[offsets[i]:offsets[i + 1]]))
     state.tensors += len(names)
-    P = comm.size
+    P, index, rank, step = comm.size, bucket_index, comm.rank, state.steps
+
+    def settle() -> torch.Tensor:
+        """The sum is in ``buf``: a finite one commits error feedback (the residual keeps
+        only the rounding), a non-finite one leaves it as before the step."""
+        if all_finite(buf):
+            for name, acc in zip(names, accs):
+                state.ef.update(name, acc, None, _sent(acc, None, buf.dtype))
+        else:  # this rank's part is known only where it was kept apart (accs)
+            here = (not all(all_finite(a) for a in accs)) if feedback else None
+            for name in names if feedback else ():
+                state.ef.discard(name)
+            err = _nonfinite(state, index, names, here, rank, step)
+            if err is not None:
+                raise err  # in the callback: DDP's backward raises it on every rank
+        return buf.div_(P)
+
     work = comm.all_reduce(buf, async_op=True)
     future = getattr(work, "get_future", None)
     if future is None:  # one rank, or a staged call that completed at issue
-        return _done(state, comm.stats, buf.div_(P), last)
+        try:
+            settle()
+        except ValueError as err:
+            return _done(state, comm.stats, buf, last, err)
+        return _done(state, comm.stats, buf, last)
 
     def average(fut: torch.futures.Future) -> torch.Tensor:
         fut.value()  # a failed all-reduce raises here, into DDP's backward
-        return buf.div_(P)
+        return settle()
 
     _account(state, comm.stats, last)
     return future().then(average)
+
+
+def _nonfinite(state: HookState, index: int, names: list[str], here: bool | None,
+               rank: int, step: int) -> ValueError | None:
+    """A bucket's sum held NaN/Inf (on every rank alike): count it; under
+    ``Config.nonfinite="raise"`` the error for the bucket's future (DDP raises it from
+    ``backward()``; raised in the hook itself, it would leave DDP's reducer broken). May run on
+    gloo's thread (a dense bucket's callback)."""
+    with state._lock:
+        state.nonfinite += 1
+    if state.cfg.nonfinite == "raise":
+        where = (f"on this rank ({rank})" if here
+                 else "on some rank" if here is None
+                 else "on another rank (or the sum overflowed)")
+        return ValueError(
+            f"gradsync DDP hook: non-finite gradient {where} in bucket {index} "
+            f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}) at step {step}; "
+            "residuals and velocities were left as before the step (Config.nonfinite='raise'; "
+            "'skip_step' leaves the non-finite average in .grad on every rank, as DDP does, "
+            "for torch.amp.GradScaler or your own check to skip optimizer.step())")
+    return None
 
 
 def _account(state: HookState, stats: CommStats, last: bool) -> None:
@@ -495,11 +575,19 @@ def _account(state: HookState, stats: CommStats, last: bool) -> None:
 
 
 def _done(state: HookState, stats: CommStats, buf: torch.Tensor,
-          last: bool = False) -> torch.futures.Future:
+          last: bool = False, error: Exception | None = None) -> torch.futures.Future:
+    """A completed future: ``buf``, or ``error`` for DDP to raise from ``backward()``."""
     _account(state, stats, last)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buf)
-    return fut
+    if error is None:
+        return fut
+
+    def fail(_: torch.futures.Future) -> torch.Tensor:
+        raise error  # as a dense bucket's callback raises (set_exception reaches DDP's C++
+        # reducer as "Unable to cast ...", not as the error)
+
+    return fut.then(fail)
 
 
 def hook(cfg: Config, model: nn.Module | None = None, group: dist.ProcessGroup | None = None,

@@ -1,0 +1,123 @@
+"""The DDP hook's policy for NaN/Inf gradients (``gradsync.ddp``, "Non-finite gradients"): a
+non-finite gradient on one rank reaches every rank through the bucket's own collective, error
+feedback keeps nothing of that step on any rank, and then ``Config.nonfinite`` decides:
+``"raise"`` raises from ``backward()`` on every rank (DDP stays usable), ``"skip_step"`` leaves
+the non-finite average in ``.grad`` on every rank, as plain DDP does, for the caller (or
+``torch.amp.GradScaler``) to skip ``optimizer.step()``. Nothing hangs, and a run that skips the
+bad step ends bitwise where a run without that step ends."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsync.integrations.ddp
+from gradsync.engine.config import Config
+from gradsync.engine.consistency import parameter_digest
+from gradsync.testing import run_distributed
+
+BAD_STEP = 1
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(3)
+    # weights above small_numel (sparsified), biases below (SSFusion-I's all-reduce part)
+    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
+
+
+def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(1000 * step + rank)
+    return torch.randn(8, 20, generator=g), torch.randint(0, 4, (8,), generator=g)
+
+
+def _ef_state(state) -> dict[str, torch.Tensor]:
+    ef = state.ef.state_dict()
+    return {f"{kind}:{n}": t.clone() for kind in ("residual", "velocity")
+            for n, t in ef.get(kind, {}).items()}
+
+
+def _run(rank: int, P: int, scheme: str, policy: str, steps: list[int], bad_rank: int,
+         value: float) -> dict:
+    model = _model()
+    ddp = DDP(model)
+    state = gradsync.ddp.register(ddp, Config(scheme=scheme, density=0.05, momentum=0.9,
+                                              sparsifier="topk", nonfinite=policy),
+                                  small_numel=100)
+    poison = {"on": False}
+
+    def inject(g: torch.Tensor) -> torch.Tensor:  # runs before DDP sees the gradient
+        if not poison["on"]:
+            return g
+        g = g.clone()
+        g.view(-1)[5] = value
+        return g
+
+    model[0].weight.register_hook(inject)
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out: dict = {"errors": [], "finite": [], "same_state": None}
+    for step in steps:
+        poison["on"] = step == BAD_STEP and rank == bad_rank
+        before = _ef_state(state) if step == BAD_STEP else None
+        opt.zero_grad(set_to_none=True)
+        x, y = _batch(rank, step)
+        try:
+            nn.functional.cross_entropy(ddp(x), y).backward()
+            failed = False
+        except RuntimeError as e:  # DDP re-raises the bucket's error
+            out["errors"].append((step, str(e)))
+            failed = True
+        if before is not None:
+            after = _ef_state(state)
+            out["same_state"] = (before.keys() == after.keys() and bool(before)
+                                 and all(torch.equal(before[k], after[k]) for k in before))
+        if failed:
+            continue
+        finite = all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())
+        out["finite"].append((step, finite))
+        if finite:  # what GradScaler does: a non-finite step is not taken
+            opt.step()
+    out["digest"] = parameter_digest(model)[0]
+    out["nonfinite"] = state.stats()["nonfinite_buckets"]
+    return out
+
+
+def _both(rank: int, P: int, scheme: str, policy: str, value: float) -> tuple[dict, dict]:
+    bad = P - 1
+    got = _run(rank, P, scheme, policy, [0, 1, 2, 3], bad, value)
+    ref = _run(rank, P, scheme, policy, [0, 2, 3], bad, value)  # never saw the bad step
+    return got, ref
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+@pytest.mark.parametrize("scheme,value", [("dense", math.inf), ("per_tensor", math.nan),
+                                          ("ssfusion_oi", math.nan)])
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_hook_nonfinite_gradient_reaches_every_rank_and_keeps_nothing(world_size, scheme,
+                                                                      value, policy):
+    out = run_distributed(_both, world_size, scheme, policy, value, timeout=240)
+    bad = world_size - 1
+    digests = set()
+    for rank, (got, ref) in enumerate(out):
+        assert got["nonfinite"] == 1, got  # counted on every rank, once
+        assert ref["nonfinite"] == 0
+        assert got["same_state"] is True  # residuals and velocities as before the step
+        if policy == "raise":
+            assert [s for s, _ in got["errors"]] == [BAD_STEP], got["errors"]
+            msg = got["errors"][0][1]
+            assert "non-finite gradient" in msg and "in bucket 0 (" in msg
+            assert "Config.nonfinite='raise'" in msg
+            assert (f"on this rank ({rank})" in msg) == (rank == bad), msg
+            assert ("on another rank" in msg) == (rank != bad), msg
+            assert [s for s, ok in got["finite"]] == [0, 2, 3]
+        else:
+            assert not got["errors"]
+            assert dict(got["finite"]) == {0: True, 1: False, 2: True, 3: True}
+        assert all(ok for _, ok in got["finite"] if _ != BAD_STEP)
+        # skipping the bad step leaves the run bitwise where a run without it ends
+        assert got["digest"] == ref["digest"]
+        digests.add(got["digest"])
+    assert len(digests) == 1  # replicas identical
