@@ -162,6 +162,30 @@ def test_discard_leaves_state_as_before():
         ef.update("w", acc, torch.tensor([0]))
 
 
+def test_velocity_sent_whole_reuses_two_buffers_and_follows_sgd_bit_for_bit():
+    """A tensor sent whole every step: its velocity is torch SGD's momentum buffer bit for bit
+    (computed independently here), computed into the buffer the last commit replaced (two
+    buffers alternate, no allocation per step), and a discarded step leaves the committed
+    velocity untouched even though its buffer is the next one written."""
+    ef = ErrorFeedback(momentum=0.9)
+    p = torch.nn.Parameter(torch.zeros(1000))
+    sgd = torch.optim.SGD([p], lr=1.0, momentum=0.9)
+    ptrs = []
+    for step in range(8):
+        grad = _grad(1000, step)
+        acc = ef.accumulate("w", grad)
+        if step == 4:  # a skipped step: nothing of it may remain
+            ef.discard("w")
+            continue
+        p.grad = grad.clone()
+        sgd.step()
+        assert torch.equal(acc, sgd.state[p]["momentum_buffer"]), step
+        ptrs.append(acc.data_ptr())
+        ef.update("w", acc, None)
+        assert torch.equal(ef.state_dict()["velocity"]["w"], sgd.state[p]["momentum_buffer"])
+    assert len(set(ptrs[1:])) == 2 and ptrs[1] != ptrs[2]  # two buffers, alternating
+
+
 @pytest.mark.parametrize("wire", [torch.float32, torch.bfloat16])
 def test_sent_whole_without_indices_equals_every_index(wire):
     """``update(name, acc, None)`` (sent whole, no index work) leaves the residual and the

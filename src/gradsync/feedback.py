@@ -101,6 +101,9 @@ class ErrorFeedback:
         self._velocity: dict[str, torch.Tensor] = {}
         self._pending: set[str] = set()  # accumulated, not yet updated
         self._pending_velocity: dict[str, torch.Tensor] = {}
+        # the velocity a commit replaced: the next step's velocity is computed into it (no
+        # allocation; the committed one stays intact until then, so discard() can keep it)
+        self._spare: dict[str, torch.Tensor] = {}
         self._zero: set[str] = set()  # residuals known to be all zeros (sent whole)
         self._scale: dict[str, torch.Tensor] = {}  # precondition(): fixed per-entry scales
 
@@ -173,8 +176,12 @@ class ErrorFeedback:
             u = self._velocity.get(name)
             if u is None:
                 u = g if s is not None else g.clone()  # g is already a copy when scaled
-            else:
-                u = (u * self.momentum).add_(g)  # SGD's rounding
+            else:  # SGD's rounding, into the spare buffer when there is one
+                spare = self._spare.pop(name, None)
+                if (spare is None or spare.shape != u.shape or spare.dtype != u.dtype
+                        or spare.device != u.device):
+                    spare = torch.empty_like(u)
+                u = torch.mul(u, self.momentum, out=spare).add_(g)
             self._pending_velocity[name] = u  # committed by update(), dropped by discard()
             g = u
         # a residual of zeros (the tensor was sent whole) adds nothing: no pass over it. With
@@ -236,6 +243,9 @@ class ErrorFeedback:
             if not whole and self.masking:  # compressed: momentum factor masking (DGC §3.2)
                 u.view(-1)[idx] = 0
             # else sent whole: the velocity carries on, as SGD's momentum buffer does
+            old = self._velocity.get(name)
+            if old is not None and old is not u:
+                self._spare[name] = old  # nothing else holds it once this step is done
             self._velocity[name] = u
         self._residual[name] = residual.view_as(acc)
         if whole and sent_values is None:
@@ -249,7 +259,9 @@ class ErrorFeedback:
         """Drop a pending :meth:`accumulate` of ``name``: residual and velocity stay as they
         were before it (a skipped step)."""
         self._pending.discard(name)
-        self._pending_velocity.pop(name, None)
+        u = self._pending_velocity.pop(name, None)
+        if u is not None and u is not self._velocity.get(name):
+            self._spare[name] = u  # free again: the next step computes into it
 
     # -- inspection and state -----------------------------------------------------------
     def residual(self, name: str) -> torch.Tensor | None:
@@ -260,7 +272,7 @@ class ErrorFeedback:
 
     def reset(self, name: str | None = None) -> None:
         """Forget the residual (and velocity) of ``name``, or of every tensor; scales stay."""
-        for store in (self._residual, self._velocity):
+        for store in (self._residual, self._velocity, self._spare):
             if name is None:
                 store.clear()
             else:
@@ -301,6 +313,7 @@ class ErrorFeedback:
         self._velocity = {k: v.clone() for k, v in state["velocity"].items()}
         # saved before preconditioning existed: no scales
         self._scale = {k: v.to(torch.float32).clone() for k, v in state.get("scale", {}).items()}
+        self._spare.clear()
         self._zero.clear()
         self._pending.clear()
         self._pending_velocity.clear()

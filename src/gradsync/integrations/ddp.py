@@ -510,7 +510,8 @@ def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: l
     if feedback:  # not checked here: a NaN/Inf travels and shows in every rank's sum
         accs = [state.ef.accumulate(name, buf[offsets[i]:offsets[i + 1]], check=False)
                 for i, name in enumerate(names)]
-        buf.copy_(torch.cat(accs))  # rounded to the gradients' dtype; residual keeps it
+        for i, acc in enumerate(accs):  # rounded to the gradients' dtype; residual keeps it
+            buf[offsets[i]:offsets[i + 1]].copy_(acc)
     state.tensors += len(names)
     P, index, rank, step = comm.size, bucket_index, comm.rank, state.steps
 
