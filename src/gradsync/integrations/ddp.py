@@ -49,10 +49,13 @@ the bucket's residuals and velocities as before the step (``ErrorFeedback.discar
 ``"raise"`` fails the bucket's future, which DDP raises from ``backward()`` on every rank (a
 hook that raises itself leaves DDP's reducer unusable, and a rank that raised alone left its
 peers in a collective it never joined); under ``"skip_step"`` the non-finite average stays in
-``.grad`` on every rank, as under plain DDP, so ``torch.amp.GradScaler`` (or the caller's
-check) skips ``optimizer.step()`` and can lower its scale. ``GradSync`` instead zeroes the
-step's gradients and returns ``False`` from ``synchronize()``: the hook has no return value,
-and zeros would hide an overflow from the GradScaler. *On CUDA* the sum's check reads one
+``.grad`` on every rank, as under plain DDP, so the caller's check skips
+``optimizer.step()``. ``GradSync`` instead zeroes the step's gradients and returns ``False``
+from ``synchronize()``: the hook has no return value, and zeros would hide an overflow from a
+check of ``.grad`` (``torch.amp.GradScaler``'s, for one). A GradScaler is not supported as
+such: error feedback holds gradients in the units of the loss scale they were computed with,
+and nothing rescales residuals or velocities when the scale changes (bf16 autocast needs no
+scaler). *On CUDA* the sum's check reads one
 flag per bucket on the host inside the all-reduce's callback, which NCCL runs as soon as the
 call is queued: the host then waits for that bucket's sum before the backward goes on. Before,
 the paths with error feedback waited once per tensor (each tensor's check, before the
@@ -568,7 +571,7 @@ def _nonfinite(state: HookState, index: int, names: list[str], here: bool | None
             f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}) at step {step}; "
             "residuals and velocities were left as before the step (Config.nonfinite='raise'; "
             "'skip_step' leaves the non-finite average in .grad on every rank, as DDP does, "
-            "for torch.amp.GradScaler or your own check to skip optimizer.step())")
+            "for your check of .grad to skip optimizer.step())")
     return None
 
 
