@@ -193,6 +193,31 @@ def test_auto_hook_counts_its_link_measurement():
         assert first - second == probes  # the same bucket both steps, plus the probes once
 
 
+def _auto_profile_device(rank: int, world_size: int) -> list[str]:
+    from gradsync.schedule import costmodel
+
+    seen = []
+    real = costmodel.profile_sparsifier
+
+    def recording(sparsifier, *args, **kwargs):
+        seen.append(str(kwargs.get("device")))
+        return real(sparsifier, *args, **kwargs)
+
+    costmodel.profile_sparsifier = recording
+    try:
+        _auto_hook_traffic(rank, world_size)
+    finally:
+        costmodel.profile_sparsifier = real
+    return seen
+
+
+def test_auto_hook_times_its_sparsifier_where_the_gradients_are():
+    """Issue 14: the hook's ``auto`` fits the sparsifier on the bucket's device (a GPU job
+    is not planned with CPU timings); before, it was called without one (the CPU default)."""
+    for seen in run_distributed(_auto_profile_device, 2, timeout=180):
+        assert seen == ["cpu"]  # once, at the first call, on the CPU buckets' device
+
+
 def _auto_trial(rank: int, world_size: int, slow: str) -> dict:
     """The DDP hook's ``auto`` with a link model that predicts sparse (1 Mbit/s), on a real
     loopback; ``slow``: the mode whose steps are made 250 ms slower (a stand-in for its cost)."""

@@ -597,14 +597,15 @@ def _trial_of(plan: Plan, cost: costmodel.CostModel, step: float) -> dict[str, A
 
 
 def link_costs(sparsifier: sparsify.Sparsifier, group: dist.ProcessGroup | None,
-               comm: Comm | None = None
+               comm: Comm | None = None, device: torch.device | None = None
                ) -> tuple[costmodel.AlphaBeta, costmodel.AlphaBeta, costmodel.AffineFit]:
     """The DDP hook's cost model for ``auto`` (a collective): all-reduce and all-gather α/β of
-    ``group`` and the inline cost of ``sparsifier``, max-reduced over the ranks so that every
-    rank decides every bucket alike. Its traffic goes through ``comm``, which counts it."""
+    ``group`` and the inline cost of ``sparsifier`` on ``device`` (the gradients'; default the
+    CPU), max-reduced over the ranks so that every rank decides every bucket alike. Its
+    traffic goes through ``comm``, which counts it."""
     comm = comm if comm is not None else Comm(group)
     ar, ag = costmodel.profile_collectives(group, comm=comm)
-    sp = costmodel.profile_sparsifier(sparsifier)
+    sp = costmodel.profile_sparsifier(sparsifier, device=device)
     if comm.size > 1:
         t = torch.tensor([sp.a, sp.b], dtype=torch.float64)
         comm.all_reduce(t, op=dist.ReduceOp.MAX)

@@ -337,7 +337,8 @@ class HookState:
 
 
 def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
-               comm: Comm | None = None) -> list[float | None]:
+               comm: Comm | None = None, device: torch.device | None = None
+               ) -> list[float | None]:
     """Per-tensor density of one bucket; None = sent dense.
 
     ``per_tensor``: every tensor at ``density``. SSFusion: tensors below ``small_numel`` are
@@ -353,8 +354,10 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
     if state.scheme.planner == "auto":  # measured once, agreed by every rank
         P = dist.get_world_size(state.group)
         if state.link is None and P > 1:
+            # the sparsifier is timed where the gradients are (a GPU job: on its GPU); the
+            # probe's traffic is counted in this call's
             state.link = link_costs(state._new_sparsifier("auto:probe", cfg.density), state.group,
-                                    comm)  # counted in this call's traffic
+                                    comm, device)
         sparse = P > 1 and bucket_sparse(numels, cfg.density, P, elem_bytes, *state.link)
         if sparse and state.trial is None:  # the prediction sparsifies: measure it
             state.trial = {"start": state.steps + 1, "verdict": None,
@@ -400,7 +403,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         return _all_reduce_bucket(state, comm, buf, names, offsets, bucket.is_last(),
                                   any(state.ef.transforms(name) for name in names),
                                   bucket.index())
-    densities = _densities(state, numels, buf.element_size(), comm)
+    densities = _densities(state, numels, buf.element_size(), comm, buf.device)
     if state.scheme.planner == "auto" and all(d is None for d in densities):
         # every tensor sent whole: DDP's own path, the all-reduce left in flight so the
         # backward goes on (a blocking one here held autograd: 0.69-0.87x DDP); through
