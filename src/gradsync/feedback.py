@@ -60,6 +60,7 @@ never polluted by a non-finite value; the engine decides whether to raise or ski
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import torch
@@ -143,6 +144,22 @@ class ErrorFeedback:
             store[name] = held * factor.reshape(held.shape).to(held.device, held.dtype)
         self._scale[name] = s.clone()
         # a zero residual stays zero: _zero still holds
+
+    def rescale(self, factor: float) -> None:
+        """Multiply every residual and velocity held by ``factor`` (finite, > 0): the gradients
+        that arrive from now on are ``factor`` times those held before, e.g. a loss scale that
+        changed from S to ``factor``·S (``torch.amp.GradScaler``: factor 2 or 1/2, a power of
+        two, so the held state is rescaled exactly). ``ValueError`` between :meth:`accumulate`
+        and :meth:`update`, or for a bad factor."""
+        f = float(factor)
+        if not (math.isfinite(f) and f > 0):
+            raise ValueError(f"rescale: factor must be finite and > 0, got {factor!r}")
+        if self._pending:
+            raise ValueError(f"rescale() between accumulate() and update() of "
+                             f"{sorted(self._pending)[:3]}: rescale between steps only")
+        for store in (self._residual, self._velocity):
+            for t in store.values():
+                t.mul_(f)  # a zero residual stays zero: _zero still holds
 
     def scale(self, name: str) -> torch.Tensor | None:
         """``name``'s preconditioning scale (fp32), or None."""

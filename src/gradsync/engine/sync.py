@@ -280,6 +280,19 @@ class GradSync:
 
         apply_scales(self.ef, scales, resolve, self.group, "GradSync")
 
+    def rescale(self, factor: float) -> None:
+        """The gradients are ``factor`` times larger from the next step on (a loss scale that
+        changed, e.g. ``torch.amp.GradScaler``'s after ``update()``): residuals and velocities
+        held are multiplied by ``factor`` now, so what they hold keeps its meaning
+        (:meth:`gradsync.feedback.ErrorFeedback.rescale`). Call it between steps, with the same
+        factor on every rank. Thresholds that a sparsifier reuses between its exact evaluations
+        (Ok-Topk's, SIDCo's, RedSync's) are not rescaled: they are re-estimated at their next
+        evaluation."""
+        if self._run.first_hook or self._run.launched:  # a gradient hook has fired
+            raise ValueError("GradSync.rescale: a step is in progress (call it after "
+                             "synchronize(), before the next backward)")
+        self.ef.rescale(factor)
+
     def stats(self) -> dict[str, Any]:
         """Figures of the last step and cumulative ones (bytes, time breakdown, missing rate).
 

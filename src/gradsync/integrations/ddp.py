@@ -52,10 +52,10 @@ peers in a collective it never joined); under ``"skip_step"`` the non-finite ave
 ``.grad`` on every rank, as under plain DDP, so the caller's check skips
 ``optimizer.step()``. ``GradSync`` instead zeroes the step's gradients and returns ``False``
 from ``synchronize()``: the hook has no return value, and zeros would hide an overflow from a
-check of ``.grad`` (``torch.amp.GradScaler``'s, for one). A GradScaler is not supported as
-such: error feedback holds gradients in the units of the loss scale they were computed with,
-and nothing rescales residuals or velocities when the scale changes (bf16 autocast needs no
-scaler). *On CUDA* the sum's check reads one
+check of ``.grad`` (``torch.amp.GradScaler``'s, for one). With a GradScaler, error feedback
+holds gradients in the units of the loss scale they were computed with: call
+:meth:`HookState.rescale` with ``new / old`` when ``scaler.update()`` changes the scale
+(``tests/test_loss_scale.py``: then bitwise the unscaled run). *On CUDA* the sum's check reads one
 flag per bucket on the host inside the all-reduce's callback, which NCCL runs as soon as the
 call is queued: the host then waits for that bucket's sum before the backward goes on. Before,
 the paths with error feedback waited once per tensor (each tensor's check, before the
@@ -171,6 +171,12 @@ class HookState:
         if name is None:  # no model given: stable within the run only
             name = self.names[id(p)] = f"param{len(self.names)}:{tuple(p.shape)}"
         return name
+
+    def rescale(self, factor: float) -> None:
+        """The gradients are ``factor`` times larger from the next step on (a changed loss
+        scale): residuals and velocities held are multiplied by it now, as
+        :meth:`gradsync.GradSync.rescale` does. Between steps, the same factor on every rank."""
+        self.ef.rescale(factor)
 
     def precondition(self, scales: Mapping[torch.Tensor | str, torch.Tensor]) -> None:
         """:meth:`gradsync.GradSync.precondition` for the hook: from the next backward on,
@@ -574,7 +580,7 @@ def _nonfinite(state: HookState, index: int, names: list[str], here: bool | None
             f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}) at step {step}; "
             "residuals and velocities were left as before the step (Config.nonfinite='raise'; "
             "'skip_step' leaves the non-finite average in .grad on every rank, as DDP does, "
-            "for your check of .grad to skip optimizer.step())")
+            "for your check of .grad, or a GradScaler, to skip optimizer.step())")
     return None
 
 
