@@ -16,22 +16,13 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync.integrations.ddp
+from conftest import image_batch
+from gradsync.apps.models import build
 from gradsync.engine.config import Config
 from gradsync.engine.consistency import parameter_digest
 from gradsync.testing import run_distributed
 
 BAD_STEP = 1
-
-
-def _model() -> nn.Module:
-    torch.manual_seed(3)
-    # weights above small_numel (sparsified), biases below (SSFusion-I's all-reduce part)
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(1000 * step + rank)
-    return torch.randn(8, 20, generator=g), torch.randint(0, 4, (8,), generator=g)
 
 
 def _ef_state(state) -> dict[str, torch.Tensor]:
@@ -42,11 +33,11 @@ def _ef_state(state) -> dict[str, torch.Tensor]:
 
 def _run(rank: int, P: int, scheme: str, policy: str, steps: list[int], bad_rank: int,
          value: float) -> dict:
-    model = _model()
+    model = build("mlp", seed=3)  # seeded, not the global RNG
     ddp = DDP(model)
     state = gradsync.ddp.register(ddp, Config(scheme=scheme, density=0.05, momentum=0.9,
                                               sparsifier="topk", nonfinite=policy),
-                                  small_numel=100)
+                                  small_numel=1000)
     poison = {"on": False}
 
     def inject(g: torch.Tensor) -> torch.Tensor:  # runs before DDP sees the gradient
@@ -56,14 +47,14 @@ def _run(rank: int, P: int, scheme: str, policy: str, steps: list[int], bad_rank
         g.view(-1)[5] = value
         return g
 
-    model[0].weight.register_hook(inject)
+    next(model.parameters()).register_hook(inject)  # the first layer's weight
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     out: dict = {"errors": [], "finite": [], "same_state": None}
     for step in steps:
         poison["on"] = step == BAD_STEP and rank == bad_rank
         before = _ef_state(state) if step == BAD_STEP else None
         opt.zero_grad(set_to_none=True)
-        x, y = _batch(rank, step)
+        x, y = image_batch(rank, step)
         try:
             nn.functional.cross_entropy(ddp(x), y).backward()
             failed = False

@@ -14,6 +14,8 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync.integrations.ddp
+from conftest import image_batch
+from gradsync.apps.models import build
 from gradsync.engine import GradSync
 from gradsync.engine.config import Config
 from gradsync.engine.consistency import parameter_digest
@@ -24,16 +26,6 @@ STEPS = 8
 BAD_STEP = 5  # the hook runs: an overflow on the last rank, which the scaler backs off from
 
 
-def _model() -> nn.Module:
-    torch.manual_seed(5)
-    return nn.Sequential(nn.Linear(20, 64), nn.ReLU(), nn.Linear(64, 4))
-
-
-def _batch(rank: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
-    g = torch.Generator().manual_seed(100 * step + rank)
-    return torch.randn(8, 20, generator=g), torch.randint(0, 4, (8,), generator=g)
-
-
 def _cfg(**kw) -> Config:
     return Config(scheme=kw.pop("scheme"), density=0.05, momentum=0.9, sparsifier="topk", **kw)
 
@@ -42,14 +34,14 @@ def _run(rank: int, P: int, path: str, scaled: bool, follow: bool) -> tuple[str,
     """``path``: "engine" (GradSync, topka) or "hook" (DDP + per_tensor hook, skip_step).
     ``scaled``: a GradScaler that doubles its scale every 2 good steps; ``follow``: call
     ``rescale`` when it changes. The unscaled run leaves the overflow step out."""
-    model = _model()
+    model = build("mlp", seed=5)  # seeded, not the global RNG
     if path == "engine":
         net, sync = model, GradSync(model, _cfg(scheme="topka"))
         state = sync
     else:
         net, sync = DDP(model), None
         state = gradsync.ddp.register(net, _cfg(scheme="per_tensor", nonfinite="skip_step"),
-                                      small_numel=100)
+                                      small_numel=1000)
     poison = {"on": False}
 
     def inject(g: torch.Tensor) -> torch.Tensor:
@@ -58,7 +50,7 @@ def _run(rank: int, P: int, path: str, scaled: bool, follow: bool) -> tuple[str,
             g.view(-1)[3] = math.inf
         return g
 
-    model[0].weight.register_hook(inject)
+    next(model.parameters()).register_hook(inject)  # the first layer's weight
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2,
                                   enabled=scaled)
@@ -69,7 +61,7 @@ def _run(rank: int, P: int, path: str, scaled: bool, follow: bool) -> tuple[str,
             continue  # the reference never sees the overflow step
         poison["on"] = bad and rank == P - 1
         opt.zero_grad(set_to_none=True)
-        x, y = _batch(rank, step)
+        x, y = image_batch(rank, step)
         scaler.scale(nn.functional.cross_entropy(net(x), y)).backward()
         if sync is not None:
             assert sync.synchronize()

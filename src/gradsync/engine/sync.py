@@ -267,9 +267,7 @@ class GradSync:
         (:class:`gradsync.optim.FrozenVarianceAdamW` calls this at its freeze when given
         ``sync=``). Every rank must pass bit-identical scales (checked: ``ValueError`` on every
         rank otherwise); call it between steps. The scales are part of :meth:`state_dict`."""
-        if self._run.first_hook or self._run.launched:  # a gradient hook has fired
-            raise ValueError("GradSync.precondition: a step is in progress (call it after "
-                             "synchronize(), before the next backward)")
+        self._between_steps("precondition")
 
         def resolve(key: object) -> tuple[str, tuple[int, ...]]:
             name = key if isinstance(key, str) else self._name_of.get(id(key))
@@ -280,6 +278,12 @@ class GradSync:
 
         apply_scales(self.ef, scales, resolve, self.group, "GradSync")
 
+    def _between_steps(self, what: str) -> None:
+        """``ValueError`` naming ``what`` once a gradient hook of this step has fired."""
+        if self._run.first_hook or self._run.launched:
+            raise ValueError(f"GradSync.{what}: a step is in progress (call it after "
+                             "synchronize(), before the next backward)")
+
     def rescale(self, factor: float) -> None:
         """The gradients are ``factor`` times larger from the next step on (a loss scale that
         changed, e.g. ``torch.amp.GradScaler``'s after ``update()``): residuals and velocities
@@ -288,9 +292,7 @@ class GradSync:
         factor on every rank. Thresholds that a sparsifier reuses between its exact evaluations
         (Ok-Topk's, SIDCo's, RedSync's) are not rescaled: they are re-estimated at their next
         evaluation."""
-        if self._run.first_hook or self._run.launched:  # a gradient hook has fired
-            raise ValueError("GradSync.rescale: a step is in progress (call it after "
-                             "synchronize(), before the next backward)")
+        self._between_steps("rescale")
         self.ef.rescale(factor)
 
     def stats(self) -> dict[str, Any]:

@@ -529,7 +529,7 @@ def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: l
         for i, acc in enumerate(accs):  # rounded to the gradients' dtype; residual keeps it
             buf[offsets[i]:offsets[i + 1]].copy_(acc)
     state.tensors += len(names)
-    P, index, rank, step = comm.size, bucket_index, comm.rank, state.steps
+    P, rank, step = comm.size, comm.rank, state.steps
 
     def settle() -> torch.Tensor:
         """The sum is in ``buf``: a finite one commits error feedback (the residual keeps
@@ -538,10 +538,10 @@ def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: l
             for name, acc in zip(names, accs):
                 state.ef.update(name, acc, None, _sent(acc, None, buf.dtype))
         else:  # this rank's part is known only where it was kept apart (accs)
-            here = (not all(all_finite(a) for a in accs)) if feedback else None
-            for name in names if feedback else ():
+            for name, _ in zip(names, accs):
                 state.ef.discard(name)
-            err = _nonfinite(state, index, names, here, rank, step)
+            here = not all(all_finite(a) for a in accs) if accs else None
+            err = _nonfinite(state, bucket_index, names, here, rank, step)
             if err is not None:
                 raise err  # in the callback: DDP's backward raises it on every rank
         return buf.div_(P)
