@@ -96,7 +96,7 @@ def _entries(sel_or_dense: SparseGrad | torch.Tensor) -> tuple[torch.Tensor, tor
     bits = val.contiguous().view(BITS_DTYPES[val.element_size()])
     if int(torch.count_nonzero(bits)) == val.numel():  # the usual case: nothing to drop
         return idx, val, n
-    keep = flatnonzero(bits != 0)
+    keep = flatnonzero(bits.bool())  # .bool(): a fifth of the time of `!= 0` on CPU
     return (torch.index_select(idx, 0, keep),
             torch.index_select(bits, 0, keep).view(val.dtype), n)  # bit for bit
 
@@ -197,6 +197,7 @@ class _Table(NamedTuple):
     offsets: torch.Tensor | None   # each block's first position in the stream
     jumps: torch.Tensor | None     # see _read
     bits: torch.Tensor | None      # the stored values as their bit patterns
+    nonzero: torch.Tensor | None   # bits != +0.0, per stored position (bool)
 
 
 def _read(buf: torch.Tensor | bytes, what: str, numel: int | None, dtype: torch.dtype | None
@@ -206,11 +207,14 @@ def _read(buf: torch.Tensor | bytes, what: str, numel: int | None, dtype: torch.
     The block table and the gap rule are checked in one pass of reductions: lengths ≥ 1;
     blocks sorted and separated by more than Z zeros (the gap rule: a closer pair would be one
     canonical block); the first start ≥ 0 and the last end ≤ n (with the above: every block
-    inside [0, n)); lengths summing to the header's total. With 4-byte fields nothing can wrap
-    in int64; with 8-byte fields every block is first checked on its own (start ≥ 0,
-    start ≤ n − length), so no sum below can wrap either. Then rule 1: every block begins and
-    ends with a nonzero (not the bits of +0.0). Rule 2 inside the blocks is the caller's (it
-    has the stream's nonzeros, or checks the zero runs directly).
+    inside [0, n)); lengths summing to the header's total. Block b's *shift* is its start less
+    its first position in the stream; two consecutive blocks leave ``shift[b] − shift[b − 1]``
+    zeros out between them, so one difference of shifts gives the gap rule. With 4-byte fields
+    nothing can wrap in int64; with 8-byte fields every block is first checked on its own
+    (start ≥ 0, start ≤ n − length), so no sum below can wrap either. Then rule 1: every
+    block begins and ends with a nonzero (not the bits of +0.0), read off the stream's
+    nonzero mask, which the callers reuse. Rule 2 inside the blocks is the callers'
+    (:func:`_check_zero_runs`).
 
     ``jumps[b]`` is how far block b's first index lies from the previous block's last index
     (block 0: its start, from 0), so a cumulative sum of ones with ``jumps`` at the
@@ -229,21 +233,23 @@ def _read(buf: torch.Tensor | bytes, what: str, numel: int | None, dtype: torch.
         raise ValueError(f"{what}: buffer of {buf.numel()} bytes, header implies "
                          f"{expected}; truncated or corrupted")
     if nb == 0:  # total == 0 too (checked above)
-        return _Table(n, vdtype, z, (0, 0), None, None, None)
+        return _Table(n, vdtype, z, (0, 0), None, None, None, None)
     idx_dtype = INDEX_DTYPES[iw]
-    starts = view_as(buf, HEADER_BYTES, nb, idx_dtype).to(torch.int64)
+    starts = view_as(buf, HEADER_BYTES, nb, idx_dtype)
     lengths = view_as(buf, HEADER_BYTES + nb * iw, nb, idx_dtype)  # summed in int64 below
     stream = view_as(buf, HEADER_BYTES + 2 * nb * iw, total, vdtype)
     # bounds[b]: block b's first position in the stream; bounds[b + 1]: its exclusive end
     bounds = torch.empty(nb + 1, dtype=torch.int64, device=buf.device)
     bounds[:1] = 0
     torch.cumsum(lengths, 0, dtype=torch.int64, out=bounds[1:])
-    ends = starts + lengths
-    # jumps[b] = starts[b] − ends[b − 1] + 1 (block 0: its start); first the zeros between
+    offsets = bounds[:-1]
+    shift = torch.sub(starts, offsets)  # int64 (offsets is), whatever the field width
+    # jumps[b] = shift[b] − shift[b − 1] + 1 (block 0: its start); first the zeros between
     jumps = torch.empty(nb, dtype=torch.int64, device=buf.device)
     jumps[:1] = starts[:1]
-    torch.sub(starts[1:], ends[:-1], out=jumps[1:])  # zeros left out between blocks
-    words = [lengths.min().long(), starts[0], ends[-1], bounds[-1]]
+    torch.sub(shift[1:], shift[:-1], out=jumps[1:])  # zeros left out between blocks
+    words = [lengths.min().long(), starts[0].long(), starts[-1].long() + lengths[-1].long(),
+             bounds[-1]]
     if nb > 1:
         words.append(jumps[1:].min())
     if iw == 8:
@@ -256,15 +262,15 @@ def _read(buf: torch.Tensor | bytes, what: str, numel: int | None, dtype: torch.
     if not (table_ok and gap > z):
         if table_ok:
             raise ValueError(f"{what}: blocks closer than the gap rule allows")
-        raise ValueError(f"{what}: {_structure_error(starts, lengths.long(), n, total)}")
+        raise ValueError(f"{what}: {_structure_error(starts.long(), lengths.long(), n, total)}")
     bits = stream.view(BITS_DTYPES[vb])
-    offsets = bounds[:-1]
-    if (int(torch.count_nonzero(torch.index_select(bits, 0, offsets)))
-            + int(torch.count_nonzero(torch.index_select(bits, 0, bounds[1:] - 1)))
-            != 2 * nb):
+    nonzero = bits.bool()  # a fifth of the time of `bits != 0` on CPU
+    # rule 1: a block's first position is `offsets`, its last one before the next `bounds`
+    if not bool(torch.index_select(nonzero, 0, offsets).all()) or not bool(
+            torch.index_select(nonzero, 0, bounds[1:] - 1).all()):
         raise ValueError(f"{what}: a block begins or ends with a zero (rule 1)")
     jumps[1:].add_(1)
-    return _Table(n, vdtype, z, (first, last), offsets, jumps, bits)
+    return _Table(n, vdtype, z, (first, last), offsets, jumps, bits, nonzero)
 
 
 def _stored_indices(offsets: torch.Tensor, jumps: torch.Tensor, total: int) -> torch.Tensor:
@@ -272,7 +278,16 @@ def _stored_indices(offsets: torch.Tensor, jumps: torch.Tensor, total: int) -> t
     block's first position, the previous block's last index plus the block's jump."""
     step = torch.ones(total, dtype=torch.int64, device=offsets.device)
     put_at(step, offsets, jumps)
-    return torch.cumsum(step, 0)
+    return torch.cumsum(step, 0, out=step)  # in place: one stream-sized int64 buffer, not two
+
+
+def _check_zero_runs(zeros: torch.Tensor, z: int, what: str) -> None:
+    """Rule 2 inside the blocks: no Z + 1 stored zeros in a row. ``zeros`` are the stream
+    positions of the stored zeros, increasing. Zero runs never cross a block boundary (rule 1),
+    so positions j and j + Z of the list lie Z apart exactly when a run of Z + 1 zeros exists.
+    One pass over the zeros, which are fewer than the nonzeros in any canonical stream."""
+    if zeros.numel() > z and bool(((zeros[z:] - zeros[:-z]) == z).any()):
+        raise ValueError(f"{what}: a zero run inside a block exceeds the gap rule (rule 2)")
 
 
 def decode(buf: torch.Tensor | bytes, *, numel: int | None = None,
@@ -293,15 +308,11 @@ def decode(buf: torch.Tensor | bytes, *, numel: int | None = None,
         dev = as_buffer(buf).device
         return SparseGrad(torch.empty(0, dtype=torch.int64, device=dev),
                           torch.empty(0, dtype=vdtype, device=dev), n, validate=False)
+    _check_zero_runs(flatnonzero(~t.nonzero), t.z, "densestream.decode")
     at = _stored_indices(t.offsets, t.jumps, bits.numel())
-    where = flatnonzero(bits != 0)
+    where = flatnonzero(t.nonzero)
     if where.numel() == bits.numel():  # no zeros stored: every position is an entry
         return SparseGrad(at, bits.clone().view(vdtype), n, validate=False)
-    # Rule 2: no run of more than Z zeros inside a block. Blocks begin and end with a nonzero
-    # (rule 1), so zero runs never cross a block boundary: it is the stream's longest run.
-    if int(torch.diff(where).max()) > t.z + 1:
-        raise ValueError("densestream.decode: a zero run inside a block exceeds the gap "
-                         "rule (rule 2)")
     return SparseGrad(torch.index_select(at, 0, where),
                       torch.index_select(bits, 0, where).view(vdtype),  # bit for bit
                       n, validate=False)
@@ -328,12 +339,8 @@ def decode_into(buf: torch.Tensor | bytes, out: torch.Tensor, *, lo: int = 0,
     if t.span[0] < lo or t.span[1] > hi:
         raise ValueError(f"densestream.decode_into: a block lies outside [{lo}, {hi})")
     total = bits.numel()
-    zeros = flatnonzero(bits == 0)  # the zeros stored inside blocks
-    # Rule 2: no Z + 1 zeros in a row (zero runs never cross a block boundary, rule 1): the
-    # zero positions j and j + Z of a sorted list lie Z apart exactly when all between are zeros
-    if zeros.numel() > z and bool(((zeros[z:] - zeros[:-z]) == z).any()):
-        raise ValueError("densestream.decode_into: a zero run inside a block exceeds the gap "
-                         "rule (rule 2)")
+    zeros = flatnonzero(~t.nonzero)  # the zeros stored inside blocks
+    _check_zero_runs(zeros, z, "densestream.decode_into")
     put_at(out.view(bits.dtype), _stored_indices(t.offsets, t.jumps, total), bits)
     return total - zeros.numel()
 
