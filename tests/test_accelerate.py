@@ -70,6 +70,9 @@ def _worker(out: str, phase: str) -> None:
         torch.distributed.barrier()
         torch.distributed.destroy_process_group()
         return
+    if phase == "scaler":
+        _scaler_runs(out, rank)
+        return
     exec(README_SNIPPET if phase == "train" else RESUME_SNIPPET, ns)
     model, optimizer, accelerator = ns["model"], ns["optimizer"], ns["accelerator"]
     losses = []
@@ -85,6 +88,40 @@ def _worker(out: str, phase: str) -> None:
            "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
     torch.save(res, os.path.join(out, f"{phase}{rank}.pt"))
     accelerator.wait_for_everyone()
+    torch.distributed.destroy_process_group()
+
+
+def _scaler_runs(out: str, rank: int) -> None:
+    """The set-up with a GradScaler in the accelerator (what ``Accelerator(mixed_precision=
+    "fp16")`` creates on a GPU; on CPU Accelerate makes none, so one is handed to it before
+    ``prepare``): the scale doubles every 2 steps, and ``register`` has the hook follow it.
+    The model stays fp32, so with the scales powers of two the run must end bitwise where the
+    same run without a scaler ends. A third run has the hook not follow the scaler."""
+    runs = {}
+    for name in ("plain", "scaled", "stale"):
+        ns = {"torch": torch, "model": _net(0)}
+        ns["optimizer"] = torch.optim.SGD(ns["model"].parameters(), lr=0.05, momentum=0.9)
+        setup = SETUP.replace('density=0.1)', 'density=0.1, nonfinite="skip_step")')
+        if name != "plain":
+            setup = setup.replace(
+                "# on GPUs: Accelerator()\n",
+                "\naccelerator.scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10, "
+                "growth_interval=2)\n")
+        exec(setup, ns)
+        model, optimizer, accelerator = ns["model"], ns["optimizer"], ns["accelerator"]
+        if name == "stale":
+            ns["hook_state"].scaler = None
+        scales = []
+        for s in range(K + N):
+            x, y = _batch(s, rank)
+            optimizer.zero_grad()
+            accelerator.backward(nn.functional.mse_loss(model(x), y))
+            optimizer.step()
+            scales.append(1.0 if accelerator.scaler is None else accelerator.scaler.get_scale())
+        runs[name] = {"scales": scales, "params": {
+            k: v.detach().clone() for k, v in model.module.state_dict().items()}}
+    torch.save(runs, os.path.join(out, f"scaler{rank}.pt"))
+    torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
 
@@ -124,6 +161,16 @@ def test_accelerate_save_state_load_state_bitwise(tmp_path):
     for r in range(2):
         refused = torch.load(tmp_path / f"other{r}.pt")["refused"]
         assert refused is not None and "density: saved 0.1, here 0.2" in refused
+
+
+def test_register_follows_the_accelerators_grad_scaler_bit_for_bit(tmp_path):
+    _torchrun(tmp_path, "scaler")
+    for r in range(2):
+        runs = torch.load(tmp_path / f"scaler{r}.pt")
+        assert len(set(runs["scaled"]["scales"])) > 3  # the scale grew step after step
+        plain, scaled, stale = (runs[k]["params"] for k in ("plain", "scaled", "stale"))
+        assert all(torch.equal(scaled[k], v) for k, v in plain.items())
+        assert not all(torch.equal(stale[k], v) for k, v in plain.items())
 
 
 def test_register_refuses_a_model_without_ddp(monkeypatch):

@@ -78,6 +78,9 @@ def _worker(out: str, phase: str) -> None:
         return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
     os.chdir(out)
+    if phase == "amp":
+        _amp(out, Regression, loader)
+        return
     ckpt = os.path.join(out, "epoch1.ckpt")
     cfg = Config(**CONFIG)
     res: dict = {}
@@ -136,6 +139,54 @@ def _worker(out: str, phase: str) -> None:
     torch.distributed.destroy_process_group()
 
 
+def _amp(out: str, module_class, loader) -> None:
+    """fp16 AMP (Lightning's MixedPrecision with a GradScaler that doubles its scale every
+    step): the strategy hands the plugin's scaler to the hook, which brings its residuals to
+    each step's scale. Per step, before the optimizer runs, the scale the hook's residuals are
+    in and the scaler's scale are recorded; a configuration that would raise on overflow is
+    refused at fit."""
+    import pytorch_lightning as pl
+    from pytorch_lightning.plugins import MixedPrecision
+
+    from gradsync.integrations.lightning import GradSyncStrategy
+
+    class Recording(module_class):
+        def __init__(self) -> None:
+            super().__init__()
+            self.seen: list[tuple[float, float | None]] = []
+
+        def on_before_optimizer_step(self, optimizer):
+            strategy = self.trainer.strategy
+            self.seen.append((strategy.precision_plugin.scaler.get_scale(),
+                              strategy.hook_state.loss_scale))
+
+    def amp_trainer(cfg: Config) -> tuple[object, object]:
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)
+        strategy = GradSyncStrategy(cfg)
+        t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=1,
+                       plugins=[MixedPrecision("16-mixed", "cpu", scaler)], logger=False,
+                       enable_checkpointing=False, enable_progress_bar=False,
+                       enable_model_summary=False, num_sanity_val_steps=0)
+        return t, strategy
+
+    res: dict = {}
+    torch.manual_seed(0)
+    module = Recording()
+    t, strategy = amp_trainer(Config(**CONFIG, nonfinite="skip_step"))
+    t.fit(module, loader)
+    res["seen"], res["losses"] = module.seen, module.losses
+    res["follows"] = strategy.hook_state.scaler is t.precision_plugin.scaler
+    t, _ = amp_trainer(Config(**CONFIG))  # nonfinite="raise": refused
+    try:
+        t.fit(Recording(), loader)
+    except ValueError as e:
+        res["refused"] = str(e)
+    rank = torch.distributed.get_rank()
+    torch.save(res, os.path.join(out, f"amp{rank}.pt"))
+    torch.distributed.barrier()
+    torch.distributed.destroy_process_group()
+
+
 def _run(out, phase: str, nproc: int | None = 2) -> None:
     """This file as a worker: under torchrun with ``nproc`` processes, or (None) as a plain
     script whose Trainer starts the other rank itself."""
@@ -185,6 +236,18 @@ def test_lightning_train_checkpoint_resume_refuse(tmp_path):
     _run(tmp_path, "one", nproc=1)
     refused = torch.load(tmp_path / "one.pt")["refused"]
     assert "saved by 2 ranks, this job has 1" in refused
+
+
+def test_lightning_fp16_amp_follows_the_grad_scaler(tmp_path):
+    _run(tmp_path, "amp")
+    for rank in range(2):
+        res = torch.load(tmp_path / f"amp{rank}.pt")
+        assert res["follows"]
+        seen = res["seen"]
+        assert len(seen) == SAMPLES // (2 * BATCH)
+        assert all(scale == held for scale, held in seen), seen
+        assert len({scale for scale, _ in seen}) > 3  # the scale changed step after step
+        assert "nonfinite='skip_step'" in res["refused"]
 
 
 def test_lightning_starts_its_own_processes(tmp_path):

@@ -30,18 +30,21 @@ def _cfg(**kw) -> Config:
     return Config(scheme=kw.pop("scheme"), density=0.05, momentum=0.9, sparsifier="topk", **kw)
 
 
-def _run(rank: int, P: int, path: str, scaled: bool, follow: bool) -> tuple[str, list[float]]:
+def _run(rank: int, P: int, path: str, scaled: bool, follow: bool | str, overflow: bool
+         ) -> tuple[str, list[float]]:
     """``path``: "engine" (GradSync, topka) or "hook" (DDP + per_tensor hook, skip_step).
     ``scaled``: a GradScaler that doubles its scale every 2 good steps; ``follow``: call
-    ``rescale`` when it changes. The unscaled run leaves the overflow step out."""
+    ``rescale`` when it changes (``"self"``: the engine or hook follows the scaler itself,
+    ``follow(scaler)``). ``overflow``: an Inf on the last rank at BAD_STEP, which the scaler
+    backs off from; the unscaled run leaves that step out."""
     model = build("mlp", seed=5)  # seeded, not the global RNG
+    skip = {"nonfinite": "skip_step"} if path == "hook" or follow == "self" else {}
     if path == "engine":
-        net, sync = model, GradSync(model, _cfg(scheme="topka"))
+        net, sync = model, GradSync(model, _cfg(scheme="topka", **skip))
         state = sync
     else:
         net, sync = DDP(model), None
-        state = gradsync.ddp.register(net, _cfg(scheme="per_tensor", nonfinite="skip_step"),
-                                      small_numel=1000)
+        state = gradsync.ddp.register(net, _cfg(scheme="per_tensor", **skip), small_numel=1000)
     poison = {"on": False}
 
     def inject(g: torch.Tensor) -> torch.Tensor:
@@ -54,9 +57,11 @@ def _run(rank: int, P: int, path: str, scaled: bool, follow: bool) -> tuple[str,
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 10, growth_interval=2,
                                   enabled=scaled)
+    if follow == "self":
+        state.follow(scaler)
     scales = []
     for step in range(STEPS):
-        bad = path == "hook" and step == BAD_STEP
+        bad = overflow and step == BAD_STEP
         if bad and not scaled:
             continue  # the reference never sees the overflow step
         poison["on"] = bad and rank == P - 1
@@ -64,13 +69,13 @@ def _run(rank: int, P: int, path: str, scaled: bool, follow: bool) -> tuple[str,
         x, y = image_batch(rank, step)
         scaler.scale(nn.functional.cross_entropy(net(x), y)).backward()
         if sync is not None:
-            assert sync.synchronize()
+            assert sync.synchronize() != bad  # False: the step overflowed on some rank
         before = scaler.get_scale() if scaled else 1.0
         scaler.step(opt)  # unscales; skips the step when a gradient is not finite
         scaler.update()
         after = scaler.get_scale() if scaled else 1.0
         scales.append(after)
-        if follow and after != before:
+        if follow is True and after != before:
             state.rescale(after / before)
     if sync is not None:
         sync.close()
@@ -80,16 +85,113 @@ def _run(rank: int, P: int, path: str, scaled: bool, follow: bool) -> tuple[str,
 @pytest.mark.parametrize("path", ["engine", "hook"])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_rescale_follows_a_grad_scaler_bit_for_bit(path, world_size):
+    overflow = path == "hook"  # the engine runs Config.nonfinite="raise" here: no overflow
+
     def run(scaled: bool, follow: bool) -> list[tuple[str, list[float]]]:
-        return run_distributed(_run, world_size, path, scaled, follow, timeout=240)
+        return run_distributed(_run, world_size, path, scaled, follow, overflow, timeout=240)
 
     ref, got, stale = run(False, False), run(True, True), run(True, False)
     scales = got[0][1]
     assert len(set(scales)) > 2  # the scale grew (and, on the hook's path, backed off)
-    if path == "hook":
+    if overflow:
         assert scales[BAD_STEP] == scales[BAD_STEP - 1] / 2  # the scaler saw the overflow
     assert {d for d, _ in ref} == {d for d, _ in got} and len({d for d, _ in got}) == 1
     assert {d for d, _ in stale} != {d for d, _ in ref}  # without rescale: another run
+
+
+@pytest.mark.parametrize("path", ["engine", "hook"])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_follow_a_grad_scaler_through_an_overflow_bit_for_bit(path, world_size):
+    """``follow(scaler)``: the engine or the hook rescales by itself, and an overflow on one
+    rank reaches the scaler (the engine leaves NaN in ``.grad``), which skips the step and
+    halves its scale; the run ends bitwise where the unscaled run without that step ends."""
+    ref = run_distributed(_run, world_size, path, False, False, True, timeout=240)
+    got = run_distributed(_run, world_size, path, True, "self", True, timeout=240)
+    scales = got[0][1]
+    assert len(set(scales)) > 2 and scales[BAD_STEP] == scales[BAD_STEP - 1] / 2
+    assert {d for d, _ in ref} == {d for d, _ in got} and len({d for d, _ in got}) == 1
+
+
+def _owner(path: str, model: nn.Module, cfg: Config):
+    """(forward module, the owner of error feedback, its GradSync or None) for ``path``."""
+    if path == "engine":
+        sync = GradSync(model, cfg)
+        return model, sync, sync
+    net = DDP(model)
+    return net, gradsync.ddp.register(net, cfg, small_numel=1000), None
+
+
+def _follow_errors(rank: int, P: int, path: str) -> list[str]:
+    scheme = "topka" if path == "engine" else "per_tensor"
+    errors = []
+    for cfg, scaler in ((_cfg(scheme=scheme), torch.amp.GradScaler("cpu")),
+                        (_cfg(scheme=scheme, nonfinite="skip_step"), object())):
+        _, state, sync = _owner(path, build("mlp", seed=5), cfg)
+        with pytest.raises(ValueError) as e:
+            state.follow(scaler)
+        errors.append(str(e.value))
+        if sync is not None:
+            sync.close()
+    # a disabled scaler is no scaler: any policy may follow it
+    _, state, sync = _owner(path, build("mlp", seed=5), _cfg(scheme=scheme))
+    state.follow(torch.amp.GradScaler("cpu", enabled=False))
+    if sync is not None:
+        sync.close()
+    return errors
+
+
+@pytest.mark.parametrize("path", ["engine", "hook"])
+def test_follow_needs_skip_step_and_a_scaler(path):
+    (raise_policy, not_a_scaler), = run_distributed(_follow_errors, 1, path)
+    assert "nonfinite='skip_step'" in raise_policy
+    assert "GradScaler" in not_a_scaler
+
+
+def _resume(rank: int, P: int, path: str) -> tuple[str, str]:
+    """Four scaled steps, a checkpoint, then two more steps in a new engine or DDP hook whose
+    scaler starts at another scale (its state not restored): the residuals the checkpoint
+    holds are brought to the new scale at the first step, so the run ends where the run that
+    kept its scaler ends, bit for bit (the scales are powers of two)."""
+    scheme = "topka" if path == "engine" else "per_tensor"
+
+    def setup(init_scale: float):
+        model = build("mlp", seed=5)
+        net, state, sync = _owner(path, model, _cfg(scheme=scheme, nonfinite="skip_step"))
+        scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1000)
+        state.follow(scaler)
+        return model, net, state, sync, scaler, torch.optim.SGD(model.parameters(), lr=0.1)
+
+    def train(model, net, sync, scaler, opt, steps):
+        for step in steps:
+            opt.zero_grad(set_to_none=True)
+            x, y = image_batch(rank, step)
+            scaler.scale(nn.functional.cross_entropy(net(x), y)).backward()
+            if sync is not None:
+                assert sync.synchronize()
+            scaler.step(opt)
+            scaler.update()
+
+    model, net, state, sync, scaler, opt = setup(2.0 ** 10)
+    train(model, net, sync, scaler, opt, range(4))
+    saved, weights = state.state_dict(), {k: v.clone() for k, v in model.state_dict().items()}
+    assert saved["loss_scale"] == 2.0 ** 10
+    train(model, net, sync, scaler, opt, range(4, 6))
+    kept = parameter_digest(model)[0]
+    model, net, state, sync, scaler, opt = setup(2.0 ** 3)  # a fresh scaler, another scale
+    model.load_state_dict(weights)
+    state.load_state_dict(saved)
+    train(model, net, sync, scaler, opt, range(4, 6))
+    with pytest.raises(ValueError, match="loss_scale"):
+        state.load_state_dict({**saved, "loss_scale": -1.0})
+    return kept, parameter_digest(model)[0]
+
+
+@pytest.mark.parametrize("path", ["engine", "hook"])
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_a_resumed_owner_brings_its_residuals_to_the_new_scale(path, world_size):
+    out = run_distributed(_resume, world_size, path, timeout=240)
+    assert all(kept == resumed for kept, resumed in out)
+    assert len({kept for kept, _ in out}) == 1
 
 
 def test_rescale_multiplies_what_is_held_and_is_checked():

@@ -67,7 +67,7 @@ import torch
 
 from gradsync.sparsegrad import check_finite
 
-__all__ = ["ErrorFeedback", "check_scale"]
+__all__ = ["ErrorFeedback", "check_scale", "check_scaler", "follow_scale", "saved_scale"]
 
 
 class ErrorFeedback:
@@ -350,3 +350,41 @@ def check_scale(name: str, scale: object) -> torch.Tensor:
 
 def _dtype_name(d: torch.dtype | str | None) -> str | None:
     return d if d is None or isinstance(d, str) else str(d)
+
+
+# -- a dynamic loss scale (torch.amp.GradScaler) ------------------------------------------
+# Gradients arrive multiplied by the loss scale S, so residuals and velocities hold S-scaled
+# values. An owner of error feedback (GradSync, the DDP hook) that follows a scaler reads S at
+# each step's first gradient and brings what it holds to it; the S its contents are in travels
+# in its state_dict, so a resumed job whose scaler starts elsewhere is brought there too.
+def check_scaler(scaler: Any, nonfinite: str, who: str) -> None:
+    """``ValueError`` unless ``scaler`` looks like a ``torch.amp.GradScaler`` and, when it is
+    enabled, the owner's ``Config.nonfinite`` is ``"skip_step"``: a scaler skips the steps
+    whose gradients overflow (and backs off), which ``"raise"`` would turn into errors."""
+    if not (callable(getattr(scaler, "get_scale", None))
+            and callable(getattr(scaler, "is_enabled", None))):
+        raise ValueError(f"{who}.follow takes a torch.amp.GradScaler, got "
+                         f"{type(scaler).__name__}")
+    if scaler.is_enabled() and nonfinite != "skip_step":
+        raise ValueError(f"{who}.follow: a GradScaler skips the steps whose gradients overflow, "
+                         f"and Config.nonfinite={nonfinite!r} raises on them: use "
+                         f"Config(nonfinite='skip_step') with a loss scaler")
+
+
+def follow_scale(ef: ErrorFeedback, held: float | None, scaler: Any) -> float:
+    """At a step's first gradient: the scaler's scale S′; when error feedback's contents are
+    in another scale ``held``, they are multiplied by S′ / held first."""
+    now = float(scaler.get_scale())
+    if held is not None and now != held:
+        ef.rescale(now / held)
+    return now
+
+
+def saved_scale(value: Any, who: str) -> float | None:
+    """A state_dict's ``loss_scale`` entry, checked: ``None`` or finite and > 0."""
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not (
+            math.isfinite(value) and value > 0):
+        raise ValueError(f"{who}: the saved loss_scale must be finite and > 0, got {value!r}")
+    return float(value)

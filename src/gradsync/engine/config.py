@@ -64,9 +64,10 @@ class Config:
         min_density: floor of SSFusion's density-aware compensation (0.001).
         nonfinite: ``"raise"`` (default: a NaN/Inf gradient raises ``ValueError`` naming the
             parameter) or ``"skip_step"`` (the step's gradients are zeroed on every rank,
-            residuals untouched). The DDP hook raises from ``backward()`` on every rank, or
-            leaves DDP's non-finite average in ``.grad`` (``gradsync.ddp``, "Non-finite
-            gradients").
+            residuals untouched; NaN instead when following a GradScaler,
+            ``GradSync.follow``, which needs this policy). The DDP hook raises from
+            ``backward()`` on every rank, or leaves DDP's non-finite average in ``.grad``
+            (``gradsync.ddp``, "Non-finite gradients").
         timeout_s: timeout of the engine's process group; a dead or hung peer makes the
             step fail after this many seconds instead of hanging.
         seed: seeds every sparsifier's generator (with the tensor name and rank mixed in).

@@ -41,6 +41,7 @@ and boundaries, DenseStream boundaries) — and is per rank (residuals differ ac
 from __future__ import annotations
 
 import contextlib
+import math
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -69,6 +70,7 @@ from gradsync.engine.preconditioning import apply_scales
 from gradsync.engine.prepare import prepare
 from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.stats import StepStats
+from gradsync.feedback import check_scaler, follow_scale, saved_scale
 from gradsync.schedule import Plan, costmodel
 from gradsync.sparsegrad import all_finite
 
@@ -147,6 +149,8 @@ class GradSync:
         self._lock = threading.Lock()
         self._no_sync = False
         self._closed = False
+        self._scaler: Any = None  # a GradScaler to follow (follow())
+        self.loss_scale: float | None = None  # the loss scale error feedback's contents are in
         self._run = StepRun()
         self.last = StepStats()
         self.total = StepStats()
@@ -175,8 +179,9 @@ class GradSync:
         a view of this step's averaged buffer, new every step, so no copy is made).
 
         Returns ``True``, or ``False`` when ``Config.nonfinite == "skip_step"`` and some rank
-        had a NaN/Inf gradient (then every rank's gradients are zeroed and residuals are left
-        as before the step; skip ``optimizer.step()``).
+        had a NaN/Inf gradient (then every rank's gradients are zeroed — NaN instead when
+        following a GradScaler (:meth:`follow`), so that the scaler skips the step and backs
+        off — and residuals are left as before the step; skip ``optimizer.step()``).
         """
         if self._closed:
             raise RuntimeError("GradSync.synchronize() after close()")
@@ -229,8 +234,9 @@ class GradSync:
             stats.skipped = 1
             for name, p in self.params.items():
                 self.ef.discard(name)
-                if p.grad is not None:
-                    p.grad.zero_()
+                if p.grad is not None:  # a followed scaler must see the overflow
+                    p.grad.fill_(math.nan if self._scaler is not None
+                                 and self._scaler.is_enabled() else 0.0)
         stats.sparsify_s += run.inline_sparsify_s
         stats.backward_s = run.backward_s
         self.last = stats
@@ -295,6 +301,19 @@ class GradSync:
         self._between_steps("rescale")
         self.ef.rescale(factor)
 
+    def follow(self, scaler: Any) -> None:
+        """Follow ``scaler`` (a ``torch.amp.GradScaler``): from the next step on, the scale is
+        read at the step's first gradient hook and, when ``scaler.update()`` changed it, what
+        error feedback holds is multiplied by ``new / old`` (:meth:`rescale`) before anything
+        accumulates. A step that overflowed leaves NaN in ``.grad`` (``synchronize()`` returns
+        ``False``) for the scaler to skip and back off from. Needs
+        ``Config(nonfinite="skip_step")``, else ``ValueError``. The scale in the held units
+        travels in :meth:`state_dict`. On CUDA, reading the scale waits for the device once
+        per step (so does ``scaler.step``)."""
+        self._between_steps("follow")
+        check_scaler(scaler, self.cfg.nonfinite, "GradSync")
+        self._scaler = scaler
+
     def stats(self) -> dict[str, Any]:
         """Figures of the last step and cumulative ones (bytes, time breakdown, missing rate).
 
@@ -333,6 +352,7 @@ class GradSync:
             "bwd_times": [dict(t) for t in self._warmup.samples],
             "total": self.total.as_dict(),
             "drift": self._drift.state_dict() if self._drift is not None else None,
+            "loss_scale": self.loss_scale,
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -346,6 +366,7 @@ class GradSync:
         """
         self.check_compatible(state)
         drift = self._drift_from(state)
+        scale = saved_scale(state.get("loss_scale"), "GradSync.load_state_dict")
         # build every component first, so a bad entry raises before the engine changes
         parts = self._parts.loaded(state)
         ef = self.cfg.new_feedback()
@@ -363,6 +384,7 @@ class GradSync:
         self.total = StepStats.from_dict(state.get("total", {}))
         self._drift = drift
         self._last_done = None
+        self.loss_scale = scale
 
     def check_compatible(self, state: dict[str, Any]) -> None:
         """Raise ``ValueError`` unless ``state`` was saved by this rank of an equal set-up."""
@@ -461,6 +483,8 @@ class GradSync:
             return
         name = self._name_of[id(p)]
         run = self._run
+        if self._scaler is not None and not run.first_hook:  # the step's first gradient
+            self.loss_scale = follow_scale(self.ef, self.loss_scale, self._scaler)
         if p.is_cuda and self._warmup.left > 0:  # profiling: when the gradient IS ready
             torch.cuda.current_stream(p.device).synchronize()
         run.hooked(name, time.perf_counter())

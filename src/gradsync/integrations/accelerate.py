@@ -71,6 +71,11 @@ def register(accelerator: Any, model: nn.Module, cfg: Config,
     its per-rank state for ``accelerator.save_state``/``load_state``; returns the hook's state
     (``stats()``).
 
+    With ``mixed_precision="fp16"`` the hook follows the accelerator's GradScaler
+    (:meth:`gradsync.ddp.HookState.follow`: error feedback stays in the units of each step's
+    loss scale), which needs ``Config(nonfinite="skip_step")`` (``ValueError`` otherwise: the
+    scaler, not the hook, handles the steps that overflow).
+
     Raises ``TypeError`` when ``model`` is not wrapped in ``DistributedDataParallel``: Accelerate
     wraps it only when it runs several processes.
     """
@@ -86,5 +91,8 @@ def register(accelerator: Any, model: nn.Module, cfg: Config,
             f"accelerator.prepare() returns when several processes run; got "
             f"{type(model).__name__}: {hint}, and pass prepare()'s result")
     state = ddp.register(model, cfg, small_numel)
+    scaler = getattr(accelerator, "scaler", None)  # mixed_precision="fp16"'s GradScaler
+    if scaler is not None:
+        state.follow(scaler)
     accelerator.register_for_checkpointing(HookCheckpoint(state, accelerator))
     return state

@@ -53,9 +53,14 @@ peers in a collective it never joined); under ``"skip_step"`` the non-finite ave
 ``optimizer.step()``. ``GradSync`` instead zeroes the step's gradients and returns ``False``
 from ``synchronize()``: the hook has no return value, and zeros would hide an overflow from a
 check of ``.grad`` (``torch.amp.GradScaler``'s, for one). With a GradScaler, error feedback
-holds gradients in the units of the loss scale they were computed with: call
-:meth:`HookState.rescale` with ``new / old`` when ``scaler.update()`` changes the scale
-(``tests/test_loss_scale.py``: then bitwise the unscaled run). *On CUDA* the sum's check reads one
+holds gradients in the units of the loss scale they were computed with: :meth:`HookState.follow`
+hands the hook the scaler, and at each step's first bucket the hook reads its scale and, when
+``scaler.update()`` changed it, multiplies what it holds by ``new / old``
+(:meth:`HookState.rescale`, which a caller may also call itself); ``tests/test_loss_scale.py``:
+then bitwise the unscaled run. The scale in those units travels in ``state_dict()``, so a
+resumed job whose scaler starts elsewhere is rescaled at its first step. Lightning's
+:class:`~gradsync.lightning.GradSyncStrategy` and :func:`gradsync.accelerate.register` follow
+the framework's scaler themselves. *On CUDA* the sum's check reads one
 flag per bucket on the host inside the all-reduce's callback, which NCCL runs as soon as the
 call is queued: the host then waits for that bucket's sum before the backward goes on. Before,
 the paths with error feedback waited once per tensor (each tensor's check, before the
@@ -96,7 +101,7 @@ from gradsync.engine.consistency import signature_check
 from gradsync.engine.preconditioning import apply_scales
 from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.warmup import link_costs
-from gradsync.feedback import ErrorFeedback
+from gradsync.feedback import ErrorFeedback, check_scaler, follow_scale, saved_scale
 from gradsync.schedule import schemes
 from gradsync.schedule.auto import MARGIN, bucket_sparse
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
@@ -150,6 +155,8 @@ class HookState:
     # "dense": [...]}, "verdict": None | "model" | "dense"}; None: no trial (yet)
     trial: dict[str, Any] | None = None
     _last_first: tuple[int, float] | None = field(default=None, repr=False)  # (step, time)
+    scaler: Any = field(default=None, repr=False)  # a GradScaler to follow (follow())
+    loss_scale: float | None = None  # the loss scale error feedback's contents are in
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -177,6 +184,18 @@ class HookState:
         scale): residuals and velocities held are multiplied by it now, as
         :meth:`gradsync.GradSync.rescale` does. Between steps, the same factor on every rank."""
         self.ef.rescale(factor)
+
+    def follow(self, scaler: Any) -> None:
+        """Follow ``scaler`` (a ``torch.amp.GradScaler``): from the next step on, the hook reads
+        ``scaler.get_scale()`` at each step's first bucket and, when it differs from the scale
+        error feedback's contents are in, calls :meth:`rescale` with ``new / old`` before
+        anything accumulates. ``scaler.update()`` runs between steps on every rank alike, so
+        every rank sees the same scale. A scaler skips the steps whose gradients overflow, so
+        the hook must leave them in ``.grad``: ``Config(nonfinite="skip_step")``, else
+        ``ValueError``. On CUDA reading the scale waits for the device once per step (so does
+        ``scaler.step``)."""
+        check_scaler(scaler, self.cfg.nonfinite, "HookState")
+        self.scaler = scaler
 
     def precondition(self, scales: Mapping[torch.Tensor | str, torch.Tensor]) -> None:
         """:meth:`gradsync.GradSync.precondition` for the hook: from the next backward on,
@@ -228,6 +247,7 @@ class HookState:
         return {"rank": me.rank, "world_size": me.world_size, "config": self.cfg.to_dict(),
                 "small_numel": self.small_numel, "params": self._params(),
                 "feedback": self.ef.state_dict(), "steps": self.steps,
+                "loss_scale": self.loss_scale,
                 "sparsifiers": {k: s.state_dict() for k, s in self.sparsifiers.items()},
                 "link": None if self.link is None else [vars(x).copy() for x in self.link],
                 "trial": None if self.trial is None else {
@@ -283,8 +303,10 @@ class HookState:
             sparsifiers[k].load_state_dict(s)
         link = self._link_from(state)
         trial = self._trial_from(state)
+        scale = saved_scale(state.get("loss_scale"), "HookState.load_state_dict")
         self.ef, self.sparsifiers = ef, sparsifiers
         self.steps = int(state.get("steps", 0))
+        self.loss_scale = scale
         self.link, self.trial, self._last_first = link, trial, None
 
     @staticmethod
@@ -394,6 +416,8 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     a bucket with sparse parts runs its collectives blocking and returns a completed future."""
     if not state.checked:
         _agree(state)
+    if state.scaler is not None and bucket.index() == 0:  # DDP reduces bucket 0 first
+        state.loss_scale = follow_scale(state.ef, state.loss_scale, state.scaler)
     buf = bucket.buffer()
     comm = Comm(state.group)
     P = comm.size

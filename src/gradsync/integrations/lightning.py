@@ -19,6 +19,11 @@ devices only, so on CPU the hook is silently dropped. :class:`GradSyncStrategy` 
 in DDP as :class:`~pytorch_lightning.strategies.DDPStrategy` does and then installs
 :func:`gradsync.ddp.register`'s hook itself, whatever the device.
 
+fp16 AMP (``precision="16-mixed"``): the hook follows the precision plugin's GradScaler
+(:meth:`gradsync.ddp.HookState.follow`), so error feedback stays in the units of each step's
+loss scale; give the strategy ``Config(nonfinite="skip_step")`` so that the scaler, not the
+hook, handles overflowing steps (the default ``"raise"`` is refused when ``fit`` starts).
+
 Checkpoints: Lightning writes its checkpoint file on rank 0 only and every rank reads it back.
 The hook's state (residuals, sparsifier generators) differs from rank to rank, so
 :meth:`GradSyncStrategy.save_checkpoint` gathers every rank's state to rank 0 and stores it
@@ -82,6 +87,9 @@ class GradSyncStrategy(DDPStrategy):
         self.model = self._setup_model(self.model)
         previous = self.hook_state
         self.hook_state = ddp.register(self.model, self.config, self.small_numel)
+        scaler = getattr(self.precision_plugin, "scaler", None)  # fp16 AMP's GradScaler
+        if scaler is not None:
+            self.hook_state.follow(scaler)
         resume, self._resume = self._resume, None
         if resume is None and previous is not None:  # another fit() of the same Trainer
             carried = previous.state_dict()
