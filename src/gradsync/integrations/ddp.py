@@ -50,9 +50,9 @@ the bucket's residuals and velocities as before the step (``ErrorFeedback.discar
 hook that raises itself leaves DDP's reducer unusable, and a rank that raised alone left its
 peers in a collective it never joined); under ``"skip_step"`` the non-finite average stays in
 ``.grad`` on every rank, as under plain DDP, so the caller's check skips
-``optimizer.step()``. ``GradSync`` instead zeroes the step's gradients and returns ``False``
-from ``synchronize()``: the hook has no return value, and zeros would hide an overflow from a
-check of ``.grad`` (``torch.amp.GradScaler``'s, for one). With a GradScaler, error feedback
+``optimizer.step()``. ``GradSync`` instead zeroes the step's gradients (NaN while it follows
+a GradScaler) and returns ``False`` from ``synchronize()``: the hook has no return value, and
+zeros would hide an overflow from a check of ``.grad`` (``torch.amp.GradScaler``'s, for one). With a GradScaler, error feedback
 holds gradients in the units of the loss scale they were computed with: :meth:`HookState.follow`
 hands the hook the scaler, and at each step's first bucket the hook reads its scale and, when
 ``scaler.update()`` changed it, multiplies what it holds by ``new / old``
