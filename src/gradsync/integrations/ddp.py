@@ -52,9 +52,9 @@ peers in a collective it never joined); under ``"skip_step"`` the non-finite ave
 ``.grad`` on every rank, as under plain DDP, so the caller's check skips
 ``optimizer.step()``. ``GradSync`` instead zeroes the step's gradients (NaN while it follows
 a GradScaler) and returns ``False`` from ``synchronize()``: the hook has no return value, and
-zeros would hide an overflow from a check of ``.grad`` (``torch.amp.GradScaler``'s, for one). With a GradScaler, error feedback
-holds gradients in the units of the loss scale they were computed with: :meth:`HookState.follow`
-hands the hook the scaler, and at each step's first bucket the hook reads its scale and, when
+zeros would hide an overflow from a check of ``.grad`` (``torch.amp.GradScaler``'s, for
+one). With a GradScaler, error feedback holds gradients in the units of the loss scale they
+were computed with: :meth:`HookState.follow` hands the hook the scaler, and at each step's first bucket the hook reads its scale and, when
 ``scaler.update()`` changed it, multiplies what it holds by ``new / old``
 (:meth:`HookState.rescale`, which a caller may also call itself); ``tests/test_loss_scale.py``:
 then bitwise the unscaled run. The scale in those units travels in ``state_dict()``, so a
