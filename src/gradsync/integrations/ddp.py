@@ -50,19 +50,19 @@ the bucket's residuals and velocities as before the step (``ErrorFeedback.discar
 hook that raises itself leaves DDP's reducer unusable, and a rank that raised alone left its
 peers in a collective it never joined); under ``"skip_step"`` the non-finite average stays in
 ``.grad`` on every rank, as under plain DDP, so the caller's check skips
-``optimizer.step()``. ``GradSync`` instead zeroes the step's gradients (NaN while it follows
-a GradScaler) and returns ``False`` from ``synchronize()``: the hook has no return value, and
-zeros would hide an overflow from a check of ``.grad`` (``torch.amp.GradScaler``'s, for
-one). With a GradScaler, error feedback holds gradients in the units of the loss scale they
-were computed with: :meth:`HookState.follow` hands the hook the scaler, and at each step's first bucket the hook reads its scale and, when
-``scaler.update()`` changed it, multiplies what it holds by ``new / old``
-(:meth:`HookState.rescale`, which a caller may also call itself); ``tests/test_loss_scale.py``:
-then bitwise the unscaled run. The scale in those units travels in ``state_dict()``, so a
-resumed job whose scaler starts elsewhere is rescaled at its first step. Lightning's
-:class:`~gradsync.lightning.GradSyncStrategy` and :func:`gradsync.accelerate.register` follow
-the framework's scaler themselves. *On CUDA* the sum's check reads one
-flag per bucket on the host inside the all-reduce's callback, which NCCL runs as soon as the
-call is queued: the host then waits for that bucket's sum before the backward goes on. Before,
+``optimizer.step()``. ``GradSync`` instead zeroes the step's gradients (NaN while it follows a
+GradScaler) and returns ``False`` from ``synchronize()``: the hook has no return value, and
+zeros would hide an overflow from a check of ``.grad`` (``torch.amp.GradScaler``'s, for one).
+With a GradScaler, error feedback holds gradients in the units of the loss scale they were
+computed with: :meth:`HookState.follow` hands the hook the scaler, and at each step's first
+bucket the hook reads its scale and, when ``scaler.update()`` changed it, multiplies what it
+holds by ``new / old`` (:meth:`HookState.rescale`, which a caller may also call itself);
+``tests/test_loss_scale.py``: then bitwise the unscaled run. The scale in those units travels
+in ``state_dict()``, so a resumed job whose scaler starts elsewhere is rescaled at its first
+step. Lightning's :class:`~gradsync.lightning.GradSyncStrategy` and
+:func:`gradsync.accelerate.register` follow the framework's scaler themselves. *On CUDA* the
+sum's check reads one flag per bucket on the host inside the all-reduce's callback, which NCCL
+runs as soon as the call is queued: the host then waits for that bucket's sum before the backward goes on. Before,
 the paths with error feedback waited once per tensor (each tensor's check, before the
 all-reduce) and the plain ``dense`` path never. Not measured: no GPU has run this.
 
