@@ -57,14 +57,15 @@ With a GradScaler, error feedback holds gradients in the units of the loss scale
 computed with: :meth:`HookState.follow` hands the hook the scaler, and at each step's first
 bucket the hook reads its scale and, when ``scaler.update()`` changed it, multiplies what it
 holds by ``new / old`` (:meth:`HookState.rescale`, which a caller may also call itself);
-``tests/test_loss_scale.py``: then bitwise the unscaled run. The scale in those units travels
-in ``state_dict()``, so a resumed job whose scaler starts elsewhere is rescaled at its first
-step. Lightning's :class:`~gradsync.lightning.GradSyncStrategy` and
+``tests/test_loss_scale.py``: then bitwise the unscaled run. The scale in those units travels in
+``state_dict()``, so a resumed job whose scaler starts elsewhere is rescaled at its first step.
+Lightning's :class:`~gradsync.lightning.GradSyncStrategy` and
 :func:`gradsync.accelerate.register` follow the framework's scaler themselves. *On CUDA* the
 sum's check reads one flag per bucket on the host inside the all-reduce's callback, which NCCL
-runs as soon as the call is queued: the host then waits for that bucket's sum before the backward goes on. Before,
-the paths with error feedback waited once per tensor (each tensor's check, before the
-all-reduce) and the plain ``dense`` path never. Not measured: no GPU has run this.
+runs as soon as the call is queued: the host then waits for that bucket's sum before the
+backward goes on. Before, the paths with error feedback waited once per tensor (each tensor's
+check, before the all-reduce) and the plain ``dense`` path never. Not measured: no GPU has run
+this.
 
 Facts this relies on (docs/architecture.md, "torch.distributed facts"): the hook's second
 parameter must be named ``bucket``; ``functools.partial`` and callable instances are rejected,
