@@ -24,6 +24,7 @@ from gradsync.testing import run_distributed
 
 STEPS = 8
 BAD_STEP = 5  # the hook runs: an overflow on the last rank, which the scaler backs off from
+SCHEME = {"engine": "topka", "hook": "per_tensor"}
 
 
 def _cfg(**kw) -> Config:
@@ -39,12 +40,7 @@ def _run(rank: int, P: int, path: str, scaled: bool, follow: bool | str, overflo
     backs off from; the unscaled run leaves that step out."""
     model = build("mlp", seed=5)  # seeded, not the global RNG
     skip = {"nonfinite": "skip_step"} if path == "hook" or follow == "self" else {}
-    if path == "engine":
-        net, sync = model, GradSync(model, _cfg(scheme="topka", **skip))
-        state = sync
-    else:
-        net, sync = DDP(model), None
-        state = gradsync.ddp.register(net, _cfg(scheme="per_tensor", **skip), small_numel=1000)
+    net, state, sync = _owner(path, model, _cfg(scheme=SCHEME[path], **skip))
     poison = {"on": False}
 
     def inject(g: torch.Tensor) -> torch.Tensor:
@@ -122,7 +118,7 @@ def _owner(path: str, model: nn.Module, cfg: Config):
 
 
 def _follow_errors(rank: int, P: int, path: str) -> list[str]:
-    scheme = "topka" if path == "engine" else "per_tensor"
+    scheme = SCHEME[path]
     errors = []
     for cfg, scaler in ((_cfg(scheme=scheme), torch.amp.GradScaler("cpu")),
                         (_cfg(scheme=scheme, nonfinite="skip_step"), object())):
@@ -152,7 +148,7 @@ def _resume(rank: int, P: int, path: str) -> tuple[str, str]:
     scaler starts at another scale (its state not restored): the residuals the checkpoint
     holds are brought to the new scale at the first step, so the run ends where the run that
     kept its scaler ends, bit for bit (the scales are powers of two)."""
-    scheme = "topka" if path == "engine" else "per_tensor"
+    scheme = SCHEME[path]
 
     def setup(init_scale: float):
         model = build("mlp", seed=5)

@@ -285,7 +285,8 @@ def _check_zero_runs(zeros: torch.Tensor, z: int, what: str) -> None:
     """Rule 2 inside the blocks: no Z + 1 stored zeros in a row. ``zeros`` are the stream
     positions of the stored zeros, increasing. Zero runs never cross a block boundary (rule 1),
     so positions j and j + Z of the list lie Z apart exactly when a run of Z + 1 zeros exists.
-    One pass over the zeros, which are fewer than the nonzeros in any canonical stream."""
+    One pass over the stored zeros: at most Z per nonzero, and in real selections fewer than
+    the nonzeros (ResNet-18's top 10 %: 0.43 M zeros among 1.55 M stored positions)."""
     if zeros.numel() > z and bool(((zeros[z:] - zeros[:-z]) == z).any()):
         raise ValueError(f"{what}: a zero run inside a block exceeds the gap rule (rule 2)")
 
