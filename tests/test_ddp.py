@@ -113,6 +113,32 @@ def test_compensation_keeps_bucket_budget():
     assert _densities(pt, numels) == [0.01] * 5
 
 
+def _bucket_bytes(rank, world_size, scheme):
+    model = build("cnn", seed=4)
+    ddp = DDP(model, bucket_cap_mb=25)  # one bucket: one hook call per step
+    state = gradsync.ddp.register(ddp, Config(scheme=scheme, density=0.01, sparsifier="topk"),
+                                  small_numel=1000)
+    sent = []
+    for step in range(2):
+        ddp.zero_grad(set_to_none=True)
+        x, y = image_batch(rank, step, 16)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        sent.append(state.last.bytes_sent)
+    return sent, sum(p.numel() for p in model.parameters())
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("scheme", ["ssfusion", "ssfusion_oi"])
+def test_ssfusion_hooks_send_the_target_bytes(scheme, world_size):
+    """Each rank sends, counted at the torch.distributed calls, what every tensor at 1 % through
+    the all-gather would: (P − 1) · 8 bytes per entry, 1 % of the CNN's entries. ``ssfusion_oi``
+    all-reduces its unsparsified tensors (522 entries here); charged as all-gathered entries
+    they would leave its weights 6–9 % of that budget short."""
+    for sent, numel in run_distributed(_bucket_bytes, world_size, scheme, timeout=180):
+        target = 0.01 * numel * 8 * (world_size - 1)
+        assert all(abs(b - target) <= 0.005 * target for b in sent), (sent, target)
+
+
 def test_sparsifiers_seeded_per_tensor():
     state = HookState(cfg=Config(scheme="per_tensor", density=0.05, sparsifier="randomk",
                                  seed=3))

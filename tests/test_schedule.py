@@ -21,6 +21,7 @@ from gradsync.schedule import (
     BufferPlan,
     Plan,
     TensorPlan,
+    allreduce_charge,
     best_split,
     bucket_bytes_of,
     compensate,
@@ -432,6 +433,26 @@ def test_compensation_floor_and_no_op_cases():
     assert compensate([10, 20], [False, False], 0.01)[0] is None
 
 
+def test_compensation_charges_excluded_tensors_at_their_wire_cost():
+    # an all-reduced fp32 element at P = 4 costs 2·(3/4)·4 = 6 bytes, an all-gathered entry
+    # 3·8 = 24: a quarter of an entry
+    assert allreduce_charge(4, 4) == 0.25 and allreduce_charge(2, 4) == 0.5
+    assert allreduce_charge(4, 2) == pytest.approx(2 * 2 / (4 * 6))  # bf16 values, int32 index
+    assert allreduce_charge(1, 4) == 1.0  # one rank sends nothing either way
+    d, info = compensate([1000, 10**6], [False, True], 0.01, charge=0.25)
+    assert d == pytest.approx((0.01 * 1_001_000 - 250) / 10**6, rel=1e-3)
+    assert info["dense_numel"] == 1000 and info["dense_charged"] == 250
+    three = ([1000, 500, 10**6], [False, False, True], 0.01)  # charge per tensor
+    d1, d2, d3 = (compensate(*three, charge=c)[0] for c in (1.0, [1.0, 0.5, 1.0], 0.5))
+    assert d1 < d2 < d3
+    assert d2 == pytest.approx((0.01 * 1_001_500 - 1250) / 10**6, rel=1e-3)
+    for bad in ([1.0], [1.0, 0.0], [1.0, float("nan")]):
+        with pytest.raises(ValueError, match="charge"):
+            compensate([1000, 10**6], [False, True], 0.01, charge=bad)
+    with pytest.raises(ValueError, match="integers"):
+        allreduce_charge(0, 4)
+
+
 def test_ssfusion_plan_sends_about_the_target_volume_with_one_model_wide_density():
     checked = 0
     for seed in range(10):
@@ -543,14 +564,17 @@ def test_ssfusion_oi_splits_every_buffer_at_its_best_split():
         plan = make_plan("ssfusion_oi", names, numel, 0.01, cm)
         base = make_plan("ssfusion_o", names, numel, 0.01, cm)
         for buf, ref, sp in zip(plan.buffers, base.buffers, plan.info["split"]):
-            # same sparsification decisions as SSFusion-O; only the all-reduce flags differ
-            assert [(t.name, t.density, t.offload) for t in buf.tensors] == \
-                   [(t.name, t.density, t.offload) for t in ref.tensors]
+            # same exclusions and offloads as SSFusion-O; the all-reduce flags differ, and d′
+            # only rises (compensation charges all-reduced tensors at their bytes)
+            assert [(t.name, t.density is None, t.offload) for t in buf.tensors] == \
+                   [(t.name, t.density is None, t.offload) for t in ref.tensors]
+            assert all(t.density >= r.density for t, r in zip(buf.tensors, ref.tensors)
+                       if t.density is not None)
             l = sp["split"]
             flags = [t.allreduce for t in buf.tensors]
             assert flags == [j < l and t.density is None for j, t in enumerate(buf.tensors)]
             seen_ar += sum(flags)
-            ts = buf.tensors
+            ts = ref.tensors  # the split is decided at the element-count d′
             tsp = [0.0 if t.density is None or t.offload else
                    cm.sparsify.a + cm.sparsify.b * t.numel for t in ts]
             expect = brute_t1_t2([cm.backward[t.name] for t in ts], tsp,
@@ -560,6 +584,41 @@ def test_ssfusion_oi_splits_every_buffer_at_its_best_split():
                                  (cm.allgather.alpha, cm.allgather.beta))
             assert sp["T1+T2"] == pytest.approx(expect, rel=1e-9)
     assert seen_ar > 0
+
+
+@pytest.mark.parametrize("P", [1, 2, 4, 8])
+def test_ssfusion_oi_sends_the_target_bytes_with_all_reduced_tensors_charged_at_theirs(P):
+    """Each rank's bytes, counted as the torch.distributed calls send them (ring all-reduce
+    2(P−1)/P·4 bytes per element, all-gather (P−1)·8 per entry): SSFusion-I's plan sends what
+    every tensor at the target density through the all-gather would, within k's rounding; at
+    the element count (SSFusion-O's d′) it sends less whenever it all-reduces something."""
+    below = 0
+    for seed in range(12):
+        names, numel, cm = random_model(900 + seed, sizes=(64, 512, 200_000, 1_000_000))
+        cm.P = P
+        cm.allgather = AlphaBeta(cm.allgather.alpha, cm.allreduce.beta * 20)  # AG expensive
+        plan = make_plan("ssfusion_oi", names, numel, 0.01, cm)
+        base = make_plan("ssfusion_o", names, numel, 0.01, cm)
+        ts = [t for b in plan.buffers for t in b.tensors]
+        if plan.info["compensation"]["floor"] or not any(t.allreduce for t in ts):
+            continue
+
+        def sent(tensors, flags):  # bytes per rank; flags: all-reduced or not
+            if P == 1:  # nothing travels: the paper's element count
+                return sum(t.k for t in tensors)
+            return sum(t.numel * 4 * 2 * (P - 1) / P if ar else t.k * 8 * (P - 1)
+                       for t, ar in zip(tensors, flags))
+
+        target = 0.01 * sum(numel.values()) * (1 if P == 1 else 8 * (P - 1))
+        n_sparse = sum(1 for t in ts if t.density is not None)
+        slack = 0.01 * target + n_sparse * (1 if P == 1 else 8 * (P - 1))
+        now = sent(ts, [t.allreduce for t in ts])
+        assert abs(now - target) <= slack
+        before = sent([t for b in base.buffers for t in b.tensors], [t.allreduce for t in ts])
+        if P > 1:
+            assert before <= now
+            below += before < now
+    assert below or P == 1
 
 
 # ---- round trips and bad inputs ---------------------------------------------------------------

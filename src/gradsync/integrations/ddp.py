@@ -16,6 +16,7 @@ Inside a bucket (SSFusion §III–IV applied to DDP's own fusion buffers):
   per bucket when no model is given); everything travels in one all-gather;
 * ``ssfusion_oi``: as ``ssfusion``, but the unsparsified tensors travel in an all-reduce and the
   sparsified ones in an all-gather (SSFusion-I's split, with the split fixed by sparsification);
+  compensation charges the all-reduced tensors at their bytes, 1/P of an entry per element;
 * ``dense``: a plain all-reduce (a baseline through the same hook);
 * ``auto``: per bucket, every tensor sparsified and all-gathered, or the bucket all-reduced
   (with error feedback), whichever :func:`gradsync.schedule.auto.bucket_sparse` predicts faster
@@ -106,7 +107,7 @@ from gradsync.feedback import ErrorFeedback, check_scaler, follow_scale, saved_s
 from gradsync.schedule import schemes
 from gradsync.schedule.auto import MARGIN, bucket_sparse
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
-from gradsync.schedule.ssfusion import compensate
+from gradsync.schedule.ssfusion import allreduce_charge, compensate
 from gradsync.sparsegrad import SparseGrad, all_finite
 
 __all__ = ["DDP_SCHEMES", "TRIAL_ORDER", "TRIAL_STEPS", "HookState", "hook", "register"]
@@ -378,6 +379,9 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
     at registration) — so the model sends about ``density × trained numel`` entries
     and every sparsified tensor gets the same d′ (floor ``min_density``), whatever bucket it
     is in. Without a model the hook only sees buckets, and compensates within each bucket.
+    ``ssfusion_oi`` all-reduces the unsparsified tensors and charges them at what that sends
+    (:func:`gradsync.schedule.ssfusion.allreduce_charge`: 1/P of an all-gathered entry per fp32
+    element), so it sends the target's bytes, as the engine's SSFusion-I does.
     """
     cfg = state.cfg
     if state.scheme.planner == "auto":  # measured once, agreed by every rank
@@ -397,18 +401,23 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
     if state.scheme.planner == "per_tensor":
         return [cfg.density] * len(numels)
     sparse = [n >= state.small_numel for n in numels]
+    charge = 1.0  # the unsparsified tensors travel whole in the all-gather
+    if state.scheme.interleave:  # … or in an all-reduce: charged at its bytes
+        P = dist.get_world_size(state.group) if dist.is_initialized() else 1
+        charge = allreduce_charge(P, elem_bytes)
     if state.trained is not None:
-        d = _model_density(state.trained, state.small_numel, cfg.density, cfg.min_density)
+        d = _model_density(state.trained, state.small_numel, cfg.density, cfg.min_density,
+                           charge)
     else:
-        d, _ = compensate(numels, sparse, cfg.density, cfg.min_density)
+        d, _ = compensate(numels, sparse, cfg.density, cfg.min_density, charge)
     return [d if s else None for s in sparse]
 
 
 @functools.lru_cache(maxsize=64)
 def _model_density(numels: tuple[int, ...], small_numel: int, density: float,
-                   min_density: float) -> float | None:
+                   min_density: float, charge: float) -> float | None:
     """SSFusion's compensated density d′ over all of a model's parameters (computed once)."""
-    d, _ = compensate(numels, [n >= small_numel for n in numels], density, min_density)
+    d, _ = compensate(numels, [n >= small_numel for n in numels], density, min_density, charge)
     return d
 
 

@@ -58,21 +58,29 @@ other tensor Buffer_AG (all-gathered). ``best_split`` picks l′ minimising T1 +
 
 (T_gpu^j = 0 for dense and for offloaded tensors; an empty part costs nothing). Separation
 follows the selective-sparsification decisions, as the paper says; the split point decides how
-early the all-reduce can start.
+early the all-reduce can start. After the split, compensation charges each Buffer_AR tensor
+at what its all-reduce sends (``charge_allreduce``: 1/P of an all-gathered entry per element
+in fp32) instead of one entry per element, so SSFusion-I sends the target's bytes, not fewer.
+This is ours: the paper counts elements, and its purpose is that excluding small tensors does
+not prolong transmission.
 """
 
 from __future__ import annotations
 
+import math
 from collections import Counter
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 from typing import Any
 
-from gradsync.schedule.costmodel import CostModel
+from gradsync.schedule.costmodel import INDEX_BYTES, CostModel
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
 from gradsync.schedule.timeline import buffer_comm_time, simulate
 
 __all__ = [
+    "allreduce_charge",
     "best_split",
+    "charge_allreduce",
     "compensate",
     "interleave_buffer",
     "offload_buffer",
@@ -84,23 +92,34 @@ __all__ = [
 # Density-aware compensation
 # ---------------------------------------------------------------------------------------------
 def compensate(numels: Sequence[int], sparse: Sequence[bool], density: float,
-               min_density: float = 0.001) -> tuple[float | None, dict[str, Any]]:
+               min_density: float = 0.001, charge: float | Sequence[float] = 1.0
+               ) -> tuple[float | None, dict[str, Any]]:
     """Density d′ of the sparsified tensors among ``numels`` (None when none is sparsified).
 
     Call it with **all of the model's tensors** (§IV-B(i): "the number of gradient elements" is
     the model's): the entries the excluded tensors send whole are taken from every sparsified
-    tensor of the model alike, so Σ_sparsified k(n_j, d′) ≈ density·Σ n − Σ_excluded n_j
+    tensor of the model alike, so Σ_sparsified k(n_j, d′) ≈ density·Σ n − Σ_excluded c_j·n_j
     (bisection, since k(n, d′) is a step function), floor ``min(min_density, density)``.
+
+    ``charge`` (c_j, one number or one per tensor): what one element of an excluded tensor
+    costs on the wire, in sparse entries. 1 (the paper's element count) when it travels whole
+    through the sparse collective, every index with its value, as every entry does;
+    :func:`allreduce_charge` when SSFusion-I all-reduces it (:func:`charge_allreduce`).
     """
     numels, sparse = list(numels), list(sparse)
-    if len(numels) != len(sparse):
-        raise ValueError("compensate: numels and sparse differ in length")
+    charges = [float(charge)] * len(numels) if isinstance(charge, (int, float)) else list(charge)
+    if not len(numels) == len(sparse) == len(charges):
+        raise ValueError("compensate: numels, sparse and charge differ in length")
+    if not all(math.isfinite(c) and c > 0 for c in charges):
+        raise ValueError(f"compensate: every charge must be finite and > 0, got {charges}")
     total = sum(numels)
     k_target = density * total
     dense_n = sum(n for n, s in zip(numels, sparse) if not s)
+    dense_c = sum(c * n for n, s, c in zip(numels, sparse, charges) if not s)
     S = Counter(n for n, s in zip(numels, sparse) if s)  # size → how many (models repeat sizes)
     floor = min(min_density, density)
-    info: dict[str, Any] = {"k_target": k_target, "dense_numel": dense_n, "floor": False}
+    info: dict[str, Any] = {"k_target": k_target, "dense_numel": dense_n,
+                            "dense_charged": dense_c, "floor": False}
 
     def f(d: float) -> int:  # entries the sparsified tensors send at density d
         return sum(c * entries(n, d) for n, c in S.items())
@@ -111,7 +130,7 @@ def compensate(numels: Sequence[int], sparse: Sequence[bool], density: float,
     if dense_n == 0:
         d = density  # nothing to compensate
     else:
-        k_s = k_target - dense_n  # what the sparsified tensors may still send
+        k_s = k_target - dense_c  # what the sparsified tensors may still send
         if f(floor) >= k_s:
             d, info["floor"] = floor, True
         elif f(density) <= k_s:
@@ -125,8 +144,23 @@ def compensate(numels: Sequence[int], sparse: Sequence[bool], density: float,
                 else:
                     lo = mid
             d = lo if k_s - f(lo) <= f(hi) - k_s else hi
-    info.update(density=d, k_sent=dense_n + f(d))
+    info.update(density=d, k_sent=dense_n + f(d), k_charged=dense_c + f(d))
     return d, info
+
+
+def allreduce_charge(P: int, elem_bytes: int) -> float:
+    """What one element that SSFusion-I all-reduces costs on the wire, in sparse entries of its
+    all-gather (§IV-D's two collectives; bytes each rank sends, as counted at the
+    torch.distributed call): a ring all-reduce sends 2(P−1)/P · elem_bytes per element, the
+    all-gather (P−1) · (INDEX_BYTES + elem_bytes) per entry, so
+    2·elem_bytes / (P·(INDEX_BYTES + elem_bytes)): 1/P for fp32. One rank sends nothing
+    either way: 1, the paper's element count."""
+    if int(P) != P or P < 1 or int(elem_bytes) != elem_bytes or elem_bytes < 1:
+        raise ValueError(f"allreduce_charge: P and elem_bytes must be integers >= 1, got "
+                         f"{P!r}, {elem_bytes!r}")
+    if P == 1:
+        return 1.0
+    return 2 * elem_bytes / (P * (INDEX_BYTES + elem_bytes))
 
 
 def _compensated(groups: Sequence[Sequence[str]], numel: dict[str, int], excluded: set[str],
@@ -279,3 +313,25 @@ def interleave_buffer(buf: BufferPlan, cost: CostModel) -> tuple[BufferPlan, dic
                            allreduce=(j < l and t.density is None)) for j, t in enumerate(ts))
     return BufferPlan(out, "per_tensor"), {"split": l, "T1+T2": v,
                                            "allreduce": [t.name for t in out if t.allreduce]}
+
+
+def charge_allreduce(buffers: Sequence[BufferPlan], P: int, elem_bytes: int, density: float,
+                     min_density: float = 0.001) -> tuple[list[BufferPlan], dict[str, Any]]:
+    """SSFusion-I's buffers with d′ compensated at the wire cost of each excluded tensor's
+    collective: Buffer_AR's tensors at :func:`allreduce_charge` (P, elem_bytes), Buffer_AG's at 1.
+
+    Compensation exists so that excluding small tensors does not prolong transmission (§IV-B,
+    "Density-aware sparsification"); counted in elements, it charges a tensor that SSFusion-I
+    all-reduces as if each element were an (index, value) pair all-gathered to P − 1 peers,
+    and the model then sends fewer bytes than the target (TinyGPT at P = 4: 0.0186 MB per step
+    against TopkA's 0.0315). Charged at its bytes, d′ rises until the model sends what every
+    tensor at ``density`` through the all-gather would. The exclusions and the split are the
+    ones decided at the element count; only d′ changes (it can only rise)."""
+    ts = [t for b in buffers for t in b.tensors]
+    w = allreduce_charge(P, elem_bytes)
+    d, info = compensate([t.numel for t in ts], [t.density is not None for t in ts], density,
+                         min_density, [w if t.allreduce else 1.0 for t in ts])
+    info["allreduce_charge"] = w
+    out = [BufferPlan(tuple(t if t.density is None else replace(t, density=d) for t in b.tensors),
+                      b.mode, b.density) for b in buffers]
+    return out, info
