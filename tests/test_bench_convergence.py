@@ -10,6 +10,7 @@ import shlex
 from pathlib import Path
 
 import pytest
+import torch
 
 from gradsync.apps import models
 from gradsync.apps.bench import convergence as conv
@@ -58,6 +59,11 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
     lm_ddp = rows["gpt_tiny", "ddp"]
     assert lm_ddp["target"] == pytest.approx(sum(lm_ddp["finals"]) / 2 / 0.99)
     assert data["meta"]["command"] == "python -m gradsync bench convergence " + " ".join(argv)
+    # the same seed is bit for bit the same only on the same CPU kernels: the page and the
+    # JSON name them
+    kernels = f"torch CPU kernels {torch.backends.cpu.get_cpu_capability()}"
+    assert kernels in data["env"]["cpu"] and kernels in data["meta"]["machine"]
+    assert kernels in docs.read_text()
     md = docs.read_text()
     assert data["meta"]["command"] in md and "machine: " in md and "date: " in md
     assert "| scheme | test acc % mean ± std |" in md and "| perplexity mean ± std |" in md

@@ -71,6 +71,22 @@ def _fmt(v: Any) -> str:
     return str(v)
 
 
+def cpu_description() -> str:
+    """The CPU's model name and the kernels torch picked for it, e.g. ``"AMD EPYC; torch CPU
+    kernels AVX2"``. Float results are bit for bit reproducible only on the same kernels: the
+    same code and seed rounded differently on another host (docs/architecture.md,
+    "Accuracy over the budget")."""
+    name = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                name = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{name}; torch CPU kernels {torch.backends.cpu.get_cpu_capability()}"
+
+
 def write_outputs(
     name: str,
     rows: list[dict[str, Any]],
@@ -84,6 +100,7 @@ def write_outputs(
         "torch": torch.__version__,
         "python": platform.python_version(),
         "machine": platform.machine(),
+        "cpu": cpu_description(),
         "threads": torch.get_num_threads(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%S"),
     }

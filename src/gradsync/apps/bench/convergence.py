@@ -67,7 +67,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradsync.apps.common import print_table, write_outputs
+from gradsync.apps.common import cpu_description, print_table, write_outputs
 
 DEFAULT_SCHEMES = ("ddp", "ddp_powersgd", "per_tensor", "multi_tensor", "cupcake", "topka",
                    "oktopk", "densestream", "ssfusion", "ssfusion_oi")
@@ -434,7 +434,8 @@ def _machine_note() -> str:
     cpus = os.cpu_count() or 0
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
     state = "loaded" if load > 0.75 * cpus else "quiet"
-    return f"machine: {cpus} cores, {state} (1-min load average {load:.1f} at the end)"
+    return (f"machine: {cpus} cores ({cpu_description()}), {state} (1-min load average "
+            f"{load:.1f} at the end)")
 
 
 def write_docs(path: Path, results: list[tuple[list[dict], dict]], command: str, wall: float,
