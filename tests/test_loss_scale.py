@@ -24,23 +24,32 @@ from gradsync.testing import run_distributed
 
 STEPS = 8
 BAD_STEP = 5  # the hook runs: an overflow on the last rank, which the scaler backs off from
-SCHEME = {"engine": "topka", "hook": "per_tensor"}
+# path → (scheme, sparsifier). ``engine:reuse``: Ok-Topk, whose thresholds are reused between
+# exact evaluations (the local one, τ′ = Config.local_tau_prime, in its selection; the global
+# θ in its collective), in the units of the loss scale they were computed in, so rescaled
+# with it. (The DDP hook's sparsifiers reuse none.)
+SCHEME = {"engine": ("topka", "topk"), "hook": ("per_tensor", "topk"),
+          "engine:reuse": ("oktopk", "topk")}
+PATHS = list(SCHEME)
 
 
-def _cfg(**kw) -> Config:
-    return Config(scheme=kw.pop("scheme"), density=0.05, momentum=0.9, sparsifier="topk", **kw)
+def _cfg(path: str, **kw) -> Config:
+    scheme, sparsifier = SCHEME[path]
+    return Config(scheme=scheme, density=0.05, momentum=0.9, sparsifier=sparsifier, **kw)
 
 
 def _run(rank: int, P: int, path: str, scaled: bool, follow: bool | str, overflow: bool
          ) -> tuple[str, list[float]]:
-    """``path``: "engine" (GradSync, topka) or "hook" (DDP + per_tensor hook, skip_step).
+    """``path``: "engine" (GradSync) or "hook" (DDP's comm hook, skip_step), with the scheme
+    and sparsifier of ``SCHEME[path]``.
     ``scaled``: a GradScaler that doubles its scale every 2 good steps; ``follow``: call
     ``rescale`` when it changes (``"self"``: the engine or hook follows the scaler itself,
     ``follow(scaler)``). ``overflow``: an Inf on the last rank at BAD_STEP, which the scaler
     backs off from; the unscaled run leaves that step out."""
     model = build("mlp", seed=5)  # seeded, not the global RNG
-    skip = {"nonfinite": "skip_step"} if path == "hook" or follow == "self" else {}
-    net, state, sync = _owner(path, model, _cfg(scheme=SCHEME[path], **skip))
+    hook = path.startswith("hook")
+    skip = {"nonfinite": "skip_step"} if hook or follow == "self" else {}
+    net, state, sync = _owner(path, model, _cfg(path, **skip))
     poison = {"on": False}
 
     def inject(g: torch.Tensor) -> torch.Tensor:
@@ -78,10 +87,10 @@ def _run(rank: int, P: int, path: str, scaled: bool, follow: bool | str, overflo
     return parameter_digest(model)[0], scales
 
 
-@pytest.mark.parametrize("path", ["engine", "hook"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_rescale_follows_a_grad_scaler_bit_for_bit(path, world_size):
-    overflow = path == "hook"  # the engine runs Config.nonfinite="raise" here: no overflow
+    overflow = path.startswith("hook")  # the engine runs nonfinite="raise" here: no overflow
 
     def run(scaled: bool, follow: bool) -> list[tuple[str, list[float]]]:
         return run_distributed(_run, world_size, path, scaled, follow, overflow, timeout=240)
@@ -100,7 +109,10 @@ def test_rescale_follows_a_grad_scaler_bit_for_bit(path, world_size):
 def test_follow_a_grad_scaler_through_an_overflow_bit_for_bit(path, world_size):
     """``follow(scaler)``: the engine or the hook rescales by itself, and an overflow on one
     rank reaches the scaler (the engine leaves NaN in ``.grad``), which skips the step and
-    halves its scale; the run ends bitwise where the unscaled run without that step ends."""
+    halves its scale; the run ends bitwise where the unscaled run without that step ends.
+    Not Ok-Topk's path: a skipped step leaves the residuals as they were, but it still counts
+    on the clocks of its thresholds (exact every τ′ steps) and they still see its counts, so
+    a run with the step and one without it select differently afterwards."""
     ref = run_distributed(_run, world_size, path, False, False, True, timeout=240)
     got = run_distributed(_run, world_size, path, True, "self", True, timeout=240)
     scales = got[0][1]
@@ -110,7 +122,7 @@ def test_follow_a_grad_scaler_through_an_overflow_bit_for_bit(path, world_size):
 
 def _owner(path: str, model: nn.Module, cfg: Config):
     """(forward module, the owner of error feedback, its GradSync or None) for ``path``."""
-    if path == "engine":
+    if path.startswith("engine"):
         sync = GradSync(model, cfg)
         return model, sync, sync
     net = DDP(model)
@@ -118,10 +130,9 @@ def _owner(path: str, model: nn.Module, cfg: Config):
 
 
 def _follow_errors(rank: int, P: int, path: str) -> list[str]:
-    scheme = SCHEME[path]
     errors = []
-    for cfg, scaler in ((_cfg(scheme=scheme), torch.amp.GradScaler("cpu")),
-                        (_cfg(scheme=scheme, nonfinite="skip_step"), object())):
+    for cfg, scaler in ((_cfg(path), torch.amp.GradScaler("cpu")),
+                        (_cfg(path, nonfinite="skip_step"), object())):
         _, state, sync = _owner(path, build("mlp", seed=5), cfg)
         with pytest.raises(ValueError) as e:
             state.follow(scaler)
@@ -129,7 +140,7 @@ def _follow_errors(rank: int, P: int, path: str) -> list[str]:
         if sync is not None:
             sync.close()
     # a disabled scaler is no scaler: any policy may follow it
-    _, state, sync = _owner(path, build("mlp", seed=5), _cfg(scheme=scheme))
+    _, state, sync = _owner(path, build("mlp", seed=5), _cfg(path))
     state.follow(torch.amp.GradScaler("cpu", enabled=False))
     if sync is not None:
         sync.close()
@@ -148,11 +159,9 @@ def _resume(rank: int, P: int, path: str) -> tuple[str, str]:
     scaler starts at another scale (its state not restored): the residuals the checkpoint
     holds are brought to the new scale at the first step, so the run ends where the run that
     kept its scaler ends, bit for bit (the scales are powers of two)."""
-    scheme = SCHEME[path]
-
     def setup(init_scale: float):
         model = build("mlp", seed=5)
-        net, state, sync = _owner(path, model, _cfg(scheme=scheme, nonfinite="skip_step"))
+        net, state, sync = _owner(path, model, _cfg(path, nonfinite="skip_step"))
         scaler = torch.amp.GradScaler("cpu", init_scale=init_scale, growth_interval=1000)
         state.follow(scaler)
         return model, net, state, sync, scaler, torch.optim.SGD(model.parameters(), lr=0.1)
@@ -182,7 +191,7 @@ def _resume(rank: int, P: int, path: str) -> tuple[str, str]:
     return kept, parameter_digest(model)[0]
 
 
-@pytest.mark.parametrize("path", ["engine", "hook"])
+@pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("world_size", [1, 2])
 def test_a_resumed_owner_brings_its_residuals_to_the_new_scale(path, world_size):
     out = run_distributed(_resume, world_size, path, timeout=240)

@@ -61,6 +61,7 @@ never polluted by a non-finite value; the engine decides whether to raise or ski
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -371,12 +372,13 @@ def check_scaler(scaler: Any, nonfinite: str, who: str) -> None:
                          f"Config(nonfinite='skip_step') with a loss scaler")
 
 
-def follow_scale(ef: ErrorFeedback, held: float | None, scaler: Any) -> float:
-    """At a step's first gradient: the scaler's scale S′; when error feedback's contents are
-    in another scale ``held``, they are multiplied by S′ / held first."""
+def follow_scale(held: float | None, scaler: Any, rescale: Callable[[float], None]) -> float:
+    """At a step's first gradient: the scaler's scale S′; when what the owner holds (error
+    feedback's contents, reused thresholds) is in another scale ``held``, ``rescale(S′ / held)``
+    first."""
     now = float(scaler.get_scale())
     if held is not None and now != held:
-        ef.rescale(now / held)
+        rescale(now / held)
     return now
 
 

@@ -48,6 +48,12 @@ class Collective(ABC):
     def __init__(self, *, check_shapes: bool = True) -> None:
         self.check_shapes = check_shapes
 
+    def rescale(self, factor: float) -> None:
+        """The values are ``factor`` times larger from the next call on (a loss scale that
+        changed): state kept in the values' units (Ok-Topk's reused global θ) is multiplied by
+        ``factor``. Nothing to do for the collectives that keep none (the default)."""
+        return None
+
     def __call__(
         self, sel: SparseGrad, group: dist.ProcessGroup | None = None, step: int = 0
     ) -> SyncResult:

@@ -158,6 +158,11 @@ class OkTopk(Collective):
         return f"OkTopk({target}, tau={self.tau}, tau_prime={self.tau_prime}{band})"
 
     # -- state ------------------------------------------------------------------------
+    def rescale(self, factor: float) -> None:
+        """The reused global θ (lines 9–12) follows the values' scale."""
+        if self._state["theta"] is not None:
+            self._state["theta"] = _as_f32(self._state["theta"] * float(factor))
+
     def state_dict(self) -> dict[str, Any]:
         s = dict(self._state)
         if s["boundaries"] is not None:

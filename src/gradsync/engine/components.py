@@ -76,6 +76,12 @@ class Components:
             self.collectives[key] = coll
         return coll
 
+    def rescale(self, factor: float) -> None:
+        """Thresholds kept in the gradients' units, by every sparsifier and collective, follow
+        a loss scale that changed by ``factor``."""
+        for component in (*self.sparsifiers.values(), *self.collectives.values()):
+            component.rescale(factor)
+
     def state_dict(self) -> dict[str, Any]:
         return {"sparsifiers": {k: s.state_dict() for k, s in self.sparsifiers.items()},
                 "collectives": {k: c.state_dict() for k, c in self.collectives.items()}}

@@ -295,11 +295,15 @@ class GradSync:
         changed, e.g. ``torch.amp.GradScaler``'s after ``update()``): residuals and velocities
         held are multiplied by ``factor`` now, so what they hold keeps its meaning
         (:meth:`gradsync.feedback.ErrorFeedback.rescale`). Call it between steps, with the same
-        factor on every rank. Thresholds that a sparsifier reuses between its exact evaluations
-        (Ok-Topk's, SIDCo's, RedSync's) are not rescaled: they are re-estimated at their next
-        evaluation."""
+        factor on every rank. Thresholds reused between exact evaluations (Ok-Topk's local
+        one in its selection, its global θ in its collective) are multiplied too: a power of
+        two keeps every selection bit for bit the unscaled run's."""
         self._between_steps("rescale")
-        self.ef.rescale(factor)
+        self._rescale_held(factor)
+
+    def _rescale_held(self, factor: float) -> None:
+        self.ef.rescale(factor)  # checks the factor first
+        self._parts.rescale(factor)
 
     def follow(self, scaler: Any) -> None:
         """Follow ``scaler`` (a ``torch.amp.GradScaler``): from the next step on, the scale is
@@ -484,7 +488,7 @@ class GradSync:
         name = self._name_of[id(p)]
         run = self._run
         if self._scaler is not None and not run.first_hook:  # the step's first gradient
-            self.loss_scale = follow_scale(self.ef, self.loss_scale, self._scaler)
+            self.loss_scale = follow_scale(self.loss_scale, self._scaler, self._rescale_held)
         if p.is_cuda and self._warmup.left > 0:  # profiling: when the gradient IS ready
             torch.cuda.current_stream(p.device).synchronize()
         run.hooked(name, time.perf_counter())

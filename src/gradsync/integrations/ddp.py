@@ -184,8 +184,11 @@ class HookState:
     def rescale(self, factor: float) -> None:
         """The gradients are ``factor`` times larger from the next step on (a changed loss
         scale): residuals and velocities held are multiplied by it now, as
-        :meth:`gradsync.GradSync.rescale` does. Between steps, the same factor on every rank."""
-        self.ef.rescale(factor)
+        :meth:`gradsync.GradSync.rescale` does, and the thresholds its sparsifiers keep (none
+        of the hook's reuses one today). Between steps, the same factor on every rank."""
+        self.ef.rescale(factor)  # checks the factor first
+        for sp in self.sparsifiers.values():
+            sp.rescale(factor)
 
     def follow(self, scaler: Any) -> None:
         """Follow ``scaler`` (a ``torch.amp.GradScaler``): from the next step on, the hook reads
@@ -427,7 +430,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     if not state.checked:
         _agree(state)
     if state.scaler is not None and bucket.index() == 0:  # DDP reduces bucket 0 first
-        state.loss_scale = follow_scale(state.ef, state.loss_scale, state.scaler)
+        state.loss_scale = follow_scale(state.loss_scale, state.scaler, state.rescale)
     buf = bucket.buffer()
     comm = Comm(state.group)
     P = comm.size

@@ -85,6 +85,13 @@ class Sparsifier(ABC):
         """(count − k) / k of the last call (0.0 before any call)."""
         return (self.last_count - self.last_k) / self.last_k if self.last_k else 0.0
 
+    def rescale(self, factor: float) -> None:
+        """The inputs are ``factor`` times larger from the next call on (a loss scale that
+        changed): a threshold kept between calls is multiplied by ``factor``, so it selects
+        what it would have selected from the unscaled inputs. Nothing to do for a sparsifier
+        that estimates its threshold from every call's input (the default)."""
+        return None
+
     def state_dict(self) -> dict[str, Any]:
         return {"density": self.density, "seed": self.seed,
                 "generator": self.generator.get_state()}

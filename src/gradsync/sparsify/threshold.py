@@ -114,6 +114,13 @@ class ThresholdReuse(Sparsifier):
         self.last_nudges = nudges
         return torch.nonzero(mask).view(-1)
 
+    def rescale(self, factor: float) -> None:
+        """The reused threshold follows the inputs' scale (a power of two from a GradScaler
+        keeps the selection bit for bit the unscaled one's)."""
+        if self.thr is not None:
+            self.thr = self.thr * float(factor)
+            self.last_threshold = self.thr
+
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "thr": self.thr,
                 "calls_since_exact": self.calls_since_exact,
