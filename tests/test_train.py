@@ -123,7 +123,7 @@ def test_masked_language_model_scores_only_masked_tokens(tmp_path):
     ["--latency", "5ms"], ["--scheme", "nope"], ["--scheme", "ddp,ddp"],
     ["--steps", "3", "--epochs", "1"], ["--steps", "0"], ["--model", "nope"],
     ["--model", "gpt_tiny", "--data", "fashion-mnist"], ["--eval-batches", "-1"],
-    ["--sparsifier", "nope"], ["--lr", "-1"],
+    ["--sparsifier", "nope"], ["--lr", "-1"], ["--amp", "fp8"],
 ])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
@@ -131,6 +131,66 @@ def test_bad_arguments_exit_2(argv, capsys):
     assert e.value.code == 2
     assert "error" in capsys.readouterr().err
 
+
+
+def _amp_worker(rank: int, world_size: int, spec) -> dict:
+    """train's rank function, with a GradScaler whose first scale (2^19) overflows fp16."""
+    from gradsync.apps.train import loop
+
+    real = loop.mixed_precision
+
+    def huge_first_scale(amp, device):
+        autocast, _ = real(amp, device)
+        return autocast, torch.amp.GradScaler(device.type, init_scale=2.0 ** 19,
+                                              growth_interval=1000)
+
+    loop.mixed_precision = huge_first_scale
+    return loop.train_worker(rank, world_size, spec)
+
+
+def test_fp16_amp_runs_every_runner_with_a_followed_grad_scaler():
+    """``--amp fp16``: autocast in fp16 and a GradScaler for torch's DDP, the engine and the
+    DDP hook; every step records the scale. A first scale that overflows (2^19) backs off at
+    the first steps on every runner — the gradsync schemes skip those steps on every rank
+    (``nonfinite="skip_step"``, following the scaler; ``tests/test_loss_scale.py`` checks
+    what following does) — and training goes on with finite losses and equal replicas."""
+    from gradsync.apps.train.spec import TrainSpec
+    from gradsync.testing import run_distributed
+
+    spec = TrainSpec(schemes=("ddp", "topka", "ddp_gradsync_per_tensor"), world_size=2,
+                     steps=10, warmup_steps=1, data="synthetic", batch_size=8, eval_batches=1,
+                     amp="fp16", progress=False)
+    out = run_distributed(_amp_worker, 2, spec, timeout=300)
+    for runs in zip(*(o["runs"] for o in out)):  # one scheme, both ranks
+        for run in runs:
+            steps = run["records"]
+            scales = [r["loss_scale"] for r in steps]
+            assert set(steps[0]) == FIELDS | {"loss_scale"}
+            assert scales[0] < 2.0 ** 19 and scales == sorted(scales, reverse=True), scales
+            assert scales[-1] == scales[-2] and scales[-1] >= 2.0 ** 10, scales  # settled
+            assert all(math.isfinite(r["loss"]) for r in steps), run["scheme"]
+        assert runs[0]["records"][-1]["loss_scale"] == runs[1]["records"][-1]["loss_scale"]
+
+
+def test_amp_config_and_runner_wiring():
+    """fp16 makes every gradsync scheme skip overflowing steps and follow the scaler; bf16
+    needs no scaler; fp32 changes nothing."""
+    from gradsync.apps.train import loop
+    from gradsync.apps.train.runners import Runner
+    from gradsync.apps.train.spec import TrainSpec, scheme_choice
+
+    cpu = torch.device("cpu")
+    for amp, policy in (("fp16", "skip_step"), ("bf16", "raise"), (None, "raise")):
+        spec = TrainSpec(schemes=("topka",), amp=amp, progress=False)
+        cfg = Runner(scheme_choice("topka"), models.build("cnn"), spec).gradsync_config(spec)
+        assert cfg.nonfinite == policy
+        autocast, scaler = loop.mixed_precision(amp, cpu)
+        assert (scaler is not None) == (amp == "fp16")
+        with autocast():
+            y = torch.nn.Linear(4, 4)(torch.ones(2, 4))
+        assert y.dtype == {"fp16": torch.float16, "bf16": torch.bfloat16, None: torch.float32}[amp]
+    with pytest.raises(ValueError, match="amp"):
+        TrainSpec(amp="fp8")
 
 
 def test_scheme_choices_come_from_the_scheme_table():
@@ -217,9 +277,10 @@ def test_spec_fills_model_defaults_validates_and_pickles():
     assert list(cfg) == ["model", "data", "schemes", "world_size", "steps", "epochs",
                          "batch_size", "lr", "optimizer", "text_fallback", "density",
                          "sparsifier", "seed", "warmup_steps", "eval_batches",
-                         "density_warmup", "adam_warmup", "bandwidth", "latency",
+                         "density_warmup", "adam_warmup", "amp", "bandwidth", "latency",
                          "replayed_plans"]
     assert cfg["world_size"] == 4 and cfg["schemes"] == ["ddp", "oktopk"]
+    assert cfg["amp"] is None
     assert cfg["replayed_plans"] == []
     assert pickle.loads(pickle.dumps(gpt)) == gpt  # every rank receives it
     for kw, field in [({"steps": 0}, "steps"), ({"steps": 2, "epochs": 1.0}, "epochs"),

@@ -69,7 +69,7 @@ so train differently, in two runs with the same seed.
     {
       "schema": "gradsync.train/1",
       "config": {model, data, schemes, world_size, steps, batch_size, lr, optimizer, density,
-                 sparsifier, seed, warmup_steps, eval_batches, bandwidth, latency,
+                 sparsifier, seed, warmup_steps, eval_batches, bandwidth, latency, amp,
                  text_fallback, replayed_plans (the schemes run with ``--plan``)},
       "environment": {torch, python, machine, cpus, load_avg, time, launcher
                       ("local"|"torchrun"), backend, device, link ("loopback"|"tbf …"),
@@ -78,7 +78,9 @@ so train differently, in two runs with the same seed.
         "scheme": str, "task": "image" | "causal_lm" | "masked_lm",
         "steps": [{"step", "loss", "time_s", "cpu_s", "elapsed_s", "samples_per_s", "bytes_sent",
                    "bytes_recv", "backward_s", "sparsify_s", "comm_s", "wait_s",
-                   "missing_rate", "warmup", "probing" (auto)}, …],  # rank 0's records
+                   "missing_rate", "warmup", "probing" (auto), "loss_scale" (``--amp
+                   fp16``: the scale after the step; halved where it overflowed)},
+                  …],  # rank 0's records
         "bytes_sent_per_rank": [[per-step bytes of rank r] for r in ranks],
         "summary": {"scheme", "measured_steps", "samples_per_s", "step_s", "backward_s",
                     "sparsify_s", "comm_s", "wait_s", "cpu_s", "bytes_per_step", "mb_per_step",

@@ -53,6 +53,9 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
                    help="AdamW with a sparse scheme: steps of exact AdamW, gradients sent "
                         "whole, before its variance freezes (gradsync.optim; default 10%% of "
                         "the steps)")
+    p.add_argument("--amp", choices=("bf16", "fp16"), default=None,
+                   help="automatic mixed precision (torch.autocast); fp16 with a GradScaler "
+                        "that the gradsync schemes follow (default: fp32)")
     g = p.add_mutually_exclusive_group()
     g.add_argument("--steps", type=int, default=None, help=f"default {DEFAULT_STEPS}")
     g.add_argument("--epochs", type=float, default=None,
@@ -98,7 +101,7 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
             seed=a.seed, warmup_steps=a.warmup_steps, eval_batches=a.eval_batches,
             bandwidth=a.bandwidth, latency=a.latency, timeout=a.timeout, out=a.out,
             progress=not a.no_progress, fail_rank=a.fail_rank, density_warmup=a.density_warmup,
-            adam_warmup=a.adam_warmup, plans=_read_plans(a.plan, p))
+            adam_warmup=a.adam_warmup, amp=a.amp, plans=_read_plans(a.plan, p))
     except ValueError as e:
         p.error(str(e))
     try:  # a model needing a missing optional dependency fails here, not in every rank

@@ -21,7 +21,7 @@ from gradsync.apps.train.runners import make_optimizer, make_runner
 from gradsync.apps.train.shards import RankData
 from gradsync.apps.train.spec import SchemeChoice, TrainSpec
 
-__all__ = ["evaluate", "progress_bar", "train_scheme", "train_worker"]
+__all__ = ["evaluate", "mixed_precision", "progress_bar", "train_scheme", "train_worker"]
 
 
 def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
@@ -42,6 +42,9 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
     runner = make_runner(choice, model, spec, device, P, steps)
     opt = make_optimizer(model, spec.adamw, spec.lr, runner.momentum_correction,
                          spec.adam_freeze_step(steps), sync=runner.preconditioner)
+    autocast, scaler = mixed_precision(spec.amp, device)
+    if scaler is not None:
+        runner.follow(scaler)
     records: list[dict] = []
     history: list[dict] = []
     elapsed = 0.0
@@ -59,13 +62,18 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                     torch.cuda.synchronize(device)
                 t0, c0 = time.perf_counter(), time.process_time()
                 opt.zero_grad(set_to_none=True)
-                loss = models.loss(runner.net(xb), yb)
+                with autocast():
+                    loss = models.loss(runner.net(xb), yb)
                 runner.before_backward()
                 tb = time.perf_counter()
-                loss.backward()
+                (loss if scaler is None else scaler.scale(loss)).backward()
                 tw = time.perf_counter()
                 runner.after_backward()
-                opt.step()
+                if scaler is None:
+                    opt.step()
+                else:  # skips the step when a gradient overflowed, and backs off
+                    scaler.step(opt)
+                    scaler.update()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 dt = time.perf_counter() - t0
@@ -75,6 +83,8 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                        "elapsed_s": elapsed, "samples_per_s": P * spec.batch_size / dt,
                        "warmup": step <= spec.warmup_steps, "probing": False,  # auto: engine's
                        **runner.step_metrics(tb, tw)}
+                if scaler is not None:  # the scale for the next step (halved: skipped)
+                    rec["loss_scale"] = float(scaler.get_scale())
                 records.append(rec)
                 if (rank == 0 and spec.eval_every and (step + 1) % spec.eval_every == 0
                         and step + 1 < steps):  # the final point is added below
@@ -93,6 +103,20 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
         dist.barrier()  # the next scheme starts together
     return {"scheme": choice.name, "task": task, "records": records, "eval": evaluation,
             "history": history, "plan": plan}
+
+
+def mixed_precision(amp: str | None, device: torch.device
+                    ) -> tuple[Any, torch.amp.GradScaler | None]:
+    """``TrainSpec.amp``: a context factory for the forward pass (``torch.autocast`` in bf16
+    or fp16, or nothing) and the fp16 run's ``GradScaler`` (``None`` otherwise)."""
+    if amp is None:
+        return contextlib.nullcontext, None
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[amp]
+
+    def autocast() -> contextlib.AbstractContextManager:
+        return torch.autocast(device.type, dtype=dtype)
+
+    return autocast, (torch.amp.GradScaler(device.type) if amp == "fp16" else None)
 
 
 @torch.no_grad()

@@ -103,6 +103,8 @@ class Runner:
         if self.choice.scheme is None:
             raise ValueError(f"{self.choice.name!r} is not a gradsync scheme")
         warm, period = spec.engine_warmup(self.steps or 1, self.momentum_correction)
+        if spec.amp == "fp16":  # a GradScaler skips overflowing steps: so must gradsync
+            extra.setdefault("nonfinite", "skip_step")
         return Config(scheme=self.choice.scheme.name, density=spec.density,
                       sparsifier=spec.sparsifier, seed=spec.seed,
                       momentum=MOMENTUM if self.momentum_correction else 0.0,
@@ -110,6 +112,10 @@ class Runner:
 
     def metering(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
+
+    def follow(self, scaler: torch.amp.GradScaler) -> None:
+        """An fp16 run's loss scaler (``TrainSpec.amp``): gradsync's error feedback follows
+        its scale (``follow``); torch's own hooks need nothing."""
 
     def plan(self) -> dict[str, Any] | None:
         """The plan the run ended with (``Plan.to_dict()``); ``None`` outside the engine."""
@@ -144,8 +150,11 @@ class EngineRunner(Runner):
     def plan(self) -> dict[str, Any] | None:
         return self.sync.plan.to_dict() if self.sync.plan is not None else None
 
+    def follow(self, scaler: torch.amp.GradScaler) -> None:
+        self.sync.follow(scaler)
+
     def after_backward(self) -> None:
-        self.sync.synchronize()
+        self.sync.synchronize()  # False on an overflow: .grad holds NaN, the scaler skips
 
     def step_metrics(self, backward_start: float, backward_end: float) -> dict[str, float]:
         st = self.sync.stats()
@@ -179,6 +188,9 @@ class DDPHookRunner(Runner):
         self.net = wrap_ddp(model, device)
         self.state = self.preconditioner = gddp.register(self.net, self.gradsync_config(spec))
         self.before_backward()
+
+    def follow(self, scaler: torch.amp.GradScaler) -> None:
+        self.state.follow(scaler)
 
     def before_backward(self) -> None:
         s = self.state

@@ -19,14 +19,15 @@ from typing import Any
 
 from gradsync.schedule.schemes import SCHEMES, Scheme
 
-__all__ = ["ADAMW_LR", "DATASETS", "DDP_HOOK_PREFIX", "DDP_PEERS", "DEFAULT_STEPS", "RUNNERS",
-           "SGD_LR", "SchemeChoice", "TrainSpec", "all_schemes", "defaults", "scheme_choice",
-           "scheme_choices", "uses_adamw"]
+__all__ = ["ADAMW_LR", "AMP", "DATASETS", "DDP_HOOK_PREFIX", "DDP_PEERS", "DEFAULT_STEPS",
+           "RUNNERS", "SGD_LR", "SchemeChoice", "TrainSpec", "all_schemes", "defaults",
+           "scheme_choice", "scheme_choices", "uses_adamw"]
 
 DDP_PEERS = ("ddp", "ddp_powersgd", "ddp_fp16")  # torch's own comm hooks, run as peers
 DDP_HOOK_PREFIX = "ddp_gradsync_"  # + a scheme with Scheme.ddp_hook: gradsync's DDP comm hook
 DATASETS = ("fashion-mnist", "text", "synthetic")
 RUNNERS = ("engine", "ddp_hook", "torch_ddp")
+AMP = (None, "bf16", "fp16")  # TrainSpec.amp: torch.autocast's dtype (fp16 with a GradScaler)
 DEFAULT_STEPS = 50
 SGD_LR, ADAMW_LR = 0.05, 3e-3
 # AdamW under compression (gradsync.optim): the share of a run's steps spent in exact AdamW with
@@ -132,6 +133,11 @@ class TrainSpec:
             the steps of exact AdamW, gradients sent whole, before the variance freezes
             (rounded up to whole ``density_warmup`` periods); ``None``:
             :data:`ADAM_WARMUP_SHARE` of the run's steps, at least 1.
+        amp: automatic mixed precision for every scheme: ``"bf16"`` (``torch.autocast`` in
+            bfloat16) or ``"fp16"`` (autocast in float16 with a ``torch.amp.GradScaler``; the
+            gradsync schemes follow it, ``GradSync.follow``/``HookState.follow``, with
+            ``Config(nonfinite="skip_step")``, and an overflowing step is skipped on every
+            rank); ``None``: fp32. Parameters, residuals and optimizer state stay fp32.
         plans: ``--plan FILE``: scheme → plan (``Config.plan``) for the engine schemes, as
             ``plans.json`` of an earlier ``--out`` holds them; each engine scheme run must have
             one, made for it (the others take none, extra entries are ignored). ``None``: every
@@ -162,6 +168,7 @@ class TrainSpec:
     device: str | None = None
     density_warmup: str | None = None
     adam_warmup: int | None = None
+    amp: str | None = None
     plans: dict[str, dict[str, Any]] | None = None
 
     def __post_init__(self) -> None:
@@ -231,6 +238,8 @@ class TrainSpec:
             self.warmup_schedule()  # raises on a malformed value
         if self.adam_warmup is not None:
             _int("adam_warmup", self.adam_warmup, 1)
+        if self.amp not in AMP:
+            raise ValueError(f"amp: unknown {self.amp!r}; choose from bf16, fp16 (or none)")
         if self.plans is not None:
             self._check_plans()
 
@@ -323,6 +332,7 @@ class TrainSpec:
                 "density": self.density, "sparsifier": self.sparsifier, "seed": self.seed,
                 "warmup_steps": self.warmup_steps, "eval_batches": self.eval_batches,
                 "density_warmup": self.density_warmup, "adam_warmup": self.adam_warmup,
+                "amp": self.amp,
                 "bandwidth": self.bandwidth, "latency": self.latency,
                 "replayed_plans": sorted(self.plans) if self.plans else []}
 
