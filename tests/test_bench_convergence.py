@@ -374,3 +374,27 @@ def test_plans_folder_without_a_job_file_is_refused(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         conv.parse_args(_plans_argv(tmp_path / "o", "--plans", str(tmp_path)))
     assert e.value.code == 2 and "plans-cnn-seed2.json" in capsys.readouterr().err
+
+
+def test_readme_ssfusion_oi_byte_charged_claim_holds_in_the_written_results():
+    """README: over 1000 steps SSFusion-OI reaches 7.45 against DDP's 7.06 and per_tensor's
+    7.40, at per_tensor's bytes per step (8.12 before). Checked against the JSON of the two
+    pages the command wrote."""
+    root = Path(__file__).resolve().parents[1]
+    readme = " ".join((root / "README.md").read_text().split())
+    assert ("over 1000 steps it reaches perplexity 7.45 against DDP's 7.06 and per_tensor's "
+            "7.40, at per_tensor's bytes per step") in readme and "8.12 when" in readme
+
+    def rows(name: str) -> dict:
+        data = json.loads((root / f"docs/results/{name}.json").read_text())
+        assert [m["steps"] for m in data["meta"]["models"]] == [1000]
+        return {r["scheme"]: r for r in data["rows"]}
+
+    now, before = rows("convergence-lm-1000-ssfusion-i"), rows("convergence-lm-1000")
+    assert round(now["ddp"]["mean"], 2) == round(before["ddp"]["mean"], 2) == 7.06
+    assert round(now["ssfusion_oi"]["mean"], 2) == 7.45 and len(now["ssfusion_oi"]["finals"]) == 3
+    assert round(before["per_tensor"]["mean"], 2) == 7.40
+    assert round(before["ssfusion_oi"]["mean"], 2) == 8.12
+    mb_now, mb_pt = now["ssfusion_oi"]["bytes_per_step"], before["per_tensor"]["bytes_per_step"]
+    assert abs(mb_now / mb_pt - 1) < 0.01  # the same bytes, within 1 %
+
