@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import time
 
@@ -76,3 +77,56 @@ def test_bad_arguments():
         run_distributed(_allreduce_rank, 0)
     with pytest.raises(ValueError):
         run_distributed(_allreduce_rank, 1, timeout=0)
+
+
+def _record_pid_and_sleep(rank: int, world_size: int, folder: str) -> None:
+    with open(os.path.join(folder, f"rank{rank}"), "w") as f:
+        f.write(str(os.getpid()))
+    time.sleep(120)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, only not yet reaped
+        return f.read().split(") ", 1)[1][0] != "Z"
+
+
+@pytest.mark.skipif(not os.path.exists("/proc"), reason="reads /proc")
+def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
+    """SIGKILL to the launcher alone (no finally, no cleanup): its ranks, forked from the
+    server process and so not its children, notice within seconds and exit."""
+    import signal
+    import subprocess
+    import sys
+
+    here = os.path.dirname(os.path.abspath(__file__))
+    code = ("import sys; sys.path.insert(0, sys.argv[1]); "
+            "from test_testing import _record_pid_and_sleep; "
+            "from gradsync.testing import run_distributed; "
+            "run_distributed(_record_pid_and_sleep, 2, sys.argv[2], timeout=300)")
+    launcher = subprocess.Popen([sys.executable, "-c", code, here, str(tmp_path)])
+    pids: list[int] = []
+    try:
+        deadline = time.monotonic() + 60
+        while len(list(tmp_path.iterdir())) < 2:
+            assert time.monotonic() < deadline, "the ranks did not start"
+            assert launcher.poll() is None, "the launcher ended early"
+            time.sleep(0.1)
+        time.sleep(0.2)  # the pid files are written whole
+        pids = [int((tmp_path / f"rank{r}").read_text()) for r in range(2)]
+        assert all(_alive(p) for p in pids)
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait(timeout=10)
+        deadline = time.monotonic() + 10
+        while any(_alive(p) for p in pids) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert not any(_alive(p) for p in pids), "ranks outlived their launcher"
+    finally:
+        if launcher.poll() is None:
+            launcher.kill()
+        for p in pids:  # a failed run must not leave them sleeping
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(p, signal.SIGKILL)

@@ -12,6 +12,9 @@ Guarantees, each tested in ``tests/test_testing.py``:
 * a rank that hangs past ``timeout`` seconds makes the call raise :class:`DistributedTimeout`,
   naming the ranks that did not finish; every child is reaped, the caller never hangs;
 * a rank that dies without raising (``os._exit``, a signal) is reported with its exit code;
+* a launcher killed outright (``SIGTERM``/``SIGKILL`` to it alone, no ``finally`` runs) does
+  not leave its ranks running: each rank watches the launcher's process and exits within
+  about a second of its end (:data:`_WATCH_SECONDS`);
 * world size 1 works.
 
 Backends and devices: ``backend="gloo"`` (default) or ``"nccl"``, or any string
@@ -36,6 +39,7 @@ import multiprocessing as mp
 import os
 import queue
 import tempfile
+import threading
 import time
 import traceback
 from collections.abc import Callable
@@ -48,6 +52,21 @@ import torch.distributed as dist
 __all__ = ["DistributedError", "DistributedTimeout", "run_distributed"]
 
 _GRACE_SECONDS = 5.0  # how long peers get to exit on their own after one rank failed
+_WATCH_SECONDS = 0.5  # how often a rank checks that its launcher still runs
+
+
+def _watch_launcher(launcher: int) -> None:
+    """Exit this rank when the process that launched it is gone. Ranks are forked from a
+    server process, so the launcher is not their parent and its death reaches them no other
+    way; an orphaned rank would hold its cores until its collectives time out."""
+    while True:
+        time.sleep(_WATCH_SECONDS)
+        try:
+            os.kill(launcher, 0)
+        except ProcessLookupError:
+            os._exit(3)
+        except PermissionError:  # the pid now belongs to another user's process
+            os._exit(3)
 
 
 class DistributedError(RuntimeError):
@@ -89,9 +108,12 @@ def _worker(
     cuda: bool,
     timeout: float,
     results: Any,
+    launcher: int,
     args: tuple,
     kwargs: dict,
 ) -> None:
+    threading.Thread(target=_watch_launcher, args=(launcher,), daemon=True,
+                     name="gradsync-launcher-watch").start()
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -156,8 +178,8 @@ def run_distributed(
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, init_method, backend, cuda, timeout, results, args,
-                      kwargs),
+                args=(fn, r, world_size, init_method, backend, cuda, timeout, results,
+                      os.getpid(), args, kwargs),
                 daemon=True,
             )
             for r in range(world_size)
