@@ -376,6 +376,21 @@ def test_plans_folder_without_a_job_file_is_refused(tmp_path, capsys):
     assert e.value.code == 2 and "plans-cnn-seed2.json" in capsys.readouterr().err
 
 
+def test_amp_reaches_every_run_and_the_page(tmp_path):
+    """``--amp bf16``: train's autocast for every scheme; the study records it in the JSON
+    and names it in the table's title."""
+    docs = tmp_path / "study.md"
+    argv = ["--model", "cnn", "--data", "synthetic", "--schemes", "ddp,topka", "--seeds", "2",
+            "--steps", "3", "--world-size", "2", "--batch-size", "8", "--eval-points", "1",
+            "--image-eval-batches", "2", "--amp", "bf16", "--out", str(tmp_path / "out"),
+            "--write-docs", str(docs)]
+    assert conv.main(argv) == 0
+    data = json.loads((tmp_path / "out" / "convergence.json").read_text())
+    assert [m["amp"] for m in data["meta"]["models"]] == ["bf16"]
+    assert all(math.isfinite(f) for r in data["rows"] for f in r["finals"])
+    assert ", AMP bf16" in docs.read_text()
+
+
 def test_readme_ssfusion_oi_byte_charged_claim_holds_in_the_written_results():
     """README: over 1000 steps SSFusion-OI reaches 7.45 against DDP's 7.06 and per_tensor's
     7.40, at per_tensor's bytes per step (8.12 before). Checked against the JSON of the two

@@ -134,6 +134,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
                    help="train's DGC density warm-up for the gradsync schemes (default off)")
+    p.add_argument("--amp", choices=("bf16", "fp16"), default=None,
+                   help="train's automatic mixed precision for every scheme (fp16: with a "
+                        "GradScaler the gradsync schemes follow; default fp32)")
     p.add_argument("--eval-points", type=int, default=4,
                    help="evaluations per run (evenly spaced, the last at the end)")
     p.add_argument("--image-eval-batches", type=int, default=None,
@@ -202,7 +205,7 @@ def _spec(a: argparse.Namespace, model: str, seed: int):
                          world_size=a.world_size, steps=steps, batch_size=a.batch_size,
                          density=a.density, seed=seed, eval_batches=n_eval,
                          eval_every=max(1, steps // a.eval_points), timeout=a.timeout,
-                         progress=False, density_warmup=a.density_warmup,
+                         progress=False, density_warmup=a.density_warmup, amp=a.amp,
                          plans=a.plan_files.get((model, seed)))
     except ValueError as e:
         raise SystemExit(f"python -m gradsync bench convergence: error: {e}") from None
@@ -324,7 +327,7 @@ def _run_model(a: argparse.Namespace, model: str) -> tuple[list[dict], dict]:
             "eval_batches": spec.eval_batches, "eval_every": spec.eval_every,
             "evaluated": evaluated,
             "world_size": spec.world_size, "density": spec.density,
-            "density_warmup": spec.density_warmup,
+            "density_warmup": spec.density_warmup, "amp": spec.amp,
             "text_fallback": spec.text_fallback, "link": link.get("link", "loopback")}
     return rows, info
 
@@ -380,7 +383,8 @@ def _title(info: dict, n_seeds: int) -> str:
         what = f"held-out perplexity ({n} tokens)"
     return (f"{info['model']} on {info['data']} — {what}; P={info['world_size']}, "
             f"{info['steps']} steps × {info['batch_size']}/rank, density {info['density']}, "
-            f"{n_seeds} seeds, {info['link']}")
+            f"{n_seeds} seeds, {info['link']}"
+            + (f", AMP {info['amp']}" if info.get("amp") else ""))
 
 
 def _plot(results: list[tuple[list[dict], dict]]):
