@@ -309,11 +309,11 @@ def decode(buf: torch.Tensor | bytes, *, numel: int | None = None,
         dev = as_buffer(buf).device
         return SparseGrad(torch.empty(0, dtype=torch.int64, device=dev),
                           torch.empty(0, dtype=vdtype, device=dev), n, validate=False)
-    _check_zero_runs(flatnonzero(~t.nonzero), t.z, "densestream.decode")
     at = _stored_indices(t.offsets, t.jumps, bits.numel())
     where = flatnonzero(t.nonzero)
     if where.numel() == bits.numel():  # no zeros stored: every position is an entry
         return SparseGrad(at, bits.clone().view(vdtype), n, validate=False)
+    _check_zero_runs(flatnonzero(~t.nonzero), t.z, "densestream.decode")
     return SparseGrad(torch.index_select(at, 0, where),
                       torch.index_select(bits, 0, where).view(vdtype),  # bit for bit
                       n, validate=False)

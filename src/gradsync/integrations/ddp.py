@@ -406,8 +406,7 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
     sparse = [n >= state.small_numel for n in numels]
     charge = 1.0  # the unsparsified tensors travel whole in the all-gather
     if state.scheme.interleave:  # … or in an all-reduce: charged at its bytes
-        P = dist.get_world_size(state.group) if dist.is_initialized() else 1
-        charge = allreduce_charge(P, elem_bytes)
+        charge = allreduce_charge(comm.size if comm is not None else 1, elem_bytes)
     if state.trained is not None:
         d = _model_density(state.trained, state.small_numel, cfg.density, cfg.min_density,
                            charge)

@@ -63,9 +63,7 @@ def _watch_launcher(launcher: int) -> None:
         time.sleep(_WATCH_SECONDS)
         try:
             os.kill(launcher, 0)
-        except ProcessLookupError:
-            os._exit(3)
-        except PermissionError:  # the pid now belongs to another user's process
+        except (ProcessLookupError, PermissionError):  # gone (or the pid reused by another user)
             os._exit(3)
 
 
