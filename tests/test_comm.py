@@ -266,3 +266,39 @@ def test_broadcast_object_arrives_everywhere_and_is_counted(world):
     root = 1 % world
     assert out[root]["recv"] == 0 and all(o["recv"] == blob for r, o in enumerate(out) if r != root)
     assert sum(o["sent"] for o in out) == (world - 1) * blob  # a tree: each non-root gets it once
+
+
+def _older_torch_rank(rank: int, world_size: int) -> dict:
+    """torch 2.11's API (the CUDA image ``make gpu-check`` ran on): no ``all_gather_single`` or
+    ``reduce_scatter_single``, only their older names. Removed in this rank only."""
+    import torch.distributed as dist
+
+    from gradsync.engine.consistency import _gather_bytes
+
+    old = {}
+    for name in ("all_gather_single", "reduce_scatter_single"):
+        old[name] = getattr(dist, name)
+        delattr(dist, name)
+    try:
+        P = world_size
+        c = Comm()
+        ag = c.all_gather(torch.full((3,), float(rank)))
+        rs = torch.empty(2)
+        c.reduce_scatter(rs, torch.arange(2.0 * P) * (rank + 1))
+        blobs = _gather_bytes(f"rank {rank}".encode(), None)
+        return {"ag": ag, "rs": rs, "blobs": blobs,
+                "missing": not hasattr(dist, "all_gather_single")}
+    finally:
+        for name, fn in old.items():
+            setattr(dist, name, fn)
+
+
+@pytest.mark.parametrize("P", [1, 2, 3])
+def test_comm_runs_on_torch_without_the_single_collectives(P):
+    for r, o in enumerate(run_distributed(_older_torch_rank, P, timeout=120)):
+        assert o["missing"]
+        assert torch.equal(o["ag"], torch.arange(P, dtype=torch.float32).repeat_interleave(3)
+                           .view(P, 3))
+        scale = P * (P + 1) / 2
+        assert o["rs"].tolist() == [2 * r * scale, (2 * r + 1) * scale]
+        assert o["blobs"] == [f"rank {j}".encode() for j in range(P)]

@@ -508,3 +508,22 @@ def test_gpt2_small_under_fsdp2_compresses_those_layers():
         got_comp = {p for u in r["plan"].values() for p in u["compressed"]}
         got_plain = {p for u in r["plan"].values() for p in u["plain"]}
         assert got_comp == comp and got_plain == plain
+
+
+def test_param_group_found_in_either_torch_layout():
+    """torch 2.13 keeps FSDP's parameter groups in a list, torch 2.11 (the CUDA image
+    ``make gpu-check`` ran on) one group or None; TAGC reads both."""
+    from types import SimpleNamespace
+
+    from gradsync.integrations.fsdp import _fsdp_param_group
+
+    def module(**state):
+        return SimpleNamespace(_get_fsdp_state=lambda: SimpleNamespace(**state))
+
+    g = object()
+    assert _fsdp_param_group(module(_fsdp_param_groups=[g])) is g
+    assert _fsdp_param_group(module(_fsdp_param_groups=[])) is None
+    assert _fsdp_param_group(module(_fsdp_param_group=g)) is g
+    assert _fsdp_param_group(module(_fsdp_param_group=None)) is None
+    with pytest.raises(ValueError, match="several parameter groups"):
+        _fsdp_param_group(module(_fsdp_param_groups=[g, object()]))

@@ -122,6 +122,24 @@ def _outlive_interpreter() -> None:
         ctypes.pythonapi.Py_IncRef(ctypes.py_object(work))
 
 
+def all_gather_single(out: torch.Tensor, t: torch.Tensor, group=None,
+                      async_op: bool = False) -> dist.Work | None:
+    """``dist.all_gather_single`` where torch has it (2.13), else the same call under its
+    older name ``all_gather_into_tensor`` (torch 2.11, the CUDA image ``make gpu-check`` has
+    run on). Looked up at each call: the newer name first, so 2.13 gives no deprecation
+    warning."""
+    fn = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    return fn(out, t, group=group, async_op=async_op)
+
+
+def reduce_scatter_single(out: torch.Tensor, inp: torch.Tensor,
+                          op: dist.ReduceOp.RedOpType = dist.ReduceOp.SUM, group=None,
+                          async_op: bool = False) -> dist.Work | None:
+    """``dist.reduce_scatter_single`` (torch 2.13), else ``reduce_scatter_tensor`` (2.11)."""
+    fn = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    return fn(out, inp, op=op, group=group, async_op=async_op)
+
+
 def _waited(work: dist.Work | None) -> None:
     """Wait for a call issued with ``async_op=True`` and keep its work (:func:`_kept`)."""
     if work is not None:
@@ -442,11 +460,10 @@ class Comm:
         flat = t.contiguous().view(-1)
         wire = self._staged(flat, "all_gather")
         if wire is flat:
-            _waited(dist.all_gather_single(out.view(-1), flat, group=self.group,
-                                           async_op=True))
+            _waited(all_gather_single(out.view(-1), flat, group=self.group, async_op=True))
             return out
         got = torch.empty(out.numel(), dtype=t.dtype, device=wire.device)
-        _waited(dist.all_gather_single(got, wire, group=self.group, async_op=True))
+        _waited(all_gather_single(got, wire, group=self.group, async_op=True))
         out.view(-1).copy_(got)
         return out
 
@@ -467,11 +484,11 @@ class Comm:
         wire_in = self._staged(inp, "reduce_scatter")
         self._check_op("reduce_scatter", op, wire_in)
         if wire_in is inp:
-            _waited(dist.reduce_scatter_single(out, inp, op=op, group=self.group, async_op=True))
+            _waited(reduce_scatter_single(out, inp, op=op, group=self.group, async_op=True))
             return
         wire_out = torch.empty(out.shape, dtype=out.dtype, device=wire_in.device)
-        _waited(dist.reduce_scatter_single(wire_out, wire_in, op=op, group=self.group,
-                                           async_op=True))
+        _waited(reduce_scatter_single(wire_out, wire_in, op=op, group=self.group,
+                                      async_op=True))
         out.copy_(wire_out)
 
     @_outside_backward

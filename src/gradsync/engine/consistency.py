@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.collectives.comm import Comm, CommStats, outside_backward
+from gradsync.collectives.comm import Comm, CommStats, all_gather_single, outside_backward
 
 __all__ = ["ReplicaDivergence", "broadcast_states", "check_consistency", "check_same_tensors",
            "parameter_digest", "signature_check", "state_signature"]
@@ -60,7 +60,7 @@ def _gather_bytes(blob: bytes, group: dist.ProcessGroup | None) -> list[bytes]:
     t = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(dev)
     out = torch.empty(world * t.numel(), dtype=torch.uint8, device=dev)
     with outside_backward():  # collectives/comm.py, "Exit safety"
-        dist.all_gather_single(out, t, group=group)
+        all_gather_single(out, t, group=group)
     return [bytes(c.tolist()) for c in out.cpu().view(world, -1)]
 
 

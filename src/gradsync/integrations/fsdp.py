@@ -271,8 +271,15 @@ class _Unit:
 
 
 def _fsdp_param_group(module: FSDPModule):
-    """The single FSDPParamGroup of ``module`` (None when it manages no parameters)."""
-    groups = module._get_fsdp_state()._fsdp_param_groups  # torch 2.13 layout
+    """The single FSDPParamGroup of ``module`` (None when it manages no parameters).
+
+    torch 2.13 keeps a list (``_fsdp_param_groups``); torch 2.11 (the CUDA image
+    ``make gpu-check`` has run on) one group or None (``_fsdp_param_group``)."""
+    state = module._get_fsdp_state()
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        single = state._fsdp_param_group
+        groups = [] if single is None else [single]
     if len(groups) > 1:
         raise ValueError("TAGC: FSDP units with several parameter groups (per-parameter "
                          "meshes) are not supported by set_custom_reduce_scatter")
