@@ -142,3 +142,37 @@ def test_adamw_snippet_is_adamw_while_sent_whole():
         assert r["scheme"] == "topka" and r["W"] == 100 and r["linked"] and not r["masking"]
         assert r["moved"] > 3e-3  # three AdamW steps of lr 3e-3 moved the weights
         assert r["worst"] < 0.02 * 3e-3, r  # and they are AdamW's (tests/test_optim.py)
+
+
+def test_readme_gpu_check_claim_is_the_saved_log():
+    """README: `make gpu-check` passed on one H100, 13 passed and 4 multi-GPU cases skipped.
+    The saved log says so, names only tests that exist, and failed none."""
+    import re
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "README.md").read_text()
+    log = (root / "docs/results/gpu-check-h100.log").read_text()
+    assert "13 passed, 4 multi-GPU cases skipped" in text
+    assert re.search(r"= 13 passed, 4 skipped, \d+ deselected in", log)
+    assert "H100" in log and "NCCL" in log and "FAILED" not in log
+    ran = re.findall(r"tests/test_cuda\.py::(\w+)\[?([\w-]*)\]? (PASSED|SKIPPED)", log)
+    assert len(ran) == 17
+    source = (root / "tests/test_cuda.py").read_text()
+    for name, setup, outcome in ran:
+        assert f"def {name}(" in source, name
+        assert (outcome == "SKIPPED") == (setup == "cuda-nccl-multi"), (name, setup)
+
+
+def test_readme_profile_cluster_row_is_a_real_command():
+    """README: `profile-cluster` writes a profile `report cluster --profile` reads; the H100
+    one it links is such a profile (the command itself: tests/test_report.py)."""
+    from gradsync.apps import cli, report_cluster
+
+    root = Path(__file__).resolve().parents[1]
+    readme = (root / "README.md").read_text()
+    assert "`python -m gradsync profile-cluster --out prof.json`" in readme
+    assert "profile-cluster" in cli.COMMANDS
+    prof = report_cluster.load_profile(root / "docs/results/cluster-profile-h100.json")
+    assert prof["label"] == "measured on NVIDIA H100 80GB HBM3"
+    assert all("measured" in prof["workloads"][w] for w in ("resnet152", "bert_large",
+                                                             "gpt2_large"))

@@ -150,3 +150,43 @@ def test_cluster_profile_cites_every_number_and_dense_ring_is_eq4(tmp_path):
     path.write_text(json.dumps(bad))
     with pytest.raises(ValueError, match="cite no source"):
         rc.load_profile(path)
+
+
+def test_profile_cluster_measures_a_profile_report_cluster_reads(tmp_path, capsys):
+    """`profile-cluster --quick` (here on the CPU): a cluster profile with ResNet-152's times
+    measured per tensor; `report cluster --profile` predicts from those times, labels the rows
+    that use them, and keeps the derived ones for the other workloads."""
+    from gradsync.apps import models
+    from gradsync.apps import report_cluster as rc
+
+    path = tmp_path / "prof.json"
+    assert cli.main(["profile-cluster", "--quick", "--workloads", "resnet152", "--device", "cpu",
+                     "--out", str(path)]) == 0
+    assert "report cluster --profile" in capsys.readouterr().out
+    prof = rc.load_profile(path)
+    assert prof["label"].startswith("measured on ")
+    m = prof["workloads"]["resnet152"]["measured"]
+    names = {n for n, _ in models.reference("resnet152", device="meta").named_parameters()}
+    assert set(m["order"]) == names and len(m["order"]) == len(names) == 467
+    assert all(t >= 0 for t in m["backward_s"])
+    # T_b are the gaps between ready times: they add up to the whole backward pass
+    assert sum(m["backward_s"]) == pytest.approx(m["backward_pass_s"], rel=1e-9)
+    assert m["forward_s"] > 0 and m["optimizer_s"] > 0
+    assert m["backward_pass_s"] < 10 * m["step_s"]
+    assert 0 <= m["shape_error"] <= 1
+    assert "measured" not in prof["workloads"]["bert_large"]
+    assert prof["gpus"][prof["workloads"]["resnet152"]["gpu"]]["copy_bytes_per_s"] > 0
+    assert {r["format"] for r in prof["measured"]["codecs"]} == {"coo", "densestream"}
+    cost, fwd, opt, _ = rc.cost_model(prof, "resnet152")
+    assert cost.order == m["order"] and fwd == m["forward_s"] and opt == m["optimizer_s"]
+    assert [cost.backward[n] for n in m["order"]] == m["backward_s"]
+    # the sparsifier was measured on this device: no bandwidth scaling for its own workloads
+    assert cost.sparsify.b == prof["sparsify"]["gpu"]["b"]
+    derived = rc.cost_model(rc.load_profile(), "resnet152")[0]
+    assert sum(derived.backward.values()) != pytest.approx(sum(cost.backward.values()))
+    p = rc.Predictor(prof)
+    assert p.label("resnet152") == prof["label"]
+    assert p.label("bert_large") == rc.LABEL
+    assert p.label("resnet152", "bert_large").startswith(prof["label"] + " (derived")
+    row = p.row("resnet152", "dense", 16, "100gbit")
+    assert row["iteration_s"] > sum(m["backward_s"])  # the backward pass is on its path

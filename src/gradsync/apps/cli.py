@@ -4,6 +4,7 @@
 arguments: ``python -m gradsync bench <name> --help``); ``bench list`` lists them.
 ``demo`` runs the short comparison that ``make demo`` shows; ``profile`` measures and prints
 the cost model (backward, sparsification and collective times) the planners consume;
+``profile-cluster`` measures on this machine's GPU a cluster profile for ``report cluster``;
 ``train`` trains a model with a scheme on local workers or under torchrun; ``report``
 reproduces the papers' tables; ``simulate`` predicts iteration time at large P.
 """
@@ -50,6 +51,7 @@ COMMANDS = {
     "bench": _bench,
     "demo": _module_main("gradsync.apps.demo"),
     "profile": _module_main("gradsync.apps.profile"),
+    "profile-cluster": _module_main("gradsync.apps.profile_cluster"),
     "train": _module_main("gradsync.apps.train"),
     "report": _module_main("gradsync.apps.report"),
     "simulate": _module_main("gradsync.apps.sim.simulate"),

@@ -134,6 +134,23 @@ def cost_model(prof: dict[str, Any], workload: str, quick: bool = False):
 
     wl = prof["workloads"][workload]
     gpu = prof["gpus"][wl["gpu"]]
+    comp = prof["compute"]
+    ref_gpu = prof["sparsify"].get("reference_gpu", "A100")  # the GPU the fit was taken on
+    g, c = prof["sparsify"]["gpu"], prof["sparsify"]["cpu"]
+    sp = AffineFit(g["a"], g["b"] if wl["gpu"] == ref_gpu else
+                   g["b"] * prof["gpus"][ref_gpu]["mem_bytes_per_s"] / gpu["mem_bytes_per_s"])
+    off = AffineFit(c["a"], c["b"])
+    compute = ComputeCost(message=comp["message"], merge=AffineFit(**comp["merge"]),
+                          codec=AffineFit(**comp["codec"]))
+    m = wl.get("measured")
+    if m is not None and not quick:  # profile-cluster: T_b per tensor in gradient-ready order
+        numel = dict(zip(m["order"], m["numel"]))
+        cost = CostModel(P=1, order=list(m["order"]), numel=numel, elem_bytes=4,
+                         backward=dict(zip(m["order"], m["backward_s"])), sparsify=sp,
+                         offload=off, allreduce=AlphaBeta(0.0, 0.0),
+                         allgather=AlphaBeta(0.0, 0.0),
+                         info={"workload": workload, "profile": prof["label"]}, compute=compute)
+        return cost, m["forward_s"], m["optimizer_s"], wl["batch"]
     if quick:
         shapes = tuple((f"t{i}", wl["params"] // QUICK_TENSORS) for i in range(QUICK_TENSORS))
     else:
@@ -152,18 +169,11 @@ def cost_model(prof: dict[str, Any], workload: str, quick: bool = False):
     t = flops / (gpu["peak_flops"] * prof["mfu"][wl["kind"]]["value"])
     backward_total, forward = t * 2 / 3, t / 3
     backward = {name: backward_total * numel[name] / n for name in order}
-    ref = prof["gpus"]["A100"]["mem_bytes_per_s"]
-    g, c = prof["sparsify"]["gpu"], prof["sparsify"]["cpu"]
-    sp = AffineFit(g["a"], g["b"] * ref / gpu["mem_bytes_per_s"])
-    off = AffineFit(c["a"], c["b"])
-    comp = prof["compute"]
     step = 16 * n / gpu["mem_bytes_per_s"]  # optimizer: read/write weight, grad, momentum
     cost = CostModel(P=1, order=order, numel=numel, elem_bytes=4, backward=backward,
                      sparsify=sp, offload=off, allreduce=AlphaBeta(0.0, 0.0),
                      allgather=AlphaBeta(0.0, 0.0),
-                     info={"workload": workload, "profile": prof["label"]},
-                     compute=ComputeCost(message=comp["message"], merge=AffineFit(**comp["merge"]),
-                                         codec=AffineFit(**comp["codec"])))
+                     info={"workload": workload, "profile": prof["label"]}, compute=compute)
     return cost, forward, step, wl["batch"]
 
 
@@ -188,6 +198,15 @@ class Predictor:
                                       densestream_ratio=ratio)
         return self.cache[key]
 
+    def label(self, *workloads: str) -> str:
+        """Where the workloads' compute times come from: measured (``profile-cluster``) or the
+        profile's derivation from published figures."""
+        measured = {w for w in workloads if "measured" in self.prof["workloads"][w]}
+        if not measured or self.quick:
+            return LABEL
+        return self.prof["label"] + ("" if measured == set(workloads) else f" ({LABEL} for "
+                                     f"{', '.join(sorted(set(workloads) - measured))})")
+
     def time(self, *args: Any, **kw: Any) -> float:
         return self.row(*args, **kw)["iteration_s"]
 
@@ -198,16 +217,17 @@ def _gain(p: Predictor, wl: str, a: str, b: str, P: int, link: str) -> float:
 
 
 def _range_row(fig: str, what: str, paper: tuple[float, float], vals: list[float],
-               unit: str = "%") -> dict[str, Any]:
+               unit: str = "%", profile: str = LABEL) -> dict[str, Any]:
     lo, hi = min(vals), max(vals)
     return {"figure": fig, "row": what, "unit": unit, "paper_lo": paper[0], "paper_hi": paper[1],
             "predicted_lo": lo, "predicted_hi": hi, "error_lo": lo - paper[0],
-            "error_hi": hi - paper[1], "profile": LABEL}
+            "error_hi": hi - paper[1], "profile": profile}
 
 
-def _scalar_row(fig: str, what: str, paper: float, pred: float, unit: str) -> dict[str, Any]:
+def _scalar_row(fig: str, what: str, paper: float, pred: float, unit: str,
+                profile: str = LABEL) -> dict[str, Any]:
     return {"figure": fig, "row": what, "unit": unit, "paper": paper, "predicted": pred,
-            "error_rel": (pred - paper) / paper, "profile": LABEL}
+            "error_rel": (pred - paper) / paper, "profile": profile}
 
 
 def run(a: argparse.Namespace) -> list[dict[str, Any]]:
@@ -221,27 +241,31 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
         vals = [_gain(p, wl, "ssfusion_oi", o, P, "200gbit") for o in OTHERS for P in FIG11_P]
         rows.append(_range_row("SSFusion Fig. 11", f"{NAMES[wl]}: SSFusion-(O+I) over "
                                "HiPress/Ok-Topk/SparDL/Espresso/OMGS/Cupcake, 16-64 GPUs",
-                               paper, vals))
+                               paper, vals, profile=p.label(wl)))
     for scheme, over, lo, hi in FIG11_PAIRS:
         vals = [_gain(p, wl, scheme, o, P, "200gbit") for wl in FIG11_MODELS for o in over
                 for P in FIG11_P]
         rows.append(_range_row("SSFusion Fig. 11", f"{scheme} over {'/'.join(over)} "
-                               "(3 models, 16-64 GPUs)", (lo, hi), vals))
+                               "(3 models, 16-64 GPUs)", (lo, hi), vals,
+                               profile=p.label(*FIG11_MODELS)))
     # SSFusion Fig. 16: bandwidths (model: ResNet-152, assumed)
     for link, paper in FIG16.items():
         vals = [_gain(p, "resnet152", "ssfusion_oi", o, P, link) for o in OTHERS
                 for P in FIG11_P]
         rows.append(_range_row("SSFusion Fig. 16", f"{link}: SSFusion over the others "
-                               "(ResNet-152 assumed), 16-64 GPUs", paper, vals))
+                               "(ResNet-152 assumed), 16-64 GPUs", paper, vals,
+                               profile=p.label("resnet152")))
     # Ok-Topk Fig. 12: BERT on Aries, weak scaling to 256
     ok = [p.time("oktopk_bert", o, 256, "aries") / p.time("oktopk_bert", "oktopk", 256, "aries")
           for o in OKTOPK_OTHERS]
     rows.append(_range_row("Ok-Topk Fig. 12", "BERT, 256 GPUs: Ok-Topk speed-up over Dense/"
-                           "DenseOvlp/TopkA/TopkDSA/gTopk/Gaussiank", OKTOPK_SPEEDUP, ok, "x"))
+                           "DenseOvlp/TopkA/TopkDSA/gTopk/Gaussiank", OKTOPK_SPEEDUP, ok, "x",
+                           profile=p.label("oktopk_bert")))
     eff = 100 * (p.time("oktopk_bert", "oktopk", 32, "aries")
                  / p.time("oktopk_bert", "oktopk", 256, "aries"))
     rows.append(_scalar_row("Ok-Topk Fig. 12", "BERT: Ok-Topk parallel efficiency 32 -> 256 "
-                            "GPUs (weak scaling)", OKTOPK_EFFICIENCY, eff, "%"))
+                            "GPUs (weak scaling)", OKTOPK_EFFICIENCY, eff, "%",
+                            profile=p.label("oktopk_bert")))
     # DenseStream Table II: P = 4, 1 Gbit/s; communication time incl. sparsification
     for (wl, scheme, d), paper in DS_TABLE_II.items():
         ratio = DS_TABLE_I.get((wl, d)) if scheme == "densestream" else None
@@ -251,11 +275,11 @@ def run(a: argparse.Namespace) -> list[dict[str, Any]]:
                  "topka": "TopkA"}[scheme]
         dtxt = "" if d is None else f", density {d:.0%}"
         rows.append(_scalar_row("DenseStream Table II", f"{NAMES[wl]} {label}{dtxt} (s)",
-                                paper, pred, "s"))
+                                paper, pred, "s", profile=p.label(wl)))
     for r in rows:
         r["quick"] = quick
     _print(rows, prof, quick)
-    write_outputs("report_cluster", rows, a.out, plot=_plot(rows),
+    write_outputs("report_cluster", rows, a.out, plot=_plot(rows, prof["label"]),
                   meta={"profile": prof["label"], "note": prof["note"]})
     return rows
 
@@ -271,16 +295,28 @@ def _fmt_row(r: dict[str, Any]) -> list[Any]:
 
 
 def _print(rows: list[dict[str, Any]], prof: dict[str, Any], quick: bool) -> None:
-    print(f"report cluster: the simulator on a GPU-cluster cost profile {prof['label'].upper()} "
-          f"(no GPU measured; sources in {PROFILE.name})")
+    measured = any(r["profile"] != LABEL for r in rows)
+    if measured:
+        print(f"report cluster: the simulator on a GPU-cluster cost profile {prof['label'].upper()}"
+              f" — {prof['note']}")
+    else:
+        print(f"report cluster: the simulator on a GPU-cluster cost profile "
+              f"{LABEL.upper()} (no GPU measured; sources in {PROFILE.name})")
     if quick:
         print(f"--quick: each model as {QUICK_TENSORS} equal tensors of its published total "
               "(smoke test; not the report's numbers)")
-    print_table(f"the papers' cluster experiments, predicted — profile {prof['label']}",
-                ["figure", "row", "paper", "predicted", "error"], [_fmt_row(r) for r in rows])
+    cols = ["figure", "row", "paper", "predicted", "error"]
+    body = [_fmt_row(r) for r in rows]
+    if measured:  # sparsification, merge and codec: the profile's, for every row
+        cols.append("T_b, forward")
+        body = [[*b, "derived" if r["profile"] == LABEL else "measured"
+                 if r["profile"] == prof["label"] else "partly measured"]
+                for b, r in zip(body, rows)]
+    print_table(f"the papers' cluster experiments, predicted — profile {prof['label']}", cols,
+                body)
 
 
-def _plot(rows: list[dict[str, Any]]):
+def _plot(rows: list[dict[str, Any]], label: str = LABEL):
     def plot(ax) -> None:
         xs, ys, lo, hi = [], [], [], []
         for i, r in enumerate(rows):
@@ -301,7 +337,7 @@ def _plot(rows: list[dict[str, Any]]):
         ax.set_xticklabels([f"{r['figure'].split()[0]} {i}" for i, r in enumerate(rows)],
                            rotation=90, fontsize=5)
         ax.set_ylabel("predicted / paper")
-        ax.set_title(f"report cluster — profile {LABEL}", fontsize=9)
+        ax.set_title(f"report cluster — profile {label}", fontsize=9)
         ax.legend(fontsize=7)
 
     return plot
