@@ -525,3 +525,74 @@ def test_backend_device_map():
         backend_devices("cpu:")
     c = Comm()  # no process group: one rank on the CPU, nothing staged
     assert c.device == torch.device("cpu") and c.wire_device(torch.device("cpu"), "send") is None
+
+
+# -- Lightning and Accelerate on a GPU ---------------------------------------------------------
+CLIENTS_SCRIPT = """\
+import sys, torch
+from torch import nn
+import pytorch_lightning as pl
+from torch.utils.data import DataLoader, TensorDataset
+import gradsync
+
+class Regression(pl.LightningModule):
+    def __init__(self):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(16, 64), nn.Tanh(), nn.Linear(64, 4))
+        self.losses = []
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.mse_loss(self.net(x), y)
+        self.losses.append(loss.item())
+        self.where = self.net[0].weight.device.type  # Lightning moves it back after fit
+        return loss
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+cfg = gradsync.Config(scheme="per_tensor", density=0.1)
+from accelerate import Accelerator  # first: before Lightning makes a process group
+accelerator = Accelerator()  # one process: no DDP wrapper
+model, opt = accelerator.prepare(nn.Linear(4, 4), torch.optim.SGD([torch.zeros(1)], lr=0.1))
+try:
+    gradsync.accelerate.register(accelerator, model, cfg)
+    refused = ""
+except TypeError as e:
+    refused = str(e)
+g = torch.Generator().manual_seed(0)
+x = torch.randn(256, 16, generator=g)
+y = torch.tanh(x @ torch.randn(16, 4, generator=g))
+loader = DataLoader(TensorDataset(x, y), batch_size=16)
+torch.manual_seed(0)
+module = Regression()
+strategy = gradsync.lightning.GradSyncStrategy(cfg)
+trainer = pl.Trainer(strategy=strategy, accelerator="gpu", devices=1, max_epochs=3,
+                     logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                     enable_model_summary=False)
+trainer.fit(module, loader)
+stats = strategy.stats()
+device = module.where
+first, last = sum(module.losses[:16]) / 16, sum(module.losses[-16:]) / 16
+print("RESULT", device, stats["calls"], first, last, accelerator.device.type, repr(refused))
+"""
+
+
+@pytest.mark.cuda
+def test_lightning_strategy_and_accelerate_on_cuda(tmp_path):
+    """GradSyncStrategy under a real Lightning Trainer on one GPU (accelerator="gpu"): the
+    model trains on CUDA through gradsync's hook; Accelerate's one-process GPU set-up is
+    refused with the TypeError the README names."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "clients.py"
+    script.write_text(CLIENTS_SCRIPT)
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES", "0")}
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True,
+                          timeout=300, cwd=tmp_path, env=env)
+    line = [ln for ln in proc.stdout.splitlines() if ln.startswith("RESULT")]
+    assert proc.returncode == 0 and line, proc.stdout[-2000:] + proc.stderr[-4000:]
+    _, device, calls, first, last, acc_device, refused = line[0].split(" ", 6)
+    assert device == "cuda" and acc_device == "cuda"
+    assert int(calls) > 0  # the hook ran
+    assert float(last) < 0.75 * float(first), (first, last)
+    assert "DistributedDataParallel" in refused, refused

@@ -145,18 +145,19 @@ def test_adamw_snippet_is_adamw_while_sent_whole():
 
 
 def test_readme_gpu_check_claim_is_the_saved_log():
-    """README: `make gpu-check` passed on one H100, 13 passed and 4 multi-GPU cases skipped.
+    """README: `make gpu-check` passed on one H100, 14 passed and 4 multi-GPU cases skipped.
     The saved log says so, names only tests that exist, and failed none."""
     import re
 
     root = Path(__file__).resolve().parents[1]
     text = (root / "README.md").read_text()
     log = (root / "docs/results/gpu-check-h100.log").read_text()
-    assert "13 passed, 4 multi-GPU cases skipped" in text
-    assert re.search(r"= 13 passed, 4 skipped, \d+ deselected in", log)
+    assert "14 passed, Lightning's strategy on the GPU among them, 4 multi-GPU cases" in text
+    assert re.search(r"= 14 passed, 4 skipped, \d+ deselected in", log)
     assert "H100" in log and "NCCL" in log and "FAILED" not in log
     ran = re.findall(r"tests/test_cuda\.py::(\w+)\[?([\w-]*)\]? (PASSED|SKIPPED)", log)
-    assert len(ran) == 17
+    assert len(ran) == 18
+    assert ("test_lightning_strategy_and_accelerate_on_cuda", "", "PASSED") in ran
     source = (root / "tests/test_cuda.py").read_text()
     for name, setup, outcome in ran:
         assert f"def {name}(" in source, name
