@@ -204,7 +204,7 @@ def measure_codecs(dev: torch.device, n: int, repeats: int) -> list[dict[str, An
 
     rows = []
     for density in (0.01, 0.1):
-        x = costmodel._heavy_tailed(n, 1, dev)
+        x = costmodel.profiling_input(n, 1, dev)
         idx = x.abs().topk(max(1, int(density * n))).indices.sort().values
         sel = SparseGrad(idx, x[idx], n)
         for name, fmt in (("coo", coo), ("densestream", ds)):

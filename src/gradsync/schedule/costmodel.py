@@ -42,6 +42,7 @@ __all__ = [
     "profile_compute",
     "profile_sparse_call",
     "profile_sparsifier",
+    "profiling_input",
     "with_call_cost",
 ]
 
@@ -487,8 +488,9 @@ def with_call_cost(allgather: AlphaBeta, call_s: float, P: int) -> AlphaBeta:
     return AlphaBeta(allgather.alpha + extra / (P - 1), allgather.beta)
 
 
-def _heavy_tailed(n: int, seed: int, device) -> Any:
-    """A gradient-like vector: Gaussian with log-normal scales (heavy tails), seeded."""
+def profiling_input(n: int, seed: int, device) -> Any:
+    """The seeded input the profilers time: a gradient-like vector, Gaussian with log-normal
+    scales (heavy tails). Simpler than ``bench sparsify``'s layered ``heavy_tailed``."""
     import torch
 
     g = torch.Generator().manual_seed(seed)
@@ -546,7 +548,7 @@ def profile_sparsifier(
     try:
         ts = []
         for i, n in enumerate(sizes):
-            x = _heavy_tailed(n, seed + i, dev)
+            x = profiling_input(n, seed + i, dev)
 
             def once(x=x) -> None:
                 if worker is None:
