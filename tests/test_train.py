@@ -414,3 +414,30 @@ def test_torchrun_worker_mode(tmp_path):
     assert m["environment"]["launcher"] == "torchrun" and m["config"]["world_size"] == 2
     n = _numel("cnn")
     assert m["runs"][0]["bytes_sent_per_rank"] == [[4 * n] * 3] * 2  # ring, P = 2
+
+
+def test_torchrun_with_more_local_ranks_than_gpus_says_so(monkeypatch):
+    """torchrun --nproc-per-node 2 on a one-GPU node: a clear error naming the fix, not CUDA's
+    "invalid device ordinal" (and before any process group is made)."""
+    from gradsync.apps.train import command
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_device", lambda i: pytest.fail("set_device called"))
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    with pytest.raises(SystemExit, match=r"local rank 1 but this node has 1 GPU.*"
+                                         r"--nproc-per-node.*CUDA_VISIBLE_DEVICES"):
+        command._main_torchrun(train.parse_args(["--scheme", "ddp"]))
+
+
+def test_local_launch_on_a_gpu_machine_says_where_it_trains(monkeypatch, capsys, tmp_path):
+    """Local workers are gloo CPU processes; on a machine with CUDA the command says so and
+    how to train on the GPUs instead (the run itself stays on the CPU)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    assert train.main(["--scheme", "ddp", "--world-size", "1", "--steps", "1",
+                       "--warmup-steps", "1", "--batch-size", "4", "--eval-batches", "1",
+                       "--data", "synthetic", "--no-progress", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "local workers train on the CPU (gloo)" in out and "torchrun --nproc-per-node" in out
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    assert m["environment"]["device"] == "cpu"

@@ -154,6 +154,12 @@ def _main_torchrun(spec: TrainSpec) -> int:
     cuda = torch.cuda.is_available()
     local = int(os.environ["LOCAL_RANK"])
     if cuda:
+        gpus = torch.cuda.device_count()
+        if local >= gpus:  # NCCL needs a GPU per process; CUDA would say "invalid ordinal"
+            raise SystemExit(
+                f"error: torchrun started local rank {local} but this node has {gpus} GPU(s) "
+                f"visible: launch at most {gpus} process(es) per node (--nproc-per-node), or "
+                f"hide the GPUs (CUDA_VISIBLE_DEVICES=) to train on the CPU with gloo")
         torch.cuda.set_device(local)
     backend = "nccl" if cuda else "gloo"
     if not dist.is_initialized():
@@ -185,6 +191,9 @@ def main(argv: list[str] | None = None) -> int:
     from gradsync.testing import DistributedError, DistributedTimeout
 
     spec = resolve_data(spec)
+    if torch.cuda.is_available():
+        print("note: local workers train on the CPU (gloo); to train on this machine's GPUs, "
+              "launch under torchrun: torchrun --nproc-per-node <GPUs> -m gradsync train …")
     t0 = time.perf_counter()
     try:
         results, link = launch(spec)
