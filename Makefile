@@ -57,8 +57,11 @@ bench: install
 # The GPU path (docs/architecture.md, "GPU path"): the tests marked `cuda` — collectives, engine,
 # DDP hook and TAGC on CUDA, NCCL at P = 1 (and on every GPU where there are several), gloo on
 # CUDA tensors at P = 2, 3. Needs a CUDA build of torch: GPU_PY=/path/to/python to use another
-# interpreter than the venv's (whose pinned wheel is the CPU one). Fails where CUDA is absent.
+# interpreter than the venv's (whose pinned wheel is the CPU one); the package is taken from
+# src/, so that interpreter needs torch and the test dependencies, not gradsync installed.
+# Fails where CUDA is absent.
 GPU_PY ?= $(PY)
+gpu-check: export PYTHONPATH := $(CURDIR)/src:$(CURDIR)/tests$(if $(PYTHONPATH),:$(PYTHONPATH))
 gpu-check:
 	@$(GPU_PY) -c "import sys, torch; ok = torch.cuda.is_available(); \
 	print('torch', torch.__version__, '| CUDA', torch.version.cuda, '| NCCL', \
