@@ -377,3 +377,29 @@ def test_baselines_in_the_engine(P):
                 assert opts["net.1.weight"] == "inline" and opts["net.1.bias"] == "dense", opts
             if scheme == "espresso":  # whatever the timeline prefers, the largest is compressed
                 assert opts["net.1.weight"] != "dense", opts
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_espresso_fast_timeline_is_simulate_bit_for_bit(seed):
+    """The walk's recurrence (``espresso._timeline``) gives exactly simulate()'s iteration for
+    every assignment of options, on random sizes, backward times, links and sparsifier costs
+    (an independent reference: the full timeline of the plan)."""
+    from gradsync.schedule import BufferPlan, Plan, simulate
+    from gradsync.schedule.espresso import OPTIONS, _tensor, _timeline
+
+    g = torch.Generator().manual_seed(seed)
+    n = 40
+    numel = {f"t{i}": int(v) for i, v in enumerate(torch.randint(1, 3_000_000, (n,), generator=g))}
+    backward = {k: float(v) for k, v in zip(numel, torch.rand(n, generator=g) * 1e-3)}
+    cost = _cost(numel, beta=(SLOW, FAST)[seed % 2], backward=backward,
+                 inline=AffineFit(float(torch.rand(1, generator=g)) * 1e-3, 1e-9),
+                 offload=AffineFit(float(torch.rand(1, generator=g)) * 1e-3, 3e-9), P=2 + seed)
+    names = list(numel)
+    variants = {(k, o): BufferPlan((_tensor(k, numel[k], o, 0.01),), "per_tensor")
+                for k in names for o in OPTIONS}
+    fast = _timeline(names, variants, cost)
+    for _ in range(25):
+        pick = torch.randint(0, 3, (n,), generator=g).tolist()
+        choice = {k: OPTIONS[j] for k, j in zip(names, pick)}
+        plan = Plan("espresso", [variants[k, choice[k]] for k in names])
+        assert fast(choice) == simulate(plan, cost).iteration
