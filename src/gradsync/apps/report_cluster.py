@@ -129,7 +129,8 @@ def cost_model(prof: dict[str, Any], workload: str, quick: bool = False):
 
     ``quick``: the published parameter total in QUICK_TENSORS equal tensors instead of the
     model's real shapes (a smoke test: every planner is then fast; the numbers are not the
-    report's)."""
+    report's), also for workloads the profile measured (``profile-cluster``), whose measured
+    per-tensor times are used otherwise."""
     from gradsync.schedule.costmodel import AffineFit, AlphaBeta, ComputeCost, CostModel
 
     wl = prof["workloads"][workload]
@@ -295,7 +296,7 @@ def _fmt_row(r: dict[str, Any]) -> list[Any]:
 
 
 def _print(rows: list[dict[str, Any]], prof: dict[str, Any], quick: bool) -> None:
-    measured = any(r["profile"] != LABEL for r in rows)
+    measured = prof["label"] != LABEL  # a profile-cluster profile (--quick: its T_b unused)
     if measured:
         print(f"report cluster: the simulator on a GPU-cluster cost profile {prof['label'].upper()}"
               f" — {prof['note']}")
