@@ -3,8 +3,11 @@
 The simulator (:func:`gradsync.apps.sim.predict.predict`) run on a *GPU-cluster cost profile*
 (``cluster_profile.json`` beside this file, or ``--profile``): per-tensor backward times, GPU and
 CPU sparsification, the collectives' compute and the α/β of 10/50/100/200 Gbit/s, Aries and
-1 Gbit/s links. No GPU was available to us, so the profile is **derived from published
-figures** — each number cites its source in the file, and the output says so on every row.
+1 Gbit/s links. The bundled profile is **derived from published figures**: each number cites
+its source in the file, and the output says so on every row. ``python -m gradsync
+profile-cluster`` writes one whose per-tensor backward times, GPU sparsification, merge and
+codec costs are measured on the local GPU (``apps/profile_cluster.py``; one H100's is
+``docs/results/cluster-profile-h100.json``); rows whose times were measured say so.
 
 Layer shapes are the published model definitions (:func:`gradsync.apps.models.reference`, on
 the meta device); a per-tensor backward time is the model's training FLOPs (3 × forward; He et
