@@ -32,14 +32,21 @@ def out_dir(path: str | Path) -> Path:
     return p
 
 
-def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1) -> float:
-    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs."""
+def median_time(fn: Callable[[], Any], repeats: int = 5, warmup: int = 1,
+                device: torch.device | str | None = None) -> float:
+    """Median wall seconds of ``fn()`` over ``repeats`` runs after ``warmup`` runs; on a CUDA
+    ``device`` each run is bracketed by synchronisations, so it times the kernels too."""
+    cuda = device is not None and torch.device(device).type == "cuda"
     for _ in range(warmup):
         fn()
     times = []
     for _ in range(max(1, repeats)):
+        if cuda:
+            torch.cuda.synchronize(device)
         t0 = time.perf_counter()
         fn()
+        if cuda:
+            torch.cuda.synchronize(device)
         times.append(time.perf_counter() - t0)
     return statistics.median(times)
 

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import statistics
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,8 +45,8 @@ import torch
 
 from gradsync import sparsify
 from gradsync.apps import models
-from gradsync.apps.common import cpu_description, print_table
-from gradsync.apps.report_cluster import load_profile
+from gradsync.apps.common import cpu_description, median_time, print_table
+from gradsync.apps.report_cluster import load_profile, training_flops
 from gradsync.schedule import costmodel
 
 # Datasheet peaks of the GPUs we may be lent: (bf16 dense Tensor Core FLOP/s, memory B/s).
@@ -73,19 +72,6 @@ def _sync(dev: torch.device) -> None:
         torch.cuda.synchronize(dev)
 
 
-def _median_time(fn, dev: torch.device, repeats: int, warmup: int = 1) -> float:
-    for _ in range(warmup):
-        fn()
-    ts = []
-    for _ in range(repeats):
-        _sync(dev)
-        t0 = time.perf_counter()
-        fn()
-        _sync(dev)
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
-
-
 def _inputs(wl: dict[str, Any], dev: torch.device, quick: bool):
     g = torch.Generator().manual_seed(0)
     b = 2 if quick else wl["batch"]
@@ -96,15 +82,6 @@ def _inputs(wl: dict[str, Any], dev: torch.device, quick: bool):
     t = 16 if quick else wl["tokens"]
     return (torch.randint(1000, (b, t), generator=g).to(dev),
             torch.randint(1000, (b, t), generator=g).to(dev))
-
-
-def training_flops(wl: dict[str, Any], prof: dict[str, Any], params: int, batch: int,
-                   tokens: int | None) -> float:
-    """``report_cluster.cost_model``'s training FLOPs of one step (3 × forward)."""
-    if wl["kind"] == "cnn":
-        macs = prof["training_flops"].get(f"{wl['model']}_macs")
-        return (6 * macs if macs else 6 * params) * batch
-    return 6 * params * tokens * batch
 
 
 def measure_workload(wl: dict[str, Any], prof: dict[str, Any], dev: torch.device,
@@ -123,8 +100,8 @@ def measure_workload(wl: dict[str, Any], prof: dict[str, Any], dev: torch.device
         net.zero_grad(set_to_none=True)
         loss().backward()
 
-    forward_s = _median_time(lambda: loss(), dev, repeats, warmup=1 if quick else 3)
-    step_s = _median_time(step, dev, repeats, warmup=1)
+    forward_s = median_time(loss, repeats, warmup=1 if quick else 3, device=dev)
+    step_s = median_time(step, repeats, device=dev)
     # one more pass, with a timestamp per gradient
     stamps: dict[str, Any] = {}
 
@@ -138,7 +115,7 @@ def measure_workload(wl: dict[str, Any], prof: dict[str, Any], dev: torch.device
         return hook
 
     opt = torch.optim.SGD(net.parameters(), lr=1e-6, momentum=0.9)  # grads exist: step()
-    optimizer_s = _median_time(opt.step, dev, repeats)
+    optimizer_s = median_time(opt.step, repeats, device=dev)
     net.zero_grad(set_to_none=True)
     out = loss()
     handles = [p.register_post_accumulate_grad_hook(hook_for(n)) for n, p in params]
@@ -175,7 +152,7 @@ def measure_workload(wl: dict[str, Any], prof: dict[str, Any], dev: torch.device
             err, err_at = gap, acc / n_all
     batch = 2 if quick else wl["batch"]
     tokens = None if wl["kind"] == "cnn" else (16 if quick else wl["tokens"])
-    flops = training_flops(wl, prof, n_all, batch, tokens)
+    flops = training_flops(prof, wl, n_all, batch, tokens)
     return {"batch": batch, "tokens": tokens, "params": n_all,
             "precision": "fp32 weights, bf16 autocast" if dev.type == "cuda" else "fp32",
             "forward_s": forward_s, "step_s": step_s, "backward_pass_s": sum(backward),
@@ -190,31 +167,26 @@ def copy_bandwidth(dev: torch.device, quick: bool) -> float:
     """Bytes read + written per second by a device-to-device copy of 256 MiB (4 MiB quick)."""
     x = torch.ones((1 << 20 if quick else 1 << 26), device=dev)
     y = torch.empty_like(x)
-    t = _median_time(lambda: y.copy_(x), dev, 2 if quick else 10)
+    t = median_time(lambda: y.copy_(x), 2 if quick else 10, device=dev)
     return 2 * x.numel() * x.element_size() / t
 
 
 def measure_codecs(dev: torch.device, n: int, repeats: int) -> list[dict[str, Any]]:
-    """COO and DenseStream encode/decode throughput (MB of wire buffer per second) on ``dev``,
+    """COO and DenseStream encode/decode throughput on ``dev`` (``bench formats``' timing),
     of the top-k selection of a seeded heavy-tailed tensor of ``n`` elements (random positions:
     short DenseStream blocks, its hard case)."""
-    from gradsync.formats import coo
-    from gradsync.formats import densestream as ds
+    from gradsync.apps.bench.formats import codec_throughput
     from gradsync.sparsegrad import SparseGrad
 
     rows = []
     for density in (0.01, 0.1):
         x = costmodel.profiling_input(n, 1, dev)
         idx = x.abs().topk(max(1, int(density * n))).indices.sort().values
-        sel = SparseGrad(idx, x[idx], n)
-        for name, fmt in (("coo", coo), ("densestream", ds)):
-            buf = fmt.encode(sel, index_bytes=4)
-            te = _median_time(lambda fmt=fmt, sel=sel: fmt.encode(sel, index_bytes=4), dev,
-                              repeats)
-            td = _median_time(lambda fmt=fmt, buf=buf: fmt.decode(buf), dev, repeats)
-            rows.append({"format": name, "density": density, "n": n, "bytes": buf.numel(),
-                         "encode_s": te, "decode_s": td, "encode_MBps": buf.numel() / 1e6 / te,
-                         "decode_MBps": buf.numel() / 1e6 / td})
+        t = codec_throughput(SparseGrad(idx, x[idx], n), 4, repeats)
+        rows += [{"format": f, "density": density, "n": n,
+                  **{k: t[f"{f}_{k}"] for k in ("bytes", "encode_s", "decode_s",
+                                                "encode_MBps", "decode_MBps")}}
+                 for f in ("coo", "densestream")]
     return rows
 
 

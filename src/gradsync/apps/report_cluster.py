@@ -43,7 +43,8 @@ from typing import Any
 
 from gradsync.apps.common import print_table, write_outputs
 
-__all__ = ["LABEL", "PROFILE", "Predictor", "cost_model", "load_profile", "run"]
+__all__ = ["LABEL", "PROFILE", "Predictor", "cost_model", "load_profile", "run",
+           "training_flops"]
 
 PROFILE = Path(__file__).with_name("cluster_profile.json")
 LABEL = "derived from published figures"
@@ -127,6 +128,16 @@ def _shapes(model: str) -> tuple[tuple[str, int], ...]:
 QUICK_TENSORS = 12
 
 
+def training_flops(prof: dict[str, Any], wl: dict[str, Any], params: int, batch: int,
+                   tokens: int | None) -> float:
+    """FLOPs of one training step (3 × forward; forward = 2 × multiply-adds): the profile's
+    MACs for a CNN (He et al. Table 1), else 6 per parameter and token (Kaplan et al.)."""
+    if wl["kind"] == "cnn":
+        macs = prof["training_flops"].get(f"{wl['model']}_macs")
+        return (6 * macs if macs else 6 * params) * batch
+    return 6 * params * tokens * batch
+
+
 def cost_model(prof: dict[str, Any], workload: str, quick: bool = False):
     """(CostModel at P = 1, forward_s, step_s, batch) of one workload of the profile.
 
@@ -148,32 +159,26 @@ def cost_model(prof: dict[str, Any], workload: str, quick: bool = False):
                           codec=AffineFit(**comp["codec"]))
     m = wl.get("measured")
     if m is not None and not quick:  # profile-cluster: T_b per tensor in gradient-ready order
-        numel = dict(zip(m["order"], m["numel"]))
-        cost = CostModel(P=1, order=list(m["order"]), numel=numel, elem_bytes=4,
-                         backward=dict(zip(m["order"], m["backward_s"])), sparsify=sp,
-                         offload=off, allreduce=AlphaBeta(0.0, 0.0),
-                         allgather=AlphaBeta(0.0, 0.0),
-                         info={"workload": workload, "profile": prof["label"]}, compute=compute)
-        return cost, m["forward_s"], m["optimizer_s"], wl["batch"]
-    if quick:
-        shapes = tuple((f"t{i}", wl["params"] // QUICK_TENSORS) for i in range(QUICK_TENSORS))
+        order = list(m["order"])
+        numel = dict(zip(order, m["numel"]))
+        backward = dict(zip(order, m["backward_s"]))
+        forward, step = m["forward_s"], m["optimizer_s"]
     else:
-        shapes = _shapes(wl["model"])
-    n0 = sum(n for _, n in shapes)
-    scale = wl.get("params", n0) / n0
-    order = [name for name, _ in reversed(shapes)]  # gradients become ready output-first
-    numel = {name: max(1, round(n * scale)) for name, n in shapes}
-    n = sum(numel.values())
-    if wl["kind"] == "cnn":
-        macs = prof["training_flops"].get(f"{wl['model']}_macs")
-        per_sample = 6 * macs if macs else 6 * n  # 3 x (2 x MACs)
-    else:
-        per_sample = 6 * n * wl["tokens"]
-    flops = per_sample * wl["batch"]
-    t = flops / (gpu["peak_flops"] * prof["mfu"][wl["kind"]]["value"])
-    backward_total, forward = t * 2 / 3, t / 3
-    backward = {name: backward_total * numel[name] / n for name in order}
-    step = 16 * n / gpu["mem_bytes_per_s"]  # optimizer: read/write weight, grad, momentum
+        if quick:
+            shapes = tuple((f"t{i}", wl["params"] // QUICK_TENSORS)
+                           for i in range(QUICK_TENSORS))
+        else:
+            shapes = _shapes(wl["model"])
+        n0 = sum(n for _, n in shapes)
+        scale = wl.get("params", n0) / n0
+        order = [name for name, _ in reversed(shapes)]  # gradients become ready output-first
+        numel = {name: max(1, round(n * scale)) for name, n in shapes}
+        n = sum(numel.values())
+        flops = training_flops(prof, wl, n, wl["batch"], wl.get("tokens"))
+        t = flops / (gpu["peak_flops"] * prof["mfu"][wl["kind"]]["value"])
+        backward_total, forward = t * 2 / 3, t / 3
+        backward = {name: backward_total * numel[name] / n for name in order}
+        step = 16 * n / gpu["mem_bytes_per_s"]  # optimizer: read/write weight, grad, momentum
     cost = CostModel(P=1, order=order, numel=numel, elem_bytes=4, backward=backward,
                      sparsify=sp, offload=off, allreduce=AlphaBeta(0.0, 0.0),
                      allgather=AlphaBeta(0.0, 0.0),

@@ -30,7 +30,7 @@ from gradsync.formats import densestream as ds
 from gradsync.sparsegrad import SparseGrad
 
 # DenseStream Table I: compression ratio DenseStream / key-value, epochs 1, 5, 50.
-__all__ = ["PAPER_TABLE_I", "main", "payload_sizes", "top_k"]
+__all__ = ["PAPER_TABLE_I", "codec_throughput", "main", "payload_sizes", "top_k"]
 
 PAPER_TABLE_I: dict[str, dict[float, tuple[float, float, float]]] = {
     "VGG16": {0.01: (1.11, 0.99, 1.03), 0.05: (0.86, 0.89, 0.85), 0.10: (0.75, 0.77, 0.75)},
@@ -62,13 +62,18 @@ def payload_sizes(sel: SparseGrad, iw: int) -> dict[str, Any]:
             "ratio_with_headers": ds_b / coo_b}
 
 
-def _throughput(sel: SparseGrad, iw: int, repeats: int) -> dict[str, Any]:
+def codec_throughput(sel: SparseGrad, iw: int, repeats: int) -> dict[str, Any]:
+    """COO's and DenseStream's encode and decode of ``sel`` (on its device): medians in
+    seconds and MB of wire buffer per second."""
     out: dict[str, Any] = {"nnz": len(sel), "numel": sel.numel}
+    dev = sel.indices.device
     for name, fmt in (("coo", coo), ("densestream", ds)):
         buf = fmt.encode(sel, index_bytes=iw)
-        t_enc = median_time(lambda fmt=fmt: fmt.encode(sel, index_bytes=iw), repeats)
-        t_dec = median_time(lambda fmt=fmt, buf=buf: fmt.decode(buf), repeats)
+        t_enc = median_time(lambda fmt=fmt: fmt.encode(sel, index_bytes=iw), repeats,
+                            device=dev)
+        t_dec = median_time(lambda fmt=fmt, buf=buf: fmt.decode(buf), repeats, device=dev)
         mb = buf.numel() / 1e6
+        out[f"{name}_bytes"] = buf.numel()
         out[f"{name}_encode_s"], out[f"{name}_decode_s"] = t_enc, t_dec
         out[f"{name}_encode_MBps"], out[f"{name}_decode_MBps"] = mb / t_enc, mb / t_dec
     return out
@@ -129,7 +134,7 @@ def _measure(grads: dict[str, torch.Tensor], flat: torch.Tensor, densities: list
         rows.append({"kind": "model_flat", "tensor": "ALL (flat, global top-k)", "density": d,
                      **payload_sizes(sel, iw)})
         rows.append({"kind": "throughput", "tensor": "ALL (flat, global top-k)", "density": d,
-                     **_throughput(sel, iw, repeats)})
+                     **codec_throughput(sel, iw, repeats)})
     for model, by_d in PAPER_TABLE_I.items():
         for d, (e1, e5, e50) in by_d.items():
             rows.append({"kind": "paper", "tensor": f"paper {model}", "density": d,
