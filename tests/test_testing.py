@@ -94,19 +94,33 @@ def _alive(pid: int) -> bool:
         return f.read().split(") ", 1)[1][0] != "Z"
 
 
+_LAUNCH = {
+    "run_distributed": "from gradsync.testing import run_distributed as launch; "
+                       "launch(_record_pid_and_sleep, 2, sys.argv[2], timeout=300)",
+    "run_shaped": "from gradsync.testing.netem import run_shaped as launch; "
+                  "launch(_record_pid_and_sleep, 2, sys.argv[2], bandwidth='100mbit', "
+                  "timeout=300, fallback=False)",
+}
+
+
 @pytest.mark.skipif(not os.path.exists("/proc"), reason="reads /proc")
-def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
-    """SIGKILL to the launcher alone (no finally, no cleanup): its ranks, forked from the
-    server process and so not its children, notice within seconds and exit."""
+@pytest.mark.parametrize("how", sorted(_LAUNCH))
+def test_ranks_exit_when_their_launcher_is_killed(tmp_path, how):
+    """SIGKILL to the launcher alone (no finally, no cleanup): its ranks — forked from the
+    server process (``run_distributed``), or its children re-parented to init by its death
+    (``run_shaped``, one ``ip netns exec`` process per rank) — notice within seconds and
+    exit."""
     import signal
     import subprocess
     import sys
 
+    from gradsync.testing import netem
+
+    if how == "run_shaped" and netem.netem_available() is not None:
+        pytest.skip(f"shaped links: {netem.netem_available()}")
     here = os.path.dirname(os.path.abspath(__file__))
     code = ("import sys; sys.path.insert(0, sys.argv[1]); "
-            "from test_testing import _record_pid_and_sleep; "
-            "from gradsync.testing import run_distributed; "
-            "run_distributed(_record_pid_and_sleep, 2, sys.argv[2], timeout=300)")
+            "from test_testing import _record_pid_and_sleep; " + _LAUNCH[how])
     launcher = subprocess.Popen([sys.executable, "-c", code, here, str(tmp_path)])
     pids: list[int] = []
     try:
@@ -130,3 +144,5 @@ def test_ranks_exit_when_their_launcher_is_killed(tmp_path):
         for p in pids:  # a failed run must not leave them sleeping
             with contextlib.suppress(ProcessLookupError):
                 os.kill(p, signal.SIGKILL)
+        if how == "run_shaped":
+            netem.cleanup_stale()  # the killed launcher's namespaces

@@ -35,6 +35,9 @@ def main(argv: list[str]) -> int:
         sys.path[:0] = [p for p in head["sys_path"] if p not in sys.path]
         result = head["result"]
         try:
+            from gradsync.testing.distributed import watch_launcher
+
+            watch_launcher(head["launcher"])  # a SIGKILLed launcher leaves no orphan behind
             import torch
             import torch.distributed as dist
 

@@ -49,22 +49,29 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedError", "DistributedTimeout", "run_distributed"]
+__all__ = ["DistributedError", "DistributedTimeout", "run_distributed", "watch_launcher"]
 
 _GRACE_SECONDS = 5.0  # how long peers get to exit on their own after one rank failed
 _WATCH_SECONDS = 0.5  # how often a rank checks that its launcher still runs
 
 
-def _watch_launcher(launcher: int) -> None:
-    """Exit this rank when the process that launched it is gone. Ranks are forked from a
-    server process, so the launcher is not their parent and its death reaches them no other
-    way; an orphaned rank would hold its cores until its collectives time out."""
+def _watch(launcher: int) -> None:
     while True:
         time.sleep(_WATCH_SECONDS)
         try:
             os.kill(launcher, 0)
         except (ProcessLookupError, PermissionError):  # gone (or the pid reused by another user)
             os._exit(3)
+
+
+def watch_launcher(launcher: int) -> None:
+    """Exit this process (code 3) within ``_WATCH_SECONDS`` once the process ``launcher`` is
+    gone: a daemon thread polls it. A launcher killed outright runs no clean-up, and its
+    death reaches a rank no other way when the rank is not its child (forked from a server
+    process here; re-parented to init when its parent dies, in ``run_shaped``); an orphaned
+    rank would hold its cores until its collectives time out."""
+    threading.Thread(target=_watch, args=(launcher,), daemon=True,
+                     name="gradsync-launcher-watch").start()
 
 
 class DistributedError(RuntimeError):
@@ -110,8 +117,7 @@ def _worker(
     args: tuple,
     kwargs: dict,
 ) -> None:
-    threading.Thread(target=_watch_launcher, args=(launcher,), daemon=True,
-                     name="gradsync-launcher-watch").start()
+    watch_launcher(launcher)
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),

@@ -29,7 +29,9 @@ every ``gsne-<pid>-…`` namespace whose ``<pid>`` is no longer running.
 
 ``run_shaped(fn, P, …)`` runs ``fn(rank, P, …)`` like :func:`gradsync.testing.run_distributed`,
 but each rank is a separate ``ip netns exec <ns> python -m gradsync.testing._netem_worker``
-process on its shaped link. Without root, ``ip`` or ``tc`` (or when the namespaces cannot be
+process on its shaped link; each rank exits within a second once the process that launched
+it is gone, so a launcher killed with SIGKILL leaves no rank running (its namespaces are then
+removed as above). Without root, ``ip`` or ``tc`` (or when the namespaces cannot be
 created) it warns in one line and runs on loopback; the returned :class:`ShapedResults` says
 which happened.
 """
@@ -430,6 +432,7 @@ def _run_in_namespaces(world: ShapedWorld, fn: Callable[..., Any], args: tuple, 
                         "sys_path": list(sys.path), "rank": r, "world_size": p,
                         "init_method": f"tcp://{world.master_addr}:{PORT}",
                         "timeout": timeout, "threads": threads, "result": results[r],
+                        "launcher": os.getpid(),
                     }, f)
                     try:
                         pickle.dump((fn, args, kwargs), f)
