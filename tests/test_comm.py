@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from gradsync.collectives.comm import Comm
+from gradsync.collectives.comm import Comm, exchange_objects
 from gradsync.testing import run_distributed
 
 WORLD_SIZES = [1, 2, 3, 5]
@@ -266,6 +266,37 @@ def test_broadcast_object_arrives_everywhere_and_is_counted(world):
     root = 1 % world
     assert out[root]["recv"] == 0 and all(o["recv"] == blob for r, o in enumerate(out) if r != root)
     assert sum(o["sent"] for o in out) == (world - 1) * blob  # a tree: each non-root gets it once
+
+
+def _exchange_rank(rank: int, world_size: int) -> dict:
+    """Objects of different pickled sizes per rank, exchanged to everyone and to the last rank."""
+    from gradsync.collectives import comm as comm_mod
+
+    obj = {"rank": rank, "pad": "x" * (7 * rank), "t": torch.arange(rank, dtype=torch.int16)}
+    before = len(comm_mod._KEPT)
+    everyone = exchange_objects(obj)
+    last = exchange_objects(obj, dst=world_size - 1)
+    return {"everyone": everyone, "last": last,
+            "kept": len(comm_mod._KEPT) - before if world_size > 1 else None}
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+def test_exchange_objects_all_gather_and_gather_keep_their_works(world):
+    """``exchange_objects`` gives what ``dist.all_gather_object``/``gather_object`` give, and
+    keeps its works (two per call: lengths, then bytes), so gloo's thread never frees them."""
+    out = run_distributed(_exchange_rank, world, timeout=120)
+    expected = [{"rank": r, "pad": "x" * (7 * r)} for r in range(world)]
+    for rank, o in enumerate(out):
+        got = o["everyone"]
+        assert [{k: g[k] for k in ("rank", "pad")} for g in got] == expected
+        assert all(torch.equal(g["t"], torch.arange(r, dtype=torch.int16))
+                   for r, g in enumerate(got))
+        if rank == world - 1:
+            assert [g["pad"] for g in o["last"]] == [e["pad"] for e in expected]
+        else:
+            assert o["last"] is None
+        if world > 1:
+            assert o["kept"] == 4  # two calls of two works each, all kept
 
 
 def _older_torch_rank(rank: int, world_size: int) -> dict:

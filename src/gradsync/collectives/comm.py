@@ -62,7 +62,11 @@ completes, so if the caller's reference went first the worker thread frees the t
 ``Comm`` issues every call with ``async_op=True``, waits, and keeps the last
 ``KEPT_WORKS`` works of the process (:func:`_kept`): the training thread frees them, later.
 An ``atexit`` handler keeps the last ones alive past the interpreter's exit, so no work is
-freed by gloo's thread while the interpreter shuts down.
+freed by gloo's thread while the interpreter shuts down. torch's object collectives
+(``dist.all_gather_object``, ``dist.gather_object``) wait without handing out their work, so
+gloo's thread may free it: tests/test_lightning.py's job aborted at exit in 4 of 34 launches
+run three at a time, gloo's worker thread freeing an all-gather's tensors in
+``Py_FinalizeEx``. :func:`exchange_objects` replaces them for gradsync's own calls (0 of 84).
 """
 
 from __future__ import annotations
@@ -80,8 +84,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "CommStats", "backend_devices", "emulate_backend", "outside_backward",
-           "ring_allreduce_bytes"]
+__all__ = ["Comm", "CommStats", "backend_devices", "emulate_backend", "exchange_objects",
+           "outside_backward", "ring_allreduce_bytes"]
 
 _TLS_KEY = "context"  # what torch.autograd.graph._engine_run_backward stashes
 
@@ -144,6 +148,44 @@ def _waited(work: dist.Work | None) -> None:
     """Wait for a call issued with ``async_op=True`` and keep its work (:func:`_kept`)."""
     if work is not None:
         _kept(work).wait()
+
+
+def exchange_objects(obj: Any, group=None, dst: int | None = None) -> list[Any] | None:
+    """Every rank's picklable ``obj`` in group-rank order: on every rank (``dst=None``, as
+    ``dist.all_gather_object``) or on group rank ``dst`` only, the others getting ``None`` (as
+    ``dist.gather_object``). A collective: every rank of ``group`` calls it alike.
+
+    The pickles travel on the group's control device (:attr:`Comm.device`) as one all-gather of
+    their lengths and one all-gather (or gather) of the bytes padded to the longest, each issued
+    asynchronously, outside the backward's thread-local state, waited and kept (module
+    docstring, "Exit safety"). Not counted in any :class:`CommStats`: like the torch calls it
+    replaces, it is set-up and checkpoint traffic, not a step's. It unpickles what the ranks
+    sent: for a job's own ranks."""
+    world = dist.get_world_size(group)
+    if world == 1:
+        return [obj]
+    dev = Comm(group).device
+    blob = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    sizes = torch.empty(world, dtype=torch.int64, device=dev)
+    with outside_backward():
+        _waited(all_gather_single(sizes, torch.tensor([blob.numel()], device=dev), group=group,
+                                  async_op=True))
+        lengths = sizes.tolist()
+        mine = torch.zeros(max(lengths), dtype=torch.uint8, device=dev)
+        mine[:blob.numel()] = blob.to(dev)
+        if dst is None:
+            out = torch.empty(world * mine.numel(), dtype=torch.uint8, device=dev)
+            _waited(all_gather_single(out, mine, group=group, async_op=True))
+        else:
+            me = dist.get_rank(group)
+            out = (torch.empty(world * mine.numel(), dtype=torch.uint8, device=dev)
+                   if me == dst else None)
+            _waited(dist.gather(mine, None if out is None else list(out.view(world, -1)),
+                                group=group, group_dst=dst, async_op=True))
+            if out is None:
+                return None
+    rows = out.cpu().view(world, -1)
+    return [pickle.loads(rows[r, :lengths[r]].numpy().tobytes()) for r in range(world)]
 
 
 def _outside_backward(fn: Callable) -> Callable:

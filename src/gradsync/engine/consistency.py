@@ -20,7 +20,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from gradsync.collectives.comm import Comm, CommStats, all_gather_single, outside_backward
+from gradsync.collectives.comm import Comm, CommStats, exchange_objects
 
 __all__ = ["ReplicaDivergence", "broadcast_states", "check_consistency", "check_same_tensors",
            "parameter_digest", "signature_check", "state_signature"]
@@ -56,12 +56,7 @@ def parameter_digest(model: nn.Module) -> tuple[bytes, list[tuple[str, bytes]]]:
 
 
 def _gather_bytes(blob: bytes, group: dist.ProcessGroup | None) -> list[bytes]:
-    world, dev = dist.get_world_size(group), Comm(group).device  # NCCL: the GPU
-    t = torch.frombuffer(bytearray(blob), dtype=torch.uint8).to(dev)
-    out = torch.empty(world * t.numel(), dtype=torch.uint8, device=dev)
-    with outside_backward():  # collectives/comm.py, "Exit safety"
-        all_gather_single(out, t, group=group)
-    return [bytes(c.tolist()) for c in out.cpu().view(world, -1)]
+    return exchange_objects(blob, group)  # collectives/comm.py, "Exit safety"
 
 
 def _divergence(named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None
@@ -108,10 +103,7 @@ def check_same_tensors(named: Sequence[tuple[str, torch.Tensor]], what: str,
 
 def signature_check(signature: Any, group: dist.ProcessGroup | None = None) -> None:
     """All ranks must pass equal ``signature`` objects; otherwise raise ``ValueError``."""
-    world = dist.get_world_size(group)
-    sigs: list[Any] = [None] * world
-    with outside_backward():  # may run in the DDP hook's first call (collectives/comm.py)
-        dist.all_gather_object(sigs, signature, group=group)
+    sigs = exchange_objects(signature, group)  # also in the DDP hook's first call
     mine = dist.get_rank(group)
     for r, s in enumerate(sigs):
         if s != sigs[0]:

@@ -13,8 +13,8 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-import torch.distributed as dist
 
+from gradsync.collectives.comm import exchange_objects
 from gradsync.integrations.ddp import HookState
 
 __all__ = ["FORMAT", "gather", "restore"]
@@ -37,14 +37,8 @@ def gather(state: HookState, everywhere: bool = False) -> dict[str, Any] | None:
     ``None``. A collective: call it on every rank of the hook's group, in the same order."""
     me = state.identity()
     mine = _cpu(state.state_dict())
-    if me.world_size == 1:
-        ranks: list[Any] | None = [mine]
-    elif everywhere:
-        ranks = [None] * me.world_size
-        dist.all_gather_object(ranks, mine, group=me.group)
-    else:
-        ranks = [None] * me.world_size if me.rank == 0 else None
-        dist.gather_object(mine, ranks, group=me.group, group_dst=0)
+    ranks = ([mine] if me.world_size == 1  # also without a process group
+             else exchange_objects(mine, me.group, dst=None if everywhere else 0))
     if ranks is None:
         return None
     return {"format": FORMAT, "world_size": me.world_size, "ranks": ranks}

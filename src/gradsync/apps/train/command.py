@@ -11,7 +11,6 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -20,6 +19,7 @@ from gradsync.apps.train.loop import train_worker
 from gradsync.apps.train.shards import resolve_data
 from gradsync.apps.train.spec import DATASETS, DEFAULT_STEPS, TrainSpec, all_schemes, defaults
 from gradsync.apps.train.summary import environment, report
+from gradsync.collectives.comm import exchange_objects
 
 __all__ = ["TORCHRUN_VARS", "build_parser", "launch", "main", "parse_args", "torchrun_env"]
 
@@ -168,8 +168,7 @@ def _main_torchrun(spec: TrainSpec) -> int:
     spec = dataclasses.replace(spec, device=f"cuda:{local}" if cuda else "cpu")
     try:
         mine = train_worker(rank, P, spec)
-        gathered: list[Any] = [None] * P
-        dist.all_gather_object(gathered, mine)
+        gathered = exchange_objects(mine)  # collectives/comm.py, "Exit safety"
         if rank == 0:
             env = environment("torchrun", backend, spec.device,
                               {"link": "torchrun job", "shaped": False, "bandwidth_bps": None})
