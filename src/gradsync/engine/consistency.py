@@ -55,10 +55,6 @@ def parameter_digest(model: nn.Module) -> tuple[bytes, list[tuple[str, bytes]]]:
     return _digests(list(model.named_parameters()))
 
 
-def _gather_bytes(blob: bytes, group: dist.ProcessGroup | None) -> list[bytes]:
-    return exchange_objects(blob, group)  # collectives/comm.py, "Exit safety"
-
-
 def _divergence(named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None
                 ) -> tuple[list[int], str] | None:
     """None when every rank holds bit-identical ``named`` tensors; else the ranks that differ
@@ -67,7 +63,7 @@ def _divergence(named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGr
         return None
     total, per = _digests(named)
     # the count travels too: the per-name gathers below must run as often on every rank
-    digests = _gather_bytes(total + len(per).to_bytes(8, "little"), group)
+    digests = exchange_objects(total + len(per).to_bytes(8, "little"), group)
     if len(set(digests)) == 1:
         return None
     bad = [r for r, d in enumerate(digests) if d != digests[0]]
@@ -75,7 +71,7 @@ def _divergence(named: Sequence[tuple[str, torch.Tensor]], group: dist.ProcessGr
         return bad, "the ranks pass different numbers of tensors"
     first = "?"
     for name, d in per:
-        if len(set(_gather_bytes(d, group))) > 1:
+        if len(set(exchange_objects(d, group))) > 1:
             first = name
             break
     return bad, first
