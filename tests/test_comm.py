@@ -304,8 +304,6 @@ def _older_torch_rank(rank: int, world_size: int) -> dict:
     ``reduce_scatter_single``, only their older names. Removed in this rank only."""
     import torch.distributed as dist
 
-    from gradsync.engine.consistency import _gather_bytes
-
     old = {}
     for name in ("all_gather_single", "reduce_scatter_single"):
         old[name] = getattr(dist, name)
@@ -316,7 +314,7 @@ def _older_torch_rank(rank: int, world_size: int) -> dict:
         ag = c.all_gather(torch.full((3,), float(rank)))
         rs = torch.empty(2)
         c.reduce_scatter(rs, torch.arange(2.0 * P) * (rank + 1))
-        blobs = _gather_bytes(f"rank {rank}".encode(), None)
+        blobs = exchange_objects(f"rank {rank}".encode())
         return {"ag": ag, "rs": rs, "blobs": blobs,
                 "missing": not hasattr(dist, "all_gather_single")}
     finally:
