@@ -27,7 +27,10 @@ optimizer step. The breakdown columns say where the time goes.
 over tbf-shaped links (:func:`gradsync.testing.netem.run_shaped`, root; loopback otherwise, and the
 output says so), profiles the cost model *inside* that run (every rank at once, so the backward
 times include the contention of P ranks sharing this machine's cores), predicts, and tabulates
-prediction vs measurement (:mod:`gradsync.apps.sim.validate`).
+prediction vs measurement (:mod:`gradsync.apps.sim.validate`). ``--validate-runs N`` repeats
+the whole run N times and adds each scheme's median error over the runs: on a 2-core machine
+one run's in-run profile moves more than the measured iterations do, so the median is the
+figure to judge the model by.
 
 This module is the command line; the prediction itself (:func:`predict`, :class:`Network`,
 :func:`load_table`, :func:`profile_model`) lives in :mod:`gradsync.apps.sim.predict` and is
@@ -132,6 +135,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
                    help="measure GradSync on shaped links and compare with the prediction")
     v.add_argument("--validate-workers", default="2,4,8")
     v.add_argument("--steps", type=int, default=10, help="timed training steps per scheme")
+    v.add_argument("--validate-runs", type=int, default=1,
+                   help="whole runs (each profiles and measures afresh); with several, the "
+                        "median error over runs per scheme and P is reported too")
     v.add_argument("--timeout", type=float, default=900.0)
     v.add_argument("--loopback", action="store_true", help="validate on loopback (no shaping)")
     a = p.parse_args(list(argv) if argv is not None else None)
@@ -148,9 +154,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise ValueError(f"--densestream-ratio must be > 0, got {a.densestream_ratio}")
     if a.oktopk_exact_rate is not None and not 0.0 <= a.oktopk_exact_rate <= 1.0:
         raise ValueError(f"--oktopk-exact-rate must be in [0, 1], got {a.oktopk_exact_rate}")
-    for name in ("batch", "repeats", "steps"):
+    for name in ("batch", "repeats", "steps", "validate_runs"):
         if getattr(a, name) < 1:
-            raise ValueError(f"--{name} must be >= 1, got {getattr(a, name)}")
+            raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
     for name in ("forward_s", "step_s"):
         x = getattr(a, name)
         if x is not None and not (math.isfinite(x) and x >= 0):
