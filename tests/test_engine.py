@@ -724,3 +724,41 @@ def test_an_all_reduce_in_flight_is_timed_to_its_completion_not_to_the_wait():
     JobResult(torch.zeros(1), None, stats2,
               in_flight=InFlight(None, stats2, time.perf_counter())).settle()
     assert 0 <= stats2.seconds < 0.05
+
+
+@pytest.mark.parametrize("kept", [[0, 4], [4, 0], [1, 5], [-1, 2], []])
+def test_apply_keeps_the_rest_and_refuses_kept_indices_outside_the_job(kept):
+    """``apply`` on a fused job of tensors a (3 entries) and b (2): the residual is the
+    accumulated gradient with the kept positions zeroed, whether the collective returned them
+    sorted or not; a kept position outside [0, 5) is refused before any residual changes
+    (apply checks the range once per job, not once per tensor)."""
+    from concurrent.futures import Future
+
+    from gradsync.collectives.comm import CommStats
+    from gradsync.engine.apply import apply
+    from gradsync.engine.audit import AuditSink
+    from gradsync.engine.jobs import Job, JobResult, Launched
+    from gradsync.engine.stats import StepStats
+    from gradsync.feedback import ErrorFeedback
+
+    params = {"a": nn.Parameter(torch.zeros(3)), "b": nn.Parameter(torch.zeros(2))}
+    job = Job(("a", "b"), Mode.FUSED, Transport.COLLECTIVE, collective="topka", density=0.4)
+    ef = ErrorFeedback()
+    grads = {"a": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([4.0, 5.0])}
+    accs = {n: ef.accumulate(n, g) for n, g in grads.items()}
+    launched = Launched(job, 0, accs, [], Future())
+    total = torch.arange(5, dtype=torch.float32)
+    result = JobResult(dense=total.clone(), kept=torch.tensor(kept, dtype=torch.int64),
+                       stats=CommStats())
+    if any(not 0 <= i < 5 for i in kept):
+        with pytest.raises(ValueError, match=r"outside the job's \[0, 5\)"):
+            apply(launched, result, params, 2, ef, StepStats(), 0, AuditSink(False))
+        return
+    stats = StepStats()
+    apply(launched, result, params, 2, ef, stats, 0, AuditSink(False))
+    flat = torch.cat([grads["a"], grads["b"]])
+    flat[kept] = 0
+    assert torch.equal(torch.cat([ef.residual("a"), ef.residual("b")]), flat)
+    assert torch.equal(torch.cat([params["a"].grad, params["b"].grad]), total / 2)
+    assert stats.selected == len(kept) and stats.tensors == 2
+    assert stats.missing == (0 if len(kept) == 2 else 2)

@@ -118,8 +118,9 @@ def test_bad_input():
     with pytest.raises(ValueError, match="without a preceding"):
         ef.update("w", torch.ones(3), torch.tensor([0]))
     acc = ef.accumulate("w", torch.ones(3))
-    with pytest.raises(ValueError, match="out of range"):
-        ef.update("w", acc, torch.tensor([3]))
+    for bad in ([3], [-1], [0, 3]):
+        with pytest.raises(ValueError, match="out of range"):
+            ef.update("w", acc, torch.tensor(bad))
     with pytest.raises(ValueError, match="sent values"):
         ef.update("w", acc, torch.tensor([0, 1]), sent_values=torch.ones(1))
     ef.update("w", acc, torch.tensor([0]))

@@ -98,6 +98,24 @@ def test_all_finite_and_check_finite(dtype):
                 check_finite(y, "g")
 
 
+def test_all_finite_each_agrees_with_isfinite_per_tensor():
+    """One read-back for a list: the same answer per tensor as ``torch.isfinite(x).all()``,
+    for finite, NaN, ±Inf, empty, integer and 16-bit tensors in one call."""
+    from gradsync.sparsegrad import all_finite_each
+
+    g = torch.Generator().manual_seed(3)
+    xs = [torch.randn(50, generator=g), torch.randn(7, generator=g),
+          torch.randn(9, generator=g).to(torch.bfloat16), torch.empty(0),
+          torch.arange(5), torch.randn(4, 4, generator=g).to(torch.float16)]
+    xs[1][3] = float("nan")
+    xs[2][8] = float("inf")
+    xs[5][2, 1] = -float("inf")
+    want = [bool(torch.isfinite(x).all()) if x.is_floating_point() else True for x in xs]
+    assert want == [True, False, False, True, True, False]
+    assert all_finite_each(xs) == want
+    assert all_finite_each([]) == []
+
+
 # -- the shared rules: target_k and validate_density -------------------------------------------
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(-3, 10**9), d=st.floats(1e-9, 1.0))

@@ -218,6 +218,7 @@ class ErrorFeedback:
         acc: torch.Tensor,
         consumed_indices: torch.Tensor | None,
         sent_values: torch.Tensor | None = None,
+        check: bool = True,
     ) -> torch.Tensor:
         """Keep in the residual exactly what was not consumed; return the new residual.
 
@@ -225,7 +226,8 @@ class ErrorFeedback:
         consumed (the tensor was sent whole: no index work, and the velocity carries on).
         ``sent_values`` (optional, one per consumed entry) are the values actually sent, when
         they differ from ``acc`` there (lower precision): their rounding error stays in the
-        residual.
+        residual. ``check=False`` skips the range check of ``consumed_indices`` (a read back
+        to the host), for a caller that has checked them itself.
         """
         if name not in self._pending:
             raise ValueError(f"update({name!r}) without a preceding accumulate({name!r})")
@@ -244,8 +246,11 @@ class ErrorFeedback:
                 residual = flat - sent_values.reshape(-1).to(flat.dtype)
         else:
             idx = consumed_indices.reshape(-1).to(torch.int64)
-            if idx.numel() and (int(idx.min()) < 0 or int(idx.max()) >= flat.numel()):
-                raise ValueError(f"consumed indices of {name!r} out of range [0, {flat.numel()})")
+            if check and idx.numel():
+                lo, hi = torch.aminmax(idx)
+                if bool((lo < 0) | (hi >= flat.numel())):
+                    raise ValueError(f"consumed indices of {name!r} out of range "
+                                     f"[0, {flat.numel()})")
             whole = idx.numel() == flat.numel()  # distinct indices (a selection): all of it
             residual = flat.clone()
             if sent_values is None:

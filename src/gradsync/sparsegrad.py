@@ -31,6 +31,7 @@ __all__ = [
     "SparseGrad",
     "add_at",
     "all_finite",
+    "all_finite_each",
     "check_finite",
     "check_indices",
     "densify",
@@ -74,6 +75,22 @@ def all_finite(x: torch.Tensor) -> bool:
         return True
     lo, hi = torch.aminmax(x)
     return bool(torch.isfinite(lo) & torch.isfinite(hi))
+
+
+def all_finite_each(xs: Sequence[torch.Tensor]) -> list[bool]:
+    """:func:`all_finite` of each tensor of ``xs``, with one device-to-host transfer per
+    device instead of one per tensor (on a GPU each transfer waits for the queued work)."""
+    out = [True] * len(xs)
+    by_device: dict[torch.device, list[int]] = {}
+    for i, x in enumerate(xs):
+        if x.is_floating_point() and x.numel():
+            by_device.setdefault(x.device, []).append(i)
+    for idx in by_device.values():
+        flags = torch.stack([torch.isfinite(torch.stack(torch.aminmax(xs[i]))).all()
+                             for i in idx])
+        for i, ok in zip(idx, flags.tolist()):
+            out[i] = ok
+    return out
 
 
 def check_finite(x: torch.Tensor, what: str = "tensor") -> None:

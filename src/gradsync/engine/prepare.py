@@ -39,7 +39,7 @@ import torch
 from gradsync import sparsify
 from gradsync.engine.jobs import Job, Mode, Payload
 from gradsync.feedback import ErrorFeedback
-from gradsync.sparsegrad import SparseGrad, all_finite
+from gradsync.sparsegrad import SparseGrad, all_finite_each
 
 __all__ = ["Prepared", "prepare"]
 
@@ -64,7 +64,8 @@ def prepare(job: Job, index: int, grads: dict[str, torch.Tensor], ef: ErrorFeedb
     # sum on every rank (GradSync.synchronize checks the sums, and a pending velocity is then
     # discarded), so no per-tensor pass here
     dense = job.mode is Mode.DENSE
-    nonfinite = [] if dense else [n for n in job.names if not all_finite(grads[n])]
+    nonfinite = [] if dense else [
+        n for n, ok in zip(job.names, all_finite_each([grads[n] for n in job.names])) if not ok]
     accs: dict[str, torch.Tensor] = {}
     for n in job.names:
         g = grads[n]
