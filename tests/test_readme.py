@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import pytest
+
 import test_accelerate
 import test_lightning
 
@@ -144,17 +146,20 @@ def test_adamw_snippet_is_adamw_while_sent_whole():
         assert r["worst"] < 0.02 * 3e-3, r  # and they are AdamW's (tests/test_optim.py)
 
 
-def test_readme_gpu_check_claim_is_the_saved_log():
-    """README: `make gpu-check` passed on one H100, 14 passed and 4 multi-GPU cases skipped.
-    The saved log says so, names only tests that exist, and failed none."""
+@pytest.mark.parametrize("gpu", ["H100", "H200"])
+def test_readme_gpu_check_claim_is_the_saved_log(gpu):
+    """README: `make gpu-check` passed on one H100 and on one H200, 14 passed and 4 multi-GPU
+    cases skipped. Each saved log says so, names only tests that exist, and failed none."""
     import re
 
     root = Path(__file__).resolve().parents[1]
     text = (root / "README.md").read_text()
-    log = (root / "docs/results/gpu-check-h100.log").read_text()
+    log = (root / f"docs/results/gpu-check-{gpu.lower()}.log").read_text()
+    assert "passed on one H100 and on one H200" in text
+    assert f"[{gpu}](docs/results/gpu-check-{gpu.lower()}.log)" in text
     assert "14 passed, Lightning's strategy on the GPU among them, 4 multi-GPU cases" in text
     assert re.search(r"= 14 passed, 4 skipped, \d+ deselected in", log)
-    assert "H100" in log and "NCCL" in log and "FAILED" not in log
+    assert f"device 0 NVIDIA {gpu}" in log and "NCCL" in log and "FAILED" not in log
     ran = re.findall(r"tests/test_cuda\.py::(\w+)\[?([\w-]*)\]? (PASSED|SKIPPED)", log)
     assert len(ran) == 18
     assert ("test_lightning_strategy_and_accelerate_on_cuda", "", "PASSED") in ran
