@@ -68,27 +68,33 @@ def target_k(n: int, density: float) -> int:
     return min(n, max(1, round(density * n)))
 
 
-def all_finite(x: torch.Tensor) -> bool:
-    """True when ``x`` holds no NaN/Inf: one reduction pass, no temporary tensor (NaN
-    propagates through min/max and ±Inf shows up in them)."""
+def _finite_flag(x: torch.Tensor) -> torch.Tensor | None:
+    """A 0-d bool tensor on ``x``'s device, True when ``x`` holds no NaN/Inf (one reduction
+    pass, no temporary tensor: NaN propagates through min/max and ±Inf shows up in them); None
+    where there is nothing to check (an empty or non-floating tensor)."""
     if not (x.is_floating_point() and x.numel()):
-        return True
+        return None
     lo, hi = torch.aminmax(x)
-    return bool(torch.isfinite(lo) & torch.isfinite(hi))
+    return torch.isfinite(lo) & torch.isfinite(hi)
+
+
+def all_finite(x: torch.Tensor) -> bool:
+    """True when ``x`` holds no NaN/Inf."""
+    flag = _finite_flag(x)
+    return flag is None or bool(flag)
 
 
 def all_finite_each(xs: Sequence[torch.Tensor]) -> list[bool]:
     """:func:`all_finite` of each tensor of ``xs``, with one device-to-host transfer per
     device instead of one per tensor (on a GPU each transfer waits for the queued work)."""
     out = [True] * len(xs)
-    by_device: dict[torch.device, list[int]] = {}
+    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
     for i, x in enumerate(xs):
-        if x.is_floating_point() and x.numel():
-            by_device.setdefault(x.device, []).append(i)
-    for idx in by_device.values():
-        flags = torch.stack([torch.isfinite(torch.stack(torch.aminmax(xs[i]))).all()
-                             for i in idx])
-        for i, ok in zip(idx, flags.tolist()):
+        flag = _finite_flag(x)
+        if flag is not None:
+            by_device.setdefault(x.device, []).append((i, flag))
+    for pairs in by_device.values():
+        for (i, _), ok in zip(pairs, torch.stack([f for _, f in pairs]).tolist()):
             out[i] = ok
     return out
 

@@ -216,7 +216,7 @@ def run_validation(a) -> int:
     from gradsync.apps.sim.predict import NOTE, plot_vs_p
 
     cores = a.cores if a.cores is not None else (os.cpu_count() or 1)
-    runs = getattr(a, "validate_runs", 1)
+    runs = a.validate_runs
     all_rows: list[dict[str, Any]] = []
     per_run: list[dict[str, Any]] = []
     load0 = os.getloadavg()
