@@ -101,7 +101,7 @@ def test_all_finite_and_check_finite(dtype):
 def test_all_finite_each_agrees_with_isfinite_per_tensor():
     """One read-back for a list: the same answer per tensor as ``torch.isfinite(x).all()``,
     for finite, NaN, ±Inf, empty, integer and 16-bit tensors in one call."""
-    from gradsync.sparsegrad import all_finite_each
+    from gradsync.sparsegrad import all_finite, all_finite_each
 
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(50, generator=g), torch.randn(7, generator=g),
@@ -110,9 +110,18 @@ def test_all_finite_each_agrees_with_isfinite_per_tensor():
     xs[1][3] = float("nan")
     xs[2][8] = float("inf")
     xs[5][2, 1] = -float("inf")
+    # the largest finite values of each dtype are finite (the check must not overflow), and a
+    # NaN in the last entry of a long tensor or -Inf in a float64 one is seen
+    for dtype in (torch.float16, torch.bfloat16, torch.float32, torch.float64):
+        top = torch.finfo(dtype).max
+        xs.append(torch.tensor([top, -top, top], dtype=dtype))
+    xs.append(torch.randn(100_000, generator=g))
+    xs[-1][-1] = float("nan")
+    xs.append(torch.tensor([1e300, -float("inf")], dtype=torch.float64))
     want = [bool(torch.isfinite(x).all()) if x.is_floating_point() else True for x in xs]
-    assert want == [True, False, False, True, True, False]
+    assert want == [True, False, False, True, True, False, True, True, True, True, False, False]
     assert all_finite_each(xs) == want
+    assert [all_finite(x) for x in xs] == want
     assert all_finite_each([]) == []
 
 
