@@ -379,6 +379,24 @@ def test_offload_overlaps_compute_on_cuda():
         ex.close()
 
 
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_finiteness_checks_on_device(device):
+    """``all_finite_each`` reads each device's extremes back in one copy: the same answers as
+    ``torch.isfinite`` for fp32/bf16/fp16 tensors on the device, mixed with CPU tensors."""
+    from gradsync.sparsegrad import all_finite, all_finite_each
+
+    g = torch.Generator().manual_seed(5)
+    xs = [torch.randn(1000, generator=g).to(device, dt)
+          for dt in (torch.float32, torch.bfloat16, torch.float16, torch.float32)]
+    xs[1][999] = float("nan")
+    xs[2][0] = -float("inf")
+    xs += [torch.randn(9, generator=g), torch.tensor([float("inf")]), torch.empty(0, device=device),
+           torch.full((4,), torch.finfo(torch.float16).max, dtype=torch.float16, device=device)]
+    want = [bool(torch.isfinite(x).all()) for x in xs]
+    assert want == [True, False, False, True, True, False, True, True]
+    assert all_finite_each(xs) == want and [all_finite(x) for x in xs] == want
+
+
 def test_executor_threads_bind_the_callers_device():
     ex = Executor(None, lambda key: None, False)
     try:
