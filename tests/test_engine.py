@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradsync
 from conftest import batch
@@ -764,7 +765,7 @@ def test_apply_keeps_the_rest_and_refuses_kept_indices_outside_the_job(kept):
     assert stats.missing == (0 if len(kept) == 2 else 2)
 
 
-class _ComputeOps(torch.utils._python_dispatch.TorchDispatchMode):
+class _ComputeOps(TorchDispatchMode):
     """Counts the aten ops that compute (not views, not allocations) on this thread: on a GPU
     each is at least one kernel launch."""
 

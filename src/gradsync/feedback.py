@@ -247,8 +247,8 @@ class ErrorFeedback:
         else:
             idx = consumed_indices.reshape(-1).to(torch.int64)
             if check and idx.numel():
-                lo, hi = torch.aminmax(idx)
-                if bool((lo < 0) | (hi >= flat.numel())):
+                lo, hi = torch.stack(torch.aminmax(idx)).tolist()  # one read-back
+                if lo < 0 or hi >= flat.numel():
                     raise ValueError(f"consumed indices of {name!r} out of range "
                                      f"[0, {flat.numel()})")
             whole = idx.numel() == flat.numel()  # distinct indices (a selection): all of it

@@ -82,14 +82,16 @@ def all_finite_each(xs: Sequence[torch.Tensor]) -> list[bool]:
     on the host (no per-tensor ``isfinite`` kernels: on a GPU those were ten launches per
     tensor). Empty and non-floating tensors are finite."""
     out = [True] * len(xs)
-    by_device: dict[torch.device, list[tuple[int, tuple[torch.Tensor, torch.Tensor]]]] = {}
+    by_device: dict[torch.device, list[int]] = {}
+    extremes: dict[torch.device, list[torch.Tensor]] = {}
     for i, x in enumerate(xs):
         if x.is_floating_point() and x.numel():
-            by_device.setdefault(x.device, []).append((i, torch.aminmax(x)))
-    for pairs in by_device.values():
-        extremes = torch.stack([v for _, lo_hi in pairs for v in lo_hi]).tolist()
-        for j, (i, _) in enumerate(pairs):
-            out[i] = math.isfinite(extremes[2 * j]) and math.isfinite(extremes[2 * j + 1])
+            by_device.setdefault(x.device, []).append(i)
+            extremes.setdefault(x.device, []).extend(torch.aminmax(x))
+    for device, members in by_device.items():
+        lo_hi = torch.stack(extremes[device]).tolist()
+        for i, lo, hi in zip(members, lo_hi[0::2], lo_hi[1::2]):
+            out[i] = math.isfinite(lo) and math.isfinite(hi)
     return out
 
 
