@@ -10,8 +10,10 @@ Checks (docs/architecture.md, "Contracts"): exact collectives return the SUM and
 local index; non-exact ones (``exact = False``) return a sum of kept entries (Σ over ranks of
 the kept entries == ``dense``: conservation), supported on the union of the selections;
 ``dense`` is bitwise identical on all ranks; ``kept`` ⊆ local indices; every byte sent is received;
-mismatched ``numel`` raises ``ValueError`` on every rank. At P ∈ {2, 4, 8} the bytes of TopkA,
-TopkDSA and gTop-k are checked against Ok-Topk Table 1.
+mismatched ``numel`` or dense prefixes raise ``ValueError`` on every rank; a selection with a
+dense prefix (the "prefix" case) reduces like any other. At P ∈ {2, 4, 8} the bytes of TopkA,
+TopkDSA and gTop-k are checked against Ok-Topk Table 1, and TopkA's dense prefix travels
+without its indices.
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ CASES = {
     "all_empty": 513,
     "dense_ish": 301,
     "tiny": 3,
+    "prefix": 600,
 }
 
 
@@ -74,12 +77,19 @@ def selection(case: str, rank: int, P: int, dtype: torch.dtype) -> SparseGrad:
         idx = torch.randperm(n, generator=g)[:200]
     elif case == "tiny":  # numel 3 < P for P ≥ 4
         idx = torch.randperm(n, generator=g)[: int(torch.randint(0, 4, (1,), generator=g))]
+    elif case == "prefix":  # tensors sent whole at the front (dense_prefix), then sparse ones
+        idx = torch.cat([torch.arange(PREFIX), PREFIX + torch.randperm(n - PREFIX,
+                                                                      generator=g)[:30]])
     else:
         raise AssertionError(case)
     idx = torch.unique(idx.to(torch.int64))  # sorted, no duplicates
     mag = torch.randint(1, 17, (idx.numel(),), generator=g).to(torch.float32) / 2
     sign = torch.randint(0, 2, (idx.numel(),), generator=g).to(torch.float32) * 2 - 1
-    return SparseGrad(idx, (mag * sign).to(dtype), n)
+    return SparseGrad(idx, (mag * sign).to(dtype), n,
+                      dense_prefix=PREFIX if case == "prefix" else 0)
+
+
+PREFIX = 40  # the "prefix" case's whole leading elements
 
 
 def reference(case: str, P: int, dtype: torch.dtype) -> torch.Tensor:
@@ -103,15 +113,19 @@ def volume_selection(case: str, rank: int, P: int) -> SparseGrad:
         idx = torch.randperm(VOL_N, generator=g)[: VOL_K // 2]
     elif case == "fill":  # independent, density 3/8 per rank: TopkDSA switches to dense
         idx = torch.randperm(VOL_N, generator=g)[: 3 * VOL_N // 8]
+    elif case == "prefix":  # VOL_M elements sent whole at the front, then k/2 random entries
+        idx = torch.cat([torch.arange(VOL_M),
+                         VOL_M + torch.randperm(VOL_N - VOL_M, generator=g)[: VOL_K // 2]])
     else:
         raise AssertionError(case)
     idx = torch.sort(idx).values
     val = torch.randint(1, 9, (idx.numel(),), generator=g).to(torch.float32) * (rank + 1)
-    return SparseGrad(idx, val, VOL_N)
+    return SparseGrad(idx, val, VOL_N, dense_prefix=VOL_M if case == "prefix" else 0)
 
 
-VOLUME_RUNS = [("topka", "random"), ("topkdsa", "same"), ("topkdsa", "random"),
-               ("topkdsa", "fill"), ("gtopk", "same")]
+VOL_M = 100
+VOLUME_RUNS = [("topka", "random"), ("topka", "prefix"), ("topkdsa", "same"),
+               ("topkdsa", "random"), ("topkdsa", "fill"), ("gtopk", "same")]
 
 
 # -- gTop-k cases worked out by hand ------------------------------------------------------
@@ -156,6 +170,15 @@ def _rank_fn(rank: int, world_size: int, names: list[str]) -> dict:
                 out["mismatch"][name] = f"ValueError: {e}"
             except Exception:
                 out["mismatch"][name] = traceback.format_exc()
+            try:  # the same numel, but rank 0 promises a dense prefix the others do not
+                m = int(rank == 0)
+                collectives.get(name)(SparseGrad(torch.arange(2), torch.ones(2), 10,
+                                                 dense_prefix=m))
+                out["mismatch"][name, "prefix"] = "returned"
+            except ValueError as e:
+                out["mismatch"][name, "prefix"] = f"ValueError: {e}"
+            except Exception:
+                out["mismatch"][name, "prefix"] = traceback.format_exc()
     if P in (2, 4, 8):
         for name, case in VOLUME_RUNS:
             res = collectives.get(name, check_shapes=False)(volume_selection(case, rank, P))
@@ -263,6 +286,9 @@ def test_mismatched_numel_raises_everywhere(P, name):
     _no_errors(results(P), name)
     got = [o["mismatch"][name] for o in results(P)]
     assert all(g.startswith("ValueError") for g in got), got
+    got = [o["mismatch"][name, "prefix"] for o in results(P)]
+    assert all(g.startswith("ValueError") and "dense prefixes over [0, 1]" in g
+               for g in got), got
 
 
 def _vol(P: int, name: str, case: str) -> list[tuple[int, int, dict]]:
@@ -278,6 +304,18 @@ def test_table1_topka(P):
     assert avg_sent == 2 * k * (P - 1) * 4 + 8 * (P - 1)
     for _, recv, _ in _vol(P, "topka", "random"):
         assert recv == 2 * k * (P - 1) * 4 + 8 * (P - 1)
+
+
+@pytest.mark.parametrize("P", [2, 4, 8])
+def test_topka_sends_a_dense_prefix_without_its_indices(P):
+    """Tensors sent whole at the front (``SparseGrad.dense_prefix``, m elements): their values
+    travel, their indices do not — (c − m) indices and c values per peer, plus the counts."""
+    c = VOL_M + VOL_K // 2
+    for sent, recv, _ in _vol(P, "topka", "prefix"):
+        assert sent == recv == ((c - VOL_M) * 4 + c * 4) * (P - 1) + 8 * (P - 1)
+    ref = sum(volume_selection("prefix", r, P).to_dense() for r in range(P))
+    for o in results(P):
+        assert torch.equal(o["volume"]["topka", "prefix"][3], ref)
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])

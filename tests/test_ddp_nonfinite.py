@@ -85,7 +85,7 @@ def _both(rank: int, P: int, scheme: str, policy: str, value: float) -> tuple[di
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("scheme,value", [("dense", math.inf), ("per_tensor", math.nan),
-                                          ("ssfusion_oi", math.nan)])
+                                          ("ssfusion", math.inf), ("ssfusion_oi", math.nan)])
 @pytest.mark.parametrize("policy", ["raise", "skip_step"])
 def test_hook_nonfinite_gradient_reaches_every_rank_and_keeps_nothing(world_size, scheme,
                                                                       value, policy):

@@ -202,6 +202,59 @@ def test_conservation_across_ranks(scheme):
         assert (grads - (sent + residual)).abs().max().item() / scale < 1e-4, (scheme, n)
 
 
+# SSFusion's plan with tensors sent whole between sparsified ones (backward order), given as
+# Config.plan so that no timing decides it: one per-tensor buffer.
+_EXCLUDED_PLAN = Plan("ssfusion", [BufferPlan((
+    TensorPlan("net.5.bias", 10, None), TensorPlan("net.5.weight", 2560, 0.02),
+    TensorPlan("net.3.bias", 256, None), TensorPlan("net.3.weight", 65536, 0.02),
+    TensorPlan("net.1.bias", 256, None), TensorPlan("net.1.weight", 200704, 0.02)),
+    "per_tensor")]).to_dict()
+
+
+def _excluded_rank(rank, world_size):
+    model = build("mlp", seed=1)
+    sync = GradSync(model, Config(scheme="ssfusion", density=0.02, sparsifier="topk",
+                                  warmup_steps=1, check_every=0, plan=_EXCLUDED_PLAN))
+    sent = []
+    for step in range(4):
+        model.zero_grad()
+        x, y = batch("cnn", rank, step)
+        model_loss(model, "cnn", x, y).backward()
+        mine = {n: p.grad.clone() for n, p in model.named_parameters()}
+        sync.synchronize()
+        sent.append(sync.last.bytes_sent)
+    residual = {n: sync.ef.residual(n) for n, _ in model.named_parameters()}
+    avg = {n: p.grad.clone() for n, p in model.named_parameters()}
+    sync.close()
+    return sent, residual, avg, mine
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+def test_ssfusion_sends_the_tensors_it_excluded_as_values_without_indices(world_size):
+    """The tensors SSFusion sent whole travel first in their job's all-gather, values only:
+    each rank sends (P − 1)·(4 bytes per excluded element + 8 per sparse entry), plus the
+    shape check and the counts; the excluded tensors keep no residual and arrive as the exact
+    sum of every rank's gradient (their average is identical on every rank)."""
+    out = run_distributed(_excluded_rank, world_size, timeout=300)
+    P = world_size
+    whole = 10 + 256 + 256
+    k = sum(max(1, round(0.02 * n)) for n in (2560, 65536, 200704))
+    def ring(nbytes):  # what one rank sends in a ring all-reduce (rounded down)
+        return 2 * (P - 1) * nbytes // P
+
+    # the payload, the counts (one int64 per peer), the shape check (4 int64 words) and the
+    # step's finiteness flag (one int64)
+    expect = (P - 1) * (whole * 4 + k * 8) + (P - 1) * 8 + ring(32) + ring(8)
+    for sent, residual, avg, _ in out:
+        assert sent[-1] == expect, (sent, expect)  # after the warm-up step
+        for n in ("net.1.bias", "net.3.bias", "net.5.bias"):
+            r = residual[n]
+            assert r is None or not r.any(), n
+            assert torch.equal(avg[n], out[0][2][n]), n  # bitwise alike on every rank
+            reference = sum(o[3][n].double() for o in out) / P  # the last step's gradients
+            assert torch.allclose(avg[n].double(), reference, rtol=1e-6, atol=1e-9), n
+
+
 def _no_sync_frozen_unused(rank, world_size):
     model = build("cnn", seed=2)
     model.features[0].weight.requires_grad_(False)  # frozen: never synchronized
@@ -565,7 +618,8 @@ def test_plan_jobs_split_ssfusion_i_buffers_and_use_the_scheme_collective():
     assert [(j.names, j.mode, j.transport, j.wire) for j in jobs] == [
         (("x",), Mode.DENSE, Transport.ALLREDUCE, "allreduce"),
         (("a",), Mode.PER_TENSOR, Transport.ALLREDUCE, "allreduce"),
-        (("b", "c", "d"), Mode.PER_TENSOR, Transport.COLLECTIVE, "oktopk"),
+        # the tensors sent whole first: the selection's dense prefix (values, no indices)
+        (("c", "b", "d"), Mode.PER_TENSOR, Transport.COLLECTIVE, "oktopk"),
         (("y",), Mode.FUSED, Transport.COLLECTIVE, "oktopk")]
     assert jobs[2].densities == {"b": 0.1, "c": None, "d": 0.1}
     assert jobs[2].offload == frozenset({"d"}) and jobs[3].density == 0.5

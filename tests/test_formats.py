@@ -156,6 +156,32 @@ def test_wire_fixed_entries_round_trip_at_any_count(capacity, data, index, dtype
                                                          else torch.int32))
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), index=st.sampled_from([torch.int32, torch.int64]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_wire_entries_with_a_dense_prefix_round_trip_without_its_indices(data, index, dtype):
+    m = data.draw(st.integers(0, 30))
+    tail = data.draw(st.integers(0, 30))
+    g = torch.Generator().manual_seed(m * 97 + tail)
+    rest = torch.sort(torch.randperm(500, generator=g)[:tail]).values
+    idx = torch.cat([torch.arange(m), m + rest])
+    val = torch.randn(m + tail, generator=g).to(dtype)
+    buf = wire.pack_entries(idx, val, index, m)
+    ib, vb = index.itemsize, dtype.itemsize
+    # layout: the indices of the entries past the prefix, then every value
+    assert buf.numel() == tail * ib + (m + tail) * vb == wire.entries_bytes(m + tail, index,
+                                                                            dtype, m)
+    assert torch.equal(buf[tail * ib:], val.contiguous().view(torch.uint8))
+    got_idx, got_val = wire.unpack_entries(buf, m + tail, index, dtype, prefix=m)
+    assert torch.equal(got_idx, idx[m:])
+    assert torch.equal(got_val.view(torch.uint8), val.view(torch.uint8))
+    longer = torch.cat([buf, torch.zeros(1, dtype=torch.uint8)])  # one byte too many
+    with pytest.raises(ValueError, match="is not"):
+        wire.unpack_entries(longer, m + tail, index, dtype, prefix=m)
+    with pytest.raises(ValueError, match="prefix"):
+        wire.unpack_entries(buf, m + tail, index, dtype, prefix=m + tail + 1)
+
+
 def test_wire_fixed_entries_refuse_hostile_counts_and_sizes():
     idx, val = torch.tensor([1, 5]), torch.tensor([1.0, 2.0])
     with pytest.raises(ValueError, match="exceed the capacity"):

@@ -6,6 +6,7 @@ the code under test.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
@@ -202,21 +203,21 @@ def test_simulate_per_tensor_offload_and_interleaving():
                       TensorPlan("z", 10, None)), "per_tensor")
     # compute: u ready 1; v ready 2, inline sparsify → 2.5; w grad at 3.5, worker 3.5→5.0;
     # z ready 4.5. AR part (u, 400 B): ready 1 → 0.1 + 0.4 = 0.5 → 1.0..1.5.
-    # AG part: v k=10, w k=20, z 10 dense entries → 40 entries × 8 B = 320 B → 0.1+0.64=0.74;
-    # ready = max(2.5, 5.0, 4.5) = 5.0 → 5.0..5.74.
+    # AG part: v k=10, w k=20 → 30 entries × 8 B, z sent whole → 10 values × 4 B (no index):
+    # 280 B → 0.1+0.56=0.66; ready = max(2.5, 5.0, 4.5) = 5.0 → 5.0..5.66.
     tl = simulate(Plan("ssfusion_oi", [buf]), cm)
     row = tl.buffers[0]
     assert row["ar_start"] == pytest.approx(1.0) and row["ar_end"] == pytest.approx(1.5)
-    assert row["ag_start"] == pytest.approx(5.0) and row["ag_end"] == pytest.approx(5.74)
-    assert tl.iteration == pytest.approx(5.74)
+    assert row["ag_start"] == pytest.approx(5.0) and row["ag_end"] == pytest.approx(5.66)
+    assert tl.iteration == pytest.approx(5.66)
     assert tl.sparsify == pytest.approx(2.0)
-    assert tl.exposed_comm == pytest.approx(5.74 - 4.5)
-    # the same buffer with w inline: w done at 4.0, z ready at 5.0 → AG 5.0..5.74 as well,
+    assert tl.exposed_comm == pytest.approx(5.66 - 4.5)
+    # the same buffer with w inline: w done at 4.0, z ready at 5.0 → AG 5.0..5.66 as well,
     # but the compute stream now ends at 5.0
     inline = BufferPlan(tuple(TensorPlan(t.name, t.numel, t.density, False, t.allreduce)
                               for t in buf.tensors), "per_tensor")
     tl2 = simulate(Plan("ssfusion_i", [inline]), cm)
-    assert tl2.iteration == pytest.approx(5.74) and tl2.exposed_comm == pytest.approx(0.74)
+    assert tl2.iteration == pytest.approx(5.66) and tl2.exposed_comm == pytest.approx(0.66)
 
 
 # ---- Cupcake's DP -----------------------------------------------------------------------------
@@ -293,8 +294,10 @@ def eq2_comp(buf, cm):
 
 def comm_time(buf, cm):
     """T_cm of a per-tensor buffer without an all-reduce part (everything all-gathered)."""
-    k = sum(t.numel if t.density is None else target_k(t.numel, t.density) for t in buf.tensors)
-    return t_ag(cm, k * (4 + cm.elem_bytes))
+    # a tensor sent whole: its values only (no index); a sparsified one: index + value per entry
+    nbytes = sum(t.numel * cm.elem_bytes if t.density is None
+                 else target_k(t.numel, t.density) * (4 + cm.elem_bytes) for t in buf.tensors)
+    return t_ag(cm, nbytes)
 
 
 def test_eq2_holds_with_the_fewest_exclusions_of_the_smallest_tensors():
@@ -460,10 +463,13 @@ def test_ssfusion_plan_sends_about_the_target_volume_with_one_model_wide_density
         plan = make_plan("ssfusion", names, numel, 0.01, cm)
         ds = {t.density for b in plan.buffers for t in b.tensors if t.density is not None}
         assert len(ds) <= 1  # §IV-B(i): one compensated density over the model
-        k = sum(t.k for b in plan.buffers for t in b.tensors)
-        target = 0.01 * sum(numel.values())
-        if not plan.info["eq2"][-1]["floor"]:
-            assert abs(k - target) <= 0.01 * target + len(names)
+        # bytes per rank and peer: index + value per sparse entry, values only for a tensor
+        # sent whole (P = 4, fp32)
+        sent = sum(t.numel * 4 if t.density is None else t.k * 8
+                   for b in plan.buffers for t in b.tensors)
+        target = 0.01 * sum(numel.values()) * 8
+        if not plan.info["compensation"]["floor"]:
+            assert abs(sent - target) <= 0.01 * target + 8 * len(names)
             checked += 1
         for t in (t for b in plan.buffers for t in b.tensors):
             assert t.density is None or t.density >= 0.001
@@ -574,12 +580,16 @@ def test_ssfusion_oi_splits_every_buffer_at_its_best_split():
             flags = [t.allreduce for t in buf.tensors]
             assert flags == [j < l and t.density is None for j, t in enumerate(buf.tensors)]
             seen_ar += sum(flags)
-            ts = ref.tensors  # the split is decided at the element-count d′
+            # the split is decided at the element-count d′ (the selection's compensation)
+            d0 = plan.info["eq2"][-1]["density"]
+            ts = [t if t.density is None else dataclasses.replace(t, density=d0)
+                  for t in ref.tensors]
             tsp = [0.0 if t.density is None or t.offload else
                    cm.sparsify.a + cm.sparsify.b * t.numel for t in ts]
             expect = brute_t1_t2([cm.backward[t.name] for t in ts], tsp,
                                  [t.density is None for t in ts], [t.numel * 4 for t in ts],
-                                 [t.k * 8 for t in ts], cm.P,
+                                 [t.numel * 4 if t.density is None else t.k * 8
+                                  for t in ts], cm.P,
                                  (cm.allreduce.alpha, cm.allreduce.beta),
                                  (cm.allgather.alpha, cm.allgather.beta))
             assert sp["T1+T2"] == pytest.approx(expect, rel=1e-9)
@@ -591,7 +601,9 @@ def test_ssfusion_oi_sends_the_target_bytes_with_all_reduced_tensors_charged_at_
     """Each rank's bytes, counted as the torch.distributed calls send them (ring all-reduce
     2(P−1)/P·4 bytes per element, all-gather (P−1)·8 per entry): SSFusion-I's plan sends what
     every tensor at the target density through the all-gather would, within k's rounding; at
-    the element count (SSFusion-O's d′) it sends less whenever it all-reduces something."""
+    the element count (the d′ of the selection) it sends less; and from P = 3 on it sends less
+    with SSFusion-O's d′ (whole tensors in the all-gather charged at their values, 1/2 of an
+    entry, against 2/P in the all-reduce) whenever it all-reduces something."""
     below = 0
     for seed in range(12):
         names, numel, cm = random_model(900 + seed, sizes=(64, 512, 200_000, 1_000_000))
@@ -606,7 +618,9 @@ def test_ssfusion_oi_sends_the_target_bytes_with_all_reduced_tensors_charged_at_
         def sent(tensors, flags):  # bytes per rank; flags: all-reduced or not
             if P == 1:  # nothing travels: the paper's element count
                 return sum(t.k for t in tensors)
-            return sum(t.numel * 4 * 2 * (P - 1) / P if ar else t.k * 8 * (P - 1)
+            return sum(t.numel * 4 * 2 * (P - 1) / P if ar
+                       else t.numel * 4 * (P - 1) if t.density is None  # values only
+                       else t.k * 8 * (P - 1)
                        for t, ar in zip(tensors, flags))
 
         target = 0.01 * sum(numel.values()) * (1 if P == 1 else 8 * (P - 1))
@@ -614,11 +628,15 @@ def test_ssfusion_oi_sends_the_target_bytes_with_all_reduced_tensors_charged_at_
         slack = 0.01 * target + n_sparse * (1 if P == 1 else 8 * (P - 1))
         now = sent(ts, [t.allreduce for t in ts])
         assert abs(now - target) <= slack
-        before = sent([t for b in base.buffers for t in b.tensors], [t.allreduce for t in ts])
+        flags = [t.allreduce for t in ts]
+        d0 = plan.info["eq2"][-1]["density"]
+        counted = [t if t.density is None else dataclasses.replace(t, density=d0) for t in ts]
+        before = sent([t for b in base.buffers for t in b.tensors], flags)
         if P > 1:
+            assert sent(counted, flags) < now
             assert before <= now
             below += before < now
-    assert below or P == 1
+    assert below or P <= 2  # P = 2: the all-reduce sends 4 bytes per element, as the all-gather
 
 
 # ---- round trips and bad inputs ---------------------------------------------------------------

@@ -16,12 +16,14 @@ import torch
 import gradsync.integrations.ddp
 from conftest import image_batch
 from gradsync.apps.models import build
+from gradsync.collectives.comm import Comm
 from gradsync.engine import GradSync
 from gradsync.engine.config import Config
 from gradsync.integrations.ddp import _densities
 from gradsync.schedule import make_plan, selective_buffers
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
 from gradsync.sparsify.base import target_k
+from gradsync.testing import run_distributed
 
 DENSITY = 0.01
 
@@ -87,20 +89,30 @@ def test_cnn_densities_do_not_collapse_and_the_model_sends_the_target(grouping, 
     assert abs(sum(t.k for t in tensors) - DENSITY * total) <= len(tensors)
 
 
-def test_engine_and_ddp_hook_give_the_same_densities():
-    model, names, numel = _cnn()
-    plan = make_plan("ssfusion", names, numel, DENSITY, _cnn_cost(names, numel))
+def _hook_densities(rank, world_size, cut, buckets):
+    model, _, numel = _cnn()
+    cfg = Config(scheme="ssfusion", density=DENSITY)
+    state, _ = gradsync.integrations.ddp.hook(cfg, model=model, small_numel=cut)
+    comm = Comm(None) if world_size > 1 else None
+    return [_densities(state, [numel[n] for n in bucket], 4, comm) for bucket in buckets]
+
+
+@pytest.mark.parametrize("P", [1, 4])
+def test_engine_and_ddp_hook_give_the_same_densities(P):
+    """At P ranks: the tensors sent whole are charged at their bytes on both sides (values
+    only in the all-gather from P = 2 on; P = 1 sends nothing, the element count)."""
+    _, names, numel = _cnn()
+    plan = make_plan("ssfusion", names, numel, DENSITY, _cnn_cost(names, numel, P=P))
     planned = {t.name: t.density for b in plan.buffers for t in b.tensors}
     excluded = {n for n, d in planned.items() if d is None}
     # the hook excludes by size: choose the cut that excludes the same tensors
     cut = max(numel[n] for n in excluded) + 1
     assert excluded == {n for n in names if numel[n] < cut}
-    cfg = Config(scheme="ssfusion", density=DENSITY)
-    state, _ = gradsync.integrations.ddp.hook(cfg, model=model, small_numel=cut)
     # DDP's buckets split the model arbitrarily; the densities must not depend on the split
-    for bucket in (names, names[:3], names[3:], [names[0]], [names[-1], names[1]]):
-        ds = _densities(state, [numel[n] for n in bucket])
-        assert ds == [planned[n] for n in bucket]
+    buckets = [names, names[:3], names[3:], [names[0]], [names[-1], names[1]]]
+    for got in run_distributed(_hook_densities, P, cut, buckets, timeout=120):
+        for bucket, ds in zip(buckets, got):
+            assert ds == [planned[n] for n in bucket]
 
 
 def test_engine_runs_the_planned_model_wide_densities():

@@ -59,6 +59,23 @@ def test_empty_and_views():
     assert "nnz=2" in repr(s)
 
 
+def test_dense_prefix_is_validated_kept_and_sent_without_indices():
+    v = torch.ones(4)
+    s = SparseGrad(torch.tensor([0, 1, 2, 7]), v, 10, dense_prefix=3)
+    assert s.dense_prefix == 3
+    assert s.wire_bytes() == 1 * 4 + 4 * 4 and s.wire_bytes(8) == 1 * 8 + 4 * 4
+    assert s.to(torch.bfloat16).dense_prefix == 3
+    assert s.with_values(v * 2).dense_prefix == 3 and torch.equal(s.with_values(v * 2).values,
+                                                                  v * 2)
+    assert SparseGrad(torch.tensor([0, 1, 2, 7]), v, 10).dense_prefix == 0
+    with pytest.raises(ValueError, match="first 2 indices are not 0"):
+        SparseGrad(torch.tensor([0, 2, 3, 7]), v, 10, dense_prefix=2)
+    with pytest.raises(ValueError, match="dense_prefix must lie"):
+        SparseGrad(torch.tensor([0, 1, 2, 7]), v, 10, dense_prefix=5)
+    with pytest.raises(ValueError, match="dense_prefix must lie"):
+        SparseGrad(torch.tensor([0, 1, 2, 7]), v, 10, dense_prefix=-1)
+
+
 def test_from_indices_sorts():
     x = torch.arange(10.0)
     s = SparseGrad.from_indices(x, torch.tensor([7, 2, 5]))

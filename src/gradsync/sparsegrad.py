@@ -320,18 +320,28 @@ class SparseGrad:
     duplicates), in ``[0, numel)``; values must be 1-D, floating point, of the same length and
     on the same device. Violations raise ``ValueError``. Pass ``validate=False`` only for
     indices you produced yourself in sorted order (the hot path of a collective).
+
+    ``dense_prefix`` (m, default 0) says that the first m entries are the tensor's first m
+    elements, indices ``0 … m−1``: tensors sent whole at the front of a fused buffer (SSFusion's
+    excluded tensors). It is a promise about the indices, not a different selection, so every
+    collective stays correct when it ignores it; TopkA uses it to send those m values without
+    their indices (:func:`gradsync.formats.wire.pack_entries`). Validated like the indices
+    (``0 ≤ m ≤ nnz``, ``m ≤ numel``, ``indices[m−1] == m−1``).
     """
 
     indices: torch.Tensor
     values: torch.Tensor
     numel: int
+    dense_prefix: int = 0
 
     def __init__(
-        self, indices: torch.Tensor, values: torch.Tensor, numel: int, *, validate: bool = True
+        self, indices: torch.Tensor, values: torch.Tensor, numel: int, *, validate: bool = True,
+        dense_prefix: int = 0,
     ) -> None:
         object.__setattr__(self, "indices", indices)
         object.__setattr__(self, "values", values)
         object.__setattr__(self, "numel", int(numel))
+        object.__setattr__(self, "dense_prefix", int(dense_prefix))
         if validate:
             self._validate()
 
@@ -357,6 +367,13 @@ class SparseGrad:
         if i.device != v.device:
             raise ValueError(f"SparseGrad: indices on {i.device} but values on {v.device}")
         check_indices(i, n, "SparseGrad")
+        m = self.dense_prefix
+        if m < 0 or m > i.numel():
+            raise ValueError(f"SparseGrad: dense_prefix must lie in [0, nnz={i.numel()}], "
+                             f"got {m}")
+        if m and int(i[m - 1]) != m - 1:  # strictly increasing from >= 0: then 0 … m−1
+            raise ValueError(f"SparseGrad: dense_prefix={m} but the first {m} indices are not "
+                             f"0 … {m - 1}")
 
     # -- construction ------------------------------------------------------------------
     @classmethod
@@ -412,15 +429,23 @@ class SparseGrad:
                        self.values.device)
 
     def wire_bytes(self, index_bytes: int = 4) -> int:
-        """COO size on the wire: ``nnz × (index_bytes + value bytes)``."""
+        """COO size on the wire: ``nnz × (index_bytes + value bytes)``, less the indices of the
+        dense prefix (its values travel alone)."""
         if index_bytes not in (4, 8):
             raise ValueError(f"index_bytes must be 4 or 8, got {index_bytes}")
-        return len(self) * (index_bytes + self.values.element_size())
+        values = len(self) * self.values.element_size()
+        return (len(self) - self.dense_prefix) * index_bytes + values
+
+    def with_values(self, values: torch.Tensor) -> SparseGrad:
+        """The same selection (indices, numel, dense prefix) carrying ``values`` instead."""
+        return SparseGrad(self.indices, values, self.numel, validate=False,
+                          dense_prefix=self.dense_prefix)
 
     def to(self, *args, **kwargs) -> SparseGrad:
         """Move/cast the values (``.to(dtype)``/``.to(device)``); indices follow the device."""
         v = self.values.to(*args, **kwargs)
-        return SparseGrad(self.indices.to(v.device), v, self.numel, validate=False)
+        return SparseGrad(self.indices.to(v.device), v, self.numel, validate=False,
+                          dense_prefix=self.dense_prefix)
 
     def __repr__(self) -> str:
         return (

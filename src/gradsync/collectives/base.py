@@ -38,8 +38,9 @@ class Collective(ABC):
     """Base class: input checks, a shape consensus, timing; subclasses implement ``_reduce``.
 
     ``check_shapes`` (default on) runs one all-reduce of four int64 words so that ranks passing
-    different ``numel`` or dtypes fail with a clear ``ValueError`` on every rank instead of
-    hanging or corrupting memory. Its 32 bytes are counted like any other traffic.
+    different ``numel``, dtypes or dense prefixes (``SparseGrad.dense_prefix``) fail with a
+    clear ``ValueError`` on every rank instead of hanging or corrupting memory. Its 32 bytes
+    are counted like any other traffic.
     """
 
     name: str = "?"  # set by ``registry.register(name)``
@@ -69,15 +70,18 @@ class Collective(ABC):
 
     @staticmethod
     def _agree(sel: SparseGrad, comm: Comm) -> None:
-        code = DTYPE_CODES.get(sel.dtype, 0)
+        # the dtype code (one byte) and the dense prefix share the second word
+        code = DTYPE_CODES.get(sel.dtype, 0) + 256 * sel.dense_prefix
         word = torch.tensor([sel.numel, code, -sel.numel, -code], dtype=torch.int64,
                             device=comm.device)
         comm.all_reduce(word, op=dist.ReduceOp.MAX)
-        if int(word[0]) != -int(word[2]) or int(word[1]) != -int(word[3]):
+        hi_n, hi_c, lo_n, lo_c = (int(w) for w in word.tolist())
+        if hi_n != -lo_n or hi_c != -lo_c:
             raise ValueError(
-                f"ranks disagree on the tensor: numel ranges over [{-int(word[2])}, "
-                f"{int(word[0])}], dtype codes over [{-int(word[3])}, {int(word[1])}]; "
-                f"this rank ({comm.rank}) has numel={sel.numel}, dtype={sel.dtype}"
+                f"ranks disagree on the tensor: numel ranges over [{-lo_n}, {hi_n}], dtype "
+                f"codes over [{-lo_c % 256}, {hi_c % 256}], dense prefixes over "
+                f"[{-lo_c // 256}, {hi_c // 256}]; this rank ({comm.rank}) has "
+                f"numel={sel.numel}, dtype={sel.dtype}, dense_prefix={sel.dense_prefix}"
             )
 
     @abstractmethod

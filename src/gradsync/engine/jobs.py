@@ -19,7 +19,7 @@ buffer mode    job(s)                                      transport
                Buffer_AG: every other tensor, each         :attr:`Transport.COLLECTIVE`
                sparsified at its own density (§IV-B) or
                sent whole when selective sparsification
-               excluded it
+               excluded it (those first: values only)
 =============  ==========================================  =====================================
 
 The types that carry a job through a step live here too: the :class:`Payload` the training
@@ -117,7 +117,10 @@ def plan_jobs(plan: Plan, collective: str, names: Sequence[str]) -> list[Job]:
                             density=buf.density))
         elif buf.mode == Mode.PER_TENSOR:
             buffer_ar = [t for t in buf.tensors if t.allreduce]  # SSFusion-I, §IV-D
-            buffer_ag = [t for t in buf.tensors if not t.allreduce]
+            # the tensors sent whole first: the selection's dense prefix, whose values
+            # travel without indices (concat, SparseGrad.dense_prefix)
+            buffer_ag = ([t for t in buf.tensors if not t.allreduce and t.density is None]
+                         + [t for t in buf.tensors if not t.allreduce and t.density is not None])
             for part, transport in ((buffer_ar, Transport.ALLREDUCE),
                                     (buffer_ag, Transport.COLLECTIVE)):
                 if part:
@@ -152,8 +155,7 @@ class Payload:
         """``sel`` with its values in :attr:`wire_dtype` (the gradients' dtype)."""
         if self.wire_dtype is None or sel.values.dtype == self.wire_dtype:
             return sel
-        return SparseGrad(sel.indices, sel.values.to(self.wire_dtype), sel.numel,
-                          validate=False)
+        return sel.with_values(sel.values.to(self.wire_dtype))
 
 
 @dataclass
@@ -255,10 +257,15 @@ class StepRun:
 
 
 def concat(parts: list[SparseGrad]) -> SparseGrad:
-    """Concatenate per-tensor selections into one selection over the fused buffer."""
-    idx, vals, offset = [], [], 0
+    """Concatenate per-tensor selections into one selection over the fused buffer. The leading
+    parts sent whole (and the next part's own dense prefix) form its dense prefix."""
+    idx, vals, offset, prefix, leading = [], [], 0, 0, True
     for s in parts:
         idx.append(s.indices + offset)
         vals.append(s.values)
         offset += s.numel
-    return SparseGrad(torch.cat(idx), torch.cat(vals), offset, validate=False)
+        if leading:
+            prefix += s.dense_prefix
+            leading = s.dense_prefix == s.numel
+    return SparseGrad(torch.cat(idx), torch.cat(vals), offset, validate=False,
+                      dense_prefix=prefix)

@@ -20,9 +20,10 @@ For every tensor of the job, as soon as the job's tensors are all ready:
      the buffer's density — a small tensor may lose every entry ("tensor missing");
    * ``per_tensor`` (SSFusion §IV-B): each tensor is sparsified on its own at the density the
      planner gave it (the target density, or lower where density-aware compensation pays for
-     the tensors selective sparsification excluded); an excluded tensor travels whole (every
-     index); a tensor SSFusion-O offloads (§IV-C) goes to the worker thread and travels as a
-     future that the communication thread waits for.
+     the tensors selective sparsification excluded); an excluded tensor travels whole (its
+     values, at the front of the job: the selection's dense prefix); a tensor SSFusion-O
+     offloads (§IV-C) goes to the worker thread and travels as a future that the
+     communication thread waits for.
 
 Only step 3 counts as inline sparsification time.
 """
@@ -95,7 +96,8 @@ def prepare(job: Job, index: int, grads: dict[str, torch.Tensor], ef: ErrorFeedb
             d = job.densities[n]
             if d is None:  # excluded from sparsification: every entry travels
                 parts.append(SparseGrad(torch.arange(accs[n].numel(), device=accs[n].device),
-                                        accs[n], accs[n].numel(), validate=False))
+                                        accs[n], accs[n].numel(), validate=False,
+                                        dense_prefix=accs[n].numel()))
             elif n in job.offload:  # SSFusion-O
                 parts.append(offload(sparsifier(n, d), accs[n], step))
             else:

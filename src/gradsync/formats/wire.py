@@ -6,11 +6,12 @@
   validates a width the caller asked for.
 * **Entries** ``[indices][values]``: one uint8 message holding ``count`` indices at the wire
   width, then the ``count`` values bit for bit (:func:`pack_entries` / :func:`unpack_entries`,
-  :func:`entry_bytes`). The COO format's body and the messages of TopkA, TopkDSA, gTop-k and
-  Ok-Topk all have this layout. A message of *fixed* size (the receiver knows an upper bound
-  and needs no count message first) is ``[count as int64][entries][zeros up to capacity]``
-  (:func:`pack_entries_fixed` / :func:`unpack_entries_fixed`); SparDL's rounds and
-  all-gather use it.
+  :func:`entry_bytes`, :func:`entries_bytes`); a selection's dense prefix (indices 0 … m−1,
+  tensors sent whole) travels as values only. The COO format's body and the messages of
+  TopkA, TopkDSA, gTop-k and Ok-Topk all have this layout. A message of *fixed* size (the
+  receiver knows an upper bound and needs no count message first) is
+  ``[count as int64][entries][zeros up to capacity]`` (:func:`pack_entries_fixed` /
+  :func:`unpack_entries_fixed`); SparDL's rounds and all-gather use it.
 * **Value dtype codes**: one byte per value dtype (:data:`DTYPE_CODES`, :func:`dtype_code`), in
   the format headers and in the collectives' shape consensus.
 * **Header** of the wire formats (:func:`pack_header` / :func:`unpack_header`): magic, version,
@@ -44,6 +45,7 @@ __all__ = [
     "check_index_bytes",
     "check_int",
     "dtype_code",
+    "entries_bytes",
     "entry_bytes",
     "fixed_entries_bytes",
     "header_bytes",
@@ -209,9 +211,23 @@ def entry_bytes(index_dtype: torch.dtype, dtype: torch.dtype) -> int:
 
 
 def pack_entries(indices: torch.Tensor, values: torch.Tensor,
-                 index_dtype: torch.dtype) -> torch.Tensor:
-    """One uint8 message ``[indices as index_dtype][values]`` (bit-exact, no float casts)."""
-    return torch.cat([to_bytes(indices.to(index_dtype)), to_bytes(values)])
+                 index_dtype: torch.dtype, prefix: int = 0) -> torch.Tensor:
+    """One uint8 message ``[indices as index_dtype][values]`` (bit-exact, no float casts).
+
+    ``prefix`` (m): the first m entries are indices 0 … m−1 (``SparseGrad.dense_prefix``, the
+    caller's promise): their indices are left out, ``[indices[m:]][values]``."""
+    return torch.cat([to_bytes(indices[prefix:].to(index_dtype)), to_bytes(values)])
+
+
+def entries_bytes(count: int, index_dtype: torch.dtype, dtype: torch.dtype,
+                  prefix: int = 0) -> int:
+    """Size of a :func:`pack_entries` message of ``count`` entries, ``prefix`` of them without
+    their index."""
+    return count * entry_bytes(index_dtype, dtype) - prefix * _width(index_dtype)
+
+
+def _width(dtype: torch.dtype) -> int:
+    return torch.empty(0, dtype=dtype).element_size()
 
 
 def fixed_entries_bytes(capacity: int, index_dtype: torch.dtype, dtype: torch.dtype) -> int:
@@ -252,18 +268,22 @@ def unpack_entries_fixed(buf: torch.Tensor, capacity: int, index_dtype: torch.dt
 
 
 def unpack_entries(buf: torch.Tensor, count: int, index_dtype: torch.dtype,
-                   dtype: torch.dtype, what: str = "entries"
+                   dtype: torch.dtype, what: str = "entries", prefix: int = 0
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack_entries` for a message of ``count`` entries: (int64 indices,
-    values). The values are a view of ``buf`` when aligned (a copy otherwise); the indices are
-    not checked here (a decoder that needs sorted, in-range indices calls
+    """Inverse of :func:`pack_entries` for a message of ``count`` entries, the first ``prefix``
+    of them without their index: (int64 indices of the other ``count − prefix`` entries,
+    every value). The values are a view of ``buf`` when aligned (a copy otherwise); the indices
+    are not checked here (a decoder that needs sorted, in-range indices calls
     :func:`gradsync.sparsegrad.check_indices`). ``ValueError`` when the size is not exactly
-    ``count`` entries."""
-    ib = torch.empty(0, dtype=index_dtype).element_size()
-    if buf.numel() != count * entry_bytes(index_dtype, dtype):
-        raise ValueError(f"{what}: message of {buf.numel()} bytes is not {count} entries")
-    idx = view_as(buf, 0, count, index_dtype).to(torch.int64)
-    return idx, view_as(buf, count * ib, count, dtype)
+    that, or ``prefix`` is not in [0, count]."""
+    if not 0 <= prefix <= count:
+        raise ValueError(f"{what}: prefix {prefix} outside [0, {count}]")
+    if buf.numel() != entries_bytes(count, index_dtype, dtype, prefix):
+        raise ValueError(f"{what}: message of {buf.numel()} bytes is not {count} entries "
+                         f"({prefix} without index)")
+    tail = count - prefix
+    idx = view_as(buf, 0, tail, index_dtype).to(torch.int64)
+    return idx, view_as(buf, tail * _width(index_dtype), count, dtype)
 
 
 # -- bit packing ----------------------------------------------------------------------------

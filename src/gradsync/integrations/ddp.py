@@ -13,7 +13,9 @@ Inside a bucket (SSFusion §III–IV applied to DDP's own fusion buffers):
   102,400-element heuristic, Insight #2) are not sparsified; density-aware compensation lowers
   the large tensors' density (floor ``cfg.min_density``) so the model sends about
   ``density × model numel`` entries (computed once over the model's parameters, §IV-B(i);
-  per bucket when no model is given); everything travels in one all-gather;
+  per bucket when no model is given); everything travels in one all-gather, the unsparsified
+  tensors first as values without indices (its dense prefix, as the engine sends them), and
+  compensation charges them at that (1/2 of an entry per fp32 element);
 * ``ssfusion_oi``: as ``ssfusion``, but the unsparsified tensors travel in an all-reduce and the
   sparsified ones in an all-gather (SSFusion-I's split, with the split fixed by sparsification);
   compensation charges the all-reduced tensors at their bytes, 1/P of an entry per element;
@@ -100,6 +102,7 @@ from gradsync import collectives, sparsify
 from gradsync.collectives.comm import Comm, CommStats
 from gradsync.engine.config import Config
 from gradsync.engine.consistency import signature_check
+from gradsync.engine.jobs import concat
 from gradsync.engine.preconditioning import apply_scales
 from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.warmup import link_costs
@@ -107,7 +110,7 @@ from gradsync.feedback import ErrorFeedback, check_scaler, follow_scale, saved_s
 from gradsync.schedule import schemes
 from gradsync.schedule.auto import MARGIN, bucket_sparse
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
-from gradsync.schedule.ssfusion import allreduce_charge, compensate
+from gradsync.schedule.ssfusion import allgather_charge, allreduce_charge, compensate
 from gradsync.sparsegrad import SparseGrad, all_finite
 
 __all__ = ["DDP_SCHEMES", "TRIAL_ORDER", "TRIAL_STEPS", "HookState", "hook", "register"]
@@ -382,7 +385,10 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
     at registration) — so the model sends about ``density × trained numel`` entries
     and every sparsified tensor gets the same d′ (floor ``min_density``), whatever bucket it
     is in. Without a model the hook only sees buckets, and compensates within each bucket.
-    ``ssfusion_oi`` all-reduces the unsparsified tensors and charges them at what that sends
+    ``ssfusion`` sends the unsparsified tensors as values without indices and charges them at
+    that (:func:`gradsync.schedule.ssfusion.allgather_charge`: 1/2 of an entry per fp32
+    element); ``ssfusion_oi`` all-reduces the unsparsified tensors and charges them at what
+    that sends
     (:func:`gradsync.schedule.ssfusion.allreduce_charge`: 1/P of an all-gathered entry per fp32
     element), so it sends the target's bytes, as the engine's SSFusion-I does.
     """
@@ -404,9 +410,10 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
     if state.scheme.planner == "per_tensor":
         return [cfg.density] * len(numels)
     sparse = [n >= state.small_numel for n in numels]
-    charge = 1.0  # the unsparsified tensors travel whole in the all-gather
-    if state.scheme.interleave:  # … or in an all-reduce: charged at its bytes
-        charge = allreduce_charge(comm.size if comm is not None else 1, elem_bytes)
+    # the unsparsified tensors travel whole, charged at their bytes: values only in the
+    # all-gather (its dense prefix), or in SSFusion-I's all-reduce
+    P = comm.size if comm is not None else 1
+    charge = (allreduce_charge if state.scheme.interleave else allgather_charge)(P, elem_bytes)
     if state.trained is not None:
         d = _model_density(state.trained, state.small_numel, cfg.density, cfg.min_density,
                            charge)
@@ -476,9 +483,14 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
             dense_parts.append(i)
         elif d is None or poisoned:
             sparse_parts.append((i, SparseGrad(torch.arange(acc.numel(), device=acc.device),
-                                               acc, acc.numel(), validate=False)))
+                                               acc, acc.numel(), validate=False,
+                                               dense_prefix=acc.numel())))
         else:
             sparse_parts.append((i, state.sparsifier(name, d).select(acc)))
+    # the tensors sent whole first: the all-gather's dense prefix, values without indices
+    # (SparseGrad.dense_prefix), alike on every rank since the densities are
+    sparse_parts.sort(key=lambda part: densities[part[0]] is not None)
+    prefix = sum(numels[i] for i, _ in sparse_parts if densities[i] is None)
     wire = buf.dtype  # values travel in the gradients' dtype (residuals may be fp32)
     out = torch.zeros_like(buf)
     kept_by_tensor: dict[int, torch.Tensor | None] = {}
@@ -491,19 +503,24 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     stats = comm.stats
     try:
         if sparse_parts:
-            if poisoned:  # one entry, a NaN: the all-gather's shape is any rank's count
-                idx = torch.tensor([offsets[sparse_parts[0][0]]], device=buf.device)
-                vals = torch.full((1,), math.nan, dtype=wire, device=buf.device)
-            else:
-                idx = torch.cat([s.indices + offsets[i] for i, s in sparse_parts])
-                vals = torch.cat([s.values for _, s in sparse_parts]).to(wire)
-            res = state.collective(SparseGrad(idx, vals, buf.numel(), validate=False),
-                                   group=state.group)
-            out += res.dense
-            kept = res.kept
+            # the parts side by side in that order (where each lies: at), as the engine's jobs
+            at = [0]
             for i, _ in sparse_parts:
-                sel = kept[(kept >= offsets[i]) & (kept < offsets[i + 1])] - offsets[i]
-                kept_by_tensor[i] = sel
+                at.append(at[-1] + numels[i])
+            if poisoned:  # the dense prefix (or one entry) with a NaN: any rank's count fits
+                n = max(prefix, 1)
+                vals = torch.zeros(n, dtype=wire, device=buf.device)
+                vals[0] = math.nan
+                sel = SparseGrad(torch.arange(n, device=buf.device), vals, at[-1],
+                                 validate=False, dense_prefix=prefix)
+            else:
+                sel = concat([s for _, s in sparse_parts])
+                sel = sel.with_values(sel.values.to(wire))
+            res = state.collective(sel, group=state.group)
+            kept = res.kept
+            for j, (i, _) in enumerate(sparse_parts):
+                out[offsets[i]:offsets[i + 1]] = res.dense[at[j]:at[j + 1]]
+                kept_by_tensor[i] = kept[(kept >= at[j]) & (kept < at[j + 1])] - at[j]
             stats += res.stats
     except BaseException:
         # SSFusion-I's all-reduce is waited for on every path, a failing all-gather included:

@@ -20,9 +20,10 @@ from gradsync.schedule.mgwfbp import mgwfbp_groups
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
 from gradsync.schedule.schemes import SCHEMES, Scheme
 from gradsync.schedule.ssfusion import (
+    allgather_charge,
     allreduce_charge,
     best_split,
-    charge_allreduce,
+    charge_bytes,
     compensate,
     interleave_buffer,
     offload_buffer,
@@ -39,12 +40,13 @@ __all__ = [
     "Scheme",
     "TensorPlan",
     "Timeline",
+    "allgather_charge",
     "allreduce_charge",
     "best_split",
     "bucket_bytes_of",
     "buffer_comm_time",
     "buffer_parts",
-    "charge_allreduce",
+    "charge_bytes",
     "compensate",
     "cupcake_groups",
     "entries",
@@ -154,8 +156,8 @@ def make_plan(
         if spec.interleave:
             pairs = [interleave_buffer(b, cost) for b in buffers]
             buffers, info["split"] = [p[0] for p in pairs], [p[1] for p in pairs]
-            buffers, info["compensation"] = charge_allreduce(buffers, cost.P, cost.elem_bytes,
-                                                             density, min_density)
+        buffers, info["compensation"] = charge_bytes(buffers, cost.P, cost.elem_bytes, density,
+                                                     min_density)
     plan = Plan(scheme, buffers, overlap=spec.overlap, info=info)
     if cost is not None:
         tl = simulate(plan, cost)

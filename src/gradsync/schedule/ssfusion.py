@@ -59,10 +59,15 @@ other tensor Buffer_AG (all-gathered). ``best_split`` picks l′ minimising T1 +
 (T_gpu^j = 0 for dense and for offloaded tensors; an empty part costs nothing). Separation
 follows the selective-sparsification decisions, as the paper says; the split point decides how
 early the all-reduce can start. After the split, compensation charges each Buffer_AR tensor
-at what its all-reduce sends (``charge_allreduce``: 1/P of an all-gathered entry per element
+at what its all-reduce sends (:func:`charge_bytes`: 1/P of an all-gathered entry per element
 in fp32) instead of one entry per element, so SSFusion-I sends the target's bytes, not fewer.
-This is ours: the paper counts elements, and its purpose is that excluding small tensors does
-not prolong transmission.
+
+**Excluded tensors in the all-gather travel as values (ours).** A buffer's tensors sent whole
+go first in its all-gather, as the selection's dense prefix, and TopkA sends their values
+without indices (``SparseGrad.dense_prefix``): an index for every element of a tensor sent whole
+says nothing. :func:`charge_bytes` charges them at that (1/2 of an entry per fp32 element), for
+SSFusion, SSFusion-O and SSFusion-I's all-gather part alike. Both charges are ours: the paper
+counts elements, and its purpose is that excluding small tensors does not prolong transmission.
 """
 
 from __future__ import annotations
@@ -78,9 +83,10 @@ from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
 from gradsync.schedule.timeline import buffer_comm_time, simulate
 
 __all__ = [
+    "allgather_charge",
     "allreduce_charge",
     "best_split",
-    "charge_allreduce",
+    "charge_bytes",
     "compensate",
     "interleave_buffer",
     "offload_buffer",
@@ -102,9 +108,9 @@ def compensate(numels: Sequence[int], sparse: Sequence[bool], density: float,
     (bisection, since k(n, d′) is a step function), floor ``min(min_density, density)``.
 
     ``charge`` (c_j, one number or one per tensor): what one element of an excluded tensor
-    costs on the wire, in sparse entries. 1 (the paper's element count) when it travels whole
-    through the sparse collective, every index with its value, as every entry does;
-    :func:`allreduce_charge` when SSFusion-I all-reduces it (:func:`charge_allreduce`).
+    costs on the wire, in sparse entries. 1 is the paper's element count; at its bytes
+    (:func:`charge_bytes`) :func:`allgather_charge` when it travels whole in the all-gather (a
+    value without its index), :func:`allreduce_charge` when SSFusion-I all-reduces it.
     """
     numels, sparse = list(numels), list(sparse)
     charges = [float(charge)] * len(numels) if isinstance(charge, (int, float)) else list(charge)
@@ -307,7 +313,9 @@ def interleave_buffer(buf: BufferPlan, cost: CostModel) -> tuple[BufferPlan, dic
     tsp = [0.0 if t.density is None or t.offload else cost.t_sparsify(t.numel) for t in ts]
     l, v = best_split(
         [cost.backward[t.name] for t in ts], tsp, [t.density is None for t in ts],
-        [t.numel * cost.elem_bytes for t in ts], [t.k * cost.entry_bytes for t in ts],
+        [t.numel * cost.elem_bytes for t in ts],
+        [t.numel * cost.elem_bytes if t.density is None else t.k * cost.entry_bytes
+         for t in ts],  # a tensor sent whole in the all-gather: its values only
         cost.t_allreduce, cost.t_allgather)
     out = tuple(TensorPlan(t.name, t.numel, t.density, t.offload,
                            allreduce=(j < l and t.density is None)) for j, t in enumerate(ts))
@@ -315,23 +323,38 @@ def interleave_buffer(buf: BufferPlan, cost: CostModel) -> tuple[BufferPlan, dic
                                            "allreduce": [t.name for t in out if t.allreduce]}
 
 
-def charge_allreduce(buffers: Sequence[BufferPlan], P: int, elem_bytes: int, density: float,
-                     min_density: float = 0.001) -> tuple[list[BufferPlan], dict[str, Any]]:
-    """SSFusion-I's buffers with d′ compensated at the wire cost of each excluded tensor's
-    collective: Buffer_AR's tensors at :func:`allreduce_charge` (P, elem_bytes), Buffer_AG's at 1.
+def allgather_charge(P: int, elem_bytes: int) -> float:
+    """What one element of a tensor sent whole through the all-gather costs, in sparse entries:
+    its value without an index (it sits in the selection's dense prefix,
+    ``SparseGrad.dense_prefix``, which TopkA sends as values only), so
+    elem_bytes / (INDEX_BYTES + elem_bytes): 1/2 for fp32, 1/3 for bf16 and fp16. One rank
+    sends nothing either way: 1, the paper's element count (as :func:`allreduce_charge`)."""
+    if int(P) != P or P < 1 or int(elem_bytes) != elem_bytes or elem_bytes < 1:
+        raise ValueError(f"allgather_charge: P and elem_bytes must be integers >= 1, got "
+                         f"{P!r}, {elem_bytes!r}")
+    if P == 1:
+        return 1.0
+    return elem_bytes / (INDEX_BYTES + elem_bytes)
+
+
+def charge_bytes(buffers: Sequence[BufferPlan], P: int, elem_bytes: int, density: float,
+                 min_density: float = 0.001) -> tuple[list[BufferPlan], dict[str, Any]]:
+    """SSFusion's buffers with d′ compensated at the wire cost of each excluded tensor:
+    SSFusion-I's Buffer_AR tensors at :func:`allreduce_charge` (P, elem_bytes), those that
+    travel whole in the all-gather at :func:`allgather_charge` (elem_bytes).
 
     Compensation exists so that excluding small tensors does not prolong transmission (§IV-B,
-    "Density-aware sparsification"); counted in elements, it charges a tensor that SSFusion-I
-    all-reduces as if each element were an (index, value) pair all-gathered to P − 1 peers,
-    and the model then sends fewer bytes than the target (TinyGPT at P = 4: 0.0186 MB per step
+    "Density-aware sparsification"). Counted in elements, it charges an excluded tensor as if
+    each element were an (index, value) pair all-gathered to P − 1 peers, and the model then
+    sends fewer bytes than the target (SSFusion-I on TinyGPT at P = 4: 0.0186 MB per step
     against TopkA's 0.0315). Charged at its bytes, d′ rises until the model sends what every
     tensor at ``density`` through the all-gather would. The exclusions and the split are the
     ones decided at the element count; only d′ changes (it can only rise)."""
     ts = [t for b in buffers for t in b.tensors]
-    w = allreduce_charge(P, elem_bytes)
+    w_ar, w_ag = allreduce_charge(P, elem_bytes), allgather_charge(P, elem_bytes)
     d, info = compensate([t.numel for t in ts], [t.density is not None for t in ts], density,
-                         min_density, [w if t.allreduce else 1.0 for t in ts])
-    info["allreduce_charge"] = w
+                         min_density, [w_ar if t.allreduce else w_ag for t in ts])
+    info["allreduce_charge"], info["allgather_charge"] = w_ar, w_ag
     out = [BufferPlan(tuple(t if t.density is None else replace(t, density=d) for t in b.tensors),
                       b.mode, b.density) for b in buffers]
     return out, info

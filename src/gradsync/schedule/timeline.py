@@ -39,7 +39,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any
 
-from gradsync.schedule.costmodel import CostModel
+from gradsync.schedule.costmodel import INDEX_BYTES, CostModel
 from gradsync.schedule.plan import BufferPlan, Plan
 
 __all__ = ["Timeline", "buffer_parts", "simulate"]
@@ -63,7 +63,9 @@ def buffer_parts(buf: BufferPlan, cost: CostModel) -> tuple[int, int]:
     if buf.mode == "fused":
         return 0, buf.k() * cost.entry_bytes
     ar = sum(t.numel for t in buf.tensors if t.allreduce) * cost.elem_bytes
-    return ar, buf.k() * cost.entry_bytes
+    # a tensor sent whole in the all-gather: its values only (the selection's dense prefix)
+    whole = sum(t.numel for t in buf.tensors if t.density is None and not t.allreduce)
+    return ar, buf.k() * cost.entry_bytes - whole * INDEX_BYTES
 
 
 def buffer_comm_time(buf: BufferPlan, cost: CostModel) -> float:
