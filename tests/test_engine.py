@@ -211,15 +211,15 @@ _EXCLUDED_PLAN = Plan("ssfusion", [BufferPlan((
     "per_tensor")]).to_dict()
 
 
-def _excluded_rank(rank, world_size):
-    model = build("mlp", seed=1)
+def _excluded_rank(rank, world_size, dtype=torch.float32):
+    model = build("mlp", seed=1).to(dtype)
     sync = GradSync(model, Config(scheme="ssfusion", density=0.02, sparsifier="topk",
                                   warmup_steps=1, check_every=0, plan=_EXCLUDED_PLAN))
     sent = []
     for step in range(4):
         model.zero_grad()
         x, y = batch("cnn", rank, step)
-        model_loss(model, "cnn", x, y).backward()
+        model_loss(model, "cnn", x.to(dtype), y).backward()
         mine = {n: p.grad.clone() for n, p in model.named_parameters()}
         sync.synchronize()
         sent.append(sync.last.bytes_sent)
@@ -253,6 +253,22 @@ def test_ssfusion_sends_the_tensors_it_excluded_as_values_without_indices(world_
             assert torch.equal(avg[n], out[0][2][n]), n  # bitwise alike on every rank
             reference = sum(o[3][n].double() for o in out) / P  # the last step's gradients
             assert torch.allclose(avg[n].double(), reference, rtol=1e-6, atol=1e-9), n
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_ssfusion_sends_excluded_bf16_tensors_as_two_byte_values(world_size):
+    """The same with bf16 parameters: values travel in bf16 (2 bytes, no index), sparse
+    entries as an int32 index and a bf16 value (6 bytes); the residuals stay fp32."""
+    out = run_distributed(_excluded_rank, world_size, torch.bfloat16, timeout=300)
+    P = world_size
+    whole = 10 + 256 + 256
+    k = sum(max(1, round(0.02 * n)) for n in (2560, 65536, 200704))
+    expect = ((P - 1) * (whole * 2 + k * 6) + (P - 1) * 8 + 2 * (P - 1) * 32 // P
+              + 2 * (P - 1) * 8 // P)
+    for sent, residual, avg, _ in out:
+        assert sent[-1] == expect, (sent, expect)
+        assert residual["net.1.weight"].dtype == torch.float32
+        assert avg["net.1.bias"].dtype == torch.bfloat16
 
 
 def _no_sync_frozen_unused(rank, world_size):
