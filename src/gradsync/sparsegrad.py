@@ -429,12 +429,11 @@ class SparseGrad:
                        self.values.device)
 
     def wire_bytes(self, index_bytes: int = 4) -> int:
-        """COO size on the wire: ``nnz × (index_bytes + value bytes)``, less the indices of the
-        dense prefix (its values travel alone)."""
+        """COO size on the wire: ``nnz × (index_bytes + value bytes)`` (every index, the dense
+        prefix's too; TopkA's message leaves those out: ``formats.wire.entries_bytes``)."""
         if index_bytes not in (4, 8):
             raise ValueError(f"index_bytes must be 4 or 8, got {index_bytes}")
-        values = len(self) * self.values.element_size()
-        return (len(self) - self.dense_prefix) * index_bytes + values
+        return len(self) * (index_bytes + self.values.element_size())
 
     def with_values(self, values: torch.Tensor) -> SparseGrad:
         """The same selection (indices, numel, dense prefix) carrying ``values`` instead."""

@@ -44,6 +44,7 @@ class TopkA(Collective):
         dense = torch.zeros(sel.numel, dtype=sel.dtype, device=sel.device)
         for msg, c in zip(msgs, counts):
             idx, val = unpack_entries(msg, c, wire, sel.dtype, "topka", m)
-            dense[:m] += val[:m]  # the tensors sent whole: values only, in rank order
+            if m:  # the tensors sent whole: values only, added in rank order
+                dense[:m] += val[:m]
             add_at(dense, idx, val[m:])
         return dense, sel.indices, {"counts": counts}

@@ -385,12 +385,11 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
     at registration) — so the model sends about ``density × trained numel`` entries
     and every sparsified tensor gets the same d′ (floor ``min_density``), whatever bucket it
     is in. Without a model the hook only sees buckets, and compensates within each bucket.
-    ``ssfusion`` sends the unsparsified tensors as values without indices and charges them at
-    that (:func:`gradsync.schedule.ssfusion.allgather_charge`: 1/2 of an entry per fp32
-    element); ``ssfusion_oi`` all-reduces the unsparsified tensors and charges them at what
-    that sends
-    (:func:`gradsync.schedule.ssfusion.allreduce_charge`: 1/P of an all-gathered entry per fp32
-    element), so it sends the target's bytes, as the engine's SSFusion-I does.
+    The unsparsified tensors are charged at what they send, so the model sends the target's
+    bytes as the engine's SSFusion does: ``ssfusion`` sends them as values without indices
+    (:func:`gradsync.schedule.ssfusion.allgather_charge`: 1/2 of an entry per fp32 element),
+    ``ssfusion_oi`` all-reduces them (:func:`gradsync.schedule.ssfusion.allreduce_charge`: 1/P
+    of an all-gathered entry per fp32 element).
     """
     cfg = state.cfg
     if state.scheme.planner == "auto":  # measured once, agreed by every rank

@@ -341,7 +341,7 @@ def charge_bytes(buffers: Sequence[BufferPlan], P: int, elem_bytes: int, density
                  min_density: float = 0.001) -> tuple[list[BufferPlan], dict[str, Any]]:
     """SSFusion's buffers with d′ compensated at the wire cost of each excluded tensor:
     SSFusion-I's Buffer_AR tensors at :func:`allreduce_charge` (P, elem_bytes), those that
-    travel whole in the all-gather at :func:`allgather_charge` (elem_bytes).
+    travel whole in the all-gather at :func:`allgather_charge` (P, elem_bytes).
 
     Compensation exists so that excluding small tensors does not prolong transmission (§IV-B,
     "Density-aware sparsification"). Counted in elements, it charges an excluded tensor as if
