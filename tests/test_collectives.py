@@ -179,6 +179,17 @@ def _rank_fn(rank: int, world_size: int, names: list[str]) -> dict:
                 out["mismatch"][name, "prefix"] = f"ValueError: {e}"
             except Exception:
                 out["mismatch"][name, "prefix"] = traceback.format_exc()
+    if P > 1:  # a rank that breaks its dense-prefix promise (fewer entries than the prefix,
+        # built unchecked): TopkA sees every rank's count and every rank raises
+        n = 1 if rank == 0 else 3
+        bad = SparseGrad(torch.arange(n), torch.ones(n), 10, validate=False, dense_prefix=2)
+        try:
+            collectives.get("topka")(bad)
+            out["short_prefix"] = "returned"
+        except ValueError as e:
+            out["short_prefix"] = f"ValueError: {e}"
+        except Exception:
+            out["short_prefix"] = traceback.format_exc()
     if P in (2, 4, 8):
         for name, case in VOLUME_RUNS:
             res = collectives.get(name, check_shapes=False)(volume_selection(case, rank, P))
@@ -304,6 +315,13 @@ def test_table1_topka(P):
     assert avg_sent == 2 * k * (P - 1) * 4 + 8 * (P - 1)
     for _, recv, _ in _vol(P, "topka", "random"):
         assert recv == 2 * k * (P - 1) * 4 + 8 * (P - 1)
+
+
+@pytest.mark.parametrize("P", [p for p in WORLD_SIZES if p > 1])
+def test_topka_refuses_a_rank_with_fewer_entries_than_the_dense_prefix(P):
+    got = [o["short_prefix"] for o in results(P)]
+    assert all(g.startswith("ValueError") and "fewer than the dense prefix" in g
+               for g in got), got
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])
