@@ -325,8 +325,8 @@ class SparseGrad:
     elements, indices ``0 … m−1``: tensors sent whole at the front of a fused buffer (SSFusion's
     excluded tensors). It is a promise about the indices, not a different selection, so every
     collective stays correct when it ignores it; TopkA uses it to send those m values without
-    their indices (:func:`gradsync.formats.wire.pack_entries`). Validated like the indices
-    (``0 ≤ m ≤ nnz``, ``m ≤ numel``, ``indices[m−1] == m−1``).
+    their indices (:func:`gradsync.formats.wire.pack_entries`); :meth:`to` keeps it. Validated
+    like the indices (``0 ≤ m ≤ nnz``, ``m ≤ numel``, ``indices[m−1] == m−1``).
     """
 
     indices: torch.Tensor
@@ -434,11 +434,6 @@ class SparseGrad:
         if index_bytes not in (4, 8):
             raise ValueError(f"index_bytes must be 4 or 8, got {index_bytes}")
         return len(self) * (index_bytes + self.values.element_size())
-
-    def with_values(self, values: torch.Tensor) -> SparseGrad:
-        """The same selection (indices, numel, dense prefix) carrying ``values`` instead."""
-        return SparseGrad(self.indices, values, self.numel, validate=False,
-                          dense_prefix=self.dense_prefix)
 
     def to(self, *args, **kwargs) -> SparseGrad:
         """Move/cast the values (``.to(dtype)``/``.to(device)``); indices follow the device."""

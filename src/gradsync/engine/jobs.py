@@ -155,7 +155,7 @@ class Payload:
         """``sel`` with its values in :attr:`wire_dtype` (the gradients' dtype)."""
         if self.wire_dtype is None or sel.values.dtype == self.wire_dtype:
             return sel
-        return sel.with_values(sel.values.to(self.wire_dtype))
+        return sel.to(self.wire_dtype)  # indices and dense prefix kept
 
 
 @dataclass

@@ -121,6 +121,11 @@ def dtype_code(dtype: torch.dtype) -> int:
 
 
 # -- bytes --------------------------------------------------------------------------------
+def _width(dtype: torch.dtype) -> int:
+    """Bytes of one element of ``dtype``."""
+    return torch.empty(0, dtype=dtype).element_size()
+
+
 def as_buffer(buf: object) -> torch.Tensor:
     """Accept a 1-D uint8 tensor (any device) or a bytes-like object; else ``ValueError``."""
     if isinstance(buf, bytes | bytearray | memoryview):
@@ -144,7 +149,7 @@ def to_bytes(t: torch.Tensor) -> torch.Tensor:
 
 def view_as(buf: torch.Tensor, start: int, count: int, dtype: torch.dtype) -> torch.Tensor:
     """``count`` elements of ``dtype`` read from byte ``start`` of ``buf`` (copy if unaligned)."""
-    width = torch.empty(0, dtype=dtype).element_size()
+    width = _width(dtype)
     chunk = buf[start:start + count * width]
     if count == 0:
         return torch.empty(0, dtype=dtype, device=buf.device)
@@ -206,8 +211,7 @@ def unpack_header(buf: torch.Tensor, magic: bytes, n_fields: int, what: str, *,
 # -- entries [indices][values] ----------------------------------------------------------------
 def entry_bytes(index_dtype: torch.dtype, dtype: torch.dtype) -> int:
     """Bytes of one entry: one index of ``index_dtype`` and one value of ``dtype``."""
-    return (torch.empty(0, dtype=index_dtype).element_size()
-            + torch.empty(0, dtype=dtype).element_size())
+    return _width(index_dtype) + _width(dtype)
 
 
 def pack_entries(indices: torch.Tensor, values: torch.Tensor,
@@ -224,10 +228,6 @@ def entries_bytes(count: int, index_dtype: torch.dtype, dtype: torch.dtype,
     """Size of a :func:`pack_entries` message of ``count`` entries, ``prefix`` of them without
     their index."""
     return count * entry_bytes(index_dtype, dtype) - prefix * _width(index_dtype)
-
-
-def _width(dtype: torch.dtype) -> int:
-    return torch.empty(0, dtype=dtype).element_size()
 
 
 def fixed_entries_bytes(capacity: int, index_dtype: torch.dtype, dtype: torch.dtype) -> int:

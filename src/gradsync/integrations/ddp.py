@@ -513,8 +513,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
                 sel = SparseGrad(torch.arange(n, device=buf.device), vals, at[-1],
                                  validate=False, dense_prefix=prefix)
             else:
-                sel = concat([s for _, s in sparse_parts])
-                sel = sel.with_values(sel.values.to(wire))
+                sel = concat([s for _, s in sparse_parts]).to(wire)
             res = state.collective(sel, group=state.group)
             kept = res.kept
             for j, (i, _) in enumerate(sparse_parts):
