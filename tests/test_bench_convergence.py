@@ -477,3 +477,91 @@ def test_readme_ssfusion_oi_byte_charged_claim_holds_in_the_written_results():
     mb_now, mb_pt = now["ssfusion_oi"]["bytes_per_step"], before["per_tensor"]["bytes_per_step"]
     assert abs(mb_now / mb_pt - 1) < 0.01  # the same bytes, within 1 %
 
+
+
+def test_density_sweep_trains_ddp_once_and_writes_the_tradeoff(tmp_path, capsys):
+    """``--density 0.02,0.5``: one study per density. DDP ignores the density, so it is
+    trained once (at the first) and every density is paired with that run; TopkA is trained at
+    each. The page opens with the trade-off table, whose gaps are recomputed here from the
+    JSON's finals; the figure plots them; the plans of each density are kept apart."""
+    docs = tmp_path / "sweep.md"
+    argv = ["--model", "cnn", "--data", "synthetic", "--schemes", "ddp,multi_tensor",
+            "--density", "0.02,0.5", "--seeds", "2", "--steps", "8", "--world-size", "2",
+            "--batch-size", "8", "--eval-points", "1", "--image-eval-batches", "2",
+            "--out", str(tmp_path / "out"), "--write-docs", str(docs)]
+    assert conv.main(argv) == 0
+    out = capsys.readouterr().out
+    assert "seed 1 at density 0.02: 2 schemes" in out
+    assert "seed 1 at density 0.5: 1 scheme in" in out  # ddp is not trained again
+    data = json.loads((tmp_path / "out" / "convergence.json").read_text())
+    rows = {(r["density"], r["scheme"]): r for r in data["rows"]}
+    assert sorted(rows) == [(0.02, "ddp"), (0.02, "multi_tensor"), (0.5, "ddp"),
+                            (0.5, "multi_tensor")]
+    assert rows[0.5, "ddp"]["finals"] == rows[0.02, "ddp"]["finals"]
+    assert rows[0.5, "ddp"]["trained_at_density"] == 0.02
+    assert rows[0.5, "multi_tensor"]["trained_at_density"] == 0.5
+    lo, hi = rows[0.02, "multi_tensor"], rows[0.5, "multi_tensor"]
+    assert 0 < lo["bytes_per_step"] < hi["bytes_per_step"] / 5
+    assert [m["density"] for m in data["meta"]["models"]] == [0.02, 0.5]
+    for d in (0.02, 0.5):  # each density's plans, under its own name
+        assert "multi_tensor" in json.loads(
+            (tmp_path / "out" / f"plans-cnn-d{d:g}-seed2.json").read_text())
+    md = docs.read_text()
+    ddp_mean = sum(rows[0.02, "ddp"]["finals"]) / 2
+    gaps = [100 * (sum(r["finals"]) / 2 - ddp_mean) for r in (lo, hi)]
+    header = "| scheme | density 0.02: Δ points · MB/step | density 0.5: Δ points · MB/step |"
+    assert header + " lowest density at parity |" in md
+    line = next(x for x in md.splitlines() if x.startswith("| multi_tensor | ")
+                and "·" in x)
+    cells = [c.strip() for c in line.strip("|").split("|")]
+    assert cells[1] == f"{gaps[0]:+.2f} · {lo['bytes_per_step'] / 1e6:.4f}"
+    assert cells[2] == f"{gaps[1]:+.2f} · {hi['bytes_per_step'] / 1e6:.4f}"
+    at = [d for d, g in zip((0.02, 0.5), gaps) if g >= -1.0]
+    assert cells[3] == (f"{min(at):g}" if at else "none of these")
+    assert md.index("the density sweep") < md.index("density 0.02, 2 seeds")
+    assert md.count("| ddp |") == 2  # each density's own table, not the trade-off
+    assert (docs.parent / "sweep.png").stat().st_size > 1000
+    # pairing every density with one DDP run is sound: DDP trained alone, in a job of its
+    # own, ends bit for bit where the sweep's DDP did
+    alone = [*argv[:argv.index("--schemes")], "--schemes", "ddp",
+             *argv[argv.index("--density"):argv.index("--out")], "--out",
+             str(tmp_path / "alone")]
+    alone[alone.index("--density") + 1] = "0.02"
+    assert conv.main(alone) == 0
+    ddp_alone = json.loads((tmp_path / "alone" / "convergence.json").read_text())["rows"][0]
+    assert ddp_alone["finals"] == rows[0.02, "ddp"]["finals"]
+
+
+def test_parity_bar_and_lowest_density_at_parity():
+    """at_parity: 1 point of accuracy below DDP's mean, or 5 % of perplexity above it; the
+    trade-off table names the lowest density that meets it, whatever the order given."""
+    def row(scheme, mean, metric="test_accuracy", mb=1e5):
+        return {"scheme": scheme, "mean": mean, "metric": metric, "bytes_per_step": mb,
+                "seeds": [1, 2]}
+
+    assert conv.at_parity(row("a", 0.80), 0.81) and not conv.at_parity(row("a", 0.7999), 0.81)
+    assert conv.at_parity(row("a", 10.5, "perplexity"), 10.0)
+    assert not conv.at_parity(row("a", 10.51, "perplexity"), 10.0)
+    info = {"model": "m"}
+    results = [([row("ddp", 0.80), row("topka", 0.75, mb=2e5)], {**info, "density": 0.1}),
+               ([row("ddp", 0.80), row("topka", 0.79, mb=5e5)], {**info, "density": 0.3}),
+               ([row("ddp", 0.80), row("topka", 0.795, mb=9e5)], {**info, "density": 0.2})]
+    cols, cells, ref = conv.tradeoff(results, "m")
+    assert cols[1:4] == ["density 0.1: Δ points · MB/step", "density 0.3: Δ points · MB/step",
+                         "density 0.2: Δ points · MB/step"]
+    assert cells == [["topka", "-5.00 · 0.2000", "-1.00 · 0.5000", "-0.50 · 0.9000", "0.2"]]
+    assert "80.00 mean" in ref and "within 1 point" in ref
+    lm = [([row("ddp", 10.0, "perplexity"), row("topka", 12.0, "perplexity")],
+           {**info, "density": 0.01})]
+    assert conv.tradeoff(lm, "m")[1] == [["topka", "+20.00 · 0.1000", "none of these"]]
+
+
+@pytest.mark.parametrize("argv, msg", [
+    (["--density", "0"], "--density: '0'"), (["--density", "0.01,1.5"], "'1.5'"),
+    (["--density", "0.01,x"], "'x'"), (["--density", "0.01,0.010"], "given twice"),
+    (["--schemes", "ddp,ddp_powersgd", "--density", "0.01,0.1"], "ignore it"),
+    (["--density", "0.01,0.1", "--plans", "somewhere"], "one density")])
+def test_density_sweep_rejects_bad_densities(argv, msg, capsys):
+    with pytest.raises(SystemExit) as e:
+        conv.parse_args(argv)
+    assert e.value.code == 2 and msg in capsys.readouterr().err

@@ -2,7 +2,7 @@
 fixed step budget, compared with DDP (issue 11, "The study").
 
 ``python -m gradsync bench convergence [--model cnn,gpt_tiny] [--schemes …] [--seeds 3]
-[--steps N] [--world-size 4] [--density 0.01] [--out DIR] [--write-docs [PATH]]``
+[--steps N] [--world-size 4] [--density 0.01[,0.03,…]] [--out DIR] [--write-docs [PATH]]``
 
 Each (model, seed) is one ``python -m gradsync train`` job (:func:`gradsync.apps.train.launch`,
 loopback gloo ranks) that trains every scheme in turn from the same initial model on the same
@@ -41,16 +41,19 @@ plan from measured times may plan differently per seed, and the page says which 
 the date, the machine and its load) and copies the JSON and PNG beside it under the same name
 (``convergence.json``/``.png``; ``--write-docs docs/results/lm.md``: ``lm.json``…).
 
-Cost (measured 2026-11-23 on the 2-core machine while loaded, load average 13–17, so the
-4 ranks got a fraction of the 2 cores): ``train --model cnn`` with 2 schemes × 80 steps × 4
-ranks and one whole-split evaluation took 71 s (≈ 30 s per scheme and seed);
-``train --model gpt_tiny`` with 2 schemes × 60 steps took 113 s (≈ 55 s per scheme and seed).
-The default run is 10 schemes × 3 seeds per model. Measured for the CNN part
-(``--model cnn --seeds 3``, 160 steps, 4 whole-split evaluations per run): 824 s, 1039 s and
-342 s for seeds 1–3 (load average 20–44 for the first two, ~8 for the third), 36.8 min in all
-(docs/results/convergence.md). Extrapolated to 2 quiet cores: CNN ≤ 3 × 342 s ≈ 17 min, and
-TinyGPT (60 steps, 113 s loaded for 2 schemes) about 10 min: the default run fits in about 30
-minutes (an extrapolation; the TinyGPT part of the default study was not run here).
+**A density sweep** (``--density 0.01,0.03,0.1``): one study per density, each with its own
+table, and first a trade-off table per model: for every scheme that uses the density, its mean
+gap to DDP (points of accuracy, or percent of perplexity) and bytes per step at each density,
+and the lowest density at which it meets issue 11's bar (:data:`PARITY`: within 1 point of
+DDP's accuracy, within 5 % of its perplexity). torch's own DDP hooks ignore the density
+(:func:`density_independent`): they are trained once, at the first density, and each density's
+rows are paired with that run (``trained_at_density`` in the JSON). The PNG then plots each
+scheme's gap against its bytes per step, one point per density. A plan is made for one density,
+so ``--plans`` takes one density; a sweep writes ``plans-<model>-d<density>-seed<s>.json``.
+
+Cost: the default run (10 schemes × 3 seeds per model) took 9.1 min on the 2-core machine
+(docs/results/convergence.md records each run's wall time): about 13 s per scheme and seed
+for the CNN (160 steps, 4 whole-split evaluations) and 4–6 s for TinyGPT (60 steps).
 """
 
 from __future__ import annotations
@@ -75,6 +78,9 @@ DEFAULT_MODELS = ("cnn", "gpt_tiny")
 DEFAULT_STEPS = {"cnn": 160, "gpt_tiny": 60, "lstm": 60}  # per model unless --steps
 TEST_IMAGES = 10_000  # Fashion-MNIST's test split
 TARGET = 0.99  # time to reach 99 % of DDP's final mean accuracy
+# issue 11's bar for "converges like DDP": accuracy at most 1 point below DDP's mean,
+# perplexity at most 5 % above it (at_parity)
+PARITY = {"test_accuracy": 0.01, "perplexity": 0.05}
 DOCS_PATH = Path("docs/results/convergence.md")
 
 # t_{0.975, df}, df = 1 … 30 (two-sided 95 %), from the standard tables.
@@ -130,7 +136,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="steps per scheme (default: " + ", ".join(
                        f"{k} {v}" for k, v in DEFAULT_STEPS.items()) + ")")
     p.add_argument("--world-size", type=int, default=4)
-    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--density", default="0.01",
+                   help="the density of every sparse scheme; comma-separated for a sweep "
+                        "(0.01,0.03,0.1): one study per density and the trade-off table, "
+                        "accuracy against bytes per step")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
                    help="train's DGC density warm-up for the gradsync schemes (default off)")
@@ -173,7 +182,17 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--steps must be >= 1, got {a.steps}")
     if a.eval_points < 1:
         p.error(f"--eval-points must be >= 1, got {a.eval_points}")
+    try:
+        a.densities = parse_densities(a.density)
+    except ValueError as e:
+        p.error(f"--density: {e}")
+    a.density = a.densities[0]
+    if len(a.densities) > 1 and all(density_independent(s) for s in a.scheme_list):
+        p.error("--density: a sweep needs a scheme that uses the density; "
+                f"{', '.join(a.scheme_list)} ignore it")
     a.plan_files = {}
+    if a.plans is not None and len(a.densities) > 1:
+        p.error("--plans replays plans made at one density; give one --density with it")
     if a.plans is not None:
         for m in a.models:
             for seed in range(1, a.seeds + 1):
@@ -185,12 +204,41 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def plans_file(folder: str | Path, model: str, seed: int) -> Path:
-    """Where a job writes (and ``--plans`` reads) its engine plans."""
-    return Path(folder) / f"plans-{model}-seed{seed}.json"
+def parse_densities(text: str) -> list[float]:
+    """``--density``: one density or a comma-separated sweep, each in (0, 1], none twice,
+    in the order given."""
+    from gradsync.sparsify import validate_density
+
+    out = []
+    for part in text.split(","):
+        try:
+            d = validate_density(float(part))
+        except ValueError as e:
+            raise ValueError(f"{part.strip()!r}: {e}") from None
+        if d in out:
+            raise ValueError(f"{d} is given twice")
+        out.append(d)
+    return out
 
 
-def _spec(a: argparse.Namespace, model: str, seed: int):
+def density_independent(scheme: str) -> bool:
+    """torch's own DDP hooks (``ddp``, ``ddp_powersgd``, ``ddp_fp16``) ignore ``--density``:
+    a sweep trains them once, at its first density, and pairs every density with that run."""
+    from gradsync.apps.train import scheme_choice
+
+    return scheme_choice(scheme).scheme is None
+
+
+def plans_file(folder: str | Path, model: str, seed: int, density: float | None = None
+               ) -> Path:
+    """Where a job writes (and ``--plans`` reads) its engine plans; a sweep's jobs name their
+    density (``density``), since a plan's densities are made for one."""
+    tag = "" if density is None else f"-d{density:g}"
+    return Path(folder) / f"plans-{model}{tag}-seed{seed}.json"
+
+
+def _spec(a: argparse.Namespace, model: str, seed: int, density: float,
+          schemes: list[str]):
     from gradsync.apps import models
     from gradsync.apps.train import TrainSpec, resolve_data
 
@@ -201,9 +249,9 @@ def _spec(a: argparse.Namespace, model: str, seed: int):
     else:
         n_eval = a.lm_eval_batches
     try:
-        spec = TrainSpec(model=model, schemes=tuple(a.scheme_list), data=a.data,
+        spec = TrainSpec(model=model, schemes=tuple(schemes), data=a.data,
                          world_size=a.world_size, steps=steps, batch_size=a.batch_size,
-                         density=a.density, seed=seed, eval_batches=n_eval,
+                         density=density, seed=seed, eval_batches=n_eval,
                          eval_every=max(1, steps // a.eval_points), timeout=a.timeout,
                          progress=False, density_warmup=a.density_warmup, amp=a.amp,
                          plans=a.plan_files.get((model, seed)))
@@ -288,17 +336,30 @@ def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
     return rows
 
 
-def _run_model(a: argparse.Namespace, model: str) -> tuple[list[dict], dict]:
+def _run_model(a: argparse.Namespace, model: str, density: float,
+               carried: dict[int, list[dict]] | None = None
+               ) -> tuple[list[dict], dict, dict[int, list[dict]]]:
+    """One model at one density: a train job per seed, then the rows of every scheme.
+    ``carried[seed]``: results of the density-independent schemes from the sweep's first
+    density (:func:`density_independent`), paired here instead of trained again. Returns
+    the rows, the study's info and this density's per-seed results."""
     from gradsync.apps import models, train
     from gradsync.testing import DistributedError, DistributedTimeout
 
     key, _ = _metric(models.task(model))
+    carried = carried or {}
+    reused = {r["scheme"] for rs in carried.values() for r in rs}
+    schemes = [s for s in a.scheme_list if s not in reused]
+    sweep = len(a.densities) > 1
     per_seed: dict[int, list[dict]] = {}
     evaluated = None  # test images (accuracy) or target tokens (perplexity) per evaluation
     spec = None
     link: dict = {}
     for seed in range(1, a.seeds + 1):
-        spec = _spec(a, model, seed)
+        spec = _spec(a, model, seed, density, schemes or a.scheme_list)
+        per_seed[seed] = list(carried.get(seed, []))
+        if not schemes:  # every scheme was trained at the sweep's first density
+            continue
         t0 = time.perf_counter()
         try:
             results, link = train.launch(spec)
@@ -308,28 +369,89 @@ def _run_model(a: argparse.Namespace, model: str) -> tuple[list[dict], dict]:
         plans = {r["scheme"]: r["plan"] for r in runs if r.get("plan") is not None}
         if plans:  # what `train --plan` replays
             Path(a.out).mkdir(parents=True, exist_ok=True)
-            plans_file(a.out, model, seed).write_text(json.dumps(plans))
+            plans_file(a.out, model, seed, density if sweep else None).write_text(
+                json.dumps(plans))
         rank0 = next(r for r in results if r["rank"] == 0)
         ev = rank0["runs"][0]["eval"]
         evaluated = ev.get("test_samples", ev.get("eval_tokens"))
-        per_seed[seed] = [{"scheme": r["scheme"], "final": r["summary"][key],
-                           "bytes_per_step": r["summary"]["bytes_per_step"],
-                           "plan_digest": r["summary"].get("plan_digest"),
-                           "history": [{k: h[k] for k in ("step", "elapsed_s", key)}
-                                       for h in rr.get("history", [])]}
-                          for r, rr in zip(runs, rank0["runs"])]
-        print(f"bench convergence: {model} seed {seed}: {len(runs)} schemes in "
+        per_seed[seed] += [{"scheme": r["scheme"], "final": r["summary"][key],
+                            "bytes_per_step": r["summary"]["bytes_per_step"],
+                            "plan_digest": r["summary"].get("plan_digest"),
+                            "history": [{k: h[k] for k in ("step", "elapsed_s", key)}
+                                        for h in rr.get("history", [])]}
+                           for r, rr in zip(runs, rank0["runs"])]
+        at = f" at density {density:g}" if sweep else ""
+        print(f"bench convergence: {model} seed {seed}{at}: {len(runs)} "
+              f"scheme{'s' if len(runs) != 1 else ''} in "
               f"{time.perf_counter() - t0:.0f} s", flush=True)
     assert spec is not None
     rows = aggregate(model, models.task(model), per_seed, a.scheme_list)
+    for r in rows:
+        r["density"] = density
+        r["trained_at_density"] = (a.densities[0] if r["scheme"] in reused else density)
     info = {"model": model, "task": models.task(model), "data": spec.data, "metric": key,
             "steps": spec.steps, "batch_size": spec.batch_size, "lr": spec.lr,
             "eval_batches": spec.eval_batches, "eval_every": spec.eval_every,
             "evaluated": evaluated,
-            "world_size": spec.world_size, "density": spec.density,
+            "world_size": spec.world_size, "density": density,
             "density_warmup": spec.density_warmup, "amp": spec.amp,
             "text_fallback": spec.text_fallback, "link": link.get("link", "loopback")}
-    return rows, info
+    return rows, info, per_seed
+
+
+def at_parity(row: dict, ddp_mean: float) -> bool:
+    """Issue 11's bar: mean final accuracy at most :data:`PARITY` ``["test_accuracy"]`` (1 point)
+    below DDP's mean, or mean perplexity at most :data:`PARITY` ``["perplexity"]`` (5 %)
+    above it."""
+    if row["metric"] == "test_accuracy":
+        return row["mean"] >= ddp_mean - PARITY["test_accuracy"] - 1e-12
+    return row["mean"] <= ddp_mean * (1 + PARITY["perplexity"]) + 1e-12
+
+
+def _gap(row: dict, ddp_mean: float) -> float:
+    """A row's mean against DDP's: points of accuracy, or percent of perplexity."""
+    if row["metric"] == "test_accuracy":
+        return 100.0 * (row["mean"] - ddp_mean)
+    return 100.0 * (row["mean"] / ddp_mean - 1)
+
+
+def tradeoff(results: list[tuple[list[dict], dict]], model: str
+             ) -> tuple[list[str], list[list[str]], str]:
+    """A sweep's summary for one model: per scheme that uses the density, its mean gap to DDP
+    (points of accuracy, or % of perplexity) and bytes per step at each density, and the
+    lowest density at which it meets the parity bar (:func:`at_parity`). Returns the columns,
+    the cells and a line on DDP's reference."""
+    studies = [(rows, info) for rows, info in results if info["model"] == model]
+    densities = [info["density"] for _, info in studies]
+    first = studies[0][0]
+    ddp = next((r for r in first if r["scheme"] == "ddp"), None)
+    acc = first[0]["metric"] == "test_accuracy"
+    unit = "points" if acc else "%"
+    cols = (["scheme"] + [f"density {d:g}: Δ {unit} · MB/step" for d in densities]
+            + ["lowest density at parity"])
+    cells = []
+    for scheme in [r["scheme"] for r in first if not density_independent(r["scheme"])]:
+        line, best = [scheme], None
+        for rows, info in studies:
+            r = next(x for x in rows if x["scheme"] == scheme)
+            mb = f"{r['bytes_per_step'] / 1e6:.4f}"
+            if ddp is None:
+                line.append(f"n/a · {mb}")
+                continue
+            line.append(f"{_gap(r, ddp['mean']):+.2f} · {mb}")
+            if at_parity(r, ddp["mean"]) and (best is None or info["density"] < best):
+                best = info["density"]
+        line.append("n/a" if ddp is None else ("none of these" if best is None
+                                               else f"{best:g}"))
+        cells.append(line)
+    if ddp is None:
+        ref = "no ddp among the schemes: no gaps"
+    else:
+        scale = 100.0 if acc else 1.0
+        bar = ("within 1 point of its accuracy" if acc else "within 5 % of its perplexity")
+        ref = (f"ddp (trained once, density-independent): {scale * ddp['mean']:.2f} mean, "
+               f"{ddp['bytes_per_step'] / 1e6:.4f} MB/step; parity: {bar}")
+    return cols, cells, ref
 
 
 def _fmt(v: float | None, fmt: str = "{:.2f}") -> str:
@@ -418,6 +540,46 @@ def _plot(results: list[tuple[list[dict], dict]]):
     return plot
 
 
+def _tradeoff_plot(results: list[tuple[list[dict], dict]], model_names: list[str]):
+    """A sweep's figure: per model, each density-dependent scheme's gap to DDP (points of
+    accuracy, or % of perplexity) against its bytes per step, one marker per density, with
+    the parity bar."""
+    def plot(ax) -> None:
+        fig = ax.figure
+        fig.set_size_inches(7 * len(model_names), 4.8)
+        ax.remove()
+        axes = fig.subplots(1, len(model_names), squeeze=False)[0]
+        for axis, model in zip(axes, model_names):
+            studies = [(rows, info) for rows, info in results if info["model"] == model]
+            first = studies[0][0]
+            ddp = next((r for r in first if r["scheme"] == "ddp"), None)
+            if ddp is None:
+                continue
+            acc = first[0]["metric"] == "test_accuracy"
+            for scheme in [r["scheme"] for r in first if not density_independent(r["scheme"])]:
+                pts = [(next(x for x in rows if x["scheme"] == scheme), info["density"])
+                       for rows, info in studies]
+                xs = [r["bytes_per_step"] / 1e6 for r, _ in pts]
+                ys = [_gap(r, ddp["mean"]) for r, _ in pts]
+                line, = axis.plot(xs, ys, marker="o", ms=4, label=scheme)
+                for x, y, (_, d) in zip(xs, ys, pts):
+                    axis.annotate(f"{d:g}", (x, y), fontsize=6, color=line.get_color(),
+                                  xytext=(3, 3), textcoords="offset points")
+            axis.axhline(0, color="gray", lw=1)
+            bar = -100 * PARITY["test_accuracy"] if acc else 100 * PARITY["perplexity"]
+            axis.axhline(bar, color="gray", ls=":", lw=1, label="parity bar")
+            axis.set_xscale("log")
+            axis.set_xlabel("MB per step per rank (log)")
+            axis.set_ylabel("accuracy − ddp's (points)" if acc
+                            else "perplexity vs ddp's (%)")
+            info = studies[0][1]
+            axis.set_title(f"{model}: P={info['world_size']}, {info['steps']} steps, "
+                           f"{len(first[0]['seeds'])} seeds; labels: density", fontsize=8)
+            axis.legend(fontsize=7, ncol=2)
+
+    return plot
+
+
 def plans_note(rows: list[dict]) -> str:
     """A sentence naming the schemes whose plan differed between seeds ("" when none did)."""
     distinct = [(r["scheme"], len({p for p in r.get("plans", []) if p}), len(r["seeds"]))
@@ -462,6 +624,14 @@ def write_docs(path: Path, results: list[tuple[list[dict], dict]], command: str,
              "- MB/step: bytes each rank sends per step, counted at the torch.distributed "
              "call (train's `bytes_per_step`: mean over ranks and the steps after the first "
              "warmup_steps + 1), mean over seeds.", ""]
+    names = list(dict.fromkeys(info["model"] for _, info in results))
+    if len(results) > len(names):  # a density sweep: its trade-off first
+        for model in names:
+            cols, cells, ref = tradeoff(results, model)
+            lines += [f"## {model}: the density sweep", "", f"- {ref}", "",
+                      "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
+            lines += ["| " + " | ".join(c) + " |" for c in cells]
+            lines.append("")
     for rows, info in results:
         cols, cells = table(rows, info)
         lines += [f"## {_title(info, len(rows[0]['seeds']) if rows else 0)}", "",
@@ -487,13 +657,20 @@ def main(argv: list[str] | None = None) -> int:
         print("note: with 1 seed there is no interval (shown as n/a); use --seeds 2 or more")
     if "ddp" not in a.scheme_list:
         print("note: no ddp among the schemes: differences and targets are n/a")
+    dens = ",".join(f"{d:g}" for d in a.densities)
     print(f"bench convergence: {','.join(a.models)} × {len(a.scheme_list)} schemes × "
-          f"{a.seeds} seeds, P={a.world_size}, density {a.density}", flush=True)
+          f"{a.seeds} seeds, P={a.world_size}, density {dens}", flush=True)
     t0 = time.perf_counter()
     results = []
     try:
         for model in a.models:
-            results.append(_run_model(a, model))
+            carried = None
+            for density in a.densities:
+                rows, info, per_seed = _run_model(a, model, density, carried)
+                results.append((rows, info))
+                if carried is None:  # the density-independent schemes, trained once
+                    carried = {seed: [r for r in rs if density_independent(r["scheme"])]
+                               for seed, rs in per_seed.items()}
     except RuntimeError as e:
         print(f"bench convergence failed: {e}", file=sys.stderr)
         return 1
@@ -501,11 +678,17 @@ def main(argv: list[str] | None = None) -> int:
     for rows, info in results:
         cols, cells = table(rows, info)
         print_table(_title(info, a.seeds), cols, cells)
+    sweep = len(a.densities) > 1
+    if sweep:
+        for model in a.models:
+            cols, cells, ref = tradeoff(results, model)
+            print_table(f"{model}: the density sweep ({ref})", cols, cells)
     command = "python -m gradsync bench convergence" + (" " + shlex.join(argv) if argv else "")
     meta = {"command": command, "wall_s": wall, "models": [info for _, info in results],
             "target_fraction": TARGET, "machine": _machine_note()}
     rows_all = [r for rows, _ in results for r in rows]
-    jpath, ppath = write_outputs("convergence", rows_all, a.out, plot=_plot(results), meta=meta)
+    plot = _tradeoff_plot(results, a.models) if sweep else _plot(results)
+    jpath, ppath = write_outputs("convergence", rows_all, a.out, plot=plot, meta=meta)
     print(f"bench convergence: {wall:.0f} s; wrote {jpath} and {ppath}")
     if a.write_docs:
         dpath = Path(a.write_docs)
@@ -521,5 +704,6 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_SCHEMES", "T975", "aggregate", "ddp_steps_for", "main", "paired_ci",
-           "parse_args", "t975", "table", "write_docs"]
+__all__ = ["DEFAULT_SCHEMES", "PARITY", "T975", "aggregate", "at_parity", "ddp_steps_for",
+           "density_independent", "main", "paired_ci", "parse_args", "parse_densities", "t975",
+           "table", "tradeoff", "write_docs"]
