@@ -220,13 +220,31 @@ def test_momentum_correction_exactly_for_sparse_gradsync_schemes():
         # the rule as first written, on the names: sparse unless a torch hook or dense
         sparse = name.startswith("ddp_gradsync_") or not name.startswith("ddp")
         expect = sparse and name not in ("dense", "dense_ovlp", "ddp_gradsync_dense")
-        assert momentum_correction(choice, adamw=False) == expect, name
-        assert momentum_correction(choice, adamw=True) == expect, name  # AdamW's β1 too
+        for density in (0.01, 1.0):  # SGD: exact at density 1 too (tests/test_parity.py)
+            assert momentum_correction(choice, False, density) == expect, name
+        assert momentum_correction(choice, True, 0.01) == expect, name  # AdamW's β1 too
+        # AdamW at density 1: nothing is compressed, torch's AdamW as DDP runs it
+        assert momentum_correction(choice, True, 1.0) is False, name
     cnn = train.TrainSpec(model="cnn")
     opt = train.make_optimizer(models.build("cnn"), cnn.adamw, cnn.lr, True)
     assert isinstance(opt, torch.optim.SGD) and opt.defaults["momentum"] == 0.0
     opt = train.make_optimizer(models.build("cnn"), cnn.adamw, cnn.lr, False)
     assert opt.defaults["momentum"] == 0.9 and opt.defaults["lr"] == 0.05
+
+
+def test_adamw_at_density_1_trains_as_ddp(tmp_path):
+    """AdamW at density 1 compresses nothing, so a gradsync scheme must train as DDP does:
+    torch's AdamW on the averaged gradient, not the frozen variance of compressed AdamW (which
+    would freeze it after one of these 8 steps and end elsewhere)."""
+    rc = train.main(["--model", "gpt_tiny", "--world-size", "2", "--steps", "8",
+                     "--scheme", "ddp,topka,ssfusion", "--density", "1", "--batch-size", "4",
+                     "--eval-batches", "2", "--out", str(tmp_path), "--no-progress"])
+    assert rc == 0
+    m = json.loads((tmp_path / "metrics.json").read_text())
+    ppl = {r["scheme"]: r["summary"]["perplexity"] for r in m["runs"]}
+    assert ppl["topka"] == pytest.approx(ppl["ddp"], rel=1e-4)
+    assert ppl["ssfusion"] == pytest.approx(ppl["ddp"], rel=1e-4)
+    assert "at density 1 torch's AdamW" in m["config"]["optimizer"]
 
 
 def test_adamw_sparse_schemes_warm_up_whole_then_freeze():

@@ -324,7 +324,7 @@ class TrainSpec:
                     "adamw(sparse schemes: gradsync.optim.FrozenVarianceAdamW, DGC momentum "
                     "correction 0.9 in error feedback, variance frozen after adam_warmup steps "
                     "sent whole, then 1/(sqrt(v)+eps) preconditions error feedback; no "
-                    "momentum factor masking)"
+                    "momentum factor masking; at density 1 torch's AdamW)"
                 ) if self.adamw else (
                     "sgd(momentum=0.9; sparse schemes: momentum 0 in SGD, DGC momentum "
                     "correction 0.9 in error feedback, no momentum factor masking)"),
