@@ -593,7 +593,8 @@ def plans_note(rows: list[dict]) -> str:
             "two buffers into one changes which entries are selected) or leave it bit for bit "
             "(moving an SSFusion buffer boundary changes no tensor's selection or sum). Each "
             "seed's plan digest is in the JSON (`plans`), its plans in the `--out` folder "
-            "(`plans-<model>-seed<s>.json`, which `--plans DIR` replays).")
+            "(`plans-<model>-seed<s>.json`, which `--plans DIR` replays; a density sweep's "
+            "`plans-<model>-d<density>-seed<s>.json`).")
 
 
 def _machine_note() -> str:
