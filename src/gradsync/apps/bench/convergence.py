@@ -356,10 +356,8 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
     spec = None
     link: dict = {}
     for seed in range(1, a.seeds + 1):
-        spec = _spec(a, model, seed, density, schemes or a.scheme_list)
+        spec = _spec(a, model, seed, density, schemes)  # parse_args: never empty
         per_seed[seed] = list(carried.get(seed, []))
-        if not schemes:  # every scheme was trained at the sweep's first density
-            continue
         t0 = time.perf_counter()
         try:
             results, link = train.launch(spec)
