@@ -613,3 +613,44 @@ def test_readme_density_sweep_claim_holds_in_the_written_results():
             halves.append(4.302653 * sd / math.sqrt(3))
     halves.sort()
     assert 2.5 <= halves[len(halves) // 2] <= 3.5  # the median half-width: about ±3 points
+
+
+def test_readme_ten_seed_cnn_claim_holds_in_the_written_results():
+    """README: with 10 seeds the CNN's gaps are −0.31 (SSFusion-OI), −0.33 (SSFusion), −0.83
+    (DenseStream), −0.89 (TopkA), −1.36 (multi_tensor), −1.42 (Cupcake), −1.66 (Ok-Topk),
+    −2.88 (per_tensor); SSFusion-OI minus TopkA +0.58 [+0.19, +0.98], minus multi_tensor,
+    Cupcake and Ok-Topk 1.06 to 1.35. Recomputed from every seed's finals in the JSON."""
+    root = Path(__file__).resolve().parents[1]
+    readme = " ".join((root / "README.md").read_text().split())
+    assert ("the CNN's gaps are −0.31 (SSFusion-OI), −0.33 (SSFusion), −0.83 (DenseStream) and "
+            "−0.89 (TopkA) points, within the bar, and −1.36 (multi_tensor), −1.42 (Cupcake), "
+            "−1.66 (Ok-Topk) and −2.88 (per_tensor), outside it; paired over the seeds "
+            "SSFusion-OI ends above TopkA by 0.58 points (95% interval +0.19 to +0.98) and "
+            "above multi_tensor, Cupcake and Ok-Topk by 1.06 to 1.35") in readme
+    data = json.loads((root / "docs/results/convergence-cnn-10-seeds.json").read_text())
+    assert [m["model"] for m in data["meta"]["models"]] == ["cnn"]
+    rows = {r["scheme"]: r["finals"] for r in data["rows"]}
+    assert all(len(f) == 10 for f in rows.values())
+
+    def paired(a, b):  # mean and 95 % half-width of a − b over the seeds, in points
+        d = [100 * (x - y) for x, y in zip(rows[a], rows[b])]
+        m = sum(d) / len(d)
+        sd = (sum((x - m) ** 2 for x in d) / (len(d) - 1)) ** 0.5
+        return m, 2.262157 * sd / math.sqrt(len(d))  # t(0.975, 9)
+
+    gaps = {s: round(paired(s, "ddp")[0], 2) for s in rows if s != "ddp"}
+    assert {s: gaps[s] for s in ("ssfusion_oi", "ssfusion", "densestream", "topka",
+                                 "multi_tensor", "cupcake", "oktopk", "per_tensor")} == {
+        "ssfusion_oi": -0.31, "ssfusion": -0.33, "densestream": -0.83, "topka": -0.89,
+        "multi_tensor": -1.36, "cupcake": -1.42, "oktopk": -1.66, "per_tensor": -2.88}
+    m, h = paired("ssfusion_oi", "topka")
+    assert (round(m, 2), round(m - h, 2), round(m + h, 2)) == (0.58, 0.19, 0.98)
+    others = [round(paired("ssfusion_oi", s)[0], 2) for s in ("multi_tensor", "cupcake",
+                                                               "oktopk")]
+    assert (min(others), max(others)) == (1.06, 1.35)
+    # the plans each seed made are saved, one file per seed, for --plans to replay
+    folder = root / "docs/results/convergence-cnn-10-seeds-plans"
+    assert sorted(p.name for p in folder.iterdir()) == sorted(
+        f"plans-cnn-seed{s}.json" for s in range(1, 11))
+    assert conv.parse_args(["--model", "cnn", "--seeds", "10", "--plans", str(folder)]
+                           ).plan_files[("cnn", 10)]
