@@ -35,6 +35,9 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
     # torch's DDP all-reduce: every fp32 gradient in the ring, 2(P-1)/P·4n bytes per rank
     assert rows["cnn", "ddp"]["bytes_per_step"] == 2 * (P - 1) / P * 4 * n
     assert 0 < rows["cnn", "topka"]["bytes_per_step"] < rows["cnn", "ddp"]["bytes_per_step"] / 10
+    # torch's DDP sends every tensor; TopkA's share of missed (tensor, step) pairs is a rate
+    assert rows["cnn", "ddp"]["missing_rate"] == 0.0
+    assert 0.0 <= rows["cnn", "topka"]["missing_rate"] <= 1.0
     for (model, _), r in rows.items():
         key = "test_accuracy" if model == "cnn" else "perplexity"
         assert r["metric"] == key and r["seeds"] == [1, 2] and len(r["finals"]) == 2
@@ -135,8 +138,8 @@ def test_aggregate_target_and_one_seed_na():
     assert rows["a"]["std"] == pytest.approx(math.sqrt(0.00005))
     _, cells = conv.table(list(rows.values()), {"metric": "test_accuracy"})
     cell = dict(zip([c[0] for c in cells], cells))
-    assert cell["a"][4] == "not reached" and cell["ddp"][4] == "10 (1/2)"
-    assert cell["ddp"][5] == "1.2 (1/2)" and cell["ddp"][2] == "0"
+    assert cell["a"][5] == "not reached" and cell["ddp"][5] == "10 (1/2)"
+    assert cell["ddp"][6] == "1.2 (1/2)" and cell["ddp"][2] == "0"
     assert cell["b"][2] == "-30.00 [-30.00, -30.00]"  # d = -0.30 in both seeds
     # a: d = -0.01, -0.04 → mean -2.5 points, half 12.706205·0.03/√2/√2 = 0.190593 → 19.06
     assert cell["a"][2] == "-2.50 [-21.56, +16.56]"
@@ -146,7 +149,23 @@ def test_aggregate_target_and_one_seed_na():
     no_hist = {1: [{"scheme": "ddp", **_run(0.8, [])}, {"scheme": "a", **_run(0.7, [])}]}
     _, cells = conv.table(conv.aggregate("cnn", "image", no_hist, ["ddp", "a"]),
                           {"metric": "test_accuracy"})
-    assert cells[1][4] == "n/a" and cells[1][5] == "n/a"
+    assert cells[1][5] == "n/a" and cells[1][6] == "n/a"
+    assert cells[1][4] == "n/a"  # no missing_rate recorded
+
+
+def test_aggregate_and_table_give_the_tensor_missing_rate():
+    """SSFusion Table I's measure per scheme: the mean over seeds of train's missing_rate,
+    in percent; n/a unless every seed recorded it."""
+    per_seed = {s: [{"scheme": "ddp", **_run(0.8, []), "missing_rate": 0.0},
+                    {"scheme": "a", **_run(0.7, []), "missing_rate": m},
+                    {"scheme": "b", **_run(0.7, []),
+                     "missing_rate": None if s == 2 else 0.5}]
+                for s, m in ((1, 0.01), (2, 0.04))}
+    rows = conv.aggregate("cnn", "image", per_seed, ["ddp", "a", "b"])
+    assert [r["missing_rate"] for r in rows] == [0.0, pytest.approx(0.025), None]
+    cols, cells = conv.table(rows, {"metric": "test_accuracy"})
+    assert cols[4] == "tensors missing %"
+    assert [c[4] for c in cells] == ["0.0", "2.5", "n/a"]
 
 
 @pytest.mark.parametrize("argv, msg", [

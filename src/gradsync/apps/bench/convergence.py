@@ -23,7 +23,9 @@ Per model and scheme the table gives: mean ± std over seeds (sample std) of the
 (or perplexity); the mean paired difference to ``ddp`` with its 95 % interval
 ``mean(d) ± t_{0.975, n-1} · sd(d) / sqrt(n)`` over the seeds' differences ``d`` (``n/a`` with
 fewer than 2 seeds or without ``ddp``); bytes each rank sends per step (counted at the
-torch.distributed call, the train summary's ``bytes_per_step``, mean over seeds); and the steps
+torch.distributed call, the train summary's ``bytes_per_step``, mean over seeds); the share of
+(tensor, step) pairs of which no entry was synchronized (SSFusion's "tensor missing", §III-A,
+train's ``missing_rate``, mean over seeds); and the steps
 and rank-0 training seconds (evaluation excluded) until the first evaluation point at which
 the scheme reaches 99 % of DDP's mean final accuracy (perplexity: at most DDP's / 0.99), mean
 over the seeds that reach it, with how many did ("not reached" otherwise; the resolution is
@@ -313,6 +315,9 @@ def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
             "model": model, "scheme": s, "metric": key, "seeds": seeds, "finals": finals,
             "mean": statistics.fmean(finals), "std": _std(finals),
             "bytes_per_step": statistics.fmean([r["bytes_per_step"] for r in by[s]]),
+            "missing_rate": (statistics.fmean([r["missing_rate"] for r in by[s]])
+                             if all(r.get("missing_rate") is not None for r in by[s])
+                             else None),
             "diff_vs_ddp": None, "target": target, "steps_to_target": None,
             "seconds_to_target": None, "reached": None, "ddp_steps": None,
             "plans": [r.get("plan_digest") for r in by[s]],
@@ -374,6 +379,7 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
         evaluated = ev.get("test_samples", ev.get("eval_tokens"))
         per_seed[seed] += [{"scheme": r["scheme"], "final": r["summary"][key],
                             "bytes_per_step": r["summary"]["bytes_per_step"],
+                            "missing_rate": r["summary"].get("missing_rate"),
                             "plan_digest": r["summary"].get("plan_digest"),
                             "history": [{k: h[k] for k in ("step", "elapsed_s", key)}
                                         for h in rr.get("history", [])]}
@@ -462,7 +468,7 @@ def table(rows: list[dict], info: dict) -> tuple[list[str], list[list[str]]]:
     scale = 100.0 if acc else 1.0
     name = "test acc %" if acc else "perplexity"
     cols = ["scheme", f"{name} mean ± std", "Δ vs ddp [95% CI]", "MB/step",
-            "steps to target", "s to target", "ddp steps to its mean"]
+            "tensors missing %", "steps to target", "s to target", "ddp steps to its mean"]
     out = []
     for r in rows:
         std = "" if r["std"] is None else f" ± {scale * r['std']:.2f}"
@@ -489,8 +495,10 @@ def table(rows: list[dict], info: dict) -> tuple[list[str], list[list[str]]]:
             last = info.get("steps")
             share = f" ({100 * eq['step'] / last:.0f} %)" if last and eq["bound"] == "=" else ""
             ecell = f"{'' if eq['bound'] == '=' else eq['bound'] + ' '}{eq['step']:.0f}{share}"
+        miss = r.get("missing_rate")
         out.append([r["scheme"], f"{scale * r['mean']:.2f}{std}", dcell,
-                    f"{r['bytes_per_step'] / 1e6:.4f}", st, ss, ecell])
+                    f"{r['bytes_per_step'] / 1e6:.4f}",
+                    "n/a" if miss is None else f"{100 * miss:.1f}", st, ss, ecell])
     return cols, out
 
 
@@ -622,7 +630,10 @@ def write_docs(path: Path, results: list[tuple[list[dict], dict]], command: str,
              "first point, ≥: never), with its share of the budget.",
              "- MB/step: bytes each rank sends per step, counted at the torch.distributed "
              "call (train's `bytes_per_step`: mean over ranks and the steps after the first "
-             "warmup_steps + 1), mean over seeds.", ""]
+             "warmup_steps + 1), mean over seeds.",
+             "- tensors missing %: the share of (tensor, step) pairs of which no entry was "
+             "synchronized (SSFusion §III-A, Table I; train's `missing_rate`: rank 0, the "
+             "steps after the warm-up), mean over seeds.", ""]
     names = list(dict.fromkeys(info["model"] for _, info in results))
     if len(results) > len(names):  # a density sweep: its trade-off first
         for model in names:
