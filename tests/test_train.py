@@ -237,13 +237,15 @@ def test_adamw_at_density_1_trains_as_ddp(tmp_path):
     torch's AdamW on the averaged gradient, not the frozen variance of compressed AdamW (which
     would freeze it after one of these 8 steps and end elsewhere)."""
     rc = train.main(["--model", "gpt_tiny", "--world-size", "2", "--steps", "8",
-                     "--scheme", "ddp,topka,ssfusion", "--density", "1", "--batch-size", "4",
+                     "--scheme", "ddp,topka,ssfusion,ddp_gradsync_ssfusion", "--density", "1",
+                     "--batch-size", "4",
                      "--eval-batches", "2", "--out", str(tmp_path), "--no-progress"])
     assert rc == 0
     m = json.loads((tmp_path / "metrics.json").read_text())
     ppl = {r["scheme"]: r["summary"]["perplexity"] for r in m["runs"]}
     assert ppl["topka"] == pytest.approx(ppl["ddp"], rel=1e-4)
     assert ppl["ssfusion"] == pytest.approx(ppl["ddp"], rel=1e-4)
+    assert ppl["ddp_gradsync_ssfusion"] == pytest.approx(ppl["ddp"], rel=1e-4)  # the DDP hook
     assert "at density 1 torch's AdamW" in m["config"]["optimizer"]
 
 
