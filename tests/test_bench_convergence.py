@@ -673,3 +673,23 @@ def test_readme_ten_seed_cnn_claim_holds_in_the_written_results():
         f"plans-cnn-seed{s}.json" for s in range(1, 11))
     assert conv.parse_args(["--model", "cnn", "--seeds", "10", "--plans", str(folder)]
                            ).plan_files[("cnn", 10)]
+
+
+def test_adam_warmup_reaches_the_language_model_and_the_json(tmp_path):
+    """``--adam-warmup 7``: train's steps of exact AdamW before the variance freezes; the
+    JSON records the freeze step per model (None for the SGD-trained CNN). More steps sent
+    whole cost bytes: TopkA's bytes per step rise with the warm-up."""
+    mb = {}
+    for w in ("1", "7"):  # train measures bytes after its 5 warm-up steps + 1
+        out = tmp_path / w
+        argv = ["--model", "gpt_tiny,cnn", "--data", "synthetic", "--schemes", "ddp,topka",
+                "--seeds", "1", "--steps", "8", "--world-size", "2", "--batch-size", "4",
+                "--eval-points", "1", "--image-eval-batches", "1", "--lm-eval-batches", "1",
+                "--adam-warmup", w, "--out", str(out)]
+        assert conv.main(argv) == 0
+        data = json.loads((out / "convergence.json").read_text())
+        assert [(m["model"], m["adam_freeze_step"]) for m in data["meta"]["models"]] == [
+            ("gpt_tiny", int(w)), ("cnn", None)]
+        mb[w] = next(r["bytes_per_step"] for r in data["rows"]
+                     if (r["model"], r["scheme"]) == ("gpt_tiny", "topka"))
+    assert mb["7"] > mb["1"]

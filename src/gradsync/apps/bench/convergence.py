@@ -145,6 +145,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
                    help="train's DGC density warm-up for the gradsync schemes (default off)")
+    p.add_argument("--adam-warmup", type=int, default=None, metavar="STEPS",
+                   help="train's --adam-warmup: with AdamW (the transformers), steps of exact "
+                        "AdamW with gradients sent whole before the variance freezes (default "
+                        "10%% of the steps)")
     p.add_argument("--amp", choices=("bf16", "fp16"), default=None,
                    help="train's automatic mixed precision for every scheme (fp16: with a "
                         "GradScaler the gradsync schemes follow; default fp32)")
@@ -255,7 +259,8 @@ def _spec(a: argparse.Namespace, model: str, seed: int, density: float,
                          world_size=a.world_size, steps=steps, batch_size=a.batch_size,
                          density=density, seed=seed, eval_batches=n_eval,
                          eval_every=max(1, steps // a.eval_points), timeout=a.timeout,
-                         progress=False, density_warmup=a.density_warmup, amp=a.amp,
+                         progress=False, density_warmup=a.density_warmup,
+                         adam_warmup=a.adam_warmup, amp=a.amp,
                          plans=a.plan_files.get((model, seed)))
     except ValueError as e:
         raise SystemExit(f"python -m gradsync bench convergence: error: {e}") from None
@@ -398,7 +403,9 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
             "eval_batches": spec.eval_batches, "eval_every": spec.eval_every,
             "evaluated": evaluated,
             "world_size": spec.world_size, "density": density,
-            "density_warmup": spec.density_warmup, "amp": spec.amp,
+            "density_warmup": spec.density_warmup,
+            "adam_freeze_step": spec.adam_freeze_step(spec.steps) if spec.adamw else None,
+            "amp": spec.amp,
             "text_fallback": spec.text_fallback, "link": link.get("link", "loopback")}
     return rows, info, per_seed
 
