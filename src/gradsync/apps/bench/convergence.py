@@ -426,25 +426,32 @@ def _gap(row: dict, ddp_mean: float) -> float:
     return 100.0 * (row["mean"] / ddp_mean - 1)
 
 
+def _sweep(results: list[tuple[list[dict], dict]], model: str
+           ) -> tuple[list[tuple[dict, dict[str, dict]]], dict | None, bool]:
+    """One model's studies in a sweep, in the order run: ``[(info, rows by scheme)]``, DDP's
+    row (the same at every density; ``None`` without ddp) and whether the metric is
+    accuracy."""
+    studies = [(info, {r["scheme"]: r for r in rows})
+               for rows, info in results if info["model"] == model]
+    first = studies[0][1]
+    return studies, first.get("ddp"), next(iter(first.values()))["metric"] == "test_accuracy"
+
+
 def tradeoff(results: list[tuple[list[dict], dict]], model: str
              ) -> tuple[list[str], list[list[str]], str]:
     """A sweep's summary for one model: per scheme that uses the density, its mean gap to DDP
     (points of accuracy, or % of perplexity) and bytes per step at each density, and the
     lowest density at which it meets the parity bar (:func:`at_parity`). Returns the columns,
     the cells and a line on DDP's reference."""
-    studies = [(rows, info) for rows, info in results if info["model"] == model]
-    densities = [info["density"] for _, info in studies]
-    first = studies[0][0]
-    ddp = next((r for r in first if r["scheme"] == "ddp"), None)
-    acc = first[0]["metric"] == "test_accuracy"
+    studies, ddp, acc = _sweep(results, model)
     unit = "points" if acc else "%"
-    cols = (["scheme"] + [f"density {d:g}: Δ {unit} · MB/step" for d in densities]
-            + ["lowest density at parity"])
+    cols = (["scheme"] + [f"density {info['density']:g}: Δ {unit} · MB/step"
+                          for info, _ in studies] + ["lowest density at parity"])
     cells = []
-    for scheme in [r["scheme"] for r in first if not density_independent(r["scheme"])]:
+    for scheme in [s for s in studies[0][1] if not density_independent(s)]:
         line, best = [scheme], None
-        for rows, info in studies:
-            r = next(x for x in rows if x["scheme"] == scheme)
+        for info, rows in studies:
+            r = rows[scheme]
             mb = f"{r['bytes_per_step'] / 1e6:.4f}"
             if ddp is None:
                 line.append(f"n/a · {mb}")
@@ -456,13 +463,15 @@ def tradeoff(results: list[tuple[list[dict], dict]], model: str
                                                else f"{best:g}"))
         cells.append(line)
     if ddp is None:
-        ref = "no ddp among the schemes: no gaps"
+        return cols, cells, "no ddp among the schemes: no gaps"
+    if acc:
+        bar = f"within {100 * PARITY['test_accuracy']:g} point of its accuracy"
+        mean = f"{100 * ddp['mean']:.2f}"
     else:
-        scale = 100.0 if acc else 1.0
-        bar = ("within 1 point of its accuracy" if acc else "within 5 % of its perplexity")
-        ref = (f"ddp (trained once, density-independent): {scale * ddp['mean']:.2f} mean, "
-               f"{ddp['bytes_per_step'] / 1e6:.4f} MB/step; parity: {bar}")
-    return cols, cells, ref
+        bar = f"within {100 * PARITY['perplexity']:g} % of its perplexity"
+        mean = f"{ddp['mean']:.2f}"
+    return cols, cells, (f"ddp (trained once, density-independent): {mean} mean, "
+                         f"{ddp['bytes_per_step'] / 1e6:.4f} MB/step; parity: {bar}")
 
 
 def _fmt(v: float | None, fmt: str = "{:.2f}") -> str:
@@ -563,15 +572,11 @@ def _tradeoff_plot(results: list[tuple[list[dict], dict]], model_names: list[str
         ax.remove()
         axes = fig.subplots(1, len(model_names), squeeze=False)[0]
         for axis, model in zip(axes, model_names):
-            studies = [(rows, info) for rows, info in results if info["model"] == model]
-            first = studies[0][0]
-            ddp = next((r for r in first if r["scheme"] == "ddp"), None)
+            studies, ddp, acc = _sweep(results, model)
             if ddp is None:
                 continue
-            acc = first[0]["metric"] == "test_accuracy"
-            for scheme in [r["scheme"] for r in first if not density_independent(r["scheme"])]:
-                pts = [(next(x for x in rows if x["scheme"] == scheme), info["density"])
-                       for rows, info in studies]
+            for scheme in [s for s in studies[0][1] if not density_independent(s)]:
+                pts = [(rows[scheme], info["density"]) for info, rows in studies]
                 xs = [r["bytes_per_step"] / 1e6 for r, _ in pts]
                 ys = [_gap(r, ddp["mean"]) for r, _ in pts]
                 line, = axis.plot(xs, ys, marker="o", ms=4, label=scheme)
@@ -585,9 +590,9 @@ def _tradeoff_plot(results: list[tuple[list[dict], dict]], model_names: list[str
             axis.set_xlabel("MB per step per rank (log)")
             axis.set_ylabel("accuracy − ddp's (points)" if acc
                             else "perplexity vs ddp's (%)")
-            info = studies[0][1]
+            info = studies[0][0]
             axis.set_title(f"{model}: P={info['world_size']}, {info['steps']} steps, "
-                           f"{len(first[0]['seeds'])} seeds; labels: density", fontsize=8)
+                           f"{len(ddp['seeds'])} seeds; labels: density", fontsize=8)
             axis.legend(fontsize=7, ncol=2)
 
     return plot
