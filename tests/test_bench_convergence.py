@@ -15,6 +15,29 @@ import torch
 from gradsync.apps import models
 from gradsync.apps.bench import convergence as conv
 
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "docs/results"
+T975_BY_DF = {2: 4.302653, 9: 2.262157}  # t(0.975, df) from the standard tables
+
+
+def _readme() -> str:
+    """README.md with its line breaks and runs of spaces folded to one space."""
+    return " ".join((ROOT / "README.md").read_text().split())
+
+
+def _results(name: str) -> dict:
+    """A results page's JSON, ``docs/results/<name>.json``."""
+    return json.loads((RESULTS / f"{name}.json").read_text())
+
+
+def _paired_points(a: list[float], b: list[float]) -> tuple[float, float]:
+    """Mean of the paired differences ``a − b`` in points (accuracies are fractions) and the
+    half-width of its 95 % t interval, computed here, not by the code under test."""
+    d = [100 * (x - y) for x, y in zip(a, b, strict=True)]
+    m = sum(d) / len(d)
+    sd = (sum((x - m) ** 2 for x in d) / (len(d) - 1)) ** 0.5
+    return m, T975_BY_DF[len(d) - 1] * sd / math.sqrt(len(d))
+
 
 def test_tiny_run_end_to_end(tmp_path, capsys):
     P, steps = 2, 4
@@ -592,14 +615,12 @@ def test_readme_density_sweep_claim_holds_in_the_written_results():
     (160 steps) TopkA's gap is −0.17, −1.63, −0.22 points at 1, 3, 10 %, and a 3-seed mean
     gap is uncertain by about ±3 points. Checked against the sweep's JSON: the gaps are
     recomputed from every seed's finals, the interval from the paired differences."""
-    root = Path(__file__).resolve().parents[1]
-    readme = " ".join((root / "README.md").read_text().split())
     assert ("On TinyGPT over 60 steps the gap falls at every step up in density, and only TopkA, "
             "multi_tensor and DenseStream meet 5 %, at 10 % density (+4.4 to +4.5 %); on the "
             "CNN over 160 steps it does not fall (TopkA −0.17, −1.63 and −0.22 points at 1, 3 "
             "and 10 %), since with 3 seeds a mean gap there is uncertain by about ±3 "
-            "points") in readme
-    data = json.loads((root / "docs/results/convergence-density.json").read_text())
+            "points") in _readme()
+    data = _results("convergence-density")
     assert data["meta"]["command"].startswith(
         "python -m gradsync bench convergence --density 0.01,0.03,0.1 ")
     rows = {(r["model"], r["density"], r["scheme"]): r for r in data["rows"]}
@@ -623,14 +644,9 @@ def test_readme_density_sweep_claim_holds_in_the_written_results():
     topka = [round(100 * (mean(rows["cnn", d, "topka"]) - mean(rows["cnn", d, "ddp"])), 2)
              for d in dens]
     assert topka == [-0.17, -1.63, -0.22]
-    halves = []
-    for (m, _, s), r in rows.items():
-        if m == "cnn" and s != "ddp":
-            diffs = [100 * (a - b) for a, b in zip(r["finals"], cnn_ddp)]
-            assert len(diffs) == 3
-            sd = (sum((x - sum(diffs) / 3) ** 2 for x in diffs) / 2) ** 0.5
-            halves.append(4.302653 * sd / math.sqrt(3))
-    halves.sort()
+    halves = sorted(_paired_points(r["finals"], cnn_ddp)[1] for (m, _, s), r in rows.items()
+                    if m == "cnn" and s != "ddp")
+    assert len(halves) == 21
     assert 2.5 <= halves[len(halves) // 2] <= 3.5  # the median half-width: about ±3 points
 
 
@@ -639,23 +655,18 @@ def test_readme_ten_seed_cnn_claim_holds_in_the_written_results():
     (DenseStream), −0.89 (TopkA), −1.36 (multi_tensor), −1.42 (Cupcake), −1.66 (Ok-Topk),
     −2.88 (per_tensor); SSFusion-OI minus TopkA +0.58 [+0.19, +0.98], minus multi_tensor,
     Cupcake and Ok-Topk 1.06 to 1.35. Recomputed from every seed's finals in the JSON."""
-    root = Path(__file__).resolve().parents[1]
-    readme = " ".join((root / "README.md").read_text().split())
     assert ("the CNN's gaps are −0.31 (SSFusion-OI), −0.33 (SSFusion), −0.83 (DenseStream) and "
             "−0.89 (TopkA) points, within the bar, and −1.36 (multi_tensor), −1.42 (Cupcake), "
             "−1.66 (Ok-Topk) and −2.88 (per_tensor), outside it; paired over the seeds "
             "SSFusion-OI ends above TopkA by 0.58 points (95% interval +0.19 to +0.98) and "
-            "above multi_tensor, Cupcake and Ok-Topk by 1.06 to 1.35") in readme
-    data = json.loads((root / "docs/results/convergence-cnn-10-seeds.json").read_text())
+            "above multi_tensor, Cupcake and Ok-Topk by 1.06 to 1.35") in _readme()
+    data = _results("convergence-cnn-10-seeds")
     assert [m["model"] for m in data["meta"]["models"]] == ["cnn"]
     rows = {r["scheme"]: r["finals"] for r in data["rows"]}
     assert all(len(f) == 10 for f in rows.values())
 
-    def paired(a, b):  # mean and 95 % half-width of a − b over the seeds, in points
-        d = [100 * (x - y) for x, y in zip(rows[a], rows[b])]
-        m = sum(d) / len(d)
-        sd = (sum((x - m) ** 2 for x in d) / (len(d) - 1)) ** 0.5
-        return m, 2.262157 * sd / math.sqrt(len(d))  # t(0.975, 9)
+    def paired(a: str, b: str) -> tuple[float, float]:
+        return _paired_points(rows[a], rows[b])
 
     gaps = {s: round(paired(s, "ddp")[0], 2) for s in rows if s != "ddp"}
     assert {s: gaps[s] for s in ("ssfusion_oi", "ssfusion", "densestream", "topka",
@@ -668,7 +679,7 @@ def test_readme_ten_seed_cnn_claim_holds_in_the_written_results():
                                                                "oktopk")]
     assert (min(others), max(others)) == (1.06, 1.35)
     # the plans each seed made are saved, one file per seed, for --plans to replay
-    folder = root / "docs/results/convergence-cnn-10-seeds-plans"
+    folder = RESULTS / "convergence-cnn-10-seeds-plans"
     assert sorted(p.name for p in folder.iterdir()) == sorted(
         f"plans-cnn-seed{s}.json" for s in range(1, 11))
     assert conv.parse_args(["--model", "cnn", "--seeds", "10", "--plans", str(folder)]
@@ -700,24 +711,19 @@ def test_readme_demo_plan_claim_holds_in_the_written_results():
     keeps the conv layers' small tensors sparse, it ends 1.19 points below its own loopback
     plans over 10 seeds (95 % interval −2.03 to −0.34). Checked against the two pages' JSON,
     paired by seed, and against the plans themselves."""
-    root = Path(__file__).resolve().parents[1]
-    readme = " ".join((root / "README.md").read_text().split())
     assert ("with that plan it ends 1.19 points below its own loopback plans over 10 seeds "
-            "(95% interval −2.03 to −0.34;") in readme
-    results = root / "docs/results"
-    demo = json.loads((results / "convergence-cnn-demo-plan.json").read_text())
+            "(95% interval −2.03 to −0.34;") in _readme()
+    demo = _results("convergence-cnn-demo-plan")
     assert "--plans docs/results/convergence-cnn-demo-plan-plans" in demo["meta"]["command"]
-    own = {r["scheme"]: r for r in json.loads(
-        (results / "convergence-cnn-10-seeds.json").read_text())["rows"]}
+    own = {r["scheme"]: r for r in _results("convergence-cnn-10-seeds")["rows"]}
     a = next(r for r in demo["rows"] if r["scheme"] == "ssfusion_oi")["finals"]
     b = own["ssfusion_oi"]["finals"]
     assert len(a) == len(b) == 10
-    ci = conv.paired_ci(a, b)
-    assert (round(100 * ci["mean"], 2), round(100 * ci["low"], 2),
-            round(100 * ci["high"], 2)) == (-1.19, -2.03, -0.34)
+    m, h = _paired_points(a, b)
+    assert (round(m, 2), round(m - h, 2), round(m + h, 2)) == (-1.19, -2.03, -0.34)
 
     def sparse(folder: str, seed: int) -> set[str]:  # tensors the plan sparsifies
-        plan = json.loads((results / folder / f"plans-cnn-seed{seed}.json").read_text())
+        plan = json.loads((RESULTS / folder / f"plans-cnn-seed{seed}.json").read_text())
         return {t["name"] for b in plan["ssfusion_oi"]["buffers"] for t in b["tensors"]
                 if t.get("density") is not None}
 
