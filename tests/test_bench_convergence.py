@@ -31,6 +31,12 @@ def _results(name: str) -> dict:
     return json.loads((RESULTS / f"{name}.json").read_text())
 
 
+def _mean_gap_points(a: list[float], b: list[float]) -> float:
+    """Points between the exact means of two lists of final accuracies, to two decimals, as a
+    results page prints a gap (computed here, not by the code under test)."""
+    return round(100 * (statistics.mean(a) - statistics.mean(b)), 2)
+
+
 def _paired_points(a: list[float], b: list[float]) -> tuple[float, float]:
     """Mean of the paired differences ``a − b`` in points (accuracies are fractions) and the
     half-width of its 95 % t interval, computed here, not by the code under test."""
@@ -665,7 +671,7 @@ def test_readme_density_sweep_claim_holds_in_the_written_results():
                                                               "topka"]
     assert all(4.35 <= at_10[s] < 4.55 for s in ("densestream", "multi_tensor", "topka"))
     cnn_ddp = rows["cnn", 0.01, "ddp"]["finals"]
-    topka = [round(100 * (mean(rows["cnn", d, "topka"]) - mean(rows["cnn", d, "ddp"])), 2)
+    topka = [_mean_gap_points(rows["cnn", d, "topka"]["finals"], rows["cnn", d, "ddp"]["finals"])
              for d in dens]
     assert topka == [-0.17, -1.63, -0.22]
     halves = sorted(_paired_points(r["finals"], cnn_ddp)[1] for (m, _, s), r in rows.items()
@@ -749,9 +755,8 @@ def test_readme_ten_seed_cnn_density_sweep_claim_holds_in_the_written_results():
     ddp = rows[0.01, "ddp"]
     assert all(rows[d, "ddp"]["finals"] == ddp["finals"] for d in (0.03, 0.1))  # trained once
 
-    def gap(d: float, s: str) -> float:  # points between the means (exact means, as the page)
-        return round(100 * (statistics.mean(rows[d, s]["finals"]) -
-                            statistics.mean(ddp["finals"])), 2)
+    def gap(d: float, s: str) -> float:
+        return _mean_gap_points(rows[d, s]["finals"], ddp["finals"])
 
     sparse = sorted({s for (_, s) in rows if s != "ddp"})
     assert len(sparse) == 7
