@@ -26,9 +26,14 @@ def _readme() -> str:
     return " ".join((ROOT / "README.md").read_text().split())
 
 
-def _results(name: str) -> dict:
-    """A results page's JSON, ``docs/results/<name>.json``."""
-    return json.loads((RESULTS / f"{name}.json").read_text())
+def _results(name: str, command: str | None = None) -> dict:
+    """A results page's JSON, ``docs/results/<name>.json``; with ``command``, its recorded
+    command must start with ``python -m gradsync bench convergence `` and then ``command``."""
+    data = json.loads((RESULTS / f"{name}.json").read_text())
+    if command is not None:
+        assert data["meta"]["command"].startswith(
+            "python -m gradsync bench convergence " + command), data["meta"]["command"]
+    return data
 
 
 def _mean_gap_points(a: list[float], b: list[float]) -> float:
@@ -650,9 +655,7 @@ def test_readme_density_sweep_claim_holds_in_the_written_results():
             "CNN over 160 steps it does not fall (TopkA −0.17, −1.63 and −0.22 points at 1, 3 "
             "and 10 %), since with 3 seeds a mean gap there is uncertain by about ±3 "
             "points") in _readme()
-    data = _results("convergence-density")
-    assert data["meta"]["command"].startswith(
-        "python -m gradsync bench convergence --density 0.01,0.03,0.1 ")
+    data = _results("convergence-density", "--density 0.01,0.03,0.1 ")
     rows = {(r["model"], r["density"], r["scheme"]): r for r in data["rows"]}
     dens = (0.01, 0.03, 0.1)
 
@@ -747,9 +750,7 @@ def test_readme_ten_seed_cnn_density_sweep_claim_holds_in_the_written_results():
             "bar at 10 % density (−0.81 to +0.08 points), nearer DDP there than at 1 %; at 3 % "
             "per_tensor (−1.39), DenseStream (−1.06) and SSFusion-OI (−1.02) still miss it, and "
             "DenseStream and both SSFusion schemes end further from DDP than at 1 %.") in _readme()
-    data = _results("convergence-cnn-density-10-seeds")
-    assert data["meta"]["command"].startswith(
-        "python -m gradsync bench convergence --model cnn --density 0.01,0.03,0.1 ")
+    data = _results("convergence-cnn-density-10-seeds", "--model cnn --density 0.01,0.03,0.1 ")
     rows = {(r["density"], r["scheme"]): r for r in data["rows"]}
     assert all(r["seeds"] == list(range(1, 11)) for r in rows.values())
     ddp = rows[0.01, "ddp"]

@@ -537,7 +537,9 @@ def table(rows: list[dict], info: dict) -> tuple[list[str], list[list[str]]]:
     return cols, out
 
 
-def _title(info: dict, n_seeds: int) -> str:
+def _title(info: dict, rows: list[dict]) -> str:
+    """A study's heading; its seed count is the rows' (every row has every seed)."""
+    n_seeds = len(rows[0]["seeds"]) if rows else 0
     n = info.get("evaluated")
     if info["metric"] == "test_accuracy":
         what = ("accuracy on the whole test split" if n == TEST_IMAGES
@@ -575,7 +577,7 @@ def _plot(results: list[tuple[list[dict], dict]]):
                              label="99% of ddp")
             axis.set_xlabel("step")
             axis.set_ylabel("test accuracy %" if acc else "held-out perplexity")
-            axis.set_title(_title(info, len(rows[0]["seeds"]) if rows else 0), fontsize=8)
+            axis.set_title(_title(info, rows), fontsize=8)
             axis.legend(fontsize=7, ncol=2)
 
     return plot
@@ -675,7 +677,7 @@ def write_docs(path: Path, results: list[tuple[list[dict], dict]], command: str,
             lines.append("")
     for rows, info in results:
         cols, cells = table(rows, info)
-        lines += [f"## {_title(info, len(rows[0]['seeds']) if rows else 0)}", "",
+        lines += [f"## {_title(info, rows)}", "",
                   "| " + " | ".join(cols) + " |", "|" + "---|" * len(cols)]
         lines += ["| " + " | ".join(c) + " |" for c in cells]
         varied = plans_note(rows)
@@ -719,7 +721,7 @@ def main(argv: list[str] | None = None) -> int:
     wall = time.perf_counter() - t0
     for rows, info in results:
         cols, cells = table(rows, info)
-        print_table(_title(info, len(rows[0]["seeds"]) if rows else 0), cols, cells)
+        print_table(_title(info, rows), cols, cells)
     sweep = len(a.densities) > 1
     if sweep:
         for model in a.models:
