@@ -146,27 +146,50 @@ def test_adamw_snippet_is_adamw_while_sent_whole():
         assert r["worst"] < 0.02 * 3e-3, r  # and they are AdamW's (tests/test_optim.py)
 
 
-@pytest.mark.parametrize("gpu", ["H100", "H200"])
-def test_readme_gpu_check_claim_is_the_saved_log(gpu):
-    """README: `make gpu-check` passed on one H100 and on one H200, 14 passed and 4 multi-GPU
-    cases skipped. Each saved log says so, names only tests that exist, and failed none."""
+@pytest.mark.parametrize(("gpu", "passed"), [("H100", 15), ("H200", 14)])
+def test_readme_gpu_check_claim_is_the_saved_log(gpu, passed):
+    """README: `make gpu-check` passed on one H100 (15 passed, the latest code) and on one H200
+    (14 passed, an earlier one), 4 multi-GPU cases skipped on each. Each saved log says so,
+    names only tests that exist, and failed none; the H100's ran every CUDA case there is."""
     import re
 
     root = Path(__file__).resolve().parents[1]
     text = (root / "README.md").read_text()
     log = (root / f"docs/results/gpu-check-{gpu.lower()}.log").read_text()
     assert "passed on one H100 and on one H200" in text
-    assert f"[{gpu}](docs/results/gpu-check-{gpu.lower()}.log)" in text
-    assert "14 passed, Lightning's strategy on the GPU among them, 4 multi-GPU cases" in text
-    assert re.search(r"= 14 passed, 4 skipped, \d+ deselected in", log)
+    assert f"{passed} passed" in text and "4 multi-GPU cases skipped" in text
+    assert f"gpu-check-{gpu.lower()}.log)" in text
+    assert re.search(rf"= {passed} passed, 4 skipped, \d+ deselected in", log)
     assert f"device 0 NVIDIA {gpu}" in log and "NCCL" in log and "FAILED" not in log
     ran = re.findall(r"tests/test_cuda\.py::(\w+)\[?([\w-]*)\]? (PASSED|SKIPPED)", log)
-    assert len(ran) == 18
+    assert len(ran) == passed + 4
     assert ("test_lightning_strategy_and_accelerate_on_cuda", "", "PASSED") in ran
     source = (root / "tests/test_cuda.py").read_text()
     for name, setup, outcome in ran:
         assert f"def {name}(" in source, name
         assert (outcome == "SKIPPED") == (setup == "cuda-nccl-multi"), (name, setup)
+    if gpu == "H100":  # the latest run: every test that has a CUDA case ran it
+        assert ("test_finiteness_checks_on_device", "cuda", "PASSED") in ran
+        with_cuda = {n for n, s, _ in ran}
+        collected = _cuda_tests(root)
+        assert collected == with_cuda, collected ^ with_cuda
+
+
+def _cuda_tests(root: Path) -> set[str]:
+    """The tests of tests/test_cuda.py with a case marked `cuda` (read from their decorators:
+    a plain `pytest.mark.cuda`, a `pytest.param(..., marks=pytest.mark.cuda)` or the CUDA
+    set-ups of `setups(...)`)."""
+    import ast
+
+    path = root / "tests/test_cuda.py"
+    source = path.read_text()
+    found = set()
+    for node in ast.parse(source).body:
+        if isinstance(node, ast.FunctionDef) and node.name.startswith("test_"):
+            marks = " ".join(ast.get_source_segment(source, d) or "" for d in node.decorator_list)
+            if "mark.cuda" in marks or "CUDA_IDS" in marks or "cuda-nccl" in marks:
+                found.add(node.name)
+    return found
 
 
 def test_readme_profile_cluster_row_is_a_real_command():
