@@ -254,7 +254,10 @@ class ErrorFeedback:
             whole = idx.numel() == flat.numel()  # distinct indices (a selection): all of it
             residual = flat.clone()
             if sent_values is None:
-                residual[idx] = 0
+                # index_fill_, not ``residual[idx] = 0``: on CUDA the Python 0 is copied to the
+                # device first, a host-to-device copy that waits for the stream (once per
+                # tensor and step: 66 of TopkA's 70 syncs per ResNet-18 step on an H100)
+                residual.index_fill_(0, idx, 0)
             else:
                 if sent_values.numel() != idx.numel():
                     raise ValueError(
@@ -264,7 +267,7 @@ class ErrorFeedback:
         if self.momentum:
             u = self._pending_velocity.pop(name)
             if not whole and self.masking:  # compressed: momentum factor masking (DGC §3.2)
-                u.view(-1)[idx] = 0
+                u.view(-1).index_fill_(0, idx, 0)  # no host-to-device copy (above)
             # else sent whole: the velocity carries on, as SGD's momentum buffer does
             old = self._velocity.get(name)
             if old is not None and old is not u:
