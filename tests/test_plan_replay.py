@@ -255,3 +255,51 @@ def test_readme_replay_sentence_names_what_these_tests_run():
             "bitwise") in text
     assert "`train --out` writes every run's plan to `plans.json`" in text
     assert "`train --plan plans.json` replays them" in text
+
+
+def test_tinygpt_budget_plans_keep_the_budget_and_follow_the_shares():
+    """docs/architecture.md, "Why SSFusion trails on TinyGPT": the plans in
+    docs/results/tinygpt-budget/ fit gpt_tiny, spend the entries of the plans they replace
+    (per_tensor: 1 % of the model; SSFusion: the study's plan for that seed, the same tensors
+    sent whole), and give each sparsified tensor a density in proportion to its measured
+    top-k share wherever that share is worth more than the one-entry floor."""
+    import math
+    from pathlib import Path
+
+    from gradsync.engine.warmup import given_plan
+    from gradsync.sparsify import target_k
+
+    root = Path(__file__).resolve().parents[1] / "docs/results"
+    numel = {n: p.numel() for n, p in build("gpt_tiny", seed=0).named_parameters()}
+    shares = json.loads((root / "tinygpt-budget/topka-shares-seed1.json").read_text())["tensors"]
+    assert set(shares) == set(numel)
+    assert math.isclose(sum(s["topk_share"] for s in shares.values()), 1.0, rel_tol=1e-9)
+
+    def entries(plan: Plan) -> dict[str, float | None]:
+        return {t.name: None if t.density is None else t.density * t.numel
+                for b in plan.buffers for t in b.tensors}
+
+    def check(scheme: str, path: Path, budget: float, whole: set[str]) -> None:
+        raw = json.loads(path.read_text())[scheme]
+        plan = given_plan(Config(scheme=scheme, density=0.01, plan=raw), numel)
+        got = entries(plan)
+        got_d = {t.name: t.density for b in plan.buffers for t in b.tensors}
+        assert {n for n, e in got.items() if e is None} == whole
+        sparse = {n: e for n, e in got.items() if e is not None}
+        assert sum(sparse.values()) == pytest.approx(budget, rel=0.005)
+        total = sum(shares[n]["topk_share"] for n in sparse)
+        ratios = [e / (shares[n]["topk_share"] / total) for n, e in sparse.items() if e > 1.0001]
+        assert len(ratios) >= 8 and max(ratios) / min(ratios) == pytest.approx(1.0, abs=1e-9)
+        assert min(sparse.values()) >= 0.99  # the floor: about one entry (scaled to the budget)
+        sent = sum(target_k(numel[n], got_d[n]) for n in sparse)  # as the sparsifiers round
+        assert sent == pytest.approx(budget, rel=0.005)
+
+    check("per_tensor", root / "tinygpt-budget/per_tensor-topka-shares.json",
+          math.ceil(0.01 * sum(numel.values())), set())
+    for seed in (1, 2, 3):
+        study = Plan.from_dict(json.loads((root / f"convergence-plans/plans-gpt_tiny-seed{seed}"
+                                                  ".json").read_text())["ssfusion"])
+        before = entries(study)
+        check("ssfusion", root / f"tinygpt-budget/ssfusion-topka-shares-seed{seed}.json",
+              sum(e for e in before.values() if e is not None),
+              {n for n, e in before.items() if e is None})
