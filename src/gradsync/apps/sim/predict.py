@@ -150,7 +150,8 @@ def predict(
     """One row: predicted iteration time of ``scheme`` at P ranks and its breakdown.
     ``oktopk_exact_rate``: the share of steps in which Ok-Topk computes its threshold exactly
     (:func:`gradsync.apps.sim.patterns.oktopk`; default 1/τ′). ``contention``: P ranks sharing
-    the cores (:mod:`gradsync.apps.sim.contention`); None leaves the prediction as without it.
+    the cores (:mod:`gradsync.apps.sim.contention`: the floor, loaded rounds, steal, and a
+    one-buffer collective's CPU taking P/C of it); None leaves the prediction as without it.
     ``collective_cpu``: the collectives' CPU per call measured at P
     (:mod:`gradsync.apps.sim.callcpu`); where it has the scheme's collective at P, a call's
     compute is the messages' software cost plus max(merges and codec, the measured CPU), and
@@ -200,10 +201,12 @@ def predict(
                                             calls=max(w.calls, 1.0))
         call_cpu = (collective_cpu.seconds(coll, cost.P, k)
                     if collective_cpu is not None and cost.P > 1 else None)
+        # every rank runs the call's CPU at once: on C < P cores, P/C of it in wall time
+        busy = contention.busy(cost.P) if contention is not None else 1.0
         if call_cpu is None:  # the micro terms: profiled wall time, work of W
-            compute, work, calls = msg_s + micro, micro, w.dist_calls
+            compute, work, calls = msg_s + micro * busy, micro, w.dist_calls
         else:  # measured CPU per call: covers the calls of a step, not the amortised ones
-            compute, work, calls = msg_s + max(micro, call_cpu), 0.0, w.amortised_calls
+            compute, work, calls = msg_s + max(micro, call_cpu) * busy, 0.0, w.amortised_calls
         wait = 0.0  # it runs after every rank's backward: its rounds pay the idle price
         comm = link + compute
         row.update(collective=coll, backward_s=backward, sparsify_s=sparsify, comm_s=comm,
