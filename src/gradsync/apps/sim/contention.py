@@ -4,7 +4,7 @@ The timeline (:func:`gradsync.schedule.simulate`) runs the offload worker and th
 thread in parallel with the backward pass for free, and prices a collective's rounds at the
 per-message cost measured on an idle group. Both hold only while every thread has a core of
 its own. With P ranks of up to three busy threads each (training, offload worker,
-communication) on C < 3P cores, they do not; :class:`Contention` adds the two terms that follow:
+communication) on C < 3P cores, they do not; :class:`Contention` adds the terms that follow:
 
 * **work floor** (Brent's bound, T ≥ work / processors): all P ranks' CPU work of one
   iteration has to run on C cores, so
@@ -57,7 +57,7 @@ communication) on C < 3P cores, they do not; :class:`Contention` adds the two te
   its CPU (the measured CPU per call, or the merges and codec) at the same time, and on C < P
   cores that takes P/C of it in wall time. Without it the in-collective time of TopkA, Ok-Topk,
   DenseStream, gTop-k, SparDL, Gaussian-k and TopkDSA at P = 8 on 2 cores was under-predicted
-  by 29–55 % (median over two sets of five validation runs; 2–20 % with it), and the
+  by 29–55 % (median over four sets of five validation runs; +2…−21 % with it), and the
   iteration held only through the work floor. A fusion buffer sent during the backward pass
   is priced by the loaded rounds and ``steal`` instead.
 
