@@ -295,7 +295,7 @@ def test_tinygpt_budget_plans_keep_the_budget_and_follow_the_shares():
         assert sent == pytest.approx(budget, rel=0.005)
 
     check("per_tensor", root / "tinygpt-budget/per_tensor-topka-shares.json",
-          math.ceil(0.01 * sum(numel.values())), set())
+          target_k(sum(numel.values()), 0.01), set())
     for seed in (1, 2, 3):
         study = Plan.from_dict(json.loads((root / f"convergence-plans/plans-gpt_tiny-seed{seed}"
                                                   ".json").read_text())["ssfusion"])

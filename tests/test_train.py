@@ -461,3 +461,59 @@ def test_local_launch_on_a_gpu_machine_says_where_it_trains(monkeypatch, capsys,
     assert "local workers train on the CPU (gloo)" in out and "torchrun --nproc-per-node" in out
     m = json.loads((tmp_path / "metrics.json").read_text())
     assert m["environment"]["device"] == "cpu"
+
+
+def _rec(step: int, name: str, acc: list[float], sent: list[int], mode: str = "fused"):
+    from gradsync.engine.audit import AuditRecord
+
+    a = torch.tensor(acc)
+    idx = torch.tensor(sent, dtype=torch.int64)
+    return AuditRecord(step, name, mode, "topka", a, idx, a[idx], a.clone().index_fill_(0, idx, 0))
+
+
+def test_topk_shares_counts_a_global_top_k_per_tensor_by_hand():
+    """``TopkShares`` (``train --topk-shares``): per step, the global top k = round(d·N) of
+    |acc| over every tensor, counted per tensor; a step in which every entry travelled is left
+    out. Two tensors of 6 and 4 entries, d = 0.3 (k = 3):
+    step 0: a = [9, 1, 1, 1, 1, 8], b = [-7, 0, 0, 0] → a 2, b 1;
+    step 1: every entry sent → not counted;
+    step 2: a = [0] * 6, b = [5, -6, 7, 0] → b 3.
+    Shares over the counted steps: a 2/6, b 4/6; entry shares 6/10 and 4/10."""
+    from gradsync.apps.train.shares import TopkShares
+
+    s = TopkShares(0.3)
+    s(_rec(0, "a", [9, 1, 1, 1, 1, 8], [0]))
+    s(_rec(0, "b", [-7, 0, 0, 0], [0]))
+    s(_rec(1, "a", [1, 2, 3, 4, 5, 6], list(range(6)), mode="dense"))
+    s(_rec(1, "b", [9, 9, 9, 9], list(range(4)), mode="dense"))
+    s(_rec(2, "a", [0] * 6, [0]))
+    s(_rec(2, "b", [5, -6, 7, 0], [2]))
+    r = s.result()
+    assert r["steps"] == [0, 2] and r["density"] == 0.3
+    assert r["tensors"]["a"] == {"numel": 6, "topk_share": pytest.approx(2 / 6),
+                                 "entry_share": pytest.approx(0.6)}
+    assert r["tensors"]["b"] == {"numel": 4, "topk_share": pytest.approx(4 / 6),
+                                 "entry_share": pytest.approx(0.4)}
+    assert TopkShares(0.5).result() == {"density": 0.5, "steps": [], "tensors": {}}
+    with pytest.raises(ValueError, match="density"):
+        TopkShares(0.0)
+
+
+def test_train_topk_shares_writes_each_engine_schemes_shares(tmp_path):
+    """``train --topk-shares``: each engine scheme's run in metrics.json carries rank 0's
+    shares (one entry per parameter, summing to 1, over the steps that left entries in a
+    residual); torch's DDP carries none."""
+    out = tmp_path / "o"
+    assert train.main(["--model", "mlp", "--data", "synthetic", "--scheme", "topka,ddp",
+                       "--world-size", "2", "--steps", "4", "--warmup-steps", "1",
+                       "--batch-size", "8", "--eval-batches", "0", "--no-progress",
+                       "--topk-shares", "--out", str(out)]) == 0
+    m = json.loads((out / "metrics.json").read_text())
+    assert m["config"]["topk_shares"] is True
+    runs = {r["scheme"]: r for r in m["runs"]}
+    assert runs["ddp"]["topk_shares"] is None
+    sh = runs["topka"]["topk_shares"]
+    names = {n: p.numel() for n, p in models.build("mlp", seed=0).named_parameters()}
+    assert {n: t["numel"] for n, t in sh["tensors"].items()} == names
+    assert sum(t["topk_share"] for t in sh["tensors"].values()) == pytest.approx(1.0)
+    assert sh["steps"] and set(sh["steps"]) <= {0, 1, 2, 3} and sh["density"] == 0.01

@@ -91,7 +91,9 @@ so train differently, in two runs with the same seed.
                     "test_accuracy", "test_samples" (images) | "eval_loss", "perplexity",
                     "eval_tokens" (language models; masked LMs: over the masked tokens),
                     "plan_digest" (``Plan.digest()``; null outside the engine)},
-        "plan": the engine's plan at the end (``Plan.to_dict()``) | null
+        "plan": the engine's plan at the end (``Plan.to_dict()``) | null,
+        "topk_shares": ``--topk-shares``: {"density", "steps", "tensors": {name: {"numel",
+                       "topk_share", "entry_share"}}} (gradsync.apps.train.shares) | null
       }, …]
     }
 

@@ -53,6 +53,10 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
                    help="AdamW with a sparse scheme: steps of exact AdamW, gradients sent "
                         "whole, before its variance freezes (gradsync.optim; default 10%% of "
                         "the steps)")
+    p.add_argument("--topk-shares", action="store_true",
+                   help="rank 0 records, per engine scheme, each tensor's share of a global "
+                        "top-k of the accumulators into metrics.json (runs[i].topk_shares; "
+                        "gradsync.apps.train.shares)")
     p.add_argument("--amp", choices=("bf16", "fp16"), default=None,
                    help="automatic mixed precision (torch.autocast); fp16 with a GradScaler "
                         "that the gradsync schemes follow (default: fp32)")
@@ -101,7 +105,8 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
             seed=a.seed, warmup_steps=a.warmup_steps, eval_batches=a.eval_batches,
             bandwidth=a.bandwidth, latency=a.latency, timeout=a.timeout, out=a.out,
             progress=not a.no_progress, fail_rank=a.fail_rank, density_warmup=a.density_warmup,
-            adam_warmup=a.adam_warmup, amp=a.amp, plans=_read_plans(a.plan, p))
+            adam_warmup=a.adam_warmup, amp=a.amp, plans=_read_plans(a.plan, p),
+            topk_shares=a.topk_shares)
     except ValueError as e:
         p.error(str(e))
     try:  # a model needing a missing optional dependency fails here, not in every rank

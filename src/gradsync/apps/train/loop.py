@@ -27,11 +27,12 @@ __all__ = ["evaluate", "mixed_precision", "progress_bar", "train_scheme", "train
 def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                  device: torch.device, progress: Any = None) -> dict:
     """Train one scheme on this rank; returns ``{"scheme", "task", "records", "eval",
-    "history", "plan"}`` (``records``: one dict per step, the ``steps`` fields of
+    "history", "plan", "topk_shares"}`` (``records``: one dict per step, the ``steps`` fields of
     ``metrics.json``; ``eval``: rank 0's evaluation, empty elsewhere; ``history``: with
     ``spec.eval_every``, rank 0's ``{"step", "elapsed_s", **evaluation}`` every ``eval_every``
     steps and at the end; ``plan``: the engine's plan at the end, ``Plan.to_dict()``, or
-    ``None`` outside the engine)."""
+    ``None`` outside the engine; ``topk_shares``: ``TrainSpec.topk_shares``'s record on rank 0,
+    else ``None``)."""
     from gradsync.apps import models
 
     model = models.build(spec.model, seed=spec.seed).to(device)
@@ -97,12 +98,13 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
         if rank == 0 and spec.eval_every:
             history.append({"step": steps, "elapsed_s": elapsed, **evaluation})
         plan = runner.plan()
+        shares = runner.topk_shares()
     finally:
         runner.close()
     if dist.is_initialized() and P > 1:
         dist.barrier()  # the next scheme starts together
     return {"scheme": choice.name, "task": task, "records": records, "eval": evaluation,
-            "history": history, "plan": plan}
+            "history": history, "plan": plan, "topk_shares": shares}
 
 
 def mixed_precision(amp: str | None, device: torch.device

@@ -37,6 +37,7 @@ from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
 from gradsync.apps.train.metering import (
@@ -45,6 +46,7 @@ from gradsync.apps.train.metering import (
     counting_all_reduce,
     metered_hook,
 )
+from gradsync.apps.train.shares import TopkShares
 from gradsync.apps.train.spec import SchemeChoice, TrainSpec
 
 __all__ = ["MOMENTUM", "DDPHookRunner", "EngineRunner", "Runner", "TorchDDPRunner",
@@ -128,6 +130,11 @@ class Runner:
         """The plan the run ended with (``Plan.to_dict()``); ``None`` outside the engine."""
         return None
 
+    def topk_shares(self) -> dict[str, Any] | None:
+        """``TrainSpec.topk_shares``'s record (:class:`~gradsync.apps.train.shares.TopkShares`)
+        on rank 0 of an engine scheme; ``None`` otherwise."""
+        return None
+
     def before_backward(self) -> None:
         pass
 
@@ -152,10 +159,15 @@ class EngineRunner(Runner):
         super().__init__(choice, model, spec, steps)
         cfg = self.gradsync_config(spec, warmup_steps=spec.warmup_steps, timeout_s=spec.timeout,
                                    plan=(spec.plans or {}).get(choice.name))
-        self.sync = self.preconditioner = GradSync(model, cfg)
+        rank0 = not dist.is_initialized() or dist.get_rank() == 0
+        self._shares = TopkShares(cfg.density) if spec.topk_shares and rank0 else None
+        self.sync = self.preconditioner = GradSync(model, cfg, audit=self._shares or False)
 
     def plan(self) -> dict[str, Any] | None:
         return self.sync.plan.to_dict() if self.sync.plan is not None else None
+
+    def topk_shares(self) -> dict[str, Any] | None:
+        return self._shares.result() if self._shares is not None else None
 
     def follow(self, scaler: torch.amp.GradScaler) -> None:
         self.sync.follow(scaler)

@@ -142,6 +142,9 @@ class TrainSpec:
             ``plans.json`` of an earlier ``--out`` holds them; each engine scheme run must have
             one, made for it (the others take none, extra entries are ignored). ``None``: every
             engine scheme plans as usual.
+        topk_shares: rank 0 records, for each engine scheme, every tensor's share of a global
+            top-k of the accumulators (:mod:`gradsync.apps.train.shares`; ``metrics.json``
+            ``runs[i].topk_shares``). It audits every step (a copy of each accumulator).
     """
 
     model: str = "cnn"
@@ -170,6 +173,7 @@ class TrainSpec:
     adam_warmup: int | None = None
     amp: str | None = None
     plans: dict[str, dict[str, Any]] | None = None
+    topk_shares: bool = False
 
     def __post_init__(self) -> None:
         from gradsync.apps import models
@@ -242,6 +246,8 @@ class TrainSpec:
             raise ValueError(f"amp: unknown {self.amp!r}; choose from bf16, fp16 (or none)")
         if self.plans is not None:
             self._check_plans()
+        if not isinstance(self.topk_shares, bool):
+            raise ValueError(f"topk_shares must be True or False, got {self.topk_shares!r}")
 
     def _check_plans(self) -> None:
         """Every engine scheme run has a plan that ``Config`` accepts for it (its own checks,
@@ -334,7 +340,8 @@ class TrainSpec:
                 "density_warmup": self.density_warmup, "adam_warmup": self.adam_warmup,
                 "amp": self.amp,
                 "bandwidth": self.bandwidth, "latency": self.latency,
-                "replayed_plans": sorted(self.plans) if self.plans else []}
+                "replayed_plans": sorted(self.plans) if self.plans else [],
+                "topk_shares": self.topk_shares}
 
 
 def defaults() -> dict[str, Any]:

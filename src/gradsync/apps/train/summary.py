@@ -75,7 +75,8 @@ def summarize(results: list[dict], warmup_steps: int) -> list[dict]:
         plan = run0.get("plan")
         s["plan_digest"] = None if plan is None else Plan.from_dict(plan).digest()
         runs.append({"scheme": run0["scheme"], "task": run0["task"], "steps": recs,
-                     "bytes_sent_per_rank": sent, "summary": s, "plan": plan})
+                     "bytes_sent_per_rank": sent, "summary": s, "plan": plan,
+                     "topk_shares": run0.get("topk_shares")})
     base = next((r["summary"] for r in runs if r["scheme"] == "ddp"), None)
     for r in runs:
         s = r["summary"]
