@@ -303,3 +303,43 @@ def test_tinygpt_budget_plans_keep_the_budget_and_follow_the_shares():
         check("ssfusion", root / f"tinygpt-budget/ssfusion-topka-shares-seed{seed}.json",
               sum(e for e in before.values() if e is not None),
               {n for n, e in before.items() if e is None})
+
+
+def test_readme_tinygpt_gap_split_is_the_saved_runs():
+    """README: on TinyGPT at 60 steps SSFusion ends 1.63 above TopkA; the plans built from
+    `train --topk-shares` split it into 0.66 (the weights' allocation), 0.56 (the tensors sent
+    whole, 40 % of the budget) and 0.41 (choosing anew every step). Recomputed from the default
+    study's finals, the saved runs and the saved plans."""
+    import re
+    import statistics
+    from pathlib import Path
+
+    from gradsync.sparsify import target_k
+
+    root = Path(__file__).resolve().parents[1]
+    text = " ".join((root / "README.md").read_text().split())
+    m = re.search(r"SSFusion ends ([\d.]+) of perplexity above TopkA at the same bytes\. "
+                  r"`train --topk-shares` records.*?the weights' allocation \(([\d.]+)\), the "
+                  r"LayerNorm and bias tensors SSFusion sends whole, which take (\d+) % of "
+                  r"TinyGPT's budget \(([\d.]+)\), and TopkA's choosing anew every step "
+                  r"\(([\d.]+)\)", text)
+    assert m, "the README sentence changed"
+    gap, alloc, budget_pct, whole, anew = (float(g) for g in m.groups())
+    study = {r["scheme"]: r["finals"] for r in json.loads(
+        (root / "docs/results/convergence.json").read_text())["rows"] if r["model"] == "gpt_tiny"}
+    runs = json.loads((root / "docs/results/tinygpt-budget/results.json").read_text())["runs"]
+    mean = statistics.fmean
+    ss, topka = mean(study["ssfusion"]), mean(study["topka"])
+    ss_by = mean(runs["60"]["ssfusion_by_shares"]["finals"])
+    pt_by = mean(runs["60"]["per_tensor_by_shares"]["finals"])
+    assert round(ss - topka, 2) == gap
+    assert round(ss - ss_by, 2) == alloc
+    assert round(ss_by - pt_by, 2) == whole
+    assert round(pt_by - topka, 2) == anew
+    plan = Plan.from_dict(json.loads((root / "docs/results/convergence-plans/"
+                                              "plans-gpt_tiny-seed1.json").read_text())["ssfusion"])
+    sent_whole = sum(t.numel for b in plan.buffers for t in b.tensors if t.density is None)
+    n = sum(t.numel for b in plan.buffers for t in b.tensors)
+    assert round(100 * 0.5 * sent_whole / target_k(n, 0.01)) == budget_pct
+    shares = json.loads((root / "docs/results/tinygpt-budget/topka-shares-seed1.json").read_text())
+    assert "--topk-shares" in shares["command"] and shares["density"] == 0.01
