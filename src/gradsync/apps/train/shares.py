@@ -10,8 +10,10 @@ the global top ``k = target_k(N, density)`` of ``|acc|`` over all N entries is c
 tensor. Steps in which every entry travelled (an AdamW warm-up sent whole, a dense plan) are left
 out.
 
-The result does not depend on the scheme's own selection, only on the accumulators it leaves:
-run under ``topka`` it is the allocation TopkA itself makes, summed over the steps.
+The accumulators carry the run's own history (what earlier selections left in the residuals),
+so the shares belong to the scheme they were recorded under. Under ``topka`` they are close to
+the allocation TopkA itself makes (its DGC selection estimates the same top k), summed over the
+steps.
 """
 
 from __future__ import annotations
