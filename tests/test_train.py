@@ -298,10 +298,10 @@ def test_spec_fills_model_defaults_validates_and_pickles():
                          "batch_size", "lr", "optimizer", "text_fallback", "density",
                          "sparsifier", "seed", "warmup_steps", "eval_batches",
                          "density_warmup", "adam_warmup", "amp", "bandwidth", "latency",
-                         "replayed_plans"]
+                         "replayed_plans", "topk_shares"]
     assert cfg["world_size"] == 4 and cfg["schemes"] == ["ddp", "oktopk"]
     assert cfg["amp"] is None
-    assert cfg["replayed_plans"] == []
+    assert cfg["replayed_plans"] == [] and cfg["topk_shares"] is False
     assert pickle.loads(pickle.dumps(gpt)) == gpt  # every rank receives it
     for kw, field in [({"steps": 0}, "steps"), ({"steps": 2, "epochs": 1.0}, "epochs"),
                       ({"epochs": -1.0}, "epochs"), ({"latency": "5ms"}, "latency"),
@@ -311,7 +311,7 @@ def test_spec_fills_model_defaults_validates_and_pickles():
                       ({"data": "text"}, "does not fit"), ({"lr": float("inf")}, "lr"),
                       ({"sparsifier": "nope"}, "sparsifier"), ({"world_size": 0}, "world_size"),
                       ({"warmup_steps": 0}, "warmup_steps"), ({"batch_size": 1.5}, "batch_size"),
-                      ({"timeout": 0}, "timeout")]:
+                      ({"timeout": 0}, "timeout"), ({"topk_shares": 1}, "topk_shares")]:
         with pytest.raises(ValueError, match=field):
             train.TrainSpec(**kw)
 
