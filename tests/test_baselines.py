@@ -200,6 +200,56 @@ def test_spardl_volume_stays_o_k_per_round():
             assert c <= kb * len(range(2**s, P, 2 ** (s + 1)))
 
 
+def _spardl_forged_rank(rank: int, P: int) -> dict:
+    """Round 0 of SparDL's reduce-scatter between real gloo ranks: every rank sends an honest
+    message (k_B entries in each block it forwards) except rank 0, which sends a forged one —
+    first an entry in a block it does not forward, then (P ≥ 4, where its message holds two
+    blocks) k_B + 1 entries of one forwarded block. Returns what each receive raised."""
+    from gradsync.collectives.comm import Comm
+    from gradsync.collectives.spardl import SparDL, capacity, forwarded
+    from gradsync.formats.wire import pack_entries_fixed
+
+    n, k_b = 10 * P, 2
+    bl = list(range(0, n + 1, 10))  # block b is [10 b, 10 b + 10)
+    B = torch.tensor(bl)
+    blocks = forwarded(rank, 0, P)
+    cap = capacity(blocks, bl, k_b)
+    honest = torch.tensor(sorted(10 * b + j for b in blocks for j in range(k_b)))
+    forged = {"stray": torch.cat([torch.tensor([10 * rank]), honest[1:]]),  # block rank: held
+              "over": torch.tensor(sorted([10 * blocks[0] + j for j in range(k_b + 1)]
+                                          + [10 * blocks[-1]]))[:cap]}
+    out = {}
+    for case in ("stray", "over"):
+        if case == "over" and P < 4:
+            continue
+        idx = forged[case] if rank == 0 else honest
+        payload = pack_entries_fixed(idx, torch.ones(idx.numel()), torch.int32, cap)
+        try:
+            r_idx, _ = SparDL._receive(Comm(None), payload, 0, B, bl, k_b, n, torch.int32,
+                                       torch.float32)
+            out[case] = ("ok", r_idx.numel())
+        except ValueError as e:
+            out[case] = ("error", str(e))
+    return out
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 5, 8])
+def test_spardl_rejects_a_peer_message_outside_its_schedule(P):
+    """A received round message is checked against the schedule before use: entries in a
+    block the sender does not forward, or more than k_B in one block, raise on the receiver
+    (rank 1, which receives from rank 0 in round 0) with the sender and round named; every
+    other rank's honest message passes."""
+    out = run_distributed(_spardl_forged_rank, P, timeout=120)
+    for case in ("stray", "over") if P >= 4 else ("stray",):
+        got = out[1][case]
+        assert got[0] == "error", (P, case, got)
+        want = "outside the blocks it forwards" if case == "stray" else "more than k_B = 2"
+        assert want in got[1] and "rank 0" in got[1] and "round 0" in got[1], got[1]
+        for r in range(P):
+            if r != 1:
+                assert out[r][case][0] == "ok", (P, case, r, out[r][case])
+
+
 def test_spardl_options_are_validated():
     with pytest.raises(ValueError, match="not both"):
         collectives.get("spardl", density=0.1, k=3)
