@@ -16,6 +16,7 @@ import torch
 from gradsync.apps.sim import patterns
 from gradsync.apps.sim import simulate as sim
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
+from gradsync.schedule.plan import Plan
 
 WORD = 4  # bytes
 
@@ -312,12 +313,31 @@ def test_prediction_includes_the_collectives_compute():
 # ----------------------------------------------------------------------------- validation
 def test_validate_smoke_on_loopback(tmp_path, capsys):
     assert sim.main(["--validate", "--loopback", "--validate-workers", "2", "--steps", "2",
-                     "--model", "mlp", "--schemes", "dense_ovlp,topka", "--repeats", "1",
-                     "--batch", "8", "--out", str(tmp_path)]) == 0
-    assert "loopback" in capsys.readouterr().out
+                     "--model", "mlp", "--schemes", "dense_ovlp,topka,multi_tensor",
+                     "--repeats", "1", "--batch", "8", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "loopback" in out
     doc = json.loads((tmp_path / "validate.json").read_text())
     rows = doc["rows"]
-    assert [(r["scheme"], r["P"]) for r in rows] == [("dense_ovlp", 2), ("topka", 2)]
+    assert [(r["scheme"], r["P"]) for r in rows] == [("dense_ovlp", 2), ("topka", 2),
+                                                     ("multi_tensor", 2)]
+    # the plan from the profile with the run's warm-up backward: only where the run planned
+    # from a cost model (multi_tensor), re-planned here from the saved models
+    dense, topka, mt = rows
+    assert dense["plan_same_run_backward"] is None and topka["plan_same_run_backward"] is None
+    prof = CostModel.from_dict(doc["meta"]["per_P"]["2"]["cost_model"])
+    run = CostModel.from_dict(mt["run_cost_model"])
+    prof.order, prof.backward = list(run.order), dict(run.backward)
+    net = sim.Network.parse(doc["meta"]["bandwidth"], doc["meta"]["latency"])
+    digest = sim.predict("multi_tensor", prof, 2, net, 0.01)["plan_digest"]
+    assert mt["plan_same_run_backward"] == (digest == Plan.from_dict(mt["run_plan"]).digest())
+    assert mt["error_run_backward_plan"] == pytest.approx(
+        (mt["predicted_run_backward_plan_s"] - mt["measured_s"]) / mt["measured_s"])
+    assert (f"of the 1 rows whose run planned from a warm-up cost model: "
+            f"{int(mt['plan_same'])} planned from the profile, "
+            f"{int(mt['plan_same_run_backward'])} planned from the profile with the run's "
+            f"warm-up backward") in out
+    rows = rows[:2]
     for r in rows:
         assert r["measured_s"] > 0 and r["predicted_s"] > 0 and not r["shaped"]
         assert r["error"] == pytest.approx((r["predicted_s"] - r["measured_s"])
@@ -687,6 +707,38 @@ def test_predict_times_a_given_plan():
     short = Plan("cupcake", each.buffers[1:])
     with pytest.raises(ValueError, match="tensors"):
         sim.predict("cupcake", cost, 4, net, 0.01, plan=short)
+
+
+def test_a_run_backward_replaces_only_the_profiles_backward_and_can_change_the_plan():
+    """``with_run_backward``: the profile with a run's warm-up order and T_b per tensor, every
+    other term kept; refused (None) without a run model or over other tensors. MG-WFBP on
+    100 Mbit/s with α = 0.5 ms: a 20 ms backward per tensor leaves time to send each tensor
+    alone (6 buffers), a 0.1 ms one does not (one buffer), so the backward alone moves the
+    plan; ``planned`` is the plan ``predict`` times."""
+    import dataclasses
+
+    from gradsync.apps.sim.predict import planned
+    from gradsync.apps.sim.validate import with_run_backward
+
+    prof = dataclasses.replace(tiny_cost(), backward={n: 0.02 for n in tiny_cost().order})
+    run = dataclasses.replace(tiny_cost(), order=list(reversed(tiny_cost().order)),
+                              backward={n: 1e-4 for n in tiny_cost().order},
+                              sparsify=AffineFit(9.0, 9.0), allgather=AlphaBeta(1.0, 1.0))
+    got = with_run_backward(prof, run.to_dict())
+    assert got.order == run.order and got.backward == run.backward
+    assert (got.sparsify, got.offload, got.allreduce, got.allgather, got.numel) == (
+        prof.sparsify, prof.offload, prof.allreduce, prof.allgather, prof.numel)
+    assert prof.backward == {n: 0.02 for n in prof.order}  # the profile is not changed
+    assert with_run_backward(prof, None) is None
+    other = dataclasses.replace(run, order=run.order[1:], numel={n: run.numel[n]
+                                                                  for n in run.order[1:]})
+    assert with_run_backward(prof, other.to_dict()) is None
+    net = sim.Network(5e-4, 8 / 1e8)
+    assert len(planned("multi_tensor", prof, 4, net, 0.01).buffers) == 6
+    assert len(planned("multi_tensor", got, 4, net, 0.01).buffers) == 1
+    assert planned("multi_tensor", got, 4, net, 0.01).digest() == sim.predict(
+        "multi_tensor", got, 4, net, 0.01)["plan_digest"]
+    assert planned("topka", prof, 4, net, 0.01) is None  # one buffer, no plan
 
 
 def test_the_collectives_cpu_delays_the_backward_on_a_shared_core():

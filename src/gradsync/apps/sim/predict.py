@@ -41,7 +41,8 @@ from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
 from gradsync.schedule.plan import Plan
 from gradsync.sparsify import validate_density
 
-__all__ = ["NOTE", "Network", "at_scale", "engine_view", "load_table", "plot_vs_p", "predict",
+__all__ = ["NOTE", "Network", "at_scale", "engine_view", "load_table", "planned", "plot_vs_p",
+           "predict",
            "profile_model"]
 
 NOTE = ("planning tool, not a distributed runtime: times are predictions of the α-β model "
@@ -126,6 +127,20 @@ def engine_view(cost: CostModel) -> CostModel:
     return replace(cost, allreduce=AlphaBeta(cost.allreduce.alpha + m, cost.allreduce.beta),
                    allgather=AlphaBeta(cost.allgather.alpha + m, cost.allgather.beta),
                    compute=None)
+
+
+def planned(scheme: str, base: CostModel, P: int, net: Network, density: float, *,
+            bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int | None = None,
+            min_density: float = 0.001) -> Plan | None:
+    """The plan :func:`predict` times for ``scheme`` from ``base`` at P ranks on ``net``: the
+    scheme's planner on :func:`engine_view` of the scaled model (None for a one-buffer scheme,
+    ``planner="single"``, which has no plan)."""
+    if schemes.get(scheme).planner == "single":
+        return None
+    cost = at_scale(base, int(P), net)
+    return make_plan(scheme, list(cost.order), cost.numel, density, engine_view(cost),
+                     elem_bytes=cost.elem_bytes, bucket_bytes=bucket_bytes,
+                     first_bucket_bytes=first_bucket_bytes, min_density=min_density)
 
 
 def _with_call(cost: CostModel, call: AffineFit | None) -> CostModel:
@@ -218,9 +233,8 @@ def predict(
                    union_density=union(cost.P))
     else:
         if plan is None:
-            plan = make_plan(scheme, list(cost.order), cost.numel, density, engine_view(cost),
-                             elem_bytes=cost.elem_bytes, bucket_bytes=bucket_bytes,
-                             first_bucket_bytes=first_bucket_bytes, min_density=min_density)
+            plan = planned(scheme, base, P, net, density, bucket_bytes=bucket_bytes,
+                           first_bucket_bytes=first_bucket_bytes, min_density=min_density)
         elif plan.scheme != scheme or sorted(plan.names) != sorted(cost.order):
             raise ValueError(f"predict: the given plan is for {plan.scheme!r} over "
                              f"{len(plan.names)} tensors; expected {scheme!r} over the cost "

@@ -207,6 +207,21 @@ def _models(res: list[dict[str, Any]], link_alpha: float,
                             call_cpu_s=max(r["call_cpu_s"] for r in res)), calls
 
 
+def with_run_backward(cost: CostModel, run_cost: dict[str, Any] | None) -> CostModel | None:
+    """``cost`` (the profile) with the backward a run's warm-up measured — its order and T_b
+    per tensor, what the engine planned with (``run_cost``: :meth:`CostModel.to_dict` of the
+    run's model) — and every other term as profiled; None without a run model or when it
+    covers other tensors. Planning with it shows how many plan differences the backward
+    alone explains: with P ranks on fewer cores the warm-up's T_b (ranks time-sharing the
+    cores unevenly) moves from run to run and differs from the profile's (every rank busy)."""
+    if not run_cost:
+        return None
+    run = CostModel.from_dict(run_cost)
+    if sorted(run.order) != sorted(cost.order):
+        return None
+    return dataclasses.replace(cost, order=list(run.order), backward=dict(run.backward))
+
+
 def run_validation(a) -> int:
     """``simulate --validate``: ``a.validate_runs`` whole runs (each profiles and measures
     every P afresh), each printed as it ends; with several, the median over runs per scheme
@@ -240,6 +255,7 @@ def run_validation(a) -> int:
         meta["per_run_P"] = per_run
         meta["summary"] = shown = summarize(all_rows)
         _report_summary(shown, runs, link)
+        print(f"over the {runs} runs: {_backward_plans(all_rows)}")
     j, png = write_outputs("validate", all_rows, a.out, meta=meta, plot=plot_vs_p(
         shown, f"{a.model}: predicted vs measured"
         + (f" (median of {runs} runs)" if runs > 1 else "") + f", {link}", measured=True))
@@ -287,9 +303,24 @@ def _report_summary(summary: list[dict[str, Any]], runs: int, link: str | None) 
     print(f"single runs: {single} of {total} rows within 25 %")
 
 
+def _backward_plans(rows: list[dict[str, Any]]) -> str:
+    """How many of the planned rows' plans equal the run's: from the profile, and from the
+    profile with the run's warm-up backward (:func:`with_run_backward`)."""
+    rs = [r for r in rows if r.get("plan_same_run_backward") is not None]
+    if not rs:
+        return "plans from the run's warm-up backward: no row has a run cost model"
+    own = sum(bool(r["plan_same"]) for r in rs)
+    bwd = sum(bool(r["plan_same_run_backward"]) for r in rs)
+    errs = [abs(r["error_run_backward_plan"]) for r in rs]
+    return (f"plans as the run's, of the {len(rs)} rows whose run planned from a warm-up cost "
+            f"model: {own} planned from the profile, {bwd} planned from the profile with the "
+            f"run's warm-up backward (T_b per tensor; {sum(e <= 0.25 for e in errs)} of "
+            f"{len(rs)} rows within 25 % with that plan)")
+
+
 def _measure(a, cores: float) -> tuple[list[dict[str, Any]], dict[int, Any], str | None]:
     """One validation run: every P of ``a.validate_list`` profiled, measured and predicted."""
-    from gradsync.apps.sim.predict import Network, predict
+    from gradsync.apps.sim.predict import Network, planned, predict
     from gradsync.schedule import entries
     from gradsync.testing import netem, run_distributed
 
@@ -369,6 +400,16 @@ def _measure(a, cores: float) -> tuple[list[dict[str, Any]], dict[int, Any], str
             asrun = (predict(scheme, cost, P, a.net, a.density, contention=contention,
                              collective_cpu=callcpu, plan=ran_plan, **kw)
                      if ran_plan is not None else pred)
+            # the profile's plan made with the run's warm-up backward instead of the profile's
+            run_bwd = (with_run_backward(cost, res[0]["results"][scheme].get("cost"))
+                       if ran_plan is not None else None)
+            bwd_plan = (planned(scheme, run_bwd, P, a.net, a.density,
+                                bucket_bytes=kw["bucket_bytes"],
+                                first_bucket_bytes=kw["first_bucket_bytes"])
+                        if run_bwd is not None else None)
+            bwd_pred = (predict(scheme, cost, P, a.net, a.density, contention=contention,
+                                collective_cpu=callcpu, plan=bwd_plan, **kw)["iteration_s"]
+                        if bwd_plan is not None else None)
             cpu = statistics.median(max(r["results"][scheme]["cpu"][i] for r in res)
                                     for i in range(a.steps))
             rows.append({
@@ -378,6 +419,11 @@ def _measure(a, cores: float) -> tuple[list[dict[str, Any]], dict[int, Any], str
                 "plan_same": ran_plan is None or ran_plan.digest() == pred["plan_digest"],
                 "predicted_run_plan_s": asrun["iteration_s"],
                 "error_run_plan": (asrun["iteration_s"] - meas) / meas, "run_plan": ran,
+                "plan_same_run_backward": (None if bwd_plan is None
+                                           else bwd_plan.digest() == ran_plan.digest()),
+                "predicted_run_backward_plan_s": bwd_pred,
+                "error_run_backward_plan": (None if bwd_pred is None
+                                            else (bwd_pred - meas) / meas),
                 "run_cost_model": res[0]["results"][scheme].get("cost"),
                 "predicted_no_call_cpu_s": nocall["iteration_s"],
                 "predicted_no_steal_s": nosteal["iteration_s"],
@@ -475,6 +521,7 @@ def _report(a, rows: list[dict[str, Any]], per_p: dict[int, Any], link: str | No
     other = [f"{r['scheme']} P={r['P']}" for r in rows if not r["plan_same"]]
     print(f"plans: the planner chose another plan from the profile than the run did in "
           f"{len(other)} of {len(rows)} rows{': ' + ', '.join(other) if other else ''}")
+    print(_backward_plans(rows))
     ok = [r for r in rows if r["oktopk_exact_rate"] > 0]
     if ok:
         print("Ok-Topk exact thresholds (measured share of timed steps, used by the prediction): "
