@@ -321,22 +321,26 @@ def test_validate_smoke_on_loopback(tmp_path, capsys):
     rows = doc["rows"]
     assert [(r["scheme"], r["P"]) for r in rows] == [("dense_ovlp", 2), ("topka", 2),
                                                      ("multi_tensor", 2)]
-    # the plan from the profile with the run's warm-up backward: only where the run planned
-    # from a cost model (multi_tensor), re-planned here from the saved models
+    # the plans from the run's warm-up inputs: only where the run planned from a cost model
+    # (multi_tensor); with all three of its inputs the simulator's planner must make the
+    # run's own plan (the engine plans with nothing else)
     dense, topka, mt = rows
-    assert dense["plan_same_run_backward"] is None and topka["plan_same_run_backward"] is None
+    assert dense["plan_same_run_inputs"] == {} and topka["plan_same_run_inputs"] == {}
+    same = mt["plan_same_run_inputs"]
+    assert list(same) == ["backward", "link", "backward+link", "backward+link+sparsify"]
+    assert same["backward+link+sparsify"] is True
     prof = CostModel.from_dict(doc["meta"]["per_P"]["2"]["cost_model"])
     run = CostModel.from_dict(mt["run_cost_model"])
     prof.order, prof.backward = list(run.order), dict(run.backward)
     net = sim.Network.parse(doc["meta"]["bandwidth"], doc["meta"]["latency"])
     digest = sim.predict("multi_tensor", prof, 2, net, 0.01)["plan_digest"]
-    assert mt["plan_same_run_backward"] == (digest == Plan.from_dict(mt["run_plan"]).digest())
+    assert same["backward"] == (digest == Plan.from_dict(mt["run_plan"]).digest())
     assert mt["error_run_backward_plan"] == pytest.approx(
         (mt["predicted_run_backward_plan_s"] - mt["measured_s"]) / mt["measured_s"])
-    assert (f"of the 1 rows whose run planned from a warm-up cost model: "
-            f"{int(mt['plan_same'])} planned from the profile, "
-            f"{int(mt['plan_same_run_backward'])} planned from the profile with the run's "
-            f"warm-up backward") in out
+    assert (f"of the 1 rows whose run planned from a warm-up cost model: from the profile "
+            f"{int(mt['plan_same'])}; with the run's backward {int(same['backward'])}; "
+            f"with the run's link {int(same['link'])}; ") in out
+    assert "with the run's backward + link + sparsify 1 " in out
     rows = rows[:2]
     for r in rows:
         assert r["measured_s"] > 0 and r["predicted_s"] > 0 and not r["shaped"]
@@ -709,35 +713,49 @@ def test_predict_times_a_given_plan():
         sim.predict("cupcake", cost, 4, net, 0.01, plan=short)
 
 
-def test_a_run_backward_replaces_only_the_profiles_backward_and_can_change_the_plan():
-    """``with_run_backward``: the profile with a run's warm-up order and T_b per tensor, every
-    other term kept; refused (None) without a run model or over other tensors. MG-WFBP on
-    100 Mbit/s with α = 0.5 ms: a 20 ms backward per tensor leaves time to send each tensor
-    alone (6 buffers), a 0.1 ms one does not (one buffer), so the backward alone moves the
-    plan; ``planned`` is the plan ``predict`` times."""
+def test_a_runs_warmup_inputs_replace_only_the_named_terms_and_can_change_the_plan():
+    """``with_run_inputs``: the planning view with a run's backward (order and T_b per
+    tensor), link (α, β of both collectives) or sparsification fits, every other term kept;
+    an unknown term or a run over other tensors is refused. MG-WFBP on 100 Mbit/s with
+    α = 0.5 ms: a 20 ms backward per tensor leaves time to send each tensor alone (6 buffers),
+    a 0.1 ms one does not (one buffer), so the backward alone moves the plan; ``planned`` is
+    the plan ``predict`` times."""
     import dataclasses
 
-    from gradsync.apps.sim.predict import planned
-    from gradsync.apps.sim.validate import with_run_backward
+    from gradsync.apps.sim.predict import at_scale, engine_view, planned
+    from gradsync.apps.sim.validate import with_run_inputs
+    from gradsync.schedule import make_plan
 
-    prof = dataclasses.replace(tiny_cost(), backward={n: 0.02 for n in tiny_cost().order})
-    run = dataclasses.replace(tiny_cost(), order=list(reversed(tiny_cost().order)),
-                              backward={n: 1e-4 for n in tiny_cost().order},
-                              sparsify=AffineFit(9.0, 9.0), allgather=AlphaBeta(1.0, 1.0))
-    got = with_run_backward(prof, run.to_dict())
-    assert got.order == run.order and got.backward == run.backward
-    assert (got.sparsify, got.offload, got.allreduce, got.allgather, got.numel) == (
-        prof.sparsify, prof.offload, prof.allreduce, prof.allgather, prof.numel)
-    assert prof.backward == {n: 0.02 for n in prof.order}  # the profile is not changed
-    assert with_run_backward(prof, None) is None
-    other = dataclasses.replace(run, order=run.order[1:], numel={n: run.numel[n]
-                                                                  for n in run.order[1:]})
-    assert with_run_backward(prof, other.to_dict()) is None
+    base = tiny_cost()
+    prof = dataclasses.replace(base, backward={n: 0.02 for n in base.order})
+    run = dataclasses.replace(base, order=list(reversed(base.order)),
+                              backward={n: 1e-4 for n in base.order},
+                              sparsify=AffineFit(9.0, 9.0), offload=AffineFit(8.0, 8.0),
+                              allreduce=AlphaBeta(2.0, 2.0), allgather=AlphaBeta(1.0, 1.0))
     net = sim.Network(5e-4, 8 / 1e8)
-    assert len(planned("multi_tensor", prof, 4, net, 0.01).buffers) == 6
-    assert len(planned("multi_tensor", got, 4, net, 0.01).buffers) == 1
-    assert planned("multi_tensor", got, 4, net, 0.01).digest() == sim.predict(
-        "multi_tensor", got, 4, net, 0.01)["plan_digest"]
+    view = engine_view(at_scale(prof, 4, net))
+    b = with_run_inputs(view, run, ("backward",))
+    assert b.order == run.order and b.backward == run.backward
+    assert (b.sparsify, b.offload, b.allreduce, b.allgather, b.numel) == (
+        view.sparsify, view.offload, view.allreduce, view.allgather, view.numel)
+    link = with_run_inputs(view, run, ("link",))
+    assert (link.allreduce, link.allgather) == (AlphaBeta(2.0, 2.0), AlphaBeta(1.0, 1.0))
+    assert link.backward == view.backward and link.sparsify == view.sparsify
+    every = with_run_inputs(view, run, ("backward", "link", "sparsify"))
+    assert (every.sparsify, every.offload) == (AffineFit(9.0, 9.0), AffineFit(8.0, 8.0))
+    assert view.backward == {n: 0.02 for n in base.order}  # the view is not changed
+    with pytest.raises(ValueError, match="unknown terms"):
+        with_run_inputs(view, run, ("forward",))
+    other = dataclasses.replace(run, order=run.order[1:])
+    with pytest.raises(ValueError, match="other tensors"):
+        with_run_inputs(view, other, ("backward",))
+
+    def plan(c):
+        return make_plan("multi_tensor", list(c.order), c.numel, 0.01, c, elem_bytes=4)
+
+    assert len(plan(view).buffers) == 6 and len(plan(b).buffers) == 1
+    assert planned("multi_tensor", prof, 4, net, 0.01).digest() == plan(view).digest() == (
+        sim.predict("multi_tensor", prof, 4, net, 0.01)["plan_digest"])
     assert planned("topka", prof, 4, net, 0.01) is None  # one buffer, no plan
 
 

@@ -43,7 +43,7 @@ from gradsync.schedule import bucket_bytes_of
 from gradsync.schedule.costmodel import ComputeCost, CostModel
 from gradsync.schedule.plan import Plan
 
-__all__ = ["run_validation"]
+__all__ = ["RUN_INPUTS", "run_validation", "with_run_inputs"]
 
 
 def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: float,
@@ -207,19 +207,33 @@ def _models(res: list[dict[str, Any]], link_alpha: float,
                             call_cpu_s=max(r["call_cpu_s"] for r in res)), calls
 
 
-def with_run_backward(cost: CostModel, run_cost: dict[str, Any] | None) -> CostModel | None:
-    """``cost`` (the profile) with the backward a run's warm-up measured — its order and T_b
-    per tensor, what the engine planned with (``run_cost``: :meth:`CostModel.to_dict` of the
-    run's model) — and every other term as profiled; None without a run model or when it
-    covers other tensors. Planning with it shows how many plan differences the backward
-    alone explains: with P ranks on fewer cores the warm-up's T_b (ranks time-sharing the
-    cores unevenly) moves from run to run and differs from the profile's (every rank busy)."""
-    if not run_cost:
-        return None
-    run = CostModel.from_dict(run_cost)
-    if sorted(run.order) != sorted(cost.order):
-        return None
-    return dataclasses.replace(cost, order=list(run.order), backward=dict(run.backward))
+# the planner's inputs a run's warm-up measures (:func:`with_run_inputs`), alone and together
+RUN_INPUTS = (("backward",), ("link",), ("backward", "link"), ("backward", "link", "sparsify"))
+
+
+def with_run_inputs(view: CostModel, run: CostModel, terms: tuple[str, ...]) -> CostModel:
+    """The simulator's planning view (``engine_view`` of the scaled profile) with the named
+    inputs taken from the cost model a run's warm-up built and planned with: ``backward``
+    (the backward order and T_b per tensor), ``link`` (the all-reduce and all-gather α, β the
+    warm-up timed on the link, in place of the nominal network plus each message's software
+    cost), ``sparsify`` (rank 0's inline and offloaded sparsification fits). With all three
+    the planner has the run's inputs, so it must make the run's plan; each alone shows how
+    many of the plans that differ it explains. With P ranks on fewer cores the warm-up's
+    measurements move from run to run (ranks time-share the cores unevenly), which the
+    profile (every rank busy at once) cannot follow."""
+    unknown = set(terms) - {"backward", "link", "sparsify"}
+    if unknown:
+        raise ValueError(f"with_run_inputs: unknown terms {sorted(unknown)}")
+    if sorted(run.order) != sorted(view.order):
+        raise ValueError("with_run_inputs: the run's cost model covers other tensors")
+    out = view
+    if "backward" in terms:
+        out = dataclasses.replace(out, order=list(run.order), backward=dict(run.backward))
+    if "link" in terms:
+        out = dataclasses.replace(out, allreduce=run.allreduce, allgather=run.allgather)
+    if "sparsify" in terms:
+        out = dataclasses.replace(out, sparsify=run.sparsify, offload=run.offload)
+    return out
 
 
 def run_validation(a) -> int:
@@ -255,7 +269,7 @@ def run_validation(a) -> int:
         meta["per_run_P"] = per_run
         meta["summary"] = shown = summarize(all_rows)
         _report_summary(shown, runs, link)
-        print(f"over the {runs} runs: {_backward_plans(all_rows)}")
+        print(f"over the {runs} runs: {_input_plans(all_rows)}")
     j, png = write_outputs("validate", all_rows, a.out, meta=meta, plot=plot_vs_p(
         shown, f"{a.model}: predicted vs measured"
         + (f" (median of {runs} runs)" if runs > 1 else "") + f", {link}", measured=True))
@@ -303,25 +317,26 @@ def _report_summary(summary: list[dict[str, Any]], runs: int, link: str | None) 
     print(f"single runs: {single} of {total} rows within 25 %")
 
 
-def _backward_plans(rows: list[dict[str, Any]]) -> str:
-    """How many of the planned rows' plans equal the run's: from the profile, and from the
-    profile with the run's warm-up backward (:func:`with_run_backward`)."""
-    rs = [r for r in rows if r.get("plan_same_run_backward") is not None]
+def _input_plans(rows: list[dict[str, Any]]) -> str:
+    """How many of the planned rows' plans equal the run's: from the profile, and with each
+    set of :data:`RUN_INPUTS` taken from the run's warm-up (:func:`with_run_inputs`)."""
+    rs = [r for r in rows if r.get("plan_same_run_inputs")]
     if not rs:
-        return "plans from the run's warm-up backward: no row has a run cost model"
+        return "plans from the run's warm-up inputs: no row has a run cost model"
     own = sum(bool(r["plan_same"]) for r in rs)
-    bwd = sum(bool(r["plan_same_run_backward"]) for r in rs)
+    parts = [f"with the run's {k.replace('+', ' + ')} "
+             f"{sum(bool(r['plan_same_run_inputs'][k]) for r in rs)}"
+             for k in rs[0]["plan_same_run_inputs"]]
     errs = [abs(r["error_run_backward_plan"]) for r in rs]
     return (f"plans as the run's, of the {len(rs)} rows whose run planned from a warm-up cost "
-            f"model: {own} planned from the profile, {bwd} planned from the profile with the "
-            f"run's warm-up backward (T_b per tensor; {sum(e <= 0.25 for e in errs)} of "
-            f"{len(rs)} rows within 25 % with that plan)")
+            f"model: from the profile {own}; {'; '.join(parts)} (rows within 25 % timing the "
+            f"plan made with the run's backward: {sum(e <= 0.25 for e in errs)} of {len(rs)})")
 
 
 def _measure(a, cores: float) -> tuple[list[dict[str, Any]], dict[int, Any], str | None]:
     """One validation run: every P of ``a.validate_list`` profiled, measured and predicted."""
-    from gradsync.apps.sim.predict import Network, planned, predict
-    from gradsync.schedule import entries
+    from gradsync.apps.sim.predict import Network, at_scale, engine_view, predict
+    from gradsync.schedule import entries, make_plan
     from gradsync.testing import netem, run_distributed
 
     rows: list[dict[str, Any]] = []
@@ -400,16 +415,23 @@ def _measure(a, cores: float) -> tuple[list[dict[str, Any]], dict[int, Any], str
             asrun = (predict(scheme, cost, P, a.net, a.density, contention=contention,
                              collective_cpu=callcpu, plan=ran_plan, **kw)
                      if ran_plan is not None else pred)
-            # the profile's plan made with the run's warm-up backward instead of the profile's
-            run_bwd = (with_run_backward(cost, res[0]["results"][scheme].get("cost"))
-                       if ran_plan is not None else None)
-            bwd_plan = (planned(scheme, run_bwd, P, a.net, a.density,
-                                bucket_bytes=kw["bucket_bytes"],
-                                first_bucket_bytes=kw["first_bucket_bytes"])
-                        if run_bwd is not None else None)
-            bwd_pred = (predict(scheme, cost, P, a.net, a.density, contention=contention,
-                                collective_cpu=callcpu, plan=bwd_plan, **kw)["iteration_s"]
-                        if bwd_plan is not None else None)
+            # the plan made with the run's warm-up inputs in place of the profile's
+            run_cost = res[0]["results"][scheme].get("cost") if ran_plan is not None else None
+            same_inputs: dict[str, bool] = {}
+            bwd_pred = None
+            run_model = CostModel.from_dict(run_cost) if run_cost else None
+            if run_model is not None and sorted(run_model.order) == sorted(cost.order):
+                view = engine_view(at_scale(cost, P, a.net))
+                for terms in RUN_INPUTS:
+                    v = with_run_inputs(view, run_model, terms)
+                    alt = make_plan(scheme, list(v.order), v.numel, a.density, v,
+                                    elem_bytes=v.elem_bytes, bucket_bytes=kw["bucket_bytes"],
+                                    first_bucket_bytes=kw["first_bucket_bytes"])
+                    same_inputs["+".join(terms)] = alt.digest() == ran_plan.digest()
+                    if terms == ("backward",):
+                        bwd_pred = predict(scheme, cost, P, a.net, a.density,
+                                           contention=contention, collective_cpu=callcpu,
+                                           plan=alt, **kw)["iteration_s"]
             cpu = statistics.median(max(r["results"][scheme]["cpu"][i] for r in res)
                                     for i in range(a.steps))
             rows.append({
@@ -419,8 +441,7 @@ def _measure(a, cores: float) -> tuple[list[dict[str, Any]], dict[int, Any], str
                 "plan_same": ran_plan is None or ran_plan.digest() == pred["plan_digest"],
                 "predicted_run_plan_s": asrun["iteration_s"],
                 "error_run_plan": (asrun["iteration_s"] - meas) / meas, "run_plan": ran,
-                "plan_same_run_backward": (None if bwd_plan is None
-                                           else bwd_plan.digest() == ran_plan.digest()),
+                "plan_same_run_inputs": same_inputs,
                 "predicted_run_backward_plan_s": bwd_pred,
                 "error_run_backward_plan": (None if bwd_pred is None
                                             else (bwd_pred - meas) / meas),
@@ -521,7 +542,7 @@ def _report(a, rows: list[dict[str, Any]], per_p: dict[int, Any], link: str | No
     other = [f"{r['scheme']} P={r['P']}" for r in rows if not r["plan_same"]]
     print(f"plans: the planner chose another plan from the profile than the run did in "
           f"{len(other)} of {len(rows)} rows{': ' + ', '.join(other) if other else ''}")
-    print(_backward_plans(rows))
+    print(_input_plans(rows))
     ok = [r for r in rows if r["oktopk_exact_rate"] > 0]
     if ok:
         print("Ok-Topk exact thresholds (measured share of timed steps, used by the prediction): "
