@@ -207,3 +207,41 @@ def test_readme_profile_cluster_row_is_a_real_command():
     assert prof["label"] == "measured on NVIDIA H100 80GB HBM3"
     assert all("measured" in prof["workloads"][w] for w in ("resnet152", "bert_large",
                                                              "gpt2_large"))
+
+
+def test_readme_simulator_validation_figures_are_the_saved_runs():
+    """The README's figures for ``simulate --validate`` (medians over five runs within 25 %,
+    with the simulator's own plans and timing each run's plan) are recomputed from every run's
+    saved errors in the set it names."""
+    import json
+    import re
+    import statistics
+
+    from gradsync.schedule import schemes
+
+    m = re.search(r"within 25 % for (\d+) of 54 scheme × P rows at 1 Gbit/s and (\d+) of 54 "
+                  r"at\s+100 Mbit/s, and (\d+) and (\d+) when timing the plan each run",
+                  README)
+    assert m, "the README's validation sentence is gone or reworded"
+    root = Path(__file__).resolve().parents[1]
+    saved = json.loads((root / "docs/results/validate-runs-5.json").read_text())["sets"]["fourth"]
+    got, plan_only, other = {}, [], {}
+    for link in ("1gbit", "100mbit"):
+        groups: dict[tuple[str, int], list[dict]] = {}
+        for r in saved[link]["rows"]:
+            groups.setdefault((r["scheme"], r["P"]), []).append(r)
+        assert len(groups) == 54 and all(len(g) == 5 for g in groups.values())
+        med = {key: {k: statistics.median(r[key] for r in g) for k, g in groups.items()}
+               for key in ("error", "error_run_plan")}
+        got[link] = [sum(abs(e) <= 0.25 for e in med[key].values())
+                     for key in ("error", "error_run_plan")]
+        for k, e in med["error"].items():
+            if abs(e) > 0.25:
+                if abs(med["error_run_plan"][k]) <= 0.25:
+                    plan_only.append(k)
+                else:
+                    other[(link, *k)] = round(100 * e)
+    assert len(plan_only) == 4 and all(schemes.get(s).needs_cost_model for s, _ in plan_only)
+    assert other == {("100mbit", "gtopk", 4): 31, ("1gbit", "ssfusion_oi", 2): -25}
+    assert [int(x) for x in m.groups()] == [got["1gbit"][0], got["100mbit"][0],
+                                            got["1gbit"][1], got["100mbit"][1]]
