@@ -217,7 +217,8 @@ def with_run_inputs(view: CostModel, run: CostModel, terms: tuple[str, ...]) -> 
     (the backward order and T_b per tensor), ``link`` (the all-reduce and all-gather α, β the
     warm-up timed on the link, in place of the nominal network plus each message's software
     cost), ``sparsify`` (rank 0's inline and offloaded sparsification fits). With all three
-    the planner has the run's inputs, so it must make the run's plan; each alone shows how
+    the planner has the run's inputs, so it must make the run's plan (``auto`` aside: its
+    trials may replace the planned plan by a measured runner-up); each alone shows how
     many of the plans that differ it explains. With P ranks on fewer cores the warm-up's
     measurements move from run to run (ranks time-share the cores unevenly), which the
     profile (every rank busy at once) cannot follow."""
