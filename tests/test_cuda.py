@@ -397,17 +397,20 @@ def test_finiteness_checks_on_device(device):
     assert all_finite_each(xs) == want and [all_finite(x) for x in xs] == want
 
 
-def _waits_per_step(device: str, tensors: int) -> float:
-    """How often one TopkA step (momentum and its masking on, after the warm-up) of an MLP of
-    ``tensors`` parameters waits on the device: CUDA stream synchronisations on a GPU, host
-    reads of tensor values (``item``/``int``/``bool``, ``nonzero``) on the CPU."""
+def _waits_per_step(device: str, tensors: int, scheme: str = "topka",
+                    cpu_waits: frozenset = frozenset({"aten::_local_scalar_dense",
+                                                      "aten::nonzero"})) -> float:
+    """How often one step of ``scheme`` (momentum and its masking on, after the warm-up) of an
+    MLP of ``tensors`` parameters waits on the device: CUDA stream synchronisations on a GPU,
+    host reads of tensor values (``cpu_waits``: ``item``/``int``/``bool``, ``nonzero``) on
+    the CPU."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(tensors // 2) for m in (nn.Linear(16, 16),
                                                                      nn.Tanh())]).to(device)
     x = torch.randn(8, 16, device=device)
-    sync = GradSync(model, Config(scheme="topka", density=0.05, momentum=0.9, warmup_steps=2))
+    sync = GradSync(model, Config(scheme=scheme, density=0.05, momentum=0.9, warmup_steps=2))
     try:
         for _ in range(4):
             model.zero_grad(set_to_none=False)
@@ -423,8 +426,7 @@ def _waits_per_step(device: str, tensors: int) -> float:
                 torch.cuda.synchronize()
     finally:
         sync.close()
-    waits = ({"cudaStreamSynchronize"} if device == "cuda"
-             else {"aten::_local_scalar_dense", "aten::nonzero"})
+    waits = {"cudaStreamSynchronize"} if device == "cuda" else cpu_waits
     return sum(e.count for e in prof.key_averages() if e.key in waits) / 3
 
 
@@ -439,6 +441,30 @@ def test_a_step_waits_on_the_device_as_often_for_40_tensors_as_for_10(device):
     few, many = _waits_per_step(device, 10), _waits_per_step(device, 40)
     assert few > 0, "nothing counted: the profiler saw no waits at all"
     assert many <= few + 1, (few, many)
+
+
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
+def test_a_per_tensor_step_waits_on_the_device_once_per_tensor(device):
+    """per_tensor selects every tensor with its own DGC sparsifier. Each selection waited on
+    the device three times: the finiteness check (a read of the tensor's extremes), DGC's
+    threshold (``float`` of the sample's k-th magnitude) and ``nonzero`` (its output size).
+    Now a job's tensors are checked in one read (``sparsify.select_each``) and the threshold
+    stays on the device, so ``nonzero`` is the one wait per tensor left. On the CPU the host
+    scalar reads per tensor are counted: 0.5 are left (each weight's sample start, drawn from
+    the sparsifier's CPU generator, which does not wait on a GPU; a bias is its own sample),
+    where the threshold's read made them 1.5. The finiteness reads are counted in
+    ``test_sparsify.py`` (``select_each``)."""
+    if device == "cuda":
+        few, many = _waits_per_step(device, 10, "per_tensor"), _waits_per_step(device, 40,
+                                                                              "per_tensor")
+        per_tensor, bound = (many - few) / 30, 1.5  # nonzero, and a few DGC adjustments
+    else:
+        reads = frozenset({"aten::_local_scalar_dense"})
+        few = _waits_per_step(device, 10, "per_tensor", reads)
+        many = _waits_per_step(device, 40, "per_tensor", reads)
+        per_tensor, bound = (many - few) / 30, 1.2
+    assert few > 0, "nothing counted: the profiler saw no waits at all"
+    assert per_tensor <= bound, (few, many, per_tensor)
 
 
 def test_executor_threads_bind_the_callers_device():

@@ -351,3 +351,37 @@ def test_property_valid_and_bounded(name, n, density, dist, scale, seed):
         elif name == "threshold":
             assert 2 * k <= 3 * len(sel) <= 4 * k
     assert torch.equal(x, before)
+
+
+def test_select_each_selects_as_select_with_one_finiteness_read(monkeypatch):
+    """``select_each``: the same selections and sparsifier state as ``select`` on each pair,
+    after one finiteness read for all the tensors (``select`` reads once per tensor); a NaN or
+    Inf in any tensor raises ``select``'s error, naming the counts, before any selection runs
+    (no sparsifier's state moves)."""
+    from gradsync.sparsify import base
+
+    xs = [gradient_like(n, seed=n) for n in (3000, 40, 12_000, 1)]
+    names = ["dgc", "topk", "randomk", "gaussiank"]
+    one = [make(nm, 0.05, seed=i) for i, nm in enumerate(names)]
+    each = [make(nm, 0.05, seed=i) for i, nm in enumerate(names)]
+    want = [sp.select(x, step=2) for sp, x in zip(one, xs)]
+    reads = []
+    real = base.all_finite_each
+    monkeypatch.setattr(base, "all_finite_each", lambda ts: reads.append(len(ts)) or real(ts))
+    got = sparsify.select_each(list(zip(each, xs)), step=2)
+    assert reads == [4]  # one read for the four tensors
+    for w, g, a, b in zip(want, got, one, each):
+        assert torch.equal(w.indices, g.indices) and torch.equal(w.values, g.values)
+        assert (a.last_k, a.last_count, a.last_threshold) == (b.last_k, b.last_count,
+                                                              b.last_threshold)
+    bad = [x.clone() for x in xs]
+    bad[2][[5, 9]] = float("nan")
+    bad[2][7] = float("inf")
+    fresh = [make(nm, 0.05, seed=i) for i, nm in enumerate(names)]
+    with pytest.raises(ValueError, match=r"randomk: input gradient holds non-finite values "
+                                         r"\(2 NaN, 1 Inf\)"):
+        sparsify.select_each(list(zip(fresh, bad)))
+    assert [sp.last_k for sp in fresh] == [0, 0, 0, 0]  # nothing was selected
+    with pytest.raises(ValueError, match="expected a 1-D tensor"):
+        sparsify.select_each([(fresh[0], xs[0].view(30, 100))])
+    assert sparsify.select_each([]) == []

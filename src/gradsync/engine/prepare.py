@@ -91,7 +91,8 @@ def prepare(job: Job, index: int, grads: dict[str, torch.Tensor], ef: ErrorFeedb
         sp = sparsifier(f"buffer:{index}", job.density)
         payload = Payload(selections=[sp.select(flat, step)], wire_dtype=wire)
     else:
-        parts: list[SparseGrad | Future] = []
+        parts: list[SparseGrad | Future | None] = []
+        inline: list[tuple[int, sparsify.Sparsifier, torch.Tensor]] = []
         for n in job.names:
             d = job.densities[n]
             if d is None:  # excluded from sparsification: every entry travels
@@ -100,7 +101,11 @@ def prepare(job: Job, index: int, grads: dict[str, torch.Tensor], ef: ErrorFeedb
                                         dense_prefix=accs[n].numel()))
             elif n in job.offload:  # SSFusion-O
                 parts.append(offload(sparsifier(n, d), accs[n], step))
-            else:
-                parts.append(sparsifier(n, d).select(accs[n], step))
+            else:  # selected below, all with one finiteness read (on a GPU: one wait)
+                inline.append((len(parts), sparsifier(n, d), accs[n]))
+                parts.append(None)
+        chosen = sparsify.select_each([(sp, acc) for _, sp, acc in inline], step)
+        for (i, _, _), sel in zip(inline, chosen):
+            parts[i] = sel
         payload = Payload(selections=parts, wire_dtype=wire)
     return Prepared(accs, nonfinite, payload, time.perf_counter() - t0)

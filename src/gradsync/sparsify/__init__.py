@@ -7,7 +7,13 @@ One file per algorithm; each names the paper section it implements.
 from __future__ import annotations
 
 from gradsync._registry import Registry
-from gradsync.sparsify.base import Sparsifier, seed_for, target_k, validate_density
+from gradsync.sparsify.base import (
+    Sparsifier,
+    seed_for,
+    select_each,
+    target_k,
+    validate_density,
+)
 
 registry: Registry[Sparsifier] = Registry("sparsifier")
 
@@ -33,4 +39,5 @@ from gradsync.sparsify import (  # noqa: E402,F401
     topk,
 )
 
-__all__ = ["Sparsifier", "get", "names", "registry", "seed_for", "target_k", "validate_density"]
+__all__ = ["Sparsifier", "get", "names", "registry", "seed_for", "select_each", "target_k",
+           "validate_density"]

@@ -14,13 +14,21 @@ count from ``k`` in ``last_deviation`` so callers and benchmarks can see how far
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
-from gradsync.sparsegrad import SparseGrad, check_finite, target_k, validate_density
+from gradsync.sparsegrad import (
+    SparseGrad,
+    all_finite_each,
+    check_finite,
+    target_k,
+    validate_density,
+)
 
-__all__ = ["Sparsifier", "magnitudes", "seed_for", "target_k", "validate_density"]
+__all__ = ["Sparsifier", "magnitudes", "seed_for", "select_each", "target_k",
+           "validate_density"]
 
 
 def seed_for(seed: int, key: str, rank: int) -> int:
@@ -63,13 +71,20 @@ class Sparsifier(ABC):
     # -- public -----------------------------------------------------------------------
     def select(self, x: torch.Tensor, step: int = 0) -> SparseGrad:
         """Select about ``k`` entries of the flat tensor ``x`` (not modified)."""
+        self._check_input(x)
+        check_finite(x, f"{self.name}: input gradient")
+        return self._select_finite(x, step)
+
+    def _check_input(self, x: torch.Tensor) -> None:
         if not isinstance(x, torch.Tensor):
             raise ValueError(f"{self.name}: expected a torch.Tensor, got {type(x).__name__}")
         if x.dim() != 1:
             raise ValueError(f"{self.name}: expected a 1-D tensor, got shape {tuple(x.shape)}")
         if not x.is_floating_point():
             raise ValueError(f"{self.name}: expected a floating tensor, got {x.dtype}")
-        check_finite(x, f"{self.name}: input gradient")
+
+    def _select_finite(self, x: torch.Tensor, step: int) -> SparseGrad:
+        """:meth:`select` of an ``x`` already checked (shape, dtype, finite)."""
         n = x.numel()
         k = target_k(n, self.density)
         if k >= n:
@@ -112,3 +127,18 @@ class Sparsifier(ABC):
     @abstractmethod
     def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:
         """Indices (int64, unique, any order) of about k entries of x; 0 < k < n."""
+
+
+def select_each(pairs: Sequence[tuple[Sparsifier, torch.Tensor]],
+                step: int = 0) -> list[SparseGrad]:
+    """``[sp.select(x, step) for sp, x in pairs]`` with one finiteness read for all of them
+    (:func:`~gradsync.sparsegrad.all_finite_each`: one device-to-host transfer per device,
+    where each ``select`` waits on the device once): the same selections, and the same
+    ``ValueError`` for a NaN/Inf input (the first such pair's), raised before any selection
+    runs. The engine selects a buffer's tensors with it."""
+    for sp, x in pairs:
+        sp._check_input(x)
+    for (sp, x), finite in zip(pairs, all_finite_each([x for _, x in pairs])):
+        if not finite:
+            check_finite(x, f"{sp.name}: input gradient")  # raises, with the counts
+    return [sp._select_finite(x, step) for sp, x in pairs]

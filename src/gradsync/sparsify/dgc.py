@@ -54,11 +54,25 @@ class DGC(Sparsifier):
         start = int(torch.randint(stride, (1,), generator=self.generator))
         return a[start::stride]
 
+    @property
+    def last_threshold(self) -> float | None:
+        """The threshold of the last selection. It stays a 0-dim tensor on the input's device
+        until read (reading it waits for the device; a selection itself does not)."""
+        if isinstance(self._last_thr, torch.Tensor):
+            self._last_thr = float(self._last_thr)
+        return self._last_thr
+
+    @last_threshold.setter
+    def last_threshold(self, value: float | torch.Tensor | None) -> None:
+        self._last_thr = value
+
     def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:
         a = magnitudes(x)
         sample = self._sample(a)
         k_s = min(sample.numel(), max(1, math.ceil(self.density * sample.numel())))
-        thr = float(torch.topk(sample, k_s, sorted=False).values.min())
+        # thr in float64 on the device, as a Python float would be, without reading it back:
+        # the comparisons round it to fp32 either way, and ×0.8 is the same IEEE product
+        thr = torch.topk(sample, k_s, sorted=False).values.min().double()
         idx = torch.nonzero(a >= thr).view(-1)
         adjustments = 0
         while adjustments < self.max_adjust:
@@ -69,7 +83,7 @@ class DGC(Sparsifier):
                 break
             if count >= self.lower * k:
                 break
-            thr *= self.lower  # too few: lower the threshold by 0.8 and select again
+            thr = thr * self.lower  # too few: lower the threshold by 0.8 and select again
             idx = torch.nonzero(a >= thr).view(-1)
             adjustments += 1
         if idx.numel() > k:  # truncate to k, keeping the largest candidates
