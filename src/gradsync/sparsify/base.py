@@ -43,8 +43,9 @@ def seed_for(seed: int, key: str, rank: int) -> int:
 
 
 def magnitudes(x: torch.Tensor) -> torch.Tensor:
-    """|x| in fp32: thresholds are Python floats, and comparing them against a bf16/fp16 tensor
-    would round the threshold to the tensor's dtype. fp32 magnitudes compare exactly."""
+    """|x| in fp32: thresholds are Python floats (DGC's a float64 0-dim tensor), and comparing
+    them against a bf16/fp16 tensor would round the threshold to the tensor's dtype. fp32
+    magnitudes compare exactly."""
     return x.abs().float()
 
 
