@@ -467,7 +467,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     elif d_now != state.cfg.density:
         f = d_now / state.cfg.density
         densities = [None if d is None else min(1.0, d * f) for d in densities]
-    accs, sparse_parts, dense_parts = {}, [], []
+    accs, sparse_parts, dense_parts, pending = {}, [], [], []
     # SSFusion-I and auto: dense tensors in an all-reduce
     to_allreduce = whole or state.scheme.interleave or state.scheme.planner == "auto"
     # one pass over the bucket instead of one per tensor; a non-finite bucket accumulates
@@ -484,8 +484,12 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
             sparse_parts.append((i, SparseGrad(torch.arange(acc.numel(), device=acc.device),
                                                acc, acc.numel(), validate=False,
                                                dense_prefix=acc.numel())))
-        else:
-            sparse_parts.append((i, state.sparsifier(name, d).select(acc)))
+        else:  # selected below, all with one finiteness read (on a GPU: one wait)
+            pending.append((len(sparse_parts), i, state.sparsifier(name, d), acc))
+            sparse_parts.append((i, None))
+    for (at_part, i, _, _), sel in zip(pending, sparsify.select_each(
+            [(sp, acc) for _, _, sp, acc in pending])):
+        sparse_parts[at_part] = (i, sel)
     # the tensors sent whole first: the all-gather's dense prefix, values without indices
     # (SparseGrad.dense_prefix), alike on every rank since the densities are
     sparse_parts.sort(key=lambda part: densities[part[0]] is not None)
