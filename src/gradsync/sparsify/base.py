@@ -136,10 +136,12 @@ def select_each(pairs: Sequence[tuple[Sparsifier, torch.Tensor]],
     (:func:`~gradsync.sparsegrad.all_finite_each`: one device-to-host transfer per device,
     where each ``select`` waits on the device once): the same selections, and the same
     ``ValueError`` for a NaN/Inf input (the first such pair's), raised before any selection
-    runs. The engine selects a buffer's tensors with it."""
+    runs. The engine selects a buffer's tensors with it. A subclass that overrides ``select``
+    itself (the contract asks for ``_select``) is called through its own ``select``."""
     for sp, x in pairs:
         sp._check_input(x)
     for (sp, x), finite in zip(pairs, all_finite_each([x for _, x in pairs])):
         if not finite:
             check_finite(x, f"{sp.name}: input gradient")  # raises, with the counts
-    return [sp._select_finite(x, step) for sp, x in pairs]
+    return [sp._select_finite(x, step) if type(sp).select is Sparsifier.select
+            else sp.select(x, step) for sp, x in pairs]
