@@ -26,7 +26,7 @@ from __future__ import annotations
 
 import csv
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
@@ -131,15 +131,19 @@ def engine_view(cost: CostModel) -> CostModel:
 
 def planned(scheme: str, base: CostModel, P: int, net: Network, density: float, *,
             bucket_bytes: int = 25 * 2**20, first_bucket_bytes: int | None = None,
-            min_density: float = 0.001) -> Plan | None:
+            min_density: float = 0.001,
+            adjust: Callable[[CostModel], CostModel] | None = None) -> Plan | None:
     """The plan :func:`predict` times for ``scheme`` from ``base`` at P ranks on ``net``: the
     scheme's planner on :func:`engine_view` of the scaled model (None for a one-buffer scheme,
-    ``planner="single"``, which has no plan)."""
+    ``planner="single"``, which has no plan). ``adjust`` maps that view before planning
+    (``simulate --validate`` puts a run's warm-up measurements in it)."""
     if schemes.get(scheme).planner == "single":
         return None
-    cost = at_scale(base, int(P), net)
-    return make_plan(scheme, list(cost.order), cost.numel, density, engine_view(cost),
-                     elem_bytes=cost.elem_bytes, bucket_bytes=bucket_bytes,
+    view = engine_view(at_scale(base, int(P), net))
+    if adjust is not None:
+        view = adjust(view)
+    return make_plan(scheme, list(view.order), view.numel, density, view,
+                     elem_bytes=view.elem_bytes, bucket_bytes=bucket_bytes,
                      first_bucket_bytes=first_bucket_bytes, min_density=min_density)
 
 

@@ -336,8 +336,8 @@ def _input_plans(rows: list[dict[str, Any]]) -> str:
 
 def _measure(a, cores: float) -> tuple[list[dict[str, Any]], dict[int, Any], str | None]:
     """One validation run: every P of ``a.validate_list`` profiled, measured and predicted."""
-    from gradsync.apps.sim.predict import Network, at_scale, engine_view, predict
-    from gradsync.schedule import entries, make_plan
+    from gradsync.apps.sim.predict import Network, planned, predict
+    from gradsync.schedule import entries
     from gradsync.testing import netem, run_distributed
 
     rows: list[dict[str, Any]] = []
@@ -422,12 +422,11 @@ def _measure(a, cores: float) -> tuple[list[dict[str, Any]], dict[int, Any], str
             bwd_pred = None
             run_model = CostModel.from_dict(run_cost) if run_cost else None
             if run_model is not None and sorted(run_model.order) == sorted(cost.order):
-                view = engine_view(at_scale(cost, P, a.net))
                 for terms in RUN_INPUTS:
-                    v = with_run_inputs(view, run_model, terms)
-                    alt = make_plan(scheme, list(v.order), v.numel, a.density, v,
-                                    elem_bytes=v.elem_bytes, bucket_bytes=kw["bucket_bytes"],
-                                    first_bucket_bytes=kw["first_bucket_bytes"])
+                    alt = planned(scheme, cost, P, a.net, a.density,
+                                  bucket_bytes=kw["bucket_bytes"],
+                                  first_bucket_bytes=kw["first_bucket_bytes"],
+                                  adjust=lambda v, t=terms, r=run_model: with_run_inputs(v, r, t))
                     same_inputs["+".join(terms)] = alt.digest() == ran_plan.digest()
                     if terms == ("backward",):
                         bwd_pred = predict(scheme, cost, P, a.net, a.density,
