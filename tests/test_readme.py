@@ -146,12 +146,12 @@ def test_adamw_snippet_is_adamw_while_sent_whole():
         assert r["worst"] < 0.02 * 3e-3, r  # and they are AdamW's (tests/test_optim.py)
 
 
-@pytest.mark.parametrize(("gpu", "passed"), [("H100", 16), ("H200", 14)])
+@pytest.mark.parametrize(("gpu", "passed"), [("H100", 16), ("H200", 17)])
 def test_readme_gpu_check_claim_is_the_saved_log(gpu, passed):
-    """README: `make gpu-check` passed on one H100 (16 passed, all but the CUDA case the README
-    names as added since) and on one H200
-    (14 passed, an earlier one), 4 multi-GPU cases skipped on each. Each saved log says so,
-    names only tests that exist, and failed none; the H100's ran every CUDA case there is."""
+    """README: `make gpu-check` passed on one H100 (16 passed, an earlier one, before the CUDA
+    case it names existed) and on one H200 (17 passed, every CUDA case there is), 4 multi-GPU
+    cases skipped on each. Each saved log says so, names only tests that exist, and failed
+    none."""
     import re
 
     root = Path(__file__).resolve().parents[1]
@@ -169,16 +169,18 @@ def test_readme_gpu_check_claim_is_the_saved_log(gpu, passed):
     for name, setup, outcome in ran:
         assert f"def {name}(" in source, name
         assert (outcome == "SKIPPED") == (setup == "cuda-nccl-multi"), (name, setup)
-    if gpu == "H100":  # the latest run: every test that has a CUDA case ran it, but the
-        # ones the README names as added since
-        assert ("test_finiteness_checks_on_device", "cuda", "PASSED") in ran
-        assert ("test_a_step_waits_on_the_device_as_often_for_40_tensors_as_for_10", "cuda",
-                "PASSED") in ran
-        with_cuda = {n for n, s, _ in ran}
+    with_cuda = {n for n, s, _ in ran}
+    assert not with_cuda - _cuda_tests(root)
+    if gpu == "H200":  # the latest run: every test that has a CUDA case ran it
+        for name in ("test_finiteness_checks_on_device",
+                     "test_a_step_waits_on_the_device_as_often_for_40_tensors_as_for_10",
+                     "test_a_per_tensor_step_waits_on_the_device_once_per_tensor"):
+            assert (name, "cuda", "PASSED") in ran, name
+        assert with_cuda == _cuda_tests(root)
+    else:  # the earlier run: all but the one the README names as added since
         since = _cuda_tests(root) - with_cuda
         assert since == {"test_a_per_tensor_step_waits_on_the_device_once_per_tensor"}
-        assert all(f"`{n}`, has not run on a GPU" in text for n in since)
-        assert not with_cuda - _cuda_tests(root)
+        assert all(f"before `{n}` existed" in text for n in since)
 
 
 def _cuda_tests(root: Path) -> set[str]:
