@@ -215,39 +215,78 @@ def test_readme_profile_cluster_row_is_a_real_command():
                                                              "gpt2_large"))
 
 
+def _validation_medians(saved: dict, link: str) -> dict[str, dict[tuple[str, int], float]]:
+    """Per scheme × P of one link of a saved validation set: the median over its runs of the
+    error with the simulator's own plan and, where recorded, timing the run's plan."""
+    import statistics
+
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in saved[link]["rows"]:
+        groups.setdefault((r["scheme"], r["P"]), []).append(r)
+    assert all(len(g) == 5 for g in groups.values())
+    return {key: {k: statistics.median(r[key] for r in g) for k, g in groups.items()
+                  if all(r[key] is not None for r in g)}
+            for key in ("error", "error_run_plan")}
+
+
 def test_readme_simulator_validation_figures_are_the_saved_runs():
     """The README's figures for ``simulate --validate`` (medians over five runs within 25 %,
-    with the simulator's own plans and timing each run's plan) are recomputed from every run's
-    saved errors in the set it names."""
+    single runs, timing each run's plan, and the misses it names) are recomputed from every
+    run's saved errors in the sets it names."""
     import json
     import re
-    import statistics
 
     from gradsync.schedule import schemes
 
-    m = re.search(r"within 25 % for (\d+) of 54 scheme × P rows at 1 Gbit/s and (\d+) of 54 "
-                  r"at\s+100 Mbit/s, and (\d+) and (\d+) when timing the plan each run",
-                  README)
-    assert m, "the README's validation sentence is gone or reworded"
+    text = " ".join(README.split())
     root = Path(__file__).resolve().parents[1]
-    saved = json.loads((root / "docs/results/validate-runs-5.json").read_text())["sets"]["fourth"]
-    got, plan_only, other = {}, [], {}
+    sets = json.loads((root / "docs/results/validate-runs-5.json").read_text())["sets"]
+    # the latest set: all 18 schemes and auto
+    m = re.search(r"within 25 % for (\d+) of (\d+) scheme × P rows at 1 Gbit/s and (\d+) of "
+                  r"(\d+) at 100 Mbit/s, and single runs for (\d+) and (\d+) of (\d+)", text)
+    assert m, "the README's validation sentence is gone or reworded"
+    assert "set `fifth`" in text
+    ran_sentence = re.search(r"Timing the plan each run chose in its warm-up instead, (\d+) and "
+                             r"(\d+) of the 18 schemes' 54 rows were within 25 %", text)
+    assert ran_sentence
+    names = {"multi_tensor": "multi_tensor", "ssfusion_oi": "SSFusion-OI", "hipress": "HiPress"}
+    fifth, got = sets["fifth"], {}
+    for i, link in enumerate(("1gbit", "100mbit")):
+        med = _validation_medians(fifth, link)
+        rows = fifth[link]["rows"]
+        got[link] = (sum(abs(e) <= 0.25 for e in med["error"].values()), len(med["error"]),
+                     sum(abs(r["error"]) <= 0.25 for r in rows), len(rows))
+        assert {s for s, _ in med["error"]} == set(schemes.SCHEMES)  # all 18 and auto
+        ran = med["error_run_plan"]
+        assert {s for s, _ in ran} == set(schemes.SCHEMES) - {"auto"} and len(ran) == 54
+        assert int(ran_sentence.group(i + 1)) == sum(abs(e) <= 0.25 for e in ran.values())
+        misses = {k: e for k, e in ran.items() if abs(e) > 0.25}
+        if link == "1gbit":
+            assert set(misses) == {("multi_tensor", 8), ("ssfusion_oi", 8), ("hipress", 8)}
+            for (s, _), e in misses.items():
+                assert e < 0 and f"{names[s]} −{100 * -e:.1f} %" in text, (s, e)
+        else:
+            assert not misses
+    g1, g100 = got["1gbit"], got["100mbit"]
+    assert [int(x) for x in m.groups()] == [g1[0], g1[1], g100[0], g100[1], g1[2], g100[2],
+                                            g1[3]]
+    assert g1[3] == g100[3]
+    # the set before: 18 schemes, four misses that were plan choices and two that were not
+    m = re.search(r"\(`fourth`, 2026-11-26, 18 schemes\) had (\d+) and (\d+) of 54 rows", text)
+    assert m
+    fourth, plan_only, other, counts = sets["fourth"], [], {}, []
     for link in ("1gbit", "100mbit"):
-        groups: dict[tuple[str, int], list[dict]] = {}
-        for r in saved[link]["rows"]:
-            groups.setdefault((r["scheme"], r["P"]), []).append(r)
-        assert len(groups) == 54 and all(len(g) == 5 for g in groups.values())
-        med = {key: {k: statistics.median(r[key] for r in g) for k, g in groups.items()}
-               for key in ("error", "error_run_plan")}
-        got[link] = [sum(abs(e) <= 0.25 for e in med[key].values())
-                     for key in ("error", "error_run_plan")]
+        med = _validation_medians(fourth, link)
+        assert len(med["error"]) == 54
+        counts.append(sum(abs(e) <= 0.25 for e in med["error"].values()))
         for k, e in med["error"].items():
             if abs(e) > 0.25:
                 if abs(med["error_run_plan"][k]) <= 0.25:
                     plan_only.append(k)
                 else:
                     other[(link, *k)] = round(100 * e)
+    assert [int(x) for x in m.groups()] == counts
     assert len(plan_only) == 4 and all(schemes.get(s).needs_cost_model for s, _ in plan_only)
     assert other == {("100mbit", "gtopk", 4): 31, ("1gbit", "ssfusion_oi", 2): -25}
-    assert [int(x) for x in m.groups()] == [got["1gbit"][0], got["100mbit"][0],
-                                            got["1gbit"][1], got["100mbit"][1]]
+    assert ("gTop-k at P = 4 on 100 Mbit/s (+31 %) and SSFusion-OI at P = 2 on 1 Gbit/s "
+            "(−25 %)") in text

@@ -35,6 +35,7 @@ import math
 import os
 import statistics
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from gradsync.apps.sim.callcpu import CollectiveCPU
@@ -43,7 +44,7 @@ from gradsync.schedule import bucket_bytes_of
 from gradsync.schedule.costmodel import ComputeCost, CostModel
 from gradsync.schedule.plan import Plan
 
-__all__ = ["RUN_INPUTS", "run_validation", "with_run_inputs"]
+__all__ = ["RUN_INPUTS", "most_run", "run_validation", "with_run_inputs"]
 
 
 def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: float,
@@ -114,12 +115,14 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
         sync = GradSync(net, cfg)
         warm = cfg.warmup_steps + 2
         times, stats, cpu, fwds, afters = [], [], [], [], []
+        timed_plans: list[Plan | None] = []  # the plan each timed step ran
         exact0 = 0
         try:
             dist.barrier()
             for i in range(warm + steps):
                 if i == warm:
                     exact0 = _exact_evaluations(sync)
+                ran = sync.plan  # the plan this step runs (synchronize() may set the next's)
                 t0, c0 = time.perf_counter(), time.process_time()
                 opt.zero_grad(set_to_none=True)
                 loss = step()
@@ -135,14 +138,17 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
                     afters.append(t2 - t1)  # backward and synchronize()
                     cpu.append(time.process_time() - c0)  # every thread of this rank
                     stats.append(sync.stats()["last"])
+                    timed_plans.append(ran)
             exact = (_exact_evaluations(sync) - exact0) / steps
-            plan = sync.plan.to_dict() if sync.plan is not None else None  # agreed by ranks
+            ran_most, n_plans = most_run(timed_plans)  # agreed by ranks
+            plan = ran_most.to_dict() if ran_most is not None else None
             # the cost model the engine planned with (its warm-up's), beside the profile's
             run_cost = sync.cost.to_dict() if sync.cost is not None else None
         finally:
             sync.close()
         results[scheme] = {"times": times, "cpu": cpu, "stats": stats, "exact_rate": exact,
                            "forward": fwds, "backward_sync": afters, "plan": plan,
+                           "plans_timed": n_plans,
                            "cost": run_cost}
     dist.barrier()
     return {"cost": cost.to_dict(), "compute": compute.to_dict(), "forward_s": fwd,
@@ -209,6 +215,26 @@ def _models(res: list[dict[str, Any]], link_alpha: float,
 
 # the planner's inputs a run's warm-up measures (:func:`with_run_inputs`), alone and together
 RUN_INPUTS = (("backward",), ("link",), ("backward", "link"), ("backward", "link", "sparsify"))
+
+
+def most_run(plans: Sequence[Plan | None]) -> tuple[Plan | None, int]:
+    """The plan that most of the timed steps ran (``plans``: one per step; a tie goes to the
+    one that ran first) and how many distinct plans ran. The row's "plan the run used" is this
+    one, not the plan in place after the last step: ``auto`` puts runners-up on trial after
+    its warm-up, and the plan left in place when the timing ends can be a trial that ran in
+    none of the timed steps (DDP's dense buckets on 100 Mbit/s, which the simulator timed at
+    3.8× the measured steps)."""
+    count: dict[str, int] = {}
+    first: dict[str, Plan] = {}
+    for p in plans:
+        if p is not None:
+            d = p.digest()
+            count[d] = count.get(d, 0) + 1
+            first.setdefault(d, p)
+    if not count:
+        return None, 0
+    best = max(first, key=lambda d: count[d])  # max keeps the first of equals
+    return first[best], len(count)
 
 
 def with_run_inputs(view: CostModel, run: CostModel, terms: tuple[str, ...]) -> CostModel:
@@ -441,6 +467,7 @@ def _measure(a, cores: float) -> tuple[list[dict[str, Any]], dict[int, Any], str
                 "plan_same": ran_plan is None or ran_plan.digest() == pred["plan_digest"],
                 "predicted_run_plan_s": asrun["iteration_s"],
                 "error_run_plan": (asrun["iteration_s"] - meas) / meas, "run_plan": ran,
+                "plans_timed": res[0]["results"][scheme].get("plans_timed"),
                 "plan_same_run_inputs": same_inputs,
                 "predicted_run_backward_plan_s": bwd_pred,
                 "error_run_backward_plan": (None if bwd_pred is None
