@@ -35,6 +35,7 @@ import math
 import os
 import statistics
 import time
+from collections import Counter
 from collections.abc import Sequence
 from typing import Any
 
@@ -224,17 +225,12 @@ def most_run(plans: Sequence[Plan | None]) -> tuple[Plan | None, int]:
     its warm-up, and the plan left in place when the timing ends can be a trial that ran in
     none of the timed steps (DDP's dense buckets on 100 Mbit/s, which the simulator timed at
     3.8× the measured steps)."""
-    count: dict[str, int] = {}
-    first: dict[str, Plan] = {}
-    for p in plans:
-        if p is not None:
-            d = p.digest()
-            count[d] = count.get(d, 0) + 1
-            first.setdefault(d, p)
-    if not count:
+    runs = [(p.digest(), p) for p in plans if p is not None]
+    if not runs:
         return None, 0
-    best = max(first, key=lambda d: count[d])  # max keeps the first of equals
-    return first[best], len(count)
+    counts = Counter(d for d, _ in runs)  # most_common: equal counts in first-seen order
+    best = counts.most_common(1)[0][0]
+    return next(p for d, p in runs if d == best), len(counts)
 
 
 def with_run_inputs(view: CostModel, run: CostModel, terms: tuple[str, ...]) -> CostModel:
