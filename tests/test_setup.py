@@ -127,13 +127,21 @@ def test_no_module_imports_torchvision():
 def test_extras_and_makefile_install_the_clients_and_no_torchvision():
     project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
     extras = project["optional-dependencies"]
-    assert "pytorch-lightning==2.6.6" in extras["dev"] and "accelerate==1.15.0" in extras["dev"]
+    # the clients come with the integrations extra, which dev pulls in; their releases are
+    # pinned in constraints.txt, which every pip install of the set-up passes
+    assert {r.split(">")[0] for r in extras["integrations"]} >= {"pytorch-lightning",
+                                                                 "accelerate", "transformers"}
+    assert any("integrations" in r for r in extras["dev"] if r.startswith("gradsync["))
+    pins = (ROOT / "constraints.txt").read_text().split()
+    assert "pytorch-lightning==2.6.6" in pins and "accelerate==1.15.0" in pins
     every = [r for reqs in extras.values() for r in reqs] + project["dependencies"]
     assert not [r for r in every if r.lower().startswith("torchvision")]
     makefile = (ROOT / "Makefile").read_text()
     recipe = makefile[makefile.index("$(STAMP): pyproject.toml"):makefile.index("@touch $(STAMP)")]
     installs = [line for line in recipe.splitlines() if "pip install" in line]
     assert installs and not [line for line in installs if "torchvision" in line]
+    assert all("-c constraints.txt" in line for line in installs if "install -q --upgrade pip"
+               not in line)
     assert "uninstall -q -y torchvision" in recipe  # an older set-up's wheel is removed
     # What this environment has installed is what the extras say.
     assert importlib.metadata.version("pytorch-lightning") == "2.6.6"

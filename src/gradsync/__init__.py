@@ -32,11 +32,11 @@ _LAZY = {"GradSync": "gradsync.engine", "Config": "gradsync.engine.config",
 # Submodules reachable as attributes (``gradsync.ddp.register``) without an explicit import; the
 # integrations and the model zoo keep their short names (``gradsync.ddp`` is
 # ``gradsync.ddp``).
-_SUBMODULES = {"checkpoint": "integrations.checkpoint", "collectives": "collectives",
-               "ddp": "integrations.ddp", "engine": "engine", "feedback": "feedback",
-               "optim": "optim", "formats": "formats", "fsdp": "integrations.fsdp",
+_SUBMODULES = {"checkpoint": "checkpoint", "collectives": "collectives",
+               "ddp": "ddp", "engine": "engine", "feedback": "feedback",
+               "optim": "optim", "formats": "formats", "fsdp": "fsdp",
                "models": "apps.models",
-               "lightning": "integrations.lightning", "accelerate": "integrations.accelerate",
+               "lightning": "lightning", "accelerate": "accelerate", "transformers": "transformers",
                "schedule": "schedule", "sparsify": "sparsify", "testing": "testing"}
 
 

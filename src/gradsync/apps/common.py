@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_common_args", "median_time", "out_dir", "print_table", "write_outputs"]
+__all__ = ["add_common_args", "median_time", "out_dir", "print_table", "pyplot", "write_outputs"]
 
 
 def add_common_args(parser, name: str) -> None:
@@ -94,6 +94,28 @@ def cpu_description() -> str:
     return f"{name}; torch CPU kernels {torch.backends.cpu.get_cpu_capability()}"
 
 
+_PLOT_NOTE_SHOWN = False
+
+
+def pyplot() -> Any:
+    """``matplotlib.pyplot`` on the Agg backend, or ``None`` (with a one-time note) when
+    matplotlib is not installed: plots are the ``gradsync[apps]`` extra, and every command
+    still prints its table and writes its JSON without them."""
+    global _PLOT_NOTE_SHOWN
+    try:
+        import matplotlib
+    except ModuleNotFoundError:
+        if not _PLOT_NOTE_SHOWN:
+            print("note: matplotlib is not installed, so no plots are drawn "
+                  "(pip install 'gradsync[apps]')")
+            _PLOT_NOTE_SHOWN = True
+        return None
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
+
+
 def write_outputs(
     name: str,
     rows: list[dict[str, Any]],
@@ -115,12 +137,8 @@ def write_outputs(
     jpath.write_text(json.dumps({"benchmark": name, "env": env, "meta": meta or {},
                                  "rows": rows}, indent=2, default=str))
     ppath = None
-    if plot is not None:
-        import matplotlib
-
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
+    plt = pyplot() if plot is not None else None
+    if plt is not None:
         fig, ax = plt.subplots(figsize=(7, 4.5))
         plot(ax)
         fig.tight_layout()

@@ -18,7 +18,7 @@ from gradsync.feedback import ErrorFeedback
 from gradsync.schedule import schemes
 from gradsync.schedule.plan import Plan
 
-__all__ = ["ENGINE_SPARSIFIERS", "Config"]
+__all__ = ["ENGINE_SPARSIFIERS", "Config", "require_config"]
 
 # The sparsifiers an engine scheme may use (Config.sparsifier); every scheme uses the same one
 # so that experiments compare schemes, not sparsifiers.
@@ -242,3 +242,13 @@ class Config:
 
     def to_dict(self) -> dict[str, Any]:
         return asdict(self)
+
+
+def require_config(cfg: Any, where: str) -> Config:
+    """``cfg`` if it is a :class:`Config`, else ``TypeError`` naming the fix (public entries)."""
+    if not isinstance(cfg, Config):
+        hint = (" (build one with gradsync.Config.from_dict(...))" if isinstance(cfg, dict)
+                else "")
+        raise TypeError(f"{where} takes a gradsync.Config, e.g. gradsync.Config(scheme="
+                        f"'topka', density=0.01); got {type(cfg).__name__}{hint}")
+    return cfg

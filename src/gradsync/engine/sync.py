@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator, Mapping
@@ -51,13 +52,14 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 
 from gradsync.collectives.comm import Comm
 from gradsync.engine import warmup
 from gradsync.engine.apply import apply
 from gradsync.engine.audit import AuditRecord, AuditSink
 from gradsync.engine.components import Components
-from gradsync.engine.config import Config
+from gradsync.engine.config import Config, require_config
 from gradsync.engine.consistency import (
     broadcast_states,
     check_consistency,
@@ -115,14 +117,28 @@ class GradSync:
     def __init__(self, model: nn.Module, config: Config | None = None,
                  group: dist.ProcessGroup | None = None,
                  audit: bool | Callable[[AuditRecord], None] = False) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"GradSync takes the model (an nn.Module), got {type(model).__name__}")
+        if isinstance(model, nn.parallel.DistributedDataParallel | FSDPModule):
+            raise TypeError(
+                f"GradSync synchronizes gradients itself: pass the bare model, not a "
+                f"{type(model).__name__}-wrapped one (or keep DDP and use "
+                f"gradsync.ddp.register(ddp_model, cfg); FSDP2: gradsync.fsdp.compress)")
         self._audit = AuditSink(audit)
-        self.cfg = config or Config()
+        self.cfg = Config() if config is None else require_config(config, "GradSync")
         self.model = model
         self.params: dict[str, nn.Parameter] = {
             n: p for n, p in model.named_parameters() if p.requires_grad
         }
         if not self.params:
-            raise ValueError("GradSync: the model has no parameter that requires grad")
+            raise ValueError("GradSync: the model has no parameter that requires grad, so there "
+                             "is no gradient to synchronize; build GradSync after unfreezing the "
+                             "parameters you train (requires_grad=True)")
+        launched = int(os.environ.get("WORLD_SIZE", "1"))
+        if group is None and launched > 1 and not (dist.is_available() and dist.is_initialized()):
+            raise RuntimeError(f"GradSync: {launched} processes were launched (WORLD_SIZE) but "
+                               f"torch.distributed is not initialized; call "
+                               f"torch.distributed.init_process_group() before GradSync(...)")
         if dist.is_available() and dist.is_initialized() and group is None:
             group = dist.new_group(timeout=timedelta(seconds=self.cfg.timeout_s))
         self.group = group

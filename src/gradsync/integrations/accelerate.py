@@ -36,7 +36,7 @@ from typing import Any
 
 from torch import nn
 
-from gradsync.engine.config import Config
+from gradsync.engine.config import Config, require_config
 from gradsync.integrations import ddp, ranks
 
 __all__ = ["HookCheckpoint", "register"]
@@ -79,6 +79,7 @@ def register(accelerator: Any, model: nn.Module, cfg: Config,
     Raises ``TypeError`` when ``model`` is not wrapped in ``DistributedDataParallel``: Accelerate
     wraps it only when it runs several processes.
     """
+    require_config(cfg, "gradsync.accelerate.register")
     if not isinstance(model, nn.parallel.DistributedDataParallel):
         procs = int(os.environ.get("WORLD_SIZE", "1"))
         hint = (f"{procs} processes were launched but Accelerate runs each on its own "

@@ -48,8 +48,9 @@ FORMAT = 2  # 2: the header names the Stateful's kind (1 named a scheme)
 # ---------------------------------------------------------------------------------- identity
 def _identity(sync: Stateful) -> Identity:
     if not isinstance(sync, Stateful):
-        raise ValueError("sync must implement gradsync.engine.state.Stateful (GradSync, the "
-                         f"DDP hook's HookState, TAGC), got {type(sync).__name__}")
+        raise TypeError("sync= must be the object whose state is saved: a gradsync.GradSync, "
+                        "the HookState gradsync.ddp.register returned, or the TAGC "
+                        f"gradsync.fsdp.compress returned; got {type(sync).__name__}")
     return sync.identity()
 
 

@@ -100,7 +100,7 @@ from torch import nn
 
 from gradsync import collectives, sparsify
 from gradsync.collectives.comm import Comm, CommStats
-from gradsync.engine.config import Config
+from gradsync.engine.config import Config, require_config
 from gradsync.engine.consistency import signature_check
 from gradsync.engine.jobs import concat
 from gradsync.engine.preconditioning import apply_scales
@@ -671,6 +671,10 @@ def hook(cfg: Config, model: nn.Module | None = None, group: dist.ProcessGroup |
     models are compared (one small all-gather) here when the process group already exists,
     otherwise at the hook's first call; a difference raises ``ValueError`` on every rank.
     """
+    require_config(cfg, "gradsync.ddp.hook")
+    if model is not None and not isinstance(model, nn.Module):
+        raise TypeError(f"gradsync.ddp.hook: model must be the nn.Module DDP wraps, got "
+                        f"{type(model).__name__}")
     state = HookState(cfg=cfg, group=group, small_numel=small_numel)
     if model is not None:
         state.names = {id(p): n for n, p in model.named_parameters()}
@@ -692,7 +696,21 @@ def _agree(state: HookState) -> None:
 
 def register(ddp_model: nn.parallel.DistributedDataParallel, cfg: Config,
              small_numel: int = SMALL_NUMEL) -> HookState:
-    """Install the sparsifying comm hook on ``ddp_model``; returns its state (stats, ckpt)."""
+    """Install the sparsifying comm hook on ``ddp_model``; returns its state (stats, ckpt).
+
+    Raises ``TypeError`` when ``ddp_model`` is not a ``DistributedDataParallel`` or ``cfg`` not
+    a :class:`~gradsync.Config`, and ``RuntimeError`` before ``init_process_group``.
+    """
+    require_config(cfg, "gradsync.ddp.register")
+    if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
+        raise TypeError(
+            f"gradsync.ddp.register installs a comm hook on a DistributedDataParallel model; got "
+            f"{type(ddp_model).__name__}: wrap it first, ddp_model = torch.nn.parallel."
+            f"DistributedDataParallel(model) (after init_process_group), and pass ddp_model; "
+            f"for a training loop without DDP use gradsync.GradSync(model, cfg)")
+    if not (dist.is_available() and dist.is_initialized()):  # pragma: no cover - DDP needs it
+        raise RuntimeError("gradsync.ddp.register: call torch.distributed.init_process_group "
+                           "first (torchrun sets the environment it reads)")
     state, fn = hook(cfg, ddp_model.module, ddp_model.process_group, small_numel)
     ddp_model.register_comm_hook(state, fn)
     return state

@@ -301,8 +301,12 @@ class TAGC:
     """TAGC installed on the FSDP2 units of a model; build it with :func:`compress`."""
 
     def __init__(self, model: nn.Module, config: TAGCConfig) -> None:
+        if not isinstance(model, nn.Module):
+            raise TypeError(f"gradsync.fsdp.compress takes the fully_shard-ed nn.Module, got "
+                            f"{type(model).__name__}")
         if not isinstance(config, TAGCConfig):
-            raise ValueError(f"config must be a TAGCConfig, got {type(config).__name__}")
+            raise TypeError(f"gradsync.fsdp.compress takes a gradsync.fsdp.TAGCConfig, e.g. "
+                            f"TAGCConfig(ratio=10), got {type(config).__name__}")
         self.config = config
         self.model = model
         self.rank = dist.get_rank() if dist.is_initialized() else 0
@@ -322,7 +326,9 @@ class TAGC:
         names = {id(m): n for n, m in model.named_modules()}
         fsdp_modules = [(n, m) for n, m in model.named_modules() if isinstance(m, FSDPModule)]
         if not fsdp_modules:
-            raise ValueError("compress: the model has no fully_shard-ed (FSDP2) module")
+            raise ValueError("gradsync.fsdp.compress: the model has no fully_shard-ed (FSDP2) "
+                             "module; call torch.distributed.fsdp.fully_shard on its blocks and "
+                             "then on the model (after init_process_group), then compress it")
         for i, (mname, m) in enumerate(fsdp_modules):
             group = _fsdp_param_group(m)
             if group is None:
