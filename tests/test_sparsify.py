@@ -192,9 +192,11 @@ def test_randomk_seed_changes_positions_and_is_uniform():
     i1 = make("randomk", 0.01, seed=1).select(x).indices
     i2 = make("randomk", 0.01, seed=2).select(x).indices
     assert not torch.equal(i1, i2)
-    # Uniformity: both code paths (with-replacement draws for k ≪ n, randperm for large k).
-    for n, k_density, draws in ((200, 0.02, 4000), (40, 0.5, 1000)):
-        sp = make("randomk", k_density, seed=3)
+    # Uniformity: every code path (host: with-replacement draws for k ≪ n, randperm for large
+    # k; device: the k smallest of uniform keys, the path on CUDA, forced here on the CPU).
+    for n, k_density, draws, device_draws in ((200, 0.02, 4000, None), (40, 0.5, 1000, None),
+                                              (200, 0.02, 4000, True), (40, 0.5, 1000, True)):
+        sp = make("randomk", k_density, seed=3, device_draws=device_draws)
         hits = torch.zeros(n)
         y = torch.ones(n)
         for _ in range(draws):
@@ -205,6 +207,25 @@ def test_randomk_seed_changes_positions_and_is_uniform():
         sd = math.sqrt(draws * (k / n) * (1 - k / n))
         assert float((hits - expect).abs().max()) < 6 * sd
         assert float(hits.sum()) == draws * k
+
+
+def test_randomk_device_draws_follow_the_generator_state():
+    # the device path seeds a device generator from one draw of the sparsifier's own: its
+    # state (what a checkpoint saves) fixes the next selection, and two seeds differ
+    x = gradient_like(50_000, seed=1)
+    a = make("randomk", 0.1, seed=5, device_draws=True)
+    b = make("randomk", 0.1, seed=5, device_draws=True)
+    for step in range(3):
+        ia, ib = a.select(x, step).indices, b.select(x, step).indices
+        assert torch.equal(ia, ib) and ia.unique().numel() == ia.numel() == 5000
+    saved = a.state_dict()
+    want = a.select(x, 3).indices
+    b.load_state_dict(saved)
+    assert torch.equal(b.select(x, 3).indices, want)
+    other = make("randomk", 0.1, seed=6, device_draws=True).select(x).indices
+    assert not torch.equal(other, make("randomk", 0.1, seed=5, device_draws=True).select(x).indices)
+    with pytest.raises(ValueError, match="device_draws"):
+        make("randomk", 0.1, device_draws="yes")
 
 
 @pytest.mark.parametrize(("name", "opts"), VARIANTS, ids=IDS)

@@ -104,8 +104,26 @@ def prepare(job: Job, index: int, grads: dict[str, torch.Tensor], ef: ErrorFeedb
             else:  # selected below, all with one finiteness read (on a GPU: one wait)
                 inline.append((len(parts), sparsifier(n, d), accs[n]))
                 parts.append(None)
-        chosen = sparsify.select_each([(sp, acc) for _, sp, acc in inline], step)
-        for (i, _, _), sel in zip(inline, chosen):
-            parts[i] = sel
+        parts = _select_inline(parts, inline, step)
         payload = Payload(selections=parts, wire_dtype=wire)
     return Prepared(accs, nonfinite, payload, time.perf_counter() - t0)
+
+
+def _select_inline(parts: list, inline: list[tuple[int, sparsify.Sparsifier, torch.Tensor]],
+                   step: int) -> list:
+    """Fill ``parts``' inline selections. The inline tensors come last (plan_jobs puts the
+    tensors sent whole first; an offloaded one may sit between them): when they are one run,
+    they are selected as one buffer, every tensor at its own k, in a number of operations
+    independent of their count (:func:`gradsync.sparsify.segments.select_buffer`); otherwise,
+    or for a sparsifier without a segmented form, tensor by tensor."""
+    first = len(parts) - len(inline)
+    if len(inline) > 1 and [i for i, _, _ in inline] == list(range(first, len(parts))):
+        accs = [acc for _, _, acc in inline]
+        one = sparsify.select_buffer([sp for _, sp, _ in inline], torch.cat(accs),
+                                     [acc.numel() for acc in accs], step)
+        if one is not None:
+            return [*parts[:first], one]
+    chosen = sparsify.select_each([(sp, acc) for _, sp, acc in inline], step)
+    for (i, _, _), sel in zip(inline, chosen):
+        parts[i] = sel
+    return parts

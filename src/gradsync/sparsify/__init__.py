@@ -38,6 +38,7 @@ from gradsync.sparsify import (  # noqa: E402,F401
     threshold,
     topk,
 )
+from gradsync.sparsify.segments import select_buffer  # noqa: E402
 
-__all__ = ["Sparsifier", "get", "names", "registry", "seed_for", "select_each", "target_k",
-           "validate_density"]
+__all__ = ["Sparsifier", "get", "names", "registry", "seed_for", "select_buffer", "select_each",
+           "target_k", "validate_density"]

@@ -124,6 +124,19 @@ class Sparsifier(ABC):
     def __repr__(self) -> str:
         return f"{type(self).__name__}(density={self.density:g})"
 
+    # -- segmented selection (gradsync.sparsify.segments) ----------------------------
+    # A subclass that can select every tensor of a buffer at once defines
+    # ``_select_segments(sparsifiers, x, segments, ks, step) -> indices`` as a classmethod:
+    # ``x`` is the finite buffer, ``ks`` each tensor's k; it returns the sorted buffer
+    # positions that selecting each tensor with its own sparsifier would give, and leaves
+    # each sparsifier's generator and ``last_*`` figures as those selections would.
+    _select_segments = None
+
+    @classmethod
+    def segments_compatible(cls, sparsifiers: Sequence[Sparsifier]) -> bool:
+        """Whether ``sparsifiers`` (all of this class) can be selected as one buffer."""
+        return True
+
     # -- subclass hook ----------------------------------------------------------------
     @abstractmethod
     def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:

@@ -11,7 +11,7 @@ The top-k threshold is estimated on a strided sample instead of the whole tensor
    candidates and stop;
 4. truncate to k.
 
-docs/architecture.md, "Facts from the reference implementations" (DGC threshold): the
+docs/papers.md, "DGC" (the threshold): the
 reference truncates to the *first* k candidates by position, which drops large entries at high
 indices; here the truncation keeps the k largest candidates (a top-k over at most 1.3·k values,
 cheap). The result therefore never exceeds k and, unless
@@ -27,6 +27,7 @@ import torch
 
 from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier, magnitudes
+from gradsync.sparsify.segments import Segments, order_in_segments, to_device, top_in_segments
 
 
 @registry.register("dgc")
@@ -91,6 +92,91 @@ class DGC(Sparsifier):
         self.last_threshold = thr
         self.last_adjustments = adjustments
         return idx
+
+    # -- every tensor of a buffer at once (gradsync.sparsify.segments) -------------------
+    @classmethod
+    def segments_compatible(cls, sparsifiers: list[DGC]) -> bool:
+        first = sparsifiers[0]
+        return all((sp.lower, sp.upper, sp.max_adjust) == (first.lower, first.upper,
+                                                           first.max_adjust)
+                   for sp in sparsifiers)
+
+    @classmethod
+    def _select_segments(cls, sparsifiers: list[DGC], x: torch.Tensor, seg: Segments,
+                         ks: list[int], step: int) -> torch.Tensor:
+        """Steps 1–4 for every tensor of the buffer ``x`` at once. The samples' start positions
+        come from each tensor's own generator, in tensor order (the same draws as tensor by
+        tensor); the samples are gathered and ranked in one pass; θ_i is a vector, and the
+        adjustments run in rounds over the whole buffer, each round reading the tensors'
+        counts back once (a tensor that is done keeps its θ_i)."""
+        dev, first = x.device, sparsifiers[0]
+        lower, upper, max_adjust = first.lower, first.upper, first.max_adjust
+        a = magnitudes(x)
+        S, N = len(seg), seg.numel
+        # 1. the samples: tensors with k < n only (k = n sends the whole tensor, no draw)
+        sampled, starts, strides, lengths, kth = [], [], [], [], []
+        for i, (sp, n, k) in enumerate(zip(sparsifiers, seg.sizes, ks)):
+            if k >= n:
+                continue
+            s = max(math.ceil(sp.sample_ratio * n), math.ceil(2.0 / sp.density))
+            start, stride = 0, 1
+            if s < n:
+                stride = n // s
+                start = int(torch.randint(stride, (1,), generator=sp.generator))
+            m = len(range(start, n, stride))
+            sampled.append(i)
+            starts.append(seg.offsets[i] + start)
+            strides.append(stride)
+            lengths.append(m)
+            kth.append(min(m, max(1, math.ceil(sp.density * m))))
+        thr = torch.full((S,), -math.inf, dtype=torch.float64, device=dev)
+        if sampled:
+            # 2. θ_i = the kth_i largest of sample i: gather, rank within samples, pick
+            M, T = sum(lengths), len(sampled)
+            first_of = [0]
+            for m in lengths[:-1]:
+                first_of.append(first_of[-1] + m)
+            packed = to_device([*starts, *strides, *first_of, *lengths, *sampled,
+                                *(f + k - 1 for f, k in zip(first_of, kth))], torch.int64, dev)
+            st, sd, fo, ln, which, pick = packed.split(T)
+
+            def each(v: torch.Tensor) -> torch.Tensor:
+                return torch.repeat_interleave(v, ln, output_size=M)
+
+            j = torch.arange(M, device=dev) - each(fo)
+            sample = a[each(st) + each(sd) * j]
+            thr[which] = sample[order_in_segments(sample, lengths, ln)[pick]].double()
+        # 3. select |x| >= θ_i; lower θ_i by 0.8 where too few, in rounds
+        sizes = to_device(list(seg.sizes), torch.int64, dev)
+        ends = to_device([o + n - 1 for o, n in zip(seg.offsets, seg.sizes)], torch.int64, dev)
+        adjustments = dict.fromkeys(sampled, 0)
+        active = list(sampled)
+        while True:
+            mask = a >= torch.repeat_interleave(thr.float(), sizes, output_size=N)
+            at_end = mask.cumsum(0)[ends]
+            counts = torch.diff(at_end, prepend=at_end.new_zeros(1)).tolist()  # one read
+            lowering = []
+            for i in active:
+                c, k = counts[i], ks[i]
+                if not (c > upper * k or c >= lower * k or adjustments[i] >= max_adjust):
+                    lowering.append(i)
+                    adjustments[i] += 1
+            if not lowering:
+                break
+            active = lowering
+            lowered = to_device(lowering, torch.int64, dev)
+            thr[lowered] = thr[lowered] * lower  # the same IEEE products as θ ← 0.8·θ
+        # 4. more than k candidates: the k largest of them (= the tensor's top-k)
+        cand = torch.nonzero_static(mask, size=sum(counts)).view(-1)
+        keep = [min(c, k) for c, k in zip(counts, ks)]
+        if keep != counts:
+            cand = cand[top_in_segments(a[cand], counts, keep)]
+        for i, (sp, k) in enumerate(zip(sparsifiers, ks)):
+            sp.last_k, sp.last_count = k, keep[i]
+            if i in adjustments:
+                sp.last_threshold = thr[i]
+                sp.last_adjustments = adjustments[i]
+        return cand
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "last_threshold": self.last_threshold}

@@ -9,6 +9,7 @@ import torch
 
 from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier
+from gradsync.sparsify.segments import Segments, top_in_segments
 
 
 @registry.register("topk")
@@ -16,3 +17,13 @@ class TopK(Sparsifier):
     def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:
         # torch.topk has no bf16/fp16 kernel on every backend; magnitudes compare exactly in fp32.
         return torch.topk(x.abs().float(), k, sorted=False).indices
+
+    @classmethod
+    def _select_segments(cls, sparsifiers: list[TopK], x: torch.Tensor, seg: Segments,
+                         ks: list[int], step: int) -> torch.Tensor:
+        """Each tensor's k largest magnitudes, every tensor at once
+        (:func:`~gradsync.sparsify.segments.top_in_segments`: two sorts over the buffer)."""
+        idx = top_in_segments(x.abs().float(), seg.sizes, ks)
+        for sp, k in zip(sparsifiers, ks):
+            sp.last_k, sp.last_count = k, k
+        return idx

@@ -1,0 +1,132 @@
+"""Segmented selection: every tensor of a fusion buffer its own k, in one pass over the buffer.
+
+SSFusion §IV-B sparsifies each tensor of a buffer on its own (no tensor missing), at the density
+the plan gave it. Done tensor by tensor, that is a dozen operations and one or two host reads
+per tensor: on a GPU a kernel launch each, and a wait for the device each, so the cost grows
+with the number of tensors, not of buffers. Here the buffer ``x = cat(t_1, …, t_S)`` is
+selected as a whole: the per-tensor quantities (k_i, thresholds θ_i, counts) are vectors of S
+entries on the device, every operation runs over the buffer once, and the host reads the
+segments' counts once per round instead of once per tensor.
+
+The selections equal the per-tensor ones: the same entries (up to the order among entries of
+exactly equal magnitude at a tensor's k-th place, where both pick any), the same random draws
+from each tensor's own generator, the same thresholds and ``last_*`` figures on each tensor's
+sparsifier. A sparsifier class takes part by defining ``_select_segments`` (DGC, exact top-k);
+:func:`select_buffer` returns ``None`` for the others, and the caller selects tensor by tensor.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property
+
+import torch
+
+from gradsync.sparsegrad import SparseGrad, all_finite, check_finite, target_k
+
+__all__ = ["Segments", "order_in_segments", "ranges", "select_buffer", "to_device",
+           "top_in_segments"]
+
+
+@dataclass(frozen=True)
+class Segments:
+    """The layout of a buffer: tensor ``i`` is ``x[offsets[i] : offsets[i] + sizes[i]]``."""
+
+    sizes: tuple[int, ...]
+
+    @cached_property
+    def offsets(self) -> tuple[int, ...]:
+        out, o = [], 0
+        for n in self.sizes:
+            out.append(o)
+            o += n
+        return tuple(out)
+
+    @property
+    def numel(self) -> int:
+        return sum(self.sizes)
+
+    def __len__(self) -> int:
+        return len(self.sizes)
+
+
+def to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """A small host vector on ``device`` without waiting for the device: on CUDA it is staged in
+    pinned memory and copied asynchronously (a plain copy from pageable memory waits for the
+    stream)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def ranges(starts: Sequence[int], lengths: Sequence[int], device: torch.device
+           ) -> torch.Tensor:
+    """``cat(arange(s, s + l))`` over the pairs, built on ``device`` in a few operations
+    (however many pairs) from one small host-to-device copy."""
+    total = sum(lengths)
+    shift, seen = [], 0
+    for s, n in zip(starts, lengths):
+        shift.append(s - seen)  # position j of this range is j + (s − entries before it)
+        seen += n
+    packed = to_device([*shift, *lengths], torch.int64, device)
+    return torch.arange(total, device=device) + torch.repeat_interleave(
+        packed[:len(shift)], packed[len(shift):], output_size=total)
+
+
+def order_in_segments(values: torch.Tensor, lengths: Sequence[int],
+                      lengths_dev: torch.Tensor) -> torch.Tensor:
+    """The permutation that sorts ``values`` (segments of ``lengths``, contiguous) by segment,
+    and within each segment by descending value, ties in position order: two stable sorts over
+    the whole vector, whatever the number of segments."""
+    by_value = torch.argsort(values, descending=True, stable=True)
+    seg = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths_dev,
+                                  output_size=values.numel())
+    return by_value[torch.argsort(seg[by_value], stable=True)]
+
+
+def top_in_segments(values: torch.Tensor, lengths: Sequence[int], keep: Sequence[int]
+                    ) -> torch.Tensor:
+    """Positions (ascending) of the ``keep[i]`` largest ``values`` of each segment ``i``."""
+    if all(k >= n for k, n in zip(keep, lengths)):
+        return torch.arange(values.numel(), device=values.device)
+    lengths_dev = to_device(list(lengths), torch.int64, values.device)
+    order = order_in_segments(values, lengths, lengths_dev)
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    take = ranges(starts, [min(k, n) for k, n in zip(keep, lengths)], values.device)
+    return torch.sort(order[take]).values
+
+
+def select_buffer(sparsifiers: Sequence[object], x: torch.Tensor, sizes: Sequence[int],
+                  step: int = 0) -> SparseGrad | None:
+    """Select every tensor of the buffer ``x`` (flat, the tensors of ``sizes`` concatenated)
+    with its own sparsifier, as ``[sp.select(t_i) for …]`` concatenated would, in a number of
+    operations independent of the number of tensors. The indices are positions in ``x``.
+
+    ``None`` when the sparsifiers are not all of one class that has a segmented form (the
+    caller then selects per tensor). A NaN/Inf in ``x`` raises ``ValueError`` naming the first
+    tensor that holds one, before any random draw (as the per-tensor selections do).
+    """
+    kind = type(sparsifiers[0]) if sparsifiers else None
+    if (kind is None or getattr(kind, "_select_segments", None) is None
+            or any(type(sp) is not kind for sp in sparsifiers)
+            or not kind.segments_compatible(sparsifiers)):
+        return None
+    if len(sizes) != len(sparsifiers) or sum(sizes) != x.numel() or x.dim() != 1:
+        raise ValueError(f"select_buffer: {len(sparsifiers)} sparsifiers for {len(sizes)} "
+                         f"tensors of {sum(sizes)} entries in a buffer of shape "
+                         f"{tuple(x.shape)}")
+    for sp in sparsifiers:
+        sp._check_input(x)
+    if not all_finite(x):  # rare: name the tensor, as its own selection would
+        seg = Segments(tuple(sizes))
+        for sp, o, n in zip(sparsifiers, seg.offsets, seg.sizes):
+            check_finite(x[o:o + n], f"{sp.name}: input gradient")
+    seg = Segments(tuple(sizes))
+    ks = [target_k(n, sp.density) for sp, n in zip(sparsifiers, sizes)]
+    idx = kind._select_segments(sparsifiers, x, seg, ks, step)
+    return SparseGrad(idx, x[idx], x.numel(), validate=False)
