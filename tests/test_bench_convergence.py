@@ -21,9 +21,12 @@ RESULTS = ROOT / "docs/results"
 T975_BY_DF = {2: 4.302653, 9: 2.262157}  # t(0.975, df) from the standard tables
 
 
-def _readme() -> str:
-    """README.md with its line breaks and runs of spaces folded to one space."""
-    return " ".join((ROOT / "README.md").read_text().split())
+ACCURACY = RESULTS / "accuracy.md"  # the README's accuracy figures live on this page
+
+
+def _accuracy() -> str:
+    """docs/results/accuracy.md with its line breaks and runs of spaces folded to one space."""
+    return " ".join(ACCURACY.read_text().split())
 
 
 def _results(name: str, command: str | None = None) -> dict:
@@ -246,16 +249,17 @@ def test_train_spec_eval_every_is_validated():
 
 
 def test_readme_accuracy_paragraph_links_the_written_results(monkeypatch):
-    """README's "Accuracy" claims: the command exists, and every results page the section
+    """docs/results/accuracy.md's summary: the command exists, and every results page it
     links exists and was written by the command (its recorded command parses with the
     command's own parser, from the repository root as it ran, and its output file is the page
     itself)."""
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(root)  # recorded paths (--plans, --write-docs) are relative to it
-    readme = (root / "README.md").read_text()
-    section = readme.split("## Accuracy", 1)[1].split("\n## ", 1)[0]
+    page = ACCURACY.read_text()
+    section = page.split("## Summary", 1)[1].split("\n## ", 1)[0]
     assert "`python -m gradsync bench convergence`" in section and "`--write-docs`" in section
-    pages = sorted(set(re.findall(r"\((docs/results/[\w.-]+\.md)\)", section)))
+    pages = sorted({"docs/results/" + name
+                    for name in re.findall(r"\]\(([\w.-]+\.md)\)", section)})
     assert "docs/results/convergence.md" in pages
     prefix = "python -m gradsync bench convergence"
     for rel in pages:
@@ -317,11 +321,11 @@ def test_aggregate_and_table_give_ddp_equivalent_steps():
 
 
 def test_readme_longer_budget_claim_holds_in_the_written_results():
-    """README: over 1000 steps TopkA's gap to DDP on TinyGPT is smaller than over the default
+    """accuracy.md: over 1000 steps TopkA's gap to DDP on TinyGPT is smaller than over the default
     study's 60, and its final perplexity is what DDP reaches after about four-fifths of the
     budget. Checked against the JSON the command wrote next to each page."""
     root = Path(__file__).resolve().parents[1]
-    assert "about four-fifths of the budget" in (root / "README.md").read_text()
+    assert "about four-fifths of the budget" in _accuracy()
 
     def lm_rows(name: str) -> tuple[dict, int]:
         data = json.loads((root / "docs/results" / name).read_text())
@@ -341,12 +345,12 @@ def test_readme_longer_budget_claim_holds_in_the_written_results():
 
 
 def test_readme_one_epoch_cnn_claim_holds_in_the_written_results():
-    """README: over one epoch (480 steps) every gradsync scheme ends 0.8–2.5 points below
+    """accuracy.md: over one epoch (480 steps) every gradsync scheme ends 0.8–2.5 points below
     DDP's 88.45 % on the CNN, DDP's accuracy after 49–73 % of the steps. Checked against the
     JSON the command wrote next to the page."""
     root = Path(__file__).resolve().parents[1]
-    readme = (root / "README.md").read_text()
-    assert "0.8–2.5 points below DDP's\n88.45 %" in readme and "49–73 % of the steps" in readme
+    readme = _accuracy()
+    assert "0.8–2.5 points below DDP's 88.45 %" in readme and "49–73 % of the steps" in readme
     data = json.loads((root / "docs/results/convergence-cnn-480.json").read_text())
     assert [m["steps"] for m in data["meta"]["models"] if m["model"] == "cnn"] == [480]
     rows = {r["scheme"]: r for r in data["rows"] if r["model"] == "cnn"}
@@ -360,13 +364,13 @@ def test_readme_one_epoch_cnn_claim_holds_in_the_written_results():
 
 
 def test_readme_two_epoch_cnn_claim_holds_in_the_written_results():
-    """README: over two epochs (960 steps) every sparse scheme but per_tensor ends 0.23–0.56
+    """accuracy.md: over two epochs (960 steps) every sparse scheme but per_tensor ends 0.23–0.56
     points below DDP's 89.86 % on the CNN, per_tensor 1.39, and the SSFusion schemes (89.49 and
     89.63 %, the run since they send excluded tensors as values) are not below the multi-tensor
     ones (89.30–89.62 %). Checked against the JSON of the three pages, which ran the same DDP;
     the last one's SSFusion rows replace the earlier pages'."""
     root = Path(__file__).resolve().parents[1]
-    readme = " ".join((root / "README.md").read_text().split())
+    readme = _accuracy()
     claim = ("Over two epochs (960 steps) it closes for every sparse scheme but per_tensor: they "
              "end 0.23–0.56 points below DDP's 89.86 %, per_tensor 1.39, and the SSFusion "
              "schemes (89.49 and 89.63 %) are not below the multi-tensor ones (89.30–89.62 %)")
@@ -394,12 +398,12 @@ def test_readme_two_epoch_cnn_claim_holds_in_the_written_results():
 
 
 def test_readme_ssfusion_values_claim_holds_in_the_written_results():
-    """README: SSFusion, its excluded tensors sent as values, reaches perplexity 7.53 over
+    """accuracy.md: SSFusion, its excluded tensors sent as values, reaches perplexity 7.53 over
     1000 TinyGPT steps against 8.11 before, at the same bytes per step (within 1 %); in the
     default study both SSFusion schemes end within half a point of DDP's 83.82 % on the CNN
     (83.49 and 83.41 %). Checked against the JSON the command wrote next to each page."""
     root = Path(__file__).resolve().parents[1]
-    readme = " ".join((root / "README.md").read_text().split())
+    readme = _accuracy()
     assert ("at the same bytes per step SSFusion reaches perplexity 7.53 over 1000 steps, "
             "against 8.11 when every element sent whole carried its index") in readme
     assert ("in the default study both SSFusion schemes end within half a point of DDP's "
@@ -425,11 +429,11 @@ def test_readme_ssfusion_values_claim_holds_in_the_written_results():
 
 
 def test_readme_density_warmup_claim_holds_in_the_written_results():
-    """README: with DGC's warm-up over one epoch, TopkA ends 0.40 points below DDP (from
+    """accuracy.md: with DGC's warm-up over one epoch, TopkA ends 0.40 points below DDP (from
     1.24), per_tensor 1.95 (from 2.47), SSFusion 0.92 (from 1.23), at 2.5–3.6× the bytes.
     Checked against the JSON of both pages."""
     root = Path(__file__).resolve().parents[1]
-    readme = " ".join((root / "README.md").read_text().split())
+    readme = _accuracy()
     claim = ("TopkA ends 0.40 points below DDP (from 1.24), per_tensor 1.95 (from 2.47) and "
              "SSFusion 0.92 (from 1.23), while each rank sends 2.5–3.6× the bytes")
     assert claim in readme and "--density-warmup 4:24" in readme
@@ -499,11 +503,10 @@ def test_tiny_run_records_plans_and_replays_them(tmp_path, capsys):
 
 
 def test_readme_accuracy_section_names_the_plan_replay():
-    """README's Accuracy section: the page names the schemes whose plan varied (plans_note,
+    """docs/results/accuracy.md's summary: the page names the schemes whose plan varied (plans_note,
     tested above), plans go to ``--out`` and ``--plans DIR`` replays them (the replay test
     above)."""
-    root = Path(__file__).resolve().parents[1]
-    section = root.joinpath("README.md").read_text().split("## Accuracy", 1)[1].split("\n## ")[0]
+    section = ACCURACY.read_text().split("## Summary", 1)[1].split("\n## ")[0]
     text = " ".join(section.split())
     assert "the page names the schemes whose plan varied across seeds" in text
     assert "every job's plans are written to `--out`, and `--plans DIR` replays them" in text
@@ -533,11 +536,11 @@ def test_amp_reaches_every_run_and_the_page(tmp_path):
 
 
 def test_readme_ssfusion_oi_byte_charged_claim_holds_in_the_written_results():
-    """README: over 1000 steps SSFusion-OI reaches 7.45 against DDP's 7.06 and per_tensor's
+    """accuracy.md: over 1000 steps SSFusion-OI reaches 7.45 against DDP's 7.06 and per_tensor's
     7.40, at per_tensor's bytes per step (8.12 before). Checked against the JSON of the two
     pages the command wrote."""
     root = Path(__file__).resolve().parents[1]
-    readme = " ".join((root / "README.md").read_text().split())
+    readme = _accuracy()
     assert ("over 1000 steps it reaches perplexity 7.45 against DDP's 7.06 and per_tensor's "
             "7.40, at per_tensor's bytes per step") in readme and "8.12 when" in readme
 
@@ -645,7 +648,7 @@ def test_density_sweep_rejects_bad_densities(argv, msg, capsys):
 
 
 def test_readme_density_sweep_claim_holds_in_the_written_results():
-    """README: on TinyGPT (60 steps) the gap falls at every step up in density and only
+    """accuracy.md: on TinyGPT (60 steps) the gap falls at every step up in density and only
     TopkA, multi_tensor and DenseStream meet 5 %, at 10 % (+4.4 to +4.5 %); on the CNN
     (160 steps) TopkA's gap is −0.17, −1.63, −0.22 points at 1, 3, 10 %, and a 3-seed mean
     gap is uncertain by about ±3 points. Checked against the sweep's JSON: the gaps are
@@ -654,7 +657,7 @@ def test_readme_density_sweep_claim_holds_in_the_written_results():
             "multi_tensor and DenseStream meet 5 %, at 10 % density (+4.4 to +4.5 %); on the "
             "CNN over 160 steps it does not fall (TopkA −0.17, −1.63 and −0.22 points at 1, 3 "
             "and 10 %), since with 3 seeds a mean gap there is uncertain by about ±3 "
-            "points") in _readme()
+            "points") in _accuracy()
     data = _results("convergence-density", "--density 0.01,0.03,0.1 ")
     rows = {(r["model"], r["density"], r["scheme"]): r for r in data["rows"]}
     dens = (0.01, 0.03, 0.1)
@@ -684,7 +687,7 @@ def test_readme_density_sweep_claim_holds_in_the_written_results():
 
 
 def test_readme_ten_seed_cnn_claim_holds_in_the_written_results():
-    """README: the default study runs the CNN over 10 seeds; its gaps are −0.33 (SSFusion),
+    """accuracy.md: the default study runs the CNN over 10 seeds; its gaps are −0.33 (SSFusion),
     −0.42 (SSFusion-OI), −0.83 (DenseStream), −0.89 (TopkA) within the bar and −1.19
     (multi_tensor), −1.57 (Cupcake), −1.66 (Ok-Topk), −2.88 (per_tensor) outside it;
     SSFusion-OI minus TopkA +0.47 [+0.09, +0.86], minus multi_tensor, Cupcake and Ok-Topk 0.78
@@ -696,7 +699,7 @@ def test_readme_ten_seed_cnn_claim_holds_in_the_written_results():
             "points, within the bar, and −1.19 (multi_tensor), −1.57 (Cupcake), −1.66 (Ok-Topk) "
             "and −2.88 (per_tensor), outside it; paired over the seeds SSFusion-OI ends above "
             "TopkA by 0.47 points (95% interval +0.09 to +0.86) and above multi_tensor, Cupcake "
-            "and Ok-Topk by 0.78 to 1.24, each interval above 0.") in _readme()
+            "and Ok-Topk by 0.78 to 1.24, each interval above 0.") in _accuracy()
     default = _results("convergence")
     assert "--seeds" not in default["meta"]["command"]  # the default's own seed counts
     seeds = {r["model"]: r["seeds"] for r in default["rows"]}
@@ -740,16 +743,17 @@ def test_readme_ten_seed_cnn_claim_holds_in_the_written_results():
 
 
 def test_readme_ten_seed_cnn_density_sweep_claim_holds_in_the_written_results():
-    """README: over 10 seeds the CNN's sweep puts every scheme within the bar at 10 %
+    """accuracy.md: over 10 seeds the CNN's sweep puts every scheme within the bar at 10 %
     (−0.81 to +0.08 points), nearer DDP than at 1 %; at 3 % per_tensor (−1.39), DenseStream
     (−1.06) and SSFusion-OI (−1.02) miss it, and DenseStream and both SSFusion schemes end
     further from DDP than at 1 %. Recomputed from every seed's finals in the sweep's JSON."""
     assert ("The CNN's density sweep over 10 seeds "
-            "([docs/results/convergence-cnn-density-10-seeds.md]"
-            "(docs/results/convergence-cnn-density-10-seeds.md)) puts every scheme within the "
+            "([convergence-cnn-density-10-seeds.md]"
+            "(convergence-cnn-density-10-seeds.md)) puts every scheme within the "
             "bar at 10 % density (−0.81 to +0.08 points), nearer DDP there than at 1 %; at 3 % "
-            "per_tensor (−1.39), DenseStream (−1.06) and SSFusion-OI (−1.02) still miss it, and "
-            "DenseStream and both SSFusion schemes end further from DDP than at 1 %.") in _readme()
+            "per_tensor (−1.39), DenseStream (−1.06) and SSFusion-OI (−1.02) still miss it, "
+            "and DenseStream and both SSFusion schemes end further from DDP than at 1 %."
+            ) in _accuracy()
     data = _results("convergence-cnn-density-10-seeds", "--model cnn --density 0.01,0.03,0.1 ")
     rows = {(r["density"], r["scheme"]): r for r in data["rows"]}
     assert all(r["seeds"] == list(range(1, 11)) for r in rows.values())
@@ -791,12 +795,12 @@ def test_adam_warmup_reaches_the_language_model_and_the_json(tmp_path):
 
 
 def test_readme_demo_plan_claim_holds_in_the_written_results():
-    """README (make demo): with the plan SSFusion-OI made on the demo's 100 Mbit/s link, which
+    """accuracy.md (make demo): with the plan SSFusion-OI made on the demo's 100 Mbit/s link, which
     keeps the conv layers' small tensors sparse, it ends 1.19 points below its own loopback
     plans over 10 seeds (95 % interval −2.03 to −0.34). Checked against the two pages' JSON,
     paired by seed, and against the plans themselves."""
     assert ("with that plan it ends 1.19 points below its own loopback plans over 10 seeds "
-            "(95% interval −2.03 to −0.34;") in _readme()
+            "(95% interval −2.03 to −0.34;") in _accuracy()
     demo = _results("convergence-cnn-demo-plan")
     assert "--plans docs/results/convergence-cnn-demo-plan-plans" in demo["meta"]["command"]
     own = {r["scheme"]: r for r in _results("convergence-cnn-10-seeds")["rows"]}

@@ -19,7 +19,7 @@ from gradsync.sparsegrad import SparseGrad
 from gradsync.testing import run_distributed
 
 N = 40_000 + 123  # not a multiple of 1024
-LIMIT = {2: 0.40, 4: 0.20, 10: 0.08}  # ≈ peeling thresholds (docs/architecture.md, LHC/TAGC)
+LIMIT = {2: 0.40, 4: 0.20, 10: 0.08}  # ≈ peeling thresholds (docs/papers.md, TAGC and LHC)
 
 
 def make_input(case: dict, rank: int) -> torch.Tensor:

@@ -245,12 +245,12 @@ def test_train_refuses_a_plan_of_another_scheme(tmp_path, capsys):
 
 
 def test_readme_replay_sentence_names_what_these_tests_run():
-    """README: ``sync.plan.to_dict()``, ``Config(plan=...)`` replays bitwise (the replay test
-    above), ``train --out`` writes ``plans.json`` and ``train --plan`` replays it (the train
+    """docs/usage.md: ``sync.plan.to_dict()``, ``Config(plan=...)`` replays bitwise (the replay
+    test above), ``train --out`` writes ``plans.json`` and ``train --plan`` replays it (the train
     test above)."""
     from pathlib import Path
 
-    text = " ".join((Path(__file__).resolve().parents[1] / "README.md").read_text().split())
+    text = " ".join((Path(__file__).resolve().parents[1] / "docs/usage.md").read_text().split())
     assert ("`sync.plan.to_dict()` is the plan a run used, and `Config(plan=...)` replays it "
             "bitwise") in text
     assert "`train --out` writes every run's plan to `plans.json`" in text
@@ -258,7 +258,7 @@ def test_readme_replay_sentence_names_what_these_tests_run():
 
 
 def test_tinygpt_budget_plans_keep_the_budget_and_follow_the_shares():
-    """docs/architecture.md, "Why SSFusion trails on TinyGPT": the plans in
+    """docs/results/accuracy.md, "Why SSFusion trails on TinyGPT": the plans in
     docs/results/tinygpt-budget/ fit gpt_tiny, spend the entries of the plans they replace
     (per_tensor: 1 % of the model; SSFusion: the study's plan for that seed, the same tensors
     sent whole), and give each sparsified tensor a density in proportion to its measured
@@ -306,10 +306,10 @@ def test_tinygpt_budget_plans_keep_the_budget_and_follow_the_shares():
 
 
 def test_readme_tinygpt_gap_split_is_the_saved_runs():
-    """README: on TinyGPT at 60 steps SSFusion ends 1.63 above TopkA; the plans built from
-    `train --topk-shares` split it into 0.66 (the weights' allocation), 0.56 (the tensors sent
-    whole, 40 % of the budget) and 0.41 (choosing anew every step). Recomputed from the default
-    study's finals, the saved runs and the saved plans."""
+    """docs/results/accuracy.md: on TinyGPT at 60 steps SSFusion ends 1.63 above TopkA; the
+    plans built from `train --topk-shares` split it into 0.66 (the weights' allocation), 0.56
+    (the tensors sent whole, 40 % of the budget) and 0.41 (choosing anew every step).
+    Recomputed from the default study's finals, the saved runs and the saved plans."""
     import re
     import statistics
     from pathlib import Path
@@ -317,13 +317,13 @@ def test_readme_tinygpt_gap_split_is_the_saved_runs():
     from gradsync.sparsify import target_k
 
     root = Path(__file__).resolve().parents[1]
-    text = " ".join((root / "README.md").read_text().split())
+    text = " ".join((root / "docs/results/accuracy.md").read_text().split())
     m = re.search(r"SSFusion ends ([\d.]+) of perplexity above TopkA at the same bytes\. "
                   r"`train --topk-shares` records.*?the weights' allocation \(([\d.]+)\), the "
                   r"LayerNorm and bias tensors SSFusion sends whole, which take (\d+) % of "
                   r"TinyGPT's budget \(([\d.]+)\), and TopkA's choosing anew every step "
                   r"\(([\d.]+)\)", text)
-    assert m, "the README sentence changed"
+    assert m, "the accuracy page's sentence changed"
     gap, alloc, budget_pct, whole, anew = (float(g) for g in m.groups())
     study = {r["scheme"]: r["finals"] for r in json.loads(
         (root / "docs/results/convergence.json").read_text())["rows"] if r["model"] == "gpt_tiny"}

@@ -890,7 +890,7 @@ def test_ddps_first_bucket_is_planned_and_overlaps_in_the_prediction():
     ("fourth", "1gbit", 52, 53), ("fourth", "100mbit", 50, 53),
     ("fifth", "1gbit", 57, 51), ("fifth", "100mbit", 57, 54)])
 def test_saved_five_run_validation_gives_the_documented_medians(run_set, link, own, ran):
-    """docs/architecture.md ("The median over runs"): of the 54 scheme × P rows per link and
+    """docs/results/simulator.md ("The median over runs"): of the 54 scheme × P rows per link and
     set (57 in the fifth, with ``auto``), how many have a median error over five runs within
     25 %, with the simulator's own plan and timing each run's plan (the fifth set: the 54 rows
     other than auto's, whose run plan it did not record usably). Recomputed here from every
@@ -925,7 +925,7 @@ def test_saved_five_run_validation_gives_the_documented_medians(run_set, link, o
                  "backward+link+sparsify": 63}),
 ])
 def test_saved_plan_inputs_give_the_documented_counts(link, counts):
-    """docs/architecture.md ("Where the fusion schemes' plans come from"): of the 63 planned
+    """docs/results/simulator.md ("Where the fusion schemes' plans come from"): of the 63 planned
     rows per link, how many plans equal the run's from the profile and with each of the run's
     warm-up inputs, recomputed from the saved rows; every row's plan equals the run's once all
     three inputs are the run's. Also the documented medians within 25 % (1 Gbit/s: 19 of 21

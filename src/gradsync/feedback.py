@@ -33,13 +33,10 @@ entry is never applied: an entry sent at every step moves by ``u = g`` instead o
 momentum's ``g / (1 − m)``, ten times less at ``m = 0.9``, and the more often entries are sent
 (the higher the density) the more of the momentum is lost. Without masking the velocity
 carries on after a send, and each entry's cumulative update is exactly dense momentum's,
-delayed until the entry is sent. Measured (TinyGPT, AdamW's β1 = 0.9 through
-:class:`gradsync.optim.FrozenVarianceAdamW`, 60 steps, P = 4, 3 seeds, held-out perplexity, DDP
-17.03): TopkA at 1 % 20.15 with masking, 18.88 without; at 10 % 22.78 with (worse than at 1 %),
-17.78 without. CNN on Fashion-MNIST with SGD (160 steps, P = 4, 3 seeds; DDP 82.97 %): at 10 %
-TopkA reached 79.20 % with masking and 82.75 % without; at 1 % the two agree within the
-seeds' spread. ``ErrorFeedback`` keeps DGC's rule by default (``masking=True``); the engine's
-``Config.momentum_masking`` defaults to ``False``.
+delayed until the entry is sent. Measured, masking cost TopkA accuracy on the CNN and
+perplexity on TinyGPT, more at 10 % density than at 1 % (docs/results/accuracy.md, "Momentum
+factor masking"). ``ErrorFeedback`` keeps DGC's rule by default (``masking=True``); the
+engine's ``Config.momentum_masking`` defaults to ``False``.
 
 **Residual dtype.** ``residual_dtype="auto"`` keeps residuals and velocities of 16-bit
 (bf16/fp16) gradients in fp32 and every other gradient in its own dtype; a 16-bit residual

@@ -81,8 +81,8 @@ def _fmt(v: Any) -> str:
 def cpu_description() -> str:
     """The CPU's model name and the kernels torch picked for it, e.g. ``"AMD EPYC; torch CPU
     kernels AVX2"``. Float results are bit for bit reproducible only on the same kernels: the
-    same code and seed rounded differently on another host (docs/architecture.md,
-    "Accuracy over the budget")."""
+    same code and seed rounded differently on another host (docs/results/accuracy.md,
+    "Reproducible on the same kernels only")."""
     name = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

@@ -26,10 +26,8 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
    by the union of the local selections (at most P·k entries, TopkA's volume). With
    ``recompute_band=(lo, hi)`` a reused θ whose count falls outside [lo·k, hi·k] is recomputed
    exactly in the same step (reason ``"out_of_range"``), which caps the bytes at the price of
-   8 more all-reduces in those steps. Measured on the CNN (P = 4, 1%, 160 steps, seeds 1–3) with
-   the band (2/3, 4/3): θ was recomputed in 70–100% of the early steps, the step ran at 0.57×
-   DDP's throughput against 0.68× without, and the accuracy was 81.32% against 82.09%
-   (0.049 against 0.065–0.069 MB/step).
+   8 more all-reduces in those steps; early in training that is most steps, and it cost the
+   CNN both speed and accuracy (docs/results/speed.md, "Ok-Topk's count guard").
 4. **Balance and allgatherv** (§3.1.2, line 13). The selected counts are all-gathered; if the
    largest exceeds 4× the average (§5.3), the selected entries are re-distributed into P equal
    contiguous chunks by point-to-point messages (order preserved), then all-gathered with an

@@ -35,7 +35,7 @@ one difference: where LHC switches from ``gather`` to ``max`` (P ≥ 16, when an
 bitmaps outweigh a byte per element), a reduce-scatter keeps ``gather`` — each owner receives
 only its own chunk, (P−1)·B bytes against ``max``'s (P−1)·n at every P. 1-bit bitmaps are
 never SUMmed (a carry would corrupt the neighbouring bit); 4-bit counters are, exact for
-P ≤ 15. See docs/architecture.md, "Facts from the reference implementations" (LHC/TAGC).
+P ≤ 15. See docs/papers.md, "TAGC and LHC".
 
 The sketches are fp32 whatever the gradient dtype: (P−1)·4·length bytes per rank.
 """

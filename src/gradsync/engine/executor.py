@@ -9,7 +9,7 @@ thread, never on the training thread. An all-reduce (a dense buffer, or Buffer_A
 and not waited for here: the next job goes out at once, as DDP's Reducer issues its buckets,
 and the training thread waits for the sum itself (``JobResult.settle``), with no wake-up of this
 thread between the sum's arrival and the optimizer step (measured on 2 cores at P = 4: −4…−1 %
-on loopback, +0.5…+3 % at 1 Gbit/s, docs/architecture.md, "DDP's buckets").
+on loopback, +0.5…+3 % at 1 Gbit/s, docs/results/speed.md, "The all-reduce in flight").
 
 **Offload worker** (SSFusion-O, §IV-C): the tensors the planner offloaded are sparsified on one
 serial worker thread instead of the training thread. On the CPU it selects in place. On CUDA

@@ -71,23 +71,23 @@ __all__ = ["DRIFT_PATIENCE", "DRIFT_THRESHOLD", "DRIFT_WINDOW", "TRIAL_CLOSE", "
            "provisional_plan"]
 
 DRIFT_THRESHOLD = 0.25  # |measured / predicted step − 1| beyond this (either way) is drift
-# steps per measurement (their median). 10, not 5: on a loaded 2-core machine single steps vary
-# by ±30 %, and with 5-step medians a trial kept the slower plan (CNN, P = 4, loopback: a sparse
-# plan at 40 ms kept over DDP's dense buckets at 31 ms)
+# steps per measurement (their median). 10, not 5: single steps vary too much on a loaded
+# machine for a 5-step median to pick the faster plan (docs/results/speed.md, "The warm-up's
+# windows and trials")
 DRIFT_WINDOW = 10
 DRIFT_PATIENCE = 2  # consecutive drifted windows before auto plans again
 # A trial is A-B-B-A: the plan in use for a window, the candidate for TRIAL_WINDOWS half
 # windows, the plan in use again for one half window; the means of each plan's window medians
-# decide. A load that comes or goes during the trial then weighs on both plans alike (measured:
-# with one window each, a load that came between the two windows kept a sparse plan at 0.38x
-# DDP for the rest of a 300-step run on loopback).
+# decide. A load that comes or goes during the trial then weighs on both plans alike, where
+# with one window each a load arriving between them could keep the slower plan for the rest of
+# the run (docs/results/speed.md, "The warm-up's windows and trials").
 TRIAL_WINDOWS = 2
 # A close trial goes on: when the two plans' means are within TRIAL_CLOSE of each other (after
 # the margin), the candidate runs another TRIAL_WINDOWS half windows and the plan in use another
 # one (B-B-A again), up to TRIAL_ROUNDS rounds, and the means over all rounds decide. Half-window
-# medians vary by ±10-20 % on the 2-core machine (CNN, P = 4, 1 Gbit/s: the dense plan's trial
-# measured 55 and 60 ms in two runs while whole runs of DDP took 45 ms); a near tie costs
-# little whichever plan runs the extra rounds, a wrong pick costs the rest of the run.
+# medians vary by ±10-20 % on a shared machine (docs/results/speed.md), so one round is close to
+# a coin flip between plans a few percent apart; a near tie costs little whichever plan runs
+# the extra rounds, a wrong pick costs the rest of the run.
 TRIAL_CLOSE = 0.10
 TRIAL_ROUNDS = 3
 
@@ -200,8 +200,8 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
     instance of the scheme's sparse collective (``new_collective``;
     ``costmodel.profile_sparse_call``) and adds that fixed cost per call to the all-gather's α
     (``costmodel.with_call_cost``): without it the model priced a sparse buffer as a raw
-    all-gather and chose multi-buffer sparse plans that ran 1.5–2× slower than DDP's dense
-    buckets on loopback (CNN, P = 4), until the trials replaced them.
+    all-gather and chose sparse plans slower than DDP's dense buckets, until the trials replaced
+    them (docs/results/speed.md, "The warm-up's windows and trials").
     """
     order, backward = backward_profile(samples, list(names))
     spec = schemes.get(cfg.scheme)

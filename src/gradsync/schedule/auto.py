@@ -48,7 +48,7 @@ against: where the model wrongly chose a sparse plan (it under-predicts them on 
 the first trial already returns to it, and the other sparse runners-up are then measured
 against it rather than against each other first. Every
 runner-up is measured, however much slower it is predicted: on a 2-core machine the model
-under-predicted sparse plans by up to 4× (docs/architecture.md, simulator validation), and
+under-predicted sparse plans by up to 4× (docs/results/speed.md, on ``auto``), and
 measuring costs two windows per runner-up, once. When the measured step later drifts from the
 prediction, :func:`calibrated` rescales the cost model by the measured/predicted ratios of
 all-reduce, all-gather and sparsification time and the engine plans again; a new plan is taken

@@ -436,7 +436,7 @@ def profile_sparse_call(collective: Callable[..., Any], group=None, repeats: int
     """Wall time of one call of the sparse ``collective`` on a selection of one entry per
     rank: its fixed cost per call — control collectives (counts, shapes), encoding, decoding,
     the merge's start-up and Python — which a raw all-gather's α does not contain (on 2 CPU
-    cores, 3–7 ms per TopkA call at P = 4 against α ≈ 0.1 ms; docs/architecture.md).
+    cores, 3–7 ms per TopkA call at P = 4 against α ≈ 0.1 ms; docs/results/simulator.md).
 
     Every rank must call it. The median over ``repeats`` (after one warm-up), each call after
     a barrier, max-reduced over ranks, so every rank returns the same number. The calls'

@@ -2,7 +2,7 @@
 
 Cupcake fuses consecutive gradients (backward order) into buffers that are each sparsified as
 one vector and all-gathered, choosing the fusion that minimises the iteration time. Its released
-code lacks FindOptFusion (docs/architecture.md, "Facts from the reference implementations");
+code lacks FindOptFusion (docs/papers.md, "The SSFusion paper's baselines");
 we compute it exactly as a dynamic program over contiguous groups with the simulator's
 recurrence (timeline.py, mode ``"fused"``, overlap on).
 

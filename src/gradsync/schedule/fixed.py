@@ -13,7 +13,7 @@ the all-reduce of the gradients ready first while the backward pass runs. Where 
 cores that early all-reduce takes CPU from the backward instead: measured step by step in one
 job (CNN, P = 4, 2 cores), the engine's dense plan ran 0.93–0.97× DDP's step rate with DDP's
 two buckets and 1.00–1.03× with one on loopback, 0.94–0.97× and 0.93–0.96× at 1 Gbit/s
-(docs/architecture.md, "DDP's buckets").
+(docs/results/speed.md, "DDP's buckets").
 """
 
 from __future__ import annotations

@@ -39,8 +39,7 @@ k(n, d′) is a step function). One d′ for every sparsified tensor of the mode
 small tensors' cost is spread over all large tensors, not over the few in the same buffer.
 Lower bound 0.001 (``min_density``; never above the target density). The DDP hook calls the same
 function over all of the model's parameters (integrations/ddp.py). SSFusion's published code
-leaves the density unchanged (docs/architecture.md, "Facts from the reference
-implementations"); this is the paper's intent.
+leaves the density unchanged (docs/papers.md, "SSFusion"); this is the paper's intent.
 
 **SSFusion-O (§IV-C Step-1).** In each buffer, sparsified tensors are taken in backward order; a
 tensor is offloaded to the (single, serial) worker thread when its offloaded sparsification

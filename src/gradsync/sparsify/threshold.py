@@ -1,5 +1,5 @@
-"""Ok-Topk's threshold reuse (Ok-Topk §3.1.3, Algorithm 1 lines 2–4; docs/architecture.md,
-"Facts from the reference implementations", Ok-Topk).
+"""Ok-Topk's threshold reuse (Ok-Topk §3.1.3, Algorithm 1 lines 2–4; docs/papers.md,
+"Ok-Topk").
 
 The gradient values form a slowly changing stochastic process, so the top-k threshold of one
 iteration is a good threshold for the next ones. Every τ′ iterations (``period``, 32 by default;

@@ -41,7 +41,7 @@ communication) on C < 3P cores, they do not; :class:`Contention` adds the terms 
   a one-buffer collective
   (``planner="single"``) starts after the backward and sparsification, and its rounds pay the
   idle price (``ComputeCost.message``). Charging every round of every collective the loaded
-  price over-predicted the sparse schemes at P = 8 by +28…+117 % (docs/architecture.md).
+  price over-predicted the sparse schemes at P = 8 by +28…+117 % (docs/results/simulator.md).
 
 * **the collectives' CPU on the compute side** (:meth:`Contention.steal`): the other
   direction. A rank with at most one core runs its communication thread's CPU (message

@@ -120,7 +120,7 @@ def engine_view(cost: CostModel) -> CostModel:
     measures, and it has no other compute term (no merge or codec cost, no start-ups beyond
     Eq. 3/4's). The simulator plans with this and times the plan with ``cost``: planning with
     the whole model chose plans the engine never runs (Espresso's small tensors sent dense
-    where every run sent them sparse) and under-predicted them (docs/architecture.md)."""
+    where every run sent them sparse) and under-predicted them (docs/results/simulator.md)."""
     if cost.compute is None:
         return cost
     m = cost.compute.message

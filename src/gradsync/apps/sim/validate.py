@@ -263,7 +263,7 @@ def run_validation(a) -> int:
     """``simulate --validate``: ``a.validate_runs`` whole runs (each profiles and measures
     every P afresh), each printed as it ends; with several, the median over runs per scheme
     and P, the figure the bar is judged on (one run's profile moves more than the runs do:
-    docs/architecture.md)."""
+    docs/results/simulator.md)."""
     from gradsync.apps.common import write_outputs
     from gradsync.apps.sim.predict import NOTE, plot_vs_p
 
