@@ -37,6 +37,11 @@ def test_help_lists_options_and_schemes(capsys):
                    "ddp_gradsync_ssfusion"):
         assert scheme in out
     assert "not" in out and "propagation" in out  # --latency says what it is not
+    flat = " ".join(out.split())  # --timeout watches progress, not the whole run
+    assert "--timeout" in flat and "seconds without progress" in flat
+    assert "long, healthy run is never cut short" in flat
+    for hidden in ("--fail-rank", "--stall-at", "--step-sleep", "--inject-scheme"):
+        assert hidden not in out  # test knobs
 
 
 def test_two_schemes_on_two_workers_metrics_and_table(tmp_path, capsys):

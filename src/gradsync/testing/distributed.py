@@ -11,6 +11,13 @@ Guarantees, each tested in ``tests/test_testing.py``:
   rank's traceback; the other ranks are stopped (they may be blocked in a collective);
 * a rank that hangs past ``timeout`` seconds makes the call raise :class:`DistributedTimeout`,
   naming the ranks that did not finish; every child is reaped, the caller never hangs;
+* with ``progress_timeout=T`` the job is watched for progress instead (or as well, when
+  ``timeout`` is given too): each rank reports it with :func:`heartbeat` (a training loop: once
+  per completed step), and when no unfinished rank has reported for ``T`` seconds the call
+  raises :class:`DistributedStall` (a :class:`DistributedTimeout`) naming the ranks furthest
+  behind and the step each rank was at. A long job that keeps stepping runs as long as it
+  needs; a deadlock still ends ``T`` seconds after the last step anyone completed (tested in
+  ``tests/test_train_failures.py``, with ``python -m gradsync train``, its user);
 * a rank that dies without raising (``os._exit``, a signal) is reported with its exit code;
 * a launcher killed outright (``SIGTERM``/``SIGKILL`` to it alone, no ``finally`` runs) does
   not leave its ranks running: each rank watches the launcher's process and exits within
@@ -35,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import math
 import multiprocessing as mp
 import os
 import queue
@@ -49,10 +57,41 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["DistributedError", "DistributedTimeout", "run_distributed", "watch_launcher"]
+__all__ = ["DistributedError", "DistributedStall", "DistributedTimeout", "heartbeat",
+           "progress_limit", "run_distributed", "watch_launcher"]
 
 _GRACE_SECONDS = 5.0  # how long peers get to exit on their own after one rank failed
 _WATCH_SECONDS = 0.5  # how often a rank checks that its launcher still runs
+# Under a progress watchdog (run_distributed(progress_timeout=T)) the ranks' collectives time out
+# after this many times T: the watchdog, which sees every rank, then fires first and names the
+# stalled one, instead of a waiting peer's collective failing with a bare timeout.
+COLLECTIVE_TIMEOUT_FACTOR = 2.0
+
+# This rank's heartbeat slots when a watched run_distributed started it: (times, steps, rank,
+# limit); None elsewhere (heartbeat() is then a no-op).
+_HEARTBEAT: tuple[Any, Any, int, float] | None = None
+
+
+def heartbeat(step: int | None = None) -> None:
+    """Report progress of this rank to its launcher's watchdog: ``step`` completed (``None``:
+    alive, still at the step last reported, e.g. during an evaluation). A no-op unless this
+    process is a rank of :func:`run_distributed` with ``progress_timeout``; cheap (two stores
+    to shared memory), so a loop may call it every step."""
+    hb = _HEARTBEAT
+    if hb is None:
+        return
+    times, steps, rank, _ = hb
+    if step is not None:
+        steps[rank] = int(step)
+    times[rank] = time.monotonic()
+
+
+def progress_limit() -> float | None:
+    """The ``progress_timeout`` this rank's launcher watches its :func:`heartbeat` with;
+    ``None`` outside such a run (no watchdog: a loop's own collective timeouts are all there
+    is). Code that sets timeouts of its own collectives can make them longer than the
+    watchdog's (:data:`COLLECTIVE_TIMEOUT_FACTOR`), so that the watchdog reports a stall."""
+    return None if _HEARTBEAT is None else _HEARTBEAT[3]
 
 
 def _watch(launcher: int) -> None:
@@ -94,6 +133,31 @@ class DistributedTimeout(TimeoutError):
         )
 
 
+class DistributedStall(DistributedTimeout):
+    """No unfinished rank reported progress (:func:`heartbeat`) for ``progress_timeout``
+    seconds. ``ranks``: the stalled ones — the ranks furthest behind, at the lowest step;
+    ``steps``: every unfinished rank → the step it was at (one past the last it completed; 0:
+    none completed); ``idle``: rank → seconds since its last report."""
+
+    def __init__(self, steps: dict[int, int], idle: dict[int, float], progress_timeout: float):
+        low = min(steps.values())
+        self.ranks = [r for r in sorted(steps) if steps[r] == low]
+        self.steps, self.idle, self.progress_timeout = dict(steps), dict(idle), progress_timeout
+        who = "rank" if len(self.ranks) == 1 else "ranks"
+        names = ", ".join(map(str, self.ranks))
+        first = "before completing any step" if low == 0 else f"at step {low}"
+        parts = [f"{who} {names} stalled {first} (last progress "
+                 f"{max(idle[r] for r in self.ranks):.0f}s ago)"]
+        ahead = sorted(r for r in steps if steps[r] != low)
+        if ahead:
+            them = "it" if len(self.ranks) == 1 else "them"
+            parts.append(f"waiting for {them}: "
+                         + ", ".join(f"rank {r} at step {steps[r]}" for r in ahead))
+        TimeoutError.__init__(
+            self, f"no rank made progress for {progress_timeout:g}s: {'; '.join(parts)} "
+                  "(hung or deadlocked); all ranks were terminated")
+
+
 def _context() -> mp.context.BaseContext:
     method = os.environ.get("GRADSYNC_START_METHOD", "forkserver")
     if method not in mp.get_all_start_methods():
@@ -114,10 +178,14 @@ def _worker(
     timeout: float,
     results: Any,
     launcher: int,
+    beats: tuple[Any, Any, float] | None,
     args: tuple,
     kwargs: dict,
 ) -> None:
+    global _HEARTBEAT
     watch_launcher(launcher)
+    if beats is not None:
+        _HEARTBEAT = (beats[0], beats[1], rank, beats[2])
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
     os.environ.update(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
@@ -131,6 +199,7 @@ def _worker(
             backend, init_method=init_method, rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
+        heartbeat()  # up: start-up is progress too
         out = fn(rank, world_size, *args, **kwargs)
         buf = io.BytesIO()
         torch.save(out, buf)
@@ -147,9 +216,10 @@ def run_distributed(
     fn: Callable[..., Any],
     world_size: int,
     *args: Any,
-    timeout: float = 120.0,
+    timeout: float | None = 120.0,
     backend: str = "gloo",
     cuda: bool | None = None,
+    progress_timeout: float | None = None,
     **kwargs: Any,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on ``world_size`` ranks; return results.
@@ -160,11 +230,24 @@ def run_distributed(
     Raises :class:`DistributedError` (with the failing rank's traceback) if any rank raised or
     died, and :class:`DistributedTimeout` if any rank is still running after ``timeout``
     seconds. All child processes are reaped before this function returns or raises.
+
+    ``progress_timeout``: also watch for progress (module docstring): ``fn`` reports it with
+    :func:`heartbeat`, start-up counts as one, and :class:`DistributedStall` is raised once no
+    unfinished rank reported for this many seconds. With it ``timeout`` may be ``None`` (no
+    bound on the whole job, only on its progress); the process group's timeout is then
+    :data:`COLLECTIVE_TIMEOUT_FACTOR` times ``progress_timeout`` (else it is ``timeout``).
     """
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    if timeout <= 0:
+    if progress_timeout is not None and not progress_timeout > 0:
+        raise ValueError(f"progress_timeout must be > 0, got {progress_timeout}")
+    if timeout is None and progress_timeout is None:
+        raise ValueError("timeout=None needs a progress_timeout (a job must end in bounded "
+                         "time when it hangs)")
+    if timeout is not None and not timeout > 0:
         raise ValueError(f"timeout must be > 0, got {timeout}")
+    pg_timeout = (timeout if progress_timeout is None
+                  else COLLECTIVE_TIMEOUT_FACTOR * progress_timeout)
     nccl = "nccl" in backend.lower()
     cuda = nccl if cuda is None else bool(cuda)
     if cuda or nccl:
@@ -177,28 +260,37 @@ def run_distributed(
                              f"for {gpus} GPU(s) (use gloo on CUDA tensors for more ranks)")
     ctx = _context()
     results = ctx.Queue()
+    beats = None
+    if progress_timeout is not None:  # per rank: when it last reported, the step it completed
+        times = ctx.Array("d", [time.monotonic()] * world_size, lock=False)
+        steps = ctx.Array("q", [-1] * world_size, lock=False)
+        beats = (times, steps, float(progress_timeout))
     with tempfile.TemporaryDirectory(prefix="gradsync-rdzv-") as tmp:
         init_method = f"file://{os.path.join(tmp, 'store')}"
         procs = [
             ctx.Process(
                 target=_worker,
-                args=(fn, r, world_size, init_method, backend, cuda, timeout, results,
-                      os.getpid(), args, kwargs),
+                args=(fn, r, world_size, init_method, backend, cuda, pg_timeout, results,
+                      os.getpid(), beats, args, kwargs),
                 daemon=True,
             )
             for r in range(world_size)
         ]
         for p in procs:
             p.start()
+        if beats is not None:  # the watch starts once they run (a forkserver may start slowly)
+            beats[0][:] = [time.monotonic()] * world_size
         try:
-            return _collect(procs, results, world_size, timeout)
+            return _collect(procs, results, world_size, timeout, beats)
         finally:
             _reap(procs)
             results.close()
 
 
-def _collect(procs: list, results: Any, world_size: int, timeout: float) -> list[Any]:
-    deadline = time.monotonic() + timeout
+def _collect(procs: list, results: Any, world_size: int, timeout: float | None,
+             beats: tuple[Any, Any, float] | None = None) -> list[Any]:
+    deadline = math.inf if timeout is None else time.monotonic() + timeout
+    stall: DistributedStall | None = None
     done: dict[int, Any] = {}
     raised: list[DistributedError] = []  # ranks that raised, in arrival order
     died: list[DistributedError] = []  # ranks that exited without a result: the root cause
@@ -224,6 +316,10 @@ def _collect(procs: list, results: Any, world_size: int, timeout: float) -> list
     while len(done) < world_size and time.monotonic() < stop_at:
         if receive(0.05):
             continue
+        if beats is not None and not (died or raised):
+            stall = _stalled(beats, [r for r in range(world_size) if r not in done])
+            if stall is not None:
+                break
         # A rank that died without reporting (segfault, os._exit) never puts a result; its
         # last words may still be in the pipe, so drain once more before declaring it dead.
         for r, p in enumerate(procs):
@@ -231,7 +327,19 @@ def _collect(procs: list, results: Any, world_size: int, timeout: float) -> list
                 done[r] = None
                 msg = f"process exited with code {p.exitcode} without a result"
                 fail(DistributedError(r, msg), died)
+    if stall is not None:
+        raise stall
     return finish(done, died, raised, world_size, timeout)
+
+
+def _stalled(beats: tuple[Any, Any, float], active: list[int]) -> DistributedStall | None:
+    """The stall of ``active`` ranks when none of them reported for the progress limit."""
+    times, steps, limit = beats
+    now = time.monotonic()
+    idle = {r: now - times[r] for r in active}
+    if not active or min(idle.values()) <= limit:
+        return None
+    return DistributedStall({r: steps[r] + 1 for r in active}, idle, limit)
 
 
 def finish(done: dict[int, Any], died: list[DistributedError], raised: list[DistributedError],

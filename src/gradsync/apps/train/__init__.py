@@ -11,7 +11,8 @@ Two ways to run:
   ``MASTER_ADDR`` are set: ``init_process_group`` with NCCL when CUDA is available (model and
   data on ``cuda:LOCAL_RANK``), else gloo; rank 0 prints the summary and writes ``--out``.
 
-Schemes (``--scheme a,b,c`` runs each in turn with the same seed and data, one table at the end):
+Schemes (``--scheme a,b,c`` runs each in turn with the same seed and data, one table at the end;
+local workers start afresh for each scheme):
 
 * every engine scheme of :data:`gradsync.schedule.SCHEMES` (``ssfusion_oi``, ``oktopk``,
   ``densestream``, …) through :class:`gradsync.GradSync`;
@@ -64,10 +65,23 @@ with), ``loss_vs_time.png`` and ``throughput.png``. ``--plan FILE`` replays such
 ``plans.json`` (``Config.plan``): the schemes that plan from times measured in their warm-up
 (``multi_tensor``, ``cupcake``, ``ssfusion*``, ``auto``, …) may otherwise plan differently, and
 so train differently, in two runs with the same seed.
+Schemes that do not finish (:mod:`.command`, :mod:`.loop`): a scheme whose loss or gradient
+turns NaN/Inf at step N — detected alike on every rank — is recorded as ``"diverged at step
+N"``, one that fails (a rank raised or died, or no rank completed a step for ``--timeout``
+seconds: the message names the stalled ranks and their step) as ``"failed: <reason>"``; the
+remaining schemes run, the table marks them in a ``status`` column and the exit status is 1,
+the last line naming them. As each scheme finishes a line reports it and ``metrics.json`` is
+rewritten with the runs so far (``"complete": false`` until the end), so a crash or kill later
+keeps the finished schemes. ``--timeout`` bounds progress, not the whole run: local workers are
+watched by ``run_distributed``'s progress watchdog (``progress_timeout``; a step, or an
+evaluation batch, is progress); under torchrun it is the collectives' timeout; on shaped links
+(``--bandwidth`` as root) it bounds each scheme's whole run.
+
 ``metrics.json`` schema (``"schema": "gradsync.train/1"``)::
 
     {
       "schema": "gradsync.train/1",
+      "complete": false while schemes are still to run, then true,
       "config": {model, data, schemes, world_size, steps, batch_size, lr, optimizer, density,
                  sparsifier, seed, warmup_steps, eval_batches, bandwidth, latency, amp,
                  text_fallback, replayed_plans (the schemes run with ``--plan``)},
@@ -76,6 +90,8 @@ so train differently, in two runs with the same seed.
                       shaped, bandwidth_bps, propagation_delay},
       "runs": [{
         "scheme": str, "task": "image" | "causal_lm" | "masked_lm",
+        "status": "ok" | "diverged at step N" | "failed: <reason>",
+        "diverged_at_step": N | null, "reason": what was non-finite, or why it failed | null,
         "steps": [{"step", "loss", "time_s", "cpu_s", "elapsed_s", "samples_per_s", "bytes_sent",
                    "bytes_recv", "backward_s", "sparsify_s", "comm_s", "wait_s",
                    "missing_rate", "warmup", "probing" (auto), "loss_scale" (``--amp
@@ -90,7 +106,8 @@ so train differently, in two runs with the same seed.
                     and mean bytes per rank and step after them),
                     "test_accuracy", "test_samples" (images) | "eval_loss", "perplexity",
                     "eval_tokens" (language models; masked LMs: over the masked tokens),
-                    "plan_digest" (``Plan.digest()``; null outside the engine)},
+                    "plan_digest" (``Plan.digest()``; null outside the engine),
+                    "status" (as the run's; not "ok": final_loss NaN, no evaluation)},
         "plan": the engine's plan at the end (``Plan.to_dict()``) | null,
         "topk_shares": ``--topk-shares``: {"density", "steps", "tensors": {name: {"numel",
                        "topk_share", "entry_share"}}} (gradsync.apps.train.shares) | null
@@ -108,6 +125,8 @@ Programmatic use (what ``demo`` and ``bench schemes`` do)::
 
     spec = train.resolve_data(train.parse_args(["--scheme", "ddp,oktopk", "--steps", "20"]))
     results, link = train.launch(spec)            # or train.TrainSpec(...) directly
+    # one launch for all schemes; a divergence raises (DistributedError), or with
+    # train.launch(spec, keep_going=True) is recorded in the run's "status"
     runs = train.summarize(results, spec.warmup_steps)
     train.write_metrics(out, spec.config(len(results)), train.environment(...), runs)
 

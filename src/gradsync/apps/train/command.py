@@ -1,5 +1,17 @@
 """``python -m gradsync train``'s command line: arguments → :class:`TrainSpec`, the launch on
-local workers or as one worker of a torchrun job, the report."""
+local workers or as one worker of a torchrun job, the report.
+
+Schemes that do not finish. Local workers train one scheme per launch: a scheme that diverges
+(a NaN/Inf loss or gradient, seen alike on every rank: :mod:`.loop`) or fails (any rank
+raised or died, or the job stopped making progress for ``--timeout`` seconds) is recorded as
+``"diverged at step N"`` or ``"failed: <reason>"`` and the next scheme starts on fresh ranks.
+Under torchrun the processes are the job's: a divergence is recorded the same way, but any
+other error ends the job (torchrun stops every worker), after the schemes before it were
+written. As each scheme finishes, a line says how it went and ``--out``'s ``metrics.json`` is
+rewritten with the runs so far (``"complete": false`` until the end), so a crash or a kill
+later keeps them; the table comes at the end, with a ``status`` column when some scheme did not
+finish, and the exit status is 1 then (the last line names them).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +30,15 @@ import torch.distributed as dist
 from gradsync.apps.train.loop import train_worker
 from gradsync.apps.train.shards import resolve_data
 from gradsync.apps.train.spec import DATASETS, DEFAULT_STEPS, TrainSpec, all_schemes, defaults
-from gradsync.apps.train.summary import environment, report
+from gradsync.apps.train.summary import (
+    environment,
+    failed_run,
+    progress_line,
+    report,
+    summarize,
+    unfinished,
+    write_metrics,
+)
 from gradsync.collectives.comm import exchange_objects
 
 __all__ = ["TORCHRUN_VARS", "build_parser", "launch", "main", "parse_args", "torchrun_env"]
@@ -84,10 +104,28 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
     p.add_argument("--eval-batches", type=int, default=d["eval_batches"],
                    help="test batches for accuracy / perplexity (0 = no evaluation)")
     p.add_argument("--timeout", type=float, default=d["timeout"],
-                   help="seconds before a hung job is stopped")
+                   help="seconds without progress before a hung scheme is stopped: when no "
+                        "rank completed a step for this long, the scheme fails naming the "
+                        "stalled ranks and their step, and the next scheme runs (a long, "
+                        "healthy run is never cut short; under torchrun: the collectives' "
+                        "timeout; with --bandwidth on shaped links: each scheme's whole run)")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)  # tests
+    # tests of the failure paths: a rank that raises at step 1, a rank that stalls after a
+    # step's collectives (RANK:STEP), a sleep after every step, the one scheme they apply to
+    p.add_argument("--fail-rank", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--stall-at", type=_rank_step, default=None, help=argparse.SUPPRESS)
+    p.add_argument("--step-sleep", type=float, default=d["step_sleep"], help=argparse.SUPPRESS)
+    p.add_argument("--inject-scheme", default=None, help=argparse.SUPPRESS)
     return p
+
+
+def _rank_step(value: str) -> tuple[int, int]:
+    """``--stall-at RANK:STEP``."""
+    try:
+        rank, step = (int(v) for v in value.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected RANK:STEP, got {value!r}") from None
+    return rank, step
 
 
 def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = None
@@ -104,7 +142,9 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
             batch_size=a.batch_size, lr=a.lr, density=a.density, sparsifier=a.sparsifier,
             seed=a.seed, warmup_steps=a.warmup_steps, eval_batches=a.eval_batches,
             bandwidth=a.bandwidth, latency=a.latency, timeout=a.timeout, out=a.out,
-            progress=not a.no_progress, fail_rank=a.fail_rank, density_warmup=a.density_warmup,
+            progress=not a.no_progress, fail_rank=a.fail_rank, stall_at=a.stall_at,
+            step_sleep=a.step_sleep, inject_scheme=a.inject_scheme,
+            density_warmup=a.density_warmup,
             adam_warmup=a.adam_warmup, amp=a.amp, plans=_read_plans(a.plan, p),
             topk_shares=a.topk_shares)
     except ValueError as e:
@@ -126,9 +166,18 @@ def _read_plans(path: str | None, p: argparse.ArgumentParser) -> dict | None:
         p.error(f"--plan {path}: {e}")
 
 
-def launch(spec: TrainSpec) -> tuple[list[dict], dict]:
+def launch(spec: TrainSpec, keep_going: bool = False, note: bool = True
+           ) -> tuple[list[dict], dict]:
     """Run ``spec.world_size`` local workers (shaped links with ``spec.bandwidth``); returns
-    (per-rank results of :func:`gradsync.apps.train.train_worker`, link description)."""
+    (per-rank results of :func:`gradsync.apps.train.train_worker`, link description).
+
+    On loopback the job is watched for progress: it fails
+    (:class:`~gradsync.testing.distributed.DistributedStall`) when no rank completed a step for
+    ``spec.timeout`` seconds, however long it runs otherwise; on shaped links ``spec.timeout``
+    bounds the whole job. A diverged scheme raises on every rank
+    (:class:`~gradsync.apps.train.loop.Diverged`, reaching here as a ``DistributedError``),
+    or, with ``keep_going``, is recorded in its run's ``status``. ``note``: say so when
+    shaped links were asked for and the run fell back to loopback."""
     from gradsync.testing import netem, run_distributed
 
     if spec.bandwidth is not None:
@@ -136,15 +185,17 @@ def launch(spec: TrainSpec) -> tuple[list[dict], dict]:
             warnings.simplefilter("ignore", RuntimeWarning)
             res = netem.run_shaped(train_worker, spec.world_size, spec,
                                    bandwidth=spec.bandwidth_bps, latency=spec.latency,
-                                   timeout=spec.timeout)
+                                   timeout=spec.timeout, keep_going=keep_going)
         if res.shaped:
             link = f"tbf {spec.bandwidth} per rank and direction"
         else:
             link = "loopback"
-            print(f"note: no shaped links ({res.reason}); ran on loopback instead")
+            if note:
+                print(f"note: no shaped links ({res.reason}); ran on loopback instead")
         return list(res), {"link": link, "shaped": res.shaped,
                            "bandwidth_bps": spec.bandwidth_bps}
-    out = run_distributed(train_worker, spec.world_size, spec, timeout=spec.timeout)
+    out = run_distributed(train_worker, spec.world_size, spec, keep_going=keep_going,
+                          timeout=None, progress_timeout=spec.timeout)
     return out, {"link": "loopback", "shaped": False, "bandwidth_bps": None}
 
 
@@ -171,17 +222,96 @@ def _main_torchrun(spec: TrainSpec) -> int:
         dist.init_process_group(backend, timeout=timedelta(seconds=spec.timeout))
     rank, P = dist.get_rank(), dist.get_world_size()
     spec = dataclasses.replace(spec, device=f"cuda:{local}" if cuda else "cpu")
-    try:
-        mine = train_worker(rank, P, spec)
-        gathered = exchange_objects(mine)  # collectives/comm.py, "Exit safety"
+    link = {"link": "torchrun job", "shaped": False, "bandwidth_bps": None}
+    results = [{"rank": r, "runs": []} for r in range(P)]  # rank 0's copy of every rank's
+
+    def on_run(run: dict) -> None:  # every rank, after each scheme: rank 0 keeps and writes
+        gathered = exchange_objects(run, dst=0)  # collectives/comm.py, "Exit safety"
         if rank == 0:
-            env = environment("torchrun", backend, spec.device,
-                              {"link": "torchrun job", "shaped": False, "bandwidth_bps": None})
-            report(spec, gathered, env, f"gradsync train — {spec.model}, P={P}, torchrun "
-                                        f"({backend})")
+            for mine, theirs in zip(results, gathered):
+                mine["runs"].append(theirs)
+            _scheme_done(spec, results, environment("torchrun", backend, spec.device, link))
+
+    try:
+        mine = train_worker(rank, P, spec, keep_going=True, on_run=on_run)
+        if rank == 0:
+            report(spec, results, environment("torchrun", backend, spec.device, link),
+                   f"gradsync train — {spec.model}, P={P}, torchrun ({backend})")
+        status = _exit_status(mine["runs"], rank == 0)  # alike on every rank
+        if P > 1:  # rank 0 has reported: no rank's non-zero exit makes torchrun stop it first
+            dist.barrier()
     finally:
         dist.destroy_process_group()
-    return 0
+    return status
+
+
+def _scheme_done(spec: TrainSpec, results: list[dict], env: dict) -> None:
+    """A scheme finished (its runs are the last of ``results``): say how it went and, before
+    the last one, write the runs so far to ``spec.out`` (the table and plots come at the
+    end)."""
+    runs = summarize(results, spec.warmup_steps)
+    print(progress_line(runs[-1], len(runs), len(spec.schemes)), flush=True)
+    if spec.out and len(runs) < len(spec.schemes):
+        write_metrics(spec.out, spec.config(len(results)), env, runs, complete=False,
+                      plots=False)
+
+
+def _exit_status(runs: list[dict], say: bool) -> int:
+    """1 when some scheme of ``runs`` (each with ``"scheme"`` and ``"status"``) diverged or
+    failed (``say``: the last line names them), else 0."""
+    bad = unfinished(runs)
+    if not bad:
+        return 0
+    if say:
+        print(f"error: {len(bad)} of {len(runs)} scheme{'s' if len(runs) > 1 else ''} did not "
+              f"finish: " + "; ".join(_what(r) for r in bad), file=sys.stderr)
+    return 1
+
+
+def _what(run: dict) -> str:
+    """``scheme status`` of a run that did not finish; a divergence with what was non-finite."""
+    text = f"{run['scheme']} {run['status']}"
+    reason = run.get("reason")
+    if run["status"].startswith("diverged") and reason:
+        reason = " ".join(reason.split())
+        text += f" ({reason if len(reason) <= 100 else reason[:99] + '…'})"
+    return text
+
+
+def _main_local(spec: TrainSpec) -> int:
+    """Local workers, one launch per scheme (module docstring)."""
+    from gradsync.apps import models
+    from gradsync.testing import DistributedError, DistributedTimeout
+
+    t0 = time.perf_counter()
+    task = models.task(spec.model)
+    results = [{"rank": r, "runs": []} for r in range(spec.world_size)]
+    link = {"link": "loopback", "shaped": False, "bandwidth_bps": None}
+    for i, name in enumerate(spec.schemes):
+        try:
+            res, link = launch(dataclasses.replace(spec, schemes=(name,)), keep_going=True,
+                               note=i == 0)
+            for mine, theirs in zip(results, res):
+                mine["runs"].extend(theirs["runs"])
+        except (DistributedError, DistributedTimeout) as e:
+            if isinstance(e, DistributedError):
+                last = (e.remote_traceback.strip().splitlines()[-1]
+                        if e.remote_traceback.strip() else "")
+                reason = f"rank {e.rank}: {last}"
+                print(f"error: {name}: training failed on rank {e.rank}: {last}",
+                      file=sys.stderr)
+                print(str(e), file=sys.stderr, flush=True)  # the rank's traceback
+            else:
+                reason = str(e)
+                print(f"error: {name}: {e}", file=sys.stderr, flush=True)
+            for mine in results:
+                mine["runs"].append(failed_run(name, task, reason))
+        _scheme_done(spec, results, environment("local", "gloo", "cpu", link))
+    env = environment("local", "gloo", "cpu", link)
+    runs = report(spec, results, env, f"gradsync train — {spec.model} on {spec.data}, "
+                                      f"P={spec.world_size}, {link['link']}, density "
+                                      f"{spec.density}, {time.perf_counter() - t0:.0f} s")
+    return _exit_status(runs, True)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -192,25 +322,8 @@ def main(argv: list[str] | None = None) -> int:
         if spec.bandwidth is not None and os.environ["RANK"] == "0":
             print("note: --bandwidth/--latency shape only local workers; ignored under torchrun")
         return _main_torchrun(spec)
-    from gradsync.testing import DistributedError, DistributedTimeout
-
     spec = resolve_data(spec)
     if torch.cuda.is_available():
         print("note: local workers train on the CPU (gloo); to train on this machine's GPUs, "
               "launch under torchrun: torchrun --nproc-per-node <GPUs> -m gradsync train …")
-    t0 = time.perf_counter()
-    try:
-        results, link = launch(spec)
-    except DistributedError as e:
-        last = e.remote_traceback.strip().splitlines()[-1] if e.remote_traceback else ""
-        print(f"error: training failed on rank {e.rank}: {last}", file=sys.stderr)
-        print(str(e), file=sys.stderr)
-        return 1
-    except DistributedTimeout as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 1
-    env = environment("local", "gloo", "cpu", link)
-    report(spec, results, env, f"gradsync train — {spec.model} on {spec.data}, "
-                               f"P={spec.world_size}, {link['link']}, density {spec.density}, "
-                               f"{time.perf_counter() - t0:.0f} s")
-    return 0
+    return _main_local(spec)

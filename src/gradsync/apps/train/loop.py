@@ -4,6 +4,27 @@ Each rank trains on its own seeded, disjoint shard (:class:`~.shards.RankData`);
 from the same model (``gradsync.apps.models.build(name, seed)``); the loss is
 ``gradsync.apps.models.loss``. A step is timed from ``zero_grad`` to the end of the optimizer
 step (CUDA synchronized at both ends); the runner (:mod:`.runners`) adds its breakdown.
+
+Divergence. A scheme diverges at step N when a loss or a gradient there is NaN/Inf, and every
+rank must see it at the same step: a rank that stopped while its peers went on would leave them
+in a collective it never joins. Two checks, both alike on every rank:
+
+* a non-finite gradient makes the gradsync schemes raise on every rank at the same step
+  (``Config.nonfinite="raise"``: the engine's ranks agree on it before raising, the DDP hook
+  fails the bucket's future on every rank, whose sum carries the NaN); the loop catches those
+  errors (their message says ``non-finite gradient``);
+* after every step the ranks all-reduce which of them saw a non-finite loss (one small
+  all-reduce, outside the timed step), so torch's DDP peers — whose hooks average a NaN
+  without complaint — stop at the first step whose loss is NaN/Inf on any rank.
+
+:func:`train_scheme` then ends the run there, every rank alike: no evaluation, the records up to
+that step (the step itself when its loss was recorded) and ``status`` ``"diverged at step N"``.
+:func:`train_worker` goes on with the next scheme (``keep_going``) or raises :class:`Diverged`
+on every rank.
+
+Progress. After each completed step (and each evaluation batch) a rank calls
+:func:`gradsync.testing.distributed.heartbeat`, which feeds ``run_distributed``'s progress
+watchdog (``TrainSpec.timeout``) and is a no-op elsewhere.
 """
 
 from __future__ import annotations
@@ -11,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import math
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -20,19 +42,55 @@ from torch import nn
 from gradsync.apps.train.runners import make_optimizer, make_runner
 from gradsync.apps.train.shards import RankData
 from gradsync.apps.train.spec import SchemeChoice, TrainSpec
+from gradsync.testing.distributed import heartbeat
 
-__all__ = ["evaluate", "mixed_precision", "progress_bar", "train_scheme", "train_worker"]
+__all__ = ["OK", "Diverged", "evaluate", "mixed_precision", "progress_bar", "train_scheme",
+           "train_worker"]
+
+OK = "ok"  # a run's "status" when it ran every step
+NONFINITE_GRADIENT = "non-finite gradient"  # what the gradsync schemes' errors say (docstring)
+
+
+class Diverged(RuntimeError):
+    """A scheme diverged (module docstring, "Divergence"), raised alike on every rank by
+    :func:`train_worker` without ``keep_going``; ``run`` is this rank's record of it."""
+
+    def __init__(self, run: dict):
+        self.run = run
+        super().__init__(f"{run['scheme']} {run['status']}: {run['reason']}")
+
+
+def _nonfinite_loss_ranks(loss: float, rank: int, P: int, comm: Any) -> list[int]:
+    """The ranks whose loss of this step is NaN/Inf, the same list on every rank (one
+    all-reduce of P flags on ``comm``, the default group's
+    :class:`~gradsync.collectives.Comm`; ``None``: this rank alone). It runs while a DDP peer's
+    ``counting_all_reduce`` counts ``dist.all_reduce``: counted after the step's record was
+    taken and before the next step starts its count (``Meter.start_step``), it lands in no
+    record."""
+    flags = torch.zeros(P, dtype=torch.int64)
+    flags[rank] = 0 if math.isfinite(loss) else 1
+    if comm is not None:
+        comm.all_reduce(flags, op=dist.ReduceOp.MAX)
+    return [r for r, f in enumerate(flags.tolist()) if f]
+
+
+def _stall(rank: int, step: int) -> None:
+    """``TrainSpec.stall_at``: stop making progress, as a hung rank does, until stopped."""
+    while True:  # the watchdog (or the launcher's end) terminates this process
+        time.sleep(3600)
 
 
 def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                  device: torch.device, progress: Any = None) -> dict:
     """Train one scheme on this rank; returns ``{"scheme", "task", "records", "eval",
-    "history", "plan", "topk_shares"}`` (``records``: one dict per step, the ``steps`` fields of
-    ``metrics.json``; ``eval``: rank 0's evaluation, empty elsewhere; ``history``: with
-    ``spec.eval_every``, rank 0's ``{"step", "elapsed_s", **evaluation}`` every ``eval_every``
-    steps and at the end; ``plan``: the engine's plan at the end, ``Plan.to_dict()``, or
-    ``None`` outside the engine; ``topk_shares``: ``TrainSpec.topk_shares``'s record on rank 0,
-    else ``None``)."""
+    "history", "plan", "topk_shares", "status", "diverged_at", "reason"}`` (``records``: one
+    dict per step, the ``steps`` fields of ``metrics.json``; ``eval``: rank 0's evaluation,
+    empty elsewhere; ``history``: with ``spec.eval_every``, rank 0's ``{"step", "elapsed_s",
+    **evaluation}`` every ``eval_every`` steps and at the end; ``plan``: the engine's plan at
+    the end, ``Plan.to_dict()``, or ``None`` outside the engine; ``topk_shares``:
+    ``TrainSpec.topk_shares``'s record on rank 0, else ``None``; ``status``: :data:`OK` or
+    ``"diverged at step N"``, alike on every rank, with ``diverged_at`` N and ``reason`` what
+    was non-finite, else ``None`` — module docstring, "Divergence")."""
     from gradsync.apps import models
 
     model = models.build(spec.model, seed=spec.seed).to(device)
@@ -41,6 +99,13 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                     model, spec.text_fallback)
     steps = spec.steps or max(1, round(spec.epochs * data.steps_per_epoch()))
     runner = make_runner(choice, model, spec, device, P, steps)
+    heartbeat()  # built: progress
+    inject = spec.injects(choice.name)
+    agree = None  # the ranks agree on a non-finite loss (module docstring, "Divergence")
+    if P > 1 and dist.is_initialized():
+        from gradsync.collectives.comm import Comm
+
+        agree = Comm(None)
     opt = make_optimizer(model, spec.adamw, spec.lr, runner.momentum_correction,
                          spec.adam_freeze_step(steps), sync=runner.preconditioner)
     autocast, scaler = mixed_precision(spec.amp, device)
@@ -49,13 +114,15 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
     records: list[dict] = []
     history: list[dict] = []
     elapsed = 0.0
+    diverged: tuple[int, str] | None = None
+    evaluation: dict = {}
     task_id = None
     if progress is not None:
         task_id = progress.add_task(choice.name, total=steps, loss=float("nan"), sps=0.0)
     try:
         with runner.metering():
             for step in range(steps):
-                if spec.fail_rank == rank and step == 1:
+                if inject and spec.fail_rank == rank and step == 1:
                     raise RuntimeError(f"injected failure on rank {rank} at step {step} "
                                        "(--fail-rank)")
                 xb, yb = data.next()
@@ -63,13 +130,19 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                     torch.cuda.synchronize(device)
                 t0, c0 = time.perf_counter(), time.process_time()
                 opt.zero_grad(set_to_none=True)
-                with autocast():
-                    loss = models.loss(runner.net(xb), yb)
-                runner.before_backward()
-                tb = time.perf_counter()
-                (loss if scaler is None else scaler.scale(loss)).backward()
-                tw = time.perf_counter()
-                runner.after_backward()
+                try:
+                    with autocast():
+                        loss = models.loss(runner.net(xb), yb)
+                    runner.before_backward()
+                    tb = time.perf_counter()
+                    (loss if scaler is None else scaler.scale(loss)).backward()
+                    tw = time.perf_counter()
+                    runner.after_backward()
+                except Exception as e:  # the gradsync schemes' non-finite gradient: every rank
+                    if NONFINITE_GRADIENT not in str(e):
+                        raise
+                    diverged = (step, f"{NONFINITE_GRADIENT} ({_nonfinite_message(e)})")
+                    break
                 if scaler is None:
                     opt.step()
                 else:  # skips the step when a gradient overflowed, and backs off
@@ -87,6 +160,16 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                 if scaler is not None:  # the scale for the next step (halved: skipped)
                     rec["loss_scale"] = float(scaler.get_scale())
                 records.append(rec)
+                bad = _nonfinite_loss_ranks(rec["loss"], rank, P, agree)
+                if bad:
+                    diverged = (step, f"non-finite loss on rank{'s' if len(bad) > 1 else ''} "
+                                      f"{', '.join(map(str, bad))}")
+                    break
+                if inject and spec.step_sleep:
+                    time.sleep(spec.step_sleep)
+                if inject and spec.stall_at == (rank, step):
+                    _stall(rank, step)
+                heartbeat(step)
                 if (rank == 0 and spec.eval_every and (step + 1) % spec.eval_every == 0
                         and step + 1 < steps):  # the final point is added below
                     history.append({"step": step + 1, "elapsed_s": elapsed,
@@ -94,17 +177,30 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                 if progress is not None:
                     progress.update(task_id, advance=1, loss=rec["loss"],
                                     sps=rec["samples_per_s"])
-        evaluation = evaluate(model, task, data, spec.eval_batches) if rank == 0 else {}
-        if rank == 0 and spec.eval_every:
-            history.append({"step": steps, "elapsed_s": elapsed, **evaluation})
+        if rank == 0 and diverged is None:  # a diverged model's scores would mean nothing
+            evaluation = evaluate(model, task, data, spec.eval_batches)
+            if spec.eval_every:
+                history.append({"step": steps, "elapsed_s": elapsed, **evaluation})
         plan = runner.plan()
         shares = runner.topk_shares()
     finally:
         runner.close()
     if dist.is_initialized() and P > 1:
         dist.barrier()  # the next scheme starts together
+    status = OK if diverged is None else f"diverged at step {diverged[0]}"
     return {"scheme": choice.name, "task": task, "records": records, "eval": evaluation,
-            "history": history, "plan": plan, "topk_shares": shares}
+            "history": history, "plan": plan, "topk_shares": shares, "status": status,
+            "diverged_at": None if diverged is None else diverged[0],
+            "reason": None if diverged is None else diverged[1]}
+
+
+def _nonfinite_message(e: BaseException) -> str:
+    """gradsync's own words in ``e``: the line naming the non-finite gradient, from where
+    gradsync's message starts (torch wraps a DDP hook's error in lines of its own and a stack
+    after it)."""
+    line = next(ln for ln in str(e).splitlines() if NONFINITE_GRADIENT in ln).strip()
+    start = line.find("gradsync")
+    return line[start:] if start >= 0 else line
 
 
 def mixed_precision(amp: str | None, device: torch.device
@@ -133,6 +229,7 @@ def evaluate(model: nn.Module, task: str, data: RankData, n: int) -> dict:
     total_loss, correct, count, tokens = 0.0, 0, 0, 0
     try:
         for xb, yb in data.eval_batches(n):
+            heartbeat()  # evaluating is progress too
             out = model(xb)
             if task != "image":  # mean over target tokens (masked LMs: the masked ones)
                 t = int((yb != -100).sum())
@@ -161,8 +258,15 @@ def progress_bar(rank: int, enabled: bool) -> contextlib.AbstractContextManager:
                     TextColumn("{task.fields[sps]:.0f} samples/s"))
 
 
-def train_worker(rank: int, world_size: int, spec: TrainSpec) -> dict:
-    """One rank: train every scheme of ``spec.schemes`` in turn; returns its records.
+def train_worker(rank: int, world_size: int, spec: TrainSpec, keep_going: bool = False,
+                 on_run: Callable[[dict], Any] | None = None) -> dict:
+    """One rank: train every scheme of ``spec.schemes`` in turn; returns its records
+    ``{"rank", "runs"}``.
+
+    A scheme that diverges (module docstring) raises :class:`Diverged` on every rank, or, with
+    ``keep_going``, is recorded as such (its ``status``) and the next scheme runs.
+    ``on_run(run)`` is called on every rank after each scheme (``python -m gradsync train``
+    under torchrun gathers and writes the runs so far there).
 
     A module-level function so that :func:`gradsync.testing.run_distributed` and
     :func:`gradsync.testing.netem.run_shaped` can start it on every rank.
@@ -171,5 +275,10 @@ def train_worker(rank: int, world_size: int, spec: TrainSpec) -> dict:
     runs = []
     with progress_bar(rank, spec.progress) as progress:
         for choice in spec.choices:
-            runs.append(train_scheme(choice, rank, world_size, spec, device, progress))
+            run = train_scheme(choice, rank, world_size, spec, device, progress)
+            if run["status"] != OK and not keep_going:
+                raise Diverged(run)
+            runs.append(run)
+            if on_run is not None:
+                on_run(run)
     return {"rank": rank, "runs": runs}

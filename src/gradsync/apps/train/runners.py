@@ -50,7 +50,7 @@ from gradsync.apps.train.shares import TopkShares
 from gradsync.apps.train.spec import SchemeChoice, TrainSpec
 
 __all__ = ["MOMENTUM", "DDPHookRunner", "EngineRunner", "Runner", "TorchDDPRunner",
-           "make_optimizer", "make_runner", "momentum_correction", "wrap_ddp"]
+           "collective_timeout", "make_optimizer", "make_runner", "momentum_correction", "wrap_ddp"]
 
 MOMENTUM = 0.9
 NAN = float("nan")
@@ -67,6 +67,17 @@ def momentum_correction(choice: SchemeChoice, adamw: bool, density: float) -> bo
     17.40 ± 0.55 against DDP's 17.03 ± 0.43. So AdamW at density 1 runs as torch's AdamW on the
     averaged gradient, as DDP does."""
     return choice.sparse and not (adamw and density >= 1)
+
+
+def collective_timeout(timeout: float) -> float:
+    """The engine's collective timeout (``Config.timeout_s``) for ``TrainSpec.timeout``: the
+    timeout itself, or, on a rank watched by ``run_distributed``'s progress watchdog, a
+    multiple of it (:data:`gradsync.testing.distributed.COLLECTIVE_TIMEOUT_FACTOR`), so that a
+    stalled peer is reported by the watchdog, which names it, rather than by a waiting rank's
+    collective timing out first."""
+    from gradsync.testing.distributed import COLLECTIVE_TIMEOUT_FACTOR, progress_limit
+
+    return timeout if progress_limit() is None else COLLECTIVE_TIMEOUT_FACTOR * timeout
 
 
 def make_optimizer(model: nn.Module, adamw: bool, lr: float,
@@ -157,7 +168,8 @@ class EngineRunner(Runner):
         from gradsync.engine import GradSync
 
         super().__init__(choice, model, spec, steps)
-        cfg = self.gradsync_config(spec, warmup_steps=spec.warmup_steps, timeout_s=spec.timeout,
+        cfg = self.gradsync_config(spec, warmup_steps=spec.warmup_steps,
+                                   timeout_s=collective_timeout(spec.timeout),
                                    plan=(spec.plans or {}).get(choice.name))
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         self._shares = TopkShares(cfg.density) if spec.topk_shares and rank0 else None

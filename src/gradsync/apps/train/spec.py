@@ -119,10 +119,20 @@ class TrainSpec:
             run's ``history`` (0: only the final evaluation; ``bench convergence`` uses it).
         bandwidth, latency: tbf-shaped per-rank links (``latency`` is tbf's queueing bound, not
             a propagation delay); ``None``: loopback.
-        timeout: seconds before a hung job is stopped.
+        timeout: seconds without progress before a hung job is stopped: local workers are
+            watched by :func:`gradsync.testing.run_distributed`'s progress watchdog (no rank
+            completed a step for this long; their collectives time out at twice it), a
+            torchrun job's collectives time out after it, shaped links (netns) bound each
+            scheme's whole run by it.
         out: where ``metrics.json`` and the plots go (``None``: nowhere).
         progress: rank 0 shows progress bars.
         fail_rank: a rank that raises at step 1 (tests of the failure path).
+        stall_at: ``(rank, step)``: that rank stops making progress after the collectives of
+            that step, until it is stopped (tests of the hang watchdog).
+        step_sleep: seconds every rank sleeps after each step (tests of the watchdog: a slow,
+            healthy run).
+        inject_scheme: the scheme ``fail_rank``, ``stall_at`` and ``step_sleep`` apply to
+            (``None``: every scheme).
         text_fallback: the language models train on gradsync's own source text (the corpus is
             not installed; :func:`gradsync.apps.train.resolve_data` decides).
         device: the device every rank trains on (``None``: CPU; torchrun sets ``cuda:<local>``).
@@ -167,6 +177,9 @@ class TrainSpec:
     out: str | None = None
     progress: bool = True
     fail_rank: int | None = None
+    stall_at: tuple[int, int] | None = None
+    step_sleep: float = 0.0
+    inject_scheme: str | None = None
     text_fallback: bool = False
     device: str | None = None
     density_warmup: str | None = None
@@ -238,6 +251,16 @@ class TrainSpec:
             except ValueError as e:
                 raise ValueError(f"latency: {e}") from None
         _positive("timeout", self.timeout)
+        if self.stall_at is not None:
+            if not (isinstance(self.stall_at, tuple | list) and len(self.stall_at) == 2):
+                raise ValueError(f"stall_at must be (rank, step), got {self.stall_at!r}")
+            _int("stall_at rank", self.stall_at[0], 0)
+            _int("stall_at step", self.stall_at[1], 0)
+            fill("stall_at", tuple(self.stall_at))
+        if not (isinstance(self.step_sleep, int | float) and 0 <= self.step_sleep < math.inf):
+            raise ValueError(f"step_sleep must be a number >= 0, got {self.step_sleep!r}")
+        if self.inject_scheme is not None and self.inject_scheme not in known:
+            raise ValueError(f"inject_scheme: unknown scheme {self.inject_scheme!r}")
         if self.density_warmup is not None:
             self.warmup_schedule()  # raises on a malformed value
         if self.adam_warmup is not None:
@@ -315,6 +338,10 @@ class TrainSpec:
     def adamw(self) -> bool:
         """The model trains with AdamW (:func:`uses_adamw`)."""
         return uses_adamw(self.model)
+
+    def injects(self, scheme: str) -> bool:
+        """The test knobs (``fail_rank``, ``stall_at``, ``step_sleep``) apply to ``scheme``."""
+        return self.inject_scheme is None or self.inject_scheme == scheme
 
     @property
     def choices(self) -> list[SchemeChoice]:

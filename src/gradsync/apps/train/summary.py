@@ -10,6 +10,11 @@ after them — what a run longer than the probing sees (NaN when the run ended p
 ``settled_bytes_per_step`` the mean bytes per rank and step after them (``bytes_per_step``
 includes the probes, e.g. DDP's dense plan on trial on a slow link). The
 schema of ``metrics.json`` is in :mod:`gradsync.apps.train`.
+
+A run that did not finish keeps its ``status``: ``"diverged at step N"`` (its records up to
+that step; ``final_loss`` NaN, no evaluation) or ``"failed: <reason>"`` (no records; made by
+:func:`failed_run`). The table then gains a ``status`` column, and ``metrics.json`` is
+written as each scheme finishes (``complete: false`` until the last).
 """
 
 from __future__ import annotations
@@ -29,7 +34,8 @@ from gradsync.apps.common import print_table
 from gradsync.apps.train.spec import TrainSpec
 from gradsync.schedule.plan import Plan
 
-__all__ = ["SCHEMA", "environment", "report", "summarize", "table_rows", "write_metrics"]
+__all__ = ["SCHEMA", "environment", "failed_run", "progress_line", "report", "summarize",
+           "table_rows", "unfinished", "write_metrics"]
 
 SCHEMA = "gradsync.train/1"
 
@@ -37,6 +43,13 @@ SCHEMA = "gradsync.train/1"
 def _median(xs: list[float]) -> float:
     xs = [x for x in xs if not (isinstance(x, float) and math.isnan(x))]
     return statistics.median(xs) if xs else float("nan")
+
+
+def failed_run(scheme: str, task: str, reason: str) -> dict:
+    """A rank's record of a scheme whose run failed (``status`` ``"failed: <reason>"``)."""
+    return {"scheme": scheme, "task": task, "records": [], "eval": {}, "history": [],
+            "plan": None, "topk_shares": None, "status": f"failed: {reason}",
+            "diverged_at": None, "reason": reason}
 
 
 def summarize(results: list[dict], warmup_steps: int) -> list[dict]:
@@ -62,8 +75,11 @@ def summarize(results: list[dict], warmup_steps: int) -> list[dict]:
                               for j in range(skip, min(len(rr) for rr in per_rank))])
         s["bytes_per_step"] = bytes_per_step
         s["mb_per_step"] = bytes_per_step / 1e6
-        s["missing_rate"] = statistics.fmean([x["missing_rate"] for x in meas]) if meas else 0.0
-        s["final_loss"] = statistics.fmean([rr[-1]["loss"] for rr in per_rank if rr])
+        s["missing_rate"] = (statistics.fmean([x["missing_rate"] for x in meas]) if meas
+                             else float("nan") if not recs else 0.0)
+        status = run0.get("status", "ok")
+        last = [rr[-1]["loss"] for rr in per_rank if rr]
+        s["final_loss"] = statistics.fmean(last) if last and status == "ok" else float("nan")
         # auto: the measured steps up to its last probing step, and the median after them
         last = max((j for j, x in enumerate(meas) if x.get("probing")), default=-1)
         s["probing_steps"] = last + 1
@@ -74,15 +90,23 @@ def summarize(results: list[dict], warmup_steps: int) -> list[dict]:
         s.update(run0["eval"])
         plan = run0.get("plan")
         s["plan_digest"] = None if plan is None else Plan.from_dict(plan).digest()
-        runs.append({"scheme": run0["scheme"], "task": run0["task"], "steps": recs,
-                     "bytes_sent_per_rank": sent, "summary": s, "plan": plan,
+        s["status"] = status
+        runs.append({"scheme": run0["scheme"], "task": run0["task"], "status": status,
+                     "diverged_at_step": run0.get("diverged_at"), "reason": run0.get("reason"),
+                     "steps": recs, "bytes_sent_per_rank": sent, "summary": s, "plan": plan,
                      "topk_shares": run0.get("topk_shares")})
     base = next((r["summary"] for r in runs if r["scheme"] == "ddp"), None)
     for r in runs:
         s = r["summary"]
         s["speedup_vs_ddp"] = (s["samples_per_s"] / base["samples_per_s"]
-                               if base and base["samples_per_s"] > 0 else None)
+                               if base and base["samples_per_s"] > 0
+                               and math.isfinite(s["samples_per_s"]) else None)
     return runs
+
+
+def unfinished(runs: list[dict]) -> list[dict]:
+    """The runs that diverged or failed (:func:`summarize`'s output)."""
+    return [r for r in runs if r.get("status", "ok") != "ok"]
 
 
 def table_rows(runs: list[dict]) -> tuple[list[str], list[list[Any]]]:
@@ -91,17 +115,49 @@ def table_rows(runs: list[dict]) -> tuple[list[str], list[list[Any]]]:
     cols = ["scheme", "samples/s", "vs ddp", "step ms", "bwd ms", "sparsify ms", "comm ms",
             "exposed ms", "MB/step", "missing %", "final loss",
             "eval ppl" if lm else "test acc %"]
+    status = bool(unfinished(runs))  # a status column only when some run did not finish
+    if status:
+        cols.append("status")
     rows = []
     for r in runs:
         s = r["summary"]
         q = s.get("perplexity") if lm else (100 * s["test_accuracy"]
                                             if "test_accuracy" in s else None)
-        rows.append([s["scheme"], s["samples_per_s"],
-                     f"{s['speedup_vs_ddp']:.2f}x" if s["speedup_vs_ddp"] else "-",
-                     1e3 * s["step_s"], 1e3 * s["backward_s"], 1e3 * s["sparsify_s"],
-                     1e3 * s["comm_s"], 1e3 * s["wait_s"], s["mb_per_step"],
-                     100 * s["missing_rate"], s["final_loss"], "-" if q is None else q])
+        if not r.get("steps") and r.get("status", "ok") != "ok":  # failed: nothing measured
+            row = [s["scheme"]] + ["-"] * (len(cols) - 1 - status)
+        else:
+            row = [s["scheme"], s["samples_per_s"],
+                   f"{s['speedup_vs_ddp']:.2f}x" if s["speedup_vs_ddp"] else "-",
+                   1e3 * s["step_s"], 1e3 * s["backward_s"], 1e3 * s["sparsify_s"],
+                   1e3 * s["comm_s"], 1e3 * s["wait_s"], s["mb_per_step"],
+                   100 * s["missing_rate"], s["final_loss"], "-" if q is None else q]
+        if status:
+            row.append(_short(r.get("status", "ok")))
+        rows.append(row)
     return cols, rows
+
+
+def _short(text: str, n: int = 60) -> str:
+    """``text`` cut to ``n`` characters for a table cell (metrics.json keeps all of it)."""
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[:n - 1] + "…"
+
+
+def progress_line(run: dict, done: int, total: int) -> str:
+    """One line for a scheme as it finishes (:func:`summarize`'s run): where the job stands,
+    the status and, when it trained, its throughput, bytes and final loss or score."""
+    s = run["summary"]
+    head = f"[{done}/{total}] {run['scheme']}: {run.get('status', 'ok')}"
+    if not run.get("steps"):
+        return head
+    parts = [f"{s['samples_per_s']:.4g} samples/s", f"{s['mb_per_step']:.4g} MB/step"]
+    if run.get("status", "ok") == "ok":
+        parts.append(f"final loss {s['final_loss']:.4g}")
+    if "test_accuracy" in s:
+        parts.append(f"test acc {100 * s['test_accuracy']:.1f}%")
+    elif "perplexity" in s:
+        parts.append(f"eval ppl {s['perplexity']:.4g}")
+    return f"{head} — {', '.join(parts)}"
 
 
 def environment(launcher: str, backend: str, device: str, link: dict) -> dict:
@@ -115,19 +171,25 @@ def environment(launcher: str, backend: str, device: str, link: dict) -> dict:
             "propagation_delay": "not emulated"}
 
 
-def write_metrics(out: str | Path, config: dict, env: dict, runs: list[dict]) -> list[Path]:
+def write_metrics(out: str | Path, config: dict, env: dict, runs: list[dict], *,
+                  complete: bool = True, plots: bool = True) -> list[Path]:
     """``metrics.json``, ``plans.json`` (the engine runs' plans by scheme, what ``train --plan``
-    replays; only when there is one) plus ``loss_vs_time.png`` and ``throughput.png``; returns
-    the paths."""
+    replays; only when there is one) plus, with ``plots``, ``loss_vs_time.png`` and
+    ``throughput.png``; returns the paths. ``complete=False``: the runs so far of a job still
+    running (``metrics.json``'s ``"complete"``). Each file is written whole, then renamed into
+    place, so a job killed while writing leaves the previous version."""
     d = Path(out)
     d.mkdir(parents=True, exist_ok=True)
     paths = [d / "metrics.json"]
-    paths[0].write_text(json.dumps({"schema": SCHEMA, "config": config, "environment": env,
-                                    "runs": runs}, indent=1, default=_json_default))
+    _write(paths[0], json.dumps({"schema": SCHEMA, "complete": complete, "config": config,
+                                 "environment": env, "runs": runs},
+                                indent=1, default=_json_default))
     plans = {r["scheme"]: r["plan"] for r in runs if r.get("plan") is not None}
     if plans:
         paths.append(d / "plans.json")
-        paths[-1].write_text(json.dumps(plans, indent=1))
+        _write(paths[-1], json.dumps(plans, indent=1))
+    if not plots:
+        return paths
     import matplotlib
 
     matplotlib.use("Agg")
@@ -158,6 +220,12 @@ def write_metrics(out: str | Path, config: dict, env: dict, runs: list[dict]) ->
     return paths
 
 
+def _write(path: Path, text: str) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(text)
+    os.replace(tmp, path)
+
+
 def _json_default(o: Any) -> Any:
     if isinstance(o, float | int):
         return o
@@ -165,7 +233,8 @@ def _json_default(o: Any) -> Any:
 
 
 def report(spec: TrainSpec, results: list[dict], env: dict, title: str) -> list[dict]:
-    """Print the comparison table (and write ``spec.out``); returns the runs."""
+    """Print the comparison table, a row per scheme — those that diverged or failed marked in
+    a ``status`` column — (and write ``spec.out``); returns the runs."""
     runs = summarize(results, spec.warmup_steps)
     cols, rows = table_rows(runs)
     print_table(title, cols, rows)
