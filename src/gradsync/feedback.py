@@ -65,7 +65,8 @@ import torch
 
 from gradsync.sparsegrad import check_finite
 
-__all__ = ["ErrorFeedback", "check_scale", "check_scaler", "follow_scale", "saved_scale"]
+__all__ = ["ErrorFeedback", "check_scale", "check_scaler", "clip_local", "follow_scale",
+           "saved_scale"]
 
 
 class ErrorFeedback:
@@ -395,3 +396,20 @@ def saved_scale(value: Any, who: str) -> float | None:
             math.isfinite(value) and value > 0):
         raise ValueError(f"{who}: the saved loss_scale must be finite and > 0, got {value!r}")
     return float(value)
+
+
+def clip_local(grads: list[torch.Tensor], max_norm: float, world_size: int
+               ) -> list[torch.Tensor]:
+    """DGC's local gradient clipping (§3.3): this rank's gradients scaled down, before they
+    enter error feedback, so that each tensor's L2 norm is at most ``max_norm / √P``. The N^{-1/2}
+    is DGC's: the share of a global threshold that one of P ranks with alike gradient
+    distributions holds. Clipping is per tensor because the engine and the DDP hook accumulate
+    each fusion buffer while the backward is still running, before the whole gradient's norm
+    exists. Returns new tensors (the gradients are not modified); the scale is one op per list
+    (``torch._foreach_norm``/``_foreach_mul``), computed in fp32 as ``clip_grad_norm_`` does."""
+    if not grads:
+        return []
+    threshold = float(max_norm) / math.sqrt(world_size)
+    norms = torch.stack([n.float() for n in torch._foreach_norm(grads)])
+    coef = (threshold / (norms + 1e-6)).clamp(max=1.0)
+    return list(torch._foreach_mul(grads, list(coef.unbind())))

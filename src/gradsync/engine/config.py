@@ -109,6 +109,19 @@ class Config:
             that run bitwise, except for ``auto``, whose plan can change during a run (given
             a plan, ``auto`` keeps it and never re-plans); nothing is profiled. The DDP hook
             does not take one (it decides per DDP bucket).
+        compress_single_rank: at world size 1 there is nothing to send, so by default
+            (``False``) a step is plain training, as under DDP: no hooks, no error feedback, no
+            sparsification; ``.grad`` stays the local gradient and ``synchronize()`` returns
+            ``True`` (the DDP hook leaves DDP's own all-reduce in place). ``True`` compresses at
+            world size 1 too, as at P ≥ 2: for experiments, for tests of the pipeline on one
+            process, and for ``bench overhead``, which measures the tax a P ≥ 2 run pays.
+        clip_norm: DGC's local gradient clipping (§3.3; ``None``, default: off): before a
+            gradient enters error feedback, each tensor of it is scaled so that its L2 norm is
+            at most ``clip_norm / √P`` (:func:`gradsync.feedback.clip_local`). Unlike
+            ``torch.nn.utils.clip_grad_norm_`` after ``synchronize()``, which clips the
+            averaged sparse update (a step many accumulated gradients large has already been
+            sent), this bounds what each rank adds to its residual every step. The engine and
+            the DDP hook apply it; the tensors of a plain dense all-reduce are not clipped.
     """
 
     scheme: str = "ssfusion_oi"
@@ -130,6 +143,8 @@ class Config:
     density_warmup: tuple[float, ...] = ()
     density_warmup_steps: int = 0
     plan: dict[str, Any] | None = None
+    compress_single_rank: bool = False
+    clip_norm: float | None = None
 
     def __post_init__(self) -> None:
         if self.scheme not in schemes.SCHEMES:
@@ -173,6 +188,14 @@ class Config:
         if self.residual_dtype not in RESIDUAL_DTYPES:
             raise ValueError(f"Config.residual_dtype must be one of {tuple(RESIDUAL_DTYPES)}, "
                              f"got {self.residual_dtype!r}")
+        if self.clip_norm is not None and (
+                isinstance(self.clip_norm, bool) or not isinstance(self.clip_norm, int | float)
+                or not (math.isfinite(self.clip_norm) and self.clip_norm > 0)):
+            raise ValueError(f"Config.clip_norm must be None or a finite number > 0, got "
+                             f"{self.clip_norm!r}")
+        if not isinstance(self.compress_single_rank, bool):
+            raise ValueError(f"Config.compress_single_rank must be True or False, got "
+                             f"{self.compress_single_rank!r}")
         if isinstance(self.density_warmup, list):  # from JSON/YAML
             object.__setattr__(self, "density_warmup", tuple(self.density_warmup))
         w = self.density_warmup

@@ -39,7 +39,7 @@ import torch
 
 from gradsync import sparsify
 from gradsync.engine.jobs import Job, Mode, Payload
-from gradsync.feedback import ErrorFeedback
+from gradsync.feedback import ErrorFeedback, clip_local
 from gradsync.sparsegrad import SparseGrad, all_finite_each
 
 __all__ = ["Prepared", "prepare"]
@@ -59,14 +59,19 @@ class Prepared:
 
 
 def prepare(job: Job, index: int, grads: dict[str, torch.Tensor], ef: ErrorFeedback,
-            sparsifier: Sparsifiers, offload: Offload, step: int) -> Prepared:
-    """Steps 1–3 above for job ``index`` of the plan; ``grads`` are the flat gradients."""
+            sparsifier: Sparsifiers, offload: Offload, step: int,
+            clip: tuple[float, int] | None = None) -> Prepared:
+    """Steps 1–3 above for job ``index`` of the plan; ``grads`` are the flat gradients.
+    ``clip``: ``(Config.clip_norm, P)``, DGC's local clipping of what enters error feedback."""
     # a plain all-reduce carries the gradient (or its velocity) as it is: a NaN/Inf shows in the
     # sum on every rank (GradSync.synchronize checks the sums, and a pending velocity is then
     # discarded), so no per-tensor pass here
     dense = job.mode is Mode.DENSE
     nonfinite = [] if dense else [
         n for n, ok in zip(job.names, all_finite_each([grads[n] for n in job.names])) if not ok]
+    if clip is not None:  # the gradients that enter error feedback, clipped in one call
+        into = [n for n in job.names if n not in nonfinite and (not dense or ef.transforms(n))]
+        grads = {**grads, **dict(zip(into, clip_local([grads[n] for n in into], *clip)))}
     accs: dict[str, torch.Tensor] = {}
     for n in job.names:
         g = grads[n]

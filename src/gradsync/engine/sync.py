@@ -82,7 +82,8 @@ __all__ = ["GradSync"]
 # (nonfinite, timeout_s and check_every may change between runs.)
 _RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "warmup_steps", "bucket_mb",
                   "first_bucket_mb", "min_density", "seed", "local_tau_prime", "residual_dtype",
-                  "density_warmup", "density_warmup_steps", "plan")
+                  "density_warmup", "density_warmup_steps", "plan", "compress_single_rank",
+                  "clip_norm")
 
 
 class GradSync:
@@ -170,8 +171,10 @@ class GradSync:
         self._run = StepRun()
         self.last = StepStats()
         self.total = StepStats()
-        self._handles = [p.register_post_accumulate_grad_hook(self._hook)
-                         for p in self.params.values()]
+        # world size 1: nothing to send, plain training (Config.compress_single_rank)
+        self.passthrough = self.P == 1 and not self.cfg.compress_single_rank
+        self._handles = [] if self.passthrough else [
+            p.register_post_accumulate_grad_hook(self._hook) for p in self.params.values()]
         self._name_of = {id(p): n for n, p in self.params.items()}
 
     # ------------------------------------------------------------------ public API
@@ -203,6 +206,10 @@ class GradSync:
             raise RuntimeError("GradSync.synchronize() after close()")
         if self._no_sync:
             raise RuntimeError("GradSync.synchronize() inside no_sync(): leave the block first")
+        if self.passthrough:  # .grad is already the (only) rank's gradient
+            self.last = StepStats()
+            self.step += 1
+            return True
         stats = StepStats()
         self._audit.new_step()
         run = self._run
@@ -533,7 +540,8 @@ class GradSync:
     def _launch(self, job: Job, index: int) -> None:
         job = at_density(job, self.cfg.density_at(self.step), self.cfg.density)  # DGC warm-up
         prep = prepare(job, index, {n: self._grad(n) for n in job.names}, self.ef,
-                       self._parts.sparsifier, self._exec.offload, self.step)
+                       self._parts.sparsifier, self._exec.offload, self.step,
+                       clip=None if self.cfg.clip_norm is None else (self.cfg.clip_norm, self.P))
         self._run.inline_sparsify_s += prep.sparsify_s
         audit_accs = ({n: a.detach().clone() for n, a in prep.accs.items()}
                       if self._audit.enabled else None)

@@ -1,87 +1,33 @@
 """DDP integration: a comm hook that sparsifies inside each DDP bucket.
 
 ``gradsync.ddp.register(ddp_model, cfg)`` installs the hook; ``gradsync.ddp.hook(cfg, model)``
-returns ``(state, hook)`` for code that registers the hook itself. Lightning and Accelerate
-use :mod:`gradsync.lightning` and :mod:`gradsync.accelerate` (Lightning installs comm hooks
-only on CUDA, and Accelerate has no comm-hook setting it honours).
+returns ``(state, hook)``. Lightning, Accelerate and the Trainer install it through
+:mod:`gradsync.lightning`, :mod:`gradsync.accelerate` and :mod:`gradsync.transformers`.
 
-Inside a bucket (SSFusion §III–IV applied to DDP's own fusion buffers):
-
-* ``per_tensor``: every tensor is sparsified on its own (no tensor missing), the selections are
-  concatenated and all-gathered (TopkA);
-* ``ssfusion``: selective sparsification — tensors smaller than ``small_numel`` (SSFusion's
-  102,400-element heuristic, Insight #2) are not sparsified; density-aware compensation lowers
-  the large tensors' density (floor ``cfg.min_density``) so the model sends about
-  ``density × model numel`` entries (computed once over the model's parameters, §IV-B(i);
-  per bucket when no model is given); everything travels in one all-gather, the unsparsified
-  tensors first as values without indices (its dense prefix, as the engine sends them), and
-  compensation charges them at that (1/2 of an entry per fp32 element);
-* ``ssfusion_oi``: as ``ssfusion``, but the unsparsified tensors travel in an all-reduce and the
-  sparsified ones in an all-gather (SSFusion-I's split, with the split fixed by sparsification);
-  compensation charges the all-reduced tensors at their bytes, 1/P of an entry per element;
-* ``dense``: a plain all-reduce (a baseline through the same hook);
-* ``auto``: per bucket, every tensor sparsified and all-gathered, or the bucket all-reduced
-  (with error feedback), whichever :func:`gradsync.schedule.auto.bucket_sparse` predicts faster
-  from the link and sparsifier costs measured once, at the first call, on every rank alike
-  (``HookState.link``, kept in ``state_dict()``: a resumed job does not measure again).
-  **Measured, not only predicted**: when the prediction sparsifies any bucket, the next
-  ``4 × TRIAL_STEPS`` steps run the prediction, all-dense, all-dense, the prediction
-  (A-B-B-A, so a drifting machine favours neither), timing each step between two calls of
-  DDP's first bucket; the ranks max-reduce the two means, and the prediction is kept only when
-  it ran at least ``auto.MARGIN`` faster, else every bucket is all-reduced from then on
-  (``HookState.trial``, kept in ``state_dict()``). The model under-predicts inline
-  sparsification inside DDP's backward where ranks share cores: on loopback and at 1 Gbit/s
-  (CNN, P = 4, 2 cores) it sparsified every bucket and ran at 0.58–0.70× DDP. There is no
-  drift watch after the trial.
-
-The hook runs the engine's pieces: the scheme's record in :mod:`gradsync.schedule.schemes`
-(which schemes have a hook, their collective and sparsifier, whether a bucket is interleaved),
-SSFusion's density-aware compensation (:func:`gradsync.schedule.ssfusion.compensate`), the
-sparsifier-seeding rule (:func:`gradsync.sparsify.seed_for`: run seed, parameter name, rank) and
-error feedback. What differs from :class:`gradsync.GradSync` is the fusion buffer (DDP's bucket)
-and the selection rule (a size threshold instead of Eq. 2, which needs the engine's cost
-model); SSFusion-O's offloading is the engine's alone.
-
-**Non-finite gradients.** Nothing is checked tensor by tensor. A bucket sent whole carries a
-rank's NaN/Inf in its all-reduce, so the sum is non-finite on every rank; a bucket with sparse
-parts is checked once (one pass) before selection, and a non-finite one accumulates nothing and
-sends a NaN in place of its payload (the same collectives, so every rank's sum shows it). Where
-the sum arrives, every rank alike: a finite sum commits error feedback; a non-finite one leaves
-the bucket's residuals and velocities as before the step (``ErrorFeedback.discard``), counts
-``HookState.nonfinite`` (``stats()["nonfinite_buckets"]``), and under ``Config.nonfinite``
-``"raise"`` fails the bucket's future, which DDP raises from ``backward()`` on every rank (a
-hook that raises itself leaves DDP's reducer unusable, and a rank that raised alone left its
-peers in a collective it never joined); under ``"skip_step"`` the non-finite average stays in
-``.grad`` on every rank, as under plain DDP, so the caller's check skips
-``optimizer.step()``. ``GradSync`` instead zeroes the step's gradients (NaN while it follows a
-GradScaler) and returns ``False`` from ``synchronize()``: the hook has no return value, and
-zeros would hide an overflow from a check of ``.grad`` (``torch.amp.GradScaler``'s, for one).
-With a GradScaler, error feedback holds gradients in the units of the loss scale they were
-computed with: :meth:`HookState.follow` hands the hook the scaler, and at each step's first
-bucket the hook reads its scale and, when ``scaler.update()`` changed it, multiplies what it
-holds by ``new / old`` (:meth:`HookState.rescale`, which a caller may also call itself);
-``tests/test_loss_scale.py``: then bitwise the unscaled run. The scale in those units travels in
-``state_dict()``, so a resumed job whose scaler starts elsewhere is rescaled at its first step.
-Lightning's :class:`~gradsync.lightning.GradSyncStrategy` and
-:func:`gradsync.accelerate.register` follow the framework's scaler themselves. *On CUDA* the
-sum's check reads one flag per bucket on the host inside the all-reduce's callback, which NCCL
-runs as soon as the call is queued: the host then waits for that bucket's sum before the
-backward goes on. Before, the paths with error feedback waited once per tensor (each tensor's
-check, before the all-reduce) and the plain ``dense`` path never. Not measured: no GPU has run
-this.
+Per bucket (SSFusion §III–IV on DDP's own fusion buffers; docs/architecture.md, "Through the
+DDP comm hook"): ``dense`` all-reduces it; ``per_tensor`` sparsifies every tensor and
+all-gathers the selections (TopkA); ``ssfusion`` keeps tensors below ``small_numel``
+(SSFusion's 102,400-element heuristic) whole, first in the all-gather as values without
+indices, and lowers the others' density by SSFusion's compensation, computed once over the
+model (§IV-B(i)); ``ssfusion_oi`` all-reduces the whole tensors instead (SSFusion-I); ``auto``
+predicts per bucket from link and sparsifier costs measured once, then keeps the prediction
+only if it beats all-dense in a measured A-B-B-A trial (``HookState.trial``), because the
+model under-predicts inline sparsification where ranks share cores (docs/results/speed.md,
+"The DDP hook's `auto`, measured"). Unlike :class:`gradsync.GradSync` the fusion buffer is
+DDP's bucket and the selection rule a size threshold (Eq. 2 needs the engine's cost model).
+A NaN/Inf travels in the bucket's own collectives, so every rank sees it alike and keeps its
+residuals: ``Config.nonfinite="raise"`` fails the bucket's future (DDP raises from
+``backward()`` on every rank), ``"skip_step"`` leaves the non-finite average in ``.grad``, as
+DDP would. :meth:`HookState.follow` keeps error feedback in a GradScaler's units.
 
 Facts this relies on (docs/architecture.md, "torch.distributed facts"): the hook's second
-parameter must be named ``bucket``; ``functools.partial`` and callable instances are rejected,
-plain functions work; buckets are rebuilt after iteration 0, so residuals are keyed by parameter
-name, not by bucket; under ``no_sync()`` the hook is not called (gradients accumulate in DDP's
-buffers); on gloo a second collective cannot be launched from ``Future.then``, so the hook runs
-a sparse bucket's collectives blocking and returns a completed future, and issues a bucket sent
-whole as its one asynchronous all-reduce, with only the averaging in ``.then``. (No
-``from __future__ import annotations`` here: DDP compares the ``bucket`` annotation with
-``dist.GradBucket`` itself, not with its string.)
-
-:class:`HookState` implements :class:`gradsync.engine.state.Stateful` (identity
-``"ddp_hook:<scheme>"``), so :mod:`gradsync.checkpoint` saves and restores it per rank.
+parameter must be named ``bucket`` and annotated ``dist.GradBucket`` itself (so no ``from
+__future__ import annotations`` here); plain functions work, ``functools.partial`` and callable
+instances do not; buckets are rebuilt after iteration 0, so state is keyed by parameter name;
+under ``no_sync()`` the hook is not called; on gloo a second collective cannot be launched from
+``Future.then``, so a sparse bucket's collectives run blocking and return a completed future,
+and a bucket sent whole is one asynchronous all-reduce with only the averaging in ``.then``.
+:class:`HookState` is :class:`gradsync.engine.state.Stateful` (``"ddp_hook:<scheme>"``).
 """
 
 import contextlib
@@ -106,12 +52,19 @@ from gradsync.engine.jobs import concat
 from gradsync.engine.preconditioning import apply_scales
 from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.warmup import link_costs
-from gradsync.feedback import ErrorFeedback, check_scaler, follow_scale, saved_scale
+from gradsync.feedback import (
+    ErrorFeedback,
+    check_scaler,
+    clip_local,
+    follow_scale,
+    saved_scale,
+)
 from gradsync.schedule import schemes
 from gradsync.schedule.auto import MARGIN, bucket_sparse
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 from gradsync.schedule.ssfusion import allgather_charge, allreduce_charge, compensate
 from gradsync.sparsegrad import SparseGrad, all_finite
+from gradsync.sparsify.segments import to_device
 
 __all__ = ["DDP_SCHEMES", "TRIAL_ORDER", "TRIAL_STEPS", "HookState", "hook", "register"]
 
@@ -155,6 +108,8 @@ class HookState:
     shapes: list[tuple[str, tuple[int, ...]]] | None = None  # the model's, when known
     trained: tuple[int, ...] | None = None  # numels of the parameters DDP reduces (trainable)
     checked: bool = False  # configuration agreed across ranks
+    # world size 1 without Config.compress_single_rank: no hook installed, DDP's own path
+    passthrough: bool = False
     link: tuple[Any, ...] | None = None  # auto: the measured (all-reduce, all-gather, sparsify)
     # auto's trial of the prediction against all-dense: {"start": step, "times": {"model": [...],
     # "dense": [...]}, "verdict": None | "model" | "dense"}; None: no trial (yet)
@@ -473,10 +428,11 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     # one pass over the bucket instead of one per tensor; a non-finite bucket accumulates
     # nothing and sends a NaN instead, so every rank's sum shows it (module doc)
     poisoned = not all_finite(buf)
+    grads = _clipped(state, [buf[offsets[i]:offsets[i + 1]] for i in range(len(names))], P)
     for i, (name, d) in enumerate(zip(names, densities)):
         lo, hi = offsets[i], offsets[i + 1]
         acc = (torch.zeros_like(buf[lo:hi]) if poisoned
-               else state.ef.accumulate(name, buf[lo:hi], check=False))
+               else state.ef.accumulate(name, grads[i], check=False))
         accs[name] = acc
         if d is None and to_allreduce:
             dense_parts.append(i)
@@ -487,9 +443,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         else:  # selected below, all with one finiteness read (on a GPU: one wait)
             pending.append((len(sparse_parts), i, state.sparsifier(name, d), acc))
             sparse_parts.append((i, None))
-    for (at_part, i, _, _), sel in zip(pending, sparsify.select_each(
-            [(sp, acc) for _, _, sp, acc in pending])):
-        sparse_parts[at_part] = (i, sel)
+    _select(pending, sparse_parts)
     # the tensors sent whole first: the all-gather's dense prefix, values without indices
     # (SparseGrad.dense_prefix), alike on every rank since the densities are
     sparse_parts.sort(key=lambda part: densities[part[0]] is not None)
@@ -516,13 +470,12 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
                 vals[0] = math.nan
                 sel = SparseGrad(torch.arange(n, device=buf.device), vals, at[-1],
                                  validate=False, dense_prefix=prefix)
-            else:
-                sel = concat([s for _, s in sparse_parts]).to(wire)
+            else:  # a run of tensors selected as one buffer is one part (_select)
+                sel = concat([s for _, s in sparse_parts if s is not None]).to(wire)
             res = state.collective(sel, group=state.group)
-            kept = res.kept
-            for j, (i, _) in enumerate(sparse_parts):
+            for j, ((i, _), piece) in enumerate(zip(sparse_parts, _split(res.kept, at))):
                 out[offsets[i]:offsets[i + 1]] = res.dense[at[j]:at[j + 1]]
-                kept_by_tensor[i] = kept[(kept >= at[j]) & (kept < at[j + 1])] - at[j]
+                kept_by_tensor[i] = piece
             stats += res.stats
     except BaseException:
         # SSFusion-I's all-reduce is waited for on every path, a failing all-gather included:
@@ -557,6 +510,44 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     return _done(state, stats, buf, bucket.is_last())
 
 
+def _select(pending: list, parts: list) -> None:
+    """Fill ``parts`` with the selections of the ``pending`` tensors ``(at_part, i, sparsifier,
+    acc)``. They are selected as one buffer, every tensor at its own k, in a number of
+    operations independent of their count (:func:`gradsync.sparsify.select_buffer`): the
+    first pending part then holds the whole run's selection and the others ``None`` (after
+    the sort that puts the tensors sent whole first, the pending ones are one run, in this
+    order). Sparsifiers without a segmented form select tensor by tensor."""
+    if len(pending) > 1:
+        accs = [acc.reshape(-1) for _, _, _, acc in pending]
+        one = sparsify.select_buffer([sp for _, _, sp, _ in pending], torch.cat(accs),
+                                     [a.numel() for a in accs])
+        if one is not None:
+            for j, (at_part, i, _, _) in enumerate(pending):
+                parts[at_part] = (i, one if j == 0 else None)
+            return
+    for (at_part, i, _, _), sel in zip(pending, sparsify.select_each(
+            [(sp, acc) for _, _, sp, acc in pending])):
+        parts[at_part] = (i, sel)
+
+
+def _split(kept: torch.Tensor, at: list[int]) -> list[torch.Tensor]:
+    """``kept`` (positions in the concatenated parts) cut into each part's own positions
+    (``at``: where each part starts, and the end). Sorted ``kept`` (what the collectives
+    return) is cut at binary-searched points read back in one transfer; otherwise, one mask
+    per part."""
+    kept = kept.to(torch.int64)
+    bounds = to_device(at, torch.int64, kept.device)  # no wait for the device
+    if kept.numel() > 1:
+        ordered = (kept[1:] >= kept[:-1]).all()
+        cuts = torch.cat([torch.searchsorted(kept, bounds), ordered.view(1).to(torch.int64)])
+        *cuts, ok = cuts.tolist()
+    else:
+        cuts, ok = torch.searchsorted(kept, bounds).tolist(), True
+    if ok:
+        return [kept[cuts[j]:cuts[j + 1]] - at[j] for j in range(len(at) - 1)]
+    return [kept[(kept >= at[j]) & (kept < at[j + 1])] - at[j] for j in range(len(at) - 1)]
+
+
 def _sent(acc: torch.Tensor, wire: torch.Tensor | None, dtype: torch.dtype | None = None
           ) -> torch.Tensor | None:
     """The values that travelled for ``acc`` (``wire``, or ``acc`` cast to ``dtype``); None when
@@ -565,6 +556,14 @@ def _sent(acc: torch.Tensor, wire: torch.Tensor | None, dtype: torch.dtype | Non
     if acc.dtype == out_dtype:
         return None
     return wire.reshape(-1) if wire is not None else acc.reshape(-1).to(out_dtype)
+
+
+def _clipped(state: HookState, grads: list[torch.Tensor], P: int) -> list[torch.Tensor]:
+    """The bucket's gradients as error feedback takes them: clipped per tensor when
+    ``Config.clip_norm`` is set (:func:`gradsync.feedback.clip_local`, DGC §3.3)."""
+    if state.cfg.clip_norm is None:
+        return grads
+    return clip_local(grads, state.cfg.clip_norm, P)
 
 
 def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: list[str],
@@ -579,7 +578,9 @@ def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: l
     checked where it arrives (module doc, "Non-finite gradients")."""
     accs = []
     if feedback:  # not checked here: a NaN/Inf travels and shows in every rank's sum
-        accs = [state.ef.accumulate(name, buf[offsets[i]:offsets[i + 1]], check=False)
+        grads = _clipped(state, [buf[offsets[i]:offsets[i + 1]] for i in range(len(names))],
+                         comm.size)
+        accs = [state.ef.accumulate(name, grads[i], check=False)
                 for i, name in enumerate(names)]
         for i, acc in enumerate(accs):  # rounded to the gradients' dtype; residual keeps it
             buf[offsets[i]:offsets[i + 1]].copy_(acc)
@@ -712,5 +713,8 @@ def register(ddp_model: nn.parallel.DistributedDataParallel, cfg: Config,
         raise RuntimeError("gradsync.ddp.register: call torch.distributed.init_process_group "
                            "first (torchrun sets the environment it reads)")
     state, fn = hook(cfg, ddp_model.module, ddp_model.process_group, small_numel)
+    if dist.get_world_size(ddp_model.process_group) == 1 and not cfg.compress_single_rank:
+        state.passthrough = True  # nothing to send: DDP's own (trivial) all-reduce stays
+        return state
     ddp_model.register_comm_hook(state, fn)
     return state

@@ -69,6 +69,10 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
     p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
                    help="DGC's warm-up: PERIODS periods of STEPS steps at exponentially "
                         "decreasing densities before --density (gradsync schemes; default off)")
+    p.add_argument("--clip-norm", type=float, default=None, metavar="C",
+                   help="DGC's local gradient clipping for the gradsync schemes: each rank's "
+                        "gradient, per tensor, to an L2 norm of C/sqrt(P) before it enters "
+                        "error feedback (Config.clip_norm; default off)")
     p.add_argument("--adam-warmup", type=int, default=None, metavar="STEPS",
                    help="AdamW with a sparse scheme: steps of exact AdamW, gradients sent "
                         "whole, before its variance freezes (gradsync.optim; default 10%% of "
@@ -144,7 +148,7 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
             bandwidth=a.bandwidth, latency=a.latency, timeout=a.timeout, out=a.out,
             progress=not a.no_progress, fail_rank=a.fail_rank, stall_at=a.stall_at,
             step_sleep=a.step_sleep, inject_scheme=a.inject_scheme,
-            density_warmup=a.density_warmup,
+            density_warmup=a.density_warmup, clip_norm=a.clip_norm,
             adam_warmup=a.adam_warmup, amp=a.amp, plans=_read_plans(a.plan, p),
             topk_shares=a.topk_shares)
     except ValueError as e:

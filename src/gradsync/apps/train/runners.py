@@ -128,7 +128,8 @@ class Runner:
         return Config(scheme=self.choice.scheme.name, density=spec.density,
                       sparsifier=spec.sparsifier, seed=spec.seed,
                       momentum=MOMENTUM if self.momentum_correction else 0.0,
-                      density_warmup=warm, density_warmup_steps=period, **extra)
+                      density_warmup=warm, density_warmup_steps=period,
+                      clip_norm=spec.clip_norm, **extra)
 
     def metering(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()

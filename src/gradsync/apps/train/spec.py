@@ -139,6 +139,8 @@ class TrainSpec:
         density_warmup: DGC's warm-up for the gradsync schemes, ``"PERIODS:STEPS"``: PERIODS
             periods of STEPS steps at exponentially decreasing densities
             (``Config.dgc_warmup``), then ``density``; ``None``: off.
+        clip_norm: ``Config.clip_norm`` of the gradsync schemes (DGC's local gradient
+            clipping); ``None``: off.
         adam_warmup: AdamW with a sparse scheme (:class:`gradsync.optim.FrozenVarianceAdamW`):
             the steps of exact AdamW, gradients sent whole, before the variance freezes
             (rounded up to whole ``density_warmup`` periods); ``None``:
@@ -183,6 +185,7 @@ class TrainSpec:
     text_fallback: bool = False
     device: str | None = None
     density_warmup: str | None = None
+    clip_norm: float | None = None
     adam_warmup: int | None = None
     amp: str | None = None
     plans: dict[str, dict[str, Any]] | None = None
@@ -263,6 +266,9 @@ class TrainSpec:
             raise ValueError(f"inject_scheme: unknown scheme {self.inject_scheme!r}")
         if self.density_warmup is not None:
             self.warmup_schedule()  # raises on a malformed value
+        if self.clip_norm is not None and not (
+                isinstance(self.clip_norm, int | float) and 0 < self.clip_norm < math.inf):
+            raise ValueError(f"clip_norm must be a finite number > 0, got {self.clip_norm!r}")
         if self.adam_warmup is not None:
             _int("adam_warmup", self.adam_warmup, 1)
         if self.amp not in AMP:
@@ -364,7 +370,8 @@ class TrainSpec:
                 "text_fallback": self.text_fallback,
                 "density": self.density, "sparsifier": self.sparsifier, "seed": self.seed,
                 "warmup_steps": self.warmup_steps, "eval_batches": self.eval_batches,
-                "density_warmup": self.density_warmup, "adam_warmup": self.adam_warmup,
+                "density_warmup": self.density_warmup, "clip_norm": self.clip_norm,
+                "adam_warmup": self.adam_warmup,
                 "amp": self.amp,
                 "bandwidth": self.bandwidth, "latency": self.latency,
                 "replayed_plans": sorted(self.plans) if self.plans else [],

@@ -1,0 +1,93 @@
+"""World size 1: nothing to send, so by default a step is plain training (as DDP's is).
+
+``Config.compress_single_rank=False`` (default): the engine installs no hooks and leaves
+``.grad`` as the gradient, and the DDP hook leaves DDP's own all-reduce in place; training is
+bitwise plain SGD. ``True`` compresses at P = 1 as at P ≥ 2 (the tests of the pipeline on one
+process and ``bench overhead`` use it). The reference is plain SGD on a copy of the model.
+"""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+from torch import nn
+
+import gradsync
+from gradsync.testing import run_distributed
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(32, 64), nn.Tanh(), nn.Linear(64, 4))
+
+
+def _batches(n: int = 4) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(1)
+    return [(torch.randn(16, 32, generator=g), torch.randn(16, 4, generator=g))
+            for _ in range(n)]
+
+
+def _train(model: nn.Module, step) -> None:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for x, y in _batches():
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x), y).backward()
+        step()
+        opt.step()
+
+
+def _engine(rank: int, world_size: int, compress: bool) -> dict:
+    model, ref = _model(), _model()
+    sync = gradsync.GradSync(model, gradsync.Config(scheme="topka", density=0.05, momentum=0.9,
+                                                    compress_single_rank=compress))
+    _train(model, sync.synchronize)
+    _train(ref, lambda: None)
+    same = all(torch.equal(p, q) for p, q in zip(model.parameters(), ref.parameters()))
+    out = {"same": same, "passthrough": sync.passthrough, "step": sync.step,
+           "bytes": sync.stats()["total"]["bytes_sent"], "residuals": len(sync.ef.names())}
+    sync.close()
+    return out
+
+
+def test_engine_at_world_size_1_is_plain_training():
+    (r,) = run_distributed(_engine, 1, False)
+    assert r["passthrough"] and r["same"] and r["step"] == 4
+    assert r["bytes"] == 0 and r["residuals"] == 0
+
+
+def test_engine_at_world_size_1_compresses_when_asked():
+    (r,) = run_distributed(_engine, 1, True)
+    assert not r["passthrough"] and not r["same"]  # 5 % of the entries move per step
+    assert r["residuals"] == 4 and r["step"] == 4
+
+
+def test_engine_at_world_size_2_always_compresses():
+    for r in run_distributed(_engine, 2, False):
+        assert not r["passthrough"] and r["bytes"] > 0
+
+
+def _hook(rank: int, world_size: int, compress: bool) -> dict:
+    model = _model()
+    ref = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
+    ddp = nn.parallel.DistributedDataParallel(model)
+    state = gradsync.ddp.register(ddp, gradsync.Config(scheme="per_tensor", density=0.05,
+                                                       compress_single_rank=compress))
+    _train(ddp, lambda: None)
+    _train(ref, lambda: None)
+    same = all(torch.equal(p, q) for p, q in zip(ddp.parameters(), ref.parameters()))
+    return {"same": same, "passthrough": state.passthrough, "calls": state.calls}
+
+
+@pytest.mark.parametrize("compress", [False, True])
+def test_ddp_hook_at_world_size_1(compress):
+    (r,) = run_distributed(_hook, 1, compress)
+    assert r["passthrough"] is not compress
+    assert r["same"] is not compress
+    assert (r["calls"] > 0) is compress
+
+
+def test_config_refuses_a_non_bool():
+    with pytest.raises(ValueError, match="compress_single_rank must be True or False"):
+        gradsync.Config(compress_single_rank=1)
