@@ -408,16 +408,19 @@ def _engine(rank: int, P: int) -> dict:
     warmup.TRIAL_ROUNDS = 1  # real timings: a close trial would go on (tested on its own)
     out: dict = {}
     # density 1 against the plain all-reduce average (what DDP computes)
+    # compress_single_rank: at P = 1 auto runs too (by default a step is plain training, and
+    # every check below would hold trivially)
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme="auto", density=1.0, sparsifier="topk",
-                                  warmup_steps=2, check_every=0))
+                                  warmup_steps=2, check_every=0, compress_single_rank=True))
     out["density_one"] = density_one_error(model, sync, rank, P)
     sync.close()
     # 1%: conservation per parameter and step; the plan (sparse on the pinned slow link, the
     # runners-up measured, then re-planned) the same on every rank at every step
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme="auto", density=0.01, sparsifier="topk",
-                                  warmup_steps=2, check_every=0), audit=True)
+                                  warmup_steps=2, check_every=0, compress_single_rank=True),
+                    audit=True)
     conserved, plans, stranded, probing = True, [], 0.0, []
     for step in range(16):  # warm-up, two probes and their trials, a re-plan
         ran = sync.plan

@@ -377,16 +377,17 @@ def _engine(rank: int, P: int, steps: int) -> dict:
     _slow_link_profiles()
     out: dict = {}
     for scheme in BASELINES:
-        # density 1 against the plain all-reduce average (what DDP computes)
+        # density 1 against the plain all-reduce average (what DDP computes); at P = 1 too the
+        # scheme runs (compress_single_rank), else .grad would be the gradient untouched
         model = build("mlp", seed=1)
         sync = GradSync(model, Config(scheme=scheme, density=1.0, sparsifier="topk",
-                                      warmup_steps=2))
+                                      warmup_steps=2, compress_single_rank=True))
         worst = density_one_error(model, sync, rank, P)
         sync.close()
         # 5% density: conservation per parameter and step, bit for bit; replicas identical
         model = build("mlp", seed=1)
         sync = GradSync(model, Config(scheme=scheme, density=0.05, sparsifier="topk",
-                                      warmup_steps=2), audit=True)
+                                      warmup_steps=2, compress_single_rank=True), audit=True)
         conserved, residual_left, sent = True, 0, 0
         for step in range(steps):
             model.zero_grad(set_to_none=True)

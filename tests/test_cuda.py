@@ -300,8 +300,10 @@ def _engine_rank(rank: int, P: int, device: str, emulate: str | None) -> dict:
     for scheme in ENGINE_SCHEMES:
         model = build("cnn", seed=3).to(dev)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
+        # compress_single_rank: the cuda-nccl-P1 setup runs the pipeline on one GPU too
         sync = GradSync(model, Config(scheme=scheme, density=0.05, warmup_steps=2,
-                                      check_every=2))  # the cross-rank digest check too
+                                      check_every=2,  # the cross-rank digest check too
+                                      compress_single_rank=True))
         worst = 0.0
         for step in range(4):  # 2 profiling steps, then the final plan
             opt.zero_grad(set_to_none=True)
@@ -401,16 +403,18 @@ def _waits_per_step(device: str, tensors: int, scheme: str = "topka",
                     cpu_waits: frozenset = frozenset({"aten::_local_scalar_dense",
                                                       "aten::nonzero"})) -> float:
     """How often one step of ``scheme`` (momentum and its masking on, after the warm-up) of an
-    MLP of ``tensors`` parameters waits on the device: CUDA stream synchronisations on a GPU,
-    host reads of tensor values (``cpu_waits``: ``item``/``int``/``bool``, ``nonzero``) on
-    the CPU."""
+    MLP of ``tensors`` parameters, compressed in this one process (``compress_single_rank``),
+    waits on the device: CUDA stream synchronisations on a GPU, host reads of tensor values
+    (``cpu_waits``: ``item``/``int``/``bool``, ``nonzero``) on the CPU."""
     from torch.profiler import ProfilerActivity, profile
 
     torch.manual_seed(0)
     model = nn.Sequential(*[m for _ in range(tensors // 2) for m in (nn.Linear(16, 16),
                                                                      nn.Tanh())]).to(device)
     x = torch.randn(8, 16, device=device)
-    sync = GradSync(model, Config(scheme=scheme, density=0.05, momentum=0.9, warmup_steps=2))
+    # one process: compress_single_rank, else a step is plain training with nothing to count
+    sync = GradSync(model, Config(scheme=scheme, density=0.05, momentum=0.9, warmup_steps=2,
+                                  compress_single_rank=True))
     try:
         for _ in range(4):
             model.zero_grad(set_to_none=False)
@@ -444,14 +448,19 @@ def test_a_step_waits_on_the_device_as_often_for_40_tensors_as_for_10(device):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_a_per_tensor_step_waits_on_the_device_per_buffer_not_per_tensor(device):
+def test_a_per_tensor_step_waits_on_the_device_per_buffer_not_per_tensor(device, monkeypatch):
     """per_tensor selects every tensor with its own DGC sparsifier. Tensor by tensor that waited
     on the device once per tensor (``nonzero``'s output size; before that three times). The
     buffer is now selected as a whole (``sparsify.select_buffer``): the tensors' counts are read
     back once per adjustment round and the candidates taken with ``nonzero_static`` at the
-    known count, so 40 tensors wait as often as 10. On the CPU: no ``nonzero`` is left, and the
-    host scalar reads per tensor are each weight's sample start, drawn from its sparsifier's
-    CPU generator (no wait on a GPU; a bias is its own sample)."""
+    known count, so 40 tensors wait as often as 10. On the CPU, where selecting tensor by
+    tensor is faster and is the default (``segments.pays_on``), the test turns the segmented
+    path on: no ``nonzero`` is left, and the host scalar reads per tensor are each weight's
+    sample start, drawn from its sparsifier's CPU generator (no wait on a GPU; a bias is its
+    own sample)."""
+    from gradsync.sparsify import segments
+
+    monkeypatch.setattr(segments, "ON_CPU", True)
     if device == "cuda":
         few, many = _waits_per_step(device, 10, "per_tensor"), _waits_per_step(device, 40,
                                                                               "per_tensor")
@@ -548,8 +557,11 @@ def _ddp_rank(rank: int, P: int, device: str, emulate: str | None) -> dict:
     for scheme, density in (("per_tensor", 1.0), ("ssfusion_oi", 0.05)):
         plain = DDP(build("cnn", seed=4).to(dev), device_ids=ids, bucket_cap_mb=0.1)
         hooked = DDP(build("cnn", seed=4).to(dev), device_ids=ids, bucket_cap_mb=0.1)
+        # compress_single_rank: the cuda-nccl-P1 setup runs the hook on one GPU too (at
+        # P = 1 DDP would otherwise keep its own all-reduce, and the checks hold trivially)
         gradsync.ddp.register(hooked, Config(scheme=scheme, density=density,
-                                             sparsifier="topk"), small_numel=1000)
+                                             sparsifier="topk", compress_single_rank=True),
+                              small_numel=1000)
         worst = 0.0
         for step in range(3):
             x, y = image_batch(rank, step, 16)
@@ -663,7 +675,8 @@ class Regression(pl.LightningModule):
     def configure_optimizers(self):
         return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
 
-cfg = gradsync.Config(scheme="per_tensor", density=0.1)
+# one GPU, one process: compress_single_rank, else DDP keeps its own all-reduce and no hook runs
+cfg = gradsync.Config(scheme="per_tensor", density=0.1, compress_single_rank=True)
 from accelerate import Accelerator  # first: before Lightning makes a process group
 accelerator = Accelerator()  # one process: no DDP wrapper
 model, opt = accelerator.prepare(nn.Linear(4, 4), torch.optim.SGD([torch.zeros(1)], lr=0.1))

@@ -4,7 +4,8 @@ feedback keeps nothing of that step on any rank, and then ``Config.nonfinite`` d
 ``"raise"`` raises from ``backward()`` on every rank (DDP stays usable), ``"skip_step"`` leaves
 the non-finite average in ``.grad`` on every rank, as plain DDP does, for the caller (or
 ``torch.amp.GradScaler``) to skip ``optimizer.step()``. Nothing hangs, and a run that skips the
-bad step ends bitwise where a run without that step ends."""
+bad step ends bitwise where a run without that step ends. At world size 1 the hook runs too
+(``Config.compress_single_rank``; by default DDP would keep its own all-reduce)."""
 
 from __future__ import annotations
 
@@ -36,7 +37,8 @@ def _run(rank: int, P: int, scheme: str, policy: str, steps: list[int], bad_rank
     model = build("mlp", seed=3)  # seeded, not the global RNG
     ddp = DDP(model)
     state = gradsync.ddp.register(ddp, Config(scheme=scheme, density=0.05, momentum=0.9,
-                                              sparsifier="topk", nonfinite=policy),
+                                              sparsifier="topk", nonfinite=policy,
+                                              compress_single_rank=True),
                                   small_numel=1000)
     poison = {"on": False}
 

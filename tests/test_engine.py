@@ -34,13 +34,14 @@ def _small(model_name: str):
 
 
 def _density_one(rank, world_size, model_names, schemes):
-    """At density 1 every scheme's averaged gradient equals the plain all-reduce average."""
+    """At density 1 every scheme's averaged gradient equals the plain all-reduce average; at
+    world size 1 the scheme runs too (``compress_single_rank``), else nothing would be tested."""
     errs = {}
     for model_name in model_names:
         for scheme in schemes:
             model = _small(model_name)
             cfg = Config(scheme=scheme, density=1.0, sparsifier="topk", warmup_steps=2,
-                         bucket_mb=0.05)
+                         bucket_mb=0.05, compress_single_rank=True)
             sync = GradSync(model, cfg)
             worst = 0.0
             for step in range(4):  # 2 profiling steps, then the final plan
@@ -223,7 +224,8 @@ _EXCLUDED_PLAN = Plan("ssfusion", [BufferPlan((
 def _excluded_rank(rank, world_size, dtype=torch.float32):
     model = build("mlp", seed=1).to(dtype)
     sync = GradSync(model, Config(scheme="ssfusion", density=0.02, sparsifier="topk",
-                                  warmup_steps=1, check_every=0, plan=_EXCLUDED_PLAN))
+                                  warmup_steps=1, check_every=0, plan=_EXCLUDED_PLAN,
+                                  compress_single_rank=True))
     sent = []
     for step in range(4):
         model.zero_grad()
@@ -243,7 +245,8 @@ def test_ssfusion_sends_the_tensors_it_excluded_as_values_without_indices(world_
     """The tensors SSFusion sent whole travel first in their job's all-gather, values only:
     each rank sends (P − 1)·(4 bytes per excluded element + 8 per sparse entry), plus the
     shape check and the counts; the excluded tensors keep no residual and arrive as the exact
-    sum of every rank's gradient (their average is identical on every rank)."""
+    sum of every rank's gradient (their average is identical on every rank). World size 1
+    compresses too (``compress_single_rank``): it sends nothing, and keeps the residuals."""
     out = run_distributed(_excluded_rank, world_size, timeout=300)
     P = world_size
     whole = 10 + 256 + 256
@@ -403,16 +406,27 @@ def test_config_validation():
     assert Config.from_dict({"scheme": "topka"}).scheme == "topka"
 
 
-def test_single_process_without_process_group():
+@pytest.mark.parametrize("compress", [False, True])
+def test_single_process_without_process_group(compress):
+    """One process without a process group is world size 1. By default a step is plain
+    training: no hooks, ``.grad`` stays the local gradient, nothing held. With
+    ``compress_single_rank`` the pipeline runs there as well: it sends nothing, but the
+    sparsified tensors' entries wait in residuals, so ``.grad`` differs."""
     model = build("mlp")
-    sync = GradSync(model, Config(scheme="ssfusion_oi", density=0.1, warmup_steps=1))
+    sync = GradSync(model, Config(scheme="ssfusion_oi", density=0.1, warmup_steps=1,
+                                  compress_single_rank=compress))
+    assert sync.passthrough is not compress
     for step in range(3):
         model.zero_grad()
         x, y = batch("cnn", 0, step)
         model_loss(model, "cnn", x, y).backward()
-        sync.synchronize()
+        local = {n: p.grad.clone() for n, p in model.named_parameters()}
+        assert sync.synchronize() is True
+        same = all(torch.equal(p.grad, local[n]) for n, p in model.named_parameters())
+        assert same is not compress, step
     s = sync.stats()
     assert s["world_size"] == 1 and s["step"] == 3 and s["last"]["bytes_sent"] == 0
+    assert bool(sync.ef.names()) is compress
     sync.close()
 
 
@@ -876,7 +890,9 @@ def test_the_training_thread_runs_few_ops_per_tensor(scheme):
     with _ComputeOps() as alone:
         plain(x).square().mean().backward()
     model = mlp()
-    sync = GradSync(model, Config(scheme=scheme, density=0.05, momentum=0.9, warmup_steps=2))
+    # one process: compress_single_rank, else a step is plain training and adds no op at all
+    sync = GradSync(model, Config(scheme=scheme, density=0.05, momentum=0.9, warmup_steps=2,
+                                  compress_single_rank=True))
     for _ in range(4):
         model.zero_grad(set_to_none=False)
         model(x).square().mean().backward()

@@ -2,7 +2,9 @@
 multiplied by the scale S, so residuals and velocities hold S-scaled values; ``rescale(S'/S)``
 after the scaler changes S keeps them meaningful. GradScaler's factors are powers of two, so a
 scaled run with ``rescale`` ends bitwise where an unscaled run ends (top-k is scale-invariant,
-and scaling by 2^j commutes with rounding). Without ``rescale`` it does not."""
+and scaling by 2^j commutes with rounding). Without ``rescale`` it does not. At world size 1
+the engine and the hook compress too (``Config.compress_single_rank``): by default they would
+hold nothing to rescale."""
 
 from __future__ import annotations
 
@@ -35,7 +37,9 @@ PATHS = list(SCHEME)
 
 def _cfg(path: str, **kw) -> Config:
     scheme, sparsifier = SCHEME[path]
-    return Config(scheme=scheme, density=0.05, momentum=0.9, sparsifier=sparsifier, **kw)
+    # compress_single_rank: the world-size-1 cases run the pipeline (it matters only at P = 1)
+    return Config(scheme=scheme, density=0.05, momentum=0.9, sparsifier=sparsifier,
+                  compress_single_rank=True, **kw)
 
 
 def _run(rank: int, P: int, path: str, scaled: bool, follow: bool | str, overflow: bool

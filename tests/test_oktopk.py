@@ -432,7 +432,9 @@ def _engine_oktopk(rank, world_size, tau_prime, steps, resume_at):
 
     def make():
         model = build("mlp", seed=1)
-        cfg = Config(scheme="oktopk", density=0.01, local_tau_prime=tau_prime, warmup_steps=1)
+        # compress_single_rank: world size 1 selects too (by default it would be plain training)
+        cfg = Config(scheme="oktopk", density=0.01, local_tau_prime=tau_prime, warmup_steps=1,
+                     compress_single_rank=True)
         return model, GradSync(model, cfg)
 
     def step(model, sync, s):

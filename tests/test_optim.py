@@ -4,7 +4,8 @@ The references are independent of the code under test: ``torch.optim.AdamW`` for
 and the frozen-variance update written out from 1-bit Adam's formula afterwards. The engine
 test runs real gloo ranks: a sparse scheme whose first steps are sent whole
 (``Config.density_warmup=(1.0,)``) with ``Config(momentum=β1)`` and the optimizer must follow
-DDP (gradients averaged with ``torch.distributed.all_reduce``) + ``torch.optim.AdamW``.
+DDP (gradients averaged with ``torch.distributed.all_reduce``) + ``torch.optim.AdamW``; at world
+size 1 through the same pipeline (``Config.compress_single_rank``).
 """
 
 from __future__ import annotations
@@ -120,7 +121,7 @@ def _engine_adam(rank: int, P: int, scheme: str) -> dict[str, float]:
     ref = copy.deepcopy(model)
     sync = GradSync(model, Config(scheme=scheme, density=0.05, sparsifier="topk",
                                   momentum=B1, warmup_steps=1, density_warmup=(1.0,),
-                                  density_warmup_steps=W))
+                                  density_warmup_steps=W, compress_single_rank=True))
     opt = FrozenVarianceAdamW(model.parameters(), lr=LR, betas=(B1, B2), weight_decay=WD,
                               freeze_step=W)
     ref_opt = torch.optim.AdamW(ref.parameters(), lr=LR, betas=(B1, B2), weight_decay=WD)

@@ -6,9 +6,9 @@ sent whole must train like SGD with momentum. So at density 1 every scheme with
 
 The reference here is written without gradsync: gradients averaged with
 ``torch.distributed.all_reduce`` and ``torch.optim.SGD(momentum=m)``, on a second copy of the
-model, at P = 1, 2, 3 (real gloo ranks). Before the fix the engine applied plain SGD to tensors
-sent whole (gradients 1, 2, 3 gave updates 1, 2, 3 instead of 1, 2.9, 5.61) and these tests
-failed.
+model, at P = 1, 2, 3 (real gloo ranks; P = 1 compresses as P ≥ 2 does,
+``compress_single_rank``). Before the fix the engine applied plain SGD to tensors sent whole
+(gradients 1, 2, 3 gave updates 1, 2, 3 instead of 1, 2.9, 5.61) and these tests failed.
 """
 
 from __future__ import annotations
@@ -76,7 +76,7 @@ def _engine_rank(rank: int, P: int, names: list[str]) -> dict[str, float]:
     for scheme in names:
         model = build("mlp", seed=1)
         sync = GradSync(model, Config(scheme=scheme, density=1.0, sparsifier="topk",
-                                      momentum=M, warmup_steps=2))
+                                      momentum=M, warmup_steps=2, compress_single_rank=True))
 
         def step_fn(x, y, model=model, sync=sync):
             nn.functional.cross_entropy(model(x), y).backward()
@@ -93,7 +93,7 @@ def _hook_rank(rank: int, P: int, names: list[str]) -> dict[str, float]:
         model = build("mlp", seed=1)
         wrapped = DDP(model)
         gddp.register(wrapped, Config(scheme=scheme, density=1.0, sparsifier="topk",
-                                      momentum=M))
+                                      momentum=M, compress_single_rank=True))
 
         def step_fn(x, y, wrapped=wrapped):
             nn.functional.cross_entropy(wrapped(x), y).backward()
@@ -124,12 +124,13 @@ def test_ddp_hook_density_one_follows_ddp_momentum(P: int) -> None:
 
 # ------------------------------------------------------------ cause 7: 16-bit residuals
 def _mass_lost(residual_dtype: str, steps: int = 60) -> float:
-    """Relative L1 gradient mass lost over ``steps`` bf16 steps at P = 1:
-    |Σ_t g_t − (Σ_t sent_t + residual_T)| / |Σ_t g_t|, in float64."""
+    """Relative L1 gradient mass lost over ``steps`` bf16 steps at P = 1, compressing there
+    (``compress_single_rank``): |Σ_t g_t − (Σ_t sent_t + residual_T)| / |Σ_t g_t|, in float64."""
     pin_profiles(backward=True)
     model = build("mlp", seed=3).to(torch.bfloat16)
     sync = GradSync(model, Config(scheme="topka", density=0.02, sparsifier="topk",
-                                  residual_dtype=residual_dtype, warmup_steps=2), audit=True)
+                                  residual_dtype=residual_dtype, warmup_steps=2,
+                                  compress_single_rank=True), audit=True)
     total = {n: torch.zeros(p.numel(), dtype=torch.float64) for n, p in model.named_parameters()}
     sent = {n: torch.zeros_like(t) for n, t in total.items()}
     for step in range(steps):

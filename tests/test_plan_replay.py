@@ -4,9 +4,9 @@ The schemes that plan from times measured in their warm-up (``needs_cost_model``
 differently in two runs with the same seed. ``Config.plan`` hands the engine a plan instead:
 
 * a run given plan H is bitwise the run whose planner chose H (the planner is forced to return
-  H in that run, after profiling as usual), at P = 1, 2, 3, 5; and H differs from what the
-  planner chooses under the pinned profiles, whose run ends with other parameters, so the
-  equality is not that of two runs that could not differ;
+  H in that run, after profiling as usual), at P = 1 (``compress_single_rank``), 2, 3, 5; and
+  H differs from what the planner chooses under the pinned profiles, whose run ends with other
+  parameters, so the equality is not that of two runs that could not differ;
 * validation: not a dict, not a plan, made for another scheme, not fitting the model (missing,
   unknown, size), refused by the DDP hook, a checkpoint of another plan; ``auto`` with a plan
   keeps it and never probes;
@@ -67,7 +67,7 @@ def _replay(rank: int, P: int, hand: dict) -> dict:
 
     pin_profiles()
     base = dict(scheme="multi_tensor", density=D, sparsifier="topk", warmup_steps=WARMUP,
-                momentum=0.9)
+                momentum=0.9, compress_single_rank=True)  # P = 1 runs the plan too
     out = {"planned": _train(rank, P, Config(**base))}
     orig = schedule.make_plan
 

@@ -3,6 +3,7 @@ DDP hook's ``HookState.precondition`` and ``FrozenVarianceAdamW(sync=...)``.
 
 The references do not use the code under test's preconditioning: the same training run without
 it (``FrozenVarianceAdamW`` dividing by ``√v̂ + eps`` itself), and top-k picks worked out by hand.
+The world-size-1 cases compress as at P ≥ 2 (``Config.compress_single_rank``).
 """
 
 from __future__ import annotations
@@ -41,7 +42,7 @@ def _dense_runs(rank: int, P: int, path: str) -> dict[str, float]:
         model = copy.deepcopy(base)
         cfg = Config(scheme="topka" if path == "engine" else "per_tensor", density=0.05,
                      sparsifier="topk", momentum=B1, warmup_steps=1, density_warmup=(1.0,),
-                     density_warmup_steps=STEPS + 1)
+                     density_warmup_steps=STEPS + 1, compress_single_rank=True)
         if path == "engine":
             sync = GradSync(model, cfg)
             net = model
@@ -106,7 +107,7 @@ def _selection(rank: int, P: int, precondition: bool) -> dict[str, list[float]]:
     model = _Two()
     # one fused buffer of 16 entries at density 1/4: k = 4 entries per rank
     sync = GradSync(model, Config(scheme="topka", density=0.25, warmup_steps=1,
-                                  bucket_mb=1.0))
+                                  bucket_mb=1.0, compress_single_rank=True))
     for step in range(3):  # the warm-up steps, then the plan's
         if step == 2 and precondition:
             sync.precondition({model.a: torch.ones(8), "b": torch.full((8,), 1e4)})
@@ -189,7 +190,9 @@ def test_scales_are_part_of_the_engines_state() -> None:
 
 def _mid_step(rank: int, P: int) -> str:
     model = build("mlp", seed=1)
-    sync = GradSync(model, Config(scheme="topka", density=0.05, warmup_steps=1))
+    # one rank, compressing: its gradient hooks are what mark a step in progress
+    sync = GradSync(model, Config(scheme="topka", density=0.05, warmup_steps=1,
+                                  compress_single_rank=True))
     _step(model, rank, 0)  # backward done, synchronize() not yet called
     p = next(iter(model.parameters()))
     try:

@@ -124,3 +124,52 @@ def test_helpers():
     v = torch.tensor([1.0, 5.0, 3.0, 2.0, 9.0, 0.5])
     assert top_in_segments(v, [3, 3], [2, 1]).tolist() == [1, 2, 4]
     assert Segments((3, 4, 5)).offsets == (0, 3, 7)
+
+
+def test_engine_trains_bitwise_alike_with_and_without_segments(monkeypatch):
+    """The engine's per-tensor jobs through select_buffer (forced on the CPU) end where
+    selecting tensor by tensor ends, bit for bit (per_tensor: a fixed plan)."""
+    import gradsync
+    from gradsync.sparsify import segments
+
+    calls = []
+    real = segments.select_buffer
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(segments, "select_buffer", spy)
+    monkeypatch.setattr(sparsify, "select_buffer", spy)
+
+    def run(on: bool) -> list[torch.Tensor]:
+        monkeypatch.setattr(segments, "ON_CPU", on)
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(24, 24),
+                                                                      torch.nn.Tanh())])
+        sync = gradsync.GradSync(model, gradsync.Config(
+            scheme="per_tensor", density=0.05, momentum=0.9, warmup_steps=2,
+            compress_single_rank=True))
+        opt = torch.optim.SGD(model.parameters(), lr=0.1)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            opt.zero_grad()
+            model(torch.randn(8, 24, generator=g)).square().mean().backward()
+            sync.synchronize()
+            opt.step()
+        sync.close()
+        return [p.detach().clone() for p in model.parameters()]
+
+    per_tensor = run(False)
+    assert not calls
+    at_once = run(True)
+    assert calls  # the segmented path ran
+    assert all(torch.equal(a, b) for a, b in zip(per_tensor, at_once))
+    assert not all(torch.equal(a, b) for a, b in zip(per_tensor, run_untrained()))
+
+
+def run_untrained() -> list[torch.Tensor]:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(24, 24),
+                                                                  torch.nn.Tanh())])
+    return [p.detach().clone() for p in model.parameters()]

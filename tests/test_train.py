@@ -302,12 +302,19 @@ def test_spec_fills_model_defaults_validates_and_pickles():
     assert list(cfg) == ["model", "data", "schemes", "world_size", "steps", "epochs",
                          "batch_size", "lr", "optimizer", "text_fallback", "density",
                          "sparsifier", "seed", "warmup_steps", "eval_batches",
-                         "density_warmup", "adam_warmup", "amp", "bandwidth", "latency",
+                         "density_warmup", "clip_norm", "adam_warmup", "amp", "bandwidth",
+                         "latency",
                          "replayed_plans", "topk_shares"]
     assert cfg["world_size"] == 4 and cfg["schemes"] == ["ddp", "oktopk"]
     assert cfg["amp"] is None
     assert cfg["replayed_plans"] == [] and cfg["topk_shares"] is False
     assert pickle.loads(pickle.dumps(gpt)) == gpt  # every rank receives it
+    clipped = train.TrainSpec(schemes=["topka"], clip_norm=2.5)
+    assert clipped.config(2)["clip_norm"] == 2.5 and cfg["clip_norm"] is None
+    (choice,) = clipped.choices
+    from gradsync.apps.train.runners import Runner
+
+    assert Runner(choice, torch.nn.Linear(2, 2), clipped).gradsync_config(clipped).clip_norm == 2.5
     for kw, field in [({"steps": 0}, "steps"), ({"steps": 2, "epochs": 1.0}, "epochs"),
                       ({"epochs": -1.0}, "epochs"), ({"latency": "5ms"}, "latency"),
                       ({"bandwidth": "fast"}, "bandwidth"), ({"schemes": ()}, "scheme"),
@@ -316,7 +323,8 @@ def test_spec_fills_model_defaults_validates_and_pickles():
                       ({"data": "text"}, "does not fit"), ({"lr": float("inf")}, "lr"),
                       ({"sparsifier": "nope"}, "sparsifier"), ({"world_size": 0}, "world_size"),
                       ({"warmup_steps": 0}, "warmup_steps"), ({"batch_size": 1.5}, "batch_size"),
-                      ({"timeout": 0}, "timeout"), ({"topk_shares": 1}, "topk_shares")]:
+                      ({"timeout": 0}, "timeout"), ({"topk_shares": 1}, "topk_shares"),
+                      ({"clip_norm": 0.0}, "clip_norm"), ({"clip_norm": "1"}, "clip_norm")]:
         with pytest.raises(ValueError, match=field):
             train.TrainSpec(**kw)
 

@@ -53,7 +53,8 @@ def _engine_rank(rank: int, P: int, scheme: str) -> dict:
     model = build("mlp", seed=2)
     n = sum(p.numel() for p in model.parameters())
     cfg = Config(scheme=scheme, density=0.05, sparsifier="topk", warmup_steps=2,
-                 density_warmup=WARM, density_warmup_steps=2, local_tau_prime=0)
+                 density_warmup=WARM, density_warmup_steps=2, local_tau_prime=0,
+                 compress_single_rank=True)  # P = 1 selects too
     sync = GradSync(model, cfg, audit=True)
     sent, conserved = _audited_steps(
         model, sync, rank, 6, lambda: sum(r.sent_indices.numel() for r in sync.audit_log),

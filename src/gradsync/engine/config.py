@@ -110,11 +110,14 @@ class Config:
             a plan, ``auto`` keeps it and never re-plans); nothing is profiled. The DDP hook
             does not take one (it decides per DDP bucket).
         compress_single_rank: at world size 1 there is nothing to send, so by default
-            (``False``) a step is plain training, as under DDP: no hooks, no error feedback, no
-            sparsification; ``.grad`` stays the local gradient and ``synchronize()`` returns
-            ``True`` (the DDP hook leaves DDP's own all-reduce in place). ``True`` compresses at
-            world size 1 too, as at P ≥ 2: for experiments, for tests of the pipeline on one
-            process, and for ``bench overhead``, which measures the tax a P ≥ 2 run pays.
+            (``False``) a step is what density 1 would be: no gradient hooks, no sparsification,
+            no residual. What does not depend on compression stays: ``momentum`` (``.grad``
+            holds DGC's velocity, as at density 1), ``clip_norm``, preconditioning scales and
+            the ``nonfinite`` policy; with none of them ``.grad`` is left as it is, plain
+            training. The DDP hook sends every bucket whole at P = 1 (its dense path).
+            ``True`` compresses at world size 1 too, as at P ≥ 2: for experiments, for tests of
+            the pipeline on one process, and for ``bench overhead``, which measures the tax a
+            P ≥ 2 run pays.
         clip_norm: DGC's local gradient clipping (§3.3; ``None``, default: off): before a
             gradient enters error feedback, each tensor of it is scaled so that its L2 norm is
             at most ``clip_norm / √P`` (:func:`gradsync.feedback.clip_local`). Unlike

@@ -41,6 +41,7 @@ from gradsync import sparsify
 from gradsync.engine.jobs import Job, Mode, Payload
 from gradsync.feedback import ErrorFeedback, clip_local
 from gradsync.sparsegrad import SparseGrad, all_finite_each
+from gradsync.sparsify import segments
 
 __all__ = ["Prepared", "prepare"]
 
@@ -120,9 +121,11 @@ def _select_inline(parts: list, inline: list[tuple[int, sparsify.Sparsifier, tor
     tensors sent whole first; an offloaded one may sit between them): when they are one run,
     they are selected as one buffer, every tensor at its own k, in a number of operations
     independent of their count (:func:`gradsync.sparsify.segments.select_buffer`); otherwise,
-    or for a sparsifier without a segmented form, tensor by tensor."""
+    or on the CPU (:func:`~gradsync.sparsify.segments.pays_on`), or for a sparsifier without a
+    segmented form, tensor by tensor."""
     first = len(parts) - len(inline)
-    if len(inline) > 1 and [i for i, _, _ in inline] == list(range(first, len(parts))):
+    if (len(inline) > 1 and [i for i, _, _ in inline] == list(range(first, len(parts)))
+            and segments.pays_on(inline[0][2].device)):
         accs = [acc for _, _, acc in inline]
         one = sparsify.select_buffer([sp for _, sp, _ in inline], torch.cat(accs),
                                      [acc.numel() for acc in accs], step)

@@ -72,9 +72,9 @@ from gradsync.engine.preconditioning import apply_scales
 from gradsync.engine.prepare import prepare
 from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.stats import StepStats
-from gradsync.feedback import check_scaler, follow_scale, saved_scale
+from gradsync.feedback import check_scaler, clip_local, follow_scale, saved_scale
 from gradsync.schedule import Plan, costmodel
-from gradsync.sparsegrad import all_finite
+from gradsync.sparsegrad import all_finite, all_finite_each
 
 __all__ = ["GradSync"]
 
@@ -206,10 +206,8 @@ class GradSync:
             raise RuntimeError("GradSync.synchronize() after close()")
         if self._no_sync:
             raise RuntimeError("GradSync.synchronize() inside no_sync(): leave the block first")
-        if self.passthrough:  # .grad is already the (only) rank's gradient
-            self.last = StepStats()
-            self.step += 1
-            return True
+        if self.passthrough:
+            return self._local_step()
         stats = StepStats()
         self._audit.new_step()
         run = self._run
@@ -548,6 +546,39 @@ class GradSync:
         future = self._exec.submit(job, index, prep.payload, self.step)
         self._run.launched.append(Launched(job, index, prep.accs, prep.nonfinite, future,
                                            audit_accs))
+
+    def _local_step(self) -> bool:
+        """World size 1 without ``Config.compress_single_rank``: the step at density 1 with
+        nothing to send. Everything but compression stays: the non-finite policy (one read for
+        every gradient), a followed GradScaler, and what error feedback does to a gradient sent
+        whole (clipping, a preconditioning scale, DGC's momentum velocity, which ``.grad`` then
+        holds). With none of those ``.grad`` is left as it is: plain training."""
+        stats = StepStats()
+        grads = {n: p.grad for n, p in self.params.items() if p.grad is not None}
+        bad = [n for n, ok in zip(grads, all_finite_each(list(grads.values()))) if not ok]
+        if not self._agree_finite(bool(bad), stats, None, bad):
+            for p in self.params.values():
+                if p.grad is not None:  # a followed scaler must see the overflow
+                    p.grad.fill_(math.nan if self._scaler is not None
+                                 and self._scaler.is_enabled() else 0.0)
+            stats.skipped = 1
+        else:
+            if self._scaler is not None:
+                self.loss_scale = follow_scale(self.loss_scale, self._scaler, self._rescale_held)
+            into = [n for n in grads if self.ef.transforms(n) or self.cfg.clip_norm is not None]
+            flat = [grads[n].detach().reshape(-1) for n in into]
+            if self.cfg.clip_norm is not None:
+                flat = clip_local(flat, self.cfg.clip_norm, 1)
+            for n, g in zip(into, flat):
+                acc = self.ef.accumulate(n, g, check=False)
+                sent = acc.to(grads[n].dtype)  # the residual keeps the rounding, as when sent
+                self.ef.update(n, acc, None, None if sent.dtype == acc.dtype else sent,
+                               check=False)  # sent whole: the velocity carries on
+                grads[n].copy_(sent.view_as(grads[n]))
+        self.last = stats
+        self.total.add(stats)
+        self.step += 1
+        return not stats.skipped
 
     def _agree_finite(self, bad: bool, stats: StepStats, agreed: bool | None,
                       bad_local: list[str]) -> bool:

@@ -64,6 +64,7 @@ from gradsync.schedule.auto import MARGIN, bucket_sparse
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 from gradsync.schedule.ssfusion import allgather_charge, allreduce_charge, compensate
 from gradsync.sparsegrad import SparseGrad, all_finite
+from gradsync.sparsify import segments
 from gradsync.sparsify.segments import to_device
 
 __all__ = ["DDP_SCHEMES", "TRIAL_ORDER", "TRIAL_STEPS", "HookState", "hook", "register"]
@@ -108,7 +109,7 @@ class HookState:
     shapes: list[tuple[str, tuple[int, ...]]] | None = None  # the model's, when known
     trained: tuple[int, ...] | None = None  # numels of the parameters DDP reduces (trainable)
     checked: bool = False  # configuration agreed across ranks
-    # world size 1 without Config.compress_single_rank: no hook installed, DDP's own path
+    # world size 1 without Config.compress_single_rank: every bucket sent whole (dense path)
     passthrough: bool = False
     link: tuple[Any, ...] | None = None  # auto: the measured (all-reduce, all-gather, sparsify)
     # auto's trial of the prediction against all-dense: {"start": step, "times": {"model": [...],
@@ -402,9 +403,12 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     offsets = [0]
     for n in numels:
         offsets.append(offsets[-1] + n)
-    if not state.scheme.sparse:  # dense: a plain all-reduce (of the velocities, with momentum)
+    if not state.scheme.sparse or state.passthrough:
+        # dense, or world size 1 (Config.compress_single_rank): a plain all-reduce, of the
+        # velocities with momentum (and at P = 1 of the clipped gradients with clip_norm)
+        clip = state.passthrough and state.cfg.clip_norm is not None
         return _all_reduce_bucket(state, comm, buf, names, offsets, bucket.is_last(),
-                                  any(state.ef.transforms(name) for name in names),
+                                  clip or any(state.ef.transforms(name) for name in names),
                                   bucket.index())
     densities = _densities(state, numels, buf.element_size(), comm, buf.device)
     if state.scheme.planner == "auto" and all(d is None for d in densities):
@@ -516,8 +520,9 @@ def _select(pending: list, parts: list) -> None:
     operations independent of their count (:func:`gradsync.sparsify.select_buffer`): the
     first pending part then holds the whole run's selection and the others ``None`` (after
     the sort that puts the tensors sent whole first, the pending ones are one run, in this
-    order). Sparsifiers without a segmented form select tensor by tensor."""
-    if len(pending) > 1:
+    order). On the CPU (:func:`gradsync.sparsify.segments.pays_on`) and for sparsifiers
+    without a segmented form, tensor by tensor."""
+    if len(pending) > 1 and segments.pays_on(pending[0][3].device):
         accs = [acc.reshape(-1) for _, _, _, acc in pending]
         one = sparsify.select_buffer([sp for _, _, sp, _ in pending], torch.cat(accs),
                                      [a.numel() for a in accs])
@@ -713,8 +718,8 @@ def register(ddp_model: nn.parallel.DistributedDataParallel, cfg: Config,
         raise RuntimeError("gradsync.ddp.register: call torch.distributed.init_process_group "
                            "first (torchrun sets the environment it reads)")
     state, fn = hook(cfg, ddp_model.module, ddp_model.process_group, small_numel)
-    if dist.get_world_size(ddp_model.process_group) == 1 and not cfg.compress_single_rank:
-        state.passthrough = True  # nothing to send: DDP's own (trivial) all-reduce stays
-        return state
+    # world size 1: nothing to send, every bucket whole (Config.compress_single_rank)
+    state.passthrough = (dist.get_world_size(ddp_model.process_group) == 1
+                         and not cfg.compress_single_rank)
     ddp_model.register_comm_hook(state, fn)
     return state

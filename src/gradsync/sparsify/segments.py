@@ -25,8 +25,21 @@ import torch
 
 from gradsync.sparsegrad import SparseGrad, all_finite, check_finite, target_k
 
-__all__ = ["Segments", "order_in_segments", "ranges", "select_buffer", "to_device",
+__all__ = ["Segments", "order_in_segments", "pays_on", "ranges", "select_buffer", "to_device",
            "top_in_segments"]
+
+# Select buffers at once on the CPU too (tests of the segmented path; see pays_on).
+ON_CPU = False
+
+
+def pays_on(device: torch.device) -> bool:
+    """Whether selecting a buffer at once beats selecting it tensor by tensor on ``device``.
+    On a GPU it does: there every operation is a kernel launch and every read of a count a wait
+    for the device, and those grow with the tensors. On the CPU an operation costs little more
+    than its arithmetic, and the segmented forms make more passes over the buffer (exact top-k
+    sorts it where ``torch.topk`` does not), so the per-tensor selections are faster there
+    (docs/results/speed.md, "Segmented selection on the CPU"); :data:`ON_CPU` overrides."""
+    return ON_CPU or device.type != "cpu"
 
 
 @dataclass(frozen=True)
