@@ -1,0 +1,970 @@
+"""``python -m gradsync bench overhead``: the per-step tax of every scheme at world size 1.
+
+``python -m gradsync bench overhead [--model resnet50,gpt2 | resnet50,mlp8,mlp64]
+[--schemes ddp,ddp_powersgd,topka,…,hook:per_tensor,…] [--pairs 3] [--steps N]
+[--warmup-steps W] [--device auto|cpu|cuda] [--out DIR] [--write-docs]``
+
+At P = 1 nothing travels, so whatever a scheme's step costs beyond torch DDP's is the scheme's
+own work: sparsification, error feedback, encoding, bookkeeping, and on a GPU the kernel
+launches and host synchronisations that come with it. Every scheme runs with compression on
+(``Config.compress_single_rank=True`` where the option exists), density 0.01, the ``dgc``
+sparsifier and momentum 0.9 (``--density``, ``--sparsifier``, ``--momentum``): the engine
+schemes through :class:`gradsync.GradSync`, the DDP-hook schemes (``hook:<scheme>``, any of
+``gradsync.ddp.DDP_SCHEMES``) through :func:`gradsync.ddp.register`, and as references torch
+DDP (``ddp``) and torch's PowerSGD hook (``ddp_powersgd``, rank ``--powersgd-rank`` = 4,
+compressing from the second step; on gloo waited for inside the hook call, as ``train`` does,
+since gloo deadlocks on its callbacks otherwise).
+Sparse schemes keep SGD's momentum in error feedback (DGC's momentum correction: the optimizer
+is plain SGD); DDP, PowerSGD and the dense schemes run SGD with momentum 0.9, as ``train`` does.
+
+Per model and scheme:
+
+* **step time / DDP's**, in interleaved pairs: a DDP run, then the scheme's run, ``--pairs``
+  times (3 by default), each run on a fresh model from the same seed; a run's step time is the
+  median of ``--steps`` steps after ``--warmup-steps`` + 2 unmeasured ones (the engine's
+  ``Config.warmup_steps`` is ``--warmup-steps``, so its plan is fixed before timing; ``auto``
+  may still be measuring its runners-up, shown as ``probing``). Reported: the median of the
+  pair ratios and their range, and the **tax** = median over the pairs of (scheme − DDP) ms.
+* **counts per step**, from ``torch.profiler`` over ``--count-steps`` steps of the first run
+  (:func:`count_step`), on every thread of the process (the engine's communication and
+  sparsification workers too, through the profiler's ``profile_all_threads`` option; a torch
+  without it follows fewer threads, and ``all_threads`` in the JSON says which it was):
+
+  - ``aten_ops``: every ``aten::`` op the dispatcher records, nested calls included (an
+    ``aten::item`` counts with the ``aten::_local_scalar_dense`` it calls), and
+    ``ops_beyond_ddp`` = the scheme's ``aten_ops`` − DDP's, with the op names that grew most;
+  - ``host_reads``: reads of tensor values on the host, which on a GPU make the host wait
+    for the device: the ops :data:`HOST_READ_OPS` — ``aten::_local_scalar_dense``
+    (``.item()``, ``float(t)``, ``int(t)``…), ``aten::nonzero``, ``aten::masked_select``,
+    ``aten::is_nonzero`` (``bool(t)``), ``aten::equal`` and every ``aten::unique*`` /
+    ``aten::_unique*`` — and the copies to the host. On CUDA a listed op or an
+    ``aten::copy_``/``_to_copy``/``to`` counts when a ``Memcpy DtoH`` ran under it (so reads
+    of CPU tensors do not count; ``read_ops_any_device`` counts the listed ops whatever the
+    device). On the CPU every listed op counts, and ``Tensor.tolist()`` and ``Tensor.numpy()``
+    too (they dispatch no aten op: :func:`count_step` wraps them in a profiler range while it
+    counts; ``tolist`` is a copy on a GPU, and gradsync's CPU path calls ``numpy`` where a
+    GPU calls ``nonzero``, ``sparsegrad.flatnonzero``). A CPU count is therefore an upper
+    bound on a GPU's: it includes reads of tensors that stay on the host there (e.g. DGC's
+    sampling offset, drawn from a CPU generator). A read counts once: one inside another
+    (the ``_local_scalar_dense`` of an ``is_nonzero``) is not counted again;
+  - on CUDA also ``launches`` (``cudaLaunchKernel``-like runtime calls), ``syncs``
+    (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize`` and
+    their driver-API names) and ``d2h_copies`` (``Memcpy DtoH`` device activities: a check
+    on ``host_reads`` that does not depend on how the profiler attributes device work).
+* the **floor**: one read pass over the model's gradient, ``flat.abs().max()`` over a tensor of
+  the model's parameter count (median time), and the tax in such passes (``tax / floor``).
+
+Models: ``resnet50`` (on CUDA the published ImageNet ResNet-50, 3 × 224 × 224, 1000 classes,
+batch 32; on the CPU the zoo's Fashion-MNIST ResNet-50, 1 × ``--image-size`` pixels, batch 1;
+``gradsync.apps.models``), ``gpt2`` (transformers' ``GPT2LMHeadModel``, random init, GPT-2
+small: 12 layers, 768 wide, vocabulary 50257; batch 8 × 512 on CUDA, 1 × 64 on the CPU),
+``mlp<N>`` (``N`` square linear layers, so 2N tensors with the biases, holding
+``--mlp-params`` parameters in all, 2²³ by default, batch 32: ``mlp8,mlp64`` compare 16 and
+128 tensors of the same total size; at the default every weight, 362 × 362 in ``mlp64``, is
+above the 102,400 elements under which the DDP hook's SSFusion schemes send a tensor whole,
+``gradsync.ddp``'s ``SMALL_NUMEL``; the engine's SSFusion decides that from its cost model),
+and any image model of the zoo (1 × 28 × 28). ``--batch-size`` overrides every model's
+batch.
+
+Defaults. CUDA: ``resnet50,gpt2``, 10 timed steps, ``--warmup-steps`` 5, 3 counted steps,
+TF32 on (put back at the end). CPU: ``resnet50,mlp8,mlp64``, ResNet-50 at 16 × 16 pixels,
+3 timed steps, ``--warmup-steps`` 1, 2 counted steps and one torch thread (``--threads``; the
+tax is host work, and on shared cores a second intra-op thread's waits swamp it): about ten
+minutes on two busy cores.
+
+World size 1: without a process group the command starts one (gloo on the CPU, NCCL on CUDA,
+rank 0, a free port on 127.0.0.1) and destroys it at the end. Writes
+``overhead-<device>.json`` (rows + settings + environment), ``.md`` (the tables, the command,
+date and device) and ``.png`` (step ratio per scheme) under ``--out``, or under docs/results/
+with ``--write-docs``; ``<device>`` is ``cpu`` or the GPU's short name (``h100``, ``h200``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import math
+import os
+import re
+import shlex
+import socket
+import statistics
+import sys
+import time
+from collections import Counter
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from gradsync.apps.common import cpu_description, median_time, print_table, write_outputs
+
+__all__ = ["HOST_READ_OPS", "Workload", "count_step", "device_slug", "gpu_slug", "main",
+           "parse_schemes", "workload"]
+
+# Ops that read a device value on the host (the host waits for the device): exact names, and
+# prefixes for the unique family (unique, unique_dim, unique_consecutive, _unique, _unique2…).
+HOST_READ_OPS = ("aten::_local_scalar_dense", "aten::nonzero", "aten::masked_select",
+                 "aten::is_nonzero", "aten::equal", "aten::unique*", "aten::_unique*")
+_READ_EXACT = frozenset(n for n in HOST_READ_OPS if not n.endswith("*"))
+_READ_PREFIX = tuple(n[:-1] for n in HOST_READ_OPS if n.endswith("*"))
+_COPY_OPS = frozenset({"aten::copy_", "aten::_to_copy", "aten::to", "aten::_copy_from",
+                       "aten::_copy_from_and_resize"})
+_LAUNCH_PREFIX = ("cudaLaunchKernel", "cuLaunchKernel", "cudaLaunchCooperativeKernel",
+                  "cuLaunchCooperativeKernel")
+_SYNC_PREFIX = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "cudaEventSynchronize",
+                "cuStreamSynchronize", "cuCtxSynchronize", "cuEventSynchronize")
+_MARK = "gradsync.bench.overhead::drain"  # the closing device sync, not part of a step
+
+DEFAULT_ENGINE = ("dense", "topka", "per_tensor", "multi_tensor", "ssfusion", "ssfusion_oi",
+                  "oktopk", "densestream", "auto")
+REFERENCES = ("ddp", "ddp_powersgd")
+DOCS_DIR = Path("docs/results")
+
+
+# ---------------------------------------------------------------------------------------------
+# Counting a step
+# ---------------------------------------------------------------------------------------------
+def _is_read_name(name: str) -> bool:
+    return name in _READ_EXACT or name.startswith(_READ_PREFIX)
+
+
+def _profile_kwargs() -> tuple[dict[str, Any], bool]:
+    """``profile(...)`` keyword arguments that follow every thread, where torch can."""
+    try:
+        from torch._C._profiler import _ExperimentalConfig
+
+        return {"experimental_config": _ExperimentalConfig(profile_all_threads=True)}, True
+    except (ImportError, TypeError):  # torch without the option: the default threads
+        return {}, False
+
+
+_CPU_READ = "Tensor."  # the ranges _marked_cpu_reads opens: "Tensor.tolist", "Tensor.numpy"
+
+
+@contextlib.contextmanager
+def _marked_cpu_reads() -> Iterator[None]:
+    """While counting on the CPU: ``Tensor.tolist()`` and ``Tensor.numpy()`` run inside a
+    profiler range of their name. They dispatch no aten op, yet they are where the CPU path
+    reads values on the host that a GPU would copy from the device (``tolist`` copies there;
+    ``sparsegrad.flatnonzero`` calls ``numpy`` where a GPU calls ``nonzero``)."""
+    from torch.profiler import record_function
+
+    names = ("tolist", "numpy")
+    own = {n: torch.Tensor.__dict__.get(n) for n in names}  # None: inherited from TensorBase
+
+    def marked(name: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+        def run(self: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+            with record_function(_CPU_READ + name):
+                return fn(self, *args, **kwargs)
+        return run
+
+    for n in names:
+        setattr(torch.Tensor, n, marked(n, getattr(torch.Tensor, n)))
+    try:
+        yield
+    finally:
+        for n in names:
+            if own[n] is None:
+                delattr(torch.Tensor, n)
+            else:
+                setattr(torch.Tensor, n, own[n])
+
+
+def count_step(step_fn: Callable[[], Any], steps: int = 3,
+               device: torch.device | str | None = None, *, all_threads: bool = True,
+               ) -> dict[str, Any]:
+    """Run ``step_fn()`` ``steps`` times under ``torch.profiler`` and count per step what it
+    dispatched (module docstring, the counts): ``aten_ops``, ``host_reads`` (with
+    ``host_read_ops``, per op name), ``ops`` (every ``aten::`` name → count) and, on a CUDA
+    ``device``, ``launches``, ``syncs``, ``d2h_copies`` and ``read_ops_any_device`` (the
+    listed ops on tensors of any device, as the CPU counts them; ``None`` elsewhere). Every figure
+    is the total over the steps divided by ``steps``. ``all_threads``: follow every thread of
+    the process where torch supports it (``all_threads`` in the result says whether it did).
+    A closing device synchronisation (CUDA) is excluded from the counts."""
+    from torch.profiler import ProfilerActivity, profile, record_function
+
+    if int(steps) != steps or steps < 1:
+        raise ValueError(f"count_step: steps must be an integer >= 1, got {steps!r}")
+    cuda = device is not None and torch.device(device).type == "cuda"
+    acts = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    kwargs, followed = _profile_kwargs() if all_threads else ({}, False)
+    if cuda:
+        torch.cuda.synchronize(device)
+    with (contextlib.nullcontext() if cuda else _marked_cpu_reads()), \
+            profile(activities=acts, **kwargs) as prof:
+        for _ in range(steps):
+            step_fn()
+        with record_function(_MARK):
+            if cuda:
+                torch.cuda.synchronize(device)
+    t = _tally(prof.events(), cuda)
+
+    def per(n: float) -> float:
+        return round(n / steps, 2)
+
+    return {
+        "steps": int(steps), "all_threads": followed,
+        "aten_ops": per(sum(t["ops"].values())), "host_reads": per(sum(t["reads"].values())),
+        "launches": per(t["launches"]) if cuda else None,
+        "syncs": per(t["syncs"]) if cuda else None,
+        "d2h_copies": per(t["d2h_copies"]) if cuda else None,
+        "read_ops_any_device": per(t["listed"]) if cuda else None,
+        "host_read_ops": {k: per(v) for k, v in sorted(t["reads"].items())},
+        "ops": {k: per(v) for k, v in sorted(t["ops"].items())},
+    }
+
+
+def _tally(events: Any, cuda: bool) -> dict[str, Any]:
+    """Totals over the profiler's ``events`` (``FunctionEvent`` s: ``name``, ``cpu_parent``,
+    ``cpu_children``, ``kernels``, ``device_type``): ``ops`` and ``reads`` (name → count),
+    ``listed`` (the listed read ops, any device), ``launches``, ``syncs``, ``d2h_copies``.
+    Events under the closing synchronisation's range are left out."""
+
+    def ancestors(e: Any) -> Iterator[Any]:
+        p = e.cpu_parent
+        while p is not None:
+            yield p
+            p = p.cpu_parent
+
+    memo: dict[int, bool] = {}
+
+    def dtoh(e: Any) -> bool:
+        """A device-to-host copy ran under ``e`` (the profiler hangs device work on the op
+        that issued it)."""
+        key = id(e)
+        if key not in memo:
+            memo[key] = (any(str(getattr(k, "name", "")).startswith("Memcpy DtoH")
+                             for k in getattr(e, "kernels", None) or ())
+                         or any(dtoh(c) for c in getattr(e, "cpu_children", None) or ()))
+        return memo[key]
+
+    def is_read(e: Any) -> bool:
+        if cuda:  # the device's values reach the host: a listed op or a copy, with a DtoH
+            return (_is_read_name(e.name) or e.name in _COPY_OPS) and dtoh(e)
+        return _is_read_name(e.name) or e.name.startswith(_CPU_READ)
+
+    ops: Counter[str] = Counter()
+    reads: Counter[str] = Counter()
+    listed = launches = syncs = copies = 0
+    for e in events:
+        name = e.name
+        if str(getattr(e, "device_type", "")).endswith("CUDA"):  # device activity
+            copies += name.startswith("Memcpy DtoH")
+            continue
+        if name == _MARK or any(a.name == _MARK for a in ancestors(e)):
+            continue
+        if name.startswith(_LAUNCH_PREFIX):
+            launches += 1
+        elif name.startswith(_SYNC_PREFIX):
+            syncs += 1
+        elif name.startswith("aten::"):
+            ops[name] += 1
+            if is_read(e) and not any(is_read(a) for a in ancestors(e)):
+                reads[name] += 1
+            if _is_read_name(name) and not any(_is_read_name(a.name) for a in ancestors(e)):
+                listed += 1
+        elif name.startswith(_CPU_READ) and not any(is_read(a) for a in ancestors(e)):
+            reads[name] += 1
+    return {"ops": ops, "reads": reads, "listed": listed, "launches": launches,
+            "syncs": syncs, "d2h_copies": copies}
+
+
+# ---------------------------------------------------------------------------------------------
+# Models and their inputs
+# ---------------------------------------------------------------------------------------------
+class LayeredMLP(nn.Module):
+    """``layers`` square ``width`` × ``width`` linear layers with ReLU between them."""
+
+    def __init__(self, layers: int, width: int) -> None:
+        super().__init__()
+        mods: list[nn.Module] = []
+        for i in range(layers):
+            mods.append(nn.Linear(width, width))
+            if i < layers - 1:
+                mods.append(nn.ReLU())
+        self.net = nn.Sequential(*mods)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+@dataclass
+class Workload:
+    """A model to build afresh for every run, and its fixed batch."""
+
+    name: str
+    describe: str
+    build: Callable[[], nn.Module]  # on the CPU, seeded
+    batch: Callable[[torch.device], tuple[Any, ...]]  # inputs on the device
+    loss: Callable[[nn.Module, tuple[Any, ...]], torch.Tensor]
+
+
+def _ce(model: nn.Module, b: tuple[Any, ...]) -> torch.Tensor:
+    return nn.functional.cross_entropy(model(b[0]), b[1])
+
+
+def _seeded(seed: int, fn: Callable[[], nn.Module]) -> Callable[[], nn.Module]:
+    def build() -> nn.Module:
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed(seed)
+            return fn()
+    return build
+
+
+def _batch_of(shape: tuple[int, ...], classes: int, seed: int, *, ids: bool = False,
+              ) -> Callable[[torch.device], tuple[Any, ...]]:
+    def make(device: torch.device) -> tuple[Any, ...]:
+        g = torch.Generator().manual_seed(seed + 1)
+        if ids:
+            x = torch.randint(0, classes, shape, generator=g)
+            return (x.to(device),)
+        x = torch.randn(shape, generator=g)
+        y = torch.randint(0, classes, (shape[0],), generator=g)
+        return x.to(device), y.to(device)
+    return make
+
+
+def workload(name: str, cuda: bool, *, batch_size: int | None = None, image_size: int = 28,
+             seq_len: int | None = None, mlp_params: int = 1 << 23, seed: int = 0) -> Workload:
+    """The model ``name`` of ``--model`` (module docstring, Models) for a CUDA or CPU run."""
+    from gradsync.apps import models
+
+    m = re.fullmatch(r"mlp(\d+)", name)
+    if m:
+        layers = int(m.group(1))
+        if layers < 1:
+            raise ValueError(f"{name}: an MLP needs at least one layer")
+        width = max(2, round(math.sqrt(mlp_params / layers)))
+        b = batch_size or 32
+        return Workload(name, f"{layers} × Linear({width}, {width}), batch {b}",
+                        _seeded(seed, lambda: LayeredMLP(layers, width)),
+                        _batch_of((b, width), width, seed), _ce)
+    if name == "resnet50":
+        if cuda:
+            b = batch_size or 32
+            return Workload(name, f"ResNet-50 (ImageNet stem), 3 × 224 × 224, batch {b}",
+                            _seeded(seed, lambda: models.ResNet(50)),
+                            _batch_of((b, 3, 224, 224), 1000, seed), _ce)
+        b = batch_size or 1
+        return Workload(name, f"ResNet-50 (zoo, small stem), 1 × {image_size} × {image_size}, "
+                              f"batch {b}",
+                        lambda: models.build("resnet50", seed=seed),
+                        _batch_of((b, 1, image_size, image_size), 10, seed), _ce)
+    if name == "gpt2":
+        b = batch_size or (8 if cuda else 1)
+        t = seq_len or (512 if cuda else 64)
+
+        def gpt2() -> nn.Module:
+            config, model = models.hf_classes("gpt2", "GPT2Config", "GPT2LMHeadModel")
+            dims = dict(n_layer=12, n_embd=768, n_head=12, vocab_size=50257,
+                        n_positions=max(1024, t))
+            try:
+                cfg = config(**dims, attn_implementation="sdpa")
+            except (TypeError, ValueError):  # a transformers without the option
+                cfg = config(**dims)
+            return model(cfg)
+
+        def lm_loss(model: nn.Module, bt: tuple[Any, ...]) -> torch.Tensor:
+            return model(input_ids=bt[0], labels=bt[0]).loss
+
+        return Workload(name, f"GPT-2 small (GPT2LMHeadModel, 12 × 768), batch {b} × {t}",
+                        _seeded(seed, gpt2), _batch_of((b, t), 50257, seed, ids=True),
+                        lm_loss)
+    if name in models.names() and models.task(name) == "image":
+        b = batch_size or 4
+        return Workload(name, f"zoo {name}, 1 × 28 × 28, batch {b}",
+                        lambda: models.build(name, seed=seed),
+                        _batch_of((b, 1, 28, 28), 10, seed), _ce)
+    raise ValueError(f"unknown model {name!r}: resnet50, gpt2, mlp<N> (e.g. mlp8) or an image "
+                     f"model of the zoo")
+
+
+# ---------------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------------
+def device_slug(device: torch.device) -> str:
+    """``cpu``, or the GPU's short name (:func:`gpu_slug`)."""
+    if device.type != "cuda":
+        return device.type
+    return gpu_slug(torch.cuda.get_device_name(device))
+
+
+def gpu_slug(name: str) -> str:
+    """A GPU's short name: ``h100`` for "NVIDIA H100 80GB HBM3", ``a100`` for
+    "NVIDIA A100-SXM4-80GB", else the name in lower case with hyphens."""
+    m = re.search(r"\b([A-Za-z]{1,3}\d{2,4}[A-Za-z]?)\b", name.replace("NVIDIA", ""))
+    if m:
+        return m.group(1).lower()
+    return re.sub(r"[^a-z0-9]+", "-", name.lower().replace("nvidia", "")).strip("-") or "cuda"
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _config(scheme: str, a: argparse.Namespace):
+    from gradsync import Config
+
+    kw: dict[str, Any] = dict(scheme=scheme, density=a.density, sparsifier=a.sparsifier,
+                              momentum=a.momentum, warmup_steps=a.warmup_steps)
+    if "compress_single_rank" in Config.__dataclass_fields__:
+        kw["compress_single_rank"] = True
+    return Config(**kw)
+
+
+def _sparse(scheme: str) -> bool:
+    from gradsync.schedule import schemes
+
+    return schemes.get(scheme).sparse
+
+
+@dataclass
+class Label:
+    """A row of ``--schemes``: its label, kind (ddp, powersgd, engine, hook) and scheme."""
+
+    label: str
+    kind: str
+    scheme: str
+
+
+def parse_schemes(text: str) -> list[Label]:
+    """``--schemes``: ``ddp``, ``ddp_powersgd``, engine scheme names, ``hook:<scheme>``;
+    ``all`` every one. DDP always comes first (it is the reference)."""
+    from gradsync import ddp
+    from gradsync.schedule import SCHEMES
+
+    items = [s.strip() for s in text.split(",") if s.strip()]
+    if items == ["all"]:
+        items = [*REFERENCES, *SCHEMES, *(f"hook:{s}" for s in ddp.DDP_SCHEMES)]
+    out = [Label("ddp", "ddp", "ddp")]
+    for s in items:
+        if s == "ddp":
+            continue
+        if s in ("ddp_powersgd", "powersgd"):
+            lab = Label("ddp_powersgd", "powersgd", "powersgd")
+        elif s.startswith("hook:"):
+            name = s.split(":", 1)[1]
+            if name not in ddp.DDP_SCHEMES:
+                raise ValueError(f"--schemes: {s!r}: the DDP hook runs {ddp.DDP_SCHEMES}")
+            lab = Label(s, "hook", name)
+        elif s in SCHEMES:
+            lab = Label(s, "engine", s)
+        else:
+            raise ValueError(f"--schemes: unknown {s!r}; engine schemes {tuple(SCHEMES)}, "
+                             f"hook:<{'|'.join(ddp.DDP_SCHEMES)}>, ddp, ddp_powersgd or all")
+        if any(x.label == lab.label for x in out):
+            raise ValueError(f"--schemes: {s!r} is given twice")
+        out.append(lab)
+    return out
+
+
+def _waited(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """``hook`` waited for inside the call, returning a completed future: PowerSGD's hook waits
+    on its second all-reduce from inside a gloo callback, and with two buckets in flight both of
+    a gloo group's worker threads block there for good (seen here on ResNet-50). ``train``'s
+    metered hook does the same on gloo (:mod:`gradsync.apps.train.metering`)."""
+
+    def run(state, bucket):  # unannotated: DDP checks a hook's annotations
+        value = hook(state, bucket).wait()
+        fut: torch.futures.Future = torch.futures.Future()
+        fut.set_result(value)
+        return fut
+
+    return run
+
+
+class _Run:
+    """One run: a fresh model wrapped for ``lab``, its optimizer and its step."""
+
+    def __init__(self, wl: Workload, lab: Label, a: argparse.Namespace, device: torch.device,
+                 group: Any) -> None:
+        from torch.nn.parallel import DistributedDataParallel as DDP
+
+        import gradsync
+
+        self.engine: Any = None
+        model = wl.build().to(device)
+        self.inputs = wl.batch(device)
+        ids = [device.index or 0] if device.type == "cuda" else None
+        sgd_momentum = 0.9
+        if lab.kind == "engine":
+            self.engine = gradsync.GradSync(model, _config(lab.scheme, a), group=group)
+            net: nn.Module = model
+            sgd_momentum = 0.0 if _sparse(lab.scheme) else 0.9
+        else:
+            net = DDP(model, device_ids=ids)
+            if lab.kind == "powersgd":
+                from torch.distributed.algorithms.ddp_comm_hooks import powerSGD_hook as psgd
+
+                state = psgd.PowerSGDState(process_group=None,
+                                           matrix_approximation_rank=a.powersgd_rank,
+                                           start_powerSGD_iter=2, random_seed=a.seed)
+                hook = psgd.powerSGD_hook if device.type == "cuda" else _waited(psgd.powerSGD_hook)
+                net.register_comm_hook(state, hook)
+            elif lab.kind == "hook":
+                gradsync.ddp.register(net, _config(lab.scheme, a))
+                sgd_momentum = 0.0 if _sparse(lab.scheme) else 0.9
+        self.net = net
+        self.loss = wl.loss
+        self.opt = torch.optim.SGD(model.parameters(), lr=1e-3, momentum=sgd_momentum)
+
+    def step(self) -> None:
+        self.opt.zero_grad()
+        self.loss(self.net, self.inputs).backward()
+        if self.engine is not None:
+            self.engine.synchronize()
+        self.opt.step()
+
+    def close(self) -> None:
+        if self.engine is not None:
+            self.engine.close()
+        self.engine = self.net = self.opt = self.inputs = None
+
+
+def _measure(wl: Workload, lab: Label, a: argparse.Namespace, device: torch.device, group: Any,
+             count: bool) -> dict[str, Any]:
+    """One run: warm-up, ``a.steps`` timed steps (median ms), and the counts when ``count``."""
+    run = _Run(wl, lab, a, device, group)
+    try:
+        for _ in range(a.warmup_steps + 2):
+            run.step()
+        _sync(device)
+        times, cpu = [], []
+        for _ in range(a.steps):
+            t0, c0 = time.perf_counter(), time.process_time()
+            run.step()
+            _sync(device)
+            times.append(time.perf_counter() - t0)
+            cpu.append(time.process_time() - c0)
+        out: dict[str, Any] = {"ms": 1e3 * statistics.median(times),
+                               "cpu_ms": 1e3 * statistics.median(cpu)}
+        if run.engine is not None:
+            st = run.engine.stats()
+            out["probing"] = bool(st.get("probing"))
+        if count:
+            out["counts"] = count_step(run.step, a.count_steps, device)
+        return out
+    finally:
+        run.close()
+        del run
+        gc.collect()
+        if device.type == "cuda":
+            torch.cuda.empty_cache()
+
+
+def _floor_ms(n: int, device: torch.device, repeats: int) -> float:
+    """One read pass over ``n`` fp32 values: ``flat.abs().max()`` (median ms)."""
+    g = torch.Generator().manual_seed(0)
+    flat = torch.randn(n, generator=g).to(device)
+    return 1e3 * median_time(lambda: flat.abs().max(), repeats=repeats, warmup=2, device=device)
+
+
+# Ops that run no kernel of their own: views, reshapes, allocations, and wrappers whose work is
+# an op counted beneath them (``to`` → ``_to_copy`` → ``copy_``). Left out of the "where the
+# ops go" list, not out of any count.
+_NO_KERNEL = frozenset("aten::" + n for n in (
+    "view", "as_strided", "reshape", "_reshape_alias", "_unsafe_view", "detach", "alias",
+    "slice", "select", "narrow", "unsqueeze", "squeeze", "expand", "expand_as", "view_as", "t",
+    "transpose", "permute", "flatten", "unflatten", "split", "split_with_sizes", "chunk",
+    "unbind", "empty", "empty_like", "empty_strided", "resize_", "lift_fresh", "to",
+    "_to_copy", "contiguous", "result_type", "is_same_size", "item", "resolve_conj",
+    "resolve_neg", "numpy_T", "_has_compatible_shallow_copy_type"))
+
+
+def _top_growth(ops: dict[str, float], base: dict[str, float], k: int = 8,
+                kernels_only: bool = False) -> dict[str, float]:
+    """The ``k`` op names whose per-step count grew most over ``base`` (DDP's)."""
+    diff = {n: round(v - base.get(n, 0.0), 2) for n, v in ops.items()
+            if not (kernels_only and n in _NO_KERNEL)}
+    diff = {n: d for n, d in diff.items() if d > 0}
+    return dict(sorted(diff.items(), key=lambda kv: -kv[1])[:k])
+
+
+def measure_model(wl: Workload, labels: list[Label], a: argparse.Namespace,
+                  device: torch.device, group: Any) -> list[dict[str, Any]]:
+    """Rows of one model: DDP's, then every scheme's against DDP in interleaved pairs."""
+    model = wl.build()
+    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
+    n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
+    del model
+    floor = _floor_ms(n_params, device, a.repeats)
+    common = {"model": wl.name, "workload": wl.describe, "params": n_params,
+              "tensors": n_tensors, "floor_ms": floor}
+    print(f"bench overhead: {wl.name}: {wl.describe}; {n_params / 1e6:.2f} M parameters in "
+          f"{n_tensors} tensors; one read pass {floor:.3f} ms", flush=True)
+    ddp_lab = labels[0]
+    ddp_runs: list[float] = []
+    base = _measure(wl, ddp_lab, a, device, group, count=True)
+    ddp_runs.append(base["ms"])
+    ddp_cpu: list[float] = [base["cpu_ms"]]
+    base_c = base["counts"]
+    rows: list[dict[str, Any]] = []
+    for lab in labels[1:]:
+        pairs: list[tuple[float, float]] = []
+        cpu_pairs: list[tuple[float, float]] = []
+        counts = None
+        probing = None
+        err = None
+        t0 = time.perf_counter()
+        try:
+            for i in range(a.pairs):
+                d = _measure(wl, ddp_lab, a, device, group, count=False)
+                s = _measure(wl, lab, a, device, group, count=(i == 0))
+                ddp_runs.append(d["ms"])
+                pairs.append((d["ms"], s["ms"]))
+                cpu_pairs.append((d["cpu_ms"], s["cpu_ms"]))
+                ddp_cpu.append(d["cpu_ms"])
+                if i == 0:
+                    counts = s["counts"]
+                probing = s.get("probing", probing)
+        except Exception as e:  # one scheme failing must not end the benchmark: its row says
+            err = f"{type(e).__name__}: {e}"[:300]
+        row = {**common, "scheme": lab.label, "kind": lab.kind}
+        if err is not None:
+            row["error"] = err
+            print(f"  {lab.label}: error {err}", flush=True)
+            rows.append(row)
+            continue
+        assert counts is not None
+        ratios = [s / d for d, s in pairs]
+        tax = statistics.median(s - d for d, s in pairs)
+        row.update(_row_figures(counts, base_c))
+        row.update({
+            "ms": statistics.median(s for _, s in pairs),
+            "ddp_ms": statistics.median(d for d, _ in pairs),
+            "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+            "ratio_max": max(ratios), "pairs": [[round(d, 3), round(s, 3)] for d, s in pairs],
+            "tax_ms": tax, "tax_floors": tax / floor if floor > 0 else None,
+            "cpu_ms": statistics.median(s for _, s in cpu_pairs),
+            "cpu_ratio": statistics.median(s / d for d, s in cpu_pairs if d > 0)
+            if all(d > 0 for d, _ in cpu_pairs) else None,
+            "probing": probing,
+            "top_ops_beyond_ddp": _top_growth(counts["ops"], base_c["ops"], 12),
+            "top_kernel_ops_beyond_ddp": _top_growth(counts["ops"], base_c["ops"], 8, True),
+        })
+        rows.append(row)
+        print(f"  {lab.label}: {row['ratio']:.2f}× DDP, {row['aten_ops']:.0f} aten ops "
+              f"(+{row['ops_beyond_ddp']:.0f}), {row['host_reads']:.0f} host reads per step "
+              f"({time.perf_counter() - t0:.0f} s)", flush=True)
+    ddp_row = {**common, "scheme": "ddp", "kind": "ddp", **_row_figures(base_c, base_c),
+               "ms": statistics.median(ddp_runs), "ddp_ms": statistics.median(ddp_runs),
+               "ratio": 1.0, "ratio_min": min(ddp_runs) / statistics.median(ddp_runs),
+               "ratio_max": max(ddp_runs) / statistics.median(ddp_runs),
+               "pairs": [], "tax_ms": 0.0, "tax_floors": 0.0, "probing": None,
+               "cpu_ms": statistics.median(ddp_cpu), "cpu_ratio": 1.0,
+               "top_ops_beyond_ddp": {}, "top_kernel_ops_beyond_ddp": {},
+               "ddp_runs_ms": [round(x, 3) for x in ddp_runs],
+               "ddp_runs_cpu_ms": [round(x, 3) for x in ddp_cpu]}
+    return [ddp_row, *rows]
+
+
+def _row_figures(c: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
+    return {"aten_ops": c["aten_ops"], "ops_beyond_ddp": round(c["aten_ops"] - base["aten_ops"], 2),
+            "host_reads": c["host_reads"], "reads_beyond_ddp":
+                round(c["host_reads"] - base["host_reads"], 2),
+            "launches": c["launches"], "syncs": c["syncs"], "d2h_copies": c["d2h_copies"],
+            "read_ops_any_device": c["read_ops_any_device"],
+            "host_read_ops": c["host_read_ops"], "all_threads": c["all_threads"],
+            "count_steps": c["steps"]}
+
+
+# ---------------------------------------------------------------------------------------------
+# Process group, output
+# ---------------------------------------------------------------------------------------------
+@contextlib.contextmanager
+def _world_of_one(device: torch.device) -> Iterator[Any]:
+    """A world-size-1 process group (started here when none exists, destroyed at the end)
+    and one dedicated group for the engines (as ``GradSync`` makes by default)."""
+    import torch.distributed as dist
+
+    mine = not dist.is_initialized()
+    if mine:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        dist.init_process_group("nccl" if device.type == "cuda" else "gloo",
+                                init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=1)
+    elif dist.get_world_size() != 1:
+        raise RuntimeError(f"bench overhead measures world size 1; this process group has "
+                           f"{dist.get_world_size()} ranks")
+    try:
+        yield dist.new_group()
+    finally:
+        if mine:
+            dist.destroy_process_group()
+
+
+def _cell(v: Any) -> str:
+    """A count per step: whole numbers as such, others to one decimal."""
+    if v is None:
+        return "-"
+    if isinstance(v, float):
+        return f"{v:.0f}" if v == int(v) else f"{v:.1f}"
+    return str(v)
+
+
+def _columns(cuda: bool) -> list[str]:
+    return ["scheme", "step ms", "× DDP [range]", "CPU ms", "CPU × DDP",
+            *(["launches", "syncs"] if cuda else []),
+            "host reads", "aten ops", "ops beyond DDP", "tax ms", "tax / floor"]
+
+
+def _cells(r: dict[str, Any], cuda: bool) -> list[str]:
+    if "error" in r:
+        return [r["scheme"], "error", r["error"][:60]] + ["-"] * (len(_columns(cuda)) - 3)
+    span = f"{r['ratio']:.2f}× [{r['ratio_min']:.2f}–{r['ratio_max']:.2f}]"
+    if r.get("probing"):
+        span += " (probing)"
+    cpu = "-" if r.get("cpu_ratio") is None else f"{r['cpu_ratio']:.2f}×"
+    return [r["scheme"], f"{r['ms']:.1f}", span, f"{r['cpu_ms']:.1f}", cpu,
+            *([_cell(r["launches"]), _cell(r["syncs"])] if cuda else []),
+            _cell(r["host_reads"]), _cell(r["aten_ops"]), _cell(r["ops_beyond_ddp"]),
+            f"{r['tax_ms']:.1f}", "-" if r["tax_floors"] is None else f"{r['tax_floors']:.0f}"]
+
+
+def _code() -> str:
+    """The checkout's commit, ``+ changes`` when its tracked files differ from it (or
+    ``unknown`` outside a git checkout)."""
+    import subprocess
+
+    root = Path(__file__).resolve().parents[4]
+    try:
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=root, text=True,
+                              capture_output=True, timeout=10, check=True).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                               cwd=root, text=True, capture_output=True, timeout=10,
+                               check=True).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return "unknown"
+    return head + (" + uncommitted changes" if dirty else "")
+
+
+def _machine(device: torch.device) -> str:
+    if device.type == "cuda":
+        return f"{torch.cuda.get_device_name(device)}, torch {torch.__version__}"
+    cpus = os.cpu_count() or 0
+    load = os.getloadavg()[0] if hasattr(os, "getloadavg") else float("nan")
+    return (f"CPU: {cpus} cores ({cpu_description()}), 1-min load average {load:.1f} at the "
+            f"end, {torch.get_num_threads()} torch threads, torch {torch.__version__}")
+
+
+def write_markdown(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
+                   cuda: bool) -> Path:
+    """The markdown page: one table per model, the command, the date and the device."""
+    lines = [f"# Per-step overhead at P = 1 on {meta['device_name']} "
+             "(`python -m gradsync bench overhead`)", "",
+             "Written by the command, not by hand.", "",
+             f"- date: {meta['date']}",
+             f"- command: `{meta['command']}`",
+             f"- device: {meta['machine']}; wall time {meta['wall_s'] / 60:.1f} min",
+             f"- code: {meta['code']}",
+             f"- settings: density {meta['density']}, sparsifier {meta['sparsifier']}, "
+             f"momentum {meta['momentum']}, Config.warmup_steps {meta['warmup_steps']}, "
+             f"compression at P = 1: {meta['compress_single_rank']}; {meta['pairs']} "
+             f"interleaved pairs (DDP run, scheme run) of {meta['steps']} timed steps after "
+             f"{meta['warmup_steps'] + 2} unmeasured; counts over {meta['count_steps']} "
+             f"steps, every thread: {meta['all_threads']}",
+             "- step ms: median over the pairs of each run's median step; × DDP: median of "
+             "the pair ratios [min–max]; ddp's own range is its runs' spread around their "
+             "median; CPU ms, CPU × DDP: the same for the process's CPU time per step (every "
+             "thread; steadier than wall time on shared cores); tax ms: median of (scheme − DDP) "
+             "over the pairs; tax / floor: the tax in "
+             "read passes over the model's gradient (`flat.abs().max()`, floor ms below)",
+             "- per step: aten ops (every `aten::` op, nested ones included, all threads), "
+             "host reads (" + ", ".join(f"`{n}`" for n in HOST_READ_OPS)
+             + (", copies to the host" if cuda else ", `Tensor.tolist()`, `Tensor.numpy()`")
+             + "; counted once, outermost)"
+             + ("; launches: `cudaLaunchKernel`-like calls; syncs: stream/device/event "
+                "synchronisations" if cuda else "") + "; ops beyond DDP: scheme − ddp aten ops",
+             "- (probing): `auto` was still measuring its runners-up when timed", ""]
+    for model in dict.fromkeys(r["model"] for r in rows):
+        mine = [r for r in rows if r["model"] == model]
+        r0 = mine[0]
+        lines += [f"## {model}: {r0['workload']}", "",
+                  f"{r0['params'] / 1e6:.2f} M parameters in {r0['tensors']} tensors; one "
+                  f"read pass (floor) {r0['floor_ms']:.3f} ms.", "",
+                  "| " + " | ".join(_columns(cuda)) + " |", "|" + "---|" * len(_columns(cuda))]
+        lines += ["| " + " | ".join(_cells(r, cuda)) + " |" for r in mine]
+        lines.append("")
+        grew = [r for r in mine if r.get("top_kernel_ops_beyond_ddp")]
+        if grew:
+            lines += ["Where the ops beyond DDP go: the largest growths per step among the ops "
+                      "that do work (views, reshapes, allocations and wrappers such as `to` "
+                      "left out; every op is in the JSON's `top_ops_beyond_ddp`):", ""]
+            for r in grew:
+                tops = ", ".join(f"`{k[6:]}` +{v:g}" for k, v in
+                                 list(r["top_kernel_ops_beyond_ddp"].items())[:6])
+                lines.append(f"- {r['scheme']}: {tops}")
+            lines.append("")
+    for p in meta.get("artifacts", []):
+        lines.append(f"- [{p}]({p})")
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def _plot(rows: list[dict[str, Any]]):
+    def plot(ax) -> None:
+        models = list(dict.fromkeys(r["model"] for r in rows))
+        schemes = list(dict.fromkeys(r["scheme"] for r in rows))
+        width = 0.8 / max(1, len(models))
+        for i, m in enumerate(models):
+            by = {r["scheme"]: r.get("ratio") for r in rows if r["model"] == m}
+            ys = [by.get(s) or float("nan") for s in schemes]
+            ax.bar([j + i * width for j in range(len(schemes))], ys, width, label=m)
+        ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
+        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(schemes))], schemes,
+                      rotation=60, ha="right", fontsize=7)
+        ax.set_ylabel("step time / DDP's (median of pairs)")
+        ax.set_title("per-step overhead at P = 1", fontsize=9)
+        ax.legend(fontsize=8)
+
+    return plot
+
+
+# ---------------------------------------------------------------------------------------------
+# The command
+# ---------------------------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m gradsync bench overhead", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default=None,
+                   help="comma-separated (default resnet50,gpt2 on CUDA, resnet50,mlp8,mlp64 "
+                        "on the CPU)")
+    p.add_argument("--schemes", default=None,
+                   help="comma-separated: ddp, ddp_powersgd, engine schemes, hook:<scheme>; "
+                        "all: every one (default: ddp,ddp_powersgd,"
+                        f"{','.join(DEFAULT_ENGINE)} and hook: every DDP-hook scheme)")
+    p.add_argument("--device", default="auto", choices=("auto", "cpu", "cuda"))
+    p.add_argument("--density", type=float, default=0.01)
+    p.add_argument("--sparsifier", default="dgc")
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--powersgd-rank", type=int, default=4)
+    p.add_argument("--pairs", type=int, default=3, help="interleaved DDP/scheme pairs (3)")
+    p.add_argument("--steps", type=int, default=None,
+                   help="timed steps per run (default 10 on CUDA, 3 on the CPU)")
+    p.add_argument("--warmup-steps", type=int, default=None,
+                   help="Config.warmup_steps; runs take 2 more unmeasured steps "
+                        "(default 5 on CUDA, 1 on the CPU)")
+    p.add_argument("--count-steps", type=int, default=None,
+                   help="profiled steps for the counts (default 3 on CUDA, 2 on the CPU)")
+    p.add_argument("--batch-size", type=int, default=None, help="every model's batch")
+    p.add_argument("--image-size", type=int, default=16,
+                   help="pixels of the CPU ResNet-50's grey images (default 16)")
+    p.add_argument("--seq-len", type=int, default=None, help="gpt2's sequence length")
+    p.add_argument("--mlp-params", type=float, default=float(1 << 23),
+                   help="total parameters of the mlp<N> models (default 8.39e6: mlp64's "
+                        "tensors, 362 × 362, stay above the SSFusion small-tensor cut)")
+    p.add_argument("--repeats", type=int, default=10, help="timings of the read pass (median)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--threads", type=int, default=None,
+                   help="torch intra-op threads (default 1 on the CPU: the tax is host work, "
+                        "and on shared cores a second thread's waits swamp it; on CUDA "
+                        "torch's setting; 0: torch's setting)")
+    p.add_argument("--out", default="bench-out/overhead")
+    p.add_argument("--write-docs", action="store_true",
+                   help=f"write into {DOCS_DIR} instead of --out")
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    p = build_parser()
+    a = p.parse_args(argv)
+    if a.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device")
+    cuda = a.device == "cuda" or (a.device == "auto" and torch.cuda.is_available())
+    device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
+    for name, gpu, cpu in (("steps", 10, 3), ("warmup_steps", 5, 1), ("count_steps", 3, 2),
+                           ("threads", 0, 1)):
+        if getattr(a, name) is None:
+            setattr(a, name, gpu if cuda else cpu)
+    for name in ("pairs", "steps", "warmup_steps", "count_steps", "repeats", "powersgd_rank"):
+        if getattr(a, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.threads < 0:
+        p.error("--threads must be >= 0")
+    try:
+        labels = parse_schemes(a.schemes or ",".join(
+            [*REFERENCES, *DEFAULT_ENGINE, *(f"hook:{s}" for s in _hook_schemes())]))
+        names = [m.strip() for m in (a.model or ("resnet50,gpt2" if cuda else
+                                                 "resnet50,mlp8,mlp64")).split(",") if m.strip()]
+        loads = [workload(n, cuda, batch_size=a.batch_size, image_size=a.image_size,
+                          seq_len=a.seq_len, mlp_params=int(a.mlp_params), seed=a.seed)
+                 for n in names]
+        _config("dense", a)  # checks density, sparsifier, momentum
+    except ValueError as e:
+        p.error(str(e))
+    slug = device_slug(device)
+    threads = torch.get_num_threads()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    from gradsync import Config
+
+    print(f"bench overhead on {slug}: models {', '.join(names)}; {len(labels)} rows "
+          f"({', '.join(x.label for x in labels)}); {a.pairs} pairs × {a.steps} steps",
+          flush=True)
+    code = _code()
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+    try:
+        with _world_of_one(device) as group:
+            for wl in loads:
+                try:
+                    mine = measure_model(wl, labels, a, device, group)
+                except ImportError as e:  # transformers missing: skip that model
+                    print(f"bench overhead: {wl.name} skipped: {e}", flush=True)
+                    continue
+                rows += mine
+                print_table(f"bench overhead — {wl.name}: {wl.describe}, P = 1, {slug}",
+                            _columns(cuda), [_cells(r, cuda) for r in mine])
+        wall = time.perf_counter() - t0
+        machine = _machine(device)
+    finally:
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        torch.set_num_threads(threads)
+    name = f"overhead-{slug}"
+    out = DOCS_DIR if a.write_docs else Path(a.out)
+    meta = {"command": "python -m gradsync bench overhead " + shlex.join(argv),
+            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+            "device": slug,
+            "device_name": torch.cuda.get_device_name(device) if cuda else "the CPU",
+            "machine": machine, "code": code, "wall_s": wall, "density": a.density,
+            "sparsifier": a.sparsifier, "momentum": a.momentum,
+            "warmup_steps": a.warmup_steps, "pairs": a.pairs, "steps": a.steps,
+            "count_steps": a.count_steps, "powersgd_rank": a.powersgd_rank,
+            "compress_single_rank": ("Config.compress_single_rank=True"
+                                     if "compress_single_rank" in Config.__dataclass_fields__
+                                     else "no such option (the engine compresses at P = 1)"),
+            "threads": a.threads or threads,
+            "all_threads": all(r.get("all_threads", True) for r in rows),
+            "tf32": cuda, "host_read_ops": list(HOST_READ_OPS) + (
+                ["copies to the host (Memcpy DtoH)"] if cuda
+                else ["Tensor.tolist()", "Tensor.numpy()"]),
+            "models": names, "schemes": [x.label for x in labels],
+            "artifacts": [f"{name}.json", f"{name}.png"]}
+    jpath, ppath = write_outputs(name, rows, out, plot=_plot(rows) if rows else None,
+                                 meta=meta)
+    if ppath is None:
+        meta["artifacts"] = [f"{name}.json"]
+    mpath = write_markdown(out / f"{name}.md", rows, meta, cuda)
+    print(f"bench overhead: {wall:.0f} s; wrote {jpath}, {mpath}"
+          + (f" and {ppath}" if ppath else ""))
+    return 0
+
+
+def _hook_schemes() -> tuple[str, ...]:
+    from gradsync import ddp
+
+    return tuple(ddp.DDP_SCHEMES)

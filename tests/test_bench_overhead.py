@@ -1,0 +1,181 @@
+"""``python -m gradsync bench overhead``: :func:`count_step` on toy steps with known host reads,
+and a tiny CPU run (two MLPs of 8 and 64 layers, DDP, TopkA and the DDP hook's per-tensor
+scheme, torch's PowerSGD hook) writing a complete JSON and markdown page."""
+
+from __future__ import annotations
+
+import json
+from concurrent.futures import ThreadPoolExecutor
+
+import pytest
+import torch
+
+from gradsync.apps.bench import overhead
+
+
+def test_count_step_counts_item_calls_per_step():
+    x = torch.randn(16)
+
+    def step() -> None:
+        for _ in range(3):
+            (x * 2).sum().item()
+
+    c = overhead.count_step(step, steps=4)
+    assert c["steps"] == 4
+    assert c["host_reads"] == 3
+    assert c["host_read_ops"] == {"aten::_local_scalar_dense": 3}
+    assert c["ops"]["aten::mul"] == 3 and c["ops"]["aten::sum"] == 3
+    assert c["aten_ops"] == sum(c["ops"].values())
+    # no device on the CPU: no launches, syncs or device copies to count
+    assert c["launches"] is None and c["syncs"] is None and c["d2h_copies"] is None
+
+
+def test_count_step_counts_each_host_read_once_and_on_other_threads():
+    x = torch.tensor([0.0, 1.0, 2.0, 1.0])
+    pool = ThreadPoolExecutor(1)  # started before profiling, as the engine's workers are
+    pool.submit(lambda: None).result()
+
+    def step() -> None:
+        bool(x.sum() > 0)  # is_nonzero → item → _local_scalar_dense: one read
+        torch.nonzero(x)
+        torch.unique(x)
+        x.masked_select(x > 0)
+        pool.submit(lambda: float(x.max())).result()  # a read on a worker thread
+
+    try:
+        c = overhead.count_step(step, steps=2)
+    finally:
+        pool.shutdown()
+    reads = c["host_read_ops"]
+    assert reads["aten::is_nonzero"] == 1 and reads["aten::nonzero"] == 1
+    assert reads["aten::masked_select"] == 1
+    assert sum(v for k, v in reads.items() if "unique" in k) == 1
+    if c["all_threads"]:
+        assert reads["aten::_local_scalar_dense"] == 1  # the worker's float(), not bool()'s
+        assert c["host_reads"] == 5
+    else:  # torch without profile_all_threads: the main thread only
+        assert c["host_reads"] == 4
+    with pytest.raises(ValueError):
+        overhead.count_step(step, steps=0)
+
+
+def test_count_step_counts_cpu_reads_without_an_aten_op():
+    """``tolist`` (a copy on a GPU) and ``numpy`` (the CPU path's ``nonzero``) count as host
+    reads on the CPU, and ``Tensor`` is left as it was."""
+    x = torch.arange(6.0)
+    before = {n: torch.Tensor.__dict__.get(n) for n in ("tolist", "numpy")}
+    c = overhead.count_step(lambda: (x.tolist(), x.numpy(), x.tolist()), steps=3)
+    assert c["host_read_ops"] == {"Tensor.numpy": 1, "Tensor.tolist": 2}
+    assert c["host_reads"] == 3
+    assert {n: torch.Tensor.__dict__.get(n) for n in ("tolist", "numpy")} == before
+
+
+def test_gpu_slug_and_scheme_list():
+    assert overhead.gpu_slug("NVIDIA H100 80GB HBM3") == "h100"
+    assert overhead.gpu_slug("NVIDIA H200") == "h200"
+    assert overhead.gpu_slug("NVIDIA A100-SXM4-80GB") == "a100"
+    assert overhead.gpu_slug("NVIDIA GeForce RTX 4090") == "geforce-rtx-4090"
+    labels = overhead.parse_schemes("topka,hook:per_tensor,ddp_powersgd")
+    assert [(x.label, x.kind) for x in labels] == [
+        ("ddp", "ddp"), ("topka", "engine"), ("hook:per_tensor", "hook"),
+        ("ddp_powersgd", "powersgd")]
+    for bad in ("nope", "hook:topka", "topka,topka"):
+        with pytest.raises(ValueError):
+            overhead.parse_schemes(bad)
+
+
+def test_bench_overhead_on_the_cpu(tmp_path, capsys):
+    threads = torch.get_num_threads()
+    rc = overhead.main(["--device", "cpu", "--model", "mlp8,mlp64",
+                        "--schemes", "ddp,ddp_powersgd,topka,hook:per_tensor", "--pairs", "1",
+                        "--steps", "1", "--warmup-steps", "1", "--count-steps", "1",
+                        "--mlp-params", "20000", "--repeats", "2", "--out", str(tmp_path)])
+    assert rc == 0
+    assert torch.get_num_threads() == threads  # --threads is put back
+    out = capsys.readouterr().out
+    assert "ops beyond DDP" in out and "hook:per_tensor" in out
+    data = json.loads((tmp_path / "overhead-cpu.json").read_text())
+    meta = data["meta"]
+    assert meta["device"] == "cpu" and meta["pairs"] == 1 and meta["schemes"] == [
+        "ddp", "ddp_powersgd", "topka", "hook:per_tensor"]
+    rows = {(r["model"], r["scheme"]): r for r in data["rows"]}
+    assert set(rows) == {(m, s) for m in ("mlp8", "mlp64")
+                         for s in ("ddp", "ddp_powersgd", "topka", "hook:per_tensor")}
+    for r in rows.values():
+        assert "error" not in r, r.get("error")
+        for key in ("ms", "ddp_ms", "ratio", "ratio_min", "ratio_max", "tax_ms", "floor_ms",
+                    "aten_ops", "ops_beyond_ddp", "host_reads", "params", "tensors"):
+            assert key in r, key
+        assert r["ms"] > 0 and r["ddp_ms"] > 0 and r["floor_ms"] > 0 and r["ratio"] > 0
+        assert r["aten_ops"] > 0 and r["aten_ops"] == pytest.approx(round(r["aten_ops"]),
+                                                                      abs=0.51)
+        assert r["host_reads"] >= 0
+        assert r["launches"] is None and r["syncs"] is None  # CUDA only
+    assert rows["mlp8", "ddp"]["tensors"] == 16 and rows["mlp64", "ddp"]["tensors"] == 128
+    for m in ("mlp8", "mlp64"):
+        ddp = rows[m, "ddp"]
+        assert ddp["ops_beyond_ddp"] == 0 and ddp["ratio"] == 1.0
+        for s in ("ddp_powersgd", "topka", "hook:per_tensor"):
+            r = rows[m, s]
+            assert r["aten_ops"] > ddp["aten_ops"]
+            assert r["ops_beyond_ddp"] == pytest.approx(r["aten_ops"] - ddp["aten_ops"])
+            assert len(r["pairs"]) == 1
+            assert r["ratio"] == pytest.approx(r["pairs"][0][1] / r["pairs"][0][0], rel=1e-2)
+    # per-tensor work grows with the tensor count, at the same parameter count
+    assert (rows["mlp64", "hook:per_tensor"]["ops_beyond_ddp"]
+            > 4 * rows["mlp8", "hook:per_tensor"]["ops_beyond_ddp"])
+    page = (tmp_path / "overhead-cpu.md").read_text()
+    assert "python -m gradsync bench overhead --device cpu" in page
+    assert "| scheme | step ms |" in page and "## mlp64" in page
+
+
+class _Event:
+    """A stand-in for the profiler's ``FunctionEvent``: what :func:`overhead._tally` reads."""
+
+    def __init__(self, name, parent=None, kernels=(), device=False):
+        self.name, self.cpu_parent, self.cpu_children = name, parent, []
+        self.kernels = [type("Kernel", (), {"name": k})() for k in kernels]
+        self.device_type = "DeviceType.CUDA" if device else "DeviceType.CPU"
+        if parent is not None:
+            parent.cpu_children.append(self)
+
+
+def test_tally_counts_device_reads_on_cuda_only_where_a_copy_to_the_host_ran():
+    """The CUDA branch, without a GPU: an ``.item()`` of a device tensor, one of a host tensor,
+    a ``.cpu()`` copy, a copy to the device, a kernel launch, a ``nonzero`` and the closing
+    synchronisation, as the profiler nests them."""
+    ev = []
+
+    def add(*a, **k):
+        ev.append(_Event(*a, **k))
+        return ev[-1]
+
+    item = add("aten::item")
+    lsd = add("aten::_local_scalar_dense", item, kernels=["Memcpy DtoH (Device -> Pageable)"])
+    add("cudaMemcpyAsync", lsd)
+    add("cudaStreamSynchronize", lsd)
+    host_item = add("aten::item")  # a CPU tensor's: no device work
+    add("aten::_local_scalar_dense", host_item)
+    to = add("aten::to")
+    copy = add("aten::copy_", add("aten::_to_copy", to), kernels=["Memcpy DtoH (Device -> Pinned)"])
+    add("cudaMemcpyAsync", copy)
+    add("aten::copy_", kernels=["Memcpy HtoD (Pageable -> Device)"])
+    add("cudaLaunchKernel", add("aten::add"))
+    nz = add("aten::nonzero", kernels=["void at::native::nonzero_kernel", "Memcpy DtoH (Device"
+                                       " -> Pinned)"])
+    add("cudaLaunchKernel", nz)
+    add("cudaStreamSynchronize", nz)
+    add("cudaDeviceSynchronize", add(overhead._MARK))  # the closing sync: not counted
+    for _ in range(3):
+        add("Memcpy DtoH (Device -> Pinned)", device=True)
+    add("Memcpy HtoD (Pageable -> Device)", device=True)
+
+    t = overhead._tally(ev, cuda=True)
+    assert dict(t["reads"]) == {"aten::_local_scalar_dense": 1, "aten::to": 1,
+                                "aten::nonzero": 1}
+    assert t["listed"] == 3  # both _local_scalar_dense and the nonzero, any device
+    assert (t["launches"], t["syncs"], t["d2h_copies"]) == (2, 2, 3)
+    assert t["ops"]["aten::copy_"] == 2 and sum(t["ops"].values()) == 10
+    # on the CPU every listed op counts, copies never do (no device work is looked at)
+    cpu = overhead._tally(ev, cuda=False)
+    assert dict(cpu["reads"]) == {"aten::_local_scalar_dense": 2, "aten::nonzero": 1}
