@@ -324,3 +324,20 @@ def test_auto_hook_trial_entries_are_checked_on_load():
         with pytest.raises(ValueError, match="trial"):
             fresh.load_state_dict({**sd, "trial": bad})
     assert fresh.trial == state.trial  # nothing changed
+
+
+def test_split_cuts_kept_into_parts_and_refuses_positions_outside():
+    """The hook's cut of the collective's ``kept`` into its tensors' own positions: one read
+    for sorted positions, masks for unsorted ones, the same pieces either way; a position
+    outside the bucket's parts raises instead of being dropped."""
+    from gradsync.integrations.ddp import _split
+
+    at = [0, 4, 4, 10]  # three parts, the middle one empty
+    want = [[1, 3], [], [0, 5]]
+    for kept in (torch.tensor([1, 3, 4, 9]), torch.tensor([9, 1, 4, 3])):
+        got = [sorted(p.tolist()) for p in _split(kept, at)]
+        assert got == want
+    assert [p.tolist() for p in _split(torch.tensor([], dtype=torch.int64), at)] == [[], [], []]
+    for bad in ([1, 10], [-1, 2]):
+        with pytest.raises(ValueError, match=r"outside the bucket's parts \[0, 10\)"):
+            _split(torch.tensor(bad), at)

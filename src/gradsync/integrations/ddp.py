@@ -507,7 +507,8 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         k = kept_by_tensor[i]
         flat_acc = accs[name].reshape(-1)
         state.ef.update(name, accs[name], k,
-                        _sent(flat_acc if k is None else flat_acc[k], None, wire))
+                        _sent(flat_acc if k is None else flat_acc[k], None, wire),
+                        check=False)  # in range: _split checked every position
         state.tensors += 1
         state.missing += int(k is not None and k.numel() == 0)
     buf.copy_(torch.div(out, P))
@@ -538,16 +539,23 @@ def _select(pending: list, parts: list) -> None:
 def _split(kept: torch.Tensor, at: list[int]) -> list[torch.Tensor]:
     """``kept`` (positions in the concatenated parts) cut into each part's own positions
     (``at``: where each part starts, and the end). Sorted ``kept`` (what the collectives
-    return) is cut at binary-searched points read back in one transfer; otherwise, one mask
-    per part."""
+    return) is cut at binary-searched points; the cuts, "sorted" and "in range" come back in
+    one transfer (so error feedback need not check each part's range again), and a position
+    outside the parts raises ``ValueError`` instead of being dropped. Unsorted: one mask per
+    part."""
     kept = kept.to(torch.int64)
     bounds = to_device(at, torch.int64, kept.device)  # no wait for the device
-    if kept.numel() > 1:
-        ordered = (kept[1:] >= kept[:-1]).all()
-        cuts = torch.cat([torch.searchsorted(kept, bounds), ordered.view(1).to(torch.int64)])
-        *cuts, ok = cuts.tolist()
+    probe = torch.searchsorted(kept, bounds)
+    ok = True
+    if kept.numel():
+        lo, hi = torch.aminmax(kept)
+        flags = torch.stack([(kept[1:] >= kept[:-1]).all(), (lo >= at[0]) & (hi < at[-1])])
+        *cuts, ok, in_range = torch.cat([probe, flags.to(torch.int64)]).tolist()
+        if not in_range:
+            raise ValueError(f"the collective kept positions outside the bucket's parts "
+                             f"[{at[0]}, {at[-1]})")
     else:
-        cuts, ok = torch.searchsorted(kept, bounds).tolist(), True
+        cuts = [0] * len(at)
     if ok:
         return [kept[cuts[j]:cuts[j + 1]] - at[j] for j in range(len(at) - 1)]
     return [kept[(kept >= at[j]) & (kept < at[j + 1])] - at[j] for j in range(len(at) - 1)]
