@@ -818,3 +818,17 @@ def test_readme_demo_plan_claim_holds_in_the_written_results():
     small = {"features.0.weight", "features.0.bias", "features.3.bias"}
     assert small <= sparse("convergence-cnn-demo-plan-plans", 1)  # the slow link's plan
     assert not small & sparse("convergence-cnn-10-seeds-plans", 1)  # loopback's: sent whole
+
+
+def test_resnet20_is_a_convergence_workload():
+    """``--model resnet20`` parses, and its job trains like the CNN's: SGD at train's default
+    learning rate, Fashion-MNIST (here synthetic), accuracy over the whole test split."""
+    from gradsync.apps.train.spec import SGD_LR
+
+    a = conv.parse_args(["--model", "resnet20", "--data", "synthetic", "--schemes", "ddp,topka"])
+    assert a.models == ["resnet20"] and conv.seeds_for(a, "resnet20") == conv.OTHER_SEEDS
+    spec = conv._spec(a, "resnet20", 1, a.density, a.scheme_list)
+    assert (spec.model, spec.data, spec.lr, spec.adamw) == ("resnet20", "synthetic", SGD_LR, False)
+    assert spec.steps == conv.DEFAULT_STEPS.get("resnet20", 80)
+    assert spec.eval_batches == math.ceil(conv.TEST_IMAGES / 32)
+    assert models.task("resnet20") == "image"

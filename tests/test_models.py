@@ -20,8 +20,8 @@ import torch
 
 from gradsync.apps import data, models
 
-SMALL = ["cnn", "mlp", "resnet18", "resnet50", "vit", "gpt_tiny", "gpt2_small", "bert_small",
-         "lstm"]
+SMALL = ["cnn", "mlp", "resnet18", "resnet20", "resnet50", "vit", "gpt_tiny", "gpt2_small",
+         "bert_small", "lstm"]
 LARGE = ["resnet152", "vgg16", "vgg19", "vit_large", "gpt2_large", "bert_large"]
 
 
@@ -124,6 +124,70 @@ def test_published_parameter_counts():
     fm = sum(p.numel() for p in models.build("resnet152", device="meta").parameters())
     assert fm == 60_192_808 - 3 * 7 * 7 * 64 + 3 * 3 * 64 - 2048 * 990 - 990
 
+
+
+def _resnet20_by_hand(channels: int) -> tuple[int, int, int]:
+    """(parameters, parameter tensors, batch norms) of He et al.'s CIFAR ResNet-20 with option A
+    shortcuts, from the architecture alone: 3×3 convs without bias, BN (γ, β) after each, no
+    shortcut parameters, a 64 → 10 linear layer."""
+    def conv(cin, cout):
+        return 3 * 3 * cin * cout
+
+    def bn(c):
+        return 2 * c
+
+    convs = [(channels, 16)]  # the first conv
+    cin = 16
+    for width in (16, 32, 64):  # three stages of three blocks, two convs each
+        for _ in range(3):
+            convs += [(cin, width), (width, width)]
+            cin = width
+    params = sum(conv(a, b) + bn(b) for a, b in convs) + 64 * 10 + 10
+    return params, 3 * len(convs) + 2, len(convs)  # conv weight, γ, β each; fc weight, bias
+
+
+def test_resnet20_matches_the_paper_by_hand():
+    # 6n + 1 = 19 convs (n = 3) and the classifier: 20 weight layers
+    assert _resnet20_by_hand(3) == (269_722, 59, 19)  # the CIFAR-10 network: "0.27M"
+    assert _resnet20_by_hand(1) == (269_434, 59, 19)  # 1-channel first conv: 2 · 16 · 9 fewer
+    net = models.build("resnet20", seed=0)
+    params = list(net.parameters())
+    assert sum(p.numel() for p in params) == 269_434 and len(params) == 59
+    bns = [m for m in net.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    convs = [m for m in net.modules() if isinstance(m, torch.nn.Conv2d)]
+    assert len(bns) == len(convs) == 19 and all(c.bias is None for c in convs)
+    assert [b.num_features for b in bns] == [16] * 7 + [32] * 6 + [64] * 6
+    assert len(list(net.buffers())) == 3 * 19  # running mean, var, batches tracked
+    # option A: the two downsampling shortcuts carry no parameters
+    for stage in (net.layer2, net.layer3):
+        assert isinstance(stage[0].downsample, models.ZeroPadShortcut)
+        assert not list(stage[0].downsample.parameters())
+    assert all(b.downsample is None for b in (*net.layer1, *net.layer2[1:], *net.layer3[1:]))
+    ref = models.reference("resnet20", device="meta")
+    assert sum(p.numel() for p in ref.parameters()) == 269_722
+    assert tuple(ref.conv1.weight.shape) == (16, 3, 3, 3)
+    assert tuple(net.conv1.weight.shape) == (16, 1, 3, 3)
+    assert tuple(net.fc.weight.shape) == (10, 64)
+    net.train()
+    x = torch.randn(5, 1, 28, 28, generator=torch.Generator().manual_seed(0))
+    feats = net.layer3(net.layer2(net.layer1(net.relu(net.bn1(net.conv1(x))))))
+    assert feats.shape == (5, 64, 7, 7)  # 28 → 14 → 7
+    out = net(x)
+    assert out.shape == (5, 10) and bool(torch.isfinite(out).all())
+    assert float(bns[0].running_mean.abs().sum()) > 0  # BN ran in training mode
+    assert ref(torch.zeros(2, 3, 32, 32, device="meta")).shape == (2, 10)
+
+
+def test_zero_pad_shortcut_is_a_strided_identity():
+    x = torch.arange(2 * 3 * 4 * 4, dtype=torch.float32).reshape(2, 3, 4, 4)
+    y = models.ZeroPadShortcut(3, 8, 2)(x)
+    assert y.shape == (2, 8, 2, 2)
+    assert torch.equal(y[:, 2:5], x[:, :, ::2, ::2])  # (8 − 3) // 2 = 2 zero channels first
+    assert not y[:, :2].any() and not y[:, 5:].any()
+    with pytest.raises(ValueError, match="option A"):
+        models.ZeroPadShortcut(8, 3, 1)
+    with pytest.raises(ValueError, match="shortcut"):
+        models.BuildingBlock(16, 32, 2, shortcut="C")
 
 # Derived from torchvision 0.28.0 (the release for torch 2.13.0) before gradsync dropped it: for
 # the published models (``reference``: torchvision's resnet18/50/152, vgg16/19, vit_b_16,

@@ -15,6 +15,7 @@ name              definition                                              data
 ================  ======================================================  ====================
 cnn, mlp          defined here (LeNet-style CNN, 3-layer MLP)             Fashion-MNIST
 resnet18          defined here (He et al., CIFAR-style stem)              Fashion-MNIST
+resnet20          defined here (He et al. §4.2 CIFAR net, option A)       Fashion-MNIST
 resnet50/152      defined here (He et al., bottleneck, CIFAR-style stem)  Fashion-MNIST
 vgg16/19          defined here (Simonyan & Zisserman D/E, no batch norm)  Fashion-MNIST
 vit               defined here (Dosovitskiy et al.), ViT-Tiny dims        Fashion-MNIST
@@ -32,6 +33,8 @@ Fashion-MNIST adaptations (1 × 28 × 28 grey images, 10 classes), random init, 
 * ResNet-50/152: the ImageNet stem (7×7 stride-2 conv + max-pool, for 224-pixel images) is
   replaced by a 3×3 stride-1 conv on 1 channel and no max-pool — the usual CIFAR stem, as in
   ``resnet18`` here. Every other layer is the published one.
+* ResNet-20: the CIFAR network as published but for its first conv, on 1 channel; the 28 × 28
+  images go in unpadded (stages at 28, 14, 7 instead of 32, 16, 8), as for ``resnet18``.
 * VGG-16/19: the first conv takes 1 channel and the images are zero-padded to 32 × 32 so that
   the five 2×2 max-pools end at 1 × 1 (28 would end at 0); the published adaptive 7 × 7 pool and
   its 25088-4096-4096 classifier are kept (so the parameter count is the paper's, 134/139 M).
@@ -67,9 +70,9 @@ import torch
 from torch import nn
 
 __all__ = [
-    "CNN", "LSTMLM", "MLP", "VGG", "ResNet", "ResNet18", "TinyGPT", "ViT", "batches", "build",
-    "gradient_steps", "import_transformers", "loss", "names", "real_gradients", "reference",
-    "requires", "task",
+    "CNN", "LSTMLM", "MLP", "VGG", "ResNet", "ResNet18", "ResNet20", "TinyGPT", "ViT",
+    "ZeroPadShortcut", "batches", "build", "gradient_steps", "hf_classes", "import_transformers",
+    "loss", "names", "real_gradients", "reference", "requires", "task",
 ]
 
 INSTALL_HINT = "pip install 'gradsync[models]' (make install does this)"
@@ -271,20 +274,44 @@ class Bottleneck(nn.Module):
         return self.relu(y + (x if self.downsample is None else self.downsample(x)))
 
 
+class ZeroPadShortcut(nn.Module):
+    """He et al. 2016's shortcut option A: the identity, subsampled by ``stride`` and with
+    ``cout − cin`` zero channels added (half before, half after): no parameters."""
+
+    def __init__(self, cin: int, cout: int, stride: int) -> None:
+        super().__init__()
+        if cout < cin:
+            raise ValueError(f"option A cannot reduce channels ({cin} -> {cout})")
+        self.stride, self.front = stride, (cout - cin) // 2
+        self.back = cout - cin - self.front
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x[:, :, ::self.stride, ::self.stride]
+        return nn.functional.pad(x, (0, 0, 0, 0, self.front, self.back))
+
+
 class BuildingBlock(nn.Module):
-    """ResNet building block (He et al. 2016, Fig. 5 left: two 3×3 convs; ResNet-18/34)."""
+    """ResNet building block (He et al. 2016, Fig. 5 left: two 3×3 convs; ResNet-18/34/20).
+
+    When the shape changes the shortcut is ``shortcut="B"`` (a projection: 1×1 conv + BN, the
+    ImageNet ResNets) or ``"A"`` (:class:`ZeroPadShortcut`, parameter-free: the CIFAR ResNets).
+    """
 
     expansion = 1
 
-    def __init__(self, cin: int, width: int, stride: int = 1) -> None:
+    def __init__(self, cin: int, width: int, stride: int = 1, shortcut: str = "B") -> None:
         super().__init__()
+        if shortcut not in ("A", "B"):
+            raise ValueError(f"shortcut must be 'A' or 'B', got {shortcut!r}")
         self.conv1 = nn.Conv2d(cin, width, 3, stride, 1, bias=False)
         self.bn1 = nn.BatchNorm2d(width)
         self.relu = nn.ReLU(inplace=True)
         self.conv2 = nn.Conv2d(width, width, 3, 1, 1, bias=False)
         self.bn2 = nn.BatchNorm2d(width)
-        self.downsample = None
-        if stride != 1 or cin != width:
+        self.downsample: nn.Module | None = None
+        if (stride != 1 or cin != width) and shortcut == "A":
+            self.downsample = ZeroPadShortcut(cin, width, stride)
+        elif stride != 1 or cin != width:
             self.downsample = nn.Sequential(nn.Conv2d(cin, width, 1, stride, bias=False),
                                             nn.BatchNorm2d(width))
 
@@ -339,6 +366,48 @@ class ResNet(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
         x = self.layer4(self.layer3(self.layer2(self.layer1(x))))
+        return self.fc(torch.flatten(self.avgpool(x), 1))
+
+
+class ResNet20(nn.Module):
+    """ResNet-20, He et al. 2016's CIFAR-10 network (§4.2, n = 3: 6n + 2 = 20 weight layers).
+
+    A 3×3 conv of 16 channels, then three stages of three :class:`BuildingBlock` s (two 3×3
+    convs each) of 16, 32 and 64 channels, the first block of stages 2 and 3 halving the
+    resolution (28 → 14 → 7 on Fashion-MNIST; 32 → 16 → 8 on CIFAR); batch norm after every
+    conv; global average pool; a linear classifier. Shortcuts are identities throughout, with
+    **option A** where the shape changes (:class:`ZeroPadShortcut`: strided, zero-padded
+    channels, no parameters), as the paper does for CIFAR ("we use identity shortcuts in all
+    cases (i.e., option A)"); so its 0.27 M parameters (269,722 on CIFAR-10; 269,434 with the
+    1-channel first conv) are those of Table 6. Initialisation: convs He-normal (fan-out),
+    batch norm weight 1 and bias 0, the classifier PyTorch's default, and parameter names
+    (``conv1``, ``bn1``, ``layer1``–``layer3``, ``fc``) as :class:`ResNet`'s.
+    """
+
+    def __init__(self, classes: int = 10, channels: int = 1, blocks: int = 3) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(channels, 16, 3, 1, 1, bias=False)
+        self.bn1 = nn.BatchNorm2d(16)
+        self.relu = nn.ReLU(inplace=True)
+        cin = 16
+        for i, width in enumerate((16, 32, 64), start=1):
+            stage = [BuildingBlock(cin if j == 0 else width, width,
+                                   2 if (j == 0 and i > 1) else 1, shortcut="A")
+                     for j in range(blocks)]
+            self.add_module(f"layer{i}", nn.Sequential(*stage))
+            cin = width
+        self.avgpool = nn.AdaptiveAvgPool2d(1)
+        self.fc = nn.Linear(64, classes)
+        for m in self.modules():
+            if isinstance(m, nn.Conv2d):
+                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+            elif isinstance(m, nn.BatchNorm2d):
+                nn.init.ones_(m.weight)
+                nn.init.zeros_(m.bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.relu(self.bn1(self.conv1(x)))
+        x = self.layer3(self.layer2(self.layer1(x)))
         return self.fc(torch.flatten(self.avgpool(x), 1))
 
 
@@ -483,7 +552,7 @@ def import_transformers(what: str = "this model"):
         raise _missing("transformers", what) from e
 
 
-def _hf_classes(what: str, *names: str) -> list[Any]:
+def hf_classes(what: str, *names: str) -> list[Any]:
     """``transformers``' classes ``names``. transformers imports torchvision whenever one is
     installed; a torchvision built for another torch (an older set-up's) then breaks the model
     classes, and this says so instead of transformers' "Could not import module"."""
@@ -537,13 +606,13 @@ _BERT = {
 
 
 def _gpt2(size: str, **overrides: Any) -> nn.Module:
-    config, model = _hf_classes(size, "GPT2Config", "GPT2LMHeadModel")
+    config, model = hf_classes(size, "GPT2Config", "GPT2LMHeadModel")
     cfg = config(**{**_GPT2[size], **overrides})
     return HFLogits(model(cfg), context=min(cfg.n_positions, 128))
 
 
 def _bert(size: str, **overrides: Any) -> nn.Module:
-    config, model = _hf_classes(size, "BertConfig", "BertForMaskedLM")
+    config, model = hf_classes(size, "BertConfig", "BertForMaskedLM")
     cfg = config(**{**_BERT[size], **overrides})
     return HFLogits(model(cfg), context=min(cfg.max_position_embeddings, 128))
 
@@ -563,6 +632,7 @@ _SPECS: dict[str, _Spec] = {
     "cnn": _Spec(CNN, "image"),
     "mlp": _Spec(MLP, "image"),
     "resnet18": _Spec(ResNet18, "image"),
+    "resnet20": _Spec(ResNet20, "image"),
     "resnet50": _Spec(_partial(_resnet, 50), "image"),
     "resnet152": _Spec(_partial(_resnet, 152), "image"),
     "vgg16": _Spec(_partial(_vgg, 16), "image"),
@@ -622,13 +692,15 @@ def reference(name: str, *, device: torch.device | str | None = "meta") -> nn.Mo
     """The *published* definition (no Fashion-MNIST adaptation), on ``device`` (meta: no memory).
 
     ``resnet18``/``resnet50``/``resnet152``/``vgg16``/``vgg19`` at 224 pixels, 3 channels and
-    1000 classes (ImageNet stem); ``vit`` is ViT-B/16 and ``vit_large`` ViT-L/16 (224 pixels,
+    1000 classes (ImageNet stem); ``resnet20`` the CIFAR-10 network (3 channels, 10 classes,
+    32 pixels); ``vit`` is ViT-B/16 and ``vit_large`` ViT-L/16 (224 pixels,
     1000 classes); ``bert_large``/``gpt2_large`` are their zoo builds. Used for SSFusion Table II
     (small-tensor census). Seed 0.
     """
     published: dict[str, Callable[[], nn.Module]] = {
         "resnet18": lambda: ResNet(18), "resnet50": lambda: ResNet(50),
         "resnet152": lambda: ResNet(152), "vgg16": lambda: VGG(16), "vgg19": lambda: VGG(19),
+        "resnet20": lambda: ResNet20(channels=3),  # CIFAR-10: 3 channels, 10 classes
         "vit": lambda: ViT(),  # ViT-B/16
         "vit_large": lambda: ViT(layers=24, heads=16, dim=1024, mlp=4096),  # ViT-L/16
         "bert_large": _spec("bert_large").builder, "gpt2_large": _spec("gpt2_large").builder,
