@@ -274,6 +274,16 @@ class Bottleneck(nn.Module):
         return self.relu(y + (x if self.downsample is None else self.downsample(x)))
 
 
+def _he_init(model: nn.Module) -> None:
+    """He et al.'s initialisation of a ResNet: convs He-normal (fan-out), batch norm 1 and 0."""
+    for m in model.modules():
+        if isinstance(m, nn.Conv2d):
+            nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
+        elif isinstance(m, nn.BatchNorm2d):
+            nn.init.ones_(m.weight)
+            nn.init.zeros_(m.bias)
+
+
 class ZeroPadShortcut(nn.Module):
     """He et al. 2016's shortcut option A: the identity, subsampled by ``stride`` and with
     ``cout − cin`` zero channels added (half before, half after): no parameters."""
@@ -356,12 +366,7 @@ class ResNet(nn.Module):
             self.add_module(f"layer{i}", nn.Sequential(*stage))
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(cin, classes)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        _he_init(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.maxpool(self.relu(self.bn1(self.conv1(x))))
@@ -398,12 +403,7 @@ class ResNet20(nn.Module):
             cin = width
         self.avgpool = nn.AdaptiveAvgPool2d(1)
         self.fc = nn.Linear(64, classes)
-        for m in self.modules():
-            if isinstance(m, nn.Conv2d):
-                nn.init.kaiming_normal_(m.weight, mode="fan_out", nonlinearity="relu")
-            elif isinstance(m, nn.BatchNorm2d):
-                nn.init.ones_(m.weight)
-                nn.init.zeros_(m.bias)
+        _he_init(self)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         x = self.relu(self.bn1(self.conv1(x)))
