@@ -253,11 +253,7 @@ class GradSync:
                 stats.comm_s += res.stats.seconds
         else:
             stats.skipped = 1
-            for name, p in self.params.items():
-                self.ef.discard(name)
-                if p.grad is not None:  # a followed scaler must see the overflow
-                    p.grad.fill_(math.nan if self._scaler is not None
-                                 and self._scaler.is_enabled() else 0.0)
+            self._skip_grads()
         stats.sparsify_s += run.inline_sparsify_s
         stats.backward_s = run.backward_s
         self.last = stats
@@ -547,6 +543,15 @@ class GradSync:
         self._run.launched.append(Launched(job, index, prep.accs, prep.nonfinite, future,
                                            audit_accs))
 
+    def _skip_grads(self) -> None:
+        """A skipped step (``nonfinite="skip_step"``): nothing accumulated is kept, and every
+        ``.grad`` is zeroed, or NaN while following a GradScaler, which must see the overflow."""
+        for name, p in self.params.items():
+            self.ef.discard(name)
+            if p.grad is not None:
+                p.grad.fill_(math.nan if self._scaler is not None
+                             and self._scaler.is_enabled() else 0.0)
+
     def _local_step(self) -> bool:
         """World size 1 without ``Config.compress_single_rank``: the step at density 1 with
         nothing to send. Everything but compression stays: the non-finite policy (one read for
@@ -557,10 +562,7 @@ class GradSync:
         grads = {n: p.grad for n, p in self.params.items() if p.grad is not None}
         bad = [n for n, ok in zip(grads, all_finite_each(list(grads.values()))) if not ok]
         if not self._agree_finite(bool(bad), stats, None, bad):
-            for p in self.params.values():
-                if p.grad is not None:  # a followed scaler must see the overflow
-                    p.grad.fill_(math.nan if self._scaler is not None
-                                 and self._scaler.is_enabled() else 0.0)
+            self._skip_grads()
             stats.skipped = 1
         else:
             if self._scaler is not None:
