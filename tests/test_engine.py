@@ -839,8 +839,8 @@ def test_apply_keeps_the_rest_and_refuses_kept_indices_outside_the_job(kept):
     job = Job(("a", "b"), Mode.FUSED, Transport.COLLECTIVE, collective="topka", density=0.4)
     ef = ErrorFeedback()
     grads = {"a": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([4.0, 5.0])}
-    accs = {n: ef.accumulate(n, g) for n, g in grads.items()}
-    launched = Launched(job, 0, accs, [], Future())
+    acc = ef.accumulate_buffer(0, ("a", "b"), (3, 2), torch.cat([grads["a"], grads["b"]]))
+    launched = Launched(job, 0, (3, 2), acc, [], Future())
     total = torch.arange(5, dtype=torch.float32)
     result = JobResult(dense=total.clone(), kept=torch.tensor(kept, dtype=torch.int64),
                        stats=CommStats())

@@ -360,3 +360,94 @@ def test_masking_is_validated_and_part_of_the_state():
     ErrorFeedback(momentum=0.9).load_state_dict(old)  # saved before the option: masking on
     with pytest.raises(ValueError, match="masking"):
         ErrorFeedback(momentum=0.9, masking=False).load_state_dict(old)
+
+
+# -- buffers: several tensors at once (accumulate_buffer / update_buffer) -----------------------
+def _per_name_step(ef, names, sizes, grads, consumed, wire):
+    """The reference: one accumulate/update per tensor, with each tensor's share of the buffer
+    positions ``consumed`` (None: every entry, which a tensor consumed whole also gets)."""
+    out, lo = [], 0
+    for n, k, g in zip(names, sizes, grads):
+        acc = ef.accumulate(n, g)
+        local = None if consumed is None else consumed[(consumed >= lo) & (consumed < lo + k)] - lo
+        whole = local is None or local.numel() == k
+        sent = None if acc.dtype == wire else (acc if whole else acc[local]).to(wire)
+        kept = acc.clone()  # acc may be the velocity, which masking changes in update
+        out.append((kept, ef.update(n, acc, None if whole else local, sent)))
+        lo += k
+    return out
+
+
+@settings(max_examples=40, deadline=None)
+@given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6), steps=st.integers(1, 5),
+       frac=st.floats(0.0, 1.0), seed=st.integers(0, 10_000),
+       momentum=st.sampled_from([0.0, 0.9]), masking=st.booleans(),
+       dtype=st.sampled_from(DTYPES), scaled=st.booleans())
+def test_a_buffer_is_bitwise_its_tensors_one_by_one(sizes, steps, frac, seed, momentum, masking,
+                                                    dtype, scaled):
+    """accumulate_buffer/update_buffer give every tensor the accumulator, residual and velocity
+    of the per-tensor calls, bit for bit: momentum with and without masking (a tensor consumed
+    whole keeps its velocity), 16-bit gradients with fp32 residuals (the rounding stays),
+    preconditioning scales, and steps where nothing or everything is consumed."""
+    names = [f"t{i}" for i in range(len(sizes))]
+    mk = dict(momentum=momentum, masking=masking, residual_dtype="auto")
+    ref, buf = ErrorFeedback(**mk), ErrorFeedback(**mk)
+    gen = torch.Generator().manual_seed(seed)
+    if scaled:
+        s = torch.rand(sizes[0], generator=gen) + 0.5
+        ref.precondition(names[0], s)
+        buf.precondition(names[0], s)
+    n = sum(sizes)
+    for step in range(steps):
+        grads = [_grad(k, seed + 7 * step + i, dtype) for i, k in enumerate(sizes)]
+        pick = torch.rand(n, generator=gen) < frac
+        if step == 1 and len(sizes) > 1:  # the first tensor consumed whole, the rest not at all
+            pick[:] = False
+            pick[:sizes[0]] = True
+        consumed = None if bool(pick.all()) else pick.nonzero().view(-1)
+        want = _per_name_step(ref, names, sizes, grads, consumed, dtype)
+        acc = buf.accumulate_buffer("b", names, sizes, torch.cat(grads))
+        assert torch.equal(acc, torch.cat([a for a, _ in want]))
+        sent = (None if acc.dtype == dtype
+                else (acc if consumed is None else acc[consumed]).to(dtype))
+        res = buf.update_buffer("b", acc, consumed, sent)
+        assert torch.equal(res, torch.cat([r.reshape(-1) for _, r in want]))
+        for name in names:
+            assert torch.equal(buf.residual(name), ref.residual(name).reshape(-1))
+            if momentum:
+                assert torch.equal(buf.velocity(name), ref.velocity(name).reshape(-1))
+
+
+def test_a_buffer_takes_over_what_its_tensors_held_and_gives_it_back():
+    """A new buffer over tensors held per name (or in another buffer: another plan) starts from
+    what they held; a per-name call splits the buffer back; the state is per name either way,
+    and discarding a buffered tensor drops its buffer's pending step."""
+    ef = ErrorFeedback(momentum=0.9)
+    a, b, c = torch.tensor([1.0, -2.0]), torch.tensor([3.0]), torch.tensor([0.5, 4.0, -1.0])
+    for name, g in (("a", a), ("b", b), ("c", c)):
+        ef.update(name, ef.accumulate(name, g), torch.tensor([0]))
+    held = {n: (ef.residual(n).clone(), ef.velocity(n).clone()) for n in "abc"}
+    acc = ef.accumulate_buffer(0, ("a", "b"), (2, 1), torch.zeros(3))
+    assert torch.equal(acc, torch.cat([held["a"][0] + 0.9 * held["a"][1],
+                                       held["b"][0] + 0.9 * held["b"][1]]))
+    ef.discard("b")  # a skipped step: the pending buffer is dropped, nothing changes
+    assert torch.equal(ef.residual("a"), held["a"][0])
+    assert torch.equal(ef.velocity("b"), held["b"][1])
+    state = ef.state_dict()
+    assert sorted(state["residual"]) == ["a", "b", "c"] and ef.names() == ["a", "b", "c"]
+    # another plan: (b, c) in one buffer takes b out of buffer 0
+    acc = ef.accumulate_buffer(1, ("b", "c"), (1, 3), torch.zeros(4))
+    ef.update_buffer(1, acc, None)
+    assert torch.equal(ef.residual("b"), torch.zeros(1))
+    assert torch.equal(ef.residual("a"), held["a"][0])
+    g = torch.tensor([0.25, 0.5, 0.75])
+    acc = ef.accumulate("c", g)  # per name again: the buffer splits, nothing is lost
+    assert torch.equal(acc, torch.zeros(3) + (0.9 * ef.velocity("c") + g))
+    with pytest.raises(ValueError, match="without a preceding"):
+        ef.update_buffer(7, acc, None)
+    with pytest.raises(ValueError, match="names and"):
+        ef.accumulate_buffer(2, ("a",), (5,), torch.zeros(3))
+    restored = ErrorFeedback(momentum=0.9)
+    restored.load_state_dict(state)
+    assert all(torch.equal(restored.residual(n).reshape(-1), state["residual"][n].reshape(-1))
+               for n in "abc")

@@ -51,6 +51,13 @@ everything accumulated stays in one unit. The selection then ranks entries by ``
 they contribute to the update of an optimizer that divides by a frozen ``1/s``
 (:class:`gradsync.optim.FrozenVarianceAdamW`), instead of by the raw gradient's magnitude.
 
+**Buffers** (:meth:`ErrorFeedback.accumulate_buffer`). The same two steps for a fusion buffer at
+once: the gradients of several tensors, concatenated, in one residual and one velocity, so a
+step costs a few operations per buffer instead of a few per tensor (on a GPU each operation is a
+kernel launch). The per-tensor arithmetic and results are the same; a buffer's entries are
+still answered per name (:meth:`ErrorFeedback.residual`, :meth:`ErrorFeedback.state_dict`), and
+a per-name call on a buffered tensor first splits its buffer back into per-name entries.
+
 NaN/Inf gradients are rejected with ``ValueError`` *before* any state changes, so a residual is
 never polluted by a non-finite value; the engine decides whether to raise or skip the step.
 """
@@ -58,7 +65,8 @@ never polluted by a non-finite value; the engine decides whether to raise or ski
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
+from collections.abc import Callable, Hashable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -67,6 +75,29 @@ from gradsync.sparsegrad import check_finite
 
 __all__ = ["ErrorFeedback", "check_scale", "check_scaler", "clip_local", "follow_scale",
            "saved_scale"]
+
+
+@dataclass
+class _Buffer:
+    """The residual and velocity of a fusion buffer's tensors, concatenated in ``names`` order
+    (:meth:`ErrorFeedback.accumulate_buffer`)."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    residual: torch.Tensor | None = None  # None: nothing held yet
+    velocity: torch.Tensor | None = None
+    spare: torch.Tensor | None = None  # the velocity a commit replaced (computed into next)
+    scale: torch.Tensor | None = None  # the tensors' preconditioning scales (1 elsewhere)
+    zero: bool = True  # the residual holds zeros only (or nothing)
+    pending: bool = False
+    pending_velocity: torch.Tensor | None = None
+
+    def slices(self) -> list[tuple[str, int, int]]:
+        out, o = [], 0
+        for n, k in zip(self.names, self.sizes):
+            out.append((n, o, o + k))
+            o += k
+        return out
 
 
 class ErrorFeedback:
@@ -106,6 +137,8 @@ class ErrorFeedback:
         self._spare: dict[str, torch.Tensor] = {}
         self._zero: set[str] = set()  # residuals known to be all zeros (sent whole)
         self._scale: dict[str, torch.Tensor] = {}  # precondition(): fixed per-entry scales
+        self._buffers: dict[Hashable, _Buffer] = {}  # accumulate_buffer(): per buffer key
+        self._buffer_of: dict[str, Hashable] = {}  # a buffered name → its buffer's key
 
     def dtype_for(self, grad_dtype: torch.dtype) -> torch.dtype:
         """The dtype a gradient of ``grad_dtype`` accumulates in."""
@@ -124,9 +157,10 @@ class ErrorFeedback:
         already held are multiplied by it now (module docstring, "Preconditioning"). A second
         call replaces the scale and rescales the state by the ratio. ``ValueError`` between
         :meth:`accumulate` and :meth:`update`, or for a bad scale."""
-        if name in self._pending:
+        if name in self._pending or self._buffer_pending(name):
             raise ValueError(f"precondition({name!r}) between accumulate() and update(): "
                              "scales change between steps only")
+        self._split(name)
         s = check_scale(name, scale)
         old = self._scale.get(name)
         if old is not None and old.numel() != s.numel():
@@ -153,12 +187,18 @@ class ErrorFeedback:
         f = float(factor)
         if not (math.isfinite(f) and f > 0):
             raise ValueError(f"rescale: factor must be finite and > 0, got {factor!r}")
-        if self._pending:
+        pending = sorted(self._pending) + [n for b in self._buffers.values() if b.pending
+                                           for n in b.names]
+        if pending:
             raise ValueError(f"rescale() between accumulate() and update() of "
-                             f"{sorted(self._pending)[:3]}: rescale between steps only")
+                             f"{pending[:3]}: rescale between steps only")
         for store in (self._residual, self._velocity):
             for t in store.values():
                 t.mul_(f)  # a zero residual stays zero: _zero still holds
+        for b in self._buffers.values():
+            for t in (b.residual, b.velocity):
+                if t is not None:
+                    t.mul_(f)
 
     def scale(self, name: str) -> torch.Tensor | None:
         """``name``'s preconditioning scale (fp32), or None."""
@@ -174,6 +214,10 @@ class ErrorFeedback:
         """
         if check:
             check_finite(grad, f"gradient of {name!r}")
+        if self._buffer_pending(name):
+            raise ValueError(f"accumulate({name!r}) while its buffer's accumulate_buffer() "
+                             "awaits update_buffer()")
+        self._split(name)
         dtype = self.dtype_for(grad.dtype)
         g = grad.detach().to(dtype)
         s = self._scale.get(name)
@@ -281,21 +325,222 @@ class ErrorFeedback:
 
     def discard(self, name: str) -> None:
         """Drop a pending :meth:`accumulate` of ``name``: residual and velocity stay as they
-        were before it (a skipped step)."""
+        were before it (a skipped step). For a buffered tensor, its whole buffer's pending step
+        is dropped (:meth:`discard_buffer`)."""
+        key = self._buffer_of.get(name)
+        if key is not None:
+            self.discard_buffer(key)
         self._pending.discard(name)
         u = self._pending_velocity.pop(name, None)
         if u is not None and u is not self._velocity.get(name):
             self._spare[name] = u  # free again: the next step computes into it
 
+    # -- a fusion buffer at once (module docstring, "Buffers") -----------------------------
+    def accumulate_buffer(self, key: Hashable, names: Sequence[str], sizes: Sequence[int],
+                          grad: torch.Tensor) -> torch.Tensor:
+        """:meth:`accumulate` of every tensor of a buffer at once: ``grad`` is their flat
+        gradients concatenated in ``names`` order (``sizes`` entries each, checked finite by
+        the caller); returns the flat ``acc``, new, in the residual dtype. ``key`` names the
+        buffer from step to step; when its tensors change (another plan), the residuals and
+        velocities they hold move into the new buffer."""
+        b = self._buffers.get(key)
+        if b is None or b.names != tuple(names) or b.sizes != tuple(sizes):
+            if grad.dim() != 1 or grad.numel() != sum(sizes) or len(names) != len(sizes):
+                raise ValueError(f"accumulate_buffer: {len(names)} names and {len(sizes)} sizes "
+                                 f"({sum(sizes)} entries) for a gradient of shape "
+                                 f"{tuple(grad.shape)}")
+            b = self._form(key, tuple(names), tuple(sizes), grad)
+        if b.pending:
+            raise ValueError(f"accumulate_buffer({key!r}) twice without update_buffer()")
+        dtype = self.dtype_for(grad.dtype)
+        g = grad.detach().to(dtype)
+        if b.scale is not None:
+            g = g * b.scale.to(g.device, dtype)  # new: never the caller's gradient
+        if b.residual is not None and (b.residual.numel() != g.numel()
+                                       or b.residual.dtype != dtype):
+            raise ValueError(f"buffer {key!r}: gradient of {g.numel()} entries/{dtype}, its "
+                             f"residual {b.residual.numel()}/{b.residual.dtype}")
+        owned = g is not grad  # a conversion or a scale made a new tensor
+        if self.momentum:
+            u = b.velocity
+            if u is None:
+                u = g if owned else g.clone()
+            else:
+                spare, b.spare = b.spare, None
+                if spare is None or spare.shape != u.shape or spare.dtype != u.dtype:
+                    spare = torch.empty_like(u)
+                u = torch.mul(u, self.momentum, out=spare).add_(g)
+            b.pending_velocity = u
+            g, owned = u, True
+        acc = (g if owned else g.clone()) if b.residual is None or b.zero else b.residual + g
+        b.pending = True
+        return acc
+
+    def update_buffer(self, key: Hashable, acc: torch.Tensor, consumed: torch.Tensor | None,
+                      sent_values: torch.Tensor | None = None) -> torch.Tensor:
+        """:meth:`update` of a buffer: ``consumed`` are positions in the flat ``acc`` (in range,
+        distinct: the caller checked them), ``None`` when every entry was sent; ``sent_values``
+        as in :meth:`update`. Returns the buffer's new residual (flat). Masking leaves the
+        velocity of a tensor whose every entry was consumed, as :meth:`update` does."""
+        b = self._buffers.get(key)
+        if b is None or not b.pending:
+            raise ValueError(f"update_buffer({key!r}) without a preceding accumulate_buffer()")
+        flat = acc.detach().reshape(-1)
+        if consumed is None:
+            if sent_values is not None:
+                if sent_values.numel() != flat.numel():
+                    raise ValueError(f"{flat.numel()} consumed entries (all of buffer {key!r}) "
+                                     f"but {sent_values.numel()} sent values")
+                residual = flat - sent_values.reshape(-1).to(flat.dtype)
+            elif b.zero and b.residual is not None and b.residual.shape == flat.shape:
+                residual = b.residual  # still all zeros: nothing to write
+            else:
+                residual = torch.zeros_like(flat)
+            b.zero = sent_values is None
+        else:
+            idx = consumed.reshape(-1).to(torch.int64)
+            residual = flat.clone()
+            if sent_values is None:
+                residual.index_fill_(0, idx, 0)  # no host-to-device copy (update())
+            else:
+                if sent_values.numel() != idx.numel():
+                    raise ValueError(f"{idx.numel()} consumed indices but "
+                                     f"{sent_values.numel()} sent values")
+                residual[idx] = flat[idx] - sent_values.reshape(-1).to(flat.dtype)
+            b.zero = sent_values is None and idx.numel() == flat.numel()
+        if self.momentum:
+            u = b.pending_velocity
+            if consumed is not None and self.masking and idx.numel() < flat.numel():
+                u.index_fill_(0, self._partial(b, idx), 0)  # DGC §3.2, compressed tensors
+            if b.velocity is not None and b.velocity is not u:
+                b.spare = b.velocity
+            b.velocity = u
+        b.residual = residual
+        b.pending, b.pending_velocity = False, None
+        return residual
+
+    def discard_buffer(self, key: Hashable) -> None:
+        """:meth:`discard` of a buffer: its residual and velocity stay as before the step."""
+        b = self._buffers.get(key)
+        if b is None:
+            return
+        u = b.pending_velocity
+        if u is not None and u is not b.velocity:
+            b.spare = u
+        b.pending, b.pending_velocity = False, None
+
+    @staticmethod
+    def _partial(b: _Buffer, idx: torch.Tensor) -> torch.Tensor:
+        """The positions of ``idx`` that lie in tensors not consumed whole (masking's)."""
+        ends = torch.tensor([hi for _, _, hi in b.slices()], dtype=torch.int64,
+                            device=idx.device)
+        sizes = torch.tensor(b.sizes, dtype=torch.int64, device=idx.device)
+        owner = torch.searchsorted(ends, idx, right=True)
+        counts = torch.bincount(owner, minlength=len(b.sizes))
+        return idx[(counts < sizes)[owner]]
+
+    def _form(self, key: Hashable, names: tuple[str, ...], sizes: tuple[int, ...],
+              like: torch.Tensor) -> _Buffer:
+        """A buffer over ``names``: what each name holds (per name or in another buffer),
+        concatenated; a name that holds nothing holds zeros."""
+        if self._buffer_pending(*names) or any(n in self._pending for n in names):
+            raise ValueError(f"accumulate_buffer({key!r}): a tensor of it awaits update()")
+        old = self._buffers.pop(key, None)
+        if old is not None:
+            self._unbuffer(old)
+        for n in names:
+            self._split(n)
+        b = _Buffer(names, sizes)
+        for field_, store in (("residual", self._residual), ("velocity", self._velocity)):
+            held = [store.get(n) for n in names]
+            if all(t is None for t in held):
+                continue
+            proto = next(t for t in held if t is not None)
+            setattr(b, field_, torch.cat([
+                t.reshape(-1) if t is not None else proto.new_zeros(k)
+                for t, k in zip(held, sizes)]))
+        b.zero = all(n in self._zero or n not in self._residual for n in names)
+        if any(n in self._scale for n in names):
+            b.scale = torch.cat([
+                self._scale[n].reshape(-1).to(like.device) if n in self._scale
+                else torch.ones(k, dtype=torch.float32, device=like.device)
+                for n, k in zip(names, sizes)])
+        for n in names:
+            for store in (self._residual, self._velocity, self._spare):
+                store.pop(n, None)
+            self._zero.discard(n)
+            self._buffer_of[n] = key
+        self._buffers[key] = b
+        return b
+
+    def _split(self, name: str) -> None:
+        """Move ``name``'s buffer, if any, back to per-name entries (views of it)."""
+        key = self._buffer_of.get(name)
+        if key is not None:
+            self._unbuffer(self._buffers.pop(key))
+
+    def _unbuffer(self, b: _Buffer) -> None:
+        if b.pending:
+            raise ValueError(f"a per-name call on {b.names[0]!r} while its buffer awaits "
+                             "update_buffer()")
+        for n, lo, hi in b.slices():
+            self._buffer_of.pop(n, None)
+            if b.residual is not None:
+                self._residual[n] = b.residual[lo:hi]
+                if b.zero:
+                    self._zero.add(n)
+            if b.velocity is not None:
+                self._velocity[n] = b.velocity[lo:hi]
+
+    def _buffer_pending(self, *names: str) -> bool:
+        return any(self._buffers[k].pending for k in
+                   {self._buffer_of[n] for n in names if n in self._buffer_of})
+
+    def _entry(self, key: Hashable, name: str, field_: str) -> torch.Tensor | None:
+        b = self._buffers[key]
+        flat = getattr(b, field_)
+        if flat is None:
+            return None
+        i = b.names.index(name)
+        lo = sum(b.sizes[:i])
+        return flat[lo:lo + b.sizes[i]]
+
+    def _held(self, field_: str) -> dict[str, torch.Tensor]:
+        """Every name's residual or velocity, buffered ones as views."""
+        out = dict(self._residual if field_ == "residual" else self._velocity)
+        for b in self._buffers.values():
+            flat = getattr(b, field_)
+            if flat is not None:
+                out.update({n: flat[lo:hi] for n, lo, hi in b.slices()})
+        return out
+
     # -- inspection and state -----------------------------------------------------------
     def residual(self, name: str) -> torch.Tensor | None:
-        return self._residual.get(name)
+        """``name``'s residual (flat when it was accumulated flat), or None."""
+        key = self._buffer_of.get(name)
+        if key is None:
+            return self._residual.get(name)
+        return self._entry(key, name, "residual")
+
+    def velocity(self, name: str) -> torch.Tensor | None:
+        """``name``'s DGC velocity ``u`` (committed by the last update), or None."""
+        key = self._buffer_of.get(name)
+        if key is None:
+            return self._velocity.get(name)
+        return self._entry(key, name, "velocity")
 
     def names(self) -> list[str]:
-        return sorted(self._residual)
+        return sorted({*self._residual, *(n for b in self._buffers.values()
+                                          if b.residual is not None for n in b.names)})
 
     def reset(self, name: str | None = None) -> None:
         """Forget the residual (and velocity) of ``name``, or of every tensor; scales stay."""
+        if name is None:
+            self._buffers.clear()
+            self._buffer_of.clear()
+        else:
+            self.discard(name)
+            self._split(name)
         for store in (self._residual, self._velocity, self._spare):
             if name is None:
                 store.clear()
@@ -314,8 +559,8 @@ class ErrorFeedback:
             "momentum": self.momentum,
             "masking": self.masking,
             "residual_dtype": _dtype_name(self.residual_dtype),
-            "residual": {k: v.clone() for k, v in self._residual.items()},
-            "velocity": {k: v.clone() for k, v in self._velocity.items()},
+            "residual": {k: v.clone() for k, v in self._held("residual").items()},
+            "velocity": {k: v.clone() for k, v in self._held("velocity").items()},
             "scale": {k: v.clone() for k, v in self._scale.items()},
         }
 
@@ -333,6 +578,8 @@ class ErrorFeedback:
             raise ValueError(
                 f"state has residual_dtype {state.get('residual_dtype')}, this one has {mine}"
             )
+        self._buffers.clear()
+        self._buffer_of.clear()
         self._residual = {k: v.clone() for k, v in state["residual"].items()}
         self._velocity = {k: v.clone() for k, v in state["velocity"].items()}
         # saved before preconditioning existed: no scales

@@ -211,10 +211,11 @@ class Launched:
 
     job: Job
     index: int  # position in the plan's jobs (keys the job's collective)
-    accs: dict[str, torch.Tensor]  # per tensor: the accumulated gradient (flat)
+    sizes: tuple[int, ...]  # the entries of each tensor of the job
+    acc: torch.Tensor | None  # the accumulated gradients, flat (None: a raw dense job)
     nonfinite: list[str]  # tensors whose gradient held NaN/Inf (sent as zeros)
     future: Future[JobResult]
-    audit_accs: dict[str, torch.Tensor] | None = None  # clones of ``accs`` (audit only)
+    audit_acc: torch.Tensor | None = None  # a clone of ``acc`` or the gradients (audit only)
 
 
 @dataclass

@@ -31,7 +31,7 @@ Only step 3 counts as inline sparsification time.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -40,7 +40,7 @@ import torch
 from gradsync import sparsify
 from gradsync.engine.jobs import Job, Mode, Payload
 from gradsync.feedback import ErrorFeedback, clip_local
-from gradsync.sparsegrad import SparseGrad, all_finite_each
+from gradsync.sparsegrad import SparseGrad, all_finite, all_finite_each
 from gradsync.sparsify import segments
 
 __all__ = ["Prepared", "prepare"]
@@ -53,82 +53,99 @@ Offload = Callable[[sparsify.Sparsifier, torch.Tensor, int], Future]  # Executor
 class Prepared:
     """A job ready for the communication thread: its payload and what stays behind."""
 
-    accs: dict[str, torch.Tensor]  # per tensor: the accumulated gradient (flat)
+    acc: torch.Tensor | None  # the accumulated gradients, flat, in the job's order (None: a
+    # dense job that carries the raw gradients, with nothing in error feedback)
     nonfinite: list[str]  # tensors whose gradient held NaN/Inf
     payload: Payload
     sparsify_s: float  # inline selection time
 
 
-def prepare(job: Job, index: int, grads: dict[str, torch.Tensor], ef: ErrorFeedback,
+def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: ErrorFeedback,
             sparsifier: Sparsifiers, offload: Offload, step: int,
             clip: tuple[float, int] | None = None) -> Prepared:
-    """Steps 1–3 above for job ``index`` of the plan; ``grads`` are the flat gradients.
-    ``clip``: ``(Config.clip_norm, P)``, DGC's local clipping of what enters error feedback."""
+    """Steps 1–3 above for job ``index`` of the plan, one buffer at a time: ``grad`` is the
+    job's gradients, flat and concatenated in its order (``sizes`` entries each); error
+    feedback keeps the job as one buffer keyed ``index``
+    (:meth:`~gradsync.feedback.ErrorFeedback.accumulate_buffer`). ``clip``:
+    ``(Config.clip_norm, P)``, DGC's local clipping of what enters error feedback."""
     # a plain all-reduce carries the gradient (or its velocity) as it is: a NaN/Inf shows in the
     # sum on every rank (GradSync.synchronize checks the sums, and a pending velocity is then
-    # discarded), so no per-tensor pass here
+    # discarded), so no pass over it here
     dense = job.mode is Mode.DENSE
-    nonfinite = [] if dense else [
-        n for n, ok in zip(job.names, all_finite_each([grads[n] for n in job.names])) if not ok]
-    if clip is not None:  # the gradients that enter error feedback, clipped in one call
-        into = [n for n in job.names if n not in nonfinite and (not dense or ef.transforms(n))]
-        grads = {**grads, **dict(zip(into, clip_local([grads[n] for n in into], *clip)))}
-    accs: dict[str, torch.Tensor] = {}
-    for n in job.names:
-        g = grads[n]
-        if n in nonfinite:
-            # never enters a residual; the step is agreed later. A dense job carries one NaN
-            # for it instead: the all-reduce's sum then shows every rank that some rank had a
-            # non-finite gradient, with no agreement collective (sync.GradSync.synchronize)
-            accs[n] = torch.zeros_like(g)
-            if job.mode is Mode.DENSE:
-                accs[n].view(-1)[:1] = float("nan")
-        elif dense and not ef.transforms(n):
-            accs[n] = g
-        else:  # dense jobs with momentum keep a velocity (feedback.py: sent whole); a scale
-            # (GradSync.precondition) applies to every path
-            accs[n] = ef.accumulate(n, g, check=False)  # checked just above
-    wire = grads[job.names[0]].dtype  # values travel in the gradients' dtype
+    nonfinite = [] if dense else _nonfinite(job.names, sizes, grad)
+    if nonfinite:  # never enters a residual; the step is agreed later
+        grad = grad.clone()
+        for n, lo, hi in _bounds(job.names, sizes):
+            if n in nonfinite:
+                grad[lo:hi].zero_()
+    wire = grad.dtype  # values travel in the gradients' dtype
+    # dense jobs with momentum keep a velocity (feedback.py: sent whole); a scale
+    # (GradSync.precondition) applies to every path
+    if dense and not any(ef.transforms(n) for n in job.names):
+        return Prepared(None, nonfinite, Payload(dense=grad), 0.0)
+    if clip is not None:  # the gradients that enter error feedback, clipped (one call)
+        grad = torch.cat(clip_local(list(grad.split(list(sizes))), *clip))
+    acc = ef.accumulate_buffer(index, job.names, sizes, grad)
     t0 = time.perf_counter()
-    if job.mode is Mode.DENSE:
-        payload = Payload(dense=torch.cat([accs[n].to(grads[n].dtype) for n in job.names]))
+    if dense:  # a copy: the all-reduce sums in place, and acc may be the pending velocity
+        payload = Payload(dense=acc.to(wire, copy=True))
     elif job.mode is Mode.FUSED:
-        flat = torch.cat([accs[n] for n in job.names])
         sp = sparsifier(f"buffer:{index}", job.density)
-        payload = Payload(selections=[sp.select(flat, step)], wire_dtype=wire)
+        payload = Payload(selections=[sp.select(acc, step)], wire_dtype=wire)
     else:
         parts: list[SparseGrad | Future | None] = []
         inline: list[tuple[int, sparsify.Sparsifier, torch.Tensor]] = []
-        for n in job.names:
+        first_inline = None
+        for n, lo, hi in _bounds(job.names, sizes):
             d = job.densities[n]
+            a = acc[lo:hi]
             if d is None:  # excluded from sparsification: every entry travels
-                parts.append(SparseGrad(torch.arange(accs[n].numel(), device=accs[n].device),
-                                        accs[n], accs[n].numel(), validate=False,
-                                        dense_prefix=accs[n].numel()))
+                parts.append(SparseGrad(torch.arange(hi - lo, device=a.device), a, hi - lo,
+                                        validate=False, dense_prefix=hi - lo))
             elif n in job.offload:  # SSFusion-O
-                parts.append(offload(sparsifier(n, d), accs[n], step))
+                parts.append(offload(sparsifier(n, d), a, step))
             else:  # selected below, all with one finiteness read (on a GPU: one wait)
-                inline.append((len(parts), sparsifier(n, d), accs[n]))
+                first_inline = lo if first_inline is None else first_inline
+                inline.append((len(parts), sparsifier(n, d), a))
                 parts.append(None)
-        parts = _select_inline(parts, inline, step)
+        tail = acc[first_inline:] if first_inline is not None else None
+        parts = _select_inline(parts, inline, tail, step)
         payload = Payload(selections=parts, wire_dtype=wire)
-    return Prepared(accs, nonfinite, payload, time.perf_counter() - t0)
+    return Prepared(acc, nonfinite, payload, time.perf_counter() - t0)
+
+
+def _bounds(names: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, int, int]]:
+    """Each tensor's ``(name, start, end)`` in the job's flat buffer."""
+    out, o = [], 0
+    for n, k in zip(names, sizes):
+        out.append((n, o, o + k))
+        o += k
+    return out
+
+
+def _nonfinite(names: Sequence[str], sizes: Sequence[int], grad: torch.Tensor) -> list[str]:
+    """The tensors whose gradient holds a NaN/Inf: one check of the buffer (one read), and per
+    tensor only when it fails."""
+    if all_finite(grad):
+        return []
+    bounds = _bounds(names, sizes)
+    finite = all_finite_each([grad[lo:hi] for _, lo, hi in bounds])
+    return [n for (n, _, _), ok in zip(bounds, finite) if not ok]
 
 
 def _select_inline(parts: list, inline: list[tuple[int, sparsify.Sparsifier, torch.Tensor]],
-                   step: int) -> list:
+                   tail: torch.Tensor | None, step: int) -> list:
     """Fill ``parts``' inline selections. The inline tensors come last (plan_jobs puts the
     tensors sent whole first; an offloaded one may sit between them): when they are one run,
     they are selected as one buffer, every tensor at its own k, in a number of operations
     independent of their count (:func:`gradsync.sparsify.segments.select_buffer`); otherwise,
     or on the CPU (:func:`~gradsync.sparsify.segments.pays_on`), or for a sparsifier without a
-    segmented form, tensor by tensor."""
+    segmented form, tensor by tensor. ``tail``: the buffer from the first inline tensor on."""
     first = len(parts) - len(inline)
     if (len(inline) > 1 and [i for i, _, _ in inline] == list(range(first, len(parts)))
             and segments.pays_on(inline[0][2].device)):
-        accs = [acc for _, _, acc in inline]
-        one = sparsify.select_buffer([sp for _, sp, _ in inline], torch.cat(accs),
-                                     [acc.numel() for acc in accs], step)
+        one = sparsify.select_buffer([sp for _, sp, _ in inline], tail,
+                                     [acc.numel() for _, _, acc in inline], step)
         if one is not None:
             return [*parts[:first], one]
     chosen = sparsify.select_each([(sp, acc) for _, sp, acc in inline], step)

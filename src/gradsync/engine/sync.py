@@ -533,15 +533,19 @@ class GradSync:
 
     def _launch(self, job: Job, index: int) -> None:
         job = at_density(job, self.cfg.density_at(self.step), self.cfg.density)  # DGC warm-up
-        prep = prepare(job, index, {n: self._grad(n) for n in job.names}, self.ef,
-                       self._parts.sparsifier, self._exec.offload, self.step,
+        sizes = tuple(self._numel[n] for n in job.names)
+        grad = torch.cat([self._grad(n) for n in job.names])
+        audit_grad = grad.clone() if self._audit.enabled else None
+        prep = prepare(job, index, grad, sizes, self.ef, self._parts.sparsifier,
+                       self._exec.offload, self.step,
                        clip=None if self.cfg.clip_norm is None else (self.cfg.clip_norm, self.P))
         self._run.inline_sparsify_s += prep.sparsify_s
-        audit_accs = ({n: a.detach().clone() for n, a in prep.accs.items()}
-                      if self._audit.enabled else None)
+        audit_acc = None
+        if self._audit.enabled:
+            audit_acc = audit_grad if prep.acc is None else prep.acc.detach().clone()
         future = self._exec.submit(job, index, prep.payload, self.step)
-        self._run.launched.append(Launched(job, index, prep.accs, prep.nonfinite, future,
-                                           audit_accs))
+        self._run.launched.append(Launched(job, index, sizes, prep.acc, prep.nonfinite, future,
+                                           audit_acc))
 
     def _skip_grads(self) -> None:
         """A skipped step (``nonfinite="skip_step"``): nothing accumulated is kept, and every
