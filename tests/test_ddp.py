@@ -326,18 +326,18 @@ def test_auto_hook_trial_entries_are_checked_on_load():
     assert fresh.trial == state.trial  # nothing changed
 
 
-def test_split_cuts_kept_into_parts_and_refuses_positions_outside():
-    """The hook's cut of the collective's ``kept`` into its tensors' own positions: one read
-    for sorted positions, masks for unsorted ones, the same pieces either way; a position
-    outside the bucket's parts raises instead of being dropped."""
-    from gradsync.integrations.ddp import _split
+def test_kept_counts_missing_tensors_and_refuses_positions_outside():
+    """The hook's check of the collective's ``kept`` (positions in the all-gather part: a
+    dense prefix of 3 entries, then selected tensors of 4, 0 and 3 entries): the selected
+    tensors with no entry kept are counted, in one read, sorted or not; a position outside the
+    part raises instead of being dropped."""
+    from gradsync.integrations.ddp import _kept
 
-    at = [0, 4, 4, 10]  # three parts, the middle one empty
-    want = [[1, 3], [], [0, 5]]
-    for kept in (torch.tensor([1, 3, 4, 9]), torch.tensor([9, 1, 4, 3])):
-        got = [sorted(p.tolist()) for p in _split(kept, at)]
-        assert got == want
-    assert [p.tolist() for p in _split(torch.tensor([], dtype=torch.int64), at)] == [[], [], []]
+    sizes = [4, 0, 3]  # at [3, 7), [7, 7), [7, 10)
+    for kept, missing in (([0, 1, 2, 4, 8], 1), ([9, 4, 0], 1), ([0, 1, 2], 3), ([5, 7], 1)):
+        got, m = _kept(torch.tensor(kept), 10, sizes)
+        assert got.tolist() == kept and m == missing
+    assert _kept(torch.tensor([], dtype=torch.int64), 10, sizes)[1] == 3
     for bad in ([1, 10], [-1, 2]):
         with pytest.raises(ValueError, match=r"outside the bucket's parts \[0, 10\)"):
-            _split(torch.tensor(bad), at)
+            _kept(torch.tensor(bad), 10, sizes)

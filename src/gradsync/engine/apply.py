@@ -37,9 +37,13 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
         offset += k
     # the sum of an all-reduce is this step's own buffer (prepare's concatenation or the
     # all-reduce part's densified selection): divided in place; a collective's may be its own
-    avg = (result.dense.div_(P) if job.transport is Transport.ALLREDUCE
-           else torch.div(result.dense, P))
-    write_grads(params, bounds, avg)
+    # every .grad views the job's storage: one write for all of them
+    if launched.storage is not None:
+        avg = torch.div(result.dense, P, out=launched.storage)
+    else:
+        avg = (result.dense.div_(P) if job.transport is Transport.ALLREDUCE
+               else torch.div(result.dense, P))
+        write_grads(params, bounds, avg)
     stats.tensors += len(bounds)
     stats.numel += offset
     wire = avg.dtype

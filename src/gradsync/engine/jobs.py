@@ -216,6 +216,7 @@ class Launched:
     nonfinite: list[str]  # tensors whose gradient held NaN/Inf (sent as zeros)
     future: Future[JobResult]
     audit_acc: torch.Tensor | None = None  # a clone of ``acc`` or the gradients (audit only)
+    storage: torch.Tensor | None = None  # the job's gradient storage, which .grad views
 
 
 @dataclass

@@ -62,12 +62,15 @@ class Prepared:
 
 def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: ErrorFeedback,
             sparsifier: Sparsifiers, offload: Offload, step: int,
-            clip: tuple[float, int] | None = None) -> Prepared:
+            clip: tuple[float, int] | None = None, reuse: bool = True) -> Prepared:
     """Steps 1–3 above for job ``index`` of the plan, one buffer at a time: ``grad`` is the
     job's gradients, flat and concatenated in its order (``sizes`` entries each); error
     feedback keeps the job as one buffer keyed ``index``
     (:meth:`~gradsync.feedback.ErrorFeedback.accumulate_buffer`). ``clip``:
-    ``(Config.clip_norm, P)``, DGC's local clipping of what enters error feedback."""
+    ``(Config.clip_norm, P)``, DGC's local clipping of what enters error feedback. ``reuse``:
+    ``grad`` is the caller's to give away (a dense job then sums in it, in place); otherwise
+    it is copied first (the engine's gradient storage: the local gradients stay for the
+    message that names a non-finite one)."""
     # a plain all-reduce carries the gradient (or its velocity) as it is: a NaN/Inf shows in the
     # sum on every rank (GradSync.synchronize checks the sums, and a pending velocity is then
     # discarded), so no pass over it here
@@ -82,7 +85,7 @@ def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: 
     # dense jobs with momentum keep a velocity (feedback.py: sent whole); a scale
     # (GradSync.precondition) applies to every path
     if dense and not any(ef.transforms(n) for n in job.names):
-        return Prepared(None, nonfinite, Payload(dense=grad), 0.0)
+        return Prepared(None, nonfinite, Payload(dense=grad if reuse else grad.clone()), 0.0)
     if clip is not None:  # the gradients that enter error feedback, clipped (one call)
         grad = torch.cat(clip_local(list(grad.split(list(sizes))), *clip))
     acc = ef.accumulate_buffer(index, job.names, sizes, grad)

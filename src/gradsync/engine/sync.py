@@ -193,9 +193,10 @@ class GradSync:
             self._no_sync = prev
 
     def synchronize(self) -> bool:
-        """Finish the step's synchronization and write averaged gradients into ``.grad``
-        (copied into an existing ``.grad``; where it is ``None`` — ``zero_grad()``'s default —
-        a view of this step's averaged buffer, new every step, so no copy is made).
+        """Finish the step's synchronization and write averaged gradients into ``.grad``: every
+        ``.grad`` is then a view into its fusion buffer's gradient storage, the same tensor from
+        step to step (as DDP's ``gradient_as_bucket_view``), so a step writes each buffer once,
+        not each tensor (parameters of mixed dtypes in one buffer get copies instead).
 
         Returns ``True``, or ``False`` when ``Config.nonfinite == "skip_step"`` and some rank
         had a NaN/Inf gradient (then every rank's gradients are zeroed — NaN instead when
@@ -492,6 +493,8 @@ class GradSync:
 
     def _set_plan(self, plan: Plan) -> None:
         self._jobs: list[Job] = plan_jobs(plan, self._parts.collective_name, list(self.params))
+        # per job: its gradient storage (_gather), made at its first launch under this plan
+        self._storage: dict[int, tuple[torch.Tensor, list[torch.Tensor]] | None] = {}
         self._job_of = {n: i for i, j in enumerate(self._jobs) for n in j.names}
         self._job_sizes = [len(j.names) for j in self._jobs]
         run = getattr(self, "_run", None)
@@ -534,18 +537,56 @@ class GradSync:
     def _launch(self, job: Job, index: int) -> None:
         job = at_density(job, self.cfg.density_at(self.step), self.cfg.density)  # DGC warm-up
         sizes = tuple(self._numel[n] for n in job.names)
-        grad = torch.cat([self._grad(n) for n in job.names])
+        grad, storage = self._gather(index, job.names)
         audit_grad = grad.clone() if self._audit.enabled else None
         prep = prepare(job, index, grad, sizes, self.ef, self._parts.sparsifier,
                        self._exec.offload, self.step,
-                       clip=None if self.cfg.clip_norm is None else (self.cfg.clip_norm, self.P))
+                       clip=None if self.cfg.clip_norm is None else (self.cfg.clip_norm, self.P),
+                       reuse=storage is None)
         self._run.inline_sparsify_s += prep.sparsify_s
         audit_acc = None
         if self._audit.enabled:
             audit_acc = audit_grad if prep.acc is None else prep.acc.detach().clone()
         future = self._exec.submit(job, index, prep.payload, self.step)
         self._run.launched.append(Launched(job, index, sizes, prep.acc, prep.nonfinite, future,
-                                           audit_acc))
+                                           audit_acc, storage))
+
+    def _gather(self, index: int, names: tuple[str, ...]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Job ``index``'s gradients as one flat tensor, and the job's gradient storage, if it
+        has one: a flat buffer of which every parameter's ``.grad`` is a view (as DDP's
+        ``gradient_as_bucket_view``), so gathering costs nothing where ``.grad`` already is the
+        view and one copy where autograd made a new one (``zero_grad(set_to_none=True)``), and
+        the averaged result lands in every ``.grad`` in one write. Parameters of mixed dtypes
+        or devices have no storage: their gradients are concatenated."""
+        if index not in self._storage:
+            self._storage[index] = self._new_storage(names)
+        st = self._storage[index]
+        if st is None:
+            return torch.cat([self._grad(n) for n in names]), None
+        flat, slots = st
+        for n, slot in zip(names, slots):
+            p = self.params[n]
+            if p.grad is not slot:
+                if p.grad is None:  # no gradient this step: it counts as zero
+                    slot.zero_()
+                else:
+                    slot.copy_(p.grad)
+                p.grad = slot
+        return flat, flat
+
+    def _new_storage(self, names: tuple[str, ...]
+                     ) -> tuple[torch.Tensor, list[torch.Tensor]] | None:
+        ps = [self.params[n] for n in names]
+        if any(p.dtype != ps[0].dtype or p.device != ps[0].device
+               or p.layout is not torch.strided for p in ps):
+            return None
+        flat = torch.zeros(sum(p.numel() for p in ps), dtype=ps[0].dtype, device=ps[0].device)
+        slots, o = [], 0
+        for p in ps:
+            slots.append(flat[o:o + p.numel()].view_as(p))
+            o += p.numel()
+        return flat, slots
 
     def _skip_grads(self) -> None:
         """A skipped step (``nonfinite="skip_step"``): nothing accumulated is kept, and every

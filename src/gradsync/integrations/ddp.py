@@ -426,60 +426,53 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     elif d_now != state.cfg.density:
         f = d_now / state.cfg.density
         densities = [None if d is None else min(1.0, d * f) for d in densities]
-    accs, sparse_parts, dense_parts, pending = {}, [], [], []
     # SSFusion-I and auto: dense tensors in an all-reduce
     to_allreduce = whole or state.scheme.interleave or state.scheme.planner == "auto"
+    # the bucket's tensors in the order they travel: SSFusion-I's all-reduce part, then the
+    # all-gather's tensors sent whole (its dense prefix: values without indices,
+    # SparseGrad.dense_prefix, alike on every rank since the densities are), then the
+    # selected ones; error feedback holds the bucket as one buffer in that order
+    dense_parts = [i for i, d in enumerate(densities) if d is None and to_allreduce]
+    whole_parts = [i for i, d in enumerate(densities) if d is None and not to_allreduce]
+    picked = [i for i, d in enumerate(densities) if d is not None]
+    order = dense_parts + whole_parts + picked
+    ordered = order == list(range(len(order)))
+    perm = None if ordered else segments.ranges([offsets[i] for i in order],
+                                                [numels[i] for i in order], buf.device)
+    sizes = [numels[i] for i in order]
+    n_dense = sum(numels[i] for i in dense_parts)
+    prefix = sum(numels[i] for i in whole_parts)
     # one pass over the bucket instead of one per tensor; a non-finite bucket accumulates
     # nothing and sends a NaN instead, so every rank's sum shows it (module doc)
     poisoned = not all_finite(buf)
-    grads = _clipped(state, [buf[offsets[i]:offsets[i + 1]] for i in range(len(names))], P)
-    for i, (name, d) in enumerate(zip(names, densities)):
-        lo, hi = offsets[i], offsets[i + 1]
-        acc = (torch.zeros_like(buf[lo:hi]) if poisoned
-               else state.ef.accumulate(name, grads[i], check=False))
-        accs[name] = acc
-        if d is None and to_allreduce:
-            dense_parts.append(i)
-        elif d is None or poisoned:
-            sparse_parts.append((i, SparseGrad(torch.arange(acc.numel(), device=acc.device),
-                                               acc, acc.numel(), validate=False,
-                                               dense_prefix=acc.numel())))
-        else:  # selected below, all with one finiteness read (on a GPU: one wait)
-            pending.append((len(sparse_parts), i, state.sparsifier(name, d), acc))
-            sparse_parts.append((i, None))
-    _select(pending, sparse_parts)
-    # the tensors sent whole first: the all-gather's dense prefix, values without indices
-    # (SparseGrad.dense_prefix), alike on every rank since the densities are
-    sparse_parts.sort(key=lambda part: densities[part[0]] is not None)
-    prefix = sum(numels[i] for i, _ in sparse_parts if densities[i] is None)
+    grad = _clipped(state, buf, numels, P)
+    if perm is not None:
+        grad = grad[perm]
+    acc = (torch.zeros_like(grad) if poisoned
+           else state.ef.accumulate_buffer(bucket.index(), [names[i] for i in order], sizes,
+                                           grad))
+    sel_acc = acc[n_dense:]  # the all-gather part
     wire = buf.dtype  # values travel in the gradients' dtype (residuals may be fp32)
-    out = torch.zeros_like(buf)
-    kept_by_tensor: dict[int, torch.Tensor | None] = {}
-    work = None
+    work = flat = None
     if dense_parts:
-        flat = torch.cat([accs[names[i]] for i in dense_parts]).to(wire)
+        flat = acc[:n_dense].to(wire, copy=True)
         if poisoned:
             flat[:1] = math.nan
         work = comm.all_reduce(flat, async_op=True)  # interleaved with the all-gather below
     stats = comm.stats
+    res = None
     try:
-        if sparse_parts:
-            # the parts side by side in that order (where each lies: at), as the engine's jobs
-            at = [0]
-            for i, _ in sparse_parts:
-                at.append(at[-1] + numels[i])
+        if whole_parts or picked:
             if poisoned:  # the dense prefix (or one entry) with a NaN: any rank's count fits
                 n = max(prefix, 1)
                 vals = torch.zeros(n, dtype=wire, device=buf.device)
                 vals[0] = math.nan
-                sel = SparseGrad(torch.arange(n, device=buf.device), vals, at[-1],
+                sel = SparseGrad(torch.arange(n, device=buf.device), vals, sel_acc.numel(),
                                  validate=False, dense_prefix=prefix)
-            else:  # a run of tensors selected as one buffer is one part (_select)
-                sel = concat([s for _, s in sparse_parts if s is not None]).to(wire)
+            else:
+                sel = _selection(state, sel_acc, prefix, [numels[i] for i in picked],
+                                 [names[i] for i in picked], densities, picked).to(wire)
             res = state.collective(sel, group=state.group)
-            for j, ((i, _), piece) in enumerate(zip(sparse_parts, _split(res.kept, at))):
-                out[offsets[i]:offsets[i + 1]] = res.dense[at[j]:at[j + 1]]
-                kept_by_tensor[i] = piece
             stats += res.stats
     except BaseException:
         # SSFusion-I's all-reduce is waited for on every path, a failing all-gather included:
@@ -491,74 +484,82 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         raise
     if work is not None:
         work.wait()  # Comm keeps the work, so gloo's thread never frees it (comm.py, "Exit safety")
-    if dense_parts:
-        pos = 0
-        for i in dense_parts:
-            out[offsets[i]:offsets[i + 1]] = flat[pos:pos + numels[i]]
-            kept_by_tensor[i] = None  # sent whole
-            pos += numels[i]
+    out = (res.dense if flat is None else flat if res is None
+           else torch.cat([flat, res.dense]))  # the sums, in travel order
     if not all_finite(out):  # alike on every rank: the sums are
         for name in names:
             state.ef.discard(name)  # residuals and velocities as before this step
-        buf.copy_(torch.div(out, P))
+        _write(buf, out, perm, P)
         err = _nonfinite(state, bucket.index(), names, poisoned, comm.rank, state.steps)
         return _done(state, stats, buf, bucket.is_last(), err)
-    for i, name in enumerate(names):
-        k = kept_by_tensor[i]
-        flat_acc = accs[name].reshape(-1)
-        state.ef.update(name, accs[name], k,
-                        _sent(flat_acc if k is None else flat_acc[k], None, wire),
-                        check=False)  # in range: _split checked every position
-        state.tensors += 1
-        state.missing += int(k is not None and k.numel() == 0)
-    buf.copy_(torch.div(out, P))
+    kept = None
+    if res is not None:
+        kept, missing = _kept(res.kept, sel_acc.numel(), [numels[i] for i in picked])
+        state.missing += missing
+        if n_dense:
+            kept = torch.cat([torch.arange(n_dense, device=kept.device), kept + n_dense])
+    every = kept is None or kept.numel() == acc.numel()
+    state.ef.update_buffer(bucket.index(), acc, None if every else kept,
+                           _sent(acc if every else acc[kept], None, wire))
+    state.tensors += len(names)
+    _write(buf, out, perm, P)
     return _done(state, stats, buf, bucket.is_last())
 
 
-def _select(pending: list, parts: list) -> None:
-    """Fill ``parts`` with the selections of the ``pending`` tensors ``(at_part, i, sparsifier,
-    acc)``. They are selected as one buffer, every tensor at its own k, in a number of
-    operations independent of their count (:func:`gradsync.sparsify.select_buffer`): the
-    first pending part then holds the whole run's selection and the others ``None`` (after
-    the sort that puts the tensors sent whole first, the pending ones are one run, in this
-    order). On the CPU (:func:`gradsync.sparsify.segments.pays_on`) and for sparsifiers
-    without a segmented form, tensor by tensor."""
-    if len(pending) > 1 and segments.pays_on(pending[0][3].device):
-        accs = [acc.reshape(-1) for _, _, _, acc in pending]
-        one = sparsify.select_buffer([sp for _, _, sp, _ in pending], torch.cat(accs),
-                                     [a.numel() for a in accs])
-        if one is not None:
-            for j, (at_part, i, _, _) in enumerate(pending):
-                parts[at_part] = (i, one if j == 0 else None)
-            return
-    for (at_part, i, _, _), sel in zip(pending, sparsify.select_each(
-            [(sp, acc) for _, _, sp, acc in pending])):
-        parts[at_part] = (i, sel)
-
-
-def _split(kept: torch.Tensor, at: list[int]) -> list[torch.Tensor]:
-    """``kept`` (positions in the concatenated parts) cut into each part's own positions
-    (``at``: where each part starts, and the end). Sorted ``kept`` (what the collectives
-    return) is cut at binary-searched points; the cuts, "sorted" and "in range" come back in
-    one transfer (so error feedback need not check each part's range again), and a position
-    outside the parts raises ``ValueError`` instead of being dropped. Unsorted: one mask per
-    part."""
-    kept = kept.to(torch.int64)
-    bounds = to_device(at, torch.int64, kept.device)  # no wait for the device
-    probe = torch.searchsorted(kept, bounds)
-    ok = True
-    if kept.numel():
-        lo, hi = torch.aminmax(kept)
-        flags = torch.stack([(kept[1:] >= kept[:-1]).all(), (lo >= at[0]) & (hi < at[-1])])
-        *cuts, ok, in_range = torch.cat([probe, flags.to(torch.int64)]).tolist()
-        if not in_range:
-            raise ValueError(f"the collective kept positions outside the bucket's parts "
-                             f"[{at[0]}, {at[-1]})")
+def _write(buf: torch.Tensor, out: torch.Tensor, perm: torch.Tensor | None, P: int) -> None:
+    """The bucket's average from the sums in travel order (``perm``: where each lies in the
+    bucket; None: in bucket order)."""
+    if perm is None:
+        torch.div(out, P, out=buf)
     else:
-        cuts = [0] * len(at)
-    if ok:
-        return [kept[cuts[j]:cuts[j + 1]] - at[j] for j in range(len(at) - 1)]
-    return [kept[(kept >= at[j]) & (kept < at[j + 1])] - at[j] for j in range(len(at) - 1)]
+        buf.index_copy_(0, perm, torch.div(out, P))
+
+
+def _selection(state: HookState, acc: torch.Tensor, prefix: int, sizes: list[int],
+               names: list[str], densities: list[float | None], picked: list[int]
+               ) -> SparseGrad:
+    """The all-gather part's selection over ``acc`` (its tensors sent whole, ``prefix``
+    entries, then the selected tensors of ``sizes``): one selection over the bucket."""
+    sps = [state.sparsifier(n, densities[i]) for n, i in zip(names, picked)]
+    parts: list[SparseGrad] = []
+    if prefix:
+        parts.append(SparseGrad(torch.arange(prefix, device=acc.device), acc[:prefix], prefix,
+                                validate=False, dense_prefix=prefix))
+    tail = acc[prefix:]
+    one = None
+    if len(sps) > 1 and segments.pays_on(acc.device):
+        one = sparsify.select_buffer(sps, tail, sizes)
+    if one is not None:
+        parts.append(one)
+    elif sps:
+        bounds = [0]
+        for k in sizes:
+            bounds.append(bounds[-1] + k)
+        parts.extend(sparsify.select_each(
+            [(sp, tail[bounds[j]:bounds[j + 1]]) for j, sp in enumerate(sps)]))
+    return parts[0] if len(parts) == 1 else concat(parts)
+
+
+def _kept(kept: torch.Tensor, numel: int, sizes: list[int]) -> tuple[torch.Tensor, int]:
+    """The collective's kept positions in the all-gather part (``numel`` entries, whose last
+    ``sizes`` are the selected tensors), and how many of those tensors had no entry kept
+    (SSFusion Table I's missing tensors): range check and count in one read; a position
+    outside the part raises ``ValueError`` instead of being dropped."""
+    kept = kept.to(torch.int64)
+    if not kept.numel():
+        return kept, len(sizes)
+    starts = to_device([numel - sum(sizes[j:]) for j in range(len(sizes))], torch.int64,
+                       kept.device)
+    # the selected tensor of each position (those before them: -1, dropped)
+    owner = torch.searchsorted(starts, kept, right=True) - 1
+    counts = torch.bincount(owner.clamp(min=-1, max=len(sizes) - 1) + 1,
+                            minlength=len(sizes) + 1)[1:]
+    lo, hi = torch.aminmax(kept)
+    missing, in_range = torch.stack([(counts == 0).sum(), (lo >= 0) & (hi < numel)]).tolist()
+    if not in_range:
+        raise ValueError(f"the collective kept positions outside the bucket's parts "
+                         f"[0, {numel})")
+    return kept, int(missing)
 
 
 def _sent(acc: torch.Tensor, wire: torch.Tensor | None, dtype: torch.dtype | None = None
@@ -571,12 +572,12 @@ def _sent(acc: torch.Tensor, wire: torch.Tensor | None, dtype: torch.dtype | Non
     return wire.reshape(-1) if wire is not None else acc.reshape(-1).to(out_dtype)
 
 
-def _clipped(state: HookState, grads: list[torch.Tensor], P: int) -> list[torch.Tensor]:
+def _clipped(state: HookState, buf: torch.Tensor, numels: list[int], P: int) -> torch.Tensor:
     """The bucket's gradients as error feedback takes them: clipped per tensor when
     ``Config.clip_norm`` is set (:func:`gradsync.feedback.clip_local`, DGC §3.3)."""
     if state.cfg.clip_norm is None:
-        return grads
-    return clip_local(grads, state.cfg.clip_norm, P)
+        return buf
+    return torch.cat(clip_local(list(buf.split(numels)), state.cfg.clip_norm, P))
 
 
 def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: list[str],
@@ -589,14 +590,12 @@ def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: l
     the sum is in and finite; without, the raw gradients travel (nothing is held back for
     them). No tensor is checked on its own: a NaN/Inf shows in every rank's sum, which is
     checked where it arrives (module doc, "Non-finite gradients")."""
-    accs = []
+    acc = None
     if feedback:  # not checked here: a NaN/Inf travels and shows in every rank's sum
-        grads = _clipped(state, [buf[offsets[i]:offsets[i + 1]] for i in range(len(names))],
-                         comm.size)
-        accs = [state.ef.accumulate(name, grads[i], check=False)
-                for i, name in enumerate(names)]
-        for i, acc in enumerate(accs):  # rounded to the gradients' dtype; residual keeps it
-            buf[offsets[i]:offsets[i + 1]].copy_(acc)
+        numels = [offsets[i + 1] - offsets[i] for i in range(len(names))]
+        acc = state.ef.accumulate_buffer(bucket_index, names, numels,
+                                         _clipped(state, buf, numels, comm.size))
+        buf.copy_(acc)  # rounded to the gradients' dtype; the residual keeps it
     state.tensors += len(names)
     P, rank, step = comm.size, comm.rank, state.steps
 
@@ -604,12 +603,12 @@ def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: l
         """The sum is in ``buf``: a finite one commits error feedback (the residual keeps
         only the rounding), a non-finite one leaves it as before the step."""
         if all_finite(buf):
-            for name, acc in zip(names, accs):
-                state.ef.update(name, acc, None, _sent(acc, None, buf.dtype))
-        else:  # this rank's part is known only where it was kept apart (accs)
-            for name, _ in zip(names, accs):
-                state.ef.discard(name)
-            here = not all(all_finite(a) for a in accs) if accs else None
+            if acc is not None:
+                state.ef.update_buffer(bucket_index, acc, None, _sent(acc, None, buf.dtype))
+        else:  # this rank's part is known only where it was kept apart (acc)
+            if acc is not None:
+                state.ef.discard_buffer(bucket_index)
+            here = not all_finite(acc) if acc is not None else None
             err = _nonfinite(state, bucket_index, names, here, rank, step)
             if err is not None:
                 raise err  # in the callback: DDP's backward raises it on every rank
