@@ -451,3 +451,18 @@ def test_a_buffer_takes_over_what_its_tensors_held_and_gives_it_back():
     restored.load_state_dict(state)
     assert all(torch.equal(restored.residual(n).reshape(-1), state["residual"][n].reshape(-1))
                for n in "abc")
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_a_buffer_never_holds_the_callers_gradient(momentum):
+    """The engine hands error feedback its gradient storage, which then receives the average:
+    ``acc`` (and the velocity) must be new tensors, not views of the gradient, at every step."""
+    ef = ErrorFeedback(momentum=momentum)
+    grad = torch.tensor([1.0, -2.0, 3.0])
+    for _ in range(2):
+        acc = ef.accumulate_buffer("b", ("w",), (3,), grad)
+        want = acc.clone()
+        grad.fill_(7.0)  # the average lands in the storage
+        assert torch.equal(acc, want)
+        ef.update_buffer("b", acc, torch.tensor([0]))
+        grad.copy_(torch.tensor([1.0, -2.0, 3.0]))

@@ -413,3 +413,34 @@ def test_select_each_selects_as_select_with_one_finiteness_read(monkeypatch):
 
     got = sparsify.select_each([(Own(0.05), xs[0]), (make("topk", 0.05), xs[0])])
     assert got[0].indices.tolist() == [0] and len(got[1]) == round(0.05 * 3000)
+
+
+def test_dgc_draws_its_sample_starts_without_a_tensor_operation():
+    """DGC's sample start comes from its own Python generator: a selection dispatches no
+    ``randint`` and reads nothing back but its one ``nonzero`` (and an adjustment's); a state
+    saved before the draws had their own generator starts them afresh from the seed, and a
+    malformed one is refused."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Seen(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.names = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self.names.append(func.overloadpacket.__name__)
+            return func(*args, **(kwargs or {}))
+
+    x = gradient_like(50_000, seed=3)
+    sp = make("dgc", 0.01, seed=4)
+    with Seen() as seen:
+        sp.select(x)
+    assert "randint" not in seen.names and "random_" not in seen.names
+    assert seen.names.count("nonzero") == 1 + sp.last_adjustments
+    # the same seed draws the same starts; an old state (no "draws") restarts from the seed
+    old = {k: v for k, v in make("dgc", 0.01, seed=4).state_dict().items() if k != "draws"}
+    again = make("dgc", 0.01, seed=8)
+    again.load_state_dict(old)
+    assert torch.equal(again.select(x).indices, make("dgc", 0.01, seed=4).select(x).indices)
+    with pytest.raises(ValueError, match="draws are malformed"):
+        make("dgc", 0.01).load_state_dict({**sp.state_dict(), "draws": [3, "x", None]})

@@ -354,13 +354,13 @@ class ErrorFeedback:
             raise ValueError(f"accumulate_buffer({key!r}) twice without update_buffer()")
         dtype = self.dtype_for(grad.dtype)
         g = grad.detach().to(dtype)
+        owned = dtype != grad.dtype or b.scale is not None  # g is a new tensor, not grad
         if b.scale is not None:
             g = g * b.scale.to(g.device, dtype)  # new: never the caller's gradient
         if b.residual is not None and (b.residual.numel() != g.numel()
                                        or b.residual.dtype != dtype):
             raise ValueError(f"buffer {key!r}: gradient of {g.numel()} entries/{dtype}, its "
                              f"residual {b.residual.numel()}/{b.residual.dtype}")
-        owned = g is not grad  # a conversion or a scale made a new tensor
         if self.momentum:
             u = b.velocity
             if u is None:

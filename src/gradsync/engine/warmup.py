@@ -224,7 +224,8 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
                 P=P, order=order, numel=dict(numel), elem_bytes=elem_bytes,
                 backward=backward, sparsify=inline, offload=offload,
                 allreduce=ar, allgather=ag,
-                info={} if call_s is None else {"sparse_call_s": call_s})
+                info={"device": torch.device(device or "cpu").type,
+                      **({} if call_s is None else {"sparse_call_s": call_s})})
         plan = schedule.make_plan(cfg.scheme, order, numel, cfg.density, cost, **_plan_kw(cfg))
         payload = [{"plan": plan.to_dict(), "cost": cost.to_dict() if cost else None}]
     return _from_rank0(payload, group, P, comm)

@@ -46,7 +46,11 @@ tensor is offloaded to the (single, serial) worker thread when its offloaded spa
 finishes no later than the buffer's backward, T_offload^{l′} ≤ Σ_{j=1}^{N_i} T_b^j, both measured
 from the start of the backward of the buffer's first tensor. The tensor becomes ready when the
 compute stream reaches it (its backward, plus the inline sparsification of earlier tensors that
-were not offloaded); otherwise it stays inline.
+were not offloaded); otherwise it stays inline. On a GPU host (the cost model's
+``info["device"]`` is not ``"cpu"``) a tensor is offloaded only where its offloaded
+sparsification, copies included, is also shorter than the inline one: there the inline kernels
+are cheap and the copies to the host and back would be paid for nothing (on the CPU the worker
+is another core, so fitting in the backward suffices).
 
 **SSFusion-I (§IV-D).** Each buffer is split at l′ (0 ≤ l′ ≤ N_i, backward order): the
 unsparsified tensors among the first l′ form Buffer_AR (all-reduced, ``allreduce=True``), every
@@ -246,18 +250,22 @@ def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: Cost
 # ---------------------------------------------------------------------------------------------
 def offload_buffer(buf: BufferPlan, cost: CostModel) -> tuple[BufferPlan, dict[str, Any]]:
     """Mark the sparsified tensors whose offloaded sparsification ends within the buffer's
-    backward (T_offload^{l′} ≤ Σ T_b^j, serial worker)."""
+    backward (T_offload^{l′} ≤ Σ T_b^j, serial worker) and, on a GPU host, is shorter than
+    the inline one (module docstring)."""
     bound = sum(cost.backward[t.name] for t in buf.tensors)  # Σ_{j=1}^{N_i} T_b^j
     clock = 0.0  # compute stream, from the start of the buffer's first backward
     worker = 0.0  # the worker is idle at the buffer's start (earlier offloads ended in time)
     out, offloaded = [], {}
+    accelerator = cost.info.get("device", "cpu") != "cpu"
     for t in buf.tensors:
         clock += cost.backward[t.name]
         if t.density is None:
             out.append(t)
             continue
         t_offload = max(clock, worker) + cost.t_sparsify(t.numel, offload=True)
-        if t_offload <= bound:
+        pays = (not accelerator
+                or cost.t_sparsify(t.numel, offload=True) < cost.t_sparsify(t.numel))
+        if t_offload <= bound and pays:
             worker = t_offload
             offloaded[t.name] = t_offload
             out.append(TensorPlan(t.name, t.numel, t.density, offload=True))

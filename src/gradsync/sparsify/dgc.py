@@ -3,8 +3,10 @@
 The top-k threshold is estimated on a strided sample instead of the whole tensor:
 
 1. sample: ``s = max(⌈1% · n⌉, ⌈2/density⌉)`` elements with stride ``⌊n/s⌋`` from a random
-   start (the sparsifier's own generator), so the sample holds ≥ 1% of the elements and ≥ 2
-   expected top-k entries;
+   start, so the sample holds ≥ 1% of the elements and ≥ 2 expected top-k entries. The start
+   comes from the sparsifier's own Python generator (``random.Random``, seeded with its
+   seed): drawing it costs no tensor operation and no read of a tensor, which a
+   ``torch.randint`` per tensor would (one per tensor and step);
 2. threshold: ``thr`` = the smallest of the sample's top-k′, ``k′ = ⌈density · |sample|⌉``;
 3. select ``|x| ≥ thr``; up to 10 adjustments: when fewer than ``0.8·k`` are selected,
    ``thr ← 0.8·thr`` and select again; when more than ``1.3·k``, take the exact top-k among the
@@ -21,6 +23,7 @@ all 10 adjustments were used, holds at least 0.8·k entries.
 from __future__ import annotations
 
 import math
+import random
 from typing import Any
 
 import torch
@@ -45,6 +48,7 @@ class DGC(Sparsifier):
         self.max_adjust = int(max_adjust)
         self.lower, self.upper = float(lower), float(upper)
         self.last_adjustments = 0
+        self.draws = random.Random(self.seed)  # the samples' starts (step 1)
 
     def _sample(self, a: torch.Tensor) -> torch.Tensor:
         n = a.numel()
@@ -52,8 +56,7 @@ class DGC(Sparsifier):
         if s >= n:
             return a
         stride = n // s  # ⌈(n − start)/stride⌉ ≥ s for every start < stride
-        start = int(torch.randint(stride, (1,), generator=self.generator))
-        return a[start::stride]
+        return a[self.draws.randrange(stride)::stride]
 
     @property
     def last_threshold(self) -> float | None:
@@ -122,7 +125,7 @@ class DGC(Sparsifier):
             start, stride = 0, 1
             if s < n:
                 stride = n // s
-                start = int(torch.randint(stride, (1,), generator=sp.generator))
+                start = sp.draws.randrange(stride)
             m = len(range(start, n, stride))
             sampled.append(i)
             starts.append(seg.offsets[i] + start)
@@ -179,8 +182,21 @@ class DGC(Sparsifier):
         return cand
 
     def state_dict(self) -> dict[str, Any]:
-        return {**super().state_dict(), "last_threshold": self.last_threshold}
+        version, internal, gauss = self.draws.getstate()
+        return {**super().state_dict(), "last_threshold": self.last_threshold,
+                "draws": [version, list(internal), gauss]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """A state saved before the starts had their own generator draws them afresh from
+        the seed."""
         super().load_state_dict(state)
         self.last_threshold = state.get("last_threshold")
+        saved = state.get("draws")
+        draws = random.Random(self.seed)
+        if saved is not None:
+            try:
+                version, internal, gauss = saved
+                draws.setstate((int(version), tuple(int(v) for v in internal), gauss))
+            except (TypeError, ValueError) as e:
+                raise ValueError(f"dgc: the saved draws are malformed ({e})") from None
+        self.draws = draws
