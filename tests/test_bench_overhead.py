@@ -190,7 +190,7 @@ def test_a_step_costs_per_buffer_not_per_tensor(tmp_path):
     that select tensor by tensor on the CPU (per_tensor, ssfusion*) are not here: docs/results/
     speed.md, "Segmented selection on the CPU"."""
     rc = overhead.main(["--device", "cpu", "--model", "resnet50,mlp8,mlp64",
-                        "--schemes", ",".join(("ddp",) + PER_BUFFER), "--pairs", "1",
+                        "--schemes", ",".join(("ddp", *PER_BUFFER)), "--pairs", "1",
                         "--steps", "1", "--warmup-steps", "1", "--count-steps", "1",
                         "--mlp-params", "262144", "--repeats", "1", "--out", str(tmp_path)])
     assert rc == 0
@@ -204,3 +204,24 @@ def test_a_step_costs_per_buffer_not_per_tensor(tmp_path):
         assert r["host_reads"] <= 8, (s, r["host_read_ops"])
         few, many = rows["mlp8", s]["ops_beyond_ddp"], rows["mlp64", s]["ops_beyond_ddp"]
         assert many <= 1.5 * abs(few), (s, few, many)
+
+
+def test_segments_on_cpu_measures_the_accelerators_path(tmp_path):
+    """``--segments-on-cpu`` runs the per-tensor schemes with each buffer selected at once (what
+    a GPU runs), writes its own files and leaves the switch as it was; the buffer at once
+    reads the host fewer times than tensor by tensor (16 tensors here)."""
+    from gradsync.sparsify import segments
+
+    reads = {}
+    for flag in (False, True):
+        out = tmp_path / str(flag)
+        rc = overhead.main(["--device", "cpu", "--model", "mlp8", "--schemes", "ddp,per_tensor",
+                            "--pairs", "1", "--steps", "1", "--warmup-steps", "1",
+                            "--count-steps", "1", "--mlp-params", "20000", "--repeats", "1",
+                            "--out", str(out)] + (["--segments-on-cpu"] if flag else []))
+        assert rc == 0 and segments.ON_CPU is False
+        name = "overhead-cpu-segments" if flag else "overhead-cpu"
+        data = json.loads((out / f"{name}.json").read_text())
+        assert data["meta"]["segments_on_cpu"] is flag
+        reads[flag] = {r["scheme"]: r["host_reads"] for r in data["rows"]}["per_tensor"]
+    assert reads[True] < reads[False]

@@ -173,3 +173,41 @@ def run_untrained() -> list[torch.Tensor]:
     model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(24, 24),
                                                                   torch.nn.Tanh())])
     return [p.detach().clone() for p in model.parameters()]
+
+
+def _hook_rank(rank, world_size, scheme, on):
+    """A DDP-hook run whose buckets travel reordered (SSFusion: small tensors first)."""
+    import torch.distributed as dist  # noqa: F401  (the process group is up)
+    from torch.nn.parallel import DistributedDataParallel as DDP
+
+    import gradsync
+    from gradsync.sparsify import segments
+
+    segments.ON_CPU = on
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(24, 24),
+                                                                  torch.nn.Tanh())])
+    net = DDP(model)
+    gradsync.ddp.register(net, gradsync.Config(scheme=scheme, density=0.05, momentum=0.9),
+                          small_numel=100)  # the biases travel whole, ahead of the weights
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1 + rank)
+    for _ in range(5):
+        opt.zero_grad()
+        net(torch.randn(8, 24, generator=g)).square().mean().backward()
+        opt.step()
+    return [p.detach().clone() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("scheme", ["ssfusion", "ssfusion_oi"])
+def test_the_ddp_hook_reorders_a_bucket_alike_by_index_and_by_slices(scheme):
+    """The DDP hook's travel order (small tensors first) by one position index (the
+    accelerators' path, forced on the CPU) and by one slice per tensor (the CPU's): the same
+    training, bit for bit, on every rank."""
+    from gradsync.testing import run_distributed
+
+    by_slices = run_distributed(_hook_rank, 2, scheme, False, timeout=120)
+    by_index = run_distributed(_hook_rank, 2, scheme, True, timeout=120)
+    for a, b in zip(by_slices, by_index):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(by_slices[0], by_slices[1]))

@@ -436,18 +436,14 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     whole_parts = [i for i, d in enumerate(densities) if d is None and not to_allreduce]
     picked = [i for i, d in enumerate(densities) if d is not None]
     order = dense_parts + whole_parts + picked
-    ordered = order == list(range(len(order)))
-    perm = None if ordered else segments.ranges([offsets[i] for i in order],
-                                                [numels[i] for i in order], buf.device)
+    travel = _Travel(order, offsets, numels, buf.device)
     sizes = [numels[i] for i in order]
     n_dense = sum(numels[i] for i in dense_parts)
     prefix = sum(numels[i] for i in whole_parts)
     # one pass over the bucket instead of one per tensor; a non-finite bucket accumulates
     # nothing and sends a NaN instead, so every rank's sum shows it (module doc)
     poisoned = not all_finite(buf)
-    grad = _clipped(state, buf, numels, P)
-    if perm is not None:
-        grad = grad[perm]
+    grad = travel.gather(_clipped(state, buf, numels, P))
     acc = (torch.zeros_like(grad) if poisoned
            else state.ef.accumulate_buffer(bucket.index(), [names[i] for i in order], sizes,
                                            grad))
@@ -489,7 +485,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     if not all_finite(out):  # alike on every rank: the sums are
         for name in names:
             state.ef.discard(name)  # residuals and velocities as before this step
-        _write(buf, out, perm, P)
+        travel.average_into(buf, out, P)
         err = _nonfinite(state, bucket.index(), names, poisoned, comm.rank, state.steps)
         return _done(state, stats, buf, bucket.is_last(), err)
     kept = None
@@ -502,17 +498,50 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     state.ef.update_buffer(bucket.index(), acc, None if every else kept,
                            _sent(acc if every else acc[kept], None, wire))
     state.tensors += len(names)
-    _write(buf, out, perm, P)
+    travel.average_into(buf, out, P)
     return _done(state, stats, buf, bucket.is_last())
 
 
-def _write(buf: torch.Tensor, out: torch.Tensor, perm: torch.Tensor | None, P: int) -> None:
-    """The bucket's average from the sums in travel order (``perm``: where each lies in the
-    bucket; None: in bucket order)."""
-    if perm is None:
-        torch.div(out, P, out=buf)
-    else:
-        buf.index_copy_(0, perm, torch.div(out, P))
+class _Travel:
+    """A bucket's tensors in the order they travel (``order``: bucket positions), and the way
+    back. In bucket order nothing moves. Otherwise, on an accelerator one gather and one
+    scatter by a position index made once per layout (a launch each, whatever the tensors);
+    on the CPU, where an indexed pass costs several copies, one slice per tensor."""
+
+    def __init__(self, order: list[int], offsets: list[int], numels: list[int],
+                 device: torch.device) -> None:
+        self.ordered = order == list(range(len(order)))
+        self.spans = [(offsets[i], offsets[i] + numels[i]) for i in order]
+        self.perm = None
+        if not self.ordered and segments.pays_on(device):
+            self.perm = _positions(tuple(lo for lo, _ in self.spans),
+                                   tuple(hi - lo for lo, hi in self.spans), device)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ordered:
+            return x
+        if self.perm is not None:
+            return x.index_select(0, self.perm)
+        return torch.cat([x[lo:hi] for lo, hi in self.spans])
+
+    def average_into(self, buf: torch.Tensor, sums: torch.Tensor, P: int) -> None:
+        """``buf`` (bucket order) ← ``sums / P`` (travel order)."""
+        if self.ordered:
+            torch.div(sums, P, out=buf)
+        elif self.perm is not None:
+            buf.index_copy_(0, self.perm, torch.div(sums, P))
+        else:
+            avg, at = torch.div(sums, P), 0
+            for lo, hi in self.spans:
+                buf[lo:hi].copy_(avg[at:at + hi - lo])
+                at += hi - lo
+
+
+@functools.lru_cache(maxsize=32)
+def _positions(starts: tuple[int, ...], lengths: tuple[int, ...], device: torch.device
+               ) -> torch.Tensor:
+    """The bucket positions of a travel order (cached: DDP's buckets keep their layout)."""
+    return segments.ranges(starts, lengths, device)
 
 
 def _selection(state: HookState, acc: torch.Tensor, prefix: int, sizes: list[int],

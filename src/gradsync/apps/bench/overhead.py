@@ -102,6 +102,7 @@ import torch
 from torch import nn
 
 from gradsync.apps.common import cpu_description, median_time, print_table, write_outputs
+from gradsync.sparsify import segments
 
 __all__ = ["HOST_READ_OPS", "Workload", "count_step", "device_slug", "gpu_slug", "main",
            "parse_schemes", "workload"]
@@ -769,7 +770,9 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
              f"compression at P = 1: {meta['compress_single_rank']}; {meta['pairs']} "
              f"interleaved pairs (DDP run, scheme run) of {meta['steps']} timed steps after "
              f"{meta['warmup_steps'] + 2} unmeasured; counts over {meta['count_steps']} "
-             f"steps, every thread: {meta['all_threads']}",
+             f"steps, every thread: {meta['all_threads']}"
+             + ("; per-tensor buffers selected at once on the CPU too (`--segments-on-cpu`, "
+                "the accelerators' path)" if meta.get("segments_on_cpu") else ""),
              "- step ms: median over the pairs of each run's median step; × DDP: median of "
              "the pair ratios [min–max]; ddp's own range is its runs' spread around their "
              "median; CPU ms, CPU × DDP: the same for the process's CPU time per step (every "
@@ -866,6 +869,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="torch intra-op threads (default 1 on the CPU: the tax is host work, "
                         "and on shared cores a second thread's waits swamp it; on CUDA "
                         "torch's setting; 0: torch's setting)")
+    p.add_argument("--segments-on-cpu", action="store_true",
+                   help="select per-tensor buffers at once on the CPU too (the accelerators' "
+                        "path, sparsify.segments.ON_CPU): its counts and its CPU time; the "
+                        "files are named overhead-cpu-segments")
     p.add_argument("--out", default="bench-out/overhead")
     p.add_argument("--write-docs", action="store_true",
                    help=f"write into {DOCS_DIR} instead of --out")
@@ -917,6 +924,8 @@ def main(argv: list[str] | None = None) -> int:
     code = _code()
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
+    on_cpu = segments.ON_CPU
+    segments.ON_CPU = on_cpu or a.segments_on_cpu
     try:
         with _world_of_one(device) as group:
             for wl in loads:
@@ -934,7 +943,8 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         torch.set_num_threads(threads)
-    name = f"overhead-{slug}"
+        segments.ON_CPU = on_cpu
+    name = f"overhead-{slug}" + ("-segments" if a.segments_on_cpu else "")
     out = DOCS_DIR if a.write_docs else Path(a.out)
     meta = {"command": "python -m gradsync bench overhead " + shlex.join(argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -944,6 +954,7 @@ def main(argv: list[str] | None = None) -> int:
             "sparsifier": a.sparsifier, "momentum": a.momentum,
             "warmup_steps": a.warmup_steps, "pairs": a.pairs, "steps": a.steps,
             "count_steps": a.count_steps, "powersgd_rank": a.powersgd_rank,
+            "segments_on_cpu": a.segments_on_cpu,
             "compress_single_rank": ("Config.compress_single_rank=True"
                                      if "compress_single_rank" in Config.__dataclass_fields__
                                      else "no such option (the engine compresses at P = 1)"),
