@@ -178,8 +178,10 @@ def test_tally_counts_device_reads_on_cuda_only_where_a_copy_to_the_host_ran():
     assert dict(cpu["reads"]) == {"aten::_local_scalar_dense": 2, "aten::nonzero": 1}
 
 
-# the schemes whose step costs a fixed number of operations per fusion buffer on any device
-PER_BUFFER = ("dense", "topka", "multi_tensor", "densestream", "auto", "hook:dense", "hook:auto")
+# the schemes whose step costs a fixed number of operations per fusion buffer on any device,
+# among those with a plan that no timing decides (multi_tensor's MG-WFBP merging and auto's
+# plan follow the measured backward: under load they may make more buffers, so more ops)
+PER_BUFFER = ("dense", "topka", "densestream", "hook:dense", "hook:auto")
 
 
 def test_a_step_costs_per_buffer_not_per_tensor(tmp_path):
