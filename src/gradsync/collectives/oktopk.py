@@ -58,7 +58,6 @@ from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats.wire import entry_bytes, pack_entries, unpack_entries, wire_index_dtype
 from gradsync.sparsegrad import (
     SparseGrad,
-    all_finite,
     check_indices,
     flatnonzero,
     isin_sorted,
@@ -74,6 +73,15 @@ _STATE_KEYS = (
     "numel", "world_size", "boundaries", "boundary_step", "theta", "theta_step",
     "boundary_evaluations", "exact_evaluations",
 )
+
+
+def _nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
+    """1 on the device when ``x`` holds a NaN/Inf (NaN propagates through max; ±Inf is its
+    own extreme), else 0; nothing is read back."""
+    if not x.numel():
+        return torch.zeros((), dtype=torch.int64, device=x.device)
+    lo, hi = torch.aminmax(x)
+    return (~(torch.isfinite(lo) & torch.isfinite(hi))).to(torch.int64)
 
 
 def _as_f32(x: float) -> float:
@@ -192,7 +200,8 @@ class OkTopk(Collective):
         k = self._target_k(sel, comm)
         wire = wire_index_dtype(n)
         eb = entry_bytes(wire, sel.dtype)
-        bad = int(not all_finite(sel.values))
+        # NaN/Inf in the selection: a flag on the device, read with the counts below
+        bad = _nonfinite_flag(sel.values)
 
         # Lines 5–7: balanced split, boundaries re-evaluated every τ steps.
         new_bounds = due(step, st["boundary_step"], self.tau)
@@ -203,22 +212,21 @@ class OkTopk(Collective):
         r_idx, r_val, received = self._split_and_reduce(sel, bounds, comm, wire, eb)
         mags = r_val.abs().to(torch.float32)
         # A non-finite reduced value (NaN received, or an fp16/bf16 overflow of the sum).
-        bad_sum = int(not all_finite(mags))
+        bad_sum = _nonfinite_flag(mags)
 
         # Lines 9–12: global threshold θ, exact every τ′ steps, reused (and nudged) in between.
         theta, reason = st["theta"], None
         if due(step, st["theta_step"], self.tau_prime) or theta is None:
             theta, reason = self._exact_threshold(mags, k, comm), "periodic"
         mask = mags >= theta
-        cb = comm.all_gather(
-            torch.tensor([int(mask.sum()), bad, bad_sum], dtype=torch.int64, device=dev)
-        )
-        if int(cb[:, 1:].sum()):  # every rank raises the same error: nothing hangs
-            inputs = [i for i in range(P) if int(cb[i, 1])]
-            sums = [i for i in range(P) if int(cb[i, 2])]
+        # the count and both flags travel in one all-gather and come back in one read
+        cb = comm.all_gather(torch.stack([mask.sum(), bad, bad_sum]).to(torch.int64)).tolist()
+        if any(c[1] or c[2] for c in cb):  # every rank raises the same error: nothing hangs
+            inputs = [i for i in range(P) if cb[i][1]]
+            sums = [i for i in range(P) if cb[i][2]]
             raise ValueError(f"oktopk: non-finite values in the selection on ranks {inputs}, "
                              f"in the reduced sums of the regions of ranks {sums} (step {step})")
-        counts = [int(c) for c in cb[:, 0]]
+        counts = [int(c[0]) for c in cb]
         total = sum(counts)
         band = self.recompute_band
         if reason is None and band is not None and (
@@ -267,7 +275,7 @@ class OkTopk(Collective):
             "selected": total,
             "counts": counts,  # selected per region owner, before balancing
             "balanced": balanced,
-            "boundaries": [int(b) for b in bounds],
+            "boundaries": bounds.tolist(),
             "boundaries_recomputed": new_bounds,
             "region_entries": int(r_idx.numel()),
             "received_entries": received,
@@ -290,13 +298,13 @@ class OkTopk(Collective):
         """P−1 steps with destination rotation; buckets of min(bucket, P) messages, each
         reduced while the next is in flight. Returns (indices, values, entries received)."""
         P, r, dev = comm.size, comm.rank, sel.device
-        off = [int(o) for o in torch.searchsorted(sel.indices, bounds.to(dev))]
+        off = torch.searchsorted(sel.indices, bounds.to(dev)).tolist()  # one read
 
         def region(d: int) -> tuple[torch.Tensor, torch.Tensor]:
             return sel.indices[off[d]:off[d + 1]], sel.values[off[d]:off[d + 1]]
 
         own_i, own_v = region(r)
-        lo, hi = int(bounds[r]), int(bounds[r + 1])
+        lo, hi = bounds[r:r + 2].tolist()
         acc_i, acc_v = own_i, own_v.to(torch.float64)
         if P == 1:
             return acc_i, acc_v.to(sel.dtype), 0
@@ -310,7 +318,7 @@ class OkTopk(Collective):
             works.append(comm.isend(out_sizes[j - 1:j], (r + j) % P))
         for w in works:
             w.wait()
-        n_in = [int(c) for c in in_sizes]
+        n_in = in_sizes.tolist()
 
         def post(js: list[int]) -> tuple[list, list]:
             pending, got = [], []
@@ -362,11 +370,12 @@ class OkTopk(Collective):
             digit = (cand >> shift) & (nbins - 1)
             hist = torch.bincount(digit, minlength=nbins).to(torch.int64)
             comm.all_reduce(hist)
-            if shift == 32 - _RADIX_BITS and (int(hist.sum()) < k or not int(hist.sum())):
+            h = hist.tolist()  # 16 counts: one read per round, the digit found on the host
+            if shift == 32 - _RADIX_BITS and (sum(h) < k or not sum(h)):
                 return 0.0
-            above = torch.flip(torch.cumsum(torch.flip(hist, [0]), 0), [0])  # count ≥ digit
-            d = int((above >= remaining).nonzero().max())
-            remaining -= int(above[d]) - int(hist[d])
+            above = [sum(h[i:]) for i in range(nbins)]  # candidates with this digit or more
+            d = max(i for i in range(nbins) if above[i] >= remaining)
+            remaining -= above[d] - h[d]
             prefix |= d << shift
             cand = cand[digit == d]
         return float(torch.tensor([prefix], dtype=torch.int32).view(torch.float32))
