@@ -455,9 +455,8 @@ def test_a_per_tensor_step_waits_on_the_device_per_buffer_not_per_tensor(device,
     back once per adjustment round and the candidates taken with ``nonzero_static`` at the
     known count, so 40 tensors wait as often as 10. On the CPU, where selecting tensor by
     tensor is faster and is the default (``segments.pays_on``), the test turns the segmented
-    path on: no ``nonzero`` is left, and the host scalar reads per tensor are each weight's
-    sample start, drawn from its sparsifier's CPU generator (no wait on a GPU; a bias is its
-    own sample)."""
+    path on: no ``nonzero`` is left, and no host scalar read grows with the tensors either
+    (DGC's sample starts come from each sparsifier's Python generator)."""
     from gradsync.sparsify import segments
 
     monkeypatch.setattr(segments, "ON_CPU", True)
@@ -473,7 +472,7 @@ def test_a_per_tensor_step_waits_on_the_device_per_buffer_not_per_tensor(device,
         few = _waits_per_step(device, 10, "per_tensor", reads)
         many = _waits_per_step(device, 40, "per_tensor", reads)
         assert few > 0, "nothing counted: the profiler saw no reads at all"
-        assert (many - few) / 30 <= 0.6, (few, many)
+        assert many <= few + 1, (few, many)  # a DGC adjustment round more or less
 
 
 @pytest.mark.cuda
