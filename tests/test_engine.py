@@ -904,3 +904,41 @@ def test_the_training_thread_runs_few_ops_per_tensor(scheme):
     per_tensor = (step.count - alone.count) / len(list(model.parameters()))
     assert 0 < per_tensor <= 10, per_tensor
     sync.close()
+
+
+@pytest.mark.parametrize("scheme", ["dense", "topka"])
+def test_grad_views_the_job_storage_and_mixed_dtypes_fall_back_to_copies(scheme):
+    """Every ``.grad`` of a job is a view of the job's flat storage after ``synchronize()``,
+    whether autograd made a fresh gradient (``zero_grad()``) or accumulated into the view
+    (``set_to_none=False``, step 2: the same tensor as before); a job of mixed dtypes has no
+    storage and gets its averages copied, in each parameter's dtype. The averages are the
+    compressed run's either way (density 1 here: the local gradients, at P = 1)."""
+
+    class Mixed(nn.Module):
+        def __init__(self, dtype):
+            super().__init__()
+            self.a = nn.Linear(6, 6)
+            self.b = nn.Linear(6, 3).to(dtype)
+
+        def forward(self, x):
+            return self.b(self.a(x).to(self.b.weight.dtype)).float()
+
+    for dtype, viewed in ((torch.float32, True), (torch.bfloat16, False)):
+        torch.manual_seed(0)
+        model = Mixed(dtype)
+        sync = GradSync(model, Config(scheme=scheme, density=1.0, warmup_steps=1,
+                                      compress_single_rank=True))
+        seen = {}
+        for step in range(3):
+            model.zero_grad(set_to_none=step != 2)
+            model(torch.randn(4, 6)).square().mean().backward()
+            local = {n: p.grad.clone() for n, p in model.named_parameters()}
+            sync.synchronize()
+            for n, p in model.named_parameters():
+                assert p.grad.dtype == p.dtype and torch.equal(p.grad, local[n]), (n, step)
+                if step == 2:  # accumulated in place (step 0 ran the provisional plan)
+                    assert p.grad is seen[n], (n, step)
+                seen[n] = p.grad
+        bases = {p.grad._base is not None for p in model.parameters()}
+        assert bases == {viewed}
+        sync.close()
