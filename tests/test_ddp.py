@@ -327,17 +327,16 @@ def test_auto_hook_trial_entries_are_checked_on_load():
 
 
 def test_kept_counts_missing_tensors_and_refuses_positions_outside():
-    """The hook's check of the collective's ``kept`` (positions in the all-gather part: a
-    dense prefix of 3 entries, then selected tensors of 4, 0 and 3 entries): the selected
-    tensors with no entry kept are counted, in one read, sorted or not; a position outside the
-    part raises instead of being dropped."""
-    from gradsync.integrations.ddp import _kept
+    """The check of a collective's ``kept`` that the hook and the engine share (positions in
+    the all-gather part: a dense prefix of 3 entries, then selected tensors of 4, 0 and 3
+    entries): the selected tensors with no entry kept are counted, in one read, sorted or not;
+    a position outside the part raises instead of being dropped."""
+    from gradsync.engine.apply import count_missing
 
-    sizes = [4, 0, 3]  # at [3, 7), [7, 7), [7, 10)
+    starts = [3, 7, 7]  # tensors at [3, 7), [7, 7), [7, 10)
     for kept, missing in (([0, 1, 2, 4, 8], 1), ([9, 4, 0], 1), ([0, 1, 2], 3), ([5, 7], 1)):
-        got, m = _kept(torch.tensor(kept), 10, sizes)
-        assert got.tolist() == kept and m == missing
-    assert _kept(torch.tensor([], dtype=torch.int64), 10, sizes)[1] == 3
+        assert count_missing(torch.tensor(kept), starts, 10, "the bucket's parts") == missing
+    assert count_missing(torch.tensor([], dtype=torch.int64), starts, 10, "x") == 3
     for bad in ([1, 10], [-1, 2]):
         with pytest.raises(ValueError, match=r"outside the bucket's parts \[0, 10\)"):
-            _kept(torch.tensor(bad), 10, sizes)
+            count_missing(torch.tensor(bad), starts, 10, "the bucket's parts")

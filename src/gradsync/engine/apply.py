@@ -19,22 +19,20 @@ import torch
 from torch import nn
 
 from gradsync.engine.audit import AuditRecord, AuditSink, values_at
-from gradsync.engine.jobs import JobResult, Launched, Mode, Transport
+from gradsync.engine.jobs import JobResult, Launched, Mode, Transport, bounds
 from gradsync.engine.stats import StepStats
 from gradsync.feedback import ErrorFeedback
 
-__all__ = ["apply", "write_grads"]
+__all__ = ["apply", "count_missing"]
 
 
 def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter],
           P: int, ef: ErrorFeedback, stats: StepStats, step: int, audit: AuditSink) -> None:
     """Write the averaged gradients of ``launched`` and update its residuals, one buffer at a
     time (a fixed number of operations per job, plus the ``.grad`` writes)."""
-    job, sizes, acc = launched.job, launched.sizes, launched.acc
-    bounds, offset = [], 0
-    for n, k in zip(job.names, sizes):
-        bounds.append((n, offset, offset + k))
-        offset += k
+    job, acc = launched.job, launched.acc
+    spans = bounds(job.names, launched.sizes)
+    offset = spans[-1][2]
     # the sum of an all-reduce is this step's own buffer (prepare's concatenation or the
     # all-reduce part's densified selection): divided in place; a collective's may be its own
     # every .grad views the job's storage: one write for all of them
@@ -43,8 +41,8 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
     else:
         avg = (result.dense.div_(P) if job.transport is Transport.ALLREDUCE
                else torch.div(result.dense, P))
-        write_grads(params, bounds, avg)
-    stats.tensors += len(bounds)
+        _write_grads(params, spans, avg)
+    stats.tensors += len(spans)
     stats.numel += offset
     wire = avg.dtype
     if job.mode is Mode.DENSE:
@@ -54,7 +52,7 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
             residual = ef.update_buffer(launched.index, acc, None,
                                         None if acc.dtype == wire else acc.to(wire))
         if result.sent_values is not None:  # auditing
-            for n, lo, hi in bounds:
+            for n, lo, hi in spans:
                 a = launched.audit_acc[lo:hi]
                 audit.record(AuditRecord(
                     step, n, job.mode.value, job.wire, a, torch.arange(hi - lo, device=a.device),
@@ -62,19 +60,8 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
                     torch.zeros_like(a) if residual is None else residual[lo:hi].clone()))
         return
     kept = result.kept.to(torch.int64)
-    missing = len(bounds)
-    if kept.numel():
-        # each tensor's count of kept entries ("missing": none) and the range check come back
-        # to the host in one transfer (each one waits for the queued work on a GPU)
-        ends = torch.tensor([hi for _, _, hi in bounds], dtype=torch.int64, device=kept.device)
-        lo, hi = torch.aminmax(kept)
-        owner = torch.searchsorted(ends, kept, right=True).clamp_(max=len(bounds) - 1)
-        counts = torch.bincount(owner, minlength=len(bounds))
-        missing, in_range = torch.stack([(counts == 0).sum(),
-                                         (lo >= 0) & (hi < offset)]).tolist()
-        if not in_range:
-            raise ValueError(f"{job.wire}: the collective kept indices outside the job's "
-                             f"[0, {offset})")
+    missing = count_missing(kept, [lo for _, lo, _ in spans], offset, "the job's",
+                            f"{job.wire}: ")
     whole = kept.numel() == offset  # distinct indices: every entry (no index work)
     sent = None if acc.dtype == wire else (acc if whole else acc[kept]).to(wire)
     residual = ef.update_buffer(launched.index, acc, None if whole else kept, sent)
@@ -82,17 +69,39 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
     stats.missing += int(missing)
     if result.sent_values is not None:  # auditing
         kept_values = values_at(result.sent_indices, result.sent_values, kept)
-        for n, lo, hi in bounds:
+        for n, lo, hi in spans:
             mine = (kept >= lo) & (kept < hi)
             audit.record(AuditRecord(
                 step, n, job.mode.value, job.wire, launched.audit_acc[lo:hi],
                 kept[mine] - lo, kept_values[mine].clone(), residual[lo:hi].clone()))
 
 
-def write_grads(params: dict[str, nn.Parameter], bounds: list[tuple[str, int, int]],
-                avg: torch.Tensor) -> None:
+def count_missing(kept: torch.Tensor, starts: list[int], numel: int, what: str,
+                  who: str = "") -> int:
+    """How many of the tensors that start at ``starts`` (ascending, the last one ending at
+    ``numel``) have no position in ``kept`` (SSFusion Table I's missing tensors); positions
+    before ``starts[0]`` belong to none. A position outside ``[0, numel)`` raises
+    ``ValueError`` (``who``, then ``what``) instead of being dropped. Range check and count
+    come back to the host in one read (on a GPU each read waits for the queued work)."""
+    if not kept.numel():
+        return len(starts)
+    lo, hi = torch.aminmax(kept)
+    checks = [(lo >= 0) & (hi < numel)]
+    if starts:
+        at = torch.tensor(starts, dtype=torch.int64, device=kept.device)
+        owner = torch.searchsorted(at, kept, right=True)  # 0: before the first tensor
+        counts = torch.bincount(owner.clamp_(max=len(starts)), minlength=len(starts) + 1)
+        checks.append((counts[1:] == 0).sum())
+    in_range, *missing = torch.stack(checks).tolist()
+    if not in_range:
+        raise ValueError(f"{who}the collective kept positions outside {what} [0, {numel})")
+    return int(missing[0]) if missing else 0
+
+
+def _write_grads(params: dict[str, nn.Parameter], spans: list[tuple[str, int, int]],
+                 avg: torch.Tensor) -> None:
     """``.grad = avg`` per tensor: copied into an existing ``.grad``, else a view of ``avg``."""
-    for n, lo, hi in bounds:
+    for n, lo, hi in spans:
         p = params[n]
         g = avg[lo:hi].view_as(p)
         if g.dtype != p.dtype:

@@ -43,7 +43,7 @@ from gradsync.schedule import Plan
 from gradsync.sparsegrad import SparseGrad
 
 __all__ = ["InFlight", "Job", "JobResult", "Launched", "Mode", "Payload", "StepRun", "Transport",
-           "at_density", "concat", "plan_jobs"]
+           "at_density", "bounds", "concat", "plan_jobs"]
 
 
 class Mode(StrEnum):
@@ -256,6 +256,15 @@ class StepRun:
     @property
     def backward_s(self) -> float:
         return (self.last_hook - self.first_hook) if self.first_hook else 0.0
+
+
+def bounds(names: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, int, int]]:
+    """Each tensor's ``(name, start, end)`` in its job's flat buffer."""
+    out, o = [], 0
+    for n, k in zip(names, sizes):
+        out.append((n, o, o + k))
+        o += k
+    return out
 
 
 def concat(parts: list[SparseGrad]) -> SparseGrad:

@@ -38,7 +38,7 @@ from dataclasses import dataclass
 import torch
 
 from gradsync import sparsify
-from gradsync.engine.jobs import Job, Mode, Payload
+from gradsync.engine.jobs import Job, Mode, Payload, bounds
 from gradsync.feedback import ErrorFeedback, clip_local
 from gradsync.sparsegrad import SparseGrad, all_finite, all_finite_each
 from gradsync.sparsify import segments
@@ -78,7 +78,7 @@ def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: 
     nonfinite = [] if dense else _nonfinite(job.names, sizes, grad)
     if nonfinite:  # never enters a residual; the step is agreed later
         grad = grad.clone()
-        for n, lo, hi in _bounds(job.names, sizes):
+        for n, lo, hi in bounds(job.names, sizes):
             if n in nonfinite:
                 grad[lo:hi].zero_()
     wire = grad.dtype  # values travel in the gradients' dtype
@@ -99,7 +99,7 @@ def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: 
         parts: list[SparseGrad | Future | None] = []
         inline: list[tuple[int, sparsify.Sparsifier, torch.Tensor]] = []
         first_inline = None
-        for n, lo, hi in _bounds(job.names, sizes):
+        for n, lo, hi in bounds(job.names, sizes):
             d = job.densities[n]
             a = acc[lo:hi]
             if d is None:  # excluded from sparsification: every entry travels
@@ -117,23 +117,14 @@ def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: 
     return Prepared(acc, nonfinite, payload, time.perf_counter() - t0)
 
 
-def _bounds(names: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, int, int]]:
-    """Each tensor's ``(name, start, end)`` in the job's flat buffer."""
-    out, o = [], 0
-    for n, k in zip(names, sizes):
-        out.append((n, o, o + k))
-        o += k
-    return out
-
-
 def _nonfinite(names: Sequence[str], sizes: Sequence[int], grad: torch.Tensor) -> list[str]:
     """The tensors whose gradient holds a NaN/Inf: one check of the buffer (one read), and per
     tensor only when it fails."""
     if all_finite(grad):
         return []
-    bounds = _bounds(names, sizes)
-    finite = all_finite_each([grad[lo:hi] for _, lo, hi in bounds])
-    return [n for (n, _, _), ok in zip(bounds, finite) if not ok]
+    spans = bounds(names, sizes)
+    finite = all_finite_each([grad[lo:hi] for _, lo, hi in spans])
+    return [n for (n, _, _), ok in zip(spans, finite) if not ok]
 
 
 def _select_inline(parts: list, inline: list[tuple[int, sparsify.Sparsifier, torch.Tensor]],

@@ -538,15 +538,14 @@ class GradSync:
         job = at_density(job, self.cfg.density_at(self.step), self.cfg.density)  # DGC warm-up
         sizes = tuple(self._numel[n] for n in job.names)
         grad, storage = self._gather(index, job.names)
-        audit_grad = grad.clone() if self._audit.enabled else None
         prep = prepare(job, index, grad, sizes, self.ef, self._parts.sparsifier,
                        self._exec.offload, self.step,
                        clip=None if self.cfg.clip_norm is None else (self.cfg.clip_norm, self.P),
                        reuse=storage is None)
         self._run.inline_sparsify_s += prep.sparsify_s
-        audit_acc = None
-        if self._audit.enabled:
-            audit_acc = audit_grad if prep.acc is None else prep.acc.detach().clone()
+        # what is sent, before the communication thread may sum into it (a raw dense job)
+        audit_acc = ((grad if prep.acc is None else prep.acc).detach().clone()
+                     if self._audit.enabled else None)
         future = self._exec.submit(job, index, prep.payload, self.step)
         self._run.launched.append(Launched(job, index, sizes, prep.acc, prep.nonfinite, future,
                                            audit_acc, storage))

@@ -46,6 +46,7 @@ from torch import nn
 
 from gradsync import collectives, sparsify
 from gradsync.collectives.comm import Comm, CommStats
+from gradsync.engine.apply import count_missing
 from gradsync.engine.config import Config, require_config
 from gradsync.engine.consistency import signature_check
 from gradsync.engine.jobs import concat
@@ -65,7 +66,6 @@ from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 from gradsync.schedule.ssfusion import allgather_charge, allreduce_charge, compensate
 from gradsync.sparsegrad import SparseGrad, all_finite
 from gradsync.sparsify import segments
-from gradsync.sparsify.segments import to_device
 
 __all__ = ["DDP_SCHEMES", "TRIAL_ORDER", "TRIAL_STEPS", "HookState", "hook", "register"]
 
@@ -490,8 +490,12 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         return _done(state, stats, buf, bucket.is_last(), err)
     kept = None
     if res is not None:
-        kept, missing = _kept(res.kept, sel_acc.numel(), [numels[i] for i in picked])
-        state.missing += missing
+        kept = res.kept.to(torch.int64)
+        starts = [prefix]  # the selected tensors', in the all-gather part
+        for i in picked[:-1]:
+            starts.append(starts[-1] + numels[i])
+        state.missing += count_missing(kept, starts if picked else [], sel_acc.numel(),
+                                       "the bucket's parts")
         if n_dense:
             kept = torch.cat([torch.arange(n_dense, device=kept.device), kept + n_dense])
     every = kept is None or kept.numel() == acc.numel()
@@ -567,28 +571,6 @@ def _selection(state: HookState, acc: torch.Tensor, prefix: int, sizes: list[int
         parts.extend(sparsify.select_each(
             [(sp, tail[bounds[j]:bounds[j + 1]]) for j, sp in enumerate(sps)]))
     return parts[0] if len(parts) == 1 else concat(parts)
-
-
-def _kept(kept: torch.Tensor, numel: int, sizes: list[int]) -> tuple[torch.Tensor, int]:
-    """The collective's kept positions in the all-gather part (``numel`` entries, whose last
-    ``sizes`` are the selected tensors), and how many of those tensors had no entry kept
-    (SSFusion Table I's missing tensors): range check and count in one read; a position
-    outside the part raises ``ValueError`` instead of being dropped."""
-    kept = kept.to(torch.int64)
-    if not kept.numel():
-        return kept, len(sizes)
-    starts = to_device([numel - sum(sizes[j:]) for j in range(len(sizes))], torch.int64,
-                       kept.device)
-    # the selected tensor of each position (those before them: -1, dropped)
-    owner = torch.searchsorted(starts, kept, right=True) - 1
-    counts = torch.bincount(owner.clamp(min=-1, max=len(sizes) - 1) + 1,
-                            minlength=len(sizes) + 1)[1:]
-    lo, hi = torch.aminmax(kept)
-    missing, in_range = torch.stack([(counts == 0).sum(), (lo >= 0) & (hi < numel)]).tolist()
-    if not in_range:
-        raise ValueError(f"the collective kept positions outside the bucket's parts "
-                         f"[0, {numel})")
-    return kept, int(missing)
 
 
 def _sent(acc: torch.Tensor, wire: torch.Tensor | None, dtype: torch.dtype | None = None
