@@ -326,9 +326,12 @@ def test_espresso_chooses_per_tensor_from_the_timeline_and_never_fuses():
     assert _options(fast) == {"tiny": "dense", "big": "dense"}
     # with a cheap sparsifier the α-β model prefers the all-gather of a tiny tensor's one entry
     # ((P−1)α) to its ring all-reduce (2(P−1)α): Espresso follows the model
-    cheap = make_plan("espresso", list(numel), numel, 0.01,
-                      _cost(numel, beta=FAST, inline=AffineFit(1e-6, 1e-9)))
+    # (the planner as published: by default, Config.min_k, a one-entry tensor travels whole)
+    cheap_cost = _cost(numel, beta=FAST, inline=AffineFit(1e-6, 1e-9))
+    cheap = make_plan("espresso", list(numel), numel, 0.01, cheap_cost, min_k=1)
     assert _options(cheap) == {"tiny": "inline", "big": "dense"}
+    by_default = make_plan("espresso", list(numel), numel, 0.01, cheap_cost)
+    assert _options(by_default) == {"tiny": "dense", "big": "dense"}
     # inline sparsification of the first large tensor would delay a long backward: offload it
     numel = {"first": 1_000_000, "rest": 1_000_000}
     backward = {"first": 1e-3, "rest": 50e-3}

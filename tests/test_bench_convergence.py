@@ -315,9 +315,28 @@ def test_aggregate_and_table_give_ddp_equivalent_steps():
     # b's mean 0.70 → step 15
     assert by["b"]["ddp_steps"]["step"] == pytest.approx(15.0)
     cols, cells = conv.table(rows, {"metric": "test_accuracy", "steps": 20})
-    assert cols[-1] == "ddp steps to its mean"
-    cell = {c[0]: c[-1] for c in cells}
+    at = cols.index("ddp steps to its mean")
+    cell = {c[0]: c[at] for c in cells}
     assert cell == {"ddp": "20 (100 %)", "a": "16 (82 %)", "b": "15 (75 %)"}
+
+
+def test_spike_is_the_largest_loss_after_step_5_over_step_0():
+    assert conv.spike([{"loss": v} for v in (2.0, 9, 9, 9, 9, 9, 1.0, 5.0, 0.5)]) == 2.5
+    assert conv.spike([{"loss": v} for v in (2.0, 1, 1, 1, 1, 1, 1, float("nan"))]) == math.inf
+    assert conv.spike([{"loss": 2.0}] * 6) is None  # nothing after step 5
+
+
+def test_aggregate_and_table_give_the_worst_spike_and_divergences():
+    per_seed = {s: [{"scheme": "ddp", **_run(0.8, []), "spike": 1.1},
+                    {"scheme": "a", **_run(0.7 if s == 1 else math.nan, []),
+                     "spike": 2.0 if s == 1 else math.inf,
+                     "status": "ok" if s == 1 else "diverged at step 142"}]
+                for s in (1, 2)}
+    rows = conv.aggregate("cnn", "image", per_seed, ["ddp", "a"])
+    assert [(r["spike"], r["diverged"]) for r in rows] == [(1.1, 0), (math.inf, 1)]
+    cols, cells = conv.table(rows, {"metric": "test_accuracy"})
+    at = cols.index("largest loss after step 5 / step 0 (worst seed)")
+    assert [c[at] for c in cells] == ["1.10×", "inf×, diverged on 1/2 seeds"]
 
 
 def test_readme_longer_budget_claim_holds_in_the_written_results():

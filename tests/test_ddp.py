@@ -108,9 +108,14 @@ def test_compensation_keeps_bucket_budget():
     # nothing to compensate: density unchanged; nothing large: everything dense
     assert _densities(state, [200_000, 300_000]) == [0.01, 0.01]
     assert _densities(state, [50, 64]) == [None, None]
-    # per_tensor: every tensor at the density, none dense
+    # per_tensor: every tensor at the density but those it would sparsify to fewer than
+    # Config.min_k = 8 entries (50 and 64 entries: k = 1), which travel whole
     pt = HookState(cfg=Config(scheme="per_tensor", density=0.01))
-    assert _densities(pt, numels) == [0.01] * 5
+    assert _densities(pt, numels) == [0.01, 0.01, None, 0.01, None]
+    assert _densities(HookState(cfg=Config(scheme="per_tensor", density=0.01, min_k=11)),
+                      numels) == [0.01, 0.01, None, None, None]  # 1000 entries: k = 10
+    every = HookState(cfg=Config(scheme="per_tensor", density=0.01, min_k=1))
+    assert _densities(every, numels) == [0.01] * 5
 
 
 def _bucket_bytes(rank, world_size, scheme):

@@ -247,7 +247,7 @@ def test_ddp_hook_compensates_over_trainable_parameters_only():
     trained = {n: k for n, k in numel.items() if not n.startswith("classifier.1.")}
     cut = 100
     excluded = {n for n, k in trained.items() if k < cut}
-    cfg = Config(scheme="ssfusion", density=DENSITY)
+    cfg = Config(scheme="ssfusion", density=DENSITY, min_k=1)  # SSFusion's exclusions only
     state, _ = gradsync.integrations.ddp.hook(cfg, model=model, small_numel=cut)
     ds = _densities(state, [trained[n] for n in trained])
     d = _model_wide_density(trained, excluded)

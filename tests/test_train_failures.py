@@ -29,7 +29,7 @@ def _metrics(out) -> dict:
 
 
 def test_diverged_and_failed_schemes_are_recorded_and_the_others_run(tmp_path, capsys):
-    """lr 10 makes the MLP's loss grow ~30x a step. torch's fp16 compression hook overflows
+    """lr 11 makes the MLP's loss grow ~30x a step. torch's fp16 compression hook overflows
     fp16 (gradients > 65504) first: NaN loss a few steps in, a real divergence that only the
     loss check sees (DDP averages NaN without complaint). TopkA's engine and gradsync's DDP
     hook meet a non-finite gradient at the last steps and raise on every rank. PowerSGD's
@@ -37,7 +37,7 @@ def test_diverged_and_failed_schemes_are_recorded_and_the_others_run(tmp_path, c
     All five are in the table and metrics.json, the exit status is 1 and the last line names
     the four."""
     out = tmp_path / "out"
-    rc = train.main([*TINY, "--steps", "8", "--lr", "10", "--out", str(out),
+    rc = train.main([*TINY, "--steps", "8", "--lr", "11", "--out", str(out),
                      "--scheme", "ddp_fp16,ddp,ddp_powersgd,topka,ddp_gradsync_per_tensor",
                      "--fail-rank", "1", "--inject-scheme", "ddp"])
     cap = capsys.readouterr()

@@ -16,7 +16,7 @@ import torch
 from gradsync import sparsify
 from gradsync.feedback import ErrorFeedback
 from gradsync.schedule import schemes
-from gradsync.schedule.plan import Plan
+from gradsync.schedule.plan import MIN_K, Plan
 
 __all__ = ["ENGINE_SPARSIFIERS", "Config", "require_config"]
 
@@ -24,6 +24,8 @@ __all__ = ["ENGINE_SPARSIFIERS", "Config", "require_config"]
 # so that experiments compare schemes, not sparsifiers.
 ENGINE_SPARSIFIERS = ("dgc", "topk", "gaussiank", "redsync", "sidco", "randomk")
 NONFINITE_POLICIES = ("raise", "skip_step")
+# What a config saved before a key existed meant by it (Config.differences).
+_BEFORE_THE_KEY: dict[str, Any] = {"min_k": 1}
 RESIDUAL_DTYPES = {"auto": "auto", "float32": torch.float32, "float64": torch.float64,
                    "param": None}
 
@@ -62,6 +64,14 @@ class Config:
             instead (:mod:`gradsync.schedule.fixed`). A buffer closes once it reaches its
             size, as DDP's buckets do.
         min_density: floor of SSFusion's density-aware compensation (0.001).
+        min_k: a tensor sparsified on its own (``per_tensor``, the SSFusion family, HiPress,
+            Espresso, ``auto``, the DDP hook) that would send fewer than ``min_k`` entries per
+            step is sent whole instead (default 8; ``1`` sparsifies every tensor the planner
+            chose to). DGC's reference sends biases and BatchNorm whole for the same reason: at
+            k of a few entries the rest of a small tensor waits many steps and then lands as
+            one stale, outsized step (:func:`gradsync.schedule.plan.whole_below`). Decided at
+            the target ``density``; fused buffers (``topka``, …) are selected as one vector and
+            do not need it.
         nonfinite: ``"raise"`` (default: a NaN/Inf gradient raises ``ValueError`` naming the
             parameter) or ``"skip_step"`` (the step's gradients are zeroed on every rank,
             residuals untouched; NaN instead when following a GradScaler,
@@ -136,6 +146,7 @@ class Config:
     bucket_mb: float = 25.0
     first_bucket_mb: float | None = None
     min_density: float = 0.001
+    min_k: int = MIN_K
     nonfinite: str = "raise"
     timeout_s: float = 300.0
     seed: int = 0
@@ -173,6 +184,10 @@ class Config:
         if not 0.0 < self.min_density <= self.density:
             raise ValueError(f"Config.min_density must be in (0, density={self.density}], got "
                              f"{self.min_density!r}")
+        if (not isinstance(self.min_k, int) or isinstance(self.min_k, bool)
+                or self.min_k < 1):
+            raise ValueError(f"Config.min_k must be an integer >= 1 (1 = sparsify every tensor "
+                             f"the planner chose to), got {self.min_k!r}")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"Config.nonfinite must be one of {NONFINITE_POLICIES}, got "
                              f"{self.nonfinite!r}")
@@ -245,6 +260,18 @@ class Config:
         sparsify.validate_density(density)
         coeff = density ** (1.0 / (periods + 1))
         return tuple(coeff ** (e + 1) for e in range(periods))
+
+    def differences(self, saved: dict[str, Any], keys: tuple[str, ...]) -> list[str]:
+        """``"key: saved …, here …"`` for each of ``keys`` where the config dict ``saved``
+        (a checkpoint's) differs from this one. A key that ``saved`` lacks counts as what
+        runs saved before the key existed did (``min_k``: 1, every tensor sparsified)."""
+        mine = self.to_dict()
+        out = []
+        for k in keys:
+            theirs = saved.get(k, _BEFORE_THE_KEY.get(k))
+            if theirs != mine[k]:
+                out.append(f"{k}: saved {theirs!r}, here {mine[k]!r}")
+        return out
 
     @property
     def feedback_dtype(self) -> torch.dtype | str | None:

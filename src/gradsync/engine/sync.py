@@ -83,7 +83,7 @@ __all__ = ["GradSync"]
 _RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "warmup_steps", "bucket_mb",
                   "first_bucket_mb", "min_density", "seed", "local_tau_prime", "residual_dtype",
                   "density_warmup", "density_warmup_steps", "plan", "compress_single_rank",
-                  "clip_norm")
+                  "clip_norm", "min_k")
 
 
 class GradSync:
@@ -424,9 +424,7 @@ class GradSync:
         if state.get("dtypes", dtypes) != dtypes:
             bad = sorted(n for n in dtypes if state["dtypes"].get(n) != dtypes[n])
             raise ValueError(f"checkpoint is for a different model: dtypes differ for {bad[:5]}")
-        cfg = self.cfg.to_dict()
-        diff = [f"{k}: saved {state['config'].get(k)!r}, here {cfg[k]!r}"
-                for k in _RESUME_FIELDS if state["config"].get(k) != cfg[k]]
+        diff = self.cfg.differences(state["config"], _RESUME_FIELDS)
         if diff:
             raise ValueError(f"checkpoint was saved with a different configuration: {diff}")
         self._drift_from(state)

@@ -141,7 +141,7 @@ def backward_profile(
 def _plan_kw(cfg: Config) -> dict[str, Any]:
     return {"bucket_bytes": schedule.bucket_bytes_of(cfg.bucket_mb),
             "first_bucket_bytes": schedule.bucket_bytes_of(cfg.first_bucket_mb),
-            "min_density": cfg.min_density}
+            "min_density": cfg.min_density, "min_k": cfg.min_k}
 
 
 def provisional_plan(cfg: Config, order: list[str], numel: dict[str, int]) -> Plan:

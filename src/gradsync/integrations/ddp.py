@@ -64,7 +64,7 @@ from gradsync.schedule import schemes
 from gradsync.schedule.auto import MARGIN, bucket_sparse
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 from gradsync.schedule.ssfusion import allgather_charge, allreduce_charge, compensate
-from gradsync.sparsegrad import SparseGrad, all_finite
+from gradsync.sparsegrad import SparseGrad, all_finite, target_k
 from gradsync.sparsify import segments
 
 __all__ = ["DDP_SCHEMES", "TRIAL_ORDER", "TRIAL_STEPS", "HookState", "hook", "register"]
@@ -78,7 +78,8 @@ DDP_SCHEMES = tuple(name for name, s in schemes.SCHEMES.items() if s.ddp_hook)
 SMALL_NUMEL = 102_400  # SSFusion Insight #2: ~200 KB of fp32
 # Config fields that change the hook's trajectory: a checkpoint must be loaded with equal values.
 RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "min_density", "seed",
-                 "residual_dtype", "density_warmup", "density_warmup_steps")
+                 "residual_dtype", "density_warmup", "density_warmup_steps", "min_k",
+                 "clip_norm")
 
 
 @dataclass
@@ -238,9 +239,7 @@ class HookState:
         saved = state.get("config")
         if not isinstance(saved, dict):
             raise ValueError("not a DDP hook state_dict (no config entry)")
-        cfg = self.cfg.to_dict()
-        diff = [f"{k}: saved {saved.get(k)!r}, here {cfg[k]!r}"
-                for k in RESUME_FIELDS if saved.get(k) != cfg[k]]
+        diff = self.cfg.differences(saved, RESUME_FIELDS)
         if state.get("small_numel") != self.small_numel:
             diff.append(f"small_numel: saved {state.get('small_numel')!r}, "
                         f"here {self.small_numel!r}")
@@ -331,7 +330,17 @@ class HookState:
 def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
                comm: Comm | None = None, device: torch.device | None = None
                ) -> list[float | None]:
-    """Per-tensor density of one bucket; None = sent dense.
+    """Per-tensor density of one bucket; None = sent dense. A tensor the scheme would
+    sparsify at fewer than ``Config.min_k`` entries is sent whole, as the engine's planners
+    do (:func:`gradsync.schedule.plan.whole_below`)."""
+    k_min = state.cfg.min_k
+    return [None if d is None or target_k(n, d) < k_min else d
+            for n, d in zip(numels, _scheme_densities(state, numels, elem_bytes, comm, device))]
+
+
+def _scheme_densities(state: HookState, numels: list[int], elem_bytes: int,
+                      comm: Comm | None, device: torch.device | None) -> list[float | None]:
+    """Per-tensor density of one bucket as the scheme chooses it; None = sent dense.
 
     ``per_tensor``: every tensor at ``density``. SSFusion: tensors below ``small_numel`` are
     not sparsified and the others get SSFusion's density-aware compensation, the engine

@@ -17,7 +17,15 @@ from gradsync.schedule.espresso import espresso_buffers
 from gradsync.schedule.fixed import DDP_FIRST_BUCKET_BYTES, bucket_bytes_of, fixed_buckets
 from gradsync.schedule.hipress import hipress_buffers
 from gradsync.schedule.mgwfbp import mgwfbp_groups
-from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
+from gradsync.schedule.plan import (
+    MIN_K,
+    BufferPlan,
+    Plan,
+    TensorPlan,
+    below_min_k,
+    entries,
+    whole_below,
+)
 from gradsync.schedule.schemes import SCHEMES, Scheme
 from gradsync.schedule.ssfusion import (
     allgather_charge,
@@ -34,6 +42,7 @@ from gradsync.sparsegrad import validate_density
 
 __all__ = [
     "DDP_FIRST_BUCKET_BYTES",
+    "MIN_K",
     "SCHEMES",
     "BufferPlan",
     "Plan",
@@ -56,6 +65,7 @@ __all__ = [
     "missing_rate",
     "needs_cost_model",
     "simulate",
+    "whole_below",
 ]
 
 def needs_cost_model(scheme: str) -> bool:
@@ -74,6 +84,7 @@ def make_plan(
     bucket_bytes: int = 25 * 2**20,
     first_bucket_bytes: int | None = None,
     min_density: float = 0.001,
+    min_k: int = MIN_K,
 ) -> Plan:
     """Plan ``scheme`` for the tensors ``names`` (backward order) at target ``density``.
 
@@ -81,6 +92,10 @@ def make_plan(
     (:mod:`.fixed`), used by the schemes that fuse as DDP does (``dense``, ``dense_ovlp``,
     ``per_tensor``, and ``auto``'s dense reference); HiPress caps its bulk all-reduces at
     ``bucket_bytes``.
+
+    ``min_k``: a tensor that a ``per_tensor`` buffer would sparsify at fewer entries is sent
+    whole instead (:func:`~gradsync.schedule.plan.whole_below`, ``Config.min_k``); 1 keeps
+    every planner's own choice. SSFusion's Eq. 2 and its compensation see the result.
     """
     spec = schemes.get(scheme)  # raises on an unknown scheme
     needs = spec.needs_cost_model
@@ -149,7 +164,9 @@ def make_plan(
                                                  first_bucket_bytes=first_bucket_bytes)
     else:  # ssfusion, with SSFusion-O and SSFusion-I as the record says
         groups, _ = cupcake_groups(names, numel, cost, density)
-        buffers, info["eq2"] = selective_buffers(groups, numel, cost, density, min_density)
+        buffers, info["eq2"] = selective_buffers(groups, numel, cost, density, min_density,
+                                                 min_k)
+        info["whole_below_min_k"] = [n for n in names if below_min_k(numel[n], density, min_k)]
         if spec.offload:
             pairs = [offload_buffer(b, cost) for b in buffers]
             buffers, info["offload"] = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -158,6 +175,8 @@ def make_plan(
             buffers, info["split"] = [p[0] for p in pairs], [p[1] for p in pairs]
         buffers, info["compensation"] = charge_bytes(buffers, cost.P, cost.elem_bytes, density,
                                                      min_density)
+    if "whole_below_min_k" not in info:  # the other planners: after the fact
+        buffers, info["whole_below_min_k"] = whole_below(buffers, min_k)
     plan = Plan(scheme, buffers, overlap=spec.overlap, info=info)
     if cost is not None:
         tl = simulate(plan, cost)

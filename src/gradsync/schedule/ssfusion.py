@@ -82,7 +82,7 @@ from dataclasses import replace
 from typing import Any
 
 from gradsync.schedule.costmodel import INDEX_BYTES, CostModel
-from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, entries
+from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, below_min_k, entries
 from gradsync.schedule.timeline import buffer_comm_time, simulate
 
 __all__ = [
@@ -188,18 +188,25 @@ def _compensated(groups: Sequence[Sequence[str]], numel: dict[str, int], exclude
 # §IV-B: overlap-maximised selective sparsification
 # ---------------------------------------------------------------------------------------------
 def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: CostModel,
-                      density: float, min_density: float = 0.001
+                      density: float, min_density: float = 0.001, min_k: int = 1
                       ) -> tuple[list[BufferPlan], list[dict[str, Any]]]:
     """Per-tensor buffers over ``groups`` with Eq. 2 selection in every buffer and model-wide
-    density-aware compensation; one info dict per buffer (the last compensation in each)."""
+    density-aware compensation; one info dict per buffer (the last compensation in each).
+
+    ``min_k`` (``Config.min_k``; 1: the paper's planner): the tensors that ``density`` would
+    give fewer entries are excluded before Eq. 2 runs (:func:`~gradsync.schedule.plan.
+    whole_below`), so the compensation charges what they send whole; Eq. 2 then excludes
+    among the others."""
     everything = [n for g in groups for n in g]
     floor = min(min_density, density)
     k_target = density * sum(numel[n] for n in everything)
     k_floor = {n: entries(numel[n], floor) for n in everything}
-    excluded: set[str] = set()
+    forced = {n for n in everything if below_min_k(numel[n], density, min_k)}
+    excluded: set[str] = set(forced)
     infos: list[dict[str, Any]] = []
-    for i, names in enumerate(groups):
-        tb = sum(cost.backward[n] for n in names)
+    for i, group in enumerate(groups):
+        names = [n for n in group if n not in forced]
+        tb = sum(cost.backward[n] for n in group)
         tsp = {n: cost.t_sparsify(numel[n]) for n in names}
         ascending = sorted(names, key=lambda n: (numel[n], names.index(n)))
 

@@ -38,7 +38,10 @@ over the seeds that reach it, with how many did ("not reached" otherwise; the re
 the evaluation spacing); and the other way round, the step at which DDP's mean curve reaches
 the scheme's mean final value (:func:`ddp_steps_for`, linear between evaluation points, with
 its share of the budget): how many of DDP's steps the scheme's budget was worth, the extra
-training a compressed run needs to match DDP.
+training a compressed run needs to match DDP; and the stability figure, rank 0's largest
+training loss after step 5 over its step-0 loss on the worst seed (:func:`spike`; ``inf``
+once a loss is not finite), with the seeds on which the run diverged (its final value is then
+``nan``, and the interval ``n/a``).
 
 Writes ``<out>/convergence.json`` (rows per model, every seed's final value, bytes, history
 and plan digest), ``<out>/convergence.png`` (metric against step, mean with a ±1 std band per
@@ -94,6 +97,7 @@ TARGET = 0.99  # time to reach 99 % of DDP's final mean accuracy
 # perplexity at most 5 % above it (at_parity)
 PARITY = {"test_accuracy": 0.01, "perplexity": 0.05}
 DOCS_PATH = Path("docs/results/convergence.md")
+SPIKE_AFTER = 5  # the largest training loss after this step, over step 0's (issue 44's bar: 3×)
 
 # t_{0.975, df}, df = 1 … 30 (two-sided 95 %), from the standard tables.
 T975 = (12.706205, 4.302653, 3.182446, 2.776445, 2.570582, 2.446912, 2.364624, 2.306004,
@@ -116,19 +120,21 @@ def t975(df: int) -> float:
 
 def paired_ci(xs: list[float], base: list[float]) -> dict[str, Any]:
     """Mean paired difference ``xs[i] - base[i]`` and its 95 % t interval over the pairs;
-    ``half``/``low``/``high`` are ``None`` with fewer than 2 pairs."""
+    ``half``/``low``/``high`` are ``None`` with fewer than 2 pairs or a non-finite value (a
+    diverged run's)."""
     if len(xs) != len(base) or not xs:
         raise ValueError(f"paired_ci needs equally many values, got {len(xs)} and {len(base)}")
     d = [a - b for a, b in zip(xs, base)]
     mean = statistics.fmean(d)
-    if len(d) < 2:
+    if len(d) < 2 or not all(math.isfinite(v) for v in d):  # < 2 pairs, or a diverged run
         return {"mean": mean, "half": None, "low": None, "high": None, "n": len(d)}
     half = t975(len(d) - 1) * statistics.stdev(d) / math.sqrt(len(d))
     return {"mean": mean, "half": half, "low": mean - half, "high": mean + half, "n": len(d)}
 
 
 def _std(xs: list[float]) -> float | None:
-    return statistics.stdev(xs) if len(xs) > 1 else None
+    ok = len(xs) > 1 and all(math.isfinite(v) for v in xs)  # a diverged run: no spread
+    return statistics.stdev(xs) if ok else None
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -345,6 +351,9 @@ def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
             "diff_vs_ddp": None, "target": target, "steps_to_target": None,
             "seconds_to_target": None, "reached": None, "ddp_steps": None,
             "plans": [r.get("plan_digest") for r in by[s]],
+            "spike": max((r["spike"] for r in by[s] if r.get("spike") is not None),
+                         default=None),
+            "diverged": sum(r.get("status", "ok") != "ok" for r in by[s]),
             "history": [r["history"] for r in by[s]]}
         if ddp is not None:
             row["diff_vs_ddp"] = paired_ci(finals, [r["final"] for r in ddp])
@@ -401,7 +410,9 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
         rank0 = next(r for r in results if r["rank"] == 0)
         ev = rank0["runs"][0]["eval"]
         evaluated = ev.get("test_samples", ev.get("eval_tokens"))
-        per_seed[seed] += [{"scheme": r["scheme"], "final": r["summary"][key],
+        per_seed[seed] += [{"scheme": r["scheme"],
+                            "final": r["summary"].get(key, math.nan),  # nan: diverged
+                            "status": r.get("status", "ok"), "spike": spike(rr["records"]),
                             "bytes_per_step": r["summary"]["bytes_per_step"],
                             "missing_rate": r["summary"].get("missing_rate"),
                             "plan_digest": r["summary"].get("plan_digest"),
@@ -427,6 +438,18 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
             "amp": spec.amp,
             "text_fallback": spec.text_fallback, "link": link.get("link", "loopback")}
     return rows, info, per_seed
+
+
+def spike(records: list[dict]) -> float | None:
+    """Rank 0's largest training loss after step :data:`SPIKE_AFTER`, over its step-0 loss
+    (``inf`` once a loss is not finite; ``None`` for a run too short to tell)."""
+    losses = [r["loss"] for r in records]
+    if len(losses) <= SPIKE_AFTER + 1 or not losses[0] > 0:
+        return None
+    later = losses[SPIKE_AFTER + 1:]
+    if not all(math.isfinite(v) for v in later):
+        return math.inf
+    return max(later) / losses[0]
 
 
 def at_parity(row: dict, ddp_mean: float) -> bool:
@@ -503,7 +526,8 @@ def table(rows: list[dict], info: dict) -> tuple[list[str], list[list[str]]]:
     scale = 100.0 if acc else 1.0
     name = "test acc %" if acc else "perplexity"
     cols = ["scheme", f"{name} mean ± std", "Δ vs ddp [95% CI]", "MB/step",
-            "tensors missing %", "steps to target", "s to target", "ddp steps to its mean"]
+            "tensors missing %", "steps to target", "s to target", "ddp steps to its mean",
+            f"largest loss after step {SPIKE_AFTER} / step 0 (worst seed)"]
     out = []
     for r in rows:
         std = "" if r["std"] is None else f" ± {scale * r['std']:.2f}"
@@ -513,7 +537,8 @@ def table(rows: list[dict], info: dict) -> tuple[list[str], list[list[str]]]:
         elif r["scheme"] == "ddp":
             dcell = "0"
         elif d["half"] is None:
-            dcell = f"{scale * d['mean']:+.2f} [n/a: 1 seed]"
+            why = "1 seed" if d["n"] < 2 else "a run diverged"
+            dcell = f"{scale * d['mean']:+.2f} [n/a: {why}]"
         else:
             dcell = f"{scale * d['mean']:+.2f} [{scale * d['low']:+.2f}, {scale * d['high']:+.2f}]"
         if r["reached"] is None:
@@ -531,9 +556,13 @@ def table(rows: list[dict], info: dict) -> tuple[list[str], list[list[str]]]:
             share = f" ({100 * eq['step'] / last:.0f} %)" if last and eq["bound"] == "=" else ""
             ecell = f"{'' if eq['bound'] == '=' else eq['bound'] + ' '}{eq['step']:.0f}{share}"
         miss = r.get("missing_rate")
+        sp, bad = r.get("spike"), r.get("diverged") or 0
+        scell = "n/a" if sp is None else f"{sp:.2f}×"
+        if bad:
+            scell += f", diverged on {bad}/{len(r['seeds'])} seeds"
         out.append([r["scheme"], f"{scale * r['mean']:.2f}{std}", dcell,
                     f"{r['bytes_per_step'] / 1e6:.4f}",
-                    "n/a" if miss is None else f"{100 * miss:.1f}", st, ss, ecell])
+                    "n/a" if miss is None else f"{100 * miss:.1f}", st, ss, ecell, scell])
     return cols, out
 
 
