@@ -10,6 +10,7 @@ pages and the section names the code cites must resolve."""
 from __future__ import annotations
 
 import json
+import math
 import re
 import statistics
 from pathlib import Path
@@ -419,6 +420,20 @@ def test_readme_scheme_table_is_the_saved_results():
             if r["density"] == 0.1 and r["scheme"] != "ddp"]
     assert len(gaps) == 7
     assert f"every scheme ends within {-min(gaps):.2f} points of DDP" in text
+
+
+def test_readme_stability_claim_at_a_tenth_of_a_percent_is_the_saved_study():
+    """README: at density 0.001 no scheme of the CNN study diverged on any seed, and the worst
+    seed's largest loss after step 5 over step 0 is the bound the README quotes."""
+    data = json.loads((RESULTS / "convergence-cnn-0.001.json").read_text())
+    info, rows = data["meta"]["models"][0], data["rows"]
+    assert (info["model"], info["density"], info["steps"]) == ("cnn", 0.001, 200)
+    assert len(rows) == 9 and all(r["seeds"] == [1, 2, 3, 4, 5] for r in rows)
+    assert all(r["diverged"] == 0 and math.isfinite(r["mean"]) for r in rows)
+    worst = max(r["spike"] for r in rows)
+    text = " ".join(README.split())
+    assert (f"At 0.1 % no scheme diverges on the CNN ({len(rows) - 1} schemes, 5 seeds; worst "
+            f"loss after step 5 {worst:.2f}× its start;") in text
 
 
 def test_readme_and_architecture_stay_short():
