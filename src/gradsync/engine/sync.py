@@ -55,7 +55,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from gradsync.collectives.comm import Comm
-from gradsync.engine import warmup
+from gradsync.engine import drift, warmup
 from gradsync.engine.apply import apply
 from gradsync.engine.audit import AuditRecord, AuditSink
 from gradsync.engine.components import Components
@@ -158,7 +158,7 @@ class GradSync:
         self._numel = {n: p.numel() for n, p in self.params.items()}
         self._given = warmup.given_plan(self.cfg, self._numel)  # Config.plan, checked
         self._warmup = warmup.Warmup.for_config(self.cfg)
-        self._drift = warmup.Drift.for_config(self.cfg, self.P)  # auto's re-planning
+        self._drift = drift.Drift.for_config(self.cfg, self.P)  # auto's re-planning
         self._last_done: float | None = None  # when the last watched step ended (auto)
         self._set_plan(warmup.provisional_plan(self.cfg, list(reversed(self.params)),
                                                self._numel))
@@ -340,7 +340,7 @@ class GradSync:
         """Figures of the last step and cumulative ones (bytes, time breakdown, missing rate).
 
         ``probing``: ``auto`` is still measuring its runners-up (a trial in progress or one
-        still to come, :class:`~gradsync.engine.warmup.Drift`); always False for other
+        still to come, :class:`~gradsync.engine.drift.Drift`); always False for other
         schemes. Throughput after probing is what a long run sees."""
         d = self._drift
         return {"step": self.step, "scheme": self.cfg.scheme, "world_size": self.P,
@@ -387,7 +387,7 @@ class GradSync:
         kept) resumes ``auto`` with a fresh watch: a new window and a new trial of the runner-up.
         """
         self.check_compatible(state)
-        drift = self._drift_from(state)
+        watch = self._drift_from(state)
         scale = saved_scale(state.get("loss_scale"), "GradSync.load_state_dict")
         # build every component first, so a bad entry raises before the engine changes
         parts = self._parts.loaded(state)
@@ -404,7 +404,7 @@ class GradSync:
         self.ef = ef
         self._parts.install(parts)
         self.total = StepStats.from_dict(state.get("total", {}))
-        self._drift = drift
+        self._drift = watch
         self._last_done = None
         self.loss_scale = scale
 
@@ -429,18 +429,18 @@ class GradSync:
             raise ValueError(f"checkpoint was saved with a different configuration: {diff}")
         self._drift_from(state)
 
-    def _drift_from(self, state: dict[str, Any]) -> warmup.Drift | None:
+    def _drift_from(self, state: dict[str, Any]) -> drift.Drift | None:
         """``auto``'s drift watch as ``state`` holds it: a fresh one when there is no entry (a
         checkpoint from before it was saved); ``ValueError`` when the entry is malformed or
         does not fit this engine (only ``auto`` with P > 1 keeps a watch)."""
         if "drift" not in state:
-            return warmup.Drift.for_config(self.cfg, self.P)
+            return drift.Drift.for_config(self.cfg, self.P)
         saved = state["drift"]
         if (saved is None) != (self._drift is None):
             raise ValueError(f"checkpoint's drift entry is {'empty' if saved is None else 'set'}"
                              f", but scheme {self.cfg.scheme!r} at P = {self.P} "
                              f"{'keeps a' if self._drift is not None else 'has no'} drift watch")
-        return None if saved is None else warmup.Drift.from_state_dict(saved)
+        return None if saved is None else drift.Drift.from_state_dict(saved)
 
     def close(self) -> None:
         """Remove the hooks and stop the worker threads."""
@@ -466,7 +466,7 @@ class GradSync:
     def _watch(self, run: StepRun, results: list, t_done: float) -> None:
         """``auto``: this step's measurements; at a window's end the ranks agree whether the
         step drifted from the prediction and, if so, take rank 0's new plan
-        (:class:`~gradsync.engine.warmup.Drift`)."""
+        (:class:`~gradsync.engine.drift.Drift`)."""
         ar = sum(r.stats.seconds for lj, r in zip(run.launched, results)
                  if lj.job.transport == "allreduce")
         ag = sum(r.stats.seconds for lj, r in zip(run.launched, results)
