@@ -24,7 +24,7 @@ from torch import nn
 from conftest import conserved as conserved_records
 from conftest import density_one_error, image_batch, pin_profiles
 from gradsync.apps.models import build
-from gradsync.engine import GradSync, warmup
+from gradsync.engine import GradSync, drift
 from gradsync.engine.config import Config
 from gradsync.engine.consistency import parameter_digest
 from gradsync.schedule import BufferPlan, Plan, TensorPlan, auto, costmodel, make_plan, simulate
@@ -179,20 +179,20 @@ def test_drift_replans_after_patience_and_only_then():
     cost = _cost(SLOW, AffineFit(1e-4, 1e-9))
     plan = make_plan("auto", list(NUMEL), NUMEL, 0.01, cost, bucket_bytes=4 * MB)
     assert plan.info["auto"]["sparse_buffers"] > 0
-    d = warmup.Drift(probed=True)  # the runner-up's trial is tested below
+    d = drift.Drift(probed=True)  # the runner-up's trial is tested below
     for _ in range(3):  # at the prediction (within the threshold): nothing happens
-        for _ in range(warmup.DRIFT_WINDOW):
+        for _ in range(drift.DRIFT_WINDOW):
             d.record(*_measured(plan, cost, 1.1))
         assert d.due and d.check(cfg, plan, cost, None, 0, 1) is None
     assert d.strikes == 0 and not d.events
     # the link turns out 1000x faster than measured: drift, and after the patience a re-plan
     got = None
-    for w in range(warmup.DRIFT_PATIENCE):
-        for _ in range(warmup.DRIFT_WINDOW):
+    for w in range(drift.DRIFT_PATIENCE):
+        for _ in range(drift.DRIFT_WINDOW):
             row = _measured(plan, cost, 1.0)
             d.record(row[0] * 0.2, row[1] / 1000, row[2] / 1000, row[3], row[4])
         got = d.check(cfg, plan, cost, None, 0, 1)
-        assert (got is None) == (w < warmup.DRIFT_PATIENCE - 1)
+        assert (got is None) == (w < drift.DRIFT_PATIENCE - 1)
     new_plan, new_cost = got
     ev = new_plan.info["replans"][-1]
     assert ev["factors"]["allgather"] == pytest.approx(0.001)
@@ -213,14 +213,14 @@ def _trial(d, cfg, candidate, cand_row, inc_row):
     """Run the A-B-B-A trial that ``d`` just started (the candidate in use): the candidate's
     half windows measure ``cand_row``, the plan in use's last one ``inc_row``. Returns the
     (plan, cost) in use afterwards and whether the candidate was kept."""
-    half = max(1, warmup.DRIFT_WINDOW // 2)
+    half = max(1, drift.DRIFT_WINDOW // 2)
     got = None
-    for i in range(warmup.TRIAL_WINDOWS):
+    for i in range(drift.TRIAL_WINDOWS):
         assert d.trial is not None
         for _ in range(half):
             d.record(*cand_row)
         got = d.check(cfg, *candidate, None, 0, 1)
-        assert (got is None) == (i < warmup.TRIAL_WINDOWS - 1)
+        assert (got is None) == (i < drift.TRIAL_WINDOWS - 1)
     back, back_cost = got  # the plan in use, for one more half window
     assert back.info["replans"][-1]["kind"] == "trial_back"
     assert d.trial["candidate"]["plan"] == candidate[0].to_dict()
@@ -242,9 +242,9 @@ def test_drift_keeps_the_plan_without_a_margin_of_gain():
     cfg = Config(scheme="auto", density=0.01, bucket_mb=4)
     cost = _cost(SLOW, AffineFit(1e-4, 1e-9))
     plan = make_plan("auto", list(NUMEL), NUMEL, 0.01, cost, bucket_bytes=4 * MB)
-    d, got = warmup.Drift(probed=True), None
-    for _ in range(warmup.DRIFT_PATIENCE):
-        for _ in range(warmup.DRIFT_WINDOW):
+    d, got = drift.Drift(probed=True), None
+    for _ in range(drift.DRIFT_PATIENCE):
+        for _ in range(drift.DRIFT_WINDOW):
             d.record(*_measured(plan, cost, 2.0))
         got = d.check(cfg, plan, cost, None, 0, 1)
     new_plan, new_cost = got
@@ -259,7 +259,7 @@ def test_drift_keeps_the_plan_without_a_margin_of_gain():
     assert [b.to_dict() for b in plan.buffers] not in alts
     current = (new_plan, new_cost)
     for i, ref in enumerate(alts):
-        for _ in range(warmup.DRIFT_WINDOW):
+        for _ in range(drift.DRIFT_WINDOW):
             d.record(*_measured(plan, cost, 2.0))
         probe = d.check(cfg, *current, None, 0, 1)
         assert [b.to_dict() for b in probe[0].buffers] == ref
@@ -269,22 +269,22 @@ def test_drift_keeps_the_plan_without_a_margin_of_gain():
         assert not kept
         assert [b.to_dict() for b in current[0].buffers] == [b.to_dict() for b in plan.buffers]
     # the next windows at the new level are not drift any more (hysteresis)
-    for _ in range(warmup.DRIFT_PATIENCE + 1):
-        for _ in range(warmup.DRIFT_WINDOW):
+    for _ in range(drift.DRIFT_PATIENCE + 1):
+        for _ in range(drift.DRIFT_WINDOW):
             d.record(*_measured(plan, cost, 2.0))
         assert d.check(cfg, *current, None, 0, 1) is None
     # back-off: that re-measurement kept the plan, so the next re-plan needs twice the drifted
     # windows in a row
-    assert d.reprobes == 1 and d.patience == 2 * warmup.DRIFT_PATIENCE
-    for w in range(2 * warmup.DRIFT_PATIENCE):
-        for _ in range(warmup.DRIFT_WINDOW):
+    assert d.reprobes == 1 and d.patience == 2 * drift.DRIFT_PATIENCE
+    for w in range(2 * drift.DRIFT_PATIENCE):
+        for _ in range(drift.DRIFT_WINDOW):
             d.record(*_measured(plan, cost, 4.0))
         got = d.check(cfg, *current, None, 0, 1)
-        assert (got is None) == (w < 2 * warmup.DRIFT_PATIENCE - 1), w
+        assert (got is None) == (w < 2 * drift.DRIFT_PATIENCE - 1), w
     assert got[0].info["replans"][-1]["kind"] == "replan"
     # a watch saved before the back-off existed resumes with none
     old = {k: v for k, v in d.state_dict().items() if k != "reprobes"}
-    assert warmup.Drift.from_state_dict(old).reprobes == 0
+    assert drift.Drift.from_state_dict(old).reprobes == 0
 
 
 def test_each_runner_up_is_measured_once():
@@ -305,9 +305,9 @@ def test_each_runner_up_is_measured_once():
     sparse_step = _measured(plan, cost, 1.0)[0]
     # measured: dense 1.5× the sparse choice (rejected), TopkA's buffer 0.8× (kept, > margin)
     scale = {id(dense): 1.5, id(one): 0.8}
-    d, current = warmup.Drift(), plan
+    d, current = drift.Drift(), plan
     for i, ref in enumerate(expect):
-        for _ in range(warmup.DRIFT_WINDOW):
+        for _ in range(drift.DRIFT_WINDOW):
             d.record(*_measured(plan, cost, 1.0))
         probe, probe_cost = d.check(cfg, current, cost, None, 0, 1)
         assert probe_cost is cost and d.probed == (i == len(expect) - 1)
@@ -318,7 +318,7 @@ def test_each_runner_up_is_measured_once():
         assert kept == (scale[id(ref)] < 1 - auto.MARGIN)
     assert [b.to_dict() for b in current.buffers] == [b.to_dict() for b in one.buffers]
     assert [e["kind"] for e in d.events] == ["probe", "trial_back", "trial"] * len(expect)
-    for _ in range(warmup.DRIFT_WINDOW):  # every runner-up measured once: no further trial
+    for _ in range(drift.DRIFT_WINDOW):  # every runner-up measured once: no further trial
         d.record(*_measured(one, cost, 0.8))
     assert d.check(cfg, current, cost, None, 0, 1) is None and d.trial is None and d.probed
 
@@ -327,10 +327,10 @@ def _rounds(d, cfg, candidate, incumbent, cand_steps, inc_steps):
     """Drive a trial ``d`` just started (the candidate in use) through its rounds: round r's
     candidate half windows measure ``cand_steps[r]`` (an iteration), the plan in use's closing
     half window ``inc_steps[r]``. Returns the event kinds and the (plan, cost) in use."""
-    half = max(1, warmup.DRIFT_WINDOW // 2)
+    half = max(1, drift.DRIFT_WINDOW // 2)
     now = candidate
     for c, i in zip(cand_steps, inc_steps):
-        for _ in range(warmup.TRIAL_WINDOWS):
+        for _ in range(drift.TRIAL_WINDOWS):
             for _ in range(half):
                 d.record(*_measured(candidate[0], candidate[1], 1.0), iteration_s=c)
             got = d.check(cfg, *now, None, 0, 1)
@@ -354,15 +354,15 @@ def test_a_close_trial_goes_on_and_the_rounds_decide():
     dense = _ddp_dense_plan(4 * MB)
 
     def start(first_a):
-        d = warmup.Drift(probed=True)
-        d.trial = warmup._trial_of(plan, cost, first_a)
+        d = drift.Drift(probed=True)
+        d.trial = drift._trial_of(plan, cost, first_a)
         return d
 
     # a dense candidate 4 % faster than the sparse plan in use (the margin makes it ~9 %):
     # close, so all three rounds run; the dense one is kept
     d = start(1.04)
     kinds, (now, _) = _rounds(d, cfg, (dense, cost), (plan, cost), [1.0] * 3, [1.04] * 3)
-    assert kinds == ["trial_back", "trial_again"] * (warmup.TRIAL_ROUNDS - 1) + [
+    assert kinds == ["trial_back", "trial_again"] * (drift.TRIAL_ROUNDS - 1) + [
         "trial_back", "trial"]
     assert d.events[-1]["kept"] and not auto.has_sparse(now.buffers)
     # clearly slower (30 %): one round
@@ -381,7 +381,7 @@ def test_leaving_a_sparse_plan_flushes_the_residuals_first():
     cost = _cost(SLOW, AffineFit(1e-4, 1e-9))
     sparse = make_plan("auto", list(NUMEL), NUMEL, 0.01, cost, bucket_bytes=4 * MB)
     dense = _ddp_dense_plan(4 * MB)
-    d = warmup.Drift()
+    d = drift.Drift()
     step = d.change(sparse, dense)  # sparse → dense: one step with error feedback first
     assert [b.mode for b in step.buffers] == ["per_tensor"] * len(dense.buffers)
     assert all(t.allreduce and t.density is None for b in step.buffers for t in b.tensors)
@@ -405,8 +405,8 @@ def _engine(rank: int, P: int) -> dict:
     _slow_link()
     # a fast watch, and every window counts as drift (no ratio lies in [2, 0.5]), so that the
     # re-plan runs in this short test, whatever the timing
-    warmup.DRIFT_WINDOW, warmup.DRIFT_PATIENCE, warmup.DRIFT_THRESHOLD = 2, 1, -0.5
-    warmup.TRIAL_ROUNDS = 1  # real timings: a close trial would go on (tested on its own)
+    drift.DRIFT_WINDOW, drift.DRIFT_PATIENCE, drift.DRIFT_THRESHOLD = 2, 1, -0.5
+    drift.TRIAL_ROUNDS = 1  # real timings: a close trial would go on (tested on its own)
     out: dict = {}
     # density 1 against the plain all-reduce average (what DDP computes)
     # compress_single_rank: at P = 1 auto runs too (by default a step is plain training, and
@@ -512,26 +512,26 @@ def test_a_trial_in_progress_round_trips_and_malformed_trials_are_refused():
     trial = {"plan": plan.to_dict(), "cost": cost.to_dict(), "step": 0.2,
              "measured": [0.1, 0.3, 0.2, 0.2], "incumbent": [0.21],
              "candidate": {"plan": dense.to_dict(), "cost": cost.to_dict()}}
-    d = warmup.Drift(checks=4, probed=True, trial=trial)
-    assert warmup.Drift.from_state_dict(d.state_dict()) == d
+    d = drift.Drift(checks=4, probed=True, trial=trial)
+    assert drift.Drift.from_state_dict(d.state_dict()) == d
     # a checkpoint from one-window trials (plan, cost, step) resumes as a trial just started
     old = {**d.state_dict(), "trial": {k: trial[k] for k in ("plan", "cost", "step")}}
-    assert warmup.Drift.from_state_dict(old).trial == {**old["trial"], "measured": [],
+    assert drift.Drift.from_state_dict(old).trial == {**old["trial"], "measured": [],
                                                        "candidate": None, "incumbent": []}
     # and one from single-round trials, in its first round
     one = {k: v for k, v in trial.items() if k != "incumbent"}
-    assert warmup.Drift.from_state_dict({**d.state_dict(), "trial": one}).trial == {
+    assert drift.Drift.from_state_dict({**d.state_dict(), "trial": one}).trial == {
         **one, "incumbent": []}
-    most = warmup.TRIAL_WINDOWS * warmup.TRIAL_ROUNDS
+    most = drift.TRIAL_WINDOWS * drift.TRIAL_ROUNDS
     bad = {"long": {**trial, "measured": [0.1] * (most + 1)},
-           "rounds": {**trial, "incumbent": [0.1] * warmup.TRIAL_ROUNDS},
+           "rounds": {**trial, "incumbent": [0.1] * drift.TRIAL_ROUNDS},
            "nan": {**trial, "measured": [float("nan")]},
            "half_candidate": {**trial, "candidate": {"plan": dense.to_dict()}},
            "bad_candidate": {**trial, "candidate": {"plan": {}, "cost": cost.to_dict()}},
            "extra": {**trial, "x": 1}}
     for t in bad.values():
         with pytest.raises(ValueError, match="drift state: trial"):
-            warmup.Drift.from_state_dict({**d.state_dict(), "trial": t})
+            drift.Drift.from_state_dict({**d.state_dict(), "trial": t})
 
 
 def test_trials_compare_whole_iterations_not_the_backward_part():
@@ -542,8 +542,8 @@ def test_trials_compare_whole_iterations_not_the_backward_part():
     cost = _cost(MID, AffineFit(1e-4, 1e-9))
     plan = make_plan("auto", list(NUMEL), NUMEL, 0.01, cost, bucket_bytes=4 * MB)
     row = _measured(plan, cost, 1.0)
-    d = warmup.Drift()
-    for _ in range(warmup.DRIFT_WINDOW):
+    d = drift.Drift()
+    for _ in range(drift.DRIFT_WINDOW):
         d.record(*row, iteration_s=2 * row[0])
     probe = d.check(cfg, plan, cost, None, 0, 1)
     assert d.events[-1]["measured"] == pytest.approx(2 * row[0])  # the iteration

@@ -1,4 +1,4 @@
-"""``scheme="auto"`` resumes its drift watch (issue 13): checkpoints carry ``warmup.Drift``.
+"""``scheme="auto"`` resumes its drift watch (issue 13): checkpoints carry ``drift.Drift``.
 
 Real gloo ranks at P = 2 and 3 train the MLP with ``auto`` for ``TOTAL`` steps, crossing several
 drift windows: the runners-up's probes (DDP's dense plan, then TopkA's one fused buffer), their
@@ -13,7 +13,7 @@ cost model and parameters of the uninterrupted run, bitwise.
 
 Deterministic timing: plan choices follow measured times. Cost-model profiling is pinned (a
 100 Mbit/s link and a cheap sparsifier, as in ``test_auto.py``, so the first plan sparsifies the
-large layer), and the seam for the drift watch is ``warmup.Drift.record``: inside the rank
+large layer), and the seam for the drift watch is ``drift.Drift.record``: inside the rank
 function it is replaced by a wrapper that drops the engine's measured times and records a fixed
 schedule instead (:func:`_row`: a function of the watch's own ``checks`` and window position and
 of the rank, so a resume that lost those would record other numbers). The engine's call, and
@@ -39,7 +39,7 @@ from torch import nn
 
 from conftest import image_batch, pin_profiles
 from gradsync.apps.models import build
-from gradsync.engine import GradSync, warmup
+from gradsync.engine import GradSync, drift
 from gradsync.engine.config import Config
 from gradsync.schedule import costmodel
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
@@ -81,13 +81,13 @@ def _pin(rank: int) -> None:
         AlphaBeta(5e-5, SLOW), AlphaBeta(5e-5, SLOW))
     costmodel.profile_sparsifier = lambda sp, offload=False, **kw: (
         AffineFit(2e-5, 1e-10) if offload else AffineFit(1e-5, 1e-10))
-    warmup.DRIFT_WINDOW = WINDOW
-    orig = warmup.Drift.record
+    drift.DRIFT_WINDOW = WINDOW
+    orig = drift.Drift.record
 
     def record(self, *measured: float) -> None:  # the engine's times are dropped
         orig(self, *_row(self.checks, len(self.rows), rank))
 
-    warmup.Drift.record = record
+    drift.Drift.record = record
 
 
 def _new_job(seed: int):
@@ -282,16 +282,16 @@ MALFORMED = {
 
 @pytest.mark.parametrize("edit", MALFORMED.values(), ids=MALFORMED.keys())
 def test_malformed_drift_states_are_refused(edit):
-    d = warmup.Drift(rows=[[0.1, 0.01, 0.02, 0.001, 0.05, 0.12]], strikes=1, checks=3, probed=True,
+    d = drift.Drift(rows=[[0.1, 0.01, 0.02, 0.001, 0.05, 0.12]], strikes=1, checks=3, probed=True,
                      reference=0.1, events=[{"check": 0, "kind": "probe", "measured": 0.1}])
     state = d.state_dict()
-    assert warmup.Drift.from_state_dict(state) == d  # the round trip
+    assert drift.Drift.from_state_dict(state) == d  # the round trip
     edit(state)
     with pytest.raises(ValueError, match="drift state"):
         d.load_state_dict(state)
     assert d.checks == 3 and d.strikes == 1 and len(d.rows) == 1  # unchanged
     with pytest.raises(ValueError, match="must be a dict"):
-        warmup.Drift.from_state_dict([1, 2])
+        drift.Drift.from_state_dict([1, 2])
 
 
 # ------------------------------------------------------------------------------------ DDP hook

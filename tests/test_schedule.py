@@ -738,3 +738,11 @@ def test_schemes_without_a_cost_model_plan_as_the_engine_runs_them():
     assert all(b.mode == "per_tensor" and all(
         t.density == (None if target_k(t.numel, 0.01) < 8 else 0.01) for t in b.tensors)
         for b in pt.buffers)
+
+
+def test_every_planner_of_the_table_is_registered_once():
+    from gradsync.schedule import PLANNER_FUNCTIONS, planner, schemes
+    assert sorted(PLANNER_FUNCTIONS) == sorted(schemes.PLANNERS)
+    assert {s.planner for s in SCHEMES.values()} <= set(PLANNER_FUNCTIONS)
+    with pytest.raises(ValueError, match="PLANNERS"):
+        planner("nope")

@@ -211,3 +211,40 @@ def test_the_ddp_hook_reorders_a_bucket_alike_by_index_and_by_slices(scheme):
     for a, b in zip(by_slices, by_index):
         assert all(torch.equal(x, y) for x, y in zip(a, b))
     assert all(torch.equal(x, y) for x, y in zip(by_slices[0], by_slices[1]))
+
+
+@settings(max_examples=40, deadline=None)
+@given(seed=st.integers(0, 10_000), J=st.integers(0, 10))
+def test_dgc_levels_equal_the_comparisons_round_by_round(seed, J):
+    """DGC's adjustment rounds without reads: each entry's level, the first round whose
+    threshold θ·0.8^j it meets, equals J + 1 comparisons, also for entries exactly at a
+    threshold or one ulp either side, zeros, a zero θ and a tensor sent whole (θ = -inf)."""
+    from gradsync.sparsify.dgc import _levels
+
+    g = torch.Generator().manual_seed(seed)
+    thr = torch.rand(4, generator=g, dtype=torch.float64) * 3
+    thr[1], thr[3] = 0.0, -math.inf
+    cols = [thr]
+    for _ in range(J):
+        cols.append(cols[-1] * 0.8)
+    table = torch.stack(cols, dim=1).float()
+    sizes = [60, 20, 40, 10]
+    parts = []
+    for i, n in enumerate(sizes):
+        row = table[i][torch.isfinite(table[i])]
+        picks = row[torch.randint(0, max(1, row.numel()), (n // 3,), generator=g)] \
+            if row.numel() else torch.zeros(n // 3)
+        near = torch.cat([picks, torch.nextafter(picks, torch.tensor(math.inf)),
+                          torch.nextafter(picks, torch.tensor(0.0))]).abs()
+        rest = torch.rand(n - near.numel(), generator=g) * 4
+        rest[:2] = 0.0
+        parts.append(torch.cat([near, rest]))
+    a = torch.cat(parts)
+    got = _levels(a, table, torch.tensor(sizes), 0.8, a.numel())
+    want, o = [], 0
+    for i, n in enumerate(sizes):
+        for v in a[o:o + n]:
+            meets = [j for j in range(J + 1) if bool(v >= table[i, j])]
+            want.append(meets[0] if meets else J + 1)
+        o += n
+    assert got.tolist() == want

@@ -55,7 +55,7 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 
 from gradsync.collectives.comm import Comm
-from gradsync.engine import warmup
+from gradsync.engine import drift, warmup
 from gradsync.engine.apply import apply
 from gradsync.engine.audit import AuditRecord, AuditSink
 from gradsync.engine.components import Components
@@ -67,7 +67,7 @@ from gradsync.engine.consistency import (
     state_signature,
 )
 from gradsync.engine.executor import Executor
-from gradsync.engine.jobs import Job, Launched, Mode, StepRun, at_density, plan_jobs
+from gradsync.engine.jobs import Job, JobResult, Launched, Mode, StepRun, at_density, plan_jobs
 from gradsync.engine.preconditioning import apply_scales
 from gradsync.engine.prepare import prepare
 from gradsync.engine.state import Identity, check_identity
@@ -158,7 +158,7 @@ class GradSync:
         self._numel = {n: p.numel() for n, p in self.params.items()}
         self._given = warmup.given_plan(self.cfg, self._numel)  # Config.plan, checked
         self._warmup = warmup.Warmup.for_config(self.cfg)
-        self._drift = warmup.Drift.for_config(self.cfg, self.P)  # auto's re-planning
+        self._drift = drift.Drift.for_config(self.cfg, self.P)  # auto's re-planning
         self._last_done: float | None = None  # when the last watched step ended (auto)
         self._set_plan(warmup.provisional_plan(self.cfg, list(reversed(self.params)),
                                                self._numel))
@@ -209,12 +209,26 @@ class GradSync:
             raise RuntimeError("GradSync.synchronize() inside no_sync(): leave the block first")
         if self.passthrough:
             return self._local_step()
-        stats = StepStats()
+        run, stats = self._run, StepStats()
         self._audit.new_step()
-        run = self._run
         profiling = self._warmup.left > 0
         if profiling:
             self._warmup.observe(run.hook_times)
+        results = self._collect(run, stats)
+        ok = self._agree(run, results, stats)
+        self._apply(run, results, stats, ok)
+        self._advance(run, stats)
+        if profiling:
+            self._advance_warmup()
+        elif self._drift is not None and self.cost is not None and ok and run.first_hook:
+            self._watch(run, results, time.perf_counter())
+        if self.cfg.check_every and self.step % self.cfg.check_every == 0:
+            # only here, once this step's jobs have drained: the check uses the same group
+            check_consistency(self.model, self.group)
+        return ok
+
+    def _collect(self, run: StepRun, stats: StepStats) -> list[JobResult]:
+        """Launch what the backward left unlaunched and wait for every job's result."""
         with self._lock:
             self._launch_ready(force=True)
         t0 = time.perf_counter()
@@ -230,6 +244,10 @@ class GradSync:
                     f"Config.timeout_s={self.cfg.timeout_s:g}s; check the other ranks' logs)"
                 ) from e
         stats.wait_s = time.perf_counter() - t0
+        return results
+
+    def _agree(self, run: StepRun, results: list[JobResult], stats: StepStats) -> bool:
+        """Whether every rank's gradients were finite (``Config.nonfinite``), agreed by all."""
         bad_local = sorted({n for lj in run.launched for n in lj.nonfinite})
         # Plain all-reduces (Mode.DENSE) carry a rank's non-finite gradient as it is (prepare
         # does not look at them), so their sums, alike on every rank, are non-finite then: one
@@ -244,7 +262,11 @@ class GradSync:
                                               if not all_finite(self._grad(n)))})
         only_dense = bool(run.launched) and len(dense) == len(run.launched)
         agreed = dense_bad if only_dense else None
-        ok = self._agree_finite(bool(bad_local) or dense_bad, stats, agreed, bad_local)
+        return self._agree_finite(bool(bad_local) or dense_bad, stats, agreed, bad_local)
+
+    def _apply(self, run: StepRun, results: list[JobResult], stats: StepStats, ok: bool) -> None:
+        """Average every job's result into ``.grad`` and update residuals, or, when a rank
+        had a non-finite gradient, zero the step's gradients and leave residuals alone."""
         if ok:
             for launched, res in zip(run.launched, results):
                 apply(launched, res, self.params, self.P, self.ef, stats, self.step,
@@ -255,33 +277,32 @@ class GradSync:
         else:
             stats.skipped = 1
             self._skip_grads()
+
+    def _advance(self, run: StepRun, stats: StepStats) -> None:
+        """Record the step's figures and start the next step."""
         stats.sparsify_s += run.inline_sparsify_s
         stats.backward_s = run.backward_s
         self.last = stats
         self.total.add(stats)
         self.step += 1
         self._run = StepRun()
-        if profiling:
-            self._warmup.left -= 1
-            if self._warmup.left == 0 and self._given is not None:
-                self._set_plan(self._given)  # a replay: nothing to profile or plan
-            elif self._warmup.left == 0:
-                comm = Comm(self.group)
-                plan, self.cost = warmup.final_plan(
-                    self.cfg, self._warmup.samples, list(self.params), self._numel,
-                    next(iter(self.params.values())).element_size(),
-                    self._parts.sparsifier_name, self.group, self.rank, self.P,
-                    device=next(iter(self.params.values())).device, comm=comm,
-                    new_collective=self._parts.new_collective)
-                self.last.add_traffic(comm.stats)  # profiling and the plan: this step's bytes
-                self.total.add_traffic(comm.stats)
-                self._set_plan(plan)
-        elif self._drift is not None and self.cost is not None and ok and run.first_hook:
-            self._watch(run, results, time.perf_counter())
-        if self.cfg.check_every and self.step % self.cfg.check_every == 0:
-            # only here, once this step's jobs have drained: the check uses the same group
-            check_consistency(self.model, self.group)
-        return ok
+
+    def _advance_warmup(self) -> None:
+        """One profiling step done; after the last, plan (or take ``Config.plan``)."""
+        self._warmup.left -= 1
+        if self._warmup.left == 0 and self._given is not None:
+            self._set_plan(self._given)  # a replay: nothing to profile or plan
+        elif self._warmup.left == 0:
+            comm = Comm(self.group)
+            first = next(iter(self.params.values()))
+            plan, self.cost = warmup.final_plan(
+                self.cfg, self._warmup.samples, list(self.params), self._numel,
+                first.element_size(), self._parts.sparsifier_name, self.group, self.rank,
+                self.P, device=first.device, comm=comm,
+                new_collective=self._parts.new_collective)
+            self.last.add_traffic(comm.stats)  # profiling and the plan: this step's bytes
+            self.total.add_traffic(comm.stats)
+            self._set_plan(plan)
 
     def precondition(self, scales: Mapping[nn.Parameter | str, torch.Tensor]) -> None:
         """Compress ``scale ⊙ gradient`` from the next step on, per parameter (a parameter or
@@ -340,7 +361,7 @@ class GradSync:
         """Figures of the last step and cumulative ones (bytes, time breakdown, missing rate).
 
         ``probing``: ``auto`` is still measuring its runners-up (a trial in progress or one
-        still to come, :class:`~gradsync.engine.warmup.Drift`); always False for other
+        still to come, :class:`~gradsync.engine.drift.Drift`); always False for other
         schemes. Throughput after probing is what a long run sees."""
         d = self._drift
         return {"step": self.step, "scheme": self.cfg.scheme, "world_size": self.P,
@@ -387,7 +408,7 @@ class GradSync:
         kept) resumes ``auto`` with a fresh watch: a new window and a new trial of the runner-up.
         """
         self.check_compatible(state)
-        drift = self._drift_from(state)
+        watch = self._drift_from(state)
         scale = saved_scale(state.get("loss_scale"), "GradSync.load_state_dict")
         # build every component first, so a bad entry raises before the engine changes
         parts = self._parts.loaded(state)
@@ -404,7 +425,7 @@ class GradSync:
         self.ef = ef
         self._parts.install(parts)
         self.total = StepStats.from_dict(state.get("total", {}))
-        self._drift = drift
+        self._drift = watch
         self._last_done = None
         self.loss_scale = scale
 
@@ -429,18 +450,18 @@ class GradSync:
             raise ValueError(f"checkpoint was saved with a different configuration: {diff}")
         self._drift_from(state)
 
-    def _drift_from(self, state: dict[str, Any]) -> warmup.Drift | None:
+    def _drift_from(self, state: dict[str, Any]) -> drift.Drift | None:
         """``auto``'s drift watch as ``state`` holds it: a fresh one when there is no entry (a
         checkpoint from before it was saved); ``ValueError`` when the entry is malformed or
         does not fit this engine (only ``auto`` with P > 1 keeps a watch)."""
         if "drift" not in state:
-            return warmup.Drift.for_config(self.cfg, self.P)
+            return drift.Drift.for_config(self.cfg, self.P)
         saved = state["drift"]
         if (saved is None) != (self._drift is None):
             raise ValueError(f"checkpoint's drift entry is {'empty' if saved is None else 'set'}"
                              f", but scheme {self.cfg.scheme!r} at P = {self.P} "
                              f"{'keeps a' if self._drift is not None else 'has no'} drift watch")
-        return None if saved is None else warmup.Drift.from_state_dict(saved)
+        return None if saved is None else drift.Drift.from_state_dict(saved)
 
     def close(self) -> None:
         """Remove the hooks and stop the worker threads."""
@@ -463,10 +484,10 @@ class GradSync:
             sig["states"] = state_signature(self.model)  # what the broadcast will move
         return sig
 
-    def _watch(self, run: StepRun, results: list, t_done: float) -> None:
+    def _watch(self, run: StepRun, results: list[JobResult], t_done: float) -> None:
         """``auto``: this step's measurements; at a window's end the ranks agree whether the
         step drifted from the prediction and, if so, take rank 0's new plan
-        (:class:`~gradsync.engine.warmup.Drift`)."""
+        (:class:`~gradsync.engine.drift.Drift`)."""
         ar = sum(r.stats.seconds for lj, r in zip(run.launched, results)
                  if lj.job.transport == "allreduce")
         ag = sum(r.stats.seconds for lj, r in zip(run.launched, results)

@@ -9,6 +9,10 @@ JSON-safe :class:`Plan`; ``simulate(plan, cost)`` (:mod:`.timeline`) predicts it
 
 from __future__ import annotations
 
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
 from gradsync.schedule import schemes
 from gradsync.schedule.auto import auto_buffers
 from gradsync.schedule.costmodel import CostModel, missing_rate
@@ -43,9 +47,11 @@ from gradsync.sparsegrad import validate_density
 __all__ = [
     "DDP_FIRST_BUCKET_BYTES",
     "MIN_K",
+    "PLANNER_FUNCTIONS",
     "SCHEMES",
     "BufferPlan",
     "Plan",
+    "PlanInputs",
     "Scheme",
     "TensorPlan",
     "Timeline",
@@ -64,9 +70,125 @@ __all__ = [
     "mgwfbp_groups",
     "missing_rate",
     "needs_cost_model",
+    "planner",
     "simulate",
     "whole_below",
 ]
+
+@dataclass(frozen=True)
+class PlanInputs:
+    """What :func:`make_plan` hands a planner, checked: the scheme's row, the tensors in
+    backward order with their sizes, the target density, the cost model (``None`` for the
+    planners that need none) and the limits of ``make_plan``'s keywords."""
+
+    spec: Scheme
+    names: list[str]
+    numel: dict[str, int]
+    density: float
+    cost: CostModel | None
+    elem_bytes: int
+    bucket_bytes: int
+    first_bucket_bytes: int | None
+    min_density: float
+    min_k: int
+
+    def groups(self, mode: str, groups: list[list[str]]) -> list[BufferPlan]:
+        """Buffers over ``groups``: all-reduced (``dense``), sparsified as one vector
+        (``fused``) or tensor by tensor at the density (``per_tensor``)."""
+        d = self.density if mode == "per_tensor" else None
+        return [BufferPlan(tuple(TensorPlan(n, self.numel[n], d) for n in g), mode,
+                           self.density if mode == "fused" else None) for g in groups]
+
+    def ddp_buckets(self) -> list[list[str]]:
+        return fixed_buckets(self.names, self.numel, self.elem_bytes, self.bucket_bytes,
+                             self.first_bucket_bytes)
+
+
+Planner = Callable[[PlanInputs], tuple[list[BufferPlan], dict[str, Any]]]
+# Scheme.planner → the function that plans it (its buffers and the plan's info entries);
+# every name of schemes.PLANNERS has one (tests/test_schedule.py).
+PLANNER_FUNCTIONS: dict[str, Planner] = {}
+
+
+def planner(name: str) -> Callable[[Planner], Planner]:
+    """Register the function that plans ``Scheme.planner == name``."""
+    if name not in schemes.PLANNERS:
+        raise ValueError(f"planner {name!r} is not in the table's PLANNERS")
+
+    def register(fn: Planner) -> Planner:
+        PLANNER_FUNCTIONS[name] = fn
+        return fn
+    return register
+
+
+@planner("fixed")
+def _fixed(job: PlanInputs) -> tuple[list[BufferPlan], dict[str, Any]]:
+    return job.groups("dense", job.ddp_buckets()), {}
+
+
+@planner("single")
+def _single(job: PlanInputs) -> tuple[list[BufferPlan], dict[str, Any]]:
+    return job.groups("fused", [job.names]), {}
+
+
+@planner("mgwfbp")
+def _mgwfbp(job: PlanInputs) -> tuple[list[BufferPlan], dict[str, Any]]:
+    return job.groups("fused", mgwfbp_groups(job.names, job.numel, job.cost, job.density)), {}
+
+
+@planner("cupcake")
+def _cupcake(job: PlanInputs) -> tuple[list[BufferPlan], dict[str, Any]]:
+    groups, t = cupcake_groups(job.names, job.numel, job.cost, job.density)
+    return job.groups("fused", groups), {"dp_iteration": t}
+
+
+@planner("per_tensor")
+def _per_tensor(job: PlanInputs) -> tuple[list[BufferPlan], dict[str, Any]]:
+    # fusion after sparsification, DDP's buckets (SSFusion §II-D)
+    return job.groups("per_tensor", job.ddp_buckets()), {}
+
+
+@planner("hipress")
+def _hipress(job: PlanInputs) -> tuple[list[BufferPlan], dict[str, Any]]:
+    buffers, info = hipress_buffers(job.names, job.numel, job.cost, job.density,
+                                    job.bucket_bytes)
+    return buffers, {"hipress": info}
+
+
+@planner("espresso")
+def _espresso(job: PlanInputs) -> tuple[list[BufferPlan], dict[str, Any]]:
+    buffers, info = espresso_buffers(job.names, job.numel, job.cost, job.density)
+    return buffers, {"espresso": info}
+
+
+@planner("auto")
+def _auto(job: PlanInputs) -> tuple[list[BufferPlan], dict[str, Any]]:
+    buffers, info = auto_buffers(job.names, job.numel, job.cost, job.density, job.bucket_bytes,
+                                 first_bucket_bytes=job.first_bucket_bytes)
+    return buffers, {"auto": info}
+
+
+@planner("ssfusion")
+def _ssfusion(job: PlanInputs) -> tuple[list[BufferPlan], dict[str, Any]]:
+    """Cupcake's buffers, Eq. 2's selection with model-wide compensation, then SSFusion-O's
+    offloading and SSFusion-I's split where the scheme's row says."""
+    cost, spec = job.cost, job.spec
+    assert cost is not None  # make_plan: the ssfusion rows need a cost model
+    groups, _ = cupcake_groups(job.names, job.numel, cost, job.density)
+    buffers, eq2 = selective_buffers(groups, job.numel, cost, job.density, job.min_density,
+                                     job.min_k)
+    info: dict[str, Any] = {"eq2": eq2, "whole_below_min_k": [
+        n for n in job.names if below_min_k(job.numel[n], job.density, job.min_k)]}
+    if spec.offload:
+        pairs = [offload_buffer(b, cost) for b in buffers]
+        buffers, info["offload"] = [p[0] for p in pairs], [p[1] for p in pairs]
+    if spec.interleave:
+        pairs = [interleave_buffer(b, cost) for b in buffers]
+        buffers, info["split"] = [p[0] for p in pairs], [p[1] for p in pairs]
+    buffers, info["compensation"] = charge_bytes(buffers, cost.P, cost.elem_bytes, job.density,
+                                                 job.min_density)
+    return buffers, info
+
 
 def needs_cost_model(scheme: str) -> bool:
     """Whether ``make_plan(scheme, …)`` needs a cost model."""
@@ -127,54 +249,10 @@ def make_plan(
     elif needs:
         raise ValueError(f"scheme {scheme!r} needs a cost model (gradsync.schedule.costmodel)")
 
-    info: dict = {"density": density}
-
-    def dense_buffers(groups):
-        return [BufferPlan(tuple(TensorPlan(n, numel[n], None) for n in g), "dense")
-                for g in groups]
-
-    def fused_buffers(groups):
-        return [BufferPlan(tuple(TensorPlan(n, numel[n], None) for n in g), "fused", density)
-                for g in groups]
-
-    def per_tensor_buffers(groups):
-        return [BufferPlan(tuple(TensorPlan(n, numel[n], density) for n in g), "per_tensor")
-                for g in groups]
-
-    if spec.planner == "fixed":
-        buffers = dense_buffers(fixed_buckets(names, numel, elem_bytes, bucket_bytes,
-                                              first_bucket_bytes))
-    elif spec.planner == "single":
-        buffers = fused_buffers([names])
-    elif spec.planner == "mgwfbp":
-        buffers = fused_buffers(mgwfbp_groups(names, numel, cost, density))
-    elif spec.planner == "cupcake":
-        groups, t = cupcake_groups(names, numel, cost, density)
-        buffers = fused_buffers(groups)
-        info["dp_iteration"] = t
-    elif spec.planner == "per_tensor":  # fusion after sparsification, DDP's buckets (§II-D)
-        buffers = per_tensor_buffers(fixed_buckets(names, numel, elem_bytes, bucket_bytes,
-                                                   first_bucket_bytes))
-    elif spec.planner == "hipress":
-        buffers, info["hipress"] = hipress_buffers(names, numel, cost, density, bucket_bytes)
-    elif spec.planner == "espresso":
-        buffers, info["espresso"] = espresso_buffers(names, numel, cost, density)
-    elif spec.planner == "auto":
-        buffers, info["auto"] = auto_buffers(names, numel, cost, density, bucket_bytes,
-                                                 first_bucket_bytes=first_bucket_bytes)
-    else:  # ssfusion, with SSFusion-O and SSFusion-I as the record says
-        groups, _ = cupcake_groups(names, numel, cost, density)
-        buffers, info["eq2"] = selective_buffers(groups, numel, cost, density, min_density,
-                                                 min_k)
-        info["whole_below_min_k"] = [n for n in names if below_min_k(numel[n], density, min_k)]
-        if spec.offload:
-            pairs = [offload_buffer(b, cost) for b in buffers]
-            buffers, info["offload"] = [p[0] for p in pairs], [p[1] for p in pairs]
-        if spec.interleave:
-            pairs = [interleave_buffer(b, cost) for b in buffers]
-            buffers, info["split"] = [p[0] for p in pairs], [p[1] for p in pairs]
-        buffers, info["compensation"] = charge_bytes(buffers, cost.P, cost.elem_bytes, density,
-                                                     min_density)
+    job = PlanInputs(spec, names, numel, density, cost, elem_bytes, bucket_bytes,
+                     first_bucket_bytes, min_density, min_k)
+    buffers, info = PLANNER_FUNCTIONS[spec.planner](job)
+    info = {"density": density, **info}
     if "whole_below_min_k" not in info:  # the other planners: after the fact
         buffers, info["whole_below_min_k"] = whole_below(buffers, min_k)
     plan = Plan(scheme, buffers, overlap=spec.overlap, info=info)

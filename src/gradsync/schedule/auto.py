@@ -140,7 +140,7 @@ def auto_buffers(names: list[str], numel: dict[str, int], cost: CostModel, densi
         if best is None or t < best[3] * (1 - 1e-6):
             best = (label, choice, buffers, t)
     label, choice, buffers, t_best = best
-    # the runners-up the engine measures once each against the choice (warmup.Drift): of DDP's
+    # the runners-up the engine measures once each against the choice (drift.Drift): of DDP's
     # dense plan, the best sparse plan and TopkA's plan (one fused buffer after the backward),
     # those that differ from the choice, DDP's first, then in order of prediction
     runners = [(t_dense, dense)]

@@ -109,11 +109,11 @@ class DGC(Sparsifier):
                          ks: list[int], step: int) -> torch.Tensor:
         """Steps 1–4 for every tensor of the buffer ``x`` at once. The samples' start positions
         come from each tensor's own generator, in tensor order (the same draws as tensor by
-        tensor); the samples are gathered and ranked in one pass; θ_i is a vector, and the
-        adjustments run in rounds over the whole buffer, each round reading the tensors'
-        counts back once (a tensor that is done keeps its θ_i)."""
+        tensor); the samples are gathered and ranked in one pass; θ_i is a vector, and every
+        tensor's count in every adjustment round comes from one histogram of the entries'
+        levels (:func:`_levels`), so the whole selection reads the host once."""
         dev, first = x.device, sparsifiers[0]
-        lower, upper, max_adjust = first.lower, first.upper, first.max_adjust
+        lower, max_adjust = first.lower, first.max_adjust  # upper: step 4 keeps k either way
         a = magnitudes(x)
         S, N = len(seg), seg.numel
         # 1. the samples: tensors with k < n only (k = n sends the whole tensor, no draw)
@@ -149,26 +149,33 @@ class DGC(Sparsifier):
             j = torch.arange(M, device=dev) - each(fo)
             sample = a[each(st) + each(sd) * j]
             thr[which] = sample[order_in_segments(sample, lengths, ln)[pick]].double()
-        # 3. select |x| >= θ_i; lower θ_i by 0.8 where too few, in rounds
+        # 3. select |x| >= θ_i, lowering θ_i by 0.8 where too few (up to max_adjust times).
+        # Every round's threshold is known in advance, θ_i·0.8^j (the same IEEE products as
+        # the rounds), so each entry's level (the first round whose threshold it meets) and,
+        # from a histogram of the levels, every tensor's count in every round come without a
+        # read; the rule then picks each tensor's round on the device (the first with at
+        # least 0.8·k, else the last), and one read brings the counts and rounds back.
+        J = max_adjust
+        cols = [thr]
+        for _ in range(J):
+            cols.append(cols[-1] * lower)
+        table = torch.stack(cols, dim=1)  # (S, J + 1) float64, each row non-increasing
         sizes = to_device(list(seg.sizes), torch.int64, dev)
-        ends = to_device([o + n - 1 for o, n in zip(seg.offsets, seg.sizes)], torch.int64, dev)
-        adjustments = dict.fromkeys(sampled, 0)
-        active = list(sampled)
-        while True:
-            mask = a >= torch.repeat_interleave(thr.float(), sizes, output_size=N)
-            at_end = mask.cumsum(0)[ends]
-            counts = torch.diff(at_end, prepend=at_end.new_zeros(1)).tolist()  # one read
-            lowering = []
-            for i in active:
-                c, k = counts[i], ks[i]
-                if not (c > upper * k or c >= lower * k or adjustments[i] >= max_adjust):
-                    lowering.append(i)
-                    adjustments[i] += 1
-            if not lowering:
-                break
-            active = lowering
-            lowered = to_device(lowering, torch.int64, dev)
-            thr[lowered] = thr[lowered] * lower  # the same IEEE products as θ ← 0.8·θ
+        level = _levels(a, table.float(), sizes, lower, N)  # in 0 … J + 1 (J + 1: never met)
+        seg_of = torch.repeat_interleave(torch.arange(S, device=dev), sizes, output_size=N)
+        hist = torch.bincount(seg_of * (J + 2) + level, minlength=S * (J + 2))
+        by_round = hist.view(S, J + 2).cumsum(1)[:, :J + 1]  # count in round j, per tensor
+        need = lower * to_device(ks, torch.float64, dev)  # the same products as lower · k
+        enough = torch.cat([by_round.double() >= need[:, None],
+                            torch.ones(S, 1, dtype=torch.bool, device=dev)], dim=1)
+        rounds = enough.int().argmax(1).clamp(max=J)  # first round with enough, else J
+        unsampled = thr == -math.inf  # k >= n: every entry, no round
+        rounds = torch.where(unsampled, 0, rounds)
+        thr = table.gather(1, rounds[:, None]).view(S)
+        mask = level <= rounds[seg_of]
+        counts_dev = by_round.gather(1, rounds[:, None]).view(S)
+        counts, done = torch.stack([counts_dev, rounds]).tolist()  # the one read
+        adjustments = {i: done[i] for i in sampled}
         # 4. more than k candidates: the k largest of them (= the tensor's top-k)
         cand = torch.nonzero_static(mask, size=sum(counts)).view(-1)
         keep = [min(c, k) for c, k in zip(counts, ks)]
@@ -200,3 +207,28 @@ class DGC(Sparsifier):
             except (TypeError, ValueError) as e:
                 raise ValueError(f"dgc: the saved draws are malformed ({e})") from None
         self.draws = draws
+
+
+def _levels(a: torch.Tensor, table: torch.Tensor, sizes: torch.Tensor, lower: float,
+            N: int) -> torch.Tensor:
+    """For each entry of ``a`` (segments of ``sizes``), the first column ``j`` of its segment's
+    row of ``table`` (non-increasing thresholds θ·lower^j, fp32) with ``a >= table[j]``;
+    ``J + 1`` when it meets none. A logarithm estimates ``j`` and exact comparisons against
+    the table correct it, so the levels equal those of ``J + 1`` comparisons per entry in a
+    fixed number of operations."""
+    S, J1 = table.shape
+    # a column of -inf that every entry meets: level J + 1
+    padded = torch.cat([table, table.new_full((S, 1), -math.inf)], dim=1).reshape(-1)
+    base = torch.repeat_interleave(torch.arange(S, device=a.device) * (J1 + 1), sizes,
+                                   output_size=N)
+    af = a.float()
+    first = padded[base]  # the segment's round-0 threshold
+    est = torch.ceil(torch.log(af / first) / math.log(lower))  # fp32: off by < 1e-4 rounds
+    est = torch.nan_to_num(est, nan=0.0, posinf=float(J1), neginf=0.0)
+    est = torch.where(first == -math.inf, 0.0, est)  # a tensor sent whole: round 0
+    level = est.clamp(0, J1).to(torch.int64)
+    for _ in range(2):  # the estimate is off by at most one round; twice each way for ties
+        level = level + (af < padded[base + level]).to(torch.int64)
+        back = (level - 1).clamp(min=0)
+        level = level - ((level > 0) & (af >= padded[base + back])).to(torch.int64)
+    return level

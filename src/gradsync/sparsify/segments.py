@@ -6,7 +6,7 @@ per tensor: on a GPU a kernel launch each, and a wait for the device each, so th
 with the number of tensors, not of buffers. Here the buffer ``x = cat(t_1, …, t_S)`` is
 selected as a whole: the per-tensor quantities (k_i, thresholds θ_i, counts) are vectors of S
 entries on the device, every operation runs over the buffer once, and the host reads the
-segments' counts once per round instead of once per tensor.
+segments' counts once per buffer (DGC: every adjustment round at once) instead of once per tensor.
 
 The selections equal the per-tensor ones: the same entries (up to the order among entries of
 exactly equal magnitude at a tensor's k-th place, where both pick any), the same random draws
