@@ -184,28 +184,54 @@ def test_tally_counts_device_reads_on_cuda_only_where_a_copy_to_the_host_ran():
 PER_BUFFER = ("dense", "topka", "densestream", "hook:dense", "hook:auto")
 
 
-def test_a_step_costs_per_buffer_not_per_tensor(tmp_path):
-    """Issue 42's CPU criteria, counted by ``bench overhead`` at P = 1 with compression on:
-    on ResNet-50 (161 tensors) every per-buffer scheme dispatches at most 1.3× DDP's aten ops
-    and reads the host at most 8 times per step; on an MLP of the same parameters in 8 and in
-    64 layers, its ops beyond DDP's grow by at most 1.5× (the tensors grow 8×). The schemes
-    that select tensor by tensor on the CPU (per_tensor, ssfusion*) are not here: docs/results/
-    speed.md, "Segmented selection on the CPU"."""
+def _criteria_rows(tmp_path, schemes: tuple[str, ...], segmented: bool) -> dict:
+    """``bench overhead`` of ``schemes`` on ResNet-50 and the MLP in 8 and 64 layers, one
+    counted step each, and its rows by (model, scheme)."""
     rc = overhead.main(["--device", "cpu", "--model", "resnet50,mlp8,mlp64",
-                        "--schemes", ",".join(("ddp", *PER_BUFFER)), "--pairs", "1",
+                        "--schemes", ",".join(("ddp", *schemes)), "--pairs", "1",
                         "--steps", "1", "--warmup-steps", "1", "--count-steps", "1",
-                        "--mlp-params", "262144", "--repeats", "1", "--out", str(tmp_path)])
+                        "--mlp-params", "262144", "--repeats", "1", "--out", str(tmp_path)]
+                       + (["--segments-on-cpu"] if segmented else []))
     assert rc == 0
-    rows = {(r["model"], r["scheme"]): r
-            for r in json.loads((tmp_path / "overhead-cpu.json").read_text())["rows"]}
+    name = "overhead-cpu-segments.json" if segmented else "overhead-cpu.json"
+    return {(r["model"], r["scheme"]): r
+            for r in json.loads((tmp_path / name).read_text())["rows"]}
+
+
+def _assert_per_buffer(rows: dict, schemes: tuple[str, ...]) -> None:
+    """Issue 42's CPU bars: on ResNet-50 at most 1.3× DDP's aten ops and 8 host reads per
+    step; from 8 to 64 layers the ops beyond DDP's grow by at most 1.5×."""
     assert rows["resnet50", "ddp"]["tensors"] == 161
     ddp = rows["resnet50", "ddp"]["aten_ops"]
-    for s in PER_BUFFER:
+    for s in schemes:
         r = rows["resnet50", s]
         assert r["aten_ops"] <= 1.3 * ddp, (s, r["aten_ops"], ddp)
         assert r["host_reads"] <= 8, (s, r["host_read_ops"])
         few, many = rows["mlp8", s]["ops_beyond_ddp"], rows["mlp64", s]["ops_beyond_ddp"]
         assert many <= 1.5 * abs(few), (s, few, many)
+
+
+def test_a_step_costs_per_buffer_not_per_tensor(tmp_path):
+    """Issue 42's CPU criteria, counted by ``bench overhead`` at P = 1 with compression on:
+    on ResNet-50 (161 tensors) every per-buffer scheme dispatches at most 1.3× DDP's aten ops
+    and reads the host at most 8 times per step; on an MLP of the same parameters in 8 and in
+    64 layers, its ops beyond DDP's grow by at most 1.5× (the tensors grow 8×). The schemes
+    that select tensor by tensor on the CPU (per_tensor, ssfusion*) are measured on the
+    accelerators' path below (docs/results/speed.md, "Segmented selection on the CPU")."""
+    _assert_per_buffer(_criteria_rows(tmp_path, PER_BUFFER, False), PER_BUFFER)
+
+
+# the engine's per-tensor schemes on the accelerators' path (each buffer selected at once:
+# sparsify.segments; prepare's finiteness check, the missing tensors and TopkA's counts read
+# with the step's other checks or not at all: SparseGrad.capacity)
+SEGMENTED = ("per_tensor", "ssfusion")
+
+
+def test_per_tensor_selection_costs_per_buffer_on_the_accelerators_path(tmp_path):
+    """The same bars for the schemes that give every tensor its own k, measured as a GPU runs
+    them (``--segments-on-cpu``): one host read per buffer for DGC's counts, one for the
+    step's checks."""
+    _assert_per_buffer(_criteria_rows(tmp_path, SEGMENTED, True), SEGMENTED)
 
 
 def test_segments_on_cpu_measures_the_accelerators_path(tmp_path):

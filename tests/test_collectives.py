@@ -179,6 +179,27 @@ def _rank_fn(rank: int, world_size: int, names: list[str]) -> dict:
                 out["mismatch"][name, "prefix"] = f"ValueError: {e}"
             except Exception:
                 out["mismatch"][name, "prefix"] = traceback.format_exc()
+    # TopkA with a fixed capacity (SparseGrad.capacity, alike on every rank: the largest
+    # count of any rank plus 3), every case; and, at P > 1, a capacity that differs on rank 0
+    out["capped"] = {}
+    for dtype in DTYPES:
+        for case in CASES:
+            cap = 3 + max(len(selection(case, r, P, dtype)) for r in range(P))
+            s = selection(case, rank, P, dtype)
+            res = collectives.get("topka")(
+                SparseGrad(s.indices, s.values, s.numel, dense_prefix=s.dense_prefix,
+                           capacity=cap), step=0)
+            out["capped"][str(dtype), case] = (res.dense, res.kept, res.stats.bytes_sent, cap,
+                                               res.info)
+    if P > 1:
+        try:
+            collectives.get("topka")(SparseGrad(torch.arange(2), torch.ones(2), 10,
+                                                capacity=4 + (rank == 0)))
+            out["capped_mismatch"] = "returned"
+        except ValueError as e:
+            out["capped_mismatch"] = f"ValueError: {e}"
+        except Exception:
+            out["capped_mismatch"] = traceback.format_exc()
     if P > 1:  # a rank that breaks its dense-prefix promise (fewer entries than the prefix,
         # built unchecked): TopkA sees every rank's count and every rank raises
         n = 1 if rank == 0 else 3
@@ -322,6 +343,37 @@ def test_topka_refuses_a_rank_with_fewer_entries_than_the_dense_prefix(P):
     got = [o["short_prefix"] for o in results(P)]
     assert all(g.startswith("ValueError") and "fewer than the dense prefix" in g
                for g in got), got
+
+
+@pytest.mark.parametrize("P", WORLD_SIZES)
+def test_topka_at_a_fixed_capacity_sums_like_the_exact_size_exchange(P):
+    """A selection with a capacity every rank shares travels as one equal-size message per
+    rank (an 8-byte count, room for the capacity's indices past the dense prefix and its
+    values): the sum is the float64 reference's, bit for bit the exact-size exchange's, every
+    entry is kept, and a capacity that differs between ranks fails on every rank."""
+    from gradsync.collectives.comm import ring_allreduce_bytes
+    from gradsync.formats.wire import capped_entries_bytes, wire_index_dtype
+
+    outs = results(P)
+    for dtype in DTYPES:
+        for case in CASES:
+            exact = [o["cases"]["topka", str(dtype), case] for o in outs]
+            for r, o in enumerate(outs):
+                dense, kept, sent, cap, info = o["capped"][str(dtype), case]
+                s = selection(case, r, P, dtype)
+                assert torch.equal(_bits(dense), _bits(exact[r][0])), (case, dtype, r)
+                assert torch.equal(dense.double(), reference(case, P, dtype).to(dtype)
+                                   .double()), (case, dtype)
+                assert torch.equal(kept, s.indices)
+                size = capped_entries_bytes(cap, wire_index_dtype(s.numel), dtype,
+                                            s.dense_prefix)
+                # P − 1 messages of the capacity's size, plus the 32-byte shape check
+                shape = ring_allreduce_bytes(32, P) if P > 1 else 0
+                assert sent == (P - 1) * size + shape, (case, sent)
+                assert info["capacity"] == cap and "checks" not in info
+    if P > 1:
+        got = [o["capped_mismatch"] for o in outs]
+        assert all(g.startswith("ValueError") and "capacities differ" in g for g in got), got
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])

@@ -825,11 +825,11 @@ def test_apply_keeps_the_rest_and_refuses_kept_indices_outside_the_job(kept):
     """``apply`` on a fused job of tensors a (3 entries) and b (2): the residual is the
     accumulated gradient with the kept positions zeroed, whether the collective returned them
     sorted or not; a kept position outside [0, 5) is refused before any residual changes
-    (apply checks the range once per job, not once per tensor)."""
+    (``settle`` checks every job of a step in one read, before any is applied)."""
     from concurrent.futures import Future
 
     from gradsync.collectives.comm import CommStats
-    from gradsync.engine.apply import apply
+    from gradsync.engine.apply import apply, settle
     from gradsync.engine.audit import AuditSink
     from gradsync.engine.jobs import Job, JobResult, Launched
     from gradsync.engine.stats import StepStats
@@ -845,17 +845,20 @@ def test_apply_keeps_the_rest_and_refuses_kept_indices_outside_the_job(kept):
     result = JobResult(dense=total.clone(), kept=torch.tensor(kept, dtype=torch.int64),
                        stats=CommStats())
     if any(not 0 <= i < 5 for i in kept):
-        with pytest.raises(ValueError, match=r"outside the job's \[0, 5\)"):
-            apply(launched, result, params, 2, ef, StepStats(), 0, AuditSink(False))
+        with pytest.raises(ValueError, match=r"outside the job's buffer"):
+            settle([(launched, result)])
+        res = ef.residual("a")  # nothing applied: no residual kept yet
+        assert res is None or not res.any()
         return
     stats = StepStats()
+    missing, _ = settle([(launched, result)])
     apply(launched, result, params, 2, ef, stats, 0, AuditSink(False))
     flat = torch.cat([grads["a"], grads["b"]])
     flat[kept] = 0
     assert torch.equal(torch.cat([ef.residual("a"), ef.residual("b")]), flat)
     assert torch.equal(torch.cat([params["a"].grad, params["b"].grad]), total / 2)
     assert stats.selected == len(kept) and stats.tensors == 2
-    assert stats.missing == (0 if len(kept) == 2 else 2)
+    assert missing == (0 if len(kept) == 2 else 2)
 
 
 class _ComputeOps(TorchDispatchMode):

@@ -182,6 +182,56 @@ def test_wire_entries_with_a_dense_prefix_round_trip_without_its_indices(data, i
         wire.unpack_entries(buf, m + tail, index, dtype, prefix=m + tail + 1)
 
 
+@settings(max_examples=60, deadline=None)
+@given(data=st.data(), index=st.sampled_from([torch.int32, torch.int64]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
+def test_wire_capped_entries_round_trip_and_mask_what_lies_past_the_count(data, index, dtype):
+    """pack_entries_capped: an int64 count, the indices past the dense prefix and zeros to
+    capacity − prefix, the values and zeros to the capacity; unpacked on the device, the
+    entries past the count read as index 0 and value +0, and ``ok`` holds."""
+    m = data.draw(st.integers(0, 10))
+    count = m + data.draw(st.integers(0, 20))
+    capacity = count + data.draw(st.integers(0, 15))
+    g = torch.Generator().manual_seed(m * 1009 + count * 31 + capacity)
+    idx = torch.cat([torch.arange(m), m + torch.sort(torch.randperm(400, generator=g)
+                                                     [:count - m]).values])
+    val = torch.randn(count, generator=g).to(dtype)
+    buf = wire.pack_entries_capped(idx, val, index, capacity, m)
+    ib, vb = index.itemsize, dtype.itemsize
+    assert buf.numel() == 8 + (capacity - m) * ib + capacity * vb == \
+        wire.capped_entries_bytes(capacity, index, dtype, m)
+    assert struct.unpack("<q", bytes(buf[:8].tolist()))[0] == count
+    got_i, got_v, ok = wire.unpack_entries_capped(buf, capacity, index, dtype, 400 + m, m)
+    assert bool(ok)
+    want_i = torch.zeros(capacity - m, dtype=torch.int64)
+    want_i[:count - m] = idx[m:]
+    want_v = torch.zeros(capacity, dtype=dtype)
+    want_v[:count] = val
+    assert torch.equal(got_i, want_i)
+    assert torch.equal(got_v.view(torch.uint8), want_v.view(torch.uint8))
+
+
+def test_wire_capped_entries_flag_hostile_counts_and_indices_without_writing_anywhere():
+    idx, val = torch.tensor([0, 1, 5]), torch.tensor([1.0, 2.0, 3.0])
+    with pytest.raises(ValueError, match="outside"):
+        wire.pack_entries_capped(idx, val, torch.int32, 2)  # above the capacity
+    with pytest.raises(ValueError, match="outside"):
+        wire.pack_entries_capped(idx[:1], val[:1], torch.int32, 4, prefix=2)  # below the prefix
+    buf = wire.pack_entries_capped(idx, val, torch.int32, 4, prefix=2)
+    with pytest.raises(ValueError, match="bytes"):
+        wire.unpack_entries_capped(buf[:-1], 4, torch.int32, torch.float32, 10, 2)
+    for bad in (5, 1, -1):  # above the capacity, below the prefix, negative
+        forged = buf.clone()
+        forged[:8] = torch.tensor(list(struct.pack("<q", bad)), dtype=torch.uint8)
+        i, _, ok = wire.unpack_entries_capped(forged, 4, torch.int32, torch.float32, 10, 2)
+        assert not bool(ok) and int(i.min()) >= 0 and int(i.max()) < 10
+    for bad_index in (10, -3):  # an announced index outside [0, numel): flagged and zeroed
+        forged = buf.clone()
+        forged[8:12] = torch.tensor(list(struct.pack("<i", bad_index)), dtype=torch.uint8)
+        i, _, ok = wire.unpack_entries_capped(forged, 4, torch.int32, torch.float32, 10, 2)
+        assert not bool(ok) and int(i[0]) == 0
+
+
 def test_wire_fixed_entries_refuse_hostile_counts_and_sizes():
     idx, val = torch.tensor([1, 5]), torch.tensor([1.0, 2.0])
     with pytest.raises(ValueError, match="exceed the capacity"):

@@ -35,6 +35,7 @@ __all__ = [
     "check_finite",
     "check_indices",
     "densify",
+    "finite_flag",
     "flatnonzero",
     "isin_sorted",
     "mark_at",
@@ -71,6 +72,14 @@ def target_k(n: int, density: float) -> int:
 def all_finite(x: torch.Tensor) -> bool:
     """True when ``x`` holds no NaN/Inf."""
     return all_finite_each([x])[0]
+
+
+def finite_flag(x: torch.Tensor) -> torch.Tensor:
+    """Whether ``x`` holds no NaN/Inf, as a bool on its device: no read (the caller reads it
+    with others). NaN propagates through min/max and ±Inf shows in them."""
+    if not x.numel() or not x.is_floating_point():
+        return torch.ones((), dtype=torch.bool, device=x.device)
+    return torch.isfinite(torch.stack(torch.aminmax(x))).all()
 
 
 def all_finite_each(xs: Sequence[torch.Tensor]) -> list[bool]:
@@ -327,21 +336,29 @@ class SparseGrad:
     collective stays correct when it ignores it; TopkA uses it to send those m values without
     their indices (:func:`gradsync.formats.wire.pack_entries`); :meth:`to` keeps it. Validated
     like the indices (``0 ≤ m ≤ nnz``, ``m ≤ numel``, ``indices[m−1] == m−1``).
+
+    ``capacity`` (default ``None``: unknown) bounds nnz by a number that every rank knows
+    without asking the others: a selection of at most k_i entries per tensor of a plan that all
+    ranks share (``sparsify.select_buffer`` of DGC or exact top-k: Σ k_i; a tensor sent whole:
+    its size). TopkA then sends one message of that fixed size with the count inside, so no
+    rank reads a count back before the values travel. Validated ``nnz ≤ capacity``.
     """
 
     indices: torch.Tensor
     values: torch.Tensor
     numel: int
     dense_prefix: int = 0
+    capacity: int | None = None
 
     def __init__(
         self, indices: torch.Tensor, values: torch.Tensor, numel: int, *, validate: bool = True,
-        dense_prefix: int = 0,
+        dense_prefix: int = 0, capacity: int | None = None,
     ) -> None:
         object.__setattr__(self, "indices", indices)
         object.__setattr__(self, "values", values)
         object.__setattr__(self, "numel", int(numel))
         object.__setattr__(self, "dense_prefix", int(dense_prefix))
+        object.__setattr__(self, "capacity", None if capacity is None else int(capacity))
         if validate:
             self._validate()
 
@@ -371,6 +388,9 @@ class SparseGrad:
         if m < 0 or m > i.numel():
             raise ValueError(f"SparseGrad: dense_prefix must lie in [0, nnz={i.numel()}], "
                              f"got {m}")
+        if self.capacity is not None and not i.numel() <= self.capacity:
+            raise ValueError(f"SparseGrad: {i.numel()} entries exceed the capacity "
+                             f"{self.capacity}")
         if m and int(i[m - 1]) != m - 1:  # strictly increasing from >= 0: then 0 … m−1
             raise ValueError(f"SparseGrad: dense_prefix={m} but the first {m} indices are not "
                              f"0 … {m - 1}")
@@ -439,7 +459,7 @@ class SparseGrad:
         """Move/cast the values (``.to(dtype)``/``.to(device)``); indices follow the device."""
         v = self.values.to(*args, **kwargs)
         return SparseGrad(self.indices.to(v.device), v, self.numel, validate=False,
-                          dense_prefix=self.dense_prefix)
+                          dense_prefix=self.dense_prefix, capacity=self.capacity)
 
     def __repr__(self) -> str:
         return (

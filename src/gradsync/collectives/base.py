@@ -21,7 +21,24 @@ from gradsync.collectives.comm import Comm, CommStats
 from gradsync.formats.wire import DTYPE_CODES
 from gradsync.sparsegrad import SparseGrad
 
-__all__ = ["Collective", "SyncResult"]
+__all__ = ["CHECKS", "Collective", "SyncResult", "raise_failed"]
+
+#: the key of ``_reduce``'s info under which a collective leaves checks made on the device:
+#: a list of ``(ok, message)``, ``ok`` a bool tensor (``Collective.__call__``)
+CHECKS = "checks"
+# the shape check's word holds the capacity modulo this (plus one; 0: no capacity)
+_CAP_MOD = (1 << 22) - 1
+
+
+def raise_failed(checks: list[tuple[torch.Tensor, str]]) -> None:
+    """Read ``checks`` (``(ok, message)``, ``ok`` on the device) in one copy and raise
+    ``ValueError`` with the first failed one's message."""
+    if not checks:
+        return
+    oks = torch.stack([ok.reshape(()).to(torch.bool) for ok, _ in checks]).tolist()
+    for ok, (_, message) in zip(oks, checks):
+        if not ok:
+            raise ValueError(message)
 
 
 @dataclass
@@ -56,8 +73,13 @@ class Collective(ABC):
         return None
 
     def __call__(
-        self, sel: SparseGrad, group: dist.ProcessGroup | None = None, step: int = 0
+        self, sel: SparseGrad, group: dist.ProcessGroup | None = None, step: int = 0, *,
+        deferred: list[tuple[torch.Tensor, str]] | None = None,
     ) -> SyncResult:
+        """Reduce ``sel`` over the group. Checks a collective makes on the device (TopkA's
+        fixed-capacity messages: :data:`CHECKS`) are read before returning (``ValueError``),
+        or, with ``deferred``, appended to it as ``(ok, message)`` for the caller to read with
+        the step's other checks, one read for all (the engine and the DDP hook do)."""
         if not isinstance(sel, SparseGrad):
             raise ValueError(f"{self.name}: expected a SparseGrad, got {type(sel).__name__}")
         comm = Comm(group)
@@ -65,23 +87,34 @@ class Collective(ABC):
         if self.check_shapes and comm.size > 1:
             self._agree(sel, comm)
         dense, kept, info = self._reduce(sel, comm, step)
+        checks = info.pop(CHECKS, [])
+        if deferred is not None:
+            deferred.extend(checks)
+        else:
+            raise_failed(checks)
         comm.stats.seconds = time.perf_counter() - t0
         return SyncResult(dense=dense, kept=kept, stats=comm.stats, info=info)
 
     @staticmethod
     def _agree(sel: SparseGrad, comm: Comm) -> None:
-        # the dtype code (one byte) and the dense prefix share the second word
-        code = DTYPE_CODES.get(sel.dtype, 0) + 256 * sel.dense_prefix
+        # the dtype code (one byte), the dense prefix (below 2**31) and a fingerprint of the
+        # capacity (SparseGrad.capacity; 0: none) share the second word
+        cap = 0 if sel.capacity is None else sel.capacity % _CAP_MOD + 1
+        code = (DTYPE_CODES.get(sel.dtype, 0) + 256 * sel.dense_prefix
+                + (1 << 40) * cap)
         word = torch.tensor([sel.numel, code, -sel.numel, -code], dtype=torch.int64,
                             device=comm.device)
         comm.all_reduce(word, op=dist.ReduceOp.MAX)
         hi_n, hi_c, lo_n, lo_c = (int(w) for w in word.tolist())
         if hi_n != -lo_n or hi_c != -lo_c:
+            mask = (1 << 40) - 1
             raise ValueError(
                 f"ranks disagree on the tensor: numel ranges over [{-lo_n}, {hi_n}], dtype "
                 f"codes over [{-lo_c % 256}, {hi_c % 256}], dense prefixes over "
-                f"[{-lo_c // 256}, {hi_c // 256}]; this rank ({comm.rank}) has "
-                f"numel={sel.numel}, dtype={sel.dtype}, dense_prefix={sel.dense_prefix}"
+                f"[{(-lo_c & mask) // 256}, {(hi_c & mask) // 256}], capacities "
+                f"{'agree' if (-lo_c) >> 40 == hi_c >> 40 else 'differ'}; this rank "
+                f"({comm.rank}) has numel={sel.numel}, dtype={sel.dtype}, "
+                f"dense_prefix={sel.dense_prefix}, capacity={sel.capacity}"
             )
 
     @abstractmethod

@@ -10,6 +10,17 @@ travels as values only. Duplicates across ranks accumulate
 as int32 when numel < 2**31, else int64 (:func:`~gradsync.formats.wire.wire_index_dtype`),
 never through a float buffer.
 
+**Fixed capacity.** A selection whose size every rank can bound without asking
+(``SparseGrad.capacity``: Σ k_i of a buffer selected at once by DGC or exact top-k, the plan's
+k_i alike on every rank) skips the count exchange: each rank sends one message of the capacity's
+size with its count in an 8-byte header (:func:`gradsync.formats.wire.pack_entries_capped`),
+one equal-size all-gather carries them, and the receivers mask what lies past each count on
+the device. No count is read back to the host (on a GPU: no wait for the device before the
+values travel); the messages' checks (count within the capacity, indices in range) are read
+by the caller with the step's others (``Collective.__call__``'s ``deferred``). The price is
+the padding, at most the capacity minus the count (DGC keeps between 0.8·k and k entries),
+and 8 bytes.
+
 Every rank adds the P contributions in rank order, so ``dense`` is bitwise identical everywhere.
 """
 
@@ -22,7 +33,14 @@ import torch
 from gradsync.collectives import registry
 from gradsync.collectives.base import Collective
 from gradsync.collectives.comm import Comm
-from gradsync.formats.wire import entries_bytes, pack_entries, unpack_entries, wire_index_dtype
+from gradsync.formats.wire import (
+    entries_bytes,
+    pack_entries,
+    pack_entries_capped,
+    unpack_entries,
+    unpack_entries_capped,
+    wire_index_dtype,
+)
 from gradsync.sparsegrad import SparseGrad, add_at
 
 
@@ -34,8 +52,10 @@ class TopkA(Collective):
         self, sel: SparseGrad, comm: Comm, step: int
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         m = sel.dense_prefix  # alike on every rank (the shape check compares it)
-        counts = comm.all_gather_counts(len(sel), sel.device)
         wire = wire_index_dtype(sel.numel)
+        if sel.capacity is not None:  # alike on every rank too
+            return self._reduce_capped(sel, comm, wire, m)
+        counts = comm.all_gather_counts(len(sel), sel.device)
         if min(counts) < m:  # every rank sees the same counts, so every rank raises
             raise ValueError(f"topka: a rank sent {min(counts)} entries, fewer than the "
                              f"dense prefix of {m}")
@@ -48,3 +68,25 @@ class TopkA(Collective):
                 dense[:m] += val[:m]
             add_at(dense, idx, val[m:])
         return dense, sel.indices, {"counts": counts}
+
+    @staticmethod
+    def _reduce_capped(sel: SparseGrad, comm: Comm, wire: torch.dtype, m: int
+                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """The fixed-capacity exchange (module doc): one all-gather of equal messages, every
+        rank's entries added in rank order, the messages' checks left on the device."""
+        cap = sel.capacity
+        assert cap is not None
+        msgs = comm.all_gather(pack_entries_capped(sel.indices, sel.values, wire, cap, m))
+        dense = torch.zeros(sel.numel, dtype=sel.dtype, device=sel.device)
+        oks = []
+        for msg in msgs:
+            idx, val, ok = unpack_entries_capped(msg, cap, wire, sel.dtype, sel.numel, m,
+                                                 "topka")
+            if m:  # the tensors sent whole: values only, added in rank order
+                dense[:m] += val[:m]
+            add_at(dense, idx, val[m:])  # past the count: +0 at position 0, a no-op
+            oks.append(ok)
+        ok = oks[0] if len(oks) == 1 else torch.stack(oks).all()
+        return dense, sel.indices, {"capacity": cap, "checks": [
+            (ok, f"topka: a rank's message announces a count outside [{m}, {cap}] or an index "
+                 f"outside [0, {sel.numel})")]}

@@ -15,6 +15,8 @@ jobs, which of this rank's entries entered it (``kept``). Per tensor of the job:
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 from torch import nn
 
@@ -22,14 +24,36 @@ from gradsync.engine.audit import AuditRecord, AuditSink, values_at
 from gradsync.engine.jobs import JobResult, Launched, Mode, Transport, bounds
 from gradsync.engine.stats import StepStats
 from gradsync.feedback import ErrorFeedback
+from gradsync.sparsify.segments import to_device
 
-__all__ = ["apply", "count_missing"]
+__all__ = ["apply", "count_missing", "missing_check", "settle", "settle_missing"]
+
+
+def settle(jobs: Sequence[tuple[Launched, JobResult]], who: str = "",
+           flags: Sequence[torch.Tensor] = ()) -> tuple[int, list[bool]]:
+    """Before any job of a step is applied: every sparse job's :func:`missing_check` and its
+    collective's device-side checks, read back in one copy with ``flags`` (bools on the
+    device, e.g. prepare's deferred finiteness checks) (:func:`settle_missing`).
+    Returns the step's missing tensors and the flags' values; ``ValueError`` before any
+    ``.grad`` or residual changes when a collective kept a position outside its job or sent a
+    malformed message."""
+    checks: list[torch.Tensor] = []
+    wire: list[tuple[torch.Tensor, str]] = []
+    for launched, result in jobs:
+        if launched.job.mode is Mode.DENSE:
+            continue
+        spans = bounds(launched.job.names, launched.sizes)
+        checks.append(missing_check(result.kept.to(torch.int64), [lo for _, lo, _ in spans],
+                                    spans[-1][2]))
+        wire.extend(result.checks)
+    return settle_missing(checks, "the job's buffer", who, wire, flags)
 
 
 def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter],
           P: int, ef: ErrorFeedback, stats: StepStats, step: int, audit: AuditSink) -> None:
     """Write the averaged gradients of ``launched`` and update its residuals, one buffer at a
-    time (a fixed number of operations per job, plus the ``.grad`` writes)."""
+    time (a fixed number of operations per job, plus the ``.grad`` writes), once
+    :func:`settle` has checked the step's jobs (and counted their missing tensors)."""
     job, acc = launched.job, launched.acc
     spans = bounds(job.names, launched.sizes)
     offset = spans[-1][2]
@@ -60,13 +84,10 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
                     torch.zeros_like(a) if residual is None else residual[lo:hi].clone()))
         return
     kept = result.kept.to(torch.int64)
-    missing = count_missing(kept, [lo for _, lo, _ in spans], offset, "the job's",
-                            f"{job.wire}: ")
     whole = kept.numel() == offset  # distinct indices: every entry (no index work)
     sent = None if acc.dtype == wire else (acc if whole else acc[kept]).to(wire)
     residual = ef.update_buffer(launched.index, acc, None if whole else kept, sent)
     stats.selected += int(kept.numel())
-    stats.missing += int(missing)
     if result.sent_values is not None:  # auditing
         kept_values = values_at(result.sent_indices, result.sent_values, kept)
         for n, lo, hi in spans:
@@ -76,26 +97,56 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
                 kept[mine] - lo, kept_values[mine].clone(), residual[lo:hi].clone()))
 
 
+def missing_check(kept: torch.Tensor, starts: list[int], numel: int) -> torch.Tensor:
+    """On the device, no read: ``[in_range, missing]`` (int64) for the positions ``kept`` of a
+    buffer of ``numel`` entries whose tensors start at ``starts`` (ascending, the last one
+    ending at ``numel``; positions before ``starts[0]`` belong to none): whether every position
+    lies in ``[0, numel)``, and how many tensors have none (SSFusion Table I's missing
+    tensors). :func:`settle_missing` reads a step's checks at once."""
+    dev = kept.device
+    if not kept.numel():
+        return torch.tensor([1, len(starts)], dtype=torch.int64, device=dev)
+    lo, hi = torch.aminmax(kept)
+    in_range = ((lo >= 0) & (hi < numel)).to(torch.int64)
+    if not starts:
+        return torch.stack([in_range, in_range * 0])
+    at = to_device(starts, torch.int64, dev)
+    owner = torch.searchsorted(at, kept, right=True)  # 0: before the first tensor
+    counts = torch.bincount(owner.clamp_(max=len(starts)), minlength=len(starts) + 1)
+    return torch.stack([in_range, (counts[1:] == 0).sum()])
+
+
+def settle_missing(checks: list[torch.Tensor], what: str, who: str = "",
+                   wire: Sequence[tuple[torch.Tensor, str]] = (),
+                   flags: Sequence[torch.Tensor] = ()) -> tuple[int, list[bool]]:
+    """The missing tensors of a step's :func:`missing_check` results, read back with the
+    collectives' device-side checks (``wire``: ``(ok, message)``, ``Collective.__call__``'s
+    ``deferred``) and the caller's ``flags`` in one copy (on a GPU each read waits for the
+    queued work). Returns the missing tensors and the flags' values. ``ValueError`` with the
+    first failed ``wire`` message, or (``who``, then ``what``) when a collective kept a
+    position outside its buffer instead of it being dropped."""
+    parts = [torch.stack(checks).view(-1)] if checks else []
+    bools = [ok.reshape(()) for ok, _ in wire] + [f.reshape(()) for f in flags]
+    if bools:
+        parts.append(torch.stack(bools).to(torch.int64))
+    if not parts:
+        return 0, []
+    values = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
+    n, w = 2 * len(checks), len(wire)
+    for ok, (_, message) in zip(values[n:n + w], wire):
+        if not ok:
+            raise ValueError(message)
+    if any(not ok for ok in values[0:n:2]):
+        raise ValueError(f"{who}the collective kept positions outside {what}")
+    return sum(values[1:n:2]), [bool(v) for v in values[n + w:]]
+
+
 def count_missing(kept: torch.Tensor, starts: list[int], numel: int, what: str,
                   who: str = "") -> int:
-    """How many of the tensors that start at ``starts`` (ascending, the last one ending at
-    ``numel``) have no position in ``kept`` (SSFusion Table I's missing tensors); positions
-    before ``starts[0]`` belong to none. A position outside ``[0, numel)`` raises
-    ``ValueError`` (``who``, then ``what``) instead of being dropped. Range check and count
-    come back to the host in one read (on a GPU each read waits for the queued work)."""
-    if not kept.numel():
-        return len(starts)
-    lo, hi = torch.aminmax(kept)
-    checks = [(lo >= 0) & (hi < numel)]
-    if starts:
-        at = torch.tensor(starts, dtype=torch.int64, device=kept.device)
-        owner = torch.searchsorted(at, kept, right=True)  # 0: before the first tensor
-        counts = torch.bincount(owner.clamp_(max=len(starts)), minlength=len(starts) + 1)
-        checks.append((counts[1:] == 0).sum())
-    in_range, *missing = torch.stack(checks).tolist()
-    if not in_range:
-        raise ValueError(f"{who}the collective kept positions outside {what} [0, {numel})")
-    return int(missing[0]) if missing else 0
+    """:func:`missing_check` and :func:`settle_missing` of one buffer: how many of the tensors
+    that start at ``starts`` have no position in ``kept``; ``ValueError`` for a position outside
+    ``[0, numel)``. One read."""
+    return settle_missing([missing_check(kept, starts, numel)], f"{what} [0, {numel})", who)[0]
 
 
 def _write_grads(params: dict[str, nn.Parameter], spans: list[tuple[str, int, int]],

@@ -151,9 +151,11 @@ class Executor:
             stats, in_flight = self._all_reduce(dense)
             return JobResult(dense, sel.indices, stats, offload_s, sent_idx, sent_vals,
                              in_flight)
-        res = self._collective(f"job:{index}", job.collective_density)(sel, group=self.group,
-                                                                        step=step)
-        return JobResult(res.dense, res.kept, res.stats, offload_s, sent_idx, sent_vals)
+        checks: list[tuple[torch.Tensor, str]] = []
+        res = self._collective(f"job:{index}", job.collective_density)(
+            sel, group=self.group, step=step, deferred=checks)
+        return JobResult(res.dense, res.kept, res.stats, offload_s, sent_idx, sent_vals,
+                         checks=checks)
 
     def _all_reduce(self, data: torch.Tensor) -> tuple[CommStats, InFlight]:
         """Issue the all-reduce of ``data`` and return without waiting for it: the next job

@@ -172,6 +172,9 @@ class JobResult:
     # an all-reduce the communication thread issued and did not wait for (``dense`` is its
     # buffer): :meth:`settle` waits for it on the training thread
     in_flight: InFlight | None = None
+    # the collective's checks left on the device, ``(ok, message)`` (Collective.__call__'s
+    # ``deferred``): read with the step's others
+    checks: list[tuple[torch.Tensor, str]] = field(default_factory=list)
 
     def settle(self) -> JobResult:
         """Wait for the all-reduce still in flight, if any: ``dense`` holds the sum after."""
@@ -217,6 +220,9 @@ class Launched:
     future: Future[JobResult]
     audit_acc: torch.Tensor | None = None  # a clone of ``acc`` or the gradients (audit only)
     storage: torch.Tensor | None = None  # the job's gradient storage, which .grad views
+    # whether the job's gradients were finite, still on the device (prepare's deferred check;
+    # None: ``nonfinite`` says it)
+    finite: torch.Tensor | None = None
 
 
 @dataclass
@@ -269,8 +275,10 @@ def bounds(names: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, int, i
 
 def concat(parts: list[SparseGrad]) -> SparseGrad:
     """Concatenate per-tensor selections into one selection over the fused buffer. The leading
-    parts sent whole (and the next part's own dense prefix) form its dense prefix."""
+    parts sent whole (and the next part's own dense prefix) form its dense prefix; its
+    capacity is the parts' sum, when every part has one (``SparseGrad.capacity``)."""
     idx, vals, offset, prefix, leading = [], [], 0, 0, True
+    capacity: int | None = 0
     for s in parts:
         idx.append(s.indices + offset)
         vals.append(s.values)
@@ -278,5 +286,6 @@ def concat(parts: list[SparseGrad]) -> SparseGrad:
         if leading:
             prefix += s.dense_prefix
             leading = s.dense_prefix == s.numel
+        capacity = None if capacity is None or s.capacity is None else capacity + s.capacity
     return SparseGrad(torch.cat(idx), torch.cat(vals), offset, validate=False,
-                      dense_prefix=prefix)
+                      dense_prefix=prefix, capacity=capacity)

@@ -5,6 +5,9 @@ For every tensor of the job, as soon as the job's tensors are all ready:
 
 1. **Non-finite check.** A gradient holding NaN/Inf is replaced by zeros, so it never enters a
    residual; the ranks agree on the step's fate after the collectives (``Config.nonfinite``).
+   On an accelerator (:func:`gradsync.sparsify.segments.pays_on`) the check is not read back
+   here: the job's buffer accumulates as zeros when it holds one, and the engine reads every
+   job's flag with the step's other checks, once per step.
    Dense jobs skip the check: the gradient (or its velocity, still pending) travels as it is,
    its NaN/Inf shows in the all-reduced sum on every rank, which the engine checks once, and a
    skipped step discards the pending velocity.
@@ -40,7 +43,7 @@ import torch
 from gradsync import sparsify
 from gradsync.engine.jobs import Job, Mode, Payload, bounds
 from gradsync.feedback import ErrorFeedback, clip_local
-from gradsync.sparsegrad import SparseGrad, all_finite, all_finite_each
+from gradsync.sparsegrad import SparseGrad, all_finite, all_finite_each, finite_flag
 from gradsync.sparsify import segments
 
 __all__ = ["Prepared", "prepare"]
@@ -58,6 +61,9 @@ class Prepared:
     nonfinite: list[str]  # tensors whose gradient held NaN/Inf
     payload: Payload
     sparsify_s: float  # inline selection time
+    # on an accelerator the check is not read here: whether the job's gradients were all
+    # finite, a bool on the device that the engine reads with the step's other checks
+    finite: torch.Tensor | None = None
 
 
 def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: ErrorFeedback,
@@ -75,7 +81,10 @@ def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: 
     # sum on every rank (GradSync.synchronize checks the sums, and a pending velocity is then
     # discarded), so no pass over it here
     dense = job.mode is Mode.DENSE
-    nonfinite = [] if dense else _nonfinite(job.names, sizes, grad)
+    # on an accelerator the check stays on the device (no wait here): a buffer that holds a
+    # NaN/Inf accumulates as zeros, and the engine reads the flag with the step's other checks
+    finite = None if dense or not segments.pays_on(grad.device) else finite_flag(grad)
+    nonfinite = [] if dense or finite is not None else _nonfinite(job.names, sizes, grad)
     if nonfinite:  # never enters a residual; the step is agreed later
         grad = grad.clone()
         for n, lo, hi in bounds(job.names, sizes):
@@ -89,6 +98,8 @@ def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: 
     if clip is not None:  # the gradients that enter error feedback, clipped (one call)
         grad = torch.cat(clip_local(list(grad.split(list(sizes))), *clip))
     acc = ef.accumulate_buffer(index, job.names, sizes, grad)
+    if finite is not None:  # acc is new (or the pending velocity, discarded on such a step)
+        acc.masked_fill_(~finite, 0.0)
     t0 = time.perf_counter()
     if dense:  # a copy: the all-reduce sums in place, and acc may be the pending velocity
         payload = Payload(dense=acc.to(wire, copy=True))
@@ -104,7 +115,8 @@ def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: 
             a = acc[lo:hi]
             if d is None:  # excluded from sparsification: every entry travels
                 parts.append(SparseGrad(torch.arange(hi - lo, device=a.device), a, hi - lo,
-                                        validate=False, dense_prefix=hi - lo))
+                                        validate=False, dense_prefix=hi - lo,
+                                        capacity=hi - lo))
             elif n in job.offload:  # SSFusion-O
                 parts.append(offload(sparsifier(n, d), a, step))
             else:  # selected below, all with one finiteness read (on a GPU: one wait)
@@ -114,7 +126,7 @@ def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: 
         tail = acc[first_inline:] if first_inline is not None else None
         parts = _select_inline(parts, inline, tail, step)
         payload = Payload(selections=parts, wire_dtype=wire)
-    return Prepared(acc, nonfinite, payload, time.perf_counter() - t0)
+    return Prepared(acc, nonfinite, payload, time.perf_counter() - t0, finite)
 
 
 def _nonfinite(names: Sequence[str], sizes: Sequence[int], grad: torch.Tensor) -> list[str]:
@@ -139,7 +151,8 @@ def _select_inline(parts: list, inline: list[tuple[int, sparsify.Sparsifier, tor
     if (len(inline) > 1 and [i for i, _, _ in inline] == list(range(first, len(parts)))
             and segments.pays_on(inline[0][2].device)):
         one = sparsify.select_buffer([sp for _, sp, _ in inline], tail,
-                                     [acc.numel() for _, _, acc in inline], step)
+                                     [acc.numel() for _, _, acc in inline], step,
+                                     checked=True)  # prepare's own check read the gradients
         if one is not None:
             return [*parts[:first], one]
     chosen = sparsify.select_each([(sp, acc) for _, sp, acc in inline], step)

@@ -56,7 +56,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from gradsync.collectives.comm import Comm
 from gradsync.engine import drift, warmup
-from gradsync.engine.apply import apply
+from gradsync.engine.apply import apply, settle
 from gradsync.engine.audit import AuditRecord, AuditSink
 from gradsync.engine.components import Components
 from gradsync.engine.config import Config, require_config
@@ -74,7 +74,7 @@ from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.stats import StepStats
 from gradsync.feedback import check_scaler, clip_local, follow_scale, saved_scale
 from gradsync.schedule import Plan, costmodel
-from gradsync.sparsegrad import all_finite, all_finite_each
+from gradsync.sparsegrad import all_finite, all_finite_each, finite_flag
 
 __all__ = ["GradSync"]
 
@@ -215,7 +215,10 @@ class GradSync:
         if profiling:
             self._warmup.observe(run.hook_times)
         results = self._collect(run, stats)
-        ok = self._agree(run, results, stats)
+        missing, deferred_bad, dense_bad = self._settle(run, results)
+        ok = self._agree(run, stats, deferred_bad, dense_bad)
+        if ok:
+            stats.missing += missing
         self._apply(run, results, stats, ok)
         self._advance(run, stats)
         if profiling:
@@ -246,21 +249,40 @@ class GradSync:
         stats.wait_s = time.perf_counter() - t0
         return results
 
-    def _agree(self, run: StepRun, results: list[JobResult], stats: StepStats) -> bool:
-        """Whether every rank's gradients were finite (``Config.nonfinite``), agreed by all."""
-        bad_local = sorted({n for lj in run.launched for n in lj.nonfinite})
-        # Plain all-reduces (Mode.DENSE) carry a rank's non-finite gradient as it is (prepare
-        # does not look at them), so their sums, alike on every rank, are non-finite then: one
-        # check of the sums instead of one per tensor. A step of only such jobs needs no
-        # agreement collective; in a mixed step it joins this rank's flag.
+    def _settle(self, run: StepRun, results: list[JobResult]) -> tuple[int, list[str], bool]:
+        """Every device-side check of the step in one read, before anything is applied: the
+        jobs' missing tensors and their collectives' checks (:func:`settle`), prepare's
+        deferred finiteness flags and the finiteness of the plain all-reduces' sums. Returns
+        the missing tensors, this rank's non-finite tensors among the deferred jobs (named
+        from the gradients, only when a flag failed) and whether a dense sum was non-finite.
+
+        Plain all-reduces (Mode.DENSE) carry a rank's non-finite gradient as it is (prepare
+        does not look at them), so their sums, alike on every rank, are non-finite then: one
+        check of the sums instead of one per tensor."""
+        deferred = [lj for lj in run.launched if lj.finite is not None]
         dense = [r.dense for lj, r in zip(run.launched, results) if lj.job.mode is Mode.DENSE]
-        dense_bad = not all(all_finite(d) for d in dense)
+        missing, flags = settle(list(zip(run.launched, results)), f"step {self.step}: ",
+                                [*(lj.finite for lj in deferred), *map(finite_flag, dense)])
+        bad: list[str] = []
+        for lj, ok in zip(deferred, flags):
+            if not ok:  # rare: name the culprits, a read per tensor
+                bad.extend(n for n in lj.job.names if not all_finite(self._grad(n)))
+        return missing, bad, not all(flags[len(deferred):])
+
+    def _agree(self, run: StepRun, stats: StepStats, deferred_bad: list[str],
+               dense_bad: bool) -> bool:
+        """Whether every rank's gradients were finite (``Config.nonfinite``), agreed by all
+        (``deferred_bad``, ``dense_bad``: what :meth:`_settle` found). A step of only plain
+        all-reduces needs no agreement collective (their sums are alike on every rank); in a
+        mixed step a non-finite sum joins this rank's flag."""
+        bad_local = sorted({*deferred_bad, *(n for lj in run.launched for n in lj.nonfinite)})
         if dense_bad:  # rare: name this rank's culprits for the message
             bad_local = sorted({*bad_local, *(n for lj in run.launched
                                               if lj.job.mode is Mode.DENSE
                                               for n in lj.job.names
                                               if not all_finite(self._grad(n)))})
-        only_dense = bool(run.launched) and len(dense) == len(run.launched)
+        only_dense = bool(run.launched) and all(lj.job.mode is Mode.DENSE
+                                                for lj in run.launched)
         agreed = dense_bad if only_dense else None
         return self._agree_finite(bool(bad_local) or dense_bad, stats, agreed, bad_local)
 
@@ -567,7 +589,7 @@ class GradSync:
                      if self._audit.enabled else None)
         future = self._exec.submit(job, index, prep.payload, self.step)
         self._run.launched.append(Launched(job, index, sizes, prep.acc, prep.nonfinite, future,
-                                           audit_acc, storage))
+                                           audit_acc, storage, prep.finite))
 
     def _gather(self, index: int, names: tuple[str, ...]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -650,13 +672,14 @@ class GradSync:
         """All ranks agree whether any gradient was non-finite (``bad``: this rank saw one;
         ``agreed``: already known alike on every rank, no collective), then apply the policy
         (``bad_local``: this rank's non-finite tensors, for the message)."""
-        flag = torch.tensor([1 if (bad if agreed is None else agreed) else 0],
-                            dtype=torch.int64)
-        if self.P > 1 and agreed is None:
+        any_bad = bad if agreed is None else agreed
+        if self.P > 1 and agreed is None:  # the flag travels; otherwise the host knows it
+            flag = torch.tensor([int(bad)], dtype=torch.int64)
             comm = Comm(self.group)
             comm.all_reduce(flag, op=dist.ReduceOp.MAX)
             stats.add_traffic(comm.stats)
-        if not int(flag):
+            any_bad = bool(int(flag))
+        if not any_bad:
             return True
         where = (f"on this rank ({self.rank}) in {bad_local}" if bad_local
                  else "on another rank" if agreed is None

@@ -42,6 +42,7 @@ __all__ = [
     "INDEX_DTYPES",
     "VERSION",
     "as_buffer",
+    "capped_entries_bytes",
     "check_index_bytes",
     "check_int",
     "dtype_code",
@@ -51,12 +52,14 @@ __all__ = [
     "header_bytes",
     "pack_bits",
     "pack_entries",
+    "pack_entries_capped",
     "pack_entries_fixed",
     "pack_header",
     "packed_bytes",
     "to_bytes",
     "unpack_bits",
     "unpack_entries",
+    "unpack_entries_capped",
     "unpack_entries_fixed",
     "unpack_header",
     "view_as",
@@ -265,6 +268,65 @@ def unpack_entries_fixed(buf: torch.Tensor, capacity: int, index_dtype: torch.dt
         raise ValueError(f"{what}: a message announces {count} entries, capacity {capacity}")
     return unpack_entries(buf[8:8 + count * entry_bytes(index_dtype, dtype)], count,
                           index_dtype, dtype, what)
+
+
+def capped_entries_bytes(capacity: int, index_dtype: torch.dtype, dtype: torch.dtype,
+                         prefix: int = 0) -> int:
+    """Size of a :func:`pack_entries_capped` message: an 8-byte count, then room for
+    ``capacity − prefix`` indices and ``capacity`` values, whatever the count."""
+    return 8 + capacity * entry_bytes(index_dtype, dtype) - prefix * _width(index_dtype)
+
+
+def pack_entries_capped(indices: torch.Tensor, values: torch.Tensor, index_dtype: torch.dtype,
+                        capacity: int, prefix: int = 0) -> torch.Tensor:
+    """``[count (int64)][indices[prefix:], zeros to capacity − prefix][values, zeros to
+    capacity]``, :func:`capped_entries_bytes` long for any count up to ``capacity``: ranks that
+    know the capacity exchange it without first exchanging their counts, and the count never
+    comes back to the host (:func:`unpack_entries_capped` reads it on the device). The first
+    ``prefix`` entries are indices 0 … prefix−1 and travel without them, as in
+    :func:`pack_entries`. ``ValueError`` when the count is not in ``[prefix, capacity]``."""
+    count = indices.numel()
+    if not prefix <= count <= capacity:
+        raise ValueError(f"pack_entries_capped: {count} entries, outside [{prefix}, {capacity}] "
+                         "(the dense prefix, the capacity)")
+    iw, vw = _width(index_dtype), _width(values.dtype)
+    dev = values.device
+    out = torch.zeros(capped_entries_bytes(capacity, index_dtype, values.dtype, prefix),
+                      dtype=torch.uint8, device=dev)
+    out[:8] = to_bytes(torch.full((1,), count, dtype=torch.int64, device=dev))
+    out[8:8 + (count - prefix) * iw] = to_bytes(indices[prefix:].to(index_dtype))
+    at = 8 + (capacity - prefix) * iw
+    out[at:at + count * vw] = to_bytes(values)
+    return out
+
+
+def unpack_entries_capped(buf: torch.Tensor, capacity: int, index_dtype: torch.dtype,
+                          dtype: torch.dtype, numel: int, prefix: int = 0,
+                          what: str = "entries"
+                          ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Inverse of :func:`pack_entries_capped` without a read of the count: ``(indices,
+    values, ok)``: the ``capacity − prefix`` int64 indices and ``capacity`` values of the
+    message, those past its count zeroed (index 0, value +0: adding them changes no sum), and
+    ``ok``, a bool on the device: the count lies in ``[prefix, capacity]`` and every index it
+    announces in ``[0, numel)``. Out-of-range indices are zeroed too, so a malformed message
+    can write nowhere before the caller reads ``ok`` (with the step's other checks). Only the
+    size is checked here (``ValueError``): it is known on the host."""
+    if buf.numel() != capped_entries_bytes(capacity, index_dtype, dtype, prefix):
+        raise ValueError(f"{what}: message of {buf.numel()} bytes, a capacity of {capacity} "
+                         f"entries ({prefix} without index) needs "
+                         f"{capped_entries_bytes(capacity, index_dtype, dtype, prefix)}")
+    iw = _width(index_dtype)
+    count = view_as(buf, 0, 1, torch.int64)[0]
+    idx = view_as(buf, 8, capacity - prefix, index_dtype).to(torch.int64)
+    val = view_as(buf, 8 + (capacity - prefix) * iw, capacity, dtype)
+    pos = torch.arange(capacity, device=buf.device)
+    live = pos < count
+    idx_live = live[prefix:]
+    in_range = (idx >= 0) & (idx < numel)
+    ok = (count >= prefix) & (count <= capacity) & (in_range | ~idx_live).all()
+    idx = torch.where(idx_live & in_range, idx, 0)
+    val = torch.where(live, val, torch.zeros((), dtype=dtype, device=buf.device))
+    return idx, val, ok
 
 
 def unpack_entries(buf: torch.Tensor, count: int, index_dtype: torch.dtype,

@@ -46,7 +46,7 @@ from torch import nn
 
 from gradsync import collectives, sparsify
 from gradsync.collectives.comm import Comm, CommStats
-from gradsync.engine.apply import count_missing
+from gradsync.engine.apply import missing_check, settle_missing
 from gradsync.engine.config import Config, require_config
 from gradsync.engine.consistency import signature_check
 from gradsync.engine.jobs import concat
@@ -105,6 +105,10 @@ class HookState:
     calls: int = 0
     steps: int = 0  # backward passes seen (DDP's last bucket of each); DGC's warm-up clock
     missing: int = 0
+    # this step's missing-tensor checks, on the device (engine.apply.missing_check): read once,
+    # at the step's last bucket
+    missing_checks: list[torch.Tensor] = field(default_factory=list, repr=False)
+    wire_checks: list[tuple[torch.Tensor, str]] = field(default_factory=list, repr=False)
     tensors: int = 0
     nonfinite: int = 0  # buckets whose sum was NaN/Inf (module doc, "Non-finite gradients")
     shapes: list[tuple[str, tuple[int, ...]]] | None = None  # the model's, when known
@@ -468,16 +472,12 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     res = None
     try:
         if whole_parts or picked:
-            if poisoned:  # the dense prefix (or one entry) with a NaN: any rank's count fits
-                n = max(prefix, 1)
-                vals = torch.zeros(n, dtype=wire, device=buf.device)
-                vals[0] = math.nan
-                sel = SparseGrad(torch.arange(n, device=buf.device), vals, sel_acc.numel(),
-                                 validate=False, dense_prefix=prefix)
-            else:
-                sel = _selection(state, sel_acc, prefix, [numels[i] for i in picked],
-                                 [names[i] for i in picked], densities, picked).to(wire)
-            res = state.collective(sel, group=state.group)
+            sel = _selection(state, sel_acc, prefix, [numels[i] for i in picked],
+                             [names[i] for i in picked], densities, picked).to(wire)
+            if poisoned:  # the selection of zeros (the message every rank expects: the same
+                # capacity), one value NaN
+                sel.values[:1] = math.nan
+            res = state.collective(sel, group=state.group, deferred=state.wire_checks)
             stats += res.stats
     except BaseException:
         # SSFusion-I's all-reduce is waited for on every path, a failing all-gather included:
@@ -503,8 +503,8 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         starts = [prefix]  # the selected tensors', in the all-gather part
         for i in picked[:-1]:
             starts.append(starts[-1] + numels[i])
-        state.missing += count_missing(kept, starts if picked else [], sel_acc.numel(),
-                                       "the bucket's parts")
+        state.missing_checks.append(missing_check(kept, starts if picked else [],
+                                                  sel_acc.numel()))
         if n_dense:
             kept = torch.cat([torch.arange(n_dense, device=kept.device), kept + n_dense])
     every = kept is None or kept.numel() == acc.numel()
@@ -566,11 +566,11 @@ def _selection(state: HookState, acc: torch.Tensor, prefix: int, sizes: list[int
     parts: list[SparseGrad] = []
     if prefix:
         parts.append(SparseGrad(torch.arange(prefix, device=acc.device), acc[:prefix], prefix,
-                                validate=False, dense_prefix=prefix))
+                                validate=False, dense_prefix=prefix, capacity=prefix))
     tail = acc[prefix:]
     one = None
     if len(sps) > 1 and segments.pays_on(acc.device):
-        one = sparsify.select_buffer(sps, tail, sizes)
+        one = sparsify.select_buffer(sps, tail, sizes, checked=True)  # poisoned: checked
     if one is not None:
         parts.append(one)
     elif sps:
@@ -673,6 +673,11 @@ def _nonfinite(state: HookState, index: int, names: list[str], here: bool | None
 
 
 def _account(state: HookState, stats: CommStats, last: bool) -> None:
+    if last and (state.missing_checks or state.wire_checks):
+        # the step's missing tensors and the collectives' checks, every bucket in one read
+        checks, state.missing_checks = state.missing_checks, []
+        wire, state.wire_checks = state.wire_checks, []
+        state.missing += settle_missing(checks, "a bucket's parts", "gradsync.ddp: ", wire)[0]
     state.steps += int(last)
     state.last = stats
     state.total += stats

@@ -131,6 +131,10 @@ class Sparsifier(ABC):
     # positions that selecting each tensor with its own sparsifier would give, and leaves
     # each sparsifier's generator and ``last_*`` figures as those selections would.
     _select_segments = None
+    # whether a selection never holds more than its k entries (exact top-k; DGC keeps the k
+    # largest candidates): a buffer's selection is then at most Σ k_i, a capacity every rank
+    # knows (SparseGrad.capacity)
+    at_most_k: bool = False
 
     @classmethod
     def segments_compatible(cls, sparsifiers: Sequence[Sparsifier]) -> bool:

@@ -30,11 +30,19 @@ import torch
 
 from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier, magnitudes
-from gradsync.sparsify.segments import Segments, order_in_segments, to_device, top_in_segments
+from gradsync.sparsify.segments import (
+    Segments,
+    name_nonfinite,
+    order_in_segments,
+    to_device,
+    top_in_segments,
+)
 
 
 @registry.register("dgc")
 class DGC(Sparsifier):
+    at_most_k = True  # step 4 keeps the k largest of the candidates
+
     def __init__(self, density: float, *, seed: int = 0, sample_ratio: float = 0.01,
                  max_adjust: int = 10, lower: float = 0.8, upper: float = 1.3) -> None:
         super().__init__(density, seed=seed)
@@ -174,7 +182,12 @@ class DGC(Sparsifier):
         thr = table.gather(1, rounds[:, None]).view(S)
         mask = level <= rounds[seg_of]
         counts_dev = by_round.gather(1, rounds[:, None]).view(S)
-        counts, done = torch.stack([counts_dev, rounds]).tolist()  # the one read
+        # the one read: counts, rounds and whether |x| held a NaN/Inf (a sum that overflowed:
+        # select_buffer's caller may have checked the gradients only)
+        finite = torch.isfinite(a.amax()).to(torch.int64).expand(S) if N else rounds * 0 + 1
+        counts, done, ok = torch.stack([counts_dev, rounds, finite]).tolist()
+        if S and not ok[0]:
+            name_nonfinite(sparsifiers, x, seg)
         adjustments = {i: done[i] for i in sampled}
         # 4. more than k candidates: the k largest of them (= the tensor's top-k)
         cand = torch.nonzero_static(mask, size=sum(counts)).view(-1)

@@ -25,8 +25,8 @@ import torch
 
 from gradsync.sparsegrad import SparseGrad, all_finite, check_finite, target_k
 
-__all__ = ["Segments", "order_in_segments", "pays_on", "ranges", "select_buffer", "to_device",
-           "top_in_segments"]
+__all__ = ["Segments", "name_nonfinite", "order_in_segments", "pays_on", "ranges",
+           "select_buffer", "to_device", "top_in_segments"]
 
 # Select buffers at once on the CPU too (tests of the segmented path; see pays_on).
 ON_CPU = False
@@ -115,7 +115,7 @@ def top_in_segments(values: torch.Tensor, lengths: Sequence[int], keep: Sequence
 
 
 def select_buffer(sparsifiers: Sequence[object], x: torch.Tensor, sizes: Sequence[int],
-                  step: int = 0) -> SparseGrad | None:
+                  step: int = 0, *, checked: bool = False) -> SparseGrad | None:
     """Select every tensor of the buffer ``x`` (flat, the tensors of ``sizes`` concatenated)
     with its own sparsifier, as ``[sp.select(t_i) for …]`` concatenated would, in a number of
     operations independent of the number of tensors. The indices are positions in ``x``.
@@ -123,6 +123,9 @@ def select_buffer(sparsifiers: Sequence[object], x: torch.Tensor, sizes: Sequenc
     ``None`` when the sparsifiers are not all of one class that has a segmented form (the
     caller then selects per tensor). A NaN/Inf in ``x`` raises ``ValueError`` naming the first
     tensor that holds one, before any random draw (as the per-tensor selections do).
+    ``checked=True``: the caller has checked the gradients that ``x`` accumulates (the engine's
+    and the DDP hook's non-finite policy), so that read is not made again; a sum that still
+    overflowed raises after the draws, from the selection's own read where it has one (DGC).
     """
     kind = type(sparsifiers[0]) if sparsifiers else None
     if (kind is None or getattr(kind, "_select_segments", None) is None
@@ -135,11 +138,18 @@ def select_buffer(sparsifiers: Sequence[object], x: torch.Tensor, sizes: Sequenc
                          f"{tuple(x.shape)}")
     for sp in sparsifiers:
         sp._check_input(x)
-    if not all_finite(x):  # rare: name the tensor, as its own selection would
-        seg = Segments(tuple(sizes))
-        for sp, o, n in zip(sparsifiers, seg.offsets, seg.sizes):
-            check_finite(x[o:o + n], f"{sp.name}: input gradient")
     seg = Segments(tuple(sizes))
+    if not checked and not all_finite(x):  # rare: name the tensor, as its own selection would
+        name_nonfinite(sparsifiers, x, seg)
     ks = [target_k(n, sp.density) for sp, n in zip(sparsifiers, sizes)]
     idx = kind._select_segments(sparsifiers, x, seg, ks, step)
-    return SparseGrad(idx, x[idx], x.numel(), validate=False)
+    return SparseGrad(idx, x[idx], x.numel(), validate=False,
+                      capacity=sum(ks) if kind.at_most_k else None)
+
+
+def name_nonfinite(sparsifiers: Sequence[object], x: torch.Tensor, seg: Segments) -> None:
+    """``ValueError`` naming the first tensor of ``x`` that holds a NaN/Inf, as its own
+    selection would (a read per tensor: only once a buffer is known to hold one)."""
+    for sp, o, n in zip(sparsifiers, seg.offsets, seg.sizes):
+        check_finite(x[o:o + n], f"{sp.name}: input gradient")  # type: ignore[attr-defined]
+    raise ValueError(f"{sparsifiers[0].name}: input gradient holds NaN/Inf")  # type: ignore

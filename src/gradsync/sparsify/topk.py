@@ -14,6 +14,8 @@ from gradsync.sparsify.segments import Segments, top_in_segments
 
 @registry.register("topk")
 class TopK(Sparsifier):
+    at_most_k = True  # exactly k
+
     def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:
         # torch.topk has no bf16/fp16 kernel on every backend; magnitudes compare exactly in fp32.
         return torch.topk(x.abs().float(), k, sorted=False).indices
