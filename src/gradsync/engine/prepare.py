@@ -110,23 +110,40 @@ def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: 
         parts: list[SparseGrad | Future | None] = []
         inline: list[tuple[int, sparsify.Sparsifier, torch.Tensor]] = []
         first_inline = None
+        whole: list[int] = []  # the current run of tensors sent whole: [lo, hi)
         for n, lo, hi in bounds(job.names, sizes):
             d = job.densities[n]
             a = acc[lo:hi]
-            if d is None:  # excluded from sparsification: every entry travels
-                parts.append(SparseGrad(torch.arange(hi - lo, device=a.device), a, hi - lo,
-                                        validate=False, dense_prefix=hi - lo,
-                                        capacity=hi - lo))
-            elif n in job.offload:  # SSFusion-O
+            if d is None:  # excluded from sparsification: every entry travels; a run of
+                # them is one part (one arange, not one per tensor), made when the run ends
+                if whole:
+                    whole[1] = hi
+                else:
+                    whole = [lo, hi]
+                    parts.append(None)
+                continue
+            if whole:
+                parts[-1], whole = _sent_whole(acc, *whole), []
+            if n in job.offload:  # SSFusion-O
                 parts.append(offload(sparsifier(n, d), a, step))
             else:  # selected below, all with one finiteness read (on a GPU: one wait)
                 first_inline = lo if first_inline is None else first_inline
                 inline.append((len(parts), sparsifier(n, d), a))
                 parts.append(None)
+        if whole:
+            parts[-1] = _sent_whole(acc, *whole)
         tail = acc[first_inline:] if first_inline is not None else None
         parts = _select_inline(parts, inline, tail, step)
         payload = Payload(selections=parts, wire_dtype=wire)
     return Prepared(acc, nonfinite, payload, time.perf_counter() - t0, finite)
+
+
+def _sent_whole(acc: torch.Tensor, lo: int, hi: int) -> SparseGrad:
+    """``acc[lo:hi]`` as a selection of every entry (a dense prefix: values without
+    indices on TopkA's wire)."""
+    n = hi - lo
+    return SparseGrad(torch.arange(n, device=acc.device), acc[lo:hi], n, validate=False,
+                      dense_prefix=n, capacity=n)
 
 
 def _nonfinite(names: Sequence[str], sizes: Sequence[int], grad: torch.Tensor) -> list[str]:
