@@ -336,7 +336,10 @@ def test_kept_counts_missing_tensors_and_refuses_positions_outside():
     the all-gather part: a dense prefix of 3 entries, then selected tensors of 4, 0 and 3
     entries): the selected tensors with no entry kept are counted, in one read, sorted or not;
     a position outside the part raises instead of being dropped."""
-    from gradsync.engine.apply import count_missing
+    from gradsync.engine.apply import missing_check, settle_missing
+
+    def count_missing(kept: torch.Tensor, starts: list[int], numel: int, what: str) -> int:
+        return settle_missing([missing_check(kept, starts, numel)], f"{what} [0, {numel})")[0]
 
     starts = [3, 7, 7]  # tensors at [3, 7), [7, 7), [7, 10)
     for kept, missing in (([0, 1, 2, 4, 8], 1), ([9, 4, 0], 1), ([0, 1, 2], 3), ([5, 7], 1)):

@@ -26,7 +26,7 @@ from gradsync.engine.stats import StepStats
 from gradsync.feedback import ErrorFeedback
 from gradsync.sparsify.segments import to_device
 
-__all__ = ["apply", "count_missing", "missing_check", "settle", "settle_missing"]
+__all__ = ["apply", "missing_check", "settle", "settle_missing"]
 
 
 def settle(jobs: Sequence[tuple[Launched, JobResult]], who: str = "",
@@ -139,14 +139,6 @@ def settle_missing(checks: list[torch.Tensor], what: str, who: str = "",
     if any(not ok for ok in values[0:n:2]):
         raise ValueError(f"{who}the collective kept positions outside {what}")
     return sum(values[1:n:2]), [bool(v) for v in values[n + w:]]
-
-
-def count_missing(kept: torch.Tensor, starts: list[int], numel: int, what: str,
-                  who: str = "") -> int:
-    """:func:`missing_check` and :func:`settle_missing` of one buffer: how many of the tensors
-    that start at ``starts`` have no position in ``kept``; ``ValueError`` for a position outside
-    ``[0, numel)``. One read."""
-    return settle_missing([missing_check(kept, starts, numel)], f"{what} [0, {numel})", who)[0]
 
 
 def _write_grads(params: dict[str, nn.Parameter], spans: list[tuple[str, int, int]],

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from gradsync.sparsegrad import finite_flag
 from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier, magnitudes
 from gradsync.sparsify.segments import (
@@ -184,9 +185,10 @@ class DGC(Sparsifier):
         counts_dev = by_round.gather(1, rounds[:, None]).view(S)
         # the one read: counts, rounds and whether |x| held a NaN/Inf (a sum that overflowed:
         # select_buffer's caller may have checked the gradients only)
-        finite = torch.isfinite(a.amax()).to(torch.int64).expand(S) if N else rounds * 0 + 1
-        counts, done, ok = torch.stack([counts_dev, rounds, finite]).tolist()
-        if S and not ok[0]:
+        *both, ok = torch.cat([torch.stack([counts_dev, rounds]).view(-1),
+                               finite_flag(a).view(1).long()]).tolist()
+        counts, done = both[:S], both[S:]
+        if not ok:
             name_nonfinite(sparsifiers, x, seg)
         adjustments = {i: done[i] for i in sampled}
         # 4. more than k candidates: the k largest of them (= the tensor's top-k)
