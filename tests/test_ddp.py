@@ -339,7 +339,9 @@ def test_kept_counts_missing_tensors_and_refuses_positions_outside():
     from gradsync.engine.apply import missing_check, settle_missing
 
     def count_missing(kept: torch.Tensor, starts: list[int], numel: int, what: str) -> int:
-        return settle_missing([missing_check(kept, starts, numel)], f"{what} [0, {numel})")[0]
+        (missing,), _ = settle_missing([missing_check(kept, starts, numel)],
+                                       f"{what} [0, {numel})")
+        return missing
 
     starts = [3, 7, 7]  # tensors at [3, 7), [7, 7), [7, 10)
     for kept, missing in (([0, 1, 2, 4, 8], 1), ([9, 4, 0], 1), ([0, 1, 2], 3), ([5, 7], 1)):

@@ -240,7 +240,8 @@ def test_dgc_levels_equal_the_comparisons_round_by_round(seed, J):
         rest[:2] = 0.0
         parts.append(torch.cat([near, rest]))
     a = torch.cat(parts)
-    got = _levels(a, table, torch.tensor(sizes), 0.8, a.numel())
+    seg_of = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    got = _levels(a, table, seg_of, 0.8)
     want, o = [], 0
     for i, n in enumerate(sizes):
         for v in a[o:o + n]:

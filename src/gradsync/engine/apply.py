@@ -24,7 +24,7 @@ from gradsync.engine.audit import AuditRecord, AuditSink, values_at
 from gradsync.engine.jobs import JobResult, Launched, Mode, Transport, bounds
 from gradsync.engine.stats import StepStats
 from gradsync.feedback import ErrorFeedback
-from gradsync.sparsify.segments import to_device
+from gradsync.sparsify.segments import constant
 
 __all__ = ["apply", "missing_check", "settle", "settle_missing"]
 
@@ -46,7 +46,8 @@ def settle(jobs: Sequence[tuple[Launched, JobResult]], who: str = "",
         checks.append(missing_check(result.kept.to(torch.int64), [lo for _, lo, _ in spans],
                                     spans[-1][2]))
         wire.extend(result.checks)
-    return settle_missing(checks, "the job's buffer", who, wire, flags)
+    missing, values = settle_missing(checks, "the job's buffer", who, wire, flags)
+    return sum(missing), values
 
 
 def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter],
@@ -110,7 +111,7 @@ def missing_check(kept: torch.Tensor, starts: list[int], numel: int) -> torch.Te
     in_range = ((lo >= 0) & (hi < numel)).to(torch.int64)
     if not starts:
         return torch.stack([in_range, in_range * 0])
-    at = to_device(starts, torch.int64, dev)
+    at = constant(tuple(starts), torch.int64, dev)
     owner = torch.searchsorted(at, kept, right=True)  # 0: before the first tensor
     counts = torch.bincount(owner.clamp_(max=len(starts)), minlength=len(starts) + 1)
     return torch.stack([in_range, (counts[1:] == 0).sum()])
@@ -118,19 +119,19 @@ def missing_check(kept: torch.Tensor, starts: list[int], numel: int) -> torch.Te
 
 def settle_missing(checks: list[torch.Tensor], what: str, who: str = "",
                    wire: Sequence[tuple[torch.Tensor, str]] = (),
-                   flags: Sequence[torch.Tensor] = ()) -> tuple[int, list[bool]]:
+                   flags: Sequence[torch.Tensor] = ()) -> tuple[list[int], list[bool]]:
     """The missing tensors of a step's :func:`missing_check` results, read back with the
     collectives' device-side checks (``wire``: ``(ok, message)``, ``Collective.__call__``'s
     ``deferred``) and the caller's ``flags`` in one copy (on a GPU each read waits for the
-    queued work). Returns the missing tensors and the flags' values. ``ValueError`` with the
-    first failed ``wire`` message, or (``who``, then ``what``) when a collective kept a
+    queued work). Returns each check's missing tensors and the flags' values. ``ValueError``
+    with the first failed ``wire`` message, or (``who``, then ``what``) when a collective kept a
     position outside its buffer instead of it being dropped."""
     parts = [torch.stack(checks).view(-1)] if checks else []
     bools = [ok.reshape(()) for ok, _ in wire] + [f.reshape(()) for f in flags]
     if bools:
         parts.append(torch.stack(bools).to(torch.int64))
     if not parts:
-        return 0, []
+        return [], []
     values = (torch.cat(parts) if len(parts) > 1 else parts[0]).tolist()
     n, w = 2 * len(checks), len(wire)
     for ok, (_, message) in zip(values[n:n + w], wire):
@@ -138,7 +139,7 @@ def settle_missing(checks: list[torch.Tensor], what: str, who: str = "",
             raise ValueError(message)
     if any(not ok for ok in values[0:n:2]):
         raise ValueError(f"{who}the collective kept positions outside {what}")
-    return sum(values[1:n:2]), [bool(v) for v in values[n + w:]]
+    return values[1:n:2], [bool(v) for v in values[n + w:]]
 
 
 def _write_grads(params: dict[str, nn.Parameter], spans: list[tuple[str, int, int]],

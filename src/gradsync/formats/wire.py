@@ -100,7 +100,7 @@ def wire_index_dtype(numel: int) -> torch.dtype:
 
 def wire_index_bytes(numel: int) -> int:
     """Bytes of one index on the wire (:func:`wire_index_dtype`'s width): 4 or 8."""
-    return torch.empty(0, dtype=wire_index_dtype(numel)).element_size()
+    return wire_index_dtype(numel).itemsize
 
 
 def check_index_bytes(index_bytes: int, numel: int) -> torch.dtype:
@@ -126,7 +126,7 @@ def dtype_code(dtype: torch.dtype) -> int:
 # -- bytes --------------------------------------------------------------------------------
 def _width(dtype: torch.dtype) -> int:
     """Bytes of one element of ``dtype``."""
-    return torch.empty(0, dtype=dtype).element_size()
+    return dtype.itemsize  # no tensor: a launch-free lookup
 
 
 def as_buffer(buf: object) -> torch.Tensor:

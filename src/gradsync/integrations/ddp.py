@@ -16,9 +16,12 @@ model under-predicts inline sparsification where ranks share cores (docs/results
 "The DDP hook's `auto`, measured"). Unlike :class:`gradsync.GradSync` the fusion buffer is
 DDP's bucket and the selection rule a size threshold (Eq. 2 needs the engine's cost model).
 A NaN/Inf travels in the bucket's own collectives, so every rank sees it alike and keeps its
-residuals: ``Config.nonfinite="raise"`` fails the bucket's future (DDP raises from
+residuals: ``Config.nonfinite="raise"`` fails a future of the step (DDP raises from
 ``backward()`` on every rank), ``"skip_step"`` leaves the non-finite average in ``.grad``, as
-DDP would. :meth:`HookState.follow` keeps error feedback in a GradScaler's units.
+DDP would. A sparse bucket reads nothing: its checks (finite gradients and sums, the
+collective's message, missing tensors) wait on the device until the step's last bucket, which
+reads them all in one copy and only then commits or drops each bucket's error feedback.
+:meth:`HookState.follow` keeps error feedback in a GradScaler's units.
 
 Facts this relies on (docs/architecture.md, "torch.distributed facts"): the hook's second
 parameter must be named ``bucket`` and annotated ``dist.GradBucket`` itself (so no ``from
@@ -64,7 +67,7 @@ from gradsync.schedule import schemes
 from gradsync.schedule.auto import MARGIN, bucket_sparse
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 from gradsync.schedule.ssfusion import allgather_charge, allreduce_charge, compensate
-from gradsync.sparsegrad import SparseGrad, all_finite, target_k
+from gradsync.sparsegrad import SparseGrad, all_finite, finite_flag, target_k
 from gradsync.sparsify import segments
 
 __all__ = ["DDP_SCHEMES", "TRIAL_ORDER", "TRIAL_STEPS", "HookState", "hook", "register"]
@@ -105,9 +108,9 @@ class HookState:
     calls: int = 0
     steps: int = 0  # backward passes seen (DDP's last bucket of each); DGC's warm-up clock
     missing: int = 0
-    # this step's missing-tensor checks, on the device (engine.apply.missing_check): read once,
-    # at the step's last bucket
-    missing_checks: list[torch.Tensor] = field(default_factory=list, repr=False)
+    # this step's sparse buckets, their checks on the device: read once, at the last bucket,
+    # where error feedback commits (or drops) each of them (_settle)
+    pending: list["_Pending"] = field(default_factory=list, repr=False)
     wire_checks: list[tuple[torch.Tensor, str]] = field(default_factory=list, repr=False)
     tensors: int = 0
     nonfinite: int = 0  # buckets whose sum was NaN/Inf (module doc, "Non-finite gradients")
@@ -453,20 +456,18 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     sizes = [numels[i] for i in order]
     n_dense = sum(numels[i] for i in dense_parts)
     prefix = sum(numels[i] for i in whole_parts)
-    # one pass over the bucket instead of one per tensor; a non-finite bucket accumulates
-    # nothing and sends a NaN instead, so every rank's sum shows it (module doc)
-    poisoned = not all_finite(buf)
+    # one pass over the bucket instead of one per tensor, not read here: a non-finite bucket
+    # selects from zeros and sends a NaN instead, so every rank's sum shows it (module doc)
+    finite = finite_flag(buf)
     grad = travel.gather(_clipped(state, buf, numels, P))
-    acc = (torch.zeros_like(grad) if poisoned
-           else state.ef.accumulate_buffer(bucket.index(), [names[i] for i in order], sizes,
-                                           grad))
+    acc = state.ef.accumulate_buffer(bucket.index(), [names[i] for i in order], sizes, grad)
+    acc.masked_fill_(~finite, 0.0)  # new, or the pending velocity (dropped on such a step)
     sel_acc = acc[n_dense:]  # the all-gather part
     wire = buf.dtype  # values travel in the gradients' dtype (residuals may be fp32)
     work = flat = None
     if dense_parts:
         flat = acc[:n_dense].to(wire, copy=True)
-        if poisoned:
-            flat[:1] = math.nan
+        flat[:1].masked_fill_(~finite, math.nan)
         work = comm.all_reduce(flat, async_op=True)  # interleaved with the all-gather below
     stats = comm.stats
     res = None
@@ -474,9 +475,9 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         if whole_parts or picked:
             sel = _selection(state, sel_acc, prefix, [numels[i] for i in picked],
                              [names[i] for i in picked], densities, picked).to(wire)
-            if poisoned:  # the selection of zeros (the message every rank expects: the same
-                # capacity), one value NaN
-                sel.values[:1] = math.nan
+            # poisoned: the selection of zeros (the message every rank expects: the same
+            # capacity), one value NaN
+            sel.values[:1].masked_fill_(~finite, math.nan)
             res = state.collective(sel, group=state.group, deferred=state.wire_checks)
             stats += res.stats
     except BaseException:
@@ -491,28 +492,63 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         work.wait()  # Comm keeps the work, so gloo's thread never frees it (comm.py, "Exit safety")
     out = (res.dense if flat is None else flat if res is None
            else torch.cat([flat, res.dense]))  # the sums, in travel order
-    if not all_finite(out):  # alike on every rank: the sums are
-        for name in names:
-            state.ef.discard(name)  # residuals and velocities as before this step
-        travel.average_into(buf, out, P)
-        err = _nonfinite(state, bucket.index(), names, poisoned, comm.rank, state.steps)
-        return _done(state, stats, buf, bucket.is_last(), err)
-    kept = None
+    ok = finite_flag(out)  # alike on every rank: the sums are
+    kept = check = None
     if res is not None:
         kept = res.kept.to(torch.int64)
         starts = [prefix]  # the selected tensors', in the all-gather part
         for i in picked[:-1]:
             starts.append(starts[-1] + numels[i])
-        state.missing_checks.append(missing_check(kept, starts if picked else [],
-                                                  sel_acc.numel()))
+        check = missing_check(kept, starts if picked else [], sel_acc.numel())
         if n_dense:
             kept = torch.cat([torch.arange(n_dense, device=kept.device), kept + n_dense])
-    every = kept is None or kept.numel() == acc.numel()
-    state.ef.update_buffer(bucket.index(), acc, None if every else kept,
-                           _sent(acc if every else acc[kept], None, wire))
+    if kept is not None and kept.numel() == acc.numel():
+        kept = None  # every entry
+    state.pending.append(_Pending(bucket.index(), names, acc, kept, wire, ok, finite, check))
     state.tensors += len(names)
-    travel.average_into(buf, out, P)
+    travel.average_into(buf, out, P)  # a non-finite average too: .grad shows it (module doc)
     return _done(state, stats, buf, bucket.is_last())
+
+
+@dataclass
+class _Pending:
+    """A sparse bucket's error-feedback step, committed at the step's last bucket once the
+    checks of every bucket are read in one copy (:func:`_settle`)."""
+
+    index: int
+    names: list[str]
+    acc: torch.Tensor
+    kept: torch.Tensor | None  # positions in acc that travelled; None: every entry
+    wire: torch.dtype  # the dtype its values travelled in
+    ok: torch.Tensor  # the sums are finite (a bool on the device)
+    here: torch.Tensor  # this rank's gradients were finite
+    check: torch.Tensor | None  # engine.apply.missing_check of the all-gather part
+
+
+def _settle(state: HookState, rank: int) -> ValueError | None:
+    """At a step's last bucket: every sparse bucket's checks in one read, then each bucket's
+    error feedback committed (finite sums) or left as before the step (NaN/Inf: counted, and
+    under ``Config.nonfinite="raise"`` the error of the first such bucket is returned)."""
+    pending, state.pending = state.pending, []
+    wire, state.wire_checks = state.wire_checks, []
+    if not pending and not wire:
+        return None
+    checked = [p for p in pending if p.check is not None]
+    missing, flags = settle_missing([p.check for p in checked], "a bucket's parts",
+                                    "gradsync.ddp: ", wire,
+                                    [f for p in pending for f in (p.ok, p.here)])
+    counts = {id(p): m for p, m in zip(checked, missing)}
+    error = None
+    for p, ok, here in zip(pending, flags[0::2], flags[1::2]):
+        if ok:  # a non-finite bucket's missing tensors are not counted: its step is not taken
+            state.missing += counts.get(id(p), 0)
+            sent = _sent(p.acc if p.kept is None else p.acc[p.kept], None, p.wire)
+            state.ef.update_buffer(p.index, p.acc, p.kept, sent)
+            continue
+        state.ef.discard_buffer(p.index)  # residuals and velocities as before this step
+        err = _nonfinite(state, p.index, p.names, not here, rank, state.steps)
+        error = error or err
+    return error
 
 
 class _Travel:
@@ -647,8 +683,8 @@ def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: l
         fut.value()  # a failed all-reduce raises here, into DDP's backward
         return settle()
 
-    _account(state, comm.stats, last)
-    return future().then(average)
+    # the sparse buckets' error (auto's), the last one settled here: after the average
+    return _failing(future().then(average), _account(state, comm.stats, last))
 
 
 def _nonfinite(state: HookState, index: int, names: list[str], here: bool | None,
@@ -672,28 +708,34 @@ def _nonfinite(state: HookState, index: int, names: list[str], here: bool | None
     return None
 
 
-def _account(state: HookState, stats: CommStats, last: bool) -> None:
-    if last and (state.missing_checks or state.wire_checks):
-        # the step's missing tensors and the collectives' checks, every bucket in one read
-        checks, state.missing_checks = state.missing_checks, []
-        wire, state.wire_checks = state.wire_checks, []
-        state.missing += settle_missing(checks, "a bucket's parts", "gradsync.ddp: ", wire)[0]
+def _account(state: HookState, stats: CommStats, last: bool) -> ValueError | None:
+    """Count a bucket's traffic; at the last bucket settle the step (:func:`_settle`) and
+    return its error, if any, for that bucket's future."""
+    error = _settle(state, Comm(state.group).rank) if last else None
     state.steps += int(last)
     state.last = stats
     state.total += stats
     state.calls += 1
+    return error
 
 
 def _done(state: HookState, stats: CommStats, buf: torch.Tensor,
           last: bool = False, error: Exception | None = None) -> torch.futures.Future:
-    """A completed future: ``buf``, or ``error`` for DDP to raise from ``backward()``."""
-    _account(state, stats, last)
+    """A completed future: ``buf``, or ``error`` (or the step's, settled at its last bucket)
+    for DDP to raise from ``backward()``."""
+    settled = _account(state, stats, last)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buf)
+    return _failing(fut, error or settled)
+
+
+def _failing(fut: torch.futures.Future, error: Exception | None) -> torch.futures.Future:
+    """``fut``, or when ``error`` is given a future that raises it once ``fut`` completes."""
     if error is None:
         return fut
 
-    def fail(_: torch.futures.Future) -> torch.Tensor:
+    def fail(done: torch.futures.Future) -> torch.Tensor:
+        done.value()  # its own failure first
         raise error  # as a dense bucket's callback raises (set_exception reaches DDP's C++
         # reducer as "Unable to cast ...", not as the error)
 

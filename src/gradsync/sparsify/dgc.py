@@ -33,6 +33,7 @@ from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier, magnitudes
 from gradsync.sparsify.segments import (
     Segments,
+    constant,
     name_nonfinite,
     order_in_segments,
     to_device,
@@ -169,12 +170,13 @@ class DGC(Sparsifier):
         for _ in range(J):
             cols.append(cols[-1] * lower)
         table = torch.stack(cols, dim=1)  # (S, J + 1) float64, each row non-increasing
-        sizes = to_device(list(seg.sizes), torch.int64, dev)
-        level = _levels(a, table.float(), sizes, lower, N)  # in 0 … J + 1 (J + 1: never met)
-        seg_of = torch.repeat_interleave(torch.arange(S, device=dev), sizes, output_size=N)
+        sizes = constant(tuple(seg.sizes), torch.int64, dev)
+        seg_of = torch.repeat_interleave(constant(tuple(range(S)), torch.int64, dev), sizes,
+                                         output_size=N)  # each entry's tensor
+        level = _levels(a, table.float(), seg_of, lower)  # in 0 … J + 1 (J + 1: never met)
         hist = torch.bincount(seg_of * (J + 2) + level, minlength=S * (J + 2))
         by_round = hist.view(S, J + 2).cumsum(1)[:, :J + 1]  # count in round j, per tensor
-        need = lower * to_device(ks, torch.float64, dev)  # the same products as lower · k
+        need = lower * constant(tuple(ks), torch.float64, dev)  # the same products as lower · k
         enough = torch.cat([by_round.double() >= need[:, None],
                             torch.ones(S, 1, dtype=torch.bool, device=dev)], dim=1)
         rounds = enough.int().argmax(1).clamp(max=J)  # first round with enough, else J
@@ -183,11 +185,13 @@ class DGC(Sparsifier):
         thr = table.gather(1, rounds[:, None]).view(S)
         mask = level <= rounds[seg_of]
         counts_dev = by_round.gather(1, rounds[:, None]).view(S)
-        # the one read: counts, rounds and whether |x| held a NaN/Inf (a sum that overflowed:
-        # select_buffer's caller may have checked the gradients only)
-        *both, ok = torch.cat([torch.stack([counts_dev, rounds]).view(-1),
-                               finite_flag(a).view(1).long()]).tolist()
-        counts, done = both[:S], both[S:]
+        # the one read: counts and rounds (exact in float64), the thresholds, and whether |x|
+        # held a NaN/Inf (a sum that overflowed: select_buffer's caller may have checked the
+        # gradients only)
+        values = torch.cat([torch.stack([counts_dev, rounds]).view(-1).double(), thr,
+                            finite_flag(a).view(1).double()]).tolist()
+        counts, done = [int(v) for v in values[:S]], [int(v) for v in values[S:2 * S]]
+        thresholds, ok = values[2 * S:3 * S], values[3 * S]
         if not ok:
             name_nonfinite(sparsifiers, x, seg)
         adjustments = {i: done[i] for i in sampled}
@@ -199,7 +203,7 @@ class DGC(Sparsifier):
         for i, (sp, k) in enumerate(zip(sparsifiers, ks)):
             sp.last_k, sp.last_count = k, keep[i]
             if i in adjustments:
-                sp.last_threshold = thr[i]
+                sp.last_threshold = thresholds[i]
                 sp.last_adjustments = adjustments[i]
         return cand
 
@@ -224,9 +228,9 @@ class DGC(Sparsifier):
         self.draws = draws
 
 
-def _levels(a: torch.Tensor, table: torch.Tensor, sizes: torch.Tensor, lower: float,
-            N: int) -> torch.Tensor:
-    """For each entry of ``a`` (segments of ``sizes``), the first column ``j`` of its segment's
+def _levels(a: torch.Tensor, table: torch.Tensor, seg_of: torch.Tensor, lower: float
+            ) -> torch.Tensor:
+    """For each entry of ``a`` (of segment ``seg_of``), the first column ``j`` of its segment's
     row of ``table`` (non-increasing thresholds θ·lower^j, fp32) with ``a >= table[j]``;
     ``J + 1`` when it meets none. A logarithm estimates ``j`` and exact comparisons against
     the table correct it, so the levels equal those of ``J + 1`` comparisons per entry in a
@@ -234,8 +238,7 @@ def _levels(a: torch.Tensor, table: torch.Tensor, sizes: torch.Tensor, lower: fl
     S, J1 = table.shape
     # a column of -inf that every entry meets: level J + 1
     padded = torch.cat([table, table.new_full((S, 1), -math.inf)], dim=1).reshape(-1)
-    base = torch.repeat_interleave(torch.arange(S, device=a.device) * (J1 + 1), sizes,
-                                   output_size=N)
+    base = seg_of * (J1 + 1)
     af = a.float()
     first = padded[base]  # the segment's round-0 threshold
     est = torch.ceil(torch.log(af / first) / math.log(lower))  # fp32: off by < 1e-4 rounds
@@ -243,7 +246,7 @@ def _levels(a: torch.Tensor, table: torch.Tensor, sizes: torch.Tensor, lower: fl
     est = torch.where(first == -math.inf, 0.0, est)  # a tensor sent whole: round 0
     level = est.clamp(0, J1).to(torch.int64)
     for _ in range(2):  # the estimate is off by at most one round; twice each way for ties
-        level = level + (af < padded[base + level]).to(torch.int64)
-        back = (level - 1).clamp(min=0)
-        level = level - ((level > 0) & (af >= padded[base + back])).to(torch.int64)
+        level = level + (af < padded[base + level])  # int64 + bool: no cast
+        back = (level - 1).clamp_(min=0)
+        level = torch.where((level > 0) & (af >= padded[base + back]), back, level)
     return level

@@ -19,13 +19,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property
+from functools import cached_property, lru_cache
 
 import torch
 
 from gradsync.sparsegrad import SparseGrad, all_finite, check_finite, target_k
 
-__all__ = ["Segments", "name_nonfinite", "order_in_segments", "pays_on", "ranges",
+__all__ = ["Segments", "constant", "name_nonfinite", "order_in_segments", "pays_on", "ranges",
            "select_buffer", "to_device", "top_in_segments"]
 
 # Select buffers at once on the CPU too (tests of the segmented path; see pays_on).
@@ -75,6 +75,14 @@ def to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype,
     return host.to(device)
 
 
+@lru_cache(maxsize=256)
+def constant(values: tuple[float, ...] | tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    """:func:`to_device` of a vector that a buffer's layout fixes (its sizes, its tensors'
+    starts), made once per layout and device (no copy per step); never written to."""
+    return to_device(values, dtype, device)
+
+
 def ranges(starts: Sequence[int], lengths: Sequence[int], device: torch.device
            ) -> torch.Tensor:
     """``cat(arange(s, s + l))`` over the pairs, built on ``device`` in a few operations
@@ -105,7 +113,7 @@ def top_in_segments(values: torch.Tensor, lengths: Sequence[int], keep: Sequence
     """Positions (ascending) of the ``keep[i]`` largest ``values`` of each segment ``i``."""
     if all(k >= n for k, n in zip(keep, lengths)):
         return torch.arange(values.numel(), device=values.device)
-    lengths_dev = to_device(list(lengths), torch.int64, values.device)
+    lengths_dev = constant(tuple(lengths), torch.int64, values.device)
     order = order_in_segments(values, lengths, lengths_dev)
     starts = [0]
     for n in lengths[:-1]:
