@@ -225,7 +225,8 @@ def test_a_step_costs_per_buffer_not_per_tensor(tmp_path):
 # sparsify.segments; prepare's finiteness check, the missing tensors and TopkA's counts read
 # with the step's other checks or not at all: SparseGrad.capacity), in the engine and in the
 # DDP hook (each bucket's checks read once per step, at its last bucket)
-SEGMENTED = ("per_tensor", "ssfusion", "hook:per_tensor", "hook:ssfusion", "hook:ssfusion_oi")
+SEGMENTED = ("per_tensor", "ssfusion", "ssfusion_o", "ssfusion_oi", "hook:per_tensor",
+             "hook:ssfusion", "hook:ssfusion_oi")
 
 
 def test_per_tensor_selection_costs_per_buffer_on_the_accelerators_path(tmp_path):
