@@ -224,9 +224,10 @@ def test_a_step_costs_per_buffer_not_per_tensor(tmp_path):
 # the per-tensor schemes on the accelerators' path (each buffer selected at once:
 # sparsify.segments; prepare's finiteness check, the missing tensors and TopkA's counts read
 # with the step's other checks or not at all: SparseGrad.capacity), in the engine and in the
-# DDP hook (each bucket's checks read once per step, at its last bucket)
-SEGMENTED = ("per_tensor", "ssfusion", "ssfusion_o", "ssfusion_oi", "hook:per_tensor",
-             "hook:ssfusion", "hook:ssfusion_oi")
+# DDP hook (each bucket's checks read once per step, at its last bucket); and GaussianK, whose
+# threshold corrections run on the device there (one read, its selection's)
+SEGMENTED = ("per_tensor", "ssfusion", "ssfusion_o", "ssfusion_oi", "gaussiank",
+             "hook:per_tensor", "hook:ssfusion", "hook:ssfusion_oi")
 
 
 def test_per_tensor_selection_costs_per_buffer_on_the_accelerators_path(tmp_path):

@@ -10,6 +10,7 @@ twins with the same seeds. Magnitude ties at a tensor's k-th place may be broken
 from __future__ import annotations
 
 import math
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -249,3 +250,35 @@ def test_dgc_levels_equal_the_comparisons_round_by_round(seed, J):
             want.append(meets[0] if meets else J + 1)
         o += n
     assert got.tolist() == want
+
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), kind=st.sampled_from(["normal", "cubed", "student", "spiky"]),
+       density=st.sampled_from([0.001, 0.01, 0.1, 0.3]))
+def test_gaussiank_rounds_on_the_device_equal_the_host_loop(seed, kind, density):
+    """GaussianK's threshold corrections where buffers are selected at once run on the device
+    without a read (every round runs; one past the window changes nothing): the same selection,
+    number of corrections and thresholds as the host loop that stops early, on Gaussian and
+    heavy-tailed gradients (where the fit misses k and the corrections matter)."""
+    g = torch.Generator().manual_seed(seed)
+    n = int(torch.randint(200, 40_000, (1,), generator=g))
+    x = torch.randn(n, generator=g)
+    if kind == "cubed":
+        x = x ** 3
+    elif kind == "student":  # two degrees of freedom: tails far heavier than the fit's
+        x = x / (torch.randn(n, 2, generator=g).pow(2).mean(1).sqrt())
+    elif kind == "spiky":
+        x = x * torch.rand(n, generator=g) ** 8
+    from gradsync.sparsify import segments
+
+    got = {}
+    for on_cpu in (False, True):
+        with patch.object(segments, "ON_CPU", on_cpu):
+            sp = sparsify.get("gaussiank", density=density)
+            sel = sp.select(x)
+        got[on_cpu] = (sel.indices.tolist(), sp.last_adjustments, sp.last_threshold,
+                       sp.last_gaussian_threshold)
+    host, device = got[False], got[True]
+    assert device[:2] == host[:2]
+    # IEEE float64 both ways; torch's CPU sqrt may differ from math.sqrt by an ulp
+    assert device[2:] == pytest.approx(host[2:], rel=1e-14)

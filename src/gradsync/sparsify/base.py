@@ -67,7 +67,20 @@ class Sparsifier(ABC):
         self.last_count = 0
         # Threshold estimators record the magnitude threshold of their last selection (every
         # selected entry has |x| >= last_threshold); None for selectors without one.
-        self.last_threshold: float | None = None
+        self.last_threshold = None
+
+    @property
+    def last_threshold(self) -> float | None:
+        """The threshold of the last selection (None: a selector without one). A selection may
+        leave it a 0-dim tensor on the input's device, read only when asked for (reading it
+        waits for the device; the selection itself does not)."""
+        if isinstance(self._last_thr, torch.Tensor):
+            self._last_thr = float(self._last_thr)
+        return self._last_thr
+
+    @last_threshold.setter
+    def last_threshold(self, value: float | torch.Tensor | None) -> None:
+        self._last_thr = value
 
     # -- public -----------------------------------------------------------------------
     def select(self, x: torch.Tensor, step: int = 0) -> SparseGrad:

@@ -68,18 +68,6 @@ class DGC(Sparsifier):
         stride = n // s  # ⌈(n − start)/stride⌉ ≥ s for every start < stride
         return a[self.draws.randrange(stride)::stride]
 
-    @property
-    def last_threshold(self) -> float | None:
-        """The threshold of the last selection. It stays a 0-dim tensor on the input's device
-        until read (reading it waits for the device; a selection itself does not)."""
-        if isinstance(self._last_thr, torch.Tensor):
-            self._last_thr = float(self._last_thr)
-        return self._last_thr
-
-    @last_threshold.setter
-    def last_threshold(self, value: float | torch.Tensor | None) -> None:
-        self._last_thr = value
-
     def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:
         a = magnitudes(x)
         sample = self._sample(a)

@@ -19,13 +19,21 @@ window is reached).
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
 import torch
 
-from gradsync.sparsify import registry
+from gradsync.sparsify import registry, segments
 from gradsync.sparsify.base import Sparsifier, magnitudes
+
+
+@functools.lru_cache(maxsize=64)
+def _z(density: float) -> float:
+    """z = −Φ⁻¹(density/2): the two tails of N(μ, σ²) beyond μ ± zσ hold the density (read
+    once per density, not per selection)."""
+    return -float(torch.special.ndtri(torch.tensor(density / 2, dtype=torch.float64)))
 
 
 @registry.register("gaussiank")
@@ -40,18 +48,43 @@ class GaussianK(Sparsifier):
         self.max_adjust = int(max_adjust)
         self.lower, self.upper = float(lower), float(upper)
         self.last_adjustments = 0
-        self.last_gaussian_threshold: float | None = None
+        self.last_gaussian_threshold = None
+
+    # the rounds on the device leave these as 0-dim tensors: read only when asked for
+    @property
+    def last_adjustments(self) -> int:
+        """Threshold corrections of the last selection."""
+        if isinstance(self._adjustments, torch.Tensor):
+            self._adjustments = int(self._adjustments)
+        return self._adjustments
+
+    @last_adjustments.setter
+    def last_adjustments(self, value: int | torch.Tensor) -> None:
+        self._adjustments = value
+
+    @property
+    def last_gaussian_threshold(self) -> float | None:
+        """The normal fit's threshold τ of the last selection, before any correction."""
+        if isinstance(self._gaussian, torch.Tensor):
+            self._gaussian = float(self._gaussian)
+        return self._gaussian
+
+    @last_gaussian_threshold.setter
+    def last_gaussian_threshold(self, value: float | torch.Tensor | None) -> None:
+        self._gaussian = value
 
     def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:
         a = magnitudes(x)
         std, mean = torch.std_mean(x.float())
-        # z = −Φ⁻¹(density/2): the two tails of N(μ, σ²) beyond μ ± zσ hold the density.
-        z = -float(torch.special.ndtri(torch.tensor(self.density / 2, dtype=torch.float64)))
-        tau = abs(float(mean)) + z * float(std)
+        if segments.pays_on(x.device):  # the rounds on the device: one read, the selection's
+            best_tau = self._rounds_on_device(a, std, mean, k)
+            return torch.nonzero(a > best_tau).view(-1)
+        tau = abs(float(mean)) + _z(self.density) * float(std)
         self.last_gaussian_threshold = tau
 
-        def miss(count: int) -> float:  # distance of count from k on a log scale
-            return abs(math.log((count + 0.5) / k))
+        def miss(count: int) -> float:  # distance of count from k on a log scale: the order
+            r = (count + 0.5) / k  # of |log r| is that of max(r, 1/r) (no rounding of a log)
+            return max(r, 1 / r)
 
         count = int((a > tau).sum())
         best_tau, best_count = tau, count
@@ -73,6 +106,45 @@ class GaussianK(Sparsifier):
         self.last_threshold = best_tau
         self.last_adjustments = adjustments
         return torch.nonzero(a > best_tau).view(-1)
+
+    def _rounds_on_device(self, a: torch.Tensor, std: torch.Tensor, mean: torch.Tensor,
+                          k: int) -> torch.Tensor:
+        """The same rounds as the host loop, as float64 tensors on ``a``'s device and without a
+        read: every one of the ``max_adjust`` rounds runs, a round after the count reached the
+        window changing nothing (on a GPU ``max_adjust`` more passes over ``a`` cost less than
+        one wait for the device). ``miss`` compares ``max(r, 1/r)``, ``r = (count + ½)/k``: the
+        order of ``|log r|`` without a logarithm, so host and device agree to the bit. The
+        thresholds are kept as 0-dim tensors (read when asked for)."""
+        lo_k, hi_k = self.lower * k, self.upper * k
+
+        def miss(count: torch.Tensor) -> torch.Tensor:
+            r = (count + 0.5) / k
+            return torch.maximum(r, 1 / r)
+
+        tau = mean.double().abs() + _z(self.density) * std.double()
+        self.last_gaussian_threshold = tau
+        count = (a > tau).sum().double()
+        best_tau, best_miss = tau, miss(count)
+        nan = torch.full_like(tau, math.nan)
+        too_high, too_low = nan, nan  # thresholds known to give too few / too many (NaN: none)
+        adjustments = torch.zeros_like(count)
+        for _ in range(self.max_adjust):
+            active = (count < lo_k) | (count > hi_k)
+            few = count < lo_k
+            lowered = torch.where(too_low.isnan(), tau * 0.5, (too_low * tau).sqrt())
+            raised = torch.where(too_high.isnan(), tau * 1.5, (too_high * tau).sqrt())
+            too_high = torch.where(active & few, tau, too_high)
+            too_low = torch.where(active & ~few, tau, too_low)
+            tau = torch.where(active, torch.where(few, lowered, raised), tau)
+            count = torch.where(active, (a > tau).sum().double(), count)
+            adjustments = adjustments + active
+            m = miss(count)
+            better = active & (m < best_miss)
+            best_tau = torch.where(better, tau, best_tau)
+            best_miss = torch.where(better, m, best_miss)
+        self.last_threshold = best_tau
+        self.last_adjustments = adjustments
+        return best_tau
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "last_threshold": self.last_threshold}
