@@ -530,25 +530,30 @@ def test_offload_marks_exactly_the_tensors_that_finish_within_the_buffer_backwar
     assert checked > 0
 
 
-@pytest.mark.parametrize("info", [{"device": "cuda"}, {"device": "cpu", "segmented": True}])
-def test_offload_on_a_gpu_host_only_where_the_worker_is_also_faster(info):
-    """On a GPU host (cost.info["device"] == "cuda"), and on the CPU where buffers are selected
-    at once (info["segmented"], ``--segments-on-cpu``), a tensor that would fit in the backward
-    is still kept inline when its offloaded sparsification (copies included) is slower than the
-    inline one: the copies and the worker's per-tensor selection would be paid for nothing.
-    Where the worker is faster, the CPU rule applies unchanged."""
+def test_offload_on_a_gpu_host_only_where_the_worker_is_also_faster():
+    """On a GPU host (cost.info["device"] == "cuda") a tensor that would fit in the backward is
+    still kept inline when its offloaded sparsification (copies included) is slower than the
+    inline kernels: the copies would be paid for nothing. Where the worker is faster, the CPU
+    rule applies unchanged. On a CPU that selects each buffer at once (info["segmented"],
+    ``--segments-on-cpu``) nothing is offloaded, however fast the worker."""
     numel = {"a": 400_000, "b": 400_000, "c": 32}
     tb = {"a": 1.0, "b": 1.0, "c": 1.0}  # a long backward: every offload fits in it
     slow_worker = cost_model(numel, tb, sp=(1e-5, 1e-12), off=(4e-4, 3e-9))
     fast_worker = cost_model(numel, tb, sp=(4e-4, 3e-9), off=(1e-5, 1e-12))
-    for cm, offloaded_there in ((slow_worker, False), (fast_worker, True)):
-        on_cpu = make_plan("ssfusion_o", list(numel), numel, 0.01, cm)
-        cm.info.update(info)
-        there = make_plan("ssfusion_o", list(numel), numel, 0.01, cm)
-        cpu = [t.offload for b in on_cpu.buffers for t in b.tensors if t.density is not None]
-        got = [t.offload for b in there.buffers for t in b.tensors if t.density is not None]
+
+    def offloaded(cm) -> list[bool]:
+        plan = make_plan("ssfusion_o", list(numel), numel, 0.01, cm)
+        return [t.offload for b in plan.buffers for t in b.tensors if t.density is not None]
+
+    for cm, offloaded_on_gpu in ((slow_worker, False), (fast_worker, True)):
+        cpu = offloaded(cm)
+        cm.info["device"] = "cuda"
+        gpu = offloaded(cm)
+        cm.info.update(device="cpu", segmented=True)
+        segmented = offloaded(cm)
         assert any(cpu)  # the CPU host: what fits in the backward is offloaded
-        assert got == (cpu if offloaded_there else [False] * len(cpu))
+        assert gpu == (cpu if offloaded_on_gpu else [False] * len(cpu))
+        assert segmented == [False] * len(cpu)
 
 
 # ---- SSFusion-I -------------------------------------------------------------------------------

@@ -282,3 +282,32 @@ def test_gaussiank_rounds_on_the_device_equal_the_host_loop(seed, kind, density)
     assert device[:2] == host[:2]
     # IEEE float64 both ways; torch's CPU sqrt may differ from math.sqrt by an ulp
     assert device[2:] == pytest.approx(host[2:], rel=1e-14)
+
+
+def test_threshold_reuse_nudges_on_the_device_equal_the_host_loop():
+    """Ok-Topk's reused threshold (sparsify.threshold) where buffers are selected at once: its
+    nudges run on the device and one read brings the outcome back; over gradients that drift
+    slowly, fast and down, every call selects what the host loop selects, with the same nudges,
+    recomputations and kept threshold (to an ulp), including calls whose nudges fail and
+    recompute the exact threshold."""
+    from gradsync.sparsify import segments
+
+    seen = set()
+    for seed, growth in ((0, 0.87), (1, 1.15), (2, 1.8), (3, 0.5)):
+        g = torch.Generator().manual_seed(seed)
+        xs = [torch.randn(5000, generator=g) * growth ** t for t in range(12)]
+        runs = {}
+        for on_cpu in (False, True):
+            with patch.object(segments, "ON_CPU", on_cpu):
+                sp = sparsify.get("threshold", density=0.05, period=6)
+                runs[on_cpu] = []
+                for t, x in enumerate(xs):
+                    sel = sp.select(x, t)
+                    runs[on_cpu].append((sorted(sel.indices.tolist()), sp.last_nudges,
+                                         sp.last_exact, sp.thr))
+        for host, device in zip(runs[False], runs[True]):
+            assert device[:3] == host[:3]
+            assert device[3] == pytest.approx(host[3], rel=1e-14)
+            seen.add(host[1:3])
+    # the paths compared: reused as is, nudged once and twice, nudges failed (recomputed)
+    assert {(0, False), (1, False), (2, False), (3, True)} <= seen

@@ -47,13 +47,14 @@ finishes no later than the buffer's backward, T_offload^{l′} ≤ Σ_{j=1}^{N_i
 from the start of the backward of the buffer's first tensor. The tensor becomes ready when the
 compute stream reaches it (its backward, plus the inline sparsification of earlier tensors that
 were not offloaded); otherwise it stays inline. On a GPU host (the cost model's
-``info["device"]`` is not ``"cpu"``), and wherever a buffer's tensors are selected at once
-(``info["segmented"]``: :func:`gradsync.sparsify.segments.pays_on`, e.g. ``bench overhead
---segments-on-cpu``), a tensor is offloaded only where its offloaded sparsification, copies
-included, is also shorter than the inline one: there the inline kernels are cheap, one more
-tensor in a segmented selection costs no launch, and the copies to the host and back, and the
-worker's per-tensor selection, would be paid for nothing (on the CPU, tensor by tensor, the
-worker is another core, so fitting in the backward suffices).
+``info["device"]`` is not ``"cpu"``) a tensor is offloaded only where its offloaded
+sparsification, copies included, is also shorter than the inline one: there the inline kernels
+are cheap and the copies to the host and back would be paid for nothing (on the CPU the worker
+is another core, so fitting in the backward suffices). On a CPU that selects each buffer at
+once (``info["segmented"]``: :func:`gradsync.sparsify.segments.pays_on`, ``bench overhead
+--segments-on-cpu``, which measures what an accelerator runs) nothing is offloaded: the worker
+would select tensor by tensor, on the same cores, what the buffer's one selection does with no
+launch per tensor.
 
 **SSFusion-I (§IV-D).** Each buffer is split at l′ (0 ≤ l′ ≤ N_i, backward order): the
 unsparsified tensors among the first l′ form Buffer_AR (all-reduced, ``allreduce=True``), every
@@ -266,7 +267,9 @@ def offload_buffer(buf: BufferPlan, cost: CostModel) -> tuple[BufferPlan, dict[s
     clock = 0.0  # compute stream, from the start of the buffer's first backward
     worker = 0.0  # the worker is idle at the buffer's start (earlier offloads ended in time)
     out, offloaded = [], {}
-    accelerator = cost.info.get("device", "cpu") != "cpu" or bool(cost.info.get("segmented"))
+    accelerator = cost.info.get("device", "cpu") != "cpu"
+    if not accelerator and cost.info.get("segmented"):  # module docstring
+        return BufferPlan(tuple(buf.tensors), "per_tensor"), {"bound": bound, "T_offload": {}}
     for t in buf.tensors:
         clock += cost.backward[t.name]
         if t.density is None:

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gradsync.sparsify import registry
+from gradsync.sparsify import registry, segments
 from gradsync.sparsify.base import Sparsifier, magnitudes
 
 _CLOCKS = ("calls", "step")
@@ -91,6 +91,8 @@ class ThresholdReuse(Sparsifier):
         return idx
 
     def _reuse(self, a: torch.Tensor, k: int) -> torch.Tensor | None:
+        if segments.pays_on(a.device):
+            return self._reuse_on_device(a, k)
         thr = self.thr
         assert thr is not None
         too_low = too_high = None  # thresholds known to select too many / too few
@@ -113,6 +115,38 @@ class ThresholdReuse(Sparsifier):
         self.thr = thr
         self.last_nudges = nudges
         return torch.nonzero(mask).view(-1)
+
+    def _reuse_on_device(self, a: torch.Tensor, k: int) -> torch.Tensor | None:
+        """:meth:`_reuse` with the nudges as float64 tensors on ``a``'s device: every one of the
+        ``max_nudges`` rounds runs (one past the window changes nothing) and one read brings
+        back whether the count reached the window, the count and the threshold; the selection
+        is then made at that known size (no second read)."""
+        assert self.thr is not None
+        thr = torch.full((), self.thr, dtype=torch.float64, device=a.device)
+
+        def outside(count: torch.Tensor) -> torch.Tensor:  # count ∉ [2k/3, 4k/3]
+            return (2 * k > 3 * count) | (3 * count > 4 * k)
+
+        count = (a >= thr).sum().double()
+        nan = torch.full_like(thr, math.nan)
+        too_low, too_high = nan, nan  # thresholds known to select too many / too few
+        nudges = torch.zeros_like(count)
+        for _ in range(self.max_nudges):
+            active, many = outside(count), 3 * count > 4 * k
+            up = torch.where(too_high.isnan(), thr * self.nudge, (thr * too_high).sqrt())
+            down = torch.where(too_low.isnan(), thr / self.nudge, (thr * too_low).sqrt())
+            too_low = torch.where(active & many, thr, too_low)
+            too_high = torch.where(active & ~many, thr, too_high)
+            thr = torch.where(active, torch.where(many, up, down), thr)
+            count = torch.where(active, (a >= thr).sum().double(), count)
+            nudges = nudges + active
+        out, n, value, nudged = torch.stack([outside(count).double(), count, thr,
+                                             nudges]).tolist()  # the one read
+        self.last_nudges = int(nudged)
+        if out:
+            return None
+        self.thr = value
+        return torch.nonzero_static(a >= thr, size=int(n)).view(-1)
 
     def rescale(self, factor: float) -> None:
         """The reused threshold follows the inputs' scale (a power of two from a GradScaler
