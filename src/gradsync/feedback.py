@@ -71,7 +71,7 @@ from typing import Any
 
 import torch
 
-from gradsync.sparsegrad import check_finite
+from gradsync.sparsegrad import bincount, check_finite, constant
 
 __all__ = ["ErrorFeedback", "check_scale", "check_scaler", "clip_local", "follow_scale",
            "saved_scale"]
@@ -411,7 +411,7 @@ class ErrorFeedback:
         if self.momentum:
             u = b.pending_velocity
             if consumed is not None and self.masking and idx.numel() < flat.numel():
-                u.index_fill_(0, self._partial(b, idx), 0)  # DGC §3.2, compressed tensors
+                self._mask(b, u, idx)  # DGC §3.2, compressed tensors only
             if b.velocity is not None and b.velocity is not u:
                 b.spare = b.velocity
             b.velocity = u
@@ -430,14 +430,14 @@ class ErrorFeedback:
         b.pending, b.pending_velocity = False, None
 
     @staticmethod
-    def _partial(b: _Buffer, idx: torch.Tensor) -> torch.Tensor:
-        """The positions of ``idx`` that lie in tensors not consumed whole (masking's)."""
-        ends = torch.tensor([hi for _, _, hi in b.slices()], dtype=torch.int64,
-                            device=idx.device)
-        sizes = torch.tensor(b.sizes, dtype=torch.int64, device=idx.device)
+    def _mask(b: _Buffer, u: torch.Tensor, idx: torch.Tensor) -> None:
+        """Masking of the velocity ``u`` at the consumed positions ``idx`` that lie in tensors
+        not consumed whole; no read (the positions are not selected, their values are)."""
+        ends = constant(tuple(hi for _, _, hi in b.slices()), torch.int64, idx.device)
+        sizes = constant(tuple(b.sizes), torch.int64, idx.device)
         owner = torch.searchsorted(ends, idx, right=True)
-        counts = torch.bincount(owner, minlength=len(b.sizes))
-        return idx[(counts < sizes)[owner]]
+        whole = (bincount(owner, len(b.sizes)) == sizes)[owner]
+        u.index_put_((idx,), torch.where(whole, u[idx], 0))
 
     def _form(self, key: Hashable, names: tuple[str, ...], sizes: tuple[int, ...],
               like: torch.Tensor) -> _Buffer:

@@ -20,6 +20,7 @@ gets the same bits), :func:`isin_sorted` (membership in a sorted index list) and
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -32,8 +33,10 @@ __all__ = [
     "add_at",
     "all_finite",
     "all_finite_each",
+    "bincount",
     "check_finite",
     "check_indices",
+    "constant",
     "densify",
     "finite_flag",
     "flatnonzero",
@@ -42,6 +45,7 @@ __all__ = [
     "put_at",
     "sparse_sum",
     "target_k",
+    "to_device",
     "top_k_mask",
     "validate_density",
 ]
@@ -470,3 +474,32 @@ class SparseGrad:
             f"SparseGrad(nnz={len(self)}, numel={self.numel}, density={self.density:.4g}, "
             f"dtype={self.values.dtype}, device={self.values.device})"
         )
+
+
+# -- small device vectors (every layer's: no read, no wait) ---------------------------------
+def to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype,
+              device: torch.device) -> torch.Tensor:
+    """A small host vector on ``device`` without waiting for the device: on CUDA it is staged in
+    pinned memory and copied asynchronously (a plain copy from pageable memory waits for the
+    stream)."""
+    host = torch.tensor(values, dtype=dtype)
+    if device.type == "cuda":
+        return host.pin_memory().to(device, non_blocking=True)
+    return host.to(device)
+
+
+def bincount(idx: torch.Tensor, nbins: int) -> torch.Tensor:
+    """``torch.bincount(idx, minlength=nbins)`` for ``idx`` in ``[0, nbins)`` (int64), without
+    a wait: on CUDA ``bincount`` reads the input's minimum and maximum back to size its output.
+    A scatter-add of ones instead (integer atomics: exact in any order; deterministic mode
+    takes torch's deterministic path for a 1-D scatter-add)."""
+    one = torch.ones((), dtype=torch.int64, device=idx.device).expand(idx.numel())
+    return torch.zeros(nbins, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, one)
+
+
+@functools.lru_cache(maxsize=256)
+def constant(values: tuple[float, ...] | tuple[int, ...], dtype: torch.dtype,
+             device: torch.device) -> torch.Tensor:
+    """:func:`to_device` of a vector that a buffer's layout fixes (its sizes, its tensors'
+    starts), made once per layout and device (no copy per step); never written to."""
+    return to_device(values, dtype, device)

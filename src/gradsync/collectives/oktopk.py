@@ -58,6 +58,7 @@ from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats.wire import entry_bytes, pack_entries, unpack_entries, wire_index_dtype
 from gradsync.sparsegrad import (
     SparseGrad,
+    bincount,
     check_indices,
     flatnonzero,
     isin_sorted,
@@ -368,7 +369,7 @@ class OkTopk(Collective):
         cand = bits
         for shift in range(32 - _RADIX_BITS, -1, -_RADIX_BITS):
             digit = (cand >> shift) & (nbins - 1)
-            hist = torch.bincount(digit, minlength=nbins).to(torch.int64)
+            hist = bincount(digit, nbins)
             comm.all_reduce(hist)
             h = hist.tolist()  # 16 counts: one read per round, the digit found on the host
             if shift == 32 - _RADIX_BITS and (sum(h) < k or not sum(h)):

@@ -24,7 +24,7 @@ from gradsync.engine.audit import AuditRecord, AuditSink, values_at
 from gradsync.engine.jobs import JobResult, Launched, Mode, Transport, bounds
 from gradsync.engine.stats import StepStats
 from gradsync.feedback import ErrorFeedback
-from gradsync.sparsify.segments import constant
+from gradsync.sparsegrad import bincount, constant
 
 __all__ = ["apply", "missing_check", "settle", "settle_missing"]
 
@@ -113,8 +113,8 @@ def missing_check(kept: torch.Tensor, starts: list[int], numel: int) -> torch.Te
         return torch.stack([in_range, in_range * 0])
     at = constant(tuple(starts), torch.int64, dev)
     owner = torch.searchsorted(at, kept, right=True)  # 0: before the first tensor
-    counts = torch.bincount(owner.clamp_(max=len(starts)), minlength=len(starts) + 1)
-    return torch.stack([in_range, (counts[1:] == 0).sum()])
+    per = bincount(owner.clamp_(max=len(starts)), len(starts) + 1)
+    return torch.stack([in_range, (per[1:] == 0).sum()])
 
 
 def settle_missing(checks: list[torch.Tensor], what: str, who: str = "",

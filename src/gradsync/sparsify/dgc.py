@@ -33,6 +33,7 @@ from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier, magnitudes
 from gradsync.sparsify.segments import (
     Segments,
+    bincount,
     constant,
     name_nonfinite,
     order_in_segments,
@@ -162,7 +163,7 @@ class DGC(Sparsifier):
         seg_of = torch.repeat_interleave(constant(tuple(range(S)), torch.int64, dev), sizes,
                                          output_size=N)  # each entry's tensor
         level = _levels(a, table.float(), seg_of, lower)  # in 0 … J + 1 (J + 1: never met)
-        hist = torch.bincount(seg_of * (J + 2) + level, minlength=S * (J + 2))
+        hist = bincount(seg_of * (J + 2) + level, S * (J + 2))
         by_round = hist.view(S, J + 2).cumsum(1)[:, :J + 1]  # count in round j, per tensor
         need = lower * constant(tuple(ks), torch.float64, dev)  # the same products as lower · k
         enough = torch.cat([by_round.double() >= need[:, None],

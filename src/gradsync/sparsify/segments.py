@@ -19,14 +19,22 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from functools import cached_property, lru_cache
+from functools import cached_property
 
 import torch
 
-from gradsync.sparsegrad import SparseGrad, all_finite, check_finite, target_k
+from gradsync.sparsegrad import (
+    SparseGrad,
+    all_finite,
+    bincount,
+    check_finite,
+    constant,
+    target_k,
+    to_device,
+)
 
-__all__ = ["Segments", "constant", "name_nonfinite", "order_in_segments", "pays_on", "ranges",
-           "select_buffer", "to_device", "top_in_segments"]
+__all__ = ["Segments", "bincount", "constant", "name_nonfinite", "order_in_segments", "pays_on",
+           "ranges", "select_buffer", "to_device", "top_in_segments"]
 
 # Select buffers at once on the CPU too (tests of the segmented path; see pays_on).
 ON_CPU = False
@@ -62,25 +70,6 @@ class Segments:
 
     def __len__(self) -> int:
         return len(self.sizes)
-
-
-def to_device(values: Sequence[float] | Sequence[int], dtype: torch.dtype,
-              device: torch.device) -> torch.Tensor:
-    """A small host vector on ``device`` without waiting for the device: on CUDA it is staged in
-    pinned memory and copied asynchronously (a plain copy from pageable memory waits for the
-    stream)."""
-    host = torch.tensor(values, dtype=dtype)
-    if device.type == "cuda":
-        return host.pin_memory().to(device, non_blocking=True)
-    return host.to(device)
-
-
-@lru_cache(maxsize=256)
-def constant(values: tuple[float, ...] | tuple[int, ...], dtype: torch.dtype,
-             device: torch.device) -> torch.Tensor:
-    """:func:`to_device` of a vector that a buffer's layout fixes (its sizes, its tensors'
-    starts), made once per layout and device (no copy per step); never written to."""
-    return to_device(values, dtype, device)
 
 
 def ranges(starts: Sequence[int], lengths: Sequence[int], device: torch.device
