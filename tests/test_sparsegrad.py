@@ -357,3 +357,17 @@ def test_scatters_of_distinct_indices_match_a_python_loop_bit_for_bit(n, seed, d
     same = (out.view(_INT[dtype]) == add_ref.view(_INT[dtype])) | (out.isnan() & add_ref.isnan())
     assert bool(same.all())
     assert torch.equal(mark_at(mask, idx), mask_ref)
+
+
+@settings(max_examples=50, deadline=None)
+@given(values=st.lists(st.integers(0, 40), max_size=300), extra=st.integers(0, 5))
+def test_bincount_without_a_wait_equals_torch_bincount(values, extra):
+    """sparsegrad.bincount (a scatter-add into a known size: no read of the input's range on
+    CUDA) counts what torch.bincount counts, empty inputs included."""
+    from gradsync.sparsegrad import bincount
+
+    idx = torch.tensor(values, dtype=torch.int64)
+    nbins = 41 + extra
+    got = bincount(idx, nbins)
+    assert got.dtype == torch.int64 and got.shape == (nbins,)
+    assert torch.equal(got, torch.bincount(idx, minlength=nbins))
