@@ -49,6 +49,29 @@ def magnitudes(x: torch.Tensor) -> torch.Tensor:
     return x.abs().float()
 
 
+class LazyScalar:
+    """A per-selection figure (a threshold, a count of corrections) that a selection may leave
+    as a 0-dim tensor on the input's device: read back, cast, only when asked for (reading it
+    waits for the device; the selection itself does not)."""
+
+    def __init__(self, cast: type) -> None:
+        self.cast = cast
+
+    def __set_name__(self, owner: type, name: str) -> None:
+        self.slot = "_" + name
+
+    def __get__(self, obj: object, objtype: type | None = None) -> Any:
+        if obj is None:
+            return self
+        value = obj.__dict__.get(self.slot)
+        if isinstance(value, torch.Tensor):
+            value = obj.__dict__[self.slot] = self.cast(value)
+        return value
+
+    def __set__(self, obj: object, value: Any) -> None:
+        obj.__dict__[self.slot] = value
+
+
 class Sparsifier(ABC):
     """Base class: validation, k, deviation reporting, state; subclasses implement ``_select``.
 
@@ -58,6 +81,8 @@ class Sparsifier(ABC):
     """
 
     name: str = "?"  # set by ``registry.register(name)``
+    # the threshold of the last selection (None: a selector without one)
+    last_threshold = LazyScalar(float)
 
     def __init__(self, density: float, *, seed: int = 0) -> None:
         self.density = validate_density(density)
@@ -68,19 +93,6 @@ class Sparsifier(ABC):
         # Threshold estimators record the magnitude threshold of their last selection (every
         # selected entry has |x| >= last_threshold); None for selectors without one.
         self.last_threshold = None
-
-    @property
-    def last_threshold(self) -> float | None:
-        """The threshold of the last selection (None: a selector without one). A selection may
-        leave it a 0-dim tensor on the input's device, read only when asked for (reading it
-        waits for the device; the selection itself does not)."""
-        if isinstance(self._last_thr, torch.Tensor):
-            self._last_thr = float(self._last_thr)
-        return self._last_thr
-
-    @last_threshold.setter
-    def last_threshold(self, value: float | torch.Tensor | None) -> None:
-        self._last_thr = value
 
     # -- public -----------------------------------------------------------------------
     def select(self, x: torch.Tensor, step: int = 0) -> SparseGrad:

@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from gradsync.sparsify import registry, segments
-from gradsync.sparsify.base import Sparsifier, magnitudes
+from gradsync.sparsify.base import LazyScalar, Sparsifier, magnitudes
 
 
 @functools.lru_cache(maxsize=64)
@@ -38,6 +38,10 @@ def _z(density: float) -> float:
 
 @registry.register("gaussiank")
 class GaussianK(Sparsifier):
+    # the rounds on the device leave these as 0-dim tensors: read only when asked for
+    last_adjustments = LazyScalar(int)  # threshold corrections of the last selection
+    last_gaussian_threshold = LazyScalar(float)  # the normal fit's τ, before any correction
+
     def __init__(self, density: float, *, seed: int = 0, max_adjust: int = 6,
                  lower: float = 2 / 3, upper: float = 4 / 3) -> None:
         super().__init__(density, seed=seed)
@@ -49,29 +53,6 @@ class GaussianK(Sparsifier):
         self.lower, self.upper = float(lower), float(upper)
         self.last_adjustments = 0
         self.last_gaussian_threshold = None
-
-    # the rounds on the device leave these as 0-dim tensors: read only when asked for
-    @property
-    def last_adjustments(self) -> int:
-        """Threshold corrections of the last selection."""
-        if isinstance(self._adjustments, torch.Tensor):
-            self._adjustments = int(self._adjustments)
-        return self._adjustments
-
-    @last_adjustments.setter
-    def last_adjustments(self, value: int | torch.Tensor) -> None:
-        self._adjustments = value
-
-    @property
-    def last_gaussian_threshold(self) -> float | None:
-        """The normal fit's threshold τ of the last selection, before any correction."""
-        if isinstance(self._gaussian, torch.Tensor):
-            self._gaussian = float(self._gaussian)
-        return self._gaussian
-
-    @last_gaussian_threshold.setter
-    def last_gaussian_threshold(self, value: float | torch.Tensor | None) -> None:
-        self._gaussian = value
 
     def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:
         a = magnitudes(x)
