@@ -225,8 +225,11 @@ def test_a_step_costs_per_buffer_not_per_tensor(tmp_path):
 # sparsify.segments; prepare's finiteness check, the missing tensors and TopkA's counts read
 # with the step's other checks or not at all: SparseGrad.capacity), in the engine and in the
 # DDP hook (each bucket's checks read once per step, at its last bucket); and GaussianK, whose
-# threshold corrections run on the device there (one read, its selection's)
-SEGMENTED = ("per_tensor", "ssfusion", "ssfusion_o", "ssfusion_oi", "gaussiank",
+# threshold corrections run on the device there (one read, its selection's); and Ok-Topk,
+# whose reused thresholds (local and global) and wire checks stay on the device there: a
+# reuse step reads its nudged count, its regions' offsets, the regions' counts and the kept
+# positions (the counted step is one; every τ′ = 32 steps the exact global θ adds 8 reads)
+SEGMENTED = ("per_tensor", "ssfusion", "ssfusion_o", "ssfusion_oi", "gaussiank", "oktopk",
              "hook:per_tensor", "hook:ssfusion", "hook:ssfusion_oi")
 
 

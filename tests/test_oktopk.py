@@ -285,6 +285,56 @@ def test_nonfinite_input_raises_on_every_rank(world):
     assert msgs[0] == msgs[-1]
 
 
+def _tampered(rank: int, world: int, where: str) -> dict:
+    """One call of Ok-Topk whose gathered global selection (``where="gathered"``: every rank
+    receives the same corrupted block) or a peer's split-and-reduce message to rank 0
+    (``"peer"``) carries an index outside its range."""
+    from gradsync.collectives import comm as comm_mod
+    from gradsync.collectives import oktopk as ok_mod
+
+    n = 1000
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(n, generator=g)
+    sel = SparseGrad.from_indices(x, x.abs().topk(50).indices)
+    if where == "gathered":
+        real = comm_mod.Comm.all_gather_v
+
+        def all_gather_v(self, buf, sizes):
+            blocks = real(self, buf, sizes)
+            first = next(b for b in blocks if b.numel())
+            first[:4] = torch.tensor([n + 7], dtype=torch.int32).view(torch.uint8)
+            return blocks
+        comm_mod.Comm.all_gather_v = all_gather_v
+    else:
+        real_unpack = ok_mod.unpack_entries
+
+        def unpack(buf, count, *args):
+            i, v = real_unpack(buf, count, *args)
+            if rank == 0 and i.numel():
+                i = i.clone()
+                i[0] = -3  # below rank 0's region
+            return i, v
+        ok_mod.unpack_entries = unpack
+    try:
+        collectives.get("oktopk", k=40)(sel, step=0)
+        return {"error": None}
+    except ValueError as e:  # anything else (a scatter out of range) fails the test
+        return {"error": str(e)}
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_malformed_wire_indices_raise_and_write_nowhere(world):
+    """Ok-Topk checks the indices it receives on the device (no read; the caller reads the
+    checks with its own) and moves a bad one into range before writing: an index outside the
+    tensor in the gathered selection raises on every rank, one below rank 0's region in a
+    peer's message raises on rank 0; neither crashes in a scatter."""
+    out = run_distributed(_tampered, world, "gathered")
+    assert all(o["error"] is not None and "gathered global selection" in o["error"]
+               for o in out), out
+    out = run_distributed(_tampered, world, "peer")
+    assert out[0]["error"] is not None and "a peer's entries" in out[0]["error"], out
+
+
 # -- indices above 2**24 (float32 cannot hold them) ------------------------------------------
 def _tail_rank(rank: int, world: int, case: dict) -> dict:
     res = collectives.get("oktopk", k=8)(_selection(case, rank, world, 0))

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 from fractions import Fraction
 
 import pytest
@@ -371,3 +372,22 @@ def test_bincount_without_a_wait_equals_torch_bincount(values, extra):
     got = bincount(idx, nbins)
     assert got.dtype == torch.int64 and got.shape == (nbins,)
     assert torch.equal(got, torch.bincount(idx, minlength=nbins))
+
+
+@settings(max_examples=80, deadline=None)
+@given(values=st.lists(st.integers(-5, 60), max_size=40), lo=st.integers(0, 10),
+       width=st.integers(0, 50))
+def test_indices_flag_is_check_indices_on_the_device(values, lo, width):
+    """indices_flag's ``ok`` is what check_indices accepts (strictly increasing, in [lo, hi):
+    a Python reference here), ``inside`` marks the entries in range, and ``safe`` keeps those
+    and moves the others to ``lo``."""
+    from gradsync.sparsegrad import indices_flag
+
+    hi = lo + width
+    idx = torch.tensor(values, dtype=torch.int64)
+    safe, inside, ok = indices_flag(idx, hi, lo)
+    ref_inside = [lo <= v < hi for v in values]
+    ref_ok = all(ref_inside) and all(a < b for a, b in itertools.pairwise(values))
+    assert bool(ok) is ref_ok
+    assert inside.tolist() == ref_inside
+    assert safe.tolist() == [v if i else lo for v, i in zip(values, ref_inside)]

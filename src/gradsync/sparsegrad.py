@@ -40,6 +40,7 @@ __all__ = [
     "densify",
     "finite_flag",
     "flatnonzero",
+    "indices_flag",
     "isin_sorted",
     "mark_at",
     "put_at",
@@ -133,6 +134,21 @@ def check_indices(indices: torch.Tensor, numel: int, what: str) -> None:
     lo, hi = int(indices[0]), int(indices[-1])
     if lo < 0 or hi >= numel:
         raise ValueError(f"{what}: indices out of range [0, {numel}): min {lo}, max {hi}")
+
+
+def indices_flag(indices: torch.Tensor, hi: int, lo: int = 0
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """:func:`check_indices` on the device, without a read: ``(safe, inside, ok)``. ``ok``
+    (a bool tensor) says that the 1-D int64 ``indices`` are strictly increasing and lie in
+    ``[lo, hi)``; ``inside`` marks the entries in that range and ``safe`` is ``indices`` with
+    the others replaced by ``lo``, so that a malformed message writes nowhere before the
+    caller reads ``ok`` with the step's other checks (zero the values outside ``inside``)."""
+    if not indices.numel():
+        return indices, torch.ones(0, dtype=torch.bool, device=indices.device), \
+            torch.ones((), dtype=torch.bool, device=indices.device)
+    inside = (indices >= lo) & (indices < hi)
+    ok = inside.all() & (indices[1:] > indices[:-1]).all()
+    return torch.where(inside, indices, lo), inside, ok
 
 
 def flatnonzero(mask: torch.Tensor) -> torch.Tensor:

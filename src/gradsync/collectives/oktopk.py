@@ -33,7 +33,15 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
    contiguous chunks by point-to-point messages (order preserved), then all-gathered with an
    exact-size allgatherv. Every rank receives the same list, so ``dense`` is bitwise identical.
 5. ``kept`` = local indices ∩ global selection (line 14; Algorithm 2 line 6 zeroes the residual
-   only there).
+   only there), through a bitmap of the global selection (no search, no read).
+
+Host reads. The indices received (the peers' split-and-reduce messages, the gathered global
+selection) are checked on the device: a bad one is moved into range with its value zeroed
+before anything is written, and the checks go to the caller (:data:`~gradsync.collectives.base.
+CHECKS`), which reads them with the step's other checks. A reuse step then reads the regions'
+offsets in the selection, the sizes of the peers' messages (P > 1), the regions' counts with the
+non-finite flags (one all-gather), and the kept positions; an exact θ adds the radix select's 8.
+A malformed message raises after θ and the boundaries are committed (a non-finite value, before).
 
 Volume per rank (Table 1, COO = 2 words per entry): between the Theorem 3.1 lower bound
 2k(P−1)/P and 6k(P−1)/P words, plus O(P) control words per step (sizes, counts) and, every τ′
@@ -47,21 +55,21 @@ BERT).
 from __future__ import annotations
 
 import math
+import struct
 from typing import Any
 
 import torch
 
 from gradsync.collectives import registry
-from gradsync.collectives.base import Collective
+from gradsync.collectives.base import CHECKS, Collective
 from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats.wire import entry_bytes, pack_entries, unpack_entries, wire_index_dtype
 from gradsync.sparsegrad import (
     SparseGrad,
     bincount,
-    check_indices,
-    flatnonzero,
-    isin_sorted,
+    indices_flag,
+    mark_at,
     sparse_sum,
     target_k,
     validate_density,
@@ -86,7 +94,8 @@ def _nonfinite_flag(x: torch.Tensor) -> torch.Tensor:
 
 
 def _as_f32(x: float) -> float:
-    return float(torch.tensor(x, dtype=torch.float32))
+    """``x`` rounded to float32 (on the host: no tensor, no read)."""
+    return struct.unpack("f", struct.pack("f", x))[0]
 
 
 @registry.register("oktopk")
@@ -158,6 +167,8 @@ class OkTopk(Collective):
         self._state: dict[str, Any] = {key: None for key in _STATE_KEYS}
         self._state["boundary_evaluations"] = 0
         self._state["exact_evaluations"] = 0
+        # the boundaries as host ints and on the device, kept while they are reused
+        self._edges: tuple[torch.Tensor, torch.device, list[int], torch.Tensor] | None = None
 
     def __repr__(self) -> str:
         target = f"density={self.density}" if self.density is not None else f"k={self.k}"
@@ -186,6 +197,7 @@ class OkTopk(Collective):
                               or b.dim() != 1):
             raise ValueError("oktopk: state 'boundaries' must be a 1-D int64 tensor or None")
         self._state = dict(state)
+        self._edges = None
         if b is not None:
             self._state["boundaries"] = b.clone()
 
@@ -208,9 +220,12 @@ class OkTopk(Collective):
         new_bounds = due(step, st["boundary_step"], self.tau)
         bounds = (balanced_boundaries(sel.indices, n, P, comm) if new_bounds
                   else st["boundaries"])
+        edges, edges_dev = self._host_and_device(bounds, dev)
+        checks: list[tuple[torch.Tensor, str]] = []  # read by the caller with its own
 
         # Line 8: split and reduce → the reduced entries of this rank's region.
-        r_idx, r_val, received = self._split_and_reduce(sel, bounds, comm, wire, eb)
+        r_idx, r_val, received = self._split_and_reduce(sel, edges, edges_dev, comm, wire, eb,
+                                                        checks)
         mags = r_val.abs().to(torch.float32)
         # A non-finite reduced value (NaN received, or an fp16/bf16 overflow of the sum).
         bad_sum = _nonfinite_flag(mags)
@@ -236,7 +251,7 @@ class OkTopk(Collective):
             mask = mags >= theta
             counts = comm.all_gather_counts(int(mask.sum()), dev)
             total = sum(counts)
-        at = flatnonzero(mask)
+        at = torch.nonzero_static(mask, size=counts[comm.rank]).view(-1)  # its count is known
         g_idx, g_val = torch.index_select(r_idx, 0, at), torch.index_select(r_val, 0, at)
 
         # Line 13: data balancing (if the largest count > 4× the mean), then allgatherv.
@@ -246,13 +261,19 @@ class OkTopk(Collective):
             g_idx, g_val, chunks = self._balance(g_idx, g_val, counts, comm, wire, eb)
         blocks = comm.all_gather_v(pack_entries(g_idx, g_val, wire), [c * eb for c in chunks])
         parts = [unpack_entries(b, c, wire, sel.dtype, "oktopk") for b, c in zip(blocks, chunks)]
-        all_idx = torch.cat([p[0] for p in parts])  # region order = index order: sorted
-        check_indices(all_idx, n, "oktopk: the gathered global selection")
+        # region order = index order: sorted; checked on the device (no read), and a malformed
+        # index is moved into range with its value zeroed before anything is written
+        all_idx, inside, ok = indices_flag(torch.cat([p[0] for p in parts]), n)
+        checks.append((ok, f"oktopk: the gathered global selection: indices must be strictly "
+                           f"increasing in [0, {n}) (step {step})"))
         all_val = torch.cat([p[1] for p in parts])
+        all_val = torch.where(inside, all_val, torch.zeros((), dtype=all_val.dtype, device=dev))
         dense = SparseGrad(all_idx, all_val, n, validate=False).to_dense()
 
-        # Line 14: the local entries that made it into the global selection.
-        kept = sel.indices[isin_sorted(sel.indices, all_idx)]
+        # Line 14: the local entries that made it into the global selection (a bitmap of it
+        # over the tensor: no read; the positions themselves need one, their count is unknown)
+        chosen = mark_at(torch.zeros(n, dtype=torch.bool, device=dev), all_idx)
+        kept = sel.indices[torch.index_select(chosen, 0, sel.indices)]
 
         # Commit the state only now (a ValueError above leaves it untouched on every rank).
         if new_bounds:
@@ -276,12 +297,22 @@ class OkTopk(Collective):
             "selected": total,
             "counts": counts,  # selected per region owner, before balancing
             "balanced": balanced,
-            "boundaries": bounds.tolist(),
+            "boundaries": list(edges),
             "boundaries_recomputed": new_bounds,
             "region_entries": int(r_idx.numel()),
             "received_entries": received,
+            CHECKS: checks,
         }
         return dense, kept, info
+
+    def _host_and_device(self, bounds: torch.Tensor, dev: torch.device
+                         ) -> tuple[list[int], torch.Tensor]:
+        """The boundaries (a host tensor) as ints and on ``dev``, made once per boundaries
+        (every τ steps), not once per step."""
+        e = self._edges
+        if e is None or e[0] is not bounds or e[1] != dev:
+            e = self._edges = (bounds, dev, bounds.tolist(), bounds.to(dev))
+        return e[2], e[3]
 
     # -- pieces -----------------------------------------------------------------------
     def _target_k(self, sel: SparseGrad, comm: Comm) -> int:
@@ -294,18 +325,20 @@ class OkTopk(Collective):
         return max(1, math.ceil(int(c) / comm.size))
 
     def _split_and_reduce(
-        self, sel: SparseGrad, bounds: torch.Tensor, comm: Comm, wire: torch.dtype, eb: int
+        self, sel: SparseGrad, edges: list[int], edges_dev: torch.Tensor, comm: Comm,
+        wire: torch.dtype, eb: int, checks: list[tuple[torch.Tensor, str]],
     ) -> tuple[torch.Tensor, torch.Tensor, int]:
         """P−1 steps with destination rotation; buckets of min(bucket, P) messages, each
-        reduced while the next is in flight. Returns (indices, values, entries received)."""
+        reduced while the next is in flight. Returns (indices, values, entries received); the
+        checks of the peers' entries (sorted, inside this rank's region) go to ``checks``."""
         P, r, dev = comm.size, comm.rank, sel.device
-        off = torch.searchsorted(sel.indices, bounds.to(dev)).tolist()  # one read
+        off = torch.searchsorted(sel.indices, edges_dev).tolist()  # one read
 
         def region(d: int) -> tuple[torch.Tensor, torch.Tensor]:
             return sel.indices[off[d]:off[d + 1]], sel.values[off[d]:off[d + 1]]
 
         own_i, own_v = region(r)
-        lo, hi = bounds[r:r + 2].tolist()
+        lo, hi = edges[r], edges[r + 1]
         acc_i, acc_v = own_i, own_v.to(torch.float64)
         if P == 1:
             return acc_i, acc_v.to(sel.dtype), 0
@@ -345,13 +378,14 @@ class OkTopk(Collective):
             for w, _ in current[0]:
                 w.wait()
             if current[1]:
-                parts = [unpack_entries(buf, c, wire, sel.dtype, "oktopk")
-                         for buf, c in current[1]]
-                for p in parts:  # sorted, inside this rank's region
-                    check_indices(p[0], hi, "oktopk: a peer's entries for this region")
-                    if p[0].numel() and int(p[0][0]) < lo:
-                        raise ValueError(f"oktopk: a peer sent index {int(p[0][0])} below "
-                                         f"this rank's region [{lo}, {hi})")
+                parts = []
+                for buf, c in current[1]:  # sorted, inside this rank's region: on the device
+                    i, v = unpack_entries(buf, c, wire, sel.dtype, "oktopk")
+                    i, inside, ok = indices_flag(i, hi, lo)
+                    checks.append((ok, f"oktopk: a peer's entries for this rank's region "
+                                       f"[{lo}, {hi}) are not strictly increasing inside it"))
+                    parts.append((i, torch.where(inside, v, torch.zeros((), dtype=v.dtype,
+                                                                        device=dev))))
                 acc_i, acc_v = sparse_sum([(acc_i, acc_v), *parts], torch.float64)
         return acc_i, acc_v.to(sel.dtype), sum(n_in)
 

@@ -105,7 +105,10 @@ def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: 
         payload = Payload(dense=acc.to(wire, copy=True))
     elif job.mode is Mode.FUSED:
         sp = sparsifier(f"buffer:{index}", job.density)
-        payload = Payload(selections=[sp.select(acc, step)], wire_dtype=wire)
+        # the gradients' check is deferred (finite): no read of its own in the selection
+        sel = (sp.select(acc, step, checked=True) if finite is not None
+               and type(sp).select is sparsify.Sparsifier.select else sp.select(acc, step))
+        payload = Payload(selections=[sel], wire_dtype=wire)
     else:
         parts: list[SparseGrad | Future | None] = []
         inline: list[tuple[int, sparsify.Sparsifier, torch.Tensor]] = []

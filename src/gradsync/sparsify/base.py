@@ -71,6 +71,11 @@ class LazyScalar:
     def __set__(self, obj: object, value: Any) -> None:
         obj.__dict__[self.slot] = value
 
+    def raw(self, obj: object) -> Any:
+        """The value as stored, a 0-dim tensor while unread: for code that keeps it on the
+        device (``type(obj).<name>.raw(obj)``)."""
+        return obj.__dict__.get(self.slot)
+
 
 class Sparsifier(ABC):
     """Base class: validation, k, deviation reporting, state; subclasses implement ``_select``.
@@ -95,10 +100,14 @@ class Sparsifier(ABC):
         self.last_threshold = None
 
     # -- public -----------------------------------------------------------------------
-    def select(self, x: torch.Tensor, step: int = 0) -> SparseGrad:
-        """Select about ``k`` entries of the flat tensor ``x`` (not modified)."""
+    def select(self, x: torch.Tensor, step: int = 0, *, checked: bool = False) -> SparseGrad:
+        """Select about ``k`` entries of the flat tensor ``x`` (not modified). A NaN/Inf in
+        ``x`` raises ``ValueError``, unless ``checked``: the caller has checked the gradients
+        that ``x`` accumulates (the engine's non-finite policy, read with the step's other
+        checks), so the selection makes no read of its own for it (as ``select_buffer``)."""
         self._check_input(x)
-        check_finite(x, f"{self.name}: input gradient")
+        if not checked:
+            check_finite(x, f"{self.name}: input gradient")
         return self._select_finite(x, step)
 
     def _check_input(self, x: torch.Tensor) -> None:

@@ -29,13 +29,17 @@ from typing import Any
 import torch
 
 from gradsync.sparsify import registry, segments
-from gradsync.sparsify.base import Sparsifier, magnitudes
+from gradsync.sparsify.base import LazyScalar, Sparsifier, magnitudes
 
 _CLOCKS = ("calls", "step")
 
 
 @registry.register("threshold")
 class ThresholdReuse(Sparsifier):
+    # the reused threshold; where segments pay (an accelerator), an exact recomputation leaves
+    # it on the device, and the next reuse starts from it there (no read)
+    thr = LazyScalar(float)
+
     def __init__(self, density: float, *, seed: int = 0, period: int = 32,
                  clock: str = "calls", nudge: float = 1.2, max_nudges: int = 3) -> None:
         super().__init__(density, seed=seed)
@@ -49,7 +53,7 @@ class ThresholdReuse(Sparsifier):
             raise ValueError(f"threshold: max_nudges must be >= 0, got {max_nudges}")
         self.period, self.clock = int(period), clock
         self.nudge, self.max_nudges = float(nudge), int(max_nudges)
-        self.thr: float | None = None  # the reused threshold
+        self.thr = None
         self.calls_since_exact = 0
         self.last_exact_step: int | None = None
         self.last_numel: int | None = None
@@ -58,7 +62,7 @@ class ThresholdReuse(Sparsifier):
         self.last_nudges = 0
 
     def _due(self, n: int, step: int) -> bool:
-        if self.thr is None or n != self.last_numel:
+        if ThresholdReuse.thr.raw(self) is None or n != self.last_numel:
             return True
         if self.clock == "calls":
             return self.calls_since_exact >= self.period
@@ -68,7 +72,7 @@ class ThresholdReuse(Sparsifier):
     def _exact(self, a: torch.Tensor, k: int, step: int) -> torch.Tensor:
         """Accurate threshold: the k-th largest |x|; select the exact top-k."""
         vals, idx = torch.topk(a, k, sorted=False)
-        self.thr = float(vals.min())
+        self.thr = vals.min() if segments.pays_on(a.device) else float(vals.min())
         self.calls_since_exact = 0
         self.last_exact_step = step
         self.exact_count += 1
@@ -87,7 +91,7 @@ class ThresholdReuse(Sparsifier):
                 idx = self._exact(a, k, step)
         self.last_numel = n
         self.calls_since_exact += 1
-        self.last_threshold = self.thr
+        self.last_threshold = ThresholdReuse.thr.raw(self)
         return idx
 
     def _reuse(self, a: torch.Tensor, k: int) -> torch.Tensor | None:
@@ -121,8 +125,10 @@ class ThresholdReuse(Sparsifier):
         ``max_nudges`` rounds runs (one past the window changes nothing) and one read brings
         back whether the count reached the window, the count and the threshold; the selection
         is then made at that known size (no second read)."""
-        assert self.thr is not None
-        thr = torch.full((), self.thr, dtype=torch.float64, device=a.device)
+        kept = ThresholdReuse.thr.raw(self)
+        assert kept is not None
+        thr = (kept.to(a.device, torch.float64) if isinstance(kept, torch.Tensor)
+               else torch.full((), kept, dtype=torch.float64, device=a.device))
 
         def outside(count: torch.Tensor) -> torch.Tensor:  # count ∉ [2k/3, 4k/3]
             return (2 * k > 3 * count) | (3 * count > 4 * k)
@@ -151,9 +157,10 @@ class ThresholdReuse(Sparsifier):
     def rescale(self, factor: float) -> None:
         """The reused threshold follows the inputs' scale (a power of two from a GradScaler
         keeps the selection bit for bit the unscaled one's)."""
-        if self.thr is not None:
-            self.thr = self.thr * float(factor)
-            self.last_threshold = self.thr
+        kept = ThresholdReuse.thr.raw(self)
+        if kept is not None:  # a device value stays one
+            self.thr = kept * float(factor)
+            self.last_threshold = ThresholdReuse.thr.raw(self)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "thr": self.thr,
