@@ -311,3 +311,65 @@ def test_threshold_reuse_nudges_on_the_device_equal_the_host_loop():
             seen.add(host[1:3])
     # the paths compared: reused as is, nudged once and twice, nudges failed (recomputed)
     assert {(0, False), (1, False), (2, False), (3, True)} <= seen
+
+
+def _overflow_rank(rank, world_size, scheme, sparsifier, policy):
+    """The accelerators' path (forced on the CPU): on rank 0, one tensor's gradient and its
+    residual are finite but their sum overflows float32 at step 2."""
+    from conftest import batch, loss
+    from gradsync.apps.models import build
+    from gradsync.engine import GradSync
+    from gradsync.engine.config import Config
+    from gradsync.sparsify import segments
+
+    segments.ON_CPU = True
+    model = build("mlp", seed=1)
+    sync = GradSync(model, Config(scheme=scheme, density=0.05, sparsifier=sparsifier,
+                                  warmup_steps=1, nonfinite=policy))
+    w = model.net[1].weight
+    out = []
+    for step in range(3):
+        model.zero_grad()
+        x, y = batch("cnn", rank, step)
+        handle = None
+        if step == 2 and rank == 0:  # during backward, as in real life
+            def big(grad):
+                grad = grad.clone()
+                grad[0, :4] = 3e38  # finite, and so is the residual: their sum is not
+                return grad
+            handle = w.register_hook(big)
+            residual = sync.ef.residual("net.1.weight")
+            residual.view(-1)[:4] = 3e38
+            assert sync.ef.residual("net.1.weight").view(-1)[0] == 3e38  # held, not a copy
+        loss(model, "cnn", x, y).backward()
+        if handle is not None:
+            handle.remove()
+        try:
+            out.append(("ok", sync.synchronize(),
+                        all(bool(torch.isfinite(p.grad).all()) for p in model.parameters())))
+        except (ValueError, RuntimeError) as e:
+            out.append(("raised", str(e)))
+            break
+    sync.close()
+    return out
+
+
+@pytest.mark.parametrize("scheme,sparsifier", [("multi_tensor", "topk"), ("oktopk", "dgc"),
+                                               ("per_tensor", "topk")])
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_an_overflowed_sum_never_reaches_grad_on_the_accelerators_path(scheme, sparsifier,
+                                                                       policy):
+    """There the selections make no finiteness read of their own (the engine's deferred check
+    covers the gradients); a gradient plus residual that overflows still never reaches
+    ``.grad``: the sum's check, alike on every rank, applies the non-finite policy. Ok-Topk
+    checks what it receives itself and fails the step on every rank, whatever the policy."""
+    from gradsync.testing import run_distributed
+
+    for rank_out in run_distributed(_overflow_rank, 2, scheme, sparsifier, policy):
+        assert rank_out[:2] == [("ok", True, True)] * 2, rank_out
+        if scheme == "oktopk":
+            assert rank_out[2][0] == "raised" and "non-finite values" in rank_out[2][1]
+        elif policy == "raise":
+            assert rank_out[2][0] == "raised" and "non-finite" in rank_out[2][1], rank_out
+        else:
+            assert rank_out[2] == ("ok", False, True), rank_out

@@ -252,17 +252,22 @@ class GradSync:
     def _settle(self, run: StepRun, results: list[JobResult]) -> tuple[int, list[str], bool]:
         """Every device-side check of the step in one read, before anything is applied: the
         jobs' missing tensors and their collectives' checks (:func:`settle`), prepare's
-        deferred finiteness flags and the finiteness of the plain all-reduces' sums. Returns
-        the missing tensors, this rank's non-finite tensors among the deferred jobs (named
-        from the gradients, only when a flag failed) and whether a dense sum was non-finite.
+        deferred finiteness flags and the finiteness of the sums (the plain all-reduces', and
+        the deferred jobs'). Returns the missing tensors, this rank's non-finite tensors among
+        the deferred jobs (named from the gradients, only when a flag failed) and whether a
+        sum was non-finite.
 
         Plain all-reduces (Mode.DENSE) carry a rank's non-finite gradient as it is (prepare
         does not look at them), so their sums, alike on every rank, are non-finite then: one
         check of the sums instead of one per tensor."""
         deferred = [lj for lj in run.launched if lj.finite is not None]
-        dense = [r.dense for lj, r in zip(run.launched, results) if lj.job.mode is Mode.DENSE]
+        # the plain all-reduces' sums, and on the deferred path every sum: a selection there
+        # makes no finiteness read of its own (Sparsifier.select's checked), so an accumulated
+        # sum that overflowed shows here, alike on every rank, instead of reaching .grad
+        sums = [r.dense for lj, r in zip(run.launched, results)
+                if lj.job.mode is Mode.DENSE or lj.finite is not None]
         missing, flags = settle(list(zip(run.launched, results)), f"step {self.step}: ",
-                                [*(lj.finite for lj in deferred), *map(finite_flag, dense)])
+                                [*(lj.finite for lj in deferred), *map(finite_flag, sums)])
         bad: list[str] = []
         for lj, ok in zip(deferred, flags):
             if not ok:  # rare: name the culprits, a read per tensor
@@ -682,7 +687,7 @@ class GradSync:
         if not any_bad:
             return True
         where = (f"on this rank ({self.rank}) in {bad_local}" if bad_local
-                 else "on another rank" if agreed is None
+                 else "on another rank (or a sum overflowed)" if agreed is None
                  else "on another rank (or the all-reduced sum overflowed)")
         if self.cfg.nonfinite == "raise":
             for name in self.params:
