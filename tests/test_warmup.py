@@ -212,6 +212,7 @@ def _plan_switch(rank, world_size, scheme, momentum, warmup):
         model.zero_grad()
         x, y = batch("cnn", rank, step)
         model_loss(model, "cnn", x, y).backward()
+        local = {n: p.grad.detach().clone() for n, p in model.named_parameters()}
         for n, p in model.named_parameters():
             g = p.grad.detach().clone()
             dist.all_reduce(g)
@@ -222,7 +223,11 @@ def _plan_switch(rank, world_size, scheme, momentum, warmup):
                for n, p in model.named_parameters()}
         held = {n: float(sync.ef.residual(n).abs().max()) for n in sync.ef.names()
                 if sync.ef.residual(n) is not None}
-        out.append((step, sorted(whole), off, held))
+        # a sparsified tensor's velocity against this rank's own gradient (fresh: u = g)
+        fresh = {n: float((sync.ef.velocity(n).view_as(local[n]) - local[n]).abs().max()
+                          / local[n].abs().max())
+                 for n in sync.params if n not in whole and sync.ef.velocity(n) is not None}
+        out.append((step, sorted(whole), off, held, fresh))
     sync.close()
     return out
 
@@ -237,11 +242,13 @@ def test_plan_switch_flushes_no_warmup_residual(scheme: str, world_size: int) ->
     docs/results/resnet18-seed1). Here: the warm-up's ``.grad`` is the dense reference and
     holds nothing back, and at the switch every tensor sent whole is still the reference,
     with and without DGC's momentum correction. (With the old warm-up this test fails at the
-    switch: there the whole tensors' largest error is 0.7–1.6× the reference's largest entry.)"""
+    switch: there the whole tensors' largest error is 0.7–1.6× the reference's largest entry.)
+    The tensors the plan sparsifies start their velocity afresh at the switch (u = g there),
+    the whole ones keep theirs (the reference's)."""
     warmup = 3
     for momentum in (0.0, 0.9):
         for rank_out in run_distributed(_plan_switch, world_size, scheme, momentum, warmup):
-            for step, whole, off, held in rank_out:
+            for step, whole, off, held, fresh in rank_out:
                 if step < warmup:  # the warm-up: dense, nothing held back
                     assert max(off.values()) < 1e-5, (momentum, step, off)
                     assert not any(held.values()), (momentum, step, held)
@@ -251,3 +258,5 @@ def test_plan_switch_flushes_no_warmup_residual(scheme: str, world_size: int) ->
                 assert max(off[n] for n in whole) < 1e-5, (momentum, step, off)
                 if step == warmup:  # the sparse ones now hold entries back
                     assert max(off[n] for n in sparse) > 1e-3, (momentum, step, off)
+                    if momentum:  # ... and began a fresh velocity: u = g
+                        assert set(fresh) == sparse and max(fresh.values()) < 1e-6, fresh

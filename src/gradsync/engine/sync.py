@@ -317,9 +317,28 @@ class GradSync:
     def _advance_warmup(self) -> None:
         """One profiling step done; after the last, plan (or take ``Config.plan``)."""
         self._warmup.left -= 1
-        if self._warmup.left == 0 and self._given is not None:
+        if self._warmup.left == 0:
+            before = self.plan.sparsified
+            self._plan_after_warmup()
+            self._fresh_velocity(set(self.plan.sparsified) - before)
+
+    def _fresh_velocity(self, names: set[str]) -> None:
+        """The tensors that travelled whole during the warm-up and are sparsified from now on
+        start their DGC velocity afresh, as a sparsified run starts (the ones sent whole keep
+        theirs). Carried over at full strength, it entered every waiting entry's residual at
+        once, and the entries crossed the threshold together some ten steps later: on the
+        CNN (seed 8, 1 %, P = 4) SSFusion-OI's loss rose to 4.1× step 0's at step 16 and
+        SSFusion's to 3.8×; with a fresh velocity their worst after step 5 is 1.5× and 1.8×
+        (docs/results/convergence-cnn-10-seeds-fresh-velocity.md). A tensor whole during the
+        warm-up holds no residual, so only momentum's tail is given up, as DGC's masking does."""
+        if self.cfg.momentum > 0:
+            for name in sorted(names):
+                self.ef.reset(name)
+
+    def _plan_after_warmup(self) -> None:
+        if self._given is not None:
             self._set_plan(self._given)  # a replay: nothing to profile or plan
-        elif self._warmup.left == 0:
+        else:
             comm = Comm(self.group)
             first = next(iter(self.params.values()))
             plan, self.cost = warmup.final_plan(

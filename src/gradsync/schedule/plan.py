@@ -176,6 +176,14 @@ class Plan:
         """Every tensor, in the plan's (backward) order."""
         return [t.name for b in self.buffers for t in b.tensors]
 
+    @property
+    def sparsified(self) -> set[str]:
+        """The tensors that send fewer entries than they hold (a fused buffer's, or a
+        per-tensor buffer's at a density below 1); the others travel whole."""
+        return {t.name for b in self.buffers for t in b.tensors
+                if (b.mode == "fused" and entries(b.numel, b.density) < b.numel)
+                or (b.mode == "per_tensor" and t.k < t.numel)}
+
     def to_dict(self) -> dict[str, Any]:
         return {"scheme": self.scheme, "overlap": self.overlap,
                 "buffers": [b.to_dict() for b in self.buffers],
