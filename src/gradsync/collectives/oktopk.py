@@ -275,7 +275,8 @@ class OkTopk(Collective):
         chosen = mark_at(torch.zeros(n, dtype=torch.bool, device=dev), all_idx)
         kept = sel.indices[torch.index_select(chosen, 0, sel.indices)]
 
-        # Commit the state only now (a ValueError above leaves it untouched on every rank).
+        # Commit the state only now: a non-finite value raised above leaves it untouched on every
+        # rank (the wire checks are read by the caller, after this)
         if new_bounds:
             st["boundaries"], st["boundary_step"] = bounds, step
             st["boundary_evaluations"] += 1

@@ -320,7 +320,7 @@ class GradSync:
         if self._warmup.left == 0:
             before = self.plan.sparsified
             self._plan_after_warmup()
-            self._fresh_velocity(set(self.plan.sparsified) - before)
+            self._fresh_velocity(self.plan.sparsified - before)
 
     def _fresh_velocity(self, names: set[str]) -> None:
         """The tensors that travelled whole during the warm-up and are sparsified from now on

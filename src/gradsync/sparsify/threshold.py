@@ -61,8 +61,12 @@ class ThresholdReuse(Sparsifier):
         self.last_exact = False
         self.last_nudges = 0
 
+    def _held(self) -> float | torch.Tensor | None:
+        """The reused threshold as kept (a device tensor is not read)."""
+        return ThresholdReuse.thr.raw(self)
+
     def _due(self, n: int, step: int) -> bool:
-        if ThresholdReuse.thr.raw(self) is None or n != self.last_numel:
+        if self._held() is None or n != self.last_numel:
             return True
         if self.clock == "calls":
             return self.calls_since_exact >= self.period
@@ -91,7 +95,7 @@ class ThresholdReuse(Sparsifier):
                 idx = self._exact(a, k, step)
         self.last_numel = n
         self.calls_since_exact += 1
-        self.last_threshold = ThresholdReuse.thr.raw(self)
+        self.last_threshold = self._held()
         return idx
 
     def _reuse(self, a: torch.Tensor, k: int) -> torch.Tensor | None:
@@ -125,7 +129,7 @@ class ThresholdReuse(Sparsifier):
         ``max_nudges`` rounds runs (one past the window changes nothing) and one read brings
         back whether the count reached the window, the count and the threshold; the selection
         is then made at that known size (no second read)."""
-        kept = ThresholdReuse.thr.raw(self)
+        kept = self._held()
         assert kept is not None
         thr = (kept.to(a.device, torch.float64) if isinstance(kept, torch.Tensor)
                else torch.full((), kept, dtype=torch.float64, device=a.device))
@@ -157,10 +161,10 @@ class ThresholdReuse(Sparsifier):
     def rescale(self, factor: float) -> None:
         """The reused threshold follows the inputs' scale (a power of two from a GradScaler
         keeps the selection bit for bit the unscaled one's)."""
-        kept = ThresholdReuse.thr.raw(self)
+        kept = self._held()
         if kept is not None:  # a device value stays one
             self.thr = kept * float(factor)
-            self.last_threshold = ThresholdReuse.thr.raw(self)
+            self.last_threshold = self._held()
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "thr": self.thr,
