@@ -851,3 +851,74 @@ def test_resnet20_is_a_convergence_workload():
     assert spec.steps == conv.DEFAULT_STEPS.get("resnet20", 80)
     assert spec.eval_batches == math.ceil(conv.TEST_IMAGES / 32)
     assert models.task("resnet20") == "image"
+
+
+def _resume_argv(out, schemes: str, *extra: str) -> list[str]:
+    return ["--model", "gpt_tiny", "--schemes", schemes, "--seeds", "2", "--steps", "8",
+            "--world-size", "2", "--batch-size", "4", "--eval-points", "2",
+            "--lm-eval-batches", "2", "--out", str(out), *extra]
+
+
+def _rows(out) -> dict[str, dict]:
+    return {r["scheme"]: r for r in json.loads((out / "convergence.json").read_text())["rows"]}
+
+
+def test_resume_reuses_kept_runs_and_they_pair_bit_for_bit(tmp_path, capsys, monkeypatch):
+    """A study keeps every run in ``<out>/runs/``. ``--resume`` reuses the kept runs of the
+    same configuration and trains each other scheme as its own job: a study assembled over
+    three invocations (TopkA first, then ddp beside it, then nothing left to train) gives
+    every seed's final value, history and plan bit for bit as one invocation that trains both
+    schemes in one job per seed, so runs kept from another invocation still pair by seed.
+    (A scheme that plans from measured times, such as multi_tensor, may plan otherwise in
+    another job, as in another study.)"""
+    from gradsync.apps import train
+
+    whole = tmp_path / "whole"
+    assert conv.main(_resume_argv(whole, "ddp,topka")) == 0
+    assert sorted(p.name for p in (whole / "runs").iterdir()) == [
+        f"gpt_tiny-seed{s}-{n}.json" for s in (1, 2) for n in ("ddp", "topka")]
+    parts = tmp_path / "parts"
+    docs = tmp_path / "study.md"
+    assert conv.main(_resume_argv(parts, "topka", "--resume")) == 0
+    capsys.readouterr()
+    assert conv.main(_resume_argv(parts, "ddp,topka", "--resume",
+                                  "--write-docs", str(docs))) == 0
+    out = capsys.readouterr().out
+    assert "gpt_tiny seed 1: 1 scheme in" in out
+    assert "1 kept from an earlier run (--resume)" in out
+    a, b = _rows(whole), _rows(parts)
+
+    def curve(row):  # perplexity at each evaluation (elapsed times differ run to run)
+        return [[(h["step"], h["perplexity"]) for h in seed] for seed in row["history"]]
+
+    for s in ("ddp", "topka"):
+        assert all(math.isfinite(f) and f > 1 for f in a[s]["finals"])
+        assert b[s]["finals"] == a[s]["finals"] and curve(b[s]) == curve(a[s])
+        assert b[s]["plans"] == a[s]["plans"] and b[s]["spike"] == a[s]["spike"]
+    assert a["ddp"]["finals"] != a["topka"]["finals"]
+    assert (b["ddp"]["reused"], b["topka"]["reused"]) == (0, 2)
+    assert "- runs: 2 trained by this command, 2 kept from earlier invocations" in docs.read_text()
+    # every plan of the study, kept and new, is in the folder --plans replays
+    plans = json.loads((parts / "plans-gpt_tiny-seed2.json").read_text())
+    assert list(plans) == ["topka"]
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("--resume trained a run it had kept")
+
+    monkeypatch.setattr(train, "launch", no_training)
+    assert conv.main(_resume_argv(parts, "ddp,topka", "--resume")) == 0
+    assert _rows(parts)["ddp"]["finals"] == a["ddp"]["finals"]
+
+
+def test_resume_refuses_a_run_of_another_configuration(tmp_path, capsys):
+    out = tmp_path / "o"
+    assert conv.main(_resume_argv(out, "ddp")) == 0
+    with pytest.raises(SystemExit) as e:
+        conv.main(_resume_argv(out, "ddp", "--resume", "--density", "0.02"))
+    msg = str(e.value)
+    assert "gpt_tiny-seed1-ddp.json was trained with another configuration" in msg
+    assert "density: 0.01 there, 0.02 now" in msg and "steps" not in msg
+    (out / "runs" / "gpt_tiny-seed1-ddp.json").write_text("{not json")
+    with pytest.raises(SystemExit) as e:
+        conv.main(_resume_argv(out, "ddp", "--resume"))
+    assert "gpt_tiny-seed1-ddp.json: Expecting property name" in str(e.value)

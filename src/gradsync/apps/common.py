@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import platform
 import statistics
+import subprocess
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -17,7 +18,8 @@ from typing import Any
 
 import torch
 
-__all__ = ["add_common_args", "median_time", "out_dir", "print_table", "pyplot", "write_outputs"]
+__all__ = ["add_common_args", "code_revision", "median_time", "out_dir", "print_table", "pyplot",
+           "write_outputs"]
 
 
 def add_common_args(parser, name: str) -> None:
@@ -92,6 +94,23 @@ def cpu_description() -> str:
     except OSError:
         pass
     return f"{name}; torch CPU kernels {torch.backends.cpu.get_cpu_capability()}"
+
+
+def code_revision() -> str | None:
+    """The git commit gradsync runs from (short hash, ``+dirty`` with uncommitted changes in
+    the package), or ``None`` outside a checkout: results kept across invocations say which
+    code made them."""
+    src = Path(__file__).resolve().parents[1]
+    try:
+        rev = subprocess.run(["git", "-C", str(src), "rev-parse", "--short=7", "HEAD"],
+                             capture_output=True, text=True, timeout=10)
+        if rev.returncode != 0:
+            return None
+        dirty = subprocess.run(["git", "-C", str(src), "status", "--porcelain", "--", "."],
+                               capture_output=True, text=True, timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return rev.stdout.strip() + ("+dirty" if dirty.stdout.strip() else "")
 
 
 _PLOT_NOTE_SHOWN = False

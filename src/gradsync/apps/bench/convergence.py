@@ -2,7 +2,8 @@
 fixed step budget, compared with DDP (issue 11, "The study").
 
 ``python -m gradsync bench convergence [--model cnn,gpt_tiny] [--schemes …] [--seeds N]
-[--steps N] [--world-size 4] [--density 0.01[,0.03,…]] [--out DIR] [--write-docs [PATH]]``
+[--steps N] [--world-size 4] [--density 0.01[,0.03,…]] [--out DIR] [--write-docs [PATH]]
+[--resume]``
 
 Each (model, seed) is one ``python -m gradsync train`` job (:func:`gradsync.apps.train.launch`,
 loopback gloo ranks) that trains every scheme in turn from the same initial model on the same
@@ -52,6 +53,18 @@ plan from measured times may plan differently per seed, and the page says which 
 the date, the machine and its load) and copies the JSON and PNG beside it under the same name
 (``convergence.json``/``.png``; ``--write-docs docs/results/lm.md``: ``lm.json``…).
 
+**A long study over several sittings** (``--resume``): every finished run is kept in
+``<out>/runs/<model>[-d<density>]-seed<s>-<scheme>.json`` with the configuration that decides
+it (:func:`run_config`: the train spec but how it is launched, and a replayed plan) and the
+code revision that trained it. With ``--resume`` the runs kept there of the same configuration
+are reused, one of another configuration is refused with the fields that differ, and every
+other scheme trains as its own job, kept as soon as it ends: a study stopped midway (a
+ResNet-18 run is ~18 min on 2 cores) loses at most the run in flight, and the same command
+with ``--resume`` goes on. A scheme alone in its job trains bit for bit as beside others (the
+same seeded model, data and order), so kept runs still pair by seed; one that plans from
+measured times may plan otherwise, as in any other job. The page says how many runs were
+kept and at which code revisions.
+
 **A density sweep** (``--density 0.01,0.03,0.1``): one study per density, each with its own
 table, and first a trade-off table per model: for every scheme that uses the density, its mean
 gap to DDP (points of accuracy, or percent of perplexity) and bytes per step at each density,
@@ -71,6 +84,7 @@ time.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -82,7 +96,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from gradsync.apps.common import cpu_description, print_table, write_outputs
+from gradsync.apps.common import code_revision, cpu_description, print_table, write_outputs
 
 DEFAULT_SCHEMES = ("ddp", "ddp_powersgd", "per_tensor", "multi_tensor", "cupcake", "topka",
                    "oktopk", "densestream", "ssfusion", "ssfusion_oi")
@@ -183,6 +197,10 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    metavar="PATH", help=f"also write PATH (default {DOCS_PATH}) with the "
                                         "table, command, date and machine")
     p.add_argument("--timeout", type=float, default=3600.0, help="seconds per job")
+    p.add_argument("--resume", action="store_true",
+                   help="reuse the runs an earlier study of the same configuration kept in "
+                        "--out (runs/); train each other scheme as its own job, kept as it "
+                        "ends")
     p.add_argument("--plans", default=None, metavar="DIR",
                    help="replay the plans an earlier run wrote to its --out "
                         "(plans-<model>-seed<s>.json per job; train --plan)")
@@ -354,7 +372,9 @@ def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
             "spike": max((r["spike"] for r in by[s] if r.get("spike") is not None),
                          default=None),
             "diverged": sum(r.get("status", "ok") != "ok" for r in by[s]),
-            "history": [r["history"] for r in by[s]]}
+            "history": [r["history"] for r in by[s]],
+            "code": [r.get("code") for r in by[s]],
+            "reused": sum(bool(r.get("reused")) for r in by[s])}
         if ddp is not None:
             row["diff_vs_ddp"] = paired_ci(finals, [r["final"] for r in ddp])
             row["ddp_steps"] = ddp_steps_for([r["history"] for r in ddp], key, higher,
@@ -374,21 +394,77 @@ def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
     return rows
 
 
+RUN_SPEC_IGNORED = ("schemes", "timeout", "progress", "out", "plans")  # not the run's
+
+
+def run_file(folder: str | Path, model: str, seed: int, scheme: str,
+             density: float | None = None) -> Path:
+    """Where a study keeps one finished run (``<out>/runs/``), which ``--resume`` reuses; a
+    sweep's name their density, as :func:`plans_file` does."""
+    tag = "" if density is None else f"-d{density:g}"
+    return Path(folder) / "runs" / f"{model}{tag}-seed{seed}-{scheme}.json"
+
+
+def run_config(spec: Any, scheme: str) -> dict[str, Any]:
+    """What decides a run's result: the train spec's fields but those that only say how it is
+    launched (:data:`RUN_SPEC_IGNORED`), and the plan it replays, if any."""
+    cfg = {k: v for k, v in dataclasses.asdict(spec).items() if k not in RUN_SPEC_IGNORED}
+    cfg["plan"] = (spec.plans or {}).get(scheme)
+    return json.loads(json.dumps(cfg))  # tuples as lists: what a file gives back
+
+
+def load_run(path: Path, config: dict[str, Any]) -> dict[str, Any] | None:
+    """The run kept at ``path`` (``None``: none there). One made with another configuration
+    is refused with the fields that differ: reusing it would pair runs of different studies."""
+    try:
+        kept = json.loads(path.read_text())
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError) as e:
+        raise SystemExit(f"python -m gradsync bench convergence: error: --resume: {path}: "
+                         f"{e}") from None
+    old = kept.get("config", {})
+    diff = sorted(k for k in config.keys() | old.keys() if old.get(k) != config.get(k))
+    if diff:
+        shown = ", ".join(f"{k}: {old.get(k)!r} there, {config.get(k)!r} now" for k in diff)
+        raise SystemExit(f"python -m gradsync bench convergence: error: --resume: {path} was "
+                         f"trained with another configuration ({shown}); remove it or give "
+                         f"another --out")
+    return kept
+
+
+def _launch(spec: Any, model: str, seed: int) -> tuple[list[dict], list[dict], dict]:
+    """One train job: (its summarized runs, rank 0's runs, the link)."""
+    from gradsync.apps import train
+    from gradsync.testing import DistributedError, DistributedTimeout
+
+    try:
+        results, link = train.launch(spec)
+    except (DistributedError, DistributedTimeout) as e:
+        raise RuntimeError(f"{model} seed {seed} failed: {e}") from e
+    rank0 = next(r for r in results if r["rank"] == 0)
+    return train.summarize(results, spec.warmup_steps), rank0["runs"], link
+
+
 def _run_model(a: argparse.Namespace, model: str, density: float,
                carried: dict[int, list[dict]] | None = None
                ) -> tuple[list[dict], dict, dict[int, list[dict]]]:
     """One model at one density: a train job per seed, then the rows of every scheme.
     ``carried[seed]``: results of the density-independent schemes from the sweep's first
     density (:func:`density_independent`), paired here instead of trained again. Returns
-    the rows, the study's info and this density's per-seed results."""
-    from gradsync.apps import models, train
-    from gradsync.testing import DistributedError, DistributedTimeout
+    the rows, the study's info and this density's per-seed results.
+
+    Every finished run is kept in ``<out>/runs/`` (:func:`run_file`). With ``--resume`` the
+    kept runs of the same configuration are reused and each other scheme is its own job, kept
+    as soon as it ends, so a study stopped midway loses at most the run in flight."""
+    from gradsync.apps import models
 
     key, _ = _metric(models.task(model))
     carried = carried or {}
     reused = {r["scheme"] for rs in carried.values() for r in rs}
     schemes = [s for s in a.scheme_list if s not in reused]
     sweep = len(a.densities) > 1
+    tag = density if sweep else None
     per_seed: dict[int, list[dict]] = {}
     evaluated = None  # test images (accuracy) or target tokens (perplexity) per evaluation
     spec = None
@@ -396,33 +472,53 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
     for seed in range(1, seeds_for(a, model) + 1):
         spec = _spec(a, model, seed, density, schemes)  # parse_args: never empty
         per_seed[seed] = list(carried.get(seed, []))
+        kept: dict[str, dict] = {}
+        if a.resume:
+            for s in schemes:
+                run = load_run(run_file(a.out, model, seed, s, tag), run_config(spec, s))
+                if run is not None:
+                    kept[s] = run
+        todo = [s for s in schemes if s not in kept]
+        jobs = [[s] for s in todo] if a.resume else ([todo] if todo else [])
         t0 = time.perf_counter()
-        try:
-            results, link = train.launch(spec)
-        except (DistributedError, DistributedTimeout) as e:
-            raise RuntimeError(f"{model} seed {seed} failed: {e}") from e
-        runs = train.summarize(results, spec.warmup_steps)
-        plans = {r["scheme"]: r["plan"] for r in runs if r.get("plan") is not None}
-        if plans:  # what `train --plan` replays
-            Path(a.out).mkdir(parents=True, exist_ok=True)
-            plans_file(a.out, model, seed, density if sweep else None).write_text(
-                json.dumps(plans))
-        rank0 = next(r for r in results if r["rank"] == 0)
-        ev = rank0["runs"][0]["eval"]
-        evaluated = ev.get("test_samples", ev.get("eval_tokens"))
-        per_seed[seed] += [{"scheme": r["scheme"],
+        for job in jobs:
+            t1 = time.perf_counter()
+            runs, rank0_runs, link = _launch(dataclasses.replace(spec, schemes=tuple(job)),
+                                             model, seed)
+            ev = rank0_runs[0]["eval"]
+            for r, rr in zip(runs, rank0_runs):
+                kept[r["scheme"]] = {
+                    "config": run_config(spec, r["scheme"]), "code": code_revision(),
+                    "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                    "job_s": time.perf_counter() - t1, "scheme_count": len(job),
+                    "link": link, "evaluated": ev.get("test_samples", ev.get("eval_tokens")),
+                    "plan": r.get("plan"), "resumed": False,
+                    "row": {"scheme": r["scheme"],
                             "final": r["summary"].get(key, math.nan),  # nan: diverged
                             "status": r.get("status", "ok"), "spike": spike(rr["records"]),
                             "bytes_per_step": r["summary"]["bytes_per_step"],
                             "missing_rate": r["summary"].get("missing_rate"),
                             "plan_digest": r["summary"].get("plan_digest"),
                             "history": [{k: h[k] for k in ("step", "elapsed_s", key)}
-                                        for h in rr.get("history", [])]}
-                           for r, rr in zip(runs, rank0["runs"])]
+                                        for h in rr.get("history", [])]}}
+                path = run_file(a.out, model, seed, r["scheme"], tag)
+                path.parent.mkdir(parents=True, exist_ok=True)
+                path.write_text(json.dumps(kept[r["scheme"]]))
+                kept[r["scheme"]] = dict(kept[r["scheme"]], fresh=True)
+        plans = {s: kept[s]["plan"] for s in schemes if kept[s].get("plan") is not None}
+        if plans:  # what `train --plan` replays
+            Path(a.out).mkdir(parents=True, exist_ok=True)
+            plans_file(a.out, model, seed, tag).write_text(json.dumps(plans))
+        last = kept[schemes[-1]]
+        evaluated = last["evaluated"]
+        link = link or last["link"]
+        per_seed[seed] += [dict(kept[s]["row"], code=kept[s]["code"],
+                                reused=not kept[s].get("fresh", False)) for s in schemes]
         at = f" at density {density:g}" if sweep else ""
-        print(f"bench convergence: {model} seed {seed}{at}: {len(runs)} "
-              f"scheme{'s' if len(runs) != 1 else ''} in "
-              f"{time.perf_counter() - t0:.0f} s", flush=True)
+        again = len(schemes) - len(todo)
+        print(f"bench convergence: {model} seed {seed}{at}: {len(todo)} "
+              f"scheme{'s' if len(todo) != 1 else ''} in {time.perf_counter() - t0:.0f} s"
+              + (f", {again} kept from an earlier run (--resume)" if again else ""), flush=True)
     assert spec is not None
     rows = aggregate(model, models.task(model), per_seed, a.scheme_list)
     for r in rows:
@@ -673,6 +769,19 @@ def _machine_note() -> str:
             f"{load:.1f} at the end)")
 
 
+def _runs_note(results: list[tuple[list[dict], dict]]) -> list[str]:
+    """The page's line on runs kept from an earlier invocation (``--resume``) and the code
+    revisions the runs were trained at; none when this command trained every run at one."""
+    rows = [r for rows, _ in results for r in rows]
+    total = sum(len(r["finals"]) for r in rows)
+    reused = sum(r.get("reused", 0) for r in rows)
+    codes = sorted({c or "unknown" for r in rows for c in r.get("code", [])})
+    if not reused and len(codes) <= 1:
+        return [f"- code: {codes[0]}"] if codes else []
+    return [f"- runs: {total - reused} trained by this command, {reused} kept from earlier "
+            f"invocations (`--resume`, each in `<out>/runs/`); code: {', '.join(codes)}"]
+
+
 def write_docs(path: Path, results: list[tuple[list[dict], dict]], command: str, wall: float,
                artifacts: list[Path]) -> Path:
     """The markdown page: one table per model, the command, the date and the machine."""
@@ -682,6 +791,7 @@ def write_docs(path: Path, results: list[tuple[list[dict], dict]], command: str,
              f"- date: {time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}",
              f"- command: `{command}`",
              f"- {_machine_note()}; wall time {wall / 60:.1f} min",
+             *_runs_note(results),
              "- Δ vs ddp: mean over seeds of the paired difference (same seed, same data "
              "order), 95 % interval mean ± t(0.975, n−1)·sd/√n; accuracy in points.",
              "- target: 99 % of ddp's mean final accuracy (perplexity: ddp's / 0.99); steps "
