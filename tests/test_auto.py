@@ -472,6 +472,51 @@ def test_auto_in_the_engine(P):
         assert not any(out[0]["probing"])  # one rank: no watch, nothing to probe
 
 
+def _velocity_at_switches(rank: int, P: int) -> dict:
+    """``auto`` with DGC's momentum through its warm-up, probes, trials and re-plan: after each
+    step whose plan changed, the velocity of every tensor the new plan sparsifies and the old
+    one sent whole, and of every tensor sparsified under both."""
+    _slow_link()
+    drift.DRIFT_WINDOW, drift.DRIFT_PATIENCE, drift.DRIFT_THRESHOLD = 2, 1, -0.5
+    drift.TRIAL_ROUNDS = 1
+    model = build("mlp", seed=1)
+    sync = GradSync(model, Config(scheme="auto", density=0.01, sparsifier="topk", momentum=0.9,
+                                  warmup_steps=2, check_every=0, compress_single_rank=True))
+    fresh, kept = [], []
+    for step in range(16):
+        ran = sync.plan
+        model.zero_grad(set_to_none=True)
+        x, y = image_batch(rank, step)
+        nn.functional.cross_entropy(model(x), y).backward()
+        sync.synchronize()
+        if sync.plan is not ran:
+            fresh += [sync.ef.velocity(n) is None
+                      for n in sorted(sync.plan.sparsified - ran.sparsified)]
+            kept += [sync.ef.velocity(n) is not None
+                     for n in sorted(sync.plan.sparsified & ran.sparsified)]
+        with torch.no_grad():
+            for q in model.parameters():
+                q.add_(q.grad, alpha=-0.1)
+    events = [e["kind"] for e in sync.plan.info.get("replans", [])]
+    sync.close()
+    return {"fresh": fresh, "kept": kept, "events": events}
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_tensors_auto_sparsifies_after_sending_them_whole_start_a_fresh_velocity(P):
+    """The CNN's spikes after SSFusion's dense warm-up (tests/test_warmup.py) had their cause in
+    the velocity a tensor built while sent whole; ``auto`` moves tensors between whole and
+    sparse at the end of its warm-up and at each trial and re-plan, so each such switch starts
+    the newly sparsified tensors' velocity afresh, and a tensor sparsified on both sides keeps
+    its velocity."""
+    out = run_distributed(_velocity_at_switches, P, timeout=300)
+    for o in out:
+        # the warm-up's end, and the trials of the dense runner-up and their way back
+        assert "trial_back" in o["events"], o["events"]
+        assert len(o["fresh"]) >= 2 and all(o["fresh"]), o
+        assert all(o["kept"]), o
+
+
 # ------------------------------------------------------------------------------------ DDP hook
 def _hook(rank: int, P: int) -> dict:
     from gradsync import ddp

@@ -545,7 +545,7 @@ class GradSync:
                            None if last is None else t_done - last)
         flushed = self._drift.after_step()  # a flushing step ran: now its plan
         if flushed is not None:
-            self._set_plan(flushed)
+            self._switch_plan(flushed)
         if self._drift.due:
             comm = Comm(self.group)
             got = self._drift.check(self.cfg, self.plan, self.cost, self.group, self.rank,
@@ -554,7 +554,15 @@ class GradSync:
             self.total.add_traffic(comm.stats)
             if got is not None:
                 plan, self.cost = got
-                self._set_plan(self._drift.change(self.plan, plan))
+                self._switch_plan(self._drift.change(self.plan, plan))
+
+    def _switch_plan(self, plan: Plan) -> None:
+        """``auto`` takes another plan between steps (a trial, its way back, a re-plan): as at
+        the end of the warm-up, the tensors it sparsifies that the last plan sent whole start
+        their velocity afresh (:meth:`_fresh_velocity`)."""
+        before = self.plan.sparsified
+        self._set_plan(plan)
+        self._fresh_velocity(plan.sparsified - before)
 
     def _set_plan(self, plan: Plan) -> None:
         self._jobs: list[Job] = plan_jobs(plan, self._parts.collective_name, list(self.params))
