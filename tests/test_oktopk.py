@@ -133,7 +133,22 @@ def _rank_main(rank: int, world: int, cases: list[dict]) -> dict:
         out["nan"] = None
     except ValueError as e:
         out["nan"] = str(e)
+    # the same under skip_step: a sum of NaN on every rank, nothing kept, and θ and the
+    # boundaries as they were (here: after one good step)
+    b = collectives.get("oktopk", density=0.01, nonfinite="skip_step")
+    good = _selection(_cases(world)[0], rank, world, 0)
+    b(good, step=0)
+    before = copy.deepcopy(b.state_dict())
+    res = b(bad, step=1)
+    out["skip"] = {"all_nan": bool(torch.isnan(res.dense).all()), "n": res.dense.numel(),
+                   "kept": res.kept.numel(), "why": res.info.get("nonfinite"),
+                   "state_kept": _same_state(before, b.state_dict())}
     return out
+
+
+def _same_state(a: dict, b: dict) -> bool:
+    return a.keys() == b.keys() and all(
+        torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
 @functools.cache
@@ -283,6 +298,20 @@ def test_nonfinite_input_raises_on_every_rank(world):
     msgs = [o["nan"] for o in _results(world)]
     assert all(m is not None and f"selection on ranks [{world - 1}]," in m for m in msgs), msgs
     assert msgs[0] == msgs[-1]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_nonfinite_input_under_skip_step_gives_nan_on_every_rank_and_keeps_the_state(world):
+    """``nonfinite="skip_step"`` (what the engine passes under that policy, so that a loss
+    scaler's overflow skips the step instead of failing it): the same finding as above, but a
+    sum of NaN on every rank for the owner to skip, nothing kept, θ and boundaries unchanged."""
+    outs = [o["skip"] for o in _results(world)]
+    n = _selection(_cases(world)[0], 0, world, 0).numel
+    for o in outs:
+        assert o["all_nan"] and o["n"] == n and o["kept"] == 0, o
+        assert f"selection on ranks [{world - 1}]," in o["why"] and o["state_kept"], o
+    with pytest.raises(ValueError, match="nonfinite must be 'raise' or 'skip_step'"):
+        collectives.get("oktopk", density=0.01, nonfinite="ignore")
 
 
 def _tampered(rank: int, world: int, where: str) -> dict:

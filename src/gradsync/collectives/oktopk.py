@@ -41,7 +41,8 @@ before anything is written, and the checks go to the caller (:data:`~gradsync.co
 CHECKS`), which reads them with the step's other checks. A reuse step then reads the regions'
 offsets in the selection, the sizes of the peers' messages (P > 1), the regions' counts with the
 non-finite flags (one all-gather), and the kept positions; an exact θ adds the radix select's 8.
-A malformed message raises after θ and the boundaries are committed (a non-finite value, before).
+A malformed message raises after θ and the boundaries are committed (a non-finite value, before;
+or, with ``nonfinite="skip_step"``, gives a sum of NaN on every rank for the owner to skip).
 
 Volume per rank (Table 1, COO = 2 words per entry): between the Theorem 3.1 lower bound
 2k(P−1)/P and 6k(P−1)/P words, plus O(P) control words per step (sizes, counts) and, every τ′
@@ -116,6 +117,11 @@ class OkTopk(Collective):
         recompute_band: ``(lo, hi)`` with 0 ≤ lo ≤ 1 ≤ hi: recompute a reused θ exactly when
             its count leaves [lo·k, hi·k] (module docstring, 3.). ``None`` (default): the
             paper's pure reuse.
+        nonfinite: a NaN/Inf in a rank's selection or in a region's reduced sum (found by
+            every rank at once, in the count's all-gather): ``"raise"`` (default), a
+            ``ValueError`` on every rank; ``"skip_step"``, a sum of NaN on every rank, for its
+            owner to skip the step (the engine passes ``Config.nonfinite``). Either way θ and
+            the boundaries are left as they were.
 
     ``step`` must be the same on every rank (it drives the τ and τ′ schedules).
     """
@@ -133,9 +139,14 @@ class OkTopk(Collective):
         bucket: int = 4,
         nudge: float = 0.02,
         recompute_band: tuple[float, float] | None = None,
+        nonfinite: str = "raise",
         check_shapes: bool = True,
     ) -> None:
         super().__init__(check_shapes=check_shapes)
+        if nonfinite not in ("raise", "skip_step"):
+            raise ValueError(f"oktopk: nonfinite must be 'raise' or 'skip_step', got "
+                             f"{nonfinite!r}")
+        self.nonfinite = nonfinite
         if density is not None and k is not None:
             raise ValueError("oktopk: give density or k, not both")
         if density is not None:
@@ -237,11 +248,15 @@ class OkTopk(Collective):
         mask = mags >= theta
         # the count and both flags travel in one all-gather and come back in one read
         cb = comm.all_gather(torch.stack([mask.sum(), bad, bad_sum]).to(torch.int64)).tolist()
-        if any(c[1] or c[2] for c in cb):  # every rank raises the same error: nothing hangs
+        if any(c[1] or c[2] for c in cb):  # every rank knows it: nothing hangs
             inputs = [i for i in range(P) if cb[i][1]]
             sums = [i for i in range(P) if cb[i][2]]
-            raise ValueError(f"oktopk: non-finite values in the selection on ranks {inputs}, "
-                             f"in the reduced sums of the regions of ranks {sums} (step {step})")
+            why = (f"oktopk: non-finite values in the selection on ranks {inputs}, in the "
+                   f"reduced sums of the regions of ranks {sums} (step {step})")
+            if self.nonfinite == "raise":
+                raise ValueError(why)
+            nan = torch.full((n,), math.nan, dtype=sel.dtype, device=dev)
+            return nan, sel.indices[:0], {"k": k, "nonfinite": why, CHECKS: checks}
         counts = [int(c[0]) for c in cb]
         total = sum(counts)
         band = self.recompute_band

@@ -28,6 +28,12 @@ For every tensor of the job, as soon as the job's tensors are all ready:
      offloads (§IV-C) goes to the worker thread and travels as a future that the
      communication thread waits for.
 
+The selections make no finiteness read of their own (``Sparsifier.select``'s ``checked``):
+step 1 checked the gradients, and an accumulator that overflowed (finite gradient and residual,
+infinite sum) is selected as it is, so its Inf reaches the collective's sum, alike on every
+rank, where the engine checks every sum and applies the non-finite policy on every rank (a
+selection that raised did so on one rank alone).
+
 Only step 3 counts as inline sparsification time.
 """
 
@@ -105,9 +111,8 @@ def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: 
         payload = Payload(dense=acc.to(wire, copy=True))
     elif job.mode is Mode.FUSED:
         sp = sparsifier(f"buffer:{index}", job.density)
-        # the gradients' check is deferred (finite): no read of its own in the selection
-        sel = (sp.select(acc, step, checked=True) if finite is not None
-               and type(sp).select is sparsify.Sparsifier.select else sp.select(acc, step))
+        sel = (sp.select(acc, step, checked=True)  # the gradients are checked: module doc
+               if type(sp).select is sparsify.Sparsifier.select else sp.select(acc, step))
         payload = Payload(selections=[sel], wire_dtype=wire)
     else:
         parts: list[SparseGrad | Future | None] = []
@@ -175,7 +180,7 @@ def _select_inline(parts: list, inline: list[tuple[int, sparsify.Sparsifier, tor
                                      checked=True)  # prepare's own check read the gradients
         if one is not None:
             return [*parts[:first], one]
-    chosen = sparsify.select_each([(sp, acc) for _, sp, acc in inline], step)
+    chosen = sparsify.select_each([(sp, acc) for _, sp, acc in inline], step, checked=True)
     for (i, _, _), sel in zip(inline, chosen):
         parts[i] = sel
     return parts

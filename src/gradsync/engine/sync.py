@@ -252,20 +252,19 @@ class GradSync:
     def _settle(self, run: StepRun, results: list[JobResult]) -> tuple[int, list[str], bool]:
         """Every device-side check of the step in one read, before anything is applied: the
         jobs' missing tensors and their collectives' checks (:func:`settle`), prepare's
-        deferred finiteness flags and the finiteness of the sums (the plain all-reduces', and
-        the deferred jobs'). Returns the missing tensors, this rank's non-finite tensors among
-        the deferred jobs (named from the gradients, only when a flag failed) and whether a
-        sum was non-finite.
+        deferred finiteness flags and the finiteness of every job's sum. Returns the missing
+        tensors, this rank's non-finite tensors among the deferred jobs (named from the
+        gradients, only when a flag failed) and whether a sum was non-finite.
 
         Plain all-reduces (Mode.DENSE) carry a rank's non-finite gradient as it is (prepare
         does not look at them), so their sums, alike on every rank, are non-finite then: one
         check of the sums instead of one per tensor."""
         deferred = [lj for lj in run.launched if lj.finite is not None]
-        # the plain all-reduces' sums, and on the deferred path every sum: a selection there
-        # makes no finiteness read of its own (Sparsifier.select's checked), so an accumulated
-        # sum that overflowed shows here, alike on every rank, instead of reaching .grad
-        sums = [r.dense for lj, r in zip(run.launched, results)
-                if lj.job.mode is Mode.DENSE or lj.finite is not None]
+        # every sum: the plain all-reduces carry a non-finite gradient as it is, a selection
+        # makes no finiteness read of its own (Sparsifier.select's checked), so an accumulator
+        # that overflowed shows here, alike on every rank, instead of reaching .grad; and a
+        # collective that finds NaN/Inf under skip_step (Ok-Topk) returns a sum of NaN
+        sums = [r.dense for r in results]
         missing, flags = settle(list(zip(run.launched, results)), f"step {self.step}: ",
                                 [*(lj.finite for lj in deferred), *map(finite_flag, sums)])
         bad: list[str] = []

@@ -100,7 +100,7 @@ _TABLE = (
     Scheme("gtopk", "single", "gtopk", paper="Ok-Topk §2 'gTop-k' (Shi et al.)"),
     Scheme("gaussiank", "single", "topka", sparsifier="gaussiank",
            paper="Ok-Topk §2 'Gaussian-k' (Shi et al.)"),
-    Scheme("oktopk", "single", "oktopk", collective_options=("density",),
+    Scheme("oktopk", "single", "oktopk", collective_options=("density", "nonfinite"),
            sparsifier="threshold", sparsifier_options=(("clock", "step"),),
            sparsifier_config=(("period", "local_tau_prime"),),
            paper="Ok-Topk §3, Algorithm 1 (local threshold reuse: lines 2–4)"),

@@ -182,16 +182,18 @@ class Sparsifier(ABC):
 
 
 def select_each(pairs: Sequence[tuple[Sparsifier, torch.Tensor]],
-                step: int = 0) -> list[SparseGrad]:
+                step: int = 0, *, checked: bool = False) -> list[SparseGrad]:
     """``[sp.select(x, step) for sp, x in pairs]`` with one finiteness read for all of them
     (:func:`~gradsync.sparsegrad.all_finite_each`: one device-to-host transfer per device,
     where each ``select`` waits on the device once): the same selections, and the same
     ``ValueError`` for a NaN/Inf input (the first such pair's), raised before any selection
-    runs. The engine selects a buffer's tensors with it. A subclass that overrides ``select``
-    itself (the contract asks for ``_select``) is called through its own ``select``."""
+    runs; none with ``checked`` (as :meth:`Sparsifier.select`'s). The engine selects a
+    buffer's tensors with it. A subclass that overrides ``select`` itself (the contract asks
+    for ``_select``) is called through its own ``select``."""
     for sp, x in pairs:
         sp._check_input(x)
-    for (sp, x), finite in zip(pairs, all_finite_each([x for _, x in pairs])):
+    flags = [True] * len(pairs) if checked else all_finite_each([x for _, x in pairs])
+    for (sp, x), finite in zip(pairs, flags):
         if not finite:
             check_finite(x, f"{sp.name}: input gradient")  # raises, with the counts
     return [sp._select_finite(x, step) if type(sp).select is Sparsifier.select
