@@ -114,3 +114,58 @@ def test_hook_nonfinite_gradient_reaches_every_rank_and_keeps_nothing(world_size
         assert got["digest"] == ref["digest"]
         digests.add(got["digest"])
     assert len(digests) == 1  # replicas identical
+
+
+def _overflow(rank: int, P: int, policy: str) -> dict:
+    """At step 1 on the last rank, an entry of the first layer's gradient and of its residual
+    are finite (3e38) but their sum is not: the hook's selection sees an infinite accumulator."""
+    model = build("mlp", seed=3)
+    ddp = DDP(model)
+    state = gradsync.ddp.register(ddp, Config(scheme="per_tensor", density=0.05,
+                                              sparsifier="topk", nonfinite=policy,
+                                              compress_single_rank=True), small_numel=1000)
+    name, first = next(iter(model.named_parameters()))
+    big = {"on": False}
+
+    def inject(g: torch.Tensor) -> torch.Tensor:
+        if not big["on"]:
+            return g
+        g = g.clone()
+        g.view(-1)[:4] = 3e38
+        return g
+
+    first.register_hook(inject)
+    out: dict = {"errors": [], "finite": []}
+    for step in range(3):
+        big["on"] = step == BAD_STEP and rank == P - 1
+        if big["on"]:
+            res = state.ef.residual(name)
+            res.view(-1)[:4] = 3e38
+            assert state.ef.residual(name).view(-1)[0] == 3e38  # held, not a copy
+        ddp.zero_grad(set_to_none=True)
+        x, y = image_batch(rank, step)
+        try:
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        except RuntimeError as e:
+            out["errors"].append((step, str(e)))
+            continue
+        out["finite"].append((step, all(bool(torch.isfinite(p.grad).all())
+                                        for p in model.parameters())))
+    out["nonfinite"] = state.stats()["nonfinite_buckets"]
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+@pytest.mark.parametrize("policy", ["raise", "skip_step"])
+def test_hook_overflowed_accumulator_applies_the_policy_on_every_rank(world_size, policy):
+    """A gradient and a residual each finite whose sum overflows: the selection makes no
+    finiteness read of its own (one rank raising there stranded its peers in the all-gather);
+    the Inf it selects shows in the sum on every rank, where the policy applies."""
+    out = run_distributed(_overflow, world_size, policy, timeout=120)
+    for got in out:
+        assert got["nonfinite"] == 1, got
+        if policy == "raise":
+            assert [s for s, _ in got["errors"]] == [BAD_STEP], got["errors"]
+            assert "non-finite gradient" in got["errors"][0][1]
+        else:
+            assert not got["errors"] and dict(got["finite"]) == {0: True, 1: False, 2: True}

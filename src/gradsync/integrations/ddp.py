@@ -613,8 +613,8 @@ def _selection(state: HookState, acc: torch.Tensor, prefix: int, sizes: list[int
         bounds = [0]
         for k in sizes:
             bounds.append(bounds[-1] + k)
-        parts.extend(sparsify.select_each(
-            [(sp, tail[bounds[j]:bounds[j + 1]]) for j, sp in enumerate(sps)]))
+        parts.extend(sparsify.select_each(  # no read: an overflowed acc shows in the sum
+            [(sp, tail[bounds[j]:bounds[j + 1]]) for j, sp in enumerate(sps)], checked=True))
     return parts[0] if len(parts) == 1 else concat(parts)
 
 
