@@ -53,13 +53,13 @@ from gradsync.sparsegrad import SparseGrad
 __all__ = ["Executor"]
 
 
-
 def _select(sp: sparsify.Sparsifier, acc: torch.Tensor, step: int) -> SparseGrad:
     """SSFusion-O's selection on the worker: no finiteness read (prepare checked the gradients,
     the engine checks the sums; :mod:`gradsync.engine.prepare`)."""
     if type(sp).select is sparsify.Sparsifier.select:
         return sp.select(acc, step, checked=True)
     return sp.select(acc, step)
+
 
 class Executor:
     """The communication thread and the offload worker of one engine.
