@@ -53,14 +53,6 @@ from gradsync.sparsegrad import SparseGrad
 __all__ = ["Executor"]
 
 
-def _select(sp: sparsify.Sparsifier, acc: torch.Tensor, step: int) -> SparseGrad:
-    """SSFusion-O's selection on the worker: no finiteness read (prepare checked the gradients,
-    the engine checks the sums; :mod:`gradsync.engine.prepare`)."""
-    if type(sp).select is sparsify.Sparsifier.select:
-        return sp.select(acc, step, checked=True)
-    return sp.select(acc, step)
-
-
 class Executor:
     """The communication thread and the offload worker of one engine.
 
@@ -104,7 +96,9 @@ class Executor:
     def offload(self, sp: sparsify.Sparsifier, acc: torch.Tensor, step: int) -> Future:
         """SSFusion-O: sparsify on the worker thread (via pinned host memory on CUDA).
 
-        The future's result is ``(selection, seconds spent selecting)``.
+        The future's result is ``(selection, seconds spent selecting)``. The selection makes
+        no finiteness read: prepare checked the gradients, the engine checks the sums
+        (:mod:`gradsync.engine.prepare`).
         """
         if acc.is_cuda:
             dev = acc.device
@@ -121,7 +115,7 @@ class Executor:
             def work() -> tuple[SparseGrad, float]:
                 ready.synchronize()  # the host copy only; the compute stream runs on
                 t0 = time.perf_counter()
-                sel = _select(sp, host, step)
+                sel = sparsify.select_each([(sp, host)], step, checked=True)[0]
                 idx, val = sel.indices.pin_memory(), sel.values.pin_memory()
                 with torch.cuda.stream(consumer):  # ordered before every later use
                     out = SparseGrad(idx.to(dev, non_blocking=True),
@@ -130,7 +124,8 @@ class Executor:
         else:
             def work() -> tuple[SparseGrad, float]:
                 t0 = time.perf_counter()
-                return _select(sp, acc, step), time.perf_counter() - t0
+                sel = sparsify.select_each([(sp, acc)], step, checked=True)[0]
+                return sel, time.perf_counter() - t0
         return self._worker.submit(work)
 
     def submit(self, job: Job, index: int, payload: Payload, step: int) -> Future[JobResult]:

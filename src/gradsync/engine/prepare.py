@@ -111,8 +111,7 @@ def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: 
         payload = Payload(dense=acc.to(wire, copy=True))
     elif job.mode is Mode.FUSED:
         sp = sparsifier(f"buffer:{index}", job.density)
-        sel = (sp.select(acc, step, checked=True)  # the gradients are checked: module doc
-               if type(sp).select is sparsify.Sparsifier.select else sp.select(acc, step))
+        sel = sparsify.select_each([(sp, acc)], step, checked=True)[0]  # module doc
         payload = Payload(selections=[sel], wire_dtype=wire)
     else:
         parts: list[SparseGrad | Future | None] = []

@@ -317,9 +317,7 @@ class GradSync:
         """One profiling step done; after the last, plan (or take ``Config.plan``)."""
         self._warmup.left -= 1
         if self._warmup.left == 0:
-            before = self.plan.sparsified
-            self._plan_after_warmup()
-            self._fresh_velocity(self.plan.sparsified - before)
+            self._switch_plan(self._plan_after_warmup())
 
     def _fresh_velocity(self, names: set[str]) -> None:
         """The tensors that travelled whole during the warm-up and are sparsified from now on
@@ -334,20 +332,19 @@ class GradSync:
             for name in sorted(names):
                 self.ef.reset(name)
 
-    def _plan_after_warmup(self) -> None:
+    def _plan_after_warmup(self) -> Plan:
         if self._given is not None:
-            self._set_plan(self._given)  # a replay: nothing to profile or plan
-        else:
-            comm = Comm(self.group)
-            first = next(iter(self.params.values()))
-            plan, self.cost = warmup.final_plan(
-                self.cfg, self._warmup.samples, list(self.params), self._numel,
-                first.element_size(), self._parts.sparsifier_name, self.group, self.rank,
-                self.P, device=first.device, comm=comm,
-                new_collective=self._parts.new_collective)
-            self.last.add_traffic(comm.stats)  # profiling and the plan: this step's bytes
-            self.total.add_traffic(comm.stats)
-            self._set_plan(plan)
+            return self._given  # a replay: nothing to profile or plan
+        comm = Comm(self.group)
+        first = next(iter(self.params.values()))
+        plan, self.cost = warmup.final_plan(
+            self.cfg, self._warmup.samples, list(self.params), self._numel,
+            first.element_size(), self._parts.sparsifier_name, self.group, self.rank,
+            self.P, device=first.device, comm=comm,
+            new_collective=self._parts.new_collective)
+        self.last.add_traffic(comm.stats)  # profiling and the plan: this step's bytes
+        self.total.add_traffic(comm.stats)
+        return plan
 
     def precondition(self, scales: Mapping[nn.Parameter | str, torch.Tensor]) -> None:
         """Compress ``scale ⊙ gradient`` from the next step on, per parameter (a parameter or
@@ -556,8 +553,8 @@ class GradSync:
                 self._switch_plan(self._drift.change(self.plan, plan))
 
     def _switch_plan(self, plan: Plan) -> None:
-        """``auto`` takes another plan between steps (a trial, its way back, a re-plan): as at
-        the end of the warm-up, the tensors it sparsifies that the last plan sent whole start
+        """Take another plan between steps (the warm-up's end; ``auto``'s trials, their way
+        back, its re-plans): the tensors it sparsifies that the last plan sent whole start
         their velocity afresh (:meth:`_fresh_velocity`)."""
         before = self.plan.sparsified
         self._set_plan(plan)

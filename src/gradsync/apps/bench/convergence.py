@@ -492,7 +492,7 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
                     "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                     "job_s": time.perf_counter() - t1, "scheme_count": len(job),
                     "link": link, "evaluated": ev.get("test_samples", ev.get("eval_tokens")),
-                    "plan": r.get("plan"), "resumed": False,
+                    "plan": r.get("plan"),
                     "row": {"scheme": r["scheme"],
                             "final": r["summary"].get(key, math.nan),  # nan: diverged
                             "status": r.get("status", "ok"), "spike": spike(rr["records"]),
@@ -504,7 +504,6 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
                 path = run_file(a.out, model, seed, r["scheme"], tag)
                 path.parent.mkdir(parents=True, exist_ok=True)
                 path.write_text(json.dumps(kept[r["scheme"]]))
-                kept[r["scheme"]] = dict(kept[r["scheme"]], fresh=True)
         plans = {s: kept[s]["plan"] for s in schemes if kept[s].get("plan") is not None}
         if plans:  # what `train --plan` replays
             Path(a.out).mkdir(parents=True, exist_ok=True)
@@ -512,8 +511,8 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
         last = kept[schemes[-1]]
         evaluated = last["evaluated"]
         link = link or last["link"]
-        per_seed[seed] += [dict(kept[s]["row"], code=kept[s]["code"],
-                                reused=not kept[s].get("fresh", False)) for s in schemes]
+        per_seed[seed] += [dict(kept[s]["row"], code=kept[s]["code"], reused=s not in todo)
+                           for s in schemes]
         at = f" at density {density:g}" if sweep else ""
         again = len(schemes) - len(todo)
         print(f"bench convergence: {model} seed {seed}{at}: {len(todo)} "
