@@ -468,7 +468,10 @@ class SparseGrad:
         return len(self) / self.numel if self.numel else 0.0
 
     def to_dense(self) -> torch.Tensor:
-        """Dense flat tensor of ``numel`` elements with the selected values scattered in."""
+        """Dense flat tensor of ``numel`` elements with the selected values scattered in (a
+        copy of the values when every entry is the dense prefix: no scatter)."""
+        if self.dense_prefix == self.numel == self.values.numel():
+            return self.values.clone()
         return densify([(self.indices, self.values)], self.numel, self.values.dtype,
                        self.values.device)
 

@@ -15,7 +15,7 @@ jobs, which of this rank's entries entered it (``kept``). Per tensor of the job:
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Hashable, Sequence
 
 import torch
 from torch import nn
@@ -26,7 +26,7 @@ from gradsync.engine.stats import StepStats
 from gradsync.feedback import ErrorFeedback
 from gradsync.sparsegrad import bincount, constant
 
-__all__ = ["apply", "missing_check", "settle", "settle_missing"]
+__all__ = ["apply", "commit", "job_check", "missing_check", "settle", "settle_missing"]
 
 
 def settle(jobs: Sequence[tuple[Launched, JobResult]], who: str = "",
@@ -42,9 +42,7 @@ def settle(jobs: Sequence[tuple[Launched, JobResult]], who: str = "",
     for launched, result in jobs:
         if launched.job.mode is Mode.DENSE:
             continue
-        spans = bounds(launched.job.names, launched.sizes)
-        checks.append(missing_check(result.kept.to(torch.int64), [lo for _, lo, _ in spans],
-                                    spans[-1][2]))
+        checks.append(job_check(launched.sizes, result.kept))
         wire.extend(result.checks)
     missing, values = settle_missing(checks, "the job's buffer", who, wire, flags)
     return sum(missing), values
@@ -85,9 +83,7 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
                     torch.zeros_like(a) if residual is None else residual[lo:hi].clone()))
         return
     kept = result.kept.to(torch.int64)
-    whole = kept.numel() == offset  # distinct indices: every entry (no index work)
-    sent = None if acc.dtype == wire else (acc if whole else acc[kept]).to(wire)
-    residual = ef.update_buffer(launched.index, acc, None if whole else kept, sent)
+    residual = commit(ef, launched.index, acc, kept, wire)
     stats.selected += int(kept.numel())
     if result.sent_values is not None:  # auditing
         kept_values = values_at(result.sent_indices, result.sent_values, kept)
@@ -96,6 +92,25 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
             audit.record(AuditRecord(
                 step, n, job.mode.value, job.wire, launched.audit_acc[lo:hi],
                 kept[mine] - lo, kept_values[mine].clone(), residual[lo:hi].clone()))
+
+
+def commit(ef: ErrorFeedback, key: Hashable, acc: torch.Tensor, kept: torch.Tensor | None,
+           wire: torch.dtype) -> torch.Tensor:
+    """Error feedback's second half for one sparse job (the engine's, the DDP hook's): the
+    positions ``kept`` of ``acc`` (None, or all of them: every entry) travelled in ``wire``;
+    the residual keeps the rest and the rounding. Returns the new residual."""
+    whole = kept is None or kept.numel() == acc.numel()  # distinct: every entry, no index work
+    sent = None if acc.dtype == wire else (acc if whole else acc[kept]).to(wire)
+    return ef.update_buffer(key, acc, None if whole else kept, sent)
+
+
+def job_check(sizes: Sequence[int], kept: torch.Tensor) -> torch.Tensor:
+    """:func:`missing_check` of a job whose tensors hold ``sizes`` entries, in order."""
+    starts, at = [], 0
+    for n in sizes:
+        starts.append(at)
+        at += n
+    return missing_check(kept.to(torch.int64), starts, at)
 
 
 def missing_check(kept: torch.Tensor, starts: list[int], numel: int) -> torch.Tensor:

@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from gradsync import collectives, sparsify
 from gradsync.collectives.comm import Comm, CommStats
-from gradsync.engine.jobs import InFlight, Job, JobResult, Mode, Payload, Transport, concat
+from gradsync.engine.jobs import InFlight, Job, JobResult, Mode, Payload, Transport
 from gradsync.sparsegrad import SparseGrad
 
 __all__ = ["Executor"]
@@ -145,8 +145,8 @@ class Executor:
             if isinstance(part, Future):
                 part, s = part.result()
                 offload_s += s
-            sels.append(payload.wire(part))
-        sel = concat(sels) if job.mode is Mode.PER_TENSOR else sels[0]
+            sels.append(part)
+        sel = payload.message(job, sels)
         sent_idx, sent_vals = ((sel.indices.clone(), sel.values.clone()) if self._audit
                                else (None, None))
         if job.transport is Transport.ALLREDUCE:  # SSFusion-I's Buffer_AR

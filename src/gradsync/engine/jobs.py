@@ -157,6 +157,13 @@ class Payload:
             return sel
         return sel.to(self.wire_dtype)  # indices and dense prefix kept
 
+    def message(self, job: Job, parts: Sequence[SparseGrad]) -> SparseGrad:
+        """The job's selection as it travels: ``parts`` (:attr:`selections`, the worker's
+        futures resolved) in :attr:`wire_dtype`, one selection over the job's buffer
+        (concatenated for :attr:`Mode.PER_TENSOR`)."""
+        sels = [self.wire(p) for p in parts]
+        return concat(sels) if job.mode is Mode.PER_TENSOR else sels[0]
+
 
 @dataclass
 class JobResult:

@@ -40,7 +40,7 @@ Only step 3 counts as inline sparsification time.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass
 
@@ -72,24 +72,32 @@ class Prepared:
     finite: torch.Tensor | None = None
 
 
-def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: ErrorFeedback,
-            sparsifier: Sparsifiers, offload: Offload, step: int,
-            clip: tuple[float, int] | None = None, reuse: bool = True) -> Prepared:
-    """Steps 1–3 above for job ``index`` of the plan, one buffer at a time: ``grad`` is the
-    job's gradients, flat and concatenated in its order (``sizes`` entries each); error
-    feedback keeps the job as one buffer keyed ``index``
-    (:meth:`~gradsync.feedback.ErrorFeedback.accumulate_buffer`). ``clip``:
-    ``(Config.clip_norm, P)``, DGC's local clipping of what enters error feedback. ``reuse``:
-    ``grad`` is the caller's to give away (a dense job then sums in it, in place); otherwise
-    it is copied first (the engine's gradient storage: the local gradients stay for the
-    message that names a non-finite one)."""
+def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
+            ef: ErrorFeedback, sparsifier: Sparsifiers, offload: Offload | None, step: int,
+            clip: tuple[float, int] | None = None, reuse: bool = True,
+            deferred: bool | None = None) -> Prepared:
+    """Steps 1–3 above for one job, one buffer at a time: ``grad`` is the job's gradients,
+    flat and concatenated in its order (``sizes`` entries each); error feedback keeps the job
+    as one buffer keyed ``index`` (the job's position in the plan; the DDP hook's bucket)
+    (:meth:`~gradsync.feedback.ErrorFeedback.accumulate_buffer`). ``offload``: SSFusion-O's
+    worker (None: the job offloads nothing). ``clip``: ``(Config.clip_norm, P)``, DGC's local
+    clipping of what enters error feedback. ``reuse``: ``grad`` is the caller's to give away (a
+    dense job then sums in it, in place); otherwise it is copied first (the engine's gradient
+    storage: the local gradients stay for the message that names a non-finite one).
+    ``deferred``: step 1's check stays on the device on any device (``Prepared.finite``; the
+    DDP hook, which has no collective of its own to agree on a step); None: on accelerators."""
     # a plain all-reduce carries the gradient (or its velocity) as it is: a NaN/Inf shows in the
     # sum on every rank (GradSync.synchronize checks the sums, and a pending velocity is then
     # discarded), so no pass over it here
     dense = job.mode is Mode.DENSE
     # on an accelerator the check stays on the device (no wait here): a buffer that holds a
     # NaN/Inf accumulates as zeros, and the engine reads the flag with the step's other checks
-    finite = None if dense or not segments.pays_on(grad.device) else finite_flag(grad)
+    if job.offload and offload is None:
+        raise ValueError(f"prepare: job {index!r} offloads {sorted(job.offload)[:3]} and no "
+                         "worker was given")
+    if deferred is None:
+        deferred = segments.pays_on(grad.device)
+    finite = None if dense or not deferred else finite_flag(grad)
     nonfinite = [] if dense or finite is not None else _nonfinite(job.names, sizes, grad)
     if nonfinite:  # never enters a residual; the step is agreed later
         grad = grad.clone()
@@ -115,12 +123,11 @@ def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: 
         payload = Payload(selections=[sel], wire_dtype=wire)
     else:
         parts: list[SparseGrad | Future | None] = []
-        inline: list[tuple[int, sparsify.Sparsifier, torch.Tensor]] = []
+        inline: list[tuple[int, sparsify.Sparsifier, int, int]] = []
         first_inline = None
         whole: list[int] = []  # the current run of tensors sent whole: [lo, hi)
         for n, lo, hi in bounds(job.names, sizes):
             d = job.densities[n]
-            a = acc[lo:hi]
             if d is None:  # excluded from sparsification: every entry travels; a run of
                 # them is one part (one arange, not one per tensor), made when the run ends
                 if whole:
@@ -132,15 +139,14 @@ def prepare(job: Job, index: int, grad: torch.Tensor, sizes: Sequence[int], ef: 
             if whole:
                 parts[-1], whole = _sent_whole(acc, *whole), []
             if n in job.offload:  # SSFusion-O
-                parts.append(offload(sparsifier(n, d), a, step))
-            else:  # selected below, all with one finiteness read (on a GPU: one wait)
+                parts.append(offload(sparsifier(n, d), acc[lo:hi], step))
+            else:  # selected below, as one buffer where that pays (no slice per tensor)
                 first_inline = lo if first_inline is None else first_inline
-                inline.append((len(parts), sparsifier(n, d), a))
+                inline.append((len(parts), sparsifier(n, d), lo, hi))
                 parts.append(None)
         if whole:
             parts[-1] = _sent_whole(acc, *whole)
-        tail = acc[first_inline:] if first_inline is not None else None
-        parts = _select_inline(parts, inline, tail, step)
+        parts = _select_inline(parts, inline, acc, first_inline, step)
         payload = Payload(selections=parts, wire_dtype=wire)
     return Prepared(acc, nonfinite, payload, time.perf_counter() - t0, finite)
 
@@ -163,23 +169,25 @@ def _nonfinite(names: Sequence[str], sizes: Sequence[int], grad: torch.Tensor) -
     return [n for (n, _, _), ok in zip(spans, finite) if not ok]
 
 
-def _select_inline(parts: list, inline: list[tuple[int, sparsify.Sparsifier, torch.Tensor]],
-                   tail: torch.Tensor | None, step: int) -> list:
+def _select_inline(parts: list, inline: list[tuple[int, sparsify.Sparsifier, int, int]],
+                   acc: torch.Tensor, first: int | None, step: int) -> list:
     """Fill ``parts``' inline selections. The inline tensors come last (plan_jobs puts the
     tensors sent whole first; an offloaded one may sit between them): when they are one run,
     they are selected as one buffer, every tensor at its own k, in a number of operations
     independent of their count (:func:`gradsync.sparsify.segments.select_buffer`); otherwise,
     or on the CPU (:func:`~gradsync.sparsify.segments.pays_on`), or for a sparsifier without a
-    segmented form, tensor by tensor. ``tail``: the buffer from the first inline tensor on."""
-    first = len(parts) - len(inline)
-    if (len(inline) > 1 and [i for i, _, _ in inline] == list(range(first, len(parts)))
-            and segments.pays_on(inline[0][2].device)):
-        one = sparsify.select_buffer([sp for _, sp, _ in inline], tail,
-                                     [acc.numel() for _, _, acc in inline], step,
+    segmented form, tensor by tensor. ``inline``: ``(part, sparsifier, lo, hi)`` of each, its
+    entries ``acc[lo:hi]``; ``first``: the first one's ``lo``."""
+    at = len(parts) - len(inline)
+    if (len(inline) > 1 and [i for i, *_ in inline] == list(range(at, len(parts)))
+            and segments.pays_on(acc.device)):
+        one = sparsify.select_buffer([sp for _, sp, _, _ in inline], acc[first:],
+                                     [hi - lo for _, _, lo, hi in inline], step,
                                      checked=True)  # prepare's own check read the gradients
         if one is not None:
-            return [*parts[:first], one]
-    chosen = sparsify.select_each([(sp, acc) for _, sp, acc in inline], step, checked=True)
-    for (i, _, _), sel in zip(inline, chosen):
+            return [*parts[:at], one]
+    chosen = sparsify.select_each([(sp, acc[lo:hi]) for _, sp, lo, hi in inline], step,
+                                  checked=True)
+    for (i, *_), sel in zip(inline, chosen):
         parts[i] = sel
     return parts
