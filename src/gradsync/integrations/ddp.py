@@ -14,7 +14,10 @@ predicts per bucket from link and sparsifier costs measured once, then keeps the
 only if it beats all-dense in a measured A-B-B-A trial (``HookState.trial``), because the
 model under-predicts inline sparsification where ranks share cores (docs/results/speed.md,
 "The DDP hook's `auto`, measured"). Unlike :class:`gradsync.GradSync` the fusion buffer is
-DDP's bucket and the selection rule a size threshold (Eq. 2 needs the engine's cost model).
+DDP's bucket and the selection rule a size threshold (Eq. 2 needs the engine's cost model);
+the rest is the engine's step pipeline, written once: a bucket becomes the engine's jobs
+(``plan_jobs``, ``at_density``), each prepared by ``engine.prepare.prepare``, sent as
+``Payload.message`` and committed by ``engine.apply.commit``.
 A NaN/Inf travels in the bucket's own collectives, so every rank sees it alike and keeps its
 residuals: ``Config.nonfinite="raise"`` fails a future of the step (DDP raises from
 ``backward()`` on every rank), ``"skip_step"`` leaves the non-finite average in ``.grad``, as
@@ -39,7 +42,7 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -49,11 +52,12 @@ from torch import nn
 
 from gradsync import collectives, sparsify
 from gradsync.collectives.comm import Comm, CommStats
-from gradsync.engine.apply import missing_check, settle_missing
+from gradsync.engine.apply import commit, job_check, settle_missing
 from gradsync.engine.config import Config, require_config
 from gradsync.engine.consistency import signature_check
-from gradsync.engine.jobs import concat
+from gradsync.engine.jobs import Job, Transport, at_density, plan_jobs
 from gradsync.engine.preconditioning import apply_scales
+from gradsync.engine.prepare import Prepared, prepare
 from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.warmup import link_costs
 from gradsync.feedback import (
@@ -63,11 +67,11 @@ from gradsync.feedback import (
     follow_scale,
     saved_scale,
 )
-from gradsync.schedule import schemes
+from gradsync.schedule import BufferPlan, Plan, TensorPlan, schemes
 from gradsync.schedule.auto import MARGIN, bucket_sparse
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 from gradsync.schedule.ssfusion import allgather_charge, allreduce_charge, compensate
-from gradsync.sparsegrad import SparseGrad, all_finite, finite_flag, target_k
+from gradsync.sparsegrad import all_finite, finite_flag, target_k
 from gradsync.sparsify import segments
 
 __all__ = ["DDP_SCHEMES", "TRIAL_ORDER", "TRIAL_STEPS", "HookState", "hook", "register"]
@@ -410,7 +414,6 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         state.loss_scale = follow_scale(state.loss_scale, state.scaler, state.rescale)
     buf = bucket.buffer()
     comm = Comm(state.group)
-    P = comm.size
     if state.scheme.planner == "auto":
         state._time_step(bucket.index() == 0, comm)
     params = bucket.parameters()
@@ -433,78 +436,99 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         # error feedback, which holds what earlier sparse steps left behind
         return _all_reduce_bucket(state, comm, buf, names, offsets, bucket.is_last(), True,
                                   bucket.index())
-    d_now = state.cfg.density_at(state.steps)  # DGC's warm-up (Config.density_warmup)
-    # a warm-up step at density 1 (DGC's, AdamW's in gradsync.optim): every entry travels, so
-    # the whole bucket goes through the all-reduce (DDP's bytes, not an all-gather of all of it)
-    whole = d_now >= 1.0 > state.cfg.density
-    if whole:
-        densities = [None] * len(densities)
-    elif d_now != state.cfg.density:
-        f = d_now / state.cfg.density
-        densities = [None if d is None else min(1.0, d * f) for d in densities]
-    # SSFusion-I and auto: dense tensors in an all-reduce
-    to_allreduce = whole or state.scheme.interleave or state.scheme.planner == "auto"
-    # the bucket's tensors in the order they travel: SSFusion-I's all-reduce part, then the
-    # all-gather's tensors sent whole (its dense prefix: values without indices,
-    # SparseGrad.dense_prefix, alike on every rank since the densities are), then the
-    # selected ones; error feedback holds the bucket as one buffer in that order
-    dense_parts = [i for i, d in enumerate(densities) if d is None and to_allreduce]
-    whole_parts = [i for i, d in enumerate(densities) if d is None and not to_allreduce]
-    picked = [i for i, d in enumerate(densities) if d is not None]
-    order = dense_parts + whole_parts + picked
-    travel = _Travel(order, offsets, numels, buf.device)
-    sizes = [numels[i] for i in order]
-    n_dense = sum(numels[i] for i in dense_parts)
-    prefix = sum(numels[i] for i in whole_parts)
-    # one pass over the bucket instead of one per tensor, not read here: a non-finite bucket
-    # selects from zeros and sends a NaN instead, so every rank's sum shows it (module doc)
-    finite = finite_flag(buf)
-    grad = travel.gather(_clipped(state, buf, numels, P))
-    acc = state.ef.accumulate_buffer(bucket.index(), [names[i] for i in order], sizes, grad)
-    acc.masked_fill_(~finite, 0.0)  # new, or the pending velocity (dropped on such a step)
-    sel_acc = acc[n_dense:]  # the all-gather part
-    wire = buf.dtype  # values travel in the gradients' dtype (residuals may be fp32)
-    work = flat = None
-    if dense_parts:
-        flat = acc[:n_dense].to(wire, copy=True)
-        flat[:1].masked_fill_(~finite, math.nan)
-        work = comm.all_reduce(flat, async_op=True)  # interleaved with the all-gather below
-    stats = comm.stats
+    # SSFusion-I and auto: dense tensors in an all-reduce part
+    jobs = _bucket_jobs(tuple(names), tuple(numels), tuple(densities),
+                        state.scheme.interleave or state.scheme.planner == "auto",
+                        state.scheme.collective)
+    # DGC's warm-up (Config.density_warmup), as the engine's jobs take it; at density 1 every
+    # entry travels in an all-reduce (DDP's bytes, not an all-gather of all of it)
+    d_now = state.cfg.density_at(state.steps)
+    jobs = tuple(at_density(job, d_now, state.cfg.density) for job in jobs)
+    return _send_bucket(state, bucket, comm, jobs, names, numels, offsets)
+
+
+@functools.lru_cache(maxsize=256)
+def _bucket_jobs(names: tuple[str, ...], numels: tuple[int, ...],
+                 densities: tuple[float | None, ...], to_allreduce: bool, collective: str
+                 ) -> tuple[Job, ...]:
+    """The bucket as the engine's jobs (a plan of one per-tensor buffer, through
+    :func:`gradsync.engine.jobs.plan_jobs`): the tensors sent whole in an all-reduce part
+    (SSFusion-I, ``auto``, a warm-up step at density 1), then the all-gather's, its tensors sent
+    whole first (the selection's dense prefix: values without indices), then the selected
+    ones. Cached: DDP's buckets keep their layout and their densities (``auto``'s change with
+    its verdict; DGC's warm-up scales the jobs after, :func:`~gradsync.engine.jobs.at_density`)."""
+    tensors = tuple(TensorPlan(n, k, d, allreduce=d is None and to_allreduce)
+                    for n, k, d in zip(names, numels, densities))
+    return tuple(plan_jobs(Plan("ddp_hook", [BufferPlan(tensors, "per_tensor")]), collective,
+                           names))
+
+
+def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tuple[Job, ...],
+                 names: list[str], numels: list[int], offsets: list[int]
+                 ) -> torch.futures.Future[torch.Tensor]:
+    """A bucket with sparse parts, through the engine's pipeline: each job prepared as the
+    engine prepares it (:func:`gradsync.engine.prepare.prepare`: local clipping, error
+    feedback as one buffer per job, the selections), the all-reduce part issued first and
+    interleaved with the all-gather's collective, and each job's error feedback committed at
+    the step's last bucket (:func:`_settle`, :func:`gradsync.engine.apply.commit`). Nothing is
+    read here: a bucket whose gradients hold a NaN/Inf selects from zeros and sends one NaN,
+    the message every rank expects, so every rank's sum shows it (module doc)."""
+    buf, P, key = bucket.buffer(), comm.size, bucket.index()
+    position = {n: i for i, n in enumerate(names)}
+    travel = _Travel([position[n] for job in jobs for n in job.names], offsets, numels,
+                     buf.device)
+    grad = travel.gather(buf)
+    clip = None if state.cfg.clip_norm is None else (state.cfg.clip_norm, P)
+    prepared: list[tuple[Job, Hashable, list[int], Prepared]] = []
+    at = 0
+    for i, job in enumerate(jobs):  # error feedback keeps each job as one buffer
+        job_key = key if len(jobs) == 1 else (key, i)
+        sizes = [numels[position[n]] for n in job.names]
+        n = sum(sizes)
+        prepared.append((job, job_key, sizes, prepare(
+            job, job_key, grad[at:at + n], sizes, state.ef, state.sparsifier, None, state.steps,
+            clip, reuse=False, deferred=True)))
+        at += n
     res = None
+    works: list[Any] = []
+    sums: list[torch.Tensor] = []
+    stats = comm.stats
     try:
-        if whole_parts or picked:
-            sel = _selection(state, sel_acc, prefix, [numels[i] for i in picked],
-                             [names[i] for i in picked], densities, picked).to(wire)
-            # poisoned: the selection of zeros (the message every rank expects: the same
-            # capacity), one value NaN
-            sel.values[:1].masked_fill_(~finite, math.nan)
-            res = state.collective(sel, group=state.group, deferred=state.wire_checks)
+        for job, _, _, prep in prepared:
+            sel = prep.payload.message(job, prep.payload.selections)
+            if job.transport is Transport.ALLREDUCE:  # interleaved with the all-gather below
+                sums.append(sel.to_dense())
+                sums[-1][:1].masked_fill_(~prep.finite, math.nan)
+                work = comm.all_reduce(sums[-1], async_op=True)
+                works += [work] if work is not None else []  # None: one rank
+                continue
+            # poisoned: the selection of zeros (every rank's message has the capacity they
+            # expect), one value NaN
+            sel.values[:1].masked_fill_(~prep.finite, math.nan)
+            res = state.collective(sel, group=state.group, step=state.steps,
+                                   deferred=state.wire_checks)
+            sums.append(res.dense)
             stats += res.stats
     except BaseException:
         # SSFusion-I's all-reduce is waited for on every path, a failing all-gather included:
         # a work left pending keeps this bucket's tensors in gloo's worker thread, which may
         # then release them while the interpreter shuts down
-        if work is not None:
+        for work in works:
             with contextlib.suppress(Exception):
                 work.wait()
         raise
-    if work is not None:
-        work.wait()  # Comm keeps the work, so gloo's thread never frees it (comm.py, "Exit safety")
-    out = (res.dense if flat is None else flat if res is None
-           else torch.cat([flat, res.dense]))  # the sums, in travel order
-    ok = finite_flag(out)  # alike on every rank: the sums are
-    kept = check = None
-    if res is not None:
-        kept = res.kept.to(torch.int64)
-        starts = [prefix]  # the selected tensors', in the all-gather part
-        for i in picked[:-1]:
-            starts.append(starts[-1] + numels[i])
-        check = missing_check(kept, starts if picked else [], sel_acc.numel())
-        if n_dense:
-            kept = torch.cat([torch.arange(n_dense, device=kept.device), kept + n_dense])
-    if kept is not None and kept.numel() == acc.numel():
-        kept = None  # every entry
-    state.pending.append(_Pending(bucket.index(), names, acc, kept, wire, ok, finite, check))
+    for work in works:  # Comm keeps the work, so gloo's thread never frees it (comm.py,
+        work.wait()  # "Exit safety")
+    out = sums[0] if len(sums) == 1 else torch.cat(sums)  # the sums, in travel order
+    here = prepared[0][3].finite
+    for *_, prep in prepared[1:]:
+        here = here & prep.finite
+    kept = None if res is None else res.kept.to(torch.int64)
+    state.pending.append(_Pending(
+        key, names, [(k, prep.acc, None if job.transport is Transport.ALLREDUCE else kept)
+                     for job, k, _, prep in prepared],
+        buf.dtype, finite_flag(out), here,  # the sums' flag: alike on every rank
+        None if kept is None else job_check(prepared[-1][2], kept)))
     state.tensors += len(names)
     travel.average_into(buf, out, P)  # a non-finite average too: .grad shows it (module doc)
     return _done(state, stats, buf, bucket.is_last())
@@ -515,14 +539,14 @@ class _Pending:
     """A sparse bucket's error-feedback step, committed at the step's last bucket once the
     checks of every bucket are read in one copy (:func:`_settle`)."""
 
-    index: int
+    index: int  # the bucket's
     names: list[str]
-    acc: torch.Tensor
-    kept: torch.Tensor | None  # positions in acc that travelled; None: every entry
+    jobs: list[tuple[Hashable, torch.Tensor, torch.Tensor | None]]  # per job: its error
+    # feedback key, acc, and the positions in acc that travelled (None: every entry)
     wire: torch.dtype  # the dtype its values travelled in
     ok: torch.Tensor  # the sums are finite (a bool on the device)
     here: torch.Tensor  # this rank's gradients were finite
-    check: torch.Tensor | None  # engine.apply.missing_check of the all-gather part
+    check: torch.Tensor | None  # engine.apply.job_check of the all-gather part
 
 
 def _settle(state: HookState, rank: int) -> ValueError | None:
@@ -542,10 +566,11 @@ def _settle(state: HookState, rank: int) -> ValueError | None:
     for p, ok, here in zip(pending, flags[0::2], flags[1::2]):
         if ok:  # a non-finite bucket's missing tensors are not counted: its step is not taken
             state.missing += counts.get(id(p), 0)
-            sent = _sent(p.acc if p.kept is None else p.acc[p.kept], None, p.wire)
-            state.ef.update_buffer(p.index, p.acc, p.kept, sent)
+            for key, acc, kept in p.jobs:
+                commit(state.ef, key, acc, kept, p.wire)
             continue
-        state.ef.discard_buffer(p.index)  # residuals and velocities as before this step
+        for key, _, _ in p.jobs:  # residuals and velocities as before this step
+            state.ef.discard_buffer(key)
         err = _nonfinite(state, p.index, p.names, not here, rank, state.steps)
         error = error or err
     return error
@@ -593,41 +618,6 @@ def _positions(starts: tuple[int, ...], lengths: tuple[int, ...], device: torch.
     return segments.ranges(starts, lengths, device)
 
 
-def _selection(state: HookState, acc: torch.Tensor, prefix: int, sizes: list[int],
-               names: list[str], densities: list[float | None], picked: list[int]
-               ) -> SparseGrad:
-    """The all-gather part's selection over ``acc`` (its tensors sent whole, ``prefix``
-    entries, then the selected tensors of ``sizes``): one selection over the bucket."""
-    sps = [state.sparsifier(n, densities[i]) for n, i in zip(names, picked)]
-    parts: list[SparseGrad] = []
-    if prefix:
-        parts.append(SparseGrad(torch.arange(prefix, device=acc.device), acc[:prefix], prefix,
-                                validate=False, dense_prefix=prefix, capacity=prefix))
-    tail = acc[prefix:]
-    one = None
-    if len(sps) > 1 and segments.pays_on(acc.device):
-        one = sparsify.select_buffer(sps, tail, sizes, checked=True)  # poisoned: checked
-    if one is not None:
-        parts.append(one)
-    elif sps:
-        bounds = [0]
-        for k in sizes:
-            bounds.append(bounds[-1] + k)
-        parts.extend(sparsify.select_each(  # no read: an overflowed acc shows in the sum
-            [(sp, tail[bounds[j]:bounds[j + 1]]) for j, sp in enumerate(sps)], checked=True))
-    return parts[0] if len(parts) == 1 else concat(parts)
-
-
-def _sent(acc: torch.Tensor, wire: torch.Tensor | None, dtype: torch.dtype | None = None
-          ) -> torch.Tensor | None:
-    """The values that travelled for ``acc`` (``wire``, or ``acc`` cast to ``dtype``); None when
-    they are ``acc`` itself (same dtype: nothing was rounded)."""
-    out_dtype = wire.dtype if wire is not None else dtype
-    if acc.dtype == out_dtype:
-        return None
-    return wire.reshape(-1) if wire is not None else acc.reshape(-1).to(out_dtype)
-
-
 def _clipped(state: HookState, buf: torch.Tensor, numels: list[int], P: int) -> torch.Tensor:
     """The bucket's gradients as error feedback takes them: clipped per tensor when
     ``Config.clip_norm`` is set (:func:`gradsync.feedback.clip_local`, DGC §3.3)."""
@@ -660,7 +650,7 @@ def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: l
         only the rounding), a non-finite one leaves it as before the step."""
         if all_finite(buf):
             if acc is not None:
-                state.ef.update_buffer(bucket_index, acc, None, _sent(acc, None, buf.dtype))
+                commit(state.ef, bucket_index, acc, None, buf.dtype)
         else:  # this rank's part is known only where it was kept apart (acc)
             if acc is not None:
                 state.ef.discard_buffer(bucket_index)

@@ -1,0 +1,123 @@
+"""One step pipeline (issue 42): the DDP hook and :class:`gradsync.GradSync` run the same code.
+
+A DDP bucket is handed to the engine's jobs, ``prepare`` and ``commit``, so a hook whose bucket
+holds the whole model must train exactly as the engine does with a plan of one per-tensor
+buffer over the same tensors in the same order and at the same densities: parameters equal bit
+for bit after several steps, with momentum correction, SSFusion-I's all-reduce part and DGC's
+warm-up (a step at density 1, then lower densities) in play. The reference is the engine's
+own run, not the hook's code: a difference in either path's selection, error feedback or
+averaging fails it.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+import gradsync.integrations.ddp
+from conftest import image_batch
+from gradsync.engine import GradSync
+from gradsync.engine.config import Config
+from gradsync.integrations.ddp import HookState, _densities
+from gradsync.integrations.ddp import _sparse_hook as SPARSE_HOOK
+from gradsync.schedule import BufferPlan, Plan, TensorPlan
+from gradsync.testing import run_distributed
+
+STEPS = 6
+D = 0.05
+
+
+def _model() -> nn.Module:
+    """Small enough for one DDP bucket (DDP's first bucket holds 1 MiB)."""
+    torch.manual_seed(3)
+    return nn.Sequential(nn.Flatten(), nn.Linear(784, 48), nn.ReLU(), nn.Linear(48, 32),
+                         nn.ReLU(), nn.Linear(32, 10))
+
+
+def _config(scheme: str, warmup: bool, plan: dict | None = None) -> Config:
+    extra = dict(density_warmup=(1.0, 0.25), density_warmup_steps=2) if warmup else {}
+    return Config(scheme=scheme, density=D, sparsifier="topk", momentum=0.9, seed=7,
+                  plan=plan, **extra)
+
+
+def _plan(scheme: str, small_numel: int, P: int, order: list[str]) -> dict:
+    """The hook's one bucket as an engine plan: DDP's order, the hook's own densities (size
+    threshold, compensation, Config.min_k), SSFusion-I's whole tensors in the all-reduce part."""
+    model = _model()
+    state, _ = gradsync.ddp.hook(_config(scheme, False), model=model, small_numel=small_numel)
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    numels = [numel[n] for n in order]
+
+    class _Group:  # the hook charges tensors sent whole by the world size
+        size = P
+
+    dens = _densities(state, numels, 4, _Group())
+    interleave = state.scheme.interleave
+    tensors = tuple(TensorPlan(n, k, d, allreduce=d is None and interleave)
+                    for n, k, d in zip(order, numels, dens))
+    assert any(d is None for d in dens) and any(d is not None for d in dens)  # both kinds
+    return Plan(scheme, [BufferPlan(tensors, "per_tensor")]).to_dict()
+
+
+ORDER: list[list[str]] = []  # the bucket's parameters at each hook call (DDP's order)
+
+
+def _recording(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    ORDER.append([state.name_of(p) for p in bucket.parameters()])
+    return SPARSE_HOOK(state, bucket)
+
+
+def _train(rank: int, P: int, scheme: str, small_numel: int, warmup: bool,
+           plan: dict | None) -> torch.Tensor:
+    model = _model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    if plan is None:  # the hook
+        net, sync = DDP(model, bucket_cap_mb=25), None
+        state, _ = gradsync.ddp.hook(_config(scheme, warmup), model=model,
+                                     small_numel=small_numel)
+        net.register_comm_hook(state, _recording)
+    else:
+        net, sync = model, GradSync(model, _config(scheme, warmup, plan))
+    try:
+        for step in range(STEPS):
+            x, y = image_batch(rank, step, 16)
+            opt.zero_grad(set_to_none=True)
+            # DDP lays the bucket out in registration order at the first step and rebuilds it
+            # in gradient order after; at P = 3 the order decides the all-reduce's rounding.
+            # The first step's gradients are zero, so both paths hold zeros whatever the layout
+            loss = nn.functional.cross_entropy(net(x), y) * (step > 0)
+            loss.backward()
+            if sync is not None:
+                assert sync.synchronize()
+            opt.step()
+    finally:
+        if sync is not None:
+            sync.close()
+    return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
+
+
+def _run(rank: int, P: int, scheme: str, small_numel: int, warmup: bool) -> dict:
+    # the engine's profiling steps run a provisional plan (a cost-model scheme's: every tensor
+    # whole) before it takes Config.plan; the hook has none. Here the given plan runs from the
+    # first step, so the two paths start alike and only their pipelines are compared.
+    from gradsync.engine import warmup as profiling
+
+    profiling.provisional_plan = lambda cfg, order, numel: Plan.from_dict(cfg.plan)
+    hook = _train(rank, P, scheme, small_numel, warmup, None)
+    assert len(ORDER) == STEPS and all(o == ORDER[1] for o in ORDER[1:])  # one bucket
+    plan = _plan(scheme, small_numel, P, ORDER[1])  # the layout after DDP's rebuild
+    engine = _train(rank, P, scheme, small_numel, warmup, plan)
+    start = torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
+    return {"hook": hook, "engine": engine, "moved": not torch.equal(hook, start)}
+
+
+@pytest.mark.parametrize(("scheme", "small_numel", "warmup"), [
+    ("per_tensor", 0, False), ("ssfusion_oi", 1000, False), ("ssfusion", 1000, True),
+    ("per_tensor", 0, True)])
+@pytest.mark.parametrize("P", [2, 3])
+def test_the_hook_trains_as_the_engine_bit_for_bit(P, scheme, small_numel, warmup):
+    out = run_distributed(_run, P, scheme, small_numel, warmup, timeout=300)
+    for r in out:
+        assert r["moved"]
+        assert torch.equal(r["hook"], r["engine"]), (r["hook"] - r["engine"]).abs().max()
