@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from gradsync.engine.audit import AuditRecord, AuditSink, values_at
-from gradsync.engine.jobs import JobResult, Launched, Mode, Transport, bounds
+from gradsync.engine.jobs import JobResult, Launched, Transport, bounds
 from gradsync.engine.stats import StepStats
 from gradsync.feedback import ErrorFeedback
 from gradsync.sparsegrad import bincount, constant
@@ -40,7 +40,7 @@ def settle(jobs: Sequence[tuple[Launched, JobResult]], who: str = "",
     checks: list[torch.Tensor] = []
     wire: list[tuple[torch.Tensor, str]] = []
     for launched, result in jobs:
-        if launched.job.mode is Mode.DENSE:
+        if result.kept is None:  # every entry travelled (an all-reduce)
             continue
         checks.append(job_check(launched.sizes, result.kept))
         wire.extend(result.checks)
@@ -68,7 +68,7 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
     stats.tensors += len(spans)
     stats.numel += offset
     wire = avg.dtype
-    if job.mode is Mode.DENSE:
+    if result.kept is None:  # every entry travelled: Mode.DENSE, Buffer_AR
         stats.selected += offset
         residual = None
         if acc is not None:  # the velocity (or scaled gradient) was sent whole

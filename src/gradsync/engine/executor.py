@@ -47,7 +47,7 @@ import torch.distributed as dist
 
 from gradsync import collectives, sparsify
 from gradsync.collectives.comm import Comm, CommStats
-from gradsync.engine.jobs import InFlight, Job, JobResult, Mode, Payload, Transport
+from gradsync.engine.jobs import InFlight, Job, JobResult, Payload
 from gradsync.sparsegrad import SparseGrad
 
 __all__ = ["Executor"]
@@ -134,7 +134,7 @@ class Executor:
 
     def _communicate(self, job: Job, index: int, payload: Payload, step: int) -> JobResult:
         """Runs on the communication thread: one collective, in plan order."""
-        if job.mode is Mode.DENSE:
+        if payload.dense is not None:  # Mode.DENSE, or a job whose every entry travels
             data = payload.dense
             sent = data.clone() if self._audit else None
             stats, in_flight = self._all_reduce(data)
@@ -149,11 +149,6 @@ class Executor:
         sel = payload.message(job, sels)
         sent_idx, sent_vals = ((sel.indices.clone(), sel.values.clone()) if self._audit
                                else (None, None))
-        if job.transport is Transport.ALLREDUCE:  # SSFusion-I's Buffer_AR
-            dense = sel.to_dense()
-            stats, in_flight = self._all_reduce(dense)
-            return JobResult(dense, sel.indices, stats, offload_s, sent_idx, sent_vals,
-                             in_flight)
         checks: list[tuple[torch.Tensor, str]] = []
         res = self._collective(f"job:{index}", job.collective_density)(
             sel, group=self.group, step=step, deferred=checks)

@@ -171,7 +171,7 @@ class JobResult:
 
     dense: torch.Tensor  # the SUM over ranks, over the job's concatenated tensors
     kept: torch.Tensor | None  # positions of this rank's entries that entered the sum
-    # (None for Mode.DENSE: everything, and there is no residual)
+    # (None: every entry, an all-reduce: Mode.DENSE, SSFusion-I's Buffer_AR)
     stats: CommStats
     offload_s: float = 0.0  # sparsification time spent on the worker thread
     sent_indices: torch.Tensor | None = None  # audit only: the selection handed to the

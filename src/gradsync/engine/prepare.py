@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import torch
 
 from gradsync import sparsify
-from gradsync.engine.jobs import Job, Mode, Payload, bounds
+from gradsync.engine.jobs import Job, Mode, Payload, Transport, bounds
 from gradsync.feedback import ErrorFeedback, clip_local
 from gradsync.sparsegrad import SparseGrad, all_finite, all_finite_each, finite_flag
 from gradsync.sparsify import segments
@@ -115,7 +115,9 @@ def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
     if finite is not None:  # acc is new (or the pending velocity, discarded on such a step)
         acc.masked_fill_(~finite, 0.0)
     t0 = time.perf_counter()
-    if dense:  # a copy: the all-reduce sums in place, and acc may be the pending velocity
+    if dense or job.transport is Transport.ALLREDUCE:  # a copy: the all-reduce sums in
+        # place, and acc may be the pending velocity. SSFusion-I's Buffer_AR and a warm-up
+        # step at density 1 send every entry: the buffer as it is, no selection to build
         payload = Payload(dense=acc.to(wire, copy=True))
     elif job.mode is Mode.FUSED:
         sp = sparsifier(f"buffer:{index}", job.density)

@@ -495,15 +495,15 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
     stats = comm.stats
     try:
         for job, _, _, prep in prepared:
-            sel = prep.payload.message(job, prep.payload.selections)
-            if job.transport is Transport.ALLREDUCE:  # interleaved with the all-gather below
-                sums.append(sel.to_dense())
+            if prep.payload.dense is not None:  # an all-reduce part, interleaved with the
+                sums.append(prep.payload.dense)  # all-gather below
                 sums[-1][:1].masked_fill_(~prep.finite, math.nan)
                 work = comm.all_reduce(sums[-1], async_op=True)
                 works += [work] if work is not None else []  # None: one rank
                 continue
             # poisoned: the selection of zeros (every rank's message has the capacity they
             # expect), one value NaN
+            sel = prep.payload.message(job, prep.payload.selections)
             sel.values[:1].masked_fill_(~prep.finite, math.nan)
             res = state.collective(sel, group=state.group, step=state.steps,
                                    deferred=state.wire_checks)
