@@ -55,7 +55,7 @@ from gradsync.collectives.comm import Comm, CommStats
 from gradsync.engine.apply import commit, job_check, settle_missing
 from gradsync.engine.config import Config, require_config
 from gradsync.engine.consistency import signature_check
-from gradsync.engine.jobs import Job, Transport, at_density, plan_jobs
+from gradsync.engine.jobs import Job, at_density, plan_jobs
 from gradsync.engine.preconditioning import apply_scales
 from gradsync.engine.prepare import Prepared, prepare
 from gradsync.engine.state import Identity, check_identity
@@ -525,8 +525,8 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
         here = here & prep.finite
     kept = None if res is None else res.kept.to(torch.int64)
     state.pending.append(_Pending(
-        key, names, [(k, prep.acc, None if job.transport is Transport.ALLREDUCE else kept)
-                     for job, k, _, prep in prepared],
+        key, names, [(k, prep.acc, None if prep.payload.dense is not None else kept)
+                     for _, k, _, prep in prepared],
         buf.dtype, finite_flag(out), here,  # the sums' flag: alike on every rank
         None if kept is None else job_check(prepared[-1][2], kept)))
     state.tensors += len(names)
