@@ -530,3 +530,47 @@ def test_train_topk_shares_writes_each_engine_schemes_shares(tmp_path):
     assert {n: t["numel"] for n, t in sh["tensors"].items()} == names
     assert sum(t["topk_share"] for t in sh["tensors"].values()) == pytest.approx(1.0)
     assert sh["steps"] and set(sh["steps"]) <= {0, 1, 2, 3} and sh["density"] == 0.01
+
+
+def _evaluate_shared(rank: int, P: int, task: str, n: int) -> dict:
+    """Rank ``rank`` of ``P``: every rank's model differs (parameters and BatchNorm's running
+    statistics); the shared evaluation must score rank 0's, which each rank rebuilds here
+    and scores alone over all ``n`` batches as the reference."""
+    from gradsync.apps.train.loop import evaluate
+
+    name, kind = ("resnet20", "synthetic") if task == "image" else ("gpt_tiny", "synthetic")
+
+    def model_of(r: int) -> torch.nn.Module:
+        m = models.build(name, seed=3)
+        g = torch.Generator().manual_seed(100 + r)
+        with torch.no_grad():
+            for t in [*m.parameters(), *m.buffers()]:
+                if t.is_floating_point():
+                    t.add_(0.05 * torch.randn(t.shape, generator=g))
+        return m
+
+    mine = model_of(rank)
+    before = {k: v.clone() for k, v in mine.state_dict().items()}
+    data = train.RankData(kind, task, rank, P, 16, 7, torch.device("cpu"), name, mine)
+    got = evaluate(mine, task, data, n, P, rank)
+    assert mine.training  # left as it was
+    assert all(torch.equal(v, before[k]) for k, v in mine.state_dict().items())
+    alone = evaluate(model_of(0), task, train.RankData(kind, task, 0, 1, 16, 7,
+                                                       torch.device("cpu"), name, mine), n)
+    return {"got": got, "alone": alone}
+
+
+@pytest.mark.parametrize("P", [1, 2, 3, 5])
+@pytest.mark.parametrize("task", ["image", "lm"])
+def test_evaluation_shared_over_ranks_scores_rank_0s_model(P, task):
+    from gradsync.testing import run_distributed
+
+    n = 3  # at P = 5 two ranks score no batch
+    for out in run_distributed(_evaluate_shared, P, task, n, timeout=300):
+        got, alone = out["got"], out["alone"]
+        assert set(got) == set(alone)
+        if task == "image":
+            assert got == alone and got["test_samples"] == n * 16
+        else:
+            assert got["eval_tokens"] == alone["eval_tokens"] > 0
+            assert got["eval_loss"] == pytest.approx(alone["eval_loss"], rel=1e-6)

@@ -23,8 +23,9 @@ Workloads (``--model``, comma-separated; default both):
 * ``gpt_tiny`` (or ``lstm``): a language model on the text corpus, perplexity on
   ``--lm-eval-batches`` seeded windows of the held-out last 10 % of the corpus.
 
-Rank 0 also evaluates at ``--eval-points`` evenly spaced steps (``TrainSpec.eval_every``) for
-the accuracy-against-step curves and the time to a target.
+The run is also evaluated at ``--eval-points`` evenly spaced steps (``TrainSpec.eval_every``)
+for the accuracy-against-step curves and the time to a target. An evaluation scores rank 0's
+model, its batches shared out over the ranks (``gradsync.apps.train.loop.evaluate``).
 
 Per model and scheme the table gives: mean ± std over seeds (sample std) of the final accuracy
 (or perplexity); the mean paired difference to ``ddp`` with its 95 % interval

@@ -115,8 +115,8 @@ class TrainSpec:
         warmup_steps: the engine's profiling steps; the first ``warmup_steps + 1`` steps are
             not measured.
         eval_batches: test batches for accuracy / perplexity (0: no evaluation).
-        eval_every: rank 0 also evaluates every this many steps (and at the end) into the
-            run's ``history`` (0: only the final evaluation; ``bench convergence`` uses it).
+        eval_every: also evaluate every this many steps (and at the end) into rank 0's
+            ``history`` (0: only the final evaluation; ``bench convergence`` uses it).
         bandwidth, latency: tbf-shaped per-rank links (``latency`` is tbf's queueing bound, not
             a propagation delay); ``None``: loopback.
         timeout: seconds without progress before a hung job is stopped: local workers are
