@@ -853,6 +853,26 @@ def test_resnet20_is_a_convergence_workload():
     assert models.task("resnet20") == "image"
 
 
+def test_min_k_reaches_the_runs_and_older_kept_runs_still_resume(tmp_path):
+    """``--min-k`` is train's ``Config.min_k`` for every run of the study, part of the run's
+    configuration; a run kept before the option existed (no ``min_k`` in its configuration, the
+    ResNet-18 study's committed runs) is reused by a study without it and refused by one with
+    another ``--min-k``."""
+    a = conv.parse_args(["--model", "resnet18", "--data", "synthetic", "--schemes",
+                         "ddp,per_tensor", "--min-k", "52"])
+    spec = conv._spec(a, "resnet18", 1, a.density, a.scheme_list)
+    assert spec.min_k == 52 and conv.run_config(spec, "per_tensor")["min_k"] == 52
+    plain = conv._spec(conv.parse_args(["--model", "resnet18", "--data", "synthetic",
+                                        "--schemes", "ddp,per_tensor"]),
+                       "resnet18", 1, 0.01, ["ddp", "per_tensor"])
+    old = {k: v for k, v in conv.run_config(plain, "per_tensor").items() if k != "min_k"}
+    path = tmp_path / "run.json"
+    path.write_text(json.dumps({"config": old, "row": {"final": 0.5}}))
+    assert conv.load_run(path, conv.run_config(plain, "per_tensor"))["row"]["final"] == 0.5
+    with pytest.raises(SystemExit, match="min_k: None there, 52 now"):
+        conv.load_run(path, conv.run_config(spec, "per_tensor"))
+
+
 def _resume_argv(out, schemes: str, *extra: str) -> list[str]:
     return ["--model", "gpt_tiny", "--schemes", schemes, "--seeds", "2", "--steps", "8",
             "--world-size", "2", "--batch-size", "4", "--eval-points", "2",

@@ -302,7 +302,8 @@ def test_spec_fills_model_defaults_validates_and_pickles():
     assert list(cfg) == ["model", "data", "schemes", "world_size", "steps", "epochs",
                          "batch_size", "lr", "optimizer", "text_fallback", "density",
                          "sparsifier", "seed", "warmup_steps", "eval_batches",
-                         "density_warmup", "clip_norm", "adam_warmup", "amp", "bandwidth",
+                         "density_warmup", "clip_norm", "min_k", "adam_warmup", "amp",
+                         "bandwidth",
                          "latency",
                          "replayed_plans", "topk_shares"]
     assert cfg["world_size"] == 4 and cfg["schemes"] == ["ddp", "oktopk"]
@@ -315,6 +316,15 @@ def test_spec_fills_model_defaults_validates_and_pickles():
     from gradsync.apps.train.runners import Runner
 
     assert Runner(choice, torch.nn.Linear(2, 2), clipped).gradsync_config(clipped).clip_norm == 2.5
+    # --min-k reaches Config.min_k; unset, Config's own default applies
+    import gradsync
+
+    wide = train.TrainSpec(schemes=["per_tensor"], min_k=52)
+    assert wide.config(2)["min_k"] == 52 and cfg["min_k"] is None
+    (pt,) = wide.choices
+    assert Runner(pt, torch.nn.Linear(2, 2), wide).gradsync_config(wide).min_k == 52
+    assert (Runner(choice, torch.nn.Linear(2, 2), clipped).gradsync_config(clipped).min_k
+            == gradsync.Config().min_k)
     for kw, field in [({"steps": 0}, "steps"), ({"steps": 2, "epochs": 1.0}, "epochs"),
                       ({"epochs": -1.0}, "epochs"), ({"latency": "5ms"}, "latency"),
                       ({"bandwidth": "fast"}, "bandwidth"), ({"schemes": ()}, "scheme"),
@@ -324,7 +334,8 @@ def test_spec_fills_model_defaults_validates_and_pickles():
                       ({"sparsifier": "nope"}, "sparsifier"), ({"world_size": 0}, "world_size"),
                       ({"warmup_steps": 0}, "warmup_steps"), ({"batch_size": 1.5}, "batch_size"),
                       ({"timeout": 0}, "timeout"), ({"topk_shares": 1}, "topk_shares"),
-                      ({"clip_norm": 0.0}, "clip_norm"), ({"clip_norm": "1"}, "clip_norm")]:
+                      ({"clip_norm": 0.0}, "clip_norm"), ({"clip_norm": "1"}, "clip_norm"),
+                      ({"min_k": 0}, "min_k"), ({"min_k": 8.0}, "min_k")]:
         with pytest.raises(ValueError, match=field):
             train.TrainSpec(**kw)
 

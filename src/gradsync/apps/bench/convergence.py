@@ -179,6 +179,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
                    help="train's DGC density warm-up for the gradsync schemes (default off)")
+    p.add_argument("--min-k", type=int, default=None, metavar="K",
+                   help="train's --min-k for the gradsync schemes (Config.min_k; default 8)")
     p.add_argument("--adam-warmup", type=int, default=None, metavar="STEPS",
                    help="train's --adam-warmup: with AdamW (the transformers), steps of exact "
                         "AdamW with gradients sent whole before the variance freezes (default "
@@ -304,7 +306,7 @@ def _spec(a: argparse.Namespace, model: str, seed: int, density: float,
                          density=density, seed=seed, eval_batches=n_eval,
                          eval_every=max(1, steps // a.eval_points), timeout=a.timeout,
                          progress=False, density_warmup=a.density_warmup,
-                         adam_warmup=a.adam_warmup, amp=a.amp,
+                         min_k=a.min_k, adam_warmup=a.adam_warmup, amp=a.amp,
                          plans=a.plan_files.get((model, seed)))
     except ValueError as e:
         raise SystemExit(f"python -m gradsync bench convergence: error: {e}") from None

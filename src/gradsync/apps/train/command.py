@@ -73,6 +73,9 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
                    help="DGC's local gradient clipping for the gradsync schemes: each rank's "
                         "gradient, per tensor, to an L2 norm of C/sqrt(P) before it enters "
                         "error feedback (Config.clip_norm; default off)")
+    p.add_argument("--min-k", type=int, default=None, metavar="K",
+                   help="gradsync schemes: a tensor sparsified on its own that would send "
+                        "fewer than K entries per step travels whole (Config.min_k; default 8)")
     p.add_argument("--adam-warmup", type=int, default=None, metavar="STEPS",
                    help="AdamW with a sparse scheme: steps of exact AdamW, gradients sent "
                         "whole, before its variance freezes (gradsync.optim; default 10%% of "
@@ -149,7 +152,7 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
             progress=not a.no_progress, fail_rank=a.fail_rank, stall_at=a.stall_at,
             step_sleep=a.step_sleep, inject_scheme=a.inject_scheme,
             density_warmup=a.density_warmup, clip_norm=a.clip_norm,
-            adam_warmup=a.adam_warmup, amp=a.amp, plans=_read_plans(a.plan, p),
+            min_k=a.min_k, adam_warmup=a.adam_warmup, amp=a.amp, plans=_read_plans(a.plan, p),
             topk_shares=a.topk_shares)
     except ValueError as e:
         p.error(str(e))

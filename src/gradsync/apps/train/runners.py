@@ -125,6 +125,8 @@ class Runner:
         warm, period = spec.engine_warmup(self.steps or 1, self.momentum_correction)
         if spec.amp == "fp16":  # a GradScaler skips overflowing steps: so must gradsync
             extra.setdefault("nonfinite", "skip_step")
+        if spec.min_k is not None:
+            extra.setdefault("min_k", spec.min_k)
         return Config(scheme=self.choice.scheme.name, density=spec.density,
                       sparsifier=spec.sparsifier, seed=spec.seed,
                       momentum=MOMENTUM if self.momentum_correction else 0.0,

@@ -141,6 +141,8 @@ class TrainSpec:
             (``Config.dgc_warmup``), then ``density``; ``None``: off.
         clip_norm: ``Config.clip_norm`` of the gradsync schemes (DGC's local gradient
             clipping); ``None``: off.
+        min_k: ``Config.min_k`` of the gradsync schemes: a tensor sparsified on its own that
+            would send fewer entries per step travels whole; ``None``: Config's default.
         adam_warmup: AdamW with a sparse scheme (:class:`gradsync.optim.FrozenVarianceAdamW`):
             the steps of exact AdamW, gradients sent whole, before the variance freezes
             (rounded up to whole ``density_warmup`` periods); ``None``:
@@ -186,6 +188,7 @@ class TrainSpec:
     device: str | None = None
     density_warmup: str | None = None
     clip_norm: float | None = None
+    min_k: int | None = None
     adam_warmup: int | None = None
     amp: str | None = None
     plans: dict[str, dict[str, Any]] | None = None
@@ -269,6 +272,8 @@ class TrainSpec:
         if self.clip_norm is not None and not (
                 isinstance(self.clip_norm, int | float) and 0 < self.clip_norm < math.inf):
             raise ValueError(f"clip_norm must be a finite number > 0, got {self.clip_norm!r}")
+        if self.min_k is not None:
+            _int("min_k", self.min_k, 1)
         if self.adam_warmup is not None:
             _int("adam_warmup", self.adam_warmup, 1)
         if self.amp not in AMP:
@@ -371,7 +376,7 @@ class TrainSpec:
                 "density": self.density, "sparsifier": self.sparsifier, "seed": self.seed,
                 "warmup_steps": self.warmup_steps, "eval_batches": self.eval_batches,
                 "density_warmup": self.density_warmup, "clip_norm": self.clip_norm,
-                "adam_warmup": self.adam_warmup,
+                "min_k": self.min_k, "adam_warmup": self.adam_warmup,
                 "amp": self.amp,
                 "bandwidth": self.bandwidth, "latency": self.latency,
                 "replayed_plans": sorted(self.plans) if self.plans else [],
