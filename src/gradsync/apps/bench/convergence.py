@@ -180,7 +180,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
                    help="train's DGC density warm-up for the gradsync schemes (default off)")
     p.add_argument("--min-k", type=int, default=None, metavar="K",
-                   help="train's --min-k for the gradsync schemes (Config.min_k; default 8)")
+                   help="train's --min-k for the gradsync schemes (Config.min_k; default: "
+                        "Config's)")
     p.add_argument("--adam-warmup", type=int, default=None, metavar="STEPS",
                    help="train's --adam-warmup: with AdamW (the transformers), steps of exact "
                         "AdamW with gradients sent whole before the variance freezes (default "

@@ -40,6 +40,7 @@ from gradsync.apps.train.summary import (
     write_metrics,
 )
 from gradsync.collectives.comm import exchange_objects
+from gradsync.schedule.plan import MIN_K
 
 __all__ = ["TORCHRUN_VARS", "build_parser", "launch", "main", "parse_args", "torchrun_env"]
 
@@ -75,7 +76,8 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
                         "error feedback (Config.clip_norm; default off)")
     p.add_argument("--min-k", type=int, default=None, metavar="K",
                    help="gradsync schemes: a tensor sparsified on its own that would send "
-                        "fewer than K entries per step travels whole (Config.min_k; default 8)")
+                        "fewer than K entries per step travels whole "
+                        f"(Config.min_k; default {MIN_K})")
     p.add_argument("--adam-warmup", type=int, default=None, metavar="STEPS",
                    help="AdamW with a sparse scheme: steps of exact AdamW, gradients sent "
                         "whole, before its variance freezes (gradsync.optim; default 10%% of "
