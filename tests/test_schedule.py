@@ -259,9 +259,7 @@ def test_cupcake_dp_equals_brute_force_over_contiguous_groupings():
 def test_cupcake_is_never_worse_than_fixed_wfbp_or_one_buffer():
     for seed in range(15):
         names, numel, cm = random_model(200 + seed)
-        # Cupcake's own plan (min_k = 1: every tensor in its buffer's selection, as the
-        # groupings it is compared with)
-        cup = simulate(make_plan("cupcake", names, numel, 0.01, cm, min_k=1), cm).iteration
+        cup = simulate(make_plan("cupcake", names, numel, 0.01, cm), cm).iteration
         others = {
             "single": [names],
             "wfbp": [[n] for n in names],

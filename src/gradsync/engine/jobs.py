@@ -113,13 +113,8 @@ def plan_jobs(plan: Plan, collective: str, names: Sequence[str]) -> list[Job]:
         if buf.mode == Mode.DENSE:
             jobs.append(Job(tensors, Mode.DENSE, Transport.ALLREDUCE))
         elif buf.mode == Mode.FUSED:
-            # tensors too small to share the selection (Config.min_k): all-reduced first
-            whole = tuple(t.name for t in buf.tensors if t.allreduce)
-            if whole:
-                jobs.append(Job(whole, Mode.PER_TENSOR, Transport.ALLREDUCE,
-                                densities=dict.fromkeys(whole)))
-            jobs.append(Job(tuple(t.name for t in buf.tensors if not t.allreduce), Mode.FUSED,
-                            Transport.COLLECTIVE, collective, density=buf.density))
+            jobs.append(Job(tensors, Mode.FUSED, Transport.COLLECTIVE, collective,
+                            density=buf.density))
         elif buf.mode == Mode.PER_TENSOR:
             buffer_ar = [t for t in buf.tensors if t.allreduce]  # SSFusion-I, §IV-D
             # the tensors sent whole first: the selection's dense prefix, whose values

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from gradsync import schedule, sparsify
 from gradsync.collectives.comm import Comm
 from gradsync.engine.config import Config
-from gradsync.schedule import BufferPlan, Plan, costmodel, schemes, whole_below
+from gradsync.schedule import BufferPlan, Plan, costmodel, schemes
 
 __all__ = ["Warmup", "backward_profile", "final_plan", "from_rank0", "link_costs",
            "plan_kwargs", "provisional_plan"]
@@ -102,8 +102,8 @@ def provisional_plan(cfg: Config, order: list[str], numel: dict[str, int]) -> Pl
     if spec.planner in _FUSED_PLANNERS:
         # fixed buckets, sparsified as fused vectors: multi-tensor semantics while profiling
         base = schedule.make_plan("dense_ovlp", order, numel, cfg.density, **plan_kwargs(cfg))
-        bufs, _ = whole_below([BufferPlan(tensors=b.tensors, mode="fused", density=cfg.density)
-                               for b in base.buffers], cfg.min_k)
+        bufs = [BufferPlan(tensors=b.tensors, mode="fused", density=cfg.density)
+                for b in base.buffers]
         return Plan(scheme=cfg.scheme, buffers=bufs, info={"provisional": True})
     # SSFusion*: DDP's buckets, all-reduced. Sparsified tensor by tensor at the target density
     # instead, the warm-up left residuals that the tensors the final plan sends whole flushed in

@@ -6,9 +6,7 @@ tensor exactly once. Buffer modes (SSFusion §II-D):
 
 * ``"dense"`` — the buffer is all-reduced as it is (Dense / DenseOvlp / WFBP buckets);
 * ``"fused"`` — multi-tensor sparsification: the concatenated buffer is sparsified as one
-  vector at ``density`` (OMGS, Cupcake, TopkA/Ok-Topk/… with one buffer); its tensors marked
-  ``allreduce`` (too small to share the selection, ``Config.min_k``) leave it and are
-  all-reduced, through error feedback;
+  vector at ``density`` (OMGS, Cupcake, TopkA/Ok-Topk/… with one buffer);
 * ``"per_tensor"`` — each tensor as its :class:`TensorPlan` says: sparsified at its own
   ``density`` or sent dense (``density=None``), sparsified inline or on the worker thread
   (``offload``, SSFusion-O), and dense tensors either in the buffer's all-gather part or in its
@@ -90,15 +88,10 @@ class BufferPlan:
         elif self.density is not None:
             raise ValueError(f"buffer mode {self.mode!r} takes no buffer density")
         if self.mode != "per_tensor" and any(
-            t.density is not None or t.offload or (t.allreduce and self.mode == "dense")
-            for t in self.tensors
+            t.density is not None or t.offload or t.allreduce for t in self.tensors
         ):
             raise ValueError(f"in a {self.mode!r} buffer every TensorPlan must be plain "
-                             "(density None, no offload"
-                             + (", no allreduce)" if self.mode == "dense" else ")"))
-        if self.mode == "fused" and all(t.allreduce for t in self.tensors):
-            raise ValueError("a fused buffer needs at least one tensor in its selection "
-                             "(not allreduce)")
+                             "(density None, no offload, no allreduce)")
 
     @property
     def numel(self) -> int:
@@ -108,17 +101,12 @@ class BufferPlan:
     def names(self) -> list[str]:
         return [t.name for t in self.tensors]
 
-    @property
-    def selected_numel(self) -> int:
-        """Entries a ``fused`` buffer selects from: its tensors but the all-reduced ones."""
-        return sum(t.numel for t in self.tensors if not t.allreduce)
-
     def k(self) -> int:
         """Entries this buffer puts into all-gather (0 for a dense buffer)."""
         if self.mode == "dense":
             return 0
         if self.mode == "fused":
-            return entries(self.selected_numel, self.density)
+            return entries(self.numel, self.density)
         return sum(t.k for t in self.tensors if not t.allreduce)
 
     def to_dict(self) -> dict[str, Any]:
@@ -142,8 +130,8 @@ def below_min_k(numel: int, density: float, min_k: int) -> bool:
 
 
 def whole_below(buffers: list[BufferPlan], min_k: int) -> tuple[list[BufferPlan], list[str]]:
-    """Send whole every tensor that its buffer would sparsify to fewer than ``min_k``
-    entries; returns the buffers and the names it changed (in plan order).
+    """Send whole every tensor of a ``per_tensor`` buffer whose k at its density would be below
+    ``min_k``; returns the buffers and the names it changed (in plan order).
 
     DGC's reference sends biases, BatchNorm and small tensors whole: at k of a few entries a
     tensor's selection is its one or two largest residuals, so the rest of it (a BatchNorm
@@ -151,27 +139,9 @@ def whole_below(buffers: list[BufferPlan], min_k: int) -> tuple[list[BufferPlan]
     Measured on ResNet-20 at 1 %, 5 seeds (docs/results/convergence-resnet20.md): per_tensor
     ended 11.98 points below DDP [-17.0, -6.9] sparsifying every tensor, and +1.97 [-4.9, +8.8]
     with its tensors of k < 8 sent whole (the classifier, the first conv, every BatchNorm and
-    bias: 0.8 % of the parameters).
-
-    * ``per_tensor`` buffers: a tensor whose own k is below ``min_k`` is sent dense.
-    * ``fused`` buffers (one selection over the concatenated vector: TopkA and the other
-      single-buffer schemes, MG-WFBP, Cupcake): a tensor whose share of the selection,
-      ``density · numel`` entries, is below ``min_k`` leaves it and is all-reduced
-      (``allreduce``, through error feedback like SSFusion-I's all-reduce part); a buffer of
-      such tensors only becomes an all-reduced ``per_tensor`` buffer. In one selection the
-      large tensors set the threshold: on ResNet-18 at 1 % (P = 2, 30 steps, TopkA) the deep
-      BatchNorm biases had no entry selected in up to 25 of the 30 steps, up to 24 in a row.
-    """
+    bias: 0.8 % of the parameters)."""
     out, changed = [], []
     for b in buffers:
-        if b.mode == "fused":
-            ts = [TensorPlan(t.name, t.numel, None, allreduce=True)
-                  if not t.allreduce and below_min_k(t.numel, b.density, min_k) else t
-                  for t in b.tensors]
-            changed += [t.name for t, u in zip(b.tensors, ts) if u is not t]
-            out.append(BufferPlan(tuple(ts), "per_tensor") if all(t.allreduce for t in ts)
-                       else BufferPlan(tuple(ts), "fused", b.density))
-            continue
         if b.mode != "per_tensor":
             out.append(b)
             continue

@@ -86,12 +86,6 @@ class Scheme:
             raise ValueError(f"scheme {self.name!r}: offload/interleave are SSFusion's")
 
     @property
-    def fuses(self) -> bool:
-        """Whether its plans may sparsify several tensors as one vector (``"fused"``
-        buffers), where ``Config.min_k`` takes the small tensors out of the selection."""
-        return self.planner in ("single", "mgwfbp", "cupcake", "auto")
-
-    @property
     def sparse(self) -> bool:
         """Whether gradients are compressed (error feedback, momentum correction apply)."""
         return self.planner != "fixed"

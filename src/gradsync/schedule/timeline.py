@@ -61,8 +61,7 @@ def buffer_parts(buf: BufferPlan, cost: CostModel) -> tuple[int, int]:
     if buf.mode == "dense":
         return buf.numel * cost.elem_bytes, 0
     if buf.mode == "fused":
-        return (sum(t.numel for t in buf.tensors if t.allreduce) * cost.elem_bytes,
-                buf.k() * cost.entry_bytes)
+        return 0, buf.k() * cost.entry_bytes
     ar = sum(t.numel for t in buf.tensors if t.allreduce) * cost.elem_bytes
     # a tensor sent whole in the all-gather: its values only (the selection's dense prefix)
     whole = sum(t.numel for t in buf.tensors if t.density is None and not t.allreduce)
@@ -81,7 +80,7 @@ def _parts(buf: BufferPlan, cost: CostModel) -> tuple[tuple[bool, int], tuple[bo
     if buf.mode == "dense":
         return (True, ar_bytes), (False, 0)
     if buf.mode == "fused":
-        return (ar_bytes > 0, ar_bytes), (True, ag_bytes)
+        return (False, 0), (True, ag_bytes)
     has_ar = any(t.allreduce for t in buf.tensors)
     has_ag = any(not t.allreduce for t in buf.tensors)
     return (has_ar, ar_bytes), (has_ag, ag_bytes)
@@ -127,7 +126,7 @@ def simulate(plan: Plan, cost: CostModel, round_s: float = 0.0, steal: float = 0
             else:
                 t_ag = max(t_ag, done)
         if buf.mode == "fused":  # one sparsification of the concatenated buffer
-            run = cost.t_sparsify(buf.selected_numel)
+            run = cost.t_sparsify(buf.numel)
             clock += run
             sparsify += run
             t_ag = clock

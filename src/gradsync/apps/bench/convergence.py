@@ -412,14 +412,8 @@ def run_file(folder: str | Path, model: str, seed: int, scheme: str,
 def run_config(spec: Any, scheme: str) -> dict[str, Any]:
     """What decides a run's result: the train spec's fields but those that only say how it is
     launched (:data:`RUN_SPEC_IGNORED`), and the plan it replays, if any."""
-    from gradsync.schedule import SCHEMES
-
     cfg = {k: v for k, v in dataclasses.asdict(spec).items() if k not in RUN_SPEC_IGNORED}
     cfg["plan"] = (spec.plans or {}).get(scheme)
-    if cfg["plan"] is None and scheme in SCHEMES and SCHEMES[scheme].fuses:
-        # Config.min_k takes small tensors out of fused selections since issue 44: runs kept
-        # from before, which lack this key, are refused rather than paired with new ones
-        cfg["min_k_in_fused"] = True
     return json.loads(json.dumps(cfg))  # tuples as lists: what a file gives back
 
 
