@@ -98,6 +98,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.apps.common import code_revision, cpu_description, print_table, write_outputs
+from gradsync.schedule.plan import MIN_K
 
 DEFAULT_SCHEMES = ("ddp", "ddp_powersgd", "per_tensor", "multi_tensor", "cupcake", "topka",
                    "oktopk", "densestream", "ssfusion", "ssfusion_oi")
@@ -180,8 +181,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
                    help="train's DGC density warm-up for the gradsync schemes (default off)")
     p.add_argument("--min-k", type=int, default=None, metavar="K",
-                   help="train's --min-k for the gradsync schemes (Config.min_k; default: "
-                        "Config's)")
+                   help="train's --min-k for the gradsync schemes "
+                        f"(Config.min_k; default {MIN_K})")
     p.add_argument("--adam-warmup", type=int, default=None, metavar="STEPS",
                    help="train's --adam-warmup: with AdamW (the transformers), steps of exact "
                         "AdamW with gradients sent whole before the variance freezes (default "
