@@ -879,6 +879,34 @@ def _resume_argv(out, schemes: str, *extra: str) -> list[str]:
             "--lm-eval-batches", "2", "--out", str(out), *extra]
 
 
+def test_ddp_runs_are_reused_under_settings_only_gradsync_reads(tmp_path, capsys, monkeypatch):
+    """torch's DDP trains bit for bit the same whatever the density, DGC warm-up or ``min_k``
+    (trained twice here to show it), so its kept runs leave those out of their configuration: a
+    study of another compression setting reuses them and pairs its new runs with them. A DDP run
+    kept before (those fields in its configuration) is reused too; TopkA's is refused."""
+    from gradsync.apps import train
+
+    plain, other = tmp_path / "plain", tmp_path / "other"
+    assert conv.main(_resume_argv(plain, "ddp,topka")) == 0
+    gradsync_only = ("--density", "0.05", "--density-warmup", "2:2", "--min-k", "3")
+    assert conv.main(_resume_argv(other, "ddp", *gradsync_only)) == 0
+    assert _rows(other)["ddp"]["finals"] == _rows(plain)["ddp"]["finals"]
+    kept = json.loads((plain / "runs" / "gpt_tiny-seed1-ddp.json").read_text())
+    assert "density" not in kept["config"] and "batch_size" in kept["config"]
+    old = dict(kept, config=dict(kept["config"], density=0.01, min_k=None, density_warmup=None))
+    (plain / "runs" / "gpt_tiny-seed1-ddp.json").write_text(json.dumps(old))
+    capsys.readouterr()
+
+    def no_training(*args, **kwargs):
+        raise AssertionError("--resume trained a DDP run it had kept")
+
+    monkeypatch.setattr(train, "launch", no_training)
+    assert conv.main(_resume_argv(plain, "ddp", "--resume", *gradsync_only)) == 0
+    assert _rows(plain)["ddp"]["reused"] == 2
+    with pytest.raises(SystemExit, match=r"topka\.json was trained with another configuration"):
+        conv.main(_resume_argv(plain, "ddp,topka", "--resume", *gradsync_only))
+
+
 def _rows(out) -> dict[str, dict]:
     return {r["scheme"]: r for r in json.loads((out / "convergence.json").read_text())["rows"]}
 
@@ -932,12 +960,14 @@ def test_resume_reuses_kept_runs_and_they_pair_bit_for_bit(tmp_path, capsys, mon
 
 def test_resume_refuses_a_run_of_another_configuration(tmp_path, capsys):
     out = tmp_path / "o"
-    assert conv.main(_resume_argv(out, "ddp")) == 0
+    assert conv.main(_resume_argv(out, "ddp,topka")) == 0
     with pytest.raises(SystemExit) as e:
-        conv.main(_resume_argv(out, "ddp", "--resume", "--density", "0.02"))
+        conv.main(_resume_argv(out, "topka", "--resume", "--density", "0.02"))
     msg = str(e.value)
-    assert "gpt_tiny-seed1-ddp.json was trained with another configuration" in msg
+    assert "gpt_tiny-seed1-topka.json was trained with another configuration" in msg
     assert "density: 0.01 there, 0.02 now" in msg and "steps" not in msg
+    with pytest.raises(SystemExit, match="batch_size: 4 there, 2 now"):  # DDP's too
+        conv.main(_resume_argv(out, "ddp", "--resume", "--batch-size", "2"))
     (out / "runs" / "gpt_tiny-seed1-ddp.json").write_text("{not json")
     with pytest.raises(SystemExit) as e:
         conv.main(_resume_argv(out, "ddp", "--resume"))

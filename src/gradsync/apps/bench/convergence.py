@@ -56,9 +56,11 @@ the date, the machine and its load) and copies the JSON and PNG beside it under 
 
 **A long study over several sittings** (``--resume``): every finished run is kept in
 ``<out>/runs/<model>[-d<density>]-seed<s>-<scheme>.json`` with the configuration that decides
-it (:func:`run_config`: the train spec but how it is launched, and a replayed plan) and the
-code revision that trained it. With ``--resume`` the runs kept there of the same configuration
-are reused, one of another configuration is refused with the fields that differ, and every
+it (:func:`run_config`: the train spec but how it is launched, and a replayed plan; for DDP
+and torch's other hooks, not the settings only gradsync reads, so a study of ``--density-warmup``
+or ``--min-k`` pairs with another study's DDP runs copied into its ``runs/``) and the code
+revision that trained it. With ``--resume`` the runs kept there of the same configuration are
+reused, one of another configuration is refused with the fields that differ, and every
 other scheme trains as its own job, kept as soon as it ends: a study stopped midway (a
 ResNet-18 run is ~18 min on 2 cores) loses at most the run in flight, and the same command
 with ``--resume`` goes on. A scheme alone in its job trains bit for bit as beside others (the
@@ -400,6 +402,12 @@ def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
 
 
 RUN_SPEC_IGNORED = ("schemes", "timeout", "progress", "out", "plans")  # not the run's
+# TrainSpec fields that only gradsync's schemes read (``gradsync.apps.train.runners``): a run of
+# torch's own DDP hooks (``ddp``, ``ddp_powersgd``, ``ddp_fp16``) trains bit for bit the same
+# under any of them, so its kept run leaves them out and a study that changes only how gradsync
+# compresses (``--density-warmup``, ``--min-k``, ``--clip-norm``, …) reuses its DDP runs.
+GRADSYNC_ONLY = ("density", "sparsifier", "density_warmup", "clip_norm", "min_k", "adam_warmup",
+                 "topk_shares")
 
 
 def run_file(folder: str | Path, model: str, seed: int, scheme: str,
@@ -412,8 +420,14 @@ def run_file(folder: str | Path, model: str, seed: int, scheme: str,
 
 def run_config(spec: Any, scheme: str) -> dict[str, Any]:
     """What decides a run's result: the train spec's fields but those that only say how it is
-    launched (:data:`RUN_SPEC_IGNORED`), and the plan it replays, if any."""
-    cfg = {k: v for k, v in dataclasses.asdict(spec).items() if k not in RUN_SPEC_IGNORED}
+    launched (:data:`RUN_SPEC_IGNORED`) and, for torch's own DDP hooks, those that only
+    gradsync's schemes read (:data:`GRADSYNC_ONLY`); and the plan it replays, if any."""
+    from gradsync.apps.train import scheme_choice
+
+    ignored = RUN_SPEC_IGNORED
+    if scheme_choice(scheme).runner == "torch_ddp":
+        ignored += GRADSYNC_ONLY
+    cfg = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ignored}
     cfg["plan"] = (spec.plans or {}).get(scheme)
     return json.loads(json.dumps(cfg))  # tuples as lists: what a file gives back
 
@@ -429,7 +443,9 @@ def load_run(path: Path, config: dict[str, Any]) -> dict[str, Any] | None:
         raise SystemExit(f"python -m gradsync bench convergence: error: --resume: {path}: "
                          f"{e}") from None
     old = kept.get("config", {})
-    diff = sorted(k for k in config.keys() | old.keys() if old.get(k) != config.get(k))
+    # a DDP run kept before GRADSYNC_ONLY existed still names those fields: they decide nothing
+    keys = config.keys() | (old.keys() - set(GRADSYNC_ONLY))
+    diff = sorted(k for k in keys if old.get(k) != config.get(k))
     if diff:
         shown = ", ".join(f"{k}: {old.get(k)!r} there, {config.get(k)!r} now" for k in diff)
         raise SystemExit(f"python -m gradsync bench convergence: error: --resume: {path} was "
