@@ -474,6 +474,36 @@ def test_readme_density_warmup_claim_holds_in_the_written_results():
     assert all(2.45 <= x <= 3.65 for x in ratios), ratios
 
 
+def test_usage_resnet18_topka_warmup_claim_holds_in_the_written_results():
+    """usage.md: on ResNet-18, DGC's warm-up took TopkA from 2.14 points below DDP to 0.05 above
+    at 3.4× the bytes; 3.4 % every step gave −1.12. Checked against the three pages' JSON (the
+    same DDP runs in each) and Config.dgc_warmup's densities."""
+    from gradsync.engine.config import Config
+
+    root = Path(__file__).resolve().parents[1]
+    usage = " ".join((root / "docs/usage.md").read_text().split())
+    assert ("it took TopkA from 2.14 points below DDP to 0.05 above, at 3.4× the bytes over the "
+            "run; the same bytes sent evenly (3.4 % every step) gave −1.12") in usage
+    assert "sends 39.8, 15.8, 6.3 and 2.5 %" in usage
+    assert [round(100 * d, 1) for d in Config.dgc_warmup(0.01, 4)] == [39.8, 15.8, 6.3, 2.5]
+
+    def rows(name: str) -> dict:
+        data = json.loads((root / f"docs/results/{name}.json").read_text())
+        return {r["scheme"]: r for r in data["rows"]}
+
+    study = rows("convergence-resnet18")
+    warm = rows("resnet18-topka-dgc-warmup/page")
+    even = rows("resnet18-topka-density-0.034/page")
+    for page in (warm, even):
+        assert page["ddp"]["finals"] == study["ddp"]["finals"]
+        assert len(page["topka"]["finals"]) == 3
+    for page, gap in ((study, -2.14), (warm, 0.05), (even, -1.12)):
+        assert round(100 * page["topka"]["diff_vs_ddp"]["mean"], 2) == gap
+    ratio = warm["topka"]["bytes_per_step"] / study["topka"]["bytes_per_step"]
+    assert round(ratio, 1) == 3.4
+    assert abs(even["topka"]["bytes_per_step"] / warm["topka"]["bytes_per_step"] - 1) < 0.02
+
+
 def test_plans_note_names_schemes_whose_plan_varied_across_seeds():
     rows = [{"scheme": "topka", "seeds": [1, 2, 3], "plans": ["a", "a", "a"]},
             {"scheme": "multi_tensor", "seeds": [1, 2, 3], "plans": ["b", "c", "b"]},
