@@ -402,12 +402,6 @@ def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
 
 
 RUN_SPEC_IGNORED = ("schemes", "timeout", "progress", "out", "plans")  # not the run's
-# TrainSpec fields that only gradsync's schemes read (``gradsync.apps.train.runners``): a run of
-# torch's own DDP hooks (``ddp``, ``ddp_powersgd``, ``ddp_fp16``) trains bit for bit the same
-# under any of them, so its kept run leaves them out and a study that changes only how gradsync
-# compresses (``--density-warmup``, ``--min-k``, ``--clip-norm``, …) reuses its DDP runs.
-GRADSYNC_ONLY = ("density", "sparsifier", "density_warmup", "clip_norm", "min_k", "adam_warmup",
-                 "topk_shares")
 
 
 def run_file(folder: str | Path, model: str, seed: int, scheme: str,
@@ -421,12 +415,11 @@ def run_file(folder: str | Path, model: str, seed: int, scheme: str,
 def run_config(spec: Any, scheme: str) -> dict[str, Any]:
     """What decides a run's result: the train spec's fields but those that only say how it is
     launched (:data:`RUN_SPEC_IGNORED`) and, for torch's own DDP hooks, those that only
-    gradsync's schemes read (:data:`GRADSYNC_ONLY`); and the plan it replays, if any."""
-    from gradsync.apps.train import scheme_choice
+    gradsync's schemes read (``GRADSYNC_FIELDS``: a study that changes only how gradsync
+    compresses reuses its DDP runs); and the plan it replays, if any."""
+    from gradsync.apps.train.spec import DDP_PEERS, GRADSYNC_FIELDS
 
-    ignored = RUN_SPEC_IGNORED
-    if scheme_choice(scheme).runner == "torch_ddp":
-        ignored += GRADSYNC_ONLY
+    ignored = RUN_SPEC_IGNORED + (GRADSYNC_FIELDS if scheme in DDP_PEERS else ())
     cfg = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ignored}
     cfg["plan"] = (spec.plans or {}).get(scheme)
     return json.loads(json.dumps(cfg))  # tuples as lists: what a file gives back
@@ -442,9 +435,11 @@ def load_run(path: Path, config: dict[str, Any]) -> dict[str, Any] | None:
     except (OSError, ValueError) as e:
         raise SystemExit(f"python -m gradsync bench convergence: error: --resume: {path}: "
                          f"{e}") from None
+    from gradsync.apps.train.spec import GRADSYNC_FIELDS
+
     old = kept.get("config", {})
-    # a DDP run kept before GRADSYNC_ONLY existed still names those fields: they decide nothing
-    keys = config.keys() | (old.keys() - set(GRADSYNC_ONLY))
+    # a DDP run kept before 00b9d07 still names GRADSYNC_FIELDS: for it they decide nothing
+    keys = config.keys() | (old.keys() - set(GRADSYNC_FIELDS))
     diff = sorted(k for k in keys if old.get(k) != config.get(k))
     if diff:
         shown = ", ".join(f"{k}: {old.get(k)!r} there, {config.get(k)!r} now" for k in diff)

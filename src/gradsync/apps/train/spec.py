@@ -20,10 +20,14 @@ from typing import Any
 from gradsync.schedule.schemes import SCHEMES, Scheme
 
 __all__ = ["ADAMW_LR", "AMP", "DATASETS", "DDP_HOOK_PREFIX", "DDP_PEERS", "DEFAULT_STEPS",
-           "RUNNERS", "SGD_LR", "SchemeChoice", "TrainSpec", "all_schemes", "defaults",
-           "scheme_choice", "scheme_choices", "uses_adamw"]
+           "GRADSYNC_FIELDS", "RUNNERS", "SGD_LR", "SchemeChoice", "TrainSpec", "all_schemes",
+           "defaults", "scheme_choice", "scheme_choices", "uses_adamw"]
 
 DDP_PEERS = ("ddp", "ddp_powersgd", "ddp_fp16")  # torch's own comm hooks, run as peers
+# TrainSpec fields that only gradsync's schemes read (runners.py): torch's own hooks above train
+# bit for bit the same under any of them (bench convergence's kept DDP runs leave them out).
+GRADSYNC_FIELDS = ("density", "sparsifier", "density_warmup", "clip_norm", "min_k",
+                   "adam_warmup", "topk_shares")
 DDP_HOOK_PREFIX = "ddp_gradsync_"  # + a scheme with Scheme.ddp_hook: gradsync's DDP comm hook
 DATASETS = ("fashion-mnist", "text", "synthetic")
 RUNNERS = ("engine", "ddp_hook", "torch_ddp")
