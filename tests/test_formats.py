@@ -232,6 +232,30 @@ def test_wire_capped_entries_flag_hostile_counts_and_indices_without_writing_any
         assert not bool(ok) and int(i[0]) == 0
 
 
+
+@settings(max_examples=80, deadline=None)
+@given(data=st.data())
+def test_wire_capped_entries_ok_is_the_count_and_every_announced_index_checked(data):
+    """``ok`` of a forged message (any count, any indices) against the rule checked here one
+    entry at a time: the count lies in [prefix, capacity] and every index it announces in
+    [0, numel); what is returned points inside [0, numel) and past the count is zero."""
+    prefix = data.draw(st.integers(0, 3))
+    capacity = prefix + data.draw(st.integers(0, 6))
+    numel = data.draw(st.integers(1, 12))
+    count = data.draw(st.integers(-3, capacity + 3))
+    forged_idx = data.draw(st.lists(st.integers(-4, numel + 4), min_size=capacity - prefix,
+                                    max_size=capacity - prefix))
+    buf = torch.tensor(list(struct.pack("<q", count)), dtype=torch.uint8)
+    buf = torch.cat([buf, torch.tensor(forged_idx, dtype=torch.int32).view(torch.uint8),
+                     torch.ones(capacity).view(torch.uint8)])
+    i, v, ok = wire.unpack_entries_capped(buf, capacity, torch.int32, torch.float32, numel,
+                                          prefix)
+    announced = forged_idx[:max(0, min(count, capacity) - prefix)]
+    want = prefix <= count <= capacity and all(0 <= j < numel for j in announced)
+    assert bool(ok) == want
+    assert all(0 <= j < numel for j in i.tolist())
+    assert v.tolist() == [1.0 if p < count else 0.0 for p in range(capacity)]
+
 def test_wire_fixed_entries_refuse_hostile_counts_and_sizes():
     idx, val = torch.tensor([1, 5]), torch.tensor([1.0, 2.0])
     with pytest.raises(ValueError, match="exceed the capacity"):

@@ -18,7 +18,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from gradsync import sparsify
-from gradsync.sparsify.segments import Segments, ranges, select_buffer, top_in_segments
+from gradsync.sparsify.segments import (
+    Segments,
+    order_in_segments,
+    ranges,
+    select_buffer,
+    top_in_segments,
+)
 
 
 def _buffer(sizes: list[int], seed: int, zeros: float = 0.0) -> torch.Tensor:
@@ -127,6 +133,26 @@ def test_helpers():
     assert Segments((3, 4, 5)).offsets == (0, 3, 7)
 
 
+
+@settings(max_examples=60, deadline=None)
+@given(seed=st.integers(0, 10_000), sizes=st.lists(st.integers(0, 40), min_size=1, max_size=6))
+def test_order_in_segments_sorts_by_segment_then_descending_magnitude(seed, sizes):
+    """One sort of int64 keys orders every segment at once as ranking each segment's
+    magnitudes by (descending value, position) would: ties (few distinct values), zeros,
+    subnormals, the largest floats and +Inf included."""
+    g = torch.Generator().manual_seed(seed)
+    pool = torch.tensor([0.0, 1e-45, 2e-45, 0.5, 1.0, 1.0000001, 3e38, math.inf])
+    v = pool[torch.randint(0, len(pool), (sum(sizes),), generator=g)]
+    seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
+    got = order_in_segments(v, seg).tolist()
+    want, o = [], 0
+    for n in sizes:
+        want += sorted(range(o, o + n), key=lambda i: (-float(v[i]), i))
+        o += n
+    assert got == want
+    with pytest.raises(TypeError, match="fp32"):
+        order_in_segments(v.double(), seg)
+
 def test_engine_trains_bitwise_alike_with_and_without_segments(monkeypatch):
     """The engine's per-tensor jobs through select_buffer (forced on the CPU) end where
     selecting tensor by tensor ends, bit for bit (per_tensor: a fixed plan)."""
@@ -218,8 +244,10 @@ def test_the_ddp_hook_reorders_a_bucket_alike_by_index_and_by_slices(scheme):
 @given(seed=st.integers(0, 10_000), J=st.integers(0, 10))
 def test_dgc_levels_equal_the_comparisons_round_by_round(seed, J):
     """DGC's adjustment rounds without reads: each entry's level, the first round whose
-    threshold θ·0.8^j it meets, equals J + 1 comparisons, also for entries exactly at a
-    threshold or one ulp either side, zeros, a zero θ and a tensor sent whole (θ = -inf)."""
+    threshold θ·0.8^j it meets (found as its place among every row's levels), equals J + 1
+    comparisons, also for entries exactly at a
+    threshold or one ulp either side, zeros (and -0.0), subnormals, the largest floats, +inf, a
+    zero θ and a tensor sent whole (θ = -inf)."""
     from gradsync.sparsify.dgc import _levels
 
     g = torch.Generator().manual_seed(seed)
@@ -239,10 +267,12 @@ def test_dgc_levels_equal_the_comparisons_round_by_round(seed, J):
                           torch.nextafter(picks, torch.tensor(0.0))]).abs()
         rest = torch.rand(n - near.numel(), generator=g) * 4
         rest[:2] = 0.0
-        parts.append(torch.cat([near, rest]))
+        extremes = torch.tensor([math.inf, 1e-45, 3e38, -0.0])  # -0.0 meets what +0.0 meets
+        parts.append(torch.cat([near, rest, extremes]))
+    sizes = [p.numel() for p in parts]
     a = torch.cat(parts)
     seg_of = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    got = _levels(a, table, seg_of, 0.8)
+    got = _levels(a, table, seg_of) - seg_of * (J + 1)  # its place among all rows' levels
     want, o = [], 0
     for i, n in enumerate(sizes):
         for v in a[o:o + n]:

@@ -319,13 +319,14 @@ def unpack_entries_capped(buf: torch.Tensor, capacity: int, index_dtype: torch.d
     count = view_as(buf, 0, 1, torch.int64)[0]
     idx = view_as(buf, 8, capacity - prefix, index_dtype).to(torch.int64)
     val = view_as(buf, 8 + (capacity - prefix) * iw, capacity, dtype)
-    pos = torch.arange(capacity, device=buf.device)
-    live = pos < count
-    idx_live = live[prefix:]
-    in_range = (idx >= 0) & (idx < numel)
-    ok = (count >= prefix) & (count <= capacity) & (in_range | ~idx_live).all()
-    idx = torch.where(idx_live & in_range, idx, 0)
-    val = torch.where(live, val, torch.zeros((), dtype=dtype, device=buf.device))
+    live = torch.arange(capacity, device=buf.device) < count
+    good = (idx >= 0) & (idx < numel) & live[prefix:]  # announced and in range
+    # every announced index good and the count in [prefix, capacity]: exactly count − prefix
+    # good indices (a count above the capacity announces more indices than there are, one
+    # below the prefix fewer than none)
+    ok = good.sum() == count - prefix
+    idx = torch.where(good, idx, 0)
+    val = torch.where(live, val, 0)
     return idx, val, ok
 
 

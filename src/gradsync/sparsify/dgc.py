@@ -28,13 +28,13 @@ from typing import Any
 
 import torch
 
-from gradsync.sparsegrad import finite_flag
 from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier, magnitudes
 from gradsync.sparsify.segments import (
     Segments,
     bincount,
     constant,
+    descending_keys,
     name_nonfinite,
     order_in_segments,
     to_device,
@@ -131,23 +131,32 @@ class DGC(Sparsifier):
             strides.append(stride)
             lengths.append(m)
             kth.append(min(m, max(1, math.ceil(sp.density * m))))
-        thr = torch.full((S,), -math.inf, dtype=torch.float64, device=dev)
-        if sampled:
+
+        def unsampled() -> torch.Tensor:  # θ = -inf: a tensor sent whole, every entry meets it
+            return torch.full((S,), -math.inf, dtype=torch.float64, device=dev)
+
+        if not sampled:
+            thr = unsampled()
+        else:
             # 2. θ_i = the kth_i largest of sample i: gather, rank within samples, pick
             M, T = sum(lengths), len(sampled)
             first_of = [0]
             for m in lengths[:-1]:
                 first_of.append(first_of[-1] + m)
-            packed = to_device([*starts, *strides, *first_of, *lengths, *sampled,
-                                *(f + k - 1 for f, k in zip(first_of, kth))], torch.int64, dev)
-            st, sd, fo, ln, which, pick = packed.split(T)
-
-            def each(v: torch.Tensor) -> torch.Tensor:
-                return torch.repeat_interleave(v, ln, output_size=M)
-
-            j = torch.arange(M, device=dev) - each(fo)
-            sample = a[each(st) + each(sd) * j]
-            thr[which] = sample[order_in_segments(sample, lengths, ln)[pick]].double()
+            # entry t of the samples (counted over all of them) that belongs to sample i sits
+            # at starts[i] + strides[i]·(t − first_of[i]) = offset_i + strides[i]·t: each
+            # sample's (offset, stride, number) spread over its entries by one repeat
+            packed = to_device([*(v for i, f in enumerate(first_of)
+                                  for v in (starts[i] - strides[i] * f, strides[i], i)),
+                                *lengths, *sampled, *(f + k - 1 for f, k in zip(first_of, kth))],
+                               torch.int64, dev)
+            ln, which, pick = packed[3 * T:].split(T)
+            off, sd, owner = torch.repeat_interleave(packed[:3 * T].view(T, 3), ln, dim=0,
+                                                     output_size=M).unbind(1)
+            sample = a[off + sd * torch.arange(M, device=dev)]
+            thr = sample[order_in_segments(sample, owner)[pick]].double()
+            if T < S:  # θ in place for the sampled tensors only
+                thr = unsampled().index_copy_(0, which, thr)
         # 3. select |x| >= θ_i, lowering θ_i by 0.8 where too few (up to max_adjust times).
         # Every round's threshold is known in advance, θ_i·0.8^j (the same IEEE products as
         # the rounds), so each entry's level (the first round whose threshold it meets) and,
@@ -162,23 +171,26 @@ class DGC(Sparsifier):
         sizes = constant(tuple(seg.sizes), torch.int64, dev)
         seg_of = torch.repeat_interleave(constant(tuple(range(S)), torch.int64, dev), sizes,
                                          output_size=N)  # each entry's tensor
-        level = _levels(a, table.float(), seg_of, lower)  # in 0 … J + 1 (J + 1: never met)
-        hist = bincount(seg_of * (J + 2) + level, S * (J + 2))
+        # each entry's level ℓ (its first round met, J + 1: none) as its place among every
+        # row's thresholds, pos = seg_of·(J + 1) + ℓ
+        pos = _levels(a, table.float(), seg_of)
+        hist = bincount(pos + seg_of, S * (J + 2))  # seg_of·(J + 2) + ℓ: per tensor and level
         by_round = hist.view(S, J + 2).cumsum(1)[:, :J + 1]  # count in round j, per tensor
         need = lower * constant(tuple(ks), torch.float64, dev)  # the same products as lower · k
-        enough = torch.cat([by_round.double() >= need[:, None],
-                            torch.ones(S, 1, dtype=torch.bool, device=dev)], dim=1)
-        rounds = enough.int().argmax(1).clamp(max=J)  # first round with enough, else J
-        unsampled = thr == -math.inf  # k >= n: every entry, no round
-        rounds = torch.where(unsampled, 0, rounds)
+        # the counts grow with the rounds, so the first round with enough is the number of
+        # rounds without (J when none has enough); a tensor sent whole (k >= n, θ = -inf) has
+        # every entry at level 0 and reports no round
+        rounds = (by_round.double() < need[:, None]).sum(1).clamp(max=J)
         thr = table.gather(1, rounds[:, None]).view(S)
-        mask = level <= rounds[seg_of]
+        first = constant(tuple(i * (J + 1) for i in range(S)), torch.int64, dev)
+        mask = pos <= (first + rounds)[seg_of]  # ℓ <= the tensor's round
         counts_dev = by_round.gather(1, rounds[:, None]).view(S)
         # the one read: counts and rounds (exact in float64), the thresholds, and whether |x|
         # held a NaN/Inf (a sum that overflowed: select_buffer's caller may have checked the
-        # gradients only)
+        # gradients only; |x| >= 0, so its largest entry is below +Inf exactly when all are
+        # finite, NaN propagating through the max)
         values = torch.cat([torch.stack([counts_dev, rounds]).view(-1).double(), thr,
-                            finite_flag(a).view(1).double()]).tolist()
+                            (a.amax() < math.inf).view(1).double()]).tolist()
         counts, done = [int(v) for v in values[:S]], [int(v) for v in values[S:2 * S]]
         thresholds, ok = values[2 * S:3 * S], values[3 * S]
         if not ok:
@@ -217,25 +229,14 @@ class DGC(Sparsifier):
         self.draws = draws
 
 
-def _levels(a: torch.Tensor, table: torch.Tensor, seg_of: torch.Tensor, lower: float
-            ) -> torch.Tensor:
-    """For each entry of ``a`` (of segment ``seg_of``), the first column ``j`` of its segment's
-    row of ``table`` (non-increasing thresholds θ·lower^j, fp32) with ``a >= table[j]``;
-    ``J + 1`` when it meets none. A logarithm estimates ``j`` and exact comparisons against
-    the table correct it, so the levels equal those of ``J + 1`` comparisons per entry in a
-    fixed number of operations."""
-    S, J1 = table.shape
-    # a column of -inf that every entry meets: level J + 1
-    padded = torch.cat([table, table.new_full((S, 1), -math.inf)], dim=1).reshape(-1)
-    base = seg_of * (J1 + 1)
-    af = a.float()
-    first = padded[base]  # the segment's round-0 threshold
-    est = torch.ceil(torch.log(af / first) / math.log(lower))  # fp32: off by < 1e-4 rounds
-    est = torch.nan_to_num(est, nan=0.0, posinf=float(J1), neginf=0.0)
-    est = torch.where(first == -math.inf, 0.0, est)  # a tensor sent whole: round 0
-    level = est.clamp(0, J1).to(torch.int64)
-    for _ in range(2):  # the estimate is off by at most one round; twice each way for ties
-        level = level + (af < padded[base + level])  # int64 + bool: no cast
-        back = (level - 1).clamp_(min=0)
-        level = torch.where((level > 0) & (af >= padded[base + back]), back, level)
-    return level
+def _levels(a: torch.Tensor, table: torch.Tensor, seg_of: torch.Tensor) -> torch.Tensor:
+    """For each entry of ``a`` (fp32 magnitudes, of segment ``seg_of``), its level ℓ — the
+    first column ``j`` of its segment's row of ``table`` (non-increasing thresholds θ·lower^j,
+    fp32) with ``a >= table[j]``, ``J + 1`` when it meets none — returned as its place among
+    all rows, ``seg_of · (J + 1) + ℓ``. A row's non-increasing thresholds meet a suffix of its
+    columns, so ℓ is the number of the row's thresholds above the entry: one binary search of
+    every entry among every row's :func:`descending_keys` (each row ascending as it stands;
+    θ = -inf, a tensor sent whole, keys as 0, which every entry meets), in a fixed number of
+    operations: the rows before the entry's, then the thresholds of its own above it."""
+    rows = constant(tuple(range(table.shape[0])), torch.int64, table.device)[:, None]
+    return torch.searchsorted(descending_keys(table, rows).view(-1), descending_keys(a, seg_of))

@@ -33,8 +33,9 @@ from gradsync.sparsegrad import (
     to_device,
 )
 
-__all__ = ["Segments", "bincount", "constant", "name_nonfinite", "order_in_segments", "pays_on",
-           "ranges", "select_buffer", "to_device", "top_in_segments"]
+__all__ = ["Segments", "bincount", "constant", "descending_keys", "name_nonfinite",
+           "order_in_segments", "pays_on", "ranges", "select_buffer", "to_device",
+           "top_in_segments"]
 
 # Select buffers at once on the CPU too (tests of the segmented path; see pays_on).
 ON_CPU = False
@@ -86,15 +87,23 @@ def ranges(starts: Sequence[int], lengths: Sequence[int], device: torch.device
         packed[:len(shift)], packed[len(shift):], output_size=total)
 
 
-def order_in_segments(values: torch.Tensor, lengths: Sequence[int],
-                      lengths_dev: torch.Tensor) -> torch.Tensor:
-    """The permutation that sorts ``values`` (segments of ``lengths``, contiguous) by segment,
-    and within each segment by descending value, ties in position order: two stable sorts over
-    the whole vector, whatever the number of segments."""
-    by_value = torch.argsort(values, descending=True, stable=True)
-    seg = torch.repeat_interleave(torch.arange(len(lengths), device=values.device), lengths_dev,
-                                  output_size=values.numel())
-    return by_value[torch.argsort(seg[by_value], stable=True)]
+def descending_keys(values: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    """int64 keys that order fp32 magnitudes ``values`` by their segment ``seg`` (int64,
+    broadcast against ``values``), then by descending value: ``seg · 2³² + (2³¹ − 1 − bits)``.
+    A non-negative fp32 orders as its bit pattern; a negative value (-0.0, or a threshold of
+    -Inf, which every magnitude meets) keys as +0.0, and a NaN above +Inf, as ``argsort``
+    ranks it."""
+    if values.dtype != torch.float32:
+        raise TypeError(f"descending_keys: fp32 magnitudes, got {values.dtype}")
+    return (seg << 32) + (((1 << 31) - 1) - values.view(torch.int32).clamp(min=0))
+
+
+def order_in_segments(values: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
+    """The permutation that sorts ``values`` (fp32 magnitudes) by their segment ``seg`` (int64,
+    one per value, ascending: the segments are contiguous), and within each segment by
+    descending value, ties in position order: one stable sort of :func:`descending_keys`,
+    whatever the number of segments."""
+    return torch.sort(descending_keys(values, seg), stable=True).indices
 
 
 def top_in_segments(values: torch.Tensor, lengths: Sequence[int], keep: Sequence[int]
@@ -102,8 +111,10 @@ def top_in_segments(values: torch.Tensor, lengths: Sequence[int], keep: Sequence
     """Positions (ascending) of the ``keep[i]`` largest ``values`` of each segment ``i``."""
     if all(k >= n for k, n in zip(keep, lengths)):
         return torch.arange(values.numel(), device=values.device)
-    lengths_dev = constant(tuple(lengths), torch.int64, values.device)
-    order = order_in_segments(values, lengths, lengths_dev)
+    seg = torch.repeat_interleave(constant(tuple(range(len(lengths))), torch.int64, values.device),
+                                  constant(tuple(lengths), torch.int64, values.device),
+                                  output_size=values.numel())
+    order = order_in_segments(values, seg)
     starts = [0]
     for n in lengths[:-1]:
         starts.append(starts[-1] + n)

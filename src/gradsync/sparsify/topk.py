@@ -24,7 +24,8 @@ class TopK(Sparsifier):
     def _select_segments(cls, sparsifiers: list[TopK], x: torch.Tensor, seg: Segments,
                          ks: list[int], step: int) -> torch.Tensor:
         """Each tensor's k largest magnitudes, every tensor at once
-        (:func:`~gradsync.sparsify.segments.top_in_segments`: two sorts over the buffer)."""
+        (:func:`~gradsync.sparsify.segments.top_in_segments`: one sort over the buffer, one over
+        what it keeps)."""
         idx = top_in_segments(x.abs().float(), seg.sizes, ks)
         for sp, k in zip(sparsifiers, ks):
             sp.last_k, sp.last_count = k, k
