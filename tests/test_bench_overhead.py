@@ -104,7 +104,8 @@ def test_bench_overhead_on_the_cpu(tmp_path, capsys):
     for r in rows.values():
         assert "error" not in r, r.get("error")
         for key in ("ms", "ddp_ms", "ratio", "ratio_min", "ratio_max", "tax_ms", "floor_ms",
-                    "aten_ops", "ops_beyond_ddp", "host_reads", "params", "tensors"):
+                    "aten_ops", "ops_beyond_ddp", "work_ops", "work_beyond_ddp",
+                    "host_reads", "params", "tensors"):
             assert key in r, key
         assert r["ms"] > 0 and r["ddp_ms"] > 0 and r["floor_ms"] > 0 and r["ratio"] > 0
         assert r["aten_ops"] > 0 and r["aten_ops"] == pytest.approx(round(r["aten_ops"]),
@@ -118,12 +119,15 @@ def test_bench_overhead_on_the_cpu(tmp_path, capsys):
         for s in ("ddp_powersgd", "topka", "hook:per_tensor"):
             r = rows[m, s]
             assert r["ops_beyond_ddp"] == pytest.approx(r["aten_ops"] - ddp["aten_ops"])
+            assert r["work_beyond_ddp"] == pytest.approx(r["work_ops"] - ddp["work_ops"])
+            assert 0 < r["work_ops"] < r["aten_ops"]
             assert len(r["pairs"]) == 1
             assert r["ratio"] == pytest.approx(r["pairs"][0][1] / r["pairs"][0][0], rel=1e-2)
     assert rows["mlp8", "ddp_powersgd"]["aten_ops"] > rows["mlp8", "ddp"]["aten_ops"]
     page = (tmp_path / "overhead-cpu.md").read_text()
     assert "python -m gradsync bench overhead --device cpu" in page
     assert "| scheme | step ms |" in page and "## mlp64" in page
+    assert "| work ops | work beyond DDP |" in page
 
 
 class _Event:
@@ -178,6 +182,36 @@ def test_tally_counts_device_reads_on_cuda_only_where_a_copy_to_the_host_ran():
     assert dict(cpu["reads"]) == {"aten::_local_scalar_dense": 2, "aten::nonzero": 1}
 
 
+
+def test_tally_counts_the_work_at_the_bottom_of_the_call_tree():
+    """``work``: ops that do work and call none that does: a ``zeros`` counts by its
+    ``fill_``, an ``add`` whose only child allocates counts itself, views and wrappers never,
+    a Python number's wrapping (``scalar_tensor`` and its ``fill_``) never; a composite op
+    counts by each working op under it."""
+    ev = []
+
+    def add(*a, **k):
+        ev.append(_Event(*a, **k))
+        return ev[-1]
+
+    zeros = add("aten::zeros")
+    add("aten::empty", zeros)
+    add("aten::fill_", zeros)  # 1
+    plus = add("aten::add")  # 2: its child only allocates
+    add("aten::empty_strided", plus)
+    add("aten::view")
+    to = add("aten::to")
+    add("aten::copy_", add("aten::_to_copy", to))  # 3
+    add("aten::fill_", add("aten::scalar_tensor"))  # a host scalar: none
+    where = add("aten::where")  # 4: the where itself, beside the scalar it wrapped
+    add("aten::fill_", add("aten::scalar_tensor", where))
+    comp = add("aten::isfinite")
+    add("aten::abs", comp)  # 5
+    add("aten::ne", comp)  # 6
+    t = overhead._tally(ev, cuda=False)
+    assert t["work"] == 6
+    assert sum(t["ops"].values()) == len(ev)
+
 # the schemes whose step costs a fixed number of operations per fusion buffer on any device,
 # among those with a plan that no timing decides (multi_tensor's MG-WFBP merging and auto's
 # plan follow the measured backward: under load they may make more buffers, so more ops)
@@ -200,13 +234,19 @@ def _criteria_rows(tmp_path, schemes: tuple[str, ...], segmented: bool) -> dict:
 
 def _assert_per_buffer(rows: dict, schemes: tuple[str, ...]) -> None:
     """Issue 42's CPU bars: on ResNet-50 at most 1.3× DDP's aten ops and 8 host reads per
-    step; from 8 to 64 layers the ops beyond DDP's grow by at most 1.5×."""
+    step; from 8 to 64 layers the ops beyond DDP's grow by at most 1.5×. And its GPU bar on
+    launches, with the CPU's stand-in for them (``work_ops``): on ResNet-50 at most 40 beyond
+    DDP's per fusion buffer (the engine's) or bucket (the DDP hook's, 5 here)."""
     assert rows["resnet50", "ddp"]["tensors"] == 161
     ddp = rows["resnet50", "ddp"]["aten_ops"]
     for s in schemes:
         r = rows["resnet50", s]
         assert r["aten_ops"] <= 1.3 * ddp, (s, r["aten_ops"], ddp)
         assert r["host_reads"] <= 8, (s, r["host_read_ops"])
+        assert r["buffers"] >= 1 and r["work_beyond_ddp"] <= 40 * r["buffers"], (
+            s, r["work_beyond_ddp"], r["buffers"], r["top_kernel_ops_beyond_ddp"])
+        if s.startswith("hook:"):
+            assert r["buffers"] == 5  # DDP's buckets of ResNet-50 (25 MB each, the first 1 MB)
         few, many = rows["mlp8", s]["ops_beyond_ddp"], rows["mlp64", s]["ops_beyond_ddp"]
         assert many <= 1.5 * abs(few), (s, few, many)
 

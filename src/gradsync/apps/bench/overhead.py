@@ -47,6 +47,14 @@ Per model and scheme:
     bound on a GPU's: it includes reads of tensors that stay on the host there (e.g. DGC's
     sampling offset, drawn from a CPU generator). A read counts once: one inside another
     (the ``_local_scalar_dense`` of an ``is_nonzero``) is not counted again;
+  - ``work_ops``: the ``aten::`` ops that do work at the bottom of the call tree: not a view,
+    reshape, allocation or wrapper (``to``, ``contiguous``…), not a Python number's wrapping
+    (``scalar_tensor``), and calling no op that does work (``aten::zeros`` does not count, the
+    ``fill_`` it calls does). On a GPU each is about one kernel launch or copy, so on the CPU
+    ``work_ops`` − DDP's (``work_beyond_ddp``) stands in for the launches a scheme adds; on
+    CUDA both are counted, which calibrates the stand-in; ``buffers``: the engine's fusion
+    buffers or the DDP hook's buckets per step, and ``work_per_buffer`` = ``work_beyond_ddp``
+    / ``buffers`` (the GPU target: at most 40 launches per buffer beyond DDP's);
   - on CUDA also ``launches`` (``cudaLaunchKernel``-like runtime calls), ``syncs``
     (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize`` and
     their driver-API names) and ``d2h_copies`` (``Memcpy DtoH`` device activities: a check
@@ -210,7 +218,8 @@ def count_step(step_fn: Callable[[], Any], steps: int = 3,
 
     return {
         "steps": int(steps), "all_threads": followed,
-        "aten_ops": per(sum(t["ops"].values())), "host_reads": per(sum(t["reads"].values())),
+        "aten_ops": per(sum(t["ops"].values())), "work_ops": per(t["work"]),
+        "host_reads": per(sum(t["reads"].values())),
         "launches": per(t["launches"]) if cuda else None,
         "syncs": per(t["syncs"]) if cuda else None,
         "d2h_copies": per(t["d2h_copies"]) if cuda else None,
@@ -251,7 +260,7 @@ def _tally(events: Any, cuda: bool) -> dict[str, Any]:
 
     ops: Counter[str] = Counter()
     reads: Counter[str] = Counter()
-    listed = launches = syncs = copies = 0
+    listed = launches = syncs = copies = work = 0
     for e in events:
         name = e.name
         if str(getattr(e, "device_type", "")).endswith("CUDA"):  # device activity
@@ -265,6 +274,7 @@ def _tally(events: Any, cuda: bool) -> dict[str, Any]:
             syncs += 1
         elif name.startswith("aten::"):
             ops[name] += 1
+            work += _works(e)
             if is_read(e) and not any(is_read(a) for a in ancestors(e)):
                 reads[name] += 1
             if _is_read_name(name) and not any(_is_read_name(a.name) for a in ancestors(e)):
@@ -272,7 +282,22 @@ def _tally(events: Any, cuda: bool) -> dict[str, Any]:
         elif name.startswith(_CPU_READ) and not any(is_read(a) for a in ancestors(e)):
             reads[name] += 1
     return {"ops": ops, "reads": reads, "listed": listed, "launches": launches,
-            "syncs": syncs, "d2h_copies": copies}
+            "syncs": syncs, "d2h_copies": copies, "work": work}
+
+
+def _works(e: Any) -> bool:
+    """``e`` (an ``aten::`` event) does work at the bottom of its call tree: it is not a view,
+    reshape, allocation or wrapper (:data:`_NO_KERNEL`), calls no op that does, and is not a
+    host scalar's making (``aten::scalar_tensor``, which wraps a Python number, and what it
+    calls). On a GPU such an op is about one kernel launch or copy: the CPU's stand-in for
+    ``launches``."""
+    if e.name in _NO_KERNEL:
+        return False
+    p = e.cpu_parent
+    if p is not None and p.name == "aten::scalar_tensor":
+        return False
+    return not any(c.name.startswith("aten::") and c.name not in _NO_KERNEL
+                   for c in getattr(e, "cpu_children", None) or ())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -490,6 +515,7 @@ class _Run:
         import gradsync
 
         self.engine: Any = None
+        self.hook: Any = None
         model = wl.build().to(device)
         self.inputs = wl.batch(device)
         ids = [device.index or 0] if device.type == "cuda" else None
@@ -509,7 +535,7 @@ class _Run:
                 hook = psgd.powerSGD_hook if device.type == "cuda" else _waited(psgd.powerSGD_hook)
                 net.register_comm_hook(state, hook)
             elif lab.kind == "hook":
-                gradsync.ddp.register(net, _config(lab.scheme, a))
+                self.hook = gradsync.ddp.register(net, _config(lab.scheme, a))
                 sgd_momentum = 0.0 if _sparse(lab.scheme) else 0.9
         self.net = net
         self.loss = wl.loss
@@ -522,10 +548,18 @@ class _Run:
             self.engine.synchronize()
         self.opt.step()
 
+    def buffers(self) -> int | None:
+        """The engine's fusion buffers, or the DDP hook's buckets so far (its calls); ``None``
+        for torch's own DDP and PowerSGD."""
+        if self.engine is not None:
+            plan = self.engine.plan
+            return None if plan is None else len(plan.buffers)
+        return None if self.hook is None else self.hook.calls
+
     def close(self) -> None:
         if self.engine is not None:
             self.engine.close()
-        self.engine = self.net = self.opt = self.inputs = None
+        self.engine = self.net = self.opt = self.inputs = self.hook = None
 
 
 def _measure(wl: Workload, lab: Label, a: argparse.Namespace, device: torch.device, group: Any,
@@ -549,7 +583,12 @@ def _measure(wl: Workload, lab: Label, a: argparse.Namespace, device: torch.devi
             st = run.engine.stats()
             out["probing"] = bool(st.get("probing"))
         if count:
+            before = run.buffers()
             out["counts"] = count_step(run.step, a.count_steps, device)
+            after = run.buffers()
+            # per step: the engine's plan, or the hook's calls over the counted steps
+            out["buffers"] = (after if run.hook is None or after is None
+                              else (after - before) / a.count_steps)
         return out
     finally:
         run.close()
@@ -575,7 +614,8 @@ _NO_KERNEL = frozenset("aten::" + n for n in (
     "transpose", "permute", "flatten", "unflatten", "split", "split_with_sizes", "chunk",
     "unbind", "empty", "empty_like", "empty_strided", "resize_", "lift_fresh", "to",
     "_to_copy", "contiguous", "result_type", "is_same_size", "item", "resolve_conj",
-    "resolve_neg", "numpy_T", "_has_compatible_shallow_copy_type"))
+    "resolve_neg", "numpy_T", "_has_compatible_shallow_copy_type", "scalar_tensor",
+    "_nnpack_available"))
 
 
 def _top_growth(ops: dict[str, float], base: dict[str, float], k: int = 8,
@@ -609,7 +649,7 @@ def measure_model(wl: Workload, labels: list[Label], a: argparse.Namespace,
     for lab in labels[1:]:
         pairs: list[tuple[float, float]] = []
         cpu_pairs: list[tuple[float, float]] = []
-        counts = None
+        counts = buffers = None
         probing = None
         err = None
         t0 = time.perf_counter()
@@ -623,6 +663,7 @@ def measure_model(wl: Workload, labels: list[Label], a: argparse.Namespace,
                 ddp_cpu.append(d["cpu_ms"])
                 if i == 0:
                     counts = s["counts"]
+                    buffers = s.get("buffers")
                 probing = s.get("probing", probing)
         except Exception as e:  # one scheme failing must not end the benchmark: its row says
             err = f"{type(e).__name__}: {e}"[:300]
@@ -636,6 +677,9 @@ def measure_model(wl: Workload, labels: list[Label], a: argparse.Namespace,
         ratios = [s / d for d, s in pairs]
         tax = statistics.median(s - d for d, s in pairs)
         row.update(_row_figures(counts, base_c))
+        row["buffers"] = buffers
+        row["work_per_buffer"] = (None if not buffers
+                                  else round(row["work_beyond_ddp"] / buffers, 1))
         row.update({
             "ms": statistics.median(s for _, s in pairs),
             "ddp_ms": statistics.median(d for d, _ in pairs),
@@ -660,6 +704,7 @@ def measure_model(wl: Workload, labels: list[Label], a: argparse.Namespace,
                "pairs": [], "tax_ms": 0.0, "tax_floors": 0.0, "probing": None,
                "cpu_ms": statistics.median(ddp_cpu), "cpu_ratio": 1.0,
                "top_ops_beyond_ddp": {}, "top_kernel_ops_beyond_ddp": {},
+               "buffers": None, "work_per_buffer": None,
                "ddp_runs_ms": [round(x, 3) for x in ddp_runs],
                "ddp_runs_cpu_ms": [round(x, 3) for x in ddp_cpu]}
     return [ddp_row, *rows]
@@ -667,6 +712,8 @@ def measure_model(wl: Workload, labels: list[Label], a: argparse.Namespace,
 
 def _row_figures(c: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
     return {"aten_ops": c["aten_ops"], "ops_beyond_ddp": round(c["aten_ops"] - base["aten_ops"], 2),
+            "work_ops": c["work_ops"],
+            "work_beyond_ddp": round(c["work_ops"] - base["work_ops"], 2),
             "host_reads": c["host_reads"], "reads_beyond_ddp":
                 round(c["host_reads"] - base["host_reads"], 2),
             "launches": c["launches"], "syncs": c["syncs"], "d2h_copies": c["d2h_copies"],
@@ -713,7 +760,8 @@ def _cell(v: Any) -> str:
 def _columns(cuda: bool) -> list[str]:
     return ["scheme", "step ms", "× DDP [range]", "CPU ms", "CPU × DDP",
             *(["launches", "syncs"] if cuda else []),
-            "host reads", "aten ops", "ops beyond DDP", "tax ms", "tax / floor"]
+            "host reads", "aten ops", "ops beyond DDP", "work ops", "work beyond DDP",
+            "buffers", "work beyond DDP / buffer", "tax ms", "tax / floor"]
 
 
 def _cells(r: dict[str, Any], cuda: bool) -> list[str]:
@@ -726,7 +774,9 @@ def _cells(r: dict[str, Any], cuda: bool) -> list[str]:
     return [r["scheme"], f"{r['ms']:.1f}", span, f"{r['cpu_ms']:.1f}", cpu,
             *([_cell(r["launches"]), _cell(r["syncs"])] if cuda else []),
             _cell(r["host_reads"]), _cell(r["aten_ops"]), _cell(r["ops_beyond_ddp"]),
-            f"{r['tax_ms']:.1f}", "-" if r["tax_floors"] is None else f"{r['tax_floors']:.0f}"]
+            _cell(r["work_ops"]), _cell(r["work_beyond_ddp"]), _cell(r.get("buffers")),
+            _cell(r.get("work_per_buffer")), f"{r['tax_ms']:.1f}",
+            "-" if r["tax_floors"] is None else f"{r['tax_floors']:.0f}"]
 
 
 def _code() -> str:
@@ -784,7 +834,12 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
              + (", copies to the host" if cuda else ", `Tensor.tolist()`, `Tensor.numpy()`")
              + "; counted once, outermost)"
              + ("; launches: `cudaLaunchKernel`-like calls; syncs: stream/device/event "
-                "synchronisations" if cuda else "") + "; ops beyond DDP: scheme − ddp aten ops",
+                "synchronisations" if cuda else "") + "; ops beyond DDP: scheme − ddp aten ops; "
+             "work ops: the aten ops that do work at the bottom of the call tree (no view, "
+             "reshape, allocation, wrapper or host scalar; none that calls another such op): "
+             "on a GPU each is about one kernel launch or copy, so on the CPU they stand in for "
+             "the launches; work beyond DDP: scheme − ddp work ops; buffers: the engine's "
+             "fusion buffers or the DDP hook's buckets per step",
              "- (probing): `auto` was still measuring its runners-up when timed", ""]
     for model in dict.fromkeys(r["model"] for r in rows):
         mine = [r for r in rows if r["model"] == model]
