@@ -37,6 +37,7 @@ from gradsync.sparsify.segments import (
     descending_keys,
     name_nonfinite,
     order_in_segments,
+    segment_ids,
     to_device,
     top_in_segments,
 )
@@ -114,7 +115,7 @@ class DGC(Sparsifier):
         dev, first = x.device, sparsifiers[0]
         lower, max_adjust = first.lower, first.max_adjust  # upper: step 4 keeps k either way
         a = magnitudes(x)
-        S, N = len(seg), seg.numel
+        S = len(seg)
         # 1. the samples: tensors with k < n only (k = n sends the whole tensor, no draw)
         sampled, starts, strides, lengths, kth = [], [], [], [], []
         for i, (sp, n, k) in enumerate(zip(sparsifiers, seg.sizes, ks)):
@@ -131,13 +132,8 @@ class DGC(Sparsifier):
             strides.append(stride)
             lengths.append(m)
             kth.append(min(m, max(1, math.ceil(sp.density * m))))
-
-        def unsampled() -> torch.Tensor:  # θ = -inf: a tensor sent whole, every entry meets it
-            return torch.full((S,), -math.inf, dtype=torch.float64, device=dev)
-
-        if not sampled:
-            thr = unsampled()
-        else:
+        thr = None
+        if sampled:
             # 2. θ_i = the kth_i largest of sample i: gather, rank within samples, pick
             M, T = sum(lengths), len(sampled)
             first_of = [0]
@@ -155,8 +151,9 @@ class DGC(Sparsifier):
                                                      output_size=M).unbind(1)
             sample = a[off + sd * torch.arange(M, device=dev)]
             thr = sample[order_in_segments(sample, owner)[pick]].double()
-            if T < S:  # θ in place for the sampled tensors only
-                thr = unsampled().index_copy_(0, which, thr)
+        if len(sampled) < S:  # tensors sent whole (k >= n): θ = -inf, which every entry meets
+            whole = torch.full((S,), -math.inf, dtype=torch.float64, device=dev)
+            thr = whole if thr is None else whole.index_copy_(0, which, thr)
         # 3. select |x| >= θ_i, lowering θ_i by 0.8 where too few (up to max_adjust times).
         # Every round's threshold is known in advance, θ_i·0.8^j (the same IEEE products as
         # the rounds), so each entry's level (the first round whose threshold it meets) and,
@@ -168,9 +165,7 @@ class DGC(Sparsifier):
         for _ in range(J):
             cols.append(cols[-1] * lower)
         table = torch.stack(cols, dim=1)  # (S, J + 1) float64, each row non-increasing
-        sizes = constant(tuple(seg.sizes), torch.int64, dev)
-        seg_of = torch.repeat_interleave(constant(tuple(range(S)), torch.int64, dev), sizes,
-                                         output_size=N)  # each entry's tensor
+        seg_of = segment_ids(seg.sizes, dev)  # each entry's tensor
         # each entry's level ℓ (its first round met, J + 1: none) as its place among every
         # row's thresholds, pos = seg_of·(J + 1) + ℓ
         pos = _levels(a, table.float(), seg_of)

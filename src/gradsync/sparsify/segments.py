@@ -34,8 +34,8 @@ from gradsync.sparsegrad import (
 )
 
 __all__ = ["Segments", "bincount", "constant", "descending_keys", "name_nonfinite",
-           "order_in_segments", "pays_on", "ranges", "select_buffer", "to_device",
-           "top_in_segments"]
+           "order_in_segments", "pays_on", "ranges", "segment_ids", "select_buffer",
+           "to_device", "top_in_segments"]
 
 # Select buffers at once on the CPU too (tests of the segmented path; see pays_on).
 ON_CPU = False
@@ -87,6 +87,14 @@ def ranges(starts: Sequence[int], lengths: Sequence[int], device: torch.device
         packed[:len(shift)], packed[len(shift):], output_size=total)
 
 
+def segment_ids(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The segment of every entry of contiguous segments of ``lengths`` (int64, ``0 … S − 1``
+    each repeated its length), from the layout's cached vectors: one repeat on the device."""
+    return torch.repeat_interleave(constant(tuple(range(len(lengths))), torch.int64, device),
+                                   constant(tuple(lengths), torch.int64, device),
+                                   output_size=sum(lengths))
+
+
 def descending_keys(values: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
     """int64 keys that order fp32 magnitudes ``values`` by their segment ``seg`` (int64,
     broadcast against ``values``), then by descending value: ``seg · 2³² + (2³¹ − 1 − bits)``.
@@ -111,10 +119,7 @@ def top_in_segments(values: torch.Tensor, lengths: Sequence[int], keep: Sequence
     """Positions (ascending) of the ``keep[i]`` largest ``values`` of each segment ``i``."""
     if all(k >= n for k, n in zip(keep, lengths)):
         return torch.arange(values.numel(), device=values.device)
-    seg = torch.repeat_interleave(constant(tuple(range(len(lengths))), torch.int64, values.device),
-                                  constant(tuple(lengths), torch.int64, values.device),
-                                  output_size=values.numel())
-    order = order_in_segments(values, seg)
+    order = order_in_segments(values, segment_ids(lengths, values.device))
     starts = [0]
     for n in lengths[:-1]:
         starts.append(starts[-1] + n)

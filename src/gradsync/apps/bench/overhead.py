@@ -548,13 +548,12 @@ class _Run:
             self.engine.synchronize()
         self.opt.step()
 
-    def buffers(self) -> int | None:
-        """The engine's fusion buffers, or the DDP hook's buckets so far (its calls); ``None``
-        for torch's own DDP and PowerSGD."""
+    def buffers(self, since: int, steps: int) -> float | None:
+        """Buffers per step: the engine's fusion buffers, or the DDP hook's buckets (its calls
+        beyond ``since`` over ``steps`` steps); ``None`` for torch's own DDP and PowerSGD."""
         if self.engine is not None:
-            plan = self.engine.plan
-            return None if plan is None else len(plan.buffers)
-        return None if self.hook is None else self.hook.calls
+            return None if self.engine.plan is None else len(self.engine.plan.buffers)
+        return None if self.hook is None else (self.hook.calls - since) / steps
 
     def close(self) -> None:
         if self.engine is not None:
@@ -583,12 +582,9 @@ def _measure(wl: Workload, lab: Label, a: argparse.Namespace, device: torch.devi
             st = run.engine.stats()
             out["probing"] = bool(st.get("probing"))
         if count:
-            before = run.buffers()
+            calls = 0 if run.hook is None else run.hook.calls
             out["counts"] = count_step(run.step, a.count_steps, device)
-            after = run.buffers()
-            # per step: the engine's plan, or the hook's calls over the counted steps
-            out["buffers"] = (after if run.hook is None or after is None
-                              else (after - before) / a.count_steps)
+            out["buffers"] = run.buffers(calls, a.count_steps)
         return out
     finally:
         run.close()
