@@ -186,8 +186,9 @@ def test_tally_counts_device_reads_on_cuda_only_where_a_copy_to_the_host_ran():
 def test_tally_counts_the_work_at_the_bottom_of_the_call_tree():
     """``work``: ops that do work and call none that does: a ``zeros`` counts by its
     ``fill_``, an ``add`` whose only child allocates counts itself, views and wrappers never,
-    a Python number's wrapping (``scalar_tensor`` and its ``fill_``) never; a composite op
-    counts by each working op under it."""
+    a Python number's wrapping (``scalar_tensor`` and its ``fill_``) never, nor an in-place
+    change of metadata (``detach_``, ``as_strided_``); a composite op counts by each working
+    op under it."""
     ev = []
 
     def add(*a, **k):
@@ -208,6 +209,8 @@ def test_tally_counts_the_work_at_the_bottom_of_the_call_tree():
     comp = add("aten::isfinite")
     add("aten::abs", comp)  # 5
     add("aten::ne", comp)  # 6
+    add("aten::detach_")  # a tensor's metadata changed in place: no kernel
+    add("aten::as_strided_")
     t = overhead._tally(ev, cuda=False)
     assert t["work"] == 6
     assert sum(t["ops"].values()) == len(ev)

@@ -601,11 +601,13 @@ def _floor_ms(n: int, device: torch.device, repeats: int) -> float:
     return 1e3 * median_time(lambda: flat.abs().max(), repeats=repeats, warmup=2, device=device)
 
 
-# Ops that run no kernel of their own: views, reshapes, allocations, and wrappers whose work is
-# an op counted beneath them (``to`` → ``_to_copy`` → ``copy_``). Left out of the "where the
-# ops go" list, not out of any count.
+# Ops that run no kernel of their own: views, reshapes, allocations, in-place changes of a
+# tensor's metadata (``detach_``, ``as_strided_``), and wrappers whose work is an op counted
+# beneath them (``to`` → ``_to_copy`` → ``copy_``). Left out of the "where the ops go" list
+# and of the work ops, not out of the aten ops.
 _NO_KERNEL = frozenset("aten::" + n for n in (
-    "view", "as_strided", "reshape", "_reshape_alias", "_unsafe_view", "detach", "alias",
+    "view", "as_strided", "as_strided_", "reshape", "_reshape_alias", "_unsafe_view",
+    "detach", "detach_", "alias",
     "slice", "select", "narrow", "unsqueeze", "squeeze", "expand", "expand_as", "view_as", "t",
     "transpose", "permute", "flatten", "unflatten", "split", "split_with_sizes", "chunk",
     "unbind", "empty", "empty_like", "empty_strided", "resize_", "lift_fresh", "to",
