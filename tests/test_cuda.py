@@ -397,6 +397,8 @@ def test_finiteness_checks_on_device(device):
     want = [bool(torch.isfinite(x).all()) for x in xs]
     assert want == [True, False, False, True, True, False, True, True]
     assert all_finite_each(xs) == want and [all_finite(x) for x in xs] == want
+    from gradsync.sparsegrad import finite_flag
+    assert [bool(finite_flag(x)) for x in xs] == want  # NaN propagates through the ∞-norm
 
 
 def _waits_per_step(device: str, tensors: int, scheme: str = "topka",

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import itertools
+import math
 from fractions import Fraction
 
 import pytest
@@ -119,7 +120,7 @@ def test_all_finite_and_check_finite(dtype):
 def test_all_finite_each_agrees_with_isfinite_per_tensor():
     """One read-back for a list: the same answer per tensor as ``torch.isfinite(x).all()``,
     for finite, NaN, ±Inf, empty, integer and 16-bit tensors in one call."""
-    from gradsync.sparsegrad import all_finite, all_finite_each
+    from gradsync.sparsegrad import all_finite, all_finite_each, finite_flag
 
     g = torch.Generator().manual_seed(3)
     xs = [torch.randn(50, generator=g), torch.randn(7, generator=g),
@@ -141,6 +142,26 @@ def test_all_finite_each_agrees_with_isfinite_per_tensor():
     assert all_finite_each(xs) == want
     assert [all_finite(x) for x in xs] == want
     assert all_finite_each([]) == []
+    assert [bool(finite_flag(x)) for x in xs] == want  # the device-side flag: the same
+
+
+def test_finite_flag_stays_on_the_device_and_sees_every_kind_of_non_finite():
+    """``finite_flag`` (the ∞-norm below +Inf): a NaN anywhere (NaN payloads and signs
+    included), ±Inf, in fp32, bf16 and fp16, never an overflow of the largest finite value."""
+    from gradsync.sparsegrad import finite_flag
+
+    nans = torch.tensor([0x7FC00000, 0x7F800001, -0x00400000], dtype=torch.int32).view(
+        torch.float32)  # quiet, signalling, negative
+    for dtype in (torch.float32, torch.bfloat16, torch.float16):
+        top = torch.finfo(dtype).max
+        base = torch.tensor([top, -top, 0.0, -0.0, 1e-30], dtype=dtype)
+        flag = finite_flag(base)
+        assert flag.dtype == torch.bool and flag.dim() == 0 and bool(flag)
+        for bad in (*nans.tolist(), math.inf, -math.inf):
+            for pos in (0, 2, 4):
+                y = base.clone()
+                y[pos] = torch.tensor(bad, dtype=torch.float32).to(dtype)
+                assert not bool(finite_flag(y)), (dtype, bad, pos)
 
 
 # -- the shared rules: target_k and validate_density -------------------------------------------
