@@ -121,3 +121,44 @@ def test_the_hook_trains_as_the_engine_bit_for_bit(P, scheme, small_numel, warmu
     for r in out:
         assert r["moved"]
         assert torch.equal(r["hook"], r["engine"]), (r["hook"] - r["engine"]).abs().max()
+
+
+class _Above(gradsync.sparsify.Sparsifier):
+    """Selects the entries above 1 in magnitude: none, for a tensor of small values."""
+
+    def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:
+        return torch.nonzero(x.abs() > 1.0).view(-1)
+
+
+@pytest.mark.parametrize("segmented", [False, True])
+def test_missing_tensors_known_on_the_host_equal_the_count_from_the_positions_kept(
+        segmented, monkeypatch):
+    """A per-tensor job's missing tensors, counted on the host from its selections' sizes
+    (``Payload.known_missing``: TopkA kept this rank's own selection), equal
+    :func:`~gradsync.engine.apply.job_check`'s count from the positions kept, with tensors
+    that select nothing, a tensor sent whole first, and the segmented selection (DGC, which
+    never leaves a tensor empty); a collective that returns other positions is left to the
+    device count (None)."""
+    from gradsync import collectives, sparsify
+    from gradsync.engine.apply import job_check, settle_missing
+    from gradsync.engine.jobs import Job, Mode, Transport
+    from gradsync.engine.prepare import prepare
+    from gradsync.feedback import ErrorFeedback
+    from gradsync.sparsify import segments
+
+    monkeypatch.setattr(segments, "ON_CPU", segmented)
+    g = torch.Generator().manual_seed(0)
+    sizes = [30, 200, 50, 300, 40]
+    names = tuple(f"t{i}" for i in range(len(sizes)))
+    grad = torch.cat([torch.randn(n, generator=g) * (3.0 if i % 2 else 0.1)
+                      for i, n in enumerate(sizes)])
+    job = Job(names, Mode.PER_TENSOR, Transport.COLLECTIVE, "topka",
+              densities={"t0": None, **{n: 0.1 for n in names[1:]}})
+    make = (lambda key, d: sparsify.get("dgc", density=d)) if segmented else \
+        (lambda key, d: _Above(d))
+    prep = prepare(job, 0, grad, sizes, ErrorFeedback(), make, None, 0)
+    msg = prep.payload.message(job, prep.payload.selections)
+    res = collectives.get("topka")(msg)
+    (device,), _ = settle_missing([job_check(sizes, res.kept)], "x")
+    assert prep.payload.known_missing(msg, res.kept) == device == (0 if segmented else 2)
+    assert prep.payload.known_missing(msg, res.kept.clone()) is None

@@ -31,21 +31,26 @@ __all__ = ["apply", "commit", "job_check", "missing_check", "settle", "settle_mi
 
 def settle(jobs: Sequence[tuple[Launched, JobResult]], who: str = "",
            flags: Sequence[torch.Tensor] = ()) -> tuple[int, list[bool]]:
-    """Before any job of a step is applied: every sparse job's :func:`missing_check` and its
-    collective's device-side checks, read back in one copy with ``flags`` (bools on the
+    """Before any job of a step is applied: every sparse job's :func:`missing_check` (unless
+    its missing tensors are known on the host, ``JobResult.missing``) and its collective's
+    device-side checks, read back in one copy with ``flags`` (bools on the
     device, e.g. prepare's deferred finiteness checks) (:func:`settle_missing`).
     Returns the step's missing tensors and the flags' values; ``ValueError`` before any
     ``.grad`` or residual changes when a collective kept a position outside its job or sent a
     malformed message."""
     checks: list[torch.Tensor] = []
     wire: list[tuple[torch.Tensor, str]] = []
+    known = 0
     for launched, result in jobs:
         if result.kept is None:  # every entry travelled (an all-reduce)
             continue
-        checks.append(job_check(launched.sizes, result.kept))
+        if result.missing is not None:  # kept: this rank's own selection, counted on the host
+            known += result.missing
+        else:
+            checks.append(job_check(launched.sizes, result.kept))
         wire.extend(result.checks)
     missing, values = settle_missing(checks, "the job's buffer", who, wire, flags)
-    return sum(missing), values
+    return known + sum(missing), values
 
 
 def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter],

@@ -153,7 +153,7 @@ class Executor:
         res = self._collective(f"job:{index}", job.collective_density)(
             sel, group=self.group, step=step, deferred=checks)
         return JobResult(res.dense, res.kept, res.stats, offload_s, sent_idx, sent_vals,
-                         checks=checks)
+                         checks=checks, missing=payload.known_missing(sel, res.kept))
 
     def _all_reduce(self, data: torch.Tensor) -> tuple[CommStats, InFlight]:
         """Issue the all-reduce of ``data`` and return without waiting for it: the next job

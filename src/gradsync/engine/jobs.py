@@ -150,12 +150,22 @@ class Payload:
     dense: torch.Tensor | None = None
     selections: list[SparseGrad | Future] = field(default_factory=list)
     wire_dtype: torch.dtype | None = None  # selections' values are cast to it before sending
+    # the job's tensors with no entry in this rank's selection, when prepare knows it without
+    # a read (a per-tensor job selected inline: each selection's count is on the host); None:
+    # counted on the device from what the collective kept (engine.apply.job_check)
+    missing: int | None = None
 
     def wire(self, sel: SparseGrad) -> SparseGrad:
         """``sel`` with its values in :attr:`wire_dtype` (the gradients' dtype)."""
         if self.wire_dtype is None or sel.values.dtype == self.wire_dtype:
             return sel
         return sel.to(self.wire_dtype)  # indices and dense prefix kept
+
+    def known_missing(self, message: SparseGrad, kept: torch.Tensor | None) -> int | None:
+        """:attr:`missing` when what the collective kept is exactly this rank's ``message``
+        (``kept`` is its indices): those positions came from the selections, so they lie in
+        the buffer and leave exactly the tensors prepare counted empty; else None."""
+        return self.missing if kept is not None and kept is message.indices else None
 
     def message(self, job: Job, parts: Sequence[SparseGrad]) -> SparseGrad:
         """The job's selection as it travels: ``parts`` (:attr:`selections`, the worker's
@@ -182,6 +192,10 @@ class JobResult:
     # the collective's checks left on the device, ``(ok, message)`` (Collective.__call__'s
     # ``deferred``): read with the step's others
     checks: list[tuple[torch.Tensor, str]] = field(default_factory=list)
+    # the job's missing tensors, known on the host: the collective kept exactly this rank's
+    # selection (its indices, TopkA's) and prepare counted its empty tensors
+    # (Payload.missing); None: engine.apply.job_check counts them on the device
+    missing: int | None = None
 
     def settle(self) -> JobResult:
         """Wait for the all-reduce still in flight, if any: ``dense`` holds the sum after."""
@@ -287,7 +301,7 @@ def concat(parts: list[SparseGrad]) -> SparseGrad:
     idx, vals, offset, prefix, leading = [], [], 0, 0, True
     capacity: int | None = 0
     for s in parts:
-        idx.append(s.indices + offset)
+        idx.append(s.indices + offset if offset else s.indices)
         vals.append(s.values)
         offset += s.numel
         if leading:

@@ -148,8 +148,10 @@ def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
                 parts.append(None)
         if whole:
             parts[-1] = _sent_whole(acc, *whole)
-        parts = _select_inline(parts, inline, acc, first_inline, step)
-        payload = Payload(selections=parts, wire_dtype=wire)
+        parts, empty = _select_inline(parts, inline, acc, first_inline, step)
+        # a tensor sent whole is never missing; an offloaded one's count is the worker's
+        payload = Payload(selections=parts, wire_dtype=wire,
+                          missing=None if job.offload else empty)
     return Prepared(acc, nonfinite, payload, time.perf_counter() - t0, finite)
 
 
@@ -172,14 +174,15 @@ def _nonfinite(names: Sequence[str], sizes: Sequence[int], grad: torch.Tensor) -
 
 
 def _select_inline(parts: list, inline: list[tuple[int, sparsify.Sparsifier, int, int]],
-                   acc: torch.Tensor, first: int | None, step: int) -> list:
+                   acc: torch.Tensor, first: int | None, step: int) -> tuple[list, int]:
     """Fill ``parts``' inline selections. The inline tensors come last (plan_jobs puts the
     tensors sent whole first; an offloaded one may sit between them): when they are one run,
     they are selected as one buffer, every tensor at its own k, in a number of operations
     independent of their count (:func:`gradsync.sparsify.segments.select_buffer`); otherwise,
     or on the CPU (:func:`~gradsync.sparsify.segments.pays_on`), or for a sparsifier without a
     segmented form, tensor by tensor. ``inline``: ``(part, sparsifier, lo, hi)`` of each, its
-    entries ``acc[lo:hi]``; ``first``: the first one's ``lo``."""
+    entries ``acc[lo:hi]``; ``first``: the first one's ``lo``. Also returns how many of them
+    selected no entry (each count is on the host: ``last_count``, a selection's size)."""
     at = len(parts) - len(inline)
     if (len(inline) > 1 and [i for i, *_ in inline] == list(range(at, len(parts)))
             and segments.pays_on(acc.device)):
@@ -187,9 +190,9 @@ def _select_inline(parts: list, inline: list[tuple[int, sparsify.Sparsifier, int
                                      [hi - lo for _, _, lo, hi in inline], step,
                                      checked=True)  # prepare's own check read the gradients
         if one is not None:
-            return [*parts[:at], one]
+            return [*parts[:at], one], sum(sp.last_count == 0 for _, sp, _, _ in inline)
     chosen = sparsify.select_each([(sp, acc[lo:hi]) for _, sp, lo, hi in inline], step,
                                   checked=True)
     for (i, *_), sel in zip(inline, chosen):
         parts[i] = sel
-    return parts
+    return parts, sum(len(sel) == 0 for sel in chosen)

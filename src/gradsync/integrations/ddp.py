@@ -489,7 +489,7 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
             job, job_key, grad[at:at + n], sizes, state.ef, state.sparsifier, None, state.steps,
             clip, reuse=False, deferred=True)))
         at += n
-    res = None
+    res = sel = None
     works: list[Any] = []
     sums: list[torch.Tensor] = []
     stats = comm.stats
@@ -524,11 +524,14 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
     for *_, prep in prepared[1:]:
         here = here & prep.finite
     kept = None if res is None else res.kept.to(torch.int64)
+    # the all-gather part's missing tensors: on the host when it kept this rank's selection
+    known = None if res is None else prepared[-1][3].payload.known_missing(sel, res.kept)
     state.pending.append(_Pending(
         key, names, [(k, prep.acc, None if prep.payload.dense is not None else kept)
                      for _, k, _, prep in prepared],
         buf.dtype, finite_flag(out), here,  # the sums' flag: alike on every rank
-        None if kept is None else job_check(prepared[-1][2], kept)))
+        None if kept is None or known is not None else job_check(prepared[-1][2], kept),
+        known or 0))
     state.tensors += len(names)
     travel.average_into(buf, out, P)  # a non-finite average too: .grad shows it (module doc)
     return _done(state, stats, buf, bucket.is_last())
@@ -546,7 +549,9 @@ class _Pending:
     wire: torch.dtype  # the dtype its values travelled in
     ok: torch.Tensor  # the sums are finite (a bool on the device)
     here: torch.Tensor  # this rank's gradients were finite
-    check: torch.Tensor | None  # engine.apply.job_check of the all-gather part
+    check: torch.Tensor | None  # engine.apply.job_check of the all-gather part (None: none,
+    # or its missing tensors known on the host)
+    missing: int = 0  # the all-gather part's missing tensors, when known on the host
 
 
 def _settle(state: HookState, rank: int) -> ValueError | None:
@@ -561,11 +566,11 @@ def _settle(state: HookState, rank: int) -> ValueError | None:
     missing, flags = settle_missing([p.check for p in checked], "a bucket's parts",
                                     "gradsync.ddp: ", wire,
                                     [f for p in pending for f in (p.ok, p.here)])
-    counts = {id(p): m for p, m in zip(checked, missing)}
+    counts = {id(p): m for p, m in zip(checked, missing)}  # else p.missing: known
     error = None
     for p, ok, here in zip(pending, flags[0::2], flags[1::2]):
         if ok:  # a non-finite bucket's missing tensors are not counted: its step is not taken
-            state.missing += counts.get(id(p), 0)
+            state.missing += counts.get(id(p), p.missing)
             for key, acc, kept in p.jobs:
                 commit(state.ef, key, acc, kept, p.wire)
             continue
