@@ -20,8 +20,10 @@ from hypothesis import strategies as st
 from gradsync import sparsify
 from gradsync.sparsify.segments import (
     Segments,
+    descending_keys,
     order_in_segments,
     ranges,
+    segment_keys,
     select_buffer,
     top_in_segments,
 )
@@ -143,15 +145,17 @@ def test_order_in_segments_sorts_by_segment_then_descending_magnitude(seed, size
     g = torch.Generator().manual_seed(seed)
     pool = torch.tensor([0.0, 1e-45, 2e-45, 0.5, 1.0, 1.0000001, 3e38, math.inf])
     v = pool[torch.randint(0, len(pool), (sum(sizes),), generator=g)]
-    seg = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    got = order_in_segments(v, seg).tolist()
+    bases = segment_keys(sizes, torch.device("cpu"))
+    assert bases.tolist() == [i * 2**32 + 2**31 - 1 for i, n in enumerate(sizes)
+                              for _ in range(n)]
+    got = order_in_segments(v, bases).tolist()
     want, o = [], 0
     for n in sizes:
         want += sorted(range(o, o + n), key=lambda i: (-float(v[i]), i))
         o += n
     assert got == want
     with pytest.raises(TypeError, match="fp32"):
-        order_in_segments(v.double(), seg)
+        order_in_segments(v.double(), bases)
 
 def test_engine_trains_bitwise_alike_with_and_without_segments(monkeypatch):
     """The engine's per-tensor jobs through select_buffer (forced on the CPU) end where
@@ -245,34 +249,35 @@ def test_the_ddp_hook_reorders_a_bucket_alike_by_index_and_by_slices(scheme):
 def test_dgc_levels_equal_the_comparisons_round_by_round(seed, J):
     """DGC's adjustment rounds without reads: each entry's level, the first round whose
     threshold θ·0.8^j it meets (found as its place among every row's levels), equals J + 1
-    comparisons, also for entries exactly at a
-    threshold or one ulp either side, zeros (and -0.0), subnormals, the largest floats, +inf, a
-    zero θ and a tensor sent whole (θ = -inf)."""
+    comparisons, also for entries exactly at a threshold or one ulp either side, zeros,
+    subnormals, the largest floats, +inf, a zero θ (a tensor sent whole), and rows of -0.0
+    and -inf thresholds (which every magnitude meets)."""
     from gradsync.sparsify.dgc import _levels
 
     g = torch.Generator().manual_seed(seed)
-    thr = torch.rand(4, generator=g, dtype=torch.float64) * 3
-    thr[1], thr[3] = 0.0, -math.inf
+    thr = torch.rand(5, generator=g, dtype=torch.float64) * 3
+    thr[1], thr[3], thr[4] = 0.0, -math.inf, -0.0
     cols = [thr]
     for _ in range(J):
         cols.append(cols[-1] * 0.8)
-    table = torch.stack(cols, dim=1).float()
-    sizes = [60, 20, 40, 10]
+    table = torch.stack([*cols, torch.zeros(5, dtype=torch.float64)], dim=1).float()
+    sizes = [60, 20, 40, 10, 12]
     parts = []
     for i, n in enumerate(sizes):
-        row = table[i][torch.isfinite(table[i])]
+        row = table[i, :J + 1][torch.isfinite(table[i, :J + 1])]
         picks = row[torch.randint(0, max(1, row.numel()), (n // 3,), generator=g)] \
             if row.numel() else torch.zeros(n // 3)
         near = torch.cat([picks, torch.nextafter(picks, torch.tensor(math.inf)),
                           torch.nextafter(picks, torch.tensor(0.0))]).abs()
         rest = torch.rand(n - near.numel(), generator=g) * 4
         rest[:2] = 0.0
-        extremes = torch.tensor([math.inf, 1e-45, 3e38, -0.0])  # -0.0 meets what +0.0 meets
+        extremes = torch.tensor([math.inf, 1e-45, 3e38, 0.0])
         parts.append(torch.cat([near, rest, extremes]))
     sizes = [p.numel() for p in parts]
     a = torch.cat(parts)
     seg_of = torch.repeat_interleave(torch.arange(len(sizes)), torch.tensor(sizes))
-    got = _levels(a, table, seg_of) - seg_of * (J + 1)  # its place among all rows' levels
+    keys = descending_keys(a, segment_keys(sizes, torch.device("cpu")))
+    got = _levels(keys, table) - seg_of * (J + 2)  # its place among all rows' levels
     want, o = [], 0
     for i, n in enumerate(sizes):
         for v in a[o:o + n]:

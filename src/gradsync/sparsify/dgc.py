@@ -9,7 +9,8 @@ The top-k threshold is estimated on a strided sample instead of the whole tensor
    ``torch.randint`` per tensor would (one per tensor and step);
 2. threshold: ``thr`` = the smallest of the sample's top-k′, ``k′ = ⌈density · |sample|⌉``;
 3. select ``|x| ≥ thr``; up to 10 adjustments: when fewer than ``0.8·k`` are selected,
-   ``thr ← 0.8·thr`` and select again; when more than ``1.3·k``, take the exact top-k among the
+   lower the threshold by 0.8 (round j's is ``thr·0.8^j``, one product with the power the host
+   computes) and select again; when more than ``1.3·k``, take the exact top-k among the
    candidates and stop;
 4. truncate to k.
 
@@ -22,8 +23,10 @@ all 10 adjustments were used, holds at least 0.8·k entries.
 
 from __future__ import annotations
 
+import functools
 import math
 import random
+import struct
 from typing import Any
 
 import torch
@@ -35,11 +38,13 @@ from gradsync.sparsify.segments import (
     bincount,
     constant,
     descending_keys,
+    key_base,
+    key_bases,
     name_nonfinite,
     order_in_segments,
-    segment_ids,
+    segment_keys,
     to_device,
-    top_in_segments,
+    top_by_keys,
 )
 
 
@@ -76,7 +81,8 @@ class DGC(Sparsifier):
         k_s = min(sample.numel(), max(1, math.ceil(self.density * sample.numel())))
         # thr in float64 on the device, as a Python float would be, without reading it back:
         # the comparisons round it to fp32 either way, and ×0.8 is the same IEEE product
-        thr = torch.topk(sample, k_s, sorted=False).values.min().double()
+        theta = torch.topk(sample, k_s, sorted=False).values.min().double()
+        thr = theta
         idx = torch.nonzero(a >= thr).view(-1)
         adjustments = 0
         while adjustments < self.max_adjust:
@@ -87,9 +93,9 @@ class DGC(Sparsifier):
                 break
             if count >= self.lower * k:
                 break
-            thr = thr * self.lower  # too few: lower the threshold by 0.8 and select again
+            adjustments += 1  # too few: lower the threshold by 0.8 and select again
+            thr = theta * self.lower ** adjustments
             idx = torch.nonzero(a >= thr).view(-1)
-            adjustments += 1
         if idx.numel() > k:  # truncate to k, keeping the largest candidates
             idx = idx[torch.topk(a[idx], k, sorted=False).indices]
         self.last_threshold = thr
@@ -141,53 +147,51 @@ class DGC(Sparsifier):
                 first_of.append(first_of[-1] + m)
             # entry t of the samples (counted over all of them) that belongs to sample i sits
             # at starts[i] + strides[i]·(t − first_of[i]) = offset_i + strides[i]·t: each
-            # sample's (offset, stride, number) spread over its entries by one repeat
+            # sample's (offset, stride, key base) spread over its entries by one repeat
             packed = to_device([*(v for i, f in enumerate(first_of)
-                                  for v in (starts[i] - strides[i] * f, strides[i], i)),
+                                  for v in (starts[i] - strides[i] * f, strides[i], key_base(i))),
                                 *lengths, *sampled, *(f + k - 1 for f, k in zip(first_of, kth))],
                                torch.int64, dev)
             ln, which, pick = packed[3 * T:].split(T)
-            off, sd, owner = torch.repeat_interleave(packed[:3 * T].view(T, 3), ln, dim=0,
-                                                     output_size=M).unbind(1)
-            sample = a[off + sd * torch.arange(M, device=dev)]
-            thr = sample[order_in_segments(sample, owner)[pick]].double()
-        if len(sampled) < S:  # tensors sent whole (k >= n): θ = -inf, which every entry meets
-            whole = torch.full((S,), -math.inf, dtype=torch.float64, device=dev)
+            off, sd, base = torch.repeat_interleave(packed[:3 * T].view(T, 3), ln, dim=0,
+                                                    output_size=M).unbind(1)
+            sample = a[torch.addcmul(off, sd, torch.arange(M, device=dev))]
+            thr = sample[order_in_segments(sample, base)[pick]].double()
+        if len(sampled) < S:  # tensors sent whole (k >= n): θ = 0, which every entry meets
+            whole = torch.zeros(S, dtype=torch.float64, device=dev)
             thr = whole if thr is None else whole.index_copy_(0, which, thr)
         # 3. select |x| >= θ_i, lowering θ_i by 0.8 where too few (up to max_adjust times).
-        # Every round's threshold is known in advance, θ_i·0.8^j (the same IEEE products as
-        # the rounds), so each entry's level (the first round whose threshold it meets) and,
-        # from a histogram of the levels, every tensor's count in every round come without a
-        # read; the rule then picks each tensor's round on the device (the first with at
-        # least 0.8·k, else the last), and one read brings the counts and rounds back.
+        # Every round's threshold is known in advance, θ_i·0.8^j (the products the rounds
+        # make), so each entry's level (the first round whose threshold it meets) and, from a
+        # histogram of the levels, every tensor's count in every round come without a read;
+        # the rule then picks each tensor's round on the device (the first with at least
+        # 0.8·k, else the last), and one read brings the counts and rounds back.
         J = max_adjust
-        cols = [thr]
-        for _ in range(J):
-            cols.append(cols[-1] * lower)
-        table = torch.stack(cols, dim=1)  # (S, J + 1) float64, each row non-increasing
-        seg_of = segment_ids(seg.sizes, dev)  # each entry's tensor
-        # each entry's level ℓ (its first round met, J + 1: none) as its place among every
-        # row's thresholds, pos = seg_of·(J + 1) + ℓ
-        pos = _levels(a, table.float(), seg_of)
-        hist = bincount(pos + seg_of, S * (J + 2))  # seg_of·(J + 2) + ℓ: per tensor and level
-        by_round = hist.view(S, J + 2).cumsum(1)[:, :J + 1]  # count in round j, per tensor
-        need = lower * constant(tuple(ks), torch.float64, dev)  # the same products as lower · k
+        powers = _powers(lower, J)
+        # (S, J + 2) float64, each row non-increasing: the rounds' thresholds, then +0.0
+        table = thr[:, None] * constant(powers, torch.float64, dev)
+        keys = descending_keys(a, segment_keys(seg.sizes, dev))  # also step 4's ranking
+        pos = _levels(keys, table.float())  # i·(J + 2) + ℓ: per tensor and level
+        by_round = bincount(pos, S * (J + 2)).view(S, J + 2).cumsum(1)  # count in round j
         # the counts grow with the rounds, so the first round with enough is the number of
-        # rounds without (J when none has enough); a tensor sent whole (k >= n, θ = -inf) has
-        # every entry at level 0 and reports no round
-        rounds = (by_round.double() < need[:, None]).sum(1).clamp(max=J)
-        thr = table.gather(1, rounds[:, None]).view(S)
-        first = constant(tuple(i * (J + 1) for i in range(S)), torch.int64, dev)
-        mask = pos <= (first + rounds)[seg_of]  # ℓ <= the tensor's round
+        # rounds before J without (J when none has enough); a tensor sent whole (θ = 0) has
+        # every entry at level 0 and reports no round. An integer count c < 0.8·k exactly
+        # when c < ⌈0.8·k⌉ (0.8·k the same product as tensor by tensor)
+        need = constant(tuple(math.ceil(lower * k) for k in ks), torch.int64, dev)
+        rounds = (by_round[:, :J] < need[:, None]).sum(1)
+        # an entry is a candidate when its level ℓ <= its tensor's round: a lookup of its
+        # place pos in the (S, J + 2) table of which levels each tensor's round takes in
+        levels = constant(tuple(range(J + 2)), torch.int64, dev)
+        mask = (levels <= rounds[:, None]).view(-1)[pos]
         counts_dev = by_round.gather(1, rounds[:, None]).view(S)
-        # the one read: counts and rounds (exact in float64), the thresholds, and whether |x|
-        # held a NaN/Inf (a sum that overflowed: select_buffer's caller may have checked the
+        # the one read: counts, rounds, θ (float64, as its bits) and whether |x| held a
+        # NaN/Inf (a sum that overflowed: select_buffer's caller may have checked the
         # gradients only; |x| >= 0, so its largest entry is below +Inf exactly when all are
         # finite, NaN propagating through the max)
-        values = torch.cat([torch.stack([counts_dev, rounds]).view(-1).double(), thr,
-                            (a.amax() < math.inf).view(1).double()]).tolist()
-        counts, done = [int(v) for v in values[:S]], [int(v) for v in values[S:2 * S]]
-        thresholds, ok = values[2 * S:3 * S], values[3 * S]
+        values = torch.cat([counts_dev, rounds, thr.view(torch.int64),
+                            (a.amax() < math.inf).view(1)]).tolist()
+        counts, done = values[:S], values[S:2 * S]
+        theta, ok = values[2 * S:3 * S], values[3 * S]
         if not ok:
             name_nonfinite(sparsifiers, x, seg)
         adjustments = {i: done[i] for i in sampled}
@@ -195,11 +199,11 @@ class DGC(Sparsifier):
         cand = torch.nonzero_static(mask, size=sum(counts)).view(-1)
         keep = [min(c, k) for c, k in zip(counts, ks)]
         if keep != counts:
-            cand = cand[top_in_segments(a[cand], counts, keep)]
+            cand = cand[top_by_keys(keys[cand], counts, keep)]
         for i, (sp, k) in enumerate(zip(sparsifiers, ks)):
             sp.last_k, sp.last_count = k, keep[i]
-            if i in adjustments:
-                sp.last_threshold = thresholds[i]
+            if i in adjustments:  # round j's threshold, the product tensor by tensor makes
+                sp.last_threshold = _as_float(theta[i]) * powers[adjustments[i]]
                 sp.last_adjustments = adjustments[i]
         return cand
 
@@ -224,14 +228,28 @@ class DGC(Sparsifier):
         self.draws = draws
 
 
-def _levels(a: torch.Tensor, table: torch.Tensor, seg_of: torch.Tensor) -> torch.Tensor:
-    """For each entry of ``a`` (fp32 magnitudes, of segment ``seg_of``), its level ℓ — the
-    first column ``j`` of its segment's row of ``table`` (non-increasing thresholds θ·lower^j,
-    fp32) with ``a >= table[j]``, ``J + 1`` when it meets none — returned as its place among
-    all rows, ``seg_of · (J + 1) + ℓ``. A row's non-increasing thresholds meet a suffix of its
-    columns, so ℓ is the number of the row's thresholds above the entry: one binary search of
-    every entry among every row's :func:`descending_keys` (each row ascending as it stands;
-    θ = -inf, a tensor sent whole, keys as 0, which every entry meets), in a fixed number of
-    operations: the rows before the entry's, then the thresholds of its own above it."""
-    rows = constant(tuple(range(table.shape[0])), torch.int64, table.device)[:, None]
-    return torch.searchsorted(descending_keys(table, rows).view(-1), descending_keys(a, seg_of))
+@functools.lru_cache(maxsize=16)
+def _powers(lower: float, J: int) -> tuple[float, ...]:
+    """The rounds' factors ``lower^j`` for ``j ≤ J`` (the powers tensor-by-tensor selection
+    takes), then 0.0: the sentinel column of every row of thresholds (+0.0, met by every
+    magnitude)."""
+    return (*(lower ** j for j in range(J + 1)), 0.0)
+
+
+def _as_float(bits: int) -> float:
+    """The float64 whose bits are the int64 ``bits``."""
+    return struct.unpack("<d", struct.pack("<q", bits))[0]
+
+
+def _levels(keys: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
+    """For each entry of a buffer (``keys``: the :func:`descending_keys` of its fp32
+    magnitudes, whose bases give each entry's tensor), its level ℓ — the first column ``j`` of
+    its tensor's row of ``table`` (fp32, ``(S, J + 2)``: non-increasing thresholds θ·lower^j,
+    then +0.0) with ``magnitude >= table[j]``, ``J + 1`` when it meets none of the first
+    ``J + 1`` — returned as its place among all rows, ``i · (J + 2) + ℓ``. A row's
+    non-increasing thresholds meet a suffix of its columns, so ℓ is the number of the row's
+    thresholds above the entry: one binary search of every entry among every row's keys (each
+    row ascending as it stands; a threshold of 0 or below keys at or above the base, which
+    every magnitude meets, the +0.0 sentinel last), in a fixed number of operations."""
+    bases = key_bases(table.shape[0], table.device)[:, None]
+    return torch.searchsorted(descending_keys(table, bases).view(-1), keys)

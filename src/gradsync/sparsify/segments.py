@@ -33,9 +33,9 @@ from gradsync.sparsegrad import (
     to_device,
 )
 
-__all__ = ["Segments", "bincount", "constant", "descending_keys", "name_nonfinite",
-           "order_in_segments", "pays_on", "ranges", "segment_ids", "select_buffer",
-           "to_device", "top_in_segments"]
+__all__ = ["Segments", "bincount", "constant", "descending_keys", "key_base",
+           "key_bases", "name_nonfinite", "order_in_segments", "pays_on", "ranges", "segment_keys",
+           "select_buffer", "to_device", "top_by_keys", "top_in_segments"]
 
 # Select buffers at once on the CPU too (tests of the segmented path; see pays_on).
 ON_CPU = False
@@ -87,44 +87,72 @@ def ranges(starts: Sequence[int], lengths: Sequence[int], device: torch.device
         packed[:len(shift)], packed[len(shift):], output_size=total)
 
 
-def segment_ids(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
-    """The segment of every entry of contiguous segments of ``lengths`` (int64, ``0 … S − 1``
-    each repeated its length), from the layout's cached vectors: one repeat on the device."""
-    return torch.repeat_interleave(constant(tuple(range(len(lengths))), torch.int64, device),
+def key_base(i: int) -> int:
+    """Segment ``i``'s key base, ``i · 2³² + 2³¹ − 1``: :func:`descending_keys` of a value of
+    segment ``i`` is its base minus the value's bits, so every key of segment ``i`` lies in
+    ``[i · 2³², (i + 1) · 2³²)``."""
+    return (i << 32) + (1 << 31) - 1
+
+
+def key_bases(count: int, device: torch.device) -> torch.Tensor:
+    """:func:`key_base` of the segments ``0 … count − 1`` (int64, made once per count and
+    device)."""
+    return constant(tuple(key_base(i) for i in range(count)), torch.int64, device)
+
+
+def segment_keys(lengths: Sequence[int], device: torch.device) -> torch.Tensor:
+    """The :func:`key_bases` of every entry of contiguous segments of ``lengths`` (each
+    segment's base repeated its length), from the layout's cached vectors: one repeat on the
+    device."""
+    return torch.repeat_interleave(key_bases(len(lengths), device),
                                    constant(tuple(lengths), torch.int64, device),
                                    output_size=sum(lengths))
 
 
-def descending_keys(values: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
-    """int64 keys that order fp32 magnitudes ``values`` by their segment ``seg`` (int64,
-    broadcast against ``values``), then by descending value: ``seg · 2³² + (2³¹ − 1 − bits)``.
-    A non-negative fp32 orders as its bit pattern; a negative value (-0.0, or a threshold of
-    -Inf, which every magnitude meets) keys as +0.0, and a NaN above +Inf, as ``argsort``
-    ranks it."""
+def descending_keys(values: torch.Tensor, bases: torch.Tensor) -> torch.Tensor:
+    """int64 keys that order fp32 magnitudes ``values`` by their segment, then by descending
+    value: ``bases − bits(values)``, ``bases`` the segments' :func:`key_bases` (int64,
+    broadcast against ``values``). A non-negative fp32 orders as its bit pattern, so the keys
+    of a segment ascend as its values descend, +0.0 keying as the base itself and a NaN below
+    +Inf (first, as ``argsort`` ranks it). A negative value (a threshold of -Inf or -0.0, which
+    every magnitude meets) keys above the base, still within its segment: after every
+    magnitude of it (negative values are not ordered among themselves)."""
     if values.dtype != torch.float32:
         raise TypeError(f"descending_keys: fp32 magnitudes, got {values.dtype}")
-    return (seg << 32) + (((1 << 31) - 1) - values.view(torch.int32).clamp(min=0))
+    return bases - values.view(torch.int32)
 
 
-def order_in_segments(values: torch.Tensor, seg: torch.Tensor) -> torch.Tensor:
-    """The permutation that sorts ``values`` (fp32 magnitudes) by their segment ``seg`` (int64,
-    one per value, ascending: the segments are contiguous), and within each segment by
-    descending value, ties in position order: one stable sort of :func:`descending_keys`,
-    whatever the number of segments."""
-    return torch.sort(descending_keys(values, seg), stable=True).indices
+def order_in_segments(values: torch.Tensor, bases: torch.Tensor) -> torch.Tensor:
+    """The permutation that sorts ``values`` (fp32 magnitudes) by their segment (``bases``: each
+    value's :func:`key_bases` entry, ascending: the segments are contiguous), and within each
+    segment by descending value, ties in position order: one stable sort of
+    :func:`descending_keys`, whatever the number of segments."""
+    return torch.sort(descending_keys(values, bases), stable=True).indices
+
+
+def top_by_keys(keys: torch.Tensor, lengths: Sequence[int], keep: Sequence[int]
+                ) -> torch.Tensor:
+    """Positions (ascending) of the ``keep[i]`` smallest of the :func:`descending_keys`
+    ``keys`` of each contiguous segment ``i`` of ``lengths`` (its ``keep[i]`` largest values,
+    ties in position order): one stable sort, a pick of each segment's head, one sort back."""
+    if all(k >= n for k, n in zip(keep, lengths)):
+        return torch.arange(keys.numel(), device=keys.device)
+    order = torch.sort(keys, stable=True).indices
+    starts = [0]
+    for n in lengths[:-1]:
+        starts.append(starts[-1] + n)
+    take = ranges(starts, [min(k, n) for k, n in zip(keep, lengths)], keys.device)
+    return torch.sort(order[take]).values
 
 
 def top_in_segments(values: torch.Tensor, lengths: Sequence[int], keep: Sequence[int]
                     ) -> torch.Tensor:
-    """Positions (ascending) of the ``keep[i]`` largest ``values`` of each segment ``i``."""
+    """Positions (ascending) of the ``keep[i]`` largest ``values`` (fp32 magnitudes) of each
+    segment ``i``."""
     if all(k >= n for k, n in zip(keep, lengths)):
         return torch.arange(values.numel(), device=values.device)
-    order = order_in_segments(values, segment_ids(lengths, values.device))
-    starts = [0]
-    for n in lengths[:-1]:
-        starts.append(starts[-1] + n)
-    take = ranges(starts, [min(k, n) for k, n in zip(keep, lengths)], values.device)
-    return torch.sort(order[take]).values
+    return top_by_keys(descending_keys(values, segment_keys(lengths, values.device)), lengths,
+                       keep)
 
 
 def select_buffer(sparsifiers: Sequence[object], x: torch.Tensor, sizes: Sequence[int],
