@@ -29,6 +29,7 @@ hostile buffer; nothing larger than the buffer implies is allocated.
 
 from __future__ import annotations
 
+import functools
 import struct
 import sys
 
@@ -289,15 +290,25 @@ def pack_entries_capped(indices: torch.Tensor, values: torch.Tensor, index_dtype
     if not prefix <= count <= capacity:
         raise ValueError(f"pack_entries_capped: {count} entries, outside [{prefix}, {capacity}] "
                          "(the dense prefix, the capacity)")
-    iw, vw = _width(index_dtype), _width(values.dtype)
-    dev = values.device
+    iw = _width(index_dtype)
     out = torch.zeros(capped_entries_bytes(capacity, index_dtype, values.dtype, prefix),
-                      dtype=torch.uint8, device=dev)
-    out[:8] = to_bytes(torch.full((1,), count, dtype=torch.int64, device=dev))
-    out[8:8 + (count - prefix) * iw] = to_bytes(indices[prefix:].to(index_dtype))
-    at = 8 + (capacity - prefix) * iw
-    out[at:at + count * vw] = to_bytes(values)
+                      dtype=torch.uint8, device=values.device)
+    out[:8].view(torch.int64).fill_(count)  # the count is the host's: no tensor made for it
+    _write(out, 8, indices[prefix:], index_dtype)
+    _write(out, 8 + (capacity - prefix) * iw, values, values.dtype)
     return out
+
+
+def _write(out: torch.Tensor, at: int, t: torch.Tensor, dtype: torch.dtype) -> None:
+    """``t`` in ``dtype`` into the bytes of ``out`` from byte ``at``: one copy (the cast in it)
+    into a view where the place is aligned for ``dtype``, else through a cast copy's bytes."""
+    if not t.numel():
+        return
+    place = out[at:at + t.numel() * _width(dtype)]
+    if at % _width(dtype) == 0:
+        place.view(dtype).copy_(t)
+    else:
+        place.copy_(to_bytes(t.to(dtype)))
 
 
 def unpack_entries_capped(buf: torch.Tensor, capacity: int, index_dtype: torch.dtype,
@@ -319,8 +330,8 @@ def unpack_entries_capped(buf: torch.Tensor, capacity: int, index_dtype: torch.d
     count = view_as(buf, 0, 1, torch.int64)[0]
     idx = view_as(buf, 8, capacity - prefix, index_dtype).to(torch.int64)
     val = view_as(buf, 8 + (capacity - prefix) * iw, capacity, dtype)
-    live = torch.arange(capacity, device=buf.device) < count
-    good = (idx >= 0) & (idx < numel) & live[prefix:]  # announced and in range
+    live = _positions(capacity, buf.device) < count
+    good = (idx.clamp(0, numel - 1) == idx) & live[prefix:]  # announced and in range
     # every announced index good and the count in [prefix, capacity]: exactly count − prefix
     # good indices (a count above the capacity announces more indices than there are, one
     # below the prefix fewer than none)
@@ -328,6 +339,13 @@ def unpack_entries_capped(buf: torch.Tensor, capacity: int, index_dtype: torch.d
     idx = torch.where(good, idx, 0)
     val = torch.where(live, val, 0)
     return idx, val, ok
+
+
+@functools.lru_cache(maxsize=64)
+def _positions(n: int, device: torch.device) -> torch.Tensor:
+    """``arange(n)`` on ``device``, made once per size and device (a capacity is fixed by a
+    buffer's layout); never written to."""
+    return torch.arange(n, device=device)
 
 
 def unpack_entries(buf: torch.Tensor, count: int, index_dtype: torch.dtype,
