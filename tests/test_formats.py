@@ -7,6 +7,7 @@ walk over the nonzeros, hostile buffers packed by hand with ``struct``.
 
 from __future__ import annotations
 
+import math
 import struct
 from itertools import pairwise
 
@@ -187,8 +188,9 @@ def test_wire_entries_with_a_dense_prefix_round_trip_without_its_indices(data, i
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
 def test_wire_capped_entries_round_trip_and_mask_what_lies_past_the_count(data, index, dtype):
     """pack_entries_capped: an int64 count, the indices past the dense prefix and zeros to
-    capacity − prefix, the values and zeros to the capacity; unpacked on the device, the
-    entries past the count read as index 0 and value +0, and ``ok`` holds."""
+    capacity − prefix, the values and zeros to the capacity, each part padded to 8 bytes;
+    unpacked on the device, the indices past the count read as numel (nowhere), the values
+    as sent (+0), and ``ok`` holds."""
     m = data.draw(st.integers(0, 10))
     count = m + data.draw(st.integers(0, 20))
     capacity = count + data.draw(st.integers(0, 15))
@@ -198,12 +200,14 @@ def test_wire_capped_entries_round_trip_and_mask_what_lies_past_the_count(data, 
     val = torch.randn(count, generator=g).to(dtype)
     buf = wire.pack_entries_capped(idx, val, index, capacity, m)
     ib, vb = index.itemsize, dtype.itemsize
-    assert buf.numel() == 8 + (capacity - m) * ib + capacity * vb == \
+    at = 8 + math.ceil((capacity - m) * ib / 8) * 8
+    assert buf.numel() == at + math.ceil(capacity * vb / 8) * 8 == \
         wire.capped_entries_bytes(capacity, index, dtype, m)
     assert struct.unpack("<q", bytes(buf[:8].tolist()))[0] == count
+    assert not buf[8 + (count - m) * ib:at].any() and not buf[at + count * vb:].any()
     got_i, got_v, ok = wire.unpack_entries_capped(buf, capacity, index, dtype, 400 + m, m)
     assert bool(ok)
-    want_i = torch.zeros(capacity - m, dtype=torch.int64)
+    want_i = torch.full((capacity - m,), 400 + m, dtype=torch.int64)
     want_i[:count - m] = idx[m:]
     want_v = torch.zeros(capacity, dtype=dtype)
     want_v[:count] = val
@@ -224,12 +228,12 @@ def test_wire_capped_entries_flag_hostile_counts_and_indices_without_writing_any
         forged = buf.clone()
         forged[:8] = torch.tensor(list(struct.pack("<q", bad)), dtype=torch.uint8)
         i, _, ok = wire.unpack_entries_capped(forged, 4, torch.int32, torch.float32, 10, 2)
-        assert not bool(ok) and int(i.min()) >= 0 and int(i.max()) < 10
-    for bad_index in (10, -3):  # an announced index outside [0, numel): flagged and zeroed
+        assert not bool(ok) and int(i.min()) >= 0 and int(i.max()) <= 10
+    for bad_index in (10, -3):  # an announced index outside [0, numel): flagged, sent nowhere
         forged = buf.clone()
         forged[8:12] = torch.tensor(list(struct.pack("<i", bad_index)), dtype=torch.uint8)
         i, _, ok = wire.unpack_entries_capped(forged, 4, torch.int32, torch.float32, 10, 2)
-        assert not bool(ok) and int(i[0]) == 0
+        assert not bool(ok) and int(i[0]) == 10
 
 
 
@@ -238,23 +242,27 @@ def test_wire_capped_entries_flag_hostile_counts_and_indices_without_writing_any
 def test_wire_capped_entries_ok_is_the_count_and_every_announced_index_checked(data):
     """``ok`` of a forged message (any count, any indices) against the rule checked here one
     entry at a time: the count lies in [prefix, capacity] and every index it announces in
-    [0, numel); what is returned points inside [0, numel) and past the count is zero."""
+    [0, numel); what is returned points inside [0, numel], and at numel (nowhere) exactly
+    where an index is past the count or out of range."""
     prefix = data.draw(st.integers(0, 3))
     capacity = prefix + data.draw(st.integers(0, 6))
     numel = data.draw(st.integers(1, 12))
     count = data.draw(st.integers(-3, capacity + 3))
     forged_idx = data.draw(st.lists(st.integers(-4, numel + 4), min_size=capacity - prefix,
                                     max_size=capacity - prefix))
+    pad = torch.zeros(4 * ((capacity - prefix) % 2), dtype=torch.uint8)  # to 8 bytes
     buf = torch.tensor(list(struct.pack("<q", count)), dtype=torch.uint8)
-    buf = torch.cat([buf, torch.tensor(forged_idx, dtype=torch.int32).view(torch.uint8),
-                     torch.ones(capacity).view(torch.uint8)])
+    buf = torch.cat([buf, torch.tensor(forged_idx, dtype=torch.int32).view(torch.uint8), pad,
+                     torch.ones(capacity).view(torch.uint8),
+                     torch.zeros(4 * (capacity % 2), dtype=torch.uint8)])
     i, v, ok = wire.unpack_entries_capped(buf, capacity, torch.int32, torch.float32, numel,
                                           prefix)
     announced = forged_idx[:max(0, min(count, capacity) - prefix)]
     want = prefix <= count <= capacity and all(0 <= j < numel for j in announced)
     assert bool(ok) == want
-    assert all(0 <= j < numel for j in i.tolist())
-    assert v.tolist() == [1.0 if p < count else 0.0 for p in range(capacity)]
+    assert i.tolist() == [j if p < count - prefix and 0 <= j < numel else numel
+                          for p, j in enumerate(forged_idx)]
+    assert v.tolist() == [1.0] * capacity
 
 def test_wire_fixed_entries_refuse_hostile_counts_and_sizes():
     idx, val = torch.tensor([1, 5]), torch.tensor([1.0, 2.0])
@@ -725,3 +733,34 @@ def test_densestream_split_back_to_back_encodings():
         ds.split(joined[:-1], 3)
     with pytest.raises(ValueError, match="magic"):
         ds.split(torch.cat([bufs[0], coo.encode(a)]), 2)
+
+
+@settings(max_examples=40, deadline=None)
+@given(data=st.data(), index=st.sampled_from([torch.int32, torch.int64]),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]))
+def test_wire_capped_entries_of_p_messages_unpack_at_once_as_one_by_one(data, index, dtype):
+    """An all-gather's ``(P, bytes)`` result unpacks in one call to each message's own
+    unpacking, row by row (every part of every message aligned, whatever the widths and
+    the capacity's parity), and ``ok`` fails when any one message is malformed."""
+    P = data.draw(st.integers(1, 5))
+    m = data.draw(st.integers(0, 3))
+    capacity = m + data.draw(st.integers(0, 7))
+    numel = m + 20
+    msgs = []
+    for r in range(P):
+        count = data.draw(st.integers(m, capacity))
+        g = torch.Generator().manual_seed(r * 97 + count)
+        idx = torch.cat([torch.arange(m), m + torch.sort(torch.randperm(20, generator=g)
+                                                         [:count - m]).values])
+        msgs.append(wire.pack_entries_capped(idx, torch.randn(count, generator=g).to(dtype),
+                                             index, capacity, m))
+    rows = torch.stack(msgs)
+    i, v, ok = wire.unpack_entries_capped(rows, capacity, index, dtype, numel, m)
+    assert bool(ok) and i.shape == (P, capacity - m) and v.shape == (P, capacity)
+    for r, msg in enumerate(msgs):
+        one_i, one_v, one_ok = wire.unpack_entries_capped(msg, capacity, index, dtype, numel, m)
+        assert bool(one_ok) and torch.equal(i[r], one_i)
+        assert torch.equal(v[r].view(torch.uint8), one_v.view(torch.uint8))
+    bad = data.draw(st.integers(0, P - 1))
+    rows[bad, :8] = torch.tensor(list(struct.pack("<q", capacity + 1)), dtype=torch.uint8)
+    assert not bool(wire.unpack_entries_capped(rows, capacity, index, dtype, numel, m)[2])

@@ -14,12 +14,13 @@ never through a float buffer.
 (``SparseGrad.capacity``: Σ k_i of a buffer selected at once by DGC or exact top-k, the plan's
 k_i alike on every rank) skips the count exchange: each rank sends one message of the capacity's
 size with its count in an 8-byte header (:func:`gradsync.formats.wire.pack_entries_capped`),
-one equal-size all-gather carries them, and the receivers mask what lies past each count on
-the device. No count is read back to the host (on a GPU: no wait for the device before the
-values travel); the messages' checks (count within the capacity, indices in range) are read
-by the caller with the step's others (``Collective.__call__``'s ``deferred``). The price is
+one equal-size all-gather carries them, and the receivers unpack every message at once and
+mask what lies past each count on the device. No count is read back to the host (on a GPU:
+no wait for the device before the values travel); the messages' checks (count within the
+capacity, indices in range) are read by the caller with the step's others
+(``Collective.__call__``'s ``deferred``). The price is
 the padding, at most the capacity minus the count (DGC keeps between 0.8·k and k entries),
-and 8 bytes.
+the 8-byte count and at most 14 bytes that align each part to 8 bytes.
 
 Every rank adds the P contributions in rank order, so ``dense`` is bitwise identical everywhere.
 """
@@ -72,21 +73,19 @@ class TopkA(Collective):
     @staticmethod
     def _reduce_capped(sel: SparseGrad, comm: Comm, wire: torch.dtype, m: int
                        ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        """The fixed-capacity exchange (module doc): one all-gather of equal messages, every
-        rank's entries added in rank order, the messages' checks left on the device."""
+        """The fixed-capacity exchange (module doc): one all-gather of equal messages, all of
+        them unpacked at once, every rank's entries added in rank order (what lies past a
+        count lands one past the buffer), the messages' checks left on the device."""
         cap = sel.capacity
         assert cap is not None
         msgs = comm.all_gather(pack_entries_capped(sel.indices, sel.values, wire, cap, m))
-        dense = torch.zeros(sel.numel, dtype=sel.dtype, device=sel.device)
-        oks = []
-        for msg in msgs:
-            idx, val, ok = unpack_entries_capped(msg, cap, wire, sel.dtype, sel.numel, m,
-                                                 "topka")
+        idx, val, ok = unpack_entries_capped(msgs, cap, wire, sel.dtype, sel.numel, m, "topka")
+        out = torch.zeros(sel.numel + 1, dtype=sel.dtype, device=sel.device)
+        dense = out[:sel.numel]
+        for r in range(comm.size):
             if m:  # the tensors sent whole: values only, added in rank order
-                dense[:m] += val[:m]
-            add_at(dense, idx, val[m:])  # past the count: +0 at position 0, a no-op
-            oks.append(ok)
-        ok = oks[0] if len(oks) == 1 else torch.stack(oks).all()
+                dense[:m] += val[r, :m]
+            add_at(out, idx[r], val[r, m:])
         return dense, sel.indices, {"capacity": cap, "checks": [
             (ok, f"topka: a rank's message announces a count outside [{m}, {cap}] or an index "
                  f"outside [0, {sel.numel})")]}

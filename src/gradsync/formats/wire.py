@@ -271,73 +271,79 @@ def unpack_entries_fixed(buf: torch.Tensor, capacity: int, index_dtype: torch.dt
                           index_dtype, dtype, what)
 
 
+def _pad8(n: int) -> int:
+    """``n`` rounded up to a multiple of 8."""
+    return -(-n // 8) * 8
+
+
 def capped_entries_bytes(capacity: int, index_dtype: torch.dtype, dtype: torch.dtype,
                          prefix: int = 0) -> int:
     """Size of a :func:`pack_entries_capped` message: an 8-byte count, then room for
-    ``capacity − prefix`` indices and ``capacity`` values, whatever the count."""
-    return 8 + capacity * entry_bytes(index_dtype, dtype) - prefix * _width(index_dtype)
+    ``capacity − prefix`` indices and for ``capacity`` values, each part padded to 8 bytes,
+    whatever the count."""
+    return (8 + _pad8((capacity - prefix) * _width(index_dtype))
+            + _pad8(capacity * _width(dtype)))
 
 
 def pack_entries_capped(indices: torch.Tensor, values: torch.Tensor, index_dtype: torch.dtype,
                         capacity: int, prefix: int = 0) -> torch.Tensor:
     """``[count (int64)][indices[prefix:], zeros to capacity − prefix][values, zeros to
-    capacity]``, :func:`capped_entries_bytes` long for any count up to ``capacity``: ranks that
-    know the capacity exchange it without first exchanging their counts, and the count never
-    comes back to the host (:func:`unpack_entries_capped` reads it on the device). The first
-    ``prefix`` entries are indices 0 … prefix−1 and travel without them, as in
-    :func:`pack_entries`. ``ValueError`` when the count is not in ``[prefix, capacity]``."""
+    capacity]``, each part padded with zeros to 8 bytes, :func:`capped_entries_bytes` long
+    for any count up to ``capacity``: ranks that know the capacity exchange it without first
+    exchanging their counts, and the count never comes back to the host
+    (:func:`unpack_entries_capped` reads it on the device). Every part starts at a multiple of
+    8 bytes, so each is a typed view in every message of an all-gather's ``(P, bytes)``
+    result. The first ``prefix`` entries are indices 0 … prefix−1 and travel without them,
+    as in :func:`pack_entries`. ``ValueError`` when the count is not in ``[prefix,
+    capacity]``."""
     count = indices.numel()
     if not prefix <= count <= capacity:
         raise ValueError(f"pack_entries_capped: {count} entries, outside [{prefix}, {capacity}] "
                          "(the dense prefix, the capacity)")
-    iw = _width(index_dtype)
     out = torch.zeros(capped_entries_bytes(capacity, index_dtype, values.dtype, prefix),
                       dtype=torch.uint8, device=values.device)
     out[:8].view(torch.int64).fill_(count)  # the count is the host's: no tensor made for it
-    _write(out, 8, indices[prefix:], index_dtype)
-    _write(out, 8 + (capacity - prefix) * iw, values, values.dtype)
+    if count > prefix:  # one copy each, the cast to the wire width in it
+        out[8:8 + (count - prefix) * _width(index_dtype)].view(index_dtype).copy_(
+            indices[prefix:])
+    if count:
+        at = 8 + _pad8((capacity - prefix) * _width(index_dtype))
+        out[at:at + count * _width(values.dtype)].view(values.dtype).copy_(values)
     return out
 
 
-def _write(out: torch.Tensor, at: int, t: torch.Tensor, dtype: torch.dtype) -> None:
-    """``t`` in ``dtype`` into the bytes of ``out`` from byte ``at``: one copy (the cast in it)
-    into a view where the place is aligned for ``dtype``, else through a cast copy's bytes."""
-    if not t.numel():
-        return
-    place = out[at:at + t.numel() * _width(dtype)]
-    if at % _width(dtype) == 0:
-        place.view(dtype).copy_(t)
-    else:
-        place.copy_(to_bytes(t.to(dtype)))
-
-
-def unpack_entries_capped(buf: torch.Tensor, capacity: int, index_dtype: torch.dtype,
+def unpack_entries_capped(msgs: torch.Tensor, capacity: int, index_dtype: torch.dtype,
                           dtype: torch.dtype, numel: int, prefix: int = 0,
                           what: str = "entries"
                           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Inverse of :func:`pack_entries_capped` without a read of the count: ``(indices,
-    values, ok)``: the ``capacity − prefix`` int64 indices and ``capacity`` values of the
-    message, those past its count zeroed (index 0, value +0: adding them changes no sum), and
-    ``ok``, a bool on the device: the count lies in ``[prefix, capacity]`` and every index it
-    announces in ``[0, numel)``. Out-of-range indices are zeroed too, so a malformed message
-    can write nowhere before the caller reads ``ok`` (with the step's other checks). Only the
-    size is checked here (``ValueError``): it is known on the host."""
-    if buf.numel() != capped_entries_bytes(capacity, index_dtype, dtype, prefix):
-        raise ValueError(f"{what}: message of {buf.numel()} bytes, a capacity of {capacity} "
-                         f"entries ({prefix} without index) needs "
-                         f"{capped_entries_bytes(capacity, index_dtype, dtype, prefix)}")
-    iw = _width(index_dtype)
-    count = view_as(buf, 0, 1, torch.int64)[0]
-    idx = view_as(buf, 8, capacity - prefix, index_dtype).to(torch.int64)
-    val = view_as(buf, 8 + (capacity - prefix) * iw, capacity, dtype)
-    live = _positions(capacity, buf.device) < count
-    good = (idx.clamp(0, numel - 1) == idx) & live[prefix:]  # announced and in range
-    # every announced index good and the count in [prefix, capacity]: exactly count − prefix
-    # good indices (a count above the capacity announces more indices than there are, one
-    # below the prefix fewer than none)
-    ok = good.sum() == count - prefix
-    idx = torch.where(good, idx, 0)
-    val = torch.where(live, val, 0)
+    """Inverse of :func:`pack_entries_capped` for one message (1-D) or P of them (``(P,
+    bytes)``, an all-gather's result: every message at once, in a number of operations that
+    does not grow with P), without a read of the counts: ``(indices, values, ok)``, per
+    message its ``capacity − prefix`` int64 indices and ``capacity`` values (shaped as the
+    messages: a row each), and ``ok``, a bool on the device: every count lies in ``[prefix,
+    capacity]`` and every index a message announces in ``[0, numel)``. An index past its
+    message's count or out of range reads as ``numel``, one past the buffer: the caller adds
+    into ``numel + 1`` entries and drops the last, so a malformed message writes nowhere
+    (whatever its padding holds) before the caller reads ``ok`` with the step's other checks.
+    Only the size is checked here (``ValueError``): it is known on the host."""
+    size = capped_entries_bytes(capacity, index_dtype, dtype, prefix)
+    rows = msgs.view(1, -1) if msgs.dim() == 1 else msgs
+    if rows.dim() != 2 or rows.shape[1] != size:
+        raise ValueError(f"{what}: message of {rows.shape[-1]} bytes, a capacity of {capacity} "
+                         f"entries ({prefix} without index) needs {size}")
+    tail, at = capacity - prefix, 8 + _pad8((capacity - prefix) * _width(index_dtype))
+    announced = rows[:, :8].view(torch.int64) - prefix  # (P, 1): indices each announces
+    idx = rows[:, 8:8 + tail * _width(index_dtype)].view(index_dtype).to(torch.int64)
+    val = rows[:, at:at + capacity * _width(dtype)].view(dtype)
+    # announced (before the count) and in range
+    good = (idx.clamp(0, numel - 1) == idx) & (_positions(tail, rows.device) < announced)
+    # every announced index good and every count in [prefix, capacity]: exactly count − prefix
+    # good indices in each message (a count above the capacity announces more indices than
+    # there are, one below the prefix fewer than none)
+    ok = (good.sum(1, keepdim=True) == announced).all()
+    idx = torch.where(good, idx, numel)
+    if msgs.dim() == 1:
+        return idx.view(-1), val.view(-1), ok
     return idx, val, ok
 
 
