@@ -260,11 +260,11 @@ def test_dgc_levels_equal_the_comparisons_round_by_round(seed, J):
     cols = [thr]
     for _ in range(J):
         cols.append(cols[-1] * 0.8)
-    table = torch.stack([*cols, torch.zeros(5, dtype=torch.float64)], dim=1).float()
+    table = torch.stack(cols, dim=1).float()
     sizes = [60, 20, 40, 10, 12]
     parts = []
     for i, n in enumerate(sizes):
-        row = table[i, :J + 1][torch.isfinite(table[i, :J + 1])]
+        row = table[i][torch.isfinite(table[i])]
         picks = row[torch.randint(0, max(1, row.numel()), (n // 3,), generator=g)] \
             if row.numel() else torch.zeros(n // 3)
         near = torch.cat([picks, torch.nextafter(picks, torch.tensor(math.inf)),
@@ -391,7 +391,7 @@ def _overflow_rank(rank, world_size, scheme, sparsifier, policy, accelerators=Tr
 
 
 @pytest.mark.parametrize("scheme,sparsifier", [("multi_tensor", "topk"), ("oktopk", "dgc"),
-                                               ("per_tensor", "topk")])
+                                               ("per_tensor", "topk"), ("per_tensor", "dgc")])
 @pytest.mark.parametrize("policy", ["raise", "skip_step"])
 @pytest.mark.parametrize("accelerators", [True, False])
 def test_an_overflowed_sum_never_reaches_grad(scheme, sparsifier, policy, accelerators):
@@ -411,3 +411,41 @@ def test_an_overflowed_sum_never_reaches_grad(scheme, sparsifier, policy, accele
             assert rank_out[2][0] == "raised" and "non-finite" in rank_out[2][1], rank_out
         else:
             assert rank_out[2] == ("ok", False, True), rank_out
+
+
+def test_dgc_levels_stay_in_their_row_whatever_a_row_holds():
+    """A row of thresholds that is not ordered (θ NaN of either sign, from an accumulator
+    that overflowed) or all +Inf gives its entries levels in [0, J + 1], never a place in
+    another row (the histogram's bins would spill, or index past its end on the last row)."""
+    from gradsync.sparsify.dgc import _levels
+
+    J, g = 4, torch.Generator().manual_seed(1)
+    neg_nan = torch.tensor([-0x00400000], dtype=torch.int32).view(torch.float32)[0]
+    thetas = [math.nan, float(neg_nan), math.inf, 1.0]
+    table = torch.stack([torch.tensor([t * 0.8 ** j for j in range(J + 1)]) for t in thetas])
+    table[1] = neg_nan  # every column a negative NaN
+    for order in ([0, 1, 2, 3], [3, 2, 1, 0]):
+        rows = table[order]
+        sizes = [7, 5, 6, 9]
+        a = torch.rand(sum(sizes), generator=g) * 3
+        a[::4] = math.inf
+        a[1::5] = math.nan
+        keys = descending_keys(a.abs(), segment_keys(sizes, torch.device("cpu")))
+        seg_of = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes))
+        level = _levels(keys, rows) - seg_of * (J + 2)
+        assert 0 <= int(level.min()) and int(level.max()) <= J + 1
+
+
+def test_segmented_dgc_selects_what_overflowed_instead_of_raising_on_one_rank():
+    """``checked=True`` (the caller checked the gradients): +Inf and NaN magnitudes in the
+    buffer are selected, each tensor still keeps at most k, and nothing raises (a raise on
+    the one rank whose sum overflowed would leave the others in the collective)."""
+    sps = [sparsify.get("dgc", density=0.05, seed=i) for i in range(3)]
+    g = torch.Generator().manual_seed(2)
+    sizes = [400, 1000, 600]
+    x = torch.randn(sum(sizes), generator=g)
+    x[[5, 900, 1500]] = torch.tensor([math.inf, -math.inf, math.nan])
+    sel = select_buffer(sps, x, sizes, checked=True)
+    assert {5, 900, 1500} <= set(sel.indices.tolist())
+    for sp, n in zip(sps, sizes):
+        assert 1 <= sp.last_count <= sp.last_k

@@ -40,7 +40,6 @@ from gradsync.sparsify.segments import (
     descending_keys,
     key_base,
     key_bases,
-    name_nonfinite,
     order_in_segments,
     segment_keys,
     to_device,
@@ -156,9 +155,9 @@ class DGC(Sparsifier):
             off, sd, base = torch.repeat_interleave(packed[:3 * T].view(T, 3), ln, dim=0,
                                                     output_size=M).unbind(1)
             sample = a[torch.addcmul(off, sd, torch.arange(M, device=dev))]
-            thr = sample[order_in_segments(sample, base)[pick]].double()
+            thr = sample[order_in_segments(sample, base)[pick]]
         if len(sampled) < S:  # tensors sent whole (k >= n): θ = 0, which every entry meets
-            whole = torch.zeros(S, dtype=torch.float64, device=dev)
+            whole = torch.zeros(S, dtype=torch.float32, device=dev)
             thr = whole if thr is None else whole.index_copy_(0, which, thr)
         # 3. select |x| >= θ_i, lowering θ_i by 0.8 where too few (up to max_adjust times).
         # Every round's threshold is known in advance, θ_i·0.8^j (the products the rounds
@@ -168,7 +167,8 @@ class DGC(Sparsifier):
         # 0.8·k, else the last), and one read brings the counts and rounds back.
         J = max_adjust
         powers = _powers(lower, J)
-        # (S, J + 2) float64, each row non-increasing: the rounds' thresholds, then +0.0
+        # (S, J + 1) float64 (θ_i is exact in it), each row non-increasing: every round's
+        # threshold, the same products as tensor by tensor (fp32 θ·0.8^j in float64)
         table = thr[:, None] * constant(powers, torch.float64, dev)
         keys = descending_keys(a, segment_keys(seg.sizes, dev))  # also step 4's ranking
         pos = _levels(keys, table.float())  # i·(J + 2) + ℓ: per tensor and level
@@ -184,16 +184,13 @@ class DGC(Sparsifier):
         levels = constant(tuple(range(J + 2)), torch.int64, dev)
         mask = (levels <= rounds[:, None]).view(-1)[pos]
         counts_dev = by_round.gather(1, rounds[:, None]).view(S)
-        # the one read: counts, rounds, θ (float64, as its bits) and whether |x| held a
-        # NaN/Inf (a sum that overflowed: select_buffer's caller may have checked the
-        # gradients only; |x| >= 0, so its largest entry is below +Inf exactly when all are
-        # finite, NaN propagating through the max)
-        values = torch.cat([counts_dev, rounds, thr.view(torch.int64),
-                            (a.amax() < math.inf).view(1)]).tolist()
-        counts, done = values[:S], values[S:2 * S]
-        theta, ok = values[2 * S:3 * S], values[3 * S]
-        if not ok:
-            name_nonfinite(sparsifiers, x, seg)
+        # the one read, all int64: counts, rounds, and θ (float64, as its bits). No check
+        # of its own for NaN/Inf: select_buffer checked x, or its caller the gradients (an
+        # accumulator that overflowed is not read here, on one rank only: its +Inf or NaN
+        # magnitudes key before every threshold, so they are selected and reach the
+        # collective's sum on every rank, where the caller's check sees them)
+        values = torch.cat([counts_dev, rounds, table[:, 0].view(torch.int64)]).tolist()
+        counts, done, theta = values[:S], values[S:2 * S], values[2 * S:]
         adjustments = {i: done[i] for i in sampled}
         # 4. more than k candidates: the k largest of them (= the tensor's top-k)
         cand = torch.nonzero_static(mask, size=sum(counts)).view(-1)
@@ -230,10 +227,9 @@ class DGC(Sparsifier):
 
 @functools.lru_cache(maxsize=16)
 def _powers(lower: float, J: int) -> tuple[float, ...]:
-    """The rounds' factors ``lower^j`` for ``j ≤ J`` (the powers tensor-by-tensor selection
-    takes), then 0.0: the sentinel column of every row of thresholds (+0.0, met by every
-    magnitude)."""
-    return (*(lower ** j for j in range(J + 1)), 0.0)
+    """The rounds' factors ``lower^j`` for ``j ≤ J``: the powers tensor-by-tensor selection
+    takes."""
+    return tuple(lower ** j for j in range(J + 1))
 
 
 def _as_float(bits: int) -> float:
@@ -244,12 +240,14 @@ def _as_float(bits: int) -> float:
 def _levels(keys: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
     """For each entry of a buffer (``keys``: the :func:`descending_keys` of its fp32
     magnitudes, whose bases give each entry's tensor), its level ℓ — the first column ``j`` of
-    its tensor's row of ``table`` (fp32, ``(S, J + 2)``: non-increasing thresholds θ·lower^j,
-    then +0.0) with ``magnitude >= table[j]``, ``J + 1`` when it meets none of the first
-    ``J + 1`` — returned as its place among all rows, ``i · (J + 2) + ℓ``. A row's
-    non-increasing thresholds meet a suffix of its columns, so ℓ is the number of the row's
-    thresholds above the entry: one binary search of every entry among every row's keys (each
-    row ascending as it stands; a threshold of 0 or below keys at or above the base, which
-    every magnitude meets, the +0.0 sentinel last), in a fixed number of operations."""
+    its tensor's row of ``table`` (fp32, ``(S, J + 1)``, non-increasing thresholds
+    θ·lower^j) with ``magnitude >= table[j]``, ``J + 1`` when it meets none — returned as its
+    place among all rows, ``i · (J + 2) + ℓ``. A row's non-increasing thresholds meet a suffix
+    of its columns, so ℓ is the number of the row's thresholds above the entry: one binary
+    search of every entry among every row's keys, each row ascending as it stands (a threshold
+    of 0 or below keys at or above the base, which every magnitude meets) and closed by its
+    base (+0.0, which every magnitude meets), in a fixed number of operations. The base
+    bounds every level, whatever a row holds (a NaN θ included): ℓ <= J + 1."""
     bases = key_bases(table.shape[0], table.device)[:, None]
-    return torch.searchsorted(descending_keys(table, bases).view(-1), keys)
+    return torch.searchsorted(torch.cat([descending_keys(table, bases), bases], 1).view(-1),
+                              keys)

@@ -165,8 +165,10 @@ def select_buffer(sparsifiers: Sequence[object], x: torch.Tensor, sizes: Sequenc
     caller then selects per tensor). A NaN/Inf in ``x`` raises ``ValueError`` naming the first
     tensor that holds one, before any random draw (as the per-tensor selections do).
     ``checked=True``: the caller has checked the gradients that ``x`` accumulates (the engine's
-    and the DDP hook's non-finite policy), so that read is not made again; a sum that still
-    overflowed raises after the draws, from the selection's own read where it has one (DGC).
+    and the DDP hook's non-finite policy), so that read is not made again, and nothing here
+    raises for an accumulator that overflowed (on one rank only, that would leave the others
+    waiting in the collective): its +Inf entries are the largest and are selected (DGC's
+    segmented selection selects NaN magnitudes too), so they reach the sums every rank checks.
     """
     kind = type(sparsifiers[0]) if sparsifiers else None
     if (kind is None or getattr(kind, "_select_segments", None) is None
