@@ -494,17 +494,19 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
     sums: list[torch.Tensor] = []
     stats = comm.stats
     try:
+        # a poisoned bucket's first value becomes NaN by one division by the flag: prepare
+        # zeroed the bucket's accumulator, so it is 0/0; a finite bucket's is x/1 = x exactly
         for job, _, _, prep in prepared:
             if prep.payload.dense is not None:  # an all-reduce part, interleaved with the
                 sums.append(prep.payload.dense)  # all-gather below
-                sums[-1][:1].masked_fill_(~prep.finite, math.nan)
+                sums[-1][:1].div_(prep.finite)
                 work = comm.all_reduce(sums[-1], async_op=True)
                 works += [work] if work is not None else []  # None: one rank
                 continue
             # poisoned: the selection of zeros (every rank's message has the capacity they
             # expect), one value NaN
             sel = prep.payload.message(job, prep.payload.selections)
-            sel.values[:1].masked_fill_(~prep.finite, math.nan)
+            sel.values[:1].div_(prep.finite)
             res = state.collective(sel, group=state.group, step=state.steps,
                                    deferred=state.wire_checks)
             sums.append(res.dense)
