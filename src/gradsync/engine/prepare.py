@@ -75,7 +75,7 @@ class Prepared:
 def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
             ef: ErrorFeedback, sparsifier: Sparsifiers, offload: Offload | None, step: int,
             clip: tuple[float, int] | None = None, reuse: bool = True,
-            deferred: bool | None = None) -> Prepared:
+            deferred: bool | torch.Tensor | None = None) -> Prepared:
     """Steps 1–3 above for one job, one buffer at a time: ``grad`` is the job's gradients,
     flat and concatenated in its order (``sizes`` entries each); error feedback keeps the job
     as one buffer keyed ``index`` (the job's position in the plan; the DDP hook's bucket)
@@ -85,7 +85,9 @@ def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
     dense job then sums in it, in place); otherwise it is copied first (the engine's gradient
     storage: the local gradients stay for the message that names a non-finite one).
     ``deferred``: step 1's check stays on the device on any device (``Prepared.finite``; the
-    DDP hook, which has no collective of its own to agree on a step); None: on accelerators."""
+    DDP hook, which has no collective of its own to agree on a step), or that check already
+    made (a bool on the device: the hook's, once for a bucket of several jobs); None: on
+    accelerators."""
     # a plain all-reduce carries the gradient (or its velocity) as it is: a NaN/Inf shows in the
     # sum on every rank (GradSync.synchronize checks the sums, and a pending velocity is then
     # discarded), so no pass over it here
@@ -97,7 +99,8 @@ def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
                          "worker was given")
     if deferred is None:
         deferred = segments.pays_on(grad.device)
-    finite = None if dense or not deferred else finite_flag(grad)
+    finite = (None if dense or deferred is False else
+              deferred if isinstance(deferred, torch.Tensor) else finite_flag(grad))
     nonfinite = [] if dense or finite is not None else _nonfinite(job.names, sizes, grad)
     if nonfinite:  # never enters a residual; the step is agreed later
         grad = grad.clone()
@@ -178,14 +181,15 @@ def _select_inline(parts: list, inline: list[tuple[int, sparsify.Sparsifier, int
     """Fill ``parts``' inline selections. The inline tensors come last (plan_jobs puts the
     tensors sent whole first; an offloaded one may sit between them): when they are one run,
     they are selected as one buffer, every tensor at its own k, in a number of operations
-    independent of their count (:func:`gradsync.sparsify.segments.select_buffer`); otherwise,
+    independent of their count, and one read (:func:`gradsync.sparsify.segments.select_buffer`;
+    a lone tensor too: DGC tensor by tensor reads once per adjustment round); otherwise,
     or on the CPU (:func:`~gradsync.sparsify.segments.pays_on`), or for a sparsifier without a
     segmented form, tensor by tensor. ``inline``: ``(part, sparsifier, lo, hi)`` of each, its
     entries ``acc[lo:hi]``; ``first``: the first one's ``lo``. Also returns how many of them
     selected no entry (each count is on the host: ``last_count``, a selection's size)."""
     at = len(parts) - len(inline)
-    if (len(inline) > 1 and [i for i, *_ in inline] == list(range(at, len(parts)))
-            and segments.pays_on(acc.device)):
+    if (inline and [i for i, *_ in inline] == list(range(at, len(parts)))
+            and segments.pays_on(acc.device)):  # one tensor too: DGC's own rounds read each
         one = sparsify.select_buffer([sp for _, sp, _, _ in inline], acc[first:],
                                      [hi - lo for _, _, lo, hi in inline], step,
                                      checked=True)  # prepare's own check read the gradients

@@ -478,6 +478,8 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
     travel = _Travel([position[n] for job in jobs for n in job.names], offsets, numels,
                      buf.device)
     grad = travel.gather(buf)
+    # the bucket's gradients checked once, whatever its number of jobs (no read: module doc)
+    here = finite_flag(grad)
     clip = None if state.cfg.clip_norm is None else (state.cfg.clip_norm, P)
     prepared: list[tuple[Job, Hashable, list[int], Prepared]] = []
     at = 0
@@ -487,7 +489,7 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
         n = sum(sizes)
         prepared.append((job, job_key, sizes, prepare(
             job, job_key, grad[at:at + n], sizes, state.ef, state.sparsifier, None, state.steps,
-            clip, reuse=False, deferred=True)))
+            clip, reuse=False, deferred=here)))
         at += n
     res = sel = None
     works: list[Any] = []
@@ -522,9 +524,6 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
     for work in works:  # Comm keeps the work, so gloo's thread never frees it (comm.py,
         work.wait()  # "Exit safety")
     out = sums[0] if len(sums) == 1 else torch.cat(sums)  # the sums, in travel order
-    here = prepared[0][3].finite
-    for *_, prep in prepared[1:]:
-        here = here & prep.finite
     kept = None if res is None else res.kept.to(torch.int64)
     # the all-gather part's missing tensors: on the host when it kept this rank's selection
     known = None if res is None else prepared[-1][3].payload.known_missing(sel, res.kept)
