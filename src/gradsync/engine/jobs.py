@@ -297,7 +297,11 @@ def bounds(names: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, int, i
 def concat(parts: list[SparseGrad]) -> SparseGrad:
     """Concatenate per-tensor selections into one selection over the fused buffer. The leading
     parts sent whole (and the next part's own dense prefix) form its dense prefix; its
-    capacity is the parts' sum, when every part has one (``SparseGrad.capacity``)."""
+    capacity is the parts' sum, when every part has one (``SparseGrad.capacity``). One
+    selected part (a buffer selected at once) is its own concatenation: no copy (a part sent
+    whole views the accumulator, and is copied as before)."""
+    if len(parts) == 1 and not parts[0].dense_prefix:
+        return parts[0]
     idx, vals, offset, prefix, leading = [], [], 0, 0, True
     capacity: int | None = 0
     for s in parts:
