@@ -433,7 +433,7 @@ def test_dgc_levels_stay_in_their_row_whatever_a_row_holds():
         keys = descending_keys(a.abs(), segment_keys(sizes, torch.device("cpu")))
         seg_of = torch.repeat_interleave(torch.arange(4), torch.tensor(sizes))
         level = _levels(keys, rows) - seg_of * (J + 2)
-        assert 0 <= int(level.min()) and int(level.max()) <= J + 1
+        assert int(level.min()) >= 0 and int(level.max()) <= J + 1
 
 
 def test_segmented_dgc_selects_what_overflowed_instead_of_raising_on_one_rank():
@@ -447,5 +447,5 @@ def test_segmented_dgc_selects_what_overflowed_instead_of_raising_on_one_rank():
     x[[5, 900, 1500]] = torch.tensor([math.inf, -math.inf, math.nan])
     sel = select_buffer(sps, x, sizes, checked=True)
     assert {5, 900, 1500} <= set(sel.indices.tolist())
-    for sp, n in zip(sps, sizes):
+    for sp in sps:
         assert 1 <= sp.last_count <= sp.last_k

@@ -191,6 +191,25 @@ def test_run_distributed_progress_watchdog():
     assert progress_limit() is None
 
 
+def test_progress_watch_gives_a_rank_not_up_yet_its_start_up_grace():
+    """Start-up (interpreter, imports, the process group) is not the loop's progress: a rank
+    that has not reported yet is stalled only after ``STARTUP_GRACE_S`` (a loaded machine
+    took over 1.5 s to start two ranks), one that is up after the progress limit; a stall
+    names the ranks at the lowest step, 0 for not up or no step completed."""
+    from gradsync.testing import distributed as d
+
+    now = time.monotonic()
+    limit = 1.5
+    assert d._stalled(([now - 10.0] * 2, [d._NOT_UP] * 2, limit), [0, 1]) is None
+    late = d._stalled(([now - d.STARTUP_GRACE_S - 1] * 2, [d._NOT_UP] * 2, limit), [0, 1])
+    assert late is not None and late.ranks == [0, 1] and late.steps == {0: 0, 1: 0}
+    up = d._stalled(([now - 2.0, now - 10.0], [-1, d._NOT_UP], limit), [0, 1])
+    assert up is None  # rank 1 is still within its start-up grace
+    both = d._stalled(([now - 2.0, now - 3.0], [-1, 4], limit), [0, 1])
+    assert both is not None and both.ranks == [0] and both.steps == {0: 0, 1: 5}
+    assert d._stalled(([now - 1.0, now - 3.0], [-1, 4], limit), [0, 1]) is None
+
+
 def test_table_and_summary_of_unfinished_runs():
     """A failed run has no records: summarized with NaN, a row of dashes and its status; the
     status column appears only when some run did not finish."""

@@ -199,7 +199,9 @@ def _worker(
             backend, init_method=init_method, rank=rank, world_size=world_size,
             timeout=timedelta(seconds=timeout),
         )
-        heartbeat()  # up: start-up is progress too
+        if beats is not None:
+            beats[1][rank] = -1  # up: from here the progress limit applies
+        heartbeat()
         out = fn(rank, world_size, *args, **kwargs)
         buf = io.BytesIO()
         torch.save(out, buf)
@@ -263,7 +265,7 @@ def run_distributed(
     beats = None
     if progress_timeout is not None:  # per rank: when it last reported, the step it completed
         times = ctx.Array("d", [time.monotonic()] * world_size, lock=False)
-        steps = ctx.Array("q", [-1] * world_size, lock=False)
+        steps = ctx.Array("q", [_NOT_UP] * world_size, lock=False)
         beats = (times, steps, float(progress_timeout))
     with tempfile.TemporaryDirectory(prefix="gradsync-rdzv-") as tmp:
         init_method = f"file://{os.path.join(tmp, 'store')}"
@@ -332,14 +334,25 @@ def _collect(procs: list, results: Any, world_size: int, timeout: float | None,
     return finish(done, died, raised, world_size, timeout)
 
 
+#: How long a rank may take to come up (start its interpreter, import, join the process group)
+#: before its first report: start-up is not the progress a loop's ``progress_timeout`` bounds,
+#: and on a loaded machine it alone takes seconds; a rank that never comes up is still
+#: reported, after this long.
+STARTUP_GRACE_S = 60.0
+
+_NOT_UP = -2  # a rank's step before its first report (-1: up, no step completed yet)
+
+
 def _stalled(beats: tuple[Any, Any, float], active: list[int]) -> DistributedStall | None:
-    """The stall of ``active`` ranks when none of them reported for the progress limit."""
+    """The stall of ``active`` ranks when none of them reported for the progress limit (for a
+    rank not up yet, :data:`STARTUP_GRACE_S` if longer)."""
     times, steps, limit = beats
     now = time.monotonic()
     idle = {r: now - times[r] for r in active}
-    if not active or min(idle.values()) <= limit:
+    if not active or any(idle[r] <= (max(limit, STARTUP_GRACE_S) if steps[r] == _NOT_UP
+                                     else limit) for r in active):
         return None
-    return DistributedStall({r: steps[r] + 1 for r in active}, idle, limit)
+    return DistributedStall({r: max(steps[r], -1) + 1 for r in active}, idle, limit)
 
 
 def finish(done: dict[int, Any], died: list[DistributedError], raised: list[DistributedError],
