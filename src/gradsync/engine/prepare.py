@@ -75,7 +75,7 @@ class Prepared:
 def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
             ef: ErrorFeedback, sparsifier: Sparsifiers, offload: Offload | None, step: int,
             clip: tuple[float, int] | None = None, reuse: bool = True,
-            deferred: bool | torch.Tensor | None = None) -> Prepared:
+            deferred: bool | None = None, finite: torch.Tensor | None = None) -> Prepared:
     """Steps 1–3 above for one job, one buffer at a time: ``grad`` is the job's gradients,
     flat and concatenated in its order (``sizes`` entries each); error feedback keeps the job
     as one buffer keyed ``index`` (the job's position in the plan; the DDP hook's bucket)
@@ -85,9 +85,9 @@ def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
     dense job then sums in it, in place); otherwise it is copied first (the engine's gradient
     storage: the local gradients stay for the message that names a non-finite one).
     ``deferred``: step 1's check stays on the device on any device (``Prepared.finite``; the
-    DDP hook, which has no collective of its own to agree on a step), or that check already
-    made (a bool on the device: the hook's, once for a bucket of several jobs); None: on
-    accelerators."""
+    DDP hook, which has no collective of its own to agree on a step); None: on accelerators.
+    ``finite``: that deferred check already made by the caller (a bool on the device: the
+    hook's, once for a bucket of several jobs)."""
     # a plain all-reduce carries the gradient (or its velocity) as it is: a NaN/Inf shows in the
     # sum on every rank (GradSync.synchronize checks the sums, and a pending velocity is then
     # discarded), so no pass over it here
@@ -99,8 +99,10 @@ def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
                          "worker was given")
     if deferred is None:
         deferred = segments.pays_on(grad.device)
-    finite = (None if dense or deferred is False else
-              deferred if isinstance(deferred, torch.Tensor) else finite_flag(grad))
+    if dense or not deferred:
+        finite = None
+    elif finite is None:
+        finite = finite_flag(grad)
     nonfinite = [] if dense or finite is not None else _nonfinite(job.names, sizes, grad)
     if nonfinite:  # never enters a residual; the step is agreed later
         grad = grad.clone()

@@ -489,7 +489,7 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
         n = sum(sizes)
         prepared.append((job, job_key, sizes, prepare(
             job, job_key, grad[at:at + n], sizes, state.ef, state.sparsifier, None, state.steps,
-            clip, reuse=False, deferred=here)))
+            clip, reuse=False, deferred=True, finite=here)))
         at += n
     res = sel = None
     works: list[Any] = []

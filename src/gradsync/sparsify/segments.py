@@ -149,8 +149,6 @@ def top_in_segments(values: torch.Tensor, lengths: Sequence[int], keep: Sequence
                     ) -> torch.Tensor:
     """Positions (ascending) of the ``keep[i]`` largest ``values`` (fp32 magnitudes) of each
     segment ``i``."""
-    if all(k >= n for k, n in zip(keep, lengths)):
-        return torch.arange(values.numel(), device=values.device)
     return top_by_keys(descending_keys(values, segment_keys(lengths, values.device)), lengths,
                        keep)
 
