@@ -466,3 +466,29 @@ def test_a_buffer_never_holds_the_callers_gradient(momentum):
         assert torch.equal(acc, want)
         ef.update_buffer("b", acc, torch.tensor([0]))
         grad.copy_(torch.tensor([1.0, -2.0, 3.0]))
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])
+def test_update_buffer_takes_a_new_acc_over_as_the_residual_never_the_velocity(momentum):
+    """The ``acc`` accumulate_buffer made becomes the residual in place (no copy of the
+    buffer); an ``acc`` that is the velocity itself (momentum, nothing held yet) is copied, so
+    the residual and the velocity never share storage, and the values are those of the copy."""
+    ef = ErrorFeedback(momentum=momentum)
+    grads = [torch.tensor([1.0, -2.0, 3.0, 0.5]), torch.tensor([0.25, 4.0, -1.0, 2.0])]
+    r_ref = torch.zeros(4)
+    u_ref = torch.zeros(4)
+    for step, g in enumerate(grads):
+        acc = ef.accumulate_buffer("b", ("w",), (4,), g)
+        u_ref = momentum * u_ref + g
+        want = r_ref + (u_ref if momentum else g)
+        assert torch.equal(acc, want)
+        is_velocity = momentum and step == 0  # nothing held yet: acc is the new velocity
+        res = ef.update_buffer("b", acc, torch.tensor([1]))
+        want[1] = 0.0
+        assert torch.equal(res, want)
+        assert (res.data_ptr() == acc.data_ptr()) is (not is_velocity)
+        if momentum:
+            u_ref[1] = 0.0  # masking: the velocity at the sent entry
+            v = ef.velocity("w").reshape(-1)
+            assert torch.equal(v, u_ref) and v.data_ptr() != res.data_ptr()
+        r_ref = want.clone()

@@ -91,6 +91,8 @@ class _Buffer:
     zero: bool = True  # the residual holds zeros only (or nothing)
     pending: bool = False
     pending_velocity: torch.Tensor | None = None
+    pending_acc: torch.Tensor | None = None  # the acc accumulate_buffer made, when new (not
+    # the velocity): update_buffer takes it over as the residual
 
     def slices(self) -> list[tuple[str, int, int]]:
         out, o = [], 0
@@ -374,6 +376,7 @@ class ErrorFeedback:
             g, owned = u, True
         acc = (g if owned else g.clone()) if b.residual is None or b.zero else b.residual + g
         b.pending = True
+        b.pending_acc = None if acc is b.pending_velocity else acc
         return acc
 
     def update_buffer(self, key: Hashable, acc: torch.Tensor, consumed: torch.Tensor | None,
@@ -381,7 +384,10 @@ class ErrorFeedback:
         """:meth:`update` of a buffer: ``consumed`` are positions in the flat ``acc`` (in range,
         distinct: the caller checked them), ``None`` when every entry was sent; ``sent_values``
         as in :meth:`update`. Returns the buffer's new residual (flat). Masking leaves the
-        velocity of a tensor whose every entry was consumed, as :meth:`update` does."""
+        velocity of a tensor whose every entry was consumed, as :meth:`update` does. The
+        ``acc`` that :meth:`accumulate_buffer` returned, when it made a new one (not the
+        velocity), becomes the residual in place (no copy of the buffer): the caller is done
+        with it."""
         b = self._buffers.get(key)
         if b is None or not b.pending:
             raise ValueError(f"update_buffer({key!r}) without a preceding accumulate_buffer()")
@@ -399,7 +405,7 @@ class ErrorFeedback:
             b.zero = sent_values is None
         else:
             idx = consumed.reshape(-1).to(torch.int64)
-            residual = flat.clone()
+            residual = flat if acc is b.pending_acc else flat.clone()
             if sent_values is None:
                 residual.index_fill_(0, idx, 0)  # no host-to-device copy (update())
             else:
@@ -416,7 +422,7 @@ class ErrorFeedback:
                 b.spare = b.velocity
             b.velocity = u
         b.residual = residual
-        b.pending, b.pending_velocity = False, None
+        b.pending, b.pending_velocity, b.pending_acc = False, None, None
         return residual
 
     def discard_buffer(self, key: Hashable) -> None:
@@ -427,7 +433,7 @@ class ErrorFeedback:
         u = b.pending_velocity
         if u is not None and u is not b.velocity:
             b.spare = u
-        b.pending, b.pending_velocity = False, None
+        b.pending, b.pending_velocity, b.pending_acc = False, None, None
 
     @staticmethod
     def _mask(b: _Buffer, u: torch.Tensor, idx: torch.Tensor) -> None:
