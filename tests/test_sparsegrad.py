@@ -412,3 +412,22 @@ def test_indices_flag_is_check_indices_on_the_device(values, lo, width):
     assert bool(ok) is ref_ok
     assert inside.tolist() == ref_inside
     assert safe.tolist() == [v if i else lo for v, i in zip(values, ref_inside)]
+
+
+def test_largest_is_the_largest_magnitude_or_nan_and_iota_a_shared_arange():
+    """``largest``: the ∞-norm (NaN when a NaN is present, 0 for an empty or integer tensor),
+    one reduction whose results compare with +Inf at once; ``iota``: ``arange(n)`` as views of
+    one vector that grows when a longer one is asked for."""
+    from gradsync.sparsegrad import iota, largest
+
+    xs = [torch.tensor([1.0, -3.0, 2.0]), torch.tensor([1.0, math.nan]),
+          torch.tensor([-math.inf, 0.0], dtype=torch.bfloat16), torch.zeros(0),
+          torch.tensor([5, -9])]
+    tops = [largest(x) for x in xs]
+    assert tops[0].item() == 3.0 and math.isnan(tops[1].item())
+    assert tops[2].item() == math.inf and tops[3].item() == 0.0 and tops[4].item() == 0.0
+    assert (torch.stack(tops) < math.inf).tolist() == [True, False, False, True, True]
+    for n in (0, 5, 3, 17, 1000, 2):
+        got = iota(n, torch.device("cpu"))
+        assert torch.equal(got, torch.arange(n)) and got.dtype == torch.int64
+    assert iota(3, torch.device("cpu")).data_ptr() == iota(900, torch.device("cpu")).data_ptr()

@@ -41,7 +41,9 @@ __all__ = [
     "finite_flag",
     "flatnonzero",
     "indices_flag",
+    "iota",
     "isin_sorted",
+    "largest",
     "mark_at",
     "put_at",
     "sparse_sum",
@@ -81,12 +83,21 @@ def all_finite(x: torch.Tensor) -> bool:
 
 def finite_flag(x: torch.Tensor) -> torch.Tensor:
     """Whether ``x`` holds no NaN/Inf, as a bool on its device: no read (the caller reads it
-    with others). The largest magnitude (the ∞-norm: one reduction, NaN propagating through
-    it, as torch's max reductions do on every device) is below +Inf exactly when every entry
-    is finite: two operations (``aminmax`` and three scalar ones were four)."""
+    with others). :func:`largest` is below +Inf exactly when every entry is finite: two
+    operations (``aminmax`` and three scalar ones were four)."""
     if not x.numel() or not x.is_floating_point():
         return torch.ones((), dtype=torch.bool, device=x.device)
-    return torch.linalg.vector_norm(x, math.inf) < math.inf
+    return largest(x) < math.inf
+
+
+def largest(x: torch.Tensor) -> torch.Tensor:
+    """The largest magnitude of ``x`` (its ∞-norm, in its dtype, on its device; 0 for an
+    empty or integer tensor), NaN when it holds one: torch's max reductions propagate NaN on
+    every device. One reduction: a caller that keeps several compares them with +Inf in one
+    operation (``torch.stack(tops) < inf``), where :func:`finite_flag` compares each."""
+    if not x.numel() or not x.is_floating_point():
+        return torch.zeros((), dtype=torch.float32, device=x.device)
+    return torch.linalg.vector_norm(x, math.inf)
 
 
 def all_finite_each(xs: Sequence[torch.Tensor]) -> list[bool]:
@@ -510,8 +521,22 @@ def bincount(idx: torch.Tensor, nbins: int) -> torch.Tensor:
     a wait: on CUDA ``bincount`` reads the input's minimum and maximum back to size its output.
     A scatter-add of ones instead (integer atomics: exact in any order; deterministic mode
     takes torch's deterministic path for a 1-D scatter-add)."""
-    one = torch.ones((), dtype=torch.int64, device=idx.device).expand(idx.numel())
+    one = constant((1,), torch.int64, idx.device).expand(idx.numel())  # never written
     return torch.zeros(nbins, dtype=torch.int64, device=idx.device).scatter_add_(0, idx, one)
+
+
+_IOTA: dict[torch.device, torch.Tensor] = {}
+
+
+def iota(n: int, device: torch.device) -> torch.Tensor:
+    """``torch.arange(n)`` (int64) on ``device`` as a view of one vector kept per device (made
+    again, twice as long, when a longer one is asked for): no operation per call where a
+    step's sizes vary (a sample's length, a step's counts). Never written to."""
+    have = _IOTA.get(device)
+    if have is None or have.numel() < n:
+        have = torch.arange(max(n, 2 * (0 if have is None else have.numel())), device=device)
+        _IOTA[device] = have
+    return have[:n]
 
 
 @functools.lru_cache(maxsize=256)

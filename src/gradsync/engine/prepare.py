@@ -49,7 +49,7 @@ import torch
 from gradsync import sparsify
 from gradsync.engine.jobs import Job, Mode, Payload, Transport, bounds
 from gradsync.feedback import ErrorFeedback, clip_local
-from gradsync.sparsegrad import SparseGrad, all_finite, all_finite_each, finite_flag
+from gradsync.sparsegrad import SparseGrad, all_finite, all_finite_each, constant, finite_flag
 from gradsync.sparsify import segments
 
 __all__ = ["Prepared", "prepare"]
@@ -117,8 +117,8 @@ def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
     if clip is not None:  # the gradients that enter error feedback, clipped (one call)
         grad = torch.cat(clip_local(list(grad.split(list(sizes))), *clip))
     acc = ef.accumulate_buffer(index, job.names, sizes, grad)
-    if finite is not None:  # acc is new (or the pending velocity, discarded on such a step)
-        acc.masked_fill_(~finite, 0.0)
+    if finite is not None:  # acc is new (or the pending velocity, discarded on such a step):
+        torch.where(finite, acc, constant((0,), acc.dtype, acc.device)[0], out=acc)  # one op
     t0 = time.perf_counter()
     if dense or job.transport is Transport.ALLREDUCE:  # a copy: the all-reduce sums in
         # place, and acc may be the pending velocity. SSFusion-I's Buffer_AR and a warm-up

@@ -29,12 +29,13 @@ hostile buffer; nothing larger than the buffer implies is allocated.
 
 from __future__ import annotations
 
-import functools
 import struct
 import sys
 
 import numpy as np
 import torch
+
+from gradsync.sparsegrad import iota
 
 __all__ = [
     "BITS_DTYPES",
@@ -336,7 +337,7 @@ def unpack_entries_capped(msgs: torch.Tensor, capacity: int, index_dtype: torch.
     idx = rows[:, 8:8 + tail * _width(index_dtype)].view(index_dtype).to(torch.int64)
     val = rows[:, at:at + capacity * _width(dtype)].view(dtype)
     # announced (before the count) and in range
-    good = (idx.clamp(0, numel - 1) == idx) & (_positions(tail, rows.device) < announced)
+    good = (idx.clamp(0, numel - 1) == idx) & (iota(tail, rows.device) < announced)
     # every announced index good and every count in [prefix, capacity]: exactly count − prefix
     # good indices in each message (a count above the capacity announces more indices than
     # there are, one below the prefix fewer than none)
@@ -345,13 +346,6 @@ def unpack_entries_capped(msgs: torch.Tensor, capacity: int, index_dtype: torch.
     if msgs.dim() == 1:
         return idx.view(-1), val.view(-1), ok
     return idx, val, ok
-
-
-@functools.lru_cache(maxsize=64)
-def _positions(n: int, device: torch.device) -> torch.Tensor:
-    """``arange(n)`` on ``device``, made once per size and device (a capacity is fixed by a
-    buffer's layout); never written to."""
-    return torch.arange(n, device=device)
 
 
 def unpack_entries(buf: torch.Tensor, count: int, index_dtype: torch.dtype,

@@ -29,11 +29,12 @@ from gradsync.sparsegrad import (
     bincount,
     check_finite,
     constant,
+    iota,
     target_k,
     to_device,
 )
 
-__all__ = ["Segments", "bincount", "constant", "descending_keys", "key_base",
+__all__ = ["Segments", "bincount", "constant", "descending_keys", "iota", "key_base",
            "key_bases", "name_nonfinite", "order_in_segments", "pays_on", "ranges", "segment_keys",
            "select_buffer", "to_device", "top_by_keys", "top_in_segments"]
 
@@ -83,7 +84,7 @@ def ranges(starts: Sequence[int], lengths: Sequence[int], device: torch.device
         shift.append(s - seen)  # position j of this range is j + (s − entries before it)
         seen += n
     packed = to_device([*shift, *lengths], torch.int64, device)
-    return torch.arange(total, device=device) + torch.repeat_interleave(
+    return iota(total, device) + torch.repeat_interleave(
         packed[:len(shift)], packed[len(shift):], output_size=total)
 
 
