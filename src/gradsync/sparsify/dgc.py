@@ -38,6 +38,7 @@ from gradsync.sparsify.segments import (
     bincount,
     constant,
     descending_keys,
+    iota,
     key_base,
     key_bases,
     order_in_segments,
@@ -154,7 +155,7 @@ class DGC(Sparsifier):
             ln, which, pick = packed[3 * T:].split(T)
             off, sd, base = torch.repeat_interleave(packed[:3 * T].view(T, 3), ln, dim=0,
                                                     output_size=M).unbind(1)
-            sample = a[torch.addcmul(off, sd, torch.arange(M, device=dev))]
+            sample = a[torch.addcmul(off, sd, iota(M, dev))]
             thr = sample[order_in_segments(sample, base)[pick]]
         if len(sampled) < S:  # tensors sent whole (k >= n): θ = 0, which every entry meets
             whole = torch.zeros(S, dtype=torch.float32, device=dev)
@@ -167,11 +168,13 @@ class DGC(Sparsifier):
         # 0.8·k, else the last), and one read brings the counts and rounds back.
         J = max_adjust
         powers = _powers(lower, J)
-        # (S, J + 1) float64 (θ_i is exact in it), each row non-increasing: every round's
-        # threshold, the same products as tensor by tensor (fp32 θ·0.8^j in float64)
-        table = thr[:, None] * constant(powers, torch.float64, dev)
+        # (S, J + 1), each row non-increasing: every round's threshold, the same products as
+        # tensor by tensor (fp32 θ·0.8^j in float64), rounded to fp32 as its comparisons round
+        # them: one operation, the product in float64 and the rounding on the way out
+        table = torch.mul(thr[:, None], constant(powers, torch.float64, dev),
+                          out=torch.empty(S, J + 1, dtype=torch.float32, device=dev))
         keys = descending_keys(a, segment_keys(seg.sizes, dev))  # also step 4's ranking
-        pos = _levels(keys, table.float())  # i·(J + 2) + ℓ: per tensor and level
+        pos = _levels(keys, table)  # i·(J + 2) + ℓ: per tensor and level
         by_round = bincount(pos, S * (J + 2)).view(S, J + 2).cumsum(1)  # count in round j
         # the counts grow with the rounds, so the first round with enough is the number of
         # rounds before J without (J when none has enough); a tensor sent whole (θ = 0) has
@@ -184,12 +187,12 @@ class DGC(Sparsifier):
         levels = constant(tuple(range(J + 2)), torch.int64, dev)
         mask = (levels <= rounds[:, None]).view(-1)[pos]
         counts_dev = by_round.gather(1, rounds[:, None]).view(S)
-        # the one read, all int64: counts, rounds, and θ (float64, as its bits). No check
+        # the one read, all int64: counts, rounds, and θ (fp32, as its bits). No check
         # of its own for NaN/Inf: select_buffer checked x, or its caller the gradients (an
         # accumulator that overflowed is not read here, on one rank only: its +Inf or NaN
         # magnitudes key before every threshold, so they are selected and reach the
         # collective's sum on every rank, where the caller's check sees them)
-        values = torch.cat([counts_dev, rounds, table[:, 0].view(torch.int64)]).tolist()
+        values = torch.cat([counts_dev, rounds, thr.view(torch.int32)]).tolist()
         counts, done, theta = values[:S], values[S:2 * S], values[2 * S:]
         adjustments = {i: done[i] for i in sampled}
         # 4. more than k candidates: the k largest of them (= the tensor's top-k)
@@ -233,8 +236,8 @@ def _powers(lower: float, J: int) -> tuple[float, ...]:
 
 
 def _as_float(bits: int) -> float:
-    """The float64 whose bits are the int64 ``bits``."""
-    return struct.unpack("<d", struct.pack("<q", bits))[0]
+    """The fp32 whose bits are the int32 ``bits``, as a Python float (exact)."""
+    return struct.unpack("<f", struct.pack("<i", bits))[0]
 
 
 def _levels(keys: torch.Tensor, table: torch.Tensor) -> torch.Tensor:
