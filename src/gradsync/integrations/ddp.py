@@ -71,7 +71,7 @@ from gradsync.schedule import BufferPlan, Plan, TensorPlan, schemes
 from gradsync.schedule.auto import MARGIN, bucket_sparse
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 from gradsync.schedule.ssfusion import allgather_charge, allreduce_charge, compensate
-from gradsync.sparsegrad import all_finite, finite_flag, target_k
+from gradsync.sparsegrad import all_finite, finite_flag, largest, target_k
 from gradsync.sparsify import segments
 
 __all__ = ["DDP_SCHEMES", "TRIAL_ORDER", "TRIAL_STEPS", "HookState", "hook", "register"]
@@ -495,20 +495,21 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
     works: list[Any] = []
     sums: list[torch.Tensor] = []
     stats = comm.stats
+    poison = here  # a poisoned bucket's first value becomes NaN by one division by the flag
+    # (prepare zeroed the bucket's accumulators, so it is 0/0; a finite bucket's is x/1 = x
+    # exactly): in one part only, the sums' flag covers them all
     try:
-        # a poisoned bucket's first value becomes NaN by one division by the flag: prepare
-        # zeroed the bucket's accumulator, so it is 0/0; a finite bucket's is x/1 = x exactly
         for job, _, _, prep in prepared:
             if prep.payload.dense is not None:  # an all-reduce part, interleaved with the
                 sums.append(prep.payload.dense)  # all-gather below
-                sums[-1][:1].div_(prep.finite)
+                poison = _poison(sums[-1], poison)
                 work = comm.all_reduce(sums[-1], async_op=True)
                 works += [work] if work is not None else []  # None: one rank
                 continue
             # poisoned: the selection of zeros (every rank's message has the capacity they
             # expect), one value NaN
             sel = prep.payload.message(job, prep.payload.selections)
-            sel.values[:1].div_(prep.finite)
+            poison = _poison(sel.values, poison)
             res = state.collective(sel, group=state.group, step=state.steps,
                                    deferred=state.wire_checks)
             sums.append(res.dense)
@@ -530,12 +531,22 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
     state.pending.append(_Pending(
         key, names, [(k, prep.acc, None if prep.payload.dense is not None else kept)
                      for _, k, _, prep in prepared],
-        buf.dtype, finite_flag(out), here,  # the sums' flag: alike on every rank
+        buf.dtype, largest(out), here,  # the sums' largest magnitude: alike on every rank
         None if kept is None or known is not None else job_check(prepared[-1][2], kept),
         known or 0))
     state.tensors += len(names)
     travel.average_into(buf, out, P)  # a non-finite average too: .grad shows it (module doc)
     return _done(state, stats, buf, bucket.is_last())
+
+
+def _poison(values: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor | None:
+    """``values[0] /= flag`` (NaN where the bucket's gradients were not finite: see
+    _send_bucket) unless a part already carries it (``flag`` None) or ``values`` is empty;
+    returns the flag still to carry."""
+    if flag is None or not values.numel():
+        return flag
+    values[:1].div_(flag)
+    return None
 
 
 @dataclass
@@ -548,7 +559,8 @@ class _Pending:
     jobs: list[tuple[Hashable, torch.Tensor, torch.Tensor | None]]  # per job: its error
     # feedback key, acc, and the positions in acc that travelled (None: every entry)
     wire: torch.dtype  # the dtype its values travelled in
-    ok: torch.Tensor  # the sums are finite (a bool on the device)
+    top: torch.Tensor  # the sums' largest magnitude (on the device): finite when below +Inf,
+    # compared for every bucket at once in _settle
     here: torch.Tensor  # this rank's gradients were finite
     check: torch.Tensor | None  # engine.apply.job_check of the all-gather part (None: none,
     # or its missing tensors known on the host)
@@ -564,9 +576,10 @@ def _settle(state: HookState, rank: int) -> ValueError | None:
     if not pending and not wire:
         return None
     checked = [p for p in pending if p.check is not None]
+    oks = (torch.stack([p.top for p in pending]) < math.inf).unbind() if pending else ()
     missing, flags = settle_missing([p.check for p in checked], "a bucket's parts",
                                     "gradsync.ddp: ", wire,
-                                    [f for p in pending for f in (p.ok, p.here)])
+                                    [f for p, ok in zip(pending, oks) for f in (ok, p.here)])
     counts = {id(p): m for p, m in zip(checked, missing)}  # else p.missing: known
     error = None
     for p, ok, here in zip(pending, flags[0::2], flags[1::2]):
