@@ -333,7 +333,9 @@ def unpack_entries_capped(msgs: torch.Tensor, capacity: int, index_dtype: torch.
         raise ValueError(f"{what}: message of {rows.shape[-1]} bytes, a capacity of {capacity} "
                          f"entries ({prefix} without index) needs {size}")
     tail, at = capacity - prefix, 8 + _pad8((capacity - prefix) * _width(index_dtype))
-    announced = rows[:, :8].view(torch.int64) - prefix  # (P, 1): indices each announces
+    announced = rows[:, :8].view(torch.int64)  # (P, 1): indices each announces
+    if prefix:
+        announced = announced - prefix
     idx = rows[:, 8:8 + tail * _width(index_dtype)].view(index_dtype).to(torch.int64)
     val = rows[:, at:at + capacity * _width(dtype)].view(dtype)
     # announced (before the count) and in range
