@@ -382,13 +382,15 @@ def _per_name_step(ef, names, sizes, grads, consumed, wire):
 @given(sizes=st.lists(st.integers(1, 40), min_size=1, max_size=6), steps=st.integers(1, 5),
        frac=st.floats(0.0, 1.0), seed=st.integers(0, 10_000),
        momentum=st.sampled_from([0.0, 0.9]), masking=st.booleans(),
-       dtype=st.sampled_from(DTYPES), scaled=st.booleans())
+       dtype=st.sampled_from(DTYPES), scaled=st.booleans(), head=st.booleans())
 def test_a_buffer_is_bitwise_its_tensors_one_by_one(sizes, steps, frac, seed, momentum, masking,
-                                                    dtype, scaled):
+                                                    dtype, scaled, head):
     """accumulate_buffer/update_buffer give every tensor the accumulator, residual and velocity
     of the per-tensor calls, bit for bit: momentum with and without masking (a tensor consumed
     whole keeps its velocity), 16-bit gradients with fp32 residuals (the rounding stays),
-    preconditioning scales, and steps where nothing or everything is consumed."""
+    preconditioning scales, and steps where nothing or everything is consumed. ``head``: the
+    first tensor travels whole as a part of its own (``whole=``, the DDP hook's SSFusion-I
+    all-reduce part), summed in the accumulator itself when error feedback says it may."""
     names = [f"t{i}" for i in range(len(sizes))]
     mk = dict(momentum=momentum, masking=masking, residual_dtype="auto")
     ref, buf = ErrorFeedback(**mk), ErrorFeedback(**mk)
@@ -404,13 +406,20 @@ def test_a_buffer_is_bitwise_its_tensors_one_by_one(sizes, steps, frac, seed, mo
         if step == 1 and len(sizes) > 1:  # the first tensor consumed whole, the rest not at all
             pick[:] = False
             pick[:sizes[0]] = True
+        whole = sizes[0] if head and len(sizes) > 1 else 0
+        pick[:whole] = True
         consumed = None if bool(pick.all()) else pick.nonzero().view(-1)
         want = _per_name_step(ref, names, sizes, grads, consumed, dtype)
         acc = buf.accumulate_buffer("b", names, sizes, torch.cat(grads))
         assert torch.equal(acc, torch.cat([a for a, _ in want]))
         sent = (None if acc.dtype == dtype
                 else (acc if consumed is None else acc[consumed]).to(dtype))
-        res = buf.update_buffer("b", acc, consumed, sent)
+        if whole and consumed is not None:
+            if sent is None and buf.writable("b", acc):  # an all-reduce summed in place
+                acc[:whole] = 123.0
+            res = buf.update_buffer("b", acc, consumed[whole:] - whole, sent, whole=whole)
+        else:
+            res = buf.update_buffer("b", acc, consumed, sent)
         assert torch.equal(res, torch.cat([r.reshape(-1) for _, r in want]))
         for name in names:
             assert torch.equal(buf.residual(name), ref.residual(name).reshape(-1))
@@ -492,3 +501,16 @@ def test_update_buffer_takes_a_new_acc_over_as_the_residual_never_the_velocity(m
             v = ef.velocity("w").reshape(-1)
             assert torch.equal(v, u_ref) and v.data_ptr() != res.data_ptr()
         r_ref = want.clone()
+
+
+def test_update_buffer_with_entries_sent_whole_needs_them_to_be_whole_tensors():
+    """``whole`` (a part sent whole ahead of the selected positions) must end where a tensor
+    ends, and the values sent must cover it and the positions: clear errors, nothing kept."""
+    ef = ErrorFeedback()
+    acc = ef.accumulate_buffer("b", ("a", "c"), (2, 3), torch.ones(5))
+    with pytest.raises(ValueError, match="end inside a tensor"):
+        ef.update_buffer("b", acc, torch.tensor([0]), whole=1)
+    with pytest.raises(ValueError, match="2 entries sent whole and 1 consumed"):
+        ef.update_buffer("b", acc, torch.tensor([0]), torch.ones(2), whole=2)
+    res = ef.update_buffer("b", acc, torch.tensor([1]), whole=2)
+    assert res.tolist() == [0.0, 0.0, 1.0, 0.0, 1.0]

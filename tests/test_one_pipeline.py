@@ -114,7 +114,7 @@ def _run(rank: int, P: int, scheme: str, small_numel: int, warmup: bool) -> dict
 
 @pytest.mark.parametrize(("scheme", "small_numel", "warmup"), [
     ("per_tensor", 0, False), ("ssfusion_oi", 1000, False), ("ssfusion", 1000, True),
-    ("per_tensor", 0, True)])
+    ("per_tensor", 0, True), ("ssfusion_oi", 1000, True)])
 @pytest.mark.parametrize("P", [2, 3])
 def test_the_hook_trains_as_the_engine_bit_for_bit(P, scheme, small_numel, warmup):
     out = run_distributed(_run, P, scheme, small_numel, warmup, timeout=300)

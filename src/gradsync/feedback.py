@@ -379,19 +379,32 @@ class ErrorFeedback:
         b.pending_acc = None if acc is b.pending_velocity else acc
         return acc
 
+    def writable(self, key: Hashable, acc: torch.Tensor) -> bool:
+        """Whether ``acc`` is the accumulator :meth:`accumulate_buffer` made new for buffer
+        ``key``'s pending step (not the velocity): the caller may then write into the positions
+        it reports consumed, with no value sent back (:meth:`update_buffer` zeroes them), e.g.
+        an all-reduce that sums in place."""
+        b = self._buffers.get(key)
+        return b is not None and b.pending and acc is b.pending_acc
+
     def update_buffer(self, key: Hashable, acc: torch.Tensor, consumed: torch.Tensor | None,
-                      sent_values: torch.Tensor | None = None) -> torch.Tensor:
+                      sent_values: torch.Tensor | None = None, *, whole: int = 0
+                      ) -> torch.Tensor:
         """:meth:`update` of a buffer: ``consumed`` are positions in the flat ``acc`` (in range,
         distinct: the caller checked them), ``None`` when every entry was sent; ``sent_values``
         as in :meth:`update`. Returns the buffer's new residual (flat). Masking leaves the
         velocity of a tensor whose every entry was consumed, as :meth:`update` does. The
         ``acc`` that :meth:`accumulate_buffer` returned, when it made a new one (not the
         velocity), becomes the residual in place (no copy of the buffer): the caller is done
-        with it."""
+        with it. ``whole``: the buffer's first ``whole`` entries (whole tensors: SSFusion-I's
+        all-reduce part) were sent too, ``consumed`` then being positions in ``acc[whole:]``
+        and ``sent_values`` holding those entries' values first."""
         b = self._buffers.get(key)
         if b is None or not b.pending:
             raise ValueError(f"update_buffer({key!r}) without a preceding accumulate_buffer()")
         flat = acc.detach().reshape(-1)
+        if whole and consumed is not None:
+            return self._update_after(b, key, acc, flat, consumed, sent_values, whole)
         if consumed is None:
             if sent_values is not None:
                 if sent_values.numel() != flat.numel():
@@ -418,9 +431,47 @@ class ErrorFeedback:
             u = b.pending_velocity
             if consumed is not None and self.masking and idx.numel() < flat.numel():
                 self._mask(b, u, idx)  # DGC §3.2, compressed tensors only
-            if b.velocity is not None and b.velocity is not u:
-                b.spare = b.velocity
-            b.velocity = u
+            self._commit_velocity(b, u)
+        return self._commit(b, residual)
+
+    def _update_after(self, b: _Buffer, key: Hashable, acc: torch.Tensor, flat: torch.Tensor,
+                      consumed: torch.Tensor, sent_values: torch.Tensor | None, whole: int
+                      ) -> torch.Tensor:
+        """:meth:`update_buffer` when the first ``whole`` entries travelled whole and
+        ``consumed`` are positions after them."""
+        ends = [hi for _, _, hi in b.slices()]
+        if whole not in ends:
+            raise ValueError(f"update_buffer({key!r}): {whole} entries sent whole end inside a "
+                             f"tensor (tensors end at {ends[:4]}…)")
+        idx = consumed.reshape(-1).to(torch.int64)
+        residual = flat if acc is b.pending_acc else flat.clone()
+        head, tail = residual[:whole], residual[whole:]
+        if sent_values is None:
+            head.zero_()
+            tail.index_fill_(0, idx, 0)
+        else:
+            sent = sent_values.reshape(-1).to(flat.dtype)
+            if sent.numel() != whole + idx.numel():
+                raise ValueError(f"{whole} entries sent whole and {idx.numel()} consumed "
+                                 f"indices but {sent.numel()} sent values")
+            head.copy_(flat[:whole] - sent[:whole])
+            tail[idx] = flat[whole:][idx] - sent[whole:]
+        b.zero = sent_values is None and idx.numel() == flat.numel() - whole
+        if self.momentum:
+            u = b.pending_velocity
+            if self.masking and idx.numel() < flat.numel() - whole:
+                self._mask(b, u, idx, ends.index(whole) + 1)  # the tensors after the head
+            self._commit_velocity(b, u)
+        return self._commit(b, residual)
+
+    @staticmethod
+    def _commit_velocity(b: _Buffer, u: torch.Tensor) -> None:
+        if b.velocity is not None and b.velocity is not u:
+            b.spare = b.velocity
+        b.velocity = u
+
+    @staticmethod
+    def _commit(b: _Buffer, residual: torch.Tensor) -> torch.Tensor:
         b.residual = residual
         b.pending, b.pending_velocity, b.pending_acc = False, None, None
         return residual
@@ -436,13 +487,19 @@ class ErrorFeedback:
         b.pending, b.pending_velocity, b.pending_acc = False, None, None
 
     @staticmethod
-    def _mask(b: _Buffer, u: torch.Tensor, idx: torch.Tensor) -> None:
+    def _mask(b: _Buffer, u: torch.Tensor, idx: torch.Tensor, first: int = 0) -> None:
         """Masking of the velocity ``u`` at the consumed positions ``idx`` that lie in tensors
-        not consumed whole; no read (the positions are not selected, their values are)."""
-        ends = constant(tuple(hi for _, _, hi in b.slices()), torch.int64, idx.device)
-        sizes = constant(tuple(b.sizes), torch.int64, idx.device)
+        not consumed whole; no read (the positions are not selected, their values are).
+        ``first``: the positions count from tensor ``first``'s start (the tensors before it
+        travelled whole)."""
+        sizes_ = b.sizes[first:]
+        at = sum(b.sizes[:first])
+        ends = constant(tuple(hi - at for _, _, hi in b.slices()[first:]), torch.int64,
+                        idx.device)
+        sizes = constant(tuple(sizes_), torch.int64, idx.device)
         owner = torch.searchsorted(ends, idx, right=True)
-        whole = (bincount(owner, len(b.sizes)) == sizes)[owner]
+        whole = (bincount(owner, len(sizes_)) == sizes)[owner]
+        u = u[at:]
         u.index_put_((idx,), torch.where(whole, u[idx], 0))
 
     def _form(self, key: Hashable, names: tuple[str, ...], sizes: tuple[int, ...],

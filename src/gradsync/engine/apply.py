@@ -100,13 +100,21 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
 
 
 def commit(ef: ErrorFeedback, key: Hashable, acc: torch.Tensor, kept: torch.Tensor | None,
-           wire: torch.dtype) -> torch.Tensor:
+           wire: torch.dtype, whole: int = 0) -> torch.Tensor:
     """Error feedback's second half for one sparse job (the engine's, the DDP hook's): the
     positions ``kept`` of ``acc`` (None, or all of them: every entry) travelled in ``wire``;
-    the residual keeps the rest and the rounding. Returns the new residual."""
-    whole = kept is None or kept.numel() == acc.numel()  # distinct: every entry, no index work
-    sent = None if acc.dtype == wire else (acc if whole else acc[kept]).to(wire)
-    return ef.update_buffer(key, acc, None if whole else kept, sent)
+    the residual keeps the rest and the rounding. ``whole``: the first ``whole`` entries
+    travelled too (an all-reduce part of the same buffer, the DDP hook's SSFusion-I), ``kept``
+    counting from there. Returns the new residual."""
+    every = kept is None or kept.numel() == acc.numel() - whole  # distinct: no index work
+    if every:
+        sent = None if acc.dtype == wire else acc.to(wire)
+        return ef.update_buffer(key, acc, None, sent)
+    sent = None
+    if acc.dtype != wire:  # the values as they travelled: the rounding stays behind
+        tail = acc[whole:][kept]
+        sent = (torch.cat([acc[:whole], tail]) if whole else tail).to(wire)
+    return ef.update_buffer(key, acc, kept, sent, whole=whole)
 
 
 def job_check(sizes: Sequence[int], kept: torch.Tensor) -> torch.Tensor:

@@ -52,7 +52,7 @@ from gradsync.feedback import ErrorFeedback, clip_local
 from gradsync.sparsegrad import SparseGrad, all_finite, all_finite_each, constant, finite_flag
 from gradsync.sparsify import segments
 
-__all__ = ["Prepared", "prepare"]
+__all__ = ["Prepared", "accumulate", "prepare", "select"]
 
 Sparsifiers = Callable[[str, float], sparsify.Sparsifier]  # (key, density) -> its sparsifier
 Offload = Callable[[sparsify.Sparsifier, torch.Tensor, int], Future]  # Executor.offload
@@ -114,17 +114,40 @@ def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
     # (GradSync.precondition) applies to every path
     if dense and not any(ef.transforms(n) for n in job.names):
         return Prepared(None, nonfinite, Payload(dense=grad if reuse else grad.clone()), 0.0)
+    acc = accumulate(index, job.names, sizes, grad, ef, clip, finite)
+    payload, seconds = select(job, index, acc, sizes, sparsifier, offload, step, wire)
+    return Prepared(acc, nonfinite, payload, seconds, finite)
+
+
+def accumulate(key: Hashable, names: Sequence[str], sizes: Sequence[int], grad: torch.Tensor,
+               ef: ErrorFeedback, clip: tuple[float, int] | None = None,
+               finite: torch.Tensor | None = None) -> torch.Tensor:
+    """Step 2 for a buffer of tensors (one job's, or the DDP hook's bucket of several): the
+    gradients clipped (``clip``, see :func:`prepare`), ``acc`` = error feedback's accumulator
+    (:meth:`~gradsync.feedback.ErrorFeedback.accumulate_buffer`, keyed ``key``), zeroed in
+    one operation where ``finite`` (step 1's deferred check) is False."""
     if clip is not None:  # the gradients that enter error feedback, clipped (one call)
         grad = torch.cat(clip_local(list(grad.split(list(sizes))), *clip))
-    acc = ef.accumulate_buffer(index, job.names, sizes, grad)
-    if finite is not None:  # acc is new (or the pending velocity, discarded on such a step):
-        torch.where(finite, acc, constant((0,), acc.dtype, acc.device)[0], out=acc)  # one op
+    acc = ef.accumulate_buffer(key, names, sizes, grad)
+    if finite is not None:  # acc is new (or the pending velocity, discarded on such a step)
+        torch.where(finite, acc, constant((0,), acc.dtype, acc.device)[0], out=acc)
+    return acc
+
+
+def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],
+           sparsifier: Sparsifiers, offload: Offload | None, step: int, wire: torch.dtype,
+           writable: bool = False) -> tuple[Payload, float]:
+    """Step 3 for one job whose accumulator is ``acc`` (flat, in the job's order): its payload,
+    values in ``wire``, and the inline selection time. ``writable``: an all-reduce may sum in
+    ``acc`` itself (error feedback zeroes what it sent:
+    :meth:`~gradsync.feedback.ErrorFeedback.writable`); otherwise it sums in a copy."""
     t0 = time.perf_counter()
-    if dense or job.transport is Transport.ALLREDUCE:  # a copy: the all-reduce sums in
-        # place, and acc may be the pending velocity. SSFusion-I's Buffer_AR and a warm-up
-        # step at density 1 send every entry: the buffer as it is, no selection to build
-        payload = Payload(dense=acc.to(wire, copy=True))
-    elif job.mode is Mode.FUSED:
+    if job.mode is Mode.DENSE or job.transport is Transport.ALLREDUCE:  # SSFusion-I's
+        # Buffer_AR and a warm-up step at density 1 send every entry: the buffer as it is, no
+        # selection to build; in a copy unless writable (acc may be the pending velocity)
+        keep = writable and acc.dtype == wire
+        return Payload(dense=acc if keep else acc.to(wire, copy=True)), time.perf_counter() - t0
+    if job.mode is Mode.FUSED:
         sp = sparsifier(f"buffer:{index}", job.density)
         sel = sparsify.select_each([(sp, acc)], step, checked=True)[0]  # module doc
         payload = Payload(selections=[sel], wire_dtype=wire)
@@ -157,7 +180,7 @@ def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
         # a tensor sent whole is never missing; an offloaded one's count is the worker's
         payload = Payload(selections=parts, wire_dtype=wire,
                           missing=None if job.offload else empty)
-    return Prepared(acc, nonfinite, payload, time.perf_counter() - t0, finite)
+    return payload, time.perf_counter() - t0
 
 
 def _sent_whole(acc: torch.Tensor, lo: int, hi: int) -> SparseGrad:

@@ -16,8 +16,10 @@ model under-predicts inline sparsification where ranks share cores (docs/results
 "The DDP hook's `auto`, measured"). Unlike :class:`gradsync.GradSync` the fusion buffer is
 DDP's bucket and the selection rule a size threshold (Eq. 2 needs the engine's cost model);
 the rest is the engine's step pipeline, written once: a bucket becomes the engine's jobs
-(``plan_jobs``, ``at_density``), each prepared by ``engine.prepare.prepare``, sent as
-``Payload.message`` and committed by ``engine.apply.commit``.
+(``plan_jobs``, ``at_density``), accumulated once by ``engine.prepare.accumulate`` (one
+error-feedback buffer per bucket, its all-reduce and all-gather parts alike), each job's payload
+made by ``engine.prepare.select``, sent as ``Payload.message`` and committed by
+``engine.apply.commit``.
 A NaN/Inf travels in the bucket's own collectives, so every rank sees it alike and keeps its
 residuals: ``Config.nonfinite="raise"`` fails a future of the step (DDP raises from
 ``backward()`` on every rank), ``"skip_step"`` leaves the non-finite average in ``.grad``, as
@@ -42,7 +44,7 @@ import math
 import statistics
 import threading
 import time
-from collections.abc import Hashable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -55,9 +57,9 @@ from gradsync.collectives.comm import Comm, CommStats
 from gradsync.engine.apply import commit, job_check, settle_missing
 from gradsync.engine.config import Config, require_config
 from gradsync.engine.consistency import signature_check
-from gradsync.engine.jobs import Job, at_density, plan_jobs
+from gradsync.engine.jobs import Job, Payload, at_density, plan_jobs
 from gradsync.engine.preconditioning import apply_scales
-from gradsync.engine.prepare import Prepared, prepare
+from gradsync.engine.prepare import accumulate, select
 from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.warmup import link_costs
 from gradsync.feedback import (
@@ -466,13 +468,15 @@ def _bucket_jobs(names: tuple[str, ...], numels: tuple[int, ...],
 def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tuple[Job, ...],
                  names: list[str], numels: list[int], offsets: list[int]
                  ) -> torch.futures.Future[torch.Tensor]:
-    """A bucket with sparse parts, through the engine's pipeline: each job prepared as the
-    engine prepares it (:func:`gradsync.engine.prepare.prepare`: local clipping, error
-    feedback as one buffer per job, the selections), the all-reduce part issued first and
-    interleaved with the all-gather's collective, and each job's error feedback committed at
-    the step's last bucket (:func:`_settle`, :func:`gradsync.engine.apply.commit`). Nothing is
-    read here: a bucket whose gradients hold a NaN/Inf selects from zeros and sends one NaN,
-    the message every rank expects, so every rank's sum shows it (module doc)."""
+    """A bucket with sparse parts, through the engine's pipeline: local clipping and error
+    feedback once for the bucket (:func:`gradsync.engine.prepare.accumulate`: one buffer in
+    travel order, its all-reduce part first), each job's payload as the engine makes it
+    (:func:`gradsync.engine.prepare.select`; the all-reduce part sums in the accumulator itself
+    when error feedback made it new), the all-reduce part issued first and interleaved with the
+    all-gather's collective, and the bucket's error feedback committed at the step's last
+    bucket (:func:`_settle`, :func:`gradsync.engine.apply.commit`). Nothing is read here: a
+    bucket whose gradients hold a NaN/Inf selects from zeros and sends one NaN, the message
+    every rank expects, so every rank's sum shows it (module doc)."""
     buf, P, key = bucket.buffer(), comm.size, bucket.index()
     position = {n: i for i, n in enumerate(names)}
     travel = _Travel([position[n] for job in jobs for n in job.names], offsets, numels,
@@ -481,34 +485,40 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
     # the bucket's gradients checked once, whatever its number of jobs (no read: module doc)
     here = finite_flag(grad)
     clip = None if state.cfg.clip_norm is None else (state.cfg.clip_norm, P)
-    prepared: list[tuple[Job, Hashable, list[int], Prepared]] = []
-    at = 0
-    for i, job in enumerate(jobs):  # error feedback keeps each job as one buffer
-        job_key = key if len(jobs) == 1 else (key, i)
-        sizes = [numels[position[n]] for n in job.names]
-        n = sum(sizes)
-        prepared.append((job, job_key, sizes, prepare(
-            job, job_key, grad[at:at + n], sizes, state.ef, state.sparsifier, None, state.steps,
-            clip, reuse=False, deferred=True, finite=here)))
+    # error feedback keeps the bucket as one buffer in travel order, whatever its jobs (the
+    # all-reduce part first, SSFusion-I): one accumulation, one commit
+    sizes = [numels[position[n]] for job in jobs for n in job.names]
+    acc = accumulate(key, [n for job in jobs for n in job.names], sizes, grad, state.ef, clip,
+                     here)
+    writable = state.ef.writable(key, acc)  # the all-reduce part may sum in acc itself
+    parts: list[tuple[Job, list[int], Payload]] = []
+    i = at = whole = 0  # whole: the entries of the all-reduce part, ahead of the all-gather's
+    for job in jobs:
+        job_sizes, i = sizes[i:i + len(job.names)], i + len(job.names)
+        n = sum(job_sizes)
+        payload, _ = select(job, key, acc[at:at + n], job_sizes, state.sparsifier, None,
+                            state.steps, buf.dtype, writable)
+        parts.append((job, job_sizes, payload))
         at += n
+        whole += n if payload.dense is not None else 0
     res = sel = None
     works: list[Any] = []
     sums: list[torch.Tensor] = []
     stats = comm.stats
     poison = here  # a poisoned bucket's first value becomes NaN by one division by the flag
-    # (prepare zeroed the bucket's accumulators, so it is 0/0; a finite bucket's is x/1 = x
+    # (accumulate zeroed the bucket's accumulator, so it is 0/0; a finite bucket's is x/1 = x
     # exactly): in one part only, the sums' flag covers them all
     try:
-        for job, _, _, prep in prepared:
-            if prep.payload.dense is not None:  # an all-reduce part, interleaved with the
-                sums.append(prep.payload.dense)  # all-gather below
+        for job, _, payload in parts:
+            if payload.dense is not None:  # an all-reduce part, interleaved with the
+                sums.append(payload.dense)  # all-gather below
                 poison = _poison(sums[-1], poison)
                 work = comm.all_reduce(sums[-1], async_op=True)
                 works += [work] if work is not None else []  # None: one rank
                 continue
             # poisoned: the selection of zeros (every rank's message has the capacity they
             # expect), one value NaN
-            sel = prep.payload.message(job, prep.payload.selections)
+            sel = payload.message(job, payload.selections)
             poison = _poison(sel.values, poison)
             res = state.collective(sel, group=state.group, step=state.steps,
                                    deferred=state.wire_checks)
@@ -527,12 +537,11 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
     out = sums[0] if len(sums) == 1 else torch.cat(sums)  # the sums, in travel order
     kept = None if res is None else res.kept.to(torch.int64)
     # the all-gather part's missing tensors: on the host when it kept this rank's selection
-    known = None if res is None else prepared[-1][3].payload.known_missing(sel, res.kept)
+    known = None if res is None else parts[-1][2].known_missing(sel, res.kept)
     state.pending.append(_Pending(
-        key, names, [(k, prep.acc, None if prep.payload.dense is not None else kept)
-                     for _, k, _, prep in prepared],
+        key, names, acc, kept, whole,
         buf.dtype, largest(out), here,  # the sums' largest magnitude: alike on every rank
-        None if kept is None or known is not None else job_check(prepared[-1][2], kept),
+        None if kept is None or known is not None else job_check(parts[-1][1], kept),
         known or 0))
     state.tensors += len(names)
     travel.average_into(buf, out, P)  # a non-finite average too: .grad shows it (module doc)
@@ -554,10 +563,12 @@ class _Pending:
     """A sparse bucket's error-feedback step, committed at the step's last bucket once the
     checks of every bucket are read in one copy (:func:`_settle`)."""
 
-    index: int  # the bucket's
+    index: int  # the bucket's (its error feedback's key)
     names: list[str]
-    jobs: list[tuple[Hashable, torch.Tensor, torch.Tensor | None]]  # per job: its error
-    # feedback key, acc, and the positions in acc that travelled (None: every entry)
+    acc: torch.Tensor  # the bucket's accumulator, in travel order
+    kept: torch.Tensor | None  # the positions of the all-gather part that travelled, counted
+    # from its start (None: every entry travelled)
+    whole: int  # the entries of the all-reduce part, ahead of the all-gather's
     wire: torch.dtype  # the dtype its values travelled in
     top: torch.Tensor  # the sums' largest magnitude (on the device): finite when below +Inf,
     # compared for every bucket at once in _settle
@@ -585,11 +596,9 @@ def _settle(state: HookState, rank: int) -> ValueError | None:
     for p, ok, here in zip(pending, flags[0::2], flags[1::2]):
         if ok:  # a non-finite bucket's missing tensors are not counted: its step is not taken
             state.missing += counts.get(id(p), p.missing)
-            for key, acc, kept in p.jobs:
-                commit(state.ef, key, acc, kept, p.wire)
+            commit(state.ef, p.index, p.acc, p.kept, p.wire, p.whole)
             continue
-        for key, _, _ in p.jobs:  # residuals and velocities as before this step
-            state.ef.discard_buffer(key)
+        state.ef.discard_buffer(p.index)  # residuals and velocities as before this step
         err = _nonfinite(state, p.index, p.names, not here, rank, state.steps)
         error = error or err
     return error
