@@ -66,7 +66,7 @@ class TopkA(Collective):
         for msg, c in zip(msgs, counts):
             idx, val = unpack_entries(msg, c, wire, sel.dtype, "topka", m)
             if m:  # the tensors sent whole: values only, added in rank order
-                dense[:m] += val[:m]
+                dense[:m].add_(val[:m])
             add_at(dense, idx, val[m:])
         return dense, sel.indices, {"counts": counts}
 
@@ -84,7 +84,7 @@ class TopkA(Collective):
         dense = out[:sel.numel]
         for r in range(comm.size):
             if m:  # the tensors sent whole: values only, added in rank order
-                dense[:m] += val[r, :m]
+                dense[:m].add_(val[r, :m])
             add_at(out, idx[r], val[r, m:])
         return dense, sel.indices, {"capacity": cap, "checks": [
             (ok, f"topka: a rank's message announces a count outside [{m}, {cap}] or an index "

@@ -49,7 +49,14 @@ import torch
 from gradsync import sparsify
 from gradsync.engine.jobs import Job, Mode, Payload, Transport, bounds
 from gradsync.feedback import ErrorFeedback, clip_local
-from gradsync.sparsegrad import SparseGrad, all_finite, all_finite_each, constant, finite_flag
+from gradsync.sparsegrad import (
+    SparseGrad,
+    all_finite,
+    all_finite_each,
+    constant,
+    finite_flag,
+    iota,
+)
 from gradsync.sparsify import segments
 
 __all__ = ["Prepared", "accumulate", "prepare", "select"]
@@ -186,8 +193,8 @@ def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],
 def _sent_whole(acc: torch.Tensor, lo: int, hi: int) -> SparseGrad:
     """``acc[lo:hi]`` as a selection of every entry (a dense prefix: values without
     indices on TopkA's wire)."""
-    n = hi - lo
-    return SparseGrad(torch.arange(n, device=acc.device), acc[lo:hi], n, validate=False,
+    n = hi - lo  # its indices: a view of a cached arange (sparsegrad.iota), never written
+    return SparseGrad(iota(n, acc.device), acc[lo:hi], n, validate=False,
                       dense_prefix=n, capacity=n)
 
 
