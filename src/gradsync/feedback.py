@@ -64,6 +64,7 @@ never polluted by a non-finite value; the engine decides whether to raise or ski
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass
@@ -492,14 +493,12 @@ class ErrorFeedback:
         not consumed whole; no read (the positions are not selected, their values are).
         ``first``: the positions count from tensor ``first``'s start (the tensors before it
         travelled whole)."""
-        sizes_ = b.sizes[first:]
-        at = sum(b.sizes[:first])
-        ends = constant(tuple(hi - at for _, _, hi in b.slices()[first:]), torch.int64,
-                        idx.device)
-        sizes = constant(tuple(sizes_), torch.int64, idx.device)
+        tail = b.sizes[first:]
+        ends = constant(tuple(itertools.accumulate(tail)), torch.int64, idx.device)
+        sizes = constant(tail, torch.int64, idx.device)
         owner = torch.searchsorted(ends, idx, right=True)
-        whole = (bincount(owner, len(sizes_)) == sizes)[owner]
-        u = u[at:]
+        whole = (bincount(owner, len(tail)) == sizes)[owner]
+        u = u[sum(b.sizes[:first]):]
         u.index_put_((idx,), torch.where(whole, u[idx], 0))
 
     def _form(self, key: Hashable, names: tuple[str, ...], sizes: tuple[int, ...],
