@@ -18,6 +18,7 @@ Every result is compared with a dense reference computed here with plain torch o
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 import time
@@ -397,8 +398,13 @@ def test_finiteness_checks_on_device(device):
     want = [bool(torch.isfinite(x).all()) for x in xs]
     assert want == [True, False, False, True, True, False, True, True]
     assert all_finite_each(xs) == want and [all_finite(x) for x in xs] == want
-    from gradsync.sparsegrad import finite_flag
+    from gradsync.sparsegrad import finite_flag, iota, largest
     assert [bool(finite_flag(x)) for x in xs] == want  # NaN propagates through the ∞-norm
+    # the DDP hook's sums: each bucket's largest magnitude, compared with +Inf at once
+    on = [x for x in xs if x.device.type == torch.device(device).type]
+    assert (torch.stack([largest(x) for x in on]) < math.inf).tolist() == [
+        bool(torch.isfinite(x).all()) for x in on]
+    assert torch.equal(iota(7, torch.device(device)).cpu(), torch.arange(7))
 
 
 def _waits_per_step(device: str, tensors: int, scheme: str = "topka",
