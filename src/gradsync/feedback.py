@@ -404,64 +404,52 @@ class ErrorFeedback:
         if b is None or not b.pending:
             raise ValueError(f"update_buffer({key!r}) without a preceding accumulate_buffer()")
         flat = acc.detach().reshape(-1)
-        if whole and consumed is not None:
-            return self._update_after(b, key, acc, flat, consumed, sent_values, whole)
-        if consumed is None:
-            if sent_values is not None:
-                if sent_values.numel() != flat.numel():
-                    raise ValueError(f"{flat.numel()} consumed entries (all of buffer {key!r}) "
-                                     f"but {sent_values.numel()} sent values")
-                residual = flat - sent_values.reshape(-1).to(flat.dtype)
-            elif b.zero and b.residual is not None and b.residual.shape == flat.shape:
-                residual = b.residual  # still all zeros: nothing to write
-            else:
-                residual = torch.zeros_like(flat)
-            b.zero = sent_values is None
+        if consumed is not None:
+            return self._update_consumed(b, key, acc, flat, consumed, sent_values, whole)
+        if sent_values is not None:  # every entry sent
+            if sent_values.numel() != flat.numel():
+                raise ValueError(f"{flat.numel()} consumed entries (all of buffer {key!r}) "
+                                 f"but {sent_values.numel()} sent values")
+            residual = flat - sent_values.reshape(-1).to(flat.dtype)
+        elif b.zero and b.residual is not None and b.residual.shape == flat.shape:
+            residual = b.residual  # still all zeros: nothing to write
         else:
-            idx = consumed.reshape(-1).to(torch.int64)
-            residual = flat if acc is b.pending_acc else flat.clone()
-            if sent_values is None:
-                residual.index_fill_(0, idx, 0)  # no host-to-device copy (update())
-            else:
-                if sent_values.numel() != idx.numel():
-                    raise ValueError(f"{idx.numel()} consumed indices but "
-                                     f"{sent_values.numel()} sent values")
-                residual[idx] = flat[idx] - sent_values.reshape(-1).to(flat.dtype)
-            b.zero = sent_values is None and idx.numel() == flat.numel()
-        if self.momentum:
-            u = b.pending_velocity
-            if consumed is not None and self.masking and idx.numel() < flat.numel():
-                self._mask(b, u, idx)  # DGC §3.2, compressed tensors only
-            self._commit_velocity(b, u)
+            residual = torch.zeros_like(flat)
+        b.zero = sent_values is None
+        if self.momentum:  # sent whole: the velocity carries on
+            self._commit_velocity(b, b.pending_velocity)
         return self._commit(b, residual)
 
-    def _update_after(self, b: _Buffer, key: Hashable, acc: torch.Tensor, flat: torch.Tensor,
-                      consumed: torch.Tensor, sent_values: torch.Tensor | None, whole: int
-                      ) -> torch.Tensor:
-        """:meth:`update_buffer` when the first ``whole`` entries travelled whole and
-        ``consumed`` are positions after them."""
+    def _update_consumed(self, b: _Buffer, key: Hashable, acc: torch.Tensor,
+                         flat: torch.Tensor, consumed: torch.Tensor,
+                         sent_values: torch.Tensor | None, whole: int) -> torch.Tensor:
+        """:meth:`update_buffer` of the positions ``consumed`` after the first ``whole``
+        entries (sent whole too; 0: none)."""
         ends = [hi for _, _, hi in b.slices()]
-        if whole not in ends:
+        if whole and whole not in ends:
             raise ValueError(f"update_buffer({key!r}): {whole} entries sent whole end inside a "
                              f"tensor (tensors end at {ends[:4]}…)")
         idx = consumed.reshape(-1).to(torch.int64)
         residual = flat if acc is b.pending_acc else flat.clone()
         head, tail = residual[:whole], residual[whole:]
         if sent_values is None:
-            head.zero_()
-            tail.index_fill_(0, idx, 0)
+            if whole:
+                head.zero_()
+            tail.index_fill_(0, idx, 0)  # no host-to-device copy (update())
         else:
             sent = sent_values.reshape(-1).to(flat.dtype)
             if sent.numel() != whole + idx.numel():
-                raise ValueError(f"{whole} entries sent whole and {idx.numel()} consumed "
-                                 f"indices but {sent.numel()} sent values")
-            head.copy_(flat[:whole] - sent[:whole])
+                head_s = f"{whole} entries sent whole and " if whole else ""
+                raise ValueError(f"{head_s}{idx.numel()} consumed indices but {sent.numel()} "
+                                 "sent values")
+            if whole:
+                head.copy_(flat[:whole] - sent[:whole])
             tail[idx] = flat[whole:][idx] - sent[whole:]
-        b.zero = sent_values is None and idx.numel() == flat.numel() - whole
+        b.zero = sent_values is None and idx.numel() == tail.numel()
         if self.momentum:
             u = b.pending_velocity
-            if self.masking and idx.numel() < flat.numel() - whole:
-                self._mask(b, u, idx, ends.index(whole) + 1)  # the tensors after the head
+            if self.masking and idx.numel() < tail.numel():  # DGC §3.2, compressed tensors only
+                self._mask(b, u, idx, ends.index(whole) + 1 if whole else 0)
             self._commit_velocity(b, u)
         return self._commit(b, residual)
 

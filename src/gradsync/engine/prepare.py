@@ -81,8 +81,7 @@ class Prepared:
 
 def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
             ef: ErrorFeedback, sparsifier: Sparsifiers, offload: Offload | None, step: int,
-            clip: tuple[float, int] | None = None, reuse: bool = True,
-            deferred: bool | None = None, finite: torch.Tensor | None = None) -> Prepared:
+            clip: tuple[float, int] | None = None, reuse: bool = True) -> Prepared:
     """Steps 1–3 above for one job, one buffer at a time: ``grad`` is the job's gradients,
     flat and concatenated in its order (``sizes`` entries each); error feedback keeps the job
     as one buffer keyed ``index`` (the job's position in the plan; the DDP hook's bucket)
@@ -90,11 +89,9 @@ def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
     worker (None: the job offloads nothing). ``clip``: ``(Config.clip_norm, P)``, DGC's local
     clipping of what enters error feedback. ``reuse``: ``grad`` is the caller's to give away (a
     dense job then sums in it, in place); otherwise it is copied first (the engine's gradient
-    storage: the local gradients stay for the message that names a non-finite one).
-    ``deferred``: step 1's check stays on the device on any device (``Prepared.finite``; the
-    DDP hook, which has no collective of its own to agree on a step); None: on accelerators.
-    ``finite``: that deferred check already made by the caller (a bool on the device: the
-    hook's, once for a bucket of several jobs)."""
+    storage: the local gradients stay for the message that names a non-finite one). The DDP
+    hook runs steps 2 and 3 itself (:func:`accumulate` once per bucket, :func:`select` per
+    job), its check made once per bucket and left on the device."""
     # a plain all-reduce carries the gradient (or its velocity) as it is: a NaN/Inf shows in the
     # sum on every rank (GradSync.synchronize checks the sums, and a pending velocity is then
     # discarded), so no pass over it here
@@ -104,12 +101,7 @@ def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
     if job.offload and offload is None:
         raise ValueError(f"prepare: job {index!r} offloads {sorted(job.offload)[:3]} and no "
                          "worker was given")
-    if deferred is None:
-        deferred = segments.pays_on(grad.device)
-    if dense or not deferred:
-        finite = None
-    elif finite is None:
-        finite = finite_flag(grad)
+    finite = None if dense or not segments.pays_on(grad.device) else finite_flag(grad)
     nonfinite = [] if dense or finite is not None else _nonfinite(job.names, sizes, grad)
     if nonfinite:  # never enters a residual; the step is agreed later
         grad = grad.clone()

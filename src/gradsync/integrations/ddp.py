@@ -479,17 +479,16 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
     every rank expects, so every rank's sum shows it (module doc)."""
     buf, P, key = bucket.buffer(), comm.size, bucket.index()
     position = {n: i for i, n in enumerate(names)}
-    travel = _Travel([position[n] for job in jobs for n in job.names], offsets, numels,
-                     buf.device)
+    order = [n for job in jobs for n in job.names]  # the travel order: jobs after each other
+    travel = _Travel([position[n] for n in order], offsets, numels, buf.device)
     grad = travel.gather(buf)
     # the bucket's gradients checked once, whatever its number of jobs (no read: module doc)
     here = finite_flag(grad)
     clip = None if state.cfg.clip_norm is None else (state.cfg.clip_norm, P)
     # error feedback keeps the bucket as one buffer in travel order, whatever its jobs (the
     # all-reduce part first, SSFusion-I): one accumulation, one commit
-    sizes = [numels[position[n]] for job in jobs for n in job.names]
-    acc = accumulate(key, [n for job in jobs for n in job.names], sizes, grad, state.ef, clip,
-                     here)
+    sizes = [numels[position[n]] for n in order]
+    acc = accumulate(key, order, sizes, grad, state.ef, clip, here)
     writable = state.ef.writable(key, acc)  # the all-reduce part may sum in acc itself
     parts: list[tuple[Job, list[int], Payload]] = []
     i = at = whole = 0  # whole: the entries of the all-reduce part, ahead of the all-gather's
