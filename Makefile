@@ -10,7 +10,7 @@ CORPUS := /usr/share/games/fortunes
 # Parallel test workers: pytest-xdist; multi-rank tests spawn their own processes.
 TEST_WORKERS ?= 2
 
-.PHONY: install test lint demo bench gpu-check clean
+.PHONY: install test lint demo bench gpu-check gpu-bench clean
 
 install: $(STAMP) dataset
 
@@ -71,6 +71,20 @@ gpu-check:
 	 for i in range(torch.cuda.device_count())]; \
 	ok or sys.exit('gpu-check: no CUDA device visible to this torch; nothing was run')"
 	$(GPU_PY) -m pytest -v -m cuda tests/test_cuda.py
+
+# A lent GPU's whole visit as one prepared run (about 10 min with the machine's start inside a
+# 15-min allowance): gpu-check's tests, then `bench overhead` (ResNet-50 and GPT-2, every
+# scheme against DDP) fitted into GPU_BENCH_S seconds. Logs, JSON and page go under GPU_OUT
+# (point it at the device tool's $$OUT so they come back); CODE=<commit> names the code on the
+# page, since the checkout travels there without its history.
+GPU_OUT ?= bench-out/gpu
+GPU_BENCH_S ?= 450
+gpu-bench: export PYTHONPATH := $(CURDIR)/src$(if $(PYTHONPATH),:$(PYTHONPATH))
+gpu-bench:
+	mkdir -p $(GPU_OUT)
+	$(MAKE) --no-print-directory gpu-check GPU_PY=$(GPU_PY) 2>&1 | tee $(GPU_OUT)/gpu-check.log
+	set -o pipefail; $(GPU_PY) -m gradsync bench overhead --time-limit $(GPU_BENCH_S) \
+	  $(if $(CODE),--code $(CODE)) --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/overhead.log
 
 clean:
 	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache bench-out

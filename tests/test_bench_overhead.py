@@ -128,6 +128,91 @@ def test_bench_overhead_on_the_cpu(tmp_path, capsys):
     assert "python -m gradsync bench overhead --device cpu" in page
     assert "| scheme | step ms |" in page and "## mlp64" in page
     assert "| work ops | work beyond DDP |" in page
+    assert meta["complete"] is True and meta["rows_written"] == meta["rows_expected"] == 8
+    assert "incomplete" not in page and "overhead-cpu.png" in meta["artifacts"]
+
+
+_TINY = ["--device", "cpu", "--model", "mlp8", "--pairs", "1", "--steps", "1",
+         "--warmup-steps", "1", "--count-steps", "1", "--mlp-params", "20000", "--repeats", "1"]
+
+
+def test_every_run_trains_a_copy_of_one_build(tmp_path, monkeypatch):
+    """A model is built once per model (GPT-2's initialisation alone takes seconds on a lent
+    GPU's clock), and every run trains a fresh copy of it: the copies start from the build's
+    weights and never write to it."""
+    built, started = [], []
+    init, run_init = overhead.LayeredMLP.__init__, overhead._Run.__init__
+
+    def counting(self, *args, **kw):
+        init(self, *args, **kw)
+        built.append(self)
+
+    def run(self, wl, template, *args, **kw):
+        run_init(self, wl, template, *args, **kw)
+        started.append(self.net)
+        ours = {id(p) for p in template.parameters()}
+        assert not ours & {id(p) for p in self.net.parameters()}
+        for mine, theirs in zip(self.net.parameters(), built[0].parameters(), strict=True):
+            assert torch.equal(mine, theirs)
+
+    monkeypatch.setattr(overhead.LayeredMLP, "__init__", counting)
+    monkeypatch.setattr(overhead._Run, "__init__", run)
+    rc = overhead.main([*_TINY, "--schemes", "ddp,topka,hook:per_tensor", "--out",
+                        str(tmp_path)])
+    assert rc == 0
+    assert len(built) == 1  # one build, where there were 1 + 2 × 2 runs
+    assert len(started) == 5
+    before = overhead.workload("mlp8", False, mlp_params=20000).build()
+    for mine, first in zip(built[0].parameters(), before.parameters(), strict=True):
+        assert torch.equal(mine, first)  # the template was never trained
+
+
+def test_a_run_stopped_from_outside_leaves_its_rows_so_far(tmp_path, monkeypatch):
+    """The JSON and the page are rewritten after every row: a run interrupted during its third
+    scheme leaves DDP's row and the first two schemes', marked incomplete, with no plot."""
+    measure = overhead._measure
+
+    def stopping(wl, template, lab, *args, **kw):
+        if lab.label == "dense":
+            raise KeyboardInterrupt  # what a timeout's signal does; not an Exception
+        return measure(wl, template, lab, *args, **kw)
+
+    monkeypatch.setattr(overhead, "_measure", stopping)
+    with pytest.raises(KeyboardInterrupt):
+        overhead.main([*_TINY, "--schemes", "ddp,topka,hook:per_tensor,dense",
+                       "--code", "abc1234", "--out", str(tmp_path)])
+    data = json.loads((tmp_path / "overhead-cpu.json").read_text())
+    assert [r["scheme"] for r in data["rows"]] == ["ddp", "topka", "hook:per_tensor"]
+    assert all("error" not in r for r in data["rows"])
+    meta = data["meta"]
+    assert meta["complete"] is False and meta["rows_written"] == 3
+    assert meta["rows_expected"] == 4 and meta["code"] == "abc1234"
+    assert meta["artifacts"] == ["overhead-cpu.json"]
+    assert not (tmp_path / "overhead-cpu.png").exists()
+    page = (tmp_path / "overhead-cpu.md").read_text()
+    assert "**incomplete**: 3 of 4 rows" in page and "- code: abc1234" in page
+    assert "| topka |" in page and "| dense |" not in page
+
+
+def test_time_limit_leaves_the_schemes_past_it_not_run(tmp_path, capsys):
+    """``--time-limit``: DDP's reference runs first; a scheme whose turn comes after its
+    model's share is not run, and its row and the page say so."""
+    rc = overhead.main([*_TINY, "--model", "mlp8,mlp64", "--schemes", "ddp,topka",
+                        "--time-limit", "0.001", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "overhead-cpu.json").read_text())
+    rows = {(r["model"], r["scheme"]): r for r in data["rows"]}
+    assert set(rows) == {(m, s) for m in ("mlp8", "mlp64") for s in ("ddp", "topka")}
+    for m in ("mlp8", "mlp64"):
+        assert rows[m, "ddp"]["aten_ops"] > 0 and "error" not in rows[m, "ddp"]
+        assert rows[m, "topka"]["not_run"] is True and "ratio" not in rows[m, "topka"]
+    assert data["meta"]["time_limit_s"] == 0.001 and data["meta"]["complete"] is True
+    page = (tmp_path / "overhead-cpu.md").read_text()
+    assert "| topka | not run | past --time-limit |" in page
+    assert "mlp8: 1 not run (topka); mlp64: 1 not run (topka)" in page
+    assert "topka: not run" in capsys.readouterr().out
+    with pytest.raises(SystemExit):
+        overhead.main([*_TINY, "--time-limit", "0", "--out", str(tmp_path)])
 
 
 class _Event:

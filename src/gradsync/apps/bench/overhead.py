@@ -2,7 +2,8 @@
 
 ``python -m gradsync bench overhead [--model resnet50,gpt2 | resnet50,mlp8,mlp64]
 [--schemes ddp,ddp_powersgd,topka,…,hook:per_tensor,…] [--pairs 3] [--steps N]
-[--warmup-steps W] [--device auto|cpu|cuda] [--out DIR] [--write-docs]``
+[--warmup-steps W] [--device auto|cpu|cuda] [--time-limit S] [--code LABEL] [--out DIR]
+[--write-docs]``
 
 At P = 1 nothing travels, so whatever a scheme's step costs beyond torch DDP's is the scheme's
 own work: sparsification, error feedback, encoding, bookkeeping, and on a GPU the kernel
@@ -20,7 +21,8 @@ is plain SGD); DDP, PowerSGD and the dense schemes run SGD with momentum 0.9, as
 Per model and scheme:
 
 * **step time / DDP's**, in interleaved pairs: a DDP run, then the scheme's run, ``--pairs``
-  times (3 by default), each run on a fresh model from the same seed; a run's step time is the
+  times (3 by default), each run on a fresh copy of one model built from the seed (built once
+  per model: GPT-2's initialisation alone takes seconds); a run's step time is the
   median of ``--steps`` steps after ``--warmup-steps`` + 2 unmeasured ones (the engine's
   ``Config.warmup_steps`` is ``--warmup-steps``, so its plan is fixed before timing; ``auto``
   may still be measuring its runners-up, shown as ``probing``). Reported: the median of the
@@ -83,14 +85,21 @@ minutes on two busy cores.
 World size 1: without a process group the command starts one (gloo on the CPU, NCCL on CUDA,
 rank 0, a free port on 127.0.0.1) and destroys it at the end. Writes
 ``overhead-<device>.json`` (rows + settings + environment), ``.md`` (the tables, the command,
-date and device) and ``.png`` (step ratio per scheme) under ``--out``, or under docs/results/
-with ``--write-docs``; ``<device>`` is ``cpu`` or the GPU's short name (``h100``, ``h200``).
+date, device and code) and ``.png`` (step ratio per scheme) under ``--out``, or under
+docs/results/ with ``--write-docs``; ``<device>`` is ``cpu`` or the GPU's short name (``h100``,
+``h200``). The JSON and the page are rewritten after every row, marked incomplete until the
+end (the plot comes last), so a run stopped from outside leaves what it measured.
+``--time-limit S`` fits the run into S seconds (a lent GPU's time is counted): each model gets
+an even share of what is left when it starts, and a scheme whose turn comes after its model's
+share is not run, its row saying so (a row that has started finishes). ``--code`` names the
+code on the page where the checkout has no git history (the default asks git).
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import copy
 import gc
 import math
 import os
@@ -506,17 +515,18 @@ def _waited(hook: Callable[..., Any]) -> Callable[..., Any]:
 
 
 class _Run:
-    """One run: a fresh model wrapped for ``lab``, its optimizer and its step."""
+    """One run: a fresh copy of ``template`` (the model as built, on the device) wrapped for
+    ``lab``, its optimizer and its step."""
 
-    def __init__(self, wl: Workload, lab: Label, a: argparse.Namespace, device: torch.device,
-                 group: Any) -> None:
+    def __init__(self, wl: Workload, template: nn.Module, lab: Label, a: argparse.Namespace,
+                 device: torch.device, group: Any) -> None:
         from torch.nn.parallel import DistributedDataParallel as DDP
 
         import gradsync
 
         self.engine: Any = None
         self.hook: Any = None
-        model = wl.build().to(device)
+        model = copy.deepcopy(template)
         self.inputs = wl.batch(device)
         ids = [device.index or 0] if device.type == "cuda" else None
         sgd_momentum = 0.9
@@ -561,10 +571,10 @@ class _Run:
         self.engine = self.net = self.opt = self.inputs = self.hook = None
 
 
-def _measure(wl: Workload, lab: Label, a: argparse.Namespace, device: torch.device, group: Any,
-             count: bool) -> dict[str, Any]:
+def _measure(wl: Workload, template: nn.Module, lab: Label, a: argparse.Namespace,
+             device: torch.device, group: Any, count: bool) -> dict[str, Any]:
     """One run: warm-up, ``a.steps`` timed steps (median ms), and the counts when ``count``."""
-    run = _Run(wl, lab, a, device, group)
+    run = _Run(wl, template, lab, a, device, group)
     try:
         for _ in range(a.warmup_steps + 2):
             run.step()
@@ -626,25 +636,36 @@ def _top_growth(ops: dict[str, float], base: dict[str, float], k: int = 8,
 
 
 def measure_model(wl: Workload, labels: list[Label], a: argparse.Namespace,
-                  device: torch.device, group: Any) -> list[dict[str, Any]]:
-    """Rows of one model: DDP's, then every scheme's against DDP in interleaved pairs."""
-    model = wl.build()
-    n_params = sum(p.numel() for p in model.parameters() if p.requires_grad)
-    n_tensors = sum(1 for p in model.parameters() if p.requires_grad)
-    del model
+                  device: torch.device, group: Any, *, deadline: float | None = None,
+                  progress: Callable[[list[dict[str, Any]]], None] | None = None,
+                  ) -> list[dict[str, Any]]:
+    """Rows of one model: DDP's, then every scheme's against DDP in interleaved pairs.
+
+    The model is built once (seeded, on the CPU) and moved to the device; every run trains a
+    fresh copy of it. A scheme whose turn comes after ``deadline`` (a ``time.perf_counter()``
+    value) is not run: its row says so. ``progress(rows)`` is called after each row with the
+    rows so far (DDP's first, its figures over the DDP runs so far)."""
+    template = wl.build().to(device)
+    n_params = sum(p.numel() for p in template.parameters() if p.requires_grad)
+    n_tensors = sum(1 for p in template.parameters() if p.requires_grad)
     floor = _floor_ms(n_params, device, a.repeats)
     common = {"model": wl.name, "workload": wl.describe, "params": n_params,
               "tensors": n_tensors, "floor_ms": floor}
     print(f"bench overhead: {wl.name}: {wl.describe}; {n_params / 1e6:.2f} M parameters in "
           f"{n_tensors} tensors; one read pass {floor:.3f} ms", flush=True)
     ddp_lab = labels[0]
-    ddp_runs: list[float] = []
-    base = _measure(wl, ddp_lab, a, device, group, count=True)
-    ddp_runs.append(base["ms"])
+    base = _measure(wl, template, ddp_lab, a, device, group, count=True)
+    ddp_runs: list[float] = [base["ms"]]
     ddp_cpu: list[float] = [base["cpu_ms"]]
     base_c = base["counts"]
     rows: list[dict[str, Any]] = []
     for lab in labels[1:]:
+        row = {**common, "scheme": lab.label, "kind": lab.kind}
+        if deadline is not None and time.perf_counter() > deadline:
+            row.update(error="not run: past its model's share of --time-limit", not_run=True)
+            print(f"  {lab.label}: not run (past its model's share of --time-limit)", flush=True)
+            rows.append(row)
+            continue
         pairs: list[tuple[float, float]] = []
         cpu_pairs: list[tuple[float, float]] = []
         counts = buffers = None
@@ -653,8 +674,8 @@ def measure_model(wl: Workload, labels: list[Label], a: argparse.Namespace,
         t0 = time.perf_counter()
         try:
             for i in range(a.pairs):
-                d = _measure(wl, ddp_lab, a, device, group, count=False)
-                s = _measure(wl, lab, a, device, group, count=(i == 0))
+                d = _measure(wl, template, ddp_lab, a, device, group, count=False)
+                s = _measure(wl, template, lab, a, device, group, count=(i == 0))
                 ddp_runs.append(d["ms"])
                 pairs.append((d["ms"], s["ms"]))
                 cpu_pairs.append((d["cpu_ms"], s["cpu_ms"]))
@@ -665,47 +686,60 @@ def measure_model(wl: Workload, labels: list[Label], a: argparse.Namespace,
                 probing = s.get("probing", probing)
         except Exception as e:  # one scheme failing must not end the benchmark: its row says
             err = f"{type(e).__name__}: {e}"[:300]
-        row = {**common, "scheme": lab.label, "kind": lab.kind}
         if err is not None:
             row["error"] = err
             print(f"  {lab.label}: error {err}", flush=True)
-            rows.append(row)
-            continue
-        assert counts is not None
-        ratios = [s / d for d, s in pairs]
-        tax = statistics.median(s - d for d, s in pairs)
-        row.update(_row_figures(counts, base_c))
-        row["buffers"] = buffers
-        row["work_per_buffer"] = (None if not buffers
-                                  else round(row["work_beyond_ddp"] / buffers, 1))
-        row.update({
-            "ms": statistics.median(s for _, s in pairs),
-            "ddp_ms": statistics.median(d for d, _ in pairs),
-            "ratio": statistics.median(ratios), "ratio_min": min(ratios),
-            "ratio_max": max(ratios), "pairs": [[round(d, 3), round(s, 3)] for d, s in pairs],
-            "tax_ms": tax, "tax_floors": tax / floor if floor > 0 else None,
-            "cpu_ms": statistics.median(s for _, s in cpu_pairs),
-            "cpu_ratio": statistics.median(s / d for d, s in cpu_pairs if d > 0)
-            if all(d > 0 for d, _ in cpu_pairs) else None,
-            "probing": probing,
-            "top_ops_beyond_ddp": _top_growth(counts["ops"], base_c["ops"], 12),
-            "top_kernel_ops_beyond_ddp": _top_growth(counts["ops"], base_c["ops"], 8, True),
-        })
+        else:
+            assert counts is not None
+            _scheme_figures(row, pairs, cpu_pairs, counts, base_c, buffers, probing, floor)
+            print(f"  {lab.label}: {row['ratio']:.2f}× DDP, {row['aten_ops']:.0f} aten ops "
+                  f"(+{row['ops_beyond_ddp']:.0f}), {row['host_reads']:.0f} host reads per "
+                  f"step ({time.perf_counter() - t0:.0f} s)", flush=True)
         rows.append(row)
-        print(f"  {lab.label}: {row['ratio']:.2f}× DDP, {row['aten_ops']:.0f} aten ops "
-              f"(+{row['ops_beyond_ddp']:.0f}), {row['host_reads']:.0f} host reads per step "
-              f"({time.perf_counter() - t0:.0f} s)", flush=True)
-    ddp_row = {**common, "scheme": "ddp", "kind": "ddp", **_row_figures(base_c, base_c),
-               "ms": statistics.median(ddp_runs), "ddp_ms": statistics.median(ddp_runs),
-               "ratio": 1.0, "ratio_min": min(ddp_runs) / statistics.median(ddp_runs),
-               "ratio_max": max(ddp_runs) / statistics.median(ddp_runs),
-               "pairs": [], "tax_ms": 0.0, "tax_floors": 0.0, "probing": None,
-               "cpu_ms": statistics.median(ddp_cpu), "cpu_ratio": 1.0,
-               "top_ops_beyond_ddp": {}, "top_kernel_ops_beyond_ddp": {},
-               "buffers": None, "work_per_buffer": None,
-               "ddp_runs_ms": [round(x, 3) for x in ddp_runs],
-               "ddp_runs_cpu_ms": [round(x, 3) for x in ddp_cpu]}
-    return [ddp_row, *rows]
+        if progress is not None:
+            progress([_ddp_row(common, base_c, ddp_runs, ddp_cpu), *rows])
+    del template
+    return [_ddp_row(common, base_c, ddp_runs, ddp_cpu), *rows]
+
+
+def _scheme_figures(row: dict[str, Any], pairs: list[tuple[float, float]],
+                    cpu_pairs: list[tuple[float, float]], counts: dict[str, Any],
+                    base_c: dict[str, Any], buffers: float | None, probing: bool | None,
+                    floor: float) -> None:
+    """A scheme's row: its pairs' times and ratios, and its counts against DDP's."""
+    ratios = [s / d for d, s in pairs]
+    tax = statistics.median(s - d for d, s in pairs)
+    row.update(_row_figures(counts, base_c))
+    row["buffers"] = buffers
+    row["work_per_buffer"] = (None if not buffers
+                              else round(row["work_beyond_ddp"] / buffers, 1))
+    row.update({
+        "ms": statistics.median(s for _, s in pairs),
+        "ddp_ms": statistics.median(d for d, _ in pairs),
+        "ratio": statistics.median(ratios), "ratio_min": min(ratios),
+        "ratio_max": max(ratios), "pairs": [[round(d, 3), round(s, 3)] for d, s in pairs],
+        "tax_ms": tax, "tax_floors": tax / floor if floor > 0 else None,
+        "cpu_ms": statistics.median(s for _, s in cpu_pairs),
+        "cpu_ratio": statistics.median(s / d for d, s in cpu_pairs if d > 0)
+        if all(d > 0 for d, _ in cpu_pairs) else None,
+        "probing": probing,
+        "top_ops_beyond_ddp": _top_growth(counts["ops"], base_c["ops"], 12),
+        "top_kernel_ops_beyond_ddp": _top_growth(counts["ops"], base_c["ops"], 8, True),
+    })
+
+
+def _ddp_row(common: dict[str, Any], base_c: dict[str, Any], ddp_runs: list[float],
+             ddp_cpu: list[float]) -> dict[str, Any]:
+    """DDP's row: its counts, and its runs' median and spread (every pair's DDP run)."""
+    mid = statistics.median(ddp_runs)
+    return {**common, "scheme": "ddp", "kind": "ddp", **_row_figures(base_c, base_c),
+            "ms": mid, "ddp_ms": mid, "ratio": 1.0, "ratio_min": min(ddp_runs) / mid,
+            "ratio_max": max(ddp_runs) / mid, "pairs": [], "tax_ms": 0.0, "tax_floors": 0.0,
+            "probing": None, "cpu_ms": statistics.median(ddp_cpu), "cpu_ratio": 1.0,
+            "top_ops_beyond_ddp": {}, "top_kernel_ops_beyond_ddp": {},
+            "buffers": None, "work_per_buffer": None,
+            "ddp_runs_ms": [round(x, 3) for x in ddp_runs],
+            "ddp_runs_cpu_ms": [round(x, 3) for x in ddp_cpu]}
 
 
 def _row_figures(c: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
@@ -764,7 +798,9 @@ def _columns(cuda: bool) -> list[str]:
 
 def _cells(r: dict[str, Any], cuda: bool) -> list[str]:
     if "error" in r:
-        return [r["scheme"], "error", r["error"][:60]] + ["-"] * (len(_columns(cuda)) - 3)
+        what = ["not run", "past --time-limit"] if r.get("not_run") else ["error",
+                                                                         r["error"][:60]]
+        return [r["scheme"], *what] + ["-"] * (len(_columns(cuda)) - 3)
     span = f"{r['ratio']:.2f}× [{r['ratio_min']:.2f}–{r['ratio_max']:.2f}]"
     if r.get("probing"):
         span += " (probing)"
@@ -813,6 +849,13 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
              f"- command: `{meta['command']}`",
              f"- device: {meta['machine']}; wall time {meta['wall_s'] / 60:.1f} min",
              f"- code: {meta['code']}",
+             *([] if meta.get("complete", True) else [
+                 f"- **incomplete**: {meta['rows_written']} of {meta['rows_expected']} rows. "
+                 "The files are rewritten after every row: this run was stopped here, or is "
+                 "still running"]),
+             *([] if meta.get("time_limit_s") is None else [
+                 f"- --time-limit {meta['time_limit_s']:g} s, shared evenly by the models: "
+                 + _not_run(rows)]),
              f"- settings: density {meta['density']}, sparsifier {meta['sparsifier']}, "
              f"momentum {meta['momentum']}, Config.warmup_steps {meta['warmup_steps']}, "
              f"compression at P = 1: {meta['compress_single_rank']}; {meta['pairs']} "
@@ -862,6 +905,14 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
         lines.append(f"- [{p}]({p})")
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _not_run(rows: list[dict[str, Any]]) -> str:
+    """The schemes past ``--time-limit``, by model."""
+    late = {m: [r["scheme"] for r in rows if r["model"] == m and r.get("not_run")]
+            for m in dict.fromkeys(r["model"] for r in rows)}
+    parts = [f"{m}: {len(v)} not run ({', '.join(v)})" for m, v in late.items() if v]
+    return "; ".join(parts) if parts else "every scheme ran"
 
 
 def _plot(rows: list[dict[str, Any]]):
@@ -926,6 +977,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="select per-tensor buffers at once on the CPU too (the accelerators' "
                         "path, sparsify.segments.ON_CPU): its counts and its CPU time; the "
                         "files are named overhead-cpu-segments")
+    p.add_argument("--time-limit", type=float, default=None, metavar="S",
+                   help="wall-time budget in seconds, shared evenly by the models (what one "
+                        "leaves over goes to the next): a scheme whose turn comes after its "
+                        "model's share is not run, and its row says so (default: none)")
+    p.add_argument("--code", default=None,
+                   help="the code measured, for the page (default: the checkout's commit from "
+                        "git; give it where the checkout travels without its history)")
     p.add_argument("--out", default="bench-out/overhead")
     p.add_argument("--write-docs", action="store_true",
                    help=f"write into {DOCS_DIR} instead of --out")
@@ -949,6 +1007,8 @@ def main(argv: list[str] | None = None) -> int:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if a.threads < 0:
         p.error("--threads must be >= 0")
+    if a.time_limit is not None and not a.time_limit > 0:
+        p.error("--time-limit must be > 0 seconds")
     try:
         labels = parse_schemes(a.schemes or ",".join(
             [*REFERENCES, *DEFAULT_ENGINE, *(f"hook:{s}" for s in _hook_schemes())]))
@@ -974,56 +1034,70 @@ def main(argv: list[str] | None = None) -> int:
     print(f"bench overhead on {slug}: models {', '.join(names)}; {len(labels)} rows "
           f"({', '.join(x.label for x in labels)}); {a.pairs} pairs × {a.steps} steps",
           flush=True)
-    code = _code()
-    t0 = time.perf_counter()
-    rows: list[dict[str, Any]] = []
-    on_cpu = segments.ON_CPU
-    segments.ON_CPU = on_cpu or a.segments_on_cpu
-    try:
-        with _world_of_one(device) as group:
-            for wl in loads:
-                try:
-                    mine = measure_model(wl, labels, a, device, group)
-                except ImportError as e:  # transformers missing: skip that model
-                    print(f"bench overhead: {wl.name} skipped: {e}", flush=True)
-                    continue
-                rows += mine
-                print_table(f"bench overhead — {wl.name}: {wl.describe}, P = 1, {slug}",
-                            _columns(cuda), [_cells(r, cuda) for r in mine])
-        wall = time.perf_counter() - t0
-        machine = _machine(device)
-    finally:
-        if cuda:
-            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
-        torch.set_num_threads(threads)
-        segments.ON_CPU = on_cpu
     name = f"overhead-{slug}" + ("-segments" if a.segments_on_cpu else "")
     out = DOCS_DIR if a.write_docs else Path(a.out)
     meta = {"command": "python -m gradsync bench overhead " + shlex.join(argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "device": slug,
             "device_name": torch.cuda.get_device_name(device) if cuda else "the CPU",
-            "machine": machine, "code": code, "wall_s": wall, "density": a.density,
+            "code": a.code or _code(), "density": a.density,
             "sparsifier": a.sparsifier, "momentum": a.momentum,
             "warmup_steps": a.warmup_steps, "pairs": a.pairs, "steps": a.steps,
             "count_steps": a.count_steps, "powersgd_rank": a.powersgd_rank,
-            "segments_on_cpu": a.segments_on_cpu,
+            "segments_on_cpu": a.segments_on_cpu, "time_limit_s": a.time_limit,
             "compress_single_rank": ("Config.compress_single_rank=True"
                                      if "compress_single_rank" in Config.__dataclass_fields__
                                      else "no such option (the engine compresses at P = 1)"),
-            "threads": a.threads or threads,
-            "all_threads": all(r.get("all_threads", True) for r in rows),
-            "tf32": cuda, "host_read_ops": list(HOST_READ_OPS) + (
+            "threads": a.threads or threads, "tf32": cuda,
+            "host_read_ops": list(HOST_READ_OPS) + (
                 ["copies to the host (Memcpy DtoH)"] if cuda
                 else ["Tensor.tolist()", "Tensor.numpy()"]),
             "models": names, "schemes": [x.label for x in labels],
-            "artifacts": [f"{name}.json", f"{name}.png"]}
-    jpath, ppath = write_outputs(name, rows, out, plot=_plot(rows) if rows else None,
-                                 meta=meta)
-    if ppath is None:
-        meta["artifacts"] = [f"{name}.json"]
-    mpath = write_markdown(out / f"{name}.md", rows, meta, cuda)
-    print(f"bench overhead: {wall:.0f} s; wrote {jpath}, {mpath}"
+            "rows_expected": len(names) * len(labels)}
+    t0 = time.perf_counter()
+    rows: list[dict[str, Any]] = []
+
+    def save(now: list[dict[str, Any]], final: bool) -> tuple[Path, Path | None, Path]:
+        """The files as they stand: after every row (so a run stopped from outside leaves
+        what it measured, marked incomplete), then once more at the end with the plot."""
+        meta.update(wall_s=time.perf_counter() - t0, machine=_machine(device),
+                    complete=final, rows_written=len(now),
+                    all_threads=all(r.get("all_threads", True) for r in now),
+                    artifacts=[f"{name}.json"] + ([f"{name}.png"] if final else []))
+        jpath, ppath = write_outputs(name, now, out, meta=meta,
+                                     plot=_plot(now) if final and now else None)
+        if final and ppath is None:
+            meta["artifacts"] = [f"{name}.json"]
+        return jpath, ppath, write_markdown(out / f"{name}.md", now, meta, cuda)
+
+    def partial(now: list[dict[str, Any]]) -> None:  # the models done, then this one's rows
+        save(rows + now, False)
+
+    on_cpu = segments.ON_CPU
+    segments.ON_CPU = on_cpu or a.segments_on_cpu
+    try:
+        with _world_of_one(device) as group:
+            for i, wl in enumerate(loads):
+                deadline = None
+                if a.time_limit is not None:  # an even share of what is left
+                    left = a.time_limit - (time.perf_counter() - t0)
+                    deadline = time.perf_counter() + left / (len(loads) - i)
+                try:
+                    mine = measure_model(wl, labels, a, device, group, deadline=deadline,
+                                         progress=partial)
+                except ImportError as e:  # transformers missing: skip that model
+                    print(f"bench overhead: {wl.name} skipped: {e}", flush=True)
+                    continue
+                rows.extend(mine)
+                print_table(f"bench overhead — {wl.name}: {wl.describe}, P = 1, {slug}",
+                            _columns(cuda), [_cells(r, cuda) for r in mine])
+    finally:
+        if cuda:
+            torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
+        torch.set_num_threads(threads)
+        segments.ON_CPU = on_cpu
+    jpath, ppath, mpath = save(rows, True)
+    print(f"bench overhead: {meta['wall_s']:.0f} s; wrote {jpath}, {mpath}"
           + (f" and {ppath}" if ppath else ""))
     return 0
 
