@@ -238,9 +238,13 @@ def _exit_safety_rank(rank: int, world_size: int) -> dict:
 
 @pytest.mark.parametrize("world", [1, 2, 3])
 def test_comm_calls_outside_backward_context_and_keeps_works(world):
+    # torch 2.13 stashes the context in every backward; 2.11 (the GPU machines') stashes
+    # none, and lifting it is then a no-op
+    stashes = torch.__version__ >= "2.13"
     for seen in run_distributed(_exit_safety_rank, world, timeout=120):
-        assert seen["in_backward"] and not seen["lifted"] and seen["restored"]
-        assert seen["still_restored"] and not seen["after_backward"]
+        assert seen["in_backward"] is stashes and not seen["lifted"]
+        assert seen["restored"] is seen["still_restored"] is stashes
+        assert not seen["after_backward"]
         assert seen["kept_after_three"] == (3 if world > 1 else 0)  # P = 1 sends nothing
         assert seen["grad"] == [float(sum(range(1, world + 1)))] * 4  # summed over ranks
 
@@ -306,8 +310,9 @@ def _older_torch_rank(rank: int, world_size: int) -> dict:
 
     old = {}
     for name in ("all_gather_single", "reduce_scatter_single"):
-        old[name] = getattr(dist, name)
-        delattr(dist, name)
+        if hasattr(dist, name):  # a torch that is 2.11 already has neither
+            old[name] = getattr(dist, name)
+            delattr(dist, name)
     try:
         P = world_size
         c = Comm()
