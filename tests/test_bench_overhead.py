@@ -218,10 +218,12 @@ def test_time_limit_leaves_the_schemes_past_it_not_run(tmp_path, capsys):
 class _Event:
     """A stand-in for the profiler's ``FunctionEvent``: what :func:`overhead._tally` reads."""
 
-    def __init__(self, name, parent=None, kernels=(), device=False):
+    def __init__(self, name, parent=None, kernels=(), device=False, span=None):
         self.name, self.cpu_parent, self.cpu_children = name, parent, []
         self.kernels = [type("Kernel", (), {"name": k})() for k in kernels]
         self.device_type = "DeviceType.CUDA" if device else "DeviceType.CPU"
+        if span is not None:  # a device activity's (start, end) in µs
+            self.time_range = type("Interval", (), {"start": span[0], "end": span[1]})()
         if parent is not None:
             parent.cpu_children.append(self)
 
@@ -266,6 +268,59 @@ def test_tally_counts_device_reads_on_cuda_only_where_a_copy_to_the_host_ran():
     cpu = overhead._tally(ev, cuda=False)
     assert dict(cpu["reads"]) == {"aten::_local_scalar_dense": 2, "aten::nonzero": 1}
 
+
+
+_ADD = ("void at::native::vectorized_elementwise_kernel<4, at::native::CUDAFunctor_add<float>,"
+        " std::array<char*, 3ul> >(int, at::native::CUDAFunctor_add<float>)")
+_SORT = "void at::native::(anonymous namespace)::radixSortKVInPlace<long, int>(int*, long)"
+
+
+def _device(*spans):
+    """Device activities: (name, start µs, end µs)."""
+    return [_Event(n, device=True, span=(a, b)) for n, a, b in spans]
+
+
+def test_tally_measures_the_device_busy_time_once_where_streams_overlap():
+    """Where the time goes on CUDA: the device's busy time is the union of its activities'
+    spans (two streams' overlapping kernels count once), and each kernel's time adds up under
+    its short name (templates' arguments kept, namespaces and argument lists left out)."""
+    ev = _device((_ADD, 0, 10), (_ADD, 5, 20), (_SORT, 30, 34),
+                 ("Memcpy DtoH (Device -> Pinned)", 40, 41), (_ADD, 40.5, 40.7))
+    t = overhead._tally(ev, cuda=True)
+    assert t["busy_us"] == pytest.approx(20 + 4 + 1)
+    assert dict(t["device_us"]) == pytest.approx({
+        "vectorized_elementwise_kernel<4, CUDAFunctor_add<float>, array<char*, 3ul> >": 25.2,
+        "radixSortKVInPlace<long, int>": 4, "Memcpy DtoH": 1})
+    assert t["d2h_copies"] == 1
+
+
+def _cuda_counts(busy, device_ms):
+    return {"aten_ops": 100.0, "work_ops": 50.0, "host_reads": 1.0, "launches": 60.0,
+            "syncs": 2.0, "d2h_copies": 1.0, "read_ops_any_device": 1.0, "host_read_ops": {},
+            "all_threads": True, "steps": 3, "ops": {"aten::add": 100.0},
+            "device_busy_ms": busy, "device_ms": device_ms}
+
+
+def test_the_cuda_page_says_where_a_schemes_time_goes(tmp_path):
+    """A CUDA row's figures and page: the tax against the device's busy time beyond DDP's,
+    the rest the host's, and the kernels that grew most (made-up counts: no GPU here)."""
+    base = _cuda_counts(20.0, {"gemm": 18.0, "add": 2.0})
+    mine = _cuda_counts(23.5, {"gemm": 18.0, "add": 2.5, "radixSort": 3.0})
+    common = {"model": "m", "workload": "w", "params": 10, "tensors": 2, "floor_ms": 0.1}
+    row = {**common, "scheme": "topka", "kind": "engine"}
+    overhead._scheme_figures(row, [(30.0, 40.0)], [(30.0, 41.0)], mine, base, 2.0, False, 0.1)
+    assert row["tax_ms"] == 10.0 and row["device_busy_beyond_ddp_ms"] == 3.5
+    assert row["top_device_ms_beyond_ddp"] == {"radixSort": 3.0, "add": 0.5}
+    ddp = overhead._ddp_row(common, base, [30.0], [30.0])
+    meta = {"device_name": "NVIDIA H200", "date": "d", "command": "c", "machine": "m",
+            "wall_s": 60.0, "code": "abc", "density": 0.01, "sparsifier": "dgc",
+            "momentum": 0.9, "warmup_steps": 5, "compress_single_rank": "on", "pairs": 1,
+            "steps": 10, "count_steps": 3, "all_threads": True}
+    page = overhead.write_markdown(tmp_path / "p.md", [ddp, row], meta, cuda=True).read_text()
+    assert "| launches | syncs | device busy ms |" in page
+    assert "| 60 | 2 | 23.50 |" in page and "| 60 | 2 | 20.00 |" in page
+    assert ("- topka: tax 10.00 ms; device busy +3.50 ms; waiting on the host ≈ 6.50 ms "
+            "(`radixSort` +3.000, `add` +0.500)") in page
 
 
 def test_tally_counts_the_work_at_the_bottom_of_the_call_tree():

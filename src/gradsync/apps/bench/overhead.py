@@ -60,7 +60,12 @@ Per model and scheme:
   - on CUDA also ``launches`` (``cudaLaunchKernel``-like runtime calls), ``syncs``
     (``cudaStreamSynchronize``, ``cudaDeviceSynchronize``, ``cudaEventSynchronize`` and
     their driver-API names) and ``d2h_copies`` (``Memcpy DtoH`` device activities: a check
-    on ``host_reads`` that does not depend on how the profiler attributes device work).
+    on ``host_reads`` that does not depend on how the profiler attributes device work);
+    and where the time goes: ``device_busy_ms``, the time the device's kernels and copies
+    cover per counted step (several streams' overlaps once), and per scheme its growth over
+    DDP's and the kernels that grew most (``top_device_ms_beyond_ddp``, ms per step). The
+    tax minus that growth is time the device waited on the host (launches, syncs, Python):
+    the profile the GPU-tax issue asks for where a scheme stays above 1.10× DDP's step.
 * the **floor**: one read pass over the model's gradient, ``flat.abs().max()`` over a tensor of
   the model's parameter count (median time), and the tax in such passes (``tax / floor``).
 
@@ -233,6 +238,9 @@ def count_step(step_fn: Callable[[], Any], steps: int = 3,
         "syncs": per(t["syncs"]) if cuda else None,
         "d2h_copies": per(t["d2h_copies"]) if cuda else None,
         "read_ops_any_device": per(t["listed"]) if cuda else None,
+        "device_busy_ms": per(t["busy_us"] / 1e3) if cuda else None,
+        "device_ms": ({k: round(v / steps / 1e3, 4) for k, v in
+                       t["device_us"].most_common(40)} if cuda else {}),
         "host_read_ops": {k: per(v) for k, v in sorted(t["reads"].items())},
         "ops": {k: per(v) for k, v in sorted(t["ops"].items())},
     }
@@ -269,11 +277,17 @@ def _tally(events: Any, cuda: bool) -> dict[str, Any]:
 
     ops: Counter[str] = Counter()
     reads: Counter[str] = Counter()
+    device_us: Counter[str] = Counter()
+    spans: list[tuple[float, float]] = []
     listed = launches = syncs = copies = work = 0
     for e in events:
         name = e.name
         if str(getattr(e, "device_type", "")).endswith("CUDA"):  # device activity
             copies += name.startswith("Memcpy DtoH")
+            span = getattr(e, "time_range", None)
+            if span is not None:
+                spans.append((span.start, span.end))
+                device_us[_kernel_name(name)] += span.end - span.start
             continue
         if name == _MARK or any(a.name == _MARK for a in ancestors(e)):
             continue
@@ -291,7 +305,29 @@ def _tally(events: Any, cuda: bool) -> dict[str, Any]:
         elif name.startswith(_CPU_READ) and not any(is_read(a) for a in ancestors(e)):
             reads[name] += 1
     return {"ops": ops, "reads": reads, "listed": listed, "launches": launches,
-            "syncs": syncs, "d2h_copies": copies, "work": work}
+            "syncs": syncs, "d2h_copies": copies, "work": work, "device_us": device_us,
+            "busy_us": _covered(spans)}
+
+
+def _kernel_name(name: str, width: int = 80) -> str:
+    """A device activity's name, short: without ``void``, torch's and std's namespaces and the
+    argument list (``void at::native::vectorized_elementwise_kernel<4, at::native::
+    CUDAFunctor_add<float>, …>(int, …)`` → ``vectorized_elementwise_kernel<4,
+    CUDAFunctor_add<float>, …``), at most ``width`` characters."""
+    short = re.sub(r"\(anonymous namespace\)::|at::native::|at::cuda::|std::|c10::", "",
+                   name.removeprefix("void "))
+    return (short.split("(")[0].strip() or name)[:width]
+
+
+def _covered(spans: list[tuple[float, float]]) -> float:
+    """The time the ``(start, end)`` spans cover together (the device's busy time: kernels of
+    several streams overlapping count once)."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
 
 
 def _works(e: Any) -> bool:
@@ -726,6 +762,13 @@ def _scheme_figures(row: dict[str, Any], pairs: list[tuple[float, float]],
         "top_ops_beyond_ddp": _top_growth(counts["ops"], base_c["ops"], 12),
         "top_kernel_ops_beyond_ddp": _top_growth(counts["ops"], base_c["ops"], 8, True),
     })
+    if counts.get("device_busy_ms") is not None:  # CUDA: where the step's time goes
+        row["device_busy_beyond_ddp_ms"] = round(
+            counts["device_busy_ms"] - base_c["device_busy_ms"], 3)
+        grew = {n: round(v - base_c["device_ms"].get(n, 0.0), 4)
+                for n, v in counts["device_ms"].items()}
+        row["top_device_ms_beyond_ddp"] = dict(
+            sorted(((n, d) for n, d in grew.items() if d > 0), key=lambda kv: -kv[1])[:8])
 
 
 def _ddp_row(common: dict[str, Any], base_c: dict[str, Any], ddp_runs: list[float],
@@ -749,6 +792,7 @@ def _row_figures(c: dict[str, Any], base: dict[str, Any]) -> dict[str, Any]:
             "host_reads": c["host_reads"], "reads_beyond_ddp":
                 round(c["host_reads"] - base["host_reads"], 2),
             "launches": c["launches"], "syncs": c["syncs"], "d2h_copies": c["d2h_copies"],
+            "device_busy_ms": c.get("device_busy_ms"),
             "read_ops_any_device": c["read_ops_any_device"],
             "host_read_ops": c["host_read_ops"], "all_threads": c["all_threads"],
             "count_steps": c["steps"]}
@@ -789,9 +833,13 @@ def _cell(v: Any) -> str:
     return str(v)
 
 
+def _ms(v: float | None) -> str:
+    return "-" if v is None else f"{v:.2f}"
+
+
 def _columns(cuda: bool) -> list[str]:
     return ["scheme", "step ms", "× DDP [range]", "CPU ms", "CPU × DDP",
-            *(["launches", "syncs"] if cuda else []),
+            *(["launches", "syncs", "device busy ms"] if cuda else []),
             "host reads", "aten ops", "ops beyond DDP", "work ops", "work beyond DDP",
             "buffers", "work beyond DDP / buffer", "tax ms", "tax / floor"]
 
@@ -806,7 +854,8 @@ def _cells(r: dict[str, Any], cuda: bool) -> list[str]:
         span += " (probing)"
     cpu = "-" if r.get("cpu_ratio") is None else f"{r['cpu_ratio']:.2f}×"
     return [r["scheme"], f"{r['ms']:.1f}", span, f"{r['cpu_ms']:.1f}", cpu,
-            *([_cell(r["launches"]), _cell(r["syncs"])] if cuda else []),
+            *([_cell(r["launches"]), _cell(r["syncs"]), _ms(r.get("device_busy_ms"))]
+              if cuda else []),
             _cell(r["host_reads"]), _cell(r["aten_ops"]), _cell(r["ops_beyond_ddp"]),
             _cell(r["work_ops"]), _cell(r["work_beyond_ddp"]), _cell(r.get("buffers")),
             _cell(r.get("work_per_buffer")), f"{r['tax_ms']:.1f}",
@@ -875,7 +924,9 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
              + (", copies to the host" if cuda else ", `Tensor.tolist()`, `Tensor.numpy()`")
              + "; counted once, outermost)"
              + ("; launches: `cudaLaunchKernel`-like calls; syncs: stream/device/event "
-                "synchronisations" if cuda else "") + "; ops beyond DDP: scheme − ddp aten ops; "
+                "synchronisations; device busy ms: the time the device's kernels and copies "
+                "cover per counted step (profiled)" if cuda else "")
+             + "; ops beyond DDP: scheme − ddp aten ops; "
              "work ops: the aten ops that do work at the bottom of the call tree (no view, "
              "reshape, allocation, wrapper or host scalar; none that calls another such op): "
              "on a GPU each is about one kernel launch or copy, so on the CPU they stand in for "
@@ -900,6 +951,21 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
                 tops = ", ".join(f"`{k[6:]}` +{v:g}" for k, v in
                                  list(r["top_kernel_ops_beyond_ddp"].items())[:6])
                 lines.append(f"- {r['scheme']}: {tops}")
+            lines.append("")
+        timed = [r for r in mine if r.get("device_busy_beyond_ddp_ms") is not None]
+        if timed:
+            lines += ["Where the time goes: the step's time beyond DDP's (tax) against the "
+                      "device's busy time beyond DDP's (kernels and copies, counted steps, "
+                      "overlaps once); the rest is time the device waited on the host "
+                      "(launches, syncs, Python). The kernels that grew most, ms per step:",
+                      ""]
+            for r in timed:
+                busy = r["device_busy_beyond_ddp_ms"]
+                tops = ", ".join(f"`{k}` +{v:.3f}" for k, v in
+                                 list(r["top_device_ms_beyond_ddp"].items())[:4])
+                lines.append(f"- {r['scheme']}: tax {r['tax_ms']:.2f} ms; device busy "
+                             f"{busy:+.2f} ms; waiting on the host ≈ "
+                             f"{r['tax_ms'] - busy:.2f} ms" + (f" ({tops})" if tops else ""))
             lines.append("")
     for p in meta.get("artifacts", []):
         lines.append(f"- [{p}]({p})")
