@@ -424,8 +424,9 @@ def test_per_tensor_selection_costs_per_buffer_on_the_accelerators_path(tmp_path
     them (``--segments-on-cpu``): one host read per buffer for DGC's counts, one for the
     step's checks."""
     # and the GPU's bar on syncs, at most 2 + one per buffer, with host reads standing in:
-    # every one of them but Ok-Topk, whose reuse step reads 3 times on its one buffer (its
-    # selection's count, its regions' offsets, the gathered counts) besides the step's check
+    # every one of them but Ok-Topk, whose reuse step reads 4 times on its one buffer (its
+    # selection's count, its regions' offsets, the gathered counts, the kept positions)
+    # besides the step's check: 5 where the bar is 3
     _assert_per_buffer(_criteria_rows(tmp_path, SEGMENTED, True), SEGMENTED,
                        syncs=tuple(s for s in SEGMENTED if s != "oktopk"))
 
