@@ -425,10 +425,13 @@ class ErrorFeedback:
                          sent_values: torch.Tensor | None, whole: int) -> torch.Tensor:
         """:meth:`update_buffer` of the positions ``consumed`` after the first ``whole``
         entries (sent whole too; 0: none)."""
-        ends = [hi for _, _, hi in b.slices()]
-        if whole and whole not in ends:
-            raise ValueError(f"update_buffer({key!r}): {whole} entries sent whole end inside a "
-                             f"tensor (tensors end at {ends[:4]}…)")
+        first = 0  # the first tensor after those sent whole
+        if whole:  # a walk over the tensors only then (SSFusion-I's buckets), not every step
+            ends = list(itertools.accumulate(b.sizes))
+            if whole not in ends:
+                raise ValueError(f"update_buffer({key!r}): {whole} entries sent whole end "
+                                 f"inside a tensor (tensors end at {ends[:4]}…)")
+            first = ends.index(whole) + 1
         idx = consumed.reshape(-1).to(torch.int64)
         residual = flat if acc is b.pending_acc else flat.clone()
         head, tail = residual[:whole], residual[whole:]
@@ -449,7 +452,7 @@ class ErrorFeedback:
         if self.momentum:
             u = b.pending_velocity
             if self.masking and idx.numel() < tail.numel():  # DGC §3.2, compressed tensors only
-                self._mask(b, u, idx, ends.index(whole) + 1 if whole else 0)
+                self._mask(b, u, idx, first)
             self._commit_velocity(b, u)
         return self._commit(b, residual)
 
