@@ -261,12 +261,31 @@ def test_sparse_sum_both_paths_are_the_left_fold(data, n_parts, dtype, wide):
         parts.append((torch.tensor(chosen, dtype=torch.int64),
                       torch.tensor(vals, dtype=torch.float32).to(dtype)))
     out_dtype = torch.float64 if wide else dtype
+    # the caller may name a range that holds every index (a region it owns): the same bits
+    margin = data.draw(st.integers(0, 3 * step))
+    within = (max(0, pool[0] - margin), pool[-1] + 1 + margin)
     ref = _left_fold(parts, out_dtype)
-    got_i, got_v = sparse_sum(parts, out_dtype)
-    assert got_i.tolist() == sorted(ref)
     want = torch.stack([ref[i] for i in sorted(ref)]) if ref else torch.empty(0, dtype=out_dtype)
     bits = {torch.float64: torch.int64, torch.float32: torch.int32, torch.bfloat16: torch.int16}
-    assert torch.equal(got_v.view(bits[out_dtype]), want.view(bits[out_dtype]))  # -0.0 too
+    for kw in ({}, {"within": within}):
+        got_i, got_v = sparse_sum(parts, out_dtype, **kw)
+        assert got_i.tolist() == sorted(ref)
+        assert torch.equal(got_v.view(bits[out_dtype]), want.view(bits[out_dtype]))  # -0.0 too
+
+
+def test_sparse_sum_adds_every_value_of_a_part_that_repeats_an_index():
+    """Parts must hold distinct indices, and a malformed message (an index moved into range by
+    :func:`indices_flag`, its value zeroed) can break that; its caller then raises. Until it
+    does, the merge still adds every value, in order, though an index is held more times than
+    there are parts (its level counts one read deeper)."""
+    at = [5, 70_000, 900_000]
+    parts = [(torch.tensor(at), torch.tensor([1.0, 2.0, 4.0])),
+             (torch.tensor([5, 5, 5, 5, 900_000]), torch.tensor([8.0, 16.0, 32.0, 64.0, 128.0])),
+             (torch.tensor([70_000]), torch.tensor([256.0]))]
+    for kw in ({}, {"within": (0, 1_000_000)}):
+        got_i, got_v = sparse_sum(parts, **kw)
+        assert got_i.tolist() == at
+        assert got_v.tolist() == [1.0 + 8 + 16 + 32 + 64, 2.0 + 256, 4.0 + 128]
 
 
 def test_sparse_sum_merge_path_runs_where_the_span_is_wide():
