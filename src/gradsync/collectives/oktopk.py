@@ -38,9 +38,13 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
 Host reads. The indices received (the peers' split-and-reduce messages, the gathered global
 selection) are checked on the device: a bad one is moved into range with its value zeroed
 before anything is written, and the checks go to the caller (:data:`~gradsync.collectives.base.
-CHECKS`), which reads them with the step's other checks. A reuse step then reads the regions'
-offsets in the selection, the sizes of the peers' messages (P > 1), the regions' counts with the
-non-finite flags (one all-gather), and the kept positions; an exact θ adds the radix select's 8.
+CHECKS`), which reads them with the step's other checks. A reuse step then reads once the
+regions' counts with the non-finite flags and, per region, how many of its selected entries
+each rank sent (one all-gather): so each rank knows the size of its ``kept`` before the global
+selection arrives. At P > 1 it also reads the regions' offsets in its selection with the sizes
+of the peers' messages (one read), and the merge of the messages reads the size of their union
+(:func:`~gradsync.sparsegrad.sparse_sum`, given the region's ends); an exact θ adds the radix
+select's 8.
 A malformed message raises after θ and the boundaries are committed (a non-finite value, before;
 or, with ``nonfinite="skip_step"``, gives a sum of NaN on every rank for the owner to skip).
 
@@ -235,8 +239,8 @@ class OkTopk(Collective):
         checks: list[tuple[torch.Tensor, str]] = []  # read by the caller with its own
 
         # Line 8: split and reduce → the reduced entries of this rank's region.
-        r_idx, r_val, received = self._split_and_reduce(sel, edges, edges_dev, comm, wire, eb,
-                                                        checks)
+        r_idx, r_val, received, sources = self._split_and_reduce(sel, edges, edges_dev, comm,
+                                                                 wire, eb, checks)
         mags = r_val.abs().to(torch.float32)
         # A non-finite reduced value (NaN received, or an fp16/bf16 overflow of the sum).
         bad_sum = _nonfinite_flag(mags)
@@ -246,8 +250,9 @@ class OkTopk(Collective):
         if due(step, st["theta_step"], self.tau_prime) or theta is None:
             theta, reason = self._exact_threshold(mags, k, comm), "periodic"
         mask = mags >= theta
-        # the count and both flags travel in one all-gather and come back in one read
-        cb = comm.all_gather(torch.stack([mask.sum(), bad, bad_sum]).to(torch.int64)).tolist()
+        # the count, both flags and the count per contributing rank travel in one all-gather
+        # and come back in one read
+        cb = self._gather_counts(mask, r_idx, sources, comm, bad, bad_sum)
         if any(c[1] or c[2] for c in cb):  # every rank knows it: nothing hangs
             inputs = [i for i in range(P) if cb[i][1]]
             sums = [i for i in range(P) if cb[i][2]]
@@ -264,8 +269,11 @@ class OkTopk(Collective):
                 (total < band[0] * k and theta > 0.0) or total > band[1] * k):
             theta, reason = self._exact_threshold(mags, k, comm), "out_of_range"
             mask = mags >= theta
-            counts = comm.all_gather_counts(int(mask.sum()), dev)
+            cb = self._gather_counts(mask, r_idx, sources, comm, bad, bad_sum)
+            counts = [int(c[0]) for c in cb]
             total = sum(counts)
+        # this rank's entries in the global selection: counted by the regions' owners
+        n_kept = sum(int(c[3 + comm.rank]) for c in cb)
         at = torch.nonzero_static(mask, size=counts[comm.rank]).view(-1)  # its count is known
         g_idx, g_val = torch.index_select(r_idx, 0, at), torch.index_select(r_val, 0, at)
 
@@ -286,9 +294,16 @@ class OkTopk(Collective):
         dense = SparseGrad(all_idx, all_val, n, validate=False).to_dense()
 
         # Line 14: the local entries that made it into the global selection (a bitmap of it
-        # over the tensor: no read; the positions themselves need one, their count is unknown)
+        # over the tensor), at their count from the owners (no read; checked with the rest,
+        # and a count that disagrees, from a malformed message, pads with a valid position)
         chosen = mark_at(torch.zeros(n, dtype=torch.bool, device=dev), all_idx)
-        kept = sel.indices[torch.index_select(chosen, 0, sel.indices)]
+        hit = torch.index_select(chosen, 0, sel.indices)
+        at = torch.nonzero_static(hit, size=min(n_kept, len(sel)), fill_value=0).view(-1)
+        kept = torch.index_select(sel.indices, 0, at)
+        checks.append((hit.sum() == n_kept, f"oktopk: the regions' owners counted {n_kept} of "
+                                            f"this rank's entries in the global selection, "
+                                            f"the gathered selection holds another number "
+                                            f"(step {step})"))
 
         # Commit the state only now: a non-finite value raised above leaves it untouched on every
         # rank (the wire checks are read by the caller, after this)
@@ -331,6 +346,26 @@ class OkTopk(Collective):
         return e[2], e[3]
 
     # -- pieces -----------------------------------------------------------------------
+    @staticmethod
+    def _gather_counts(mask: torch.Tensor, r_idx: torch.Tensor,
+                       sources: list[tuple[int, torch.Tensor]], comm: Comm,
+                       bad: torch.Tensor, bad_sum: torch.Tensor) -> list[list[int]]:
+        """One all-gather and one read: per region owner, ``[selected, bad, bad_sum,
+        c_0 … c_{P−1}]``, ``c_s`` the selected entries of its region that rank s sent (or
+        holds: its own), so every rank knows its own count in the global selection before
+        it arrives. ``sources``: ``(rank, indices)`` of every contribution to the region
+        (indices in ``r_idx``, the sorted union)."""
+        P, dev = comm.size, mask.device
+        per = torch.zeros(P, dtype=torch.int64, device=dev)
+        for s, i in sources:
+            if i is r_idx:  # the region is this contribution alone: no search
+                per[s] = mask.sum()
+            elif i.numel():  # every rank contributes once
+                at = torch.searchsorted(r_idx, i).clamp_(max=max(r_idx.numel() - 1, 0))
+                per[s] = torch.index_select(mask, 0, at).sum()
+        head = torch.stack([mask.sum(), bad, bad_sum]).to(torch.int64)
+        return comm.all_gather(torch.cat([head, per])).tolist()
+
     def _target_k(self, sel: SparseGrad, comm: Comm) -> int:
         if self.k is not None:
             return self.k
@@ -343,24 +378,24 @@ class OkTopk(Collective):
     def _split_and_reduce(
         self, sel: SparseGrad, edges: list[int], edges_dev: torch.Tensor, comm: Comm,
         wire: torch.dtype, eb: int, checks: list[tuple[torch.Tensor, str]],
-    ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    ) -> tuple[torch.Tensor, torch.Tensor, int, list[tuple[int, torch.Tensor]]]:
         """P−1 steps with destination rotation; buckets of min(bucket, P) messages, each
-        reduced while the next is in flight. Returns (indices, values, entries received); the
-        checks of the peers' entries (sorted, inside this rank's region) go to ``checks``."""
+        reduced while the next is in flight. Returns (indices, values, entries received,
+        ``(rank, indices)`` of every contribution); the checks of the peers' entries (sorted,
+        inside this rank's region) go to ``checks``. One read: the regions' offsets in the
+        selection with the sizes of the messages to receive (at P = 1, none: the one region
+        is the whole selection and nothing travels)."""
         P, r, dev = comm.size, comm.rank, sel.device
-        off = torch.searchsorted(sel.indices, edges_dev).tolist()  # one read
+        if P == 1:
+            return sel.indices, sel.values, 0, [(0, sel.indices)]
+        off_dev = torch.searchsorted(sel.indices, edges_dev)
 
         def region(d: int) -> tuple[torch.Tensor, torch.Tensor]:
             return sel.indices[off[d]:off[d + 1]], sel.values[off[d]:off[d + 1]]
 
-        own_i, own_v = region(r)
-        lo, hi = edges[r], edges[r + 1]
-        acc_i, acc_v = own_i, own_v.to(torch.float64)
-        if P == 1:
-            return acc_i, acc_v.to(sel.dtype), 0
-        # Sizes first: step j sends |region (r+j)| to (r+j) and receives from (r−j).
-        out_sizes = torch.tensor([off[(r + j) % P + 1] - off[(r + j) % P] for j in range(1, P)],
-                                 dtype=torch.int64, device=dev)
+        # Sizes first: step j sends |region (r+j)| to (r+j) and receives from (r−j); the
+        # sizes go out from the device, and the offsets come back with those received.
+        out_sizes = torch.roll(off_dev[1:] - off_dev[:-1], -(r + 1))[:P - 1]
         in_sizes = torch.empty(P - 1, dtype=torch.int64, device=dev)
         works = []
         for j in range(1, P):
@@ -368,7 +403,12 @@ class OkTopk(Collective):
             works.append(comm.isend(out_sizes[j - 1:j], (r + j) % P))
         for w in works:
             w.wait()
-        n_in = in_sizes.tolist()
+        both = torch.cat([off_dev, in_sizes]).tolist()  # the one read
+        off, n_in = both[:P + 1], both[P + 1:]
+        own_i, own_v = region(r)
+        lo, hi = edges[r], edges[r + 1]
+        acc_i, acc_v = own_i, own_v.to(torch.float64)
+        sources = [(r, own_i)]
 
         def post(js: list[int]) -> tuple[list, list]:
             pending, got = [], []
@@ -377,7 +417,7 @@ class OkTopk(Collective):
                 buf = torch.empty(n_in[j - 1] * eb, dtype=torch.uint8, device=dev)
                 if buf.numel():
                     pending.append((comm.irecv(buf, src), buf))
-                    got.append((buf, n_in[j - 1]))
+                    got.append((buf, n_in[j - 1], src))
                 di, dv = region(dst)
                 if di.numel():
                     msg = pack_entries(di, dv, wire)
@@ -395,15 +435,17 @@ class OkTopk(Collective):
                 w.wait()
             if current[1]:
                 parts = []
-                for buf, c in current[1]:  # sorted, inside this rank's region: on the device
-                    i, v = unpack_entries(buf, c, wire, sel.dtype, "oktopk")
+                for buf, c, src in current[1]:  # sorted, inside this rank's region: checked
+                    i, v = unpack_entries(buf, c, wire, sel.dtype, "oktopk")  # on the device
                     i, inside, ok = indices_flag(i, hi, lo)
                     checks.append((ok, f"oktopk: a peer's entries for this rank's region "
                                        f"[{lo}, {hi}) are not strictly increasing inside it"))
                     parts.append((i, torch.where(inside, v, torch.zeros((), dtype=v.dtype,
                                                                         device=dev))))
-                acc_i, acc_v = sparse_sum([(acc_i, acc_v), *parts], torch.float64)
-        return acc_i, acc_v.to(sel.dtype), sum(n_in)
+                    sources.append((src, i))
+                acc_i, acc_v = sparse_sum([(acc_i, acc_v), *parts], torch.float64,
+                                          within=(lo, hi))  # its ends known: no read
+        return acc_i, acc_v.to(sel.dtype), sum(n_in), sources
 
     def _exact_threshold(self, mags: torch.Tensor, k: int, comm: Comm) -> float:
         """θ = the k-th largest magnitude over the union of all ranks' reduced regions.
