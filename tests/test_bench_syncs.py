@@ -1,0 +1,51 @@
+"""``python -m gradsync bench syncs``: host reads per step at P real gloo ranks, counted on
+every rank, and the page and JSON it writes."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from gradsync.apps.bench import syncs
+
+
+def test_bench_syncs_counts_every_rank_at_every_world_size(tmp_path):
+    """Ok-Topk at P = 1 meets issue 42's sync bar (2 + its one buffer); at P = 2 each rank
+    reads at most 6 more: the engine's two agreements between ranks (the finiteness flag, the
+    collective's shape check), the regions' offsets with the peers' sizes, the merge's union,
+    and on the CPU the merge's numpy sort and second compaction (a GPU makes neither read).
+    Before the offsets travelled with the sizes and the owners counted each rank's kept
+    entries, the same run read 5 at P = 1 and 14 / 15 at P = 2. torch DDP reads nothing."""
+    rc = syncs.main(["--ranks", "1,2", "--model", "mlp8", "--mlp-params", "65536",
+                     "--schemes", "oktopk,topka", "--out", str(tmp_path)])
+    assert rc == 0
+    data = json.loads((tmp_path / "syncs-cpu.json").read_text())
+    rows = {(r["ranks"], r["scheme"]): r for r in data["rows"]}
+    assert set(rows) == {(p, s) for p in (1, 2) for s in ("ddp", "oktopk", "topka")}
+    for (p, s), r in rows.items():
+        assert len(r["reads_per_rank"]) == p
+        assert r["reads_max"] == max(r["reads_per_rank"])
+        if s == "ddp":
+            assert r["reads_per_rank"] == [0] * p and r["buffers"] is None
+        else:
+            assert r["buffers"] == 1 and r["p1_bar"] == 3
+    assert rows[1, "oktopk"]["reads_per_rank"] == [3]
+    assert rows[1, "oktopk"]["read_ops_rank0"] == {"Tensor.tolist": 3}
+    assert rows[1, "topka"]["reads_per_rank"] == [3]
+    assert all(3 < n <= 3 + 6 for n in rows[2, "oktopk"]["reads_per_rank"])
+    assert data["meta"]["ranks"] == [1, 2] and data["meta"]["model"] == "mlp8"
+    page = (tmp_path / "syncs-cpu.md").read_text()
+    assert "python -m gradsync bench syncs --ranks 1,2" in page
+    assert "| 2 | oktopk | 1 |" in page
+
+
+@pytest.mark.parametrize("args, match", [
+    (["--ranks", "0"], "world sizes"), (["--ranks", "two"], "integers"),
+    (["--count-steps", "0"], "count-steps"), (["--schemes", "nope"], "unknown"),
+    (["--model", "vgg"], "vgg"),
+])
+def test_bench_syncs_rejects_bad_arguments(args, match, capsys):
+    with pytest.raises(SystemExit):
+        syncs.main(args)
+    assert match in capsys.readouterr().err
