@@ -141,7 +141,7 @@ def test_every_run_trains_a_copy_of_one_build(tmp_path, monkeypatch):
     GPU's clock), and every run trains a fresh copy of it: the copies start from the build's
     weights and never write to it."""
     built, started = [], []
-    init, run_init = overhead.LayeredMLP.__init__, overhead._Run.__init__
+    init, run_init = overhead.LayeredMLP.__init__, overhead.Run.__init__
 
     def counting(self, *args, **kw):
         init(self, *args, **kw)
@@ -156,7 +156,7 @@ def test_every_run_trains_a_copy_of_one_build(tmp_path, monkeypatch):
             assert torch.equal(mine, theirs)
 
     monkeypatch.setattr(overhead.LayeredMLP, "__init__", counting)
-    monkeypatch.setattr(overhead._Run, "__init__", run)
+    monkeypatch.setattr(overhead.Run, "__init__", run)
     rc = overhead.main([*_TINY, "--schemes", "ddp,topka,hook:per_tensor", "--out",
                         str(tmp_path)])
     assert rc == 0

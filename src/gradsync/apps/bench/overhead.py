@@ -479,7 +479,8 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _config(scheme: str, a: argparse.Namespace):
+def config_for(scheme: str, a: argparse.Namespace):
+    """The run's :class:`gradsync.Config` of ``scheme`` (``ValueError`` on bad options)."""
     from gradsync import Config
 
     kw: dict[str, Any] = dict(scheme=scheme, density=a.density, sparsifier=a.sparsifier,
@@ -550,7 +551,7 @@ def _waited(hook: Callable[..., Any]) -> Callable[..., Any]:
     return run
 
 
-class _Run:
+class Run:
     """One run: a fresh copy of ``template`` (the model as built, on the device) wrapped for
     ``lab``, its optimizer and its step."""
 
@@ -567,7 +568,7 @@ class _Run:
         ids = [device.index or 0] if device.type == "cuda" else None
         sgd_momentum = 0.9
         if lab.kind == "engine":
-            self.engine = gradsync.GradSync(model, _config(lab.scheme, a), group=group)
+            self.engine = gradsync.GradSync(model, config_for(lab.scheme, a), group=group)
             net: nn.Module = model
             sgd_momentum = 0.0 if _sparse(lab.scheme) else 0.9
         else:
@@ -581,7 +582,7 @@ class _Run:
                 hook = psgd.powerSGD_hook if device.type == "cuda" else _waited(psgd.powerSGD_hook)
                 net.register_comm_hook(state, hook)
             elif lab.kind == "hook":
-                self.hook = gradsync.ddp.register(net, _config(lab.scheme, a))
+                self.hook = gradsync.ddp.register(net, config_for(lab.scheme, a))
                 sgd_momentum = 0.0 if _sparse(lab.scheme) else 0.9
         self.net = net
         self.loss = wl.loss
@@ -610,7 +611,7 @@ class _Run:
 def _measure(wl: Workload, template: nn.Module, lab: Label, a: argparse.Namespace,
              device: torch.device, group: Any, count: bool) -> dict[str, Any]:
     """One run: warm-up, ``a.steps`` timed steps (median ms), and the counts when ``count``."""
-    run = _Run(wl, template, lab, a, device, group)
+    run = Run(wl, template, lab, a, device, group)
     try:
         for _ in range(a.warmup_steps + 2):
             run.step()
@@ -824,7 +825,7 @@ def _world_of_one(device: torch.device) -> Iterator[Any]:
             dist.destroy_process_group()
 
 
-def _cell(v: Any) -> str:
+def cell(v: Any) -> str:
     """A count per step: whole numbers as such, others to one decimal."""
     if v is None:
         return "-"
@@ -854,15 +855,15 @@ def _cells(r: dict[str, Any], cuda: bool) -> list[str]:
         span += " (probing)"
     cpu = "-" if r.get("cpu_ratio") is None else f"{r['cpu_ratio']:.2f}×"
     return [r["scheme"], f"{r['ms']:.1f}", span, f"{r['cpu_ms']:.1f}", cpu,
-            *([_cell(r["launches"]), _cell(r["syncs"]), _ms(r.get("device_busy_ms"))]
+            *([cell(r["launches"]), cell(r["syncs"]), _ms(r.get("device_busy_ms"))]
               if cuda else []),
-            _cell(r["host_reads"]), _cell(r["aten_ops"]), _cell(r["ops_beyond_ddp"]),
-            _cell(r["work_ops"]), _cell(r["work_beyond_ddp"]), _cell(r.get("buffers")),
-            _cell(r.get("work_per_buffer")), f"{r['tax_ms']:.1f}",
+            cell(r["host_reads"]), cell(r["aten_ops"]), cell(r["ops_beyond_ddp"]),
+            cell(r["work_ops"]), cell(r["work_beyond_ddp"]), cell(r.get("buffers")),
+            cell(r.get("work_per_buffer")), f"{r['tax_ms']:.1f}",
             "-" if r["tax_floors"] is None else f"{r['tax_floors']:.0f}"]
 
 
-def _code() -> str:
+def code_label() -> str:
     """The checkout's commit, ``+ changes`` when its tracked files differ from it (or
     ``unknown`` outside a git checkout)."""
     import subprocess
@@ -1083,7 +1084,7 @@ def main(argv: list[str] | None = None) -> int:
         loads = [workload(n, cuda, batch_size=a.batch_size, image_size=a.image_size,
                           seq_len=a.seq_len, mlp_params=int(a.mlp_params), seed=a.seed)
                  for n in names]
-        _config("dense", a)  # checks density, sparsifier, momentum
+        config_for("dense", a)  # checks density, sparsifier, momentum
     except ValueError as e:
         p.error(str(e))
     slug = device_slug(device)
@@ -1106,7 +1107,7 @@ def main(argv: list[str] | None = None) -> int:
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
             "device": slug,
             "device_name": torch.cuda.get_device_name(device) if cuda else "the CPU",
-            "code": a.code or _code(), "density": a.density,
+            "code": a.code or code_label(), "density": a.density,
             "sparsifier": a.sparsifier, "momentum": a.momentum,
             "warmup_steps": a.warmup_steps, "pairs": a.pairs, "steps": a.steps,
             "count_steps": a.count_steps, "powersgd_rank": a.powersgd_rank,

@@ -68,7 +68,7 @@ def _rank(rank: int, world: int, schemes: list[str], a: dict[str, Any]) -> dict[
     template = wl.build()
     out: dict[str, Any] = {}
     for label in overhead.parse_schemes(",".join(schemes)):
-        run = overhead._Run(wl, template, label, ns, torch.device("cpu"), dist.group.WORLD)
+        run = overhead.Run(wl, template, label, ns, torch.device("cpu"), dist.group.WORLD)
         try:
             for _ in range(WARMUP_STEPS):
                 run.step()
@@ -101,9 +101,9 @@ def measure(ranks: int, schemes: list[str], a: dict[str, Any],
 def _cells(r: dict[str, Any]) -> list[Any]:
     ops = ", ".join(f"{k.removeprefix('aten::')} {v:g}" for k, v in
                     sorted(r["read_ops_rank0"].items()))
-    return [r["ranks"], r["scheme"], overhead._cell(r["buffers"]),
-            " / ".join(overhead._cell(x) for x in r["reads_per_rank"]),
-            overhead._cell(r["p1_bar"]), ops]
+    return [r["ranks"], r["scheme"], overhead.cell(r["buffers"]),
+            " / ".join(overhead.cell(x) for x in r["reads_per_rank"]),
+            overhead.cell(r["p1_bar"]), ops]
 
 
 COLUMNS = ("P", "scheme", "buffers", "host reads / step, rank 0 / 1 / …",
@@ -183,7 +183,7 @@ def main(argv: list[str] | None = None) -> int:
         labels = overhead.parse_schemes(a.schemes)
         wl = overhead.workload(a.model, False, image_size=a.image_size,
                                mlp_params=int(a.mlp_params), seed=a.seed)
-        overhead._config("dense", _namespace(vars(a)))  # checks density, sparsifier, momentum
+        overhead.config_for("dense", _namespace(vars(a)))  # checks density, sparsifier, momentum
     except ValueError as e:
         p.error(str(e))
     schemes = [x.label for x in labels]
@@ -192,7 +192,7 @@ def main(argv: list[str] | None = None) -> int:
            "mlp_params": int(a.mlp_params), "seed": a.seed}
     meta = {"command": "python -m gradsync bench syncs " + shlex.join(argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "code": overhead._code(), "describe": wl.describe, **cfg,
+            "code": overhead.code_label(), "describe": wl.describe, **cfg,
             "warmup_steps": WARMUP_STEPS, "ranks": worlds, "schemes": schemes}
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
