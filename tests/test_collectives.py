@@ -462,3 +462,39 @@ def test_gtopk_density_k_is_target_k_round_not_ceil():
         collectives.get("gtopk", density=0.0)
     with pytest.raises(ValueError, match="gtopk: density"):
         collectives.get("gtopk", density=float("nan"))
+
+
+# -- check_shapes="changes": the engine's and the DDP hook's agreement, once per description ---
+def _agree_on_changes(rank: int, P: int) -> dict:
+    def sel(n: int) -> SparseGrad:
+        return SparseGrad(torch.arange(2), torch.ones(2), n)
+
+    out: dict = {}
+    for mode in (True, "changes"):
+        coll = collectives.get("topka", check_shapes=mode)
+        out[mode] = [coll(sel(n)).stats.bytes_sent for n in (10, 10, 12, 10, 12)]
+    try:  # a description not agreed before, and rank 0 alone passes another numel
+        coll(SparseGrad.empty(20 + (rank == 0)))
+        out["mismatch"] = "returned"
+    except ValueError as e:
+        out["mismatch"] = str(e)
+    return out
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_check_shapes_changes_agrees_once_per_description(P):
+    """With ``check_shapes="changes"`` the ranks agree on a tensor's description the first time
+    it is passed (numel 10, then 12) and not again (the calls after it send the agreement's
+    bytes fewer); the default agrees at every call; a description never agreed that differs
+    between ranks still raises on every rank."""
+    for o in run_distributed(_agree_on_changes, P, timeout=120):
+        every, once = o[True], o["changes"]
+        assert len(set(every)) == 1 and every[0] == once[0] == once[2]
+        word = once[0] - once[1]
+        assert word > 0 and once[1] == once[3] == once[4] == every[0] - word
+        assert "ranks disagree on the tensor" in o["mismatch"]
+
+
+def test_check_shapes_rejects_other_values():
+    with pytest.raises(ValueError, match="check_shapes must be True, False or 'changes'"):
+        collectives.get("topka", check_shapes="sometimes")

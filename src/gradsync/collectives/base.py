@@ -28,6 +28,9 @@ __all__ = ["CHECKS", "Collective", "SyncResult", "raise_failed"]
 CHECKS = "checks"
 # the shape check's word holds the capacity modulo this (plus one; 0: no capacity)
 _CAP_MOD = (1 << 22) - 1
+#: ``check_shapes="changes"`` keeps this many agreed descriptions (then starts afresh, on every
+#: rank at the same call): a DDP hook's buckets, an engine's buffers, warm-up densities.
+AGREED_KEPT = 256
 
 
 def raise_failed(checks: list[tuple[torch.Tensor, str]]) -> None:
@@ -57,14 +60,26 @@ class Collective(ABC):
     ``check_shapes`` (default on) runs one all-reduce of four int64 words so that ranks passing
     different ``numel``, dtypes or dense prefixes (``SparseGrad.dense_prefix``) fail with a
     clear ``ValueError`` on every rank instead of hanging or corrupting memory. Its 32 bytes
-    are counted like any other traffic.
+    are counted like any other traffic, and its read makes a GPU's host wait, once per call.
+    ``check_shapes="changes"``: once per description of the tensor (numel, dtype, dense
+    prefix, capacity) this rank has not passed before (at most :data:`AGREED_KEPT` kept), as
+    torch DDP checks its parameters' shapes once. For callers whose every rank passes the same
+    sequence of tensors, which they agreed on beforehand (the engine, the DDP hook: their
+    configuration and model are checked at construction, their plans agreed): every rank then
+    checks at the same calls. A rank that alone changed what it passes would meet the others
+    in another collective (a hang until the group's timeout, or garbage), which the default
+    rules out.
     """
 
     name: str = "?"  # set by ``registry.register(name)``
     exact: bool = True  # does `dense` equal the sum of every rank's selection?
 
-    def __init__(self, *, check_shapes: bool = True) -> None:
+    def __init__(self, *, check_shapes: bool | str = True) -> None:
+        if check_shapes not in (True, False, "changes"):
+            raise ValueError(f"{self.name}: check_shapes must be True, False or 'changes', got "
+                             f"{check_shapes!r}")
         self.check_shapes = check_shapes
+        self._agreed: set[tuple[int, ...]] = set()  # with "changes": descriptions agreed
 
     def rescale(self, factor: float) -> None:
         """The values are ``factor`` times larger from the next call on (a loss scale that
@@ -85,7 +100,13 @@ class Collective(ABC):
         comm = Comm(group)
         t0 = time.perf_counter()
         if self.check_shapes and comm.size > 1:
-            self._agree(sel, comm)
+            key = (comm.size, comm.rank, *self._describe(sel))
+            if self.check_shapes is True or key not in self._agreed:
+                self._agree(sel, comm)
+                if self.check_shapes == "changes":
+                    if len(self._agreed) >= AGREED_KEPT:  # alike on every rank: lockstep
+                        self._agreed.clear()
+                    self._agreed.add(key)
         dense, kept, info = self._reduce(sel, comm, step)
         checks = info.pop(CHECKS, [])
         if deferred is not None:
@@ -96,12 +117,15 @@ class Collective(ABC):
         return SyncResult(dense=dense, kept=kept, stats=comm.stats, info=info)
 
     @staticmethod
-    def _agree(sel: SparseGrad, comm: Comm) -> None:
-        # the dtype code (one byte), the dense prefix (below 2**31) and a fingerprint of the
-        # capacity (SparseGrad.capacity; 0: none) share the second word
+    def _describe(sel: SparseGrad) -> tuple[int, int]:
+        """``(numel, code)``: the dtype code (one byte), the dense prefix (below 2**31) and a
+        fingerprint of the capacity (SparseGrad.capacity; 0: none) share the second word."""
         cap = 0 if sel.capacity is None else sel.capacity % _CAP_MOD + 1
-        code = (DTYPE_CODES.get(sel.dtype, 0) + 256 * sel.dense_prefix
-                + (1 << 40) * cap)
+        return sel.numel, DTYPE_CODES.get(sel.dtype, 0) + 256 * sel.dense_prefix + (1 << 40) * cap
+
+    @classmethod
+    def _agree(cls, sel: SparseGrad, comm: Comm) -> None:
+        _, code = cls._describe(sel)
         word = torch.tensor([sel.numel, code, -sel.numel, -code], dtype=torch.int64,
                             device=comm.device)
         comm.all_reduce(word, op=dist.ReduceOp.MAX)

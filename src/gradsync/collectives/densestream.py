@@ -80,7 +80,7 @@ class DenseStreamAllreduce(Collective):
 
 
     def __init__(self, *, tau: int = 64, index_bytes: int | None = None,
-                 check_shapes: bool = True) -> None:
+                 check_shapes: bool | str = True) -> None:
         super().__init__(check_shapes=check_shapes)
         if int(tau) < 1:
             raise ValueError(f"densestream: tau must be >= 1, got {tau}")

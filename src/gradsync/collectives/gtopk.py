@@ -79,7 +79,7 @@ class GTopk(Collective):
     exact = False
 
     def __init__(
-        self, k: int | None = None, density: float | None = None, *, check_shapes: bool = True
+        self, k: int | None = None, density: float | None = None, *, check_shapes: bool | str = True
     ) -> None:
         super().__init__(check_shapes=check_shapes)
         if k is not None and density is not None:

@@ -123,7 +123,7 @@ class LHC(Collective):
         seed: int = 0,
         lanes: int = LANES,
         shift: bool = True,
-        check_shapes: bool = True,
+        check_shapes: bool | str = True,
     ) -> None:
         super().__init__(check_shapes=check_shapes)
         if isinstance(ratio, bool) or not isinstance(ratio, int) or ratio < 1:

@@ -144,7 +144,7 @@ class OkTopk(Collective):
         nudge: float = 0.02,
         recompute_band: tuple[float, float] | None = None,
         nonfinite: str = "raise",
-        check_shapes: bool = True,
+        check_shapes: bool | str = True,
     ) -> None:
         super().__init__(check_shapes=check_shapes)
         if nonfinite not in ("raise", "skip_step"):

@@ -129,7 +129,7 @@ class SparDL(Collective):
     exact = False
 
     def __init__(self, density: float | None = None, k: int | None = None, *, tau: int = 64,
-                 check_shapes: bool = True) -> None:
+                 check_shapes: bool | str = True) -> None:
         super().__init__(check_shapes=check_shapes)
         if density is not None and k is not None:
             raise ValueError("spardl: give density or k, not both")

@@ -52,7 +52,9 @@ class Components:
         options = dict(self.collective_options)
         if density is not None and "density" in options:
             options["density"] = density
-        return collectives.get(self.collective_name, **options)
+        # the ranks agree on each buffer's description once, not every step (every rank
+        # passes the same buffers: the model and configuration were checked at construction)
+        return collectives.get(self.collective_name, check_shapes="changes", **options)
 
     def sparsifier(self, key: str, density: float) -> sparsify.Sparsifier:
         """The sparsifier of ``key``; a new one when its planned density changed."""

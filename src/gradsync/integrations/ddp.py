@@ -146,7 +146,10 @@ class HookState:
             raise ValueError(f"small_numel must be >= 0, got {self.small_numel}")
         self.ef = self.cfg.new_feedback()
         options = {k: getattr(self.cfg, k) for k in self.scheme.collective_options}
-        self.collective = collectives.get(self.scheme.collective, **options)
+        # each bucket's description agreed once, not every step (DDP checked the parameters'
+        # shapes at construction; every rank passes the same buckets)
+        self.collective = collectives.get(self.scheme.collective, check_shapes="changes",
+                                          **options)
 
     def name_of(self, p: torch.Tensor) -> str:
         name = self.names.get(id(p))
