@@ -57,16 +57,21 @@ from gradsync.sparsegrad import SparseGrad, densify, sparse_sum
 __all__ = ["DenseStreamAllreduce"]
 
 
-def _slice(sel: SparseGrad, lo: int, hi: int) -> SparseGrad:
-    """The entries of ``sel`` with index in ``[lo, hi)`` (indices stay global)."""
-    a, b = torch.searchsorted(sel.indices, torch.tensor([lo, hi], device=sel.device)).tolist()
-    return SparseGrad(sel.indices[a:b], sel.values[a:b], sel.numel, validate=False)
+def _halves(sel: SparseGrad, lo: int, mid: int, hi: int) -> tuple[SparseGrad, SparseGrad]:
+    """The entries of ``sel`` with index in ``[lo, mid)`` and in ``[mid, hi)`` (indices stay
+    global), cut with one read."""
+    a, m, b = torch.searchsorted(sel.indices,
+                                 torch.tensor([lo, mid, hi], device=sel.device)).tolist()
+    return (SparseGrad(sel.indices[a:m], sel.values[a:m], sel.numel, validate=False),
+            SparseGrad(sel.indices[m:b], sel.values[m:b], sel.numel, validate=False))
 
 
-def _reduce_sum(mine: SparseGrad, theirs: SparseGrad) -> SparseGrad:
-    """Sparse SUM of two selections, ``mine`` added first
-    (:func:`~gradsync.sparsegrad.sparse_sum`)."""
-    idx, val = sparse_sum([(mine.indices, mine.values), (theirs.indices, theirs.values)])
+def _reduce_sum(mine: SparseGrad, theirs: SparseGrad, lo: int, hi: int) -> SparseGrad:
+    """Sparse SUM of two selections whose indices lie in ``[lo, hi)`` (checked: ``theirs`` by
+    :meth:`DenseStreamAllreduce._decode`), ``mine`` added first
+    (:func:`~gradsync.sparsegrad.sparse_sum`, told the range: no read of the parts' ends)."""
+    idx, val = sparse_sum([(mine.indices, mine.values), (theirs.indices, theirs.values)],
+                          within=(lo, hi))
     return SparseGrad(idx, val, mine.numel, validate=False)
 
 
@@ -196,7 +201,7 @@ class DenseStreamAllreduce(Collective):
                 self._send(sel, r + 1, comm, iw)
                 me = -1                                # sits out halving and doubling
             else:
-                acc = _reduce_sum(sel, self._recv(sel, r - 1, comm, iw))
+                acc = _reduce_sum(sel, self._recv(sel, r - 1, comm, iw), 0, n)
                 me = r // 2
         else:
             me = r - rem
@@ -210,11 +215,11 @@ class DenseStreamAllreduce(Collective):
             lo, hi, d = 0, p2, p2 // 2
             while d >= 1:
                 mid = (lo + hi) // 2
-                (klo, khi), (slo, shi) = ((mid, hi), (lo, mid)) if me & d else \
-                    ((lo, mid), (mid, hi))
-                got = self._exchange(_slice(acc, bounds[slo], bounds[shi]), real(me ^ d), comm,
-                                     iw, bounds[klo], bounds[khi])
-                acc = _reduce_sum(_slice(acc, bounds[klo], bounds[khi]), got)
+                low, high = _halves(acc, bounds[lo], bounds[mid], bounds[hi])
+                (klo, khi), keep, send = ((mid, hi), high, low) if me & d else \
+                    ((lo, mid), low, high)
+                got = self._exchange(send, real(me ^ d), comm, iw, bounds[klo], bounds[khi])
+                acc = _reduce_sum(keep, got, bounds[klo], bounds[khi])
                 lo, hi, d = klo, khi, d // 2
             region_nnz = len(acc)                      # region `me`, reduced over all ranks
             t = mark("scatter_reduce", t)
