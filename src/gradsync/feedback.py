@@ -434,10 +434,11 @@ class ErrorFeedback:
             first = ends.index(whole) + 1
         idx = consumed.reshape(-1).to(torch.int64)
         residual = flat if acc is b.pending_acc else flat.clone()
-        head, tail = residual[:whole], residual[whole:]
+        # the part after those sent whole (no slicing without any: views are ops too)
+        tail = residual[whole:] if whole else residual
         if sent_values is None:
             if whole:
-                head.zero_()
+                residual[:whole].zero_()
             tail.index_fill_(0, idx, 0)  # no host-to-device copy (update())
         else:
             sent = sent_values.reshape(-1).to(flat.dtype)
@@ -446,8 +447,10 @@ class ErrorFeedback:
                 raise ValueError(f"{head_s}{idx.numel()} consumed indices but {sent.numel()} "
                                  "sent values")
             if whole:
-                head.copy_(flat[:whole] - sent[:whole])
-            tail[idx] = flat[whole:][idx] - sent[whole:]
+                residual[:whole].copy_(flat[:whole] - sent[:whole])
+                tail[idx] = flat[whole:][idx] - sent[whole:]
+            else:
+                tail[idx] = flat[idx] - sent
         b.zero = sent_values is None and idx.numel() == tail.numel()
         if self.momentum:
             u = b.pending_velocity
