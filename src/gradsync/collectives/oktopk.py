@@ -356,14 +356,15 @@ class OkTopk(Collective):
         it arrives. ``sources``: ``(rank, indices)`` of every contribution to the region
         (indices in ``r_idx``, the sorted union)."""
         P, dev = comm.size, mask.device
+        selected = mask.sum()
         per = torch.zeros(P, dtype=torch.int64, device=dev)
         for s, i in sources:
             if i is r_idx:  # the region is this contribution alone: no search
-                per[s] = mask.sum()
+                per[s] = selected
             elif i.numel():  # every rank contributes once
                 at = torch.searchsorted(r_idx, i).clamp_(max=max(r_idx.numel() - 1, 0))
                 per[s] = torch.index_select(mask, 0, at).sum()
-        head = torch.stack([mask.sum(), bad, bad_sum]).to(torch.int64)
+        head = torch.stack([selected, bad, bad_sum]).to(torch.int64)
         return comm.all_gather(torch.cat([head, per])).tolist()
 
     def _target_k(self, sel: SparseGrad, comm: Comm) -> int:
