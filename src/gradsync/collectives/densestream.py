@@ -118,8 +118,11 @@ class DenseStreamAllreduce(Collective):
         if buf.numel() == 0:
             return SparseGrad.empty(like.numel, like.dtype, like.device)
         got = dsfmt.decode(buf, numel=like.numel, dtype=like.dtype)
-        if len(got) and (int(got.indices[0]) < lo or int(got.indices[-1]) >= hi):
-            raise ValueError(f"densestream: a peer sent indices outside its range [{lo}, {hi})")
+        if len(got):  # both ends in one read
+            first, last = torch.stack([got.indices[0], got.indices[-1]]).tolist()
+            if first < lo or last >= hi:
+                raise ValueError(f"densestream: a peer sent indices outside its range "
+                                 f"[{lo}, {hi})")
         return got
 
     @staticmethod
