@@ -208,3 +208,79 @@ def test_state_dict_validation_and_single_rank():
         DenseStreamAllreduce(tau=0)
     with pytest.raises(ValueError, match="index_bytes"):
         DenseStreamAllreduce(index_bytes=2)
+
+
+# -- malformed messages -----------------------------------------------------------------------
+class _Corrupting(DenseStreamAllreduce):
+    """Rank 0 corrupts the ``call``-th message it receives through ``_swap`` (0: the
+    scatter-reduce's at P = 2, 1: the allgather's), as a faulty link or peer would."""
+
+    def __init__(self, call: int, how: str) -> None:
+        super().__init__()
+        self.call, self.how, self.calls = call, how, 0
+
+    def _swap(self, payload, peer, comm, like, iw, regions=1):
+        buf = super()._swap(payload, peer, comm, like, iw, regions)
+        self.calls += 1
+        if comm.rank != 0 or self.calls - 1 != self.call:
+            return buf
+        buf = buf.clone()
+        nb = int(buf[16:24].view(torch.int64))
+        if self.how == "rule 1":      # the first stored value becomes +0.0
+            buf[32 + 2 * nb * iw:32 + 2 * nb * iw + 4] = 0
+        elif self.how == "outside":   # the first block starts past the tensor's end
+            buf[32:32 + iw].view(torch.int32 if iw == 4 else torch.int64).fill_(like.numel - 1)
+        elif self.how == "truncated":
+            buf = buf[:-1]
+        return buf
+
+
+def _rank_corrupt(rank: int, world_size: int, n: int, plan: list[tuple[int, str]]) -> list:
+    g = torch.Generator().manual_seed(rank)
+    sel = SparseGrad(torch.randperm(n, generator=g)[: n // 10].sort().values,
+                     torch.randn(n // 10, generator=g).abs_().add_(1), n)
+    out = []
+    for call, how in plan:
+        coll = _Corrupting(call, how)
+        try:
+            res = coll(sel, step=0)
+            out.append(("ok", res.dense, coll._bounds[(n, world_size)][2]))
+        except ValueError as e:
+            out.append(("raised", str(e), None))
+        checks: list = []
+        try:  # deferred: the result comes back with the failed check among `checks`
+            res = _Corrupting(call, how)(sel, step=0, deferred=checks)
+            failed = [m for ok, m in checks if not bool(ok)]
+            out.append(("deferred", res.dense, failed))
+        except ValueError as e:
+            out.append(("raised", str(e), None))
+    return out
+
+
+def test_malformed_messages_fail_the_receiving_rank_and_write_only_inside_the_senders_range():
+    """A message that breaks the format's rules or lands outside its sender's range: the rank
+    that received it raises ``ValueError`` naming the rule, after the collective completed (no
+    peer is left waiting); with ``deferred`` the failed check comes back instead, and the
+    result outside the sender's range is the exact sum. A truncated message is refused at
+    its header, at once."""
+    n, P = 2000, 2
+    plan = [(0, "rule 1"), (0, "outside"), (1, "rule 1"), (1, "outside"), (1, "truncated")]
+    outs = run_distributed(_rank_corrupt, P, n, plan, timeout=240)
+    ref = torch.zeros(n, dtype=torch.float64)
+    for r in range(P):
+        g = torch.Generator().manual_seed(r)
+        idx = torch.randperm(n, generator=g)[: n // 10].sort().values
+        ref[idx] += torch.randn(n // 10, generator=g).abs_().add_(1).double()
+    for j, (call, how) in enumerate(plan):
+        strict, deferred = outs[0][2 * j], outs[0][2 * j + 1]
+        assert strict[0] == "raised" and how in strict[1], (call, how, strict)
+        # rank 1 received nothing malformed
+        assert outs[1][2 * j][0] == "ok" and outs[1][2 * j + 1][2] == [], (call, how)
+        if how == "truncated":
+            assert deferred[0] == "raised" and "truncated" in deferred[1]
+            continue
+        assert deferred[0] == "deferred" and deferred[2] and how in deferred[2][0], deferred
+        # rank 0 kept region [0, B1) in the scatter-reduce and received region 1 = [B1, n)
+        b1 = outs[1][2 * j][2][1]
+        good = slice(b1, n) if call == 0 else slice(0, b1)
+        torch.testing.assert_close(deferred[1][good].double(), ref[good])

@@ -8,6 +8,7 @@ walk over the nonzeros, hostile buffers packed by hand with ``struct``.
 from __future__ import annotations
 
 import math
+import re
 import struct
 from itertools import pairwise
 
@@ -578,6 +579,9 @@ def test_densestream_hostile_buffers(raw, what):
     if 0 <= numel <= 1 << 20:  # decode_into refuses it for the same reason, into any out
         with pytest.raises(ValueError, match=what):
             ds.decode_into(raw, torch.zeros(numel))
+    # the deferred readers too: at the header, or with a failed device check naming the rule
+    for verdict in _deferred_verdicts(raw, max(numel, 0), torch.float32):
+        assert verdict is not None and re.search(what, verdict), verdict
 
 
 @FAST
@@ -600,6 +604,48 @@ def test_densestream_decode_into_writes_the_blocks_bit_for_bit(sel, iw, fill):
         assert bool((out[~covered] == 7.0).all())
 
 
+@FAST
+@given(sel=sparse_grads(), iw=st.sampled_from([4, 8]), pieces=st.integers(1, 3))
+def test_densestream_deferred_readers_agree_with_decode(sel, iw, pieces):
+    """decode_stored: decode's entries plus the zeros stored inside blocks (as +0.0), every
+    check true. split_decode_into of the selection cut into ``pieces`` back-to-back encodings
+    (each with its own range): decode_into's tensor, bit for bit, and its count."""
+    buf = ds.encode(sel, index_bytes=iw)
+    checks: list = []
+    got = ds.decode_stored(buf, numel=sel.numel, dtype=sel.dtype, lo=0, hi=sel.numel,
+                           checks=checks)
+    assert all(bool(ok) for ok, _ in checks)
+    covered = torch.zeros(sel.numel, dtype=torch.bool)
+    for a, m in zip(*[t.tolist() for t in ds.blocks(sel, iw)]):
+        covered[a:a + m] = True
+    assert got.indices.tolist() == torch.nonzero(covered).view(-1).tolist()
+    assert same_bits(got.to_dense(), sel.to_dense())
+    cuts = [sel.numel * j // pieces for j in range(pieces + 1)]
+    parts = [SparseGrad(sel.indices[(sel.indices >= a) & (sel.indices < b)],
+                        sel.values[(sel.indices >= a) & (sel.indices < b)], sel.numel)
+             for a, b in pairwise(cuts)]
+    joined = torch.cat([ds.encode(p, index_bytes=iw) for p in parts])
+    out, checks = torch.zeros(sel.numel, dtype=sel.dtype), []
+    views, nnz = ds.split_decode_into(joined, out, list(pairwise(cuts)), checks)
+    assert all(bool(ok) for ok, _ in checks) and len(views) == len(parts)
+    assert same_bits(out, sel.to_dense()) and int(nnz) == len(nonzero_entries(sel)[0])
+
+
+def test_densestream_deferred_readers_check_the_range():
+    """A block outside the caller's range is a failed check, not a write outside it."""
+    raw = _ds_raw(20, [2, 10], [3, 1], [1.0, 0.0, 2.0, 3.0])
+    assert _deferred_verdicts(raw, 20, torch.float32, lo=2, hi=11) == [None, None]
+    for lo, hi in [(3, 20), (0, 10)]:
+        assert all("outside [" in v for v in _deferred_verdicts(raw, 20, torch.float32, lo, hi))
+    with pytest.raises(ValueError, match="numel"):
+        ds.decode_stored(raw, numel=21, dtype=torch.float32, lo=0, hi=21, checks=[])
+    with pytest.raises(ValueError, match="contiguous 1-D"):
+        ds.split_decode_into(raw, torch.zeros(40)[::2], [(0, 20)], [])
+    with pytest.raises(ValueError, match="left after"):
+        ds.split_decode_into(torch.cat([torch.tensor(list(raw), dtype=torch.uint8)] * 2),
+                             torch.zeros(20), [(0, 20)], [])
+
+
 def test_densestream_decode_into_checks_its_range_and_its_out():
     raw = _ds_raw(20, [2, 10], [3, 1], [1.0, 0.0, 2.0, 3.0])
     out = torch.zeros(20)
@@ -620,8 +666,36 @@ def test_densestream_decode_into_checks_its_range_and_its_out():
 FORMATS = {"coo": coo, "densestream": ds}
 
 
+def _deferred_verdicts(raw: bytes, numel: int, dtype: torch.dtype, lo: int = 0,
+                       hi: int | None = None) -> list[str | None]:
+    """What the deferred readers (``decode_stored``; ``split_decode_into`` when ``numel`` is
+    small) say of ``raw``: the message of their ValueError (the header) or of their first
+    failed device check, ``None`` when they accept. Whatever the buffer, nothing else fails,
+    every index lies in ``[lo, hi)``, and nothing outside ``[lo, hi)`` is written."""
+    hi = numel if hi is None else hi
+    verdicts: list[str | None] = []
+    checks: list = []
+    try:
+        got = ds.decode_stored(raw, numel=numel, dtype=dtype, lo=lo, hi=hi, checks=checks)
+        assert got.indices.numel() == 0 or bool(
+            ((got.indices >= lo) & (got.indices < hi)).all())
+        verdicts.append(next((m for ok, m in checks if not bool(ok)), None))
+    except ValueError as e:
+        verdicts.append(str(e))
+    if 0 <= numel <= 1 << 20:
+        out, checks = torch.full((numel,), 7.0, dtype=dtype), []
+        try:
+            ds.split_decode_into(raw, out, [(lo, hi)], checks)
+            verdicts.append(next((m for ok, m in checks if not bool(ok)), None))
+        except ValueError as e:
+            verdicts.append(str(e))
+        assert bool((out[:lo] == 7.0).all()) and bool((out[hi:] == 7.0).all())
+    return verdicts
+
+
 def _refused_by_decode_into(fmt, raw: bytes) -> None:
-    """What decode refuses, decode_into refuses too (into a tensor of the declared numel)."""
+    """What decode refuses, decode_into and the deferred readers refuse too (into a tensor of
+    the declared numel)."""
     if fmt is not ds or len(raw) < 16:
         return
     numel, code = struct.unpack_from("<q", raw, 8)[0], raw[6]
@@ -629,6 +703,7 @@ def _refused_by_decode_into(fmt, raw: bytes) -> None:
     if 0 <= numel <= 1 << 20:
         with pytest.raises(ValueError):
             ds.decode_into(raw, torch.zeros(numel, dtype=dtype))
+    assert None not in _deferred_verdicts(raw, max(numel, 0), dtype)
 
 
 def _decode_or_valueerror(fmt, raw: bytes, iw_hint: int | None = None) -> None:
@@ -645,6 +720,8 @@ def _decode_or_valueerror(fmt, raw: bytes, iw_hint: int | None = None) -> None:
         dense = torch.zeros(out.numel, dtype=out.dtype)
         assert ds.decode_into(raw, dense) == len(out)
         assert same_bits(dense, out.to_dense())
+    if fmt is ds:  # so do the deferred readers
+        assert _deferred_verdicts(raw, out.numel, out.dtype) in ([None], [None, None])
 
 
 def _fuzz_random_bytes(data):

@@ -35,6 +35,15 @@ only its length in the fold and the scatter-reduce, and its 32-byte header in th
 Indices are int64 in memory, int32 on the wire when numel < 2**31
 (:func:`gradsync.formats.wire.wire_index_bytes`).
 
+Every message received is validated on the device (:func:`~gradsync.formats.densestream.
+decode_stored`, ``split_decode_into``): its header is read (one read, which its size needs),
+and the block table, §III-A's rules and the sender's range become checks that the caller reads
+with the step's others (:data:`~gradsync.collectives.base.CHECKS`; ``ValueError`` with the
+first failed rule). Until then a malformed message writes only inside its sender's range. The
+scatter-reduce sums a message's every stored position, its zeros inside blocks included
+(adding +0.0 changes no value), so nothing is compacted on arrival. ``region_nnz`` and
+``global_nnz`` stay on the device (0-dim tensors).
+
 Exact and bitwise identical on every rank: region j is summed once, by its owner, and the
 allgather and the unfold only copy the owner's bits (the DenseStream round trip is bitwise),
 so every rank scatters the same values into ``dense``. ``kept`` is every local index.
@@ -47,7 +56,7 @@ from typing import Any
 import torch
 
 from gradsync.collectives import registry
-from gradsync.collectives.base import Collective
+from gradsync.collectives.base import CHECKS, Collective
 from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats import densestream as dsfmt
@@ -93,20 +102,22 @@ class DenseStreamAllreduce(Collective):
             raise ValueError(f"densestream: index_bytes must be 4, 8 or None, got {index_bytes}")
         self.tau = int(tau)
         self.index_bytes = index_bytes
-        # (numel, P′) → (step of the last evaluation, boundaries B[0..P′])
-        self._bounds: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+        # (numel, P′) → (step of the last evaluation, boundaries B[0..P′], B as ints: read
+        # once per evaluation, not per step)
+        self._bounds: dict[tuple[int, int], tuple[int, torch.Tensor, list[int]]] = {}
 
     # -- phase 1: balanced split ------------------------------------------------------------
     def _balanced_split(self, sel: SparseGrad, comm: Comm, step: int, regions: int
-                        ) -> tuple[torch.Tensor, bool]:
-        """Boundaries ``B`` (int64, P′+1 entries) of the P′ regions; re-evaluated every τ."""
+                        ) -> tuple[torch.Tensor, list[int], bool]:
+        """Boundaries ``B`` (int64, P′+1 entries) of the P′ regions, as a tensor and as ints,
+        and whether they were re-evaluated (every τ steps)."""
         key = (sel.numel, regions)
         held = self._bounds.get(key)
         if held is not None and not due(step, held[0], self.tau):
-            return held[1], False
+            return held[1], held[2], False
         bounds = balanced_boundaries(sel.indices, sel.numel, regions, comm)
-        self._bounds[key] = (step, bounds)
-        return bounds, True
+        self._bounds[key] = (step, bounds, bounds.tolist())
+        return bounds, self._bounds[key][2], True
 
     # -- messages -----------------------------------------------------------------------
     def _encode(self, part: SparseGrad, iw: int) -> torch.Tensor:
@@ -114,16 +125,14 @@ class DenseStreamAllreduce(Collective):
             return torch.empty(0, dtype=torch.uint8, device=part.device)
         return dsfmt.encode(part, index_bytes=iw)
 
-    def _decode(self, buf: torch.Tensor, like: SparseGrad, lo: int, hi: int) -> SparseGrad:
+    def _decode(self, buf: torch.Tensor, like: SparseGrad, lo: int, hi: int,
+                checks: list[tuple[torch.Tensor, str]]) -> SparseGrad:
+        """A peer's partition, every stored position (``decode_stored``: zeros inside blocks
+        too, harmless in a sum), its indices checked to lie in ``[lo, hi)`` on the device."""
         if buf.numel() == 0:
             return SparseGrad.empty(like.numel, like.dtype, like.device)
-        got = dsfmt.decode(buf, numel=like.numel, dtype=like.dtype)
-        if len(got):  # both ends in one read
-            first, last = torch.stack([got.indices[0], got.indices[-1]]).tolist()
-            if first < lo or last >= hi:
-                raise ValueError(f"densestream: a peer sent indices outside its range "
-                                 f"[{lo}, {hi})")
-        return got
+        return dsfmt.decode_stored(buf, numel=like.numel, dtype=like.dtype, lo=lo, hi=hi,
+                                   checks=checks)
 
     @staticmethod
     def _check_len(m: int, like: SparseGrad, iw: int, regions: int = 1) -> int:
@@ -143,22 +152,20 @@ class DenseStreamAllreduce(Collective):
         comm.sendrecv(payload, peer, buf, peer)
         return buf
 
-    def _exchange(self, part: SparseGrad, peer: int, comm: Comm, iw: int, lo: int, hi: int
-                  ) -> SparseGrad:
+    def _exchange(self, part: SparseGrad, peer: int, comm: Comm, iw: int, lo: int, hi: int,
+                  checks: list[tuple[torch.Tensor, str]]) -> SparseGrad:
         """Send ``part`` to ``peer`` and receive its partition (indices in ``[lo, hi)``)."""
         return self._decode(self._swap(self._encode(part, iw), peer, comm, part, iw), part,
-                            lo, hi)
+                            lo, hi, checks)
 
     @staticmethod
-    def _write(buf: torch.Tensor, dense: torch.Tensor, regions: range, bounds: list[int]
-               ) -> tuple[list[torch.Tensor], int]:
+    def _write(buf: torch.Tensor, dense: torch.Tensor, regions: range, bounds: list[int],
+               checks: list[tuple[torch.Tensor, str]]) -> tuple[list[torch.Tensor], torch.Tensor]:
         """Split a payload of one encoding per region (``regions``, in order) and decode each
         straight into ``dense``, checked against its region's range (the regions are disjoint,
         so each writes only its own indices): the encodings, and the nonzeros written."""
-        pieces = dsfmt.split(buf, len(regions))
-        nnz = sum(dsfmt.decode_into(piece, dense, lo=bounds[q], hi=bounds[q + 1])
-                  for q, piece in zip(regions, pieces, strict=True))
-        return pieces, nnz
+        return dsfmt.split_decode_into(buf, dense, [(bounds[q], bounds[q + 1]) for q in regions],
+                                       checks)
 
     def _send(self, part: SparseGrad, peer: int, comm: Comm, iw: int) -> None:
         payload = self._encode(part, iw)
@@ -166,14 +173,15 @@ class DenseStreamAllreduce(Collective):
         if payload.numel():
             comm.send(payload, peer)
 
-    def _recv(self, like: SparseGrad, peer: int, comm: Comm, iw: int) -> SparseGrad:
+    def _recv(self, like: SparseGrad, peer: int, comm: Comm, iw: int,
+              checks: list[tuple[torch.Tensor, str]]) -> SparseGrad:
         n_in = torch.zeros(1, dtype=torch.int64, device=comm.device)
         comm.recv(n_in, peer)
         buf = torch.empty(self._check_len(int(n_in), like, iw), dtype=torch.uint8,
                           device=like.device)
         if buf.numel():
             comm.recv(buf, peer)
-        return self._decode(buf, like, 0, like.numel)
+        return self._decode(buf, like, 0, like.numel, checks)
 
     # -- Algorithm 2 ------------------------------------------------------------------------
     def _reduce(
@@ -187,15 +195,15 @@ class DenseStreamAllreduce(Collective):
         p2 = 1 << (P.bit_length() - 1)                 # P′: ranks in halving/doubling
         rem = P - p2
         sent: dict[str, int] = {}
+        checks: list[tuple[torch.Tensor, str]] = []  # the peers' messages, read by the caller
 
         def mark(phase: str, before: int) -> int:
             sent[phase] = comm.stats.bytes_sent - before
             return comm.stats.bytes_sent
 
         t = comm.stats.bytes_sent
-        B, recomputed = self._balanced_split(sel, comm, step, p2)
+        B, bounds, recomputed = self._balanced_split(sel, comm, step, p2)
         t = mark("balanced_split", t)
-        bounds = B.tolist()
 
         # Fold (Rabenseifner): even ranks below 2·rem hand their selection to the next rank.
         acc = sel
@@ -204,7 +212,7 @@ class DenseStreamAllreduce(Collective):
                 self._send(sel, r + 1, comm, iw)
                 me = -1                                # sits out halving and doubling
             else:
-                acc = _reduce_sum(sel, self._recv(sel, r - 1, comm, iw), 0, n)
+                acc = _reduce_sum(sel, self._recv(sel, r - 1, comm, iw, checks), 0, n)
                 me = r // 2
         else:
             me = r - rem
@@ -221,10 +229,14 @@ class DenseStreamAllreduce(Collective):
                 low, high = _halves(acc, bounds[lo], bounds[mid], bounds[hi])
                 (klo, khi), keep, send = ((mid, hi), high, low) if me & d else \
                     ((lo, mid), low, high)
-                got = self._exchange(send, real(me ^ d), comm, iw, bounds[klo], bounds[khi])
+                got = self._exchange(send, real(me ^ d), comm, iw, bounds[klo], bounds[khi],
+                                     checks)
                 acc = _reduce_sum(keep, got, bounds[klo], bounds[khi])
                 lo, hi, d = klo, khi, d // 2
-            region_nnz = len(acc)                      # region `me`, reduced over all ranks
+            # region `me`, reduced over all ranks: its nonzeros (acc holds the peers' stored
+            # zeros too), on the device like every figure below (reading would wait)
+            region_nnz = torch.count_nonzero(
+                acc.values.view(BITS_DTYPES[acc.values.element_size()]))
             t = mark("scatter_reduce", t)
             # Allgather, recursive doubling: my 2^t regions for my partner's 2^t regions. Each
             # region travels as its owner encoded it, the encodings back to back (forwarded,
@@ -232,21 +244,20 @@ class DenseStreamAllreduce(Collective):
             # into the result on arrival (the regions are disjoint).
             dense = densify([(acc.indices, acc.values)], n, sel.dtype, sel.device)
             held = {me: dsfmt.encode(acc, index_bytes=iw)}
-            global_nnz = int(torch.count_nonzero(           # what the others decode of it
-                acc.values.view(BITS_DTYPES[acc.values.element_size()])))
+            global_nnz = region_nnz.clone()                 # what the others decode of it
             d = 1
             while d < p2:
                 peer = me ^ d
                 plo = (peer // d) * d                  # partner holds regions [plo, plo + d)
                 payload = torch.cat([held[q] for q in sorted(held)])
                 buf = self._swap(payload, real(peer), comm, sel, iw, d)
-                pieces, got = self._write(buf, dense, range(plo, plo + d), bounds)
+                pieces, got = self._write(buf, dense, range(plo, plo + d), bounds, checks)
                 held.update(zip(range(plo, plo + d), pieces, strict=True))
                 global_nnz += got
                 d *= 2
             t = mark("allgather", t)
         else:
-            region_nnz = 0
+            region_nnz = torch.zeros((), dtype=torch.int64, device=sel.device)
         # Unfold: the odd ranks return every region to the even ranks they absorbed.
         if r < 2 * rem:
             if r % 2 == 1:
@@ -261,18 +272,18 @@ class DenseStreamAllreduce(Collective):
                                   device=sel.device)
                 comm.recv(buf, r + 1)
                 dense = torch.zeros(n, dtype=sel.dtype, device=sel.device)
-                _, global_nnz = self._write(buf, dense, range(p2), bounds)
+                _, global_nnz = self._write(buf, dense, range(p2), bounds, checks)
         mark("unfold", t)
         info = {"regions": p2, "boundaries": B, "boundaries_recomputed": recomputed,
                 "region_nnz": region_nnz, "global_nnz": global_nnz,
-                "bytes_sent_by_phase": sent}
+                "bytes_sent_by_phase": sent, CHECKS: checks}
         return dense, sel.indices, info
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
         return {"tau": self.tau,
                 "boundaries": [{"numel": n, "regions": p, "step": s, "bounds": b.clone()}
-                               for (n, p), (s, b) in sorted(self._bounds.items())]}
+                               for (n, p), (s, b, _) in sorted(self._bounds.items())]}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if set(state) != {"tau", "boundaries"}:
@@ -280,13 +291,13 @@ class DenseStreamAllreduce(Collective):
         if int(state["tau"]) != self.tau:
             raise ValueError(f"densestream: state saved with tau={state['tau']}, this "
                              f"collective has tau={self.tau}")
-        loaded: dict[tuple[int, int], tuple[int, torch.Tensor]] = {}
+        loaded: dict[tuple[int, int], tuple[int, torch.Tensor, list[int]]] = {}
         for e in state["boundaries"]:
             n, p, b = int(e["numel"]), int(e["regions"]), e["bounds"].to(torch.int64)
             if b.shape != (p + 1,) or int(b[0]) != 0 or int(b[-1]) != n or bool(
                     (b[1:] < b[:-1]).any()):
                 raise ValueError(f"densestream: bad saved boundaries for numel={n}, P′={p}")
-            loaded[(n, p)] = (int(e["step"]), b.clone())
+            loaded[(n, p)] = (int(e["step"]), b.clone(), b.tolist())
         self._bounds = loaded
 
     def __repr__(self) -> str:

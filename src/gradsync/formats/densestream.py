@@ -49,6 +49,7 @@ accepts, ``encode(decode(buf), index_bytes) == buf`` byte for byte.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple
 
 import torch
@@ -67,8 +68,8 @@ from gradsync.formats.wire import (
 )
 from gradsync.sparsegrad import SparseGrad, flatnonzero, put_at
 
-__all__ = ["HEADER_BYTES", "MAGIC", "blocks", "decode", "decode_into", "encode", "max_zero_run",
-           "size_bytes", "split"]
+__all__ = ["HEADER_BYTES", "MAGIC", "blocks", "decode", "decode_into", "decode_stored", "encode",
+           "max_zero_run", "size_bytes", "split", "split_decode_into"]
 
 MAGIC = b"GSDS"
 HEADER_BYTES = header_bytes(3)  # 32: numel, blocks, Σ lengths
@@ -79,8 +80,9 @@ def max_zero_run(index_bytes: int, value_bytes: int) -> int:
     return (2 * index_bytes) // value_bytes
 
 
-def _entries(sel_or_dense: SparseGrad | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
-    """(indices, values, numel) of the nonzero entries of a SparseGrad or a dense tensor."""
+def _candidates(sel_or_dense: SparseGrad | torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(indices, values, numel) of every entry of a SparseGrad, or of a dense tensor."""
     if isinstance(sel_or_dense, SparseGrad):
         idx, val, n = sel_or_dense.indices, sel_or_dense.values, sel_or_dense.numel
     elif isinstance(sel_or_dense, torch.Tensor):
@@ -93,6 +95,12 @@ def _entries(sel_or_dense: SparseGrad | torch.Tensor) -> tuple[torch.Tensor, tor
         raise ValueError(f"densestream: expected a SparseGrad or a tensor, got "
                          f"{type(sel_or_dense).__name__}")
     dtype_code(val.dtype)
+    return idx, val, n
+
+
+def _entries(sel_or_dense: SparseGrad | torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int]:
+    """(indices, values, numel) of the nonzero entries of a SparseGrad or a dense tensor."""
+    idx, val, n = _candidates(sel_or_dense)
     bits = val.contiguous().view(BITS_DTYPES[val.element_size()])
     if int(torch.count_nonzero(bits)) == val.numel():  # the usual case: nothing to drop
         return idx, val, n
@@ -101,47 +109,59 @@ def _entries(sel_or_dense: SparseGrad | torch.Tensor) -> tuple[torch.Tensor, tor
             torch.index_select(bits, 0, keep).view(val.dtype), n)  # bit for bit
 
 
-def _find_blocks(idx: torch.Tensor, z: int, positions: bool = False
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The blocks' starts and lengths for sorted nonzero ``idx`` and, with ``positions``, each
-    nonzero's position in the concatenated block values.
-
-    A new block begins after a gap of more than ``z`` zeros between consecutive nonzeros
-    (rule 2); each block starts and ends at a nonzero (rule 1). A nonzero's position is the
-    previous one's plus its index gap inside a block, plus one across a cut (the zeros of a
-    cut gap are not stored): one cumulative sum. O(nnz) passes, O(blocks) gathers.
-    """
-    if idx.numel() == 0:
-        e = torch.empty(0, dtype=torch.int64, device=idx.device)
-        return e, e, e
-    gaps = torch.diff(idx)  # zeros between consecutive nonzeros, plus one
-    at = flatnonzero(gaps > z + 1)  # nonzero at + 1 opens a block, nonzero at closes one
+def _blocks_at(idx: torch.Tensor, cut: torch.Tensor, cuts: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks' starts and lengths for sorted nonzero ``idx`` and the gaps that open a
+    block (``cut``, ``cuts`` of them: :func:`_layout`); each block starts and ends at a
+    nonzero (rule 1). O(blocks) gathers."""
+    at = flatnonzero(cut, cuts)  # nonzero at + 1 opens a block, nonzero at closes one
     starts = torch.cat([idx[:1], torch.index_select(idx, 0, at + 1)])
     lengths = torch.cat([torch.index_select(idx, 0, at), idx[-1:]]).sub_(starts).add_(1)
-    if not positions:
-        return starts, lengths, None
-    pos = torch.empty(idx.numel(), dtype=torch.int64, device=idx.device)
-    pos[:1] = 0
-    torch.cumsum(put_at(gaps, at, torch.ones_like(at)), 0, out=pos[1:])
-    return starts, lengths, pos
+    return starts, lengths
+
+
+def _find_blocks(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int
+                 ) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """``(starts, lengths, Σ lengths, K)`` of the blocks DenseStream cuts a selection into."""
+    idx, val, n = _entries(sel_or_dense)
+    check_index_bytes(index_bytes, n)
+    vb = val.element_size()
+    if idx.numel() == 0:
+        e = torch.empty(0, dtype=torch.int64, device=idx.device)
+        return e, e, 0, vb
+    cuts, last, cut, _ = _layout(idx, max_zero_run(index_bytes, vb))
+    return *_blocks_at(idx, cut, cuts), last + 1, vb
 
 
 def blocks(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """The dense blocks ``(starts, lengths)`` (int64) DenseStream cuts ``sel_or_dense`` into."""
-    idx, val, n = _entries(sel_or_dense)
-    check_index_bytes(index_bytes, n)
-    starts, lengths, _ = _find_blocks(idx, max_zero_run(index_bytes, val.element_size()))
+    starts, lengths, _, _ = _find_blocks(sel_or_dense, index_bytes)
     return starts, lengths
 
 
 def size_bytes(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4) -> int:
     """Exact encoded size: ``HEADER_BYTES + blocks·2·index_bytes + K·Σ lengths``."""
-    idx, val, n = _entries(sel_or_dense)
-    check_index_bytes(index_bytes, n)
-    starts, lengths, _ = _find_blocks(idx, max_zero_run(index_bytes, val.element_size()))
-    return HEADER_BYTES + starts.numel() * 2 * index_bytes + val.element_size() * int(
-        lengths.sum())
+    starts, _, total, vb = _find_blocks(sel_or_dense, index_bytes)
+    return HEADER_BYTES + starts.numel() * 2 * index_bytes + vb * total
+
+
+def _layout(idx: torch.Tensor, z: int, nnz: torch.Tensor | None = None
+            ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """The blocks of sorted nonzero ``idx`` (§III-A): ``(cuts, Σ lengths, cut, pos)`` in one
+    read, with ``nnz`` (a count on the device) read along (then the first item). A gap of more
+    than Z + 1 (``cut``) opens a block; each nonzero's position in the stream (``pos``) is the
+    previous one's plus its gap inside a block, plus one across a cut: one cumulative sum."""
+    gaps = torch.diff(idx)  # zeros between consecutive nonzeros, plus one
+    cut = gaps > z + 1
+    pos = torch.empty(idx.numel(), dtype=torch.int64, device=idx.device)
+    pos[:1] = 0
+    torch.cumsum(gaps.masked_fill_(cut, 1), 0, out=pos[1:])  # in place: fresh pages cost
+    words = [torch.count_nonzero(cut), pos[-1]]
+    if nnz is not None:
+        words.insert(0, nnz)
+    read = torch.stack(words).tolist()
+    return *read, cut, pos  # type: ignore[return-value]
 
 
 def encode(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4) -> torch.Tensor:
@@ -149,15 +169,27 @@ def encode(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4) -> tor
 
     One output buffer, written in place: the header, the starts and lengths (converted to the
     index width while copied) and the block values (zero-filled, then the nonzeros scattered
-    to their positions)."""
-    idx, val, n = _entries(sel_or_dense)
+    to their positions). One read (:func:`_layout`: the entries' nonzero count, the blocks and
+    the stream's length, which then size every compaction), two when entries hold +0.0 and
+    are dropped first (the layout is then taken again)."""
+    idx, val, n = _candidates(sel_or_dense)
     idx_dtype = check_index_bytes(index_bytes, n)
     vb = val.element_size()
     dev = val.device
+    z = max_zero_run(index_bytes, vb)
+    bits = BITS_DTYPES[vb]
+    vbits = val.contiguous().view(bits)
     if idx.numel() == 0:
         return pack_header(MAGIC, index_bytes, dtype_code(val.dtype), n, 0, 0, device=dev)
-    starts, lengths, pos = _find_blocks(idx, max_zero_run(index_bytes, vb), positions=True)
-    nb, total = starts.numel(), int(pos[-1]) + 1
+    nnz, cuts, last, cut, pos = _layout(idx, z, torch.count_nonzero(vbits))
+    if nnz == 0:
+        return pack_header(MAGIC, index_bytes, dtype_code(val.dtype), n, 0, 0, device=dev)
+    if nnz < idx.numel():  # drop the +0.0 entries (bits: −0.0 and NaN payloads stay)
+        keep = flatnonzero(vbits.bool(), nnz)  # .bool(): a fifth of the time of `!= 0` on CPU
+        idx, vbits = torch.index_select(idx, 0, keep), torch.index_select(vbits, 0, keep)
+        cuts, last, cut, pos = _layout(idx, z)
+    starts, lengths = _blocks_at(idx, cut, cuts)
+    nb, total = cuts + 1, last + 1
     vals_at = HEADER_BYTES + 2 * nb * index_bytes  # a multiple of 8: every view is aligned
     out = torch.empty(vals_at + total * vb, dtype=torch.uint8, device=dev)
     out[:HEADER_BYTES] = pack_header(MAGIC, index_bytes, dtype_code(val.dtype), n, nb, total,
@@ -166,10 +198,9 @@ def encode(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4) -> tor
     out[HEADER_BYTES + nb * index_bytes:vals_at].view(idx_dtype).copy_(lengths)
     # Values move as their bit patterns (integer views: a float kernel may quieten NaN
     # payloads); scatter_/index_select are far cheaper than x[i] on CPU.
-    bits = BITS_DTYPES[vb]
     stream = out[vals_at:].view(bits)
     stream.zero_()
-    stream.scatter_(0, pos, val.contiguous().view(bits))
+    stream.scatter_(0, pos, vbits)
     return out
 
 
@@ -200,26 +231,23 @@ class _Table(NamedTuple):
     nonzero: torch.Tensor | None   # bits != +0.0, per stored position (bool)
 
 
-def _read(buf: torch.Tensor | bytes, what: str, numel: int | None, dtype: torch.dtype | None
-          ) -> _Table:
-    """The header and the block table of a buffer, validated.
+class _Header(NamedTuple):
+    """A buffer's header, checked against its size (:func:`_header`), and its arrays' views."""
 
-    The block table and the gap rule are checked in one pass of reductions: lengths ≥ 1;
-    blocks sorted and separated by more than Z zeros (the gap rule: a closer pair would be one
-    canonical block); the first start ≥ 0 and the last end ≤ n (with the above: every block
-    inside [0, n)); lengths summing to the header's total. Block b's *shift* is its start less
-    its first position in the stream; two consecutive blocks leave ``shift[b] − shift[b − 1]``
-    zeros out between them, so one difference of shifts gives the gap rule. With 4-byte fields
-    nothing can wrap in int64; with 8-byte fields every block is first checked on its own
-    (start ≥ 0, start ≤ n − length), so no sum below can wrap either. Then rule 1: every
-    block begins and ends with a nonzero (not the bits of +0.0), read off the stream's
-    nonzero mask, which the callers reuse. Rule 2 inside the blocks is the callers'
-    (:func:`_check_zero_runs`).
+    buf: torch.Tensor              # the encoding's bytes
+    numel: int
+    dtype: torch.dtype
+    z: int                         # Z, the most zeros a block holds (rule 2)
+    starts: torch.Tensor | None    # the block table, in the wire's index width
+    lengths: torch.Tensor | None
+    stream: torch.Tensor | None    # the stored values
 
-    ``jumps[b]`` is how far block b's first index lies from the previous block's last index
-    (block 0: its start, from 0), so a cumulative sum of ones with ``jumps`` at the
-    ``offsets`` gives every stored position's index.
-    """
+
+def _header(buf: torch.Tensor | bytes, what: str, numel: int | None,
+            dtype: torch.dtype | None, *, prefix: bool = False) -> _Header:
+    """The header (one read) checked on its own and against the buffer's size; the arrays
+    are views of ``buf`` (``None`` when it has no block). ``prefix``: the encoding is the
+    buffer's beginning (:func:`split`), which must be long enough for it."""
     buf = as_buffer(buf)
     iw, vdtype, (n, nb, total) = unpack_header(buf, MAGIC, 3, what, numel=numel, dtype=dtype)
     vb = torch.empty(0, dtype=vdtype).element_size()
@@ -229,48 +257,128 @@ def _read(buf: torch.Tensor | bytes, what: str, numel: int | None, dtype: torch.
                          f"with numel={n} (need 0 ≤ blocks ≤ length ≤ numel, and no values "
                          f"without a block)")
     expected = HEADER_BYTES + nb * 2 * iw + total * vb  # Python ints: no overflow
-    if buf.numel() != expected:
+    if prefix and buf.numel() < expected:
+        raise ValueError(f"{what}: an encoding of {expected} bytes runs past the end of the "
+                         f"{buf.numel()}-byte buffer (truncated)")
+    if not prefix and buf.numel() != expected:
         raise ValueError(f"{what}: buffer of {buf.numel()} bytes, header implies "
                          f"{expected}; truncated or corrupted")
+    buf = buf[:expected]
     if nb == 0:  # total == 0 too (checked above)
-        return _Table(n, vdtype, z, (0, 0), None, None, None, None)
+        return _Header(buf, n, vdtype, z, None, None, None)
     idx_dtype = INDEX_DTYPES[iw]
-    starts = view_as(buf, HEADER_BYTES, nb, idx_dtype)
-    lengths = view_as(buf, HEADER_BYTES + nb * iw, nb, idx_dtype)  # summed in int64 below
-    stream = view_as(buf, HEADER_BYTES + 2 * nb * iw, total, vdtype)
-    # bounds[b]: block b's first position in the stream; bounds[b + 1]: its exclusive end
-    bounds = torch.empty(nb + 1, dtype=torch.int64, device=buf.device)
+    return _Header(buf, n, vdtype, z, view_as(buf, HEADER_BYTES, nb, idx_dtype),
+                   view_as(buf, HEADER_BYTES + nb * iw, nb, idx_dtype),  # summed in int64
+                   view_as(buf, HEADER_BYTES + 2 * nb * iw, total, vdtype))
+
+
+def _positions(starts: torch.Tensor, lengths: torch.Tensor
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(bounds, jumps)``: ``bounds[b]`` is block b's first position in the stream and
+    ``bounds[b + 1]`` its exclusive end; ``jumps[b]`` is how far block b's first index lies
+    from the previous block's last index (block 0: its start, from 0), so a cumulative sum of
+    ones with ``jumps`` at the blocks' first positions gives every stored position's index.
+    Block b's *shift* is its start less its first position; two consecutive blocks leave
+    ``shift[b] − shift[b − 1]`` zeros out between them."""
+    nb = starts.numel()
+    bounds = torch.empty(nb + 1, dtype=torch.int64, device=starts.device)
     bounds[:1] = 0
     torch.cumsum(lengths, 0, dtype=torch.int64, out=bounds[1:])
-    offsets = bounds[:-1]
-    shift = torch.sub(starts, offsets)  # int64 (offsets is), whatever the field width
-    # jumps[b] = shift[b] − shift[b − 1] + 1 (block 0: its start); first the zeros between
-    jumps = torch.empty(nb, dtype=torch.int64, device=buf.device)
+    shift = torch.sub(starts, bounds[:-1])  # int64 (bounds is), whatever the field width
+    jumps = torch.empty(nb, dtype=torch.int64, device=starts.device)
     jumps[:1] = starts[:1]
-    torch.sub(shift[1:], shift[:-1], out=jumps[1:])  # zeros left out between blocks
+    torch.sub(shift[1:], shift[:-1], out=jumps[1:])
+    jumps[1:].add_(1)
+    return bounds, jumps
+
+
+def _read(buf: torch.Tensor | bytes, what: str, numel: int | None, dtype: torch.dtype | None
+          ) -> _Table:
+    """The header and the block table of a buffer, validated on the host.
+
+    The block table and the gap rule are checked in one pass of reductions: lengths ≥ 1;
+    blocks sorted and separated by more than Z zeros (the gap rule: a closer pair would be one
+    canonical block); the first start ≥ 0 and the last end ≤ n (with the above: every block
+    inside [0, n)); lengths summing to the header's total. The zeros left out between two
+    blocks are one more than their jump (:func:`_positions`), so the smallest jump gives the
+    gap rule. With 4-byte fields nothing can wrap in int64; with 8-byte fields every block is
+    first checked on its own (start ≥ 0, start ≤ n − length), so no sum below can wrap either.
+    Then rule 1: every block begins and ends with a nonzero (not the bits of +0.0), read off
+    the stream's nonzero mask, which the callers reuse. Rule 2 inside the blocks is the
+    callers' (:func:`_check_zero_runs`).
+    """
+    h = _header(buf, what, numel, dtype)
+    n, z, starts, lengths, stream = h.numel, h.z, h.starts, h.lengths, h.stream
+    if starts is None:
+        return _Table(n, h.dtype, z, (0, 0), None, None, None, None)
+    nb, total = starts.numel(), stream.numel()
+    bounds, jumps = _positions(starts, lengths)
     words = [lengths.min().long(), starts[0].long(), starts[-1].long() + lengths[-1].long(),
              bounds[-1]]
     if nb > 1:
-        words.append(jumps[1:].min())
-    if iw == 8:
+        words.append(jumps[1:].min() - 1)  # the fewest zeros left out between two blocks
+    if starts.element_size() == 8:
         words.append(((starts >= 0) & (starts <= n - lengths)).all().long())
     lmin, first, last, summed, *rest = torch.stack(words).tolist()
     gap = rest[0] if nb > 1 else z + 1
-    entries_ok = bool(rest[-1]) if iw == 8 else True
+    entries_ok = bool(rest[-1]) if starts.element_size() == 8 else True
     table_ok = (entries_ok and lmin >= 1 and first >= 0 and last <= n and summed == total
                 and gap >= 0)
     if not (table_ok and gap > z):
         if table_ok:
             raise ValueError(f"{what}: blocks closer than the gap rule allows")
         raise ValueError(f"{what}: {_structure_error(starts.long(), lengths.long(), n, total)}")
-    bits = stream.view(BITS_DTYPES[vb])
+    bits = stream.view(BITS_DTYPES[stream.element_size()])
     nonzero = bits.bool()  # a fifth of the time of `bits != 0` on CPU
-    # rule 1: a block's first position is `offsets`, its last one before the next `bounds`
-    if not bool(torch.index_select(nonzero, 0, offsets).all()) or not bool(
+    # rule 1: a block's first position is `bounds[b]`, its last one `bounds[b + 1] − 1`
+    if not bool(torch.index_select(nonzero, 0, bounds[:-1]).all()) or not bool(
             torch.index_select(nonzero, 0, bounds[1:] - 1).all()):
         raise ValueError(f"{what}: a block begins or ends with a zero (rule 1)")
-    jumps[1:].add_(1)
-    return _Table(n, vdtype, z, (first, last), offsets, jumps, bits, nonzero)
+    return _Table(n, h.dtype, z, (first, last), bounds[:-1], jumps, bits, nonzero)
+
+
+def _read_deferred(h: _Header, what: str, lo: int, hi: int,
+                   checks: list[tuple[torch.Tensor, str]]
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """:func:`_read` and :func:`_check_zero_runs` past the header (:func:`_header`, its one
+    read) without a read: every rule of
+    the block table and of §III-A becomes a bool tensor appended to ``checks``, for the caller
+    to read with its others (:data:`gradsync.collectives.base.CHECKS`). Returns ``(indices,
+    bits, nonzero)`` of every stored position, or ``None`` when the buffer has no block.
+
+    Nothing here can fail or write out of place before ``checks`` are read: whatever the
+    table holds, positions are clamped into the stream and indices into ``[lo, hi)``. The
+    table's rules are checked block by block (lengths ≥ 1; lo ≤ start ≤ hi − length; the next
+    start more than Z zeros past this block's end): each comparison is free of overflow once
+    the ones before it hold, and together they put every block, disjoint and sorted, inside
+    ``[lo, hi)``, so the lengths' sum cannot wrap either. Rule 2 inside the blocks: no window
+    of Z + 1 stored positions is all zeros (a running count of the zeros; by rule 1 no zero run
+    crosses a block boundary).
+    """
+    starts, lengths, stream, z = h.starts, h.lengths, h.stream, h.z
+    if starts is None:
+        return None
+    total = stream.numel()
+    bounds, jumps = _positions(starts, lengths)
+    ok = (lengths >= 1) & (starts >= lo) & (starts <= hi - lengths)
+    ok = ok.all() & (bounds[-1] == total)
+    if starts.numel() > 1:
+        ok &= (starts[1:] - starts[:-1] - lengths[:-1] > z).all()
+    checks.append((ok, f"{what}: a peer's block table is malformed (a length < 1, a block "
+                       f"outside [{lo}, {hi}), blocks unsorted, overlapping or closer than "
+                       f"the gap rule, or lengths not summing to the header's {total})"))
+    bits = stream.view(BITS_DTYPES[stream.element_size()])
+    nonzero = bits.bool()
+    ends = torch.stack([bounds[:-1], bounds[1:] - 1]).clamp_(0, total - 1)
+    checks.append((torch.index_select(nonzero, 0, ends.view(-1)).all(),
+                   f"{what}: a block begins or ends with a zero (rule 1)"))
+    if total > z:  # every Z + 1 positions in a row hold a nonzero: Z shifted ORs (Z ≤ 8)
+        held = nonzero[z:].clone()
+        for j in range(z):
+            held |= nonzero[j:total - z + j]
+        checks.append((held.all(),
+                       f"{what}: a zero run inside a block exceeds the gap rule (rule 2)"))
+    return _stored_indices(ends[0], jumps, total).clamp_(lo, hi - 1), bits, nonzero
 
 
 def _stored_indices(offsets: torch.Tensor, jumps: torch.Tensor, total: int) -> torch.Tensor:
@@ -350,20 +458,60 @@ def split(buf: torch.Tensor | bytes, count: int) -> list[torch.Tensor]:
     """The ``count`` encodings laid back to back in ``buf``, as views of it (each still to be
     :func:`decode`-d). Only the headers are read here: ``ValueError`` when one is invalid, runs
     past the end, or the pieces do not fill ``buf`` exactly."""
+    return [h.buf for h in _split(buf, count, "densestream.split")]
+
+
+def _split(buf: torch.Tensor | bytes, count: int, what: str,
+           numel: int | None = None, dtype: torch.dtype | None = None) -> list[_Header]:
+    """:func:`split`'s headers, one read each."""
     buf = as_buffer(buf)
     check_int("count", count, 0)
-    pieces, at = [], 0
+    heads, at = [], 0
     for _ in range(count):
-        iw, vdtype, (_, nb, total) = unpack_header(buf[at:], MAGIC, 3, "densestream.split")
-        if nb < 0 or total < 0:
-            raise ValueError(f"densestream.split: blocks={nb}, total length={total} negative")
-        size = HEADER_BYTES + nb * 2 * iw + total * torch.empty(0, dtype=vdtype).element_size()
-        if at + size > buf.numel():
-            raise ValueError(f"densestream.split: an encoding of {size} bytes runs past the "
-                             f"end of the {buf.numel()}-byte buffer (truncated)")
-        pieces.append(buf[at:at + size])
-        at += size
+        heads.append(_header(buf[at:], what, numel, dtype, prefix=True))
+        at += heads[-1].buf.numel()
     if at != buf.numel():
-        raise ValueError(f"densestream.split: {buf.numel() - at} bytes left after {count} "
-                         "encodings")
-    return pieces
+        raise ValueError(f"{what}: {buf.numel() - at} bytes left after {count} encodings")
+    return heads
+
+
+def decode_stored(buf: torch.Tensor | bytes, *, numel: int, dtype: torch.dtype, lo: int,
+                  hi: int, checks: list[tuple[torch.Tensor, str]]) -> SparseGrad:
+    """Every stored position of a buffer's blocks (their zeros included, as +0.0) as a
+    SparseGrad, validated with one read, the header's: what a collective that *sums* a peer's
+    message needs (adding +0.0 changes no value, only a −0.0 to +0.0, as a dense sum would).
+
+    The rules :func:`decode` enforces (and ``lo ≤`` every index ``< hi``) become bool tensors
+    appended to ``checks`` as ``(ok, message)``, for the caller to read with its other checks
+    before it uses the result; until then a malformed buffer gives indices clamped into
+    ``[lo, hi)`` and values that mean nothing, and nothing fails. The values view ``buf``.
+    """
+    h = _header(buf, "densestream.decode_stored", numel, dtype)
+    got = _read_deferred(h, "densestream.decode_stored", lo, hi, checks)
+    if got is None:
+        return SparseGrad.empty(numel, dtype, h.buf.device)
+    at, bits, _ = got
+    return SparseGrad(at, bits.view(dtype), numel, validate=False)
+
+
+def split_decode_into(buf: torch.Tensor | bytes, out: torch.Tensor,
+                      ranges: Sequence[tuple[int, int]],
+                      checks: list[tuple[torch.Tensor, str]]
+                      ) -> tuple[list[torch.Tensor], torch.Tensor]:
+    """:func:`split` and :func:`decode_into` of every piece with one read per piece (its
+    header): the ``len(ranges)`` encodings laid back to back in ``buf``, piece q written into
+    ``out`` inside ``ranges[q]``. Validated as :func:`decode_stored` (the checks appended to
+    ``checks``; a malformed piece writes only inside its range). Returns the pieces (views of
+    ``buf``) and the number of nonzeros written, a 0-dim tensor (not read)."""
+    if not isinstance(out, torch.Tensor) or out.dim() != 1 or not out.is_contiguous():
+        raise ValueError("densestream.split_decode_into: out must be a contiguous 1-D tensor")
+    what = "densestream.split_decode_into"
+    heads = _split(buf, len(ranges), what, out.numel(), out.dtype)
+    nnz = torch.zeros((), dtype=torch.int64, device=out.device)
+    for h, (lo, hi) in zip(heads, ranges, strict=True):
+        got = _read_deferred(h, what, lo, hi, checks)
+        if got is not None:
+            at, bits, nonzero = got
+            put_at(out.view(bits.dtype), at, bits)
+            nnz += torch.count_nonzero(nonzero)
+    return [h.buf for h in heads], nnz
