@@ -611,6 +611,58 @@ def test_a_dense_step_needs_no_agreement_collective(P):
         assert messages == buffers * 2 * (P - 1)
 
 
+def _malformed_on_one_rank(rank, world_size):
+    """DenseStream; at step 2 the last rank (never folded away: it swaps messages at every P)
+    receives a malformed one (its first stored value becomes +0.0, against rule 1), as from a
+    faulty link or peer."""
+    from gradsync.collectives.densestream import DenseStreamAllreduce
+
+    model = build("mlp", seed=1)
+    sync = GradSync(model, Config(scheme="densestream", density=0.1, warmup_steps=1))
+    swap, armed = DenseStreamAllreduce._swap, [False]
+
+    def corrupt(self, payload, peer, comm, like, iw, regions=1):
+        buf = swap(self, payload, peer, comm, like, iw, regions)
+        nb = int(buf[16:24].view(torch.int64)) if buf.numel() >= 32 else 0
+        if armed[0] and comm.rank == comm.size - 1 and nb:
+            armed[0] = False
+            buf = buf.clone()
+            buf[32 + 2 * nb * iw:32 + 2 * nb * iw + 4] = 0
+        return buf
+
+    DenseStreamAllreduce._swap = corrupt
+    out = []
+    for step in range(3):
+        model.zero_grad()
+        x, y = batch("cnn", rank, step)
+        model_loss(model, "cnn", x, y).backward()
+        armed[0] = step == 2
+        grads = [p.grad.clone() for p in model.parameters()]
+        try:
+            sync.synchronize()
+            out.append("applied")
+        except ValueError as e:
+            untouched = all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
+            out.append((str(e), untouched))
+    return out
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_a_malformed_message_stops_every_rank_with_a_clear_error(P):
+    """The rank whose collective received a malformed message raises its check's message; the
+    others raise too, at the same step (the engine's agreement carries the failure), instead of
+    waiting for it at the next collective. No ``.grad`` was written."""
+    outs = run_distributed(_malformed_on_one_rank, P, timeout=240)
+    for rank, out in enumerate(outs):
+        assert out[:2] == ["applied", "applied"], (rank, out)
+        msg, untouched = out[2]
+        assert untouched, (rank, msg)
+        if rank == P - 1:
+            assert "rule 1" in msg, msg
+        else:
+            assert "another rank received a malformed message" in msg, (rank, msg)
+
+
 def _diverge(rank, world_size):
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme="topka", density=0.1, warmup_steps=1, check_every=2))

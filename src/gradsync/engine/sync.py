@@ -215,8 +215,8 @@ class GradSync:
         if profiling:
             self._warmup.observe(run.hook_times)
         results = self._collect(run, stats)
-        missing, deferred_bad, dense_bad = self._settle(run, results)
-        ok = self._agree(run, stats, deferred_bad, dense_bad)
+        missing, deferred_bad, dense_bad, agreed = self._settle(run, results, stats)
+        ok = self._agree(run, stats, deferred_bad, dense_bad, agreed)
         if ok:
             stats.missing += missing
         self._apply(run, results, stats, ok)
@@ -249,12 +249,17 @@ class GradSync:
         stats.wait_s = time.perf_counter() - t0
         return results
 
-    def _settle(self, run: StepRun, results: list[JobResult]) -> tuple[int, list[str], bool]:
+    def _settle(self, run: StepRun, results: list[JobResult], stats: StepStats
+                ) -> tuple[int, list[str], bool, bool | None]:
         """Every device-side check of the step in one read, before anything is applied: the
         jobs' missing tensors and their collectives' checks (:func:`settle`), prepare's
-        deferred finiteness flags and the finiteness of every job's sum. Returns the missing
-        tensors, this rank's non-finite tensors among the deferred jobs (named from the
-        gradients, only when a flag failed) and whether a sum was non-finite.
+        deferred finiteness flags, the finiteness of every job's sum and, at P > 1, the ranks'
+        agreement on them (:meth:`_agreement`, all-reduced before the read, so it costs no
+        read of its own). Returns the missing tensors, this rank's non-finite tensors among
+        the deferred jobs (named from the gradients, only when a flag failed), whether a sum
+        was non-finite, and whether any rank saw a non-finite value (``None``: no agreement
+        made, see :meth:`_agree`). ``ValueError`` on every rank when one received a malformed
+        message: the details on that rank, a pointer to it on the others.
 
         Plain all-reduces (Mode.DENSE) carry a rank's non-finite gradient as it is (prepare
         does not look at them), so their sums, alike on every rank, are non-finite then: one
@@ -264,21 +269,57 @@ class GradSync:
         # makes no finiteness read of its own (Sparsifier.select's checked), so an accumulator
         # that overflowed shows here, alike on every rank, instead of reaching .grad; and a
         # collective that finds NaN/Inf under skip_step (Ok-Topk) returns a sum of NaN
-        sums = [r.dense for r in results]
+        finite = [*(lj.finite for lj in deferred), *(finite_flag(r.dense) for r in results)]
+        word = self._agreement(run, results, finite, stats)
+        extra = [] if word is None else [word >= 1, word >= 2]
         missing, flags = settle(list(zip(run.launched, results)), f"step {self.step}: ",
-                                [*(lj.finite for lj in deferred), *map(finite_flag, sums)])
+                                [*finite, *extra])
+        agreed = None
+        if word is not None:
+            agreed, peer_wire = flags[len(finite):]
+            if peer_wire:
+                raise ValueError(f"gradsync: step {self.step}: another rank received a "
+                                 "malformed message (its error names the check); nothing was "
+                                 "applied")
         bad: list[str] = []
         for lj, ok in zip(deferred, flags):
             if not ok:  # rare: name the culprits, a read per tensor
                 bad.extend(n for n in lj.job.names if not all_finite(self._grad(n)))
-        return missing, bad, not all(flags[len(deferred):])
+        return missing, bad, not all(flags[len(deferred):len(finite)]), agreed
+
+    def _agreement(self, run: StepRun, results: list[JobResult], finite: list[torch.Tensor],
+                   stats: StepStats) -> torch.Tensor | None:
+        """At P > 1, unless every job was a plain all-reduce (whose sums, alike on every rank,
+        tell by themselves): one int64 word, all-reduced (MAX) on the device before the
+        step's read: 2 when some rank received a malformed message (a collective's check
+        failed), else 1 when some rank saw a non-finite gradient or sum, else 0. So a rank
+        whose check fails has met its peers in this collective, and they stop too instead of
+        waiting for it at the next one."""
+        if self.P == 1 or (run.launched and all(lj.job.mode is Mode.DENSE
+                                                 for lj in run.launched)):
+            return None
+        wire = [ok.reshape(()) for r in results for ok, _ in r.checks]
+        host_bad = any(lj.nonfinite for lj in run.launched)
+        dev = (finite or wire)[0].device if finite or wire else torch.device("cpu")
+        word = torch.zeros((), dtype=torch.int64, device=dev)
+        if finite:
+            word = (~torch.stack([f.reshape(()) for f in finite]).all()).to(torch.int64)
+        if host_bad:
+            word = torch.ones((), dtype=torch.int64, device=dev)
+        if wire:
+            word = torch.where(torch.stack(wire).all(), word, 2)
+        word = word.reshape(1)
+        comm = Comm(self.group)
+        comm.all_reduce(word, op=dist.ReduceOp.MAX)
+        stats.add_traffic(comm.stats)
+        return word[0]
 
     def _agree(self, run: StepRun, stats: StepStats, deferred_bad: list[str],
-               dense_bad: bool) -> bool:
+               dense_bad: bool, agreed: bool | None) -> bool:
         """Whether every rank's gradients were finite (``Config.nonfinite``), agreed by all
-        (``deferred_bad``, ``dense_bad``: what :meth:`_settle` found). A step of only plain
-        all-reduces needs no agreement collective (their sums are alike on every rank); in a
-        mixed step a non-finite sum joins this rank's flag."""
+        (``deferred_bad``, ``dense_bad``, ``agreed``: what :meth:`_settle` found). A step of
+        only plain all-reduces needs no agreement collective (their sums are alike on every
+        rank); in a mixed step a non-finite sum joins this rank's flag."""
         bad_local = sorted({*deferred_bad, *(n for lj in run.launched for n in lj.nonfinite)})
         if dense_bad:  # rare: name this rank's culprits for the message
             bad_local = sorted({*bad_local, *(n for lj in run.launched
@@ -287,8 +328,10 @@ class GradSync:
                                               if not all_finite(self._grad(n)))})
         only_dense = bool(run.launched) and all(lj.job.mode is Mode.DENSE
                                                 for lj in run.launched)
-        agreed = dense_bad if only_dense else None
-        return self._agree_finite(bool(bad_local) or dense_bad, stats, agreed, bad_local)
+        if only_dense:
+            agreed = dense_bad
+        return self._agree_finite(bool(bad_local) or dense_bad, stats, agreed, bad_local,
+                                  only_dense)
 
     def _apply(self, run: StepRun, results: list[JobResult], stats: StepStats, ok: bool) -> None:
         """Average every job's result into ``.grad`` and update residuals, or, when a rank
@@ -696,7 +739,7 @@ class GradSync:
         return not stats.skipped
 
     def _agree_finite(self, bad: bool, stats: StepStats, agreed: bool | None,
-                      bad_local: list[str]) -> bool:
+                      bad_local: list[str], only_dense: bool = False) -> bool:
         """All ranks agree whether any gradient was non-finite (``bad``: this rank saw one;
         ``agreed``: already known alike on every rank, no collective), then apply the policy
         (``bad_local``: this rank's non-finite tensors, for the message)."""
@@ -710,8 +753,8 @@ class GradSync:
         if not any_bad:
             return True
         where = (f"on this rank ({self.rank}) in {bad_local}" if bad_local
-                 else "on another rank (or a sum overflowed)" if agreed is None
-                 else "on another rank (or the all-reduced sum overflowed)")
+                 else "on another rank (or the all-reduced sum overflowed)" if only_dense
+                 else "on another rank (or a sum overflowed)")
         if self.cfg.nonfinite == "raise":
             for name in self.params:
                 self.ef.discard(name)
