@@ -135,6 +135,30 @@ def pyplot() -> Any:
     return plt
 
 
+def grouped_bars(ax: Any, rows: Sequence[dict[str, Any]], group: str, category: str,
+                 value: Callable[[dict[str, Any]], float | None],
+                 label: Callable[[Any], str] = str, rotation: int = 45) -> list[Any]:
+    """One bar per ``rows`` entry on ``ax``: categories (``row[category]``, in first-seen
+    order) along x, one bar of each group (``row[group]``) side by side within a category,
+    height ``value(row)`` (``None``: no bar). Returns the categories; their tick is at index
+    ``+ 0.4 − width / 2``, where :func:`grouped_tick` puts a marker."""
+    groups = list(dict.fromkeys(r[group] for r in rows))
+    cats = list(dict.fromkeys(r[category] for r in rows))
+    width = 0.8 / max(1, len(groups))
+    for i, g in enumerate(groups):
+        by = {r[category]: value(r) for r in rows if r[group] == g}
+        ys = [float("nan") if by.get(c) is None else by[c] for c in cats]
+        ax.bar([j + i * width for j in range(len(cats))], ys, width, label=label(g))
+    ax.set_xticks([grouped_tick(j, len(groups)) for j in range(len(cats))], cats,
+                  rotation=rotation, ha="right", fontsize=7)
+    return cats
+
+
+def grouped_tick(index: int, groups: int) -> float:
+    """The x of category ``index``'s tick in :func:`grouped_bars` with ``groups`` groups."""
+    return index + 0.4 - 0.4 / max(1, groups)
+
+
 def write_outputs(
     name: str,
     rows: list[dict[str, Any]],

@@ -123,7 +123,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from gradsync.apps.common import cpu_description, median_time, print_table, write_outputs
+from gradsync.apps.common import (
+    cpu_description,
+    grouped_bars,
+    median_time,
+    print_table,
+    write_outputs,
+)
 from gradsync.sparsify import segments
 
 __all__ = ["HOST_READ_OPS", "Workload", "count_step", "device_slug", "gpu_slug", "main",
@@ -984,16 +990,9 @@ def _not_run(rows: list[dict[str, Any]]) -> str:
 
 def _plot(rows: list[dict[str, Any]]):
     def plot(ax) -> None:
-        models = list(dict.fromkeys(r["model"] for r in rows))
-        schemes = list(dict.fromkeys(r["scheme"] for r in rows))
-        width = 0.8 / max(1, len(models))
-        for i, m in enumerate(models):
-            by = {r["scheme"]: r.get("ratio") for r in rows if r["model"] == m}
-            ys = [by.get(s) or float("nan") for s in schemes]
-            ax.bar([j + i * width for j in range(len(schemes))], ys, width, label=m)
+        grouped_bars(ax, rows, "model", "scheme", lambda r: r.get("ratio") or None,
+                     rotation=60)
         ax.axhline(1.0, color="grey", linestyle="--", linewidth=1)
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(schemes))], schemes,
-                      rotation=60, ha="right", fontsize=7)
         ax.set_ylabel("step time / DDP's (median of pairs)")
         ax.set_title("per-step overhead at P = 1", fontsize=9)
         ax.legend(fontsize=8)

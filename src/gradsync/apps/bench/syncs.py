@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from gradsync.apps.bench import overhead
-from gradsync.apps.common import print_table, write_outputs
+from gradsync.apps.common import grouped_bars, grouped_tick, print_table, write_outputs
 from gradsync.testing import run_distributed
 
 DEFAULT_SCHEMES = ("topka", "per_tensor", "ssfusion_oi", "oktopk", "densestream", "gaussiank",
@@ -126,18 +126,12 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any])
 
 def _plot(rows: list[dict[str, Any]]):
     def plot(ax) -> None:
-        worlds = list(dict.fromkeys(r["ranks"] for r in rows))
-        schemes = list(dict.fromkeys(r["scheme"] for r in rows))
-        width = 0.8 / max(1, len(worlds))
-        for i, p in enumerate(worlds):
-            by = {r["scheme"]: r["reads_max"] for r in rows if r["ranks"] == p}
-            ax.bar([j + i * width for j in range(len(schemes))],
-                   [by.get(s, float("nan")) for s in schemes], width, label=f"P = {p}")
+        schemes = grouped_bars(ax, rows, "ranks", "scheme", lambda r: r["reads_max"],
+                               lambda p: f"P = {p}")
+        worlds = len(dict.fromkeys(r["ranks"] for r in rows))
         bars = {r["scheme"]: r["p1_bar"] for r in rows if r["p1_bar"] is not None}
-        ax.scatter([schemes.index(s) + 0.4 - width / 2 for s in bars], list(bars.values()),
+        ax.scatter([grouped_tick(schemes.index(s), worlds) for s in bars], list(bars.values()),
                    marker="_", s=300, color="black", label="P = 1 bar")
-        ax.set_xticks([j + 0.4 - width / 2 for j in range(len(schemes))], schemes,
-                      rotation=45, ha="right", fontsize=7)
         ax.set_ylabel("host reads per step (the most of any rank)")
         ax.set_title("host reads per step at P ranks (CPU, accelerators' path)", fontsize=9)
         ax.legend(fontsize=8)
