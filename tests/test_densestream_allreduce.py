@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+import torch.distributed as dist
 
 import gradsync.collectives.densestream  # noqa: F401  (registers "densestream")
 from gradsync.collectives import get
@@ -170,9 +171,10 @@ def test_dsa_traffic_boundaries_and_state_at_p4():
         split = 2 * 3 * (8 * P) // 4                # P′ = 4 int64 words
         def block(m):                               # one DenseStream block of m fp32 values
             return 32 + 8 + 4 * m
-        halving = (8 + block(2000)) + (8 + block(1000))
+        # each message: the headers of its encodings (32 bytes each), then the encodings
+        halving = (32 + block(2000)) + (32 + block(1000))
         # the allgather forwards each region's own encoding: 1, then 2 regions of 1000
-        doubling = (8 + block(1000)) + (8 + 2 * block(1000))
+        doubling = (32 + block(1000)) + (2 * 32 + 2 * block(1000))
         assert o["phases"] == {"balanced_split": split, "fold": 0,
                                "scatter_reduce": halving, "allgather": doubling, "unfold": 0}
         assert o["sent"] == [shape_check + split + halving + doubling,
@@ -212,27 +214,29 @@ def test_state_dict_validation_and_single_rank():
 
 # -- malformed messages -----------------------------------------------------------------------
 class _Corrupting(DenseStreamAllreduce):
-    """Rank 0 corrupts the ``call``-th message it receives through ``_swap`` (0: the
-    scatter-reduce's at P = 2, 1: the allgather's), as a faulty link or peer would."""
+    """Rank 0 corrupts the ``call``-th message it receives (0: the scatter-reduce's at P = 2,
+    1: the allgather's), as a faulty link or peer would, before anything looks at it."""
 
     def __init__(self, call: int, how: str) -> None:
         super().__init__()
         self.call, self.how, self.calls = call, how, 0
 
-    def _swap(self, payload, peer, comm, like, iw, regions=1):
-        buf = super()._swap(payload, peer, comm, like, iw, regions)
+    def _match(self, buf, ann, sizes, checks):
         self.calls += 1
-        if comm.rank != 0 or self.calls - 1 != self.call:
-            return buf
+        if dist.get_rank() != 0 or self.calls - 1 != self.call or buf is None:
+            return super()._match(buf, ann, sizes, checks)
         buf = buf.clone()
-        nb = int(buf[16:24].view(torch.int64))
+        iw, nb = buf[5].item(), int(buf[16:24].view(torch.int64))
         if self.how == "rule 1":      # the first stored value becomes +0.0
             buf[32 + 2 * nb * iw:32 + 2 * nb * iw + 4] = 0
         elif self.how == "outside":   # the first block starts past the tensor's end
-            buf[32:32 + iw].view(torch.int32 if iw == 4 else torch.int64).fill_(like.numel - 1)
+            buf[32:32 + iw].view(torch.int32 if iw == 4 else torch.int64).fill_(
+                int(buf[8:16].view(torch.int64)) - 1)
         elif self.how == "truncated":
             buf = buf[:-1]
-        return buf
+        elif self.how == "announced":  # the message's header is not the one announced
+            buf[7] = 1
+        return super()._match(buf, ann, sizes, checks)
 
 
 def _rank_corrupt(rank: int, world_size: int, n: int, plan: list[tuple[int, str]]) -> list:
@@ -258,13 +262,14 @@ def _rank_corrupt(rank: int, world_size: int, n: int, plan: list[tuple[int, str]
 
 
 def test_malformed_messages_fail_the_receiving_rank_and_write_only_inside_the_senders_range():
-    """A message that breaks the format's rules or lands outside its sender's range: the rank
-    that received it raises ``ValueError`` naming the rule, after the collective completed (no
-    peer is left waiting); with ``deferred`` the failed check comes back instead, and the
-    result outside the sender's range is the exact sum. A truncated message is refused at
-    its header, at once."""
+    """A message that breaks the format's rules, lands outside its sender's range or differs
+    from the headers announced for it: the rank that received it raises ``ValueError`` naming
+    the rule, after the collective completed (no peer is left waiting); with ``deferred`` the
+    failed check comes back instead, and the result outside the sender's range is the exact
+    sum. A truncated message is refused at once."""
     n, P = 2000, 2
-    plan = [(0, "rule 1"), (0, "outside"), (1, "rule 1"), (1, "outside"), (1, "truncated")]
+    plan = [(0, "rule 1"), (0, "outside"), (0, "announced"), (1, "rule 1"), (1, "outside"),
+            (1, "truncated")]
     outs = run_distributed(_rank_corrupt, P, n, plan, timeout=240)
     ref = torch.zeros(n, dtype=torch.float64)
     for r in range(P):

@@ -619,18 +619,17 @@ def _malformed_on_one_rank(rank, world_size):
 
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme="densestream", density=0.1, warmup_steps=1))
-    swap, armed = DenseStreamAllreduce._swap, [False]
+    match, armed = DenseStreamAllreduce._match, [False]
 
-    def corrupt(self, payload, peer, comm, like, iw, regions=1):
-        buf = swap(self, payload, peer, comm, like, iw, regions)
-        nb = int(buf[16:24].view(torch.int64)) if buf.numel() >= 32 else 0
-        if armed[0] and comm.rank == comm.size - 1 and nb:
+    def corrupt(buf, ann, sizes, checks):
+        if armed[0] and rank == world_size - 1 and buf is not None:
             armed[0] = False
             buf = buf.clone()
+            iw, nb = buf[5].item(), int(buf[16:24].view(torch.int64))
             buf[32 + 2 * nb * iw:32 + 2 * nb * iw + 4] = 0
-        return buf
+        return match(buf, ann, sizes, checks)
 
-    DenseStreamAllreduce._swap = corrupt
+    DenseStreamAllreduce._match = staticmethod(corrupt)
     out = []
     for step in range(3):
         model.zero_grad()

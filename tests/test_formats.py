@@ -631,6 +631,28 @@ def test_densestream_deferred_readers_agree_with_decode(sel, iw, pieces):
     assert same_bits(out, sel.to_dense()) and int(nnz) == len(nonzero_entries(sel)[0])
 
 
+def test_densestream_announced_size_and_headers_given_on_the_host():
+    """A header's bytes on the host give its encoding's size, checked as decode checks it, and
+    stand for the buffer's own header in the deferred readers (no read)."""
+    raw = _ds_raw(20, [2, 10], [3, 1], [1.0, 0.0, 2.0, 3.0])
+    head = raw[:ds.HEADER_BYTES]
+    assert ds.announced_size(head, numel=20, dtype=torch.float32) == len(raw)
+    for bad, what in [(b"GSCO" + head[4:], "magic"), (head[:-1], "shorter"),
+                      (_ds_raw(20, [2], [1], [1.0], total=2**60)[:32], "inconsistent")]:
+        with pytest.raises(ValueError, match=what):
+            ds.announced_size(bad, numel=20, dtype=torch.float32)
+    with pytest.raises(ValueError, match="numel"):
+        ds.announced_size(head, numel=21, dtype=torch.float32)
+    checks: list = []
+    got = ds.decode_stored(raw, numel=20, dtype=torch.float32, lo=0, hi=20, checks=checks,
+                           header=head)
+    assert got.indices.tolist() == [2, 3, 4, 10] and all(bool(ok) for ok, _ in checks)
+    out = torch.zeros(20)
+    ds.split_decode_into(raw + raw, out.clone(), [(0, 20), (0, 20)], [], [head, head])
+    with pytest.raises(ValueError, match="headers given"):
+        ds.split_decode_into(raw, out, [(0, 20)], [], [head, head])
+
+
 def test_densestream_deferred_readers_check_the_range():
     """A block outside the caller's range is a failed check, not a write outside it."""
     raw = _ds_raw(20, [2, 10], [3, 1], [1.0, 0.0, 2.0, 3.0])

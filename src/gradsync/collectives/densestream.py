@@ -29,15 +29,16 @@ and out at the end, as in Rabenseifner's allreduce: among the first 2(P − P′
 rank sends its whole selection to the next odd rank, which adds it to its own; at the end the
 odd rank sends the complete result back.
 
-Each message pair is a length (one int64) and then the encoded bytes, both through
-:class:`~gradsync.collectives.comm.Comm`, so the byte counts are exact; an empty partition sends
-only its length in the fold and the scatter-reduce, and its 32-byte header in the allgather.
-Indices are int64 in memory, int32 on the wire when numel < 2**31
-(:func:`gradsync.formats.wire.wire_index_bytes`).
+Each message is announced by the 32-byte headers of the encodings it carries (one per region),
+then the encodings follow, headers included, unless every one is a bare header (an empty
+partition: the announcement is the whole message); both through
+:class:`~gradsync.collectives.comm.Comm`, so the byte counts are exact. Indices are int64 in
+memory, int32 on the wire when numel < 2**31 (:func:`gradsync.formats.wire.wire_index_bytes`).
 
 Every message received is validated on the device (:func:`~gradsync.formats.densestream.
-decode_stored`, ``split_decode_into``): its header is read (one read, which its size needs),
-and the block table, §III-A's rules and the sender's range become checks that the caller reads
+decode_stored`, ``split_decode_into``): the announcement is read (one read per message: it sizes
+the message and stands for its headers, which must equal it), and the block table, §III-A's
+rules and the sender's range become checks that the caller reads
 with the step's others (:data:`~gradsync.collectives.base.CHECKS`; ``ValueError`` with the
 first failed rule). Until then a malformed message writes only inside its sender's range. The
 scatter-reduce sums a message's every stored position, its zeros inside blocks included
@@ -51,6 +52,7 @@ so every rank scatters the same values into ``dense``. ``kept`` is every local i
 
 from __future__ import annotations
 
+import itertools
 from typing import Any
 
 import torch
@@ -65,6 +67,8 @@ from gradsync.sparsegrad import SparseGrad, densify, sparse_sum
 
 __all__ = ["DenseStreamAllreduce"]
 
+_HEAD = dsfmt.HEADER_BYTES  # an encoding's header, which announces it
+
 
 def _halves(sel: SparseGrad, lo: int, mid: int, hi: int) -> tuple[SparseGrad, SparseGrad]:
     """The entries of ``sel`` with index in ``[lo, mid)`` and in ``[mid, hi)`` (indices stay
@@ -77,7 +81,7 @@ def _halves(sel: SparseGrad, lo: int, mid: int, hi: int) -> tuple[SparseGrad, Sp
 
 def _reduce_sum(mine: SparseGrad, theirs: SparseGrad, lo: int, hi: int) -> SparseGrad:
     """Sparse SUM of two selections whose indices lie in ``[lo, hi)`` (checked: ``theirs`` by
-    :meth:`DenseStreamAllreduce._decode`), ``mine`` added first
+    :meth:`DenseStreamAllreduce._exchange`), ``mine`` added first
     (:func:`~gradsync.sparsegrad.sparse_sum`, told the range: no read of the parts' ends)."""
     idx, val = sparse_sum([(mine.indices, mine.values), (theirs.indices, theirs.values)],
                           within=(lo, hi))
@@ -120,68 +124,94 @@ class DenseStreamAllreduce(Collective):
         return bounds, self._bounds[key][2], True
 
     # -- messages -----------------------------------------------------------------------
-    def _encode(self, part: SparseGrad, iw: int) -> torch.Tensor:
-        if len(part) == 0:
-            return torch.empty(0, dtype=torch.uint8, device=part.device)
-        return dsfmt.encode(part, index_bytes=iw)
-
-    def _decode(self, buf: torch.Tensor, like: SparseGrad, lo: int, hi: int,
-                checks: list[tuple[torch.Tensor, str]]) -> SparseGrad:
-        """A peer's partition, every stored position (``decode_stored``: zeros inside blocks
-        too, harmless in a sum), its indices checked to lie in ``[lo, hi)`` on the device."""
-        if buf.numel() == 0:
-            return SparseGrad.empty(like.numel, like.dtype, like.device)
-        return dsfmt.decode_stored(buf, numel=like.numel, dtype=like.dtype, lo=lo, hi=hi,
-                                   checks=checks)
+    # A message is announced by the headers of the encodings it carries (one per region),
+    # then the encodings follow, unless every one is a bare header (an empty partition). One
+    # read of the announcement sizes the message and stands for every header in it.
+    @staticmethod
+    def _encode(part: SparseGrad, iw: int) -> torch.Tensor:
+        return dsfmt.encode(part, index_bytes=iw)  # an empty part: its bare header
 
     @staticmethod
-    def _check_len(m: int, like: SparseGrad, iw: int, regions: int = 1) -> int:
-        most = regions * dsfmt.HEADER_BYTES + like.numel * (2 * iw + like.values.element_size())
-        if not 0 <= m <= most:
-            raise ValueError(f"densestream: a peer announced {m} bytes (at most {most} possible)")
-        return m
+    def _announced(ann: torch.Tensor, like: SparseGrad) -> tuple[list[bytes], list[int]]:
+        """The headers a peer announced (one read) and the sizes of their encodings, checked
+        (which bounds what is allocated for them)."""
+        raw = ann.cpu().numpy().tobytes()
+        heads = [raw[at:at + _HEAD] for at in range(0, len(raw), _HEAD)]
+        try:
+            sizes = [dsfmt.announced_size(h, numel=like.numel, dtype=like.dtype) for h in heads]
+        except ValueError as e:
+            raise ValueError(f"densestream: a peer announced a malformed header: {e}") from e
+        return heads, sizes
 
-    def _swap(self, payload: torch.Tensor, peer: int, comm: Comm, like: SparseGrad, iw: int,
-              regions: int = 1) -> torch.Tensor:
-        """Send ``payload`` to ``peer`` and receive its payload: sizes first, then the bytes."""
-        n_out = torch.tensor([payload.numel()], dtype=torch.int64, device=comm.device)
-        n_in = torch.zeros(1, dtype=torch.int64, device=comm.device)
-        comm.sendrecv(n_out, peer, n_in, peer)
-        buf = torch.empty(self._check_len(int(n_in), like, iw, regions), dtype=torch.uint8,
-                          device=like.device)
-        comm.sendrecv(payload, peer, buf, peer)
+    @staticmethod
+    def _payload(ann: torch.Tensor, sizes: list[int], like: SparseGrad
+                 ) -> torch.Tensor | None:
+        """The buffer for the announced encodings; ``None`` when they are bare headers (the
+        announcement is then the whole message)."""
+        if sum(sizes) == ann.numel():
+            return None
+        return torch.empty(sum(sizes), dtype=torch.uint8, device=like.device)
+
+    @staticmethod
+    def _match(buf: torch.Tensor | None, ann: torch.Tensor, sizes: list[int],
+               checks: list[tuple[torch.Tensor, str]]) -> torch.Tensor:
+        """The message: ``buf``, whose encodings must begin with the announced headers (a
+        check on the device), or the announcement itself."""
+        if buf is None:
+            return ann
+        starts = [0, *itertools.accumulate(sizes)][:-1]
+        got = torch.cat([buf[a:a + _HEAD] for a in starts])
+        checks.append(((got == ann).all(), "densestream: a peer's message does not begin with "
+                                           "the headers it announced"))
         return buf
+
+    def _swap(self, pieces: list[torch.Tensor], peer: int, comm: Comm, like: SparseGrad,
+              checks: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, list[bytes]]:
+        """Send the encodings ``pieces`` to ``peer`` and receive as many: the headers first,
+        then the encodings (each side only when not bare). Returns the received message and
+        its headers."""
+        ann = torch.empty(_HEAD * len(pieces), dtype=torch.uint8, device=like.device)
+        comm.sendrecv(torch.cat([p[:_HEAD] for p in pieces]), peer, ann, peer)
+        heads, sizes = self._announced(ann, like)
+        buf = self._payload(ann, sizes, like)
+        bare = sum(p.numel() for p in pieces) == _HEAD * len(pieces)
+        comm.sendrecv(None if bare else torch.cat(pieces), peer, buf, peer)
+        return self._match(buf, ann, sizes, checks), heads
+
+    def _send(self, pieces: list[torch.Tensor], peer: int, comm: Comm) -> None:
+        """:meth:`_swap`'s sending half alone."""
+        comm.send(torch.cat([p[:_HEAD] for p in pieces]), peer)
+        if sum(p.numel() for p in pieces) > _HEAD * len(pieces):
+            comm.send(torch.cat(pieces), peer)
+
+    def _recv(self, regions: int, like: SparseGrad, peer: int, comm: Comm,
+              checks: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, list[bytes]]:
+        """:meth:`_swap`'s receiving half alone."""
+        ann = torch.empty(_HEAD * regions, dtype=torch.uint8, device=like.device)
+        comm.recv(ann, peer)
+        heads, sizes = self._announced(ann, like)
+        buf = self._payload(ann, sizes, like)
+        if buf is not None:
+            comm.recv(buf, peer)
+        return self._match(buf, ann, sizes, checks), heads
 
     def _exchange(self, part: SparseGrad, peer: int, comm: Comm, iw: int, lo: int, hi: int,
                   checks: list[tuple[torch.Tensor, str]]) -> SparseGrad:
-        """Send ``part`` to ``peer`` and receive its partition (indices in ``[lo, hi)``)."""
-        return self._decode(self._swap(self._encode(part, iw), peer, comm, part, iw), part,
-                            lo, hi, checks)
+        """Send ``part`` to ``peer`` and receive its partition (indices in ``[lo, hi)``), every
+        stored position (``decode_stored``: zeros inside blocks too, harmless in a sum)."""
+        buf, (head,) = self._swap([self._encode(part, iw)], peer, comm, part, checks)
+        return dsfmt.decode_stored(buf, numel=part.numel, dtype=part.dtype, lo=lo, hi=hi,
+                                   checks=checks, header=head)
 
     @staticmethod
-    def _write(buf: torch.Tensor, dense: torch.Tensor, regions: range, bounds: list[int],
-               checks: list[tuple[torch.Tensor, str]]) -> tuple[list[torch.Tensor], torch.Tensor]:
-        """Split a payload of one encoding per region (``regions``, in order) and decode each
-        straight into ``dense``, checked against its region's range (the regions are disjoint,
-        so each writes only its own indices): the encodings, and the nonzeros written."""
+    def _write(buf: torch.Tensor, heads: list[bytes], dense: torch.Tensor, regions: range,
+               bounds: list[int], checks: list[tuple[torch.Tensor, str]]
+               ) -> tuple[list[torch.Tensor], torch.Tensor]:
+        """Decode a message of one encoding per region (``regions``, in order) straight into
+        ``dense``, each checked against its region's range (the regions are disjoint, so each
+        writes only its own indices): the encodings, and the nonzeros written."""
         return dsfmt.split_decode_into(buf, dense, [(bounds[q], bounds[q + 1]) for q in regions],
-                                       checks)
-
-    def _send(self, part: SparseGrad, peer: int, comm: Comm, iw: int) -> None:
-        payload = self._encode(part, iw)
-        comm.send(torch.tensor([payload.numel()], dtype=torch.int64, device=comm.device), peer)
-        if payload.numel():
-            comm.send(payload, peer)
-
-    def _recv(self, like: SparseGrad, peer: int, comm: Comm, iw: int,
-              checks: list[tuple[torch.Tensor, str]]) -> SparseGrad:
-        n_in = torch.zeros(1, dtype=torch.int64, device=comm.device)
-        comm.recv(n_in, peer)
-        buf = torch.empty(self._check_len(int(n_in), like, iw), dtype=torch.uint8,
-                          device=like.device)
-        if buf.numel():
-            comm.recv(buf, peer)
-        return self._decode(buf, like, 0, like.numel, checks)
+                                       checks, heads)
 
     # -- Algorithm 2 ------------------------------------------------------------------------
     def _reduce(
@@ -209,10 +239,13 @@ class DenseStreamAllreduce(Collective):
         acc = sel
         if r < 2 * rem:
             if r % 2 == 0:
-                self._send(sel, r + 1, comm, iw)
+                self._send([self._encode(sel, iw)], r + 1, comm)
                 me = -1                                # sits out halving and doubling
             else:
-                acc = _reduce_sum(sel, self._recv(sel, r - 1, comm, iw, checks), 0, n)
+                buf, (head,) = self._recv(1, sel, r - 1, comm, checks)
+                got = dsfmt.decode_stored(buf, numel=n, dtype=sel.dtype, lo=0, hi=n,
+                                          checks=checks, header=head)
+                acc = _reduce_sum(sel, got, 0, n)
                 me = r // 2
         else:
             me = r - rem
@@ -249,9 +282,10 @@ class DenseStreamAllreduce(Collective):
             while d < p2:
                 peer = me ^ d
                 plo = (peer // d) * d                  # partner holds regions [plo, plo + d)
-                payload = torch.cat([held[q] for q in sorted(held)])
-                buf = self._swap(payload, real(peer), comm, sel, iw, d)
-                pieces, got = self._write(buf, dense, range(plo, plo + d), bounds, checks)
+                buf, heads = self._swap([held[q] for q in sorted(held)], real(peer), comm,
+                                        sel, checks)
+                pieces, got = self._write(buf, heads, dense, range(plo, plo + d), bounds,
+                                          checks)
                 held.update(zip(range(plo, plo + d), pieces, strict=True))
                 global_nnz += got
                 d *= 2
@@ -261,18 +295,11 @@ class DenseStreamAllreduce(Collective):
         # Unfold: the odd ranks return every region to the even ranks they absorbed.
         if r < 2 * rem:
             if r % 2 == 1:
-                payload = torch.cat([held[q] for q in sorted(held)])
-                comm.send(torch.tensor([payload.numel()], dtype=torch.int64, device=comm.device),
-                          r - 1)
-                comm.send(payload, r - 1)
+                self._send([held[q] for q in sorted(held)], r - 1, comm)
             else:
-                n_in = torch.zeros(1, dtype=torch.int64, device=comm.device)
-                comm.recv(n_in, r + 1)
-                buf = torch.empty(self._check_len(int(n_in), sel, iw, p2), dtype=torch.uint8,
-                                  device=sel.device)
-                comm.recv(buf, r + 1)
+                buf, heads = self._recv(p2, sel, r + 1, comm, checks)
                 dense = torch.zeros(n, dtype=sel.dtype, device=sel.device)
-                _, global_nnz = self._write(buf, dense, range(p2), bounds, checks)
+                _, global_nnz = self._write(buf, heads, dense, range(p2), bounds, checks)
         mark("unfold", t)
         info = {"regions": p2, "boundaries": B, "boundaries_recomputed": recomputed,
                 "region_nnz": region_nnz, "global_nnz": global_nnz,

@@ -68,8 +68,9 @@ from gradsync.formats.wire import (
 )
 from gradsync.sparsegrad import SparseGrad, flatnonzero, put_at
 
-__all__ = ["HEADER_BYTES", "MAGIC", "blocks", "decode", "decode_into", "decode_stored", "encode",
-           "max_zero_run", "size_bytes", "split", "split_decode_into"]
+__all__ = ["HEADER_BYTES", "MAGIC", "announced_size", "blocks", "decode", "decode_into",
+           "decode_stored", "encode", "max_zero_run", "size_bytes", "split",
+           "split_decode_into"]
 
 MAGIC = b"GSDS"
 HEADER_BYTES = header_bytes(3)  # 32: numel, blocks, Σ lengths
@@ -243,20 +244,36 @@ class _Header(NamedTuple):
     stream: torch.Tensor | None    # the stored values
 
 
-def _header(buf: torch.Tensor | bytes, what: str, numel: int | None,
-            dtype: torch.dtype | None, *, prefix: bool = False) -> _Header:
-    """The header (one read) checked on its own and against the buffer's size; the arrays
-    are views of ``buf`` (``None`` when it has no block). ``prefix``: the encoding is the
-    buffer's beginning (:func:`split`), which must be long enough for it."""
-    buf = as_buffer(buf)
-    iw, vdtype, (n, nb, total) = unpack_header(buf, MAGIC, 3, what, numel=numel, dtype=dtype)
-    vb = torch.empty(0, dtype=vdtype).element_size()
-    z = max_zero_run(iw, vb)
+def _fields(src: torch.Tensor | bytes, what: str, numel: int | None,
+            dtype: torch.dtype | None) -> tuple[int, torch.dtype, int, int, int, int]:
+    """``(index width, dtype, numel, blocks, Σ lengths, encoded size)`` of a header (read from
+    the buffer ``src``, or given as its bytes), checked on its own."""
+    iw, vdtype, (n, nb, total) = unpack_header(src, MAGIC, 3, what, numel=numel, dtype=dtype)
     if not 0 <= nb <= total <= n or (nb == 0) != (total == 0):
         raise ValueError(f"{what}: blocks={nb}, total length={total} inconsistent "
                          f"with numel={n} (need 0 ≤ blocks ≤ length ≤ numel, and no values "
                          f"without a block)")
-    expected = HEADER_BYTES + nb * 2 * iw + total * vb  # Python ints: no overflow
+    vb = torch.empty(0, dtype=vdtype).element_size()
+    return iw, vdtype, n, nb, total, HEADER_BYTES + nb * 2 * iw + total * vb  # no overflow
+
+
+def announced_size(header: bytes, *, numel: int, dtype: torch.dtype) -> int:
+    """The size in bytes of the encoding whose header is ``header`` (its first
+    :data:`HEADER_BYTES` bytes, on the host: no read), checked as :func:`decode` checks it."""
+    return _fields(header, "densestream.announced_size", numel, dtype)[-1]
+
+
+def _header(buf: torch.Tensor | bytes, what: str, numel: int | None,
+            dtype: torch.dtype | None, *, prefix: bool = False, raw: bytes | None = None
+            ) -> _Header:
+    """The header (one read; none when its bytes are given, ``raw``) checked on its own and
+    against the buffer's size; the arrays are views of ``buf`` (``None`` when it has no
+    block). ``prefix``: the encoding is the buffer's beginning (:func:`split`), which must be
+    long enough for it."""
+    buf = as_buffer(buf)
+    iw, vdtype, n, nb, total, expected = _fields(buf if raw is None else raw, what, numel,
+                                                 dtype)
+    z = max_zero_run(iw, torch.empty(0, dtype=vdtype).element_size())
     if prefix and buf.numel() < expected:
         raise ValueError(f"{what}: an encoding of {expected} bytes runs past the end of the "
                          f"{buf.numel()}-byte buffer (truncated)")
@@ -462,13 +479,17 @@ def split(buf: torch.Tensor | bytes, count: int) -> list[torch.Tensor]:
 
 
 def _split(buf: torch.Tensor | bytes, count: int, what: str,
-           numel: int | None = None, dtype: torch.dtype | None = None) -> list[_Header]:
-    """:func:`split`'s headers, one read each."""
+           numel: int | None = None, dtype: torch.dtype | None = None,
+           raws: Sequence[bytes] | None = None) -> list[_Header]:
+    """:func:`split`'s headers, one read each (none with their bytes given, ``raws``)."""
     buf = as_buffer(buf)
     check_int("count", count, 0)
+    if raws is not None and len(raws) != count:
+        raise ValueError(f"{what}: {len(raws)} headers given for {count} encodings")
     heads, at = [], 0
-    for _ in range(count):
-        heads.append(_header(buf[at:], what, numel, dtype, prefix=True))
+    for i in range(count):
+        heads.append(_header(buf[at:], what, numel, dtype, prefix=True,
+                             raw=None if raws is None else raws[i]))
         at += heads[-1].buf.numel()
     if at != buf.numel():
         raise ValueError(f"{what}: {buf.numel() - at} bytes left after {count} encodings")
@@ -476,7 +497,8 @@ def _split(buf: torch.Tensor | bytes, count: int, what: str,
 
 
 def decode_stored(buf: torch.Tensor | bytes, *, numel: int, dtype: torch.dtype, lo: int,
-                  hi: int, checks: list[tuple[torch.Tensor, str]]) -> SparseGrad:
+                  hi: int, checks: list[tuple[torch.Tensor, str]],
+                  header: bytes | None = None) -> SparseGrad:
     """Every stored position of a buffer's blocks (their zeros included, as +0.0) as a
     SparseGrad, validated with one read, the header's: what a collective that *sums* a peer's
     message needs (adding +0.0 changes no value, only a −0.0 to +0.0, as a dense sum would).
@@ -485,8 +507,10 @@ def decode_stored(buf: torch.Tensor | bytes, *, numel: int, dtype: torch.dtype, 
     appended to ``checks`` as ``(ok, message)``, for the caller to read with its other checks
     before it uses the result; until then a malformed buffer gives indices clamped into
     ``[lo, hi)`` and values that mean nothing, and nothing fails. The values view ``buf``.
+    ``header``: the header's bytes, already on the host (announced by the sender): then no
+    read at all; the buffer's own header must equal it (the caller's check).
     """
-    h = _header(buf, "densestream.decode_stored", numel, dtype)
+    h = _header(buf, "densestream.decode_stored", numel, dtype, raw=header)
     got = _read_deferred(h, "densestream.decode_stored", lo, hi, checks)
     if got is None:
         return SparseGrad.empty(numel, dtype, h.buf.device)
@@ -496,17 +520,19 @@ def decode_stored(buf: torch.Tensor | bytes, *, numel: int, dtype: torch.dtype, 
 
 def split_decode_into(buf: torch.Tensor | bytes, out: torch.Tensor,
                       ranges: Sequence[tuple[int, int]],
-                      checks: list[tuple[torch.Tensor, str]]
+                      checks: list[tuple[torch.Tensor, str]],
+                      headers: Sequence[bytes] | None = None
                       ) -> tuple[list[torch.Tensor], torch.Tensor]:
     """:func:`split` and :func:`decode_into` of every piece with one read per piece (its
     header): the ``len(ranges)`` encodings laid back to back in ``buf``, piece q written into
     ``out`` inside ``ranges[q]``. Validated as :func:`decode_stored` (the checks appended to
     ``checks``; a malformed piece writes only inside its range). Returns the pieces (views of
-    ``buf``) and the number of nonzeros written, a 0-dim tensor (not read)."""
+    ``buf``) and the number of nonzeros written, a 0-dim tensor (not read). ``headers``: the
+    pieces' headers, already on the host (as :func:`decode_stored`'s ``header``): no read."""
     if not isinstance(out, torch.Tensor) or out.dim() != 1 or not out.is_contiguous():
         raise ValueError("densestream.split_decode_into: out must be a contiguous 1-D tensor")
     what = "densestream.split_decode_into"
-    heads = _split(buf, len(ranges), what, out.numel(), out.dtype)
+    heads = _split(buf, len(ranges), what, out.numel(), out.dtype, headers)
     nnz = torch.zeros((), dtype=torch.int64, device=out.device)
     for h, (lo, hi) in zip(heads, ranges, strict=True):
         got = _read_deferred(h, what, lo, hi, checks)

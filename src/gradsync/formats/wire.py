@@ -178,19 +178,22 @@ def pack_header(magic: bytes, index_bytes: int, code: int, *fields: int,
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
 
 
-def unpack_header(buf: torch.Tensor, magic: bytes, n_fields: int, what: str, *,
+def unpack_header(buf: torch.Tensor | bytes, magic: bytes, n_fields: int, what: str, *,
                   numel: int | None = None, dtype: torch.dtype | None = None
                   ) -> tuple[int, torch.dtype, list[int]]:
     """Parse and check the common header: returns (index width, value dtype, int64 fields).
+    ``buf``: the buffer (its header is read, one copy to the host) or the header's bytes
+    already on the host.
 
     The first field is the tensor's numel in every format: it must fit the index width, and
     match ``numel``/``dtype`` when the caller states what it expects.
     """
     size = header_bytes(n_fields)
-    if buf.numel() < size:
-        raise ValueError(f"{what}: buffer of {buf.numel()} bytes is shorter than the "
+    have = len(buf) if isinstance(buf, bytes) else buf.numel()
+    if have < size:
+        raise ValueError(f"{what}: buffer of {have} bytes is shorter than the "
                          f"{size}-byte header (truncated)")
-    raw = bytes(buf[:size].cpu().tolist())
+    raw = buf[:size] if isinstance(buf, bytes) else bytes(buf[:size].cpu().tolist())
     got_magic, version, iw, code, reserved, *fields = struct.unpack(
         "<4sBBBB" + "q" * n_fields, raw)
     if got_magic != magic:
