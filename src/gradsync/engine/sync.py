@@ -295,8 +295,7 @@ class GradSync:
         failed), else 1 when some rank saw a non-finite gradient or sum, else 0. So a rank
         whose check fails has met its peers in this collective, and they stop too instead of
         waiting for it at the next one."""
-        if self.P == 1 or (run.launched and all(lj.job.mode is Mode.DENSE
-                                                 for lj in run.launched)):
+        if self.P == 1 or _only_dense(run):
             return None
         wire = [ok.reshape(()) for r in results for ok, _ in r.checks]
         host_bad = any(lj.nonfinite for lj in run.launched)
@@ -326,8 +325,7 @@ class GradSync:
                                               if lj.job.mode is Mode.DENSE
                                               for n in lj.job.names
                                               if not all_finite(self._grad(n)))})
-        only_dense = bool(run.launched) and all(lj.job.mode is Mode.DENSE
-                                                for lj in run.launched)
+        only_dense = _only_dense(run)
         if only_dense:
             agreed = dense_bad
         return self._agree_finite(bool(bad_local) or dense_bad, stats, agreed, bad_local,
@@ -763,6 +761,12 @@ class GradSync:
             raise ValueError(f"gradsync: non-finite gradient {where} at step {self.step - 1}; "
                              "residuals were left untouched (Config.nonfinite='raise')")
         return False
+
+
+def _only_dense(run: StepRun) -> bool:
+    """Every job of the step was a plain all-reduce: its sums, alike on every rank, tell
+    whether a gradient was non-finite, with no agreement collective."""
+    return bool(run.launched) and all(lj.job.mode is Mode.DENSE for lj in run.launched)
 
 
 def _diff_params(saved: dict[str, list[int]], mine: dict[str, list[int]]) -> str:
