@@ -388,6 +388,70 @@ def test_topka_sends_a_dense_prefix_without_its_indices(P):
         assert torch.equal(o["volume"]["topka", "prefix"][3], ref)
 
 
+def _topka_corrupt(rank: int, world_size: int, n: int, m: int, hows: list[str]) -> list:
+    """Rank 0 corrupts the first index of the message it receives from the last rank (as a
+    faulty link would), once strictly and once with ``deferred``, per way in ``hows``."""
+    import gradsync.collectives.topka as topka_mod
+
+    g = torch.Generator().manual_seed(rank)
+    rest = torch.randperm(n - m, generator=g)[: (n - m) // 10].sort().values + m
+    idx = torch.cat([torch.arange(m), rest])
+    sel = SparseGrad(idx, torch.randn(idx.numel(), generator=g), n, dense_prefix=m)
+    unpack, out = topka_mod.unpack_entries, []
+    for how in hows:
+        for deferred in (None, []):
+            seen = [0]
+
+            def corrupting(buf, count, *args, how=how, seen=seen):
+                seen[0] += 1
+                i, v = unpack(buf, count, *args)
+                if rank == 0 and seen[0] == world_size and i.numel():
+                    i = i.clone()
+                    i[0] = {"past the end": n + 5, "negative": -1, "in the prefix": m - 1}[how]
+                return i, v
+
+            topka_mod.unpack_entries = corrupting
+            try:
+                res = collectives.get("topka")(sel, step=0, deferred=deferred)
+                out.append(("ok", res.dense, [msg for ok, msg in deferred or [] if not ok]))
+            except ValueError as e:
+                out.append(("raised", str(e), None))
+            finally:
+                topka_mod.unpack_entries = unpack
+    return out
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_topka_malformed_indices_fail_the_receiving_rank_and_write_nowhere(P):
+    """An index outside the tensor (or inside the dense prefix, which travels without
+    indices) in a received message: the receiving rank raises ``ValueError`` naming the range
+    once every message is in (no peer is left waiting); with ``deferred`` the failed check comes
+    back instead, and the sum holds every other entry exactly, nothing written elsewhere."""
+    n, m = 600, 40
+    hows = ["past the end", "negative", "in the prefix"]
+    outs = run_distributed(_topka_corrupt, P, n, m, hows, timeout=180)
+    ref = torch.zeros(n, dtype=torch.float64)
+    first = None
+    for r in range(P):
+        g = torch.Generator().manual_seed(r)
+        rest = torch.randperm(n - m, generator=g)[: (n - m) // 10].sort().values + m
+        vals = torch.randn(m + rest.numel(), generator=g).double()
+        ref[:m] += vals[:m]
+        ref[rest] += vals[m:]
+        if r == P - 1:
+            first = (int(rest[0]), vals[m])  # the entry rank 0 corrupts
+    for j, how in enumerate(hows):
+        strict, deferred = outs[0][2 * j], outs[0][2 * j + 1]
+        assert strict[0] == "raised" and f"outside [{m}, {n})" in strict[1], (how, strict)
+        assert deferred[0] == "ok" and len(deferred[2]) == 1, (how, deferred)
+        want = ref.clone()
+        want[first[0]] -= first[1]  # the corrupted entry was dropped, nothing else changed
+        torch.testing.assert_close(deferred[1].double(), want, rtol=0, atol=1e-6)
+        for r in range(1, P):  # the others received nothing malformed
+            assert outs[r][2 * j][0] == "ok" and outs[r][2 * j + 1][2] == [], (how, r)
+            torch.testing.assert_close(outs[r][2 * j][1].double(), ref, rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("P", [2, 4, 8])
 def test_table1_topkdsa(P):
     """TopkDSA: between 4k(P−1)/P words (same indices everywhere) and the dense cap."""

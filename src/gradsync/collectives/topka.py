@@ -8,7 +8,9 @@ whole at the front of a fused buffer, ``SparseGrad.dense_prefix``, SSFusion's ex
 travels as values only. Duplicates across ranks accumulate
 (:func:`~gradsync.sparsegrad.add_at`), never overwrite. Indices are int64 in memory and travel
 as int32 when numel < 2**31, else int64 (:func:`~gradsync.formats.wire.wire_index_dtype`),
-never through a float buffer.
+never through a float buffer. Every received index is checked on the device (inside the
+tensor, past the dense prefix) and one that is not lands one past the buffer, so a malformed
+message writes nowhere before the caller reads the check with the step's others.
 
 **Fixed capacity.** A selection whose size every rank can bound without asking
 (``SparseGrad.capacity``: Σ k_i of a buffer selected at once by DGC or exact top-k, the plan's
@@ -32,7 +34,7 @@ from typing import Any
 import torch
 
 from gradsync.collectives import registry
-from gradsync.collectives.base import Collective
+from gradsync.collectives.base import CHECKS, Collective
 from gradsync.collectives.comm import Comm
 from gradsync.formats.wire import (
     entries_bytes,
@@ -60,15 +62,23 @@ class TopkA(Collective):
         if min(counts) < m:  # every rank sees the same counts, so every rank raises
             raise ValueError(f"topka: a rank sent {min(counts)} entries, fewer than the "
                              f"dense prefix of {m}")
+        n = sel.numel
         msgs = comm.all_gather_v(pack_entries(sel.indices, sel.values, wire, m),
                                  [entries_bytes(c, wire, sel.dtype, m) for c in counts])
-        dense = torch.zeros(sel.numel, dtype=sel.dtype, device=sel.device)
+        out = torch.zeros(n + 1, dtype=sel.dtype, device=sel.device)
+        dense, oks = out[:n], []
         for msg, c in zip(msgs, counts):
             idx, val = unpack_entries(msg, c, wire, sel.dtype, "topka", m)
             if m:  # the tensors sent whole: values only, added in rank order
                 dense[:m].add_(val[:m])
-            add_at(dense, idx, val[m:])
-        return dense, sel.indices, {"counts": counts}
+            # a selected index lies past the dense prefix, inside the tensor: checked on the
+            # device (no read), and one that does not lands one past the buffer
+            good = idx.clamp(m, n - 1) == idx
+            oks.append(good.all())
+            add_at(out, torch.where(good, idx, n), val[m:])
+        return dense, sel.indices, {"counts": counts, CHECKS: [
+            (torch.stack(oks).all(), f"topka: a rank's message holds an index outside "
+                                     f"[{m}, {n})")]}
 
     @staticmethod
     def _reduce_capped(sel: SparseGrad, comm: Comm, wire: torch.dtype, m: int
@@ -86,6 +96,6 @@ class TopkA(Collective):
             if m:  # the tensors sent whole: values only, added in rank order
                 dense[:m].add_(val[r, :m])
             add_at(out, idx[r], val[r, m:])
-        return dense, sel.indices, {"capacity": cap, "checks": [
+        return dense, sel.indices, {"capacity": cap, CHECKS: [
             (ok, f"topka: a rank's message announces a count outside [{m}, {cap}] or an index "
                  f"outside [0, {sel.numel})")]}
