@@ -350,3 +350,91 @@ def test_kept_counts_missing_tensors_and_refuses_positions_outside():
     for bad in ([1, 10], [-1, 2]):
         with pytest.raises(ValueError, match=r"outside the bucket's parts \[0, 10\)"):
             count_missing(torch.tensor(bad), starts, 10, "the bucket's parts")
+
+
+def _malformed(rank: int, P: int, sparsifier: str, segmented: bool) -> dict:
+    """Rank P − 1 corrupts an index of the first message it receives at step 2 (as a faulty
+    link would); 4 steps, each rank's errors, error feedback's state around step 2, and the
+    final parameters. ``segmented``: the accelerators' path (a bucket selected at once, at a
+    fixed capacity)."""
+    import gradsync.collectives.topka as topka_mod
+    from gradsync.sparsify import segments
+
+    segments.ON_CPU = segmented
+
+    model = build("mlp", seed=3)
+    ddp = DDP(model)
+    state = gradsync.ddp.register(ddp, Config(scheme="per_tensor", density=0.05, momentum=0.9,
+                                              sparsifier=sparsifier), small_numel=1000)
+    armed, paths = [False], set()
+    capped, plain = topka_mod.unpack_entries_capped, topka_mod.unpack_entries
+
+    def bad_capped(msgs, *args):
+        paths.add("capped")
+        if armed[0]:
+            armed[0] = False
+            msgs = msgs.clone()
+            msgs[0, 8:12] = 255  # rank 0's first index: int32 −1
+        return capped(msgs, *args)
+
+    def bad_plain(buf, *args):
+        paths.add("exact size")
+        idx, val = plain(buf, *args)
+        if armed[0] and idx.numel():
+            armed[0] = False
+            idx = idx.clone()
+            idx[0] = -1
+        return idx, val
+
+    topka_mod.unpack_entries_capped, topka_mod.unpack_entries = bad_capped, bad_plain
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    out: dict = {"errors": [], "same_state": None}
+    try:
+        for step in range(4):
+            armed[0] = step == 2 and rank == P - 1
+            before = _ef(state) if step == 2 else None
+            opt.zero_grad(set_to_none=True)
+            x, y = image_batch(rank, step)
+            try:
+                nn.functional.cross_entropy(ddp(x), y).backward()
+            except RuntimeError as e:  # DDP raises the bucket future's error
+                out["errors"].append((step, str(e)))
+                continue
+            finally:
+                if before is not None:
+                    after = _ef(state)
+                    out["same_state"] = bool(before) and before.keys() == after.keys() and all(
+                        torch.equal(before[k], after[k]) for k in before)
+            opt.step()
+    finally:
+        topka_mod.unpack_entries_capped, topka_mod.unpack_entries = capped, plain
+    out["paths"] = sorted(paths)
+    out["digest"] = parameter_digest(model)[0]
+    return out
+
+
+def _ef(state) -> dict[str, torch.Tensor]:
+    ef = state.ef.state_dict()
+    return {f"{kind}:{n}": t.clone() for kind in ("residual", "velocity")
+            for n, t in ef.get(kind, {}).items()}
+
+
+@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize(("sparsifier", "segmented", "path"), [
+    ("topk", True, "capped"), ("gaussiank", False, "exact size")])
+def test_hook_malformed_message_fails_that_step_on_every_rank(P, sparsifier, segmented, path):
+    """A message whose index lies outside the tensor, received by one rank: that step's
+    ``backward()`` raises on every rank (the receiving rank names the check, the others say
+    another rank received a malformed message), no rank's error feedback keeps anything of it,
+    nothing hangs, and the next steps train on with the replicas identical."""
+    outs = run_distributed(_malformed, P, sparsifier, segmented, timeout=240)
+    for rank, out in enumerate(outs):
+        assert out["paths"] == [path], out["paths"]
+        assert [s for s, _ in out["errors"]] == [2], (rank, out["errors"])
+        msg = out["errors"][0][1]
+        if rank == P - 1:
+            assert "topka: a rank's message" in msg and "outside" in msg, msg
+        else:
+            assert "another rank received a malformed message" in msg, (rank, msg)
+        assert out["same_state"], rank
+    assert len({o["digest"] for o in outs}) == 1

@@ -25,7 +25,12 @@ residuals: ``Config.nonfinite="raise"`` fails a future of the step (DDP raises f
 ``backward()`` on every rank), ``"skip_step"`` leaves the non-finite average in ``.grad``, as
 DDP would. A sparse bucket reads nothing: its checks (finite gradients and sums, the
 collective's message, missing tensors) wait on the device until the step's last bucket, which
-reads them all in one copy and only then commits or drops each bucket's error feedback.
+reads them all in one copy and only then commits or drops each bucket's error feedback. At
+P > 1, in a step with sparse buckets, one int64 word joins that read, all-reduced (MAX) on the
+device before it: whether some rank received a malformed message. So every rank fails that
+step's ``backward()`` (the receiving rank with the check's message, the others saying another
+rank received one) and keeps its residuals, instead of its peers applying the step and then
+waiting for it at the next collective.
 :meth:`HookState.follow` keeps error feedback in a GradScaler's units.
 
 Facts this relies on (docs/architecture.md, "torch.distributed facts"): the hook's second
@@ -580,19 +585,35 @@ class _Pending:
     missing: int = 0  # the all-gather part's missing tensors, when known on the host
 
 
-def _settle(state: HookState, rank: int) -> ValueError | None:
-    """At a step's last bucket: every sparse bucket's checks in one read, then each bucket's
-    error feedback committed (finite sums) or left as before the step (NaN/Inf: counted, and
-    under ``Config.nonfinite="raise"`` the error of the first such bucket is returned)."""
+def _settle(state: HookState, comm: Comm) -> ValueError | None:
+    """At a step's last bucket: every sparse bucket's checks in one read (with, at P > 1, the
+    ranks' word on malformed messages: :func:`_malformed_anywhere`), then each bucket's error
+    feedback committed (finite sums) or left as before the step (NaN/Inf: counted, and under
+    ``Config.nonfinite="raise"`` the error of the first such bucket is returned; a malformed
+    message on any rank: every bucket's, and the error returned on every rank)."""
     pending, state.pending = state.pending, []
     wire, state.wire_checks = state.wire_checks, []
     if not pending and not wire:
         return None
     checked = [p for p in pending if p.check is not None]
     oks = (torch.stack([p.top for p in pending]) < math.inf).unbind() if pending else ()
-    missing, flags = settle_missing([p.check for p in checked], "a bucket's parts",
-                                    "gradsync.ddp: ", wire,
-                                    [f for p, ok in zip(pending, oks) for f in (ok, p.here)])
+    # pending is alike on every rank (the same buckets are sparse), so every rank meets here
+    word = _malformed_anywhere(wire, comm, pending[0].top.device) if pending else None
+    try:
+        missing, flags = settle_missing(
+            [p.check for p in checked], "a bucket's parts", "gradsync.ddp: ", wire,
+            [f for p, ok in zip(pending, oks) for f in (ok, p.here)] + (
+                [] if word is None else [word]))
+    except ValueError as e:  # this rank received a malformed message: its check's message
+        for p in pending:
+            state.ef.discard_buffer(p.index)
+        return e
+    if word is not None and flags.pop():
+        for p in pending:
+            state.ef.discard_buffer(p.index)
+        return ValueError(f"gradsync DDP hook: step {state.steps}: another rank received a "
+                          "malformed message (its error names the check); residuals and "
+                          "velocities were left as before the step")
     counts = {id(p): m for p, m in zip(checked, missing)}  # else p.missing: known
     error = None
     for p, ok, here in zip(pending, flags[0::2], flags[1::2]):
@@ -601,9 +622,23 @@ def _settle(state: HookState, rank: int) -> ValueError | None:
             commit(state.ef, p.index, p.acc, p.kept, p.wire, p.whole)
             continue
         state.ef.discard_buffer(p.index)  # residuals and velocities as before this step
-        err = _nonfinite(state, p.index, p.names, not here, rank, state.steps)
+        err = _nonfinite(state, p.index, p.names, not here, comm.rank, state.steps)
         error = error or err
     return error
+
+
+def _malformed_anywhere(wire: list[tuple[torch.Tensor, str]], comm: Comm,
+                        device: torch.device) -> torch.Tensor | None:
+    """At P > 1: whether some rank's collectives received a malformed message (their checks
+    ``wire`` failed), as a bool on the device: one int64 word all-reduced (MAX), read with the
+    step's other checks (no read of its own). ``None`` at P = 1."""
+    if comm.size == 1:
+        return None
+    word = torch.zeros(1, dtype=torch.int64, device=device)
+    if wire:
+        word = (~torch.stack([ok.reshape(()) for ok, _ in wire]).all()).to(torch.int64).view(1)
+    comm.all_reduce(word, op=dist.ReduceOp.MAX)
+    return word[0] > 0
 
 
 class _Travel:
@@ -731,7 +766,9 @@ def _nonfinite(state: HookState, index: int, names: list[str], here: bool | None
 def _account(state: HookState, stats: CommStats, last: bool) -> ValueError | None:
     """Count a bucket's traffic; at the last bucket settle the step (:func:`_settle`) and
     return its error, if any, for that bucket's future."""
-    error = _settle(state, Comm(state.group).rank) if last else None
+    comm = Comm(state.group)
+    error = _settle(state, comm) if last else None
+    stats += comm.stats  # the malformed-message word, if one was all-reduced
     state.steps += int(last)
     state.last = stats
     state.total += stats
