@@ -452,6 +452,67 @@ def test_topka_malformed_indices_fail_the_receiving_rank_and_write_nowhere(P):
             torch.testing.assert_close(outs[r][2 * j][1].double(), ref, rtol=0, atol=1e-6)
 
 
+def _topkdsa_corrupt(rank: int, world_size: int, n: int, hows: list[str]) -> list:
+    """Rank 0 corrupts the first sparse stream it receives (the reduce-scatter's, for the
+    half it keeps), once strictly and once with ``deferred``, per way in ``hows``."""
+    from gradsync.collectives.topkdsa import _Wire
+
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.randperm(n, generator=g)[: n // 20].sort().values
+    sel = SparseGrad(idx, torch.randn(idx.numel(), generator=g), n)
+    decode, out = _Wire.decode, []
+    for how in hows:
+        for deferred in (None, []):
+            armed = [rank == 0]
+
+            def corrupting(self, header, payload, lo, hi, how=how, armed=armed):
+                if armed[0] and header >= 2:
+                    armed[0] = False
+                    payload = payload.clone()
+                    ix = payload[: 4 * header].view(torch.int32)
+                    if how == "negative":
+                        ix[0] = -1
+                    elif how == "past its range":
+                        ix[-1] = hi
+                    else:  # "unsorted"
+                        ix[:2] = ix[:2].flip(0).clone()
+                return decode(self, header, payload, lo, hi)
+
+            _Wire.decode = corrupting
+            try:
+                res = collectives.get("topkdsa")(sel, step=0, deferred=deferred)
+                out.append(("ok", res.dense, [m for ok, m in deferred or [] if not ok]))
+            except ValueError as e:
+                out.append(("raised", str(e), None))
+            finally:
+                _Wire.decode = decode
+    return out
+
+
+def test_topkdsa_malformed_streams_fail_the_receiving_rank_and_write_only_inside_the_range():
+    """A received stream whose indices leave its range or are not strictly increasing: the
+    receiving rank raises ``ValueError`` naming the range once the collective is done (no peer
+    left waiting); with ``deferred`` the failed check comes back instead, and the half the
+    stream did not cover is the exact sum on both ranks."""
+    n, P = 1000, 2
+    hows = ["negative", "past its range", "unsorted"]
+    outs = run_distributed(_topkdsa_corrupt, P, n, hows, timeout=180)
+    ref = torch.zeros(n, dtype=torch.float64)
+    for r in range(P):
+        g = torch.Generator().manual_seed(r)
+        idx = torch.randperm(n, generator=g)[: n // 20].sort().values
+        ref[idx] += torch.randn(idx.numel(), generator=g).double()
+    half = slice(n // 2, n)  # rank 0 keeps [0, n/2) in the reduce-scatter: it got the bad one
+    for j, how in enumerate(hows):
+        strict, deferred = outs[0][2 * j], outs[0][2 * j + 1]
+        assert strict[0] == "raised" and f"stream for [0, {n // 2})" in strict[1], (how, strict)
+        assert deferred[0] == "ok" and len(deferred[2]) == 1, (how, deferred)
+        assert outs[1][2 * j][0] == "ok" and outs[1][2 * j + 1][2] == [], how
+        for dense in (deferred[1], outs[1][2 * j + 1][1]):
+            assert dense.shape == (n,)
+            torch.testing.assert_close(dense[half].double(), ref[half], rtol=0, atol=1e-6)
+
+
 @pytest.mark.parametrize("P", [2, 4, 8])
 def test_table1_topkdsa(P):
     """TopkDSA: between 4k(P−1)/P words (same indices everywhere) and the dense cap."""

@@ -16,6 +16,11 @@ dense stays dense. The decision is local to the sender and per stream, so a one-
 (the entry count, or −1 for dense) precedes each payload. Volume per rank (Table 1, in words):
 between 4k(P−1)/P (indices fully overlapping, uniformly spread) and the dense cap 2n(P−1)/P.
 
+A received stream's indices are checked on the device (strictly increasing inside the range
+both ends know), a bad one moved into range with its value zeroed, and the checks go to the
+caller with the step's others (``Collective``'s ``CHECKS``): a malformed stream fails the
+receiving rank once the collective is done, and writes nothing outside its range before.
+
 Exactness: every entry of every rank is summed, so ``dense`` is the SUM and ``kept`` is every
 local index. Each region is reduced along one fixed tree (the halving steps) and only its
 owner's bits are copied in the allgather, so ``dense`` is bitwise identical on all ranks.
@@ -32,7 +37,7 @@ from typing import Any
 import torch
 
 from gradsync.collectives import registry
-from gradsync.collectives.base import Collective
+from gradsync.collectives.base import CHECKS, Collective
 from gradsync.collectives.comm import Comm
 from gradsync.formats.wire import (
     entry_bytes,
@@ -42,7 +47,7 @@ from gradsync.formats.wire import (
     view_as,
     wire_index_dtype,
 )
-from gradsync.sparsegrad import SparseGrad, check_indices, sparse_sum
+from gradsync.sparsegrad import SparseGrad, indices_flag, sparse_sum
 
 __all__ = ["TopkDSA"]
 
@@ -85,7 +90,8 @@ def _add(a: _Stream, b: _Stream) -> _Stream:
         if b.is_dense:
             return _Stream(a.lo, a.hi, buf=a.buf + b.buf)
         return _Stream(a.lo, a.hi, buf=a.buf.clone().index_add_(0, b.idx - a.lo, b.val))
-    idx, val = sparse_sum([(a.idx, a.val), (b.idx, b.val)])
+    # both inside [lo, hi) (a received stream's indices are moved there): no read of the ends
+    idx, val = sparse_sum([(a.idx, a.val), (b.idx, b.val)], within=(a.lo, a.hi))
     return _Stream(a.lo, a.hi, idx=idx, val=val)
 
 
@@ -105,6 +111,7 @@ class _Wire:
         self.dtype, self.device = dtype, device
         self.vb = torch.empty(0, dtype=dtype).element_size()
         self.dense_sends = 0
+        self.checks: list[tuple[torch.Tensor, str]] = []  # the received streams', on the device
 
     def encode(self, s: _Stream) -> tuple[torch.Tensor, torch.Tensor]:
         n_range = s.hi - s.lo
@@ -126,11 +133,13 @@ class _Wire:
         if header == _DENSE:
             return _Stream(lo, hi, buf=view_as(payload, 0, hi - lo, self.dtype))
         idx, val = unpack_entries(payload, header, self.index, self.dtype, "topkdsa")
-        check_indices(idx, hi, "topkdsa: a peer's stream")
-        if idx.numel() and int(idx[0]) < lo:
-            raise ValueError(f"topkdsa: a peer's stream has index {int(idx[0])} below its "
-                             f"range [{lo}, {hi})")
-        return _Stream(lo, hi, idx=idx, val=val)
+        # strictly increasing inside [lo, hi): checked on the device (no read), a bad index
+        # moved to lo with its value zeroed, so the stream writes only inside its range
+        idx, inside, ok = indices_flag(idx, hi, lo)
+        self.checks.append((ok, f"topkdsa: a peer's stream for [{lo}, {hi}): indices must be "
+                                f"strictly increasing inside it"))
+        return _Stream(lo, hi, idx=idx, val=torch.where(inside, val, torch.zeros(
+            (), dtype=val.dtype, device=val.device)))
 
     def empty_header(self) -> torch.Tensor:
         return torch.empty(1, dtype=torch.int64, device=self.device)
@@ -185,7 +194,8 @@ class TopkDSA(Collective):
         if r >= P2:
             wire.send(comm, mine, r - P2)
             full = wire.recv(comm, r - P2, 0, n)
-            return full.densified(), sel.indices, {"dense_sends": wire.dense_sends}
+            return full.densified(), sel.indices, {"dense_sends": wire.dense_sends,
+                                                   CHECKS: wire.checks}
         if r + P2 < P:
             mine = _add(mine, wire.recv(comm, r + P2, 0, n))
 
@@ -219,4 +229,5 @@ class TopkDSA(Collective):
             wire.send(comm, mine, r + P2)
         # a fresh tensor either way (to_dense, or a dense stream built by +, cat or a received
         # buffer of exactly [0, n)): no copy of the result
-        return mine.densified(), sel.indices, {"dense_sends": wire.dense_sends}
+        return mine.densified(), sel.indices, {"dense_sends": wire.dense_sends,
+                                               CHECKS: wire.checks}
