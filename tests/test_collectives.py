@@ -388,6 +388,16 @@ def test_topka_sends_a_dense_prefix_without_its_indices(P):
         assert torch.equal(o["volume"]["topka", "prefix"][3], ref)
 
 
+def _outcome(name: str, sel: SparseGrad, deferred: list | None) -> tuple:
+    """``("ok", dense, failed checks)`` of collective ``name`` on ``sel``, or ``("raised",
+    message, None)``."""
+    try:
+        res = collectives.get(name)(sel, step=0, deferred=deferred)
+    except ValueError as e:
+        return ("raised", str(e), None)
+    return ("ok", res.dense, [m for ok, m in deferred or [] if not ok])
+
+
 def _topka_corrupt(rank: int, world_size: int, n: int, m: int, hows: list[str]) -> list:
     """Rank 0 corrupts the first index of the message it receives from the last rank (as a
     faulty link would), once strictly and once with ``deferred``, per way in ``hows``."""
@@ -412,10 +422,7 @@ def _topka_corrupt(rank: int, world_size: int, n: int, m: int, hows: list[str]) 
 
             topka_mod.unpack_entries = corrupting
             try:
-                res = collectives.get("topka")(sel, step=0, deferred=deferred)
-                out.append(("ok", res.dense, [msg for ok, msg in deferred or [] if not ok]))
-            except ValueError as e:
-                out.append(("raised", str(e), None))
+                out.append(_outcome("topka", sel, deferred))
             finally:
                 topka_mod.unpack_entries = unpack
     return out
@@ -480,10 +487,7 @@ def _topkdsa_corrupt(rank: int, world_size: int, n: int, hows: list[str]) -> lis
 
             _Wire.decode = corrupting
             try:
-                res = collectives.get("topkdsa")(sel, step=0, deferred=deferred)
-                out.append(("ok", res.dense, [m for ok, m in deferred or [] if not ok]))
-            except ValueError as e:
-                out.append(("raised", str(e), None))
+                out.append(_outcome("topkdsa", sel, deferred))
             finally:
                 _Wire.decode = decode
     return out
