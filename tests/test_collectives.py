@@ -388,44 +388,48 @@ def test_topka_sends_a_dense_prefix_without_its_indices(P):
         assert torch.equal(o["volume"]["topka", "prefix"][3], ref)
 
 
-def _outcome(name: str, sel: SparseGrad, deferred: list | None) -> tuple:
-    """``("ok", dense, failed checks)`` of collective ``name`` on ``sel``, or ``("raised",
-    message, None)``."""
-    try:
-        res = collectives.get(name)(sel, step=0, deferred=deferred)
-    except ValueError as e:
-        return ("raised", str(e), None)
-    return ("ok", res.dense, [m for ok, m in deferred or [] if not ok])
+def _corrupted_runs(name: str, sel: SparseGrad, owner: object, attr: str, corrupt,
+                   hows: list[str]) -> list[tuple]:
+    """Collective ``name`` on ``sel`` with ``owner.attr`` replaced by ``corrupt(original,
+    how)`` (a wrapper that corrupts what this rank receives, as a faulty link would), once
+    strictly and once with ``deferred``, per way in ``hows``: ``("ok", dense, failed checks)``
+    or ``("raised", message, None)`` each."""
+    original, out = getattr(owner, attr), []
+    for how in hows:
+        for deferred in (None, []):
+            setattr(owner, attr, corrupt(original, how))
+            try:
+                res = collectives.get(name)(sel, step=0, deferred=deferred)
+                out.append(("ok", res.dense, [m for ok, m in deferred or [] if not ok]))
+            except ValueError as e:
+                out.append(("raised", str(e), None))
+            finally:
+                setattr(owner, attr, original)
+    return out
 
 
 def _topka_corrupt(rank: int, world_size: int, n: int, m: int, hows: list[str]) -> list:
-    """Rank 0 corrupts the first index of the message it receives from the last rank (as a
-    faulty link would), once strictly and once with ``deferred``, per way in ``hows``."""
+    """Rank 0 corrupts the first index of the message it receives from the last rank."""
     import gradsync.collectives.topka as topka_mod
 
     g = torch.Generator().manual_seed(rank)
     rest = torch.randperm(n - m, generator=g)[: (n - m) // 10].sort().values + m
     idx = torch.cat([torch.arange(m), rest])
     sel = SparseGrad(idx, torch.randn(idx.numel(), generator=g), n, dense_prefix=m)
-    unpack, out = topka_mod.unpack_entries, []
-    for how in hows:
-        for deferred in (None, []):
-            seen = [0]
 
-            def corrupting(buf, count, *args, how=how, seen=seen):
-                seen[0] += 1
-                i, v = unpack(buf, count, *args)
-                if rank == 0 and seen[0] == world_size and i.numel():
-                    i = i.clone()
-                    i[0] = {"past the end": n + 5, "negative": -1, "in the prefix": m - 1}[how]
-                return i, v
+    def corrupt(unpack, how):
+        seen = [0]
 
-            topka_mod.unpack_entries = corrupting
-            try:
-                out.append(_outcome("topka", sel, deferred))
-            finally:
-                topka_mod.unpack_entries = unpack
-    return out
+        def corrupting(buf, count, *args):
+            seen[0] += 1
+            i, v = unpack(buf, count, *args)
+            if rank == 0 and seen[0] == world_size and i.numel():
+                i = i.clone()
+                i[0] = {"past the end": n + 5, "negative": -1, "in the prefix": m - 1}[how]
+            return i, v
+        return corrupting
+
+    return _corrupted_runs("topka", sel, topka_mod, "unpack_entries", corrupt, hows)
 
 
 @pytest.mark.parametrize("P", [2, 3])
@@ -461,36 +465,36 @@ def test_topka_malformed_indices_fail_the_receiving_rank_and_write_nowhere(P):
 
 def _topkdsa_corrupt(rank: int, world_size: int, n: int, hows: list[str]) -> list:
     """Rank 0 corrupts the first sparse stream it receives (the reduce-scatter's, for the
-    half it keeps), once strictly and once with ``deferred``, per way in ``hows``."""
+    half it keeps)."""
     from gradsync.collectives.topkdsa import _Wire
 
     g = torch.Generator().manual_seed(rank)
     idx = torch.randperm(n, generator=g)[: n // 20].sort().values
     sel = SparseGrad(idx, torch.randn(idx.numel(), generator=g), n)
-    decode, out = _Wire.decode, []
-    for how in hows:
-        for deferred in (None, []):
-            armed = [rank == 0]
 
-            def corrupting(self, header, payload, lo, hi, how=how, armed=armed):
-                if armed[0] and header >= 2:
-                    armed[0] = False
-                    payload = payload.clone()
-                    ix = payload[: 4 * header].view(torch.int32)
-                    if how == "negative":
-                        ix[0] = -1
-                    elif how == "past its range":
-                        ix[-1] = hi
-                    else:  # "unsorted"
-                        ix[:2] = ix[:2].flip(0).clone()
-                return decode(self, header, payload, lo, hi)
+    def corrupt(decode, how):
+        armed = [rank == 0]
 
-            _Wire.decode = corrupting
-            try:
-                out.append(_outcome("topkdsa", sel, deferred))
-            finally:
-                _Wire.decode = decode
-    return out
+        def corrupting(self, header, payload, lo, hi):
+            if armed[0] and header >= 2:
+                armed[0] = False
+                payload = payload.clone()
+                _bad_indices(payload[: 4 * header].view(torch.int32), how, hi)
+            return decode(self, header, payload, lo, hi)
+        return corrupting
+
+    return _corrupted_runs("topkdsa", sel, _Wire, "decode", corrupt, hows)
+
+
+def _bad_indices(ix: torch.Tensor, how: str, end: int) -> None:
+    """Corrupt the indices ``ix`` in place: ``how`` is "negative", "past the end" (``end``)
+    or "unsorted"."""
+    if how == "negative":
+        ix[0] = -1
+    elif how == "past the end":
+        ix[-1] = end
+    else:
+        ix[:2] = ix[:2].flip(0).clone()
 
 
 def test_topkdsa_malformed_streams_fail_the_receiving_rank_and_write_only_inside_the_range():
@@ -499,7 +503,7 @@ def test_topkdsa_malformed_streams_fail_the_receiving_rank_and_write_only_inside
     left waiting); with ``deferred`` the failed check comes back instead, and the half the
     stream did not cover is the exact sum on both ranks."""
     n, P = 1000, 2
-    hows = ["negative", "past its range", "unsorted"]
+    hows = ["negative", "past the end", "unsorted"]
     outs = run_distributed(_topkdsa_corrupt, P, n, hows, timeout=180)
     ref = torch.zeros(n, dtype=torch.float64)
     for r in range(P):
@@ -515,6 +519,50 @@ def test_topkdsa_malformed_streams_fail_the_receiving_rank_and_write_only_inside
         for dense in (deferred[1], outs[1][2 * j + 1][1]):
             assert dense.shape == (n,)
             torch.testing.assert_close(dense[half].double(), ref[half], rtol=0, atol=1e-6)
+
+
+def _gtopk_corrupt(rank: int, world_size: int, n: int, hows: list[str]) -> list:
+    """The root (rank 0) corrupts the first entries it receives up the reduction tree."""
+    import gradsync.collectives.gtopk as gtopk_mod
+
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.randperm(n, generator=g)[: n // 20].sort().values
+    sel = SparseGrad(idx, torch.randn(idx.numel(), generator=g), n)
+
+    def corrupt(unpack, how):
+        armed = [rank == 0]
+
+        def corrupting(*args):
+            i, v = unpack(*args)
+            if armed[0] and i.numel() >= 2:
+                armed[0] = False
+                i = i.clone()
+                _bad_indices(i, how, n)
+            return i, v
+        return corrupting
+
+    return _corrupted_runs("gtopk", sel, gtopk_mod, "unpack_entries", corrupt, hows)
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_gtopk_malformed_entries_fail_the_receiving_rank_and_nothing_hangs(P):
+    """Entries from a child whose indices leave the tensor or are not strictly increasing:
+    the root raises ``ValueError`` naming the sender once both trees are done (before, it
+    raised mid-tree and its peers waited for it); with ``deferred`` the failed check comes back
+    instead, and every rank still receives the same result of the right size."""
+    n = 1000
+    hows = ["negative", "past the end", "unsorted"]
+    outs = run_distributed(_gtopk_corrupt, P, n, hows, timeout=180)
+    for j, how in enumerate(hows):
+        strict, deferred = outs[0][2 * j], outs[0][2 * j + 1]
+        assert strict[0] == "raised" and "gtopk: entries from rank" in strict[1] \
+            and f"[0, {n})" in strict[1], (how, strict)
+        assert deferred[0] == "ok" and len(deferred[2]) == 1, (how, deferred)
+        for r in range(1, P):  # the others received the root's result: well formed
+            assert outs[r][2 * j][0] == "ok" and outs[r][2 * j + 1][2] == [], (how, r)
+        dense = [o[2 * j + 1][1] for o in outs]
+        assert dense[0].shape == (n,)
+        assert all(torch.equal(d, dense[0]) for d in dense), how
 
 
 @pytest.mark.parametrize("P", [2, 4, 8])

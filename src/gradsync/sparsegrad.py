@@ -309,10 +309,12 @@ def isin_sorted(x: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
     """``torch.isin(x, ref)`` for a strictly increasing int64 ``ref`` (``x``: any int64), without
     ``isin``'s sorts: a bitmap over ``ref``'s span when that span is at most
     ``DENSE_SPAN_FACTOR`` × the entries (O(span + |x| + |ref|)), else a binary search per
-    element of ``x`` (O(|x| log |ref|))."""
+    element of ``x`` (O(|x| log |ref|)). The span is ``ref``'s least and greatest entry (one
+    read), so an unsorted ``ref`` (from a malformed message, flagged elsewhere) gives a wrong
+    answer but writes nothing out of place."""
     if ref.numel() == 0 or x.numel() == 0:
         return torch.zeros(x.shape, dtype=torch.bool, device=x.device)
-    lo, hi = int(ref[0]), int(ref[-1])
+    lo, hi = torch.stack(torch.aminmax(ref)).tolist()
     span = hi - lo + 1
     if span <= DENSE_SPAN_FACTOR * (x.numel() + ref.numel()):
         bitmap = torch.zeros(span + 2, dtype=torch.bool, device=x.device)  # ends: outside

@@ -23,6 +23,11 @@ Wire: every message is a header of int64 control words (count, and the subtree's
 then ``[indices][values]`` (:func:`gradsync.formats.wire.pack_entries`, int32 indices when
 numel < 2**31) and, going down, one packed survival bit per entry
 (:func:`gradsync.formats.wire.pack_bits`).
+Received entries are checked on the device (indices strictly increasing inside the tensor), a
+bad index moved into it with its value zeroed, and the checks go to the caller with the step's
+others (``Collective``'s ``CHECKS``): a malformed message fails the receiving rank once the
+trees are done, instead of in the middle of them (its peers would wait for it).
+
 Ties in magnitude are broken by the smaller index, so the result is deterministic; ``dense`` is
 the root's result copied to every rank, hence bitwise identical.
 """
@@ -34,7 +39,7 @@ from typing import Any
 import torch
 
 from gradsync.collectives import registry
-from gradsync.collectives.base import Collective
+from gradsync.collectives.base import CHECKS, Collective
 from gradsync.collectives.comm import Comm
 from gradsync.formats.wire import (
     entry_bytes,
@@ -47,8 +52,8 @@ from gradsync.formats.wire import (
 )
 from gradsync.sparsegrad import (
     SparseGrad,
-    check_indices,
     flatnonzero,
+    indices_flag,
     isin_sorted,
     sparse_sum,
     target_k,
@@ -67,9 +72,11 @@ def _top_k(idx: torch.Tensor, val: torch.Tensor, k: int) -> tuple[torch.Tensor, 
     return torch.index_select(idx, 0, at), torch.index_select(val, 0, at)
 
 
-def _merge(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], k: int):
-    """Add two sparse sets by index (``a`` first) and keep the top-k of the ≤ 2k entries."""
-    return _top_k(*sparse_sum([a, b]), k)
+def _merge(a: tuple[torch.Tensor, torch.Tensor], b: tuple[torch.Tensor, torch.Tensor], k: int,
+           n: int):
+    """Add two sparse sets of indices in ``[0, n)`` by index (``a`` first) and keep the top-k
+    of the ≤ 2k entries (the sum's indices are sorted, whatever ``b``'s order)."""
+    return _top_k(*sparse_sum([a, b], within=(0, n)), k)
 
 
 @registry.register("gtopk")
@@ -105,6 +112,17 @@ class GTopk(Collective):
         self._index = wire_index_dtype(sel.numel)
         self._eb = entry_bytes(self._index, sel.dtype)
         self._dtype, self._device, self._n = sel.dtype, sel.device, sel.numel
+        self._checks: list[tuple[torch.Tensor, str]] = []  # the received entries', on the device
+
+    def _checked(self, got: tuple[torch.Tensor, torch.Tensor], what: str
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Received entries whose indices must be strictly increasing in ``[0, numel)``:
+        checked on the device (no read), a bad index moved to 0 with its value zeroed."""
+        idx, inside, ok = indices_flag(got[0], self._n)
+        self._checks.append((ok, f"{what}: indices must be strictly increasing in "
+                                 f"[0, {self._n})"))
+        return idx, torch.where(inside, got[1], torch.zeros((), dtype=got[1].dtype,
+                                                            device=got[1].device))
 
     def _send_up(self, comm: Comm, s: tuple[torch.Tensor, torch.Tensor], k: int, dst: int):
         """Reduction-tree message: header (count, subtree k), then indices and values."""
@@ -120,8 +138,7 @@ class GTopk(Collective):
         if count:
             comm.recv(buf, src)
         got = unpack_entries(buf, count, self._index, self._dtype, "gtopk")
-        check_indices(got[0], self._n, f"gtopk: entries from rank {src}")
-        return got, k
+        return self._checked(got, f"gtopk: entries from rank {src}"), k
 
     def _send_down(self, comm: Comm, final, alive: torch.Tensor, dst: int) -> None:
         """Broadcast-tree message: count, then the final entries and one 'alive' bit each."""
@@ -140,7 +157,7 @@ class GTopk(Collective):
         if count:
             comm.recv(buf, src)
         final = unpack_entries(buf[:b], count, self._index, self._dtype, "gtopk")
-        check_indices(final[0], self._n, f"gtopk: final entries from rank {src}")
+        final = self._checked(final, f"gtopk: final entries from rank {src}")
         return final, unpack_bits(buf[b:], count) > 0
 
     # -- algorithm -------------------------------------------------------------------------
@@ -160,7 +177,7 @@ class GTopk(Collective):
             nonlocal s, k
             got, k_child = self._recv_up(comm, child)
             k = k if fixed is not None else max(k, k_child)
-            s = _merge(s, got, k)
+            s = _merge(s, got, k, n)
             merges.append((child, s[0]))
 
         P2 = 1 << (P.bit_length() - 1)  # P' = the largest power of two ≤ P
@@ -193,4 +210,5 @@ class GTopk(Collective):
             own, torch.index_select(final[0], 0, flatnonzero(alive)))))
 
         dense = SparseGrad(final[0], final[1], n, validate=False).to_dense()
-        return dense, kept, {"k": k, "global_count": int(final[0].numel())}
+        return dense, kept, {"k": k, "global_count": int(final[0].numel()),
+                             CHECKS: self._checks}
