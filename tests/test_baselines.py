@@ -205,6 +205,7 @@ def _spardl_forged_rank(rank: int, P: int) -> dict:
     message (k_B entries in each block it forwards) except rank 0, which sends a forged one —
     first an entry in a block it does not forward, then (P ≥ 4, where its message holds two
     blocks) k_B + 1 entries of one forwarded block. Returns what each receive raised."""
+    from gradsync.collectives.base import raise_failed
     from gradsync.collectives.comm import Comm
     from gradsync.collectives.spardl import SparDL, capacity, forwarded
     from gradsync.formats.wire import pack_entries_fixed
@@ -224,9 +225,11 @@ def _spardl_forged_rank(rank: int, P: int) -> dict:
             continue
         idx = forged[case] if rank == 0 else honest
         payload = pack_entries_fixed(idx, torch.ones(idx.numel()), torch.int32, cap)
+        checks: list = []
         try:
             r_idx, _ = SparDL._receive(Comm(None), payload, 0, B, bl, k_b, n, torch.int32,
-                                       torch.float32)
+                                       torch.float32, checks)
+            raise_failed(checks)  # the checks are made on the device, read here
             out[case] = ("ok", r_idx.numel())
         except ValueError as e:
             out[case] = ("error", str(e))
@@ -235,8 +238,8 @@ def _spardl_forged_rank(rank: int, P: int) -> dict:
 
 @pytest.mark.parametrize("P", [2, 3, 4, 5, 8])
 def test_spardl_rejects_a_peer_message_outside_its_schedule(P):
-    """A received round message is checked against the schedule before use: entries in a
-    block the sender does not forward, or more than k_B in one block, raise on the receiver
+    """A received round message is checked against the schedule (on the device): entries in a
+    block the sender does not forward, or more than k_B in one block, fail on the receiver
     (rank 1, which receives from rank 0 in round 0) with the sender and round named; every
     other rank's honest message passes."""
     out = run_distributed(_spardl_forged_rank, P, timeout=120)

@@ -521,9 +521,11 @@ def test_topkdsa_malformed_streams_fail_the_receiving_rank_and_write_only_inside
             torch.testing.assert_close(dense[half].double(), ref[half], rtol=0, atol=1e-6)
 
 
-def _gtopk_corrupt(rank: int, world_size: int, n: int, hows: list[str]) -> list:
-    """The root (rank 0) corrupts the first entries it receives up the reduction tree."""
-    import gradsync.collectives.gtopk as gtopk_mod
+def _first_received_corrupt(rank: int, world_size: int, n: int, hows: list[str], name: str,
+                            attr: str) -> list:
+    """Rank 0 corrupts the indices of the first message (of 2 entries or more) that
+    collective ``name`` unpacks with its module's ``attr``."""
+    import importlib
 
     g = torch.Generator().manual_seed(rank)
     idx = torch.randperm(n, generator=g)[: n // 20].sort().values
@@ -541,24 +543,29 @@ def _gtopk_corrupt(rank: int, world_size: int, n: int, hows: list[str]) -> list:
             return i, v
         return corrupting
 
-    return _corrupted_runs("gtopk", sel, gtopk_mod, "unpack_entries", corrupt, hows)
+    module = importlib.import_module(f"gradsync.collectives.{name}")
+    return _corrupted_runs(name, sel, module, attr, corrupt, hows)
 
 
 @pytest.mark.parametrize("P", [2, 3])
-def test_gtopk_malformed_entries_fail_the_receiving_rank_and_nothing_hangs(P):
-    """Entries from a child whose indices leave the tensor or are not strictly increasing:
-    the root raises ``ValueError`` naming the sender once both trees are done (before, it
-    raised mid-tree and its peers waited for it); with ``deferred`` the failed check comes back
-    instead, and every rank still receives the same result of the right size."""
+@pytest.mark.parametrize(("name", "attr", "names"), [
+    ("gtopk", "unpack_entries", "gtopk: entries from rank"),
+    ("spardl", "unpack_entries_fixed", "spardl: round 0 from rank")])
+def test_malformed_messages_fail_the_receiving_rank_after_the_tree_or_rounds(P, name, attr,
+                                                                             names):
+    """gTop-k's entries from a child, SparDL's first round message: indices that leave the
+    tensor or are not strictly increasing make the receiver raise ``ValueError`` naming the
+    sender once the collective is done (before, it raised mid-tree or mid-round and its peers
+    waited for it until the timeout); with ``deferred`` the failed check comes back instead,
+    and every rank still has the same result, of the right size."""
     n = 1000
     hows = ["negative", "past the end", "unsorted"]
-    outs = run_distributed(_gtopk_corrupt, P, n, hows, timeout=180)
+    outs = run_distributed(_first_received_corrupt, P, n, hows, name, attr, timeout=180)
     for j, how in enumerate(hows):
         strict, deferred = outs[0][2 * j], outs[0][2 * j + 1]
-        assert strict[0] == "raised" and "gtopk: entries from rank" in strict[1] \
-            and f"[0, {n})" in strict[1], (how, strict)
-        assert deferred[0] == "ok" and len(deferred[2]) == 1, (how, deferred)
-        for r in range(1, P):  # the others received the root's result: well formed
+        assert strict[0] == "raised" and names in strict[1], (how, strict)
+        assert deferred[0] == "ok" and deferred[2], (how, deferred)
+        for r in range(1, P):  # the others received well-formed messages
             assert outs[r][2 * j][0] == "ok" and outs[r][2 * j + 1][2] == [], (how, r)
         dense = [o[2 * j + 1][1] for o in outs]
         assert dense[0].shape == (n,)

@@ -52,9 +52,12 @@ k_B per rank (ring all-gather). One message per round and one all-gather instead
 exchange before every payload and a count all-gather before a ring all-gather-v: P = 4 ranks on
 2 cores spent most of a call waiting for those exchanges (1 % density, n = 4e6: 22 of 43 ms).
 The padding is counted like any byte sent: a forwarded block holds fewer than k_B entries only
-where a rank's selection is thin in it. Every received count and index is validated (count
-within the capacity, sorted, in the blocks the schedule says the sender forwards, at most k_B
-per block) before use.
+where a rank's selection is thin in it. Every received count is validated on the host (it is
+read to size the entries) and every index on the device, without a read: sorted, inside the
+tensor, in the blocks the schedule says the sender forwards, at most k_B per block; a bad index
+is moved into range with its value zeroed, and the checks go to the caller with the step's
+others (``Collective``'s ``CHECKS``), so a malformed message fails its receiver once the
+collective is done, not in the middle of a round its peers are waiting in.
 
 Not exact (``exact = False``): with density 1 (k = numel) nothing is ever dropped and the
 result is the exact SUM.
@@ -69,7 +72,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.collectives import registry
-from gradsync.collectives.base import Collective
+from gradsync.collectives.base import CHECKS, Collective
 from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats.wire import (
@@ -83,9 +86,9 @@ from gradsync.formats.wire import (
 )
 from gradsync.sparsegrad import (
     SparseGrad,
-    check_indices,
     densify,
     flatnonzero,
+    indices_flag,
     isin_sorted,
     sparse_sum,
     target_k,
@@ -112,6 +115,16 @@ def capacity(blocks: list[int], bl: list[int], k_b: int) -> int:
     """Most entries a round's message can hold: k_B per block, or the whole block if smaller
     (``bl``: the boundaries)."""
     return sum(min(k_b, bl[b + 1] - bl[b]) for b in blocks)
+
+
+def _checked(got: tuple[torch.Tensor, torch.Tensor], hi: int, lo: int, what: str,
+             checks: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Received entries whose indices must be strictly increasing in ``[lo, hi)``: checked on
+    the device (appended to ``checks``), a bad index moved to ``lo`` with its value zeroed."""
+    idx, inside, ok = indices_flag(got[0], hi, lo)
+    checks.append((ok, f"{what}: indices must be strictly increasing in [{lo}, {hi})"))
+    return idx, torch.where(inside, got[1], torch.zeros((), dtype=got[1].dtype,
+                                                        device=got[1].device))
 
 
 @registry.register("spardl")
@@ -191,6 +204,7 @@ class SparDL(Collective):
             return flatnonzero(top_k_mask(v[a:b], k_b)) + a
 
         empty = torch.empty(0, dtype=torch.int64, device=dev)
+        checks: list[tuple[torch.Tensor, str]] = []  # the received messages', on the device
         idx, val = sel.indices, sel.values  # the partial sums this rank holds, index order
         history: list[dict[str, torch.Tensor]] = []  # per round, for the backward walk
         S = rounds(P)
@@ -214,9 +228,10 @@ class SparDL(Collective):
             # one message of the round's fixed capacity: count, entries, padding
             cap = capacity(forwarded(r, s, P), bl, k_b)
             r_idx, r_val = self._receive(comm, pack_entries_fixed(t_idx, t_val, wire, cap), s,
-                                         B_dev, bl, k_b, n, wire, dtype)
-            # add, then re-sparsify every block this round delivered to
-            m_idx, m_val = sparse_sum([(k_idx, k_val), (r_idx, r_val)])
+                                         B_dev, bl, k_b, n, wire, dtype, checks)
+            # add, then re-sparsify every block this round delivered to (the sum's indices
+            # are sorted whatever a malformed message held)
+            m_idx, m_val = sparse_sum([(k_idx, k_val), (r_idx, r_val)], within=(0, n))
             cuts = segments(m_idx)
             keep = None
             for b in range(P):
@@ -258,25 +273,26 @@ class SparDL(Collective):
         msgs = comm.all_gather(pack_entries_fixed(idx, val, wire, cap))
         parts = []
         for owner in range(P):
-            g_idx, g_val = unpack_entries_fixed(msgs[owner], cap, wire, dtype,
-                                                f"spardl: block of rank {owner}")
-            self._check_block(g_idx, owner, B, n, f"spardl: block of rank {owner}")
-            parts.append((g_idx, g_val))
+            what = f"spardl: block of rank {owner}"
+            parts.append(_checked(unpack_entries_fixed(msgs[owner], cap, wire, dtype, what),
+                                  bl[owner + 1], bl[owner], what, checks))
         dense = densify(parts, n, dtype, dev)  # blocks are disjoint: one writer per index
         counts = [p[0].numel() for p in parts]
         info = {"k": k, "k_block": k_b, "rounds": S, "boundaries": B,
                 "boundaries_recomputed": recomputed, "block_nnz": idx.numel(),
                 "global_nnz": sum(counts), "dropped": len(sel) - kept.numel(),
-                "sent_per_round": [h["sent"].numel() for h in history]}
+                "sent_per_round": [h["sent"].numel() for h in history], CHECKS: checks}
         return dense, kept, info
 
     @staticmethod
     def _receive(comm: Comm, payload: torch.Tensor, s: int, B: torch.Tensor, bl: list[int],
-                 k_b: int, n: int, wire: torch.dtype, dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
+                 k_b: int, n: int, wire: torch.dtype, dtype: torch.dtype,
+                 checks: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, torch.Tensor]:
         """Round ``s``: send ``payload`` to rank r + 2^s while receiving the fixed-capacity
-        message of rank r − 2^s, validated against the blocks the schedule lets that rank
-        forward (``B``: the block boundaries on the payload's device, ``bl`` as a list)."""
+        message of rank r − 2^s, checked on the device against the blocks the schedule lets
+        that rank forward (``B``: the block boundaries on the payload's device, ``bl`` as a
+        list): the checks go to ``checks``, a bad index is moved into range with its value
+        zeroed, and nothing is read."""
         P, r, d = comm.size, comm.rank, 1 << s
         src = (r - d) % P
         blocks = forwarded(src, s, P)  # the same as [(r + j) % P for j = 0, 2d, … < P − d]
@@ -284,30 +300,21 @@ class SparDL(Collective):
         buf = torch.empty(fixed_entries_bytes(cap, wire, dtype), dtype=torch.uint8,
                           device=payload.device)
         comm.sendrecv(payload, (r + d) % P, buf, src)
-        r_idx, r_val = unpack_entries_fixed(buf, cap, wire, dtype,
-                                            f"spardl: round {s} from rank {src}")
-        check_indices(r_idx, n, f"spardl: round {s} from rank {src}")
-        if r_idx.numel():  # per block, how many received entries fall in it: only
-            # forwarded blocks, at most k_B in each (one device-to-host read of P counts)
-            per_block = torch.diff(torch.searchsorted(r_idx, B)).tolist()
-            allowed = set(blocks)
-            stray = [b for b in range(P) if per_block[b] and b not in allowed]
-            if stray:
-                raise ValueError(f"spardl: rank {src} sent indices outside the blocks it "
-                                 f"forwards in round {s} (blocks {stray[:5]}, it forwards "
-                                 f"{blocks[:5]})")
-            over = [b for b in blocks if per_block[b] > k_b]
-            if over:
-                raise ValueError(f"spardl: rank {src} sent more than k_B = {k_b} entries of "
-                                 f"block {over[0]} in round {s} ({per_block[over[0]]})")
+        what = f"spardl: round {s} from rank {src}"
+        r_idx, r_val = _checked(unpack_entries_fixed(buf, cap, wire, dtype, what), n, 0, what,
+                                checks)
+        # per block, how many received entries fall in it: only forwarded blocks, at most
+        # k_B in each
+        per_block = torch.diff(torch.searchsorted(r_idx, B))
+        allowed = torch.zeros(P, dtype=torch.bool)
+        allowed[blocks] = True
+        allowed = allowed.to(per_block.device)
+        checks.append(((per_block[~allowed] == 0).all(),
+                       f"spardl: rank {src} sent indices outside the blocks it forwards in "
+                       f"round {s} (it forwards {blocks[:5]})"))
+        checks.append(((per_block <= k_b).all(), f"spardl: rank {src} sent more than k_B = "
+                                                 f"{k_b} entries of a block in round {s}"))
         return r_idx, r_val
-
-    @staticmethod
-    def _check_block(idx: torch.Tensor, owner: int, B: torch.Tensor, n: int, what: str) -> None:
-        check_indices(idx, n, what)
-        if idx.numel() and (int(idx[0]) < int(B[owner]) or int(idx[-1]) >= int(B[owner + 1])):
-            raise ValueError(f"{what}: indices outside its block [{int(B[owner])}, "
-                             f"{int(B[owner + 1])})")
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
