@@ -26,11 +26,11 @@ residuals: ``Config.nonfinite="raise"`` fails a future of the step (DDP raises f
 DDP would. A sparse bucket reads nothing: its checks (finite gradients and sums, the
 collective's message, missing tensors) wait on the device until the step's last bucket, which
 reads them all in one copy and only then commits or drops each bucket's error feedback. At
-P > 1, in a step with sparse buckets, one int64 word joins that read, all-reduced (MAX) on the
-device before it: whether some rank received a malformed message. So every rank fails that
-step's ``backward()`` (the receiving rank with the check's message, the others saying another
-rank received one) and keeps its residuals, instead of its peers applying the step and then
-waiting for it at the next collective.
+P > 1, in a step whose buckets ran a sparse collective, one int64 word joins that read,
+all-reduced (MAX) on the device before it: whether some rank received a malformed message. So
+every rank fails that step's ``backward()`` (the receiving rank with the check's message, the
+others saying another rank received one) and keeps its residuals, instead of its peers applying
+the step and then waiting for it at the next collective.
 :meth:`HookState.follow` keeps error feedback in a GradScaler's units.
 
 Facts this relies on (docs/architecture.md, "torch.distributed facts"): the hook's second
@@ -597,8 +597,11 @@ def _settle(state: HookState, comm: Comm) -> ValueError | None:
         return None
     checked = [p for p in pending if p.check is not None]
     oks = (torch.stack([p.top for p in pending]) < math.inf).unbind() if pending else ()
-    # pending is alike on every rank (the same buckets are sparse), so every rank meets here
-    word = _malformed_anywhere(wire, comm, pending[0].top.device) if pending else None
+    # whether a bucket's collective ran is alike on every rank (the same jobs), so every rank
+    # meets here; a step of plain all-reduces (DGC's warm-up at density 1) receives no message
+    # to check
+    ran = [p for p in pending if p.kept is not None]
+    word = _malformed_anywhere(wire, comm, ran[0].top.device) if ran else None
     try:
         missing, flags = settle_missing(
             [p.check for p in checked], "a bucket's parts", "gradsync.ddp: ", wire,
