@@ -36,6 +36,7 @@ __all__ = [
     "bincount",
     "check_finite",
     "check_indices",
+    "checked_entries",
     "constant",
     "densify",
     "finite_flag",
@@ -158,6 +159,18 @@ def indices_flag(indices: torch.Tensor, hi: int, lo: int = 0
     inside = (indices >= lo) & (indices < hi)
     ok = inside.all() & (indices[1:] > indices[:-1]).all()
     return torch.where(inside, indices, lo), inside, ok
+
+
+def checked_entries(indices: torch.Tensor, values: torch.Tensor, hi: int, lo: int = 0
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A peer's entries, whose indices must be strictly increasing in ``[lo, hi)``, made safe
+    to use before anyone reads the verdict (:func:`indices_flag`): ``(indices, values, ok)``,
+    a bad index moved to ``lo`` with its value zeroed, ``ok`` a bool on the device for the
+    caller to read with the step's other checks. Every collective's received entries go
+    through here."""
+    safe, inside, ok = indices_flag(indices, hi, lo)
+    zero = torch.zeros((), dtype=values.dtype, device=values.device)
+    return safe, torch.where(inside, values, zero), ok
 
 
 def flatnonzero(mask: torch.Tensor, count: int | None = None) -> torch.Tensor:

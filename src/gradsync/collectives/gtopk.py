@@ -52,8 +52,8 @@ from gradsync.formats.wire import (
 )
 from gradsync.sparsegrad import (
     SparseGrad,
+    checked_entries,
     flatnonzero,
-    indices_flag,
     isin_sorted,
     sparse_sum,
     target_k,
@@ -118,11 +118,10 @@ class GTopk(Collective):
                  ) -> tuple[torch.Tensor, torch.Tensor]:
         """Received entries whose indices must be strictly increasing in ``[0, numel)``:
         checked on the device (no read), a bad index moved to 0 with its value zeroed."""
-        idx, inside, ok = indices_flag(got[0], self._n)
+        idx, val, ok = checked_entries(*got, self._n)
         self._checks.append((ok, f"{what}: indices must be strictly increasing in "
                                  f"[0, {self._n})"))
-        return idx, torch.where(inside, got[1], torch.zeros((), dtype=got[1].dtype,
-                                                            device=got[1].device))
+        return idx, val
 
     def _send_up(self, comm: Comm, s: tuple[torch.Tensor, torch.Tensor], k: int, dst: int):
         """Reduction-tree message: header (count, subtree k), then indices and values."""

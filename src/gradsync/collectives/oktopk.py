@@ -73,7 +73,7 @@ from gradsync.formats.wire import entry_bytes, pack_entries, unpack_entries, wir
 from gradsync.sparsegrad import (
     SparseGrad,
     bincount,
-    indices_flag,
+    checked_entries,
     mark_at,
     sparse_sum,
     target_k,
@@ -286,11 +286,10 @@ class OkTopk(Collective):
         parts = [unpack_entries(b, c, wire, sel.dtype, "oktopk") for b, c in zip(blocks, chunks)]
         # region order = index order: sorted; checked on the device (no read), and a malformed
         # index is moved into range with its value zeroed before anything is written
-        all_idx, inside, ok = indices_flag(torch.cat([p[0] for p in parts]), n)
+        all_idx, all_val, ok = checked_entries(torch.cat([p[0] for p in parts]),
+                                               torch.cat([p[1] for p in parts]), n)
         checks.append((ok, f"oktopk: the gathered global selection: indices must be strictly "
                            f"increasing in [0, {n}) (step {step})"))
-        all_val = torch.cat([p[1] for p in parts])
-        all_val = torch.where(inside, all_val, torch.zeros((), dtype=all_val.dtype, device=dev))
         dense = SparseGrad(all_idx, all_val, n, validate=False).to_dense()
 
         # Line 14: the local entries that made it into the global selection (a bitmap of it
@@ -438,11 +437,10 @@ class OkTopk(Collective):
                 parts = []
                 for buf, c, src in current[1]:  # sorted, inside this rank's region: checked
                     i, v = unpack_entries(buf, c, wire, sel.dtype, "oktopk")  # on the device
-                    i, inside, ok = indices_flag(i, hi, lo)
+                    i, v, ok = checked_entries(i, v, hi, lo)
                     checks.append((ok, f"oktopk: a peer's entries for this rank's region "
                                        f"[{lo}, {hi}) are not strictly increasing inside it"))
-                    parts.append((i, torch.where(inside, v, torch.zeros((), dtype=v.dtype,
-                                                                        device=dev))))
+                    parts.append((i, v))
                     sources.append((src, i))
                 acc_i, acc_v = sparse_sum([(acc_i, acc_v), *parts], torch.float64,
                                           within=(lo, hi))  # its ends known: no read

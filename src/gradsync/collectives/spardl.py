@@ -86,9 +86,9 @@ from gradsync.formats.wire import (
 )
 from gradsync.sparsegrad import (
     SparseGrad,
+    checked_entries,
     densify,
     flatnonzero,
-    indices_flag,
     isin_sorted,
     sparse_sum,
     target_k,
@@ -121,10 +121,9 @@ def _checked(got: tuple[torch.Tensor, torch.Tensor], hi: int, lo: int, what: str
              checks: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Received entries whose indices must be strictly increasing in ``[lo, hi)``: checked on
     the device (appended to ``checks``), a bad index moved to ``lo`` with its value zeroed."""
-    idx, inside, ok = indices_flag(got[0], hi, lo)
+    idx, val, ok = checked_entries(*got, hi, lo)
     checks.append((ok, f"{what}: indices must be strictly increasing in [{lo}, {hi})"))
-    return idx, torch.where(inside, got[1], torch.zeros((), dtype=got[1].dtype,
-                                                        device=got[1].device))
+    return idx, val
 
 
 @registry.register("spardl")

@@ -47,7 +47,7 @@ from gradsync.formats.wire import (
     view_as,
     wire_index_dtype,
 )
-from gradsync.sparsegrad import SparseGrad, indices_flag, sparse_sum
+from gradsync.sparsegrad import SparseGrad, checked_entries, sparse_sum
 
 __all__ = ["TopkDSA"]
 
@@ -135,11 +135,10 @@ class _Wire:
         idx, val = unpack_entries(payload, header, self.index, self.dtype, "topkdsa")
         # strictly increasing inside [lo, hi): checked on the device (no read), a bad index
         # moved to lo with its value zeroed, so the stream writes only inside its range
-        idx, inside, ok = indices_flag(idx, hi, lo)
+        idx, val, ok = checked_entries(idx, val, hi, lo)
         self.checks.append((ok, f"topkdsa: a peer's stream for [{lo}, {hi}): indices must be "
                                 f"strictly increasing inside it"))
-        return _Stream(lo, hi, idx=idx, val=torch.where(inside, val, torch.zeros(
-            (), dtype=val.dtype, device=val.device)))
+        return _Stream(lo, hi, idx=idx, val=val)
 
     def empty_header(self) -> torch.Tensor:
         return torch.empty(1, dtype=torch.int64, device=self.device)
