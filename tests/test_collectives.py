@@ -513,7 +513,8 @@ def test_topkdsa_malformed_streams_fail_the_receiving_rank_and_write_only_inside
     half = slice(n // 2, n)  # rank 0 keeps [0, n/2) in the reduce-scatter: it got the bad one
     for j, how in enumerate(hows):
         strict, deferred = outs[0][2 * j], outs[0][2 * j + 1]
-        assert strict[0] == "raised" and f"stream for [0, {n // 2})" in strict[1], (how, strict)
+        assert strict[0] == "raised" and "topkdsa: a peer's stream" in strict[1] \
+            and f"[0, {n // 2})" in strict[1], (how, strict)
         assert deferred[0] == "ok" and len(deferred[2]) == 1, (how, deferred)
         assert outs[1][2 * j][0] == "ok" and outs[1][2 * j + 1][2] == [], how
         for dense in (deferred[1], outs[1][2 * j + 1][1]):

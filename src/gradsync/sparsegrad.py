@@ -161,16 +161,18 @@ def indices_flag(indices: torch.Tensor, hi: int, lo: int = 0
     return torch.where(inside, indices, lo), inside, ok
 
 
-def checked_entries(indices: torch.Tensor, values: torch.Tensor, hi: int, lo: int = 0
-                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def checked_entries(indices: torch.Tensor, values: torch.Tensor, hi: int, lo: int,
+                    checks: list[tuple[torch.Tensor, str]], what: str
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """A peer's entries, whose indices must be strictly increasing in ``[lo, hi)``, made safe
-    to use before anyone reads the verdict (:func:`indices_flag`): ``(indices, values, ok)``,
-    a bad index moved to ``lo`` with its value zeroed, ``ok`` a bool on the device for the
-    caller to read with the step's other checks. Every collective's received entries go
-    through here."""
+    to use before anyone reads the verdict (:func:`indices_flag`): a bad index is moved to
+    ``lo`` with its value zeroed, and ``(ok, "<what>: indices must be strictly increasing in
+    [lo, hi)")``, ``ok`` a bool on the device, is appended to ``checks`` for the caller to
+    read with the step's others. Every collective's received entries go through here."""
     safe, inside, ok = indices_flag(indices, hi, lo)
+    checks.append((ok, f"{what}: indices must be strictly increasing in [{lo}, {hi})"))
     zero = torch.zeros((), dtype=values.dtype, device=values.device)
-    return safe, torch.where(inside, values, zero), ok
+    return safe, torch.where(inside, values, zero)
 
 
 def flatnonzero(mask: torch.Tensor, count: int | None = None) -> torch.Tensor:

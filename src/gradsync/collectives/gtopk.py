@@ -114,15 +114,6 @@ class GTopk(Collective):
         self._dtype, self._device, self._n = sel.dtype, sel.device, sel.numel
         self._checks: list[tuple[torch.Tensor, str]] = []  # the received entries', on the device
 
-    def _checked(self, got: tuple[torch.Tensor, torch.Tensor], what: str
-                 ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Received entries whose indices must be strictly increasing in ``[0, numel)``:
-        checked on the device (no read), a bad index moved to 0 with its value zeroed."""
-        idx, val, ok = checked_entries(*got, self._n)
-        self._checks.append((ok, f"{what}: indices must be strictly increasing in "
-                                 f"[0, {self._n})"))
-        return idx, val
-
     def _send_up(self, comm: Comm, s: tuple[torch.Tensor, torch.Tensor], k: int, dst: int):
         """Reduction-tree message: header (count, subtree k), then indices and values."""
         comm.send(torch.tensor([s[0].numel(), k], dtype=torch.int64, device=self._device), dst)
@@ -137,7 +128,8 @@ class GTopk(Collective):
         if count:
             comm.recv(buf, src)
         got = unpack_entries(buf, count, self._index, self._dtype, "gtopk")
-        return self._checked(got, f"gtopk: entries from rank {src}"), k
+        return checked_entries(*got, self._n, 0, self._checks,
+                               f"gtopk: entries from rank {src}"), k
 
     def _send_down(self, comm: Comm, final, alive: torch.Tensor, dst: int) -> None:
         """Broadcast-tree message: count, then the final entries and one 'alive' bit each."""
@@ -156,7 +148,8 @@ class GTopk(Collective):
         if count:
             comm.recv(buf, src)
         final = unpack_entries(buf[:b], count, self._index, self._dtype, "gtopk")
-        final = self._checked(final, f"gtopk: final entries from rank {src}")
+        final = checked_entries(*final, self._n, 0, self._checks,
+                                f"gtopk: final entries from rank {src}")
         return final, unpack_bits(buf[b:], count) > 0
 
     # -- algorithm -------------------------------------------------------------------------

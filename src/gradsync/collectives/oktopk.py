@@ -286,10 +286,9 @@ class OkTopk(Collective):
         parts = [unpack_entries(b, c, wire, sel.dtype, "oktopk") for b, c in zip(blocks, chunks)]
         # region order = index order: sorted; checked on the device (no read), and a malformed
         # index is moved into range with its value zeroed before anything is written
-        all_idx, all_val, ok = checked_entries(torch.cat([p[0] for p in parts]),
-                                               torch.cat([p[1] for p in parts]), n)
-        checks.append((ok, f"oktopk: the gathered global selection: indices must be strictly "
-                           f"increasing in [0, {n}) (step {step})"))
+        all_idx, all_val = checked_entries(
+            torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), n, 0, checks,
+            f"oktopk: the gathered global selection (step {step})")
         dense = SparseGrad(all_idx, all_val, n, validate=False).to_dense()
 
         # Line 14: the local entries that made it into the global selection (a bitmap of it
@@ -437,9 +436,8 @@ class OkTopk(Collective):
                 parts = []
                 for buf, c, src in current[1]:  # sorted, inside this rank's region: checked
                     i, v = unpack_entries(buf, c, wire, sel.dtype, "oktopk")  # on the device
-                    i, v, ok = checked_entries(i, v, hi, lo)
-                    checks.append((ok, f"oktopk: a peer's entries for this rank's region "
-                                       f"[{lo}, {hi}) are not strictly increasing inside it"))
+                    i, v = checked_entries(i, v, hi, lo, checks,
+                                           "oktopk: a peer's entries for this rank's region")
                     parts.append((i, v))
                     sources.append((src, i))
                 acc_i, acc_v = sparse_sum([(acc_i, acc_v), *parts], torch.float64,

@@ -117,15 +117,6 @@ def capacity(blocks: list[int], bl: list[int], k_b: int) -> int:
     return sum(min(k_b, bl[b + 1] - bl[b]) for b in blocks)
 
 
-def _checked(got: tuple[torch.Tensor, torch.Tensor], hi: int, lo: int, what: str,
-             checks: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Received entries whose indices must be strictly increasing in ``[lo, hi)``: checked on
-    the device (appended to ``checks``), a bad index moved to ``lo`` with its value zeroed."""
-    idx, val, ok = checked_entries(*got, hi, lo)
-    checks.append((ok, f"{what}: indices must be strictly increasing in [{lo}, {hi})"))
-    return idx, val
-
-
 @registry.register("spardl")
 class SparDL(Collective):
     """SparDL's Spar-Reduce-Scatter + Spar-All-Gather for any P (module doc).
@@ -273,8 +264,8 @@ class SparDL(Collective):
         parts = []
         for owner in range(P):
             what = f"spardl: block of rank {owner}"
-            parts.append(_checked(unpack_entries_fixed(msgs[owner], cap, wire, dtype, what),
-                                  bl[owner + 1], bl[owner], what, checks))
+            g_idx, g_val = unpack_entries_fixed(msgs[owner], cap, wire, dtype, what)
+            parts.append(checked_entries(g_idx, g_val, bl[owner + 1], bl[owner], checks, what))
         dense = densify(parts, n, dtype, dev)  # blocks are disjoint: one writer per index
         counts = [p[0].numel() for p in parts]
         info = {"k": k, "k_block": k_b, "rounds": S, "boundaries": B,
@@ -300,8 +291,8 @@ class SparDL(Collective):
                           device=payload.device)
         comm.sendrecv(payload, (r + d) % P, buf, src)
         what = f"spardl: round {s} from rank {src}"
-        r_idx, r_val = _checked(unpack_entries_fixed(buf, cap, wire, dtype, what), n, 0, what,
-                                checks)
+        r_idx, r_val = checked_entries(*unpack_entries_fixed(buf, cap, wire, dtype, what), n, 0,
+                                       checks, what)
         # per block, how many received entries fall in it: only forwarded blocks, at most
         # k_B in each
         per_block = torch.diff(torch.searchsorted(r_idx, B))

@@ -9,8 +9,9 @@ travels as values only. Duplicates across ranks accumulate
 (:func:`~gradsync.sparsegrad.add_at`), never overwrite. Indices are int64 in memory and travel
 as int32 when numel < 2**31, else int64 (:func:`~gradsync.formats.wire.wire_index_dtype`),
 never through a float buffer. Every received index is checked on the device (inside the
-tensor, past the dense prefix) and one that is not lands one past the buffer, so a malformed
-message writes nowhere before the caller reads the check with the step's others.
+tensor, past the dense prefix; all messages at once) and one that is not lands one past the
+buffer, so a malformed message writes nowhere before the caller reads the check with the
+step's others.
 
 **Fixed capacity.** A selection whose size every rank can bound without asking
 (``SparseGrad.capacity``: Σ k_i of a buffer selected at once by DGC or exact top-k, the plan's
@@ -65,20 +66,23 @@ class TopkA(Collective):
         n = sel.numel
         msgs = comm.all_gather_v(pack_entries(sel.indices, sel.values, wire, m),
                                  [entries_bytes(c, wire, sel.dtype, m) for c in counts])
+        parts = [unpack_entries(msg, c, wire, sel.dtype, "topka", m)
+                 for msg, c in zip(msgs, counts)]
+        # a selected index lies past the dense prefix, inside the tensor: every message's
+        # checked at once on the device (no read), and one that does not lands one past the
+        # buffer
+        idx = torch.cat([i for i, _ in parts])
+        good = idx.clamp(m, n - 1) == idx
+        idx = torch.where(good, idx, n)
         out = torch.zeros(n + 1, dtype=sel.dtype, device=sel.device)
-        dense, oks = out[:n], []
-        for msg, c in zip(msgs, counts):
-            idx, val = unpack_entries(msg, c, wire, sel.dtype, "topka", m)
+        dense, at = out[:n], 0
+        for (_, val), c in zip(parts, counts):
             if m:  # the tensors sent whole: values only, added in rank order
                 dense[:m].add_(val[:m])
-            # a selected index lies past the dense prefix, inside the tensor: checked on the
-            # device (no read), and one that does not lands one past the buffer
-            good = idx.clamp(m, n - 1) == idx
-            oks.append(good.all())
-            add_at(out, torch.where(good, idx, n), val[m:])
+            add_at(out, idx[at:at + c - m], val[m:])
+            at += c - m
         return dense, sel.indices, {"counts": counts, CHECKS: [
-            (torch.stack(oks).all(), f"topka: a rank's message holds an index outside "
-                                     f"[{m}, {n})")]}
+            (good.all(), f"topka: a rank's message holds an index outside [{m}, {n})")]}
 
     @staticmethod
     def _reduce_capped(sel: SparseGrad, comm: Comm, wire: torch.dtype, m: int

@@ -135,9 +135,7 @@ class _Wire:
         idx, val = unpack_entries(payload, header, self.index, self.dtype, "topkdsa")
         # strictly increasing inside [lo, hi): checked on the device (no read), a bad index
         # moved to lo with its value zeroed, so the stream writes only inside its range
-        idx, val, ok = checked_entries(idx, val, hi, lo)
-        self.checks.append((ok, f"topkdsa: a peer's stream for [{lo}, {hi}): indices must be "
-                                f"strictly increasing inside it"))
+        idx, val = checked_entries(idx, val, hi, lo, self.checks, "topkdsa: a peer's stream")
         return _Stream(lo, hi, idx=idx, val=val)
 
     def empty_header(self) -> torch.Tensor:

@@ -18,15 +18,36 @@ from __future__ import annotations
 from collections.abc import Hashable, Sequence
 
 import torch
+import torch.distributed as dist
 from torch import nn
 
+from gradsync.collectives.comm import Comm
 from gradsync.engine.audit import AuditRecord, AuditSink, values_at
 from gradsync.engine.jobs import JobResult, Launched, Transport, bounds
 from gradsync.engine.stats import StepStats
 from gradsync.feedback import ErrorFeedback
 from gradsync.sparsegrad import bincount, constant
 
-__all__ = ["apply", "commit", "job_check", "missing_check", "settle", "settle_missing"]
+__all__ = ["agreement_word", "apply", "commit", "job_check", "missing_check", "settle",
+           "settle_missing"]
+
+
+def agreement_word(comm: Comm, device: torch.device,
+                   wire: Sequence[tuple[torch.Tensor, str]] = (),
+                   bad: torch.Tensor | None = None) -> torch.Tensor:
+    """The ranks' agreement on a step's checks, made before its one read (the engine's
+    ``_settle``, the DDP hook's): one int64 word all-reduced (MAX) on the device through
+    ``comm`` (its traffic counted there), 2 when some rank's collective check failed
+    (``wire``: a malformed message), else 1 when some rank's ``bad`` (a bool on the device)
+    is set, else 0. Nothing is read: the caller reads it with the step's other checks."""
+    word = torch.zeros((), dtype=torch.int64, device=device)
+    if bad is not None:
+        word = bad.reshape(()).to(torch.int64)
+    if wire:
+        word = torch.where(torch.stack([ok.reshape(()) for ok, _ in wire]).all(), word, 2)
+    word = word.reshape(1)
+    comm.all_reduce(word, op=dist.ReduceOp.MAX)
+    return word[0]
 
 
 def settle(jobs: Sequence[tuple[Launched, JobResult]], who: str = "",

@@ -56,7 +56,7 @@ from torch.distributed.fsdp import FSDPModule
 
 from gradsync.collectives.comm import Comm
 from gradsync.engine import drift, warmup
-from gradsync.engine.apply import apply, settle
+from gradsync.engine.apply import agreement_word, apply, settle
 from gradsync.engine.audit import AuditRecord, AuditSink
 from gradsync.engine.components import Components
 from gradsync.engine.config import Config, require_config
@@ -297,21 +297,17 @@ class GradSync:
         waiting for it at the next one."""
         if self.P == 1 or _only_dense(run):
             return None
-        wire = [ok.reshape(()) for r in results for ok, _ in r.checks]
-        host_bad = any(lj.nonfinite for lj in run.launched)
-        dev = (finite or wire)[0].device if finite or wire else torch.device("cpu")
-        word = torch.zeros((), dtype=torch.int64, device=dev)
+        wire = [check for r in results for check in r.checks]
+        dev = finite[0].device if finite else wire[0][0].device if wire else torch.device("cpu")
+        bad = None
         if finite:
-            word = (~torch.stack([f.reshape(()) for f in finite]).all()).to(torch.int64)
-        if host_bad:
-            word = torch.ones((), dtype=torch.int64, device=dev)
-        if wire:
-            word = torch.where(torch.stack(wire).all(), word, 2)
-        word = word.reshape(1)
+            bad = ~torch.stack([f.reshape(()) for f in finite]).all()
+        if any(lj.nonfinite for lj in run.launched):
+            bad = torch.ones((), dtype=torch.bool, device=dev)
         comm = Comm(self.group)
-        comm.all_reduce(word, op=dist.ReduceOp.MAX)
+        word = agreement_word(comm, dev, wire, bad)
         stats.add_traffic(comm.stats)
-        return word[0]
+        return word
 
     def _agree(self, run: StepRun, stats: StepStats, deferred_bad: list[str],
                dense_bad: bool, agreed: bool | None) -> bool:

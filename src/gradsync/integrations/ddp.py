@@ -59,7 +59,7 @@ from torch import nn
 
 from gradsync import collectives, sparsify
 from gradsync.collectives.comm import Comm, CommStats
-from gradsync.engine.apply import commit, job_check, settle_missing
+from gradsync.engine.apply import agreement_word, commit, job_check, settle_missing
 from gradsync.engine.config import Config, require_config
 from gradsync.engine.consistency import signature_check
 from gradsync.engine.jobs import Job, Payload, at_density, plan_jobs
@@ -587,10 +587,11 @@ class _Pending:
 
 def _settle(state: HookState, comm: Comm) -> ValueError | None:
     """At a step's last bucket: every sparse bucket's checks in one read (with, at P > 1, the
-    ranks' word on malformed messages: :func:`_malformed_anywhere`), then each bucket's error
-    feedback committed (finite sums) or left as before the step (NaN/Inf: counted, and under
-    ``Config.nonfinite="raise"`` the error of the first such bucket is returned; a malformed
-    message on any rank: every bucket's, and the error returned on every rank)."""
+    ranks' word on malformed messages: :func:`~gradsync.engine.apply.agreement_word`), then
+    each bucket's error feedback committed (finite sums) or left as before the step (NaN/Inf:
+    counted, and under ``Config.nonfinite="raise"`` the error of the first such bucket is
+    returned; a malformed message on any rank: every bucket's, and the error returned on
+    every rank)."""
     pending, state.pending = state.pending, []
     wire, state.wire_checks = state.wire_checks, []
     if not pending and not wire:
@@ -601,7 +602,8 @@ def _settle(state: HookState, comm: Comm) -> ValueError | None:
     # meets here; a step of plain all-reduces (DGC's warm-up at density 1) receives no message
     # to check
     ran = [p for p in pending if p.kept is not None]
-    word = _malformed_anywhere(wire, comm, ran[0].top.device) if ran else None
+    word = (agreement_word(comm, ran[0].top.device, wire) > 0
+            if ran and comm.size > 1 else None)
     try:
         missing, flags = settle_missing(
             [p.check for p in checked], "a bucket's parts", "gradsync.ddp: ", wire,
@@ -628,20 +630,6 @@ def _settle(state: HookState, comm: Comm) -> ValueError | None:
         err = _nonfinite(state, p.index, p.names, not here, comm.rank, state.steps)
         error = error or err
     return error
-
-
-def _malformed_anywhere(wire: list[tuple[torch.Tensor, str]], comm: Comm,
-                        device: torch.device) -> torch.Tensor | None:
-    """At P > 1: whether some rank's collectives received a malformed message (their checks
-    ``wire`` failed), as a bool on the device: one int64 word all-reduced (MAX), read with the
-    step's other checks (no read of its own). ``None`` at P = 1."""
-    if comm.size == 1:
-        return None
-    word = torch.zeros(1, dtype=torch.int64, device=device)
-    if wire:
-        word = (~torch.stack([ok.reshape(()) for ok, _ in wire]).all()).to(torch.int64).view(1)
-    comm.all_reduce(word, op=dist.ReduceOp.MAX)
-    return word[0] > 0
 
 
 class _Travel:
