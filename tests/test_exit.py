@@ -24,6 +24,11 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+
+from gradsync.testing import run_distributed
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
 
@@ -94,3 +99,75 @@ def test_hook_processes_exit_cleanly(tmp_path, scheme):
 @pytest.mark.parametrize("scheme", ["per_tensor", "ssfusion_oi"])
 def test_hook_processes_exit_cleanly_ten_times(tmp_path, scheme):
     _run_many(tmp_path, scheme, 10)
+
+
+class _LateWork:
+    """A gloo work whose future runs one more callback, 0.3 s long, after the ones the caller
+    adds: gloo's worker thread then drops the caller's callbacks 0.3 s after they ran, as a
+    loaded machine's scheduler may make it do."""
+
+    def __init__(self, work) -> None:
+        self._work = work
+
+    def __getattr__(self, name: str):
+        return getattr(self._work, name)
+
+    def get_future(self):
+        return _LateFuture(self._work.get_future())
+
+
+class _LateFuture:
+    def __init__(self, fut) -> None:
+        self._fut = fut
+
+    def then(self, callback):
+        import time
+
+        out = self._fut.then(callback)
+        self._fut.then(lambda _: time.sleep(0.3))
+        return out
+
+
+def _destroy_right_after_the_step(rank: int, world_size: int, momentum: float) -> bool:
+    import time
+
+    import torch.distributed as dist
+
+    import gradsync
+
+    real = dist.all_reduce
+
+    def late(*args, **kwargs):
+        work = real(*args, **kwargs)
+        return None if work is None else _LateWork(work)
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 4))
+    ddp = DDP(model, bucket_cap_mb=25)
+    state = gradsync.ddp.register(ddp, gradsync.Config(scheme="dense", momentum=momentum))
+    g = torch.Generator().manual_seed(rank)
+    dist.all_reduce = late
+    try:
+        for _ in range(3):
+            x, y = torch.randn(8, 32, generator=g), torch.randint(4, (8,), generator=g)
+            ddp.zero_grad()
+            nn.functional.cross_entropy(ddp(x), y).backward()
+    finally:
+        dist.all_reduce = real
+    sent = state.total.bytes_sent > 0
+    del ddp, state, model  # as a training function returns
+    dist.destroy_process_group()  # while gloo's thread still holds the step's callbacks
+    time.sleep(0.6)  # the process lives on (it would exit before gloo's thread drops them)
+    return sent
+
+
+@pytest.mark.parametrize("momentum", [0.0, 0.9])  # raw gradients; through error feedback
+def test_process_group_is_not_freed_on_gloos_thread(momentum):
+    """A bucket sent whole completes in a callback that gloo's worker thread runs and then
+    drops. Before, that callback held the hook's state, and with it the process group: when
+    the training function had returned and ``destroy_process_group()`` had run before gloo's
+    thread dropped it, the group was freed on its own worker thread, which joined itself and
+    aborted the process ("Resource deadlock avoided", a red CI run of test_ddp.py's ``auto``,
+    whose all-dense buckets take this path). The callback now holds the state weakly.
+    ``_LateWork`` makes the late drop happen every time: before the fix both cases aborted."""
+    assert run_distributed(_destroy_right_after_the_step, 2, momentum, timeout=120) == [True] * 2

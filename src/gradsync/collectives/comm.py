@@ -67,6 +67,12 @@ freed by gloo's thread while the interpreter shuts down. torch's object collecti
 gloo's thread may free it: tests/test_lightning.py's job aborted at exit in 4 of 34 launches
 run three at a time, gloo's worker thread freeing an all-gather's tensors in
 ``Py_FinalizeEx``. :func:`exchange_objects` replaces them for gradsync's own calls (0 of 84).
+
+A future's ``then`` callback runs on gloo's worker thread, which drops it afterwards, a moment
+after the future completed. A callback must therefore not own a process group: if the caller
+has meanwhile let go of its own references and called ``destroy_process_group()``, the group is
+freed on its own worker thread, which joins itself and aborts the process ("Resource deadlock
+avoided"; the DDP hook's dense buckets hold their state weakly, tests/test_exit.py).
 """
 
 from __future__ import annotations

@@ -49,6 +49,7 @@ import math
 import statistics
 import threading
 import time
+import weakref
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -700,18 +701,25 @@ def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: l
         buf.copy_(acc)  # rounded to the gradients' dtype; the residual keeps it
     state.tensors += len(names)
     P, rank, step = comm.size, comm.rank, state.steps
+    # gloo's worker thread runs the callback and then drops it; if it held the state, the
+    # process group the state holds could be freed there (comm.py, "Exit safety"): it holds a
+    # weak reference, and DDP, which holds the state, outlives the step's callbacks
+    owner = weakref.ref(state)
 
     def settle() -> torch.Tensor:
         """The sum is in ``buf``: a finite one commits error feedback (the residual keeps
         only the rounding), a non-finite one leaves it as before the step."""
+        held = owner()
+        if held is None:  # DDP and its hook are gone: no one reads this step
+            return buf.div_(P)
         if all_finite(buf):
             if acc is not None:
-                commit(state.ef, bucket_index, acc, None, buf.dtype)
+                commit(held.ef, bucket_index, acc, None, buf.dtype)
         else:  # this rank's part is known only where it was kept apart (acc)
             if acc is not None:
-                state.ef.discard_buffer(bucket_index)
+                held.ef.discard_buffer(bucket_index)
             here = not all_finite(acc) if acc is not None else None
-            err = _nonfinite(state, bucket_index, names, here, rank, step)
+            err = _nonfinite(held, bucket_index, names, here, rank, step)
             if err is not None:
                 raise err  # in the callback: DDP's backward raises it on every rank
         return buf.div_(P)
