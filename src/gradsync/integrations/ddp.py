@@ -613,7 +613,9 @@ def _settle(state: HookState, comm: Comm) -> ValueError | None:
     except ValueError as e:  # this rank received a malformed message: its check's message
         for p in pending:
             state.ef.discard_buffer(p.index)
-        return e
+        # without its traceback, whose frames hold this state: a dense last bucket's
+        # callback carries the error, and gloo's thread drops it (_all_reduce_bucket)
+        return e.with_traceback(None)
     if word is not None and flags.pop():
         for p in pending:
             state.ef.discard_buffer(p.index)
