@@ -723,6 +723,7 @@ def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: l
             here = not all_finite(acc) if acc is not None else None
             err = _nonfinite(held, bucket_index, names, here, rank, step)
             if err is not None:
+                del held  # not in the frame the error's traceback keeps (the future holds it)
                 raise err  # in the callback: DDP's backward raises it on every rank
         return buf.div_(P)
 
