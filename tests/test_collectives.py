@@ -180,17 +180,25 @@ def _rank_fn(rank: int, world_size: int, names: list[str]) -> dict:
             except Exception:
                 out["mismatch"][name, "prefix"] = traceback.format_exc()
     # TopkA with a fixed capacity (SparseGrad.capacity, alike on every rank: the largest
-    # count of any rank plus 3), every case; and, at P > 1, a capacity that differs on rank 0
-    out["capped"] = {}
+    # count of any rank plus 3), every case, on the accelerators' path (segments.ON_CPU) and
+    # on the CPU's; and, at P > 1, a capacity that differs on rank 0
+    from gradsync.sparsify import segments
+
+    out["capped"], out["capped_cpu"] = {}, {}
     for dtype in DTYPES:
         for case in CASES:
             cap = 3 + max(len(selection(case, r, P, dtype)) for r in range(P))
             s = selection(case, rank, P, dtype)
-            res = collectives.get("topka")(
-                SparseGrad(s.indices, s.values, s.numel, dense_prefix=s.dense_prefix,
-                           capacity=cap), step=0)
-            out["capped"][str(dtype), case] = (res.dense, res.kept, res.stats.bytes_sent, cap,
-                                               res.info)
+            for on_cpu, into in ((True, out["capped"]), (False, out["capped_cpu"])):
+                segments.ON_CPU = on_cpu
+                try:
+                    res = collectives.get("topka")(
+                        SparseGrad(s.indices, s.values, s.numel, dense_prefix=s.dense_prefix,
+                                   capacity=cap), step=0)
+                finally:
+                    segments.ON_CPU = False
+                into[str(dtype), case] = (res.dense, res.kept, res.stats.bytes_sent, cap,
+                                          res.info)
     if P > 1:
         try:
             collectives.get("topka")(SparseGrad(torch.arange(2), torch.ones(2), 10,
@@ -347,10 +355,12 @@ def test_topka_refuses_a_rank_with_fewer_entries_than_the_dense_prefix(P):
 
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_topka_at_a_fixed_capacity_sums_like_the_exact_size_exchange(P):
-    """A selection with a capacity every rank shares travels as one equal-size message per
-    rank (an 8-byte count, room for the capacity's indices past the dense prefix and its
-    values): the sum is the float64 reference's, bit for bit the exact-size exchange's, every
-    entry is kept, and a capacity that differs between ranks fails on every rank."""
+    """A selection with a capacity every rank shares travels, on the accelerators' path, as
+    one equal-size message per rank (an 8-byte count, room for the capacity's indices past the
+    dense prefix and its values): the sum is the float64 reference's, bit for bit the
+    exact-size exchange's, every entry is kept, and a capacity that differs between ranks
+    fails on every rank. On the CPU's path the same selection takes the exact-size exchange
+    (counts first, no padding: a read costs no wait there), with the same sum."""
     from gradsync.collectives.comm import ring_allreduce_bytes
     from gradsync.formats.wire import capped_entries_bytes, wire_index_dtype
 
@@ -371,6 +381,11 @@ def test_topka_at_a_fixed_capacity_sums_like_the_exact_size_exchange(P):
                 shape = ring_allreduce_bytes(32, P) if P > 1 else 0
                 assert sent == (P - 1) * size + shape, (case, sent)
                 assert info["capacity"] == cap and "checks" not in info
+                dense, _, sent, _, info = o["capped_cpu"][str(dtype), case]
+                assert torch.equal(_bits(dense), _bits(exact[r][0])), (case, dtype, r)
+                assert "capacity" not in info and info["counts"] == [
+                    len(selection(case, q, P, dtype)) for q in range(P)]
+                assert sent == exact[r][2], (case, sent)  # the exact-size exchange's bytes
     if P > 1:
         got = [o["capped_mismatch"] for o in outs]
         assert all(g.startswith("ValueError") and "capacities differ" in g for g in got), got

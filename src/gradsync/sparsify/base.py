@@ -128,7 +128,10 @@ class Sparsifier(ABC):
             idx = self._select(x, k, step)
             idx = torch.sort(idx.to(torch.int64)).values
         self.last_k, self.last_count = k, int(idx.numel())
-        return SparseGrad(idx, x[idx], n, validate=False)
+        # at most min(k, n) entries, a bound every rank knows (SparseGrad.capacity): on the
+        # accelerators' path TopkA then exchanges no counts, as for a buffer's segmented one
+        return SparseGrad(idx, x[idx], n, validate=False,
+                          capacity=min(k, n) if self.at_most_k else None)
 
     @property
     def last_deviation(self) -> float:
