@@ -244,6 +244,58 @@ def test_the_ddp_hook_reorders_a_bucket_alike_by_index_and_by_slices(scheme):
     assert all(torch.equal(x, y) for x, y in zip(by_slices[0], by_slices[1]))
 
 
+def _one_buffer_rank(rank, world_size, sparsifier, on):
+    """The engine's one-buffer ``topka`` on the accelerators' path (``on``) or the CPU's: the
+    parameters after 5 SGD steps, and how often TopkA exchanged counts after the warm-up."""
+    from gradsync.collectives.comm import Comm
+    from gradsync.engine import GradSync
+    from gradsync.engine.config import Config
+    from gradsync.sparsify import segments
+
+    segments.ON_CPU = on
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(24, 24),
+                                                                  torch.nn.Tanh())])
+    sync = GradSync(model, Config(scheme="topka", density=0.05, sparsifier=sparsifier,
+                                  momentum=0.9, warmup_steps=1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    g = torch.Generator().manual_seed(1 + rank)
+    real, exchanges = Comm.all_gather_counts, []
+
+    def counting(self, *args, **kwargs):
+        exchanges.append(1)
+        return real(self, *args, **kwargs)
+
+    with patch.object(Comm, "all_gather_counts", counting):
+        for step in range(5):
+            if step == 2:
+                exchanges.clear()
+            opt.zero_grad()
+            model(torch.randn(8, 24, generator=g)).square().mean().backward()
+            sync.synchronize()
+            opt.step()
+    sync.close()
+    return [p.detach().clone() for p in model.parameters()], len(exchanges)
+
+
+@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("sparsifier", ["dgc", "topk"])
+def test_the_one_buffer_topka_trains_alike_with_and_without_the_count_exchange(P, sparsifier):
+    """A DGC or top-k selection of the whole buffer carries its capacity k: on the
+    accelerators' path TopkA sends it at that fixed size and exchanges no counts, on the CPU's
+    it exchanges them and sends the exact size. The same training, bit for bit, on every rank
+    (what lies past a rank's count is masked, never added)."""
+    from gradsync.testing import run_distributed
+
+    capped = run_distributed(_one_buffer_rank, P, sparsifier, True, timeout=120)
+    exact = run_distributed(_one_buffer_rank, P, sparsifier, False, timeout=120)
+    assert all(n == 0 for _, n in capped)
+    assert all(n == 3 for _, n in exact)  # once a step, steps 2-4
+    for (a, _), (b, _) in zip(capped, exact):
+        assert all(torch.equal(x, y) for x, y in zip(a, b))
+    assert all(torch.equal(x, y) for x, y in zip(capped[0][0], capped[-1][0]))
+
+
 @settings(max_examples=40, deadline=None)
 @given(seed=st.integers(0, 10_000), J=st.integers(0, 10))
 def test_dgc_levels_equal_the_comparisons_round_by_round(seed, J):
