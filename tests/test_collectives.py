@@ -23,6 +23,7 @@ import importlib.util
 import inspect
 import math
 import traceback
+from unittest.mock import patch
 
 import pytest
 import torch
@@ -190,13 +191,10 @@ def _rank_fn(rank: int, world_size: int, names: list[str]) -> dict:
             cap = 3 + max(len(selection(case, r, P, dtype)) for r in range(P))
             s = selection(case, rank, P, dtype)
             for on_cpu, into in ((True, out["capped"]), (False, out["capped_cpu"])):
-                segments.ON_CPU = on_cpu
-                try:
+                with patch.object(segments, "ON_CPU", on_cpu):
                     res = collectives.get("topka")(
                         SparseGrad(s.indices, s.values, s.numel, dense_prefix=s.dense_prefix,
                                    capacity=cap), step=0)
-                finally:
-                    segments.ON_CPU = False
                 into[str(dtype), case] = (res.dense, res.kept, res.stats.bytes_sent, cap,
                                           res.info)
     if P > 1:

@@ -21,13 +21,16 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
+import gradsync
 from gradsync.testing import run_distributed
 
 SRC = str(Path(__file__).resolve().parent.parent / "src")
@@ -121,20 +124,12 @@ class _LateFuture:
         self._fut = fut
 
     def then(self, callback):
-        import time
-
         out = self._fut.then(callback)
         self._fut.then(lambda _: time.sleep(0.3))
         return out
 
 
 def _destroy_right_after_the_step(rank: int, world_size: int, momentum: float) -> bool:
-    import time
-
-    import torch.distributed as dist
-
-    import gradsync
-
     real = dist.all_reduce
 
     def late(*args, **kwargs):
