@@ -4,14 +4,18 @@ from __future__ import annotations
 
 import itertools
 import math
+import os
+import subprocess
+import sys
 from fractions import Fraction
+from unittest.mock import patch
 
 import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradsync import SparseGrad, sparsify
+from gradsync import SparseGrad, sparsegrad, sparsify
 from gradsync.sparsegrad import (
     add_at,
     densify,
@@ -24,6 +28,7 @@ from gradsync.sparsegrad import (
     top_k_mask,
     validate_density,
 )
+from gradsync.testing import run_distributed
 
 
 def test_validation_errors():
@@ -450,3 +455,50 @@ def test_largest_is_the_largest_magnitude_or_nan_and_iota_a_shared_arange():
         got = iota(n, torch.device("cpu"))
         assert torch.equal(got, torch.arange(n)) and got.dtype == torch.int64
     assert iota(3, torch.device("cpu")).data_ptr() == iota(900, torch.device("cpu")).data_ptr()
+
+
+def test_flatnonzero_takes_either_kernel_and_the_stand_in_checks_the_count():
+    """The CPU's kernel (numpy) and the accelerators' (``nonzero``, ``nonzero_static`` at a
+    known count) give the same positions; a wrong count, which ``nonzero_static`` would pad
+    with −1 or cut short on an accelerator without a word, raises where the CPU stands in."""
+    g = torch.Generator().manual_seed(0)
+    mask = torch.rand(1000, generator=g) < 0.3
+    want = [i for i, m in enumerate(mask.tolist()) if m]  # independent reference
+    for accelerator in (False, True):
+        with patch.object(sparsegrad, "ACCELERATOR_KERNELS", accelerator):
+            assert flatnonzero(mask).tolist() == want
+            assert flatnonzero(mask, len(want)).tolist() == want
+            assert flatnonzero(mask[:0], 0).numel() == 0
+    with patch.object(sparsegrad, "ACCELERATOR_KERNELS", True):
+        for wrong in (len(want) - 1, len(want) + 1, 0):
+            with pytest.raises(RuntimeError, match=f"told {wrong} positions, the mask holds "
+                                                   f"{len(want)}"):
+                flatnonzero(mask, wrong)
+
+
+@pytest.mark.parametrize("value", ["1", "0"])
+def test_the_environment_makes_the_cpu_stand_in_for_an_accelerator(value):
+    """``GRADSYNC_CPU_AS_ACCELERATOR=1`` at import: the accelerators' kernels and path of
+    selection on the CPU (``make test``'s second pass); anything else: the CPU's own."""
+    code = ("import torch; from gradsync import sparsegrad; from gradsync.sparsify import "
+            "segments; print(sparsegrad.ACCELERATOR_KERNELS, segments.ON_CPU, "
+            "segments.pays_on(torch.device('cpu')), sparsegrad.host_kernels(torch.zeros(1)))")
+    env = {**os.environ, sparsegrad.CPU_AS_ACCELERATOR_ENV: value}
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True, timeout=120)
+    on = value == "1"
+    assert out.stdout.split() == [str(on), str(on), str(on), str(not on)]
+
+
+def _kernels_rank(rank, world_size):
+    from gradsync.sparsify import segments
+
+    return sparsegrad.ACCELERATOR_KERNELS, segments.ON_CPU
+
+
+@pytest.mark.parametrize("world_size", [1, 2])
+def test_every_rank_takes_the_kernels_its_environment_names(world_size):
+    """The ranks ``run_distributed`` starts (from a forkserver that imported gradsync) stand
+    in for an accelerator exactly when the test run does."""
+    on = os.environ.get(sparsegrad.CPU_AS_ACCELERATOR_ENV, "") == "1"
+    assert run_distributed(_kernels_rank, world_size, timeout=120) == [(on, on)] * world_size

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -41,6 +42,7 @@ __all__ = [
     "densify",
     "finite_flag",
     "flatnonzero",
+    "host_kernels",
     "indices_flag",
     "iota",
     "isin_sorted",
@@ -175,15 +177,44 @@ def checked_entries(indices: torch.Tensor, values: torch.Tensor, hi: int, lo: in
     return safe, torch.where(inside, values, zero)
 
 
+# -- the kernels per device -----------------------------------------------------------------
+#: ``GRADSYNC_CPU_AS_ACCELERATOR=1`` in the environment (read at import, so spawned ranks
+#: inherit it): the CPU stands in for an accelerator, taking the accelerators' kernels
+#: (:data:`ACCELERATOR_KERNELS`) and their path of selection
+#: (:data:`gradsync.sparsify.segments.ON_CPU`). For tests: CI has no GPU, so ``make test``
+#: runs the tests of the layers that branch on the device a second time so.
+CPU_AS_ACCELERATOR_ENV = "GRADSYNC_CPU_AS_ACCELERATOR"
+
+#: Whether CPU tensors take the accelerators' kernels (:func:`host_kernels`); default from
+#: :data:`CPU_AS_ACCELERATOR_ENV`.
+ACCELERATOR_KERNELS = os.environ.get(CPU_AS_ACCELERATOR_ENV, "") == "1"
+
+
+def host_kernels(t: torch.Tensor) -> bool:
+    """Whether ``t``'s compactions, sorts, selections and scatters take the CPU's own kernels
+    (numpy's ``flatnonzero``, ``argsort``, ``partition`` and ``packbits``; ``scatter_``), or the
+    accelerators' (``torch.nonzero`` / ``nonzero_static``, ``torch.sort``, ``kthvalue``, the
+    ``index_*_`` scatters). The choice is one of speed: both give the same bits. The CPU's own
+    unless :data:`ACCELERATOR_KERNELS`, everywhere else the accelerators'."""
+    return t.device.type == "cpu" and not ACCELERATOR_KERNELS
+
+
 def flatnonzero(mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
     """Positions (int64, increasing) of the True entries of a 1-D bool tensor: the compaction
     every sparse path needs. On CPU numpy's ``flatnonzero`` (zero-copy views both ways; torch's
     CPU ``nonzero`` is several times slower, ``nonzero_static`` ten times), elsewhere
     ``torch.nonzero``, or ``torch.nonzero_static`` when the caller knows the ``count`` (no
-    wait for the device)."""
-    if mask.device.type == "cpu":
+    wait for the device). A wrong ``count`` would pad the positions with −1 or drop some
+    there, silently; the CPU standing in for an accelerator (:data:`ACCELERATOR_KERNELS`)
+    checks it (one read) and raises ``RuntimeError``."""
+    if host_kernels(mask):
         return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
     if count is not None:
+        if ACCELERATOR_KERNELS and mask.device.type == "cpu":
+            held = int(torch.count_nonzero(mask))
+            if held != count:
+                raise RuntimeError(f"flatnonzero: told {count} positions, the mask holds "
+                                   f"{held}")
         return torch.nonzero_static(mask, size=count).view(-1)
     return torch.nonzero(mask).view(-1)
 
@@ -196,7 +227,7 @@ def flatnonzero(mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
 def put_at(out: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``out[idx] = src`` along dim 0 of 1-D tensors, for distinct int64 ``idx``; returns
     ``out``. Moves values as they are (pass integer views to keep NaN payloads)."""
-    if out.device.type == "cpu":
+    if host_kernels(out):
         return out.scatter_(0, idx, src)
     return out.index_copy_(0, idx, src)
 
@@ -204,14 +235,14 @@ def put_at(out: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> torch.Ten
 def add_at(out: torch.Tensor, idx: torch.Tensor, src: torch.Tensor) -> torch.Tensor:
     """``out[idx] += src`` along dim 0 of 1-D tensors, for distinct int64 ``idx``: one addition
     per target, so the same bits on every rank whichever kernel runs; returns ``out``."""
-    if out.device.type == "cpu":
+    if host_kernels(out):
         return out.scatter_add_(0, idx, src)
     return out.index_add_(0, idx, src)
 
 
 def mark_at(mask: torch.Tensor, idx: torch.Tensor) -> torch.Tensor:
     """``mask[idx] = True`` for a 1-D bool ``mask`` and int64 ``idx``; returns ``mask``."""
-    if mask.device.type == "cpu":
+    if host_kernels(mask):
         mask.view(torch.uint8).scatter_(0, idx, torch.ones(idx.numel(), dtype=torch.uint8))
         return mask
     return mask.index_fill_(0, idx, True)
@@ -285,7 +316,7 @@ def _merge(parts: Sequence[tuple[torch.Tensor, torch.Tensor]], dtype: torch.dtyp
            ) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`sparse_sum` of two or more non-empty parts by merging them (see there)."""
     cat = torch.cat([i for i, _ in parts])
-    if cat.device.type == "cpu":  # timsort finds the parts' sorted runs and merges them
+    if host_kernels(cat):  # timsort finds the parts' sorted runs and merges them
         order = torch.from_numpy(np.argsort(cat.numpy(), kind="stable"))
     else:
         order = torch.sort(cat, stable=True).indices
@@ -357,7 +388,7 @@ def top_k_mask(values: torch.Tensor, k: int) -> torch.Tensor:
         keep = torch.zeros(m, dtype=torch.bool, device=values.device)
         keep[torch.argsort(a, descending=True, stable=True)[:k]] = True
         return keep
-    if a.device.type == "cpu":  # the k-th largest magnitude; numpy's selection is ~10x faster
+    if host_kernels(a):  # the k-th largest magnitude; numpy's selection is ~10x faster
         theta = float(np.partition(a.numpy(), m - k)[m - k])
     else:
         theta = float(torch.kthvalue(a, m - k + 1).values)

@@ -35,7 +35,7 @@ import sys
 import numpy as np
 import torch
 
-from gradsync.sparsegrad import iota
+from gradsync.sparsegrad import host_kernels, iota
 
 __all__ = [
     "BITS_DTYPES",
@@ -396,7 +396,7 @@ def pack_bits(mask: torch.Tensor, bits: int = 1) -> torch.Tensor:
                          f"{getattr(mask, 'dtype', type(mask).__name__)} "
                          f"{tuple(getattr(mask, 'shape', ()))}")
     n = mask.numel()
-    if bits == 1 and mask.device.type == "cpu":  # numpy's packbits: the same layout, ~100x faster
+    if bits == 1 and host_kernels(mask):  # numpy's packbits: the same layout, ~100x faster
         return torch.from_numpy(np.packbits(mask.numpy(), bitorder="little"))
     per_byte = 8 // bits
     nb = packed_bytes(n, bits)
@@ -421,7 +421,7 @@ def unpack_bits(buf: torch.Tensor, n: int, bits: int = 1) -> torch.Tensor:
     if buf.numel() != nb:
         raise ValueError(f"unpack_bits: {n} elements at {bits} bit(s) need {nb} bytes, "
                          f"got {buf.numel()}")
-    if bits == 1 and buf.device.type == "cpu":  # numpy's unpackbits, the padding checked apart
+    if bits == 1 and host_kernels(buf):  # numpy's unpackbits, the padding checked apart
         if n % 8 and nb and int(buf[-1]) >> (n % 8):
             raise ValueError("unpack_bits: nonzero padding bits past the last element "
                              "(corrupt or foreign buffer)")

@@ -24,6 +24,7 @@ from functools import cached_property
 import torch
 
 from gradsync.sparsegrad import (
+    ACCELERATOR_KERNELS,
     SparseGrad,
     all_finite,
     bincount,
@@ -38,8 +39,10 @@ __all__ = ["Segments", "bincount", "constant", "descending_keys", "iota", "key_b
            "key_bases", "name_nonfinite", "order_in_segments", "pays_on", "ranges", "segment_keys",
            "select_buffer", "to_device", "top_by_keys", "top_in_segments"]
 
-# Select buffers at once on the CPU too (tests of the segmented path; see pays_on).
-ON_CPU = False
+# Select buffers at once on the CPU too (tests of the segmented path; see pays_on). On when the
+# CPU stands in for an accelerator (gradsync.sparsegrad.CPU_AS_ACCELERATOR_ENV), as its
+# kernels are.
+ON_CPU = ACCELERATOR_KERNELS
 
 
 def pays_on(device: torch.device) -> bool:
