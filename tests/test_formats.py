@@ -510,6 +510,34 @@ def test_densestream_extremes():
     assert out.indices.tolist() == [2, 5] and same_bits(out.to_dense(), sel.to_dense())
 
 
+@pytest.mark.parametrize("accelerators", [False, True])
+@pytest.mark.parametrize("zeros", [False, True])
+def test_densestream_encode_reads_its_layout_once_where_a_read_waits(zeros, accelerators):
+    """Entries that hold +0.0 (the stored zeros a sum carries in DenseStream's allreduce): on
+    the accelerators' path they are skipped where they stand and the layout comes back in one
+    read (``tolist``); on the CPU's, where a read costs no wait, once more after dropping them.
+    Either way the bytes are those of the selection without them."""
+    from unittest.mock import patch
+
+    from gradsync.apps.bench import overhead
+    from gradsync.sparsify import segments
+
+    g = torch.Generator().manual_seed(5)
+    idx = torch.randperm(10_000, generator=g)[:600].sort().values
+    val = torch.randn(600, generator=g)
+    if zeros:
+        val[::3] = 0.0
+        val[1] = -0.0  # a nonzero bit pattern: kept
+    sel = SparseGrad(idx, val, 10_000)
+    kept = val.view(torch.int32) != 0
+    assert int(kept.sum()) == (400 if zeros else 600)
+    with patch.object(segments, "ON_CPU", accelerators):
+        c = overhead.count_step(lambda: ds.encode(sel), steps=1)
+        assert c["host_read_ops"].get("Tensor.tolist") == (2 if zeros and not accelerators
+                                                           else 1)
+        assert torch.equal(ds.encode(sel), ds.encode(SparseGrad(idx[kept], val[kept], 10_000)))
+
+
 def test_densestream_rejects_bad_arguments():
     with pytest.raises(ValueError, match="2\\*\\*31"):
         ds.encode(SparseGrad.empty(2**31), index_bytes=4)
