@@ -171,7 +171,7 @@ def _layout_among(idx: torch.Tensor, nonzero: torch.Tensor, z: int
                   ) -> tuple[int, int, int, torch.Tensor, torch.Tensor]:
     """:func:`_layout` of the entries of sorted ``idx`` where ``nonzero`` holds, the others
     (+0.0) skipped where they stand, so that they need no compaction (and no read of their
-    count) first: ``(nnz, cuts, Σ lengths, opens, pos)`` in one read. ``opens``: the entry is
+    count) first: ``(nnz, cuts, Σ lengths − 1, opens, pos)`` in one read. ``opens``: the entry is
     a nonzero that opens a block after the first; ``pos``: a nonzero's position in the stream
     (a skipped entry repeats the one before it). The gap of a nonzero is counted from the
     nonzero before it, the last one at or before each entry being a running maximum."""
