@@ -47,7 +47,8 @@ dataset:
 # accelerators' kernels (nonzero_static at a known count, checked; index_*_ scatters, sorts)
 # and path (buffers selected at once, fixed-capacity messages), which CI has no GPU to run.
 ACCELERATOR_TESTS = $(patsubst %,tests/test_%.py,sparsegrad formats sketch segments sparsify \
-	selection densestream_allreduce oktopk collectives lhc baselines engine ddp one_pipeline)
+	selection densestream_allreduce oktopk collectives lhc baselines engine ddp ddp_nonfinite \
+	parity one_pipeline)
 
 test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" tests
