@@ -469,25 +469,34 @@ def test_flatnonzero_takes_either_kernel_and_the_stand_in_checks_the_count():
             assert flatnonzero(mask).tolist() == want
             assert flatnonzero(mask, len(want)).tolist() == want
             assert flatnonzero(mask[:0], 0).numel() == 0
-    with patch.object(sparsegrad, "ACCELERATOR_KERNELS", True):
+    with patch.object(sparsegrad, "ACCELERATOR_KERNELS", True), \
+            patch.object(sparsegrad, "CHECK_COUNTS", True):
         for wrong in (len(want) - 1, len(want) + 1, 0):
             with pytest.raises(RuntimeError, match=f"told {wrong} positions, the mask holds "
                                                    f"{len(want)}"):
                 flatnonzero(mask, wrong)
+    # without the check (``bench syncs``, which counts a GPU's reads), a GPU's silence: padded
+    # with −1, or cut short
+    with patch.object(sparsegrad, "ACCELERATOR_KERNELS", True), \
+            patch.object(sparsegrad, "CHECK_COUNTS", False):
+        assert flatnonzero(mask, len(want) + 1).tolist() == [*want, -1]
+        assert flatnonzero(mask, len(want) - 1).tolist() == want[:-1]
 
 
 @pytest.mark.parametrize("value", ["1", "0"])
 def test_the_environment_makes_the_cpu_stand_in_for_an_accelerator(value):
-    """``GRADSYNC_CPU_AS_ACCELERATOR=1`` at import: the accelerators' kernels and path of
-    selection on the CPU (``make test``'s second pass); anything else: the CPU's own."""
+    """``GRADSYNC_CPU_AS_ACCELERATOR=1`` at import: the accelerators' kernels, with the count
+    checks, and path of selection on the CPU (``make test``'s second pass); anything else: the
+    CPU's own."""
     code = ("import torch; from gradsync import sparsegrad; from gradsync.sparsify import "
-            "segments; print(sparsegrad.ACCELERATOR_KERNELS, segments.ON_CPU, "
-            "segments.pays_on(torch.device('cpu')), sparsegrad.host_kernels(torch.zeros(1)))")
+            "segments; print(sparsegrad.ACCELERATOR_KERNELS, sparsegrad.CHECK_COUNTS, "
+            "segments.ON_CPU, segments.pays_on(torch.device('cpu')), "
+            "sparsegrad.host_kernels(torch.zeros(1)))")
     env = {**os.environ, sparsegrad.CPU_AS_ACCELERATOR_ENV: value}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                          check=True, timeout=120)
     on = value == "1"
-    assert out.stdout.split() == [str(on), str(on), str(on), str(not on)]
+    assert out.stdout.split() == [str(on), str(on), str(on), str(on), str(not on)]
 
 
 def _kernels_rank(rank, world_size):

@@ -189,6 +189,12 @@ CPU_AS_ACCELERATOR_ENV = "GRADSYNC_CPU_AS_ACCELERATOR"
 #: :data:`CPU_AS_ACCELERATOR_ENV`.
 ACCELERATOR_KERNELS = os.environ.get(CPU_AS_ACCELERATOR_ENV, "") == "1"
 
+#: Whether :func:`flatnonzero` on the accelerators' kernels checks a given count against a
+#: CPU mask (one read, which a GPU could not afford): on with :data:`CPU_AS_ACCELERATOR_ENV`,
+#: for the tests; ``python -m gradsync bench syncs`` takes the kernels without it, so that it
+#: counts a GPU's reads and no others.
+CHECK_COUNTS = ACCELERATOR_KERNELS
+
 
 def host_kernels(t: torch.Tensor) -> bool:
     """Whether ``t``'s compactions, sorts, selections and scatters take the CPU's own kernels
@@ -205,12 +211,12 @@ def flatnonzero(mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
     CPU ``nonzero`` is several times slower, ``nonzero_static`` ten times), elsewhere
     ``torch.nonzero``, or ``torch.nonzero_static`` when the caller knows the ``count`` (no
     wait for the device). A wrong ``count`` would pad the positions with −1 or drop some
-    there, silently; the CPU standing in for an accelerator (:data:`ACCELERATOR_KERNELS`)
-    checks it (one read) and raises ``RuntimeError``."""
+    there, silently; the CPU standing in for an accelerator checks it (:data:`CHECK_COUNTS`,
+    one read) and raises ``RuntimeError``."""
     if host_kernels(mask):
         return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
     if count is not None:
-        if ACCELERATOR_KERNELS and mask.device.type == "cpu":
+        if CHECK_COUNTS and mask.device.type == "cpu":
             held = int(torch.count_nonzero(mask))
             if held != count:
                 raise RuntimeError(f"flatnonzero: told {count} positions, the mask holds "

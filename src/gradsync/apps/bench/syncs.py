@@ -10,18 +10,21 @@ between ranks. On a GPU each read makes the host wait for the device (module doc
 :mod:`gradsync.apps.bench.overhead`, the counts). This command runs ``--ranks`` real gloo
 processes on the CPU (:func:`gradsync.testing.run_distributed`), each scheme on the
 accelerators' path (:mod:`gradsync.sparsify.segments`: each buffer selected at once, as a GPU
-runs it), and counts with :func:`~gradsync.apps.bench.overhead.count_step` every rank's host
-reads per step, over ``--count-steps`` steps after 4 unmeasured ones (the engine's
-``Config.warmup_steps`` is 1: its plan is fixed by then; Ok-Topk's and the threshold
-sparsifiers' exact steps, every 32, fall outside the counted ones).
+runs it) and with their kernels (:data:`gradsync.sparsegrad.ACCELERATOR_KERNELS`: compactions
+by ``nonzero``, or ``nonzero_static`` at a known count, sorts by ``torch.sort``, as on a GPU;
+without the tests' count checks, :data:`~gradsync.sparsegrad.CHECK_COUNTS`), and counts with
+:func:`~gradsync.apps.bench.overhead.count_step` every rank's host reads per step, over
+``--count-steps`` steps after 4 unmeasured ones (the engine's ``Config.warmup_steps`` is 1: its
+plan is fixed by then; Ok-Topk's and the threshold sparsifiers' exact steps, every 32, fall
+outside the counted ones).
 
-What the CPU stands in for: ``Tensor.tolist()`` and ``Tensor.numpy()`` count as reads
-(``sparsegrad.flatnonzero`` calls ``numpy`` where a GPU calls ``nonzero``). The merge path of
-:func:`~gradsync.sparsegrad.sparse_sum` sorts on the CPU through numpy (one read counted here
-that a GPU, sorting on the device, does not make), and its compactions of a known count are
-``nonzero_static`` on a GPU but numpy here (one more). Ranks differ: the one whose region or
-block receives more parts merges where another scatters. The counts are deterministic; no time
-is measured (on two cores, P processes timing each other say nothing).
+What the CPU stands in for: ``Tensor.tolist()`` and ``Tensor.numpy()`` count as reads (a copy
+to the host on a GPU; here ``numpy`` is left only where a received header is read),
+``aten::nonzero`` too and ``nonzero_static`` not. So the counts are a GPU's, but for the reads
+of tensors that stay on the host there (e.g. DGC's sampling offset, drawn from a CPU
+generator). Ranks differ: the one whose region or block receives more parts merges where
+another scatters. The counts are deterministic; no time is measured (on two cores, P processes
+timing each other say nothing).
 
 Writes ``syncs-cpu.json``, ``.md`` and ``.png`` (to ``--out``, or ``docs/results/`` with
 ``--write-docs``).
@@ -58,9 +61,12 @@ def _rank(rank: int, world: int, schemes: list[str], a: dict[str, Any]) -> dict[
     """One rank: every scheme in turn on one model build, its reads per counted step."""
     import torch.distributed as dist
 
+    from gradsync import sparsegrad
     from gradsync.sparsify import segments
 
     segments.ON_CPU = True  # the accelerators' path
+    sparsegrad.ACCELERATOR_KERNELS = True  # and their kernels
+    sparsegrad.CHECK_COUNTS = False  # without the tests' count checks, which a GPU skips
     torch.set_num_threads(1)
     ns = _namespace(a)
     wl = overhead.workload(a["model"], False, image_size=a["image_size"],
@@ -114,10 +120,10 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any])
     lines = [f"# Host reads per step at P ranks ({meta['model']})", "",
              f"Written by `{meta['command']}` on {meta['date']} (code {meta['code']}). "
              f"{meta['describe']}; density {meta['density']}, {meta['sparsifier']}, "
-             f"momentum {meta['momentum']}; gloo ranks on the CPU, the accelerators' path; "
-             f"{meta['count_steps']} counted steps after {WARMUP_STEPS}. What the counts stand "
-             f"for: `python -m gradsync bench syncs --help`. The P = 1 bar is issue 42's "
-             f"GPU bar on syncs; at P > 1 no bar is set.", "",
+             f"momentum {meta['momentum']}; gloo ranks on the CPU, the accelerators' path and "
+             f"kernels; {meta['count_steps']} counted steps after {WARMUP_STEPS}. What the "
+             f"counts stand for: `python -m gradsync bench syncs --help`. The P = 1 bar is "
+             f"issue 42's GPU bar on syncs; at P > 1 no bar is set.", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(c) for c in _cells(r)) + " |" for r in rows]
     path.write_text("\n".join(lines) + "\n")
@@ -133,7 +139,8 @@ def _plot(rows: list[dict[str, Any]]):
         ax.scatter([grouped_tick(schemes.index(s), worlds) for s in bars], list(bars.values()),
                    marker="_", s=300, color="black", label="P = 1 bar")
         ax.set_ylabel("host reads per step (the most of any rank)")
-        ax.set_title("host reads per step at P ranks (CPU, accelerators' path)", fontsize=9)
+        ax.set_title("host reads per step at P ranks (CPU, accelerators' path and kernels)",
+                     fontsize=9)
         ax.legend(fontsize=8)
 
     return plot
