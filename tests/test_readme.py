@@ -120,6 +120,15 @@ def test_report_cluster_line_is_a_real_command():
     assert report_cluster.load_profile()["label"] == "derived from published figures"
 
 
+def test_readme_bench_line_names_every_benchmark():
+    """README's commands table: `bench a|b|…` names exactly the benchmarks `bench list` has."""
+    from gradsync.apps import cli
+
+    line = re.search(r"`python -m gradsync bench ([a-z|\\]+)`", README)
+    assert line is not None
+    assert sorted(line.group(1).split("\\|")) == cli.bench_names()
+
+
 def _run_adamw_snippet(rank: int, world_size: int) -> dict:
     """README's AdamW block, then three steps of the loop above it against DDP + AdamW."""
     import copy
