@@ -205,17 +205,24 @@ def host_kernels(t: torch.Tensor) -> bool:
     return t.device.type == "cpu" and not ACCELERATOR_KERNELS
 
 
-def flatnonzero(mask: torch.Tensor, count: int | None = None) -> torch.Tensor:
+def flatnonzero(mask: torch.Tensor, count: int | None = None, *,
+                fill_value: int | None = None) -> torch.Tensor:
     """Positions (int64, increasing) of the True entries of a 1-D bool tensor: the compaction
     every sparse path needs. On CPU numpy's ``flatnonzero`` (zero-copy views both ways; torch's
     CPU ``nonzero`` is several times slower, ``nonzero_static`` ten times), elsewhere
     ``torch.nonzero``, or ``torch.nonzero_static`` when the caller knows the ``count`` (no
     wait for the device). A wrong ``count`` would pad the positions with −1 or drop some
     there, silently; the CPU standing in for an accelerator checks it (:data:`CHECK_COUNTS`,
-    one read) and raises ``RuntimeError``."""
+    one read) and raises ``RuntimeError``.
+
+    ``fill_value``: a count that may be wrong (one from a peer, which the caller checks
+    itself): the accelerators' kernels pad with this valid position instead, unchecked; the
+    CPU's return the positions there are."""
     if host_kernels(mask):
         return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
     if count is not None:
+        if fill_value is not None:
+            return torch.nonzero_static(mask, size=count, fill_value=fill_value).view(-1)
         if CHECK_COUNTS and mask.device.type == "cpu":
             held = int(torch.count_nonzero(mask))
             if held != count:

@@ -74,7 +74,9 @@ from gradsync.sparsegrad import (
     SparseGrad,
     bincount,
     checked_entries,
+    flatnonzero,
     mark_at,
+    put_at,
     sparse_sum,
     target_k,
     validate_density,
@@ -237,6 +239,7 @@ class OkTopk(Collective):
                   else st["boundaries"])
         edges, edges_dev = self._host_and_device(bounds, dev)
         checks: list[tuple[torch.Tensor, str]] = []  # read by the caller with its own
+        region = (edges[comm.rank], edges[comm.rank + 1])
 
         # Line 8: split and reduce → the reduced entries of this rank's region.
         r_idx, r_val, received, sources = self._split_and_reduce(sel, edges, edges_dev, comm,
@@ -252,7 +255,7 @@ class OkTopk(Collective):
         mask = mags >= theta
         # the count, both flags and the count per contributing rank travel in one all-gather
         # and come back in one read
-        cb = self._gather_counts(mask, r_idx, sources, comm, bad, bad_sum)
+        cb = self._gather_counts(mask, r_idx, sources, region, comm, bad, bad_sum)
         if any(c[1] or c[2] for c in cb):  # every rank knows it: nothing hangs
             inputs = [i for i in range(P) if cb[i][1]]
             sums = [i for i in range(P) if cb[i][2]]
@@ -269,12 +272,12 @@ class OkTopk(Collective):
                 (total < band[0] * k and theta > 0.0) or total > band[1] * k):
             theta, reason = self._exact_threshold(mags, k, comm), "out_of_range"
             mask = mags >= theta
-            cb = self._gather_counts(mask, r_idx, sources, comm, bad, bad_sum)
+            cb = self._gather_counts(mask, r_idx, sources, region, comm, bad, bad_sum)
             counts = [int(c[0]) for c in cb]
             total = sum(counts)
         # this rank's entries in the global selection: counted by the regions' owners
         n_kept = sum(int(c[3 + comm.rank]) for c in cb)
-        at = torch.nonzero_static(mask, size=counts[comm.rank]).view(-1)  # its count is known
+        at = flatnonzero(mask, counts[comm.rank])  # its count is known
         g_idx, g_val = torch.index_select(r_idx, 0, at), torch.index_select(r_val, 0, at)
 
         # Line 13: data balancing (if the largest count > 4× the mean), then allgatherv.
@@ -296,7 +299,7 @@ class OkTopk(Collective):
         # and a count that disagrees, from a malformed message, pads with a valid position)
         chosen = mark_at(torch.zeros(n, dtype=torch.bool, device=dev), all_idx)
         hit = torch.index_select(chosen, 0, sel.indices)
-        at = torch.nonzero_static(hit, size=min(n_kept, len(sel)), fill_value=0).view(-1)
+        at = flatnonzero(hit, min(n_kept, len(sel)), fill_value=0)
         kept = torch.index_select(sel.indices, 0, at)
         checks.append((hit.sum() == n_kept, f"oktopk: the regions' owners counted {n_kept} of "
                                             f"this rank's entries in the global selection, "
@@ -346,23 +349,30 @@ class OkTopk(Collective):
     # -- pieces -----------------------------------------------------------------------
     @staticmethod
     def _gather_counts(mask: torch.Tensor, r_idx: torch.Tensor,
-                       sources: list[tuple[int, torch.Tensor]], comm: Comm,
-                       bad: torch.Tensor, bad_sum: torch.Tensor) -> list[list[int]]:
+                       sources: list[tuple[int, torch.Tensor]], region: tuple[int, int],
+                       comm: Comm, bad: torch.Tensor, bad_sum: torch.Tensor) -> list[list[int]]:
         """One all-gather and one read: per region owner, ``[selected, bad, bad_sum,
         c_0 … c_{P−1}]``, ``c_s`` the selected entries of its region that rank s sent (or
         holds: its own), so every rank knows its own count in the global selection before
         it arrives. ``sources``: ``(rank, indices)`` of every contribution to the region
-        (indices in ``r_idx``, the sorted union)."""
+        ``[lo, hi)`` (indices inside it; ``r_idx``, their sorted union).
+
+        The selection is marked over the region once, and each contribution counts its marks
+        by a gather: O(region + entries), no search (a ``searchsorted`` per contribution cost
+        Ok-Topk a third of its CPU step at P = 4, n = 4e6, 10 %)."""
         P, dev = comm.size, mask.device
-        selected = mask.sum()
         per = torch.zeros(P, dtype=torch.int64, device=dev)
-        for s, i in sources:
-            if i is r_idx:  # the region is this contribution alone: no search
-                per[s] = selected
-            elif i.numel():  # every rank contributes once
-                at = torch.searchsorted(r_idx, i).clamp_(max=max(r_idx.numel() - 1, 0))
-                per[s] = torch.index_select(mask, 0, at).sum()
-        head = torch.stack([selected, bad, bad_sum]).to(torch.int64)
+        if len(sources) == 1:  # the region is this contribution alone: no marks
+            per[sources[0][0]] = mask.sum()
+        else:
+            lo, hi = region
+            marks = torch.zeros(hi - lo, dtype=torch.bool, device=dev)
+            put_at(marks, r_idx - lo if lo else r_idx, mask)
+            for s, i in sources:
+                if i.numel():  # every rank contributes once
+                    local = i - lo if lo else i
+                    per[s] = torch.index_select(marks, 0, local).sum()
+        head = torch.stack([mask.sum(), bad, bad_sum]).to(torch.int64)
         return comm.all_gather(torch.cat([head, per])).tolist()
 
     def _target_k(self, sel: SparseGrad, comm: Comm) -> int:

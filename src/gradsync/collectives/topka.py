@@ -9,9 +9,9 @@ travels as values only. Duplicates across ranks accumulate
 (:func:`~gradsync.sparsegrad.add_at`), never overwrite. Indices are int64 in memory and travel
 as int32 when numel < 2**31, else int64 (:func:`~gradsync.formats.wire.wire_index_dtype`),
 never through a float buffer. Every received index is checked on the device (inside the
-tensor, past the dense prefix; all messages at once) and one that is not lands one past the
-buffer, so a malformed message writes nowhere before the caller reads the check with the
-step's others.
+tensor, past the dense prefix: each message's extremes) and one that is not lands in a slot
+outside the sum, so a malformed message writes nowhere before the caller reads the check with
+the step's others.
 
 **Fixed capacity.** A selection whose size every rank can bound without asking
 (``SparseGrad.capacity``: k of a DGC or exact top-k selection, Σ k_i of a buffer's, the plan's
@@ -71,23 +71,28 @@ class TopkA(Collective):
         n = sel.numel
         msgs = comm.all_gather_v(pack_entries(sel.indices, sel.values, wire, m),
                                  [entries_bytes(c, wire, sel.dtype, m) for c in counts])
-        parts = [unpack_entries(msg, c, wire, sel.dtype, "topka", m)
-                 for msg, c in zip(msgs, counts)]
-        # a selected index lies past the dense prefix, inside the tensor: every message's
-        # checked at once on the device (no read), and one that does not lands one past the
-        # buffer
-        idx = torch.cat([i for i, _ in parts])
-        good = idx.clamp(m, n - 1) == idx
-        idx = torch.where(good, idx, n)
-        out = torch.zeros(n + 1, dtype=sel.dtype, device=sel.device)
-        dense, at = out[:n], 0
-        for (_, val), c in zip(parts, counts):
+        # Every received index lies past the dense prefix, inside the tensor: checked per
+        # message on the device from its extremes (no read), and one that does not lands in a
+        # slot outside ``dense`` (0 below, n + 1 above), so a malformed message writes nowhere.
+        # In place on the unpacked indices: a check over their concatenation (a copy and four
+        # passes) made TopkA's CPU step at P = 4, n = 4e6, 10 % a third slower.
+        out = torch.zeros(n + 2, dtype=sel.dtype, device=sel.device)
+        dense = out[1:n + 1]
+        oks = []
+        for msg, c in zip(msgs, counts):
+            idx, val = unpack_entries(msg, c, wire, sel.dtype, "topka", m)
             if m:  # the tensors sent whole: values only, added in rank order
                 dense[:m].add_(val[:m])
-            add_at(out, idx[at:at + c - m], val[m:])
-            at += c - m
+            if idx.numel():
+                lo, hi = torch.aminmax(idx)
+                oks.append((lo >= m) & (hi < n))
+                if m:  # a position in the prefix goes below
+                    idx = torch.where(idx < m, -1, idx)
+                add_at(out, idx.add_(1).clamp_(0, n + 1), val[m:])
+        ok = torch.stack(oks).all() if oks else torch.ones((), dtype=torch.bool,
+                                                           device=sel.device)
         return dense, sel.indices, {"counts": counts, CHECKS: [
-            (good.all(), f"topka: a rank's message holds an index outside [{m}, {n})")]}
+            (ok, f"topka: a rank's message holds an index outside [{m}, {n})")]}
 
     @staticmethod
     def _reduce_capped(sel: SparseGrad, comm: Comm, wire: torch.dtype, m: int

@@ -66,7 +66,7 @@ from gradsync.formats.wire import (
     unpack_header,
     view_as,
 )
-from gradsync.sparsegrad import SparseGrad, flatnonzero, put_at
+from gradsync.sparsegrad import SparseGrad, flatnonzero, host_kernels, put_at
 from gradsync.sparsify.segments import pays_on
 
 __all__ = ["HEADER_BYTES", "MAGIC", "announced_size", "blocks", "decode", "decode_into",
@@ -112,12 +112,10 @@ def _entries(sel_or_dense: SparseGrad | torch.Tensor) -> tuple[torch.Tensor, tor
             torch.index_select(bits, 0, keep).view(val.dtype), n)  # bit for bit
 
 
-def _blocks_at(idx: torch.Tensor, cut: torch.Tensor, cuts: int
-               ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The blocks' starts and lengths for sorted nonzero ``idx`` and the gaps that open a
-    block (``cut``, ``cuts`` of them: :func:`_layout`); each block starts and ends at a
-    nonzero (rule 1). O(blocks) gathers."""
-    at = flatnonzero(cut, cuts)  # nonzero at + 1 opens a block, nonzero at closes one
+def _blocks_at(idx: torch.Tensor, at: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The blocks' starts and lengths for sorted nonzero ``idx`` and the positions of the gaps
+    that open a block (``at``: :func:`_layout`; nonzero ``at + 1`` opens a block, nonzero
+    ``at`` closes one); each block starts and ends at a nonzero (rule 1). O(blocks) gathers."""
     starts = torch.cat([idx[:1], torch.index_select(idx, 0, at + 1)])
     lengths = torch.cat([torch.index_select(idx, 0, at), idx[-1:]]).sub_(starts).add_(1)
     return starts, lengths
@@ -132,8 +130,8 @@ def _find_blocks(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int
     if idx.numel() == 0:
         e = torch.empty(0, dtype=torch.int64, device=idx.device)
         return e, e, 0, vb
-    cuts, last, cut, _ = _layout(idx, max_zero_run(index_bytes, vb))
-    return *_blocks_at(idx, cut, cuts), last + 1, vb
+    _, last, at, _ = _layout(idx, max_zero_run(index_bytes, vb))
+    return *_blocks_at(idx, at), last + 1, vb
 
 
 def blocks(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4
@@ -149,22 +147,27 @@ def size_bytes(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4) ->
     return HEADER_BYTES + starts.numel() * 2 * index_bytes + vb * total
 
 
-def _layout(idx: torch.Tensor, z: int, nnz: torch.Tensor | None = None
-            ) -> tuple[int, int, torch.Tensor, torch.Tensor]:
-    """The blocks of sorted nonzero ``idx`` (§III-A): ``(cuts, Σ lengths, cut, pos)`` in one
-    read, with ``nnz`` (a count on the device) read along (then the first item). A gap of more
-    than Z + 1 (``cut``) opens a block; each nonzero's position in the stream (``pos``) is the
-    previous one's plus its gap inside a block, plus one across a cut: one cumulative sum."""
+def _layout(idx: torch.Tensor, z: int) -> tuple[int, int, torch.Tensor, torch.Tensor]:
+    """The blocks of sorted nonzero ``idx`` (§III-A): ``(cuts, Σ lengths − 1, at, pos)``. A gap
+    of more than Z + 1 opens a block: ``at`` holds the positions of the ``cuts`` nonzeros
+    followed by such a gap; each nonzero's position in the stream (``pos``) is the previous
+    one's plus its gap inside a block, plus one across a cut: one cumulative sum.
+
+    On the CPU's kernels the cuts are compacted first and their gaps set to one by a scatter
+    (``masked_fill_`` costs there five times a compaction and a scatter together), and the
+    stream's length is read after; elsewhere the gaps are masked on the device and both
+    counts come back in one read."""
     gaps = torch.diff(idx)  # zeros between consecutive nonzeros, plus one
     cut = gaps > z + 1
     pos = torch.empty(idx.numel(), dtype=torch.int64, device=idx.device)
     pos[:1] = 0
+    if host_kernels(idx):
+        at = flatnonzero(cut)
+        torch.cumsum(put_at(gaps, at, torch.ones_like(at)), 0, out=pos[1:])
+        return at.numel(), int(pos[-1]), at, pos
     torch.cumsum(gaps.masked_fill_(cut, 1), 0, out=pos[1:])  # in place: fresh pages cost
-    words = [torch.count_nonzero(cut), pos[-1]]
-    if nnz is not None:
-        words.insert(0, nnz)
-    read = torch.stack(words).tolist()
-    return *read, cut, pos  # type: ignore[return-value]
+    cuts, last = torch.stack([torch.count_nonzero(cut), pos[-1]]).tolist()
+    return cuts, last, flatnonzero(cut, cuts), pos
 
 
 def _layout_among(idx: torch.Tensor, nonzero: torch.Tensor, z: int
@@ -192,11 +195,12 @@ def _nonzero_layout(idx: torch.Tensor, vbits: torch.Tensor, z: int
                     ) -> tuple[torch.Tensor, torch.Tensor, int, int, torch.Tensor,
                                torch.Tensor] | None:
     """The entries of sorted ``idx`` whose bits ``vbits`` are not +0.0 (−0.0 and NaN payloads
-    stay) and their layout: ``(idx, vbits, cuts, Σ lengths − 1, cut, pos)`` as
+    stay) and their layout: ``(idx, vbits, cuts, Σ lengths − 1, at, pos)`` as
     :func:`_layout`'s, or ``None`` when there are none. Where a read waits for the device
     (:func:`~gradsync.sparsify.segments.pays_on`) one read, the +0.0 entries skipped where they
-    stand (:func:`_layout_among`); on the CPU one read, and a second after dropping them where
-    entries hold +0.0 (a free read there, while ``cummax`` is slow: 2 ms of 250 k entries)."""
+    stand (:func:`_layout_among`); on the CPU the nonzeros are counted (a free read there, while
+    ``cummax`` is slow: 2 ms of 250 k entries), dropped where entries hold +0.0, and laid out
+    once (:func:`_layout`)."""
     nonzero = vbits.bool()  # a fifth of the time of `!= 0` on CPU
     if pays_on(idx.device):
         nnz, cuts, last, opens, pos = _layout_among(idx, nonzero, z)
@@ -204,14 +208,15 @@ def _nonzero_layout(idx: torch.Tensor, vbits: torch.Tensor, z: int
             keep = flatnonzero(nonzero, nnz)
             idx, vbits, pos, opens = (torch.index_select(t, 0, keep)
                                       for t in (idx, vbits, pos, opens))
-        cut = opens[1:]  # a gap opens a block: its right end
-    else:
-        nnz, cuts, last, cut, pos = _layout(idx, z, torch.count_nonzero(nonzero))
-        if nnz and nnz < idx.numel():
-            keep = flatnonzero(nonzero, nnz)
-            idx, vbits = torch.index_select(idx, 0, keep), torch.index_select(vbits, 0, keep)
-            cuts, last, cut, pos = _layout(idx, z)
-    return (idx, vbits, cuts, last, cut, pos) if nnz else None
+        # a gap opens a block: its right end
+        return (idx, vbits, cuts, last, flatnonzero(opens[1:], cuts), pos) if nnz else None
+    nnz = int(torch.count_nonzero(nonzero))
+    if not nnz:
+        return None
+    if nnz < idx.numel():
+        keep = flatnonzero(nonzero, nnz)
+        idx, vbits = torch.index_select(idx, 0, keep), torch.index_select(vbits, 0, keep)
+    return idx, vbits, *_layout(idx, z)
 
 
 def encode(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4) -> torch.Tensor:
@@ -235,8 +240,8 @@ def encode(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4) -> tor
     found = _nonzero_layout(idx, vbits, z)
     if found is None:
         return pack_header(MAGIC, index_bytes, dtype_code(val.dtype), n, 0, 0, device=dev)
-    idx, vbits, cuts, last, cut, pos = found
-    starts, lengths = _blocks_at(idx, cut, cuts)
+    idx, vbits, cuts, last, at, pos = found
+    starts, lengths = _blocks_at(idx, at)
     nb, total = cuts + 1, last + 1
     vals_at = HEADER_BYTES + 2 * nb * index_bytes  # a multiple of 8: every view is aligned
     out = torch.empty(vals_at + total * vb, dtype=torch.uint8, device=dev)
@@ -421,10 +426,16 @@ def _read_deferred(h: _Header, what: str, lo: int, hi: int,
         return None
     total = stream.numel()
     bounds, jumps = _positions(starts, lengths)
-    ok = (lengths >= 1) & (starts >= lo) & (starts <= hi - lengths)
-    ok = ok.all() & (bounds[-1] == total)
+    # int64 throughout (bounds, jumps): lengths ≥ 1 and every jump past the first > Z + 1
+    # (zeros left out between two blocks > Z) make the blocks sorted and disjoint, so the
+    # first start and the last end bound them all
+    # (minima rather than all(): several times cheaper on the CPU)
+    ok = (lengths.min() >= 1) & (jumps[0] >= lo) & (bounds[-1] == total)
     if starts.numel() > 1:
-        ok &= (starts[1:] - starts[:-1] - lengths[:-1] > z).all()
+        ok &= jumps[1:].min() > z + 1
+    ok &= (starts[-1:].long() + lengths[-1:].long() <= hi).all()  # int64: cannot wrap here
+    if starts.element_size() == 8:  # int64 fields: every block bounded before a sum can wrap
+        ok &= ((starts >= lo) & (starts <= hi - lengths)).all()
     checks.append((ok, f"{what}: a peer's block table is malformed (a length < 1, a block "
                        f"outside [{lo}, {hi}), blocks unsorted, overlapping or closer than "
                        f"the gap rule, or lengths not summing to the header's {total})"))
@@ -441,7 +452,8 @@ def _ends_ok(nonzero: torch.Tensor, bounds: torch.Tensor) -> tuple[torch.Tensor,
     (``bounds[b + 1] − 1``) holds a nonzero. Returns the bool and the blocks' first positions,
     both clamped into the stream (a malformed table reads nothing outside it)."""
     ends = torch.stack([bounds[:-1], bounds[1:] - 1]).clamp_(0, nonzero.numel() - 1)
-    return torch.index_select(nonzero, 0, ends.view(-1)).all(), ends[0]
+    held = torch.index_select(nonzero, 0, ends.view(-1))
+    return torch.count_nonzero(held) == held.numel(), ends[0]  # all(): slower on the CPU
 
 
 def _runs_ok(nonzero: torch.Tensor, z: int) -> torch.Tensor:
@@ -454,7 +466,7 @@ def _runs_ok(nonzero: torch.Tensor, z: int) -> torch.Tensor:
     held = nonzero[z:].clone()
     for j in range(z):
         held |= nonzero[j:total - z + j]
-    return held.all()
+    return torch.count_nonzero(held) == held.numel()  # all(): slower on the CPU
 
 
 def _stored_indices(offsets: torch.Tensor, jumps: torch.Tensor, total: int) -> torch.Tensor:
