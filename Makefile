@@ -10,7 +10,7 @@ CORPUS := /usr/share/games/fortunes
 # Parallel test workers: pytest-xdist; multi-rank tests spawn their own processes.
 TEST_WORKERS ?= 2
 
-.PHONY: install test lint demo bench gpu-check gpu-bench clean
+.PHONY: install test lint demo bench bench-check gpu-check gpu-bench clean
 
 install: $(STAMP) dataset
 
@@ -64,6 +64,13 @@ demo: install
 
 bench: install
 	$(PY) -m gradsync bench sparsify
+
+# The timing regression check (gradsync.apps.bench.check): collectives and training steps as
+# ratios to a dense reference timed in the same run, against .ci/bench-baseline.json; a
+# failing figure is measured once more before it fails. Under a minute; CI runs it after the
+# tests, never inside them.
+bench-check: install
+	$(PY) -m gradsync bench check
 
 # The GPU path (docs/architecture.md, "GPU path"): the tests marked `cuda` — collectives, engine,
 # DDP hook and TAGC on CUDA, NCCL at P = 1 (and on every GPU where there are several), gloo on

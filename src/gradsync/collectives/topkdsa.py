@@ -134,7 +134,7 @@ class _Wire:
             return _Stream(lo, hi, buf=view_as(payload, 0, hi - lo, self.dtype))
         idx, val = unpack_entries(payload, header, self.index, self.dtype, "topkdsa")
         # strictly increasing inside [lo, hi): checked on the device (no read), a bad index
-        # moved to lo with its value zeroed, so the stream writes only inside its range
+        # moved into it with its value zeroed, so the stream writes only inside its range
         idx, val = checked_entries(idx, val, hi, lo, self.checks, "topkdsa: a peer's stream")
         return _Stream(lo, hi, idx=idx, val=val)
 
