@@ -6,6 +6,7 @@ Inputs are seeded per rank and step; nothing here touches the global RNG.
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -14,14 +15,60 @@ from gradsync.engine import warmup
 from gradsync.schedule import costmodel
 
 
+def pytest_generate_tests(metafunc):
+    """A test that uses the ``kernels`` fixture runs with the CPU's kernels and path and again
+    with the accelerators' (see ``kernels``)."""
+    if "kernels" in metafunc.fixturenames:
+        metafunc.parametrize("kernels", ["cpu", "accelerator"], indirect=True)
+
+
+@pytest.fixture
+def kernels(request, monkeypatch):
+    """The kernels and path of selection the test (and its ranks: ``run_distributed`` hands
+    them on) takes: ``"cpu"``, the CPU's own; ``"accelerator"``, the CPU standing in for an
+    accelerator, as ``GRADSYNC_CPU_AS_ACCELERATOR=1`` sets them (``nonzero_static`` at known
+    counts, checked; ``index_*_`` scatters, torch sorts; buffers selected at once, fixed-capacity
+    messages). CI has no GPU, so this is how the accelerators' branches run in ``make test``.
+    ``@pytest.mark.accelerator_at(name=value, …)`` runs the accelerator variant only where the
+    test's other parameters take those values (one instance of a property per path)."""
+    from gradsync import sparsegrad
+    from gradsync.sparsify import segments
+
+    on = request.param == "accelerator"
+    monkeypatch.setattr(sparsegrad, "ACCELERATOR_KERNELS", on)
+    monkeypatch.setattr(sparsegrad, "CHECK_COUNTS", on)
+    monkeypatch.setattr(segments, "ON_CPU", on)
+    return request.param
+
+
+def _accelerator_variant_wanted(item) -> bool:
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if params.get("kernels") != "accelerator":
+        return True
+    mark = item.get_closest_marker("accelerator_at")
+    return mark is None or all(params.get(k) == v for k, v in mark.kwargs.items())
+
+
 def pytest_collection_modifyitems(config, items):
-    """Deselect the tests marked ``cuda`` where CUDA is absent (``make gpu-check`` runs them)."""
-    if torch.cuda.is_available():
-        return
-    cuda = [it for it in items if it.get_closest_marker("cuda") is not None]
-    if cuda:
-        config.hook.pytest_deselected(items=cuda)
-        items[:] = [it for it in items if it.get_closest_marker("cuda") is None]
+    """Deselect the tests marked ``cuda`` where CUDA is absent (``make gpu-check`` runs them),
+    and the accelerator variants that ``accelerator_at`` leaves out."""
+    cuda = not torch.cuda.is_available()
+    drop = [it for it in items if (cuda and it.get_closest_marker("cuda") is not None)
+            or not _accelerator_variant_wanted(it)]
+    if drop:
+        config.hook.pytest_deselected(items=drop)
+        gone = set(map(id, drop))
+        items[:] = [it for it in items if id(it) not in gone]
+
+
+@pytest.fixture(scope="session", autouse=True)
+def _reused_ranks():
+    """Every test's ``run_distributed`` call runs on ranks reused across the session (per
+    world size; ``gradsync.testing.pool``) unless it asks for fresh processes."""
+    from gradsync.testing import pooled
+
+    with pooled():
+        yield
 
 
 def conserved(records) -> bool:

@@ -51,6 +51,8 @@ def _train(rank, world_size, scheme, density, steps, use_hook, small_numel):
     return losses, parameter_digest(model)[0], stats
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(scheme='per_tensor')
 @pytest.mark.parametrize("scheme", ["per_tensor", "ssfusion", "ssfusion_oi", "dense"])
 def test_density_one_matches_plain_ddp(scheme):
     ref = run_distributed(_train, 2, scheme, 1.0, 8, None, 1000, timeout=300)
@@ -60,6 +62,8 @@ def test_density_one_matches_plain_ddp(scheme):
         assert stats["calls"] > 0
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(world_size=3)
 @pytest.mark.parametrize("world_size", [2, 3])
 def test_sparse_hook_keeps_replicas_identical(world_size):
     out = run_distributed(_train, world_size, "ssfusion_oi", 0.01, 12, "pair", 1000,

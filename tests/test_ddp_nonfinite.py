@@ -85,6 +85,8 @@ def _both(rank: int, P: int, scheme: str, policy: str, value: float) -> tuple[di
     return got, ref
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(world_size=3, scheme="per_tensor", policy="skip_step")
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 @pytest.mark.parametrize("scheme,value", [("dense", math.inf), ("per_tensor", math.nan),
                                           ("ssfusion", math.inf), ("ssfusion_oi", math.nan)])
@@ -155,6 +157,8 @@ def _overflow(rank: int, P: int, policy: str) -> dict:
     return out
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(world_size=3, policy="raise")
 @pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("policy", ["raise", "skip_step"])
 def test_hook_overflowed_accumulator_applies_the_policy_on_every_rank(world_size, policy):

@@ -62,6 +62,8 @@ def _density_one(rank, world_size, model_names, schemes):
     return errs
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(world_size=3)
 @pytest.mark.parametrize("world_size", [1, 2, 3, 4])
 def test_density_one_equals_allreduce(world_size):
     # every scheme on the CNN; a representative subset on the transformer (time budget)
@@ -91,6 +93,7 @@ def _train_sparse(rank, world_size, schemes, steps):
     return out
 
 
+@pytest.mark.usefixtures("kernels")
 def test_sparse_training_keeps_replicas_identical():
     out = run_distributed(_train_sparse, 3, ALL_SCHEMES, 50, timeout=900)
     for scheme in ALL_SCHEMES:
@@ -202,6 +205,8 @@ def _conservation(rank, world_size, scheme):
     return total_g, total_avg, residual
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(scheme='ssfusion_oi')
 @pytest.mark.parametrize("scheme", ["topka", "oktopk", "gtopk", "ssfusion_oi", "multi_tensor"])
 def test_conservation_across_ranks(scheme):
     out = run_distributed(_conservation, 3, scheme, timeout=300)
@@ -374,6 +379,8 @@ def _checkpoint(rank, world_size, scheme, path):
     return straight == resumed, errors
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(scheme='ssfusion_oi')
 @pytest.mark.parametrize("scheme", ["ssfusion_oi", "oktopk"])
 def test_checkpoint_resume_is_bitwise(scheme, tmp_path):
     out = run_distributed(_checkpoint, 2, scheme, str(tmp_path), timeout=300)
@@ -487,6 +494,8 @@ def test_nonfinite_raise_on_every_rank(bad_rank, scheme):
         assert res[4] == ("ok", True)  # training continues afterwards
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(scheme='oktopk', bad_rank=1)
 @pytest.mark.parametrize("bad_rank", [0, 1])
 @pytest.mark.parametrize("scheme", ["dense", "oktopk"])
 def test_nonfinite_skip_step(scheme, bad_rank):

@@ -165,4 +165,5 @@ def test_process_group_is_not_freed_on_gloos_thread(momentum):
     aborted the process ("Resource deadlock avoided", a red CI run of test_ddp.py's ``auto``,
     whose all-dense buckets take this path). The callback now holds the state weakly.
     ``_LateWork`` makes the late drop happen every time: before the fix both cases aborted."""
-    assert run_distributed(_destroy_right_after_the_step, 2, momentum, timeout=120) == [True] * 2
+    assert run_distributed(_destroy_right_after_the_step, 2, momentum, timeout=120,
+                           fresh=True) == [True] * 2  # the process lives on after the group

@@ -323,6 +323,7 @@ def test_wire_bit_packing_layout(n, bits_, seed):
 
 
 # -- COO -----------------------------------------------------------------------------------
+@pytest.mark.usefixtures("kernels")
 @FAST
 @given(sel=sparse_grads(), iw=st.sampled_from([4, 8]))
 def test_coo_roundtrip_bitwise_and_size(sel, iw):
@@ -616,6 +617,7 @@ def test_densestream_hostile_buffers(raw, what):
         assert verdict is not None and re.search(what, verdict), verdict
 
 
+@pytest.mark.usefixtures("kernels")
 @FAST
 @given(sel=sparse_grads(), iw=st.sampled_from([4, 8]), fill=st.booleans())
 def test_densestream_decode_into_writes_the_blocks_bit_for_bit(sel, iw, fill):

@@ -112,6 +112,8 @@ def _run(rank: int, P: int, scheme: str, small_numel: int, warmup: bool) -> dict
     return {"hook": hook, "engine": engine, "moved": not torch.equal(hook, start)}
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(P=3)
 @pytest.mark.parametrize(("scheme", "small_numel", "warmup"), [
     ("per_tensor", 0, False), ("ssfusion_oi", 1000, False), ("ssfusion", 1000, True),
     ("per_tensor", 0, True), ("ssfusion_oi", 1000, True)])

@@ -102,6 +102,8 @@ def _hook_rank(rank: int, P: int, names: list[str]) -> dict[str, float]:
     return out
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(P=2)
 @pytest.mark.parametrize("P", [1, 2, 3])
 def test_engine_density_one_follows_ddp_momentum(P: int) -> None:
     names = list(schemes.SCHEMES)
@@ -112,6 +114,8 @@ def test_engine_density_one_follows_ddp_momentum(P: int) -> None:
     assert set(results[0]) == set(names)
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(P=2)
 @pytest.mark.parametrize("P", [1, 2, 3])
 def test_ddp_hook_density_one_follows_ddp_momentum(P: int) -> None:
     names = list(gddp.DDP_SCHEMES)

@@ -157,6 +157,7 @@ def test_order_in_segments_sorts_by_segment_then_descending_magnitude(seed, size
     with pytest.raises(TypeError, match="fp32"):
         order_in_segments(v.double(), bases)
 
+@pytest.mark.usefixtures("kernels")
 def test_engine_trains_bitwise_alike_with_and_without_segments(monkeypatch):
     """The engine's per-tensor jobs through select_buffer (forced on the CPU) end where
     selecting tensor by tensor ends, bit for bit (per_tensor: a fixed plan)."""
@@ -230,6 +231,8 @@ def _hook_rank(rank, world_size, scheme, on):
     return [p.detach().clone() for p in model.parameters()]
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(scheme='ssfusion_oi')
 @pytest.mark.parametrize("scheme", ["ssfusion", "ssfusion_oi"])
 def test_the_ddp_hook_reorders_a_bucket_alike_by_index_and_by_slices(scheme):
     """The DDP hook's travel order (small tensors first) by one position index (the

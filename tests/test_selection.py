@@ -97,6 +97,8 @@ def _hook_densities(rank, world_size, cut, buckets):
     return [_densities(state, [numel[n] for n in bucket], 4, comm) for bucket in buckets]
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(P=4)
 @pytest.mark.parametrize("P", [1, 4])
 def test_engine_and_ddp_hook_give_the_same_densities(P):
     """At P ranks: the tensors sent whole are charged at their bytes on both sides (values

@@ -105,6 +105,7 @@ def test_sketch_sums_to_independent_reference():
     assert cs.encode(x).tolist() == ref
 
 
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("shift", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_encode_entries_is_encode_of_the_dense_tensor_bit_for_bit(shift, dtype):

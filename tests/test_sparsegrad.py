@@ -327,6 +327,7 @@ def test_sparse_sum_order_is_the_order_of_the_parts():
         sparse_sum([])
 
 
+@pytest.mark.usefixtures("kernels")
 def test_isin_sorted_matches_torch_isin():
     g = torch.Generator().manual_seed(1)
     ref = torch.unique(torch.randint(0, 500, (200,), generator=g))
@@ -338,6 +339,8 @@ def test_isin_sorted_matches_torch_isin():
     assert torch.equal(isin_sorted(y, far), torch.isin(y, far))
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(k=7)
 @pytest.mark.parametrize("k", [0, 1, 7, 50, 99, 100, 150])
 def test_top_k_mask_is_the_stable_sort_with_ties_to_the_smaller_position(k):
     g = torch.Generator().manual_seed(k)
@@ -357,6 +360,7 @@ def test_top_k_mask_is_the_stable_sort_with_ties_to_the_smaller_position(k):
     assert torch.equal(top_k_mask(w, k), want)
 
 
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_densify_writes_disjoint_parts_bit_for_bit(dtype):
     nan = torch.tensor([float("nan")], dtype=dtype)
@@ -373,6 +377,7 @@ def test_densify_writes_disjoint_parts_bit_for_bit(dtype):
 _INT = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
 
+@pytest.mark.usefixtures("kernels")
 @settings(max_examples=60, deadline=None)
 @given(n=st.integers(0, 300), seed=st.integers(0, 2**31 - 1),
        dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16]))
@@ -405,6 +410,7 @@ def test_scatters_of_distinct_indices_match_a_python_loop_bit_for_bit(n, seed, d
     assert torch.equal(mark_at(mask, idx), mask_ref)
 
 
+@pytest.mark.usefixtures("kernels")
 @settings(max_examples=50, deadline=None)
 @given(values=st.lists(st.integers(0, 40), max_size=300), extra=st.integers(0, 5))
 def test_bincount_without_a_wait_equals_torch_bincount(values, extra):

@@ -160,6 +160,7 @@ def test_global_rng_untouched(name, opts):
     assert torch.equal(torch.random.get_rng_state(), state)
 
 
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize(("name", "opts"), VARIANTS, ids=IDS)
 def test_tiny_tensors_and_density_one(name, opts):
     sp = make(name, 0.01, **opts)

@@ -1,4 +1,5 @@
-"""The multi-rank harness itself: results, exceptions, deaths, hangs, world size 1."""
+"""The multi-rank harness itself: results, exceptions, deaths, hangs, world size 1; fresh
+ranks and the pool of reused ones (the suite runs inside ``pooled()``, conftest.py)."""
 
 from __future__ import annotations
 
@@ -10,7 +11,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from gradsync.testing import DistributedError, DistributedTimeout, run_distributed
+import conftest
+from gradsync.testing import DistributedError, DistributedTimeout, pooled, run_distributed
 
 
 def _allreduce_rank(rank: int, world_size: int, scale: float = 1.0) -> dict:
@@ -19,9 +21,10 @@ def _allreduce_rank(rank: int, world_size: int, scale: float = 1.0) -> dict:
     return {"rank": dist.get_rank(), "world": dist.get_world_size(), "sum": t}
 
 
+@pytest.mark.parametrize("fresh", [True, False])
 @pytest.mark.parametrize("world_size", [1, 2, 3])
-def test_results_in_rank_order(world_size):
-    out = run_distributed(_allreduce_rank, world_size, scale=2.0)
+def test_results_in_rank_order(world_size, fresh):
+    out = run_distributed(_allreduce_rank, world_size, scale=2.0, fresh=fresh)
     assert [o["rank"] for o in out] == list(range(world_size))
     assert all(o["world"] == world_size for o in out)
     expected = 2.0 * sum(range(world_size))
@@ -35,10 +38,11 @@ def _raise_on_rank_1(rank: int, world_size: int) -> int:
     return rank
 
 
-def test_exception_propagates_with_rank_traceback():
+@pytest.mark.parametrize("fresh", [True, False])
+def test_exception_propagates_with_rank_traceback(fresh):
     t0 = time.monotonic()
     with pytest.raises(DistributedError) as err:
-        run_distributed(_raise_on_rank_1, 3, timeout=60)
+        run_distributed(_raise_on_rank_1, 3, timeout=60, fresh=fresh)
     assert err.value.rank == 1
     assert "KeyError" in err.value.remote_traceback
     assert "boom on purpose" in str(err.value)
@@ -97,6 +101,8 @@ def _alive(pid: int) -> bool:
 _LAUNCH = {
     "run_distributed": "from gradsync.testing import run_distributed as launch; "
                        "launch(_record_pid_and_sleep, 2, sys.argv[2], timeout=300)",
+    "pooled": "from gradsync.testing import pooled, run_distributed as launch; "
+              "pooled().__enter__(); launch(_record_pid_and_sleep, 2, sys.argv[2], timeout=300)",
     "run_shaped": "from gradsync.testing.netem import run_shaped as launch; "
                   "launch(_record_pid_and_sleep, 2, sys.argv[2], bandwidth='100mbit', "
                   "timeout=300, fallback=False)",
@@ -146,3 +152,124 @@ def test_ranks_exit_when_their_launcher_is_killed(tmp_path, how):
                 os.kill(p, signal.SIGKILL)
         if how == "run_shaped":
             netem.cleanup_stale()  # the killed launcher's namespaces
+
+
+# -- the pool of reused ranks (gradsync.testing.pool) ------------------------------------------
+def _pid_and_sum(rank: int, world_size: int) -> tuple[int, float]:
+    t = torch.tensor([float(rank)])
+    dist.all_reduce(t)
+    return os.getpid(), float(t)
+
+
+def _fail_on(rank: int, world_size: int, how: str) -> int:
+    if rank == 1:
+        if how == "raise":
+            raise KeyError("boom in a pool")
+        if how == "die":
+            os._exit(9)
+        time.sleep(600)  # hang
+    dist.barrier()  # the others wait for rank 1
+    return rank
+
+
+@pytest.mark.parametrize("how", ["raise", "die", "hang"])
+def test_a_pool_reports_a_failure_like_fresh_ranks_and_starts_anew(how):
+    """A pool runs calls on the same processes; a rank that raises, dies or hangs is reported
+    as by fresh ranks (its traceback, its exit code, the ranks still running), the pool's
+    processes are stopped (a peer is blocked in a barrier), and the next call runs on new
+    ones."""
+    from gradsync.testing.pool import RankPool
+
+    pool = RankPool(3)
+    try:
+        first = pool.run(_pid_and_sum, (), {}, timeout=60)
+        assert [s for _, s in first] == [3.0] * 3
+        assert [p for p, _ in pool.run(_pid_and_sum, (), {}, timeout=60)] == \
+            [p for p, _ in first]  # the same processes
+        t0 = time.monotonic()
+        want = {"raise": DistributedError, "die": DistributedError, "hang": DistributedTimeout}
+        with pytest.raises(want[how]) as err:
+            pool.run(_fail_on, (how,), {}, timeout=6)
+        assert time.monotonic() - t0 < 30
+        if how == "raise":
+            assert err.value.rank == 1 and "boom in a pool" in err.value.remote_traceback
+        elif how == "die":
+            assert err.value.rank == 1 and "code 9" in str(err.value)
+        else:
+            assert err.value.ranks == [0, 1, 2]  # the others wait in the barrier
+        assert not pool.alive
+    finally:
+        pool.close()
+    with pooled():  # run_distributed inside pooled() starts a new pool
+        again = run_distributed(_pid_and_sum, 3)
+    assert [s for _, s in again] == [3.0] * 3
+    assert not {p for p, _ in again} & {p for p, _ in first}
+
+
+def _leave_traces(rank: int, world_size: int) -> dict:
+    """Change what a call may change in a process, and report what it found first."""
+    import numpy as np
+
+    from gradsync.collectives.comm import Comm
+    from gradsync.engine import drift
+    from gradsync.schedule import costmodel
+    from gradsync.sparsify import segments
+
+    found = {"on_cpu": segments.ON_CPU, "rounds": drift.TRIAL_ROUNDS,
+             "profile": costmodel.profile_collectives.__name__,
+             "env": os.environ.get("GRADSYNC_POOL_TRACE"), "rand": float(torch.rand(())),
+             "np": float(np.random.rand()), "threads": torch.get_num_threads(),
+             "groups": len(dist.distributed_c10d._world.pg_map),
+             "all_reduce": dist.all_reduce.__name__, "conftest": hasattr(conftest, "_trace"),
+             "method": Comm.all_gather_v.__name__}
+    segments.ON_CPU = not segments.ON_CPU
+    drift.TRIAL_ROUNDS = 99
+    costmodel.profile_collectives = lambda *a, **k: None
+    os.environ["GRADSYNC_POOL_TRACE"] = "left"
+    torch.manual_seed(123)
+    np.random.seed(5)
+    torch.set_num_threads(1 if torch.get_num_threads() > 1 else 2)
+    dist.new_group()
+    dist.all_reduce = lambda *a, **k: None
+    conftest._trace = True
+    Comm.all_gather_v = lambda *a, **k: None
+    return found
+
+
+def test_a_pooled_call_leaves_no_trace_for_the_next():
+    """Module globals (of gradsync, of the test modules and torch.distributed's functions),
+    the attributes of gradsync's classes, the environment, the random states, the threads
+    and the process groups a call made are put back before the next call: it finds what the
+    first one found."""
+    from gradsync.testing.pool import RankPool
+
+    pool = RankPool(2)
+    try:
+        first = pool.run(_leave_traces, (), {}, timeout=60)
+        second = pool.run(_leave_traces, (), {}, timeout=60)
+    finally:
+        pool.close()
+    assert first == second
+    assert first[0]["groups"] == 1 and first[0]["env"] is None and not first[0]["conftest"]
+
+
+def _switches(rank: int, world_size: int) -> tuple:
+    from gradsync import sparsegrad
+    from gradsync.sparsify import segments
+
+    return sparsegrad.ACCELERATOR_KERNELS, sparsegrad.CHECK_COUNTS, segments.ON_CPU
+
+
+@pytest.mark.parametrize("fresh", [True, False])
+def test_ranks_take_the_callers_kernel_switches(fresh, monkeypatch):
+    """The kernels and path the caller set for itself are its ranks' too, fresh or pooled."""
+    from gradsync import sparsegrad
+    from gradsync.sparsify import segments
+
+    for value in (True, False):
+        monkeypatch.setattr(sparsegrad, "ACCELERATOR_KERNELS", value)
+        monkeypatch.setattr(sparsegrad, "CHECK_COUNTS", value)
+        monkeypatch.setattr(segments, "ON_CPU", not value)
+        with pooled():
+            out = run_distributed(_switches, 2, fresh=fresh)
+        assert out == [(value, value, not value)] * 2
