@@ -10,7 +10,7 @@ CORPUS := /usr/share/games/fortunes
 # Parallel test workers: pytest-xdist; multi-rank tests spawn their own processes.
 TEST_WORKERS ?= 2
 
-.PHONY: install test lint demo bench bench-check gpu-check gpu-bench clean
+.PHONY: install test test-all coverage lint demo bench bench-check gpu-check gpu-bench clean
 
 install: $(STAMP) dataset
 
@@ -42,18 +42,23 @@ dataset:
 	  fi; \
 	done
 
-# The tests of the layers whose kernels or path depend on the device, once more with the CPU
-# standing in for an accelerator (GRADSYNC_CPU_AS_ACCELERATOR=1, gradsync.sparsegrad): the
-# accelerators' kernels (nonzero_static at a known count, checked; index_*_ scatters, sorts)
-# and path (buffers selected at once, fixed-capacity messages), which CI has no GPU to run.
-ACCELERATOR_TESTS = $(patsubst %,tests/test_%.py,sparsegrad formats sketch segments sparsify \
-	selection densestream_allreduce oktopk collectives lhc baselines engine ddp ddp_nonfinite \
-	parity one_pipeline)
-
+# One pass. The accelerators' kernels and path (which CI has no GPU to run) are a parameter of
+# the tests that depend on them (tests/conftest.py, the kernels fixture), and the ranks of
+# multi-rank tests are reused across the session (gradsync.testing.pool).
 test: install
 	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" tests
-	GRADSYNC_CPU_AS_ACCELERATOR=1 $(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" \
-	  $(ACCELERATOR_TESTS)
+
+# Everything, the slow benchmarks and studies included.
+test-all: install
+	$(PY) -m pytest -n $(TEST_WORKERS) tests
+
+# Line coverage of src/gradsync per layer (the rank processes included), printed by
+# .ci/coverage_layers.py; the data goes to .coverage-data/.
+coverage: install
+	rm -rf .coverage-data && mkdir -p .coverage-data
+	$(VENV)/bin/coverage run -m pytest -n $(TEST_WORKERS) -m "not slow" -q tests
+	$(VENV)/bin/coverage combine -q
+	$(PY) .ci/coverage_layers.py --json .coverage-data/layers.json
 
 lint: install
 	$(VENV)/bin/ruff check src tests
@@ -104,4 +109,4 @@ gpu-bench:
 	  $(if $(CODE),--code $(CODE)) --out $(GPU_OUT) 2>&1 | tee $(GPU_OUT)/overhead.log
 
 clean:
-	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache bench-out
+	rm -rf $(VENV) build *.egg-info src/*.egg-info .pytest_cache bench-out .coverage-data

@@ -30,7 +30,8 @@ def kernels(request, monkeypatch):
     counts, checked; ``index_*_`` scatters, torch sorts; buffers selected at once, fixed-capacity
     messages). CI has no GPU, so this is how the accelerators' branches run in ``make test``.
     ``@pytest.mark.accelerator_at(name=value, …)`` runs the accelerator variant only where the
-    test's other parameters take those values (one instance of a property per path)."""
+    test's other parameters take those values (a tuple: any of them), one instance of a
+    property per path."""
     from gradsync import sparsegrad
     from gradsync.sparsify import segments
 
@@ -46,7 +47,8 @@ def _accelerator_variant_wanted(item) -> bool:
     if params.get("kernels") != "accelerator":
         return True
     mark = item.get_closest_marker("accelerator_at")
-    return mark is None or all(params.get(k) == v for k, v in mark.kwargs.items())
+    return mark is None or all(params.get(k) in v if isinstance(v, tuple) else params.get(k) == v
+                               for k, v in mark.kwargs.items())
 
 
 def pytest_collection_modifyitems(config, items):

@@ -255,9 +255,8 @@ def test_auto_hook_times_its_sparsifier_where_the_gradients_are():
 
 def _auto_trial(rank: int, world_size: int, slow: str) -> dict:
     """The DDP hook's ``auto`` with a link model that predicts sparse (1 Mbit/s), on a real
-    loopback; ``slow``: the mode whose steps are made 250 ms slower (a stand-in for its cost)."""
-    import time
-
+    loopback, timed by an injected clock: a step takes 100 ms, and 250 ms more in the mode
+    ``slow`` (a stand-in for its cost), however loaded the machine is."""
     from gradsync.integrations.ddp import TRIAL_ORDER, TRIAL_STEPS
     from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 
@@ -266,12 +265,13 @@ def _auto_trial(rank: int, world_size: int, slow: str) -> dict:
     state = gradsync.ddp.register(ddp, Config(scheme="auto", density=0.05, sparsifier="topk"))
     slow_link = AlphaBeta(1e-4, 8 / 1e6)
     state.link = (slow_link, slow_link, AffineFit(0.0, 0.0))  # predicts sparse
+    now = [0.0]
+    state.clock = lambda: now[0]
     modes, sent = [], []
     steps = len(TRIAL_ORDER) * TRIAL_STEPS + 4
     for step in range(steps):
         mode = state.auto_mode()
-        if mode == slow:
-            time.sleep(0.25)
+        now[0] += 0.1 + (0.25 if mode == slow else 0.0)
         ddp.zero_grad(set_to_none=True)
         x, y = image_batch(rank, step)
         nn.functional.cross_entropy(ddp(x), y).backward()

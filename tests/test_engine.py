@@ -64,7 +64,7 @@ def _density_one(rank, world_size, model_names, schemes):
 
 @pytest.mark.usefixtures("kernels")
 @pytest.mark.accelerator_at(world_size=3)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 4])
+@pytest.mark.parametrize("world_size", [1, 2, 3])  # one rank, a power of two, another size
 def test_density_one_equals_allreduce(world_size):
     # every scheme on the CNN; a representative subset on the transformer (time budget)
     out = run_distributed(_density_one, world_size, ["cnn"], ALL_SCHEMES, timeout=600)
@@ -94,10 +94,14 @@ def _train_sparse(rank, world_size, schemes, steps):
 
 
 @pytest.mark.usefixtures("kernels")
-def test_sparse_training_keeps_replicas_identical():
-    out = run_distributed(_train_sparse, 3, ALL_SCHEMES, 50, timeout=900)
-    for scheme in ALL_SCHEMES:
-        assert len({o[scheme] for o in out}) == 1, scheme
+@pytest.mark.accelerator_at(scheme=("topka", "oktopk", "densestream", "per_tensor",
+                                    "ssfusion_oi", "gaussiank", "auto"))
+@pytest.mark.parametrize("scheme", ALL_SCHEMES)
+def test_sparse_training_keeps_replicas_identical(scheme):
+    """34 steps at P = 3: past Ok-Topk's exact global threshold at τ′ = 32 (its reuse steps
+    before), the warm-up and every plan change of the cost-model schemes."""
+    out = run_distributed(_train_sparse, 3, [scheme], 34, timeout=300)
+    assert len({o[scheme] for o in out}) == 1, scheme
 
 
 class TwoScale(nn.Module):

@@ -63,7 +63,7 @@ from gradsync.sparsify import segments
 __all__ = ["DistributedError", "DistributedStall", "DistributedTimeout", "apply_kernel_switches",
            "heartbeat", "kernel_switches", "progress_limit", "run_distributed", "watch_launcher"]
 
-_GRACE_SECONDS = 5.0  # how long peers get to exit on their own after one rank failed
+GRACE_SECONDS = 5.0  # how long peers get to exit on their own after one rank failed
 _WATCH_SECONDS = 0.5  # how often a rank checks that its launcher still runs
 # Under a progress watchdog (run_distributed(progress_timeout=T)) the ranks' collectives time out
 # after this many times T: the watchdog, which sees every rank, then fires first and names the
@@ -176,7 +176,7 @@ def apply_kernel_switches(switches: tuple[bool, bool, bool]) -> None:
     sparsegrad.ACCELERATOR_KERNELS, sparsegrad.CHECK_COUNTS, segments.ON_CPU = switches
 
 
-def _context() -> mp.context.BaseContext:
+def start_context() -> mp.context.BaseContext:
     method = os.environ.get("GRADSYNC_START_METHOD", "forkserver")
     if method not in mp.get_all_start_methods():
         method = "spawn"
@@ -280,7 +280,7 @@ def run_distributed(
         if nccl and world_size > gpus:
             raise ValueError(f"run_distributed: NCCL runs one rank per GPU; {world_size} ranks "
                              f"for {gpus} GPU(s) (use gloo on CUDA tensors for more ranks)")
-    ctx = _context()
+    ctx = start_context()
     results = ctx.Queue()
     beats = None
     if progress_timeout is not None:  # per rank: when it last reported, the step it completed
@@ -321,7 +321,7 @@ def _collect(procs: list, results: Any, world_size: int, timeout: float | None,
     def fail(err: DistributedError, into: list[DistributedError]) -> None:
         nonlocal stop_at
         into.append(err)
-        stop_at = min(stop_at, time.monotonic() + _GRACE_SECONDS)
+        stop_at = min(stop_at, time.monotonic() + GRACE_SECONDS)
 
     def receive(wait: float) -> bool:
         try:

@@ -14,10 +14,11 @@ gives :class:`DistributedTimeout` naming the ranks that did not finish. After an
 pool's processes are killed (a peer may be blocked in a collective forever) and the next call
 starts a new pool. Between calls each rank puts back what a call may change in a process:
 
-* the module globals of ``gradsync`` and of the test modules (``conftest``, ``test_*``), every
-  name rebound, added or deleted, and the contents of their dicts, lists and sets (a call that
-  pins ``costmodel.profile_collectives`` or sets ``segments.ON_CPU`` leaves no trace), and the
-  attributes of the classes they define (a method patched on ``Comm``); the
+* the module globals of ``gradsync`` and of the test modules (``conftest``, ``test_*``),
+  every name rebound, added or deleted, and the contents of their dicts, lists, sets and
+  deques (a call that pins ``costmodel.profile_collectives`` or sets ``segments.ON_CPU``
+  leaves no trace), and the attributes of the classes they define (a method patched on
+  ``Comm``); the
   functions of ``torch.distributed`` (a call that wraps ``dist.all_reduce``), not its data
   (its count of groups must go on);
 * ``os.environ``, torch's and numpy's global random states, torch's intra-op threads, grad
@@ -36,6 +37,7 @@ clean up after itself, or ask for ``fresh=True``.
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import importlib
 import io
@@ -72,7 +74,7 @@ GROUP_TIMEOUT_S = 900.0
 MAX_PROCESSES = 16
 
 _MISSING = object()
-_CONTAINERS = (dict, list, set)
+_CONTAINERS = (dict, list, set, collections.deque)
 
 
 def _watched(name: str) -> bool:
@@ -107,7 +109,8 @@ class _Pristine:
                 names = {k: v for k, v in names.items() if callable(v)}
                 self.modules[name] = (mod, names, {})
                 continue
-            contents = {k: type(v)(v) for k, v in names.items() if type(v) in _CONTAINERS}
+            contents = {k: list(v) if type(v) is collections.deque else type(v)(v)
+                        for k, v in names.items() if type(v) in _CONTAINERS}
             self.modules[name] = (mod, names, contents)
             self.classes += [(v, dict(vars(v))) for v in names.values()
                              if isinstance(v, type) and v.__module__ == name]
@@ -122,14 +125,14 @@ class _Pristine:
                     now[k] = v
             for k, saved in contents.items():
                 obj = names[k]
-                if isinstance(obj, dict):
+                if isinstance(obj, dict | set):
                     obj.clear()
                     obj.update(saved)
                 elif isinstance(obj, list):
                     obj[:] = saved
-                else:
+                else:  # a deque (comm's kept works)
                     obj.clear()
-                    obj.update(saved)
+                    obj.extend(saved)
         for cls, attrs in self.classes:  # a method patched on a class (Comm.all_gather_v)
             now = vars(cls)
             if now.keys() == attrs.keys() and all(now[k] is v for k, v in attrs.items()):
@@ -240,7 +243,7 @@ class RankPool:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
         self.world_size = world_size
         self.calls = 0
-        ctx = launcher._context()
+        ctx = launcher.start_context()
         self._tmp = tempfile.TemporaryDirectory(prefix="gradsync-pool-")
         init_method = f"file://{os.path.join(self._tmp.name, 'store')}"
         self._conns, self._procs = [], []
@@ -293,7 +296,7 @@ class RankPool:
                     else:
                         done[r] = None
                         raised.append(DistributedError(r, payload))
-                        stop_at = min(stop_at, time.monotonic() + launcher._GRACE_SECONDS)
+                        stop_at = min(stop_at, time.monotonic() + launcher.GRACE_SECONDS)
                 elif obj in sentinels:
                     r = sentinels[obj]
                     if r in done:
@@ -306,7 +309,7 @@ class RankPool:
                     code = self._procs[r].exitcode
                     died.append(DistributedError(r, f"process exited with code {code} without "
                                                     f"a result"))
-                    stop_at = min(stop_at, time.monotonic() + launcher._GRACE_SECONDS)
+                    stop_at = min(stop_at, time.monotonic() + launcher.GRACE_SECONDS)
         if died or raised or waiting or not healthy:
             self.close()  # a peer may be blocked in a collective, or the group is gone
         return finish(done, died, raised, self.world_size, timeout)

@@ -123,6 +123,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from gradsync import sparsegrad
 from gradsync.apps.common import (
     cpu_description,
     grouped_bars,
@@ -918,8 +919,9 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
              f"interleaved pairs (DDP run, scheme run) of {meta['steps']} timed steps after "
              f"{meta['warmup_steps'] + 2} unmeasured; counts over {meta['count_steps']} "
              f"steps, every thread: {meta['all_threads']}"
-             + ("; per-tensor buffers selected at once on the CPU too (`--segments-on-cpu`, "
-                "the accelerators' path)" if meta.get("segments_on_cpu") else ""),
+             + ("; the accelerators' path and kernels on the CPU (`--segments-on-cpu`: "
+                "per-tensor buffers selected at once, compactions at known counts)"
+                if meta.get("segments_on_cpu") else ""),
              "- step ms: median over the pairs of each run's median step; × DDP: median of "
              "the pair ratios [min–max]; ddp's own range is its runs' spread around their "
              "median; CPU ms, CPU × DDP: the same for the process's CPU time per step (every "
@@ -1040,9 +1042,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "and on shared cores a second thread's waits swamp it; on CUDA "
                         "torch's setting; 0: torch's setting)")
     p.add_argument("--segments-on-cpu", action="store_true",
-                   help="select per-tensor buffers at once on the CPU too (the accelerators' "
-                        "path, sparsify.segments.ON_CPU): its counts and its CPU time; the "
-                        "files are named overhead-cpu-segments")
+                   help="run the accelerators' path (sparsify.segments.ON_CPU: per-tensor "
+                        "buffers selected at once) and kernels (sparsegrad.ACCELERATOR_"
+                        "KERNELS, without the tests' count checks) on the CPU: what a GPU "
+                        "launches and reads, as bench syncs counts it; the files are named "
+                        "overhead-cpu-segments")
     p.add_argument("--time-limit", type=float, default=None, metavar="S",
                    help="wall-time budget in seconds, shared evenly by the models (what one "
                         "leaves over goes to the next): a scheme whose turn comes after its "
@@ -1140,7 +1144,10 @@ def main(argv: list[str] | None = None) -> int:
         save(rows + now, False)
 
     on_cpu = segments.ON_CPU
+    kernels = sparsegrad.ACCELERATOR_KERNELS, sparsegrad.CHECK_COUNTS
     segments.ON_CPU = on_cpu or a.segments_on_cpu
+    if a.segments_on_cpu:  # what a GPU runs: its kernels, without the tests' count checks
+        sparsegrad.ACCELERATOR_KERNELS, sparsegrad.CHECK_COUNTS = True, False
     try:
         with _world_of_one(device) as group:
             for i, wl in enumerate(loads):
@@ -1162,6 +1169,7 @@ def main(argv: list[str] | None = None) -> int:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         torch.set_num_threads(threads)
         segments.ON_CPU = on_cpu
+        sparsegrad.ACCELERATOR_KERNELS, sparsegrad.CHECK_COUNTS = kernels
     jpath, ppath, mpath = save(rows, True)
     print(f"bench overhead: {meta['wall_s']:.0f} s; wrote {jpath}, {mpath}"
           + (f" and {ppath}" if ppath else ""))
