@@ -33,7 +33,7 @@ from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
 from gradsync.sparsegrad import SparseGrad, target_k
 from gradsync.testing import run_distributed
 
-WORLD_SIZES = [1, 2, 3, 8]  # the sizes whose code differs: one rank, two, not a power of two, 8
+WORLD_SIZES = [1, 2, 3]  # P = 8: test_collectives' shared run, against its own reference
 BASELINES = ["hipress", "espresso", "spardl"]
 
 # ------------------------------------------------------------------------------------ SparDL
@@ -238,7 +238,7 @@ def _spardl_forged_rank(rank: int, P: int) -> dict:
     return out
 
 
-@pytest.mark.parametrize("P", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("P", [2, 3, 4])  # one round, not a power of two, two rounds
 def test_spardl_rejects_a_peer_message_outside_its_schedule(P):
     """A received round message is checked against the schedule (on the device): entries in a
     block the sender does not forward, or more than k_B in one block, fail on the receiver

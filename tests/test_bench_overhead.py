@@ -362,9 +362,12 @@ PER_BUFFER = ("dense", "topka", "densestream", "hook:dense", "hook:auto")
 
 
 def _criteria_rows(tmp_path, schemes: tuple[str, ...], segmented: bool) -> dict:
-    """``bench overhead`` of ``schemes`` on ResNet-50 and the MLP in 8 and 64 layers, one
-    counted step each, and its rows by (model, scheme)."""
+    """``bench overhead`` of ``schemes`` on ResNet-50 (its 161 tensors at a quarter of its
+    widths: 1.5 M parameters, so that a run takes seconds; the counts are per tensor and per
+    buffer, not per parameter) and the MLP in 8 and 64 layers, one counted step each, and its
+    rows by (model, scheme)."""
     rc = overhead.main(["--device", "cpu", "--model", "resnet50,mlp8,mlp64",
+                        "--resnet-width", "16",
                         "--schemes", ",".join(("ddp", *schemes)), "--pairs", "1",
                         "--steps", "1", "--warmup-steps", "1", "--count-steps", "1",
                         "--mlp-params", "262144", "--repeats", "1", "--out", str(tmp_path)]
@@ -391,8 +394,8 @@ def _assert_per_buffer(rows: dict, schemes: tuple[str, ...], syncs: tuple[str, .
             assert r["host_reads"] <= 2 + r["buffers"], (s, r["host_read_ops"], r["buffers"])
         assert r["buffers"] >= 1 and r["work_beyond_ddp"] <= 40 * r["buffers"], (
             s, r["work_beyond_ddp"], r["buffers"], r["top_kernel_ops_beyond_ddp"])
-        if s.startswith("hook:"):
-            assert r["buffers"] == 5  # DDP's buckets of ResNet-50 (25 MB each, the first 1 MB)
+        if s.startswith("hook:"):  # DDP's buckets (25 MB each, the first 1 MB): the 6 MB of
+            assert r["buffers"] == 2  # gradients of ResNet-50 at a quarter of its widths
         few, many = rows["mlp8", s]["ops_beyond_ddp"], rows["mlp64", s]["ops_beyond_ddp"]
         assert many <= 1.5 * abs(few), (s, few, many)
 

@@ -111,7 +111,7 @@ def test_send_recv_bytes_exact(world):
                            torch.full((j,), -float(j), dtype=torch.bfloat16))
 
 
-@pytest.mark.parametrize("world", [2, 3, 5], indirect=True)  # a ring needs a peer
+@pytest.mark.parametrize("world", [2, 3], indirect=True)  # a ring needs a peer
 def test_sendrecv_ring_bytes_exact(world):
     P, outs = world
     for r, o in enumerate(outs):
@@ -256,7 +256,7 @@ def _broadcast_object_rank(rank: int, world_size: int) -> dict:
     return {"got": got, "sent": c.stats.bytes_sent, "recv": c.stats.bytes_recv}
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 5])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_broadcast_object_arrives_everywhere_and_is_counted(world):
     import pickle
 
@@ -284,7 +284,7 @@ def _exchange_rank(rank: int, world_size: int) -> dict:
             "kept": len(comm_mod._KEPT) - before if world_size > 1 else None}
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4, 5, 8])
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_exchange_objects_all_gather_and_gather_keep_their_works(world):
     """``exchange_objects`` gives what ``dist.all_gather_object``/``gather_object`` give, and
     keeps its works (two per call: lengths, then bytes), so gloo's thread never frees them."""

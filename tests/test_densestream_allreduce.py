@@ -99,7 +99,7 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.usefixtures("kernels")
 @pytest.mark.accelerator_at(world_size=3)
-@pytest.mark.parametrize("world_size", [1, 2, 3, 8])
+@pytest.mark.parametrize("world_size", [1, 2, 3])  # P = 8: test_collectives' shared run
 def test_dsa_sum_exact_and_bitwise_identical(world_size):
     case_list = cases()
     per_rank = run_distributed(_rank_cases, world_size, case_list, timeout=240)

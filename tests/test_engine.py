@@ -254,7 +254,7 @@ def _excluded_rank(rank, world_size, dtype=torch.float32):
     return sent, residual, avg, mine
 
 
-@pytest.mark.parametrize("world_size", [1, 2, 3, 5])
+@pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_ssfusion_sends_the_tensors_it_excluded_as_values_without_indices(world_size):
     """The tensors SSFusion sent whole travel first in their job's all-gather, values only:
     each rank sends (P − 1)·(4 bytes per excluded element + 8 per sparse entry), plus the

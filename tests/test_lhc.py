@@ -103,7 +103,7 @@ def _ring(P: int, b: int) -> int:
     return 2 * (P - 1) * b // P  # Comm's all-reduce accounting
 
 
-@pytest.mark.parametrize("P", [1, 2, 3, 4, 8])
+@pytest.mark.parametrize("P", [1, 2, 3])  # P = 8: test_collectives' shared run
 def test_lhc_against_dense_reference(P):
     cases = cases_for(P)
     out = run_distributed(_rank_cases, P, cases, timeout=240)

@@ -19,7 +19,7 @@ from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.sparsegrad import SparseGrad, target_k
 from gradsync.testing import run_distributed
 
-WORLDS = [1, 2, 3, 8]  # the sizes whose code differs: one rank, two, not a power of two, 8
+WORLDS = [1, 2, 3]  # P = 8 (several buckets of messages): test_collectives' shared run
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
@@ -252,7 +252,7 @@ def test_bytes_within_table1_bound(world):
         assert max(p["recv"] for p in per_rank) >= lower
 
 
-@pytest.mark.parametrize("world", [1, 3, 5])
+@pytest.mark.parametrize("world", [1, 3])
 def test_threshold_reuse_schedule_and_state_round_trip(world):
     out = _results(world)
     case = _reuse_case()

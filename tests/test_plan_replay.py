@@ -85,7 +85,7 @@ def _replay(rank: int, P: int, hand: dict) -> dict:
     return out
 
 
-@pytest.mark.parametrize("P", [1, 2, 3, 5])
+@pytest.mark.parametrize("P", [1, 2, 3])
 def test_a_given_plan_replays_the_run_that_chose_it_bitwise(P):
     hand = _hand_plan()
     out = run_distributed(_replay, P, hand.to_dict(), timeout=300)

@@ -94,8 +94,11 @@ def _alive(pid: int) -> bool:
         os.kill(pid, 0)
     except ProcessLookupError:
         return False
-    with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, only not yet reaped
-        return f.read().split(") ", 1)[1][0] != "Z"
+    try:
+        with open(f"/proc/{pid}/stat") as f:  # a zombie is dead, only not yet reaped
+            return f.read().split(") ", 1)[1][0] != "Z"
+    except OSError:  # it went between the two looks
+        return False
 
 
 _LAUNCH = {
@@ -180,29 +183,29 @@ def test_a_pool_reports_a_failure_like_fresh_ranks_and_starts_anew(how):
     ones."""
     from gradsync.testing.pool import RankPool
 
-    pool = RankPool(3)
+    pool = RankPool(2)
     try:
         first = pool.run(_pid_and_sum, (), {}, timeout=60)
-        assert [s for _, s in first] == [3.0] * 3
+        assert [s for _, s in first] == [1.0] * 2
         assert [p for p, _ in pool.run(_pid_and_sum, (), {}, timeout=60)] == \
             [p for p, _ in first]  # the same processes
         t0 = time.monotonic()
         want = {"raise": DistributedError, "die": DistributedError, "hang": DistributedTimeout}
         with pytest.raises(want[how]) as err:
-            pool.run(_fail_on, (how,), {}, timeout=6)
+            pool.run(_fail_on, (how,), {}, timeout=4)
         assert time.monotonic() - t0 < 30
         if how == "raise":
             assert err.value.rank == 1 and "boom in a pool" in err.value.remote_traceback
         elif how == "die":
             assert err.value.rank == 1 and "code 9" in str(err.value)
         else:
-            assert err.value.ranks == [0, 1, 2]  # the others wait in the barrier
+            assert err.value.ranks == [0, 1]  # rank 0 waits for it in the barrier
         assert not pool.alive
     finally:
         pool.close()
     with pooled():  # run_distributed inside pooled() starts a new pool
-        again = run_distributed(_pid_and_sum, 3)
-    assert [s for _, s in again] == [3.0] * 3
+        again = run_distributed(_pid_and_sum, 2)
+    assert [s for _, s in again] == [1.0] * 2
     assert not {p for p, _ in again} & {p for p, _ in first}
 
 
@@ -270,6 +273,5 @@ def test_ranks_take_the_callers_kernel_switches(fresh, monkeypatch):
         monkeypatch.setattr(sparsegrad, "ACCELERATOR_KERNELS", value)
         monkeypatch.setattr(sparsegrad, "CHECK_COUNTS", value)
         monkeypatch.setattr(segments, "ON_CPU", not value)
-        with pooled():
-            out = run_distributed(_switches, 2, fresh=fresh)
+        out = run_distributed(_switches, 2, fresh=fresh)  # the session's pool, or fresh ranks
         assert out == [(value, value, not value)] * 2

@@ -569,7 +569,7 @@ def _evaluate_shared(rank: int, P: int, task: str, n: int) -> dict:
     return {"got": got, "alone": alone}
 
 
-@pytest.mark.parametrize("P", [1, 2, 3, 5])
+@pytest.mark.parametrize("P", [1, 2, 3])
 @pytest.mark.parametrize("task", ["image", "lm"])
 def test_evaluation_shared_over_ranks_scores_rank_0s_model(P, task):
     from gradsync.testing import run_distributed

@@ -232,7 +232,7 @@ def _plan_switch(rank, world_size, scheme, momentum, warmup):
     return out
 
 
-@pytest.mark.parametrize("world_size", [2, 3, 4])
+@pytest.mark.parametrize("world_size", [2, 3])
 @pytest.mark.parametrize("scheme", ["ssfusion", "ssfusion_o", "ssfusion_oi"])
 def test_plan_switch_flushes_no_warmup_residual(scheme: str, world_size: int) -> None:
     """SSFusion profiles for ``warmup_steps`` steps, then switches to its plan. The warm-up

@@ -345,20 +345,23 @@ class ResNet(nn.Module):
     """
 
     def __init__(self, depth: int = 50, classes: int = 1000, channels: int = 3,
-                 stem: str = "imagenet") -> None:
+                 stem: str = "imagenet", base_width: int = 64) -> None:
         super().__init__()
+        if base_width < 1:
+            raise ValueError(f"base_width must be >= 1, got {base_width}")
         if depth not in RESNET_STAGES:
             raise ValueError(f"ResNet depth must be one of {sorted(RESNET_STAGES)}, got {depth}")
         if stem not in ("imagenet", "small"):
             raise ValueError(f"stem must be 'imagenet' or 'small', got {stem!r}")
         block, counts = RESNET_STAGES[depth]
-        self.conv1 = (nn.Conv2d(channels, 64, 7, 2, 3, bias=False) if stem == "imagenet" else
-                      nn.Conv2d(channels, 64, 3, 1, 1, bias=False))
-        self.bn1 = nn.BatchNorm2d(64)
+        w = base_width
+        self.conv1 = (nn.Conv2d(channels, w, 7, 2, 3, bias=False) if stem == "imagenet" else
+                      nn.Conv2d(channels, w, 3, 1, 1, bias=False))
+        self.bn1 = nn.BatchNorm2d(w)
         self.relu = nn.ReLU(inplace=True)
         self.maxpool = nn.MaxPool2d(3, 2, 1) if stem == "imagenet" else nn.Identity()
-        cin = 64
-        for i, (width, n) in enumerate(zip((64, 128, 256, 512), counts), start=1):
+        cin = w
+        for i, (width, n) in enumerate(zip((w, 2 * w, 4 * w, 8 * w), counts), start=1):
             stage = []
             for j in range(n):
                 stage.append(block(cin, width, 2 if (j == 0 and i > 1) else 1))
@@ -572,8 +575,8 @@ def hf_classes(what: str, *names: str) -> list[Any]:
 # ---------------------------------------------------------------------------------------------
 # Builders
 # ---------------------------------------------------------------------------------------------
-def _resnet(depth: int, classes: int = 10, channels: int = 1) -> nn.Module:
-    return ResNet(depth, classes=classes, channels=channels, stem="small")
+def _resnet(depth: int, classes: int = 10, channels: int = 1, base_width: int = 64) -> nn.Module:
+    return ResNet(depth, classes=classes, channels=channels, stem="small", base_width=base_width)
 
 
 def _vgg(depth: int, classes: int = 10, channels: int = 1) -> nn.Module:

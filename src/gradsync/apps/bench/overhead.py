@@ -408,8 +408,10 @@ def _batch_of(shape: tuple[int, ...], classes: int, seed: int, *, ids: bool = Fa
 
 
 def workload(name: str, cuda: bool, *, batch_size: int | None = None, image_size: int = 28,
-             seq_len: int | None = None, mlp_params: int = 1 << 23, seed: int = 0) -> Workload:
-    """The model ``name`` of ``--model`` (module docstring, Models) for a CUDA or CPU run."""
+             seq_len: int | None = None, mlp_params: int = 1 << 23, seed: int = 0,
+             resnet_width: int = 64) -> Workload:
+    """The model ``name`` of ``--model`` (module docstring, Models) for a CUDA or CPU run;
+    ``resnet_width``: the CPU ResNet-50's base width (its 161 tensors whatever the width)."""
     from gradsync.apps import models
 
     m = re.fullmatch(r"mlp(\d+)", name)
@@ -429,9 +431,10 @@ def workload(name: str, cuda: bool, *, batch_size: int | None = None, image_size
                             _seeded(seed, lambda: models.ResNet(50)),
                             _batch_of((b, 3, 224, 224), 1000, seed), _ce)
         b = batch_size or 1
-        return Workload(name, f"ResNet-50 (zoo, small stem), 1 × {image_size} × {image_size}, "
-                              f"batch {b}",
-                        lambda: models.build("resnet50", seed=seed),
+        wide = "" if resnet_width == 64 else f", base width {resnet_width}"
+        return Workload(name, f"ResNet-50 (zoo, small stem{wide}), 1 × {image_size} × "
+                              f"{image_size}, batch {b}",
+                        lambda: models.build("resnet50", seed=seed, base_width=resnet_width),
                         _batch_of((b, 1, image_size, image_size), 10, seed), _ce)
     if name == "gpt2":
         b = batch_size or (8 if cuda else 1)
@@ -1031,6 +1034,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=None, help="every model's batch")
     p.add_argument("--image-size", type=int, default=16,
                    help="pixels of the CPU ResNet-50's grey images (default 16)")
+    p.add_argument("--resnet-width", type=int, default=64,
+                   help="the CPU ResNet-50's base width (default 64: 23.5 M parameters; its "
+                        "161 tensors at any width)")
     p.add_argument("--seq-len", type=int, default=None, help="gpt2's sequence length")
     p.add_argument("--mlp-params", type=float, default=float(1 << 23),
                    help="total parameters of the mlp<N> models (default 8.39e6: mlp64's "
@@ -1085,7 +1091,8 @@ def main(argv: list[str] | None = None) -> int:
         names = [m.strip() for m in (a.model or ("resnet50,gpt2" if cuda else
                                                  "resnet50,mlp8,mlp64")).split(",") if m.strip()]
         loads = [workload(n, cuda, batch_size=a.batch_size, image_size=a.image_size,
-                          seq_len=a.seq_len, mlp_params=int(a.mlp_params), seed=a.seed)
+                          seq_len=a.seq_len, mlp_params=int(a.mlp_params), seed=a.seed,
+                          resnet_width=a.resnet_width)
                  for n in names]
         config_for("dense", a)  # checks density, sparsifier, momentum
     except ValueError as e:
