@@ -165,13 +165,22 @@ def _numpy_state() -> Any:
     return np.random.get_state()
 
 
+#: Modules a pooled rank does not import before its first call: the applications and the
+#: integrations with Lightning, Accelerate and transformers, whose imports cost seconds (a
+#: call that needs one imports it; its globals are recorded from the next call on).
+_NOT_PRELOADED = ("gradsync.apps", "gradsync.lightning", "gradsync.accelerate",
+                  "gradsync.transformers", "gradsync.integrations.lightning",
+                  "gradsync.integrations.accelerate", "gradsync.integrations.transformers",
+                  "gradsync.__main__")
+
+
 def _import_library() -> None:
-    """Import every module of gradsync (apps included), so that their globals are recorded
-    as imported, before any call could change them."""
+    """Import gradsync's library modules, so that their globals are recorded as imported,
+    before any call could change them."""
     import gradsync
 
     for info in pkgutil.walk_packages(gradsync.__path__, "gradsync."):
-        if info.name.endswith("__main__"):  # runs the command line
+        if info.name.startswith(_NOT_PRELOADED):
             continue
         with contextlib.suppress(Exception):  # an optional dependency missing, say
             importlib.import_module(info.name)
