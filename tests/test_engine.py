@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradsync
-from conftest import batch
+from conftest import batch, pin_profiles
 from conftest import loss as model_loss
 from gradsync import sparsify
 from gradsync.apps.models import build
@@ -36,7 +36,10 @@ def _small(model_name: str):
 
 def _density_one(rank, world_size, model_names, schemes):
     """At density 1 every scheme's averaged gradient equals the plain all-reduce average; at
-    world size 1 the scheme runs too (``compress_single_rank``), else nothing would be tested."""
+    world size 1 the scheme runs too (``compress_single_rank``), else nothing would be tested.
+    The cost model's measurements are pinned (the plans do not matter here; measuring them
+    for every scheme cost the test half its time)."""
+    pin_profiles()
     errs = {}
     for model_name in model_names:
         for scheme in schemes:
@@ -76,7 +79,9 @@ def test_density_one_equals_allreduce(world_size):
 
 
 def _train_sparse(rank, world_size, schemes, steps):
-    """At 1% density, parameters stay bitwise identical across ranks; collect digests."""
+    """At 1% density, parameters stay bitwise identical across ranks; collect digests. The
+    cost model's measurements are pinned (test_reliability trains on measured plans too)."""
+    pin_profiles()
     out = {}
     for scheme in schemes:
         model = build("cnn", seed=3)
