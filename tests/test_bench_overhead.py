@@ -400,15 +400,15 @@ def _assert_per_buffer(rows: dict, schemes: tuple[str, ...], syncs: tuple[str, .
         assert many <= 1.5 * abs(few), (s, few, many)
 
 
-@pytest.mark.parametrize("scheme", PER_BUFFER)
-def test_a_step_costs_per_buffer_not_per_tensor(tmp_path, scheme):
+def test_a_step_costs_per_buffer_not_per_tensor(tmp_path):
     """Issue 42's CPU criteria, counted by ``bench overhead`` at P = 1 with compression on:
     on ResNet-50 (161 tensors) every per-buffer scheme dispatches at most 1.3× DDP's aten ops
     and reads the host at most 8 times per step; on an MLP of the same parameters in 8 and in
     64 layers, its ops beyond DDP's grow by at most 1.5× (the tensors grow 8×). The schemes
     that select tensor by tensor on the CPU (per_tensor, ssfusion*) are measured on the
-    accelerators' path below (docs/results/speed.md, "Segmented selection on the CPU")."""
-    _assert_per_buffer(_criteria_rows(tmp_path, (scheme,), False), (scheme,))
+    accelerators' path below (docs/results/speed.md, "Segmented selection on the CPU").
+    One run of every scheme (DDP's run and the models' builds are shared)."""
+    _assert_per_buffer(_criteria_rows(tmp_path, PER_BUFFER, False), PER_BUFFER)
 
 
 # the per-tensor schemes on the accelerators' path (each buffer selected at once:
@@ -429,19 +429,19 @@ SEGMENTED = ("per_tensor", "ssfusion", "ssfusion_o", "ssfusion_oi", "gaussiank",
 SEGMENTED_SLOW = ("ssfusion", "hook:ssfusion")
 
 
-@pytest.mark.parametrize("scheme", [s for s in SEGMENTED if s not in SEGMENTED_SLOW])
-def test_per_tensor_selection_costs_per_buffer_on_the_accelerators_path(tmp_path, scheme):
+def test_per_tensor_selection_costs_per_buffer_on_the_accelerators_path(tmp_path):
     """The same bars for the schemes that give every tensor its own k, measured as a GPU runs
     them (``--segments-on-cpu``): one host read per buffer for DGC's counts, one for the
-    step's checks. One scheme per test (each runs ResNet-50's 23.5 M parameters)."""
+    step's checks. One run of every scheme."""
+    schemes = tuple(s for s in SEGMENTED if s not in SEGMENTED_SLOW)
     # and the GPU's bar on syncs, at most 2 + one per buffer, with host reads standing in
-    _assert_per_buffer(_criteria_rows(tmp_path, (scheme,), True), (scheme,), syncs=(scheme,))
+    _assert_per_buffer(_criteria_rows(tmp_path, schemes, True), schemes, syncs=schemes)
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("scheme", SEGMENTED_SLOW)
-def test_per_tensor_selection_costs_per_buffer_on_the_accelerators_path_slow(tmp_path, scheme):
-    _assert_per_buffer(_criteria_rows(tmp_path, (scheme,), True), (scheme,), syncs=(scheme,))
+def test_per_tensor_selection_costs_per_buffer_on_the_accelerators_path_slow(tmp_path):
+    _assert_per_buffer(_criteria_rows(tmp_path, SEGMENTED_SLOW, True), SEGMENTED_SLOW,
+                       syncs=SEGMENTED_SLOW)
 
 
 def test_segments_on_cpu_measures_the_accelerators_path(tmp_path):

@@ -369,15 +369,12 @@ def test_offload_overlaps_compute_on_cuda():
         a = torch.randn(8192, 8192, device=dev)
         for _ in range(20):  # several hundred ms of compute queued after the offload
             a = a @ a / 8192
-        t0 = time.perf_counter()
         sel, _ = fut.result(timeout=60)
-        waited = time.perf_counter() - t0
         busy = not torch.cuda.current_stream(dev).query()
         torch.cuda.synchronize()
         want = sparsify.get("topk", density=0.01, seed=1).select(x.cpu(), 0)
         assert torch.equal(sel.indices.cpu(), want.indices)
         assert busy, "the compute stream finished before the offload did: no overlap measured"
-        assert waited < 10
     finally:
         ex.close()
 
@@ -493,6 +490,7 @@ def test_a_per_tensor_step_waits_on_the_device_per_buffer_not_per_tensor(device,
         assert many <= few, (few, many)  # one count read per buffer, one for the step
 
 
+@pytest.mark.slow  # a timing comparison: a benchmark, not a unit test
 @pytest.mark.cuda
 def test_randomk_on_cuda_costs_about_what_dgc_costs():
     """randomk drew its positions on the host (13 ms at 25 M entries and 1 %, 989 ms at 124 M and

@@ -39,6 +39,9 @@ HARNESS_TIMEOUT_S = 150.0  # run_distributed's: far above the ranks' own
 # what a surviving rank's error must say: a timeout, or that a peer went away
 PEER_FAILURE = re.compile(r"time[d ]?out|timed out|closed|reset|peer|broken pipe|connection",
                           re.IGNORECASE)
+# what the backend says for each (the library's hint after it names both, so not in these)
+TIMED_OUT = re.compile(r"timed out|timeout caused", re.IGNORECASE)
+GONE = re.compile(r"closed|reset|broken pipe", re.IGNORECASE)
 FAULTY = 1  # the rank that dies or stalls
 
 
@@ -198,31 +201,33 @@ def _check_survivors(outdir: str, tag: str, world_size: int, fault: str,
                      where: str | None = None) -> None:
     """Every survivor raised in step 2, saying why, within the rank timeout (+ slack).
 
-    A stalled peer is noticed by the ranks' own timeout: not before ~``RANK_TIMEOUT_S`` (so it
-    is that timeout, not some other mechanism) and well before the harness's. A dead peer is
-    noticed when its sockets close, without waiting for the timeout. ``where``: a file that
-    must appear in the survivor's traceback (the path whose collective noticed). Closing the
-    engine afterwards must not wait on the dead collectives.
+    A stalled peer is noticed by the ranks' own timeout: its error says so, and it came no
+    earlier than the timeout allows (a lower bound the timeout guarantees: no margin). A dead
+    peer is noticed when its sockets close: its error says that, not a timeout. ``where``: a
+    file that must appear in the survivor's traceback (the path whose collective noticed).
+    Closing the engine afterwards must not wait on the dead collectives: every survivor wrote
+    its "closed" record, which a hung close() never does (the harness's timeout then fails it).
     """
     survivors = [r for r in range(world_size) if r != FAULTY]
     got = _read(outdir, tag, survivors)
     assert sorted(got) == survivors, f"{tag}: survivors that did not report: " \
         f"{sorted(set(survivors) - set(got))}"
     closed = _read(outdir, tag + "-closed", survivors)
-    slack = 15.0  # a loaded 2-core machine
     for r, res in got.items():
         assert res["outcome"] == "raised", f"{tag} rank {r}: {res}"
         assert res["step"] == 2, f"{tag} rank {r}: failed at step {res['step']}"
         assert PEER_FAILURE.search(res["msg"]), f"{tag} rank {r}: unclear error {res['msg']!r}"
+        timed_out, gone = TIMED_OUT.search(res["msg"]), GONE.search(res["msg"])
         if fault == "stall":
-            assert 0.8 * RANK_TIMEOUT_S <= res["after_s"] < RANK_TIMEOUT_S + slack, \
-                f"{tag} rank {r}: took {res['after_s']:.1f}s"
+            assert timed_out and not gone, f"{tag} rank {r}: not the timeout: {res['msg']!r}"
+            assert res["after_s"] >= 0.8 * RANK_TIMEOUT_S, \
+                f"{tag} rank {r}: raised after {res['after_s']:.1f}s, before the timeout"
         else:
-            assert res["after_s"] < RANK_TIMEOUT_S + slack, \
-                f"{tag} rank {r}: took {res['after_s']:.1f}s"
+            assert gone and not timed_out, f"{tag} rank {r}: waited for the timeout: " \
+                f"{res['msg']!r}"
         if where is not None:
             assert where in res["tb"], f"{tag} rank {r}: not raised in {where}:\n{res['tb']}"
-        assert r in closed and closed[r]["close_s"] < slack, f"{tag} rank {r}: close() hung"
+        assert r in closed, f"{tag} rank {r}: close() hung"
 
 
 PATH_FILE = {"engine": "gradsync/engine/", "ddp": "gradsync/integrations/",
@@ -291,12 +296,11 @@ def _engine_mismatch(rank: int, world_size: int, cases: list[str]):
         model_kw, cfg_kw, _ = ENGINE_MISMATCHES[case]
         kw = {"scheme": "topka", "density": 0.01, **(cfg_kw if rank == 1 else {})}
         model = _model_for(model_kw if rank == 1 else {})
-        t0 = time.monotonic()
-        try:
+        try:  # a mismatch found by waiting for the timeout would raise a timeout, not this
             GradSync(model, Config(**kw, timeout_s=30)).close()
-            out[case] = ("built", "", time.monotonic() - t0)
+            out[case] = ("built", "")
         except ValueError as e:
-            out[case] = ("ValueError", str(e), time.monotonic() - t0)
+            out[case] = ("ValueError", str(e))
     return out
 
 
@@ -305,12 +309,11 @@ def test_engine_mismatched_setups_fail_at_construction_on_every_rank():
     out = run_distributed(_engine_mismatch, 3, cases, timeout=HARNESS_TIMEOUT_S)
     for case in cases:
         for rank, res in enumerate(out):
-            kind, msg, secs = res[case]
+            kind, msg = res[case]
             assert kind == "ValueError", f"{case}: rank {rank} built an engine"
             for word in ENGINE_MISMATCHES[case][2]:
                 assert re.search(word, msg), f"{case}: rank {rank}: {word!r} not in {msg!r}"
             assert "rank 1" in msg, f"{case}: the odd rank is not named: {msg!r}"
-            assert secs < 20, f"{case}: detection took {secs:.1f}s"
 
 
 def _ddp_mismatch(rank: int, world_size: int, cases: list[dict]):

@@ -107,6 +107,7 @@ def _ours() -> list[str]:
 
 
 # -- shaped runs (root only) ----------------------------------------------------------------
+@pytest.mark.slow  # a measurement of the link: decides by measured time
 @needs_root
 def test_shaped_throughput_near_rate_and_far_below_loopback():
     nbytes, rate = 5_000_000, "20mbit"
@@ -144,11 +145,10 @@ def test_shaped_world_shapes_both_ends_and_cleans_up():
 
 @needs_root
 def test_failing_rank_and_timeout_still_clean_up():
-    t0 = time.monotonic()
     with pytest.raises(DistributedError) as err:
         run_shaped(_fail_on_rank_1, 2, bandwidth="50mbit", timeout=60, fallback=False)
+    assert not isinstance(err.value, DistributedTimeout)  # it did not wait for the timeout
     assert err.value.rank == 1 and "boom on purpose" in err.value.remote_traceback
-    assert time.monotonic() - t0 < 40
     assert _ours() == []
     with pytest.raises(DistributedTimeout) as tout:
         run_shaped(_hang_on_rank_0, 2, bandwidth="50mbit", timeout=10, fallback=False)

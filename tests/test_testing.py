@@ -40,27 +40,28 @@ def _raise_on_rank_1(rank: int, world_size: int) -> int:
 
 @pytest.mark.parametrize("fresh", [True, False])
 def test_exception_propagates_with_rank_traceback(fresh):
-    t0 = time.monotonic()
-    with pytest.raises(DistributedError) as err:
+    with pytest.raises(DistributedError) as err:  # not DistributedTimeout: it did not wait
         run_distributed(_raise_on_rank_1, 3, timeout=60, fresh=fresh)
+    assert not isinstance(err.value, DistributedTimeout)
     assert err.value.rank == 1
     assert "KeyError" in err.value.remote_traceback
     assert "boom on purpose" in str(err.value)
-    assert time.monotonic() - t0 < 30  # did not wait for the full timeout
 
 
-def _hang_on_rank_0(rank: int, world_size: int) -> int:
+def _hang_on_rank_0(rank: int, world_size: int, pid_file: str) -> int:
     if rank == 0:
+        with open(pid_file, "w") as f:
+            f.write(str(os.getpid()))
         time.sleep(600)
     return rank
 
 
-def test_timeout_reaps_and_names_hung_rank():
-    t0 = time.monotonic()
+def test_timeout_reaps_and_names_hung_rank(tmp_path):
+    pid_file = tmp_path / "pid"
     with pytest.raises(DistributedTimeout) as err:
-        run_distributed(_hang_on_rank_0, 2, timeout=4)
+        run_distributed(_hang_on_rank_0, 2, str(pid_file), timeout=4)
     assert err.value.ranks == [0]
-    assert time.monotonic() - t0 < 20
+    assert not _alive(int(pid_file.read_text()))  # reaped, not left sleeping
 
 
 def _die_on_rank_1(rank: int, world_size: int) -> int:
@@ -189,11 +190,10 @@ def test_a_pool_reports_a_failure_like_fresh_ranks_and_starts_anew(how):
         assert [s for _, s in first] == [1.0] * 2
         assert [p for p, _ in pool.run(_pid_and_sum, (), {}, timeout=60)] == \
             [p for p, _ in first]  # the same processes
-        t0 = time.monotonic()
         want = {"raise": DistributedError, "die": DistributedError, "hang": DistributedTimeout}
         with pytest.raises(want[how]) as err:
             pool.run(_fail_on, (how,), {}, timeout=4)
-        assert time.monotonic() - t0 < 30
+        assert (how == "hang") == isinstance(err.value, DistributedTimeout)  # or it waited
         if how == "raise":
             assert err.value.rank == 1 and "boom in a pool" in err.value.remote_traceback
         elif how == "die":
@@ -201,6 +201,7 @@ def test_a_pool_reports_a_failure_like_fresh_ranks_and_starts_anew(how):
         else:
             assert err.value.ranks == [0, 1]  # rank 0 waits for it in the barrier
         assert not pool.alive
+        assert not any(_alive(p) for p, _ in first)  # stopped, not left in the barrier
     finally:
         pool.close()
     with pooled():  # run_distributed inside pooled() starts a new pool

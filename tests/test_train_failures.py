@@ -144,13 +144,10 @@ def test_a_stalled_rank_is_caught_named_and_the_finished_scheme_kept(tmp_path, c
         return real_launch(spec, **kw)
 
     monkeypatch.setattr(command, "launch", launch)
-    t0 = time.perf_counter()
     rc = train.main([*TINY, "--scheme", "ddp,topka", "--steps", "6", "--timeout", "4",
                      "--stall-at", "1:2", "--inject-scheme", "topka", "--out", str(tmp_path)])
-    wall = time.perf_counter() - t0
     err = capsys.readouterr().err
     assert rc == 1
-    assert wall < 90  # bounded: it did not wait for the collectives' own timeouts
     assert ("no rank made progress for 4s: rank 1 stalled at step 2" in err
             and "waiting for it: rank 0 at step 3" in err), err
     assert err.strip().splitlines()[-1].startswith(
@@ -179,10 +176,8 @@ def test_run_distributed_progress_watchdog():
     its step; a watchdog needs a bound (``timeout=None`` alone is refused); outside a watched
     run ``heartbeat`` does nothing."""
     assert run_distributed(_beating, 2, 5, None, timeout=None, progress_timeout=1.5) == [0, 1]
-    t0 = time.perf_counter()
-    with pytest.raises(DistributedStall) as e:
+    with pytest.raises(DistributedStall) as e:  # the watchdog's verdict, with no other bound
         run_distributed(_beating, 2, 4, (1, 2), timeout=None, progress_timeout=1.5)
-    assert time.perf_counter() - t0 < 30
     assert e.value.ranks == [1] and e.value.steps == {1: 2}  # rank 0 had finished
     assert "rank 1 stalled at step 2" in str(e.value)
     with pytest.raises(ValueError, match="progress_timeout"):
@@ -198,16 +193,16 @@ def test_progress_watch_gives_a_rank_not_up_yet_its_start_up_grace():
     names the ranks at the lowest step, 0 for not up or no step completed."""
     from gradsync.testing import distributed as d
 
-    now = time.monotonic()
+    now = 1000.0  # an injected clock: the ages below are exact
     limit = 1.5
-    assert d._stalled(([now - 10.0] * 2, [d._NOT_UP] * 2, limit), [0, 1]) is None
-    late = d._stalled(([now - d.STARTUP_GRACE_S - 1] * 2, [d._NOT_UP] * 2, limit), [0, 1])
+    assert d._stalled(([now - 10.0] * 2, [d._NOT_UP] * 2, limit), [0, 1], now) is None
+    late = d._stalled(([now - d.STARTUP_GRACE_S - 1] * 2, [d._NOT_UP] * 2, limit), [0, 1], now)
     assert late is not None and late.ranks == [0, 1] and late.steps == {0: 0, 1: 0}
-    up = d._stalled(([now - 2.0, now - 10.0], [-1, d._NOT_UP], limit), [0, 1])
+    up = d._stalled(([now - 2.0, now - 10.0], [-1, d._NOT_UP], limit), [0, 1], now)
     assert up is None  # rank 1 is still within its start-up grace
-    both = d._stalled(([now - 2.0, now - 3.0], [-1, 4], limit), [0, 1])
+    both = d._stalled(([now - 2.0, now - 3.0], [-1, 4], limit), [0, 1], now)
     assert both is not None and both.ranks == [0] and both.steps == {0: 0, 1: 5}
-    assert d._stalled(([now - 1.0, now - 3.0], [-1, 4], limit), [0, 1]) is None
+    assert d._stalled(([now - 1.0, now - 3.0], [-1, 4], limit), [0, 1], now) is None
 
 
 def test_table_and_summary_of_unfinished_runs():

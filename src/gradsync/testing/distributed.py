@@ -363,11 +363,12 @@ STARTUP_GRACE_S = 60.0
 _NOT_UP = -2  # a rank's step before its first report (-1: up, no step completed yet)
 
 
-def _stalled(beats: tuple[Any, Any, float], active: list[int]) -> DistributedStall | None:
+def _stalled(beats: tuple[Any, Any, float], active: list[int],
+             now: float | None = None) -> DistributedStall | None:
     """The stall of ``active`` ranks when none of them reported for the progress limit (for a
-    rank not up yet, :data:`STARTUP_GRACE_S` if longer)."""
+    rank not up yet, :data:`STARTUP_GRACE_S` if longer), at ``now`` (``time.monotonic()``)."""
     times, steps, limit = beats
-    now = time.monotonic()
+    now = time.monotonic() if now is None else now
     idle = {r: now - times[r] for r in active}
     if not active or any(idle[r] <= (max(limit, STARTUP_GRACE_S) if steps[r] == _NOT_UP
                                      else limit) for r in active):
