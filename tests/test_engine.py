@@ -48,7 +48,7 @@ def _density_one(rank, world_size, model_names, schemes):
                          bucket_mb=0.05, compress_single_rank=True)
             sync = GradSync(model, cfg)
             worst = 0.0
-            for step in range(4):  # 2 profiling steps, then the final plan
+            for step in range(3):  # 2 profiling steps, then the final plan
                 model.zero_grad(set_to_none=True)
                 x, y = batch(model_name, rank, step)
                 model_loss(model, model_name, x, y).backward()

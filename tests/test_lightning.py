@@ -78,9 +78,6 @@ def _worker(out: str, phase: str) -> None:
         return {k: v.detach().clone() for k, v in m.state_dict().items()}
 
     os.chdir(out)
-    if phase == "amp":
-        _amp(out, Regression, loader)
-        return
     ckpt = os.path.join(out, "epoch1.ckpt")
     cfg = Config(**CONFIG)
     res: dict = {}
@@ -135,6 +132,9 @@ def _worker(out: str, phase: str) -> None:
             except ValueError as e:
                 res["refused"][what] = str(e)
     torch.save(res, os.path.join(out, f"{phase}{rank}.pt"))
+    if phase == "popen":  # the same two processes go on with fp16 AMP (one launch, not two)
+        _amp(out, Regression, loader)
+        return
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
 
@@ -269,10 +269,18 @@ def test_lightning_jobs_exit_cleanly_three_at_a_time(tmp_path):
     assert not failures, f"{len(failures)} of 42 launches failed:\n" + "\n".join(failures)
 
 
-def test_lightning_fp16_amp_follows_the_grad_scaler(tmp_path):
-    _run(tmp_path, "amp")
+@pytest.fixture(scope="module")
+def popen_run(tmp_path_factory):
+    """`python train.py` with devices=2 (Lightning launches rank 1), then fp16 AMP in the same
+    two processes: one launch for both tests below."""
+    out = tmp_path_factory.mktemp("popen")
+    _run(out, "popen", nproc=None)
+    return out
+
+
+def test_lightning_fp16_amp_follows_the_grad_scaler(popen_run):
     for rank in range(2):
-        res = torch.load(tmp_path / f"amp{rank}.pt")
+        res = torch.load(popen_run / f"amp{rank}.pt")
         assert res["follows"]
         seen = res["seen"]
         assert len(seen) == SAMPLES // (2 * BATCH)
@@ -281,10 +289,9 @@ def test_lightning_fp16_amp_follows_the_grad_scaler(tmp_path):
         assert "nonfinite='skip_step'" in res["refused"]
 
 
-def test_lightning_starts_its_own_processes(tmp_path):
+def test_lightning_starts_its_own_processes(popen_run):
     """`python train.py` with devices=2: Lightning launches rank 1; the hook runs on both."""
-    _run(tmp_path, "popen", nproc=None)
-    res = [torch.load(tmp_path / f"popen{i}.pt") for i in range(2)]
+    res = [torch.load(popen_run / f"popen{i}.pt") for i in range(2)]
     for rk in res:
         assert rk["stats"]["calls"] == EPOCHS * SAMPLES // (2 * BATCH)
         assert rk["stats"]["total"]["bytes_sent"] > 0
