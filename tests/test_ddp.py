@@ -106,9 +106,13 @@ def test_compensation_keeps_bucket_budget():
     assert 0.001 < ds[0] < 0.01
     # the bucket sends density × bucket numel entries, up to the rounding of each k
     assert abs(_sent(numels, ds) - 0.01 * sum(numels)) <= 1
-    # when small tensors alone exceed the budget the large ones hit the floor
+    # small tensors that would exceed the budget are sparsified instead (the large one alone
+    # cannot absorb them even at the floor): the density holds
     ds = _densities(state, [200_000, 90_000, 90_000])
-    assert ds == [0.001, None, None]
+    assert ds == [0.01, 0.01, 0.01]
+    # and those the budget can absorb stay whole, smallest first
+    ds = _densities(state, [200_000, 300_000, 1000, 3000])
+    assert ds[2] is ds[3] is None and 0.001 < ds[0] == ds[1] < 0.01
     # nothing to compensate: density unchanged; nothing large: everything dense
     assert _densities(state, [200_000, 300_000]) == [0.01, 0.01]
     assert _densities(state, [50, 64]) == [None, None]

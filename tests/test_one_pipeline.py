@@ -16,7 +16,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync.integrations.ddp
-from conftest import image_batch
+from conftest import batch, image_batch, pin_profiles
+from conftest import loss as model_loss
+from gradsync.apps.models import build
 from gradsync.engine import GradSync
 from gradsync.engine.config import Config
 from gradsync.integrations.ddp import HookState, _densities
@@ -164,3 +166,106 @@ def test_missing_tensors_known_on_the_host_equal_the_count_from_the_positions_ke
     (device,), _ = settle_missing([job_check(sizes, res.kept)], "x")
     assert prep.payload.known_missing(msg, res.kept) == device == (0 if segmented else 2)
     assert prep.payload.known_missing(msg, res.kept.clone()) is None
+
+
+def _bytes_both_paths(rank: int, P: int, model_name: str, scheme: str) -> dict:
+    """The last step's bytes (after the engine's warm-up) of ``scheme`` at 1 % through the
+    engine and through the DDP hook given the model, and what the hook says it sends."""
+    import warnings
+
+    pin_profiles()
+    out = {}
+    for path in ("engine", "hook"):
+        model = build(model_name, seed=0)
+        cfg = Config(scheme=scheme, density=0.01)
+        if path == "engine":
+            net, sync = model, GradSync(model, cfg)
+        else:
+            net, sync = DDP(model), None
+            with warnings.catch_warnings(record=True) as seen:
+                warnings.simplefilter("always")
+                state = gradsync.ddp.register(net, cfg)
+                sent = []
+                for step in range(2):
+                    net.zero_grad()
+                    model_loss(net, model_name, *batch(model_name, rank, step)).backward()
+                    sent.append(state.stats()["total"]["bytes_sent"])
+            out["warned"] = [str(w.message) for w in seen]
+            out["density"] = state.stats()["density"]
+            out["hook"] = sent[1] - sent[0]  # the second step's, every bucket's
+            continue
+        sent = []
+        for step in range(cfg.warmup_steps + 2):
+            net.zero_grad()
+            model_loss(net, model_name, *batch(model_name, rank, step)).backward()
+            sync.synchronize()
+            sent.append(sync.stats()["total"]["bytes_sent"])
+        out["engine"] = sent[-1] - sent[-2]
+        sync.close()
+    out["dense"] = 4 * sum(p.numel() for p in build(model_name, seed=0).parameters())
+    return out
+
+
+@pytest.mark.parametrize("model_name", ["cnn", "gpt_tiny"])
+def test_the_hook_sends_what_the_engine_sends_for_ssfusion(model_name):
+    """Issue 67: through the DDP hook (Lightning's, Accelerate's, the Trainer's path)
+    SSFusion-I on TinyGPT sent the dense gradient whatever the density: every tensor is below
+    the hook's 102,400-entry threshold, so none was sparsified. Now the hook keeps small
+    tensors whole only within the density budget: at 1 % it sends within 5 % of the engine's
+    bytes (planned from its cost model), and within 10 % of what 1 % of the entries cost
+    all-gathered at P = 2 (an fp32 value and an int32 index each, to one peer; a selection
+    sends fewer where it holds zeros). Summed over the two ranks: their selections differ in
+    size step by step (±10 % on the CNN)."""
+    out = run_distributed(_bytes_both_paths, 2, model_name, "ssfusion_oi", timeout=300)
+    hook, engine = (sum(r[path] for r in out) for path in ("hook", "engine"))
+    target = 2 * 0.01 * out[0]["dense"] / 4 * (4 + 4)
+    assert abs(hook - target) <= 0.1 * target, (hook, engine, target)
+    assert abs(hook - engine) <= 0.05 * engine, (hook, engine, target)
+    for r in out:
+        assert r["density"]["requested"] == 0.01
+        assert r["density"]["sent"] == pytest.approx(0.01, rel=0.05)
+        assert r["warned"] == []
+
+
+class _ManySmall(nn.Module):
+    """30 tensors of 48 entries beside one of 4096: at 1 %, with Config.min_k = 8, the 30
+    must travel whole (k would be 0.48 → 1 < 8), which is 35 % of the entries."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.big = nn.Linear(64, 64, bias=False)
+        self.small = nn.ParameterList([nn.Parameter(torch.randn(48) * 0.1) for _ in range(30)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.big(x) + sum(p.sum() for p in self.small)
+
+
+def _honoured(rank: int, P: int) -> dict:
+    import warnings
+
+    torch.manual_seed(0)
+    model = _ManySmall()
+    net = DDP(model)
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        state = gradsync.ddp.register(net, Config(scheme="ssfusion_oi", density=0.01))
+        for step in range(3):
+            net.zero_grad()
+            net(torch.randn(4, 64, generator=torch.Generator().manual_seed(step + rank))).sum(
+            ).backward()
+    return {"warned": [str(w.message) for w in seen if "gradsync" in str(w.message)],
+            "density": state.stats()["density"]}
+
+
+def test_the_hook_says_once_when_the_density_cannot_be_honoured():
+    from gradsync.schedule.ssfusion import allreduce_charge
+
+    out = run_distributed(_honoured, 2, timeout=120)
+    # the 30 all-reduced whole, at what that costs in entries; the large one at the floor d′ =
+    # 0.001 (the budget is spent): k = round(4.096) = 4
+    want = (30 * 48 * allreduce_charge(2, 4) + 4) / (30 * 48 + 4096)
+    for r in out:
+        assert r["density"]["sent"] == pytest.approx(want)
+    assert len(out[0]["warned"]) == 1 and out[1]["warned"] == []  # once, rank 0 only
+    assert "cannot send density 0.01" in out[0]["warned"][0]
+    assert f"sends {want:.4g}" in out[0]["warned"][0]

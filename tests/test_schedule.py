@@ -753,3 +753,58 @@ def test_every_planner_of_the_table_is_registered_once():
     assert {s.planner for s in SCHEMES.values()} <= set(PLANNER_FUNCTIONS)
     with pytest.raises(ValueError, match="PLANNERS"):
         planner("nope")
+
+
+# -- SSFusion in the DDP hook: small tensors whole only within the budget -------------------
+@settings(max_examples=200, deadline=None)
+@given(numels=st.lists(st.integers(1, 300_000), min_size=1, max_size=40),
+       density=st.sampled_from([0.001, 0.01, 0.05, 0.3]),
+       small=st.sampled_from([0, 1000, 102_400]), charge=st.sampled_from([0.25, 0.5, 1.0]),
+       min_k=st.sampled_from([1, 8]))
+def test_small_within_budget_excludes_the_smallest_until_the_budget(numels, density, small,
+                                                                  charge, min_k):
+    """The tensors below the returned size are sent whole: every one that ``density`` gives
+    fewer than ``min_k`` entries, then the smallest sizes below ``small`` while the others, at
+    the density floor, can still absorb them; one size more would not fit (or is not small)."""
+    from gradsync.schedule.ssfusion import small_within_budget
+
+    floor = min(0.001, density)
+    cut, info = small_within_budget(numels, small, density, 0.001, charge, min_k)
+    k_target = density * sum(numels)
+
+    def fits(c: int) -> bool:  # the tensors below c whole: do the others absorb them?
+        whole = sum(charge * n for n in numels if n < c)
+        return whole + sum(max(1, round(floor * n)) if n > 0 else 0
+                           for n in numels if n >= c) < k_target
+
+    forced = [n for n in numels if max(1, min(n, round(density * n))) < min_k]
+    assert all(n < cut for n in forced) and info["forced"] == len(forced)
+    for n in numels:
+        if n < cut and n not in forced:
+            assert n < small
+    if any(n < cut and n not in forced for n in numels):
+        assert fits(cut)
+    above = sorted(n for n in set(numels) if n >= cut)
+    if above and above[0] < small and not any(n == above[0] for n in forced):
+        assert not fits(above[0] + 1)  # maximal: the next size would break the budget
+        assert info["budget"]
+
+
+def test_small_within_budget_keeps_insight_2_where_small_tensors_are_few():
+    """On models whose small tensors are a small share (ResNet-50's shapes at 5 %: its 126
+    tensors below 102,400 entries hold 3 % of its 25.6 M; VGG-16's at 1 %), every tensor below
+    102,400 entries stays whole, as the fixed threshold had it (ResNet-50 at 1 % already sends
+    119 of the 126 whole, within budget); on one
+    whose tensors are all below it (TinyGPT-sized), sending them whole would send the model
+    dense: most are sparsified."""
+    from gradsync.apps.models import reference
+    from gradsync.schedule.ssfusion import small_within_budget
+
+    for name, density in (("resnet50", 0.05), ("vgg16", 0.01)):
+        numels = [p.numel() for p in reference(name, device="meta").parameters()]
+        cut, info = small_within_budget(numels, 102_400, density, 0.001, 0.5, 8)
+        assert not info["budget"] and all((n < cut) == (n < 102_400) for n in numels), name
+    tiny = [16_384] * 8 + [4096] * 8 + [64] * 20 + [256] * 4
+    cut, info = small_within_budget(tiny, 102_400, 0.01, 0.001, 0.5, 8)
+    assert info["budget"] and cut <= 4096
+    assert sum(n for n in tiny if n < cut) * 0.5 < 0.01 * sum(tiny)

@@ -7,7 +7,8 @@ returns ``(state, hook)``. Lightning, Accelerate and the Trainer install it thro
 Per bucket (SSFusion §III–IV on DDP's own fusion buffers; docs/architecture.md, "Through the
 DDP comm hook"): ``dense`` all-reduces it; ``per_tensor`` sparsifies every tensor and
 all-gathers the selections (TopkA); ``ssfusion`` keeps tensors below ``small_numel``
-(SSFusion's 102,400-element heuristic) whole, first in the all-gather as values without
+(SSFusion's 102,400-element heuristic) whole as far as the density budget allows (smallest
+first: ``schedule.ssfusion.small_within_budget``), first in the all-gather as values without
 indices, and lowers the others' density by SSFusion's compensation, computed once over the
 model (§IV-B(i)); ``ssfusion_oi`` all-reduces the whole tensors instead (SSFusion-I); ``auto``
 predicts per bucket from link and sparsifier costs measured once, then keeps the prediction
@@ -49,6 +50,7 @@ import math
 import statistics
 import threading
 import time
+import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
@@ -78,7 +80,12 @@ from gradsync.feedback import (
 from gradsync.schedule import BufferPlan, Plan, TensorPlan, schemes
 from gradsync.schedule.auto import MARGIN, bucket_sparse
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
-from gradsync.schedule.ssfusion import allgather_charge, allreduce_charge, compensate
+from gradsync.schedule.ssfusion import (
+    allgather_charge,
+    allreduce_charge,
+    compensate,
+    small_within_budget,
+)
 from gradsync.sparsegrad import all_finite, finite_flag, largest, target_k
 from gradsync.sparsify import segments
 
@@ -131,6 +138,9 @@ class HookState:
     checked: bool = False  # configuration agreed across ranks
     # world size 1 without Config.compress_single_rank: every bucket sent whole (dense path)
     passthrough: bool = False
+    # SSFusion: the density the model sends, in entries per element (the tensors sent whole
+    # charged at their bytes); set at the first sparse bucket (honour())
+    sent_density: float | None = None
     link: tuple[Any, ...] | None = None  # auto: the measured (all-reduce, all-gather, sparsify)
     # auto's trial of the prediction against all-dense: {"start": step, "times": {"model": [...],
     # "dense": [...]}, "verdict": None | "model" | "dense"}; None: no trial (yet)
@@ -217,10 +227,23 @@ class HookState:
             sp = self.sparsifiers[name] = self._new_sparsifier(name, density)
         return sp
 
+    def honour(self, sent: float) -> None:
+        """Record the density the model sends (``stats()["density"]``) and, when it is above
+        the one asked for by more than 5 % (the tensors that must travel whole exceed the
+        budget), say so once, on rank 0."""
+        self.sent_density = sent
+        if sent > 1.05 * self.cfg.density and self.identity().rank == 0:
+            warnings.warn(f"gradsync: {self.cfg.scheme} cannot send density "
+                          f"{self.cfg.density:g} on this model: the tensors it must send whole "
+                          f"(fewer than Config.min_k={self.cfg.min_k} entries at that density) "
+                          f"exceed the budget, so it sends {sent:.4g} (stats()['density'])",
+                          stacklevel=2)
+
     def stats(self) -> dict[str, Any]:
         return {"last": self.last.as_dict(), "total": self.total.as_dict(),
                 "calls": self.calls, "nonfinite_buckets": self.nonfinite,
-                "missing_rate": self.missing / self.tensors if self.tensors else 0.0}
+                "missing_rate": self.missing / self.tensors if self.tensors else 0.0,
+                "density": {"requested": self.cfg.density, "sent": self.sent_density}}
 
     # -- checkpointing (gradsync.engine.state.Stateful) ---------------------------------
     def identity(self) -> Identity:
@@ -355,11 +378,12 @@ class HookState:
 def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
                comm: Comm | None = None, device: torch.device | None = None
                ) -> list[float | None]:
-    """Per-tensor density of one bucket; None = sent dense. A tensor the scheme would
-    sparsify at fewer than ``Config.min_k`` entries is sent whole, as the engine's planners
-    do (:func:`gradsync.schedule.plan.whole_below`)."""
-    k_min = state.cfg.min_k
-    return [None if d is None or target_k(n, d) < k_min else d
+    """Per-tensor density of one bucket; None = sent dense. A tensor that ``Config.density``
+    would give fewer than ``Config.min_k`` entries is sent whole, as the engine's planners
+    do (:func:`gradsync.schedule.plan.whole_below`); SSFusion's compensated d′ may then give a
+    sparsified tensor fewer, as the engine's SSFusion does."""
+    k_min, density = state.cfg.min_k, state.cfg.density
+    return [None if d is None or target_k(n, density) < k_min else d
             for n, d in zip(numels, _scheme_densities(state, numels, elem_bytes, comm, device))]
 
 
@@ -368,7 +392,10 @@ def _scheme_densities(state: HookState, numels: list[int], elem_bytes: int,
     """Per-tensor density of one bucket as the scheme chooses it; None = sent dense.
 
     ``per_tensor``: every tensor at ``density``. SSFusion: tensors below ``small_numel`` are
-    not sparsified and the others get SSFusion's density-aware compensation, the engine
+    not sparsified, smallest first and only while the budget lets the other tensors absorb
+    them (:func:`gradsync.schedule.ssfusion.small_within_budget`: on a model whose tensors are
+    all small, most of them are sparsified), and the others get SSFusion's density-aware
+    compensation, the engine
     planner's function (:func:`gradsync.schedule.ssfusion.compensate`), applied as §IV-B(i)
     says: over the **whole model** — once, over every trainable parameter of the model given
     to :func:`hook`/:func:`register` (frozen ones never reach DDP's buckets; the set is read
@@ -398,25 +425,29 @@ def _scheme_densities(state: HookState, numels: list[int], elem_bytes: int,
         return [cfg.density if sparse else None] * len(numels)
     if state.scheme.planner == "per_tensor":
         return [cfg.density] * len(numels)
-    sparse = [n >= state.small_numel for n in numels]
     # the unsparsified tensors travel whole, charged at their bytes: values only in the
     # all-gather (its dense prefix), or in SSFusion-I's all-reduce
     P = comm.size if comm is not None else 1
     charge = (allreduce_charge if state.scheme.interleave else allgather_charge)(P, elem_bytes)
-    if state.trained is not None:
-        d = _model_density(state.trained, state.small_numel, cfg.density, cfg.min_density,
-                           charge)
-    else:
-        d, _ = compensate(numels, sparse, cfg.density, cfg.min_density, charge)
-    return [d if s else None for s in sparse]
+    whole, d, sent = _ssfusion_plan(state.trained or tuple(numels), state.small_numel,
+                                    cfg.density, cfg.min_density, charge, cfg.min_k)
+    if state.trained is not None and state.sent_density is None:
+        state.honour(sent)
+    return [None if n < whole else d for n in numels]
 
 
 @functools.lru_cache(maxsize=64)
-def _model_density(numels: tuple[int, ...], small_numel: int, density: float,
-                   min_density: float, charge: float) -> float | None:
-    """SSFusion's compensated density d′ over all of a model's parameters (computed once)."""
-    d, _ = compensate(numels, [n >= small_numel for n in numels], density, min_density, charge)
-    return d
+def _ssfusion_plan(numels: tuple[int, ...], small_numel: int, density: float,
+                   min_density: float, charge: float, min_k: int
+                   ) -> tuple[int, float | None, float]:
+    """SSFusion over all of a model's parameters (computed once): the size below which a tensor
+    travels whole (:func:`gradsync.schedule.ssfusion.small_within_budget`: ``small_numel``,
+    lowered to the compensation budget), the compensated d′ of the others (§IV-B(i)), and the
+    density the model then sends, in entries at ``charge`` per element sent whole."""
+    whole, _ = small_within_budget(numels, small_numel, density, min_density, charge, min_k)
+    d, _ = compensate(numels, [n >= whole for n in numels], density, min_density, charge)
+    sent = sum(charge * n if n < whole or d is None else target_k(n, d) for n in numels)
+    return whole, d, sent / max(1, sum(numels))
 
 
 def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

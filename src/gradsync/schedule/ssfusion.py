@@ -98,6 +98,7 @@ __all__ = [
     "interleave_buffer",
     "offload_buffer",
     "selective_buffers",
+    "small_within_budget",
 ]
 
 
@@ -159,6 +160,47 @@ def compensate(numels: Sequence[int], sparse: Sequence[bool], density: float,
             d = lo if k_s - f(lo) <= f(hi) - k_s else hi
     info.update(density=d, k_sent=dense_n + f(d), k_charged=dense_c + f(d))
     return d, info
+
+
+def small_within_budget(numels: Sequence[int], small_numel: int, density: float,
+                        min_density: float = 0.001, charge: float = 1.0, min_k: int = 1
+                        ) -> tuple[int, dict[str, Any]]:
+    """The size below which SSFusion's DDP hook sends a tensor whole (it has no Eq. 2: no cost
+    model), over all of the model's tensors ``numels``; a tensor of n < the returned size
+    travels whole, every other one is sparsified at the compensated d′ (:func:`compensate`).
+
+    Insight #2 excludes the tensors below ``small_numel`` (the hook's 102,400-element
+    heuristic) because they are a negligible share of the bytes. On a model whose tensors are
+    all small that premise fails: excluding them all sends the model dense whatever ``density``
+    asks. So, as :func:`selective_buffers` does for the engine, exclusions stop at the
+    compensation budget: sizes are excluded smallest first (every tensor of a size together)
+    only while the remaining sparsified tensors, at the density floor, can still absorb what the
+    excluded ones send at ``charge`` entries per element. The tensors that ``density`` would
+    give fewer than ``min_k`` entries travel whole regardless (:func:`~gradsync.schedule.plan.
+    below_min_k`), and are charged first.
+
+    ``info``: ``forced`` (the sizes below min_k), ``budget`` (whether the budget, not
+    ``small_numel``, set the size) and ``k_target``.
+    """
+    floor = min(min_density, density)
+    count = Counter(numels)
+    k_target = density * sum(numels)
+    dense_c = 0.0
+    sparse_floor = sum(c * entries(n, floor) for n, c in count.items())
+    cutoff, forced, budget = 0, 0, False
+    for n in sorted(count):
+        c = count[n]
+        must = below_min_k(n, density, min_k)
+        if not must:
+            if n >= small_numel:
+                break
+            if dense_c + charge * n * c + sparse_floor - c * entries(n, floor) >= k_target:
+                budget = True
+                break
+        dense_c += charge * n * c
+        sparse_floor -= c * entries(n, floor)
+        cutoff, forced = n + 1, forced + must * c
+    return cutoff, {"forced": forced, "budget": budget, "k_target": k_target}
 
 
 def allreduce_charge(P: int, elem_bytes: int) -> float:
