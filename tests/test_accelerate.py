@@ -59,9 +59,6 @@ def _worker(out: str, phase: str) -> None:
     optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
     ns = {"torch": torch, "model": model, "optimizer": optimizer,
           "batches": [_batch(s, rank) for s in range(K)]}
-    if phase == "scaler":
-        _scaler_runs(out, rank)
-        return
     exec(README_SNIPPET if phase == "train" else RESUME_SNIPPET, ns)
     model, optimizer, accelerator = ns["model"], ns["optimizer"], ns["accelerator"]
     losses = []
@@ -85,6 +82,10 @@ def _worker(out: str, phase: str) -> None:
         except ValueError as e:
             res["refused"] = str(e)
     torch.save(res, os.path.join(out, f"{phase}{rank}.pt"))
+    if phase == "resume":  # the same processes go on with the grad-scaler runs (one launch)
+        accelerator.wait_for_everyone()
+        _scaler_runs(out, rank)
+        return
     accelerator.wait_for_everyone()
     torch.distributed.destroy_process_group()
 
@@ -133,9 +134,17 @@ def _torchrun(out, phase: str) -> None:
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-6000:]
 
 
-def test_accelerate_save_state_load_state_bitwise(tmp_path):
-    _torchrun(tmp_path, "train")
-    _torchrun(tmp_path, "resume")
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory):
+    """The training launch, then the resumed one, which goes on with the grad-scaler runs."""
+    out = tmp_path_factory.mktemp("accelerate")
+    _torchrun(out, "train")
+    _torchrun(out, "resume")
+    return out
+
+
+def test_accelerate_save_state_load_state_bitwise(launched):
+    tmp_path = launched
     full = [torch.load(tmp_path / f"train{r}.pt") for r in range(2)]
     resumed = [torch.load(tmp_path / f"resume{r}.pt") for r in range(2)]
     for f, g in zip(full, resumed):
@@ -159,10 +168,9 @@ def test_accelerate_save_state_load_state_bitwise(tmp_path):
         assert g["refused"] is not None and "density: saved 0.1, here 0.2" in g["refused"]
 
 
-def test_register_follows_the_accelerators_grad_scaler_bit_for_bit(tmp_path):
-    _torchrun(tmp_path, "scaler")
+def test_register_follows_the_accelerators_grad_scaler_bit_for_bit(launched):
     for r in range(2):
-        runs = torch.load(tmp_path / f"scaler{r}.pt")
+        runs = torch.load(launched / f"scaler{r}.pt")
         assert len(set(runs["scaled"]["scales"])) > 3  # the scale grew step after step
         plain, scaled, stale = (runs[k]["params"] for k in ("plain", "scaled", "stale"))
         assert all(torch.equal(scaled[k], v) for k, v in plain.items())
