@@ -4,7 +4,9 @@
 multiprocessing support follows them) and then this script, which prints one row per layer of
 the import contract (pyproject.toml, ``[tool.importlinter]``), top to bottom, and the total
 outside ``apps/`` (the figure issue 69 holds: it must not drop). ``--json PATH`` also writes
-the rows.
+the rows; ``--against PATH`` (rows a previous run wrote: ``make coverage`` gives
+``docs/results/coverage-0f2bd88.json``, the suite before issue 69) adds that run's percent per
+layer and the change, and fails when a layer of the library dropped.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ def layer_of(path: Path, order: list[list[str]]) -> str:
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--json", default=None, help="also write the rows here")
+    p.add_argument("--against", default=None, help="rows of an earlier run to compare with")
     a = p.parse_args(argv)
     cov = coverage.Coverage()
     cov.load()
@@ -60,14 +63,28 @@ def main(argv: list[str] | None = None) -> int:
     total = {"layer": "library (outside apps/)", "statements": sum(r["statements"] for r in lib),
              "covered": sum(r["covered"] for r in lib)}
     total["percent"] = round(100.0 * total["covered"] / max(1, total["statements"]), 1)
+    before = {}
+    if a.against:
+        old = json.loads(Path(a.against).read_text())
+        before = {r["layer"]: r["percent"] for r in [*old["rows"], old["library"]]}
     width = max(len(r["layer"]) for r in [*rows, total])
-    print(f"{'layer':<{width}}  statements  covered  percent")
+    extra = f"  {'before':>7}  {'change':>6}" if before else ""
+    print(f"{'layer':<{width}}  statements  covered  percent{extra}")
+    dropped = []
     for r in [*rows, total]:
-        print(f"{r['layer']:<{width}}  {r['statements']:>10}  {r['covered']:>7}  "
-              f"{r['percent']:>6.1f}%")
+        line = (f"{r['layer']:<{width}}  {r['statements']:>10}  {r['covered']:>7}  "
+                f"{r['percent']:>6.1f}%")
+        if r["layer"] in before:
+            change = r["percent"] - before[r["layer"]]
+            line += f"  {before[r['layer']]:>6.1f}%  {change:>+6.1f}"
+            if change < 0 and r["layer"] not in ("apps", "__main__"):
+                dropped.append(r["layer"])
+        print(line)
+    if dropped:
+        print(f"coverage dropped in: {', '.join(dropped)}")
     if a.json:
         Path(a.json).write_text(json.dumps({"rows": rows, "library": total}, indent=2) + "\n")
-    return 0
+    return 1 if dropped else 0
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ Inputs are seeded per rank and step; nothing here touches the global RNG.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 from torch import nn
@@ -13,6 +15,19 @@ from torch import nn
 from gradsync.apps.models import build
 from gradsync.engine import warmup
 from gradsync.schedule import costmodel
+from gradsync.testing.distributed import CPUS_ENV
+
+
+def pytest_configure(config):
+    """Under pytest-xdist, each worker's share of the cores: its own tests' torch threads and
+    its ranks' (``gradsync.testing.distributed.CPUS_ENV``). With a thread per core in every
+    worker and rank, the threads of one spin while another's run (on 2 cores, 4 % of the
+    in-process tests' time)."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT") or 1)
+    if workers > 1 and CPUS_ENV not in os.environ:
+        share = max(1, (os.cpu_count() or 1) // workers)
+        os.environ[CPUS_ENV] = str(share)
+        torch.set_num_threads(share)
 
 
 def pytest_generate_tests(metafunc):

@@ -93,11 +93,12 @@ def _run_many(tmp_path: Path, scheme: str, runs: int) -> None:
     assert not failures, f"{len(failures)} of {runs} launches failed:\n" + "\n".join(failures)
 
 
-@pytest.mark.parametrize("scheme", ["per_tensor", "ssfusion_oi"])
-def test_hook_processes_exit_cleanly(tmp_path, scheme):
-    """One launch (the slow test below runs ten): an abort at exit, once one in 40 launches,
-    shows in some run of the suite rather than in every one."""
-    _run_many(tmp_path, scheme, 1)
+def test_hook_processes_exit_cleanly(tmp_path):
+    """One launch of SSFusion-I (its all-reduce and all-gather parts both hold gloo work at
+    exit; per_tensor's one all-gather is a subset; the slow test below runs ten of each): an
+    abort at exit, once one in 40 launches, shows in some run of the suite rather than in
+    every one."""
+    _run_many(tmp_path, "ssfusion_oi", 1)
 
 
 @pytest.mark.slow

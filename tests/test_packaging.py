@@ -39,17 +39,39 @@ def _python(code: str, cwd: Path, exe: str = sys.executable, env: dict | None = 
     return proc.stdout
 
 
-@pytest.mark.parametrize("module", sorted(PUBLIC))
-def test_each_public_module_imports_in_a_fresh_process(module, tmp_path):
+@pytest.fixture(scope="module")
+def fresh_imports(tmp_path_factory) -> dict[str, str]:
+    """Each public module imported first thing in its own process: a process that has imported
+    torch alone (what every gradsync import starts with) forks one child per module, so torch
+    is imported once, not six times. Per module, what the child printed or its error."""
     out = _python(f"""
-        import sys
-        from {module} import {PUBLIC[module]}
-        import {module} as m
-        import gradsync
-        assert getattr(gradsync, {module.split('.')[1]!r}) is m  # attribute == module
-        print({PUBLIC[module]}.__module__)
-    """, tmp_path)
-    assert out.strip().startswith("gradsync.")
+        import os, sys, traceback
+        import torch
+        for module, name in {sorted(PUBLIC.items())!r}:
+            r, w = os.pipe()
+            if os.fork() == 0:
+                os.close(r)
+                try:
+                    m = __import__(module, fromlist=[name])
+                    import gradsync
+                    assert getattr(gradsync, module.split(".")[1]) is m  # attribute == module
+                    msg = getattr(m, name).__module__
+                except BaseException:
+                    msg = "error " + traceback.format_exc()
+                os.write(w, msg.encode())
+                os._exit(0)
+            os.close(w)
+            with os.fdopen(r) as f:
+                got = f.read()
+            os.wait()
+            print(module, got.replace("\\n", " | ").replace(chr(10), " | "))
+    """, tmp_path_factory.mktemp("fresh"))
+    return dict(line.split(" ", 1) for line in out.splitlines())
+
+
+@pytest.mark.parametrize("module", sorted(PUBLIC))
+def test_each_public_module_imports_in_a_fresh_process(module, fresh_imports):
+    assert fresh_imports[module].startswith("gradsync."), fresh_imports[module]
 
 
 def test_import_gradsync_and_help_need_no_optional_package(tmp_path):

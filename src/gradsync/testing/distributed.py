@@ -211,7 +211,7 @@ def _worker(
         RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
         LOCAL_WORLD_SIZE=str(world_size),
     )
-    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    torch.set_num_threads(rank_threads(world_size))
     try:
         if cuda:
             torch.cuda.set_device(rank % torch.cuda.device_count())
@@ -361,6 +361,19 @@ def _collect(procs: list, results: Any, world_size: int, timeout: float | None,
 STARTUP_GRACE_S = 60.0
 
 _NOT_UP = -2  # a rank's step before its first report (-1: up, no step completed yet)
+
+
+#: The cores a launcher's ranks share (default: the machine's). A test session with several
+#: workers gives each its share (tests/conftest.py), so that ranks of different workers do not
+#: each spin up a thread per core of the machine.
+CPUS_ENV = "GRADSYNC_RANK_CPUS"
+
+
+def rank_threads(world_size: int) -> int:
+    """torch's intra-op threads for one of ``world_size`` ranks: its share of the cores
+    (:data:`CPUS_ENV`, else ``os.cpu_count()``), at least one."""
+    cpus = int(os.environ.get(CPUS_ENV) or os.cpu_count() or 1)
+    return max(1, cpus // world_size)
 
 
 def _stalled(beats: tuple[Any, Any, float], active: list[int],

@@ -61,7 +61,7 @@ from typing import Any
 
 import torch
 
-from gradsync.testing.distributed import DistributedError, finish, run_distributed
+from gradsync.testing.distributed import DistributedError, finish, rank_threads, run_distributed
 
 __all__ = [
     "NetemUnavailable",
@@ -414,7 +414,7 @@ def _src_root() -> str:
 def _run_in_namespaces(world: ShapedWorld, fn: Callable[..., Any], args: tuple, kwargs: dict,
                        timeout: float) -> list[Any]:
     p = world.world_size
-    threads = max(1, (os.cpu_count() or 1) // p)
+    threads = rank_threads(p)
     with tempfile.TemporaryDirectory(prefix="gradsync-netem-") as tmp:
         procs: list[subprocess.Popen] = []
         logs = []
