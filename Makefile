@@ -17,14 +17,13 @@ install: $(STAMP) dataset
 $(STAMP): pyproject.toml constraints.txt
 	@test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install -q --upgrade pip >/dev/null
-	# torch==2.13.0 is served by the local CPU wheel; constraints.txt pins the releases the
-	# tests run with, while the package itself asks only for torch>=2.11.
-	$(PY) -m pip install -q -c constraints.txt "torch==2.13.0"
 	# gradsync needs no torchvision. An earlier set-up installed the PyPI wheel, whose CUDA-linked
 	# C++ ops cannot load with the CPU torch: its import (and torchmetrics', Lightning's,
 	# transformers' model classes') then fails. Remove it.
 	$(PY) -m pip uninstall -q -y torchvision 2>/dev/null || true
-	$(PY) -m pip install -q -c constraints.txt -e ".[dev]"
+	# torch==2.13.0 is served by the local CPU wheel; constraints.txt pins the releases the
+	# tests run with, while the package itself asks only for torch>=2.11. One resolution.
+	$(PY) -m pip install -q -c constraints.txt "torch==2.13.0" -e ".[dev]"
 	@touch $(STAMP)
 
 # Real data from Debian, when we are root and it is missing: Fashion-MNIST for the vision

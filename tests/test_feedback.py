@@ -514,3 +514,23 @@ def test_update_buffer_with_entries_sent_whole_needs_them_to_be_whole_tensors():
         ef.update_buffer("b", acc, torch.tensor([0]), torch.ones(2), whole=2)
     res = ef.update_buffer("b", acc, torch.tensor([1]), whole=2)
     assert res.tolist() == [0.0, 0.0, 1.0, 0.0, 1.0]
+
+
+def test_a_buffer_sent_whole_twice_keeps_its_zero_residual_and_checks_the_values_sent():
+    """A buffer sent whole (``consumed`` None, no values: a dense all-reduce) leaves a zero
+    residual; sent whole again, that same zero residual stands, with nothing written. Sent
+    whole with its values, the residual is what was accumulated minus what was sent, and values
+    of another length are refused."""
+    ef = ErrorFeedback()
+    acc = ef.accumulate_buffer("b", ("x", "y"), (2, 1), torch.tensor([1.0, -2.0, 3.0]))
+    first = ef.update_buffer("b", acc, None)
+    assert torch.equal(first, torch.zeros(3))
+    acc = ef.accumulate_buffer("b", ("x", "y"), (2, 1), torch.tensor([4.0, 5.0, 6.0]))
+    assert torch.equal(acc, torch.tensor([4.0, 5.0, 6.0]))  # nothing was left behind
+    again = ef.update_buffer("b", acc, None)
+    assert again.data_ptr() == first.data_ptr() and torch.equal(again, torch.zeros(3))
+    acc = ef.accumulate_buffer("b", ("x", "y"), (2, 1), torch.tensor([1.0, 1.0, 1.0]))
+    with pytest.raises(ValueError, match=r"3 consumed entries .* but 2 sent values"):
+        ef.update_buffer("b", acc, None, torch.tensor([1.0, 1.0]))
+    res = ef.update_buffer("b", acc, None, torch.tensor([0.5, 1.0, 0.25]))
+    assert torch.equal(res, torch.tensor([0.5, 0.0, 0.75]))

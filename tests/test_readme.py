@@ -520,3 +520,16 @@ def test_section_names_the_code_cites_exist():
             seen += 1
     assert seen >= 20
 
+
+
+def test_make_test_minutes_are_the_measured_ones():
+    """README: `make test` takes "about N minutes on 2 cores". The suite's page records what a
+    fresh clone's `make test` took (its last row, in bold); N is that, rounded up. The time is
+    measured by hand (`time make test` on a fresh clone): a test cannot time itself."""
+    said = re.search(r"make test .*: about (\d+) minutes on 2 cores", README)
+    assert said, "the README's make test line lost its duration"
+    page = (ROOT / "docs" / "results" / "suite.md").read_text()
+    rows = re.findall(r"\*\*(\d+) min (\d+) s\*\*", page)
+    assert len(rows) == 1, "suite.md must mark exactly one measurement as the current one"
+    minutes, seconds = map(int, rows[0])
+    assert int(said.group(1)) == math.ceil(minutes + seconds / 60)
