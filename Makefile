@@ -10,7 +10,7 @@ CORPUS := /usr/share/games/fortunes
 # Parallel test workers: pytest-xdist; multi-rank tests spawn their own processes.
 TEST_WORKERS ?= 2
 
-.PHONY: install test test-all coverage lint demo bench bench-check gpu-check gpu-bench clean
+.PHONY: install test test-all coverage mutations lint demo bench bench-check gpu-check gpu-bench clean
 
 install: $(STAMP) dataset
 
@@ -59,6 +59,10 @@ coverage: install
 	$(VENV)/bin/coverage combine -q
 	$(PY) .ci/coverage_layers.py --json .coverage-data/layers.json \
 	  --against docs/results/coverage-0f2bd88.json
+
+# One mutation per layer (a sign, an index, a comparison): each must fail its layer's tests.
+mutations: install
+	$(PY) .ci/mutations.py
 
 lint: install
 	$(VENV)/bin/ruff check src tests
