@@ -195,11 +195,15 @@ def _bytes_both_paths(rank: int, P: int, model_name: str, scheme: str) -> dict:
             out["hook"] = sent[1] - sent[0]  # the second step's, every bucket's
             continue
         sent = []
-        for step in range(cfg.warmup_steps + 2):
-            net.zero_grad()
-            model_loss(net, model_name, *batch(model_name, rank, step)).backward()
-            sync.synchronize()
-            sent.append(sync.stats()["total"]["bytes_sent"])
+        with warnings.catch_warnings(record=True) as seen:
+            warnings.simplefilter("always")
+            for step in range(cfg.warmup_steps + 2):
+                net.zero_grad()
+                model_loss(net, model_name, *batch(model_name, rank, step)).backward()
+                sync.synchronize()
+                sent.append(sync.stats()["total"]["bytes_sent"])
+        out["engine_warned"] = [str(w.message) for w in seen if "gradsync" in str(w.message)]
+        out["engine_density"] = sync.stats()["density"]
         out["engine"] = sent[-1] - sent[-2]
         sync.close()
     out["dense"] = 4 * sum(p.numel() for p in build(model_name, seed=0).parameters())
@@ -224,7 +228,8 @@ def test_the_hook_sends_what_the_engine_sends_for_ssfusion(model_name):
     for r in out:
         assert r["density"]["requested"] == 0.01
         assert r["density"]["sent"] == pytest.approx(0.01, rel=0.05)
-        assert r["warned"] == []
+        assert r["engine_density"]["sent"] == pytest.approx(0.01, rel=0.05)
+        assert r["warned"] == [] and r["engine_warned"] == []
 
 
 class _ManySmall(nn.Module):
@@ -255,6 +260,37 @@ def _honoured(rank: int, P: int) -> dict:
             ).backward()
     return {"warned": [str(w.message) for w in seen if "gradsync" in str(w.message)],
             "density": state.stats()["density"]}
+
+
+def _honoured_engine(rank: int, P: int) -> dict:
+    import warnings
+
+    pin_profiles()
+    torch.manual_seed(0)
+    model = _ManySmall()
+    sync = GradSync(model, Config(scheme="ssfusion_oi", density=0.01))
+    with warnings.catch_warnings(record=True) as seen:
+        warnings.simplefilter("always")
+        for step in range(sync.cfg.warmup_steps + 2):
+            model.zero_grad()
+            model(torch.randn(4, 64, generator=torch.Generator().manual_seed(step + rank))).sum(
+            ).backward()
+            sync.synchronize()
+    out = {"warned": [str(w.message) for w in seen if "gradsync" in str(w.message)],
+           "density": sync.stats()["density"]}
+    sync.close()
+    return out
+
+
+def test_the_engine_says_once_when_the_density_cannot_be_honoured():
+    """The engine's SSFusion-I on the same model: its plan sends the 30 small tensors whole too
+    (Config.min_k), so it says once, on rank 0, what it sends instead."""
+    out = run_distributed(_honoured_engine, 2, timeout=120)
+    for r in out:
+        assert r["density"]["requested"] == 0.01 and r["density"]["sent"] > 0.0105
+    assert len(out[0]["warned"]) == 1 and out[1]["warned"] == []
+    assert "ssfusion_oi cannot send density 0.01" in out[0]["warned"][0]
+    assert f"sends {out[0]['density']['sent']:.4g}" in out[0]["warned"][0]
 
 
 def test_the_hook_says_once_when_the_density_cannot_be_honoured():

@@ -45,6 +45,7 @@ import math
 import os
 import threading
 import time
+import warnings
 from collections.abc import Callable, Iterator, Mapping
 from datetime import timedelta
 from typing import Any
@@ -74,6 +75,7 @@ from gradsync.engine.state import Identity, check_identity
 from gradsync.engine.stats import StepStats
 from gradsync.feedback import check_scaler, clip_local, follow_scale, saved_scale
 from gradsync.schedule import Plan, costmodel
+from gradsync.schedule.ssfusion import dishonoured_density
 from gradsync.sparsegrad import all_finite, all_finite_each, finite_flag
 
 __all__ = ["GradSync"]
@@ -446,6 +448,7 @@ class GradSync:
         return {"step": self.step, "scheme": self.cfg.scheme, "world_size": self.P,
                 "last": self.last.as_dict(), "total": self.total.as_dict(),
                 "plan": self.plan.info if self.plan else {},
+                "density": {"requested": self.cfg.density, "sent": self._sent_density()},
                 "probing": d is not None and (not d.probed or d.trial is not None)}
 
     def identity(self) -> Identity:
@@ -607,6 +610,19 @@ class GradSync:
         if run is not None and run.ready:  # a plan loaded between hooks: recount
             run.waiting = [sum(n not in run.ready for n in j.names) for j in self._jobs]
         self.plan = plan
+        why = dishonoured_density(self.cfg.scheme, self.cfg.density, self._sent_density(),
+                                  self.cfg.min_k)
+        if why is not None and self.rank == 0 and not getattr(self, "_density_said", False):
+            self._density_said = True  # once per engine
+            warnings.warn(why, stacklevel=3)
+
+    def _sent_density(self) -> float | None:
+        """The density the plan sends, in entries per element (its tensors sent whole charged
+        at their bytes): SSFusion's compensation says it; None for the other planners."""
+        comp = (self.plan.info or {}).get("compensation") if self.plan is not None else None
+        if not comp or comp.get("k_charged") is None:
+            return None
+        return comp["k_charged"] / max(1, sum(p.numel() for p in self.params.values()))
 
     def _hook(self, p: torch.Tensor) -> None:
         if self._no_sync or self._closed:

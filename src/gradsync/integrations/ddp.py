@@ -84,6 +84,7 @@ from gradsync.schedule.ssfusion import (
     allgather_charge,
     allreduce_charge,
     compensate,
+    dishonoured_density,
     small_within_budget,
 )
 from gradsync.sparsegrad import all_finite, finite_flag, largest, target_k
@@ -232,12 +233,9 @@ class HookState:
         the one asked for by more than 5 % (the tensors that must travel whole exceed the
         budget), say so once, on rank 0."""
         self.sent_density = sent
-        if sent > 1.05 * self.cfg.density and self.identity().rank == 0:
-            warnings.warn(f"gradsync: {self.cfg.scheme} cannot send density "
-                          f"{self.cfg.density:g} on this model: the tensors it must send whole "
-                          f"(fewer than Config.min_k={self.cfg.min_k} entries at that density) "
-                          f"exceed the budget, so it sends {sent:.4g} (stats()['density'])",
-                          stacklevel=2)
+        why = dishonoured_density(self.cfg.scheme, self.cfg.density, sent, self.cfg.min_k)
+        if why is not None and self.identity().rank == 0:
+            warnings.warn(why, stacklevel=2)
 
     def stats(self) -> dict[str, Any]:
         return {"last": self.last.as_dict(), "total": self.total.as_dict(),

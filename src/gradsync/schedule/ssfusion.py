@@ -95,6 +95,7 @@ __all__ = [
     "best_split",
     "charge_bytes",
     "compensate",
+    "dishonoured_density",
     "interleave_buffer",
     "offload_buffer",
     "selective_buffers",
@@ -160,6 +161,19 @@ def compensate(numels: Sequence[int], sparse: Sequence[bool], density: float,
             d = lo if k_s - f(lo) <= f(hi) - k_s else hi
     info.update(density=d, k_sent=dense_n + f(d), k_charged=dense_c + f(d))
     return d, info
+
+
+def dishonoured_density(scheme: str, density: float, sent: float | None,
+                        min_k: int) -> str | None:
+    """What to tell a user whose ``density`` SSFusion cannot send (``sent``, in entries per
+    element, above it by more than 5 %: the tensors that must travel whole, those ``density``
+    gives fewer than ``min_k`` entries, exceed the budget even with the others at the density
+    floor); None when it sends what was asked. The engine and the DDP hook say it once."""
+    if sent is None or sent <= 1.05 * density:
+        return None
+    return (f"gradsync: {scheme} cannot send density {density:g} on this model: the tensors "
+            f"it must send whole (fewer than Config.min_k={min_k} entries at that density) "
+            f"exceed the budget, so it sends {sent:.4g} (stats()['density'])")
 
 
 def small_within_budget(numels: Sequence[int], small_numel: int, density: float,
