@@ -155,6 +155,7 @@ class GradSync:
         self.ef = self.cfg.new_feedback()
         self.step = 0
         self.plan: Plan | None = None
+        self._density_said = False  # a density the plan cannot send: said once (_set_plan)
         self.cost: costmodel.CostModel | None = None
         self._parts = Components(self.cfg, self.rank)
         self._numel = {n: p.numel() for n, p in self.params.items()}
@@ -612,17 +613,15 @@ class GradSync:
         self.plan = plan
         why = dishonoured_density(self.cfg.scheme, self.cfg.density, self._sent_density(),
                                   self.cfg.min_k)
-        if why is not None and self.rank == 0 and not getattr(self, "_density_said", False):
-            self._density_said = True  # once per engine
+        if why is not None and self.rank == 0 and not self._density_said:
+            self._density_said = True
             warnings.warn(why, stacklevel=3)
 
     def _sent_density(self) -> float | None:
-        """The density the plan sends, in entries per element (its tensors sent whole charged
-        at their bytes): SSFusion's compensation says it; None for the other planners."""
+        """The density the plan sends, as SSFusion's compensation worked it out
+        (:func:`gradsync.schedule.ssfusion.charge_bytes`); None for the other planners."""
         comp = (self.plan.info or {}).get("compensation") if self.plan is not None else None
-        if not comp or comp.get("k_charged") is None:
-            return None
-        return comp["k_charged"] / max(1, sum(p.numel() for p in self.params.values()))
+        return comp.get("sent_density") if comp else None
 
     def _hook(self, p: torch.Tensor) -> None:
         if self._no_sync or self._closed:

@@ -431,6 +431,8 @@ def charge_bytes(buffers: Sequence[BufferPlan], P: int, elem_bytes: int, density
     d, info = compensate([t.numel for t in ts], [t.density is not None for t in ts], density,
                          min_density, [w_ar if t.allreduce else w_ag for t in ts])
     info["allreduce_charge"], info["allgather_charge"] = w_ar, w_ag
+    # the density the model then sends, in entries per element (dishonoured_density's figure)
+    info["sent_density"] = info["k_charged"] / max(1, sum(t.numel for t in ts))
     out = [BufferPlan(tuple(t if t.density is None else replace(t, density=d) for t in b.tensors),
                       b.mode, b.density) for b in buffers]
     return out, info
