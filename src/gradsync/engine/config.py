@@ -24,8 +24,9 @@ __all__ = ["ENGINE_SPARSIFIERS", "Config", "require_config"]
 # so that experiments compare schemes, not sparsifiers.
 ENGINE_SPARSIFIERS = ("dgc", "topk", "gaussiank", "redsync", "sidco", "randomk")
 NONFINITE_POLICIES = ("raise", "skip_step")
+DENSITY_SCHEDULES = ("fixed", "adaptive")
 # What a config saved before a key existed meant by it (Config.differences).
-_BEFORE_THE_KEY: dict[str, Any] = {"min_k": 1}
+_BEFORE_THE_KEY: dict[str, Any] = {"min_k": 1, "density_schedule": "fixed"}
 RESIDUAL_DTYPES = {"auto": "auto", "float32": torch.float32, "float64": torch.float64,
                    "param": None}
 
@@ -106,6 +107,13 @@ class Config:
         density_warmup_steps: the length of one warm-up period in synchronized steps (an
             epoch's steps for DGC's per-epoch schedule); required (> 0) with
             ``density_warmup``.
+        density_schedule: ``"fixed"`` (default): ``density`` at every step (after
+            ``density_warmup``); ``"adaptive"``: the density follows training, higher inside
+            the critical regimes that Accordion detects from the gradient norm (the first
+            window, and where the norm changes by half between windows), within a byte cap of
+            1.5× the fixed density's mean after the first window (:mod:`gradsync.engine.density`,
+            which gives what it measured: no gain on the CNN over 10 seeds, so not the
+            default).
         plan: a plan to run instead of the one the scheme's planner would make (``None``,
             default: plan as usual). The schemes whose row in the table of schemes
             ``needs_cost_model`` (``multi_tensor``, ``cupcake``, ``ssfusion*``, ``auto``, …)
@@ -156,6 +164,7 @@ class Config:
     residual_dtype: str = "auto"
     density_warmup: tuple[float, ...] = ()
     density_warmup_steps: int = 0
+    density_schedule: str = "fixed"
     plan: dict[str, Any] | None = None
     compress_single_rank: bool = False
     clip_norm: float | None = None
@@ -188,6 +197,9 @@ class Config:
                 or self.min_k < 1):
             raise ValueError(f"Config.min_k must be an integer >= 1 (1 = sparsify every tensor "
                              f"the planner chose to), got {self.min_k!r}")
+        if self.density_schedule not in DENSITY_SCHEDULES:
+            raise ValueError(f"Config.density_schedule must be one of {DENSITY_SCHEDULES}, got "
+                             f"{self.density_schedule!r}")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"Config.nonfinite must be one of {NONFINITE_POLICIES}, got "
                              f"{self.nonfinite!r}")

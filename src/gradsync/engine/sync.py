@@ -67,6 +67,7 @@ from gradsync.engine.consistency import (
     signature_check,
     state_signature,
 )
+from gradsync.engine.density import DensitySchedule
 from gradsync.engine.executor import Executor
 from gradsync.engine.jobs import Job, JobResult, Launched, Mode, StepRun, at_density, plan_jobs
 from gradsync.engine.preconditioning import apply_scales
@@ -85,7 +86,7 @@ __all__ = ["GradSync"]
 _RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "warmup_steps", "bucket_mb",
                   "first_bucket_mb", "min_density", "seed", "local_tau_prime", "residual_dtype",
                   "density_warmup", "density_warmup_steps", "plan", "compress_single_rank",
-                  "clip_norm", "min_k")
+                  "clip_norm", "min_k", "density_schedule")
 
 
 class GradSync:
@@ -162,6 +163,7 @@ class GradSync:
         self._given = warmup.given_plan(self.cfg, self._numel)  # Config.plan, checked
         self._warmup = warmup.Warmup.for_config(self.cfg)
         self._drift = drift.Drift.for_config(self.cfg, self.P)  # auto's re-planning
+        self._density = DensitySchedule(self.cfg)  # each step's density (Accordion, DGC)
         self._last_done: float | None = None  # when the last watched step ended (auto)
         self._set_plan(warmup.provisional_plan(self.cfg, list(reversed(self.params)),
                                                self._numel))
@@ -348,6 +350,9 @@ class GradSync:
         """Record the step's figures and start the next step."""
         stats.sparsify_s += run.inline_sparsify_s
         stats.backward_s = run.backward_s
+        traffic = self._density.end_step(self.step, self.group)
+        if traffic is not None:
+            stats.add_traffic(traffic)
         self.last = stats
         self.total.add(stats)
         self.step += 1
@@ -449,7 +454,8 @@ class GradSync:
         return {"step": self.step, "scheme": self.cfg.scheme, "world_size": self.P,
                 "last": self.last.as_dict(), "total": self.total.as_dict(),
                 "plan": self.plan.info if self.plan else {},
-                "density": {"requested": self.cfg.density, "sent": self._sent_density()},
+                "density": {"requested": self.cfg.density, "sent": self._sent_density(),
+                            **self._density.summary()},
                 "probing": d is not None and (not d.probed or d.trial is not None)}
 
     def identity(self) -> Identity:
@@ -479,6 +485,7 @@ class GradSync:
             "total": self.total.as_dict(),
             "drift": self._drift.state_dict() if self._drift is not None else None,
             "loss_scale": self.loss_scale,
+            "density_schedule": self._density.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -495,6 +502,7 @@ class GradSync:
         scale = saved_scale(state.get("loss_scale"), "GradSync.load_state_dict")
         # build every component first, so a bad entry raises before the engine changes
         parts = self._parts.loaded(state)
+        density = DensitySchedule.loaded(self.cfg, state.get("density_schedule"))
         ef = self.cfg.new_feedback()
         ef.load_state_dict(state["feedback"])
         cost = costmodel.CostModel.from_dict(state["cost"]) if state["cost"] else None
@@ -509,6 +517,7 @@ class GradSync:
         self._parts.install(parts)
         self.total = StepStats.from_dict(state.get("total", {}))
         self._drift = watch
+        self._density = density
         self._last_done = None
         self.loss_scale = scale
 
@@ -656,9 +665,10 @@ class GradSync:
         return p.grad.detach().reshape(-1)
 
     def _launch(self, job: Job, index: int) -> None:
-        job = at_density(job, self.cfg.density_at(self.step), self.cfg.density)  # DGC warm-up
+        job = at_density(job, self._density.at(self.step), self.cfg.density)
         sizes = tuple(self._numel[n] for n in job.names)
         grad, storage = self._gather(index, job.names)
+        self._density.observe(grad)
         prep = prepare(job, index, grad, sizes, self.ef, self._parts.sparsifier,
                        self._exec.offload, self.step,
                        clip=None if self.cfg.clip_norm is None else (self.cfg.clip_norm, self.P),

@@ -65,6 +65,7 @@ from gradsync.collectives.comm import Comm, CommStats
 from gradsync.engine.apply import agreement_word, commit, job_check, settle_missing
 from gradsync.engine.config import Config, require_config
 from gradsync.engine.consistency import signature_check
+from gradsync.engine.density import DensitySchedule
 from gradsync.engine.jobs import Job, Payload, at_density, plan_jobs
 from gradsync.engine.preconditioning import apply_scales
 from gradsync.engine.prepare import accumulate, select
@@ -102,7 +103,7 @@ SMALL_NUMEL = 102_400  # SSFusion Insight #2: ~200 KB of fp32
 # Config fields that change the hook's trajectory: a checkpoint must be loaded with equal values.
 RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "min_density", "seed",
                  "residual_dtype", "density_warmup", "density_warmup_steps", "min_k",
-                 "clip_norm")
+                 "clip_norm", "density_schedule")
 
 
 @dataclass
@@ -152,6 +153,7 @@ class HookState:
     clock: ClassVar[Callable[[], float]] = staticmethod(time.perf_counter)
     scaler: Any = field(default=None, repr=False)  # a GradScaler to follow (follow())
     loss_scale: float | None = None  # the loss scale error feedback's contents are in
+    density: DensitySchedule = field(init=False)  # each step's density (Accordion, DGC)
     _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
 
     def __post_init__(self) -> None:
@@ -165,11 +167,21 @@ class HookState:
         if self.small_numel < 0:
             raise ValueError(f"small_numel must be >= 0, got {self.small_numel}")
         self.ef = self.cfg.new_feedback()
+        self.density = DensitySchedule(self.cfg)
         options = {k: getattr(self.cfg, k) for k in self.scheme.collective_options}
         # each bucket's description agreed once, not every step (DDP checked the parameters'
         # shapes at construction; every rank passes the same buckets)
         self.collective = collectives.get(self.scheme.collective, check_shapes="changes",
                                           **options)
+
+    def reconfigure(self, cfg: Config) -> None:
+        """Run ``cfg`` instead of the configuration given, before the hook's first call (the
+        AdamW recipe of a door that sees the optimizer only after DDP's wrapping,
+        :mod:`gradsync.integrations.adamw`)."""
+        if self.calls:
+            raise RuntimeError("HookState.reconfigure: the hook has run already")
+        self.cfg = require_config(cfg, "HookState.reconfigure")
+        self.__post_init__()
 
     def name_of(self, p: torch.Tensor) -> str:
         name = self.names.get(id(p))
@@ -241,7 +253,8 @@ class HookState:
         return {"last": self.last.as_dict(), "total": self.total.as_dict(),
                 "calls": self.calls, "nonfinite_buckets": self.nonfinite,
                 "missing_rate": self.missing / self.tensors if self.tensors else 0.0,
-                "density": {"requested": self.cfg.density, "sent": self.sent_density}}
+                "density": {"requested": self.cfg.density, "sent": self.sent_density,
+                            **self.density.summary()}}
 
     # -- checkpointing (gradsync.engine.state.Stateful) ---------------------------------
     def identity(self) -> Identity:
@@ -259,6 +272,7 @@ class HookState:
                 "small_numel": self.small_numel, "params": self._params(),
                 "feedback": self.ef.state_dict(), "steps": self.steps,
                 "loss_scale": self.loss_scale,
+                "density_schedule": self.density.state_dict(),
                 "sparsifiers": {k: s.state_dict() for k, s in self.sparsifiers.items()},
                 "link": None if self.link is None else [vars(x).copy() for x in self.link],
                 "trial": None if self.trial is None else {
@@ -313,7 +327,8 @@ class HookState:
         link = self._link_from(state)
         trial = self._trial_from(state)
         scale = saved_scale(state.get("loss_scale"), "HookState.load_state_dict")
-        self.ef, self.sparsifiers = ef, sparsifiers
+        density = DensitySchedule.loaded(self.cfg, state.get("density_schedule"))
+        self.ef, self.sparsifiers, self.density = ef, sparsifiers, density
         self.steps = int(state.get("steps", 0))
         self.loss_scale = scale
         self.link, self.trial, self._last_first = link, trial, None
@@ -485,7 +500,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
                         state.scheme.collective)
     # DGC's warm-up (Config.density_warmup), as the engine's jobs take it; at density 1 every
     # entry travels in an all-reduce (DDP's bytes, not an all-gather of all of it)
-    d_now = state.cfg.density_at(state.steps)
+    d_now = state.density.at(state.steps)
     jobs = tuple(at_density(job, d_now, state.cfg.density) for job in jobs)
     return _send_bucket(state, bucket, comm, jobs, names, numels, offsets)
 
@@ -523,6 +538,7 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
     order = [n for job in jobs for n in job.names]  # the travel order: jobs after each other
     travel = _Travel([position[n] for n in order], offsets, numels, buf.device)
     grad = travel.gather(buf)
+    state.density.observe(grad)
     # the bucket's gradients checked once, whatever its number of jobs (no read: module doc)
     here = finite_flag(grad)
     clip = None if state.cfg.clip_norm is None else (state.cfg.clip_norm, P)
@@ -803,6 +819,9 @@ def _account(state: HookState, stats: CommStats, last: bool) -> ValueError | Non
     comm = Comm(state.group)
     error = _settle(state, comm) if last else None
     stats += comm.stats  # the malformed-message word, if one was all-reduced
+    window = state.density.end_step(state.steps, state.group) if last else None
+    if window is not None:  # the density schedule's word, at a window's end
+        stats += window
     state.steps += int(last)
     state.last = stats
     state.total += stats

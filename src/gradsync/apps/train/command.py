@@ -52,7 +52,7 @@ TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR")
 def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentParser:
     """The argument parser (``prog`` names the command in usage and errors)."""
     from gradsync.apps import models
-    from gradsync.engine.config import ENGINE_SPARSIFIERS
+    from gradsync.engine.config import DENSITY_SCHEDULES, ENGINE_SPARSIFIERS
 
     d = defaults()
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
@@ -70,6 +70,10 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
     p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
                    help="DGC's warm-up: PERIODS periods of STEPS steps at exponentially "
                         "decreasing densities before --density (gradsync schemes; default off)")
+    p.add_argument("--density-schedule", choices=DENSITY_SCHEDULES, default=None,
+                   help="gradsync schemes: 'adaptive' raises the density in the critical "
+                        "regimes the gradient norm shows, 'fixed' sends --density at every step "
+                        "(Config.density_schedule; default fixed)")
     p.add_argument("--clip-norm", type=float, default=None, metavar="C",
                    help="DGC's local gradient clipping for the gradsync schemes: each rank's "
                         "gradient, per tensor, to an L2 norm of C/sqrt(P) before it enters "
@@ -112,6 +116,9 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
                         "differently in every run)")
     p.add_argument("--eval-batches", type=int, default=d["eval_batches"],
                    help="test batches for accuracy / perplexity (0 = no evaluation)")
+    p.add_argument("--eval-every", type=int, default=d["eval_every"], metavar="N",
+                   help="also evaluate every N steps (the curve the time to DDP's final score "
+                        "is read from; 0 = only at the end)")
     p.add_argument("--timeout", type=float, default=d["timeout"],
                    help="seconds without progress before a hung scheme is stopped: when no "
                         "rank completed a step for this long, the scheme fails naming the "
@@ -150,10 +157,12 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
             data=a.data, world_size=a.world_size, steps=a.steps, epochs=a.epochs,
             batch_size=a.batch_size, lr=a.lr, density=a.density, sparsifier=a.sparsifier,
             seed=a.seed, warmup_steps=a.warmup_steps, eval_batches=a.eval_batches,
+            eval_every=a.eval_every,
             bandwidth=a.bandwidth, latency=a.latency, timeout=a.timeout, out=a.out,
             progress=not a.no_progress, fail_rank=a.fail_rank, stall_at=a.stall_at,
             step_sleep=a.step_sleep, inject_scheme=a.inject_scheme,
-            density_warmup=a.density_warmup, clip_norm=a.clip_norm,
+            density_warmup=a.density_warmup, density_schedule=a.density_schedule,
+            clip_norm=a.clip_norm,
             min_k=a.min_k, adam_warmup=a.adam_warmup, amp=a.amp, plans=_read_plans(a.plan, p),
             topk_shares=a.topk_shares)
     except ValueError as e:

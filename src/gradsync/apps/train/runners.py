@@ -127,6 +127,8 @@ class Runner:
             extra.setdefault("nonfinite", "skip_step")
         if spec.min_k is not None:
             extra.setdefault("min_k", spec.min_k)
+        if spec.density_schedule is not None:
+            extra.setdefault("density_schedule", spec.density_schedule)
         return Config(scheme=self.choice.scheme.name, density=spec.density,
                       sparsifier=spec.sparsifier, seed=spec.seed,
                       momentum=MOMENTUM if self.momentum_correction else 0.0,

@@ -17,6 +17,7 @@ import math
 from dataclasses import dataclass, fields
 from typing import Any
 
+from gradsync.engine.config import DENSITY_SCHEDULES
 from gradsync.schedule.schemes import SCHEMES, Scheme
 
 __all__ = ["ADAMW_LR", "AMP", "DATASETS", "DDP_HOOK_PREFIX", "DDP_PEERS", "DEFAULT_STEPS",
@@ -26,7 +27,8 @@ __all__ = ["ADAMW_LR", "AMP", "DATASETS", "DDP_HOOK_PREFIX", "DDP_PEERS", "DEFAU
 DDP_PEERS = ("ddp", "ddp_powersgd", "ddp_fp16")  # torch's own comm hooks, run as peers
 # TrainSpec fields that only gradsync's schemes read (runners.py): torch's own hooks above train
 # bit for bit the same under any of them (bench convergence's kept DDP runs leave them out).
-GRADSYNC_FIELDS = ("density", "sparsifier", "density_warmup", "clip_norm", "min_k",
+GRADSYNC_FIELDS = ("density", "sparsifier", "density_warmup", "density_schedule", "clip_norm",
+                   "min_k",
                    "adam_warmup", "topk_shares")
 DDP_HOOK_PREFIX = "ddp_gradsync_"  # + a scheme with Scheme.ddp_hook: gradsync's DDP comm hook
 DATASETS = ("fashion-mnist", "text", "synthetic")
@@ -143,6 +145,8 @@ class TrainSpec:
         density_warmup: DGC's warm-up for the gradsync schemes, ``"PERIODS:STEPS"``: PERIODS
             periods of STEPS steps at exponentially decreasing densities
             (``Config.dgc_warmup``), then ``density``; ``None``: off.
+        density_schedule: ``Config.density_schedule`` of the gradsync schemes
+            (``"adaptive"`` or ``"fixed"``); ``None``: Config's default.
         clip_norm: ``Config.clip_norm`` of the gradsync schemes (DGC's local gradient
             clipping); ``None``: off.
         min_k: ``Config.min_k`` of the gradsync schemes: a tensor sparsified on its own that
@@ -191,6 +195,7 @@ class TrainSpec:
     text_fallback: bool = False
     device: str | None = None
     density_warmup: str | None = None
+    density_schedule: str | None = None
     clip_norm: float | None = None
     min_k: int | None = None
     adam_warmup: int | None = None
@@ -273,6 +278,9 @@ class TrainSpec:
             raise ValueError(f"inject_scheme: unknown scheme {self.inject_scheme!r}")
         if self.density_warmup is not None:
             self.warmup_schedule()  # raises on a malformed value
+        if self.density_schedule not in (None, *DENSITY_SCHEDULES):
+            raise ValueError(f"density_schedule: unknown {self.density_schedule!r}; choose from "
+                             f"{', '.join(DENSITY_SCHEDULES)}")
         if self.clip_norm is not None and not (
                 isinstance(self.clip_norm, int | float) and 0 < self.clip_norm < math.inf):
             raise ValueError(f"clip_norm must be a finite number > 0, got {self.clip_norm!r}")
@@ -379,7 +387,8 @@ class TrainSpec:
                 "text_fallback": self.text_fallback,
                 "density": self.density, "sparsifier": self.sparsifier, "seed": self.seed,
                 "warmup_steps": self.warmup_steps, "eval_batches": self.eval_batches,
-                "density_warmup": self.density_warmup, "clip_norm": self.clip_norm,
+                "density_warmup": self.density_warmup,
+                "density_schedule": self.density_schedule, "clip_norm": self.clip_norm,
                 "min_k": self.min_k, "adam_warmup": self.adam_warmup,
                 "amp": self.amp,
                 "bandwidth": self.bandwidth, "latency": self.latency,
