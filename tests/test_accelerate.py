@@ -119,9 +119,44 @@ def _scaler_runs(out: str, rank: int) -> None:
             scales.append(1.0 if accelerator.scaler is None else accelerator.scaler.get_scale())
         runs[name] = {"scales": scales, "params": {
             k: v.detach().clone() for k, v in model.module.state_dict().items()}}
+    runs["adamw"] = _adamw_runs(rank)
     torch.save(runs, os.path.join(out, f"scaler{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def _adamw_runs(rank: int) -> dict:
+    """torch's AdamW prepared by the accelerator: ``register`` refuses it without
+    ``adam_warmup``, and with it (and a GradScaler, whose bound step Accelerate keeps) puts
+    FrozenVarianceAdamW in the AcceleratedOptimizer the script holds."""
+    res: dict = {}
+    for warmup in (None, 3):
+        ns = {"torch": torch, "model": _net(0)}
+        ns["optimizer"] = torch.optim.AdamW(ns["model"].parameters(), lr=1e-2)
+        setup = SETUP.replace('density=0.1)', 'density=0.1, nonfinite="skip_step")').replace(
+            "# on GPUs: Accelerator()\n",
+            "\naccelerator.scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10)\n")
+        if warmup is not None:
+            setup = setup.replace("(accelerator, model, cfg)",
+                                  f"(accelerator, model, cfg, adam_warmup={warmup})")
+        try:
+            exec(setup, ns)
+        except ValueError as e:
+            res["refused"] = str(e)
+            continue
+        model, optimizer, accelerator = ns["model"], ns["optimizer"], ns["accelerator"]
+        losses = []
+        for s in range(K + N):
+            x, y = _batch(s, rank)
+            optimizer.zero_grad()
+            loss = nn.functional.mse_loss(model(x), y)
+            accelerator.backward(loss)
+            optimizer.step()
+            losses.append(loss.item())
+        res.update(losses=losses, optimizer=type(optimizer.optimizer).__name__,
+                   config=ns["hook_state"].cfg.to_dict(),
+                   steps=[st["step"] for st in optimizer.optimizer.state.values()])
+    return res
 
 
 def _torchrun(out, phase: str) -> None:
@@ -175,6 +210,20 @@ def test_register_follows_the_accelerators_grad_scaler_bit_for_bit(launched):
         plain, scaled, stale = (runs[k]["params"] for k in ("plain", "scaled", "stale"))
         assert all(torch.equal(scaled[k], v) for k, v in plain.items())
         assert not all(torch.equal(stale[k], v) for k, v in plain.items())
+
+
+def test_register_applies_the_adamw_recipe(launched):
+    """torch's AdamW: refused without ``adam_warmup`` (the message gives the fix); with it,
+    FrozenVarianceAdamW steps in the AcceleratedOptimizer (under a GradScaler), AdamW's beta1
+    goes into error feedback, the warm-up travels whole, and the loss falls."""
+    for r in range(2):
+        a = torch.load(launched / f"scaler{r}.pt")["adamw"]
+        assert "adam_warmup=N" in a["refused"] and "AdamW" in a["refused"]
+        assert a["optimizer"] == "FrozenVarianceAdamW"
+        assert a["config"]["momentum"] == 0.9
+        assert (a["config"]["density_warmup"], a["config"]["density_warmup_steps"]) == ((1.0,), 3)
+        assert a["steps"] and set(a["steps"]) == {K + N}  # every step reached the optimizer
+        assert sum(a["losses"][-3:]) < 0.5 * sum(a["losses"][:3]), a["losses"]
 
 
 def test_register_refuses_a_model_without_ddp(monkeypatch):

@@ -181,10 +181,38 @@ def _amp(out: str, module_class, loader) -> None:
         t.fit(Recording(), loader)
     except ValueError as e:
         res["refused"] = str(e)
+    res["adamw"] = _adamw(module_class, loader)
     rank = torch.distributed.get_rank()
     torch.save(res, os.path.join(out, f"amp{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
+
+
+def _adamw(module_class, loader) -> dict:
+    """configure_optimizers returns torch's AdamW and a scheduler: the strategy applies the
+    frozen-variance recipe (FrozenVarianceAdamW for the strategy and the scheduler, AdamW's
+    beta1 into error feedback, the first 10 steps whole) over 3 epochs of 8 steps."""
+    import pytorch_lightning as pl
+
+    from gradsync.integrations.lightning import GradSyncStrategy
+
+    class WithAdamW(module_class):
+        def configure_optimizers(self):
+            opt = torch.optim.AdamW(self.parameters(), lr=1e-2)
+            return [opt], [torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 - s / 100)]
+
+    torch.manual_seed(0)
+    module = WithAdamW()
+    strategy = GradSyncStrategy(Config(**CONFIG))
+    t = pl.Trainer(strategy=strategy, accelerator="cpu", devices=2, max_epochs=3, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False,
+                   enable_model_summary=False, num_sanity_val_steps=0)
+    t.fit(module, loader)
+    opt = strategy.optimizers[0]
+    return {"optimizer": type(opt).__name__, "config": strategy.hook_state.cfg.to_dict(),
+            "scheduler_follows": strategy.lr_scheduler_configs[0].scheduler.optimizer is opt,
+            "lr": opt.param_groups[0]["lr"], "losses": module.losses,
+            "steps": sorted({st["step"] for st in opt.state.values()})}
 
 
 def _command(out, phase: str, nproc: int | None = 2) -> tuple[list[str], dict[str, str]]:
@@ -287,6 +315,21 @@ def test_lightning_fp16_amp_follows_the_grad_scaler(popen_run):
         assert all(scale == held for scale, held in seen), seen
         assert len({scale for scale, _ in seen}) > 3  # the scale changed step after step
         assert "nonfinite='skip_step'" in res["refused"]
+
+
+def test_lightning_applies_the_adamw_recipe(popen_run):
+    """torch's AdamW from configure_optimizers: FrozenVarianceAdamW for the strategy and its
+    scheduler (which keeps driving the learning rate), AdamW's beta1 in error feedback, the
+    first 10 of 24 steps whole, every step applied, and the loss falls."""
+    steps = 3 * SAMPLES // (2 * BATCH)
+    for rank in range(2):
+        a = torch.load(popen_run / f"amp{rank}.pt")["adamw"]
+        assert a["optimizer"] == "FrozenVarianceAdamW" and a["scheduler_follows"]
+        assert a["config"]["momentum"] == 0.9
+        assert (a["config"]["density_warmup"], a["config"]["density_warmup_steps"]) == ((1.0,), 10)
+        assert a["lr"] == pytest.approx(1e-2 * (1.0 - 3 / 100))  # stepped once per epoch
+        assert a["steps"] == [steps]
+        assert sum(a["losses"][-3:]) < 0.5 * sum(a["losses"][:3]), a["losses"]
 
 
 def test_lightning_starts_its_own_processes(popen_run):

@@ -117,6 +117,7 @@ def _worker(out: str, phase: str) -> None:
             res["refused"][what] = str(e)
         res.setdefault("steps_after_refusal", []).append(trainer.state.global_step)
     res["amp"] = _grad_scaler(dataset)
+    res["adamw"] = _adamw_recipe()
     torch.save(res, os.path.join(out, f"main{rank}.pt"))
     torch.distributed.barrier()
     torch.distributed.destroy_process_group()
@@ -154,6 +155,43 @@ def _grad_scaler(dataset) -> dict:
             res["follows"] = callback.hook_state.scaler is trainer.accelerator.scaler
             res["scales"] = (callback.hook_state.loss_scale, trainer.accelerator.scaler.get_scale())
     res["same"] = all(torch.equal(runs["plain"][k], v) for k, v in runs["scaled"].items())
+    return res
+
+
+ADAMW_STEPS = 60  # the plain Trainer's run; gradsync's gets 1.3 times as many
+
+
+def _adamw_recipe() -> dict:
+    """Trainer's default optimizer (torch's AdamW) on a GPT-2 of 110 k parameters, learning
+    rate 3e-3, without gradsync for ADAMW_STEPS steps and with ``per_tensor`` at 5 % for 1.3
+    times as many: the callback swaps in FrozenVarianceAdamW and the hook's recipe."""
+    from transformers import GPT2Config, GPT2LMHeadModel, Trainer
+
+    from gradsync.integrations.transformers import GradSyncCallback
+
+    vocab, seq = 64, 32
+    g = torch.Generator().manual_seed(0)
+    ids = ((torch.randint(0, vocab, (4096, 1), generator=g)
+            + (1 + 2 * torch.randint(0, 2, (4096, 1), generator=g)) * torch.arange(seq)) % vocab)
+    data = [{"input_ids": r, "labels": r} for r in ids]
+    res: dict = {}
+    for name, steps in (("plain", ADAMW_STEPS), ("gradsync", round(1.3 * ADAMW_STEPS))):
+        torch.manual_seed(0)
+        model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=64,
+                                           n_layer=2, n_head=2, resid_pdrop=0.0,
+                                           embd_pdrop=0.0, attn_pdrop=0.0))
+        callbacks = ([GradSyncCallback(Config(scheme="per_tensor", density=0.05))]
+                     if name == "gradsync" else [])
+        trainer = Trainer(model=model, train_dataset=data, callbacks=callbacks, args=_args(
+            f"adamw_{name}", max_steps=steps, learning_rate=3e-3, per_device_train_batch_size=8,
+            save_strategy="no"))
+        trainer.train()
+        res[name] = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+        if callbacks:
+            hook = callbacks[0].hook_state
+            res["optimizer"] = type(trainer.optimizer.optimizer).__name__
+            res["config"] = hook.cfg.to_dict()
+            res["max_grad_norm"] = trainer.args.max_grad_norm  # given back at the end
     return res
 
 
@@ -248,9 +286,14 @@ def test_trainer_train_checkpoint_resume_refuse(tmp_path):
         assert all(s["world_size"] == 2 and s["config"]["density"] == 0.1 for s in saved)
         r0, r1 = (s["feedback"]["residual"] for s in saved)
         assert set(r0) == set(r1) == names
-        assert any(not torch.equal(r0[n], r1[n]) for n in r0)
         # a tensor of 80 entries or more is sparsified (k >= 8 at density 0.1) and leaves a
         # residual; a smaller one travels whole (Config.min_k) and leaves none
+        # Trainer's AdamW runs the frozen-variance recipe: its first MIN_WARMUP (10) steps
+        # travel whole, so the first epoch's checkpoint holds no residual
+        if step == STEPS:
+            assert all(r0[n].abs().sum() == 0 for n in r0)
+            continue
+        assert any(not torch.equal(r0[n], r1[n]) for n in r0)
         sparse = {n for n in r0 if r0[n].numel() >= 80}
         assert sparse and all(r0[n].abs().sum() > 0 for n in sparse)
         assert all(r0[n].abs().sum() == 0 for n in set(r0) - sparse)
@@ -260,6 +303,19 @@ def test_trainer_train_checkpoint_resume_refuse(tmp_path):
                                     f"gradsync_rank{r}.pt")["feedback"]["residual"]
                          for run in ("full", "resumed"))
         assert all(torch.equal(resumed[n], full[n]) for n in names)
+    # Trainer's default AdamW: the callback applies the frozen-variance recipe, and per_tensor
+    # at 5 % reaches the plain Trainer's final loss within 1.3 times its steps
+    for rk in res:
+        a = rk["adamw"]
+        assert a["optimizer"] == "FrozenVarianceAdamW"
+        assert a["config"]["momentum"] == 0.9  # AdamW's beta1, in error feedback
+        assert a["config"]["density_warmup"] == (1.0,)
+        assert a["config"]["density_warmup_steps"] == 10  # max(10, 10 % of 78)
+        assert a["config"]["clip_norm"] == 1.0 and a["max_grad_norm"] == 1.0
+        target = sum(a["plain"][-5:]) / 5
+        smooth = [sum(a["gradsync"][i - 4:i + 1]) / 5 for i in range(4, len(a["gradsync"]))]
+        assert len(a["gradsync"]) == round(1.3 * ADAMW_STEPS)
+        assert min(smooth) <= target, (target, smooth[-5:])
     # one process without DDP: a warning, no traffic, the same run as without the callback;
     # the 2-rank checkpoint is refused
     _run(tmp_path, "one", None)

@@ -27,6 +27,14 @@ state is per rank, so the object :func:`register` hands to ``register_for_checkp
 gathers every rank's state into that file (:func:`gradsync.integrations.ranks.gather`) and
 gives each rank its own entry back, refusing one from another world size, configuration or
 model with a ``ValueError``.
+
+AdamW: when an optimizer the accelerator prepared is torch's Adam/AdamW and the scheme
+compresses, :func:`register` applies gradsync's frozen-variance recipe
+(:mod:`gradsync.integrations.adamw`): it replaces the optimizer inside its
+``AcceleratedOptimizer`` (the object the script holds) by a ``FrozenVarianceAdamW`` over the same
+parameter groups, and the hook sends every gradient whole for ``adam_warmup`` steps. Accelerate
+does not know the run's length, so ``adam_warmup`` must be given then (about 10 % of the
+optimizer steps); without it ``register`` refuses with that fix.
 """
 
 from __future__ import annotations
@@ -37,7 +45,7 @@ from typing import Any
 from torch import nn
 
 from gradsync.engine.config import Config, require_config
-from gradsync.integrations import ddp, ranks
+from gradsync.integrations import adamw, ddp, ranks
 
 __all__ = ["HookCheckpoint", "register"]
 
@@ -66,7 +74,8 @@ class HookCheckpoint:
 
 
 def register(accelerator: Any, model: nn.Module, cfg: Config,
-             small_numel: int = ddp.SMALL_NUMEL) -> ddp.HookState:
+             small_numel: int = ddp.SMALL_NUMEL, adam_warmup: int | None = None
+             ) -> ddp.HookState:
     """Install gradsync's comm hook on ``model`` (``accelerator.prepare``'s result) and register
     its per-rank state for ``accelerator.save_state``/``load_state``; returns the hook's state
     (``stats()``).
@@ -75,6 +84,11 @@ def register(accelerator: Any, model: nn.Module, cfg: Config,
     (:meth:`gradsync.ddp.HookState.follow`: error feedback stays in the units of each step's
     loss scale), which needs ``Config(nonfinite="skip_step")`` (``ValueError`` otherwise: the
     scaler, not the hook, handles the steps that overflow).
+
+    With torch's Adam/AdamW among the prepared optimizers and a compressing scheme, the hook
+    runs the frozen-variance recipe (module docstring): ``adam_warmup`` optimizer steps of exact
+    AdamW with gradients sent whole, then the variance frozen; ``ValueError`` without
+    ``adam_warmup``, or where the recipe cannot run (:func:`gradsync.integrations.adamw.refusal`).
 
     Raises ``TypeError`` when ``model`` is not wrapped in ``DistributedDataParallel``: Accelerate
     wraps it only when it runs several processes.
@@ -91,9 +105,41 @@ def register(accelerator: Any, model: nn.Module, cfg: Config,
             f"gradsync.accelerate.register needs the DistributedDataParallel model that "
             f"accelerator.prepare() returns when several processes run; got "
             f"{type(model).__name__}: {hint}, and pass prepare()'s result")
-    state = ddp.register(model, cfg, small_numel)
+    found = [f for f in map(adamw.adam_in, getattr(accelerator, "_optimizers", [])) if f]
+    recipe = cfg
+    if found:
+        recipe = _recipe(cfg, found, adam_warmup)
+    state = ddp.register(model, recipe, small_numel)
+    if recipe is not cfg:
+        for holder, adam in found:
+            adamw.put(holder, adamw.frozen_variance(adam, recipe.density_warmup_steps, state))
     scaler = getattr(accelerator, "scaler", None)  # mixed_precision="fp16"'s GradScaler
     if scaler is not None:
         state.follow(scaler)
     accelerator.register_for_checkpointing(HookCheckpoint(state, accelerator))
     return state
+
+
+def _recipe(cfg: Config, found: list[tuple[Any, Any]], adam_warmup: int | None) -> Config:
+    """The hook's configuration under the frozen-variance recipe (module docstring), or
+    ``ValueError`` with the fix."""
+    fix = ("Pass gradsync.accelerate.register(accelerator, model, cfg, adam_warmup=N), N about "
+           "10 % of your optimizer steps, or wire gradsync.optim.FrozenVarianceAdamW yourself "
+           "(docs/usage.md, 'With AdamW').")
+    where = "gradsync.accelerate.register"
+    for _, adam in found:
+        why = adamw.refusal(cfg, adam, where, fix)
+        if why is not None:
+            raise ValueError(why)
+    recipe = adamw.recipe_config(cfg, found[0][1], adam_warmup or 1)
+    if recipe is cfg:  # nothing compressed: AdamW runs as it is
+        return cfg
+    if len(found) > 1 or adam_warmup is None or isinstance(adam_warmup, bool) or adam_warmup < 1:
+        raise ValueError(
+            f"{where}: the optimizer is torch's {type(found[0][1]).__name__}, which runs far "
+            f"behind under compressed gradients unless gradsync applies its frozen-variance "
+            f"recipe, and "
+            + ("there are several Adam optimizers (the recipe takes one)" if len(found) > 1
+               else f"it needs the warm-up length (adam_warmup, got {adam_warmup!r})")
+            + f". {fix}")
+    return recipe

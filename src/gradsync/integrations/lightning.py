@@ -31,17 +31,25 @@ under the key ``"gradsync"`` (:func:`gradsync.integrations.ranks.gather`); resum
 (``trainer.fit(…, ckpt_path=…)``) gives each rank its own entry, and a checkpoint from another
 world size, configuration or model, or one without gradsync state, is refused with a
 ``ValueError`` on every rank before training starts.
+
+AdamW: when ``configure_optimizers`` returns torch's Adam/AdamW and the scheme compresses, the
+strategy applies gradsync's frozen-variance recipe (:mod:`gradsync.integrations.adamw`): the hook
+sends every gradient whole for the first 10 % of ``trainer.estimated_stepping_batches`` (at
+least 10 steps), and the
+optimizer is replaced, for the strategy and its schedulers, by a ``FrozenVarianceAdamW`` over the
+same parameter groups; where the recipe cannot run, ``fit`` refuses with the fix.
 """
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytorch_lightning as pl
 from pytorch_lightning.strategies import DDPStrategy
 
 from gradsync.engine.config import Config
-from gradsync.integrations import ddp, ranks
+from gradsync.integrations import adamw, ddp, ranks
 
 __all__ = ["CHECKPOINT_KEY", "GradSyncStrategy"]
 
@@ -78,18 +86,65 @@ class GradSyncStrategy(DDPStrategy):
         self.small_numel = small_numel
         self.hook_state: ddp.HookState | None = None
         self._resume: Any = None  # the checkpoint's gradsync entry, until the hook exists
+        self._previous: Any = _MISSING  # the last fit's hook, until setup_optimizers
 
     def configure_ddp(self) -> None:
-        """Wrap the module in DDP (as ``DDPStrategy`` does), install gradsync's hook on any
-        device, and restore each rank's hook state when resuming (from the checkpoint, or from
-        the previous ``fit`` of this strategy when the model is the same)."""
+        """Wrap the module in DDP (as ``DDPStrategy`` does) and install gradsync's hook on any
+        device; :meth:`setup_optimizers`, which ``DDPStrategy.setup`` calls next, fits it to the
+        optimizer and restores each rank's state."""
         assert isinstance(self.model, pl.LightningModule)
         self.model = self._setup_model(self.model)
-        previous = self.hook_state
+        self._previous = self.hook_state
         self.hook_state = ddp.register(self.model, self.config, self.small_numel)
         scaler = getattr(self.precision_plugin, "scaler", None)  # fp16 AMP's GradScaler
         if scaler is not None:
             self.hook_state.follow(scaler)
+
+    def setup_optimizers(self, trainer: pl.Trainer) -> None:
+        """Create the optimizers (as Lightning does), apply the AdamW recipe (module docstring)
+        and restore each rank's hook state when resuming (from the checkpoint, or from the
+        previous ``fit`` of this strategy when the model is the same)."""
+        super().setup_optimizers(trainer)
+        if self._previous is _MISSING or self.hook_state is None:
+            return  # not fitting: no hook this time
+        previous, self._previous = self._previous, _MISSING
+        found = [(i, f) for i, f in enumerate(map(adamw.adam_in, self.optimizers)) if f]
+        if found:
+            self._adopt(found, trainer)
+        self._restore(previous)
+
+    def _adopt(self, found: list[tuple[int, tuple[Any, Any]]], trainer: pl.Trainer) -> None:
+        """The AdamW recipe for the hook and the optimizers, or ``ValueError`` with the fix."""
+        assert self.hook_state is not None
+        fix = ("Return gradsync.optim.FrozenVarianceAdamW(..., sync=strategy.hook_state) from "
+               "configure_optimizers with Config(momentum=beta1) yourself (docs/usage.md, "
+               "'With AdamW'), or train with Config(scheme='dense').")
+        for _, (_, adam) in found:
+            why = adamw.refusal(self.config, adam, "GradSyncStrategy", fix)
+            if why is not None:
+                raise ValueError(why)
+        if len(found) > 1:
+            raise ValueError(f"GradSyncStrategy: configure_optimizers returned {len(found)} "
+                             f"Adam optimizers; the AdamW recipe takes one. {fix}")
+        i, (holder, adam) = found[0]
+        total = trainer.estimated_stepping_batches  # inf: max_epochs=-1 without max_steps
+        freeze = (adamw.freeze_step_for(int(total)) if math.isfinite(total)
+                  else adamw.MIN_WARMUP)
+        cfg = adamw.recipe_config(self.config, adam, freeze)
+        if cfg is self.config:
+            return
+        self.hook_state.reconfigure(cfg)
+        new = adamw.frozen_variance(adam, cfg.density_warmup_steps, self.hook_state)
+        if holder is None:
+            self.optimizers[i] = new
+        else:
+            adamw.put(holder, new)
+        for sc in self.lr_scheduler_configs:
+            if getattr(sc.scheduler, "optimizer", None) is adam:
+                sc.scheduler.optimizer = new
+
+    def _restore(self, previous: ddp.HookState | None) -> None:
+        assert self.hook_state is not None
         resume, self._resume = self._resume, None
         if resume is None and previous is not None:  # another fit() of the same Trainer
             carried = previous.state_dict()

@@ -57,6 +57,7 @@ import inspect
 import os
 import sys
 import warnings
+from dataclasses import replace
 from typing import Any
 
 import torch
@@ -67,7 +68,7 @@ from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 from gradsync.collectives.comm import exchange_objects
 from gradsync.engine.config import Config, require_config
 from gradsync.engine.state import check_identity
-from gradsync.integrations import ddp
+from gradsync.integrations import adamw, ddp
 
 __all__ = ["STATE_FILE", "GradSyncCallback"]
 
@@ -126,6 +127,7 @@ class GradSyncCallback(TrainerCallback):
         self._ddp: nn.parallel.DistributedDataParallel | None = None  # where the hook is
         self._trainer: Trainer | None = None
         self._trial: Any = None
+        self._clip: float | None = None  # Trainer's max_grad_norm, while the recipe clips
 
     # -- Trainer events -------------------------------------------------------------------
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
@@ -137,12 +139,15 @@ class GradSyncCallback(TrainerCallback):
         self._trainer = trainer
         wrapped = trainer.model_wrapped
         if isinstance(wrapped, nn.parallel.DistributedDataParallel):
+            found = adamw.adam_in(trainer.optimizer)
             if wrapped is not self._ddp:
-                self.hook_state = ddp.register(wrapped, self.cfg, self.small_numel)
+                cfg = self._recipe(found, args, state)
+                self.hook_state = ddp.register(wrapped, cfg, self.small_numel)
                 self._ddp = wrapped
                 scaler = getattr(trainer.accelerator, "scaler", None)  # fp16 AMP's GradScaler
                 if scaler is not None:
                     self.hook_state.follow(scaler)
+            self._adopt(found, args)
         else:
             self._refuse_or_idle(wrapped, args)
             if self._ddp is not None or self.hook_state is None:
@@ -150,6 +155,12 @@ class GradSyncCallback(TrainerCallback):
                 self._ddp = None
         if resume is not None:
             self._restore(resume, args.device)
+
+    def on_train_end(self, args: TrainingArguments, state: TrainerState,
+                     control: TrainerControl, **kwargs: Any) -> None:
+        """Give Trainer back its ``max_grad_norm`` (the recipe clipped in its place)."""
+        if self._clip is not None:
+            args.max_grad_norm, self._clip = self._clip, None
 
     def on_save(self, args: TrainingArguments, state: TrainerState, control: TrainerControl,
                 **kwargs: Any) -> None:
@@ -177,6 +188,42 @@ class GradSyncCallback(TrainerCallback):
         return self.hook_state.stats()
 
     # -- internals ------------------------------------------------------------------------
+    def _recipe(self, found: tuple[Any, torch.optim.Adam] | None, args: TrainingArguments,
+                state: TrainerState) -> Config:
+        """The hook's configuration: AdamW's recipe (:mod:`gradsync.integrations.adamw`) when
+        Trainer's optimizer is torch's Adam/AdamW and the scheme compresses, with Trainer's
+        ``max_grad_norm`` as the hook's local clipping; the given one otherwise."""
+        if found is None:
+            return self.cfg
+        adam = found[1]
+        why = adamw.refusal(self.cfg, adam, "GradSyncCallback",
+                            "Pass Trainer(optimizers=(gradsync.optim.FrozenVarianceAdamW(...), "
+                            "None)) with Config(momentum=beta1) yourself (docs/usage.md, "
+                            "'With AdamW'), or train with Config(scheme='dense').")
+        if why is not None:
+            raise ValueError(why)
+        cfg = adamw.recipe_config(self.cfg, adam, adamw.freeze_step_for(state.max_steps))
+        if cfg is not self.cfg and args.max_grad_norm and self.cfg.clip_norm is None:
+            cfg = replace(cfg, clip_norm=float(args.max_grad_norm))
+        return cfg
+
+    def _adopt(self, found: tuple[Any, torch.optim.Adam] | None, args: TrainingArguments
+               ) -> None:
+        """Put ``FrozenVarianceAdamW`` where Trainer's Adam/AdamW is, once the hook runs the
+        recipe, and take Trainer's clipping out of the way: ``.grad`` holds the averaged
+        (preconditioned) momentum then, whose norm is not the gradient's."""
+        assert self.hook_state is not None
+        cfg = self.hook_state.cfg
+        if found is None or cfg is self.cfg or cfg.momentum == 0.0:
+            return
+        holder, adam = found
+        new = adamw.frozen_variance(adam, cfg.density_warmup_steps, self.hook_state)
+        if holder is None:  # Trainer's optimizer itself (Accelerate wraps it in train())
+            self._trainer.optimizer = new
+        else:
+            adamw.put(holder, new)
+        if args.max_grad_norm:
+            self._clip, args.max_grad_norm = args.max_grad_norm, 0.0
     def _refuse_or_idle(self, wrapped: nn.Module, args: TrainingArguments) -> None:
         """The model is not DDP: warn when one process trains alone, refuse anything else."""
         if isinstance(wrapped, nn.DataParallel):
