@@ -191,6 +191,58 @@ def test_aggregate_target_and_one_seed_na():
     assert cells[1][4] == "n/a"  # no missing_rate recorded
 
 
+def test_time_to_ddps_mean_and_the_effective_speed_up():
+    """Seconds to DDP's mean final accuracy, read from each seed's curve (linear between
+    points), and DDP's own mean time to it over that: hand-computed from the curves."""
+    per_seed = {
+        1: [{"scheme": "ddp", **_run(0.80, [(10, 2.0, 0.70), (20, 4.0, 0.80)])},
+            {"scheme": "a", **_run(0.82, [(10, 1.0, 0.76), (20, 2.0, 0.82)])},
+            {"scheme": "b", **_run(0.60, [(10, 1.0, 0.50), (20, 2.0, 0.60)])}],
+        2: [{"scheme": "ddp", **_run(0.80, [(10, 2.0, 0.80), (20, 4.0, 0.80)])},
+            {"scheme": "a", **_run(0.70, [(10, 1.0, 0.60), (20, 2.0, 0.70)])},
+            {"scheme": "b", **_run(0.60, [(10, 1.0, 0.50), (20, 2.0, 0.60)])}],
+    }
+    rows = {r["scheme"]: r for r in conv.aggregate("cnn", "image", per_seed, ["ddp", "a", "b"])}
+    # ddp's mean final 0.80: ddp reaches it at 4.0 s (seed 1) and 2.0 s (seed 2), mean 3.0
+    assert rows["ddp"]["seconds_to_ddp"] == pytest.approx(3.0)
+    assert rows["ddp"]["time_speedup"] == pytest.approx(1.0)
+    # a: seed 1 at 1 + (0.80 - 0.76) / 0.06 = 1.667 s; seed 2 never
+    assert rows["a"]["reached_ddp"] == 1
+    assert rows["a"]["seconds_to_ddp"] == pytest.approx(1 + 0.04 / 0.06)
+    assert rows["a"]["time_speedup"] == pytest.approx(3.0 / (1 + 0.04 / 0.06))
+    assert rows["b"]["reached_ddp"] == 0 and rows["b"]["time_speedup"] == 0.0
+    _, cells = conv.table(list(rows.values()), {"metric": "test_accuracy"})
+    cell = dict(zip([c[0] for c in cells], cells))
+    assert cell["a"][7] == "1.7 (1.80×) (1/2)" and cell["b"][7] == "not reached"
+    assert cell["ddp"][7] == "3.0 (1.00×)"
+
+
+def test_train_reads_time_to_ddps_final_score():
+    """train's summary: the seconds to the ddp run's final score and DDP's over them, for
+    accuracy (higher is better) and perplexity (lower is better)."""
+    from gradsync.apps.train.summary import _time_to_accuracy, time_to
+
+    hist = [{"step": 10, "elapsed_s": 1.0, "perplexity": 9.0},
+            {"step": 20, "elapsed_s": 3.0, "perplexity": 7.0}]
+    assert time_to(hist, "perplexity", False, 8.0) == pytest.approx(2.0)
+    assert time_to(hist, "perplexity", False, 9.5) == pytest.approx(1.0)  # the first point
+    assert time_to(hist, "perplexity", False, 6.0) is None
+
+    def run(scheme, points, status="ok"):
+        return {"scheme": scheme, "task": "image", "status": status,
+                "summary": {"test_accuracy": points[-1][1]},
+                "history": [{"step": i, "elapsed_s": t, "test_accuracy": v}
+                            for i, (t, v) in enumerate(points)]}
+    runs = [run("ddp", [(4.0, 0.6), (8.0, 0.8)]), run("fast", [(1.0, 0.7), (2.0, 0.9)]),
+            run("short", [(1.0, 0.5), (2.0, 0.7)])]
+    _time_to_accuracy(runs)
+    ddp, fast, short = (r["summary"] for r in runs)
+    assert ddp["s_to_ddp"] == pytest.approx(8.0) and ddp["time_speedup_vs_ddp"] == 1.0
+    assert fast["s_to_ddp"] == pytest.approx(1.5)  # 1 + (0.8 - 0.7) / 0.2
+    assert fast["time_speedup_vs_ddp"] == pytest.approx(8.0 / 1.5)
+    assert short["s_to_ddp"] is None and short["time_speedup_vs_ddp"] == 0.0
+
+
 def test_aggregate_and_table_give_the_tensor_missing_rate():
     """SSFusion Table I's measure per scheme: the mean over seeds of train's missing_rate,
     in percent; n/a unless every seed recorded it."""

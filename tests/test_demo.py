@@ -15,7 +15,7 @@ from gradsync.apps.data import FASHION_MNIST_DIR
 @pytest.mark.skipif(not (Path(FASHION_MNIST_DIR) / "t10k-images-idx3-ubyte.gz").exists(),
                     reason="needs the real Fashion-MNIST (make install puts it in as root)")
 def test_demo_evaluates_the_whole_test_split(tmp_path: Path, capsys) -> None:
-    rc = demo.main(["--steps", "2", "--world-size", "2", "--schemes", "ddp,topka",
+    rc = demo.main(["--steps", "8", "--world-size", "2", "--schemes", "ddp,topka",
                     "--bandwidth", "loopback", "--out", str(tmp_path)])
     out = capsys.readouterr().out
     assert rc == 0, out
@@ -25,3 +25,13 @@ def test_demo_evaluates_the_whole_test_split(tmp_path: Path, capsys) -> None:
     assert [r["summary"]["scheme"] for r in runs] == ["ddp", "topka"]
     assert all(r["summary"]["test_samples"] == 10_000 for r in runs)
     assert all(0.0 <= r["summary"]["test_accuracy"] <= 1.0 for r in runs)
+    # the time to DDP's final accuracy, read from the evaluation curve (4 points of the run)
+    ddp, topka = (r["summary"] for r in runs)
+    assert [p["step"] for p in runs[0]["history"]] == [2, 4, 6, 8]
+    assert ddp["time_speedup_vs_ddp"] == pytest.approx(1.0)
+    assert 0 < ddp["s_to_ddp"] <= runs[0]["history"][-1]["elapsed_s"]
+    assert "speed-up vs ddp (time)" in out
+    reached = topka["s_to_ddp"] is not None
+    assert reached == (max(p["test_accuracy"] for p in runs[1]["history"])
+                       >= ddp["test_accuracy"])
+    assert ("not reached" in out) == (not reached)

@@ -100,6 +100,8 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.apps.common import code_revision, cpu_description, print_table, write_outputs
+from gradsync.apps.train.summary import time_to
+from gradsync.engine.config import DENSITY_SCHEDULES
 from gradsync.schedule.plan import MIN_K
 
 DEFAULT_SCHEMES = ("ddp", "ddp_powersgd", "per_tensor", "multi_tensor", "cupcake", "topka",
@@ -182,6 +184,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
                    help="train's DGC density warm-up for the gradsync schemes (default off)")
+    p.add_argument("--density-schedule", choices=DENSITY_SCHEDULES, default=None,
+                   help="train's --density-schedule for the gradsync schemes "
+                        "(Config.density_schedule; default fixed)")
     p.add_argument("--min-k", type=int, default=None, metavar="K",
                    help="train's --min-k for the gradsync schemes "
                         f"(Config.min_k; default {MIN_K})")
@@ -310,6 +315,7 @@ def _spec(a: argparse.Namespace, model: str, seed: int, density: float,
                          density=density, seed=seed, eval_batches=n_eval,
                          eval_every=max(1, steps // a.eval_points), timeout=a.timeout,
                          progress=False, density_warmup=a.density_warmup,
+                         density_schedule=a.density_schedule,
                          min_k=a.min_k, adam_warmup=a.adam_warmup, amp=a.amp,
                          plans=a.plan_files.get((model, seed)))
     except ValueError as e:
@@ -375,6 +381,8 @@ def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
                              else None),
             "diff_vs_ddp": None, "target": target, "steps_to_target": None,
             "seconds_to_target": None, "reached": None, "ddp_steps": None,
+            "seconds_to_ddp": None, "time_speedup": None, "reached_ddp": None,
+            "run_bytes_per_step": _mean_of(by[s], "run_bytes_per_step"),
             "plans": [r.get("plan_digest") for r in by[s]],
             "spike": max((r["spike"] for r in by[s] if r.get("spike") is not None),
                          default=None),
@@ -386,6 +394,8 @@ def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
             row["diff_vs_ddp"] = paired_ci(finals, [r["final"] for r in ddp])
             row["ddp_steps"] = ddp_steps_for([r["history"] for r in ddp], key, higher,
                                              row["mean"])
+        if ddp_mean is not None and all(r["history"] for r in by[s] + ddp):
+            _time_to_ddp(row, by[s], ddp, key, higher, ddp_mean)
         if target is not None and all(r["history"] for r in by[s]):
             hits = []
             for r in by[s]:
@@ -399,6 +409,30 @@ def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
                 row["seconds_to_target"] = statistics.fmean([h["elapsed_s"] for h in hits])
         rows.append(row)
     return rows
+
+
+def _mean_of(runs: list[dict], key: str) -> float | None:
+    """The mean of ``key`` over ``runs``; None when a run lacks it (kept from before it was)."""
+    vals = [r.get(key) for r in runs]
+    return None if any(v is None for v in vals) else statistics.fmean(vals)
+
+
+def _time_to_ddp(row: dict, runs: list[dict], ddp: list[dict], key: str, higher: bool,
+                 ddp_mean: float) -> None:
+    """The time to DDP's mean final score (issue 68): per seed, the training seconds until
+    the evaluation curve reaches it (:func:`gradsync.apps.train.summary.time_to`), the mean
+    over the seeds that do, and DDP's own mean time to it over that (the effective speed-up,
+    0 when no seed gets there)."""
+    times = [time_to(r["history"], key, higher, ddp_mean) for r in runs]
+    hit = [t for t in times if t is not None]
+    row["reached_ddp"] = len(hit)
+    own = [time_to(r["history"], key, higher, ddp_mean) for r in ddp]
+    t_ddp = statistics.fmean([t for t in own if t is not None]) if any(own) else None
+    if hit:
+        row["seconds_to_ddp"] = statistics.fmean(hit)
+        row["time_speedup"] = None if t_ddp is None else t_ddp / row["seconds_to_ddp"]
+    else:
+        row["time_speedup"] = 0.0
 
 
 RUN_SPEC_IGNORED = ("schemes", "timeout", "progress", "out", "plans")  # not the run's
@@ -513,6 +547,7 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
                             "final": r["summary"].get(key, math.nan),  # nan: diverged
                             "status": r.get("status", "ok"), "spike": spike(rr["records"]),
                             "bytes_per_step": r["summary"]["bytes_per_step"],
+                            "run_bytes_per_step": r["summary"]["run_bytes_per_step"],
                             "missing_rate": r["summary"].get("missing_rate"),
                             "plan_digest": r["summary"].get("plan_digest"),
                             "history": [{k: h[k] for k in ("step", "elapsed_s", key)}
@@ -545,6 +580,7 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
             "evaluated": evaluated,
             "world_size": spec.world_size, "density": density,
             "density_warmup": spec.density_warmup,
+            "density_schedule": spec.density_schedule,
             "adam_freeze_step": spec.adam_freeze_step(spec.steps) if spec.adamw else None,
             "amp": spec.amp,
             "text_fallback": spec.text_fallback, "link": link.get("link", "loopback")}
@@ -637,7 +673,8 @@ def table(rows: list[dict], info: dict) -> tuple[list[str], list[list[str]]]:
     scale = 100.0 if acc else 1.0
     name = "test acc %" if acc else "perplexity"
     cols = ["scheme", f"{name} mean ± std", "Δ vs ddp [95% CI]", "MB/step",
-            "tensors missing %", "steps to target", "s to target", "ddp steps to its mean",
+            "tensors missing %", "steps to target", "s to target",
+            "s to ddp's mean (× ddp)", "ddp steps to its mean",
             f"largest loss after step {SPIKE_AFTER} / step 0 (worst seed)"]
     out = []
     for r in rows:
@@ -666,6 +703,15 @@ def table(rows: list[dict], info: dict) -> tuple[list[str], list[list[str]]]:
             last = info.get("steps")
             share = f" ({100 * eq['step'] / last:.0f} %)" if last and eq["bound"] == "=" else ""
             ecell = f"{'' if eq['bound'] == '=' else eq['bound'] + ' '}{eq['step']:.0f}{share}"
+        if r.get("reached_ddp") is None:
+            tcell = "n/a"
+        elif r["reached_ddp"] == 0:
+            tcell = "not reached"
+        else:
+            k = (f" ({r['reached_ddp']}/{len(r['seeds'])})"
+                 if r["reached_ddp"] < len(r["seeds"]) else "")
+            x = "" if r["time_speedup"] is None else f" ({r['time_speedup']:.2f}×)"
+            tcell = f"{r['seconds_to_ddp']:.1f}{x}{k}"
         miss = r.get("missing_rate")
         sp, bad = r.get("spike"), r.get("diverged") or 0
         scell = "n/a" if sp is None else f"{sp:.2f}×"
@@ -673,7 +719,7 @@ def table(rows: list[dict], info: dict) -> tuple[list[str], list[list[str]]]:
             scell += f", diverged on {bad}/{len(r['seeds'])} seeds"
         out.append([r["scheme"], f"{scale * r['mean']:.2f}{std}", dcell,
                     f"{r['bytes_per_step'] / 1e6:.4f}",
-                    "n/a" if miss is None else f"{100 * miss:.1f}", st, ss, ecell, scell])
+                    "n/a" if miss is None else f"{100 * miss:.1f}", st, ss, tcell, ecell, scell])
     return cols, out
 
 
@@ -812,6 +858,11 @@ def write_docs(path: Path, results: list[tuple[list[dict], dict]], command: str,
              "- target: 99 % of ddp's mean final accuracy (perplexity: ddp's / 0.99); steps "
              "and rank-0 training seconds to the first evaluation point that reaches it "
              "(resolution: the evaluation spacing), mean over the seeds that reach it.",
+             "- s to ddp's mean (× ddp): rank-0 training seconds until the scheme's curve "
+             "reaches ddp's mean final value itself (linear between evaluation points), mean "
+             "over the seeds that reach it, and ddp's own mean time to it over that: the "
+             "speed-up once accuracy is counted (on loopback the times are the machine's, "
+             "not a link's).",
              "- ddp steps to its mean: the step at which ddp's mean curve reaches the "
              "scheme's mean final value (linear between evaluation points; ≤: already at the "
              "first point, ≥: never), with its share of the budget.",

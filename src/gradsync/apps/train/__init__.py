@@ -100,7 +100,12 @@ evaluation batch, is progress); under torchrun it is the collectives' timeout; o
         "bytes_sent_per_rank": [[per-step bytes of rank r] for r in ranks],
         "summary": {"scheme", "measured_steps", "samples_per_s", "step_s", "backward_s",
                     "sparsify_s", "comm_s", "wait_s", "cpu_s", "bytes_per_step", "mb_per_step",
-                    "missing_rate", "final_loss", "speedup_vs_ddp" (null without ddp),
+                    "run_bytes_per_step" (over every step, the warm-up and a density
+                    schedule's denser steps included), "missing_rate", "final_loss",
+                    "speedup_vs_ddp" (null without ddp), "s_to_ddp",
+                    "time_speedup_vs_ddp" (with --eval-every and a ddp run: training seconds
+                    until the evaluation curve reaches ddp's final score, linear between
+                    points, null when never, and ddp's seconds over them, 0 when never),
                     "probing_steps", "settled_samples_per_s", "settled_bytes_per_step" (auto:
                     measured steps up to its last runner-up trial, and the median samples/s
                     and mean bytes per rank and step after them),
@@ -109,6 +114,7 @@ evaluation batch, is progress); under torchrun it is the collectives' timeout; o
                     "plan_digest" (``Plan.digest()``; null outside the engine),
                     "status" (as the run's; not "ok": final_loss NaN, no evaluation)},
         "plan": the engine's plan at the end (``Plan.to_dict()``) | null,
+        "history": with --eval-every, rank 0's [{"step", "elapsed_s", score}, …],
         "topk_shares": ``--topk-shares``: {"density", "steps", "tensors": {name: {"numel",
                        "topk_share", "entry_share"}}} (gradsync.apps.train.shares) | null
       }, …]

@@ -34,8 +34,8 @@ from gradsync.apps.common import print_table
 from gradsync.apps.train.spec import TrainSpec
 from gradsync.schedule.plan import Plan
 
-__all__ = ["SCHEMA", "environment", "failed_run", "progress_line", "report", "summarize",
-           "table_rows", "unfinished", "write_metrics"]
+__all__ = ["SCHEMA", "environment", "failed_run", "metric_of", "progress_line", "report",
+           "summarize", "table_rows", "time_to", "unfinished", "write_metrics"]
 
 SCHEMA = "gradsync.train/1"
 
@@ -43,6 +43,52 @@ SCHEMA = "gradsync.train/1"
 def _median(xs: list[float]) -> float:
     xs = [x for x in xs if not (isinstance(x, float) and math.isnan(x))]
     return statistics.median(xs) if xs else float("nan")
+
+
+def metric_of(task: str) -> tuple[str, bool]:
+    """The evaluation's score of ``task`` and whether higher is better."""
+    return ("test_accuracy", True) if task == "image" else ("perplexity", False)
+
+
+def time_to(history: list[dict], key: str, higher: bool, target: float) -> float | None:
+    """Training seconds (``elapsed_s``: the steps' own times, evaluation excluded, on the link
+    the run used) at which the evaluation curve ``history`` first reaches ``target``, linear
+    between the last point short of it and the first that reaches it (from 0 s at the start
+    when the first point reaches it); ``None`` when it never does."""
+    t0 = 0.0
+    v0: float | None = None
+    for p in history:
+        v = p.get(key)
+        if v is None or not math.isfinite(v):
+            return None
+        if (v >= target) if higher else (v <= target):
+            if v0 is None or v == v0:
+                return float(p["elapsed_s"])
+            return t0 + (p["elapsed_s"] - t0) * (target - v0) / (v - v0)
+        t0, v0 = float(p["elapsed_s"]), v
+    return None
+
+
+def _time_to_accuracy(runs: list[dict]) -> None:
+    """Each run's seconds to the final score of the job's ``ddp`` run (``s_to_ddp``) and the
+    effective speed-up, DDP's seconds to it over the scheme's (``time_speedup_vs_ddp``): what
+    a user gets, where ``speedup_vs_ddp`` is per step. ``None`` without an evaluation curve or
+    a ``ddp`` run; ``s_to_ddp`` ``None`` and the speed-up 0 when the run never got there."""
+    ddp = next((r for r in runs if r["scheme"] == "ddp" and r.get("status", "ok") == "ok"), None)
+    key, higher = metric_of(runs[0]["task"]) if runs else ("", True)
+    target = None if ddp is None else ddp["summary"].get(key)
+    for r in runs:
+        r["summary"]["s_to_ddp"] = r["summary"]["time_speedup_vs_ddp"] = None
+    if target is None or not ddp["history"]:
+        return
+    t_ddp = time_to(ddp["history"], key, higher, target)
+    for r in runs:
+        if not r["history"] or r.get("status", "ok") != "ok":
+            continue
+        t = time_to(r["history"], key, higher, target)
+        r["summary"]["s_to_ddp"] = t
+        r["summary"]["time_speedup_vs_ddp"] = (t_ddp / t if t and t_ddp else
+                                               0.0 if t is None else None)
 
 
 def failed_run(scheme: str, task: str, reason: str) -> dict:
@@ -74,6 +120,9 @@ def summarize(results: list[dict], warmup_steps: int) -> list[dict]:
         s["cpu_s"] = _median([max(rr[j].get("cpu_s", math.nan) for rr in per_rank)
                               for j in range(skip, min(len(rr) for rr in per_rank))])
         s["bytes_per_step"] = bytes_per_step
+        # over the whole run, the warm-up and a density schedule's denser steps included
+        every = [b for rr in sent for b in rr]
+        s["run_bytes_per_step"] = statistics.fmean(every) if every else 0.0
         s["mb_per_step"] = bytes_per_step / 1e6
         s["missing_rate"] = (statistics.fmean([x["missing_rate"] for x in meas]) if meas
                              else float("nan") if not recs else 0.0)
@@ -94,6 +143,7 @@ def summarize(results: list[dict], warmup_steps: int) -> list[dict]:
         runs.append({"scheme": run0["scheme"], "task": run0["task"], "status": status,
                      "diverged_at_step": run0.get("diverged_at"), "reason": run0.get("reason"),
                      "steps": recs, "bytes_sent_per_rank": sent, "summary": s, "plan": plan,
+                     "history": run0.get("history", []),
                      "topk_shares": run0.get("topk_shares")})
     base = next((r["summary"] for r in runs if r["scheme"] == "ddp"), None)
     for r in runs:
@@ -101,6 +151,7 @@ def summarize(results: list[dict], warmup_steps: int) -> list[dict]:
         s["speedup_vs_ddp"] = (s["samples_per_s"] / base["samples_per_s"]
                                if base and base["samples_per_s"] > 0
                                and math.isfinite(s["samples_per_s"]) else None)
+    _time_to_accuracy(runs)
     return runs
 
 
@@ -115,6 +166,10 @@ def table_rows(runs: list[dict]) -> tuple[list[str], list[list[Any]]]:
     cols = ["scheme", "samples/s", "vs ddp", "step ms", "bwd ms", "sparsify ms", "comm ms",
             "exposed ms", "MB/step", "missing %", "final loss",
             "eval ppl" if lm else "test acc %"]
+    # time to DDP's final score: with an evaluation curve and a ddp run
+    tta = any(r["summary"].get("time_speedup_vs_ddp") is not None for r in runs)
+    if tta:
+        cols += ["s to ddp's " + ("ppl" if lm else "acc"), "vs ddp (time)"]
     status = bool(unfinished(runs))  # a status column only when some run did not finish
     if status:
         cols.append("status")
@@ -131,6 +186,10 @@ def table_rows(runs: list[dict]) -> tuple[list[str], list[list[Any]]]:
                    1e3 * s["step_s"], 1e3 * s["backward_s"], 1e3 * s["sparsify_s"],
                    1e3 * s["comm_s"], 1e3 * s["wait_s"], s["mb_per_step"],
                    100 * s["missing_rate"], s["final_loss"], "-" if q is None else q]
+            if tta:
+                t, x = s.get("s_to_ddp"), s.get("time_speedup_vs_ddp")
+                row += ["not reached" if t is None else f"{t:.1f}",
+                        "-" if x is None or t is None else f"{x:.2f}x"]
         if status:
             row.append(_short(r.get("status", "ok")))
         rows.append(row)
