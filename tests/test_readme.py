@@ -400,7 +400,7 @@ def test_readme_scheme_table_is_the_saved_results():
     10 % density bound. All recomputed from the saved JSON the table links."""
     from gradsync.schedule import schemes
 
-    study = _study("convergence.json")
+    study = _study("convergence-2026-12-02.json")
     assert {r["seeds"] == list(range(1, 11)) for (m, _), r in study.items() if m == "cnn"} == {
         True}
     med = _step_medians()
