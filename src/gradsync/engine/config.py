@@ -197,9 +197,6 @@ class Config:
                 or self.min_k < 1):
             raise ValueError(f"Config.min_k must be an integer >= 1 (1 = sparsify every tensor "
                              f"the planner chose to), got {self.min_k!r}")
-        if self.density_schedule not in DENSITY_SCHEDULES:
-            raise ValueError(f"Config.density_schedule must be one of {DENSITY_SCHEDULES}, got "
-                             f"{self.density_schedule!r}")
         if self.nonfinite not in NONFINITE_POLICIES:
             raise ValueError(f"Config.nonfinite must be one of {NONFINITE_POLICIES}, got "
                              f"{self.nonfinite!r}")
@@ -226,6 +223,26 @@ class Config:
         if not isinstance(self.compress_single_rank, bool):
             raise ValueError(f"Config.compress_single_rank must be True or False, got "
                              f"{self.compress_single_rank!r}")
+        self._check_density_schedule()
+
+        if self.plan is not None:
+            if not isinstance(self.plan, dict):
+                raise ValueError(f"Config.plan must be a plan dict (Plan.to_dict()) or None, "
+                                 f"got {type(self.plan).__name__}")
+            try:
+                plan = Plan.from_dict(self.plan)
+            except ValueError as e:
+                raise ValueError(f"Config.plan is not a valid plan: {e}") from None
+            if plan.scheme != self.scheme:
+                raise ValueError(f"Config.plan was made for scheme {plan.scheme!r}, this "
+                                 f"config runs {self.scheme!r}")
+            object.__setattr__(self, "plan", plan.to_dict())  # a normalised copy
+
+    def _check_density_schedule(self) -> None:
+        """``density_schedule``, ``density_warmup`` and ``density_warmup_steps``."""
+        if self.density_schedule not in DENSITY_SCHEDULES:
+            raise ValueError(f"Config.density_schedule must be one of {DENSITY_SCHEDULES}, got "
+                             f"{self.density_schedule!r}")
         if isinstance(self.density_warmup, list):  # from JSON/YAML
             object.__setattr__(self, "density_warmup", tuple(self.density_warmup))
         w = self.density_warmup
@@ -241,19 +258,6 @@ class Config:
                 or (w and self.density_warmup_steps == 0)):
             raise ValueError(f"Config.density_warmup_steps must be an integer >= 0, and > 0 with "
                              f"density_warmup, got {self.density_warmup_steps!r}")
-
-        if self.plan is not None:
-            if not isinstance(self.plan, dict):
-                raise ValueError(f"Config.plan must be a plan dict (Plan.to_dict()) or None, "
-                                 f"got {type(self.plan).__name__}")
-            try:
-                plan = Plan.from_dict(self.plan)
-            except ValueError as e:
-                raise ValueError(f"Config.plan is not a valid plan: {e}") from None
-            if plan.scheme != self.scheme:
-                raise ValueError(f"Config.plan was made for scheme {plan.scheme!r}, this "
-                                 f"config runs {self.scheme!r}")
-            object.__setattr__(self, "plan", plan.to_dict())  # a normalised copy
 
     def density_at(self, step: int) -> float:
         """The density of synchronized step ``step`` (``density_warmup``, then ``density``)."""
