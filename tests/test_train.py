@@ -302,8 +302,9 @@ def test_spec_fills_model_defaults_validates_and_pickles():
     assert list(cfg) == ["model", "data", "schemes", "world_size", "steps", "epochs",
                          "batch_size", "lr", "optimizer", "text_fallback", "density",
                          "sparsifier", "seed", "warmup_steps", "eval_batches",
-                         "density_warmup", "clip_norm", "min_k", "adam_warmup", "amp",
-                         "bandwidth", "latency", "replayed_plans", "topk_shares"]
+                         "density_warmup", "density_schedule", "clip_norm", "min_k",
+                         "adam_warmup", "amp", "bandwidth", "latency", "replayed_plans",
+                         "topk_shares"]
     assert cfg["world_size"] == 4 and cfg["schemes"] == ["ddp", "oktopk"]
     assert cfg["amp"] is None
     assert cfg["replayed_plans"] == [] and cfg["topk_shares"] is False
