@@ -52,6 +52,19 @@ def _batch(step: int, rank: int) -> tuple[torch.Tensor, torch.Tensor]:
     return x, torch.tanh(x @ w)
 
 
+def _steps(model, optimizer, accelerator, rank: int, steps) -> list[float]:
+    """The training loop of the snippets over ``steps``; each step's loss."""
+    losses = []
+    for s in steps:
+        x, y = _batch(s, rank)
+        optimizer.zero_grad()
+        loss = nn.functional.mse_loss(model(x), y)
+        accelerator.backward(loss)
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
 def _worker(out: str, phase: str) -> None:
     os.chdir(out)
     rank = int(os.environ["RANK"])
@@ -61,14 +74,7 @@ def _worker(out: str, phase: str) -> None:
           "batches": [_batch(s, rank) for s in range(K)]}
     exec(README_SNIPPET if phase == "train" else RESUME_SNIPPET, ns)
     model, optimizer, accelerator = ns["model"], ns["optimizer"], ns["accelerator"]
-    losses = []
-    for s in range(K, K + N):
-        x, y = _batch(s, rank)
-        optimizer.zero_grad()
-        loss = nn.functional.mse_loss(model(x), y)
-        accelerator.backward(loss)
-        optimizer.step()
-        losses.append(loss.item())
+    losses = _steps(model, optimizer, accelerator, rank, range(K, K + N))
     res = {"stats": ns["hook_state"].stats(), "losses": losses,
            "distributed_type": accelerator.distributed_type.name,
            "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
@@ -145,14 +151,7 @@ def _adamw_runs(rank: int) -> dict:
             res["refused"] = str(e)
             continue
         model, optimizer, accelerator = ns["model"], ns["optimizer"], ns["accelerator"]
-        losses = []
-        for s in range(K + N):
-            x, y = _batch(s, rank)
-            optimizer.zero_grad()
-            loss = nn.functional.mse_loss(model(x), y)
-            accelerator.backward(loss)
-            optimizer.step()
-            losses.append(loss.item())
+        losses = _steps(model, optimizer, accelerator, rank, range(K + N))
         res.update(losses=losses, optimizer=type(optimizer.optimizer).__name__,
                    config=ns["hook_state"].cfg.to_dict(),
                    steps=[st["step"] for st in optimizer.optimizer.state.values()])
