@@ -59,8 +59,10 @@ BERT).
 
 from __future__ import annotations
 
+import functools
 import math
 import struct
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -249,77 +251,27 @@ class OkTopk(Collective):
         bad_sum = _nonfinite_flag(mags)
 
         # Lines 9–12: global threshold θ, exact every τ′ steps, reused (and nudged) in between.
-        theta, reason = st["theta"], None
-        if due(step, st["theta_step"], self.tau_prime) or theta is None:
-            theta, reason = self._exact_threshold(mags, k, comm), "periodic"
-        mask = mags >= theta
-        # the count, both flags and the count per contributing rank travel in one all-gather
-        # and come back in one read
-        cb = self._gather_counts(mask, r_idx, sources, region, comm, bad, bad_sum)
-        if any(c[1] or c[2] for c in cb):  # every rank knows it: nothing hangs
-            inputs = [i for i in range(P) if cb[i][1]]
-            sums = [i for i in range(P) if cb[i][2]]
-            why = (f"oktopk: non-finite values in the selection on ranks {inputs}, in the "
-                   f"reduced sums of the regions of ranks {sums} (step {step})")
-            if self.nonfinite == "raise":
-                raise ValueError(why)
+        gather = functools.partial(self._gather_counts, r_idx=r_idx, sources=sources,
+                                   region=region, comm=comm, bad=bad, bad_sum=bad_sum)
+        theta, reason, mask, cb, why = self._global_threshold(mags, k, comm, step, gather)
+        if why is not None:  # non-finite, and ``nonfinite="skip_step"``
             nan = torch.full((n,), math.nan, dtype=sel.dtype, device=dev)
             return nan, sel.indices[:0], {"k": k, "nonfinite": why, CHECKS: checks}
         counts = [int(c[0]) for c in cb]
         total = sum(counts)
-        band = self.recompute_band
-        if reason is None and band is not None and (
-                (total < band[0] * k and theta > 0.0) or total > band[1] * k):
-            theta, reason = self._exact_threshold(mags, k, comm), "out_of_range"
-            mask = mags >= theta
-            cb = self._gather_counts(mask, r_idx, sources, region, comm, bad, bad_sum)
-            counts = [int(c[0]) for c in cb]
-            total = sum(counts)
         # this rank's entries in the global selection: counted by the regions' owners
         n_kept = sum(int(c[3 + comm.rank]) for c in cb)
-        at = flatnonzero(mask, counts[comm.rank])  # its count is known
-        g_idx, g_val = torch.index_select(r_idx, 0, at), torch.index_select(r_val, 0, at)
 
         # Line 13: data balancing (if the largest count > 4× the mean), then allgatherv.
-        balanced = total > 0 and max(counts) > self.balance_factor * total / P
-        chunks = counts
-        if balanced:
-            g_idx, g_val, chunks = self._balance(g_idx, g_val, counts, comm, wire, eb)
-        blocks = comm.all_gather_v(pack_entries(g_idx, g_val, wire), [c * eb for c in chunks])
-        parts = [unpack_entries(b, c, wire, sel.dtype, "oktopk") for b, c in zip(blocks, chunks)]
-        # region order = index order: sorted; checked on the device (no read), and a malformed
-        # index is moved into range with its value zeroed before anything is written
-        all_idx, all_val = checked_entries(
-            torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), n, 0, checks,
-            f"oktopk: the gathered global selection (step {step})")
-        dense = SparseGrad(all_idx, all_val, n, validate=False).to_dense()
+        all_idx, dense, balanced = self._allgather_selection(
+            mask, r_idx, r_val, counts, comm, wire, eb, checks, step)
 
-        # Line 14: the local entries that made it into the global selection (a bitmap of it
-        # over the tensor), at their count from the owners (no read; checked with the rest,
-        # and a count that disagrees, from a malformed message, pads with a valid position)
-        chosen = mark_at(torch.zeros(n, dtype=torch.bool, device=dev), all_idx)
-        hit = torch.index_select(chosen, 0, sel.indices)
-        at = flatnonzero(hit, min(n_kept, len(sel)), fill_value=0)
-        kept = torch.index_select(sel.indices, 0, at)
-        checks.append((hit.sum() == n_kept, f"oktopk: the regions' owners counted {n_kept} of "
-                                            f"this rank's entries in the global selection, "
-                                            f"the gathered selection holds another number "
-                                            f"(step {step})"))
+        # Line 14: the local entries that made it into the global selection.
+        kept = self._kept(sel, all_idx, n_kept, checks, step)
 
         # Commit the state only now: a non-finite value raised above leaves it untouched on every
         # rank (the wire checks are read by the caller, after this)
-        if new_bounds:
-            st["boundaries"], st["boundary_step"] = bounds, step
-            st["boundary_evaluations"] += 1
-        if reason is not None:
-            st["theta_step"] = step
-            st["exact_evaluations"] += 1
-        next_theta = theta
-        if theta > 0.0 and total > 1.1 * k:
-            next_theta = theta * (1.0 + self.nudge)
-        elif theta > 0.0 and total < 0.9 * k:
-            next_theta = theta / (1.0 + self.nudge)
-        st["theta"] = _as_f32(next_theta)
+        self._commit(step, bounds if new_bounds else None, theta, reason, total, k)
         info = {
             "k": k,
             "threshold": theta,
@@ -336,6 +288,102 @@ class OkTopk(Collective):
             CHECKS: checks,
         }
         return dense, kept, info
+
+    def _global_threshold(
+        self, mags: torch.Tensor, k: int, comm: Comm, step: int,
+        gather: Callable[[torch.Tensor], list[list[int]]],
+    ) -> tuple[float, str | None, torch.Tensor, list[list[int]], str | None]:
+        """Lines 9–12: θ, exact every τ′ steps (reason ``"periodic"``) and reused in between,
+        the mask ``|v| >= θ`` of the reduced region, and its counts (``gather``:
+        :meth:`_gather_counts`). With ``recompute_band``, a reused θ whose count leaves
+        [lo·k, hi·k] is recomputed in the same step (reason ``"out_of_range"``). Returns
+        ``(θ, reason, mask, counts, why)``; ``why`` names a non-finite value found by every
+        rank at once (raised, or returned with ``nonfinite="skip_step"``), else ``None``."""
+        P = comm.size
+        theta, reason = self._state["theta"], None
+        if due(step, self._state["theta_step"], self.tau_prime) or theta is None:
+            theta, reason = self._exact_threshold(mags, k, comm), "periodic"
+        mask = mags >= theta
+        # the count, both flags and the count per contributing rank travel in one all-gather
+        # and come back in one read
+        cb = gather(mask)
+        if any(c[1] or c[2] for c in cb):  # every rank knows it: nothing hangs
+            inputs = [i for i in range(P) if cb[i][1]]
+            sums = [i for i in range(P) if cb[i][2]]
+            why = (f"oktopk: non-finite values in the selection on ranks {inputs}, in the "
+                   f"reduced sums of the regions of ranks {sums} (step {step})")
+            if self.nonfinite == "raise":
+                raise ValueError(why)
+            return theta, reason, mask, cb, why
+        total = sum(int(c[0]) for c in cb)
+        band = self.recompute_band
+        if reason is None and band is not None and (
+                (total < band[0] * k and theta > 0.0) or total > band[1] * k):
+            theta, reason = self._exact_threshold(mags, k, comm), "out_of_range"
+            mask = mags >= theta
+            cb = gather(mask)
+        return theta, reason, mask, cb, None
+
+    def _allgather_selection(
+        self, mask: torch.Tensor, r_idx: torch.Tensor, r_val: torch.Tensor, counts: list[int],
+        comm: Comm, wire: torch.dtype, eb: int, checks: list[tuple[torch.Tensor, str]],
+        step: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Line 13: the selected entries of the reduced region, balanced (§3.1.2) when the
+        largest count exceeds ``balance_factor`` × the mean, then all-gathered with an
+        exact-size allgatherv. Returns (global indices, the dense sum, balanced)."""
+        P, n = comm.size, self._state["numel"]
+        total = sum(counts)
+        at = flatnonzero(mask, counts[comm.rank])  # its count is known
+        g_idx, g_val = torch.index_select(r_idx, 0, at), torch.index_select(r_val, 0, at)
+        balanced = total > 0 and max(counts) > self.balance_factor * total / P
+        chunks = counts
+        if balanced:
+            g_idx, g_val, chunks = self._balance(g_idx, g_val, counts, comm, wire, eb)
+        blocks = comm.all_gather_v(pack_entries(g_idx, g_val, wire), [c * eb for c in chunks])
+        parts = [unpack_entries(b, c, wire, r_val.dtype, "oktopk")
+                 for b, c in zip(blocks, chunks)]
+        # region order = index order: sorted; checked on the device (no read), and a malformed
+        # index is moved into range with its value zeroed before anything is written
+        all_idx, all_val = checked_entries(
+            torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), n, 0, checks,
+            f"oktopk: the gathered global selection (step {step})")
+        return all_idx, SparseGrad(all_idx, all_val, n, validate=False).to_dense(), balanced
+
+    @staticmethod
+    def _kept(sel: SparseGrad, all_idx: torch.Tensor, n_kept: int,
+              checks: list[tuple[torch.Tensor, str]], step: int) -> torch.Tensor:
+        """Line 14: the local entries that made it into the global selection (a bitmap of it
+        over the tensor), at their count ``n_kept`` from the owners (no read; checked with the
+        rest, and a count that disagrees, from a malformed message, pads with a valid
+        position)."""
+        chosen = mark_at(torch.zeros(sel.numel, dtype=torch.bool, device=sel.device), all_idx)
+        hit = torch.index_select(chosen, 0, sel.indices)
+        at = flatnonzero(hit, min(n_kept, len(sel)), fill_value=0)
+        kept = torch.index_select(sel.indices, 0, at)
+        checks.append((hit.sum() == n_kept, f"oktopk: the regions' owners counted {n_kept} of "
+                                            f"this rank's entries in the global selection, "
+                                            f"the gathered selection holds another number "
+                                            f"(step {step})"))
+        return kept
+
+    def _commit(self, step: int, bounds: torch.Tensor | None, theta: float, reason: str | None,
+                total: int, k: int) -> None:
+        """The step's state: new boundaries (``None``: reused), the step of an exact θ, and
+        the θ for the next step, nudged by ``nudge`` when the count left [0.9k, 1.1k]."""
+        st = self._state
+        if bounds is not None:
+            st["boundaries"], st["boundary_step"] = bounds, step
+            st["boundary_evaluations"] += 1
+        if reason is not None:
+            st["theta_step"] = step
+            st["exact_evaluations"] += 1
+        next_theta = theta
+        if theta > 0.0 and total > 1.1 * k:
+            next_theta = theta * (1.0 + self.nudge)
+        elif theta > 0.0 and total < 0.9 * k:
+            next_theta = theta / (1.0 + self.nudge)
+        st["theta"] = _as_f32(next_theta)
 
     def _host_and_device(self, bounds: torch.Tensor, dev: torch.device
                          ) -> tuple[list[int], torch.Tensor]:
