@@ -268,6 +268,39 @@ class CountSketch:
         Bounded work (module doc, "Peeling"): at most ``max_rounds`` rounds, and at most
         2·k·E element-cell visits over all rounds (E nonzeros, k = 3 cells each).
         """
+        self._check_peel_args(sketch, nonzero, on_failure, dtype, max_rounds)
+        dev = self.device
+        values = torch.zeros(self.n, dtype=torch.float32, device=dev)
+        pos = flatnonzero(nonzero)  # the union's nonzeros, E of them
+        cells, sg = self.element_cells(pos)  # (E, k)
+        E, k = cells.shape
+        # Per cell, computed locally from the global index (never sent): how many unresolved
+        # elements it holds, and the sum of their element numbers (the one element of a pure
+        # cell, read in O(1) — the frontier of the next round).
+        flat_all = cells.reshape(-1)
+        count = torch.bincount(flat_all, minlength=self.length)
+        ids = torch.zeros(self.length, dtype=torch.int64, device=dev)
+        ids.index_add_(0, flat_all, torch.arange(E, device=dev).repeat_interleave(k))
+        residual = sketch.to(torch.float32, copy=True)
+        resolved = torch.zeros(E, dtype=torch.bool, device=dev)
+        rounds, visits, capped = self._peel_rounds(cells, sg, pos, values, residual, count, ids,
+                                                   resolved, max_rounds)
+        left = flatnonzero(~resolved)
+        unresolved = int(left.numel())
+        report = PeelReport(lossy=unresolved > 0, unresolved=unresolved, rounds=rounds,
+                            estimated=0, capped=capped, visits=visits)
+        if unresolved:
+            if on_failure == "raise":
+                raise PeelError(report)
+            med = self._median_estimate(cells, sg, residual, left)
+            values.index_copy_(0, torch.index_select(pos, 0, left), med)
+            report.estimated = unresolved
+        return values.to(dtype), report
+
+    def _check_peel_args(self, sketch: torch.Tensor, nonzero: torch.Tensor, on_failure: str,
+                         dtype: torch.dtype, max_rounds: int) -> None:
+        """``peel``'s arguments: a finite fp sketch of ``length`` values on the sketch's device,
+        a bool mask of ``n`` elements, a floating ``dtype``, ``max_rounds >= 1``."""
         if on_failure not in ("report", "raise"):
             raise ValueError(f"on_failure must be 'report' or 'raise', got {on_failure!r}")
         check_int("max_rounds", max_rounds, 1)
@@ -285,20 +318,19 @@ class CountSketch:
         if not (isinstance(dtype, torch.dtype) and dtype.is_floating_point):
             raise ValueError(f"CountSketch.peel: dtype must be a floating dtype, got {dtype!r}")
 
-        dev = self.device
-        values = torch.zeros(self.n, dtype=torch.float32, device=dev)
-        pos = flatnonzero(nonzero)  # the union's nonzeros, E of them
-        cells, sg = self.element_cells(pos)  # (E, k)
+    @staticmethod
+    def _peel_rounds(
+        cells: torch.Tensor, sg: torch.Tensor, pos: torch.Tensor, values: torch.Tensor,
+        residual: torch.Tensor, count: torch.Tensor, ids: torch.Tensor, resolved: torch.Tensor,
+        max_rounds: int,
+    ) -> tuple[int, int, bool]:
+        """The peeling rounds (module doc, "Peeling"), in place on ``values``, ``residual``,
+        ``count``, ``ids`` and ``resolved``: each round reads every pure cell's element
+        (``value = sign · cell``) and subtracts it from all its cells; round 1 looks at every
+        element, each later round only at the elements of the cells the previous round left
+        pure. Returns (rounds, element-cell visits, capped at ``max_rounds``)."""
         E, k = cells.shape
-        # Per cell, computed locally from the global index (never sent): how many unresolved
-        # elements it holds, and the sum of their element numbers (the one element of a pure
-        # cell, read in O(1) — the frontier of the next round).
-        flat_all = cells.reshape(-1)
-        count = torch.bincount(flat_all, minlength=self.length)
-        ids = torch.zeros(self.length, dtype=torch.int64, device=dev)
-        ids.index_add_(0, flat_all, torch.arange(E, device=dev).repeat_interleave(k))
-        residual = sketch.to(torch.float32, copy=True)
-        resolved = torch.zeros(E, dtype=torch.bool, device=dev)
+        dev = cells.device
         cand: torch.Tensor | None = None  # None: round 1 looks at every element
         rounds = visits = 0
         capped = False
@@ -330,35 +362,36 @@ class CountSketch:
             count.index_add_(0, flat, torch.full((flat.numel(),), -1, dtype=count.dtype,
                                                  device=dev))
             ids.index_add_(0, flat, cand.repeat_interleave(k).neg_())
-            # The next round: the one element of every cell this round left pure.
-            left1 = torch.index_select(flat, 0, flatnonzero(
-                torch.index_select(count, 0, flat) == 1))
-            nxt = torch.index_select(ids, 0, left1)
-            if nxt.numel() > E // 8:  # dedupe by a mark: O(E), in at most 8 rounds
-                cand = flatnonzero(torch.zeros(E, dtype=torch.bool, device=dev)
-                                   .index_fill_(0, nxt, True))
-            else:  # O(f log f) on a small frontier
-                cand = torch.unique(nxt)
-        left = flatnonzero(~resolved)
-        unresolved = int(left.numel())
-        report = PeelReport(lossy=unresolved > 0, unresolved=unresolved, rounds=rounds,
-                            estimated=0, capped=capped, visits=visits)
-        if unresolved:
-            if on_failure == "raise":
-                raise PeelError(report)
-            # Count-sketch estimate: median of the sign-corrected (residual) cells.
-            c_l = torch.index_select(cells, 0, left)
-            est = (torch.index_select(sg, 0, left)
-                   * torch.index_select(residual, 0, c_l.view(-1)).view(-1, k))
-            if k == 3:  # the median of three, by comparisons only (exact, as median is)
-                lo, hi = torch.minimum(est[:, 0], est[:, 1]), torch.maximum(est[:, 0], est[:, 1])
-                med = torch.maximum(lo, torch.minimum(hi, est[:, 2]))
-            else:  # torch.median's lower median by a sort: median(dim) has no deterministic
-                # CUDA kernel and raises under torch.use_deterministic_algorithms
-                med = est.sort(dim=1).values[:, (k - 1) // 2]
-            values.index_copy_(0, torch.index_select(pos, 0, left), med)
-            report.estimated = unresolved
-        return values.to(dtype), report
+            cand = CountSketch._next_frontier(flat, count, ids, E)
+        return rounds, visits, capped
+
+    @staticmethod
+    def _next_frontier(flat: torch.Tensor, count: torch.Tensor, ids: torch.Tensor,
+                       E: int) -> torch.Tensor:
+        """The next round's candidates: the one element (``ids``) of every cell among ``flat``
+        (the cells this round touched) that it left pure, each once."""
+        left1 = torch.index_select(flat, 0, flatnonzero(torch.index_select(count, 0, flat) == 1))
+        nxt = torch.index_select(ids, 0, left1)
+        if nxt.numel() > E // 8:  # dedupe by a mark: O(E), in at most 8 rounds
+            return flatnonzero(torch.zeros(E, dtype=torch.bool, device=flat.device)
+                               .index_fill_(0, nxt, True))
+        return torch.unique(nxt)  # O(f log f) on a small frontier
+
+    @staticmethod
+    def _median_estimate(cells: torch.Tensor, sg: torch.Tensor, residual: torch.Tensor,
+                         left: torch.Tensor) -> torch.Tensor:
+        """Count-sketch estimate of the unresolved elements ``left``: the median of their
+        sign-corrected (residual) cells."""
+        k = cells.shape[1]
+        c_l = torch.index_select(cells, 0, left)
+        est = (torch.index_select(sg, 0, left)
+               * torch.index_select(residual, 0, c_l.view(-1)).view(-1, k))
+        if k == 3:  # the median of three, by comparisons only (exact, as median is)
+            lo, hi = torch.minimum(est[:, 0], est[:, 1]), torch.maximum(est[:, 0], est[:, 1])
+            return torch.maximum(lo, torch.minimum(hi, est[:, 2]))
+        # torch.median's lower median by a sort: median(dim) has no deterministic CUDA kernel
+        # and raises under torch.use_deterministic_algorithms
+        return est.sort(dim=1).values[:, (k - 1) // 2]
 
 
 # -- the bit index (TAGC's names for formats.wire's bit packing) ----------------------------
