@@ -38,23 +38,32 @@ def pytest_generate_tests(metafunc):
 
 
 @pytest.fixture
-def kernels(request, monkeypatch):
+def kernels(request):
     """The kernels and path of selection the test (and its ranks: ``run_distributed`` hands
     them on) takes: ``"cpu"``, the CPU's own; ``"accelerator"``, the CPU standing in for an
-    accelerator, as ``GRADSYNC_CPU_AS_ACCELERATOR=1`` sets them (``nonzero_static`` at known
+    accelerator (:data:`gradsync.sparsegrad.CPU_AS_ACCELERATOR`: ``nonzero_static`` at known
     counts, checked; ``index_*_`` scatters, torch sorts; buffers selected at once, fixed-capacity
     messages). CI has no GPU, so this is how the accelerators' branches run in ``make test``.
     ``@pytest.mark.accelerator_at(name=value, …)`` runs the accelerator variant only where the
     test's other parameters take those values (a tuple: any of them), one instance of a
     property per path."""
     from gradsync import sparsegrad
-    from gradsync.sparsify import segments
 
-    on = request.param == "accelerator"
-    monkeypatch.setattr(sparsegrad, "ACCELERATOR_KERNELS", on)
-    monkeypatch.setattr(sparsegrad, "CHECK_COUNTS", on)
-    monkeypatch.setattr(segments, "ON_CPU", on)
-    return request.param
+    chosen = (sparsegrad.CPU_AS_ACCELERATOR if request.param == "accelerator"
+              else sparsegrad.CPU)
+    with sparsegrad.using(chosen):
+        yield request.param
+
+
+def segmented(on: bool):
+    """The kernels this process's CPU tensors take, with buffers selected at once (``on``: the
+    accelerators' path) or tensor by tensor: for :func:`gradsync.sparsegrad.using` or, in a
+    rank, :func:`gradsync.sparsegrad.bind`."""
+    import dataclasses
+
+    from gradsync import sparsegrad
+
+    return dataclasses.replace(sparsegrad.cpu_kernels(), segmented=on)
 
 
 def _accelerator_variant_wanted(item) -> bool:

@@ -23,7 +23,6 @@ import importlib.util
 import inspect
 import math
 import traceback
-from unittest.mock import patch
 
 import pytest
 import torch
@@ -31,7 +30,7 @@ import torch
 import gradsync.collectives as collectives
 from gradsync.sparsegrad import SparseGrad, target_k
 from gradsync.testing import run_distributed
-from gradsync.testing.distributed import kernel_switches
+from gradsync.testing.distributed import caller_kernels
 
 # Import every collective module that exists in the tree (they self-register).
 for _mod in ("dense", "topka", "topkdsa", "gtopk", "oktopk", "densestream", "lhc", "spardl"):
@@ -182,9 +181,10 @@ def _rank_fn(rank: int, world_size: int, names: list[str]) -> dict:
             except Exception:
                 out["mismatch"][name, "prefix"] = traceback.format_exc()
     # TopkA with a fixed capacity (SparseGrad.capacity, alike on every rank: the largest
-    # count of any rank plus 3), every case, on the accelerators' path (segments.ON_CPU) and
+    # count of any rank plus 3), every case, on the accelerators' path (segmented) and
     # on the CPU's; and, at P > 1, a capacity that differs on rank 0
-    from gradsync.sparsify import segments
+    from conftest import segmented
+    from gradsync import sparsegrad
 
     out["capped"], out["capped_cpu"] = {}, {}
     for dtype in DTYPES:
@@ -192,7 +192,7 @@ def _rank_fn(rank: int, world_size: int, names: list[str]) -> dict:
             cap = 3 + max(len(selection(case, r, P, dtype)) for r in range(P))
             s = selection(case, rank, P, dtype)
             for on_cpu, into in ((True, out["capped"]), (False, out["capped_cpu"])):
-                with patch.object(segments, "ON_CPU", on_cpu):
+                with sparsegrad.using(segmented(on_cpu)):
                     res = collectives.get("topka")(
                         SparseGrad(s.indices, s.values, s.numel, dense_prefix=s.dense_prefix,
                                    capacity=cap), step=0)
@@ -234,7 +234,7 @@ _RUNS: dict[tuple, list[dict]] = {}
 
 def results(P: int) -> list[dict]:
     """One run_distributed call per world size and kernels, shared by every test below."""
-    key = (P, kernel_switches())
+    key = (P, caller_kernels())
     if key not in _RUNS:
         _RUNS[key] = run_distributed(_rank_fn, P, NAMES, timeout=180)
     return _RUNS[key]

@@ -29,8 +29,8 @@ import torch.distributed as dist
 from torch import nn
 
 import gradsync
-from conftest import image_batch, pin_profiles
-from gradsync import collectives, sparsify
+from conftest import image_batch, pin_profiles, segmented
+from gradsync import collectives, sparsegrad, sparsify
 from gradsync.apps.models import build
 from gradsync.collectives import comm as comm_mod
 from gradsync.collectives.comm import Comm
@@ -463,7 +463,7 @@ def test_a_step_waits_on_the_device_as_often_for_40_tensors_as_for_10(device):
 
 
 @pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.cuda)])
-def test_a_per_tensor_step_waits_on_the_device_per_buffer_not_per_tensor(device, monkeypatch):
+def test_a_per_tensor_step_waits_on_the_device_per_buffer_not_per_tensor(device):
     """per_tensor selects every tensor with its own DGC sparsifier. Tensor by tensor that waited
     on the device once per tensor (``nonzero``'s output size; before that three times). The
     buffer is now selected as a whole (``sparsify.select_buffer``): the tensors' counts are read
@@ -473,9 +473,11 @@ def test_a_per_tensor_step_waits_on_the_device_per_buffer_not_per_tensor(device,
     path on: no ``nonzero`` is left, and no host read grows with the tensors either (DGC's
     sample starts come from each sparsifier's Python generator; its counts are one read per
     buffer, the step's checks one more)."""
-    from gradsync.sparsify import segments
+    with sparsegrad.using(segmented(True)):
+        _per_tensor_waits(device)
 
-    monkeypatch.setattr(segments, "ON_CPU", True)
+
+def _per_tensor_waits(device: str) -> None:
     if device == "cuda":
         few, many = _waits_per_step(device, 10, "per_tensor"), _waits_per_step(device, 40,
                                                                               "per_tensor")

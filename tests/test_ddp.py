@@ -366,9 +366,10 @@ def _malformed(rank: int, P: int, sparsifier: str, segmented: bool) -> dict:
     final parameters. ``segmented``: the accelerators' path (a bucket selected at once, at a
     fixed capacity)."""
     import gradsync.collectives.topka as topka_mod
-    from gradsync.sparsify import segments
+    from conftest import segmented as segmented_kernels
+    from gradsync import sparsegrad
 
-    segments.ON_CPU = segmented
+    sparsegrad.bind(segmented_kernels(segmented))
 
     model = build("mlp", seed=3)
     ddp = DDP(model)

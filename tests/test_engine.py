@@ -10,16 +10,15 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradsync
-from conftest import batch, pin_profiles
+from conftest import batch, pin_profiles, segmented
 from conftest import loss as model_loss
-from gradsync import sparsify
+from gradsync import sparsegrad, sparsify
 from gradsync.apps.models import build
 from gradsync.engine import GradSync, Stateful
 from gradsync.engine.components import Components
 from gradsync.engine.config import Config
 from gradsync.engine.jobs import Mode, Transport, plan_jobs
 from gradsync.schedule import SCHEMES, BufferPlan, Plan, TensorPlan, schemes
-from gradsync.sparsify import segments
 from gradsync.testing import run_distributed
 
 ALL_SCHEMES = list(SCHEMES)
@@ -242,7 +241,7 @@ def _excluded_rank(rank, world_size, dtype=torch.float32):
     # the bytes the tests below count are the CPU's own path's: exact-size messages after a
     # count exchange (a CPU standing in for an accelerator would send capped ones, whose
     # bytes test_collectives counts)
-    segments.ON_CPU = False
+    sparsegrad.bind(segmented(False))
     model = build("mlp", seed=1).to(dtype)
     sync = GradSync(model, Config(scheme="ssfusion", density=0.02, sparsifier="topk",
                                   warmup_steps=1, check_every=0, plan=_EXCLUDED_PLAN,

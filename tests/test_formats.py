@@ -17,6 +17,8 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from conftest import segmented
+from gradsync import sparsegrad
 from gradsync.formats import coo, wire
 from gradsync.formats import densestream as ds
 from gradsync.sparsegrad import SparseGrad, host_kernels
@@ -520,10 +522,8 @@ def test_densestream_encode_reads_its_layout_once_where_a_read_waits(zeros, acce
     counted, dropped and the rest laid out once (no ``tolist``: a compaction and a scatter,
     cheaper there than a masked fill). Either way the bytes are those of the selection
     without them."""
-    from unittest.mock import patch
 
     from gradsync.apps.bench import overhead
-    from gradsync.sparsify import segments
 
     g = torch.Generator().manual_seed(5)
     idx = torch.randperm(10_000, generator=g)[:600].sort().values
@@ -534,7 +534,7 @@ def test_densestream_encode_reads_its_layout_once_where_a_read_waits(zeros, acce
     sel = SparseGrad(idx, val, 10_000)
     kept = val.view(torch.int32) != 0
     assert int(kept.sum()) == (400 if zeros else 600)
-    with patch.object(segments, "ON_CPU", accelerators):
+    with sparsegrad.using(segmented(accelerators)):
         c = overhead.count_step(lambda: ds.encode(sel), steps=1)
         if accelerators:
             assert c["host_read_ops"].get("Tensor.tolist") == 1

@@ -9,6 +9,8 @@ own run, not the hook's code: a difference in either path's selection, error fee
 averaging fails it.
 """
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -136,21 +138,23 @@ class _Above(gradsync.sparsify.Sparsifier):
 
 @pytest.mark.parametrize("segmented", [False, True])
 def test_missing_tensors_known_on_the_host_equal_the_count_from_the_positions_kept(
-        segmented, monkeypatch):
+        segmented, request):
     """A per-tensor job's missing tensors, counted on the host from its selections' sizes
     (``Payload.known_missing``: TopkA kept this rank's own selection), equal
     :func:`~gradsync.engine.apply.job_check`'s count from the positions kept, with tensors
     that select nothing, a tensor sent whole first, and the segmented selection (DGC, which
     never leaves a tensor empty); a collective that returns other positions is left to the
     device count (None)."""
-    from gradsync import collectives, sparsify
+    from conftest import segmented as segmented_kernels
+    from gradsync import collectives, sparsegrad, sparsify
     from gradsync.engine.apply import job_check, settle_missing
     from gradsync.engine.jobs import Job, Mode, Transport
     from gradsync.engine.prepare import prepare
     from gradsync.feedback import ErrorFeedback
-    from gradsync.sparsify import segments
 
-    monkeypatch.setattr(segments, "ON_CPU", segmented)
+    stack = contextlib.ExitStack()
+    stack.enter_context(sparsegrad.using(segmented_kernels(segmented)))
+    request.addfinalizer(stack.close)
     g = torch.Generator().manual_seed(0)
     sizes = [30, 200, 50, 300, 40]
     names = tuple(f"t{i}" for i in range(len(sizes)))

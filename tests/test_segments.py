@@ -17,7 +17,8 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from gradsync import sparsify
+from conftest import segmented
+from gradsync import sparsegrad, sparsify
 from gradsync.sparsify.segments import (
     Segments,
     descending_keys,
@@ -175,22 +176,22 @@ def test_engine_trains_bitwise_alike_with_and_without_segments(monkeypatch):
     monkeypatch.setattr(sparsify, "select_buffer", spy)
 
     def run(on: bool) -> list[torch.Tensor]:
-        monkeypatch.setattr(segments, "ON_CPU", on)
-        torch.manual_seed(0)
-        model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(24, 24),
-                                                                      torch.nn.Tanh())])
-        sync = gradsync.GradSync(model, gradsync.Config(
-            scheme="per_tensor", density=0.05, momentum=0.9, warmup_steps=2,
-            compress_single_rank=True))
-        opt = torch.optim.SGD(model.parameters(), lr=0.1)
-        g = torch.Generator().manual_seed(1)
-        for _ in range(6):
-            opt.zero_grad()
-            model(torch.randn(8, 24, generator=g)).square().mean().backward()
-            sync.synchronize()
-            opt.step()
-        sync.close()
-        return [p.detach().clone() for p in model.parameters()]
+        with sparsegrad.using(segmented(on)):  # the engine's threads take them too
+            torch.manual_seed(0)
+            model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(24, 24),
+                                                                          torch.nn.Tanh())])
+            sync = gradsync.GradSync(model, gradsync.Config(
+                scheme="per_tensor", density=0.05, momentum=0.9, warmup_steps=2,
+                compress_single_rank=True))
+            opt = torch.optim.SGD(model.parameters(), lr=0.1)
+            g = torch.Generator().manual_seed(1)
+            for _ in range(6):
+                opt.zero_grad()
+                model(torch.randn(8, 24, generator=g)).square().mean().backward()
+                sync.synchronize()
+                opt.step()
+            sync.close()
+            return [p.detach().clone() for p in model.parameters()]
 
     per_tensor = run(False)
     assert not calls
@@ -213,9 +214,8 @@ def _hook_rank(rank, world_size, scheme, on):
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     import gradsync
-    from gradsync.sparsify import segments
 
-    segments.ON_CPU = on
+    sparsegrad.bind(segmented(on))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(24, 24),
                                                                   torch.nn.Tanh())])
@@ -253,9 +253,8 @@ def _one_buffer_rank(rank, world_size, sparsifier, on):
     from gradsync.collectives.comm import Comm
     from gradsync.engine import GradSync
     from gradsync.engine.config import Config
-    from gradsync.sparsify import segments
 
-    segments.ON_CPU = on
+    sparsegrad.bind(segmented(on))
     torch.manual_seed(0)
     model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(24, 24),
                                                                   torch.nn.Tanh())])
@@ -359,11 +358,10 @@ def test_gaussiank_rounds_on_the_device_equal_the_host_loop(seed, kind, density)
         x = x / (torch.randn(n, 2, generator=g).pow(2).mean(1).sqrt())
     elif kind == "spiky":
         x = x * torch.rand(n, generator=g) ** 8
-    from gradsync.sparsify import segments
 
     got = {}
     for on_cpu in (False, True):
-        with patch.object(segments, "ON_CPU", on_cpu):
+        with sparsegrad.using(segmented(on_cpu)):
             sp = sparsify.get("gaussiank", density=density)
             sel = sp.select(x)
         got[on_cpu] = (sel.indices.tolist(), sp.last_adjustments, sp.last_threshold,
@@ -380,7 +378,6 @@ def test_threshold_reuse_nudges_on_the_device_equal_the_host_loop():
     slowly, fast and down, every call selects what the host loop selects, with the same nudges,
     recomputations and kept threshold (to an ulp), including calls whose nudges fail and
     recompute the exact threshold."""
-    from gradsync.sparsify import segments
 
     seen = set()
     for seed, growth in ((0, 0.87), (1, 1.15), (2, 1.8), (3, 0.5)):
@@ -388,7 +385,7 @@ def test_threshold_reuse_nudges_on_the_device_equal_the_host_loop():
         xs = [torch.randn(5000, generator=g) * growth ** t for t in range(12)]
         runs = {}
         for on_cpu in (False, True):
-            with patch.object(segments, "ON_CPU", on_cpu):
+            with sparsegrad.using(segmented(on_cpu)):
                 sp = sparsify.get("threshold", density=0.05, period=6)
                 runs[on_cpu] = []
                 for t, x in enumerate(xs):
@@ -411,9 +408,8 @@ def _overflow_rank(rank, world_size, scheme, sparsifier, policy, accelerators=Tr
     from gradsync.apps.models import build
     from gradsync.engine import GradSync
     from gradsync.engine.config import Config
-    from gradsync.sparsify import segments
 
-    segments.ON_CPU = accelerators
+    sparsegrad.bind(segmented(accelerators))
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme=scheme, density=0.05, sparsifier=sparsifier,
                                   warmup_steps=1, nonfinite=policy))

@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 import os
 import subprocess
 import sys
 from fractions import Fraction
-from unittest.mock import patch
 
 import pytest
 import torch
@@ -470,21 +470,19 @@ def test_flatnonzero_takes_either_kernel_and_the_stand_in_checks_the_count():
     g = torch.Generator().manual_seed(0)
     mask = torch.rand(1000, generator=g) < 0.3
     want = [i for i, m in enumerate(mask.tolist()) if m]  # independent reference
-    for accelerator in (False, True):
-        with patch.object(sparsegrad, "ACCELERATOR_KERNELS", accelerator):
+    for kernels in (sparsegrad.CPU, sparsegrad.CPU_AS_ACCELERATOR, sparsegrad.ACCELERATOR):
+        with sparsegrad.using(kernels):
             assert flatnonzero(mask).tolist() == want
             assert flatnonzero(mask, len(want)).tolist() == want
             assert flatnonzero(mask[:0], 0).numel() == 0
-    with patch.object(sparsegrad, "ACCELERATOR_KERNELS", True), \
-            patch.object(sparsegrad, "CHECK_COUNTS", True):
+    with sparsegrad.using(sparsegrad.CPU_AS_ACCELERATOR):
         for wrong in (len(want) - 1, len(want) + 1, 0):
             with pytest.raises(RuntimeError, match=f"told {wrong} positions, the mask holds "
                                                    f"{len(want)}"):
                 flatnonzero(mask, wrong)
     # without the check (``bench syncs``, which counts a GPU's reads), a GPU's silence: padded
     # with −1, or cut short
-    with patch.object(sparsegrad, "ACCELERATOR_KERNELS", True), \
-            patch.object(sparsegrad, "CHECK_COUNTS", False):
+    with sparsegrad.using(sparsegrad.ACCELERATOR):
         assert flatnonzero(mask, len(want) + 1).tolist() == [*want, -1]
         assert flatnonzero(mask, len(want) - 1).tolist() == want[:-1]
 
@@ -492,11 +490,11 @@ def test_flatnonzero_takes_either_kernel_and_the_stand_in_checks_the_count():
 @pytest.mark.parametrize("value", ["1", "0"])
 def test_the_environment_makes_the_cpu_stand_in_for_an_accelerator(value):
     """``GRADSYNC_CPU_AS_ACCELERATOR=1`` at import: the accelerators' kernels, with the count
-    checks, and path of selection on the CPU (``make test``'s second pass); anything else: the
+    checks, and path of selection on the CPU; anything else: the
     CPU's own."""
     code = ("import torch; from gradsync import sparsegrad; from gradsync.sparsify import "
-            "segments; print(sparsegrad.ACCELERATOR_KERNELS, sparsegrad.CHECK_COUNTS, "
-            "segments.ON_CPU, segments.pays_on(torch.device('cpu')), "
+            "segments; k = sparsegrad.kernels_for(torch.device('cpu')); print(not k.host, "
+            "k.check_counts, k.segmented, segments.pays_on(torch.device('cpu')), "
             "sparsegrad.host_kernels(torch.zeros(1)))")
     env = {**os.environ, sparsegrad.CPU_AS_ACCELERATOR_ENV: value}
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
@@ -506,9 +504,8 @@ def test_the_environment_makes_the_cpu_stand_in_for_an_accelerator(value):
 
 
 def _kernels_rank(rank, world_size):
-    from gradsync.sparsify import segments
-
-    return sparsegrad.ACCELERATOR_KERNELS, segments.ON_CPU
+    k = sparsegrad.kernels_for(torch.device("cpu"))
+    return not k.host, k.segmented
 
 
 @pytest.mark.parametrize("world_size", [1, 2])
@@ -517,3 +514,32 @@ def test_every_rank_takes_the_kernels_its_environment_names(world_size):
     in for an accelerator exactly when the test run does."""
     on = os.environ.get(sparsegrad.CPU_AS_ACCELERATOR_ENV, "") == "1"
     assert run_distributed(_kernels_rank, world_size, timeout=120) == [(on, on)] * world_size
+
+
+def test_kernels_follow_the_device_and_a_choice_lasts_its_block_and_the_threads_started_in_it():
+    """An accelerator's tensors always take the accelerators' kernels; the CPU's take the
+    CPU's unless a block chose others (``using``), and only inside it. The engine's threads
+    (its communication and sparsification workers) take the kernels of the code that made
+    them, whichever thread later asks."""
+    from gradsync.engine.executor import Executor
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda", 0)
+    default = sparsegrad.cpu_kernels()
+    assert sparsegrad.kernels_for(cuda) == sparsegrad.ACCELERATOR
+    with sparsegrad.using(sparsegrad.CPU_AS_ACCELERATOR if default == sparsegrad.CPU
+                          else sparsegrad.CPU) as chosen:
+        assert chosen != default and sparsegrad.kernels_for(cpu) == chosen
+        assert sparsegrad.kernels_for(cuda) == sparsegrad.ACCELERATOR
+        assert sparsegrad.host_kernels(torch.zeros(1)) == chosen.host
+        made_here = Executor(None, lambda key: None, False)
+    made_outside = Executor(None, lambda key: None, False)
+    try:
+        assert sparsegrad.kernels_for(cpu) == default  # the block's choice ended with it
+        for ex, want in ((made_here, chosen), (made_outside, default)):
+            for pool in (ex._comm, ex._worker):
+                assert pool.submit(sparsegrad.cpu_kernels).result() == want
+    finally:
+        made_here.close()
+        made_outside.close()
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        sparsegrad.CPU.host = False  # a choice is an object, not a switch

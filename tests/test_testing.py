@@ -214,19 +214,19 @@ def _leave_traces(rank: int, world_size: int) -> dict:
     """Change what a call may change in a process, and report what it found first."""
     import numpy as np
 
+    from gradsync import sparsegrad
     from gradsync.collectives.comm import Comm
     from gradsync.engine import drift
     from gradsync.schedule import costmodel
-    from gradsync.sparsify import segments
 
-    found = {"on_cpu": segments.ON_CPU, "rounds": drift.TRIAL_ROUNDS,
+    found = {"kernels": sparsegrad.cpu_kernels(), "rounds": drift.TRIAL_ROUNDS,
              "profile": costmodel.profile_collectives.__name__,
              "env": os.environ.get("GRADSYNC_POOL_TRACE"), "rand": float(torch.rand(())),
              "np": float(np.random.rand()), "threads": torch.get_num_threads(),
              "groups": len(dist.distributed_c10d._world.pg_map),
              "all_reduce": dist.all_reduce.__name__, "conftest": hasattr(conftest, "_trace"),
              "method": Comm.all_gather_v.__name__}
-    segments.ON_CPU = not segments.ON_CPU
+    sparsegrad.bind(sparsegrad.ACCELERATOR)  # a choice the call makes for itself
     drift.TRIAL_ROUNDS = 99
     costmodel.profile_collectives = lambda *a, **k: None
     os.environ["GRADSYNC_POOL_TRACE"] = "left"
@@ -257,22 +257,21 @@ def test_a_pooled_call_leaves_no_trace_for_the_next():
     assert first[0]["groups"] == 1 and first[0]["env"] is None and not first[0]["conftest"]
 
 
-def _switches(rank: int, world_size: int) -> tuple:
+def _kernels(rank: int, world_size: int) -> object:
     from gradsync import sparsegrad
-    from gradsync.sparsify import segments
 
-    return sparsegrad.ACCELERATOR_KERNELS, sparsegrad.CHECK_COUNTS, segments.ON_CPU
+    return sparsegrad.cpu_kernels()
 
 
 @pytest.mark.parametrize("fresh", [True, False])
-def test_ranks_take_the_callers_kernel_switches(fresh, monkeypatch):
-    """The kernels and path the caller set for itself are its ranks' too, fresh or pooled."""
-    from gradsync import sparsegrad
-    from gradsync.sparsify import segments
+def test_ranks_take_the_callers_kernels(fresh):
+    """The kernels the caller chose for its CPU tensors are its ranks' too, fresh or pooled."""
+    import dataclasses
 
-    for value in (True, False):
-        monkeypatch.setattr(sparsegrad, "ACCELERATOR_KERNELS", value)
-        monkeypatch.setattr(sparsegrad, "CHECK_COUNTS", value)
-        monkeypatch.setattr(segments, "ON_CPU", not value)
-        out = run_distributed(_switches, 2, fresh=fresh)  # the session's pool, or fresh ranks
-        assert out == [(value, value, not value)] * 2
+    from gradsync import sparsegrad
+
+    for chosen in (sparsegrad.CPU_AS_ACCELERATOR, sparsegrad.CPU,
+                   dataclasses.replace(sparsegrad.CPU, segmented=True)):
+        with sparsegrad.using(chosen):
+            out = run_distributed(_kernels, 2, fresh=fresh)  # the session's pool, or fresh ranks
+        assert out == [chosen] * 2

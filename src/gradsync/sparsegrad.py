@@ -20,25 +20,33 @@ gets the same bits), :func:`isin_sorted` (membership in a sorted index list) and
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import functools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 __all__ = [
+    "ACCELERATOR",
+    "CPU",
+    "CPU_AS_ACCELERATOR",
+    "Kernels",
     "SparseGrad",
     "add_at",
     "all_finite",
     "all_finite_each",
     "bincount",
+    "bind",
     "check_finite",
     "check_indices",
     "checked_entries",
     "constant",
+    "cpu_kernels",
     "densify",
     "finite_flag",
     "flatnonzero",
@@ -46,6 +54,7 @@ __all__ = [
     "indices_flag",
     "iota",
     "isin_sorted",
+    "kernels_for",
     "largest",
     "mark_at",
     "put_at",
@@ -53,6 +62,7 @@ __all__ = [
     "target_k",
     "to_device",
     "top_k_mask",
+    "using",
     "validate_density",
 ]
 
@@ -187,31 +197,79 @@ def checked_entries(indices: torch.Tensor, values: torch.Tensor, hi: int, lo: in
 
 
 # -- the kernels per device -----------------------------------------------------------------
-#: ``GRADSYNC_CPU_AS_ACCELERATOR=1`` in the environment (read at import, so spawned ranks
-#: inherit it): the CPU stands in for an accelerator, taking the accelerators' kernels
-#: (:data:`ACCELERATOR_KERNELS`) and their path of selection
-#: (:data:`gradsync.sparsify.segments.ON_CPU`). For tests: CI has no GPU, so ``make test``
-#: runs the tests of the layers that branch on the device a second time so.
+@dataclass(frozen=True)
+class Kernels:
+    """The kernels and the path of selection a device's tensors take; chosen from the device
+    (:func:`kernels_for`), never from a switch a run can flip.
+
+    ``host``: compactions, sorts, selections and scatters take the CPU's own kernels (numpy's
+    ``flatnonzero``, ``argsort``, ``partition`` and ``packbits``; ``scatter_``), else the
+    accelerators' (``torch.nonzero`` / ``nonzero_static``, ``torch.sort``, ``kthvalue``, the
+    ``index_*_`` scatters). Both give the same bits; the choice is one of speed.
+    ``segmented``: a fusion buffer is selected at once (:func:`gradsync.sparsify.segments.
+    pays_on`), with the device's reads deferred, else tensor by tensor.
+    ``check_counts``: :func:`flatnonzero` checks a count it is told against the mask (one read,
+    which a GPU could not afford): for the CPU standing in for an accelerator in the tests."""
+
+    name: str
+    host: bool
+    segmented: bool
+    check_counts: bool = False
+
+
+#: The CPU's own kernels and path.
+CPU = Kernels("cpu", host=True, segmented=False)
+#: An accelerator's (CUDA, ROCm, MPS…), without checks it could not afford.
+ACCELERATOR = Kernels("accelerator", host=False, segmented=True)
+#: The CPU standing in for an accelerator, as the tests run it: the accelerators' kernels and
+#: path, with the given counts checked. CI has no GPU; this is how its branches run there.
+CPU_AS_ACCELERATOR = Kernels("cpu-as-accelerator", host=False, segmented=True,
+                             check_counts=True)
+
+#: ``GRADSYNC_CPU_AS_ACCELERATOR=1`` in the environment: the CPU's tensors take
+#: :data:`CPU_AS_ACCELERATOR` wherever no caller chose otherwise (spawned ranks inherit it).
 CPU_AS_ACCELERATOR_ENV = "GRADSYNC_CPU_AS_ACCELERATOR"
 
-#: Whether CPU tensors take the accelerators' kernels (:func:`host_kernels`); default from
-#: :data:`CPU_AS_ACCELERATOR_ENV`.
-ACCELERATOR_KERNELS = os.environ.get(CPU_AS_ACCELERATOR_ENV, "") == "1"
+# Which kernels the CPU's tensors take in this context (a thread's, or a task's): set only
+# through `using` and `bind`, so a choice never outlives the code that made it.
+_CPU_KERNELS: contextvars.ContextVar[Kernels] = contextvars.ContextVar(
+    "gradsync_cpu_kernels",
+    default=CPU_AS_ACCELERATOR if os.environ.get(CPU_AS_ACCELERATOR_ENV, "") == "1" else CPU)
 
-#: Whether :func:`flatnonzero` on the accelerators' kernels checks a given count against a
-#: CPU mask (one read, which a GPU could not afford): on with :data:`CPU_AS_ACCELERATOR_ENV`,
-#: for the tests; ``python -m gradsync bench syncs`` takes the kernels without it, so that it
-#: counts a GPU's reads and no others.
-CHECK_COUNTS = ACCELERATOR_KERNELS
+
+def kernels_for(device: torch.device) -> Kernels:
+    """The kernels ``device``'s tensors take: an accelerator's are :data:`ACCELERATOR`; the
+    CPU's are :data:`CPU` unless the caller chose others for it (:func:`using`)."""
+    return _CPU_KERNELS.get() if device.type == "cpu" else ACCELERATOR
+
+
+def cpu_kernels() -> Kernels:
+    """The kernels the CPU's tensors take here: hand them to a thread or process you start
+    (:func:`bind`), as the engine's threads and the test ranks take their caller's."""
+    return _CPU_KERNELS.get()
+
+
+@contextlib.contextmanager
+def using(kernels: Kernels) -> Iterator[Kernels]:
+    """Within the block (and the threads gradsync starts in it), the CPU's tensors take
+    ``kernels``: a test or a benchmark runs the accelerators' branches on the CPU so."""
+    token = _CPU_KERNELS.set(kernels)
+    try:
+        yield kernels
+    finally:
+        _CPU_KERNELS.reset(token)
+
+
+def bind(kernels: Kernels) -> None:
+    """This thread's CPU tensors take ``kernels`` from now on: for a thread's initializer or a
+    rank's entry point, which hand on their starter's choice (:func:`cpu_kernels`)."""
+    _CPU_KERNELS.set(kernels)
 
 
 def host_kernels(t: torch.Tensor) -> bool:
     """Whether ``t``'s compactions, sorts, selections and scatters take the CPU's own kernels
-    (numpy's ``flatnonzero``, ``argsort``, ``partition`` and ``packbits``; ``scatter_``), or the
-    accelerators' (``torch.nonzero`` / ``nonzero_static``, ``torch.sort``, ``kthvalue``, the
-    ``index_*_`` scatters). The choice is one of speed: both give the same bits. The CPU's own
-    unless :data:`ACCELERATOR_KERNELS`, everywhere else the accelerators'."""
-    return t.device.type == "cpu" and not ACCELERATOR_KERNELS
+    (:attr:`Kernels.host` of :func:`kernels_for` its device)."""
+    return kernels_for(t.device).host
 
 
 def flatnonzero(mask: torch.Tensor, count: int | None = None, *,
@@ -221,7 +279,7 @@ def flatnonzero(mask: torch.Tensor, count: int | None = None, *,
     CPU ``nonzero`` is several times slower, ``nonzero_static`` ten times), elsewhere
     ``torch.nonzero``, or ``torch.nonzero_static`` when the caller knows the ``count`` (no
     wait for the device). A wrong ``count`` would pad the positions with −1 or drop some
-    there, silently; the CPU standing in for an accelerator checks it (:data:`CHECK_COUNTS`,
+    there, silently; the CPU standing in for an accelerator checks it (:attr:`Kernels.check_counts`,
     one read) and raises ``RuntimeError``.
 
     ``fill_value``: a count that may be wrong (one from a peer, which the caller checks
@@ -232,7 +290,7 @@ def flatnonzero(mask: torch.Tensor, count: int | None = None, *,
     if count is not None:
         if fill_value is not None:
             return torch.nonzero_static(mask, size=count, fill_value=fill_value).view(-1)
-        if CHECK_COUNTS and mask.device.type == "cpu":
+        if kernels_for(mask.device).check_counts:
             held = int(torch.count_nonzero(mask))
             if held != count:
                 raise RuntimeError(f"flatnonzero: told {count} positions, the mask holds "

@@ -45,7 +45,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 import torch
 import torch.distributed as dist
 
-from gradsync import collectives, sparsify
+from gradsync import collectives, sparsegrad, sparsify
 from gradsync.collectives.comm import Comm, CommStats
 from gradsync.engine.jobs import InFlight, Job, JobResult, Payload
 from gradsync.sparsegrad import SparseGrad
@@ -71,6 +71,8 @@ class Executor:
         # the caller's CUDA device, if it uses CUDA at all (never initialise CUDA for a CPU job)
         self._cuda = (torch.cuda.current_device()
                       if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+        # the kernels of the caller's CPU tensors, taken by both threads (chosen once, here)
+        self.kernels = sparsegrad.cpu_kernels()
         self._comm = ThreadPoolExecutor(1, thread_name_prefix="gradsync-comm",
                                         initializer=self._bind_device)
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="gradsync-sparsify",
@@ -83,6 +85,7 @@ class Executor:
                           "on CUDA); see docs/architecture.md, 'GPU path'", stacklevel=3)
 
     def _bind_device(self) -> None:
+        sparsegrad.bind(self.kernels)
         if self._cuda is not None:
             torch.cuda.set_device(self._cuda)
 

@@ -504,7 +504,11 @@ class _Worker:
     def __init__(self) -> None:
         from concurrent.futures import ThreadPoolExecutor
 
-        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsync-offload")
+        from gradsync import sparsegrad
+
+        self.pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="gradsync-offload",
+                                       initializer=sparsegrad.bind,
+                                       initargs=(sparsegrad.cpu_kernels(),))
 
     def close(self) -> None:
         self.pool.shutdown(wait=True)

@@ -24,13 +24,13 @@ from functools import cached_property
 import torch
 
 from gradsync.sparsegrad import (
-    ACCELERATOR_KERNELS,
     SparseGrad,
     all_finite,
     bincount,
     check_finite,
     constant,
     iota,
+    kernels_for,
     target_k,
     to_device,
 )
@@ -39,11 +39,6 @@ __all__ = ["Segments", "bincount", "constant", "descending_keys", "iota", "key_b
            "key_bases", "name_nonfinite", "order_in_segments", "pays_on", "ranges", "segment_keys",
            "select_buffer", "to_device", "top_by_keys", "top_in_segments"]
 
-# Select buffers at once on the CPU too (tests of the segmented path; see pays_on). On when the
-# CPU stands in for an accelerator (gradsync.sparsegrad.CPU_AS_ACCELERATOR_ENV), as its
-# kernels are.
-ON_CPU = ACCELERATOR_KERNELS
-
 
 def pays_on(device: torch.device) -> bool:
     """Whether selecting a buffer at once beats selecting it tensor by tensor on ``device``.
@@ -51,8 +46,10 @@ def pays_on(device: torch.device) -> bool:
     for the device, and those grow with the tensors. On the CPU an operation costs little more
     than its arithmetic, and the segmented forms make more passes over the buffer (exact top-k
     sorts it where ``torch.topk`` does not), so the per-tensor selections are faster there
-    (docs/results/speed.md, "Segmented selection on the CPU"); :data:`ON_CPU` overrides."""
-    return ON_CPU or device.type != "cpu"
+    (docs/results/speed.md, "Segmented selection on the CPU"). The device's kernels say which
+    (:attr:`gradsync.sparsegrad.Kernels.segmented`; the tests run the CPU as an accelerator
+    through :func:`gradsync.sparsegrad.using`)."""
+    return kernels_for(device).segmented
 
 
 @dataclass(frozen=True)

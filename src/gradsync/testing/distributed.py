@@ -58,10 +58,9 @@ import torch
 import torch.distributed as dist
 
 from gradsync import sparsegrad
-from gradsync.sparsify import segments
 
-__all__ = ["DistributedError", "DistributedStall", "DistributedTimeout", "apply_kernel_switches",
-           "heartbeat", "kernel_switches", "progress_limit", "run_distributed", "watch_launcher"]
+__all__ = ["DistributedError", "DistributedStall", "DistributedTimeout", "caller_kernels",
+           "heartbeat", "progress_limit", "run_distributed", "watch_launcher"]
 
 GRACE_SECONDS = 5.0  # how long peers get to exit on their own after one rank failed
 _WATCH_SECONDS = 0.5  # how often a rank checks that its launcher still runs
@@ -161,19 +160,13 @@ class DistributedStall(DistributedTimeout):
                   "(hung or deadlocked); all ranks were terminated")
 
 
-def kernel_switches() -> tuple[bool, bool, bool]:
-    """This process's choice of kernels and path (:data:`gradsync.sparsegrad.
-    ACCELERATOR_KERNELS`, :data:`~gradsync.sparsegrad.CHECK_COUNTS`,
-    :data:`gradsync.sparsify.segments.ON_CPU`): the ranks a launcher starts take the caller's,
-    so a test that sets them for itself (the suite's ``kernels`` fixture) sets them for its
-    ranks too. Rank processes are forked from a server started with the environment of the
-    first launch, not the caller's current one."""
-    return sparsegrad.ACCELERATOR_KERNELS, sparsegrad.CHECK_COUNTS, segments.ON_CPU
-
-
-def apply_kernel_switches(switches: tuple[bool, bool, bool]) -> None:
-    """Take the switches :func:`kernel_switches` read in the caller."""
-    sparsegrad.ACCELERATOR_KERNELS, sparsegrad.CHECK_COUNTS, segments.ON_CPU = switches
+def caller_kernels() -> sparsegrad.Kernels:
+    """The kernels this process's CPU tensors take (:func:`gradsync.sparsegrad.cpu_kernels`):
+    the ranks a launcher starts take the caller's, so a test that chooses them for itself (the
+    suite's ``kernels`` fixture, :func:`gradsync.sparsegrad.using`) chooses them for its ranks
+    too. Rank processes are forked from a server started with the environment of the first
+    launch, not the caller's current one."""
+    return sparsegrad.cpu_kernels()
 
 
 def start_context() -> mp.context.BaseContext:
@@ -197,13 +190,13 @@ def _worker(
     results: Any,
     launcher: int,
     beats: tuple[Any, Any, float] | None,
-    switches: tuple[bool, bool, bool],
+    kernels: sparsegrad.Kernels,
     args: tuple,
     kwargs: dict,
 ) -> None:
     global _HEARTBEAT
     watch_launcher(launcher)
-    apply_kernel_switches(switches)
+    sparsegrad.bind(kernels)
     if beats is not None:
         _HEARTBEAT = (beats[0], beats[1], rank, beats[2])
     os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
@@ -293,7 +286,7 @@ def run_distributed(
             ctx.Process(
                 target=_worker,
                 args=(fn, r, world_size, init_method, backend, cuda, pg_timeout, results,
-                      os.getpid(), beats, kernel_switches(), args, kwargs),
+                      os.getpid(), beats, caller_kernels(), args, kwargs),
                 daemon=True,
             )
             for r in range(world_size)

@@ -16,15 +16,14 @@ starts a new pool. Between calls each rank puts back what a call may change in a
 
 * the module globals of ``gradsync`` and of the test modules (``conftest``, ``test_*``),
   every name rebound, added or deleted, and the contents of their dicts, lists, sets and
-  deques (a call that pins ``costmodel.profile_collectives`` or sets ``segments.ON_CPU``
-  leaves no trace), and the attributes of the classes they define (a method patched on
-  ``Comm``); the
-  functions of ``torch.distributed`` (a call that wraps ``dist.all_reduce``), not its data
-  (its count of groups must go on);
+  deques (a call that pins ``costmodel.profile_collectives`` leaves no trace), and the
+  attributes of the classes they define (a method patched on ``Comm``); the functions of
+  ``torch.distributed`` (a call that wraps ``dist.all_reduce``), not its data (its count of
+  groups must go on);
 * ``os.environ``, torch's and numpy's global random states, torch's intra-op threads, grad
   mode, default dtype and deterministic-algorithms flag, as a new process has them;
-* the kernel switches of the caller (:func:`~gradsync.testing.distributed.kernel_switches`) are
-  set before each call, as in a new process.
+* the kernels of the caller (:func:`~gradsync.testing.distributed.caller_kernels`) are bound
+  before each call, as in a new process.
 
 The process groups a call made (``new_group``) are destroyed after it. A call that leaves the
 default process group destroyed ends the pool. Calls that need a fresh process
@@ -56,13 +55,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from gradsync import sparsegrad
 from gradsync.testing import distributed as launcher
-from gradsync.testing.distributed import (
-    DistributedError,
-    apply_kernel_switches,
-    finish,
-    kernel_switches,
-)
+from gradsync.testing.distributed import DistributedError, caller_kernels, finish
 
 __all__ = ["MIN_TIMEOUT_S", "RankPool", "pooled", "run_distributed"]
 
@@ -221,9 +216,9 @@ def _serve(rank: int, world_size: int, init_method: str, conn: Any, parent: int)
             break
         groups = _groups()
         try:
-            fn, args, kwargs, switches = torch.load(io.BytesIO(task), weights_only=False)
+            fn, args, kwargs, kernels = torch.load(io.BytesIO(task), weights_only=False)
             pristine.watch_new_modules()
-            apply_kernel_switches(switches)
+            sparsegrad.bind(kernels)
             out = fn(rank, world_size, *args, **kwargs)
             buf = io.BytesIO()
             torch.save(out, buf)
@@ -275,7 +270,7 @@ class RankPool:
         if not self.alive:
             raise RuntimeError("RankPool.run: the pool is closed")
         buf = io.BytesIO()
-        torch.save((fn, args, kwargs, kernel_switches()), buf)
+        torch.save((fn, args, kwargs, caller_kernels()), buf)
         task = buf.getvalue()
         self.calls += 1
         try:

@@ -131,7 +131,6 @@ from gradsync.apps.common import (
     print_table,
     write_outputs,
 )
-from gradsync.sparsify import segments
 
 __all__ = ["HOST_READ_OPS", "Workload", "count_step", "device_slug", "gpu_slug", "main",
            "parse_schemes", "workload"]
@@ -1048,9 +1047,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "and on shared cores a second thread's waits swamp it; on CUDA "
                         "torch's setting; 0: torch's setting)")
     p.add_argument("--segments-on-cpu", action="store_true",
-                   help="run the accelerators' path (sparsify.segments.ON_CPU: per-tensor "
-                        "buffers selected at once) and kernels (sparsegrad.ACCELERATOR_"
-                        "KERNELS, without the tests' count checks) on the CPU: what a GPU "
+                   help="run the accelerators' path (per-tensor buffers selected at once) "
+                        "and kernels (sparsegrad.ACCELERATOR: without the tests' count "
+                        "checks) on the CPU: what a GPU "
                         "launches and reads, as bench syncs counts it; the files are named "
                         "overhead-cpu-segments")
     p.add_argument("--time-limit", type=float, default=None, metavar="S",
@@ -1150,13 +1149,10 @@ def main(argv: list[str] | None = None) -> int:
     def partial(now: list[dict[str, Any]]) -> None:  # the models done, then this one's rows
         save(rows + now, False)
 
-    on_cpu = segments.ON_CPU
-    kernels = sparsegrad.ACCELERATOR_KERNELS, sparsegrad.CHECK_COUNTS
-    segments.ON_CPU = on_cpu or a.segments_on_cpu
-    if a.segments_on_cpu:  # what a GPU runs: its kernels, without the tests' count checks
-        sparsegrad.ACCELERATOR_KERNELS, sparsegrad.CHECK_COUNTS = True, False
+    # --segments-on-cpu: what a GPU runs, its kernels without the tests' count checks
+    chosen = sparsegrad.ACCELERATOR if a.segments_on_cpu else sparsegrad.cpu_kernels()
     try:
-        with _world_of_one(device) as group:
+        with sparsegrad.using(chosen), _world_of_one(device) as group:
             for i, wl in enumerate(loads):
                 deadline = None
                 if a.time_limit is not None:  # an even share of what is left
@@ -1175,8 +1171,6 @@ def main(argv: list[str] | None = None) -> int:
         if cuda:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         torch.set_num_threads(threads)
-        segments.ON_CPU = on_cpu
-        sparsegrad.ACCELERATOR_KERNELS, sparsegrad.CHECK_COUNTS = kernels
     jpath, ppath, mpath = save(rows, True)
     print(f"bench overhead: {meta['wall_s']:.0f} s; wrote {jpath}, {mpath}"
           + (f" and {ppath}" if ppath else ""))

@@ -10,9 +10,9 @@ between ranks. On a GPU each read makes the host wait for the device (module doc
 :mod:`gradsync.apps.bench.overhead`, the counts). This command runs ``--ranks`` real gloo
 processes on the CPU (:func:`gradsync.testing.run_distributed`), each scheme on the
 accelerators' path (:mod:`gradsync.sparsify.segments`: each buffer selected at once, as a GPU
-runs it) and with their kernels (:data:`gradsync.sparsegrad.ACCELERATOR_KERNELS`: compactions
+runs it) and with their kernels (:data:`gradsync.sparsegrad.ACCELERATOR`: compactions
 by ``nonzero``, or ``nonzero_static`` at a known count, sorts by ``torch.sort``, as on a GPU;
-without the tests' count checks, :data:`~gradsync.sparsegrad.CHECK_COUNTS`), and counts with
+without the tests' count checks, :attr:`~gradsync.sparsegrad.Kernels.check_counts`), and counts with
 :func:`~gradsync.apps.bench.overhead.count_step` every rank's host reads per step, over
 ``--count-steps`` steps after 4 unmeasured ones (the engine's ``Config.warmup_steps`` is 1: its
 plan is fixed by then; Ok-Topk's and the threshold sparsifiers' exact steps, every 32, fall
@@ -62,11 +62,9 @@ def _rank(rank: int, world: int, schemes: list[str], a: dict[str, Any]) -> dict[
     import torch.distributed as dist
 
     from gradsync import sparsegrad
-    from gradsync.sparsify import segments
 
-    segments.ON_CPU = True  # the accelerators' path
-    sparsegrad.ACCELERATOR_KERNELS = True  # and their kernels
-    sparsegrad.CHECK_COUNTS = False  # without the tests' count checks, which a GPU skips
+    # the accelerators' path and kernels, without the tests' count checks, which a GPU skips
+    sparsegrad.bind(sparsegrad.ACCELERATOR)
     torch.set_num_threads(1)
     ns = _namespace(a)
     wl = overhead.workload(a["model"], False, image_size=a["image_size"],
