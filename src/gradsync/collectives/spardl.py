@@ -66,7 +66,7 @@ result is the exact SUM.
 from __future__ import annotations
 
 import math
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -115,6 +115,33 @@ def capacity(blocks: list[int], bl: list[int], k_b: int) -> int:
     """Most entries a round's message can hold: k_B per block, or the whole block if smaller
     (``bl``: the boundaries)."""
     return sum(min(k_b, bl[b + 1] - bl[b]) for b in blocks)
+
+
+class _Blocks(NamedTuple):
+    """One call's constants: the block boundaries on the device (``dev``) and as ints
+    (``bl``), the per-block budget k_B, the tensor's numel n, the wire's index dtype, the
+    values' dtype, and an empty index tensor (made once per call)."""
+
+    dev: torch.Tensor
+    bl: list[int]
+    k_b: int
+    n: int
+    wire: torch.dtype
+    dtype: torch.dtype
+    empty: torch.Tensor
+
+
+def _segments(i: torch.Tensor, B_dev: torch.Tensor) -> list[int]:
+    """Block b's entries are ``i[cuts[b]:cuts[b + 1]]`` (``i`` sorted; blocks are contiguous
+    index ranges): P + 1 binary searches instead of one per entry."""
+    return torch.searchsorted(i, B_dev).tolist()
+
+
+def _top(v: torch.Tensor, a: int, b: int, k_b: int) -> torch.Tensor:
+    """Positions in ``[a, b)`` of the k_B largest ``|v|`` there (all if at most k_B)."""
+    if b - a <= k_b:
+        return torch.arange(a, b, device=v.device)
+    return flatnonzero(top_k_mask(v[a:b], k_b)) + a
 
 
 @registry.register("spardl")
@@ -172,7 +199,7 @@ class SparDL(Collective):
     def _reduce(
         self, sel: SparseGrad, comm: Comm, step: int
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
-        P, r, n = comm.size, comm.rank, sel.numel
+        P, n = comm.size, sel.numel
         if P == 1:
             return sel.to_dense(), sel.indices, {"rounds": 0, "dropped": 0}
         dev, dtype = sel.device, sel.dtype
@@ -180,69 +207,108 @@ class SparDL(Collective):
         k_b = math.ceil(k / P)
         B, recomputed = self._blocks(sel, comm, step)
         B_dev, bl = B.to(dev), B.tolist()
-        wire = wire_index_dtype(n)
-
-        def segments(i: torch.Tensor) -> list[int]:
-            """Block b's entries are ``i[cuts[b]:cuts[b + 1]]`` (``i`` sorted; blocks are
-            contiguous index ranges): P + 1 binary searches instead of one per entry."""
-            return torch.searchsorted(i, B_dev).tolist()
-
-        def top(v: torch.Tensor, a: int, b: int) -> torch.Tensor:
-            """Positions in ``[a, b)`` of the k_B largest ``|v|`` there (all if at most k_B)."""
-            if b - a <= k_b:
-                return torch.arange(a, b, device=dev)
-            return flatnonzero(top_k_mask(v[a:b], k_b)) + a
-
-        empty = torch.empty(0, dtype=torch.int64, device=dev)
+        blk = _Blocks(B_dev, bl, k_b, n, wire_index_dtype(n), dtype,
+                      torch.empty(0, dtype=torch.int64, device=dev))
         checks: list[tuple[torch.Tensor, str]] = []  # the received messages', on the device
-        idx, val = sel.indices, sel.values  # the partial sums this rank holds, index order
-        history: list[dict[str, torch.Tensor]] = []  # per round, for the backward walk
-        S = rounds(P)
-        for s in range(S):
-            d = 1 << s
-            dst, src = (r + d) % P, (r - d) % P
-            # forward the blocks whose distance j = (b − r) mod P has bit s set, each
-            # sparsified to k_B; keep the others whole (block order = index order)
-            cuts = segments(idx)
-            fwd_p, kp_p = [], []
-            for b in range(P):
-                if cuts[b + 1] > cuts[b]:
-                    if ((b - r) % P) & d:
-                        fwd_p.append(top(val, cuts[b], cuts[b + 1]))
-                    else:
-                        kp_p.append(torch.arange(cuts[b], cuts[b + 1], device=dev))
-            fwd = torch.cat(fwd_p) if fwd_p else empty
-            kp = torch.cat(kp_p) if kp_p else empty
-            t_idx, t_val = torch.index_select(idx, 0, fwd), torch.index_select(val, 0, fwd)
-            k_idx, k_val = torch.index_select(idx, 0, kp), torch.index_select(val, 0, kp)
-            # one message of the round's fixed capacity: count, entries, padding
-            cap = capacity(forwarded(r, s, P), bl, k_b)
-            r_idx, r_val = self._receive(comm, pack_entries_fixed(t_idx, t_val, wire, cap), s,
-                                         B_dev, bl, k_b, n, wire, dtype, checks)
-            # add, then re-sparsify every block this round delivered to (the sum's indices
-            # are sorted whatever a malformed message held)
-            m_idx, m_val = sparse_sum([(k_idx, k_val), (r_idx, r_val)], within=(0, n))
-            cuts = segments(m_idx)
-            keep = None
-            for b in range(P):
-                j = (b - r) % P
-                if j % (2 * d) == 0 and j + d < P and cuts[b + 1] - cuts[b] > k_b:
-                    if keep is None:
-                        keep = torch.ones(m_idx.numel(), dtype=torch.bool, device=dev)
-                    keep[cuts[b]:cuts[b + 1]] = top_k_mask(m_val[cuts[b]:cuts[b + 1]], k_b)
-            history.append({"state": idx, "fwd": fwd, "kp": kp, "sent": t_idx,
-                            "kept_part": k_idx, "recv": r_idx})
-            if keep is None:
-                idx, val = m_idx, m_val
-            else:
-                at = flatnonzero(keep)
-                idx, val = torch.index_select(m_idx, 0, at), torch.index_select(m_val, 0, at)
+        # 2. Spar-Reduce-Scatter: this rank's block, summed, at most k_B entries
+        idx, val, history = self._spar_reduce_scatter(sel, comm, blk, checks)
+        # Global residual collection: which of this rank's entries reached a final block
+        kept = self._collect_residual(idx, history, comm)
+        # 3. Spar-All-Gather of the reduced blocks
+        dense, counts = self._spar_all_gather(idx, val, comm, blk, checks)
+        info = {"k": k, "k_block": k_b, "rounds": len(history), "boundaries": B,
+                "boundaries_recomputed": recomputed, "block_nnz": idx.numel(),
+                "global_nnz": sum(counts), "dropped": len(sel) - kept.numel(),
+                "sent_per_round": [h["sent"].numel() for h in history], CHECKS: checks}
+        return dense, kept, info
 
-        # Global residual collection: walk the rounds backwards; an entry is alive when it
-        # reached the owner's final block. ``alive`` is the set of live indices in the state
-        # after round s (a subset of that round's merged entries).
+    def _spar_reduce_scatter(
+        self, sel: SparseGrad, comm: Comm, blk: _Blocks, checks: list[tuple[torch.Tensor, str]],
+    ) -> tuple[torch.Tensor, torch.Tensor, list[dict[str, torch.Tensor]]]:
+        """Spar-Reduce-Scatter (module doc, 2.): S = ⌈log2 P⌉ rounds from the selection to
+        this rank's reduced block. Returns its (indices, values) and, per round, what the
+        backward walk of the residual collection needs."""
+        idx, val = sel.indices, sel.values  # the partial sums this rank holds, index order
+        history: list[dict[str, torch.Tensor]] = []
+        for s in range(rounds(comm.size)):
+            idx, val, h = self._srs_round(idx, val, s, comm, blk, checks)
+            history.append(h)
+        return idx, val, history
+
+    def _srs_round(
+        self, idx: torch.Tensor, val: torch.Tensor, s: int, comm: Comm, blk: _Blocks,
+        checks: list[tuple[torch.Tensor, str]],
+    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+        """Round ``s`` (distance d = 2^s) of Spar-Reduce-Scatter on the partial sums
+        ``(idx, val)``: forward the blocks whose distance j = (b − r) mod P has bit s set,
+        each sparsified to k_B, keep the others whole (block order = index order), add what
+        rank r − d forwards, and re-sparsify every block this round delivered to. Returns the
+        new partial sums and the round's history entry."""
+        P, r, d = comm.size, comm.rank, 1 << s
+        fwd, kp = self._split_blocks(idx, val, r, d, P, blk)
+        t_idx, t_val = torch.index_select(idx, 0, fwd), torch.index_select(val, 0, fwd)
+        k_idx, k_val = torch.index_select(idx, 0, kp), torch.index_select(val, 0, kp)
+        # one message of the round's fixed capacity: count, entries, padding
+        cap = capacity(forwarded(r, s, P), blk.bl, blk.k_b)
+        r_idx, r_val = self._receive(comm, pack_entries_fixed(t_idx, t_val, blk.wire, cap), s,
+                                     blk.dev, blk.bl, blk.k_b, blk.n, blk.wire, blk.dtype,
+                                     checks)
+        # add, then re-sparsify every block this round delivered to (the sum's indices
+        # are sorted whatever a malformed message held)
+        m_idx, m_val = sparse_sum([(k_idx, k_val), (r_idx, r_val)], within=(0, blk.n))
+        keep = self._resparsify(m_idx, m_val, r, d, P, blk)
+        h = {"state": idx, "fwd": fwd, "kp": kp, "sent": t_idx, "kept_part": k_idx,
+             "recv": r_idx}
+        if keep is None:
+            return m_idx, m_val, h
+        at = flatnonzero(keep)
+        return torch.index_select(m_idx, 0, at), torch.index_select(m_val, 0, at), h
+
+    @staticmethod
+    def _split_blocks(idx: torch.Tensor, val: torch.Tensor, r: int, d: int, P: int,
+                     blk: _Blocks) -> tuple[torch.Tensor, torch.Tensor]:
+        """Positions in ``idx`` of the entries rank ``r`` forwards at distance ``d`` (its
+        nonempty blocks with ``(b − r) mod P & d``, each to its k_B largest ``|val|``) and
+        of those it keeps (the other blocks, whole)."""
+        cuts = _segments(idx, blk.dev)
+        fwd_p, kp_p = [], []
+        for b in range(P):
+            if cuts[b + 1] > cuts[b]:
+                if ((b - r) % P) & d:
+                    fwd_p.append(_top(val, cuts[b], cuts[b + 1], blk.k_b))
+                else:
+                    kp_p.append(torch.arange(cuts[b], cuts[b + 1], device=val.device))
+        fwd = torch.cat(fwd_p) if fwd_p else blk.empty
+        kp = torch.cat(kp_p) if kp_p else blk.empty
+        return fwd, kp
+
+    @staticmethod
+    def _resparsify(m_idx: torch.Tensor, m_val: torch.Tensor, r: int, d: int, P: int,
+                    blk: _Blocks) -> torch.Tensor | None:
+        """The mask over the merged entries that keeps the k_B largest ``|m_val|`` of every
+        block this round delivered to (distance j a multiple of 2d, with j + d < P) holding
+        more than k_B; ``None`` when no block needs it (keep everything)."""
+        cuts = _segments(m_idx, blk.dev)
+        keep = None
+        for b in range(P):
+            j = (b - r) % P
+            if j % (2 * d) == 0 and j + d < P and cuts[b + 1] - cuts[b] > blk.k_b:
+                if keep is None:
+                    keep = torch.ones(m_idx.numel(), dtype=torch.bool, device=m_idx.device)
+                keep[cuts[b]:cuts[b + 1]] = top_k_mask(m_val[cuts[b]:cuts[b + 1]], blk.k_b)
+        return keep
+
+    @staticmethod
+    def _collect_residual(idx: torch.Tensor, history: list[dict[str, torch.Tensor]],
+                          comm: Comm) -> torch.Tensor:
+        """Global residual collection (module doc): walk the rounds backwards; an entry is
+        alive when it reached the owner's final block. ``alive`` is the set of live indices
+        in the state after round s (a subset of that round's merged entries); each receiver
+        returns one bit per entry it received. Returns the live entries of the state before
+        round 0, i.e. this rank's ``kept`` (sel.indices that entered ``dense``)."""
+        P, r, dev = comm.size, comm.rank, idx.device
         alive = idx
-        for s in reversed(range(S)):
+        for s in reversed(range(len(history))):
             d = 1 << s
             dst, src = (r + d) % P, (r - d) % P
             h = history[s]
@@ -255,24 +321,25 @@ class SparDL(Collective):
             live.index_copy_(0, h["kp"], isin_sorted(h["kept_part"], alive))
             live.index_copy_(0, h["fwd"], sent_alive)
             alive = torch.index_select(h["state"], 0, flatnonzero(live))  # index order
-        kept = alive  # the state before round 0 is sel.indices
+        return alive
 
-        # Spar-All-Gather of the reduced blocks: at most k_B entries each, so one all-gather
-        # of a fixed capacity (no counts first)
-        cap = k_b  # the same on every rank
-        msgs = comm.all_gather(pack_entries_fixed(idx, val, wire, cap))
+    @staticmethod
+    def _spar_all_gather(idx: torch.Tensor, val: torch.Tensor, comm: Comm, blk: _Blocks,
+                         checks: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, list[int]]:
+        """Spar-All-Gather (module doc, 3.): the reduced blocks hold at most k_B entries each,
+        so one all-gather of a fixed capacity (no counts first); each block checked against
+        its owner's range. Returns ``dense`` and the entries per block."""
+        cap = blk.k_b  # the same on every rank
+        msgs = comm.all_gather(pack_entries_fixed(idx, val, blk.wire, cap))
         parts = []
-        for owner in range(P):
+        for owner in range(comm.size):
             what = f"spardl: block of rank {owner}"
-            g_idx, g_val = unpack_entries_fixed(msgs[owner], cap, wire, dtype, what)
-            parts.append(checked_entries(g_idx, g_val, bl[owner + 1], bl[owner], checks, what))
-        dense = densify(parts, n, dtype, dev)  # blocks are disjoint: one writer per index
-        counts = [p[0].numel() for p in parts]
-        info = {"k": k, "k_block": k_b, "rounds": S, "boundaries": B,
-                "boundaries_recomputed": recomputed, "block_nnz": idx.numel(),
-                "global_nnz": sum(counts), "dropped": len(sel) - kept.numel(),
-                "sent_per_round": [h["sent"].numel() for h in history], CHECKS: checks}
-        return dense, kept, info
+            g_idx, g_val = unpack_entries_fixed(msgs[owner], cap, blk.wire, blk.dtype, what)
+            parts.append(checked_entries(g_idx, g_val, blk.bl[owner + 1], blk.bl[owner], checks,
+                                         what))
+        # blocks are disjoint: one writer per index
+        dense = densify(parts, blk.n, blk.dtype, idx.device)
+        return dense, [p[0].numel() for p in parts]
 
     @staticmethod
     def _receive(comm: Comm, payload: torch.Tensor, s: int, B: torch.Tensor, bl: list[int],
