@@ -67,9 +67,14 @@ class DGC(Sparsifier):
         self.last_adjustments = 0
         self.draws = random.Random(self.seed)  # the samples' starts (step 1)
 
+    def _sample_size(self, n: int) -> int:
+        """Step 1's s: at least ``sample_ratio`` of the ``n`` elements and 2 expected top-k
+        entries."""
+        return max(math.ceil(self.sample_ratio * n), math.ceil(2.0 / self.density))
+
     def _sample(self, a: torch.Tensor) -> torch.Tensor:
         n = a.numel()
-        s = max(math.ceil(self.sample_ratio * n), math.ceil(2.0 / self.density))
+        s = self._sample_size(n)
         if s >= n:
             return a
         stride = n // s  # ⌈(n − start)/stride⌉ ≥ s for every start < stride
@@ -118,88 +123,23 @@ class DGC(Sparsifier):
         tensor); the samples are gathered and ranked in one pass; θ_i is a vector, and every
         tensor's count in every adjustment round comes from one histogram of the entries'
         levels (:func:`_levels`), so the whole selection reads the host once."""
-        dev, first = x.device, sparsifiers[0]
-        lower, max_adjust = first.lower, first.max_adjust  # upper: step 4 keeps k either way
+        first = sparsifiers[0]
         a = magnitudes(x)
-        S = len(seg)
         # 1. the samples: tensors with k < n only (k = n sends the whole tensor, no draw)
-        sampled, starts, strides, lengths, kth = [], [], [], [], []
-        for i, (sp, n, k) in enumerate(zip(sparsifiers, seg.sizes, ks)):
-            if k >= n:
-                continue
-            s = max(math.ceil(sp.sample_ratio * n), math.ceil(2.0 / sp.density))
-            start, stride = 0, 1
-            if s < n:
-                stride = n // s
-                start = sp.draws.randrange(stride)
-            m = len(range(start, n, stride))
-            sampled.append(i)
-            starts.append(seg.offsets[i] + start)
-            strides.append(stride)
-            lengths.append(m)
-            kth.append(min(m, max(1, math.ceil(sp.density * m))))
-        thr = None
-        if sampled:
-            # 2. θ_i = the kth_i largest of sample i: gather, rank within samples, pick
-            M, T = sum(lengths), len(sampled)
-            first_of = [0]
-            for m in lengths[:-1]:
-                first_of.append(first_of[-1] + m)
-            # entry t of the samples (counted over all of them) that belongs to sample i sits
-            # at starts[i] + strides[i]·(t − first_of[i]) = offset_i + strides[i]·t: each
-            # sample's (offset, stride, key base) spread over its entries by one repeat
-            packed = to_device([*(v for i, f in enumerate(first_of)
-                                  for v in (starts[i] - strides[i] * f, strides[i], key_base(i))),
-                                *lengths, *sampled, *(f + k - 1 for f, k in zip(first_of, kth))],
-                               torch.int64, dev)
-            ln, which, pick = packed[3 * T:].split(T)
-            off, sd, base = torch.repeat_interleave(packed[:3 * T].view(T, 3), ln, dim=0,
-                                                    output_size=M).unbind(1)
-            sample = a[torch.addcmul(off, sd, iota(M, dev))]
-            thr = sample[order_in_segments(sample, base)[pick]]
-        if len(sampled) < S:  # tensors sent whole (k >= n): θ = 0, which every entry meets
-            whole = torch.zeros(S, dtype=torch.float32, device=dev)
-            thr = whole if thr is None else whole.index_copy_(0, which, thr)
-        # 3. select |x| >= θ_i, lowering θ_i by 0.8 where too few (up to max_adjust times).
-        # Every round's threshold is known in advance, θ_i·0.8^j (the products the rounds
-        # make), so each entry's level (the first round whose threshold it meets) and, from a
-        # histogram of the levels, every tensor's count in every round come without a read;
-        # the rule then picks each tensor's round on the device (the first with at least
-        # 0.8·k, else the last), and one read brings the counts and rounds back.
-        J = max_adjust
-        powers = _powers(lower, J)
-        # (S, J + 1), each row non-increasing: every round's threshold, the same products as
-        # tensor by tensor (fp32 θ·0.8^j in float64), rounded to fp32 as its comparisons round
-        # them: one operation, the product in float64 and the rounding on the way out
-        table = torch.mul(thr[:, None], constant(powers, torch.float64, dev),
-                          out=torch.empty(S, J + 1, dtype=torch.float32, device=dev))
-        keys = descending_keys(a, segment_keys(seg.sizes, dev))  # also step 4's ranking
-        pos = _levels(keys, table)  # i·(J + 2) + ℓ: per tensor and level
-        by_round = bincount(pos, S * (J + 2)).view(S, J + 2).cumsum(1)  # count in round j
-        # the counts grow with the rounds, so the first round with enough is the number of
-        # rounds before J without (J when none has enough); a tensor sent whole (θ = 0) has
-        # every entry at level 0 and reports no round. An integer count c < 0.8·k exactly
-        # when c < ⌈0.8·k⌉ (0.8·k the same product as tensor by tensor)
-        need = constant(tuple(math.ceil(lower * k) for k in ks), torch.int64, dev)
-        rounds = (by_round[:, :J] < need[:, None]).sum(1)
-        # an entry is a candidate when its level ℓ <= its tensor's round: a lookup of its
-        # place pos in the (S, J + 2) table of which levels each tensor's round takes in
-        levels = constant(tuple(range(J + 2)), torch.int64, dev)
-        mask = (levels <= rounds[:, None]).view(-1)[pos]
-        counts_dev = by_round.gather(1, rounds[:, None]).view(S)
-        # the one read, all int64: counts, rounds, and θ (fp32, as its bits). No check
-        # of its own for NaN/Inf: select_buffer checked x, or its caller the gradients (an
-        # accumulator that overflowed is not read here, on one rank only: its +Inf or NaN
-        # magnitudes key before every threshold, so they are selected and reach the
-        # collective's sum on every rank, where the caller's check sees them)
-        values = torch.cat([counts_dev, rounds, thr.view(torch.int32)]).tolist()
-        counts, done, theta = values[:S], values[S:2 * S], values[2 * S:]
+        sampled, starts, strides, lengths, kth = _draw_samples(sparsifiers, seg, ks)
+        # 2. θ_i = the kth_i largest of sample i (0 for a tensor sent whole)
+        thr = _sample_thresholds(a, len(seg), sampled, starts, strides, lengths, kth)
+        # 3. select |x| >= θ_i, lowering θ_i by 0.8 where too few (up to max_adjust times)
+        # (upper: step 4 keeps k either way)
+        keys, mask, counts, done, theta = _adjust(a, thr, seg, ks, first.lower,
+                                                  first.max_adjust)
         adjustments = {i: done[i] for i in sampled}
         # 4. more than k candidates: the k largest of them (= the tensor's top-k)
         cand = torch.nonzero_static(mask, size=sum(counts)).view(-1)
         keep = [min(c, k) for c, k in zip(counts, ks)]
         if keep != counts:
             cand = cand[top_by_keys(keys[cand], counts, keep)]
+        powers = _powers(first.lower, first.max_adjust)
         for i, (sp, k) in enumerate(zip(sparsifiers, ks)):
             sp.last_k, sp.last_count = k, keep[i]
             if i in adjustments:  # round j's threshold, the product tensor by tensor makes
@@ -226,6 +166,103 @@ class DGC(Sparsifier):
             except (TypeError, ValueError) as e:
                 raise ValueError(f"dgc: the saved draws are malformed ({e})") from None
         self.draws = draws
+
+
+def _draw_samples(sparsifiers: list[DGC], seg: Segments, ks: list[int]
+                  ) -> tuple[list[int], list[int], list[int], list[int], list[int]]:
+    """Step 1 for every tensor of a buffer with k < n: its strided sample, the start drawn
+    from its own generator, in tensor order (the draws tensor by tensor selection makes).
+    Returns, per sampled tensor, its number, the sample's first position in the buffer, its
+    stride, its length m and its rank kth = ⌈density · m⌉ (at least 1, at most m); no tensor
+    operation."""
+    sampled, starts, strides, lengths, kth = [], [], [], [], []
+    for i, (sp, n, k) in enumerate(zip(sparsifiers, seg.sizes, ks)):
+        if k >= n:
+            continue
+        s = sp._sample_size(n)
+        start, stride = 0, 1
+        if s < n:
+            stride = n // s
+            start = sp.draws.randrange(stride)
+        m = len(range(start, n, stride))
+        sampled.append(i)
+        starts.append(seg.offsets[i] + start)
+        strides.append(stride)
+        lengths.append(m)
+        kth.append(min(m, max(1, math.ceil(sp.density * m))))
+    return sampled, starts, strides, lengths, kth
+
+
+def _sample_thresholds(a: torch.Tensor, S: int, sampled: list[int], starts: list[int],
+                       strides: list[int], lengths: list[int], kth: list[int]) -> torch.Tensor:
+    """Step 2 for the ``S`` tensors of a buffer (``a``: its magnitudes): θ_i = the kth_i
+    largest of sample i (:func:`_draw_samples`), all samples gathered and ranked in one pass;
+    θ_i = 0, which every entry meets, for a tensor sent whole (k >= n)."""
+    dev = a.device
+    thr = None
+    if sampled:
+        # θ_i = the kth_i largest of sample i: gather, rank within samples, pick
+        M, T = sum(lengths), len(sampled)
+        first_of = [0]
+        for m in lengths[:-1]:
+            first_of.append(first_of[-1] + m)
+        # entry t of the samples (counted over all of them) that belongs to sample i sits
+        # at starts[i] + strides[i]·(t − first_of[i]) = offset_i + strides[i]·t: each
+        # sample's (offset, stride, key base) spread over its entries by one repeat
+        packed = to_device([*(v for i, f in enumerate(first_of)
+                              for v in (starts[i] - strides[i] * f, strides[i], key_base(i))),
+                            *lengths, *sampled, *(f + k - 1 for f, k in zip(first_of, kth))],
+                           torch.int64, dev)
+        ln, which, pick = packed[3 * T:].split(T)
+        off, sd, base = torch.repeat_interleave(packed[:3 * T].view(T, 3), ln, dim=0,
+                                                output_size=M).unbind(1)
+        sample = a[torch.addcmul(off, sd, iota(M, dev))]
+        thr = sample[order_in_segments(sample, base)[pick]]
+    if len(sampled) < S:  # tensors sent whole (k >= n): θ = 0, which every entry meets
+        whole = torch.zeros(S, dtype=torch.float32, device=dev)
+        thr = whole if thr is None else whole.index_copy_(0, which, thr)
+    return thr  # type: ignore[return-value]  # S >= 1: set above
+
+
+def _adjust(a: torch.Tensor, thr: torch.Tensor, seg: Segments, ks: list[int], lower: float,
+            J: int) -> tuple[torch.Tensor, torch.Tensor, list[int], list[int], list[int]]:
+    """Step 3 for every tensor of a buffer: select ``|x| >= θ_i``, lowering θ_i by ``lower``
+    where too few (fewer than lower·k), up to J = max_adjust times.
+
+    Every round's threshold is known in advance, θ_i·0.8^j (the products the rounds make), so
+    each entry's level (the first round whose threshold it meets) and, from a histogram of the
+    levels, every tensor's count in every round come without a read; the rule then picks each
+    tensor's round on the device (the first with at least 0.8·k, else the last), and one read
+    brings the counts and rounds back. Returns the entries' ranking keys (step 4's too), the
+    candidates' mask, and per tensor its count, its round and θ_i's fp32 bits."""
+    S, dev = len(seg), a.device
+    powers = _powers(lower, J)
+    # (S, J + 1), each row non-increasing: every round's threshold, the same products as
+    # tensor by tensor (fp32 θ·0.8^j in float64), rounded to fp32 as its comparisons round
+    # them: one operation, the product in float64 and the rounding on the way out
+    table = torch.mul(thr[:, None], constant(powers, torch.float64, dev),
+                      out=torch.empty(S, J + 1, dtype=torch.float32, device=dev))
+    keys = descending_keys(a, segment_keys(seg.sizes, dev))  # also step 4's ranking
+    pos = _levels(keys, table)  # i·(J + 2) + ℓ: per tensor and level
+    by_round = bincount(pos, S * (J + 2)).view(S, J + 2).cumsum(1)  # count in round j
+    # the counts grow with the rounds, so the first round with enough is the number of
+    # rounds before J without (J when none has enough); a tensor sent whole (θ = 0) has
+    # every entry at level 0 and reports no round. An integer count c < 0.8·k exactly
+    # when c < ⌈0.8·k⌉ (0.8·k the same product as tensor by tensor)
+    need = constant(tuple(math.ceil(lower * k) for k in ks), torch.int64, dev)
+    rounds = (by_round[:, :J] < need[:, None]).sum(1)
+    # an entry is a candidate when its level ℓ <= its tensor's round: a lookup of its
+    # place pos in the (S, J + 2) table of which levels each tensor's round takes in
+    levels = constant(tuple(range(J + 2)), torch.int64, dev)
+    mask = (levels <= rounds[:, None]).view(-1)[pos]
+    counts_dev = by_round.gather(1, rounds[:, None]).view(S)
+    # the one read, all int64: counts, rounds, and θ (fp32, as its bits). No check
+    # of its own for NaN/Inf: select_buffer checked x, or its caller the gradients (an
+    # accumulator that overflowed is not read here, on one rank only: its +Inf or NaN
+    # magnitudes key before every threshold, so they are selected and reach the
+    # collective's sum on every rank, where the caller's check sees them)
+    values = torch.cat([counts_dev, rounds, thr.view(torch.int32)]).tolist()
+    return keys, mask, values[:S], values[S:2 * S], values[2 * S:]
 
 
 @functools.lru_cache(maxsize=16)
