@@ -79,6 +79,11 @@ def _halves(sel: SparseGrad, lo: int, mid: int, hi: int) -> tuple[SparseGrad, Sp
             SparseGrad(sel.indices[m:b], sel.values[m:b], sel.numel, validate=False))
 
 
+def _real(v: int, rem: int) -> int:
+    """The rank of virtual rank ``v`` in 0..P′−1 (after the fold of ``rem`` = P − P′ ranks)."""
+    return 2 * v + 1 if v < rem else v + rem
+
+
 def _reduce_sum(mine: SparseGrad, theirs: SparseGrad, lo: int, hi: int) -> SparseGrad:
     """Sparse SUM of two selections whose indices lie in ``[lo, hi)`` (checked: ``theirs`` by
     :meth:`DenseStreamAllreduce._exchange`), ``mine`` added first
@@ -234,61 +239,17 @@ class DenseStreamAllreduce(Collective):
         t = comm.stats.bytes_sent
         B, bounds, recomputed = self._balanced_split(sel, comm, step, p2)
         t = mark("balanced_split", t)
-
-        # Fold (Rabenseifner): even ranks below 2·rem hand their selection to the next rank.
-        acc = sel
-        if r < 2 * rem:
-            if r % 2 == 0:
-                self._send([self._encode(sel, iw)], r + 1, comm)
-                me = -1                                # sits out halving and doubling
-            else:
-                buf, (head,) = self._recv(1, sel, r - 1, comm, checks)
-                got = dsfmt.decode_stored(buf, numel=n, dtype=sel.dtype, lo=0, hi=n,
-                                          checks=checks, header=head)
-                acc = _reduce_sum(sel, got, 0, n)
-                me = r // 2
-        else:
-            me = r - rem
+        acc, me = self._fold(sel, comm, rem, iw, checks)
         t = mark("fold", t)
-
-        def real(v: int) -> int:                       # rank of virtual rank v in 0..P′−1
-            return 2 * v + 1 if v < rem else v + rem
-
         if me >= 0:
-            # Scatter-reduce, recursive halving: keep half of [lo, hi), send the other half.
-            lo, hi, d = 0, p2, p2 // 2
-            while d >= 1:
-                mid = (lo + hi) // 2
-                low, high = _halves(acc, bounds[lo], bounds[mid], bounds[hi])
-                (klo, khi), keep, send = ((mid, hi), high, low) if me & d else \
-                    ((lo, mid), low, high)
-                got = self._exchange(send, real(me ^ d), comm, iw, bounds[klo], bounds[khi],
-                                     checks)
-                acc = _reduce_sum(keep, got, bounds[klo], bounds[khi])
-                lo, hi, d = klo, khi, d // 2
+            acc = self._scatter_reduce(acc, me, p2, rem, bounds, comm, iw, checks)
             # region `me`, reduced over all ranks: its nonzeros (acc holds the peers' stored
             # zeros too), on the device like every figure below (reading would wait)
             region_nnz = torch.count_nonzero(
                 acc.values.view(BITS_DTYPES[acc.values.element_size()]))
             t = mark("scatter_reduce", t)
-            # Allgather, recursive doubling: my 2^t regions for my partner's 2^t regions. Each
-            # region travels as its owner encoded it, the encodings back to back (forwarded,
-            # never re-encoded); every region is validated, range-checked and decoded straight
-            # into the result on arrival (the regions are disjoint).
-            dense = densify([(acc.indices, acc.values)], n, sel.dtype, sel.device)
-            held = {me: dsfmt.encode(acc, index_bytes=iw)}
-            global_nnz = region_nnz.clone()                 # what the others decode of it
-            d = 1
-            while d < p2:
-                peer = me ^ d
-                plo = (peer // d) * d                  # partner holds regions [plo, plo + d)
-                buf, heads = self._swap([held[q] for q in sorted(held)], real(peer), comm,
-                                        sel, checks)
-                pieces, got = self._write(buf, heads, dense, range(plo, plo + d), bounds,
-                                          checks)
-                held.update(zip(range(plo, plo + d), pieces, strict=True))
-                global_nnz += got
-                d *= 2
+            dense, held, global_nnz = self._allgather(acc, me, p2, rem, bounds, comm, iw,
+                                                      region_nnz, sel, checks)
             t = mark("allgather", t)
         else:
             region_nnz = torch.zeros((), dtype=torch.int64, device=sel.device)
@@ -305,6 +266,66 @@ class DenseStreamAllreduce(Collective):
                 "region_nnz": region_nnz, "global_nnz": global_nnz,
                 "bytes_sent_by_phase": sent, CHECKS: checks}
         return dense, sel.indices, info
+
+    def _fold(self, sel: SparseGrad, comm: Comm, rem: int, iw: int,
+              checks: list[tuple[torch.Tensor, str]]) -> tuple[SparseGrad, int]:
+        """Fold (Rabenseifner): among the first 2·rem ranks each even rank hands its
+        selection to the next (odd) rank, which adds it to its own. Returns what this rank
+        reduces and its virtual rank in 0..P′−1 (−1: it sits out halving and doubling)."""
+        r, n = comm.rank, sel.numel
+        if r >= 2 * rem:
+            return sel, r - rem
+        if r % 2 == 0:
+            self._send([self._encode(sel, iw)], r + 1, comm)
+            return sel, -1
+        buf, (head,) = self._recv(1, sel, r - 1, comm, checks)
+        got = dsfmt.decode_stored(buf, numel=n, dtype=sel.dtype, lo=0, hi=n, checks=checks,
+                                  header=head)
+        return _reduce_sum(sel, got, 0, n), r // 2
+
+    def _scatter_reduce(self, acc: SparseGrad, me: int, p2: int, rem: int, bounds: list[int],
+                        comm: Comm, iw: int, checks: list[tuple[torch.Tensor, str]]
+                        ) -> SparseGrad:
+        """Scatter-reduce by recursive halving (Alg. 2 line 17): at distance d = P′/2, …, 1,
+        virtual rank ``me`` keeps half of its range [lo, hi) of regions, sends the other half
+        to ``me`` XOR d and reduces what it receives into its own. Returns region ``me``,
+        reduced over all ranks."""
+        lo, hi, d = 0, p2, p2 // 2
+        while d >= 1:
+            mid = (lo + hi) // 2
+            low, high = _halves(acc, bounds[lo], bounds[mid], bounds[hi])
+            (klo, khi), keep, send = ((mid, hi), high, low) if me & d else \
+                ((lo, mid), low, high)
+            got = self._exchange(send, _real(me ^ d, rem), comm, iw, bounds[klo], bounds[khi],
+                                 checks)
+            acc = _reduce_sum(keep, got, bounds[klo], bounds[khi])
+            lo, hi, d = klo, khi, d // 2
+        return acc
+
+    def _allgather(self, acc: SparseGrad, me: int, p2: int, rem: int, bounds: list[int],
+                   comm: Comm, iw: int, region_nnz: torch.Tensor, sel: SparseGrad,
+                   checks: list[tuple[torch.Tensor, str]]
+                   ) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor]:
+        """Allgather by recursive doubling (Alg. 2 line 18): my 2^t regions for my partner's
+        2^t regions. Each region travels as its owner encoded it, the encodings back to back
+        (forwarded, never re-encoded); every region is validated, range-checked and decoded
+        straight into the result on arrival (the regions are disjoint). Returns ``dense``,
+        the encodings held (every region's), and the nonzeros written in all
+        (``region_nnz``: region ``me``'s)."""
+        dense = densify([(acc.indices, acc.values)], sel.numel, sel.dtype, sel.device)
+        held = {me: dsfmt.encode(acc, index_bytes=iw)}
+        global_nnz = region_nnz.clone()                 # what the others decode of it
+        d = 1
+        while d < p2:
+            peer = me ^ d
+            plo = (peer // d) * d                  # partner holds regions [plo, plo + d)
+            buf, heads = self._swap([held[q] for q in sorted(held)], _real(peer, rem), comm,
+                                    sel, checks)
+            pieces, got = self._write(buf, heads, dense, range(plo, plo + d), bounds, checks)
+            held.update(zip(range(plo, plo + d), pieces, strict=True))
+            global_nnz += got
+            d *= 2
+        return dense, held, global_nnz
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
