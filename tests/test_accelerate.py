@@ -115,7 +115,7 @@ def _scaler_runs(out: str, rank: int) -> None:
         exec(setup, ns)
         model, optimizer, accelerator = ns["model"], ns["optimizer"], ns["accelerator"]
         if name == "stale":
-            ns["hook_state"].scaler = None
+            ns["hook_state"].amp.scaler = None
         scales = []
         for s in range(K + N):
             x, y = _batch(s, rank)

@@ -539,8 +539,8 @@ def _hook(rank: int, P: int) -> dict:
             dist.all_reduce(ref)
             ref /= P
             worst = max(worst, ((p.grad - ref).abs().max() / (ref.abs().max() + 1e-12)).item())
-    return {"worst": worst, "link": [tuple(vars(x).values()) for x in state.link],
-            "sent": state.total.bytes_sent}
+    return {"worst": worst, "link": [tuple(vars(x).values()) for x in state.auto.link],
+            "sent": state.counts.total.bytes_sent}
 
 
 def test_auto_ddp_hook_agrees_and_equals_ddp_at_density_one():

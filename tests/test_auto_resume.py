@@ -324,7 +324,7 @@ def _hook(rank: int, P: int) -> dict:
     model, ddp_model, state = job(7)
     model.load_state_dict(saved["model"])
     state.load_state_dict(saved["hook"])
-    link = state.link
+    link = state.auto.link
 
     def measured(*a, **kw):
         raise AssertionError("the resumed hook measured its link again")
@@ -344,7 +344,7 @@ def _hook(rank: int, P: int) -> dict:
     state.load_state_dict(old)
     return {"saved_link": saved["hook"]["link"], "link": [vars(x) for x in link],
             "same": all(torch.equal(p, q) for p, q in zip(model.parameters(), straight)),
-            "err": err, "old_link": state.link}
+            "err": err, "old_link": state.auto.link}
 
 
 def test_ddp_hook_auto_keeps_its_measured_link():

@@ -136,7 +136,7 @@ def _bucket_bytes(rank, world_size, scheme):
         ddp.zero_grad(set_to_none=True)
         x, y = image_batch(rank, step, 16)
         nn.functional.cross_entropy(ddp(x), y).backward()
-        sent.append(state.last.bytes_sent)
+        sent.append(state.counts.last.bytes_sent)
     return sent, sum(p.numel() for p in model.parameters())
 
 
@@ -218,7 +218,7 @@ def _auto_hook_traffic(rank: int, world_size: int) -> list[int]:
         ddp.zero_grad(set_to_none=True)
         x, y = image_batch(rank, step)
         nn.functional.cross_entropy(ddp(x), y).backward()
-        sent.append(state.last.bytes_sent)
+        sent.append(state.counts.last.bytes_sent)
     return sent
 
 
@@ -268,9 +268,9 @@ def _auto_trial(rank: int, world_size: int, slow: str) -> dict:
     ddp = DDP(model, bucket_cap_mb=25)  # one bucket
     state = gradsync.ddp.register(ddp, Config(scheme="auto", density=0.05, sparsifier="topk"))
     slow_link = AlphaBeta(1e-4, 8 / 1e6)
-    state.link = (slow_link, slow_link, AffineFit(0.0, 0.0))  # predicts sparse
+    state.auto.link = (slow_link, slow_link, AffineFit(0.0, 0.0))  # predicts sparse
     now = [0.0]
-    state.clock = lambda: now[0]
+    state.auto.clock = lambda: now[0]
     modes, sent = [], []
     steps = len(TRIAL_ORDER) * TRIAL_STEPS + 4
     for step in range(steps):
@@ -280,15 +280,16 @@ def _auto_trial(rank: int, world_size: int, slow: str) -> dict:
         x, y = image_batch(rank, step)
         nn.functional.cross_entropy(ddp(x), y).backward()
         modes.append(mode)
-        sent.append(state.last.bytes_sent)
+        sent.append(state.counts.last.bytes_sent)
     fresh, _ = gradsync.ddp.hook(Config(scheme="auto", density=0.05, sparsifier="topk"),
                                  model=model)
     fresh.load_state_dict(state.state_dict())
-    assert fresh.trial == state.trial
+    assert fresh.auto.trial == state.auto.trial
     residual = max((r.abs().max().item() for r in state.ef.state_dict()["residual"].values()),
                    default=0.0)
-    return {"modes": modes, "sent": sent, "verdict": state.trial["verdict"], "residual": residual,
-            "measured": state.trial["measured"], "resumed_mode": fresh.auto_mode(),
+    return {"modes": modes, "sent": sent, "verdict": state.auto.trial["verdict"],
+            "residual": residual,
+            "measured": state.auto.trial["measured"], "resumed_mode": fresh.auto_mode(),
             "numel": sum(p.numel() for p in model.parameters())}
 
 
@@ -325,18 +326,18 @@ def test_auto_hook_measures_its_prediction_against_all_dense(slow, verdict):
 def test_auto_hook_trial_entries_are_checked_on_load():
     model = build("mlp", seed=1)
     state, _ = gradsync.ddp.hook(Config(scheme="auto", density=0.05), model=model)
-    state.trial = {"start": 3, "verdict": None, "times": {"model": [0.1, 0.2], "dense": [0.3]}}
-    state.steps = 9  # in the second window: all-dense
+    state.auto.trial = {"start": 3, "verdict": None, "times": {"model": [0.1, 0.2], "dense": [0.3]}}
+    state.counts.steps = 9  # in the second window: all-dense
     sd = state.state_dict()
     fresh, _ = gradsync.ddp.hook(Config(scheme="auto", density=0.05), model=model)
     fresh.load_state_dict(sd)
-    assert fresh.trial == state.trial and fresh.auto_mode() == "dense"
+    assert fresh.auto.trial == state.auto.trial and fresh.auto_mode() == "dense"
     for bad in ({"start": 3}, {"start": 3, "verdict": "sometimes",
                                "times": {"model": [], "dense": []}},
                 {"start": "x", "verdict": None, "times": {"model": [], "dense": []}}):
         with pytest.raises(ValueError, match="trial"):
             fresh.load_state_dict({**sd, "trial": bad})
-    assert fresh.trial == state.trial  # nothing changed
+    assert fresh.auto.trial == state.auto.trial  # nothing changed
 
 
 def test_kept_counts_missing_tensors_and_refuses_positions_outside():
@@ -447,3 +448,19 @@ def test_hook_malformed_message_fails_that_step_on_every_rank(P, sparsifier, seg
             assert "another rank received a malformed message" in msg, (rank, msg)
         assert out["same_state"], rank
     assert len({o["digest"] for o in outs}) == 1
+
+
+def test_hook_state_is_grouped_by_role():
+    """The hook's state is a dozen fields, each a role (configuration, what compresses, the
+    model, the step's buckets, counts, auto's trial, mixed precision), so a reader finds where a
+    value lives; the counts ``stats()`` reports come from its ``counts``."""
+    import dataclasses
+
+    state = HookState(cfg=Config(scheme="per_tensor", density=0.05))
+    names = [f.name for f in dataclasses.fields(state)]
+    assert len(names) <= 12, names
+    state.counts.calls, state.counts.nonfinite = 3, 1
+    state.counts.missing, state.counts.tensors = 1, 4
+    got = state.stats()
+    assert (got["calls"], got["nonfinite_buckets"], got["missing_rate"]) == (3, 1, 0.25)
+    assert state.scheme.name == "per_tensor"

@@ -61,8 +61,8 @@ for step in range(4):
     opt.zero_grad()
     nn.functional.cross_entropy(ddp(x), y).backward()
     opt.step()
-assert state.calls > 0 and state.total.bytes_sent > 0
-print(f"rank {rank} done: {state.calls} hook calls", flush=True)
+assert state.counts.calls > 0 and state.counts.total.bytes_sent > 0
+print(f"rank {rank} done: {state.counts.calls} hook calls", flush=True)
 dist.destroy_process_group()
 """
 
@@ -152,7 +152,7 @@ def _destroy_right_after_the_step(rank: int, world_size: int, momentum: float) -
             nn.functional.cross_entropy(ddp(x), y).backward()
     finally:
         dist.all_reduce = real
-    sent = state.total.bytes_sent > 0
+    sent = state.counts.total.bytes_sent > 0
     del ddp, state, model  # as a training function returns
     dist.destroy_process_group()  # while gloo's thread still holds the step's callbacks
     time.sleep(0.6)  # the process lives on (it would exit before gloo's thread drops them)

@@ -158,7 +158,7 @@ def _amp(out: str, module_class, loader) -> None:
         def on_before_optimizer_step(self, optimizer):
             strategy = self.trainer.strategy
             self.seen.append((strategy.precision_plugin.scaler.get_scale(),
-                              strategy.hook_state.loss_scale))
+                              strategy.hook_state.amp.loss_scale))
 
     def amp_trainer(cfg: Config) -> tuple[object, object]:
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)
@@ -175,7 +175,7 @@ def _amp(out: str, module_class, loader) -> None:
     t, strategy = amp_trainer(Config(**CONFIG, nonfinite="skip_step"))
     t.fit(module, loader)
     res["seen"], res["losses"] = module.seen, module.losses
-    res["follows"] = strategy.hook_state.scaler is t.precision_plugin.scaler
+    res["follows"] = strategy.hook_state.amp.scaler is t.precision_plugin.scaler
     t, _ = amp_trainer(Config(**CONFIG))  # nonfinite="raise": refused
     try:
         t.fit(Recording(), loader)

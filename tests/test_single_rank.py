@@ -98,7 +98,7 @@ def _hook(rank: int, world_size: int, compress: bool) -> dict:
     _train(ddp, lambda: None)  # momentum lives in the config (DGC's correction)
     _train(ref, lambda: None, momentum=0.9)
     same = all(torch.equal(p, q) for p, q in zip(ddp.parameters(), ref.parameters()))
-    return {"same": same, "passthrough": state.passthrough,
+    return {"same": same, "passthrough": state.model.passthrough,
             "bytes": state.stats()["total"]["bytes_sent"], "residuals": len(state.ef.names())}
 
 

@@ -113,10 +113,10 @@ def _hook_rank(rank: int, P: int) -> list[int]:
         wrapped.zero_grad(set_to_none=True)
         x, y = image_batch(rank, step)
         nn.functional.cross_entropy(wrapped(x), y).backward()
-        sent.append(state.total.bytes_sent)  # cumulative
-    assert state.steps == 6
+        sent.append(state.counts.total.bytes_sent)  # cumulative
+    assert state.counts.steps == 6
     dist.barrier()
-    return [state.steps, *sent]
+    return [state.counts.steps, *sent]
 
 
 def test_ddp_hook_follows_the_schedule() -> None:
@@ -183,8 +183,8 @@ def _hook_whole_rank(rank: int, P: int, scheme: str) -> dict:
         wrapped.zero_grad(set_to_none=True)
         x, y = image_batch(rank, step)
         nn.functional.cross_entropy(wrapped(x), y).backward()
-        sent.append(state.total.bytes_sent - prev)
-        prev = state.total.bytes_sent
+        sent.append(state.counts.total.bytes_sent - prev)
+        prev = state.counts.total.bytes_sent
     dist.barrier()
     return {"sent": sent, "ring": ring_allreduce_bytes(n_bytes, P)}
 

@@ -12,7 +12,7 @@ first: ``schedule.ssfusion.small_within_budget``), first in the all-gather as va
 indices, and lowers the others' density by SSFusion's compensation, computed once over the
 model (§IV-B(i)); ``ssfusion_oi`` all-reduces the whole tensors instead (SSFusion-I); ``auto``
 predicts per bucket from link and sparsifier costs measured once, then keeps the prediction
-only if it beats all-dense in a measured A-B-B-A trial (``HookState.trial``), because the
+only if it beats all-dense in a measured A-B-B-A trial (``HookState.auto``), because the
 model under-predicts inline sparsification where ranks share cores (docs/results/speed.md,
 "The DDP hook's `auto`, measured"). Unlike :class:`gradsync.GradSync` the fusion buffer is
 DDP's bucket and the selection rule a size threshold (Eq. 2 needs the engine's cost model);
@@ -54,7 +54,7 @@ import warnings
 import weakref
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, ClassVar
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -107,8 +107,73 @@ RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "min_density", "
 
 
 @dataclass
+class _Model:
+    """What the hook knows of the model and its ranks, set once."""
+
+    names: dict[int, str] = field(default_factory=dict)  # id(param) -> name
+    shapes: list[tuple[str, tuple[int, ...]]] | None = None  # the model's, when known
+    trained: tuple[int, ...] | None = None  # numels of the parameters DDP reduces (trainable)
+    checked: bool = False  # configuration agreed across ranks
+    # world size 1 without Config.compress_single_rank: every bucket sent whole (dense path)
+    passthrough: bool = False
+
+
+@dataclass
+class _Scratch:
+    """This step's sparse buckets, their checks on the device: read once, at the last bucket,
+    where error feedback commits (or drops) each of them (:func:`_settle`)."""
+
+    pending: list["_Pending"] = field(default_factory=list, repr=False)
+    wire_checks: list[tuple[torch.Tensor, str]] = field(default_factory=list, repr=False)
+
+
+@dataclass
+class _Counts:
+    """What the hook has done, for ``stats()``; ``steps`` is also DGC's warm-up clock."""
+
+    last: CommStats = field(default_factory=CommStats)
+    total: CommStats = field(default_factory=CommStats)
+    calls: int = 0
+    steps: int = 0  # backward passes seen (DDP's last bucket of each)
+    missing: int = 0
+    tensors: int = 0
+    nonfinite: int = 0  # buckets whose sum was NaN/Inf (module doc, "Non-finite gradients")
+    # SSFusion: the density the model sends, in entries per element (the tensors sent whole
+    # charged at their bytes); set at the first sparse bucket (honour())
+    sent_density: float | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # gloo's thread
+
+
+@dataclass
+class _Auto:
+    """``auto``: the measured link and the trial of its prediction against all-dense."""
+
+    link: tuple[Any, ...] | None = None  # the measured (all-reduce, all-gather, sparsify)
+    # {"start": step, "times": {"model": [...], "dense": [...]}, "verdict": None | "model" |
+    # "dense"}; None: no trial (yet)
+    trial: dict[str, Any] | None = None
+    last_first: tuple[int, float] | None = None  # (step, time) of the last first bucket
+    # the trial's clock (seconds); a test gives its own, so that a verdict never rests on
+    # how loaded the machine was
+    clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
+
+
+@dataclass
+class _Amp:
+    """Mixed precision: a GradScaler to follow (``follow()``) and the loss scale error
+    feedback's contents are in."""
+
+    scaler: Any = field(default=None, repr=False)
+    loss_scale: float | None = None
+
+
+@dataclass
 class HookState:
-    """Everything the hook keeps between calls (pass it as DDP's comm ``state``).
+    """Everything the hook keeps between calls (pass it as DDP's comm ``state``), by role:
+    the configuration (``cfg``, ``group``, ``small_numel``), what compresses (``ef``,
+    ``sparsifiers``, ``density``, ``collective``), the model (``model``), this step's
+    buckets (``scratch``), the counts (``counts``), ``auto``'s trial (``auto``) and mixed
+    precision (``amp``).
 
     Implements :class:`gradsync.engine.state.Stateful`: ``state_dict()`` holds this rank's
     residuals and sparsifier generators (and ``auto``'s measured link, so a resumed job decides
@@ -119,45 +184,22 @@ class HookState:
     cfg: Config
     group: dist.ProcessGroup | None = None
     small_numel: int = SMALL_NUMEL
-    names: dict[int, str] = field(default_factory=dict)  # id(param) -> name
     ef: ErrorFeedback = field(init=False)
     sparsifiers: dict[str, sparsify.Sparsifier] = field(default_factory=dict)
-    scheme: schemes.Scheme = field(init=False)  # the row of the table of schemes
-    collective: collectives.Collective = field(init=False)  # for the sparse parts
-    last: CommStats = field(default_factory=CommStats)
-    total: CommStats = field(default_factory=CommStats)
-    calls: int = 0
-    steps: int = 0  # backward passes seen (DDP's last bucket of each); DGC's warm-up clock
-    missing: int = 0
-    # this step's sparse buckets, their checks on the device: read once, at the last bucket,
-    # where error feedback commits (or drops) each of them (_settle)
-    pending: list["_Pending"] = field(default_factory=list, repr=False)
-    wire_checks: list[tuple[torch.Tensor, str]] = field(default_factory=list, repr=False)
-    tensors: int = 0
-    nonfinite: int = 0  # buckets whose sum was NaN/Inf (module doc, "Non-finite gradients")
-    shapes: list[tuple[str, tuple[int, ...]]] | None = None  # the model's, when known
-    trained: tuple[int, ...] | None = None  # numels of the parameters DDP reduces (trainable)
-    checked: bool = False  # configuration agreed across ranks
-    # world size 1 without Config.compress_single_rank: every bucket sent whole (dense path)
-    passthrough: bool = False
-    # SSFusion: the density the model sends, in entries per element (the tensors sent whole
-    # charged at their bytes); set at the first sparse bucket (honour())
-    sent_density: float | None = None
-    link: tuple[Any, ...] | None = None  # auto: the measured (all-reduce, all-gather, sparsify)
-    # auto's trial of the prediction against all-dense: {"start": step, "times": {"model": [...],
-    # "dense": [...]}, "verdict": None | "model" | "dense"}; None: no trial (yet)
-    trial: dict[str, Any] | None = None
-    _last_first: tuple[int, float] | None = field(default=None, repr=False)  # (step, time)
-    # the trial's clock (seconds); a test gives its own, so that a verdict never rests on
-    # how loaded the machine was
-    clock: ClassVar[Callable[[], float]] = staticmethod(time.perf_counter)
-    scaler: Any = field(default=None, repr=False)  # a GradScaler to follow (follow())
-    loss_scale: float | None = None  # the loss scale error feedback's contents are in
     density: DensitySchedule = field(init=False)  # each step's density (Accordion, DGC)
-    _lock: threading.Lock = field(default_factory=threading.Lock, repr=False)
+    collective: collectives.Collective = field(init=False)  # for the sparse parts
+    model: _Model = field(default_factory=_Model)
+    scratch: _Scratch = field(default_factory=_Scratch)
+    counts: _Counts = field(default_factory=_Counts)
+    auto: _Auto = field(default_factory=_Auto)
+    amp: _Amp = field(default_factory=_Amp)
+
+    @property
+    def scheme(self) -> schemes.Scheme:
+        """The row of the table of schemes."""
+        return schemes.get(self.cfg.scheme)
 
     def __post_init__(self) -> None:
-        self.scheme = schemes.get(self.cfg.scheme)
         if not self.scheme.ddp_hook:
             raise ValueError(f"the DDP hook supports schemes {DDP_SCHEMES}, got "
                              f"{self.cfg.scheme!r} (use gradsync.GradSync for the others)")
@@ -178,15 +220,15 @@ class HookState:
         """Run ``cfg`` instead of the configuration given, before the hook's first call (the
         AdamW recipe of a door that sees the optimizer only after DDP's wrapping,
         :mod:`gradsync.integrations.adamw`)."""
-        if self.calls:
+        if self.counts.calls:
             raise RuntimeError("HookState.reconfigure: the hook has run already")
         self.cfg = require_config(cfg, "HookState.reconfigure")
         self.__post_init__()
 
     def name_of(self, p: torch.Tensor) -> str:
-        name = self.names.get(id(p))
+        name = self.model.names.get(id(p))
         if name is None:  # no model given: stable within the run only
-            name = self.names[id(p)] = f"param{len(self.names)}:{tuple(p.shape)}"
+            name = self.model.names[id(p)] = f"param{len(self.model.names)}:{tuple(p.shape)}"
         return name
 
     def rescale(self, factor: float) -> None:
@@ -208,14 +250,14 @@ class HookState:
         ``ValueError``. On CUDA reading the scale waits for the device once per step (so does
         ``scaler.step``)."""
         check_scaler(scaler, self.cfg.nonfinite, "HookState")
-        self.scaler = scaler
+        self.amp.scaler = scaler
 
     def precondition(self, scales: Mapping[torch.Tensor | str, torch.Tensor]) -> None:
         """:meth:`gradsync.GradSync.precondition` for the hook: from the next backward on,
         every bucket compresses ``scale ⊙ gradient`` of the given parameters (a parameter, or
         its name when the hook was given the model), and DDP's ``.grad`` holds the averaged
         scaled update. Checked across ranks; call it between steps."""
-        shapes = dict(self.shapes or [])
+        shapes = dict(self.model.shapes or [])
 
         def resolve(key: object) -> tuple[str, tuple[int, ...]]:
             if isinstance(key, str):
@@ -244,16 +286,17 @@ class HookState:
         """Record the density the model sends (``stats()["density"]``) and, when it is above
         the one asked for by more than 5 % (the tensors that must travel whole exceed the
         budget), say so once, on rank 0."""
-        self.sent_density = sent
+        self.counts.sent_density = sent
         why = dishonoured_density(self.cfg.scheme, self.cfg.density, sent, self.cfg.min_k)
         if why is not None and self.identity().rank == 0:
             warnings.warn(why, stacklevel=2)
 
     def stats(self) -> dict[str, Any]:
-        return {"last": self.last.as_dict(), "total": self.total.as_dict(),
-                "calls": self.calls, "nonfinite_buckets": self.nonfinite,
-                "missing_rate": self.missing / self.tensors if self.tensors else 0.0,
-                "density": {"requested": self.cfg.density, "sent": self.sent_density,
+        c = self.counts
+        return {"last": c.last.as_dict(), "total": c.total.as_dict(),
+                "calls": c.calls, "nonfinite_buckets": c.nonfinite,
+                "missing_rate": c.missing / c.tensors if c.tensors else 0.0,
+                "density": {"requested": self.cfg.density, "sent": c.sent_density,
                             **self.density.summary()}}
 
     # -- checkpointing (gradsync.engine.state.Stateful) ---------------------------------
@@ -263,20 +306,20 @@ class HookState:
         return Identity(f"ddp_hook:{self.cfg.scheme}", comm.rank, comm.size, self.group)
 
     def _params(self) -> dict[str, list[int]] | None:
-        return None if self.shapes is None else {n: list(s) for n, s in self.shapes}
+        return None if self.model.shapes is None else {n: list(s) for n, s in self.model.shapes}
 
     def state_dict(self) -> dict[str, Any]:
         """This rank's residuals and sparsifier generators, with what they depend on."""
-        me = self.identity()
+        me, link, trial = self.identity(), self.auto.link, self.auto.trial
         return {"rank": me.rank, "world_size": me.world_size, "config": self.cfg.to_dict(),
                 "small_numel": self.small_numel, "params": self._params(),
-                "feedback": self.ef.state_dict(), "steps": self.steps,
-                "loss_scale": self.loss_scale,
+                "feedback": self.ef.state_dict(), "steps": self.counts.steps,
+                "loss_scale": self.amp.loss_scale,
                 "density_schedule": self.density.state_dict(),
                 "sparsifiers": {k: s.state_dict() for k, s in self.sparsifiers.items()},
-                "link": None if self.link is None else [vars(x).copy() for x in self.link],
-                "trial": None if self.trial is None else {
-                    **self.trial, "times": {k: list(v) for k, v in self.trial["times"].items()}}}
+                "link": None if link is None else [vars(x).copy() for x in link],
+                "trial": None if trial is None else {
+                    **trial, "times": {k: list(v) for k, v in trial["times"].items()}}}
 
     @staticmethod
     def _link_from(state: dict[str, Any]) -> tuple[Any, ...] | None:
@@ -329,9 +372,9 @@ class HookState:
         scale = saved_scale(state.get("loss_scale"), "HookState.load_state_dict")
         density = DensitySchedule.loaded(self.cfg, state.get("density_schedule"))
         self.ef, self.sparsifiers, self.density = ef, sparsifiers, density
-        self.steps = int(state.get("steps", 0))
-        self.loss_scale = scale
-        self.link, self.trial, self._last_first = link, trial, None
+        self.counts.steps = int(state.get("steps", 0))
+        self.amp.loss_scale = scale
+        self.auto.link, self.auto.trial, self.auto.last_first = link, trial, None
 
     @staticmethod
     def _trial_from(state: dict[str, Any]) -> dict[str, Any] | None:
@@ -357,28 +400,29 @@ class HookState:
         """``auto``'s mode at this step: ``"model"`` (the prediction's buckets) or ``"dense"``
         (every bucket all-reduced): the trial's window, or its verdict once it is over (the
         step whose first bucket takes the verdict reads as the last window before it runs)."""
-        t = self.trial
+        t = self.auto.trial
         if t is None:
             return "model"
         if t["verdict"] is not None:
             return t["verdict"]
-        if self.steps < t["start"]:
+        if self.counts.steps < t["start"]:
             return "model"
-        return TRIAL_ORDER[min((self.steps - t["start"]) // TRIAL_STEPS, len(TRIAL_ORDER) - 1)]
+        window = (self.counts.steps - t["start"]) // TRIAL_STEPS
+        return TRIAL_ORDER[min(window, len(TRIAL_ORDER) - 1)]
 
     def _time_step(self, first_bucket: bool, comm: Comm) -> None:
         """At DDP's first bucket of a step: the previous step's time goes to its window; after
         the last window the ranks agree on the verdict (one 16-byte max-reduce)."""
-        t = self.trial
+        t = self.auto.trial
         if t is None or t["verdict"] is not None or not first_bucket:
             return
-        now = self.clock()
-        prev, self._last_first = self._last_first, (self.steps, now)
-        if prev is not None and prev[0] == self.steps - 1 and prev[0] >= t["start"]:
+        now = self.auto.clock()
+        prev, self.auto.last_first = self.auto.last_first, (self.counts.steps, now)
+        if prev is not None and prev[0] == self.counts.steps - 1 and prev[0] >= t["start"]:
             w = (prev[0] - t["start"]) // TRIAL_STEPS
             if w < len(TRIAL_ORDER):
                 t["times"][TRIAL_ORDER[w]].append(now - prev[1])
-        if self.steps - t["start"] < len(TRIAL_ORDER) * TRIAL_STEPS:
+        if self.counts.steps - t["start"] < len(TRIAL_ORDER) * TRIAL_STEPS:
             return
         means = torch.tensor([statistics.fmean(t["times"][k]) if t["times"][k] else math.inf
                               for k in ("model", "dense")], dtype=torch.float64)
@@ -424,16 +468,16 @@ def _scheme_densities(state: HookState, numels: list[int], elem_bytes: int,
     cfg = state.cfg
     if state.scheme.planner == "auto":  # measured once, agreed by every rank
         P = dist.get_world_size(state.group)
-        if state.link is None and P > 1:
+        if state.auto.link is None and P > 1:
             # the sparsifier is timed where the gradients are (a GPU job: on its GPU); the
             # probe's traffic is counted in this call's
-            state.link = link_costs(state._new_sparsifier("auto:probe", cfg.density), state.group,
-                                    comm, device)
-        sparse = P > 1 and bucket_sparse(numels, cfg.density, P, elem_bytes, *state.link)
-        if sparse and state.trial is None:  # the prediction sparsifies: measure it
-            state.trial = {"start": state.steps + 1, "verdict": None,
+            state.auto.link = link_costs(state._new_sparsifier("auto:probe", cfg.density),
+                                         state.group, comm, device)
+        sparse = P > 1 and bucket_sparse(numels, cfg.density, P, elem_bytes, *state.auto.link)
+        if sparse and state.auto.trial is None:  # the prediction sparsifies: measure it
+            state.auto.trial = {"start": state.counts.steps + 1, "verdict": None,
                            "times": {"model": [], "dense": []}}
-        if state.trial is not None and state.auto_mode() == "dense":
+        if state.auto.trial is not None and state.auto_mode() == "dense":
             sparse = False
         return [cfg.density if sparse else None] * len(numels)
     if state.scheme.planner == "per_tensor":
@@ -442,9 +486,9 @@ def _scheme_densities(state: HookState, numels: list[int], elem_bytes: int,
     # all-gather (its dense prefix), or in SSFusion-I's all-reduce
     P = comm.size if comm is not None else 1
     charge = (allreduce_charge if state.scheme.interleave else allgather_charge)(P, elem_bytes)
-    whole, d, sent = _ssfusion_plan(state.trained or tuple(numels), state.small_numel,
+    whole, d, sent = _ssfusion_plan(state.model.trained or tuple(numels), state.small_numel,
                                     cfg.density, cfg.min_density, charge, cfg.min_k)
-    if state.trained is not None and state.sent_density is None:
+    if state.model.trained is not None and state.counts.sent_density is None:
         state.honour(sent)
     return [None if n < whole else d for n in numels]
 
@@ -466,10 +510,10 @@ def _ssfusion_plan(numels: tuple[int, ...], small_numel: int, density: float,
 def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
     """The comm hook: a bucket sent whole leaves its all-reduce in flight (DDP's own path);
     a bucket with sparse parts runs its collectives blocking and returns a completed future."""
-    if not state.checked:
+    if not state.model.checked:
         _agree(state)
-    if state.scaler is not None and bucket.index() == 0:  # DDP reduces bucket 0 first
-        state.loss_scale = follow_scale(state.loss_scale, state.scaler, state.rescale)
+    if state.amp.scaler is not None and bucket.index() == 0:  # DDP reduces bucket 0 first
+        state.amp.loss_scale = follow_scale(state.amp.loss_scale, state.amp.scaler, state.rescale)
     buf = bucket.buffer()
     comm = Comm(state.group)
     if state.scheme.planner == "auto":
@@ -480,10 +524,10 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     offsets = [0]
     for n in numels:
         offsets.append(offsets[-1] + n)
-    if not state.scheme.sparse or state.passthrough:
+    if not state.scheme.sparse or state.model.passthrough:
         # dense, or world size 1 (Config.compress_single_rank): a plain all-reduce, of the
         # velocities with momentum (and at P = 1 of the clipped gradients with clip_norm)
-        clip = state.passthrough and state.cfg.clip_norm is not None
+        clip = state.model.passthrough and state.cfg.clip_norm is not None
         return _all_reduce_bucket(state, comm, buf, names, offsets, bucket.is_last(),
                                   clip or any(state.ef.transforms(name) for name in names),
                                   bucket.index())
@@ -500,7 +544,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
                         state.scheme.collective)
     # DGC's warm-up (Config.density_warmup), as the engine's jobs take it; at density 1 every
     # entry travels in an all-reduce (DDP's bytes, not an all-gather of all of it)
-    d_now = state.density.at(state.steps)
+    d_now = state.density.at(state.counts.steps)
     jobs = tuple(at_density(job, d_now, state.cfg.density) for job in jobs)
     return _send_bucket(state, bucket, comm, jobs, names, numels, offsets)
 
@@ -553,7 +597,7 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
         job_sizes, i = sizes[i:i + len(job.names)], i + len(job.names)
         n = sum(job_sizes)
         payload, _ = select(job, key, acc[at:at + n], job_sizes, state.sparsifier, None,
-                            state.steps, buf.dtype, writable)
+                            state.counts.steps, buf.dtype, writable)
         parts.append((job, job_sizes, payload))
         at += n
         whole += n if payload.dense is not None else 0
@@ -576,8 +620,8 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
             # expect), one value NaN
             sel = payload.message(job, payload.selections)
             poison = _poison(sel.values, poison)
-            res = state.collective(sel, group=state.group, step=state.steps,
-                                   deferred=state.wire_checks)
+            res = state.collective(sel, group=state.group, step=state.counts.steps,
+                                   deferred=state.scratch.wire_checks)
             sums.append(res.dense)
             stats += res.stats
     except BaseException:
@@ -594,12 +638,12 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
     kept = None if res is None else res.kept.to(torch.int64)
     # the all-gather part's missing tensors: on the host when it kept this rank's selection
     known = None if res is None else parts[-1][2].known_missing(sel, res.kept)
-    state.pending.append(_Pending(
+    state.scratch.pending.append(_Pending(
         key, names, acc, kept, whole,
         buf.dtype, largest(out), here,  # the sums' largest magnitude: alike on every rank
         None if kept is None or known is not None else job_check(parts[-1][1], kept),
         known or 0))
-    state.tensors += len(names)
+    state.counts.tensors += len(names)
     travel.average_into(buf, out, P)  # a non-finite average too: .grad shows it (module doc)
     return _done(state, stats, buf, bucket.is_last())
 
@@ -641,8 +685,8 @@ def _settle(state: HookState, comm: Comm) -> ValueError | None:
     counted, and under ``Config.nonfinite="raise"`` the error of the first such bucket is
     returned; a malformed message on any rank: every bucket's, and the error returned on
     every rank)."""
-    pending, state.pending = state.pending, []
-    wire, state.wire_checks = state.wire_checks, []
+    pending, state.scratch.pending = state.scratch.pending, []
+    wire, state.scratch.wire_checks = state.scratch.wire_checks, []
     if not pending and not wire:
         return None
     checked = [p for p in pending if p.check is not None]
@@ -667,18 +711,18 @@ def _settle(state: HookState, comm: Comm) -> ValueError | None:
     if word is not None and flags.pop():
         for p in pending:
             state.ef.discard_buffer(p.index)
-        return ValueError(f"gradsync DDP hook: step {state.steps}: another rank received a "
+        return ValueError(f"gradsync DDP hook: step {state.counts.steps}: another rank received a "
                           "malformed message (its error names the check); residuals and "
                           "velocities were left as before the step")
     counts = {id(p): m for p, m in zip(checked, missing)}  # else p.missing: known
     error = None
     for p, ok, here in zip(pending, flags[0::2], flags[1::2]):
         if ok:  # a non-finite bucket's missing tensors are not counted: its step is not taken
-            state.missing += counts.get(id(p), p.missing)
+            state.counts.missing += counts.get(id(p), p.missing)
             commit(state.ef, p.index, p.acc, p.kept, p.wire, p.whole)
             continue
         state.ef.discard_buffer(p.index)  # residuals and velocities as before this step
-        err = _nonfinite(state, p.index, p.names, not here, comm.rank, state.steps)
+        err = _nonfinite(state, p.index, p.names, not here, comm.rank, state.counts.steps)
         error = error or err
     return error
 
@@ -749,8 +793,8 @@ def _all_reduce_bucket(state: HookState, comm: Comm, buf: torch.Tensor, names: l
         acc = state.ef.accumulate_buffer(bucket_index, names, numels,
                                          _clipped(state, buf, numels, comm.size))
         buf.copy_(acc)  # rounded to the gradients' dtype; the residual keeps it
-    state.tensors += len(names)
-    P, rank, step = comm.size, comm.rank, state.steps
+    state.counts.tensors += len(names)
+    P, rank, step = comm.size, comm.rank, state.counts.steps
     # gloo's worker thread runs the callback and then drops it; if it held the state, the
     # process group the state holds could be freed there (comm.py, "Exit safety"): it holds a
     # weak reference, and DDP, which holds the state, outlives the step's callbacks
@@ -798,8 +842,8 @@ def _nonfinite(state: HookState, index: int, names: list[str], here: bool | None
     ``Config.nonfinite="raise"`` the error for the bucket's future (DDP raises it from
     ``backward()``; raised in the hook itself, it would leave DDP's reducer broken). May run on
     gloo's thread (a dense bucket's callback)."""
-    with state._lock:
-        state.nonfinite += 1
+    with state.counts.lock:
+        state.counts.nonfinite += 1
     if state.cfg.nonfinite == "raise":
         where = (f"on this rank ({rank})" if here
                  else "on some rank" if here is None
@@ -819,13 +863,13 @@ def _account(state: HookState, stats: CommStats, last: bool) -> ValueError | Non
     comm = Comm(state.group)
     error = _settle(state, comm) if last else None
     stats += comm.stats  # the malformed-message word, if one was all-reduced
-    window = state.density.end_step(state.steps, state.group) if last else None
+    window = state.density.end_step(state.counts.steps, state.group) if last else None
     if window is not None:  # the density schedule's word, at a window's end
         stats += window
-    state.steps += int(last)
-    state.last = stats
-    state.total += stats
-    state.calls += 1
+    state.counts.steps += int(last)
+    state.counts.last = stats
+    state.counts.total += stats
+    state.counts.calls += 1
     return error
 
 
@@ -867,10 +911,10 @@ def hook(cfg: Config, model: nn.Module | None = None, group: dist.ProcessGroup |
                         f"{type(model).__name__}")
     state = HookState(cfg=cfg, group=group, small_numel=small_numel)
     if model is not None:
-        state.names = {id(p): n for n, p in model.named_parameters()}
-        state.shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        state.model.names = {id(p): n for n, p in model.named_parameters()}
+        state.model.shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         # frozen parameters never reach DDP's buckets: they take no part in the budget
-        state.trained = tuple(p.numel() for p in model.parameters() if p.requires_grad)
+        state.model.trained = tuple(p.numel() for p in model.parameters() if p.requires_grad)
     if dist.is_available() and dist.is_initialized():
         _agree(state)
     return state, _sparse_hook
@@ -878,10 +922,10 @@ def hook(cfg: Config, model: nn.Module | None = None, group: dist.ProcessGroup |
 
 def _agree(state: HookState) -> None:
     """All ranks must run the same hook configuration on the same model."""
-    if not state.checked and dist.get_world_size(state.group) > 1:
+    if not state.model.checked and dist.get_world_size(state.group) > 1:
         signature_check({"config": state.cfg.to_dict(), "small_numel": state.small_numel,
-                         "params": state.shapes}, state.group)
-    state.checked = True
+                         "params": state.model.shapes}, state.group)
+    state.model.checked = True
 
 
 def register(ddp_model: nn.parallel.DistributedDataParallel, cfg: Config,
@@ -903,7 +947,7 @@ def register(ddp_model: nn.parallel.DistributedDataParallel, cfg: Config,
                            "first (torchrun sets the environment it reads)")
     state, fn = hook(cfg, ddp_model.module, ddp_model.process_group, small_numel)
     # world size 1: nothing to send, every bucket whole (Config.compress_single_rank)
-    state.passthrough = (dist.get_world_size(ddp_model.process_group) == 1
+    state.model.passthrough = (dist.get_world_size(ddp_model.process_group) == 1
                          and not cfg.compress_single_rank)
     ddp_model.register_comm_hook(state, fn)
     return state

@@ -609,7 +609,7 @@ class Run:
         beyond ``since`` over ``steps`` steps); ``None`` for torch's own DDP and PowerSGD."""
         if self.engine is not None:
             return None if self.engine.plan is None else len(self.engine.plan.buffers)
-        return None if self.hook is None else (self.hook.calls - since) / steps
+        return None if self.hook is None else (self.hook.counts.calls - since) / steps
 
     def close(self) -> None:
         if self.engine is not None:
@@ -638,7 +638,7 @@ def _measure(wl: Workload, template: nn.Module, lab: Label, a: argparse.Namespac
             st = run.engine.stats()
             out["probing"] = bool(st.get("probing"))
         if count:
-            calls = 0 if run.hook is None else run.hook.calls
+            calls = 0 if run.hook is None else run.hook.counts.calls
             out["counts"] = count_step(run.step, a.count_steps, device)
             out["buffers"] = run.buffers(calls, a.count_steps)
         return out

@@ -76,7 +76,7 @@ def _rank(rank: int, world: int, schemes: list[str], a: dict[str, Any]) -> dict[
         try:
             for _ in range(WARMUP_STEPS):
                 run.step()
-            calls = 0 if run.hook is None else run.hook.calls
+            calls = 0 if run.hook is None else run.hook.counts.calls
             c = overhead.count_step(run.step, a["count_steps"], "cpu")
             out[label.label] = {"host_reads": c["host_reads"],
                                 "host_read_ops": dict(c["host_read_ops"]),

@@ -229,12 +229,12 @@ class DDPHookRunner(Runner):
         self.state.follow(scaler)
 
     def before_backward(self) -> None:
-        s = self.state
+        s = self.state.counts
         self.b0, self.r0 = s.total.bytes_sent, s.total.bytes_recv
         self.miss0, self.tens0 = s.missing, s.tensors
 
     def step_metrics(self, backward_start: float, backward_end: float) -> dict[str, float]:
-        s = self.state
+        s = self.state.counts
         tensors = s.tensors - self.tens0
         return {"bytes_sent": s.total.bytes_sent - self.b0,
                 "bytes_recv": s.total.bytes_recv - self.r0,
