@@ -101,6 +101,21 @@ def simulate(plan: Plan, cost: CostModel, round_s: float = 0.0, steal: float = 0
     missing = [n for n in plan.names if n not in cost.backward]
     if missing:
         raise ValueError(f"the cost model has no backward time for {missing[:5]}")
+    ready, compute_end, worker, backward, sparsify = _compute_stream(plan, cost)
+    ch = _Channel(free=0.0 if plan.overlap else compute_end, end=compute_end, steal=steal)
+    rows = [_communicate(buf, cost, r_ar, r_ag, ch, round_s)
+            for buf, (r_ar, r_ag) in zip(plan.buffers, ready)]
+    iteration = max(ch.free, ch.end, worker)
+    return Timeline(iteration=iteration, backward=backward, sparsify=sparsify, comm=ch.busy,
+                    exposed_comm=iteration - ch.end, buffers=rows, round_wait=ch.wait)
+
+
+def _compute_stream(plan: Plan, cost: CostModel
+                    ) -> tuple[list[tuple[float, float]], float, float, float, float]:
+    """The compute stream and the offload worker (module doc): the gradients in backward
+    order, each after T_b^l, inline sparsification on the stream, offloaded on the worker.
+    Returns per buffer (AR part ready, AG part ready), the end of the compute stream, the
+    time the worker is free from, Σ T_b and the sparsification work."""
     clock = 0.0  # compute stream
     worker = 0.0  # offload thread: free from this time on
     backward = sparsify = 0.0
@@ -133,50 +148,59 @@ def simulate(plan: Plan, cost: CostModel, round_s: float = 0.0, steal: float = 0
         elif buf.mode == "dense":
             t_ar, t_ag = t_ag, 0.0
         ready.append((t_ar, t_ag))
-    compute_end = clock
-    channel = 0.0 if plan.overlap else compute_end
-    comm = wait = 0.0
-    rows = []
-    shift = 0.0  # how far the comm's CPU has pushed the compute stream back so far
-    end = compute_end
+    return ready, clock, worker, backward, sparsify
 
-    def stolen(s: float, d: float, cpu: float) -> float:
-        overlap = max(0.0, min(s + d, end) - s)
-        return steal * cpu * overlap / d if d > 0 else 0.0
 
-    for buf, (r_ar, r_ag) in zip(plan.buffers, ready):
-        r_ar, r_ag = r_ar + shift, r_ag + shift
-        (has_ar, ar_bytes), (has_ag, ag_bytes) = _parts(buf, cost)
-        row: dict[str, Any] = {"mode": buf.mode, "tensors": len(buf.tensors),
-                               "ar_bytes": ar_bytes, "ag_bytes": ag_bytes}
-        start = None
-        if has_ar:
-            s = max(r_ar, channel)
-            base = cost.t_allreduce(ar_bytes)
-            extra = _loaded_extra(base, cost.startups_allreduce() * round_s, end - s)
-            d = base + extra
-            x = stolen(s, d, cost.t_compute_allreduce(ar_bytes))
-            shift, end = shift + x, end + x
-            wait += extra
-            channel = s + d
-            comm += d
-            start = s
-            row.update(ar_ready=r_ar, ar_start=s, ar_end=channel)
-        if has_ag:
-            s = max(r_ag, channel)
-            base = cost.t_allgather(ag_bytes)
-            extra = _loaded_extra(base, cost.startups_allgather() * round_s, end - s)
-            d = base + extra
-            x = stolen(s, d, cost.t_compute_allgather(ag_bytes))
-            shift, end = shift + x, end + x
-            wait += extra
-            channel = s + d
-            comm += d
-            start = s if start is None else start
-            row.update(ag_ready=r_ag, ag_start=s, ag_end=channel)
-        row.update(ready=max(r_ar if has_ar else 0.0, r_ag if has_ag else 0.0), start=start,
-                   end=channel)
-        rows.append(row)
-    iteration = max(channel, end, worker)
-    return Timeline(iteration=iteration, backward=backward, sparsify=sparsify, comm=comm,
-                    exposed_comm=iteration - end, buffers=rows, round_wait=wait)
+@dataclass
+class _Channel:
+    """The serial communication channel: free from ``free`` on; ``end``, the end of the
+    compute stream, pushed back by the CPU the parts have stolen from it (``shift`` so far,
+    ``steal``: module doc); ``busy``, its total busy time; ``wait``, what ``round_s`` added."""
+
+    free: float
+    end: float
+    steal: float
+    busy: float = 0.0
+    wait: float = 0.0
+    shift: float = 0.0
+
+    def run(self, ready: float, base: float, loaded: float, cpu: float) -> float:
+        """One part, ready at ``ready``, of idle duration ``base``, whose start-ups cost
+        ``loaded`` more while the compute stream runs and whose CPU is ``cpu``: it starts when
+        it is ready and the channel is free. Returns its start; the channel is free at its
+        end."""
+        s = max(ready, self.free)
+        extra = _loaded_extra(base, loaded, self.end - s)
+        d = base + extra
+        overlap = max(0.0, min(s + d, self.end) - s)
+        x = self.steal * cpu * overlap / d if d > 0 else 0.0
+        self.shift, self.end = self.shift + x, self.end + x
+        self.wait += extra
+        self.free = s + d
+        self.busy += d
+        return s
+
+
+def _communicate(buf: BufferPlan, cost: CostModel, r_ar: float, r_ag: float, ch: _Channel,
+                 round_s: float) -> dict[str, Any]:
+    """Buffer ``buf``'s parts on the channel ``ch``: T_AR of its all-reduce part as soon as
+    that part is ready (``r_ar``), then T_AG of its all-gather part (``r_ag``), both pushed
+    back by what the communication so far stole from the compute stream. Returns its row."""
+    r_ar, r_ag = r_ar + ch.shift, r_ag + ch.shift
+    (has_ar, ar_bytes), (has_ag, ag_bytes) = _parts(buf, cost)
+    row: dict[str, Any] = {"mode": buf.mode, "tensors": len(buf.tensors),
+                           "ar_bytes": ar_bytes, "ag_bytes": ag_bytes}
+    start = None
+    if has_ar:
+        s = ch.run(r_ar, cost.t_allreduce(ar_bytes), cost.startups_allreduce() * round_s,
+                   cost.t_compute_allreduce(ar_bytes))
+        start = s
+        row.update(ar_ready=r_ar, ar_start=s, ar_end=ch.free)
+    if has_ag:
+        s = ch.run(r_ag, cost.t_allgather(ag_bytes), cost.startups_allgather() * round_s,
+                   cost.t_compute_allgather(ag_bytes))
+        start = s if start is None else start
+        row.update(ag_ready=r_ag, ag_start=s, ag_end=ch.free)
+    row.update(ready=max(r_ar if has_ar else 0.0, r_ag if has_ag else 0.0), start=start,
+               end=ch.free)
+    return row
