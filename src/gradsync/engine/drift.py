@@ -324,18 +324,7 @@ class Drift:
             return self._trial(plan, cost, step)
         alts = plan.info.get("auto", {}).get("alternatives") or []
         if not self.probed and alts:  # 1. measure each runner-up once, in turn
-            rest = alts[1:]
-            self.probed = not rest
-
-            def holding(buffers: list[BufferPlan]) -> Plan:  # the runners-up left to measure
-                return Plan(plan.scheme, buffers, plan.overlap,
-                            {**plan.info, "auto": {**plan.info["auto"], "alternatives": rest}})
-
-            new = holding([BufferPlan.from_dict(b) for b in alts[0]])
-            new.info["predicted"] = _prediction(new, cost)
-            self.trial = _trial_of(holding(list(plan.buffers)), cost, step)
-            self._event(new, kind="probe", measured=step)
-            return new, cost
+            return self._probe(plan, cost, step, alts)
         self.probed = True
         pred = _predicted(plan, cost)
         # against the measured reference (an iteration), else the prediction (which has no
@@ -353,28 +342,7 @@ class Drift:
                    "sparsify": f["sparsify"] or 1.0, "backward": f["backward"] or 1.0}
         payload: list[Any] = [None]
         if rank == 0:
-            new_cost = auto.calibrated(cost, **factors)
-            current = schedule.simulate(plan, new_cost).iteration
-            new = schedule.make_plan(cfg.scheme, list(new_cost.order), dict(new_cost.numel),
-                                     cfg.density, new_cost, **plan_kwargs(cfg))
-            switch = (new.info["predicted"]["iteration"] < current * (1 - auto.MARGIN)
-                      and [b.to_dict() for b in new.buffers]
-                      != [b.to_dict() for b in plan.buffers])
-            keep = new if switch else Plan(plan.scheme, plan.buffers, plan.overlap,
-                                           dict(plan.info))
-            if not switch:  # re-base the prediction on the rescaled model, and its runners-up
-                keep.info["predicted"] = _prediction(keep, new_cost)
-                mine = [b.to_dict() for b in plan.buffers]
-                alts: list[Any] = []
-                for bufs in ([b.to_dict() for b in new.buffers],
-                             *new.info.get("auto", {}).get("alternatives", [])):
-                    if bufs != mine and bufs not in alts:
-                        alts.append(bufs)
-                if "auto" in keep.info:
-                    keep.info["auto"] = {**keep.info["auto"], "alternatives": alts}
-            keep.info["switched"] = switch
-            keep.info["current_iteration"] = current
-            payload = [{"plan": keep.to_dict(), "cost": new_cost.to_dict()}]
+            payload = [_replan(cfg, plan, cost, factors)]
         new_plan, new_cost = from_rank0(payload, group, P, comm)
         switched = bool(new_plan.info.pop("switched"))
         current = new_plan.info.pop("current_iteration")
@@ -388,6 +356,23 @@ class Drift:
                     current_iteration=current,
                     new_iteration=new_plan.info["predicted"]["iteration"], switched=switched)
         return new_plan, new_cost
+
+    def _probe(self, plan: Plan, cost: costmodel.CostModel, step: float, alts: list[Any]
+               ) -> tuple[Plan, costmodel.CostModel]:
+        """Step 1 of the class doc: put the first runner-up left (``alts``) on trial against
+        ``plan``, measured at ``step``; the plan returned holds the runners-up left after it."""
+        rest = alts[1:]
+        self.probed = not rest
+
+        def holding(buffers: list[BufferPlan]) -> Plan:  # the runners-up left to measure
+            return Plan(plan.scheme, buffers, plan.overlap,
+                        {**plan.info, "auto": {**plan.info["auto"], "alternatives": rest}})
+
+        new = holding([BufferPlan.from_dict(b) for b in alts[0]])
+        new.info["predicted"] = _prediction(new, cost)
+        self.trial = _trial_of(holding(list(plan.buffers)), cost, step)
+        self._event(new, kind="probe", measured=step)
+        return new, cost
 
     def _trial(self, plan: Plan, cost: costmodel.CostModel, step: float
                ) -> tuple[Plan, costmodel.CostModel] | None:
@@ -423,6 +408,35 @@ class Drift:
         if not keep:
             return None
         return cand, costmodel.CostModel.from_dict(t["candidate"]["cost"])
+
+
+def _replan(cfg: Config, plan: Plan, cost: costmodel.CostModel, factors: dict[str, float]
+            ) -> dict[str, Any]:
+    """Step 3 of :class:`Drift`'s doc, on rank 0: rescale ``cost`` by ``factors``, plan
+    again, and switch only to a plan predicted ``auto.MARGIN`` faster than ``plan`` under the
+    rescaled model (else keep ``plan``, its prediction and runners-up re-based on it). Returns
+    the broadcast's payload: the plan (with ``switched`` and ``current_iteration`` in its
+    info) and the rescaled model."""
+    new_cost = auto.calibrated(cost, **factors)
+    current = schedule.simulate(plan, new_cost).iteration
+    new = schedule.make_plan(cfg.scheme, list(new_cost.order), dict(new_cost.numel),
+                             cfg.density, new_cost, **plan_kwargs(cfg))
+    switch = (new.info["predicted"]["iteration"] < current * (1 - auto.MARGIN)
+              and [b.to_dict() for b in new.buffers] != [b.to_dict() for b in plan.buffers])
+    keep = new if switch else Plan(plan.scheme, plan.buffers, plan.overlap, dict(plan.info))
+    if not switch:  # re-base the prediction on the rescaled model, and its runners-up
+        keep.info["predicted"] = _prediction(keep, new_cost)
+        mine = [b.to_dict() for b in plan.buffers]
+        alts: list[Any] = []
+        for bufs in ([b.to_dict() for b in new.buffers],
+                     *new.info.get("auto", {}).get("alternatives", [])):
+            if bufs != mine and bufs not in alts:
+                alts.append(bufs)
+        if "auto" in keep.info:
+            keep.info["auto"] = {**keep.info["auto"], "alternatives": alts}
+    keep.info["switched"] = switch
+    keep.info["current_iteration"] = current
+    return {"plan": keep.to_dict(), "cost": new_cost.to_dict()}
 
 
 def _trial_of(plan: Plan, cost: costmodel.CostModel, step: float) -> dict[str, Any]:
