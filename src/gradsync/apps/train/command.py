@@ -22,6 +22,7 @@ import os
 import sys
 import time
 import warnings
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -184,10 +185,12 @@ def _read_plans(path: str | None, p: argparse.ArgumentParser) -> dict | None:
         p.error(f"--plan {path}: {e}")
 
 
-def launch(spec: TrainSpec, keep_going: bool = False, note: bool = True
-           ) -> tuple[list[dict], dict]:
+def launch(spec: TrainSpec, keep_going: bool = False, note: bool = True,
+           worker: Callable[..., dict] = train_worker) -> tuple[list[dict], dict]:
     """Run ``spec.world_size`` local workers (shaped links with ``spec.bandwidth``); returns
     (per-rank results of :func:`gradsync.apps.train.train_worker`, link description).
+    ``worker``: what each rank runs instead, called as ``train_worker`` is (a module-level
+    function; ``bench anatomy``'s adds the no-sync floor to the job).
 
     On loopback the job is watched for progress: it fails
     (:class:`~gradsync.testing.distributed.DistributedStall`) when no rank completed a step for
@@ -201,7 +204,7 @@ def launch(spec: TrainSpec, keep_going: bool = False, note: bool = True
     if spec.bandwidth is not None:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", RuntimeWarning)
-            res = netem.run_shaped(train_worker, spec.world_size, spec,
+            res = netem.run_shaped(worker, spec.world_size, spec,
                                    bandwidth=spec.bandwidth_bps, latency=spec.latency,
                                    timeout=spec.timeout, keep_going=keep_going)
         if res.shaped:
@@ -212,7 +215,7 @@ def launch(spec: TrainSpec, keep_going: bool = False, note: bool = True
                 print(f"note: no shaped links ({res.reason}); ran on loopback instead")
         return list(res), {"link": link, "shaped": res.shaped,
                            "bandwidth_bps": spec.bandwidth_bps}
-    out = run_distributed(train_worker, spec.world_size, spec, keep_going=keep_going,
+    out = run_distributed(worker, spec.world_size, spec, keep_going=keep_going,
                           timeout=None, progress_timeout=spec.timeout)
     return out, {"link": "loopback", "shaped": False, "bandwidth_bps": None}
 

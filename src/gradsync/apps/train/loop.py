@@ -83,15 +83,21 @@ def _stall(rank: int, step: int) -> None:
 
 def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                  device: torch.device, progress: Any = None) -> dict:
-    """Train one scheme on this rank; returns ``{"scheme", "task", "records", "eval",
+    """Train one scheme on this rank; returns ``{"scheme", "task", "records", "phases", "eval",
     "history", "plan", "topk_shares", "status", "diverged_at", "reason"}`` (``records``: one
-    dict per step, the ``steps`` fields of ``metrics.json``; ``eval``: rank 0's evaluation,
-    empty elsewhere; ``history``: with ``spec.eval_every``, rank 0's ``{"step", "elapsed_s",
-    **evaluation}`` every ``eval_every`` steps and at the end; ``plan``: the engine's plan at
-    the end, ``Plan.to_dict()``, or ``None`` outside the engine; ``topk_shares``:
-    ``TrainSpec.topk_shares``'s record on rank 0, else ``None``; ``status``: :data:`OK` or
-    ``"diverged at step N"``, alike on every rank, with ``diverged_at`` N and ``reason`` what
-    was non-finite, else ``None`` — module docstring, "Divergence")."""
+    dict per step, the ``steps`` fields of ``metrics.json``; ``phases``: one dict per record,
+    its ``time_s`` in four consecutive wall-clock parts — ``forward_s`` (``zero_grad``, the
+    forward pass and the loss), ``backward_call_s`` (``loss.backward()``, hooks included),
+    ``after_backward_s`` (the runner's work after it: the engine's ``synchronize()``) and
+    ``optimizer_s`` (the optimizer step), host times (on CUDA the last part ends with the
+    device synchronized); ``bench anatomy`` reads them, ``metrics.json`` does not keep them;
+    ``eval``: rank 0's evaluation, empty elsewhere; ``history``: with ``spec.eval_every``,
+    rank 0's ``{"step", "elapsed_s", **evaluation}`` every ``eval_every`` steps and at the
+    end; ``plan``: the engine's plan at the end, ``Plan.to_dict()``, or ``None`` outside the
+    engine; ``topk_shares``: ``TrainSpec.topk_shares``'s record on rank 0, else ``None``;
+    ``status``: :data:`OK` or ``"diverged at step N"``, alike on every rank, with
+    ``diverged_at`` N and ``reason`` what was non-finite, else ``None`` — module docstring,
+    "Divergence")."""
     from gradsync.apps import models
 
     model = models.build(spec.model, seed=spec.seed).to(device)
@@ -113,6 +119,7 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
     if scaler is not None:
         runner.follow(scaler)
     records: list[dict] = []
+    phases: list[dict] = []  # the step's wall time in four parts (docstring)
     history: list[dict] = []
     elapsed = 0.0
     diverged: tuple[int, str] | None = None
@@ -139,6 +146,7 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                     (loss if scaler is None else scaler.scale(loss)).backward()
                     tw = time.perf_counter()
                     runner.after_backward()
+                    ta = time.perf_counter()
                 except Exception as e:  # the gradsync schemes' non-finite gradient: every rank
                     if NONFINITE_GRADIENT not in str(e):
                         raise
@@ -151,7 +159,8 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                     scaler.update()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                dt = time.perf_counter() - t0
+                t1 = time.perf_counter()
+                dt = t1 - t0
                 cpu = time.process_time() - c0  # every thread of this rank's process
                 elapsed += dt
                 rec = {"step": step, "loss": float(loss.detach()), "time_s": dt, "cpu_s": cpu,
@@ -161,6 +170,8 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                 if scaler is not None:  # the scale for the next step (halved: skipped)
                     rec["loss_scale"] = float(scaler.get_scale())
                 records.append(rec)
+                phases.append({"forward_s": tb - t0, "backward_call_s": tw - tb,
+                               "after_backward_s": ta - tw, "optimizer_s": t1 - ta})
                 bad = _nonfinite_loss_ranks(rec["loss"], rank, P, agree)
                 if bad:
                     diverged = (step, f"non-finite loss on rank{'s' if len(bad) > 1 else ''} "
@@ -192,8 +203,9 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
     if dist.is_initialized() and P > 1:
         dist.barrier()  # the next scheme starts together
     status = OK if diverged is None else f"diverged at step {diverged[0]}"
-    return {"scheme": choice.name, "task": task, "records": records, "eval": evaluation,
-            "history": history, "plan": plan, "topk_shares": shares, "status": status,
+    return {"scheme": choice.name, "task": task, "records": records, "phases": phases,
+            "eval": evaluation, "history": history, "plan": plan, "topk_shares": shares,
+            "status": status,
             "diverged_at": None if diverged is None else diverged[0],
             "reason": None if diverged is None else diverged[1]}
 

@@ -49,7 +49,7 @@ from gradsync.apps.train.metering import (
 from gradsync.apps.train.shares import TopkShares
 from gradsync.apps.train.spec import SchemeChoice, TrainSpec
 
-__all__ = ["MOMENTUM", "DDPHookRunner", "EngineRunner", "Runner", "TorchDDPRunner",
+__all__ = ["MOMENTUM", "DDPHookRunner", "EngineRunner", "LocalRunner", "Runner", "TorchDDPRunner",
            "collective_timeout", "make_optimizer", "make_runner", "momentum_correction", "wrap_ddp"]
 
 MOMENTUM = 0.9
@@ -280,6 +280,16 @@ class TorchDDPRunner(Runner):
         return self.meter.step_metrics(backward_start, backward_end)
 
 
+class LocalRunner(Runner):
+    """No exchange: the bare model trains alone on each rank (:data:`~.spec.LOCAL`, the
+    no-sync floor ``bench anatomy`` measures a step against). ``backward_s`` is all of
+    ``loss.backward()``; nothing is sent."""
+
+    def step_metrics(self, backward_start: float, backward_end: float) -> dict[str, float]:
+        return {"bytes_sent": 0, "bytes_recv": 0, "backward_s": backward_end - backward_start,
+                "sparsify_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "missing_rate": 0.0}
+
+
 def make_runner(choice: SchemeChoice, model: nn.Module, spec: TrainSpec, device: torch.device,
                 P: int, steps: int | None = None) -> Runner:
     """The runner of ``choice`` (``choice.runner`` picks it) for ``model`` on this rank, in a
@@ -290,4 +300,6 @@ def make_runner(choice: SchemeChoice, model: nn.Module, spec: TrainSpec, device:
         return DDPHookRunner(choice, model, spec, device, steps)
     if choice.runner == "torch_ddp":
         return TorchDDPRunner(choice, model, spec, device, P)
+    if choice.runner == "local":
+        return LocalRunner(choice, model, spec, steps)
     raise ValueError(f"unknown runner {choice.runner!r}")

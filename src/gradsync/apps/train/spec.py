@@ -21,8 +21,8 @@ from gradsync.engine.config import DENSITY_SCHEDULES
 from gradsync.schedule.schemes import SCHEMES, Scheme
 
 __all__ = ["ADAMW_LR", "AMP", "DATASETS", "DDP_HOOK_PREFIX", "DDP_PEERS", "DEFAULT_STEPS",
-           "GRADSYNC_FIELDS", "RUNNERS", "SGD_LR", "SchemeChoice", "TrainSpec", "all_schemes",
-           "defaults", "scheme_choice", "scheme_choices", "uses_adamw"]
+           "GRADSYNC_FIELDS", "LOCAL", "RUNNERS", "SGD_LR", "SchemeChoice", "TrainSpec",
+           "all_schemes", "defaults", "scheme_choice", "scheme_choices", "uses_adamw"]
 
 DDP_PEERS = ("ddp", "ddp_powersgd", "ddp_fp16")  # torch's own comm hooks, run as peers
 # TrainSpec fields that only gradsync's schemes read (runners.py): torch's own hooks above train
@@ -32,7 +32,7 @@ GRADSYNC_FIELDS = ("density", "sparsifier", "density_warmup", "density_schedule"
                    "adam_warmup", "topk_shares")
 DDP_HOOK_PREFIX = "ddp_gradsync_"  # + a scheme with Scheme.ddp_hook: gradsync's DDP comm hook
 DATASETS = ("fashion-mnist", "text", "synthetic")
-RUNNERS = ("engine", "ddp_hook", "torch_ddp")
+RUNNERS = ("engine", "ddp_hook", "torch_ddp", "local")
 AMP = (None, "bf16", "fp16")  # TrainSpec.amp: torch.autocast's dtype (fp16 with a GradScaler)
 DEFAULT_STEPS = 50
 SGD_LR, ADAMW_LR = 0.05, 3e-3
@@ -48,8 +48,8 @@ class SchemeChoice:
     Attributes:
         name: the ``--scheme`` value.
         runner: ``"engine"`` (:class:`gradsync.GradSync`), ``"ddp_hook"`` (torch DDP with
-            gradsync's comm hook, :mod:`gradsync.ddp`) or ``"torch_ddp"`` (torch DDP with one
-            of torch's own comm hooks).
+            gradsync's comm hook, :mod:`gradsync.ddp`), ``"torch_ddp"`` (torch DDP with one
+            of torch's own comm hooks) or ``"local"`` (no exchange: :data:`LOCAL`).
         scheme: the gradsync scheme that runs; ``None`` for torch's own hooks.
     """
 
@@ -62,6 +62,11 @@ class SchemeChoice:
         """Gradients are sparsified (DGC's momentum correction applies). torch's PowerSGD and
         fp16 hooks compress too but keep the optimizer's momentum, as torch runs them."""
         return self.scheme is not None and self.scheme.sparse
+
+
+# No exchange at all: each rank trains its bare model alone (SGD with momentum, as DDP's
+# optimizer). Not a --scheme: ``bench anatomy`` runs it as the no-sync floor of a step.
+LOCAL = SchemeChoice("local", "local")
 
 
 def scheme_choices() -> dict[str, SchemeChoice]:

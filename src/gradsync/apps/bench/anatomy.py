@@ -1,0 +1,568 @@
+"""``python -m gradsync bench anatomy``: where a synchronized step's time goes, against the same
+step with no gradient exchange at all.
+
+``python -m gradsync bench anatomy [--model cnn] [--world-size 2,4] [--bandwidth loopback,1gbit]
+[--steps 40] [--schemes ddp,topka,…] [--out bench-out/anatomy] [--write-docs]``
+
+For every world size P of ``--world-size`` and every link of ``--bandwidth`` (``loopback`` and
+tc rates, shaped as ``bench schemes`` shapes them: per-rank ``tbf`` links, root only, else a
+one-line note and loopback) it runs one job of P gloo ranks
+(:func:`gradsync.apps.train.launch`, what ``bench schemes`` runs: same seed, same shards,
+the same initial model for every scheme) in which each rank trains
+
+* the **floor**: the bare model alone (``train``'s ``local`` runner,
+  :data:`gradsync.apps.train.spec.LOCAL`): the same model, data shard, batch and SGD step
+  (momentum 0.9, as DDP's optimizer), no hook and no exchange; its P processes share the cores
+  as the schemes' P do;
+* every scheme in turn, as ``python -m gradsync train`` does;
+* the floor again. The floor's figures are over the measured steps of both floor runs, so a
+  machine whose speed drifts during the job moves the floor as it moves the schemes.
+
+Every figure is rank 0's median over the measured steps (after ``--warmup-steps + 1``), as
+``train`` reports them, except ``cpu ms`` (the busiest rank's process CPU time per step, every
+thread, then the median: ``bench schemes``' cpu ms) and the bytes (sent per rank and step,
+counted at the torch.distributed call, mean over ranks and measured steps).
+
+The decomposition. The training loop times four consecutive parts of each step on the
+training thread (``train_scheme``'s ``phases``): forward (``zero_grad``, forward, loss),
+``loss.backward()``, the runner's work after it (the engine's ``synchronize()``; nothing for
+torch's DDP) and the optimizer step. So step − floor is, up to the medians not adding up
+(``phase_gap_ms`` in the JSON), Δforward + Δbackward + synchronize() + Δoptimizer, each Δ
+against the floor's own part. The components measured on their own, and where they sit:
+
+* ``select``: the engine's ``sparsify_s`` (error feedback's selection, inline and offloaded);
+  for torch's DDP the synchronous part of its comm hooks (bucket launches). With an
+  overlapping plan (``plans.json``) the jobs are prepared in the gradient hooks, inside
+  ``loss.backward()``; a plan without overlap (``dense``) prepares them in ``synchronize()``,
+  where the time is already part of ``sync host`` and is not counted again (†); tensors the
+  plan offloads (SSFusion-O) are selected on the worker thread, concurrently with the backward
+  pass, and ``sparsify_s`` then sums both threads' time (‡: the engine does not record the
+  split per step).
+* ``wait``: ``wait_s``, the exposed communication: the engine's ``synchronize()`` blocked on
+  the communication thread; torch's DDP: from the end of the last bucket's hook call to
+  ``loss.backward()`` returning — inside its backward call (*).
+* ``sync host``: the engine's ``synchronize()`` minus its wait (per step, then the median):
+  launching what the backward left, the ranks' finiteness agreement, decoding the sums into
+  ``.grad``, the residuals (``apply``) and the step's bookkeeping. 0 for torch's DDP.
+
+``counted`` = the part inside ``loss.backward()`` (select; DDP: select + wait), at most
+Δbackward⁺ (the backward's slowdown: what runs inside it cannot have cost more, and a larger
+figure means the floor's backward was the slower one, i.e. noise; ‡ is bounded the same way),
+plus the engine's ``synchronize()`` (wait + sync host). ``residual`` = step − floor − counted:
+what the hooks cost beyond selection (gathering a job's gradients, error feedback's
+accumulation, the hooks' bookkeeping, DDP's bucket copies), Δforward (DDP's forward
+pre-hook) and Δoptimizer (negative where momentum moved into error feedback: SGD without
+momentum), the slowdown of every phase by the communication and offload threads and by the
+other ranks' processes competing for the cores, and noise.
+
+``accounted %`` = 100 × counted / (step − floor): the share of the step's extra time the
+measured components explain; marked ``~`` when step − floor is within twice the floor's own
+drift during the job (its median before the schemes against after them), where the ratio
+means little. ``of sync phases %`` = 100 × counted / (Δbackward⁺ + synchronize()): the share
+of the two phases that hold the synchronization, which the forward's and optimizer's noise
+does not reach (≤ 100 by construction). ``of step %`` = 100 × (floor + counted) / step.
+Nothing is counted twice: counted's parts are disjoint intervals of the training thread
+(select inside the backward call, wait and sync host inside ``synchronize()``; DDP's select
+and wait are disjoint intervals inside its backward call). What overlaps them: ``comm``
+(``comm_s``: time inside the step's collectives, summed over them, on the communication
+thread; torch's DDP: the union of its all-reduces' launch→done) runs concurrently with the
+backward pass and only its exposed part, ``wait``, is on the training thread; an offloaded
+selection overlaps the backward pass; and on shared cores every thread's CPU time slows the
+others (``cpu ms`` counts all of them: with more ranks than cores it, not the link, sets the
+step; ``cpu−floor`` is it against the floor's, the CPU the exchange costs, steadier than wall
+times on shared cores).
+
+``comm`` against ``wire``: ``wire`` is the step's bytes' time at the link rate,
+bytes_sent × 8 / rate. On a shaped link the rate is the tbf rate per rank and direction. On
+loopback there is no set rate: the rate used is the one DDP's all-reduce achieved in the same
+job (its bytes per step × 8 / its comm time per step, printed with the table), so ``comm /
+wire`` on loopback is a collective's time against a dense all-reduce's for as many bytes.
+What a collective does besides moving bytes — encoding, decoding, merging, the extra rounds —
+runs inside its time: encode/decode are not separable per step, and ``comm − wire`` bounds
+them from above.
+
+Writes ``<out>/anatomy.json`` (every row, the floors, the loopback rates, the environment) and
+``anatomy.png`` (stacked bars per link and P: floor, select, wait, sync host, residual; the
+step as a tick). ``--write-docs`` also writes ``docs/results/anatomy-cpu.md`` (the tables,
+the command, date, machine, commit and what the numbers show) with ``anatomy-cpu.json`` and
+``anatomy-cpu.png`` beside it. Times on a shared machine are noisy: quote medians, and compare
+schemes within one job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import shutil
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from gradsync.apps.bench.schemes import LOOPBACK, link_rate, parse_links
+from gradsync.apps.common import code_revision, cpu_description, print_table, write_outputs
+
+if TYPE_CHECKING:
+    from gradsync.apps.train import TrainSpec
+
+__all__ = ["COLUMNS", "DEFAULT_SCHEMES", "DOCS_PATH", "anatomy_rows", "anatomy_worker",
+           "floor_figures", "loopback_rate", "main", "parse_world_sizes", "write_docs"]
+
+DEFAULT_SCHEMES = ("ddp", "topka", "ssfusion_oi", "ssfusion", "per_tensor", "densestream",
+                   "oktopk")
+DOCS_PATH = Path("docs/results/anatomy-cpu.md")
+NAN = float("nan")
+
+
+def parse_world_sizes(value: str) -> list[int]:
+    """``--world-size``: comma-separated integers ≥ 2, no repeats; ``ValueError`` otherwise."""
+    try:
+        sizes = [int(v) for v in str(value).split(",")]
+    except ValueError:
+        raise ValueError(f"--world-size: integers, comma-separated, got {value!r}") from None
+    if any(p < 2 for p in sizes) or len(set(sizes)) != len(sizes):
+        raise ValueError(f"--world-size: distinct integers >= 2, got {value!r}")
+    return sizes
+
+
+def anatomy_worker(rank: int, world_size: int, spec: TrainSpec, keep_going: bool = False
+                   ) -> dict:
+    """One rank of a link's job: the floor (:data:`~gradsync.apps.train.spec.LOCAL`), every
+    scheme of ``spec`` (:func:`~gradsync.apps.train.train_worker`), the floor again; returns
+    ``train_worker``'s ``{"rank", "runs"}`` plus ``"floor"``, the two floor runs. The floors
+    bracket the schemes in the same processes, so a machine whose speed drifts during the job
+    moves the floor as it moves the schemes. Module level: the launchers start it on every
+    rank."""
+    import torch
+
+    from gradsync.apps.train import train_scheme, train_worker
+    from gradsync.apps.train.spec import LOCAL
+
+    device = torch.device(spec.device or "cpu")
+    before = train_scheme(LOCAL, rank, world_size, spec, device)
+    out = train_worker(rank, world_size, spec, keep_going=keep_going)
+    after = train_scheme(LOCAL, rank, world_size, spec, device)
+    return {**out, "floor": [before, after]}
+
+
+def _floor_run(results: list[dict], skip: int) -> tuple[dict, list[list[dict]]]:
+    """Rank 0's floor runs as one run of their measured steps (each run's first ``skip``
+    steps left out), and every rank's measured floor records."""
+    def measured(runs: list[dict], key: str) -> list[dict]:
+        return [x for run in runs for x in run[key][skip:]]
+
+    by_rank = sorted(results, key=lambda r: r["rank"])
+    rank0 = by_rank[0]["floor"]
+    return ({"records": measured(rank0, "records"), "phases": measured(rank0, "phases")},
+            [measured(r["floor"], "records") for r in by_rank])
+
+
+def _median(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]  # NaN out
+    return statistics.median(xs) if xs else NAN
+
+
+def _rank0(results: list[dict]) -> list[dict]:
+    """Rank 0's runs of a job's per-rank results."""
+    return min(results, key=lambda r: r["rank"])["runs"]
+
+
+def _phases(run: dict, skip: int) -> dict[str, float]:
+    """Medians of a run's measured phases (``train_scheme``'s ``phases``) and of the engine's
+    host work in ``synchronize()`` besides its wait, per step then the median."""
+    ph = run.get("phases") or []
+    recs = run["records"]
+    skip = min(skip, max(0, len(ph) - 1))
+    out = {k: _median([p[k] for p in ph[skip:]]) for k in
+           ("forward_s", "backward_call_s", "after_backward_s", "optimizer_s")}
+    out["sync_host_s"] = _median([max(0.0, p["after_backward_s"] - r["wait_s"])
+                                  for p, r in zip(ph[skip:], recs[skip:])])
+    return out
+
+
+def loopback_rate(summary: dict | None) -> float | None:
+    """Bits per second DDP's all-reduce achieved (its bytes per step over its comm time per
+    step), the rate ``wire`` uses on loopback; ``None`` without a ddp run or comm time."""
+    if not summary or not summary.get("comm_s") or not summary["comm_s"] > 0:
+        return None
+    return 8 * summary["bytes_per_step"] / summary["comm_s"]
+
+
+def _selection_place(run: dict) -> str:
+    """Where a run's selection (``sparsify_s``) runs: ``"backward"`` (in the gradient hooks),
+    ``"synchronize"`` (a plan without overlap), ``"backward+worker"`` (an offloading plan)."""
+    plan = run.get("plan")
+    if plan is None:  # torch's DDP: the hooks' synchronous part, inside loss.backward()
+        return "backward"
+    if not plan.get("overlap", True):
+        return "synchronize"
+    if any(t.get("offload") for b in plan.get("buffers", []) for t in b["tensors"]):
+        return "backward+worker"
+    return "backward"
+
+
+def floor_figures(results: list[dict], skip: int) -> dict[str, float]:
+    """The floor of a job (:func:`anatomy_worker`'s ``"floor"`` runs, every step of both after
+    each one's first ``skip``): rank 0's median step and phases, the busiest rank's median
+    process CPU per step, in ms, and the measured steps; ``before_ms``, ``after_ms``: each
+    floor run's own median, ``spread_ms`` their difference (the drift during the job)."""
+    run, per_rank = _floor_run(results, skip)
+    ph = _phases(run, 0)
+    n = min(len(rr) for rr in per_rank)
+    each = [1e3 * _median([x["time_s"] for x in f["records"][skip:]])
+            for f in min(results, key=lambda r: r["rank"])["floor"]]
+    return {"step_ms": 1e3 * _median([x["time_s"] for x in run["records"]]),
+            "before_ms": each[0], "after_ms": each[-1], "spread_ms": max(each) - min(each),
+            "cpu_ms": 1e3 * _median([max(rr[j]["cpu_s"] for rr in per_rank) for j in range(n)]),
+            "measured_steps": len(run["records"]),
+            **{k[:-2] + "_ms": 1e3 * v for k, v in ph.items() if k != "sync_host_s"}}
+
+
+def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
+                 world_size: int, rate_bps: float | None) -> list[dict]:
+    """One row per scheme of a job: ``results`` are the job's per-rank results
+    (:func:`anatomy_worker`'s, through :func:`gradsync.apps.train.launch`), ``runs`` their
+    :func:`~gradsync.apps.train.summarize` (in the same order); ``skip`` steps of each run are
+    not measured; ``rate_bps`` is the link rate ``wire`` uses (``None``: no wire time). The
+    fields are in the module docstring, times in ms."""
+    fl = floor_figures(results, skip)
+    floor_ms = fl["step_ms"]
+    rows = []
+    for raw, run in zip(_rank0(results), runs):
+        s = run["summary"]
+        ph = _phases(raw, skip)
+        step = 1e3 * s["step_s"]
+        over = step - floor_ms
+        d_bwd = ph["backward_call_s"] * 1e3 - fl["backward_call_ms"]
+        place = _selection_place(raw)
+        select, wait = 1e3 * s["sparsify_s"], 1e3 * s["wait_s"]
+        engine = raw.get("plan") is not None
+        # inside loss.backward(): an overlapping plan's selection; torch DDP's hook launches
+        # and its exposed wait. At most the backward's slowdown counts (module docstring).
+        in_bwd = (0.0 if place == "synchronize" else select) + (0.0 if engine else wait)
+        counted_bwd = min(in_bwd, max(0.0, d_bwd))
+        host = 1e3 * ph["sync_host_s"] if engine else 0.0
+        in_sync = wait + host if engine else 0.0  # synchronize(): its wait and host work
+        explained = counted_bwd + in_sync
+        phases = max(0.0, d_bwd) + in_sync
+        wire = (8 * s["bytes_per_step"] / rate_bps * 1e3) if rate_bps else NAN
+        comm = 1e3 * s["comm_s"]
+        rows.append({
+            "link": link, "world_size": world_size, "scheme": s["scheme"],
+            "status": run.get("status", "ok"), "measured_steps": s["measured_steps"],
+            "step_ms": step, "floor_ms": floor_ms, "over_floor_ms": over,
+            "forward_ms": 1e3 * ph["forward_s"], "backward_call_ms": 1e3 * ph["backward_call_s"],
+            "sync_call_ms": 1e3 * ph["after_backward_s"], "optimizer_ms": 1e3 * ph["optimizer_s"],
+            "d_forward_ms": 1e3 * ph["forward_s"] - fl["forward_ms"],
+            "d_backward_ms": d_bwd,
+            "d_optimizer_ms": 1e3 * ph["optimizer_s"] - fl["optimizer_ms"],
+            "select_ms": select, "select_place": place, "wait_ms": wait,
+            "wait_place": "synchronize" if engine else "backward", "sync_host_ms": host,
+            "in_backward_ms": in_bwd, "counted_backward_ms": counted_bwd,
+            "sync_wait_ms": wait if engine else 0.0, "explained_ms": explained,
+            "residual_ms": over - explained,
+            "accounted_pct": 100 * explained / over if over > 0 else NAN,
+            "noisy": not over > 2 * fl["spread_ms"],
+            "sync_phases_pct": 100 * explained / phases if phases > 0 else NAN,
+            "accounted_step_pct": 100 * (floor_ms + explained) / step if step > 0 else NAN,
+            "floor_spread_ms": fl["spread_ms"],
+            "comm_ms": comm, "wire_ms": wire,
+            "comm_over_wire": comm / wire if wire == wire and wire > 0 else NAN,
+            "rate_bps": rate_bps, "cpu_ms": 1e3 * s["cpu_s"], "floor_cpu_ms": fl["cpu_ms"],
+            "d_cpu_ms": 1e3 * s["cpu_s"] - fl["cpu_ms"],
+            "bytes_per_step": s["bytes_per_step"], "missing_rate": s["missing_rate"],
+            "backward_ms": 1e3 * s["backward_s"],
+            # how far the phases' medians are from adding up to the step's median
+            "phase_gap_ms": step - 1e3 * sum(ph[k] for k in ("forward_s", "backward_call_s",
+                                                             "after_backward_s", "optimizer_s")),
+        })
+    return rows
+
+
+def _cells(r: dict) -> list[Any]:
+    mark = {"synchronize": " †", "backward+worker": " ‡"}.get(r["select_place"], "")
+    pct, sync_pct = r["accounted_pct"], r["sync_phases_pct"]
+    return [r["scheme"], r["step_ms"], r["floor_ms"], r["over_floor_ms"], r["d_backward_ms"],
+            f"{r['select_ms']:.3g}{mark}", f"{r['wait_ms']:.3g}" + (
+                " *" if r["wait_place"] == "backward" else ""),
+            r["sync_host_ms"], r["explained_ms"], r["residual_ms"],
+            "-" if pct != pct else ("~" if r["noisy"] else "") + f"{pct:.0f}",
+            "-" if sync_pct != sync_pct else f"{sync_pct:.0f}",
+            f"{r['accounted_step_pct']:.0f}",
+            r["comm_ms"], r["wire_ms"] if r["wire_ms"] == r["wire_ms"] else "-", r["cpu_ms"],
+            r["d_cpu_ms"], r["bytes_per_step"] / 1e6]
+
+
+COLUMNS = ["scheme", "step ms", "floor ms", "step−floor", "Δbackward", "select", "wait",
+           "sync host", "counted", "residual", "accounted %", "of sync phases %", "of step %",
+           "comm ms", "wire ms", "cpu ms", "cpu−floor", "MB/step"]
+LEGEND = ("select: † runs inside synchronize() (a plan without overlap), ‡ includes the offload "
+          "worker's time; wait: * inside loss.backward() (torch's DDP); counted: the parts "
+          "explained without double counting (in-backward ones capped at Δbackward); "
+          "accounted %: counted / (step − floor), ~ where step − floor is within twice the "
+          "floor's drift during the job; of sync phases %: counted / (Δbackward⁺ + "
+          "synchronize()); of step %: (floor + counted) / step")
+
+
+def _title(link: str, P: int, spec: TrainSpec, rate: float | None) -> str:
+    how = ("" if link != LOOPBACK else
+           " — wire at DDP's achieved rate " + (f"{rate / 1e9:.3g} Gbit/s" if rate else "(none)"))
+    return (f"bench anatomy — {spec.model}, P={P}, {link}, density {spec.density}, "
+            f"{spec.steps} steps{how}")
+
+
+def _plot(rows: list[dict]):
+    def plot(ax) -> None:
+        names = [f"{r['scheme']} P{r['world_size']} {r['link']}" for r in rows]
+        x = list(range(len(rows)))
+        bottom = [0.0] * len(rows)
+        for key, label, color in (("floor_ms", "floor (no sync)", "tab:gray"),
+                                  ("counted_backward_ms",
+                                   "in backward: select (DDP: + wait)", "tab:orange"),
+                                  ("sync_wait_ms", "synchronize(): wait", "tab:red"),
+                                  ("sync_host_ms", "synchronize(): host", "tab:purple"),
+                                  ("residual_ms", "residual (≥ 0 shown)", "tab:olive")):
+            vals = [max(0.0, r[key]) if r[key] == r[key] else 0.0 for r in rows]
+            ax.bar(x, vals, bottom=bottom, label=label, color=color)
+            bottom = [b + v for b, v in zip(bottom, vals)]
+        ax.scatter(x, [r["step_ms"] for r in rows], marker="_", s=200, color="black",
+                   label="step (median)", zorder=3)
+        ax.set_xticks(x, names, rotation=90, fontsize=5)
+        ax.set_ylabel("ms per step (median)")
+        ax.set_title("bench anatomy: step = floor + counted (select, wait, sync host) + residual",
+                     fontsize=9)
+        ax.legend(fontsize=6)
+
+    return plot
+
+
+def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[int]]:
+    p = argparse.ArgumentParser(prog="python -m gradsync bench anatomy", description=__doc__,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", default="cnn")
+    p.add_argument("--world-size", default="2,4", help="comma-separated (default 2,4)")
+    p.add_argument("--bandwidth", default=LOOPBACK,
+                   help="links, comma-separated: loopback and tbf rates (1gbit, …)")
+    p.add_argument("--latency", default=None, help="tbf queueing bound, not a delay")
+    p.add_argument("--density", default="0.01")
+    p.add_argument("--sparsifier", default="dgc")
+    p.add_argument("--steps", default="40", help="steps per scheme (default 40)")
+    p.add_argument("--batch-size", default="16", help="per rank (default 16)")
+    p.add_argument("--warmup-steps", default="5",
+                   help="engine profiling steps, not measured (default 5)")
+    p.add_argument("--schemes", default=",".join(DEFAULT_SCHEMES),
+                   help=f"comma-separated (default {','.join(DEFAULT_SCHEMES)})")
+    p.add_argument("--seed", default="0")
+    p.add_argument("--out", default="bench-out/anatomy")
+    p.add_argument("--write-docs", action="store_true",
+                   help=f"also write {DOCS_PATH} and its JSON and PNG beside it")
+    p.add_argument("--progress", action="store_true", help="show the training progress bars")
+    a = p.parse_args(argv)
+    try:
+        links = parse_links(a.bandwidth)
+        sizes = parse_world_sizes(a.world_size)
+    except ValueError as e:
+        p.error(str(e))
+    if a.latency is not None and links == [LOOPBACK]:
+        p.error("--latency shapes links: give a rate in --bandwidth too")
+    return a, links, sizes
+
+
+def _spec(a: argparse.Namespace, P: int, link: str) -> TrainSpec:
+    from gradsync.apps import train
+
+    targs = ["--model", a.model, "--world-size", str(P), "--density", a.density,
+             "--sparsifier", a.sparsifier, "--steps", a.steps, "--batch-size", a.batch_size,
+             "--warmup-steps", a.warmup_steps, "--scheme", a.schemes, "--seed", a.seed,
+             "--eval-batches", "0"] + ([] if a.progress else ["--no-progress"])
+    if link != LOOPBACK:
+        targs += ["--bandwidth", link] + (["--latency", a.latency] if a.latency else [])
+    return train.parse_args(targs, parser=train.build_parser("python -m gradsync bench anatomy"))
+
+
+def _load() -> float:
+    return os.getloadavg()[0] if hasattr(os, "getloadavg") else NAN
+
+
+def main(argv: list[str] | None = None) -> int:
+    from gradsync.apps import train
+    from gradsync.testing import DistributedError, DistributedTimeout
+
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a, links, sizes = _parse(argv)
+    specs = {(P, link): _spec(a, P, link) for P in sizes for link in links}
+    first = train.resolve_data(specs[(sizes[0], links[0])])
+    specs = {k: train.resolve_data(s, quiet=True) for k, s in specs.items()}
+    print(f"bench anatomy: {first.model} on {first.data}, P in {sizes}, {first.steps} steps × "
+          f"{first.batch_size} per rank, density {first.density}, schemes "
+          f"{', '.join(first.schemes)}, links {', '.join(links)}", flush=True)
+    meta: dict[str, Any] = {
+        "command": "python -m gradsync bench anatomy " + shlex.join(argv),
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "code": code_revision(),
+        "machine": f"{os.cpu_count()} cores ({cpu_description()})", "load_start": _load(),
+        "world_sizes": sizes, "links": links, "config": first.config(sizes[0]),
+        "floors": [], "loopback_rate_bps": {}, "link_descriptions": {}}
+    skip = first.warmup_steps + 1
+    t0 = time.perf_counter()
+    rows: list[dict] = []
+    for P in sizes:
+        for link in links:
+            spec = specs[(P, link)]
+            try:
+                results, descr = train.launch(spec, worker=anatomy_worker)
+            except (DistributedError, DistributedTimeout) as e:
+                print(f"bench anatomy failed at P={P} on {link}: {e}")
+                return 1
+            runs = train.summarize(results, spec.warmup_steps)
+            ddp = next((r["summary"] for r in runs if r["scheme"] == "ddp"), None)
+            shaped = link != LOOPBACK and descr.get("shaped")
+            rate = link_rate(link) if shaped else loopback_rate(ddp)
+            name = link if link == LOOPBACK or shaped else f"{link} (not shaped: loopback)"
+            meta["link_descriptions"][f"P{P} {link}"] = descr
+            if not shaped:
+                meta["loopback_rate_bps"][f"P{P} {name}"] = rate
+            mine = anatomy_rows(results, runs, skip, name, P, rate)
+            meta["floors"].append({"link": name, "world_size": P,
+                                   **floor_figures(results, skip)})
+            print_table(_title(name, P, spec, rate if not shaped else None), COLUMNS,
+                        [_cells(r) for r in mine])
+            fl = meta["floors"][-1]
+            print(f"floor {fl['step_ms']:.1f} ms (before the schemes {fl['before_ms']:.1f}, "
+                  f"after {fl['after_ms']:.1f}); {LEGEND}", flush=True)
+            rows += mine
+    meta["wall_s"] = time.perf_counter() - t0
+    meta["load_end"] = _load()
+    print_table("bench anatomy — the floors (no exchange), ms per step (rank 0's medians)",
+                FLOOR_COLUMNS, [_floor_cells(f) for f in meta["floors"]])
+    jpath, ppath = write_outputs("anatomy", rows, a.out, plot=_plot(rows), meta=meta)
+    print(f"bench anatomy: {meta['wall_s']:.0f} s; wrote {jpath}" + (f", {ppath}" if ppath else ""))
+    if a.write_docs:
+        DOCS_PATH.parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(jpath, DOCS_PATH.with_suffix(".json"))
+        if ppath is not None:
+            shutil.copyfile(ppath, DOCS_PATH.with_suffix(".png"))
+        print(f"wrote {write_docs(DOCS_PATH, rows, meta, png=ppath is not None)}")
+    return 0
+
+
+FLOOR_COLUMNS = ["link", "P", "step", "before", "after", "forward", "backward", "optimizer",
+                 "cpu ms"]
+
+
+def _floor_cells(f: dict) -> list[Any]:
+    return [f["link"], f["world_size"], f["step_ms"], f["before_ms"], f["after_ms"],
+            f["forward_ms"], f["backward_call_ms"], f["optimizer_ms"], f["cpu_ms"]]
+
+
+def _md_table(columns: list[str], cells: list[list[Any]]) -> list[str]:
+    def fmt(v: Any) -> str:
+        if isinstance(v, float):
+            return "-" if v != v else f"{v:.3g}" if abs(v) < 100 else f"{v:.0f}"
+        return str(v)
+
+    return (["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
+            + ["| " + " | ".join(fmt(v) for v in r) + " |" for r in cells])
+
+
+def _findings(rows: list[dict], meta: dict) -> list[str]:
+    """Sentences read off the numbers (the page's "what this shows")."""
+    out = []
+    floors = {(f["link"], f["world_size"]): f for f in meta["floors"]}
+    sizes = sorted({p for _, p in floors})
+    for link in dict.fromkeys(k for k, _ in floors):
+        lo, hi = floors.get((link, sizes[0])), floors.get((link, sizes[-1]))
+        if len(sizes) > 1 and lo and hi and lo["step_ms"] > 0:
+            out.append(
+                f"Floor (no exchange) in the {link} jobs: {lo['step_ms']:.1f} ms per step at "
+                f"P = {sizes[0]}, {hi['step_ms']:.1f} ms at P = {sizes[-1]} "
+                f"({hi['step_ms'] / lo['step_ms']:.2f}×), cpu {lo['cpu_ms']:.1f} → "
+                f"{hi['cpu_ms']:.1f} ms, on {os.cpu_count()} cores: what P ranks sharing the "
+                "cores cost before a byte is sent.")
+    for (link, P), f in floors.items():
+        mine = [r for r in rows if r["link"] == link and r["world_size"] == P]
+        if not mine:
+            continue
+        fast = min(mine, key=lambda r: r["step_ms"])
+        parts = []
+        for r in mine:
+            comps = {"selection in backward": r["counted_backward_ms"],
+                     "synchronize()'s wait": r["sync_wait_ms"],
+                     "synchronize()'s host work": r["sync_host_ms"],
+                     "residual": r["residual_ms"]}
+            if r["wait_place"] == "backward":
+                comps["hook launches + wait in backward"] = comps.pop("selection in backward")
+            top = max(comps, key=lambda k: comps[k])
+            pct = r["accounted_pct"]
+            parts.append(f"{r['scheme']} +{r['over_floor_ms']:.1f} ms ({top} "
+                         f"{comps[top]:.1f} ms; accounted "
+                         + ("-" if pct != pct else ("~" if r["noisy"] else "") + f"{pct:.0f} %")
+                         + ")")
+        cw = [r for r in mine if r["comm_over_wire"] == r["comm_over_wire"]
+              and r["scheme"] != "ddp"]
+        worst = max(cw, key=lambda r: r["comm_over_wire"], default=None)
+        out.append(f"P = {P}, {link} (floor {f['step_ms']:.1f} ms, {f['before_ms']:.1f} before "
+                   f"the schemes and {f['after_ms']:.1f} after): fastest {fast['scheme']} "
+                   f"({fast['step_ms']:.1f} ms). Over the floor, with the largest part: "
+                   + "; ".join(parts) + "."
+                   + (f" A collective's time against its bytes' wire time is highest for "
+                      f"{worst['scheme']} ({worst['comm_over_wire']:.0f}×)." if worst else ""))
+    return out
+
+
+def write_docs(path: Path, rows: list[dict], meta: dict, png: bool = True) -> Path:
+    """The markdown page: what was run, one table per link and P, the floors, what the numbers
+    show (sentences read off them), and how the columns are made."""
+    lines = ["# Step anatomy on the CPU (`python -m gradsync bench anatomy`)", "",
+             "Written by the command, not by hand. Where a synchronized step's time goes, "
+             "against the same step with no exchange at all (the floor); the decomposition is "
+             "in `src/gradsync/apps/bench/anatomy.py`'s docstring.", "",
+             f"- date: {meta['date']}", f"- command: `{meta['command']}`",
+             f"- machine: {meta['machine']}; 1-min load average {meta['load_start']:.1f} at the "
+             f"start, {meta['load_end']:.1f} at the end; wall time {meta['wall_s'] / 60:.1f} min",
+             f"- code: {meta['code'] or 'unknown'}",
+             f"- settings: {meta['config']['model']}, density {meta['config']['density']} "
+             f"({meta['config']['sparsifier']}), {meta['config']['steps']} steps × "
+             f"{meta['config']['batch_size']} per rank, the first "
+             f"{meta['config']['warmup_steps'] + 1} not measured; gloo ranks on this machine",
+             "- **noisy**: this machine's cores are shared with other jobs (see the load "
+             "average); every figure is a median of one run. Compare schemes within one table "
+             "(one job) rather than across tables.", ""]
+    if png:
+        lines += [f"![step anatomy]({path.with_suffix('.png').name})", ""]
+    lines += ["## What this shows", "", *(f"- {s}" for s in _findings(rows, meta)), ""]
+    for f in meta["floors"]:
+        link, P = f["link"], f["world_size"]
+        mine = [r for r in rows if r["link"] == link and r["world_size"] == P]
+        rate = next((r["rate_bps"] for r in mine), None)
+        how = (f"wire at DDP's achieved all-reduce rate in this job, {rate / 1e9:.3g} Gbit/s"
+               if link == LOOPBACK and rate else
+               "no wire rate (no ddp run)" if link == LOOPBACK else
+               f"wire at the tbf rate, {link}")
+        lines += [f"## P = {P}, {link}", "",
+                  f"Floor {f['step_ms']:.1f} ms ({f['before_ms']:.1f} before the schemes, "
+                  f"{f['after_ms']:.1f} after; forward {f['forward_ms']:.1f}, backward "
+                  f"{f['backward_call_ms']:.1f}, optimizer {f['optimizer_ms']:.1f}; cpu "
+                  f"{f['cpu_ms']:.1f} ms); {how}. ms per step.", "",
+                  *_md_table(COLUMNS, [_cells(r) for r in mine]), ""]
+    lines += ["## The floors", "", *_md_table(FLOOR_COLUMNS, [_floor_cells(f)
+                                                            for f in meta["floors"]]), "",
+              "## Columns", "",
+              "- step, floor: rank 0's median step; the floor trains the bare model with no "
+              "exchange at the same P, in the same job, before and after the schemes (SGD "
+              "momentum 0.9, DDP's optimizer).",
+              "- Δbackward: `loss.backward()` against the floor's: the hooks' work, inline "
+              "selection, DDP's bucket copies and exposed wait, and the other threads' "
+              "competition for the cores.",
+              "- select: `sparsify_s` (engine) or the DDP hooks' synchronous part; wait: the "
+              "exposed communication; sync host: synchronize() minus its wait.",
+              f"- {LEGEND}.",
+              "- residual: step − floor − counted.",
+              "- comm: time inside the step's collectives (overlaps the backward pass); wire: "
+              "bytes sent × 8 / the rate; cpu ms: the busiest rank's process CPU per step, "
+              "every thread; cpu−floor: that against the floor's (the CPU the exchange costs; "
+              "steadier than wall time on shared cores); MB/step: bytes sent per rank, counted "
+              "at the torch.distributed call.", ""]
+    path.write_text("\n".join(lines))
+    return path

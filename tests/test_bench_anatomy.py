@@ -1,0 +1,127 @@
+"""``python -m gradsync bench anatomy``: the decomposition on records made here (each interval
+counted once, where the plan puts the selection), and one tiny run on 2 loopback ranks (the
+JSON's columns, floor ≤ step, DDP's bytes, accounted % in range)."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from gradsync.apps import models
+from gradsync.apps import train as train_app
+from gradsync.apps.bench import anatomy
+
+
+def _job(scheme: str, phases: tuple[float, float, float, float], *, sparsify: float = 0.0,
+         wait: float = 0.0, comm: float = 0.0, sent: int = 0, plan: dict | None = None,
+         steps: int = 5) -> list[dict]:
+    """Per-rank results of a 2-rank job of one scheme whose every step has these times (s)."""
+    fwd, bwd, after, opt = phases
+    rec = {"loss": 1.0, "time_s": fwd + bwd + after + opt, "cpu_s": 0.01, "bytes_sent": sent,
+           "bytes_recv": sent, "backward_s": bwd, "sparsify_s": sparsify, "comm_s": comm,
+           "wait_s": wait, "missing_rate": 0.0, "probing": False}
+    ph = {"forward_s": fwd, "backward_call_s": bwd, "after_backward_s": after,
+          "optimizer_s": opt}
+    return [{"rank": r, "runs": [{
+        "scheme": scheme, "task": "image", "eval": {}, "history": [], "plan": plan,
+        "topk_shares": None, "status": "ok",
+        "records": [{**rec, "step": i, "elapsed_s": i, "samples_per_s": 1.0,
+                     "warmup": i < 2} for i in range(steps)],
+        "phases": [dict(ph) for _ in range(steps)]}]} for r in range(2)]
+
+
+def _plan(overlap: bool = True, offload: bool = False) -> dict:
+    return {"scheme": "x", "overlap": overlap, "info": {},
+            "buffers": [{"mode": "per_tensor", "density": None, "tensors": [
+                {"name": "w", "numel": 10, "density": 0.01, "offload": offload,
+                 "allreduce": False}]}]}
+
+
+def _row(job: list[dict], floor: list[dict], rate: float | None = 8e9) -> dict:
+    """The anatomy of ``job`` against ``floor`` (results of a job of the floor alone), as
+    ``anatomy_worker`` returns them: the floor before and after the schemes."""
+    runs = train_app.summarize(job, 1)
+    both = [{**r, "floor": f["runs"] * 2} for r, f in zip(job, floor)]
+    return anatomy.anatomy_rows(both, runs, 2, "loopback", 2, rate)[0]
+
+
+def test_decomposition_counts_each_interval_once():
+    floor = _job("local", (0.005, 0.012, 0.0, 0.003))  # 20 ms, no exchange
+    # an overlapping plan: selection in the hooks (inside backward), wait + host in synchronize
+    r = _row(_job("topka", (0.005, 0.020, 0.014, 0.003), sparsify=0.003, wait=0.010,
+                  comm=0.012, sent=1000, plan=_plan()), floor)
+    assert r["floor_ms"] == pytest.approx(20) and r["step_ms"] == pytest.approx(42)
+    fl = anatomy.floor_figures([{**f, "floor": f["runs"] * 2} for f in floor], 2)
+    assert fl["measured_steps"] == 6 and fl["spread_ms"] == 0  # both runs, 2 steps skipped
+    assert r["over_floor_ms"] == pytest.approx(22) and r["d_backward_ms"] == pytest.approx(8)
+    assert r["select_place"] == "backward" and r["counted_backward_ms"] == pytest.approx(3)
+    assert r["wait_ms"] == pytest.approx(10) and r["sync_host_ms"] == pytest.approx(4)
+    assert r["explained_ms"] == pytest.approx(17)
+    assert r["residual_ms"] == pytest.approx(22 - 17)  # the hooks' work beyond selection
+    assert r["accounted_pct"] == pytest.approx(100 * 17 / 22) and not r["noisy"]
+    assert r["sync_phases_pct"] == pytest.approx(100 * 17 / (8 + 14))
+    assert r["accounted_step_pct"] == pytest.approx(100 * 37 / 42)
+    assert r["wire_ms"] == pytest.approx(1e3 * 8 * 1000 / 8e9) and r["phase_gap_ms"] == 0
+    # no overlap: the selection runs inside synchronize(), already in its host time
+    r = _row(_job("dense", (0.005, 0.012, 0.014, 0.003), sparsify=0.003, wait=0.010,
+                  plan=_plan(overlap=False)), floor)
+    assert r["select_place"] == "synchronize" and r["counted_backward_ms"] == 0
+    assert r["explained_ms"] == pytest.approx(14) and r["accounted_pct"] == pytest.approx(100)
+    # offloaded: sparsify_s sums both threads; at most the backward's slowdown is counted
+    r = _row(_job("ssfusion_o", (0.005, 0.020, 0.014, 0.003), sparsify=0.010, wait=0.010,
+                  plan=_plan(offload=True)), floor)
+    assert r["select_place"] == "backward+worker" and r["counted_backward_ms"] == pytest.approx(8)
+    # a selection longer than the backward's slowdown (the floor's backward was slower: noise)
+    r = _row(_job("topka", (0.005, 0.013, 0.014, 0.003), sparsify=0.003, wait=0.010,
+                  plan=_plan()), floor)
+    assert r["counted_backward_ms"] == pytest.approx(1) and r["sync_phases_pct"] <= 100
+    # torch's DDP: hook launches and the exposed wait, both inside loss.backward()
+    r = _row(_job("ddp", (0.006, 0.020, 0.0, 0.003), sparsify=0.002, wait=0.004, comm=0.008,
+                  sent=8000), floor, rate=None)
+    assert r["wait_place"] == "backward" and r["sync_host_ms"] == 0 and r["sync_wait_ms"] == 0
+    assert r["counted_backward_ms"] == pytest.approx(6) and r["explained_ms"] == pytest.approx(6)
+    assert r["accounted_pct"] == pytest.approx(100 * 6 / 9) and math.isnan(r["wire_ms"])
+    assert anatomy.loopback_rate({"bytes_per_step": 8000, "comm_s": 0.008}) == 8e6
+
+
+def test_world_sizes_parse_and_validate():
+    assert anatomy.parse_world_sizes("2,4") == [2, 4]
+    for bad in ("1", "2,2", "two", ""):
+        with pytest.raises(ValueError):
+            anatomy.parse_world_sizes(bad)
+
+
+def test_bench_anatomy_tiny_run(tmp_path, capsys):
+    P = 2
+    names = ["ddp", "topka"]
+    rc = anatomy.main(["--world-size", str(P), "--schemes", ",".join(names), "--steps", "12",
+                       "--warmup-steps", "1", "--batch-size", "8", "--out", str(tmp_path)])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "accounted %" in out and "floors" in out
+    data = json.loads((tmp_path / "anatomy.json").read_text())
+    rows = {r["scheme"]: r for r in data["rows"]}
+    assert list(rows) == names
+    for col in ("step_ms", "floor_ms", "over_floor_ms", "select_ms", "counted_backward_ms",
+                "wait_ms", "sync_host_ms", "residual_ms", "comm_ms", "wire_ms", "cpu_ms",
+                "bytes_per_step", "accounted_pct", "accounted_step_pct", "d_backward_ms",
+                "sync_phases_pct", "explained_ms", "noisy", "floor_spread_ms"):
+        assert all(col in r for r in rows.values()), col
+    n = sum(p.numel() for p in models.build("cnn").parameters())
+    # torch's DDP all-reduce: every fp32 gradient in the ring, 2(P-1)/P·4n bytes per rank
+    assert rows["ddp"]["bytes_per_step"] == 2 * (P - 1) / P * 4 * n
+    assert 0 < rows["topka"]["bytes_per_step"] < rows["ddp"]["bytes_per_step"] / 10
+    # loopback: wire time at DDP's own achieved rate, so DDP's comm is its wire time
+    assert rows["ddp"]["comm_over_wire"] == pytest.approx(1.0)
+    assert data["meta"]["loopback_rate_bps"]["P2 loopback"] > 0
+    for r in rows.values():
+        assert r["measured_steps"] == 10 and r["floor_ms"] > 0
+        assert r["floor_ms"] <= r["step_ms"], r["scheme"]
+        assert min(r["counted_backward_ms"], r["wait_ms"], r["sync_host_ms"]) >= 0
+        # the components never explain more than the phases that hold them
+        assert 0 <= r["sync_phases_pct"] <= 100 + 1e-9, r["scheme"]
+        # of step − floor: where that difference stands clear of the floor's own drift
+        assert r["noisy"] or 0 <= r["accounted_pct"] <= 110, r["scheme"]
+        assert 0 < r["cpu_ms"] < math.inf
