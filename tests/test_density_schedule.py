@@ -128,7 +128,7 @@ def _door_rank(rank, world_size, door):
         d = stats["density"]
         last = sync.last.bytes_sent if door == "engine" else stats["last"]["bytes_sent"]
         out.append((d["critical"], d["critical_windows"], last))
-    sched = sync._density if door == "engine" else state.density
+    sched = sync._planning.density if door == "engine" else state.density
     return out, sched.state_dict(), sched.previous
 
 

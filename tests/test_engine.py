@@ -550,7 +550,7 @@ def _mixed_nonfinite(rank, world_size, policy, bad_rank):
         if step == 0:  # warm-up over: pin the mixed plan (a checkpoint carrying it)
             st = sync.state_dict()
             sync.load_state_dict({**st, "plan": plan.to_dict()})
-            assert [j.mode for j in sync._jobs] == [Mode.FUSED, Mode.DENSE]
+            assert [j.mode for j in sync._layout.jobs] == [Mode.FUSED, Mode.DENSE]
         if step == 2:
             out.append(all(p.grad is None or bool(torch.isfinite(p.grad).all())
                            for p in model.parameters()))
@@ -1030,4 +1030,24 @@ def test_grad_views_the_job_storage_and_mixed_dtypes_fall_back_to_copies(scheme)
                 seen[n] = p.grad
         bases = {p.grad._base is not None for p in model.parameters()}
         assert bases == {viewed}
+        sync.close()
+
+
+def test_the_engine_keeps_its_state_by_role():
+    """GradSync's own attributes are at most 15, each a role (the replica, the plan's layout,
+    planning, counts, mixed precision, the engine's modes…); the figures users read
+    (``step``, ``last``, ``total``, ``plan``, ``rank``, ``P``) follow the steps taken."""
+    model = build("mlp", seed=1)
+    sync = GradSync(model, Config(scheme="per_tensor", density=0.05, warmup_steps=1,
+                                  compress_single_rank=True))
+    try:
+        assert len(vars(sync)) <= 15, sorted(vars(sync))
+        for step in range(3):
+            model_loss(model, "mlp", *batch("mlp", 0, step)).backward()
+            sync.synchronize()
+        assert (sync.step, sync.rank, sync.P, sync.passthrough) == (3, 0, 1, False)
+        assert sync.total.bytes_sent == 0 and sync.total.numel > 0  # one rank sends nothing
+        assert sync.plan is not None and sync.plan.scheme == "per_tensor"
+        assert sync.stats()["step"] == 3
+    finally:
         sync.close()

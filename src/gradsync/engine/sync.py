@@ -47,6 +47,7 @@ import threading
 import time
 import warnings
 from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
@@ -87,6 +88,70 @@ _RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "warmup_steps",
                   "first_bucket_mb", "min_density", "seed", "local_tau_prime", "residual_dtype",
                   "density_warmup", "density_warmup_steps", "plan", "compress_single_rank",
                   "clip_norm", "min_k", "density_schedule")
+
+
+@dataclass
+class _Replica:
+    """Who this replica is and what it synchronizes, set once."""
+
+    rank: int
+    P: int  # the papers' symbol for the world size
+    passthrough: bool  # world size 1 without Config.compress_single_rank: plain training
+    numel: dict[str, int]  # name -> elements
+    name_of: dict[int, str]  # id(parameter) -> name
+    handles: list[Any] = field(default_factory=list)  # the gradient hooks
+
+
+@dataclass
+class _Layout:
+    """The plan in force and its jobs (made again by every change of plan)."""
+
+    plan: Plan
+    jobs: list[Job]
+    job_of: dict[str, int]  # tensor -> its job
+    job_sizes: list[int]  # tensors per job
+    # per job: its gradient storage (_gather), made at its first launch under this plan
+    storage: dict[int, tuple[torch.Tensor, list[torch.Tensor]] | None] = field(
+        default_factory=dict)
+
+
+@dataclass
+class _Planning:
+    """What decides the plans and densities: the warm-up, the cost model, ``auto``'s watch."""
+
+    given: Plan | None  # Config.plan, checked
+    warmup: warmup.Warmup
+    drift: drift.Drift | None  # auto's re-planning
+    density: DensitySchedule  # each step's density (Accordion, DGC)
+    cost: costmodel.CostModel | None = None  # once the warm-up has measured it
+    last_done: float | None = None  # when the last watched step ended (auto)
+    said: bool = False  # a density the plan cannot send: said once (_set_plan)
+
+
+@dataclass
+class _Counts:
+    """The steps taken and their figures."""
+
+    step: int = 0
+    last: StepStats = field(default_factory=StepStats)
+    total: StepStats = field(default_factory=StepStats)
+
+
+@dataclass
+class _Amp:
+    """A GradScaler to follow (follow()) and the loss scale error feedback's contents are in."""
+
+    scaler: Any = None
+    loss_scale: float | None = None
+
+
+@dataclass
+class _Life:
+    """The hooks' lock and the engine's modes."""
+
+    lock: threading.Lock = field(default_factory=threading.Lock)
+    no_sync: bool = False
+    closed: bool = False
 
 
 class GradSync:
@@ -147,40 +212,72 @@ class GradSync:
             group = dist.new_group(timeout=timedelta(seconds=self.cfg.timeout_s))
         self.group = group
         probe = Comm(group)
-        self.rank, self.P = probe.rank, probe.size
-        if self.P > 1:
+        # world size 1: nothing to send, plain training (Config.compress_single_rank)
+        self._replica = _Replica(probe.rank, probe.size,
+                                 probe.size == 1 and not self.cfg.compress_single_rank,
+                                 {n: p.numel() for n, p in self.params.items()},
+                                 {id(p): n for n, p in self.params.items()})
+        if self._replica.P > 1:
             signature_check(self._signature(), group)
             if self.cfg.broadcast_initial:
                 # DDP's rule: every replica starts from rank 0's parameters and buffers
                 broadcast_states(model, group, src=0)
         self.ef = self.cfg.new_feedback()
-        self.step = 0
-        self.plan: Plan | None = None
-        self._density_said = False  # a density the plan cannot send: said once (_set_plan)
-        self.cost: costmodel.CostModel | None = None
-        self._parts = Components(self.cfg, self.rank)
-        self._numel = {n: p.numel() for n, p in self.params.items()}
-        self._given = warmup.given_plan(self.cfg, self._numel)  # Config.plan, checked
-        self._warmup = warmup.Warmup.for_config(self.cfg)
-        self._drift = drift.Drift.for_config(self.cfg, self.P)  # auto's re-planning
-        self._density = DensitySchedule(self.cfg)  # each step's density (Accordion, DGC)
-        self._last_done: float | None = None  # when the last watched step ended (auto)
-        self._set_plan(warmup.provisional_plan(self.cfg, list(reversed(self.params)),
-                                               self._numel))
-        self._exec = Executor(group, self._parts.collective, self._audit.enabled)
-        self._lock = threading.Lock()
-        self._no_sync = False
-        self._closed = False
-        self._scaler: Any = None  # a GradScaler to follow (follow())
-        self.loss_scale: float | None = None  # the loss scale error feedback's contents are in
+        self._counts = _Counts()
+        self._amp = _Amp()
+        self._life = _Life()
+        self._parts = Components(self.cfg, self._replica.rank)
+        self._planning = _Planning(
+            given=warmup.given_plan(self.cfg, self._replica.numel),  # Config.plan, checked
+            warmup=warmup.Warmup.for_config(self.cfg),
+            drift=drift.Drift.for_config(self.cfg, self._replica.P),  # auto's re-planning
+            density=DensitySchedule(self.cfg))  # each step's density (Accordion, DGC)
         self._run = StepRun()
-        self.last = StepStats()
-        self.total = StepStats()
-        # world size 1: nothing to send, plain training (Config.compress_single_rank)
-        self.passthrough = self.P == 1 and not self.cfg.compress_single_rank
-        self._handles = [] if self.passthrough else [
-            p.register_post_accumulate_grad_hook(self._hook) for p in self.params.values()]
-        self._name_of = {id(p): n for n, p in self.params.items()}
+        self._set_plan(warmup.provisional_plan(self.cfg, list(reversed(self.params)),
+                                               self._replica.numel))
+        self._exec = Executor(group, self._parts.collective, self._audit.enabled)
+        if not self._replica.passthrough:
+            self._replica.handles = [p.register_post_accumulate_grad_hook(self._hook)
+                                     for p in self.params.values()]
+
+    # ------------------------------------------------------------------ the roles' figures
+    @property
+    def rank(self) -> int:
+        return self._replica.rank
+
+    @property
+    def P(self) -> int:  # the papers' symbol for the world size
+        return self._replica.P
+
+    @property
+    def passthrough(self) -> bool:
+        """World size 1 without ``Config.compress_single_rank``: plain training."""
+        return self._replica.passthrough
+
+    @property
+    def step(self) -> int:
+        return self._counts.step
+
+    @property
+    def last(self) -> StepStats:
+        return self._counts.last
+
+    @property
+    def total(self) -> StepStats:
+        return self._counts.total
+
+    @property
+    def plan(self) -> Plan | None:
+        return self._layout.plan
+
+    @property
+    def cost(self) -> costmodel.CostModel | None:
+        return self._planning.cost
+
+    @property
+    def loss_scale(self) -> float | None:
+        """The loss scale error feedback's contents are in (:meth:`follow`)."""
+        return self._amp.loss_scale
 
     # ------------------------------------------------------------------ public API
     @property
@@ -191,11 +288,11 @@ class GradSync:
     @contextlib.contextmanager
     def no_sync(self) -> Iterator[None]:
         """Accumulate gradients locally (micro-batches); synchronize after the block."""
-        prev, self._no_sync = self._no_sync, True
+        prev, self._life.no_sync = self._life.no_sync, True
         try:
             yield
         finally:
-            self._no_sync = prev
+            self._life.no_sync = prev
 
     def synchronize(self) -> bool:
         """Finish the step's synchronization and write averaged gradients into ``.grad``: every
@@ -208,17 +305,17 @@ class GradSync:
         following a GradScaler (:meth:`follow`), so that the scaler skips the step and backs
         off — and residuals are left as before the step; skip ``optimizer.step()``).
         """
-        if self._closed:
+        if self._life.closed:
             raise RuntimeError("GradSync.synchronize() after close()")
-        if self._no_sync:
+        if self._life.no_sync:
             raise RuntimeError("GradSync.synchronize() inside no_sync(): leave the block first")
         if self.passthrough:
             return self._local_step()
         run, stats = self._run, StepStats()
         self._audit.new_step()
-        profiling = self._warmup.left > 0
+        profiling = self._planning.warmup.left > 0
         if profiling:
-            self._warmup.observe(run.hook_times)
+            self._planning.warmup.observe(run.hook_times)
         results = self._collect(run, stats)
         missing, deferred_bad, dense_bad, agreed = self._settle(run, results, stats)
         ok = self._agree(run, stats, deferred_bad, dense_bad, agreed)
@@ -228,7 +325,7 @@ class GradSync:
         self._advance(run, stats)
         if profiling:
             self._advance_warmup()
-        elif self._drift is not None and self.cost is not None and ok and run.first_hook:
+        elif self._planning.drift is not None and self.cost is not None and ok and run.first_hook:
             self._watch(run, results, time.perf_counter())
         if self.cfg.check_every and self.step % self.cfg.check_every == 0:
             # only here, once this step's jobs have drained: the check uses the same group
@@ -237,7 +334,7 @@ class GradSync:
 
     def _collect(self, run: StepRun, stats: StepStats) -> list[JobResult]:
         """Launch what the backward left unlaunched and wait for every job's result."""
-        with self._lock:
+        with self._life.lock:
             self._launch_ready(force=True)
         t0 = time.perf_counter()
         results = []
@@ -350,18 +447,18 @@ class GradSync:
         """Record the step's figures and start the next step."""
         stats.sparsify_s += run.inline_sparsify_s
         stats.backward_s = run.backward_s
-        traffic = self._density.end_step(self.step, self.group)
+        traffic = self._planning.density.end_step(self.step, self.group)
         if traffic is not None:
             stats.add_traffic(traffic)
-        self.last = stats
-        self.total.add(stats)
-        self.step += 1
+        self._counts.last = stats
+        self._counts.total.add(stats)
+        self._counts.step += 1
         self._run = StepRun()
 
     def _advance_warmup(self) -> None:
         """One profiling step done; after the last, plan (or take ``Config.plan``)."""
-        self._warmup.left -= 1
-        if self._warmup.left == 0:
+        self._planning.warmup.left -= 1
+        if self._planning.warmup.left == 0:
             self._switch_plan(self._plan_after_warmup())
 
     def _fresh_velocity(self, names: set[str]) -> None:
@@ -378,17 +475,17 @@ class GradSync:
                 self.ef.reset(name)
 
     def _plan_after_warmup(self) -> Plan:
-        if self._given is not None:
-            return self._given  # a replay: nothing to profile or plan
+        if self._planning.given is not None:
+            return self._planning.given  # a replay: nothing to profile or plan
         comm = Comm(self.group)
         first = next(iter(self.params.values()))
-        plan, self.cost = warmup.final_plan(
-            self.cfg, self._warmup.samples, list(self.params), self._numel,
+        plan, self._planning.cost = warmup.final_plan(
+            self.cfg, self._planning.warmup.samples, list(self.params), self._replica.numel,
             first.element_size(), self._parts.sparsifier_name, self.group, self.rank,
             self.P, device=first.device, comm=comm,
             new_collective=self._parts.new_collective)
-        self.last.add_traffic(comm.stats)  # profiling and the plan: this step's bytes
-        self.total.add_traffic(comm.stats)
+        self._counts.last.add_traffic(comm.stats)  # profiling and the plan: this step's bytes
+        self._counts.total.add_traffic(comm.stats)
         return plan
 
     def precondition(self, scales: Mapping[nn.Parameter | str, torch.Tensor]) -> None:
@@ -402,7 +499,7 @@ class GradSync:
         self._between_steps("precondition")
 
         def resolve(key: object) -> tuple[str, tuple[int, ...]]:
-            name = key if isinstance(key, str) else self._name_of.get(id(key))
+            name = key if isinstance(key, str) else self._replica.name_of.get(id(key))
             if name is None or name not in self.params:
                 raise ValueError(f"GradSync.precondition: {key if isinstance(key, str) else 'a'}"
                                  " parameter this GradSync does not synchronize")
@@ -427,6 +524,11 @@ class GradSync:
         self._between_steps("rescale")
         self._rescale_held(factor)
 
+    def _follow_scale(self) -> None:
+        """The followed scaler's scale now: what error feedback holds moves to it."""
+        amp = self._amp
+        amp.loss_scale = follow_scale(amp.loss_scale, amp.scaler, self._rescale_held)
+
     def _rescale_held(self, factor: float) -> None:
         self.ef.rescale(factor)  # checks the factor first
         self._parts.rescale(factor)
@@ -442,7 +544,7 @@ class GradSync:
         per step (so does ``scaler.step``)."""
         self._between_steps("follow")
         check_scaler(scaler, self.cfg.nonfinite, "GradSync")
-        self._scaler = scaler
+        self._amp.scaler = scaler
 
     def stats(self) -> dict[str, Any]:
         """Figures of the last step and cumulative ones (bytes, time breakdown, missing rate).
@@ -450,12 +552,12 @@ class GradSync:
         ``probing``: ``auto`` is still measuring its runners-up (a trial in progress or one
         still to come, :class:`~gradsync.engine.drift.Drift`); always False for other
         schemes. Throughput after probing is what a long run sees."""
-        d = self._drift
+        d = self._planning.drift
         return {"step": self.step, "scheme": self.cfg.scheme, "world_size": self.P,
-                "last": self.last.as_dict(), "total": self.total.as_dict(),
+                "last": self._counts.last.as_dict(), "total": self._counts.total.as_dict(),
                 "plan": self.plan.info if self.plan else {},
                 "density": {"requested": self.cfg.density, "sent": self._sent_density(),
-                            **self._density.summary()},
+                            **self._planning.density.summary()},
                 "probing": d is not None and (not d.probed or d.trial is not None)}
 
     def identity(self) -> Identity:
@@ -469,23 +571,23 @@ class GradSync:
         Residuals, velocities and sparsifier generators differ across ranks: save one state per
         rank (:mod:`gradsync.checkpoint` does, under ``rank{r}/`` keys for DCP).
         """
-        parts = self._parts.state_dict()
+        parts, watch = self._parts.state_dict(), self._planning.drift
         return {
             "rank": self.rank, "world_size": self.P, "step": self.step,
             "config": self.cfg.to_dict(),
             "params": {n: list(p.shape) for n, p in self.params.items()},
             "dtypes": {n: str(p.dtype) for n, p in self.params.items()},
-            "warmup_left": self._warmup.left,
+            "warmup_left": self._planning.warmup.left,
             "plan": self.plan.to_dict() if self.plan else None,
             "cost": self.cost.to_dict() if self.cost else None,
             "feedback": self.ef.state_dict(),
             "sparsifiers": parts["sparsifiers"],
             "collectives": parts["collectives"],
-            "bwd_times": [dict(t) for t in self._warmup.samples],
-            "total": self.total.as_dict(),
-            "drift": self._drift.state_dict() if self._drift is not None else None,
-            "loss_scale": self.loss_scale,
-            "density_schedule": self._density.state_dict(),
+            "bwd_times": [dict(t) for t in self._planning.warmup.samples],
+            "total": self._counts.total.as_dict(),
+            "drift": None if watch is None else watch.state_dict(),
+            "loss_scale": self._amp.loss_scale,
+            "density_schedule": self._planning.density.state_dict(),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -509,17 +611,17 @@ class GradSync:
         plan = Plan.from_dict(state["plan"]) if state["plan"] is not None else None
         if plan is not None:
             self._set_plan(plan)
-        self.step = int(state["step"])
-        self._warmup = warmup.Warmup(int(state["warmup_left"]),
+        self._counts.step = int(state["step"])
+        self._planning.warmup = warmup.Warmup(int(state["warmup_left"]),
                                      [dict(t) for t in state.get("bwd_times", [])])
-        self.cost = cost
+        self._planning.cost = cost
         self.ef = ef
         self._parts.install(parts)
-        self.total = StepStats.from_dict(state.get("total", {}))
-        self._drift = watch
-        self._density = density
-        self._last_done = None
-        self.loss_scale = scale
+        self._counts.total = StepStats.from_dict(state.get("total", {}))
+        self._planning.drift = watch
+        self._planning.density = density
+        self._planning.last_done = None
+        self._amp.loss_scale = scale
 
     def check_compatible(self, state: dict[str, Any]) -> None:
         """Raise ``ValueError`` unless ``state`` was saved by this rank of an equal set-up."""
@@ -549,18 +651,19 @@ class GradSync:
         if "drift" not in state:
             return drift.Drift.for_config(self.cfg, self.P)
         saved = state["drift"]
-        if (saved is None) != (self._drift is None):
+        if (saved is None) != (self._planning.drift is None):
             raise ValueError(f"checkpoint's drift entry is {'empty' if saved is None else 'set'}"
                              f", but scheme {self.cfg.scheme!r} at P = {self.P} "
-                             f"{'keeps a' if self._drift is not None else 'has no'} drift watch")
+                             f"{'has no' if self._planning.drift is None else 'keeps a'} "
+                             "drift watch")
         return None if saved is None else drift.Drift.from_state_dict(saved)
 
     def close(self) -> None:
         """Remove the hooks and stop the worker threads."""
-        if self._closed:
+        if self._life.closed:
             return
-        self._closed = True
-        for h in self._handles:
+        self._life.closed = True
+        for h in self._replica.handles:
             h.remove()
         self._exec.close()
 
@@ -585,22 +688,23 @@ class GradSync:
         ag = sum(r.stats.seconds for lj, r in zip(run.launched, results)
                  if lj.job.transport != "allreduce")
         sp = run.inline_sparsify_s + sum(r.offload_s for r in results)
-        last, self._last_done = self._last_done, t_done
-        self._drift.record(t_done - run.first_hook, ar, ag, sp,
+        last, self._planning.last_done = self._planning.last_done, t_done
+        self._planning.drift.record(t_done - run.first_hook, ar, ag, sp,
                            max(0.0, run.backward_s - run.inline_sparsify_s),
                            None if last is None else t_done - last)
-        flushed = self._drift.after_step()  # a flushing step ran: now its plan
+        flushed = self._planning.drift.after_step()  # a flushing step ran: now its plan
         if flushed is not None:
             self._switch_plan(flushed)
-        if self._drift.due:
+        if self._planning.drift.due:
             comm = Comm(self.group)
-            got = self._drift.check(self.cfg, self.plan, self.cost, self.group, self.rank,
-                                    self.P, comm)
-            self.last.add_traffic(comm.stats)  # the watch's own traffic, in this step's bytes
-            self.total.add_traffic(comm.stats)
+            got = self._planning.drift.check(self.cfg, self.plan, self.cost, self.group,
+                                             self.rank, self.P, comm)
+            # the watch's own traffic, in this step's bytes
+            self._counts.last.add_traffic(comm.stats)
+            self._counts.total.add_traffic(comm.stats)
             if got is not None:
-                plan, self.cost = got
-                self._switch_plan(self._drift.change(self.plan, plan))
+                plan, self._planning.cost = got
+                self._switch_plan(self._planning.drift.change(self.plan, plan))
 
     def _switch_plan(self, plan: Plan) -> None:
         """Take another plan between steps (the warm-up's end; ``auto``'s trials, their way
@@ -611,19 +715,16 @@ class GradSync:
         self._fresh_velocity(plan.sparsified - before)
 
     def _set_plan(self, plan: Plan) -> None:
-        self._jobs: list[Job] = plan_jobs(plan, self._parts.collective_name, list(self.params))
-        # per job: its gradient storage (_gather), made at its first launch under this plan
-        self._storage: dict[int, tuple[torch.Tensor, list[torch.Tensor]] | None] = {}
-        self._job_of = {n: i for i, j in enumerate(self._jobs) for n in j.names}
-        self._job_sizes = [len(j.names) for j in self._jobs]
-        run = getattr(self, "_run", None)
-        if run is not None and run.ready:  # a plan loaded between hooks: recount
-            run.waiting = [sum(n not in run.ready for n in j.names) for j in self._jobs]
-        self.plan = plan
+        jobs = plan_jobs(plan, self._parts.collective_name, list(self.params))
+        self._layout = _Layout(plan, jobs, {n: i for i, j in enumerate(jobs) for n in j.names},
+                               [len(j.names) for j in jobs])
+        run = self._run
+        if run.ready:  # a plan loaded between hooks: recount
+            run.waiting = [sum(n not in run.ready for n in j.names) for j in jobs]
         why = dishonoured_density(self.cfg.scheme, self.cfg.density, self._sent_density(),
                                   self.cfg.min_k)
-        if why is not None and self.rank == 0 and not self._density_said:
-            self._density_said = True
+        if why is not None and self.rank == 0 and not self._planning.said:
+            self._planning.said = True
             warnings.warn(why, stacklevel=3)
 
     def _sent_density(self) -> float | None:
@@ -633,26 +734,26 @@ class GradSync:
         return comp.get("sent_density") if comp else None
 
     def _hook(self, p: torch.Tensor) -> None:
-        if self._no_sync or self._closed:
+        if self._life.no_sync or self._life.closed:
             return
-        name = self._name_of[id(p)]
+        name = self._replica.name_of[id(p)]
         run = self._run
-        if self._scaler is not None and not run.first_hook:  # the step's first gradient
-            self.loss_scale = follow_scale(self.loss_scale, self._scaler, self._rescale_held)
-        if p.is_cuda and self._warmup.left > 0:  # profiling: when the gradient IS ready
+        if self._amp.scaler is not None and not run.first_hook:  # the step's first gradient
+            self._follow_scale()
+        if p.is_cuda and self._planning.warmup.left > 0:  # profiling: when the gradient IS ready
             torch.cuda.current_stream(p.device).synchronize()
         run.hooked(name, time.perf_counter())
-        if self._warmup.left > 0 or not self.plan.overlap:
+        if self._planning.warmup.left > 0 or not self.plan.overlap:
             return  # profiling steps and non-overlapped plans launch in synchronize()
-        with self._lock:
-            run.mark_ready(name, self._job_of[name], self._job_sizes)
+        with self._life.lock:
+            run.mark_ready(name, self._layout.job_of[name], self._layout.job_sizes)
             self._launch_ready(force=False)
 
     def _launch_ready(self, force: bool) -> None:
         """Launch jobs in plan order while all their tensors are ready (or ``force``)."""
         run = self._run
-        while run.next_job < len(self._jobs):
-            job = self._jobs[run.next_job]
+        while run.next_job < len(self._layout.jobs):
+            job = self._layout.jobs[run.next_job]
             if not force and not run.job_ready(run.next_job):
                 return
             self._launch(job, run.next_job)
@@ -665,10 +766,10 @@ class GradSync:
         return p.grad.detach().reshape(-1)
 
     def _launch(self, job: Job, index: int) -> None:
-        job = at_density(job, self._density.at(self.step), self.cfg.density)
-        sizes = tuple(self._numel[n] for n in job.names)
+        job = at_density(job, self._planning.density.at(self.step), self.cfg.density)
+        sizes = tuple(self._replica.numel[n] for n in job.names)
         grad, storage = self._gather(index, job.names)
-        self._density.observe(grad)
+        self._planning.density.observe(grad)
         prep = prepare(job, index, grad, sizes, self.ef, self._parts.sparsifier,
                        self._exec.offload, self.step,
                        clip=None if self.cfg.clip_norm is None else (self.cfg.clip_norm, self.P),
@@ -689,9 +790,9 @@ class GradSync:
         view and one copy where autograd made a new one (``zero_grad(set_to_none=True)``), and
         the averaged result lands in every ``.grad`` in one write. Parameters of mixed dtypes
         or devices have no storage: their gradients are concatenated."""
-        if index not in self._storage:
-            self._storage[index] = self._new_storage(names)
-        st = self._storage[index]
+        if index not in self._layout.storage:
+            self._layout.storage[index] = self._new_storage(names)
+        st = self._layout.storage[index]
         if st is None:
             return torch.cat([self._grad(n) for n in names]), None
         flat, slots = st
@@ -724,8 +825,8 @@ class GradSync:
         for name, p in self.params.items():
             self.ef.discard(name)
             if p.grad is not None:
-                p.grad.fill_(math.nan if self._scaler is not None
-                             and self._scaler.is_enabled() else 0.0)
+                p.grad.fill_(math.nan if self._amp.scaler is not None
+                             and self._amp.scaler.is_enabled() else 0.0)
 
     def _local_step(self) -> bool:
         """World size 1 without ``Config.compress_single_rank``: the step at density 1 with
@@ -740,8 +841,8 @@ class GradSync:
             self._skip_grads()
             stats.skipped = 1
         else:
-            if self._scaler is not None:
-                self.loss_scale = follow_scale(self.loss_scale, self._scaler, self._rescale_held)
+            if self._amp.scaler is not None:
+                self._follow_scale()
             into = [n for n in grads if self.ef.transforms(n) or self.cfg.clip_norm is not None]
             flat = [grads[n].detach().reshape(-1) for n in into]
             if self.cfg.clip_norm is not None:
@@ -752,9 +853,9 @@ class GradSync:
                 self.ef.update(n, acc, None, None if sent.dtype == acc.dtype else sent,
                                check=False)  # sent whole: the velocity carries on
                 grads[n].copy_(sent.view_as(grads[n]))
-        self.last = stats
-        self.total.add(stats)
-        self.step += 1
+        self._counts.last = stats
+        self._counts.total.add(stats)
+        self._counts.step += 1
         return not stats.skipped
 
     def _agree_finite(self, bad: bool, stats: StepStats, agreed: bool | None,
@@ -777,7 +878,7 @@ class GradSync:
         if self.cfg.nonfinite == "raise":
             for name in self.params:
                 self.ef.discard(name)
-            self.step += 1
+            self._counts.step += 1
             self._run = StepRun()
             raise ValueError(f"gradsync: non-finite gradient {where} at step {self.step - 1}; "
                              "residuals were left untouched (Config.nonfinite='raise')")
