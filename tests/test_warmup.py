@@ -199,16 +199,20 @@ def test_ddp_hook_warmup_at_density_one_is_a_dense_allreduce(scheme: str) -> Non
         assert max(sent[2:]) < sent[1], (sent, ring)  # then 5 %: sparse again
 
 
-def _plan_switch(rank, world_size, scheme, momentum, warmup):
+def _plan_switch(rank, world_size, scheme, momentum, warmup, dense_after=0):
     """Each step's ``.grad`` against an independent dense reference: DGC's velocity of the
-    averaged gradient, u ← m·u + mean_r(g_r) (m = 0: the mean), all-reduced here by hand."""
+    averaged gradient, u ← m·u + mean_r(g_r) (m = 0: the mean), all-reduced here by hand.
+    ``dense_after``: DGC's warm-up sends every tensor whole for that many steps after the
+    switch."""
     pin_profiles()
     model = build("mlp", seed=1)
+    extra = ({"density_warmup": (1.0,), "density_warmup_steps": warmup + dense_after}
+             if dense_after else {})
     sync = GradSync(model, Config(scheme=scheme, density=0.05, momentum=momentum,
-                                  warmup_steps=warmup))
+                                  warmup_steps=warmup, **extra))
     u: dict[str, torch.Tensor] = {}
     out = []
-    for step in range(warmup + 2):
+    for step in range(warmup + 2 + dense_after):
         model.zero_grad()
         x, y = batch("cnn", rank, step)
         model_loss(model, "cnn", x, y).backward()
@@ -260,3 +264,23 @@ def test_plan_switch_flushes_no_warmup_residual(scheme: str, world_size: int) ->
                     assert max(off[n] for n in sparse) > 1e-3, (momentum, step, off)
                     if momentum:  # ... and began a fresh velocity: u = g
                         assert set(fresh) == sparse and max(fresh.values()) < 1e-6, fresh
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_a_velocity_dgc_warmup_still_sends_whole_is_kept_at_the_switch(world_size: int) -> None:
+    """When DGC's warm-up (``density_warmup=(1.0,)``, the AdamW recipe's) still sends every
+    tensor whole after SSFusion's plan switch, nothing is sparsified yet: ``.grad`` stays the
+    dense reference, and the velocity carries on into the first sparse step (it is a dense
+    run's, under FrozenVarianceAdamW Adam's first moment), where a fresh one would equal the
+    local gradient. Reset one step before the freeze, it cost TinyGPT's SSFusion 4.5 %
+    perplexity (0d6b1dd)."""
+    warmup = 3
+    for rank_out in run_distributed(_plan_switch, world_size, "ssfusion", 0.9, warmup, 1):
+        for step, whole, off, held, fresh in rank_out:
+            sparse = set(off) - set(whole)
+            if step <= warmup:  # the profiling warm-up, then DGC's: dense, nothing held
+                assert max(off.values()) < 1e-5, (step, off)
+                assert not any(held.values()), (step, held)
+            elif step == warmup + 1:  # sparsified now, with the velocity carried over
+                assert sparse and max(off[n] for n in sparse) > 1e-3, (step, off)
+                assert set(fresh) == sparse and min(fresh.values()) > 1e-2, fresh
