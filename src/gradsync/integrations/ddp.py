@@ -601,13 +601,34 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
         parts.append((job, job_sizes, payload))
         at += n
         whole += n if payload.dense is not None else 0
+    sums, res, sel, stats = _launch(state, comm, parts, here)
+    out = sums[0] if len(sums) == 1 else torch.cat(sums)  # the sums, in travel order
+    kept = None if res is None else res.kept.to(torch.int64)
+    # the all-gather part's missing tensors: on the host when it kept this rank's selection
+    known = None if res is None else parts[-1][2].known_missing(sel, res.kept)
+    state.scratch.pending.append(_Pending(
+        key, names, acc, kept, whole,
+        buf.dtype, largest(out), here,  # the sums' largest magnitude: alike on every rank
+        None if kept is None or known is not None else job_check(parts[-1][1], kept),
+        known or 0))
+    state.counts.tensors += len(names)
+    travel.average_into(buf, out, P)  # a non-finite average too: .grad shows it (module doc)
+    return _done(state, stats, buf, bucket.is_last())
+
+
+def _launch(state: HookState, comm: Comm, parts: list[tuple[Job, list[int], Payload]],
+            here: torch.Tensor) -> tuple[list[torch.Tensor], Any, Any, CommStats]:
+    """A bucket's parts on the wire: the all-reduce part issued first and interleaved with the
+    all-gather's collective; returns the sums in travel order, the all-gather's result and
+    message (None: no all-gather part) and the traffic. A poisoned bucket's first value becomes
+    NaN by one division by the finiteness flag ``here`` (accumulate zeroed the bucket's
+    accumulator, so it is 0/0; a finite bucket's is x/1 = x exactly): in one part only, the
+    sums' flag covers them all."""
     res = sel = None
     works: list[Any] = []
     sums: list[torch.Tensor] = []
     stats = comm.stats
-    poison = here  # a poisoned bucket's first value becomes NaN by one division by the flag
-    # (accumulate zeroed the bucket's accumulator, so it is 0/0; a finite bucket's is x/1 = x
-    # exactly): in one part only, the sums' flag covers them all
+    poison: torch.Tensor | None = here
     try:
         for job, _, payload in parts:
             if payload.dense is not None:  # an all-reduce part, interleaved with the
@@ -634,18 +655,7 @@ def _send_bucket(state: HookState, bucket: dist.GradBucket, comm: Comm, jobs: tu
         raise
     for work in works:  # Comm keeps the work, so gloo's thread never frees it (comm.py,
         work.wait()  # "Exit safety")
-    out = sums[0] if len(sums) == 1 else torch.cat(sums)  # the sums, in travel order
-    kept = None if res is None else res.kept.to(torch.int64)
-    # the all-gather part's missing tensors: on the host when it kept this rank's selection
-    known = None if res is None else parts[-1][2].known_missing(sel, res.kept)
-    state.scratch.pending.append(_Pending(
-        key, names, acc, kept, whole,
-        buf.dtype, largest(out), here,  # the sums' largest magnitude: alike on every rank
-        None if kept is None or known is not None else job_check(parts[-1][1], kept),
-        known or 0))
-    state.counts.tensors += len(names)
-    travel.average_into(buf, out, P)  # a non-finite average too: .grad shows it (module doc)
-    return _done(state, stats, buf, bucket.is_last())
+    return sums, res, sel, stats
 
 
 def _poison(values: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor | None:
