@@ -479,7 +479,25 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
                 f"P = {sizes[0]}, {hi['step_ms']:.1f} ms at P = {sizes[-1]} "
                 f"({hi['step_ms'] / lo['step_ms']:.2f}×), cpu {lo['cpu_ms']:.1f} → "
                 f"{hi['cpu_ms']:.1f} ms, on {os.cpu_count()} cores: what P ranks sharing the "
-                "cores cost before a byte is sent.")
+                "cores cost before a byte is sent. P × cpu / cores, the step if the cores were "
+                f"the limit: {sizes[0] * lo['cpu_ms'] / (os.cpu_count() or 1):.1f} ms at "
+                f"P = {sizes[0]}, {sizes[-1] * hi['cpu_ms'] / (os.cpu_count() or 1):.1f} ms at "
+                f"P = {sizes[-1]}.")
+    engine = [r for r in rows if r["wait_place"] == "synchronize" and r["over_floor_ms"] > 0]
+    if engine:
+        def share(key: str) -> float:
+            return statistics.median(r[key] / r["over_floor_ms"] for r in engine)
+
+        ratios = [r["comm_over_wire"] for r in engine
+                  if r["comm_over_wire"] == r["comm_over_wire"]]
+        out.append(
+            f"Over all gradsync rows (median share of step − floor): synchronize()'s wait "
+            f"{100 * share('sync_wait_ms'):.0f} %, its host work {100 * share('sync_host_ms'):.0f} "
+            f"%, selection in the backward {100 * share('counted_backward_ms'):.0f} %, residual "
+            f"{100 * share('residual_ms'):.0f} %."
+            + (f" Their collectives took {min(ratios):.0f}–{max(ratios):.0f}× their bytes' wire "
+               "time: at these sizes a collective's time is its rounds and CPU, not its bytes."
+               if ratios else ""))
     for (link, P), f in floors.items():
         mine = [r for r in rows if r["link"] == link and r["world_size"] == P]
         if not mine:
@@ -521,7 +539,9 @@ def write_docs(path: Path, rows: list[dict], meta: dict, png: bool = True) -> Pa
              f"- date: {meta['date']}", f"- command: `{meta['command']}`",
              f"- machine: {meta['machine']}; 1-min load average {meta['load_start']:.1f} at the "
              f"start, {meta['load_end']:.1f} at the end; wall time {meta['wall_s'] / 60:.1f} min",
-             f"- code: {meta['code'] or 'unknown'}",
+             f"- code: {meta['code'] or 'unknown'}"
+             + (" (the package had uncommitted changes when this ran)"
+                if str(meta["code"]).endswith("+dirty") else ""),
              f"- settings: {meta['config']['model']}, density {meta['config']['density']} "
              f"({meta['config']['sparsifier']}), {meta['config']['steps']} steps × "
              f"{meta['config']['batch_size']} per rank, the first "
