@@ -16,8 +16,9 @@ def test_help_and_bench_list(capsys):
     for name in cli.bench_names():
         assert name in out
     # every benchmark module, and nothing that is not one (the shared output lives in apps/)
-    assert cli.bench_names() == ["check", "collectives", "convergence", "formats", "fsdp",
-                                 "overhead", "schemes", "sketch", "soak", "sparsify", "syncs"]
+    assert cli.bench_names() == ["anatomy", "check", "collectives", "convergence", "formats",
+                                 "fsdp", "overhead", "schemes", "sketch", "soak", "sparsify",
+                                 "syncs"]
 
 
 def test_unknown_bench_is_an_error(capsys):

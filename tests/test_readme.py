@@ -400,9 +400,11 @@ def test_readme_scheme_table_is_the_saved_results():
     10 % density bound. All recomputed from the saved JSON the table links."""
     from gradsync.schedule import schemes
 
-    study = _study("convergence-2026-12-02.json")
+    study = _study("convergence-2026-12-02.json")  # the CNN's; TinyGPT's rerun after 46c7e69
+    study.update({k: v for k, v in _study("convergence-lm-2026-12-02.json").items()})
     assert {r["seeds"] == list(range(1, 11)) for (m, _), r in study.items() if m == "cnn"} == {
         True}
+    assert {r["seeds"] == [1, 2, 3] for (m, _), r in study.items() if m == "gpt_tiny"} == {True}
     med = _step_medians()
     rows = _table(README, "## Which scheme when")
     assert len(rows) == 5
