@@ -115,7 +115,11 @@ def test_compensation_keeps_bucket_budget():
     assert ds[2] is ds[3] is None and 0.001 < ds[0] == ds[1] < 0.01
     # nothing to compensate: density unchanged; nothing large: everything dense
     assert _densities(state, [200_000, 300_000]) == [0.01, 0.01]
-    assert _densities(state, [50, 64]) == [None, None]
+    # two tensors of k = 1 the budget cannot absorb: SSFusion's own min_k (1) sparsifies them,
+    # Config.min_k = 8 given sends them whole
+    assert _densities(state, [50, 64]) == [0.01, 0.01]
+    forced = HookState(cfg=Config(scheme="ssfusion", density=0.01, min_k=8))
+    assert _densities(forced, [50, 64]) == [None, None]
     # per_tensor: every tensor at the density but those it would sparsify to fewer than
     # Config.min_k = 8 entries (50 and 64 entries: k = 1), which travel whole
     pt = HookState(cfg=Config(scheme="per_tensor", density=0.01))

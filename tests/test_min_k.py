@@ -113,4 +113,11 @@ def test_a_checkpoint_from_before_min_k_resumes_only_with_min_k_1():
     saved = gradsync.Config(min_k=1).to_dict()
     del saved["min_k"]  # what a state saved before the field existed holds
     assert gradsync.Config(min_k=1).differences(saved, ("min_k",)) == []
-    assert gradsync.Config().differences(saved, ("min_k",)) == ["min_k: saved 1, here 8"]
+    assert gradsync.Config(scheme="per_tensor").differences(
+        {**saved, "scheme": "per_tensor"}, ("min_k",)) == ["min_k: saved 1, here 8"]
+    # the SSFusion family's own min_k is 1: such a checkpoint resumes with the defaults, and
+    # one saved with the number of the default resumes where the default is left unset
+    assert gradsync.Config().differences(saved, ("min_k",)) == []
+    pt = gradsync.Config(scheme="per_tensor")
+    assert pt.differences({**pt.to_dict(), "min_k": 8}, ("min_k",)) == []
+    assert pt.effective_min_k == 8 and gradsync.Config().effective_min_k == 1

@@ -237,8 +237,9 @@ def test_the_hook_sends_what_the_engine_sends_for_ssfusion(model_name):
 
 
 class _ManySmall(nn.Module):
-    """30 tensors of 48 entries beside one of 4096: at 1 %, with Config.min_k = 8, the 30
-    must travel whole (k would be 0.48 → 1 < 8), which is 35 % of the entries."""
+    """30 tensors of 48 entries beside one of 4096: at 1 %, with Config.min_k = 8 (given: the
+    SSFusion family's own is 1), the 30 must travel whole (k would be 0.48 → 1 < 8), which is
+    35 % of the entries."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -257,7 +258,8 @@ def _honoured(rank: int, P: int) -> dict:
     net = DDP(model)
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
-        state = gradsync.ddp.register(net, Config(scheme="ssfusion_oi", density=0.01))
+        state = gradsync.ddp.register(net, Config(scheme="ssfusion_oi", density=0.01,
+                                                  min_k=8))
         for step in range(3):
             net.zero_grad()
             net(torch.randn(4, 64, generator=torch.Generator().manual_seed(step + rank))).sum(
@@ -272,7 +274,7 @@ def _honoured_engine(rank: int, P: int) -> dict:
     pin_profiles()
     torch.manual_seed(0)
     model = _ManySmall()
-    sync = GradSync(model, Config(scheme="ssfusion_oi", density=0.01))
+    sync = GradSync(model, Config(scheme="ssfusion_oi", density=0.01, min_k=8))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for step in range(sync.cfg.warmup_steps + 2):

@@ -16,7 +16,7 @@ import torch
 from gradsync import sparsify
 from gradsync.feedback import ErrorFeedback
 from gradsync.schedule import schemes
-from gradsync.schedule.plan import MIN_K, Plan
+from gradsync.schedule.plan import Plan
 
 __all__ = ["ENGINE_SPARSIFIERS", "Config", "require_config"]
 
@@ -67,12 +67,13 @@ class Config:
         min_density: floor of SSFusion's density-aware compensation (0.001).
         min_k: a tensor sparsified on its own (``per_tensor``, the SSFusion family, HiPress,
             Espresso, ``auto``, the DDP hook) that would send fewer than ``min_k`` entries per
-            step is sent whole instead (default 8; ``1`` sparsifies every tensor the planner
-            chose to). DGC's reference sends biases and BatchNorm whole for the same reason: at
-            k of a few entries the rest of a small tensor waits many steps and then lands as
-            one stale, outsized step (:func:`gradsync.schedule.plan.whole_below`). Decided at
-            the target ``density``; fused buffers (``topka``, …) are selected as one vector and
-            do not need it.
+            step is sent whole instead (``None``, the default: the scheme's own, 8, or 1 for
+            the SSFusion family, ``Scheme.min_k``; ``1`` sparsifies every tensor the planner
+            chose to; :attr:`effective_min_k` is the value in force). DGC's reference sends
+            biases and BatchNorm whole for the same reason: at k of a few entries the rest of a
+            small tensor waits many steps and then lands as one stale, outsized step
+            (:func:`gradsync.schedule.plan.whole_below`). Decided at the target ``density``;
+            fused buffers (``topka``, …) are selected as one vector and do not need it.
         nonfinite: ``"raise"`` (default: a NaN/Inf gradient raises ``ValueError`` naming the
             parameter) or ``"skip_step"`` (the step's gradients are zeroed on every rank,
             residuals untouched; NaN instead when following a GradScaler,
@@ -154,7 +155,7 @@ class Config:
     bucket_mb: float = 25.0
     first_bucket_mb: float | None = None
     min_density: float = 0.001
-    min_k: int = MIN_K
+    min_k: int | None = None
     nonfinite: str = "raise"
     timeout_s: float = 300.0
     seed: int = 0
@@ -193,8 +194,8 @@ class Config:
         if not 0.0 < self.min_density <= self.density:
             raise ValueError(f"Config.min_density must be in (0, density={self.density}], got "
                              f"{self.min_density!r}")
-        if (not isinstance(self.min_k, int) or isinstance(self.min_k, bool)
-                or self.min_k < 1):
+        if self.min_k is not None and (not isinstance(self.min_k, int)
+                                       or isinstance(self.min_k, bool) or self.min_k < 1):
             raise ValueError(f"Config.min_k must be an integer >= 1 (1 = sparsify every tensor "
                              f"the planner chose to), got {self.min_k!r}")
         if self.nonfinite not in NONFINITE_POLICIES:
@@ -285,9 +286,18 @@ class Config:
         out = []
         for k in keys:
             theirs = saved.get(k, _BEFORE_THE_KEY.get(k))
+            if k == "min_k":  # the value in force: a default saved as its number is the same
+                mine[k] = self.effective_min_k
+                theirs = (schemes.get(saved.get("scheme", self.scheme)).min_k
+                          if theirs is None else theirs)
             if theirs != mine[k]:
                 out.append(f"{k}: saved {theirs!r}, here {mine[k]!r}")
         return out
+
+    @property
+    def effective_min_k(self) -> int:
+        """``min_k`` in force: the one given, else the scheme's (``Scheme.min_k``)."""
+        return schemes.get(self.scheme).min_k if self.min_k is None else self.min_k
 
     @property
     def feedback_dtype(self) -> torch.dtype | str | None:

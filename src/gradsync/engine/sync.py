@@ -727,7 +727,7 @@ class GradSync:
         if run.ready:  # a plan loaded between hooks: recount
             run.waiting = [sum(n not in run.ready for n in j.names) for j in jobs]
         why = dishonoured_density(self.cfg.scheme, self.cfg.density, self._sent_density(),
-                                  self.cfg.min_k)
+                                  self.cfg.effective_min_k)
         if why is not None and self.rank == 0 and not self._planning.said:
             self._planning.said = True
             warnings.warn(why, stacklevel=3)

@@ -287,7 +287,7 @@ class HookState:
         the one asked for by more than 5 % (the tensors that must travel whole exceed the
         budget), say so once, on rank 0."""
         self.counts.sent_density = sent
-        why = dishonoured_density(self.cfg.scheme, self.cfg.density, sent, self.cfg.min_k)
+        why = dishonoured_density(self.cfg.scheme, self.cfg.density, sent, self.cfg.effective_min_k)
         if why is not None and self.identity().rank == 0:
             warnings.warn(why, stacklevel=2)
 
@@ -439,7 +439,7 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
     would give fewer than ``Config.min_k`` entries is sent whole, as the engine's planners
     do (:func:`gradsync.schedule.plan.whole_below`); SSFusion's compensated d′ may then give a
     sparsified tensor fewer, as the engine's SSFusion does."""
-    k_min, density = state.cfg.min_k, state.cfg.density
+    k_min, density = state.cfg.effective_min_k, state.cfg.density
     return [None if d is None or target_k(n, density) < k_min else d
             for n, d in zip(numels, _scheme_densities(state, numels, elem_bytes, comm, device))]
 
@@ -487,7 +487,7 @@ def _scheme_densities(state: HookState, numels: list[int], elem_bytes: int,
     P = comm.size if comm is not None else 1
     charge = (allreduce_charge if state.scheme.interleave else allgather_charge)(P, elem_bytes)
     whole, d, sent = _ssfusion_plan(state.model.trained or tuple(numels), state.small_numel,
-                                    cfg.density, cfg.min_density, charge, cfg.min_k)
+                                    cfg.density, cfg.min_density, charge, cfg.effective_min_k)
     if state.model.trained is not None and state.counts.sent_density is None:
         state.honour(sent)
     return [None if n < whole else d for n in numels]

@@ -189,7 +189,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(Config.density_schedule; default fixed)")
     p.add_argument("--min-k", type=int, default=None, metavar="K",
                    help="train's --min-k for the gradsync schemes "
-                        f"(Config.min_k; default {MIN_K})")
+                        f"(Config.min_k; default the scheme's: {MIN_K}, 1 for SSFusion)")
     p.add_argument("--adam-warmup", type=int, default=None, metavar="STEPS",
                    help="train's --adam-warmup: with AdamW (the transformers), steps of exact "
                         "AdamW with gradients sent whole before the variance freezes (default "
