@@ -81,9 +81,11 @@ def test_every_scheme_covers_every_tensor_once_in_backward_order():
             for b in plan.buffers:
                 for t in b.tensors:
                     assert t.numel == numel[t.name]
-            # Config.min_k = 8: no planner sparsifies on its own a tensor that the target
-            # density would give fewer entries (SSFusion's compensation may lower d′ after)
-            assert all(target_k(t.numel, 0.01) >= 8 for b in plan.buffers for t in b.tensors
+            # the scheme's min_k (8; the SSFusion family's 1): no planner sparsifies on its own
+            # a tensor that the target density would give fewer entries (SSFusion's
+            # compensation may lower d′ after)
+            k_min = SCHEMES[scheme].min_k
+            assert all(target_k(t.numel, 0.01) >= k_min for b in plan.buffers for t in b.tensors
                        if b.mode == "per_tensor" and t.density is not None), scheme
             if scheme in ("per_tensor",):  # but tensors of k < Config.min_k = 8: whole
                 assert all(t.density == (None if target_k(t.numel, 0.01) < 8 else 0.01)

@@ -206,7 +206,7 @@ def make_plan(
     bucket_bytes: int = 25 * 2**20,
     first_bucket_bytes: int | None = None,
     min_density: float = 0.001,
-    min_k: int = MIN_K,
+    min_k: int | None = None,
 ) -> Plan:
     """Plan ``scheme`` for the tensors ``names`` (backward order) at target ``density``.
 
@@ -217,9 +217,12 @@ def make_plan(
 
     ``min_k``: a tensor that a ``per_tensor`` buffer would sparsify at fewer entries is sent
     whole instead (:func:`~gradsync.schedule.plan.whole_below`, ``Config.min_k``); 1 keeps
-    every planner's own choice. SSFusion's Eq. 2 and its compensation see the result.
+    every planner's own choice; ``None``: the scheme's (``Scheme.min_k``: 8, 1 for the SSFusion
+    family), so the simulator plans what the engine runs. SSFusion's Eq. 2 and its
+    compensation see the result.
     """
     spec = schemes.get(scheme)  # raises on an unknown scheme
+    min_k = spec.min_k if min_k is None else min_k
     needs = spec.needs_cost_model
     density = validate_density(density, "density")
     min_density = validate_density(min_density, "min_density")
