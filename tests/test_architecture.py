@@ -132,3 +132,37 @@ def test_import_contracts_hold_without_exceptions():
                        text=True, timeout=600)
     assert r.returncode == 0, r.stdout[-6000:] + r.stderr[-2000:]
     assert f"Contracts: {len(contracts)} kept, 0 broken." in r.stdout
+
+
+def _functions(path: Path) -> list[ast.FunctionDef | ast.AsyncFunctionDef]:
+    return [n for n in ast.walk(ast.parse(path.read_text()))
+            if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))]
+
+
+def test_no_library_function_is_longer_than_80_lines():
+    """Issue 67: long functions split where their paper's steps split (apps/ aside)."""
+    long = [f"{p.relative_to(SRC)}:{f.lineno} {f.name} ({f.end_lineno - f.lineno + 1} lines)"
+            for p in sorted((SRC / "gradsync").rglob("*.py")) if "apps" not in p.parts
+            for f in _functions(p) if f.end_lineno - f.lineno + 1 > 80]
+    assert not long, "\n".join(long)
+
+
+# What a step's pipeline does: the collectives, error feedback's accumulate/commit/discard and
+# the finiteness checks. The DDP hook decides densities and jobs; engine.pipeline does these.
+PIPELINE_CALLS = {"all_reduce", "all_gather", "all_gather_into_tensor", "broadcast",
+                  "accumulate", "accumulate_buffer", "commit", "discard_buffer", "all_finite",
+                  "finite_flag", "settle_missing", "agreement_word", "select"}
+
+
+def test_the_ddp_hook_runs_the_engine_pipeline_and_no_step_of_its_own():
+    path = SRC / "gradsync" / "integrations" / "ddp.py"
+    assert len(path.read_text().splitlines()) <= 350
+    called = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+              for n in ast.walk(ast.parse(path.read_text())) if isinstance(n, ast.Call)}
+    assert not called & PIPELINE_CALLS, sorted(called & PIPELINE_CALLS)
+    assert {"BufferPipeline", "sparse", "whole"} <= called
+    # and the check sees such a call where there is one: the pipeline makes them all
+    pipeline = SRC / "gradsync" / "engine" / "pipeline.py"
+    made = {n.func.attr if isinstance(n.func, ast.Attribute) else getattr(n.func, "id", "")
+            for n in ast.walk(ast.parse(pipeline.read_text())) if isinstance(n, ast.Call)}
+    assert {"all_reduce", "accumulate", "commit", "discard_buffer", "settle_missing"} <= made

@@ -159,7 +159,7 @@ def test_ssfusion_hooks_send_the_target_bytes(scheme, world_size):
 def test_sparsifiers_seeded_per_tensor():
     state = HookState(cfg=Config(scheme="per_tensor", density=0.05, sparsifier="randomk",
                                  seed=3))
-    a, b = state.sparsifier("w1", 0.05), state.sparsifier("w2", 0.05)
+    a, b = state.parts.sparsifier("w1", 0.05), state.parts.sparsifier("w2", 0.05)
     assert (a.seed, b.seed) == (sparsify.seed_for(3, "w1", 0), sparsify.seed_for(3, "w2", 0))
     x = torch.randn(10_000, generator=torch.Generator().manual_seed(0))
     assert not torch.equal(a.select(x).indices, b.select(x).indices)  # independent streams
@@ -171,7 +171,7 @@ def _filled_state(cfg, model, small_numel=1000):
     g = torch.Generator().manual_seed(5)
     for name, p in model.named_parameters():
         acc = state.ef.accumulate(name, torch.randn(p.numel(), generator=g))
-        sel = state.sparsifier(name, cfg.density).select(acc)
+        sel = state.parts.sparsifier(name, cfg.density).select(acc)
         state.ef.update(name, acc, sel.indices)
     return state
 
@@ -265,7 +265,7 @@ def _auto_trial(rank: int, world_size: int, slow: str) -> dict:
     """The DDP hook's ``auto`` with a link model that predicts sparse (1 Mbit/s), on a real
     loopback, timed by an injected clock: a step takes 100 ms, and 250 ms more in the mode
     ``slow`` (a stand-in for its cost), however loaded the machine is."""
-    from gradsync.integrations.ddp import TRIAL_ORDER, TRIAL_STEPS
+    from gradsync.engine.trial import TRIAL_ORDER, TRIAL_STEPS
     from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 
     model = build("mlp", seed=1)
@@ -301,7 +301,7 @@ def _auto_trial(rank: int, world_size: int, slow: str) -> dict:
 def test_auto_hook_measures_its_prediction_against_all_dense(slow, verdict):
     """A-B-B-A windows of the prediction and all-dense, then the faster of the two (the
     prediction only by the margin) on every rank; a dense step sends DDP's bytes."""
-    from gradsync.integrations.ddp import TRIAL_STEPS
+    from gradsync.engine.trial import TRIAL_STEPS
 
     out = run_distributed(_auto_trial, 2, slow, timeout=300)
     for r in out:

@@ -228,3 +228,29 @@ def test_bad_scales_are_refused_before_anything_changes(scale, what) -> None:
 def test_the_optimizer_refuses_a_sync_without_precondition() -> None:
     with pytest.raises(ValueError, match="precondition"):
         FrozenVarianceAdamW([nn.Parameter(torch.zeros(2))], sync=object())
+
+
+@pytest.mark.parametrize("door", ["engine", "hook", "hook without a model"])
+def test_keys_that_name_no_synchronized_parameter_are_refused(door: str) -> None:
+    """Both doors resolve keys alike (``engine.preconditioning.resolver``): a name that is not
+    one of the model's, a key that is neither a parameter nor a name, and (the engine) a
+    parameter it does not synchronize, each refused before anything changes."""
+    model, stranger = nn.Linear(3, 1, bias=False), nn.Parameter(torch.ones(2))
+    if door == "engine":
+        sync = GradSync(model, Config(scheme="topka", density=0.5, warmup_steps=1))
+        bad = [("bias", "no parameter named 'bias'"), (3, "keys are parameters or their names"),
+               (stranger, "a parameter GradSync does not synchronize")]
+    else:
+        sync, _ = gddp.hook(Config(scheme="per_tensor", density=0.5),
+                            model if door == "hook" else None)
+        bad = [("bias", "no parameter named 'bias'" + ("" if door == "hook"
+                                                      else " (names need the model)")),
+               (3, "keys are parameters or their names")]
+    try:
+        for key, message in bad:
+            with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
+                sync.precondition({key: torch.ones(2)})
+        assert sync.ef.scale("weight") is None
+    finally:
+        if door == "engine":
+            sync.close()

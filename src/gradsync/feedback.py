@@ -67,15 +67,15 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Callable, Hashable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
 from gradsync.sparsegrad import bincount, check_finite, constant
 
-__all__ = ["ErrorFeedback", "check_scale", "check_scaler", "clip_local", "follow_scale",
-           "saved_scale"]
+__all__ = ["ErrorFeedback", "LossScale", "check_scale", "check_scaler", "clip_local",
+           "follow_scale", "saved_scale"]
 
 
 @dataclass
@@ -689,6 +689,26 @@ def follow_scale(held: float | None, scaler: Any, rescale: Callable[[float], Non
     if held is not None and now != held:
         rescale(now / held)
     return now
+
+
+@dataclass
+class LossScale:
+    """The GradScaler an owner follows (:class:`gradsync.GradSync`, the DDP hook) and the loss
+    scale its error feedback's contents are in."""
+
+    scaler: Any = field(default=None, repr=False)
+    loss_scale: float | None = None
+
+    def follow(self, scaler: Any, nonfinite: str, who: str) -> None:
+        """Follow ``scaler`` from the next step on (checked by :func:`check_scaler`)."""
+        check_scaler(scaler, nonfinite, who)
+        self.scaler = scaler
+
+    def update(self, rescale: Callable[[float], None]) -> None:
+        """At a step's first gradient, when following a scaler: its scale now, what the owner
+        holds moved to it first (:func:`follow_scale`)."""
+        if self.scaler is not None:
+            self.loss_scale = follow_scale(self.loss_scale, self.scaler, rescale)
 
 
 def saved_scale(value: Any, who: str) -> float | None:

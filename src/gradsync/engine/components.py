@@ -98,7 +98,7 @@ class Components:
             sp.load_state_dict(s)
             sparsifiers[k] = sp
         colls = {}
-        for k, s in state["collectives"].items():
+        for k, s in state.get("collectives", {}).items():  # none in older hook states
             c = self.new_collective()
             c.load_state_dict(s)
             colls[k] = c

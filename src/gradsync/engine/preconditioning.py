@@ -19,7 +19,7 @@ quantities), then hands them to error feedback. Call it between steps.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.distributed as dist
@@ -27,9 +27,33 @@ import torch.distributed as dist
 from gradsync.engine.consistency import check_same_tensors
 from gradsync.feedback import ErrorFeedback, check_scale
 
-__all__ = ["apply_scales"]
+__all__ = ["apply_scales", "resolver"]
 
 Resolve = Callable[[object], tuple[str, tuple[int, ...]]]  # key -> (name, parameter shape)
+
+
+def resolver(shapes: Mapping[str, Sequence[int]] | None,
+             name_of: Callable[[torch.Tensor], str | None], owner: str) -> Resolve:
+    """The ``resolve`` of :func:`apply_scales` for a key that is a parameter (named by
+    ``name_of``; None: not one ``owner`` synchronizes) or a parameter's name (one of
+    ``shapes``; None: names unknown); anything else is a ``ValueError``."""
+
+    def resolve(key: object) -> tuple[str, tuple[int, ...]]:
+        if isinstance(key, torch.Tensor):
+            name = name_of(key)
+            if name is None:
+                raise ValueError(f"{owner}.precondition: a parameter {owner} does not "
+                                 "synchronize")
+            return name, tuple(key.shape)
+        if not isinstance(key, str):
+            raise ValueError(f"{owner}.precondition: keys are parameters or their names, got "
+                             f"{type(key).__name__}")
+        if shapes is None or key not in shapes:
+            raise ValueError(f"{owner}.precondition: no parameter named {key!r}"
+                             + (" (names need the model)" if shapes is None else ""))
+        return key, tuple(shapes[key])
+
+    return resolve
 
 
 def apply_scales(ef: ErrorFeedback, scales: Mapping[object, torch.Tensor], resolve: Resolve,

@@ -15,7 +15,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import torch.distributed as dist
 
-__all__ = ["Identity", "Stateful", "check_identity"]
+__all__ = ["Identity", "Stateful", "check_identity", "check_params"]
 
 
 @dataclass(frozen=True)
@@ -67,3 +67,15 @@ def check_identity(state: Any, me: Identity, what: str) -> None:
     if int(state["rank"]) != me.rank:
         raise ValueError(f"{what} state belongs to rank {state['rank']}, this is rank "
                          f"{me.rank}: every rank must load its own state")
+
+
+def check_params(saved: dict[str, list[int]], mine: dict[str, list[int]], what: str) -> None:
+    """Raise ``ValueError`` unless ``saved`` (parameter name → shape) is this model's
+    ``mine``, naming what differs: missing and new parameters, other shapes."""
+    if saved == mine:
+        return
+    missing = sorted(set(saved) - set(mine))
+    extra = sorted(set(mine) - set(saved))
+    shapes = sorted(n for n in set(saved) & set(mine) if list(saved[n]) != list(mine[n]))
+    raise ValueError(f"{what} is for a different model: missing here {missing[:5]}, new here "
+                     f"{extra[:5]}, other shapes {shapes[:5]}")

@@ -71,11 +71,11 @@ from gradsync.engine.consistency import (
 from gradsync.engine.density import DensitySchedule
 from gradsync.engine.executor import Executor
 from gradsync.engine.jobs import Job, JobResult, Launched, Mode, StepRun, at_density, plan_jobs
-from gradsync.engine.preconditioning import apply_scales
+from gradsync.engine.preconditioning import apply_scales, resolver
 from gradsync.engine.prepare import prepare
-from gradsync.engine.state import Identity, check_identity
+from gradsync.engine.state import Identity, check_identity, check_params
 from gradsync.engine.stats import StepStats
-from gradsync.feedback import check_scaler, clip_local, follow_scale, saved_scale
+from gradsync.feedback import LossScale, clip_local, saved_scale
 from gradsync.schedule import Plan, costmodel
 from gradsync.schedule.ssfusion import dishonoured_density
 from gradsync.sparsegrad import all_finite, all_finite_each, finite_flag
@@ -135,14 +135,6 @@ class _Counts:
     step: int = 0
     last: StepStats = field(default_factory=StepStats)
     total: StepStats = field(default_factory=StepStats)
-
-
-@dataclass
-class _Amp:
-    """A GradScaler to follow (follow()) and the loss scale error feedback's contents are in."""
-
-    scaler: Any = None
-    loss_scale: float | None = None
 
 
 @dataclass
@@ -224,7 +216,7 @@ class GradSync:
                 broadcast_states(model, group, src=0)
         self.ef = self.cfg.new_feedback()
         self._counts = _Counts()
-        self._amp = _Amp()
+        self._amp = LossScale()
         self._life = _Life()
         self._parts = Components(self.cfg, self._replica.rank)
         self._planning = _Planning(
@@ -498,15 +490,14 @@ class GradSync:
         ``sync=``). Every rank must pass bit-identical scales (checked: ``ValueError`` on every
         rank otherwise); call it between steps. The scales are part of :meth:`state_dict`."""
         self._between_steps("precondition")
+        shapes = {n: p.shape for n, p in self.params.items()}
 
-        def resolve(key: object) -> tuple[str, tuple[int, ...]]:
-            name = key if isinstance(key, str) else self._replica.name_of.get(id(key))
-            if name is None or name not in self.params:
-                raise ValueError(f"GradSync.precondition: {key if isinstance(key, str) else 'a'}"
-                                 " parameter this GradSync does not synchronize")
-            return name, tuple(self.params[name].shape)
+        def name_of(p: torch.Tensor) -> str | None:
+            name = self._replica.name_of.get(id(p))
+            return name if name in shapes else None
 
-        apply_scales(self.ef, scales, resolve, self.group, "GradSync")
+        apply_scales(self.ef, scales, resolver(shapes, name_of, "GradSync"), self.group,
+                     "GradSync")
 
     def _between_steps(self, what: str) -> None:
         """``ValueError`` naming ``what`` once a gradient hook of this step has fired."""
@@ -525,11 +516,6 @@ class GradSync:
         self._between_steps("rescale")
         self._rescale_held(factor)
 
-    def _follow_scale(self) -> None:
-        """The followed scaler's scale now: what error feedback holds moves to it."""
-        amp = self._amp
-        amp.loss_scale = follow_scale(amp.loss_scale, amp.scaler, self._rescale_held)
-
     def _rescale_held(self, factor: float) -> None:
         self.ef.rescale(factor)  # checks the factor first
         self._parts.rescale(factor)
@@ -544,8 +530,7 @@ class GradSync:
         travels in :meth:`state_dict`. On CUDA, reading the scale waits for the device once
         per step (so does ``scaler.step``)."""
         self._between_steps("follow")
-        check_scaler(scaler, self.cfg.nonfinite, "GradSync")
-        self._amp.scaler = scaler
+        self._amp.follow(scaler, self.cfg.nonfinite, "GradSync")
 
     def stats(self) -> dict[str, Any]:
         """Figures of the last step and cumulative ones (bytes, time breakdown, missing rate).
@@ -633,9 +618,7 @@ class GradSync:
             raise ValueError(f"checkpoint is for scheme {state['config']['scheme']!r}, this "
                              f"engine runs {self.cfg.scheme!r}")
         mine = {n: list(p.shape) for n, p in self.params.items()}
-        if state["params"] != mine:
-            raise ValueError("checkpoint is for a different model: "
-                             f"{_diff_params(state['params'], mine)}")
+        check_params(state["params"], mine, "checkpoint")
         dtypes = {n: str(p.dtype) for n, p in self.params.items()}
         if state.get("dtypes", dtypes) != dtypes:
             bad = sorted(n for n in dtypes if state["dtypes"].get(n) != dtypes[n])
@@ -744,7 +727,7 @@ class GradSync:
         name = self._replica.name_of[id(p)]
         run = self._run
         if self._amp.scaler is not None and not run.first_hook:  # the step's first gradient
-            self._follow_scale()
+            self._amp.update(self._rescale_held)
         if p.is_cuda and self._planning.warmup.left > 0:  # profiling: when the gradient IS ready
             torch.cuda.current_stream(p.device).synchronize()
         run.hooked(name, time.perf_counter())
@@ -847,7 +830,7 @@ class GradSync:
             stats.skipped = 1
         else:
             if self._amp.scaler is not None:
-                self._follow_scale()
+                self._amp.update(self._rescale_held)
             into = [n for n in grads if self.ef.transforms(n) or self.cfg.clip_norm is not None]
             flat = [grads[n].detach().reshape(-1) for n in into]
             if self.cfg.clip_norm is not None:
@@ -894,10 +877,3 @@ def _only_dense(run: StepRun) -> bool:
     """Every job of the step was a plain all-reduce: its sums, alike on every rank, tell
     whether a gradient was non-finite, with no agreement collective."""
     return bool(run.launched) and all(lj.job.mode is Mode.DENSE for lj in run.launched)
-
-
-def _diff_params(saved: dict[str, list[int]], mine: dict[str, list[int]]) -> str:
-    missing = sorted(set(saved) - set(mine))
-    extra = sorted(set(mine) - set(saved))
-    shapes = sorted(n for n in set(saved) & set(mine) if saved[n] != mine[n])
-    return f"missing here {missing[:5]}, new here {extra[:5]}, other shapes {shapes[:5]}"

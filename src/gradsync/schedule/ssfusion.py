@@ -79,6 +79,7 @@ counts elements, and its purpose is that excluding small tensors does not prolon
 
 from __future__ import annotations
 
+import functools
 import math
 from collections import Counter
 from collections.abc import Callable, Sequence
@@ -88,6 +89,7 @@ from typing import Any
 from gradsync.schedule.costmodel import INDEX_BYTES, CostModel
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, below_min_k, entries
 from gradsync.schedule.timeline import buffer_comm_time, simulate
+from gradsync.sparsegrad import target_k
 
 __all__ = [
     "allgather_charge",
@@ -96,6 +98,7 @@ __all__ = [
     "charge_bytes",
     "compensate",
     "dishonoured_density",
+    "hook_plan",
     "interleave_buffer",
     "offload_buffer",
     "selective_buffers",
@@ -215,6 +218,19 @@ def small_within_budget(numels: Sequence[int], small_numel: int, density: float,
         sparse_floor -= c * entries(n, floor)
         cutoff, forced = n + 1, forced + must * c
     return cutoff, {"forced": forced, "budget": budget, "k_target": k_target}
+
+
+@functools.lru_cache(maxsize=64)
+def hook_plan(numels: tuple[int, ...], small_numel: int, density: float, min_density: float,
+              charge: float, min_k: int) -> tuple[int, float | None, float]:
+    """SSFusion over all of a model's parameters, as the DDP hook runs it (computed once): the
+    size below which a tensor travels whole (:func:`small_within_budget`), the compensated d′
+    of the others (§IV-B(i), :func:`compensate`), and the density the model then sends, in
+    entries at ``charge`` per element sent whole."""
+    whole, _ = small_within_budget(numels, small_numel, density, min_density, charge, min_k)
+    d, _ = compensate(numels, [n >= whole for n in numels], density, min_density, charge)
+    sent = sum(charge * n if n < whole or d is None else target_k(n, d) for n in numels)
+    return whole, d, sent / max(1, sum(numels))
 
 
 def allreduce_charge(P: int, elem_bytes: int) -> float:

@@ -1,0 +1,440 @@
+"""One fusion buffer's step through the wire, as the DDP hook drives it (SSFusion §III–IV on
+DDP's buckets; docs/architecture.md, "Through the DDP comm hook").
+
+A :class:`BufferPipeline` runs one bucket's step in the engine's phases, with the engine's own
+pieces for each (:mod:`.prepare`, :mod:`.jobs`, :mod:`.apply`):
+
+1. **prepare**: the bucket in travel order (:class:`_Travel`: its all-reduce part first, then
+   the all-gather's tensors sent whole, then the selected ones), local clipping and error
+   feedback once for the bucket (:func:`~gradsync.engine.prepare.accumulate`: one buffer),
+   each job's payload (:func:`~gradsync.engine.prepare.select`);
+2. **launch**: the all-reduce part issued first and interleaved with the all-gather's
+   collective (SSFusion-I);
+3. **settle** (:func:`settle`, at the step's last bucket): every sparse bucket's checks read in
+   one copy, with, at P > 1, the ranks' word on malformed messages
+   (:func:`~gradsync.engine.apply.agreement_word`);
+4. **commit**: each bucket's error feedback committed (finite sums,
+   :func:`~gradsync.engine.apply.commit`) or left as before the step.
+
+**Non-finite gradients.** Nothing is read while a bucket is sent: a bucket whose gradients
+hold a NaN/Inf selects from zeros (``accumulate`` zeroed its accumulator) and carries one NaN,
+``values[0] / finite`` (0/0; a finite bucket's is x/1 = x exactly), in the message every rank
+expects, so every rank's sum shows it. A NaN/Inf in a bucket sent whole travels in its
+all-reduce. So every rank sees it alike and keeps its residuals: ``Config.nonfinite="raise"``
+fails a future of the step (DDP raises from ``backward()`` on every rank), ``"skip_step"``
+leaves the non-finite average in ``.grad``, as DDP would. A malformed message on any rank fails
+that step's ``backward()`` on every rank (the receiving rank with the check's message).
+
+**Dense buckets** (:meth:`BufferPipeline.whole`) leave their all-reduce in flight, as DDP's
+default hook does; their error feedback (momentum's velocity, a preconditioning scale, a
+sparse step's leftovers) commits in the future's callback once the sum is in and finite. On
+gloo a second collective cannot be launched from ``Future.then``, so a sparse bucket's
+collectives run blocking and its future is completed.
+
+The owner (the hook's :class:`~gradsync.integrations.ddp.HookState`) is any object with the
+attributes of :class:`Owner`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import math
+import threading
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+
+from gradsync.collectives.comm import Comm, CommStats
+from gradsync.engine.apply import agreement_word, commit, job_check, settle_missing
+from gradsync.engine.components import Components
+from gradsync.engine.config import Config
+from gradsync.engine.density import DensitySchedule
+from gradsync.engine.jobs import Job, Payload
+from gradsync.engine.prepare import accumulate, select
+from gradsync.feedback import ErrorFeedback, clip_local
+from gradsync.sparsegrad import all_finite, finite_flag, largest
+from gradsync.sparsify import segments
+
+__all__ = ["BufferPipeline", "Counts", "Owner", "Scratch", "settle"]
+
+
+@dataclass
+class Counts:
+    """What the pipeline has done, for ``stats()``; ``steps`` is also DGC's warm-up clock."""
+
+    last: CommStats = field(default_factory=CommStats)
+    total: CommStats = field(default_factory=CommStats)
+    calls: int = 0
+    steps: int = 0  # backward passes seen (DDP's last bucket of each)
+    missing: int = 0
+    tensors: int = 0
+    nonfinite: int = 0  # buckets whose sum was NaN/Inf (module doc, "Non-finite gradients")
+    # SSFusion: the density the model sends, in entries per element (the tensors sent whole
+    # charged at their bytes); set at the first sparse bucket
+    sent_density: float | None = None
+    lock: threading.Lock = field(default_factory=threading.Lock, repr=False)  # gloo's thread
+
+
+@dataclass
+class Scratch:
+    """This step's sparse buckets, their checks on the device: read once, at the last bucket,
+    where error feedback commits (or drops) each of them (:func:`settle`)."""
+
+    pending: list[_Pending] = field(default_factory=list, repr=False)
+    wire_checks: list[tuple[torch.Tensor, str]] = field(default_factory=list, repr=False)
+
+
+class Owner(Protocol):
+    """What a pipeline reads and counts in: its configuration, error feedback, its
+    sparsifiers and collective, the density schedule, the counts and this step's scratch."""
+
+    cfg: Config
+    group: Any
+    ef: ErrorFeedback
+    parts: Components  # the sparsifiers, and the sparse parts' collective ("ddp")
+    density: DensitySchedule
+    counts: Counts
+    scratch: Scratch
+
+
+@dataclass
+class _Pending:
+    """A sparse bucket's error-feedback step, committed at the step's last bucket once the
+    checks of every bucket are read in one copy (:func:`settle`)."""
+
+    index: int  # the bucket's (its error feedback's key)
+    names: list[str]
+    acc: torch.Tensor  # the bucket's accumulator, in travel order
+    kept: torch.Tensor | None  # the positions of the all-gather part that travelled, counted
+    # from its start (None: every entry travelled)
+    whole: int  # the entries of the all-reduce part, ahead of the all-gather's
+    wire: torch.dtype  # the dtype its values travelled in
+    top: torch.Tensor  # the sums' largest magnitude (on the device): finite when below +Inf
+    here: torch.Tensor  # this rank's gradients were finite
+    check: torch.Tensor | None  # engine.apply.job_check of the all-gather part (None: none,
+    # or its missing tensors known on the host)
+    missing: int = 0  # the all-gather part's missing tensors, when known on the host
+
+
+class BufferPipeline:
+    """One bucket's step (module doc): :meth:`sparse` for a bucket with sparse parts,
+    :meth:`whole` for one all-reduced whole. Both return the future DDP's hook returns."""
+
+    def __init__(self, owner: Owner, comm: Comm, key: int, names: list[str],
+                 numels: list[int], last: bool) -> None:
+        self.owner, self.comm, self.key, self.last = owner, comm, key, last
+        self.names, self.numels = names, numels
+        self.offsets = [0]
+        for n in numels:
+            self.offsets.append(self.offsets[-1] + n)
+
+    def sparse(self, buf: torch.Tensor, jobs: Sequence[Job]) -> torch.futures.Future:
+        """Phases 1–2 for a bucket with sparse parts (the commit waits for :func:`settle`):
+        ``buf`` ← the average, a non-finite one too (.grad shows it, module doc)."""
+        owner, P = self.owner, self.comm.size
+        position = {n: i for i, n in enumerate(self.names)}
+        order = [n for job in jobs for n in job.names]  # the travel order: jobs in turn
+        travel = _Travel([position[n] for n in order], self.offsets, self.numels, buf.device)
+        grad = travel.gather(buf)
+        owner.density.observe(grad)
+        here = finite_flag(grad)  # checked once, whatever its jobs (no read: module doc)
+        sizes = [self.numels[position[n]] for n in order]
+        parts, whole, acc = self._prepare(jobs, grad, order, sizes, here, buf.dtype)
+        sums, res, sel, stats = self._launch(parts, here)
+        out = sums[0] if len(sums) == 1 else torch.cat(sums)  # the sums, in travel order
+        kept = None if res is None else res.kept.to(torch.int64)
+        # the all-gather part's missing tensors: on the host when it kept this rank's selection
+        known = None if res is None else parts[-1][2].known_missing(sel, res.kept)
+        owner.scratch.pending.append(_Pending(
+            self.key, self.names, acc, kept, whole, buf.dtype,
+            largest(out), here,  # the sums' largest magnitude: alike on every rank
+            None if kept is None or known is not None else job_check(parts[-1][1], kept),
+            known or 0))
+        owner.counts.tensors += len(self.names)
+        travel.average_into(buf, out, P)
+        return done(owner, stats, buf, self.last)
+
+    def _prepare(self, jobs: Sequence[Job], grad: torch.Tensor, order: list[str],
+                 sizes: list[int], here: torch.Tensor, wire: torch.dtype
+                 ) -> tuple[list[tuple[Job, list[int], Payload]], int, torch.Tensor]:
+        """Phase 1: error feedback once for the bucket, in travel order (one accumulation, one
+        commit), then each job's payload; returns the parts, the all-reduce part's entries
+        (ahead of the all-gather's) and the accumulator."""
+        owner = self.owner
+        clip = None if owner.cfg.clip_norm is None else (owner.cfg.clip_norm, self.comm.size)
+        acc = accumulate(self.key, order, sizes, grad, owner.ef, clip, here)
+        writable = owner.ef.writable(self.key, acc)  # the all-reduce part may sum in acc
+        parts: list[tuple[Job, list[int], Payload]] = []
+        i = at = whole = 0
+        for job in jobs:
+            job_sizes, i = sizes[i:i + len(job.names)], i + len(job.names)
+            n = sum(job_sizes)
+            payload, _ = select(job, self.key, acc[at:at + n], job_sizes, owner.parts.sparsifier,
+                                None, owner.counts.steps, wire, writable)
+            parts.append((job, job_sizes, payload))
+            at += n
+            whole += n if payload.dense is not None else 0
+        return parts, whole, acc
+
+    def _launch(self, parts: list[tuple[Job, list[int], Payload]], here: torch.Tensor
+                ) -> tuple[list[torch.Tensor], Any, Any, CommStats]:
+        """Phase 2: the all-reduce part issued first, interleaved with the all-gather's
+        collective; returns the sums in travel order, the all-gather's result and message
+        (None: no all-gather part) and the traffic. A poisoned bucket carries its NaN in one
+        part only (module doc): the sums' flag covers them all."""
+        owner, comm = self.owner, self.comm
+        res = sel = None
+        works: list[Any] = []
+        sums: list[torch.Tensor] = []
+        stats = comm.stats
+        poison: torch.Tensor | None = here
+        try:
+            for job, _, payload in parts:
+                if payload.dense is not None:  # an all-reduce part, interleaved with the
+                    sums.append(payload.dense)  # all-gather below
+                    poison = _poison(sums[-1], poison)
+                    work = comm.all_reduce(sums[-1], async_op=True)
+                    works += [work] if work is not None else []  # None: one rank
+                    continue
+                # poisoned: the selection of zeros (every rank's message has the capacity
+                # they expect), one value NaN
+                sel = payload.message(job, payload.selections)
+                poison = _poison(sel.values, poison)
+                res = owner.parts.collective("ddp")(sel, group=owner.group,
+                                                    step=owner.counts.steps,
+                                                    deferred=owner.scratch.wire_checks)
+                sums.append(res.dense)
+                stats += res.stats
+        except BaseException:
+            # the all-reduce is waited for on every path, a failing all-gather included: a
+            # work left pending keeps this bucket's tensors in gloo's worker thread, which may
+            # then release them while the interpreter shuts down
+            for work in works:
+                with contextlib.suppress(Exception):
+                    work.wait()
+            raise
+        for work in works:  # Comm keeps the work, so gloo's thread never frees it (comm.py,
+            work.wait()  # "Exit safety")
+        return sums, res, sel, stats
+
+    def whole(self, buf: torch.Tensor, feedback: bool) -> torch.futures.Future:
+        """A bucket sent whole, as DDP's default hook sends it: issued, not waited for (the
+        future completes with ``buf`` averaged once the sum is in). With ``feedback`` every
+        tensor sends error feedback's ``acc`` (residual + gradient, momentum's velocity, a
+        preconditioning scale), and its residual keeps only the rounding to the gradients'
+        dtype, committed once the sum is in and finite; without, the raw gradients travel.
+        No tensor is checked on its own: a NaN/Inf shows in every rank's sum."""
+        owner, comm, key, names = self.owner, self.comm, self.key, self.names
+        acc = None
+        if feedback:
+            grad = buf
+            if owner.cfg.clip_norm is not None:  # clipped per tensor (DGC §3.3)
+                grad = torch.cat(clip_local(list(buf.split(self.numels)), owner.cfg.clip_norm,
+                                            comm.size))
+            acc = owner.ef.accumulate_buffer(key, names, self.numels, grad)
+            buf.copy_(acc)  # rounded to the gradients' dtype; the residual keeps it
+        owner.counts.tensors += len(names)
+        P, rank, step = comm.size, comm.rank, owner.counts.steps
+        # gloo's worker thread runs the callback and then drops it; if it held the owner, the
+        # process group it holds could be freed there (comm.py, "Exit safety"): a weak
+        # reference, and DDP, which holds the owner, outlives the step's callbacks
+        held_by = weakref.ref(owner)
+
+        def settle_sum() -> torch.Tensor:
+            """The sum is in ``buf``: a finite one commits error feedback (the residual keeps
+            only the rounding), a non-finite one leaves it as before the step."""
+            held = held_by()
+            if held is None:  # DDP and its hook are gone: no one reads this step
+                return buf.div_(P)
+            if all_finite(buf):
+                if acc is not None:
+                    commit(held.ef, key, acc, None, buf.dtype)
+            else:  # this rank's part is known only where it was kept apart (acc)
+                if acc is not None:
+                    held.ef.discard_buffer(key)
+                here = not all_finite(acc) if acc is not None else None
+                err = nonfinite(held, key, names, here, rank, step)
+                if err is not None:
+                    del held  # not in the frame the error's traceback keeps
+                    raise err  # in the callback: DDP's backward raises it on every rank
+            return buf.div_(P)
+
+        work = comm.all_reduce(buf, async_op=True)
+        future = getattr(work, "get_future", None)
+        if future is None:  # one rank, or a staged call that completed at issue
+            try:
+                settle_sum()
+            except ValueError as err:
+                return done(owner, comm.stats, buf, self.last, err)
+            return done(owner, comm.stats, buf, self.last)
+
+        def average(fut: torch.futures.Future) -> torch.Tensor:
+            fut.value()  # a failed all-reduce raises here, into DDP's backward
+            return settle_sum()
+
+        # the sparse buckets' error (auto's), the last one settled here: after the average
+        return _failing(future().then(average), account(owner, comm.stats, self.last))
+
+
+def _poison(values: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor | None:
+    """``values[0] /= flag`` (NaN where the bucket's gradients were not finite, module doc)
+    unless a part already carries it (``flag`` None) or ``values`` is empty; returns the flag
+    still to carry."""
+    if flag is None or not values.numel():
+        return flag
+    values[:1].div_(flag)
+    return None
+
+
+def settle(owner: Owner, comm: Comm) -> ValueError | None:
+    """Phases 3–4 at a step's last bucket: every sparse bucket's checks in one read (with, at
+    P > 1, the ranks' word on malformed messages), then each bucket's error feedback committed
+    (finite sums) or left as before the step (NaN/Inf: counted, and under
+    ``Config.nonfinite="raise"`` the error of the first such bucket is returned; a malformed
+    message on any rank: every bucket's, and the error returned on every rank)."""
+    pending, owner.scratch.pending = owner.scratch.pending, []
+    wire, owner.scratch.wire_checks = owner.scratch.wire_checks, []
+    if not pending and not wire:
+        return None
+    checked = [p for p in pending if p.check is not None]
+    oks = (torch.stack([p.top for p in pending]) < math.inf).unbind() if pending else ()
+    # whether a bucket's collective ran is alike on every rank (the same jobs), so every rank
+    # meets here; a step of plain all-reduces (DGC's warm-up at density 1) receives no message
+    ran = [p for p in pending if p.kept is not None]
+    word = (agreement_word(comm, ran[0].top.device, wire) > 0
+            if ran and comm.size > 1 else None)
+    try:
+        missing, flags = settle_missing(
+            [p.check for p in checked], "a bucket's parts", "gradsync.ddp: ", wire,
+            [f for p, ok in zip(pending, oks) for f in (ok, p.here)] + (
+                [] if word is None else [word]))
+    except ValueError as e:  # this rank received a malformed message: its check's message
+        for p in pending:
+            owner.ef.discard_buffer(p.index)
+        # without its traceback, whose frames hold the owner: a dense last bucket's callback
+        # carries the error, and gloo's thread drops it (BufferPipeline.whole)
+        return e.with_traceback(None)
+    if word is not None and flags.pop():
+        for p in pending:
+            owner.ef.discard_buffer(p.index)
+        return ValueError(f"gradsync DDP hook: step {owner.counts.steps}: another rank "
+                          "received a malformed message (its error names the check); "
+                          "residuals and velocities were left as before the step")
+    counts = {id(p): m for p, m in zip(checked, missing)}  # else p.missing: known
+    error = None
+    for p, ok, here in zip(pending, flags[0::2], flags[1::2]):
+        if ok:  # a non-finite bucket's missing tensors are not counted: its step is not taken
+            owner.counts.missing += counts.get(id(p), p.missing)
+            commit(owner.ef, p.index, p.acc, p.kept, p.wire, p.whole)
+            continue
+        owner.ef.discard_buffer(p.index)  # residuals and velocities as before this step
+        err = nonfinite(owner, p.index, p.names, not here, comm.rank, owner.counts.steps)
+        error = error or err
+    return error
+
+
+class _Travel:
+    """A bucket's tensors in the order they travel (``order``: bucket positions), and the way
+    back. In bucket order nothing moves. Otherwise, on an accelerator one gather and one
+    scatter by a position index made once per layout (a launch each, whatever the tensors);
+    on the CPU, where an indexed pass costs several copies, one slice per tensor."""
+
+    def __init__(self, order: list[int], offsets: list[int], numels: list[int],
+                 device: torch.device) -> None:
+        self.ordered = order == list(range(len(order)))
+        self.spans = [(offsets[i], offsets[i] + numels[i]) for i in order]
+        self.perm = None
+        if not self.ordered and segments.pays_on(device):
+            self.perm = _positions(tuple(lo for lo, _ in self.spans),
+                                   tuple(hi - lo for lo, hi in self.spans), device)
+
+    def gather(self, x: torch.Tensor) -> torch.Tensor:
+        if self.ordered:
+            return x
+        if self.perm is not None:
+            return x.index_select(0, self.perm)
+        return torch.cat([x[lo:hi] for lo, hi in self.spans])
+
+    def average_into(self, buf: torch.Tensor, sums: torch.Tensor, P: int) -> None:
+        """``buf`` (bucket order) ← ``sums / P`` (travel order)."""
+        if self.ordered:
+            torch.div(sums, P, out=buf)
+        elif self.perm is not None:
+            buf.index_copy_(0, self.perm, torch.div(sums, P))
+        else:
+            avg, at = torch.div(sums, P), 0
+            for lo, hi in self.spans:
+                buf[lo:hi].copy_(avg[at:at + hi - lo])
+                at += hi - lo
+
+
+@functools.lru_cache(maxsize=32)
+def _positions(starts: tuple[int, ...], lengths: tuple[int, ...], device: torch.device
+               ) -> torch.Tensor:
+    """The bucket positions of a travel order (cached: DDP's buckets keep their layout)."""
+    return segments.ranges(starts, lengths, device)
+
+
+def nonfinite(owner: Owner, index: int, names: list[str], here: bool | None, rank: int,
+              step: int) -> ValueError | None:
+    """A bucket's sum held NaN/Inf (on every rank alike): count it; under
+    ``Config.nonfinite="raise"`` the error for the bucket's future (DDP raises it from
+    ``backward()``; raised in the hook itself, it would leave DDP's reducer broken). May run on
+    gloo's thread (a dense bucket's callback)."""
+    with owner.counts.lock:
+        owner.counts.nonfinite += 1
+    if owner.cfg.nonfinite == "raise":
+        where = (f"on this rank ({rank})" if here
+                 else "on some rank" if here is None
+                 else "on another rank (or the sum overflowed)")
+        return ValueError(
+            f"gradsync DDP hook: non-finite gradient {where} in bucket {index} "
+            f"({', '.join(names[:4])}{', ...' if len(names) > 4 else ''}) at step {step}; "
+            "residuals and velocities were left as before the step (Config.nonfinite='raise'; "
+            "'skip_step' leaves the non-finite average in .grad on every rank, as DDP does, "
+            "for your check of .grad, or a GradScaler, to skip optimizer.step())")
+    return None
+
+
+def account(owner: Owner, stats: CommStats, last: bool) -> ValueError | None:
+    """Count a bucket's traffic; at the last bucket settle the step (:func:`settle`), close
+    the density schedule's window, and return the step's error, if any, for that bucket's
+    future."""
+    comm = Comm(owner.group)
+    error = settle(owner, comm) if last else None
+    stats += comm.stats  # the malformed-message word, if one was all-reduced
+    window = owner.density.end_step(owner.counts.steps, owner.group) if last else None
+    if window is not None:  # the density schedule's word, at a window's end
+        stats += window
+    owner.counts.steps += int(last)
+    owner.counts.last = stats
+    owner.counts.total += stats
+    owner.counts.calls += 1
+    return error
+
+
+def done(owner: Owner, stats: CommStats, buf: torch.Tensor, last: bool = False,
+         error: Exception | None = None) -> torch.futures.Future:
+    """A completed future: ``buf``, or ``error`` (or the step's, settled at its last bucket)
+    for DDP to raise from ``backward()``."""
+    settled = account(owner, stats, last)
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(buf)
+    return _failing(fut, error or settled)
+
+
+def _failing(fut: torch.futures.Future, error: Exception | None) -> torch.futures.Future:
+    """``fut``, or when ``error`` is given a future that raises it once ``fut`` completes."""
+    if error is None:
+        return fut
+
+    def fail(finished: torch.futures.Future) -> torch.Tensor:
+        finished.value()  # its own failure first
+        raise error  # as a dense bucket's callback raises (set_exception reaches DDP's C++
+        # reducer as "Unable to cast ...", not as the error)
+
+    return fut.then(fail)
