@@ -2,7 +2,7 @@
 device the machine has.
 
 Each test takes a *setup* — backend, tensor device, world size, and an optional
-``comm.emulate_backend`` string — and runs the same rank function under it:
+``GRADSYNC_EMULATE_BACKEND`` string — and runs the same rank function under it:
 
 * on the CPU (always): gloo at P = 1 and 3; gloo emulating NCCL's device map (``cpu:nccl``:
   no bitwise reduction, batched send/recv, LHC/TAGC choose their NCCL fallback); gloo with
@@ -88,7 +88,10 @@ def _prepare(device: str, emulate: str | None, model: bool = False) -> torch.dev
     Without a ``model`` every op must have a deterministic CUDA kernel (gradsync's own code
     only); with one, ops of the model's that have none only warn (``warn_only``) — gradsync's
     ops still take their deterministic kernels."""
-    comm_mod.emulate_backend(emulate)
+    if emulate is None:  # the rank's own process: its Comm objects read it as they are made
+        os.environ.pop(comm_mod.EMULATE_BACKEND_ENV, None)
+    else:
+        os.environ[comm_mod.EMULATE_BACKEND_ENV] = emulate
     dev = torch.device(device)
     if dev.type == "cuda":
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")  # deterministic cuBLAS

@@ -40,8 +40,9 @@ Devices (docs/architecture.md, "GPU path"). ``Comm`` reads the group's backend
   ``Comm`` does anything else (``sendrecv`` is such a pair) — every handle must be waited on,
   as on any backend. Blocking ``send``/``recv`` go out at once.
 
-Testing without a GPU: :func:`emulate_backend` makes the ``Comm`` objects of a process map
-devices to backends as a given string says while gloo still moves the bytes —
+Testing without a GPU: ``GRADSYNC_EMULATE_BACKEND`` in a process's environment
+(:data:`EMULATE_BACKEND_ENV`, read by every ``Comm`` as it is made) maps devices to backends as
+the string says while gloo still moves the bytes —
 ``"cpu:nccl"`` runs NCCL's code paths (no bitwise reduction, queued point-to-point) on CPU
 tensors, ``"cuda:gloo"`` stages every CPU tensor through a copy as a CPU tensor on an NCCL
 group would be. ``tests/test_cuda.py`` runs the collectives under both.
@@ -82,6 +83,7 @@ import collections
 import contextlib
 import ctypes
 import functools
+import os
 import pickle
 from collections.abc import Callable, Iterator
 from dataclasses import asdict, dataclass
@@ -90,8 +92,15 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-__all__ = ["Comm", "CommStats", "backend_devices", "emulate_backend", "exchange_objects",
-           "outside_backward", "ring_allreduce_bytes"]
+__all__ = [
+    "EMULATE_BACKEND_ENV",
+    "Comm",
+    "CommStats",
+    "backend_devices",
+    "exchange_objects",
+    "outside_backward",
+    "ring_allreduce_bytes",
+]
 
 _TLS_KEY = "context"  # what torch.autograd.graph._engine_run_backward stashes
 
@@ -258,17 +267,10 @@ def backend_devices(backend: str) -> dict[str, str]:
     return {}
 
 
-_EMULATED: str | None = None
-
-
-def emulate_backend(backend: str | None) -> None:
-    """From now on in this process, ``Comm`` maps devices to backends as ``backend`` (a
-    ``dist.get_backend``-style string such as ``"cpu:nccl"``) instead of the group's own;
-    ``None`` restores the real mapping. For tests (module docstring)."""
-    global _EMULATED
-    if backend is not None:
-        backend_devices(backend)  # validates
-    _EMULATED = backend
+#: The environment variable of a ``dist.get_backend``-style string (``"cpu:nccl"``) by which
+#: a process's ``Comm`` objects map devices to backends instead of their group's. For tests
+#: (module docstring).
+EMULATE_BACKEND_ENV = "GRADSYNC_EMULATE_BACKEND"
 
 
 class _Staged:
@@ -349,7 +351,7 @@ class Comm:
         else:
             self.rank, self.size = 0, 1
             self.backend = "none"
-        self._devices = backend_devices(_EMULATED or self.backend)
+        self._devices = backend_devices(os.environ.get(EMULATE_BACKEND_ENV) or self.backend)
         if ("cpu" not in self._devices and self._devices.get("cuda") == "nccl"
                 and torch.cuda.is_available()):  # NCCL only: this thread's CUDA device
             self.device = torch.device("cuda", torch.cuda.current_device())

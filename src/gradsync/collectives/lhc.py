@@ -31,7 +31,7 @@ method         what travels                                bytes sent per rank
 mask's device (gloo; :meth:`Comm.reduces_bitwise`), else — NCCL, whose reductions are only
 SUM/PROD/MIN/MAX/AVG — ``gather`` for P < 16 (cheaper than ``max`` while P − 1 < 16(P−1)/P)
 and ``max`` from P = 16 on. Both fallbacks are exact ORs and run on gloo too (name them, or
-``comm.emulate_backend("cpu:nccl")`` to make ``auto`` choose as on NCCL); ``bor`` named
+``GRADSYNC_EMULATE_BACKEND=cpu:nccl`` to make ``auto`` choose as on NCCL); ``bor`` named
 explicitly on NCCL raises ``ValueError`` (from ``Comm.all_reduce``).
 ``index_bits=4``: ``count4`` (TAGC's 4-bit index; the summed counters are exact) for P ≤ 15;
 for P > 15 the counters would overflow into the neighbour nibble, so it falls back to the
