@@ -107,7 +107,7 @@ def test_bench_anatomy_tiny_run(tmp_path, capsys):
     for col in ("step_ms", "floor_ms", "over_floor_ms", "select_ms", "counted_backward_ms",
                 "wait_ms", "sync_host_ms", "residual_ms", "comm_ms", "wire_ms", "cpu_ms",
                 "bytes_per_step", "accounted_pct", "accounted_step_pct", "d_backward_ms",
-                "sync_phases_pct", "explained_ms", "noisy", "floor_spread_ms"):
+                "sync_phases_pct", "explained_ms", "noisy", "floor_spread_ms", "hooks_ms"):
         assert all(col in r for r in rows.values()), col
     n = sum(p.numel() for p in models.build("cnn").parameters())
     # torch's DDP all-reduce: every fp32 gradient in the ring, 2(P-1)/P·4n bytes per rank
@@ -116,6 +116,9 @@ def test_bench_anatomy_tiny_run(tmp_path, capsys):
     # loopback: wire time at DDP's own achieved rate, so DDP's comm is its wire time
     assert rows["ddp"]["comm_over_wire"] == pytest.approx(1.0)
     assert data["meta"]["loopback_rate_bps"]["P2 loopback"] > 0
+    # the engine's gradient hooks: every step's launching holds its inline selection
+    assert rows["topka"]["hooks_ms"] >= rows["topka"]["select_ms"] > 0
+    assert rows["ddp"]["hooks_ms"] == rows["ddp"]["select_ms"]
     for r in rows.values():
         assert r["measured_steps"] == 10 and r["floor_ms"] > 0
         assert r["floor_ms"] <= r["step_ms"], r["scheme"]

@@ -260,6 +260,7 @@ class StepRun:
     first_hook: float = 0.0
     last_hook: float = 0.0
     inline_sparsify_s: float = 0.0
+    launch_s: float = 0.0  # gradient hooks launching jobs (StepStats.hooks_s)
 
     def mark_ready(self, name: str, job: int, sizes: Sequence[int]) -> None:
         """Tensor ``name`` (of job index ``job``; ``sizes``: every job's tensor count) is

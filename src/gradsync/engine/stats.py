@@ -25,6 +25,9 @@ class StepStats:
     messages: int = 0
     backward_s: float = 0.0  # first to last gradient hook
     sparsify_s: float = 0.0  # inline + offloaded sparsification
+    # the gradient hooks' time launching jobs, inside the backward pass (gathering, error
+    # feedback, inline selection, the hand-off): the inline part of sparsify_s included
+    hooks_s: float = 0.0
     comm_s: float = 0.0  # time inside collectives (communication thread)
     wait_s: float = 0.0  # synchronize() blocked on communication: the exposed part
     selected: int = 0  # entries this rank sent that entered the result

@@ -438,6 +438,7 @@ class GradSync:
     def _advance(self, run: StepRun, stats: StepStats) -> None:
         """Record the step's figures and start the next step."""
         stats.sparsify_s += run.inline_sparsify_s
+        stats.hooks_s = run.launch_s
         stats.backward_s = run.backward_s
         traffic = self._planning.density.end_step(self.step, self.group)
         if traffic is not None:
@@ -738,14 +739,17 @@ class GradSync:
             self._launch_ready(force=False)
 
     def _launch_ready(self, force: bool) -> None:
-        """Launch jobs in plan order while all their tensors are ready (or ``force``)."""
-        run = self._run
+        """Launch jobs in plan order while all their tensors are ready (or ``force``); the
+        time a gradient hook spends launching is the step's ``hooks_s``."""
+        run, t0 = self._run, time.perf_counter()
         while run.next_job < len(self._layout.jobs):
             job = self._layout.jobs[run.next_job]
             if not force and not run.job_ready(run.next_job):
-                return
+                break
             self._launch(job, run.next_job)
             run.next_job += 1
+        if not force:
+            run.launch_s += time.perf_counter() - t0
 
     def _grad(self, name: str) -> torch.Tensor:
         p = self.params[name]

@@ -38,6 +38,10 @@ against the floor's own part. The components measured on their own, and where th
   plan offloads (SSFusion-O) are selected on the worker thread, concurrently with the backward
   pass, and ``sparsify_s`` then sums both threads' time (‡: the engine does not record the
   split per step).
+* ``hooks``: the engine's ``hooks_s`` (``StepStats.hooks_s``), the gradient hooks' time
+  launching jobs inside ``loss.backward()``: gathering a job's gradients, error feedback's
+  accumulation, the inline selection (so ``select``'s inline part is inside it) and the
+  hand-off to the communication thread; for torch's DDP, ``select``.
 * ``wait``: ``wait_s``, the exposed communication: the engine's ``synchronize()`` blocked on
   the communication thread; torch's DDP: from the end of the last bucket's hook call to
   ``loss.backward()`` returning — inside its backward call (*).
@@ -45,15 +49,15 @@ against the floor's own part. The components measured on their own, and where th
   launching what the backward left, the ranks' finiteness agreement, decoding the sums into
   ``.grad``, the residuals (``apply``) and the step's bookkeeping. 0 for torch's DDP.
 
-``counted`` = the part inside ``loss.backward()`` (select; DDP: select + wait), at most
-Δbackward⁺ (the backward's slowdown: what runs inside it cannot have cost more, and a larger
-figure means the floor's backward was the slower one, i.e. noise; ‡ is bounded the same way),
-plus the engine's ``synchronize()`` (wait + sync host). ``residual`` = step − floor − counted:
-what the hooks cost beyond selection (gathering a job's gradients, error feedback's
-accumulation, the hooks' bookkeeping, DDP's bucket copies), Δforward (DDP's forward
-pre-hook) and Δoptimizer (negative where momentum moved into error feedback: SGD without
-momentum), the slowdown of every phase by the communication and offload threads and by the
-other ranks' processes competing for the cores, and noise.
+``counted`` = the part inside ``loss.backward()`` (the engine's hooks; DDP: select + wait;
+an engine run without ``hooks_s`` in its records: select), at most Δbackward⁺ (the backward's
+slowdown: what runs inside it cannot have cost more, and a larger figure means the floor's
+backward was the slower one, i.e. noise), plus the engine's ``synchronize()`` (wait + sync
+host). ``residual`` = step − floor − counted: the gradient hooks' own bookkeeping outside
+their launches, DDP's bucket copies, Δforward (DDP's forward pre-hook) and Δoptimizer
+(negative where momentum moved into error feedback: SGD without momentum), the slowdown of
+every phase by the communication and offload threads and by the other ranks' processes
+competing for the cores, and noise.
 
 ``accounted %`` = 100 × counted / (step − floor): the share of the step's extra time the
 measured components explain; marked ``~`` when step − floor is within twice the floor's own
@@ -179,6 +183,7 @@ def _phases(run: dict, skip: int) -> dict[str, float]:
            ("forward_s", "backward_call_s", "after_backward_s", "optimizer_s")}
     out["sync_host_s"] = _median([max(0.0, p["after_backward_s"] - r["wait_s"])
                                   for p, r in zip(ph[skip:], recs[skip:])])
+    out["hooks_s"] = _median([r.get("hooks_s", NAN) for r in recs[skip:]])  # engine only
     return out
 
 
@@ -239,9 +244,12 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
         place = _selection_place(raw)
         select, wait = 1e3 * s["sparsify_s"], 1e3 * s["wait_s"]
         engine = raw.get("plan") is not None
-        # inside loss.backward(): an overlapping plan's selection; torch DDP's hook launches
-        # and its exposed wait. At most the backward's slowdown counts (module docstring).
-        in_bwd = (0.0 if place == "synchronize" else select) + (0.0 if engine else wait)
+        # inside loss.backward(): an overlapping plan's gradient hooks (hooks_s: gathering,
+        # error feedback, inline selection, hand-off); torch DDP's hook launches and its
+        # exposed wait. At most the backward's slowdown counts (module docstring).
+        hooks = 1e3 * ph["hooks_s"]
+        in_bwd = (hooks if engine and hooks == hooks else
+                  (0.0 if place == "synchronize" else select) + (0.0 if engine else wait))
         counted_bwd = min(in_bwd, max(0.0, d_bwd))
         host = 1e3 * ph["sync_host_s"] if engine else 0.0
         in_sync = wait + host if engine else 0.0  # synchronize(): its wait and host work
@@ -259,6 +267,7 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
             "d_backward_ms": d_bwd,
             "d_optimizer_ms": 1e3 * ph["optimizer_s"] - fl["optimizer_ms"],
             "select_ms": select, "select_place": place, "wait_ms": wait,
+            "hooks_ms": hooks if engine else select,
             "wait_place": "synchronize" if engine else "backward", "sync_host_ms": host,
             "in_backward_ms": in_bwd, "counted_backward_ms": counted_bwd,
             "sync_wait_ms": wait if engine else 0.0, "explained_ms": explained,
@@ -285,7 +294,7 @@ def _cells(r: dict) -> list[Any]:
     mark = {"synchronize": " †", "backward+worker": " ‡"}.get(r["select_place"], "")
     pct, sync_pct = r["accounted_pct"], r["sync_phases_pct"]
     return [r["scheme"], r["step_ms"], r["floor_ms"], r["over_floor_ms"], r["d_backward_ms"],
-            f"{r['select_ms']:.3g}{mark}", f"{r['wait_ms']:.3g}" + (
+            f"{r['select_ms']:.3g}{mark}", r["hooks_ms"], f"{r['wait_ms']:.3g}" + (
                 " *" if r["wait_place"] == "backward" else ""),
             r["sync_host_ms"], r["explained_ms"], r["residual_ms"],
             "-" if pct != pct else ("~" if r["noisy"] else "") + f"{pct:.0f}",
@@ -295,9 +304,9 @@ def _cells(r: dict) -> list[Any]:
             r["d_cpu_ms"], r["bytes_per_step"] / 1e6]
 
 
-COLUMNS = ["scheme", "step ms", "floor ms", "step−floor", "Δbackward", "select", "wait",
-           "sync host", "counted", "residual", "accounted %", "of sync phases %", "of step %",
-           "comm ms", "wire ms", "cpu ms", "cpu−floor", "MB/step"]
+COLUMNS = ["scheme", "step ms", "floor ms", "step−floor", "Δbackward", "select", "hooks",
+           "wait", "sync host", "counted", "residual", "accounted %", "of sync phases %",
+           "of step %", "comm ms", "wire ms", "cpu ms", "cpu−floor", "MB/step"]
 LEGEND = ("select: † runs inside synchronize() (a plan without overlap), ‡ includes the offload "
           "worker's time; wait: * inside loss.backward() (torch's DDP); counted: the parts "
           "explained without double counting (in-backward ones capped at Δbackward); "
@@ -575,8 +584,10 @@ def write_docs(path: Path, rows: list[dict], meta: dict, png: bool = True) -> Pa
               "- Δbackward: `loss.backward()` against the floor's: the hooks' work, inline "
               "selection, DDP's bucket copies and exposed wait, and the other threads' "
               "competition for the cores.",
-              "- select: `sparsify_s` (engine) or the DDP hooks' synchronous part; wait: the "
-              "exposed communication; sync host: synchronize() minus its wait.",
+              "- select: `sparsify_s` (engine) or the DDP hooks' synchronous part; hooks: the "
+              "engine's gradient hooks launching jobs inside the backward (`hooks_s`: gathering, "
+              "error feedback, inline selection, hand-off); wait: the exposed communication; "
+              "sync host: synchronize() minus its wait.",
               f"- {LEGEND}.",
               "- residual: step − floor − counted.",
               "- comm: time inside the step's collectives (overlaps the backward pass); wire: "

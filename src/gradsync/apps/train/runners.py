@@ -196,7 +196,7 @@ class EngineRunner(Runner):
         st = self.sync.stats()
         last = st["last"]
         return {**{k: last[k] for k in ("bytes_sent", "bytes_recv", "backward_s", "sparsify_s",
-                                        "comm_s", "wait_s", "missing_rate")},
+                                        "comm_s", "wait_s", "missing_rate", "hooks_s")},
                 "probing": st["probing"]}
 
     def close(self) -> None:
