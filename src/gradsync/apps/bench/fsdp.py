@@ -24,13 +24,18 @@ from __future__ import annotations
 import argparse
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.distributed.fsdp._fully_shard._fsdp_collectives import DefaultReduceScatter
 
-from gradsync.apps.common import add_common_args, print_table, write_outputs
+from gradsync.apps.bench._harness import bench_parser, print_rows, print_written
+from gradsync.apps.common import add_common_args, write_outputs
+
+if TYPE_CHECKING:
+    from gradsync.integrations.fsdp import TAGC
 
 VARIANTS = ("FSDP", "TAGC all", "TAGC non-attn")
 
@@ -54,8 +59,11 @@ class _TimedReduceScatter(DefaultReduceScatter):
         self.seconds += time.perf_counter() - t0
 
 
-def _rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
-    import torch.distributed as dist
+def _variants(opts: dict[str, Any]
+              ) -> tuple[dict[str, torch.nn.Module], dict[str, TAGC], _TimedReduceScatter,
+                         list[int]]:
+    """Each variant's sharded model; the TAGCs of the two compressed ones; the timed
+    reduce-scatter plain FSDP runs; and plain FSDP's shard sizes, for its bytes."""
     from torch.distributed.fsdp import fully_shard
 
     from gradsync.apps.models import build
@@ -86,6 +94,15 @@ def _rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
         u.module.set_custom_reduce_scatter(timed)
     tagcs["TAGC all"] = compress(models["TAGC all"], cfg(all_layers))
     tagcs["TAGC non-attn"] = compress(models["TAGC non-attn"], cfg(non_attention_linear))
+    return models, tagcs, timed, shard_numels
+
+
+def _rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from gradsync.apps.models import build
+
+    models, tagcs, timed, shard_numels = _variants(opts)
     opt = {v: torch.optim.Adam(models[v].parameters(), lr=opts["lr"]) for v in VARIANTS}
     n_params = sum(p.numel() for p in build("gpt_tiny", seed=0, dim=opts["dim"],
                                             layers=opts["layers"], heads=opts["heads"],
@@ -138,9 +155,10 @@ def _rank(rank: int, world: int, opts: dict[str, Any]) -> dict[str, Any]:
     return res
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gradsync bench fsdp", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The options, ``--quick``'s settings applied; a bad one raises ``ValueError`` before
+    anything starts."""
+    ap = bench_parser("fsdp", __doc__)
     add_common_args(ap, "fsdp")
     ap.add_argument("--world-size", type=int, default=2)
     ap.add_argument("--steps", type=int, default=20, help="timed iterations per variant")
@@ -170,21 +188,29 @@ def main(argv: list[str] | None = None) -> int:
     from gradsync.integrations.fsdp import TAGCConfig
 
     TAGCConfig(ratio=a.ratio, index_bits=a.index_bits, theta=a.theta)  # validates early
-    opts = {k: getattr(a, k) for k in ("dim", "layers", "heads", "context", "batch", "lr",
-                                       "ratio", "index_bits", "theta", "steps", "warmup")}
     if a.bandwidth is not None:
         from gradsync.testing import netem
 
         netem.parse_bandwidth(a.bandwidth)  # a bad rate fails before anything starts
-        out = netem.run_shaped(_rank, a.world_size, opts, bandwidth=a.bandwidth,
-                               timeout=a.timeout)
-        link = (f"tbf {a.bandwidth} per rank and direction" if out.shaped
-                else f"loopback ({a.bandwidth} requested; {out.reason})")
-    else:
+    return a
+
+
+def _launch(a: argparse.Namespace, opts: dict[str, Any]) -> tuple[list[dict[str, Any]], str]:
+    """Every rank's :func:`_rank` result, on tbf-shaped links with ``--bandwidth`` (loopback
+    where they cannot be made), and the link they ran on, in words."""
+    if a.bandwidth is None:
         from gradsync.testing import run_distributed
 
-        out = run_distributed(_rank, a.world_size, opts, timeout=a.timeout)
-        link = "loopback gloo"
+        return run_distributed(_rank, a.world_size, opts, timeout=a.timeout), "loopback gloo"
+    from gradsync.testing import netem
+
+    out = netem.run_shaped(_rank, a.world_size, opts, bandwidth=a.bandwidth, timeout=a.timeout)
+    return out, (f"tbf {a.bandwidth} per rank and direction" if out.shaped
+                 else f"loopback ({a.bandwidth} requested; {out.reason})")
+
+
+def _rows(out: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """One row per variant from every rank's results: times over ranks, the rest rank 0's."""
     r0 = out[0]
     mb = r0["n_params"] * 4 / 2**20
     base_b = r0["FSDP"]["bytes_sent_per_step"]
@@ -206,17 +232,12 @@ def main(argv: list[str] | None = None) -> int:
             "unresolved": r0[v]["unresolved"],
             "loss": r0[v]["loss"],
         })
-    cols = list(rows[0])
-    print_table(
-        f"FSDP2 vs TAGC (P={a.world_size}, TinyGPT dim {a.dim} × {a.layers} layers, "
-        f"{r0['n_params']:,} params; {a.ratio}x, {a.index_bits}-bit index, θ={a.theta}; "
-        f"median of {a.steps} steps; {link})",
-        cols, [[row[c] for c in cols] for row in rows])
-    print("iter_s: slowest rank's median iteration (fwd+bwd+Adam); xchg_ms: rank 0's seconds "
-          "inside the reduce-scatter calls per step (ms/MB of fp32 gradient); sent_B/step: rank "
-          "0's reduce-scatter payload; lossy/unresolved: peels summed over ranks.")
+    return rows
 
-    def plot(ax):
+
+def _plot(rows: list[dict[str, Any]], a: argparse.Namespace) -> Callable[[Any], None]:
+    """The PNG: each variant's iteration time and bytes sent over plain FSDP2's."""
+    def plot(ax: Any) -> None:
         xs = range(len(rows))
         ax.bar([x - 0.2 for x in xs], [r["iter/FSDP"] for r in rows], 0.4,
                label="iteration time / FSDP")
@@ -228,14 +249,29 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_title(f"TAGC vs FSDP2, P={a.world_size}, {a.ratio}x, θ={a.theta}")
         ax.legend()
 
+    return plot
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse(argv)
+    opts = {k: getattr(a, k) for k in ("dim", "layers", "heads", "context", "batch", "lr",
+                                       "ratio", "index_bits", "theta", "steps", "warmup")}
+    out, link = _launch(a, opts)
+    r0 = out[0]
+    rows = _rows(out)
+    print_rows(
+        f"FSDP2 vs TAGC (P={a.world_size}, TinyGPT dim {a.dim} × {a.layers} layers, "
+        f"{r0['n_params']:,} params; {a.ratio}x, {a.index_bits}-bit index, θ={a.theta}; "
+        f"median of {a.steps} steps; {link})", rows)
+    print("iter_s: slowest rank's median iteration (fwd+bwd+Adam); xchg_ms: rank 0's seconds "
+          "inside the reduce-scatter calls per step (ms/MB of fp32 gradient); sent_B/step: rank "
+          "0's reduce-scatter payload; lossy/unresolved: peels summed over ranks.")
     meta = {**opts, "world_size": a.world_size, "n_params": r0["n_params"],
             "link": link,
             "per_rank": [{v: {k: o[v][k] for k in ("median_s", "bytes_sent_per_step")}
                           for v in VARIANTS} for o in out]}
-    jpath, ppath = write_outputs("fsdp", rows, a.out, plot=plot, meta=meta)
-    print(f"wrote {jpath}" + (f" and {ppath}" if ppath else ""))
+    print_written(*write_outputs("fsdp", rows, a.out, plot=_plot(rows, a), meta=meta))
     return 0
-
 
 if __name__ == "__main__":
     raise SystemExit(main())

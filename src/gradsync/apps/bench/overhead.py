@@ -124,6 +124,7 @@ import torch
 from torch import nn
 
 from gradsync import sparsegrad
+from gradsync.apps.bench._harness import bench_parser, print_written
 from gradsync.apps.common import (
     cpu_description,
     grouped_bars,
@@ -945,43 +946,49 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any],
              "fusion buffers or the DDP hook's buckets per step",
              "- (probing): `auto` was still measuring its runners-up when timed", ""]
     for model in dict.fromkeys(r["model"] for r in rows):
-        mine = [r for r in rows if r["model"] == model]
-        r0 = mine[0]
-        lines += [f"## {model}: {r0['workload']}", "",
-                  f"{r0['params'] / 1e6:.2f} M parameters in {r0['tensors']} tensors; one "
-                  f"read pass (floor) {r0['floor_ms']:.3f} ms.", "",
-                  "| " + " | ".join(_columns(cuda)) + " |", "|" + "---|" * len(_columns(cuda))]
-        lines += ["| " + " | ".join(_cells(r, cuda)) + " |" for r in mine]
-        lines.append("")
-        grew = [r for r in mine if r.get("top_kernel_ops_beyond_ddp")]
-        if grew:
-            lines += ["Where the ops beyond DDP go: the largest growths per step among the ops "
-                      "that do work (views, reshapes, allocations and wrappers such as `to` "
-                      "left out; every op is in the JSON's `top_ops_beyond_ddp`):", ""]
-            for r in grew:
-                tops = ", ".join(f"`{k[6:]}` +{v:g}" for k, v in
-                                 list(r["top_kernel_ops_beyond_ddp"].items())[:6])
-                lines.append(f"- {r['scheme']}: {tops}")
-            lines.append("")
-        timed = [r for r in mine if r.get("device_busy_beyond_ddp_ms") is not None]
-        if timed:
-            lines += ["Where the time goes: the step's time beyond DDP's (tax) against the "
-                      "device's busy time beyond DDP's (kernels and copies, counted steps, "
-                      "overlaps once); the rest is time the device waited on the host "
-                      "(launches, syncs, Python). The kernels that grew most, ms per step:",
-                      ""]
-            for r in timed:
-                busy = r["device_busy_beyond_ddp_ms"]
-                tops = ", ".join(f"`{k}` +{v:.3f}" for k, v in
-                                 list(r["top_device_ms_beyond_ddp"].items())[:4])
-                lines.append(f"- {r['scheme']}: tax {r['tax_ms']:.2f} ms; device busy "
-                             f"{busy:+.2f} ms; waiting on the host ≈ "
-                             f"{r['tax_ms'] - busy:.2f} ms" + (f" ({tops})" if tops else ""))
-            lines.append("")
+        lines += _md_model([r for r in rows if r["model"] == model], cuda)
     for p in meta.get("artifacts", []):
         lines.append(f"- [{p}]({p})")
     path.write_text("\n".join(lines) + "\n")
     return path
+
+
+def _md_model(mine: list[dict[str, Any]], cuda: bool) -> list[str]:
+    """One model's section of the page: its rows' table, then where the ops and the time
+    beyond DDP's go."""
+    r0 = mine[0]
+    lines = [f"## {r0['model']}: {r0['workload']}", "",
+             f"{r0['params'] / 1e6:.2f} M parameters in {r0['tensors']} tensors; one "
+             f"read pass (floor) {r0['floor_ms']:.3f} ms.", "",
+             "| " + " | ".join(_columns(cuda)) + " |", "|" + "---|" * len(_columns(cuda))]
+    lines += ["| " + " | ".join(_cells(r, cuda)) + " |" for r in mine]
+    lines.append("")
+    grew = [r for r in mine if r.get("top_kernel_ops_beyond_ddp")]
+    if grew:
+        lines += ["Where the ops beyond DDP go: the largest growths per step among the ops "
+                  "that do work (views, reshapes, allocations and wrappers such as `to` "
+                  "left out; every op is in the JSON's `top_ops_beyond_ddp`):", ""]
+        for r in grew:
+            tops = ", ".join(f"`{k[6:]}` +{v:g}" for k, v in
+                             list(r["top_kernel_ops_beyond_ddp"].items())[:6])
+            lines.append(f"- {r['scheme']}: {tops}")
+        lines.append("")
+    timed = [r for r in mine if r.get("device_busy_beyond_ddp_ms") is not None]
+    if timed:
+        lines += ["Where the time goes: the step's time beyond DDP's (tax) against the "
+                  "device's busy time beyond DDP's (kernels and copies, counted steps, "
+                  "overlaps once); the rest is time the device waited on the host "
+                  "(launches, syncs, Python). The kernels that grew most, ms per step:",
+                  ""]
+        for r in timed:
+            busy = r["device_busy_beyond_ddp_ms"]
+            tops = ", ".join(f"`{k}` +{v:.3f}" for k, v in
+                             list(r["top_device_ms_beyond_ddp"].items())[:4])
+            lines.append(f"- {r['scheme']}: tax {r['tax_ms']:.2f} ms; device busy "
+                         f"{busy:+.2f} ms; waiting on the host ≈ "
+                         f"{r['tax_ms'] - busy:.2f} ms" + (f" ({tops})" if tops else ""))
+        lines.append("")
+    return lines
 
 
 def _not_run(rows: list[dict[str, Any]]) -> str:
@@ -1008,8 +1015,7 @@ def _plot(rows: list[dict[str, Any]]):
 # The command
 # ---------------------------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m gradsync bench overhead", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("overhead", __doc__)
     p.add_argument("--model", default=None,
                    help="comma-separated (default resnet50,gpt2 on CUDA, resnet50,mlp8,mlp64 "
                         "on the CPU)")
@@ -1065,8 +1071,10 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = list(sys.argv[1:] if argv is None else argv)
+def _settings(argv: list[str]) -> tuple[argparse.Namespace, torch.device, list[Label],
+                                         list[str], list[Workload]]:
+    """The options (the device's defaults filled in), the device, the rows' labels, the model
+    names and their workloads; a bad option exits through the parser's error."""
     p = build_parser()
     a = p.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():
@@ -1096,25 +1104,18 @@ def main(argv: list[str] | None = None) -> int:
         config_for("dense", a)  # checks density, sparsifier, momentum
     except ValueError as e:
         p.error(str(e))
-    slug = device_slug(device)
-    threads = torch.get_num_threads()
-    if a.threads:
-        torch.set_num_threads(a.threads)
-    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
-    if cuda:
-        torch.cuda.set_device(device)
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+    return a, device, labels, names, loads
+
+
+def _meta(a: argparse.Namespace, argv: list[str], device: torch.device, labels: list[Label],
+          names: list[str], threads: int) -> dict[str, Any]:
+    """The run's settings for the JSON and the page (``threads``: torch's own setting)."""
     from gradsync import Config
 
-    print(f"bench overhead on {slug}: models {', '.join(names)}; {len(labels)} rows "
-          f"({', '.join(x.label for x in labels)}); {a.pairs} pairs × {a.steps} steps",
-          flush=True)
-    name = f"overhead-{slug}" + ("-segments" if a.segments_on_cpu else "")
-    out = DOCS_DIR if a.write_docs else Path(a.out)
-    meta = {"command": "python -m gradsync bench overhead " + shlex.join(argv),
+    cuda = device.type == "cuda"
+    return {"command": "python -m gradsync bench overhead " + shlex.join(argv),
             "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-            "device": slug,
+            "device": device_slug(device),
             "device_name": torch.cuda.get_device_name(device) if cuda else "the CPU",
             "code": a.code or code_label(), "density": a.density,
             "sparsifier": a.sparsifier, "momentum": a.momentum,
@@ -1130,6 +1131,27 @@ def main(argv: list[str] | None = None) -> int:
                 else ["Tensor.tolist()", "Tensor.numpy()"]),
             "models": names, "schemes": [x.label for x in labels],
             "rows_expected": len(names) * len(labels)}
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    a, device, labels, names, loads = _settings(argv)
+    cuda = device.type == "cuda"
+    slug = device_slug(device)
+    threads = torch.get_num_threads()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    tf32 = (torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32)
+    if cuda:
+        torch.cuda.set_device(device)
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+    print(f"bench overhead on {slug}: models {', '.join(names)}; {len(labels)} rows "
+          f"({', '.join(x.label for x in labels)}); {a.pairs} pairs × {a.steps} steps",
+          flush=True)
+    name = f"overhead-{slug}" + ("-segments" if a.segments_on_cpu else "")
+    out = DOCS_DIR if a.write_docs else Path(a.out)
+    meta = _meta(a, argv, device, labels, names, threads)
     t0 = time.perf_counter()
     rows: list[dict[str, Any]] = []
 
@@ -1172,10 +1194,8 @@ def main(argv: list[str] | None = None) -> int:
             torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = tf32
         torch.set_num_threads(threads)
     jpath, ppath, mpath = save(rows, True)
-    print(f"bench overhead: {meta['wall_s']:.0f} s; wrote {jpath}, {mpath}"
-          + (f" and {ppath}" if ppath else ""))
+    print_written(jpath, mpath, ppath, lead=f"bench overhead: {meta['wall_s']:.0f} s; ")
     return 0
-
 
 def _hook_schemes() -> tuple[str, ...]:
     from gradsync import ddp

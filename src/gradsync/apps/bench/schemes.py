@@ -47,6 +47,7 @@ import statistics
 import time
 from typing import TYPE_CHECKING, Any
 
+from gradsync.apps.bench._harness import bench_parser, print_written
 from gradsync.apps.common import print_table, write_outputs
 
 if TYPE_CHECKING:
@@ -87,8 +88,7 @@ def link_rate(link: str) -> float:
 def _parse(argv: list[str] | None) -> tuple[list[TrainSpec], list[str], argparse.Namespace]:
     from gradsync.apps import train
 
-    p = argparse.ArgumentParser(prog="python -m gradsync bench schemes", description=__doc__,
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = bench_parser("schemes", __doc__)
     p.add_argument("--model", default=None, help="default resnet18 (--quick: cnn)")
     p.add_argument("--world-size", default=None, help="default 4 (--quick: 2)")
     p.add_argument("--density", default="0.01")
@@ -277,6 +277,72 @@ def _ratio(v: float | None) -> str:
     return f"{v:.2f}x" if v else "-"
 
 
+def _run_rows(runs: list[dict], order: tuple[str, ...], link: str,
+              repeat: int | None) -> list[dict[str, Any]]:
+    """The rows of one job (``train.summarize``'s ``runs`` on ``link``), in the schemes'
+    ``order``; with ``repeat`` (several repeats) each row says which."""
+    rows = []
+    for r in sorted(runs, key=lambda r: order.index(r["scheme"])):
+        s = r["summary"]
+        rows.append({
+            "link": link, "scheme": s["scheme"], "samples_per_s": s["samples_per_s"],
+            "speedup_vs_ddp": s["speedup_vs_ddp"], "step_ms": 1e3 * s["step_s"],
+            "backward_ms": 1e3 * s["backward_s"], "sparsify_ms": 1e3 * s["sparsify_s"],
+            "comm_ms": 1e3 * s["comm_s"], "exposed_ms": 1e3 * s["wait_s"],
+            "cpu_ms": 1e3 * s["cpu_s"], "bytes_per_step": s["bytes_per_step"],
+            "missing_rate": s["missing_rate"],
+            "final_loss": s["final_loss"], "measured_steps": s["measured_steps"],
+            "probing_steps": s["probing_steps"],
+            "settled_samples_per_s": s["settled_samples_per_s"],
+            "settled_bytes_per_step": s["settled_bytes_per_step"],
+        })
+        if repeat is not None:
+            rows[-1]["repeat"] = repeat
+    return rows
+
+
+def _print_run(rows: list[dict[str, Any]], title: str) -> None:
+    """One job's table: the Fig. 13 breakdown beside throughput, bytes and missing rate."""
+    cols = ["scheme", "samples/s", "vs ddp", "step ms", "backward ms", "sparsify ms",
+            "comm ms", "exposed ms", "cpu ms", "MB/step", "missing %", "final loss"]
+    print_table(title, cols, [[
+        r["scheme"], r["samples_per_s"], _ratio(r["speedup_vs_ddp"]),
+        r["step_ms"], r["backward_ms"], r["sparsify_ms"], r["comm_ms"],
+        r["exposed_ms"], r["cpu_ms"], r["bytes_per_step"] / 1e6,
+        100 * r["missing_rate"], r["final_loss"]] for r in rows])
+
+
+def _print_crossover(cross: dict, title: str, repeats: int) -> None:
+    """The crossover's tables: speed-up over DDP per scheme and link, then (where ``auto``
+    ran) ``auto`` against DDP and the best fixed scheme; with ``repeats`` > 1 each figure is
+    a median with its range."""
+    links = cross["links"]
+    rng = cross.get("speedup_range", {})
+
+    def cell(v: float | None, span: list[float] | None = None) -> str:
+        return _ratio(v) + (f" [{span[0]:.2f}–{span[1]:.2f}]" if span else "")
+
+    print_table(title, ["scheme", *links], [
+        [scheme, *(cell(by.get(k), rng.get(scheme, {}).get(k)) for k in links)]
+        for scheme, by in cross["speedup_vs_ddp"].items()])
+    if any(v["auto_vs_ddp"] is not None for v in cross["auto"].values()):
+        print_table("auto against DDP and the best fixed scheme (samples/s ratios, same run; "
+                    "settled: after auto's probing steps)"
+                    + (f"; median of {repeats} runs [range]" if repeats > 1 else ""),
+                    ["link", "auto/ddp", "best fixed", "auto/best", "probing steps",
+                     "settled/ddp", "settled/best", "settled MB/step"],
+                    [[k, cell(v["auto_vs_ddp"], v.get("auto_vs_ddp_range")),
+                      v["best_fixed"] or "-",
+                      cell(v["auto_vs_best_fixed"], v.get("auto_vs_best_fixed_range")),
+                      v["auto_probing_steps"],
+                      cell(v["auto_settled_vs_ddp"], v.get("auto_settled_vs_ddp_range")),
+                      cell(v["auto_settled_vs_best_fixed"],
+                           v.get("auto_settled_vs_best_fixed_range")),
+                      "-" if v["auto_settled_mb_per_step"] is None
+                      else f"{v['auto_settled_mb_per_step']:.4g}"]
+                     for k, v in cross["auto"].items()])
+
+
 def main(argv: list[str] | None = None) -> int:
     from gradsync.apps import train
     from gradsync.testing import DistributedError, DistributedTimeout
@@ -309,63 +375,17 @@ def main(argv: list[str] | None = None) -> int:
                 all_runs[name] = runs
             else:
                 all_runs.setdefault(name, []).append(runs)
-            mine = []
-            for r in sorted(runs, key=lambda r: base.schemes.index(r["scheme"])):
-                s = r["summary"]
-                mine.append({
-                    "link": name, "scheme": s["scheme"], "samples_per_s": s["samples_per_s"],
-                    "speedup_vs_ddp": s["speedup_vs_ddp"], "step_ms": 1e3 * s["step_s"],
-                    "backward_ms": 1e3 * s["backward_s"], "sparsify_ms": 1e3 * s["sparsify_s"],
-                    "comm_ms": 1e3 * s["comm_s"], "exposed_ms": 1e3 * s["wait_s"],
-                    "cpu_ms": 1e3 * s["cpu_s"], "bytes_per_step": s["bytes_per_step"],
-                    "missing_rate": s["missing_rate"],
-                    "final_loss": s["final_loss"], "measured_steps": s["measured_steps"],
-                    "probing_steps": s["probing_steps"],
-                    "settled_samples_per_s": s["settled_samples_per_s"],
-                    "settled_bytes_per_step": s["settled_bytes_per_step"],
-                })
-                if n_rep > 1:
-                    mine[-1]["repeat"] = rep
-            title = (f"bench schemes — {spec.model}, P={spec.world_size}, {link['link']}, "
-                     f"density {spec.density}, {spec.steps} steps"
-                     + (f", run {rep + 1}/{n_rep} ({'reversed' if rep % 2 else 'in'} order)"
-                        if n_rep > 1 else ""))
-            cols = ["scheme", "samples/s", "vs ddp", "step ms", "backward ms", "sparsify ms",
-                    "comm ms", "exposed ms", "cpu ms", "MB/step", "missing %", "final loss"]
-            print_table(title, cols, [[
-                r["scheme"], r["samples_per_s"], _ratio(r["speedup_vs_ddp"]),
-                r["step_ms"], r["backward_ms"], r["sparsify_ms"], r["comm_ms"],
-                r["exposed_ms"], r["cpu_ms"], r["bytes_per_step"] / 1e6,
-                100 * r["missing_rate"], r["final_loss"]] for r in mine])
+            mine = _run_rows(runs, base.schemes, name, rep if n_rep > 1 else None)
+            _print_run(mine, f"bench schemes — {spec.model}, P={spec.world_size}, "
+                       f"{link['link']}, density {spec.density}, {spec.steps} steps"
+                       + (f", run {rep + 1}/{n_rep} ({'reversed' if rep % 2 else 'in'} order)"
+                          if n_rep > 1 else ""))
             rows += mine
     wall = time.perf_counter() - t0
     cross = crossover(rows, links) if n_rep == 1 else crossover_over_repeats(rows, links)
-    rng = cross.get("speedup_range", {})
-
-    def cell(v: float | None, span: list[float] | None = None) -> str:
-        return _ratio(v) + (f" [{span[0]:.2f}–{span[1]:.2f}]" if span else "")
-
     ctitle = (f"crossover — {spec.model}, P={spec.world_size}, density {spec.density}: "
               f"speed-up over DDP" + (f", median of {n_rep} runs [range]" if n_rep > 1 else ""))
-    print_table(ctitle, ["scheme", *links], [
-        [scheme, *(cell(by.get(k), rng.get(scheme, {}).get(k)) for k in links)]
-        for scheme, by in cross["speedup_vs_ddp"].items()])
-    if any(v["auto_vs_ddp"] is not None for v in cross["auto"].values()):
-        print_table("auto against DDP and the best fixed scheme (samples/s ratios, same run; "
-                    "settled: after auto's probing steps)"
-                    + (f"; median of {n_rep} runs [range]" if n_rep > 1 else ""),
-                    ["link", "auto/ddp", "best fixed", "auto/best", "probing steps",
-                     "settled/ddp", "settled/best", "settled MB/step"],
-                    [[k, cell(v["auto_vs_ddp"], v.get("auto_vs_ddp_range")),
-                      v["best_fixed"] or "-",
-                      cell(v["auto_vs_best_fixed"], v.get("auto_vs_best_fixed_range")),
-                      v["auto_probing_steps"],
-                      cell(v["auto_settled_vs_ddp"], v.get("auto_settled_vs_ddp_range")),
-                      cell(v["auto_settled_vs_best_fixed"],
-                           v.get("auto_settled_vs_best_fixed_range")),
-                      "-" if v["auto_settled_mb_per_step"] is None
-                      else f"{v['auto_settled_mb_per_step']:.4g}"]
-                     for k, v in cross["auto"].items()])
+    _print_crossover(cross, ctitle, n_rep)
     one = len(links) == 1
     config = spec.config(ranks)
     config["bandwidth"] = links if not one else config["bandwidth"]
@@ -389,5 +409,5 @@ def main(argv: list[str] | None = None) -> int:
                            meta={"crossover": cross, "model": spec.model,
                                  "world_size": spec.world_size, "density": spec.density,
                                  "steps": spec.steps, "links": descr})
-    print(f"bench schemes: {wall:.0f} s; wrote {jpath}, {ppath}, {cj} and {cp}")
+    print_written(jpath, ppath, cj, cp, lead=f"bench schemes: {wall:.0f} s; ")
     return 0

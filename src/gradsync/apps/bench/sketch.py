@@ -16,12 +16,13 @@ TAGC §2.2–3.1, Table 1 and Figures 1–2. Three tables:
 
 from __future__ import annotations
 
-import argparse
 import statistics
+from collections.abc import Sequence
 from typing import Any
 
 import torch
 
+from gradsync.apps.bench._harness import bench_parser, print_written
 from gradsync.apps.common import add_common_args, median_time, print_table, write_outputs
 
 RATIOS = (2, 4, 10)
@@ -67,31 +68,11 @@ def _wire_rank(rank: int, world_size: int, n: int, threads: int) -> list[dict[st
     return rows
 
 
-def main(argv: list[str] | None = None) -> int:
-    from gradsync.formats.sketch import CountSketch
+def _wire(n: int, P: int, threads: int) -> list[dict[str, Any]]:
+    """The wire table: bits per parameter each rank sends, lhc against dense, on ``P`` ranks."""
     from gradsync.testing import run_distributed
 
-    ap = argparse.ArgumentParser(prog="python -m gradsync bench sketch", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--n", type=float, default=1e6, help="parameters per tensor (default 1e6)")
-    ap.add_argument("--world-size", type=int, default=4, help="gloo ranks for the wire table")
-    ap.add_argument("--trials", type=int, default=10, help="seeds per sweep point")
-    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
-    ap.add_argument("--quick", action="store_true", help="small n, few seeds, short sweep")
-    add_common_args(ap, "sketch")
-    args = ap.parse_args(argv)
-    n = int(args.n)
-    sweep, trials, repeats = SWEEP, args.trials, args.repeats
-    if args.quick:
-        n, sweep, trials, repeats = min(n, 100_000), QUICK_SWEEP, min(trials, 2), 1
-    if n < 1 or args.world_size < 1 or trials < 1 or args.threads < 1:
-        raise SystemExit("--n, --world-size, --trials and --threads must be >= 1")
-    torch.set_num_threads(args.threads)
-    P = args.world_size
-    rows: list[dict[str, Any]] = []
-
-    # 1. wire --------------------------------------------------------------------------
-    per_rank = run_distributed(_wire_rank, P, n, max(1, args.threads), timeout=600)
+    per_rank = run_distributed(_wire_rank, P, n, max(1, threads), timeout=600)
     wire_rows = []
     for i, r0 in enumerate(per_rank[0]):
         sent = statistics.median(pr[i]["sent"] for pr in per_rank)
@@ -100,23 +81,32 @@ def main(argv: list[str] | None = None) -> int:
             dense_bpp = bpp
             continue
         wire_rows.append((r0, bpp))
-    table = []
+    rows, table = [], []
     for r0, bpp in wire_rows:
         ratio, bits = r0["ratio"], r0["index_bits"]
         tagc = bits + 32 / ratio
-        row = {"table": "wire", "ratio": ratio, "index_bits": bits, "P": P, "n": n,
-               "index_method": r0["method"], "union_density": r0["union_density"],
-               "lossy": r0["lossy"], "lhc_bits_per_param_sent": bpp,
-               "dense_bits_per_param_sent": dense_bpp, "measured_ratio_vs_dense": dense_bpp / bpp,
-               "tagc_accounting_bits": tagc, "tagc_ratio_vs_32": 32 / tagc}
-        rows.append(row)
+        rows.append({"table": "wire", "ratio": ratio, "index_bits": bits, "P": P, "n": n,
+                     "index_method": r0["method"], "union_density": r0["union_density"],
+                     "lossy": r0["lossy"], "lhc_bits_per_param_sent": bpp,
+                     "dense_bits_per_param_sent": dense_bpp,
+                     "measured_ratio_vs_dense": dense_bpp / bpp,
+                     "tagc_accounting_bits": tagc, "tagc_ratio_vs_32": 32 / tagc})
         table.append((f"{ratio}x", bits, r0["method"], f"{r0['union_density']:.4f}",
                       r0["lossy"], bpp, dense_bpp, dense_bpp / bpp, tagc, 32 / tagc))
     print_table(f"Wire: bits per parameter sent per rank, P={P}, n={n} (Comm, ring accounting)",
                 ["ratio", "index bits", "index OR", "union dens.", "lossy", "lhc bits/param",
                  "dense fp32 bits/param", "dense/lhc", "TAGC acct bits", "32/TAGC acct"], table)
+    return rows
 
-    # 2. peeling vs union density -------------------------------------------------------
+
+def _peeling(n: int, sweep: Sequence[float], trials: int
+             ) -> tuple[list[dict[str, Any]], dict[int, list[float]]]:
+    """The peeling tables: the lossless rate over ``sweep``'s union densities per ratio, then
+    at TAGC Table 1's points with and without gradsync's lane rotation; the rows and the
+    curves."""
+    from gradsync.formats.sketch import CountSketch
+
+    rows: list[dict[str, Any]] = []
     curves: dict[int, list[float]] = {}
     table = []
     for ratio in RATIOS:
@@ -157,9 +147,15 @@ def main(argv: list[str] | None = None) -> int:
                      "trials": trials, "n": n})
     print_table(f"Table 1 points: lossless rate, gradsync lane rotation vs LHC layout, n={n}",
                 ["ratio", "union density", "rotated (default)", "LHC layout"], table)
+    return rows, curves
 
-    # 3. throughput ----------------------------------------------------------------------
-    table = []
+
+def _throughput(n: int, repeats: int, threads: int) -> list[dict[str, Any]]:
+    """The throughput table: median encode and peel time at TAGC Table 1's sparsity, per
+    ratio."""
+    from gradsync.formats.sketch import CountSketch
+
+    rows, table = [], []
     for ratio in RATIOS:
         x, mask = sparse_input(n, TABLE1[ratio], 3)
         cs = CountSketch(n, ratio, seed=0)
@@ -168,14 +164,37 @@ def main(argv: list[str] | None = None) -> int:
         t_peel = median_time(lambda cs=cs, s=s, m=mask: cs.peel(s, m), repeats)
         rows.append({"table": "throughput", "ratio": ratio, "n": n,
                      "union_density": TABLE1[ratio], "encode_s": t_enc, "peel_s": t_peel,
-                     "threads": args.threads})
+                     "threads": threads})
         table.append((f"{ratio}x", TABLE1[ratio], t_enc * 1e3, n / t_enc / 1e6,
                       t_peel * 1e3, n / t_peel / 1e6, t_peel / t_enc))
-    print_table(f"Codec throughput (median of {repeats}), n={n}, {args.threads} thread(s)",
+    print_table(f"Codec throughput (median of {repeats}), n={n}, {threads} thread(s)",
                 ["ratio", "union density", "encode ms", "encode Melem/s", "peel ms",
                  "peel Melem/s", "peel/encode"], table)
+    return rows
 
-    def plot(ax):
+
+def main(argv: list[str] | None = None) -> int:
+    ap = bench_parser("sketch", __doc__)
+    ap.add_argument("--n", type=float, default=1e6, help="parameters per tensor (default 1e6)")
+    ap.add_argument("--world-size", type=int, default=4, help="gloo ranks for the wire table")
+    ap.add_argument("--trials", type=int, default=10, help="seeds per sweep point")
+    ap.add_argument("--threads", type=int, default=1, help="torch intra-op threads")
+    ap.add_argument("--quick", action="store_true", help="small n, few seeds, short sweep")
+    add_common_args(ap, "sketch")
+    args = ap.parse_args(argv)
+    n = int(args.n)
+    sweep, trials, repeats = SWEEP, args.trials, args.repeats
+    if args.quick:
+        n, sweep, trials, repeats = min(n, 100_000), QUICK_SWEEP, min(trials, 2), 1
+    if n < 1 or args.world_size < 1 or trials < 1 or args.threads < 1:
+        raise SystemExit("--n, --world-size, --trials and --threads must be >= 1")
+    torch.set_num_threads(args.threads)
+    P = args.world_size
+    rows = _wire(n, P, args.threads)
+    peel_rows, curves = _peeling(n, sweep, trials)
+    rows += peel_rows + _throughput(n, repeats, args.threads)
+
+    def plot(ax: Any) -> None:
         for ratio in RATIOS:
             ax.plot(sweep, curves[ratio], marker="o", label=f"{ratio}x")
             ax.axvline(0.82 / ratio, linestyle=":", linewidth=0.8)
@@ -184,8 +203,7 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_title(f"LHC peeling success vs density (n={n}, {trials} seeds)")
         ax.legend()
 
-    jpath, ppath = write_outputs("sketch", rows, args.out, plot=plot,
+    print_written(*write_outputs("sketch", rows, args.out, plot=plot,
                                  meta={"n": n, "P": P, "trials": trials, "quick": args.quick,
-                                       "threads": args.threads, "sweep": list(sweep)})
-    print(f"wrote {jpath} and {ppath}")
+                                       "threads": args.threads, "sweep": list(sweep)}))
     return 0

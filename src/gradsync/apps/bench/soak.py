@@ -32,11 +32,13 @@ import argparse
 import math
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from gradsync.apps.common import add_common_args, print_table, write_outputs
+from gradsync.apps.bench._harness import bench_parser, print_rows, print_written
+from gradsync.apps.common import add_common_args, write_outputs
 
 SCHEMES = ("dense_ovlp", "topka", "oktopk", "densestream", "ssfusion_oi")
 _PAGE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
@@ -137,9 +139,10 @@ def _growth(samples: list[tuple[int, int]], warmup: int) -> tuple[int, int, int]
     return base[0], base[1], samples[-1][1]
 
 
-def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="python -m gradsync bench soak", description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def _parse(argv: list[str] | None) -> argparse.Namespace:
+    """The options, ``--quick``'s settings applied; a bad one raises ``ValueError`` before
+    anything starts."""
+    ap = bench_parser("soak", __doc__)
     add_common_args(ap, "soak")
     ap.add_argument("--steps", type=int, default=2000)
     ap.add_argument("--world-size", type=int, default=None, help="ranks (4; --quick: 2)")
@@ -179,59 +182,43 @@ def main(argv: list[str] | None = None) -> int:
     if a.sample_every < 1 or a.check_every < 0 or a.nan_every < 0 or a.stall_every < 0:
         raise ValueError("--sample-every must be >= 1; --check-every, --nan-every, "
                          "--stall-every >= 0")
-    opts = {"steps": a.steps, "density": a.density, "hidden": a.hidden, "batch": a.batch,
-            "lr": a.lr, "sample_every": a.sample_every, "check_every": a.check_every,
-            "nan_every": a.nan_every, "stall_every": a.stall_every, "stall_ms": a.stall_ms,
-            "seed": 0, "samples": 4096, "engine_warmup": 5, "timeout_s": 120.0,
-            "bucket_mb": 0.05}
-    from gradsync.testing import run_distributed
+    return a
 
-    bound = a.rss_bound_mb * 2**20
-    rows: list[dict[str, Any]] = []
-    curves: dict[str, list[list[tuple[int, int]]]] = {}
-    for scheme in a.schemes:
-        t0 = time.perf_counter()
-        out = run_distributed(_rank, a.world_size, scheme, opts, timeout=a.timeout)
-        wall = time.perf_counter() - t0
-        curves[scheme] = [o["samples"] for o in out]
-        grow = [_growth(o["samples"], a.warmup) for o in out]
-        growth = [end - base for _, base, end in grow]
-        injected = out[0]["injected"]
-        ok = (max(growth) <= bound
-              and all(o["divergence"] == 0 and o["digest_mismatches"] == 0 for o in out)
-              and all(o["skipped"] == o["engine_skipped"] == injected for o in out)
-              and all(math.isfinite(o["last_loss"]) for o in out))
-        rows.append({
-            "scheme": scheme, "steps": a.steps, "P": a.world_size,
-            "rss_start_MiB": max(b for _, b, _ in grow) / 2**20,
-            "rss_end_MiB": max(e for _, _, e in grow) / 2**20,
-            "growth_MiB": max(growth) / 2**20,
-            "bound_MiB": a.rss_bound_mb,
-            "divergence": max(o["divergence"] for o in out),
-            "digest_mism": max(o["digest_mismatches"] for o in out),
-            "nan_injected": injected,
-            "skipped": min(o["skipped"] for o in out),
-            "stalls": sum(o["stalls"] for o in out),
-            "loss_first": out[0]["first_loss"], "loss_last": out[0]["last_loss"],
-            "ms/step": 1e3 * max(o["seconds"] for o in out) / a.steps,
-            "wall_s": wall,
-            "pass": ok,
-            "per_rank_growth_MiB": [g / 2**20 for g in growth],
-            "baseline_step": grow[0][0],
-        })
-    cols = [c for c in rows[0] if c not in ("per_rank_growth_MiB", "baseline_step")]
-    print_table(
-        f"Soak: P={a.world_size}, {a.steps} steps per scheme, MLP hidden {a.hidden} "
-        f"({out[0]['n_params']:,} params), density {a.density}; NaN every {a.nan_every} "
-        f"steps (skip_step), {a.stall_ms:g} ms straggler every {a.stall_every}; loopback gloo",
-        cols, [[r[c] for c in cols] for r in rows])
-    print(f"RSS: per rank, from the first sample at step >= {a.warmup} to the last; start/end "
-          "are the largest over ranks, growth the largest per-rank growth (bound "
-          f"{a.rss_bound_mb:g} MiB). divergence: max |θ_r − θ_0| at the end; digest_mism: "
-          f"checks (every {a.check_every} steps) with differing parameter hashes. ms/step: "
-          "slowest rank, faults and checks included.")
 
-    def plot(ax):
+def _row(scheme: str, out: list[dict[str, Any]], a: argparse.Namespace,
+         wall: float) -> dict[str, Any]:
+    """One scheme's row from every rank's :func:`_rank` result, ``pass`` its verdict."""
+    grow = [_growth(o["samples"], a.warmup) for o in out]
+    growth = [end - base for _, base, end in grow]
+    injected = out[0]["injected"]
+    ok = (max(growth) <= a.rss_bound_mb * 2**20
+          and all(o["divergence"] == 0 and o["digest_mismatches"] == 0 for o in out)
+          and all(o["skipped"] == o["engine_skipped"] == injected for o in out)
+          and all(math.isfinite(o["last_loss"]) for o in out))
+    return {
+        "scheme": scheme, "steps": a.steps, "P": a.world_size,
+        "rss_start_MiB": max(b for _, b, _ in grow) / 2**20,
+        "rss_end_MiB": max(e for _, _, e in grow) / 2**20,
+        "growth_MiB": max(growth) / 2**20,
+        "bound_MiB": a.rss_bound_mb,
+        "divergence": max(o["divergence"] for o in out),
+        "digest_mism": max(o["digest_mismatches"] for o in out),
+        "nan_injected": injected,
+        "skipped": min(o["skipped"] for o in out),
+        "stalls": sum(o["stalls"] for o in out),
+        "loss_first": out[0]["first_loss"], "loss_last": out[0]["last_loss"],
+        "ms/step": 1e3 * max(o["seconds"] for o in out) / a.steps,
+        "wall_s": wall,
+        "pass": ok,
+        "per_rank_growth_MiB": [g / 2**20 for g in growth],
+        "baseline_step": grow[0][0],
+    }
+
+
+def _plot(curves: dict[str, list[list[tuple[int, int]]]],
+          a: argparse.Namespace) -> Callable[[Any], None]:
+    """The PNG: each rank's RSS growth against the step, per scheme, and the bound."""
+    def plot(ax: Any) -> None:
         colors = ["C0", "C1", "C2", "C3", "C4", "C5", "C6"]
         for i, (scheme, per_rank) in enumerate(curves.items()):
             for r, samples in enumerate(per_rank):
@@ -246,16 +233,44 @@ def main(argv: list[str] | None = None) -> int:
         ax.set_title(f"Soak RSS per rank, P={a.world_size}")
         ax.legend(fontsize=7)
 
+    return plot
+
+
+def main(argv: list[str] | None = None) -> int:
+    a = _parse(argv)
+    opts = {"steps": a.steps, "density": a.density, "hidden": a.hidden, "batch": a.batch,
+            "lr": a.lr, "sample_every": a.sample_every, "check_every": a.check_every,
+            "nan_every": a.nan_every, "stall_every": a.stall_every, "stall_ms": a.stall_ms,
+            "seed": 0, "samples": 4096, "engine_warmup": 5, "timeout_s": 120.0,
+            "bucket_mb": 0.05}
+    from gradsync.testing import run_distributed
+
+    rows: list[dict[str, Any]] = []
+    curves: dict[str, list[list[tuple[int, int]]]] = {}
+    for scheme in a.schemes:
+        t0 = time.perf_counter()
+        out = run_distributed(_rank, a.world_size, scheme, opts, timeout=a.timeout)
+        wall = time.perf_counter() - t0
+        curves[scheme] = [o["samples"] for o in out]
+        rows.append(_row(scheme, out, a, wall))
+    print_rows(
+        f"Soak: P={a.world_size}, {a.steps} steps per scheme, MLP hidden {a.hidden} "
+        f"({out[0]['n_params']:,} params), density {a.density}; NaN every {a.nan_every} "
+        f"steps (skip_step), {a.stall_ms:g} ms straggler every {a.stall_every}; loopback gloo",
+        rows, skip=("per_rank_growth_MiB", "baseline_step"))
+    print(f"RSS: per rank, from the first sample at step >= {a.warmup} to the last; start/end "
+          "are the largest over ranks, growth the largest per-rank growth (bound "
+          f"{a.rss_bound_mb:g} MiB). divergence: max |θ_r − θ_0| at the end; digest_mism: "
+          f"checks (every {a.check_every} steps) with differing parameter hashes. ms/step: "
+          "slowest rank, faults and checks included.")
     meta = {**opts, "world_size": a.world_size, "warmup": a.warmup,
             "rss_bound_mb": a.rss_bound_mb, "load": os.getloadavg(),
             "rss_samples": curves}
-    jpath, ppath = write_outputs("soak", rows, a.out, plot=plot, meta=meta)
+    print_written(*write_outputs("soak", rows, a.out, plot=_plot(curves, a), meta=meta))
     passed = all(r["pass"] for r in rows)
-    print(f"wrote {jpath}" + (f" and {ppath}" if ppath else ""))
     print("PASS" if passed else "FAIL: " + ", ".join(r["scheme"] for r in rows
                                                       if not r["pass"]))
     return 0 if passed else 1
-
 
 if __name__ == "__main__":
     raise SystemExit(main())
