@@ -400,7 +400,8 @@ def test_readme_scheme_table_is_the_saved_results():
     10 % density bound. All recomputed from the saved JSON the table links."""
     from gradsync.schedule import schemes
 
-    study = _study("convergence-2026-12-02.json")  # the CNN's; TinyGPT's rerun after 46c7e69
+    # the CNN's on 8dded19; TinyGPT's rerun after 46c7e69
+    study = _study("convergence-cnn-2026-12-02-head.json")
     study.update({k: v for k, v in _study("convergence-lm-2026-12-02.json").items()})
     # the SSFusion rows: rerun with the family's own min_k (1), each with that run's DDP
     ssf = _study("convergence-ssfusion-2026-12-02.json")
