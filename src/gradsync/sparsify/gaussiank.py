@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gradsync.sparsegrad import flatnonzero
 from gradsync.sparsify import registry, segments
 from gradsync.sparsify.base import LazyScalar, Sparsifier, magnitudes
 
@@ -59,7 +60,7 @@ class GaussianK(Sparsifier):
         std, mean = torch.std_mean(x.float())
         if segments.pays_on(x.device):  # the rounds on the device: one read, the selection's
             best_tau = self._rounds_on_device(a, std, mean, k)
-            return torch.nonzero(a > best_tau).view(-1)
+            return flatnonzero(a > best_tau)
         tau = abs(float(mean)) + _z(self.density) * float(std)
         self.last_gaussian_threshold = tau
 
@@ -86,7 +87,7 @@ class GaussianK(Sparsifier):
                 best_tau, best_count = tau, count
         self.last_threshold = best_tau
         self.last_adjustments = adjustments
-        return torch.nonzero(a > best_tau).view(-1)
+        return flatnonzero(a > best_tau)
 
     def _rounds_on_device(self, a: torch.Tensor, std: torch.Tensor, mean: torch.Tensor,
                           k: int) -> torch.Tensor:

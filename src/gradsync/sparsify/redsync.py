@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from gradsync.sparsegrad import flatnonzero
 from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier, magnitudes
 
@@ -74,7 +75,7 @@ class RedSync(Sparsifier):
                 break
         self.last_threshold = best_thr
         self.last_iters = iters
-        return torch.nonzero(a > best_thr).view(-1)
+        return flatnonzero(a > best_thr)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "last_threshold": self.last_threshold}

@@ -51,6 +51,7 @@ from typing import Any
 
 import torch
 
+from gradsync.sparsegrad import flatnonzero
 from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier, magnitudes
 
@@ -174,7 +175,7 @@ class SIDCo(Sparsifier):
             stages += 1
         self.last_threshold = eta
         self.last_stages = stages
-        idx = torch.nonzero(a > eta).view(-1)
+        idx = flatnonzero(a > eta)
         if self.adapt:
             self._adapt(idx.numel() / k)
         return idx

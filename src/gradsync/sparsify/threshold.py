@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 
+from gradsync.sparsegrad import flatnonzero
 from gradsync.sparsify import registry, segments
 from gradsync.sparsify.base import LazyScalar, Sparsifier, magnitudes
 
@@ -122,7 +123,7 @@ class ThresholdReuse(Sparsifier):
             nudges += 1
         self.thr = thr
         self.last_nudges = nudges
-        return torch.nonzero(mask).view(-1)
+        return flatnonzero(mask)
 
     def _reuse_on_device(self, a: torch.Tensor, k: int) -> torch.Tensor | None:
         """:meth:`_reuse` with the nudges as float64 tensors on ``a``'s device: every one of the
