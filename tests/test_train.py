@@ -17,7 +17,7 @@ from gradsync.apps import cli, models, train
 
 FIELDS = {"step", "loss", "time_s", "cpu_s", "elapsed_s", "samples_per_s", "bytes_sent",
           "bytes_recv", "backward_s", "sparsify_s", "comm_s", "wait_s", "missing_rate", "warmup",
-          "probing"}
+          "probing", "hooks_s"}
 
 
 def _numel(name: str) -> int:

@@ -94,9 +94,10 @@ evaluation batch, is progress); under torchrun it is the collectives' timeout; o
         "diverged_at_step": N | null, "reason": what was non-finite, or why it failed | null,
         "steps": [{"step", "loss", "time_s", "cpu_s", "elapsed_s", "samples_per_s", "bytes_sent",
                    "bytes_recv", "backward_s", "sparsify_s", "comm_s", "wait_s",
-                   "missing_rate", "warmup", "probing" (auto), "hooks_s" (engine:
-                   the gradient hooks' launching, ``StepStats.hooks_s``), "loss_scale" (``--amp
-                   fp16``: the scale after the step; halved where it overflowed)},
+                   "missing_rate", "warmup", "probing" (auto), "hooks_s" (the
+                   engine's gradient hooks launching jobs, ``StepStats.hooks_s``; NaN for
+                   others), "loss_scale" (``--amp fp16``: the scale after the step; halved
+                   where it overflowed)},
                   …],  # rank 0's records
         "bytes_sent_per_rank": [[per-step bytes of rank r] for r in ranks],
         "summary": {"scheme", "measured_steps", "samples_per_s", "step_s", "backward_s",

@@ -166,6 +166,7 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                 rec = {"step": step, "loss": float(loss.detach()), "time_s": dt, "cpu_s": cpu,
                        "elapsed_s": elapsed, "samples_per_s": P * spec.batch_size / dt,
                        "warmup": step <= spec.warmup_steps, "probing": False,  # auto: engine's
+                       "hooks_s": math.nan,  # the engine's gradient hooks (StepStats.hooks_s)
                        **runner.step_metrics(tb, tw)}
                 if scaler is not None:  # the scale for the next step (halved: skipped)
                     rec["loss_scale"] = float(scaler.get_scale())
