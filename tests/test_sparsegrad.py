@@ -563,3 +563,23 @@ def test_largest_is_the_largest_magnitude_on_both_kernels(values, dtype):
         assert got.dtype == dtype and got.shape == ()
         assert (math.isnan(got.item()) if want != want else got.item() == want), (kernels, got)
         assert flag == math.isfinite(want)
+
+
+@settings(max_examples=60, deadline=None)
+@given(values=st.lists(st.floats(allow_nan=True, allow_infinity=True, width=32), min_size=0,
+                       max_size=300),
+       thr=st.floats(allow_nan=False, allow_infinity=False),
+       dtype=st.sampled_from([torch.float32, torch.float64, torch.float16, torch.bfloat16]),
+       strict=st.booleans(), as_tensor=st.booleans())
+def test_positions_above_are_torchs_comparison_on_both_kernels(values, thr, dtype, strict,
+                                                               as_tensor):
+    """``positions_above``: numpy's comparison on the CPU's own kernels, torch's elsewhere;
+    both the positions of torch's own ``a >= thr`` (``a > thr``), the threshold rounded to the
+    tensor's dtype (a Python float or a 0-dim float64 tensor, as DGC keeps it)."""
+    a = torch.tensor(values, dtype=torch.float64).to(dtype)
+    t = torch.tensor(thr, dtype=torch.float64) if as_tensor else thr
+    want = torch.nonzero(a > t if strict else a >= t).view(-1)
+    for kernels in (sparsegrad.CPU, sparsegrad.CPU_AS_ACCELERATOR):
+        with sparsegrad.using(kernels):
+            got = sparsegrad.positions_above(a, t, strict=strict)
+        assert got.dtype == torch.int64 and torch.equal(got, want), (kernels.name, got, want)

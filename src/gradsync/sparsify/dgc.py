@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from gradsync.sparsegrad import flatnonzero
+from gradsync.sparsegrad import positions_above
 from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier, magnitudes
 from gradsync.sparsify.segments import (
@@ -89,7 +89,7 @@ class DGC(Sparsifier):
         # the comparisons round it to fp32 either way, and ×0.8 is the same IEEE product
         theta = torch.topk(sample, k_s, sorted=False).values.min().double()
         thr = theta
-        idx = flatnonzero(a >= thr)
+        idx = positions_above(a, thr)
         adjustments = 0
         while adjustments < self.max_adjust:
             count = idx.numel()
@@ -101,7 +101,7 @@ class DGC(Sparsifier):
                 break
             adjustments += 1  # too few: lower the threshold by 0.8 and select again
             thr = theta * self.lower ** adjustments
-            idx = flatnonzero(a >= thr)
+            idx = positions_above(a, thr)
         if idx.numel() > k:  # truncate to k, keeping the largest candidates
             idx = idx[torch.topk(a[idx], k, sorted=False).indices]
         self.last_threshold = thr

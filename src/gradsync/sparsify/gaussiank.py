@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gradsync.sparsegrad import flatnonzero
+from gradsync.sparsegrad import positions_above
 from gradsync.sparsify import registry, segments
 from gradsync.sparsify.base import LazyScalar, Sparsifier, magnitudes
 
@@ -60,7 +60,7 @@ class GaussianK(Sparsifier):
         std, mean = torch.std_mean(x.float())
         if segments.pays_on(x.device):  # the rounds on the device: one read, the selection's
             best_tau = self._rounds_on_device(a, std, mean, k)
-            return flatnonzero(a > best_tau)
+            return positions_above(a, best_tau, strict=True)
         tau = abs(float(mean)) + _z(self.density) * float(std)
         self.last_gaussian_threshold = tau
 
@@ -87,7 +87,7 @@ class GaussianK(Sparsifier):
                 best_tau, best_count = tau, count
         self.last_threshold = best_tau
         self.last_adjustments = adjustments
-        return flatnonzero(a > best_tau)
+        return positions_above(a, best_tau, strict=True)
 
     def _rounds_on_device(self, a: torch.Tensor, std: torch.Tensor, mean: torch.Tensor,
                           k: int) -> torch.Tensor:

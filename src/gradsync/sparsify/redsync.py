@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from gradsync.sparsegrad import flatnonzero
+from gradsync.sparsegrad import positions_above
 from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier, magnitudes
 
@@ -75,7 +75,7 @@ class RedSync(Sparsifier):
                 break
         self.last_threshold = best_thr
         self.last_iters = iters
-        return flatnonzero(a > best_thr)
+        return positions_above(a, best_thr, strict=True)
 
     def state_dict(self) -> dict[str, Any]:
         return {**super().state_dict(), "last_threshold": self.last_threshold}

@@ -51,7 +51,7 @@ from typing import Any
 
 import torch
 
-from gradsync.sparsegrad import flatnonzero
+from gradsync.sparsegrad import positions_above
 from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier, magnitudes
 
@@ -175,7 +175,7 @@ class SIDCo(Sparsifier):
             stages += 1
         self.last_threshold = eta
         self.last_stages = stages
-        idx = flatnonzero(a > eta)
+        idx = positions_above(a, eta, strict=True)
         if self.adapt:
             self._adapt(idx.numel() / k)
         return idx
