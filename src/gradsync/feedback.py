@@ -74,8 +74,7 @@ import torch
 
 from gradsync.sparsegrad import bincount, check_finite, constant
 
-__all__ = ["ErrorFeedback", "LossScale", "check_scale", "check_scaler", "clip_local",
-           "follow_scale", "saved_scale"]
+__all__ = ["ErrorFeedback", "LossScale", "check_scale", "clip_local", "saved_scale"]
 
 
 @dataclass
@@ -667,48 +666,39 @@ def _dtype_name(d: torch.dtype | str | None) -> str | None:
 # values. An owner of error feedback (GradSync, the DDP hook) that follows a scaler reads S at
 # each step's first gradient and brings what it holds to it; the S its contents are in travels
 # in its state_dict, so a resumed job whose scaler starts elsewhere is brought there too.
-def check_scaler(scaler: Any, nonfinite: str, who: str) -> None:
-    """``ValueError`` unless ``scaler`` looks like a ``torch.amp.GradScaler`` and, when it is
-    enabled, the owner's ``Config.nonfinite`` is ``"skip_step"``: a scaler skips the steps
-    whose gradients overflow (and backs off), which ``"raise"`` would turn into errors."""
-    if not (callable(getattr(scaler, "get_scale", None))
-            and callable(getattr(scaler, "is_enabled", None))):
-        raise ValueError(f"{who}.follow takes a torch.amp.GradScaler, got "
-                         f"{type(scaler).__name__}")
-    if scaler.is_enabled() and nonfinite != "skip_step":
-        raise ValueError(f"{who}.follow: a GradScaler skips the steps whose gradients overflow, "
-                         f"and Config.nonfinite={nonfinite!r} raises on them: use "
-                         f"Config(nonfinite='skip_step') with a loss scaler")
-
-
-def follow_scale(held: float | None, scaler: Any, rescale: Callable[[float], None]) -> float:
-    """At a step's first gradient: the scaler's scale S′; when what the owner holds (error
-    feedback's contents, reused thresholds) is in another scale ``held``, ``rescale(S′ / held)``
-    first."""
-    now = float(scaler.get_scale())
-    if held is not None and now != held:
-        rescale(now / held)
-    return now
-
-
 @dataclass
 class LossScale:
     """The GradScaler an owner follows (:class:`gradsync.GradSync`, the DDP hook) and the loss
-    scale its error feedback's contents are in."""
+    scale S its error feedback's contents are in."""
 
     scaler: Any = field(default=None, repr=False)
     loss_scale: float | None = None
 
     def follow(self, scaler: Any, nonfinite: str, who: str) -> None:
-        """Follow ``scaler`` from the next step on (checked by :func:`check_scaler`)."""
-        check_scaler(scaler, nonfinite, who)
+        """Follow ``scaler`` from the next step on. ``ValueError`` unless it looks like a
+        ``torch.amp.GradScaler`` and, when it is enabled, the owner's ``Config.nonfinite`` is
+        ``"skip_step"``: a scaler skips the steps whose gradients overflow (and backs off),
+        which ``"raise"`` would turn into errors."""
+        if not (callable(getattr(scaler, "get_scale", None))
+                and callable(getattr(scaler, "is_enabled", None))):
+            raise ValueError(f"{who}.follow takes a torch.amp.GradScaler, got "
+                             f"{type(scaler).__name__}")
+        if scaler.is_enabled() and nonfinite != "skip_step":
+            raise ValueError(f"{who}.follow: a GradScaler skips the steps whose gradients "
+                             f"overflow, and Config.nonfinite={nonfinite!r} raises on them: use "
+                             f"Config(nonfinite='skip_step') with a loss scaler")
         self.scaler = scaler
 
     def update(self, rescale: Callable[[float], None]) -> None:
-        """At a step's first gradient, when following a scaler: its scale now, what the owner
-        holds moved to it first (:func:`follow_scale`)."""
-        if self.scaler is not None:
-            self.loss_scale = follow_scale(self.loss_scale, self.scaler, rescale)
+        """At a step's first gradient, when following a scaler: S′ = its scale now; when what
+        the owner holds (error feedback's contents, reused thresholds) is in another S,
+        ``rescale(S′ / S)`` first."""
+        if self.scaler is None:
+            return
+        now = float(self.scaler.get_scale())
+        if self.loss_scale is not None and now != self.loss_scale:
+            rescale(now / self.loss_scale)
+        self.loss_scale = now
 
 
 def saved_scale(value: Any, who: str) -> float | None:

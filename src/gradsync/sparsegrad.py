@@ -281,6 +281,11 @@ def host_kernels(t: torch.Tensor) -> bool:
     return kernels_for(t.device).host
 
 
+def _positions(mask: np.ndarray) -> torch.Tensor:
+    """numpy's ``flatnonzero`` of a host mask, as an int64 tensor (zero-copy both ways)."""
+    return torch.from_numpy(np.flatnonzero(mask).astype(np.int64, copy=False))
+
+
 #: dtypes numpy compares as torch does (bf16 has no numpy dtype)
 _NUMPY_FLOATS = (torch.float16, torch.float32, torch.float64)
 
@@ -296,8 +301,7 @@ def positions_above(a: torch.Tensor, thr: torch.Tensor | float, strict: bool = F
         an = a.numpy()
         with np.errstate(over="ignore"):  # beyond the dtype's range: ±inf, as torch rounds
             t = np.asarray(float(thr), dtype=an.dtype)
-        mask = np.greater(an, t) if strict else np.greater_equal(an, t)
-        return torch.from_numpy(np.flatnonzero(mask).astype(np.int64, copy=False))
+        return _positions(np.greater(an, t) if strict else np.greater_equal(an, t))
     return flatnonzero(a > thr if strict else a >= thr)
 
 
@@ -315,7 +319,7 @@ def flatnonzero(mask: torch.Tensor, count: int | None = None, *,
     itself): the accelerators' kernels pad with this valid position instead, unchecked; the
     CPU's return the positions there are."""
     if host_kernels(mask):
-        return torch.from_numpy(np.flatnonzero(mask.numpy()).astype(np.int64, copy=False))
+        return _positions(mask.numpy())
     if count is not None:
         if fill_value is not None:
             return torch.nonzero_static(mask, size=count, fill_value=fill_value).view(-1)

@@ -156,7 +156,7 @@ class BufferPipeline:
             known or 0))
         owner.counts.tensors += len(self.names)
         travel.average_into(buf, out, P)
-        return done(owner, stats, buf, self.last)
+        return _done(owner, stats, buf, self.last)
 
     def _prepare(self, jobs: Sequence[Job], grad: torch.Tensor, order: list[str],
                  sizes: list[int], here: torch.Tensor, wire: torch.dtype
@@ -257,7 +257,7 @@ class BufferPipeline:
                 if acc is not None:
                     held.ef.discard_buffer(key)
                 here = not all_finite(acc) if acc is not None else None
-                err = nonfinite(held, key, names, here, rank, step)
+                err = _nonfinite(held, key, names, here, rank, step)
                 if err is not None:
                     del held  # not in the frame the error's traceback keeps
                     raise err  # in the callback: DDP's backward raises it on every rank
@@ -269,15 +269,15 @@ class BufferPipeline:
             try:
                 settle_sum()
             except ValueError as err:
-                return done(owner, comm.stats, buf, self.last, err)
-            return done(owner, comm.stats, buf, self.last)
+                return _done(owner, comm.stats, buf, self.last, err)
+            return _done(owner, comm.stats, buf, self.last)
 
         def average(fut: torch.futures.Future) -> torch.Tensor:
             fut.value()  # a failed all-reduce raises here, into DDP's backward
             return settle_sum()
 
         # the sparse buckets' error (auto's), the last one settled here: after the average
-        return _failing(future().then(average), account(owner, comm.stats, self.last))
+        return _failing(future().then(average), _account(owner, comm.stats, self.last))
 
 
 def _poison(values: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor | None:
@@ -332,7 +332,7 @@ def settle(owner: Owner, comm: Comm) -> ValueError | None:
             commit(owner.ef, p.index, p.acc, p.kept, p.wire, p.whole)
             continue
         owner.ef.discard_buffer(p.index)  # residuals and velocities as before this step
-        err = nonfinite(owner, p.index, p.names, not here, comm.rank, owner.counts.steps)
+        err = _nonfinite(owner, p.index, p.names, not here, comm.rank, owner.counts.steps)
         error = error or err
     return error
 
@@ -379,7 +379,7 @@ def _positions(starts: tuple[int, ...], lengths: tuple[int, ...], device: torch.
     return segments.ranges(starts, lengths, device)
 
 
-def nonfinite(owner: Owner, index: int, names: list[str], here: bool | None, rank: int,
+def _nonfinite(owner: Owner, index: int, names: list[str], here: bool | None, rank: int,
               step: int) -> ValueError | None:
     """A bucket's sum held NaN/Inf (on every rank alike): count it; under
     ``Config.nonfinite="raise"`` the error for the bucket's future (DDP raises it from
@@ -400,7 +400,7 @@ def nonfinite(owner: Owner, index: int, names: list[str], here: bool | None, ran
     return None
 
 
-def account(owner: Owner, stats: CommStats, last: bool) -> ValueError | None:
+def _account(owner: Owner, stats: CommStats, last: bool) -> ValueError | None:
     """Count a bucket's traffic; at the last bucket settle the step (:func:`settle`), close
     the density schedule's window, and return the step's error, if any, for that bucket's
     future."""
@@ -417,11 +417,11 @@ def account(owner: Owner, stats: CommStats, last: bool) -> ValueError | None:
     return error
 
 
-def done(owner: Owner, stats: CommStats, buf: torch.Tensor, last: bool = False,
+def _done(owner: Owner, stats: CommStats, buf: torch.Tensor, last: bool = False,
          error: Exception | None = None) -> torch.futures.Future:
     """A completed future: ``buf``, or ``error`` (or the step's, settled at its last bucket)
     for DDP to raise from ``backward()``."""
-    settled = account(owner, stats, last)
+    settled = _account(owner, stats, last)
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buf)
     return _failing(fut, error or settled)

@@ -727,7 +727,7 @@ class GradSync:
             return
         name = self._replica.name_of[id(p)]
         run = self._run
-        if self._amp.scaler is not None and not run.first_hook:  # the step's first gradient
+        if not run.first_hook:  # the step's first gradient: a followed scaler's scale
             self._amp.update(self._rescale_held)
         if p.is_cuda and self._planning.warmup.left > 0:  # profiling: when the gradient IS ready
             torch.cuda.current_stream(p.device).synchronize()
@@ -741,15 +741,16 @@ class GradSync:
     def _launch_ready(self, force: bool) -> None:
         """Launch jobs in plan order while all their tensors are ready (or ``force``); the
         time a gradient hook spends launching is the step's ``hooks_s``."""
-        run, t0 = self._run, time.perf_counter()
+        run = self._run
         while run.next_job < len(self._layout.jobs):
             job = self._layout.jobs[run.next_job]
             if not force and not run.job_ready(run.next_job):
-                break
+                return
+            t0 = time.perf_counter()
             self._launch(job, run.next_job)
             run.next_job += 1
-        if not force:
-            run.launch_s += time.perf_counter() - t0
+            if not force:
+                run.launch_s += time.perf_counter() - t0
 
     def _grad(self, name: str) -> torch.Tensor:
         p = self.params[name]
@@ -833,8 +834,7 @@ class GradSync:
             self._skip_grads()
             stats.skipped = 1
         else:
-            if self._amp.scaler is not None:
-                self._amp.update(self._rescale_held)
+            self._amp.update(self._rescale_held)
             into = [n for n in grads if self.ef.transforms(n) or self.cfg.clip_norm is not None]
             flat = [grads[n].detach().reshape(-1) for n in into]
             if self.cfg.clip_norm is not None:

@@ -133,7 +133,7 @@ class HookState:
 
     def follow(self, scaler: Any) -> None:
         """:meth:`gradsync.GradSync.follow` for the hook: the scale is read at each step's first
-        bucket (:func:`gradsync.feedback.follow_scale`); needs ``Config(nonfinite="skip_step")``
+        bucket (:meth:`gradsync.feedback.LossScale.update`); needs ``Config(nonfinite="skip_step")``
         so that overflowing steps stay in ``.grad`` for the scaler to skip."""
         self.amp.follow(scaler, self.cfg.nonfinite, "HookState")
 
