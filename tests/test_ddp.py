@@ -110,8 +110,11 @@ def test_compensation_keeps_bucket_budget():
     # cannot absorb them even at the floor): the density holds
     ds = _densities(state, [200_000, 90_000, 90_000])
     assert ds == [0.01, 0.01, 0.01]
-    # and those the budget can absorb stay whole, smallest first
+    # and those the budget can absorb stay whole, smallest first, within a quarter of it
+    # (ssfusion.WHOLE_SHARE): 1000 of 5040 entries is, 4000 is not
     ds = _densities(state, [200_000, 300_000, 1000, 3000])
+    assert ds[2] is None and 0.001 < ds[0] == ds[1] == ds[3] < 0.01
+    ds = _densities(state, [2_000_000, 300_000, 1000, 3000])
     assert ds[2] is ds[3] is None and 0.001 < ds[0] == ds[1] < 0.01
     # nothing to compensate: density unchanged; nothing large: everything dense
     assert _densities(state, [200_000, 300_000]) == [0.01, 0.01]

@@ -766,18 +766,19 @@ def test_every_planner_of_the_table_is_registered_once():
 def test_small_within_budget_excludes_the_smallest_until_the_budget(numels, density, small,
                                                                   charge, min_k):
     """The tensors below the returned size are sent whole: every one that ``density`` gives
-    fewer than ``min_k`` entries, then the smallest sizes below ``small`` while the others, at
-    the density floor, can still absorb them; one size more would not fit (or is not small)."""
+    fewer than ``min_k`` entries, then the smallest sizes below ``small`` while they take at
+    most a quarter of the budget and the others, at the density floor, can still absorb them;
+    one size more would not fit (or is not small)."""
     from gradsync.schedule.ssfusion import small_within_budget
 
     floor = min(0.001, density)
     cut, info = small_within_budget(numels, small, density, 0.001, charge, min_k)
     k_target = density * sum(numels)
 
-    def fits(c: int) -> bool:  # the tensors below c whole: do the others absorb them?
+    def fits(c: int) -> bool:  # the tensors below c whole: within a quarter, absorbed by the rest?
         whole = sum(charge * n for n in numels if n < c)
-        return whole + sum(max(1, round(floor * n)) if n > 0 else 0
-                           for n in numels if n >= c) < k_target
+        return whole <= 0.25 * k_target and whole + sum(
+            max(1, round(floor * n)) if n > 0 else 0 for n in numels if n >= c) < k_target
 
     forced = [n for n in numels if max(1, min(n, round(density * n))) < min_k]
     assert all(n < cut for n in forced) and info["forced"] == len(forced)
@@ -793,19 +794,28 @@ def test_small_within_budget_excludes_the_smallest_until_the_budget(numels, dens
 
 
 def test_small_within_budget_keeps_insight_2_where_small_tensors_are_few():
-    """On models whose small tensors are a small share (ResNet-50's shapes at 5 %: its 126
-    tensors below 102,400 entries hold 3 % of its 25.6 M; VGG-16's at 1 %), every tensor below
-    102,400 entries stays whole, as the fixed threshold had it (ResNet-50 at 1 % already sends
-    119 of the 126 whole, within budget); on one
-    whose tensors are all below it (TinyGPT-sized), sending them whole would send the model
-    dense: most are sparsified."""
+    """On models whose small tensors are a small share of the budget (VGG-16's shapes at 1 %:
+    4.5 % of it at half an entry per element), every tensor below 102,400 entries stays whole,
+    as the fixed threshold had it. Where they would take more than a quarter (ResNet-50 at 5 %:
+    its 126 tensors below 102,400 entries hold 3 % of its 25.6 M, 30 % of the budget), the
+    smallest stay whole up to that quarter: 119 of the 126, the BatchNorm vectors among them; on
+    a model whose tensors are all below it (TinyGPT-sized), sending them whole would send the
+    model dense: most are sparsified."""
     from gradsync.apps.models import reference
-    from gradsync.schedule.ssfusion import small_within_budget
+    from gradsync.schedule.ssfusion import WHOLE_SHARE, small_within_budget
 
-    for name, density in (("resnet50", 0.05), ("vgg16", 0.01)):
-        numels = [p.numel() for p in reference(name, device="meta").parameters()]
-        cut, info = small_within_budget(numels, 102_400, density, 0.001, 0.5, 8)
-        assert not info["budget"] and all((n < cut) == (n < 102_400) for n in numels), name
+    assert WHOLE_SHARE == 0.25
+    numels = [p.numel() for p in reference("vgg16", device="meta").parameters()]
+    cut, info = small_within_budget(numels, 102_400, 0.01, 0.001, 0.5, 8)
+    assert not info["budget"] and all((n < cut) == (n < 102_400) for n in numels)
+    numels = [p.numel() for p in reference("resnet50", device="meta").parameters()]
+    cut, info = small_within_budget(numels, 102_400, 0.05, 0.001, 0.5, 8)
+    whole = [n for n in numels if n < cut]
+    assert info["budget"] and len(whole) == 119 and max(whole) < 102_400
+    nxt = min(n for n in numels if n >= cut)  # the next size would break the quarter
+    assert 0.5 * sum(whole) <= 0.25 * 0.05 * sum(numels)
+    assert 0.5 * sum(n for n in numels if n <= nxt) > 0.25 * 0.05 * sum(numels)
+    assert all(n < cut for n in numels if n <= 2048)  # every BatchNorm vector
     tiny = [16_384] * 8 + [4096] * 8 + [64] * 20 + [256] * 4
     cut, info = small_within_budget(tiny, 102_400, 0.01, 0.001, 0.5, 8)
     assert info["budget"] and cut <= 4096
