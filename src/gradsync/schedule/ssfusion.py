@@ -34,8 +34,8 @@ be bought by sending large tensors dense, which Eq. 2 does not charge for. Witho
 model whose small tensors are many (the LayerNorms and biases of a small transformer) spent
 most of its budget on them and starved its matrices toward the floor. Measured (1 %):
 
-* TinyGPT, P = 4, 60 steps, 3 seeds, held-out perplexity (DDP 17.03): SSFusion 20.52 with no
-  share, 20.00 with a quarter, 19.61 with a tenth; SSFusion-OI 19.99, 19.55 and 19.56;
+* TinyGPT, P = 4, 60 steps, 3 seeds, held-out perplexity (DDP 17.03): SSFusion 20.51 with no
+  share, 20.00 with a quarter, 19.61 with a tenth; SSFusion-OI 20.00, 19.55 and 19.56;
 * the DDP hook's SSFusion-OI under the Trainer's AdamW (GPT-2s of 106 k, 409 k and 1.6 M
   parameters, 2 ranks, 78 steps, 2 seeds, the same bytes): final loss 2.12, 0.29 and 0.12 with
   no share, 1.25, 0.20 and 0.11 with a quarter (1.25, 0.21 and 0.11 with a tenth); the plain
