@@ -403,8 +403,11 @@ def test_readme_scheme_table_is_the_saved_results():
     # the CNN's on 8dded19; TinyGPT's rerun after 46c7e69
     study = _study("convergence-cnn-2026-12-02-head.json")
     study.update({k: v for k, v in _study("convergence-lm-2026-12-02.json").items()})
-    # the SSFusion rows: rerun with the family's own min_k (1), each with that run's DDP
+    # the SSFusion rows: rerun with the family's own min_k (1), each with that run's DDP; their
+    # TinyGPT rows since the tensors sent whole take at most a quarter of the budget (fcc2110)
     ssf = _study("convergence-ssfusion-2026-12-02.json")
+    ssf.update({k: v for k, v in _study("convergence-lm-ssfusion-share.json").items()})
+    assert {r["code"][0] for (m, _), r in ssf.items() if m == "gpt_tiny"} == {"fcc2110"}
     ssfusion = {(m, s) for m, s in ssf if s != "ddp"}
     assert {r["seeds"] == list(range(1, 11)) for (m, _), r in study.items() if m == "cnn"} == {
         True}
