@@ -32,7 +32,10 @@ def _accuracy() -> str:
 def _results(name: str, command: str | None = None) -> dict:
     """A results page's JSON, ``docs/results/<name>.json``; with ``command``, its recorded
     command must start with ``python -m gradsync bench convergence `` and then ``command``."""
-    data = json.loads((RESULTS / f"{name}.json").read_text())
+    path = RESULTS / f"{name}.json"
+    if not path.exists():  # a superseded page, kept for the history accuracy.md tells
+        path = RESULTS / "archive" / f"{name}.json"
+    data = json.loads(path.read_text())
     if command is not None:
         assert data["meta"]["command"].startswith(
             "python -m gradsync bench convergence " + command), data["meta"]["command"]

@@ -12,7 +12,7 @@ differences between schemes are paired by seed. Seeds are ``1 … --seeds``; wit
 model :data:`DEFAULT_SEEDS` (10 for the CNN, 3 for a language model). The CNN needs the ten: over
 3 seeds its paired differences to DDP have a standard deviation of 0.1–2.6 points (median 1.3),
 so a 3-seed interval is about ±3 points wide, three times issue 11's 1-point bar; with 10 it is
-±0.6–1.0 for the sparse schemes (docs/results/convergence-cnn-10-seeds.md). TinyGPT's
+±0.6–1.0 for the sparse schemes (docs/results/archive/convergence-cnn-10-seeds.md). TinyGPT's
 differences are steadier: over 3 seeds the intervals are ±0.7–1.1 of perplexity around gaps of
 1.9–4.6, each wholly beyond the 5 % bar (0.85), so 3 seeds decide it.
 
