@@ -159,13 +159,16 @@ def _grad_scaler(dataset) -> dict:
     return res
 
 
-ADAMW_STEPS = 60  # the plain Trainer's run; gradsync's gets 1.3 times as many
+ADAMW_STEPS = 200  # the plain Trainer's run, which converges in it; gradsync's gets 1.3 times
 
 
 def _adamw_recipe() -> dict:
-    """Trainer's default optimizer (torch's AdamW) on a GPT-2 of 110 k parameters, learning
-    rate 3e-3, without gradsync for ADAMW_STEPS steps and with ``per_tensor`` at 5 % for 1.3
-    times as many: the callback swaps in FrozenVarianceAdamW and the hook's recipe."""
+    """Trainer's default optimizer (torch's AdamW) on a GPT-2 of 106 k parameters, learning
+    rate 3e-3, without gradsync for ADAMW_STEPS steps and with ``ssfusion_oi`` at 1 % for 1.3
+    times as many: the callback swaps in FrozenVarianceAdamW and the hook's recipe. Over 60
+    steps, where the plain run has not converged, no 1 % scheme keeps up (Adam's normalised
+    updates make every entry about as important, so each waits ~1/density steps in error
+    feedback; issue 68's note); over a budget the plain run converges in, it does."""
     from transformers import GPT2Config, GPT2LMHeadModel, Trainer
 
     from gradsync.integrations.transformers import GradSyncCallback
@@ -181,7 +184,7 @@ def _adamw_recipe() -> dict:
         model = GPT2LMHeadModel(GPT2Config(vocab_size=vocab, n_positions=seq, n_embd=64,
                                            n_layer=2, n_head=2, resid_pdrop=0.0,
                                            embd_pdrop=0.0, attn_pdrop=0.0))
-        callbacks = ([GradSyncCallback(Config(scheme="per_tensor", density=0.05))]
+        callbacks = ([GradSyncCallback(Config(scheme="ssfusion_oi", density=0.01))]
                      if name == "gradsync" else [])
         trainer = Trainer(model=model, train_dataset=data, callbacks=callbacks, args=_args(
             f"adamw_{name}", max_steps=steps, learning_rate=3e-3, per_device_train_batch_size=8,
@@ -193,6 +196,7 @@ def _adamw_recipe() -> dict:
             res["optimizer"] = type(trainer.optimizer.optimizer).__name__
             res["config"] = hook.cfg.to_dict()
             res["max_grad_norm"] = trainer.args.max_grad_norm  # given back at the end
+            res["stats"] = callbacks[0].stats()
     return res
 
 
@@ -304,14 +308,18 @@ def test_trainer_train_checkpoint_resume_refuse(tmp_path):
                                     f"gradsync_rank{r}.pt")["feedback"]["residual"]
                          for run in ("full", "resumed"))
         assert all(torch.equal(resumed[n], full[n]) for n in names)
-    # Trainer's default AdamW: the callback applies the frozen-variance recipe, and per_tensor
-    # at 5 % reaches the plain Trainer's final loss within 1.3 times its steps
+    # Trainer's default AdamW: the callback applies the frozen-variance recipe, and SSFusion-OI
+    # at 1 % reaches the plain Trainer's final loss within 1.3 times its steps (issue 68's bar)
     for rk in res:
         a = rk["adamw"]
         assert a["optimizer"] == "FrozenVarianceAdamW"
         assert a["config"]["momentum"] == 0.9  # AdamW's beta1, in error feedback
         assert a["config"]["density_warmup"] == (1.0,)
-        assert a["config"]["density_warmup_steps"] == 10  # max(10, 10 % of 78)
+        assert a["config"]["density_warmup_steps"] == 26  # max(10, 10 % of 260)
+        # SSFusion sparsifies this model: after the warm-up it sends about 1 % of the entries
+        # (its LayerNorms would take more than a quarter of the budget, so none is sent whole)
+        assert a["stats"]["density"]["requested"] == 0.01
+        assert 0.008 < a["stats"]["density"]["sent"] < 0.0125, a["stats"]["density"]
         assert a["config"]["clip_norm"] == 1.0 and a["max_grad_norm"] == 1.0
         target = sum(a["plain"][-5:]) / 5
         smooth = [sum(a["gradsync"][i - 4:i + 1]) / 5 for i in range(4, len(a["gradsync"]))]
