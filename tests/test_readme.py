@@ -412,15 +412,28 @@ def test_readme_scheme_table_is_the_saved_results():
     assert {r["seeds"] == list(range(1, 11)) for (m, _), r in study.items() if m == "cnn"} == {
         True}
     assert {r["seeds"] == [1, 2, 3] for (m, _), r in study.items() if m == "gpt_tiny"} == {True}
+    # time to DDP's accuracy: the 960-step study's steps to 99 % of DDP's final accuracy (every
+    # seed must reach it), times the step time on each link (DDP's over the scheme's)
+    long = _study("convergence-cnn-960-head.json")
+    assert all(r["seeds"] == [1, 2, 3] and r["metric"] == "test_accuracy" for r in long.values())
+    assert all(m["steps"] == 960 for m in json.loads(
+        (RESULTS / "convergence-cnn-960-head.json").read_text())["meta"]["models"])
     med = _step_medians()
     rows = _table(README, "## Which scheme when")
     assert len(rows) == 5
-    for _, scheme_cell, speed, cnn, lm, mb in rows:
+    for _, scheme_cell, tta, speed, cnn, lm, mb in rows:
         names = re.findall(r"`(\w+)`", scheme_cell)
         ddp = scheme_cell.startswith("none: DDP")
         engine, trained = ("dense_ovlp", "ddp") if ddp else (names[0], names[0])
         assert speed == " / ".join(f"{_speedup(med, link, engine, 4):.2f}×"
                                    for link in ("1gbit", "100mbit")), (engine, speed)
+        row, first = long["cnn", trained], long["cnn", "ddp"]
+        if row["reached"] == len(row["seeds"]):
+            lag = first["steps_to_target"] / row["steps_to_target"]
+            assert tta == " / ".join(f"{lag * _speedup(med, link, engine, 4):.2f}×"
+                                     for link in ("1gbit", "100mbit")), (trained, tta)
+        else:
+            assert tta == f"not reached ({row['reached']}/{len(row['seeds'])} seeds)", trained
         rows_of = ssf if ("cnn", trained) in ssfusion else study
         gap = 100 * rows_of["cnn", trained]["diff_vs_ddp"]["mean"]
         assert cnn == ("0" if ddp else f"{gap:.2f} points".replace("-", "−")), (trained, cnn)

@@ -89,6 +89,39 @@ def test_cnn_densities_do_not_collapse_and_the_model_sends_the_target(grouping, 
     assert abs(sum(t.k for t in tensors) - DENSITY * total) <= len(tensors)
 
 
+@pytest.mark.parametrize("P", [2, 4, 8])
+@pytest.mark.parametrize("grouping", list(GROUPINGS))
+def test_the_whole_share_leaves_the_cnn_plans_as_they_were(grouping, P, monkeypatch):
+    """The CNN's tensors below 10,000 entries take 21 % of its budget at half an entry per
+    element (less at P = 2's charge), under ``WHOLE_SHARE``'s quarter: the plans are the ones
+    without the share, so the CNN studies planned before it stay valid. TinyGPT's would take
+    more than the quarter, and there the share changes the plan."""
+    from gradsync.schedule import ssfusion
+
+    _, names, numel = _cnn()
+    groups = GROUPINGS[grouping]
+    cost = _cnn_cost(names, numel, P)
+    with_share, _ = selective_buffers(groups, numel, cost, DENSITY)
+    monkeypatch.setattr(ssfusion, "WHOLE_SHARE", float("inf"))
+    assert selective_buffers(groups, numel, cost, DENSITY)[0] == with_share
+    small = sum(n for n in numel.values() if n < 10_000)
+    assert small * ssfusion.allgather_charge(P, 4) < 0.25 * DENSITY * sum(numel.values())
+    # TinyGPT's LayerNorms and biases: without the share more of them travel whole
+    tiny = build("gpt_tiny")
+    t_names = [n for n, _ in tiny.named_parameters()][::-1]
+    t_numel = {n: p.numel() for n, p in tiny.named_parameters()}
+    t_cost = _cnn_cost(t_names, t_numel, P)
+    unbounded, _ = selective_buffers([t_names], t_numel, t_cost, DENSITY)
+    monkeypatch.setattr(ssfusion, "WHOLE_SHARE", 0.25)
+    bounded, _ = selective_buffers([t_names], t_numel, t_cost, DENSITY)
+
+    def whole(bufs):
+        return sum(t.numel for b in bufs for t in b.tensors if t.density is None)
+
+    assert whole(bounded) * ssfusion.allgather_charge(P, 4) <= 0.25 * DENSITY * sum(
+        t_numel.values()) < whole(unbounded) * ssfusion.allgather_charge(P, 4)
+
+
 def _hook_densities(rank, world_size, cut, buckets):
     model, _, numel = _cnn()
     cfg = Config(scheme="ssfusion", density=DENSITY)
