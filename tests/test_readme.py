@@ -444,6 +444,17 @@ def test_readme_scheme_table_is_the_saved_results():
         assert mb == (f"{mega:.2f}" if mega >= 1 else f"{mega:.3f}"), (trained, mb)
     text = " ".join(README.split())
     assert "medians of `simulate --validate`'s five runs (P = 4" in text
+    # the 960-step study's bullet: final gap, steps to the target, what the lag costs
+    ddp_mean = 100 * long["cnn", "ddp"]["mean"]
+    others = [r for (_, s), r in long.items() if s != "ddp"]
+    worst = max(ddp_mean - 100 * r["mean"] for r in others)
+    steps = sorted(r["steps_to_target"] for r in others)
+    first = long["cnn", "ddp"]["steps_to_target"]
+    cost = [100 * (1 - first / n) for n in (steps[0], steps[-1])]
+    assert (f"Over 960 steps every scheme ends within {worst:.2f} points of DDP's {ddp_mean:.2f} %,"
+            f" but reaches 99 % of it after {steps[0]:.0f}–{steps[-1]:.0f} steps against DDP's "
+            f"{first:.0f}: the accuracy lag costs {cost[0]:.0f}–{cost[1]:.0f} % of the step "
+            "speed-up.") in text
     sparse = [_speedup(med, "1gbit", s, 4) for s in schemes.SCHEMES if schemes.get(s).sparse]
     assert f"({min(sparse):.2f}–{max(sparse):.2f}× at P = 4)" in text
     # the 10-seed density sweep: DDP trained once (at the first density), every scheme at 10 %
