@@ -218,6 +218,32 @@ def test_time_to_ddps_mean_and_the_effective_speed_up():
     cell = dict(zip([c[0] for c in cells], cells))
     assert cell["a"][7] == "1.7 (1.80×) (1/2)" and cell["b"][7] == "not reached"
     assert cell["ddp"][7] == "3.0 (1.00×)"
+    # the step time: each seed's last point, 4.0 s / 20 steps and 2.0 / 10 … = 0.2 s (ddp),
+    # 0.1 s (a, b): a step speed-up of 2, of which a keeps 1.80 / 2 = 90 %, b nothing
+    assert rows["ddp"]["step_s"] == pytest.approx(0.2)
+    assert rows["a"]["step_speedup"] == pytest.approx(2.0)
+    assert rows["a"]["speedup_kept"] == pytest.approx(3.0 / (1 + 0.04 / 0.06) / 2.0)
+    assert rows["b"]["speedup_kept"] == 0.0
+    assert cell["a"][8] == "100.0 (2.00×)" and cell["a"][9] == "90 %"
+    assert cell["ddp"][8] == "200.0 (1.00×)" and cell["ddp"][9] == "100 %"
+
+
+def test_the_study_runs_on_a_shaped_link_when_asked():
+    """``--bandwidth``/``--latency`` reach every job's train spec (the times are the link's);
+    without them the study runs on loopback."""
+    a = conv.parse_args(["--model", "cnn", "--schemes", "ddp,topka", "--bandwidth", "100mbit",
+                         "--latency", "50ms"])
+    spec = conv._spec(a, "cnn", 1, 0.01, ["ddp", "topka"])
+    assert (spec.bandwidth, spec.latency, spec.bandwidth_bps) == ("100mbit", "50ms", 10**8)
+    plain = conv._spec(conv.parse_args(["--model", "cnn", "--schemes", "ddp"]), "cnn", 1, 0.01,
+                       ["ddp"])
+    assert plain.bandwidth is None and plain.latency is None
+    # a kept run of another link is another configuration (--resume refuses to pair it)
+    assert conv.run_config(spec, "topka")["bandwidth"] == "100mbit"
+    assert conv.run_config(plain, "ddp")["bandwidth"] is None
+    with pytest.raises(SystemExit):
+        conv._spec(conv.parse_args(["--model", "cnn", "--schemes", "ddp", "--bandwidth",
+                                    "fast"]), "cnn", 1, 0.01, ["ddp"])
 
 
 def test_train_reads_time_to_ddps_final_score():
