@@ -183,14 +183,16 @@ def sharded_gpt(**kwargs) -> nn.Module:
 
 def pin_profiles(backward: bool = True) -> None:
     """Replace the engine's timing measurements in this process by fixed fits (α/β, inline and
-    offloaded sparsification, no extra cost per sparse call) and, with ``backward``, fixed
-    per-tensor backward times (the backward *order* is still observed), so cost-model plans
-    are the same on every run."""
+    offloaded sparsification, no extra cost per sparse call, a spare core per rank) and, with
+    ``backward``, fixed per-tensor backward times (the backward *order* is still observed), so
+    cost-model plans are the same on every run."""
     costmodel.profile_collectives = lambda group=None, **kw: (
         costmodel.AlphaBeta(5e-5, 1e-9), costmodel.AlphaBeta(5e-5, 2e-9))
     costmodel.profile_sparsifier = lambda sp, offload=False, **kw: (
         costmodel.AffineFit(2e-5, 5e-10) if offload else costmodel.AffineFit(1e-5, 2e-9))
     costmodel.profile_sparse_call = lambda collective, group=None, **kw: 0.0
+    # a host with a core for SSFusion-O's worker, whatever this machine has
+    costmodel.cores_per_rank = lambda: 4.0
     orig = warmup.backward_profile
     if backward and not getattr(orig, "pinned", False):
         def pinned(samples, names):

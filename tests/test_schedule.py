@@ -10,6 +10,7 @@ import dataclasses
 import itertools
 import json
 import math
+import os
 import random
 
 import pytest
@@ -556,6 +557,42 @@ def test_offload_on_a_gpu_host_only_where_the_worker_is_also_faster():
         assert any(cpu)  # the CPU host: what fits in the backward is offloaded
         assert gpu == (cpu if offloaded_on_gpu else [False] * len(cpu))
         assert segmented == [False] * len(cpu)
+
+
+def test_a_cpu_host_offloads_only_where_the_worker_has_a_core_of_its_own(monkeypatch):
+    """SSFusion-O on a CPU host whose cores, shared out over its ranks, leave each rank fewer
+    than two (info["cores_per_rank"]): nothing is offloaded, however well it would fit in the
+    backward, and the plan's info says why. With two or more, and for a cost model profiled
+    before the key, the rule is unchanged. ``cores_per_rank`` shares the process's cores out
+    over LOCAL_WORLD_SIZE."""
+    numel = {"a": 400_000, "b": 400_000, "c": 32}
+    tb = {"a": 1.0, "b": 1.0, "c": 1.0}
+    cm = cost_model(numel, tb, sp=(4e-4, 3e-9), off=(1e-5, 1e-12))
+
+    def offloaded(cores):
+        cm.info.pop("cores_per_rank", None)
+        if cores is not None:
+            cm.info["cores_per_rank"] = cores
+        plan = make_plan("ssfusion_o", list(numel), numel, 0.01, cm)
+        return plan, [t.offload for b in plan.buffers for t in b.tensors if t.density is not None]
+
+    _, before = offloaded(None)
+    assert any(before)
+    for cores in (2.0, 16.0):
+        assert offloaded(cores)[1] == before
+    for cores in (0.5, 1.0, 1.5):
+        plan, marks = offloaded(cores)
+        assert marks == [False] * len(before)
+        assert all(o.get("cores_per_rank") == cores for o in plan.info["offload"])
+    cm.info["device"] = "cuda"  # an accelerator's worker is the host's, not the rank's core
+    assert offloaded(0.5)[1] == offloaded(None)[1]
+
+    from gradsync.schedule import costmodel
+    cores = len(os.sched_getaffinity(0))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert costmodel.cores_per_rank() == cores / 4
+    monkeypatch.delenv("LOCAL_WORLD_SIZE")
+    assert costmodel.cores_per_rank() == cores
 
 
 # ---- SSFusion-I -------------------------------------------------------------------------------

@@ -174,6 +174,8 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
                 info={"device": torch.device(device or "cpu").type,
                       # buffers selected at once (sparsify.segments): SSFusion-O's rule
                       "segmented": sparsify.segments.pays_on(torch.device(device or "cpu")),
+                      # whether SSFusion-O's worker has a core of its own (rank 0's host)
+                      "cores_per_rank": costmodel.cores_per_rank(),
                       **({} if call_s is None else {"sparse_call_s": call_s})})
         plan = schedule.make_plan(cfg.scheme, order, numel, cfg.density, cost, **plan_kwargs(cfg))
         payload = [{"plan": plan.to_dict(), "cost": cost.to_dict() if cost else None}]

@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
@@ -33,6 +34,7 @@ __all__ = [
     "AlphaBeta",
     "ComputeCost",
     "CostModel",
+    "cores_per_rank",
     "fit_affine",
     "fit_alpha_beta",
     "fit_compute",
@@ -368,6 +370,22 @@ def missing_rate(selected_counts: dict[str, int]) -> float:
 # ---------------------------------------------------------------------------------------------
 # Profilers
 # ---------------------------------------------------------------------------------------------
+def cores_per_rank() -> float:
+    """The CPU cores this process may run on, shared out over the ranks of its host
+    (``LOCAL_WORLD_SIZE``, which torchrun and :mod:`gradsync.testing` set; 1 when unset): below
+    2, a rank's helper thread (SSFusion-O's worker) takes its core from the rank's own
+    training thread or from another rank, instead of running beside them."""
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    try:
+        local = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    except ValueError:
+        local = 1
+    return cores / local
+
+
 def _sizes(sizes: Sequence[int]) -> list[int]:
     out = [int(s) for s in sizes]
     if not out or any(s < 1 for s in out):
