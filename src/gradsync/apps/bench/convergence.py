@@ -749,7 +749,9 @@ def table(rows: list[dict], info: dict) -> tuple[list[str], list[list[str]]]:
         mcell = "n/a" if step_s is None else (
             f"{1e3 * step_s:.1f}" + ("" if up is None else f" ({up:.2f}×)"))
         kept = r.get("speedup_kept")
-        kcell = "n/a" if kept is None else f"{100 * kept:.0f} %"
+        kcell = "n/a" if kept is None else f"{100 * kept:.0f} %" + (
+            f" ({r['reached_ddp']}/{len(r['seeds'])})"  # of the seeds that got there
+            if r["reached_ddp"] < len(r["seeds"]) else "")
         miss = r.get("missing_rate")
         sp, bad = r.get("spike"), r.get("diverged") or 0
         scell = "n/a" if sp is None else f"{sp:.2f}×"
@@ -906,7 +908,8 @@ def write_docs(path: Path, results: list[tuple[list[dict], dict]], command: str,
              "(evaluation excluded, on the study's link), mean over seeds, and ddp's over it; "
              "of the step speed-up kept: the time speed-up over the step speed-up, what is "
              "left of the link's saving once the accuracy lag is paid (issue 68's bar: at "
-             "least 85 %).",
+             "least 85 %), over the seeds that reach ddp's mean (k/n when not all do; the "
+             "others never get there).",
              "- ddp steps to its mean: the step at which ddp's mean curve reaches the "
              "scheme's mean final value (linear between evaluation points; ≤: already at the "
              "first point, ≥: never), with its share of the budget.",
