@@ -347,6 +347,13 @@ def test_espresso_chooses_per_tensor_from_the_timeline_and_never_fuses():
     t_off = plan.info["espresso"]["iteration"]
     again = make_plan("espresso", list(numel), numel, 0.01, cost)
     assert again.info["espresso"] == plan.info["espresso"]  # deterministic
+    # a CPU host whose ranks take every core: the worker would not run beside the backward,
+    # so nothing is offloaded; with a core per worker, the same choice as before
+    for cores, offloads in ((1.0, False), (2.0, True)):
+        cost.info.update(device="cpu", cores_per_rank=cores)
+        opts = _options(make_plan("espresso", list(numel), numel, 0.01, cost))
+        assert ("offload" in opts.values()) == offloads, cores
+    cost.info.clear()
     # the chosen plan is no slower than any single-option plan
     from gradsync.schedule import BufferPlan, Plan, TensorPlan, simulate
 

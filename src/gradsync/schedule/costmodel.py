@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 __all__ = [
+    "SPARE_CORE",
     "AffineFit",
     "AlphaBeta",
     "ComputeCost",
@@ -214,6 +215,11 @@ def fit_alpha_beta(
 # ---------------------------------------------------------------------------------------------
 # The model
 # ---------------------------------------------------------------------------------------------
+# The cores per rank that give the offload worker one of its own beside the training thread
+# (CostModel.worker_has_a_core).
+SPARE_CORE = 2.0
+
+
 @dataclass
 class CostModel:
     """Everything the planners know about one training job (SSFusion §IV-A)."""
@@ -257,6 +263,17 @@ class CostModel:
             self.compute = ComputeCost.from_dict(self.compute)
         if self.compute is not None and not isinstance(self.compute, ComputeCost):
             raise ValueError("CostModel.compute must be a ComputeCost or None")
+
+    @property
+    def worker_has_a_core(self) -> bool:
+        """Whether the offload worker (SSFusion-O, Espresso) runs beside the training thread,
+        as the planners' timelines assume: on an accelerator host (the worker is the host's
+        CPU), and on a CPU host only where each rank has :data:`SPARE_CORE` cores
+        (``info["cores_per_rank"]``, :func:`cores_per_rank`; a model profiled before that key:
+        yes). Otherwise its selection takes the core of the backward it was meant to hide
+        behind, or another rank's, and adds a hand-off between threads to the same work."""
+        cores = self.info.get("cores_per_rank")
+        return self.info.get("device", "cpu") != "cpu" or cores is None or cores >= SPARE_CORE
 
     # -- times -------------------------------------------------------------------------
     @property
@@ -372,9 +389,8 @@ def missing_rate(selected_counts: dict[str, int]) -> float:
 # ---------------------------------------------------------------------------------------------
 def cores_per_rank() -> float:
     """The CPU cores this process may run on, shared out over the ranks of its host
-    (``LOCAL_WORLD_SIZE``, which torchrun and :mod:`gradsync.testing` set; 1 when unset): below
-    2, a rank's helper thread (SSFusion-O's worker) takes its core from the rank's own
-    training thread or from another rank, instead of running beside them."""
+    (``LOCAL_WORLD_SIZE``, which torchrun and :mod:`gradsync.testing` set; 1 when unset), the
+    cost model's ``info["cores_per_rank"]`` (:attr:`CostModel.worker_has_a_core`)."""
     try:
         cores = len(os.sched_getaffinity(0))
     except AttributeError:  # not on Linux

@@ -13,7 +13,10 @@ backward pass, among
 * ``inline``: sparsified on the compute stream (T_gpu, delays the rest of the backward) and
   all-gathered (Eq. 3);
 * ``offload``: sparsified on the (single, serial) CPU worker (T_offload) and all-gathered —
-  Espresso's CPU offloading, the same worker SSFusion-O uses.
+  Espresso's CPU offloading, the same worker SSFusion-O uses; not offered where the worker has
+  no core of its own (a CPU host whose ranks take every core:
+  :attr:`~gradsync.schedule.costmodel.CostModel.worker_has_a_core`), since the timeline runs
+  it beside the backward.
 
 Espresso has no tensor fusion: every tensor is its own message (SSFusion's argument against it:
 the per-message start-up cost). Its other options (fp16, two-level all-gather) are outside
@@ -98,6 +101,9 @@ def espresso_buffers(names: list[str], numel: dict[str, int], cost: CostModel, d
                      passes: int = 4) -> tuple[list[BufferPlan], dict[str, Any]]:
     """One buffer per tensor (backward order), each with Espresso's option (module doc), and
     the decision record (options, predicted iteration time, walks)."""
+    # where the worker has no core of its own it would not run beside the backward (the
+    # timeline's assumption): no offloading (CostModel.worker_has_a_core)
+    options = OPTIONS if cost.worker_has_a_core else OPTIONS[:2]
     choice = dict.fromkeys(names, "dense")
     variants = {(n, o): BufferPlan((_tensor(n, numel[n], o, density),), "per_tensor")
                 for n in names for o in OPTIONS}  # built once: the walk only looks them up
@@ -108,7 +114,7 @@ def espresso_buffers(names: list[str], numel: dict[str, int], cost: CostModel, d
         changed = False
         for n in names:
             current = choice[n]
-            for opt in OPTIONS:
+            for opt in options:
                 if opt == current:
                     continue
                 t = iteration({**choice, n: opt})

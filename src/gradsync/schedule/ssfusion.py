@@ -69,10 +69,10 @@ once (``info["segmented"]``: :func:`gradsync.sparsify.segments.pays_on`, ``bench
 --segments-on-cpu``, which measures what an accelerator runs) nothing is offloaded: the worker
 would select tensor by tensor, on the same cores, what the buffer's one selection does with no
 launch per tensor. Nor where the host's cores, shared out over its ranks, leave the worker no
-core of its own (``info["cores_per_rank"]`` below :data:`SPARE_CORE`,
-:func:`~gradsync.schedule.costmodel.cores_per_rank`): there the worker's selection runs on the
-core of the backward it was meant to hide behind, or of another rank, and adds a hand-off
-between threads to the same CPU work. A cost model profiled before this key plans as before.
+core of its own (:attr:`~gradsync.schedule.costmodel.CostModel.worker_has_a_core`): there the
+worker's selection runs on the core of the backward it was meant to hide behind, or of another
+rank, and adds a hand-off between threads to the same CPU work. A cost model profiled before
+this key plans as before.
 
 **SSFusion-I (§IV-D).** Each buffer is split at l′ (0 ≤ l′ ≤ N_i, backward order): the
 unsparsified tensors among the first l′ form Buffer_AR (all-reduced, ``allreduce=True``), every
@@ -110,7 +110,6 @@ from gradsync.schedule.timeline import buffer_comm_time, simulate
 from gradsync.sparsegrad import target_k
 
 __all__ = [
-    "SPARE_CORE",
     "WHOLE_SHARE",
     "allgather_charge",
     "allreduce_charge",
@@ -129,9 +128,6 @@ __all__ = [
 # the tensors SSFusion sends whole may take; the sparsified ones keep the rest (module docstring,
 # "Exclusions stop at the compensation budget", which gives what it measured).
 WHOLE_SHARE = 0.25
-# SSFusion-O offloads on a CPU host only where each rank has at least this many cores: its
-# training thread's and the worker's (module docstring, §IV-C).
-SPARE_CORE = 2.0
 
 
 # ---------------------------------------------------------------------------------------------
@@ -372,12 +368,11 @@ def offload_buffer(buf: BufferPlan, cost: CostModel) -> tuple[BufferPlan, dict[s
     worker = 0.0  # the worker is idle at the buffer's start (earlier offloads ended in time)
     out, offloaded = [], {}
     accelerator = cost.info.get("device", "cpu") != "cpu"
-    if not accelerator and cost.info.get("segmented"):  # module docstring
-        return BufferPlan(tuple(buf.tensors), "per_tensor"), {"bound": bound, "T_offload": {}}
-    cores = cost.info.get("cores_per_rank")
-    if not accelerator and cores is not None and cores < SPARE_CORE:  # module docstring
-        return BufferPlan(tuple(buf.tensors), "per_tensor"), {
-            "bound": bound, "T_offload": {}, "cores_per_rank": cores}
+    no_core = not cost.worker_has_a_core
+    if no_core or (not accelerator and cost.info.get("segmented")):  # module docstring
+        why = {"cores_per_rank": cost.info["cores_per_rank"]} if no_core else {}
+        return BufferPlan(tuple(buf.tensors), "per_tensor"), {"bound": bound, "T_offload": {},
+                                                              **why}
     for t in buf.tensors:
         clock += cost.backward[t.name]
         if t.density is None:
