@@ -382,6 +382,7 @@ def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
     by = {s: [next(r for r in per_seed[sd] if r["scheme"] == s) for sd in seeds] for s in schemes}
     ddp = by.get("ddp")
     ddp_mean = statistics.fmean([r["final"] for r in ddp]) if ddp else None
+    ddp_step_s = _step_s(ddp) if ddp else None
     target = None
     if ddp_mean is not None:
         target = TARGET * ddp_mean if higher else ddp_mean / TARGET
@@ -413,9 +414,8 @@ def aggregate(model: str, task: str, per_seed: dict[int, list[dict]],
                                              row["mean"])
         if ddp_mean is not None and all(r["history"] for r in by[s] + ddp):
             _time_to_ddp(row, by[s], ddp, key, higher, ddp_mean)
-            t_ddp = _step_s(ddp)
-            if t_ddp is not None and row["step_s"]:
-                row["step_speedup"] = t_ddp / row["step_s"]
+            if ddp_step_s is not None and row["step_s"]:
+                row["step_speedup"] = ddp_step_s / row["step_s"]
                 if row["time_speedup"] is not None:
                     row["speedup_kept"] = row["time_speedup"] / row["step_speedup"]
         if target is not None and all(r["history"] for r in by[s]):
