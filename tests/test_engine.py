@@ -926,7 +926,7 @@ def test_apply_keeps_the_rest_and_refuses_kept_indices_outside_the_job(kept):
     ef = ErrorFeedback()
     grads = {"a": torch.tensor([1.0, 2.0, 3.0]), "b": torch.tensor([4.0, 5.0])}
     acc = ef.accumulate_buffer(0, ("a", "b"), (3, 2), torch.cat([grads["a"], grads["b"]]))
-    launched = Launched(job, 0, (3, 2), acc, [], Future())
+    launched = Launched(job, 0, (3, 2), acc, Future())
     total = torch.arange(5, dtype=torch.float32)
     result = JobResult(dense=total.clone(), kept=torch.tensor(kept, dtype=torch.int64),
                        stats=CommStats())

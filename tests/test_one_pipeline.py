@@ -10,6 +10,7 @@ averaging fails it.
 """
 
 import contextlib
+import math
 
 import pytest
 import torch
@@ -170,6 +171,40 @@ def test_missing_tensors_known_on_the_host_equal_the_count_from_the_positions_ke
     (device,), _ = settle_missing([job_check(sizes, res.kept)], "x")
     assert prep.payload.known_missing(msg, res.kept) == device == (0 if segmented else 2)
     assert prep.payload.known_missing(msg, res.kept.clone()) is None
+
+
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("nan_in", ["t1", "t3"])
+def test_a_job_with_a_non_finite_gradient_accumulates_as_zeros_on_every_device(nan_in):
+    """The engine's non-finite rule is the hook's, whatever the kernels: ``prepare`` reads
+    nothing, leaves the job's flag on the device, and a job whose gradients hold a NaN (in a
+    tensor sent whole or a selected one) accumulates as zeros, so its selection carries no
+    value and its residual no NaN; a finite job's flag is true and its accumulator is its
+    gradients."""
+    from gradsync import sparsify
+    from gradsync.engine.jobs import Job, Mode, Transport
+    from gradsync.engine.prepare import prepare
+    from gradsync.feedback import ErrorFeedback
+
+    g = torch.Generator().manual_seed(1)
+    sizes = [30, 200, 50, 300]
+    names = tuple(f"t{i}" for i in range(len(sizes)))
+    job = Job(names, Mode.PER_TENSOR, Transport.COLLECTIVE, "topka",
+              densities={"t0": None, "t1": None, "t2": 0.1, "t3": 0.1})
+    grad = torch.randn(sum(sizes), generator=g)
+
+    def make(key, d):
+        return sparsify.get("topk", density=d)
+
+    ok = prepare(job, 0, grad.clone(), sizes, ErrorFeedback(), make, None, 0)
+    assert ok.finite is not None and bool(ok.finite) and torch.equal(ok.acc, grad)
+    bad = grad.clone()
+    at = {"t1": 30 + 7, "t3": 280 + 11}[nan_in]
+    bad[at] = math.nan
+    prep = prepare(job, 0, bad, sizes, ErrorFeedback(), make, None, 0)
+    assert prep.finite is not None and not bool(prep.finite)
+    assert torch.equal(prep.acc, torch.zeros_like(grad))
+    assert all(float(sel.values.abs().sum()) == 0.0 for sel in prep.payload.selections)
 
 
 def _bytes_both_paths(rank: int, P: int, model_name: str, scheme: str) -> dict:

@@ -169,6 +169,28 @@ def test_finite_flag_stays_on_the_device_and_sees_every_kind_of_non_finite():
                 assert not bool(finite_flag(y)), (dtype, bad, pos)
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_zero_unless_zeroes_exactly_when_the_flag_is_false(dtype):
+    """``zero_unless`` (the one non-finite rule's zeroing): a false flag zeroes every entry, a
+    true one leaves the tensor bit for bit, with either kernel set (the CPU's reads the flag,
+    the accelerators' writes through ``torch.where``)."""
+    from gradsync.sparsegrad import finite_flag, zero_unless
+
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(257, generator=g).to(dtype)
+    kept = x.clone()
+    zero_unless(finite_flag(x), kept)
+    assert torch.equal(kept, x)
+    y = x.clone()
+    y[100] = math.nan
+    zero_unless(finite_flag(y), y)
+    assert y.dtype == dtype and torch.equal(y, torch.zeros_like(x))
+    empty = torch.empty(0, dtype=dtype)
+    zero_unless(finite_flag(empty), empty)
+    assert empty.numel() == 0
+
+
 # -- the shared rules: target_k and validate_density -------------------------------------------
 @settings(max_examples=200, deadline=None)
 @given(n=st.integers(-3, 10**9), d=st.floats(1e-9, 1.0))

@@ -65,6 +65,7 @@ __all__ = [
     "top_k_mask",
     "using",
     "validate_density",
+    "zero_unless",
 ]
 
 
@@ -102,6 +103,18 @@ def finite_flag(x: torch.Tensor) -> torch.Tensor:
     if not x.numel() or not x.is_floating_point():
         return torch.ones((), dtype=torch.bool, device=x.device)
     return largest(x) < math.inf
+
+
+def zero_unless(flag: torch.Tensor, x: torch.Tensor) -> None:
+    """``x`` ← 0 unless ``flag`` (a 0-dim bool on ``x``'s device, :func:`finite_flag`) is true:
+    the same result on every device, only the kernel differs. The CPU's own kernels
+    (:attr:`Kernels.host`) read the flag, which costs no wait there, and leave a finite ``x``
+    untouched; the accelerators' path writes through ``torch.where``, one kernel and no read."""
+    if host_kernels(x):
+        if not bool(flag):
+            x.zero_()
+        return
+    torch.where(flag, x, constant((0,), x.dtype, x.device)[0], out=x)
 
 
 def largest(x: torch.Tensor) -> torch.Tensor:

@@ -237,12 +237,11 @@ class Launched:
     index: int  # position in the plan's jobs (keys the job's collective)
     sizes: tuple[int, ...]  # the entries of each tensor of the job
     acc: torch.Tensor | None  # the accumulated gradients, flat (None: a raw dense job)
-    nonfinite: list[str]  # tensors whose gradient held NaN/Inf (sent as zeros)
     future: Future[JobResult]
     audit_acc: torch.Tensor | None = None  # a clone of ``acc`` or the gradients (audit only)
     storage: torch.Tensor | None = None  # the job's gradient storage, which .grad views
     # whether the job's gradients were finite, still on the device (prepare's deferred check;
-    # None: ``nonfinite`` says it)
+    # None: a dense job, whose sum shows a NaN/Inf)
     finite: torch.Tensor | None = None
 
 

@@ -3,11 +3,13 @@
 
 For every tensor of the job, as soon as the job's tensors are all ready:
 
-1. **Non-finite check.** A gradient holding NaN/Inf is replaced by zeros, so it never enters a
-   residual; the ranks agree on the step's fate after the collectives (``Config.nonfinite``).
-   On an accelerator (:func:`gradsync.sparsify.segments.pays_on`) the check is not read back
-   here: the job's buffer accumulates as zeros when it holds one, and the engine reads every
-   job's flag with the step's other checks, once per step.
+1. **Non-finite check**, the same on every device and the DDP hook's
+   (:mod:`gradsync.engine.pipeline`): one flag per job, left on the device. A job whose
+   gradients hold a NaN/Inf accumulates as zeros (:func:`accumulate`), so no NaN enters a
+   residual or a selection; the engine reads every job's flag with the step's other checks,
+   once per step, and the ranks agree on the step's fate (``Config.nonfinite``), naming the
+   culprits from the gradients only then. Only the kernel that zeroes differs
+   (:func:`~gradsync.sparsegrad.zero_unless`).
    Dense jobs skip the check: the gradient (or its velocity, still pending) travels as it is,
    its NaN/Inf shows in the all-reduced sum on every rank, which the engine checks once, and a
    skipped step discards the pending velocity.
@@ -49,14 +51,7 @@ import torch
 from gradsync import sparsify
 from gradsync.engine.jobs import Job, Mode, Payload, Transport, bounds
 from gradsync.feedback import ErrorFeedback, clip_local
-from gradsync.sparsegrad import (
-    SparseGrad,
-    all_finite,
-    all_finite_each,
-    constant,
-    finite_flag,
-    iota,
-)
+from gradsync.sparsegrad import SparseGrad, finite_flag, iota, zero_unless
 from gradsync.sparsify import segments
 
 __all__ = ["Prepared", "accumulate", "prepare", "select"]
@@ -71,11 +66,10 @@ class Prepared:
 
     acc: torch.Tensor | None  # the accumulated gradients, flat, in the job's order (None: a
     # dense job that carries the raw gradients, with nothing in error feedback)
-    nonfinite: list[str]  # tensors whose gradient held NaN/Inf
     payload: Payload
     sparsify_s: float  # inline selection time
-    # on an accelerator the check is not read here: whether the job's gradients were all
-    # finite, a bool on the device that the engine reads with the step's other checks
+    # whether the job's gradients were all finite, a bool on the device that the engine reads
+    # with the step's other checks (None: a dense job, whose sum shows a NaN/Inf)
     finite: torch.Tensor | None = None
 
 
@@ -96,26 +90,20 @@ def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
     # sum on every rank (GradSync.synchronize checks the sums, and a pending velocity is then
     # discarded), so no pass over it here
     dense = job.mode is Mode.DENSE
-    # on an accelerator the check stays on the device (no wait here): a buffer that holds a
-    # NaN/Inf accumulates as zeros, and the engine reads the flag with the step's other checks
+    # the check stays on the device (module doc, step 1): a buffer that holds a NaN/Inf
+    # accumulates as zeros, and the engine reads the flag with the step's other checks
     if job.offload and offload is None:
         raise ValueError(f"prepare: job {index!r} offloads {sorted(job.offload)[:3]} and no "
                          "worker was given")
-    finite = None if dense or not segments.pays_on(grad.device) else finite_flag(grad)
-    nonfinite = [] if dense or finite is not None else _nonfinite(job.names, sizes, grad)
-    if nonfinite:  # never enters a residual; the step is agreed later
-        grad = grad.clone()
-        for n, lo, hi in bounds(job.names, sizes):
-            if n in nonfinite:
-                grad[lo:hi].zero_()
+    finite = None if dense else finite_flag(grad)
     wire = grad.dtype  # values travel in the gradients' dtype
     # dense jobs with momentum keep a velocity (feedback.py: sent whole); a scale
     # (GradSync.precondition) applies to every path
     if dense and not any(ef.transforms(n) for n in job.names):
-        return Prepared(None, nonfinite, Payload(dense=grad if reuse else grad.clone()), 0.0)
+        return Prepared(None, Payload(dense=grad if reuse else grad.clone()), 0.0)
     acc = accumulate(index, job.names, sizes, grad, ef, clip, finite)
     payload, seconds = select(job, index, acc, sizes, sparsifier, offload, step, wire)
-    return Prepared(acc, nonfinite, payload, seconds, finite)
+    return Prepared(acc, payload, seconds, finite)
 
 
 def accumulate(key: Hashable, names: Sequence[str], sizes: Sequence[int], grad: torch.Tensor,
@@ -129,7 +117,7 @@ def accumulate(key: Hashable, names: Sequence[str], sizes: Sequence[int], grad: 
         grad = torch.cat(clip_local(list(grad.split(list(sizes))), *clip))
     acc = ef.accumulate_buffer(key, names, sizes, grad)
     if finite is not None:  # acc is new (or the pending velocity, discarded on such a step)
-        torch.where(finite, acc, constant((0,), acc.dtype, acc.device)[0], out=acc)
+        zero_unless(finite, acc)
     return acc
 
 
@@ -188,16 +176,6 @@ def _sent_whole(acc: torch.Tensor, lo: int, hi: int) -> SparseGrad:
     n = hi - lo  # its indices: a view of a cached arange (sparsegrad.iota), never written
     return SparseGrad(iota(n, acc.device), acc[lo:hi], n, validate=False,
                       dense_prefix=n, capacity=n)
-
-
-def _nonfinite(names: Sequence[str], sizes: Sequence[int], grad: torch.Tensor) -> list[str]:
-    """The tensors whose gradient holds a NaN/Inf: one check of the buffer (one read), and per
-    tensor only when it fails."""
-    if all_finite(grad):
-        return []
-    spans = bounds(names, sizes)
-    finite = all_finite_each([grad[lo:hi] for _, lo, hi in spans])
-    return [n for (n, _, _), ok in zip(spans, finite) if not ok]
 
 
 def _select_inline(parts: list, inline: list[tuple[int, sparsify.Sparsifier, int, int]],

@@ -396,8 +396,6 @@ class GradSync:
         bad = None
         if finite:
             bad = ~torch.stack([f.reshape(()) for f in finite]).all()
-        if any(lj.nonfinite for lj in run.launched):
-            bad = torch.ones((), dtype=torch.bool, device=dev)
         comm = Comm(self.group)
         word = agreement_word(comm, dev, wire, bad)
         stats.add_traffic(comm.stats)
@@ -409,7 +407,7 @@ class GradSync:
         (``deferred_bad``, ``dense_bad``, ``agreed``: what :meth:`_settle` found). A step of
         only plain all-reduces needs no agreement collective (their sums are alike on every
         rank); in a mixed step a non-finite sum joins this rank's flag."""
-        bad_local = sorted({*deferred_bad, *(n for lj in run.launched for n in lj.nonfinite)})
+        bad_local = sorted(deferred_bad)
         if dense_bad:  # rare: name this rank's culprits for the message
             bad_local = sorted({*bad_local, *(n for lj in run.launched
                                               if lj.job.mode is Mode.DENSE
@@ -772,8 +770,8 @@ class GradSync:
         audit_acc = ((grad if prep.acc is None else prep.acc).detach().clone()
                      if self._audit.enabled else None)
         future = self._exec.submit(job, index, prep.payload, self.step)
-        self._run.launched.append(Launched(job, index, sizes, prep.acc, prep.nonfinite, future,
-                                           audit_acc, storage, prep.finite))
+        self._run.launched.append(Launched(job, index, sizes, prep.acc, future, audit_acc,
+                                           storage, prep.finite))
 
     def _gather(self, index: int, names: tuple[str, ...]
                 ) -> tuple[torch.Tensor, torch.Tensor | None]:
