@@ -25,6 +25,7 @@ from conftest import conserved as conserved_records
 from conftest import density_one_error, image_batch, pin_profiles
 from gradsync.apps.models import build
 from gradsync.engine import GradSync, drift
+from gradsync.engine import trial as trial_rule
 from gradsync.engine.config import Config
 from gradsync.engine.consistency import parameter_digest
 from gradsync.schedule import BufferPlan, Plan, TensorPlan, auto, costmodel, make_plan, simulate
@@ -362,7 +363,7 @@ def test_a_close_trial_goes_on_and_the_rounds_decide():
     # close, so all three rounds run; the dense one is kept
     d = start(1.04)
     kinds, (now, _) = _rounds(d, cfg, (dense, cost), (plan, cost), [1.0] * 3, [1.04] * 3)
-    assert kinds == ["trial_back", "trial_again"] * (drift.TRIAL_ROUNDS - 1) + [
+    assert kinds == ["trial_back", "trial_again"] * (trial_rule.TRIAL_ROUNDS - 1) + [
         "trial_back", "trial"]
     assert d.events[-1]["kept"] and not auto.has_sparse(now.buffers)
     # clearly slower (30 %): one round
@@ -406,7 +407,7 @@ def _engine(rank: int, P: int) -> dict:
     # a fast watch, and every window counts as drift (no ratio lies in [2, 0.5]), so that the
     # re-plan runs in this short test, whatever the timing
     drift.DRIFT_WINDOW, drift.DRIFT_PATIENCE, drift.DRIFT_THRESHOLD = 2, 1, -0.5
-    drift.TRIAL_ROUNDS = 1  # real timings: a close trial would go on (tested on its own)
+    trial_rule.TRIAL_ROUNDS = 1  # real timings: a close trial would go on (tested on its own)
     out: dict = {}
     # density 1 against the plain all-reduce average (what DDP computes)
     # compress_single_rank: at P = 1 auto runs too (by default a step is plain training, and
@@ -478,7 +479,7 @@ def _velocity_at_switches(rank: int, P: int) -> dict:
     one sent whole, and of every tensor sparsified under both."""
     _slow_link()
     drift.DRIFT_WINDOW, drift.DRIFT_PATIENCE, drift.DRIFT_THRESHOLD = 2, 1, -0.5
-    drift.TRIAL_ROUNDS = 1
+    trial_rule.TRIAL_ROUNDS = 1
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme="auto", density=0.01, sparsifier="topk", momentum=0.9,
                                   warmup_steps=2, check_every=0, compress_single_rank=True))
@@ -567,9 +568,9 @@ def test_a_trial_in_progress_round_trips_and_malformed_trials_are_refused():
     one = {k: v for k, v in trial.items() if k != "incumbent"}
     assert drift.Drift.from_state_dict({**d.state_dict(), "trial": one}).trial == {
         **one, "incumbent": []}
-    most = drift.TRIAL_WINDOWS * drift.TRIAL_ROUNDS
+    most = drift.TRIAL_WINDOWS * trial_rule.TRIAL_ROUNDS
     bad = {"long": {**trial, "measured": [0.1] * (most + 1)},
-           "rounds": {**trial, "incumbent": [0.1] * drift.TRIAL_ROUNDS},
+           "rounds": {**trial, "incumbent": [0.1] * trial_rule.TRIAL_ROUNDS},
            "nan": {**trial, "measured": [float("nan")]},
            "half_candidate": {**trial, "candidate": {"plan": dense.to_dict()}},
            "bad_candidate": {**trial, "candidate": {"plan": {}, "cost": cost.to_dict()}},

@@ -264,11 +264,13 @@ def test_auto_hook_times_its_sparsifier_where_the_gradients_are():
         assert seen == ["cpu"]  # once, at the first call, on the CPU buckets' device
 
 
-def _auto_trial(rank: int, world_size: int, slow: str) -> dict:
+def _auto_trial(rank: int, world_size: int, slow: str, extra: float = 0.25,
+                rounds: int = 1) -> dict:
     """The DDP hook's ``auto`` with a link model that predicts sparse (1 Mbit/s), on a real
-    loopback, timed by an injected clock: a step takes 100 ms, and 250 ms more in the mode
-    ``slow`` (a stand-in for its cost), however loaded the machine is."""
-    from gradsync.engine.trial import TRIAL_ORDER, TRIAL_STEPS
+    loopback, timed by an injected clock: a step takes 100 ms, and ``extra`` more in the mode
+    ``slow`` (a stand-in for its cost), however loaded the machine is; ``rounds``: the
+    trial's rounds to run steps for."""
+    from gradsync.engine.trial import AGAIN_ORDER, TRIAL_ORDER, TRIAL_STEPS
     from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 
     model = build("mlp", seed=1)
@@ -279,10 +281,10 @@ def _auto_trial(rank: int, world_size: int, slow: str) -> dict:
     now = [0.0]
     state.auto.clock = lambda: now[0]
     modes, sent = [], []
-    steps = len(TRIAL_ORDER) * TRIAL_STEPS + 4
+    steps = (len(TRIAL_ORDER) + len(AGAIN_ORDER) * (rounds - 1)) * TRIAL_STEPS + rounds + 3
     for step in range(steps):
         mode = state.auto_mode()
-        now[0] += 0.1 + (0.25 if mode == slow else 0.0)
+        now[0] += 0.1 + (extra if mode == slow else 0.0)
         ddp.zero_grad(set_to_none=True)
         x, y = image_batch(rank, step)
         nn.functional.cross_entropy(ddp(x), y).backward()
@@ -330,6 +332,43 @@ def test_auto_hook_measures_its_prediction_against_all_dense(slow, verdict):
         assert (r["residual"] == 0.0) == (verdict == "dense"), r["residual"]
 
 
+def test_a_close_hook_trial_goes_on_and_the_means_of_every_round_decide():
+    """The hook decides by the engine's A-B-B-A rule (``trial.decide``): all-dense and the
+    prediction equally fast is within TRIAL_CLOSE once the margin is counted, so B-B-A runs
+    again until TRIAL_ROUNDS rounds, and then all-dense (the sparse side handicapped) stays, on
+    every rank alike."""
+    from gradsync.engine.trial import TRIAL_ROUNDS, TRIAL_STEPS
+
+    out = run_distributed(_auto_trial, 2, "neither", 0.0, TRIAL_ROUNDS, timeout=300)
+    w = TRIAL_STEPS
+    want = ["model"] * (1 + w) + ["dense"] * (2 * w) + ["model"] * w
+    for _ in range(TRIAL_ROUNDS - 1):  # the step that decided the round before, untimed
+        want += ["model"] + ["dense"] * (2 * w) + ["model"] * w
+    for r in out:
+        assert r["verdict"] == "dense" and r["resumed_mode"] == "dense"
+        assert r["modes"][:len(want)] == want
+        assert set(r["modes"][len(want) + 1:]) == {"dense"}
+        assert r["measured"] == {"model": pytest.approx(0.1), "dense": pytest.approx(0.1)}
+
+
+def test_the_a_b_b_a_rule_by_hand():
+    """``trial.decide``: the sparse side's time over (1 − MARGIN); within TRIAL_CLOSE another
+    round until TRIAL_ROUNDS; a dense candidate against a sparse plan in use and the reverse."""
+    from gradsync.engine.trial import TRIAL_ROUNDS, decide
+    from gradsync.schedule.auto import MARGIN
+
+    assert decide(1.0, 1.3, False, False, 1) is False  # 30 % slower: one round settles it
+    assert decide(1.3, 1.0, False, False, 1) is True
+    assert decide(1.0, 1.05, False, False, 1) is None  # 5 %: too close
+    assert decide(1.0, 1.05, False, False, TRIAL_ROUNDS) is False  # the last round decides
+    # a sparse plan in use at 1.0 against a dense candidate at 1.0: 1/(1 − MARGIN) against 1
+    assert decide(1.0, 1.0, True, False, TRIAL_ROUNDS) is True
+    # a sparse candidate must be MARGIN faster: at (1 − MARGIN) × 1.01 it is not
+    assert decide(1.0, (1 - MARGIN) * 1.01, False, True, TRIAL_ROUNDS) is False
+    assert decide(1.0, (1 - MARGIN) * 0.99, False, True, TRIAL_ROUNDS) is True
+    assert decide(1.0, 0.5, False, True, 1) is True
+
+
 def test_auto_hook_trial_entries_are_checked_on_load():
     model = build("mlp", seed=1)
     state, _ = gradsync.ddp.hook(Config(scheme="auto", density=0.05), model=model)
@@ -339,12 +378,16 @@ def test_auto_hook_trial_entries_are_checked_on_load():
     fresh, _ = gradsync.ddp.hook(Config(scheme="auto", density=0.05), model=model)
     fresh.load_state_dict(sd)
     assert fresh.auto.trial == state.auto.trial and fresh.auto_mode() == "dense"
+    again = {**state.auto.trial, "rounds": 2}  # a second round (B-B-A) is saved and restored
+    fresh.load_state_dict({**sd, "trial": again})
+    assert fresh.auto.trial == again
     for bad in ({"start": 3}, {"start": 3, "verdict": "sometimes",
                                "times": {"model": [], "dense": []}},
-                {"start": "x", "verdict": None, "times": {"model": [], "dense": []}}):
+                {"start": "x", "verdict": None, "times": {"model": [], "dense": []}},
+                {**again, "rounds": 0}, {**again, "rounds": 99}, {**again, "rounds": "2"}):
         with pytest.raises(ValueError, match="trial"):
             fresh.load_state_dict({**sd, "trial": bad})
-    assert fresh.auto.trial == state.auto.trial  # nothing changed
+    assert fresh.auto.trial == again  # nothing changed
 
 
 def test_kept_counts_missing_tensors_and_refuses_positions_outside():

@@ -216,10 +216,10 @@ def _leave_traces(rank: int, world_size: int) -> dict:
 
     from gradsync import sparsegrad
     from gradsync.collectives.comm import Comm
-    from gradsync.engine import drift
+    from gradsync.engine import trial as trial_rule
     from gradsync.schedule import costmodel
 
-    found = {"kernels": sparsegrad.cpu_kernels(), "rounds": drift.TRIAL_ROUNDS,
+    found = {"kernels": sparsegrad.cpu_kernels(), "rounds": trial_rule.TRIAL_ROUNDS,
              "profile": costmodel.profile_collectives.__name__,
              "env": os.environ.get("GRADSYNC_POOL_TRACE"), "rand": float(torch.rand(())),
              "np": float(np.random.rand()), "threads": torch.get_num_threads(),
@@ -227,7 +227,7 @@ def _leave_traces(rank: int, world_size: int) -> dict:
              "all_reduce": dist.all_reduce.__name__, "conftest": hasattr(conftest, "_trace"),
              "method": Comm.all_gather_v.__name__}
     sparsegrad.bind(sparsegrad.ACCELERATOR)  # a choice the call makes for itself
-    drift.TRIAL_ROUNDS = 99
+    trial_rule.TRIAL_ROUNDS = 99
     costmodel.profile_collectives = lambda *a, **k: None
     os.environ["GRADSYNC_POOL_TRACE"] = "left"
     torch.manual_seed(123)

@@ -13,8 +13,10 @@ each of the planner's runners-up (DDP's dense plan, the best sparse plan, TopkA'
 buffer: those that differ from the choice) is put on trial against the plan in use, one after
 the other; a trial is A-B-B-A (the plan in use for a window, the runner-up for
 :data:`TRIAL_WINDOWS` half windows, the plan in use for one more), so a load that comes or goes
-meanwhile weighs on both; a trial too close to call (within :data:`TRIAL_CLOSE`) repeats B-B-A,
-up to :data:`TRIAL_ROUNDS` rounds; the measured faster one stays, a sparse one only if
+meanwhile weighs on both; a trial too close to call (within
+:data:`~gradsync.engine.trial.TRIAL_CLOSE`) repeats B-B-A, up to
+:data:`~gradsync.engine.trial.TRIAL_ROUNDS` rounds (the rule the DDP hook's trial decides by
+too, :func:`gradsync.engine.trial.decide`); the measured faster one stays, a sparse one only if
 ``auto.MARGIN`` faster. Afterwards, when the step is off the reference (the
 kept plan's measured step; the prediction before any measurement) by more than
 :data:`DRIFT_THRESHOLD` (either way) in :data:`DRIFT_PATIENCE` consecutive windows, rank 0
@@ -47,12 +49,12 @@ import torch.distributed as dist
 
 from gradsync import schedule
 from gradsync.collectives.comm import Comm
+from gradsync.engine import trial as rule
 from gradsync.engine.config import Config
 from gradsync.engine.warmup import from_rank0, plan_kwargs
 from gradsync.schedule import BufferPlan, Plan, auto, costmodel, schemes
 
-__all__ = ["DRIFT_PATIENCE", "DRIFT_THRESHOLD", "DRIFT_WINDOW", "TRIAL_CLOSE", "TRIAL_ROUNDS",
-           "TRIAL_WINDOWS", "Drift"]
+__all__ = ["DRIFT_PATIENCE", "DRIFT_THRESHOLD", "DRIFT_WINDOW", "TRIAL_WINDOWS", "Drift"]
 
 DRIFT_THRESHOLD = 0.25  # |measured / predicted step − 1| beyond this (either way) is drift
 # steps per measurement (their median). 10, not 5: single steps vary too much on a loaded
@@ -66,14 +68,8 @@ DRIFT_PATIENCE = 2  # consecutive drifted windows before auto plans again
 # with one window each a load arriving between them could keep the slower plan for the rest of
 # the run (docs/results/speed.md, "The warm-up's windows and trials").
 TRIAL_WINDOWS = 2
-# A close trial goes on: when the two plans' means are within TRIAL_CLOSE of each other (after
-# the margin), the candidate runs another TRIAL_WINDOWS half windows and the plan in use another
-# one (B-B-A again), up to TRIAL_ROUNDS rounds, and the means over all rounds decide. Half-window
-# medians vary by ±10-20 % on a shared machine (docs/results/speed.md), so one round is close to
-# a coin flip between plans a few percent apart; a near tie costs little whichever plan runs
-# the extra rounds, a wrong pick costs the rest of the run.
-TRIAL_CLOSE = 0.10
-TRIAL_ROUNDS = 3
+# A close trial goes on (B-B-A again, up to trial.TRIAL_ROUNDS rounds) by the rule the DDP hook
+# decides by too: gradsync.engine.trial.decide.
 
 
 # A trial in progress (Drift.trial): the plan in use before it, its model and window median,
@@ -122,12 +118,6 @@ def _time(x: Any) -> float | None:
     return float(x) if math.isfinite(x) and x >= 0 else None
 
 
-def _effective(step: float, plan: Plan) -> float:
-    """A measured step, handicapped by ``auto.MARGIN`` when the plan sparsifies anything: a
-    sparse plan must be measured that much faster than a dense one to be kept."""
-    return step / (1 - auto.MARGIN) if auto.has_sparse(plan.buffers) else step
-
-
 @dataclass
 class Drift:
     """``auto``'s watch on its plan (module doc). One row of measurements per step; every
@@ -139,8 +129,8 @@ class Drift:
     2. a trial (A-B-B-A): the window just closed measured the plan in use (A); the candidate
        runs :data:`TRIAL_WINDOWS` half windows (B), then the plan in use one more (A). The
        candidate is kept if the mean of its medians is below the plan in use's (a sparse plan
-       by ``auto.MARGIN``); when the two are within :data:`TRIAL_CLOSE`, B-B-A runs again (at
-       most :data:`TRIAL_ROUNDS` rounds) and the means over the rounds decide; the kept plan's
+       by ``auto.MARGIN``); when the two are within ``trial.TRIAL_CLOSE``, B-B-A runs again (at
+       most ``trial.TRIAL_ROUNDS`` rounds) and the means over the rounds decide; the kept plan's
        measured iteration is the new reference;
     3. otherwise the drift test against the reference (the prediction until a plan has been
        measured), and after :data:`DRIFT_PATIENCE` drifted windows a re-plan on the rescaled
@@ -235,15 +225,15 @@ class Drift:
                                      "step")
                 Plan.from_dict(trial["plan"])
                 costmodel.CostModel.from_dict(trial["cost"])
-                most = TRIAL_WINDOWS * TRIAL_ROUNDS
+                most = TRIAL_WINDOWS * rule.TRIAL_ROUNDS
                 if not (isinstance(trial["measured"], list)
                         and len(trial["measured"]) <= most
                         and all(_time(x) is not None for x in trial["measured"])):
                     raise ValueError(f"measured must be at most {most} finite times")
                 if not (isinstance(trial["incumbent"], list)
-                        and len(trial["incumbent"]) < TRIAL_ROUNDS
+                        and len(trial["incumbent"]) < rule.TRIAL_ROUNDS
                         and all(_time(x) is not None for x in trial["incumbent"])):
-                    raise ValueError(f"incumbent must be fewer than {TRIAL_ROUNDS} finite "
+                    raise ValueError(f"incumbent must be fewer than {rule.TRIAL_ROUNDS} finite "
                                      "times")
                 cand = trial["candidate"]
                 if cand is not None:
@@ -391,14 +381,13 @@ class Drift:
         t["incumbent"].append(step)
         mine = statistics.fmean(t["measured"])
         before = statistics.fmean([t["step"], *t["incumbent"]])  # its A windows
-        b, a = _effective(mine, cand), _effective(before, plan)
-        if abs(b - a) < TRIAL_CLOSE * min(a, b) and len(t["incumbent"]) < TRIAL_ROUNDS:
-            # too close to call: the candidate again (B-B), then the plan in use (A)
+        keep = rule.decide(before, mine, auto.has_sparse(plan.buffers),
+                           auto.has_sparse(cand.buffers), len(t["incumbent"]))
+        if keep is None:  # too close to call: the candidate again (B-B), then the plan in use
             cand_cost = costmodel.CostModel.from_dict(t["candidate"]["cost"])
             t["candidate"] = None
             self._event(cand, kind="trial_again", measured=mine, replaced_measured=before)
             return cand, cand_cost
-        keep = b < a
         self.reference = mine if keep else before
         self.trial = None
         if keep:  # a measured change: drift is worth answering promptly again

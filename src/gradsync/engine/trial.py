@@ -1,15 +1,24 @@
-"""``auto`` per DDP bucket: the prediction, and its measured A-B-B-A trial against all-dense.
+"""``auto``'s measured trials: the A-B-B-A rule both doors decide by, and the DDP hook's trial
+of its per-bucket prediction against all-dense.
 
-The DDP hook's ``auto`` predicts per bucket from the link and sparsifier costs measured once
-(:func:`~gradsync.engine.warmup.link_costs`, :func:`~gradsync.schedule.auto.bucket_sparse`),
-then keeps the prediction only if it beats all-dense in a measured trial: windows of
-:data:`TRIAL_STEPS` steps in the order :data:`TRIAL_ORDER` (A-B-B-A, so a drift of the machine
-weighs on both alike), each step timed from one first bucket to the next, and the verdict taken
-from the means max-reduced over the ranks (one 16-byte all-reduce), so every rank takes it
-alike. The prediction must be :data:`~gradsync.schedule.auto.MARGIN` faster to be kept, because
-the model under-predicts inline sparsification where ranks share cores (docs/results/speed.md,
-"The DDP hook's `auto`, measured"). :class:`gradsync.GradSync`'s ``auto`` re-plans whole fusion
-buffers instead (:mod:`.drift`), with the same margin and the same A-B-B-A order.
+**The rule** (:func:`decide`). A candidate plan (B) is measured against the one in use (A) in
+windows A-B-B-A, so that a drift of the machine weighs on both alike. Each side's time is the
+mean of its windows, a sparse side's handicapped by :data:`~gradsync.schedule.auto.MARGIN`
+(:func:`effective`: the model under-predicts inline sparsification where ranks share cores,
+docs/results/speed.md, "The DDP hook's `auto`, measured"); the faster one stays. A trial whose
+two sides are within :data:`TRIAL_CLOSE` of each other goes on with B-B-A again, up to
+:data:`TRIAL_ROUNDS` rounds, and the means over every round decide: window times vary by ±10–20 %
+on a shared machine, so one round is close to a coin flip between plans a few percent apart,
+and a near tie costs little whichever plan runs the extra rounds. :class:`gradsync.GradSync`'s
+``auto`` puts whole re-plans on trial so (:mod:`.drift`); the DDP hook, its prediction.
+
+**The DDP hook's trial** (:class:`AutoTrial`). The hook's ``auto`` predicts per bucket from the
+link and sparsifier costs measured once (:func:`~gradsync.engine.warmup.link_costs`,
+:func:`~gradsync.schedule.auto.bucket_sparse`), then keeps the prediction (A, ``"model"``)
+only if it beats all-dense (B, ``"dense"``) by the rule: windows of :data:`TRIAL_STEPS` steps in
+the order :data:`TRIAL_ORDER`, then :data:`AGAIN_ORDER` per further round, each step timed from
+one first bucket to the next, the sides' means max-reduced over the ranks at each round's end
+(one 16-byte all-reduce), so every rank decides alike.
 """
 
 from __future__ import annotations
@@ -30,10 +39,33 @@ from gradsync.engine.warmup import link_costs
 from gradsync.schedule.auto import MARGIN, bucket_sparse
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 
-__all__ = ["TRIAL_ORDER", "TRIAL_STEPS", "AutoTrial"]
+__all__ = ["AGAIN_ORDER", "TRIAL_CLOSE", "TRIAL_ORDER", "TRIAL_ROUNDS", "TRIAL_STEPS",
+           "AutoTrial", "decide", "effective"]
 
-TRIAL_STEPS = 5
-TRIAL_ORDER = ("model", "dense", "dense", "model")
+# Two sides within TRIAL_CLOSE of each other (after the margin) are too close to call after one
+# round: B-B-A again, up to TRIAL_ROUNDS rounds (module doc, "The rule").
+TRIAL_CLOSE = 0.10
+TRIAL_ROUNDS = 3
+TRIAL_STEPS = 5  # the hook's window, in steps
+TRIAL_ORDER = ("model", "dense", "dense", "model")  # the hook's first round: A-B-B-A
+AGAIN_ORDER = ("dense", "dense", "model")  # each further round: B-B-A
+
+
+def effective(step: float, sparse: bool) -> float:
+    """A measured time, handicapped by ``auto.MARGIN`` for a side that sparsifies anything: a
+    sparse plan must be measured that much faster than a dense one to be kept."""
+    return step / (1 - MARGIN) if sparse else step
+
+
+def decide(incumbent: float, candidate: float, incumbent_sparse: bool, candidate_sparse: bool,
+           rounds: int) -> bool | None:
+    """The A-B-B-A rule (module doc) after ``rounds`` rounds, on each side's mean time: whether
+    the candidate (B) replaces the plan in use (A), or ``None`` when the two are within
+    :data:`TRIAL_CLOSE` and fewer than :data:`TRIAL_ROUNDS` rounds have run (another round)."""
+    a, b = effective(incumbent, incumbent_sparse), effective(candidate, candidate_sparse)
+    if abs(b - a) < TRIAL_CLOSE * min(a, b) and rounds < TRIAL_ROUNDS:
+        return None
+    return b < a
 
 
 @dataclass
@@ -59,8 +91,9 @@ class AutoTrial:
             return t["verdict"]
         if step < t["start"]:
             return "model"
-        window = (step - t["start"]) // TRIAL_STEPS
-        return TRIAL_ORDER[min(window, len(TRIAL_ORDER) - 1)]
+        order = _order(t.get("rounds", 1))
+        w = _window(step - t["start"])
+        return order[-1] if w is None else order[min(w, len(order) - 1)]
 
     def sparse(self, numels: list[int], density: float, elem_bytes: int, step: int,
                probe: Callable[[], sparsify.Sparsifier], group: dist.ProcessGroup | None,
@@ -78,24 +111,31 @@ class AutoTrial:
         return sparse and (self.trial is None or self.mode(step) == "model")
 
     def time_step(self, step: int, comm: Comm) -> None:
-        """At a step's first bucket: the previous step's time goes to its window; after the
-        last window the ranks agree on the verdict (one 16-byte max-reduce)."""
+        """At a step's first bucket: the previous step's time goes to its window; at the end
+        of a round the ranks agree on the sides' means (one 16-byte max-reduce) and
+        :func:`decide`: a verdict, or another round."""
         t = self.trial
         if t is None or t["verdict"] is not None:
             return
         now = self.clock()
         prev, self.last_first = self.last_first, (step, now)
+        rounds = t.get("rounds", 1)
+        order = _order(rounds)
         if prev is not None and prev[0] == step - 1 and prev[0] >= t["start"]:
-            w = (prev[0] - t["start"]) // TRIAL_STEPS
-            if w < len(TRIAL_ORDER):
-                t["times"][TRIAL_ORDER[w]].append(now - prev[1])
-        if step - t["start"] < len(TRIAL_ORDER) * TRIAL_STEPS:
+            w = _window(prev[0] - t["start"])
+            if w is not None and w < len(order):
+                t["times"][order[w]].append(now - prev[1])
+        if step - t["start"] < _end(rounds):
             return
         means = torch.tensor([statistics.fmean(t["times"][k]) if t["times"][k] else math.inf
                               for k in ("model", "dense")], dtype=torch.float64)
-        comm.all_reduce(means, op=dist.ReduceOp.MAX)  # every rank: the same verdict
+        comm.all_reduce(means, op=dist.ReduceOp.MAX)  # every rank: the same numbers
         model, dense = means.tolist()
-        t["verdict"] = "model" if model < dense * (1 - MARGIN) else "dense"
+        dense_wins = decide(model, dense, True, False, rounds)
+        if dense_wins is None:  # too close to call: B-B-A again
+            t["rounds"] = rounds + 1
+            return
+        t["verdict"] = "dense" if dense_wins else "model"
         t["measured"] = {"model": model, "dense": dense}
 
     def state_dict(self) -> dict[str, Any]:
@@ -109,6 +149,30 @@ class AutoTrial:
         """The trial of a hook's ``state_dict`` (its ``link`` and ``trial`` entries; absent:
         measured again); ``ValueError`` when malformed."""
         return cls(_link_from(state.get("link")), _trial_from(state.get("trial")), None, clock)
+
+
+def _order(rounds: int) -> tuple[str, ...]:
+    """The hook's windows over ``rounds`` rounds: A-B-B-A, then B-B-A per further round."""
+    return TRIAL_ORDER + AGAIN_ORDER * (rounds - 1)
+
+
+_FIRST = len(TRIAL_ORDER) * TRIAL_STEPS  # the first round's steps
+_AGAIN = len(AGAIN_ORDER) * TRIAL_STEPS + 1  # a further round's: the step that decided the one
+# before it (its mode read before the decision, so left untimed), then its windows
+
+
+def _window(k: int) -> int | None:
+    """The window (an index into :func:`_order`) of the trial's ``k``-th step, ``None`` for a
+    step at which a round was decided."""
+    if k < _FIRST:
+        return k // TRIAL_STEPS
+    r, j = divmod(k - _FIRST, _AGAIN)
+    return None if j == 0 else len(TRIAL_ORDER) + r * len(AGAIN_ORDER) + (j - 1) // TRIAL_STEPS
+
+
+def _end(rounds: int) -> int:
+    """The trial's step at whose first bucket round ``rounds`` is decided."""
+    return _FIRST + (rounds - 1) * _AGAIN
 
 
 def _link_from(saved: Any) -> tuple[Any, ...] | None:
@@ -130,9 +194,15 @@ def _trial_from(saved: Any) -> dict[str, Any] | None:
                  "times": {k: [float(t) for t in saved["times"][k]] for k in ("model", "dense")}}
         if "measured" in saved:  # the agreed means behind the verdict
             trial["measured"] = {k: float(saved["measured"][k]) for k in ("model", "dense")}
+        if "rounds" in saved:  # absent: saved in the first round, or before rounds existed
+            trial["rounds"] = saved["rounds"]
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"the DDP hook state's trial entry is malformed ({e!r}): "
                          f"{saved!r:.200}") from None
+    rounds = trial.get("rounds", 1)
+    if not isinstance(rounds, int) or isinstance(rounds, bool) or not 1 <= rounds <= TRIAL_ROUNDS:
+        raise ValueError(f"the DDP hook state's trial rounds must be an int in [1, "
+                         f"{TRIAL_ROUNDS}], got {rounds!r}")
     if trial["verdict"] not in (None, "model", "dense"):
         raise ValueError(f"the DDP hook state's trial verdict must be None, 'model' or "
                          f"'dense', got {trial['verdict']!r}")
