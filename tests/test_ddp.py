@@ -83,6 +83,59 @@ def test_sparse_hook_keeps_replicas_identical(world_size):
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 + 0.5
 
 
+def _threaded(rank: int, world_size: int, scheme: str, inline: bool) -> dict:
+    """The hook over several buckets (a CNN, 0.1 MB buckets) with momentum and clipping, its
+    sparse buckets' collectives on its communication thread, or (``inline``) in the hook as
+    on an accelerator's kernels, the CPU's own kernels either way."""
+    import threading
+
+    from gradsync.engine import pipeline
+
+    if inline:  # the only difference: _send's choice of thread
+        pipeline.host_kernels = lambda t: False
+    model = build("cnn", seed=4)
+    ddp = DDP(model, bucket_cap_mb=0.1)
+    state = gradsync.ddp.register(ddp, Config(scheme=scheme, density=0.02, momentum=0.9,
+                                              clip_norm=1.0), small_numel=1000)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    calls = []
+    for step in range(6):
+        opt.zero_grad(set_to_none=True)
+        x, y = image_batch(rank, step, 16)
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        opt.step()
+        calls.append(state.stats()["calls"])
+    names = {t.name for t in threading.enumerate()}
+    return {"digest": parameter_digest(model)[0], "residual": state.ef.state_dict(),
+            "calls": calls, "missing": state.counts.missing,
+            "bytes": {k: v for k, v in state.stats()["total"].items() if k != "seconds"},
+            "thread": state.scratch.thread is not None,
+            "named": any(n.startswith("gradsync-hook") for n in names)}
+
+
+@pytest.mark.parametrize("world_size,scheme", [(2, "ssfusion_oi"), (3, "per_tensor")])
+def test_sparse_buckets_on_the_hooks_thread_train_bit_for_bit_as_in_the_hook(world_size,
+                                                                               scheme):
+    """The hook's communication thread changes where a sparse bucket's collectives run, not
+    what they compute: parameters, residuals, bytes and missing tensors bit for bit as when
+    every bucket runs in the hook, over several buckets per step; the thread is used only
+    there (CPU's own kernels, P > 1)."""
+    threaded = run_distributed(_threaded, world_size, scheme, False, timeout=300)
+    inline = run_distributed(_threaded, world_size, scheme, True, timeout=300)
+    for t, i in zip(threaded, inline):
+        assert t["thread"] and t["named"] and not i["thread"]
+        assert t["digest"] == i["digest"] and t["calls"] == i["calls"]
+        assert t["calls"][1] - t["calls"][0] > 1, t["calls"]  # several buckets a step
+        assert t["bytes"] == i["bytes"] and t["missing"] == i["missing"]
+        assert t["residual"].keys() == i["residual"].keys()
+        for k in t["residual"]:
+            a, b = t["residual"][k], i["residual"][k]
+            if isinstance(a, dict):
+                assert a.keys() == b.keys()
+                assert all(torch.equal(a[n], b[n]) for n in a), k
+    assert len({t["digest"] for t in threaded}) == 1
+
+
 def test_hook_rejects_engine_only_schemes():
     with pytest.raises(ValueError, match="DDP hook supports"):
         HookState(cfg=Config(scheme="oktopk"))

@@ -50,7 +50,31 @@ from gradsync.collectives.comm import Comm, CommStats
 from gradsync.engine.jobs import InFlight, Job, JobResult, Payload
 from gradsync.sparsegrad import SparseGrad
 
-__all__ = ["Executor"]
+__all__ = ["Executor", "comm_thread"]
+
+
+def comm_thread(name: str = "gradsync-comm") -> ThreadPoolExecutor:
+    """One thread that runs a rank's collectives strictly in the order they are handed to it
+    (every rank issues them in the same order), bound to the caller's CPU kernels and CUDA
+    device: the engine's communication thread (:class:`Executor`) and the DDP hook's
+    (:mod:`gradsync.engine.pipeline`)."""
+    return ThreadPoolExecutor(1, thread_name_prefix=name,
+                              initializer=_binder(sparsegrad.cpu_kernels(), _current_cuda()))
+
+
+def _current_cuda() -> int | None:
+    """The caller's CUDA device, if it uses CUDA at all (never initialise CUDA for a CPU job)."""
+    return (torch.cuda.current_device()
+            if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+
+
+def _binder(kernels: sparsegrad.Kernels, cuda: int | None) -> Callable[[], None]:
+    """A thread initializer: the thread takes ``kernels`` and CUDA device ``cuda``."""
+    def bind() -> None:
+        sparsegrad.bind(kernels)
+        if cuda is not None:
+            torch.cuda.set_device(cuda)
+    return bind
 
 
 class Executor:
@@ -68,26 +92,18 @@ class Executor:
         self.group = group
         self._collective = collective
         self._audit = audit
-        # the caller's CUDA device, if it uses CUDA at all (never initialise CUDA for a CPU job)
-        self._cuda = (torch.cuda.current_device()
-                      if torch.cuda.is_available() and torch.cuda.is_initialized() else None)
+        self._cuda = _current_cuda()
         # the kernels of the caller's CPU tensors, taken by both threads (chosen once, here)
         self.kernels = sparsegrad.cpu_kernels()
-        self._comm = ThreadPoolExecutor(1, thread_name_prefix="gradsync-comm",
-                                        initializer=self._bind_device)
+        self._comm = comm_thread()
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="gradsync-sparsify",
-                                          initializer=self._bind_device)
+                                          initializer=_binder(self.kernels, self._cuda))
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
         if (self._cuda is not None and Comm(group).size > 1
                 and not torch.are_deterministic_algorithms_enabled()):
             warnings.warn("gradsync on CUDA: replicas stay bitwise identical only under "
                           "torch.use_deterministic_algorithms(True) (index_add_ uses atomics "
                           "on CUDA); see docs/architecture.md, 'GPU path'", stacklevel=3)
-
-    def _bind_device(self) -> None:
-        sparsegrad.bind(self.kernels)
-        if self._cuda is not None:
-            torch.cuda.set_device(self._cuda)
 
     def _offload_stream(self, device: torch.device) -> torch.cuda.Stream:
         """SSFusion-O's own CUDA stream on ``device`` (created once)."""

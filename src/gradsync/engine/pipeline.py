@@ -27,9 +27,18 @@ that step's ``backward()`` on every rank (the receiving rank with the check's me
 
 **Dense buckets** (:meth:`BufferPipeline.whole`) leave their all-reduce in flight, as DDP's
 default hook does; their error feedback (momentum's velocity, a preconditioning scale, a
-sparse step's leftovers) commits in the future's callback once the sum is in and finite. On
-gloo a second collective cannot be launched from ``Future.then``, so a sparse bucket's
-collectives run blocking and its future is completed.
+sparse step's leftovers) commits in the future's callback once the sum is in and finite.
+
+**The communication thread.** A sparse bucket's collectives cannot be chained on the all-reduce
+(gloo launches no collective from ``Future.then``). With the CPU's own kernels at P > 1, phase
+2 and the average run on one thread per hook (:func:`~gradsync.engine.executor.comm_thread`,
+the engine's kind) while the backward computes the next buckets; the bucket's future completes
+when the average is in. The step's last bucket, and a bucket sent whole, first wait for the
+buckets handed to the thread (every rank then issues its collectives in one order), then run
+on the calling thread: the last one settles the step, so DDP's own collectives after it
+(``find_unused_parameters``' all-reduce) find the thread idle. A collective that raised there
+fails its bucket's future and the step's last one, with error feedback as before the step. On
+an accelerator's kernels the capped exchange reads nothing back: phase 2 runs in the hook.
 
 The owner (the hook's :class:`~gradsync.integrations.ddp.HookState`) is any object with the
 attributes of :class:`Owner`.
@@ -42,7 +51,8 @@ import functools
 import math
 import threading
 import weakref
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -53,10 +63,11 @@ from gradsync.engine.apply import agreement_word, commit, job_check, settle_miss
 from gradsync.engine.components import Components
 from gradsync.engine.config import Config
 from gradsync.engine.density import DensitySchedule
+from gradsync.engine.executor import comm_thread
 from gradsync.engine.jobs import Job, Payload
 from gradsync.engine.prepare import accumulate, select
 from gradsync.feedback import ErrorFeedback, clip_local
-from gradsync.sparsegrad import all_finite, finite_flag, largest
+from gradsync.sparsegrad import all_finite, finite_flag, host_kernels, largest
 from gradsync.sparsify import segments
 
 __all__ = ["BufferPipeline", "Counts", "Owner", "Scratch", "settle"]
@@ -82,10 +93,25 @@ class Counts:
 @dataclass
 class Scratch:
     """This step's sparse buckets, their checks on the device: read once, at the last bucket,
-    where error feedback commits (or drops) each of them (:func:`settle`)."""
+    where error feedback commits (or drops) each of them (:func:`settle`); and the hook's
+    communication thread with the buckets handed to it this step (module doc)."""
 
     pending: list[_Pending] = field(default_factory=list, repr=False)
     wire_checks: list[tuple[torch.Tensor, str]] = field(default_factory=list, repr=False)
+    thread: ThreadPoolExecutor | None = field(default=None, repr=False)  # made at first use
+    queued: list[Future] = field(default_factory=list, repr=False)
+
+    def queue(self, work: Callable[[], BaseException | None]) -> None:
+        """Hand ``work`` (which returns its error, never raises) to the thread."""
+        if self.thread is None:
+            self.thread = comm_thread("gradsync-hook")
+        self.queued.append(self.thread.submit(work))
+
+    def drain(self) -> BaseException | None:
+        """Wait for the work handed to the thread; the first error, if any."""
+        queued, self.queued = self.queued, []
+        errors = [f.result() for f in queued]
+        return next((e for e in errors if e is not None), None)
 
 
 class Owner(Protocol):
@@ -144,19 +170,53 @@ class BufferPipeline:
         here = finite_flag(grad)  # checked once, whatever its jobs (no read: module doc)
         sizes = [self.numels[position[n]] for n in order]
         parts, whole, acc = self._prepare(jobs, grad, order, sizes, here, buf.dtype)
-        sums, res, sel, stats = self._launch(parts, here)
-        out = sums[0] if len(sums) == 1 else torch.cat(sums)  # the sums, in travel order
-        kept = None if res is None else res.kept.to(torch.int64)
-        # the all-gather part's missing tensors: on the host when it kept this rank's selection
-        known = None if res is None else parts[-1][2].known_missing(sel, res.kept)
-        owner.scratch.pending.append(_Pending(
-            self.key, self.names, acc, kept, whole, buf.dtype,
-            largest(out), here,  # the sums' largest magnitude: alike on every rank
-            None if kept is None or known is not None else job_check(parts[-1][1], kept),
-            known or 0))
-        owner.counts.tensors += len(self.names)
-        travel.average_into(buf, out, P)
-        return _done(owner, stats, buf, self.last)
+
+        def finish() -> CommStats:
+            """Phase 2, and the bucket's average in ``buf``: here, or on the hook's
+            communication thread (:meth:`_send`)."""
+            sums, res, sel, stats = self._launch(parts, here)
+            out = sums[0] if len(sums) == 1 else torch.cat(sums)  # the sums, in travel order
+            kept = None if res is None else res.kept.to(torch.int64)
+            # the all-gather part's missing tensors: on the host when it kept this rank's
+            # selection
+            known = None if res is None else parts[-1][2].known_missing(sel, res.kept)
+            owner.scratch.pending.append(_Pending(
+                self.key, self.names, acc, kept, whole, buf.dtype,
+                largest(out), here,  # the sums' largest magnitude: alike on every rank
+                None if kept is None or known is not None else job_check(parts[-1][1], kept),
+                known or 0))
+            owner.counts.tensors += len(self.names)
+            travel.average_into(buf, out, P)
+            return stats
+
+        return self._send(finish, buf)
+
+    def _send(self, finish: Callable[[], CommStats], buf: torch.Tensor
+              ) -> torch.futures.Future:
+        """Phase 2 of a sparse bucket (``finish``) on the hook's communication thread, so that
+        the backward goes on meanwhile (module doc, "The communication thread"); here, after
+        every bucket handed to the thread, for the step's last bucket (it settles the step),
+        at P = 1, and on an accelerator's kernels, whose capped exchange reads nothing back."""
+        owner, scratch = self.owner, self.owner.scratch
+        if self.last or self.comm.size == 1 or not host_kernels(buf):
+            error = scratch.drain()  # every rank's collectives in one order: the queued first
+            if error is not None:
+                return _abandoned(owner, buf, error, self.last)
+            return _done(owner, finish(), buf, self.last)
+        result: torch.futures.Future = torch.futures.Future()
+
+        def work() -> BaseException | None:
+            try:
+                _account(owner, finish(), False)
+            except BaseException as e:  # for this bucket's future, and the last bucket's
+                e = e.with_traceback(None)  # no frames that hold the owner (comm.py)
+                result.set_result(e)
+                return e
+            result.set_result(None)
+            return None
+
+        scratch.queue(work)
+        return result.then(functools.partial(_raise_or, buf))
 
     def _prepare(self, jobs: Sequence[Job], grad: torch.Tensor, order: list[str],
                  sizes: list[int], here: torch.Tensor, wire: torch.dtype
@@ -229,6 +289,9 @@ class BufferPipeline:
         dtype, committed once the sum is in and finite; without, the raw gradients travel.
         No tensor is checked on its own: a NaN/Inf shows in every rank's sum."""
         owner, comm, key, names = self.owner, self.comm, self.key, self.names
+        error = owner.scratch.drain()  # sparse buckets queued before this one go first
+        if error is not None:
+            return _abandoned(owner, buf, error, self.last)
         acc = None
         if feedback:
             grad = buf
@@ -415,6 +478,30 @@ def _account(owner: Owner, stats: CommStats, last: bool) -> ValueError | None:
     owner.counts.total += stats
     owner.counts.calls += 1
     return error
+
+
+def _raise_or(buf: torch.Tensor, fut: torch.futures.Future) -> torch.Tensor:
+    """``buf``, once the thread's work completed ``fut`` without an error; else that error,
+    for DDP to raise from ``backward()``."""
+    error = fut.value()
+    if error is not None:
+        raise error
+    return buf
+
+
+def _abandoned(owner: Owner, buf: torch.Tensor, error: BaseException, last: bool
+               ) -> torch.futures.Future:
+    """A bucket after one handed to the thread failed (a collective raised: a peer that died
+    or stalled): no collective of its own, the step's error feedback left as before it, and the
+    error for DDP to raise from ``backward()``."""
+    if last:
+        for p in owner.scratch.pending:
+            owner.ef.discard_buffer(p.index)
+        owner.scratch.pending, owner.scratch.wire_checks = [], []
+        owner.counts.steps += 1
+    fut: torch.futures.Future = torch.futures.Future()
+    fut.set_result(buf)
+    return _failing(fut, error)
 
 
 def _done(owner: Owner, stats: CommStats, buf: torch.Tensor, last: bool = False,
