@@ -83,10 +83,12 @@ def test_sparse_hook_keeps_replicas_identical(world_size):
     assert sum(losses[-4:]) / 4 < sum(losses[:4]) / 4 + 0.5
 
 
-def _threaded(rank: int, world_size: int, scheme: str, inline: bool) -> dict:
+def _threaded(rank: int, world_size: int, scheme: str, inline: bool, unused: bool) -> dict:
     """The hook over several buckets (a CNN, 0.1 MB buckets) with momentum and clipping, its
     sparse buckets' collectives on its communication thread, or (``inline``) in the hook as
-    on an accelerator's kernels, the CPU's own kernels either way."""
+    on an accelerator's kernels, the CPU's own kernels either way; ``unused``: DDP's
+    ``find_unused_parameters`` (the Trainer's default), whose own all-reduce follows the last
+    bucket."""
     import threading
 
     from gradsync.engine import pipeline
@@ -94,7 +96,7 @@ def _threaded(rank: int, world_size: int, scheme: str, inline: bool) -> dict:
     if inline:  # the only difference: _send's choice of thread
         pipeline.host_kernels = lambda t: False
     model = build("cnn", seed=4)
-    ddp = DDP(model, bucket_cap_mb=0.1)
+    ddp = DDP(model, bucket_cap_mb=0.1, find_unused_parameters=unused)
     state = gradsync.ddp.register(ddp, Config(scheme=scheme, density=0.02, momentum=0.9,
                                               clip_norm=1.0), small_numel=1000)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
@@ -113,15 +115,16 @@ def _threaded(rank: int, world_size: int, scheme: str, inline: bool) -> dict:
             "named": any(n.startswith("gradsync-hook") for n in names)}
 
 
-@pytest.mark.parametrize("world_size,scheme", [(2, "ssfusion_oi"), (3, "per_tensor")])
+@pytest.mark.parametrize("world_size,scheme,unused", [(2, "ssfusion_oi", False),
+                                                      (3, "per_tensor", True)])
 def test_sparse_buckets_on_the_hooks_thread_train_bit_for_bit_as_in_the_hook(world_size,
-                                                                               scheme):
+                                                                               scheme, unused):
     """The hook's communication thread changes where a sparse bucket's collectives run, not
     what they compute: parameters, residuals, bytes and missing tensors bit for bit as when
     every bucket runs in the hook, over several buckets per step; the thread is used only
     there (CPU's own kernels, P > 1)."""
-    threaded = run_distributed(_threaded, world_size, scheme, False, timeout=300)
-    inline = run_distributed(_threaded, world_size, scheme, True, timeout=300)
+    threaded = run_distributed(_threaded, world_size, scheme, False, unused, timeout=300)
+    inline = run_distributed(_threaded, world_size, scheme, True, unused, timeout=300)
     for t, i in zip(threaded, inline):
         assert t["thread"] and t["named"] and not i["thread"]
         assert t["digest"] == i["digest"] and t["calls"] == i["calls"]
