@@ -139,6 +139,55 @@ def test_sparse_buckets_on_the_hooks_thread_train_bit_for_bit_as_in_the_hook(wor
     assert len({t["digest"] for t in threaded}) == 1
 
 
+def _thread_fails(rank: int, world_size: int) -> dict:
+    """A sparse bucket's collective raises on the hook's thread at step 2 (every rank alike)."""
+    from gradsync.engine import pipeline
+
+    real = pipeline.BufferPipeline._launch
+
+    def launch(self, parts, here):
+        if self.owner.counts.steps == 2 and not self.last:
+            raise RuntimeError("injected: the peer is gone")
+        return real(self, parts, here)
+
+    pipeline.BufferPipeline._launch = launch
+    model = build("cnn", seed=4)
+    ddp = DDP(model, bucket_cap_mb=0.1)
+    state = gradsync.ddp.register(ddp, Config(scheme="per_tensor", density=0.02, momentum=0.9),
+                                  small_numel=1000)
+    out: dict = {"errors": []}
+    for step in range(5):
+        if step == 2:
+            before = {k: v.clone() for k, v in state.ef.state_dict()["residual"].items()}
+            sent = state.stats()["total"]["bytes_sent"]
+        ddp.zero_grad(set_to_none=True)
+        x, y = image_batch(rank, step, 16)
+        try:
+            nn.functional.cross_entropy(ddp(x), y).backward()
+        except Exception as e:  # the injected error, through DDP
+            out["errors"].append((step, str(e)))
+        if step == 2:
+            after = state.ef.state_dict()["residual"]
+            out["kept"] = before.keys() == after.keys() and all(
+                torch.equal(before[k], after[k]) for k in before)
+            out["sent_in_failed_step"] = state.stats()["total"]["bytes_sent"] - sent
+    out["steps"] = state.counts.steps
+    out["digest"] = parameter_digest(model)[0]
+    return out
+
+
+def test_a_collective_that_fails_on_the_hooks_thread_fails_backward_and_abandons_the_step():
+    """A collective raising on the hook's thread fails that step's ``backward()`` on every
+    rank (its bucket's future and the last one's); the last bucket sends nothing of its own,
+    error feedback stays as before the step, and the next steps train (replicas alike)."""
+    out = run_distributed(_thread_fails, 2, timeout=300)
+    for r in out:
+        assert [s for s, _ in r["errors"]] == [2], [e[:300] for _, e in r["errors"][1:]]
+        assert "injected: the peer is gone" in r["errors"][0][1]
+        assert r["kept"] and r["steps"] == 5
+    assert out[0]["digest"] == out[1]["digest"]
+
+
 def test_hook_rejects_engine_only_schemes():
     with pytest.raises(ValueError, match="DDP hook supports"):
         HookState(cfg=Config(scheme="oktopk"))

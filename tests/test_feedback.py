@@ -534,3 +534,25 @@ def test_a_buffer_sent_whole_twice_keeps_its_zero_residual_and_checks_the_values
         ef.update_buffer("b", acc, None, torch.tensor([1.0, 1.0]))
     res = ef.update_buffer("b", acc, None, torch.tensor([0.5, 1.0, 0.25]))
     assert torch.equal(res, torch.tensor([0.5, 0.0, 0.75]))
+
+
+def test_discard_pending_leaves_every_buffer_of_an_abandoned_step_as_before():
+    """A step abandoned midway (the DDP hook's collective raised): every buffer accumulated
+    and not updated keeps its residual and velocity, and the next step accumulates anew."""
+    ef = ErrorFeedback(momentum=0.9)
+    g = torch.Generator().manual_seed(0)
+    for key in ("a", "b"):  # one finished step: residuals and velocities held
+        acc = ef.accumulate_buffer(key, [f"{key}0"], [6], torch.randn(6, generator=g))
+        ef.update_buffer(key, acc, torch.tensor([1, 4]))
+    before = {k: {n: t.clone() for n, t in v.items()} if isinstance(v, dict) else v
+              for k, v in ef.state_dict().items()}
+    for key in ("a", "b"):  # the abandoned step: both accumulated, neither updated
+        ef.accumulate_buffer(key, [f"{key}0"], [6], torch.randn(6, generator=g))
+    ef.discard_pending()
+    after = ef.state_dict()
+    for k, v in before.items():
+        if isinstance(v, dict):
+            assert v.keys() == after[k].keys()
+            assert all(torch.equal(v[n], after[k][n]) for n in v), k
+    # the next step accumulates (without discard_pending: "accumulate_buffer('a') twice")
+    ef.accumulate_buffer("a", ["a0"], [6], torch.zeros(6))

@@ -470,6 +470,13 @@ class ErrorFeedback:
         b.pending, b.pending_velocity, b.pending_acc = False, None, None
         return residual
 
+    def discard_pending(self) -> None:
+        """:meth:`discard_buffer` of every buffer accumulated and not yet updated: a step
+        abandoned midway (a collective that raised) leaves every residual and velocity as
+        before it."""
+        for key in [k for k, b in self._buffers.items() if b.pending]:
+            self.discard_buffer(key)
+
     def discard_buffer(self, key: Hashable) -> None:
         """:meth:`discard` of a buffer: its residual and velocity stay as before the step."""
         b = self._buffers.get(key)

@@ -37,7 +37,8 @@ when the average is in. The step's last bucket, and a bucket sent whole, first w
 buckets handed to the thread (every rank then issues its collectives in one order), then run
 on the calling thread: the last one settles the step, so DDP's own collectives after it
 (``find_unused_parameters``' all-reduce) find the thread idle. A collective that raised there
-fails its bucket's future and the step's last one, with error feedback as before the step. On
+fails the step's last future (DDP stays usable so, not when an earlier one fails), the
+buckets after it sending nothing, error feedback as before the step. On
 an accelerator's kernels the capped exchange reads nothing back: phase 2 runs in the hook.
 
 The owner (the hook's :class:`~gradsync.integrations.ddp.HookState`) is any object with the
@@ -100,6 +101,7 @@ class Scratch:
     wire_checks: list[tuple[torch.Tensor, str]] = field(default_factory=list, repr=False)
     thread: ThreadPoolExecutor | None = field(default=None, repr=False)  # made at first use
     queued: list[Future] = field(default_factory=list, repr=False)
+    failed: BaseException | None = None  # the step's first error on the thread
 
     def queue(self, work: Callable[[], BaseException | None]) -> None:
         """Hand ``work`` (which returns its error, never raises) to the thread."""
@@ -108,10 +110,12 @@ class Scratch:
         self.queued.append(self.thread.submit(work))
 
     def drain(self) -> BaseException | None:
-        """Wait for the work handed to the thread; the first error, if any."""
+        """Wait for the work handed to the thread; the step's first error on it, if any (kept
+        until the step's last bucket has abandoned the step: :func:`_abandoned`)."""
         queued, self.queued = self.queued, []
         errors = [f.result() for f in queued]
-        return next((e for e in errors if e is not None), None)
+        self.failed = self.failed or next((e for e in errors if e is not None), None)
+        return self.failed
 
 
 class Owner(Protocol):
@@ -208,15 +212,14 @@ class BufferPipeline:
         def work() -> BaseException | None:
             try:
                 _account(owner, finish(), False)
-            except BaseException as e:  # for this bucket's future, and the last bucket's
-                e = e.with_traceback(None)  # no frames that hold the owner (comm.py)
-                result.set_result(e)
-                return e
-            result.set_result(None)
+            except BaseException as e:  # for the step's last bucket (_abandoned)
+                return e.with_traceback(None)  # no frames that hold the owner (comm.py)
+            finally:
+                result.set_result(buf)
             return None
 
         scratch.queue(work)
-        return result.then(functools.partial(_raise_or, buf))
+        return result
 
     def _prepare(self, jobs: Sequence[Job], grad: torch.Tensor, order: list[str],
                  sizes: list[int], here: torch.Tensor, wire: torch.dtype
@@ -480,27 +483,20 @@ def _account(owner: Owner, stats: CommStats, last: bool) -> ValueError | None:
     return error
 
 
-def _raise_or(buf: torch.Tensor, fut: torch.futures.Future) -> torch.Tensor:
-    """``buf``, once the thread's work completed ``fut`` without an error; else that error,
-    for DDP to raise from ``backward()``."""
-    error = fut.value()
-    if error is not None:
-        raise error
-    return buf
-
-
 def _abandoned(owner: Owner, buf: torch.Tensor, error: BaseException, last: bool
                ) -> torch.futures.Future:
-    """A bucket after one handed to the thread failed (a collective raised: a peer that died
-    or stalled): no collective of its own, the step's error feedback left as before it, and the
-    error for DDP to raise from ``backward()``."""
-    if last:
-        for p in owner.scratch.pending:
-            owner.ef.discard_buffer(p.index)
-        owner.scratch.pending, owner.scratch.wire_checks = [], []
-        owner.counts.steps += 1
+    """A bucket after one whose collective raised on the thread (a peer that died or
+    stalled): no collective of its own; at the step's last bucket the step's error feedback
+    left as before it, and the error for DDP to raise from ``backward()`` (the last bucket's
+    future only: DDP stays usable when its last future fails, not an earlier one)."""
     fut: torch.futures.Future = torch.futures.Future()
     fut.set_result(buf)
+    if not last:
+        return fut
+    owner.ef.discard_pending()  # the failed bucket's too, which never reached the pending
+    owner.scratch.pending, owner.scratch.wire_checks = [], []
+    owner.scratch.failed = None
+    owner.counts.steps += 1
     return _failing(fut, error)
 
 
