@@ -284,7 +284,10 @@ class RankPool:
         stop_at = deadline
         waiting = {c: r for r, c in enumerate(self._conns)}
         sentinels = {p.sentinel: r for r, p in enumerate(self._procs)}
-        while waiting and time.monotonic() < stop_at:
+        # until every rank has an outcome: a rank whose pipe closed is waited for until its
+        # sentinel says it died (else a peer's error, raised because it died, would be
+        # reported as the cause when that pipe closed first)
+        while len(done) < self.world_size and time.monotonic() < stop_at:
             ready = mpc.wait([*waiting, *(s for s, r in sentinels.items() if r not in done)],
                              timeout=min(1.0, max(0.0, stop_at - time.monotonic())))
             for obj in ready:
@@ -292,8 +295,9 @@ class RankPool:
                     r = waiting.pop(obj)
                     try:
                         ok, payload, up = obj.recv()
-                    except (EOFError, OSError):
-                        continue  # it died: its sentinel says so
+                    except (EOFError, OSError):  # it died: its sentinel says so, shortly
+                        stop_at = min(stop_at, time.monotonic() + launcher.GRACE_SECONDS)
+                        continue
                     healthy &= bool(up)
                     if ok:
                         done[r] = torch.load(io.BytesIO(payload), weights_only=False)
