@@ -88,13 +88,17 @@ def test_engine_at_world_size_2_always_compresses():
         assert not r["passthrough"] and r["bytes"] > 0
 
 
-def _hook(rank: int, world_size: int, compress: bool) -> dict:
+def _hook(rank: int, world_size: int, compress: bool, door: str = "register") -> dict:
     model = _model()
     ref = nn.parallel.DistributedDataParallel(copy.deepcopy(model))
     ddp = nn.parallel.DistributedDataParallel(model)
-    state = gradsync.ddp.register(ddp, gradsync.Config(scheme="per_tensor", density=0.05,
-                                                       momentum=0.9,
-                                                       compress_single_rank=compress))
+    cfg = gradsync.Config(scheme="per_tensor", density=0.05, momentum=0.9,
+                          compress_single_rank=compress)
+    if door == "register":
+        state = gradsync.ddp.register(ddp, cfg)
+    else:  # the (state, hook) pair of frameworks with separate slots: the same at P = 1
+        state, fn = gradsync.ddp.hook(cfg, model)
+        ddp.register_comm_hook(state, fn)
     _train(ddp, lambda: None)  # momentum lives in the config (DGC's correction)
     _train(ref, lambda: None, momentum=0.9)
     same = all(torch.equal(p, q) for p, q in zip(ddp.parameters(), ref.parameters()))
@@ -102,9 +106,10 @@ def _hook(rank: int, world_size: int, compress: bool) -> dict:
             "bytes": state.stats()["total"]["bytes_sent"], "residuals": len(state.ef.names())}
 
 
-@pytest.mark.parametrize("compress", [False, True])
-def test_ddp_hook_at_world_size_1(compress):
-    (r,) = run_distributed(_hook, 1, compress)
+@pytest.mark.parametrize("compress,door", [(False, "register"), (True, "register"),
+                                           (False, "hook")])
+def test_ddp_hook_at_world_size_1(compress, door):
+    (r,) = run_distributed(_hook, 1, compress, door)
     assert r["passthrough"] is not compress
     assert r["same"] is not compress  # sent whole: DDP + SGD(momentum), bit for bit
     assert r["residuals"] > 0  # the velocities (and, compressing, the residuals)

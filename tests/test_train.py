@@ -177,6 +177,33 @@ def test_fp16_amp_runs_every_runner_with_a_followed_grad_scaler():
         assert runs[0]["records"][-1]["loss_scale"] == runs[1]["records"][-1]["loss_scale"]
 
 
+def _hook_worker(rank: int, world_size: int, spec) -> dict:
+    from gradsync.apps.train import loop
+
+    return loop.train_worker(rank, world_size, spec)
+
+
+def test_the_ddp_hooks_steps_are_metered_like_torchs_hooks():
+    """``ddp_gradsync_<s>``'s records carry the hook calls' times (metered as torch's hooks
+    are: the synchronous part, the calls' launch→done union, the exposed wait), no NaN, and the
+    hook's own bytes; its losses are the engine's per_tensor's bit for bit (the same
+    selections, sent in other messages)."""
+    from gradsync.apps.train.spec import TrainSpec
+    from gradsync.testing import run_distributed
+
+    spec = TrainSpec(schemes=("ddp_gradsync_per_tensor", "per_tensor"), world_size=2,
+                     steps=6, warmup_steps=1, data="synthetic", batch_size=8, eval_batches=1,
+                     progress=False)
+    out = run_distributed(_hook_worker, 2, spec, timeout=300)
+    for o in out:
+        hook, engine = o["runs"]
+        for r in hook["records"]:
+            for k in ("sparsify_s", "comm_s", "wait_s", "backward_s"):
+                assert math.isfinite(r[k]) and r[k] >= 0.0, (k, r[k])
+            assert r["sparsify_s"] > 0.0 and r["bytes_sent"] > 0
+        assert [r["loss"] for r in hook["records"]] == [r["loss"] for r in engine["records"]]
+
+
 def test_amp_config_and_runner_wiring():
     """fp16 makes every gradsync scheme skip overflowing steps and follow the scaler; bf16
     needs no scaler; fp32 changes nothing."""

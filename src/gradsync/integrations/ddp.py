@@ -317,11 +317,14 @@ def hook(cfg: Config, model: nn.Module | None = None, group: dist.ProcessGroup |
 
 
 def _agree(state: HookState) -> None:
-    """All ranks must run the same hook configuration on the same model."""
-    if not state.model.checked and dist.get_world_size(state.group) > 1:
+    """All ranks must run the same hook configuration on the same model; at world size 1
+    nothing is sent, every bucket whole (unless ``Config.compress_single_rank``)."""
+    P = dist.get_world_size(state.group)
+    if not state.model.checked and P > 1:
         signature_check({"config": state.cfg.to_dict(), "small_numel": state.small_numel,
                          "params": state.model.shapes}, state.group)
     state.model.checked = True
+    state.model.passthrough = P == 1 and not state.cfg.compress_single_rank
     state.parts.rank = Comm(state.group).rank  # the process group may be new since hook()
 
 
@@ -341,8 +344,5 @@ def register(ddp_model: nn.parallel.DistributedDataParallel, cfg: Config,
         raise RuntimeError("gradsync.ddp.register: call torch.distributed.init_process_group "
                            "first (torchrun sets the environment it reads)")
     state, fn = hook(cfg, ddp_model.module, ddp_model.process_group, small_numel)
-    # world size 1: nothing to send, every bucket whole (Config.compress_single_rank)
-    state.model.passthrough = (dist.get_world_size(ddp_model.process_group) == 1
-                               and not cfg.compress_single_rank)
     ddp_model.register_comm_hook(state, fn)
     return state

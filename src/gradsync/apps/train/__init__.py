@@ -57,8 +57,8 @@ Time breakdown per step (SSFusion Fig. 13), in seconds:
 * ``wait_s``: the exposed communication — engine: ``synchronize()`` blocked on
   communication; DDP peers: end of the last hook call to ``loss.backward()`` returning.
 
-For ``ddp_gradsync_<s>`` only ``backward_s`` (all of ``loss.backward()``, its blocking hook
-included), bytes and the missing rate are recorded; the other three are NaN.
+``ddp_gradsync_<s>`` (gradsync's DDP hook) is a DDP peer here: its calls are metered as
+torch's hooks' are; its bytes and missing rate are the hook's own counts.
 
 ``--out DIR`` writes ``metrics.json``, ``plans.json`` (scheme → the plan each engine run ended
 with), ``loss_vs_time.png`` and ``throughput.png``. ``--plan FILE`` replays such a

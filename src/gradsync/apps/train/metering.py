@@ -1,10 +1,11 @@
-"""Metering torch's own DDP comm hooks: bytes at the ``torch.distributed`` call, hook times.
+"""Metering DDP comm hooks: bytes at the ``torch.distributed`` call, hook times.
 
 While a DDP peer (``ddp``, ``ddp_powersgd``, ``ddp_fp16``) trains, :func:`counting_all_reduce`
 wraps ``torch.distributed.all_reduce`` (what torch's comm hooks call) and counts what it is
 handed with the ring accounting of :class:`gradsync.collectives.Comm` (``2(P−1)/P·B`` per
 all-reduce of B bytes), and :func:`metered_hook` wraps the hook itself to record when each
-bucket's call starts, returns and completes. :meth:`Meter.step_metrics` turns one step's
+bucket's call starts, returns and completes. gradsync's own hook (``ddp_gradsync_<s>``) is
+timed the same way; its bytes are its own ``Comm``'s counts. :meth:`Meter.step_metrics` turns one step's
 records into the SSFusion Fig. 13 breakdown:
 
 * ``backward_s``: from the start of ``loss.backward()`` to the last bucket's hook call;
@@ -102,14 +103,16 @@ def counting_all_reduce(meter: Meter) -> Iterator[None]:
 
 
 class MeteredHookState:
-    """DDP comm ``state`` of :func:`metered_hook`: torch's hook, its own state, the meter."""
+    """DDP comm ``state`` of :func:`metered_hook`: a comm hook (torch's, or gradsync's for
+    ``ddp_gradsync_<s>``), its own state, the meter."""
 
     def __init__(self, inner: Callable[..., Any], inner_state: Any, meter: Meter) -> None:
         self.inner, self.inner_state, self.meter = inner, inner_state, meter
 
 
 def metered_hook(state: MeteredHookState, bucket):
-    """Delegate to torch's own hook; record call, return and completion times.
+    """Delegate to the hook (torch's own, or gradsync's); record call, return and completion
+    times.
 
     With ``state.meter.blocking`` the hook's future is waited for inside the call (gloo cannot
     launch PowerSGD's second all-reduce from a callback while another bucket's is queued; see

@@ -4,8 +4,9 @@
   model; ``synchronize()`` after ``loss.backward()``); its step breakdown is
   ``GradSync.stats()["last"]``.
 * :class:`DDPHookRunner`: ``ddp_gradsync_<s>``, torch DDP with gradsync's comm hook
-  (:func:`gradsync.ddp.register`); the hook is blocking, so only ``backward_s`` (all of
-  ``loss.backward()``), bytes and the missing rate are recorded, the other times are NaN.
+  (:func:`gradsync.ddp.hook`, installed as ``register`` installs it, through
+  :func:`~gradsync.apps.train.metering.metered_hook`): its times are metered as torch's hooks'
+  are, its bytes and missing rate are the hook's own counts.
 * :class:`TorchDDPRunner`: torch's own DDP as peers: ``ddp`` (torch's ``allreduce_hook``, the
   same all-reduce as DDP's built-in one, but through Python so its bytes are counted),
   ``ddp_powersgd`` (``powerSGD_hook``, rank 1, error feedback, compression from step 2; made
@@ -217,12 +218,17 @@ class DDPHookRunner(Runner):
     """``ddp_gradsync_<s>``: torch DDP with gradsync's comm hook running scheme ``s``."""
 
     def __init__(self, choice: SchemeChoice, model: nn.Module, spec: TrainSpec,
-                 device: torch.device, steps: int | None = None) -> None:
+                 device: torch.device, P: int, steps: int | None = None) -> None:
         from gradsync.integrations import ddp as gddp
 
         super().__init__(choice, model, spec, steps)
         self.net = wrap_ddp(model, device)
-        self.state = self.preconditioner = gddp.register(self.net, self.gradsync_config(spec))
+        # what gradsync.ddp.register installs, through the meter (the hook calls' times)
+        self.state, hook = gddp.hook(self.gradsync_config(spec), model, self.net.process_group)
+        self.preconditioner = self.state
+        self.meter = Meter(P)
+        self.net.register_comm_hook(MeteredHookState(hook, self.state, self.meter),
+                                    metered_hook)
         self.before_backward()
 
     def follow(self, scaler: torch.amp.GradScaler) -> None:
@@ -232,14 +238,14 @@ class DDPHookRunner(Runner):
         s = self.state.counts
         self.b0, self.r0 = s.total.bytes_sent, s.total.bytes_recv
         self.miss0, self.tens0 = s.missing, s.tensors
+        self.meter.start_step()
 
     def step_metrics(self, backward_start: float, backward_end: float) -> dict[str, float]:
         s = self.state.counts
         tensors = s.tensors - self.tens0
-        return {"bytes_sent": s.total.bytes_sent - self.b0,
+        return {**self.meter.step_metrics(backward_start, backward_end),
+                "bytes_sent": s.total.bytes_sent - self.b0,
                 "bytes_recv": s.total.bytes_recv - self.r0,
-                "backward_s": backward_end - backward_start, "sparsify_s": NAN,
-                "comm_s": NAN, "wait_s": NAN,
                 "missing_rate": (s.missing - self.miss0) / tensors if tensors else 0.0}
 
 
@@ -297,7 +303,7 @@ def make_runner(choice: SchemeChoice, model: nn.Module, spec: TrainSpec, device:
     if choice.runner == "engine":
         return EngineRunner(choice, model, spec, steps)
     if choice.runner == "ddp_hook":
-        return DDPHookRunner(choice, model, spec, device, steps)
+        return DDPHookRunner(choice, model, spec, device, P, steps)
     if choice.runner == "torch_ddp":
         return TorchDDPRunner(choice, model, spec, device, P)
     if choice.runner == "local":
