@@ -5,8 +5,8 @@ wraps ``torch.distributed.all_reduce`` (what torch's comm hooks call) and counts
 handed with the ring accounting of :class:`gradsync.collectives.Comm` (``2(P−1)/P·B`` per
 all-reduce of B bytes), and :func:`metered_hook` wraps the hook itself to record when each
 bucket's call starts, returns and completes. gradsync's own hook (``ddp_gradsync_<s>``) is
-timed the same way; its bytes are its own ``Comm``'s counts. :meth:`Meter.step_metrics` turns one step's
-records into the SSFusion Fig. 13 breakdown:
+timed the same way; its bytes are its own ``Comm``'s counts. :meth:`Meter.step_metrics` turns
+one step's records into the SSFusion Fig. 13 breakdown:
 
 * ``backward_s``: from the start of ``loss.backward()`` to the last bucket's hook call;
 * ``sparsify_s``: the synchronous part of the hook calls (PowerSGD/fp16 compression, launches);
