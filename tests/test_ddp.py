@@ -477,7 +477,8 @@ def test_the_a_b_b_a_rule_by_hand():
 def test_auto_hook_trial_entries_are_checked_on_load():
     model = build("mlp", seed=1)
     state, _ = gradsync.ddp.hook(Config(scheme="auto", density=0.05), model=model)
-    state.auto.trial = {"start": 3, "verdict": None, "times": {"model": [0.1, 0.2], "dense": [0.3]}}
+    state.auto.trial = {"start": 3, "rounds": 1, "verdict": None,
+                        "times": {"model": [0.1, 0.2], "dense": [0.3]}}
     state.counts.steps = 9  # in the second window: all-dense
     sd = state.state_dict()
     fresh, _ = gradsync.ddp.hook(Config(scheme="auto", density=0.05), model=model)
@@ -493,6 +494,9 @@ def test_auto_hook_trial_entries_are_checked_on_load():
         with pytest.raises(ValueError, match="trial"):
             fresh.load_state_dict({**sd, "trial": bad})
     assert fresh.auto.trial == again  # nothing changed
+    before_rounds = {k: v for k, v in state.auto.trial.items() if k != "rounds"}
+    fresh.load_state_dict({**sd, "trial": before_rounds})  # saved before rounds existed
+    assert fresh.auto.trial == {**before_rounds, "rounds": 1}
 
 
 def test_kept_counts_missing_tensors_and_refuses_positions_outside():

@@ -73,8 +73,8 @@ class AutoTrial:
     """The measured link and the trial of its prediction against all-dense (module doc)."""
 
     link: tuple[Any, ...] | None = None  # the measured (all-reduce, all-gather, sparsify)
-    # {"start": step, "times": {"model": [...], "dense": [...]}, "verdict": None | "model" |
-    # "dense"}; None: no trial (yet)
+    # {"start": step, "rounds": n, "times": {"model": [...], "dense": [...]},
+    # "verdict": None | "model" | "dense"}; None: no trial (yet)
     trial: dict[str, Any] | None = None
     last_first: tuple[int, float] | None = None  # (step, time) of the last first bucket
     # the trial's clock (seconds); a test gives its own, so that a verdict never rests on
@@ -91,7 +91,7 @@ class AutoTrial:
             return t["verdict"]
         if step < t["start"]:
             return "model"
-        order = _order(t.get("rounds", 1))
+        order = _order(t["rounds"])
         w = _window(step - t["start"])
         return order[-1] if w is None else order[min(w, len(order) - 1)]
 
@@ -107,7 +107,8 @@ class AutoTrial:
             self.link = link_costs(probe(), group, comm, device)
         sparse = P > 1 and bucket_sparse(numels, density, P, elem_bytes, *self.link)
         if sparse and self.trial is None:  # the prediction sparsifies: measure it
-            self.trial = {"start": step + 1, "verdict": None, "times": {"model": [], "dense": []}}
+            self.trial = {"start": step + 1, "rounds": 1, "verdict": None,
+                          "times": {"model": [], "dense": []}}
         return sparse and (self.trial is None or self.mode(step) == "model")
 
     def time_step(self, step: int, comm: Comm) -> None:
@@ -119,7 +120,7 @@ class AutoTrial:
             return
         now = self.clock()
         prev, self.last_first = self.last_first, (step, now)
-        rounds = t.get("rounds", 1)
+        rounds = t["rounds"]
         order = _order(rounds)
         if prev is not None and prev[0] == step - 1 and prev[0] >= t["start"]:
             w = _window(prev[0] - t["start"])
@@ -194,12 +195,11 @@ def _trial_from(saved: Any) -> dict[str, Any] | None:
                  "times": {k: [float(t) for t in saved["times"][k]] for k in ("model", "dense")}}
         if "measured" in saved:  # the agreed means behind the verdict
             trial["measured"] = {k: float(saved["measured"][k]) for k in ("model", "dense")}
-        if "rounds" in saved:  # absent: saved in the first round, or before rounds existed
-            trial["rounds"] = saved["rounds"]
+        trial["rounds"] = saved.get("rounds", 1)  # absent: saved before rounds existed
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"the DDP hook state's trial entry is malformed ({e!r}): "
                          f"{saved!r:.200}") from None
-    rounds = trial.get("rounds", 1)
+    rounds = trial["rounds"]
     if not isinstance(rounds, int) or isinstance(rounds, bool) or not 1 <= rounds <= TRIAL_ROUNDS:
         raise ValueError(f"the DDP hook state's trial rounds must be an int in [1, "
                          f"{TRIAL_ROUNDS}], got {rounds!r}")
