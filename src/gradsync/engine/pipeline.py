@@ -41,6 +41,19 @@ fails the step's last future (DDP stays usable so, not when an earlier one fails
 buckets after it sending nothing, error feedback as before the step. On
 an accelerator's kernels the capped exchange reads nothing back: phase 2 runs in the hook.
 
+**Merged buckets.** Each bucket's collectives cost the step their rounds (and, on cores the
+ranks share, the thread's competition with the backward), which overlap repays only when the
+bucket's bytes take long on the link: on the CPU at P = 2 and 4, the CNN's two buckets (a
+1 MiB first bucket, then the rest) stepped 6–9 % faster in one set of collectives (per_tensor,
+ssfusion), on loopback and at 100 Mbit/s, while ResNet-18's three stepped about 16 % slower so
+at 100 Mbit/s (speed.md, "Merged buckets"). So, with the CPU's own kernels at P > 1, the hook
+measures both: an A-B-B-A trial (:class:`~gradsync.engine.trial.AutoTrial`, sides ``"split"``
+and ``"merged"``) from the step after the first with a bucket before the last. Merged, a sparse
+bucket (:meth:`BufferPipeline.hold`) waits for the step's last, which runs one pipeline over
+all of their tensors (:meth:`BufferPipeline.merged`) and completes every held future with its
+average. Training is the same bit for bit: an all-reduce part is still one all-reduce per
+bucket (:meth:`BufferPipeline._pieces`).
+
 The owner (the hook's :class:`~gradsync.integrations.ddp.HookState`) is any object with the
 attributes of :class:`Owner`.
 """
@@ -67,6 +80,7 @@ from gradsync.engine.density import DensitySchedule
 from gradsync.engine.executor import comm_thread
 from gradsync.engine.jobs import Job, Payload
 from gradsync.engine.prepare import accumulate, select
+from gradsync.engine.trial import FUSION_SIDES, AutoTrial
 from gradsync.feedback import ErrorFeedback, clip_local
 from gradsync.sparsegrad import all_finite, finite_flag, host_kernels, largest
 from gradsync.sparsify import segments
@@ -102,6 +116,9 @@ class Scratch:
     thread: ThreadPoolExecutor | None = field(default=None, repr=False)  # made at first use
     queued: list[Future] = field(default_factory=list, repr=False)
     failed: BaseException | None = None  # the step's first error on the thread
+    # the buckets held for the step's last (BufferPipeline.hold): pipeline, buffer, future
+    held: list[tuple[BufferPipeline, torch.Tensor, torch.futures.Future]] = field(
+        default_factory=list, repr=False)
 
     def queue(self, work: Callable[[], BaseException | None]) -> None:
         """Hand ``work`` (which returns its error, never raises) to the thread."""
@@ -129,6 +146,7 @@ class Owner(Protocol):
     density: DensitySchedule
     counts: Counts
     scratch: Scratch
+    fusion: AutoTrial  # the trial of merged buckets (module doc, "Merged buckets")
 
 
 @dataclass
@@ -136,7 +154,7 @@ class _Pending:
     """A sparse bucket's error-feedback step, committed at the step's last bucket once the
     checks of every bucket are read in one copy (:func:`settle`)."""
 
-    index: int  # the bucket's (its error feedback's key)
+    index: int | tuple[int, ...]  # the bucket's (its error feedback's key); merged: theirs
     names: list[str]
     acc: torch.Tensor  # the bucket's accumulator, in travel order
     kept: torch.Tensor | None  # the positions of the all-gather part that travelled, counted
@@ -154,13 +172,74 @@ class BufferPipeline:
     """One bucket's step (module doc): :meth:`sparse` for a bucket with sparse parts,
     :meth:`whole` for one all-reduced whole. Both return the future DDP's hook returns."""
 
-    def __init__(self, owner: Owner, comm: Comm, key: int, names: list[str],
+    def __init__(self, owner: Owner, comm: Comm, key: int | tuple[int, ...], names: list[str],
                  numels: list[int], last: bool) -> None:
         self.owner, self.comm, self.key, self.last = owner, comm, key, last
         self.names, self.numels = names, numels
         self.offsets = [0]
         for n in numels:
             self.offsets.append(self.offsets[-1] + n)
+        # merged (:meth:`merged`): each bucket's buffer and future (None: the last's own), and
+        # the bucket of each tensor
+        self.spill: list[tuple[torch.Tensor, torch.futures.Future | None]] = []
+        self.source: dict[str, int] = {}
+
+    def hold(self, buf: torch.Tensor) -> torch.futures.Future | None:
+        """On the trial's ``"merged"`` side, a sparse bucket before the step's last, with the
+        CPU's own kernels at P > 1, is held for the last one (module doc, "Merged buckets"):
+        its future, complete once the step's average is in ``buf``. None: it goes on its own
+        (the ``"split"`` side, where no bucket waits)."""
+        owner = self.owner
+        if self.last or self.comm.size == 1 or not host_kernels(buf):
+            return None
+        owner.fusion.open(owner.counts.steps + 1)  # DDP rebuilds its buckets after step 0
+        if owner.fusion.mode(owner.counts.steps) != FUSION_SIDES[1]:
+            return None
+        fut: torch.futures.Future = torch.futures.Future()
+        owner.scratch.held.append((self, buf, fut))
+        return fut
+
+    def merged(self, buf: torch.Tensor) -> tuple[BufferPipeline, torch.Tensor]:
+        """The step's last bucket and the ones held before it (:meth:`hold`): one pipeline
+        over their tensors, and their gradients in one buffer; ``(self, buf)`` for any other
+        bucket, or when none is held. It runs here, on the calling thread (:meth:`_send`)."""
+        held = self.owner.scratch.held
+        if not self.last or not held:
+            return self, buf
+        self.owner.scratch.held = []
+        parts = [*held, (self, buf, None)]
+        pipe = BufferPipeline(self.owner, self.comm, tuple(p.key for p, _, _ in parts),
+                              [n for p, _, _ in parts for n in p.names],
+                              [k for p, _, _ in parts for k in p.numels], self.last)
+        pipe.spill = [(b, f) for _, b, f in parts]
+        pipe.source = {n: i for i, (p, _, _) in enumerate(parts) for n in p.names}
+        return pipe, torch.cat([b for _, b, _ in parts])
+
+    def _pieces(self, names: Sequence[str], dense: torch.Tensor) -> list[torch.Tensor]:
+        """An all-reduce part, merged: one all-reduce per bucket's tensors, as each bucket
+        sends them on its own (a ring sums each entry in an order its buffer's layout sets:
+        so the sums are the split side's bit for bit, at any P)."""
+        if not self.source:
+            return [dense]
+        numel = dict(zip(self.names, self.numels))
+        sizes: list[int] = []
+        for j, n in enumerate(names):
+            if j and self.source[n] == self.source[names[j - 1]]:
+                sizes[-1] += numel[n]
+            else:
+                sizes.append(numel[n])
+        return list(dense.split(sizes))
+
+    def _release(self, buf: torch.Tensor | None) -> None:
+        """A merged pipeline's buckets: each its part of ``buf`` (the average; None: the step
+        failed, left as they are), the held ones' futures completed."""
+        at = 0
+        for b, fut in self.spill:
+            if buf is not None:
+                b.copy_(buf[at:at + b.numel()])
+            at += b.numel()
+            if fut is not None and not fut.done():
+                fut.set_result(b)
 
     def sparse(self, buf: torch.Tensor, jobs: Sequence[Job]) -> torch.futures.Future:
         """Phases 1–2 for a bucket with sparse parts (the commit waits for :func:`settle`):
@@ -191,9 +270,17 @@ class BufferPipeline:
                 known or 0))
             owner.counts.tensors += len(self.names)
             travel.average_into(buf, out, P)
+            self._release(buf)
             return stats
 
-        return self._send(finish, buf)
+        if not self.spill:
+            return self._send(finish, buf)
+        try:
+            fut = self._send(finish, buf)  # here: the last bucket's (merged)
+        finally:
+            self._release(None)  # a failed step's: pending, they would hang DDP's backward
+        own = self.spill[-1][0]
+        return fut.then(lambda f: (f.value(), own)[1])  # the last bucket's own buffer
 
     def _send(self, finish: Callable[[], CommStats], buf: torch.Tensor
               ) -> torch.futures.Future:
@@ -206,7 +293,13 @@ class BufferPipeline:
             error = scratch.drain()  # every rank's collectives in one order: the queued first
             if error is not None:
                 return _abandoned(owner, buf, error, self.last)
-            return _done(owner, finish(), buf, self.last)
+            try:
+                stats = finish()
+            except Exception as e:  # at the last bucket: its future fails (DDP stays usable)
+                if not self.last:
+                    raise
+                return _abandoned(owner, buf, e.with_traceback(None), True)
+            return _done(owner, stats, buf, self.last)
         result: torch.futures.Future = torch.futures.Future()
 
         def work() -> BaseException | None:
@@ -260,8 +353,9 @@ class BufferPipeline:
                 if payload.dense is not None:  # an all-reduce part, interleaved with the
                     sums.append(payload.dense)  # all-gather below
                     poison = _poison(sums[-1], poison)
-                    work = comm.all_reduce(sums[-1], async_op=True)
-                    works += [work] if work is not None else []  # None: one rank
+                    for piece in self._pieces(job.names, payload.dense):
+                        work = comm.all_reduce(piece, async_op=True)
+                        works += [work] if work is not None else []  # None: one rank
                     continue
                 # poisoned: the selection of zeros (every rank's message has the capacity
                 # they expect), one value NaN

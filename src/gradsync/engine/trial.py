@@ -18,7 +18,10 @@ link and sparsifier costs measured once (:func:`~gradsync.engine.warmup.link_cos
 only if it beats all-dense (B, ``"dense"``) by the rule: windows of :data:`TRIAL_STEPS` steps in
 the order :data:`TRIAL_ORDER`, then :data:`AGAIN_ORDER` per further round, each step timed from
 one first bucket to the next, the sides' means max-reduced over the ranks at each round's end
-(one 16-byte all-reduce), so every rank decides alike.
+(one 16-byte all-reduce), so every rank decides alike. The same object, with the sides
+``("split", "merged")``, decides whether the hook's sparse buckets each run their own
+collectives or wait for the step's last bucket and travel in one
+(:meth:`gradsync.engine.pipeline.BufferPipeline.hold`).
 """
 
 from __future__ import annotations
@@ -39,8 +42,8 @@ from gradsync.engine.warmup import link_costs
 from gradsync.schedule.auto import MARGIN, bucket_sparse
 from gradsync.schedule.costmodel import AffineFit, AlphaBeta
 
-__all__ = ["AGAIN_ORDER", "TRIAL_CLOSE", "TRIAL_ORDER", "TRIAL_ROUNDS", "TRIAL_STEPS",
-           "AutoTrial", "decide", "effective"]
+__all__ = ["AGAIN_ORDER", "AUTO_SIDES", "FUSION_SIDES", "TRIAL_CLOSE", "TRIAL_ORDER",
+           "TRIAL_ROUNDS", "TRIAL_STEPS", "AutoTrial", "decide", "effective", "fusion_from"]
 
 # Two sides within TRIAL_CLOSE of each other (after the margin) are too close to call after one
 # round: B-B-A again, up to TRIAL_ROUNDS rounds (module doc, "The rule").
@@ -49,6 +52,8 @@ TRIAL_ROUNDS = 3
 TRIAL_STEPS = 5  # the hook's window, in steps
 TRIAL_ORDER = ("model", "dense", "dense", "model")  # the hook's first round: A-B-B-A
 AGAIN_ORDER = ("dense", "dense", "model")  # each further round: B-B-A
+AUTO_SIDES = ("model", "dense")  # auto's: the prediction (A) against all-dense (B)
+FUSION_SIDES = ("split", "merged")  # a bucket's own collectives (A) against one per step (B)
 
 
 def effective(step: float, sparse: bool) -> float:
@@ -70,30 +75,38 @@ def decide(incumbent: float, candidate: float, incumbent_sparse: bool, candidate
 
 @dataclass
 class AutoTrial:
-    """The measured link and the trial of its prediction against all-dense (module doc)."""
+    """A trial of two sides, A in use and B the candidate (module doc): ``auto``'s prediction
+    against all-dense (:data:`AUTO_SIDES`, with the measured link), or a step's sparse buckets
+    each on their own against merged (:data:`FUSION_SIDES`)."""
 
     link: tuple[Any, ...] | None = None  # the measured (all-reduce, all-gather, sparsify)
-    # {"start": step, "rounds": n, "times": {"model": [...], "dense": [...]},
-    # "verdict": None | "model" | "dense"}; None: no trial (yet)
+    # {"start": step, "rounds": n, "times": {A: [...], B: [...]}, "verdict": None | A | B};
+    # None: no trial (yet)
     trial: dict[str, Any] | None = None
     last_first: tuple[int, float] | None = None  # (step, time) of the last first bucket
     # the trial's clock (seconds); a test gives its own, so that a verdict never rests on
     # how loaded the machine was
     clock: Callable[[], float] = field(default=time.perf_counter, repr=False)
+    sides: tuple[str, str] = AUTO_SIDES
 
     def mode(self, step: int) -> str:
-        """``"model"`` (the prediction's buckets) or ``"dense"`` (every bucket all-reduced) at
-        ``step``: the trial's window, or its verdict once it is over."""
+        """The side that runs at ``step``: A before the trial, the trial's window, or its
+        verdict once it is over. ``auto``'s: ``"model"`` (the prediction's buckets) or
+        ``"dense"`` (every bucket all-reduced)."""
         t = self.trial
-        if t is None:
-            return "model"
-        if t["verdict"] is not None:
+        if t is not None and t["verdict"] is not None:
             return t["verdict"]
-        if step < t["start"]:
-            return "model"
-        order = _order(t["rounds"])
+        if t is None or step < t["start"]:
+            return self.sides[0]
+        order = _order(t["rounds"], self.sides)
         w = _window(step - t["start"])
         return order[-1] if w is None else order[min(w, len(order) - 1)]
+
+    def open(self, start: int) -> None:
+        """Put B on trial from step ``start`` on (nothing when a trial is open or over)."""
+        if self.trial is None:
+            self.trial = {"start": start, "rounds": 1, "verdict": None,
+                          "times": {k: [] for k in self.sides}}
 
     def sparse(self, numels: list[int], density: float, elem_bytes: int, step: int,
                probe: Callable[[], sparsify.Sparsifier], group: dist.ProcessGroup | None,
@@ -106,9 +119,8 @@ class AutoTrial:
         if self.link is None and P > 1:
             self.link = link_costs(probe(), group, comm, device)
         sparse = P > 1 and bucket_sparse(numels, density, P, elem_bytes, *self.link)
-        if sparse and self.trial is None:  # the prediction sparsifies: measure it
-            self.trial = {"start": step + 1, "rounds": 1, "verdict": None,
-                          "times": {"model": [], "dense": []}}
+        if sparse:  # the prediction sparsifies: measure it
+            self.open(step + 1)
         return sparse and (self.trial is None or self.mode(step) == "model")
 
     def time_step(self, step: int, comm: Comm) -> None:
@@ -121,23 +133,24 @@ class AutoTrial:
         now = self.clock()
         prev, self.last_first = self.last_first, (step, now)
         rounds = t["rounds"]
-        order = _order(rounds)
+        order = _order(rounds, self.sides)
         if prev is not None and prev[0] == step - 1 and prev[0] >= t["start"]:
             w = _window(prev[0] - t["start"])
             if w is not None and w < len(order):
                 t["times"][order[w]].append(now - prev[1])
         if step - t["start"] < _end(rounds):
             return
+        a, b = self.sides
         means = torch.tensor([statistics.fmean(t["times"][k]) if t["times"][k] else math.inf
-                              for k in ("model", "dense")], dtype=torch.float64)
+                              for k in (a, b)], dtype=torch.float64)
         comm.all_reduce(means, op=dist.ReduceOp.MAX)  # every rank: the same numbers
-        model, dense = means.tolist()
-        dense_wins = decide(model, dense, True, False, rounds)
-        if dense_wins is None:  # too close to call: B-B-A again
+        ta, tb = means.tolist()
+        b_wins = decide(ta, tb, True, self.sides == FUSION_SIDES, rounds)
+        if b_wins is None:  # too close to call: B-B-A again
             t["rounds"] = rounds + 1
             return
-        t["verdict"] = "dense" if dense_wins else "model"
-        t["measured"] = {"model": model, "dense": dense}
+        t["verdict"] = b if b_wins else a
+        t["measured"] = {a: ta, b: tb}
 
     def state_dict(self) -> dict[str, Any]:
         link, trial = self.link, self.trial
@@ -146,15 +159,23 @@ class AutoTrial:
                     **trial, "times": {k: list(v) for k, v in trial["times"].items()}}}
 
     @classmethod
-    def from_state(cls, state: dict[str, Any], clock: Callable[[], float]) -> AutoTrial:
+    def from_state(cls, state: dict[str, Any], clock: Callable[[], float],
+                   sides: tuple[str, str] = AUTO_SIDES) -> AutoTrial:
         """The trial of a hook's ``state_dict`` (its ``link`` and ``trial`` entries; absent:
         measured again); ``ValueError`` when malformed."""
-        return cls(_link_from(state.get("link")), _trial_from(state.get("trial")), None, clock)
+        return cls(_link_from(state.get("link")), _trial_from(state.get("trial"), sides),
+                   None, clock, sides)
 
 
-def _order(rounds: int) -> tuple[str, ...]:
+def fusion_from(saved: Any, clock: Callable[[], float]) -> AutoTrial:
+    """The trial of merged buckets (:data:`FUSION_SIDES`) a hook's ``state_dict`` saved as
+    ``"fusion"`` (None: none yet); ``ValueError`` when malformed."""
+    return AutoTrial.from_state({"trial": saved}, clock, FUSION_SIDES)
+
+
+def _order(rounds: int, sides: tuple[str, str]) -> tuple[str, ...]:
     """The hook's windows over ``rounds`` rounds: A-B-B-A, then B-B-A per further round."""
-    return TRIAL_ORDER + AGAIN_ORDER * (rounds - 1)
+    return tuple(sides[AUTO_SIDES.index(k)] for k in TRIAL_ORDER + AGAIN_ORDER * (rounds - 1))
 
 
 _FIRST = len(TRIAL_ORDER) * TRIAL_STEPS  # the first round's steps
@@ -187,14 +208,14 @@ def _link_from(saved: Any) -> tuple[Any, ...] | None:
                          f"{saved!r:.200}") from None
 
 
-def _trial_from(saved: Any) -> dict[str, Any] | None:
+def _trial_from(saved: Any, sides: tuple[str, str]) -> dict[str, Any] | None:
     if saved is None:
         return None
     try:
         trial = {"start": int(saved["start"]), "verdict": saved["verdict"],
-                 "times": {k: [float(t) for t in saved["times"][k]] for k in ("model", "dense")}}
+                 "times": {k: [float(t) for t in saved["times"][k]] for k in sides}}
         if "measured" in saved:  # the agreed means behind the verdict
-            trial["measured"] = {k: float(saved["measured"][k]) for k in ("model", "dense")}
+            trial["measured"] = {k: float(saved["measured"][k]) for k in sides}
         trial["rounds"] = saved.get("rounds", 1)  # absent: saved before rounds existed
     except (KeyError, TypeError, ValueError) as e:
         raise ValueError(f"the DDP hook state's trial entry is malformed ({e!r}): "
@@ -203,7 +224,7 @@ def _trial_from(saved: Any) -> dict[str, Any] | None:
     if not isinstance(rounds, int) or isinstance(rounds, bool) or not 1 <= rounds <= TRIAL_ROUNDS:
         raise ValueError(f"the DDP hook state's trial rounds must be an int in [1, "
                          f"{TRIAL_ROUNDS}], got {rounds!r}")
-    if trial["verdict"] not in (None, "model", "dense"):
-        raise ValueError(f"the DDP hook state's trial verdict must be None, 'model' or "
-                         f"'dense', got {trial['verdict']!r}")
+    if trial["verdict"] not in (None, *sides):
+        raise ValueError(f"the DDP hook state's trial verdict must be None, {sides[0]!r} or "
+                         f"{sides[1]!r}, got {trial['verdict']!r}")
     return trial

@@ -4,11 +4,10 @@
 returns ``(state, hook)``. Lightning, Accelerate and the Trainer install it through
 :mod:`gradsync.lightning`, :mod:`gradsync.accelerate` and :mod:`gradsync.transformers`.
 
-Per bucket (SSFusion §III–IV on DDP's own fusion buffers; docs/architecture.md, "Through the
-DDP comm hook") the hook decides each tensor's density (:func:`_densities`), makes the bucket
-the engine's jobs, and hands it to the engine's step pipeline
-(:class:`gradsync.engine.pipeline.BufferPipeline`: error feedback, selection, collectives,
-non-finite rule, deferred commit), as :class:`gradsync.GradSync` does with its buffers.
+Per bucket (SSFusion §III–IV on DDP's fusion buffers; docs/architecture.md, "Through the DDP
+comm hook") the hook decides each tensor's density (:func:`_densities`), makes the bucket the
+engine's jobs and hands it to :class:`gradsync.engine.pipeline.BufferPipeline` (error feedback,
+selection, collectives, non-finite rule, deferred commit, merged buckets).
 
 Facts this relies on (docs/architecture.md, "torch.distributed facts"): the hook's second
 parameter must be named ``bucket`` and annotated ``dist.GradBucket`` itself (so no ``from
@@ -38,7 +37,7 @@ from gradsync.engine.jobs import Job, at_density, plan_jobs
 from gradsync.engine.pipeline import BufferPipeline, Counts, Scratch
 from gradsync.engine.preconditioning import apply_scales, resolver
 from gradsync.engine.state import Identity, check_identity, check_params
-from gradsync.engine.trial import AutoTrial
+from gradsync.engine.trial import FUSION_SIDES, AutoTrial, fusion_from
 from gradsync.feedback import ErrorFeedback, LossScale, saved_scale
 from gradsync.schedule import BufferPlan, Plan, TensorPlan, schemes
 from gradsync.schedule.ssfusion import (
@@ -76,9 +75,9 @@ class _Model:
 class HookState:
     """Everything the hook keeps between calls (DDP's comm ``state``), grouped by role; the
     :class:`~gradsync.engine.pipeline.Owner` of the buckets' pipelines. ``state_dict()`` holds
-    this rank's residuals, sparsifier generators and ``auto``'s link and trial, with its rank,
-    world size and configuration; ``load_state_dict`` refuses another rank's, world size's,
-    configuration's or model's (:class:`gradsync.engine.state.Stateful`)."""
+    this rank's residuals, sparsifier generators and trials (``auto``'s, with its link; merged
+    buckets'), with its rank, world size and configuration; ``load_state_dict`` refuses
+    another rank's, world size's, configuration's or model's (``engine.state.Stateful``)."""
 
     cfg: Config
     group: dist.ProcessGroup | None = None
@@ -90,6 +89,7 @@ class HookState:
     scratch: Scratch = field(default_factory=Scratch)
     counts: Counts = field(default_factory=Counts)
     auto: AutoTrial = field(default_factory=AutoTrial)
+    fusion: AutoTrial = field(default_factory=lambda: AutoTrial(sides=FUSION_SIDES))
     amp: LossScale = field(default_factory=LossScale)
 
     @property
@@ -156,8 +156,8 @@ class HookState:
 
     def stats(self) -> dict[str, Any]:
         c = self.counts
-        return {"last": c.last.as_dict(), "total": c.total.as_dict(),
-                "calls": c.calls, "nonfinite_buckets": c.nonfinite,
+        return {"last": c.last.as_dict(), "total": c.total.as_dict(), "calls": c.calls,
+                "nonfinite_buckets": c.nonfinite, "buckets": self.fusion.mode(c.steps),
                 "missing_rate": c.missing / c.tensors if c.tensors else 0.0,
                 "density": {"requested": self.cfg.density, "sent": c.sent_density,
                             **self.density.summary()}}
@@ -179,8 +179,8 @@ class HookState:
                 "feedback": self.ef.state_dict(), "steps": self.counts.steps,
                 "loss_scale": self.amp.loss_scale,
                 "density_schedule": self.density.state_dict(),
-                **self.parts.state_dict(),
-                **self.auto.state_dict()}
+                **self.parts.state_dict(), **self.auto.state_dict(),
+                "fusion": self.fusion.trial}
 
     def check_compatible(self, state: dict[str, Any]) -> None:
         """Raise ``ValueError`` unless ``state`` was saved by this rank of a job with the same
@@ -200,6 +200,7 @@ class HookState:
         if mine is not None and theirs is not None:
             check_params(theirs, mine, "the DDP hook state")
         AutoTrial.from_state(state, self.auto.clock)
+        fusion_from(state.get("fusion"), self.fusion.clock)
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict` of this rank; raises before changing anything."""
@@ -214,6 +215,7 @@ class HookState:
         self.counts.steps = int(state.get("steps", 0))
         self.amp.loss_scale = scale
         self.auto = AutoTrial.from_state(state, self.auto.clock)
+        self.fusion = fusion_from(state.get("fusion"), self.fusion.clock)
 
 
 def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
@@ -233,9 +235,8 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
     elif state.scheme.planner == "per_tensor":
         chosen = [cfg.density] * len(numels)
     else:
-        P = comm.size if comm is not None else 1
         charge = (allreduce_charge if state.scheme.interleave else allgather_charge)(
-            P, elem_bytes)
+            comm.size if comm is not None else 1, elem_bytes)
         whole, d, sent = hook_plan(state.model.trained or tuple(numels), state.small_numel,
                                    cfg.density, cfg.min_density, charge, cfg.effective_min_k)
         if state.model.trained is not None and state.counts.sent_density is None:
@@ -252,12 +253,11 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     """The comm hook: decides the bucket's jobs and hands it to its pipeline (module doc)."""
     if not state.model.checked:
         _agree(state)
-    first = bucket.index() == 0  # DDP reduces bucket 0 first
-    if first:
-        state.amp.update(state.rescale)
     buf, comm, params = bucket.buffer(), Comm(state.group), bucket.parameters()
-    if state.scheme.planner == "auto" and first:
-        state.auto.time_step(state.counts.steps, comm)
+    if bucket.index() == 0:  # DDP reduces bucket 0 first: the step's time for the trial
+        state.amp.update(state.rescale)
+        (state.auto if state.scheme.planner == "auto" else state.fusion).time_step(
+            state.counts.steps, comm)
     names, numels = [state.name_of(p) for p in params], [p.numel() for p in params]
     pipe = BufferPipeline(state, comm, bucket.index(), names, numels, bucket.is_last())
     if not state.scheme.sparse or state.model.passthrough:
@@ -265,20 +265,23 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         # velocities with momentum (and at P = 1 of the clipped gradients with clip_norm)
         clip = state.model.passthrough and state.cfg.clip_norm is not None
         return pipe.whole(buf, clip or any(state.ef.transforms(n) for n in names))
-    densities = _densities(state, numels, buf.element_size(), comm, buf.device)
+    if state.scheme.planner != "auto" and (held := pipe.hold(buf)) is not None:
+        return held  # merged buckets (engine/pipeline.py): it travels with the last one
+    pipe, buf = pipe.merged(buf)
+    densities = _densities(state, pipe.numels, buf.element_size(), comm, buf.device)
     if state.scheme.planner == "auto" and all(d is None for d in densities):
         # every tensor sent whole: DDP's own path, the all-reduce left in flight so the
         # backward goes on (a blocking one here held autograd: 0.69-0.87x DDP); through
         # error feedback, which holds what earlier sparse steps left behind
         return pipe.whole(buf, True)
     # SSFusion-I and auto: the tensors sent whole in an all-reduce part
-    jobs = _bucket_jobs(tuple(names), tuple(numels), tuple(densities),
+    jobs = _bucket_jobs(tuple(pipe.names), tuple(pipe.numels), tuple(densities),
                         state.scheme.interleave or state.scheme.planner == "auto",
                         state.scheme.collective)
     # DGC's warm-up (Config.density_warmup), as the engine's jobs take it; at density 1 every
     # entry travels in an all-reduce (DDP's bytes, not an all-gather of all of it)
-    d_now = state.density.at(state.counts.steps)
-    return pipe.sparse(buf, [at_density(job, d_now, state.cfg.density) for job in jobs])
+    d = state.density.at(state.counts.steps)
+    return pipe.sparse(buf, [at_density(job, d, state.cfg.density) for job in jobs])
 
 
 @functools.lru_cache(maxsize=256)
@@ -336,10 +339,9 @@ def register(ddp_model: nn.parallel.DistributedDataParallel, cfg: Config,
     require_config(cfg, "gradsync.ddp.register")
     if not isinstance(ddp_model, nn.parallel.DistributedDataParallel):
         raise TypeError(
-            f"gradsync.ddp.register installs a comm hook on a DistributedDataParallel model; got "
-            f"{type(ddp_model).__name__}: wrap it first, ddp_model = torch.nn.parallel."
-            f"DistributedDataParallel(model) (after init_process_group), and pass ddp_model; "
-            f"for a training loop without DDP use gradsync.GradSync(model, cfg)")
+            f"gradsync.ddp.register installs a comm hook on a DistributedDataParallel model, got "
+            f"{type(ddp_model).__name__}: wrap it first, DistributedDataParallel(model) after "
+            f"init_process_group; a training loop without DDP uses gradsync.GradSync(model, cfg)")
     if not (dist.is_available() and dist.is_initialized()):  # pragma: no cover - DDP needs it
         raise RuntimeError("gradsync.ddp.register: call torch.distributed.init_process_group "
                            "first (torchrun sets the environment it reads)")
