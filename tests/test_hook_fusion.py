@@ -121,22 +121,22 @@ def test_the_hook_measures_merged_buckets_against_split_ones(slow, verdict):
             assert (n == 1) == (mode == "merged"), (mode, n)
 
 
-def _merged_failures(rank: int, world_size: int) -> dict:
-    """Merged: a NaN in a held bucket (step 1, this rank) and a collective that raises at the
-    last bucket (step 3, every rank); ``Config.nonfinite="raise"``."""
+def _failures(rank: int, world_size: int, side: str) -> dict:
+    """A NaN in the first bucket (held when merged; step 1, rank 0) and a collective that
+    raises at the last bucket, in the hook (step 3, every rank); ``nonfinite="raise"``."""
     from gradsync.engine import pipeline
 
     real = pipeline.BufferPipeline._launch
 
     def launch(self, parts, here):
-        if self.owner.counts.steps == 3:
+        if self.owner.counts.steps == 3 and self.last:
             raise RuntimeError("injected: the peer is gone")
         return real(self, parts, here)
 
     pipeline.BufferPipeline._launch = launch
     model, ddp, state = _hook(rank, Config(scheme="per_tensor", density=0.02, momentum=0.9,
                                            nonfinite="raise"))
-    _verdict(state, "merged")
+    _verdict(state, side)
     last = list(model.parameters())[-1]  # bucket 0: held for the last one
     last.register_hook(lambda g: g.index_fill(0, torch.tensor([0]), float("nan"))
                        if state.counts.steps == 1 and rank == 0 else g)
@@ -157,11 +157,13 @@ def _merged_failures(rank: int, world_size: int) -> dict:
     return out
 
 
-def test_a_failed_merged_step_fails_backward_on_every_rank_and_the_next_steps_train():
-    """A merged step that fails (a NaN in a held bucket on one rank, or a collective that
-    raises) fails ``backward()`` on every rank, leaves error feedback as before the step and
-    leaves no held bucket pending: the next steps train, the replicas alike."""
-    out = run_distributed(_merged_failures, 2, timeout=300)
+@pytest.mark.parametrize("side", FUSION_SIDES)
+def test_a_failed_step_fails_backward_on_every_rank_and_the_next_steps_train(side):
+    """A step that fails (a NaN in the first bucket on one rank, or a collective that raises
+    at the last) fails ``backward()`` on every rank, leaves error feedback as before the step
+    and no bucket pending: the next steps train, the replicas alike. Before, a collective that
+    raised in the last bucket's hook left DDP's reducer broken for every later step."""
+    out = run_distributed(_failures, 2, side, timeout=300)
     for r in out:
         assert [s for s, _ in r["errors"]] == [1, 3], [e[:300] for _, e in r["errors"]]
         assert "non-finite" in r["errors"][0][1]

@@ -13,8 +13,8 @@ pieces for each (:mod:`.prepare`, :mod:`.jobs`, :mod:`.apply`):
 3. **settle** (:func:`settle`, at the step's last bucket): every sparse bucket's checks read in
    one copy, with, at P > 1, the ranks' word on malformed messages
    (:func:`~gradsync.engine.apply.agreement_word`);
-4. **commit**: each bucket's error feedback committed (finite sums,
-   :func:`~gradsync.engine.apply.commit`) or left as before the step.
+4. **commit**: each bucket's error feedback committed (every sum finite,
+   :func:`~gradsync.engine.apply.commit`) or left as before the step (a NaN/Inf in any).
 
 **Non-finite gradients.** Nothing is read while a bucket is sent: a bucket whose gradients
 hold a NaN/Inf selects from zeros (``accumulate`` zeroed its accumulator) and carries one NaN,
@@ -452,10 +452,10 @@ def _poison(values: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor | N
 
 def settle(owner: Owner, comm: Comm) -> ValueError | None:
     """Phases 3–4 at a step's last bucket: every sparse bucket's checks in one read (with, at
-    P > 1, the ranks' word on malformed messages), then each bucket's error feedback committed
-    (finite sums) or left as before the step (NaN/Inf: counted, and under
-    ``Config.nonfinite="raise"`` the error of the first such bucket is returned; a malformed
-    message on any rank: every bucket's, and the error returned on every rank)."""
+    P > 1, the ranks' word on malformed messages), then the buckets' error feedback committed
+    (every sum finite) or left as before the step (a NaN/Inf in any: counted per bucket, and
+    under ``Config.nonfinite="raise"`` the error of the first such bucket is returned; a
+    malformed message on any rank: the error returned on every rank)."""
     pending, owner.scratch.pending = owner.scratch.pending, []
     wire, owner.scratch.wire_checks = owner.scratch.wire_checks, []
     if not pending and not wire:
@@ -485,15 +485,19 @@ def settle(owner: Owner, comm: Comm) -> ValueError | None:
                           "received a malformed message (its error names the check); "
                           "residuals and velocities were left as before the step")
     counts = {id(p): m for p, m in zip(checked, missing)}  # else p.missing: known
-    error = None
+    error, taken = None, all(flags[0::2])
     for p, ok, here in zip(pending, flags[0::2], flags[1::2]):
-        if ok:  # a non-finite bucket's missing tensors are not counted: its step is not taken
+        if taken:
             owner.counts.missing += counts.get(id(p), p.missing)
             commit(owner.ef, p.index, p.acc, p.kept, p.wire, p.whole)
             continue
-        owner.ef.discard_buffer(p.index)  # residuals and velocities as before this step
-        err = _nonfinite(owner, p.index, p.names, not here, comm.rank, owner.counts.steps)
-        error = error or err
+        # a NaN/Inf in any bucket: the step is not taken (its backward raises, or a scaler
+        # skips it), so no bucket's residuals and velocities move, as in the engine (and
+        # however the buckets travelled, merged or split); its missing tensors not counted
+        owner.ef.discard_buffer(p.index)
+        if not ok:
+            err = _nonfinite(owner, p.index, p.names, not here, comm.rank, owner.counts.steps)
+            error = error or err
     return error
 
 
