@@ -129,7 +129,12 @@ def test_sparse_buckets_on_the_hooks_thread_train_bit_for_bit_as_in_the_hook(wor
         assert t["thread"] and t["named"] and not i["thread"]
         assert t["digest"] == i["digest"] and t["calls"] == i["calls"]
         assert t["calls"][1] - t["calls"][0] > 1, t["calls"]  # several buckets a step
-        assert t["bytes"] == i["bytes"] and t["missing"] == i["missing"]
+        # the same bytes; on the thread's side the step's all-reduce parts are summed in one
+        # call at its last bucket (engine/pipeline.py, "Merged buckets"): fewer messages
+        assert {k: v for k, v in t["bytes"].items() if k != "messages"} == {
+            k: v for k, v in i["bytes"].items() if k != "messages"}
+        assert (t["bytes"]["messages"] < i["bytes"]["messages"]) == (scheme == "ssfusion_oi")
+        assert t["missing"] == i["missing"]
         assert t["residual"].keys() == i["residual"].keys()
         for k in t["residual"]:
             a, b = t["residual"][k], i["residual"][k]

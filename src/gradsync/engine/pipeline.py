@@ -51,8 +51,9 @@ measures both: an A-B-B-A trial (:class:`~gradsync.engine.trial.AutoTrial`, side
 and ``"merged"``) from the step after the first with a bucket before the last. Merged, a sparse
 bucket (:meth:`BufferPipeline.hold`) waits for the step's last, which runs one pipeline over
 all of their tensors (:meth:`BufferPipeline.merged`) and completes every held future with its
-average. Training is the same bit for bit: an all-reduce part is still one all-reduce per
-bucket (:meth:`BufferPipeline._pieces`).
+average. Training is the same bit for bit on both sides: the step's all-reduce parts
+(SSFusion-I's) are summed in one call at its last bucket, in bucket order, on the split side
+too (:meth:`BufferPipeline._launch`).
 
 The owner (the hook's :class:`~gradsync.integrations.ddp.HookState`) is any object with the
 attributes of :class:`Owner`.
@@ -119,6 +120,11 @@ class Scratch:
     # the buckets held for the step's last (BufferPipeline.hold): pipeline, buffer, future
     held: list[tuple[BufferPipeline, torch.Tensor, torch.futures.Future]] = field(
         default_factory=list, repr=False)
+    # split: the all-reduce parts left for the step's last bucket, and their buckets' ends
+    # (the average into their buffer, the future to complete, the buffer)
+    dense: list[torch.Tensor] = field(default_factory=list, repr=False)
+    later: list[tuple[Callable[[], None], torch.futures.Future | None, torch.Tensor]] = field(
+        default_factory=list, repr=False)
 
     def queue(self, work: Callable[[], BaseException | None]) -> None:
         """Hand ``work`` (which returns its error, never raises) to the thread."""
@@ -179,10 +185,9 @@ class BufferPipeline:
         self.offsets = [0]
         for n in numels:
             self.offsets.append(self.offsets[-1] + n)
-        # merged (:meth:`merged`): each bucket's buffer and future (None: the last's own), and
-        # the bucket of each tensor
+        # merged (:meth:`merged`): each bucket's buffer and future (None: the last's own)
         self.spill: list[tuple[torch.Tensor, torch.futures.Future | None]] = []
-        self.source: dict[str, int] = {}
+        self.defer = False  # split (:meth:`hold`): the all-reduce part goes with the last's
 
     def hold(self, buf: torch.Tensor) -> torch.futures.Future | None:
         """On the trial's ``"merged"`` side, a sparse bucket before the step's last, with the
@@ -194,6 +199,7 @@ class BufferPipeline:
             return None
         owner.fusion.open(owner.counts.steps + 1)  # DDP rebuilds its buckets after step 0
         if owner.fusion.mode(owner.counts.steps) != FUSION_SIDES[1]:
+            self.defer = True
             return None
         fut: torch.futures.Future = torch.futures.Future()
         owner.scratch.held.append((self, buf, fut))
@@ -212,23 +218,7 @@ class BufferPipeline:
                               [n for p, _, _ in parts for n in p.names],
                               [k for p, _, _ in parts for k in p.numels], self.last)
         pipe.spill = [(b, f) for _, b, f in parts]
-        pipe.source = {n: i for i, (p, _, _) in enumerate(parts) for n in p.names}
         return pipe, torch.cat([b for _, b, _ in parts])
-
-    def _pieces(self, names: Sequence[str], dense: torch.Tensor) -> list[torch.Tensor]:
-        """An all-reduce part, merged: one all-reduce per bucket's tensors, as each bucket
-        sends them on its own (a ring sums each entry in an order its buffer's layout sets:
-        so the sums are the split side's bit for bit, at any P)."""
-        if not self.source:
-            return [dense]
-        numel = dict(zip(self.names, self.numels))
-        sizes: list[int] = []
-        for j, n in enumerate(names):
-            if j and self.source[n] == self.source[names[j - 1]]:
-                sizes[-1] += numel[n]
-            else:
-                sizes.append(numel[n])
-        return list(dense.split(sizes))
 
     def _release(self, buf: torch.Tensor | None) -> None:
         """A merged pipeline's buckets: each its part of ``buf`` (the average; None: the step
@@ -254,23 +244,33 @@ class BufferPipeline:
         sizes = [self.numels[position[n]] for n in order]
         parts, whole, acc = self._prepare(jobs, grad, order, sizes, here, buf.dtype)
 
-        def finish() -> CommStats:
-            """Phase 2, and the bucket's average in ``buf``: here, or on the hook's
-            communication thread (:meth:`_send`)."""
+        def finish(result: torch.futures.Future | None) -> CommStats:
+            """Phase 2, and the bucket's average in ``buf`` (``result`` then completed): here,
+            or on the hook's communication thread (:meth:`_send`); a bucket whose all-reduce
+            part waits for the step's last bucket is averaged there."""
             sums, res, sel, stats = self._launch(parts, here)
-            out = sums[0] if len(sums) == 1 else torch.cat(sums)  # the sums, in travel order
-            kept = None if res is None else res.kept.to(torch.int64)
-            # the all-gather part's missing tensors: on the host when it kept this rank's
-            # selection
-            known = None if res is None else parts[-1][2].known_missing(sel, res.kept)
-            owner.scratch.pending.append(_Pending(
-                self.key, self.names, acc, kept, whole, buf.dtype,
-                largest(out), here,  # the sums' largest magnitude: alike on every rank
-                None if kept is None or known is not None else job_check(parts[-1][1], kept),
-                known or 0))
-            owner.counts.tensors += len(self.names)
-            travel.average_into(buf, out, P)
-            self._release(buf)
+
+            def complete() -> None:
+                out = sums[0] if len(sums) == 1 else torch.cat(sums)  # in travel order
+                kept = None if res is None else res.kept.to(torch.int64)
+                # the all-gather part's missing tensors: on the host when it kept this rank's
+                # selection
+                known = None if res is None else parts[-1][2].known_missing(sel, res.kept)
+                owner.scratch.pending.append(_Pending(
+                    self.key, self.names, acc, kept, whole, buf.dtype,
+                    largest(out), here,  # the sums' largest magnitude: alike on every rank
+                    None if kept is None or known is not None
+                    else job_check(parts[-1][1], kept), known or 0))
+                owner.counts.tensors += len(self.names)
+                travel.average_into(buf, out, P)
+                self._release(buf)
+                if result is not None:
+                    result.set_result(buf)
+
+            if self.defer and whole:  # its all-reduce part is not summed yet
+                owner.scratch.later.append((complete, result, buf))
+            else:
+                complete()
             return stats
 
         if not self.spill:
@@ -282,8 +282,8 @@ class BufferPipeline:
         own = self.spill[-1][0]
         return fut.then(lambda f: (f.value(), own)[1])  # the last bucket's own buffer
 
-    def _send(self, finish: Callable[[], CommStats], buf: torch.Tensor
-              ) -> torch.futures.Future:
+    def _send(self, finish: Callable[[torch.futures.Future | None], CommStats],
+              buf: torch.Tensor) -> torch.futures.Future:
         """Phase 2 of a sparse bucket (``finish``) on the hook's communication thread, so that
         the backward goes on meanwhile (module doc, "The communication thread"); here, after
         every bucket handed to the thread, for the step's last bucket (it settles the step),
@@ -294,7 +294,7 @@ class BufferPipeline:
             if error is not None:
                 return _abandoned(owner, buf, error, self.last)
             try:
-                stats = finish()
+                stats = finish(None)
             except Exception as e:  # at the last bucket: its future fails (DDP stays usable)
                 if not self.last:
                     raise
@@ -303,12 +303,12 @@ class BufferPipeline:
         result: torch.futures.Future = torch.futures.Future()
 
         def work() -> BaseException | None:
-            try:
-                _account(owner, finish(), False)
+            try:  # finish completes result, at once or at the step's last bucket
+                _account(owner, finish(result), False)
             except BaseException as e:  # for the step's last bucket (_abandoned)
+                if not result.done():
+                    result.set_result(buf)
                 return e.with_traceback(None)  # no frames that hold the owner (comm.py)
-            finally:
-                result.set_result(buf)
             return None
 
         scratch.queue(work)
@@ -341,21 +341,28 @@ class BufferPipeline:
         """Phase 2: the all-reduce part issued first, interleaved with the all-gather's
         collective; returns the sums in travel order, the all-gather's result and message
         (None: no all-gather part) and the traffic. A poisoned bucket carries its NaN in one
-        part only (module doc): the sums' flag covers them all."""
+        part only (module doc): the sums' flag covers them all. On the split side a bucket's
+        all-reduce part waits for the step's last bucket, which sums them all with its own in
+        one call, in bucket order (the merged side's layout: a ring sums an entry in an order
+        the layout sets, so both sides sum alike), and averages their buckets."""
         owner, comm = self.owner, self.comm
         res = sel = None
         works: list[Any] = []
         sums: list[torch.Tensor] = []
         stats = comm.stats
         poison: torch.Tensor | None = here
+        left = owner.scratch.dense if self.last else []  # the split side's, summed here
+        groups: list[tuple[torch.Tensor, list[torch.Tensor]]] = []
         try:
             for job, _, payload in parts:
                 if payload.dense is not None:  # an all-reduce part, interleaved with the
                     sums.append(payload.dense)  # all-gather below
                     poison = _poison(sums[-1], poison)
-                    for piece in self._pieces(job.names, payload.dense):
-                        work = comm.all_reduce(piece, async_op=True)
-                        works += [work] if work is not None else []  # None: one rank
+                    if self.defer:
+                        owner.scratch.dense.append(payload.dense)
+                    else:
+                        works += _all_reduce(comm, [*left, payload.dense], groups)
+                        left = []
                     continue
                 # poisoned: the selection of zeros (every rank's message has the capacity
                 # they expect), one value NaN
@@ -366,6 +373,8 @@ class BufferPipeline:
                                                     deferred=owner.scratch.wire_checks)
                 sums.append(res.dense)
                 stats += res.stats
+            if left:  # a last bucket with no all-reduce part of its own
+                works += _all_reduce(comm, left, groups)
         except BaseException:
             # the all-reduce is waited for on every path, a failing all-gather included: a
             # work left pending keeps this bucket's tensors in gloo's worker thread, which may
@@ -376,6 +385,14 @@ class BufferPipeline:
             raise
         for work in works:  # Comm keeps the work, so gloo's thread never frees it (comm.py,
             work.wait()  # "Exit safety")
+        for together, group in groups:
+            if len(group) > 1:  # back into each bucket's part
+                for t, summed in zip(group, together.split([g.numel() for g in group])):
+                    t.copy_(summed)
+        if self.last:  # the buckets whose all-reduce part was summed here: their averages
+            owner.scratch.dense, later, owner.scratch.later = [], owner.scratch.later, []
+            for complete, _, _ in later:
+                complete()
         return sums, res, sel, stats
 
     def whole(self, buf: torch.Tensor, feedback: bool) -> torch.futures.Future:
@@ -438,6 +455,16 @@ class BufferPipeline:
 
         # the sparse buckets' error (auto's), the last one settled here: after the average
         return _failing(future().then(average), _account(owner, comm.stats, self.last))
+
+
+def _all_reduce(comm: Comm, group: list[torch.Tensor],
+                groups: list[tuple[torch.Tensor, list[torch.Tensor]]]) -> list[Any]:
+    """One asynchronous all-reduce of ``group``'s tensors, concatenated (``groups`` keeps
+    them, to spread the sums back); its work, or none at one rank."""
+    together = group[0] if len(group) == 1 else torch.cat(group)
+    groups.append((together, group))
+    work = comm.all_reduce(together, async_op=True)
+    return [work] if work is not None else []
 
 
 def _poison(values: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor | None:
@@ -593,6 +620,10 @@ def _abandoned(owner: Owner, buf: torch.Tensor, error: BaseException, last: bool
         return fut
     owner.ef.discard_pending()  # the failed bucket's too, which never reached the pending
     owner.scratch.pending, owner.scratch.wire_checks = [], []
+    for _, result, b in owner.scratch.later:  # split buckets left for this one: as they are
+        if result is not None and not result.done():
+            result.set_result(b)
+    owner.scratch.dense, owner.scratch.later = [], []
     owner.scratch.failed = None
     owner.counts.steps += 1
     return _failing(fut, error)
