@@ -33,7 +33,8 @@ sparse step's leftovers) commits in the future's callback once the sum is in and
 (gloo launches no collective from ``Future.then``). With the CPU's own kernels at P > 1, phase
 2 and the average run on one thread per hook (:func:`~gradsync.engine.executor.comm_thread`,
 the engine's kind) while the backward computes the next buckets; the bucket's future completes
-when the average is in. The step's last bucket, and a bucket sent whole, first wait for the
+when the average is in (with an all-reduce part, at the step's last bucket: "Merged
+buckets"). The step's last bucket, and a bucket sent whole, first wait for the
 buckets handed to the thread (every rank then issues its collectives in one order), then run
 on the calling thread: the last one settles the step, so DDP's own collectives after it
 (``find_unused_parameters``' all-reduce) find the thread idle. A collective that raised there
@@ -44,9 +45,9 @@ an accelerator's kernels the capped exchange reads nothing back: phase 2 runs in
 **Merged buckets.** Each bucket's collectives cost the step their rounds (and, on cores the
 ranks share, the thread's competition with the backward), which overlap repays only when the
 bucket's bytes take long on the link: on the CPU at P = 2 and 4, the CNN's two buckets (a
-1 MiB first bucket, then the rest) stepped 6–9 % faster in one set of collectives (per_tensor,
-ssfusion), on loopback and at 100 Mbit/s, while ResNet-18's three stepped about 16 % slower so
-at 100 Mbit/s (speed.md, "Merged buckets"). So, with the CPU's own kernels at P > 1, the hook
+1 MiB first bucket, then the rest) stepped up to 19 % faster in one set of collectives, on
+loopback and at 100 Mbit/s, while ResNet-18's three stepped about 16 % slower so at
+100 Mbit/s (speed.md, "Merged buckets"). So, with the CPU's own kernels at P > 1, the hook
 measures both: an A-B-B-A trial (:class:`~gradsync.engine.trial.AutoTrial`, sides ``"split"``
 and ``"merged"``) from the step after the first with a bucket before the last. Merged, a sparse
 bucket (:meth:`BufferPipeline.hold`) waits for the step's last, which runs one pipeline over
