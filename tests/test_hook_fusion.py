@@ -170,3 +170,24 @@ def test_a_failed_step_fails_backward_on_every_rank_and_the_next_steps_train(sid
         assert "injected: the peer is gone" in r["errors"][1][1]
         assert r["kept"] == [True, True] and r["steps"] == 6
     assert out[0]["digest"] == out[1]["digest"]
+
+
+def test_the_merged_buckets_trial_is_checked_on_load():
+    """The trial travels in the hook's state as ``"fusion"``: restored as saved, absent (a
+    state saved before it) as no trial yet, and refused, changing nothing, when malformed."""
+    model = build("cnn", seed=4)
+    state, _ = gradsync.ddp.hook(Config(scheme="per_tensor", density=0.02), model=model)
+    state.fusion.trial = {"start": 2, "rounds": 1, "verdict": None,
+                          "times": {"split": [0.1, 0.2], "merged": [0.3]}}
+    state.counts.steps = 8  # in the second window: merged
+    sd = state.state_dict()
+    fresh, _ = gradsync.ddp.hook(Config(scheme="per_tensor", density=0.02), model=model)
+    fresh.load_state_dict(sd)
+    assert fresh.fusion.trial == state.fusion.trial and fresh.stats()["buckets"] == "merged"
+    for bad in ({"start": 2}, {**sd["fusion"], "verdict": "dense"},
+                {**sd["fusion"], "times": {"model": [], "dense": []}}):
+        with pytest.raises(ValueError, match="trial"):
+            fresh.load_state_dict({**sd, "fusion": bad})
+    assert fresh.fusion.trial == state.fusion.trial  # nothing changed
+    fresh.load_state_dict({k: v for k, v in sd.items() if k != "fusion"})
+    assert fresh.fusion.trial is None and fresh.stats()["buckets"] == "split"
