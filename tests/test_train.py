@@ -202,6 +202,10 @@ def test_the_ddp_hooks_steps_are_metered_like_torchs_hooks():
                 assert math.isfinite(r[k]) and r[k] >= 0.0, (k, r[k])
             assert r["sparsify_s"] > 0.0 and r["bytes_sent"] > 0
         assert [r["loss"] for r in hook["records"]] == [r["loss"] for r in engine["records"]]
+        # the hook's merged-buckets trial opens at step 1 (DDP's step 0: one bucket) and is
+        # still measuring at step 6: every step after 0 probes, as auto's trials do
+        assert [r["probing"] for r in hook["records"]] == [False] + [True] * 5
+        assert not any(r["probing"] for r in engine["records"])
 
 
 def test_amp_config_and_runner_wiring():

@@ -94,7 +94,8 @@ evaluation batch, is progress); under torchrun it is the collectives' timeout; o
         "diverged_at_step": N | null, "reason": what was non-finite, or why it failed | null,
         "steps": [{"step", "loss", "time_s", "cpu_s", "elapsed_s", "samples_per_s", "bytes_sent",
                    "bytes_recv", "backward_s", "sparsify_s", "comm_s", "wait_s",
-                   "missing_rate", "warmup", "probing" (auto), "hooks_s" (the
+                   "missing_rate", "warmup", "probing" (a trial of auto's or of the
+                   DDP hook's merged buckets still measuring), "hooks_s" (the
                    engine's gradient hooks launching jobs, ``StepStats.hooks_s``; NaN for
                    others), "loss_scale" (``--amp fp16``: the scale after the step; halved
                    where it overflowed)},
@@ -108,9 +109,9 @@ evaluation batch, is progress); under torchrun it is the collectives' timeout; o
                     "time_speedup_vs_ddp" (with --eval-every and a ddp run: training seconds
                     until the evaluation curve reaches ddp's final score, linear between
                     points, null when never, and ddp's seconds over them, 0 when never),
-                    "probing_steps", "settled_samples_per_s", "settled_bytes_per_step" (auto:
-                    measured steps up to its last runner-up trial, and the median samples/s
-                    and mean bytes per rank and step after them),
+                    "probing_steps", "settled_samples_per_s", "settled_bytes_per_step" (auto,
+                    the DDP hook's trials: measured steps up to the last probing one, and the
+                    median samples/s and mean bytes per rank and step after them),
                     "test_accuracy", "test_samples" (images) | "eval_loss", "perplexity",
                     "eval_tokens" (language models; masked LMs: over the masked tokens),
                     "plan_digest" (``Plan.digest()``; null outside the engine),

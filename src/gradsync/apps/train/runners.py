@@ -243,10 +243,13 @@ class DDPHookRunner(Runner):
     def step_metrics(self, backward_start: float, backward_end: float) -> dict[str, float]:
         s = self.state.counts
         tensors = s.tensors - self.tens0
+        # a trial of the hook's (auto's, or merged buckets') still measuring: as auto's probing
+        trials = (self.state.auto.trial, self.state.fusion.trial)
         return {**self.meter.step_metrics(backward_start, backward_end),
                 "bytes_sent": s.total.bytes_sent - self.b0,
                 "bytes_recv": s.total.bytes_recv - self.r0,
-                "missing_rate": (s.missing - self.miss0) / tensors if tensors else 0.0}
+                "missing_rate": (s.missing - self.miss0) / tensors if tensors else 0.0,
+                "probing": any(t is not None and t["verdict"] is None for t in trials)}
 
 
 class TorchDDPRunner(Runner):

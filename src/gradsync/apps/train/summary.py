@@ -8,8 +8,9 @@ runners-up once after its warm-up (one window each, slower plans included): ``pr
 counts the measured steps up to its last probing step, ``settled_samples_per_s`` is the median
 after them — what a run longer than the probing sees (NaN when the run ended probing) — and
 ``settled_bytes_per_step`` the mean bytes per rank and step after them (``bytes_per_step``
-includes the probes, e.g. DDP's dense plan on trial on a slow link). The
-schema of ``metrics.json`` is in :mod:`gradsync.apps.train`.
+includes the probes, e.g. DDP's dense plan on trial on a slow link). The DDP hook's
+trials (``auto``'s, merged buckets') probe so too. The schema of ``metrics.json`` is in
+:mod:`gradsync.apps.train`.
 
 A run that did not finish keeps its ``status``: ``"diverged at step N"`` (its records up to
 that step; ``final_loss`` NaN, no evaluation) or ``"failed: <reason>"`` (no records; made by
@@ -129,7 +130,8 @@ def summarize(results: list[dict], warmup_steps: int) -> list[dict]:
         status = run0.get("status", "ok")
         last = [rr[-1]["loss"] for rr in per_rank if rr]
         s["final_loss"] = statistics.fmean(last) if last and status == "ok" else float("nan")
-        # auto: the measured steps up to its last probing step, and the median after them
+        # auto, the hook's trials: the measured steps up to the last probing one, the median
+        # after them
         last = max((j for j, x in enumerate(meas) if x.get("probing")), default=-1)
         s["probing_steps"] = last + 1
         s["settled_samples_per_s"] = _median([x["samples_per_s"] for x in meas[last + 1:]])
