@@ -50,8 +50,9 @@ __all__ = ["AGAIN_ORDER", "AUTO_SIDES", "FUSION_SIDES", "TRIAL_CLOSE", "TRIAL_OR
 TRIAL_CLOSE = 0.10
 TRIAL_ROUNDS = 3
 TRIAL_STEPS = 5  # the hook's window, in steps
-TRIAL_ORDER = ("model", "dense", "dense", "model")  # the hook's first round: A-B-B-A
-AGAIN_ORDER = ("dense", "dense", "model")  # each further round: B-B-A
+# the hook's windows, as indices into a trial's sides (A, B)
+TRIAL_ORDER = (0, 1, 1, 0)  # the first round: A-B-B-A
+AGAIN_ORDER = (1, 1, 0)  # each further round: B-B-A
 AUTO_SIDES = ("model", "dense")  # auto's: the prediction (A) against all-dense (B)
 FUSION_SIDES = ("split", "merged")  # a bucket's own collectives (A) against one per step (B)
 
@@ -145,7 +146,9 @@ class AutoTrial:
                               for k in (a, b)], dtype=torch.float64)
         comm.all_reduce(means, op=dist.ReduceOp.MAX)  # every rank: the same numbers
         ta, tb = means.tolist()
-        b_wins = decide(ta, tb, True, self.sides == FUSION_SIDES, rounds)
+        # a side sparsifies unless it is auto's all-dense one (merged buckets: both sides,
+        # so the margin cancels)
+        b_wins = decide(ta, tb, a != "dense", b != "dense", rounds)
         if b_wins is None:  # too close to call: B-B-A again
             t["rounds"] = rounds + 1
             return
@@ -175,7 +178,7 @@ def fusion_from(saved: Any, clock: Callable[[], float]) -> AutoTrial:
 
 def _order(rounds: int, sides: tuple[str, str]) -> tuple[str, ...]:
     """The hook's windows over ``rounds`` rounds: A-B-B-A, then B-B-A per further round."""
-    return tuple(sides[AUTO_SIDES.index(k)] for k in TRIAL_ORDER + AGAIN_ORDER * (rounds - 1))
+    return tuple(sides[i] for i in TRIAL_ORDER + AGAIN_ORDER * (rounds - 1))
 
 
 _FIRST = len(TRIAL_ORDER) * TRIAL_STEPS  # the first round's steps
