@@ -194,7 +194,7 @@ class BufferPipeline:
         """On the trial's ``"merged"`` side, a sparse bucket before the step's last, with the
         CPU's own kernels at P > 1, is held for the last one (module doc, "Merged buckets"):
         its future, complete once the step's average is in ``buf``. None: it goes on its own
-        (the ``"split"`` side, where no bucket waits)."""
+        (the ``"split"`` side; an all-reduce part of it waits for the last: :meth:`_launch`)."""
         owner = self.owner
         if self.last or self.comm.size == 1 or not host_kernels(buf):
             return None
