@@ -359,12 +359,11 @@ def test_topka_refuses_a_rank_with_fewer_entries_than_the_dense_prefix(P):
 @pytest.mark.accelerator_at(P=3)
 @pytest.mark.parametrize("P", WORLD_SIZES)
 def test_topka_at_a_fixed_capacity_sums_like_the_exact_size_exchange(P):
-    """A selection with a capacity every rank shares travels, on the accelerators' path, as
+    """A selection with a capacity every rank shares travels, with either kernel set, as
     one equal-size message per rank (an 8-byte count, room for the capacity's indices past the
-    dense prefix and its values): the sum is the float64 reference's, bit for bit the
-    exact-size exchange's, every entry is kept, and a capacity that differs between ranks
-    fails on every rank. On the CPU's path the same selection takes the exact-size exchange
-    (counts first, no padding: a read costs no wait there), with the same sum."""
+    dense prefix and its values; no count exchange first): the sum is the float64
+    reference's, bit for bit the exact-size exchange's, every entry is kept, and a capacity
+    that differs between ranks fails on every rank."""
     from gradsync.collectives.comm import ring_allreduce_bytes
     from gradsync.formats.wire import capped_entries_bytes, wire_index_dtype
 
@@ -373,23 +372,20 @@ def test_topka_at_a_fixed_capacity_sums_like_the_exact_size_exchange(P):
         for case in CASES:
             exact = [o["cases"]["topka", str(dtype), case] for o in outs]
             for r, o in enumerate(outs):
-                dense, kept, sent, cap, info = o["capped"][str(dtype), case]
                 s = selection(case, r, P, dtype)
-                assert torch.equal(_bits(dense), _bits(exact[r][0])), (case, dtype, r)
-                assert torch.equal(dense.double(), reference(case, P, dtype).to(dtype)
-                                   .double()), (case, dtype)
-                assert torch.equal(kept, s.indices)
-                size = capped_entries_bytes(cap, wire_index_dtype(s.numel), dtype,
-                                            s.dense_prefix)
-                # P − 1 messages of the capacity's size, plus the 32-byte shape check
-                shape = ring_allreduce_bytes(32, P) if P > 1 else 0
-                assert sent == (P - 1) * size + shape, (case, sent)
-                assert info["capacity"] == cap and "checks" not in info
-                dense, _, sent, _, info = o["capped_cpu"][str(dtype), case]
-                assert torch.equal(_bits(dense), _bits(exact[r][0])), (case, dtype, r)
-                assert "capacity" not in info and info["counts"] == [
-                    len(selection(case, q, P, dtype)) for q in range(P)]
-                assert sent == exact[r][2], (case, sent)  # the exact-size exchange's bytes
+                for kernels in ("capped", "capped_cpu"):
+                    dense, kept, sent, cap, info = o[kernels][str(dtype), case]
+                    assert torch.equal(_bits(dense), _bits(exact[r][0])), (case, dtype, r)
+                    assert torch.equal(dense.double(), reference(case, P, dtype).to(dtype)
+                                       .double()), (case, dtype)
+                    assert torch.equal(kept, s.indices)
+                    size = capped_entries_bytes(cap, wire_index_dtype(s.numel), dtype,
+                                                s.dense_prefix)
+                    # P − 1 messages of the capacity's size, plus the 32-byte shape check
+                    shape = ring_allreduce_bytes(32, P) if P > 1 else 0
+                    assert sent == (P - 1) * size + shape, (case, kernels, sent)
+                    assert info["capacity"] == cap and "checks" not in info
+                    assert "counts" not in info, kernels  # no count exchange
     if P > 1:
         got = [o["capped_mismatch"] for o in outs]
         assert all(g.startswith("ValueError") and "capacities differ" in g for g in got), got

@@ -274,10 +274,11 @@ def test_ssfusion_sends_the_tensors_it_excluded_as_values_without_indices(world_
     def ring(nbytes):  # what one rank sends in a ring all-reduce (rounded down)
         return 2 * (P - 1) * nbytes // P
 
-    # the payload, the counts (one int64 per peer) and the step's finiteness flag (one int64);
-    # the shape check (4 int64 words) only the first time the buffer is sent so (the engine's
-    # collectives agree once per description: check_shapes="changes")
-    expect = (P - 1) * (whole * 4 + k * 8) + (P - 1) * 8 + ring(8)
+    # the payload at its capacity (whole + k: the 8-byte count first, no count exchange) and
+    # the step's finiteness flag (one int64); the shape check (4 int64 words) only the first
+    # time the buffer is sent so (the engine's collectives agree once per description:
+    # check_shapes="changes")
+    expect = (P - 1) * (8 + whole * 4 + k * 8) + ring(8)
     for sent, residual, avg, _ in out:
         assert sent[1:] == [expect + ring(32), expect, expect], (sent, expect)  # after warm-up
         for n in ("net.1.bias", "net.3.bias", "net.5.bias"):
@@ -296,7 +297,12 @@ def test_ssfusion_sends_excluded_bf16_tensors_as_two_byte_values(world_size):
     P = world_size
     whole = 10 + 256 + 256
     k = sum(max(1, round(0.02 * n)) for n in (2560, 65536, 200704))
-    expect = (P - 1) * (whole * 2 + k * 6) + (P - 1) * 8 + 2 * (P - 1) * 8 // P
+    # each part of the capped message padded to 8 bytes: the count, k int32 indices, the
+    # whole + k bf16 values (formats.wire.capped_entries_bytes)
+    def pad8(n):
+        return -(-n // 8) * 8
+
+    expect = (P - 1) * (8 + pad8(k * 4) + pad8((whole + k) * 2)) + 2 * (P - 1) * 8 // P
     check = 2 * (P - 1) * 32 // P  # the shape check, at the first step after the warm-up
     for sent, residual, avg, _ in out:
         assert sent[1:] == [expect + check, expect, expect], (sent, expect)

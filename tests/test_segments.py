@@ -247,10 +247,15 @@ def test_the_ddp_hook_reorders_a_bucket_alike_by_index_and_by_slices(scheme):
     assert all(torch.equal(x, y) for x, y in zip(by_slices[0], by_slices[1]))
 
 
-def _one_buffer_rank(rank, world_size, sparsifier, on):
-    """The engine's one-buffer ``topka`` on the accelerators' path (``on``) or the CPU's: the
-    parameters after 5 SGD steps, and how often TopkA exchanged counts after the warm-up."""
+def _one_buffer_rank(rank, world_size, sparsifier, on, capped):
+    """The engine's one-buffer ``topka`` on the accelerators' path (``on``) or the CPU's, with
+    the selection's capacity (``capped``) or with it taken away as it reaches the collective:
+    the parameters after 5 SGD steps, and how often TopkA exchanged counts after the
+    warm-up."""
+    import dataclasses
+
     from gradsync.collectives.comm import Comm
+    from gradsync.collectives.topka import TopkA
     from gradsync.engine import GradSync
     from gradsync.engine.config import Config
 
@@ -268,7 +273,13 @@ def _one_buffer_rank(rank, world_size, sparsifier, on):
         exchanges.append(1)
         return real(self, *args, **kwargs)
 
-    with patch.object(Comm, "all_gather_counts", counting):
+    real_reduce = TopkA._reduce
+
+    def uncapped(self, sel, comm, step):
+        return real_reduce(self, dataclasses.replace(sel, capacity=None), comm, step)
+
+    with (patch.object(Comm, "all_gather_counts", counting),
+          patch.object(TopkA, "_reduce", real_reduce if capped else uncapped)):
         for step in range(5):
             if step == 2:
                 exchanges.clear()
@@ -283,19 +294,22 @@ def _one_buffer_rank(rank, world_size, sparsifier, on):
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize("sparsifier", ["dgc", "topk"])
 def test_the_one_buffer_topka_trains_alike_with_and_without_the_count_exchange(P, sparsifier):
-    """A DGC or top-k selection of the whole buffer carries its capacity k: on the
-    accelerators' path TopkA sends it at that fixed size and exchanges no counts, on the CPU's
-    it exchanges them and sends the exact size. The same training, bit for bit, on every rank
-    (what lies past a rank's count is masked, never added)."""
+    """A DGC or top-k selection of the whole buffer carries its capacity k, and TopkA sends it
+    at that fixed size and exchanges no counts, with the accelerators' kernels and with the
+    CPU's; without the capacity it exchanges them and sends the exact size. The same
+    training, bit for bit, on every rank (what lies past a rank's count is masked, never
+    added)."""
     from gradsync.testing import run_distributed
 
-    capped = run_distributed(_one_buffer_rank, P, sparsifier, True, timeout=120)
-    exact = run_distributed(_one_buffer_rank, P, sparsifier, False, timeout=120)
-    assert all(n == 0 for _, n in capped)
-    assert all(n == 3 for _, n in exact)  # once a step, steps 2-4
-    for (a, _), (b, _) in zip(capped, exact):
-        assert all(torch.equal(x, y) for x, y in zip(a, b))
-    assert all(torch.equal(x, y) for x, y in zip(capped[0][0], capped[-1][0]))
+    runs = {(on, capped): run_distributed(_one_buffer_rank, P, sparsifier, on, capped,
+                                          timeout=120)
+            for on in (True, False) for capped in (True, False)}
+    exact = runs[False, False]
+    for (on, capped), got in runs.items():
+        assert all(n == (0 if capped else 3) for _, n in got), (on, capped)  # steps 2-4
+        for (a, _), (b, _) in zip(got, exact):
+            assert all(torch.equal(x, y) for x, y in zip(a, b)), (on, capped)
+        assert all(torch.equal(x, y) for x, y in zip(got[0][0], got[-1][0]))
 
 
 @settings(max_examples=40, deadline=None)

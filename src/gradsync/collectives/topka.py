@@ -1,9 +1,11 @@
 """TopkA: all-gather every rank's (indices, values), then a local scatter-add.
 
 Ok-Topk §2 / Table 1: volume per rank 2k(P−1) words (COO, one index and one value per entry).
-k varies by rank, so the counts are gathered first and the payload travels as an exact-size
-all-gather-v (no padding, no even ``numel // P`` split) of one ``[indices][values]`` message per
-rank (:func:`gradsync.formats.wire.pack_entries`); a selection's dense prefix (tensors sent
+k varies by rank: it travels in one equal-size all-gather of messages padded to a capacity every
+rank knows ("Fixed capacity", below), or, without one, the counts are gathered first and the
+payload travels as an exact-size all-gather-v (no padding, no even ``numel // P`` split) of
+one ``[indices][values]`` message per rank (:func:`gradsync.formats.wire.pack_entries`); a
+selection's dense prefix (tensors sent
 whole at the front of a fused buffer, ``SparseGrad.dense_prefix``, SSFusion's excluded tensors)
 travels as values only. Duplicates across ranks accumulate
 (:func:`~gradsync.sparsegrad.add_at`), never overwrite. Indices are int64 in memory and travel
@@ -15,19 +17,21 @@ the step's others.
 
 **Fixed capacity.** A selection whose size every rank can bound without asking
 (``SparseGrad.capacity``: k of a DGC or exact top-k selection, Σ k_i of a buffer's, the plan's
-k_i alike on every rank) skips the count exchange on the accelerators' path
-(:func:`gradsync.sparsify.segments.pays_on`: a GPU, or the CPU standing in for one), where
-reading the counts back waits for the device. Each rank sends one message of the capacity's
-size with its count in an 8-byte header (:func:`gradsync.formats.wire.pack_entries_capped`),
-one equal-size all-gather carries them, and the receivers unpack every message at once and
-mask what lies past each count on the device. No count is read back to the host (on a GPU:
-no wait for the device before the values travel); the messages' checks (count within the
-capacity, indices in range) are read by the caller with the step's others
-(``Collective.__call__``'s ``deferred``). The price is
-the padding, at most the capacity minus the count (DGC keeps between 0.8·k and k entries),
-the 8-byte count and at most 14 bytes that align each part to 8 bytes. On the CPU a read costs
-no wait and the bytes weigh more, so the counts are exchanged there (a DGC-selected CNN sent
-3.5 % more bytes per step capped, at P = 2).
+k_i alike on every rank) skips the count exchange, on every device. Each rank sends one
+message of the capacity's size with its count in an 8-byte header
+(:func:`gradsync.formats.wire.pack_entries_capped`), one equal-size all-gather carries them,
+and the receivers unpack every message at once and mask what lies past each count on the
+device. No count is read back to the host (on a GPU: no wait for the device before the values
+travel); the messages' checks (count within the capacity, indices in range) are read by the
+caller with the step's others (``Collective.__call__``'s ``deferred``). The price is the
+padding, at most the capacity minus the count (DGC keeps between 0.8·k and k entries), the
+8-byte count and at most 14 bytes that align each part to 8 bytes: on the CNN at 1 %, P = 4,
+0.0974 → 0.1012 MB per rank and step (+3.9 %). What it saves is a round: the counts'
+all-gather waits for the slowest rank, then the payload's rounds follow. On this project's
+2-core machine the CNN's TopkA step at P = 4 fell from 40.6/42.1 to 36.8/37.1 ms (loopback,
+``bench anatomy``, with the ring all-gather of :meth:`gradsync.collectives.comm.Comm.all_gather`;
+speed.md, "One round fewer"). Selections without a capacity (a threshold's, Ok-Topk's)
+exchange their counts first, then exact-size messages.
 
 Every rank adds the P contributions in rank order, so ``dense`` is bitwise identical everywhere.
 """
@@ -50,7 +54,6 @@ from gradsync.formats.wire import (
     wire_index_dtype,
 )
 from gradsync.sparsegrad import SparseGrad, add_at
-from gradsync.sparsify.segments import pays_on
 
 
 @registry.register("topka")
@@ -62,7 +65,7 @@ class TopkA(Collective):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         m = sel.dense_prefix  # alike on every rank (the shape check compares it)
         wire = wire_index_dtype(sel.numel)
-        if sel.capacity is not None and pays_on(sel.device):  # alike on every rank too
+        if sel.capacity is not None:  # alike on every rank too (the shape check)
             return self._reduce_capped(sel, comm, wire, m)
         counts = comm.all_gather_counts(len(sel), sel.device)
         if min(counts) < m:  # every rank sees the same counts, so every rank raises
