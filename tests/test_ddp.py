@@ -525,11 +525,12 @@ def test_kept_counts_missing_tensors_and_refuses_positions_outside():
             count_missing(torch.tensor(bad), starts, 10, "the bucket's parts")
 
 
-def _malformed(rank: int, P: int, sparsifier: str, segmented: bool) -> dict:
-    """Rank P − 1 corrupts an index of the first message it receives at step 2 (as a faulty
-    link would); 4 steps, each rank's errors, error feedback's state around step 2, and the
-    final parameters. ``segmented``: the accelerators' path (a bucket selected at once, at a
-    fixed capacity)."""
+def _malformed(rank: int, P: int, sparsifier: str, segmented: bool, who: str = "link") -> dict:
+    """At step 2 rank P − 1 corrupts an index of the first message it unpacks (``who="link"``:
+    as a faulty link to it would), or every rank corrupts rank 0's message (``"sender"``: as a
+    faulty rank 0 would send it); 4 steps, each rank's errors, error feedback's state around
+    step 2, and the final parameters. ``segmented``: the accelerators' path (a bucket selected
+    at once)."""
     import gradsync.collectives.topka as topka_mod
     from conftest import segmented as segmented_kernels
     from gradsync import sparsegrad
@@ -565,7 +566,7 @@ def _malformed(rank: int, P: int, sparsifier: str, segmented: bool) -> dict:
     out: dict = {"errors": [], "same_state": None}
     try:
         for step in range(4):
-            armed[0] = step == 2 and rank == P - 1
+            armed[0] = step == 2 and (rank == P - 1 or who == "sender")
             before = _ef(state) if step == 2 else None
             opt.zero_grad(set_to_none=True)
             x, y = image_batch(rank, step)
@@ -594,24 +595,50 @@ def _ef(state) -> dict[str, torch.Tensor]:
 
 
 @pytest.mark.parametrize("P", [2, 3])
-@pytest.mark.parametrize(("sparsifier", "segmented", "path"), [
-    ("topk", True, "capped"), ("gaussiank", False, "exact size")])
-def test_hook_malformed_message_fails_that_step_on_every_rank(P, sparsifier, segmented, path):
-    """A message whose index lies outside the tensor, received by one rank: that step's
-    ``backward()`` raises on every rank (the receiving rank names the check, the others say
-    another rank received a malformed message), no rank's error feedback keeps anything of it,
-    nothing hangs, and the next steps train on with the replicas identical."""
-    outs = run_distributed(_malformed, P, sparsifier, segmented, timeout=240)
+@pytest.mark.parametrize(("sparsifier", "segmented", "path", "who"), [
+    ("gaussiank", False, "exact size", "link"), ("gaussiank", False, "exact size", "sender"),
+    ("topk", True, "capped", "sender"), ("topk", False, "capped", "sender")])
+def test_hook_malformed_message_fails_that_step_on_every_rank(P, sparsifier, segmented, path,
+                                                               who):
+    """A message whose index lies outside the tensor: that step's ``backward()`` raises on
+    every rank — the ranks that unpacked it name the check; where one rank alone did (a faulty
+    link to it), the others, told by the agreement word, say another rank received a
+    malformed message — no rank's error feedback keeps anything of it, nothing hangs, and the
+    next steps train on with the replicas identical. At a fixed capacity (top-k) every rank
+    unpacks every message, so a faulty sender's message fails every rank alike with no
+    agreement word, on either kernel set."""
+    outs = run_distributed(_malformed, P, sparsifier, segmented, who, timeout=240)
     for rank, out in enumerate(outs):
         assert out["paths"] == [path], out["paths"]
         assert [s for s, _ in out["errors"]] == [2], (rank, out["errors"])
         msg = out["errors"][0][1]
-        if rank == P - 1:
+        if rank == P - 1 or who == "sender":
             assert "topka: a rank's message" in msg and "outside" in msg, msg
         else:
             assert "another rank received a malformed message" in msg, (rank, msg)
         assert out["same_state"], rank
     assert len({o["digest"] for o in outs}) == 1
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_hook_a_link_fault_at_a_fixed_capacity_fails_the_receiving_rank_only(P):
+    """The documented limit of that rule (usage.md, "Non-finite gradients"): at a fixed capacity no
+    agreement word travels, so a message that one rank alone receives corrupted (a link fault
+    TCP's checksum missed) fails that rank's step only, its error feedback as before the step;
+    its peers take the step, nothing hangs, and every rank trains on (its replica now
+    differs, as a corrupted value would make it)."""
+    outs = run_distributed(_malformed, P, "topk", True, "link", timeout=240)
+    for rank, out in enumerate(outs):
+        assert out["paths"] == ["capped"], out["paths"]
+        if rank == P - 1:
+            assert [s for s, _ in out["errors"]] == [2], out["errors"]
+            assert "topka: a rank's message" in out["errors"][0][1], out["errors"]
+            assert out["same_state"]
+        else:
+            assert out["errors"] == [], (rank, out["errors"])
+            assert out["same_state"] is False, rank  # it took the step
+    assert len({o["digest"] for o in outs[:-1]}) == 1
+    assert outs[-1]["digest"] != outs[0]["digest"]
 
 
 def test_hook_state_is_grouped_by_role():

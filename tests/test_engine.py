@@ -275,10 +275,10 @@ def test_ssfusion_sends_the_tensors_it_excluded_as_values_without_indices(world_
         return 2 * (P - 1) * nbytes // P
 
     # the payload at its capacity (whole + k: the 8-byte count first, no count exchange) and
-    # the step's finiteness flag (one int64); the shape check (4 int64 words) only the first
-    # time the buffer is sent so (the engine's collectives agree once per description:
-    # check_shapes="changes")
-    expect = (P - 1) * (8 + whole * 4 + k * 8) + ring(8)
+    # nothing else: every rank unpacks every message, which carries its rank's finiteness
+    # (no agreement word); the shape check (4 int64 words) only the first time the buffer is
+    # sent so (the engine's collectives agree once per description: check_shapes="changes")
+    expect = (P - 1) * (8 + whole * 4 + k * 8)
     for sent, residual, avg, _ in out:
         assert sent[1:] == [expect + ring(32), expect, expect], (sent, expect)  # after warm-up
         for n in ("net.1.bias", "net.3.bias", "net.5.bias"):
@@ -302,7 +302,7 @@ def test_ssfusion_sends_excluded_bf16_tensors_as_two_byte_values(world_size):
     def pad8(n):
         return -(-n // 8) * 8
 
-    expect = (P - 1) * (8 + pad8(k * 4) + pad8((whole + k) * 2)) + 2 * (P - 1) * 8 // P
+    expect = (P - 1) * (8 + pad8(k * 4) + pad8((whole + k) * 2))
     check = 2 * (P - 1) * 32 // P  # the shape check, at the first step after the warm-up
     for sent, residual, avg, _ in out:
         assert sent[1:] == [expect + check, expect, expect], (sent, expect)
@@ -690,6 +690,80 @@ def test_a_malformed_message_stops_every_rank_with_a_clear_error(P):
             assert "rule 1" in msg, msg
         else:
             assert "another rank received a malformed message" in msg, (rank, msg)
+
+
+def _topka_malformed(rank, world_size, who):
+    """TopkA at its capacity through the engine; at step 2 every rank corrupts rank 0's
+    message as it unpacks it (``who="sender"``: a faulty rank 0) or rank P − 1 alone does
+    (``"link"``); each step's outcome, the agreement all-reduces made, whether the residuals
+    stayed, and the final parameters."""
+    from unittest.mock import patch
+
+    import gradsync.collectives.topka as topka_mod
+    from gradsync.collectives.comm import Comm
+
+    model = build("mlp", seed=1)
+    sync = GradSync(model, Config(scheme="topka", density=0.1, warmup_steps=1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    capped, armed, reduces = topka_mod.unpack_entries_capped, [False], []
+
+    def bad(msgs, *args):
+        if armed[0]:
+            armed[0] = False
+            msgs = msgs.clone()
+            msgs[0, 8:12] = 255  # rank 0's first index: int32 −1
+        return capped(msgs, *args)
+
+    real_reduce = Comm.all_reduce
+
+    def counting(self, t, *args, **kwargs):
+        reduces.append(t.numel())
+        return real_reduce(self, t, *args, **kwargs)
+
+    out = []
+    with patch.object(topka_mod, "unpack_entries_capped", bad), \
+            patch.object(Comm, "all_reduce", counting):
+        for step in range(4):
+            model.zero_grad()
+            x, y = batch("cnn", rank, step)
+            # before the backward: the job is sent during it, on the communication thread
+            armed[0] = step == 2 and (who == "sender" or rank == world_size - 1)
+            model_loss(model, "cnn", x, y).backward()
+            before = {n: sync.ef.residual(n) for n in sync.params}
+            before = {n: None if r is None else r.clone() for n, r in before.items()}
+            reduces.clear()
+            try:
+                sync.synchronize()
+                out.append(("applied", len(reduces)))
+                opt.step()
+            except ValueError as e:
+                same = all(b is None or torch.equal(b, sync.ef.residual(n))
+                           for n, b in before.items())
+                out.append((str(e), same))
+    sync.close()
+    return out, gradsync.engine.consistency.parameter_digest(model)[0]
+
+
+@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("who", ["sender", "link"])
+def test_topka_at_its_capacity_needs_no_agreement_word(P, who):
+    """TopkA at a fixed capacity: every rank unpacks every message, so its checks (and a NaN
+    a rank's message carries) show alike on every rank and the step makes no agreement
+    all-reduce. A faulty sender's malformed message fails that step on every rank with the
+    check's message, residuals as before; a message one rank alone receives corrupted (a link
+    fault) fails that rank only, as usage.md documents, and its peers take the step. Nothing
+    hangs either way."""
+    outs = run_distributed(_topka_malformed, P, who, timeout=240)
+    for rank, (out, _) in enumerate(outs):
+        assert out[0][0] == out[1][0] == out[3][0] == "applied", (rank, out)
+        assert out[1][1] == out[3][1] == 0, (rank, out)  # no agreement all-reduce
+        if who == "sender" or rank == P - 1:
+            msg, same = out[2]
+            assert "topka: a rank's message" in msg and same, (rank, out[2])
+        else:
+            assert out[2] == ("applied", 0), (rank, out[2])
+    digests = {d for _, d in outs}
+    assert len(digests) == (1 if who == "sender" else 2)
 
 
 def _diverge(rank, world_size):

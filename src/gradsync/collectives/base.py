@@ -73,6 +73,10 @@ class Collective(ABC):
 
     name: str = "?"  # set by ``registry.register(name)``
     exact: bool = True  # does `dense` equal the sum of every rank's selection?
+    # every rank decodes every rank's message (an all-gather): its checks, and a NaN one rank
+    # put in its message, show alike on every rank, so a caller needs no agreement collective
+    # for them (the engine's step of such jobs makes none: engine/sync.py, _agreement)
+    checks_alike: bool = False
 
     def __init__(self, *, check_shapes: bool | str = True) -> None:
         if check_shapes not in (True, False, "changes"):

@@ -60,6 +60,8 @@ from gradsync.sparsegrad import SparseGrad, add_at
 class TopkA(Collective):
     """TopkA: all-gather-v of every rank's entries, then a scatter-add in rank order."""
 
+    checks_alike = True  # every rank unpacks the same P messages
+
     def _reduce(
         self, sel: SparseGrad, comm: Comm, step: int
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:

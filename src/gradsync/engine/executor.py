@@ -48,6 +48,7 @@ import torch.distributed as dist
 from gradsync import collectives, sparsegrad, sparsify
 from gradsync.collectives.comm import Comm, CommStats
 from gradsync.engine.jobs import InFlight, Job, JobResult, Payload
+from gradsync.engine.prepare import carry
 from gradsync.sparsegrad import SparseGrad
 
 __all__ = ["Executor", "comm_thread"]
@@ -147,14 +148,19 @@ class Executor:
                 return sel, time.perf_counter() - t0
         return self._worker.submit(work)
 
-    def submit(self, job: Job, index: int, payload: Payload, step: int) -> Future[JobResult]:
-        """Queue job ``index`` of the plan behind the jobs already queued."""
-        return self._comm.submit(self._communicate, job, index, payload, step)
+    def submit(self, job: Job, index: int, payload: Payload, step: int,
+               finite: torch.Tensor | None = None) -> Future[JobResult]:
+        """Queue job ``index`` of the plan behind the jobs already queued; ``finite``:
+        prepare's flag of its gradients (on the device), carried in the message
+        (:func:`carry`)."""
+        return self._comm.submit(self._communicate, job, index, payload, step, finite)
 
-    def _communicate(self, job: Job, index: int, payload: Payload, step: int) -> JobResult:
+    def _communicate(self, job: Job, index: int, payload: Payload, step: int,
+                     finite: torch.Tensor | None) -> JobResult:
         """Runs on the communication thread: one collective, in plan order."""
         if payload.dense is not None:  # Mode.DENSE, or a job whose every entry travels
             data = payload.dense
+            carry(data, finite)
             sent = data.clone() if self._audit else None
             stats, in_flight = self._all_reduce(data)
             return JobResult(data, None, stats, sent_values=sent, in_flight=in_flight)
@@ -166,13 +172,18 @@ class Executor:
                 offload_s += s
             sels.append(part)
         sel = payload.message(job, sels)
+        coll = self._collective(f"job:{index}", job.collective_density)
+        # alike on every rank: the collective's kind and the capacity (its shape check)
+        alike = coll.checks_alike and sel.capacity is not None
+        if alike:
+            carry(sel.values, finite)
         sent_idx, sent_vals = ((sel.indices.clone(), sel.values.clone()) if self._audit
                                else (None, None))
         checks: list[tuple[torch.Tensor, str]] = []
-        res = self._collective(f"job:{index}", job.collective_density)(
-            sel, group=self.group, step=step, deferred=checks)
+        res = coll(sel, group=self.group, step=step, deferred=checks)
         return JobResult(res.dense, res.kept, res.stats, offload_s, sent_idx, sent_vals,
-                         checks=checks, missing=payload.known_missing(sel, res.kept))
+                         checks=checks, missing=payload.known_missing(sel, res.kept),
+                         alike=alike)
 
     def _all_reduce(self, data: torch.Tensor) -> tuple[CommStats, InFlight]:
         """Issue the all-reduce of ``data`` and return without waiting for it: the next job

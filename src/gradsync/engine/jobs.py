@@ -196,6 +196,11 @@ class JobResult:
     # selection (its indices, TopkA's) and prepare counted its empty tensors
     # (Payload.missing); None: engine.apply.job_check counts them on the device
     missing: int | None = None
+    # its checks and a rank's non-finite flag (carried in the message) show alike on every
+    # rank: an all-reduce, or a collective whose every rank decodes every message
+    # (Collective.checks_alike) at a capacity (SparseGrad.capacity); False: they need the
+    # ranks' agreement word (GradSync._agreement)
+    alike: bool = True
 
     def settle(self) -> JobResult:
         """Wait for the all-reduce still in flight, if any: ``dense`` holds the sum after."""

@@ -12,13 +12,16 @@ pieces for each (:mod:`.prepare`, :mod:`.jobs`, :mod:`.apply`):
    collective (SSFusion-I);
 3. **settle** (:func:`settle`, at the step's last bucket): every sparse bucket's checks read in
    one copy, with, at P > 1, the ranks' word on malformed messages
-   (:func:`~gradsync.engine.apply.agreement_word`);
+   (:func:`~gradsync.engine.apply.agreement_word`), unless every bucket's checks show alike
+   on every rank (TopkA at a capacity: every rank unpacks every message; the engine's rule,
+   ``JobResult.alike``);
 4. **commit**: each bucket's error feedback committed (every sum finite,
    :func:`~gradsync.engine.apply.commit`) or left as before the step (a NaN/Inf in any).
 
 **Non-finite gradients.** Nothing is read while a bucket is sent: a bucket whose gradients
 hold a NaN/Inf selects from zeros (``accumulate`` zeroed its accumulator) and carries one NaN,
-``values[0] / finite`` (0/0; a finite bucket's is x/1 = x exactly), in the message every rank
+``values[0] / finite`` (0/0; a finite bucket's is x/1 = x exactly,
+:func:`~gradsync.engine.prepare.carry`), in the message every rank
 expects, so every rank's sum shows it. A NaN/Inf in a bucket sent whole travels in its
 all-reduce. So every rank sees it alike and keeps its residuals: ``Config.nonfinite="raise"``
 fails a future of the step (DDP raises from ``backward()`` on every rank), ``"skip_step"``
@@ -81,7 +84,7 @@ from gradsync.engine.config import Config
 from gradsync.engine.density import DensitySchedule
 from gradsync.engine.executor import comm_thread
 from gradsync.engine.jobs import Job, Payload
-from gradsync.engine.prepare import accumulate, select
+from gradsync.engine.prepare import accumulate, carry, select
 from gradsync.engine.trial import FUSION_SIDES, AutoTrial
 from gradsync.feedback import ErrorFeedback, clip_local
 from gradsync.sparsegrad import all_finite, finite_flag, host_kernels, largest
@@ -173,6 +176,7 @@ class _Pending:
     check: torch.Tensor | None  # engine.apply.job_check of the all-gather part (None: none,
     # or its missing tensors known on the host)
     missing: int = 0  # the all-gather part's missing tensors, when known on the host
+    alike: bool = False  # its checks show alike on every rank (JobResult.alike): no word
 
 
 class BufferPipeline:
@@ -261,7 +265,9 @@ class BufferPipeline:
                     self.key, self.names, acc, kept, whole, buf.dtype,
                     largest(out), here,  # the sums' largest magnitude: alike on every rank
                     None if kept is None or known is not None
-                    else job_check(parts[-1][1], kept), known or 0))
+                    else job_check(parts[-1][1], kept), known or 0,
+                    sel is not None and sel.capacity is not None
+                    and owner.parts.collectives["ddp"].checks_alike))
                 owner.counts.tensors += len(self.names)
                 travel.average_into(buf, out, P)
                 self._release(buf)
@@ -358,7 +364,7 @@ class BufferPipeline:
             for job, _, payload in parts:
                 if payload.dense is not None:  # an all-reduce part, interleaved with the
                     sums.append(payload.dense)  # all-gather below
-                    poison = _poison(sums[-1], poison)
+                    poison = carry(sums[-1], poison)
                     if self.defer:
                         owner.scratch.dense.append(payload.dense)
                     else:
@@ -368,7 +374,7 @@ class BufferPipeline:
                 # poisoned: the selection of zeros (every rank's message has the capacity
                 # they expect), one value NaN
                 sel = payload.message(job, payload.selections)
-                poison = _poison(sel.values, poison)
+                poison = carry(sel.values, poison)
                 res = owner.parts.collective("ddp")(sel, group=owner.group,
                                                     step=owner.counts.steps,
                                                     deferred=owner.scratch.wire_checks)
@@ -468,16 +474,6 @@ def _all_reduce(comm: Comm, group: list[torch.Tensor],
     return [work] if work is not None else []
 
 
-def _poison(values: torch.Tensor, flag: torch.Tensor | None) -> torch.Tensor | None:
-    """``values[0] /= flag`` (NaN where the bucket's gradients were not finite, module doc)
-    unless a part already carries it (``flag`` None) or ``values`` is empty; returns the flag
-    still to carry."""
-    if flag is None or not values.numel():
-        return flag
-    values[:1].div_(flag)
-    return None
-
-
 def settle(owner: Owner, comm: Comm) -> ValueError | None:
     """Phases 3–4 at a step's last bucket: every sparse bucket's checks in one read (with, at
     P > 1, the ranks' word on malformed messages), then the buckets' error feedback committed
@@ -494,7 +490,7 @@ def settle(owner: Owner, comm: Comm) -> ValueError | None:
     # meets here; a step of plain all-reduces (DGC's warm-up at density 1) receives no message
     ran = [p for p in pending if p.kept is not None]
     word = (agreement_word(comm, ran[0].top.device, wire) > 0
-            if ran and comm.size > 1 else None)
+            if ran and comm.size > 1 and not all(p.alike for p in ran) else None)
     try:
         missing, flags = settle_missing(
             [p.check for p in checked], "a bucket's parts", "gradsync.ddp: ", wire,

@@ -54,7 +54,7 @@ from gradsync.feedback import ErrorFeedback, clip_local
 from gradsync.sparsegrad import SparseGrad, finite_flag, iota, zero_unless
 from gradsync.sparsify import segments
 
-__all__ = ["Prepared", "accumulate", "prepare", "select"]
+__all__ = ["Prepared", "accumulate", "carry", "prepare", "select"]
 
 Sparsifiers = Callable[[str, float], sparsify.Sparsifier]  # (key, density) -> its sparsifier
 Offload = Callable[[sparsify.Sparsifier, torch.Tensor, int], Future]  # Executor.offload
@@ -119,6 +119,19 @@ def accumulate(key: Hashable, names: Sequence[str], sizes: Sequence[int], grad: 
     if finite is not None:  # acc is new (or the pending velocity, discarded on such a step)
         zero_unless(finite, acc)
     return acc
+
+
+def carry(values: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor | None:
+    """The non-finite rule's flag carried in a message (the engine's jobs whose checks show
+    alike on every rank, the DDP hook's buckets): ``values[0] /= finite``, 0/0 — a NaN — where
+    the gradients were not finite (:func:`accumulate` zeroed them, so the selection holds
+    zeros), x/1 = x exactly where they were. Every rank's sum then shows one rank's NaN with
+    no agreement collective and nothing read. Returns the flag still to carry: ``finite``
+    when ``values`` is empty (another part of the message must carry it), else None."""
+    if finite is None or not values.numel():
+        return finite
+    values[:1].div_(finite)
+    return None
 
 
 def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],

@@ -309,8 +309,12 @@ class GradSync:
         if profiling:
             self._planning.warmup.observe(run.hook_times)
         results = self._collect(run, stats)
-        missing, deferred_bad, dense_bad, agreed = self._settle(run, results, stats)
-        ok = self._agree(run, stats, deferred_bad, dense_bad, agreed)
+        try:
+            missing, deferred_bad, dense_bad, agreed = self._settle(run, results, stats)
+        except ValueError:  # a malformed message: nothing was applied; the next step is fresh
+            self._abandon()
+            raise
+        ok = self._agree(run, stats, deferred_bad, dense_bad, agreed, _alike(results))
         if ok:
             stats.missing += missing
         self._apply(run, results, stats, ok)
@@ -364,7 +368,7 @@ class GradSync:
         # that overflowed shows here, alike on every rank, instead of reaching .grad; and a
         # collective that finds NaN/Inf under skip_step (Ok-Topk) returns a sum of NaN
         finite = [*(lj.finite for lj in deferred), *(finite_flag(r.dense) for r in results)]
-        word = self._agreement(run, results, finite, stats)
+        word = self._agreement(results, finite, stats)
         extra = [] if word is None else [word >= 1, word >= 2]
         missing, flags = settle(list(zip(run.launched, results)), f"step {self.step}: ",
                                 [*finite, *extra])
@@ -381,15 +385,18 @@ class GradSync:
                 bad.extend(n for n in lj.job.names if not all_finite(self._grad(n)))
         return missing, bad, not all(flags[len(deferred):len(finite)]), agreed
 
-    def _agreement(self, run: StepRun, results: list[JobResult], finite: list[torch.Tensor],
+    def _agreement(self, results: list[JobResult], finite: list[torch.Tensor],
                    stats: StepStats) -> torch.Tensor | None:
-        """At P > 1, unless every job was a plain all-reduce (whose sums, alike on every rank,
-        tell by themselves): one int64 word, all-reduced (MAX) on the device before the
-        step's read: 2 when some rank received a malformed message (a collective's check
-        failed), else 1 when some rank saw a non-finite gradient or sum, else 0. So a rank
-        whose check fails has met its peers in this collective, and they stop too instead of
-        waiting for it at the next one."""
-        if self.P == 1 or _only_dense(run):
+        """At P > 1, unless every job's result shows alike on every rank by itself
+        (``JobResult.alike``: an all-reduce's sum; a TopkA at its capacity, whose every rank
+        unpacks every message, each carrying its rank's non-finite flag as a NaN): one int64
+        word, all-reduced (MAX) on the device before the step's read: 2 when some rank
+        received a malformed message (a collective's check failed), else 1 when some rank saw
+        a non-finite gradient or sum, else 0. So a rank whose check fails has met its peers
+        in this collective, and they stop too instead of waiting for it at the next one.
+        Without the word a step of TopkA saves a round: at P = 4 on 2 cores, about 2 ms of a
+        37 ms step (docs/results/speed.md, "One round fewer")."""
+        if self.P == 1 or _alike(results):
             return None
         wire = [check for r in results for check in r.checks]
         dev = finite[0].device if finite else wire[0][0].device if wire else torch.device("cpu")
@@ -402,22 +409,22 @@ class GradSync:
         return word
 
     def _agree(self, run: StepRun, stats: StepStats, deferred_bad: list[str],
-               dense_bad: bool, agreed: bool | None) -> bool:
+               dense_bad: bool, agreed: bool | None, alike: bool) -> bool:
         """Whether every rank's gradients were finite (``Config.nonfinite``), agreed by all
-        (``deferred_bad``, ``dense_bad``, ``agreed``: what :meth:`_settle` found). A step of
-        only plain all-reduces needs no agreement collective (their sums are alike on every
-        rank); in a mixed step a non-finite sum joins this rank's flag."""
+        (``deferred_bad``, ``dense_bad``, ``agreed``: what :meth:`_settle` found). A step whose
+        results are ``alike`` on every rank (:meth:`_agreement`) needs no agreement: a
+        non-finite sum, which every rank sees, is the verdict; in another step a non-finite
+        sum joins this rank's flag."""
         bad_local = sorted(deferred_bad)
         if dense_bad:  # rare: name this rank's culprits for the message
             bad_local = sorted({*bad_local, *(n for lj in run.launched
                                               if lj.job.mode is Mode.DENSE
                                               for n in lj.job.names
                                               if not all_finite(self._grad(n)))})
-        only_dense = _only_dense(run)
-        if only_dense:
+        if alike:
             agreed = dense_bad
         return self._agree_finite(bool(bad_local) or dense_bad, stats, agreed, bad_local,
-                                  only_dense)
+                                  _only_dense(run))
 
     def _apply(self, run: StepRun, results: list[JobResult], stats: StepStats, ok: bool) -> None:
         """Average every job's result into ``.grad`` and update residuals, or, when a rank
@@ -769,7 +776,7 @@ class GradSync:
         # what is sent, before the communication thread may sum into it (a raw dense job)
         audit_acc = ((grad if prep.acc is None else prep.acc).detach().clone()
                      if self._audit.enabled else None)
-        future = self._exec.submit(job, index, prep.payload, self.step)
+        future = self._exec.submit(job, index, prep.payload, self.step, prep.finite)
         self._run.launched.append(Launched(job, index, sizes, prep.acc, future, audit_acc,
                                            storage, prep.finite))
 
@@ -848,6 +855,14 @@ class GradSync:
         self._counts.step += 1
         return not stats.skipped
 
+    def _abandon(self) -> None:
+        """A step that raised: its pending error feedback discarded (residuals as before it),
+        its jobs forgotten and its number spent, so the next step starts fresh."""
+        for name in self.params:
+            self.ef.discard(name)
+        self._counts.step += 1
+        self._run = StepRun()
+
     def _agree_finite(self, bad: bool, stats: StepStats, agreed: bool | None,
                       bad_local: list[str], only_dense: bool = False) -> bool:
         """All ranks agree whether any gradient was non-finite (``bad``: this rank saw one;
@@ -866,13 +881,16 @@ class GradSync:
                  else "on another rank (or the all-reduced sum overflowed)" if only_dense
                  else "on another rank (or a sum overflowed)")
         if self.cfg.nonfinite == "raise":
-            for name in self.params:
-                self.ef.discard(name)
-            self._counts.step += 1
-            self._run = StepRun()
+            self._abandon()
             raise ValueError(f"gradsync: non-finite gradient {where} at step {self.step - 1}; "
                              "residuals were left untouched (Config.nonfinite='raise')")
         return False
+
+
+def _alike(results: list[JobResult]) -> bool:
+    """Every job's result shows a malformed message and a rank's non-finite gradient alike on
+    every rank (``JobResult.alike``), so the step needs no agreement word."""
+    return all(r.alike for r in results)
 
 
 def _only_dense(run: StepRun) -> bool:
