@@ -17,7 +17,8 @@ the step's others.
 
 **Fixed capacity.** A selection whose size every rank can bound without asking
 (``SparseGrad.capacity``: k of a DGC or exact top-k selection, Σ k_i of a buffer's, the plan's
-k_i alike on every rank) skips the count exchange, on every device. Each rank sends one
+k_i alike on every rank) skips the count exchange: on an accelerator's kernels always, on the
+CPU's up to :data:`HOST_CAPPED_MAX` entries (see below). Each rank sends one
 message of the capacity's size with its count in an 8-byte header
 (:func:`gradsync.formats.wire.pack_entries_capped`), one equal-size all-gather carries them,
 and the receivers unpack every message at once and mask what lies past each count on the
@@ -30,8 +31,12 @@ padding, at most the capacity minus the count (DGC keeps between 0.8·k and k en
 all-gather waits for the slowest rank, then the payload's rounds follow. On this project's
 2-core machine the CNN's TopkA step at P = 4 fell from 40.6/42.1 to 36.8/37.1 ms (loopback,
 ``bench anatomy``, with the ring all-gather of :meth:`gradsync.collectives.comm.Comm.all_gather`;
-speed.md, "One round fewer"). Selections without a capacity (a threshold's, Ok-Topk's)
-exchange their counts first, then exact-size messages.
+speed.md, "One round fewer"). On the CPU the padded messages' unpacking costs more than the
+round beyond some ten thousand entries: at P = 2, 4·10⁶ elements, 10 % (400,000 entries a
+rank), 14–15 ms exact-size against 20–21 capped on the slower rank (`bench check`'s
+``collective/topka@0.1`` went from 1.08× to 1.7–1.9× dense), so there a selection of more than
+:data:`HOST_CAPPED_MAX` entries exchanges its counts. Selections without a capacity (a
+threshold's, Ok-Topk's) exchange their counts first, then exact-size messages.
 
 Every rank adds the P contributions in rank order, so ``dense`` is bitwise identical everywhere.
 """
@@ -54,6 +59,10 @@ from gradsync.formats.wire import (
     wire_index_dtype,
 )
 from gradsync.sparsegrad import SparseGrad, add_at
+from gradsync.sparsify.segments import pays_on
+
+# On the CPU's kernels, the largest capacity sent at its fixed size (module doc)
+HOST_CAPPED_MAX = 2**15
 
 
 @registry.register("topka")
@@ -67,7 +76,8 @@ class TopkA(Collective):
     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
         m = sel.dense_prefix  # alike on every rank (the shape check compares it)
         wire = wire_index_dtype(sel.numel)
-        if sel.capacity is not None:  # alike on every rank too (the shape check)
+        if sel.capacity is not None and (  # alike on every rank too (the shape check)
+                sel.capacity <= HOST_CAPPED_MAX or pays_on(sel.device)):
             return self._reduce_capped(sel, comm, wire, m)
         counts = comm.all_gather_counts(len(sel), sel.device)
         if min(counts) < m:  # every rank sees the same counts, so every rank raises
