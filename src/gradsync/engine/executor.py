@@ -48,7 +48,7 @@ import torch.distributed as dist
 from gradsync import collectives, sparsegrad, sparsify
 from gradsync.collectives.comm import Comm, CommStats
 from gradsync.engine.jobs import InFlight, Job, JobResult, Payload
-from gradsync.engine.prepare import carry
+from gradsync.engine.prepare import carry, shows_alike
 from gradsync.sparsegrad import SparseGrad
 
 __all__ = ["Executor", "comm_thread"]
@@ -173,8 +173,7 @@ class Executor:
             sels.append(part)
         sel = payload.message(job, sels)
         coll = self._collective(f"job:{index}", job.collective_density)
-        # alike on every rank: the collective's kind and the capacity (its shape check)
-        alike = coll.checks_alike and sel.capacity is not None
+        alike = shows_alike(coll, sel)
         if alike:
             carry(sel.values, finite)
         sent_idx, sent_vals = ((sel.indices.clone(), sel.values.clone()) if self._audit

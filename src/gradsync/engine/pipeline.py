@@ -84,7 +84,7 @@ from gradsync.engine.config import Config
 from gradsync.engine.density import DensitySchedule
 from gradsync.engine.executor import comm_thread
 from gradsync.engine.jobs import Job, Payload
-from gradsync.engine.prepare import accumulate, carry, select
+from gradsync.engine.prepare import accumulate, carry, select, shows_alike
 from gradsync.engine.trial import FUSION_SIDES, AutoTrial
 from gradsync.feedback import ErrorFeedback, clip_local
 from gradsync.sparsegrad import all_finite, finite_flag, host_kernels, largest
@@ -266,8 +266,7 @@ class BufferPipeline:
                     largest(out), here,  # the sums' largest magnitude: alike on every rank
                     None if kept is None or known is not None
                     else job_check(parts[-1][1], kept), known or 0,
-                    sel is not None and sel.capacity is not None
-                    and owner.parts.collectives["ddp"].checks_alike))
+                    shows_alike(owner.parts.collective("ddp"), sel)))
                 owner.counts.tensors += len(self.names)
                 travel.average_into(buf, out, P)
                 self._release(buf)

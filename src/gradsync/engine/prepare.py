@@ -49,12 +49,13 @@ from dataclasses import dataclass
 import torch
 
 from gradsync import sparsify
+from gradsync.collectives import Collective
 from gradsync.engine.jobs import Job, Mode, Payload, Transport, bounds
 from gradsync.feedback import ErrorFeedback, clip_local
 from gradsync.sparsegrad import SparseGrad, finite_flag, iota, zero_unless
 from gradsync.sparsify import segments
 
-__all__ = ["Prepared", "accumulate", "carry", "prepare", "select"]
+__all__ = ["Prepared", "accumulate", "carry", "prepare", "select", "shows_alike"]
 
 Sparsifiers = Callable[[str, float], sparsify.Sparsifier]  # (key, density) -> its sparsifier
 Offload = Callable[[sparsify.Sparsifier, torch.Tensor, int], Future]  # Executor.offload
@@ -132,6 +133,16 @@ def carry(values: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor | N
         return finite
     values[:1].div_(finite)
     return None
+
+
+def shows_alike(collective: Collective, sel: SparseGrad | None) -> bool:
+    """Whether ``collective``'s result for the message ``sel`` shows a malformed message and a
+    rank's NaN (:func:`carry`) alike on every rank, so that the step needs no agreement word
+    for it: every rank decodes every message (``Collective.checks_alike``) and the message
+    has a capacity (``SparseGrad.capacity``, alike on every rank by the shape check), so a
+    rank whose gradients were not finite sends entries — zeros — to carry its NaN. The one
+    rule of the engine (``JobResult.alike``) and the DDP hook."""
+    return sel is not None and collective.checks_alike and sel.capacity is not None
 
 
 def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],
