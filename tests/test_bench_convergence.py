@@ -984,6 +984,25 @@ def test_min_k_reaches_the_runs_and_older_kept_runs_still_resume(tmp_path):
         conv.load_run(path, conv.run_config(spec, "per_tensor"))
 
 
+def test_sparsifier_and_clip_norm_reach_the_runs_and_tell_them_apart():
+    """``--sparsifier`` and ``--clip-norm`` are train's ``Config.sparsifier`` and
+    ``Config.clip_norm`` for every gradsync run of the study: they reach the spec, they are
+    part of a gradsync run's configuration (a kept run of another setting is not reused), and
+    the defaults are train's (DGC, no clipping)."""
+    a = conv.parse_args(["--model", "cnn", "--data", "synthetic", "--schemes", "ddp,topka",
+                         "--sparsifier", "topk", "--clip-norm", "2.5"])
+    spec = conv._spec(a, "cnn", 1, a.density, a.scheme_list)
+    assert (spec.sparsifier, spec.clip_norm) == ("topk", 2.5)
+    mine = conv.run_config(spec, "topka")
+    assert (mine["sparsifier"], mine["clip_norm"]) == ("topk", 2.5)
+    plain = conv._spec(conv.parse_args(["--model", "cnn", "--data", "synthetic", "--schemes",
+                                        "ddp,topka"]), "cnn", 1, 0.01, ["ddp", "topka"])
+    assert (plain.sparsifier, plain.clip_norm) == ("dgc", None)
+    assert conv.run_config(plain, "topka") != mine
+    with pytest.raises(SystemExit):
+        conv.parse_args(["--model", "cnn", "--sparsifier", "nosuch"])
+
+
 def _resume_argv(out, schemes: str, *extra: str) -> list[str]:
     return ["--model", "gpt_tiny", "--schemes", schemes, "--seeds", "2", "--steps", "8",
             "--world-size", "2", "--batch-size", "4", "--eval-points", "2",

@@ -110,7 +110,7 @@ from typing import Any
 
 from gradsync.apps.common import code_revision, cpu_description, print_table, write_outputs
 from gradsync.apps.train.summary import time_to
-from gradsync.engine.config import DENSITY_SCHEDULES
+from gradsync.engine.config import DENSITY_SCHEDULES, ENGINE_SPARSIFIERS
 from gradsync.schedule.plan import MIN_K
 
 DEFAULT_SCHEMES = ("ddp", "ddp_powersgd", "per_tensor", "multi_tensor", "cupcake", "topka",
@@ -199,6 +199,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-k", type=int, default=None, metavar="K",
                    help="train's --min-k for the gradsync schemes "
                         f"(Config.min_k; default the scheme's: {MIN_K}, 1 for SSFusion)")
+    p.add_argument("--sparsifier", choices=ENGINE_SPARSIFIERS, default="dgc",
+                   help="train's --sparsifier for the gradsync schemes (Config.sparsifier)")
+    p.add_argument("--clip-norm", type=float, default=None, metavar="C",
+                   help="train's --clip-norm for the gradsync schemes (Config.clip_norm; "
+                        "default off)")
     p.add_argument("--adam-warmup", type=int, default=None, metavar="STEPS",
                    help="train's --adam-warmup: with AdamW (the transformers), steps of exact "
                         "AdamW with gradients sent whole before the variance freezes (default "
@@ -332,6 +337,7 @@ def _spec(a: argparse.Namespace, model: str, seed: int, density: float,
                          progress=False, density_warmup=a.density_warmup,
                          density_schedule=a.density_schedule,
                          min_k=a.min_k, adam_warmup=a.adam_warmup, amp=a.amp,
+                         sparsifier=a.sparsifier, clip_norm=a.clip_norm,
                          bandwidth=a.bandwidth, latency=a.latency,
                          plans=a.plan_files.get((model, seed)))
     except ValueError as e:
@@ -613,6 +619,7 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
             "world_size": spec.world_size, "density": density,
             "density_warmup": spec.density_warmup,
             "density_schedule": spec.density_schedule,
+            "sparsifier": spec.sparsifier, "clip_norm": spec.clip_norm, "min_k": spec.min_k,
             "adam_freeze_step": spec.adam_freeze_step(spec.steps) if spec.adamw else None,
             "amp": spec.amp,
             "text_fallback": spec.text_fallback, "link": link.get("link", "loopback")}
