@@ -16,14 +16,19 @@ from gradsync.apps.bench import anatomy
 
 def _job(scheme: str, phases: tuple[float, float, float, float], *, sparsify: float = 0.0,
          wait: float = 0.0, comm: float = 0.0, sent: int = 0, plan: dict | None = None,
-         steps: int = 5) -> list[dict]:
-    """Per-rank results of a 2-rank job of one scheme whose every step has these times (s)."""
+         steps: int = 5, hooks: float | None = None, others: float = 0.0,
+         others_out: float = 0.0) -> list[dict]:
+    """Per-rank results of a 2-rank job of one scheme whose every step has these times (s):
+    ``hooks`` the engine's ``hooks_s`` (absent: ``None``), ``others`` the other threads' CPU
+    inside the backward call, ``others_out`` theirs in the forward (the optimizer step's: 0)."""
     fwd, bwd, after, opt = phases
     rec = {"loss": 1.0, "time_s": fwd + bwd + after + opt, "cpu_s": 0.01, "bytes_sent": sent,
            "bytes_recv": sent, "backward_s": bwd, "sparsify_s": sparsify, "comm_s": comm,
-           "wait_s": wait, "missing_rate": 0.0, "probing": False}
+           "wait_s": wait, "missing_rate": 0.0, "probing": False,
+           **({} if hooks is None else {"hooks_s": hooks})}
     ph = {"forward_s": fwd, "backward_call_s": bwd, "after_backward_s": after,
-          "optimizer_s": opt}
+          "optimizer_s": opt, "backward_others_cpu_s": others,
+          "forward_others_cpu_s": others_out, "optimizer_others_cpu_s": 0.0}
     return [{"rank": r, "runs": [{
         "scheme": scheme, "task": "image", "eval": {}, "history": [], "plan": plan,
         "topk_shares": None, "status": "ok",
@@ -86,6 +91,49 @@ def test_decomposition_counts_each_interval_once():
     assert anatomy.loopback_rate({"bytes_per_step": 8000, "comm_s": 0.008}) == 8e6
 
 
+def test_other_threads_in_the_backward_and_each_schemes_own_floor():
+    """The other threads' CPU inside the backward call, over the floor's, counts with the
+    engine's hooks up to the backward's slowdown; torch's DDP shows it without counting it
+    (its wait holds it). Each scheme is measured against the floor runs either side of it."""
+    floor = _job("local", (0.005, 0.012, 0.0, 0.003), others=0.001)
+    topka = _job("topka", (0.005, 0.020, 0.014, 0.003), sparsify=0.002, wait=0.010,
+                 plan=_plan(), hooks=0.003, others=0.004)
+    r = _row(topka, floor)
+    assert r["threads_ms"] == pytest.approx(3) and r["hooks_ms"] == pytest.approx(3)
+    assert r["counted_backward_ms"] == pytest.approx(6)  # hooks 3 + threads 3, of Δbackward 8
+    assert r["explained_ms"] == pytest.approx(6 + 10 + 4)
+    # more than the backward's slowdown: capped at it
+    busy = _job("topka", (0.005, 0.020, 0.014, 0.003), wait=0.010, plan=_plan(), hooks=0.003,
+                others=0.010)
+    assert _row(busy, floor)["counted_backward_ms"] == pytest.approx(8)
+    ddp = _job("ddp", (0.006, 0.020, 0.0, 0.003), sparsify=0.002, wait=0.004, others=0.006)
+    r = _row(ddp, floor, rate=None)
+    assert r["threads_ms"] == pytest.approx(5) and r["counted_backward_ms"] == pytest.approx(6)
+    # two schemes, three floor runs: the second scheme's floor is the slower pair's
+    slow = _job("local", (0.005, 0.032, 0.0, 0.003))  # 40 ms
+    both = [{"rank": t["rank"], "runs": t["runs"] + d["runs"],
+             "floor": f["runs"] + f["runs"] + s["runs"]}
+            for t, d, f, s in zip(topka, ddp, floor, slow)]
+    runs = train_app.summarize([{"rank": b["rank"], "runs": b["runs"]} for b in both], 1)
+    first, second = anatomy.anatomy_rows(both, runs, 2, "loopback", 2, 8e9)
+    assert first["floor_ms"] == pytest.approx(20) and first["floor_spread_ms"] == 0
+    assert second["floor_ms"] == pytest.approx(30)  # the median of 20s and 40s alike
+    assert second["floor_spread_ms"] == pytest.approx(20)
+    # the forward 3 ms slower, the other threads 2 ms busier in it: 2 ms counted as threads′
+    late = _job("topka", (0.008, 0.020, 0.014, 0.003), wait=0.010, plan=_plan(), hooks=0.003,
+                others=0.001, others_out=0.002)
+    r = _row(late, floor)
+    assert r["threads_out_ms"] == pytest.approx(2) and r["counted_out_ms"] == pytest.approx(2)
+    assert r["explained_ms"] == pytest.approx(3 + 10 + 4 + 2)
+    assert r["sync_phases_pct"] == pytest.approx(100 * 17 / (8 + 14))
+    # busier than the slowdown (1 ms): capped at it
+    late = _job("topka", (0.006, 0.020, 0.014, 0.003), wait=0.010, plan=_plan(), hooks=0.003,
+                others_out=0.004)
+    assert _row(late, floor)["counted_out_ms"] == pytest.approx(1)
+    job = anatomy.floor_figures(both, 2)  # the job's floor: every floor run
+    assert (job["before_ms"], job["after_ms"], job["measured_steps"]) == (20, 40, 9)
+
+
 def test_world_sizes_parse_and_validate():
     assert anatomy.parse_world_sizes("2,4") == [2, 4]
     for bad in ("1", "2,2", "two", ""):
@@ -107,7 +155,8 @@ def test_bench_anatomy_tiny_run(tmp_path, capsys):
     for col in ("step_ms", "floor_ms", "over_floor_ms", "select_ms", "counted_backward_ms",
                 "wait_ms", "sync_host_ms", "residual_ms", "comm_ms", "wire_ms", "cpu_ms",
                 "bytes_per_step", "accounted_pct", "accounted_step_pct", "d_backward_ms",
-                "sync_phases_pct", "explained_ms", "noisy", "floor_spread_ms", "hooks_ms"):
+                "sync_phases_pct", "explained_ms", "noisy", "floor_spread_ms", "hooks_ms",
+                "threads_ms"):
         assert all(col in r for r in rows.values()), col
     n = sum(p.numel() for p in models.build("cnn").parameters())
     # torch's DDP all-reduce: every fp32 gradient in the ring, 2(P-1)/P·4n bytes per rank
@@ -132,9 +181,13 @@ def test_bench_anatomy_tiny_run(tmp_path, capsys):
         phases = max(0.0, r["d_backward_ms"]) + r["sync_wait_ms"] + r["sync_host_ms"]
         if phases > 0:
             assert 0 <= r["sync_phases_pct"] <= 100 + 1e-9, r["scheme"]
-            assert r["sync_phases_pct"] == pytest.approx(100 * r["explained_ms"] / phases)
+            assert r["sync_phases_pct"] == pytest.approx(
+                100 * (r["explained_ms"] - r["counted_out_ms"]) / phases)
         else:
-            assert math.isnan(r["sync_phases_pct"]) and r["explained_ms"] == 0, r["scheme"]
+            assert math.isnan(r["sync_phases_pct"]), r["scheme"]
+            assert r["explained_ms"] == r["counted_out_ms"], r["scheme"]
+        # threads′ counts up to the forward's and optimizer's slowdown
+        assert 0 <= r["counted_out_ms"] <= max(0.0, r["d_forward_ms"] + r["d_optimizer_ms"]) + 1e-9
         over = r["step_ms"] - r["floor_ms"]
         assert r["over_floor_ms"] == pytest.approx(over)
         assert r["residual_ms"] == pytest.approx(over - r["explained_ms"])

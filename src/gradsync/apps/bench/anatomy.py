@@ -14,21 +14,26 @@ the same initial model for every scheme) in which each rank trains
   :data:`gradsync.apps.train.spec.LOCAL`): the same model, data shard, batch and SGD step
   (momentum 0.9, as DDP's optimizer), no hook and no exchange; its P processes share the cores
   as the schemes' P do;
-* every scheme in turn, as ``python -m gradsync train`` does;
-* the floor again. The floor's figures are over the measured steps of both floor runs, so a
-  machine whose speed drifts during the job moves the floor as it moves the schemes.
+* every scheme in turn, as ``python -m gradsync train`` does, each followed by the floor
+  again. A scheme's floor figures are over the measured steps of the two floor runs either side
+  of it, so a machine whose speed drifts during the job moves the floor as it moves the
+  schemes.
 
-Every figure is rank 0's median over the measured steps (after ``--warmup-steps + 1``), as
-``train`` reports them, except ``cpu ms`` (the busiest rank's process CPU time per step, every
-thread, then the median: ``bench schemes``' cpu ms) and the bytes (sent per rank and step,
-counted at the torch.distributed call, mean over ranks and measured steps).
+Every time is rank 0's **mean** over the measured steps (after ``--warmup-steps + 1``), not
+the median ``train`` reports: means add up, so a step's mean is exactly the sum of its
+phases' means, where the medians of the phases missed the median step by up to 12 ms on these
+shared cores (the phases' distributions are skewed, and not alike). Except ``cpu ms`` (the
+busiest rank's process CPU time per step, every thread, then the median: ``bench schemes``'
+cpu ms) and the bytes (sent per rank and step, counted at the torch.distributed call, mean
+over ranks and measured steps).
 
 The decomposition. The training loop times four consecutive parts of each step on the
 training thread (``train_scheme``'s ``phases``): forward (``zero_grad``, forward, loss),
 ``loss.backward()``, the runner's work after it (the engine's ``synchronize()``; nothing for
-torch's DDP) and the optimizer step. So step − floor is, up to the medians not adding up
-(``phase_gap_ms`` in the JSON), Δforward + Δbackward + synchronize() + Δoptimizer, each Δ
-against the floor's own part. The components measured on their own, and where they sit:
+torch's DDP) and the optimizer step. So step − floor is Δforward + Δbackward +
+synchronize() + Δoptimizer, each Δ against the floor's own part (``phase_gap_ms`` in the
+JSON: what the loop's own bookkeeping between the parts adds, ~0). The components measured
+on their own, and where they sit:
 
 * ``select``: the engine's ``sparsify_s`` (error feedback's selection, inline and offloaded);
   for torch's DDP the synchronous part of its comm hooks (bucket launches). With an
@@ -45,29 +50,44 @@ against the floor's own part. The components measured on their own, and where th
 * ``wait``: ``wait_s``, the exposed communication: the engine's ``synchronize()`` blocked on
   the communication thread; torch's DDP: from the end of the last bucket's hook call to
   ``loss.backward()`` returning — inside its backward call (*).
-* ``sync host``: the engine's ``synchronize()`` minus its wait (per step, then the median):
+* ``sync host``: the engine's ``synchronize()`` minus its wait (per step, then the mean):
   launching what the backward left, the ranks' finiteness agreement, decoding the sums into
   ``.grad``, the residuals (``apply``) and the step's bookkeeping. 0 for torch's DDP.
+* ``threads``: the CPU time the process's other threads spent while ``loss.backward()`` ran
+  (``phases``' ``backward_others_cpu_s``: process CPU minus the training thread's), over the
+  floor's: the engine's communication and offload threads and gloo's own. Where the ranks
+  fill the cores (P ≥ cores, as here), each such millisecond is one a training thread waits
+  for a core: the backward's slowdown that no hook shows.
 
-``counted`` = the part inside ``loss.backward()`` (the engine's hooks; DDP: select + wait;
-an engine run without ``hooks_s`` in its records: select), at most Δbackward⁺ (the backward's
+``counted`` = the part inside ``loss.backward()`` (the engine's hooks + threads⁺; DDP: select +
+wait, its threads not added, since gloo's CPU runs largely while the training thread waits,
+already in its wait; an engine run without ``hooks_s`` in its records: select; a preemption
+that falls inside a hook is in both hooks and threads), at most Δbackward⁺ (the backward's
 slowdown: what runs inside it cannot have cost more, and a larger figure means the floor's
 backward was the slower one, i.e. noise), plus the engine's ``synchronize()`` (wait + sync
-host). ``residual`` = step − floor − counted: the gradient hooks' own bookkeeping outside
-their launches, DDP's bucket copies, Δforward (DDP's forward pre-hook) and Δoptimizer
-(negative where momentum moved into error feedback: SGD without momentum), the slowdown of
-every phase by the communication and offload threads and by the other ranks' processes
-competing for the cores, and noise.
+host), plus ``threads′`` (the other threads' CPU during the forward and the optimizer step,
+over the floor's: a communication thread still finishing, gloo's), at most (Δforward +
+Δoptimizer)⁺. ``residual`` = step − floor − counted: the gradient hooks' own bookkeeping
+outside their launches, DDP's bucket copies, Δforward (DDP's forward pre-hook) and Δoptimizer
+(negative where momentum moved into error feedback: SGD without momentum) beyond what the
+other threads explain, and noise.
+
+**The floor** of a row is the floor runs either side of it: the job runs the floor before the
+first scheme and after every scheme, so a machine whose speed drifts during the job (the load
+of other jobs) moves each scheme's floor with it.
 
 ``accounted %`` = 100 × counted / (step − floor): the share of the step's extra time the
 measured components explain; marked ``~`` when step − floor is within twice the floor's own
-drift during the job (its median before the schemes against after them), where the ratio
-means little. ``of sync phases %`` = 100 × counted / (Δbackward⁺ + synchronize()): the share
+drift around the row (its two floor runs' means against each other), where the ratio
+means little. ``of sync phases %`` = 100 × counted in those two phases (threads′ left out) /
+(Δbackward⁺ + synchronize()): the share
 of the two phases that hold the synchronization, which the forward's and optimizer's noise
 does not reach (≤ 100 by construction). ``of step %`` = 100 × (floor + counted) / step.
-Nothing is counted twice: counted's parts are disjoint intervals of the training thread
-(select inside the backward call, wait and sync host inside ``synchronize()``; DDP's select
-and wait are disjoint intervals inside its backward call). What overlaps them: ``comm``
+Counted's parts are disjoint intervals of the training thread (select inside the backward
+call, wait and sync host inside ``synchronize()``; DDP's select and wait are disjoint intervals
+inside its backward call), except ``threads``, the other threads' CPU time inside the backward
+call, which a hook's interval holds where a thread preempts it; the cap at Δbackward⁺ bounds
+that. What overlaps them: ``comm``
 (``comm_s``: time inside the step's collectives, summed over them, on the communication
 thread; torch's DDP: the union of its all-reduces' launch→done) runs concurrently with the
 backward pass and only its exposed part, ``wait``, is on the training thread; an offloaded
@@ -135,32 +155,44 @@ def anatomy_worker(rank: int, world_size: int, spec: TrainSpec, keep_going: bool
                    ) -> dict:
     """One rank of a link's job: the floor (:data:`~gradsync.apps.train.spec.LOCAL`), every
     scheme of ``spec`` (:func:`~gradsync.apps.train.train_worker`), the floor again; returns
-    ``train_worker``'s ``{"rank", "runs"}`` plus ``"floor"``, the two floor runs. The floors
-    bracket the schemes in the same processes, so a machine whose speed drifts during the job
-    moves the floor as it moves the schemes. Module level: the launchers start it on every
+    ``train_worker``'s ``{"rank", "runs"}`` plus ``"floor"``, the floor runs: one before the
+    schemes and one after each, so every scheme runs between two floors in the same processes,
+    and a machine whose speed drifts during the job moves each scheme's floor as it moves the
+    scheme. Module level: the launchers start it on every
     rank."""
+    import dataclasses
+
     import torch
 
     from gradsync.apps.train import train_scheme, train_worker
     from gradsync.apps.train.spec import LOCAL
 
     device = torch.device(spec.device or "cpu")
-    before = train_scheme(LOCAL, rank, world_size, spec, device)
-    out = train_worker(rank, world_size, spec, keep_going=keep_going)
-    after = train_scheme(LOCAL, rank, world_size, spec, device)
-    return {**out, "floor": [before, after]}
+    floors = [train_scheme(LOCAL, rank, world_size, spec, device)]
+    runs: list[dict] = []
+    for name in spec.schemes:  # each scheme between two floors
+        one = dataclasses.replace(spec, schemes=(name,))
+        runs += train_worker(rank, world_size, one, keep_going=keep_going)["runs"]
+        floors.append(train_scheme(LOCAL, rank, world_size, spec, device))
+    return {"rank": rank, "runs": runs, "floor": floors}
 
 
-def _floor_run(results: list[dict], skip: int) -> tuple[dict, list[list[dict]]]:
-    """Rank 0's floor runs as one run of their measured steps (each run's first ``skip``
-    steps left out), and every rank's measured floor records."""
+def _floor_run(results: list[dict], skip: int, which: slice
+               ) -> tuple[dict, list[list[dict]]]:
+    """Rank 0's floor runs ``which`` as one run of their measured steps (each run's first
+    ``skip`` steps left out), and every rank's measured records of those runs."""
     def measured(runs: list[dict], key: str) -> list[dict]:
-        return [x for run in runs for x in run[key][skip:]]
+        return [x for run in runs[which] for x in run[key][skip:]]
 
     by_rank = sorted(results, key=lambda r: r["rank"])
     rank0 = by_rank[0]["floor"]
     return ({"records": measured(rank0, "records"), "phases": measured(rank0, "phases")},
             [measured(r["floor"], "records") for r in by_rank])
+
+
+def _mean(xs: list[float]) -> float:
+    xs = [x for x in xs if x == x]  # NaN out
+    return statistics.fmean(xs) if xs else NAN
 
 
 def _median(xs: list[float]) -> float:
@@ -175,15 +207,20 @@ def _rank0(results: list[dict]) -> list[dict]:
 
 def _phases(run: dict, skip: int) -> dict[str, float]:
     """Medians of a run's measured phases (``train_scheme``'s ``phases``) and of the engine's
-    host work in ``synchronize()`` besides its wait, per step then the median."""
+    host work in ``synchronize()`` besides its wait, per step then the mean, and the records'
+step time, selection, wait and communication (module docstring: means add up)."""
     ph = run.get("phases") or []
     recs = run["records"]
     skip = min(skip, max(0, len(ph) - 1))
-    out = {k: _median([p[k] for p in ph[skip:]]) for k in
+    out = {k: _mean([p[k] for p in ph[skip:]]) for k in
            ("forward_s", "backward_call_s", "after_backward_s", "optimizer_s")}
-    out["sync_host_s"] = _median([max(0.0, p["after_backward_s"] - r["wait_s"])
+    out["sync_host_s"] = _mean([max(0.0, p["after_backward_s"] - r["wait_s"])
                                   for p, r in zip(ph[skip:], recs[skip:])])
-    out["hooks_s"] = _median([r.get("hooks_s", NAN) for r in recs[skip:]])  # engine only
+    out["hooks_s"] = _mean([r.get("hooks_s", NAN) for r in recs[skip:]])  # engine only
+    for k in ("forward_others_cpu_s", "backward_others_cpu_s", "optimizer_others_cpu_s"):
+        out[k] = _mean([p.get(k, NAN) for p in ph[skip:]])
+    for k in ("time_s", "sparsify_s", "wait_s", "comm_s"):
+        out[k] = _mean([r.get(k, NAN) for r in recs[skip:]])
     return out
 
 
@@ -208,17 +245,19 @@ def _selection_place(run: dict) -> str:
     return "backward"
 
 
-def floor_figures(results: list[dict], skip: int) -> dict[str, float]:
-    """The floor of a job (:func:`anatomy_worker`'s ``"floor"`` runs, every step of both after
-    each one's first ``skip``): rank 0's median step and phases, the busiest rank's median
-    process CPU per step, in ms, and the measured steps; ``before_ms``, ``after_ms``: each
-    floor run's own median, ``spread_ms`` their difference (the drift during the job)."""
-    run, per_rank = _floor_run(results, skip)
+def floor_figures(results: list[dict], skip: int, which: slice = slice(None)
+                  ) -> dict[str, float]:
+    """The floor of a job (:func:`anatomy_worker`'s ``"floor"`` runs ``which``, by default all
+    of them, every step after each one's first ``skip``): rank 0's mean step and phases, the
+    busiest rank's median process CPU per step, in ms, and the measured steps; ``before_ms``,
+    ``after_ms``: the first and last floor run's own mean, ``spread_ms`` the largest
+    difference between the runs' means (the drift during the job)."""
+    run, per_rank = _floor_run(results, skip, which)
     ph = _phases(run, 0)
     n = min(len(rr) for rr in per_rank)
-    each = [1e3 * _median([x["time_s"] for x in f["records"][skip:]])
-            for f in min(results, key=lambda r: r["rank"])["floor"]]
-    return {"step_ms": 1e3 * _median([x["time_s"] for x in run["records"]]),
+    each = [1e3 * _mean([x["time_s"] for x in f["records"][skip:]])
+            for f in min(results, key=lambda r: r["rank"])["floor"][which]]
+    return {"step_ms": 1e3 * _mean([x["time_s"] for x in run["records"]]),
             "before_ms": each[0], "after_ms": each[-1], "spread_ms": max(each) - min(each),
             "cpu_ms": 1e3 * _median([max(rr[j]["cpu_s"] for rr in per_rank) for j in range(n)]),
             "measured_steps": len(run["records"]),
@@ -232,49 +271,63 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
     :func:`~gradsync.apps.train.summarize` (in the same order); ``skip`` steps of each run are
     not measured; ``rate_bps`` is the link rate ``wire`` uses (``None``: no wire time). The
     fields are in the module docstring, times in ms."""
-    fl = floor_figures(results, skip)
-    floor_ms = fl["step_ms"]
     rows = []
-    for raw, run in zip(_rank0(results), runs):
+    for i, (raw, run) in enumerate(zip(_rank0(results), runs)):
+        fl = floor_figures(results, skip, slice(i, i + 2))  # the floors either side of it
+        floor_ms = fl["step_ms"]
         s = run["summary"]
         ph = _phases(raw, skip)
-        step = 1e3 * s["step_s"]
+        step = 1e3 * ph["time_s"]
         over = step - floor_ms
         d_bwd = ph["backward_call_s"] * 1e3 - fl["backward_call_ms"]
         place = _selection_place(raw)
-        select, wait = 1e3 * s["sparsify_s"], 1e3 * s["wait_s"]
+        select, wait = 1e3 * ph["sparsify_s"], 1e3 * ph["wait_s"]
         engine = raw.get("plan") is not None
         # inside loss.backward(): an overlapping plan's gradient hooks (hooks_s: gathering,
         # error feedback, inline selection, hand-off); torch DDP's hook launches and its
         # exposed wait. At most the backward's slowdown counts (module docstring).
         hooks = 1e3 * ph["hooks_s"]
-        in_bwd = (hooks if engine and hooks == hooks else
+        # the other threads' CPU inside loss.backward() over the floor's: the engine's
+        # communication and offload threads and gloo's, competing with the backward for cores
+        threads = 1e3 * (ph["backward_others_cpu_s"] - fl["backward_others_cpu_ms"] / 1e3)
+        in_bwd = (hooks + (threads if threads > 0 else 0.0)  # NaN: not recorded
+                  if engine and hooks == hooks else
                   (0.0 if place == "synchronize" else select) + (0.0 if engine else wait))
         counted_bwd = min(in_bwd, max(0.0, d_bwd))
         host = 1e3 * ph["sync_host_s"] if engine else 0.0
         in_sync = wait + host if engine else 0.0  # synchronize(): its wait and host work
-        explained = counted_bwd + in_sync
+        # outside the backward and synchronize(): the forward's and optimizer's slowdown by
+        # the other threads (a communication thread still finishing, gloo's), at most it
+        d_out = (1e3 * (ph["forward_s"] + ph["optimizer_s"]) - fl["forward_ms"]
+                 - fl["optimizer_ms"])
+        threads_out = 1e3 * (ph["forward_others_cpu_s"] + ph["optimizer_others_cpu_s"]) - (
+            fl["forward_others_cpu_ms"] + fl["optimizer_others_cpu_ms"])
+        counted_out = min(threads_out if threads_out > 0 else 0.0, max(0.0, d_out))
+        explained = counted_bwd + in_sync + counted_out
         phases = max(0.0, d_bwd) + in_sync
         wire = (8 * s["bytes_per_step"] / rate_bps * 1e3) if rate_bps else NAN
-        comm = 1e3 * s["comm_s"]
+        comm = 1e3 * ph["comm_s"]
         rows.append({
             "link": link, "world_size": world_size, "scheme": s["scheme"],
             "status": run.get("status", "ok"), "measured_steps": s["measured_steps"],
             "step_ms": step, "floor_ms": floor_ms, "over_floor_ms": over,
+            "median_step_ms": 1e3 * s["step_s"],  # train's figure, for speed comparisons
             "forward_ms": 1e3 * ph["forward_s"], "backward_call_ms": 1e3 * ph["backward_call_s"],
             "sync_call_ms": 1e3 * ph["after_backward_s"], "optimizer_ms": 1e3 * ph["optimizer_s"],
             "d_forward_ms": 1e3 * ph["forward_s"] - fl["forward_ms"],
             "d_backward_ms": d_bwd,
             "d_optimizer_ms": 1e3 * ph["optimizer_s"] - fl["optimizer_ms"],
             "select_ms": select, "select_place": place, "wait_ms": wait,
-            "hooks_ms": hooks if engine else select,
+            "hooks_ms": hooks if engine else select, "threads_ms": threads,
+            "threads_out_ms": threads_out, "counted_out_ms": counted_out,
             "wait_place": "synchronize" if engine else "backward", "sync_host_ms": host,
             "in_backward_ms": in_bwd, "counted_backward_ms": counted_bwd,
             "sync_wait_ms": wait if engine else 0.0, "explained_ms": explained,
             "residual_ms": over - explained,
             "accounted_pct": 100 * explained / over if over > 0 else NAN,
             "noisy": not over > 2 * fl["spread_ms"],
-            "sync_phases_pct": 100 * explained / phases if phases > 0 else NAN,
+            "sync_phases_pct": (100 * (counted_bwd + in_sync) / phases if phases > 0
+                                else NAN),
             "accounted_step_pct": 100 * (floor_ms + explained) / step if step > 0 else NAN,
             "floor_spread_ms": fl["spread_ms"],
             "comm_ms": comm, "wire_ms": wire,
@@ -283,7 +336,7 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
             "d_cpu_ms": 1e3 * s["cpu_s"] - fl["cpu_ms"],
             "bytes_per_step": s["bytes_per_step"], "missing_rate": s["missing_rate"],
             "backward_ms": 1e3 * s["backward_s"],
-            # how far the phases' medians are from adding up to the step's median
+            # the step's time outside the four timed parts (the loop's bookkeeping)
             "phase_gap_ms": step - 1e3 * sum(ph[k] for k in ("forward_s", "backward_call_s",
                                                              "after_backward_s", "optimizer_s")),
         })
@@ -294,7 +347,10 @@ def _cells(r: dict) -> list[Any]:
     mark = {"synchronize": " †", "backward+worker": " ‡"}.get(r["select_place"], "")
     pct, sync_pct = r["accounted_pct"], r["sync_phases_pct"]
     return [r["scheme"], r["step_ms"], r["floor_ms"], r["over_floor_ms"], r["d_backward_ms"],
-            f"{r['select_ms']:.3g}{mark}", r["hooks_ms"], f"{r['wait_ms']:.3g}" + (
+            f"{r['select_ms']:.3g}{mark}", r["hooks_ms"],
+            "-" if r["threads_ms"] != r["threads_ms"] else r["threads_ms"],
+            "-" if r["threads_out_ms"] != r["threads_out_ms"] else r["threads_out_ms"],
+            f"{r['wait_ms']:.3g}" + (
                 " *" if r["wait_place"] == "backward" else ""),
             r["sync_host_ms"], r["explained_ms"], r["residual_ms"],
             "-" if pct != pct else ("~" if r["noisy"] else "") + f"{pct:.0f}",
@@ -305,14 +361,14 @@ def _cells(r: dict) -> list[Any]:
 
 
 COLUMNS = ["scheme", "step ms", "floor ms", "step−floor", "Δbackward", "select", "hooks",
-           "wait", "sync host", "counted", "residual", "accounted %", "of sync phases %",
-           "of step %", "comm ms", "wire ms", "cpu ms", "cpu−floor", "MB/step"]
+           "threads", "threads′", "wait", "sync host", "counted", "residual", "accounted %",
+           "of sync phases %", "of step %", "comm ms", "wire ms", "cpu ms", "cpu−floor", "MB/step"]
 LEGEND = ("select: † runs inside synchronize() (a plan without overlap), ‡ includes the offload "
           "worker's time; wait: * inside loss.backward() (torch's DDP); counted: the parts "
-          "explained without double counting (in-backward ones capped at Δbackward); "
+          "explained (in-backward ones capped at Δbackward, threads′ at Δforward + Δoptimizer); "
           "accounted %: counted / (step − floor), ~ where step − floor is within twice the "
-          "floor's drift during the job; of sync phases %: counted / (Δbackward⁺ + "
-          "synchronize()); of step %: (floor + counted) / step")
+          "floor's drift around the row; of sync phases %: counted in the backward and "
+          "synchronize() / (Δbackward⁺ + synchronize()); of step %: (floor + counted) / step")
 
 
 def _title(link: str, P: int, spec: TrainSpec, rate: float | None) -> str:
@@ -337,9 +393,9 @@ def _plot(rows: list[dict]):
             ax.bar(x, vals, bottom=bottom, label=label, color=color)
             bottom = [b + v for b, v in zip(bottom, vals)]
         ax.scatter(x, [r["step_ms"] for r in rows], marker="_", s=200, color="black",
-                   label="step (median)", zorder=3)
+                   label="step (mean)", zorder=3)
         ax.set_xticks(x, names, rotation=90, fontsize=5)
-        ax.set_ylabel("ms per step (median)")
+        ax.set_ylabel("ms per step (mean)")
         ax.set_title("bench anatomy: step = floor + counted (select, wait, sync host) + residual",
                      fontsize=9)
         ax.legend(fontsize=6)
@@ -425,7 +481,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"bench anatomy failed at P={P} on {link}: {e}")
                 return 1
             runs = train.summarize(results, spec.warmup_steps)
-            ddp = next((r["summary"] for r in runs if r["scheme"] == "ddp"), None)
+            ddp = next(({**r["summary"], "comm_s": _phases(raw, skip)["comm_s"]}  # its mean
+                        for r, raw in zip(runs, _rank0(results)) if r["scheme"] == "ddp"), None)
             shaped = link != LOOPBACK and descr.get("shaped")
             rate = link_rate(link) if shaped else loopback_rate(ddp)
             name = link if link == LOOPBACK or shaped else f"{link} (not shaped: loopback)"
@@ -443,7 +500,7 @@ def main(argv: list[str] | None = None) -> int:
             rows += mine
     meta["wall_s"] = time.perf_counter() - t0
     meta["load_end"] = _load()
-    print_table("bench anatomy — the floors (no exchange), ms per step (rank 0's medians)",
+    print_table("bench anatomy — the floors (no exchange), ms per step (rank 0's means)",
                 FLOOR_COLUMNS, [_floor_cells(f) for f in meta["floors"]])
     jpath, ppath = write_outputs("anatomy", rows, a.out, plot=_plot(rows), meta=meta)
     print(f"bench anatomy: {meta['wall_s']:.0f} s; wrote {jpath}" + (f", {ppath}" if ppath else ""))
@@ -515,12 +572,15 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
         fast = min(mine, key=lambda r: r["step_ms"])
         parts = []
         for r in mine:
-            comps = {"gradient hooks in backward": r["counted_backward_ms"],
+            hooks = min(r["hooks_ms"], r["counted_backward_ms"])
+            comps = {"gradient hooks in backward": hooks,
+                     "other threads in backward": r["counted_backward_ms"] - hooks,
                      "synchronize()'s wait": r["sync_wait_ms"],
                      "synchronize()'s host work": r["sync_host_ms"],
                      "residual": r["residual_ms"]}
             if r["wait_place"] == "backward":
-                comps["hook launches + wait in backward"] = comps.pop("gradient hooks in backward")
+                del comps["other threads in backward"], comps["gradient hooks in backward"]
+                comps["hook launches + wait in backward"] = r["counted_backward_ms"]
             top = max(comps, key=lambda k: comps[k])
             pct = r["accounted_pct"]
             parts.append(f"{r['scheme']} +{r['over_floor_ms']:.1f} ms ({top} "
@@ -557,8 +617,8 @@ def write_docs(path: Path, rows: list[dict], meta: dict, png: bool = True) -> Pa
              f"{meta['config']['batch_size']} per rank, the first "
              f"{meta['config']['warmup_steps'] + 1} not measured; gloo ranks on this machine",
              "- **noisy**: this machine's cores are shared with other jobs (see the load "
-             "average); every figure is a median of one run. Compare schemes within one table "
-             "(one job) rather than across tables.", ""]
+             "average); every time is a mean over one run's steps. Compare schemes within one "
+             "table (one job) rather than across tables.", ""]
     if png:
         lines += [f"![step anatomy]({path.with_suffix('.png').name})", ""]
     lines += ["## What this shows", "", *(f"- {s}" for s in _findings(rows, meta)), ""]
@@ -579,16 +639,23 @@ def write_docs(path: Path, rows: list[dict], meta: dict, png: bool = True) -> Pa
     lines += ["## The floors", "", *_md_table(FLOOR_COLUMNS, [_floor_cells(f)
                                                             for f in meta["floors"]]), "",
               "## Columns", "",
-              "- step, floor: rank 0's median step; the floor trains the bare model with no "
-              "exchange at the same P, in the same job, before and after the schemes (SGD "
-              "momentum 0.9, DDP's optimizer).",
+              "- step, floor: rank 0's mean step (means add up; medians of the parts do "
+              "not); the floor trains the bare model with no exchange at the same P, in "
+              "the same job, before the schemes and after each "
+              "(SGD momentum 0.9, DDP's optimizer); a row's floor is the two floor runs either "
+              "side of it.",
               "- Δbackward: `loss.backward()` against the floor's: the hooks' work, inline "
               "selection, DDP's bucket copies and exposed wait, and the other threads' "
               "competition for the cores.",
               "- select: `sparsify_s` (engine) or the DDP hooks' synchronous part; hooks: the "
               "engine's gradient hooks launching jobs inside the backward (`hooks_s`: gathering, "
               "error feedback, inline selection, hand-off); wait: the exposed communication; "
-              "sync host: synchronize() minus its wait.",
+              "sync host: synchronize() minus its wait; threads: the CPU time the process's "
+              "other threads (communication, offload, gloo's) spent inside `loss.backward()`, "
+              "over the floor's, time the training thread waits for a core where the ranks "
+              "fill the cores (counted for the engine's rows, with hooks, up to Δbackward; for "
+              "torch's DDP it overlaps its wait and is shown only); threads′: the same during the "
+              "forward and the optimizer step, counted up to their slowdown.",
               f"- {LEGEND}.",
               "- residual: step − floor − counted.",
               "- comm: time inside the step's collectives (overlaps the backward pass); wire: "

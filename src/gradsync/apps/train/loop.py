@@ -90,7 +90,10 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
     forward pass and the loss), ``backward_call_s`` (``loss.backward()``, hooks included),
     ``after_backward_s`` (the runner's work after it: the engine's ``synchronize()``) and
     ``optimizer_s`` (the optimizer step), host times (on CUDA the last part ends with the
-    device synchronized); ``bench anatomy`` reads them, ``metrics.json`` does not keep them;
+    device synchronized), and ``forward_others_cpu_s``, ``backward_others_cpu_s`` and
+    ``optimizer_others_cpu_s``, the CPU time the process's other threads (communication,
+    offload, gloo's) spent during the forward, ``loss.backward()`` and the optimizer step;
+    ``bench anatomy`` reads them, ``metrics.json`` does not keep them;
     ``eval``: rank 0's evaluation, empty elsewhere; ``history``: with ``spec.eval_every``,
     rank 0's ``{"step", "elapsed_s", **evaluation}`` every ``eval_every`` steps and at the
     end; ``plan``: the engine's plan at the end, ``Plan.to_dict()``, or ``None`` outside the
@@ -136,17 +139,17 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                 xb, yb = data.next()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                t0, c0 = time.perf_counter(), time.process_time()
+                t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
                 opt.zero_grad(set_to_none=True)
                 try:
                     with autocast():
                         loss = models.loss(runner.net(xb), yb)
                     runner.before_backward()
-                    tb = time.perf_counter()
+                    tb, pb, mb = time.perf_counter(), time.process_time(), time.thread_time()
                     (loss if scaler is None else scaler.scale(loss)).backward()
-                    tw = time.perf_counter()
+                    tw, pw, mw = time.perf_counter(), time.process_time(), time.thread_time()
                     runner.after_backward()
-                    ta = time.perf_counter()
+                    ta, pa, ma = time.perf_counter(), time.process_time(), time.thread_time()
                 except Exception as e:  # the gradsync schemes' non-finite gradient: every rank
                     if NONFINITE_GRADIENT not in str(e):
                         raise
@@ -159,7 +162,7 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                     scaler.update()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                t1 = time.perf_counter()
+                t1, p1, m1 = time.perf_counter(), time.process_time(), time.thread_time()
                 dt = t1 - t0
                 cpu = time.process_time() - c0  # every thread of this rank's process
                 elapsed += dt
@@ -172,6 +175,9 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                     rec["loss_scale"] = float(scaler.get_scale())
                 records.append(rec)
                 phases.append({"forward_s": tb - t0, "backward_call_s": tw - tb,
+                               "forward_others_cpu_s": (pb - c0) - (mb - m0),
+                               "backward_others_cpu_s": (pw - pb) - (mw - mb),
+                               "optimizer_others_cpu_s": (p1 - pa) - (m1 - ma),
                                "after_backward_s": ta - tw, "optimizer_s": t1 - ta})
                 bad = _nonfinite_loss_ranks(rec["loss"], rank, P, agree)
                 if bad:
