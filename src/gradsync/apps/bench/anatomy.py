@@ -289,7 +289,7 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
         hooks = 1e3 * ph["hooks_s"]
         # the other threads' CPU inside loss.backward() over the floor's: the engine's
         # communication and offload threads and gloo's, competing with the backward for cores
-        threads = 1e3 * (ph["backward_others_cpu_s"] - fl["backward_others_cpu_ms"] / 1e3)
+        threads = 1e3 * ph["backward_others_cpu_s"] - fl["backward_others_cpu_ms"]
         in_bwd = (hooks + (threads if threads > 0 else 0.0)  # NaN: not recorded
                   if engine and hooks == hooks else
                   (0.0 if place == "synchronize" else select) + (0.0 if engine else wait))

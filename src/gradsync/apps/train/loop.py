@@ -164,7 +164,7 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                     torch.cuda.synchronize(device)
                 t1, p1, m1 = time.perf_counter(), time.process_time(), time.thread_time()
                 dt = t1 - t0
-                cpu = time.process_time() - c0  # every thread of this rank's process
+                cpu = p1 - c0  # every thread of this rank's process
                 elapsed += dt
                 rec = {"step": step, "loss": float(loss.detach()), "time_s": dt, "cpu_s": cpu,
                        "elapsed_s": elapsed, "samples_per_s": P * spec.batch_size / dt,
