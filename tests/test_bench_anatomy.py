@@ -17,10 +17,13 @@ from gradsync.apps.bench import anatomy
 def _job(scheme: str, phases: tuple[float, float, float, float], *, sparsify: float = 0.0,
          wait: float = 0.0, comm: float = 0.0, sent: int = 0, plan: dict | None = None,
          steps: int = 5, hooks: float | None = None, others: float = 0.0,
-         others_out: float = 0.0) -> list[dict]:
+         others_out: float = 0.0, main: tuple[float, float, float] | None = None
+         ) -> list[dict]:
     """Per-rank results of a 2-rank job of one scheme whose every step has these times (s):
     ``hooks`` the engine's ``hooks_s`` (absent: ``None``), ``others`` the other threads' CPU
-    inside the backward call, ``others_out`` theirs in the forward (the optimizer step's: 0)."""
+    inside the backward call, ``others_out`` theirs in the forward (the optimizer step's: 0),
+    ``main`` the training thread's CPU in the forward, backward and optimizer step (absent:
+    ``None``, records made before the thread clocks)."""
     fwd, bwd, after, opt = phases
     rec = {"loss": 1.0, "time_s": fwd + bwd + after + opt, "cpu_s": 0.01, "bytes_sent": sent,
            "bytes_recv": sent, "backward_s": bwd, "sparsify_s": sparsify, "comm_s": comm,
@@ -28,7 +31,9 @@ def _job(scheme: str, phases: tuple[float, float, float, float], *, sparsify: fl
            **({} if hooks is None else {"hooks_s": hooks})}
     ph = {"forward_s": fwd, "backward_call_s": bwd, "after_backward_s": after,
           "optimizer_s": opt, "backward_others_cpu_s": others,
-          "forward_others_cpu_s": others_out, "optimizer_others_cpu_s": 0.0}
+          "forward_others_cpu_s": others_out, "optimizer_others_cpu_s": 0.0,
+          **({} if main is None else dict(zip(("forward_main_cpu_s", "backward_main_cpu_s",
+                                                "optimizer_main_cpu_s"), main)))}
     return [{"rank": r, "runs": [{
         "scheme": scheme, "task": "image", "eval": {}, "history": [], "plan": plan,
         "topk_shares": None, "status": "ok",
@@ -91,22 +96,26 @@ def test_decomposition_counts_each_interval_once():
     assert anatomy.loopback_rate({"bytes_per_step": 8000, "comm_s": 0.008}) == 8e6
 
 
-def test_other_threads_in_the_backward_and_each_schemes_own_floor():
-    """The other threads' CPU inside the backward call, over the floor's, counts with the
-    engine's hooks up to the backward's slowdown; torch's DDP shows it without counting it
-    (its wait holds it). Each scheme is measured against the floor runs either side of it."""
-    floor = _job("local", (0.005, 0.012, 0.0, 0.003), others=0.001)
+def test_each_threads_cpu_and_each_schemes_own_floor():
+    """Per thread, over the floor's: the training thread's extra CPU inside the backward call
+    and the other threads' CPU there count for the engine, up to the backward's slowdown;
+    torch's DDP counts its training thread's CPU and its exposed wait, and shows the other
+    threads' without counting them (its wait holds them). In the forward and optimizer step
+    both threads' extra CPU count, up to those parts' slowdown. Each scheme is measured
+    against the floor runs either side of it."""
+    floor = _job("local", (0.005, 0.012, 0.0, 0.003), others=0.001, main=(0.005, 0.012, 0.003))
     topka = _job("topka", (0.005, 0.020, 0.014, 0.003), sparsify=0.002, wait=0.010,
-                 plan=_plan(), hooks=0.003, others=0.004)
+                 plan=_plan(), hooks=0.003, others=0.004, main=(0.005, 0.015, 0.003))
     r = _row(topka, floor)
     assert r["threads_ms"] == pytest.approx(3) and r["hooks_ms"] == pytest.approx(3)
     assert r["counted_backward_ms"] == pytest.approx(6)  # hooks 3 + threads 3, of Δbackward 8
     assert r["explained_ms"] == pytest.approx(6 + 10 + 4)
     # more than the backward's slowdown: capped at it
     busy = _job("topka", (0.005, 0.020, 0.014, 0.003), wait=0.010, plan=_plan(), hooks=0.003,
-                others=0.010)
+                others=0.010, main=(0.005, 0.015, 0.003))
     assert _row(busy, floor)["counted_backward_ms"] == pytest.approx(8)
-    ddp = _job("ddp", (0.006, 0.020, 0.0, 0.003), sparsify=0.002, wait=0.004, others=0.006)
+    ddp = _job("ddp", (0.006, 0.020, 0.0, 0.003), sparsify=0.002, wait=0.004, others=0.006,
+               main=(0.005, 0.014, 0.003))
     r = _row(ddp, floor, rate=None)
     assert r["threads_ms"] == pytest.approx(5) and r["counted_backward_ms"] == pytest.approx(6)
     # two schemes, three floor runs: the second scheme's floor is the slower pair's
@@ -119,17 +128,24 @@ def test_other_threads_in_the_backward_and_each_schemes_own_floor():
     assert first["floor_ms"] == pytest.approx(20) and first["floor_spread_ms"] == 0
     assert second["floor_ms"] == pytest.approx(30)  # the median of 20s and 40s alike
     assert second["floor_spread_ms"] == pytest.approx(20)
-    # the forward 3 ms slower, the other threads 2 ms busier in it: 2 ms counted as threads′
+    # the forward 3 ms slower, the other threads 2 ms busier and the training thread 0.5 ms:
+    # 2.5 ms counted outside the backward
     late = _job("topka", (0.008, 0.020, 0.014, 0.003), wait=0.010, plan=_plan(), hooks=0.003,
-                others=0.001, others_out=0.002)
+                others=0.001, others_out=0.002, main=(0.0055, 0.015, 0.003))
     r = _row(late, floor)
-    assert r["threads_out_ms"] == pytest.approx(2) and r["counted_out_ms"] == pytest.approx(2)
-    assert r["explained_ms"] == pytest.approx(3 + 10 + 4 + 2)
+    assert r["threads_out_ms"] == pytest.approx(2) and r["main_cpu_out_ms"] == pytest.approx(0.5)
+    assert r["counted_out_ms"] == pytest.approx(2.5)
+    assert r["explained_ms"] == pytest.approx(3 + 10 + 4 + 2.5)
     assert r["sync_phases_pct"] == pytest.approx(100 * 17 / (8 + 14))
     # busier than the slowdown (1 ms): capped at it
     late = _job("topka", (0.006, 0.020, 0.014, 0.003), wait=0.010, plan=_plan(), hooks=0.003,
-                others_out=0.004)
+                others_out=0.004, main=(0.005, 0.015, 0.003))
     assert _row(late, floor)["counted_out_ms"] == pytest.approx(1)
+    # records without the thread clocks: the hooks alone, as before
+    old = _job("topka", (0.005, 0.020, 0.014, 0.003), wait=0.010, plan=_plan(), hooks=0.003,
+               others=0.004)
+    assert _row(old, _job("local", (0.005, 0.012, 0.0, 0.003)))["counted_backward_ms"] == (
+        pytest.approx(3))
     job = anatomy.floor_figures(both, 2)  # the job's floor: every floor run
     assert (job["before_ms"], job["after_ms"], job["measured_steps"]) == (20, 40, 9)
 

@@ -59,18 +59,18 @@ on their own, and where they sit:
   fill the cores (P ≥ cores, as here), each such millisecond is one a training thread waits
   for a core: the backward's slowdown that no hook shows.
 
-``counted`` = the part inside ``loss.backward()`` (the engine's hooks + threads⁺; DDP: select +
-wait, its threads not added, since gloo's CPU runs largely while the training thread waits,
-already in its wait; an engine run without ``hooks_s`` in its records: select; a preemption
-that falls inside a hook is in both hooks and threads), at most Δbackward⁺ (the backward's
-slowdown: what runs inside it cannot have cost more, and a larger figure means the floor's
-backward was the slower one, i.e. noise), plus the engine's ``synchronize()`` (wait + sync
-host), plus ``threads′`` (the other threads' CPU during the forward and the optimizer step,
-over the floor's: a communication thread still finishing, gloo's), at most (Δforward +
-Δoptimizer)⁺. ``residual`` = step − floor − counted: the gradient hooks' own bookkeeping
-outside their launches, DDP's bucket copies, Δforward (DDP's forward pre-hook) and Δoptimizer
-(negative where momentum moved into error feedback: SGD without momentum) beyond what the
-other threads explain, and noise.
+``counted`` = the part inside ``loss.backward()``, per thread, over the floor's: the training
+thread's extra CPU time there (``main``: the hooks' work, DDP's bucket copies, the autograd
+engine's work for the hooks) plus, for the engine, ``threads``⁺ (the other threads' CPU, time
+the training thread waits for a core) or, for torch's DDP, its exposed wait (its threads not
+added: gloo's CPU runs largely during that wait); records without the thread clocks count the
+engine's hooks, or DDP's select + wait. At most Δbackward⁺ (the backward's slowdown: what runs
+inside it cannot have cost more, and a larger figure means the floor's backward was the slower
+one, i.e. noise). Plus the engine's ``synchronize()`` (wait + sync host), plus, in the forward
+and the optimizer step, both threads' extra CPU (``main′`` + ``threads′``: a slower forward
+after the exchange, a communication thread still finishing), at most (Δforward +
+Δoptimizer)⁺. ``residual`` = step − floor − counted: time no thread's CPU and no wait explains
+(preemption by the other ranks' threads beyond this rank's own, blocking), and noise.
 
 **The floor** of a row is the floor runs either side of it: the job runs the floor before the
 first scheme and after every scheme, so a machine whose speed drifts during the job (the load
@@ -83,11 +83,11 @@ means little. ``of sync phases %`` = 100 × counted in those two phases (threads
 (Δbackward⁺ + synchronize()): the share
 of the two phases that hold the synchronization, which the forward's and optimizer's noise
 does not reach (≤ 100 by construction). ``of step %`` = 100 × (floor + counted) / step.
-Counted's parts are disjoint intervals of the training thread (select inside the backward
-call, wait and sync host inside ``synchronize()``; DDP's select and wait are disjoint intervals
-inside its backward call), except ``threads``, the other threads' CPU time inside the backward
-call, which a hook's interval holds where a thread preempts it; the cap at Δbackward⁺ bounds
-that. What overlaps them: ``comm``
+Counted's parts do not overlap: in each part of the step, the training thread's CPU, the time
+it waits for a core while the other threads run, and the time it blocks (DDP's wait inside the
+backward; the engine's wait and host work in ``synchronize()``) are disjoint; the caps bound
+what the "waits for a core" reading of ``threads`` overstates where cores are free. What
+overlaps them: ``comm``
 (``comm_s``: time inside the step's collectives, summed over them, on the communication
 thread; torch's DDP: the union of its all-reduces' launch→done) runs concurrently with the
 backward pass and only its exposed part, ``wait``, is on the training thread; an offloaded
@@ -217,8 +217,10 @@ step time, selection, wait and communication (module docstring: means add up).""
     out["sync_host_s"] = _mean([max(0.0, p["after_backward_s"] - r["wait_s"])
                                   for p, r in zip(ph[skip:], recs[skip:])])
     out["hooks_s"] = _mean([r.get("hooks_s", NAN) for r in recs[skip:]])  # engine only
-    for k in ("forward_others_cpu_s", "backward_others_cpu_s", "optimizer_others_cpu_s"):
-        out[k] = _mean([p.get(k, NAN) for p in ph[skip:]])
+    for part in ("forward", "backward", "optimizer"):
+        for who in ("main", "others"):
+            k = f"{part}_{who}_cpu_s"
+            out[k] = _mean([p.get(k, NAN) for p in ph[skip:]])
     for k in ("time_s", "sparsify_s", "wait_s", "comm_s"):
         out[k] = _mean([r.get(k, NAN) for r in recs[skip:]])
     return out
@@ -290,9 +292,14 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
         # the other threads' CPU inside loss.backward() over the floor's: the engine's
         # communication and offload threads and gloo's, competing with the backward for cores
         threads = 1e3 * ph["backward_others_cpu_s"] - fl["backward_others_cpu_ms"]
-        in_bwd = (hooks + (threads if threads > 0 else 0.0)  # NaN: not recorded
-                  if engine and hooks == hooks else
-                  (0.0 if place == "synchronize" else select) + (0.0 if engine else wait))
+        # the training thread's own extra CPU inside loss.backward(): hooks, DDP's bucket
+        # copies, the autograd engine's work for the hooks (NaN: not recorded)
+        main = 1e3 * ph["backward_main_cpu_s"] - fl["backward_main_cpu_ms"]
+        if main == main:  # training thread's CPU + the others' (engine) or DDP's wait
+            in_bwd = max(0.0, main) + (max(0.0, threads) if engine else wait)
+        else:  # records without the thread clocks
+            in_bwd = (hooks if engine and hooks == hooks else
+                      (0.0 if place == "synchronize" else select) + (0.0 if engine else wait))
         counted_bwd = min(in_bwd, max(0.0, d_bwd))
         host = 1e3 * ph["sync_host_s"] if engine else 0.0
         in_sync = wait + host if engine else 0.0  # synchronize(): its wait and host work
@@ -302,7 +309,10 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
                  - fl["optimizer_ms"])
         threads_out = 1e3 * (ph["forward_others_cpu_s"] + ph["optimizer_others_cpu_s"]) - (
             fl["forward_others_cpu_ms"] + fl["optimizer_others_cpu_ms"])
-        counted_out = min(threads_out if threads_out > 0 else 0.0, max(0.0, d_out))
+        main_out = 1e3 * (ph["forward_main_cpu_s"] + ph["optimizer_main_cpu_s"]) - (
+            fl["forward_main_cpu_ms"] + fl["optimizer_main_cpu_ms"])
+        counted_out = min((threads_out if threads_out > 0 else 0.0)
+                          + (main_out if main_out > 0 else 0.0), max(0.0, d_out))
         explained = counted_bwd + in_sync + counted_out
         phases = max(0.0, d_bwd) + in_sync
         wire = (8 * s["bytes_per_step"] / rate_bps * 1e3) if rate_bps else NAN
@@ -320,6 +330,7 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
             "select_ms": select, "select_place": place, "wait_ms": wait,
             "hooks_ms": hooks if engine else select, "threads_ms": threads,
             "threads_out_ms": threads_out, "counted_out_ms": counted_out,
+            "main_cpu_backward_ms": main, "main_cpu_out_ms": main_out,
             "wait_place": "synchronize" if engine else "backward", "sync_host_ms": host,
             "in_backward_ms": in_bwd, "counted_backward_ms": counted_bwd,
             "sync_wait_ms": wait if engine else 0.0, "explained_ms": explained,
@@ -348,8 +359,8 @@ def _cells(r: dict) -> list[Any]:
     pct, sync_pct = r["accounted_pct"], r["sync_phases_pct"]
     return [r["scheme"], r["step_ms"], r["floor_ms"], r["over_floor_ms"], r["d_backward_ms"],
             f"{r['select_ms']:.3g}{mark}", r["hooks_ms"],
-            "-" if r["threads_ms"] != r["threads_ms"] else r["threads_ms"],
-            "-" if r["threads_out_ms"] != r["threads_out_ms"] else r["threads_out_ms"],
+            *("-" if v != v else v for v in (r["main_cpu_backward_ms"], r["threads_ms"],
+                                              r["main_cpu_out_ms"], r["threads_out_ms"])),
             f"{r['wait_ms']:.3g}" + (
                 " *" if r["wait_place"] == "backward" else ""),
             r["sync_host_ms"], r["explained_ms"], r["residual_ms"],
@@ -361,11 +372,13 @@ def _cells(r: dict) -> list[Any]:
 
 
 COLUMNS = ["scheme", "step ms", "floor ms", "step−floor", "Δbackward", "select", "hooks",
-           "threads", "threads′", "wait", "sync host", "counted", "residual", "accounted %",
-           "of sync phases %", "of step %", "comm ms", "wire ms", "cpu ms", "cpu−floor", "MB/step"]
+           "main", "threads", "main′", "threads′", "wait", "sync host", "counted", "residual",
+           "accounted %", "of sync phases %", "of step %", "comm ms", "wire ms", "cpu ms",
+           "cpu−floor", "MB/step"]
 LEGEND = ("select: † runs inside synchronize() (a plan without overlap), ‡ includes the offload "
           "worker's time; wait: * inside loss.backward() (torch's DDP); counted: the parts "
-          "explained (in-backward ones capped at Δbackward, threads′ at Δforward + Δoptimizer); "
+          "explained (in-backward ones capped at Δbackward, main′ + threads′ at Δforward + "
+          "Δoptimizer); "
           "accounted %: counted / (step − floor), ~ where step − floor is within twice the "
           "floor's drift around the row; of sync phases %: counted in the backward and "
           "synchronize() / (Δbackward⁺ + synchronize()); of step %: (floor + counted) / step")
@@ -559,7 +572,8 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
         out.append(
             f"Over all gradsync rows (median share of step − floor): synchronize()'s wait "
             f"{100 * share('sync_wait_ms'):.0f} %, its host work {100 * share('sync_host_ms'):.0f} "
-            f"%, its gradient hooks in the backward {100 * share('counted_backward_ms'):.0f} %, "
+            f"%, the threads' CPU in the backward {100 * share('counted_backward_ms'):.0f} %, "
+            f"in the forward and optimizer {100 * share('counted_out_ms'):.0f} %, "
             f"residual "
             f"{100 * share('residual_ms'):.0f} %."
             + (f" Their collectives took {min(ratios):.0f}–{max(ratios):.0f}× their bytes' wire "
@@ -572,14 +586,16 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
         fast = min(mine, key=lambda r: r["step_ms"])
         parts = []
         for r in mine:
-            hooks = min(r["hooks_ms"], r["counted_backward_ms"])
-            comps = {"gradient hooks in backward": hooks,
-                     "other threads in backward": r["counted_backward_ms"] - hooks,
+            own = r["main_cpu_backward_ms"]
+            own = min(max(0.0, own if own == own else r["hooks_ms"]), r["counted_backward_ms"])
+            comps = {"training thread's CPU in backward": own,
+                     "other threads in backward": r["counted_backward_ms"] - own,
+                     "threads in forward and optimizer": r["counted_out_ms"],
                      "synchronize()'s wait": r["sync_wait_ms"],
                      "synchronize()'s host work": r["sync_host_ms"],
                      "residual": r["residual_ms"]}
             if r["wait_place"] == "backward":
-                del comps["other threads in backward"], comps["gradient hooks in backward"]
+                del comps["other threads in backward"], comps["training thread's CPU in backward"]
                 comps["hook launches + wait in backward"] = r["counted_backward_ms"]
             top = max(comps, key=lambda k: comps[k])
             pct = r["accounted_pct"]
@@ -653,9 +669,11 @@ def write_docs(path: Path, rows: list[dict], meta: dict, png: bool = True) -> Pa
               "sync host: synchronize() minus its wait; threads: the CPU time the process's "
               "other threads (communication, offload, gloo's) spent inside `loss.backward()`, "
               "over the floor's, time the training thread waits for a core where the ranks "
-              "fill the cores (counted for the engine's rows, with hooks, up to Δbackward; for "
-              "torch's DDP it overlaps its wait and is shown only); threads′: the same during the "
-              "forward and the optimizer step, counted up to their slowdown.",
+              "fill the cores (counted for the engine's rows, with main, up to Δbackward; for "
+              "torch's DDP it overlaps its wait and is shown only); main: the training "
+              "thread's own CPU inside `loss.backward()` over the floor's (counted, with "
+              "threads or DDP's wait, up to Δbackward); main′, threads′: the same two during "
+              "the forward and the optimizer step, counted up to their slowdown.",
               f"- {LEGEND}.",
               "- residual: step − floor − counted.",
               "- comm: time inside the step's collectives (overlaps the backward pass); wire: "

@@ -90,9 +90,10 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
     forward pass and the loss), ``backward_call_s`` (``loss.backward()``, hooks included),
     ``after_backward_s`` (the runner's work after it: the engine's ``synchronize()``) and
     ``optimizer_s`` (the optimizer step), host times (on CUDA the last part ends with the
-    device synchronized), and ``forward_others_cpu_s``, ``backward_others_cpu_s`` and
-    ``optimizer_others_cpu_s``, the CPU time the process's other threads (communication,
-    offload, gloo's) spent during the forward, ``loss.backward()`` and the optimizer step;
+    device synchronized), and per part of those three (``forward_``, ``backward_``,
+    ``optimizer_``) the training thread's CPU time (``*_main_cpu_s``) and the CPU time the
+    process's other threads (communication, offload, gloo's) spent meanwhile
+    (``*_others_cpu_s``);
     ``bench anatomy`` reads them, ``metrics.json`` does not keep them;
     ``eval``: rank 0's evaluation, empty elsewhere; ``history``: with ``spec.eval_every``,
     rank 0's ``{"step", "elapsed_s", **evaluation}`` every ``eval_every`` steps and at the
@@ -175,6 +176,8 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                     rec["loss_scale"] = float(scaler.get_scale())
                 records.append(rec)
                 phases.append({"forward_s": tb - t0, "backward_call_s": tw - tb,
+                               "forward_main_cpu_s": mb - m0, "backward_main_cpu_s": mw - mb,
+                               "optimizer_main_cpu_s": m1 - ma,
                                "forward_others_cpu_s": (pb - c0) - (mb - m0),
                                "backward_others_cpu_s": (pw - pb) - (mw - mb),
                                "optimizer_others_cpu_s": (p1 - pa) - (m1 - ma),
