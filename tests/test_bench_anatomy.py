@@ -141,6 +141,10 @@ def test_each_threads_cpu_and_each_schemes_own_floor():
     late = _job("topka", (0.006, 0.020, 0.014, 0.003), wait=0.010, plan=_plan(), hooks=0.003,
                 others_out=0.004, main=(0.005, 0.015, 0.003))
     assert _row(late, floor)["counted_out_ms"] == pytest.approx(1)
+    # hooks longer than the training thread's extra CPU (preempted by other ranks): the hooks
+    slow = _job("topka", (0.005, 0.020, 0.014, 0.003), wait=0.010, plan=_plan(), hooks=0.005,
+                others=0.002, main=(0.005, 0.014, 0.003))
+    assert _row(slow, floor)["counted_backward_ms"] == pytest.approx(5 + 1)
     # records without the thread clocks: the hooks alone, as before
     old = _job("topka", (0.005, 0.020, 0.014, 0.003), wait=0.010, plan=_plan(), hooks=0.003,
                others=0.004)

@@ -60,8 +60,10 @@ on their own, and where they sit:
   for a core: the backward's slowdown that no hook shows.
 
 ``counted`` = the part inside ``loss.backward()``, per thread, over the floor's: the training
-thread's extra CPU time there (``main``: the hooks' work, DDP's bucket copies, the autograd
-engine's work for the hooks) plus, for the engine, ``threads``⁺ (the other threads' CPU, time
+thread's extra work there, the larger of its extra CPU time (``main``: the hooks' work, DDP's
+bucket copies, the autograd engine's work for the hooks) and its hooks' wall time (``hooks``;
+DDP: ``select``), which also holds the preemption by the other ranks' processes where they
+outnumber the cores, plus, for the engine, ``threads``⁺ (the other threads' CPU, time
 the training thread waits for a core) or, for torch's DDP, its exposed wait (its threads not
 added: gloo's CPU runs largely during that wait); records without the thread clocks count the
 engine's hooks, or DDP's select + wait. At most Δbackward⁺ (the backward's slowdown: what runs
@@ -295,8 +297,11 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
         # the training thread's own extra CPU inside loss.backward(): hooks, DDP's bucket
         # copies, the autograd engine's work for the hooks (NaN: not recorded)
         main = 1e3 * ph["backward_main_cpu_s"] - fl["backward_main_cpu_ms"]
-        if main == main:  # training thread's CPU + the others' (engine) or DDP's wait
-            in_bwd = max(0.0, main) + (max(0.0, threads) if engine else wait)
+        if main == main:  # the training thread's work: its CPU, or its hooks' wall time
+            # (with the preemption by other ranks' processes, where they outnumber the
+            # cores), the larger; + the other threads' CPU (engine) or DDP's exposed wait
+            own = max(main, hooks if engine and hooks == hooks else select)
+            in_bwd = max(0.0, own) + (max(0.0, threads) if engine else wait)
         else:  # records without the thread clocks
             in_bwd = (hooks if engine and hooks == hooks else
                       (0.0 if place == "synchronize" else select) + (0.0 if engine else wait))
