@@ -208,9 +208,10 @@ def _rank0(results: list[dict]) -> list[dict]:
 
 
 def _phases(run: dict, skip: int) -> dict[str, float]:
-    """Medians of a run's measured phases (``train_scheme``'s ``phases``) and of the engine's
-    host work in ``synchronize()`` besides its wait, per step then the mean, and the records'
-step time, selection, wait and communication (module docstring: means add up)."""
+    """Means over a run's measured steps (module docstring: means add up) of its phases
+    (``train_scheme``'s ``phases``: the four parts, each thread's CPU in three of them), of the
+    engine's host work in ``synchronize()`` besides its wait, and of the records' step time,
+    hooks, selection, wait and communication."""
     ph = run.get("phases") or []
     recs = run["records"]
     skip = min(skip, max(0, len(ph) - 1))
@@ -283,41 +284,37 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
         ph = _phases(raw, skip)
         step = 1e3 * ph["time_s"]
         over = step - floor_ms
-        d_bwd = ph["backward_call_s"] * 1e3 - fl["backward_call_ms"]
+
+        def delta(key: str, ph: dict = ph, fl: dict = fl) -> float:  # against the floor, ms
+            return 1e3 * ph[key + "_s"] - fl[key + "_ms"]
+
+        d_bwd = delta("backward_call")
         place = _selection_place(raw)
         select, wait = 1e3 * ph["sparsify_s"], 1e3 * ph["wait_s"]
         engine = raw.get("plan") is not None
-        # inside loss.backward(): an overlapping plan's gradient hooks (hooks_s: gathering,
-        # error feedback, inline selection, hand-off); torch DDP's hook launches and its
-        # exposed wait. At most the backward's slowdown counts (module docstring).
+        # inside loss.backward() (module docstring, "counted"): the training thread's work —
+        # the engine's gradient hooks (hooks_s: gathering, error feedback, inline selection,
+        # hand-off) or torch DDP's hook launches, or, the larger where the thread clocks were
+        # recorded, its extra CPU (main: also DDP's bucket copies, the autograd engine's work
+        # for the hooks; the hooks' wall time also holds the preemption by other ranks where
+        # they outnumber the cores) — plus the other threads' CPU (engine) or DDP's exposed
+        # wait. At most the backward's slowdown counts.
         hooks = 1e3 * ph["hooks_s"]
-        # the other threads' CPU inside loss.backward() over the floor's: the engine's
-        # communication and offload threads and gloo's, competing with the backward for cores
-        threads = 1e3 * ph["backward_others_cpu_s"] - fl["backward_others_cpu_ms"]
-        # the training thread's own extra CPU inside loss.backward(): hooks, DDP's bucket
-        # copies, the autograd engine's work for the hooks (NaN: not recorded)
-        main = 1e3 * ph["backward_main_cpu_s"] - fl["backward_main_cpu_ms"]
-        if main == main:  # the training thread's work: its CPU, or its hooks' wall time
-            # (with the preemption by other ranks' processes, where they outnumber the
-            # cores), the larger; + the other threads' CPU (engine) or DDP's exposed wait
-            own = max(main, hooks if engine and hooks == hooks else select)
-            in_bwd = max(0.0, own) + (max(0.0, threads) if engine else wait)
-        else:  # records without the thread clocks
-            in_bwd = (hooks if engine and hooks == hooks else
-                      (0.0 if place == "synchronize" else select) + (0.0 if engine else wait))
+        threads, main = delta("backward_others_cpu"), delta("backward_main_cpu")
+        own = ((hooks if hooks == hooks else 0.0 if place == "synchronize" else select)
+               if engine else select)
+        clocks = main == main  # NaN: records made before the thread clocks
+        if clocks:
+            own = max(own, main)
+        in_bwd = max(0.0, own) + ((max(0.0, threads) if clocks else 0.0) if engine else wait)
         counted_bwd = min(in_bwd, max(0.0, d_bwd))
         host = 1e3 * ph["sync_host_s"] if engine else 0.0
         in_sync = wait + host if engine else 0.0  # synchronize(): its wait and host work
-        # outside the backward and synchronize(): the forward's and optimizer's slowdown by
-        # the other threads (a communication thread still finishing, gloo's), at most it
-        d_out = (1e3 * (ph["forward_s"] + ph["optimizer_s"]) - fl["forward_ms"]
-                 - fl["optimizer_ms"])
-        threads_out = 1e3 * (ph["forward_others_cpu_s"] + ph["optimizer_others_cpu_s"]) - (
-            fl["forward_others_cpu_ms"] + fl["optimizer_others_cpu_ms"])
-        main_out = 1e3 * (ph["forward_main_cpu_s"] + ph["optimizer_main_cpu_s"]) - (
-            fl["forward_main_cpu_ms"] + fl["optimizer_main_cpu_ms"])
-        counted_out = min((threads_out if threads_out > 0 else 0.0)
-                          + (main_out if main_out > 0 else 0.0), max(0.0, d_out))
+        # the forward and optimizer step: both threads' extra CPU, at most their slowdown
+        d_out = delta("forward") + delta("optimizer")
+        threads_out = delta("forward_others_cpu") + delta("optimizer_others_cpu")
+        main_out = delta("forward_main_cpu") + delta("optimizer_main_cpu")
+        counted_out = min(max(0.0, threads_out) + max(0.0, main_out), max(0.0, d_out))
         explained = counted_bwd + in_sync + counted_out
         phases = max(0.0, d_bwd) + in_sync
         wire = (8 * s["bytes_per_step"] / rate_bps * 1e3) if rate_bps else NAN
@@ -329,9 +326,9 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
             "median_step_ms": 1e3 * s["step_s"],  # train's figure, for speed comparisons
             "forward_ms": 1e3 * ph["forward_s"], "backward_call_ms": 1e3 * ph["backward_call_s"],
             "sync_call_ms": 1e3 * ph["after_backward_s"], "optimizer_ms": 1e3 * ph["optimizer_s"],
-            "d_forward_ms": 1e3 * ph["forward_s"] - fl["forward_ms"],
+            "d_forward_ms": delta("forward"),
             "d_backward_ms": d_bwd,
-            "d_optimizer_ms": 1e3 * ph["optimizer_s"] - fl["optimizer_ms"],
+            "d_optimizer_ms": delta("optimizer"),
             "select_ms": select, "select_place": place, "wait_ms": wait,
             "hooks_ms": hooks if engine else select, "threads_ms": threads,
             "threads_out_ms": threads_out, "counted_out_ms": counted_out,
