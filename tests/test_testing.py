@@ -275,3 +275,24 @@ def test_ranks_take_the_callers_kernels(fresh):
         with sparsegrad.using(chosen):
             out = run_distributed(_kernels, 2, fresh=fresh)  # the session's pool, or fresh ranks
         assert out == [chosen] * 2
+
+
+def test_every_launcher_joins_through_a_barrier(monkeypatch):
+    """A rank leaves ``join_group`` only after the barrier that follows the group's creation:
+    CI once saw rank 1 fail in gloo's connect ("Connection closed by peer") because rank 0,
+    whose ``fn`` made no collective, had already torn its group down. All three launchers
+    (fresh, pooled, shaped links) join through it."""
+    import datetime
+    import inspect
+
+    from gradsync.testing import _netem_worker, distributed, pool
+
+    calls: list[str] = []
+    monkeypatch.setattr(dist, "init_process_group", lambda *a, **k: calls.append("init"))
+    monkeypatch.setattr(dist, "barrier", lambda *a, **k: calls.append("barrier"))
+    distributed.join_group("gloo", "file:///nowhere", 0, 2, datetime.timedelta(seconds=1))
+    assert calls == ["init", "barrier"]
+    assert inspect.getsource(distributed).count("init_process_group(") == 1  # join_group's
+    for module in (pool, _netem_worker):
+        source = inspect.getsource(module)
+        assert "join_group(" in source and "init_process_group(" not in source, module.__name__

@@ -35,7 +35,7 @@ def main(argv: list[str]) -> int:
         sys.path[:0] = [p for p in head["sys_path"] if p not in sys.path]
         result = head["result"]
         try:
-            from gradsync.testing.distributed import watch_launcher
+            from gradsync.testing.distributed import join_group, watch_launcher
 
             watch_launcher(head["launcher"])  # a SIGKILLed launcher leaves no orphan behind
             import torch
@@ -43,10 +43,8 @@ def main(argv: list[str]) -> int:
 
             fn, args, kwargs = pickle.load(f)
             torch.set_num_threads(head["threads"])
-            dist.init_process_group(
-                "gloo", init_method=head["init_method"], rank=head["rank"],
-                world_size=head["world_size"], timeout=timedelta(seconds=head["timeout"]),
-            )
+            join_group("gloo", head["init_method"], head["rank"], head["world_size"],
+                       timedelta(seconds=head["timeout"]))
             out = fn(head["rank"], head["world_size"], *args, **kwargs)
             outcome: tuple = (True, out)
         except BaseException:  # everything, SystemExit included, must reach the parent

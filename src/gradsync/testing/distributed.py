@@ -60,7 +60,7 @@ import torch.distributed as dist
 from gradsync import sparsegrad
 
 __all__ = ["DistributedError", "DistributedStall", "DistributedTimeout", "caller_kernels",
-           "heartbeat", "progress_limit", "run_distributed", "watch_launcher"]
+           "heartbeat", "join_group", "progress_limit", "run_distributed", "watch_launcher"]
 
 GRACE_SECONDS = 5.0  # how long peers get to exit on their own after one rank failed
 _WATCH_SECONDS = 0.5  # how often a rank checks that its launcher still runs
@@ -160,6 +160,20 @@ class DistributedStall(DistributedTimeout):
                   "(hung or deadlocked); all ranks were terminated")
 
 
+def join_group(backend: str, init_method: str, rank: int, world_size: int,
+               timeout: timedelta) -> None:
+    """``init_process_group``, then a barrier: return only once every rank has joined.
+
+    Gloo's full-mesh connect can finish on one side of a pair before the other has read the
+    handshake; a rank whose ``fn`` makes no collective would then destroy its group and close
+    the socket while its peer is still connecting, and the peer fails with "Connection closed
+    by peer" (seen once in CI, in ``test_ranks_take_the_callers_kernels``). The barrier keeps
+    every rank in the group until all have connected."""
+    dist.init_process_group(backend, init_method=init_method, rank=rank,
+                            world_size=world_size, timeout=timeout)
+    dist.barrier()
+
+
 def caller_kernels() -> sparsegrad.Kernels:
     """The kernels this process's CPU tensors take (:func:`gradsync.sparsegrad.cpu_kernels`):
     the ranks a launcher starts take the caller's, so a test that chooses them for itself (the
@@ -208,10 +222,7 @@ def _worker(
     try:
         if cuda:
             torch.cuda.set_device(rank % torch.cuda.device_count())
-        dist.init_process_group(
-            backend, init_method=init_method, rank=rank, world_size=world_size,
-            timeout=timedelta(seconds=timeout),
-        )
+        join_group(backend, init_method, rank, world_size, timedelta(seconds=timeout))
         if beats is not None:
             beats[1][rank] = -1  # up: from here the progress limit applies
         heartbeat()

@@ -203,8 +203,7 @@ def _serve(rank: int, world_size: int, init_method: str, conn: Any, parent: int)
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank),
                       LOCAL_WORLD_SIZE=str(world_size))
     torch.set_num_threads(launcher.rank_threads(world_size))
-    dist.init_process_group("gloo", init_method=init_method, rank=rank, world_size=world_size,
-                            timeout=timedelta(seconds=GROUP_TIMEOUT_S))
+    launcher.join_group("gloo", init_method, rank, world_size, timedelta(seconds=GROUP_TIMEOUT_S))
     _import_library()
     pristine = _Pristine()
     while True:
