@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 
 import pytest
 
@@ -17,13 +18,14 @@ from gradsync.apps.bench import anatomy
 def _job(scheme: str, phases: tuple[float, float, float, float], *, sparsify: float = 0.0,
          wait: float = 0.0, comm: float = 0.0, sent: int = 0, plan: dict | None = None,
          steps: int = 5, hooks: float | None = None, others: float = 0.0,
-         others_out: float = 0.0, main: tuple[float, float, float] | None = None
-         ) -> list[dict]:
+         others_out: float = 0.0, main: tuple[float, float, float] | None = None,
+         runq: tuple[float, float, float] | None = None) -> list[dict]:
     """Per-rank results of a 2-rank job of one scheme whose every step has these times (s):
     ``hooks`` the engine's ``hooks_s`` (absent: ``None``), ``others`` the other threads' CPU
     inside the backward call, ``others_out`` theirs in the forward (the optimizer step's: 0),
     ``main`` the training thread's CPU in the forward, backward and optimizer step (absent:
-    ``None``, records made before the thread clocks)."""
+    ``None``, records made before the thread clocks), ``runq`` its wait for a core in the
+    same three (``None``: records made before the run-queue clock)."""
     fwd, bwd, after, opt = phases
     rec = {"loss": 1.0, "time_s": fwd + bwd + after + opt, "cpu_s": 0.01, "bytes_sent": sent,
            "bytes_recv": sent, "backward_s": bwd, "sparsify_s": sparsify, "comm_s": comm,
@@ -33,7 +35,9 @@ def _job(scheme: str, phases: tuple[float, float, float, float], *, sparsify: fl
           "optimizer_s": opt, "backward_others_cpu_s": others,
           "forward_others_cpu_s": others_out, "optimizer_others_cpu_s": 0.0,
           **({} if main is None else dict(zip(("forward_main_cpu_s", "backward_main_cpu_s",
-                                                "optimizer_main_cpu_s"), main)))}
+                                                "optimizer_main_cpu_s"), main))),
+          **({} if runq is None else dict(zip(("forward_main_runq_s", "backward_main_runq_s",
+                                                "optimizer_main_runq_s"), runq)))}
     return [{"rank": r, "runs": [{
         "scheme": scheme, "task": "image", "eval": {}, "history": [], "plan": plan,
         "topk_shares": None, "status": "ok",
@@ -154,6 +158,36 @@ def test_each_threads_cpu_and_each_schemes_own_floor():
     assert (job["before_ms"], job["after_ms"], job["measured_steps"]) == (20, 40, 9)
 
 
+def test_the_training_threads_cpu_wait_for_a_core_and_block():
+    """With the run-queue clock the training thread's time in each part is its CPU, its wait
+    for a core and its blocks: the backward counts main + runq (+ torch DDP's wait, its one
+    block there), whatever the other threads' CPU or the hooks' wall time say (they hold
+    the same time: shown, not counted); the forward and optimizer count main′ + runq′.
+    Each over the floor's, capped at the part's slowdown."""
+    floor = _job("local", (0.005, 0.012, 0.0, 0.003), others=0.001, main=(0.005, 0.012, 0.003),
+                 runq=(0.001, 0.001, 0.0))
+    topka = _job("topka", (0.005, 0.020, 0.014, 0.003), sparsify=0.002, wait=0.010,
+                 plan=_plan(), hooks=0.006, others=0.009, main=(0.005, 0.015, 0.003),
+                 runq=(0.001, 0.004, 0.0))
+    r = _row(topka, floor)
+    assert r["runq_backward_ms"] == pytest.approx(3) and r["threads_ms"] == pytest.approx(8)
+    assert r["counted_backward_ms"] == pytest.approx(3 + 3)  # main 3 + runq 3, of Δbackward 8
+    assert r["explained_ms"] == pytest.approx(6 + 10 + 4)
+    # torch's DDP: its CPU, its wait for a core and its exposed wait, the three capped at 8
+    ddp = _job("ddp", (0.006, 0.020, 0.0, 0.003), sparsify=0.002, wait=0.004, others=0.006,
+               main=(0.005, 0.014, 0.003), runq=(0.001, 0.002, 0.0))
+    assert _row(ddp, floor, rate=None)["counted_backward_ms"] == pytest.approx(2 + 1 + 4)
+    ddp = _job("ddp", (0.006, 0.020, 0.0, 0.003), sparsify=0.002, wait=0.006,
+               main=(0.005, 0.014, 0.003), runq=(0.001, 0.004, 0.0))
+    assert _row(ddp, floor, rate=None)["counted_backward_ms"] == pytest.approx(8)
+    # outside the backward: 0.5 ms more CPU and 1.5 ms more waiting in a forward 3 ms slower;
+    # the other threads' 2 ms are not added
+    late = _job("topka", (0.008, 0.020, 0.014, 0.003), wait=0.010, plan=_plan(), hooks=0.003,
+                others_out=0.002, main=(0.0055, 0.015, 0.003), runq=(0.0025, 0.002, 0.0))
+    r = _row(late, floor)
+    assert r["runq_out_ms"] == pytest.approx(1.5) and r["counted_out_ms"] == pytest.approx(2)
+
+
 def test_world_sizes_parse_and_validate():
     assert anatomy.parse_world_sizes("2,4") == [2, 4]
     for bad in ("1", "2,2", "two", ""):
@@ -176,8 +210,10 @@ def test_bench_anatomy_tiny_run(tmp_path, capsys):
                 "wait_ms", "sync_host_ms", "residual_ms", "comm_ms", "wire_ms", "cpu_ms",
                 "bytes_per_step", "accounted_pct", "accounted_step_pct", "d_backward_ms",
                 "sync_phases_pct", "explained_ms", "noisy", "floor_spread_ms", "hooks_ms",
-                "threads_ms"):
+                "threads_ms", "runq_backward_ms", "runq_out_ms"):
         assert all(col in r for r in rows.values()), col
+    if os.path.exists("/proc/thread-self/schedstat"):  # Linux keeps the run-queue clock
+        assert all(math.isfinite(r["runq_backward_ms"]) for r in rows.values())
     n = sum(p.numel() for p in models.build("cnn").parameters())
     # torch's DDP all-reduce: every fp32 gradient in the ring, 2(P-1)/P·4n bytes per rank
     assert rows["ddp"]["bytes_per_step"] == 2 * (P - 1) / P * 4 * n

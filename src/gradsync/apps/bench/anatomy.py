@@ -53,26 +53,31 @@ on their own, and where they sit:
 * ``sync host``: the engine's ``synchronize()`` minus its wait (per step, then the mean):
   launching what the backward left, the ranks' finiteness agreement, decoding the sums into
   ``.grad``, the residuals (``apply``) and the step's bookkeeping. 0 for torch's DDP.
+* ``main``, ``runq``: the training thread's own CPU time inside ``loss.backward()``
+  (``phases``' ``backward_main_cpu_s``) and the time it waited there for a core, runnable but
+  not running (``backward_main_runq_s``: Linux's ``/proc/thread-self/schedstat``), each over
+  the floor's. Where the ranks fill the cores (P ≥ cores, as here) the communication thread,
+  gloo's threads and the other ranks take the core from it: that is ``runq``.
 * ``threads``: the CPU time the process's other threads spent while ``loss.backward()`` ran
-  (``phases``' ``backward_others_cpu_s``: process CPU minus the training thread's), over the
-  floor's: the engine's communication and offload threads and gloo's own. Where the ranks
-  fill the cores (P ≥ cores, as here), each such millisecond is one a training thread waits
-  for a core: the backward's slowdown that no hook shows.
+  (``backward_others_cpu_s``: process CPU minus the training thread's), over the floor's: the
+  engine's communication and offload threads and gloo's own. A cause of ``runq``, not a part
+  of the step: shown, and counted only for records made before the run-queue clock.
 
-``counted`` = the part inside ``loss.backward()``, per thread, over the floor's: the training
-thread's extra work there, the larger of its extra CPU time (``main``: the hooks' work, DDP's
-bucket copies, the autograd engine's work for the hooks) and its hooks' wall time (``hooks``;
-DDP: ``select``), which also holds the preemption by the other ranks' processes where they
-outnumber the cores, plus, for the engine, ``threads``⁺ (the other threads' CPU, time
-the training thread waits for a core) or, for torch's DDP, its exposed wait (its threads not
-added: gloo's CPU runs largely during that wait); records without the thread clocks count the
-engine's hooks, or DDP's select + wait. At most Δbackward⁺ (the backward's slowdown: what runs
-inside it cannot have cost more, and a larger figure means the floor's backward was the slower
-one, i.e. noise). Plus the engine's ``synchronize()`` (wait + sync host), plus, in the forward
-and the optimizer step, both threads' extra CPU (``main′`` + ``threads′``: a slower forward
-after the exchange, a communication thread still finishing), at most (Δforward +
-Δoptimizer)⁺. ``residual`` = step − floor − counted: time no thread's CPU and no wait explains
-(preemption by the other ranks' threads beyond this rank's own, blocking), and noise.
+``counted`` = the training thread's time inside ``loss.backward()`` over the floor's, which
+is its CPU (``main``: the hooks' work, DDP's bucket copies, the autograd engine's work for
+the hooks), its wait for a core (``runq``) and its blocks — torch's DDP's exposed wait, the one
+block measured there (the engine's gradient hooks do not wait on the wire) — three disjoint
+intervals of one thread. At most Δbackward⁺ (the backward's slowdown: what runs inside it
+cannot have cost more, and a larger figure means the floor's backward was the slower one, i.e.
+noise). Plus the engine's ``synchronize()`` (wait + sync host), plus, in the forward and the
+optimizer step, the training thread's extra CPU and wait for a core there (``main′`` +
+``runq′``: a slower forward after the exchange, a communication thread still finishing), at
+most (Δforward + Δoptimizer)⁺. ``residual`` = step − floor − counted: blocks nobody measured
+(the GIL held by the communication thread, a lock, the hand-off to a thread) and noise.
+Records made before the run-queue clock count, in the backward, the larger of ``main`` and
+the hooks' wall time plus, for the engine, ``threads`` (each such millisecond read as one the
+training thread waited for a core); outside it ``threads′`` for ``runq′``; before the thread
+clocks, the engine's hooks or DDP's select + wait.
 
 **The floor** of a row is the floor runs either side of it: the job runs the floor before the
 first scheme and after every scheme, so a machine whose speed drifts during the job (the load
@@ -81,15 +86,13 @@ of other jobs) moves each scheme's floor with it.
 ``accounted %`` = 100 × counted / (step − floor): the share of the step's extra time the
 measured components explain; marked ``~`` when step − floor is within twice the floor's own
 drift around the row (its two floor runs' means against each other), where the ratio
-means little. ``of sync phases %`` = 100 × counted in those two phases (threads′ left out) /
+means little. ``of sync phases %`` = 100 × counted in those two phases (main′ + runq′ left out) /
 (Δbackward⁺ + synchronize()): the share
 of the two phases that hold the synchronization, which the forward's and optimizer's noise
 does not reach (≤ 100 by construction). ``of step %`` = 100 × (floor + counted) / step.
 Counted's parts do not overlap: in each part of the step, the training thread's CPU, the time
-it waits for a core while the other threads run, and the time it blocks (DDP's wait inside the
-backward; the engine's wait and host work in ``synchronize()``) are disjoint; the caps bound
-what the "waits for a core" reading of ``threads`` overstates where cores are free. What
-overlaps them: ``comm``
+it waits for a core, and the time it blocks (DDP's wait inside the backward; the engine's wait
+in ``synchronize()``) are disjoint. What overlaps them: ``comm``
 (``comm_s``: time inside the step's collectives, summed over them, on the communication
 thread; torch's DDP: the union of its all-reduces' launch→done) runs concurrently with the
 backward pass and only its exposed part, ``wait``, is on the training thread; an offloaded
@@ -221,8 +224,7 @@ def _phases(run: dict, skip: int) -> dict[str, float]:
                                   for p, r in zip(ph[skip:], recs[skip:])])
     out["hooks_s"] = _mean([r.get("hooks_s", NAN) for r in recs[skip:]])  # engine only
     for part in ("forward", "backward", "optimizer"):
-        for who in ("main", "others"):
-            k = f"{part}_{who}_cpu_s"
+        for k in (f"{part}_main_cpu_s", f"{part}_others_cpu_s", f"{part}_main_runq_s"):
             out[k] = _mean([p.get(k, NAN) for p in ph[skip:]])
     for k in ("time_s", "sparsify_s", "wait_s", "comm_s"):
         out[k] = _mean([r.get(k, NAN) for r in recs[skip:]])
@@ -292,29 +294,37 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
         place = _selection_place(raw)
         select, wait = 1e3 * ph["sparsify_s"], 1e3 * ph["wait_s"]
         engine = raw.get("plan") is not None
-        # inside loss.backward() (module docstring, "counted"): the training thread's work —
-        # the engine's gradient hooks (hooks_s: gathering, error feedback, inline selection,
-        # hand-off) or torch DDP's hook launches, or, the larger where the thread clocks were
-        # recorded, its extra CPU (main: also DDP's bucket copies, the autograd engine's work
-        # for the hooks; the hooks' wall time also holds the preemption by other ranks where
-        # they outnumber the cores) — plus the other threads' CPU (engine) or DDP's exposed
-        # wait. At most the backward's slowdown counts.
+        # inside loss.backward() (module docstring, "counted"): the training thread's time
+        # there is its CPU (main), its wait for a core (runq) and its blocks (torch DDP's
+        # exposed wait), each against the floor's. Records without the run-queue clock take
+        # the other threads' CPU (engine) for the wait for a core, and the larger of the
+        # thread's CPU and its hooks' wall time for its work (or the hooks alone, before the
+        # thread clocks). At most the backward's slowdown counts.
         hooks = 1e3 * ph["hooks_s"]
         threads, main = delta("backward_others_cpu"), delta("backward_main_cpu")
-        own = ((hooks if hooks == hooks else 0.0 if place == "synchronize" else select)
-               if engine else select)
-        clocks = main == main  # NaN: records made before the thread clocks
-        if clocks:
-            own = max(own, main)
-        in_bwd = max(0.0, own) + ((max(0.0, threads) if clocks else 0.0) if engine else wait)
+        runq = delta("backward_main_runq")
+        blocked = 0.0 if engine else wait
+        if runq == runq:
+            in_bwd = max(0.0, main) + max(0.0, runq) + blocked
+        else:
+            own = ((hooks if hooks == hooks else 0.0 if place == "synchronize" else select)
+                   if engine else select)
+            clocks = main == main  # NaN: records made before the thread clocks
+            if clocks:
+                own = max(own, main)
+            in_bwd = max(0.0, own) + ((max(0.0, threads) if clocks else 0.0) if engine
+                                      else blocked)
         counted_bwd = min(in_bwd, max(0.0, d_bwd))
         host = 1e3 * ph["sync_host_s"] if engine else 0.0
         in_sync = wait + host if engine else 0.0  # synchronize(): its wait and host work
-        # the forward and optimizer step: both threads' extra CPU, at most their slowdown
+        # the forward and optimizer step: the training thread's extra CPU and wait for a core
+        # (without the run-queue clock: the other threads' CPU), at most their slowdown
         d_out = delta("forward") + delta("optimizer")
         threads_out = delta("forward_others_cpu") + delta("optimizer_others_cpu")
         main_out = delta("forward_main_cpu") + delta("optimizer_main_cpu")
-        counted_out = min(max(0.0, threads_out) + max(0.0, main_out), max(0.0, d_out))
+        runq_out = delta("forward_main_runq") + delta("optimizer_main_runq")
+        queued_out = runq_out if runq_out == runq_out else threads_out
+        counted_out = min(max(0.0, queued_out) + max(0.0, main_out), max(0.0, d_out))
         explained = counted_bwd + in_sync + counted_out
         phases = max(0.0, d_bwd) + in_sync
         wire = (8 * s["bytes_per_step"] / rate_bps * 1e3) if rate_bps else NAN
@@ -333,6 +343,7 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
             "hooks_ms": hooks if engine else select, "threads_ms": threads,
             "threads_out_ms": threads_out, "counted_out_ms": counted_out,
             "main_cpu_backward_ms": main, "main_cpu_out_ms": main_out,
+            "runq_backward_ms": runq, "runq_out_ms": runq_out,
             "wait_place": "synchronize" if engine else "backward", "sync_host_ms": host,
             "in_backward_ms": in_bwd, "counted_backward_ms": counted_bwd,
             "sync_wait_ms": wait if engine else 0.0, "explained_ms": explained,
@@ -361,8 +372,9 @@ def _cells(r: dict) -> list[Any]:
     pct, sync_pct = r["accounted_pct"], r["sync_phases_pct"]
     return [r["scheme"], r["step_ms"], r["floor_ms"], r["over_floor_ms"], r["d_backward_ms"],
             f"{r['select_ms']:.3g}{mark}", r["hooks_ms"],
-            *("-" if v != v else v for v in (r["main_cpu_backward_ms"], r["threads_ms"],
-                                              r["main_cpu_out_ms"], r["threads_out_ms"])),
+            *("-" if v != v else v for v in (
+                r["main_cpu_backward_ms"], r.get("runq_backward_ms", NAN), r["threads_ms"],
+                r["main_cpu_out_ms"], r.get("runq_out_ms", NAN), r["threads_out_ms"])),
             f"{r['wait_ms']:.3g}" + (
                 " *" if r["wait_place"] == "backward" else ""),
             r["sync_host_ms"], r["explained_ms"], r["residual_ms"],
@@ -374,12 +386,13 @@ def _cells(r: dict) -> list[Any]:
 
 
 COLUMNS = ["scheme", "step ms", "floor ms", "step−floor", "Δbackward", "select", "hooks",
-           "main", "threads", "main′", "threads′", "wait", "sync host", "counted", "residual",
+           "main", "runq", "threads", "main′", "runq′", "threads′", "wait", "sync host",
+           "counted", "residual",
            "accounted %", "of sync phases %", "of step %", "comm ms", "wire ms", "cpu ms",
            "cpu−floor", "MB/step"]
 LEGEND = ("select: † runs inside synchronize() (a plan without overlap), ‡ includes the offload "
           "worker's time; wait: * inside loss.backward() (torch's DDP); counted: the parts "
-          "explained (in-backward ones capped at Δbackward, main′ + threads′ at Δforward + "
+          "explained (in-backward ones capped at Δbackward, main′ + runq′ at Δforward + "
           "Δoptimizer); "
           "accounted %: counted / (step − floor), ~ where step − floor is within twice the "
           "floor's drift around the row; of sync phases %: counted in the backward and "
@@ -574,8 +587,9 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
         out.append(
             f"Over all gradsync rows (median share of step − floor): synchronize()'s wait "
             f"{100 * share('sync_wait_ms'):.0f} %, its host work {100 * share('sync_host_ms'):.0f} "
-            f"%, the threads' CPU in the backward {100 * share('counted_backward_ms'):.0f} %, "
-            f"in the forward and optimizer {100 * share('counted_out_ms'):.0f} %, "
+            f"%, the training thread's CPU and wait for a core in the backward "
+            f"{100 * share('counted_backward_ms'):.0f} %, in the forward and optimizer "
+            f"{100 * share('counted_out_ms'):.0f} %, "
             f"residual "
             f"{100 * share('residual_ms'):.0f} %."
             + (f" Their collectives took {min(ratios):.0f}–{max(ratios):.0f}× their bytes' wire "
@@ -591,13 +605,14 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
             own = r["main_cpu_backward_ms"]
             own = min(max(0.0, own if own == own else r["hooks_ms"]), r["counted_backward_ms"])
             comps = {"training thread's CPU in backward": own,
-                     "other threads in backward": r["counted_backward_ms"] - own,
+                     "waiting for a core in backward": r["counted_backward_ms"] - own,
                      "threads in forward and optimizer": r["counted_out_ms"],
                      "synchronize()'s wait": r["sync_wait_ms"],
                      "synchronize()'s host work": r["sync_host_ms"],
                      "residual": r["residual_ms"]}
             if r["wait_place"] == "backward":
-                del comps["other threads in backward"], comps["training thread's CPU in backward"]
+                del comps["waiting for a core in backward"]
+                del comps["training thread's CPU in backward"]
                 comps["hook launches + wait in backward"] = r["counted_backward_ms"]
             top = max(comps, key=lambda k: comps[k])
             pct = r["accounted_pct"]
@@ -668,14 +683,14 @@ def write_docs(path: Path, rows: list[dict], meta: dict, png: bool = True) -> Pa
               "- select: `sparsify_s` (engine) or the DDP hooks' synchronous part; hooks: the "
               "engine's gradient hooks launching jobs inside the backward (`hooks_s`: gathering, "
               "error feedback, inline selection, hand-off); wait: the exposed communication; "
-              "sync host: synchronize() minus its wait; threads: the CPU time the process's "
-              "other threads (communication, offload, gloo's) spent inside `loss.backward()`, "
-              "over the floor's, time the training thread waits for a core where the ranks "
-              "fill the cores (counted for the engine's rows, with main, up to Δbackward; for "
-              "torch's DDP it overlaps its wait and is shown only); main: the training "
-              "thread's own CPU inside `loss.backward()` over the floor's (counted, with "
-              "threads or DDP's wait, up to Δbackward); main′, threads′: the same two during "
-              "the forward and the optimizer step, counted up to their slowdown.",
+              "sync host: synchronize() minus its wait; main: the training thread's own CPU "
+              "inside `loss.backward()` over the floor's; runq: the time it waited for a core "
+              "there (runnable, not running: Linux's schedstat), over the floor's; the two, "
+              "with DDP's wait, are counted up to Δbackward; threads: the CPU time the "
+              "process's other threads (communication, offload, gloo's) spent inside "
+              "`loss.backward()`, over the floor's, shown only (a cause of runq, not a "
+              "part of the step); main′, runq′, threads′: the same three during the forward "
+              "and the optimizer step, main′ + runq′ counted up to their slowdown.",
               f"- {LEGEND}.",
               "- residual: step − floor − counted.",
               "- comm: time inside the step's collectives (overlaps the backward pass); wire: "

@@ -32,6 +32,7 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
+import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -75,6 +76,33 @@ def _nonfinite_loss_ranks(loss: float, rank: int, P: int, comm: Any) -> list[int
     return [r for r, f in enumerate(flags.tolist()) if f]
 
 
+class RunQueueClock:
+    """The calling thread's time spent runnable but waiting for a core, in seconds (Linux's
+    ``/proc/thread-self/schedstat``, its second field): where the ranks' threads outnumber the
+    cores, the part of a phase's wall time that is neither the thread's CPU nor a block. Opened
+    on, and only meaningful for, the thread that makes it (the file follows its opener); NaN
+    where the kernel does not keep it. One ``pread`` per reading (~3 µs)."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def __call__(self) -> float:
+        if self._fd is None:
+            return math.nan
+        try:
+            return int(os.pread(self._fd, 64, 0).split()[1]) * 1e-9
+        except (OSError, IndexError, ValueError):
+            return math.nan
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
 def _stall(rank: int, step: int) -> None:
     """``TrainSpec.stall_at``: stop making progress, as a hung rank does, until stopped."""
     while True:  # the watchdog (or the launcher's end) terminates this process
@@ -93,7 +121,8 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
     device synchronized), and per part of those three (``forward_``, ``backward_``,
     ``optimizer_``) the training thread's CPU time (``*_main_cpu_s``) and the CPU time the
     process's other threads (communication, offload, gloo's) spent meanwhile
-    (``*_others_cpu_s``);
+    (``*_others_cpu_s``) and the time the training thread waited for a core
+    (``*_main_runq_s``, :class:`RunQueueClock`; NaN off Linux);
     ``bench anatomy`` reads them, ``metrics.json`` does not keep them;
     ``eval``: rank 0's evaluation, empty elsewhere; ``history``: with ``spec.eval_every``,
     rank 0's ``{"step", "elapsed_s", **evaluation}`` every ``eval_every`` steps and at the
@@ -131,6 +160,7 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
     task_id = None
     if progress is not None:
         task_id = progress.add_task(choice.name, total=steps, loss=float("nan"), sps=0.0)
+    runq = RunQueueClock()  # this thread's: the training thread's
     try:
         with runner.metering():
             for step in range(steps):
@@ -140,17 +170,21 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                 xb, yb = data.next()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                t0, c0, m0 = time.perf_counter(), time.process_time(), time.thread_time()
+                t0, c0, m0, q0 = (time.perf_counter(), time.process_time(), time.thread_time(),
+                                  runq())
                 opt.zero_grad(set_to_none=True)
                 try:
                     with autocast():
                         loss = models.loss(runner.net(xb), yb)
                     runner.before_backward()
-                    tb, pb, mb = time.perf_counter(), time.process_time(), time.thread_time()
+                    tb, pb, mb, qb = (time.perf_counter(), time.process_time(),
+                                      time.thread_time(), runq())
                     (loss if scaler is None else scaler.scale(loss)).backward()
-                    tw, pw, mw = time.perf_counter(), time.process_time(), time.thread_time()
+                    tw, pw, mw, qw = (time.perf_counter(), time.process_time(),
+                                      time.thread_time(), runq())
                     runner.after_backward()
-                    ta, pa, ma = time.perf_counter(), time.process_time(), time.thread_time()
+                    ta, pa, ma, qa = (time.perf_counter(), time.process_time(),
+                                      time.thread_time(), runq())
                 except Exception as e:  # the gradsync schemes' non-finite gradient: every rank
                     if NONFINITE_GRADIENT not in str(e):
                         raise
@@ -163,7 +197,8 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                     scaler.update()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
-                t1, p1, m1 = time.perf_counter(), time.process_time(), time.thread_time()
+                t1, p1, m1, q1 = (time.perf_counter(), time.process_time(), time.thread_time(),
+                                  runq())
                 dt = t1 - t0
                 cpu = p1 - c0  # every thread of this rank's process
                 elapsed += dt
@@ -181,6 +216,8 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                                "forward_others_cpu_s": (pb - c0) - (mb - m0),
                                "backward_others_cpu_s": (pw - pb) - (mw - mb),
                                "optimizer_others_cpu_s": (p1 - pa) - (m1 - ma),
+                               "forward_main_runq_s": qb - q0, "backward_main_runq_s": qw - qb,
+                               "optimizer_main_runq_s": q1 - qa,
                                "after_backward_s": ta - tw, "optimizer_s": t1 - ta})
                 bad = _nonfinite_loss_ranks(rec["loss"], rank, P, agree)
                 if bad:
@@ -209,6 +246,7 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
         plan = runner.plan()
         shares = runner.topk_shares()
     finally:
+        runq.close()
         runner.close()
     if dist.is_initialized() and P > 1:
         dist.barrier()  # the next scheme starts together
