@@ -613,7 +613,7 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
             if r["wait_place"] == "backward":
                 del comps["waiting for a core in backward"]
                 del comps["training thread's CPU in backward"]
-                comps["hook launches + wait in backward"] = r["counted_backward_ms"]
+                comps["training thread in backward (CPU, core, wire)"] = r["counted_backward_ms"]
             top = max(comps, key=lambda k: comps[k])
             pct = r["accounted_pct"]
             parts.append(f"{r['scheme']} +{r['over_floor_ms']:.1f} ms ({top} "
