@@ -597,7 +597,8 @@ def test_a_cpu_host_offloads_only_where_the_worker_has_a_core_of_its_own(monkeyp
 
 
 # ---- SSFusion-I -------------------------------------------------------------------------------
-def brute_t1_t2(tb, tsp, dense, dbytes, agbytes, P, ar, ag):
+def brute_t1_t2(tb, tsp, dense, dbytes, agbytes, P, ar, ag, host=False):
+    """``host``: Buffer_AR's start-ups run on the backward's core (no core of its own)."""
     n = len(tb)
     best = math.inf
     for l in range(n + 1):
@@ -608,7 +609,8 @@ def brute_t1_t2(tb, tsp, dense, dbytes, agbytes, P, ar, ag):
         ag_b = sum(agbytes[j] for j in range(n) if not in_ar[j])
         tar = (2 * (P - 1) * ar[0] + 2 * (P - 1) / P * ar_b * ar[1]) if any(in_ar) else 0.0
         tag = ((P - 1) * ag[0] + (P - 1) * ag_b * ag[1]) if not all(in_ar) else 0.0
-        best = min(best, t1 + max(tar, rest) + tag)
+        extra = 2 * (P - 1) * ar[0] if host and any(in_ar) else 0.0
+        best = min(best, t1 + max(tar, rest + extra) + tag)
     return best
 
 
@@ -627,10 +629,33 @@ def test_best_split_is_the_brute_force_minimum_of_t1_plus_t2(data):
     ar = (data.draw(st.floats(0, 1e-3)), data.draw(st.floats(0, 1e-8)))
     ag = (data.draw(st.floats(0, 1e-3)), data.draw(st.floats(0, 1e-8)))
     cm = cost_model({"x": 1}, {"x": 0.0}, P=P, ar=ar, ag=ag)
-    l, v = best_split(tb, tsp, dense, dbytes, agbytes, cm.t_allreduce, cm.t_allgather)
+    host = data.draw(st.booleans())
+    l, v = best_split(tb, tsp, dense, dbytes, agbytes, cm.t_allreduce, cm.t_allgather,
+                      cm.t_allreduce_host if host else None)
     assert 0 <= l <= n
-    expect = brute_t1_t2(tb, tsp, dense, dbytes, agbytes, P, ar, ag)
+    expect = brute_t1_t2(tb, tsp, dense, dbytes, agbytes, P, ar, ag, host)
     assert v == pytest.approx(expect, rel=1e-9, abs=1e-15)
+
+
+def test_ssfusion_i_splits_without_a_spare_core_only_where_the_bytes_saved_pay():
+    """Four small dense tensors early in the backward, one large sparse tensor after them: with
+    a core beside the training thread the all-reduce hides behind the rest of the backward and
+    the split is taken (it moves bytes off the all-gather for free); with one core per rank its
+    2(P−1) start-ups delay that backward, and the split is taken only where the all-gather's
+    bytes it saves cost more than they do."""
+    numel = {"d0": 10, "d1": 1280, "d2": 128, "d3": 64, "w": 400_000}
+    tb = {"d0": 1e-4, "d1": 1e-4, "d2": 1e-4, "d3": 1e-4, "w": 5e-3}
+
+    def split(cores: float, ag_beta: float) -> int:
+        cm = cost_model(numel, tb, P=2, ar=(1e-4, 8e-9), ag=(1e-4, ag_beta))
+        cm.info = {"device": "cpu", "cores_per_rank": cores}
+        plan = make_plan("ssfusion_oi", list(numel), numel, 0.01, cm, min_k=1)
+        return sum(t.allreduce for b in plan.buffers for t in b.tensors)
+
+    assert split(cores=2.0, ag_beta=8e-9) == 4  # a spare core: the all-reduce is hidden
+    # one core per rank: 2 start-ups of 0.1 ms against 1482 floats' all-gather bytes
+    assert split(cores=1.0, ag_beta=8e-9) == 0  # 1 Gbit/s: 47 us saved, 200 us spent
+    assert split(cores=1.0, ag_beta=8e-7) == 4  # 10 Mbit/s: 4.7 ms saved
 
 
 def test_ssfusion_oi_splits_every_buffer_at_its_best_split():

@@ -291,6 +291,14 @@ class CostModel:
         return (2 * (p - 1) * ab.alpha + 2 * (p - 1) / p * nbytes * ab.beta
                 + self.t_compute_allreduce(nbytes))
 
+    def t_allreduce_host(self, nbytes: int) -> float:
+        """The part of Eq. 4 that is not bytes on the wire: the 2(P−1) start-ups and the CPU
+        work (``compute``), what an all-reduce running beside the backward takes from its core
+        where no core is spare (SSFusion-I's split, ``schedule/ssfusion.py``)."""
+        if self.P == 1:
+            return 0.0
+        return 2 * (self.P - 1) * self.allreduce.alpha + self.t_compute_allreduce(nbytes)
+
     def t_allgather(self, nbytes_per_rank: int) -> float:
         """Eq. 3: ``(P−1)α + (P−1)·B·β`` with B bytes per rank (0 with one rank)."""
         p, ab = self.P, self.allgather

@@ -81,7 +81,17 @@ other tensor Buffer_AG (all-gathered). ``best_split`` picks l′ minimising T1 +
     T1 = Σ_{j≤l′} (T_b^j + T_gpu^j)
     T2 = max(T_AR(Buffer_AR), Σ_{j>l′} (T_b^j + T_gpu^j)) + T_AG(Buffer_AG)
 
-(T_gpu^j = 0 for dense and for offloaded tensors; an empty part costs nothing). Separation
+(T_gpu^j = 0 for dense and for offloaded tensors; an empty part costs nothing).
+**No core of its own (ours).** The paper's T2 lets Buffer_AR's all-reduce run entirely beside
+the backward. Where the host's cores, shared out over its ranks, leave the threads that run it
+(gloo's, the engine's communication thread) no core beside the training thread's
+(:attr:`~gradsync.schedule.costmodel.CostModel.worker_has_a_core`, as for SSFusion-O), its
+start-ups and CPU work (:meth:`~gradsync.schedule.costmodel.CostModel.t_allreduce_host`) take
+that core, and only its bytes cross the link meanwhile: T2 = max(T_AR, Σ_{j>l′} (T_b^j +
+T_gpu^j) + T_AR^host) + T_AG. Measured on 2 cores at P = 2 (a core per rank), the CNN's split
+(four small tensors all-reduced mid-backward) made the step 2.4–2.8 ms slower than no split
+(``bench anatomy``, SSFusion-OI against SSFusion); with this term the split is taken only where
+the all-gather's bytes it saves outweigh those start-ups. Separation
 follows the selective-sparsification decisions, as the paper says; the split point decides how
 early the all-reduce can start. After the split, compensation charges each Buffer_AR tensor
 at what its all-reduce sends (:func:`charge_bytes`: 1/P of an all-gathered entry per element
@@ -396,14 +406,17 @@ def offload_buffer(buf: BufferPlan, cost: CostModel) -> tuple[BufferPlan, dict[s
 # ---------------------------------------------------------------------------------------------
 def best_split(tb: Sequence[float], tsp: Sequence[float], dense: Sequence[bool],
                dense_bytes: Sequence[int], ag_bytes: Sequence[int],
-               t_allreduce: Callable[[int], float], t_allgather: Callable[[int], float]
-               ) -> tuple[int, float]:
+               t_allreduce: Callable[[int], float], t_allgather: Callable[[int], float],
+               t_allreduce_host: Callable[[int], float] | None = None) -> tuple[int, float]:
     """The split l′ ∈ {0, …, N} minimising T1 + T2 (§IV-D, Eq. 3 and 4), and that minimum.
 
     Per tensor j (backward order): ``tb`` T_b^j, ``tsp`` its inline sparsification time (0 when
     dense or offloaded), ``dense`` whether it is unsparsified, ``dense_bytes`` its size in the
     all-reduce part, ``ag_bytes`` its bytes in the all-gather part. Tensors j < l′ (0-based)
     that are dense go to Buffer_AR; all others to Buffer_AG. Ties go to the smallest l′.
+    ``t_allreduce_host``: the part of Buffer_AR's all-reduce that runs on the core of the
+    backward it overlaps (module docstring, "No core of its own"), added to the rest of the
+    backward: T2 = max(T_AR, Σ_{j>l′} … + T_AR^host) + T_AG; ``None``: nothing (the paper's).
     """
     n = len(tb)
     if not (len(tsp) == len(dense) == len(dense_bytes) == len(ag_bytes) == n):
@@ -423,15 +436,18 @@ def best_split(tb: Sequence[float], tsp: Sequence[float], dense: Sequence[bool],
                 ar_count += 1
         rest = sum(comp[l:])
         t_ar = t_allreduce(ar_bytes) if ar_count else 0.0
+        host = t_allreduce_host(ar_bytes) if ar_count and t_allreduce_host else 0.0
         t_ag = t_allgather(ag_b) if ar_count < n else 0.0
-        v = t1 + max(t_ar, rest) + t_ag
+        v = t1 + max(t_ar, rest + host) + t_ag
         if best_v is None or v < best_v:
             best_l, best_v = l, v
     return best_l, float(best_v)
 
 
 def interleave_buffer(buf: BufferPlan, cost: CostModel) -> tuple[BufferPlan, dict[str, Any]]:
-    """Split one per-tensor buffer into Buffer_AR / Buffer_AG at ``best_split``."""
+    """Split one per-tensor buffer into Buffer_AR / Buffer_AG at ``best_split``; where the
+    rank's threads have no core beside the training thread's, Buffer_AR's start-ups and CPU
+    work delay the backward it overlaps (module docstring)."""
     ts = buf.tensors
     tsp = [0.0 if t.density is None or t.offload else cost.t_sparsify(t.numel) for t in ts]
     l, v = best_split(
@@ -439,7 +455,8 @@ def interleave_buffer(buf: BufferPlan, cost: CostModel) -> tuple[BufferPlan, dic
         [t.numel * cost.elem_bytes for t in ts],
         [t.numel * cost.elem_bytes if t.density is None else t.k * cost.entry_bytes
          for t in ts],  # a tensor sent whole in the all-gather: its values only
-        cost.t_allreduce, cost.t_allgather)
+        cost.t_allreduce, cost.t_allgather,
+        None if cost.worker_has_a_core else cost.t_allreduce_host)
     out = tuple(TensorPlan(t.name, t.numel, t.density, t.offload,
                            allreduce=(j < l and t.density is None)) for j, t in enumerate(ts))
     return BufferPlan(out, "per_tensor"), {"split": l, "T1+T2": v,
