@@ -169,6 +169,13 @@ def test_the_training_threads_cpu_wait_for_a_core_and_block():
     topka = _job("topka", (0.005, 0.020, 0.014, 0.003), sparsify=0.002, wait=0.010,
                  plan=_plan(), hooks=0.006, others=0.009, main=(0.005, 0.015, 0.003),
                  runq=(0.001, 0.004, 0.0))
+    # the floor's own: what P ranks sharing the cores cost it, measured on its training thread
+    fl = anatomy.floor_figures([{**f, "floor": f["runs"] * 2} for f in floor], 2)
+    assert anatomy.floor_thread(fl, "runq") == pytest.approx(2)  # 1 + 1 + 0 ms per step
+    assert anatomy.floor_thread(fl, "cpu") == pytest.approx(20)
+    assert math.isnan(anatomy.floor_thread(anatomy.floor_figures(
+        [{**f, "floor": f["runs"] * 2} for f in _job("local", (0.005, 0.012, 0.0, 0.003))],
+        2), "runq"))  # records without the clock
     r = _row(topka, floor)
     assert r["runq_backward_ms"] == pytest.approx(3) and r["threads_ms"] == pytest.approx(8)
     assert r["counted_backward_ms"] == pytest.approx(3 + 3)  # main 3 + runq 3, of Δbackward 8

@@ -137,7 +137,8 @@ if TYPE_CHECKING:
     from gradsync.apps.train import TrainSpec
 
 __all__ = ["COLUMNS", "DEFAULT_SCHEMES", "DOCS_PATH", "anatomy_rows", "anatomy_worker",
-           "floor_figures", "loopback_rate", "main", "parse_world_sizes", "write_docs"]
+           "floor_figures", "floor_thread", "loopback_rate", "main", "parse_world_sizes",
+           "write_docs"]
 
 DEFAULT_SCHEMES = ("ddp", "topka", "ssfusion_oi", "ssfusion", "per_tensor", "densestream",
                    "oktopk")
@@ -542,12 +543,21 @@ def main(argv: list[str] | None = None) -> int:
 
 
 FLOOR_COLUMNS = ["link", "P", "step", "before", "after", "forward", "backward", "optimizer",
-                 "cpu ms"]
+                 "cpu ms", "training thread's cpu", "its wait for a core"]
+_PARTS = ("forward", "backward", "optimizer")
+
+
+def floor_thread(f: dict, what: str) -> float:
+    """A floor's training thread per step, over its three parts: ``what`` ``"cpu"`` (its CPU
+    time) or ``"runq"`` (its wait for a core; NaN without the run-queue clock)."""
+    return sum(f.get(f"{p}_main_{what}_ms", NAN) for p in _PARTS)
 
 
 def _floor_cells(f: dict) -> list[Any]:
+    runq = floor_thread(f, "runq")
     return [f["link"], f["world_size"], f["step_ms"], f["before_ms"], f["after_ms"],
-            f["forward_ms"], f["backward_call_ms"], f["optimizer_ms"], f["cpu_ms"]]
+            f["forward_ms"], f["backward_call_ms"], f["optimizer_ms"], f["cpu_ms"],
+            floor_thread(f, "cpu"), "-" if runq != runq else runq]
 
 
 def _md_table(columns: list[str], cells: list[list[Any]]) -> list[str]:
@@ -576,7 +586,13 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
                 "cores cost before a byte is sent. P × cpu / cores, the step if the cores were "
                 f"the limit: {sizes[0] * lo['cpu_ms'] / (os.cpu_count() or 1):.1f} ms at "
                 f"P = {sizes[0]}, {sizes[-1] * hi['cpu_ms'] / (os.cpu_count() or 1):.1f} ms at "
-                f"P = {sizes[-1]}.")
+                f"P = {sizes[-1]}."
+                + ("" if floor_thread(hi, "runq") != floor_thread(hi, "runq") else
+                   f" Measured on the training thread (its run queue): it waited for a core "
+                   f"{floor_thread(lo, 'runq'):.1f} ms per step at P = {sizes[0]} and "
+                   f"{floor_thread(hi, 'runq'):.1f} ms at P = {sizes[-1]}, beside "
+                   f"{floor_thread(lo, 'cpu'):.1f} and {floor_thread(hi, 'cpu'):.1f} ms of "
+                   "its own CPU."))
     engine = [r for r in rows if r["wait_place"] == "synchronize" and r["over_floor_ms"] > 0]
     if engine:
         def share(key: str) -> float:
