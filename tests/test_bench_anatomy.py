@@ -260,3 +260,40 @@ def test_bench_anatomy_tiny_run(tmp_path, capsys):
         assert r["accounted_step_pct"] == pytest.approx(
             100 * (r["floor_ms"] + r["explained_ms"]) / r["step_ms"])
         assert 0 < r["cpu_ms"] < math.inf
+
+
+def test_the_run_queue_clock_reads_this_threads_wait_for_a_core():
+    """Non-decreasing seconds on Linux (NaN where the kernel keeps no schedstat), NaN once
+    closed; and what it reads is the wait for a core: pinned to one core beside a busy
+    process pinned there too, this thread waits about as long as it runs."""
+    import subprocess
+    import sys
+    import time
+
+    from gradsync.apps.train.loop import RunQueueClock
+
+    clock = RunQueueClock()
+    first = clock()
+    if not os.path.exists("/proc/thread-self/schedstat"):
+        assert math.isnan(first)
+        return
+    assert first >= 0.0
+    core = {min(os.sched_getaffinity(0))}
+    before = os.sched_getaffinity(0)
+    busy = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        os.sched_setaffinity(busy.pid, core)
+        os.sched_setaffinity(0, core)
+        time.sleep(0.2)  # the busy process is running on the core
+        q0, c0, t0 = clock(), time.thread_time(), time.perf_counter()
+        while time.perf_counter() - t0 < 0.6:
+            pass
+        waited, ran = clock() - q0, time.thread_time() - c0
+    finally:
+        os.sched_setaffinity(0, before)
+        busy.kill()
+        busy.wait()
+    assert waited > 0.1 and ran > 0.05  # about 0.3 s each alone with it; less under load
+    clock.close()
+    assert math.isnan(clock())
+    clock.close()  # twice is harmless
