@@ -286,17 +286,16 @@ class CostModel:
         return (self.offload if offload else self.sparsify)(numel)
 
     def t_allreduce(self, nbytes: int) -> float:
-        """Eq. 4: ``2(P−1)α + 2(P−1)/P·B·β`` (0 with one rank)."""
-        p, ab = self.P, self.allreduce
-        return (2 * (p - 1) * ab.alpha + 2 * (p - 1) / p * nbytes * ab.beta
-                + self.t_compute_allreduce(nbytes))
+        """Eq. 4: ``2(P−1)α + 2(P−1)/P·B·β`` (0 with one rank): its host part
+        (:meth:`t_allreduce_host`) and its bytes on the wire."""
+        p = self.P
+        return self.t_allreduce_host(nbytes) + 2 * (p - 1) / p * nbytes * self.allreduce.beta
 
     def t_allreduce_host(self, nbytes: int) -> float:
         """The part of Eq. 4 that is not bytes on the wire: the 2(P−1) start-ups and the CPU
         work (``compute``), what an all-reduce running beside the backward takes from its core
-        where no core is spare (SSFusion-I's split, ``schedule/ssfusion.py``)."""
-        if self.P == 1:
-            return 0.0
+        where no core is spare (SSFusion-I's split, ``schedule/ssfusion.py``); 0 with one
+        rank."""
         return 2 * (self.P - 1) * self.allreduce.alpha + self.t_compute_allreduce(nbytes)
 
     def t_allgather(self, nbytes_per_rank: int) -> float:
