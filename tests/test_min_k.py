@@ -115,9 +115,61 @@ def test_a_checkpoint_from_before_min_k_resumes_only_with_min_k_1():
     assert gradsync.Config(min_k=1).differences(saved, ("min_k",)) == []
     assert gradsync.Config(scheme="per_tensor").differences(
         {**saved, "scheme": "per_tensor"}, ("min_k",)) == ["min_k: saved 1, here 8"]
-    # the SSFusion family's own min_k is 1: such a checkpoint resumes with the defaults, and
-    # one saved with the number of the default resumes where the default is left unset
-    assert gradsync.Config().differences(saved, ("min_k",)) == []
+    # the SSFusion family's too (its min_k guards its matrices since): such a checkpoint
+    # resumes with min_k=1, and one saved with the number of the default resumes where the
+    # default is left unset
+    assert gradsync.Config().differences(saved, ("min_k",)) == ["min_k: saved 1, here 8"]
     pt = gradsync.Config(scheme="per_tensor")
     assert pt.differences({**pt.to_dict(), "min_k": 8}, ("min_k",)) == []
-    assert pt.effective_min_k == 8 and gradsync.Config().effective_min_k == 1
+    assert pt.effective_min_k == 8 and gradsync.Config().effective_min_k == 8
+
+
+class _ResNetLike(nn.Module):
+    """ResNet-20's pattern: a first convolution and a classifier whose k at 1 % is below 8,
+    BatchNorm vectors and a bias, and convolutions that carry the budget; ``wide`` of them."""
+
+    def __init__(self, wide: int = 4) -> None:
+        super().__init__()
+        self.conv1 = nn.Conv2d(1, 16, 3, bias=False)  # 144: k = 1
+        self.bn = nn.BatchNorm2d(64)  # 64 + 64: k = 1 each
+        self.convs = nn.Sequential(*(nn.Conv2d(64, 64, 3, bias=False) for _ in range(wide)))
+        self.fc = nn.Linear(64, 10)  # 640 (k = 6) + 10
+
+
+def _ssfusion_plan(model: nn.Module) -> gradsync.schedule.Plan:
+    from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
+
+    numel = {n: p.numel() for n, p in reversed(list(model.named_parameters()))}
+    cost = CostModel(P=4, order=list(numel), numel=numel, elem_bytes=4,
+                     backward=dict.fromkeys(numel, 1e-4), sparsify=AffineFit(2e-4, 1e-9),
+                     offload=AffineFit(4e-4, 3e-9), allreduce=AlphaBeta(5e-5, 1e-9),
+                     allgather=AlphaBeta(5e-5, 1e-9))
+    return make_plan("ssfusion", list(numel), numel, 0.01, cost)
+
+
+def test_the_ssfusion_family_sends_its_starved_tensors_whole_where_the_budget_has_room():
+    """All the tensors below min_k (1 002 entries, half an entry each on the wire) take 34 % of
+    the budget of four 36,864-entry convolutions: whole, in the engine and in the DDP hook.
+    Beside one convolution they would take 98 %: none is forced (ssfusion.MIN_K_SHARE), and
+    compensation is left the budget (TinyGPT's case: its biases and norms take 66 %)."""
+    from gradsync.integrations.ddp import _densities
+
+    small = ["conv1.weight", "bn.weight", "bn.bias", "fc.weight", "fc.bias"]
+    for wide, forced in ((4, small), (1, [])):
+        model = _ResNetLike(wide)
+        plan = _ssfusion_plan(model)
+        assert sorted(plan.info["whole_below_min_k"]) == sorted(forced), wide
+        density = {t.name: t.density for b in plan.buffers for t in b.tensors}
+        assert all(density[n] is None for n in forced)
+        # the DDP hook makes the same min_k decisions over the model DDP wraps (small_numel 0:
+        # no Insight #2 exclusions beside them), at P = 4 as the plan
+        state, _ = gradsync.ddp.hook(gradsync.Config(scheme="ssfusion", density=0.01), model,
+                                     small_numel=0)
+        names = [n for n, _ in model.named_parameters()]
+        numels = [p.numel() for p in model.parameters()]
+
+        class _Four:
+            size = 4
+
+        chosen = _densities(state, numels, comm=_Four())
+        assert sorted(n for n, d in zip(names, chosen) if d is None) == sorted(forced), wide

@@ -272,13 +272,14 @@ def test_the_hook_sends_what_the_engine_sends_for_ssfusion(model_name):
 
 
 class _ManySmall(nn.Module):
-    """30 tensors of 48 entries beside one of 4096: at 1 %, with Config.min_k = 8 (given: the
-    SSFusion family's own is 1), the 30 must travel whole (k would be 0.48 → 1 < 8), which is
-    35 % of the entries."""
+    """30 tensors of 48 entries beside one of 262,144: at 1 %, with Config.min_k = 8, the 30 must
+    travel whole (k would be 0.48 → 1 < 8; 27 % of the budget at half an entry per element,
+    within ssfusion.MIN_K_SHARE), and with the density floor at the density (min_density
+    0.01) the large one cannot pay for them."""
 
     def __init__(self) -> None:
         super().__init__()
-        self.big = nn.Linear(64, 64, bias=False)
+        self.big = nn.Linear(512, 512, bias=False)
         self.small = nn.ParameterList([nn.Parameter(torch.randn(48) * 0.1) for _ in range(30)])
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -294,10 +295,10 @@ def _honoured(rank: int, P: int) -> dict:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         state = gradsync.ddp.register(net, Config(scheme="ssfusion_oi", density=0.01,
-                                                  min_k=8))
+                                                  min_k=8, min_density=0.01))
         for step in range(3):
             net.zero_grad()
-            net(torch.randn(4, 64, generator=torch.Generator().manual_seed(step + rank))).sum(
+            net(torch.randn(4, 512, generator=torch.Generator().manual_seed(step + rank))).sum(
             ).backward()
     return {"warned": [str(w.message) for w in seen if "gradsync" in str(w.message)],
             "density": state.stats()["density"]}
@@ -309,12 +310,13 @@ def _honoured_engine(rank: int, P: int) -> dict:
     pin_profiles()
     torch.manual_seed(0)
     model = _ManySmall()
-    sync = GradSync(model, Config(scheme="ssfusion_oi", density=0.01, min_k=8))
+    sync = GradSync(model, Config(scheme="ssfusion_oi", density=0.01, min_k=8,
+                                  min_density=0.01))
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         for step in range(sync.cfg.warmup_steps + 2):
             model.zero_grad()
-            model(torch.randn(4, 64, generator=torch.Generator().manual_seed(step + rank))).sum(
+            model(torch.randn(4, 512, generator=torch.Generator().manual_seed(step + rank))).sum(
             ).backward()
             sync.synchronize()
     out = {"warned": [str(w.message) for w in seen if "gradsync" in str(w.message)],
@@ -339,8 +341,8 @@ def test_the_hook_says_once_when_the_density_cannot_be_honoured():
 
     out = run_distributed(_honoured, 2, timeout=120)
     # the 30 all-reduced whole, at what that costs in entries; the large one at the floor d′ =
-    # 0.001 (the budget is spent): k = round(4.096) = 4
-    want = (30 * 48 * allreduce_charge(2, 4) + 4) / (30 * 48 + 4096)
+    # 0.01: k = round(2621.44) = 2621
+    want = (30 * 48 * allreduce_charge(2, 4) + 2621) / (30 * 48 + 512 * 512)
     for r in out:
         assert r["density"]["sent"] == pytest.approx(want)
     assert len(out[0]["warned"]) == 1 and out[1]["warned"] == []  # once, rank 0 only

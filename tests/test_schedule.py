@@ -23,6 +23,7 @@ from gradsync.schedule import (
     BufferPlan,
     Plan,
     TensorPlan,
+    allgather_charge,
     allreduce_charge,
     best_split,
     bucket_bytes_of,
@@ -82,12 +83,20 @@ def test_every_scheme_covers_every_tensor_once_in_backward_order():
             for b in plan.buffers:
                 for t in b.tensors:
                     assert t.numel == numel[t.name]
-            # the scheme's min_k (8; the SSFusion family's 1): no planner sparsifies on its own
-            # a tensor that the target density would give fewer entries (SSFusion's
-            # compensation may lower d′ after)
+            # the scheme's min_k (8): no planner sparsifies on its own a tensor that the target
+            # density would give fewer entries (SSFusion's compensation may lower d′ after),
+            # but SSFusion where those tensors would take over half its budget (starved)
             k_min = SCHEMES[scheme].min_k
-            assert all(target_k(t.numel, 0.01) >= k_min for b in plan.buffers for t in b.tensors
-                       if b.mode == "per_tensor" and t.density is not None), scheme
+            forced = plan.info["whole_below_min_k"]
+            if SCHEMES[scheme].planner == "ssfusion":
+                below = [n for n in names if target_k(numel[n], 0.01) < k_min]
+                share = sum(numel[n] for n in below) * allgather_charge(cm.P, cm.elem_bytes)
+                assert forced == (below if share <= 0.5 * 0.01 * sum(numel.values()) else [])
+            else:
+                assert all(target_k(t.numel, 0.01) >= k_min for b in plan.buffers
+                           for t in b.tensors if b.mode == "per_tensor" and t.density is not None)
+            assert all(t.density is None for b in plan.buffers for t in b.tensors
+                       if t.name in forced), scheme
             if scheme in ("per_tensor",):  # but tensors of k < Config.min_k = 8: whole
                 assert all(t.density == (None if target_k(t.numel, 0.01) < 8 else 0.01)
                            for b in plan.buffers for t in b.tensors)
@@ -828,30 +837,34 @@ def test_every_planner_of_the_table_is_registered_once():
        min_k=st.sampled_from([1, 8]))
 def test_small_within_budget_excludes_the_smallest_until_the_budget(numels, density, small,
                                                                   charge, min_k):
-    """The tensors below the returned size are sent whole: every one that ``density`` gives
-    fewer than ``min_k`` entries, then the smallest sizes below ``small`` while they take at
-    most a quarter of the budget and the others, at the density floor, can still absorb them;
-    one size more would not fit (or is not small)."""
+    """Whole: every tensor that ``density`` gives fewer than ``min_k`` entries, when together
+    they take at most half the budget (else none of them for that reason); then, below the
+    returned size, the smallest sizes below ``small`` while the whole ones take at most a
+    quarter of the budget and the others, at the density floor, can still absorb them; one size
+    more would not fit (or is not small)."""
     from gradsync.schedule.ssfusion import small_within_budget
 
     floor = min(0.001, density)
     cut, info = small_within_budget(numels, small, density, 0.001, charge, min_k)
     k_target = density * sum(numels)
+    below = [max(1, min(n, round(density * n))) < min_k for n in numels]
+    share = sum(charge * n for n, b in zip(numels, below) if b)
+    forced = below if share <= 0.5 * k_target else [False] * len(numels)
 
-    def fits(c: int) -> bool:  # the tensors below c whole: within a quarter, absorbed by the rest?
-        whole = sum(charge * n for n in numels if n < c)
-        return whole <= 0.25 * k_target and whole + sum(
-            max(1, round(floor * n)) if n > 0 else 0 for n in numels if n >= c) < k_target
+    def fits(c: int) -> bool:  # forced and the others below c whole: within a quarter, absorbed?
+        whole = [f or n < c for n, f in zip(numels, forced)]
+        sent = sum(charge * n for n, w in zip(numels, whole) if w)
+        return sent <= 0.25 * k_target and sent + sum(
+            max(1, round(floor * n)) for n, w in zip(numels, whole) if not w) < k_target
 
-    forced = [n for n in numels if max(1, min(n, round(density * n))) < min_k]
-    assert all(n < cut for n in forced) and info["forced"] == len(forced)
-    for n in numels:
-        if n < cut and n not in forced:
+    assert info["forced"] == sum(forced)
+    for n, f in zip(numels, forced):
+        if n < cut and not f:
             assert n < small
-    if any(n < cut and n not in forced for n in numels):
+    if any(n < cut and not f for n, f in zip(numels, forced)):
         assert fits(cut)
-    above = sorted(n for n in set(numels) if n >= cut)
-    if above and above[0] < small and not any(n == above[0] for n in forced):
+    above = sorted(n for n, f in zip(numels, forced) if n >= cut and not f)
+    if above and above[0] < small:
         assert not fits(above[0] + 1)  # maximal: the next size would break the budget
         assert info["budget"]
 

@@ -67,9 +67,11 @@ class Config:
         min_density: floor of SSFusion's density-aware compensation (0.001).
         min_k: a tensor sparsified on its own (``per_tensor``, the SSFusion family, HiPress,
             Espresso, ``auto``, the DDP hook) that would send fewer than ``min_k`` entries per
-            step is sent whole instead (``None``, the default: the scheme's own, 8, or 1 for
-            the SSFusion family, ``Scheme.min_k``; ``1`` sparsifies every tensor the planner
-            chose to; :attr:`effective_min_k` is the value in force). DGC's reference sends
+            step is sent whole instead (``None``, the default: the scheme's own, 8,
+            ``Scheme.min_k``; ``1`` sparsifies every tensor the planner chose to;
+            :attr:`effective_min_k` is the value in force). In the SSFusion family it guards
+            the weight matrices only (two or more dimensions): the vectors are left to its
+            planner's budget (``Scheme.min_k_spares_vectors``). DGC's reference sends
             biases and BatchNorm whole for the same reason: at k of a few entries the rest of a
             small tensor waits many steps and then lands as one stale, outsized step
             (:func:`gradsync.schedule.plan.whole_below`). Decided at the target ``density``;

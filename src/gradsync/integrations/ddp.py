@@ -111,8 +111,7 @@ class HookState:
         self.parts = Components(self.cfg, Comm(self.group).rank)  # the rank again at _agree
 
     def reconfigure(self, cfg: Config) -> None:
-        """Run ``cfg`` instead, before the hook's first call (the AdamW recipe of a door that
-        sees the optimizer only after DDP's wrapping, :mod:`gradsync.integrations.adamw`)."""
+        """Run ``cfg`` instead, before the first call (:mod:`gradsync.integrations.adamw`)."""
         if self.counts.calls:
             raise RuntimeError("HookState.reconfigure: the hook has run already")
         self.cfg = require_config(cfg, "HookState.reconfigure")
@@ -225,7 +224,7 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
     ``density``; ``auto`` all or none (:class:`AutoTrial`); SSFusion
     :func:`~gradsync.schedule.ssfusion.hook_plan` over the model's trainable parameters (or the
     bucket's, without a model). Fewer than ``Config.min_k`` entries at ``density``: whole."""
-    cfg = state.cfg
+    cfg, forced = state.cfg, True
     if state.scheme.planner == "auto":
         sparse = state.auto.sparse(
             numels, cfg.density, elem_bytes, state.counts.steps,
@@ -235,18 +234,19 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
     elif state.scheme.planner == "per_tensor":
         chosen = [cfg.density] * len(numels)
     else:
-        charge = (allreduce_charge if state.scheme.interleave else allgather_charge)(
-            comm.size if comm is not None else 1, elem_bytes)
-        whole, d, sent = hook_plan(state.model.trained or tuple(numels), state.small_numel,
-                                   cfg.density, cfg.min_density, charge, cfg.effective_min_k)
+        P = comm.size if comm is not None else 1
+        charge = (allreduce_charge if state.scheme.interleave else allgather_charge)(P, elem_bytes)
+        whole, d, sent, forced = hook_plan(
+            state.model.trained or tuple(numels), state.small_numel, cfg.density,
+            cfg.min_density, charge, cfg.effective_min_k, allgather_charge(P, elem_bytes))
         if state.model.trained is not None and state.counts.sent_density is None:
             state.counts.sent_density = sent  # said once, on rank 0, when not honoured
             why = dishonoured_density(cfg.scheme, cfg.density, sent, cfg.effective_min_k)
             if why is not None and state.identity().rank == 0:
                 warnings.warn(why, stacklevel=2)
         chosen = [None if n < whole else d for n in numels]
-    return [None if d is None or target_k(n, cfg.density) < cfg.effective_min_k else d
-            for n, d in zip(numels, chosen)]
+    return [None if d is None or (forced and target_k(n, cfg.density) < cfg.effective_min_k)
+            else d for n, d in zip(numels, chosen)]
 
 
 def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:

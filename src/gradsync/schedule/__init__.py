@@ -26,7 +26,6 @@ from gradsync.schedule.plan import (
     BufferPlan,
     Plan,
     TensorPlan,
-    below_min_k,
     entries,
     whole_below,
 )
@@ -40,6 +39,7 @@ from gradsync.schedule.ssfusion import (
     interleave_buffer,
     offload_buffer,
     selective_buffers,
+    starved,
 )
 from gradsync.schedule.timeline import Timeline, buffer_comm_time, buffer_parts, simulate
 from gradsync.sparsegrad import validate_density
@@ -177,8 +177,10 @@ def _ssfusion(job: PlanInputs) -> tuple[list[BufferPlan], dict[str, Any]]:
     groups, _ = cupcake_groups(job.names, job.numel, cost, job.density)
     buffers, eq2 = selective_buffers(groups, job.numel, cost, job.density, job.min_density,
                                      job.min_k)
+    forced = starved([job.numel[n] for n in job.names], job.density, job.min_k,
+                     allgather_charge(cost.P, cost.elem_bytes))  # as selective_buffers
     info: dict[str, Any] = {"eq2": eq2, "whole_below_min_k": [
-        n for n in job.names if below_min_k(job.numel[n], job.density, job.min_k)]}
+        n for n, f in zip(job.names, forced) if f]}
     if spec.offload:
         pairs = [offload_buffer(b, cost) for b in buffers]
         buffers, info["offload"] = [p[0] for p in pairs], [p[1] for p in pairs]
@@ -217,9 +219,10 @@ def make_plan(
 
     ``min_k``: a tensor that a ``per_tensor`` buffer would sparsify at fewer entries is sent
     whole instead (:func:`~gradsync.schedule.plan.whole_below`, ``Config.min_k``); 1 keeps
-    every planner's own choice; ``None``: the scheme's (``Scheme.min_k``: 8, 1 for the SSFusion
-    family), so the simulator plans what the engine runs. SSFusion's Eq. 2 and its
-    compensation see the result.
+    every planner's own choice; ``None``: the scheme's (``Scheme.min_k``: 8), so the simulator
+    plans what the engine runs. SSFusion's Eq. 2 and its compensation see the result, when the
+    tensors it sends whole fit half of SSFusion's byte budget
+    (:func:`~gradsync.schedule.ssfusion.starved`).
     """
     spec = schemes.get(scheme)  # raises on an unknown scheme
     min_k = spec.min_k if min_k is None else min_k

@@ -103,6 +103,17 @@ without indices (``SparseGrad.dense_prefix``): an index for every element of a t
 says nothing. :func:`charge_bytes` charges them at that (1/2 of an entry per fp32 element), for
 SSFusion, SSFusion-O and SSFusion-I's all-gather part alike. Both charges are ours: the paper
 counts elements, and its purpose is that excluding small tensors does not prolong transmission.
+
+**min_k (ours).** ``Config.min_k`` (8) sends whole every tensor that ``density`` would give
+fewer entries, as the other per-tensor schemes do, but here compensation pays for them with
+the others' density, so only where they fit :data:`MIN_K_SHARE` (half) of the byte budget
+together; otherwise none is forced, and Eq. 2's exclusions within :data:`WHOLE_SHARE` decide
+(:func:`starved`, for the engine and the DDP hook alike). Measured at 1 %, P = 4 (docs/results/
+accuracy.md, "min_k in the SSFusion family"): ResNet-20's small tensors (its BatchNorm vectors,
+first convolution and classifier) take 40 % of the budget; sparsified, the classifier sends 5
+of its 640 entries a step and SSFusion ended 11.1 points below DDP, whole 1.1 (5 seeds).
+TinyGPT's biases and norms take 66 %; forced whole they halved the matrices' density (d′
+0.0079 → 0.0034) and cost 1.9 perplexity at 60 steps and 0.29 at 1000 (3 seeds).
 """
 
 from __future__ import annotations
@@ -120,6 +131,7 @@ from gradsync.schedule.timeline import buffer_comm_time, simulate
 from gradsync.sparsegrad import target_k
 
 __all__ = [
+    "MIN_K_SHARE",
     "WHOLE_SHARE",
     "allgather_charge",
     "allreduce_charge",
@@ -132,12 +144,16 @@ __all__ = [
     "offload_buffer",
     "selective_buffers",
     "small_within_budget",
+    "starved",
 ]
 
 # The largest share of the byte budget (density · n entries, at each element's wire charge) that
 # the tensors SSFusion sends whole may take; the sparsified ones keep the rest (module docstring,
 # "Exclusions stop at the compensation budget", which gives what it measured).
 WHOLE_SHARE = 0.25
+# The largest share of it that the tensors Config.min_k sends whole may take together; beyond it
+# none is forced and Eq. 2's exclusions (within WHOLE_SHARE) decide them (module doc, "min_k").
+MIN_K_SHARE = 0.5
 
 
 # ---------------------------------------------------------------------------------------------
@@ -214,8 +230,8 @@ def dishonoured_density(scheme: str, density: float, sent: float | None,
 
 
 def small_within_budget(numels: Sequence[int], small_numel: int, density: float,
-                        min_density: float = 0.001, charge: float = 1.0, min_k: int = 1
-                        ) -> tuple[int, dict[str, Any]]:
+                        min_density: float = 0.001, charge: float = 1.0, min_k: int = 1,
+                        min_k_charge: float | None = None) -> tuple[int, dict[str, Any]]:
     """The size below which SSFusion's DDP hook sends a tensor whole (it has no Eq. 2: no cost
     model), over all of the model's tensors ``numels``; a tensor of n < the returned size
     travels whole, every other one is sparsified at the compensated d′ (:func:`compensate`).
@@ -227,46 +243,61 @@ def small_within_budget(numels: Sequence[int], small_numel: int, density: float,
     compensation budget: sizes are excluded smallest first (every tensor of a size together)
     only while what the excluded ones send at ``charge`` entries per element stays within
     :data:`WHOLE_SHARE` of ``density · Σ numels`` and the remaining sparsified tensors, at the
-    density floor, can still absorb it. The tensors that ``density`` would
-    give fewer than ``min_k`` entries travel whole regardless (:func:`~gradsync.schedule.plan.
-    below_min_k`), and are charged first.
+    density floor, can still absorb it. The tensors that ``density`` would give fewer than
+    ``min_k`` entries travel whole first, when together they fit :data:`MIN_K_SHARE` of the
+    budget (:func:`starved`, at ``min_k_charge`` per element, None: ``charge``).
 
-    ``info``: ``forced`` (the sizes below min_k), ``budget`` (whether the budget, not
-    ``small_numel``, set the size) and ``k_target``.
+    ``info``: ``forced`` (how many tensors min_k sends whole), ``budget`` (whether the budget,
+    not ``small_numel``, set the size) and ``k_target``.
     """
     floor = min(min_density, density)
-    count = Counter(numels)
+    forced = starved(numels, density, min_k, charge if min_k_charge is None else min_k_charge)
     k_target = density * sum(numels)
-    dense_c = 0.0
+    dense_c = sum(charge * n for n, f in zip(numels, forced) if f)
+    count = Counter(n for n, f in zip(numels, forced) if not f)
     sparse_floor = sum(c * entries(n, floor) for n, c in count.items())
-    cutoff, forced, budget = 0, 0, False
+    cutoff, budget = 0, False
     for n in sorted(count):
         c = count[n]
-        must = below_min_k(n, density, min_k)
-        if not must:
-            if n >= small_numel:
-                break
-            if (dense_c + charge * n * c + sparse_floor - c * entries(n, floor) >= k_target
-                    or dense_c + charge * n * c > WHOLE_SHARE * k_target):
-                budget = True
-                break
+        if n >= small_numel:
+            break
+        if (dense_c + charge * n * c + sparse_floor - c * entries(n, floor) >= k_target
+                or dense_c + charge * n * c > WHOLE_SHARE * k_target):
+            budget = True
+            break
         dense_c += charge * n * c
         sparse_floor -= c * entries(n, floor)
-        cutoff, forced = n + 1, forced + must * c
-    return cutoff, {"forced": forced, "budget": budget, "k_target": k_target}
+        cutoff = n + 1
+    return cutoff, {"forced": sum(forced), "budget": budget, "k_target": k_target}
+
+
+def starved(numels: Sequence[int], density: float, min_k: int, charge: float) -> list[bool]:
+    """Per tensor, whether SSFusion sends it whole for ``min_k``: every tensor that ``density``
+    would give fewer than ``min_k`` entries (:func:`~gradsync.schedule.plan.below_min_k`),
+    when all of them together take at most :data:`MIN_K_SHARE` of the byte budget
+    ``density · Σ numels`` at ``charge`` entries per element; else none, and the planner's own
+    exclusions (Eq. 2, :data:`WHOLE_SHARE`) decide the small tensors (module doc, "min_k")."""
+    below = [below_min_k(n, density, min_k) for n in numels]
+    spent = sum(charge * n for n, b in zip(numels, below) if b)
+    return below if spent <= MIN_K_SHARE * density * sum(numels) else [False] * len(numels)
 
 
 @functools.lru_cache(maxsize=64)
 def hook_plan(numels: tuple[int, ...], small_numel: int, density: float, min_density: float,
-              charge: float, min_k: int) -> tuple[int, float | None, float]:
+              charge: float, min_k: int, min_k_charge: float | None = None
+              ) -> tuple[int, float | None, float, bool]:
     """SSFusion over all of a model's parameters, as the DDP hook runs it (computed once): the
-    size below which a tensor travels whole (:func:`small_within_budget`), the compensated d′
-    of the others (§IV-B(i), :func:`compensate`), and the density the model then sends, in
-    entries at ``charge`` per element sent whole."""
-    whole, _ = small_within_budget(numels, small_numel, density, min_density, charge, min_k)
-    d, _ = compensate(numels, [n >= whole for n in numels], density, min_density, charge)
-    sent = sum(charge * n if n < whole or d is None else target_k(n, d) for n in numels)
-    return whole, d, sent / max(1, sum(numels))
+    size below which a tensor travels whole (:func:`small_within_budget`; those ``min_k``
+    sends whole, :func:`starved`, too), the compensated d′ of the others (§IV-B(i),
+    :func:`compensate`), the density the model then sends, in entries at ``charge`` per
+    element sent whole, and whether ``min_k`` sends its tensors whole on this model."""
+    forced = starved(numels, density, min_k, charge if min_k_charge is None else min_k_charge)
+    whole, _ = small_within_budget(numels, small_numel, density, min_density, charge, min_k,
+                                   min_k_charge)
+    dense = [n < whole or f for n, f in zip(numels, forced)]
+    d, _ = compensate(numels, [not w for w in dense], density, min_density, charge)
+    sent = sum(charge * n if w or d is None else target_k(n, d) for n, w in zip(numels, dense))
+    return whole, d, sent / max(1, sum(numels)), any(forced)
 
 
 def allreduce_charge(P: int, elem_bytes: int) -> float:
@@ -308,14 +339,16 @@ def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: Cost
     ``min_k`` (``Config.min_k``; 1: the paper's planner): the tensors that ``density`` would
     give fewer entries are excluded before Eq. 2 runs (:func:`~gradsync.schedule.plan.
     whole_below`), so the compensation charges what they send whole; Eq. 2 then excludes
-    among the others."""
+    among the others; when they would take more than :data:`MIN_K_SHARE` of the budget none is
+    forced (:func:`starved`)."""
     everything = [n for g in groups for n in g]
     floor = min(min_density, density)
     k_target = density * sum(numel[n] for n in everything)
     k_floor = {n: entries(numel[n], floor) for n in everything}
-    forced = {n for n in everything if below_min_k(numel[n], density, min_k)}
-    excluded: set[str] = set(forced)
     w_whole = allgather_charge(cost.P, cost.elem_bytes)  # the most an element sent whole costs
+    marks = starved([numel[n] for n in everything], density, min_k, w_whole)
+    forced = {n for n, f in zip(everything, marks) if f}
+    excluded: set[str] = set(forced)
     infos: list[dict[str, Any]] = []
     for i, group in enumerate(groups):
         names = [n for n in group if n not in forced]
