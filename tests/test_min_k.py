@@ -115,7 +115,7 @@ def test_a_checkpoint_from_before_min_k_resumes_only_with_min_k_1():
     assert gradsync.Config(min_k=1).differences(saved, ("min_k",)) == []
     assert gradsync.Config(scheme="per_tensor").differences(
         {**saved, "scheme": "per_tensor"}, ("min_k",)) == ["min_k: saved 1, here 8"]
-    # the SSFusion family's too (its min_k guards its matrices since): such a checkpoint
+    # the SSFusion family's too (it takes min_k 8 since, within half its budget): such a checkpoint
     # resumes with min_k=1, and one saved with the number of the default resumes where the
     # default is left unset
     assert gradsync.Config().differences(saved, ("min_k",)) == ["min_k: saved 1, here 8"]

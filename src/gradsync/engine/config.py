@@ -69,9 +69,9 @@ class Config:
             Espresso, ``auto``, the DDP hook) that would send fewer than ``min_k`` entries per
             step is sent whole instead (``None``, the default: the scheme's own, 8,
             ``Scheme.min_k``; ``1`` sparsifies every tensor the planner chose to;
-            :attr:`effective_min_k` is the value in force). In the SSFusion family it guards
-            the weight matrices only (two or more dimensions): the vectors are left to its
-            planner's budget (``Scheme.min_k_spares_vectors``). DGC's reference sends
+            :attr:`effective_min_k` is the value in force). In the SSFusion family, whose
+            compensation pays for them, only where they fit half of its byte budget together
+            (:func:`gradsync.schedule.ssfusion.starved`). DGC's reference sends
             biases and BatchNorm whole for the same reason: at k of a few entries the rest of a
             small tensor waits many steps and then lands as one stale, outsized step
             (:func:`gradsync.schedule.plan.whole_below`). Decided at the target ``density``;

@@ -82,7 +82,7 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
     p.add_argument("--min-k", type=int, default=None, metavar="K",
                    help="gradsync schemes: a tensor sparsified on its own that would send "
                         "fewer than K entries per step travels whole "
-                        f"(Config.min_k; default {MIN_K}; SSFusion's guards its matrices only)")
+                        f"(Config.min_k; default {MIN_K}; SSFusion's within half its budget)")
     p.add_argument("--adam-warmup", type=int, default=None, metavar="STEPS",
                    help="AdamW with a sparse scheme: steps of exact AdamW, gradients sent "
                         "whole, before its variance freezes (gradsync.optim; default 10%% of "
