@@ -39,7 +39,6 @@ from gradsync.schedule.ssfusion import (
     interleave_buffer,
     offload_buffer,
     selective_buffers,
-    starved,
 )
 from gradsync.schedule.timeline import Timeline, buffer_comm_time, buffer_parts, simulate
 from gradsync.sparsegrad import validate_density
@@ -177,10 +176,9 @@ def _ssfusion(job: PlanInputs) -> tuple[list[BufferPlan], dict[str, Any]]:
     groups, _ = cupcake_groups(job.names, job.numel, cost, job.density)
     buffers, eq2 = selective_buffers(groups, job.numel, cost, job.density, job.min_density,
                                      job.min_k)
-    forced = starved([job.numel[n] for n in job.names], job.density, job.min_k,
-                     allgather_charge(cost.P, cost.elem_bytes))  # as selective_buffers
+    forced = {n for buf in eq2 for n in buf["forced"]}
     info: dict[str, Any] = {"eq2": eq2, "whole_below_min_k": [
-        n for n, f in zip(job.names, forced) if f]}
+        n for n in job.names if n in forced]}
     if spec.offload:
         pairs = [offload_buffer(b, cost) for b in buffers]
         buffers, info["offload"] = [p[0] for p in pairs], [p[1] for p in pairs]

@@ -247,8 +247,9 @@ def small_within_budget(numels: Sequence[int], small_numel: int, density: float,
     ``min_k`` entries travel whole first, when together they fit :data:`MIN_K_SHARE` of the
     budget (:func:`starved`, at ``min_k_charge`` per element, None: ``charge``).
 
-    ``info``: ``forced`` (how many tensors min_k sends whole), ``budget`` (whether the budget,
-    not ``small_numel``, set the size) and ``k_target``.
+    ``info``: ``forced`` (how many tensors min_k sends whole), ``starved`` (which: one mark per
+    tensor), ``budget`` (whether the budget, not ``small_numel``, set the size) and
+    ``k_target``.
     """
     floor = min(min_density, density)
     forced = starved(numels, density, min_k, charge if min_k_charge is None else min_k_charge)
@@ -268,7 +269,8 @@ def small_within_budget(numels: Sequence[int], small_numel: int, density: float,
         dense_c += charge * n * c
         sparse_floor -= c * entries(n, floor)
         cutoff = n + 1
-    return cutoff, {"forced": sum(forced), "budget": budget, "k_target": k_target}
+    return cutoff, {"forced": sum(forced), "starved": forced, "budget": budget,
+                    "k_target": k_target}
 
 
 def starved(numels: Sequence[int], density: float, min_k: int, charge: float) -> list[bool]:
@@ -291,9 +293,9 @@ def hook_plan(numels: tuple[int, ...], small_numel: int, density: float, min_den
     sends whole, :func:`starved`, too), the compensated d′ of the others (§IV-B(i),
     :func:`compensate`), the density the model then sends, in entries at ``charge`` per
     element sent whole, and whether ``min_k`` sends its tensors whole on this model."""
-    forced = starved(numels, density, min_k, charge if min_k_charge is None else min_k_charge)
-    whole, _ = small_within_budget(numels, small_numel, density, min_density, charge, min_k,
-                                   min_k_charge)
+    whole, info = small_within_budget(numels, small_numel, density, min_density, charge, min_k,
+                                      min_k_charge)
+    forced = info["starved"]
     dense = [n < whole or f for n, f in zip(numels, forced)]
     d, _ = compensate(numels, [not w for w in dense], density, min_density, charge)
     sent = sum(charge * n if w or d is None else target_k(n, d) for n, w in zip(numels, dense))
@@ -392,7 +394,8 @@ def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: Cost
         excluded |= set(ascending[:chosen])
         infos.append({"buffer": i, "eq2": status, "T_cm_prev": t_cm_prev,
                       "T_comp": t_comp(chosen), "max_excluded": e_max,
-                      "excluded": list(ascending[:chosen])})
+                      "excluded": list(ascending[:chosen]),
+                      "forced": [n for n in group if n in forced]})
     buffers, cinfo = _compensated(groups, numel, excluded, density, min_density)
     for inf in infos:
         inf.update(cinfo)
