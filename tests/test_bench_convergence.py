@@ -830,6 +830,12 @@ def test_readme_ten_seed_cnn_claim_holds_in_the_written_results():
             "and −2.88 (per_tensor), outside it; paired over the seeds SSFusion-OI ends above "
             "TopkA by 0.47 points (95% interval +0.09 to +0.86) and above multi_tensor, Cupcake "
             "and Ok-Topk by 0.78 to 1.24, each interval above 0.") in _accuracy()
+    # the paragraph's pointer to the current code's study: its range of gaps, recomputed
+    now = {r["scheme"]: r["finals"] for r in _results("convergence-cnn-2026-12-03")["rows"]}
+    gaps_now = [-_paired_points(f, now["ddp"])[0] for s, f in now.items() if s != "ddp"]
+    assert len(gaps_now) == 6 and all(len(f) == 10 for f in now.values())
+    assert (f"2026-12-03.md) end between {min(gaps_now):.2f} and {max(gaps_now):.2f} points "
+            "below DDP") in _accuracy()
     default = _results("convergence")
     assert "--seeds" not in default["meta"]["command"]  # the default's own seed counts
     seeds = {r["model"]: r["seeds"] for r in default["rows"]}
