@@ -37,9 +37,13 @@ bytes per step after the warm-up. Spending the cap's budget harder at the start,
 at 10 % for 8 steps (``--density-schedule fixed --density-warmup 1:8``, about 1.45× the bytes)
 did no better: TopkA −0.43 ± 0.63, SSFusion-OI −0.09 ± 0.56. On this workload the first steps are
 not where a compressed run loses accuracy, and within a byte cap of 1.5× no schedule of
-them measured a gain, so the default stays the fixed density. Within a 160-step run the cap
-allows no critical window after the first before step 110; the regime detection is for long
-runs (Accordion's learning-rate drops), which these studies do not cover.
+them measured a gain, so the default stays the fixed density. On ResNet-20 (BatchNorm, 5 seeds,
+paired with the fixed schedule's runs; `--model resnet20 --seeds 5 --eval-points 2`) it did
+not help either: TopkA −2.07 [−12.86, +8.71] points, SSFusion-OI −0.72 [−6.84, +5.39], at
+1.05–1.08× the bytes (docs/results/convergence-resnet20-adaptive-density.md). Within a
+160-step run the cap allows no critical window after the first before step 110; the regime
+detection is for long runs (Accordion's learning-rate drops), which these studies do not
+cover.
 """
 
 from __future__ import annotations
