@@ -419,6 +419,24 @@ def test_readme_scheme_table_is_the_saved_results():
     med = _step_medians()
     rows = _table(README, "## Which scheme when")
     assert len(rows) == 5
+    # the first column's labels: what each row is best at, and the default
+    from gradsync import Config
+
+    label = {re.findall(r"`(\w+)`", r[1])[0]: r[0] for r in rows[1:]}
+    from gradsync.integrations.ddp import DDP_SCHEMES
+
+    label = {re.findall(r"`(\w+)`", r[1])[0]: r[0] for r in rows[1:]}
+    fastest = max(label, key=lambda s: long["cnn", s]["time_speedup"])
+    assert label[fastest].endswith("fastest to DDP's accuracy"), label
+    assert fastest == max(label, key=lambda s: 1 / long["cnn", s]["seconds_to_target"])
+    fewest = min(label, key=lambda s: study["cnn", s]["bytes_per_step"])
+    assert label[fewest].endswith("fewest bytes"), label
+    assert all(study["cnn", s]["missing_rate"] == 0 for s in label
+               if label[s].endswith("no tensor left out"))
+    default = Config().scheme
+    assert label[default] == "100 Mbit/s, `Config()`'s default; DDP's hook runs it too", label
+    hook = next(x for x in README.splitlines() if x.startswith("- The DDP hook (DDP, Lightning"))
+    assert default in DDP_SCHEMES and set(re.findall(r"`(\w+)`", hook)) == set(DDP_SCHEMES)
     for _, scheme_cell, tta, speed, cnn, lm, mb in rows:
         names = re.findall(r"`(\w+)`", scheme_cell)
         ddp = scheme_cell.startswith("none: DDP")
