@@ -411,7 +411,7 @@ def test_readme_scheme_table_is_the_saved_results():
     # time to DDP's accuracy: one study on a 100 Mbit/s link, the CNN over 960 steps, 3 seeds:
     # DDP's training seconds to 99 % of its final accuracy over the scheme's (every seed must
     # get there), then to all of it (over the seeds that do, with how many)
-    name = "convergence-cnn-960-100mbit.json"
+    name = "convergence-cnn-960-100mbit-2026-12-03.json"
     long = _study(name)
     assert all(r["seeds"] == [1, 2, 3] and r["metric"] == "test_accuracy" for r in long.values())
     assert all(m["steps"] == 960 and m["world_size"] == 4 and m["link"].startswith("tbf 100mbit")
@@ -421,14 +421,11 @@ def test_readme_scheme_table_is_the_saved_results():
     assert len(rows) == 5
     # the first column's labels: what each row is best at, and the default
     from gradsync import Config
-
-    label = {re.findall(r"`(\w+)`", r[1])[0]: r[0] for r in rows[1:]}
     from gradsync.integrations.ddp import DDP_SCHEMES
 
     label = {re.findall(r"`(\w+)`", r[1])[0]: r[0] for r in rows[1:]}
-    fastest = max(label, key=lambda s: long["cnn", s]["time_speedup"])
-    assert label[fastest].endswith("fastest to DDP's accuracy"), label
-    assert fastest == max(label, key=lambda s: 1 / long["cnn", s]["seconds_to_target"])
+    fastest = min(label, key=lambda s: long["cnn", s]["seconds_to_target"])
+    assert label[fastest].endswith("fastest to 99 % of DDP's accuracy"), label
     fewest = min(label, key=lambda s: study["cnn", s]["bytes_per_step"])
     assert label[fewest].endswith("fewest bytes"), label
     assert all(study["cnn", s]["missing_rate"] == 0 for s in label
@@ -445,10 +442,11 @@ def test_readme_scheme_table_is_the_saved_results():
                                    for link in ("1gbit", "100mbit")), (engine, speed)
         row, first = long["cnn", trained], long["cnn", "ddp"]
         assert row["reached"] == len(row["seeds"]), trained
-        n = row["reached_ddp"]
+        n = row["reached_ddp"]  # the seeds that reach DDP's mean final accuracy
+        full = ("not reached" if n == 0 else f"{row['time_speedup']:.2f}×"
+                + ("" if n == 3 else f" ({n} of 3 seeds)"))
         assert tta == (f"{first['seconds_to_target'] / row['seconds_to_target']:.2f}× / "
-                       f"{row['time_speedup']:.2f}×"
-                       + ("" if n == 3 else f" ({n} of 3 seeds)")), (trained, tta)
+                       + full), (trained, tta)
         rows_of = study
         gap = 100 * rows_of["cnn", trained]["diff_vs_ddp"]["mean"]
         assert cnn == ("0" if ddp else f"{gap:.2f} points".replace("-", "−")), (trained, cnn)
@@ -466,13 +464,15 @@ def test_readme_scheme_table_is_the_saved_results():
     steps = sorted(r["step_speedup"] for r in others)
     first = long["cnn", "ddp"]["seconds_to_target"]
     near = sorted(100 * first / r["seconds_to_target"] / r["step_speedup"] for r in others)
-    full = sorted(100 * r["speedup_kept"] for r in others)
+    full = sorted(100 * r["speedup_kept"] for r in others if r["reached_ddp"])
     assert (f"On that link every scheme ends within {worst:.2f} points of DDP's {ddp_mean:.2f} %, "
             f"its steps {steps[0]:.2f}–{steps[-1]:.2f}× DDP's: reaching 99 % of DDP's accuracy "
             f"keeps {near[0]:.0f}–{near[-1]:.0f} % of that, reaching all of it "
-            f"{full[0]:.0f}–{full[-1]:.0f} % on the seeds that get there (the others end below "
-            "it).") in text
-    assert all(r["reached_ddp"] < 3 for r in others)  # "the others"
+            f"{full[0]:.0f}–{full[-1]:.0f} % on the seeds that get there (SSFusion's and "
+            "SSFusion-OI's 1 of 3; the others end below it, TopkA at "
+            f"{100 * long['cnn', 'topka']['mean']:.2f} %).") in text
+    assert {s: r["reached_ddp"] for (_, s), r in long.items() if s != "ddp"} == {
+        "topka": 0, "ssfusion": 1, "ssfusion_oi": 1, "oktopk": 0}  # "1 of 3", "the others"
     sparse = [_speedup(med, "1gbit", s, 4) for s in schemes.SCHEMES if schemes.get(s).sparse]
     assert f"({min(sparse):.2f}–{max(sparse):.2f}× at P = 4)" in text
     # the 10-seed density sweep: DDP trained once (at the first density), every scheme at 10 %
