@@ -247,9 +247,8 @@ def small_within_budget(numels: Sequence[int], small_numel: int, density: float,
     ``min_k`` entries travel whole first, when together they fit :data:`MIN_K_SHARE` of the
     budget (:func:`starved`, at ``min_k_charge`` per element, None: ``charge``).
 
-    ``info``: ``forced`` (how many tensors min_k sends whole), ``starved`` (which: one mark per
-    tensor), ``budget`` (whether the budget, not ``small_numel``, set the size) and
-    ``k_target``.
+    ``info``: ``starved`` (which tensors min_k sends whole: one mark per tensor), ``budget``
+    (whether the budget, not ``small_numel``, set the size) and ``k_target``.
     """
     floor = min(min_density, density)
     forced = starved(numels, density, min_k, charge if min_k_charge is None else min_k_charge)
@@ -269,8 +268,7 @@ def small_within_budget(numels: Sequence[int], small_numel: int, density: float,
         dense_c += charge * n * c
         sparse_floor -= c * entries(n, floor)
         cutoff = n + 1
-    return cutoff, {"forced": sum(forced), "starved": forced, "budget": budget,
-                    "k_target": k_target}
+    return cutoff, {"starved": forced, "budget": budget, "k_target": k_target}
 
 
 def starved(numels: Sequence[int], density: float, min_k: int, charge: float) -> list[bool]:
