@@ -170,6 +170,47 @@ def test_finite_flag_stays_on_the_device_and_sees_every_kind_of_non_finite():
 
 
 @pytest.mark.usefixtures("kernels")
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 3000), seed=st.integers(0, 2**16),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16, torch.float16, torch.float64]),
+       bad=st.lists(st.sampled_from([math.nan, math.inf, -math.inf]), max_size=3),
+       scale=st.sampled_from([1.0, 0.5, 1.0 / 3.0]))
+def test_finite_flag_is_isfinite_all_when_the_sum_overflows_too(n, seed, dtype, bad, scale):
+    """``finite_flag`` against ``torch.isfinite(x).all()``, with either kernel set: entries
+    from a fraction of the dtype's largest value up to it (so that most sums overflow: the
+    CPU's first pass, a sum, is then not finite while every entry is) and a few NaN/±Inf at
+    random positions (+Inf and −Inf together sum to NaN)."""
+    from gradsync.sparsegrad import finite_flag
+
+    g = torch.Generator().manual_seed(seed)
+    top = torch.finfo(dtype).max
+    x = (torch.rand(n, generator=g, dtype=torch.float64) * 2 - 1) * top * scale
+    x = x.to(dtype)  # may round a value just below the top up to it; never past it
+    for value in bad:
+        x[int(torch.randint(n, (1,), generator=g))] = value
+    flag = finite_flag(x)
+    assert flag.dtype == torch.bool and flag.dim() == 0
+    assert bool(flag) == bool(torch.isfinite(x).all())
+
+
+def test_sort_positions_is_torch_sort_with_either_kernel_set():
+    """``sort_positions`` (numpy on the CPU's own kernels) orders distinct int64 positions as
+    ``torch.sort`` does, empty and non-contiguous inputs included."""
+    from gradsync import sparsegrad
+    from gradsync.sparsegrad import sort_positions
+
+    g = torch.Generator().manual_seed(5)
+    cases = [torch.randperm(10**6, generator=g)[:4216], torch.empty(0, dtype=torch.int64),
+             torch.randperm(50, generator=g)[::3], torch.tensor([2**40, 3, 2**33])]
+    for kernels in (sparsegrad.CPU, sparsegrad.CPU_AS_ACCELERATOR):
+        with sparsegrad.using(kernels):
+            for idx in cases:
+                got = sort_positions(idx)
+                assert got.dtype == torch.int64
+                assert torch.equal(got, torch.sort(idx).values), kernels.name
+
+
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_zero_unless_zeroes_exactly_when_the_flag_is_false(dtype):
     """``zero_unless`` (the one non-finite rule's zeroing): a false flag zeroes every entry, a

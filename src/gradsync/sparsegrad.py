@@ -59,6 +59,7 @@ __all__ = [
     "mark_at",
     "positions_above",
     "put_at",
+    "sort_positions",
     "sparse_sum",
     "target_k",
     "to_device",
@@ -99,9 +100,17 @@ def all_finite(x: torch.Tensor) -> bool:
 def finite_flag(x: torch.Tensor) -> torch.Tensor:
     """Whether ``x`` holds no NaN/Inf, as a bool on its device: no read (the caller reads it
     with others). :func:`largest` is below +Inf exactly when every entry is finite: two
-    operations (``aminmax`` and three scalar ones were four)."""
+    operations (``aminmax`` and three scalar ones were four).
+
+    The CPU's own kernels (:attr:`Kernels.host`, where a read costs no wait) first sum ``x``:
+    a NaN or ±Inf entry makes the sum NaN or ±Inf, so a finite sum proves every entry finite,
+    in one vectorized reduction that writes nothing (21 µs against ``aminmax``'s 83 on
+    422,000 fp32 entries, one core). A sum that is not finite (a non-finite entry, or finite
+    entries whose sum overflows the dtype, as fp16's may) is judged by :func:`largest`."""
     if not x.numel() or not x.is_floating_point():
         return torch.ones((), dtype=torch.bool, device=x.device)
+    if host_kernels(x) and math.isfinite(x.sum()):
+        return torch.ones((), dtype=torch.bool)
     return largest(x) < math.inf
 
 
@@ -316,6 +325,16 @@ def positions_above(a: torch.Tensor, thr: torch.Tensor | float, strict: bool = F
             t = np.asarray(float(thr), dtype=an.dtype)
         return _positions(np.greater(an, t) if strict else np.greater_equal(an, t))
     return flatnonzero(a > thr if strict else a >= thr)
+
+
+def sort_positions(idx: torch.Tensor) -> torch.Tensor:
+    """The distinct int64 positions ``idx`` (1-D) in increasing order: a selection's indices
+    after a top-k that left them unordered. The CPU's own kernels sort with numpy, 0.02 ms
+    against ``torch.sort``'s 0.15 on 4,216 positions (one core); distinct keys make both
+    orders the same."""
+    if host_kernels(idx):
+        return torch.from_numpy(np.sort(idx.numpy()))
+    return torch.sort(idx).values
 
 
 def flatnonzero(mask: torch.Tensor, count: int | None = None, *,
@@ -647,7 +666,7 @@ class SparseGrad:
     def from_indices(cls, x: torch.Tensor, indices: torch.Tensor) -> SparseGrad:
         """Gather ``x`` at ``indices`` (any order, no duplicates) into a valid SparseGrad."""
         flat = x.reshape(-1)
-        idx = torch.sort(indices.to(torch.int64).reshape(-1)).values
+        idx = sort_positions(indices.to(torch.int64).reshape(-1))
         return cls(idx, flat[idx], flat.numel())
 
     # -- views -------------------------------------------------------------------------

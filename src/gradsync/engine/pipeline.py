@@ -67,7 +67,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import math
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -87,7 +86,7 @@ from gradsync.engine.jobs import Job, Payload
 from gradsync.engine.prepare import accumulate, carry, select, shows_alike
 from gradsync.engine.trial import FUSION_SIDES, AutoTrial
 from gradsync.feedback import ErrorFeedback, clip_local
-from gradsync.sparsegrad import all_finite, finite_flag, host_kernels, largest
+from gradsync.sparsegrad import all_finite, finite_flag, host_kernels
 from gradsync.sparsify import segments
 
 __all__ = ["BufferPipeline", "Counts", "Owner", "Scratch", "settle"]
@@ -171,7 +170,7 @@ class _Pending:
     # from its start (None: every entry travelled)
     whole: int  # the entries of the all-reduce part, ahead of the all-gather's
     wire: torch.dtype  # the dtype its values travelled in
-    top: torch.Tensor  # the sums' largest magnitude (on the device): finite when below +Inf
+    finite: torch.Tensor  # the sums hold no NaN/Inf (a bool on the device)
     here: torch.Tensor  # this rank's gradients were finite
     check: torch.Tensor | None  # engine.apply.job_check of the all-gather part (None: none,
     # or its missing tensors known on the host)
@@ -263,7 +262,7 @@ class BufferPipeline:
                 known = None if res is None else parts[-1][2].known_missing(sel, res.kept)
                 owner.scratch.pending.append(_Pending(
                     self.key, self.names, acc, kept, whole, buf.dtype,
-                    largest(out), here,  # the sums' largest magnitude: alike on every rank
+                    finite_flag(out), here,  # the sums are finite: alike on every rank
                     None if kept is None or known is not None
                     else job_check(parts[-1][1], kept), known or 0,
                     shows_alike(owner.parts.collective("ddp"), sel)))
@@ -484,11 +483,11 @@ def settle(owner: Owner, comm: Comm) -> ValueError | None:
     if not pending and not wire:
         return None
     checked = [p for p in pending if p.check is not None]
-    oks = (torch.stack([p.top for p in pending]) < math.inf).unbind() if pending else ()
+    oks = [p.finite for p in pending]
     # whether a bucket's collective ran is alike on every rank (the same jobs), so every rank
     # meets here; a step of plain all-reduces (DGC's warm-up at density 1) receives no message
     ran = [p for p in pending if p.kept is not None]
-    word = (agreement_word(comm, ran[0].top.device, wire) > 0
+    word = (agreement_word(comm, ran[0].finite.device, wire) > 0
             if ran and comm.size > 1 and not all(p.alike for p in ran) else None)
     try:
         missing, flags = settle_missing(

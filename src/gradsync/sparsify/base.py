@@ -23,6 +23,7 @@ from gradsync.sparsegrad import (
     SparseGrad,
     all_finite_each,
     check_finite,
+    sort_positions,
     target_k,
     validate_density,
 )
@@ -126,7 +127,7 @@ class Sparsifier(ABC):
             idx = torch.arange(n, device=x.device)
         else:
             idx = self._select(x, k, step)
-            idx = torch.sort(idx.to(torch.int64)).values
+            idx = sort_positions(idx.to(torch.int64))
         self.last_k, self.last_count = k, int(idx.numel())
         # at most min(k, n) entries, a bound every rank knows (SparseGrad.capacity): on the
         # accelerators' path TopkA then exchanges no counts, as for a buffer's segmented one
