@@ -255,19 +255,19 @@ class BufferPipeline:
             sums, res, sel, stats = self._launch(parts, here)
 
             def complete() -> None:
-                out = sums[0] if len(sums) == 1 else torch.cat(sums)  # in travel order
+                travel.average_into(buf, sums, P)
                 kept = None if res is None else res.kept.to(torch.int64)
                 # the all-gather part's missing tensors: on the host when it kept this rank's
                 # selection
                 known = None if res is None else parts[-1][2].known_missing(sel, res.kept)
                 owner.scratch.pending.append(_Pending(
                     self.key, self.names, acc, kept, whole, buf.dtype,
-                    finite_flag(out), here,  # the sums are finite: alike on every rank
+                    finite_flag(buf), here,  # the sums are finite (so is their average):
+                    # alike on every rank
                     None if kept is None or known is not None
                     else job_check(parts[-1][1], kept), known or 0,
                     shows_alike(owner.parts.collective("ddp"), sel)))
                 owner.counts.tensors += len(self.names)
-                travel.average_into(buf, out, P)
                 self._release(buf)
                 if result is not None:
                     result.set_result(buf)
@@ -545,17 +545,37 @@ class _Travel:
             return x.index_select(0, self.perm)
         return torch.cat([x[lo:hi] for lo, hi in self.spans])
 
-    def average_into(self, buf: torch.Tensor, sums: torch.Tensor, P: int) -> None:
-        """``buf`` (bucket order) ← ``sums / P`` (travel order)."""
-        if self.ordered:
-            torch.div(sums, P, out=buf)
-        elif self.perm is not None:
-            buf.index_copy_(0, self.perm, torch.div(sums, P))
-        else:
-            avg, at = torch.div(sums, P), 0
-            for lo, hi in self.spans:
-                buf[lo:hi].copy_(avg[at:at + hi - lo])
-                at += hi - lo
+    def average_into(self, buf: torch.Tensor, sums: list[torch.Tensor], P: int) -> None:
+        """``buf`` (bucket order) ← the sums (their parts in travel order, each of whole
+        tensors) divided by ``P``. On an accelerator's path one gather of the parts and one
+        scatter by position; else each run of tensors that lie in one part and side by side in
+        the bucket is divided straight into it: one pass over the sums, where concatenating
+        them and dividing into a copy first took three (on the CPU, per bucket)."""
+        if self.perm is not None:
+            out = sums[0] if len(sums) == 1 else torch.cat(sums)
+            buf.index_copy_(0, self.perm, torch.div(out, P))
+            return
+        at = part = 0  # the position in sums[part]
+        run: list[int] | None = None  # [bucket start, bucket end, part, start in the part]
+        for lo, hi in self.spans:
+            while at == sums[part].numel() and part + 1 < len(sums):  # parts end where a
+                # tensor ends (jobs hold whole tensors)
+                part, at = part + 1, 0
+            if run is not None and run[1] == lo and run[2] == part:
+                run[1] = hi
+            else:
+                if run is not None:
+                    _divide(buf, sums, run, P)
+                run = [lo, hi, part, at]
+            at += hi - lo
+        if run is not None:
+            _divide(buf, sums, run, P)
+
+
+def _divide(buf: torch.Tensor, sums: list[torch.Tensor], run: list[int], P: int) -> None:
+    """``buf[lo:hi]`` ← ``sums[part][at:at + hi − lo] / P``, for ``run = [lo, hi, part, at]``."""
+    lo, hi, part, at = run
+    torch.div(sums[part][at:at + hi - lo], P, out=buf[lo:hi])
 
 
 @functools.lru_cache(maxsize=32)
