@@ -65,8 +65,10 @@ attributes of :class:`Owner`.
 
 from __future__ import annotations
 
+import bisect
 import contextlib
 import functools
+import itertools
 import threading
 import weakref
 from collections.abc import Callable, Sequence
@@ -211,7 +213,8 @@ class BufferPipeline:
 
     def merged(self, buf: torch.Tensor) -> tuple[BufferPipeline, torch.Tensor]:
         """The step's last bucket and the ones held before it (:meth:`hold`): one pipeline
-        over their tensors, and their gradients in one buffer; ``(self, buf)`` for any other
+        over their tensors, which reads and averages each bucket's buffer where it lies (no
+        concatenation of them), and the last bucket's ``buf``; ``(self, buf)`` for any other
         bucket, or when none is held. It runs here, on the calling thread (:meth:`_send`)."""
         held = self.owner.scratch.held
         if not self.last or not held:
@@ -222,16 +225,12 @@ class BufferPipeline:
                               [n for p, _, _ in parts for n in p.names],
                               [k for p, _, _ in parts for k in p.numels], self.last)
         pipe.spill = [(b, f) for _, b, f in parts]
-        return pipe, torch.cat([b for _, b, _ in parts])
+        return pipe, buf
 
-    def _release(self, buf: torch.Tensor | None) -> None:
-        """A merged pipeline's buckets: each its part of ``buf`` (the average; None: the step
-        failed, left as they are), the held ones' futures completed."""
-        at = 0
+    def _release(self) -> None:
+        """A merged pipeline's held buckets: their futures completed with their buffers (the
+        average, or as they were when the step failed)."""
         for b, fut in self.spill:
-            if buf is not None:
-                b.copy_(buf[at:at + b.numel()])
-            at += b.numel()
             if fut is not None and not fut.done():
                 fut.set_result(b)
 
@@ -241,8 +240,10 @@ class BufferPipeline:
         owner, P = self.owner, self.comm.size
         position = {n: i for i, n in enumerate(self.names)}
         order = [n for job in jobs for n in job.names]  # the travel order: jobs in turn
-        travel = _Travel([position[n] for n in order], self.offsets, self.numels, buf.device)
-        grad = travel.gather(buf)
+        bufs = [b for b, _ in self.spill] or [buf]  # merged: every bucket's, in order
+        travel = _Travel([position[n] for n in order], self.offsets, self.numels,
+                         [b.numel() for b in bufs], buf.device)
+        grad = travel.gather(bufs)
         owner.density.observe(grad)
         here = finite_flag(grad)  # checked once, whatever its jobs (no read: module doc)
         sizes = [self.numels[position[n]] for n in order]
@@ -255,20 +256,19 @@ class BufferPipeline:
             sums, res, sel, stats = self._launch(parts, here)
 
             def complete() -> None:
-                travel.average_into(buf, sums, P)
+                travel.average_into(bufs, sums, P)
                 kept = None if res is None else res.kept.to(torch.int64)
                 # the all-gather part's missing tensors: on the host when it kept this rank's
                 # selection
                 known = None if res is None else parts[-1][2].known_missing(sel, res.kept)
                 owner.scratch.pending.append(_Pending(
                     self.key, self.names, acc, kept, whole, buf.dtype,
-                    finite_flag(buf), here,  # the sums are finite (so is their average):
-                    # alike on every rank
+                    _finite(sums), here,  # the sums hold no NaN/Inf: alike on every rank
                     None if kept is None or known is not None
                     else job_check(parts[-1][1], kept), known or 0,
                     shows_alike(owner.parts.collective("ddp"), sel)))
                 owner.counts.tensors += len(self.names)
-                self._release(buf)
+                self._release()
                 if result is not None:
                     result.set_result(buf)
 
@@ -278,14 +278,10 @@ class BufferPipeline:
                 complete()
             return stats
 
-        if not self.spill:
-            return self._send(finish, buf)
         try:
-            fut = self._send(finish, buf)  # here: the last bucket's (merged)
+            return self._send(finish, buf)  # merged: here, the last bucket's
         finally:
-            self._release(None)  # a failed step's: pending, they would hang DDP's backward
-        own = self.spill[-1][0]
-        return fut.then(lambda f: (f.value(), own)[1])  # the last bucket's own buffer
+            self._release()  # a failed step's: pending, they would hang DDP's backward
 
     def _send(self, finish: Callable[[torch.futures.Future | None], CommStats],
               buf: torch.Tensor) -> torch.futures.Future:
@@ -525,57 +521,78 @@ def settle(owner: Owner, comm: Comm) -> ValueError | None:
 
 class _Travel:
     """A bucket's tensors in the order they travel (``order``: bucket positions), and the way
-    back. In bucket order nothing moves. Otherwise, on an accelerator one gather and one
-    scatter by a position index made once per layout (a launch each, whatever the tensors);
-    on the CPU, where an indexed pass costs several copies, one slice per tensor."""
+    back, over the bucket's buffer, or the buffers of merged buckets (``sizes``: each one's
+    entries; the positions count through them in turn). In one bucket's order nothing moves.
+    Otherwise, on an accelerator one gather and one scatter by a position index made once per
+    layout (a launch each, whatever the tensors); on the CPU, where an indexed pass costs
+    several copies, one slice per run of tensors that lie side by side in one buffer."""
 
     def __init__(self, order: list[int], offsets: list[int], numels: list[int],
-                 device: torch.device) -> None:
-        self.ordered = order == list(range(len(order)))
-        self.spans = [(offsets[i], offsets[i] + numels[i]) for i in order]
+                 sizes: list[int], device: torch.device) -> None:
+        self.ordered = len(sizes) == 1 and order == list(range(len(order)))
+        bases = list(itertools.accumulate(sizes, initial=0))
+        self.spans = []  # (buffer, start, end) of each tensor, in travel order
+        for i in order:
+            b = bisect.bisect_right(bases, offsets[i], hi=len(sizes)) - 1
+            self.spans.append((b, offsets[i] - bases[b], offsets[i] + numels[i] - bases[b]))
         self.perm = None
-        if not self.ordered and segments.pays_on(device):
-            self.perm = _positions(tuple(lo for lo, _ in self.spans),
-                                   tuple(hi - lo for lo, hi in self.spans), device)
+        if not self.ordered and len(sizes) == 1 and segments.pays_on(device):
+            self.perm = _positions(tuple(lo for _, lo, _ in self.spans),
+                                   tuple(hi - lo for _, lo, hi in self.spans), device)
 
-    def gather(self, x: torch.Tensor) -> torch.Tensor:
+    def gather(self, bufs: list[torch.Tensor]) -> torch.Tensor:
         if self.ordered:
-            return x
+            return bufs[0]
         if self.perm is not None:
-            return x.index_select(0, self.perm)
-        return torch.cat([x[lo:hi] for lo, hi in self.spans])
+            return bufs[0].index_select(0, self.perm)
+        runs: list[list[int]] = []  # [buffer, start, end]
+        for b, lo, hi in self.spans:
+            if runs and runs[-1][0] == b and runs[-1][2] == lo:
+                runs[-1][2] = hi
+            else:
+                runs.append([b, lo, hi])
+        return torch.cat([bufs[b][lo:hi] for b, lo, hi in runs])
 
-    def average_into(self, buf: torch.Tensor, sums: list[torch.Tensor], P: int) -> None:
-        """``buf`` (bucket order) ← the sums (their parts in travel order, each of whole
+    def average_into(self, bufs: list[torch.Tensor], sums: list[torch.Tensor], P: int
+                     ) -> None:
+        """The buffers (bucket order) ← the sums (their parts in travel order, each of whole
         tensors) divided by ``P``. On an accelerator's path one gather of the parts and one
         scatter by position; else each run of tensors that lie in one part and side by side in
-        the bucket is divided straight into it: one pass over the sums, where concatenating
-        them and dividing into a copy first took three (on the CPU, per bucket)."""
+        one buffer is divided straight into it: one pass over the sums, where concatenating
+        them and dividing into a copy first took three (on the CPU, per bucket), and merged
+        buckets took two more (their concatenation, and the copies back)."""
         if self.perm is not None:
             out = sums[0] if len(sums) == 1 else torch.cat(sums)
-            buf.index_copy_(0, self.perm, torch.div(out, P))
+            bufs[0].index_copy_(0, self.perm, torch.div(out, P))
             return
         at = part = 0  # the position in sums[part]
-        run: list[int] | None = None  # [bucket start, bucket end, part, start in the part]
-        for lo, hi in self.spans:
+        run: list[int] | None = None  # [buffer, start, end, part, start in the part]
+        for b, lo, hi in self.spans:
             while at == sums[part].numel() and part + 1 < len(sums):  # parts end where a
-                # tensor ends (jobs hold whole tensors)
-                part, at = part + 1, 0
-            if run is not None and run[1] == lo and run[2] == part:
-                run[1] = hi
+                part, at = part + 1, 0  # tensor ends (jobs hold whole tensors)
+            if run is not None and run[0] == b and run[2] == lo and run[3] == part:
+                run[2] = hi
             else:
                 if run is not None:
-                    _divide(buf, sums, run, P)
-                run = [lo, hi, part, at]
+                    _divide(bufs, sums, run, P)
+                run = [b, lo, hi, part, at]
             at += hi - lo
         if run is not None:
-            _divide(buf, sums, run, P)
+            _divide(bufs, sums, run, P)
 
 
-def _divide(buf: torch.Tensor, sums: list[torch.Tensor], run: list[int], P: int) -> None:
-    """``buf[lo:hi]`` ← ``sums[part][at:at + hi − lo] / P``, for ``run = [lo, hi, part, at]``."""
-    lo, hi, part, at = run
-    torch.div(sums[part][at:at + hi - lo], P, out=buf[lo:hi])
+def _divide(bufs: list[torch.Tensor], sums: list[torch.Tensor], run: list[int], P: int
+            ) -> None:
+    """``bufs[b][lo:hi]`` ← ``sums[part][at:at + hi − lo] / P``, for ``run`` =
+    ``[b, lo, hi, part, at]``."""
+    b, lo, hi, part, at = run
+    torch.div(sums[part][at:at + hi - lo], P, out=bufs[b][lo:hi])
+
+
+def _finite(sums: list[torch.Tensor]) -> torch.Tensor:
+    """Whether every part of a bucket's sums holds no NaN/Inf (a bool on their device)."""
+    flags = [finite_flag(x) for x in sums]
+    return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 
 @functools.lru_cache(maxsize=32)
