@@ -19,18 +19,21 @@ def _job(scheme: str, phases: tuple[float, float, float, float], *, sparsify: fl
          wait: float = 0.0, comm: float = 0.0, sent: int = 0, plan: dict | None = None,
          steps: int = 5, hooks: float | None = None, others: float = 0.0,
          others_out: float = 0.0, main: tuple[float, float, float] | None = None,
-         runq: tuple[float, float, float] | None = None) -> list[dict]:
+         runq: tuple[float, float, float] | None = None, blocked: float | None = None
+         ) -> list[dict]:
     """Per-rank results of a 2-rank job of one scheme whose every step has these times (s):
     ``hooks`` the engine's ``hooks_s`` (absent: ``None``), ``others`` the other threads' CPU
     inside the backward call, ``others_out`` theirs in the forward (the optimizer step's: 0),
     ``main`` the training thread's CPU in the forward, backward and optimizer step (absent:
     ``None``, records made before the thread clocks), ``runq`` its wait for a core in the
-    same three (``None``: records made before the run-queue clock)."""
+    same three (``None``: records made before the run-queue clock), ``blocked`` a DDP hook's
+    calls' blocks (``None``: not metered)."""
     fwd, bwd, after, opt = phases
     rec = {"loss": 1.0, "time_s": fwd + bwd + after + opt, "cpu_s": 0.01, "bytes_sent": sent,
            "bytes_recv": sent, "backward_s": bwd, "sparsify_s": sparsify, "comm_s": comm,
            "wait_s": wait, "missing_rate": 0.0, "probing": False,
-           **({} if hooks is None else {"hooks_s": hooks})}
+           **({} if hooks is None else {"hooks_s": hooks}),
+           **({} if blocked is None else {"hook_blocked_s": blocked})}
     ph = {"forward_s": fwd, "backward_call_s": bwd, "after_backward_s": after,
           "optimizer_s": opt, "backward_others_cpu_s": others,
           "forward_others_cpu_s": others_out, "optimizer_others_cpu_s": 0.0,
@@ -193,6 +196,27 @@ def test_the_training_threads_cpu_wait_for_a_core_and_block():
                 others_out=0.002, main=(0.0055, 0.015, 0.003), runq=(0.0025, 0.002, 0.0))
     r = _row(late, floor)
     assert r["runq_out_ms"] == pytest.approx(1.5) and r["counted_out_ms"] == pytest.approx(2)
+
+
+def test_the_ddp_hooks_blocks_count_with_its_exposed_wait():
+    """gradsync's DDP hook waits inside its last bucket's call (its collectives, its thread):
+    that block (``hook_blocked_s``) joins the exposed wait after the last call, inside the
+    backward, beside the thread's CPU and wait for a core; a record without it (torch's hooks
+    before it was metered, NaN for the engine's runs) adds nothing."""
+    floor = _job("local", (0.005, 0.012, 0.0, 0.003), main=(0.005, 0.012, 0.003),
+                 runq=(0.0, 0.0, 0.0))
+    hook = _job("ddp_gradsync_ssfusion_oi", (0.005, 0.022, 0.0, 0.003), sparsify=0.006,
+                wait=0.001, main=(0.005, 0.015, 0.003), runq=(0.0, 0.002, 0.0), blocked=0.004)
+    r = _row(hook, floor, rate=None)
+    assert r["wait_place"] == "backward" and r["wait_ms"] == pytest.approx(1 + 4)
+    # Δbackward 10 = main 3 + runq 2 + wait 1 + blocked 4: all of it
+    assert r["counted_backward_ms"] == pytest.approx(10)
+    assert r["accounted_pct"] == pytest.approx(100)
+    for old in (None, math.nan):  # unmetered: the wait after the last call alone
+        r = _row(_job("ddp", (0.005, 0.022, 0.0, 0.003), sparsify=0.006, wait=0.001,
+                      main=(0.005, 0.015, 0.003), runq=(0.0, 0.002, 0.0), blocked=old),
+                 floor, rate=None)
+        assert r["wait_ms"] == pytest.approx(1) and r["counted_backward_ms"] == pytest.approx(6)
 
 
 def test_world_sizes_parse_and_validate():

@@ -17,7 +17,7 @@ from gradsync.apps import cli, models, train
 
 FIELDS = {"step", "loss", "time_s", "cpu_s", "elapsed_s", "samples_per_s", "bytes_sent",
           "bytes_recv", "backward_s", "sparsify_s", "comm_s", "wait_s", "missing_rate", "warmup",
-          "probing", "hooks_s"}
+          "probing", "hooks_s", "hook_blocked_s"}
 
 
 def _numel(name: str) -> int:
@@ -368,6 +368,38 @@ def test_spec_fills_model_defaults_validates_and_pickles():
                       ({"min_k": 0}, "min_k"), ({"min_k": 8.0}, "min_k")]:
         with pytest.raises(ValueError, match=field):
             train.TrainSpec(**kw)
+
+
+def test_metered_hook_records_the_calls_blocks_not_their_cpu():
+    """``metered_hook``'s ``hook_blocked_s``: a hook call that sleeps 40 ms (as gradsync's
+    last bucket waits for its collectives) blocks about that long; one that computes for 40 ms
+    on its thread blocks for (nearly) nothing. The step's record carries the sum."""
+    import time as clock
+
+    from gradsync.apps.train.metering import Meter, MeteredHookState, metered_hook
+
+    def done() -> torch.futures.Future:
+        fut = torch.futures.Future()
+        fut.set_result(torch.zeros(1))
+        return fut
+
+    def sleeping(_state, _bucket):
+        clock.sleep(0.04)
+        return done()
+
+    def busy(_state, _bucket):
+        end = clock.thread_time() + 0.04
+        x = 0
+        while clock.thread_time() < end:
+            x += 1
+        return done()
+
+    for inner, low, high in ((sleeping, 0.03, 0.2), (busy, 0.0, 0.01)):
+        meter = Meter(1)
+        t0 = clock.perf_counter()
+        metered_hook(MeteredHookState(inner, None, meter), None).wait()
+        got = meter.step_metrics(t0, clock.perf_counter())["hook_blocked_s"]
+        assert low <= got <= high, (inner.__name__, got)
 
 
 def test_union_length_of_hook_intervals():

@@ -48,8 +48,11 @@ on their own, and where they sit:
   accumulation, the inline selection (so ``select``'s inline part is inside it) and the
   hand-off to the communication thread; for torch's DDP, ``select``.
 * ``wait``: ``wait_s``, the exposed communication: the engine's ``synchronize()`` blocked on
-  the communication thread; torch's DDP: from the end of the last bucket's hook call to
-  ``loss.backward()`` returning — inside its backward call (*).
+  the communication thread; DDP (torch's hooks, gradsync's): from the end of the last bucket's
+  hook call to ``loss.backward()`` returning, plus the hook calls' own blocks
+  (``hook_blocked_s``: their wall time minus the thread's CPU and wait for a core in them;
+  gradsync's hook waits there for the last bucket's collectives and its communication
+  thread) — inside the backward call (*).
 * ``sync host``: the engine's ``synchronize()`` minus its wait (per step, then the mean):
   launching what the backward left, the ranks' finiteness agreement, decoding the sums into
   ``.grad``, the residuals (``apply``) and the step's bookkeeping. 0 for torch's DDP.
@@ -65,8 +68,8 @@ on their own, and where they sit:
 
 ``counted`` = the training thread's time inside ``loss.backward()`` over the floor's, which
 is its CPU (``main``: the hooks' work, DDP's bucket copies, the autograd engine's work for
-the hooks), its wait for a core (``runq``) and its blocks — torch's DDP's exposed wait, the one
-block measured there (the engine's gradient hooks do not wait on the wire) — three disjoint
+the hooks), its wait for a core (``runq``) and its blocks — DDP's exposed wait, the blocks
+measured there (the engine's gradient hooks do not wait on the wire) — three disjoint
 intervals of one thread. At most Δbackward⁺ (the backward's slowdown: what runs inside it
 cannot have cost more, and a larger figure means the floor's backward was the slower one, i.e.
 noise). Plus the engine's ``synchronize()`` (wait + sync host), plus, in the forward and the
@@ -229,6 +232,10 @@ def _phases(run: dict, skip: int) -> dict[str, float]:
             out[k] = _mean([p.get(k, NAN) for p in ph[skip:]])
     for k in ("time_s", "sparsify_s", "wait_s", "comm_s"):
         out[k] = _mean([r.get(k, NAN) for r in recs[skip:]])
+    # DDP's hook calls' blocks (metering): inside the backward, its exposed wait with wait_s;
+    # 0 for the engine and for records made before they were metered
+    blocked = [r.get("hook_blocked_s", NAN) for r in recs[skip:]]
+    out["hook_blocked_s"] = _mean([b if b == b else 0.0 for b in blocked])
     return out
 
 
@@ -293,8 +300,9 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
 
         d_bwd = delta("backward_call")
         place = _selection_place(raw)
-        select, wait = 1e3 * ph["sparsify_s"], 1e3 * ph["wait_s"]
         engine = raw.get("plan") is not None
+        select = 1e3 * ph["sparsify_s"]
+        wait = 1e3 * (ph["wait_s"] + (0.0 if engine else ph["hook_blocked_s"]))
         # inside loss.backward() (module docstring, "counted"): the training thread's time
         # there is its CPU (main), its wait for a core (runq) and its blocks (torch DDP's
         # exposed wait), each against the floor's. Records without the run-queue clock take

@@ -97,7 +97,9 @@ evaluation batch, is progress); under torchrun it is the collectives' timeout; o
                    "missing_rate", "warmup", "probing" (a trial of auto's or of the
                    DDP hook's merged buckets still measuring), "hooks_s" (the
                    engine's gradient hooks launching jobs, ``StepStats.hooks_s``; NaN for
-                   others), "loss_scale" (``--amp fp16``: the scale after the step; halved
+                   others), "hook_blocked_s" (DDP's comm hook calls' blocks: their wall
+                   time minus the thread's CPU and wait for a core; NaN without a DDP
+                   hook), "loss_scale" (``--amp fp16``: the scale after the step; halved
                    where it overflowed)},
                   …],  # rank 0's records
         "bytes_sent_per_rank": [[per-step bytes of rank r] for r in ranks],

@@ -32,7 +32,6 @@ from __future__ import annotations
 import contextlib
 import copy
 import math
-import os
 import time
 from collections.abc import Callable
 from typing import Any
@@ -41,6 +40,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from gradsync.apps.train.metering import RunQueueClock
 from gradsync.apps.train.runners import make_optimizer, make_runner
 from gradsync.apps.train.shards import RankData
 from gradsync.apps.train.spec import SchemeChoice, TrainSpec
@@ -74,33 +74,6 @@ def _nonfinite_loss_ranks(loss: float, rank: int, P: int, comm: Any) -> list[int
     if comm is not None:
         comm.all_reduce(flags, op=dist.ReduceOp.MAX)
     return [r for r, f in enumerate(flags.tolist()) if f]
-
-
-class RunQueueClock:
-    """The calling thread's time spent runnable but waiting for a core, in seconds (Linux's
-    ``/proc/thread-self/schedstat``, its second field): where the ranks' threads outnumber the
-    cores, the part of a phase's wall time that is neither the thread's CPU nor a block. Opened
-    on, and only meaningful for, the thread that makes it (the file follows its opener); NaN
-    where the kernel does not keep it. One ``pread`` per reading (~3 µs)."""
-
-    def __init__(self) -> None:
-        try:
-            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
-        except OSError:
-            self._fd = None
-
-    def __call__(self) -> float:
-        if self._fd is None:
-            return math.nan
-        try:
-            return int(os.pread(self._fd, 64, 0).split()[1]) * 1e-9
-        except (OSError, IndexError, ValueError):
-            return math.nan
-
-    def close(self) -> None:
-        if self._fd is not None:
-            os.close(self._fd)
-            self._fd = None
 
 
 def _stall(rank: int, step: int) -> None:
@@ -206,6 +179,7 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                        "elapsed_s": elapsed, "samples_per_s": P * spec.batch_size / dt,
                        "warmup": step <= spec.warmup_steps, "probing": False,  # auto: engine's
                        "hooks_s": math.nan,  # the engine's gradient hooks (StepStats.hooks_s)
+                       "hook_blocked_s": math.nan,  # DDP's hook calls' blocks (metering)
                        **runner.step_metrics(tb, tw)}
                 if scaler is not None:  # the scale for the next step (halved: skipped)
                     rec["loss_scale"] = float(scaler.get_scale())

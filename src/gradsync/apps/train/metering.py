@@ -13,13 +13,19 @@ one step's records into the SSFusion Fig. 13 breakdown:
 * ``comm_s``: the union of the hooks' launch→done intervals minus their synchronous part (for a
   blocking hook: the all-reduces' own time, measured at the call);
 * ``wait_s``: the exposed communication, end of the last hook call to ``loss.backward()``
-  returning.
+  returning;
+* ``hook_blocked_s``: the hook calls' blocks, their wall time minus the calling thread's CPU
+  and its wait for a core during them (:class:`RunQueueClock`): gradsync's hook runs the step's
+  last bucket's collectives inside its call and waits there for the peers and for its
+  communication thread; torch's hooks launch and return (a blocking one waits for its
+  all-reduce).
 """
 
 from __future__ import annotations
 
 import contextlib
 import math
+import os
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -30,7 +36,46 @@ import torch.distributed as dist
 
 from gradsync.collectives.comm import ring_allreduce_bytes
 
-__all__ = ["Meter", "MeteredHookState", "counting_all_reduce", "metered_hook", "union_length"]
+__all__ = ["Meter", "MeteredHookState", "RunQueueClock", "counting_all_reduce", "metered_hook",
+           "union_length"]
+
+
+class RunQueueClock:
+    """The calling thread's time spent runnable but waiting for a core, in seconds (Linux's
+    ``/proc/thread-self/schedstat``, its second field): where the ranks' threads outnumber the
+    cores, the part of a phase's wall time that is neither the thread's CPU nor a block. Opened
+    on, and only meaningful for, the thread that makes it (the file follows its opener); NaN
+    where the kernel does not keep it. One ``pread`` per reading (~3 µs)."""
+
+    def __init__(self) -> None:
+        try:
+            self._fd: int | None = os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+        except OSError:
+            self._fd = None
+
+    def __call__(self) -> float:
+        if self._fd is None:
+            return math.nan
+        try:
+            return int(os.pread(self._fd, 64, 0).split()[1]) * 1e-9
+        except (OSError, IndexError, ValueError):
+            return math.nan
+
+    def close(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)
+            self._fd = None
+
+
+_clocks = threading.local()  # each thread's RunQueueClock (a hook runs on autograd's thread)
+
+
+def _runq() -> float:
+    """The calling thread's :class:`RunQueueClock` reading (its clock opened on first use)."""
+    clock = getattr(_clocks, "clock", None)
+    if clock is None:
+        clock = _clocks.clock = RunQueueClock()
+    return clock()
 
 
 class Meter:
@@ -50,6 +95,7 @@ class Meter:
             self.returns: list[float] = []
             self.done: list[float] = []
             self.sync_s = 0.0
+            self.blocked_s = 0.0  # the hook calls' blocks (module docstring)
             self.blocking_comm_s = 0.0
             self.step_start_bytes = self.bytes_sent
 
@@ -64,7 +110,7 @@ class Meter:
         with self.lock:
             calls, rets, done = list(self.calls), list(self.returns), list(self.done)
             sent, sync_s = self.bytes_sent - self.step_start_bytes, self.sync_s
-            blocking_comm = self.blocking_comm_s
+            blocking_comm, blocked = self.blocking_comm_s, self.blocked_s
         last_call = max(calls) if calls else backward_end
         last_ret = max(rets) if rets else backward_end
         if self.blocking:  # communication ran inside the hook, timed at the call
@@ -74,7 +120,7 @@ class Meter:
         return {"bytes_sent": sent, "bytes_recv": sent,
                 "backward_s": max(0.0, last_call - backward_start), "sparsify_s": sync_s,
                 "comm_s": max(0.0, comm), "wait_s": max(0.0, backward_end - last_ret),
-                "missing_rate": 0.0}
+                "hook_blocked_s": blocked, "missing_rate": 0.0}
 
 
 @contextlib.contextmanager
@@ -119,6 +165,7 @@ def metered_hook(state: MeteredHookState, bucket):
     docs/architecture.md, "torch.distributed facts") and a completed future is returned.
     """
     m = state.meter
+    c0, q0 = time.thread_time(), _runq()
     t0 = time.perf_counter()
     fut = state.inner(state.inner_state, bucket)
     if m.blocking:
@@ -126,10 +173,13 @@ def metered_hook(state: MeteredHookState, bucket):
         fut = torch.futures.Future()
         fut.set_result(value)
     t1 = time.perf_counter()
+    ran = time.thread_time() - c0
+    queued = _runq() - q0  # NaN off Linux: the block then holds the wait for a core too
     with m.lock:
         m.calls.append(t0)
         m.returns.append(t1)
         m.sync_s += t1 - t0
+        m.blocked_s += max(0.0, t1 - t0 - ran - (queued if queued == queued else 0.0))
 
     def done(f):
         with m.lock:
