@@ -15,9 +15,10 @@ the same initial model for every scheme) in which each rank trains
   (momentum 0.9, as DDP's optimizer), no hook and no exchange; its P processes share the cores
   as the schemes' P do;
 * every scheme in turn, as ``python -m gradsync train`` does, each followed by the floor
-  again. A scheme's floor figures are over the measured steps of the two floor runs either side
-  of it, so a machine whose speed drifts during the job moves the floor as it moves the
-  schemes.
+  again (by default the engine's and, as ``ddp_gradsync_<s>``, the same schemes through
+  gradsync's DDP hook, the door of Lightning, Accelerate and the Trainer). A scheme's floor
+  figures are over the measured steps of the two floor runs either side of it, so a machine
+  whose speed drifts during the job moves the floor as it moves the schemes.
 
 Every time is rank 0's **mean** over the measured steps (after ``--warmup-steps + 1``), not
 the median ``train`` reports: means add up, so a step's mean is exactly the sum of its
@@ -143,8 +144,9 @@ __all__ = ["COLUMNS", "DEFAULT_SCHEMES", "DOCS_PATH", "anatomy_rows", "anatomy_w
            "floor_figures", "floor_thread", "loopback_rate", "main", "parse_world_sizes",
            "write_docs"]
 
+# the engine's schemes, then the DDP hook's (what Lightning, Accelerate and the Trainer run)
 DEFAULT_SCHEMES = ("ddp", "topka", "ssfusion_oi", "ssfusion", "per_tensor", "densestream",
-                   "oktopk")
+                   "oktopk", "ddp_gradsync_ssfusion_oi", "ddp_gradsync_per_tensor")
 DOCS_PATH = Path("docs/results/anatomy-cpu.md")
 NAN = float("nan")
 
