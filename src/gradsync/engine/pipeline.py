@@ -263,7 +263,8 @@ class BufferPipeline:
                 known = None if res is None else parts[-1][2].known_missing(sel, res.kept)
                 owner.scratch.pending.append(_Pending(
                     self.key, self.names, acc, kept, whole, buf.dtype,
-                    _finite(sums), here,  # the sums hold no NaN/Inf: alike on every rank
+                    _finite(bufs), here,  # the averages (so the sums) hold no NaN/Inf:
+                    # alike on every rank
                     None if kept is None or known is not None
                     else job_check(parts[-1][1], kept), known or 0,
                     shows_alike(owner.parts.collective("ddp"), sel)))
@@ -532,9 +533,15 @@ class _Travel:
         self.ordered = len(sizes) == 1 and order == list(range(len(order)))
         bases = list(itertools.accumulate(sizes, initial=0))
         self.spans = []  # (buffer, start, end) of each tensor, in travel order
+        self.runs: list[list[int]] = []  # [buffer, start, end] of tensors side by side
         for i in order:
             b = bisect.bisect_right(bases, offsets[i], hi=len(sizes)) - 1
-            self.spans.append((b, offsets[i] - bases[b], offsets[i] + numels[i] - bases[b]))
+            lo, hi = offsets[i] - bases[b], offsets[i] + numels[i] - bases[b]
+            self.spans.append((b, lo, hi))
+            if self.runs and self.runs[-1][0] == b and self.runs[-1][2] == lo:
+                self.runs[-1][2] = hi
+            else:
+                self.runs.append([b, lo, hi])
         self.perm = None
         if not self.ordered and len(sizes) == 1 and segments.pays_on(device):
             self.perm = _positions(tuple(lo for _, lo, _ in self.spans),
@@ -545,13 +552,7 @@ class _Travel:
             return bufs[0]
         if self.perm is not None:
             return bufs[0].index_select(0, self.perm)
-        runs: list[list[int]] = []  # [buffer, start, end]
-        for b, lo, hi in self.spans:
-            if runs and runs[-1][0] == b and runs[-1][2] == lo:
-                runs[-1][2] = hi
-            else:
-                runs.append([b, lo, hi])
-        return torch.cat([bufs[b][lo:hi] for b, lo, hi in runs])
+        return torch.cat([bufs[b][lo:hi] for b, lo, hi in self.runs])
 
     def average_into(self, bufs: list[torch.Tensor], sums: list[torch.Tensor], P: int
                      ) -> None:
@@ -589,9 +590,11 @@ def _divide(bufs: list[torch.Tensor], sums: list[torch.Tensor], run: list[int], 
     torch.div(sums[part][at:at + hi - lo], P, out=bufs[b][lo:hi])
 
 
-def _finite(sums: list[torch.Tensor]) -> torch.Tensor:
-    """Whether every part of a bucket's sums holds no NaN/Inf (a bool on their device)."""
-    flags = [finite_flag(x) for x in sums]
+def _finite(bufs: list[torch.Tensor]) -> torch.Tensor:
+    """Whether the averaged buffers hold no NaN/Inf (a bool on their device): one check of
+    the bucket, whatever its parts (sum / P is finite exactly when the sum is); merged
+    buckets, on the CPU only, one each."""
+    flags = [finite_flag(b) for b in bufs]
     return flags[0] if len(flags) == 1 else torch.stack(flags).all()
 
 
