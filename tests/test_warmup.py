@@ -129,6 +129,7 @@ def test_ddp_hook_follows_the_schedule() -> None:
 
 
 def test_train_flag() -> None:
+    from gradsync.apps.train import TrainSpec
     from gradsync.apps.train.command import parse_args
 
     spec = parse_args(["--scheme", "topka", "--density", "0.01", "--density-warmup", "4:10"])
@@ -138,6 +139,14 @@ def test_train_flag() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--density-warmup", "4"])
     assert parse_args(["--scheme", "topka"]).warmup_schedule() == ((), 0)
+    # the periods' densities themselves, as Config.density_warmup takes them
+    given = parse_args(["--scheme", "topka", "--density", "0.01",
+                        "--density-warmup", "0.03,0.02,0.015,0.0125:20"])
+    assert given.warmup_schedule() == ((0.03, 0.02, 0.015, 0.0125), 20)
+    for bad, why in [("0.03,0.04:20", "not increase"), ("0.005:20", r"lie in \(density"),
+                     ("0.03,x:20", "D1,D2"), ("0.03,0.02", "D1,D2")]:
+        with pytest.raises(ValueError, match=why):
+            TrainSpec(model="cnn", schemes=("topka",), density=0.01, density_warmup=bad)
 
 
 def _whole_rank(rank: int, P: int, scheme: str) -> dict:

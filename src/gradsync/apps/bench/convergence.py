@@ -192,7 +192,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "accuracy against bytes per step")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
     p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
-                   help="train's DGC density warm-up for the gradsync schemes (default off)")
+                   help="train's DGC density warm-up for the gradsync schemes, PERIODS:STEPS "
+                        "or D1,D2,...:STEPS (default off)")
     p.add_argument("--density-schedule", choices=DENSITY_SCHEDULES, default=None,
                    help="train's --density-schedule for the gradsync schemes "
                         "(Config.density_schedule; default fixed)")

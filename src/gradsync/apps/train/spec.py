@@ -149,7 +149,8 @@ class TrainSpec:
         device: the device every rank trains on (``None``: CPU; torchrun sets ``cuda:<local>``).
         density_warmup: DGC's warm-up for the gradsync schemes, ``"PERIODS:STEPS"``: PERIODS
             periods of STEPS steps at exponentially decreasing densities
-            (``Config.dgc_warmup``), then ``density``; ``None``: off.
+            (``Config.dgc_warmup``), then ``density``; or ``"D1,D2,…:STEPS"``: the periods'
+            densities themselves (``Config.density_warmup``); ``None``: off.
         density_schedule: ``Config.density_schedule`` of the gradsync schemes
             (``"adaptive"`` or ``"fixed"``); ``None``: Config's default.
         clip_norm: ``Config.clip_norm`` of the gradsync schemes (DGC's local gradient
@@ -326,12 +327,19 @@ class TrainSpec:
         if self.density_warmup is None:
             return (), 0
         try:
-            periods, steps = (int(v) for v in self.density_warmup.split(":"))
-            if periods < 1 or steps < 1:
+            head, steps_s = self.density_warmup.split(":")
+            steps = int(steps_s)
+            periods = None if "." in head or "," in head else int(head)
+            densities = () if periods else tuple(float(v) for v in head.split(","))
+            if steps < 1 or (periods is not None and periods < 1):
                 raise ValueError
         except ValueError:
-            raise ValueError(f"density_warmup: expected PERIODS:STEPS (two integers >= 1), got "
+            raise ValueError(f"density_warmup: expected PERIODS:STEPS (two integers >= 1) or "
+                             f"D1,D2,…:STEPS (each period's density), got "
                              f"{self.density_warmup!r}") from None
+        if periods is None:  # Config checks them: each in (density, 1], non-increasing
+            Config(density=self.density, density_warmup=densities, density_warmup_steps=steps)
+            return densities, steps
         return Config.dgc_warmup(self.density, periods), steps
 
     def adam_freeze_step(self, steps: int) -> int:
