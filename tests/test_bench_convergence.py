@@ -1108,3 +1108,27 @@ def test_resume_refuses_a_run_of_another_configuration(tmp_path, capsys):
     with pytest.raises(SystemExit) as e:
         conv.main(_resume_argv(out, "ddp", "--resume"))
     assert "gpt_tiny-seed1-ddp.json: Expecting property name" in str(e.value)
+
+
+def test_accuracy_spread_warmup_claim_holds_in_the_written_results():
+    """accuracy.md: the byte cap spent over 80 steps (3×, 2×, 1.5×, 1.25× the density for 20
+    steps each) gives TopkA −0.03 ± 0.91 and SSFusion-OI +0.01 ± 0.59 points paired with the
+    fixed density's runs, at 1.47× and 1.085× the run's bytes. Recomputed from both pages' JSON
+    (the same seeds and DDP runs)."""
+    page = _accuracy()
+    assert "--density-warmup 0.03,0.02,0.015,0.0125:20" in page
+    assert "**TopkA −0.03 ± 0.91, SSFusion-OI +0.01 ± 0.59**" in page
+    assert "at 1.47× and 1.085× the run's bytes" in page
+    spread = {r["scheme"]: r for r in _results(
+        "convergence-cnn-density-warmup-20",
+        "--model cnn --schemes ddp,topka,ssfusion_oi --density-warmup 0.03,0.02,0.015,0.0125:20"
+    )["rows"]}
+    fixed = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-03")["rows"]}
+    assert spread["ddp"]["finals"] == fixed["ddp"]["finals"]  # the same DDP runs
+    for scheme, gap, half, bytes_ratio in (("topka", -0.03, 0.91, 1.47),
+                                           ("ssfusion_oi", 0.01, 0.59, 1.085)):
+        assert spread[scheme]["seeds"] == fixed[scheme]["seeds"] == list(range(1, 11))
+        m, h = _paired_points(spread[scheme]["finals"], fixed[scheme]["finals"])
+        assert (round(m, 2), round(h, 2)) == (gap, half), scheme
+        ratio = spread[scheme]["run_bytes_per_step"] / fixed[scheme]["run_bytes_per_step"]
+        assert round(ratio, 2 if bytes_ratio == 1.47 else 3) == bytes_ratio, (scheme, ratio)
