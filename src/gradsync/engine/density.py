@@ -38,8 +38,8 @@ at 10 % for 8 steps (``--density-schedule fixed --density-warmup 1:8``, about 1.
 did no better: TopkA −0.43 ± 0.63, SSFusion-OI −0.09 ± 0.56; nor did spreading it over 80 steps
 (3×, 2×, 1.5×, 1.25× the density for 20 steps each, ``--density-warmup
 0.03,0.02,0.015,0.0125:20``, 1.47× TopkA's bytes over the run): TopkA −0.03 ± 0.91, SSFusion-OI
-+0.01 ± 0.59 (docs/results/convergence-cnn-density-warmup-20.md). On this workload the first steps are
-not where a compressed run loses accuracy, and within a byte cap of 1.5× no schedule of
++0.01 ± 0.59 (docs/results/convergence-cnn-density-warmup-20.md). On this workload the first
+steps are not where a compressed run loses accuracy, and within a byte cap of 1.5× no schedule of
 them measured a gain, so the default stays the fixed density. On ResNet-20 (BatchNorm, 5 seeds,
 paired with the fixed schedule's runs; `--model resnet20 --seeds 5 --eval-points 2`) it did
 not help either: TopkA −2.07 [−12.86, +8.71] points, SSFusion-OI −0.72 [−6.84, +5.39], at
