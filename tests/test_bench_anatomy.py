@@ -321,3 +321,27 @@ def test_the_run_queue_clock_reads_this_threads_wait_for_a_core():
     clock.close()
     assert math.isnan(clock())
     clock.close()  # twice is harmless
+
+
+def test_a_threads_run_queue_clock_closes_with_its_thread():
+    """metered_hook reads a clock per thread (autograd's threads among them): each one's file
+    is closed when its thread ends, so a long run does not keep one open per thread it saw."""
+    import threading
+
+    from gradsync.apps.train import metering
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    readings = []
+    before = fds()
+    for _ in range(20):
+        t = threading.Thread(target=lambda: readings.append(metering._runq()))
+        t.start()
+        t.join()
+    assert len(readings) == 20
+    if not os.path.exists("/proc/thread-self/schedstat"):  # no file to open: NaN readings
+        assert all(math.isnan(r) for r in readings)
+        return
+    assert all(r >= 0.0 for r in readings)
+    assert fds() <= before + 1  # 20 threads' clocks: none left open (gc may lag by one)

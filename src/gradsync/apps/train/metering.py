@@ -66,6 +66,8 @@ class RunQueueClock:
             os.close(self._fd)
             self._fd = None
 
+    __del__ = close  # a thread's clock (_clocks) goes with its thread, and its file with it
+
 
 _clocks = threading.local()  # each thread's RunQueueClock (a hook runs on autograd's thread)
 
