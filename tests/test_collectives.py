@@ -186,18 +186,25 @@ def _rank_fn(rank: int, world_size: int, names: list[str]) -> dict:
     from conftest import segmented
     from gradsync import sparsegrad
 
-    out["capped"], out["capped_cpu"] = {}, {}
+    out["capped"], out["capped_cpu"], out["lazy"] = {}, {}, {}
     for dtype in DTYPES:
         for case in CASES:
             cap = 3 + max(len(selection(case, r, P, dtype)) for r in range(P))
             s = selection(case, rank, P, dtype)
+            capped = SparseGrad(s.indices, s.values, s.numel, dense_prefix=s.dense_prefix,
+                                capacity=cap)
             for on_cpu, into in ((True, out["capped"]), (False, out["capped_cpu"])):
                 with sparsegrad.using(segmented(on_cpu)):
-                    res = collectives.get("topka")(
-                        SparseGrad(s.indices, s.values, s.numel, dense_prefix=s.dense_prefix,
-                                   capacity=cap), step=0)
+                    res = collectives.get("topka")(capped, step=0)
                 into[str(dtype), case] = (res.dense, res.kept, res.stats.bytes_sent, cap,
                                           res.info)
+            # lazy: the sum left to the caller (the engine's training thread writes it);
+            # the exact-size exchange ignores it
+            lazy = collectives.get("topka")(capped, step=0, lazy=True)
+            eager = collectives.get("topka")(s, step=0, lazy=True)
+            out["lazy"][str(dtype), case] = (lazy.dense, lazy.decode(), sorted(lazy.info),
+                                             lazy.stats.bytes_sent, eager.decode is None,
+                                             eager.dense)
     if P > 1:
         try:
             collectives.get("topka")(SparseGrad(torch.arange(2), torch.ones(2), 10,
@@ -386,6 +393,12 @@ def test_topka_at_a_fixed_capacity_sums_like_the_exact_size_exchange(P):
                     assert sent == (P - 1) * size + shape, (case, kernels, sent)
                     assert info["capacity"] == cap and "checks" not in info
                     assert "counts" not in info, kernels  # no count exchange
+                dense, kept, sent, cap, info = o["capped"][str(dtype), case]
+                none, decoded, keys, lazy_sent, eager_has_none, eager = o["lazy"][str(dtype),
+                                                                                  case]
+                assert none is None and keys == sorted(info) and lazy_sent == sent
+                assert torch.equal(_bits(decoded), _bits(dense)), (case, dtype, r)
+                assert eager_has_none and torch.equal(_bits(eager), _bits(exact[r][0]))
     if P > 1:
         got = [o["capped_mismatch"] for o in outs]
         assert all(g.startswith("ValueError") and "capacities differ" in g for g in got), got

@@ -110,6 +110,37 @@ def test_sparse_training_keeps_replicas_identical(scheme):
     assert len({o[scheme] for o in out}) == 1, scheme
 
 
+def _where_topka_sums(rank, world_size):
+    """The threads on which TopkA's fixed-capacity sums are written during 3 engine steps."""
+    import threading
+
+    from gradsync.collectives import topka
+
+    names = []
+    add_at = topka.add_at
+
+    def spy(*args, **kwargs):
+        names.append(threading.current_thread().name)
+        return add_at(*args, **kwargs)
+
+    topka.add_at = spy
+    try:
+        out = _train_sparse(rank, world_size, ["topka"], 3)
+    finally:
+        topka.add_at = add_at
+    return names, out
+
+
+def test_the_cpu_engine_writes_topka_sums_on_the_training_thread():
+    """On the CPU the communication thread only exchanges TopkA's messages; the training
+    thread, which reads the sum, writes it (Collective's ``lazy``): a buffer another core wrote
+    is several times slower to read first. Replicas stay identical."""
+    out = run_distributed(_where_topka_sums, 2, timeout=300)
+    for names, _ in out:
+        assert names and not any(n.startswith("gradsync-comm") for n in names), names
+    assert len({o["topka"] for _, o in out}) == 1
+
+
 class TwoScale(nn.Module):
     """Two branches whose gradients differ by ~6 orders of magnitude."""
 

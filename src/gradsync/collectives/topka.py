@@ -70,15 +70,16 @@ class TopkA(Collective):
     """TopkA: all-gather-v of every rank's entries, then a scatter-add in rank order."""
 
     checks_alike = True  # every rank unpacks the same P messages
+    lazy_decode = True  # the fixed-capacity exchange can leave the sum's writing to the caller
 
     def _reduce(
-        self, sel: SparseGrad, comm: Comm, step: int
-    ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        self, sel: SparseGrad, comm: Comm, step: int, lazy: bool = False
+    ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, Any]]:
         m = sel.dense_prefix  # alike on every rank (the shape check compares it)
         wire = wire_index_dtype(sel.numel)
         if sel.capacity is not None and (  # alike on every rank too (the shape check)
                 sel.capacity <= HOST_CAPPED_MAX or pays_on(sel.device)):
-            return self._reduce_capped(sel, comm, wire, m)
+            return self._reduce_capped(sel, comm, wire, m, lazy)
         counts = comm.all_gather_counts(len(sel), sel.device)
         if min(counts) < m:  # every rank sees the same counts, so every rank raises
             raise ValueError(f"topka: a rank sent {min(counts)} entries, fewer than the "
@@ -110,8 +111,9 @@ class TopkA(Collective):
             (ok, f"topka: a rank's message holds an index outside [{m}, {n})")]}
 
     @staticmethod
-    def _reduce_capped(sel: SparseGrad, comm: Comm, wire: torch.dtype, m: int
-                       ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+    def _reduce_capped(sel: SparseGrad, comm: Comm, wire: torch.dtype, m: int,
+                       lazy: bool = False
+                       ) -> tuple[torch.Tensor | None, torch.Tensor, dict[str, Any]]:
         """The fixed-capacity exchange (module doc): one all-gather of equal messages, all of
         them unpacked at once, every rank's entries added in rank order (what lies past a
         count lands one past the buffer), the messages' checks left on the device."""
@@ -119,12 +121,20 @@ class TopkA(Collective):
         assert cap is not None
         msgs = comm.all_gather(pack_entries_capped(sel.indices, sel.values, wire, cap, m))
         idx, val, ok = unpack_entries_capped(msgs, cap, wire, sel.dtype, sel.numel, m, "topka")
-        out = torch.zeros(sel.numel + 1, dtype=sel.dtype, device=sel.device)
-        dense = out[:sel.numel]
-        for r in range(comm.size):
-            if m:  # the tensors sent whole: values only, added in rank order
-                dense[:m].add_(val[r, :m])
-            add_at(out, idx[r], val[r, m:])
-        return dense, sel.indices, {"capacity": cap, CHECKS: [
+        P, numel = comm.size, sel.numel
+
+        def decode() -> torch.Tensor:
+            out = torch.zeros(numel + 1, dtype=val.dtype, device=val.device)
+            dense = out[:numel]
+            for r in range(P):
+                if m:  # the tensors sent whole: values only, added in rank order
+                    dense[:m].add_(val[r, :m])
+                add_at(out, idx[r], val[r, m:])
+            return dense
+
+        info = {"capacity": cap, CHECKS: [
             (ok, f"topka: a rank's message announces a count outside [{m}, {cap}] or an index "
                  f"outside [0, {sel.numel})")]}
+        if lazy:
+            return None, sel.indices, {**info, "decode": decode}
+        return decode(), sel.indices, info

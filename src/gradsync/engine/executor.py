@@ -97,6 +97,9 @@ class Executor:
         # the kernels of the caller's CPU tensors, taken by both threads (chosen once, here)
         self.kernels = sparsegrad.cpu_kernels()
         self._comm = comm_thread()
+        # on the CPU a collective that can leaves the sum's writing to the training thread,
+        # which reads it (JobResult.settle): data written on another core is slow to read first
+        self._lazy = self._cuda is None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="gradsync-sparsify",
                                           initializer=_binder(self.kernels, self._cuda))
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -179,10 +182,10 @@ class Executor:
         sent_idx, sent_vals = ((sel.indices.clone(), sel.values.clone()) if self._audit
                                else (None, None))
         checks: list[tuple[torch.Tensor, str]] = []
-        res = coll(sel, group=self.group, step=step, deferred=checks)
+        res = coll(sel, group=self.group, step=step, deferred=checks, lazy=self._lazy)
         return JobResult(res.dense, res.kept, res.stats, offload_s, sent_idx, sent_vals,
                          checks=checks, missing=payload.known_missing(sel, res.kept),
-                         alike=alike)
+                         alike=alike, decode=res.decode)
 
     def _all_reduce(self, data: torch.Tensor) -> tuple[CommStats, InFlight]:
         """Issue the all-reduce of ``data`` and return without waiting for it: the next job

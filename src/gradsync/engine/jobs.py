@@ -31,7 +31,7 @@ jobs (wait-free backpropagation: a job launches as soon as all its tensors are r
 from __future__ import annotations
 
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -179,7 +179,7 @@ class Payload:
 class JobResult:
     """What one job's collective produced on this rank."""
 
-    dense: torch.Tensor  # the SUM over ranks, over the job's concatenated tensors
+    dense: torch.Tensor | None  # the SUM over ranks, over the job's concatenated tensors
     kept: torch.Tensor | None  # positions of this rank's entries that entered the sum
     # (None: every entry, an all-reduce: Mode.DENSE, SSFusion-I's Buffer_AR)
     stats: CommStats
@@ -201,12 +201,18 @@ class JobResult:
     # (Collective.checks_alike) at a capacity (SparseGrad.capacity); False: they need the
     # ranks' agreement word (GradSync._agreement)
     alike: bool = True
+    # the collective left the sum's writing to the thread that reads it (Collective's
+    # ``lazy``): :meth:`settle` runs it there, and ``dense`` is None until then
+    decode: Callable[[], torch.Tensor] | None = None
 
     def settle(self) -> JobResult:
-        """Wait for the all-reduce still in flight, if any: ``dense`` holds the sum after."""
+        """Wait for the all-reduce still in flight, if any, or write the sum the collective
+        left to this thread: ``dense`` holds the sum after."""
         if self.in_flight is not None:
             self.in_flight.wait()
             self.in_flight = None
+        if self.decode is not None:
+            self.dense, self.decode = self.decode(), None
         return self
 
 
