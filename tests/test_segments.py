@@ -275,7 +275,7 @@ def _one_buffer_rank(rank, world_size, sparsifier, on, capped):
 
     real_reduce = TopkA._reduce
 
-    def uncapped(self, sel, comm, step):
+    def uncapped(self, sel, comm, step, lazy=False):  # the exact-size exchange ignores lazy
         return real_reduce(self, dataclasses.replace(sel, capacity=None), comm, step)
 
     with (patch.object(Comm, "all_gather_counts", counting),
