@@ -334,8 +334,8 @@ def test_spec_fills_model_defaults_validates_and_pickles():
                          "batch_size", "lr", "optimizer", "text_fallback", "density",
                          "sparsifier", "seed", "warmup_steps", "eval_batches",
                          "density_warmup", "density_schedule", "clip_norm", "min_k",
-                         "adam_warmup", "amp", "bandwidth", "latency", "replayed_plans",
-                         "topk_shares"]
+                         "momentum_masking", "adam_warmup", "amp", "bandwidth", "latency",
+                         "replayed_plans", "topk_shares"]
     assert cfg["world_size"] == 4 and cfg["schemes"] == ["ddp", "oktopk"]
     assert cfg["amp"] is None
     assert cfg["replayed_plans"] == [] and cfg["topk_shares"] is False
@@ -355,6 +355,13 @@ def test_spec_fills_model_defaults_validates_and_pickles():
     assert Runner(pt, torch.nn.Linear(2, 2), wide).gradsync_config(wide).min_k == 52
     assert (Runner(choice, torch.nn.Linear(2, 2), clipped).gradsync_config(clipped).min_k
             == gradsync.Config().min_k)
+    # --momentum-masking reaches Config.momentum_masking; unset, Config's default (off)
+    masked = train.TrainSpec(schemes=["topka"], momentum_masking=True)
+    assert masked.config(2)["momentum_masking"] is True and cfg["momentum_masking"] is None
+    (tk,) = masked.choices
+    assert Runner(tk, torch.nn.Linear(2, 2), masked).gradsync_config(masked).momentum_masking
+    assert not Runner(choice, torch.nn.Linear(2, 2), clipped).gradsync_config(
+        clipped).momentum_masking
     for kw, field in [({"steps": 0}, "steps"), ({"steps": 2, "epochs": 1.0}, "epochs"),
                       ({"epochs": -1.0}, "epochs"), ({"latency": "5ms"}, "latency"),
                       ({"bandwidth": "fast"}, "bandwidth"), ({"schemes": ()}, "scheme"),
@@ -365,7 +372,9 @@ def test_spec_fills_model_defaults_validates_and_pickles():
                       ({"warmup_steps": 0}, "warmup_steps"), ({"batch_size": 1.5}, "batch_size"),
                       ({"timeout": 0}, "timeout"), ({"topk_shares": 1}, "topk_shares"),
                       ({"clip_norm": 0.0}, "clip_norm"), ({"clip_norm": "1"}, "clip_norm"),
-                      ({"min_k": 0}, "min_k"), ({"min_k": 8.0}, "min_k")]:
+                      ({"min_k": 0}, "min_k"), ({"min_k": 8.0}, "min_k"),
+                      ({"momentum_masking": 1}, "momentum_masking"),
+                      ({"momentum_masking": "yes"}, "momentum_masking")]:
         with pytest.raises(ValueError, match=field):
             train.TrainSpec(**kw)
 

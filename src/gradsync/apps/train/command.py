@@ -80,6 +80,9 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
                    help="DGC's local gradient clipping for the gradsync schemes: each rank's "
                         "gradient, per tensor, to an L2 norm of C/sqrt(P) before it enters "
                         "error feedback (Config.clip_norm; default off)")
+    p.add_argument("--momentum-masking", action="store_true", default=None,
+                   help="DGC's momentum factor masking for the gradsync schemes under momentum "
+                        "correction (Config.momentum_masking; default off)")
     p.add_argument("--min-k", type=int, default=None, metavar="K",
                    help="gradsync schemes: a tensor sparsified on its own that would send "
                         "fewer than K entries per step travels whole "
@@ -165,7 +168,8 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
             step_sleep=a.step_sleep, inject_scheme=a.inject_scheme,
             density_warmup=a.density_warmup, density_schedule=a.density_schedule,
             clip_norm=a.clip_norm,
-            min_k=a.min_k, adam_warmup=a.adam_warmup, amp=a.amp, plans=_read_plans(a.plan, p),
+            min_k=a.min_k, momentum_masking=a.momentum_masking, adam_warmup=a.adam_warmup,
+            amp=a.amp, plans=_read_plans(a.plan, p),
             topk_shares=a.topk_shares)
     except ValueError as e:
         p.error(str(e))

@@ -128,6 +128,8 @@ class Runner:
             extra.setdefault("nonfinite", "skip_step")
         if spec.min_k is not None:
             extra.setdefault("min_k", spec.min_k)
+        if spec.momentum_masking is not None:
+            extra.setdefault("momentum_masking", spec.momentum_masking)
         if spec.density_schedule is not None:
             extra.setdefault("density_schedule", spec.density_schedule)
         return Config(scheme=self.choice.scheme.name, density=spec.density,

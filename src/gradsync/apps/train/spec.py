@@ -28,7 +28,7 @@ DDP_PEERS = ("ddp", "ddp_powersgd", "ddp_fp16")  # torch's own comm hooks, run a
 # TrainSpec fields that only gradsync's schemes read (runners.py): torch's own hooks above train
 # bit for bit the same under any of them (bench convergence's kept DDP runs leave them out).
 GRADSYNC_FIELDS = ("density", "sparsifier", "density_warmup", "density_schedule", "clip_norm",
-                   "min_k",
+                   "min_k", "momentum_masking",
                    "adam_warmup", "topk_shares")
 DDP_HOOK_PREFIX = "ddp_gradsync_"  # + a scheme with Scheme.ddp_hook: gradsync's DDP comm hook
 DATASETS = ("fashion-mnist", "text", "synthetic")
@@ -155,6 +155,8 @@ class TrainSpec:
             (``"adaptive"`` or ``"fixed"``); ``None``: Config's default.
         clip_norm: ``Config.clip_norm`` of the gradsync schemes (DGC's local gradient
             clipping); ``None``: off.
+        momentum_masking: ``Config.momentum_masking`` of the gradsync schemes under momentum
+            correction (DGC's momentum factor masking); ``None``: Config's default (off).
         min_k: ``Config.min_k`` of the gradsync schemes: a tensor sparsified on its own that
             would send fewer entries per step travels whole; ``None``: Config's default.
         adam_warmup: AdamW with a sparse scheme (:class:`gradsync.optim.FrozenVarianceAdamW`):
@@ -204,6 +206,7 @@ class TrainSpec:
     density_schedule: str | None = None
     clip_norm: float | None = None
     min_k: int | None = None
+    momentum_masking: bool | None = None
     adam_warmup: int | None = None
     amp: str | None = None
     plans: dict[str, dict[str, Any]] | None = None
@@ -292,6 +295,9 @@ class TrainSpec:
             raise ValueError(f"clip_norm must be a finite number > 0, got {self.clip_norm!r}")
         if self.min_k is not None:
             _int("min_k", self.min_k, 1)
+        if not (self.momentum_masking is None or isinstance(self.momentum_masking, bool)):
+            raise ValueError(f"momentum_masking must be True, False or None, got "
+                             f"{self.momentum_masking!r}")
         if self.adam_warmup is not None:
             _int("adam_warmup", self.adam_warmup, 1)
         if self.amp not in AMP:
@@ -402,7 +408,8 @@ class TrainSpec:
                 "warmup_steps": self.warmup_steps, "eval_batches": self.eval_batches,
                 "density_warmup": self.density_warmup,
                 "density_schedule": self.density_schedule, "clip_norm": self.clip_norm,
-                "min_k": self.min_k, "adam_warmup": self.adam_warmup,
+                "min_k": self.min_k, "momentum_masking": self.momentum_masking,
+                "adam_warmup": self.adam_warmup,
                 "amp": self.amp,
                 "bandwidth": self.bandwidth, "latency": self.latency,
                 "replayed_plans": sorted(self.plans) if self.plans else [],
