@@ -1150,3 +1150,21 @@ def test_accuracy_topka_at_three_percent_claim_holds_in_the_written_results():
     assert (round(m, 2), round(h, 2)) == (-0.51, 0.99)
     assert round(three["topka"]["run_bytes_per_step"] / one["topka"]["run_bytes_per_step"],
                  1) == 3.0
+
+
+def test_accuracy_topka_masking_claim_holds_in_the_written_results():
+    """accuracy.md: TopkA with DGC's momentum factor masking ends 1.12 [−1.64, −0.60] points
+    below DDP, −0.14 ± 0.55 paired with the unmasked runs of the same seeds, same bytes."""
+    page = _accuracy()
+    assert ("**−1.12 [−1.64, −0.60] points vs DDP**; paired with the unmasked runs "
+            "−0.14 ± 0.55") in page
+    masked = {r["scheme"]: r for r in _results("convergence-cnn-topka-masking",
+                                               "--model cnn --schemes ddp,topka "
+                                               "--momentum-masking")["rows"]}
+    plain = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-03")["rows"]}
+    assert masked["ddp"]["finals"] == plain["ddp"]["finals"]
+    m, h = _paired_points(masked["topka"]["finals"], masked["ddp"]["finals"])
+    assert (round(m, 2), round(m - h, 2), round(m + h, 2)) == (-1.12, -1.64, -0.60)
+    m, h = _paired_points(masked["topka"]["finals"], plain["topka"]["finals"])
+    assert (round(m, 2), round(h, 2)) == (-0.14, 0.55)
+    assert masked["topka"]["bytes_per_step"] == plain["topka"]["bytes_per_step"]
