@@ -97,9 +97,6 @@ class Executor:
         # the kernels of the caller's CPU tensors, taken by both threads (chosen once, here)
         self.kernels = sparsegrad.cpu_kernels()
         self._comm = comm_thread()
-        # on the CPU a collective that can leaves the sum's writing to the training thread,
-        # which reads it (JobResult.settle): data written on another core is slow to read first
-        self._lazy = self._cuda is None
         self._worker = ThreadPoolExecutor(1, thread_name_prefix="gradsync-sparsify",
                                           initializer=_binder(self.kernels, self._cuda))
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
@@ -182,7 +179,10 @@ class Executor:
         sent_idx, sent_vals = ((sel.indices.clone(), sel.values.clone()) if self._audit
                                else (None, None))
         checks: list[tuple[torch.Tensor, str]] = []
-        res = coll(sel, group=self.group, step=step, deferred=checks, lazy=self._lazy)
+        # a CPU tensor's sum, where a collective can, is left to the training thread, which
+        # reads it next (JobResult.settle): a buffer another core wrote is slow to read first
+        res = coll(sel, group=self.group, step=step, deferred=checks,
+                   lazy=sel.device.type == "cpu")
         return JobResult(res.dense, res.kept, res.stats, offload_s, sent_idx, sent_vals,
                          checks=checks, missing=payload.known_missing(sel, res.kept),
                          alike=alike, decode=res.decode)
