@@ -50,6 +50,15 @@ def _comm_rank(rank: int, world_size: int) -> dict:
         c.sendrecv(torch.full((5 * (rank + 1),), rank, dtype=torch.int32), (rank + 1) % P,
                    buf, (rank - 1) % P)
         out["sendrecv"], out["sendrecv_got"] = c.stats, buf
+        # bounded: 3·(r+1) + 1 int64 to the right (its length first), into a buffer of 64
+        c = Comm()
+        buf = torch.full((64,), -1, dtype=torch.int64)
+        m = 3 * (rank + 1)
+        msg = torch.cat([torch.tensor([m]), torch.full((m,), rank, dtype=torch.int64)])
+        out["bounded_n"] = c.sendrecv_bounded(msg, (rank + 1) % P, buf, (rank - 1) % P,
+                                              lambda b: 8 * (1 + int(b[0])))
+        out["bounded"], out["bounded_got"] = c.stats, buf
+        out["bounded_ok"] = c.bounded("cpu")
 
     # all_gather_v: uneven blocks (rank 0 empty), counts gathered by Comm.
     c = Comm()
@@ -119,6 +128,40 @@ def test_sendrecv_ring_bytes_exact(world):
         assert (s.bytes_sent, s.bytes_recv, s.messages) == (20 * (r + 1), 20 * (left + 1), 1)
         assert torch.equal(o["sendrecv_got"], torch.full((5 * (left + 1),), left,
                                                          dtype=torch.int32))
+
+
+@pytest.mark.parametrize("world", [2, 3], indirect=True)
+def test_sendrecv_bounded_counts_the_message_not_the_buffer(world):
+    """A receive into a buffer longer than its message (gloo delivers it): the length the
+    message gives of itself is what is counted and returned; the buffer past it is untouched."""
+    P, outs = world
+    for r, o in enumerate(outs):
+        left = (r - 1) % P
+        mine, theirs = 8 * (1 + 3 * (r + 1)), 8 * (1 + 3 * (left + 1))
+        s = o["bounded"]
+        assert o["bounded_ok"] and o["bounded_n"] == theirs
+        assert (s.bytes_sent, s.bytes_recv, s.messages) == (mine, theirs, 1)
+        got = o["bounded_got"]
+        assert int(got[0]) == 3 * (left + 1)
+        assert torch.equal(got[1:1 + 3 * (left + 1)], torch.full((3 * (left + 1),), left))
+        assert bool((got[1 + 3 * (left + 1):] == -1).all())
+
+
+def _refuse_unbounded(rank: int, world_size: int) -> str:
+    import os
+
+    os.environ["GRADSYNC_EMULATE_BACKEND"] = "cpu:nccl"  # NCCL's rules on gloo's bytes
+    c = Comm()
+    try:
+        c.sendrecv_bounded(torch.zeros(1), 1 - rank, torch.zeros(4), 1 - rank, lambda b: 4)
+    except ValueError as e:
+        return f"{c.bounded('cpu')} {e}"
+    return "sent"
+
+
+def test_sendrecv_bounded_refuses_where_the_receive_needs_the_exact_size():
+    outs = run_distributed(_refuse_unbounded, 2, timeout=60)
+    assert all(o.startswith("False ") and "exact size" in o for o in outs), outs
 
 
 def test_all_gather_v_uneven_and_empty(world):

@@ -291,3 +291,97 @@ def test_malformed_messages_fail_the_receiving_rank_and_write_only_inside_the_se
         b1 = outs[1][2 * j][2][1]
         good = slice(b1, n) if call == 0 else slice(0, b1)
         torch.testing.assert_close(deferred[1][good].double(), ref[good])
+
+
+# -- one round per exchange (gloo) -------------------------------------------------------------
+def _rank_rounds(rank: int, world_size: int, case_list: list[dict]) -> list[dict]:
+    """Each case twice: as gloo allows (announcement and encodings in one message) and with
+    the announcement in a round of its own (``BOUNDED_MAX`` 0); the point-to-point calls each
+    made, counted at ``Comm``."""
+    import gradsync.collectives.densestream as ds
+    from gradsync.collectives.comm import Comm
+
+    calls = {"n": 0}
+    originals = {name: getattr(Comm, name)
+                 for name in ("send", "recv", "isend", "irecv", "irecv_bounded")}
+
+    def counted(name):
+        def call(self, *a, **k):
+            calls["n"] += 1
+            return originals[name](self, *a, **k)
+        return call
+
+    for name in originals:
+        setattr(Comm, name, counted(name))
+    out, bound = [], ds.BOUNDED_MAX
+    try:
+        for case in case_list:
+            sel = make_sel(case, rank, world_size)
+            row = {}
+            for mode, limit in (("one", bound), ("two", 0)):
+                ds.BOUNDED_MAX, calls["n"] = limit, 0
+                res = DenseStreamAllreduce()(sel, step=0)
+                row[mode] = {"dense": res.dense, "sent": res.stats.bytes_sent,
+                             "recv": res.stats.bytes_recv, "messages": res.stats.messages,
+                             "calls": calls["n"]}
+            out.append(row)
+    finally:
+        ds.BOUNDED_MAX = bound
+        for name, fn in originals.items():
+            setattr(Comm, name, fn)
+    return out
+
+
+@pytest.mark.parametrize("world_size", [2, 3, 4])
+def test_one_round_per_exchange_sends_the_same_bytes_and_bits(world_size):
+    """On gloo an exchange's announcement travels inside its message: the same bytes counted
+    sent and received, the same sum bit for bit, on no rank more messages or point-to-point
+    calls than announcing first, fewer in all (half the calls where no partition is empty);
+    an all-empty case sends announcements only, one message either way."""
+    case_list = [c for c in cases() if c["dtype"] == torch.float32 and c["values"] == "normal"]
+    per_rank = run_distributed(_rank_rounds, world_size, case_list, timeout=240)
+    for c, case in enumerate(case_list):
+        for r in range(world_size):
+            one, two = per_rank[r][c]["one"], per_rank[r][c]["two"]
+            what = f"P={world_size} rank {r} {case['kind']}"
+            assert torch.equal(_bits(one["dense"]), _bits(two["dense"])), what
+            assert (one["sent"], one["recv"]) == (two["sent"], two["recv"]), what
+            if case["kind"] == "empty_all":
+                assert one["messages"] == two["messages"], what
+                continue
+            assert one["messages"] <= two["messages"] and one["calls"] <= two["calls"], what
+            if case["kind"] in ("dense", "overlap") and world_size != 3:
+                assert 2 * one["calls"] == two["calls"], what
+        if case["kind"] != "empty_all":
+            assert sum(per_rank[r][c]["one"]["messages"] for r in range(world_size)) < sum(
+                per_rank[r][c]["two"]["messages"] for r in range(world_size)), case["kind"]
+
+
+def _rank_overclaim(rank: int, world_size: int, n: int) -> str:
+    class Overclaiming(DenseStreamAllreduce):
+        """Rank 0 reads its peer's last announcement as claiming more than the range holds."""
+
+        calls = 0
+
+        def _announced(self, ann, like):
+            heads, sizes = super()._announced(ann, like)
+            self.calls += 1
+            if rank == 0 and self.calls == 2:  # the allgather's, the last exchange at P = 2
+                sizes = [s + 10 * n * 12 for s in sizes]
+            return heads, sizes
+
+    sel = SparseGrad(torch.arange(rank, n, 3), torch.ones(len(range(rank, n, 3))), n)
+    try:
+        Overclaiming()(sel, step=0)
+    except ValueError as e:
+        return str(e)
+    return "ok"
+
+
+def test_an_announcement_beyond_the_ranges_bound_fails_after_the_exchange():
+    """A message that announces more bytes than its ranges can hold raises ``ValueError`` on
+    the rank that received it, once both directions of the exchange are done: its peer,
+    which received a well-formed message, is not left waiting."""
+    outs = run_distributed(_rank_overclaim, 2, 600, timeout=120)
+    assert "announced" in outs[0] and "hold at most" in outs[0], outs[0]
+    assert outs[1] == "ok"

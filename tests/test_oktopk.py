@@ -590,3 +590,91 @@ def test_engine_oktopk_threshold_reuse_is_configurable():
     for bad in (-1, 1.5, "4", True):
         with pytest.raises(ValueError, match="local_tau_prime"):
             Config(scheme="oktopk", local_tau_prime=bad)
+
+
+# -- the counts inside the split-and-reduce messages (gloo) -------------------------------------
+def _rank_rounds(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Each case's steps with the counts inside the messages (gloo's bounded receives) and
+    with them in a round of their own (``BOUNDED_MAX`` 0), on fresh collectives."""
+    from gradsync.collectives import oktopk as ok_mod
+
+    bound, out = ok_mod.BOUNDED_MAX, []
+    try:
+        for case in cases:
+            row = {}
+            for mode, limit in (("one", bound), ("two", 0)):
+                ok_mod.BOUNDED_MAX = limit
+                row[mode] = _run_case(rank, world, case)
+                coll = collectives.get("oktopk", **case["opts"])
+                res = coll(_selection(case, rank, world, case["steps"][0]),
+                           step=case["steps"][0])
+                row[mode + "_messages"] = res.stats.messages
+            out.append(row)
+    finally:
+        ok_mod.BOUNDED_MAX = bound
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_counts_inside_the_messages_send_the_same_bytes_and_bits(world):
+    """Split and reduce on gloo: each message carries its count, so the counts' round goes,
+    with the same bytes sent and received, the same sum, selection and state bit for bit, and
+    no more messages on any rank, fewer in all (a peer's count and entries in one)."""
+    cases = _cases(world)
+    per_rank = run_distributed(_rank_rounds, world, cases, timeout=240)
+    for c, case in enumerate(cases):
+        for r in range(world):
+            one, two = per_rank[r][c]["one"], per_rank[r][c]["two"]
+            what = f"P={world} rank {r} {case['name']}"
+            for a, b in zip(one, two, strict=True):
+                assert torch.equal(a["dense"].view(BITS[a["dense"].dtype]),
+                                   b["dense"].view(BITS[b["dense"].dtype])), what
+                assert torch.equal(a["kept"], b["kept"]), what
+                assert (a["sent"], a["recv"]) == (b["sent"], b["recv"]), what
+                assert _same_state(a["state"], b["state"]), what
+            assert per_rank[r][c]["one_messages"] <= per_rank[r][c]["two_messages"], what
+        if case["kind"] != "empty_all":  # a rank with entries to send saves a message a peer
+            assert sum(per_rank[r][c]["one_messages"] for r in range(world)) < sum(
+                per_rank[r][c]["two_messages"] for r in range(world)), case["name"]
+
+
+def _overcounted(rank: int, world: int) -> str:
+    """Rank 0 receives, from rank 1, a count of more entries than its region holds."""
+    from gradsync.collectives.comm import Comm
+
+    real = Comm.irecv_bounded
+
+    class Corrupted:
+        def __init__(self, work, buf):
+            self.work, self.buf = work, buf
+
+        def wait(self):
+            self.work.wait()
+            self.buf[:8] = torch.tensor([10_000], dtype=torch.int64).view(torch.uint8)
+            return True
+
+    def irecv_bounded(self, buf, src):
+        work = real(self, buf, src)
+        return Corrupted(work, buf) if rank == 0 else work
+
+    n = 1000
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(n, generator=g)
+    sel = SparseGrad.from_indices(x, x.abs().topk(50).indices)
+    Comm.irecv_bounded = irecv_bounded
+    try:
+        collectives.get("oktopk", k=40)(sel, step=0)
+        return "ok"
+    except ValueError as e:
+        return str(e)
+    finally:
+        Comm.irecv_bounded = real
+
+
+def test_a_count_beyond_the_region_fails_the_receiving_rank():
+    """A message that announces more entries than the receiver's region can hold fails that
+    rank's checks (``ValueError`` naming the sender) once the collective is done: nothing is
+    unpacked from it, and its peer, which received well-formed messages, finishes."""
+    out = run_distributed(_overcounted, 2, timeout=120)
+    assert "rank 1's message announces 10000 entries" in out[0], out
+    assert out[1] == "ok", out

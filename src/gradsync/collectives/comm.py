@@ -22,6 +22,10 @@ Accounting convention (per rank, payload bytes; headers of the transport are not
   travel in a small ``all_gather`` that is counted too.
 * ``broadcast`` of B bytes from ``src``: a binomial tree; each non-root receives B once and sends
   B to each of its children.
+* ``sendrecv_bounded``: a receive into a buffer longer than its message (gloo's; NCCL needs
+  the sender's count, :meth:`Comm.bounded`) counts the length the message gives of itself (its
+  header, read by the caller's ``size_of``), not the buffer's: a message whose length travels
+  inside it costs one round, where announcing the length first costs two.
 
 Use ``Comm.size == 1`` fast paths freely: with one rank nothing is sent and nothing is counted.
 
@@ -393,6 +397,13 @@ class Comm:
         dev = self.wire_device(dev, "all_reduce") or dev
         return self._devices.get(dev.type) != "nccl"
 
+    def bounded(self, device: torch.device | str) -> bool:
+        """Whether a receive of a tensor on ``device`` may post a buffer longer than the
+        message it gets (:meth:`sendrecv_bounded`): gloo delivers a shorter message into it,
+        NCCL needs the sender's count, and a staged tensor would copy the whole buffer."""
+        dev = torch.device(device)
+        return self.wire_device(dev, "recv") is None and self._devices.get(dev.type) == "gloo"
+
     def _staged(self, t: torch.Tensor, op: str) -> torch.Tensor:
         """``t`` itself, or a copy on the device the backend takes (see :meth:`wire_device`)."""
         dev = self.wire_device(t.device, op)
@@ -476,6 +487,39 @@ class Comm:
             works.append(self.isend(send, dst))
         for w in works:
             w.wait()
+
+    def sendrecv_bounded(self, send: torch.Tensor | None, dst: int, buf: torch.Tensor,
+                         src: int, size_of: Callable[[torch.Tensor], int]) -> int:
+        """:meth:`sendrecv` into ``buf``, longer than the message it receives where
+        :meth:`bounded` allows it: one round for a message whose length travels inside it.
+        gloo aborts the process on a message longer than its buffer, so ``buf`` must hold any
+        well-formed message. ``size_of`` reads the message's length from what arrived (its own
+        header; ``ValueError`` when malformed, with both directions complete, so no peer is
+        left waiting); that length is what is counted as received. Returns it."""
+        self.flush()
+        works = [self.irecv_bounded(buf, src)]
+        if send is not None and send.numel():
+            works.append(self.isend(send, dst))
+        for w in works:
+            w.wait()
+        n = int(size_of(buf))
+        self.received(n)
+        return n
+
+    @_outside_backward
+    def irecv_bounded(self, buf: torch.Tensor, src: int) -> dist.Work:
+        """Post a receive into ``buf``, which may be longer than the message (:meth:`bounded`
+        must allow it; gloo aborts the process on a message longer than ``buf``). Nothing is
+        counted until :meth:`received` gives the length the message carries."""
+        if not self.bounded(buf.device):
+            raise ValueError(f"a bounded receive: a {buf.device.type} buffer on "
+                             f"{self.backend} needs the message's exact size")
+        return _kept(dist.irecv(buf, self.global_rank(src), group=self.group))
+
+    def received(self, nbytes: int) -> None:
+        """Count ``nbytes`` received by a bounded receive (:meth:`irecv_bounded`), read from
+        the message itself once it arrived."""
+        self._count(0, nbytes, 0)
 
     # -- collectives ------------------------------------------------------------------
     @_outside_backward

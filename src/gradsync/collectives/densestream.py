@@ -35,6 +35,17 @@ partition: the announcement is the whole message); both through
 :class:`~gradsync.collectives.comm.Comm`, so the byte counts are exact. Indices are int64 in
 memory, int32 on the wire when numel < 2**31 (:func:`gradsync.formats.wire.wire_index_bytes`).
 
+**One round per exchange where the backend allows it (ours).** The announcement sizes the
+receive, so an exchange cost two rounds. Where a receive may post a buffer longer than its
+message (gloo: :meth:`~gradsync.collectives.comm.Comm.bounded`), the announcement and the
+encodings travel as one message into a buffer that holds any well-formed one: an encoding of a
+range of N positions has at most N entries in at most N blocks, so at most
+``HEADER_BYTES + N·(2·index_bytes + value_bytes)`` bytes (:func:`_bound`). The same bytes
+travel, in one round. Both ends decide alike, from the ranges both know: one round when both
+directions' bounds are at most :data:`BOUNDED_MAX` (a bound allocates that much, untouched
+beyond the message), else two. Measured on the CNN at P = 2 (docs/results/speed.md, "One round
+per exchange").
+
 Every message received is validated on the device (:func:`~gradsync.formats.densestream.
 decode_stored`, ``split_decode_into``): the announcement is read (one read per message: it sizes
 the message and stands for its headers, which must equal it), and the block table, §III-A's
@@ -68,6 +79,15 @@ from gradsync.sparsegrad import SparseGrad, densify, sparse_sum
 __all__ = ["DenseStreamAllreduce"]
 
 _HEAD = dsfmt.HEADER_BYTES  # an encoding's header, which announces it
+# The largest receive buffer posted for a message of unknown length (module doc): above it, the
+# message is announced first, in a round of its own.
+BOUNDED_MAX = 64 * 2**20
+
+
+def _bound(spans: list[tuple[int, int]], iw: int, vb: int) -> int:
+    """The most bytes a message of encodings of the ranges ``spans`` can take, its
+    announcement included (module doc, "One round per exchange")."""
+    return sum(2 * _HEAD + (hi - lo) * (2 * iw + vb) for lo, hi in spans)
 
 
 def _halves(sel: SparseGrad, lo: int, mid: int, hi: int) -> tuple[SparseGrad, SparseGrad]:
@@ -170,11 +190,58 @@ class DenseStreamAllreduce(Collective):
                                            "the headers it announced"))
         return buf
 
+    @staticmethod
+    def _message(pieces: list[torch.Tensor]) -> torch.Tensor:
+        """The encodings ``pieces`` as one message: their headers (the announcement), then the
+        encodings, unless every one is a bare header (module doc)."""
+        heads = [p[:_HEAD] for p in pieces]
+        bare = sum(p.numel() for p in pieces) == _HEAD * len(pieces)
+        return torch.cat(heads if bare else heads + pieces)
+
+    @staticmethod
+    def _one_round(comm: Comm, like: SparseGrad, iw: int,
+                   *spans: list[tuple[int, int]]) -> bool:
+        """Whether the messages of encodings of ``spans`` (each message's ranges, known at
+        both ends) travel in one round each (module doc, "One round per exchange")."""
+        vb = like.values.element_size()
+        return comm.bounded(like.device) and all(_bound(s, iw, vb) <= BOUNDED_MAX
+                                                 for s in spans)
+
+    def _bounded(self, msg: torch.Tensor | None, dst: int, src: int, comm: Comm,
+                 like: SparseGrad, iw: int, spans: list[tuple[int, int]],
+                 checks: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, list[bytes]]:
+        """Send ``msg`` (None: nothing) to ``dst`` and receive the one-message encodings of
+        ``spans`` from ``src``, into a buffer that holds any well-formed one (one round).
+        Returns the received encodings (or the announcement alone) and their headers."""
+        m = len(spans)
+        buf = torch.empty(_bound(spans, iw, like.values.element_size()), dtype=torch.uint8,
+                          device=like.device)
+        got: dict[str, Any] = {}
+
+        def size_of(b: torch.Tensor) -> int:  # the announcement: one read
+            heads, sizes = self._announced(b[:m * _HEAD], like)
+            n = m * _HEAD + (0 if sum(sizes) == m * _HEAD else sum(sizes))
+            if n > b.numel():
+                raise ValueError(f"densestream: a peer announced {n} bytes for ranges that hold "
+                                 f"at most {b.numel()}")
+            got.update(heads=heads, sizes=sizes, n=n)
+            return n
+
+        comm.sendrecv_bounded(msg, dst, buf, src, size_of)
+        ann, n = buf[:m * _HEAD], got["n"]
+        return (self._match(None if n == m * _HEAD else buf[m * _HEAD:n], ann, got["sizes"],
+                            checks), got["heads"])
+
     def _swap(self, pieces: list[torch.Tensor], peer: int, comm: Comm, like: SparseGrad,
+              iw: int, spans: tuple[list[tuple[int, int]], list[tuple[int, int]]],
               checks: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, list[bytes]]:
-        """Send the encodings ``pieces`` to ``peer`` and receive as many: the headers first,
-        then the encodings (each side only when not bare). Returns the received message and
-        its headers."""
+        """Send the encodings ``pieces`` to ``peer`` and receive as many; ``spans``: the ranges
+        of those received and of those sent. One round where :meth:`_one_round` allows,
+        else the headers first, then the encodings (each side only when not bare). Returns
+        the received message and its headers."""
+        if self._one_round(comm, like, iw, *spans):
+            return self._bounded(self._message(pieces), peer, peer, comm, like, iw, spans[0],
+                                 checks)
         ann = torch.empty(_HEAD * len(pieces), dtype=torch.uint8, device=like.device)
         comm.sendrecv(torch.cat([p[:_HEAD] for p in pieces]), peer, ann, peer)
         heads, sizes = self._announced(ann, like)
@@ -183,16 +250,23 @@ class DenseStreamAllreduce(Collective):
         comm.sendrecv(None if bare else torch.cat(pieces), peer, buf, peer)
         return self._match(buf, ann, sizes, checks), heads
 
-    def _send(self, pieces: list[torch.Tensor], peer: int, comm: Comm) -> None:
-        """:meth:`_swap`'s sending half alone."""
+    def _send(self, pieces: list[torch.Tensor], peer: int, comm: Comm, like: SparseGrad,
+              iw: int, spans: list[tuple[int, int]]) -> None:
+        """:meth:`_swap`'s sending half alone (``spans``: the ranges of ``pieces``)."""
+        if self._one_round(comm, like, iw, spans):
+            comm.send(self._message(pieces), peer)
+            return
         comm.send(torch.cat([p[:_HEAD] for p in pieces]), peer)
         if sum(p.numel() for p in pieces) > _HEAD * len(pieces):
             comm.send(torch.cat(pieces), peer)
 
-    def _recv(self, regions: int, like: SparseGrad, peer: int, comm: Comm,
-              checks: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, list[bytes]]:
-        """:meth:`_swap`'s receiving half alone."""
-        ann = torch.empty(_HEAD * regions, dtype=torch.uint8, device=like.device)
+    def _recv(self, spans: list[tuple[int, int]], like: SparseGrad, iw: int, peer: int,
+              comm: Comm, checks: list[tuple[torch.Tensor, str]]
+              ) -> tuple[torch.Tensor, list[bytes]]:
+        """:meth:`_swap`'s receiving half alone (``spans``: the ranges of what arrives)."""
+        if self._one_round(comm, like, iw, spans):
+            return self._bounded(None, peer, peer, comm, like, iw, spans, checks)
+        ann = torch.empty(_HEAD * len(spans), dtype=torch.uint8, device=like.device)
         comm.recv(ann, peer)
         heads, sizes = self._announced(ann, like)
         buf = self._payload(ann, sizes, like)
@@ -200,11 +274,15 @@ class DenseStreamAllreduce(Collective):
             comm.recv(buf, peer)
         return self._match(buf, ann, sizes, checks), heads
 
-    def _exchange(self, part: SparseGrad, peer: int, comm: Comm, iw: int, lo: int, hi: int,
+    def _exchange(self, part: SparseGrad, peer: int, comm: Comm, iw: int,
+                  spans: tuple[tuple[int, int], tuple[int, int]],
                   checks: list[tuple[torch.Tensor, str]]) -> SparseGrad:
-        """Send ``part`` to ``peer`` and receive its partition (indices in ``[lo, hi)``), every
-        stored position (``decode_stored``: zeros inside blocks too, harmless in a sum)."""
-        buf, (head,) = self._swap([self._encode(part, iw)], peer, comm, part, checks)
+        """Send ``part`` to ``peer`` and receive its partition; ``spans``: the range received
+        ``(lo, hi)`` and the range of ``part``. Every stored position of what arrives
+        (``decode_stored``: zeros inside blocks too, harmless in a sum)."""
+        (lo, hi), out = spans
+        buf, (head,) = self._swap([self._encode(part, iw)], peer, comm, part, iw,
+                                  ([(lo, hi)], [out]), checks)
         return dsfmt.decode_stored(buf, numel=part.numel, dtype=part.dtype, lo=lo, hi=hi,
                                    checks=checks, header=head)
 
@@ -254,11 +332,12 @@ class DenseStreamAllreduce(Collective):
         else:
             region_nnz = torch.zeros((), dtype=torch.int64, device=sel.device)
         # Unfold: the odd ranks return every region to the even ranks they absorbed.
+        every = [(bounds[q], bounds[q + 1]) for q in range(p2)]
         if r < 2 * rem:
             if r % 2 == 1:
-                self._send([held[q] for q in sorted(held)], r - 1, comm)
+                self._send([held[q] for q in sorted(held)], r - 1, comm, sel, iw, every)
             else:
-                buf, heads = self._recv(p2, sel, r + 1, comm, checks)
+                buf, heads = self._recv(every, sel, iw, r + 1, comm, checks)
                 dense = torch.zeros(n, dtype=sel.dtype, device=sel.device)
                 _, global_nnz = self._write(buf, heads, dense, range(p2), bounds, checks)
         mark("unfold", t)
@@ -276,9 +355,9 @@ class DenseStreamAllreduce(Collective):
         if r >= 2 * rem:
             return sel, r - rem
         if r % 2 == 0:
-            self._send([self._encode(sel, iw)], r + 1, comm)
+            self._send([self._encode(sel, iw)], r + 1, comm, sel, iw, [(0, n)])
             return sel, -1
-        buf, (head,) = self._recv(1, sel, r - 1, comm, checks)
+        buf, (head,) = self._recv([(0, n)], sel, iw, r - 1, comm, checks)
         got = dsfmt.decode_stored(buf, numel=n, dtype=sel.dtype, lo=0, hi=n, checks=checks,
                                   header=head)
         return _reduce_sum(sel, got, 0, n), r // 2
@@ -294,9 +373,10 @@ class DenseStreamAllreduce(Collective):
         while d >= 1:
             mid = (lo + hi) // 2
             low, high = _halves(acc, bounds[lo], bounds[mid], bounds[hi])
-            (klo, khi), keep, send = ((mid, hi), high, low) if me & d else \
-                ((lo, mid), low, high)
-            got = self._exchange(send, _real(me ^ d, rem), comm, iw, bounds[klo], bounds[khi],
+            (klo, khi), keep, send, out = ((mid, hi), high, low, (lo, mid)) if me & d else \
+                ((lo, mid), low, high, (mid, hi))
+            got = self._exchange(send, _real(me ^ d, rem), comm, iw,
+                                 ((bounds[klo], bounds[khi]), (bounds[out[0]], bounds[out[1]])),
                                  checks)
             acc = _reduce_sum(keep, got, bounds[klo], bounds[khi])
             lo, hi, d = klo, khi, d // 2
@@ -319,8 +399,11 @@ class DenseStreamAllreduce(Collective):
         while d < p2:
             peer = me ^ d
             plo = (peer // d) * d                  # partner holds regions [plo, plo + d)
+            mlo = (me // d) * d                    # I hold regions [mlo, mlo + d)
+            spans = ([(bounds[q], bounds[q + 1]) for q in range(plo, plo + d)],
+                     [(bounds[q], bounds[q + 1]) for q in range(mlo, mlo + d)])
             buf, heads = self._swap([held[q] for q in sorted(held)], _real(peer, rem), comm,
-                                    sel, checks)
+                                    sel, iw, spans, checks)
             pieces, got = self._write(buf, heads, dense, range(plo, plo + d), bounds, checks)
             held.update(zip(range(plo, plo + d), pieces, strict=True))
             global_nnz += got

@@ -13,7 +13,10 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
 2. **Split and reduce** (§3.1.1, line 8). P−1 steps; step j sends the local entries of region
    (r+j) mod P to rank (r+j) mod P and receives from (r−j) mod P (destination rotation, Fig. 2b).
    The entry counts are exchanged first; the payloads go out in buckets of min(4, P) non-blocking
-   messages, and a bucket is reduced (merged) while the next one is in flight (Fig. 2c).
+   messages, and a bucket is reduced (merged) while the next one is in flight (Fig. 2c). Where
+   a receive may be longer than its message (gloo, :meth:`~gradsync.collectives.comm.Comm.
+   bounded`; ours), each message carries its count ahead of its entries instead, into a buffer
+   that holds one entry per position of the region: the same bytes, one round fewer a step.
    Contributions are added in float64 and rounded once to the gradient's dtype: the sum of a
    few fp32/bf16/fp16 values is exact in float64 (unless their exponents span more than about
    29 bits), so the reduced value does not depend on the arrival order of the buckets.
@@ -60,6 +63,7 @@ BERT).
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import struct
 from collections.abc import Callable
@@ -86,6 +90,11 @@ from gradsync.sparsegrad import (
 
 __all__ = ["OkTopk"]
 
+# Split and reduce where a receive may be longer than its message (gloo): each message carries
+# its entry count (one int64) ahead of its entries, one round instead of the counts' and the
+# entries', into a buffer of at most this many bytes (else the counts go first).
+_COUNT = 8
+BOUNDED_MAX = 64 * 2**20
 _RADIX_BITS = 4  # radix select: 16 bins per round, 8 rounds over the 32 bits of a float32
 _STATE_KEYS = (
     "numel", "world_size", "boundaries", "boundary_step", "theta", "theta_step",
@@ -450,20 +459,15 @@ class OkTopk(Collective):
         def region(d: int) -> tuple[torch.Tensor, torch.Tensor]:
             return sel.indices[off[d]:off[d + 1]], sel.values[off[d]:off[d + 1]]
 
-        # Sizes first: step j sends |region (r+j)| to (r+j) and receives from (r−j); the
-        # sizes go out from the device, and the offsets come back with those received.
-        out_sizes = torch.roll(off_dev[1:] - off_dev[:-1], -(r + 1))[:P - 1]
-        in_sizes = torch.empty(P - 1, dtype=torch.int64, device=dev)
-        works = []
-        for j in range(1, P):
-            works.append(comm.irecv(in_sizes[j - 1:j], (r - j) % P))
-            works.append(comm.isend(out_sizes[j - 1:j], (r + j) % P))
-        for w in works:
-            w.wait()
-        both = torch.cat([off_dev, in_sizes]).tolist()  # the one read
-        off, n_in = both[:P + 1], both[P + 1:]
-        own_i, own_v = region(r)
         lo, hi = edges[r], edges[r + 1]
+        # The counts in the messages (one round) where a receive may be longer than its
+        # message: a peer sends at most one entry per position of this rank's region. Every
+        # rank decides alike, from the largest region.
+        widest = max(b - a for a, b in itertools.pairwise(edges))
+        bounded = comm.bounded(dev) and _COUNT + widest * eb <= BOUNDED_MAX
+        # the one read: the offsets, with the counts when they travel first
+        off, n_in = (off_dev.tolist(), []) if bounded else self._sizes_first(off_dev, comm)
+        own_i, own_v = region(r)
         acc_i, acc_v = own_i, own_v.to(torch.float64)
         sources = [(r, own_i)]
 
@@ -471,11 +475,20 @@ class OkTopk(Collective):
             pending, got = [], []
             for j in js:
                 src, dst = (r - j) % P, (r + j) % P
+                di, dv = region(dst)
+                if bounded:  # [count][indices][values], into a buffer of the region's bound
+                    buf = torch.empty(_COUNT + (hi - lo) * eb, dtype=torch.uint8, device=dev)
+                    pending.append((comm.irecv_bounded(buf, src), buf))
+                    got.append((buf, None, src))
+                    msg = torch.cat([torch.tensor([di.numel()], dtype=torch.int64,
+                                                  device=dev).view(torch.uint8),
+                                     pack_entries(di, dv, wire)])
+                    pending.append((comm.isend(msg, dst), msg))  # keep msg alive until wait
+                    continue
                 buf = torch.empty(n_in[j - 1] * eb, dtype=torch.uint8, device=dev)
                 if buf.numel():
                     pending.append((comm.irecv(buf, src), buf))
                     got.append((buf, n_in[j - 1], src))
-                di, dv = region(dst)
                 if di.numel():
                     msg = pack_entries(di, dv, wire)
                     pending.append((comm.isend(msg, dst), msg))  # keep msg alive until wait
@@ -490,6 +503,8 @@ class OkTopk(Collective):
                 inflight = post(buckets[b + 1])  # the next bucket flies while we reduce
             for w, _ in current[0]:
                 w.wait()
+            if bounded:  # the bucket's counts: one read
+                current = (current[0], self._counted(current[1], eb, comm, n_in, checks))
             if current[1]:
                 parts = []
                 for buf, c, src in current[1]:  # sorted, inside this rank's region: checked
@@ -501,6 +516,47 @@ class OkTopk(Collective):
                 acc_i, acc_v = sparse_sum([(acc_i, acc_v), *parts], torch.float64,
                                           within=(lo, hi))  # its ends known: no read
         return acc_i, acc_v.to(sel.dtype), sum(n_in), sources
+
+    @staticmethod
+    def _sizes_first(off_dev: torch.Tensor, comm: Comm) -> tuple[list[int], list[int]]:
+        """The counts in a round of their own: step j sends |region (r+j)| to (r+j) and
+        receives from (r−j); the sizes go out from the device, and the offsets ``off_dev``
+        come back with those received (one read). Returns both."""
+        P, r = comm.size, comm.rank
+        out_sizes = torch.roll(off_dev[1:] - off_dev[:-1], -(r + 1))[:P - 1]
+        in_sizes = torch.empty(P - 1, dtype=torch.int64, device=off_dev.device)
+        works = []
+        for j in range(1, P):
+            works.append(comm.irecv(in_sizes[j - 1:j], (r - j) % P))
+            works.append(comm.isend(out_sizes[j - 1:j], (r + j) % P))
+        for w in works:
+            w.wait()
+        both = torch.cat([off_dev, in_sizes]).tolist()
+        return both[:P + 1], both[P + 1:]
+
+    @staticmethod
+    def _counted(got: list[tuple[torch.Tensor, None, int]], eb: int, comm: Comm,
+                 n_in: list[int], checks: list[tuple[torch.Tensor, str]]
+                 ) -> list[tuple[torch.Tensor, int, int]]:
+        """The bounded messages of a bucket (:meth:`_split_and_reduce`) with the counts they
+        carry (one read), each counted as received (and appended to ``n_in``); the empty ones
+        dropped. A count its buffer cannot hold fails a check (read by the caller with the
+        step's others, so every rank finishes the collective) and its message counts as
+        empty."""
+        counts = torch.cat([buf[:_COUNT] for buf, _, _ in got]).view(torch.int64).tolist()
+        out = []
+        for (buf, _, src), c in zip(got, counts):
+            cap = (buf.numel() - _COUNT) // eb
+            if not 0 <= c <= cap:
+                checks.append((torch.zeros((), dtype=torch.bool, device=buf.device),
+                               f"oktopk: rank {src}'s message announces {c} entries for a "
+                               f"region that holds at most {cap}"))
+                c = 0
+            comm.received(_COUNT + c * eb)
+            n_in.append(c)
+            if c:
+                out.append((buf[_COUNT:_COUNT + c * eb], c, src))
+        return out
 
     def _exact_threshold(self, mags: torch.Tensor, k: int, comm: Comm) -> float:
         """θ = the k-th largest magnitude over the union of all ranks' reduced regions.
