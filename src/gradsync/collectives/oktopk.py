@@ -15,8 +15,10 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
    The entry counts are exchanged first; the payloads go out in buckets of min(4, P) non-blocking
    messages, and a bucket is reduced (merged) while the next one is in flight (Fig. 2c). Where
    a receive may be longer than its message (gloo, :meth:`~gradsync.collectives.comm.Comm.
-   bounded`; ours), each message carries its count ahead of its entries instead, into a buffer
-   that holds one entry per position of the region: the same bytes, one round fewer a step.
+   bounded`; ours) and the CPU's own kernels run, each message carries its count ahead of its
+   entries instead, into a buffer that holds one entry per position of the region: the same
+   bytes, one round fewer a step, for one more host read (the counts, on arrival: a CPU
+   tensor's; the accelerators' kernels keep the offsets and sizes in one read).
    Contributions are added in float64 and rounded once to the gradient's dtype: the sum of a
    few fp32/bf16/fp16 values is exact in float64 (unless their exponents span more than about
    29 bits), so the reduced value does not depend on the arrival order of the buckets.
@@ -45,7 +47,8 @@ CHECKS`), which reads them with the step's other checks. A reuse step then reads
 regions' counts with the non-finite flags and, per region, how many of its selected entries
 each rank sent (one all-gather): so each rank knows the size of its ``kept`` before the global
 selection arrives. At P > 1 it also reads the regions' offsets in its selection with the sizes
-of the peers' messages (one read), and the merge of the messages reads the size of their union
+of the peers' messages (one read; two on the CPU's own kernels over gloo, the counts arriving
+inside the messages, step 2), and the merge of the messages reads the size of their union
 (:func:`~gradsync.sparsegrad.sparse_sum`, given the region's ends); an exact θ adds the radix
 select's 8.
 A malformed message raises after θ and the boundaries are committed (a non-finite value, before;
@@ -81,6 +84,7 @@ from gradsync.sparsegrad import (
     bincount,
     checked_entries,
     flatnonzero,
+    host_kernels,
     mark_at,
     put_at,
     sparse_sum,
@@ -462,9 +466,11 @@ class OkTopk(Collective):
         lo, hi = edges[r], edges[r + 1]
         # The counts in the messages (one round) where a receive may be longer than its
         # message: a peer sends at most one entry per position of this rank's region. Every
-        # rank decides alike, from the largest region.
+        # rank decides alike, from the largest region. It costs a read of the counts on
+        # arrival, free on the CPU's own kernels; the accelerators' keep one read a step.
         widest = max(b - a for a, b in itertools.pairwise(edges))
-        bounded = comm.bounded(dev) and _COUNT + widest * eb <= BOUNDED_MAX
+        bounded = (host_kernels(sel.indices) and comm.bounded(dev)
+                   and _COUNT + widest * eb <= BOUNDED_MAX)
         # the one read: the offsets, with the counts when they travel first
         off, n_in = (off_dev.tolist(), []) if bounded else self._sizes_first(off_dev, comm)
         own_i, own_v = region(r)
