@@ -1201,6 +1201,14 @@ def test_accuracy_lm_density_claim_holds_in_the_written_results():
     assert pct(oi["finals"]) == 2.63 and max(got[3], pct(oi["finals"])) < 3
     for row, one, ratio in ((topka[0.02], base["topka"], 1.26), (oi, base["ssfusion_oi"], 1.20)):
         assert round(row["run_bytes_per_step"] / one["run_bytes_per_step"], 2) == ratio
+    half = {r["scheme"]: r for r in _results(
+        "convergence-lm-1000-0.015", "--model gpt_tiny --steps 1000 --seeds 3 --eval-points 10 "
+        "--schemes ddp,topka,ssfusion_oi --density 0.015")["rows"]}
+    assert half["ddp"]["finals"] == ddp
+    assert [pct(half[s]["finals"]) for s in ("topka", "ssfusion_oi")] == [3.24, 4.16]
+    assert [round(half[s]["run_bytes_per_step"] / base[s]["run_bytes_per_step"], 2)
+            for s in ("topka", "ssfusion_oi")] == [1.13, 1.10]
+    assert "**+3.24 % and +4.16 %**, for 1.13× and 1.10× the run's bytes" in page
     curves = {s: base[s]["history"] for s in ("ddp", "topka", "ssfusion_oi")}
     behind = {s: [100 * (statistics.mean(h[i]["perplexity"] for h in curves[s])
                          / statistics.mean(h[i]["perplexity"] for h in curves["ddp"]) - 1)
