@@ -23,6 +23,16 @@ principle of optimality holds for the state (j, m) and
 gives the exact minimum of ``simulate`` over all 2^{L−1} contiguous groupings. The buffer count
 m has to be in the state because of the sparsifier's start-up a; that makes it O(L³) arithmetic,
 done as O(L) vectorised numpy steps (L = 500 takes well under a second). Ties go to fewer buffers.
+
+**No core of its own (ours, as SSFusion-I's split: schedule/ssfusion.py).** The recurrence lets
+a buffer's all-gather run beside the next buffers' backward. Where the host's cores, shared out
+over its ranks, leave the communication threads no core beside the training thread's
+(:attr:`~gradsync.schedule.costmodel.CostModel.worker_has_a_core`), the all-gather's start-ups
+and their CPU work ((P−1)α + the collective's fixed compute) take that core: each buffer then
+adds them to the compute stream too, as the sparsifier's start-up ``a`` does, which keeps the
+DP exact. Measured on 2 cores at P = 4 (docs/results/speed.md, "Fusion without a spare core"):
+SSFusion-OI's CNN plan of two buffers made two all-gathers a step, 6 ring rounds against
+TopkA's 3, for no overlap.
 """
 
 from __future__ import annotations
@@ -45,6 +55,8 @@ def cupcake_groups(names: list[str], numel: dict[str, int], cost: CostModel,
     B = np.concatenate([[0.0], np.cumsum(tb)])
     N = np.concatenate([[0], np.cumsum(ns)])
     a, b = cost.sparsify.a, cost.sparsify.b
+    if not cost.worker_has_a_core:  # no core of its own (module doc): each buffer's start-ups
+        a += (cost.P - 1) * cost.allgather.alpha + cost.t_compute_allgather(0)  # hold it
     # T_cm of group (i, j] for every pair (Eq. 3 on k(N_j − N_i) entries), vectorised; k is
     # the one rule target_k, evaluated once per distinct group size.
     sizes = np.maximum(N[None, :] - N[:, None], 0)  # [i, j] = N_j − N_i
