@@ -268,6 +268,36 @@ def test_cupcake_dp_equals_brute_force_over_contiguous_groupings():
         assert t_dp == pytest.approx(got, rel=1e-9, abs=1e-12)
 
 
+def test_cupcake_without_a_spare_core_counts_each_buffers_start_ups_in_the_backward():
+    """Where the communication threads have no core beside the training thread's
+    (``info["cores_per_rank"]`` below two), each buffer's all-gather start-ups, (P−1)α and the
+    collective's fixed CPU, hold the backward's core: FindOptFusion is then exactly the DP of
+    a model whose sparsifier start-up carries them (checked by brute force over every
+    contiguous grouping), which changes some plans; where two buffers overlap with a spare
+    core, without one they fuse."""
+    fewer = 0
+    for seed in range(12):
+        names, numel, cm = random_model(300 + seed, L=random.Random(seed).randint(2, 9))
+        density = random.Random(seed).choice([0.001, 0.01, 0.1])
+        spare, _ = cupcake_groups(names, numel, cm, density)
+        cm.info = {"device": "cpu", "cores_per_rank": 1.0}
+        groups, t_dp = cupcake_groups(names, numel, cm, density)
+        host = (cm.P - 1) * cm.allgather.alpha + cm.t_compute_allgather(0)
+        folded = dataclasses.replace(cm, info={}, sparsify=AffineFit(cm.sparsify.a + host,
+                                                                     cm.sparsify.b))
+        brute = min(simulate(fused_plan(g, numel, density), folded).iteration
+                    for g in contiguous_groupings(names))
+        assert t_dp == pytest.approx(brute, rel=1e-9, abs=1e-12), seed
+        fewer += len(groups) < len(spare)
+    assert fewer  # the rule changes some plans, not none
+    # start-ups that dominate: with a spare core two buffers overlap, without one they fuse
+    names, numel = ["a", "b"], {"a": 400_000, "b": 400_000}
+    cm = cost_model(numel, {"a": 4e-3, "b": 4e-3}, P=4, sp=(0.0, 1e-9), ag=(1e-3, 3e-8))
+    assert len(cupcake_groups(names, numel, cm, 0.01)[0]) == 2
+    cm.info = {"device": "cpu", "cores_per_rank": 1.0}
+    assert len(cupcake_groups(names, numel, cm, 0.01)[0]) == 1
+
+
 def test_cupcake_is_never_worse_than_fixed_wfbp_or_one_buffer():
     for seed in range(15):
         names, numel, cm = random_model(200 + seed)

@@ -29,10 +29,10 @@ a buffer's all-gather run beside the next buffers' backward. Where the host's co
 over its ranks, leave the communication threads no core beside the training thread's
 (:attr:`~gradsync.schedule.costmodel.CostModel.worker_has_a_core`), the all-gather's start-ups
 and their CPU work ((P−1)α + the collective's fixed compute) take that core: each buffer then
-adds them to the compute stream too, as the sparsifier's start-up ``a`` does, which keeps the
-DP exact. Measured on 2 cores at P = 4 (docs/results/speed.md, "Fusion without a spare core"):
-SSFusion-OI's CNN plan of two buffers made two all-gathers a step, 6 ring rounds against
-TopkA's 3, for no overlap.
+adds them to the compute stream too, as the sparsifier's start-up ``a`` does: the DP is then
+exact for that recurrence (``simulate`` with ``a`` raised by them). Measured on 2 cores at
+P = 4 (docs/results/speed.md, "Fusion without a spare core"): SSFusion-OI's CNN plan of two
+buffers made two all-gathers a step, 6 ring rounds against TopkA's 3, for no overlap.
 """
 
 from __future__ import annotations
