@@ -478,12 +478,15 @@ class Comm:
         """Send to ``dst`` and receive from ``src`` concurrently (either may be ``None``); on
         NCCL the two go out as one batch (module docstring)."""
         self.flush()
-        recv = recv if recv is not None and recv.numel() else None
-        send = send if send is not None and send.numel() else None
-        works = []
-        if recv is not None:
-            works.append(self.irecv(recv, src))
-        if send is not None:
+        self._with_send(self.irecv(recv, src) if recv is not None and recv.numel() else None,
+                        send, dst)
+
+    def _with_send(self, received: dist.Work | None, send: torch.Tensor | None,
+                   dst: int) -> None:
+        """Post ``send`` to ``dst`` (unless empty) after the receive ``received``, then wait
+        for both."""
+        works = [] if received is None else [received]
+        if send is not None and send.numel():
             works.append(self.isend(send, dst))
         for w in works:
             w.wait()
@@ -497,11 +500,7 @@ class Comm:
         header; ``ValueError`` when malformed, with both directions complete, so no peer is
         left waiting); that length is what is counted as received. Returns it."""
         self.flush()
-        works = [self.irecv_bounded(buf, src)]
-        if send is not None and send.numel():
-            works.append(self.isend(send, dst))
-        for w in works:
-            w.wait()
+        self._with_send(self.irecv_bounded(buf, src), send, dst)
         n = int(size_of(buf))
         self.received(n)
         return n

@@ -78,7 +78,14 @@ from gradsync.collectives import registry
 from gradsync.collectives.base import CHECKS, Collective
 from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
-from gradsync.formats.wire import entry_bytes, pack_entries, unpack_entries, wire_index_dtype
+from gradsync.formats.wire import (
+    COUNT_BYTES,
+    entry_bytes,
+    pack_entries,
+    pack_entries_counted,
+    unpack_entries,
+    wire_index_dtype,
+)
 from gradsync.sparsegrad import (
     SparseGrad,
     bincount,
@@ -95,9 +102,8 @@ from gradsync.sparsegrad import (
 __all__ = ["OkTopk"]
 
 # Split and reduce where a receive may be longer than its message (gloo): each message carries
-# its entry count (one int64) ahead of its entries, one round instead of the counts' and the
-# entries', into a buffer of at most this many bytes (else the counts go first).
-_COUNT = 8
+# its entry count ahead of its entries (wire.pack_entries_counted), one round instead of the
+# counts' and the entries', into a buffer of at most this many bytes (else the counts go first).
 BOUNDED_MAX = 64 * 2**20
 _RADIX_BITS = 4  # radix select: 16 bins per round, 8 rounds over the 32 bits of a float32
 _STATE_KEYS = (
@@ -470,7 +476,7 @@ class OkTopk(Collective):
         # arrival, free on the CPU's own kernels; the accelerators' keep one read a step.
         widest = max(b - a for a, b in itertools.pairwise(edges))
         bounded = (host_kernels(sel.indices) and comm.bounded(dev)
-                   and _COUNT + widest * eb <= BOUNDED_MAX)
+                   and COUNT_BYTES + widest * eb <= BOUNDED_MAX)
         # the one read: the offsets, with the counts when they travel first
         off, n_in = (off_dev.tolist(), []) if bounded else self._sizes_first(off_dev, comm)
         own_i, own_v = region(r)
@@ -483,12 +489,10 @@ class OkTopk(Collective):
                 src, dst = (r - j) % P, (r + j) % P
                 di, dv = region(dst)
                 if bounded:  # [count][indices][values], into a buffer of the region's bound
-                    buf = torch.empty(_COUNT + (hi - lo) * eb, dtype=torch.uint8, device=dev)
+                    buf = torch.empty(COUNT_BYTES + (hi - lo) * eb, dtype=torch.uint8, device=dev)
                     pending.append((comm.irecv_bounded(buf, src), buf))
                     got.append((buf, None, src))
-                    msg = torch.cat([torch.tensor([di.numel()], dtype=torch.int64,
-                                                  device=dev).view(torch.uint8),
-                                     pack_entries(di, dv, wire)])
+                    msg = pack_entries_counted(di, dv, wire)
                     pending.append((comm.isend(msg, dst), msg))  # keep msg alive until wait
                     continue
                 buf = torch.empty(n_in[j - 1] * eb, dtype=torch.uint8, device=dev)
@@ -549,19 +553,19 @@ class OkTopk(Collective):
         dropped. A count its buffer cannot hold fails a check (read by the caller with the
         step's others, so every rank finishes the collective) and its message counts as
         empty."""
-        counts = torch.cat([buf[:_COUNT] for buf, _, _ in got]).view(torch.int64).tolist()
+        counts = torch.cat([buf[:COUNT_BYTES] for buf, _, _ in got]).view(torch.int64).tolist()
         out = []
         for (buf, _, src), c in zip(got, counts):
-            cap = (buf.numel() - _COUNT) // eb
+            cap = (buf.numel() - COUNT_BYTES) // eb
             if not 0 <= c <= cap:
                 checks.append((torch.zeros((), dtype=torch.bool, device=buf.device),
                                f"oktopk: rank {src}'s message announces {c} entries for a "
                                f"region that holds at most {cap}"))
                 c = 0
-            comm.received(_COUNT + c * eb)
+            comm.received(COUNT_BYTES + c * eb)
             n_in.append(c)
             if c:
-                out.append((buf[_COUNT:_COUNT + c * eb], c, src))
+                out.append((buf[COUNT_BYTES:COUNT_BYTES + c * eb], c, src))
         return out
 
     def _exact_threshold(self, mags: torch.Tensor, k: int, comm: Comm) -> float:

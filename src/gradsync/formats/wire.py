@@ -11,7 +11,10 @@
   TopkA, TopkDSA, gTop-k and Ok-Topk all have this layout. A message of *fixed* size (the
   receiver knows an upper bound and needs no count message first) is
   ``[count as int64][entries][zeros up to capacity]`` (:func:`pack_entries_fixed` /
-  :func:`unpack_entries_fixed`); SparDL's rounds and all-gather use it.
+  :func:`unpack_entries_fixed`); SparDL's rounds and all-gather use it. Without the zeros,
+  ``[count as int64][entries]`` (:func:`pack_entries_counted`) is a message whose receiver
+  posts a buffer of the bound and reads the count from what arrives (gloo,
+  ``Comm.irecv_bounded``); Ok-Topk's split-and-reduce uses it.
 * **Value dtype codes**: one byte per value dtype (:data:`DTYPE_CODES`, :func:`dtype_code`), in
   the format headers and in the collectives' shape consensus.
 * **Header** of the wire formats (:func:`pack_header` / :func:`unpack_header`): magic, version,
@@ -40,6 +43,7 @@ from gradsync.sparsegrad import host_kernels, iota
 __all__ = [
     "BITS_DTYPES",
     "CODE_DTYPES",
+    "COUNT_BYTES",
     "DTYPE_CODES",
     "INDEX_DTYPES",
     "VERSION",
@@ -55,6 +59,7 @@ __all__ = [
     "pack_bits",
     "pack_entries",
     "pack_entries_capped",
+    "pack_entries_counted",
     "pack_entries_fixed",
     "pack_header",
     "packed_bytes",
@@ -239,8 +244,20 @@ def entries_bytes(count: int, index_dtype: torch.dtype, dtype: torch.dtype,
 
 
 def fixed_entries_bytes(capacity: int, index_dtype: torch.dtype, dtype: torch.dtype) -> int:
-    """Size of a :func:`pack_entries_fixed` message: 8 + ``capacity`` entries."""
-    return 8 + capacity * entry_bytes(index_dtype, dtype)
+    """Size of a :func:`pack_entries_fixed` message: the count + ``capacity`` entries."""
+    return COUNT_BYTES + capacity * entry_bytes(index_dtype, dtype)
+
+
+# the int64 count ahead of the entries of a counted or fixed-size message
+COUNT_BYTES = 8
+
+
+def pack_entries_counted(indices: torch.Tensor, values: torch.Tensor,
+                         index_dtype: torch.dtype) -> torch.Tensor:
+    """``[count (int64)][indices][values]``: :func:`pack_entries` with its count ahead, in one
+    copy (:data:`COUNT_BYTES` + :func:`entries_bytes` bytes)."""
+    count = torch.tensor([indices.numel()], dtype=torch.int64, device=values.device)
+    return torch.cat([to_bytes(count), to_bytes(indices.to(index_dtype)), to_bytes(values)])
 
 
 def pack_entries_fixed(indices: torch.Tensor, values: torch.Tensor, index_dtype: torch.dtype,
@@ -253,9 +270,8 @@ def pack_entries_fixed(indices: torch.Tensor, values: torch.Tensor, index_dtype:
         raise ValueError(f"pack_entries_fixed: {count} entries exceed the capacity {capacity}")
     out = torch.zeros(fixed_entries_bytes(capacity, index_dtype, values.dtype), dtype=torch.uint8,
                       device=values.device)
-    out[:8] = to_bytes(torch.tensor([count], dtype=torch.int64, device=values.device))
-    body = pack_entries(indices, values, index_dtype)
-    out[8:8 + body.numel()] = body
+    body = pack_entries_counted(indices, values, index_dtype)
+    out[:body.numel()] = body
     return out
 
 
