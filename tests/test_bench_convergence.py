@@ -1170,6 +1170,31 @@ def test_accuracy_topka_masking_claim_holds_in_the_written_results():
     assert masked["topka"]["bytes_per_step"] == plain["topka"]["bytes_per_step"]
 
 
+def test_accuracy_local_clipping_claim_holds_in_the_written_results():
+    """accuracy.md: DGC's local clipping at --clip-norm 2 ends TopkA 1.78 [−3.01, −0.55] and
+    SSFusion-OI 1.11 [−2.07, −0.15] points below DDP, −0.80 ± 1.03 and −0.53 ± 0.91 paired
+    with the unclipped runs of the same seeds, at the same bytes, with smaller loss spikes."""
+    page = _accuracy()
+    assert ("**TopkA −1.78 [−3.01, −0.55], SSFusion-OI −1.11 [−2.07, −0.15] points vs DDP**; "
+            "paired with the unclipped runs −0.80 ± 1.03 and −0.53 ± 0.91") in page
+    assert "worst loss after step 5 1.19× step 0's, against 2.17× and 1.76× unclipped" in page
+    clipped = {r["scheme"]: r for r in _results(
+        "convergence-cnn-clip-2",
+        "--model cnn --schemes ddp,topka,ssfusion_oi --seeds 10 --clip-norm 2")["rows"]}
+    plain = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-03")["rows"]}
+    assert clipped["ddp"]["finals"] == plain["ddp"]["finals"]  # the same DDP runs
+    for scheme, (lo, hi), (gap, half), (spike, was) in (
+            ("topka", (-3.01, -0.55), (-0.80, 1.03), (1.19, 2.17)),
+            ("ssfusion_oi", (-2.07, -0.15), (-0.53, 0.91), (1.19, 1.76))):
+        m, h = _paired_points(clipped[scheme]["finals"], clipped["ddp"]["finals"])
+        assert (round(m - h, 2), round(m + h, 2)) == (lo, hi), scheme
+        m, h = _paired_points(clipped[scheme]["finals"], plain[scheme]["finals"])
+        assert (round(m, 2), round(h, 2)) == (gap, half), scheme
+        assert (round(clipped[scheme]["spike"], 2), round(plain[scheme]["spike"], 2)) == (
+            spike, was), scheme
+        assert abs(clipped[scheme]["bytes_per_step"] / plain[scheme]["bytes_per_step"] - 1) < 1e-3
+
+
 def test_accuracy_lm_density_claim_holds_in_the_written_results():
     """accuracy.md: over 1000 steps TinyGPT's gap follows the density, not the AdamW recipe:
     TopkA −0.38, +1.06, +2.16, +2.05 and +4.56 % of DDP's perplexity at 50, 10, 3, 2 and 1 %
