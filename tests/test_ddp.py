@@ -92,7 +92,9 @@ def _threaded(rank: int, world_size: int, scheme: str, inline: bool, unused: boo
     import threading
 
     from gradsync.engine import pipeline
+    from gradsync.schedule import costmodel
 
+    costmodel.cores_per_rank = lambda: 4.0  # a spare core: SSFusion-I's split (hook_interleaves)
     if inline:  # the only difference: _send's choice of thread
         pipeline.host_kernels = lambda t: False
     model = build("cnn", seed=4)
@@ -243,7 +245,20 @@ def test_compensation_keeps_bucket_budget():
     assert _densities(every, numels) == [0.01] * 5
 
 
-def _bucket_bytes(rank, world_size, scheme):
+def _bucket_bytes(rank, world_size, scheme, cores=4.0):
+    from gradsync.collectives.comm import Comm
+    from gradsync.schedule import costmodel
+
+    costmodel.cores_per_rank = lambda: cores  # cores per rank: a spare one, or none
+    reduced = []  # the entries of every floating-point all-reduce (SSFusion-I's Buffer_AR)
+    orig = Comm.all_reduce
+
+    def counted(self, tensor, *args, **kwargs):
+        if tensor.is_floating_point():
+            reduced.append(tensor.numel())
+        return orig(self, tensor, *args, **kwargs)
+
+    Comm.all_reduce = counted
     model = build("cnn", seed=4)
     ddp = DDP(model, bucket_cap_mb=25)  # one bucket: one hook call per step
     state = gradsync.ddp.register(ddp, Config(scheme=scheme, density=0.01, sparsifier="topk"),
@@ -254,7 +269,7 @@ def _bucket_bytes(rank, world_size, scheme):
         x, y = image_batch(rank, step, 16)
         nn.functional.cross_entropy(ddp(x), y).backward()
         sent.append(state.counts.last.bytes_sent)
-    return sent, sum(p.numel() for p in model.parameters())
+    return sent, sum(p.numel() for p in model.parameters()), reduced
 
 
 @pytest.mark.parametrize("world_size", [2, 3, 4])
@@ -264,9 +279,27 @@ def test_ssfusion_hooks_send_the_target_bytes(scheme, world_size):
     the all-gather would: (P − 1) · 8 bytes per entry, 1 % of the CNN's entries. ``ssfusion_oi``
     all-reduces its unsparsified tensors (522 entries here); charged as all-gathered entries
     they would leave its weights 6–9 % of that budget short."""
-    for sent, numel in run_distributed(_bucket_bytes, world_size, scheme, timeout=180):
+    for sent, numel, reduced in run_distributed(_bucket_bytes, world_size, scheme,
+                                                timeout=180):
         target = 0.01 * numel * 8 * (world_size - 1)
         assert all(abs(b - target) <= 0.005 * target for b in sent), (sent, target)
+        assert reduced == ([522] * 2 if scheme == "ssfusion_oi" else []), reduced
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_without_a_spare_core_the_hook_sends_ssfusion_i_whole_tensors_in_the_all_gather(
+        world_size):
+    """Where each rank has less than a core beside its training thread
+    (``schedule.costmodel.spare_core``: a CPU host, fewer than 2 cores per rank), SSFusion-I's
+    all-reduce part cannot run beside the backward: the hook sends the tensors it would
+    all-reduce as values in the all-gather (no floating-point all-reduce at all), charged as
+    all-gathered entries, so each rank still sends the target's bytes (the engine's cost model
+    weighs the same split: ``schedule/ssfusion.py``, "No core of its own")."""
+    for sent, numel, reduced in run_distributed(_bucket_bytes, world_size, "ssfusion_oi", 1.0,
+                                                timeout=180):
+        target = 0.01 * numel * 8 * (world_size - 1)
+        assert all(abs(b - target) <= 0.005 * target for b in sent), (sent, target)
+        assert reduced == [], reduced
 
 
 def test_sparsifiers_seeded_per_tensor():

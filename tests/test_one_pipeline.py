@@ -27,6 +27,7 @@ from gradsync.engine.config import Config
 from gradsync.integrations.ddp import HookState, _densities
 from gradsync.integrations.ddp import _sparse_hook as SPARSE_HOOK
 from gradsync.schedule import BufferPlan, Plan, TensorPlan
+from gradsync.schedule.ssfusion import hook_interleaves
 from gradsync.testing import run_distributed
 
 STEPS = 6
@@ -58,7 +59,7 @@ def _plan(scheme: str, small_numel: int, P: int, order: list[str]) -> dict:
         size = P
 
     dens = _densities(state, numels, 4, _Group())
-    interleave = state.scheme.interleave
+    interleave = hook_interleaves(state.scheme.interleave, "cpu")
     tensors = tuple(TensorPlan(n, k, d, allreduce=d is None and interleave)
                     for n, k, d in zip(order, numels, dens))
     assert any(d is None for d in dens) and any(d is not None for d in dens)  # both kinds
@@ -107,7 +108,9 @@ def _run(rank: int, P: int, scheme: str, small_numel: int, warmup: bool) -> dict
     # whole) before it takes Config.plan; the hook has none. Here the given plan runs from the
     # first step, so the two paths start alike and only their pipelines are compared.
     from gradsync.engine import warmup as profiling
+    from gradsync.schedule import costmodel
 
+    costmodel.cores_per_rank = lambda: 4.0  # a spare core: the hook splits SSFusion-I's buckets
     profiling.provisional_plan = lambda cfg, order, numel: Plan.from_dict(cfg.plan)
     hook = _train(rank, P, scheme, small_numel, warmup, None)
     assert len(ORDER) == STEPS and all(o == ORDER[1] for o in ORDER[1:])  # one bucket

@@ -44,6 +44,7 @@ from gradsync.schedule.ssfusion import (
     allgather_charge,
     allreduce_charge,
     dishonoured_density,
+    hook_interleaves,
     hook_plan,
 )
 from gradsync.sparsegrad import target_k
@@ -67,8 +68,7 @@ class _Model:
     shapes: list[tuple[str, tuple[int, ...]]] | None = None  # the model's, when known
     trained: tuple[int, ...] | None = None  # numels of the parameters DDP reduces (trainable)
     checked: bool = False  # configuration agreed across ranks
-    # world size 1 without Config.compress_single_rank: every bucket sent whole (dense path)
-    passthrough: bool = False
+    passthrough: bool = False  # P = 1 without Config.compress_single_rank: every bucket whole
 
 
 @dataclass
@@ -176,8 +176,7 @@ class HookState:
         return {"rank": me.rank, "world_size": me.world_size, "config": self.cfg.to_dict(),
                 "small_numel": self.small_numel, "params": self._params(),
                 "feedback": self.ef.state_dict(), "steps": self.counts.steps,
-                "loss_scale": self.amp.loss_scale,
-                "density_schedule": self.density.state_dict(),
+                "loss_scale": self.amp.loss_scale, "density_schedule": self.density.state_dict(),
                 **self.parts.state_dict(), **self.auto.state_dict(),
                 "fusion": self.fusion.trial}
 
@@ -235,7 +234,8 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
         chosen = [cfg.density] * len(numels)
     else:
         P = comm.size if comm is not None else 1
-        charge = (allreduce_charge if state.scheme.interleave else allgather_charge)(P, elem_bytes)
+        split = hook_interleaves(state.scheme.interleave, getattr(device, "type", "cpu"))
+        charge = (allreduce_charge if split else allgather_charge)(P, elem_bytes)
         whole, d, sent, forced = hook_plan(
             state.model.trained or tuple(numels), state.small_numel, cfg.density,
             cfg.min_density, charge, cfg.effective_min_k, allgather_charge(P, elem_bytes))
@@ -274,10 +274,10 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         # backward goes on (a blocking one here held autograd: 0.69-0.87x DDP); through
         # error feedback, which holds what earlier sparse steps left behind
         return pipe.whole(buf, True)
-    # SSFusion-I and auto: the tensors sent whole in an all-reduce part
+    # SSFusion-I (where a core is spare for it) and auto: the tensors sent whole all-reduced
+    split = hook_interleaves(state.scheme.interleave, buf.device.type)
     jobs = _bucket_jobs(tuple(pipe.names), tuple(pipe.numels), tuple(densities),
-                        state.scheme.interleave or state.scheme.planner == "auto",
-                        state.scheme.collective)
+                        split or state.scheme.planner == "auto", state.scheme.collective)
     # DGC's warm-up (Config.density_warmup), as the engine's jobs take it; at density 1 every
     # entry travels in an all-reduce (DDP's bytes, not an all-gather of all of it)
     d = state.density.at(state.counts.steps)

@@ -46,6 +46,7 @@ __all__ = [
     "profile_sparse_call",
     "profile_sparsifier",
     "profiling_input",
+    "spare_core",
     "with_call_cost",
 ]
 
@@ -273,7 +274,7 @@ class CostModel:
         yes). Otherwise its selection takes the core of the backward it was meant to hide
         behind, or another rank's, and adds a hand-off between threads to the same work."""
         cores = self.info.get("cores_per_rank")
-        return self.info.get("device", "cpu") != "cpu" or cores is None or cores >= SPARE_CORE
+        return cores is None or spare_core(self.info.get("device", "cpu"), cores)
 
     # -- times -------------------------------------------------------------------------
     @property
@@ -394,6 +395,15 @@ def missing_rate(selected_counts: dict[str, int]) -> float:
 # ---------------------------------------------------------------------------------------------
 # Profilers
 # ---------------------------------------------------------------------------------------------
+def spare_core(device: str, cores: float | None = None) -> bool:
+    """Whether a rank's threads beside its training thread (SSFusion-O's worker, the
+    communication thread, gloo's) have a core of their own: on an accelerator host (``device``
+    not ``"cpu"``: they run on its CPU), and on a CPU host where each rank has
+    :data:`SPARE_CORE` cores (``cores``; None: :func:`cores_per_rank`). The rule of
+    :attr:`CostModel.worker_has_a_core`, and of the DDP hook, which has no cost model."""
+    return device != "cpu" or (cores_per_rank() if cores is None else cores) >= SPARE_CORE
+
+
 def cores_per_rank() -> float:
     """The CPU cores this process may run on, shared out over the ranks of its host
     (``LOCAL_WORLD_SIZE``, which torchrun and :mod:`gradsync.testing` set; 1 when unset), the

@@ -125,7 +125,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import replace
 from typing import Any
 
-from gradsync.schedule.costmodel import INDEX_BYTES, CostModel
+from gradsync.schedule.costmodel import INDEX_BYTES, CostModel, spare_core
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan, below_min_k, entries
 from gradsync.schedule.timeline import buffer_comm_time, simulate
 from gradsync.sparsegrad import target_k
@@ -139,6 +139,7 @@ __all__ = [
     "charge_bytes",
     "compensate",
     "dishonoured_density",
+    "hook_interleaves",
     "hook_plan",
     "interleave_buffer",
     "offload_buffer",
@@ -280,6 +281,17 @@ def starved(numels: Sequence[int], density: float, min_k: int, charge: float) ->
     below = [below_min_k(n, density, min_k) for n in numels]
     spent = sum(charge * n for n, b in zip(numels, below) if b)
     return below if spent <= MIN_K_SHARE * density * sum(numels) else [False] * len(numels)
+
+
+def hook_interleaves(interleave: bool, device: str) -> bool:
+    """Whether the DDP hook splits a bucket's tensors sent whole into SSFusion-I's all-reduce
+    part (Buffer_AR): for the SSFusion-I schemes (``interleave``) where the threads that run it
+    have a core of their own (:func:`~gradsync.schedule.costmodel.spare_core`). Without one its
+    start-ups take the backward's core, which the engine's cost model charges (module doc, "No
+    core of its own") and the hook, without a cost model, cannot weigh; the split then only
+    saves bytes at P > 2 and adds a round: on 2 cores (P = 2, 4) the CNN's step through the hook
+    was 0.6–0.8 ms faster without it (speed.md, "The hook's split without a spare core")."""
+    return interleave and spare_core(device)
 
 
 @functools.lru_cache(maxsize=64)
