@@ -941,9 +941,12 @@ def test_broadcast_initial_is_validated():
     assert Config().broadcast_initial is True
 
 
-def _warmup_traffic_rank(rank: int, world_size: int) -> list[int]:
+def _warmup_traffic_rank(rank: int, world_size: int, cores: float) -> list[int]:
     from conftest import image_batch
 
+    from gradsync.schedule import costmodel
+
+    costmodel.cores_per_rank = lambda: cores  # a spare core per rank, or none
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme="ssfusion", density=0.05, sparsifier="topk",
                                   warmup_steps=2, check_every=0))
@@ -958,15 +961,19 @@ def _warmup_traffic_rank(rank: int, world_size: int) -> list[int]:
     return sent
 
 
-def test_warmup_profiling_and_plan_broadcast_are_counted():
+@pytest.mark.parametrize("cores", [4.0, 1.0])
+def test_warmup_profiling_and_plan_broadcast_are_counted(cores):
     """The step that ends the warm-up also sends the cost model's collective probes and the
     plan's broadcast, and counts them. P = 2, the default probes: all-reduce and all-gather of
     1 KiB, 16 KiB, 128 KiB and 1 MiB, each 1 + 5 times (a ring all-reduce of s bytes sends s at
     P = 2, an all-gather s), then a max-reduce of the 8 medians (fp64, 64 B); rank 0 also
-    broadcasts the plan (a length word and a pickle)."""
+    broadcasts the plan (a length word and a pickle). Without a spare core the warm-up also
+    times the scheme's sparse call (``profile_sparse_call``): 1 + 5 TopkA calls of one entry
+    (its count, 8 B, then the entry, 8 B), the first behind a shape check (four int64 words),
+    and the max-reduce of the medians (8 B)."""
     sizes = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
-    probes = sum(6 * (s + s) for s in sizes) + 64
-    out = run_distributed(_warmup_traffic_rank, 2, timeout=180)
+    probes = sum(6 * (s + s) for s in sizes) + 64 + (0 if cores >= 2 else 6 * 16 + 32 + 8)
+    out = run_distributed(_warmup_traffic_rank, 2, cores, timeout=180)
     extra = [s[1] - s[0] for s in out]  # the two profiling steps send the same gradients
     assert extra[1] == probes
     assert extra[0] > probes + 8  # rank 0: the probes and the plan it broadcasts

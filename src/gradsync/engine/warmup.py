@@ -148,7 +148,11 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
     ``costmodel.profile_sparse_call``) and adds that fixed cost per call to the all-gather's α
     (``costmodel.with_call_cost``): without it the model priced a sparse buffer as a raw
     all-gather and chose sparse plans slower than DDP's dense buckets, until the trials replaced
-    them (docs/results/speed.md, "The warm-up's windows and trials").
+    them (docs/results/speed.md, "The warm-up's windows and trials"). Every other cost-model
+    scheme does too where no core is spare (``costmodel.spare_core``), where each buffer's call
+    takes the backward's core: there SSFusion-OI's CNN plan at P = 2, 1 Gbit/s, had a second
+    buffer of 320 entries sent whole, 1.5 ms a step slower than one (speed.md, "A sparse call
+    is not a raw all-gather").
     """
     order, backward = backward_profile(samples, list(names))
     spec = schemes.get(cfg.scheme)
@@ -157,7 +161,9 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
     call_s = None
     if needs:
         ar, ag = costmodel.profile_collectives(group, device=device, comm=comm)
-        if spec.planner == "auto" and new_collective is not None and P > 1:
+        dev = torch.device(device or "cpu").type
+        if (new_collective is not None and P > 1
+                and (spec.planner == "auto" or not costmodel.spare_core(dev))):
             call_s = costmodel.profile_sparse_call(new_collective(), group, device=device,
                                                    comm=comm)
             ag = costmodel.with_call_cost(ag, call_s, P)
