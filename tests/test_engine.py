@@ -943,7 +943,6 @@ def test_broadcast_initial_is_validated():
 
 def _warmup_traffic_rank(rank: int, world_size: int, cores: float) -> list[int]:
     from conftest import image_batch
-
     from gradsync.schedule import costmodel
 
     costmodel.cores_per_rank = lambda: cores  # a spare core per rank, or none

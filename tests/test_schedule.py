@@ -685,16 +685,23 @@ def test_ssfusion_i_splits_without_a_spare_core_only_where_the_bytes_saved_pay()
     numel = {"d0": 10, "d1": 1280, "d2": 128, "d3": 64, "w": 400_000}
     tb = {"d0": 1e-4, "d1": 1e-4, "d2": 1e-4, "d3": 1e-4, "w": 5e-3}
 
-    def split(cores: float, ag_beta: float) -> int:
+    def split(cores: float, ag_beta: float, call: float | None = None) -> int:
         cm = cost_model(numel, tb, P=2, ar=(1e-4, 8e-9), ag=(1e-4, ag_beta))
         cm.info = {"device": "cpu", "cores_per_rank": cores}
+        if call is not None:  # the warm-up's measured cost of a call above its start-ups
+            cm.info["call_overhead_s"] = call
         plan = make_plan("ssfusion_oi", list(numel), numel, 0.01, cm, min_k=1)
         return sum(t.allreduce for b in plan.buffers for t in b.tensors)
 
     assert split(cores=2.0, ag_beta=8e-9) == 4  # a spare core: the all-reduce is hidden
+    assert split(cores=2.0, ag_beta=8e-9, call=1e-3) == 4  # ... and so is its call
     # one core per rank: 2 start-ups of 0.1 ms against 1482 floats' all-gather bytes
     assert split(cores=1.0, ag_beta=8e-9) == 0  # 1 Gbit/s: 47 us saved, 200 us spent
     assert split(cores=1.0, ag_beta=8e-7) == 4  # 10 Mbit/s: 4.7 ms saved
+    # with the call's own cost (1 ms above its start-ups): 100 Mbit/s's 0.47 ms saved no
+    # longer pays, 10 Mbit/s's 4.7 ms still does
+    assert split(cores=1.0, ag_beta=8e-8) == 4 and split(cores=1.0, ag_beta=8e-8, call=1e-3) == 0
+    assert split(cores=1.0, ag_beta=8e-7, call=1e-3) == 4
 
 
 def test_ssfusion_oi_splits_every_buffer_at_its_best_split():

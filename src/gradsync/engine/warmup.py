@@ -158,7 +158,7 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
     spec = schemes.get(cfg.scheme)
     needs = spec.needs_cost_model
     payload: list[Any] = [None]
-    call_s = None
+    call_s = call_extra = None
     if needs:
         ar, ag = costmodel.profile_collectives(group, device=device, comm=comm)
         dev = torch.device(device or "cpu").type
@@ -166,7 +166,8 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
                 and (spec.planner == "auto" or not costmodel.spare_core(dev))):
             call_s = costmodel.profile_sparse_call(new_collective(), group, device=device,
                                                    comm=comm)
-            ag = costmodel.with_call_cost(ag, call_s, P)
+            ag, raw = costmodel.with_call_cost(ag, call_s, P), ag
+            call_extra = ag.alpha * (P - 1) - raw.alpha * (P - 1)  # its cost above a raw call
     if rank == 0:
         cost = None
         if needs:
@@ -182,7 +183,8 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
                       "segmented": sparsify.segments.pays_on(torch.device(device or "cpu")),
                       # whether SSFusion-O's worker has a core of its own (rank 0's host)
                       "cores_per_rank": costmodel.cores_per_rank(),
-                      **({} if call_s is None else {"sparse_call_s": call_s})})
+                      **({} if call_s is None else {"sparse_call_s": call_s,
+                                                    "call_overhead_s": call_extra})})
         plan = schedule.make_plan(cfg.scheme, order, numel, cfg.density, cost, **plan_kwargs(cfg))
         payload = [{"plan": plan.to_dict(), "cost": cost.to_dict() if cost else None}]
     return from_rank0(payload, group, P, comm)

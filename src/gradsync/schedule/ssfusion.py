@@ -91,7 +91,12 @@ that core, and only its bytes cross the link meanwhile: T2 = max(T_AR, Σ_{j>l�
 T_gpu^j) + T_AR^host) + T_AG. Measured on 2 cores at P = 2 (a core per rank), the CNN's split
 (four small tensors all-reduced mid-backward) made the step 2.4–2.8 ms slower than no split
 (``bench anatomy``, SSFusion-OI against SSFusion); with this term the split is taken only where
-the all-gather's bytes it saves outweigh those start-ups. Separation
+the all-gather's bytes it saves outweigh those start-ups. T_AR^host also carries one call's
+cost above a raw collective's start-ups (Python, hand-offs, the ranks meeting once more), as
+the warm-up measures it where no core is spare (``info["call_overhead_s"]``,
+:func:`gradsync.engine.warmup.final_plan`): with the start-ups alone the CNN's split still
+won at P = 2, 1 Gbit/s, in 2 of 3 warm-ups, and cost 1.6 ms a step (speed.md, "A sparse call
+is not a raw all-gather"). Separation
 follows the selective-sparsification decisions, as the paper says; the split point decides how
 early the all-reduce can start. After the split, compensation charges each Buffer_AR tensor
 at what its all-reduce sends (:func:`charge_bytes`: 1/P of an all-gathered entry per element
@@ -501,8 +506,8 @@ def interleave_buffer(buf: BufferPlan, cost: CostModel) -> tuple[BufferPlan, dic
         [t.numel * cost.elem_bytes for t in ts],
         [t.numel * cost.elem_bytes if t.density is None else t.k * cost.entry_bytes
          for t in ts],  # a tensor sent whole in the all-gather: its values only
-        cost.t_allreduce, cost.t_allgather,
-        None if cost.worker_has_a_core else cost.t_allreduce_host)
+        cost.t_allreduce, cost.t_allgather, None if cost.worker_has_a_core else (
+            lambda b: cost.t_allreduce_host(b) + cost.info.get("call_overhead_s", 0.0)))
     out = tuple(TensorPlan(t.name, t.numel, t.density, t.offload,
                            allreduce=(j < l and t.density is None)) for j, t in enumerate(ts))
     return BufferPlan(out, "per_tensor"), {"split": l, "T1+T2": v,
