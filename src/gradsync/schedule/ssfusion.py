@@ -294,8 +294,9 @@ def hook_interleaves(interleave: bool, device: str) -> bool:
     have a core of their own (:func:`~gradsync.schedule.costmodel.spare_core`). Without one its
     start-ups take the backward's core, which the engine's cost model charges (module doc, "No
     core of its own") and the hook, without a cost model, cannot weigh; the split then only
-    saves bytes at P > 2 and adds a round: on 2 cores (P = 2, 4) the CNN's step through the hook
-    was 0.6–0.8 ms faster without it (speed.md, "The hook's split without a spare core")."""
+    saves bytes at P > 2 and adds a round: on 2 cores the CNN's step through the hook was 0.2 ms
+    faster without it at P = 2 and 3 ms at P = 4 (speed.md, "The hook's split without a spare
+    core")."""
     return interleave and spare_core(device)
 
 
