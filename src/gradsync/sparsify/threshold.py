@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gradsync.sparsegrad import flatnonzero
+from gradsync.sparsegrad import positions_above
 from gradsync.sparsify import registry, segments
 from gradsync.sparsify.base import LazyScalar, Sparsifier, magnitudes
 
@@ -105,8 +105,11 @@ class ThresholdReuse(Sparsifier):
         thr = self.thr
         assert thr is not None
         too_low = too_high = None  # thresholds known to select too many / too few
-        mask = a >= thr
-        count = int(mask.sum())
+        # each round's positions, compared on the host where the CPU's own kernels run
+        # (positions_above: numpy's compare and compaction, not torch's unvectorised bool pass
+        # and a sum to read): the count is their length
+        idx = positions_above(a, thr)
+        count = idx.numel()
         nudges = 0
         while not 2 * k <= 3 * count <= 4 * k:  # count ∉ [2k/3, 4k/3]
             if nudges == self.max_nudges:
@@ -118,12 +121,12 @@ class ThresholdReuse(Sparsifier):
             else:
                 too_high = thr
                 thr = thr / self.nudge if too_low is None else math.sqrt(thr * too_low)
-            mask = a >= thr
-            count = int(mask.sum())
+            idx = positions_above(a, thr)
+            count = idx.numel()
             nudges += 1
         self.thr = thr
         self.last_nudges = nudges
-        return flatnonzero(mask)
+        return idx
 
     def _reuse_on_device(self, a: torch.Tensor, k: int) -> torch.Tensor | None:
         """:meth:`_reuse` with the nudges as float64 tensors on ``a``'s device: every one of the
