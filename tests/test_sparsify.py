@@ -452,3 +452,50 @@ def test_dgc_draws_its_sample_starts_without_a_tensor_operation():
     assert torch.equal(again.select(x).indices, make("dgc", 0.01, seed=4).select(x).indices)
     with pytest.raises(ValueError, match="draws are malformed"):
         make("dgc", 0.01).load_state_dict({**sp.state_dict(), "draws": [3, "x", None]})
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 60_000), share=st.floats(1e-4, 0.3), seed=st.integers(0, 2**31 - 1),
+       heavy=st.booleans())
+def test_threshold_exact_top_k_through_candidates_is_torch_topk(n, share, seed, heavy):
+    """Ok-Topk's exact recomputation (``sparsify.threshold._top_k``) selects the entries
+    ``torch.topk`` selects, with their values, whether the sample's candidates hold the top-k
+    or it falls back to every entry; compared with ``torch.topk`` itself, on magnitudes drawn
+    distinct (so which of several equal entries is taken does not arise)."""
+    from gradsync.sparsify.threshold import _top_k
+
+    g = torch.Generator().manual_seed(seed)
+    a = torch.randn(n, generator=g).abs()
+    if heavy:  # a few huge entries the strided sample mostly misses
+        a[torch.randint(0, n, (max(1, n // 500),), generator=g)] *= 1e4
+    if a.unique().numel() < n:
+        return
+    k = max(1, min(n, round(share * n)))
+    vals, idx = _top_k(a, k)
+    want_vals, want_idx = torch.topk(a, k, sorted=False)
+    assert sorted(idx.tolist()) == sorted(want_idx.tolist())
+    assert torch.equal(vals, a[idx]) and torch.equal(vals.sort().values, want_vals.sort().values)
+
+
+def test_threshold_exact_top_k_falls_back_when_the_candidates_are_too_few(monkeypatch):
+    """A sample whose threshold lets fewer than k entries pass (the large entries all sit on
+    the sample's strides, so its (2·k·s/n)-th largest passes only that many) falls back to
+    ``torch.topk`` of every entry: still the exact top-k."""
+    from gradsync.sparsify import threshold
+
+    n, k = 100_000, 300
+    a = torch.linspace(0, 1, n)
+    stride = n // max(4096, n // 100)
+    a[::stride] = 2.0 + torch.arange(len(a[::stride])) * 1e-3  # on the sample, all large
+    calls = []
+    real = torch.topk
+
+    def counted(t, kk, **kw):
+        calls.append(t.numel())
+        return real(t, kk, **kw)
+
+    monkeypatch.setattr(threshold.torch, "topk", counted)
+    vals, idx = threshold._top_k(a, k)
+    assert calls[-1] == n  # the fallback: every entry
+    assert sorted(idx.tolist()) == sorted(real(a, k).indices.tolist())
+    assert torch.equal(vals, a[idx])
