@@ -198,7 +198,7 @@ def _top_k(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
     and compaction); when at least k pass, every entry left out lies below k of them, so their
     top-k is the top-k of all (the same entries, but which of several equal to the k-th is
     taken). One full ``torch.topk`` of 422,000 fp32 entries at k = 1 % took 2.9 ms on one core,
-    its candidates' 0.3 ms (docs/results/speed.md, "Ok-Topk's exact threshold"). Otherwise,
+    its candidates' 0.4 ms (docs/results/speed.md, "Ok-Topk's exact threshold"). Otherwise,
     and where fewer than k pass, ``torch.topk`` of every entry."""
     n = a.numel()
     s = min(n, max(4096, n // 100))
