@@ -458,11 +458,12 @@ def test_dgc_draws_its_sample_starts_without_a_tensor_operation():
 @given(n=st.integers(1, 60_000), share=st.floats(1e-4, 0.3), seed=st.integers(0, 2**31 - 1),
        heavy=st.booleans())
 def test_threshold_exact_top_k_through_candidates_is_torch_topk(n, share, seed, heavy):
-    """Ok-Topk's exact recomputation (``sparsify.threshold._top_k``) selects the entries
-    ``torch.topk`` selects, with their values, whether the sample's candidates hold the top-k
-    or it falls back to every entry; compared with ``torch.topk`` itself, on magnitudes drawn
-    distinct (so which of several equal entries is taken does not arise)."""
-    from gradsync.sparsify.threshold import _top_k
+    """``sparsegrad.top_k`` (the exact Top-k's selection, Ok-Topk's exact recomputation)
+    selects the entries ``torch.topk`` selects, with their values, whether the sample's
+    candidates hold the top-k or it falls back to every entry; compared with ``torch.topk``
+    itself, on magnitudes drawn distinct (so which of several equal entries is taken does not
+    arise)."""
+    from gradsync.sparsegrad import top_k
 
     g = torch.Generator().manual_seed(seed)
     a = torch.randn(n, generator=g).abs()
@@ -471,7 +472,7 @@ def test_threshold_exact_top_k_through_candidates_is_torch_topk(n, share, seed, 
     if a.unique().numel() < n:
         return
     k = max(1, min(n, round(share * n)))
-    vals, idx = _top_k(a, k)
+    vals, idx = top_k(a, k)
     want_vals, want_idx = torch.topk(a, k, sorted=False)
     assert sorted(idx.tolist()) == sorted(want_idx.tolist())
     assert torch.equal(vals, a[idx]) and torch.equal(vals.sort().values, want_vals.sort().values)
@@ -481,7 +482,7 @@ def test_threshold_exact_top_k_falls_back_when_the_candidates_are_too_few(monkey
     """A sample whose threshold lets fewer than k entries pass (the large entries all sit on
     the sample's strides, so its (2·k·s/n)-th largest passes only that many) falls back to
     ``torch.topk`` of every entry: still the exact top-k."""
-    from gradsync.sparsify import threshold
+    from gradsync import sparsegrad
 
     n, k = 100_000, 300
     a = torch.linspace(0, 1, n)
@@ -494,8 +495,8 @@ def test_threshold_exact_top_k_falls_back_when_the_candidates_are_too_few(monkey
         calls.append(t.numel())
         return real(t, kk, **kw)
 
-    monkeypatch.setattr(threshold.torch, "topk", counted)
-    vals, idx = threshold._top_k(a, k)
+    monkeypatch.setattr(sparsegrad.torch, "topk", counted)
+    vals, idx = sparsegrad.top_k(a, k)
     assert calls[-1] == n  # the fallback: every entry
     assert sorted(idx.tolist()) == sorted(real(a, k).indices.tolist())
     assert torch.equal(vals, a[idx])

@@ -159,15 +159,15 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
     needs = spec.needs_cost_model
     payload: list[Any] = [None]
     call_s = call_extra = None
+    dev = torch.device(device or "cpu")
     if needs:
         ar, ag = costmodel.profile_collectives(group, device=device, comm=comm)
-        dev = torch.device(device or "cpu").type
         if (new_collective is not None and P > 1
-                and (spec.planner == "auto" or not costmodel.spare_core(dev))):
+                and (spec.planner == "auto" or not costmodel.spare_core(dev.type))):
             call_s = costmodel.profile_sparse_call(new_collective(), group, device=device,
                                                    comm=comm)
             ag, raw = costmodel.with_call_cost(ag, call_s, P), ag
-            call_extra = ag.alpha * (P - 1) - raw.alpha * (P - 1)  # its cost above a raw call
+            call_extra = (ag.alpha - raw.alpha) * (P - 1)  # its cost above a raw call
     if rank == 0:
         cost = None
         if needs:
@@ -178,9 +178,9 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
                 P=P, order=order, numel=dict(numel), elem_bytes=elem_bytes,
                 backward=backward, sparsify=inline, offload=offload,
                 allreduce=ar, allgather=ag,
-                info={"device": torch.device(device or "cpu").type,
+                info={"device": dev.type,
                       # buffers selected at once (sparsify.segments): SSFusion-O's rule
-                      "segmented": sparsify.segments.pays_on(torch.device(device or "cpu")),
+                      "segmented": sparsify.segments.pays_on(dev),
                       # whether SSFusion-O's worker has a core of its own (rank 0's host)
                       "cores_per_rank": costmodel.cores_per_rank(),
                       **({} if call_s is None else {"sparse_call_s": call_s,

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import torch
 
+from gradsync.sparsegrad import top_k
 from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier
 
@@ -42,7 +43,7 @@ class Fraction(Sparsifier):
 
     def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:
         # The k largest |x| (compared in fp32: no topk kernel for bf16/fp16 everywhere) ...
-        idx = torch.topk(x.abs().float(), k, sorted=False).indices
+        idx = top_k(x.abs().float(), k)[1]
         # ... minus entries that are zero anyway: they would only densify the index.
         return idx[x[idx] != 0]
 

@@ -28,7 +28,7 @@ from typing import Any
 
 import torch
 
-from gradsync.sparsegrad import host_kernels, positions_above
+from gradsync.sparsegrad import positions_above, top_k
 from gradsync.sparsify import registry, segments
 from gradsync.sparsify.base import LazyScalar, Sparsifier, magnitudes
 
@@ -76,7 +76,7 @@ class ThresholdReuse(Sparsifier):
 
     def _exact(self, a: torch.Tensor, k: int, step: int) -> torch.Tensor:
         """Accurate threshold: the k-th largest |x|; select the exact top-k."""
-        vals, idx = _top_k(a, k)
+        vals, idx = top_k(a, k)
         self.thr = vals.min() if segments.pays_on(a.device) else float(vals.min())
         self.calls_since_exact = 0
         self.last_exact_step = step
@@ -184,32 +184,3 @@ class ThresholdReuse(Sparsifier):
         self.last_numel = state["last_numel"]
         self.exact_count = int(state["exact_count"])
         self.last_threshold = self.thr
-
-
-# The candidates' share of the exact top-k (_top_k): a threshold that a strided sample says
-# about CANDIDATES · k entries pass.
-CANDIDATES = 2
-
-
-def _top_k(a: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """``torch.topk(a, k, sorted=False)`` of the magnitudes ``a`` (1-D). On the CPU's own
-    kernels through candidates: the (CANDIDATES·k·s/n)-th largest of a strided sample of s
-    entries is a threshold about CANDIDATES·k entries pass (``positions_above``: one compare
-    and compaction); when at least k pass, every entry left out lies below k of them, so their
-    top-k is the top-k of all (the same entries, but which of several equal to the k-th is
-    taken). One full ``torch.topk`` of 422,000 fp32 entries at k = 1 % took 2.9 ms on one core,
-    its candidates' 0.4 ms (docs/results/speed.md, "Ok-Topk's exact threshold"). Otherwise,
-    and where fewer than k pass, ``torch.topk`` of every entry."""
-    n = a.numel()
-    s = min(n, max(4096, n // 100))
-    if not host_kernels(a) or k >= n // 4 or s == n:
-        return torch.topk(a, k, sorted=False)
-    stride = n // s
-    q = min(s, math.ceil(CANDIDATES * k * s / n))
-    thr = torch.topk(a[::stride], q, sorted=False).values.min()
-    cand = positions_above(a, thr)
-    if cand.numel() < k:
-        return torch.topk(a, k, sorted=False)
-    vals, j = torch.topk(a[cand], k, sorted=False)
-    return vals, cand[j]
-

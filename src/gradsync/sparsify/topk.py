@@ -1,12 +1,14 @@
 """Exact Top-k: the k entries of largest magnitude (the reference every estimator aims at).
 
-k = max(1, round(density · n)); ties are broken by ``torch.topk``.
+k = max(1, round(density · n)); ties are broken by
+:func:`~gradsync.sparsegrad.top_k` (``torch.topk``, or its candidates on the CPU's own kernels).
 """
 
 from __future__ import annotations
 
 import torch
 
+from gradsync.sparsegrad import top_k
 from gradsync.sparsify import registry
 from gradsync.sparsify.base import Sparsifier
 from gradsync.sparsify.segments import Segments, top_in_segments
@@ -18,7 +20,7 @@ class TopK(Sparsifier):
 
     def _select(self, x: torch.Tensor, k: int, step: int) -> torch.Tensor:
         # torch.topk has no bf16/fp16 kernel on every backend; magnitudes compare exactly in fp32.
-        return torch.topk(x.abs().float(), k, sorted=False).indices
+        return top_k(x.abs().float(), k)[1]
 
     @classmethod
     def _select_segments(cls, sparsifiers: list[TopK], x: torch.Tensor, seg: Segments,
