@@ -17,8 +17,8 @@ def test_help_and_bench_list(capsys):
         assert name in out
     # every benchmark module, and nothing that is not one (the shared output lives in apps/)
     assert cli.bench_names() == ["anatomy", "check", "collectives", "convergence", "formats",
-                                 "fsdp", "overhead", "schemes", "sketch", "soak", "sparsify",
-                                 "syncs"]
+                                 "fsdp", "overhead", "rounds", "schemes", "sketch", "soak",
+                                 "sparsify", "syncs"]
 
 
 def test_unknown_bench_is_an_error(capsys):
