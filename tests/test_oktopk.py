@@ -327,15 +327,16 @@ def _tampered(rank: int, world: int, where: str) -> dict:
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(n, generator=g)
     sel = SparseGrad.from_indices(x, x.abs().topk(50).indices)
-    if where == "gathered":
-        real = comm_mod.Comm.all_gather_v
+    if where == "gathered":  # the allgatherv's blocks, or its bounded ones with their heads
+        real, real_bounded = comm_mod.Comm.all_gather_v, comm_mod.Comm.all_gather_bounded
+        head = (3 + world) * 8
 
-        def all_gather_v(self, buf, sizes):
-            blocks = real(self, buf, sizes)
-            first = next(b for b in blocks if b.numel())
-            first[:4] = torch.tensor([n + 7], dtype=torch.int32).view(torch.uint8)
+        def corrupt(blocks, skip):
+            first = next(b for b in blocks if b.numel() > skip)
+            first[skip:skip + 4] = torch.tensor([n + 7], dtype=torch.int32).view(torch.uint8)
             return blocks
-        comm_mod.Comm.all_gather_v = all_gather_v
+        comm_mod.Comm.all_gather_v = lambda self, buf, sizes: corrupt(real(self, buf, sizes), 0)
+        comm_mod.Comm.all_gather_bounded = lambda self, *a: corrupt(real_bounded(self, *a), head)
     else:
         real_unpack = ok_mod.unpack_entries
 
@@ -353,7 +354,7 @@ def _tampered(rank: int, world: int, where: str) -> dict:
         return {"error": str(e)}
     finally:
         if where == "gathered":
-            comm_mod.Comm.all_gather_v = real
+            comm_mod.Comm.all_gather_v, comm_mod.Comm.all_gather_bounded = real, real_bounded
         else:
             ok_mod.unpack_entries = real_unpack
 
@@ -678,3 +679,113 @@ def test_a_count_beyond_the_region_fails_the_receiving_rank():
     out = run_distributed(_overcounted, 2, timeout=120)
     assert "rank 1's message announces 10000 entries" in out[0], out
     assert out[1] == "ok", out
+
+
+# -- the counts inside the allgatherv's blocks (gloo, P <= balance_factor) ----------------------
+def _rank_inline(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Each case with the counts inside the allgatherv's blocks (the default here) and in an
+    all-gather of their own (``_counts_inline`` off), on fresh collectives, with the calls of
+    ``Comm.all_gather`` and the ring's receives counted."""
+    from gradsync.collectives import oktopk as ok_mod
+    from gradsync.collectives.comm import Comm
+
+    calls = {"all_gather": 0, "all_gather_bounded": 0}
+    real = {name: getattr(Comm, name) for name in calls}
+
+    def counted(name):
+        def call(self, *a, **k):
+            calls[name] += 1
+            return real[name](self, *a, **k)
+        return call
+
+    inline, out = ok_mod.OkTopk._counts_inline, []
+    try:
+        for name in calls:
+            setattr(Comm, name, counted(name))
+        for case in cases:
+            row = {}
+            for mode in ("inline", "counts"):
+                if mode == "counts":
+                    ok_mod.OkTopk._counts_inline = lambda *a: False
+                for name in calls:
+                    calls[name] = 0
+                row[mode] = _run_case(rank, world, case)
+                row[mode + "_calls"] = dict(calls)
+                ok_mod.OkTopk._counts_inline = inline
+            out.append(row)
+    finally:
+        ok_mod.OkTopk._counts_inline = inline
+        for name, fn in real.items():
+            setattr(Comm, name, fn)
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_counts_inside_the_allgatherv_send_the_same_bytes_and_bits_in_one_call_fewer(world):
+    """Where data balancing cannot run (P <= balance_factor) and gloo's receives may be longer
+    than their messages, each region's selected entries travel with their counts, non-finite
+    flags and per-source counts ahead: no all-gather of the counts, the same bytes sent and
+    received, the same sum, kept entries, selection and state bit for bit. The cases that
+    balance (balance_factor 1) keep the counts' all-gather, which balancing needs first."""
+    cases = _cases(world)
+    per_rank = run_distributed(_rank_inline, world, cases, timeout=300)
+    for c, case in enumerate(cases):
+        balances = case["opts"].get("balance_factor", 4.0) < world
+        for r in range(world):
+            row = per_rank[r][c]
+            what = f"P={world} rank {r} {case['name']}"
+            for a, b in zip(row["inline"], row["counts"], strict=True):
+                assert torch.equal(a["dense"].view(BITS[a["dense"].dtype]),
+                                   b["dense"].view(BITS[b["dense"].dtype])), what
+                assert torch.equal(a["kept"], b["kept"]), what
+                assert (a["sent"], a["recv"]) == (b["sent"], b["recv"]), what
+                assert _same_state(a["state"], b["state"]), what
+                assert (a["info"]["counts"], a["info"]["selected"]) == (
+                    b["info"]["counts"], b["info"]["selected"]), what
+            steps = len(case["steps"])
+            assert row["counts_calls"] == {"all_gather": steps, "all_gather_bounded": 0}, what
+            assert row["inline_calls"] == ({"all_gather": steps, "all_gather_bounded": 0}
+                                           if balances else
+                                           {"all_gather": 0, "all_gather_bounded": steps}), what
+
+
+def _overcounted_block(rank: int, world: int) -> str:
+    """Rank 1's allgatherv block reaches its peers announcing more selected entries than its
+    region holds (rank 1's own copy is well formed)."""
+    from gradsync.collectives.comm import Comm
+
+    real, first = Comm.sendrecv_bounded, [True]
+
+    def sendrecv_bounded(self, send, dst, buf, src, size_of):
+        def tampered(b):  # the ring's first step from rank 1 brings rank 1's own block
+            if src == 1 and first[0]:
+                b[:8] = torch.tensor([50_000], dtype=torch.int64).view(torch.uint8)
+            first[0] = first[0] and src != 1
+            return size_of(b)
+        return real(self, send, dst, buf, src, tampered)
+
+    n = 1000
+    g = torch.Generator().manual_seed(rank)
+    x = torch.randn(n, generator=g)
+    sel = SparseGrad.from_indices(x, x.abs().topk(50).indices)
+    Comm.sendrecv_bounded = sendrecv_bounded
+    try:
+        collectives.get("oktopk", k=40)(sel, step=0)
+        return "ok"
+    except ValueError as e:
+        return str(e)
+    finally:
+        Comm.sendrecv_bounded = real
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_a_block_count_beyond_its_region_fails_every_rank_that_receives_it(world):
+    """A block that announces more entries than its region can hold fails the checks of every
+    rank that receives it (``ValueError`` naming the block's rank, once the collective is
+    done; nothing unpacked from it), and the ring goes on: no rank hangs, its sender finishes."""
+    out = run_distributed(_overcounted_block, world, timeout=120)
+    for r in range(world):
+        if r == 1:
+            assert out[r] == "ok", out
+        else:
+            assert "rank 1's block announces 50000 selected entries" in out[r], out

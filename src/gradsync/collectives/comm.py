@@ -658,6 +658,25 @@ class Comm:
         self._ring(blocks)
         return blocks
 
+    def all_gather_bounded(self, t: torch.Tensor, bounds: list[int],
+                           size_of: Callable[[int, torch.Tensor], int]) -> list[torch.Tensor]:
+        """:meth:`all_gather_v` of 1-D byte blocks whose lengths travel inside them, where
+        :meth:`bounded` allows it: the same ring, no count exchange first. Rank q's block is
+        received into a buffer of ``bounds[q]`` bytes (the longest well-formed block of rank q)
+        and cut to ``size_of(q, buf)`` bytes, read from what arrived (at most the buffer; the
+        caller rejects a malformed length there, and the bytes it keeps are what it forwards,
+        so every rank gets the same blocks). Returns every rank's block, this rank's ``t``."""
+        p = self.size
+        blocks: list[torch.Tensor] = [t.reshape(-1)] * p
+        right, left = (self.rank + 1) % p, (self.rank - 1) % p
+        for s in range(p - 1):
+            q = (self.rank - s - 1) % p
+            buf = torch.empty(bounds[q], dtype=torch.uint8, device=t.device)
+            n = self.sendrecv_bounded(blocks[(self.rank - s) % p], right, buf, left,
+                                      functools.partial(size_of, q))
+            blocks[q] = buf[:n]
+        return blocks
+
     def _ring(self, blocks: list[torch.Tensor]) -> None:
         """Fill every rank's block of ``blocks`` (this rank's holds its own) in P − 1 steps of
         exact-size point-to-point messages: step s sends the block received at step s − 1 to

@@ -37,6 +37,12 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
    largest exceeds 4× the average (§5.3), the selected entries are re-distributed into P equal
    contiguous chunks by point-to-point messages (order preserved), then all-gathered with an
    exact-size allgatherv. Every rank receives the same list, so ``dense`` is bitwise identical.
+   Where balancing cannot run (P ≤ ``balance_factor``: the largest count is at most the total)
+   and nothing else needs the counts first (no ``recompute_band``), on gloo with the CPU's own
+   kernels, the counts (with the non-finite flags and the per-source counts) travel ahead of
+   each region's entries instead, in a ring of bounded receives: the same bytes, one call
+   fewer a step (ours; at P = 2 a gloo call costs a step 0.3–1 ms on a 2-core machine,
+   docs/results/rounds-cpu.md).
 5. ``kept`` = local indices ∩ global selection (line 14; Algorithm 2 line 6 zeroes the residual
    only there), through a bitmap of the global selection (no search, no read).
 
@@ -46,7 +52,9 @@ before anything is written, and the checks go to the caller (:data:`~gradsync.co
 CHECKS`), which reads them with the step's other checks. A reuse step then reads once the
 regions' counts with the non-finite flags and, per region, how many of its selected entries
 each rank sent (one all-gather): so each rank knows the size of its ``kept`` before the global
-selection arrives. At P > 1 it also reads the regions' offsets in its selection with the sizes
+selection arrives (with the counts in the blocks, step 4, on the CPU's kernels: its own
+count, then each block's on arrival, then every head in one read). At P > 1 it also reads
+the regions' offsets in its selection with the sizes
 of the peers' messages (one read; two on the CPU's own kernels over gloo, the counts arriving
 inside the messages, step 2), and the merge of the messages reads the size of their union
 (:func:`~gradsync.sparsegrad.sparse_sum`, given the region's ends); an exact θ adds the radix
@@ -269,10 +277,21 @@ class OkTopk(Collective):
         # A non-finite reduced value (NaN received, or an fp16/bf16 overflow of the sum).
         bad_sum = _nonfinite_flag(mags)
 
-        # Lines 9–12: global threshold θ, exact every τ′ steps, reused (and nudged) in between.
-        gather = functools.partial(self._gather_counts, r_idx=r_idx, sources=sources,
-                                   region=region, comm=comm, bad=bad, bad_sum=bad_sum)
-        theta, reason, mask, cb, why = self._global_threshold(mags, k, comm, step, gather)
+        # Lines 9–12: global threshold θ, exact every τ′ steps, reused (and nudged) in between;
+        # line 13: data balancing (if the largest count > 4× the mean), then allgatherv. The
+        # counts travel in an all-gather of their own, or inside the allgatherv's blocks.
+        heads = functools.partial(self._heads, r_idx=r_idx, sources=sources, region=region,
+                                  P=P, bad=bad, bad_sum=bad_sum)
+        inline = self._counts_inline(comm, edges, eb, sel.indices)
+        if inline:
+            theta, reason = self._theta(mags, k, comm, step)
+            mask = mags >= theta
+            all_idx, dense, cb = self._allgather_counted(mask, heads(mask), r_idx, r_val, comm,
+                                                         wire, eb, edges, checks, step)
+            why, balanced = self._nonfinite_why(cb, step), False
+        else:
+            theta, reason, mask, cb, why = self._global_threshold(
+                mags, k, comm, step, lambda m: comm.all_gather(heads(m)).tolist())
         if why is not None:  # non-finite, and ``nonfinite="skip_step"``
             nan = torch.full((n,), math.nan, dtype=sel.dtype, device=dev)
             return nan, sel.indices[:0], {"k": k, "nonfinite": why, CHECKS: checks}
@@ -280,10 +299,9 @@ class OkTopk(Collective):
         total = sum(counts)
         # this rank's entries in the global selection: counted by the regions' owners
         n_kept = sum(int(c[3 + comm.rank]) for c in cb)
-
-        # Line 13: data balancing (if the largest count > 4× the mean), then allgatherv.
-        all_idx, dense, balanced = self._allgather_selection(
-            mask, r_idx, r_val, counts, comm, wire, eb, checks, step)
+        if not inline:
+            all_idx, dense, balanced = self._allgather_selection(
+                mask, r_idx, r_val, counts, comm, wire, eb, checks, step)
 
         # Line 14: the local entries that made it into the global selection.
         kept = self._kept(sel, all_idx, n_kept, checks, step)
@@ -318,21 +336,13 @@ class OkTopk(Collective):
         [lo·k, hi·k] is recomputed in the same step (reason ``"out_of_range"``). Returns
         ``(θ, reason, mask, counts, why)``; ``why`` names a non-finite value found by every
         rank at once (raised, or returned with ``nonfinite="skip_step"``), else ``None``."""
-        P = comm.size
-        theta, reason = self._state["theta"], None
-        if due(step, self._state["theta_step"], self.tau_prime) or theta is None:
-            theta, reason = self._exact_threshold(mags, k, comm), "periodic"
+        theta, reason = self._theta(mags, k, comm, step)
         mask = mags >= theta
         # the count, both flags and the count per contributing rank travel in one all-gather
         # and come back in one read
         cb = gather(mask)
-        if any(c[1] or c[2] for c in cb):  # every rank knows it: nothing hangs
-            inputs = [i for i in range(P) if cb[i][1]]
-            sums = [i for i in range(P) if cb[i][2]]
-            why = (f"oktopk: non-finite values in the selection on ranks {inputs}, in the "
-                   f"reduced sums of the regions of ranks {sums} (step {step})")
-            if self.nonfinite == "raise":
-                raise ValueError(why)
+        why = self._nonfinite_why(cb, step)
+        if why is not None:
             return theta, reason, mask, cb, why
         total = sum(int(c[0]) for c in cb)
         band = self.recompute_band
@@ -342,6 +352,84 @@ class OkTopk(Collective):
             mask = mags >= theta
             cb = gather(mask)
         return theta, reason, mask, cb, None
+
+    def _theta(self, mags: torch.Tensor, k: int, comm: Comm, step: int
+               ) -> tuple[float, str | None]:
+        """θ and why it was computed exactly (``"periodic"``, every τ′ steps; ``None``:
+        reused)."""
+        theta = self._state["theta"]
+        if due(step, self._state["theta_step"], self.tau_prime) or theta is None:
+            return self._exact_threshold(mags, k, comm), "periodic"
+        return theta, None
+
+    def _nonfinite_why(self, cb: list[list[int]], step: int) -> str | None:
+        """The ranks' non-finite flags (:meth:`_heads`, every rank's, so every rank decides
+        alike: nothing hangs): ``None`` when there are none, else ``ValueError`` under
+        ``nonfinite="raise"``, or the reason under ``"skip_step"``."""
+        if not any(c[1] or c[2] for c in cb):
+            return None
+        inputs = [i for i, c in enumerate(cb) if c[1]]
+        sums = [i for i, c in enumerate(cb) if c[2]]
+        why = (f"oktopk: non-finite values in the selection on ranks {inputs}, in the "
+               f"reduced sums of the regions of ranks {sums} (step {step})")
+        if self.nonfinite == "raise":
+            raise ValueError(why)
+        return why
+
+    def _counts_inline(self, comm: Comm, edges: list[int], eb: int, idx: torch.Tensor) -> bool:
+        """Whether the counts travel inside the allgatherv's blocks (:meth:`_allgather_counted`)
+        instead of an all-gather of their own (ours): where data balancing cannot run (P ≤
+        ``balance_factor``: the largest count is at most the total, so never above
+        ``balance_factor`` × the mean), nothing needs the counts before the allgatherv (no
+        ``recompute_band``), a receive may be longer than its message (:meth:`Comm.bounded`)
+        and the CPU's own kernels run (a block's count is read on arrival: free there). Every
+        rank decides alike."""
+        widest = max(b - a for a, b in itertools.pairwise(edges))
+        return (comm.size <= self.balance_factor and self.recompute_band is None
+                and host_kernels(idx) and comm.bounded(idx.device)
+                and (3 + comm.size) * COUNT_BYTES + widest * eb <= BOUNDED_MAX)
+
+    def _allgather_counted(
+        self, mask: torch.Tensor, head: torch.Tensor, r_idx: torch.Tensor, r_val: torch.Tensor,
+        comm: Comm, wire: torch.dtype, eb: int, edges: list[int],
+        checks: list[tuple[torch.Tensor, str]], step: int,
+    ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
+        """Line 13 with the counts inside the blocks (:meth:`_counts_inline`): each rank's block
+        is its ``head`` (:meth:`_heads`, P + 3 int64 words) then its selected entries, gathered
+        by a ring of bounded receives (:meth:`Comm.all_gather_bounded`); the same bytes as the
+        counts' all-gather and the exact-size allgatherv, one call fewer. A block whose count
+        its region cannot hold fails a check and travels on as its head alone, so every rank
+        but its sender fails alike. Returns (global indices, the dense sum, every block's head
+        words)."""
+        P, n = comm.size, self._state["numel"]
+        hb = (3 + P) * COUNT_BYTES
+        own = head.tolist()  # this rank's count: one read (the CPU's kernels: free)
+        at = flatnonzero(mask, own[0])
+        mine = torch.cat([head.view(torch.uint8),
+                          pack_entries(torch.index_select(r_idx, 0, at),
+                                       torch.index_select(r_val, 0, at), wire)])
+        cap = [edges[q + 1] - edges[q] for q in range(P)]
+
+        def size_of(q: int, buf: torch.Tensor) -> int:  # one read per block
+            c = int(buf[:COUNT_BYTES].view(torch.int64))
+            if 0 <= c <= cap[q]:
+                return hb + c * eb
+            checks.append((torch.zeros((), dtype=torch.bool, device=buf.device),
+                           f"oktopk: rank {q}'s block announces {c} selected entries for a "
+                           f"region that holds at most {cap[q]} (step {step})"))
+            return hb
+
+        blocks = comm.all_gather_bounded(mine, [hb + c * eb for c in cap], size_of)
+        cb = torch.cat([b[:hb] for b in blocks]).view(torch.int64).view(P, -1).tolist()
+        counts = [(b.numel() - hb) // eb for b in blocks]  # what arrived, not what was said
+        parts = [unpack_entries(b[hb:], c, wire, r_val.dtype, "oktopk")
+                 for b, c in zip(blocks, counts)]
+        all_idx, all_val = checked_entries(
+            torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]), n, 0, checks,
+            f"oktopk: the gathered global selection (step {step})")
+        for row, c in zip(cb, counts):
+            row[0] = c
+        return all_idx, SparseGrad(all_idx, all_val, n, validate=False).to_dense(), cb
 
     def _allgather_selection(
         self, mask: torch.Tensor, r_idx: torch.Tensor, r_val: torch.Tensor, counts: list[int],
@@ -415,10 +503,11 @@ class OkTopk(Collective):
 
     # -- pieces -----------------------------------------------------------------------
     @staticmethod
-    def _gather_counts(mask: torch.Tensor, r_idx: torch.Tensor,
-                       sources: list[tuple[int, torch.Tensor]], region: tuple[int, int],
-                       comm: Comm, bad: torch.Tensor, bad_sum: torch.Tensor) -> list[list[int]]:
-        """One all-gather and one read: per region owner, ``[selected, bad, bad_sum,
+    def _heads(mask: torch.Tensor, r_idx: torch.Tensor, sources: list[tuple[int, torch.Tensor]],
+               region: tuple[int, int], P: int, bad: torch.Tensor, bad_sum: torch.Tensor
+               ) -> torch.Tensor:
+        """This region owner's head words (int64, on the device), all-gathered and read once
+        (or carried in its block, :meth:`_allgather_counted`): ``[selected, bad, bad_sum,
         c_0 … c_{P−1}]``, ``c_s`` the selected entries of its region that rank s sent (or
         holds: its own), so every rank knows its own count in the global selection before
         it arrives. ``sources``: ``(rank, indices)`` of every contribution to the region
@@ -427,7 +516,7 @@ class OkTopk(Collective):
         The selection is marked over the region once, and each contribution counts its marks
         by a gather: O(region + entries), no search (a ``searchsorted`` per contribution cost
         Ok-Topk a third of its CPU step at P = 4, n = 4e6, 10 %)."""
-        P, dev = comm.size, mask.device
+        dev = mask.device
         per = torch.zeros(P, dtype=torch.int64, device=dev)
         if len(sources) == 1:  # the region is this contribution alone: no marks
             per[sources[0][0]] = mask.sum()
@@ -440,7 +529,7 @@ class OkTopk(Collective):
                     local = i - lo if lo else i
                     per[s] = torch.index_select(marks, 0, local).sum()
         head = torch.stack([mask.sum(), bad, bad_sum]).to(torch.int64)
-        return comm.all_gather(torch.cat([head, per])).tolist()
+        return torch.cat([head, per])
 
     def _target_k(self, sel: SparseGrad, comm: Comm) -> int:
         if self.k is not None:
