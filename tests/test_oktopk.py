@@ -658,18 +658,25 @@ def _overcounted(rank: int, world: int) -> str:
         work = real(self, buf, src)
         return Corrupted(work, buf) if rank == 0 else work
 
+    return _one_call(rank, Comm, "irecv_bounded", irecv_bounded)
+
+
+def _one_call(rank: int, owner: type, name: str, replacement) -> str:
+    """One Ok-Topk call (k = 40) on this rank's top 50 of 1000 with ``owner.name`` replaced:
+    ``"ok"``, or the ``ValueError``'s message."""
     n = 1000
     g = torch.Generator().manual_seed(rank)
     x = torch.randn(n, generator=g)
     sel = SparseGrad.from_indices(x, x.abs().topk(50).indices)
-    Comm.irecv_bounded = irecv_bounded
+    real = getattr(owner, name)
+    setattr(owner, name, replacement)
     try:
         collectives.get("oktopk", k=40)(sel, step=0)
         return "ok"
     except ValueError as e:
         return str(e)
     finally:
-        Comm.irecv_bounded = real
+        setattr(owner, name, real)
 
 
 def test_a_count_beyond_the_region_fails_the_receiving_rank():
@@ -764,18 +771,7 @@ def _overcounted_block(rank: int, world: int) -> str:
             return size_of(b)
         return real(self, send, dst, buf, src, tampered)
 
-    n = 1000
-    g = torch.Generator().manual_seed(rank)
-    x = torch.randn(n, generator=g)
-    sel = SparseGrad.from_indices(x, x.abs().topk(50).indices)
-    Comm.sendrecv_bounded = sendrecv_bounded
-    try:
-        collectives.get("oktopk", k=40)(sel, step=0)
-        return "ok"
-    except ValueError as e:
-        return str(e)
-    finally:
-        Comm.sendrecv_bounded = real
+    return _one_call(rank, Comm, "sendrecv_bounded", sendrecv_bounded)
 
 
 @pytest.mark.parametrize("world", [2, 3])

@@ -15,7 +15,7 @@ from typing import Any
 
 from gradsync.apps.common import print_table
 
-__all__ = ["bench_parser", "print_rows", "print_written"]
+__all__ = ["add_output_args", "bench_parser", "print_rows", "print_written"]
 
 
 def bench_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
@@ -23,6 +23,15 @@ def bench_parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     docstring) as its description, line breaks kept."""
     return argparse.ArgumentParser(prog=f"python -m gradsync bench {name}", description=doc,
                                    formatter_class=argparse.RawDescriptionHelpFormatter)
+
+
+def add_output_args(p: argparse.ArgumentParser, name: str, timeout: float) -> None:
+    """``--timeout`` (seconds per world size), ``--out`` (default ``bench-out/<name>``) and
+    ``--write-docs`` (into ``docs/results/`` instead): the arguments of a benchmark that runs
+    one job per world size and writes a page."""
+    p.add_argument("--timeout", type=float, default=timeout, help="per world size, seconds")
+    p.add_argument("--out", default=f"bench-out/{name}")
+    p.add_argument("--write-docs", action="store_true", help="write into docs/results/")
 
 
 def print_rows(title: str, rows: Sequence[Mapping[str, Any]],

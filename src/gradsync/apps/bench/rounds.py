@@ -50,7 +50,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from gradsync.apps.bench._harness import bench_parser, print_rows, print_written
+from gradsync.apps.bench._harness import (
+    add_output_args,
+    bench_parser,
+    print_rows,
+    print_written,
+)
 from gradsync.apps.bench.overhead import DOCS_DIR, code_label
 from gradsync.apps.common import cpu_description, grouped_bars, write_outputs
 from gradsync.testing import run_distributed
@@ -269,9 +274,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="comma-separated ms of computation before each call (0: lock-step)")
     p.add_argument("--bytes", default="8,37000", help="comma-separated payloads per rank")
     p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}")
-    p.add_argument("--timeout", type=float, default=900.0, help="per world size, seconds")
-    p.add_argument("--out", default="bench-out/rounds")
-    p.add_argument("--write-docs", action="store_true", help="write into docs/results/")
+    add_output_args(p, "rounds", 900.0)
     return p
 
 

@@ -42,6 +42,7 @@ from typing import Any
 import torch
 
 from gradsync.apps.bench import overhead
+from gradsync.apps.bench._harness import add_output_args
 from gradsync.apps.common import grouped_bars, grouped_tick, print_table, write_outputs
 from gradsync.testing import run_distributed
 
@@ -160,9 +161,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--image-size", type=int, default=16)
     p.add_argument("--mlp-params", type=float, default=float(1 << 20))
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--timeout", type=float, default=1800.0, help="per world size, seconds")
-    p.add_argument("--out", default="bench-out/syncs")
-    p.add_argument("--write-docs", action="store_true", help="write into docs/results/")
+    add_output_args(p, "syncs", 1800.0)
     return p
 
 
