@@ -167,19 +167,24 @@ def test_sendrecv_bounded_refuses_where_the_receive_needs_the_exact_size():
 def test_all_gather_v_uneven_and_empty(world):
     P, outs = world
     block_bytes = [16 * j for j in range(P)]  # 2j int64
-    counts_bytes = 8 * (P - 1)  # the counts' ring all_gather of one int64
+    counts_bytes = 8 * (P - 1)  # the counts' all_gather of one int64
+    rounds = [(d, min(d, P - d)) for d in (2**j for j in range(P.bit_length())) if d < P]
     for r, o in enumerate(outs):
         assert [g.tolist() for g in o["agv_got"]] == [_block(j).tolist() for j in range(P)]
         s = o["agv"]
         # received: every other rank's block exactly once, no padding
         assert s.bytes_recv == counts_bytes + sum(block_bytes) - block_bytes[r]
-        # sent: the ring forwards every block except the right neighbour's own
-        assert s.bytes_sent == counts_bytes + sum(block_bytes) - block_bytes[(r + 1) % P]
+        # sent (Bruck's doubling): in the round of distance d, the min(d, P − d) blocks held
+        # from this rank's own on; one message a round, the counts' rounds too
+        sent = sum(block_bytes[(r + i) % P] for _, n in rounds for i in range(n))
+        assert s.bytes_sent == counts_bytes + sent
+        assert s.messages == 2 * len(rounds) - sum(  # a round with nothing to send posts none
+            1 for _, n in rounds if not sum(block_bytes[(r + i) % P] for i in range(n)))
         c = o["agv_counts"]
         assert [g.tolist() for g in o["agv_counts_got"]] == [
             _block(j, torch.float32).tolist() for j in range(P)]
         assert c.bytes_recv == (sum(block_bytes) - block_bytes[r]) // 2  # fp32: 4 bytes
-        assert c.bytes_sent == (sum(block_bytes) - block_bytes[(r + 1) % P]) // 2
+        assert c.bytes_sent == sent // 2
         e = o["agv_empty"]
         assert [g.numel() for g in o["agv_empty_got"]] == [0] * P
         assert all(g.dtype == torch.bfloat16 for g in o["agv_empty_got"])

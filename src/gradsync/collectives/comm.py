@@ -9,17 +9,18 @@ Accounting convention (per rank, payload bytes; headers of the transport are not
 * ``all_reduce`` of B bytes: the bandwidth-optimal ring, ``2·(P−1)/P·B`` sent and received in
   ``2(P−1)`` messages — the "Dense" row of Ok-Topk Table 1 (gloo's own algorithm may differ).
 * ``reduce_scatter`` of a P·B buffer: ring, ``(P−1)·B`` sent and received, ``P−1`` messages.
-* ``all_gather`` of B bytes per rank: ring, ``(P−1)·B`` sent and received, ``P−1`` messages.
-  On gloo it *is* that ring, of point-to-point messages straight into the output's rows
-  (:meth:`Comm._ring`, :meth:`Comm.all_gather_v`'s): on this project's 2-core machine gloo's
-  own all-gather took 1.3–3.8× the ring's time at P = 2, 1.0–2.3× at P = 4 and 1.0–1.8× at
-  P = 8 (8 B to 1 MiB per rank, in lock-step; 2.2 against 0.58 ms for 1 MiB at P = 2), and
-  the CNN's SSFusion-OI step at P = 4 fell by another 4–5 ms of 49 with it (speed.md, "One
-  round fewer"). NCCL keeps its own.
-* ``all_gather_v`` (variable sizes): a ring of exact-size point-to-point messages with no
-  padding: rank r receives every other rank's bytes, ``Σ_{j≠r} B_j``, and sends every block but
-  its right neighbour's, ``Σ_{j≠r+1} B_j`` (the group's totals are equal). The counts themselves
-  travel in a small ``all_gather`` that is counted too.
+* ``all_gather`` of B bytes per rank: ``(P−1)·B`` sent and received. On gloo in ⌈log2 P⌉
+  rounds of point-to-point messages straight into the output's rows (Bruck's doubling,
+  :meth:`Comm._doubling`, :meth:`Comm.all_gather_v`'s), one message a round: gloo's own
+  all-gather took 1.3–3.8× a ring of such messages at P = 2, 1.0–2.3× at P = 4 and 1.0–1.8× at
+  P = 8 (8 B to 1 MiB per rank, in lock-step; speed.md, "One round fewer"), and a step pays
+  each gloo call 0.3–1 ms at P = 2, 1–5 ms at P = 4 on two cores whatever its bytes
+  (docs/results/rounds-cpu.md), so the doubling's fewer rounds beat the ring's P − 1.
+  NCCL keeps its own (a ring: ``P−1`` messages counted).
+* ``all_gather_v`` (variable sizes): the same doubling of exact-size messages with no
+  padding: rank r receives every other rank's bytes, ``Σ_{j≠r} B_j``, and sends, in the round
+  of distance d, the min(d, P − d) blocks it holds from its own on (the group's totals are
+  equal). The counts themselves travel in a small ``all_gather`` that is counted too.
 * ``broadcast`` of B bytes from ``src``: a binomial tree; each non-root receives B once and sends
   B to each of its children.
 * ``sendrecv_bounded``: a receive into a buffer longer than its message (gloo's; NCCL needs
@@ -93,6 +94,7 @@ import collections
 import contextlib
 import ctypes
 import functools
+import itertools
 import os
 import pickle
 from collections.abc import Callable, Iterator
@@ -555,10 +557,10 @@ class Comm:
             out[0] = t
             return out
         flat = t.contiguous().view(-1)
-        if self._devices.get(flat.device.type) != "nccl":  # gloo: the ring (module docstring)
+        if self._devices.get(flat.device.type) != "nccl":  # gloo: doubling (module docstring)
             rows = out.view(p, -1)
             rows[self.rank].copy_(flat)
-            self._ring(list(rows))
+            self._doubling(out.view(-1), [flat.numel()] * p)
             return out
         b = _nbytes(t)
         self._count((p - 1) * b, (p - 1) * b, p - 1)
@@ -643,8 +645,8 @@ class Comm:
         """All-gather 1-D tensors of different lengths; returns one tensor per rank.
 
         ``counts`` (every rank's length) may be given when already known; otherwise it is
-        gathered first. The payload travels as a ring of exact-size point-to-point messages:
-        step s sends the block received at step s−1 to rank r+1 and receives from rank r−1.
+        gathered first. The payload travels in ⌈log2 P⌉ rounds of exact-size point-to-point
+        messages (:meth:`_doubling`) into one buffer; the blocks returned are views of it.
         """
         p = self.size
         t = t.reshape(-1)
@@ -653,39 +655,83 @@ class Comm:
         if len(counts) != p or counts[self.rank] != t.numel():
             raise ValueError(f"all_gather_v: counts {counts} do not match this rank's "
                              f"{t.numel()} elements at rank {self.rank} of {p}")
-        blocks = [t if r == self.rank else torch.empty(c, dtype=t.dtype, device=t.device)
-                  for r, c in enumerate(counts)]
-        self._ring(blocks)
+        flat = torch.empty(sum(counts), dtype=t.dtype, device=t.device)
+        blocks = list(flat.split(counts))
+        blocks[self.rank].copy_(t)
+        self._doubling(flat, counts)
         return blocks
 
     def all_gather_bounded(self, t: torch.Tensor, bounds: list[int],
                            size_of: Callable[[int, torch.Tensor], int]) -> list[torch.Tensor]:
         """:meth:`all_gather_v` of 1-D byte blocks whose lengths travel inside them, where
-        :meth:`bounded` allows it: the same ring, no count exchange first. Rank q's block is
-        received into a buffer of ``bounds[q]`` bytes (the longest well-formed block of rank q)
-        and cut to ``size_of(q, buf)`` bytes, read from what arrived (at most the buffer; the
-        caller rejects a malformed length there, and the bytes it keeps are what it forwards,
-        so every rank gets the same blocks). Returns every rank's block, this rank's ``t``."""
-        p = self.size
+        :meth:`bounded` allows it: the same rounds (:meth:`_doubling`), no count exchange
+        first. A round's message is the blocks it carries back to back, received into a
+        buffer of their ``bounds`` (``bounds[q]``: the longest well-formed block of rank q)
+        and cut block by block at ``size_of(q, buf)`` bytes, read from the block's own start
+        (at most ``bounds[q]``; the caller rejects a malformed length there, and the bytes it
+        keeps are what it forwards, so every rank gets the same blocks). Returns every rank's
+        block, this rank's ``t``."""
+        p, r = self.size, self.rank
         blocks: list[torch.Tensor] = [t.reshape(-1)] * p
-        right, left = (self.rank + 1) % p, (self.rank - 1) % p
-        for s in range(p - 1):
-            q = (self.rank - s - 1) % p
-            buf = torch.empty(bounds[q], dtype=torch.uint8, device=t.device)
-            n = self.sendrecv_bounded(blocks[(self.rank - s) % p], right, buf, left,
-                                      functools.partial(size_of, q))
-            blocks[q] = buf[:n]
+        d = 1
+        while d < p:
+            n = min(d, p - d)
+            held = [blocks[(r + i) % p] for i in range(n)]
+            qs = [(r + d + i) % p for i in range(n)]
+            buf = torch.empty(sum(bounds[q] for q in qs), dtype=torch.uint8, device=t.device)
+            cuts: list[tuple[int, int, int]] = []
+
+            def cut(got: torch.Tensor, qs: list[int] = qs,
+                    cuts: list[tuple[int, int, int]] = cuts) -> int:
+                at = 0
+                for q in qs:
+                    m = size_of(q, got[at:at + bounds[q]])
+                    cuts.append((q, at, at + m))
+                    at += m
+                return at
+
+            self.sendrecv_bounded(held[0] if n == 1 else torch.cat(held), (r - d) % p, buf,
+                                  (r + d) % p, cut)
+            for q, a, b in cuts:
+                blocks[q] = buf[a:b]
+            d *= 2
         return blocks
 
-    def _ring(self, blocks: list[torch.Tensor]) -> None:
-        """Fill every rank's block of ``blocks`` (this rank's holds its own) in P − 1 steps of
-        exact-size point-to-point messages: step s sends the block received at step s − 1 to
-        rank r + 1 and receives rank r − s − 1's from rank r − 1."""
-        p = self.size
-        right, left = (self.rank + 1) % p, (self.rank - 1) % p
-        for s in range(p - 1):
-            self.sendrecv(blocks[(self.rank - s) % p], right, blocks[(self.rank - s - 1) % p],
-                          left)
+    def _doubling(self, flat: torch.Tensor, counts: list[int]) -> None:
+        """Fill every rank's block of ``flat`` (blocks of ``counts`` elements in rank order;
+        this rank's holds its own) in ⌈log2 P⌉ rounds of exact-size point-to-point messages
+        (Bruck et al.'s all-gather): in round j, with d = 2^j, rank r holds the d blocks r, r + 1,
+        …, r + d − 1 (mod P) and sends the first min(d, P − d) of them to rank r − d, receiving
+        as many from rank r + d, the ones that follow its own. Every rank sends and receives
+        P − 1 blocks in all, as a ring does, in ⌈log2 P⌉ messages instead of P − 1: on gloo a
+        call costs a step about 0.3–1 ms at P = 2 and 1–5 ms at P = 4 on two cores, whatever
+        its bytes (docs/results/rounds-cpu.md). Blocks that wrap past rank P − 1 travel as one
+        copy; those that do not, as a view of ``flat``."""
+        p, r = self.size, self.rank
+        starts = [0, *itertools.accumulate(counts)]
+
+        def span(first: int, n: int) -> list[tuple[int, int]]:  # element ranges, wrap split
+            last = first + n
+            if last <= p:
+                return [(starts[first], starts[last])]
+            return [(starts[first], starts[p]), (0, starts[last - p])]
+
+        d = 1
+        while d < p:
+            n = min(d, p - d)
+            out, into = span(r, n), span((r + d) % p, n)
+            send = (flat[out[0][0]:out[0][1]] if len(out) == 1
+                    else torch.cat([flat[a:b] for a, b in out]))
+            recv = (flat[into[0][0]:into[0][1]] if len(into) == 1
+                    else torch.empty(sum(b - a for a, b in into), dtype=flat.dtype,
+                                     device=flat.device))
+            self.sendrecv(send, (r - d) % p, recv, (r + d) % p)
+            if len(into) > 1:
+                at = 0
+                for a, b in into:
+                    flat[a:b].copy_(recv[at:at + b - a])
+                    at += b - a
+            d *= 2
 
     @_outside_backward
     def barrier(self) -> None:

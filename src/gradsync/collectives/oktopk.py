@@ -40,7 +40,7 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
    Where balancing cannot run (P ≤ ``balance_factor``: the largest count is at most the total)
    and nothing else needs the counts first (no ``recompute_band``), on gloo with the CPU's own
    kernels, the counts (with the non-finite flags and the per-source counts) travel ahead of
-   each region's entries instead, in a ring of bounded receives: the same bytes, one call
+   each region's entries instead, in bounded receives: the same bytes, one call
    fewer a step (ours; at P = 2 a gloo call costs a step 0.3–1 ms on a 2-core machine,
    docs/results/rounds-cpu.md).
 5. ``kept`` = local indices ∩ global selection (line 14; Algorithm 2 line 6 zeroes the residual
@@ -396,7 +396,7 @@ class OkTopk(Collective):
     ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
         """Line 13 with the counts inside the blocks (:meth:`_counts_inline`): each rank's block
         is its ``head`` (:meth:`_heads`, P + 3 int64 words) then its selected entries, gathered
-        by a ring of bounded receives (:meth:`Comm.all_gather_bounded`); the same bytes as the
+        by bounded receives (:meth:`Comm.all_gather_bounded`); the same bytes as the
         counts' all-gather and the exact-size allgatherv, one call fewer. A block whose count
         its region cannot hold fails a check and travels on as its head alone, so every rank
         but its sender fails alike. Returns (global indices, the dense sum, every block's head
@@ -410,8 +410,8 @@ class OkTopk(Collective):
                                        torch.index_select(r_val, 0, at), wire)])
         cap = [edges[q + 1] - edges[q] for q in range(P)]
 
-        def size_of(q: int, buf: torch.Tensor) -> int:  # one read per block
-            c = int(buf[:COUNT_BYTES].view(torch.int64))
+        def size_of(q: int, buf: torch.Tensor) -> int:  # one read per block (any alignment)
+            c = int(buf[:COUNT_BYTES].clone().view(torch.int64))
             if 0 <= c <= cap[q]:
                 return hb + c * eb
             checks.append((torch.zeros((), dtype=torch.bool, device=buf.device),
