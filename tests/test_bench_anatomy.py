@@ -345,3 +345,27 @@ def test_a_threads_run_queue_clock_closes_with_its_thread():
         return
     assert all(r >= 0.0 for r in readings)
     assert fds() <= before + 1  # 20 threads' clocks: none left open (gc may lag by one)
+
+
+def test_repeats_keep_each_schemes_median_run_whole():
+    """``--repeats``: per scheme the run whose step − floor is the median (the lower middle of
+    an even count), its row untouched, every run's step − floor beside it; the median floor."""
+    def row(scheme, over, mark):
+        return {"scheme": scheme, "over_floor_ms": over, "wait_ms": mark}
+
+    def job(overs, marks, floor):
+        return ([row(s, o, m) for s, o, m in zip(("ddp", "topka"), overs, marks)],
+                {"link": "loopback", "world_size": 2, "step_ms": floor}, "loopback", 1e9, {},
+                False)
+    jobs = [job((4.0, 3.0), ("a", "x"), 7.0), job((5.0, 1.0), ("b", "y"), 6.0),
+            job((3.0, 2.0), ("c", "z"), 9.0)]
+    rows, floor, name, rate, shaped = anatomy.median_job(jobs)
+    assert [(r["scheme"], r["over_floor_ms"], r["wait_ms"]) for r in rows] == [
+        ("ddp", 4.0, "a"), ("topka", 2.0, "z")]  # the median run's row, whole
+    assert [r["over_floor_runs_ms"] for r in rows] == [[4.0, 5.0, 3.0], [3.0, 1.0, 2.0]]
+    assert floor["step_ms"] == 7.0 and floor["step_ms_runs"] == [7.0, 6.0, 9.0]
+    assert (name, rate, shaped) == ("loopback", 1e9, False)
+    two, _, _, _, _ = anatomy.median_job(jobs[:2])  # an even count: the lower middle
+    assert [r["over_floor_ms"] for r in two] == [4.0, 1.0]
+    with pytest.raises(SystemExit):
+        anatomy.main(["--repeats", "0"])

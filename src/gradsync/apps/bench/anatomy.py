@@ -2,7 +2,11 @@
 step with no gradient exchange at all.
 
 ``python -m gradsync bench anatomy [--model cnn] [--world-size 2,4] [--bandwidth loopback,1gbit]
-[--steps 40] [--schemes ddp,topka,…] [--out bench-out/anatomy] [--write-docs]``
+[--steps 40] [--schemes ddp,topka,…] [--repeats 1] [--out bench-out/anatomy] [--write-docs]``
+
+``--repeats N`` runs every job N times and keeps, per scheme, the run whose step − floor is the
+median (its whole row, so that its parts still add up; every run's step − floor beside it): one
+run's rows move by up to ±1 ms on these shared cores (docs/results/speed.md).
 
 For every world size P of ``--world-size`` and every link of ``--bandwidth`` (``loopback`` and
 tc rates, shaped as ``bench schemes`` shapes them: per-rank ``tbf`` links, root only, else a
@@ -463,7 +467,11 @@ def _parse(argv: list[str] | None) -> tuple[argparse.Namespace, list[str], list[
     p.add_argument("--write-docs", action="store_true",
                    help=f"also write {DOCS_PATH} and its JSON and PNG beside it")
     p.add_argument("--progress", action="store_true", help="show the training progress bars")
+    p.add_argument("--repeats", type=int, default=1,
+                   help="run each job this many times; each row is its median run (default 1)")
     a = p.parse_args(argv)
+    if a.repeats < 1:
+        p.error("--repeats must be >= 1")
     try:
         links = parse_links(a.bandwidth)
         sizes = parse_world_sizes(a.world_size)
@@ -484,6 +492,41 @@ def _spec(a: argparse.Namespace, P: int, link: str) -> TrainSpec:
     if link != LOOPBACK:
         targs += ["--bandwidth", link] + (["--latency", a.latency] if a.latency else [])
     return train.parse_args(targs, parser=train.build_parser("python -m gradsync bench anatomy"))
+
+
+def _job(results: list[dict], descr: dict, spec: TrainSpec, skip: int, P: int, link: str
+         ) -> tuple[list[dict], dict, str, float | None, dict, bool]:
+    """One run of a job: its rows, its floor figures, the link's name and rate (loopback: DDP's
+    achieved all-reduce rate in this run), the link's description and whether it was shaped."""
+    from gradsync.apps import train
+
+    runs = train.summarize(results, spec.warmup_steps)
+    ddp = next(({**r["summary"], "comm_s": _phases(raw, skip)["comm_s"]}  # its mean
+                for r, raw in zip(runs, _rank0(results)) if r["scheme"] == "ddp"), None)
+    shaped = bool(link != LOOPBACK and descr.get("shaped"))
+    rate = link_rate(link) if shaped else loopback_rate(ddp)
+    name = link if link == LOOPBACK or shaped else f"{link} (not shaped: loopback)"
+    rows = anatomy_rows(results, runs, skip, name, P, rate)
+    return rows, {"link": name, "world_size": P, **floor_figures(results, skip)}, name, rate, \
+        descr, shaped
+
+
+def median_job(jobs: list[tuple[list[dict], dict, str, float | None, dict, bool]]
+               ) -> tuple[list[dict], dict, str, float | None, bool]:
+    """The rows of several runs of one job (:func:`_job`): per scheme, the run whose step −
+    floor is the median of the runs' (the lower middle one of an even count), its row whole,
+    so that its parts still add up, with every run's step − floor (``over_floor_runs_ms``, in
+    run order); the floor of the run whose floor step is the median, with every run's
+    (``step_ms_runs``); the link's name, rate (the first run's) and whether it was shaped."""
+    rows = []
+    for per_run in zip(*(j[0] for j in jobs), strict=True):
+        ranked = sorted(per_run, key=lambda r: r["over_floor_ms"])
+        rows.append({**ranked[(len(ranked) - 1) // 2],
+                     "over_floor_runs_ms": [r["over_floor_ms"] for r in per_run]})
+    floors = [j[1] for j in jobs]
+    floor = sorted(floors, key=lambda f: f["step_ms"])[(len(floors) - 1) // 2]
+    _, _, name, rate, _, shaped = jobs[0]
+    return rows, {**floor, "step_ms_runs": [f["step_ms"] for f in floors]}, name, rate, shaped
 
 
 def _load() -> float:
@@ -507,30 +550,26 @@ def main(argv: list[str] | None = None) -> int:
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "code": code_revision(),
         "machine": f"{os.cpu_count()} cores ({cpu_description()})", "load_start": _load(),
         "world_sizes": sizes, "links": links, "config": first.config(sizes[0]),
-        "floors": [], "loopback_rate_bps": {}, "link_descriptions": {}}
+        "floors": [], "loopback_rate_bps": {}, "link_descriptions": {}, "repeats": a.repeats}
     skip = first.warmup_steps + 1
     t0 = time.perf_counter()
     rows: list[dict] = []
     for P in sizes:
         for link in links:
             spec = specs[(P, link)]
-            try:
-                results, descr = train.launch(spec, worker=anatomy_worker)
-            except (DistributedError, DistributedTimeout) as e:
-                print(f"bench anatomy failed at P={P} on {link}: {e}")
-                return 1
-            runs = train.summarize(results, spec.warmup_steps)
-            ddp = next(({**r["summary"], "comm_s": _phases(raw, skip)["comm_s"]}  # its mean
-                        for r, raw in zip(runs, _rank0(results)) if r["scheme"] == "ddp"), None)
-            shaped = link != LOOPBACK and descr.get("shaped")
-            rate = link_rate(link) if shaped else loopback_rate(ddp)
-            name = link if link == LOOPBACK or shaped else f"{link} (not shaped: loopback)"
-            meta["link_descriptions"][f"P{P} {link}"] = descr
+            jobs = []
+            for _ in range(a.repeats):
+                try:
+                    results, descr = train.launch(spec, worker=anatomy_worker)
+                except (DistributedError, DistributedTimeout) as e:
+                    print(f"bench anatomy failed at P={P} on {link}: {e}")
+                    return 1
+                jobs.append(_job(results, descr, spec, skip, P, link))
+            mine, floor, name, rate, shaped = median_job(jobs)
+            meta["link_descriptions"][f"P{P} {link}"] = jobs[0][4]
             if not shaped:
                 meta["loopback_rate_bps"][f"P{P} {name}"] = rate
-            mine = anatomy_rows(results, runs, skip, name, P, rate)
-            meta["floors"].append({"link": name, "world_size": P,
-                                   **floor_figures(results, skip)})
+            meta["floors"].append(floor)
             print_table(_title(name, P, spec, rate if not shaped else None), COLUMNS,
                         [_cells(r) for r in mine])
             fl = meta["floors"][-1]
@@ -658,6 +697,23 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
     return out
 
 
+def _repeats_line(meta: dict) -> list[str]:
+    n = meta.get("repeats", 1)
+    return [] if n == 1 else [
+        f"- repeats: each job ran {n} times; each row is the run whose step − floor is the "
+        "median of the runs' (the whole row of that run, so its parts still add up), each "
+        "floor the run whose floor is the median; every run's step − floor is under each "
+        "table and in the JSON (`over_floor_runs_ms`)."]
+
+
+def _runs_line(rows: list[dict]) -> list[str]:
+    if not rows or len(rows[0].get("over_floor_runs_ms", [])) < 2:
+        return []
+    runs = "; ".join(f"{r['scheme']} " + ", ".join(f"{x:.1f}" for x in r["over_floor_runs_ms"])
+                     for r in rows)
+    return [f"step − floor in each run, ms: {runs}.", ""]
+
+
 def write_docs(path: Path, rows: list[dict], meta: dict, png: bool = True) -> Path:
     """The markdown page: what was run, one table per link and P, the floors, what the numbers
     show (sentences read off them), and how the columns are made."""
@@ -677,7 +733,7 @@ def write_docs(path: Path, rows: list[dict], meta: dict, png: bool = True) -> Pa
              f"{meta['config']['warmup_steps'] + 1} not measured; gloo ranks on this machine",
              "- **noisy**: this machine's cores are shared with other jobs (see the load "
              "average); every time is a mean over one run's steps. Compare schemes within one "
-             "table (one job) rather than across tables.", ""]
+             "table (one job) rather than across tables.", *_repeats_line(meta), ""]
     if png:
         lines += [f"![step anatomy]({path.with_suffix('.png').name})", ""]
     lines += ["## What this shows", "", *(f"- {s}" for s in _findings(rows, meta)), ""]
@@ -694,7 +750,7 @@ def write_docs(path: Path, rows: list[dict], meta: dict, png: bool = True) -> Pa
                   f"{f['after_ms']:.1f} after; forward {f['forward_ms']:.1f}, backward "
                   f"{f['backward_call_ms']:.1f}, optimizer {f['optimizer_ms']:.1f}; cpu "
                   f"{f['cpu_ms']:.1f} ms); {how}. ms per step.", "",
-                  *_md_table(COLUMNS, [_cells(r) for r in mine]), ""]
+                  *_md_table(COLUMNS, [_cells(r) for r in mine]), "", *_runs_line(mine)]
     lines += ["## The floors", "", *_md_table(FLOOR_COLUMNS, [_floor_cells(f)
                                                             for f in meta["floors"]]), "",
               "## Columns", "",
