@@ -233,7 +233,9 @@ def _leave_traces(rank: int, world_size: int) -> dict:
     torch.manual_seed(123)
     np.random.seed(5)
     torch.set_num_threads(1 if torch.get_num_threads() > 1 else 2)
-    dist.new_group()
+    # both ranks connected before either returns: the pool tears a call's groups down after it,
+    # and a peer still connecting would see "Connection closed by peer" (a fresh clone did)
+    dist.barrier(group=dist.new_group())
     dist.all_reduce = lambda *a, **k: None
     conftest._trace = True
     Comm.all_gather_v = lambda *a, **k: None
