@@ -354,9 +354,9 @@ def test_repeats_keep_each_schemes_median_run_whole():
         return {"scheme": scheme, "over_floor_ms": over, "wait_ms": mark}
 
     def job(overs, marks, floor):
-        return ([row(s, o, m) for s, o, m in zip(("ddp", "topka"), overs, marks)],
-                {"link": "loopback", "world_size": 2, "step_ms": floor}, "loopback", 1e9, {},
-                False)
+        return anatomy.JobRun([row(s, o, m) for s, o, m in zip(("ddp", "topka"), overs, marks)],
+                              {"link": "loopback", "world_size": 2, "step_ms": floor},
+                              "loopback", 1e9, {}, False)
     jobs = [job((4.0, 3.0), ("a", "x"), 7.0), job((5.0, 1.0), ("b", "y"), 6.0),
             job((3.0, 2.0), ("c", "z"), 9.0)]
     rows, floor, name, rate, shaped = anatomy.median_job(jobs)

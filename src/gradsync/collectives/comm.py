@@ -673,9 +673,7 @@ class Comm:
         block, this rank's ``t``."""
         p, r = self.size, self.rank
         blocks: list[torch.Tensor] = [t.reshape(-1)] * p
-        d = 1
-        while d < p:
-            n = min(d, p - d)
+        for d, n in self._rounds():
             held = [blocks[(r + i) % p] for i in range(n)]
             qs = [(r + d + i) % p for i in range(n)]
             buf = torch.empty(sum(bounds[q] for q in qs), dtype=torch.uint8, device=t.device)
@@ -694,8 +692,15 @@ class Comm:
                                   (r + d) % p, cut)
             for q, a, b in cuts:
                 blocks[q] = buf[a:b]
-            d *= 2
         return blocks
+
+    def _rounds(self) -> Iterator[tuple[int, int]]:
+        """The rounds of Bruck's all-gather (:meth:`_doubling`): ``(d, n)``, d = 1, 2, 4, … < P,
+        n = min(d, P − d) blocks sent to rank r − d and received from rank r + d."""
+        d = 1
+        while d < self.size:
+            yield d, min(d, self.size - d)
+            d *= 2
 
     def _doubling(self, flat: torch.Tensor, counts: list[int]) -> None:
         """Fill every rank's block of ``flat`` (blocks of ``counts`` elements in rank order;
@@ -716,9 +721,7 @@ class Comm:
                 return [(starts[first], starts[last])]
             return [(starts[first], starts[p]), (0, starts[last - p])]
 
-        d = 1
-        while d < p:
-            n = min(d, p - d)
+        for d, n in self._rounds():
             out, into = span(r, n), span((r + d) % p, n)
             send = (flat[out[0][0]:out[0][1]] if len(out) == 1
                     else torch.cat([flat[a:b] for a, b in out]))
@@ -731,7 +734,6 @@ class Comm:
                 for a, b in into:
                     flat[a:b].copy_(recv[at:at + b - a])
                     at += b - a
-            d *= 2
 
     @_outside_backward
     def barrier(self) -> None:

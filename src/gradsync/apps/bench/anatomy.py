@@ -136,7 +136,7 @@ import statistics
 import sys
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, NamedTuple
 
 from gradsync.apps.bench.schemes import LOOPBACK, link_rate, parse_links
 from gradsync.apps.common import code_revision, cpu_description, print_table, write_outputs
@@ -494,8 +494,19 @@ def _spec(a: argparse.Namespace, P: int, link: str) -> TrainSpec:
     return train.parse_args(targs, parser=train.build_parser("python -m gradsync bench anatomy"))
 
 
+class JobRun(NamedTuple):
+    """One run of a job (:func:`_job`)."""
+
+    rows: list[dict]
+    floor: dict            # floor_figures, with the link and P
+    name: str              # the link as the page names it
+    rate: float | None     # bits/s: the tbf rate, or on loopback DDP's achieved rate this run
+    descr: dict            # the launcher's description of the link
+    shaped: bool
+
+
 def _job(results: list[dict], descr: dict, spec: TrainSpec, skip: int, P: int, link: str
-         ) -> tuple[list[dict], dict, str, float | None, dict, bool]:
+         ) -> JobRun:
     """One run of a job: its rows, its floor figures, the link's name and rate (loopback: DDP's
     achieved all-reduce rate in this run), the link's description and whether it was shaped."""
     from gradsync.apps import train
@@ -506,27 +517,27 @@ def _job(results: list[dict], descr: dict, spec: TrainSpec, skip: int, P: int, l
     shaped = bool(link != LOOPBACK and descr.get("shaped"))
     rate = link_rate(link) if shaped else loopback_rate(ddp)
     name = link if link == LOOPBACK or shaped else f"{link} (not shaped: loopback)"
-    rows = anatomy_rows(results, runs, skip, name, P, rate)
-    return rows, {"link": name, "world_size": P, **floor_figures(results, skip)}, name, rate, \
-        descr, shaped
+    return JobRun(anatomy_rows(results, runs, skip, name, P, rate),
+                  {"link": name, "world_size": P, **floor_figures(results, skip)}, name, rate,
+                  descr, shaped)
 
 
-def median_job(jobs: list[tuple[list[dict], dict, str, float | None, dict, bool]]
-               ) -> tuple[list[dict], dict, str, float | None, bool]:
+def median_job(jobs: list[JobRun]) -> tuple[list[dict], dict, str, float | None, bool]:
     """The rows of several runs of one job (:func:`_job`): per scheme, the run whose step −
     floor is the median of the runs' (the lower middle one of an even count), its row whole,
     so that its parts still add up, with every run's step − floor (``over_floor_runs_ms``, in
     run order); the floor of the run whose floor step is the median, with every run's
     (``step_ms_runs``); the link's name, rate (the first run's) and whether it was shaped."""
     rows = []
-    for per_run in zip(*(j[0] for j in jobs), strict=True):
+    for per_run in zip(*(j.rows for j in jobs), strict=True):
         ranked = sorted(per_run, key=lambda r: r["over_floor_ms"])
         rows.append({**ranked[(len(ranked) - 1) // 2],
                      "over_floor_runs_ms": [r["over_floor_ms"] for r in per_run]})
-    floors = [j[1] for j in jobs]
+    floors = [j.floor for j in jobs]
     floor = sorted(floors, key=lambda f: f["step_ms"])[(len(floors) - 1) // 2]
-    _, _, name, rate, _, shaped = jobs[0]
-    return rows, {**floor, "step_ms_runs": [f["step_ms"] for f in floors]}, name, rate, shaped
+    first = jobs[0]
+    return (rows, {**floor, "step_ms_runs": [f["step_ms"] for f in floors]}, first.name,
+            first.rate, first.shaped)
 
 
 def _load() -> float:
@@ -566,7 +577,7 @@ def main(argv: list[str] | None = None) -> int:
                     return 1
                 jobs.append(_job(results, descr, spec, skip, P, link))
             mine, floor, name, rate, shaped = median_job(jobs)
-            meta["link_descriptions"][f"P{P} {link}"] = jobs[0][4]
+            meta["link_descriptions"][f"P{P} {link}"] = jobs[0].descr
             if not shaped:
                 meta["loopback_rate_bps"][f"P{P} {name}"] = rate
             meta["floors"].append(floor)
