@@ -69,6 +69,27 @@ def _comm_rank(rank: int, world_size: int) -> dict:
     out["agv_counts_got"] = c.all_gather_v(_block(rank, torch.float32),
                                            [2 * j for j in range(P)])
     out["agv_counts"] = c.stats
+    # the same, as long blocks: round the ring (LONG_BLOCK_BYTES lowered to 1 byte)
+    c = Comm()
+    c.long_block_bytes = 1
+    out["agv_ring_got"] = c.all_gather_v(_block(rank), [2 * j for j in range(P)])
+    out["agv_ring"] = c.stats
+    c = Comm()
+    c.long_block_bytes = 1
+    out["ag_ring_got"] = c.all_gather(torch.full((3,), rank, dtype=torch.int64))
+    out["ag_ring"] = c.stats
+    # all_gather_bounded: rank j's block is its length word then 3·j int64, in buffers of the
+    # longest; the mean bound chooses the ring where the expected size chooses the doubling
+    if P > 1:
+        m = 3 * rank
+        mine = torch.cat([torch.tensor([m]), torch.full((m,), rank)]).view(torch.uint8)
+        for key, expected in (("bounded_ring", None), ("bounded_dbl", 8.0)):
+            c = Comm()
+            c.long_block_bytes = 16
+            got = c.all_gather_bounded(mine, [8 * (1 + 3 * (P - 1))] * P,
+                                       lambda q, b: 8 * (1 + int(b[:8].clone().view(torch.int64))),
+                                       expected=expected)
+            out[key], out[key + "_got"] = c.stats, [g.view(torch.int64) for g in got]
     # all_gather_v with every block empty.
     c = Comm()
     out["agv_empty_got"] = c.all_gather_v(torch.empty(0, dtype=torch.bfloat16))
@@ -191,6 +212,36 @@ def test_all_gather_v_uneven_and_empty(world):
         assert (e.bytes_sent, e.bytes_recv) == (counts_bytes, counts_bytes)
     # over the group, every byte sent is received
     assert sum(o["agv"].bytes_sent for o in outs) == sum(o["agv"].bytes_recv for o in outs)
+
+
+def test_long_blocks_go_round_the_ring(world):
+    """At or above ``long_block_bytes`` (mean block) the all-gathers take the ring: P − 1
+    rounds of one block, each rank sending every block but its right neighbour's."""
+    P, outs = world
+    block_bytes = [16 * j for j in range(P)]
+    for r, o in enumerate(outs):
+        assert [g.tolist() for g in o["agv_ring_got"]] == [_block(j).tolist() for j in range(P)]
+        s = o["agv_ring"]
+        assert s.bytes_recv == sum(block_bytes) - block_bytes[r]
+        assert s.bytes_sent == sum(block_bytes) - block_bytes[(r + 1) % P]
+        assert s.messages == sum(1 for j in range(P) if j != (r + 1) % P and block_bytes[j])
+        assert torch.equal(o["ag_ring_got"], torch.arange(P).repeat_interleave(3).view(P, 3))
+        s = o["ag_ring"]
+        assert (s.bytes_sent, s.bytes_recv, s.messages) == (24 * (P - 1), 24 * (P - 1), P - 1)
+
+
+@pytest.mark.parametrize("world", [2, 3, 5], indirect=True)
+def test_bounded_gather_takes_the_rounds_its_expected_size_chooses(world):
+    """``all_gather_bounded`` chooses its rounds from ``expected`` (default: the mean bound):
+    the ring's P − 1 messages or the doubling's ⌈log2 P⌉, each block arriving whole."""
+    P, outs = world
+    for r, o in enumerate(outs):
+        for key, messages in (("bounded_ring", P - 1), ("bounded_dbl", (P - 1).bit_length())):
+            assert [g.tolist() for g in o[key + "_got"]] == [
+                [3 * j] + [j] * (3 * j) for j in range(P)], key
+            s = o[key]
+            assert s.bytes_recv == sum(8 * (1 + 3 * j) for j in range(P) if j != r), key
+            assert s.messages == messages, key
 
 
 def test_all_reduce_ring_formula(world):

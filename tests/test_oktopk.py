@@ -336,7 +336,8 @@ def _tampered(rank: int, world: int, where: str) -> dict:
             first[skip:skip + 4] = torch.tensor([n + 7], dtype=torch.int32).view(torch.uint8)
             return blocks
         comm_mod.Comm.all_gather_v = lambda self, buf, sizes: corrupt(real(self, buf, sizes), 0)
-        comm_mod.Comm.all_gather_bounded = lambda self, *a: corrupt(real_bounded(self, *a), head)
+        comm_mod.Comm.all_gather_bounded = lambda self, *a, **k: corrupt(
+            real_bounded(self, *a, **k), head)
     else:
         real_unpack = ok_mod.unpack_entries
 

@@ -9,18 +9,23 @@ Accounting convention (per rank, payload bytes; headers of the transport are not
 * ``all_reduce`` of B bytes: the bandwidth-optimal ring, ``2·(P−1)/P·B`` sent and received in
   ``2(P−1)`` messages — the "Dense" row of Ok-Topk Table 1 (gloo's own algorithm may differ).
 * ``reduce_scatter`` of a P·B buffer: ring, ``(P−1)·B`` sent and received, ``P−1`` messages.
-* ``all_gather`` of B bytes per rank: ``(P−1)·B`` sent and received. On gloo in ⌈log2 P⌉
-  rounds of point-to-point messages straight into the output's rows (Bruck's doubling,
-  :meth:`Comm._doubling`, :meth:`Comm.all_gather_v`'s), one message a round: gloo's own
-  all-gather took 1.3–3.8× a ring of such messages at P = 2, 1.0–2.3× at P = 4 and 1.0–1.8× at
-  P = 8 (8 B to 1 MiB per rank, in lock-step; speed.md, "One round fewer"), and a step pays
-  each gloo call 0.3–1 ms at P = 2, 1–5 ms at P = 4 on two cores whatever its bytes
-  (docs/results/rounds-cpu.md), so the doubling's fewer rounds beat the ring's P − 1.
-  NCCL keeps its own (a ring: ``P−1`` messages counted).
-* ``all_gather_v`` (variable sizes): the same doubling of exact-size messages with no
-  padding: rank r receives every other rank's bytes, ``Σ_{j≠r} B_j``, and sends, in the round
-  of distance d, the min(d, P − d) blocks it holds from its own on (the group's totals are
-  equal). The counts themselves travel in a small ``all_gather`` that is counted too.
+* ``all_gather`` of B bytes per rank: ``(P−1)·B`` sent and received. On gloo as rounds of
+  point-to-point messages straight into the output's rows (:meth:`Comm._gather_rounds`, also
+  :meth:`Comm.all_gather_v`'s and :meth:`Comm.all_gather_bounded`'s), one message a round:
+  gloo's own all-gather took 1.3–3.8× a ring of such messages at P = 2, 1.0–2.3× at P = 4 and
+  1.0–1.8× at P = 8 (8 B to 1 MiB per rank, in lock-step; speed.md, "One round fewer"). Short
+  blocks take Bruck's doubling, ⌈log2 P⌉ rounds: a step pays each gloo call 0.3–1 ms at P = 2
+  and 1–5 ms at P = 4 on two cores whatever its bytes (docs/results/rounds-cpu.md). Blocks of
+  :data:`LONG_BLOCK_BYTES` or more (their mean) take the ring, P − 1 rounds of one block: there
+  the doubling's longer messages and the copies of its wrapped spans cost more than the rounds
+  it saves (as MPI libraries choose; speed.md, "Long blocks go round the ring"). The choice
+  depends only on sizes every rank knows, so every rank makes the same one. NCCL keeps its own
+  (a ring: ``P−1`` messages counted).
+* ``all_gather_v`` (variable sizes): the same rounds of exact-size messages with no padding:
+  rank r receives every other rank's bytes, ``Σ_{j≠r} B_j``, and sends, in the doubling's round
+  of distance d, the min(d, P − d) blocks it holds from its own on, or in the ring every block
+  but rank r + 1's (the group's totals are equal). The counts themselves travel in a small
+  ``all_gather`` that is counted too.
 * ``broadcast`` of B bytes from ``src``: a binomial tree; each non-root receives B once and sends
   B to each of its children.
 * ``sendrecv_bounded``: a receive into a buffer longer than its message (gloo's; NCCL needs
@@ -283,6 +288,7 @@ def backend_devices(backend: str) -> dict[str, str]:
 #: a process's ``Comm`` objects map devices to backends instead of their group's. For tests
 #: (module docstring).
 EMULATE_BACKEND_ENV = "GRADSYNC_EMULATE_BACKEND"
+LONG_BLOCK_BYTES = 1 << 20  # gloo all-gathers of blocks this long (mean) go round the ring
 
 
 class _Staged:
@@ -370,6 +376,7 @@ class Comm:
         else:
             self.device = torch.device("cpu")
         self.stats = CommStats()
+        self.long_block_bytes = LONG_BLOCK_BYTES  # module docstring, ``all_gather``
         self._queued: list[tuple[dist.P2POp, _Deferred]] = []
 
     # -- helpers ----------------------------------------------------------------------
@@ -557,10 +564,10 @@ class Comm:
             out[0] = t
             return out
         flat = t.contiguous().view(-1)
-        if self._devices.get(flat.device.type) != "nccl":  # gloo: doubling (module docstring)
+        if self._devices.get(flat.device.type) != "nccl":  # gloo: rounds of p2p (module docstring)
             rows = out.view(p, -1)
             rows[self.rank].copy_(flat)
-            self._doubling(out.view(-1), [flat.numel()] * p)
+            self._gather_rounds(out.view(-1), [flat.numel()] * p)
             return out
         b = _nbytes(t)
         self._count((p - 1) * b, (p - 1) * b, p - 1)
@@ -646,7 +653,7 @@ class Comm:
 
         ``counts`` (every rank's length) may be given when already known; otherwise it is
         gathered first. The payload travels in ⌈log2 P⌉ rounds of exact-size point-to-point
-        messages (:meth:`_doubling`) into one buffer; the blocks returned are views of it.
+        messages (:meth:`_gather_rounds`) into one buffer; the blocks returned are views of it.
         """
         p = self.size
         t = t.reshape(-1)
@@ -658,24 +665,26 @@ class Comm:
         flat = torch.empty(sum(counts), dtype=t.dtype, device=t.device)
         blocks = list(flat.split(counts))
         blocks[self.rank].copy_(t)
-        self._doubling(flat, counts)
+        self._gather_rounds(flat, counts)
         return blocks
 
     def all_gather_bounded(self, t: torch.Tensor, bounds: list[int],
-                           size_of: Callable[[int, torch.Tensor], int]) -> list[torch.Tensor]:
+                           size_of: Callable[[int, torch.Tensor], int],
+                           expected: float | None = None) -> list[torch.Tensor]:
         """:meth:`all_gather_v` of 1-D byte blocks whose lengths travel inside them, where
-        :meth:`bounded` allows it: the same rounds (:meth:`_doubling`), no count exchange
-        first. A round's message is the blocks it carries back to back, received into a
-        buffer of their ``bounds`` (``bounds[q]``: the longest well-formed block of rank q)
-        and cut block by block at ``size_of(q, buf)`` bytes, read from the block's own start
-        (at most ``bounds[q]``; the caller rejects a malformed length there, and the bytes it
-        keeps are what it forwards, so every rank gets the same blocks). Returns every rank's
-        block, this rank's ``t``."""
+        :meth:`bounded` allows it: the same rounds (:meth:`_rounds`, chosen by ``expected``, the
+        bytes a block should hold, the same on every rank; default the mean of ``bounds``), no
+        count exchange first. A round's message is the blocks it carries back
+        to back, received into a buffer of their ``bounds`` (``bounds[q]``: the longest
+        well-formed block of rank q) and cut block by block at ``size_of(q, buf)`` bytes, read
+        from the block's own start (at most ``bounds[q]``; the caller rejects a malformed length
+        there, and the bytes it keeps are what it forwards, so every rank gets the same blocks).
+        Returns every rank's block, this rank's ``t``."""
         p, r = self.size, self.rank
         blocks: list[torch.Tensor] = [t.reshape(-1)] * p
-        for d, n in self._rounds():
-            held = [blocks[(r + i) % p] for i in range(n)]
-            qs = [(r + d + i) % p for i in range(n)]
+        for shift, first, n in self._rounds(sum(bounds) / p if expected is None else expected):
+            held = [blocks[(first + i) % p] for i in range(n)]
+            qs = [(first + shift + i) % p for i in range(n)]
             buf = torch.empty(sum(bounds[q] for q in qs), dtype=torch.uint8, device=t.device)
             cuts: list[tuple[int, int, int]] = []
 
@@ -688,31 +697,38 @@ class Comm:
                     at += m
                 return at
 
-            self.sendrecv_bounded(held[0] if n == 1 else torch.cat(held), (r - d) % p, buf,
-                                  (r + d) % p, cut)
+            self.sendrecv_bounded(held[0] if n == 1 else torch.cat(held), (r - shift) % p, buf,
+                                  (r + shift) % p, cut)
             for q, a, b in cuts:
                 blocks[q] = buf[a:b]
         return blocks
 
-    def _rounds(self) -> Iterator[tuple[int, int]]:
-        """The rounds of Bruck's all-gather (:meth:`_doubling`): ``(d, n)``, d = 1, 2, 4, … < P,
-        n = min(d, P − d) blocks sent to rank r − d and received from rank r + d."""
+    def _rounds(self, block_bytes: float) -> Iterator[tuple[int, int, int]]:
+        """The rounds of a gloo all-gather of blocks of ``block_bytes`` (their mean) as
+        ``(shift, first, n)``: this rank sends the n blocks from block ``first`` on to rank
+        r − shift and receives the n blocks from block first + shift on from rank r + shift.
+        Below :attr:`long_block_bytes`, Bruck's doubling: d = 1, 2, 4, … < P, ``(d, r,
+        min(d, P − d))``; otherwise the ring: step s = 0 … P − 2, ``(−1, r − s, 1)``, the block
+        received in the step before passed on to rank r + 1 (module docstring, ``all_gather``)."""
+        p, r = self.size, self.rank
+        if block_bytes >= self.long_block_bytes:
+            for s in range(p - 1):
+                yield -1, (r - s) % p, 1
+            return
         d = 1
-        while d < self.size:
-            yield d, min(d, self.size - d)
+        while d < p:
+            yield d, r, min(d, p - d)
             d *= 2
 
-    def _doubling(self, flat: torch.Tensor, counts: list[int]) -> None:
+    def _gather_rounds(self, flat: torch.Tensor, counts: list[int]) -> None:
         """Fill every rank's block of ``flat`` (blocks of ``counts`` elements in rank order;
-        this rank's holds its own) in ⌈log2 P⌉ rounds of exact-size point-to-point messages
-        (Bruck et al.'s all-gather): in round j, with d = 2^j, rank r holds the d blocks r, r + 1,
-        …, r + d − 1 (mod P) and sends the first min(d, P − d) of them to rank r − d, receiving
-        as many from rank r + d, the ones that follow its own. Every rank sends and receives
-        P − 1 blocks in all, as a ring does, in ⌈log2 P⌉ messages instead of P − 1: on gloo a
-        call costs a step about 0.3–1 ms at P = 2 and 1–5 ms at P = 4 on two cores, whatever
-        its bytes (docs/results/rounds-cpu.md). Blocks that wrap past rank P − 1 travel as one
-        copy; those that do not, as a view of ``flat``."""
-        p, r = self.size, self.rank
+        this rank's holds its own) in the rounds of :meth:`_rounds`, exact-size point-to-point
+        messages. In Bruck et al.'s doubling, round j (d = 2^j) finds rank r holding the d blocks
+        r, r + 1, …, r + d − 1 (mod P); it sends the first min(d, P − d) of them to rank r − d and
+        receives as many from rank r + d, the ones that follow its own: P − 1 blocks sent and
+        received in ⌈log2 P⌉ messages instead of the ring's P − 1. Blocks that wrap past rank
+        P − 1 travel as one copy; those that do not, as a view of ``flat``."""
+        p = self.size
         starts = [0, *itertools.accumulate(counts)]
 
         def span(first: int, n: int) -> list[tuple[int, int]]:  # element ranges, wrap split
@@ -721,14 +737,14 @@ class Comm:
                 return [(starts[first], starts[last])]
             return [(starts[first], starts[p]), (0, starts[last - p])]
 
-        for d, n in self._rounds():
-            out, into = span(r, n), span((r + d) % p, n)
+        for shift, first, n in self._rounds(flat.element_size() * starts[p] / p):
+            out, into = span(first, n), span((first + shift) % p, n)
             send = (flat[out[0][0]:out[0][1]] if len(out) == 1
                     else torch.cat([flat[a:b] for a, b in out]))
             recv = (flat[into[0][0]:into[0][1]] if len(into) == 1
                     else torch.empty(sum(b - a for a, b in into), dtype=flat.dtype,
                                      device=flat.device))
-            self.sendrecv(send, (r - d) % p, recv, (r + d) % p)
+            self.sendrecv(send, (self.rank - shift) % p, recv, (self.rank + shift) % p)
             if len(into) > 1:
                 at = 0
                 for a, b in into:

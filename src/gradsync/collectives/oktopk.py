@@ -287,7 +287,7 @@ class OkTopk(Collective):
             theta, reason = self._theta(mags, k, comm, step)
             mask = mags >= theta
             all_idx, dense, cb = self._allgather_counted(mask, heads(mask), r_idx, r_val, comm,
-                                                         wire, eb, edges, checks, step)
+                                                         wire, eb, edges, checks, step, k)
             why, balanced = self._nonfinite_why(cb, step), False
         else:
             theta, reason, mask, cb, why = self._global_threshold(
@@ -392,11 +392,12 @@ class OkTopk(Collective):
     def _allgather_counted(
         self, mask: torch.Tensor, head: torch.Tensor, r_idx: torch.Tensor, r_val: torch.Tensor,
         comm: Comm, wire: torch.dtype, eb: int, edges: list[int],
-        checks: list[tuple[torch.Tensor, str]], step: int,
+        checks: list[tuple[torch.Tensor, str]], step: int, k: int,
     ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
         """Line 13 with the counts inside the blocks (:meth:`_counts_inline`): each rank's block
         is its ``head`` (:meth:`_heads`, P + 3 int64 words) then its selected entries, gathered
-        by bounded receives (:meth:`Comm.all_gather_bounded`); the same bytes as the
+        by bounded receives (:meth:`Comm.all_gather_bounded`, its rounds chosen for blocks of
+        k/P entries, as the exact-size allgatherv would for a selection of k); the same bytes as the
         counts' all-gather and the exact-size allgatherv, one call fewer. A block whose count
         its region cannot hold fails a check and travels on as its head alone, so every rank
         but its sender fails alike. Returns (global indices, the dense sum, every block's head
@@ -419,7 +420,8 @@ class OkTopk(Collective):
                            f"region that holds at most {cap[q]} (step {step})"))
             return hb
 
-        blocks = comm.all_gather_bounded(mine, [hb + c * eb for c in cap], size_of)
+        blocks = comm.all_gather_bounded(mine, [hb + c * eb for c in cap], size_of,
+                                         expected=hb + eb * k / P)
         cb = torch.cat([b[:hb] for b in blocks]).view(torch.int64).view(P, -1).tolist()
         counts = [(b.numel() - hb) // eb for b in blocks]  # what arrived, not what was said
         parts = [unpack_entries(b[hb:], c, wire, r_val.dtype, "oktopk")
