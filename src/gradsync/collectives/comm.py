@@ -652,8 +652,9 @@ class Comm:
         """All-gather 1-D tensors of different lengths; returns one tensor per rank.
 
         ``counts`` (every rank's length) may be given when already known; otherwise it is
-        gathered first. The payload travels in ⌈log2 P⌉ rounds of exact-size point-to-point
-        messages (:meth:`_gather_rounds`) into one buffer; the blocks returned are views of it.
+        gathered first. The payload travels in rounds of exact-size point-to-point messages
+        (:meth:`_gather_rounds`: ⌈log2 P⌉, or P − 1 for long blocks) into one buffer; the
+        blocks returned are views of it.
         """
         p = self.size
         t = t.reshape(-1)
@@ -674,12 +675,12 @@ class Comm:
         """:meth:`all_gather_v` of 1-D byte blocks whose lengths travel inside them, where
         :meth:`bounded` allows it: the same rounds (:meth:`_rounds`, chosen by ``expected``, the
         bytes a block should hold, the same on every rank; default the mean of ``bounds``), no
-        count exchange first. A round's message is the blocks it carries back
-        to back, received into a buffer of their ``bounds`` (``bounds[q]``: the longest
-        well-formed block of rank q) and cut block by block at ``size_of(q, buf)`` bytes, read
-        from the block's own start (at most ``bounds[q]``; the caller rejects a malformed length
-        there, and the bytes it keeps are what it forwards, so every rank gets the same blocks).
-        Returns every rank's block, this rank's ``t``."""
+        count exchange first. A round's message is the blocks it carries back to back, received
+        into a buffer of their ``bounds`` (``bounds[q]``: the longest well-formed block of rank
+        q) and cut block by block at ``size_of(q, buf)`` bytes, read from the block's own start
+        (at most ``bounds[q]``; the caller rejects a malformed length there, and the bytes it
+        keeps are what it forwards, so every rank gets the same blocks). Returns every rank's
+        block, this rank's ``t``."""
         p, r = self.size, self.rank
         blocks: list[torch.Tensor] = [t.reshape(-1)] * p
         for shift, first, n in self._rounds(sum(bounds) / p if expected is None else expected):
