@@ -16,7 +16,7 @@ def test_bench_rounds_small_run(tmp_path):
     doc = json.loads((tmp_path / "rounds-cpu.json").read_text())
     rows = doc["rows"]
     assert [(r["work_ms"], r["op"]) for r in rows] == [
-        (w, op) for w in (0.0, 0.2) for op in rounds.OPS]
+        (w, op) for w in (0.0, 0.2) for op in rounds.DEFAULT_OPS]
     for r in rows:
         assert r["P"] == 2 and r["bytes"] == 8 and r["calls"] == 2 * 30
         # a call returns after the last start it needs, up to the clock's reading order
@@ -27,6 +27,22 @@ def test_bench_rounds_small_run(tmp_path):
     assert page.count("\n| 2 | ") == len(rows)
     assert "with 0.2 ms of work before each call" in page and "in lock-step" in page
     assert (tmp_path / "rounds-cpu.png").stat().st_size > 0
+
+
+def test_bench_rounds_times_the_all_gathers_rounds_past_the_sockets_limit(tmp_path):
+    """The ring and the doubling of gradsync's all-gather, at a payload the socket could not
+    take (2 MiB per rank); a finding line compares them per payload."""
+    big = 2 << 20
+    assert rounds.main(["--world-size", "4", "--calls", "4", "--work-ms", "0",
+                        "--bytes", f"8,{big}", "--ops", "gather_ring,gather_doubling",
+                        "--out", str(tmp_path)]) == 0
+    rows = json.loads((tmp_path / "rounds-cpu.json").read_text())["rows"]
+    assert [(r["bytes"], r["op"]) for r in rows] == [
+        (b, op) for b in (8, big) for op in ("gather_ring", "gather_doubling")]
+    assert all(r["calls"] == 4 * 4 and r["x_socket"] is None and r["p50_ms"] > 0 for r in rows)
+    page = (tmp_path / "rounds-cpu.md").read_text()
+    for b in (8, big):
+        assert f"P = 4, in lock-step, {b} bytes per rank: the all-gather in P − 1 rounds" in page
 
 
 
@@ -51,7 +67,8 @@ def test_latency_counts_from_the_last_start_a_call_needs(name):
 
 @pytest.mark.parametrize("argv", [["--world-size", "1"], ["--work-ms", "-1"],
                                   ["--bytes", "0"], ["--ops", "all_gather,nope"],
-                                  ["--calls", "0"], ["--bytes", "x"]])
+                                  ["--calls", "0"], ["--bytes", "x"],
+                                  ["--bytes", str(2 << 20)]])  # the socket's limit: 1 MiB
 def test_bench_rounds_rejects_bad_arguments(argv, tmp_path):
     with pytest.raises(SystemExit):
         rounds.main([*argv, "--out", str(tmp_path)])

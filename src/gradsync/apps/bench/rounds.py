@@ -29,7 +29,12 @@ Ops (``--bytes`` per rank):
 * ``all_gather``, ``all_reduce``: gloo's own (the all-reduce sums float32 of that size);
 * ``socket``: the exchange over plain TCP sockets between the same ranks (``TCP_NODELAY``,
   blocking calls on the rank's own thread): what a transport costs on this machine
-  without gloo's threads.
+  without gloo's threads;
+* ``gather_doubling``, ``gather_ring`` (not run by default): gradsync's own gloo all-gather
+  (:meth:`~gradsync.collectives.comm.Comm.all_gather`) held to Bruck's doubling (⌈log2 P⌉
+  rounds) or to the ring (P − 1 rounds) whatever the size: the measurement behind
+  :data:`~gradsync.collectives.comm.LONG_BLOCK_BYTES`, where it switches from one to the other.
+  Without ``socket`` among the ops ``--bytes`` may exceed 1 MiB (up to 64 MiB).
 
 Writes ``rounds-cpu.json``, ``.md`` and ``.png`` (to ``--out``, or ``docs/results/`` with
 ``--write-docs``).
@@ -38,6 +43,7 @@ Writes ``rounds-cpu.json``, ``.md`` and ``.png`` (to ``--out``, or ``docs/result
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shlex
 import socket
@@ -58,11 +64,14 @@ from gradsync.apps.bench._harness import (
 )
 from gradsync.apps.bench.overhead import DOCS_DIR, code_label
 from gradsync.apps.common import cpu_description, grouped_bars, write_outputs
+from gradsync.collectives.comm import Comm
 from gradsync.testing import run_distributed
 
-OPS = ("exchange", "all_gather", "all_reduce", "socket")
+DEFAULT_OPS = ("exchange", "all_gather", "all_reduce", "socket")
+OPS = (*DEFAULT_OPS, "gather_doubling", "gather_ring")
 SKIP = 20  # unmeasured first calls of each case (connections, allocator)
 MAX_BYTES = 1 << 20  # both ends send before they receive: a socket's buffer holds the message
+MAX_GLOO_BYTES = 64 << 20  # without the socket: gloo's receives are posted before the sends
 
 
 def _work(x: torch.Tensor, n: int) -> None:
@@ -116,6 +125,12 @@ def _op(name: str, nbytes: int, rank: int, world: int,
     elif name == "all_gather":
         def call() -> None:
             dist.all_gather([torch.empty_like(msg) for _ in range(world)], msg)
+    elif name.startswith("gather_"):
+        comm = Comm()
+        comm.long_block_bytes = 0 if name == "gather_ring" else math.inf
+
+        def call() -> None:
+            comm.all_gather(msg)
     elif name == "all_reduce":
         vals = torch.ones(max(1, nbytes // 4), dtype=torch.float32)
 
@@ -217,7 +232,18 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
             if sock:
                 line += f", the socket's {min(sock):.3f}–{max(sock):.3f} ms"
             lines.append(line + ".")
+            lines += _gather_findings(mine, p, how)
     return lines
+
+
+def _gather_findings(rows: list[dict[str, Any]], p: int, how: str) -> list[str]:
+    """Per payload where both ran: the all-gather's ring against its doubling (means)."""
+    by = {(r["bytes"], r["op"]): r["mean_ms"] for r in rows}
+    return [f"P = {p}, {how}, {b} bytes per rank: the all-gather in P − 1 rounds (ring) "
+            f"{by[b, 'gather_ring']:.3f} ms, in ⌈log2 P⌉ (doubling) "
+            f"{by[b, 'gather_doubling']:.3f} ms."
+            for b in dict.fromkeys(r["bytes"] for r in rows)
+            if (b, "gather_ring") in by and (b, "gather_doubling") in by]
 
 
 def write_markdown(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any]) -> Path:
@@ -273,7 +299,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--work-ms", default="0,0.5",
                    help="comma-separated ms of computation before each call (0: lock-step)")
     p.add_argument("--bytes", default="8,37000", help="comma-separated payloads per rank")
-    p.add_argument("--ops", default=",".join(OPS), help=f"comma-separated, of {', '.join(OPS)}")
+    p.add_argument("--ops", default=",".join(DEFAULT_OPS),
+                   help=f"comma-separated, of {', '.join(OPS)}")
     add_output_args(p, "rounds", 900.0)
     return p
 
@@ -290,10 +317,11 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--world-size: a call needs at least 2 ranks")
     if min(work) < 0:
         p.error("--work-ms: must be >= 0")
-    if not all(1 <= b <= MAX_BYTES for b in nbytes):
-        p.error(f"--bytes: each in [1, {MAX_BYTES}]")
     if not ops or set(ops) - set(OPS):
         p.error(f"--ops: of {', '.join(OPS)}, got {a.ops!r}")
+    most = MAX_BYTES if "socket" in ops else MAX_GLOO_BYTES
+    if not all(1 <= b <= most for b in nbytes):
+        p.error(f"--bytes: each in [1, {most}]" + (" with the socket" if "socket" in ops else ""))
     if a.calls < 1:
         p.error("--calls must be >= 1")
     cfg = {"work_ms": work, "bytes": nbytes, "ops": ops, "calls": a.calls}
