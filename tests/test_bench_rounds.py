@@ -62,6 +62,9 @@ def test_latency_counts_from_the_last_start_a_call_needs(name):
     lat = [1e3 * (e - r) for er, rr in zip(ends, ready) for e, r in zip(er, rr)]
     assert row["mean_ms"] == pytest.approx(sum(lat) / len(lat))
     assert row["p50_ms"] == pytest.approx(float(np.median(lat)))
+    slowest = [max(1e3 * (ends[r][c] - ready[r][c]) for r in range(3)) for c in range(2)]
+    assert row["slowest_mean_ms"] == pytest.approx(sum(slowest) / 2)
+    assert row["slowest_p50_ms"] == pytest.approx(float(np.median(slowest)))
     assert row["x_socket"] is None  # no socket row to compare with
 
 

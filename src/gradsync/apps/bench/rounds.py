@@ -19,7 +19,9 @@ every rank's for the collectives, the later of its own and the previous rank's (
 it receives) for the exchanges. A peer that arrives late costs nothing here; what is left is
 the call itself and the threads behind it.
 Per op, payload and work: the mean, median, 90th and 99th percentile over every rank's calls
-but the first :data:`SKIP`, and the mean over the socket's at the same P, payload and work.
+but the first :data:`SKIP`; the mean and median of the slowest rank's latency per call (what
+the ranks' next step waits for); and the mean over the socket's at the same P, payload and
+work.
 
 Ops (``--bytes`` per rank):
 
@@ -196,11 +198,14 @@ def _summary(per_rank: list[dict[str, Any]], world: int, cfg: dict[str, Any]
                     ready = np.maximum(starts, np.roll(starts, 1, axis=0))
                 else:
                     ready = np.broadcast_to(starts.max(axis=0), starts.shape)
-                lat = (ends - ready).ravel() * 1e3
+                lat = (ends - ready) * 1e3
                 p50, p90, p99 = np.percentile(lat, [50, 90, 99])
+                slowest = lat.max(axis=0)  # per call, the rank that finished last
                 at[name] = {"P": world, "work_ms": w, "bytes": nbytes, "op": name,
                             "mean_ms": float(lat.mean()), "p50_ms": float(p50),
                             "p90_ms": float(p90), "p99_ms": float(p99),
+                            "slowest_mean_ms": float(slowest.mean()),
+                            "slowest_p50_ms": float(np.median(slowest)),
                             "calls": int(lat.size)}
             base = at.get("socket")
             for row in at.values():
@@ -209,13 +214,15 @@ def _summary(per_rank: list[dict[str, Any]], world: int, cfg: dict[str, Any]
     return rows
 
 
-COLUMNS = ("P", "work ms", "bytes", "op", "mean ms", "median", "p90", "p99", "mean × socket's")
+COLUMNS = ("P", "work ms", "bytes", "op", "mean ms", "median", "p90", "p99",
+           "slowest rank: mean", "median", "mean × socket's")
 
 
 def _cells(r: dict[str, Any]) -> list[Any]:
     ratio = "" if r["x_socket"] is None else f"{r['x_socket']:.1f}"
     return [r["P"], f"{r['work_ms']:g}", r["bytes"], r["op"], f"{r['mean_ms']:.3f}",
-            f"{r['p50_ms']:.3f}", f"{r['p90_ms']:.3f}", f"{r['p99_ms']:.3f}", ratio]
+            f"{r['p50_ms']:.3f}", f"{r['p90_ms']:.3f}", f"{r['p99_ms']:.3f}",
+            f"{r['slowest_mean_ms']:.3f}", f"{r['slowest_p50_ms']:.3f}", ratio]
 
 
 def findings(rows: list[dict[str, Any]]) -> list[str]:
@@ -237,11 +244,12 @@ def findings(rows: list[dict[str, Any]]) -> list[str]:
 
 
 def _gather_findings(rows: list[dict[str, Any]], p: int, how: str) -> list[str]:
-    """Per payload where both ran: the all-gather's ring against its doubling (means)."""
-    by = {(r["bytes"], r["op"]): r["mean_ms"] for r in rows}
+    """Per payload where both ran: the all-gather's ring against its doubling (the mean over
+    every rank's calls, and the slowest rank's per call, which the step waits for)."""
+    by = {(r["bytes"], r["op"]): f"{r['mean_ms']:.3f} ms (slowest rank {r['slowest_mean_ms']:.3f})"
+          for r in rows}
     return [f"P = {p}, {how}, {b} bytes per rank: the all-gather in P − 1 rounds (ring) "
-            f"{by[b, 'gather_ring']:.3f} ms, in ⌈log2 P⌉ (doubling) "
-            f"{by[b, 'gather_doubling']:.3f} ms."
+            f"{by[b, 'gather_ring']}, in ⌈log2 P⌉ (doubling) {by[b, 'gather_doubling']}."
             for b in dict.fromkeys(r["bytes"] for r in rows)
             if (b, "gather_ring") in by and (b, "gather_doubling") in by]
 
@@ -261,7 +269,8 @@ def write_markdown(path: Path, rows: list[dict[str, Any]], meta: dict[str, Any])
              "## What this shows", "", *(f"- {x}" for x in findings(rows)), "",
              "## Latency per call", "", "Latency: a call's return less the last start it "
              "depends on (every rank's for a collective, the sender's and its own for an "
-             "exchange), over every rank's calls.", "",
+             "exchange), over every rank's calls; the slowest rank's: per call, the latest "
+             "of the ranks' latencies.", "",
              "| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
     lines += ["| " + " | ".join(str(c) for c in _cells(r)) + " |" for r in rows]
     path.write_text("\n".join(lines) + "\n")
