@@ -185,22 +185,31 @@ def test_sendrecv_bounded_refuses_where_the_receive_needs_the_exact_size():
     assert all(o.startswith("False ") and "exact size" in o for o in outs), outs
 
 
+def _sent(P: int, r: int) -> list[list[int]]:
+    """The blocks rank r sends in each round of a short all-gather: Bruck's doubling where it
+    saves rounds (P >= 4; in the round of distance d the min(d, P − d) blocks held from its own
+    on), else the ring (P − 1 rounds, each passing on the block received before)."""
+    if P < 4:
+        return [[(r - s) % P] for s in range(P - 1)]
+    return [[(r + i) % P for i in range(min(d, P - d))]
+            for d in (2**j for j in range(P.bit_length())) if d < P]
+
+
 def test_all_gather_v_uneven_and_empty(world):
     P, outs = world
     block_bytes = [16 * j for j in range(P)]  # 2j int64
     counts_bytes = 8 * (P - 1)  # the counts' all_gather of one int64
-    rounds = [(d, min(d, P - d)) for d in (2**j for j in range(P.bit_length())) if d < P]
     for r, o in enumerate(outs):
+        rounds = _sent(P, r)
         assert [g.tolist() for g in o["agv_got"]] == [_block(j).tolist() for j in range(P)]
         s = o["agv"]
         # received: every other rank's block exactly once, no padding
         assert s.bytes_recv == counts_bytes + sum(block_bytes) - block_bytes[r]
-        # sent (Bruck's doubling): in the round of distance d, the min(d, P − d) blocks held
-        # from this rank's own on; one message a round, the counts' rounds too
-        sent = sum(block_bytes[(r + i) % P] for _, n in rounds for i in range(n))
+        # sent: the rounds' blocks; one message a round, the counts' rounds too
+        sent = sum(block_bytes[q] for blocks in rounds for q in blocks)
         assert s.bytes_sent == counts_bytes + sent
         assert s.messages == 2 * len(rounds) - sum(  # a round with nothing to send posts none
-            1 for _, n in rounds if not sum(block_bytes[(r + i) % P] for i in range(n)))
+            1 for blocks in rounds if not sum(block_bytes[q] for q in blocks))
         c = o["agv_counts"]
         assert [g.tolist() for g in o["agv_counts_got"]] == [
             _block(j, torch.float32).tolist() for j in range(P)]
@@ -215,8 +224,9 @@ def test_all_gather_v_uneven_and_empty(world):
 
 
 def test_long_blocks_go_round_the_ring(world):
-    """At or above ``long_block_bytes`` (mean block) the all-gathers take the ring: P − 1
-    rounds of one block, each rank sending every block but its right neighbour's."""
+    """At or above ``long_block_bytes`` (mean block) per round the doubling saves the
+    all-gathers take the ring: P − 1 rounds of one block, each rank sending every block but its
+    right neighbour's."""
     P, outs = world
     block_bytes = [16 * j for j in range(P)]
     for r, o in enumerate(outs):
@@ -233,10 +243,11 @@ def test_long_blocks_go_round_the_ring(world):
 @pytest.mark.parametrize("world", [2, 3, 5], indirect=True)
 def test_bounded_gather_takes_the_rounds_its_expected_size_chooses(world):
     """``all_gather_bounded`` chooses its rounds from ``expected`` (default: the mean bound):
-    the ring's P − 1 messages or the doubling's ⌈log2 P⌉, each block arriving whole."""
+    the ring's P − 1 messages or the doubling's ⌈log2 P⌉ (the ring's at P <= 3), each block
+    arriving whole."""
     P, outs = world
     for r, o in enumerate(outs):
-        for key, messages in (("bounded_ring", P - 1), ("bounded_dbl", (P - 1).bit_length())):
+        for key, messages in (("bounded_ring", P - 1), ("bounded_dbl", len(_sent(P, r)))):
             assert [g.tolist() for g in o[key + "_got"]] == [
                 [3 * j] + [j] * (3 * j) for j in range(P)], key
             s = o[key]
@@ -435,3 +446,28 @@ def test_comm_runs_on_torch_without_the_single_collectives(P):
         scale = P * (P + 1) / 2
         assert o["rs"].tolist() == [2 * r * scale, (2 * r + 1) * scale]
         assert o["blobs"] == [f"rank {j}".encode() for j in range(P)]
+
+
+@pytest.mark.parametrize(("P", "block_bytes", "ring"), [
+    (2, 8, True), (3, 8, True),  # no round to save: the ring (P − 1 rounds either way)
+    (4, 900_000, False), (4, 1 << 20, True),  # the doubling saves 1 round: 1 MiB
+    (5, 3_000_000, True), (6, 2_000_000, False), (6, 2 << 20, True),  # saves 1, 2
+    (8, 3_200_000, False), (8, 4 << 20, True), (16, 10 << 20, False), (16, 11 << 20, True),
+])
+def test_the_rounds_take_the_ring_for_blocks_long_for_the_rounds_saved(P, block_bytes, ring):
+    """Bruck's doubling unless the mean block reaches LONG_BLOCK_BYTES per round it saves
+    (P − 1 − ⌈log2 P⌉); every rank's rounds send and receive each other block once."""
+    from gradsync.collectives.comm import LONG_BLOCK_BYTES
+
+    assert LONG_BLOCK_BYTES == 1 << 20
+    for r in range(P):
+        c = Comm()
+        c.size, c.rank = P, r
+        rounds = list(c._rounds(block_bytes))
+        if ring:
+            assert rounds == [(-1, (r - s) % P, 1) for s in range(P - 1)]
+        else:
+            assert len(rounds) == (P - 1).bit_length()
+            assert all(shift == 2**j and first == r for j, (shift, first, _) in enumerate(rounds))
+        got = [(first + shift + i) % P for shift, first, n in rounds for i in range(n)]
+        assert sorted(got) == sorted(set(range(P)) - {r})

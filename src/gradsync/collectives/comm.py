@@ -13,14 +13,15 @@ Accounting convention (per rank, payload bytes; headers of the transport are not
   point-to-point messages straight into the output's rows (:meth:`Comm._gather_rounds`, also
   :meth:`Comm.all_gather_v`'s and :meth:`Comm.all_gather_bounded`'s), one message a round:
   gloo's own all-gather took 1.3–3.8× a ring of such messages at P = 2, 1.0–2.3× at P = 4 and
-  1.0–1.8× at P = 8 (8 B to 1 MiB per rank, in lock-step; speed.md, "One round fewer"). Short
-  blocks take Bruck's doubling, ⌈log2 P⌉ rounds: a step pays each gloo call 0.3–1 ms at P = 2
-  and 1–5 ms at P = 4 on two cores whatever its bytes (docs/results/rounds-cpu.md). Blocks of
-  :data:`LONG_BLOCK_BYTES` or more (their mean) take the ring, P − 1 rounds of one block: there
-  the doubling's longer messages and the copies of its wrapped spans cost more than the rounds
-  it saves (as MPI libraries choose; speed.md, "Long blocks go round the ring"). The choice
-  depends only on sizes every rank knows, so every rank makes the same one. NCCL keeps its own
-  (a ring: ``P−1`` messages counted).
+  1.0–1.8× at P = 8 (8 B to 1 MiB per rank, in lock-step; speed.md, "One round fewer"). A
+  step pays each gloo call 0.3–1 ms at P = 2 and 1–5 ms at P = 4 on two cores whatever its
+  bytes (docs/results/rounds-cpu.md), so blocks take Bruck's doubling, ⌈log2 P⌉ rounds, where
+  it saves rounds: P ≥ 4 (at P ≤ 3 both take P − 1), unless their mean reaches
+  :data:`LONG_BLOCK_BYTES` per round saved (1 MiB at P = 4, 4 MiB at P = 8). Such blocks go
+  round the ring, P − 1 rounds of one block each: the doubling's longer messages and the
+  copies of its wrapped spans grow with the blocks, the rounds it saves do not (speed.md,
+  "Long blocks go round the ring"). The choice depends only on sizes every rank knows, so
+  every rank makes the same one. NCCL keeps its own (a ring: ``P−1`` messages counted).
 * ``all_gather_v`` (variable sizes): the same rounds of exact-size messages with no padding:
   rank r receives every other rank's bytes, ``Σ_{j≠r} B_j``, and sends, in the doubling's round
   of distance d, the min(d, P − d) blocks it holds from its own on, or in the ring every block
@@ -288,7 +289,7 @@ def backend_devices(backend: str) -> dict[str, str]:
 #: a process's ``Comm`` objects map devices to backends instead of their group's. For tests
 #: (module docstring).
 EMULATE_BACKEND_ENV = "GRADSYNC_EMULATE_BACKEND"
-LONG_BLOCK_BYTES = 1 << 20  # gloo all-gathers of blocks this long (mean) go round the ring
+LONG_BLOCK_BYTES = 1 << 20  # per round the doubling saves: longer blocks go round the ring
 
 
 class _Staged:
@@ -708,11 +709,13 @@ class Comm:
         """The rounds of a gloo all-gather of blocks of ``block_bytes`` (their mean) as
         ``(shift, first, n)``: this rank sends the n blocks from block ``first`` on to rank
         r − shift and receives the n blocks from block first + shift on from rank r + shift.
-        Below :attr:`long_block_bytes`, Bruck's doubling: d = 1, 2, 4, … < P, ``(d, r,
-        min(d, P − d))``; otherwise the ring: step s = 0 … P − 2, ``(−1, r − s, 1)``, the block
-        received in the step before passed on to rank r + 1 (module docstring, ``all_gather``)."""
+        Bruck's doubling, d = 1, 2, 4, … < P, ``(d, r, min(d, P − d))``, where it saves rounds
+        (P ≥ 4) and the blocks are shorter than :attr:`long_block_bytes` per round it saves;
+        otherwise the ring: step s = 0 … P − 2, ``(−1, r − s, 1)``, the block received in the
+        step before passed on to rank r + 1 (module docstring, ``all_gather``)."""
         p, r = self.size, self.rank
-        if block_bytes >= self.long_block_bytes:
+        saved = (p - 1) - (p - 1).bit_length()  # the rounds the doubling saves: P − 1 − ⌈log2 P⌉
+        if saved <= 0 or block_bytes >= self.long_block_bytes * saved:
             for s in range(p - 1):
                 yield -1, (r - s) % p, 1
             return
