@@ -25,7 +25,7 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
 3. **Global top-k by threshold reuse** (§3.1.3, lines 9–12). Each rank keeps the entries of its
    reduced region with ``|v| >= θ``. θ is computed exactly every τ′ steps — the k-th largest
    magnitude of the union of the reduced regions, found by a distributed radix select
-   (8 all-reduces of 16 counts, never the entries themselves) — and reused in between, with small
+   (4 all-reduces of 256 counts, never the entries themselves) — and reused in between, with small
    multiplicative nudges after every step (ours; the paper reuses θ unchanged). By default a
    reused θ is kept whatever count it admits, as in the paper: the count is then bounded only
    by the union of the local selections (at most P·k entries, TopkA's volume). With
@@ -64,7 +64,7 @@ or, with ``nonfinite="skip_step"``, gives a sum of NaN on every rank for the own
 
 Volume per rank (Table 1, COO = 2 words per entry): between the Theorem 3.1 lower bound
 2k(P−1)/P and 6k(P−1)/P words, plus O(P) control words per step (sizes, counts) and, every τ′
-steps, the radix select's 8×16 words. Every message is ``[indices][values]``
+steps, the radix select's 4×256 words. Every message is ``[indices][values]``
 (:func:`gradsync.formats.wire.pack_entries`): indices travel as int32 when numel < 2**31, int64
 otherwise, never through a float buffer (the reference code sends them as float32, which is
 wrong above 2**24), and data balancing is always available (the reference enables it only for
@@ -113,7 +113,8 @@ __all__ = ["OkTopk"]
 # its entry count ahead of its entries (wire.pack_entries_counted), one round instead of the
 # counts' and the entries', into a buffer of at most this many bytes (else the counts go first).
 BOUNDED_MAX = 64 * 2**20
-_RADIX_BITS = 4  # radix select: 16 bins per round, 8 rounds over the 32 bits of a float32
+RADIX_BITS = 8  # radix select: 256 bins per round, over the 32 bits of a float32
+RADIX_ROUNDS = 32 // RADIX_BITS  # all-reduces per exact threshold
 _STATE_KEYS = (
     "numel", "world_size", "boundaries", "boundary_step", "theta", "theta_step",
     "boundary_evaluations", "exact_evaluations",
@@ -663,22 +664,25 @@ class OkTopk(Collective):
         """θ = the k-th largest magnitude over the union of all ranks' reduced regions.
 
         Radix select on the bit patterns of the float32 magnitudes (non-negative floats order
-        like their bits): 8 rounds, each one all-reduce of a 16-bin histogram of the next 4 bits
-        among the candidates that share the prefix found so far. Returns 0.0 when the union
+        like their bits): :data:`RADIX_ROUNDS` (4) rounds, each one all-reduce of a 256-bin
+        histogram of the next 8 bits among the candidates that share the prefix found so far
+        (a gloo call costs the same for 2 KiB as for 128 B: docs/results/rounds-cpu.md, so 8
+        bits a round halve the 4-bit digits' 8 calls). Returns 0.0 when the union
         holds fewer than k entries or none at all (select everything; k is 0 only for an empty
         tensor, ``target_k(0, density) == 0``)."""
         bits = mags[torch.isfinite(mags)].contiguous().view(torch.int32).to(torch.int64)
-        nbins = 1 << _RADIX_BITS
+        nbins = 1 << RADIX_BITS
         prefix, remaining = 0, k
         cand = bits
-        for shift in range(32 - _RADIX_BITS, -1, -_RADIX_BITS):
+        for shift in range(32 - RADIX_BITS, -1, -RADIX_BITS):
             digit = (cand >> shift) & (nbins - 1)
             hist = bincount(digit, nbins)
             comm.all_reduce(hist)
-            h = hist.tolist()  # 16 counts: one read per round, the digit found on the host
-            if shift == 32 - _RADIX_BITS and (sum(h) < k or not sum(h)):
+            h = hist.tolist()  # the counts: one read per round, the digit found on the host
+            if shift == 32 - RADIX_BITS and (sum(h) < k or not sum(h)):
                 return 0.0
-            above = [sum(h[i:]) for i in range(nbins)]  # candidates with this digit or more
+            # candidates with this digit or more
+            above = list(itertools.accumulate(reversed(h)))[::-1]
             d = max(i for i in range(nbins) if above[i] >= remaining)
             remaining -= above[d] - h[d]
             prefix |= d << shift

@@ -52,6 +52,8 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from gradsync.collectives.oktopk import RADIX_ROUNDS
+
 __all__ = [
     "COLLECTIVES",
     "Step",
@@ -72,7 +74,6 @@ __all__ = [
 
 TAU = 64  # Ok-Topk / DenseStream region re-evaluation period τ
 TAU_PRIME = 32  # Ok-Topk threshold re-evaluation period τ′
-RADIX_ROUNDS = 8  # gradsync's Ok-Topk exact threshold: 8 all-reduces of 16 counts
 
 
 @dataclass(frozen=True)
@@ -219,12 +220,12 @@ def oktopk(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4, *
     * allgatherv of the k global top-k entries by recursive doubling: ⌈log2 P⌉ steps,
       k(P−1)/P entries in all;
     * ``amortised``: the region boundaries (one all-reduce of P numbers every τ = 64 steps) and
-      the exact threshold (8 all-reduces) as fractional start-ups: ``exact_rate`` of the steps
-      compute θ exactly, by default 1/τ′ (every τ′ = 32 steps, the paper's reuse, the
-      collective's default). With ``OkTopk(recompute_band=…)`` it also recomputes θ when a
-      reused one admits a count outside the band; with (2/3, 4/3) on the CNN that happened in
-      15 of 25 steps at P = 2 and 23 of 25 at P = 4, so ``simulate --validate`` passes the
-      rate it measured.
+      the exact threshold (``RADIX_ROUNDS`` all-reduces) as fractional start-ups:
+      ``exact_rate`` of the steps compute θ exactly, by default 1/τ′ (every τ′ = 32 steps, the
+      paper's reuse, the collective's default). With ``OkTopk(recompute_band=…)`` it also
+      recomputes θ when a reused one admits a count outside the band; with (2/3, 4/3) on the
+      CNN that happened in 15 of 25 steps at P = 2 and 23 of 25 at P = 4, so ``simulate
+      --validate`` passes the rate it measured.
 
     Volume: 2k(P−1)/P (outside = 0) … 4k(P−1)/P (balanced) … 6k(P−1)/P (+ balancing) words.
     """
