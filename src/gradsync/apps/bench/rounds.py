@@ -34,8 +34,10 @@ Ops (``--bytes`` per rank):
   without gloo's threads;
 * ``gather_doubling``, ``gather_ring`` (not run by default): gradsync's own gloo all-gather
   (:meth:`~gradsync.collectives.comm.Comm.all_gather`) held to Bruck's doubling (⌈log2 P⌉
-  rounds) or to the ring (P − 1 rounds) whatever the size: the measurement behind
-  :data:`~gradsync.collectives.comm.LONG_BLOCK_BYTES`, where it switches from one to the other.
+  rounds) or to the ring (P − 1 rounds) whatever the size (at P ≤ 3, where the doubling
+  saves no round, both are the ring): the measurement behind
+  :data:`~gradsync.collectives.comm.LONG_BLOCK_BYTES`, the block per round saved from which it
+  takes the ring.
   Without ``socket`` among the ops ``--bytes`` may exceed 1 MiB (up to 64 MiB).
 
 Writes ``rounds-cpu.json``, ``.md`` and ``.png`` (to ``--out``, or ``docs/results/`` with
