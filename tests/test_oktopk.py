@@ -751,10 +751,14 @@ def test_counts_inside_the_allgatherv_send_the_same_bytes_and_bits_in_one_call_f
                 assert (a["info"]["counts"], a["info"]["selected"]) == (
                     b["info"]["counts"], b["info"]["selected"]), what
             steps = len(case["steps"])
-            assert row["counts_calls"] == {"all_gather": steps, "all_gather_bounded": 0}, what
-            assert row["inline_calls"] == ({"all_gather": steps, "all_gather_bounded": 0}
+            # the exact θ's all-gather (k magnitudes) in the steps that compute it
+            exact = sum(1 for a in row["counts"] if a["info"]["threshold_exact"])
+            assert exact == sum(1 for a in row["inline"] if a["info"]["threshold_exact"]) >= 1
+            assert row["counts_calls"] == {"all_gather": steps + exact,
+                                           "all_gather_bounded": 0}, what
+            assert row["inline_calls"] == ({"all_gather": steps + exact, "all_gather_bounded": 0}
                                            if balances else
-                                           {"all_gather": 0, "all_gather_bounded": steps}), what
+                                           {"all_gather": exact, "all_gather_bounded": steps}), what
 
 
 def _overcounted_block(rank: int, world: int) -> str:
@@ -786,3 +790,61 @@ def test_a_block_count_beyond_its_region_fails_every_rank_that_receives_it(world
             assert out[r] == "ok", out
         else:
             assert "rank 1's block announces 50000 selected entries" in out[r], out
+
+
+# -- the exact threshold: one all-gather of the regions' k largest, or the radix select ------
+def _region_mags(rank: int, case: str) -> torch.Tensor:
+    """Rank ``rank``'s reduced-region magnitudes (float32) for a threshold case."""
+    g = torch.Generator().manual_seed(100 + rank)
+    if case == "empty_rank" and rank == 1:
+        return torch.empty(0)
+    m = torch.rand(50 + 37 * rank, generator=g)
+    if case == "ties":
+        m = (m * 4).floor() / 4  # five distinct values, many of each
+    if case == "nonfinite":
+        m[::7] = float("nan")
+        m[3::11] = float("inf")
+    if case == "zeros":
+        m[: m.numel() // 2] = 0.0
+    return m
+
+
+def _thresholds(rank: int, world: int, cases: list[tuple[str, int]]) -> list[tuple[float, ...]]:
+    from gradsync.collectives import oktopk as ok_mod
+    from gradsync.collectives.comm import Comm
+
+    out, limit = [], ok_mod.EXACT_GATHER_MAX
+    try:
+        for case, k in cases:
+            mags, got = _region_mags(rank, case), []
+            for gather_max in (limit, 0):  # the all-gather, then the radix select
+                ok_mod.EXACT_GATHER_MAX = gather_max
+                c = Comm()
+                got += [ok_mod.OkTopk(density=0.01)._exact_threshold(mags, k, c),
+                        c.stats.messages]
+            out.append(tuple(got))
+    finally:
+        ok_mod.EXACT_GATHER_MAX = limit
+    return out
+
+
+@pytest.mark.parametrize("world", [2, 3, 4])
+def test_the_exact_threshold_by_one_all_gather_equals_the_radix_selects(world):
+    """θ is the k-th largest finite magnitude of the union of the regions (0.0 when fewer than
+    k): computed in the parent from every rank's magnitudes, it is what both the all-gather of
+    each region's k largest and the radix select return, on every rank; the all-gather takes
+    its ⌈log2 P⌉ rounds (the ring's P − 1 at P ≤ 3), the radix select 4 all-reduces."""
+    cases = [("plain", 1), ("plain", 10), ("plain", 60), ("ties", 25), ("nonfinite", 40),
+             ("zeros", 200), ("empty_rank", 30), ("plain", 10_000)]
+    per_rank = run_distributed(_thresholds, world, cases, timeout=120)
+    for i, (case, k) in enumerate(cases):
+        union = torch.cat([_region_mags(r, case) for r in range(world)])
+        union = union[torch.isfinite(union)]
+        want = float(union.sort(descending=True).values[k - 1]) if union.numel() >= k else 0.0
+        for r in range(world):
+            gathered, g_msgs, radix, r_msgs = per_rank[r][i]
+            assert gathered == radix == want, (case, k, r, gathered, radix, want)
+            assert g_msgs == (world - 1 if world <= 3 else (world - 1).bit_length())
+            # 4 all-reduces (ring accounting: 2(P − 1) messages each), fewer when the union
+            # holds fewer than k entries (one round shows it)
+            assert r_msgs == (4 if union.numel() >= k else 1) * 2 * (world - 1)

@@ -443,15 +443,17 @@ def test_validate_on_shaped_links(tmp_path):
             assert 0.5 < r["predicted_s"] / r["measured_s"] < 2.0
 
 
-@pytest.mark.parametrize("P", [2, 4, 8])
-def test_oktopk_exact_threshold_rate_sets_its_amortised_start_ups(P):
+@pytest.mark.parametrize(("P", "k", "calls"), [(2, 10_000, 1), (4, 10_000, 1), (8, 10_000, 1),
+                                              (4, 20_000, 4), (8, 100_000, 4)])
+def test_oktopk_exact_threshold_rate_sets_its_amortised_start_ups(P, k, calls):
     """The amortised control step: one all-reduce of P numbers every τ = 64 steps and, in the
-    given share of steps, the exact threshold's 4 all-reduces (8-bit digits of a float32);
-    each small all-reduce costs 2⌈log2 P⌉ start-ups (recursive doubling)."""
-    n, k = 1_000_000, 10_000
+    given share of steps, the exact threshold's calls: one all-gather of k magnitudes while 4k
+    bytes fit in EXACT_GATHER_MAX (64 KiB), else 4 all-reduces (8-bit digits of a float32);
+    each call costs a small all-reduce's 2⌈log2 P⌉ start-ups (recursive doubling)."""
+    n = 1_000_000
     lg = math.ceil(math.log2(P))
-    for rate, want in ((None, 2 * lg / 64 + 4 * 2 * lg / 32), (0.0, 2 * lg / 64),
-                       (1.0, 2 * lg / 64 + 4 * 2 * lg)):
+    for rate, want in ((None, 2 * lg / 64 + calls * 2 * lg / 32), (0.0, 2 * lg / 64),
+                       (1.0, 2 * lg / 64 + calls * 2 * lg)):
         steps = patterns.oktopk(P, n, k, exact_rate=rate)
         assert steps[-1].nbytes == 0 and steps[-1].messages == pytest.approx(want)
         base = patterns.oktopk(P, n, k, amortised=False)
@@ -461,7 +463,7 @@ def test_oktopk_exact_threshold_rate_sets_its_amortised_start_ups(P):
     alpha = 1e-3  # a predicted row grows by the extra start-ups times α
     lo = patterns.comm_time(patterns.pattern("oktopk", P, n, k, oktopk_exact_rate=0.0), alpha, 0)
     hi = patterns.comm_time(patterns.pattern("oktopk", P, n, k, oktopk_exact_rate=1.0), alpha, 0)
-    assert hi - lo == pytest.approx(4 * 2 * lg * alpha)
+    assert hi - lo == pytest.approx(calls * 2 * lg * alpha)
 
 
 # ----------------------------------------------------------------------------- contention
@@ -649,11 +651,12 @@ def test_simulate_command_cores_turns_contention_on(tmp_path):
 def test_work_counts_torch_distributed_calls():
     """``Work.dist_calls``: Ok-Topk at P = 8 makes 7 split-and-reduce, 3 counts and 3
     allgatherv point-to-point steps, one shape check, and with the exact threshold in every
-    step 4 small all-reduces (+ the boundaries' every τ = 64 steps); TopkA: the shape check,
-    the counts all-gather and P − 1 ring steps; the dense ring all-reduce is one call."""
+    step one all-gather of k magnitudes (+ the boundaries' all-reduce every τ = 64 steps);
+    TopkA: the shape check, the counts all-gather and P − 1 ring steps; the dense ring
+    all-reduce is one call."""
     n, k = 1_000_000, 10_000
     ok = patterns.pattern("oktopk", 8, n, k, oktopk_exact_rate=1.0)
-    assert patterns.work("oktopk", ok, 8, k).dist_calls == pytest.approx(1 + 13 + 4 + 1 / 64)
+    assert patterns.work("oktopk", ok, 8, k).dist_calls == pytest.approx(1 + 13 + 1 + 1 / 64)
     ta = patterns.pattern("topka", 8, n, k)
     assert patterns.work("topka", ta, 8, k).dist_calls == 2 + 7
     assert patterns.work("dense", patterns.dense_ring(8, n), 8, 0).dist_calls == 1

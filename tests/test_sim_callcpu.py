@@ -188,8 +188,9 @@ def test_contention_floor_counts_the_measured_cpu_instead_of_micro_terms_and_cal
     """Ok-Topk at P = 4 on 2 cores, a profile of one rank alone (σ = 1): W = forward 10 ms +
     Σ T_b 12 ms + T_sparsify(210 000) 2.2 ms + step 1 ms = 25.2 ms without the micro terms;
     the measured 8 ms per call replaces the micro terms and every call of a step, and only the
-    amortised small all-reduces (1/64 + 4/32 at the default rates, Work.amortised_calls) still
-    pay the 8-byte call's 1 ms: floor = 4·(25.2 + 8 + (1/64 + 1/8)·1) / 2 ms."""
+    amortised small calls (1/64 + 1/32 at the default rates: the boundaries' all-reduce and the
+    exact threshold's all-gather, Work.amortised_calls) still pay the 8-byte call's 1 ms:
+    floor = 4·(25.2 + 8 + (1/64 + 1/32)·1) / 2 ms."""
     cost = with_compute()
     net = sim.Network(1e-6, 8 / 1e10)
     P, k = 4, 2100
@@ -200,7 +201,7 @@ def test_contention_floor_counts_the_measured_cpu_instead_of_micro_terms_and_cal
     new = sim.predict("oktopk", cost, P, net, 0.01, collective_cpu=calls, **kw)
     steps = patterns.pattern("oktopk", P, 210_000, k)
     w = patterns.work("oktopk", steps, P, k)
-    assert w.amortised_calls == pytest.approx(1 / 64 + 4 / 32)
+    assert w.amortised_calls == pytest.approx(1 / 64 + 1 / 32)
     assert new["dist_calls"] == pytest.approx(w.amortised_calls)
     assert new["cpu_work_s"] == pytest.approx(0.0252)
     assert new["cpu_floor_s"] == pytest.approx(4 * (0.0252 + 0.008 + w.amortised_calls * 1e-3)
@@ -242,7 +243,7 @@ def test_a_one_buffer_collective_on_fewer_cores_than_ranks_takes_p_over_c_of_its
     assert on(4)["compute_s"] == pytest.approx(alone["compute_s"])
     assert on(16)["compute_s"] == pytest.approx(alone["compute_s"])
     assert on(2)["comm_s"] - alone["comm_s"] == pytest.approx(0.008)
-    assert on(2)["cpu_floor_s"] == pytest.approx(4 * (0.0252 + 0.008 + (1 / 64 + 1 / 8) * 1e-3)
+    assert on(2)["cpu_floor_s"] == pytest.approx(4 * (0.0252 + 0.008 + (1 / 64 + 1 / 32) * 1e-3)
                                                  / 2)
     # without a measured CPU per call, the merges and codec (micro) scale the same way
     micro = on(None, collective_cpu=None)
@@ -255,7 +256,7 @@ def test_work_separates_the_amortised_calls():
     n, k = 1_000_000, 10_000
     ok = patterns.pattern("oktopk", 8, n, k, oktopk_exact_rate=1.0)
     w = patterns.work("oktopk", ok, 8, k)
-    assert w.amortised_calls == pytest.approx(4 + 1 / 64)
+    assert w.amortised_calls == pytest.approx(1 + 1 / 64)
     assert w.dist_calls - w.amortised_calls == pytest.approx(1 + 13)
     assert patterns.work("topka", patterns.pattern("topka", 8, n, k), 8, k).amortised_calls == 0
 

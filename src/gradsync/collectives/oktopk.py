@@ -24,7 +24,8 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
    29 bits), so the reduced value does not depend on the arrival order of the buckets.
 3. **Global top-k by threshold reuse** (§3.1.3, lines 9–12). Each rank keeps the entries of its
    reduced region with ``|v| >= θ``. θ is computed exactly every τ′ steps — the k-th largest
-   magnitude of the union of the reduced regions, found by a distributed radix select
+   magnitude of the union of the reduced regions, found by one all-gather of each region's k
+   largest magnitudes where they are short (ours), else by a distributed radix select
    (4 all-reduces of 256 counts, never the entries themselves) — and reused in between, with small
    multiplicative nudges after every step (ours; the paper reuses θ unchanged). By default a
    reused θ is kept whatever count it admits, as in the paper: the count is then bounded only
@@ -57,14 +58,15 @@ count, then each block's on arrival, then every head in one read). At P > 1 it a
 the regions' offsets in its selection with the sizes
 of the peers' messages (one read; two on the CPU's own kernels over gloo, the counts arriving
 inside the messages, step 2), and the merge of the messages reads the size of their union
-(:func:`~gradsync.sparsegrad.sparse_sum`, given the region's ends); an exact θ adds the radix
-select's 8.
+(:func:`~gradsync.sparsegrad.sparse_sum`, given the region's ends); an exact θ adds one (the
+all-gather's k-th largest) or, for large k, the radix select's four.
 A malformed message raises after θ and the boundaries are committed (a non-finite value, before;
 or, with ``nonfinite="skip_step"``, gives a sum of NaN on every rank for the owner to skip).
 
 Volume per rank (Table 1, COO = 2 words per entry): between the Theorem 3.1 lower bound
 2k(P−1)/P and 6k(P−1)/P words, plus O(P) control words per step (sizes, counts) and, every τ′
-steps, the radix select's 4×256 words. Every message is ``[indices][values]``
+steps, the exact threshold's k·(P−1) words (one all-gather) or, for large k, the radix
+select's 4×256 int64 counts. Every message is ``[indices][values]``
 (:func:`gradsync.formats.wire.pack_entries`): indices travel as int32 when numel < 2**31, int64
 otherwise, never through a float buffer (the reference code sends them as float32, which is
 wrong above 2**24), and data balancing is always available (the reference enables it only for
@@ -115,6 +117,7 @@ __all__ = ["OkTopk"]
 BOUNDED_MAX = 64 * 2**20
 RADIX_BITS = 8  # radix select: 256 bins per round, over the 32 bits of a float32
 RADIX_ROUNDS = 32 // RADIX_BITS  # all-reduces per exact threshold
+EXACT_GATHER_MAX = 64 << 10  # a rank's k float32 magnitudes up to this: θ from one all-gather
 _STATE_KEYS = (
     "numel", "world_size", "boundaries", "boundary_step", "theta", "theta_step",
     "boundary_evaluations", "exact_evaluations",
@@ -661,16 +664,37 @@ class OkTopk(Collective):
         return out
 
     def _exact_threshold(self, mags: torch.Tensor, k: int, comm: Comm) -> float:
-        """θ = the k-th largest magnitude over the union of all ranks' reduced regions.
+        """θ = the k-th largest magnitude over the union of all ranks' reduced regions; 0.0
+        when the union holds fewer than k finite entries or none at all (select everything; k
+        is 0 only for an empty tensor, ``target_k(0, density) == 0``).
 
-        Radix select on the bit patterns of the float32 magnitudes (non-negative floats order
-        like their bits): :data:`RADIX_ROUNDS` (4) rounds, each one all-reduce of a 256-bin
-        histogram of the next 8 bits among the candidates that share the prefix found so far
-        (a gloo call costs the same for 2 KiB as for 128 B: docs/results/rounds-cpu.md, so 8
-        bits a round halve the 4-bit digits' 8 calls). Returns 0.0 when the union
-        holds fewer than k entries or none at all (select everything; k is 0 only for an empty
-        tensor, ``target_k(0, density) == 0``)."""
-        bits = mags[torch.isfinite(mags)].contiguous().view(torch.int32).to(torch.int64)
+        Where a rank's k magnitudes fit in :data:`EXACT_GATHER_MAX` bytes, one all-gather
+        (ours): each region's k largest (all of them when fewer, padded with −1), whose union
+        holds the global top-k, so the k-th largest of what every rank gathers is θ, the same
+        value on every rank; one call where the radix select makes :data:`RADIX_ROUNDS`, for
+        (P − 1)·4k bytes every τ′ steps. Beyond, the radix select
+        (:meth:`_radix_threshold`): its histograms' bytes do not grow with k."""
+        finite = mags[torch.isfinite(mags)]
+        if k == 0:
+            return 0.0
+        if 4 * k > EXACT_GATHER_MAX:
+            return self._radix_threshold(finite, k, comm)
+        top = torch.full((k,), -1.0, dtype=torch.float32, device=mags.device)
+        c = min(k, finite.numel())
+        if c:
+            top[:c] = torch.topk(finite, c, sorted=False).values
+        union = comm.all_gather(top).view(-1)
+        theta = float(torch.topk(union, k, sorted=False).values.min())  # the one read
+        return max(theta, 0.0)  # −1: fewer than k finite entries in the union
+
+    def _radix_threshold(self, finite: torch.Tensor, k: int, comm: Comm) -> float:
+        """:meth:`_exact_threshold` by radix select on the bit patterns of the ``finite``
+        float32 magnitudes (non-negative floats order like their bits): :data:`RADIX_ROUNDS`
+        (4) rounds, each one all-reduce of a 256-bin histogram of the next 8 bits among the
+        candidates that share the prefix found so far (a gloo call costs the same for 2 KiB
+        as for 128 B: docs/results/rounds-cpu.md, so 8 bits a round halve the 4-bit digits'
+        8 calls)."""
+        bits = finite.contiguous().view(torch.int32).to(torch.int64)
         nbins = 1 << RADIX_BITS
         prefix, remaining = 0, k
         cand = bits

@@ -52,7 +52,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gradsync.collectives.oktopk import RADIX_ROUNDS
+from gradsync.collectives.oktopk import EXACT_GATHER_MAX, RADIX_ROUNDS
 
 __all__ = [
     "COLLECTIVES",
@@ -220,7 +220,9 @@ def oktopk(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4, *
     * allgatherv of the k global top-k entries by recursive doubling: ⌈log2 P⌉ steps,
       k(P−1)/P entries in all;
     * ``amortised``: the region boundaries (one all-reduce of P numbers every τ = 64 steps) and
-      the exact threshold (``RADIX_ROUNDS`` all-reduces) as fractional start-ups:
+      the exact threshold as fractional start-ups, each call priced as a small all-reduce
+      (one all-gather of k magnitudes where 4k ≤ ``EXACT_GATHER_MAX`` bytes, else
+      ``RADIX_ROUNDS`` all-reduces; the bytes of either are not modelled):
       ``exact_rate`` of the steps compute θ exactly, by default 1/τ′ (every τ′ = 32 steps, the
       paper's reuse, the collective's default). With ``OkTopk(recompute_band=…)`` it also
       recomputes θ when a reused one admits a count outside the band; with (2/3, 4/3) on the
@@ -249,7 +251,8 @@ def oktopk(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4, *
         raise ValueError(f"exact_rate must be in [0, 1], got {exact_rate!r}")
     if amortised:
         ar = 2 * lg  # start-ups of one small all-reduce
-        steps.append(Step(ar / TAU + RADIX_ROUNDS * ar * exact_rate, 0.0))
+        exact_calls = 1 if 4 * k <= EXACT_GATHER_MAX else RADIX_ROUNDS
+        steps.append(Step(ar / TAU + exact_calls * ar * exact_rate, 0.0))
     return steps
 
 
