@@ -79,11 +79,11 @@ def _comm_rank(rank: int, world_size: int) -> dict:
     out["ag_ring_got"] = c.all_gather(torch.full((3,), rank, dtype=torch.int64))
     out["ag_ring"] = c.stats
     # all_gather_bounded: rank j's block is its length word then 3·j int64, in buffers of the
-    # longest; the mean bound chooses the ring where the expected size chooses the doubling
+    # longest; an expected size of the bound chooses the ring, of 8 bytes the doubling
     if P > 1:
         m = 3 * rank
         mine = torch.cat([torch.tensor([m]), torch.full((m,), rank)]).view(torch.uint8)
-        for key, expected in (("bounded_ring", None), ("bounded_dbl", 8.0)):
+        for key, expected in (("bounded_ring", 8.0 * (1 + 3 * (P - 1))), ("bounded_dbl", 8.0)):
             c = Comm()
             c.long_block_bytes = 16
             got = c.all_gather_bounded(mine, [8 * (1 + 3 * (P - 1))] * P,
@@ -242,7 +242,7 @@ def test_long_blocks_go_round_the_ring(world):
 
 @pytest.mark.parametrize("world", [2, 3, 5], indirect=True)
 def test_bounded_gather_takes_the_rounds_its_expected_size_chooses(world):
-    """``all_gather_bounded`` chooses its rounds from ``expected`` (default: the mean bound):
+    """``all_gather_bounded`` chooses its rounds from ``expected``, whatever its bounds:
     the ring's P − 1 messages or the doubling's ⌈log2 P⌉ (the ring's at P <= 3), each block
     arriving whole."""
     P, outs = world

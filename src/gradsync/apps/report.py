@@ -44,7 +44,7 @@ import torch
 
 from gradsync.apps import report_cluster
 from gradsync.apps.common import print_table, write_outputs
-from gradsync.collectives.oktopk import RADIX_BITS, RADIX_ROUNDS
+from gradsync.collectives.oktopk import RADIX_BITS, exact_threshold_calls
 
 __all__ = ["TABLES", "main"]
 
@@ -86,13 +86,16 @@ def _ok_topk_table_1(name: str, n: int, k: int, P: int) -> tuple[float, float]:
     }[name]
 
 
-def _control_words(name: str, P: int) -> float:
+def _control_words(name: str, k: int, P: int) -> float:
     """Words a step may send beyond Table 1's bandwidth term: O(P) counts and shape checks,
-    and Ok-Topk's exact threshold (its radix select: :data:`RADIX_ROUNDS` all-reduces of
-    2^:data:`RADIX_BITS` int64 counts, 2(P−1)/P of each sent; every τ′ steps, so a median over
-    two steps may hold it whole)."""
-    radix = RADIX_ROUNDS * (1 << RADIX_BITS) * 2 * 2 * (P - 1) / P if name == "oktopk" else 0
-    return 8 * P + 256 + radix
+    and Ok-Topk's exact threshold (every τ′ steps, so a median over two steps may hold it
+    whole): one all-gather of k float32, (P−1)·k words, or for large k each radix round's
+    all-reduce of 2^:data:`RADIX_BITS` int64 counts, 2(P−1)/P of it sent."""
+    exact = 0.0
+    if name == "oktopk":
+        calls = exact_threshold_calls(k)
+        exact = (P - 1) * k if calls == 1 else calls * (1 << RADIX_BITS) * 2 * 2 * (P - 1) / P
+    return 8 * P + 256 + exact
 
 
 _FORMULA = {"dense": "2n(P−1)/P", "topka": "2k(P−1)", "topkdsa": "[4k(P−1)/P, (2k+n)(P−1)/P]",
@@ -281,7 +284,7 @@ def run_oktopk_volume(a: argparse.Namespace) -> list[dict[str, Any]]:
                          "words_sent_max_rank": words, "formula": _FORMULA[name],
                          "table1_low_words": lo, "table1_high_words": hi,
                          "within_table1": (lo * 0.999 <= words
-                                           <= hi * 1.001 + _control_words(name, P)),
+                                           <= hi * 1.001 + _control_words(name, k, P)),
                          "over_thm31_bound": words / bound})
             rng = f"{lo:,.0f}" if lo == hi else f"{lo:,.0f} – {hi:,.0f}"
             table.append([name, P, f"{max(med):,.0f}", f"{words:,.0f}", _FORMULA[name], rng,

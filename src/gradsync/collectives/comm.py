@@ -672,19 +672,19 @@ class Comm:
 
     def all_gather_bounded(self, t: torch.Tensor, bounds: list[int],
                            size_of: Callable[[int, torch.Tensor], int],
-                           expected: float | None = None) -> list[torch.Tensor]:
+                           expected: float) -> list[torch.Tensor]:
         """:meth:`all_gather_v` of 1-D byte blocks whose lengths travel inside them, where
-        :meth:`bounded` allows it: the same rounds (:meth:`_rounds`, chosen by ``expected``, the
-        bytes a block should hold, the same on every rank; default the mean of ``bounds``), no
-        count exchange first. A round's message is the blocks it carries back to back, received
-        into a buffer of their ``bounds`` (``bounds[q]``: the longest well-formed block of rank
-        q) and cut block by block at ``size_of(q, buf)`` bytes, read from the block's own start
-        (at most ``bounds[q]``; the caller rejects a malformed length there, and the bytes it
-        keeps are what it forwards, so every rank gets the same blocks). Returns every rank's
-        block, this rank's ``t``."""
+        :meth:`bounded` allows it: the same rounds (:meth:`_rounds`, chosen by ``expected``,
+        the bytes a block should hold, the same on every rank: not the bounds, which may be far
+        longer), no count exchange first. A round's message is the blocks it carries back to
+        back, received into a buffer of their ``bounds`` (``bounds[q]``: the longest
+        well-formed block of rank q) and cut block by block at ``size_of(q, buf)`` bytes, read
+        from the block's own start (at most ``bounds[q]``; the caller rejects a malformed
+        length there, and the bytes it keeps are what it forwards, so every rank gets the same
+        blocks). Returns every rank's block, this rank's ``t``."""
         p, r = self.size, self.rank
         blocks: list[torch.Tensor] = [t.reshape(-1)] * p
-        for shift, first, n in self._rounds(sum(bounds) / p if expected is None else expected):
+        for shift, first, n in self._rounds(expected):
             held = [blocks[(first + i) % p] for i in range(n)]
             qs = [(first + shift + i) % p for i in range(n)]
             buf = torch.empty(sum(bounds[q] for q in qs), dtype=torch.uint8, device=t.device)

@@ -109,7 +109,7 @@ from gradsync.sparsegrad import (
     validate_density,
 )
 
-__all__ = ["OkTopk"]
+__all__ = ["OkTopk", "exact_threshold_calls"]
 
 # Split and reduce where a receive may be longer than its message (gloo): each message carries
 # its entry count ahead of its entries (wire.pack_entries_counted), one round instead of the
@@ -118,6 +118,13 @@ BOUNDED_MAX = 64 * 2**20
 RADIX_BITS = 8  # radix select: 256 bins per round, over the 32 bits of a float32
 RADIX_ROUNDS = 32 // RADIX_BITS  # all-reduces per exact threshold
 EXACT_GATHER_MAX = 64 << 10  # a rank's k float32 magnitudes up to this: θ from one all-gather
+
+
+def exact_threshold_calls(k: int) -> int:
+    """The collective calls of one exact θ for k (:meth:`OkTopk._exact_threshold`): one
+    all-gather of k float32 magnitudes while their 4k bytes fit in :data:`EXACT_GATHER_MAX`,
+    else the radix select's :data:`RADIX_ROUNDS` all-reduces."""
+    return 1 if 4 * k <= EXACT_GATHER_MAX else RADIX_ROUNDS
 _STATE_KEYS = (
     "numel", "world_size", "boundaries", "boundary_step", "theta", "theta_step",
     "boundary_evaluations", "exact_evaluations",
@@ -674,10 +681,10 @@ class OkTopk(Collective):
         value on every rank; one call where the radix select makes :data:`RADIX_ROUNDS`, for
         (P − 1)·4k bytes every τ′ steps. Beyond, the radix select
         (:meth:`_radix_threshold`): its histograms' bytes do not grow with k."""
-        finite = mags[torch.isfinite(mags)]
         if k == 0:
             return 0.0
-        if 4 * k > EXACT_GATHER_MAX:
+        finite = mags[torch.isfinite(mags)]
+        if exact_threshold_calls(k) > 1:
             return self._radix_threshold(finite, k, comm)
         top = torch.full((k,), -1.0, dtype=torch.float32, device=mags.device)
         c = min(k, finite.numel())

@@ -52,7 +52,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from gradsync.collectives.oktopk import EXACT_GATHER_MAX, RADIX_ROUNDS
+from gradsync.collectives.oktopk import exact_threshold_calls
 
 __all__ = [
     "COLLECTIVES",
@@ -221,8 +221,8 @@ def oktopk(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4, *
       k(P−1)/P entries in all;
     * ``amortised``: the region boundaries (one all-reduce of P numbers every τ = 64 steps) and
       the exact threshold as fractional start-ups, each call priced as a small all-reduce
-      (one all-gather of k magnitudes where 4k ≤ ``EXACT_GATHER_MAX`` bytes, else
-      ``RADIX_ROUNDS`` all-reduces; the bytes of either are not modelled):
+      (the collective's ``exact_threshold_calls(k)``: one all-gather of k magnitudes, or for
+      large k the radix select's all-reduces; the bytes of either are not modelled):
       ``exact_rate`` of the steps compute θ exactly, by default 1/τ′ (every τ′ = 32 steps, the
       paper's reuse, the collective's default). With ``OkTopk(recompute_band=…)`` it also
       recomputes θ when a reused one admits a count outside the band; with (2/3, 4/3) on the
@@ -251,8 +251,7 @@ def oktopk(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4, *
         raise ValueError(f"exact_rate must be in [0, 1], got {exact_rate!r}")
     if amortised:
         ar = 2 * lg  # start-ups of one small all-reduce
-        exact_calls = 1 if 4 * k <= EXACT_GATHER_MAX else RADIX_ROUNDS
-        steps.append(Step(ar / TAU + exact_calls * ar * exact_rate, 0.0))
+        steps.append(Step(ar / TAU + exact_threshold_calls(k) * ar * exact_rate, 0.0))
     return steps
 
 
