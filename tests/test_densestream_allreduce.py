@@ -80,14 +80,16 @@ def cases() -> list[dict]:
     return out
 
 
-def _rank_cases(rank: int, world_size: int, case_list: list[dict]) -> list[dict]:
+def _rank_cases(rank: int, world_size: int, case_list: list[dict], pair: bool = True
+                ) -> list[dict]:
     results = []
     for case in case_list:
-        coll = get("densestream", index_bytes=case.get("index_bytes"))
+        coll = get("densestream", index_bytes=case.get("index_bytes"), pair=pair)
         sel = make_sel(case, rank, world_size)
         res = coll(sel, step=0)
         results.append({"dense": res.dense, "kept": res.kept,
                         "sent": res.stats.bytes_sent, "recv": res.stats.bytes_recv,
+                        "messages": res.stats.messages,
                         "info": {k: v for k, v in res.info.items() if k != "boundaries"},
                         "bounds": res.info.get("boundaries")})
     return results
@@ -99,10 +101,12 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.usefixtures("kernels")
 @pytest.mark.accelerator_at(world_size=3)
-@pytest.mark.parametrize("world_size", [1, 2, 3])  # P = 8: test_collectives' shared run
-def test_dsa_sum_exact_and_bitwise_identical(world_size):
+@pytest.mark.parametrize("world_size, pair", [  # P = 8: test_collectives' shared run
+    pytest.param(1, True, id="P1"), pytest.param(2, True, id="P2-pair"),
+    pytest.param(2, False, id="P2-phases"), pytest.param(3, True, id="P3")])
+def test_dsa_sum_exact_and_bitwise_identical(world_size, pair):
     case_list = cases()
-    per_rank = run_distributed(_rank_cases, world_size, case_list, timeout=240)
+    per_rank = run_distributed(_rank_cases, world_size, case_list, pair, timeout=240)
     for c, case in enumerate(case_list):
         outs = [per_rank[r][c] for r in range(world_size)]
         what = f"P={world_size} {case}"
@@ -219,8 +223,8 @@ class _Corrupting(DenseStreamAllreduce):
     """Rank 0 corrupts the ``call``-th message it receives (0: the scatter-reduce's at P = 2,
     1: the allgather's), as a faulty link or peer would, before anything looks at it."""
 
-    def __init__(self, call: int, how: str) -> None:
-        super().__init__()
+    def __init__(self, call: int, how: str, pair: bool) -> None:
+        super().__init__(pair=pair)
         self.call, self.how, self.calls = call, how, 0
 
     def _match(self, buf, ann, sizes, checks):
@@ -241,21 +245,22 @@ class _Corrupting(DenseStreamAllreduce):
         return super()._match(buf, ann, sizes, checks)
 
 
-def _rank_corrupt(rank: int, world_size: int, n: int, plan: list[tuple[int, str]]) -> list:
+def _rank_corrupt(rank: int, world_size: int, n: int, plan: list[tuple[int, str]],
+                  pair: bool) -> list:
     g = torch.Generator().manual_seed(rank)
     sel = SparseGrad(torch.randperm(n, generator=g)[: n // 10].sort().values,
                      torch.randn(n // 10, generator=g).abs_().add_(1), n)
     out = []
     for call, how in plan:
-        coll = _Corrupting(call, how)
+        coll = _Corrupting(call, how, pair)
         try:
             res = coll(sel, step=0)
-            out.append(("ok", res.dense, coll._bounds[(n, world_size)][2]))
+            out.append(("ok", res.dense, res.info["boundaries"].tolist()))
         except ValueError as e:
             out.append(("raised", str(e), None))
         checks: list = []
         try:  # deferred: the result comes back with the failed check among `checks`
-            res = _Corrupting(call, how)(sel, step=0, deferred=checks)
+            res = _Corrupting(call, how, pair)(sel, step=0, deferred=checks)
             failed = [m for ok, m in checks if not bool(ok)]
             out.append(("deferred", res.dense, failed))
         except ValueError as e:
@@ -263,16 +268,21 @@ def _rank_corrupt(rank: int, world_size: int, n: int, plan: list[tuple[int, str]
     return out
 
 
-def test_malformed_messages_fail_the_receiving_rank_and_write_only_inside_the_senders_range():
+@pytest.mark.parametrize("pair", [False, True], ids=["phases", "pair"])
+def test_malformed_messages_fail_the_receiving_rank_and_write_only_inside_the_senders_range(
+        pair):
     """A message that breaks the format's rules, lands outside its sender's range or differs
     from the headers announced for it: the rank that received it raises ``ValueError`` naming
     the rule, after the collective completed (no peer is left waiting); with ``deferred`` the
     failed check comes back instead, and the result outside the sender's range is the exact
-    sum. A truncated message is refused at once."""
+    sum. A truncated message is refused at once. At P = 2 in one exchange (``pair``) the
+    one message is the sender's whole range."""
     n, P = 2000, 2
     plan = [(0, "rule 1"), (0, "outside"), (0, "announced"), (1, "rule 1"), (1, "outside"),
             (1, "truncated")]
-    outs = run_distributed(_rank_corrupt, P, n, plan, timeout=240)
+    if pair:
+        plan = [(0, "rule 1"), (0, "outside"), (0, "announced"), (0, "truncated")]
+    outs = run_distributed(_rank_corrupt, P, n, plan, pair, timeout=240)
     ref = torch.zeros(n, dtype=torch.float64)
     for r in range(P):
         g = torch.Generator().manual_seed(r)
@@ -287,6 +297,8 @@ def test_malformed_messages_fail_the_receiving_rank_and_write_only_inside_the_se
             assert deferred[0] == "raised" and "truncated" in deferred[1]
             continue
         assert deferred[0] == "deferred" and deferred[2] and how in deferred[2][0], deferred
+        if pair:  # the sender's range is the whole tensor
+            continue
         # rank 0 kept region [0, B1) in the scatter-reduce and received region 1 = [B1, n)
         b1 = outs[1][2 * j][2][1]
         good = slice(b1, n) if call == 0 else slice(0, b1)
@@ -320,7 +332,7 @@ def _rank_rounds(rank: int, world_size: int, case_list: list[dict]) -> list[dict
             row = {}
             for mode, limit in (("one", bound), ("two", 0)):
                 ds.BOUNDED_MAX, calls["n"] = limit, 0
-                res = DenseStreamAllreduce()(sel, step=0)
+                res = DenseStreamAllreduce(pair=False)(sel, step=0)
                 row[mode] = {"dense": res.dense, "sent": res.stats.bytes_sent,
                              "recv": res.stats.bytes_recv, "messages": res.stats.messages,
                              "calls": calls["n"]}
@@ -357,7 +369,7 @@ def test_one_round_per_exchange_sends_the_same_bytes_and_bits(world_size):
                 per_rank[r][c]["two"]["messages"] for r in range(world_size)), case["kind"]
 
 
-def _rank_overclaim(rank: int, world_size: int, n: int) -> str:
+def _rank_overclaim(rank: int, world_size: int, n: int, pair: bool) -> str:
     class Overclaiming(DenseStreamAllreduce):
         """Rank 0 reads its peer's last announcement as claiming more than the range holds."""
 
@@ -366,22 +378,44 @@ def _rank_overclaim(rank: int, world_size: int, n: int) -> str:
         def _announced(self, ann, like):
             heads, sizes = super()._announced(ann, like)
             self.calls += 1
-            if rank == 0 and self.calls == 2:  # the allgather's, the last exchange at P = 2
+            # the allgather's, the last exchange at P = 2 (the one exchange with ``pair``)
+            if rank == 0 and self.calls == (1 if pair else 2):
                 sizes = [s + 10 * n * 12 for s in sizes]
             return heads, sizes
 
     sel = SparseGrad(torch.arange(rank, n, 3), torch.ones(len(range(rank, n, 3))), n)
     try:
-        Overclaiming()(sel, step=0)
+        Overclaiming(pair=pair)(sel, step=0)
     except ValueError as e:
         return str(e)
     return "ok"
 
 
-def test_an_announcement_beyond_the_ranges_bound_fails_after_the_exchange():
+@pytest.mark.parametrize("pair", [False, True], ids=["phases", "pair"])
+def test_an_announcement_beyond_the_ranges_bound_fails_after_the_exchange(pair):
     """A message that announces more bytes than its ranges can hold raises ``ValueError`` on
     the rank that received it, once both directions of the exchange are done: its peer,
     which received a well-formed message, is not left waiting."""
-    outs = run_distributed(_rank_overclaim, 2, 600, timeout=120)
+    outs = run_distributed(_rank_overclaim, 2, 600, pair, timeout=120)
     assert "announced" in outs[0] and "hold at most" in outs[0], outs[0]
     assert outs[1] == "ok"
+
+
+# -- P = 2 in one exchange (module doc) ----------------------------------------------------------
+def test_pair_exchange_is_the_phases_bit_for_bit_in_fewer_bytes_and_rounds():
+    """At P = 2 on gloo each rank sends its whole selection's encoding once and forms both
+    regions' sums itself: the same sum bit for bit as scatter-reduce and allgather, never more
+    bytes (a selection is at most the union the allgather sends) and one message a rank where
+    the phases send at least two (and, at step 0, the boundaries' all-reduce)."""
+    case_list = cases()
+    pair = run_distributed(_rank_cases, 2, case_list, True, timeout=240)
+    phases = run_distributed(_rank_cases, 2, case_list, False, timeout=240)
+    for c, case in enumerate(case_list):
+        for r in range(2):
+            a, b, what = pair[r][c], phases[r][c], f"rank {r} {case}"
+            assert torch.equal(_bits(a["dense"]), _bits(b["dense"])), what
+            assert torch.equal(a["kept"], b["kept"]), what
+            assert a["info"]["pair"] and "pair" not in b["info"], what
+            assert a["sent"] <= b["sent"] and a["recv"] <= b["recv"], what
+            assert a["messages"] < b["messages"], what
+            assert a["info"]["bytes_sent_by_phase"]["pair"] <= b["sent"], what

@@ -8,8 +8,10 @@ shared by the tests of that world size).
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import functools
+from collections.abc import Iterator
 
 import pytest
 import torch
@@ -20,6 +22,9 @@ from gradsync.sparsegrad import SparseGrad, target_k
 from gradsync.testing import run_distributed
 
 WORLDS = [1, 2, 3]  # P = 8 (several buckets of messages): test_collectives' shared run
+# (P, pair): at P = 2 on gloo one exchange by default (module doc, 6.), and the rounds
+RUNS = [pytest.param(1, True, id="P1"), pytest.param(2, True, id="P2-pair"),
+        pytest.param(2, False, id="P2-rounds"), pytest.param(3, True, id="P3")]
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 BITS = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16}
 
@@ -95,8 +100,8 @@ def _cases(world: int) -> list[dict]:
 
 
 # -- rank side -------------------------------------------------------------------------------
-def _run_case(rank: int, world: int, case: dict) -> list[dict]:
-    coll = collectives.get("oktopk", **case["opts"])
+def _run_case(rank: int, world: int, case: dict, pair: bool = True) -> list[dict]:
+    coll = collectives.get("oktopk", **case["opts"], pair=pair)
     out = []
     for step in case["steps"]:
         res = coll(_selection(case, rank, world, step), step=step)
@@ -114,28 +119,28 @@ def _reuse_case(band: tuple[float, float] | None = (2 / 3, 4 / 3)) -> dict:
             "opts": opts if band is None else {**opts, "recompute_band": band}}
 
 
-def _rank_main(rank: int, world: int, cases: list[dict]) -> dict:
-    out = {"cases": [_run_case(rank, world, c) for c in cases]}
+def _rank_main(rank: int, world: int, cases: list[dict], pair: bool) -> dict:
+    out = {"cases": [_run_case(rank, world, c, pair) for c in cases]}
     # Threshold reuse schedule and a state_dict round trip: B resumes from A's state at step 7.
     case = _reuse_case()
-    out["reuse"] = _run_case(rank, world, case)
-    b = collectives.get("oktopk", **case["opts"])
+    out["reuse"] = _run_case(rank, world, case, pair)
+    b = collectives.get("oktopk", **case["opts"], pair=pair)
     b.load_state_dict(copy.deepcopy(out["reuse"][6]["state"]))
     out["resumed"] = [b(_selection(case, rank, world, s), step=s) for s in case["steps"][7:]]
     out["resumed"] = [{"dense": r.dense, "kept": r.kept, "info": r.info} for r in out["resumed"]]
-    out["pure"] = _run_case(rank, world, _reuse_case(band=None))  # the default: paper's reuse
+    out["pure"] = _run_case(rank, world, _reuse_case(band=None), pair)  # the paper's reuse
     # Non-finite input on one rank: a ValueError on every rank, nothing hangs.
     bad = _selection(_cases(world)[0], rank, world, 0)
     if rank == world - 1:
         bad.values[0] = float("nan")
     try:
-        collectives.get("oktopk", density=0.01)(bad)
+        collectives.get("oktopk", density=0.01, pair=pair)(bad)
         out["nan"] = None
     except ValueError as e:
         out["nan"] = str(e)
     # the same under skip_step: a sum of NaN on every rank, nothing kept, and θ and the
     # boundaries as they were (here: after one good step)
-    b = collectives.get("oktopk", density=0.01, nonfinite="skip_step")
+    b = collectives.get("oktopk", density=0.01, nonfinite="skip_step", pair=pair)
     good = _selection(_cases(world)[0], rank, world, 0)
     b(good, step=0)
     before = copy.deepcopy(b.state_dict())
@@ -146,14 +151,38 @@ def _rank_main(rank: int, world: int, cases: list[dict]) -> dict:
     return out
 
 
+@contextlib.contextmanager
+def _counting(*names: str) -> Iterator[dict[str, int]]:
+    """``Comm``'s methods ``names`` counted while inside (the caller zeroes the counts it
+    reads), restored on the way out; yields the counts by name."""
+    from gradsync.collectives.comm import Comm
+
+    calls = dict.fromkeys(names, 0)
+    real = {name: getattr(Comm, name) for name in names}
+
+    def counted(name: str):
+        def call(self, *a, **k):
+            calls[name] += 1
+            return real[name](self, *a, **k)
+        return call
+
+    try:
+        for name in names:
+            setattr(Comm, name, counted(name))
+        yield calls
+    finally:
+        for name, fn in real.items():
+            setattr(Comm, name, fn)
+
+
 def _same_state(a: dict, b: dict) -> bool:
     return a.keys() == b.keys() and all(
         torch.equal(a[k], b[k]) if isinstance(a[k], torch.Tensor) else a[k] == b[k] for k in a)
 
 
 @functools.cache
-def _results(world: int) -> list[dict]:
-    return run_distributed(_rank_main, world, _cases(world), timeout=240)
+def _results(world: int, pair: bool = True) -> list[dict]:
+    return run_distributed(_rank_main, world, _cases(world), pair, timeout=240)
 
 
 # -- checks ----------------------------------------------------------------------------------
@@ -198,9 +227,9 @@ def _check_step(case: dict, world: int, step: int, per_rank: list[dict]) -> None
 
 @pytest.mark.usefixtures("kernels")
 @pytest.mark.accelerator_at(world=3)
-@pytest.mark.parametrize("world", WORLDS)
-def test_matches_dense_reference(world):
-    out = _results(world)
+@pytest.mark.parametrize("world, pair", RUNS)
+def test_matches_dense_reference(world, pair):
+    out = _results(world, pair)
     cases = _cases(world)
     for ci, case in enumerate(cases):
         for si, step in enumerate(case["steps"]):
@@ -211,15 +240,16 @@ def test_matches_dense_reference(world):
                 raise AssertionError(f"{case['name']} step {step} P={world}: {e}") from e
 
 
-@pytest.mark.parametrize("world", WORLDS)
-def test_clustered_selection_triggers_data_balancing(world):
-    out = _results(world)
+@pytest.mark.parametrize("world, pair", RUNS)
+def test_clustered_selection_triggers_data_balancing(world, pair):
+    out = _results(world, pair)
     names = [c["name"] for c in _cases(world)]
     for name in ("clustered-fp32", "clustered-bf16"):
         info = out[0]["cases"][names.index(name)][0]["info"]
         counts = info["counts"]
-        if world == 1:
-            assert not info["balanced"]
+        if world == 1 or (world == 2 and pair):  # one exchange: nothing to balance
+            assert not info["balanced"] and info.get("pair", False) == (world == 2)
+            assert counts == [info["selected"]] or world == 1
             continue
         # Balancing runs exactly when the largest count exceeds the factor × the mean.
         factor = 4.0 if world >= 5 else 1.0
@@ -232,18 +262,19 @@ def test_clustered_selection_triggers_data_balancing(world):
     assert max(heavy) <= 2 * (sum(heavy) / world) + 10
 
 
-@pytest.mark.parametrize("world", [w for w in WORLDS if w > 1])
-def test_bytes_within_table1_bound(world):
+@pytest.mark.parametrize("world, pair", RUNS[1:])
+def test_bytes_within_table1_bound(world, pair):
     """Realistic selections (top-k of heavy-tailed gradients) at a step that reuses the
     boundaries and θ: payload ≤ 6k(P−1)/P words (Table 1; COO = 2 words per entry, i.e.
     3k(P−1)/P entries) + O(P) control words; some rank receives ≥ the Theorem 3.1 bound."""
-    out = _results(world)
+    out = _results(world, pair)
     for ci in (0, 1):  # heavy fp32, heavy bf16
         case = _cases(world)[ci]
         eb = 4 + torch.empty(0, dtype=DTYPES[case["dtype"]]).element_size()
         per_rank = [out[r]["cases"][ci][1] for r in range(world)]
         info = per_rank[0]["info"]
         assert not info["threshold_exact"] and not info["boundaries_recomputed"]
+        assert info.get("pair", False) == (world == 2 and pair)
         k, sel = info["k"], info["selected"]
         control = 8 * (4 * world + 8)  # sizes, counts, shape check: O(P) words
         for p in per_rank:
@@ -252,9 +283,9 @@ def test_bytes_within_table1_bound(world):
         assert max(p["recv"] for p in per_rank) >= lower
 
 
-@pytest.mark.parametrize("world", [1, 3])
-def test_threshold_reuse_schedule_and_state_round_trip(world):
-    out = _results(world)
+@pytest.mark.parametrize("world, pair", [RUNS[0], RUNS[1], RUNS[3]])
+def test_threshold_reuse_schedule_and_state_round_trip(world, pair):
+    out = _results(world, pair)
     case = _reuse_case()
     steps = case["steps"]
     reuse = [[out[r]["reuse"][i] for r in range(world)] for i in range(len(steps))]
@@ -265,12 +296,13 @@ def test_threshold_reuse_schedule_and_state_round_trip(world):
     # τ′ = 4: exact θ at 0, 4, 8, 12; the 100× drop at step 14 forces one out-of-range recompute.
     assert reasons == {0: "periodic", 4: "periodic", 8: "periodic", 12: "periodic",
                        14: "out_of_range"}
-    # τ = 6: boundaries at 0, 6, 12 only, reused (unchanged) in between.
+    # τ = 6: boundaries at 0, 6, 12 only, reused (unchanged) in between; one exchange at
+    # P = 2 needs none
     recomputed = [s for s, i in zip(steps, infos) if i["boundaries_recomputed"]]
-    assert recomputed == [0, 6, 12]
+    assert recomputed == ([] if world == 2 else [0, 6, 12])
     assert infos[1]["boundaries"] == infos[5]["boundaries"]
     assert reuse[-1][0]["state"]["exact_evaluations"] == 5
-    assert reuse[-1][0]["state"]["boundary_evaluations"] == 3
+    assert reuse[-1][0]["state"]["boundary_evaluations"] == (0 if world == 2 else 3)
     # Between exact evaluations θ is reused and nudged: shrinking gradients lower it.
     nudged = [i for i in infos if i["next_threshold"] < i["threshold"]]
     assert nudged, "the 1%/step decay should have nudged θ down at least once"
@@ -349,7 +381,7 @@ def _tampered(rank: int, world: int, where: str) -> dict:
             return i, v
         ok_mod.unpack_entries = unpack
     try:
-        collectives.get("oktopk", k=40)(sel, step=0)
+        collectives.get("oktopk", k=40, pair=False)(sel, step=0)
         return {"error": None}
     except ValueError as e:  # anything else (a scatter out of range) fails the test
         return {"error": str(e)}
@@ -606,8 +638,8 @@ def _rank_rounds(rank: int, world: int, cases: list[dict]) -> list[dict]:
             row = {}
             for mode, limit in (("one", bound), ("two", 0)):
                 ok_mod.BOUNDED_MAX = limit
-                row[mode] = _run_case(rank, world, case)
-                coll = collectives.get("oktopk", **case["opts"])
+                row[mode] = _run_case(rank, world, case, pair=False)
+                coll = collectives.get("oktopk", **case["opts"], pair=False)
                 res = coll(_selection(case, rank, world, case["steps"][0]),
                            step=case["steps"][0])
                 row[mode + "_messages"] = res.stats.messages
@@ -662,7 +694,7 @@ def _overcounted(rank: int, world: int) -> str:
     return _one_call(rank, Comm, "irecv_bounded", irecv_bounded)
 
 
-def _one_call(rank: int, owner: type, name: str, replacement) -> str:
+def _one_call(rank: int, owner: type, name: str, replacement, pair: bool = False) -> str:
     """One Ok-Topk call (k = 40) on this rank's top 50 of 1000 with ``owner.name`` replaced:
     ``"ok"``, or the ``ValueError``'s message."""
     n = 1000
@@ -672,7 +704,7 @@ def _one_call(rank: int, owner: type, name: str, replacement) -> str:
     real = getattr(owner, name)
     setattr(owner, name, replacement)
     try:
-        collectives.get("oktopk", k=40)(sel, step=0)
+        collectives.get("oktopk", k=40, pair=pair)(sel, step=0)
         return "ok"
     except ValueError as e:
         return str(e)
@@ -695,21 +727,10 @@ def _rank_inline(rank: int, world: int, cases: list[dict]) -> list[dict]:
     all-gather of their own (``_counts_inline`` off), on fresh collectives, with the calls of
     ``Comm.all_gather`` and the ring's receives counted."""
     from gradsync.collectives import oktopk as ok_mod
-    from gradsync.collectives.comm import Comm
-
-    calls = {"all_gather": 0, "all_gather_bounded": 0}
-    real = {name: getattr(Comm, name) for name in calls}
-
-    def counted(name):
-        def call(self, *a, **k):
-            calls[name] += 1
-            return real[name](self, *a, **k)
-        return call
 
     inline, out = ok_mod.OkTopk._counts_inline, []
-    try:
-        for name in calls:
-            setattr(Comm, name, counted(name))
+    with _counting("all_gather", "all_gather_bounded") as calls, contextlib.ExitStack() as undo:
+        undo.callback(setattr, ok_mod.OkTopk, "_counts_inline", inline)
         for case in cases:
             row = {}
             for mode in ("inline", "counts"):
@@ -717,14 +738,10 @@ def _rank_inline(rank: int, world: int, cases: list[dict]) -> list[dict]:
                     ok_mod.OkTopk._counts_inline = lambda *a: False
                 for name in calls:
                     calls[name] = 0
-                row[mode] = _run_case(rank, world, case)
+                row[mode] = _run_case(rank, world, case, pair=False)
                 row[mode + "_calls"] = dict(calls)
                 ok_mod.OkTopk._counts_inline = inline
             out.append(row)
-    finally:
-        ok_mod.OkTopk._counts_inline = inline
-        for name, fn in real.items():
-            setattr(Comm, name, fn)
     return out
 
 
@@ -848,3 +865,97 @@ def test_the_exact_threshold_by_one_all_gather_equals_the_radix_selects(world):
             # 4 all-reduces (ring accounting: 2(P − 1) messages each), fewer when the union
             # holds fewer than k entries (one round shows it)
             assert r_msgs == (4 if union.numel() >= k else 1) * 2 * (world - 1)
+
+
+# -- P = 2 in one exchange (module doc, 6.) ----------------------------------------------------
+def _rank_pair(rank: int, world: int, cases: list[dict]) -> list[dict]:
+    """Each case's steps in one exchange and by the rounds (``pair=False``), on fresh
+    collectives, with the Comm calls of each counted."""
+    out = []
+    with _counting("all_gather", "all_gather_bounded", "all_reduce") as calls:
+        for case in cases:
+            row = {}
+            for mode, pair in (("pair", True), ("rounds", False)):
+                for name in calls:
+                    calls[name] = 0
+                row[mode] = _run_case(rank, world, case, pair)
+                row[mode + "_calls"] = dict(calls)
+            row["sizes"] = [len(_selection(case, rank, world, s)) for s in case["steps"]]
+            out.append(row)
+    return out
+
+
+def test_pair_exchange_is_the_rounds_bit_for_bit_in_one_call():
+    """At P = 2 on gloo both ranks exchange their whole selections once and reduce both
+    regions themselves: the same sum, kept entries, selection and θ (and its schedule) bit
+    for bit as the rounds, in one bounded all-gather a step (plus the shape check's
+    all-reduce): no boundaries' all-reduce, no exact θ's all-gather, no counts; each rank
+    sends its count and its entries, nothing else."""
+    cases = [*_cases(2), _reuse_case()]
+    per_rank = run_distributed(_rank_pair, 2, cases, timeout=240)
+    for c, case in enumerate(cases):
+        eb = 4 + torch.empty(0, dtype=DTYPES[case["dtype"]]).element_size()
+        steps = len(case["steps"])
+        for r in range(2):
+            row, what = per_rank[r][c], f"rank {r} {case['name']}"
+            for a, b in zip(row["pair"], row["rounds"], strict=True):
+                assert torch.equal(a["dense"].view(BITS[a["dense"].dtype]),
+                                   b["dense"].view(BITS[b["dense"].dtype])), what
+                assert torch.equal(a["kept"], b["kept"]), what
+                for key in ("k", "threshold", "threshold_exact", "threshold_reason",
+                            "next_threshold", "selected"):
+                    assert a["info"][key] == b["info"][key], (what, key)
+                assert a["info"]["pair"] and "pair" not in b["info"], what
+                for key in ("theta", "theta_step", "exact_evaluations"):
+                    assert a["state"][key] == b["state"][key], (what, key)
+            # the shape check's all-reduce (and, with neither k nor density, k's own)
+            ask = 1 if {"k", "density"} & set(case["opts"]) else 2
+            assert row["pair_calls"] == {"all_gather": 0, "all_gather_bounded": steps,
+                                         "all_reduce": ask * steps}, what
+            assert row["rounds_calls"]["all_gather_bounded"] + row["rounds_calls"][
+                "all_gather"] >= steps, what
+            extra = [a["sent"] - 8 - size * eb for a, size in zip(row["pair"], row["sizes"])]
+            # the shape check's 4 words (ring accounting at P = 2: each rank sends 32 bytes)
+            # and k's one word
+            assert extra == [32 + 8 * (ask - 1)] * steps, (what, extra)
+
+
+def _pair_tampered(rank: int, world: int, where: str) -> str:
+    """One exchange at P = 2 whose block from rank 1 reaches rank 0 announcing more entries
+    than the tensor holds (``"count"``), or holding an index outside it (``"index"``)."""
+    from gradsync.collectives import oktopk as ok_mod
+    from gradsync.collectives.comm import Comm
+
+    if where == "count":
+        real = Comm.sendrecv_bounded
+
+        def sendrecv_bounded(self, send, dst, buf, src, size_of):
+            def tampered(b):
+                if rank == 0:
+                    b[:8] = torch.tensor([50_000], dtype=torch.int64).view(torch.uint8)
+                return size_of(b)
+            return real(self, send, dst, buf, src, tampered)
+        return _one_call(rank, Comm, "sendrecv_bounded", sendrecv_bounded, pair=True)
+
+    real_unpack = ok_mod.unpack_entries
+
+    def unpack(buf, count, *args):
+        i, v = real_unpack(buf, count, *args)
+        if rank == 0 and i.numel():
+            i = i.clone()
+            i[-1] = 1000 + 7  # past the tensor
+        return i, v
+    return _one_call(rank, ok_mod, "unpack_entries", unpack, pair=True)
+
+
+@pytest.mark.parametrize("where, message", [
+    ("count", "rank 1's selection announces 50000 entries for a tensor of 1000"),
+    ("index", "rank 1's selection (step 0): indices must be strictly increasing in [0, 1000)"),
+])
+def test_a_malformed_block_of_the_pair_exchange_fails_the_rank_that_receives_it(where, message):
+    """A block that announces more entries than the tensor holds, or holds an index outside
+    it, fails the checks of the rank that receives it (``ValueError`` naming the sender, once
+    the collective is done; nothing written from it), and its sender finishes."""
+    out = run_distributed(_pair_tampered, 2, where, timeout=120)
+    assert message in out[0], out
+    assert out[1] == "ok", out

@@ -56,6 +56,16 @@ scatter-reduce sums a message's every stored position, its zeros inside blocks i
 (adding +0.0 changes no value), so nothing is compacted on arrival. ``region_nnz`` and
 ``global_nnz`` stay on the device (0-dim tensors).
 
+**P = 2 in one exchange (ours, ``pair=True``, the default).** At P = 2 the scatter-reduce
+sends the peer the half of the selection in its region and the allgather brings back its
+reduced half, whose nonzeros are the union's: two rounds, and every τ steps the boundaries'
+all-reduce. Sending the whole encoding instead (one round where :meth:`_one_round` allows it,
+for the whole tensor's range) costs no more bytes (a selection is at most the union) and
+lets both ranks form both sums themselves: each index gets its two contributions, which add
+to the same bits in either order, and no boundaries are needed. Elsewhere (NCCL, a tensor
+whose bound passes :data:`BOUNDED_MAX`), the phases. Measured on the CNN at 1 %, P = 2
+(docs/results/speed.md, "Ok-Topk at P = 2 in one exchange").
+
 Exact and bitwise identical on every rank: region j is summed once, by its owner, and the
 allgather and the unfold only copy the owner's bits (the DenseStream round trip is bitwise),
 so every rank scatters the same values into ``dense``. ``kept`` is every local index.
@@ -118,13 +128,17 @@ class DenseStreamAllreduce(Collective):
     """DSA (DenseStream Algorithm 2). ``tau``: steps between boundary re-evaluations (τ).
 
     ``index_bytes``: width of starts and lengths on the wire (default 4 when numel < 2**31,
-    else 8).
+    else 8). ``pair``: at P = 2 where one round allows, one exchange of the whole encodings
+    (module doc, "P = 2 in one exchange"; default ``True``); ``False`` runs the phases.
     """
 
 
-    def __init__(self, *, tau: int = 64, index_bytes: int | None = None,
+    def __init__(self, *, tau: int = 64, index_bytes: int | None = None, pair: bool = True,
                  check_shapes: bool | str = True) -> None:
         super().__init__(check_shapes=check_shapes)
+        if not isinstance(pair, bool):
+            raise ValueError(f"densestream: pair must be True or False, got {pair!r}")
+        self.pair = pair
         if int(tau) < 1:
             raise ValueError(f"densestream: tau must be >= 1, got {tau}")
         if index_bytes not in (None, 4, 8):
@@ -309,6 +323,8 @@ class DenseStreamAllreduce(Collective):
         rem = P - p2
         sent: dict[str, int] = {}
         checks: list[tuple[torch.Tensor, str]] = []  # the peers' messages, read by the caller
+        if P == 2 and self.pair and self._one_round(comm, sel, iw, [(0, n)]):
+            return self._reduce_pair(sel, comm, iw, checks)
 
         def mark(phase: str, before: int) -> int:
             sent[phase] = comm.stats.bytes_sent - before
@@ -345,6 +361,24 @@ class DenseStreamAllreduce(Collective):
                 "region_nnz": region_nnz, "global_nnz": global_nnz,
                 "bytes_sent_by_phase": sent, CHECKS: checks}
         return dense, sel.indices, info
+
+    def _reduce_pair(self, sel: SparseGrad, comm: Comm, iw: int,
+                     checks: list[tuple[torch.Tensor, str]]
+                     ) -> tuple[torch.Tensor, torch.Tensor, dict[str, Any]]:
+        """P = 2 in one exchange (module doc): the whole selection encoded once, swapped in one
+        round, and both sums formed here (two contributions per index: the owners' bits)."""
+        n, t = sel.numel, comm.stats.bytes_sent
+        buf, (head,) = self._swap([self._encode(sel, iw)], 1 - comm.rank, comm, sel, iw,
+                                  ([(0, n)], [(0, n)]), checks)
+        got = dsfmt.decode_stored(buf, numel=n, dtype=sel.dtype, lo=0, hi=n, checks=checks,
+                                  header=head)
+        acc = _reduce_sum(sel, got, 0, n)
+        nnz = torch.count_nonzero(acc.values.view(BITS_DTYPES[acc.values.element_size()]))
+        info = {"regions": 1, "boundaries": torch.tensor([0, n], dtype=torch.int64),
+                "boundaries_recomputed": False, "region_nnz": nnz, "global_nnz": nnz,
+                "bytes_sent_by_phase": {"pair": comm.stats.bytes_sent - t}, "pair": True,
+                CHECKS: checks}
+        return densify([(acc.indices, acc.values)], n, sel.dtype, sel.device), sel.indices, info
 
     def _fold(self, sel: SparseGrad, comm: Comm, rem: int, iw: int,
               checks: list[tuple[torch.Tensor, str]]) -> tuple[SparseGrad, int]:

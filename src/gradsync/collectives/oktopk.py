@@ -46,6 +46,19 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
    docs/results/rounds-cpu.md).
 5. ``kept`` = local indices ∩ global selection (line 14; Algorithm 2 line 6 zeroes the residual
    only there), through a bitmap of the global selection (no search, no read).
+6. **P = 2 in one exchange** (ours, ``pair=True``, the default). At P = 2 each rank is the
+   other's only peer: split and reduce sends it the entries of its region (about half the
+   selection), and the allgatherv brings back its selected sums: two rounds. Exchanging the
+   whole selections instead (one bounded all-gather of ``[count][indices][values]``, about k
+   entries a rank: the bytes of the two rounds' k/2 and k/2) lets both ranks form both
+   regions' sums themselves (two contributions per index, added in float64 and rounded once:
+   the owner's bits), and θ is then the k-th largest magnitude of the whole union, found with
+   no call; no boundaries are needed. Every rank decides alike, where a receive may be
+   longer than its message (gloo), the CPU's own kernels run and a whole tensor's entries fit
+   in :data:`BOUNDED_MAX`; elsewhere (NCCL, larger tensors), the rounds. Measured on the CNN
+   at 1 %, P = 2: 3 calls a step → 2 (the engine's agreement word stays), the step's median
+   14.2 → 11.6 ms, the parameters bit for bit the same (docs/results/speed.md, "Ok-Topk at
+   P = 2 in one exchange").
 
 Host reads. The indices received (the peers' split-and-reduce messages, the gathered global
 selection) are checked on the device: a bad one is moved into range with its value zeroed
@@ -168,6 +181,8 @@ class OkTopk(Collective):
             ``ValueError`` on every rank; ``"skip_step"``, a sum of NaN on every rank, for its
             owner to skip the step (the engine passes ``Config.nonfinite``). Either way θ and
             the boundaries are left as they were.
+        pair: at P = 2 on gloo, one exchange of the two selections instead of the rounds
+            of lines 5–13 (module doc, 6.; default ``True``); ``False`` runs the rounds.
 
     ``step`` must be the same on every rank (it drives the τ and τ′ schedules).
     """
@@ -186,9 +201,13 @@ class OkTopk(Collective):
         nudge: float = 0.02,
         recompute_band: tuple[float, float] | None = None,
         nonfinite: str = "raise",
+        pair: bool = True,
         check_shapes: bool | str = True,
     ) -> None:
         super().__init__(check_shapes=check_shapes)
+        if not isinstance(pair, bool):
+            raise ValueError(f"oktopk: pair must be True or False, got {pair!r}")
+        self.pair = pair
         if nonfinite not in ("raise", "skip_step"):
             raise ValueError(f"oktopk: nonfinite must be 'raise' or 'skip_step', got "
                              f"{nonfinite!r}")
@@ -270,6 +289,8 @@ class OkTopk(Collective):
         k = self._target_k(sel, comm)
         wire = wire_index_dtype(n)
         eb = entry_bytes(wire, sel.dtype)
+        if self.pair and self._pair(comm, n, eb, sel.indices):  # P = 2 (module doc, 6.)
+            return self._reduce_pair(sel, comm, step, k, wire, eb)
         # NaN/Inf in the selection: a flag on the device, read with the counts below
         bad = _nonfinite_flag(sel.values)
 
@@ -364,10 +385,10 @@ class OkTopk(Collective):
             cb = gather(mask)
         return theta, reason, mask, cb, None
 
-    def _theta(self, mags: torch.Tensor, k: int, comm: Comm, step: int
+    def _theta(self, mags: torch.Tensor, k: int, comm: Comm | None, step: int
                ) -> tuple[float, str | None]:
         """θ and why it was computed exactly (``"periodic"``, every τ′ steps; ``None``:
-        reused)."""
+        reused); ``comm`` as in :meth:`_exact_threshold`."""
         theta = self._state["theta"]
         if due(step, self._state["theta_step"], self.tau_prime) or theta is None:
             return self._exact_threshold(mags, k, comm), "periodic"
@@ -381,8 +402,12 @@ class OkTopk(Collective):
             return None
         inputs = [i for i, c in enumerate(cb) if c[1]]
         sums = [i for i, c in enumerate(cb) if c[2]]
-        why = (f"oktopk: non-finite values in the selection on ranks {inputs}, in the "
-               f"reduced sums of the regions of ranks {sums} (step {step})")
+        return self._nonfinite(f"oktopk: non-finite values in the selection on ranks {inputs}, "
+                               f"in the reduced sums of the regions of ranks {sums} (step {step})")
+
+    def _nonfinite(self, why: str) -> str:
+        """``ValueError(why)`` under ``nonfinite="raise"``, else ``why``, for the caller to
+        return a sum of NaN."""
         if self.nonfinite == "raise":
             raise ValueError(why)
         return why
@@ -399,6 +424,78 @@ class OkTopk(Collective):
         return (comm.size <= self.balance_factor and self.recompute_band is None
                 and host_kernels(idx) and comm.bounded(idx.device)
                 and (3 + comm.size) * COUNT_BYTES + widest * eb <= BOUNDED_MAX)
+
+    @staticmethod
+    def _pair(comm: Comm, n: int, eb: int, idx: torch.Tensor) -> bool:
+        """Whether Ok-Topk runs in one exchange (:meth:`_reduce_pair`): P = 2, a receive may
+        be longer than its message (:meth:`Comm.bounded`, gloo), the CPU's own kernels run,
+        and a buffer of a whole tensor's entries fits in :data:`BOUNDED_MAX`. Every rank
+        decides alike (n and the entry size are checked alike by the shape check)."""
+        return (comm.size == 2 and host_kernels(idx) and comm.bounded(idx.device)
+                and COUNT_BYTES + n * eb <= BOUNDED_MAX)
+
+    def _reduce_pair(self, sel: SparseGrad, comm: Comm, step: int, k: int,
+                     wire: torch.dtype, eb: int) -> tuple[torch.Tensor, torch.Tensor,
+                                                          dict[str, Any]]:
+        """Lines 5–14 at P = 2 in one exchange (module doc, 6.): the two selections, each
+        ``[count][indices][values]``, swapped by one bounded all-gather; both ranks then sum
+        them (float64, rounded once, as the owners do), compute θ over the whole union (the
+        same k-th largest, no call), select ``|v| >= θ`` and keep their entries in it."""
+        n, r, checks = sel.numel, comm.rank, []
+
+        def size_of(q: int, buf: torch.Tensor) -> int:  # one read per block
+            c = int(buf[:COUNT_BYTES].clone().view(torch.int64))
+            if 0 <= c <= n:
+                return COUNT_BYTES + c * eb
+            checks.append((torch.zeros((), dtype=torch.bool, device=buf.device),
+                           f"oktopk: rank {q}'s selection announces {c} entries for a tensor "
+                           f"of {n} (step {step})"))
+            return COUNT_BYTES
+
+        blocks = comm.all_gather_bounded(pack_entries_counted(sel.indices, sel.values, wire),
+                                         [COUNT_BYTES + n * eb] * 2, size_of,
+                                         expected=COUNT_BYTES + eb * k)
+        parts = []
+        for q, b in enumerate(blocks):
+            i, v = ((sel.indices, sel.values) if q == r else
+                    checked_entries(*unpack_entries(b[COUNT_BYTES:], (b.numel() - COUNT_BYTES)
+                                                    // eb, wire, sel.dtype, "oktopk"),
+                                    n, 0, checks, f"oktopk: rank {q}'s selection (step {step})"))
+            parts.append((i, v))
+        r_idx, r_val = sparse_sum(parts, torch.float64)
+        r_val = r_val.to(sel.dtype)
+        mags = r_val.abs().to(torch.float32)
+        theta, reason = self._theta(mags, k, None, step)
+        mask = mags >= theta
+        # the count and the non-finite flags (both selections, the sum): one read
+        total, *bad = torch.stack([mask.sum(), *(_nonfinite_flag(v) for _, v in parts),
+                                   _nonfinite_flag(mags)]).tolist()
+        if any(bad):
+            why = self._nonfinite(f"oktopk: non-finite values in the selection on ranks "
+                                  f"{[q for q in range(2) if bad[q]]}, in the reduced sum: "
+                                  f"{bool(bad[2])} (step {step})")
+            nan = torch.full((n,), math.nan, dtype=sel.dtype, device=sel.device)
+            return nan, sel.indices[:0], {"k": k, "nonfinite": why, CHECKS: checks}
+        band = self.recompute_band
+        if reason is None and band is not None and (
+                (total < band[0] * k and theta > 0.0) or total > band[1] * k):
+            theta, reason = self._exact_threshold(mags, k, None), "out_of_range"
+            mask = mags >= theta
+            total = int(mask.sum())
+        at = flatnonzero(mask, total)
+        all_idx = torch.index_select(r_idx, 0, at)
+        dense = SparseGrad(all_idx, torch.index_select(r_val, 0, at), n,
+                           validate=False).to_dense()
+        chosen = mark_at(torch.zeros(n, dtype=torch.bool, device=sel.device), all_idx)
+        kept = torch.index_select(
+            sel.indices, 0, flatnonzero(torch.index_select(chosen, 0, sel.indices)))
+        self._commit(step, None, theta, reason, total, k)
+        return dense, kept, {
+            "k": k, "threshold": theta, "threshold_exact": reason is not None,
+            "threshold_reason": reason, "next_threshold": self._state["theta"],
+            "selected": total, "counts": [total], "balanced": False, "boundaries": [0, n],
+            "boundaries_recomputed": False, "region_entries": int(r_idx.numel()),
+            "received_entries": len(parts[1 - r][0]), "pair": True, CHECKS: checks}
 
     def _allgather_counted(
         self, mask: torch.Tensor, head: torch.Tensor, r_idx: torch.Tensor, r_val: torch.Tensor,
@@ -670,10 +767,11 @@ class OkTopk(Collective):
                 out.append((buf[COUNT_BYTES:COUNT_BYTES + c * eb], c, src))
         return out
 
-    def _exact_threshold(self, mags: torch.Tensor, k: int, comm: Comm) -> float:
+    def _exact_threshold(self, mags: torch.Tensor, k: int, comm: Comm | None) -> float:
         """θ = the k-th largest magnitude over the union of all ranks' reduced regions; 0.0
         when the union holds fewer than k finite entries or none at all (select everything; k
-        is 0 only for an empty tensor, ``target_k(0, density) == 0``).
+        is 0 only for an empty tensor, ``target_k(0, density) == 0``). ``comm`` ``None``:
+        ``mags`` is the whole union (:meth:`_reduce_pair`), nothing travels.
 
         Where a rank's k magnitudes fit in :data:`EXACT_GATHER_MAX` bytes, one all-gather
         (ours): each region's k largest (all of them when fewer, padded with −1), whose union
@@ -684,6 +782,9 @@ class OkTopk(Collective):
         if k == 0:
             return 0.0
         finite = mags[torch.isfinite(mags)]
+        if comm is None:
+            return (float(torch.topk(finite, k, sorted=False).values.min())
+                    if finite.numel() >= k else 0.0)
         if exact_threshold_calls(k) > 1:
             return self._radix_threshold(finite, k, comm)
         top = torch.full((k,), -1.0, dtype=torch.float32, device=mags.device)
