@@ -692,18 +692,22 @@ def _malformed_on_one_rank(rank, world_size):
 
     DenseStreamAllreduce._match = staticmethod(corrupt)
     out = []
-    for step in range(3):
-        model.zero_grad()
-        x, y = batch("cnn", rank, step)
-        model_loss(model, "cnn", x, y).backward()
-        armed[0] = step == 2
-        grads = [p.grad.clone() for p in model.parameters()]
-        try:
-            sync.synchronize()
-            out.append("applied")
-        except ValueError as e:
-            untouched = all(torch.equal(g, p.grad) for g, p in zip(grads, model.parameters()))
-            out.append((str(e), untouched))
+    try:
+        for step in range(3):
+            model.zero_grad()
+            x, y = batch("cnn", rank, step)
+            armed[0] = step == 2  # before the backward: its hooks may launch the collective
+            model_loss(model, "cnn", x, y).backward()
+            grads = [p.grad.clone() for p in model.parameters()]
+            try:
+                sync.synchronize()
+                out.append("applied")
+            except ValueError as e:
+                untouched = all(torch.equal(g, p.grad)
+                                for g, p in zip(grads, model.parameters()))
+                out.append((str(e), untouched))
+    finally:  # the pool's ranks serve the next test
+        DenseStreamAllreduce._match = staticmethod(match)
     return out
 
 
