@@ -368,11 +368,8 @@ class DenseStreamAllreduce(Collective):
         """P = 2 in one exchange (module doc): the whole selection encoded once, swapped in one
         round, and both sums formed here (two contributions per index: the owners' bits)."""
         n, t = sel.numel, comm.stats.bytes_sent
-        buf, (head,) = self._swap([self._encode(sel, iw)], 1 - comm.rank, comm, sel, iw,
-                                  ([(0, n)], [(0, n)]), checks)
-        got = dsfmt.decode_stored(buf, numel=n, dtype=sel.dtype, lo=0, hi=n, checks=checks,
-                                  header=head)
-        acc = _reduce_sum(sel, got, 0, n)
+        acc = _reduce_sum(sel, self._exchange(sel, 1 - comm.rank, comm, iw, ((0, n), (0, n)),
+                                              checks), 0, n)
         nnz = torch.count_nonzero(acc.values.view(BITS_DTYPES[acc.values.element_size()]))
         info = {"regions": 1, "boundaries": torch.tensor([0, n], dtype=torch.int64),
                 "boundaries_recomputed": False, "region_nnz": nnz, "global_nnz": nnz,

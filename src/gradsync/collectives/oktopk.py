@@ -377,13 +377,18 @@ class OkTopk(Collective):
         if why is not None:
             return theta, reason, mask, cb, why
         total = sum(int(c[0]) for c in cb)
-        band = self.recompute_band
-        if reason is None and band is not None and (
-                (total < band[0] * k and theta > 0.0) or total > band[1] * k):
+        if self._out_of_band(reason, total, theta, k):
             theta, reason = self._exact_threshold(mags, k, comm), "out_of_range"
             mask = mags >= theta
             cb = gather(mask)
         return theta, reason, mask, cb, None
+
+    def _out_of_band(self, reason: str | None, total: int, theta: float, k: int) -> bool:
+        """Whether a reused θ (``reason`` None) admitted a count outside ``recompute_band``'s
+        [lo·k, hi·k] and is recomputed exactly in the same step (class doc)."""
+        band = self.recompute_band
+        return reason is None and band is not None and (
+            (total < band[0] * k and theta > 0.0) or total > band[1] * k)
 
     def _theta(self, mags: torch.Tensor, k: int, comm: Comm | None, step: int
                ) -> tuple[float, str | None]:
@@ -476,9 +481,7 @@ class OkTopk(Collective):
                                   f"{bool(bad[2])} (step {step})")
             nan = torch.full((n,), math.nan, dtype=sel.dtype, device=sel.device)
             return nan, sel.indices[:0], {"k": k, "nonfinite": why, CHECKS: checks}
-        band = self.recompute_band
-        if reason is None and band is not None and (
-                (total < band[0] * k and theta > 0.0) or total > band[1] * k):
+        if self._out_of_band(reason, total, theta, k):
             theta, reason = self._exact_threshold(mags, k, None), "out_of_range"
             mask = mags >= theta
             total = int(mask.sum())
@@ -486,9 +489,7 @@ class OkTopk(Collective):
         all_idx = torch.index_select(r_idx, 0, at)
         dense = SparseGrad(all_idx, torch.index_select(r_val, 0, at), n,
                            validate=False).to_dense()
-        chosen = mark_at(torch.zeros(n, dtype=torch.bool, device=sel.device), all_idx)
-        kept = torch.index_select(
-            sel.indices, 0, flatnonzero(torch.index_select(chosen, 0, sel.indices)))
+        kept = self._kept(sel, all_idx, None, checks, step)
         self._commit(step, None, theta, reason, total, k)
         return dense, kept, {
             "k": k, "threshold": theta, "threshold_exact": reason is not None,
@@ -568,14 +569,17 @@ class OkTopk(Collective):
         return all_idx, SparseGrad(all_idx, all_val, n, validate=False).to_dense(), balanced
 
     @staticmethod
-    def _kept(sel: SparseGrad, all_idx: torch.Tensor, n_kept: int,
+    def _kept(sel: SparseGrad, all_idx: torch.Tensor, n_kept: int | None,
               checks: list[tuple[torch.Tensor, str]], step: int) -> torch.Tensor:
         """Line 14: the local entries that made it into the global selection (a bitmap of it
         over the tensor), at their count ``n_kept`` from the owners (no read; checked with the
         rest, and a count that disagrees, from a malformed message, pads with a valid
-        position)."""
+        position). ``None``: no owner counted them (:meth:`_reduce_pair`, the CPU's kernels),
+        nothing to check."""
         chosen = mark_at(torch.zeros(sel.numel, dtype=torch.bool, device=sel.device), all_idx)
         hit = torch.index_select(chosen, 0, sel.indices)
+        if n_kept is None:
+            return torch.index_select(sel.indices, 0, flatnonzero(hit))
         at = flatnonzero(hit, min(n_kept, len(sel)), fill_value=0)
         kept = torch.index_select(sel.indices, 0, at)
         checks.append((hit.sum() == n_kept, f"oktopk: the regions' owners counted {n_kept} of "
