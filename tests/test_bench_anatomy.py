@@ -103,6 +103,62 @@ def test_decomposition_counts_each_interval_once():
     assert anatomy.loopback_rate({"bytes_per_step": 8000, "comm_s": 0.008}) == 8e6
 
 
+def test_meeting_once_a_step_against_the_floor_runs_either_side():
+    """The meeting floor: each of its two runs against the floor runs either side of it (the
+    first after the first floor, the second before the last), averaged; a row's step − floor
+    less that is what its exchange costs beyond meeting. Results made before the meeting runs
+    give NaN, shown as "-"."""
+    floor = _job("local", (0.005, 0.012, 0.0, 0.003))  # 20 ms
+    slow = _job("local", (0.005, 0.014, 0.0, 0.003))  # 22 ms: the machine drifted
+    meet = _job("meet", (0.005, 0.012, 0.003, 0.003), wait=0.0025, comm=0.0025, sent=8)
+    job = _job("topka", (0.005, 0.020, 0.014, 0.003), sparsify=0.003, wait=0.010,
+               plan=_plan())
+    # anatomy_worker's order: floor, meet, topka, floor, meet, floor
+    results = [{**j, "floor": [f["runs"][0], f["runs"][0], s["runs"][0]],
+                "meet": m["runs"] * 2} for j, f, s, m in zip(job, floor, slow, meet)]
+    fig = anatomy.meet_figures(results, 2)
+    assert fig["meet_ms"] == pytest.approx(23) and fig["meet_wait_ms"] == pytest.approx(2.5)
+    # 23 − (20 + 20)/2 for the first run, 23 − (20 + 22)/2 for the second
+    assert fig["meet_cost_runs_ms"] == pytest.approx([3.0, 2.0])
+    assert fig["meet_cost_ms"] == pytest.approx(2.5)
+    assert fig["floor_ranks_ms"] == pytest.approx([20 + 2 / 3] * 2)  # each rank's floor runs
+    r = anatomy.anatomy_rows(results, train_app.summarize(job, 1), 2, "loopback", 2, 8e9)[0]
+    assert r["over_floor_ms"] == pytest.approx(22) and r["meet_cost_ms"] == pytest.approx(2.5)
+    assert r["over_meet_ms"] == pytest.approx(19.5)
+    assert anatomy._cells(r)[4] == pytest.approx(19.5)
+    old = _row(job, floor)  # no meeting runs
+    assert math.isnan(old["over_meet_ms"]) and anatomy._cells(old)[4] == "-"
+    assert math.isnan(anatomy.meet_figures([{**f, "floor": f["runs"] * 2} for f in floor],
+                                           2)["meet_cost_ms"])
+
+
+def _meeting_run(rank: int, P: int, spec) -> list[tuple[int, int, float, float]]:
+    import torch
+
+    from gradsync.apps.train import train_scheme
+    from gradsync.apps.train.spec import MEET
+
+    run = train_scheme(MEET, rank, P, spec, torch.device("cpu"))
+    return [(x["bytes_sent"], x["bytes_recv"], x["wait_s"], x["comm_s"]) for x in run["records"]]
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_the_meeting_floor_sends_one_word_a_step(P):
+    """The meeting floor's ranks all-reduce one int64 a step, counted at the torch.distributed
+    call as any all-reduce is (the ring's 2(P − 1)/P × 8 bytes, rounded down), and its time
+    is the step's wait."""
+    from gradsync.testing import run_distributed
+
+    spec = train_app.parse_args(["--model", "cnn", "--world-size", str(P), "--steps", "3",
+                                 "--batch-size", "4", "--warmup-steps", "1", "--eval-batches",
+                                 "0", "--no-progress", "--data", "synthetic"])
+    for recs in run_distributed(_meeting_run, P, spec, timeout=120):
+        assert len(recs) == 3
+        for sent, recv, wait, comm in recs:
+            assert sent == recv == 2 * (P - 1) * 8 // P
+            assert wait == comm > 0
+
+
 def test_each_threads_cpu_and_each_schemes_own_floor():
     """Per thread, over the floor's: the training thread's extra CPU inside the backward call
     and the other threads' CPU there count for the engine, up to the backward's slowdown;
@@ -252,6 +308,17 @@ def test_bench_anatomy_tiny_run(tmp_path, capsys):
     # loopback: wire time at DDP's own achieved rate, so DDP's comm is its wire time
     assert rows["ddp"]["comm_over_wire"] == pytest.approx(1.0)
     assert data["meta"]["loopback_rate_bps"]["P2 loopback"] > 0
+    # the meeting floor: two runs, each against the floors either side of it
+    fl = data["meta"]["floors"][0]
+    assert fl["meet_ms"] > 0 and fl["meet_wait_ms"] > 0 and len(fl["meet_cost_runs_ms"]) == 2
+    assert fl["meet_cost_ms"] == pytest.approx(sum(fl["meet_cost_runs_ms"]) / 2)
+    assert len(fl["floor_ranks_ms"]) == P and min(fl["floor_ranks_ms"]) > 0
+    for r in rows.values():
+        assert r["meet_cost_ms"] == fl["meet_cost_ms"]
+        assert r["over_meet_ms"] == pytest.approx(r["over_floor_ms"] - fl["meet_cost_ms"])
+    assert "meeting once a step +" in out and "beyond meeting" in out
+    page = anatomy.write_docs(tmp_path / "page.md", data["rows"], data["meta"]).read_text()
+    assert "Meeting once a step (the meeting floor" in page and "| meeting floor |" in page
     # the engine's gradient hooks: every step's launching holds its inline selection
     assert rows["topka"]["hooks_ms"] >= rows["topka"]["select_ms"] > 0
     assert rows["ddp"]["hooks_ms"] == rows["ddp"]["select_ms"]

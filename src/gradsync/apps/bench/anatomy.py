@@ -18,6 +18,13 @@ the same initial model for every scheme) in which each rank trains
   :data:`gradsync.apps.train.spec.LOCAL`): the same model, data shard, batch and SGD step
   (momentum 0.9, as DDP's optimizer), no hook and no exchange; its P processes share the cores
   as the schemes' P do;
+* the **meeting floor** (:data:`gradsync.apps.train.spec.MEET`): the floor whose ranks
+  all-reduce one 8-byte word after each backward, no gradient, once after the first floor and
+  once before the last: what meeting once a step costs before any gradient travels. Every
+  synchronized step pays it: the ranks' steps drift apart on shared cores (a page fault, a
+  thread of another rank), and the first to arrive waits for the last. ``meet_cost_ms`` is each
+  meeting run's step against the floor runs either side of it, averaged; a row's
+  ``over_meet_ms`` ("beyond meeting") is its step − floor less that cost;
 * every scheme in turn, as ``python -m gradsync train`` does, each followed by the floor
   again (by default the engine's and, as ``ddp_gradsync_<s>``, the same schemes through
   gradsync's DDP hook, the door of Lightning, Accelerate and the Trainer). A scheme's floor
@@ -168,28 +175,33 @@ def parse_world_sizes(value: str) -> list[int]:
 
 def anatomy_worker(rank: int, world_size: int, spec: TrainSpec, keep_going: bool = False
                    ) -> dict:
-    """One rank of a link's job: the floor (:data:`~gradsync.apps.train.spec.LOCAL`), every
-    scheme of ``spec`` (:func:`~gradsync.apps.train.train_worker`), the floor again; returns
-    ``train_worker``'s ``{"rank", "runs"}`` plus ``"floor"``, the floor runs: one before the
-    schemes and one after each, so every scheme runs between two floors in the same processes,
-    and a machine whose speed drifts during the job moves each scheme's floor as it moves the
-    scheme. Module level: the launchers start it on every
+    """One rank of a link's job: the floor (:data:`~gradsync.apps.train.spec.LOCAL`), the
+    meeting floor (:data:`~gradsync.apps.train.spec.MEET`), every scheme of ``spec``
+    (:func:`~gradsync.apps.train.train_worker`) each followed by the floor, then the meeting
+    floor and the floor again; returns ``train_worker``'s ``{"rank", "runs"}`` plus
+    ``"floor"``, the floor runs (one before the schemes, one after each, one last), and
+    ``"meet"``, the two meeting runs. So every scheme runs between two floors in the same
+    processes, and a machine whose speed drifts during the job moves each scheme's floor as it
+    moves the scheme; each meeting run, too. Module level: the launchers start it on every
     rank."""
     import dataclasses
 
     import torch
 
     from gradsync.apps.train import train_scheme, train_worker
-    from gradsync.apps.train.spec import LOCAL
+    from gradsync.apps.train.spec import LOCAL, MEET
 
     device = torch.device(spec.device or "cpu")
     floors = [train_scheme(LOCAL, rank, world_size, spec, device)]
+    meets = [train_scheme(MEET, rank, world_size, spec, device)]
     runs: list[dict] = []
     for name in spec.schemes:  # each scheme between two floors
         one = dataclasses.replace(spec, schemes=(name,))
         runs += train_worker(rank, world_size, one, keep_going=keep_going)["runs"]
         floors.append(train_scheme(LOCAL, rank, world_size, spec, device))
-    return {"rank": rank, "runs": runs, "floor": floors}
+    meets.append(train_scheme(MEET, rank, world_size, spec, device))
+    floors.append(train_scheme(LOCAL, rank, world_size, spec, device))
+    return {"rank": rank, "runs": runs, "floor": floors, "meet": meets}
 
 
 def _floor_run(results: list[dict], skip: int, which: slice
@@ -285,6 +297,35 @@ def floor_figures(results: list[dict], skip: int, which: slice = slice(None)
             **{k[:-2] + "_ms": 1e3 * v for k, v in ph.items() if k != "sync_host_s"}}
 
 
+def meet_figures(results: list[dict], skip: int) -> dict[str, Any]:
+    """What meeting once a step costs in a job (:func:`anatomy_worker`'s ``"meet"`` runs, every
+    step after each one's first ``skip``; rank 0's means, ms): ``meet_ms``, the meeting floor's
+    step; ``meet_wait_ms``, its all-reduce; ``meet_cost_ms``, each meeting run's step against
+    the mean of the floor runs either side of it, averaged over the runs (``meet_cost_runs_ms``);
+    ``floor_ranks_ms``, each rank's own floor (every floor run), in rank order: the slowest
+    sets a synchronized step's pace, so the slowest's excess over rank 0's is the part of the
+    meeting's cost that one process running slower throughout explains (the rest: the steps'
+    drift from step to step, and the round). NaN for results without meeting runs (made
+    before them)."""
+    def step(run: dict) -> float:
+        return 1e3 * _mean([x["time_s"] for x in run["records"][skip:]])
+
+    by_rank = sorted(results, key=lambda r: r["rank"])
+    # each rank's floor over all its floor runs: a synchronized step goes at the slowest's pace
+    ranks = [_mean([step(f) for f in r["floor"]]) for r in by_rank]
+    meets, floors = by_rank[0].get("meet") or [], by_rank[0]["floor"]
+    if not meets or len(floors) < 2:
+        return {"meet_ms": NAN, "meet_wait_ms": NAN, "meet_cost_ms": NAN,
+                "meet_cost_runs_ms": [], "floor_ranks_ms": ranks}
+
+    around = [(floors[0], floors[1]), (floors[-2], floors[-1])]
+    costs = [step(m) - (step(a) + step(b)) / 2 for m, (a, b) in zip(meets, around)]
+    return {"meet_ms": _mean([step(m) for m in meets]),
+            "meet_wait_ms": 1e3 * _mean([x["wait_s"] for m in meets
+                                         for x in m["records"][skip:]]),
+            "meet_cost_ms": _mean(costs), "meet_cost_runs_ms": costs, "floor_ranks_ms": ranks}
+
+
 def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
                  world_size: int, rate_bps: float | None) -> list[dict]:
     """One row per scheme of a job: ``results`` are the job's per-rank results
@@ -293,6 +334,7 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
     not measured; ``rate_bps`` is the link rate ``wire`` uses (``None``: no wire time). The
     fields are in the module docstring, times in ms."""
     rows = []
+    meet = meet_figures(results, skip)["meet_cost_ms"]
     for i, (raw, run) in enumerate(zip(_rank0(results), runs)):
         fl = floor_figures(results, skip, slice(i, i + 2))  # the floors either side of it
         floor_ms = fl["step_ms"]
@@ -348,6 +390,7 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
             "link": link, "world_size": world_size, "scheme": s["scheme"],
             "status": run.get("status", "ok"), "measured_steps": s["measured_steps"],
             "step_ms": step, "floor_ms": floor_ms, "over_floor_ms": over,
+            "meet_cost_ms": meet, "over_meet_ms": over - meet,
             "median_step_ms": 1e3 * s["step_s"],  # train's figure, for speed comparisons
             "forward_ms": 1e3 * ph["forward_s"], "backward_call_ms": 1e3 * ph["backward_call_s"],
             "sync_call_ms": 1e3 * ph["after_backward_s"], "optimizer_ms": 1e3 * ph["optimizer_s"],
@@ -385,7 +428,9 @@ def anatomy_rows(results: list[dict], runs: list[dict], skip: int, link: str,
 def _cells(r: dict) -> list[Any]:
     mark = {"synchronize": " †", "backward+worker": " ‡"}.get(r["select_place"], "")
     pct, sync_pct = r["accounted_pct"], r["sync_phases_pct"]
-    return [r["scheme"], r["step_ms"], r["floor_ms"], r["over_floor_ms"], r["d_backward_ms"],
+    over_meet = r.get("over_meet_ms", NAN)
+    return [r["scheme"], r["step_ms"], r["floor_ms"], r["over_floor_ms"],
+            "-" if over_meet != over_meet else over_meet, r["d_backward_ms"],
             f"{r['select_ms']:.3g}{mark}", r["hooks_ms"],
             *("-" if v != v else v for v in (
                 r["main_cpu_backward_ms"], r.get("runq_backward_ms", NAN), r["threads_ms"],
@@ -400,12 +445,15 @@ def _cells(r: dict) -> list[Any]:
             r["d_cpu_ms"], r["bytes_per_step"] / 1e6]
 
 
-COLUMNS = ["scheme", "step ms", "floor ms", "step−floor", "Δbackward", "select", "hooks",
+COLUMNS = ["scheme", "step ms", "floor ms", "step−floor", "beyond meeting", "Δbackward", "select",
+           "hooks",
            "main", "runq", "threads", "main′", "runq′", "threads′", "wait", "sync host",
            "counted", "residual",
            "accounted %", "of sync phases %", "of step %", "comm ms", "wire ms", "cpu ms",
            "cpu−floor", "MB/step"]
-LEGEND = ("select: † runs inside synchronize() (a plan without overlap), ‡ includes the offload "
+LEGEND = ("beyond meeting: step − floor − what meeting once a step costs (the meeting floor's "
+          "step − floor, in the same job); "
+          "select: † runs inside synchronize() (a plan without overlap), ‡ includes the offload "
           "worker's time; wait: * inside loss.backward() (torch's DDP); counted: the parts "
           "explained (in-backward ones capped at Δbackward, main′ + runq′ at Δforward + "
           "Δoptimizer); "
@@ -518,8 +566,8 @@ def _job(results: list[dict], descr: dict, spec: TrainSpec, skip: int, P: int, l
     rate = link_rate(link) if shaped else loopback_rate(ddp)
     name = link if link == LOOPBACK or shaped else f"{link} (not shaped: loopback)"
     return JobRun(anatomy_rows(results, runs, skip, name, P, rate),
-                  {"link": name, "world_size": P, **floor_figures(results, skip)}, name, rate,
-                  descr, shaped)
+                  {"link": name, "world_size": P, **floor_figures(results, skip),
+                   **meet_figures(results, skip)}, name, rate, descr, shaped)
 
 
 def median_job(jobs: list[JobRun]) -> tuple[list[dict], dict, str, float | None, bool]:
@@ -585,11 +633,13 @@ def main(argv: list[str] | None = None) -> int:
                         [_cells(r) for r in mine])
             fl = meta["floors"][-1]
             print(f"floor {fl['step_ms']:.1f} ms (before the schemes {fl['before_ms']:.1f}, "
-                  f"after {fl['after_ms']:.1f}); {LEGEND}", flush=True)
+                  f"after {fl['after_ms']:.1f}), meeting once a step +"
+                  f"{fl['meet_cost_ms']:.1f} ms; {LEGEND}", flush=True)
             rows += mine
     meta["wall_s"] = time.perf_counter() - t0
     meta["load_end"] = _load()
-    print_table("bench anatomy — the floors (no exchange), ms per step (rank 0's means)",
+    print_table("bench anatomy — the floors (no exchange; the meeting floor: one 8-byte "
+                "all-reduce a step), ms per step (rank 0's means)",
                 FLOOR_COLUMNS, [_floor_cells(f) for f in meta["floors"]])
     jpath, ppath = write_outputs("anatomy", rows, a.out, plot=_plot(rows), meta=meta)
     print(f"bench anatomy: {meta['wall_s']:.0f} s; wrote {jpath}" + (f", {ppath}" if ppath else ""))
@@ -603,7 +653,8 @@ def main(argv: list[str] | None = None) -> int:
 
 
 FLOOR_COLUMNS = ["link", "P", "step", "before", "after", "forward", "backward", "optimizer",
-                 "cpu ms", "training thread's cpu", "its wait for a core"]
+                 "cpu ms", "training thread's cpu", "its wait for a core", "meeting floor",
+                 "meeting − floor", "its all-reduce"]
 _PARTS = ("forward", "backward", "optimizer")
 
 
@@ -615,9 +666,11 @@ def floor_thread(f: dict, what: str) -> float:
 
 def _floor_cells(f: dict) -> list[Any]:
     runq = floor_thread(f, "runq")
+    meet = [f.get(k, NAN) for k in ("meet_ms", "meet_cost_ms", "meet_wait_ms")]
     return [f["link"], f["world_size"], f["step_ms"], f["before_ms"], f["after_ms"],
             f["forward_ms"], f["backward_call_ms"], f["optimizer_ms"], f["cpu_ms"],
-            floor_thread(f, "cpu"), "-" if runq != runq else runq]
+            floor_thread(f, "cpu"), "-" if runq != runq else runq,
+            *("-" if v != v else v for v in meet)]
 
 
 def _md_table(columns: list[str], cells: list[list[Any]]) -> list[str]:
@@ -699,10 +752,21 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
         cw = [r for r in mine if r["comm_over_wire"] == r["comm_over_wire"]
               and r["scheme"] != "ddp"]
         worst = max(cw, key=lambda r: r["comm_over_wire"], default=None)
+        cost = f.get("meet_cost_ms", NAN)
+        meeting = "" if cost != cost else (
+            f" Meeting once a step (the meeting floor: an 8-byte all-reduce after each "
+            f"backward, no gradient) costs +{cost:.1f} ms over the floor (its all-reduce "
+            f"{f['meet_wait_ms']:.1f} ms: mostly waiting for the other ranks, whose steps "
+            "drift apart on shared cores"
+            + ("" if not f.get("floor_ranks_ms") else
+               "; the slowest rank's own floor is "
+               f"{max(f['floor_ranks_ms']) - f['floor_ranks_ms'][0]:.1f} ms above rank 0's")
+            + "); beyond that: "
+            + ", ".join(f"{r['scheme']} {r['over_meet_ms']:+.1f}" for r in mine) + " ms.")
         out.append(f"P = {P}, {link} (floor {f['step_ms']:.1f} ms, {f['before_ms']:.1f} before "
                    f"the schemes and {f['after_ms']:.1f} after): fastest {fast['scheme']} "
                    f"({fast['step_ms']:.1f} ms). Over the floor, with the largest part: "
-                   + "; ".join(parts) + "."
+                   + "; ".join(parts) + "." + meeting
                    + (f" A collective's time against its bytes' wire time is highest for "
                       f"{worst['scheme']} ({worst['comm_over_wire']:.0f}×)." if worst else ""))
     return out
@@ -769,7 +833,12 @@ def write_docs(path: Path, rows: list[dict], meta: dict, png: bool = True) -> Pa
               "not); the floor trains the bare model with no exchange at the same P, in "
               "the same job, before the schemes and after each "
               "(SGD momentum 0.9, DDP's optimizer); a row's floor is the two floor runs either "
-              "side of it.",
+              "side of it. The meeting floor is the same bare model whose ranks all-reduce one "
+              "8-byte word after each backward (no gradient), run twice in the job (after the "
+              "first floor and before the last), each against the floor runs either side of "
+              "it: what synchronizing once a step costs before any gradient travels, which "
+              "every synchronized row pays too; beyond meeting is a row's step − floor less "
+              "that cost.",
               "- Δbackward: `loss.backward()` against the floor's: the hooks' work, inline "
               "selection, DDP's bucket copies and exposed wait, and the other threads' "
               "competition for the cores.",

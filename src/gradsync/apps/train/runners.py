@@ -12,6 +12,8 @@
   ``ddp_powersgd`` (``powerSGD_hook``, rank 1, error feedback, compression from step 2; made
   blocking per bucket, so its overlap is understated), ``ddp_fp16`` (``fp16_compress_hook``);
   metered by :mod:`gradsync.apps.train.metering`.
+* :class:`LocalRunner`, :class:`MeetRunner`: no gradient exchanged (``bench anatomy``'s
+  floors): each rank trains alone, and under the second the ranks meet once a step.
 
 DDP runs with ``broadcast_buffers=False`` (the engine does not synchronize buffers either).
 
@@ -33,6 +35,7 @@ of the entries it sends (``Config.momentum_masking=False``, the default), with S
 from __future__ import annotations
 
 import contextlib
+import time
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -49,8 +52,10 @@ from gradsync.apps.train.metering import (
 )
 from gradsync.apps.train.shares import TopkShares
 from gradsync.apps.train.spec import SchemeChoice, TrainSpec
+from gradsync.collectives.comm import Comm, CommStats
 
-__all__ = ["MOMENTUM", "DDPHookRunner", "EngineRunner", "LocalRunner", "Runner", "TorchDDPRunner",
+__all__ = ["MOMENTUM", "DDPHookRunner", "EngineRunner", "LocalRunner", "MeetRunner", "Runner",
+           "TorchDDPRunner",
            "collective_timeout", "make_optimizer", "make_runner", "momentum_correction", "wrap_ddp"]
 
 MOMENTUM = 0.9
@@ -301,6 +306,32 @@ class LocalRunner(Runner):
                 "sparsify_s": 0.0, "comm_s": 0.0, "wait_s": 0.0, "missing_rate": 0.0}
 
 
+class MeetRunner(LocalRunner):
+    """No gradient exchanged, but the ranks meet once a step (:data:`~.spec.MEET`): after each
+    backward one 8-byte all-reduce (:class:`~gradsync.collectives.comm.Comm`, counted there),
+    whose time is the step's wait and communication. Against the no-exchange floor it is what
+    meeting costs before any gradient travels: on shared cores, mostly the ranks' skew."""
+
+    def __init__(self, choice: SchemeChoice, model: nn.Module, spec: TrainSpec,
+                 steps: int | None = None) -> None:
+        super().__init__(choice, model, spec, steps)
+        device = next(model.parameters()).device
+        self._word = torch.zeros(1, dtype=torch.int64, device=device)
+        self._comm = Comm()
+        self._wait_s = 0.0
+
+    def after_backward(self) -> None:
+        t0 = time.perf_counter()
+        self._comm.all_reduce(self._word)
+        self._wait_s = time.perf_counter() - t0
+
+    def step_metrics(self, backward_start: float, backward_end: float) -> dict[str, float]:
+        stats, self._comm.stats = self._comm.stats, CommStats()
+        return {**super().step_metrics(backward_start, backward_end),
+                "bytes_sent": stats.bytes_sent, "bytes_recv": stats.bytes_recv,
+                "comm_s": self._wait_s, "wait_s": self._wait_s}
+
+
 def make_runner(choice: SchemeChoice, model: nn.Module, spec: TrainSpec, device: torch.device,
                 P: int, steps: int | None = None) -> Runner:
     """The runner of ``choice`` (``choice.runner`` picks it) for ``model`` on this rank, in a
@@ -313,4 +344,6 @@ def make_runner(choice: SchemeChoice, model: nn.Module, spec: TrainSpec, device:
         return TorchDDPRunner(choice, model, spec, device, P)
     if choice.runner == "local":
         return LocalRunner(choice, model, spec, steps)
+    if choice.runner == "meet":
+        return MeetRunner(choice, model, spec, steps)
     raise ValueError(f"unknown runner {choice.runner!r}")

@@ -21,7 +21,7 @@ from gradsync.engine.config import DENSITY_SCHEDULES
 from gradsync.schedule.schemes import SCHEMES, Scheme
 
 __all__ = ["ADAMW_LR", "AMP", "DATASETS", "DDP_HOOK_PREFIX", "DDP_PEERS", "DEFAULT_STEPS",
-           "GRADSYNC_FIELDS", "LOCAL", "RUNNERS", "SGD_LR", "SchemeChoice", "TrainSpec",
+           "GRADSYNC_FIELDS", "LOCAL", "MEET", "RUNNERS", "SGD_LR", "SchemeChoice", "TrainSpec",
            "all_schemes", "defaults", "scheme_choice", "scheme_choices", "uses_adamw"]
 
 DDP_PEERS = ("ddp", "ddp_powersgd", "ddp_fp16")  # torch's own comm hooks, run as peers
@@ -32,7 +32,7 @@ GRADSYNC_FIELDS = ("density", "sparsifier", "density_warmup", "density_schedule"
                    "adam_warmup", "topk_shares")
 DDP_HOOK_PREFIX = "ddp_gradsync_"  # + a scheme with Scheme.ddp_hook: gradsync's DDP comm hook
 DATASETS = ("fashion-mnist", "text", "synthetic")
-RUNNERS = ("engine", "ddp_hook", "torch_ddp", "local")
+RUNNERS = ("engine", "ddp_hook", "torch_ddp", "local", "meet")
 AMP = (None, "bf16", "fp16")  # TrainSpec.amp: torch.autocast's dtype (fp16 with a GradScaler)
 DEFAULT_STEPS = 50
 SGD_LR, ADAMW_LR = 0.05, 3e-3
@@ -49,7 +49,8 @@ class SchemeChoice:
         name: the ``--scheme`` value.
         runner: ``"engine"`` (:class:`gradsync.GradSync`), ``"ddp_hook"`` (torch DDP with
             gradsync's comm hook, :mod:`gradsync.ddp`), ``"torch_ddp"`` (torch DDP with one
-            of torch's own comm hooks) or ``"local"`` (no exchange: :data:`LOCAL`).
+            of torch's own comm hooks), ``"local"`` (no exchange: :data:`LOCAL`) or ``"meet"``
+            (no gradient exchanged, one 8-byte all-reduce a step: :data:`MEET`).
         scheme: the gradsync scheme that runs; ``None`` for torch's own hooks.
     """
 
@@ -67,6 +68,11 @@ class SchemeChoice:
 # No exchange at all: each rank trains its bare model alone (SGD with momentum, as DDP's
 # optimizer). Not a --scheme: ``bench anatomy`` runs it as the no-sync floor of a step.
 LOCAL = SchemeChoice("local", "local")
+# The floor with one meeting a step: each rank trains alone, as under LOCAL, and after each
+# backward the ranks all-reduce one 8-byte word, no gradient. ``bench anatomy`` runs it to
+# measure what meeting once a step costs before any gradient travels (the ranks' skew on shared
+# cores and one round). Not a --scheme.
+MEET = SchemeChoice("meet", "meet")
 
 
 def scheme_choices() -> dict[str, SchemeChoice]:
