@@ -759,8 +759,8 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
             f"{f['meet_wait_ms']:.1f} ms: mostly waiting for the other ranks, whose steps "
             "drift apart on shared cores"
             + ("" if not f.get("floor_ranks_ms") else
-               "; the slowest rank's own floor is "
-               f"{max(f['floor_ranks_ms']) - f['floor_ranks_ms'][0]:.1f} ms above rank 0's")
+               "; each rank's own floor, in rank order: "
+               + ", ".join(f"{x:.1f}" for x in f["floor_ranks_ms"]) + " ms")
             + "); beyond that: "
             + ", ".join(f"{r['scheme']} {r['over_meet_ms']:+.1f}" for r in mine) + " ms.")
         out.append(f"P = {P}, {link} (floor {f['step_ms']:.1f} ms, {f['before_ms']:.1f} before "
