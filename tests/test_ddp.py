@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
@@ -561,6 +563,31 @@ def test_kept_counts_missing_tensors_and_refuses_positions_outside():
     for bad in ([1, 10], [-1, 2]):
         with pytest.raises(ValueError, match=r"outside the bucket's parts \[0, 10\)"):
             count_missing(torch.tensor(bad), starts, 10, "the bucket's parts")
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.integers(-3, 40), max_size=30), st.booleans(),
+       st.lists(st.integers(0, 36), max_size=6), st.integers(30, 40))
+def test_kept_counted_on_the_host_is_the_devices_count(kept, ordered, starts, numel):
+    """The CPU's own kernels count increasing positions by bisection on the host; any other
+    positions, and the accelerators' kernels, by the device's six operations: the same
+    ``[in_range, missing]`` for every positions and tensors (empty ones, positions before the
+    first tensor, outside the buffer, repeated, unordered), checked against both."""
+    from gradsync import sparsegrad
+    from gradsync.engine.apply import missing_check
+
+    if ordered:
+        kept = sorted(set(kept))
+    starts = sorted(starts)
+    t = torch.tensor(kept, dtype=torch.int64)
+    with sparsegrad.using(sparsegrad.CPU):
+        host = missing_check(t, starts, numel).tolist()
+    with sparsegrad.using(sparsegrad.CPU_AS_ACCELERATOR):
+        device = missing_check(t, starts, numel).tolist()
+    assert host[0] == device[0] == int(all(0 <= k < numel for k in kept))
+    if host[0]:  # a count is read only when every position lies inside (settle_missing)
+        per = [sum(a <= k < b for k in kept) for a, b in zip(starts, [*starts[1:], numel])]
+        assert host[1] == device[1] == sum(c == 0 for c in per)
 
 
 def _malformed(rank: int, P: int, sparsifier: str, segmented: bool, who: str = "link") -> dict:
