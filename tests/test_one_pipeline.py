@@ -177,6 +177,36 @@ def test_missing_tensors_known_on_the_host_equal_the_count_from_the_positions_ke
 
 
 @pytest.mark.usefixtures("kernels")
+def test_a_fused_jobs_missing_tensors_are_counted_when_selected_on_the_cpus_kernels():
+    """A fused job (one selection over the buffer: TopkA's) counts its tensors with no entry
+    right after selecting, on the host, where the CPU's own kernels run: the count
+    :func:`~gradsync.engine.apply.job_check` makes from the positions TopkA kept, which the
+    step then skips; on the accelerators' kernels nothing is counted before the collective."""
+    from gradsync import collectives, sparsegrad, sparsify
+    from gradsync.engine.apply import job_check, settle_missing
+    from gradsync.engine.jobs import Job, Mode, Transport
+    from gradsync.engine.prepare import prepare
+    from gradsync.feedback import ErrorFeedback
+
+    g = torch.Generator().manual_seed(1)
+    sizes = [30, 200, 50, 300, 40]
+    names = tuple(f"t{i}" for i in range(len(sizes)))
+    # tensors 0, 2 and 4 small enough that a 5 % top-k of the buffer skips them
+    grad = torch.cat([torch.randn(n, generator=g) * (3.0 if i % 2 else 0.01)
+                      for i, n in enumerate(sizes)])
+    job = Job(names, Mode.FUSED, Transport.COLLECTIVE, "topka", density=0.05)
+    prep = prepare(job, 0, grad, sizes, ErrorFeedback(),
+                   lambda key, d: sparsify.get("topk", density=d), None, 0)
+    msg = prep.payload.message(job, prep.payload.selections)
+    res = collectives.get("topka")(msg)
+    (device,), _ = settle_missing([job_check(sizes, res.kept)], "x")
+    assert device == 3
+    host = sparsegrad.host_kernels(grad)
+    assert prep.payload.missing == (device if host else None)
+    assert prep.payload.known_missing(msg, res.kept) == (device if host else None)
+
+
+@pytest.mark.usefixtures("kernels")
 @pytest.mark.parametrize("nan_in", ["t1", "t3"])
 def test_a_job_with_a_non_finite_gradient_accumulates_as_zeros_on_every_device(nan_in):
     """The engine's non-finite rule is the hook's, whatever the kernels: ``prepare`` reads

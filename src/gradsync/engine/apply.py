@@ -15,6 +15,7 @@ jobs, which of this rank's entries entered it (``kept``). Per tensor of the job:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -29,8 +30,8 @@ from gradsync.engine.stats import StepStats
 from gradsync.feedback import ErrorFeedback
 from gradsync.sparsegrad import bincount, constant, host_kernels
 
-__all__ = ["agreement_word", "apply", "commit", "job_check", "missing_check", "settle",
-           "settle_missing"]
+__all__ = ["agreement_word", "apply", "commit", "job_check", "missing_check", "missing_on_host",
+           "settle", "settle_missing"]
 
 
 def agreement_word(comm: Comm, device: torch.device,
@@ -137,6 +138,21 @@ def commit(ef: ErrorFeedback, key: Hashable, acc: torch.Tensor, kept: torch.Tens
         tail = acc[whole:][kept]
         sent = (torch.cat([acc[:whole], tail]) if whole else tail).to(wire)
     return ef.update_buffer(key, acc, kept, sent, whole=whole)
+
+
+def missing_on_host(kept: torch.Tensor, sizes: Sequence[int]) -> int | None:
+    """How many of a job's tensors (``sizes`` entries each, in order) hold none of the
+    positions ``kept``, counted on the host where the CPU's own kernels run and the positions
+    increase inside the buffer (a selection's: :func:`prepare.select` counts a fused job's
+    right after selecting it, while its positions are warm, instead of :func:`job_check`
+    after the collective); None elsewhere."""
+    if not host_kernels(kept):
+        return None
+    starts = [0, *itertools.accumulate(sizes)]
+    if not kept.numel():
+        return len(sizes)
+    counted = _missing_sorted(kept.numpy(), starts[:-1], starts[-1])
+    return None if counted is None or not counted[0] else counted[1]
 
 
 def job_check(sizes: Sequence[int], kept: torch.Tensor) -> torch.Tensor:

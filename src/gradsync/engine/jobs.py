@@ -151,8 +151,9 @@ class Payload:
     selections: list[SparseGrad | Future] = field(default_factory=list)
     wire_dtype: torch.dtype | None = None  # selections' values are cast to it before sending
     # the job's tensors with no entry in this rank's selection, when prepare knows it without
-    # a read (a per-tensor job selected inline: each selection's count is on the host); None:
-    # counted on the device from what the collective kept (engine.apply.job_check)
+    # a read (a per-tensor job selected inline: each selection's count is on the host; a fused
+    # one on the CPU's own kernels: engine.apply.missing_on_host); None: counted on the device
+    # from what the collective kept (engine.apply.job_check)
     missing: int | None = None
 
     def wire(self, sel: SparseGrad) -> SparseGrad:

@@ -50,6 +50,7 @@ import torch
 
 from gradsync import sparsify
 from gradsync.collectives import Collective
+from gradsync.engine.apply import missing_on_host
 from gradsync.engine.jobs import Job, Mode, Payload, Transport, bounds
 from gradsync.feedback import ErrorFeedback, clip_local
 from gradsync.sparsegrad import SparseGrad, finite_flag, iota, zero_unless
@@ -161,7 +162,10 @@ def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],
     if job.mode is Mode.FUSED:
         sp = sparsifier(f"buffer:{index}", job.density)
         sel = sparsify.select_each([(sp, acc)], step, checked=True)[0]  # module doc
-        payload = Payload(selections=[sel], wire_dtype=wire)
+        # its tensors with no entry, counted now where that costs no read (the CPU's own
+        # kernels), while the positions are warm: after the collective's wait they were cold
+        payload = Payload(selections=[sel], wire_dtype=wire,
+                          missing=missing_on_host(sel.indices, sizes))
     else:
         parts: list[SparseGrad | Future | None] = []
         inline: list[tuple[int, sparsify.Sparsifier, int, int]] = []
