@@ -21,8 +21,8 @@ the same initial model for every scheme) in which each rank trains
 * the **meeting floor** (:data:`gradsync.apps.train.spec.MEET`): the floor whose ranks
   all-reduce one 8-byte word after each backward, no gradient, once after the first floor and
   once before the last: what meeting once a step costs before any gradient travels. Every
-  synchronized step pays it: the ranks' steps drift apart on shared cores (a page fault, a
-  thread of another rank), and the first to arrive waits for the last. ``meet_cost_ms`` is each
+  synchronized step pays it: the ranks' steps drift apart on shared cores, and the first to
+  arrive waits for the last. ``meet_cost_ms`` is each
   meeting run's step against the floor runs either side of it, averaged; a row's
   ``over_meet_ms`` ("beyond meeting") is its step − floor less that cost;
 * every scheme in turn, as ``python -m gradsync train`` does, each followed by the floor
