@@ -132,6 +132,23 @@ def test_meeting_once_a_step_against_the_floor_runs_either_side():
                                            2)["meet_cost_ms"])
 
 
+def test_the_bar_sentence_gives_each_rows_margin():
+    """The P = 2 bar, step ≤ floor + wire + 3 ms: each gradsync row's margin (torch's DDP
+    left out), which rows meet it, and the margins with the meeting's cost set aside; nothing
+    without a wire time."""
+    def row(scheme, over, wire, meet):
+        return {"scheme": scheme, "over_floor_ms": over, "wire_ms": wire, "over_meet_ms": meet}
+
+    s = anatomy._bar([row("ddp", 9.0, 5.0, 7.0), row("a", 2.5, 0.2, 0.8),
+                      row("b", 5.0, 0.3, 3.3)])
+    assert s == (" Against the bar step ≤ floor + wire + 3 ms, each row's step − floor − wire − 3"
+                 " (≤ 0 meets it): a -0.7, b +1.7 ms (met: a); with the meeting's cost set "
+                 "aside: a -2.4, b +0.0 ms.")
+    old = anatomy._bar([row("b", 5.0, 0.3, math.nan)])  # a page made before the meeting floor
+    assert old.endswith("b +1.7 ms (none meets it).")
+    assert anatomy._bar([row("b", 5.0, math.nan, 1.0)]) == ""
+
+
 def _meeting_run(rank: int, P: int, spec) -> list[tuple[int, int, float, float]]:
     import torch
 
@@ -319,6 +336,13 @@ def test_bench_anatomy_tiny_run(tmp_path, capsys):
     assert "meeting once a step +" in out and "beyond meeting" in out
     page = anatomy.write_docs(tmp_path / "page.md", data["rows"], data["meta"]).read_text()
     assert "Meeting once a step (the meeting floor" in page and "| meeting floor |" in page
+    # the P = 2 bar: topka's margin, from its own row, over the floor and beyond meeting
+    t = rows["topka"]
+    assert (f"step − floor − wire − 3 (≤ 0 meets it): topka "
+            f"{t['over_floor_ms'] - t['wire_ms'] - 3:+.1f} ms") in page
+    assert (f"with the meeting's cost set aside: topka "
+            f"{t['over_meet_ms'] - t['wire_ms'] - 3:+.1f} ms") in page
+    assert ("(met: topka)" in page) == (t["over_floor_ms"] <= t["wire_ms"] + 3)
     # the engine's gradient hooks: every step's launching holds its inline selection
     assert rows["topka"]["hooks_ms"] >= rows["topka"]["select_ms"] > 0
     assert rows["ddp"]["hooks_ms"] == rows["ddp"]["select_ms"]

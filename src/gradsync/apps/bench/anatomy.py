@@ -763,13 +763,36 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
                + ", ".join(f"{x:.1f}" for x in f["floor_ranks_ms"]) + " ms")
             + "); beyond that: "
             + ", ".join(f"{r['scheme']} {r['over_meet_ms']:+.1f}" for r in mine) + " ms.")
+        bar = _bar(mine) if P == 2 else ""
         out.append(f"P = {P}, {link} (floor {f['step_ms']:.1f} ms, {f['before_ms']:.1f} before "
                    f"the schemes and {f['after_ms']:.1f} after): fastest {fast['scheme']} "
                    f"({fast['step_ms']:.1f} ms). Over the floor, with the largest part: "
-                   + "; ".join(parts) + "." + meeting
+                   + "; ".join(parts) + "." + meeting + bar
                    + (f" A collective's time against its bytes' wire time is highest for "
                       f"{worst['scheme']} ({worst['comm_over_wire']:.0f}×)." if worst else ""))
     return out
+
+
+BAR_MS = 3.0  # issue 67's bar at P = 2: a sparse step at most the floor + its wire time + 3 ms
+
+
+def _bar(rows: list[dict]) -> str:
+    """The sentence that holds a job's gradsync rows to the bar step ≤ floor + wire + 3 ms
+    (:data:`BAR_MS`): each one's margin, and the same with the meeting's cost set aside."""
+    mine = [r for r in rows if r["scheme"] != "ddp" and r["wire_ms"] == r["wire_ms"]]
+    if not mine:
+        return ""
+
+    def margins(key: str) -> str:
+        return ", ".join(f"{r['scheme']} {r[key] - r['wire_ms'] - BAR_MS:+.1f}" for r in mine)
+
+    met = [r["scheme"] for r in mine if r["over_floor_ms"] <= r["wire_ms"] + BAR_MS]
+    out = (f" Against the bar step ≤ floor + wire + {BAR_MS:g} ms, each row's step − floor − "
+           f"wire − {BAR_MS:g} (≤ 0 meets it): {margins('over_floor_ms')} ms"
+           + (f" (met: {', '.join(met)})" if met else " (none meets it)"))
+    if all(r.get("over_meet_ms", NAN) == r.get("over_meet_ms", NAN) for r in mine):
+        out += f"; with the meeting's cost set aside: {margins('over_meet_ms')} ms"
+    return out + "."
 
 
 def _repeats_line(meta: dict) -> list[str]:
