@@ -126,6 +126,14 @@ def test_meeting_once_a_step_against_the_floor_runs_either_side():
     assert r["over_floor_ms"] == pytest.approx(22) and r["meet_cost_ms"] == pytest.approx(2.5)
     assert r["over_meet_ms"] == pytest.approx(19.5)
     assert anatomy._cells(r)[4] == pytest.approx(19.5)
+    # --repeats: each row is one run whole, against that run's meeting; the page says so
+    other = {**r, "scheme": "ssfusion", "meet_cost_ms": 1.5, "over_meet_ms": 20.5}
+    fl = {"link": "loopback", "world_size": 2, "step_ms": 20.0, "before_ms": 20.0,
+          "after_ms": 20.0, "meet_cost_ms": 2.5, "meet_wait_ms": 2.5, "floor_ranks_ms": [20, 20]}
+    said = " ".join(anatomy._findings([r, other], {"floors": [fl]}))
+    assert ("costs +2.5 ms over the floor" in said and "own run's meeting, 1.5–2.5 ms" in said
+            and "topka +19.5, ssfusion +20.5 ms" in said)
+    assert "own run's" not in " ".join(anatomy._findings([r], {"floors": [fl]}))
     old = _row(job, floor)  # no meeting runs
     assert math.isnan(old["over_meet_ms"]) and anatomy._cells(old)[4] == "-"
     assert math.isnan(anatomy.meet_figures([{**f, "floor": f["runs"] * 2} for f in floor],

@@ -452,7 +452,7 @@ COLUMNS = ["scheme", "step ms", "floor ms", "step−floor", "beyond meeting", "�
            "accounted %", "of sync phases %", "of step %", "comm ms", "wire ms", "cpu ms",
            "cpu−floor", "MB/step"]
 LEGEND = ("beyond meeting: step − floor − what meeting once a step costs (the meeting floor's "
-          "step − floor, in the same job); "
+          "step − floor, in the row's own run of the job); "
           "select: † runs inside synchronize() (a plan without overlap), ‡ includes the offload "
           "worker's time; wait: * inside loss.backward() (torch's DDP); counted: the parts "
           "explained (in-backward ones capped at Δbackward, main′ + runq′ at Δforward + "
@@ -753,6 +753,10 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
               and r["scheme"] != "ddp"]
         worst = max(cw, key=lambda r: r["comm_over_wire"], default=None)
         cost = f.get("meet_cost_ms", NAN)
+        each = sorted(r.get("meet_cost_ms", NAN) for r in mine)
+        own = ("" if not each or max(each) - min(each) < 0.05 else
+               f" (each row against its own run's meeting, {each[0]:.1f}–{each[-1]:.1f} ms: "
+               "with --repeats a row is one run whole)")
         meeting = "" if cost != cost else (
             f" Meeting once a step (the meeting floor: an 8-byte all-reduce after each "
             f"backward, no gradient) costs +{cost:.1f} ms over the floor (its all-reduce "
@@ -761,7 +765,7 @@ def _findings(rows: list[dict], meta: dict) -> list[str]:
             + ("" if not f.get("floor_ranks_ms") else
                "; each rank's own floor, in rank order: "
                + ", ".join(f"{x:.1f}" for x in f["floor_ranks_ms"]) + " ms")
-            + "); beyond that: "
+            + f"); beyond that{own}: "
             + ", ".join(f"{r['scheme']} {r['over_meet_ms']:+.1f}" for r in mine) + " ms.")
         bar = _bar(mine) if P == 2 else ""
         out.append(f"P = {P}, {link} (floor {f['step_ms']:.1f} ms, {f['before_ms']:.1f} before "
