@@ -15,6 +15,7 @@ jobs, which of this rank's entries entered it (``kept``). Per tensor of the job:
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Hashable, Sequence
 
 import numpy as np
@@ -140,15 +141,18 @@ def commit(ef: ErrorFeedback, key: Hashable, acc: torch.Tensor, kept: torch.Tens
 
 
 def missing_on_host(kept: torch.Tensor, sizes: Sequence[int]) -> int | None:
-    """:func:`job_check`'s count of a job's tensors (``sizes`` entries each, in order) with
-    none of the positions ``kept``, read at once where the CPU's own kernels run (a read costs
-    no wait there): :func:`prepare.select` counts a fused job's right after selecting it, while
-    its positions are warm, instead of after the collective. None on other kernels, or when a
-    position lies outside the buffer (the count after the collective raises then)."""
+    """How many of a job's tensors (``sizes`` entries each, in order) hold none of the
+    positions ``kept``, counted on the host where the CPU's own kernels run and the positions
+    increase inside the buffer (a selection's: :func:`prepare.select` counts a fused job's
+    right after selecting it, while its positions are warm, instead of :func:`job_check`
+    after the collective); None elsewhere."""
     if not host_kernels(kept):
         return None
-    in_range, missing = job_check(sizes, kept).tolist()
-    return missing if in_range else None
+    starts = [0, *itertools.accumulate(sizes)]
+    if not kept.numel():
+        return len(sizes)
+    counted = _missing_sorted(kept.numpy(), starts[:-1], starts[-1])
+    return None if counted is None or not counted[0] else counted[1]
 
 
 def job_check(sizes: Sequence[int], kept: torch.Tensor) -> torch.Tensor:
