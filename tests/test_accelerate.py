@@ -16,10 +16,10 @@ import torch
 from torch import nn
 
 SETUP = """\
-from accelerate import Accelerator
+from accelerate import Accelerator, DistributedDataParallelKwargs as DDPKwargs
 import gradsync
 
-accelerator = Accelerator(cpu=True)  # on GPUs: Accelerator()
+accelerator = Accelerator(cpu=True, kwargs_handlers=[DDPKwargs(gradient_as_bucket_view=True)])
 model, optimizer = accelerator.prepare(model, optimizer)
 cfg = gradsync.Config(scheme="per_tensor", density=0.1)
 hook_state = gradsync.accelerate.register(accelerator, model, cfg)  # after prepare()
@@ -37,6 +37,7 @@ RESUME_SNIPPET = SETUP + """\
 accelerator.load_state("ckpt")  # each rank gets its own gradsync state back
 """
 K, N, BATCH = 6, 6, 8
+BUILT = "(gradient_as_bucket_view=True)])\n"  # the end of the line that builds the accelerator
 
 
 def _net(seed: int) -> nn.Module:
@@ -77,6 +78,7 @@ def _worker(out: str, phase: str) -> None:
     losses = _steps(model, optimizer, accelerator, rank, range(K, K + N))
     res = {"stats": ns["hook_state"].stats(), "losses": losses,
            "distributed_type": accelerator.distributed_type.name,
+           "bucket_views": model.gradient_as_bucket_view,
            "params": {k: v.detach().clone() for k, v in model.module.state_dict().items()}}
     if phase == "resume":  # then another configuration must not take the same checkpoint
         other = {"torch": torch, "model": _net(1)}
@@ -108,10 +110,8 @@ def _scaler_runs(out: str, rank: int) -> None:
         ns["optimizer"] = torch.optim.SGD(ns["model"].parameters(), lr=0.05, momentum=0.9)
         setup = SETUP.replace('density=0.1)', 'density=0.1, nonfinite="skip_step")')
         if name != "plain":
-            setup = setup.replace(
-                "# on GPUs: Accelerator()\n",
-                "\naccelerator.scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10, "
-                "growth_interval=2)\n")
+            setup = setup.replace(BUILT, BUILT + "accelerator.scaler = torch.amp.GradScaler("
+                                  "'cpu', init_scale=2.0 ** 10, growth_interval=2)\n")
         exec(setup, ns)
         model, optimizer, accelerator = ns["model"], ns["optimizer"], ns["accelerator"]
         if name == "stale":
@@ -140,8 +140,8 @@ def _adamw_runs(rank: int) -> dict:
         ns = {"torch": torch, "model": _net(0)}
         ns["optimizer"] = torch.optim.AdamW(ns["model"].parameters(), lr=1e-2)
         setup = SETUP.replace('density=0.1)', 'density=0.1, nonfinite="skip_step")').replace(
-            "# on GPUs: Accelerator()\n",
-            "\naccelerator.scaler = torch.amp.GradScaler('cpu', init_scale=2.0 ** 10)\n")
+            BUILT, BUILT + "accelerator.scaler = torch.amp.GradScaler('cpu', "
+                           "init_scale=2.0 ** 10)\n")
         if warmup is not None:
             setup = setup.replace("(accelerator, model, cfg)",
                                   f"(accelerator, model, cfg, adam_warmup={warmup})")
@@ -183,6 +183,7 @@ def test_accelerate_save_state_load_state_bitwise(launched):
     resumed = [torch.load(tmp_path / f"resume{r}.pt") for r in range(2)]
     for f, g in zip(full, resumed):
         assert f["distributed_type"] == "MULTI_CPU"
+        assert f["bucket_views"] is True  # the snippet keeps .grad in the buckets
         assert f["stats"]["calls"] == K + N and f["stats"]["total"]["bytes_sent"] > 0
         assert g["stats"]["calls"] == N and g["stats"]["total"]["bytes_sent"] > 0
         assert f["losses"][-1] < f["losses"][0]

@@ -720,3 +720,59 @@ def test_hook_state_is_grouped_by_role():
     got = state.stats()
     assert (got["calls"], got["nonfinite_buckets"], got["missing_rate"]) == (3, 1, 0.25)
     assert state.scheme.name == "per_tensor"
+
+
+def _bucket_views(rank: int, world_size: int, scheme: str, views: bool) -> dict:
+    """The hook over several buckets with momentum, clipping, a ``no_sync`` micro-batch and a
+    step whose gradients are NaN on rank 0 (``skip_step``: NaN in every rank's ``.grad``, and
+    the step not taken), DDP's gradients copied into its
+    buckets (torch's default) or living in them (``gradient_as_bucket_view``)."""
+    model = build("cnn", seed=4)
+    ddp = DDP(model, bucket_cap_mb=0.1, gradient_as_bucket_view=views)
+    state = gradsync.ddp.register(ddp, Config(scheme=scheme, density=0.02, momentum=0.9,
+                                              clip_norm=1.0, nonfinite="skip_step"),
+                                  small_numel=1000)
+    opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
+    grads = []
+    for step in range(7):
+        opt.zero_grad(set_to_none=step % 2 == 0)  # both of torch's ways
+        if step == 3:
+            with ddp.no_sync():
+                x, y = image_batch(rank, 1000 + step, 16)
+                nn.functional.cross_entropy(ddp(x), y).backward()
+        x, y = image_batch(rank, step, 16)
+        if step == 5 and rank == 0:
+            x = x * float("nan")
+        nn.functional.cross_entropy(ddp(x), y).backward()
+        grads.append(torch.cat([p.grad.flatten() for p in model.parameters()]))
+        if grads[-1].isfinite().all():  # the skipped step's NaN tells the optimizer to skip
+            opt.step()
+    return {"digest": parameter_digest(model)[0], "grads": grads,
+            "residual": state.ef.state_dict()["residual"],
+            "total": {k: v for k, v in state.stats()["total"].items() if k != "seconds"},
+            # storages the gradients live in: DDP's few buckets, or one per parameter
+            "storages": len({p.grad.untyped_storage().data_ptr() for p in model.parameters()})}
+
+
+@pytest.mark.parametrize("world_size,scheme", [(2, "ssfusion_oi"), (3, "per_tensor"),
+                                               (2, "dense")])
+def test_the_hook_trains_bit_for_bit_with_gradients_as_bucket_views(world_size, scheme):
+    """``DDP(..., gradient_as_bucket_view=True)`` (what ``GradSyncStrategy`` builds, and the
+    faster set-up for the other doors) changes where ``.grad`` lives, not what the hook computes:
+    every step's averaged gradients (a skipped step's NaN included), the parameters, the
+    residuals and the bytes are those of torch's default layout, bit for bit."""
+    copied = run_distributed(_bucket_views, world_size, scheme, False, timeout=300)
+    viewed = run_distributed(_bucket_views, world_size, scheme, True, timeout=300)
+    for c, v in zip(copied, viewed):
+        assert v["storages"] < c["storages"] == len(list(build("cnn", seed=4).parameters()))
+        assert c["digest"] == v["digest"]
+        for a, b in zip(c["grads"], v["grads"]):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, equal_nan=True)
+        assert [g.isnan().any().item() for g in c["grads"]] == [False] * 5 + [True, False]
+        assert c["total"] == v["total"] and c["total"]["bytes_sent"] > 0
+        assert c["residual"].keys() == v["residual"].keys()
+        for k, a in c["residual"].items():
+            b = v["residual"][k]
+            assert (a.keys() == b.keys() and all(torch.equal(a[n], b[n]) for n in a)
+                    if isinstance(a, dict) else torch.equal(a, b)), k
+    assert len({v["digest"] for v in viewed}) == 1

@@ -159,6 +159,7 @@ def _amp(out: str, module_class, loader) -> None:
             strategy = self.trainer.strategy
             self.seen.append((strategy.precision_plugin.scaler.get_scale(),
                               strategy.hook_state.amp.loss_scale))
+            self.views = strategy.model.gradient_as_bucket_view  # the DDP it built
 
     def amp_trainer(cfg: Config) -> tuple[object, object]:
         scaler = torch.amp.GradScaler("cpu", init_scale=2.0 ** 8, growth_interval=1)
@@ -176,6 +177,7 @@ def _amp(out: str, module_class, loader) -> None:
     t.fit(module, loader)
     res["seen"], res["losses"] = module.seen, module.losses
     res["follows"] = strategy.hook_state.amp.scaler is t.precision_plugin.scaler
+    res["bucket_views"] = module.views
     t, _ = amp_trainer(Config(**CONFIG))  # nonfinite="raise": refused
     try:
         t.fit(Recording(), loader)
@@ -315,6 +317,18 @@ def test_lightning_fp16_amp_follows_the_grad_scaler(popen_run):
         assert all(scale == held for scale, held in seen), seen
         assert len({scale for scale, _ in seen}) > 3  # the scale changed step after step
         assert "nonfinite='skip_step'" in res["refused"]
+
+
+def test_the_strategy_builds_ddp_with_gradients_as_bucket_views(popen_run):
+    """GradSyncStrategy wraps the module with ``gradient_as_bucket_view=True`` unless told
+    otherwise: the hook writes each bucket in place and DDP copies nothing back (the hook's bits
+    are the same either way: test_ddp.py)."""
+    from gradsync.integrations.lightning import GradSyncStrategy
+
+    for rank in range(2):
+        assert torch.load(popen_run / f"amp{rank}.pt")["bucket_views"] is True
+    mine = GradSyncStrategy(Config(**CONFIG), gradient_as_bucket_view=False)
+    assert mine._ddp_kwargs["gradient_as_bucket_view"] is False
 
 
 def test_lightning_applies_the_adamw_recipe(popen_run):

@@ -89,6 +89,8 @@ def _worker(out: str, phase: str) -> None:
     exec(README_SNIPPET, ns)
     rank = torch.distributed.get_rank()
     res["stats"] = ns["callback"].stats()
+    # the callback had the Trainer build DDP with each .grad a view of its bucket
+    res["bucket_views"] = ns["trainer"].model_wrapped.gradient_as_bucket_view
     res["losses"] = [h["loss"] for h in ns["trainer"].state.log_history if "loss" in h]
     res["full"] = _params(ns["model"])
     # 2. a fresh Trainer and a differently initialised model resume the first epoch's checkpoint
@@ -251,6 +253,7 @@ def test_trainer_train_checkpoint_resume_refuse(tmp_path):
     res = [torch.load(tmp_path / f"main{r}.pt") for r in range(2)]
     names = {n for n, _ in _model(0).named_parameters()}
     for rk in res:
+        assert rk["bucket_views"] is True
         # the hook ran on this rank, once per step, and counted its traffic
         assert rk["stats"]["calls"] >= EPOCHS * STEPS
         assert rk["stats"]["total"]["bytes_sent"] > 0

@@ -2,10 +2,10 @@
 
 Usage (``torchrun --nproc-per-node 2 train.py``)::
 
-    from accelerate import Accelerator
+    from accelerate import Accelerator, DistributedDataParallelKwargs as DDPKwargs
     import gradsync
 
-    accelerator = Accelerator(cpu=True)  # on GPUs: Accelerator()
+    accelerator = Accelerator(cpu=True, kwargs_handlers=[DDPKwargs(gradient_as_bucket_view=True)])
     model, optimizer = accelerator.prepare(model, optimizer)
     cfg = gradsync.Config(scheme="per_tensor", density=0.1)
     hook_state = gradsync.accelerate.register(accelerator, model, cfg)  # after prepare()

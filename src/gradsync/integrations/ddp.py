@@ -55,9 +55,9 @@ __all__ = ["DDP_SCHEMES", "HookState", "hook", "register"]
 DDP_SCHEMES = tuple(name for name, s in schemes.SCHEMES.items() if s.ddp_hook)
 SMALL_NUMEL = 102_400  # SSFusion Insight #2: ~200 KB of fp32
 # Config fields that change the hook's trajectory: a checkpoint must be loaded with equal values.
-RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "min_density", "seed",
-                 "residual_dtype", "density_warmup", "density_warmup_steps", "min_k",
-                 "clip_norm", "density_schedule")
+RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "min_density", "seed", "min_k",
+                 "residual_dtype", "density_warmup", "density_warmup_steps", "clip_norm",
+                 "density_schedule")
 
 
 @dataclass
@@ -261,8 +261,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     names, numels = [state.name_of(p) for p in params], [p.numel() for p in params]
     pipe = BufferPipeline(state, comm, bucket.index(), names, numels, bucket.is_last())
     if not state.scheme.sparse or state.model.passthrough:
-        # dense, or world size 1 (Config.compress_single_rank): a plain all-reduce, of the
-        # velocities with momentum (and at P = 1 of the clipped gradients with clip_norm)
+        # dense, or P = 1 (Config.compress_single_rank): an all-reduce (velocities, clipped)
         clip = state.model.passthrough and state.cfg.clip_norm is not None
         return pipe.whole(buf, clip or any(state.ef.transforms(n) for n in names))
     if state.scheme.planner != "auto" and (held := pipe.hold(buf)) is not None:
@@ -334,6 +333,7 @@ def _agree(state: HookState) -> None:
 def register(ddp_model: nn.parallel.DistributedDataParallel, cfg: Config,
              small_numel: int = SMALL_NUMEL) -> HookState:
     """Install the sparsifying comm hook on ``ddp_model``; returns its state (stats, ckpt).
+    With ``DDP(..., gradient_as_bucket_view=True)`` ``.grad`` is the bucket: no copy back into it.
     ``TypeError`` for anything but a ``DistributedDataParallel`` and a :class:`~gradsync.Config`,
     ``RuntimeError`` before ``init_process_group``."""
     require_config(cfg, "gradsync.ddp.register")

@@ -66,7 +66,11 @@ class GradSyncStrategy(DDPStrategy):
         small_numel: SSFusion's size threshold (see :func:`gradsync.ddp.hook`).
         **ddp_kwargs: everything ``DDPStrategy`` takes (``find_unused_parameters``,
             ``process_group_backend``, ``start_method``, …) except the comm-hook arguments,
-            which this strategy fills itself.
+            which this strategy fills itself. ``gradient_as_bucket_view`` defaults to ``True``
+            here (torch's default is ``False``): each ``.grad`` then lives in its DDP bucket,
+            which the hook writes in place, so DDP copies nothing back into ``.grad`` and keeps
+            no second copy of the gradients; the hook computes the same bits either way
+            (``tests/test_ddp.py``; docs/results/speed.md, "Gradients as DDP's bucket views").
     """
 
     def __init__(self, config: Config, small_numel: int = ddp.SMALL_NUMEL,
@@ -81,7 +85,7 @@ class GradSyncStrategy(DDPStrategy):
         if config.scheme not in ddp.DDP_SCHEMES:
             raise ValueError(f"GradSyncStrategy runs the DDP hook, which supports schemes "
                              f"{ddp.DDP_SCHEMES}; got {config.scheme!r}")
-        super().__init__(**ddp_kwargs)
+        super().__init__(**{"gradient_as_bucket_view": True, **ddp_kwargs})
         self.config = config
         self.small_numel = small_numel
         self.hook_state: ddp.HookState | None = None

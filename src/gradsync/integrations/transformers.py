@@ -75,20 +75,28 @@ __all__ = ["STATE_FILE", "GradSyncCallback"]
 STATE_FILE = "gradsync_rank{rank}.pt"  # in each checkpoint-N folder, one per rank
 
 
+def _calling(method: Any) -> dict[str, Any] | None:
+    """The local variables of the running call of the ``Trainer`` method ``method`` that is
+    calling back (``None``: there is none)."""
+    code = inspect.unwrap(method).__code__
+    frame = sys._getframe(2)
+    while frame is not None:
+        if frame.f_code is code:
+            return frame.f_locals
+        frame = frame.f_back
+    return None
+
+
 def _running_train() -> tuple[Trainer, str | None, Any]:
     """The ``Trainer`` whose ``train()`` is calling back, the checkpoint it resumes (``None``:
     none) and its hyperparameter-search ``trial``: that call's ``self``,
     ``resume_from_checkpoint`` and ``trial`` (``train()`` has resolved ``True`` to a path before
     any callback runs)."""
-    code = inspect.unwrap(Trainer.train).__code__
-    frame = sys._getframe(1)
-    while frame is not None:
-        if frame.f_code is code:
-            local = frame.f_locals
-            resume = local.get("resume_from_checkpoint")
-            resume = None if resume is None or resume is False else os.fspath(resume)
-            return local["self"], resume, local.get("trial")
-        frame = frame.f_back
+    local = _calling(Trainer.train)
+    if local is not None:
+        resume = local.get("resume_from_checkpoint")
+        resume = None if resume is None or resume is False else os.fspath(resume)
+        return local["self"], resume, local.get("trial")
     raise RuntimeError("GradSyncCallback runs inside transformers.Trainer.train(): pass it in "
                        "Trainer(..., callbacks=[callback]) and call trainer.train() (it found no "
                        "Trainer.train call running it)")
@@ -130,6 +138,19 @@ class GradSyncCallback(TrainerCallback):
         self._clip: float | None = None  # Trainer's max_grad_norm, while the recipe clips
 
     # -- Trainer events -------------------------------------------------------------------
+    def on_init_end(self, args: TrainingArguments, state: TrainerState,
+                    control: TrainerControl, **kwargs: Any) -> None:
+        """Have the Trainer's Accelerator build DDP with ``gradient_as_bucket_view=True``,
+        which Trainer's ``ddp_*`` arguments do not offer: each ``.grad`` then lives in its DDP
+        bucket, which the hook writes in place, so DDP copies nothing back into ``.grad`` and
+        keeps no second copy of the gradients (the hook computes the same bits either way:
+        docs/results/speed.md, "Gradients as DDP's bucket views")."""
+        local = _calling(Trainer.__init__)
+        trainer = None if local is None else local.get("self")
+        handler = getattr(getattr(trainer, "accelerator", None), "ddp_handler", None)
+        if hasattr(handler, "gradient_as_bucket_view"):
+            handler.gradient_as_bucket_view = True
+
     def on_train_begin(self, args: TrainingArguments, state: TrainerState,
                        control: TrainerControl, **kwargs: Any) -> None:
         """Install the hook on the DDP model (once per DDP model: a second ``train()`` of the

@@ -211,14 +211,18 @@ class EngineRunner(Runner):
         self.sync.close()
 
 
-def wrap_ddp(model: nn.Module, device: torch.device) -> nn.Module:
-    """torch DDP around ``model``, without buffer broadcasts (module docstring)."""
+def wrap_ddp(model: nn.Module, device: torch.device, bucket_views: bool = False) -> nn.Module:
+    """torch DDP around ``model``, without buffer broadcasts (module docstring); with
+    ``bucket_views``, each ``.grad`` a view of its bucket (``gradient_as_bucket_view``), as
+    gradsync's hook runs from Lightning's strategy and the Trainer's callback (torch's own DDP
+    keeps torch's default)."""
     from torch.nn.parallel import DistributedDataParallel as DDP
 
     ids = [device.index] if device.type == "cuda" else None
     with warnings.catch_warnings():  # broadcast_buffers=False is what we mean
         warnings.simplefilter("ignore", FutureWarning)
-        return DDP(model, device_ids=ids, broadcast_buffers=False)
+        return DDP(model, device_ids=ids, broadcast_buffers=False,
+                   gradient_as_bucket_view=bucket_views)
 
 
 class DDPHookRunner(Runner):
@@ -229,7 +233,7 @@ class DDPHookRunner(Runner):
         from gradsync.integrations import ddp as gddp
 
         super().__init__(choice, model, spec, steps)
-        self.net = wrap_ddp(model, device)
+        self.net = wrap_ddp(model, device, bucket_views=True)
         # what gradsync.ddp.register installs, through the meter (the hook calls' times)
         self.state, hook = gddp.hook(self.gradsync_config(spec), model, self.net.process_group)
         self.preconditioner = self.state
