@@ -148,20 +148,22 @@ def missing_on_host(kept: torch.Tensor, sizes: Sequence[int]) -> int | None:
     after the collective); None elsewhere."""
     if not host_kernels(kept):
         return None
-    starts = [0, *itertools.accumulate(sizes)]
     if not kept.numel():
         return len(sizes)
-    counted = _missing_sorted(kept.numpy(), starts[:-1], starts[-1])
+    counted = _missing_sorted(kept.numpy(), *_starts(sizes))
     return None if counted is None or not counted[0] else counted[1]
 
 
 def job_check(sizes: Sequence[int], kept: torch.Tensor) -> torch.Tensor:
     """:func:`missing_check` of a job whose tensors hold ``sizes`` entries, in order."""
-    starts, at = [], 0
-    for n in sizes:
-        starts.append(at)
-        at += n
-    return missing_check(kept.to(torch.int64), starts, at)
+    return missing_check(kept.to(torch.int64), *_starts(sizes))
+
+
+def _starts(sizes: Sequence[int]) -> tuple[list[int], int]:
+    """Where each of a job's tensors (``sizes`` entries each, in order) starts in its buffer,
+    and the buffer's length."""
+    ends = list(itertools.accumulate(sizes))
+    return [0, *ends[:-1]] if ends else [], ends[-1] if ends else 0
 
 
 def missing_check(kept: torch.Tensor, starts: list[int], numel: int) -> torch.Tensor:

@@ -55,9 +55,9 @@ __all__ = ["DDP_SCHEMES", "HookState", "hook", "register"]
 DDP_SCHEMES = tuple(name for name, s in schemes.SCHEMES.items() if s.ddp_hook)
 SMALL_NUMEL = 102_400  # SSFusion Insight #2: ~200 KB of fp32
 # Config fields that change the hook's trajectory: a checkpoint must be loaded with equal values.
-RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "min_density", "seed", "min_k",
-                 "residual_dtype", "density_warmup", "density_warmup_steps", "clip_norm",
-                 "density_schedule")
+RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "min_density", "seed",
+                 "residual_dtype", "density_warmup", "density_warmup_steps", "min_k",
+                 "clip_norm", "density_schedule")
 
 
 @dataclass
