@@ -3,6 +3,8 @@ tensor missing, no_sync, frozen/unused parameters, checkpointing, bad configurat
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -511,11 +513,15 @@ def _nonfinite(rank, world_size, policy, bad_rank, scheme):
             handle.remove()
         before = {n: (sync.ef.residual(n).clone() if sync.ef.residual(n) is not None else None)
                   for n in sync.params}
+        reduces = []
         try:
-            ok = sync.synchronize()
+            with _counting_all_reduces(reduces):
+                ok = sync.synchronize()
             results.append(("ok", ok))
         except ValueError as e:
             results.append(("raised", str(e)))
+        if step == 2:
+            agreed = len(reduces)
         after = {n: sync.ef.residual(n) for n in sync.params}
         if step == 2:
             untouched = all(b is None or torch.equal(b, after[n]) for n, b in before.items())
@@ -524,7 +530,24 @@ def _nonfinite(rank, world_size, policy, bad_rank, scheme):
         for r in after.values():
             assert r is None or bool(torch.isfinite(r).all())
     sync.close()
-    return results
+    return [*results, ("all-reduces at step 2", agreed)]
+
+
+@contextlib.contextmanager
+def _counting_all_reduces(calls: list):
+    """Appends the numel of every ``Comm.all_reduce`` made inside to ``calls``."""
+    from unittest.mock import patch
+
+    from gradsync.collectives.comm import Comm
+
+    real = Comm.all_reduce
+
+    def counting(self, t, *args, **kwargs):
+        calls.append(t.numel())
+        return real(self, t, *args, **kwargs)
+
+    with patch.object(Comm, "all_reduce", counting):
+        yield
 
 
 @pytest.mark.parametrize("scheme", ["ssfusion_oi", "dense_ovlp"])
@@ -544,13 +567,26 @@ def test_nonfinite_raise_on_every_rank(bad_rank, scheme):
 @pytest.mark.usefixtures("kernels")
 @pytest.mark.accelerator_at(scheme='oktopk', bad_rank=1)
 @pytest.mark.parametrize("bad_rank", [0, 1])
-@pytest.mark.parametrize("scheme", ["dense", "oktopk"])
+@pytest.mark.parametrize("scheme", ["dense", "oktopk", "densestream"])
 def test_nonfinite_skip_step(scheme, bad_rank):
     out = run_distributed(_nonfinite, 2, "skip_step", bad_rank, scheme, timeout=300)
     for res in out:
         assert res[2] == ("ok", False)
         assert res[3] == ("untouched", True, True)
         assert res[4] == ("ok", True)
+
+
+@pytest.mark.parametrize("scheme", ["densestream", "topka"])
+def test_a_nonfinite_gradient_travels_in_a_message_every_rank_decodes(scheme):
+    """DenseStream at P = 2 (one exchange, each rank checks both messages) and TopkA: the bad
+    rank's NaN rides in its message, so both ranks raise at that step with no agreement
+    all-reduce, the bad one naming its tensor; residuals as before, training goes on."""
+    out = run_distributed(_nonfinite, 2, "raise", 1, scheme, timeout=300)
+    for rank, res in enumerate(out):
+        assert res[2][0] == "raised", (rank, res)
+        assert ("net.1.weight" if rank == 1 else "another rank") in res[2][1], (rank, res)
+        assert res[3][1] and res[4] == ("ok", True), (rank, res)
+        assert res[-1] == ("all-reduces at step 2", 0), (rank, res)
 
 
 def _poisoned_backward(model, rank: int, step: int, poison: bool, value: float) -> None:
@@ -672,31 +708,57 @@ def test_a_dense_step_needs_no_agreement_collective(P):
         assert messages == buffers * 2 * (P - 1)
 
 
-def _malformed_on_one_rank(rank, world_size):
-    """DenseStream; at step 2 the last rank (never folded away: it swaps messages at every P)
-    receives a malformed one (its first stored value becomes +0.0, against rule 1), as from a
-    faulty link or peer."""
+def _corrupt_densestream(rank, armed, who):
+    """Patches DenseStream so that, while ``armed``, the first stored value of a message
+    becomes +0.0 (against rule 1): the one rank 0 encodes (``who="sender"``: a faulty rank 0,
+    whose message every peer receives so) or one the last rank receives (``"link"``: a
+    faulty link or peer, seen by that rank alone). Returns a function that undoes it."""
     from gradsync.collectives.densestream import DenseStreamAllreduce
 
-    model = build("mlp", seed=1)
-    sync = GradSync(model, Config(scheme="densestream", density=0.1, warmup_steps=1))
-    match, armed = DenseStreamAllreduce._match, [False]
+    def zero_first_value(buf):
+        buf = buf.clone()
+        iw, nb = buf[5].item(), int(buf[16:24].view(torch.int64))
+        buf[32 + 2 * nb * iw:32 + 2 * nb * iw + 4] = 0
+        return buf
 
-    def corrupt(buf, ann, sizes, checks):
-        if armed[0] and rank == world_size - 1 and buf is not None:
+    if who == "sender":
+        encode = DenseStreamAllreduce._encode
+
+        def bad_encode(part, iw):
+            enc = encode(part, iw)
+            if armed[0] and rank == 0 and enc.numel() > 32:
+                armed[0] = False
+                enc = zero_first_value(enc)
+            return enc
+
+        DenseStreamAllreduce._encode = staticmethod(bad_encode)
+        return lambda: setattr(DenseStreamAllreduce, "_encode", staticmethod(encode))
+    match = DenseStreamAllreduce._match
+
+    def bad_match(buf, ann, sizes, checks):
+        if armed[0] and buf is not None:
             armed[0] = False
-            buf = buf.clone()
-            iw, nb = buf[5].item(), int(buf[16:24].view(torch.int64))
-            buf[32 + 2 * nb * iw:32 + 2 * nb * iw + 4] = 0
+            buf = zero_first_value(buf)
         return match(buf, ann, sizes, checks)
 
-    DenseStreamAllreduce._match = staticmethod(corrupt)
+    DenseStreamAllreduce._match = staticmethod(bad_match)
+    return lambda: setattr(DenseStreamAllreduce, "_match", staticmethod(match))
+
+
+def _malformed_on_one_rank(rank, world_size):
+    """DenseStream in its phases (P > 2); at step 2 the last rank (never folded away: it swaps
+    messages at every P) receives a malformed one, as from a faulty link or peer."""
+    model = build("mlp", seed=1)
+    sync = GradSync(model, Config(scheme="densestream", density=0.1, warmup_steps=1))
+    armed = [False]
+    undo = _corrupt_densestream(rank, armed, "link")
     out = []
     try:
         for step in range(3):
             model.zero_grad()
             x, y = batch("cnn", rank, step)
-            armed[0] = step == 2  # before the backward: its hooks may launch the collective
+            # before the backward: its hooks may launch the collective
+            armed[0] = step == 2 and rank == world_size - 1
             model_loss(model, "cnn", x, y).backward()
             grads = [p.grad.clone() for p in model.parameters()]
             try:
@@ -707,15 +769,16 @@ def _malformed_on_one_rank(rank, world_size):
                                 for g, p in zip(grads, model.parameters()))
                 out.append((str(e), untouched))
     finally:  # the pool's ranks serve the next test
-        DenseStreamAllreduce._match = staticmethod(match)
+        undo()
     return out
 
 
-@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize("P", [3, 4])
 def test_a_malformed_message_stops_every_rank_with_a_clear_error(P):
     """The rank whose collective received a malformed message raises its check's message; the
     others raise too, at the same step (the engine's agreement carries the failure), instead of
-    waiting for it at the next collective. No ``.grad`` was written."""
+    waiting for it at the next collective. No ``.grad`` was written. (At P = 2 DenseStream
+    needs no agreement: the next test.)"""
     outs = run_distributed(_malformed_on_one_rank, P, timeout=240)
     for rank, out in enumerate(outs):
         assert out[:2] == ["applied", "applied"], (rank, out)
@@ -727,18 +790,18 @@ def test_a_malformed_message_stops_every_rank_with_a_clear_error(P):
             assert "another rank received a malformed message" in msg, (rank, msg)
 
 
-def _topka_malformed(rank, world_size, who):
-    """TopkA at its capacity through the engine; at step 2 every rank corrupts rank 0's
-    message as it unpacks it (``who="sender"``: a faulty rank 0) or rank P − 1 alone does
-    (``"link"``); each step's outcome, the agreement all-reduces made, whether the residuals
-    stayed, and the final parameters."""
+def _malformed_alike(rank, world_size, scheme, who):
+    """TopkA at its capacity, or DenseStream at P = 2 (one exchange), through the engine; at
+    step 2 rank 0's message is malformed for every rank (``who="sender"``: a faulty rank 0)
+    or for rank P − 1 alone (``"link"``); each step's outcome, the agreement all-reduces
+    made, whether the residuals stayed, and the final parameters."""
     from unittest.mock import patch
 
     import gradsync.collectives.topka as topka_mod
     from gradsync.collectives.comm import Comm
 
     model = build("mlp", seed=1)
-    sync = GradSync(model, Config(scheme="topka", density=0.1, warmup_steps=1))
+    sync = GradSync(model, Config(scheme=scheme, density=0.1, warmup_steps=1))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     capped, armed, reduces = topka_mod.unpack_entries_capped, [False], []
 
@@ -755,46 +818,52 @@ def _topka_malformed(rank, world_size, who):
         reduces.append(t.numel())
         return real_reduce(self, t, *args, **kwargs)
 
+    undo = _corrupt_densestream(rank, armed, who) if scheme == "densestream" else None
     out = []
-    with patch.object(topka_mod, "unpack_entries_capped", bad), \
-            patch.object(Comm, "all_reduce", counting):
-        for step in range(4):
-            model.zero_grad()
-            x, y = batch("cnn", rank, step)
-            # before the backward: the job is sent during it, on the communication thread
-            armed[0] = step == 2 and (who == "sender" or rank == world_size - 1)
-            model_loss(model, "cnn", x, y).backward()
-            before = {n: sync.ef.residual(n) for n in sync.params}
-            before = {n: None if r is None else r.clone() for n, r in before.items()}
-            reduces.clear()
-            try:
-                sync.synchronize()
-                out.append(("applied", len(reduces)))
-                opt.step()
-            except ValueError as e:
-                same = all(b is None or torch.equal(b, sync.ef.residual(n))
-                           for n, b in before.items())
-                out.append((str(e), same))
+    try:
+        with patch.object(topka_mod, "unpack_entries_capped", bad), \
+                patch.object(Comm, "all_reduce", counting):
+            for step in range(4):
+                model.zero_grad()
+                x, y = batch("cnn", rank, step)
+                # before the backward: the job is sent during it, on the communication thread
+                armed[0] = step == 2 and (who == "sender" or rank == world_size - 1)
+                model_loss(model, "cnn", x, y).backward()
+                before = {n: sync.ef.residual(n) for n in sync.params}
+                before = {n: None if r is None else r.clone() for n, r in before.items()}
+                reduces.clear()
+                try:
+                    sync.synchronize()
+                    out.append(("applied", len(reduces)))
+                    opt.step()
+                except ValueError as e:
+                    same = all(b is None or torch.equal(b, sync.ef.residual(n))
+                               for n, b in before.items())
+                    out.append((str(e), same))
+    finally:
+        if undo is not None:
+            undo()
     sync.close()
     return out, gradsync.engine.consistency.parameter_digest(model)[0]
 
 
-@pytest.mark.parametrize("P", [2, 3])
+@pytest.mark.parametrize(("scheme", "P"), [("topka", 2), ("topka", 3), ("densestream", 2)])
 @pytest.mark.parametrize("who", ["sender", "link"])
-def test_topka_at_its_capacity_needs_no_agreement_word(P, who):
-    """TopkA at a fixed capacity: every rank unpacks every message, so its checks (and a NaN
-    a rank's message carries) show alike on every rank and the step makes no agreement
-    all-reduce. A faulty sender's malformed message fails that step on every rank with the
-    check's message, residuals as before; a message one rank alone receives corrupted (a link
-    fault) fails that rank only, as usage.md documents, and its peers take the step. Nothing
-    hangs either way."""
-    outs = run_distributed(_topka_malformed, P, who, timeout=240)
+def test_a_collective_whose_ranks_decode_every_message_needs_no_agreement_word(scheme, P, who):
+    """TopkA at a fixed capacity, and DenseStream at P = 2, where each rank checks both
+    messages: every rank decodes every message, so their checks (and a NaN a rank's message
+    carries) show alike on every rank and the step makes no agreement all-reduce. A faulty
+    sender's malformed message fails that step on every rank with the check's message,
+    residuals as before; a message one rank alone receives corrupted (a link fault) fails that
+    rank only, as usage.md documents, and its peers take the step. Nothing hangs either way."""
+    outs = run_distributed(_malformed_alike, P, scheme, who, timeout=240)
     for rank, (out, _) in enumerate(outs):
         assert out[0][0] == out[1][0] == out[3][0] == "applied", (rank, out)
         assert out[1][1] == out[3][1] == 0, (rank, out)  # no agreement all-reduce
         if who == "sender" or rank == P - 1:
             msg, same = out[2]
-            assert "topka: a rank's message" in msg and same, (rank, out[2])
+            want = "topka: a rank's message" if scheme == "topka" else "rule 1"
+            assert want in msg and same, (rank, out[2])
         else:
             assert out[2] == ("applied", 0), (rank, out[2])
     digests = {d for _, d in outs}

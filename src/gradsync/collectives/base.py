@@ -90,6 +90,14 @@ class Collective(ABC):
         self.check_shapes = check_shapes
         self._agreed: set[tuple[int, ...]] = set()  # with "changes": descriptions agreed
 
+    def alike(self, sel: SparseGrad, group: dist.ProcessGroup | None = None) -> bool:
+        """Whether this call would show its checks, and a NaN a rank's message carries, alike
+        on every rank of ``group``: every rank decodes every message (:attr:`checks_alike`),
+        or, for a collective with a path where it does (DenseStream at P = 2), that path
+        runs for ``sel``. Every rank decides alike (``sel``'s size and dtype are checked alike
+        by the shape check)."""
+        return self.checks_alike
+
     def rescale(self, factor: float) -> None:
         """The values are ``factor`` times larger from the next call on (a loss scale that
         changed): state kept in the values' units (Ok-Topk's reused global θ) is multiplied by

@@ -173,7 +173,7 @@ class Executor:
             sels.append(part)
         sel = payload.message(job, sels)
         coll = self._collective(f"job:{index}", job.collective_density)
-        alike = shows_alike(coll, sel)
+        alike = shows_alike(coll, sel, self.group)
         if alike:
             carry(sel.values, finite)
         sent_idx, sent_vals = ((sel.indices.clone(), sel.values.clone()) if self._audit

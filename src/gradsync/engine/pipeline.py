@@ -267,7 +267,7 @@ class BufferPipeline:
                     # alike on every rank
                     None if kept is None or known is not None
                     else job_check(parts[-1][1], kept), known or 0,
-                    shows_alike(owner.parts.collective("ddp"), sel)))
+                    shows_alike(owner.parts.collective("ddp"), sel, self.comm.group)))
                 owner.counts.tensors += len(self.names)
                 self._release()
                 if result is not None:

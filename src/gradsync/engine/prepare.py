@@ -47,6 +47,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from gradsync import sparsify
 from gradsync.collectives import Collective
@@ -136,14 +137,15 @@ def carry(values: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor | N
     return None
 
 
-def shows_alike(collective: Collective, sel: SparseGrad | None) -> bool:
+def shows_alike(collective: Collective, sel: SparseGrad | None,
+                group: dist.ProcessGroup | None) -> bool:
     """Whether ``collective``'s result for the message ``sel`` shows a malformed message and a
     rank's NaN (:func:`carry`) alike on every rank, so that the step needs no agreement word
-    for it: every rank decodes every message (``Collective.checks_alike``) and the message
+    for it: every rank decodes every message (``Collective.alike``) and the message
     has a capacity (``SparseGrad.capacity``, alike on every rank by the shape check), so a
     rank whose gradients were not finite sends entries — zeros — to carry its NaN. The one
     rule of the engine (``JobResult.alike``) and the DDP hook."""
-    return sel is not None and collective.checks_alike and sel.capacity is not None
+    return sel is not None and sel.capacity is not None and collective.alike(sel, group)
 
 
 def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],
