@@ -590,17 +590,20 @@ def test_kept_counted_on_the_host_is_the_devices_count(kept, ordered, starts, nu
         assert host[1] == device[1] == sum(c == 0 for c in per)
 
 
-def _malformed(rank: int, P: int, sparsifier: str, segmented: bool, who: str = "link") -> dict:
+def _malformed(rank: int, P: int, sparsifier: str, segmented: bool | str,
+               who: str = "link") -> dict:
     """At step 2 rank P − 1 corrupts an index of the first message it unpacks (``who="link"``:
     as a faulty link to it would), or every rank corrupts rank 0's message (``"sender"``: as a
     faulty rank 0 would send it); 4 steps, each rank's errors, error feedback's state around
-    step 2, and the final parameters. ``segmented``: the accelerators' path (a bucket selected
-    at once)."""
+    step 2, and the final parameters. ``segmented``: a bucket selected at once (the
+    accelerators' path), or ``"accelerator"``: the CPU standing in for an accelerator's
+    kernels (no host read: a message with no capacity cannot carry a NaN, so the ranks agree)."""
     import gradsync.collectives.topka as topka_mod
     from conftest import segmented as segmented_kernels
     from gradsync import sparsegrad
 
-    sparsegrad.bind(segmented_kernels(segmented))
+    sparsegrad.bind(sparsegrad.CPU_AS_ACCELERATOR if segmented == "accelerator"
+                    else segmented_kernels(segmented))
 
     model = build("mlp", seed=3)
     ddp = DDP(model)
@@ -661,17 +664,19 @@ def _ef(state) -> dict[str, torch.Tensor]:
 
 @pytest.mark.parametrize("P", [2, 3])
 @pytest.mark.parametrize(("sparsifier", "segmented", "path", "who"), [
-    ("gaussiank", False, "exact size", "link"), ("gaussiank", False, "exact size", "sender"),
+    ("gaussiank", "accelerator", "exact size", "link"),
+    ("gaussiank", False, "exact size", "sender"),
     ("topk", True, "capped", "sender"), ("topk", False, "capped", "sender")])
 def test_hook_malformed_message_fails_that_step_on_every_rank(P, sparsifier, segmented, path,
                                                                who):
     """A message whose index lies outside the tensor: that step's ``backward()`` raises on
     every rank — the ranks that unpacked it name the check; where one rank alone did (a faulty
-    link to it), the others, told by the agreement word, say another rank received a
+    link to it) and the messages need the ranks' agreement (no capacity, on an accelerator's
+    kernels), the others, told by the agreement word, say another rank received a
     malformed message — no rank's error feedback keeps anything of it, nothing hangs, and the
-    next steps train on with the replicas identical. At a fixed capacity (top-k) every rank
-    unpacks every message, so a faulty sender's message fails every rank alike with no
-    agreement word, on either kernel set."""
+    next steps train on with the replicas identical. Where every rank unpacks every message
+    and each can carry its NaN (a capacity, or the CPU's kernels), a faulty sender's message
+    fails every rank alike with no agreement word."""
     outs = run_distributed(_malformed, P, sparsifier, segmented, who, timeout=240)
     for rank, out in enumerate(outs):
         assert out["paths"] == [path], out["paths"]
@@ -686,15 +691,19 @@ def test_hook_malformed_message_fails_that_step_on_every_rank(P, sparsifier, seg
 
 
 @pytest.mark.parametrize("P", [2, 3])
-def test_hook_a_link_fault_at_a_fixed_capacity_fails_the_receiving_rank_only(P):
-    """The documented limit of that rule (usage.md, "Non-finite gradients"): at a fixed capacity no
-    agreement word travels, so a message that one rank alone receives corrupted (a link fault
-    TCP's checksum missed) fails that rank's step only, its error feedback as before the step;
-    its peers take the step, nothing hangs, and every rank trains on (its replica now
-    differs, as a corrupted value would make it)."""
-    outs = run_distributed(_malformed, P, "topk", True, "link", timeout=240)
+@pytest.mark.parametrize(("sparsifier", "segmented", "path"), [
+    ("topk", True, "capped"), ("gaussiank", False, "exact size")])
+def test_hook_a_link_fault_at_a_fixed_capacity_fails_the_receiving_rank_only(P, sparsifier,
+                                                                             segmented, path):
+    """The documented limit of that rule (usage.md, "Non-finite gradients"): at a fixed
+    capacity, or with no capacity on the CPU's kernels, no agreement word travels, so a message
+    that one rank alone receives corrupted (a link fault TCP's checksum missed) fails that
+    rank's step only, its error feedback as before the step; its peers take the step, nothing
+    hangs, and every rank trains on (its replica now differs, as a corrupted value would make
+    it)."""
+    outs = run_distributed(_malformed, P, sparsifier, segmented, "link", timeout=240)
     for rank, out in enumerate(outs):
-        assert out["paths"] == ["capped"], out["paths"]
+        assert out["paths"] == [path], out["paths"]
         if rank == P - 1:
             assert [s for s, _ in out["errors"]] == [2], out["errors"]
             assert "topka: a rank's message" in out["errors"][0][1], out["errors"]

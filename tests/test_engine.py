@@ -576,10 +576,11 @@ def test_nonfinite_skip_step(scheme, bad_rank):
         assert res[4] == ("ok", True)
 
 
-@pytest.mark.parametrize("scheme", ["densestream", "topka"])
+@pytest.mark.parametrize("scheme", ["densestream", "oktopk", "topka", "gaussiank"])
 def test_a_nonfinite_gradient_travels_in_a_message_every_rank_decodes(scheme):
-    """DenseStream at P = 2 (one exchange, each rank checks both messages) and TopkA: the bad
-    rank's NaN rides in its message, so both ranks raise at that step with no agreement
+    """DenseStream and Ok-Topk at P = 2 (one exchange, each rank checks both messages), TopkA
+    and Gaussian-k's TopkA (no capacity: an empty selection gets an entry for the NaN): the
+    bad rank's NaN rides in its message, so both ranks raise at that step with no agreement
     all-reduce, the bad one naming its tensor; residuals as before, training goes on."""
     out = run_distributed(_nonfinite, 2, "raise", 1, scheme, timeout=300)
     for rank, res in enumerate(out):
@@ -587,6 +588,27 @@ def test_a_nonfinite_gradient_travels_in_a_message_every_rank_decodes(scheme):
         assert ("net.1.weight" if rank == 1 else "another rank") in res[2][1], (rank, res)
         assert res[3][1] and res[4] == ("ok", True), (rank, res)
         assert res[-1] == ("all-reduces at step 2", 0), (rank, res)
+
+
+def test_a_message_with_no_entry_carries_the_nan_in_an_entry_of_its_own():
+    """``carry_message``: a selection's first value divided by the finiteness flag (x/1 = x
+    exactly, 0/0 a NaN); an empty one, on the CPU, replaced by one entry holding the NaN."""
+    from gradsync.engine.prepare import carry_message
+    from gradsync.sparsegrad import SparseGrad
+
+    good, bad = torch.tensor(True), torch.tensor(False)
+    empty = SparseGrad(torch.empty(0, dtype=torch.int64), torch.empty(0), 10)
+    one = carry_message(empty, bad)
+    assert one.indices.tolist() == [0] and one.numel == 10 and bool(one.values.isnan().all())
+    assert len(carry_message(empty, good)) == 0 and len(carry_message(empty, None)) == 0
+
+    def two():
+        return SparseGrad(torch.tensor([2, 5]), torch.tensor([0.1, -2.0]), 10)
+
+    assert carry_message(two(), good).values.tolist() == two().values.tolist()
+    zeros = SparseGrad(torch.tensor([2, 5]), torch.zeros(2), 10)  # a bad rank's: accumulate's
+    got = carry_message(zeros, bad)
+    assert got.indices.tolist() == [2, 5] and got.values[0].isnan() and got.values[1] == 0.0
 
 
 def _poisoned_backward(model, rank: int, step: int, poison: bool, value: float) -> None:
@@ -745,6 +767,40 @@ def _corrupt_densestream(rank, armed, who):
     return lambda: setattr(DenseStreamAllreduce, "_match", staticmethod(match))
 
 
+def _corrupt_oktopk(rank, armed, who):
+    """Patches Ok-Topk's P = 2 exchange so that, while ``armed``, rank 0's block holds the
+    index −1: the block rank 0 packs (``who="sender"``, as every rank then gets it) or the one
+    the last rank receives (``"link"``). Returns a function that undoes it."""
+    import gradsync.collectives.oktopk as ok
+
+    pack, gather = ok.pack_entries_counted, ok.Comm.all_gather_bounded
+
+    def bad(block):
+        block = block.clone()
+        block[8:12] = 255  # the first index, int32: −1
+        return block
+
+    def bad_pack(*args):
+        block = pack(*args)
+        if armed[0] and rank == 0:
+            armed[0] = False
+            return bad(block)
+        return block
+
+    def bad_gather(self, *args, **kwargs):
+        blocks = gather(self, *args, **kwargs)
+        if armed[0]:
+            armed[0] = False
+            blocks[0] = bad(blocks[0])
+        return blocks
+
+    if who == "sender":
+        ok.pack_entries_counted = bad_pack
+        return lambda: setattr(ok, "pack_entries_counted", pack)
+    ok.Comm.all_gather_bounded = bad_gather
+    return lambda: setattr(ok.Comm, "all_gather_bounded", gather)
+
+
 def _malformed_on_one_rank(rank, world_size):
     """DenseStream in its phases (P > 2); at step 2 the last rank (never folded away: it swaps
     messages at every P) receives a malformed one, as from a faulty link or peer."""
@@ -818,7 +874,8 @@ def _malformed_alike(rank, world_size, scheme, who):
         reduces.append(t.numel())
         return real_reduce(self, t, *args, **kwargs)
 
-    undo = _corrupt_densestream(rank, armed, who) if scheme == "densestream" else None
+    undo = (_corrupt_densestream(rank, armed, who) if scheme == "densestream" else
+            _corrupt_oktopk(rank, armed, who) if scheme == "oktopk" else None)
     out = []
     try:
         with patch.object(topka_mod, "unpack_entries_capped", bad), \
@@ -847,7 +904,8 @@ def _malformed_alike(rank, world_size, scheme, who):
     return out, gradsync.engine.consistency.parameter_digest(model)[0]
 
 
-@pytest.mark.parametrize(("scheme", "P"), [("topka", 2), ("topka", 3), ("densestream", 2)])
+@pytest.mark.parametrize(("scheme", "P"), [("topka", 2), ("topka", 3), ("densestream", 2),
+                                         ("oktopk", 2)])
 @pytest.mark.parametrize("who", ["sender", "link"])
 def test_a_collective_whose_ranks_decode_every_message_needs_no_agreement_word(scheme, P, who):
     """TopkA at a fixed capacity, and DenseStream at P = 2, where each rank checks both
@@ -862,7 +920,8 @@ def test_a_collective_whose_ranks_decode_every_message_needs_no_agreement_word(s
         assert out[1][1] == out[3][1] == 0, (rank, out)  # no agreement all-reduce
         if who == "sender" or rank == P - 1:
             msg, same = out[2]
-            want = "topka: a rank's message" if scheme == "topka" else "rule 1"
+            want = {"topka": "topka: a rank's message", "densestream": "rule 1",
+                    "oktopk": "oktopk: rank 0's selection"}[scheme]
             assert want in msg and same, (rank, out[2])
         else:
             assert out[2] == ("applied", 0), (rank, out[2])

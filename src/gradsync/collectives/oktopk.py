@@ -58,7 +58,9 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
    in :data:`BOUNDED_MAX`; elsewhere (NCCL, larger tensors), the rounds. Measured on the CNN
    at 1 %, P = 2: 3 calls a step → 2 (the engine's agreement word stays), the step's median
    14.2 → 11.6 ms, the parameters bit for bit the same (docs/results/speed.md, "Ok-Topk at
-   P = 2 in one exchange").
+   P = 2 in one exchange"). Each rank also checks its own block as its peer does
+   (:meth:`OkTopk.alike`), so both ranks hold both blocks' checks and flags, and the engine's
+   step spends no agreement word either (speed.md, "One round fewer").
 
 Host reads. The indices received (the peers' split-and-reduce messages, the gathered global
 selection) are checked on the device: a bad one is moved into range with its value zeroed
@@ -96,6 +98,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gradsync.collectives import registry
 from gradsync.collectives.base import CHECKS, Collective
@@ -439,6 +442,13 @@ class OkTopk(Collective):
         return (comm.size == 2 and host_kernels(idx) and comm.bounded(idx.device)
                 and COUNT_BYTES + n * eb <= BOUNDED_MAX)
 
+    def alike(self, sel: SparseGrad, group: dist.ProcessGroup | None = None) -> bool:
+        """At P = 2 in one exchange (:meth:`_reduce_pair`) each rank checks both selections,
+        the one it sent as its peer does, and sums both: its checks and a NaN either selection
+        carries show alike on both ranks, and the step needs no agreement word."""
+        eb = entry_bytes(wire_index_dtype(sel.numel), sel.dtype)
+        return self.pair and self._pair(Comm(group), sel.numel, eb, sel.indices)
+
     def _reduce_pair(self, sel: SparseGrad, comm: Comm, step: int, k: int,
                      wire: torch.dtype, eb: int) -> tuple[torch.Tensor, torch.Tensor,
                                                           dict[str, Any]]:
@@ -462,11 +472,12 @@ class OkTopk(Collective):
                                          expected=COUNT_BYTES + eb * k)
         parts = []
         for q, b in enumerate(blocks):
-            i, v = ((sel.indices, sel.values) if q == r else
-                    checked_entries(*unpack_entries(b[COUNT_BYTES:], (b.numel() - COUNT_BYTES)
-                                                    // eb, wire, sel.dtype, "oktopk"),
-                                    n, 0, checks, f"oktopk: rank {q}'s selection (step {step})"))
-            parts.append((i, v))
+            if q == r:  # this rank's block, checked as its peer checks it (:meth:`alike`)
+                b = b[:size_of(q, b)]
+            got = checked_entries(*unpack_entries(b[COUNT_BYTES:], (b.numel() - COUNT_BYTES)
+                                                  // eb, wire, sel.dtype, "oktopk"),
+                                  n, 0, checks, f"oktopk: rank {q}'s selection (step {step})")
+            parts.append((sel.indices, sel.values) if q == r else got)
         r_idx, r_val = sparse_sum(parts, torch.float64)
         r_val = r_val.to(sel.dtype)
         mags = r_val.abs().to(torch.float32)

@@ -40,6 +40,10 @@ class Components:
             self.sparsifier_options = {**dict(spec.sparsifier_options), **config}
         self.collective_name = spec.collective
         self.collective_options = {f: getattr(cfg, f) for f in spec.collective_options}
+        if "nonfinite" in self.collective_options:  # Config.nonfinite is the engine's, applied
+            # to the sums, alike on every rank: a collective that finds a NaN/Inf returns a sum
+            # of NaN for it (a rank's NaN rides in its message where no agreement word is made)
+            self.collective_options["nonfinite"] = "skip_step"
         self.sparsifiers: dict[str, sparsify.Sparsifier] = {}
         self.collectives: dict[str, collectives.Collective] = {}
 

@@ -48,7 +48,7 @@ import torch.distributed as dist
 from gradsync import collectives, sparsegrad, sparsify
 from gradsync.collectives.comm import Comm, CommStats
 from gradsync.engine.jobs import InFlight, Job, JobResult, Payload
-from gradsync.engine.prepare import carry, shows_alike
+from gradsync.engine.prepare import carry, carry_message, shows_alike
 from gradsync.sparsegrad import SparseGrad
 
 __all__ = ["Executor", "comm_thread"]
@@ -175,7 +175,7 @@ class Executor:
         coll = self._collective(f"job:{index}", job.collective_density)
         alike = shows_alike(coll, sel, self.group)
         if alike:
-            carry(sel.values, finite)
+            sel = carry_message(sel, finite)
         sent_idx, sent_vals = ((sel.indices.clone(), sel.values.clone()) if self._audit
                                else (None, None))
         checks: list[tuple[torch.Tensor, str]] = []

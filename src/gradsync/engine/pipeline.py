@@ -85,7 +85,7 @@ from gradsync.engine.config import Config
 from gradsync.engine.density import DensitySchedule
 from gradsync.engine.executor import comm_thread
 from gradsync.engine.jobs import Job, Payload
-from gradsync.engine.prepare import accumulate, carry, select, shows_alike
+from gradsync.engine.prepare import accumulate, carry, carry_message, select, shows_alike
 from gradsync.engine.trial import FUSION_SIDES, AutoTrial
 from gradsync.feedback import ErrorFeedback, clip_local
 from gradsync.sparsegrad import all_finite, finite_flag, host_kernels
@@ -367,9 +367,9 @@ class BufferPipeline:
                         left = []
                     continue
                 # poisoned: the selection of zeros (every rank's message has the capacity
-                # they expect), one value NaN
-                sel = payload.message(job, payload.selections)
-                poison = carry(sel.values, poison)
+                # they expect), one value NaN, or one entry of NaN (carry_message)
+                sel = carry_message(payload.message(job, payload.selections), poison)
+                poison = None
                 res = owner.parts.collective("ddp")(sel, group=owner.group,
                                                     step=owner.counts.steps,
                                                     deferred=owner.scratch.wire_checks)

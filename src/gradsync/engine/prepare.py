@@ -54,10 +54,11 @@ from gradsync.collectives import Collective
 from gradsync.engine.apply import missing_on_host
 from gradsync.engine.jobs import Job, Mode, Payload, Transport, bounds
 from gradsync.feedback import ErrorFeedback, clip_local
-from gradsync.sparsegrad import SparseGrad, finite_flag, iota, zero_unless
+from gradsync.sparsegrad import SparseGrad, finite_flag, host_kernels, iota, zero_unless
 from gradsync.sparsify import segments
 
-__all__ = ["Prepared", "accumulate", "carry", "prepare", "select", "shows_alike"]
+__all__ = ["Prepared", "accumulate", "carry", "carry_message", "prepare", "select",
+           "shows_alike"]
 
 Sparsifiers = Callable[[str, float], sparsify.Sparsifier]  # (key, density) -> its sparsifier
 Offload = Callable[[sparsify.Sparsifier, torch.Tensor, int], Future]  # Executor.offload
@@ -137,15 +138,29 @@ def carry(values: torch.Tensor, finite: torch.Tensor | None) -> torch.Tensor | N
     return None
 
 
+def carry_message(sel: SparseGrad, finite: torch.Tensor | None) -> SparseGrad:
+    """:func:`carry` for a whole message: one with no entry (a threshold's selection of the
+    zeros :func:`accumulate` left) is replaced, where the CPU's kernels run (reading the flag
+    is free there), by one entry of its own, position 0, holding the NaN (the step fails on
+    every rank: its error feedback stays). A message with a capacity holds entries anyway."""
+    rest = carry(sel.values, finite)
+    if rest is None or not host_kernels(sel.values) or bool(rest):
+        return sel
+    return SparseGrad(torch.zeros(1, dtype=sel.indices.dtype),
+                      torch.full((1,), float("nan"), dtype=sel.dtype), sel.numel, validate=False)
+
+
 def shows_alike(collective: Collective, sel: SparseGrad | None,
                 group: dist.ProcessGroup | None) -> bool:
     """Whether ``collective``'s result for the message ``sel`` shows a malformed message and a
-    rank's NaN (:func:`carry`) alike on every rank, so that the step needs no agreement word
-    for it: every rank decodes every message (``Collective.alike``) and the message
-    has a capacity (``SparseGrad.capacity``, alike on every rank by the shape check), so a
-    rank whose gradients were not finite sends entries — zeros — to carry its NaN. The one
-    rule of the engine (``JobResult.alike``) and the DDP hook."""
-    return sel is not None and sel.capacity is not None and collective.alike(sel, group)
+    rank's NaN (:func:`carry_message`) alike on every rank, so that the step needs no agreement
+    word for it: every rank decodes every message (``Collective.alike``), and a rank whose
+    gradients were not finite sends an entry to carry its NaN: the message has a capacity
+    (``SparseGrad.capacity``, alike on every rank by the shape check: it holds entries, zeros)
+    or the CPU's kernels run (:func:`carry_message`). The one rule of the engine
+    (``JobResult.alike``) and the DDP hook."""
+    return (sel is not None and (sel.capacity is not None or host_kernels(sel.values))
+            and collective.alike(sel, group))
 
 
 def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],

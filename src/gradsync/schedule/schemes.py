@@ -49,7 +49,8 @@ class Scheme:
         collective: the ``gradsync.collectives`` name sparse buffers are reduced with; dense
             buffers are always all-reduced.
         collective_options: ``Config`` fields passed to the collective's constructor under the
-            same name (Ok-Topk sizes its buckets from ``density``).
+            same name (Ok-Topk sizes its buckets from ``density``; its ``nonfinite`` is always
+            ``"skip_step"``: the engine applies ``Config.nonfinite`` to the sums itself).
         sparsifier: the sparsifier this scheme always uses (the Gaussian-k scheme runs
             Gaussian-k, as Ok-Topk's paper does; Ok-Topk selects locally by threshold reuse,
             Algorithm 1 lines 2–4); ``None`` uses ``Config.sparsifier``.
