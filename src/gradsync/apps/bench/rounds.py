@@ -3,15 +3,15 @@
 ``python -m gradsync bench rounds [--world-size 2,4] [--calls 400] [--work-ms 0,0.5]
 [--bytes 8,37000] [--out DIR] [--write-docs]``
 
-A sparse step makes a few calls: TopkA one all-gather, DenseStream's allreduce two exchanges
-at P = 2 (and the engine's agreement word, an all-reduce), Ok-Topk about four. Timed in
-lock-step, back to back, one gloo call costs about 0.2 ms on loopback (docs/results/speed.md,
-"One round fewer"). A training step is not lock-step: the ranks compute between the calls
-(select, encode, decode), and each call then starts from threads that were busy or asleep.
-This command measures that: ``--world-size`` gloo ranks on this machine make ``--calls`` calls
-of each op, with ``--work-ms`` of computation before each (a multiply and a sum over a float
-tensor sized on rank 0 to take that long on one core; 0: lock-step), every rank the same
-work, as ranks running the same step do.
+A sparse step makes a few calls: TopkA one all-gather, DenseStream and Ok-Topk one exchange at
+P = 2, and beyond it their rounds (Ok-Topk about four) and the engine's agreement word (an
+all-reduce). Timed in lock-step, back to back, one gloo call costs about 0.2 ms on loopback
+(docs/results/speed.md, "One round fewer"). A training step is not lock-step: the ranks
+compute between the calls (select, encode, decode), and each call then starts from threads
+that were busy or asleep. This command measures that: ``--world-size`` gloo ranks on this
+machine make ``--calls`` calls of each op, with ``--work-ms`` of computation before each (a
+multiply and a sum over a float tensor sized on rank 0 to take that long on one core; 0:
+lock-step), every rank the same work, as ranks running the same step do.
 
 Each call is timed on every rank from just before it starts to its return. Its **latency** is
 its return less the last start it depends on (one machine, one monotonic clock): the latest of
