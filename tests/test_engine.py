@@ -576,12 +576,15 @@ def test_nonfinite_skip_step(scheme, bad_rank):
         assert res[4] == ("ok", True)
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(scheme=("densestream", "topka"))
 @pytest.mark.parametrize("scheme", ["densestream", "oktopk", "topka", "gaussiank"])
 def test_a_nonfinite_gradient_travels_in_a_message_every_rank_decodes(scheme):
     """DenseStream and Ok-Topk at P = 2 (one exchange, each rank checks both messages), TopkA
     and Gaussian-k's TopkA (no capacity: an empty selection gets an entry for the NaN): the
     bad rank's NaN rides in its message, so both ranks raise at that step with no agreement
-    all-reduce, the bad one naming its tensor; residuals as before, training goes on."""
+    all-reduce, the bad one naming its tensor; residuals as before, training goes on. On an
+    accelerator's kernels too for the two whose messages have a capacity (DGC's)."""
     out = run_distributed(_nonfinite, 2, "raise", 1, scheme, timeout=300)
     for rank, res in enumerate(out):
         assert res[2][0] == "raised", (rank, res)
@@ -904,6 +907,8 @@ def _malformed_alike(rank, world_size, scheme, who):
     return out, gradsync.engine.consistency.parameter_digest(model)[0]
 
 
+@pytest.mark.usefixtures("kernels")
+@pytest.mark.accelerator_at(scheme=("topka", "densestream"), P=2)
 @pytest.mark.parametrize(("scheme", "P"), [("topka", 2), ("topka", 3), ("densestream", 2),
                                          ("oktopk", 2)])
 @pytest.mark.parametrize("who", ["sender", "link"])
