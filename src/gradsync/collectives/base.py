@@ -76,10 +76,6 @@ class Collective(ABC):
 
     name: str = "?"  # set by ``registry.register(name)``
     exact: bool = True  # does `dense` equal the sum of every rank's selection?
-    # every rank decodes every rank's message (an all-gather): its checks, and a NaN one rank
-    # put in its message, show alike on every rank, so a caller needs no agreement collective
-    # for them (the engine's step of such jobs makes none: engine/sync.py, _agreement)
-    checks_alike: bool = False
     # ``_reduce`` takes ``lazy``: it can leave the sum's writing to the caller (__call__)
     lazy_decode: bool = False
 
@@ -91,12 +87,13 @@ class Collective(ABC):
         self._agreed: set[tuple[int, ...]] = set()  # with "changes": descriptions agreed
 
     def alike(self, sel: SparseGrad, group: dist.ProcessGroup | None = None) -> bool:
-        """Whether this call would show its checks, and a NaN a rank's message carries, alike
-        on every rank of ``group``: every rank decodes every message (:attr:`checks_alike`),
-        or, for a collective with a path where it does (DenseStream at P = 2), that path
-        runs for ``sel``. Every rank decides alike (``sel``'s size and dtype are checked alike
-        by the shape check)."""
-        return self.checks_alike
+        """Whether this call shows its checks, and a NaN one rank put in its message, alike on
+        every rank of ``group``: every rank decodes every rank's message (TopkA's all-gather;
+        DenseStream and Ok-Topk on their P = 2 path), so a caller needs no agreement
+        collective for them (the engine's step of such jobs makes none: engine/sync.py,
+        ``_agreement``). Every rank decides alike (``sel``'s size and dtype are checked alike
+        by the shape check). False by default."""
+        return False
 
     def rescale(self, factor: float) -> None:
         """The values are ``factor`` times larger from the next call on (a loss scale that

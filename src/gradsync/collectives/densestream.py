@@ -294,13 +294,15 @@ class DenseStreamAllreduce(Collective):
 
     def _exchange(self, part: SparseGrad, peer: int, comm: Comm, iw: int,
                   spans: tuple[tuple[int, int], tuple[int, int]],
-                  checks: list[tuple[torch.Tensor, str]]) -> SparseGrad:
-        """Send ``part`` to ``peer`` and receive its partition; ``spans``: the range received
-        ``(lo, hi)`` and the range of ``part``. Every stored position of what arrives
-        (``decode_stored``: zeros inside blocks too, harmless in a sum)."""
+                  checks: list[tuple[torch.Tensor, str]],
+                  enc: torch.Tensor | None = None) -> SparseGrad:
+        """Send ``part`` (``enc``: its encoding, when the caller made it) to ``peer`` and
+        receive its partition; ``spans``: the range received ``(lo, hi)`` and the range of
+        ``part``. Every stored position of what arrives (``decode_stored``: zeros inside blocks
+        too, harmless in a sum)."""
         (lo, hi), out = spans
-        buf, (head,) = self._swap([self._encode(part, iw)], peer, comm, part, iw,
-                                  ([(lo, hi)], [out]), checks)
+        buf, (head,) = self._swap([self._encode(part, iw) if enc is None else enc], peer, comm,
+                                  part, iw, ([(lo, hi)], [out]), checks)
         return dsfmt.decode_stored(buf, numel=part.numel, dtype=part.dtype, lo=lo, hi=hi,
                                    checks=checks, header=head)
 
@@ -383,10 +385,7 @@ class DenseStreamAllreduce(Collective):
         round, and both sums formed here (two contributions per index: the owners' bits)."""
         n, t = sel.numel, comm.stats.bytes_sent
         mine = self._encode(sel, iw)
-        buf, (head,) = self._swap([mine], 1 - comm.rank, comm, sel, iw, ([(0, n)], [(0, n)]),
-                                  checks)
-        theirs = dsfmt.decode_stored(buf, numel=n, dtype=sel.dtype, lo=0, hi=n, checks=checks,
-                                     header=head)
+        theirs = self._exchange(sel, 1 - comm.rank, comm, iw, ((0, n), (0, n)), checks, mine)
         # this rank's message checked as its peer checks it (:meth:`alike`), the checks in
         # the senders' order, so both ranks fail alike, with the same first message
         own: list[tuple[torch.Tensor, str]] = []

@@ -46,6 +46,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gradsync.collectives import registry
 from gradsync.collectives.base import CHECKS, Collective
@@ -69,8 +70,11 @@ HOST_CAPPED_MAX = 2**15
 class TopkA(Collective):
     """TopkA: all-gather-v of every rank's entries, then a scatter-add in rank order."""
 
-    checks_alike = True  # every rank unpacks the same P messages
     lazy_decode = True  # the fixed-capacity exchange can leave the sum's writing to the caller
+
+    def alike(self, sel: SparseGrad, group: dist.ProcessGroup | None = None) -> bool:
+        """Always: every rank unpacks the same P messages."""
+        return True
 
     def _reduce(
         self, sel: SparseGrad, comm: Comm, step: int, lazy: bool = False

@@ -2,9 +2,11 @@
 
 ``gradsync.schedule.schemes.get(cfg.scheme)`` names the scheme's sparse collective
 (``Scheme.collective``), the ``Config`` fields its constructor takes (``collective_options``:
-Ok-Topk sizes its buckets from ``density``) and the sparsifier it always uses (``sparsifier``:
-the Gaussian-k scheme runs Gaussian-k, as Ok-Topk's paper does; Ok-Topk selects locally by
-threshold reuse, exact every τ′ = ``Config.local_tau_prime`` steps, with the options
+Ok-Topk sizes its buckets from ``density``) with the row's fixed ones (``collective_kwargs``:
+Ok-Topk returns NaN sums, to which the engine applies ``Config.nonfinite``) and the
+sparsifier it always uses (``sparsifier``: the Gaussian-k scheme runs Gaussian-k, as Ok-Topk's
+paper does; Ok-Topk selects locally by threshold reuse, exact every τ′ =
+``Config.local_tau_prime`` steps, with the options
 ``sparsifier_options``/``sparsifier_config`` of its row; a 0 in such a field, or no
 ``sparsifier`` in the row, means ``Config.sparsifier``).
 
@@ -39,11 +41,8 @@ class Components:
             self.sparsifier_name = spec.sparsifier
             self.sparsifier_options = {**dict(spec.sparsifier_options), **config}
         self.collective_name = spec.collective
-        self.collective_options = {f: getattr(cfg, f) for f in spec.collective_options}
-        if "nonfinite" in self.collective_options:  # Config.nonfinite is the engine's, applied
-            # to the sums, alike on every rank: a collective that finds a NaN/Inf returns a sum
-            # of NaN for it (a rank's NaN rides in its message where no agreement word is made)
-            self.collective_options["nonfinite"] = "skip_step"
+        self.collective_options = {**dict(spec.collective_kwargs),
+                                   **{f: getattr(cfg, f) for f in spec.collective_options}}
         self.sparsifiers: dict[str, sparsify.Sparsifier] = {}
         self.collectives: dict[str, collectives.Collective] = {}
 

@@ -199,7 +199,7 @@ class JobResult:
     missing: int | None = None
     # its checks and a rank's non-finite flag (carried in the message) show alike on every
     # rank: an all-reduce, or a collective whose every rank decodes every message
-    # (Collective.checks_alike) at a capacity (SparseGrad.capacity); False: they need the
+    # (Collective.alike) and can carry a NaN (prepare.shows_alike); False: they need the
     # ranks' agreement word (GradSync._agreement)
     alike: bool = True
     # the collective left the sum's writing to the thread that reads it (Collective's

@@ -49,8 +49,10 @@ class Scheme:
         collective: the ``gradsync.collectives`` name sparse buffers are reduced with; dense
             buffers are always all-reduced.
         collective_options: ``Config`` fields passed to the collective's constructor under the
-            same name (Ok-Topk sizes its buckets from ``density``; its ``nonfinite`` is always
-            ``"skip_step"``: the engine applies ``Config.nonfinite`` to the sums itself).
+            same name (Ok-Topk sizes its buckets from ``density``).
+        collective_kwargs: fixed keyword arguments of that collective (Ok-Topk:
+            ``nonfinite="skip_step"``, a sum of NaN where it finds a NaN/Inf: the engine applies
+            ``Config.nonfinite`` to the sums itself, alike on every rank).
         sparsifier: the sparsifier this scheme always uses (the Gaussian-k scheme runs
             Gaussian-k, as Ok-Topk's paper does; Ok-Topk selects locally by threshold reuse,
             Algorithm 1 lines 2–4); ``None`` uses ``Config.sparsifier``.
@@ -82,6 +84,7 @@ class Scheme:
     planner: str
     collective: str = "topka"
     collective_options: tuple[str, ...] = ()
+    collective_kwargs: tuple[tuple[str, object], ...] = ()
     sparsifier: str | None = None
     sparsifier_options: tuple[tuple[str, object], ...] = ()
     sparsifier_config: tuple[tuple[str, str], ...] = ()
@@ -115,7 +118,8 @@ _TABLE = (
     Scheme("gtopk", "single", "gtopk", paper="Ok-Topk §2 'gTop-k' (Shi et al.)"),
     Scheme("gaussiank", "single", "topka", sparsifier="gaussiank",
            paper="Ok-Topk §2 'Gaussian-k' (Shi et al.)"),
-    Scheme("oktopk", "single", "oktopk", collective_options=("density", "nonfinite"),
+    Scheme("oktopk", "single", "oktopk", collective_options=("density",),
+           collective_kwargs=(("nonfinite", "skip_step"),),
            sparsifier="threshold", sparsifier_options=(("clock", "step"),),
            sparsifier_config=(("period", "local_tau_prime"),),
            paper="Ok-Topk §3, Algorithm 1 (local threshold reuse: lines 2–4)"),
