@@ -179,8 +179,9 @@ def test_dsa_traffic_boundaries_and_state_at_p4():
             return 32 + 8 + 4 * m
         # each message: the headers of its encodings (32 bytes each), then the encodings
         halving = (32 + block(2000)) + (32 + block(1000))
-        # the allgather forwards each region's own encoding: 1, then 2 regions of 1000
-        doubling = (32 + block(1000)) + (2 * 32 + 2 * block(1000))
+        # the allgather forwards each region's own encoding: 1, then 2 regions of 1000, each
+        # message led by its sender's verdict word (8 bytes)
+        doubling = (8 + 32 + block(1000)) + (8 + 2 * 32 + 2 * block(1000))
         assert o["phases"] == {"balanced_split": split, "fold": 0,
                                "scatter_reduce": halving, "allgather": doubling, "unfold": 0}
         assert o["sent"] == [shape_check + split + halving + doubling,
@@ -262,7 +263,7 @@ def _rank_corrupt(rank: int, world_size: int, n: int, plan: list[tuple[int, str]
         try:  # deferred: the result comes back with the failed check among `checks`
             res = _Corrupting(call, how, pair)(sel, step=0, deferred=checks)
             failed = [m for ok, m in checks if not bool(ok)]
-            out.append(("deferred", res.dense, failed))
+            out.append(("deferred", res.dense, failed, res.info["boundaries"].tolist()))
         except ValueError as e:
             out.append(("raised", str(e), None))
     return out
@@ -275,8 +276,9 @@ def test_malformed_messages_fail_the_receiving_rank_and_write_only_inside_the_se
     from the headers announced for it: the rank that received it raises ``ValueError`` naming
     the rule, after the collective completed (no peer is left waiting); with ``deferred`` the
     failed check comes back instead, and the result outside the sender's range is the exact
-    sum. A truncated message is refused at once. At P = 2 in one exchange (``pair``) the
-    one message is the sender's whole range."""
+    sum. In the phases its peer hears of a scatter-reduce message's fault in the allgather and
+    fails too ("another rank"). A truncated message is refused at once. At P = 2 in one
+    exchange (``pair``) the one message is the sender's whole range."""
     n, P = 2000, 2
     plan = [(0, "rule 1"), (0, "outside"), (0, "announced"), (1, "rule 1"), (1, "outside"),
             (1, "truncated")]
@@ -291,8 +293,17 @@ def test_malformed_messages_fail_the_receiving_rank_and_write_only_inside_the_se
     for j, (call, how) in enumerate(plan):
         strict, deferred = outs[0][2 * j], outs[0][2 * j + 1]
         assert strict[0] == "raised" and how in strict[1], (call, how, strict)
-        # rank 1 received nothing malformed
-        assert outs[1][2 * j][0] == "ok" and outs[1][2 * j + 1][2] == [], (call, how)
+        # rank 1 received nothing malformed; in the phases it hears rank 0's verdict on the
+        # scatter-reduce's message in the allgather (module doc, "Verdicts in the allgather"),
+        # and nothing of a fault in the allgather, the last round (one rank's link)
+        other, other_deferred = outs[1][2 * j], outs[1][2 * j + 1]
+        if call == 0 and not pair and how != "truncated":
+            heard = "densestream: another rank received a malformed message"
+            assert other[0] == "raised" and heard in other[1], (call, how, other)
+            assert other_deferred[0] == "deferred" and len(other_deferred[2]) == 1 and \
+                heard in other_deferred[2][0], (call, how, other_deferred)
+        else:
+            assert other[0] == "ok" and other_deferred[2] == [], (call, how)
         if how == "truncated":
             assert deferred[0] == "raised" and "truncated" in deferred[1]
             continue
@@ -300,9 +311,83 @@ def test_malformed_messages_fail_the_receiving_rank_and_write_only_inside_the_se
         if pair:  # the sender's range is the whole tensor
             continue
         # rank 0 kept region [0, B1) in the scatter-reduce and received region 1 = [B1, n)
-        b1 = outs[1][2 * j][2][1]
+        b1 = deferred[3][1]
         good = slice(b1, n) if call == 0 else slice(0, b1)
         torch.testing.assert_close(deferred[1][good].double(), ref[good])
+
+
+# -- verdicts in the allgather (module doc) ------------------------------------------------------
+def _rank_region_fault(rank: int, world_size: int, how: str) -> list[str]:
+    """At steps 0–2 a DenseStream allreduce in its phases; at step 1 the last rank encodes its
+    reduced region malformed (``how="region"``: its first value +0.0, as a faulty rank would)
+    or its verdict word reaches its peers as 7 (``"word"``: corrupted on the way, the sender's
+    own checks passed). Each step's outcome."""
+    import gradsync.formats.densestream as dsfmt
+
+    encode, coll = dsfmt.encode_announced, DenseStreamAllreduce(pair=False)
+    verdict, allgather, armed = coll._verdict, coll._allgather, [False]
+
+    def in_allgather(*args):  # the region's encoding, not the scatter-reduce's or the fold's
+        armed.append(True)
+        try:
+            return allgather(*args)
+        finally:
+            armed.pop()
+
+    def bad_encode(part, index_bytes=4):
+        enc, head = encode(part, index_bytes)
+        if armed[0] and len(armed) > 1 and enc.numel() > 32:
+            armed[0] = False
+            enc = enc.clone()
+            nb = int(enc[16:24].view(torch.int64))
+            enc[32 + 2 * nb * index_bytes:32 + 2 * nb * index_bytes + 4] = 0
+        return enc, head
+
+    def bad_verdict(checks, device):
+        word = verdict(checks, device)
+        return torch.full((1,), 7, dtype=torch.int64).view(torch.uint8) if armed[0] else word
+
+    if how == "region":
+        dsfmt.encode_announced, coll._allgather = bad_encode, in_allgather
+    else:
+        coll._verdict = bad_verdict
+    n, out = 4000, []
+    try:
+        for step in range(3):
+            g = torch.Generator().manual_seed(10 * rank + step)
+            idx = torch.randperm(n, generator=g)[:400].sort().values
+            sel = SparseGrad(idx, torch.randn(400, generator=g).abs_().add_(1), n)
+            armed[0] = step == 1 and rank == world_size - 1  # never folded away
+            try:
+                coll(sel, step=step)
+                out.append("ok")
+            except ValueError as e:
+                out.append(str(e))
+    finally:
+        dsfmt.encode_announced = encode
+    return out
+
+
+@pytest.mark.parametrize("P", [3, 4, 8])
+@pytest.mark.parametrize("how", ["region", "word"])
+def test_a_fault_on_one_rank_fails_every_rank_without_an_agreement_round(how, P):
+    """A rank whose reduced region is encoded malformed: every rank decodes that encoding
+    (its owner too, as its peers do), so every rank fails at that step, each with the rule or
+    with "another rank" where a verdict reached it first. A verdict word that is not 0 or 1
+    fails every rank that hears it, and through them every rank but its sender, whose checks
+    passed (a link's fault: docs/usage.md). The steps before and after pass: nothing hangs."""
+    outs = run_distributed(_rank_region_fault, P, how, timeout=240)
+    for rank, out in enumerate(outs):
+        assert out[0] == out[2] == "ok", (rank, out)
+        if how == "word" and rank == P - 1:
+            assert out[1] == "ok", out
+            continue
+        want = ("rule 1", "another rank received a malformed message") if how == "region" else \
+            ("not 0 or 1", "another rank received a malformed message")
+        assert any(w in out[1] for w in want), (rank, out)
+    # the rank that made the fault decodes its region as its peers do (region), and its first
+    # peer in the allgather hears the word (word): each names it
+    assert want[0] in outs[P - 1 if how == "region" else P - 2][1], outs
 
 
 # -- one round per exchange (gloo) -------------------------------------------------------------
@@ -375,8 +460,8 @@ def _rank_overclaim(rank: int, world_size: int, n: int, pair: bool) -> str:
 
         calls = 0
 
-        def _announced(self, ann, like):
-            heads, sizes = super()._announced(ann, like)
+        def _announced(self, ann, like, heard=None):
+            heads, sizes = super()._announced(ann, like, heard)
             self.calls += 1
             # the allgather's, the last exchange at P = 2 (the one exchange with ``pair``)
             if rank == 0 and self.calls == (1 if pair else 2):

@@ -577,15 +577,18 @@ def test_nonfinite_skip_step(scheme, bad_rank):
 
 
 @pytest.mark.usefixtures("kernels")
-@pytest.mark.accelerator_at(scheme=("densestream", "topka"))
-@pytest.mark.parametrize("scheme", ["densestream", "oktopk", "topka", "gaussiank"])
-def test_a_nonfinite_gradient_travels_in_a_message_every_rank_decodes(scheme):
-    """DenseStream and Ok-Topk at P = 2 (one exchange, each rank checks both messages), TopkA
-    and Gaussian-k's TopkA (no capacity: an empty selection gets an entry for the NaN): the
-    bad rank's NaN rides in its message, so both ranks raise at that step with no agreement
-    all-reduce, the bad one naming its tensor; residuals as before, training goes on. On an
-    accelerator's kernels too for the two whose messages have a capacity (DGC's)."""
-    out = run_distributed(_nonfinite, 2, "raise", 1, scheme, timeout=300)
+@pytest.mark.accelerator_at(scheme=("densestream", "topka"), P=2)
+@pytest.mark.parametrize(("scheme", "P"), [("densestream", 2), ("densestream", 3),
+                                           ("densestream", 4), ("oktopk", 2), ("topka", 2),
+                                           ("gaussiank", 2)])
+def test_a_nonfinite_gradient_travels_in_a_message_every_rank_decodes(scheme, P):
+    """DenseStream and Ok-Topk at P = 2 (one exchange, each rank checks both messages),
+    DenseStream in its phases (the NaN summed into its region's, which every rank decodes),
+    TopkA and Gaussian-k's TopkA (no capacity: an empty selection gets an entry for the NaN):
+    the bad rank's NaN rides in its message, so every rank raises at that step with no
+    agreement all-reduce, the bad one naming its tensor; residuals as before, training goes
+    on. On an accelerator's kernels too for the two whose messages have a capacity (DGC's)."""
+    out = run_distributed(_nonfinite, P, "raise", 1, scheme, timeout=300)
     for rank, res in enumerate(out):
         assert res[2][0] == "raised", (rank, res)
         assert ("net.1.weight" if rank == 1 else "another rank") in res[2][1], (rank, res)
@@ -806,10 +809,11 @@ def _corrupt_oktopk(rank, armed, who):
 
 def _malformed_on_one_rank(rank, world_size):
     """DenseStream in its phases (P > 2); at step 2 the last rank (never folded away: it swaps
-    messages at every P) receives a malformed one, as from a faulty link or peer."""
+    messages at every P) receives a malformed one in the scatter-reduce, as from a faulty link
+    or peer; the all-reduces steps 1 and 2 made in ``synchronize()``, as the last item."""
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme="densestream", density=0.1, warmup_steps=1))
-    armed = [False]
+    armed, reduces = [False], []
     undo = _corrupt_densestream(rank, armed, "link")
     out = []
     try:
@@ -821,7 +825,9 @@ def _malformed_on_one_rank(rank, world_size):
             model_loss(model, "cnn", x, y).backward()
             grads = [p.grad.clone() for p in model.parameters()]
             try:
-                sync.synchronize()
+                # step 0 also agrees on shapes and evaluates the boundaries (every τ steps)
+                with _counting_all_reduces(reduces if step else []):
+                    sync.synchronize()
                 out.append("applied")
             except ValueError as e:
                 untouched = all(torch.equal(g, p.grad)
@@ -829,18 +835,21 @@ def _malformed_on_one_rank(rank, world_size):
                 out.append((str(e), untouched))
     finally:  # the pool's ranks serve the next test
         undo()
-    return out
+    sync.close()
+    return [*out, len(reduces)]
 
 
 @pytest.mark.parametrize("P", [3, 4])
 def test_a_malformed_message_stops_every_rank_with_a_clear_error(P):
     """The rank whose collective received a malformed message raises its check's message; the
-    others raise too, at the same step (the engine's agreement carries the failure), instead of
-    waiting for it at the next collective. No ``.grad`` was written. (At P = 2 DenseStream
-    needs no agreement: the next test.)"""
+    others raise too, at the same step (its verdict reaches them in the allgather: module doc
+    of collectives/densestream.py), instead of waiting for it at the next collective, and no
+    step makes an agreement all-reduce. No ``.grad`` was written. (At P = 2 in one exchange:
+    the next test.)"""
     outs = run_distributed(_malformed_on_one_rank, P, timeout=240)
     for rank, out in enumerate(outs):
         assert out[:2] == ["applied", "applied"], (rank, out)
+        assert out[3] == 0, (rank, out)  # no agreement all-reduce, nor any other
         msg, untouched = out[2]
         assert untouched, (rank, msg)
         if rank == P - 1:

@@ -89,10 +89,10 @@ class Collective(ABC):
     def alike(self, sel: SparseGrad, group: dist.ProcessGroup | None = None) -> bool:
         """Whether this call shows its checks, and a NaN one rank put in its message, alike on
         every rank of ``group``: every rank decodes every rank's message (TopkA's all-gather;
-        DenseStream and Ok-Topk on their P = 2 path), so a caller needs no agreement
-        collective for them (the engine's step of such jobs makes none: engine/sync.py,
-        ``_agreement``). Every rank decides alike (``sel``'s size and dtype are checked alike
-        by the shape check). False by default."""
+        DenseStream, whose verdicts travel in its allgather; Ok-Topk on its P = 2 path), so a
+        caller needs no agreement collective for them (the engine's step of such jobs makes
+        none: engine/sync.py, ``_agreement``). Every rank decides alike (``sel``'s size and
+        dtype are checked alike by the shape check). False by default."""
         return False
 
     def rescale(self, factor: float) -> None:

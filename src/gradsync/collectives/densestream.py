@@ -56,6 +56,19 @@ scatter-reduce sums a message's every stored position, its zeros inside blocks i
 (adding +0.0 changes no value), so nothing is compacted on arrival. ``region_nnz`` and
 ``global_nnz`` stay on the device (0-dim tensors).
 
+**Verdicts in the allgather (ours).** A rank's checks of the messages it reduced (the fold,
+the scatter-reduce) would show on that rank only, so the engine's step would spend an
+agreement round telling the others. Instead every allgather message (and the unfold's) leads
+with its sender's verdict word, an int64 made on the device from the checks it holds so far
+(:meth:`~DenseStreamAllreduce._verdict`: 1 when one failed, a verdict heard included), read
+with the announcement it precedes: recursive doubling then carries every rank's verdict to
+every rank, as it would an all-reduce's, for 8 bytes a message and no round. A rank that hears
+a 1 appends a failed check ("another rank received a malformed message"). Each rank decodes
+the region it owns from the encoding it sends, as its peers do, so a malformed encoding fails
+every rank alike; and a rank's NaN (``prepare.carry``) is summed into its region's owner's
+sum, which every rank decodes. What one rank alone receives corrupted in the allgather's last
+round or the unfold (a fault of its link) fails that rank only (docs/usage.md).
+
 **P = 2 in one exchange (ours, ``pair=True``, the default).** At P = 2 the scatter-reduce
 sends the peer the half of the selection in its region and the allgather brings back its
 reduced half, whose nonzeros are the union's: two rounds, and every τ steps the boundaries'
@@ -93,6 +106,12 @@ from gradsync.sparsegrad import SparseGrad, densify, sparse_sum
 __all__ = ["DenseStreamAllreduce"]
 
 _HEAD = dsfmt.HEADER_BYTES  # an encoding's header, which announces it
+# The verdict word ahead of an allgather or unfold message's announcement (module doc,
+# "Verdicts in the allgather"): int64, 1 when its sender or a rank it heard from received a
+# malformed message, else 0.
+_WORD = 8
+_ANOTHER = ("densestream: another rank received a malformed message (its error names the "
+            "check)")
 # The largest receive buffer posted for a message of unknown length (module doc): above it, the
 # message is announced first, in a round of its own.
 BOUNDED_MAX = 64 * 2**20
@@ -175,10 +194,20 @@ class DenseStreamAllreduce(Collective):
         return dsfmt.encode(part, index_bytes=iw)  # an empty part: its bare header
 
     @staticmethod
-    def _announced(ann: torch.Tensor, like: SparseGrad) -> tuple[list[bytes], list[int]]:
+    def _announced(ann: torch.Tensor, like: SparseGrad,
+                   heard: list[tuple[torch.Tensor, str]] | None = None
+                   ) -> tuple[list[bytes], list[int]]:
         """The headers a peer announced (one read) and the sizes of their encodings, checked
-        (which bounds what is allocated for them)."""
+        (which bounds what is allocated for them). ``heard``: the announcement begins with the
+        sender's verdict word, whose failure (some rank received a malformed message) is
+        appended to ``heard``, the caller's checks, as a check that failed."""
         raw = ann.cpu().numpy().tobytes()
+        if heard is not None:
+            verdict, raw = int.from_bytes(raw[:_WORD], "little", signed=True), raw[_WORD:]
+            if verdict:
+                heard.append((torch.zeros((), dtype=torch.bool, device=ann.device),
+                              _ANOTHER if verdict == 1 else
+                              f"densestream: a peer's verdict word is {verdict}, not 0 or 1"))
         heads = [raw[at:at + _HEAD] for at in range(0, len(raw), _HEAD)]
         try:
             sizes = [dsfmt.announced_size(h, numel=like.numel, dtype=like.dtype) for h in heads]
@@ -209,12 +238,25 @@ class DenseStreamAllreduce(Collective):
         return buf
 
     @staticmethod
-    def _message(pieces: list[torch.Tensor]) -> torch.Tensor:
-        """The encodings ``pieces`` as one message: their headers (the announcement), then the
-        encodings, unless every one is a bare header (module doc)."""
+    def _message(pieces: list[torch.Tensor], word: torch.Tensor | None = None) -> torch.Tensor:
+        """The encodings ``pieces`` as one message: the verdict ``word`` if given and their
+        headers (the announcement), then the encodings, unless every one is a bare header
+        (module doc)."""
         heads = [p[:_HEAD] for p in pieces]
+        if word is not None:
+            heads.insert(0, word)
         bare = sum(p.numel() for p in pieces) == _HEAD * len(pieces)
         return torch.cat(heads if bare else heads + pieces)
+
+    @staticmethod
+    def _verdict(checks: list[tuple[torch.Tensor, str]], device: torch.device) -> torch.Tensor:
+        """This rank's verdict word (module doc, "Verdicts in the allgather"), on the device:
+        1 when a check made so far failed (a message it received, a verdict it heard), else
+        0. Nothing is read."""
+        word = torch.zeros(1, dtype=torch.int64, device=device)
+        if checks:
+            word = (~torch.stack([ok.reshape(()) for ok, _ in checks]).all()).long().reshape(1)
+        return word.view(torch.uint8)
 
     @staticmethod
     def _one_round(comm: Comm, like: SparseGrad, iw: int,
@@ -227,18 +269,20 @@ class DenseStreamAllreduce(Collective):
 
     def _bounded(self, msg: torch.Tensor | None, dst: int, src: int, comm: Comm,
                  like: SparseGrad, iw: int, spans: list[tuple[int, int]],
-                 checks: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, list[bytes]]:
+                 checks: list[tuple[torch.Tensor, str]], worded: bool = False
+                 ) -> tuple[torch.Tensor, list[bytes]]:
         """Send ``msg`` (None: nothing) to ``dst`` and receive the one-message encodings of
-        ``spans`` from ``src``, into a buffer that holds any well-formed one (one round).
-        Returns the received encodings (or the announcement alone) and their headers."""
-        m = len(spans)
-        buf = torch.empty(_bound(spans, iw, like.values.element_size()), dtype=torch.uint8,
+        ``spans`` from ``src`` (``worded``: after the sender's verdict word), into a buffer that
+        holds any well-formed one (one round). Returns the received encodings (or the
+        announcement alone) and their headers."""
+        m, w = len(spans), _WORD if worded else 0
+        buf = torch.empty(w + _bound(spans, iw, like.values.element_size()), dtype=torch.uint8,
                           device=like.device)
         got: dict[str, Any] = {}
 
         def size_of(b: torch.Tensor) -> int:  # the announcement: one read
-            heads, sizes = self._announced(b[:m * _HEAD], like)
-            n = m * _HEAD + (0 if sum(sizes) == m * _HEAD else sum(sizes))
+            heads, sizes = self._announced(b[:w + m * _HEAD], like, checks if worded else None)
+            n = w + m * _HEAD + (0 if sum(sizes) == m * _HEAD else sum(sizes))
             if n > b.numel():
                 raise ValueError(f"densestream: a peer announced {n} bytes for ranges that hold "
                                  f"at most {b.numel()}")
@@ -246,47 +290,53 @@ class DenseStreamAllreduce(Collective):
             return n
 
         comm.sendrecv_bounded(msg, dst, buf, src, size_of)
-        ann, n = buf[:m * _HEAD], got["n"]
-        return (self._match(None if n == m * _HEAD else buf[m * _HEAD:n], ann, got["sizes"],
-                            checks), got["heads"])
+        ann, n = buf[w:w + m * _HEAD], got["n"]
+        return (self._match(None if n == w + m * _HEAD else buf[w + m * _HEAD:n], ann,
+                            got["sizes"], checks), got["heads"])
 
     def _swap(self, pieces: list[torch.Tensor], peer: int, comm: Comm, like: SparseGrad,
               iw: int, spans: tuple[list[tuple[int, int]], list[tuple[int, int]]],
-              checks: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, list[bytes]]:
+              checks: list[tuple[torch.Tensor, str]], word: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, list[bytes]]:
         """Send the encodings ``pieces`` to ``peer`` and receive as many; ``spans``: the ranges
-        of those received and of those sent. One round where :meth:`_one_round` allows,
-        else the headers first, then the encodings (each side only when not bare). Returns
-        the received message and its headers."""
+        of those received and of those sent; ``word``: this rank's verdict word, sent ahead
+        of the announcement (the peer sends its own). One round where :meth:`_one_round`
+        allows, else the announcement first, then the encodings (each side only when not
+        bare). Returns the received message and its headers."""
         if self._one_round(comm, like, iw, *spans):
-            return self._bounded(self._message(pieces), peer, peer, comm, like, iw, spans[0],
-                                 checks)
-        ann = torch.empty(_HEAD * len(pieces), dtype=torch.uint8, device=like.device)
-        comm.sendrecv(torch.cat([p[:_HEAD] for p in pieces]), peer, ann, peer)
-        heads, sizes = self._announced(ann, like)
+            return self._bounded(self._message(pieces, word), peer, peer, comm, like, iw,
+                                 spans[0], checks, word is not None)
+        w = 0 if word is None else _WORD
+        ann = torch.empty(w + _HEAD * len(pieces), dtype=torch.uint8, device=like.device)
+        comm.sendrecv(self._message([p[:_HEAD] for p in pieces], word), peer, ann, peer)
+        heads, sizes = self._announced(ann, like, None if word is None else checks)
+        ann = ann[w:]
         buf = self._payload(ann, sizes, like)
         bare = sum(p.numel() for p in pieces) == _HEAD * len(pieces)
         comm.sendrecv(None if bare else torch.cat(pieces), peer, buf, peer)
         return self._match(buf, ann, sizes, checks), heads
 
     def _send(self, pieces: list[torch.Tensor], peer: int, comm: Comm, like: SparseGrad,
-              iw: int, spans: list[tuple[int, int]]) -> None:
+              iw: int, spans: list[tuple[int, int]], word: torch.Tensor | None = None) -> None:
         """:meth:`_swap`'s sending half alone (``spans``: the ranges of ``pieces``)."""
         if self._one_round(comm, like, iw, spans):
-            comm.send(self._message(pieces), peer)
+            comm.send(self._message(pieces, word), peer)
             return
-        comm.send(torch.cat([p[:_HEAD] for p in pieces]), peer)
+        comm.send(self._message([p[:_HEAD] for p in pieces], word), peer)
         if sum(p.numel() for p in pieces) > _HEAD * len(pieces):
             comm.send(torch.cat(pieces), peer)
 
     def _recv(self, spans: list[tuple[int, int]], like: SparseGrad, iw: int, peer: int,
-              comm: Comm, checks: list[tuple[torch.Tensor, str]]
+              comm: Comm, checks: list[tuple[torch.Tensor, str]], worded: bool = False
               ) -> tuple[torch.Tensor, list[bytes]]:
         """:meth:`_swap`'s receiving half alone (``spans``: the ranges of what arrives)."""
         if self._one_round(comm, like, iw, spans):
-            return self._bounded(None, peer, peer, comm, like, iw, spans, checks)
-        ann = torch.empty(_HEAD * len(spans), dtype=torch.uint8, device=like.device)
+            return self._bounded(None, peer, peer, comm, like, iw, spans, checks, worded)
+        w = _WORD if worded else 0
+        ann = torch.empty(w + _HEAD * len(spans), dtype=torch.uint8, device=like.device)
         comm.recv(ann, peer)
-        heads, sizes = self._announced(ann, like)
+        heads, sizes = self._announced(ann, like, checks if worded else None)
+        ann = ann[w:]
         buf = self._payload(ann, sizes, like)
         if buf is not None:
             comm.recv(buf, peer)
@@ -317,14 +367,13 @@ class DenseStreamAllreduce(Collective):
                                        checks, heads)
 
     def alike(self, sel: SparseGrad, group: dist.ProcessGroup | None = None) -> bool:
-        """At P = 2 in one exchange (:meth:`_reduce_pair`) each rank validates both messages,
-        the one it sent as its peer does, and sums both: its checks and a NaN either message
-        carries show alike on both ranks, and the step needs no agreement word."""
-        if not self.pair:
-            return False
-        comm = Comm(group)
-        return comm.size == 2 and self._one_round(
-            comm, sel, self.index_bytes or wire_index_bytes(sel.numel), [(0, sel.numel)])
+        """Always: at P = 2 in one exchange (:meth:`_reduce_pair`) each rank validates both
+        messages, the one it sent as its peer does, and sums both; in the phases every rank's
+        verdict on the messages it reduced reaches every rank in the allgather, and each rank
+        validates the region it encoded as its peers do (module doc, "Verdicts in the
+        allgather"). A NaN a message carries is in every rank's sum. So the step needs no
+        agreement word."""
+        return True
 
     # -- Algorithm 2 ------------------------------------------------------------------------
     def _reduce(
@@ -367,9 +416,10 @@ class DenseStreamAllreduce(Collective):
         every = [(bounds[q], bounds[q + 1]) for q in range(p2)]
         if r < 2 * rem:
             if r % 2 == 1:
-                self._send([held[q] for q in sorted(held)], r - 1, comm, sel, iw, every)
+                self._send([held[q] for q in sorted(held)], r - 1, comm, sel, iw, every,
+                           self._verdict(checks, sel.device))
             else:
-                buf, heads = self._recv(every, sel, iw, r + 1, comm, checks)
+                buf, heads = self._recv(every, sel, iw, r + 1, comm, checks, worded=True)
                 dense = torch.zeros(n, dtype=sel.dtype, device=sel.device)
                 _, global_nnz = self._write(buf, heads, dense, range(p2), bounds, checks)
         mark("unfold", t)
@@ -452,11 +502,14 @@ class DenseStreamAllreduce(Collective):
         """Allgather by recursive doubling (Alg. 2 line 18): my 2^t regions for my partner's
         2^t regions. Each region travels as its owner encoded it, the encodings back to back
         (forwarded, never re-encoded); every region is validated, range-checked and decoded
-        straight into the result on arrival (the regions are disjoint). Returns ``dense``,
-        the encodings held (every region's), and the nonzeros written in all
-        (``region_nnz``: region ``me``'s)."""
-        dense = densify([(acc.indices, acc.values)], sel.numel, sel.dtype, sel.device)
-        held = {me: dsfmt.encode(acc, index_bytes=iw)}
+        straight into the result on arrival (the regions are disjoint). Each message leads with
+        the sender's verdict word (module doc). Region ``me`` is decoded from the encoding sent,
+        as the peers decode it (the same checks, the same bits). Returns ``dense``, the
+        encodings held (every region's), and the nonzeros written in all (``region_nnz``:
+        region ``me``'s)."""
+        dense = torch.zeros(sel.numel, dtype=sel.dtype, device=sel.device)
+        mine, head = dsfmt.encode_announced(acc, index_bytes=iw)
+        held = {me: mine}
         global_nnz = region_nnz.clone()                 # what the others decode of it
         d = 1
         while d < p2:
@@ -466,11 +519,12 @@ class DenseStreamAllreduce(Collective):
             spans = ([(bounds[q], bounds[q + 1]) for q in range(plo, plo + d)],
                      [(bounds[q], bounds[q + 1]) for q in range(mlo, mlo + d)])
             buf, heads = self._swap([held[q] for q in sorted(held)], _real(peer, rem), comm,
-                                    sel, iw, spans, checks)
+                                    sel, iw, spans, checks, self._verdict(checks, sel.device))
             pieces, got = self._write(buf, heads, dense, range(plo, plo + d), bounds, checks)
             held.update(zip(range(plo, plo + d), pieces, strict=True))
             global_nnz += got
             d *= 2
+        self._write(mine, [head], dense, range(me, me + 1), bounds, checks)
         return dense, held, global_nnz
 
     # -- state ---------------------------------------------------------------------------

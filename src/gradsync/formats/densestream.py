@@ -62,7 +62,8 @@ from gradsync.formats.wire import (
     check_int,
     dtype_code,
     header_bytes,
-    pack_header,
+    header_raw,
+    header_tensor,
     unpack_header,
     view_as,
 )
@@ -70,7 +71,7 @@ from gradsync.sparsegrad import SparseGrad, flatnonzero, host_kernels, put_at
 from gradsync.sparsify.segments import pays_on
 
 __all__ = ["HEADER_BYTES", "MAGIC", "announced_size", "blocks", "decode", "decode_into",
-           "decode_stored", "encode", "max_zero_run", "size_bytes", "split",
+           "decode_stored", "encode", "encode_announced", "max_zero_run", "size_bytes", "split",
            "split_decode_into"]
 
 MAGIC = b"GSDS"
@@ -228,6 +229,14 @@ def encode(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4) -> tor
     length, which then size every compaction), also when entries hold +0.0 (a sum's stored
     zeros, in DenseStream's allreduce) where a read waits for the device; on the CPU two then
     (:func:`_nonzero_layout`)."""
+    return encode_announced(sel_or_dense, index_bytes)[0]
+
+
+def encode_announced(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4
+                     ) -> tuple[torch.Tensor, bytes]:
+    """:func:`encode`, and the encoding's header on the host (its bytes, known while encoding:
+    no read), for a caller that announces or validates it (:func:`split_decode_into`'s
+    ``headers``)."""
     idx, val, n = _candidates(sel_or_dense)
     idx_dtype = check_index_bytes(index_bytes, n)
     vb = val.element_size()
@@ -235,18 +244,17 @@ def encode(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4) -> tor
     z = max_zero_run(index_bytes, vb)
     bits = BITS_DTYPES[vb]
     vbits = val.contiguous().view(bits)
-    if idx.numel() == 0:
-        return pack_header(MAGIC, index_bytes, dtype_code(val.dtype), n, 0, 0, device=dev)
-    found = _nonzero_layout(idx, vbits, z)
+    bare = header_raw(MAGIC, index_bytes, dtype_code(val.dtype), n, 0, 0)
+    found = None if idx.numel() == 0 else _nonzero_layout(idx, vbits, z)
     if found is None:
-        return pack_header(MAGIC, index_bytes, dtype_code(val.dtype), n, 0, 0, device=dev)
+        return header_tensor(bare, dev), bare
     idx, vbits, cuts, last, at, pos = found
     starts, lengths = _blocks_at(idx, at)
     nb, total = cuts + 1, last + 1
     vals_at = HEADER_BYTES + 2 * nb * index_bytes  # a multiple of 8: every view is aligned
     out = torch.empty(vals_at + total * vb, dtype=torch.uint8, device=dev)
-    out[:HEADER_BYTES] = pack_header(MAGIC, index_bytes, dtype_code(val.dtype), n, nb, total,
-                                     device=dev)
+    head = header_raw(MAGIC, index_bytes, dtype_code(val.dtype), n, nb, total)
+    out[:HEADER_BYTES] = header_tensor(head, dev)
     out[HEADER_BYTES:HEADER_BYTES + nb * index_bytes].view(idx_dtype).copy_(starts)
     out[HEADER_BYTES + nb * index_bytes:vals_at].view(idx_dtype).copy_(lengths)
     # Values move as their bit patterns (integer views: a float kernel may quieten NaN
@@ -254,7 +262,7 @@ def encode(sel_or_dense: SparseGrad | torch.Tensor, index_bytes: int = 4) -> tor
     stream = out[vals_at:].view(bits)
     stream.zero_()
     stream.scatter_(0, pos, vbits)
-    return out
+    return out, head
 
 
 def _structure_error(starts: torch.Tensor, lengths: torch.Tensor, n: int, total: int) -> str:

@@ -56,6 +56,8 @@ __all__ = [
     "entry_bytes",
     "fixed_entries_bytes",
     "header_bytes",
+    "header_raw",
+    "header_tensor",
     "pack_bits",
     "pack_entries",
     "pack_entries_capped",
@@ -175,11 +177,20 @@ def header_bytes(n_fields: int) -> int:
     return 8 + 8 * n_fields
 
 
+def header_raw(magic: bytes, index_bytes: int, code: int, *fields: int) -> bytes:
+    """:func:`pack_header`'s bytes, on the host."""
+    return struct.pack("<4sBBBB" + "q" * len(fields), magic, VERSION, index_bytes, code, 0,
+                       *fields)
+
+
 def pack_header(magic: bytes, index_bytes: int, code: int, *fields: int,
                 device: torch.device | str = "cpu") -> torch.Tensor:
     """``magic, version, index width, dtype code, 0`` followed by int64 ``fields``."""
-    raw = struct.pack("<4sBBBB" + "q" * len(fields), magic, VERSION, index_bytes, code, 0,
-                      *fields)
+    return header_tensor(header_raw(magic, index_bytes, code, *fields), device)
+
+
+def header_tensor(raw: bytes, device: torch.device | str = "cpu") -> torch.Tensor:
+    """A header's bytes (:func:`header_raw`) as a uint8 tensor on ``device``."""
     return torch.frombuffer(bytearray(raw), dtype=torch.uint8).to(device)
 
 
