@@ -579,11 +579,12 @@ def test_nonfinite_skip_step(scheme, bad_rank):
 @pytest.mark.usefixtures("kernels")
 @pytest.mark.accelerator_at(scheme=("densestream", "topka"), P=2)
 @pytest.mark.parametrize(("scheme", "P"), [("densestream", 2), ("densestream", 3),
-                                           ("densestream", 4), ("oktopk", 2), ("topka", 2),
-                                           ("gaussiank", 2)])
+                                           ("densestream", 4), ("oktopk", 2), ("oktopk", 3),
+                                           ("oktopk", 4), ("topka", 2), ("gaussiank", 2)])
 def test_a_nonfinite_gradient_travels_in_a_message_every_rank_decodes(scheme, P):
     """DenseStream and Ok-Topk at P = 2 (one exchange, each rank checks both messages),
     DenseStream in its phases (the NaN summed into its region's, which every rank decodes),
+    Ok-Topk in its rounds (the bad rank's flag in its head, which every rank reads),
     TopkA and Gaussian-k's TopkA (no capacity: an empty selection gets an entry for the NaN):
     the bad rank's NaN rides in its message, so every rank raises at that step with no
     agreement all-reduce, the bad one naming its tensor; residuals as before, training goes
@@ -807,14 +808,35 @@ def _corrupt_oktopk(rank, armed, who):
     return lambda: setattr(ok.Comm, "all_gather_bounded", gather)
 
 
-def _malformed_on_one_rank(rank, world_size):
-    """DenseStream in its phases (P > 2); at step 2 the last rank (never folded away: it swaps
-    messages at every P) receives a malformed one in the scatter-reduce, as from a faulty link
-    or peer; the all-reduces steps 1 and 2 made in ``synchronize()``, as the last item."""
+def _corrupt_oktopk_peer(rank, armed):
+    """Patches Ok-Topk so that, while ``armed``, the first peer message this rank unpacks
+    (split and reduce's) holds an index below its region. Returns a function that undoes it."""
+    import gradsync.collectives.oktopk as ok
+
+    unpack = ok.unpack_entries
+
+    def bad(buf, count, *args):
+        i, v = unpack(buf, count, *args)
+        if armed[0] and i.numel():
+            armed[0] = False
+            i = i.clone()
+            i[0] = -3
+        return i, v
+
+    ok.unpack_entries = bad
+    return lambda: setattr(ok, "unpack_entries", unpack)
+
+
+def _malformed_on_one_rank(rank, world_size, scheme):
+    """DenseStream in its phases, Ok-Topk in its rounds (P > 2); at step 2 the last rank
+    (never folded away: it swaps messages at every P) receives a malformed message in the
+    scatter-reduce (split and reduce), as from a faulty link or peer; the all-reduces steps 1
+    and 2 made in ``synchronize()``, as the last item."""
     model = build("mlp", seed=1)
-    sync = GradSync(model, Config(scheme="densestream", density=0.1, warmup_steps=1))
+    sync = GradSync(model, Config(scheme=scheme, density=0.1, warmup_steps=1))
     armed, reduces = [False], []
-    undo = _corrupt_densestream(rank, armed, "link")
+    undo = (_corrupt_densestream(rank, armed, "link") if scheme == "densestream" else
+            _corrupt_oktopk_peer(rank, armed))
     out = []
     try:
         for step in range(3):
@@ -839,21 +861,22 @@ def _malformed_on_one_rank(rank, world_size):
     return [*out, len(reduces)]
 
 
+@pytest.mark.parametrize("scheme", ["densestream", "oktopk"])
 @pytest.mark.parametrize("P", [3, 4])
-def test_a_malformed_message_stops_every_rank_with_a_clear_error(P):
+def test_a_malformed_message_stops_every_rank_with_a_clear_error(P, scheme):
     """The rank whose collective received a malformed message raises its check's message; the
-    others raise too, at the same step (its verdict reaches them in the allgather: module doc
-    of collectives/densestream.py), instead of waiting for it at the next collective, and no
-    step makes an agreement all-reduce. No ``.grad`` was written. (At P = 2 in one exchange:
-    the next test.)"""
-    outs = run_distributed(_malformed_on_one_rank, P, timeout=240)
+    others raise too, at the same step (its verdict reaches them in the allgather, or in
+    Ok-Topk's heads: the module docs of collectives/densestream.py and oktopk.py), instead of
+    waiting for it at the next collective, and no step makes an agreement all-reduce. No
+    ``.grad`` was written. (At P = 2 in one exchange: the next test.)"""
+    outs = run_distributed(_malformed_on_one_rank, P, scheme, timeout=240)
     for rank, out in enumerate(outs):
         assert out[:2] == ["applied", "applied"], (rank, out)
         assert out[3] == 0, (rank, out)  # no agreement all-reduce, nor any other
         msg, untouched = out[2]
         assert untouched, (rank, msg)
         if rank == P - 1:
-            assert "rule 1" in msg, msg
+            assert ("rule 1" if scheme == "densestream" else "a peer's entries") in msg, msg
         else:
             assert "another rank received a malformed message" in msg, (rank, msg)
 

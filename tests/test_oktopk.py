@@ -361,7 +361,7 @@ def _tampered(rank: int, world: int, where: str) -> dict:
     sel = SparseGrad.from_indices(x, x.abs().topk(50).indices)
     if where == "gathered":  # the allgatherv's blocks, or its bounded ones with their heads
         real, real_bounded = comm_mod.Comm.all_gather_v, comm_mod.Comm.all_gather_bounded
-        head = (3 + world) * 8
+        head = (4 + world) * 8
 
         def corrupt(blocks, skip):
             first = next(b for b in blocks if b.numel() > skip)
@@ -392,17 +392,20 @@ def _tampered(rank: int, world: int, where: str) -> dict:
             ok_mod.unpack_entries = real_unpack
 
 
-@pytest.mark.parametrize("world", [2, 3])
+@pytest.mark.parametrize("world", [2, 3, 5])  # 5: the counts in an all-gather of their own
 def test_malformed_wire_indices_raise_and_write_nowhere(world):
     """Ok-Topk checks the indices it receives on the device (no read; the caller reads the
     checks with its own) and moves a bad one into range before writing: an index outside the
     tensor in the gathered selection raises on every rank, one below rank 0's region in a
-    peer's message raises on rank 0; neither crashes in a scatter."""
+    peer's message raises on rank 0, and on the others through rank 0's verdict in its head
+    (module doc, 7.); neither crashes in a scatter."""
     out = run_distributed(_tampered, world, "gathered")
     assert all(o["error"] is not None and "gathered global selection" in o["error"]
                for o in out), out
     out = run_distributed(_tampered, world, "peer")
     assert out[0]["error"] is not None and "a peer's entries" in out[0]["error"], out
+    assert all("another rank received a malformed message (ranks [0]" in o["error"]
+               for o in out[1:]), out
 
 
 # -- indices above 2**24 (float32 cannot hold them) ------------------------------------------
@@ -715,10 +718,11 @@ def _one_call(rank: int, owner: type, name: str, replacement, pair: bool = False
 def test_a_count_beyond_the_region_fails_the_receiving_rank():
     """A message that announces more entries than the receiver's region can hold fails that
     rank's checks (``ValueError`` naming the sender) once the collective is done: nothing is
-    unpacked from it, and its peer, which received well-formed messages, finishes."""
+    unpacked from it, and its peer, which received well-formed messages, finishes the call and
+    fails too, told by the receiver's verdict in its head (module doc, 7.)."""
     out = run_distributed(_overcounted, 2, timeout=120)
     assert "rank 1's message announces 10000 entries" in out[0], out
-    assert out[1] == "ok", out
+    assert "another rank received a malformed message (ranks [0]" in out[1], out
 
 
 # -- the counts inside the allgatherv's blocks (gloo, P <= balance_factor) ----------------------

@@ -22,7 +22,7 @@ from gradsync.collectives.comm import Comm, CommStats
 from gradsync.formats.wire import DTYPE_CODES
 from gradsync.sparsegrad import SparseGrad
 
-__all__ = ["CHECKS", "Collective", "SyncResult", "raise_failed"]
+__all__ = ["CHECKS", "Collective", "SyncResult", "any_failed", "raise_failed"]
 
 #: the key of ``_reduce``'s info under which a collective leaves checks made on the device:
 #: a list of ``(ok, message)``, ``ok`` a bool tensor (``Collective.__call__``)
@@ -43,6 +43,14 @@ def raise_failed(checks: list[tuple[torch.Tensor, str]]) -> None:
     for ok, (_, message) in zip(oks, checks):
         if not ok:
             raise ValueError(message)
+
+
+def any_failed(checks: list[tuple[torch.Tensor, str]], device: torch.device) -> torch.Tensor:
+    """Whether any of ``checks`` failed: a bool on ``device``, nothing read (a rank's verdict
+    that travels to its peers: DenseStream's allgather, Ok-Topk's heads)."""
+    if not checks:
+        return torch.zeros((), dtype=torch.bool, device=device)
+    return ~torch.stack([ok.reshape(()).to(torch.bool) for ok, _ in checks]).all()
 
 
 @dataclass
@@ -89,7 +97,7 @@ class Collective(ABC):
     def alike(self, sel: SparseGrad, group: dist.ProcessGroup | None = None) -> bool:
         """Whether this call shows its checks, and a NaN one rank put in its message, alike on
         every rank of ``group``: every rank decodes every rank's message (TopkA's all-gather;
-        DenseStream, whose verdicts travel in its allgather; Ok-Topk on its P = 2 path), so a
+        DenseStream, whose verdicts travel in its allgather; Ok-Topk on the CPU, in its heads), so a
         caller needs no agreement collective for them (the engine's step of such jobs makes
         none: engine/sync.py, ``_agreement``). Every rank decides alike (``sel``'s size and
         dtype are checked alike by the shape check). False by default."""

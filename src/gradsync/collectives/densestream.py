@@ -96,7 +96,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.collectives import registry
-from gradsync.collectives.base import CHECKS, Collective
+from gradsync.collectives.base import CHECKS, Collective, any_failed
 from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats import densestream as dsfmt
@@ -253,10 +253,7 @@ class DenseStreamAllreduce(Collective):
         """This rank's verdict word (module doc, "Verdicts in the allgather"), on the device:
         1 when a check made so far failed (a message it received, a verdict it heard), else
         0. Nothing is read."""
-        word = torch.zeros(1, dtype=torch.int64, device=device)
-        if checks:
-            word = (~torch.stack([ok.reshape(()) for ok, _ in checks]).all()).long().reshape(1)
-        return word.view(torch.uint8)
+        return any_failed(checks, device).long().reshape(1).view(torch.uint8)
 
     @staticmethod
     def _one_round(comm: Comm, like: SparseGrad, iw: int,

@@ -61,6 +61,16 @@ e.g. a top-k or a threshold-reuse sparsifier). This collective implements lines 
    P = 2 in one exchange"). Each rank also checks its own block as its peer does
    (:meth:`OkTopk.alike`), so both ranks hold both blocks' checks and flags, and the engine's
    step spends no agreement word either (speed.md, "One round fewer").
+7. **Verdicts in the heads** (ours). A rank's checks of the messages it reduced in split and
+   reduce would show on that rank only, and the engine's step would spend an agreement round
+   telling the others. Each region owner's head (the counts' all-gather, or its block in
+   step 4) carries its verdict instead, a word made on the device from its checks (1 when
+   one failed): every rank reads every head, so every rank fails that step alike ("another
+   rank received a malformed message"), for 8 bytes a rank and no round. Every rank unpacks
+   every block of the global selection, its own included, and on the CPU's kernels counts its
+   own entries in it itself (free there) instead of checking the owners' counts, so
+   :meth:`OkTopk.alike` holds there at every P. What one rank alone receives corrupted in the
+   allgather (a fault of its link) fails that rank only (docs/usage.md).
 
 Host reads. The indices received (the peers' split-and-reduce messages, the gathered global
 selection) are checked on the device: a bad one is moved into range with its value zeroed
@@ -101,7 +111,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.collectives import registry
-from gradsync.collectives.base import CHECKS, Collective
+from gradsync.collectives.base import CHECKS, Collective, any_failed
 from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats.wire import (
@@ -294,8 +304,6 @@ class OkTopk(Collective):
         eb = entry_bytes(wire, sel.dtype)
         if self.pair and self._pair(comm, n, eb, sel.indices):  # P = 2 (module doc, 6.)
             return self._reduce_pair(sel, comm, step, k, wire, eb)
-        # NaN/Inf in the selection: a flag on the device, read with the counts below
-        bad = _nonfinite_flag(sel.values)
 
         # Lines 5–7: balanced split, boundaries re-evaluated every τ steps.
         new_bounds = due(step, st["boundary_step"], self.tau)
@@ -309,14 +317,11 @@ class OkTopk(Collective):
         r_idx, r_val, received, sources = self._split_and_reduce(sel, edges, edges_dev, comm,
                                                                  wire, eb, checks)
         mags = r_val.abs().to(torch.float32)
-        # A non-finite reduced value (NaN received, or an fp16/bf16 overflow of the sum).
-        bad_sum = _nonfinite_flag(mags)
 
         # Lines 9–12: global threshold θ, exact every τ′ steps, reused (and nudged) in between;
         # line 13: data balancing (if the largest count > 4× the mean), then allgatherv. The
         # counts travel in an all-gather of their own, or inside the allgatherv's blocks.
-        heads = functools.partial(self._heads, r_idx=r_idx, sources=sources, region=region,
-                                  P=P, bad=bad, bad_sum=bad_sum)
+        heads = self._head_words(sel, r_idx, mags, sources, region, P, checks)
         inline = self._counts_inline(comm, edges, eb, sel.indices)
         if inline:
             theta, reason = self._theta(mags, k, comm, step)
@@ -327,13 +332,14 @@ class OkTopk(Collective):
         else:
             theta, reason, mask, cb, why = self._global_threshold(
                 mags, k, comm, step, lambda m: comm.all_gather(heads(m)).tolist())
+        self._heard(cb, checks, dev)
         if why is not None:  # non-finite, and ``nonfinite="skip_step"``
             nan = torch.full((n,), math.nan, dtype=sel.dtype, device=dev)
             return nan, sel.indices[:0], {"k": k, "nonfinite": why, CHECKS: checks}
         counts = [int(c[0]) for c in cb]
         total = sum(counts)
         # this rank's entries in the global selection: counted by the regions' owners
-        n_kept = sum(int(c[3 + comm.rank]) for c in cb)
+        n_kept = None if host_kernels(sel.indices) else sum(int(c[4 + comm.rank]) for c in cb)
         if not inline:
             all_idx, dense, balanced = self._allgather_selection(
                 mask, r_idx, r_val, counts, comm, wire, eb, checks, step)
@@ -402,6 +408,19 @@ class OkTopk(Collective):
             return self._exact_threshold(mags, k, comm), "periodic"
         return theta, None
 
+    @staticmethod
+    def _heard(cb: list[list[int]], checks: list[tuple[torch.Tensor, str]],
+               dev: torch.device) -> None:
+        """The ranks' verdicts in their heads (:meth:`_heads`, read by every rank): a rank
+        that received a malformed message in split and reduce fails every rank's step, as a
+        check that failed (module doc, 7.)."""
+        if any(c[3] for c in cb):
+            bad = [q for q, c in enumerate(cb) if c[3]]
+            what = ("another rank received a malformed message" if all(cb[q][3] == 1 for q in bad)
+                    else "a malformed verdict in a head")
+            checks.append((torch.zeros((), dtype=torch.bool, device=dev),
+                           f"oktopk: {what} (ranks {bad}; its error names the check)"))
+
     def _nonfinite_why(self, cb: list[list[int]], step: int) -> str | None:
         """The ranks' non-finite flags (:meth:`_heads`, every rank's, so every rank decides
         alike: nothing hangs): ``None`` when there are none, else ``ValueError`` under
@@ -431,7 +450,7 @@ class OkTopk(Collective):
         widest = max(b - a for a, b in itertools.pairwise(edges))
         return (comm.size <= self.balance_factor and self.recompute_band is None
                 and host_kernels(idx) and comm.bounded(idx.device)
-                and (3 + comm.size) * COUNT_BYTES + widest * eb <= BOUNDED_MAX)
+                and (4 + comm.size) * COUNT_BYTES + widest * eb <= BOUNDED_MAX)
 
     @staticmethod
     def _pair(comm: Comm, n: int, eb: int, idx: torch.Tensor) -> bool:
@@ -443,11 +462,15 @@ class OkTopk(Collective):
                 and COUNT_BYTES + n * eb <= BOUNDED_MAX)
 
     def alike(self, sel: SparseGrad, group: dist.ProcessGroup | None = None) -> bool:
-        """At P = 2 in one exchange (:meth:`_reduce_pair`) each rank checks both selections,
-        the one it sent as its peer does, and sums both: its checks and a NaN either selection
-        carries show alike on both ranks, and the step needs no agreement word."""
-        eb = entry_bytes(wire_index_dtype(sel.numel), sel.dtype)
-        return self.pair and self._pair(Comm(group), sel.numel, eb, sel.indices)
+        """On the CPU's kernels: at P = 2 in one exchange (:meth:`_reduce_pair`) each rank
+        checks both selections, the one it sent as its peer does, and sums both; in the rounds
+        every rank reads every rank's verdict on the messages it reduced and its non-finite
+        flags (the heads), unpacks every block of the global selection, its own included, and
+        counts its own entries in it (module doc, 7.). So its checks and a NaN a selection
+        carries show alike on every rank, and the step needs no agreement word. On the
+        accelerators' kernels the regions' owners count each rank's entries, and a rank alone
+        checks its count."""
+        return host_kernels(sel.indices)
 
     def _reduce_pair(self, sel: SparseGrad, comm: Comm, step: int, k: int,
                      wire: torch.dtype, eb: int) -> tuple[torch.Tensor, torch.Tensor,
@@ -515,7 +538,7 @@ class OkTopk(Collective):
         checks: list[tuple[torch.Tensor, str]], step: int, k: int,
     ) -> tuple[torch.Tensor, torch.Tensor, list[list[int]]]:
         """Line 13 with the counts inside the blocks (:meth:`_counts_inline`): each rank's block
-        is its ``head`` (:meth:`_heads`, P + 3 int64 words) then its selected entries, gathered
+        is its ``head`` (:meth:`_heads`, P + 4 int64 words) then its selected entries, gathered
         by bounded receives (:meth:`Comm.all_gather_bounded`, its rounds chosen for blocks of
         k/P entries, as the exact-size allgatherv would for a selection of k); the same bytes as the
         counts' all-gather and the exact-size allgatherv, one call fewer. A block whose count
@@ -523,7 +546,7 @@ class OkTopk(Collective):
         but its sender fails alike. Returns (global indices, the dense sum, every block's head
         words)."""
         P, n = comm.size, self._state["numel"]
-        hb = (3 + P) * COUNT_BYTES
+        hb = (4 + P) * COUNT_BYTES
         own = head.tolist()  # this rank's count: one read (the CPU's kernels: free)
         at = flatnonzero(mask, own[0])
         mine = torch.cat([head.view(torch.uint8),
@@ -540,6 +563,7 @@ class OkTopk(Collective):
                            f"region that holds at most {cap[q]} (step {step})"))
             return hb
 
+        size_of(comm.rank, mine)  # this rank's block, checked as its peers check it
         blocks = comm.all_gather_bounded(mine, [hb + c * eb for c in cap], size_of,
                                          expected=hb + eb * k / P)
         cb = torch.cat([b[:hb] for b in blocks]).view(torch.int64).view(P, -1).tolist()
@@ -627,16 +651,33 @@ class OkTopk(Collective):
         return e[2], e[3]
 
     # -- pieces -----------------------------------------------------------------------
+    def _head_words(self, sel: SparseGrad, r_idx: torch.Tensor, mags: torch.Tensor,
+                    sources: list[tuple[int, torch.Tensor]], region: tuple[int, int], P: int,
+                    checks: list[tuple[torch.Tensor, str]]
+                    ) -> Callable[[torch.Tensor], torch.Tensor]:
+        """:meth:`_heads` of a mask, with this rank's flags on the device (nothing read): a
+        NaN/Inf in its selection, in its region's reduced sum (a NaN received, or an fp16/bf16
+        overflow), and its verdict on the messages it reduced (``checks``; module doc, 7.). On
+        the CPU's kernels no owner counts each rank's entries: each counts its own in the
+        gathered selection, free there (line 14, :meth:`_kept`)."""
+        verdict = any_failed(checks, mags.device)
+        return functools.partial(
+            self._heads, r_idx=r_idx, sources=[] if host_kernels(sel.indices) else sources,
+            region=region, P=P, bad=_nonfinite_flag(sel.values), bad_sum=_nonfinite_flag(mags),
+            verdict=verdict)
+
     @staticmethod
     def _heads(mask: torch.Tensor, r_idx: torch.Tensor, sources: list[tuple[int, torch.Tensor]],
-               region: tuple[int, int], P: int, bad: torch.Tensor, bad_sum: torch.Tensor
-               ) -> torch.Tensor:
+               region: tuple[int, int], P: int, bad: torch.Tensor, bad_sum: torch.Tensor,
+               verdict: torch.Tensor) -> torch.Tensor:
         """This region owner's head words (int64, on the device), all-gathered and read once
         (or carried in its block, :meth:`_allgather_counted`): ``[selected, bad, bad_sum,
-        c_0 … c_{P−1}]``, ``c_s`` the selected entries of its region that rank s sent (or
+        verdict, c_0 … c_{P−1}]``, ``verdict`` 1 when a message it reduced was malformed
+        (module doc, 7.), ``c_s`` the selected entries of its region that rank s sent (or
         holds: its own), so every rank knows its own count in the global selection before
         it arrives. ``sources``: ``(rank, indices)`` of every contribution to the region
-        ``[lo, hi)`` (indices inside it; ``r_idx``, their sorted union).
+        ``[lo, hi)`` (indices inside it; ``r_idx``, their sorted union); none: every ``c_s``
+        0 (on the CPU's kernels, where each rank counts its own).
 
         The selection is marked over the region once, and each contribution counts its marks
         by a gather: O(region + entries), no search (a ``searchsorted`` per contribution cost
@@ -645,7 +686,7 @@ class OkTopk(Collective):
         per = torch.zeros(P, dtype=torch.int64, device=dev)
         if len(sources) == 1:  # the region is this contribution alone: no marks
             per[sources[0][0]] = mask.sum()
-        else:
+        elif sources:
             lo, hi = region
             marks = torch.zeros(hi - lo, dtype=torch.bool, device=dev)
             put_at(marks, r_idx - lo if lo else r_idx, mask)
@@ -653,7 +694,7 @@ class OkTopk(Collective):
                 if i.numel():  # every rank contributes once
                     local = i - lo if lo else i
                     per[s] = torch.index_select(marks, 0, local).sum()
-        head = torch.stack([mask.sum(), bad, bad_sum]).to(torch.int64)
+        head = torch.stack([mask.sum(), bad, bad_sum, verdict]).to(torch.int64)
         return torch.cat([head, per])
 
     def _target_k(self, sel: SparseGrad, comm: Comm) -> int:
