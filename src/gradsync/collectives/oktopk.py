@@ -76,10 +76,11 @@ Host reads. The indices received (the peers' split-and-reduce messages, the gath
 selection) are checked on the device: a bad one is moved into range with its value zeroed
 before anything is written, and the checks go to the caller (:data:`~gradsync.collectives.base.
 CHECKS`), which reads them with the step's other checks. A reuse step then reads once the
-regions' counts with the non-finite flags and, per region, how many of its selected entries
-each rank sent (one all-gather): so each rank knows the size of its ``kept`` before the global
-selection arrives (with the counts in the blocks, step 4, on the CPU's kernels: its own
-count, then each block's on arrival, then every head in one read). At P > 1 it also reads
+regions' counts with the non-finite flags, the verdicts (7.) and, on the accelerators' kernels,
+per region, how many of its selected entries each rank sent (one all-gather): so each rank
+knows the size of its ``kept`` before the global selection arrives (with the counts in the
+blocks, step 4, on the CPU's kernels: its own count, then each block's on arrival, then every
+head in one read; there each rank counts its ``kept`` itself, free). At P > 1 it also reads
 the regions' offsets in its selection with the sizes
 of the peers' messages (one read; two on the CPU's own kernels over gloo, the counts arriving
 inside the messages, step 2), and the merge of the messages reads the size of their union
@@ -338,7 +339,8 @@ class OkTopk(Collective):
             return nan, sel.indices[:0], {"k": k, "nonfinite": why, CHECKS: checks}
         counts = [int(c[0]) for c in cb]
         total = sum(counts)
-        # this rank's entries in the global selection: counted by the regions' owners
+        # this rank's entries in the global selection: counted by the regions' owners (on the
+        # CPU's kernels by itself, in _kept)
         n_kept = None if host_kernels(sel.indices) else sum(int(c[4 + comm.rank]) for c in cb)
         if not inline:
             all_idx, dense, balanced = self._allgather_selection(
