@@ -586,7 +586,9 @@ def test_malformed_messages_fail_the_receiving_rank_after_the_tree_or_rounds(P, 
     tensor or are not strictly increasing make the receiver raise ``ValueError`` naming the
     sender once the collective is done (before, it raised mid-tree or mid-round and its peers
     waited for it until the timeout); with ``deferred`` the failed check comes back instead,
-    and every rank still has the same result, of the right size."""
+    and every rank still has the same result, of the right size. In gTop-k the receiver (the
+    root) sends its verdict down the broadcast tree, so every other rank fails too (module
+    doc, "Verdicts in the trees"); in SparDL they take the step."""
     n = 1000
     hows = ["negative", "past the end", "unsorted"]
     outs = run_distributed(_first_received_corrupt, P, n, hows, name, attr, timeout=180)
@@ -595,10 +597,87 @@ def test_malformed_messages_fail_the_receiving_rank_after_the_tree_or_rounds(P, 
         assert strict[0] == "raised" and names in strict[1], (how, strict)
         assert deferred[0] == "ok" and deferred[2], (how, deferred)
         for r in range(1, P):  # the others received well-formed messages
+            if name == "gtopk":
+                heard = "gtopk: another rank received a malformed message"
+                assert outs[r][2 * j][0] == "raised" and heard in outs[r][2 * j][1], (how, r)
+                assert [heard in m for m in outs[r][2 * j + 1][2]] == [True], (how, r)
+                continue
             assert outs[r][2 * j][0] == "ok" and outs[r][2 * j + 1][2] == [], (how, r)
         dense = [o[2 * j + 1][1] for o in outs]
         assert dense[0].shape == (n,)
         assert all(torch.equal(d, dense[0]) for d in dense), how
+
+
+def _gtopk_down_fault(rank: int, world_size: int, how: str) -> str:
+    """One gTop-k call; ``how="link"``: rank 2 receives the broadcast tree's message from rank
+    0 with its first index −3; ``"sender"``: rank 0 packs the final entries it sends down with
+    that index. ``"ok"`` or the ``ValueError``'s message."""
+    import gradsync.collectives.gtopk as gt
+
+    n = 1000
+    g = torch.Generator().manual_seed(rank)
+    idx = torch.randperm(n, generator=g)[: n // 20].sort().values
+    sel = SparseGrad(idx, torch.randn(idx.numel(), generator=g), n)
+    real_unpack, real_pack = gt.unpack_entries, gt.pack_entries
+
+    def down_unpack(buf, count, *args):  # only inside _recv_down (the broadcast tree)
+        i, v = real_unpack(buf, count, *args)
+        if armed and i.numel():
+            armed.clear()
+            i = i.clone()
+            i[0] = -3
+        return i, v
+
+    def packing(i, v, *args):  # only inside _packed_down
+        i = i.clone()
+        i[0] = -3
+        return real_pack(i, v, *args)
+
+    armed: list = []
+    recv_down, packed_down = gt.GTopk._recv_down, gt.GTopk._packed_down
+
+    def recv(self, comm, src):
+        if how == "link" and rank == 2:
+            armed.append(True)
+            gt.unpack_entries = down_unpack
+        try:
+            return recv_down(self, comm, src)
+        finally:
+            gt.unpack_entries = real_unpack
+
+    def pack(self, final):
+        if how == "sender" and rank == 0:
+            gt.pack_entries = packing
+        try:
+            return packed_down(self, final)
+        finally:
+            gt.pack_entries = real_pack
+
+    gt.GTopk._recv_down, gt.GTopk._packed_down = recv, pack
+    try:
+        collectives.get("gtopk", k=20)(sel, step=0)
+        return "ok"
+    except ValueError as e:
+        return str(e)
+    finally:
+        gt.GTopk._recv_down, gt.GTopk._packed_down = recv_down, packed_down
+
+
+@pytest.mark.parametrize("how", ["link", "sender"])
+def test_gtopk_broadcast_tree_faults(how):
+    """P = 8. A message corrupted on the broadcast tree's link 0 → 2 fails rank 2 and the ranks
+    below it (3), whose verdict comes from 2; the rest take the step (module doc). Final
+    entries the root packs malformed fail every rank: its children and theirs check them, and
+    the root checks what it sends as they do."""
+    outs = run_distributed(_gtopk_down_fault, 8, how, timeout=180)
+    named = "gtopk: final entries"
+    heard = "gtopk: another rank received a malformed message"
+    if how == "link":
+        assert named in outs[2] and heard in outs[3], outs
+        assert all(outs[r] == "ok" for r in (0, 1, 4, 5, 6, 7)), outs
+    else:
+        assert "gtopk: the final entries this rank sends" in outs[0], outs
+        assert all(named in o or heard in o for o in outs[1:]), outs
 
 
 @pytest.mark.parametrize("P", [2, 8])  # the shared runs: P = 4 takes the code of 2 and 8
@@ -625,9 +704,9 @@ def test_table1_topkdsa(P):
 def test_table1_gtopk(P):
     """gTop-k: at most 4k·log2 P words per rank (the root's volume) plus control words."""
     k, m = VOL_K, int(math.log2(P))
-    # root: receives m × (16-byte header + k entries), sends m × (8-byte header + k entries
-    # + k survival bits)
-    control = m * (16 + 8 + (k + 7) // 8)
+    # root: receives m × (24-byte header: count, k, verdict + k entries), sends m × (16-byte
+    # header: count, verdict + k entries + k survival bits)
+    control = m * (24 + 16 + (k + 7) // 8)
     vol = [s + r for s, r, _ in _vol(P, "gtopk", "same")]
     assert vol[0] == 4 * k * m * 4 + control
     assert max(vol) == vol[0]

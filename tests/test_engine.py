@@ -580,11 +580,14 @@ def test_nonfinite_skip_step(scheme, bad_rank):
 @pytest.mark.accelerator_at(scheme=("densestream", "topka"), P=2)
 @pytest.mark.parametrize(("scheme", "P"), [("densestream", 2), ("densestream", 3),
                                            ("densestream", 4), ("oktopk", 2), ("oktopk", 3),
-                                           ("oktopk", 4), ("topka", 2), ("gaussiank", 2)])
+                                           ("oktopk", 4), ("gtopk", 3), ("gtopk", 4),
+                                           ("topka", 2), ("gaussiank", 2)])
 def test_a_nonfinite_gradient_travels_in_a_message_every_rank_decodes(scheme, P):
     """DenseStream and Ok-Topk at P = 2 (one exchange, each rank checks both messages),
     DenseStream in its phases (the NaN summed into its region's, which every rank decodes),
-    Ok-Topk in its rounds (the bad rank's flag in its head, which every rank reads),
+    Ok-Topk in its rounds (the bad rank's flag in its head, which every rank reads), gTop-k
+    (the NaN outranks every magnitude in each merge, so the root's top-k every rank sums holds
+    it),
     TopkA and Gaussian-k's TopkA (no capacity: an empty selection gets an entry for the NaN):
     the bad rank's NaN rides in its message, so every rank raises at that step with no
     agreement all-reduce, the bad one naming its tensor; residuals as before, training goes
@@ -808,11 +811,13 @@ def _corrupt_oktopk(rank, armed, who):
     return lambda: setattr(ok.Comm, "all_gather_bounded", gather)
 
 
-def _corrupt_oktopk_peer(rank, armed):
-    """Patches Ok-Topk so that, while ``armed``, the first peer message this rank unpacks
-    (split and reduce's) holds an index below its region. Returns a function that undoes it."""
-    import gradsync.collectives.oktopk as ok
+def _corrupt_unpacked(name, armed):
+    """Patches collective ``name`` (Ok-Topk, gTop-k) so that, while ``armed``, the first peer
+    message this rank unpacks (split and reduce's; a child's) holds the index −3. Returns a
+    function that undoes it."""
+    import importlib
 
+    ok = importlib.import_module(f"gradsync.collectives.{name}")
     unpack = ok.unpack_entries
 
     def bad(buf, count, *args):
@@ -828,22 +833,23 @@ def _corrupt_oktopk_peer(rank, armed):
 
 
 def _malformed_on_one_rank(rank, world_size, scheme):
-    """DenseStream in its phases, Ok-Topk in its rounds (P > 2); at step 2 the last rank
-    (never folded away: it swaps messages at every P) receives a malformed message in the
-    scatter-reduce (split and reduce), as from a faulty link or peer; the all-reduces steps 1
-    and 2 made in ``synchronize()``, as the last item."""
+    """DenseStream in its phases, Ok-Topk in its rounds, gTop-k (P > 2); at step 2 the last
+    rank (never folded away: it swaps messages at every P) receives a malformed message in the
+    scatter-reduce (split and reduce), or gTop-k's root one from a child, as from a faulty
+    link or peer; the all-reduces steps 1 and 2 made in ``synchronize()``, as the last item."""
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme=scheme, density=0.1, warmup_steps=1))
     armed, reduces = [False], []
     undo = (_corrupt_densestream(rank, armed, "link") if scheme == "densestream" else
-            _corrupt_oktopk_peer(rank, armed))
+            _corrupt_unpacked(scheme, armed))
+    bad = 0 if scheme == "gtopk" else world_size - 1
     out = []
     try:
         for step in range(3):
             model.zero_grad()
             x, y = batch("cnn", rank, step)
             # before the backward: its hooks may launch the collective
-            armed[0] = step == 2 and rank == world_size - 1
+            armed[0] = step == 2 and rank == bad
             model_loss(model, "cnn", x, y).backward()
             grads = [p.grad.clone() for p in model.parameters()]
             try:
@@ -861,12 +867,13 @@ def _malformed_on_one_rank(rank, world_size, scheme):
     return [*out, len(reduces)]
 
 
-@pytest.mark.parametrize("scheme", ["densestream", "oktopk"])
+@pytest.mark.parametrize("scheme", ["densestream", "oktopk", "gtopk"])
 @pytest.mark.parametrize("P", [3, 4])
 def test_a_malformed_message_stops_every_rank_with_a_clear_error(P, scheme):
     """The rank whose collective received a malformed message raises its check's message; the
-    others raise too, at the same step (its verdict reaches them in the allgather, or in
-    Ok-Topk's heads: the module docs of collectives/densestream.py and oktopk.py), instead of
+    others raise too, at the same step (its verdict reaches them in the allgather, in Ok-Topk's
+    heads, down gTop-k's tree: the module docs of collectives/densestream.py, oktopk.py and
+    gtopk.py), instead of
     waiting for it at the next collective, and no step makes an agreement all-reduce. No
     ``.grad`` was written. (At P = 2 in one exchange: the next test.)"""
     outs = run_distributed(_malformed_on_one_rank, P, scheme, timeout=240)
@@ -875,8 +882,9 @@ def test_a_malformed_message_stops_every_rank_with_a_clear_error(P, scheme):
         assert out[3] == 0, (rank, out)  # no agreement all-reduce, nor any other
         msg, untouched = out[2]
         assert untouched, (rank, msg)
-        if rank == P - 1:
-            assert ("rule 1" if scheme == "densestream" else "a peer's entries") in msg, msg
+        if rank == (0 if scheme == "gtopk" else P - 1):
+            assert {"densestream": "rule 1", "oktopk": "a peer's entries",
+                    "gtopk": "gtopk: entries from rank"}[scheme] in msg, msg
         else:
             assert "another rank received a malformed message" in msg, (rank, msg)
 

@@ -28,6 +28,17 @@ bad index moved into it with its value zeroed, and the checks go to the caller w
 others (``Collective``'s ``CHECKS``): a malformed message fails the receiving rank once the
 trees are done, instead of in the middle of them (its peers would wait for it).
 
+**Verdicts in the trees (ours).** So that every rank fails such a step, with no agreement
+round after the trees: each message's header ends with its sender's verdict, a word made on
+the device from the checks it made or heard so far (1 when one failed), read with the header
+the receiver reads anyway; a 1 becomes a failed check there ("another rank received a
+malformed message"). Going up, every rank's verdict reaches the root; going down, the root's
+reaches every rank. Each rank checks the final entries it sends down as its children check
+them, so a malformed one fails it as well as them. A message corrupted on a link of the
+broadcast tree fails the ranks below that link (docs/usage.md). A rank's NaN (carried in its
+selection, ``prepare.carry``) ranks above every magnitude in each merge, so it reaches the
+root's top-k and every rank's sum.
+
 Ties in magnitude are broken by the smaller index, so the result is deterministic; ``dense`` is
 the root's result copied to every rank, hence bitwise identical.
 """
@@ -37,9 +48,10 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from gradsync.collectives import registry
-from gradsync.collectives.base import CHECKS, Collective
+from gradsync.collectives.base import CHECKS, Collective, any_failed
 from gradsync.collectives.comm import Comm
 from gradsync.formats.wire import (
     entry_bytes,
@@ -107,6 +119,11 @@ class GTopk(Collective):
     def __repr__(self) -> str:
         return f"GTopk(k={self.k}, density={self.density})"
 
+    def alike(self, sel: SparseGrad, group: dist.ProcessGroup | None = None) -> bool:
+        """Always: the verdicts travel up and down the trees (module doc), and the root's
+        top-k, which every rank sums, keeps a NaN a rank's selection carries."""
+        return True
+
     # -- wire ------------------------------------------------------------------------------
     def _setup(self, sel: SparseGrad) -> None:
         self._index = wire_index_dtype(sel.numel)
@@ -114,16 +131,32 @@ class GTopk(Collective):
         self._dtype, self._device, self._n = sel.dtype, sel.device, sel.numel
         self._checks: list[tuple[torch.Tensor, str]] = []  # the received entries', on the device
 
+    def _header(self, *words: int) -> torch.Tensor:
+        """A message's control words, then this rank's verdict (module doc, "Verdicts in the
+        trees"): 1 when a check it made or heard so far failed. Nothing is read."""
+        verdict = any_failed(self._checks, self._device).to(torch.int64).reshape(1)
+        return torch.cat([torch.tensor(words, dtype=torch.int64, device=self._device), verdict])
+
+    def _heard(self, verdict: int, src: int) -> None:
+        """A verdict read with a header: a 1 (or garbage) fails this rank's step too."""
+        if verdict:
+            self._checks.append((
+                torch.zeros((), dtype=torch.bool, device=self._device),
+                "gtopk: another rank received a malformed message (its error names the check)"
+                if verdict == 1 else f"gtopk: rank {src}'s verdict word is {verdict}, not 0 or 1"))
+
     def _send_up(self, comm: Comm, s: tuple[torch.Tensor, torch.Tensor], k: int, dst: int):
-        """Reduction-tree message: header (count, subtree k), then indices and values."""
-        comm.send(torch.tensor([s[0].numel(), k], dtype=torch.int64, device=self._device), dst)
+        """Reduction-tree message: header (count, subtree k, verdict), then indices and
+        values."""
+        comm.send(self._header(s[0].numel(), k), dst)
         if s[0].numel():
             comm.send(pack_entries(s[0], s[1], self._index), dst)
 
     def _recv_up(self, comm: Comm, src: int):
-        header = torch.empty(2, dtype=torch.int64, device=self._device)
+        header = torch.empty(3, dtype=torch.int64, device=self._device)
         comm.recv(header, src)
-        count, k = int(header[0]), int(header[1])
+        count, k, verdict = header.tolist()
+        self._heard(verdict, src)
         buf = torch.empty(count * self._eb, dtype=torch.uint8, device=self._device)
         if count:
             comm.recv(buf, src)
@@ -131,18 +164,30 @@ class GTopk(Collective):
         return checked_entries(*got, self._n, 0, self._checks,
                                f"gtopk: entries from rank {src}"), k
 
-    def _send_down(self, comm: Comm, final, alive: torch.Tensor, dst: int) -> None:
-        """Broadcast-tree message: count, then the final entries and one 'alive' bit each."""
+    def _packed_down(self, final) -> tuple[torch.Tensor, torch.Tensor]:
+        """The final entries as every broadcast-tree message from this rank carries them,
+        checked here as its children check them (module doc, "Verdicts in the trees"), and
+        the header: count and verdict."""
         count = final[0].numel()
-        comm.send(torch.tensor([count], dtype=torch.int64, device=self._device), dst)
-        if count:
-            comm.send(torch.cat([pack_entries(final[0], final[1], self._index),
-                                 pack_bits(alive)]), dst)
+        packed = pack_entries(final[0], final[1], self._index)
+        checked_entries(*unpack_entries(packed, count, self._index, self._dtype, "gtopk"),
+                        self._n, 0, self._checks, "gtopk: the final entries this rank sends")
+        return packed, self._header(count)
+
+    def _send_down(self, comm: Comm, down: tuple[torch.Tensor, torch.Tensor],
+                   alive: torch.Tensor, dst: int) -> None:
+        """Broadcast-tree message (``down``: :meth:`_packed_down`'s): count and verdict, then
+        the final entries and one 'alive' bit each."""
+        packed, header = down
+        comm.send(header, dst)
+        if packed.numel():
+            comm.send(torch.cat([packed, pack_bits(alive)]), dst)
 
     def _recv_down(self, comm: Comm, src: int):
-        header = torch.empty(1, dtype=torch.int64, device=self._device)
+        header = torch.empty(2, dtype=torch.int64, device=self._device)
         comm.recv(header, src)
-        count = int(header)
+        count, verdict = header.tolist()
+        self._heard(verdict, src)
         b = count * self._eb
         buf = torch.empty(b + packed_bytes(count, 1), dtype=torch.uint8, device=self._device)
         if count:
@@ -195,9 +240,10 @@ class GTopk(Collective):
             final, alive = self._recv_down(comm, parent)
         # A contribution merged at merge t reached the root iff the index survived merges
         # t, t+1, … here and everything above (``alive`` from the parent).
+        down = self._packed_down(final) if merges else None
         for child, kept_idx in reversed(merges):
             alive = alive & isin_sorted(final[0], kept_idx)
-            self._send_down(comm, final, alive, child)
+            self._send_down(comm, down, alive, child)
         kept = torch.index_select(own, 0, flatnonzero(isin_sorted(
             own, torch.index_select(final[0], 0, flatnonzero(alive)))))
 
