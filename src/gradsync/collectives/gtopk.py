@@ -28,14 +28,15 @@ bad index moved into it with its value zeroed, and the checks go to the caller w
 others (``Collective``'s ``CHECKS``): a malformed message fails the receiving rank once the
 trees are done, instead of in the middle of them (its peers would wait for it).
 
-**Verdicts in the trees (ours).** So that every rank fails such a step, with no agreement
-round after the trees: each message's header ends with its sender's verdict, a word made on
-the device from the checks it made or heard so far (1 when one failed), read with the header
-the receiver reads anyway; a 1 becomes a failed check there ("another rank received a
-malformed message"). Going up, every rank's verdict reaches the root; going down, the root's
-reaches every rank. Each rank checks the final entries it sends down as its children check
-them, so a malformed one fails it as well as them. A message corrupted on a link of the
-broadcast tree fails the ranks below that link (docs/usage.md). A rank's NaN (carried in its
+**Verdicts in the trees (ours).** So that every rank fails such a step, with no agreement round
+after the trees: each message's header ends with its sender's verdict, a word made on the
+device from the checks it made or heard so far (1 when one failed), read with the header the
+receiver reads anyway; a 1 becomes a failed check there ("another rank received a malformed
+message"). Going up, every rank's verdict reaches the root; going down, the root's reaches
+every rank. Each rank checks the final entries it sends down as its children check them, so a
+malformed one fails it as well as them: every rank when the root packed it, and otherwise the
+sender and the ranks below it, as a message corrupted on a link of the broadcast tree fails the
+ranks below that link (docs/usage.md); the rest take the step. A rank's NaN (carried in its
 selection, ``prepare.carry``) ranks above every magnitude in each merge, so it reaches the
 root's top-k and every rank's sum.
 
