@@ -586,9 +586,9 @@ def test_malformed_messages_fail_the_receiving_rank_after_the_tree_or_rounds(P, 
     tensor or are not strictly increasing make the receiver raise ``ValueError`` naming the
     sender once the collective is done (before, it raised mid-tree or mid-round and its peers
     waited for it until the timeout); with ``deferred`` the failed check comes back instead,
-    and every rank still has the same result, of the right size. In gTop-k the receiver (the
-    root) sends its verdict down the broadcast tree, so every other rank fails too (module
-    doc, "Verdicts in the trees"); in SparDL they take the step."""
+    and every rank still has the same result, of the right size. Every other rank fails too,
+    told by the receiver's verdict: down gTop-k's broadcast tree (the receiver is its root),
+    in SparDL's all-gather (the module docs, "Verdicts in the trees", "… in the all-gather")."""
     n = 1000
     hows = ["negative", "past the end", "unsorted"]
     outs = run_distributed(_first_received_corrupt, P, n, hows, name, attr, timeout=180)
@@ -596,13 +596,10 @@ def test_malformed_messages_fail_the_receiving_rank_after_the_tree_or_rounds(P, 
         strict, deferred = outs[0][2 * j], outs[0][2 * j + 1]
         assert strict[0] == "raised" and names in strict[1], (how, strict)
         assert deferred[0] == "ok" and deferred[2], (how, deferred)
-        for r in range(1, P):  # the others received well-formed messages
-            if name == "gtopk":
-                heard = "gtopk: another rank received a malformed message"
-                assert outs[r][2 * j][0] == "raised" and heard in outs[r][2 * j][1], (how, r)
-                assert [heard in m for m in outs[r][2 * j + 1][2]] == [True], (how, r)
-                continue
-            assert outs[r][2 * j][0] == "ok" and outs[r][2 * j + 1][2] == [], (how, r)
+        heard = f"{name}: another rank received a malformed message"
+        for r in range(1, P):  # the others received well-formed messages, and the verdict
+            assert outs[r][2 * j][0] == "raised" and heard in outs[r][2 * j][1], (how, r)
+            assert [heard in m for m in outs[r][2 * j + 1][2]] == [True], (how, r)
         dense = [o[2 * j + 1][1] for o in outs]
         assert dense[0].shape == (n,)
         assert all(torch.equal(d, dense[0]) for d in dense), how

@@ -581,13 +581,14 @@ def test_nonfinite_skip_step(scheme, bad_rank):
 @pytest.mark.parametrize(("scheme", "P"), [("densestream", 2), ("densestream", 3),
                                            ("densestream", 4), ("oktopk", 2), ("oktopk", 3),
                                            ("oktopk", 4), ("gtopk", 3), ("gtopk", 4),
-                                           ("topka", 2), ("gaussiank", 2)])
+                                           ("spardl", 3), ("spardl", 4), ("topka", 2),
+                                           ("gaussiank", 2)])
 def test_a_nonfinite_gradient_travels_in_a_message_every_rank_decodes(scheme, P):
     """DenseStream and Ok-Topk at P = 2 (one exchange, each rank checks both messages),
     DenseStream in its phases (the NaN summed into its region's, which every rank decodes),
     Ok-Topk in its rounds (the bad rank's flag in its head, which every rank reads), gTop-k
-    (the NaN outranks every magnitude in each merge, so the root's top-k every rank sums holds
-    it),
+    and SparDL (the NaN outranks every magnitude in each merge or re-sparsification, so the
+    result every rank sums holds it),
     TopkA and Gaussian-k's TopkA (no capacity: an empty selection gets an entry for the NaN):
     the bad rank's NaN rides in its message, so every rank raises at that step with no
     agreement all-reduce, the bad one naming its tensor; residuals as before, training goes
@@ -812,13 +813,14 @@ def _corrupt_oktopk(rank, armed, who):
 
 
 def _corrupt_unpacked(name, armed):
-    """Patches collective ``name`` (Ok-Topk, gTop-k) so that, while ``armed``, the first peer
-    message this rank unpacks (split and reduce's; a child's) holds the index −3. Returns a
-    function that undoes it."""
+    """Patches collective ``name`` (Ok-Topk, gTop-k, SparDL) so that, while ``armed``, the first
+    peer message this rank unpacks (split and reduce's; a child's; a round's) holds the index
+    −3. Returns a function that undoes it."""
     import importlib
 
     ok = importlib.import_module(f"gradsync.collectives.{name}")
-    unpack = ok.unpack_entries
+    attr = "unpack_entries_fixed" if name == "spardl" else "unpack_entries"
+    unpack = getattr(ok, attr)
 
     def bad(buf, count, *args):
         i, v = unpack(buf, count, *args)
@@ -828,8 +830,8 @@ def _corrupt_unpacked(name, armed):
             i[0] = -3
         return i, v
 
-    ok.unpack_entries = bad
-    return lambda: setattr(ok, "unpack_entries", unpack)
+    setattr(ok, attr, bad)
+    return lambda: setattr(ok, attr, unpack)
 
 
 def _malformed_on_one_rank(rank, world_size, scheme):
@@ -867,7 +869,7 @@ def _malformed_on_one_rank(rank, world_size, scheme):
     return [*out, len(reduces)]
 
 
-@pytest.mark.parametrize("scheme", ["densestream", "oktopk", "gtopk"])
+@pytest.mark.parametrize("scheme", ["densestream", "oktopk", "gtopk", "spardl"])
 @pytest.mark.parametrize("P", [3, 4])
 def test_a_malformed_message_stops_every_rank_with_a_clear_error(P, scheme):
     """The rank whose collective received a malformed message raises its check's message; the
@@ -884,7 +886,8 @@ def test_a_malformed_message_stops_every_rank_with_a_clear_error(P, scheme):
         assert untouched, (rank, msg)
         if rank == (0 if scheme == "gtopk" else P - 1):
             assert {"densestream": "rule 1", "oktopk": "a peer's entries",
-                    "gtopk": "gtopk: entries from rank"}[scheme] in msg, msg
+                    "gtopk": "gtopk: entries from rank", "spardl": "spardl: round"}[scheme] \
+                in msg, msg
         else:
             assert "another rank received a malformed message" in msg, (rank, msg)
 

@@ -95,13 +95,13 @@ class Collective(ABC):
         self._agreed: set[tuple[int, ...]] = set()  # with "changes": descriptions agreed
 
     def alike(self, sel: SparseGrad, group: dist.ProcessGroup | None = None) -> bool:
-        """Whether this call shows its checks, and a NaN one rank put in its message, alike on
-        every rank of ``group``: every rank decodes every rank's message (TopkA's all-gather),
-        or hears every rank's verdict on the messages it decoded (DenseStream's allgather,
-        gTop-k's trees, Ok-Topk's heads on the CPU), so a caller needs no agreement collective
-        for them (the engine's step of such jobs makes none: engine/sync.py, ``_agreement``).
-        Every rank decides alike (``sel``'s size and dtype are checked alike by the shape
-        check). False by default."""
+        """Whether this call shows its checks, and a NaN one rank put in its message, alike
+        on every rank of ``group``: every rank decodes every rank's message (TopkA's
+        all-gather), or hears every rank's verdict on the messages it decoded (DenseStream's
+        and SparDL's all-gathers, gTop-k's trees, Ok-Topk's heads on the CPU), so a caller
+        needs no agreement collective for them (the engine's step of such jobs makes none:
+        engine/sync.py, ``_agreement``). Every rank decides alike (``sel``'s size and dtype
+        are checked alike by the shape check). False by default."""
         return False
 
     def rescale(self, factor: float) -> None:

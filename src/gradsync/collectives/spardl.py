@@ -59,6 +59,16 @@ is moved into range with its value zeroed, and the checks go to the caller with 
 others (``Collective``'s ``CHECKS``), so a malformed message fails its receiver once the
 collective is done, not in the middle of a round its peers are waiting in.
 
+**Verdicts in the all-gather (ours).** So that every rank fails such a step with no agreement
+round after it: each rank's block in the Spar-All-Gather leads with its verdict, an int64 made
+on the device from the checks of its rounds (1 when one failed), and every rank checks every
+block's word as it checks its entries (a check on the device, nothing read): "another rank
+received a malformed message". Every rank unpacks every block, its own included, so a
+malformed block fails every rank; a rank's NaN (``prepare.carry``) ranks above every
+magnitude at each re-sparsification and so reaches its block's owner and every rank's sum. A
+block corrupted on its way to one rank (a fault of its link) fails that rank only
+(docs/usage.md).
+
 Not exact (``exact = False``): with density 1 (k = numel) nothing is ever dropped and the
 result is the exact SUM.
 """
@@ -72,16 +82,18 @@ import torch
 import torch.distributed as dist
 
 from gradsync.collectives import registry
-from gradsync.collectives.base import CHECKS, Collective
+from gradsync.collectives.base import CHECKS, Collective, any_failed
 from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats.wire import (
+    COUNT_BYTES,
     fixed_entries_bytes,
     pack_bits,
     pack_entries_fixed,
     packed_bytes,
     unpack_bits,
     unpack_entries_fixed,
+    view_as,
     wire_index_dtype,
 )
 from gradsync.sparsegrad import (
@@ -195,6 +207,10 @@ class SparDL(Collective):
         self._bounds[key] = (step, bounds)
         return bounds, True
 
+    def alike(self, sel: SparseGrad, group: dist.ProcessGroup | None = None) -> bool:
+        """Always: the verdicts travel in the all-gather (module doc)."""
+        return True
+
     # -- the algorithm ---------------------------------------------------------------------
     def _reduce(
         self, sel: SparseGrad, comm: Comm, step: int
@@ -233,7 +249,11 @@ class SparDL(Collective):
         for s in range(rounds(comm.size)):
             idx, val, h = self._srs_round(idx, val, s, comm, blk, checks)
             history.append(h)
-        return idx, val, history
+        # block r alone (all it holds, unless a malformed message put entries elsewhere: its
+        # check fails the step, and the all-gather's capacity holds)
+        cuts = _segments(idx, blk.dev)
+        a, b = cuts[comm.rank], cuts[comm.rank + 1]
+        return idx[a:b], val[a:b], history
 
     def _srs_round(
         self, idx: torch.Tensor, val: torch.Tensor, s: int, comm: Comm, blk: _Blocks,
@@ -274,7 +294,10 @@ class SparDL(Collective):
         fwd_p, kp_p = [], []
         for b in range(P):
             if cuts[b + 1] > cuts[b]:
-                if ((b - r) % P) & d:
+                # the schedule's blocks (distance ≡ d mod 2d): an entry in a block this rank
+                # does not hold can only come from a malformed message (its check fails the
+                # step), and stays here, so the round's capacity holds whatever arrived
+                if ((b - r) % P) % (2 * d) == d:
                     fwd_p.append(_top(val, cuts[b], cuts[b + 1], blk.k_b))
                 else:
                     kp_p.append(torch.arange(cuts[b], cuts[b + 1], device=val.device))
@@ -327,14 +350,21 @@ class SparDL(Collective):
     def _spar_all_gather(idx: torch.Tensor, val: torch.Tensor, comm: Comm, blk: _Blocks,
                          checks: list[tuple[torch.Tensor, str]]) -> tuple[torch.Tensor, list[int]]:
         """Spar-All-Gather (module doc, 3.): the reduced blocks hold at most k_B entries each,
-        so one all-gather of a fixed capacity (no counts first); each block checked against
-        its owner's range. Returns ``dense`` and the entries per block."""
+        so one all-gather of a fixed capacity (no counts first), each block led by its owner's
+        verdict (module doc, "Verdicts in the all-gather"); each block checked against its
+        owner's range, its own too. Returns ``dense`` and the entries per block."""
         cap = blk.k_b  # the same on every rank
-        msgs = comm.all_gather(pack_entries_fixed(idx, val, blk.wire, cap))
+        verdict = any_failed(checks, idx.device).to(torch.int64).reshape(1).view(torch.uint8)
+        msgs = comm.all_gather(torch.cat([verdict,
+                                          pack_entries_fixed(idx, val, blk.wire, cap)]))
+        words = torch.cat([view_as(m, 0, 1, torch.int64) for m in msgs])
+        checks.append(((words == 0).all(), "spardl: another rank received a malformed message "
+                                           "(its error names the check)"))
         parts = []
         for owner in range(comm.size):
             what = f"spardl: block of rank {owner}"
-            g_idx, g_val = unpack_entries_fixed(msgs[owner], cap, blk.wire, blk.dtype, what)
+            g_idx, g_val = unpack_entries_fixed(msgs[owner][COUNT_BYTES:], cap, blk.wire,
+                                                blk.dtype, what)
             parts.append(checked_entries(g_idx, g_val, blk.bl[owner + 1], blk.bl[owner], checks,
                                          what))
         # blocks are disjoint: one writer per index
