@@ -146,7 +146,8 @@ def spardl_reference(sels: list[SparseGrad], density: float) -> dict:
             assert sent[r][s] <= room
             b += 8 + 8 * room
         b += sum(math.ceil(sent[(r - 2**s) % P][s] / 8) for s in range(S))  # survival bits
-        b += (P - 1) * (8 + 8 * kb)  # ring all-gather of a count and room for k_B entries
+        # ring all-gather of a verdict word, a count and room for k_B entries
+        b += (P - 1) * (8 + 8 + 8 * kb)
         assert max(final) <= kb
         nbytes.append(b)
     return {"dense": dense, "kept": [torch.tensor(sorted(x), dtype=torch.int64) for x in kept],

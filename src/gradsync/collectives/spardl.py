@@ -249,11 +249,7 @@ class SparDL(Collective):
         for s in range(rounds(comm.size)):
             idx, val, h = self._srs_round(idx, val, s, comm, blk, checks)
             history.append(h)
-        # block r alone (all it holds, unless a malformed message put entries elsewhere: its
-        # check fails the step, and the all-gather's capacity holds)
-        cuts = _segments(idx, blk.dev)
-        a, b = cuts[comm.rank], cuts[comm.rank + 1]
-        return idx[a:b], val[a:b], history
+        return idx, val, history
 
     def _srs_round(
         self, idx: torch.Tensor, val: torch.Tensor, s: int, comm: Comm, blk: _Blocks,
@@ -288,18 +284,19 @@ class SparDL(Collective):
     def _split_blocks(idx: torch.Tensor, val: torch.Tensor, r: int, d: int, P: int,
                      blk: _Blocks) -> tuple[torch.Tensor, torch.Tensor]:
         """Positions in ``idx`` of the entries rank ``r`` forwards at distance ``d`` (its
-        nonempty blocks with ``(b − r) mod P & d``, each to its k_B largest ``|val|``) and
-        of those it keeps (the other blocks, whole)."""
+        nonempty blocks at a distance j = (b − r) mod P ≡ d mod 2d, each to its k_B largest
+        ``|val|``) and of those it keeps (j ≡ 0 mod 2d, whole). Entries in a block it does not
+        hold (j not a multiple of d) can only come from a malformed message, whose check
+        fails the step: they are dropped, so every message's fixed capacity holds whatever
+        arrived."""
         cuts = _segments(idx, blk.dev)
         fwd_p, kp_p = [], []
         for b in range(P):
+            j = (b - r) % P
             if cuts[b + 1] > cuts[b]:
-                # the schedule's blocks (distance ≡ d mod 2d): an entry in a block this rank
-                # does not hold can only come from a malformed message (its check fails the
-                # step), and stays here, so the round's capacity holds whatever arrived
-                if ((b - r) % P) % (2 * d) == d:
+                if j % (2 * d) == d:
                     fwd_p.append(_top(val, cuts[b], cuts[b + 1], blk.k_b))
-                else:
+                elif j % (2 * d) == 0:
                     kp_p.append(torch.arange(cuts[b], cuts[b + 1], device=val.device))
         fwd = torch.cat(fwd_p) if fwd_p else blk.empty
         kp = torch.cat(kp_p) if kp_p else blk.empty
