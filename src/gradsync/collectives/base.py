@@ -22,7 +22,7 @@ from gradsync.collectives.comm import Comm, CommStats
 from gradsync.formats.wire import DTYPE_CODES
 from gradsync.sparsegrad import SparseGrad
 
-__all__ = ["CHECKS", "Collective", "SyncResult", "any_failed", "raise_failed"]
+__all__ = ["CHECKS", "Collective", "SyncResult", "any_failed", "heard", "raise_failed"]
 
 #: the key of ``_reduce``'s info under which a collective leaves checks made on the device:
 #: a list of ``(ok, message)``, ``ok`` a bool tensor (``Collective.__call__``)
@@ -51,6 +51,20 @@ def any_failed(checks: list[tuple[torch.Tensor, str]], device: torch.device) -> 
     if not checks:
         return torch.zeros((), dtype=torch.bool, device=device)
     return ~torch.stack([ok.reshape(()).to(torch.bool) for ok, _ in checks]).all()
+
+
+def heard(name: str, verdict: int, device: torch.device, who: str = ""
+          ) -> list[tuple[torch.Tensor, str]]:
+    """The checks a verdict word read from peers (:func:`any_failed`'s, sent ahead of a
+    message) stands for: none for 0; for 1 one failed check, "another rank received a
+    malformed message"; for anything else one failed check naming the malformed word.
+    ``who``: the ranks it came from, for the message."""
+    if verdict == 0:
+        return []
+    why = ("another rank received a malformed message" if verdict == 1 else
+           f"a verdict word of {verdict}, not 0 or 1")
+    return [(torch.zeros((), dtype=torch.bool, device=device),
+             f"{name}: {why}{who} (its error names the check)")]
 
 
 @dataclass

@@ -96,7 +96,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.collectives import registry
-from gradsync.collectives.base import CHECKS, Collective, any_failed
+from gradsync.collectives.base import CHECKS, Collective, any_failed, heard
 from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats import densestream as dsfmt
@@ -110,8 +110,6 @@ _HEAD = dsfmt.HEADER_BYTES  # an encoding's header, which announces it
 # "Verdicts in the allgather"): int64, 1 when its sender or a rank it heard from received a
 # malformed message, else 0.
 _WORD = 8
-_ANOTHER = ("densestream: another rank received a malformed message (its error names the "
-            "check)")
 # The largest receive buffer posted for a message of unknown length (module doc): above it, the
 # message is announced first, in a round of its own.
 BOUNDED_MAX = 64 * 2**20
@@ -195,19 +193,17 @@ class DenseStreamAllreduce(Collective):
 
     @staticmethod
     def _announced(ann: torch.Tensor, like: SparseGrad,
-                   heard: list[tuple[torch.Tensor, str]] | None = None
+                   verdicts: list[tuple[torch.Tensor, str]] | None = None
                    ) -> tuple[list[bytes], list[int]]:
         """The headers a peer announced (one read) and the sizes of their encodings, checked
-        (which bounds what is allocated for them). ``heard``: the announcement begins with the
-        sender's verdict word, whose failure (some rank received a malformed message) is
-        appended to ``heard``, the caller's checks, as a check that failed."""
+        (which bounds what is allocated for them). ``verdicts``: the announcement begins with
+        the sender's verdict word, whose failure (some rank received a malformed message) is
+        appended to ``verdicts``, the caller's checks, as a check that failed
+        (:func:`~gradsync.collectives.base.heard`)."""
         raw = ann.cpu().numpy().tobytes()
-        if heard is not None:
+        if verdicts is not None:
             verdict, raw = int.from_bytes(raw[:_WORD], "little", signed=True), raw[_WORD:]
-            if verdict:
-                heard.append((torch.zeros((), dtype=torch.bool, device=ann.device),
-                              _ANOTHER if verdict == 1 else
-                              f"densestream: a peer's verdict word is {verdict}, not 0 or 1"))
+            verdicts.extend(heard("densestream", verdict, ann.device))
         heads = [raw[at:at + _HEAD] for at in range(0, len(raw), _HEAD)]
         try:
             sizes = [dsfmt.announced_size(h, numel=like.numel, dtype=like.dtype) for h in heads]

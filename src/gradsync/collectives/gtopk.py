@@ -52,7 +52,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.collectives import registry
-from gradsync.collectives.base import CHECKS, Collective, any_failed
+from gradsync.collectives.base import CHECKS, Collective, any_failed, heard
 from gradsync.collectives.comm import Comm
 from gradsync.formats.wire import (
     entry_bytes,
@@ -140,11 +140,7 @@ class GTopk(Collective):
 
     def _heard(self, verdict: int, src: int) -> None:
         """A verdict read with a header: a 1 (or garbage) fails this rank's step too."""
-        if verdict:
-            self._checks.append((
-                torch.zeros((), dtype=torch.bool, device=self._device),
-                "gtopk: another rank received a malformed message (its error names the check)"
-                if verdict == 1 else f"gtopk: rank {src}'s verdict word is {verdict}, not 0 or 1"))
+        self._checks.extend(heard("gtopk", verdict, self._device, f" (from rank {src})"))
 
     def _send_up(self, comm: Comm, s: tuple[torch.Tensor, torch.Tensor], k: int, dst: int):
         """Reduction-tree message: header (count, subtree k, verdict), then indices and

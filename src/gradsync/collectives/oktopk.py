@@ -112,7 +112,7 @@ import torch
 import torch.distributed as dist
 
 from gradsync.collectives import registry
-from gradsync.collectives.base import CHECKS, Collective, any_failed
+from gradsync.collectives.base import CHECKS, Collective, any_failed, heard
 from gradsync.collectives.comm import Comm
 from gradsync.collectives.regions import balanced_boundaries, due
 from gradsync.formats.wire import (
@@ -416,12 +416,10 @@ class OkTopk(Collective):
         """The ranks' verdicts in their heads (:meth:`_heads`, read by every rank): a rank
         that received a malformed message in split and reduce fails every rank's step, as a
         check that failed (module doc, 7.)."""
-        if any(c[3] for c in cb):
-            bad = [q for q, c in enumerate(cb) if c[3]]
-            what = ("another rank received a malformed message" if all(cb[q][3] == 1 for q in bad)
-                    else "a malformed verdict in a head")
-            checks.append((torch.zeros((), dtype=torch.bool, device=dev),
-                           f"oktopk: {what} (ranks {bad}; its error names the check)"))
+        bad = [q for q, c in enumerate(cb) if c[3]]
+        if bad:
+            worst = next((cb[q][3] for q in bad if cb[q][3] != 1), 1)
+            checks.extend(heard("oktopk", worst, dev, f" (ranks {bad})"))
 
     def _nonfinite_why(self, cb: list[list[int]], step: int) -> str | None:
         """The ranks' non-finite flags (:meth:`_heads`, every rank's, so every rank decides
