@@ -395,13 +395,11 @@ class DenseStreamAllreduce(Collective):
         t = mark("fold", t)
         if me >= 0:
             acc = self._scatter_reduce(acc, me, p2, rem, bounds, comm, iw, checks)
-            # region `me`, reduced over all ranks: its nonzeros (acc holds the peers' stored
-            # zeros too), on the device like every figure below (reading would wait)
-            region_nnz = torch.count_nonzero(
-                acc.values.view(BITS_DTYPES[acc.values.element_size()]))
             t = mark("scatter_reduce", t)
-            dense, held, global_nnz = self._allgather(acc, me, p2, rem, bounds, comm, iw,
-                                                      region_nnz, sel, checks)
+            # region_nnz: region `me`'s nonzeros, on the device like every figure below
+            # (reading would wait)
+            dense, held, global_nnz, region_nnz = self._allgather(acc, me, p2, rem, bounds,
+                                                                  comm, iw, sel, checks)
             t = mark("allgather", t)
         else:
             region_nnz = torch.zeros((), dtype=torch.int64, device=sel.device)
@@ -489,21 +487,19 @@ class DenseStreamAllreduce(Collective):
         return acc
 
     def _allgather(self, acc: SparseGrad, me: int, p2: int, rem: int, bounds: list[int],
-                   comm: Comm, iw: int, region_nnz: torch.Tensor, sel: SparseGrad,
-                   checks: list[tuple[torch.Tensor, str]]
-                   ) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor]:
+                   comm: Comm, iw: int, sel: SparseGrad, checks: list[tuple[torch.Tensor, str]]
+                   ) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor, torch.Tensor]:
         """Allgather by recursive doubling (Alg. 2 line 18): my 2^t regions for my partner's
         2^t regions. Each region travels as its owner encoded it, the encodings back to back
         (forwarded, never re-encoded); every region is validated, range-checked and decoded
         straight into the result on arrival (the regions are disjoint). Each message leads with
         the sender's verdict word (module doc). Region ``me`` is decoded from the encoding sent,
         as the peers decode it (the same checks, the same bits). Returns ``dense``, the
-        encodings held (every region's), and the nonzeros written in all (``region_nnz``:
-        region ``me``'s)."""
+        encodings held (every region's), the nonzeros written in all, and region ``me``'s."""
         dense = torch.zeros(sel.numel, dtype=sel.dtype, device=sel.device)
         mine, head = dsfmt.encode_announced(acc, index_bytes=iw)
         held = {me: mine}
-        global_nnz = region_nnz.clone()                 # what the others decode of it
+        global_nnz = torch.zeros((), dtype=torch.int64, device=sel.device)
         d = 1
         while d < p2:
             peer = me ^ d
@@ -517,8 +513,8 @@ class DenseStreamAllreduce(Collective):
             held.update(zip(range(plo, plo + d), pieces, strict=True))
             global_nnz += got
             d *= 2
-        self._write(mine, [head], dense, range(me, me + 1), bounds, checks)
-        return dense, held, global_nnz
+        _, region_nnz = self._write(mine, [head], dense, range(me, me + 1), bounds, checks)
+        return dense, held, global_nnz + region_nnz, region_nnz
 
     # -- state ---------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
