@@ -41,10 +41,11 @@ def _model() -> nn.Module:
                          nn.ReLU(), nn.Linear(32, 10))
 
 
-def _config(scheme: str, warmup: bool, plan: dict | None = None) -> Config:
+def _config(scheme: str, warmup: bool, plan: dict | None = None, ahead: float = 0.0
+            ) -> Config:
     extra = dict(density_warmup=(1.0, 0.25), density_warmup_steps=2) if warmup else {}
     return Config(scheme=scheme, density=D, sparsifier="topk", momentum=0.9, seed=7,
-                  plan=plan, **extra)
+                  plan=plan, momentum_ahead=ahead, **extra)
 
 
 def _plan(scheme: str, small_numel: int, P: int, order: list[str]) -> dict:
@@ -75,16 +76,16 @@ def _recording(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
 
 
 def _train(rank: int, P: int, scheme: str, small_numel: int, warmup: bool,
-           plan: dict | None) -> torch.Tensor:
+           plan: dict | None, ahead: float) -> torch.Tensor:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if plan is None:  # the hook
         net, sync = DDP(model, bucket_cap_mb=25), None
-        state, _ = gradsync.ddp.hook(_config(scheme, warmup), model=model,
+        state, _ = gradsync.ddp.hook(_config(scheme, warmup, ahead=ahead), model=model,
                                      small_numel=small_numel)
         net.register_comm_hook(state, _recording)
     else:
-        net, sync = model, GradSync(model, _config(scheme, warmup, plan))
+        net, sync = model, GradSync(model, _config(scheme, warmup, plan, ahead))
     try:
         for step in range(STEPS):
             x, y = image_batch(rank, step, 16)
@@ -103,7 +104,8 @@ def _train(rank: int, P: int, scheme: str, small_numel: int, warmup: bool,
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _run(rank: int, P: int, scheme: str, small_numel: int, warmup: bool) -> dict:
+def _run(rank: int, P: int, scheme: str, small_numel: int, warmup: bool,
+         ahead: float = 0.0) -> dict:
     # the engine's profiling steps run a provisional plan (a cost-model scheme's: every tensor
     # whole) before it takes Config.plan; the hook has none. Here the given plan runs from the
     # first step, so the two paths start alike and only their pipelines are compared.
@@ -112,24 +114,30 @@ def _run(rank: int, P: int, scheme: str, small_numel: int, warmup: bool) -> dict
 
     costmodel.cores_per_rank = lambda: 4.0  # a spare core: the hook splits SSFusion-I's buckets
     profiling.provisional_plan = lambda cfg, order, numel: Plan.from_dict(cfg.plan)
-    hook = _train(rank, P, scheme, small_numel, warmup, None)
+    hook = _train(rank, P, scheme, small_numel, warmup, None, ahead)
     assert len(ORDER) == STEPS and all(o == ORDER[1] for o in ORDER[1:])  # one bucket
     plan = _plan(scheme, small_numel, P, ORDER[1])  # the layout after DDP's rebuild
-    engine = _train(rank, P, scheme, small_numel, warmup, plan)
+    engine = _train(rank, P, scheme, small_numel, warmup, plan, ahead)
     start = torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
-    return {"hook": hook, "engine": engine, "moved": not torch.equal(hook, start)}
+    # the lead is in play: without it the engine trains to other parameters
+    led = bool(ahead) and not torch.equal(engine, _train(rank, P, scheme, small_numel, warmup,
+                                                         plan, 0.0))
+    return {"hook": hook, "engine": engine, "moved": not torch.equal(hook, start), "led": led}
 
 
 @pytest.mark.usefixtures("kernels")
 @pytest.mark.accelerator_at(P=3)
-@pytest.mark.parametrize(("scheme", "small_numel", "warmup"), [
-    ("per_tensor", 0, False), ("ssfusion_oi", 1000, False), ("ssfusion", 1000, True),
-    ("per_tensor", 0, True), ("ssfusion_oi", 1000, True)])
+@pytest.mark.parametrize(("scheme", "small_numel", "warmup", "ahead"), [
+    ("per_tensor", 0, False, 0.0), ("ssfusion_oi", 1000, False, 0.0),
+    ("ssfusion", 1000, True, 0.0), ("per_tensor", 0, True, 0.0),
+    ("ssfusion_oi", 1000, True, 0.0),
+    # momentum sent ahead (Config.momentum_ahead): the lead on the selected entries only
+    ("ssfusion_oi", 1000, True, 1 / 3), ("per_tensor", 0, False, 1 / 3)])
 @pytest.mark.parametrize("P", [2, 3])
-def test_the_hook_trains_as_the_engine_bit_for_bit(P, scheme, small_numel, warmup):
-    out = run_distributed(_run, P, scheme, small_numel, warmup, timeout=300)
+def test_the_hook_trains_as_the_engine_bit_for_bit(P, scheme, small_numel, warmup, ahead):
+    out = run_distributed(_run, P, scheme, small_numel, warmup, ahead, timeout=300)
     for r in out:
-        assert r["moved"]
+        assert r["moved"] and r["led"] == bool(ahead)
         assert torch.equal(r["hook"], r["engine"]), (r["hook"] - r["engine"]).abs().max()
 
 

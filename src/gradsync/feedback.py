@@ -38,6 +38,20 @@ perplexity on TinyGPT, more at 10 % density than at 1 % (docs/results/accuracy.m
 factor masking"). ``ErrorFeedback`` keeps DGC's rule by default (``masking=True``); the
 engine's ``Config.momentum_masking`` defaults to ``False``.
 
+**Ahead** (``ahead=a``, ``Config.momentum_ahead``; ours, not DGC's). Without masking, an
+entry sent at step ``t`` still owes the update its velocity will add in the steps after:
+``m·u + m²·u + … = m/(1 − m)·u``. With ``a > 0`` a compressed entry's sent value carries
+``c = a·m/(1 − m)`` velocities of it now, borrowed from that future: the collective sends
+``acc + c·u`` at the positions the selection chose (still chosen by ``|acc|``), and the
+residual keeps ``acc − sent = −c·u`` there, a debt the velocity repays over the next steps.
+Nothing is invented or lost: every entry's cumulative update is still exactly dense
+momentum's (the debt is repaid in full), the sent part only arrives sooner. Conservation
+then holds as ``acc = sent + residual`` to one rounding per sent value (``sent`` is
+``acc + c·u`` rounded), not bit for bit. Entries of tensors sent whole (a dense prefix, an
+all-reduce) keep ordinary momentum and carry nothing ahead. Measured on the CNN at 1 %
+(P = 4, SGD, 10 seeds): ``a = 1/3`` turns TopkA's gap to DDP into a gain
+(docs/results/accuracy.md, "Momentum sent ahead").
+
 **Residual dtype.** ``residual_dtype="auto"`` keeps residuals and velocities of 16-bit
 (bf16/fp16) gradients in fp32 and every other gradient in its own dtype; a 16-bit residual
 loses the small entries it accumulates to rounding (measured: 0.3% of the gradient mass over 60
@@ -112,12 +126,22 @@ class ErrorFeedback:
         residual_dtype: dtype of the residual (and velocity): a floating dtype, ``None`` (each
             gradient's own dtype) or ``"auto"`` (fp32 for bf16/fp16 gradients, the gradient's
             own dtype otherwise; module docstring).
+        ahead: the share ``a`` in [0, 1] of a compressed entry's velocity tail sent with it
+            (module docstring, "Ahead"; 0: none); excludes ``masking``. The caller sends
+            ``acc + c·u`` at the selected positions (:meth:`lead`) and passes those values to
+            :meth:`update_buffer` as ``sent_values``.
     """
 
     def __init__(self, momentum: float = 0.0,
-                 residual_dtype: torch.dtype | str | None = None, masking: bool = True) -> None:
+                 residual_dtype: torch.dtype | str | None = None, masking: bool = True,
+                 ahead: float = 0.0) -> None:
         if not 0.0 <= float(momentum) < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
+        if isinstance(ahead, bool) or not 0.0 <= float(ahead) <= 1.0:
+            raise ValueError(f"ahead must be in [0, 1], got {ahead!r}")
+        if ahead and masking and momentum:
+            raise ValueError("ahead and masking exclude each other: masking drops the "
+                             "velocity that ahead sends early (module docstring)")
         if isinstance(residual_dtype, str):
             if residual_dtype != "auto":
                 raise ValueError(f"residual_dtype must be a floating dtype, None or 'auto', got "
@@ -129,6 +153,7 @@ class ErrorFeedback:
             raise ValueError(f"masking must be True or False, got {masking!r}")
         self.momentum = float(momentum)
         self.masking = masking
+        self.ahead = float(ahead)
         self.residual_dtype = residual_dtype
         self._residual: dict[str, torch.Tensor] = {}
         self._velocity: dict[str, torch.Tensor] = {}
@@ -379,6 +404,16 @@ class ErrorFeedback:
         b.pending_acc = None if acc is b.pending_velocity else acc
         return acc
 
+    def lead(self, key: Hashable) -> tuple[torch.Tensor, float] | None:
+        """Buffer ``key``'s pending velocity ``u`` and the factor ``c = ahead·m/(1 − m)``
+        by which a compressed entry's sent value leads its accumulator, ``acc + c·u``
+        (module docstring, "Ahead"); None without ``ahead`` or momentum, or outside a pending
+        :meth:`accumulate_buffer`."""
+        b = self._buffers.get(key)
+        if not (self.ahead and self.momentum) or b is None or b.pending_velocity is None:
+            return None
+        return b.pending_velocity, self.ahead * self.momentum / (1.0 - self.momentum)
+
     def writable(self, key: Hashable, acc: torch.Tensor) -> bool:
         """Whether ``acc`` is the accumulator :meth:`accumulate_buffer` made new for buffer
         ``key``'s pending step (not the velocity): the caller may then write into the positions
@@ -620,6 +655,7 @@ class ErrorFeedback:
         return {
             "momentum": self.momentum,
             "masking": self.masking,
+            "ahead": self.ahead,
             "residual_dtype": _dtype_name(self.residual_dtype),
             "residual": {k: v.clone() for k, v in self._held("residual").items()},
             "velocity": {k: v.clone() for k, v in self._held("velocity").items()},
@@ -635,6 +671,10 @@ class ErrorFeedback:
             raise ValueError(f"state has masking={state.get('masking', True)}, this "
                              f"ErrorFeedback has masking={self.masking} (a checkpoint saved "
                              f"before the option had it on: Config(momentum_masking=True))")
+        if float(state.get("ahead", 0.0)) != self.ahead:  # saved before: none
+            raise ValueError(f"state has ahead={state.get('ahead', 0.0)}, this ErrorFeedback "
+                             f"has ahead={self.ahead} (the residual holds debts under ahead: "
+                             "resume with the saved Config.momentum_ahead)")
         mine = _dtype_name(self.residual_dtype)
         if state.get("residual_dtype") != mine:
             raise ValueError(

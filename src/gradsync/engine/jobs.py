@@ -39,11 +39,12 @@ from enum import StrEnum
 import torch
 
 from gradsync.collectives.comm import CommStats
+from gradsync.engine.audit import values_at
 from gradsync.schedule import Plan
 from gradsync.sparsegrad import SparseGrad
 
 __all__ = ["InFlight", "Job", "JobResult", "Launched", "Mode", "Payload", "StepRun", "Transport",
-           "at_density", "bounds", "concat", "plan_jobs"]
+           "ahead", "at_density", "bounds", "concat", "plan_jobs"]
 
 
 class Mode(StrEnum):
@@ -155,6 +156,9 @@ class Payload:
     # one on the CPU's own kernels: engine.apply.missing_on_host); None: counted on the device
     # from what the collective kept (engine.apply.job_check)
     missing: int | None = None
+    # error feedback's momentum sent ahead (feedback.py, "Ahead"): the job's pending velocity
+    # u (flat, in the job's order) and c; the message's selected entries then carry acc + c·u
+    lead: tuple[torch.Tensor, float] | None = None
 
     def wire(self, sel: SparseGrad) -> SparseGrad:
         """``sel`` with its values in :attr:`wire_dtype` (the gradients' dtype)."""
@@ -172,8 +176,21 @@ class Payload:
         """The job's selection as it travels: ``parts`` (:attr:`selections`, the worker's
         futures resolved) in :attr:`wire_dtype`, one selection over the job's buffer
         (concatenated for :attr:`Mode.PER_TENSOR`)."""
-        sels = [self.wire(p) for p in parts]
-        return concat(sels) if job.mode is Mode.PER_TENSOR else sels[0]
+        if self.lead is None:
+            sels = [self.wire(p) for p in parts]
+            return concat(sels) if job.mode is Mode.PER_TENSOR else sels[0]
+        sel = concat(list(parts)) if job.mode is Mode.PER_TENSOR else parts[0]
+        return self.wire(ahead(sel, *self.lead))
+
+    def sent_at(self, message: SparseGrad, kept: torch.Tensor | None) -> torch.Tensor | None:
+        """The values ``message`` (this rank's, as it travelled) carried at the positions
+        the collective ``kept``, where they are not the accumulator's (:attr:`lead`), for
+        error feedback's commit; None where the accumulator's values travelled."""
+        if self.lead is None or kept is None:
+            return None
+        if kept is message.indices:  # the collective kept this rank's message as it is
+            return message.values
+        return values_at(message.indices, message.values, kept)
 
 
 @dataclass
@@ -197,6 +214,9 @@ class JobResult:
     # selection (its indices, TopkA's) and prepare counted its empty tensors
     # (Payload.missing); None: engine.apply.job_check counts them on the device
     missing: int | None = None
+    # the values this rank sent at ``kept`` where they are not its accumulator's (momentum sent
+    # ahead: Payload.sent_at); None: the accumulator's (in the wire dtype)
+    lead: torch.Tensor | None = None
     # its checks and a rank's non-finite flag (carried in the message) show alike on every
     # rank: an all-reduce, or a collective whose every rank decodes every message
     # (Collective.alike) and can carry a NaN (prepare.shows_alike); False: they need the
@@ -304,6 +324,20 @@ def bounds(names: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, int, i
         out.append((n, o, o + k))
         o += k
     return out
+
+
+def ahead(sel: SparseGrad, u: torch.Tensor, c: float) -> SparseGrad:
+    """``sel`` (a selection of a job's accumulator) with each entry after its dense prefix
+    carrying ``c`` velocities ahead: ``value + c·u[position]`` (``gradsync.feedback``,
+    "Ahead"); the entries sent whole keep their values. New values, never ``sel``'s."""
+    p = sel.dense_prefix
+    if p == len(sel):
+        return sel
+    lead = torch.add(sel.values[p:], u.index_select(0, sel.indices[p:]).to(sel.dtype),
+                     alpha=c)
+    values = torch.cat([sel.values[:p], lead]) if p else lead
+    return SparseGrad(sel.indices, values, sel.numel, validate=False, dense_prefix=p,
+                      capacity=sel.capacity)
 
 
 def concat(parts: list[SparseGrad]) -> SparseGrad:

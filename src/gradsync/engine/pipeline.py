@@ -178,6 +178,7 @@ class _Pending:
     # or its missing tensors known on the host)
     missing: int = 0  # the all-gather part's missing tensors, when known on the host
     alike: bool = False  # its checks show alike on every rank (JobResult.alike): no word
+    lead: torch.Tensor | None = None  # its values at kept, sent ahead (JobResult.lead)
 
 
 class BufferPipeline:
@@ -267,7 +268,8 @@ class BufferPipeline:
                     # alike on every rank
                     None if kept is None or known is not None
                     else job_check(parts[-1][1], kept), known or 0,
-                    shows_alike(owner.parts.collective("ddp"), sel, self.comm.group)))
+                    shows_alike(owner.parts.collective("ddp"), sel, self.comm.group),
+                    None if res is None else parts[-1][2].sent_at(sel, res.kept)))
                 owner.counts.tensors += len(self.names)
                 self._release()
                 if result is not None:
@@ -326,13 +328,15 @@ class BufferPipeline:
         clip = None if owner.cfg.clip_norm is None else (owner.cfg.clip_norm, self.comm.size)
         acc = accumulate(self.key, order, sizes, grad, owner.ef, clip, here)
         writable = owner.ef.writable(self.key, acc)  # the all-reduce part may sum in acc
+        lead = owner.ef.lead(self.key)  # momentum sent ahead (feedback.py, "Ahead")
         parts: list[tuple[Job, list[int], Payload]] = []
         i = at = whole = 0
         for job in jobs:
             job_sizes, i = sizes[i:i + len(job.names)], i + len(job.names)
             n = sum(job_sizes)
             payload, _ = select(job, self.key, acc[at:at + n], job_sizes, owner.parts.sparsifier,
-                                None, owner.counts.steps, wire, writable)
+                                None, owner.counts.steps, wire, writable,
+                                None if lead is None else (lead[0][at:at + n], lead[1]))
             parts.append((job, job_sizes, payload))
             at += n
             whole += n if payload.dense is not None else 0
@@ -508,7 +512,7 @@ def settle(owner: Owner, comm: Comm) -> ValueError | None:
     for p, ok, here in zip(pending, flags[0::2], flags[1::2]):
         if taken:
             owner.counts.missing += counts.get(id(p), p.missing)
-            commit(owner.ef, p.index, p.acc, p.kept, p.wire, p.whole)
+            commit(owner.ef, p.index, p.acc, p.kept, p.wire, p.whole, p.lead)
             continue
         # a NaN/Inf in any bucket: the step is not taken (its backward raises, or a scaler
         # skips it), so no bucket's residuals and velocities move, as in the engine (and

@@ -106,7 +106,8 @@ def prepare(job: Job, index: Hashable, grad: torch.Tensor, sizes: Sequence[int],
     if dense and not any(ef.transforms(n) for n in job.names):
         return Prepared(None, Payload(dense=grad if reuse else grad.clone()), 0.0)
     acc = accumulate(index, job.names, sizes, grad, ef, clip, finite)
-    payload, seconds = select(job, index, acc, sizes, sparsifier, offload, step, wire)
+    payload, seconds = select(job, index, acc, sizes, sparsifier, offload, step, wire,
+                              lead=ef.lead(index))
     return Prepared(acc, payload, seconds, finite)
 
 
@@ -165,11 +166,14 @@ def shows_alike(collective: Collective, sel: SparseGrad | None,
 
 def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],
            sparsifier: Sparsifiers, offload: Offload | None, step: int, wire: torch.dtype,
-           writable: bool = False) -> tuple[Payload, float]:
+           writable: bool = False, lead: tuple[torch.Tensor, float] | None = None
+           ) -> tuple[Payload, float]:
     """Step 3 for one job whose accumulator is ``acc`` (flat, in the job's order): its payload,
     values in ``wire``, and the inline selection time. ``writable``: an all-reduce may sum in
     ``acc`` itself (error feedback zeroes what it sent:
-    :meth:`~gradsync.feedback.ErrorFeedback.writable`); otherwise it sums in a copy."""
+    :meth:`~gradsync.feedback.ErrorFeedback.writable`); otherwise it sums in a copy.
+    ``lead``: the job's pending velocity and factor when its selected entries are sent ahead
+    (:meth:`~gradsync.feedback.ErrorFeedback.lead`; :attr:`Payload.lead`)."""
     t0 = time.perf_counter()
     if job.mode is Mode.DENSE or job.transport is Transport.ALLREDUCE:  # SSFusion-I's
         # Buffer_AR and a warm-up step at density 1 send every entry: the buffer as it is, no
@@ -182,7 +186,7 @@ def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],
         # its tensors with no entry, counted now where that costs no read (the CPU's own
         # kernels), while the positions are warm: after the collective's wait they were cold
         payload = Payload(selections=[sel], wire_dtype=wire,
-                          missing=missing_on_host(sel.indices, sizes))
+                          missing=missing_on_host(sel.indices, sizes), lead=lead)
     else:
         parts: list[SparseGrad | Future | None] = []
         inline: list[tuple[int, sparsify.Sparsifier, int, int]] = []
@@ -211,7 +215,7 @@ def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],
         parts, empty = _select_inline(parts, inline, acc, first_inline, step)
         # a tensor sent whole is never missing; an offloaded one's count is the worker's
         payload = Payload(selections=parts, wire_dtype=wire,
-                          missing=None if job.offload else empty)
+                          missing=None if job.offload else empty, lead=lead)
     return payload, time.perf_counter() - t0
 
 

@@ -199,6 +199,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(Config.density_schedule; default fixed)")
     p.add_argument("--momentum-masking", action="store_true", default=None,
                    help="train's --momentum-masking for the gradsync schemes (default off)")
+    p.add_argument("--momentum-ahead", type=float, default=None, metavar="A",
+                   help="train's --momentum-ahead for the gradsync schemes (Config's default)")
     p.add_argument("--min-k", type=int, default=None, metavar="K",
                    help="train's --min-k for the gradsync schemes "
                         f"(Config.min_k; default the scheme's: {MIN_K}, 1 for SSFusion)")
@@ -340,6 +342,7 @@ def _spec(a: argparse.Namespace, model: str, seed: int, density: float,
                          progress=False, density_warmup=a.density_warmup,
                          density_schedule=a.density_schedule,
                          min_k=a.min_k, momentum_masking=a.momentum_masking,
+                         momentum_ahead=a.momentum_ahead,
                          adam_warmup=a.adam_warmup, amp=a.amp,
                          sparsifier=a.sparsifier, clip_norm=a.clip_norm,
                          bandwidth=a.bandwidth, latency=a.latency,
@@ -624,7 +627,7 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
             "density_warmup": spec.density_warmup,
             "density_schedule": spec.density_schedule,
             "sparsifier": spec.sparsifier, "clip_norm": spec.clip_norm, "min_k": spec.min_k,
-            "momentum_masking": spec.momentum_masking,
+            "momentum_masking": spec.momentum_masking, "momentum_ahead": spec.momentum_ahead,
             "adam_freeze_step": spec.adam_freeze_step(spec.steps) if spec.adamw else None,
             "amp": spec.amp,
             "text_fallback": spec.text_fallback, "link": link.get("link", "loopback")}

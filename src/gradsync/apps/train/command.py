@@ -83,6 +83,9 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
     p.add_argument("--momentum-masking", action="store_true", default=None,
                    help="DGC's momentum factor masking for the gradsync schemes under momentum "
                         "correction (Config.momentum_masking; default off)")
+    p.add_argument("--momentum-ahead", type=float, default=None, metavar="A",
+                   help="gradsync schemes under momentum correction: the share A in [0, 1] of "
+                        "a sent entry's velocity tail sent with it (Config.momentum_ahead)")
     p.add_argument("--min-k", type=int, default=None, metavar="K",
                    help="gradsync schemes: a tensor sparsified on its own that would send "
                         "fewer than K entries per step travels whole "
@@ -168,7 +171,8 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
             step_sleep=a.step_sleep, inject_scheme=a.inject_scheme,
             density_warmup=a.density_warmup, density_schedule=a.density_schedule,
             clip_norm=a.clip_norm,
-            min_k=a.min_k, momentum_masking=a.momentum_masking, adam_warmup=a.adam_warmup,
+            min_k=a.min_k, momentum_masking=a.momentum_masking,
+            momentum_ahead=a.momentum_ahead, adam_warmup=a.adam_warmup,
             amp=a.amp, plans=_read_plans(a.plan, p),
             topk_shares=a.topk_shares)
     except ValueError as e:

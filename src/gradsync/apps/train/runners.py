@@ -135,6 +135,8 @@ class Runner:
             extra.setdefault("min_k", spec.min_k)
         if spec.momentum_masking is not None:
             extra.setdefault("momentum_masking", spec.momentum_masking)
+        if spec.momentum_ahead is not None:
+            extra.setdefault("momentum_ahead", spec.momentum_ahead)
         if spec.density_schedule is not None:
             extra.setdefault("density_schedule", spec.density_schedule)
         return Config(scheme=self.choice.scheme.name, density=spec.density,

@@ -28,7 +28,7 @@ DDP_PEERS = ("ddp", "ddp_powersgd", "ddp_fp16")  # torch's own comm hooks, run a
 # TrainSpec fields that only gradsync's schemes read (runners.py): torch's own hooks above train
 # bit for bit the same under any of them (bench convergence's kept DDP runs leave them out).
 GRADSYNC_FIELDS = ("density", "sparsifier", "density_warmup", "density_schedule", "clip_norm",
-                   "min_k", "momentum_masking",
+                   "min_k", "momentum_masking", "momentum_ahead",
                    "adam_warmup", "topk_shares")
 DDP_HOOK_PREFIX = "ddp_gradsync_"  # + a scheme with Scheme.ddp_hook: gradsync's DDP comm hook
 DATASETS = ("fashion-mnist", "text", "synthetic")
@@ -163,6 +163,9 @@ class TrainSpec:
             clipping); ``None``: off.
         momentum_masking: ``Config.momentum_masking`` of the gradsync schemes under momentum
             correction (DGC's momentum factor masking); ``None``: Config's default (off).
+        momentum_ahead: ``Config.momentum_ahead`` of the gradsync schemes under momentum
+            correction (the share of a sent entry's velocity tail sent with it); ``None``:
+            Config's default.
         min_k: ``Config.min_k`` of the gradsync schemes: a tensor sparsified on its own that
             would send fewer entries per step travels whole; ``None``: Config's default.
         adam_warmup: AdamW with a sparse scheme (:class:`gradsync.optim.FrozenVarianceAdamW`):
@@ -213,6 +216,7 @@ class TrainSpec:
     clip_norm: float | None = None
     min_k: int | None = None
     momentum_masking: bool | None = None
+    momentum_ahead: float | None = None
     adam_warmup: int | None = None
     amp: str | None = None
     plans: dict[str, dict[str, Any]] | None = None
@@ -304,6 +308,10 @@ class TrainSpec:
         if not (self.momentum_masking is None or isinstance(self.momentum_masking, bool)):
             raise ValueError(f"momentum_masking must be True, False or None, got "
                              f"{self.momentum_masking!r}")
+        a = self.momentum_ahead
+        if a is not None and (isinstance(a, bool) or not isinstance(a, int | float)
+                              or not 0 <= a <= 1):
+            raise ValueError(f"momentum_ahead must be a number in [0, 1] or None, got {a!r}")
         if self.adam_warmup is not None:
             _int("adam_warmup", self.adam_warmup, 1)
         if self.amp not in AMP:
@@ -415,6 +423,7 @@ class TrainSpec:
                 "density_warmup": self.density_warmup,
                 "density_schedule": self.density_schedule, "clip_norm": self.clip_norm,
                 "min_k": self.min_k, "momentum_masking": self.momentum_masking,
+                "momentum_ahead": self.momentum_ahead,
                 "adam_warmup": self.adam_warmup,
                 "amp": self.amp,
                 "bandwidth": self.bandwidth, "latency": self.latency,
