@@ -90,7 +90,7 @@ def test_the_state_keeps_ahead_and_refuses_another():
     again = ErrorFeedback(momentum=M, masking=False, ahead=A)
     again.load_state_dict(state)
     assert torch.equal(again.residual("w"), ef.residual("w"))
-    with pytest.raises(ValueError, match="ahead=0.0"):
+    with pytest.raises(ValueError, match=r"ahead=0\.0"):
         ErrorFeedback(momentum=M, masking=False).load_state_dict(state)
     old = {k: v for k, v in state.items() if k != "ahead"}  # saved before the option
     ErrorFeedback(momentum=M, masking=False).load_state_dict(old)

@@ -334,8 +334,8 @@ def test_spec_fills_model_defaults_validates_and_pickles():
                          "batch_size", "lr", "optimizer", "text_fallback", "density",
                          "sparsifier", "seed", "warmup_steps", "eval_batches",
                          "density_warmup", "density_schedule", "clip_norm", "min_k",
-                         "momentum_masking", "adam_warmup", "amp", "bandwidth", "latency",
-                         "replayed_plans", "topk_shares"]
+                         "momentum_masking", "momentum_ahead", "adam_warmup", "amp",
+                         "bandwidth", "latency", "replayed_plans", "topk_shares"]
     assert cfg["world_size"] == 4 and cfg["schemes"] == ["ddp", "oktopk"]
     assert cfg["amp"] is None
     assert cfg["replayed_plans"] == [] and cfg["topk_shares"] is False
@@ -362,6 +362,13 @@ def test_spec_fills_model_defaults_validates_and_pickles():
     assert Runner(tk, torch.nn.Linear(2, 2), masked).gradsync_config(masked).momentum_masking
     assert not Runner(choice, torch.nn.Linear(2, 2), clipped).gradsync_config(
         clipped).momentum_masking
+    # --momentum-ahead reaches Config.momentum_ahead; unset, Config's default (0: off)
+    led = train.TrainSpec(schemes=["topka"], momentum_ahead=0.25)
+    assert led.config(2)["momentum_ahead"] == 0.25 and cfg["momentum_ahead"] is None
+    (tl,) = led.choices
+    assert Runner(tl, torch.nn.Linear(2, 2), led).gradsync_config(led).momentum_ahead == 0.25
+    assert Runner(choice, torch.nn.Linear(2, 2), clipped).gradsync_config(
+        clipped).momentum_ahead == gradsync.Config().momentum_ahead == 0.0
     for kw, field in [({"steps": 0}, "steps"), ({"steps": 2, "epochs": 1.0}, "epochs"),
                       ({"epochs": -1.0}, "epochs"), ({"latency": "5ms"}, "latency"),
                       ({"bandwidth": "fast"}, "bandwidth"), ({"schemes": ()}, "scheme"),
@@ -374,7 +381,9 @@ def test_spec_fills_model_defaults_validates_and_pickles():
                       ({"clip_norm": 0.0}, "clip_norm"), ({"clip_norm": "1"}, "clip_norm"),
                       ({"min_k": 0}, "min_k"), ({"min_k": 8.0}, "min_k"),
                       ({"momentum_masking": 1}, "momentum_masking"),
-                      ({"momentum_masking": "yes"}, "momentum_masking")]:
+                      ({"momentum_masking": "yes"}, "momentum_masking"),
+                      ({"momentum_ahead": 1.5}, "momentum_ahead"),
+                      ({"momentum_ahead": True}, "momentum_ahead")]:
         with pytest.raises(ValueError, match=field):
             train.TrainSpec(**kw)
 
