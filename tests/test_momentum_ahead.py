@@ -96,6 +96,8 @@ def test_the_state_keeps_ahead_and_refuses_another():
     ErrorFeedback(momentum=M, masking=False).load_state_dict(old)
     with pytest.raises(ValueError, match="ahead"):
         again.load_state_dict(old)
+    plain = ErrorFeedback(momentum=0.0, ahead=0.5)  # no velocity: nothing is sent ahead
+    ErrorFeedback(momentum=0.0).load_state_dict(plain.state_dict())
 
 
 def _train(rank: int, P: int, scheme: str, ahead: float, steps: int, min_k: int = 1) -> dict:

@@ -671,7 +671,8 @@ class ErrorFeedback:
             raise ValueError(f"state has masking={state.get('masking', True)}, this "
                              f"ErrorFeedback has masking={self.masking} (a checkpoint saved "
                              f"before the option had it on: Config(momentum_masking=True))")
-        if float(state.get("ahead", 0.0)) != self.ahead:  # saved before: none
+        # saved before the option: none; without momentum ahead sends nothing, whatever it is
+        if float(state.get("ahead", 0.0)) * bool(self.momentum) != self.ahead * bool(self.momentum):
             raise ValueError(f"state has ahead={state.get('ahead', 0.0)}, this ErrorFeedback "
                              f"has ahead={self.ahead} (the residual holds debts under ahead: "
                              "resume with the saved Config.momentum_ahead)")

@@ -111,7 +111,7 @@ def apply(launched: Launched, result: JobResult, params: dict[str, nn.Parameter]
                     torch.zeros_like(a) if residual is None else residual[lo:hi].clone()))
         return
     kept = result.kept.to(torch.int64)
-    residual = commit(ef, launched.index, acc, kept, wire, sent=result.lead)
+    residual = commit(ef, launched.index, acc, kept, wire, sent=result.sent_ahead)
     stats.selected += int(kept.numel())
     if result.sent_values is not None:  # auditing
         kept_values = values_at(result.sent_indices, result.sent_values, kept)
@@ -130,8 +130,8 @@ def commit(ef: ErrorFeedback, key: Hashable, acc: torch.Tensor, kept: torch.Tens
     the residual keeps the rest and the rounding. ``whole``: the first ``whole`` entries
     travelled too (an all-reduce part of the same buffer, the DDP hook's SSFusion-I), ``kept``
     counting from there. ``sent``: the values that travelled at ``kept`` where they were not
-    ``acc``'s (momentum sent ahead: ``JobResult.lead``), the residual keeping ``acc − sent``
-    there. Returns the new residual."""
+    ``acc``'s (momentum sent ahead: ``JobResult.sent_ahead``), the residual keeping
+    ``acc − sent`` there. Returns the new residual."""
     if sent is not None and kept is not None:
         head = acc[:whole].to(wire) if whole else None
         return ef.update_buffer(key, acc, kept, sent if head is None else torch.cat([head, sent]),

@@ -185,7 +185,8 @@ class Executor:
                    lazy=sel.device.type == "cpu")
         return JobResult(res.dense, res.kept, res.stats, offload_s, sent_idx, sent_vals,
                          checks=checks, missing=payload.known_missing(sel, res.kept),
-                         alike=alike, decode=res.decode, lead=payload.sent_at(sel, res.kept))
+                         alike=alike, decode=res.decode,
+                         sent_ahead=payload.sent_at(sel, res.kept))
 
     def _all_reduce(self, data: torch.Tensor) -> tuple[CommStats, InFlight]:
         """Issue the all-reduce of ``data`` and return without waiting for it: the next job

@@ -216,7 +216,7 @@ class JobResult:
     missing: int | None = None
     # the values this rank sent at ``kept`` where they are not its accumulator's (momentum sent
     # ahead: Payload.sent_at); None: the accumulator's (in the wire dtype)
-    lead: torch.Tensor | None = None
+    sent_ahead: torch.Tensor | None = None
     # its checks and a rank's non-finite flag (carried in the message) show alike on every
     # rank: an all-reduce, or a collective whose every rank decodes every message
     # (Collective.alike) and can carry a NaN (prepare.shows_alike); False: they need the

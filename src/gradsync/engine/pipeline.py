@@ -178,7 +178,7 @@ class _Pending:
     # or its missing tensors known on the host)
     missing: int = 0  # the all-gather part's missing tensors, when known on the host
     alike: bool = False  # its checks show alike on every rank (JobResult.alike): no word
-    lead: torch.Tensor | None = None  # its values at kept, sent ahead (JobResult.lead)
+    sent_ahead: torch.Tensor | None = None  # its values at kept (JobResult.sent_ahead)
 
 
 class BufferPipeline:
@@ -512,7 +512,7 @@ def settle(owner: Owner, comm: Comm) -> ValueError | None:
     for p, ok, here in zip(pending, flags[0::2], flags[1::2]):
         if taken:
             owner.counts.missing += counts.get(id(p), p.missing)
-            commit(owner.ef, p.index, p.acc, p.kept, p.wire, p.whole, p.lead)
+            commit(owner.ef, p.index, p.acc, p.kept, p.wire, p.whole, p.sent_ahead)
             continue
         # a NaN/Inf in any bucket: the step is not taken (its backward raises, or a scaler
         # skips it), so no bucket's residuals and velocities move, as in the engine (and
