@@ -1315,3 +1315,15 @@ def test_accuracy_momentum_ahead_claims_hold_in_the_written_results():
         4.56, 4.20]
     assert lm["topka"]["run_bytes_per_step"] == lm0["topka"]["run_bytes_per_step"]
     assert "−8.74 → −4.04" in page and "+4.56 → +4.20 %" in page
+    # the whole tail (a = 1) for SSFusion-OI: the same seeds, DDP runs, plans and bytes
+    whole = {r["scheme"]: r for r in _results(
+        "convergence-cnn-momentum-ahead-1",
+        "--model cnn --schemes ddp,ssfusion_oi --momentum-ahead 1.0")["rows"]}
+    assert whole["ddp"]["finals"] == plain["ddp"]["finals"]
+    assert whole["ssfusion_oi"]["plans"] == plain["ssfusion_oi"]["plans"]
+    assert whole["ssfusion_oi"]["run_bytes_per_step"] == plain["ssfusion_oi"]["run_bytes_per_step"]
+    m, h = _paired_points(whole["ssfusion_oi"]["finals"], whole["ddp"]["finals"])
+    assert (round(m, 2), round(m - h, 2), round(m + h, 2)) == (0.34, -0.44, 1.12)
+    m, h = _paired_points(whole["ssfusion_oi"]["finals"], plain["ssfusion_oi"]["finals"])
+    assert (round(m, 2), round(m - h, 2), round(m + h, 2)) == (1.18, 0.58, 1.79)
+    assert "**+0.34 [−0.44, +1.12] points vs DDP**, +1.18 [+0.58, +1.79] paired" in page
