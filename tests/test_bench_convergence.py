@@ -1318,7 +1318,8 @@ def test_accuracy_momentum_ahead_claims_hold_in_the_written_results():
     # the whole tail (a = 1) for SSFusion-OI: the same seeds, DDP runs, plans and bytes
     whole = {r["scheme"]: r for r in _results(
         "convergence-cnn-momentum-ahead-1",
-        "--model cnn --schemes ddp,ssfusion_oi --momentum-ahead 1.0")["rows"]}
+        "--model cnn --schemes ddp,topka,ssfusion_oi,densestream,per_tensor "
+        "--momentum-ahead 1.0")["rows"]}
     assert whole["ddp"]["finals"] == plain["ddp"]["finals"]
     assert whole["ssfusion_oi"]["plans"] == plain["ssfusion_oi"]["plans"]
     assert whole["ssfusion_oi"]["run_bytes_per_step"] == plain["ssfusion_oi"]["run_bytes_per_step"]
@@ -1327,3 +1328,12 @@ def test_accuracy_momentum_ahead_claims_hold_in_the_written_results():
     m, h = _paired_points(whole["ssfusion_oi"]["finals"], plain["ssfusion_oi"]["finals"])
     assert (round(m, 2), round(m - h, 2), round(m + h, 2)) == (1.18, 0.58, 1.79)
     assert "**+0.34 [−0.44, +1.12] points vs DDP**, +1.18 [+0.58, +1.79] paired" in page
+    assert "oktopk" not in whole  # it diverged at a = 1: the page says so, no row
+    for scheme, gap in (("topka", -0.19), ("densestream", 0.17), ("per_tensor", 0.74)):
+        m, _ = _paired_points(whole[scheme]["finals"], whole["ddp"]["finals"])
+        assert round(m, 2) == gap, scheme
+    m, h = _paired_points(whole["per_tensor"]["finals"], plain["per_tensor"]["finals"])
+    assert (round(m, 2), round(m - h, 2), round(m + h, 2)) == (2.91, 2.11, 3.71)
+    assert "TopkA −0.19, DenseStream +0.17 (at 0.83× the bytes" in page
+    assert round(whole["densestream"]["run_bytes_per_step"]
+                 / plain["densestream"]["run_bytes_per_step"], 2) == 0.83
