@@ -101,12 +101,15 @@ def conserved(records) -> bool:
     """Per rank and step, accumulated = sent + residual, bit for bit, for every audit record of
     a step (``GradSync(..., audit=True).audit_log``): the sent entries scattered with
     accumulation (a repeated index would count twice) plus the residual equal the accumulated
-    gradient exactly."""
+    gradient exactly. Where values travelled ahead of the accumulator (momentum sent ahead,
+    ``gradsync.feedback`` "Ahead"), the residual is ``acc − sent``, one rounding: it must then
+    be exactly that difference."""
     ok = True
     for rec in records:
         recon = torch.zeros_like(rec.acc).index_put_((rec.sent_indices,), rec.sent_values,
                                                      accumulate=True)
-        ok &= bool(torch.equal(rec.acc, recon + rec.residual))
+        ok &= bool(torch.equal(rec.acc, recon + rec.residual)
+                   or torch.equal(rec.residual, rec.acc - recon))
     return ok
 
 

@@ -1104,6 +1104,15 @@ def test_resume_refuses_a_run_of_another_configuration(tmp_path, capsys):
     assert "density: 0.01 there, 0.02 now" in msg and "steps" not in msg
     with pytest.raises(SystemExit, match="batch_size: 4 there, 2 now"):  # DDP's too
         conv.main(_resume_argv(out, "ddp", "--resume", "--batch-size", "2"))
+    # a run kept before Config.momentum_ahead defaulted to the scheme's share said None for
+    # "nothing sent ahead": it is not today's default run
+    kept = out / "runs" / "gpt_tiny-seed1-topka.json"
+    run = json.loads(kept.read_text())
+    assert run["config"]["momentum_ahead"] == "scheme's"
+    run["config"]["momentum_ahead"] = None
+    kept.write_text(json.dumps(run))
+    with pytest.raises(SystemExit, match="momentum_ahead: None there, \"scheme's\" now"):
+        conv.main(_resume_argv(out, "topka", "--resume"))
     (out / "runs" / "gpt_tiny-seed1-ddp.json").write_text("{not json")
     with pytest.raises(SystemExit) as e:
         conv.main(_resume_argv(out, "ddp", "--resume"))

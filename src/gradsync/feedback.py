@@ -50,7 +50,10 @@ then holds as ``acc = sent + residual`` to one rounding per sent value (``sent``
 ``acc + c·u`` rounded), not bit for bit. Entries of tensors sent whole (a dense prefix, an
 all-reduce) keep ordinary momentum and carry nothing ahead. Measured on the CNN at 1 %
 (P = 4, SGD, 10 seeds): ``a = 1/3`` turns TopkA's gap to DDP into a gain
-(docs/results/accuracy.md, "Momentum sent ahead").
+(docs/results/accuracy.md, "Momentum sent ahead"). A preconditioned buffer (AdamW's frozen
+variance) has a share of its own, ``ahead_preconditioned``: ``Config``'s default sends nothing
+ahead there (measured: TinyGPT, 2 ranks, 8 steps, AdamW's recipe with one exact step, TopkA's
+loss reached 56 at 1/3 and 110 at 1, 4.4 without).
 
 **Residual dtype.** ``residual_dtype="auto"`` keeps residuals and velocities of 16-bit
 (bf16/fp16) gradients in fp32 and every other gradient in its own dtype; a 16-bit residual
@@ -130,16 +133,20 @@ class ErrorFeedback:
             (module docstring, "Ahead"; 0: none); excludes ``masking``. The caller sends
             ``acc + c·u`` at the selected positions (:meth:`lead`) and passes those values to
             :meth:`update_buffer` as ``sent_values``.
+        ahead_preconditioned: the share for a buffer whose tensors are preconditioned
+            (:meth:`precondition`: AdamW's frozen variance); ``None`` (default): ``ahead``.
     """
 
     def __init__(self, momentum: float = 0.0,
                  residual_dtype: torch.dtype | str | None = None, masking: bool = True,
-                 ahead: float = 0.0) -> None:
+                 ahead: float = 0.0, ahead_preconditioned: float | None = None) -> None:
         if not 0.0 <= float(momentum) < 1.0:
             raise ValueError(f"momentum must be in [0, 1), got {momentum!r}")
-        if isinstance(ahead, bool) or not 0.0 <= float(ahead) <= 1.0:
-            raise ValueError(f"ahead must be in [0, 1], got {ahead!r}")
-        if ahead and masking and momentum:
+        ahead_preconditioned = ahead if ahead_preconditioned is None else ahead_preconditioned
+        for a in (ahead, ahead_preconditioned):
+            if isinstance(a, bool) or not 0.0 <= float(a) <= 1.0:
+                raise ValueError(f"ahead must be in [0, 1], got {a!r}")
+        if (ahead or ahead_preconditioned) and masking and momentum:
             raise ValueError("ahead and masking exclude each other: masking drops the "
                              "velocity that ahead sends early (module docstring)")
         if isinstance(residual_dtype, str):
@@ -154,6 +161,7 @@ class ErrorFeedback:
         self.momentum = float(momentum)
         self.masking = masking
         self.ahead = float(ahead)
+        self.ahead_preconditioned = float(ahead_preconditioned)
         self.residual_dtype = residual_dtype
         self._residual: dict[str, torch.Tensor] = {}
         self._velocity: dict[str, torch.Tensor] = {}
@@ -408,11 +416,14 @@ class ErrorFeedback:
         """Buffer ``key``'s pending velocity ``u`` and the factor ``c = ahead·m/(1 − m)``
         by which a compressed entry's sent value leads its accumulator, ``acc + c·u``
         (module docstring, "Ahead"); None without ``ahead`` or momentum, or outside a pending
-        :meth:`accumulate_buffer`."""
+        :meth:`accumulate_buffer`. A buffer with a preconditioned tensor
+        (:meth:`precondition`) leads by ``ahead_preconditioned``'s share instead."""
         b = self._buffers.get(key)
-        if not (self.ahead and self.momentum) or b is None or b.pending_velocity is None:
+        if not self.momentum or b is None or b.pending_velocity is None:
             return None
-        return b.pending_velocity, self.ahead * self.momentum / (1.0 - self.momentum)
+        a = (self.ahead_preconditioned if self._scale and any(n in self._scale for n in b.names)
+             else self.ahead)
+        return (b.pending_velocity, a * self.momentum / (1.0 - self.momentum)) if a else None
 
     def writable(self, key: Hashable, acc: torch.Tensor) -> bool:
         """Whether ``acc`` is the accumulator :meth:`accumulate_buffer` made new for buffer
@@ -656,6 +667,7 @@ class ErrorFeedback:
             "momentum": self.momentum,
             "masking": self.masking,
             "ahead": self.ahead,
+            "ahead_preconditioned": self.ahead_preconditioned,
             "residual_dtype": _dtype_name(self.residual_dtype),
             "residual": {k: v.clone() for k, v in self._held("residual").items()},
             "velocity": {k: v.clone() for k, v in self._held("velocity").items()},
@@ -671,11 +683,15 @@ class ErrorFeedback:
             raise ValueError(f"state has masking={state.get('masking', True)}, this "
                              f"ErrorFeedback has masking={self.masking} (a checkpoint saved "
                              f"before the option had it on: Config(momentum_masking=True))")
-        # saved before the option: none; without momentum ahead sends nothing, whatever it is
-        if float(state.get("ahead", 0.0)) * bool(self.momentum) != self.ahead * bool(self.momentum):
-            raise ValueError(f"state has ahead={state.get('ahead', 0.0)}, this ErrorFeedback "
-                             f"has ahead={self.ahead} (the residual holds debts under ahead: "
-                             "resume with the saved Config.momentum_ahead)")
+        # saved before the option: none; without momentum ahead sends nothing, whatever it is;
+        # saved before ahead_preconditioned: ahead's share applied to every buffer
+        saved = float(state.get("ahead", 0.0))
+        theirs = (saved, float(state.get("ahead_preconditioned", saved)))
+        if self.momentum and theirs != (self.ahead, self.ahead_preconditioned):
+            raise ValueError(f"state has ahead={theirs[0]} (preconditioned: {theirs[1]}), this "
+                             f"ErrorFeedback has ahead={self.ahead} (preconditioned: "
+                             f"{self.ahead_preconditioned}) (the residual holds debts under "
+                             "ahead: resume with the saved Config.momentum_ahead)")
         mine = _dtype_name(self.residual_dtype)
         if state.get("residual_dtype") != mine:
             raise ValueError(

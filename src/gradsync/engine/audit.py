@@ -72,6 +72,5 @@ def values_at(indices: torch.Tensor, values: torch.Tensor, at: torch.Tensor) -> 
     order = torch.argsort(indices.to(torch.int64))
     srt = indices.to(torch.int64)[order]
     pos = torch.searchsorted(srt, at).clamp_(max=srt.numel() - 1)
-    out = values[order[pos]].clone()
-    out[srt[pos] != at] = float("nan")
-    return out
+    # a where, not a masked write: that would read the mask's count to the host
+    return torch.where(srt[pos] == at, values[order[pos]], float("nan"))

@@ -32,6 +32,19 @@ RESIDUAL_DTYPES = {"auto": "auto", "float32": torch.float32, "float64": torch.fl
                    "param": None}
 
 
+def _ahead_in_force(scheme: str, given: float | None, momentum: float, masking: bool,
+                    density: float) -> float:
+    """``Config.momentum_ahead`` in force: 0 at density 1, where nothing is compressed (every
+    scheme then trains as DDP with momentum does); else ``given``, or for ``None`` the
+    scheme's share under momentum correction without masking (nothing is sent ahead without
+    a velocity, and masking drops the tail), else 0."""
+    if density >= 1.0:
+        return 0.0
+    if given is not None:
+        return float(given)
+    return schemes.get(scheme).momentum_ahead if momentum and not masking else 0.0
+
+
 @dataclass(frozen=True)
 class Config:
     """Settings of gradient synchronization.
@@ -57,10 +70,18 @@ class Config:
         momentum_ahead: under momentum correction without masking, the share ``a`` in
             [0, 1] of its velocity's remaining tail (``m/(1 − m)·u``) that a compressed entry
             carries when it is sent, borrowed from the steps after and repaid by the velocity
-            (``gradsync.feedback``, "Ahead"; ours). 0 (default): DGC's momentum correction as
-            it is. Measured: CNN, SGD, 1 %, 10 seeds, ``1/3``: TopkA from below DDP to above
-            it (docs/results/accuracy.md, "Momentum sent ahead"). Excludes
-            ``momentum_masking``.
+            (``gradsync.feedback``, "Ahead"; ours). ``None`` (default): the scheme's share,
+            ``Scheme.momentum_ahead`` (1/3 for TopkA, DenseStream and Ok-Topk, 1 for
+            per_tensor and the SSFusion family, 0 for the schemes not measured), and 0 under
+            masking or without momentum, and for preconditioned tensors (AdamW's frozen
+            variance, where it made TinyGPT diverge; a number given applies there too).
+            ``0``: DGC's momentum correction as it is. At
+            density 1 nothing is compressed and nothing is sent ahead, whatever is given
+            (every scheme then trains as DDP); :attr:`effective_momentum_ahead` is the value
+            in force. Measured: CNN, SGD, 1 %, 10 seeds: the five schemes with a share from
+            0.60–2.17 points below DDP to between −0.01 and +0.74
+            (docs/results/accuracy.md, "Momentum sent ahead"). A number excludes
+            ``momentum_masking``; checkpoints saved before this option resume with ``0``.
         warmup_steps: online-profiling iterations before a cost-model plan is fixed
             (SSFusion §IV-B uses 5).
         bucket_mb: fusion-buffer size of the schemes that fuse as DDP does (``dense``,
@@ -161,7 +182,7 @@ class Config:
     sparsifier: str = "dgc"
     momentum: float = 0.0
     momentum_masking: bool = False
-    momentum_ahead: float = 0.0
+    momentum_ahead: float | None = None
     warmup_steps: int = 5
     bucket_mb: float = 25.0
     first_bucket_mb: float | None = None
@@ -254,8 +275,10 @@ class Config:
             raise ValueError(f"Config.momentum_masking must be True or False, got "
                              f"{self.momentum_masking!r}")
         a = self.momentum_ahead
-        if isinstance(a, bool) or not isinstance(a, int | float) or not 0.0 <= a <= 1.0:
-            raise ValueError(f"Config.momentum_ahead must be a number in [0, 1], got {a!r}")
+        if a is not None and (isinstance(a, bool) or not isinstance(a, int | float)
+                              or not 0.0 <= a <= 1.0):
+            raise ValueError(f"Config.momentum_ahead must be None (the scheme's share) or a "
+                             f"number in [0, 1], got {a!r}")
         if a and self.momentum_masking:
             raise ValueError("Config.momentum_ahead and momentum_masking exclude each other: "
                              "masking drops the velocity that momentum_ahead sends early")
@@ -311,6 +334,12 @@ class Config:
                 mine[k] = self.effective_min_k
                 theirs = (schemes.get(saved.get("scheme", self.scheme)).min_k
                           if theirs is None else theirs)
+            if k == "momentum_ahead":  # the share in force, whichever way it was given
+                mine[k] = self.effective_momentum_ahead
+                theirs = _ahead_in_force(saved.get("scheme", self.scheme), theirs,
+                                         saved.get("momentum", 0.0),
+                                         saved.get("momentum_masking", True),
+                                         saved.get("density", self.density))
             if theirs != mine[k]:
                 out.append(f"{k}: saved {theirs!r}, here {mine[k]!r}")
         return out
@@ -321,6 +350,14 @@ class Config:
         return schemes.get(self.scheme).min_k if self.min_k is None else self.min_k
 
     @property
+    def effective_momentum_ahead(self) -> float:
+        """``momentum_ahead`` in force: the one given, else the scheme's
+        (``Scheme.momentum_ahead``) under momentum correction without masking, else 0; 0 at
+        density 1, where nothing is compressed."""
+        return _ahead_in_force(self.scheme, self.momentum_ahead, self.momentum,
+                               self.momentum_masking, self.density)
+
+    @property
     def feedback_dtype(self) -> torch.dtype | str | None:
         """``residual_dtype`` as :class:`gradsync.feedback.ErrorFeedback` takes it."""
         return RESIDUAL_DTYPES[self.residual_dtype]
@@ -328,8 +365,10 @@ class Config:
     def new_feedback(self) -> ErrorFeedback:
         """A fresh :class:`~gradsync.feedback.ErrorFeedback` as this config sets it up
         (momentum, masking, residual dtype)."""
+        a = self.effective_momentum_ahead  # the scheme's share is SGD's: not preconditioned
         return ErrorFeedback(momentum=self.momentum, residual_dtype=self.feedback_dtype,
-                             masking=self.momentum_masking, ahead=self.momentum_ahead)
+                             masking=self.momentum_masking, ahead=a,
+                             ahead_preconditioned=0.0 if self.momentum_ahead is None else a)
 
     @classmethod
     def from_dict(cls, d: dict[str, Any]) -> Config:

@@ -35,6 +35,7 @@ from gradsync.schedule.plan import MIN_K
 
 __all__ = ["PLANNERS", "SCHEMES", "Scheme", "get", "names"]
 
+THIRD = 1.0 / 3.0  # a third of the velocity tail sent ahead (Scheme.momentum_ahead)
 PLANNERS = ("fixed", "single", "mgwfbp", "cupcake", "per_tensor", "ssfusion", "hipress",
             "espresso", "auto")
 
@@ -77,6 +78,15 @@ class Scheme:
             with none forced (5 seeds, each better); TinyGPT's take 66 %, and forcing them cost
             21.79 against 19.92 perplexity (60 steps, 3 seeds; d′ 0.0079 → 0.0034) and 7.74
             against 7.45 (SSFusion-OI, 1000 steps). The CNN's plans are the same either way.
+        momentum_ahead: ``Config.momentum_ahead``'s default: the share of a sent entry's
+            velocity tail it carries ahead under DGC momentum correction without masking
+            (``gradsync.feedback``, "Ahead"). Chosen per scheme from the CNN at 1 %, P = 4,
+            10 seeds (docs/results/accuracy.md, "Momentum sent ahead"), the better of 1/3 and 1
+            in points against DDP: TopkA +0.48 and DenseStream +0.62 at 1/3 (−0.19, +0.17 at
+            1); per_tensor +0.74 and SSFusion-OI +0.34 at 1 (−0.71, −0.95 at 1/3), and so the
+            SSFusion family; Ok-Topk −0.01 at 1/3, where 1 diverged on one seed with its
+            thresholds reused between exact ones (that seed trained at 1 with either threshold
+            computed every step). 0 for the schemes not measured.
         paper: where the scheme comes from.
     """
 
@@ -94,6 +104,7 @@ class Scheme:
     interleave: bool = False
     ddp_hook: bool = False
     min_k: int = MIN_K
+    momentum_ahead: float = 0.0
     paper: str = ""
 
     def __post_init__(self) -> None:
@@ -102,6 +113,8 @@ class Scheme:
                              f"got {self.planner!r}")
         if (self.offload or self.interleave) and self.planner != "ssfusion":
             raise ValueError(f"scheme {self.name!r}: offload/interleave are SSFusion's")
+        if not 0.0 <= self.momentum_ahead <= 1.0:
+            raise ValueError(f"scheme {self.name!r}: momentum_ahead must be in [0, 1]")
 
     @property
     def sparse(self) -> bool:
@@ -113,7 +126,8 @@ _TABLE = (
     Scheme("dense", "fixed", overlap=False, ddp_hook=True,
            paper="PyTorch DDP without overlap (SSFusion §II 'Dense')"),
     Scheme("dense_ovlp", "fixed", paper="wait-free backpropagation (SSFusion §II 'DenseOvlp')"),
-    Scheme("topka", "single", "topka", paper="DenseStream §II 'TopkA' (all-gather of COO)"),
+    Scheme("topka", "single", "topka", momentum_ahead=THIRD,
+           paper="DenseStream §II 'TopkA' (all-gather of COO)"),
     Scheme("topkdsa", "single", "topkdsa", paper="DenseStream §II 'TopkDSA' (SparCML)"),
     Scheme("gtopk", "single", "gtopk", paper="Ok-Topk §2 'gTop-k' (Shi et al.)"),
     Scheme("gaussiank", "single", "topka", sparsifier="gaussiank",
@@ -121,20 +135,22 @@ _TABLE = (
     Scheme("oktopk", "single", "oktopk", collective_options=("density",),
            collective_kwargs=(("nonfinite", "skip_step"),),
            sparsifier="threshold", sparsifier_options=(("clock", "step"),),
-           sparsifier_config=(("period", "local_tau_prime"),),
+           sparsifier_config=(("period", "local_tau_prime"),), momentum_ahead=THIRD,
            paper="Ok-Topk §3, Algorithm 1 (local threshold reuse: lines 2–4)"),
-    Scheme("densestream", "single", "densestream", paper="DenseStream §IV"),
-    Scheme("per_tensor", "per_tensor", ddp_hook=True, paper="SSFusion §II-D per-tensor"),
+    Scheme("densestream", "single", "densestream", momentum_ahead=THIRD,
+           paper="DenseStream §IV"),
+    Scheme("per_tensor", "per_tensor", ddp_hook=True, momentum_ahead=1.0,
+           paper="SSFusion §II-D per-tensor"),
     Scheme("multi_tensor", "mgwfbp", needs_cost_model=True,
            paper="SSFusion §II-D multi-tensor (MG-WFBP / OMGS)"),
     Scheme("omgs", "mgwfbp", needs_cost_model=True, paper="OMGS-SGD (= multi_tensor)"),
     Scheme("cupcake", "cupcake", needs_cost_model=True, paper="Cupcake (SSFusion §II-D)"),
-    Scheme("ssfusion", "ssfusion", needs_cost_model=True, ddp_hook=True,
+    Scheme("ssfusion", "ssfusion", needs_cost_model=True, ddp_hook=True, momentum_ahead=1.0,
            paper="SSFusion §IV-B selective sparsification"),
-    Scheme("ssfusion_o", "ssfusion", needs_cost_model=True, offload=True,
+    Scheme("ssfusion_o", "ssfusion", needs_cost_model=True, offload=True, momentum_ahead=1.0,
            paper="SSFusion §IV-C (SSFusion-O)"),
     Scheme("ssfusion_oi", "ssfusion", needs_cost_model=True, offload=True, interleave=True,
-           ddp_hook=True, paper="SSFusion §IV-C/D (SSFusion-O + SSFusion-I)"),
+           ddp_hook=True, momentum_ahead=1.0, paper="SSFusion §IV-C/D (SSFusion-O + SSFusion-I)"),
     Scheme("hipress", "hipress", needs_cost_model=True,
            paper="HiPress (SOSP'21) CaSync selective compression + bulk synchronization"),
     Scheme("espresso", "espresso", needs_cost_model=True,

@@ -501,6 +501,9 @@ def run_config(spec: Any, scheme: str) -> dict[str, Any]:
     ignored = RUN_SPEC_IGNORED + (GRADSYNC_FIELDS if scheme in DDP_PEERS else ())
     cfg = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ignored}
     cfg["plan"] = (spec.plans or {}).get(scheme)
+    if scheme not in DDP_PEERS and cfg.get("momentum_ahead", 0.0) is None:
+        # the scheme's share since 2026-12-05: a run kept before, where None meant 0, differs
+        cfg["momentum_ahead"] = "scheme's"
     return json.loads(json.dumps(cfg))  # tuples as lists: what a file gives back
 
 
@@ -809,7 +812,9 @@ def _plot(results: list[tuple[list[dict], dict]]):
                     steps = [p["step"] for p in hs[0]]
                     vals = [[scale * h[i][info["metric"]] for h in hs] for i in range(len(steps))]
                     mean = [statistics.fmean(v) for v in vals]
-                    sd = [statistics.stdev(v) if len(v) > 1 else 0.0 for v in vals]
+                    # a curve gone non-finite (a perplexity overflowing) plots as a gap
+                    sd = [statistics.stdev(v) if len(v) > 1 and all(map(math.isfinite, v))
+                          else 0.0 for v in vals]
                     line, = axis.plot(steps, mean, marker="o", ms=3, label=r["scheme"])
                     axis.fill_between(steps, [m - s for m, s in zip(mean, sd)],
                                       [m + s for m, s in zip(mean, sd)],

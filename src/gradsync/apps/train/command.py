@@ -85,7 +85,8 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
                         "correction (Config.momentum_masking; default off)")
     p.add_argument("--momentum-ahead", type=float, default=None, metavar="A",
                    help="gradsync schemes under momentum correction: the share A in [0, 1] of "
-                        "a sent entry's velocity tail sent with it (Config.momentum_ahead)")
+                        "a sent entry's velocity tail sent with it (Config.momentum_ahead; default "
+                        "the scheme's share, 0 to turn it off)")
     p.add_argument("--min-k", type=int, default=None, metavar="K",
                    help="gradsync schemes: a tensor sparsified on its own that would send "
                         "fewer than K entries per step travels whole "

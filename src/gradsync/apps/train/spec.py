@@ -165,7 +165,7 @@ class TrainSpec:
             correction (DGC's momentum factor masking); ``None``: Config's default (off).
         momentum_ahead: ``Config.momentum_ahead`` of the gradsync schemes under momentum
             correction (the share of a sent entry's velocity tail sent with it); ``None``:
-            Config's default.
+            Config's default, the scheme's share (``Scheme.momentum_ahead``).
         min_k: ``Config.min_k`` of the gradsync schemes: a tensor sparsified on its own that
             would send fewer entries per step travels whole; ``None``: Config's default.
         adam_warmup: AdamW with a sparse scheme (:class:`gradsync.optim.FrozenVarianceAdamW`):
