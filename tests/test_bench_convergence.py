@@ -1346,3 +1346,25 @@ def test_accuracy_momentum_ahead_claims_hold_in_the_written_results():
     assert "TopkA −0.19, DenseStream +0.17 (at 0.83× the bytes" in page
     assert round(whole["densestream"]["run_bytes_per_step"]
                  / plain["densestream"]["run_bytes_per_step"], 2) == 0.83
+
+
+def test_the_plot_draws_a_curve_that_went_non_finite():
+    """A run whose perplexity overflowed (a scheme that diverged late) still plots: its spread
+    is left out where a value is not finite, instead of failing the whole study."""
+    matplotlib = pytest.importorskip("matplotlib")
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    def curve(last: float) -> list[dict]:
+        return [{"step": 4, "perplexity": 9.0}, {"step": 8, "perplexity": last}]
+
+    rows = [{"scheme": "topka", "seeds": [1, 2], "target": None,
+             "history": [curve(5e21), curve(float("nan"))]}]
+    info = {"metric": "perplexity", "evaluated": 64, "model": "gpt_tiny", "data": "text",
+            "world_size": 2, "steps": 8, "batch_size": 4, "density": 0.01, "link": "loopback"}
+    fig, ax = plt.subplots()
+    conv._plot([(rows, info)])(ax)
+    (axis,) = fig.axes
+    (line,) = axis.get_lines()
+    assert list(line.get_xdata()) == [4, 8] and line.get_ydata()[0] == 9.0
+    plt.close(fig)
