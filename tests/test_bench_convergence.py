@@ -1108,10 +1108,11 @@ def test_resume_refuses_a_run_of_another_configuration(tmp_path, capsys):
     # "nothing sent ahead": it is not today's default run
     kept = out / "runs" / "gpt_tiny-seed1-topka.json"
     run = json.loads(kept.read_text())
-    assert run["config"]["momentum_ahead"] == "scheme's"
+    assert run["config"]["momentum_ahead"] == "scheme's 0.333333"  # TopkA's share
     run["config"]["momentum_ahead"] = None
     kept.write_text(json.dumps(run))
-    with pytest.raises(SystemExit, match="momentum_ahead: None there, \"scheme's\" now"):
+    with pytest.raises(SystemExit,
+                       match="momentum_ahead: None there, \"scheme's 0.333333\" now"):
         conv.main(_resume_argv(out, "topka", "--resume"))
     (out / "runs" / "gpt_tiny-seed1-ddp.json").write_text("{not json")
     with pytest.raises(SystemExit) as e:

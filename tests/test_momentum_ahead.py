@@ -82,7 +82,7 @@ def test_config_rejects_a_bad_momentum_ahead(kw, match):
 
 
 @pytest.mark.parametrize(("scheme", "share"), [
-    ("topka", 1 / 3), ("densestream", 1 / 3), ("oktopk", 1 / 3), ("per_tensor", 1.0),
+    ("topka", 1 / 3), ("densestream", 1 / 3), ("oktopk", 1 / 3), ("per_tensor", 1 / 3),
     ("ssfusion", 1.0), ("ssfusion_o", 1.0), ("ssfusion_oi", 1.0), ("gtopk", 0.0),
     ("auto", 0.0), ("dense", 0.0)])
 def test_the_default_is_the_schemes_share_under_momentum_correction_without_masking(

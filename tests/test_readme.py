@@ -445,18 +445,20 @@ def test_readme_scheme_table_is_the_saved_results():
     10 % density bound. All recomputed from the saved JSON the table links."""
     from gradsync.schedule import schemes
 
-    # accuracy: one study of the current code on one machine (the CNN's DDP, TopkA and
-    # SSFusion-OI runs trained at c10f023, the rest at 04b80aa: no change to the CNN between)
-    study = _study("convergence-cnn-2026-12-03.json")
-    study.update(_study("convergence-lm-2026-12-03.json"))
-    assert {c for r in study.values() for c in r["code"]} <= {"c10f023", "04b80aa"}
+    # accuracy: one study of the current code, with its defaults (momentum sent ahead at the
+    # scheme's share), on one machine (trained at d96ad8c, some runs on its tree while only a
+    # test changed, and at 065be6e, a test only)
+    study = _study("convergence-cnn-2026-12-05-defaults.json")
+    study.update(_study("convergence-lm-2026-12-05-defaults.json"))
+    assert {c for r in study.values() for c in r["code"]} <= {"d96ad8c", "d96ad8c+dirty",
+                                                              "065be6e"}
     assert {r["seeds"] == list(range(1, 11)) for (m, _), r in study.items() if m == "cnn"} == {
         True}
     assert {r["seeds"] == [1, 2, 3] for (m, _), r in study.items() if m == "gpt_tiny"} == {True}
     # time to DDP's accuracy: one study on a 100 Mbit/s link, the CNN over 960 steps, 3 seeds:
     # DDP's training seconds to 99 % of its final accuracy over the scheme's (every seed must
     # get there), then to all of it (over the seeds that do, with how many)
-    name = "convergence-cnn-960-100mbit-2026-12-03.json"
+    name = "convergence-cnn-960-100mbit-2026-12-05.json"
     long = _study(name)
     assert all(r["seeds"] == [1, 2, 3] and r["metric"] == "test_accuracy" for r in long.values())
     assert all(m["steps"] == 960 and m["world_size"] == 4 and m["link"].startswith("tbf 100mbit")
@@ -493,7 +495,7 @@ def test_readme_scheme_table_is_the_saved_results():
         assert tta == (f"{first['seconds_to_target'] / row['seconds_to_target']:.2f}× / "
                        + full), (trained, tta)
         gap = 100 * study["cnn", trained]["diff_vs_ddp"]["mean"]
-        assert cnn == ("0" if ddp else f"{gap:.2f} points".replace("-", "−")), (trained, cnn)
+        assert cnn == ("0" if ddp else f"{gap:+.2f} points".replace("-", "−")), (trained, cnn)
         ppl = 100 * (study["gpt_tiny", trained]["mean"] / study["gpt_tiny", "ddp"]["mean"] - 1)
         assert lm == ("0" if ddp else f"+{ppl:.1f} %"), (trained, lm)
         mega = study["cnn", trained]["bytes_per_step"] / 1e6

@@ -71,17 +71,17 @@ class Config:
             [0, 1] of its velocity's remaining tail (``m/(1 − m)·u``) that a compressed entry
             carries when it is sent, borrowed from the steps after and repaid by the velocity
             (``gradsync.feedback``, "Ahead"; ours). ``None`` (default): the scheme's share,
-            ``Scheme.momentum_ahead`` (1/3 for TopkA, DenseStream and Ok-Topk, 1 for
-            per_tensor and the SSFusion family, 0 for the schemes not measured), and 0 under
+            ``Scheme.momentum_ahead`` (1/3 for TopkA, DenseStream, Ok-Topk and per_tensor, 1
+            for the SSFusion family, 0 for the schemes not measured), and 0 under
             masking or without momentum, and for preconditioned tensors (AdamW's frozen
             variance, where it made TinyGPT diverge; a number given applies there too).
-            ``0``: DGC's momentum correction as it is. At
-            density 1 nothing is compressed and nothing is sent ahead, whatever is given
-            (every scheme then trains as DDP); :attr:`effective_momentum_ahead` is the value
-            in force. Measured: CNN, SGD, 1 %, 10 seeds: the five schemes with a share from
-            0.60–2.17 points below DDP to between −0.01 and +0.74
-            (docs/results/accuracy.md, "Momentum sent ahead"). A number excludes
-            ``momentum_masking``; checkpoints saved before this option resume with ``0``.
+            ``0``: DGC's momentum correction as it is. At density 1 nothing is compressed and
+            nothing is sent ahead, whatever is given (every scheme then trains as DDP);
+            :attr:`effective_momentum_ahead` is the value in force. Measured: CNN, SGD, 1 %,
+            10 seeds: the schemes with a share from 0.60–2.17 points below DDP to between
+            −0.01 and +0.74 (docs/results/accuracy.md, "Momentum sent ahead"). A number
+            excludes ``momentum_masking``; checkpoints saved before this option resume with
+            ``0``.
         warmup_steps: online-profiling iterations before a cost-model plan is fixed
             (SSFusion §IV-B uses 5).
         bucket_mb: fusion-buffer size of the schemes that fuse as DDP does (``dense``,

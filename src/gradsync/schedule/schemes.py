@@ -80,13 +80,15 @@ class Scheme:
             against 7.45 (SSFusion-OI, 1000 steps). The CNN's plans are the same either way.
         momentum_ahead: ``Config.momentum_ahead``'s default: the share of a sent entry's
             velocity tail it carries ahead under DGC momentum correction without masking
-            (``gradsync.feedback``, "Ahead"). Chosen per scheme from the CNN at 1 %, P = 4,
-            10 seeds (docs/results/accuracy.md, "Momentum sent ahead"), the better of 1/3 and 1
-            in points against DDP: TopkA +0.48 and DenseStream +0.62 at 1/3 (−0.19, +0.17 at
-            1); per_tensor +0.74 and SSFusion-OI +0.34 at 1 (−0.71, −0.95 at 1/3), and so the
-            SSFusion family; Ok-Topk −0.01 at 1/3, where 1 diverged on one seed with its
-            thresholds reused between exact ones (that seed trained at 1 with either threshold
-            computed every step). 0 for the schemes not measured.
+            (``gradsync.feedback``, "Ahead"). Chosen per scheme from 1/3 and 1 at 1 %, P = 4
+            (docs/results/accuracy.md, "Momentum sent ahead"), in points against DDP on the
+            CNN (10 seeds) and ResNet-20 (5 seeds): 1/3 for TopkA (CNN +0.48 against −0.19 at
+            1; ResNet-20 −4.04 against −11.89), DenseStream (+0.62, +0.17), Ok-Topk (−0.01;
+            1 diverged on one seed with its thresholds reused between exact ones, and trained
+            with either computed every step) and per_tensor (−0.71 against +0.74, but
+            ResNet-20 −2.17 against −9.51, one seed at 43 %); 1 for the SSFusion family
+            (SSFusion-OI: CNN +0.34 against −0.95 at 1/3; ResNet-20 −2.52 against −4.73
+            without). 0 for the schemes not measured.
         paper: where the scheme comes from.
     """
 
@@ -139,7 +141,7 @@ _TABLE = (
            paper="Ok-Topk §3, Algorithm 1 (local threshold reuse: lines 2–4)"),
     Scheme("densestream", "single", "densestream", momentum_ahead=THIRD,
            paper="DenseStream §IV"),
-    Scheme("per_tensor", "per_tensor", ddp_hook=True, momentum_ahead=1.0,
+    Scheme("per_tensor", "per_tensor", ddp_hook=True, momentum_ahead=THIRD,
            paper="SSFusion §II-D per-tensor"),
     Scheme("multi_tensor", "mgwfbp", needs_cost_model=True,
            paper="SSFusion §II-D multi-tensor (MG-WFBP / OMGS)"),

@@ -501,9 +501,11 @@ def run_config(spec: Any, scheme: str) -> dict[str, Any]:
     ignored = RUN_SPEC_IGNORED + (GRADSYNC_FIELDS if scheme in DDP_PEERS else ())
     cfg = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ignored}
     cfg["plan"] = (spec.plans or {}).get(scheme)
-    if scheme not in DDP_PEERS and cfg.get("momentum_ahead", 0.0) is None:
-        # the scheme's share since 2026-12-05: a run kept before, where None meant 0, differs
-        cfg["momentum_ahead"] = "scheme's"
+    choice = next((c for c in spec.choices if c.name == scheme), None)
+    if choice is not None and choice.scheme is not None and cfg["momentum_ahead"] is None:
+        # the scheme's share since 2026-12-05 (a run kept before, where None meant 0, or
+        # under another share, differs)
+        cfg["momentum_ahead"] = f"scheme's {choice.scheme.momentum_ahead:.6g}"
     return json.loads(json.dumps(cfg))  # tuples as lists: what a file gives back
 
 
