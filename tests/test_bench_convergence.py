@@ -1112,7 +1112,7 @@ def test_resume_refuses_a_run_of_another_configuration(tmp_path, capsys):
     run["config"]["momentum_ahead"] = None
     kept.write_text(json.dumps(run))
     with pytest.raises(SystemExit,
-                       match="momentum_ahead: None there, \"scheme's 0.333333\" now"):
+                       match=r"momentum_ahead: None there, \"scheme's 0\.333333\" now"):
         conv.main(_resume_argv(out, "topka", "--resume"))
     (out / "runs" / "gpt_tiny-seed1-ddp.json").write_text("{not json")
     with pytest.raises(SystemExit) as e:
