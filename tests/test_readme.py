@@ -446,12 +446,12 @@ def test_readme_scheme_table_is_the_saved_results():
     from gradsync.schedule import schemes
 
     # accuracy: one study of the current code, with its defaults (momentum sent ahead at the
-    # scheme's share), on one machine (trained at d96ad8c, some runs on its tree while only a
-    # test changed, and at 065be6e, a test only)
+    # scheme's share), on one machine: the CNN at dae66c6 and 92ef294 (a lint fix after it),
+    # TinyGPT at 065be6e (per_tensor's share since changed, which TinyGPT's preconditioned
+    # buffers never use)
     study = _study("convergence-cnn-2026-12-05-defaults.json")
     study.update(_study("convergence-lm-2026-12-05-defaults.json"))
-    assert {c for r in study.values() for c in r["code"]} <= {"d96ad8c", "d96ad8c+dirty",
-                                                              "065be6e"}
+    assert {c for r in study.values() for c in r["code"]} <= {"dae66c6", "92ef294", "065be6e"}
     assert {r["seeds"] == list(range(1, 11)) for (m, _), r in study.items() if m == "cnn"} == {
         True}
     assert {r["seeds"] == [1, 2, 3] for (m, _), r in study.items() if m == "gpt_tiny"} == {True}
@@ -510,19 +510,20 @@ def test_readme_scheme_table_is_the_saved_results():
     first = long["cnn", "ddp"]["seconds_to_target"]
     near = sorted(100 * first / r["seconds_to_target"] / r["step_speedup"] for r in others)
     full = sorted(100 * r["speedup_kept"] for r in others if r["reached_ddp"])
-    assert (f"On that link every scheme ends within {worst:.2f} points of DDP's {ddp_mean:.2f} %, "
-            f"its steps {steps[0]:.2f}–{steps[-1]:.2f}× DDP's: reaching 99 % of DDP's accuracy "
-            f"keeps {near[0]:.0f}–{near[-1]:.0f} % of that, reaching all of it "
-            f"{full[0]:.0f}–{full[-1]:.0f} % on the seeds that get there (SSFusion's and "
-            "SSFusion-OI's 1 of 3; the others end below it, TopkA at "
-            f"{100 * long['cnn', 'topka']['mean']:.2f} %).") in text
-    assert {s: r["reached_ddp"] for (_, s), r in long.items() if s != "ddp"} == {
-        "topka": 0, "ssfusion": 1, "ssfusion_oi": 1, "oktopk": 0}  # "1 of 3", "the others"
+    gaps = sorted(100 * r["mean"] - ddp_mean for r in others)
+    assert worst <= 0 and near[0] > 100  # every scheme at or above DDP, sooner than its steps
+    assert (f"On that link every scheme ends at or above DDP's {ddp_mean:.2f} % "
+            f"(+{gaps[0]:.2f} to +{gaps[-1]:.2f} points), its steps "
+            f"{steps[0]:.2f}–{steps[-1]:.2f}× DDP's: reaching 99 % of DDP's accuracy keeps "
+            f"{near[0]:.0f}–{near[-1]:.0f} % of that (in fewer steps than DDP), reaching all of "
+            f"it {full[0]:.0f}–{full[-1]:.0f} % on the seeds that get there (TopkA's and "
+            "Ok-Topk's 3 of 3, SSFusion's and SSFusion-OI's 2 of 3, as DDP's own).") in text
+    assert {s: r["reached_ddp"] for (_, s), r in long.items()} == {
+        "ddp": 2, "topka": 3, "ssfusion": 2, "ssfusion_oi": 2, "oktopk": 3}
+    assert all(long["cnn", s]["steps_to_target"] < long["cnn", "ddp"]["steps_to_target"]
+               for (_, s) in long if s != "ddp")  # "in fewer steps than DDP"
     sparse = [_speedup(med, "1gbit", s, 4) for s in schemes.SCHEMES if schemes.get(s).sparse]
     assert f"the sparse schemes run at {min(sparse):.2f}–{max(sparse):.2f}× it at P = 4" in text
-    # a step gain that small is less than what the accuracy lag takes back on the slow link
-    assert f"a {max(sparse):.1f}× step is less than" in text and max(sparse) * near[-1] / 100 < 1
-    assert f"({near[0]:.0f}–{near[-1]:.0f} % of the step speed-up kept, next line)" in text
     assert "code 6ea855d)" in text
     # the 10-seed density sweep: DDP trained once (at the first density), every scheme at 10 %
     sweep = json.loads((RESULTS / "convergence-cnn-density-10-seeds.json").read_text())["rows"]
