@@ -35,11 +35,12 @@ def test_diverged_and_failed_schemes_are_recorded_and_the_others_run(tmp_path, c
     hook meet a non-finite gradient at the last steps and raise on every rank. PowerSGD's
     rank-1 updates stay finite for 8 steps. ``ddp`` fails outright (rank 1 raises at step 1).
     All five are in the table and metrics.json, the exit status is 1 and the last line names
-    the four."""
+    the four. Momentum sent ahead is off here (``--momentum-ahead 0``): with it the sparse runs
+    blow up a step sooner, on their loss, and the gradient's path would go untested."""
     out = tmp_path / "out"
     rc = train.main([*TINY, "--steps", "8", "--lr", "11", "--out", str(out),
                      "--scheme", "ddp_fp16,ddp,ddp_powersgd,topka,ddp_gradsync_per_tensor",
-                     "--fail-rank", "1", "--inject-scheme", "ddp"])
+                     "--fail-rank", "1", "--inject-scheme", "ddp", "--momentum-ahead", "0"])
     cap = capsys.readouterr()
     assert rc == 1
     m = _metrics(out)
