@@ -127,6 +127,18 @@ def test_a_preconditioned_buffer_leads_by_its_own_share_none_by_default():
     ErrorFeedback(momentum=M, masking=False, ahead=0.5).load_state_dict(state)
 
 
+def test_below_one_percent_the_default_share_is_at_most_a_third():
+    # at 0.1 % the whole tail diverged SSFusion-OI on 2 of 5 CNN seeds (accuracy.md); 1/3 trained
+    for scheme, at_1, below in (("ssfusion_oi", 1.0, 1 / 3), ("topka", 1 / 3, 1 / 3)):
+        assert Config(scheme=scheme, momentum=M).effective_momentum_ahead == pytest.approx(at_1)
+        low = Config(scheme=scheme, density=0.001, momentum=M)
+        assert low.effective_momentum_ahead == pytest.approx(below)
+        assert low.new_feedback().ahead == pytest.approx(below)
+    # a number given is in force at any density below 1
+    assert Config(scheme="ssfusion_oi", density=0.001, momentum=M,
+                  momentum_ahead=1.0).effective_momentum_ahead == 1.0
+
+
 def test_density_one_sends_nothing_ahead_whatever_is_given():
     # nothing is compressed at density 1: every scheme must train as DDP with momentum
     for ahead in (None, 1.0):
