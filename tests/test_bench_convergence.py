@@ -1095,6 +1095,8 @@ def test_resume_reuses_kept_runs_and_they_pair_bit_for_bit(tmp_path, capsys, mon
 
 
 def test_resume_refuses_a_run_of_another_configuration(tmp_path, capsys):
+    from gradsync.apps import train
+
     out = tmp_path / "o"
     assert conv.main(_resume_argv(out, "ddp,topka")) == 0
     with pytest.raises(SystemExit) as e:
@@ -1109,6 +1111,11 @@ def test_resume_refuses_a_run_of_another_configuration(tmp_path, capsys):
     kept = out / "runs" / "gpt_tiny-seed1-topka.json"
     run = json.loads(kept.read_text())
     assert run["config"]["momentum_ahead"] == "scheme's 0.333333"  # TopkA's share
+    # the share in force at the run's density: SSFusion-OI's 1 is capped at 1/3 below 1 %
+    spec = train.TrainSpec(schemes=["ssfusion_oi"], density=0.001)
+    assert conv.run_config(spec, "ssfusion_oi")["momentum_ahead"] == "scheme's 0.333333"
+    spec = train.TrainSpec(schemes=["ssfusion_oi"], density=0.01)
+    assert conv.run_config(spec, "ssfusion_oi")["momentum_ahead"] == "scheme's 1"
     run["config"]["momentum_ahead"] = None
     kept.write_text(json.dumps(run))
     with pytest.raises(SystemExit,
