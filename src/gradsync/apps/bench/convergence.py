@@ -505,10 +505,11 @@ def run_config(spec: Any, scheme: str) -> dict[str, Any]:
     if choice is not None and choice.scheme is not None and cfg["momentum_ahead"] is None:
         # the scheme's share at this density under momentum correction, the default since
         # 2026-12-05 (a run kept before, where None meant 0, or under another share, differs)
+        from gradsync.apps.train.runners import MOMENTUM
         from gradsync.engine.config import Config
 
         share = Config(scheme=choice.scheme.name, density=spec.density,
-                       momentum=0.9).effective_momentum_ahead
+                       momentum=MOMENTUM).effective_momentum_ahead
         cfg["momentum_ahead"] = f"scheme's {share:.6g}"
     return json.loads(json.dumps(cfg))  # tuples as lists: what a file gives back
 
