@@ -990,6 +990,32 @@ def test_min_k_reaches_the_runs_and_older_kept_runs_still_resume(tmp_path):
         conv.load_run(path, conv.run_config(spec, "per_tensor"))
 
 
+def test_lr_schedule_reaches_every_run_ddps_too_and_the_title(tmp_path):
+    """``--lr-schedule cosine`` is train's for every scheme, DDP included (it is not a setting
+    only gradsync reads): part of every run's configuration, so a kept run at the constant
+    rate, made before the option (no ``lr_schedule`` in it), is reused by a study without the
+    option and refused by one with it; the page's title names the schedule."""
+    argv = ["--model", "resnet20", "--data", "synthetic", "--schemes", "ddp,topka"]
+    cos = conv._spec(conv.parse_args([*argv, "--lr-schedule", "cosine"]), "resnet20", 1, 0.01,
+                     ["ddp", "topka"])
+    plain = conv._spec(conv.parse_args(argv), "resnet20", 1, 0.01, ["ddp", "topka"])
+    assert (cos.lr_schedule, plain.lr_schedule) == ("cosine", None)
+    for scheme in ("ddp", "topka"):
+        assert conv.run_config(cos, scheme)["lr_schedule"] == "cosine"
+        old = {k: v for k, v in conv.run_config(plain, scheme).items() if k != "lr_schedule"}
+        path = tmp_path / f"{scheme}.json"
+        path.write_text(json.dumps({"config": old, "row": {"final": 0.5}}))
+        assert conv.load_run(path, conv.run_config(plain, scheme))["row"]["final"] == 0.5
+        with pytest.raises(SystemExit, match="lr_schedule: None there, 'cosine' now"):
+            conv.load_run(path, conv.run_config(cos, scheme))
+    info = {"model": "resnet20", "data": "synthetic", "metric": "test_accuracy",
+            "evaluated": 64, "world_size": 4, "steps": 160, "batch_size": 32, "density": 0.01,
+            "link": "loopback"}
+    assert "learning rate" not in conv._title(info, [])
+    assert conv._title(dict(info, lr_schedule="cosine"), []).endswith(
+        "loopback, learning rate cosine")
+
+
 def test_sparsifier_and_clip_norm_reach_the_runs_and_tell_them_apart():
     """``--sparsifier`` and ``--clip-norm`` are train's ``Config.sparsifier`` and
     ``Config.clip_norm`` for every gradsync run of the study: they reach the spec, they are

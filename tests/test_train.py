@@ -128,7 +128,7 @@ def test_masked_language_model_scores_only_masked_tokens(tmp_path):
     ["--latency", "5ms"], ["--scheme", "nope"], ["--scheme", "ddp,ddp"],
     ["--steps", "3", "--epochs", "1"], ["--steps", "0"], ["--model", "nope"],
     ["--model", "gpt_tiny", "--data", "fashion-mnist"], ["--eval-batches", "-1"],
-    ["--sparsifier", "nope"], ["--lr", "-1"], ["--amp", "fp8"],
+    ["--sparsifier", "nope"], ["--lr", "-1"], ["--amp", "fp8"], ["--lr-schedule", "step"],
 ])
 def test_bad_arguments_exit_2(argv, capsys):
     with pytest.raises(SystemExit) as e:
@@ -331,13 +331,17 @@ def test_spec_fills_model_defaults_validates_and_pickles():
     assert train.TrainSpec(bandwidth="100mbit").bandwidth_bps == 100_000_000
     cfg = cnn.config(4)
     assert list(cfg) == ["model", "data", "schemes", "world_size", "steps", "epochs",
-                         "batch_size", "lr", "optimizer", "text_fallback", "density",
+                         "batch_size", "lr", "lr_schedule", "optimizer", "text_fallback",
+                         "density",
                          "sparsifier", "seed", "warmup_steps", "eval_batches",
                          "density_warmup", "density_schedule", "clip_norm", "min_k",
                          "momentum_masking", "momentum_ahead", "adam_warmup", "amp",
                          "bandwidth", "latency", "replayed_plans", "topk_shares"]
     assert cfg["world_size"] == 4 and cfg["schemes"] == ["ddp", "oktopk"]
-    assert cfg["amp"] is None
+    assert cfg["amp"] is None and cfg["lr_schedule"] == "constant"
+    # "constant" is spelled None, so a study's kept runs (which never named it) stay comparable
+    assert train.TrainSpec(lr_schedule="constant") == train.TrainSpec()
+    assert train.TrainSpec(lr_schedule="cosine").config(2)["lr_schedule"] == "cosine"
     assert cfg["replayed_plans"] == [] and cfg["topk_shares"] is False
     assert pickle.loads(pickle.dumps(gpt)) == gpt  # every rank receives it
     clipped = train.TrainSpec(schemes=["topka"], clip_norm=2.5)
@@ -383,9 +387,33 @@ def test_spec_fills_model_defaults_validates_and_pickles():
                       ({"momentum_masking": 1}, "momentum_masking"),
                       ({"momentum_masking": "yes"}, "momentum_masking"),
                       ({"momentum_ahead": 1.5}, "momentum_ahead"),
-                      ({"momentum_ahead": True}, "momentum_ahead")]:
+                      ({"momentum_ahead": True}, "momentum_ahead"),
+                      ({"lr_schedule": "step"}, "lr_schedule")]:
         with pytest.raises(ValueError, match=field):
             train.TrainSpec(**kw)
+
+
+@pytest.mark.parametrize("adamw", [False, True])
+def test_cosine_lr_schedule_anneals_every_optimizer_to_zero_at_the_last_step(adamw):
+    """``TrainSpec.lr_schedule="cosine"`` over 8 steps: the learning rate the optimizer uses
+    at step t is lr·(1 + cos(π·t/8))/2, written out here, for SGD and for
+    ``FrozenVarianceAdamW`` (the sparse schemes' AdamW); constant: no scheduler."""
+    from gradsync.apps.train.runners import make_lr_schedule, make_optimizer
+
+    net = torch.nn.Linear(3, 1)
+    opt = make_optimizer(net, adamw, 0.4, momentum_correction=True, freeze_step=2)
+    assert make_lr_schedule(opt, None, 8) is None
+    sched = make_lr_schedule(opt, "cosine", 8)
+    used = []
+    for _ in range(8):
+        used.append(opt.param_groups[0]["lr"])
+        net(torch.ones(1, 3)).sum().backward()
+        opt.step()
+        sched.step()
+    want = [0.4 * (1 + math.cos(math.pi * t / 8)) / 2 for t in range(8)]
+    assert used == pytest.approx(want, abs=1e-12)
+    assert used[0] == 0.4 and used[4] == pytest.approx(0.2)
+    assert opt.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # after the last step
 
 
 def test_metered_hook_records_the_calls_blocks_not_their_cpu():

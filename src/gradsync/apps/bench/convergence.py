@@ -109,6 +109,7 @@ from pathlib import Path
 from typing import Any
 
 from gradsync.apps.common import code_revision, cpu_description, print_table, write_outputs
+from gradsync.apps.train.spec import LR_SCHEDULES
 from gradsync.apps.train.summary import time_to
 from gradsync.engine.config import DENSITY_SCHEDULES, ENGINE_SPARSIFIERS
 from gradsync.schedule.plan import MIN_K
@@ -191,6 +192,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "(0.01,0.03,0.1): one study per density and the trade-off table, "
                         "accuracy against bytes per step")
     p.add_argument("--batch-size", type=int, default=32, help="per rank")
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=None,
+                   help="train's --lr-schedule for every scheme, DDP included: cosine anneals "
+                        "the learning rate to 0 at the last step (default constant)")
     p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
                    help="train's DGC density warm-up for the gradsync schemes, PERIODS:STEPS "
                         "or D1,D2,...:STEPS (default off)")
@@ -337,7 +341,7 @@ def _spec(a: argparse.Namespace, model: str, seed: int, density: float,
     try:
         spec = TrainSpec(model=model, schemes=tuple(schemes), data=a.data,
                          world_size=a.world_size, steps=steps, batch_size=a.batch_size,
-                         density=density, seed=seed, eval_batches=n_eval,
+                         lr_schedule=a.lr_schedule, density=density, seed=seed, eval_batches=n_eval,
                          eval_every=max(1, steps // a.eval_points), timeout=a.timeout,
                          progress=False, density_warmup=a.density_warmup,
                          density_schedule=a.density_schedule,
@@ -631,6 +635,7 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
         r["trained_at_density"] = (a.densities[0] if r["scheme"] in reused else density)
     info = {"model": model, "task": models.task(model), "data": spec.data, "metric": key,
             "steps": spec.steps, "batch_size": spec.batch_size, "lr": spec.lr,
+            "lr_schedule": spec.lr_schedule,
             "eval_batches": spec.eval_batches, "eval_every": spec.eval_every,
             "evaluated": evaluated,
             "world_size": spec.world_size, "density": density,
@@ -801,6 +806,7 @@ def _title(info: dict, rows: list[dict]) -> str:
     return (f"{info['model']} on {info['data']} — {what}; P={info['world_size']}, "
             f"{info['steps']} steps × {info['batch_size']}/rank, density {info['density']}, "
             f"{n_seeds} seeds, {info['link']}"
+            + (f", learning rate {info['lr_schedule']}" if info.get("lr_schedule") else "")
             + (f", AMP {info['amp']}" if info.get("amp") else ""))
 
 

@@ -30,7 +30,14 @@ import torch.distributed as dist
 
 from gradsync.apps.train.loop import train_worker
 from gradsync.apps.train.shards import resolve_data
-from gradsync.apps.train.spec import DATASETS, DEFAULT_STEPS, TrainSpec, all_schemes, defaults
+from gradsync.apps.train.spec import (
+    DATASETS,
+    DEFAULT_STEPS,
+    LR_SCHEDULES,
+    TrainSpec,
+    all_schemes,
+    defaults,
+)
 from gradsync.apps.train.summary import (
     environment,
     failed_run,
@@ -109,6 +116,9 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
     p.add_argument("--batch-size", type=int, default=d["batch_size"], help="per rank")
     p.add_argument("--lr", type=float, default=None,
                    help="default 0.05 (SGD, momentum 0.9) or 3e-3 (AdamW, language models)")
+    p.add_argument("--lr-schedule", choices=LR_SCHEDULES, default=None,
+                   help="the learning rate over the run, every scheme alike: cosine anneals "
+                        "it to 0 at the last step (default constant)")
     p.add_argument("--seed", type=int, default=d["seed"])
     p.add_argument("--warmup-steps", type=int, default=d["warmup_steps"],
                    help="engine profiling steps; the first warmup+1 steps are not measured")
@@ -164,9 +174,9 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
         spec = TrainSpec(
             model=a.model, schemes=tuple(s.strip() for s in a.scheme.split(",") if s.strip()),
             data=a.data, world_size=a.world_size, steps=a.steps, epochs=a.epochs,
-            batch_size=a.batch_size, lr=a.lr, density=a.density, sparsifier=a.sparsifier,
-            seed=a.seed, warmup_steps=a.warmup_steps, eval_batches=a.eval_batches,
-            eval_every=a.eval_every,
+            batch_size=a.batch_size, lr=a.lr, lr_schedule=a.lr_schedule, density=a.density,
+            sparsifier=a.sparsifier, seed=a.seed, warmup_steps=a.warmup_steps,
+            eval_batches=a.eval_batches, eval_every=a.eval_every,
             bandwidth=a.bandwidth, latency=a.latency, timeout=a.timeout, out=a.out,
             progress=not a.no_progress, fail_rank=a.fail_rank, stall_at=a.stall_at,
             step_sleep=a.step_sleep, inject_scheme=a.inject_scheme,

@@ -41,7 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from gradsync.apps.train.metering import RunQueueClock
-from gradsync.apps.train.runners import make_optimizer, make_runner
+from gradsync.apps.train.runners import make_lr_schedule, make_optimizer, make_runner
 from gradsync.apps.train.shards import RankData
 from gradsync.apps.train.spec import SchemeChoice, TrainSpec
 from gradsync.testing.distributed import heartbeat
@@ -121,6 +121,7 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
         agree = Comm(None)
     opt = make_optimizer(model, spec.adamw, spec.lr, runner.momentum_correction,
                          spec.adam_freeze_step(steps), sync=runner.preconditioner)
+    lr_schedule = make_lr_schedule(opt, spec.lr_schedule, steps)
     autocast, scaler = mixed_precision(spec.amp, device)
     if scaler is not None:
         runner.follow(scaler)
@@ -168,6 +169,8 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
                 else:  # skips the step when a gradient overflowed, and backs off
                     scaler.step(opt)
                     scaler.update()
+                if lr_schedule is not None:
+                    lr_schedule.step()
                 if device.type == "cuda":
                     torch.cuda.synchronize(device)
                 t1, p1, m1, q1 = (time.perf_counter(), time.process_time(), time.thread_time(),

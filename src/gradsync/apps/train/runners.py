@@ -106,6 +106,15 @@ def make_optimizer(model: nn.Module, adamw: bool, lr: float,
                            momentum=0.0 if momentum_correction else MOMENTUM)
 
 
+def make_lr_schedule(opt: torch.optim.Optimizer, schedule: str | None, steps: int
+                     ) -> torch.optim.lr_scheduler.LRScheduler | None:
+    """``TrainSpec.lr_schedule`` for a run of ``steps`` optimizer steps: ``"cosine"`` anneals
+    every group's learning rate to 0 at the last step; ``None``: constant (no scheduler)."""
+    if schedule is None:
+        return None
+    return torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=steps)
+
+
 class Runner:
     """One scheme on one rank. The loop calls, per step: the forward through :attr:`net`,
     :meth:`before_backward`, ``loss.backward()``, :meth:`after_backward`, the optimizer step,

@@ -21,7 +21,8 @@ from gradsync.engine.config import DENSITY_SCHEDULES
 from gradsync.schedule.schemes import SCHEMES, Scheme
 
 __all__ = ["ADAMW_LR", "AMP", "DATASETS", "DDP_HOOK_PREFIX", "DDP_PEERS", "DEFAULT_STEPS",
-           "GRADSYNC_FIELDS", "LOCAL", "MEET", "RUNNERS", "SGD_LR", "SchemeChoice", "TrainSpec",
+           "GRADSYNC_FIELDS", "LOCAL", "LR_SCHEDULES", "MEET", "RUNNERS", "SGD_LR", "SchemeChoice",
+           "TrainSpec",
            "all_schemes", "defaults", "scheme_choice", "scheme_choices", "uses_adamw"]
 
 DDP_PEERS = ("ddp", "ddp_powersgd", "ddp_fp16")  # torch's own comm hooks, run as peers
@@ -36,6 +37,8 @@ RUNNERS = ("engine", "ddp_hook", "torch_ddp", "local", "meet")
 AMP = (None, "bf16", "fp16")  # TrainSpec.amp: torch.autocast's dtype (fp16 with a GradScaler)
 DEFAULT_STEPS = 50
 SGD_LR, ADAMW_LR = 0.05, 3e-3
+# TrainSpec.lr_schedule: the learning rate over a run, the same for every scheme (None: constant)
+LR_SCHEDULES = ("constant", "cosine")
 # AdamW under compression (gradsync.optim): the share of a run's steps spent in exact AdamW with
 # gradients sent whole before the variance freezes, when TrainSpec.adam_warmup is not given.
 ADAM_WARMUP_SHARE = 0.1
@@ -129,6 +132,10 @@ class TrainSpec:
         steps, epochs: how long each scheme trains: steps, or passes over a rank's shard.
         batch_size: samples per rank and step.
         lr, density, sparsifier, seed: optimizer and ``Config`` settings shared by the schemes.
+        lr_schedule: the learning rate over the run, for every scheme alike: ``"cosine"``
+            decays it from ``lr`` to 0 at the last step (``CosineAnnealingLR``, stepped after
+            each optimizer step), as ResNet and GPT recipes end; ``None`` (or ``"constant"``):
+            ``lr`` throughout.
         warmup_steps: the engine's profiling steps; the first ``warmup_steps + 1`` steps are
             not measured.
         eval_batches: test batches for accuracy / perplexity (0: no evaluation).
@@ -194,6 +201,7 @@ class TrainSpec:
     epochs: float | None = None
     batch_size: int = 32
     lr: float | None = None
+    lr_schedule: str | None = None
     density: float = 0.01
     sparsifier: str = "dgc"
     seed: int = 0
@@ -263,6 +271,11 @@ class TrainSpec:
         if self.lr is None:
             fill("lr", ADAMW_LR if uses_adamw(self.model) else SGD_LR)
         _positive("lr", self.lr)
+        if self.lr_schedule not in (None, *LR_SCHEDULES):
+            raise ValueError(f"lr_schedule: unknown {self.lr_schedule!r}; choose from "
+                             f"{', '.join(LR_SCHEDULES)}")
+        if self.lr_schedule == "constant":
+            fill("lr_schedule", None)  # one spelling: a kept run's key stays comparable
         fill("density", validate_density(self.density))
         if self.sparsifier not in ENGINE_SPARSIFIERS:
             raise ValueError(f"sparsifier: unknown {self.sparsifier!r}; choose from "
@@ -409,6 +422,7 @@ class TrainSpec:
         return {"model": self.model, "data": self.data, "schemes": list(self.schemes),
                 "world_size": world_size, "steps": self.steps, "epochs": self.epochs,
                 "batch_size": self.batch_size, "lr": self.lr,
+                "lr_schedule": self.lr_schedule or "constant",
                 "optimizer": (
                     "adamw(sparse schemes: gradsync.optim.FrozenVarianceAdamW, DGC momentum "
                     "correction 0.9 in error feedback, variance frozen after adam_warmup steps "
