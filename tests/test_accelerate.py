@@ -115,7 +115,7 @@ def _scaler_runs(out: str, rank: int) -> None:
         exec(setup, ns)
         model, optimizer, accelerator = ns["model"], ns["optimizer"], ns["accelerator"]
         if name == "stale":
-            ns["hook_state"].amp.scaler = None
+            ns["hook_state"].units.scaler = None
         scales = []
         for s in range(K + N):
             x, y = _batch(s, rank)
@@ -124,7 +124,8 @@ def _scaler_runs(out: str, rank: int) -> None:
             optimizer.step()
             scales.append(1.0 if accelerator.scaler is None else accelerator.scaler.get_scale())
         runs[name] = {"scales": scales, "params": {
-            k: v.detach().clone() for k, v in model.module.state_dict().items()}}
+            k: v.detach().clone() for k, v in model.module.state_dict().items()},
+            "follows_rate": ns["hook_state"].units.optimizer is accelerator._optimizers[0]}
     runs["adamw"] = _adamw_runs(rank)
     torch.save(runs, os.path.join(out, f"scaler{rank}.pt"))
     torch.distributed.barrier()
@@ -207,6 +208,7 @@ def test_register_follows_the_accelerators_grad_scaler_bit_for_bit(launched):
     for r in range(2):
         runs = torch.load(launched / f"scaler{r}.pt")
         assert len(set(runs["scaled"]["scales"])) > 3  # the scale grew step after step
+        assert runs["scaled"]["follows_rate"]  # and the hook follows the optimizer's rate
         plain, scaled, stale = (runs[k]["params"] for k in ("plain", "scaled", "stale"))
         assert all(torch.equal(scaled[k], v) for k, v in plain.items())
         assert not all(torch.equal(stale[k], v) for k, v in plain.items())

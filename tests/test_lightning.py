@@ -158,7 +158,7 @@ def _amp(out: str, module_class, loader) -> None:
         def on_before_optimizer_step(self, optimizer):
             strategy = self.trainer.strategy
             self.seen.append((strategy.precision_plugin.scaler.get_scale(),
-                              strategy.hook_state.amp.loss_scale))
+                              strategy.hook_state.units.loss_scale))
             self.views = strategy.model.gradient_as_bucket_view  # the DDP it built
 
     def amp_trainer(cfg: Config) -> tuple[object, object]:
@@ -176,7 +176,8 @@ def _amp(out: str, module_class, loader) -> None:
     t, strategy = amp_trainer(Config(**CONFIG, nonfinite="skip_step"))
     t.fit(module, loader)
     res["seen"], res["losses"] = module.seen, module.losses
-    res["follows"] = strategy.hook_state.amp.scaler is t.precision_plugin.scaler
+    res["follows"] = (strategy.hook_state.units.scaler is t.precision_plugin.scaler
+                      and strategy.hook_state.units.optimizer is strategy.optimizers[0])
     res["bucket_views"] = module.views
     t, _ = amp_trainer(Config(**CONFIG))  # nonfinite="raise": refused
     try:

@@ -154,8 +154,9 @@ def _grad_scaler(dataset) -> dict:
             continue
         runs[name] = _params(model)
         if name == "scaled":
-            res["follows"] = callback.hook_state.amp.scaler is trainer.accelerator.scaler
-            res["scales"] = (callback.hook_state.amp.loss_scale,
+            res["follows"] = (callback.hook_state.units.scaler is trainer.accelerator.scaler
+                              and callback.hook_state.units.optimizer is trainer.optimizer)
+            res["scales"] = (callback.hook_state.units.loss_scale,
                              trainer.accelerator.scaler.get_scale())
     res["same"] = all(torch.equal(runs["plain"][k], v) for k, v in runs["scaled"].items())
     return res

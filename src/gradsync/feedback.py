@@ -83,6 +83,7 @@ from __future__ import annotations
 
 import itertools
 import math
+import warnings
 from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -91,7 +92,7 @@ import torch
 
 from gradsync.sparsegrad import bincount, check_finite, constant
 
-__all__ = ["ErrorFeedback", "LossScale", "check_scale", "clip_local", "saved_scale"]
+__all__ = ["ErrorFeedback", "Units", "check_scale", "clip_local", "saved_rates", "saved_scale"]
 
 
 @dataclass
@@ -219,14 +220,7 @@ class ErrorFeedback:
         changed from S to ``factor``·S (``torch.amp.GradScaler``: factor 2 or 1/2, a power of
         two, so the held state is rescaled exactly). ``ValueError`` between :meth:`accumulate`
         and :meth:`update`, or for a bad factor."""
-        f = float(factor)
-        if not (math.isfinite(f) and f > 0):
-            raise ValueError(f"rescale: factor must be finite and > 0, got {factor!r}")
-        pending = sorted(self._pending) + [n for b in self._buffers.values() if b.pending
-                                           for n in b.names]
-        if pending:
-            raise ValueError(f"rescale() between accumulate() and update() of "
-                             f"{pending[:3]}: rescale between steps only")
+        f = self._between_updates(factor, "rescale")
         for store in (self._residual, self._velocity):
             for t in store.values():
                 t.mul_(f)  # a zero residual stays zero: _zero still holds
@@ -234,6 +228,29 @@ class ErrorFeedback:
             for t in (b.residual, b.velocity):
                 if t is not None:
                     t.mul_(f)
+
+    def _between_updates(self, factor: float, what: str) -> float:
+        """``factor`` as a float, or ``ValueError`` for a bad one or within a step."""
+        f = float(factor)
+        if not (math.isfinite(f) and f > 0):
+            raise ValueError(f"{what}: factor must be finite and > 0, got {factor!r}")
+        pending = sorted(self._pending) + [n for b in self._buffers.values() if b.pending
+                                           for n in b.names]
+        if pending:
+            raise ValueError(f"{what}() between accumulate() and update() of "
+                             f"{pending[:3]}: {what} between steps only")
+        return f
+
+    def rescale_residual(self, factor: float) -> None:
+        """Multiply every residual held, not the velocities, by ``factor`` (finite, > 0): the
+        learning rate changed from η to η/``factor`` (:class:`Units`), and the residual stays
+        the same debt of update. One op for all of them. ``ValueError`` between
+        :meth:`accumulate` and :meth:`update`, or for a bad factor."""
+        f = self._between_updates(factor, "rescale_residual")
+        held = [*self._residual.values(),
+                *(b.residual for b in self._buffers.values() if b.residual is not None)]
+        if held:
+            torch._foreach_mul_(held, f)  # a zero residual stays zero: _zero still holds
 
     def scale(self, name: str) -> torch.Tensor | None:
         """``name``'s preconditioning scale (fp32), or None."""
@@ -725,44 +742,81 @@ def _dtype_name(d: torch.dtype | str | None) -> str | None:
     return d if d is None or isinstance(d, str) else str(d)
 
 
-# -- a dynamic loss scale (torch.amp.GradScaler) ------------------------------------------
-# Gradients arrive multiplied by the loss scale S, so residuals and velocities hold S-scaled
-# values. An owner of error feedback (GradSync, the DDP hook) that follows a scaler reads S at
-# each step's first gradient and brings what it holds to it; the S its contents are in travels
-# in its state_dict, so a resumed job whose scaler starts elsewhere is brought there too.
+# -- what an owner follows: a dynamic loss scale, a learning rate schedule ----------------
+# Gradients arrive multiplied by the loss scale S (torch.amp.GradScaler), so residuals and
+# velocities hold S-scaled values: an owner of error feedback (GradSync, the DDP hook) that
+# follows a scaler reads S at each step's first gradient and brings what it holds to it.
+# The residual is also a debt of update: what dense SGD would have moved the weights by, η_s·u_s
+# for each step s, not yet sent. Held in gradient units, an entry sent at step t is applied at
+# η_t instead of the η_s it was owed at; under a schedule an entry held for many steps then
+# moves the weights by η_t/η_s times what it owed (Stich et al. 2018 keep the memory as
+# η·g for this reason). An owner that follows the optimizer reads η at each step's first
+# gradient and multiplies the residual by η_{t−1}/η_t, so that it stays the same debt in
+# update units; velocities stay in gradient units, as dense momentum's buffer does. The S and
+# η the contents are in travel in the owner's state_dict, so a resumed job is brought there.
 @dataclass
-class LossScale:
-    """The GradScaler an owner follows (:class:`gradsync.GradSync`, the DDP hook) and the loss
-    scale S its error feedback's contents are in."""
+class Units:
+    """What an owner of error feedback (:class:`gradsync.GradSync`, the DDP hook) follows —
+    a GradScaler, an optimizer — and the loss scale S and learning rates η (one per param
+    group) its error feedback's contents are in."""
 
     scaler: Any = field(default=None, repr=False)
     loss_scale: float | None = None
+    optimizer: Any = field(default=None, repr=False)
+    lr: tuple[float, ...] | None = None
+    uneven: bool = False  # warned once: the groups' rates changed by different factors
 
-    def follow(self, scaler: Any, nonfinite: str, who: str) -> None:
-        """Follow ``scaler`` from the next step on. ``ValueError`` unless it looks like a
-        ``torch.amp.GradScaler`` and, when it is enabled, the owner's ``Config.nonfinite`` is
+    def follow(self, what: Any, nonfinite: str, who: str) -> None:
+        """Follow ``what`` from the next step on: an optimizer (anything with
+        ``param_groups``, each with an ``"lr"``) or a ``torch.amp.GradScaler``. ``ValueError``
+        for anything else, or for an enabled scaler unless the owner's ``Config.nonfinite`` is
         ``"skip_step"``: a scaler skips the steps whose gradients overflow (and backs off),
         which ``"raise"`` would turn into errors."""
-        if not (callable(getattr(scaler, "get_scale", None))
-                and callable(getattr(scaler, "is_enabled", None))):
-            raise ValueError(f"{who}.follow takes a torch.amp.GradScaler, got "
-                             f"{type(scaler).__name__}")
-        if scaler.is_enabled() and nonfinite != "skip_step":
+        groups = getattr(what, "param_groups", None)
+        if groups is not None:
+            if not groups or not all(isinstance(g, dict) and "lr" in g for g in groups):
+                raise ValueError(f"{who}.follow: {type(what).__name__}'s param_groups need an "
+                                 f"'lr' each")
+            if what is not self.optimizer:
+                self.optimizer, self.lr = what, None  # read afresh at the next step
+            return
+        if not (callable(getattr(what, "get_scale", None))
+                and callable(getattr(what, "is_enabled", None))):
+            raise ValueError(f"{who}.follow takes a torch.amp.GradScaler or an optimizer, got "
+                             f"{type(what).__name__}")
+        if what.is_enabled() and nonfinite != "skip_step":
             raise ValueError(f"{who}.follow: a GradScaler skips the steps whose gradients "
                              f"overflow, and Config.nonfinite={nonfinite!r} raises on them: use "
                              f"Config(nonfinite='skip_step') with a loss scaler")
-        self.scaler = scaler
+        self.scaler = what
 
-    def update(self, rescale: Callable[[float], None]) -> None:
-        """At a step's first gradient, when following a scaler: S′ = its scale now; when what
-        the owner holds (error feedback's contents, reused thresholds) is in another S,
-        ``rescale(S′ / S)`` first."""
-        if self.scaler is None:
+    def update(self, rescale: Callable[[float], None],
+               rescale_residual: Callable[[float], None]) -> None:
+        """At a step's first gradient: when following a scaler, S′ = its scale now and, when
+        what the owner holds (error feedback's contents, reused thresholds) is in another S,
+        ``rescale(S′ / S)`` first; when following an optimizer, η′ = its rates now and, when
+        the residual is in other rates, ``rescale_residual(η / η′)``. A rate of 0 leaves the
+        held units as they were (nothing is owed at it); groups whose rates changed by
+        different factors leave them too, with one warning."""
+        if self.scaler is not None:
+            now = float(self.scaler.get_scale())
+            if self.loss_scale is not None and now != self.loss_scale:
+                rescale(now / self.loss_scale)
+            self.loss_scale = now
+        if self.optimizer is None:
             return
-        now = float(self.scaler.get_scale())
-        if self.loss_scale is not None and now != self.loss_scale:
-            rescale(now / self.loss_scale)
-        self.loss_scale = now
+        rates = tuple(float(g["lr"]) for g in self.optimizer.param_groups)
+        held = self.lr if self.lr is not None and len(self.lr) == len(rates) else rates
+        factors = [h / r for h, r in zip(held, rates) if h > 0 and 0 < r < math.inf]
+        if all(math.isclose(f, factors[0], rel_tol=1e-9) for f in factors):
+            if factors and factors[0] != 1:
+                rescale_residual(factors[0])
+        elif not self.uneven:
+            self.uneven = True
+            warnings.warn("gradsync: the optimizer's param groups changed their learning rates "
+                          "by different factors; error feedback keeps its residual in the "
+                          "rates it holds", stacklevel=2)
+        self.lr = tuple(r if r > 0 else h for h, r in zip(held, rates))
 
 
 def saved_scale(value: Any, who: str) -> float | None:
@@ -773,6 +827,20 @@ def saved_scale(value: Any, who: str) -> float | None:
             math.isfinite(value) and value > 0):
         raise ValueError(f"{who}: the saved loss_scale must be finite and > 0, got {value!r}")
     return float(value)
+
+
+def saved_rates(value: Any, who: str) -> tuple[float, ...] | None:
+    """A state_dict's ``lr`` entry (:class:`Units`), checked: ``None`` or a list of finite
+    rates >= 0 (a checkpoint saved before the entry existed has none: the next step reads the
+    optimizer's rates afresh)."""
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not value or not all(
+            not isinstance(v, bool) and isinstance(v, (int, float)) and math.isfinite(v)
+            and v >= 0 for v in value):
+        raise ValueError(f"{who}: the saved lr must be a list of finite rates >= 0, got "
+                         f"{value!r}")
+    return tuple(float(v) for v in value)
 
 
 def clip_local(grads: list[torch.Tensor], max_norm: float, world_size: int

@@ -86,6 +86,8 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         sync: the engine whose error feedback compresses this optimizer's momentum; at the
             freeze it gets the scales ``1 / (√v̂ + eps)`` and ``.grad`` arrives preconditioned
             afterwards (module docstring). ``None``: the optimizer divides by ``√v̂ + eps``.
+            A ``sync`` with ``follow`` (GradSync, the hook) follows this optimizer's learning
+            rate (:meth:`gradsync.GradSync.follow`).
     """
 
     def __init__(self, params: Iterable[Any], lr: float = 1e-3,
@@ -108,6 +110,8 @@ class FrozenVarianceAdamW(torch.optim.Optimizer):
         super().__init__(params, {"lr": lr, "betas": tuple(betas), "eps": eps,
                                   "weight_decay": weight_decay, "freeze_step": freeze_step})
         self.sync = sync
+        if callable(getattr(sync, "follow", None)):
+            sync.follow(self)  # a schedule's rate changes keep the residual's debt (Units)
 
     @torch.no_grad()
     def step(self, closure: Any = None) -> Any:

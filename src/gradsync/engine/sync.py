@@ -75,7 +75,7 @@ from gradsync.engine.preconditioning import apply_scales, resolver
 from gradsync.engine.prepare import prepare
 from gradsync.engine.state import Identity, check_identity, check_params
 from gradsync.engine.stats import StepStats
-from gradsync.feedback import LossScale, clip_local, saved_scale
+from gradsync.feedback import Units, clip_local, saved_rates, saved_scale
 from gradsync.schedule import Plan, costmodel
 from gradsync.schedule.ssfusion import dishonoured_density
 from gradsync.sparsegrad import all_finite, all_finite_each, finite_flag
@@ -216,7 +216,7 @@ class GradSync:
                 broadcast_states(model, group, src=0)
         self.ef = self.cfg.new_feedback()
         self._counts = _Counts()
-        self._amp = LossScale()
+        self._units = Units()
         self._life = _Life()
         self._parts = Components(self.cfg, self._replica.rank)
         self._planning = _Planning(
@@ -269,7 +269,7 @@ class GradSync:
     @property
     def loss_scale(self) -> float | None:
         """The loss scale error feedback's contents are in (:meth:`follow`)."""
-        return self._amp.loss_scale
+        return self._units.loss_scale
 
     # ------------------------------------------------------------------ public API
     @property
@@ -526,17 +526,26 @@ class GradSync:
         self.ef.rescale(factor)  # checks the factor first
         self._parts.rescale(factor)
 
-    def follow(self, scaler: Any) -> None:
-        """Follow ``scaler`` (a ``torch.amp.GradScaler``): from the next step on, the scale is
-        read at the step's first gradient hook and, when ``scaler.update()`` changed it, what
-        error feedback holds is multiplied by ``new / old`` (:meth:`rescale`) before anything
-        accumulates. A step that overflowed leaves NaN in ``.grad`` (``synchronize()`` returns
-        ``False``) for the scaler to skip and back off from. Needs
-        ``Config(nonfinite="skip_step")``, else ``ValueError``. The scale in the held units
-        travels in :meth:`state_dict`. On CUDA, reading the scale waits for the device once
-        per step (so does ``scaler.step``)."""
+    def follow(self, what: Any) -> None:
+        """Follow ``what`` from the next step on; call it once for each.
+
+        - **An optimizer** (anything with ``param_groups``): its learning rate is read at each
+          step's first gradient hook and, when a schedule changed it from η to η′, the residual
+          is multiplied by η/η′, so that what error feedback owes stays the same update
+          (:class:`gradsync.feedback.Units`); velocities are not (dense momentum's buffer is
+          in gradient units too). Under a constant rate nothing changes.
+          :class:`~gradsync.optim.FrozenVarianceAdamW` given ``sync=`` follows itself.
+        - **A** ``torch.amp.GradScaler``: the scale is read at the step's first gradient hook
+          and, when ``scaler.update()`` changed it, what error feedback holds is multiplied by
+          ``new / old`` (:meth:`rescale`) before anything accumulates. A step that overflowed
+          leaves NaN in ``.grad`` (``synchronize()`` returns ``False``) for the scaler to skip
+          and back off from. Needs ``Config(nonfinite="skip_step")``, else ``ValueError``.
+
+        The scale and rates the contents are in travel in :meth:`state_dict`. On CUDA, reading
+        the scale waits for the device once per step (so does ``scaler.step``); a rate is read
+        on the host (a tensor rate on the device would wait too)."""
         self._between_steps("follow")
-        self._amp.follow(scaler, self.cfg.nonfinite, "GradSync")
+        self._units.follow(what, self.cfg.nonfinite, "GradSync")
 
     def stats(self) -> dict[str, Any]:
         """Figures of the last step and cumulative ones (bytes, time breakdown, missing rate).
@@ -578,7 +587,8 @@ class GradSync:
             "bwd_times": [dict(t) for t in self._planning.warmup.samples],
             "total": self._counts.total.as_dict(),
             "drift": None if watch is None else watch.state_dict(),
-            "loss_scale": self._amp.loss_scale,
+            "loss_scale": self._units.loss_scale,
+            "lr": None if self._units.lr is None else list(self._units.lr),
             "density_schedule": self._planning.density.state_dict(),
         }
 
@@ -594,6 +604,7 @@ class GradSync:
         self.check_compatible(state)
         watch = self._drift_from(state)
         scale = saved_scale(state.get("loss_scale"), "GradSync.load_state_dict")
+        rates = saved_rates(state.get("lr"), "GradSync.load_state_dict")
         # build every component first, so a bad entry raises before the engine changes
         parts = self._parts.loaded(state)
         density = DensitySchedule.loaded(self.cfg, state.get("density_schedule"))
@@ -613,7 +624,7 @@ class GradSync:
         self._planning.drift = watch
         self._planning.density = density
         self._planning.last_done = None
-        self._amp.loss_scale = scale
+        self._units.loss_scale, self._units.lr = scale, rates
 
     def check_compatible(self, state: dict[str, Any]) -> None:
         """Raise ``ValueError`` unless ``state`` was saved by this rank of an equal set-up."""
@@ -733,7 +744,7 @@ class GradSync:
         name = self._replica.name_of[id(p)]
         run = self._run
         if not run.first_hook:  # the step's first gradient: a followed scaler's scale
-            self._amp.update(self._rescale_held)
+            self._units.update(self._rescale_held, self.ef.rescale_residual)
         if p.is_cuda and self._planning.warmup.left > 0:  # profiling: when the gradient IS ready
             torch.cuda.current_stream(p.device).synchronize()
         run.hooked(name, time.perf_counter())
@@ -823,8 +834,8 @@ class GradSync:
         for name, p in self.params.items():
             self.ef.discard(name)
             if p.grad is not None:
-                p.grad.fill_(math.nan if self._amp.scaler is not None
-                             and self._amp.scaler.is_enabled() else 0.0)
+                p.grad.fill_(math.nan if self._units.scaler is not None
+                             and self._units.scaler.is_enabled() else 0.0)
 
     def _local_step(self) -> bool:
         """World size 1 without ``Config.compress_single_rank``: the step at density 1 with
@@ -839,7 +850,7 @@ class GradSync:
             self._skip_grads()
             stats.skipped = 1
         else:
-            self._amp.update(self._rescale_held)
+            self._units.update(self._rescale_held, self.ef.rescale_residual)
             into = [n for n in grads if self.ef.transforms(n) or self.cfg.clip_norm is not None]
             flat = [grads[n].detach().reshape(-1) for n in into]
             if self.cfg.clip_norm is not None:

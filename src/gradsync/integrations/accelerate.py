@@ -116,6 +116,8 @@ def register(accelerator: Any, model: nn.Module, cfg: Config,
     scaler = getattr(accelerator, "scaler", None)  # mixed_precision="fp16"'s GradScaler
     if scaler is not None:
         state.follow(scaler)
+    if len(getattr(accelerator, "_optimizers", [])) == 1:  # a schedule's rates (Units)
+        state.follow(accelerator._optimizers[0])
     accelerator.register_for_checkpointing(HookCheckpoint(state, accelerator))
     return state
 

@@ -13,8 +13,7 @@ Facts this relies on (docs/architecture.md, "torch.distributed facts"): the hook
 parameter must be named ``bucket`` and annotated ``dist.GradBucket`` itself (so no ``from
 __future__ import annotations`` here); plain functions work, ``functools.partial`` and callable
 instances do not; buckets are rebuilt after iteration 0, so state is keyed by parameter name;
-under ``no_sync()`` the hook is not called. :class:`HookState` is
-:class:`gradsync.engine.state.Stateful` (``"ddp_hook:<scheme>"``).
+under ``no_sync()`` the hook is not called. HookState is a ``Stateful`` (``"ddp_hook:<scheme>"``).
 """
 
 import functools
@@ -38,7 +37,7 @@ from gradsync.engine.pipeline import BufferPipeline, Counts, Scratch
 from gradsync.engine.preconditioning import apply_scales, resolver
 from gradsync.engine.state import Identity, check_identity, check_params
 from gradsync.engine.trial import FUSION_SIDES, AutoTrial, fusion_from
-from gradsync.feedback import ErrorFeedback, LossScale, saved_scale
+from gradsync.feedback import ErrorFeedback, Units, saved_rates, saved_scale
 from gradsync.schedule import BufferPlan, Plan, TensorPlan, schemes
 from gradsync.schedule.ssfusion import (
     allgather_charge,
@@ -90,7 +89,7 @@ class HookState:
     counts: Counts = field(default_factory=Counts)
     auto: AutoTrial = field(default_factory=AutoTrial)
     fusion: AutoTrial = field(default_factory=lambda: AutoTrial(sides=FUSION_SIDES))
-    amp: LossScale = field(default_factory=LossScale)
+    units: Units = field(default_factory=Units)  # what it follows: a scaler, an optimizer
 
     @property
     def scheme(self) -> schemes.Scheme:
@@ -130,11 +129,10 @@ class HookState:
         self.ef.rescale(factor)  # checks the factor first
         self.parts.rescale(factor)
 
-    def follow(self, scaler: Any) -> None:
-        """:meth:`gradsync.GradSync.follow` for the hook: the scale is read at each step's first
-        bucket (:meth:`gradsync.feedback.LossScale.update`); needs ``Config(nonfinite="skip_step")``
-        so that overflowing steps stay in ``.grad`` for the scaler to skip."""
-        self.amp.follow(scaler, self.cfg.nonfinite, "HookState")
+    def follow(self, what: Any) -> None:
+        """:meth:`gradsync.GradSync.follow` for the hook (an optimizer or a GradScaler), read
+        at each step's first bucket (:meth:`gradsync.feedback.Units.update`)."""
+        self.units.follow(what, self.cfg.nonfinite, "HookState")
 
     def precondition(self, scales: Mapping[torch.Tensor | str, torch.Tensor]) -> None:
         """:meth:`gradsync.GradSync.precondition` for the hook: from the next backward on,
@@ -176,7 +174,8 @@ class HookState:
         return {"rank": me.rank, "world_size": me.world_size, "config": self.cfg.to_dict(),
                 "small_numel": self.small_numel, "params": self._params(),
                 "feedback": self.ef.state_dict(), "steps": self.counts.steps,
-                "loss_scale": self.amp.loss_scale, "density_schedule": self.density.state_dict(),
+                "loss_scale": self.units.loss_scale, "lr": self.units.lr and list(self.units.lr),
+                "density_schedule": self.density.state_dict(),
                 **self.parts.state_dict(), **self.auto.state_dict(),
                 "fusion": self.fusion.trial}
 
@@ -206,12 +205,13 @@ class HookState:
         ef = self.cfg.new_feedback()
         ef.load_state_dict(state["feedback"])
         parts = self.parts.loaded(state)
-        scale = saved_scale(state.get("loss_scale"), "HookState.load_state_dict")
+        scale, rates = (saved_scale(state.get("loss_scale"), "HookState.load_state_dict"),
+                        saved_rates(state.get("lr"), "HookState.load_state_dict"))
         density = DensitySchedule.loaded(self.cfg, state.get("density_schedule"))
         self.ef, self.density = ef, density
         self.parts.install(parts)
         self.counts.steps = int(state.get("steps", 0))
-        self.amp.loss_scale = scale
+        self.units.loss_scale, self.units.lr = scale, rates
         self.auto = AutoTrial.from_state(state, self.auto.clock)
         self.fusion = fusion_from(state.get("fusion"), self.fusion.clock)
 
@@ -255,7 +255,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         _agree(state)
     buf, comm, params = bucket.buffer(), Comm(state.group), bucket.parameters()
     if bucket.index() == 0:  # DDP reduces bucket 0 first: the step's time for the trial
-        state.amp.update(state.rescale)
+        state.units.update(state.rescale, state.ef.rescale_residual)
         (state.auto if state.scheme.planner == "auto" else state.fusion).time_step(
             state.counts.steps, comm)
     names, numels = [state.name_of(p) for p in params], [p.numel() for p in params]

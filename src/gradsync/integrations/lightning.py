@@ -115,6 +115,8 @@ class GradSyncStrategy(DDPStrategy):
         found = [(i, f) for i, f in enumerate(map(adamw.adam_in, self.optimizers)) if f]
         if found:
             self._adopt(found, trainer)
+        if len(self.optimizers) == 1:  # its schedule's rate changes keep the residual's debt
+            self.hook_state.follow(self.optimizers[0])
         self._restore(previous)
 
     def _adopt(self, found: list[tuple[int, tuple[Any, Any]]], trainer: pl.Trainer) -> None:

@@ -169,6 +169,7 @@ class GradSyncCallback(TrainerCallback):
                 if scaler is not None:
                     self.hook_state.follow(scaler)
             self._adopt(found, args)
+            self.hook_state.follow(trainer.optimizer)  # the scheduler's rates (Units)
         else:
             self._refuse_or_idle(wrapped, args)
             if self._ddp is not None or self.hook_state is None:

@@ -122,6 +122,7 @@ def train_scheme(choice: SchemeChoice, rank: int, P: int, spec: TrainSpec,
     opt = make_optimizer(model, spec.adamw, spec.lr, runner.momentum_correction,
                          spec.adam_freeze_step(steps), sync=runner.preconditioner)
     lr_schedule = make_lr_schedule(opt, spec.lr_schedule, steps)
+    runner.follow(opt)  # as a user does: error feedback follows the learning rate
     autocast, scaler = mixed_precision(spec.amp, device)
     if scaler is not None:
         runner.follow(scaler)

@@ -157,9 +157,10 @@ class Runner:
     def metering(self) -> contextlib.AbstractContextManager:
         return contextlib.nullcontext()
 
-    def follow(self, scaler: torch.amp.GradScaler) -> None:
-        """An fp16 run's loss scaler (``TrainSpec.amp``): gradsync's error feedback follows
-        its scale (``follow``); torch's own hooks need nothing."""
+    def follow(self, what: Any) -> None:
+        """The optimizer (its learning rate) and an fp16 run's loss scaler
+        (``TrainSpec.amp``): gradsync's error feedback follows them
+        (``GradSync.follow``); torch's own hooks need nothing."""
 
     def plan(self) -> dict[str, Any] | None:
         """The plan the run ended with (``Plan.to_dict()``); ``None`` outside the engine."""
@@ -205,8 +206,8 @@ class EngineRunner(Runner):
     def topk_shares(self) -> dict[str, Any] | None:
         return self._shares.result() if self._shares is not None else None
 
-    def follow(self, scaler: torch.amp.GradScaler) -> None:
-        self.sync.follow(scaler)
+    def follow(self, what: Any) -> None:
+        self.sync.follow(what)
 
     def after_backward(self) -> None:
         self.sync.synchronize()  # False on an overflow: .grad holds NaN, the scaler skips
@@ -253,8 +254,8 @@ class DDPHookRunner(Runner):
                                     metered_hook)
         self.before_backward()
 
-    def follow(self, scaler: torch.amp.GradScaler) -> None:
-        self.state.follow(scaler)
+    def follow(self, what: Any) -> None:
+        self.state.follow(what)
 
     def before_backward(self) -> None:
         s = self.state.counts
