@@ -1488,3 +1488,74 @@ def test_accuracy_default_momentum_ahead_claims_hold_in_the_written_results():
     assert (f"{100 * kept:.0f} % of its step speed-up in the same run (SSFusion-OI, "
             f"{long['ddp']['seconds_to_target'] / oi['seconds_to_target']:.2f}× against "
             f"{oi['step_speedup']:.2f}×" in page and kept >= 0.85)
+
+
+def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
+    """accuracy.md, "Learning-rate schedules": ResNet-20 under the cosine schedule, every page
+    on the same DDP runs; each row of its table recomputed from the pages' finals, the paired
+    gains of following the rate, and the CNN's warm-up figures against the default study."""
+    page = _accuracy()
+    names = {"base": "convergence-resnet20-cosine", "follow": "resnet20-cosine/follow",
+             "a0": "resnet20-cosine/momentum-ahead-0", "a1": "resnet20-cosine/momentum-ahead-1",
+             "clip": "resnet20-cosine/clip-norm-1", "w8": "resnet20-cosine/density-0.1-for-8",
+             "w20": "resnet20-cosine/density-warmup-20",
+             "fw": "resnet20-cosine/follow-density-warmup-20",
+             "third": "resnet20-cosine/follow-density-warmup-20-ssfusion-oi-third",
+             "dgc": "resnet20-cosine/dgc-warmup-4-10"}
+    rows = {k: {r["scheme"]: r for r in _results(v, "--model resnet20")["rows"]}
+            for k, v in names.items()}
+    assert all("--lr-schedule cosine" in _results(v)["meta"]["command"] for v in names.values())
+    ddp = rows["base"]["ddp"]["finals"]
+    assert all(r["ddp"]["finals"] == ddp for r in rows.values())
+    assert f"{100 * statistics.mean(ddp):.2f} ± {100 * statistics.stdev(ddp):.2f} %" \
+        == "81.29 ± 0.32 %"
+
+    def cell(key: str, scheme: str) -> str:
+        if scheme not in rows[key]:
+            return ""
+        return f"{_mean_gap_points(rows[key][scheme]['finals'], ddp):+.2f}".replace("-", "−")
+
+    def ratio(key: str, scheme: str) -> str:
+        r = rows[key][scheme]["run_bytes_per_step"] / rows["base"][scheme]["run_bytes_per_step"]
+        return "1" if abs(r - 1) < 0.005 else f"{r:.2f}"
+
+    for key, label in (("base", "before: the defaults"),
+                       ("follow", "**the defaults now: following the rate**"),
+                       ("a0", "before: nothing sent ahead"), ("a1", "before: the whole tail"),
+                       ("clip", "before: DGC's local clipping"),
+                       ("w8", "before: 10 % for the first 8 steps"),
+                       ("w20", "before: 3, 2, 1.5 and 1.25 %"),
+                       ("fw", "following the rate, and that warm-up"),
+                       ("dgc", "before: DGC's warm-up")):
+        cells = " ".join(" | ".join(cell(key, s) for s in ("topka", "ssfusion_oi",
+                                                            "per_tensor")).split())
+        sent = [ratio(key, s) for s in ("topka", "ssfusion_oi", "per_tensor") if s in rows[key]]
+        sent_cell = sent[0] if len(set(sent)) == 1 else ", ".join(sent)
+        start = page.index("| " + label)
+        rest = page[page.index(" | ", start + 2) + 3:]  # after the label's cell
+        assert rest.startswith(f"{cells} | {sent_cell} |"), (key, rest[:60], cells, sent_cell)
+    assert _mean_gap_points(rows["third"]["ssfusion_oi"]["finals"], ddp) == -2.20
+    assert "it ends at −2.20" in page
+    for scheme, quoted in (("topka", None), ("ssfusion_oi", "+0.08 ± 0.25"),
+                           ("per_tensor", "+0.59 ± 0.78")):
+        d = [100 * (x - y) for x, y in zip(rows["follow"][scheme]["finals"],
+                                           rows["base"][scheme]["finals"], strict=True)]
+        got = f"{statistics.mean(d):+.2f} ± {statistics.stdev(d):.2f}"
+        if quoted is not None:
+            assert got == quoted, scheme
+        assert got in page, scheme
+    # the CNN with the 20-step warm-up, against the default study (the same DDP runs)
+    warm = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-05-density-warmup-20",
+                                             "--model cnn")["rows"]}
+    default = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-05-defaults")["rows"]}
+    assert warm["ddp"]["finals"] == default["ddp"]["finals"]
+    gaps = [100 * (statistics.mean(warm[s]["finals"]) - statistics.mean(warm["ddp"]["finals"]))
+            for s in ("topka", "ssfusion", "densestream", "oktopk", "per_tensor")]
+    quoted = [1.01, 0.04, 0.84, 0.52, -0.55]  # to two decimals (per_tensor's is −0.555)
+    assert all(abs(g - q) <= 0.005 + 1e-9 for g, q in zip(gaps, quoted, strict=True)), gaps
+    assert "TopkA +1.01, SSFusion and SSFusion-OI +0.04, DenseStream +0.84, Ok-Topk +0.52, " \
+        "per_tensor −0.55 points vs DDP" in page
+    sent = [warm[s]["run_bytes_per_step"] / default[s]["run_bytes_per_step"]
+            for s in ("topka", "ssfusion", "densestream", "oktopk", "per_tensor")]
+    assert [f"{x:.2f}" for x in sent] == ["1.47", "1.09", "1.33", "1.51", "1.44"]
+    assert sent[3] > 1.5  # Ok-Topk's just above the CNN's bar

@@ -157,6 +157,7 @@ def test_units_read_the_rates_and_ask_for_the_factor():
     assert step(0.1, 0.01) == [4.0]  # both groups a quarter: the residual ×4
     assert step(0.1, 0.01) == []
     assert step(0.0, 0.0) == [] and units.lr == (0.1, 0.01)  # a rate of 0 owes nothing
+    assert step(math.inf, math.nan) == [] and units.lr == (0.1, 0.01)  # nor one not finite
     assert step(0.2, 0.02) == [0.5]  # from the held rates
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")

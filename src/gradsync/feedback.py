@@ -795,9 +795,9 @@ class Units:
         """At a step's first gradient: when following a scaler, S′ = its scale now and, when
         what the owner holds (error feedback's contents, reused thresholds) is in another S,
         ``rescale(S′ / S)`` first; when following an optimizer, η′ = its rates now and, when
-        the residual is in other rates, ``rescale_residual(η / η′)``. A rate of 0 leaves the
-        held units as they were (nothing is owed at it); groups whose rates changed by
-        different factors leave them too, with one warning."""
+        the residual is in other rates, ``rescale_residual(η / η′)``. A rate of 0 (or one
+        not finite) leaves the held units as they were (nothing is owed at it); groups whose
+        rates changed by different factors leave them too, with one warning."""
         if self.scaler is not None:
             now = float(self.scaler.get_scale())
             if self.loss_scale is not None and now != self.loss_scale:
@@ -816,7 +816,7 @@ class Units:
             warnings.warn("gradsync: the optimizer's param groups changed their learning rates "
                           "by different factors; error feedback keeps its residual in the "
                           "rates it holds", stacklevel=2)
-        self.lr = tuple(r if r > 0 else h for h, r in zip(held, rates))
+        self.lr = tuple(r if 0 < r < math.inf else h for h, r in zip(held, rates))
 
 
 def saved_scale(value: Any, who: str) -> float | None:
