@@ -1559,3 +1559,23 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
             for s in ("topka", "ssfusion", "densestream", "oktopk", "per_tensor")]
     assert [f"{x:.2f}" for x in sent] == ["1.47", "1.09", "1.33", "1.51", "1.44"]
     assert sent[3] > 1.5  # Ok-Topk's just above the CNN's bar
+
+
+def test_accuracy_tinygpt_cosine_claims_hold_in_the_written_results():
+    """accuracy.md, "Learning-rate schedules": TinyGPT over 1000 steps with the rate annealed,
+    each perplexity and its gap to DDP recomputed from the page's finals."""
+    page = _accuracy()
+    rows = {r["scheme"]: r for r in _results(
+        "convergence-lm-1000-cosine", "--model gpt_tiny --steps 1000 --seeds 3")["rows"]}
+    assert "--lr-schedule cosine" in _results("convergence-lm-1000-cosine")["meta"]["command"]
+    ddp = statistics.mean(rows["ddp"]["finals"])
+
+    def said(scheme: str) -> str:
+        m = statistics.mean(rows[scheme]["finals"])
+        return f"{m:.2f} ({100 * (m / ddp - 1):+.1f} %)".replace("-", "−")
+
+    spread = statistics.stdev(rows["ddp"]["finals"])
+    assert (f"DDP {ddp:.2f} ± {spread:.2f}, TopkA {said('topka')}, SSFusion-OI "
+            f"{said('ssfusion_oi')}") in page
+    assert all(t < d for t, d in zip(rows["topka"]["finals"], rows["ddp"]["finals"],
+                                     strict=True))  # TopkA below DDP on every seed
