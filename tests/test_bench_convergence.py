@@ -1579,3 +1579,19 @@ def test_accuracy_tinygpt_cosine_claims_hold_in_the_written_results():
             f"{said('ssfusion_oi')}") in page
     assert all(t < d for t, d in zip(rows["topka"]["finals"], rows["ddp"]["finals"],
                                      strict=True))  # TopkA below DDP on every seed
+
+
+def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
+    """README's BatchNorm bullet: the defaults' gaps on ResNet-20 under the cosine schedule and
+    what following the rate is worth to TopkA, recomputed from the two pages' finals."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    base = {r["scheme"]: r for r in _results("convergence-resnet20-cosine")["rows"]}
+    now = {r["scheme"]: r for r in _results("resnet20-cosine/follow")["rows"]}
+    ddp = now["ddp"]["finals"]
+    assert base["ddp"]["finals"] == ddp
+    gaps = {s: f"{_mean_gap_points(now[s]['finals'], ddp):+.2f}".replace("-", "−")
+            for s in ("topka", "ssfusion_oi", "per_tensor")}
+    assert (f"5 seeds: TopkA {gaps['topka']}, SSFusion-OI {gaps['ssfusion_oi']}, per_tensor "
+            f"{gaps['per_tensor']} points vs DDP's {100 * statistics.mean(ddp):.2f} %") in readme
+    gain = statistics.mean(now["topka"]["finals"]) - statistics.mean(base["topka"]["finals"])
+    assert f"worth +{100 * gain:.2f} points to TopkA there" in readme
