@@ -1501,7 +1501,8 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
              "w20": "resnet20-cosine/density-warmup-20",
              "fw": "resnet20-cosine/follow-density-warmup-20",
              "third": "resnet20-cosine/follow-density-warmup-20-ssfusion-oi-third",
-             "dgc": "resnet20-cosine/dgc-warmup-4-10"}
+             "dgc": "resnet20-cosine/dgc-warmup-4-10",
+             "dgcf": "resnet20-cosine/follow-dgc-warmup-4-10"}
     rows = {k: {r["scheme"]: r for r in _results(v, "--model resnet20")["rows"]}
             for k, v in names.items()}
     assert all("--lr-schedule cosine" in _results(v)["meta"]["command"] for v in names.values())
@@ -1526,7 +1527,8 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
                        ("w8", "before: 10 % for the first 8 steps"),
                        ("w20", "before: 3, 2, 1.5 and 1.25 %"),
                        ("fw", "following the rate, and that warm-up"),
-                       ("dgc", "before: DGC's warm-up")):
+                       ("dgc", "before: DGC's warm-up"),
+                       ("dgcf", "following the rate, and DGC's warm-up")):
         cells = " ".join(" | ".join(cell(key, s) for s in ("topka", "ssfusion_oi",
                                                             "per_tensor")).split())
         sent = [ratio(key, s) for s in ("topka", "ssfusion_oi", "per_tensor") if s in rows[key]]
@@ -1534,6 +1536,8 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
         start = page.index("| " + label)
         rest = page[page.index(" | ", start + 2) + 3:]  # after the label's cell
         assert rest.startswith(f"{cells} | {sent_cell} |"), (key, rest[:60], cells, sent_cell)
+    assert all(abs(_mean_gap_points(rows["dgcf"][s]["finals"], ddp)) < 0.6
+               for s in ("topka", "ssfusion_oi", "per_tensor"))  # "within 0.6 point"
     assert _mean_gap_points(rows["third"]["ssfusion_oi"]["finals"], ddp) == -2.20
     assert "it ends at −2.20" in page
     for scheme, quoted in (("topka", None), ("ssfusion_oi", "+0.08 ± 0.25"),
