@@ -1563,6 +1563,15 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
             for s in ("topka", "ssfusion", "densestream", "oktopk", "per_tensor")]
     assert [f"{x:.2f}" for x in sent] == ["1.47", "1.09", "1.33", "1.51", "1.44"]
     assert sent[3] > 1.5  # Ok-Topk's just above the CNN's bar
+    # SSFusion-OI with DGC's warm-up on the CNN
+    dgc = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-05-ssfusion-oi-dgc-warmup",
+                                            "--model cnn")["rows"]}
+    assert dgc["ddp"]["finals"] == default["ddp"]["finals"]
+    gain = _mean_gap_points(dgc["ssfusion_oi"]["finals"], dgc["ddp"]["finals"])
+    more = (dgc["ssfusion_oi"]["run_bytes_per_step"]
+            / default["ssfusion_oi"]["run_bytes_per_step"])
+    assert f"SSFusion-OI {gain:+.2f} points vs DDP (10 seeds" in page
+    assert f"at {more:.2f}× the run's bytes" in page and more > 1.5
 
 
 def test_accuracy_tinygpt_cosine_claims_hold_in_the_written_results():
