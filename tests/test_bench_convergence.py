@@ -1572,6 +1572,22 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
             / default["ssfusion_oi"]["run_bytes_per_step"])
     assert f"SSFusion-OI {gain:+.2f} points vs DDP (10 seeds" in page
     assert f"at {more:.2f}× the run's bytes" in page and more > 1.5
+    # one period shorter: within the CNN's byte bar, and ResNet-20's bar for SSFusion-OI
+    short = {r["scheme"]: r for r in _results(
+        "convergence-cnn-2026-12-05-ssfusion-oi-dgc-warmup-4-9", "--model cnn")["rows"]}
+    m, h = _paired_points(short["ssfusion_oi"]["finals"], short["ddp"]["finals"])
+    more = (short["ssfusion_oi"]["run_bytes_per_step"]
+            / default["ssfusion_oi"]["run_bytes_per_step"])
+    cell = f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}]".replace("-", "−")
+    assert f"SSFusion-OI {cell} points at {more:.2f}× the bytes" in page
+    assert abs(m) <= 0.5 and more <= 1.5  # issue 68's CNN bars
+    r20 = {r["scheme"]: r for r in _results(
+        "resnet20-cosine/follow-dgc-warmup-4-9-ssfusion-oi", "--model resnet20")["rows"]}
+    base = {r["scheme"]: r for r in _results("convergence-resnet20-cosine")["rows"]}
+    assert r20["ddp"]["finals"] == base["ddp"]["finals"]
+    gap = _mean_gap_points(r20["ssfusion_oi"]["finals"], r20["ddp"]["finals"])
+    more = r20["ssfusion_oi"]["run_bytes_per_step"] / base["ssfusion_oi"]["run_bytes_per_step"]
+    assert f"{gap:+.2f} at {more:.2f}×".replace("-", "−") in page and abs(gap) <= 1.0
 
 
 def test_accuracy_tinygpt_cosine_claims_hold_in_the_written_results():
