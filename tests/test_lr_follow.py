@@ -164,6 +164,13 @@ def test_units_read_the_rates_and_ask_for_the_factor():
         assert step(0.1, 0.02) == [] and step(0.05, 0.04) == []  # uneven: left as they are
     assert len([w for w in seen if "different factors" in str(w.message)]) == 1
     assert units.lr == (0.05, 0.04)
+    # another optimizer: the residual is still in the held rates, so the next step rescales
+    # from them (a resumed or swapped optimizer at another rate)
+    other = torch.optim.SGD([{"params": [p], "lr": 0.025}, {"params": [q], "lr": 0.02}])
+    units.follow(other, "raise", "GradSync")
+    calls.clear()
+    units.update(lambda f: pytest.fail("a loss-scale rescale without a scaler"), calls.append)
+    assert calls == [2.0] and units.lr == (0.025, 0.02)
     with pytest.raises(ValueError, match="need an 'lr' each"):
         Units().follow(type("O", (), {"param_groups": [{"params": []}]})(), "raise", "X")
     with pytest.raises(ValueError, match="GradScaler or an optimizer"):

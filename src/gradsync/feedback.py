@@ -777,8 +777,7 @@ class Units:
             if not groups or not all(isinstance(g, dict) and "lr" in g for g in groups):
                 raise ValueError(f"{who}.follow: {type(what).__name__}'s param_groups need an "
                                  f"'lr' each")
-            if what is not self.optimizer:
-                self.optimizer, self.lr = what, None  # read afresh at the next step
+            self.optimizer = what  # the held rates stay: they are the residual's units
             return
         if not (callable(getattr(what, "get_scale", None))
                 and callable(getattr(what, "is_enabled", None))):
