@@ -18,7 +18,7 @@ from gradsync.apps.bench import convergence as conv
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs/results"
-T975_BY_DF = {2: 4.302653, 4: 2.776445, 9: 2.262157}  # t(0.975, df) from the standard tables
+T975_BY_DF = {2: 4.302653, 9: 2.262157}  # t(0.975, df) from the standard tables
 
 
 ACCURACY = RESULTS / "accuracy.md"  # the README's accuracy figures live on this page
@@ -1142,15 +1142,6 @@ def test_resume_refuses_a_run_of_another_configuration(tmp_path, capsys):
     assert conv.run_config(spec, "ssfusion_oi")["momentum_ahead"] == "scheme's 0.333333"
     spec = train.TrainSpec(schemes=["ssfusion_oi"], density=0.01)
     assert conv.run_config(spec, "ssfusion_oi")["momentum_ahead"] == "scheme's 1"
-    # the SSFusion family's DGC warm-up, its default since 2026-12-05, likewise (a kept run
-    # that said None trained without it); not under AdamW, whose recipe replaces it
-    cnn = train.TrainSpec(model="cnn", schemes=["ssfusion_oi", "topka"], density=0.01)
-    assert conv.run_config(cnn, "ssfusion_oi")["density_warmup"] == "scheme's 4:9"
-    assert conv.run_config(cnn, "topka")["density_warmup"] is None  # TopkA has none
-    gpt = train.TrainSpec(model="gpt_tiny", schemes=["ssfusion_oi"], density=0.01)
-    assert conv.run_config(gpt, "ssfusion_oi")["density_warmup"] is None  # AdamW's recipe
-    off = train.TrainSpec(model="cnn", schemes=["ssfusion_oi"], density_warmup="off")
-    assert conv.run_config(off, "ssfusion_oi")["density_warmup"] == "off"
     run["config"]["momentum_ahead"] = None
     kept.write_text(json.dumps(run))
     with pytest.raises(SystemExit,
@@ -1511,7 +1502,7 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
              "fw": "resnet20-cosine/follow-density-warmup-20",
              "third": "resnet20-cosine/follow-density-warmup-20-ssfusion-oi-third",
              "dgc": "resnet20-cosine/dgc-warmup-4-10",
-             "dgcf": "resnet20-cosine/follow-dgc-warmup-4-10", "now": "resnet20-cosine/defaults"}
+             "dgcf": "resnet20-cosine/follow-dgc-warmup-4-10"}
     rows = {k: {r["scheme"]: r for r in _results(v, "--model resnet20")["rows"]}
             for k, v in names.items()}
     assert all("--lr-schedule cosine" in _results(v)["meta"]["command"] for v in names.values())
@@ -1530,8 +1521,7 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
         return "1" if abs(r - 1) < 0.005 else f"{r:.2f}"
 
     for key, label in (("base", "before: the defaults"),
-                       ("follow", "the defaults of 9ef44e4: following the rate"),
-                       ("now", "**the defaults since 9e8f8ca: SSFusion-OI with DGC's warm-up"),
+                       ("follow", "**the defaults now: following the rate**"),
                        ("a0", "before: nothing sent ahead"), ("a1", "before: the whole tail"),
                        ("clip", "before: DGC's local clipping"),
                        ("w8", "before: 10 % for the first 8 steps"),
@@ -1620,64 +1610,17 @@ def test_accuracy_tinygpt_cosine_claims_hold_in_the_written_results():
                                      strict=True))  # TopkA below DDP on every seed
 
 
-def test_accuracy_ssfusion_warmup_default_claims_hold_in_the_written_results():
-    """accuracy.md, "A warm-up for the SSFusion family": each cell of its table recomputed from
-    the pages' finals (the default's runs against DDP's, and paired with the same seeds' runs
-    without the warm-up), the bytes of every step against those runs', the loss spikes; each
-    run bit for bit the same seed's ``--density-warmup 4:9`` run; issue 68's bars it meets."""
-    page = _accuracy()
-    for label, now_name, before_name, same_name, command in (
-            ("CNN, 160 steps, 10 seeds", "convergence-cnn-2026-12-05-defaults-warmup",
-             "convergence-cnn-2026-12-05-defaults",
-             "convergence-cnn-2026-12-05-ssfusion-oi-dgc-warmup-4-9", "--model cnn"),
-            ("ResNet-20, cosine, 160 steps, 5 seeds", "resnet20-cosine/defaults",
-             "resnet20-cosine/follow", "resnet20-cosine/follow-dgc-warmup-4-9-ssfusion-oi",
-             "--model resnet20")):
-        now = {r["scheme"]: r for r in _results(now_name, command)["rows"]}
-        before = {r["scheme"]: r for r in _results(before_name)["rows"]}
-        same = {r["scheme"]: r for r in _results(same_name)["rows"]}
-        assert "--density-warmup" not in _results(now_name)["meta"]["command"]  # the default
-        assert now["ddp"]["finals"] == before["ddp"]["finals"] == same["ddp"]["finals"]
-        oi = now["ssfusion_oi"]
-        assert oi["finals"] == same["ssfusion_oi"]["finals"]  # that setting, nothing more
-        assert "9e8f8ca" in oi["code"]
-        m, h = _paired_points(oi["finals"], now["ddp"]["finals"])
-        d = [100 * (x - y) for x, y in zip(oi["finals"], before["ssfusion_oi"]["finals"],
-                                           strict=True)]
-        more = oi["run_bytes_per_step"] / before["ssfusion_oi"]["run_bytes_per_step"]
-        cells = (f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}] | {statistics.mean(d):+.2f} ± "
-                 f"{statistics.stdev(d):.2f}").replace("-", "−")
-        head = f"| {label} ([page]({now_name}.md)) | "
-        rest = page[page.index(head) + len(head):]
-        seeds = "" if label.startswith("CNN") else f" (every seed up {min(d):.1f}–{max(d):.1f})"
-        assert rest.startswith(f"{cells}{seeds} | {more:.2f} | {oi['spike']:.2f}× |"), (
-            label, rest[:100], cells)
-        assert abs(m) <= (0.5 if label.startswith("CNN") else 1.0) and more <= 1.5  # issue 68
-        if label.startswith("CNN"):  # SSFusion trains SSFusion-OI's plans on 2 cores
-            assert now["ssfusion"]["finals"] == oi["finals"]
-        else:
-            assert min(d) > 2.0
-    r20 = {r["scheme"]: r for r in _results("resnet20-cosine/defaults")["rows"]}
-    gaps = [_mean_gap_points(r20[s]["finals"], r20["ddp"]["finals"]) for s in ("topka",
-                                                                              "per_tensor")]
-    assert f"TopkA ({gaps[0]:+.2f}) and per_tensor ({gaps[1]:+.2f})".replace("-", "−") in page
-
-
 def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     """README's BatchNorm bullet: the defaults' gaps on ResNet-20 under the cosine schedule and
     what following the rate is worth to TopkA, recomputed from the two pages' finals."""
     readme = " ".join((ROOT / "README.md").read_text().split())
     base = {r["scheme"]: r for r in _results("convergence-resnet20-cosine")["rows"]}
-    now = {r["scheme"]: r for r in _results("resnet20-cosine/defaults")["rows"]}
-    without = {r["scheme"]: r for r in _results("resnet20-cosine/follow")["rows"]}
+    now = {r["scheme"]: r for r in _results("resnet20-cosine/follow")["rows"]}
     ddp = now["ddp"]["finals"]
-    assert base["ddp"]["finals"] == ddp == without["ddp"]["finals"]
+    assert base["ddp"]["finals"] == ddp
     gaps = {s: f"{_mean_gap_points(now[s]['finals'], ddp):+.2f}".replace("-", "−")
             for s in ("topka", "ssfusion_oi", "per_tensor")}
-    before = f"{_mean_gap_points(without['ssfusion_oi']['finals'], ddp):+.2f}".replace("-", "−")
-    assert (f"5 seeds: SSFusion-OI {gaps['ssfusion_oi']} with its warm-up ({before} without), "
-            f"TopkA {gaps['topka']}, per_tensor {gaps['per_tensor']} points vs DDP's "
-            f"{100 * statistics.mean(ddp):.2f} %") in readme
-    assert now["topka"]["finals"] == without["topka"]["finals"]  # TopkA has no warm-up
+    assert (f"5 seeds: TopkA {gaps['topka']}, SSFusion-OI {gaps['ssfusion_oi']}, per_tensor "
+            f"{gaps['per_tensor']} points vs DDP's {100 * statistics.mean(ddp):.2f} %") in readme
     gain = statistics.mean(now["topka"]["finals"]) - statistics.mean(base["topka"]["finals"])
     assert f"worth +{100 * gain:.2f} points to TopkA there" in readme
