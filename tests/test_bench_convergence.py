@@ -18,7 +18,7 @@ from gradsync.apps.bench import convergence as conv
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "docs/results"
-T975_BY_DF = {2: 4.302653, 9: 2.262157}  # t(0.975, df) from the standard tables
+T975_BY_DF = {2: 4.302653, 4: 2.776445, 9: 2.262157}  # t(0.975, df) from the standard tables
 
 
 ACCURACY = RESULTS / "accuracy.md"  # the README's accuracy figures live on this page
@@ -1502,7 +1502,8 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
              "fw": "resnet20-cosine/follow-density-warmup-20",
              "third": "resnet20-cosine/follow-density-warmup-20-ssfusion-oi-third",
              "dgc": "resnet20-cosine/dgc-warmup-4-10",
-             "dgcf": "resnet20-cosine/follow-dgc-warmup-4-10"}
+             "dgcf": "resnet20-cosine/follow-dgc-warmup-4-10",
+             "fw40": "resnet20-cosine/follow-density-warmup-40"}
     rows = {k: {r["scheme"]: r for r in _results(v, "--model resnet20")["rows"]}
             for k, v in names.items()}
     assert all("--lr-schedule cosine" in _results(v)["meta"]["command"] for v in names.values())
@@ -1527,6 +1528,7 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
                        ("w8", "before: 10 % for the first 8 steps"),
                        ("w20", "before: 3, 2, 1.5 and 1.25 %"),
                        ("fw", "following the rate, and that warm-up"),
+                       ("fw40", "following the rate, 2, 1.5 and 1.25 % for 40 steps each"),
                        ("dgc", "before: DGC's warm-up"),
                        ("dgcf", "following the rate, and DGC's warm-up")):
         cells = " ".join(" | ".join(cell(key, s) for s in ("topka", "ssfusion_oi",
@@ -1538,6 +1540,9 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
         assert rest.startswith(f"{cells} | {sent_cell} |"), (key, rest[:60], cells, sent_cell)
     assert all(abs(_mean_gap_points(rows["dgcf"][s]["finals"], ddp)) < 0.6
                for s in ("topka", "ssfusion_oi", "per_tensor"))  # "within 0.6 point"
+    m, h = _paired_points(rows["fw40"]["topka"]["finals"], ddp)
+    cell = f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}]".replace("-", "−")
+    assert f"TopkA {cell} over 40-step periods" in page and abs(m) > 1.0  # outside the bar
     assert _mean_gap_points(rows["third"]["ssfusion_oi"]["finals"], ddp) == -2.20
     assert "it ends at −2.20" in page
     for scheme, quoted in (("topka", None), ("ssfusion_oi", "+0.08 ± 0.25"),
@@ -1590,6 +1595,72 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
     assert f"{gap:+.2f} at {more:.2f}×".replace("-", "−") in page and abs(gap) <= 1.0
 
 
+def test_accuracy_reverted_ssfusion_warmup_default_claims_hold_in_the_written_results():
+    """accuracy.md, "DGC's warm-up as the SSFusion family's default: reverted": each cell of
+    its table recomputed from the pages' finals (SSFusion-OI against DDP, and paired with the
+    same seeds' runs without the warm-up), the bytes of every step against those runs', the
+    loss spikes; the CNN's and ResNet-20's runs bit for bit those of ``--density-warmup 4:9``;
+    ResNet-18 without it, today's default, within issue 68's bar."""
+    page = _accuracy()
+    folder = "ssfusion-warmup-default"
+    for label, name, before_name, same_name in (
+            ("CNN, 160 steps, 10 seeds", "cnn", "convergence-cnn-2026-12-05-defaults",
+             "convergence-cnn-2026-12-05-ssfusion-oi-dgc-warmup-4-9"),
+            ("ResNet-20, cosine, 160 steps, 5 seeds", "resnet20-cosine", "resnet20-cosine/follow",
+             "resnet20-cosine/follow-dgc-warmup-4-9-ssfusion-oi"),
+            ("ResNet-18, constant rate, 160 steps, 3 seeds", "resnet18", f"{folder}/resnet18-off",
+             None)):
+        now = {r["scheme"]: r for r in _results(f"{folder}/{name}")["rows"]}
+        before = {r["scheme"]: r for r in _results(before_name)["rows"]}
+        assert "--density-warmup" not in _results(f"{folder}/{name}")["meta"]["command"]
+        assert now["ddp"]["finals"] == before["ddp"]["finals"]
+        oi = now["ssfusion_oi"]
+        assert set(oi["code"]) == {"9e8f8ca"}
+        if same_name is not None:  # the default was that setting, nothing more
+            same = {r["scheme"]: r for r in _results(same_name)["rows"]}
+            assert oi["finals"] == same["ssfusion_oi"]["finals"]
+        m, h = _paired_points(oi["finals"], now["ddp"]["finals"])
+        d = [100 * (x - y) for x, y in zip(oi["finals"], before["ssfusion_oi"]["finals"],
+                                           strict=True)]
+        more = oi["run_bytes_per_step"] / before["ssfusion_oi"]["run_bytes_per_step"]
+        cells = (f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}] | {statistics.mean(d):+.2f} ± "
+                 f"{statistics.stdev(d):.2f} | {more:.2f} | {oi['spike']:.2f}× |")
+        head = f"| {label} ([page]({folder}/{name}.md)"
+        rest = page[page.index(head):]
+        rest = rest[rest.index(") | ", len(head)) + 4:]
+        assert rest.startswith(cells.replace("-", "−")), (label, rest[:100], cells)
+    r18 = {r["scheme"]: r for r in _results(f"{folder}/resnet18")["rows"]}
+    off = {r["scheme"]: r for r in _results(f"{folder}/resnet18-off", "--model resnet18")["rows"]}
+    assert "--density-warmup off" in _results(f"{folder}/resnet18-off")["meta"]["command"]
+    d = [100 * (x - y) for x, y in zip(r18["ssfusion_oi"]["finals"], off["ssfusion_oi"]["finals"],
+                                       strict=True)]
+    assert max(d) < 0 and f"every seed lost {-max(d):.1f}–{-min(d):.1f} points" in page
+    assert r18["ssfusion_oi"]["spike"] > 2.0 and off["ssfusion_oi"]["spike"] < 1.05
+    assert f"loss rose to {r18['ssfusion_oi']['spike']:.2f}× its start" in page
+    assert f"no loss above {off['ssfusion_oi']['spike']:.2f}× step 0's" in page
+    m, h = _paired_points(off["ssfusion_oi"]["finals"], off["ddp"]["finals"])
+    f = off["ssfusion_oi"]["finals"]
+    gap = f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}]".replace("-", "−")
+    assert (f"SSFusion-OI ends at {100 * statistics.mean(f):.2f} ± {100 * statistics.stdev(f):.2f} "
+            f"%, **{gap} points vs DDP's {100 * statistics.mean(off['ddp']['finals']):.2f}**"
+            in page)
+    assert abs(m) <= 1.0  # issue 68's ResNet-18 bar for SSFusion-OI
+    # the 100 Mbit/s study with it, against the README's without it
+    with_ = {r["scheme"]: r for r in _results(f"{folder}/cnn-960-100mbit")["rows"]}
+    without = {r["scheme"]: r for r in _results("convergence-cnn-960-100mbit-2026-12-05")["rows"]}
+
+    def times(rows: dict) -> tuple[float, float, float]:
+        r = rows["ssfusion_oi"]
+        return (rows["ddp"]["seconds_to_target"] / r["seconds_to_target"], r["time_speedup"],
+                r["step_speedup"])
+
+    a, b = times(with_), times(without)
+    assert with_["ssfusion_oi"]["reached_ddp"] == 3 and without["ssfusion_oi"]["reached_ddp"] == 2
+    x = [f"{v:.2f}×" for v in (*a, *b)]
+    assert (f"{x[0]} faster than DDP and all of it {x[1]} (every seed), for steps {x[2]} DDP's, "
+            f"against {x[3]}, {x[4]} (2 of 3 seeds) and {x[5]} without it") in page
+
+
 def test_accuracy_tinygpt_cosine_claims_hold_in_the_written_results():
     """accuracy.md, "Learning-rate schedules": TinyGPT over 1000 steps with the rate annealed,
     each perplexity and its gap to DDP recomputed from the page's finals."""
@@ -1622,5 +1693,10 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
             for s in ("topka", "ssfusion_oi", "per_tensor")}
     assert (f"5 seeds: TopkA {gaps['topka']}, SSFusion-OI {gaps['ssfusion_oi']}, per_tensor "
             f"{gaps['per_tensor']} points vs DDP's {100 * statistics.mean(ddp):.2f} %") in readme
+    r18 = {r["scheme"]: r for r in _results("ssfusion-warmup-default/resnet18-off",
+                                            "--model resnet18")["rows"]}
+    gap = _mean_gap_points(r18["ssfusion_oi"]["finals"], r18["ddp"]["finals"])
+    assert f"ResNet-18 (3 seeds, [study](docs/results/ssfusion-warmup-default/resnet18-off.md)): " \
+        f"SSFusion-OI {gap:+.2f}." in readme and len(r18["ddp"]["finals"]) == 3
     gain = statistics.mean(now["topka"]["finals"]) - statistics.mean(base["topka"]["finals"])
     assert f"worth +{100 * gain:.2f} points to TopkA there" in readme

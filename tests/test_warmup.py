@@ -139,6 +139,7 @@ def test_train_flag() -> None:
     with pytest.raises(SystemExit):
         parse_args(["--density-warmup", "4"])
     assert parse_args(["--scheme", "topka"]).warmup_schedule() == ((), 0)
+    assert parse_args(["--density-warmup", "off"]).warmup_schedule() == ((), 0)  # spelled out
     # the periods' densities themselves, as Config.density_warmup takes them
     given = parse_args(["--scheme", "topka", "--density", "0.01",
                         "--density-warmup", "0.03,0.02,0.015,0.0125:20"])

@@ -163,7 +163,7 @@ class TrainSpec:
         density_warmup: DGC's warm-up for the gradsync schemes, ``"PERIODS:STEPS"``: PERIODS
             periods of STEPS steps at exponentially decreasing densities
             (``Config.dgc_warmup``), then ``density``; or ``"D1,D2,…:STEPS"``: the periods'
-            densities themselves (``Config.density_warmup``); ``None``: off.
+            densities themselves (``Config.density_warmup``); ``None`` or ``"off"``: none.
         density_schedule: ``Config.density_schedule`` of the gradsync schemes
             (``"adaptive"`` or ``"fixed"``); ``None``: Config's default.
         clip_norm: ``Config.clip_norm`` of the gradsync schemes (DGC's local gradient
@@ -357,7 +357,7 @@ class TrainSpec:
         """``(Config.density_warmup, Config.density_warmup_steps)`` of :attr:`density_warmup`."""
         from gradsync.engine.config import Config
 
-        if self.density_warmup is None:
+        if self.density_warmup in (None, "off"):
             return (), 0
         try:
             head, steps_s = self.density_warmup.split(":")
@@ -367,8 +367,8 @@ class TrainSpec:
             if steps < 1 or (periods is not None and periods < 1):
                 raise ValueError
         except ValueError:
-            raise ValueError(f"density_warmup: expected PERIODS:STEPS (two integers >= 1) or "
-                             f"D1,D2,…:STEPS (each period's density), got "
+            raise ValueError(f"density_warmup: expected PERIODS:STEPS (two integers >= 1), "
+                             f"D1,D2,…:STEPS (each period's density) or off, got "
                              f"{self.density_warmup!r}") from None
         if periods is None:  # Config checks them: each in (density, 1], non-increasing
             Config(density=self.density, density_warmup=densities, density_warmup_steps=steps)
