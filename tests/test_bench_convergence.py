@@ -1681,6 +1681,45 @@ def test_accuracy_tinygpt_cosine_claims_hold_in_the_written_results():
                                      strict=True))  # TopkA below DDP on every seed
 
 
+def _resnet18_today() -> dict[str, dict]:
+    """ResNet-18 with today's defaults, 3 seeds, one set of DDP runs: SSFusion-OI (its runs
+    without the reverted warm-up), TopkA and per_tensor, and TopkA with nothing sent ahead
+    (``topka0``)."""
+    off = {r["scheme"]: r for r in _results("ssfusion-warmup-default/resnet18-off",
+                                            "--model resnet18")["rows"]}
+    now = {r["scheme"]: r for r in _results("convergence-resnet18-2026-12-05-defaults",
+                                            "--model resnet18")["rows"]}
+    a0 = {r["scheme"]: r for r in _results("convergence-resnet18-2026-12-05-topka-ahead-0",
+                                           "--model resnet18")["rows"]}
+    assert "--momentum-ahead 0" in _results("convergence-resnet18-2026-12-05-topka-ahead-0")[
+        "meta"]["command"]
+    assert off["ddp"]["finals"] == now["ddp"]["finals"] == a0["ddp"]["finals"]
+    assert len(now["ddp"]["finals"]) == 3
+    return {"ddp": now["ddp"], "ssfusion_oi": off["ssfusion_oi"], "per_tensor": now["per_tensor"],
+            "topka": now["topka"], "topka0": a0["topka"]}
+
+
+def test_accuracy_resnet18_today_claims_hold_in_the_written_results():
+    """accuracy.md, "ResNet-18 with today's defaults": each row recomputed from the pages, the
+    spikes, and the paired cost of momentum sent ahead to TopkA."""
+    page = _accuracy()
+    r18 = _resnet18_today()
+    ddp = r18["ddp"]["finals"]
+    for key, label in (("ssfusion_oi", "SSFusion-OI"), ("per_tensor", "per_tensor"),
+                       ("topka", "TopkA"),
+                       ("topka0", "TopkA, nothing sent ahead (`--momentum-ahead 0`)")):
+        m, h = _paired_points(r18[key]["finals"], ddp)
+        gap = f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}]".replace("-", "−")
+        assert f"| {label} | {gap} | {r18[key]['spike']:.2f}× |" in page, key
+    t, t0 = r18["topka"]["finals"], r18["topka0"]["finals"]
+    d = [100 * (x - y) for x, y in zip(t, t0, strict=True)]
+    assert (f"ended at {100 * statistics.mean(t):.2f} ± {100 * statistics.stdev(t):.2f} %; "
+            f"without it {100 * statistics.mean(t0):.2f} ± {100 * statistics.stdev(t0):.2f} %, "
+            f"{statistics.mean(d):+.2f} ± {statistics.stdev(d):.2f} points paired"
+            ).replace("-", "−") in page
+    assert r18["topka"]["spike"] > 4 and r18["topka0"]["spike"] < 1.5
+
+
 def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     """README's BatchNorm bullet: the defaults' gaps on ResNet-20 under the cosine schedule and
     what following the rate is worth to TopkA, recomputed from the two pages' finals."""
@@ -1693,10 +1732,11 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
             for s in ("topka", "ssfusion_oi", "per_tensor")}
     assert (f"5 seeds: TopkA {gaps['topka']}, SSFusion-OI {gaps['ssfusion_oi']}, per_tensor "
             f"{gaps['per_tensor']} points vs DDP's {100 * statistics.mean(ddp):.2f} %") in readme
-    r18 = {r["scheme"]: r for r in _results("ssfusion-warmup-default/resnet18-off",
-                                            "--model resnet18")["rows"]}
-    gap = _mean_gap_points(r18["ssfusion_oi"]["finals"], r18["ddp"]["finals"])
-    assert f"ResNet-18 (3 seeds, [study](docs/results/ssfusion-warmup-default/resnet18-off.md)): " \
-        f"SSFusion-OI {gap:+.2f}." in readme and len(r18["ddp"]["finals"]) == 3
+    r18 = _resnet18_today()
+    gaps = {k: f"{_mean_gap_points(r['finals'], r18['ddp']['finals']):+.2f}".replace("-", "−")
+            for k, r in r18.items()}
+    assert (f"ResNet-18 (3 seeds, [study](docs/results/accuracy.md#resnet-18-with-todays-"
+            f"defaults)): SSFusion-OI {gaps['ssfusion_oi']}, per_tensor {gaps['per_tensor']}, "
+            f"TopkA {gaps['topka']} ({gaps['topka0']} with `momentum_ahead=0`).") in readme
     gain = statistics.mean(now["topka"]["finals"]) - statistics.mean(base["topka"]["finals"])
     assert f"worth +{100 * gain:.2f} points to TopkA there" in readme
