@@ -1739,4 +1739,4 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
             f"defaults)): SSFusion-OI {gaps['ssfusion_oi']}, per_tensor {gaps['per_tensor']}, "
             f"TopkA {gaps['topka']} ({gaps['topka0']} with `momentum_ahead=0`).") in readme
     gain = statistics.mean(now["topka"]["finals"]) - statistics.mean(base["topka"]["finals"])
-    assert f"worth +{100 * gain:.2f} points to TopkA there" in readme
+    assert f"worth +{100 * gain:.2f} points to TopkA on ResNet-20." in readme

@@ -196,7 +196,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="train's --lr-schedule for every scheme, DDP included: cosine anneals "
                         "the learning rate to 0 at the last step (default constant)")
     p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
-                   help="train's DGC density warm-up for the gradsync schemes, PERIODS:STEPS "
+                   help="train's DGC density warm-up for the gradsync schemes: PERIODS:STEPS, "
                         "D1,D2,...:STEPS or off (default off)")
     p.add_argument("--density-schedule", choices=DENSITY_SCHEDULES, default=None,
                    help="train's --density-schedule for the gradsync schemes "
