@@ -42,6 +42,17 @@ def _results(name: str, command: str | None = None) -> dict:
     return data
 
 
+def _by_scheme(name: str, command: str | None = None) -> dict[str, dict]:
+    """A results page's rows by scheme (:func:`_results`)."""
+    return {r["scheme"]: r for r in _results(name, command)["rows"]}
+
+
+def _interval_cell(a: list[float], b: list[float]) -> str:
+    """``"+m [lo, hi]"`` of :func:`_paired_points`, with the pages' minus signs."""
+    m, h = _paired_points(a, b)
+    return f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}]".replace("-", "−")
+
+
 def _mean_gap_points(a: list[float], b: list[float]) -> float:
     """Points between the exact means of two lists of final accuracies, to two decimals, as a
     results page prints a gap (computed here, not by the code under test)."""
@@ -939,7 +950,7 @@ def test_readme_demo_plan_claim_holds_in_the_written_results():
             "(95% interval −2.03 to −0.34;") in _accuracy()
     demo = _results("convergence-cnn-demo-plan")
     assert "--plans docs/results/convergence-cnn-demo-plan-plans" in demo["meta"]["command"]
-    own = {r["scheme"]: r for r in _results("convergence-cnn-10-seeds")["rows"]}
+    own = _by_scheme("convergence-cnn-10-seeds")
     a = next(r for r in demo["rows"] if r["scheme"] == "ssfusion_oi")["finals"]
     b = own["ssfusion_oi"]["finals"]
     assert len(a) == len(b) == 10
@@ -1162,11 +1173,11 @@ def test_accuracy_spread_warmup_claim_holds_in_the_written_results():
     assert "--density-warmup 0.03,0.02,0.015,0.0125:20" in page
     assert "**TopkA −0.03 ± 0.91, SSFusion-OI +0.01 ± 0.59**" in page
     assert "at 1.47× and 1.085× the run's bytes" in page
-    spread = {r["scheme"]: r for r in _results(
+    spread = _by_scheme(
         "convergence-cnn-density-warmup-20",
         "--model cnn --schemes ddp,topka,ssfusion_oi --density-warmup 0.03,0.02,0.015,0.0125:20"
-    )["rows"]}
-    fixed = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-03")["rows"]}
+    )
+    fixed = _by_scheme("convergence-cnn-2026-12-03")
     assert spread["ddp"]["finals"] == fixed["ddp"]["finals"]  # the same DDP runs
     for scheme, gap, half, bytes_ratio in (("topka", -0.03, 0.91, 1.47),
                                            ("ssfusion_oi", 0.01, 0.59, 1.085)):
@@ -1182,10 +1193,9 @@ def test_accuracy_topka_at_three_percent_claim_holds_in_the_written_results():
     −0.51 ± 0.99 paired with the 1 % runs of the same seeds, at 3.0× their bytes."""
     page = _accuracy()
     assert "**−1.49 [−2.45, −0.53] points vs DDP**; paired with the 1 % runs −0.51 ± 0.99" in page
-    three = {r["scheme"]: r for r in _results("convergence-cnn-topka-0.03",
-                                              "--model cnn --schemes ddp,topka --density 0.03")
-             ["rows"]}
-    one = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-03")["rows"]}
+    three = _by_scheme("convergence-cnn-topka-0.03",
+                       "--model cnn --schemes ddp,topka --density 0.03")
+    one = _by_scheme("convergence-cnn-2026-12-03")
     assert three["ddp"]["finals"] == one["ddp"]["finals"] and three["topka"]["density"] == 0.03
     m, h = _paired_points(three["topka"]["finals"], three["ddp"]["finals"])
     assert (round(m, 2), round(m - h, 2), round(m + h, 2)) == (-1.49, -2.45, -0.53)
@@ -1201,10 +1211,10 @@ def test_accuracy_topka_masking_claim_holds_in_the_written_results():
     page = _accuracy()
     assert ("**−1.12 [−1.64, −0.60] points vs DDP**; paired with the unmasked runs "
             "−0.14 ± 0.55") in page
-    masked = {r["scheme"]: r for r in _results("convergence-cnn-topka-masking",
-                                               "--model cnn --schemes ddp,topka "
-                                               "--momentum-masking")["rows"]}
-    plain = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-03")["rows"]}
+    masked = _by_scheme("convergence-cnn-topka-masking",
+                        "--model cnn --schemes ddp,topka "
+                        "--momentum-masking")
+    plain = _by_scheme("convergence-cnn-2026-12-03")
     assert masked["ddp"]["finals"] == plain["ddp"]["finals"]
     m, h = _paired_points(masked["topka"]["finals"], masked["ddp"]["finals"])
     assert (round(m, 2), round(m - h, 2), round(m + h, 2)) == (-1.12, -1.64, -0.60)
@@ -1221,10 +1231,10 @@ def test_accuracy_local_clipping_claim_holds_in_the_written_results():
     assert ("**TopkA −1.78 [−3.01, −0.55], SSFusion-OI −1.11 [−2.07, −0.15] points vs DDP**; "
             "paired with the unclipped runs −0.80 ± 1.03 and −0.53 ± 0.91") in page
     assert "worst loss after step 5 1.19× step 0's, against 2.17× and 1.76× unclipped" in page
-    clipped = {r["scheme"]: r for r in _results(
+    clipped = _by_scheme(
         "convergence-cnn-clip-2",
-        "--model cnn --schemes ddp,topka,ssfusion_oi --seeds 10 --clip-norm 2")["rows"]}
-    plain = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-03")["rows"]}
+        "--model cnn --schemes ddp,topka,ssfusion_oi --seeds 10 --clip-norm 2")
+    plain = _by_scheme("convergence-cnn-2026-12-03")
     assert clipped["ddp"]["finals"] == plain["ddp"]["finals"]  # the same DDP runs
     for scheme, (lo, hi), (gap, half), (spike, was) in (
             ("topka", (-3.01, -0.55), (-0.80, 1.03), (1.19, 2.17)),
@@ -1254,7 +1264,7 @@ def test_accuracy_lm_density_claim_holds_in_the_written_results():
     two = _results("convergence-lm-1000-ssfusion-oi-0.02",
                    "--model gpt_tiny --steps 1000 --seeds 3 --eval-points 10 "
                    "--schemes ddp,ssfusion_oi --density 0.02")
-    base = {r["scheme"]: r for r in _results("convergence-lm-1000-2026-12-03")["rows"]}
+    base = _by_scheme("convergence-lm-1000-2026-12-03")
     ddp = base["ddp"]["finals"]
     topka = {r["density"]: r for r in sweep["rows"] if r["scheme"] == "topka"}
     assert all(r["finals"] == ddp for r in sweep["rows"] + two["rows"] if r["scheme"] == "ddp")
@@ -1269,9 +1279,9 @@ def test_accuracy_lm_density_claim_holds_in_the_written_results():
     assert pct(oi["finals"]) == 2.63 and max(got[3], pct(oi["finals"])) < 3
     for row, one, ratio in ((topka[0.02], base["topka"], 1.26), (oi, base["ssfusion_oi"], 1.20)):
         assert round(row["run_bytes_per_step"] / one["run_bytes_per_step"], 2) == ratio
-    half = {r["scheme"]: r for r in _results(
+    half = _by_scheme(
         "convergence-lm-1000-0.015", "--model gpt_tiny --steps 1000 --seeds 3 --eval-points 10 "
-        "--schemes ddp,topka,ssfusion_oi --density 0.015")["rows"]}
+        "--schemes ddp,topka,ssfusion_oi --density 0.015")
     assert half["ddp"]["finals"] == ddp
     assert [pct(half[s]["finals"]) for s in ("topka", "ssfusion_oi")] == [3.24, 4.16]
     assert [round(half[s]["run_bytes_per_step"] / base[s]["run_bytes_per_step"], 2)
@@ -1294,11 +1304,11 @@ def test_accuracy_lm_adaptive_density_claim_holds_in_the_written_results():
     page = _accuracy()
     assert "**no window after the AdamW warm-up changed the gradient norm by half" in page
     assert "SSFusion-OI +5.59 %" in page
-    adaptive = {r["scheme"]: r for r in _results(
+    adaptive = _by_scheme(
         "convergence-lm-1000-adaptive-density",
         "--model gpt_tiny --steps 1000 --seeds 3 --eval-points 10 --schemes "
-        "ddp,topka,ssfusion_oi --density-schedule adaptive")["rows"]}
-    fixed = {r["scheme"]: r for r in _results("convergence-lm-1000-2026-12-03")["rows"]}
+        "ddp,topka,ssfusion_oi --density-schedule adaptive")
+    fixed = _by_scheme("convergence-lm-1000-2026-12-03")
     assert adaptive["ddp"]["finals"] == fixed["ddp"]["finals"]
     assert adaptive["topka"]["finals"] == fixed["topka"]["finals"]
     extra = adaptive["topka"]["bytes_per_step"] - fixed["topka"]["bytes_per_step"]
@@ -1313,16 +1323,15 @@ def test_accuracy_momentum_ahead_claims_hold_in_the_written_results():
     within issue 68's bars at the same bytes, SSFusion-OI (on the same plans) does not; on
     ResNet-20 and TinyGPT TopkA moves as the page says. Every figure recomputed here."""
     page = _accuracy()
-    ahead = {r["scheme"]: r for r in _results(
+    ahead = _by_scheme(
         "convergence-cnn-momentum-ahead",
         "--model cnn --schemes ddp,topka,ssfusion_oi,densestream,oktopk,per_tensor "
-        "--momentum-ahead 0.3333333333333333")["rows"]}
-    plain = {r["scheme"]: r for r in _results(
+        "--momentum-ahead 0.3333333333333333")
+    plain = _by_scheme(
         "convergence-cnn-2026-12-05", "--model cnn --schemes ddp,topka,densestream,oktopk,"
-                                      "per_tensor --out")["rows"]}
-    ssf = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-05-ssfusion-oi",
-                                            "--model cnn --schemes ddp,ssfusion_oi --out")
-           ["rows"]}
+                                      "per_tensor --out")
+    ssf = _by_scheme("convergence-cnn-2026-12-05-ssfusion-oi",
+                     "--model cnn --schemes ddp,ssfusion_oi --out")
     plain["ssfusion_oi"] = ssf["ssfusion_oi"]
     assert ahead["ddp"]["finals"] == plain["ddp"]["finals"] == ssf["ddp"]["finals"]
     assert ahead["ssfusion_oi"]["plans"] == ssf["ssfusion_oi"]["plans"]  # the same plans
@@ -1343,26 +1352,26 @@ def test_accuracy_momentum_ahead_claims_hold_in_the_written_results():
                    - 1) < 0.02, scheme  # the same bytes
         cell = f"{before:+.2f} → ".replace("+", "").replace("-", "−")
         assert f"| {name} | {cell}" in page, scheme
-    r20 = {r["scheme"]: r for r in _results("convergence-resnet20-momentum-ahead",
-                                            "--model resnet20 --schemes ddp,topka")["rows"]}
-    r20_0 = {r["scheme"]: r for r in _results("convergence-resnet20-2026-12-05",
-                                              "--model resnet20 --schemes ddp,topka")["rows"]}
+    r20 = _by_scheme("convergence-resnet20-momentum-ahead",
+                     "--model resnet20 --schemes ddp,topka")
+    r20_0 = _by_scheme("convergence-resnet20-2026-12-05",
+                       "--model resnet20 --schemes ddp,topka")
     assert r20["ddp"]["finals"] == r20_0["ddp"]["finals"]
     assert [_mean_gap_points(x["topka"]["finals"], x["ddp"]["finals"])
             for x in (r20_0, r20)] == [-8.74, -4.04]
     assert r20["topka"]["spike"] < 2.0 and round(r20["topka"]["spike"], 2) == 1.33
-    lm = {r["scheme"]: r for r in _results("convergence-lm-1000-momentum-ahead",
-                                           "--model gpt_tiny --steps 1000")["rows"]}
-    lm0 = {r["scheme"]: r for r in _results("convergence-lm-1000-2026-12-03")["rows"]}
+    lm = _by_scheme("convergence-lm-1000-momentum-ahead",
+                    "--model gpt_tiny --steps 1000")
+    lm0 = _by_scheme("convergence-lm-1000-2026-12-03")
     assert [round(100 * (x["topka"]["mean"] / x["ddp"]["mean"] - 1), 2) for x in (lm0, lm)] == [
         4.56, 4.20]
     assert lm["topka"]["run_bytes_per_step"] == lm0["topka"]["run_bytes_per_step"]
     assert "−8.74 → −4.04" in page and "+4.56 → +4.20 %" in page
     # the whole tail (a = 1) for SSFusion-OI: the same seeds, DDP runs, plans and bytes
-    whole = {r["scheme"]: r for r in _results(
+    whole = _by_scheme(
         "convergence-cnn-momentum-ahead-1",
         "--model cnn --schemes ddp,topka,ssfusion_oi,densestream,per_tensor "
-        "--momentum-ahead 1.0")["rows"]}
+        "--momentum-ahead 1.0")
     assert whole["ddp"]["finals"] == plain["ddp"]["finals"]
     assert whole["ssfusion_oi"]["plans"] == plain["ssfusion_oi"]["plans"]
     assert whole["ssfusion_oi"]["run_bytes_per_step"] == plain["ssfusion_oi"]["run_bytes_per_step"]
@@ -1413,13 +1422,13 @@ def test_accuracy_default_momentum_ahead_claims_hold_in_the_written_results():
     from gradsync import Config
 
     page = _accuracy()
-    default = {r["scheme"]: r for r in _results(
+    default = _by_scheme(
         "convergence-cnn-2026-12-05-defaults",
         "--model cnn --schemes ddp,topka,ssfusion,ssfusion_oi,densestream,oktopk,per_tensor "
-        "--out")["rows"]}
-    third = {r["scheme"]: r for r in _results("convergence-cnn-momentum-ahead")["rows"]}
-    whole = {r["scheme"]: r for r in _results("convergence-cnn-momentum-ahead-1")["rows"]}
-    plain = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-05")["rows"]}
+        "--out")
+    third = _by_scheme("convergence-cnn-momentum-ahead")
+    whole = _by_scheme("convergence-cnn-momentum-ahead-1")
+    plain = _by_scheme("convergence-cnn-2026-12-05")
     assert default["ddp"]["finals"] == third["ddp"]["finals"]
     for scheme, name, gap, bar in (
             ("topka", "TopkA", "+0.48 [−0.38, +1.34]", 0.5),
@@ -1432,8 +1441,8 @@ def test_accuracy_default_momentum_ahead_claims_hold_in_the_written_results():
         same = third if share == 1 / 3 else whole
         if scheme != "ssfusion":  # not run at an explicit share; its plans are SSFusion-OI's
             assert default[scheme]["finals"] == same[scheme]["finals"], scheme
-        m, h = _paired_points(default[scheme]["finals"], default["ddp"]["finals"])
-        cell = f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}]".replace("-", "−")
+        cell = _interval_cell(default[scheme]["finals"], default["ddp"]["finals"])
+        m = _paired_points(default[scheme]["finals"], default["ddp"]["finals"])[0]
         assert cell == gap and m >= -bar, scheme  # issue 68's CNN bars
         mb = default[scheme]["bytes_per_step"] / 1e6
         assert f"| {name} | {gap} | {mb:.4f} |" in page, scheme
@@ -1441,7 +1450,7 @@ def test_accuracy_default_momentum_ahead_claims_hold_in_the_written_results():
             assert abs(default[scheme]["run_bytes_per_step"]
                        / plain[scheme]["run_bytes_per_step"] - 1) < 0.02, scheme
     # ResNet-20: without, per_tensor at 1/3, at 1, and the defaults (the same DDP runs)
-    r20 = {name: {r["scheme"]: r for r in _results(name, "--model resnet20")["rows"]}
+    r20 = {name: _by_scheme(name, "--model resnet20")
            for name in ("convergence-resnet20-2026-12-05",
                         "convergence-resnet20-2026-12-05-without",
                         "convergence-resnet20-momentum-ahead",
@@ -1470,10 +1479,10 @@ def test_accuracy_default_momentum_ahead_claims_hold_in_the_written_results():
                          ("per_tensor", "per_tensor")):
         assert f"| {name} | " in page and f"| {gap(now, scheme)} |" in page, scheme
     # 960 steps at 100 Mbit/s with the defaults
-    long = {r["scheme"]: r for r in _results(
+    long = _by_scheme(
         "convergence-cnn-960-100mbit-2026-12-05",
         "--model cnn --steps 960 --seeds 3 --eval-points 16 --world-size 4 "
-        "--bandwidth 100mbit")["rows"]}
+        "--bandwidth 100mbit")
     ddp_mean = long["ddp"]["mean"]
     for scheme, name in (("topka", "TopkA"), ("ssfusion", "SSFusion"),
                          ("ssfusion_oi", "SSFusion-OI"), ("oktopk", "Ok-Topk")):
@@ -1504,7 +1513,7 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
              "dgc": "resnet20-cosine/dgc-warmup-4-10",
              "dgcf": "resnet20-cosine/follow-dgc-warmup-4-10",
              "fw40": "resnet20-cosine/follow-density-warmup-40"}
-    rows = {k: {r["scheme"]: r for r in _results(v, "--model resnet20")["rows"]}
+    rows = {k: _by_scheme(v, "--model resnet20")
             for k, v in names.items()}
     assert all("--lr-schedule cosine" in _results(v)["meta"]["command"] for v in names.values())
     ddp = rows["base"]["ddp"]["finals"]
@@ -1540,9 +1549,9 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
         assert rest.startswith(f"{cells} | {sent_cell} |"), (key, rest[:60], cells, sent_cell)
     assert all(abs(_mean_gap_points(rows["dgcf"][s]["finals"], ddp)) < 0.6
                for s in ("topka", "ssfusion_oi", "per_tensor"))  # "within 0.6 point"
-    m, h = _paired_points(rows["fw40"]["topka"]["finals"], ddp)
-    cell = f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}]".replace("-", "−")
-    assert f"TopkA {cell} over 40-step periods" in page and abs(m) > 1.0  # outside the bar
+    cell = _interval_cell(rows["fw40"]["topka"]["finals"], ddp)
+    assert f"TopkA {cell} over 40-step periods" in page  # outside the bar:
+    assert abs(_paired_points(rows["fw40"]["topka"]["finals"], ddp)[0]) > 1.0
     assert _mean_gap_points(rows["third"]["ssfusion_oi"]["finals"], ddp) == -2.20
     assert "it ends at −2.20" in page
     for scheme, quoted in (("topka", None), ("ssfusion_oi", "+0.08 ± 0.25"),
@@ -1554,9 +1563,9 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
             assert got == quoted, scheme
         assert got in page, scheme
     # the CNN with the 20-step warm-up, against the default study (the same DDP runs)
-    warm = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-05-density-warmup-20",
-                                             "--model cnn")["rows"]}
-    default = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-05-defaults")["rows"]}
+    warm = _by_scheme("convergence-cnn-2026-12-05-density-warmup-20",
+                      "--model cnn")
+    default = _by_scheme("convergence-cnn-2026-12-05-defaults")
     assert warm["ddp"]["finals"] == default["ddp"]["finals"]
     gaps = [100 * (statistics.mean(warm[s]["finals"]) - statistics.mean(warm["ddp"]["finals"]))
             for s in ("topka", "ssfusion", "densestream", "oktopk", "per_tensor")]
@@ -1569,8 +1578,8 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
     assert [f"{x:.2f}" for x in sent] == ["1.47", "1.09", "1.33", "1.51", "1.44"]
     assert sent[3] > 1.5  # Ok-Topk's just above the CNN's bar
     # SSFusion-OI with DGC's warm-up on the CNN
-    dgc = {r["scheme"]: r for r in _results("convergence-cnn-2026-12-05-ssfusion-oi-dgc-warmup",
-                                            "--model cnn")["rows"]}
+    dgc = _by_scheme("convergence-cnn-2026-12-05-ssfusion-oi-dgc-warmup",
+                     "--model cnn")
     assert dgc["ddp"]["finals"] == default["ddp"]["finals"]
     gain = _mean_gap_points(dgc["ssfusion_oi"]["finals"], dgc["ddp"]["finals"])
     more = (dgc["ssfusion_oi"]["run_bytes_per_step"]
@@ -1578,17 +1587,17 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
     assert f"SSFusion-OI {gain:+.2f} points vs DDP (10 seeds" in page
     assert f"at {more:.2f}× the run's bytes" in page and more > 1.5
     # one period shorter: within the CNN's byte bar, and ResNet-20's bar for SSFusion-OI
-    short = {r["scheme"]: r for r in _results(
-        "convergence-cnn-2026-12-05-ssfusion-oi-dgc-warmup-4-9", "--model cnn")["rows"]}
-    m, h = _paired_points(short["ssfusion_oi"]["finals"], short["ddp"]["finals"])
+    short = _by_scheme(
+        "convergence-cnn-2026-12-05-ssfusion-oi-dgc-warmup-4-9", "--model cnn")
     more = (short["ssfusion_oi"]["run_bytes_per_step"]
             / default["ssfusion_oi"]["run_bytes_per_step"])
-    cell = f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}]".replace("-", "−")
+    cell = _interval_cell(short["ssfusion_oi"]["finals"], short["ddp"]["finals"])
     assert f"SSFusion-OI {cell} points at {more:.2f}× the bytes" in page
-    assert abs(m) <= 0.5 and more <= 1.5  # issue 68's CNN bars
-    r20 = {r["scheme"]: r for r in _results(
-        "resnet20-cosine/follow-dgc-warmup-4-9-ssfusion-oi", "--model resnet20")["rows"]}
-    base = {r["scheme"]: r for r in _results("convergence-resnet20-cosine")["rows"]}
+    gap = _paired_points(short["ssfusion_oi"]["finals"], short["ddp"]["finals"])[0]
+    assert abs(gap) <= 0.5 and more <= 1.5  # issue 68's CNN bars
+    r20 = _by_scheme(
+        "resnet20-cosine/follow-dgc-warmup-4-9-ssfusion-oi", "--model resnet20")
+    base = _by_scheme("convergence-resnet20-cosine")
     assert r20["ddp"]["finals"] == base["ddp"]["finals"]
     gap = _mean_gap_points(r20["ssfusion_oi"]["finals"], r20["ddp"]["finals"])
     more = r20["ssfusion_oi"]["run_bytes_per_step"] / base["ssfusion_oi"]["run_bytes_per_step"]
@@ -1610,27 +1619,27 @@ def test_accuracy_reverted_ssfusion_warmup_default_claims_hold_in_the_written_re
              "resnet20-cosine/follow-dgc-warmup-4-9-ssfusion-oi"),
             ("ResNet-18, constant rate, 160 steps, 3 seeds", "resnet18", f"{folder}/resnet18-off",
              None)):
-        now = {r["scheme"]: r for r in _results(f"{folder}/{name}")["rows"]}
-        before = {r["scheme"]: r for r in _results(before_name)["rows"]}
+        now = _by_scheme(f"{folder}/{name}")
+        before = _by_scheme(before_name)
         assert "--density-warmup" not in _results(f"{folder}/{name}")["meta"]["command"]
         assert now["ddp"]["finals"] == before["ddp"]["finals"]
         oi = now["ssfusion_oi"]
         assert set(oi["code"]) == {"9e8f8ca"}
         if same_name is not None:  # the default was that setting, nothing more
-            same = {r["scheme"]: r for r in _results(same_name)["rows"]}
+            same = _by_scheme(same_name)
             assert oi["finals"] == same["ssfusion_oi"]["finals"]
-        m, h = _paired_points(oi["finals"], now["ddp"]["finals"])
         d = [100 * (x - y) for x, y in zip(oi["finals"], before["ssfusion_oi"]["finals"],
                                            strict=True)]
         more = oi["run_bytes_per_step"] / before["ssfusion_oi"]["run_bytes_per_step"]
-        cells = (f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}] | {statistics.mean(d):+.2f} ± "
-                 f"{statistics.stdev(d):.2f} | {more:.2f} | {oi['spike']:.2f}× |")
+        paired = f"{statistics.mean(d):+.2f} ± {statistics.stdev(d):.2f}".replace("-", "−")
+        cells = (f"{_interval_cell(oi['finals'], now['ddp']['finals'])} | {paired} | "
+                 f"{more:.2f} | {oi['spike']:.2f}× |")
         head = f"| {label} ([page]({folder}/{name}.md)"
         rest = page[page.index(head):]
         rest = rest[rest.index(") | ", len(head)) + 4:]
-        assert rest.startswith(cells.replace("-", "−")), (label, rest[:100], cells)
-    r18 = {r["scheme"]: r for r in _results(f"{folder}/resnet18")["rows"]}
-    off = {r["scheme"]: r for r in _results(f"{folder}/resnet18-off", "--model resnet18")["rows"]}
+        assert rest.startswith(cells), (label, rest[:100], cells)
+    r18 = _by_scheme(f"{folder}/resnet18")
+    off = _by_scheme(f"{folder}/resnet18-off", "--model resnet18")
     assert "--density-warmup off" in _results(f"{folder}/resnet18-off")["meta"]["command"]
     d = [100 * (x - y) for x, y in zip(r18["ssfusion_oi"]["finals"], off["ssfusion_oi"]["finals"],
                                        strict=True)]
@@ -1638,16 +1647,15 @@ def test_accuracy_reverted_ssfusion_warmup_default_claims_hold_in_the_written_re
     assert r18["ssfusion_oi"]["spike"] > 2.0 and off["ssfusion_oi"]["spike"] < 1.05
     assert f"loss rose to {r18['ssfusion_oi']['spike']:.2f}× its start" in page
     assert f"no loss above {off['ssfusion_oi']['spike']:.2f}× step 0's" in page
-    m, h = _paired_points(off["ssfusion_oi"]["finals"], off["ddp"]["finals"])
     f = off["ssfusion_oi"]["finals"]
-    gap = f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}]".replace("-", "−")
+    gap = _interval_cell(f, off["ddp"]["finals"])
     assert (f"SSFusion-OI ends at {100 * statistics.mean(f):.2f} ± {100 * statistics.stdev(f):.2f} "
             f"%, **{gap} points vs DDP's {100 * statistics.mean(off['ddp']['finals']):.2f}**"
             in page)
-    assert abs(m) <= 1.0  # issue 68's ResNet-18 bar for SSFusion-OI
+    assert abs(_paired_points(f, off["ddp"]["finals"])[0]) <= 1.0  # issue 68's ResNet-18 bar
     # the 100 Mbit/s study with it, against the README's without it
-    with_ = {r["scheme"]: r for r in _results(f"{folder}/cnn-960-100mbit")["rows"]}
-    without = {r["scheme"]: r for r in _results("convergence-cnn-960-100mbit-2026-12-05")["rows"]}
+    with_ = _by_scheme(f"{folder}/cnn-960-100mbit")
+    without = _by_scheme("convergence-cnn-960-100mbit-2026-12-05")
 
     def times(rows: dict) -> tuple[float, float, float]:
         r = rows["ssfusion_oi"]
@@ -1665,8 +1673,8 @@ def test_accuracy_tinygpt_cosine_claims_hold_in_the_written_results():
     """accuracy.md, "Learning-rate schedules": TinyGPT over 1000 steps with the rate annealed,
     each perplexity and its gap to DDP recomputed from the page's finals."""
     page = _accuracy()
-    rows = {r["scheme"]: r for r in _results(
-        "convergence-lm-1000-cosine", "--model gpt_tiny --steps 1000 --seeds 3")["rows"]}
+    rows = _by_scheme(
+        "convergence-lm-1000-cosine", "--model gpt_tiny --steps 1000 --seeds 3")
     assert "--lr-schedule cosine" in _results("convergence-lm-1000-cosine")["meta"]["command"]
     ddp = statistics.mean(rows["ddp"]["finals"])
 
@@ -1685,12 +1693,12 @@ def _resnet18_today() -> dict[str, dict]:
     """ResNet-18 with today's defaults, 3 seeds, one set of DDP runs: SSFusion-OI (its runs
     without the reverted warm-up), TopkA and per_tensor, and TopkA with nothing sent ahead
     (``topka0``)."""
-    off = {r["scheme"]: r for r in _results("ssfusion-warmup-default/resnet18-off",
-                                            "--model resnet18")["rows"]}
-    now = {r["scheme"]: r for r in _results("convergence-resnet18-2026-12-05-defaults",
-                                            "--model resnet18")["rows"]}
-    a0 = {r["scheme"]: r for r in _results("convergence-resnet18-2026-12-05-topka-ahead-0",
-                                           "--model resnet18")["rows"]}
+    off = _by_scheme("ssfusion-warmup-default/resnet18-off",
+                     "--model resnet18")
+    now = _by_scheme("convergence-resnet18-2026-12-05-defaults",
+                     "--model resnet18")
+    a0 = _by_scheme("convergence-resnet18-2026-12-05-topka-ahead-0",
+                    "--model resnet18")
     assert "--momentum-ahead 0" in _results("convergence-resnet18-2026-12-05-topka-ahead-0")[
         "meta"]["command"]
     assert off["ddp"]["finals"] == now["ddp"]["finals"] == a0["ddp"]["finals"]
@@ -1708,8 +1716,7 @@ def test_accuracy_resnet18_today_claims_hold_in_the_written_results():
     for key, label in (("ssfusion_oi", "SSFusion-OI"), ("per_tensor", "per_tensor"),
                        ("topka", "TopkA"),
                        ("topka0", "TopkA, nothing sent ahead (`--momentum-ahead 0`)")):
-        m, h = _paired_points(r18[key]["finals"], ddp)
-        gap = f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}]".replace("-", "−")
+        gap = _interval_cell(r18[key]["finals"], ddp)
         assert f"| {label} | {gap} | {r18[key]['spike']:.2f}× |" in page, key
     t, t0 = r18["topka"]["finals"], r18["topka0"]["finals"]
     d = [100 * (x - y) for x, y in zip(t, t0, strict=True)]
@@ -1724,8 +1731,8 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     """README's BatchNorm bullet: the defaults' gaps on ResNet-20 under the cosine schedule and
     what following the rate is worth to TopkA, recomputed from the two pages' finals."""
     readme = " ".join((ROOT / "README.md").read_text().split())
-    base = {r["scheme"]: r for r in _results("convergence-resnet20-cosine")["rows"]}
-    now = {r["scheme"]: r for r in _results("resnet20-cosine/follow")["rows"]}
+    base = _by_scheme("convergence-resnet20-cosine")
+    now = _by_scheme("resnet20-cosine/follow")
     ddp = now["ddp"]["finals"]
     assert base["ddp"]["finals"] == ddp
     gaps = {s: f"{_mean_gap_points(now[s]['finals'], ddp):+.2f}".replace("-", "−")
