@@ -223,16 +223,27 @@ def _train(rank: int, P: int, scheme: str, ahead: float, steps: int, min_k: int 
 @pytest.mark.parametrize("P", [2, 3, 8])
 def test_topka_sends_each_ranks_top_k_ahead_by_c_velocities(P):
     """TopkA's first step: each rank's accumulator is its gradient (the velocity of one step),
-    its top k entries travel as (1 + c)·g, and the average is their sum over the ranks / P."""
+    its top k entries travel as (1 + c)·g, but those of a tensor of which the top k holds
+    more than 4× its share (k/n of its entries: here the MLP's small biases and output layer,
+    resent step after step) travel as g; the average is their sum over the ranks / P."""
     out = run_distributed(_train, P, "topka", A, 1, timeout=300)
     g = out[0]["grads"][0]  # P × n, every rank's
     n = g.shape[1]
     k = round(0.02 * n)  # k = max(1, round(density·n)): the library's definition of k
-    ref = torch.zeros(n)
+    sizes = [p.numel() for p in build("mlp", seed=1).parameters()]
+    ref, kinds = torch.zeros(n), set()
     for r in range(P):
-        idx = torch.topk(g[r].abs(), k).indices
-        ref.index_add_(0, idx, (1.0 + C) * g[r][idx])
+        idx = set(torch.topk(g[r].abs(), k).indices.tolist())
+        start = 0
+        for size in sizes:
+            mine = [i for i in range(start, start + size) if i in idx]
+            factor = 1.0 if len(mine) > 4 * k / n * size else 1.0 + C
+            kinds |= {factor} if mine else set()
+            for i in mine:
+                ref[i] += factor * g[r][i]
+            start += size
     ref /= P
+    assert kinds == {1.0, 1.0 + C}  # tensors resent and tensors led both occur
     for o in out:
         assert torch.allclose(o["avgs"][0], ref, rtol=1e-5, atol=1e-7)
 
@@ -269,3 +280,16 @@ def test_the_velocities_are_conserved_across_ranks_and_steps(scheme, P):
         assert out[0]["bias"].any()
         assert all(torch.equal(o["residual"][o["bias"]], torch.zeros(int(o["bias"].sum())))
                    for o in out)
+
+
+def test_resent_names_the_tensors_a_selection_takes_over_four_times_its_share_of():
+    """Three tensors of 10, 100 and 890 entries; 20 of the 1000 positions selected (a share
+    of 2 %, so 4× is 8 %): 1 in the first (10 %: resent), 9 in the second (9 %: resent), 10 in
+    the third (1.1 %: led). No position selected: nothing to say."""
+    from gradsync.engine.jobs import resent
+
+    idx = torch.tensor([3, *range(10, 19), *range(500, 510)])
+    got = resent(idx, [10, 100, 890], 1000)
+    assert got.tolist() == [True] * 10 + [False] * 10
+    assert resent(torch.tensor([12, 500]), [10, 100, 890], 1000).tolist() == [True, False]
+    assert resent(torch.zeros(0, dtype=torch.int64), [10, 100], 110).numel() == 0

@@ -186,7 +186,7 @@ def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],
         # its tensors with no entry, counted now where that costs no read (the CPU's own
         # kernels), while the positions are warm: after the collective's wait they were cold
         payload = Payload(selections=[sel], wire_dtype=wire,
-                          missing=missing_on_host(sel.indices, sizes), lead=lead)
+                          missing=missing_on_host(sel.indices, sizes), lead=_lead(lead, sizes))
     else:
         parts: list[SparseGrad | Future | None] = []
         inline: list[tuple[int, sparsify.Sparsifier, int, int]] = []
@@ -215,8 +215,14 @@ def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],
         parts, empty = _select_inline(parts, inline, acc, first_inline, step)
         # a tensor sent whole is never missing; an offloaded one's count is the worker's
         payload = Payload(selections=parts, wire_dtype=wire,
-                          missing=None if job.offload else empty, lead=lead)
+                          missing=None if job.offload else empty, lead=_lead(lead, sizes))
     return payload, time.perf_counter() - t0
+
+
+def _lead(lead: tuple[torch.Tensor, float] | None, sizes: Sequence[int]
+          ) -> tuple[torch.Tensor, float, tuple[int, ...]] | None:
+    """:attr:`Payload.lead`: the velocity and factor with the job's tensors' sizes."""
+    return None if lead is None else (*lead, tuple(sizes))
 
 
 def _sent_whole(acc: torch.Tensor, lo: int, hi: int) -> SparseGrad:
