@@ -1728,22 +1728,83 @@ def test_accuracy_resnet18_today_claims_hold_in_the_written_results():
 
 
 def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
-    """README's BatchNorm bullet: the defaults' gaps on ResNet-20 under the cosine schedule and
-    what following the rate is worth to TopkA, recomputed from the two pages' finals."""
+    """README's BatchNorm bullet: the defaults' gaps on ResNet-20 under the cosine schedule
+    (since 372cd61), ResNet-18's TopkA before and since against the AMD machine's DDP runs,
+    SSFusion-OI's there, and what following the rate was worth to TopkA, recomputed from the
+    pages' finals."""
     readme = " ".join((ROOT / "README.md").read_text().split())
-    base = _by_scheme("convergence-resnet20-cosine")
-    now = _by_scheme("resnet20-cosine/follow")
+    now = _by_scheme("convergence-resnet20-cosine-2026-12-05-resent", "--model resnet20")
     ddp = now["ddp"]["finals"]
-    assert base["ddp"]["finals"] == ddp
     gaps = {s: f"{_mean_gap_points(now[s]['finals'], ddp):+.2f}".replace("-", "−")
             for s in ("topka", "ssfusion_oi", "per_tensor")}
     assert (f"5 seeds: TopkA {gaps['topka']}, SSFusion-OI {gaps['ssfusion_oi']}, per_tensor "
             f"{gaps['per_tensor']} points vs DDP's {100 * statistics.mean(ddp):.2f} %") in readme
     r18 = _resnet18_today()
-    gaps = {k: f"{_mean_gap_points(r['finals'], r18['ddp']['finals']):+.2f}".replace("-", "−")
-            for k, r in r18.items()}
-    assert (f"ResNet-18 (3 seeds, [study](docs/results/accuracy.md#resnet-18-with-todays-"
-            f"defaults)): SSFusion-OI {gaps['ssfusion_oi']}, per_tensor {gaps['per_tensor']}, "
-            f"TopkA {gaps['topka']} ({gaps['topka0']} with `momentum_ahead=0`).") in readme
-    gain = statistics.mean(now["topka"]["finals"]) - statistics.mean(base["topka"]["finals"])
+    since = _by_scheme("convergence-resnet18-2026-12-05-resent", "--model resnet18")["topka"]
+    t, d = since["finals"], r18["ddp"]["finals"]
+    before = statistics.mean(r18["topka"]["finals"])
+    assert (f"ResNet-18 (3 seeds): TopkA {100 * statistics.mean(t):.2f} ± "
+            f"{100 * statistics.stdev(t):.2f} % against DDP's {100 * statistics.mean(d):.2f} ± "
+            f"{100 * statistics.stdev(d):.2f} % on the AMD machine, its worst loss "
+            f"{since['spike']:.2f}× its start ({100 * before:.2f} % and "
+            f"{r18['topka']['spike']:.2f}× before 372cd61") in readme
+    gap = _mean_gap_points(r18["ssfusion_oi"]["finals"], d)
+    assert f"SSFusion-OI {gap:+.2f} points ([study]" in readme
+    base = _by_scheme("convergence-resnet20-cosine")
+    follow = _by_scheme("resnet20-cosine/follow")
+    gain = statistics.mean(follow["topka"]["finals"]) - statistics.mean(base["topka"]["finals"])
     assert f"worth +{100 * gain:.2f} points to TopkA on ResNet-20." in readme
+
+
+def test_accuracy_resent_claims_hold_in_the_written_results():
+    """accuracy.md, "Momentum sent ahead skips the tensors a step resends": the table's cells
+    (the CNN before, since and without a lead, on one machine with one set of DDP runs;
+    ResNet-18's TopkA), the other schemes, ResNet-20, and the paired worth of the lead."""
+    page = _accuracy()
+    section = page[page.index("## Momentum sent ahead skips"):page.index("## Preconditioned")]
+    cmd = "--model cnn"
+    since = _by_scheme("convergence-cnn-2026-12-05-resent", cmd)
+    none = _by_scheme("convergence-cnn-2026-12-05-ahead-0-intel", cmd)
+    before = _by_scheme("convergence-cnn-2026-12-05-before-resent", cmd)
+    assert "--momentum-ahead 0" in _results("convergence-cnn-2026-12-05-ahead-0-intel")[
+        "meta"]["command"]
+    ddp = since["ddp"]["finals"]
+    assert none["ddp"]["finals"] == before["ddp"]["finals"] == ddp and len(ddp) == 10
+    assert {c for s, r in before.items() if s != "ddp" for c in r["code"]} == {"04e204b"}
+    assert {c for s, r in since.items() if s != "ddp" for c in r["code"]} == {"372cd61"}
+
+    def cell(r: dict) -> str:
+        return f"{_interval_cell(r['finals'], ddp)}; {r['spike']:.2f}×"
+
+    for s in ("topka", "densestream"):
+        assert f"| {cell(before[s])} | {cell(since[s])} | {cell(none[s])} |" in section, s
+    old = _resnet18_today()
+    r18 = _by_scheme("convergence-resnet18-2026-12-05-resent", "--model resnet18")
+
+    def acc(r: dict) -> str:
+        f = r["finals"]
+        return (f"{100 * statistics.mean(f):.2f} ± {100 * statistics.stdev(f):.2f}; "
+                f"{r['spike']:.2f}×")
+
+    assert (f"| {acc(old['topka'])} (AMD) | {acc(r18['topka'])} | {acc(old['topka0'])} (AMD) |"
+            in section)
+    gap = {s: f"{_mean_gap_points(since[s]['finals'], ddp):+.2f}".replace("-", "−")
+           for s in since}
+    assert gap["ssfusion"] == gap["ssfusion_oi"]
+    assert (f"SSFusion and SSFusion-OI {gap['ssfusion']}, per_tensor {gap['per_tensor']}, "
+            f"Ok-Topk {gap['oktopk']} points") in " ".join(section.split())
+    worst = max(r["spike"] for s, r in since.items() if s != "ddp")
+    assert f"at most {worst:.2f}× (DDP's own {since['ddp']['spike']:.2f}×)" in section
+    r20 = _by_scheme("convergence-resnet20-cosine-2026-12-05-resent", "--model resnet20")
+    d20 = r20["ddp"]["finals"]
+    g20 = {s: f"{_mean_gap_points(r20[s]['finals'], d20):+.2f}".replace("-", "−") for s in r20}
+    assert (f"DDP {100 * statistics.mean(d20):.2f} % ([page](convergence-resnet20-cosine-2026-12-"
+            f"05-resent.md)): TopkA {g20['topka']}, SSFusion-OI {g20['ssfusion_oi']}, "
+            f"per_tensor {g20['per_tensor']} points") in " ".join(section.split())
+    assert all(r["spike"] < 2 for r in r20.values()) and r18["topka"]["spike"] < 2
+    t, t0, tf = (x["topka"]["finals"] for x in (since, none, before))
+    p0 = [100 * (a - b) for a, b in zip(t, t0, strict=True)]
+    pf = [100 * (b - a) for a, b in zip(t, tf, strict=True)]
+    assert (f"({statistics.mean(p0):+.2f} ± {statistics.stdev(p0):.2f} points paired), "
+            f"{statistics.mean(pf):.2f} ± {statistics.stdev(pf):.2f} points below").replace(
+        "-", "−") in " ".join(section.split())

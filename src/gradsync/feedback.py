@@ -48,9 +48,13 @@ Nothing is invented or lost: every entry's cumulative update is still exactly de
 momentum's (the debt is repaid in full), the sent part only arrives sooner. Conservation
 then holds as ``acc = sent + residual`` to one rounding per sent value (``sent`` is
 ``acc + c·u`` rounded), not bit for bit. Entries of tensors sent whole (a dense prefix, an
-all-reduce) keep ordinary momentum and carry nothing ahead. Measured on the CNN at 1 %
-(P = 4, SGD, 10 seeds): ``a = 1/3`` turns TopkA's gap to DDP into a gain
-(docs/results/accuracy.md, "Momentum sent ahead"). A preconditioned buffer (AdamW's frozen
+all-reduce) keep ordinary momentum and carry nothing ahead, and so, for the step, do those of
+a tensor that the selection takes far more of than its share (``engine.jobs.resent``: a
+classifier whose entries are sent step after step, where a lead only amplifies what
+oscillates; it broke TopkA on ResNet-18). Measured on the CNN at 1 %
+(P = 4, SGD, 10 seeds): ``a = 1/3`` turned TopkA's gap to DDP into a gain, almost all of it from
+those resent tensors (docs/results/accuracy.md, "Momentum sent ahead" and "... skips the tensors
+a step resends"). A preconditioned buffer (AdamW's frozen
 variance) has a share of its own, ``ahead_preconditioned``: ``Config``'s default sends nothing
 ahead there (measured: TinyGPT, 2 ranks, 8 steps, AdamW's recipe with one exact step, TopkA's
 loss reached 56 at 1/3 and 110 at 1, 4.4 without).

@@ -77,7 +77,9 @@ class Config:
         momentum_ahead: under momentum correction without masking, the share ``a`` in
             [0, 1] of its velocity's remaining tail (``m/(1 − m)·u``) that a compressed entry
             carries when it is sent, borrowed from the steps after and repaid by the velocity
-            (``gradsync.feedback``, "Ahead"; ours). ``None`` (default): the scheme's share,
+            (``gradsync.feedback``, "Ahead"; ours), but not in a step whose selection takes
+            over 4× its share of a tensor's entries (``engine.jobs.resent``: ResNet-18's
+            classifier, where a lead made TopkA diverge). ``None`` (default): the scheme's share,
             ``Scheme.momentum_ahead`` (1/3 for TopkA, DenseStream, Ok-Topk and per_tensor, 1
             for the SSFusion family, at most 1/3 below 1 % density, where the whole tail
             diverged SSFusion-OI on 2 of 5 CNN seeds at 0.1 %; 0 for the schemes not
@@ -87,8 +89,10 @@ class Config:
             ``0``: DGC's momentum correction as it is. At density 1 nothing is compressed and
             nothing is sent ahead, whatever is given (every scheme then trains as DDP);
             :attr:`effective_momentum_ahead` is the value in force. Measured: CNN, SGD, 1 %,
-            10 seeds: the schemes with a share from 0.60–2.17 points below DDP to between
-            −0.01 and +0.74 (docs/results/accuracy.md, "Momentum sent ahead"). A number
+            10 seeds: before the resent rule the schemes with a share went from 0.60–2.17
+            points below DDP to between −0.01 and +0.74, and TopkA's ResNet-18 loss rose to
+            6.84× its start; since, TopkA −0.82 (−0.98 without a lead) and 1.20× (docs/
+            results/accuracy.md, "Momentum sent ahead skips the tensors a step resends"). A number
             excludes ``momentum_masking``; checkpoints saved before this option resume with
             ``0``.
         warmup_steps: online-profiling iterations before a cost-model plan is fixed
