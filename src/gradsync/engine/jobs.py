@@ -363,7 +363,8 @@ def resent(idx: torch.Tensor, sizes: Sequence[int], n: int) -> torch.Tensor:
     largest stable ηλ falls from 3.8 (heavy ball, c = 0) to 1.36 at c = m (Nesterov) and
     0.54 at c = 3. Measured on ResNet-18 (TopkA, 1 %): its classifier, 38 % of whose entries
     a step selects, spiked the loss to 6.6× step 0's within 3 steps with a lead of 3, and
-    did not spike without a lead there (docs/results/accuracy.md, "Momentum sent ahead")."""
+    did not spike without a lead there (docs/results/accuracy.md, "Momentum sent ahead skips
+    the tensors a step resends")."""
     ends = constant(tuple(itertools.accumulate(sizes)), idx.dtype, idx.device)
     seg = torch.searchsorted(ends, idx, right=True)
     held = bincount(seg, len(sizes))
