@@ -119,3 +119,22 @@ def test_the_repository_baseline_names_every_figure_the_check_measures():
     want |= {f"step/{s}" for s in check.SCHEMES}
     assert set(base["figures"]) == want
     assert base["why"].strip() and base["tolerance"] == check.TOLERANCE
+
+
+def test_a_machine_uses_its_own_baseline_where_one_exists(tmp_path):
+    """``<stem>-<cpu slug>.json`` beside the default baseline is this machine's; without one
+    the default holds. The repository's per-machine baselines name every figure too."""
+    default = tmp_path / "bench-baseline.json"
+    assert check.machine_baseline(default, "Intel(R) Xeon(R); AVX512") == default
+    own = tmp_path / "bench-baseline-intel-r-xeon-r-avx512.json"
+    own.write_text("{}")
+    assert check.machine_baseline(default, "Intel(R) Xeon(R); AVX512") == own
+    assert check.machine_baseline(default, "AMD EPYC; AVX512") == default
+    ci = REPO / check.DEFAULT_BASELINE
+    mine = sorted(ci.parent.glob(f"{ci.stem}-*.json"))
+    assert mine
+    for path in mine:
+        base = check.load_baseline(path)
+        assert set(base["figures"]) == set(check.load_baseline(ci)["figures"])
+        assert base["why"].strip() and base["tolerance"] == check.TOLERANCE
+        assert check.machine_baseline(ci, base["cpu"]) == path

@@ -23,6 +23,10 @@ of ``--record N`` runs. A figure fails when its ratio exceeds the largest record
 than ``tolerance`` (25 %). A failing run is run once more, and the check fails only on figures
 that fail twice. The baseline moves only by ``--record`` with ``--why``, committed with a
 message that says why: a change that makes something slower lands with its reason written.
+Ratios differ between CPUs (DenseStream's collective runs 1.5-2x slower against the dense
+reference on an Intel Xeon than on an AMD EPYC), so a machine may have its own baseline beside
+the default one: ``<baseline stem>-<its CPU, as a slug>.json`` (:func:`machine_baseline`),
+used when it exists and recorded with ``--record … --baseline`` that path.
 
 Writes ``check.json`` (every run, every figure, the verdicts) and ``check.png`` under
 ``--out``. Exit status 1 when a figure failed twice, 2 on a missing or mismatched baseline.
@@ -32,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import time
 from pathlib import Path
@@ -188,6 +193,14 @@ def verdicts(figures: dict[str, dict[str, Any]], baseline: dict[str, Any]) -> di
     return {f: figures[f]["ratio"] <= limit(e, tol) for f, e in baseline["figures"].items()}
 
 
+def machine_baseline(path: Path, cpu: str | None = None) -> Path:
+    """This machine's baseline beside ``path``: ``<stem>-<cpu slug>.json`` where it exists
+    (``cpu``: :func:`~gradsync.apps.common.cpu_description` by default), else ``path``."""
+    slug = re.sub(r"[^a-z0-9]+", "-", (cpu or cpu_description()).lower()).strip("-")
+    own = path.with_name(f"{path.stem}-{slug}{path.suffix}")
+    return own if own.exists() else path
+
+
 def load_baseline(path: Path) -> dict[str, Any]:
     """The baseline at ``path``; ``ValueError`` when it is missing or malformed."""
     try:
@@ -273,6 +286,7 @@ def main(argv: list[str] | None = None) -> int:
         write_outputs(NAME, [{"figure": f, **v} for f, v in runs[-1].items()], a.out,
                       _plot(runs[-1], base), meta={"recorded": base})
         return 0
+    path = machine_baseline(path)
     try:
         base = load_baseline(path)
     except ValueError as e:
@@ -289,7 +303,7 @@ def main(argv: list[str] | None = None) -> int:
         ok = verdicts(figures, base)
         attempts.append({"figures": figures, "ok": ok})
         _table(f"bench check, run {attempt + 1} (P = {WORLD}, loopback; baseline "
-               f"{base.get('code')}, {base.get('recorded')})", figures, base, ok)
+               f"{path.name}: {base.get('code')}, {base.get('recorded')})", figures, base, ok)
         now = {f for f, good in ok.items() if not good}
         failed = now if failed is None else failed & now
         if not failed:
