@@ -49,7 +49,7 @@ momentum's (the debt is repaid in full), the sent part only arrives sooner. Cons
 then holds as ``acc = sent + residual`` to one rounding per sent value (``sent`` is
 ``acc + c·u`` rounded), not bit for bit. Entries of tensors sent whole (a dense prefix, an
 all-reduce) keep ordinary momentum and carry nothing ahead, and so, for the step, do those of
-a tensor that the selection takes far more of than its share (``engine.jobs.resent``: a
+a tensor of which the selection takes over a fifth of the entries (``engine.jobs.resent``: a
 classifier whose entries are sent step after step, where a lead only amplifies what
 oscillates; it broke TopkA on ResNet-18). Measured on the CNN at 1 %
 (P = 4, SGD, 10 seeds): ``a = 1/3`` turned TopkA's gap to DDP into a gain, almost all of it from

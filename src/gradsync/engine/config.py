@@ -78,7 +78,7 @@ class Config:
             [0, 1] of its velocity's remaining tail (``m/(1 − m)·u``) that a compressed entry
             carries when it is sent, borrowed from the steps after and repaid by the velocity
             (``gradsync.feedback``, "Ahead"; ours), but not in a step whose selection takes
-            over 4× its share of a tensor's entries (``engine.jobs.resent``: ResNet-18's
+            over a fifth of a tensor's entries (``engine.jobs.resent``: ResNet-18's
             classifier, where a lead made TopkA diverge). ``None`` (default): the scheme's share,
             ``Scheme.momentum_ahead`` (1/3 for TopkA, DenseStream, Ok-Topk and per_tensor, 1
             for the SSFusion family, at most 1/3 below 1 % density, where the whole tail

@@ -328,34 +328,35 @@ def bounds(names: Sequence[str], sizes: Sequence[int]) -> list[tuple[str, int, i
     return out
 
 
-RESENT = 4.0
-"""A tensor from which a step's selection takes more than ``RESENT`` times the job's share of
-its entries (the job's selected fraction) carries nothing ahead that step (:func:`ahead`)."""
+RESENT = 0.2
+"""A tensor of which a step's selection takes more than the fraction ``RESENT`` of its entries
+(on average each sent more often than every fifth step) carries nothing ahead that step
+(:func:`ahead`)."""
 
 
 def ahead(sel: SparseGrad, u: torch.Tensor, c: float, sizes: Sequence[int]) -> SparseGrad:
     """``sel`` (a selection of a job's accumulator, whose tensors hold ``sizes`` entries in
     order) with each entry after its dense prefix carrying ``c`` velocities ahead:
     ``value + c·u[position]`` (``gradsync.feedback``, "Ahead"); the entries sent whole keep
-    their values, and so do those of a tensor the selection takes more than :data:`RESENT`
-    times the job's share of: its entries are sent again step after step, where a lead only
+    their values, and so do those of a tensor the selection takes more than the fraction
+    :data:`RESENT` of: its entries are sent again step after step, where a lead only
     amplifies what oscillates (:func:`resent`). New values, never ``sel``'s."""
     p = sel.dense_prefix
     if p == len(sel):
         return sel
     idx = sel.indices[p:]
-    c_i = resent(idx, sizes, sel.numel - p).logical_not_().to(sel.dtype).mul_(c)
+    c_i = resent(idx, sizes).logical_not_().to(sel.dtype).mul_(c)
     lead = torch.addcmul(sel.values[p:], c_i, u.index_select(0, idx).to(sel.dtype))
     values = torch.cat([sel.values[:p], lead]) if p else lead
     return SparseGrad(sel.indices, values, sel.numel, validate=False, dense_prefix=p,
                       capacity=sel.capacity)
 
 
-def resent(idx: torch.Tensor, sizes: Sequence[int], n: int) -> torch.Tensor:
+def resent(idx: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     """Per position of ``idx`` (distinct positions in a buffer of tensors holding ``sizes``
-    entries in order, drawn from ``n`` of them): whether its tensor holds more than
-    :data:`RESENT` times the selection's share ``len(idx)/n`` of its own entries. On the
-    device, from the positions alone: a few operations per job, no read.
+    entries in order): whether ``idx`` holds more than the fraction :data:`RESENT` of its
+    tensor's entries. On the device, from the positions alone: a few operations per job, no
+    read.
 
     Why: an entry sent at step t and again at t+1 with a lead ``c`` moves by
     ``(1 + c)·u_t − c·u_{t−1}``, a derivative term that raises an oscillating velocity's
@@ -363,13 +364,13 @@ def resent(idx: torch.Tensor, sizes: Sequence[int], n: int) -> torch.Tensor:
     largest stable ηλ falls from 3.8 (heavy ball, c = 0) to 1.36 at c = m (Nesterov) and
     0.54 at c = 3. Measured on ResNet-18 (TopkA, 1 %): its classifier, 38 % of whose entries
     a step selects, spiked the loss to 6.6× step 0's within 3 steps with a lead of 3, and
-    did not spike without a lead there (docs/results/accuracy.md, "Momentum sent ahead skips
-    the tensors a step resends")."""
+    did not spike without a lead there; the CNN's output layer (14 %) gains from its lead
+    (docs/results/accuracy.md, "Momentum sent ahead skips the tensors a step resends")."""
     ends = constant(tuple(itertools.accumulate(sizes)), idx.dtype, idx.device)
     seg = torch.searchsorted(ends, idx, right=True)
     held = bincount(seg, len(sizes))
-    cap = constant(tuple(float(k) for k in sizes), torch.float32, idx.device)
-    return held.gt(cap * (RESENT * idx.numel() / max(n, 1))).index_select(0, seg)
+    cap = constant(tuple(RESENT * k for k in sizes), torch.float32, idx.device)
+    return held.gt(cap).index_select(0, seg)
 
 
 def concat(parts: list[SparseGrad]) -> SparseGrad:
