@@ -1729,18 +1729,19 @@ def test_accuracy_resnet18_today_claims_hold_in_the_written_results():
 
 def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     """README's BatchNorm bullet: the defaults' gaps on ResNet-20 under the cosine schedule
-    (since 372cd61), ResNet-18's TopkA before and since against the AMD machine's DDP runs,
+    (since 75753fb), ResNet-18's TopkA before 372cd61 and since 75753fb against the AMD
+    machine's DDP runs,
     SSFusion-OI's there, and what following the rate was worth to TopkA, recomputed from the
     pages' finals."""
     readme = " ".join((ROOT / "README.md").read_text().split())
-    now = _by_scheme("convergence-resnet20-cosine-2026-12-05-resent", "--model resnet20")
+    now = _by_scheme("convergence-resnet20-cosine-2026-12-06-fifth", "--model resnet20")
     ddp = now["ddp"]["finals"]
     gaps = {s: f"{_mean_gap_points(now[s]['finals'], ddp):+.2f}".replace("-", "−")
             for s in ("topka", "ssfusion_oi", "per_tensor")}
     assert (f"5 seeds: TopkA {gaps['topka']}, SSFusion-OI {gaps['ssfusion_oi']}, per_tensor "
             f"{gaps['per_tensor']} points vs DDP's {100 * statistics.mean(ddp):.2f} %") in readme
     r18 = _resnet18_today()
-    since = _by_scheme("convergence-resnet18-2026-12-05-resent", "--model resnet18")["topka"]
+    since = _by_scheme("convergence-resnet18-2026-12-06-fifth", "--model resnet18")["topka"]
     t, d = since["finals"], r18["ddp"]["finals"]
     before = statistics.mean(r18["topka"]["finals"])
     assert (f"ResNet-18 (3 seeds): TopkA {100 * statistics.mean(t):.2f} ± "
@@ -1808,3 +1809,59 @@ def test_accuracy_resent_claims_hold_in_the_written_results():
     assert (f"({statistics.mean(p0):+.2f} ± {statistics.stdev(p0):.2f} points paired), "
             f"{statistics.mean(pf):.2f} ± {statistics.stdev(pf):.2f} points below").replace(
         "-", "−") in " ".join(section.split())
+
+
+def test_accuracy_fifth_claims_hold_in_the_written_results():
+    """accuracy.md, "Resent means over a fifth of a tensor": each cell of the table (the 4×
+    rule's pages and the fifth's, one machine, one set of DDP runs per model; ResNet-18's TopkA),
+    the paired column, per-tensor selections bit for bit under both rules, and the bullets."""
+    page = _accuracy()
+    section = " ".join(
+        page[page.index("## Resent means over a fifth"):page.index("## Preconditioned")].split())
+    pages = {"cnn": ("convergence-cnn-2026-12-05-resent", "convergence-cnn-2026-12-06-fifth",
+                     "--model cnn"),
+             "r20": ("convergence-resnet20-cosine-2026-12-05-resent",
+                     "convergence-resnet20-cosine-2026-12-06-fifth", "--model resnet20"),
+             "r18": ("convergence-resnet18-2026-12-05-resent",
+                     "convergence-resnet18-2026-12-06-fifth", "--model resnet18")}
+    old, new = ({m: _by_scheme(p[i], p[2]) for m, p in pages.items()} for i in (0, 1))
+    for m in ("cnn", "r20"):
+        assert old[m]["ddp"]["finals"] == new[m]["ddp"]["finals"], m
+        assert {c for s, r in new[m].items() if s != "ddp" for c in r["code"]} == {"75753fb"}
+        for s in ("per_tensor", "ssfusion_oi", "ssfusion"):  # per-tensor selections: as before
+            if s in old[m]:
+                assert old[m][s]["finals"] == new[m][s]["finals"], (m, s)
+    assert set(new["r18"]["topka"]["code"]) == {"75753fb"} and "ddp" not in new["r18"]
+
+    def cell(m: str, r: dict) -> str:
+        if m == "r18":
+            f = r["finals"]
+            return (f"{100 * statistics.mean(f):.2f} ± {100 * statistics.stdev(f):.2f}; "
+                    f"{r['spike']:.2f}×")
+        return f"{_interval_cell(r['finals'], old[m]['ddp']['finals'])}; {r['spike']:.2f}×"
+
+    for m, s in (("cnn", "topka"), ("cnn", "densestream"), ("cnn", "oktopk"), ("r18", "topka"),
+                 ("r20", "topka")):
+        d = [100 * (a - b) for a, b in zip(new[m][s]["finals"], old[m][s]["finals"],
+                                           strict=True)]
+        paired = f"{statistics.mean(d):+.2f} ± {statistics.stdev(d):.2f}"
+        assert (f"| {cell(m, old[m][s])} | **{cell(m, new[m][s])}** | {paired} |"
+                in section), (m, s)
+        assert statistics.mean(d) > 0 and new[m][s]["spike"] < 2, (m, s)
+    cnn, ddp = new["cnn"], new["cnn"]["ddp"]["finals"]
+    gap = {s: _mean_gap_points(r["finals"], ddp) for s, r in cnn.items()}
+    assert min(gap[s] for s in ("topka", "ssfusion", "ssfusion_oi", "densestream")) >= -0.5
+    assert min(gap["oktopk"], gap["per_tensor"]) >= -1.0  # issue 68's CNN bars, all met
+    assert (f"SSFusion and SSFusion-OI ({gap['ssfusion_oi']:+.2f})" in section
+            and f"per_tensor ({gap['per_tensor']:+.2f})".replace("-", "−") in section)
+    assert (f"TopkA {cnn['topka']['bytes_per_step'] / 1e6:.4f} MB a step, Ok-Topk "
+            f"{cnn['oktopk']['bytes_per_step'] / 1e6:.4f}") in section
+    before = _by_scheme("convergence-cnn-2026-12-05-before-resent", "--model cnn")["topka"]
+    d = [100 * (a - b) for a, b in zip(cnn["topka"]["finals"], before["finals"], strict=True)]
+    assert (f"paired {statistics.mean(d):+.2f} ± {statistics.stdev(d):.2f} points with "
+            f"04e204b's runs), its worst loss {cnn['topka']['spike']:.2f}× its start instead of "
+            f"{before['spike']:.2f}× (DDP's own {cnn['ddp']['spike']:.2f}×)") in section
+    r20 = new["r20"]
+    g20 = {s: f"{_mean_gap_points(r['finals'], r20['ddp']['finals']):+.2f}".replace("-", "−")
+           for s, r in r20.items()}
+    assert f"(SSFusion-OI {g20['ssfusion_oi']}, per_tensor {g20['per_tensor']} points" in section

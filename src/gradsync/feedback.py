@@ -51,13 +51,13 @@ then holds as ``acc = sent + residual`` to one rounding per sent value (``sent``
 all-reduce) keep ordinary momentum and carry nothing ahead, and so, for the step, do those of
 a tensor of which the selection takes over a fifth of the entries (``engine.jobs.resent``: a
 classifier whose entries are sent step after step, where a lead only amplifies what
-oscillates; it broke TopkA on ResNet-18). Measured on the CNN at 1 %
-(P = 4, SGD, 10 seeds): ``a = 1/3`` turned TopkA's gap to DDP into a gain, almost all of it from
-those resent tensors (docs/results/accuracy.md, "Momentum sent ahead" and "... skips the tensors
-a step resends"). A preconditioned buffer (AdamW's frozen
-variance) has a share of its own, ``ahead_preconditioned``: ``Config``'s default sends nothing
-ahead there (measured: TinyGPT, 2 ranks, 8 steps, AdamW's recipe with one exact step, TopkA's
-loss reached 56 at 1/3 and 110 at 1, 4.4 without).
+oscillates; it broke TopkA on ResNet-18). Measured on the CNN at 1 % (P = 4, SGD, 10 seeds):
+``a = 1/3`` turned TopkA's gap to DDP into a gain, almost all of it from the tensors the
+selection takes most of, below a fifth (the output layer's 14 %; docs/results/accuracy.md,
+"Momentum sent ahead" and "... skips the tensors a step resends"). A preconditioned buffer
+(AdamW's frozen variance) has a share of its own, ``ahead_preconditioned``: ``Config``'s
+default sends nothing ahead there (measured: TinyGPT, 2 ranks, 8 steps, AdamW's recipe with
+one exact step, TopkA's loss reached 56 at 1/3 and 110 at 1, 4.4 without).
 
 **Residual dtype.** ``residual_dtype="auto"`` keeps residuals and velocities of 16-bit
 (bf16/fp16) gradients in fp32 and every other gradient in its own dtype; a 16-bit residual

@@ -91,7 +91,8 @@ class Config:
             :attr:`effective_momentum_ahead` is the value in force. Measured: CNN, SGD, 1 %,
             10 seeds: before the resent rule the schemes with a share went from 0.60–2.17
             points below DDP to between −0.01 and +0.74, and TopkA's ResNet-18 loss rose to
-            6.84× its start; since, TopkA −0.82 (−0.98 without a lead) and 1.20× (docs/
+            6.84× its start; since, TopkA +0.70 (−0.98 without a lead), DenseStream +0.66,
+            Ok-Topk +0.34, and on ResNet-18 TopkA 84.41 % with its loss at most 1.11× (docs/
             results/accuracy.md, "Momentum sent ahead skips the tensors a step resends"). A number
             excludes ``momentum_masking``; checkpoints saved before this option resume with
             ``0``.
