@@ -1865,3 +1865,62 @@ def test_accuracy_fifth_claims_hold_in_the_written_results():
     g20 = {s: f"{_mean_gap_points(r['finals'], r20['ddp']['finals']):+.2f}".replace("-", "−")
            for s, r in r20.items()}
     assert f"(SSFusion-OI {g20['ssfusion_oi']}, per_tensor {g20['per_tensor']} points" in section
+
+
+def test_accuracy_summary_row_of_the_fifth_100mbit_study_is_its_page():
+    """accuracy.md's summary row of the 960-step 100 Mbit/s study since 75753fb (the README's
+    first column): DDP's final, each scheme's gap, its times to 99 % and to all of DDP's
+    accuracy and its step speed-up over DDP's, and the share of the step speed-up kept."""
+    name = "convergence-cnn-960-100mbit-2026-12-06-fifth"
+    page = " ".join(_accuracy().split())
+    row = page[page.index(f"| [{name}.md]({name}.md) |"):
+               page.index("| [convergence-cnn-960-100mbit-2026-12-05.md]")]
+    r = _by_scheme(name, "--model cnn --steps 960 --seeds 3 --eval-points 16 --world-size 4 "
+                         "--bandwidth 100mbit")
+    ddp = r["ddp"]
+    order = ("topka", "ssfusion", "ssfusion_oi", "oktopk")
+    assert all(set(r[s]["code"]) == {"75753fb"} and r[s]["reached_ddp"] == 3 for s in r)
+    ddp_ms = 1000 * ddp["step_s"]
+    assert (f"DDP {100 * ddp['mean']:.2f} ± {100 * ddp['std']:.2f} %, its step {ddp_ms:.0f} ms"
+            in row)
+    gap = {s: f"{_mean_gap_points(r[s]['finals'], ddp['finals']):+.2f}".replace("-", "−")
+           for s in order}
+    assert gap["ssfusion"] == gap["ssfusion_oi"]
+    assert (f"TopkA {gap['topka']}, SSFusion and SSFusion-OI {gap['ssfusion']}, Ok-Topk "
+            f"{gap['oktopk']} points") in row
+    near = [ddp["seconds_to_target"] / r[s]["seconds_to_target"] for s in order]
+    full = [r[s]["time_speedup"] for s in order]
+    steps = [r[s]["step_speedup"] for s in order]
+    assert ("time to 99 % of it {:.2f}× (TopkA), {:.2f}×, {:.2f}× and {:.2f}× DDP's, to all of "
+            "it {:.2f}×, {:.2f}×, {:.2f}× and {:.2f}×, for steps {:.2f}×, {:.2f}×, {:.2f}× and "
+            "{:.2f}×".format(*near, *full, *steps)) in row
+    kept = sorted(100 * a / b for a, b in zip(near, steps, strict=True))
+    whole = sorted(100 * r[s]["speedup_kept"] for s in order)
+    assert (f"{kept[0]:.0f}–{kept[-1]:.0f} % of the step speed-up kept to 99 %, "
+            f"{whole[0]:.0f}–{whole[-1]:.0f} % to all of it") in row
+    assert kept[0] >= 85  # issue 68's bar, for every scheme
+
+
+def test_accuracy_warmup_under_the_fifth_rule_is_its_pages():
+    """accuracy.md, the warm-up since 75753fb: SSFusion-OI on ResNet-20 with it, and on the CNN
+    with it and no lead (gap, interval, bytes over a fixed 1 %'s, worst loss), recomputed."""
+    page = _accuracy()
+    text = " ".join(page[page.index("**Since 75753fb (the fifth rule)"):
+                         page.index("## ResNet-18 with today's defaults")].split())
+    r20 = _by_scheme("resnet20-cosine/fifth-dgc-warmup-4-9-ssfusion-oi",
+                     "--model resnet20 --seeds 5 --steps 160 --eval-points 4 --lr-schedule cosine")
+    cnn = _by_scheme("convergence-cnn-2026-12-06-dgc-warmup-ahead-0", "--model cnn")
+    fixed = _by_scheme("convergence-cnn-2026-12-06-fifth", "--model cnn")["ssfusion_oi"]
+    for name in ("resnet20-cosine/fifth-dgc-warmup-4-9-ssfusion-oi",
+                 "convergence-cnn-2026-12-06-dgc-warmup-ahead-0"):
+        assert "--density-warmup 4:9" in _results(name)["meta"]["command"], name
+    assert "--momentum-ahead 0" in _results("convergence-cnn-2026-12-06-dgc-warmup-ahead-0")[
+        "meta"]["command"]
+    s20, s = r20["ssfusion_oi"], cnn["ssfusion_oi"]
+    assert set(s20["code"]) == set(s["code"]) == {"75753fb"}
+    assert (f"SSFusion-OI ended {_interval_cell(s20['finals'], r20['ddp']['finals'])} points "
+            f"vs DDP's {100 * statistics.mean(r20['ddp']['finals']):.2f} %") in text
+    bytes_x = s["run_bytes_per_step"] / fixed["run_bytes_per_step"]
+    assert (f"SSFusion-OI {_interval_cell(s['finals'], cnn['ddp']['finals'])} points at "
+            f"{bytes_x:.2f}× the bytes of a fixed 1 %, worst loss {s['spike']:.2f}×") in text
+    assert cnn["ddp"]["finals"] == _by_scheme("convergence-cnn-2026-12-06-fifth")["ddp"]["finals"]

@@ -500,8 +500,9 @@ def test_readme_scheme_table_is_the_saved_results():
     # time to DDP's accuracy: one study on a 100 Mbit/s link, the CNN over 960 steps, 3 seeds:
     # DDP's training seconds to 99 % of its final accuracy over the scheme's (every seed must
     # get there), then to all of it (over the seeds that do, with how many)
-    name = "convergence-cnn-960-100mbit-2026-12-05.json"
+    name = "convergence-cnn-960-100mbit-2026-12-06-fifth.json"
     long = _study(name)
+    assert {c for r in long.values() for c in r["code"]} == {"75753fb"}
     assert all(r["seeds"] == [1, 2, 3] and r["metric"] == "test_accuracy" for r in long.values())
     assert all(m["steps"] == 960 and m["world_size"] == 4 and m["link"].startswith("tbf 100mbit")
                for m in json.loads((RESULTS / name).read_text())["meta"]["models"])
@@ -547,23 +548,18 @@ def test_readme_scheme_table_is_the_saved_results():
     # the same study's bullet: final gap, step speed-ups, what each target keeps of them
     ddp_mean = 100 * long["cnn", "ddp"]["mean"]
     others = [r for (_, s), r in long.items() if s != "ddp"]
-    worst = max(ddp_mean - 100 * r["mean"] for r in others)
     steps = sorted(r["step_speedup"] for r in others)
     first = long["cnn", "ddp"]["seconds_to_target"]
     near = sorted(100 * first / r["seconds_to_target"] / r["step_speedup"] for r in others)
-    full = sorted(100 * r["speedup_kept"] for r in others if r["reached_ddp"])
+    full = sorted(100 * r["speedup_kept"] for r in others)
     gaps = sorted(100 * r["mean"] - ddp_mean for r in others)
-    assert worst <= 0 and near[0] > 100  # every scheme at or above DDP, sooner than its steps
-    assert (f"On that link every scheme ends at or above DDP's {ddp_mean:.2f} % "
-            f"(+{gaps[0]:.2f} to +{gaps[-1]:.2f} points), its steps "
-            f"{steps[0]:.2f}–{steps[-1]:.2f}× DDP's: reaching 99 % of DDP's accuracy keeps "
-            f"{near[0]:.0f}–{near[-1]:.0f} % of that (in fewer steps than DDP), reaching all of "
-            f"it {full[0]:.0f}–{full[-1]:.0f} % on the seeds that get there (TopkA's and "
-            "Ok-Topk's 3 of 3, SSFusion's and SSFusion-OI's 2 of 3, as DDP's own).") in text
-    assert {s: r["reached_ddp"] for (_, s), r in long.items()} == {
-        "ddp": 2, "topka": 3, "ssfusion": 2, "ssfusion_oi": 2, "oktopk": 3}
-    assert all(long["cnn", s]["steps_to_target"] < long["cnn", "ddp"]["steps_to_target"]
-               for (_, s) in long if s != "ddp")  # "in fewer steps than DDP"
+    assert (f"On that link every scheme ends within {-gaps[0]:.2f} points of DDP's "
+            f"{ddp_mean:.2f} % or above it ({gaps[0]:+.2f} to {gaps[-1]:+.2f} points), its steps "
+            f"{steps[0]:.2f}–{steps[-1]:.2f}× DDP's on that machine: reaching 99 % of DDP's "
+            f"accuracy keeps {near[0]:.0f}–{near[-1]:.0f} % of that, reaching all of it "
+            f"{full[0]:.0f}–{full[-1]:.0f} % (every seed of every scheme gets there)."
+            ).replace("-0", "−0") in text
+    assert all(r["reached_ddp"] == r["reached"] == 3 for r in long.values())
     sparse = [_speedup(med, "1gbit", s, 4) for s in schemes.SCHEMES if schemes.get(s).sparse]
     assert f"the sparse schemes run at {min(sparse):.2f}–{max(sparse):.2f}× it at P = 4" in text
     assert "code 6ea855d)" in text

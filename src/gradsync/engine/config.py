@@ -93,7 +93,7 @@ class Config:
             points below DDP to between −0.01 and +0.74, and TopkA's ResNet-18 loss rose to
             6.84× its start; since, TopkA +0.70 (−0.98 without a lead), DenseStream +0.66,
             Ok-Topk +0.34, and on ResNet-18 TopkA 84.41 % with its loss at most 1.11× (docs/
-            results/accuracy.md, "Momentum sent ahead skips the tensors a step resends"). A number
+            results/accuracy.md, "Resent means over a fifth of a tensor"). A number
             excludes ``momentum_masking``; checkpoints saved before this option resume with
             ``0``.
         warmup_steps: online-profiling iterations before a cost-model plan is fixed
@@ -149,7 +149,11 @@ class Config:
             periods of training, each in (density, 1] and non-increasing, e.g.
             ``(0.25, 0.0625, 0.015625, 0.004)`` (DGC's four warm-up epochs);
             :meth:`dgc_warmup` builds the exponential schedule. After the last period the
-            target ``density`` applies.
+            target ``density`` applies. A period above a fifth carries no momentum sent ahead
+            (``engine.jobs.resent``) and the next one turns it on: under DGC's 4 periods the
+            SSFusion family's lead (c = 9) diverged the CNN on 1 seed of 3, and trained with
+            ``momentum_ahead=0`` (docs/results/accuracy.md, "DGC's warm-up as the SSFusion
+            family's default: reverted"); give it that with such a warm-up.
         density_warmup_steps: the length of one warm-up period in synchronized steps (an
             epoch's steps for DGC's per-epoch schedule); required (> 0) with
             ``density_warmup``.

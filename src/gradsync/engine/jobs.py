@@ -365,7 +365,8 @@ def resent(idx: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     0.54 at c = 3. Measured on ResNet-18 (TopkA, 1 %): its classifier, 38 % of whose entries
     a step selects, spiked the loss to 6.6× step 0's within 3 steps with a lead of 3, and
     did not spike without a lead there; the CNN's output layer (14 %) gains from its lead
-    (docs/results/accuracy.md, "Momentum sent ahead skips the tensors a step resends")."""
+    (docs/results/accuracy.md, "Resent means over a fifth of a tensor": a fifth lies between
+    the two, read off those measurements)."""
     ends = constant(tuple(itertools.accumulate(sizes)), idx.dtype, idx.device)
     seg = torch.searchsorted(ends, idx, right=True)
     held = bincount(seg, len(sizes))
