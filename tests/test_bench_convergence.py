@@ -59,6 +59,11 @@ def _mean_gap_points(a: list[float], b: list[float]) -> float:
     return round(100 * (statistics.mean(a) - statistics.mean(b)), 2)
 
 
+def _gap_cell(a: list[float], b: list[float]) -> str:
+    """:func:`_mean_gap_points` as the pages write it: signed, with their minus sign."""
+    return f"{_mean_gap_points(a, b):+.2f}".replace("-", "−")
+
+
 def _paired_points(a: list[float], b: list[float]) -> tuple[float, float]:
     """Mean of the paired differences ``a − b`` in points (accuracies are fractions) and the
     half-width of its 95 % t interval, computed here, not by the code under test."""
@@ -1461,7 +1466,7 @@ def test_accuracy_default_momentum_ahead_claims_hold_in_the_written_results():
     assert all(x["ddp"]["finals"] == ddp for x in r20.values())
 
     def gap(name: str, scheme: str) -> str:
-        return f"{_mean_gap_points(r20[name][scheme]['finals'], ddp):+.2f}".replace("-", "−")
+        return _gap_cell(r20[name][scheme]["finals"], ddp)
 
     base, zero, one_third, pt_third, one, now = r20
     assert (f"TopkA {gap(base, 'topka')} → {gap(one_third, 'topka')} → "
@@ -1524,7 +1529,7 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
     def cell(key: str, scheme: str) -> str:
         if scheme not in rows[key]:
             return ""
-        return f"{_mean_gap_points(rows[key][scheme]['finals'], ddp):+.2f}".replace("-", "−")
+        return _gap_cell(rows[key][scheme]["finals"], ddp)
 
     def ratio(key: str, scheme: str) -> str:
         r = rows[key][scheme]["run_bytes_per_step"] / rows["base"][scheme]["run_bytes_per_step"]
@@ -1736,7 +1741,7 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     readme = " ".join((ROOT / "README.md").read_text().split())
     now = _by_scheme("convergence-resnet20-cosine-2026-12-06-fifth", "--model resnet20")
     ddp = now["ddp"]["finals"]
-    gaps = {s: f"{_mean_gap_points(now[s]['finals'], ddp):+.2f}".replace("-", "−")
+    gaps = {s: _gap_cell(now[s]["finals"], ddp)
             for s in ("topka", "ssfusion_oi", "per_tensor")}
     assert (f"5 seeds: TopkA {gaps['topka']}, SSFusion-OI {gaps['ssfusion_oi']}, per_tensor "
             f"{gaps['per_tensor']} points vs DDP's {100 * statistics.mean(ddp):.2f} %") in readme
@@ -1789,7 +1794,7 @@ def test_accuracy_resent_claims_hold_in_the_written_results():
 
     assert (f"| {acc(old['topka'])} (AMD) | {acc(r18['topka'])} | {acc(old['topka0'])} (AMD) |"
             in section)
-    gap = {s: f"{_mean_gap_points(since[s]['finals'], ddp):+.2f}".replace("-", "−")
+    gap = {s: _gap_cell(since[s]["finals"], ddp)
            for s in since}
     assert gap["ssfusion"] == gap["ssfusion_oi"]
     assert (f"SSFusion and SSFusion-OI {gap['ssfusion']}, per_tensor {gap['per_tensor']}, "
@@ -1798,7 +1803,7 @@ def test_accuracy_resent_claims_hold_in_the_written_results():
     assert f"at most {worst:.2f}× (DDP's own {since['ddp']['spike']:.2f}×)" in section
     r20 = _by_scheme("convergence-resnet20-cosine-2026-12-05-resent", "--model resnet20")
     d20 = r20["ddp"]["finals"]
-    g20 = {s: f"{_mean_gap_points(r20[s]['finals'], d20):+.2f}".replace("-", "−") for s in r20}
+    g20 = {s: _gap_cell(r20[s]["finals"], d20) for s in r20}
     assert (f"DDP {100 * statistics.mean(d20):.2f} % ([page](convergence-resnet20-cosine-2026-12-"
             f"05-resent.md)): TopkA {g20['topka']}, SSFusion-OI {g20['ssfusion_oi']}, "
             f"per_tensor {g20['per_tensor']} points") in " ".join(section.split())
@@ -1862,7 +1867,7 @@ def test_accuracy_fifth_claims_hold_in_the_written_results():
             f"04e204b's runs), its worst loss {cnn['topka']['spike']:.2f}× its start instead of "
             f"{before['spike']:.2f}× (DDP's own {cnn['ddp']['spike']:.2f}×)") in section
     r20 = new["r20"]
-    g20 = {s: f"{_mean_gap_points(r['finals'], r20['ddp']['finals']):+.2f}".replace("-", "−")
+    g20 = {s: _gap_cell(r["finals"], r20["ddp"]["finals"])
            for s, r in r20.items()}
     assert f"(SSFusion-OI {g20['ssfusion_oi']}, per_tensor {g20['per_tensor']} points" in section
 
@@ -1883,7 +1888,7 @@ def test_accuracy_summary_row_of_the_fifth_100mbit_study_is_its_page():
     ddp_ms = 1000 * ddp["step_s"]
     assert (f"DDP {100 * ddp['mean']:.2f} ± {100 * ddp['std']:.2f} %, its step {ddp_ms:.0f} ms"
             in row)
-    gap = {s: f"{_mean_gap_points(r[s]['finals'], ddp['finals']):+.2f}".replace("-", "−")
+    gap = {s: _gap_cell(r[s]["finals"], ddp["finals"])
            for s in order}
     assert gap["ssfusion"] == gap["ssfusion_oi"]
     assert (f"TopkA {gap['topka']}, SSFusion and SSFusion-OI {gap['ssfusion']}, Ok-Topk "
