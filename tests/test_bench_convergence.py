@@ -3,6 +3,7 @@ paired 95 % interval against hand computations, and input validation."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import math
 import re
@@ -1929,3 +1930,23 @@ def test_accuracy_warmup_under_the_fifth_rule_is_its_pages():
     assert (f"SSFusion-OI {_interval_cell(s['finals'], cnn['ddp']['finals'])} points at "
             f"{bytes_x:.2f}× the bytes of a fixed 1 %, worst loss {s['spike']:.2f}×") in text
     assert cnn["ddp"]["finals"] == _by_scheme("convergence-cnn-2026-12-06-fifth")["ddp"]["finals"]
+
+
+def test_a_diverged_run_is_counted_and_the_study_goes_on(tmp_path, monkeypatch):
+    """A scheme that diverges (here every run: a learning rate of 1e6) is recorded as such,
+    its final ``nan`` and the page's "diverged on k/n seeds", and the study goes on with the
+    next scheme and seed, where it used to stop at the first non-finite gradient."""
+    real = conv._spec
+    monkeypatch.setattr(conv, "_spec", lambda *a, **k: dataclasses.replace(real(*a, **k),
+                                                                          lr=1e6))
+    argv = ["--model", "cnn", "--data", "synthetic", "--schemes", "ddp,topka", "--seeds", "2",
+            "--steps", "6", "--world-size", "2", "--batch-size", "8", "--eval-points", "2",
+            "--image-eval-batches", "2", "--out", str(tmp_path / "out")]
+    assert conv.main(argv) == 0
+    rows = {r["scheme"]: r for r in
+            json.loads((tmp_path / "out" / "convergence.json").read_text())["rows"]}
+    for s in ("ddp", "topka"):
+        assert rows[s]["seeds"] == [1, 2] and rows[s]["diverged"] == 2, rows[s]
+        assert all(math.isnan(f) for f in rows[s]["finals"])
+    kept = json.loads((tmp_path / "out" / "runs" / "cnn-seed2-topka.json").read_text())
+    assert kept["row"]["status"].startswith("diverged")

@@ -543,12 +543,14 @@ def load_run(path: Path, config: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _launch(spec: Any, model: str, seed: int) -> tuple[list[dict], list[dict], dict]:
-    """One train job: (its summarized runs, rank 0's runs, the link)."""
+    """One train job: (its summarized runs, rank 0's runs, the link). A scheme that diverges
+    is recorded (its run's ``status``, its final ``nan``) and the job goes on with the next:
+    the study counts it ("diverged on k/n seeds") instead of stopping."""
     from gradsync.apps import train
     from gradsync.testing import DistributedError, DistributedTimeout
 
     try:
-        results, link = train.launch(spec)
+        results, link = train.launch(spec, keep_going=True)
     except (DistributedError, DistributedTimeout) as e:
         raise RuntimeError(f"{model} seed {seed} failed: {e}") from e
     rank0 = next(r for r in results if r["rank"] == 0)
