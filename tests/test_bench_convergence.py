@@ -1930,6 +1930,17 @@ def test_accuracy_warmup_under_the_fifth_rule_is_its_pages():
     assert (f"SSFusion-OI {_interval_cell(s['finals'], cnn['ddp']['finals'])} points at "
             f"{bytes_x:.2f}× the bytes of a fixed 1 %, worst loss {s['spike']:.2f}×") in text
     assert cnn["ddp"]["finals"] == _by_scheme("convergence-cnn-2026-12-06-fifth")["ddp"]["finals"]
+    # with the lead: runs of seeds 1-2 at 75753fb, 3-10 at 8c1803c (the same training code,
+    # which records a diverged run instead of stopping the study)
+    led = _results("convergence-cnn-2026-12-06-dgc-warmup", "--model cnn")
+    assert "--density-warmup 4:9" in led["meta"]["command"]
+    runs = {r["scheme"]: r for r in led["rows"]}
+    r, ddp = runs["ssfusion_oi"], runs["ddp"]["finals"]
+    assert runs["ssfusion"]["finals"][2:] == r["finals"][2:]
+    assert r["diverged"] == 1 and math.isnan(r["finals"][2]) and len(r["finals"]) == 10
+    gap = statistics.mean(a - b for a, b in zip(r["finals"], ddp, strict=True) if a == a)
+    assert (f"the other 9 ending {100 * gap:+.2f} points from DDP".replace("-", "−") in text
+            and ddp == cnn["ddp"]["finals"])
 
 
 def test_a_diverged_run_is_counted_and_the_study_goes_on(tmp_path, monkeypatch):

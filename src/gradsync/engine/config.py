@@ -151,7 +151,7 @@ class Config:
             :meth:`dgc_warmup` builds the exponential schedule. After the last period the
             target ``density`` applies. A period above a fifth carries no momentum sent ahead
             (``engine.jobs.resent``) and the next one turns it on: under DGC's 4 periods the
-            SSFusion family's lead (c = 9) diverged the CNN on 1 seed of 3, and trained with
+            SSFusion family's lead (c = 9) diverged the CNN on 1 seed of 10, and trained with
             ``momentum_ahead=0`` (docs/results/accuracy.md, "DGC's warm-up as the SSFusion
             family's default: reverted"); give it that with such a warm-up.
         density_warmup_steps: the length of one warm-up period in synchronized steps (an
