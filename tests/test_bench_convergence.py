@@ -65,6 +65,18 @@ def _gap_cell(a: list[float], b: list[float]) -> str:
     return f"{_mean_gap_points(a, b):+.2f}".replace("-", "−")
 
 
+def _paired_sd(a: list[float], b: list[float]) -> str:
+    """``"+m ± sd"``: the mean and standard deviation of the paired differences ``a − b`` in
+    points (accuracies are fractions), as the pages and notes write a paired figure."""
+    d = [100 * (x - y) for x, y in zip(a, b, strict=True)]
+    return f"{statistics.mean(d):+.2f} ± {statistics.stdev(d):.2f}"
+
+
+def _mean_sd(finals: list[float]) -> str:
+    """``"m ± sd"`` of final accuracies (fractions) in percent, as the pages write them."""
+    return f"{100 * statistics.mean(finals):.2f} ± {100 * statistics.stdev(finals):.2f}"
+
+
 def _paired_points(a: list[float], b: list[float]) -> tuple[float, float]:
     """Mean of the paired differences ``a − b`` in points (accuracies are fractions) and the
     half-width of its 95 % t interval, computed here, not by the code under test."""
@@ -1562,9 +1574,7 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
     assert "it ends at −2.20" in page
     for scheme, quoted in (("topka", None), ("ssfusion_oi", "+0.08 ± 0.25"),
                            ("per_tensor", "+0.59 ± 0.78")):
-        d = [100 * (x - y) for x, y in zip(rows["follow"][scheme]["finals"],
-                                           rows["base"][scheme]["finals"], strict=True)]
-        got = f"{statistics.mean(d):+.2f} ± {statistics.stdev(d):.2f}"
+        got = _paired_sd(rows["follow"][scheme]["finals"], rows["base"][scheme]["finals"])
         if quoted is not None:
             assert got == quoted, scheme
         assert got in page, scheme
@@ -1634,10 +1644,8 @@ def test_accuracy_reverted_ssfusion_warmup_default_claims_hold_in_the_written_re
         if same_name is not None:  # the default was that setting, nothing more
             same = _by_scheme(same_name)
             assert oi["finals"] == same["ssfusion_oi"]["finals"]
-        d = [100 * (x - y) for x, y in zip(oi["finals"], before["ssfusion_oi"]["finals"],
-                                           strict=True)]
         more = oi["run_bytes_per_step"] / before["ssfusion_oi"]["run_bytes_per_step"]
-        paired = f"{statistics.mean(d):+.2f} ± {statistics.stdev(d):.2f}".replace("-", "−")
+        paired = _paired_sd(oi["finals"], before["ssfusion_oi"]["finals"]).replace("-", "−")
         cells = (f"{_interval_cell(oi['finals'], now['ddp']['finals'])} | {paired} | "
                  f"{more:.2f} | {oi['spike']:.2f}× |")
         head = f"| {label} ([page]({folder}/{name}.md)"
@@ -1725,11 +1733,8 @@ def test_accuracy_resnet18_today_claims_hold_in_the_written_results():
         gap = _interval_cell(r18[key]["finals"], ddp)
         assert f"| {label} | {gap} | {r18[key]['spike']:.2f}× |" in page, key
     t, t0 = r18["topka"]["finals"], r18["topka0"]["finals"]
-    d = [100 * (x - y) for x, y in zip(t, t0, strict=True)]
-    assert (f"ended at {100 * statistics.mean(t):.2f} ± {100 * statistics.stdev(t):.2f} %; "
-            f"without it {100 * statistics.mean(t0):.2f} ± {100 * statistics.stdev(t0):.2f} %, "
-            f"{statistics.mean(d):+.2f} ± {statistics.stdev(d):.2f} points paired"
-            ).replace("-", "−") in page
+    assert (f"ended at {_mean_sd(t)} %; without it {_mean_sd(t0)} %, {_paired_sd(t, t0)} points "
+            "paired").replace("-", "−") in page
     assert r18["topka"]["spike"] > 4 and r18["topka0"]["spike"] < 1.5
 
 
@@ -1789,14 +1794,11 @@ def test_accuracy_resent_claims_hold_in_the_written_results():
     r18 = _by_scheme("convergence-resnet18-2026-12-05-resent", "--model resnet18")
 
     def acc(r: dict) -> str:
-        f = r["finals"]
-        return (f"{100 * statistics.mean(f):.2f} ± {100 * statistics.stdev(f):.2f}; "
-                f"{r['spike']:.2f}×")
+        return f"{_mean_sd(r['finals'])}; {r['spike']:.2f}×"
 
     assert (f"| {acc(old['topka'])} (AMD) | {acc(r18['topka'])} | {acc(old['topka0'])} (AMD) |"
             in section)
-    gap = {s: _gap_cell(since[s]["finals"], ddp)
-           for s in since}
+    gap = {s: _gap_cell(since[s]["finals"], ddp) for s in since}
     assert gap["ssfusion"] == gap["ssfusion_oi"]
     assert (f"SSFusion and SSFusion-OI {gap['ssfusion']}, per_tensor {gap['per_tensor']}, "
             f"Ok-Topk {gap['oktopk']} points") in " ".join(section.split())
@@ -1841,19 +1843,16 @@ def test_accuracy_fifth_claims_hold_in_the_written_results():
 
     def cell(m: str, r: dict) -> str:
         if m == "r18":
-            f = r["finals"]
-            return (f"{100 * statistics.mean(f):.2f} ± {100 * statistics.stdev(f):.2f}; "
-                    f"{r['spike']:.2f}×")
+            return f"{_mean_sd(r['finals'])}; {r['spike']:.2f}×"
         return f"{_interval_cell(r['finals'], old[m]['ddp']['finals'])}; {r['spike']:.2f}×"
 
     for m, s in (("cnn", "topka"), ("cnn", "densestream"), ("cnn", "oktopk"), ("r18", "topka"),
                  ("r20", "topka")):
-        d = [100 * (a - b) for a, b in zip(new[m][s]["finals"], old[m][s]["finals"],
-                                           strict=True)]
-        paired = f"{statistics.mean(d):+.2f} ± {statistics.stdev(d):.2f}"
+        paired = _paired_sd(new[m][s]["finals"], old[m][s]["finals"])
         assert (f"| {cell(m, old[m][s])} | **{cell(m, new[m][s])}** | {paired} |"
                 in section), (m, s)
-        assert statistics.mean(d) > 0 and new[m][s]["spike"] < 2, (m, s)
+        gain = _paired_points(new[m][s]["finals"], old[m][s]["finals"])[0]
+        assert gain > 0 and new[m][s]["spike"] < 2, (m, s)
     cnn, ddp = new["cnn"], new["cnn"]["ddp"]["finals"]
     gap = {s: _mean_gap_points(r["finals"], ddp) for s, r in cnn.items()}
     assert min(gap[s] for s in ("topka", "ssfusion", "ssfusion_oi", "densestream")) >= -0.5
@@ -1863,13 +1862,11 @@ def test_accuracy_fifth_claims_hold_in_the_written_results():
     assert (f"TopkA {cnn['topka']['bytes_per_step'] / 1e6:.4f} MB a step, Ok-Topk "
             f"{cnn['oktopk']['bytes_per_step'] / 1e6:.4f}") in section
     before = _by_scheme("convergence-cnn-2026-12-05-before-resent", "--model cnn")["topka"]
-    d = [100 * (a - b) for a, b in zip(cnn["topka"]["finals"], before["finals"], strict=True)]
-    assert (f"paired {statistics.mean(d):+.2f} ± {statistics.stdev(d):.2f} points with "
+    assert (f"paired {_paired_sd(cnn['topka']['finals'], before['finals'])} points with "
             f"04e204b's runs), its worst loss {cnn['topka']['spike']:.2f}× its start instead of "
             f"{before['spike']:.2f}× (DDP's own {cnn['ddp']['spike']:.2f}×)") in section
     r20 = new["r20"]
-    g20 = {s: _gap_cell(r["finals"], r20["ddp"]["finals"])
-           for s, r in r20.items()}
+    g20 = {s: _gap_cell(r["finals"], r20["ddp"]["finals"]) for s, r in r20.items()}
     assert f"(SSFusion-OI {g20['ssfusion_oi']}, per_tensor {g20['per_tensor']} points" in section
 
 
