@@ -188,13 +188,15 @@ def test_the_state_keeps_ahead_and_refuses_another():
     ErrorFeedback(momentum=0.0).load_state_dict(plain.state_dict())
 
 
-def _train(rank: int, P: int, scheme: str, ahead: float, steps: int, min_k: int = 1) -> dict:
+def _train(rank: int, P: int, scheme: str, ahead: float, steps: int, min_k: int = 1,
+           warmup: tuple[float, ...] = ()) -> dict:
     """``steps`` steps of an MLP; per step this rank's gradients and the averages, and at the
     end its residuals. Each rank's gradients are gathered, so every rank can compute the
-    reference sums itself."""
+    reference sums itself. ``warmup``: DGC's warm-up densities, a period of 2 steps each."""
     model = build("mlp", seed=1)
     cfg = Config(scheme=scheme, density=0.02, sparsifier="topk", momentum=M,
-                 momentum_ahead=ahead, warmup_steps=1, min_k=min_k)
+                 momentum_ahead=ahead, warmup_steps=1, min_k=min_k, density_warmup=warmup,
+                 density_warmup_steps=2 if warmup else 0)
     sync = GradSync(model, cfg)
     names = [n for n, _ in model.named_parameters()]
     grads, avgs = [], []
@@ -220,16 +222,20 @@ def _train(rank: int, P: int, scheme: str, ahead: float, steps: int, min_k: int 
 
 @pytest.mark.usefixtures("kernels")
 @pytest.mark.accelerator_at(P=3)
-@pytest.mark.parametrize("P", [2, 3, 8])
-def test_topka_sends_each_ranks_top_k_ahead_by_c_velocities(P):
+@pytest.mark.parametrize(("P", "warmup"), [(2, ()), (3, ()), (8, ()), (2, (0.05,)),
+                                           (3, (0.08,))])
+def test_topka_sends_each_ranks_top_k_ahead_by_c_velocities(P, warmup):
     """TopkA's first step: each rank's accumulator is its gradient (the velocity of one step),
     its top k entries travel as (1 + c)·g, but those of a tensor of which the top k holds
     more than a fifth of the entries (here the MLP's small biases and output layer, resent
-    step after step) travel as g; the average is their sum over the ranks / P."""
-    out = run_distributed(_train, P, "topka", A, 1, timeout=300)
+    step after step) travel as g; the average is their sum over the ranks / P. In a warm-up
+    period at density d above the target 2 %, k is d's and the lead c·2 %/d."""
+    out = run_distributed(_train, P, "topka", A, 1, 1, warmup, timeout=300)
     g = out[0]["grads"][0]  # P × n, every rank's
     n = g.shape[1]
-    k = round(0.02 * n)  # k = max(1, round(density·n)): the library's definition of k
+    d = warmup[0] if warmup else 0.02
+    k = round(d * n)  # k = max(1, round(density·n)): the library's definition of k
+    c = C * 0.02 / d
     sizes = [p.numel() for p in build("mlp", seed=1).parameters()]
     ref, kinds = torch.zeros(n), set()
     for r in range(P):
@@ -237,13 +243,13 @@ def test_topka_sends_each_ranks_top_k_ahead_by_c_velocities(P):
         start = 0
         for size in sizes:
             mine = [i for i in range(start, start + size) if i in idx]
-            factor = 1.0 if len(mine) > 0.2 * size else 1.0 + C
+            factor = 1.0 if len(mine) > 0.2 * size else 1.0 + c
             kinds |= {factor} if mine else set()
             for i in mine:
                 ref[i] += factor * g[r][i]
             start += size
     ref /= P
-    assert kinds == {1.0, 1.0 + C}  # tensors resent and tensors led both occur
+    assert kinds == {1.0, 1.0 + c}  # tensors resent and tensors led both occur
     for o in out:
         assert torch.allclose(o["avgs"][0], ref, rtol=1e-5, atol=1e-7)
 

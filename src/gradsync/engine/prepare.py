@@ -186,7 +186,8 @@ def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],
         # its tensors with no entry, counted now where that costs no read (the CPU's own
         # kernels), while the positions are warm: after the collective's wait they were cold
         payload = Payload(selections=[sel], wire_dtype=wire,
-                          missing=missing_on_host(sel.indices, sizes), lead=_lead(lead, sizes))
+                          missing=missing_on_host(sel.indices, sizes),
+                          lead=_lead(lead, sizes, job.lead_share))
     else:
         parts: list[SparseGrad | Future | None] = []
         inline: list[tuple[int, sparsify.Sparsifier, int, int]] = []
@@ -215,14 +216,16 @@ def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],
         parts, empty = _select_inline(parts, inline, acc, first_inline, step)
         # a tensor sent whole is never missing; an offloaded one's count is the worker's
         payload = Payload(selections=parts, wire_dtype=wire,
-                          missing=None if job.offload else empty, lead=_lead(lead, sizes))
+                          missing=None if job.offload else empty,
+                          lead=_lead(lead, sizes, job.lead_share))
     return payload, time.perf_counter() - t0
 
 
-def _lead(lead: tuple[torch.Tensor, float] | None, sizes: Sequence[int]
+def _lead(lead: tuple[torch.Tensor, float] | None, sizes: Sequence[int], share: float
           ) -> tuple[torch.Tensor, float, tuple[int, ...]] | None:
-    """:attr:`Payload.lead`: the velocity and factor with the job's tensors' sizes."""
-    return None if lead is None else (*lead, tuple(sizes))
+    """:attr:`Payload.lead`: the velocity and factor (times the job's ``share`` in force,
+    :attr:`Job.lead_share`) with the job's tensors' sizes."""
+    return None if lead is None else (lead[0], lead[1] * share, tuple(sizes))
 
 
 def _sent_whole(acc: torch.Tensor, lo: int, hi: int) -> SparseGrad:
