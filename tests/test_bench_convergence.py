@@ -1171,6 +1171,15 @@ def test_resume_refuses_a_run_of_another_configuration(tmp_path, capsys):
     assert conv.run_config(spec, "ssfusion_oi")["momentum_ahead"] == "scheme's 0.333333"
     spec = train.TrainSpec(schemes=["ssfusion_oi"], density=0.01)
     assert conv.run_config(spec, "ssfusion_oi")["momentum_ahead"] == "scheme's 1"
+    # the SSFusion family's DGC warm-up, its default since 2026-12-05, likewise (a kept run
+    # that said None trained without it); not under AdamW, whose recipe replaces it
+    cnn = train.TrainSpec(model="cnn", schemes=["ssfusion_oi", "topka"], density=0.01)
+    assert conv.run_config(cnn, "ssfusion_oi")["density_warmup"] == "scheme's 4:9"
+    assert conv.run_config(cnn, "topka")["density_warmup"] is None  # TopkA has none
+    gpt = train.TrainSpec(model="gpt_tiny", schemes=["ssfusion_oi"], density=0.01)
+    assert conv.run_config(gpt, "ssfusion_oi")["density_warmup"] is None  # AdamW's recipe
+    off = train.TrainSpec(model="cnn", schemes=["ssfusion_oi"], density_warmup="off")
+    assert conv.run_config(off, "ssfusion_oi")["density_warmup"] == "off"
     run["config"]["momentum_ahead"] = None
     kept.write_text(json.dumps(run))
     with pytest.raises(SystemExit,

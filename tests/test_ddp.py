@@ -263,7 +263,8 @@ def _bucket_bytes(rank, world_size, scheme, cores=4.0):
     Comm.all_reduce = counted
     model = build("cnn", seed=4)
     ddp = DDP(model, bucket_cap_mb=25)  # one bucket: one hook call per step
-    state = gradsync.ddp.register(ddp, Config(scheme=scheme, density=0.01, sparsifier="topk"),
+    state = gradsync.ddp.register(ddp, Config(scheme=scheme, density=0.01, sparsifier="topk",
+                                              density_warmup=()),  # 1 % from the first step
                                   small_numel=1000)
     sent = []
     for step in range(2):

@@ -278,7 +278,7 @@ def _excluded_rank(rank, world_size, dtype=torch.float32):
     model = build("mlp", seed=1).to(dtype)
     sync = GradSync(model, Config(scheme="ssfusion", density=0.02, sparsifier="topk",
                                   warmup_steps=1, check_every=0, plan=_EXCLUDED_PLAN,
-                                  compress_single_rank=True))
+                                  compress_single_rank=True, density_warmup=()))
     sent = []
     for step in range(4):
         model.zero_grad()

@@ -257,7 +257,7 @@ def _bytes_both_paths(rank: int, P: int, model_name: str, scheme: str) -> dict:
     out = {}
     for path in ("engine", "hook"):
         model = build(model_name, seed=0)
-        cfg = Config(scheme=scheme, density=0.01)
+        cfg = Config(scheme=scheme, density=0.01, density_warmup=())  # 1 % from the start
         if path == "engine":
             net, sync = model, GradSync(model, cfg)
         else:

@@ -154,7 +154,7 @@ def test_engine_runs_the_planned_model_wide_densities():
     model, _, numel = _cnn()
     # one process: compress_single_rank, else no sparsifier would run
     sync = GradSync(model, Config(scheme="ssfusion", density=DENSITY, warmup_steps=1,
-                                  compress_single_rank=True))
+                                  compress_single_rank=True, density_warmup=()))
     try:
         for step in range(3):
             x, y = image_batch(0, step, 16)

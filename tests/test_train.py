@@ -293,11 +293,11 @@ def test_adamw_sparse_schemes_warm_up_whole_then_freeze():
     assert gpt.adam_freeze_step(60) == 6 and gpt.adam_freeze_step(3) == 1  # 10 %, at least 1
     assert train.TrainSpec(model="gpt_tiny", adam_warmup=9).adam_freeze_step(60) == 9
     assert gpt.engine_warmup(60, True) == ((1.0,), 6)  # the warm-up is sent whole
-    assert gpt.engine_warmup(60, False) == ((), 0)
+    assert gpt.engine_warmup(60, False) == (None, None)  # Config's default: the scheme's
     dgc = train.TrainSpec(model="gpt_tiny", density_warmup="2:4", adam_warmup=6)
     warm, period = dgc.engine_warmup(60, True)  # whole periods first, then DGC's schedule
     assert (warm[:2], period, len(warm)) == ((1.0, 1.0), 4, 4) and dgc.adam_freeze_step(60) == 8
-    assert train.TrainSpec(model="cnn").engine_warmup(60, True) == ((), 0)  # SGD: unchanged
+    assert train.TrainSpec(model="cnn").engine_warmup(60, True) == (None, None)  # SGD: as is
     model = models.build("gpt_tiny")
     opt = train.make_optimizer(model, True, gpt.lr, True, 6)
     assert isinstance(opt, FrozenVarianceAdamW) and opt.defaults["freeze_step"] == 6
@@ -312,6 +312,14 @@ def test_adamw_sparse_schemes_warm_up_whole_then_freeze():
         assert runner.preconditioner is runner.sync
         opt = train.make_optimizer(model, True, gpt.lr, True, 6, sync=runner.preconditioner)
         assert opt.sync is runner.sync
+    finally:
+        runner.close()
+    # the AdamW recipe's warm-up replaces the scheme's own (SSFusion's DGC warm-up), as
+    # gradsync.integrations.adamw's does for the doors through the DDP hook
+    ss = train.TrainSpec(model="gpt_tiny", schemes=("ssfusion_oi",), steps=60)
+    runner = EngineRunner(ss.choices[0], models.build("gpt_tiny"), ss, steps=60)
+    try:
+        assert runner.sync.cfg.warmup == ((1.0,), 6)
     finally:
         runner.close()
     with pytest.raises(ValueError, match="adam_warmup"):

@@ -8,6 +8,8 @@ during the warm-up, and the DDP hook's bytes per step.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -29,11 +31,61 @@ WARM = (0.5, 0.2)
 def test_schedule_and_dgc_values() -> None:
     c = Config(density=0.05, density_warmup=WARM, density_warmup_steps=3)
     assert [c.density_at(s) for s in range(8)] == [0.5] * 3 + [0.2] * 3 + [0.05] * 2
-    assert Config(density=0.05).density_at(0) == 0.05  # off by default
+    assert Config(scheme="topka", density=0.05).density_at(0) == 0.05  # TopkA: none
+    assert Config(density=0.05, density_warmup=()).density_at(0) == 0.05  # () turns it off
     # DGC: 25%, 6.25%, 1.5625%, 0.39% before 0.1% — coeff^(e+1) with coeff = d^(1/(E+1))
     w = Config.dgc_warmup(0.001, 4)
     assert w == pytest.approx([0.001 ** (e / 5) for e in range(1, 5)])
     assert w[0] == pytest.approx(0.2512, abs=1e-4) and w[-1] == pytest.approx(0.00398, abs=1e-5)
+
+
+@pytest.mark.parametrize("scheme", ["ssfusion", "ssfusion_o", "ssfusion_oi"])
+def test_the_ssfusion_family_warms_up_by_default(scheme: str) -> None:
+    """``Scheme.dgc_warmup``: 4 periods of 9 steps, density^(e/5) for e = 1…4, then the
+    target; DGC's own four values at 0.1 %; none at density 1 or with ``()``."""
+    c = Config(scheme=scheme, density=0.01)
+    assert (c.density_warmup, c.density_warmup_steps) == (None, None)  # the scheme's
+    want = [0.01 ** (e / 5) for e in (1, 2, 3, 4) for _ in range(9)] + [0.01] * 4
+    assert [c.density_at(t) for t in range(40)] == pytest.approx(want, rel=1e-12)
+    assert c.warmup[1] == 9 and c.warmup[0][0] == pytest.approx(0.3981, abs=1e-4)
+    dgc = Config(scheme=scheme, density=0.001).warmup[0]  # DGC: 25, 6.25, 1.56, 0.39 %
+    assert dgc == pytest.approx((0.2512, 0.0631, 0.01585, 0.00398), abs=1e-4)
+    assert Config(scheme=scheme, density=1.0).warmup == ((), 0)
+    assert Config(scheme=scheme, density_warmup=()).warmup == ((), 0)
+    given = Config(scheme=scheme, density=0.05, density_warmup=WARM, density_warmup_steps=2)
+    assert given.warmup == (WARM, 2)  # one given replaces the scheme's
+
+
+@pytest.mark.parametrize("scheme", ["topka", "densestream", "oktopk", "per_tensor", "dense",
+                                    "auto"])
+def test_the_other_schemes_have_no_default_warmup(scheme: str) -> None:
+    c = Config(scheme=scheme, density=0.01)
+    assert c.warmup == ((), 0) and c.density_at(0) == 0.01
+
+
+def test_a_scheme_warmup_must_be_two_counts() -> None:
+    from gradsync.schedule.schemes import Scheme
+
+    for bad in [(4, 0), (0, 9), (-1, 9)]:
+        with pytest.raises(ValueError, match="dgc_warmup"):
+            Scheme("x", "ssfusion", dgc_warmup=bad)
+
+
+def test_checkpoints_compare_the_warmup_in_force() -> None:
+    """A checkpoint's config is compared by the warm-up it ran: one saved before the scheme
+    had a default (``density_warmup`` ``()``: none) differs from today's default, the default
+    saved as ``None`` or as its own values does not."""
+    keys = ("density_warmup", "density_warmup_steps")
+    here = Config(scheme="ssfusion_oi", density=0.01)
+    old = {"scheme": "ssfusion_oi", "density": 0.01, "density_warmup": [],
+           "density_warmup_steps": 0}
+    diff = here.differences(old, keys)
+    assert len(diff) == 2 and diff[0].startswith("density_warmup: saved (), here (0.398")
+    assert Config(scheme="ssfusion_oi", density_warmup=()).differences(old, keys) == []
+    assert here.differences(here.to_dict(), keys) == []
+    values = dict(old, density_warmup=list(here.warmup[0]), density_warmup_steps=9)
+    assert here.differences(values, keys) == []
+    assert Config(scheme="topka").differences(dict(old, scheme="topka"), keys) == []
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -43,6 +95,8 @@ def test_schedule_and_dgc_values() -> None:
     ({"density_warmup": (1.5,), "density_warmup_steps": 2}, r"lie in \(density"),
     ({"density_warmup": "0.5", "density_warmup_steps": 2}, "tuple of densities"),
     ({"density_warmup_steps": -1}, "density_warmup_steps"),
+    ({"density_warmup_steps": 9}, "needs density_warmup"),
+    ({"density_warmup": (0.5,), "density_warmup_steps": None}, "density_warmup_steps"),
 ])
 def test_bad_schedules_fail_at_construction(kw: dict, match: str) -> None:
     with pytest.raises(ValueError, match=match):
@@ -138,8 +192,8 @@ def test_train_flag() -> None:
     assert warm[0] == pytest.approx(0.01 ** 0.2)
     with pytest.raises(SystemExit):
         parse_args(["--density-warmup", "4"])
-    assert parse_args(["--scheme", "topka"]).warmup_schedule() == ((), 0)
-    assert parse_args(["--density-warmup", "off"]).warmup_schedule() == ((), 0)  # spelled out
+    assert parse_args(["--scheme", "topka"]).warmup_schedule() == (None, None)  # Config's
+    assert parse_args(["--density-warmup", "off"]).warmup_schedule() == ((), 0)
     # the periods' densities themselves, as Config.density_warmup takes them
     given = parse_args(["--scheme", "topka", "--density", "0.01",
                         "--density-warmup", "0.03,0.02,0.015,0.0125:20"])
@@ -294,3 +348,49 @@ def test_a_velocity_dgc_warmup_still_sends_whole_is_kept_at_the_switch(world_siz
             elif step == warmup + 1:  # sparsified now, with the velocity carried over
                 assert sparse and max(off[n] for n in sparse) > 1e-3, (step, off)
                 assert set(fresh) == sparse and min(fresh.values()) > 1e-2, fresh
+
+
+def _default_warmup_bytes(rank: int, P: int, scheme: str) -> dict[str, list[int]]:
+    """Bytes each step of ``scheme`` at 1 % with its default warm-up sends, through the
+    engine and through the DDP hook (one bucket), 40 steps of the CNN."""
+    pin_profiles()
+    out = {}
+    for door in ("engine", "hook"):
+        model = build("cnn", seed=4)
+        cfg = Config(scheme=scheme, density=0.01, sparsifier="topk", warmup_steps=1)
+        if door == "engine":
+            net = model
+            sync = counter = GradSync(model, cfg)
+        else:
+            net, sync = DDP(model, bucket_cap_mb=25), None
+            counter = gddp.register(net, cfg)
+        cum = []
+        for step in range(40):
+            net.zero_grad(set_to_none=True)
+            x, y = image_batch(rank, step, 16)
+            nn.functional.cross_entropy(net(x), y).backward()
+            if sync is not None:
+                sync.synchronize()
+            cum.append(counter.stats()["total"]["bytes_sent"])
+        if sync is not None:
+            sync.close()
+        out[door] = [b - a for a, b in zip([0, *cum[:-1]], cum)]
+    return out
+
+
+@pytest.mark.parametrize("P", [2, 3])
+def test_both_doors_run_the_default_warmup_alike(P: int) -> None:
+    """SSFusion-OI's default warm-up (4 periods of 9 steps, 39.8 → 2.5 %) is what the engine
+    and the DDP hook (Lightning's, Accelerate's, the Trainer's door) send: each period's
+    bytes fall, the first is over 10× the target's, and the two doors send within 10 % of each
+    other in every period."""
+    for r in run_distributed(_default_warmup_bytes, P, "ssfusion_oi", timeout=300):
+        means = {}
+        for door, per_step in r.items():
+            periods = [per_step[s:s + 8] for s in (1, 10, 19, 28)] + [per_step[37:]]
+            means[door] = [sum(p) / len(p) for p in periods]
+            m = means[door]
+            assert all(a > b for a, b in itertools.pairwise(m)), (door, m)
+            assert m[0] > 10 * m[-1], (door, m)
+        for e, h in zip(means["engine"], means["hook"]):
+            assert abs(e - h) <= 0.1 * e, means

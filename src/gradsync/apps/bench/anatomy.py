@@ -536,7 +536,8 @@ def _spec(a: argparse.Namespace, P: int, link: str) -> TrainSpec:
     targs = ["--model", a.model, "--world-size", str(P), "--density", a.density,
              "--sparsifier", a.sparsifier, "--steps", a.steps, "--batch-size", a.batch_size,
              "--warmup-steps", a.warmup_steps, "--scheme", a.schemes, "--seed", a.seed,
-             "--eval-batches", "0"] + ([] if a.progress else ["--no-progress"])
+             "--eval-batches", "0", "--density-warmup", "off",  # steps at the target density
+             ] + ([] if a.progress else ["--no-progress"])
     if link != LOOPBACK:
         targs += ["--bandwidth", link] + (["--latency", a.latency] if a.latency else [])
     return train.parse_args(targs, parser=train.build_parser("python -m gradsync bench anatomy"))

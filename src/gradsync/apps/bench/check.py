@@ -120,7 +120,8 @@ def _steps_rank(rank: int, world_size: int, repeats: int, seed: int
     runs = []
     for scheme in SCHEMES:
         model = models.build("cnn", seed)
-        sync = gradsync.GradSync(model, gradsync.Config(scheme=scheme, density=STEP_DENSITY))
+        sync = gradsync.GradSync(model, gradsync.Config(  # the step at the target density
+            scheme=scheme, density=STEP_DENSITY, density_warmup=()))
         runs.append((f"step/{scheme}", trainer(model, sync), sync))
     out: dict[str, list[tuple[float, float]]] = {f: [] for f, _, _ in runs}
     try:

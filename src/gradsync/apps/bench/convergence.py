@@ -197,7 +197,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "the learning rate to 0 at the last step (default constant)")
     p.add_argument("--density-warmup", default=None, metavar="PERIODS:STEPS",
                    help="train's DGC density warm-up for the gradsync schemes: PERIODS:STEPS, "
-                        "D1,D2,...:STEPS or off (default off)")
+                        "D1,D2,...:STEPS or off (default: the scheme's)")
     p.add_argument("--density-schedule", choices=DENSITY_SCHEDULES, default=None,
                    help="train's --density-schedule for the gradsync schemes "
                         "(Config.density_schedule; default fixed)")
@@ -515,6 +515,11 @@ def run_config(spec: Any, scheme: str) -> dict[str, Any]:
         share = Config(scheme=choice.scheme.name, density=spec.density,
                        momentum=MOMENTUM).effective_momentum_ahead
         cfg["momentum_ahead"] = f"scheme's {share:.6g}"
+    if (choice is not None and choice.scheme is not None and cfg["density_warmup"] is None
+            and any(choice.scheme.dgc_warmup) and spec.density < 1 and not spec.adamw):
+        # the scheme's DGC warm-up, the SSFusion family's default since 2026-12-05 (a run
+        # kept before, where None meant none, differs); AdamW's recipe replaces it
+        cfg["density_warmup"] = "scheme's {}:{}".format(*choice.scheme.dgc_warmup)
     return json.loads(json.dumps(cfg))  # tuples as lists: what a file gives back
 
 

@@ -494,7 +494,8 @@ def config_for(scheme: str, a: argparse.Namespace):
     from gradsync import Config
 
     kw: dict[str, Any] = dict(scheme=scheme, density=a.density, sparsifier=a.sparsifier,
-                              momentum=a.momentum, warmup_steps=a.warmup_steps)
+                              momentum=a.momentum, warmup_steps=a.warmup_steps,
+                              density_warmup=())  # the step at the target density
     if "compress_single_rank" in Config.__dataclass_fields__:
         kw["compress_single_rank"] = True
     return Config(**kw)

@@ -130,6 +130,7 @@ def _parse(argv: list[str] | None) -> tuple[list[TrainSpec], list[str], argparse
         "--warmup-steps", b.warmup_steps or ("1" if q else "5"),
         "--scheme", b.schemes or ",".join(QUICK_SCHEMES if q else DEFAULT_SCHEMES),
         "--seed", b.seed, "--eval-batches", "0",
+        "--density-warmup", "off",  # the steps at the target density, not the scheme's warm-up
     ]
     if not b.progress:
         targs.append("--no-progress")

@@ -112,7 +112,7 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
         net, step = model_step(model, batch, seed, rank)
         opt = torch.optim.SGD(net.parameters(), lr=0.01, momentum=0.9)
         cfg = Config(scheme=scheme, density=density, sparsifier=sparsifier, bucket_mb=bucket_mb,
-                     first_bucket_mb=first_bucket_mb)
+                     first_bucket_mb=first_bucket_mb, density_warmup=())  # the target's steps
         sync = GradSync(net, cfg)
         warm = cfg.warmup_steps + 2
         times, stats, cpu, fwds, afters = [], [], [], [], []

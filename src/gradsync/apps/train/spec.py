@@ -163,7 +163,8 @@ class TrainSpec:
         density_warmup: DGC's warm-up for the gradsync schemes, ``"PERIODS:STEPS"``: PERIODS
             periods of STEPS steps at exponentially decreasing densities
             (``Config.dgc_warmup``), then ``density``; or ``"D1,D2,…:STEPS"``: the periods'
-            densities themselves (``Config.density_warmup``); ``None`` or ``"off"``: none.
+            densities themselves (``Config.density_warmup``); ``"off"``: none; ``None``:
+            Config's default, the scheme's (``Scheme.dgc_warmup``).
         density_schedule: ``Config.density_schedule`` of the gradsync schemes
             (``"adaptive"`` or ``"fixed"``); ``None``: Config's default.
         clip_norm: ``Config.clip_norm`` of the gradsync schemes (DGC's local gradient
@@ -353,11 +354,14 @@ class TrainSpec:
             except ValueError as e:
                 raise ValueError(f"plans[{name!r}]: {e}") from None
 
-    def warmup_schedule(self) -> tuple[tuple[float, ...], int]:
-        """``(Config.density_warmup, Config.density_warmup_steps)`` of :attr:`density_warmup`."""
+    def warmup_schedule(self) -> tuple[tuple[float, ...] | None, int | None]:
+        """``(Config.density_warmup, Config.density_warmup_steps)`` of :attr:`density_warmup`
+        (``(None, None)``: Config's default, the scheme's warm-up)."""
         from gradsync.engine.config import Config
 
-        if self.density_warmup in (None, "off"):
+        if self.density_warmup is None:
+            return None, None
+        if self.density_warmup == "off":
             return (), 0
         try:
             head, steps_s = self.density_warmup.split(":")
@@ -384,16 +388,17 @@ class TrainSpec:
         return math.ceil(w / period) * period if period else w
 
     def engine_warmup(self, steps: int, momentum_correction: bool
-                      ) -> tuple[tuple[float, ...], int]:
+                      ) -> tuple[tuple[float, ...] | None, int | None]:
         """``(Config.density_warmup, Config.density_warmup_steps)`` of a scheme: DGC's warm-up
         (:meth:`warmup_schedule`), after :meth:`adam_freeze_step` steps sent whole when AdamW's
-        momentum moves into error feedback (``momentum_correction``)."""
+        momentum moves into error feedback (``momentum_correction``), whose warm-up then
+        replaces the scheme's own, as ``gradsync.integrations.adamw``'s recipe does."""
         warm, period = self.warmup_schedule()
         if not (self.adamw and momentum_correction) or self.density >= 1:
             return warm, period
         freeze = self.adam_freeze_step(steps)
         if period:
-            return (1.0,) * (freeze // period) + warm, period
+            return (1.0,) * (freeze // period) + (warm or ()), period
         return (1.0,), freeze
 
     @property
