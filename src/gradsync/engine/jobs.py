@@ -101,7 +101,8 @@ def at_density(job: Job, density: float, target: float) -> Job:
     so it carries about u/d, and the lead c·u is the same share of that at every density.
     A whole lead at a warm-up density sends entries that owe no debt yet c velocities ahead at
     once, a burst: DGC's 4 periods with the SSFusion family's c = 9 diverged the CNN on 1 seed
-    of 10 (docs/results/accuracy.md, "The lead follows the density")."""
+    of 10 (docs/results/accuracy.md, "The lead follows the density: the SSFusion family warms
+    up")."""
     if job.mode is Mode.DENSE or density == target:
         return job
     if density >= 1.0:

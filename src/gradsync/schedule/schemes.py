@@ -97,12 +97,16 @@ class Scheme:
         dgc_warmup: ``Config.density_warmup``'s default as ``(periods, steps per period)`` of
             DGC's exponential warm-up (``Config.dgc_warmup``); ``(0, 0)``: none. 4 periods of 9
             steps (:data:`DGC_WARMUP`: 39.8, 15.8, 6.3 and 2.5 % at 1 %) for the SSFusion
-            family. Measured at 1 %, P = 4, against DDP (docs/results/accuracy.md, "A warm-up
-            for the SSFusion family"): SSFusion-OI on ResNet-20 (5 seeds, cosine schedule)
-            −3.58 points without it, −0.38 with it; on the CNN (10 seeds) +0.34 and +0.20, for
-            1.46× the CNN run's bytes. None for the other schemes: a fused all-gather at
-            40 % sends 40 times the bytes of one at 1 % (TopkA on ResNet-20, a 40-step
-            warm-up: 3.4× the bytes per step), beyond the 1.5× the CNN allows.
+            family, whose lead follows the density there (``engine.jobs.at_density``).
+            Measured at 1 %, P = 4 (docs/results/accuracy.md, "The lead follows the density:
+            the SSFusion family warms up"): SSFusion-OI on the CNN (10 seeds) +0.63 points
+            paired with no warm-up, +0.95 vs DDP, for 1.46× the run's bytes; on ResNet-20
+            (cosine schedule) +2.00 paired (5 seeds), −1.59 vs DDP (10 seeds); on ResNet-18
+            RESNET18. None for the other schemes: their sparsified tensors are the whole
+            message, so 40 % is 40 times a step's bytes at 1 % (TopkA on the CNN: 4.7× the
+            run's), beyond the 1.5× the CNN allows; a milder warm-up within it (2, 1.5 and
+            1.25 % for 40 steps each) left TopkA −1.57 and per_tensor −2.10 points behind DDP
+            on ResNet-20.
         paper: where the scheme comes from.
     """
 
