@@ -1771,6 +1771,14 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
             f"{r18['topka']['spike']:.2f}× before 372cd61") in readme
     gap = _mean_gap_points(r18["ssfusion_oi"]["finals"], d)
     assert f"SSFusion-OI {gap:+.2f} points ([study]" in readme
+    # with the SSFusion family's default warm-up (9052b94): ResNet-20 over 10 seeds, ResNet-18
+    warm = _by_scheme("resnet20-cosine/lead-follows-dgc-warmup-ssfusion-oi", "--model resnet20")
+    assert len(warm["ssfusion_oi"]["finals"]) == 10
+    assert (f"SSFusion-OI with its default warm-up "
+            f"{_gap_cell(warm['ssfusion_oi']['finals'], warm['ddp']['finals'])} points over 10 "
+            "seeds") in readme
+    r18w = _by_scheme("convergence-resnet18-2026-12-06-ssfusion-warmup")["ssfusion_oi"]
+    assert f"without its warm-up, {_mean_sd(r18w['finals'])} % with it (the Intel" in readme
     base = _by_scheme("convergence-resnet20-cosine")
     follow = _by_scheme("resnet20-cosine/follow")
     gain = statistics.mean(follow["topka"]["finals"]) - statistics.mean(base["topka"]["finals"])
@@ -1834,7 +1842,7 @@ def test_accuracy_fifth_claims_hold_in_the_written_results():
     the paired column, per-tensor selections bit for bit under both rules, and the bullets."""
     page = _accuracy()
     section = " ".join(
-        page[page.index("## Resent means over a fifth"):page.index("## Preconditioned")].split())
+        page[page.index("## Resent means over a fifth"):page.index("## The lead follows")].split())
     pages = {"cnn": ("convergence-cnn-2026-12-05-resent", "convergence-cnn-2026-12-06-fifth",
                      "--model cnn"),
              "r20": ("convergence-resnet20-cosine-2026-12-05-resent",
@@ -1877,6 +1885,85 @@ def test_accuracy_fifth_claims_hold_in_the_written_results():
     r20 = new["r20"]
     g20 = {s: _gap_cell(r["finals"], r20["ddp"]["finals"]) for s, r in r20.items()}
     assert f"(SSFusion-OI {g20['ssfusion_oi']}, per_tensor {g20['per_tensor']} points" in section
+
+
+def test_accuracy_lead_following_the_density_claims_hold_in_the_written_results():
+    """accuracy.md, "The lead follows the density: the SSFusion family warms up": the table
+    (SSFusion-OI with the warm-up against DDP, paired with the fifth's runs without it, bytes
+    over the run, worst loss), SSFusion's CNN runs equal to SSFusion-OI's, no divergence, the
+    schemes without a warm-up kept bit for bit, and the ResNet-20 figures of the bullets."""
+    section = " ".join(_accuracy().split("## The lead follows the density")[1]
+                       .split("## Preconditioned")[0].split())
+    new = {"cnn": _by_scheme("convergence-cnn-2026-12-06-ssfusion-warmup", "--model cnn"),
+           "r20": _by_scheme("resnet20-cosine/lead-follows-dgc-warmup-ssfusion-oi",
+                             "--model resnet20"),
+           "r18": _by_scheme("convergence-resnet18-2026-12-06-ssfusion-warmup",
+                             "--model resnet18")}
+    old = {"cnn": _by_scheme("convergence-cnn-2026-12-06-fifth"),
+           "r20": _by_scheme("convergence-resnet20-cosine-2026-12-06-fifth"),
+           "r18": _by_scheme("ssfusion-warmup-default/resnet18-off")}
+    cnn, r20, r18 = new["cnn"], new["r20"], new["r18"]
+    assert cnn["ssfusion"]["finals"] == cnn["ssfusion_oi"]["finals"]
+    for s in ("ddp", "topka", "densestream", "oktopk", "per_tensor"):  # no warm-up: as before
+        assert cnn[s]["finals"] == old["cnn"][s]["finals"], s
+    assert {c for s in ("ssfusion", "ssfusion_oi") for c in cnn[s]["code"]} == {"9052b94"}
+    assert all(r["diverged"] == 0 for m in new.values() for r in m.values())
+    assert r20["ddp"]["seeds"] == list(range(1, 11)) and r18["ssfusion_oi"]["seeds"] == [1, 2, 3]
+    assert r20["ddp"]["finals"][:5] == old["r20"]["ddp"]["finals"]
+
+    def ratio(m: str) -> str:
+        r = new[m]["ssfusion_oi"]["run_bytes_per_step"]
+        return f"{r / old[m]['ssfusion_oi']['run_bytes_per_step']:.2f}"
+
+    def paired(a: list[float], b: list[float]) -> str:
+        return _paired_sd(a, b).replace("-", "−")
+
+    a, d = cnn["ssfusion_oi"]["finals"], cnn["ddp"]["finals"]
+    assert (f"| CNN, 10 seeds (DDP {_mean_sd(d)} %) | {_interval_cell(a, d)} | "
+            f"{paired(a, old['cnn']['ssfusion_oi']['finals'])} | {ratio('cnn')} | "
+            f"{cnn['ssfusion_oi']['spike']:.2f}× |") in section
+    a, d = r20["ssfusion_oi"]["finals"], r20["ddp"]["finals"]
+    assert (f"| ResNet-20, cosine, 10 seeds (DDP {_mean_sd(d)} %) | {_interval_cell(a, d)} | "
+            f"{paired(a[:5], old['r20']['ssfusion_oi']['finals'])} (seeds 1–5) | "
+            f"{ratio('r20')} | {r20['ssfusion_oi']['spike']:.2f}× |") in section
+    a = r18["ssfusion_oi"]["finals"]
+    assert (f"| ResNet-18, 3 seeds: accuracy % | {_mean_sd(a)} (no DDP runs here) | | "
+            f"{ratio('r18')} (the AMD machine's runs) | {r18['ssfusion_oi']['spike']:.2f}× |"
+            in section)
+    above = sum(x > y for x, y in zip(cnn["ssfusion_oi"]["finals"], cnn["ddp"]["finals"]))
+    assert f"SSFusion-OI ends above DDP on {above} of 10 seeds" in section
+    whole = _by_scheme("resnet20-cosine/fifth-dgc-warmup-4-9-ssfusion-oi")["ssfusion_oi"]
+    assert (f"ended at {_interval_cell(whole['finals'], d[:5])} (seeds 1–5, 75753fb); paired "
+            f"with it, this one {paired(r20['ssfusion_oi']['finals'][:5], whole['finals'])} "
+            "points") in section
+    mild = _by_scheme("resnet20-cosine/lead-follows-density-warmup-40")
+    assert mild["ddp"]["finals"] == old["r20"]["ddp"]["finals"]
+    gaps = [_gap_cell(mild[s]["finals"], mild["ddp"]["finals"]) for s in ("topka", "per_tensor")]
+    assert f"left them {gaps[0]} and {gaps[1]} points behind DDP" in section
+    gains = [paired(mild[s]["finals"], old["r20"][s]["finals"]) for s in ("topka", "per_tensor")]
+    assert f"paired with no warm-up {gains[0]} and {gains[1]}" in section
+    assert r18["ssfusion_oi"]["spike"] < 2 and max(r["spike"] for r in cnn.values()) < 2
+    # 100 Mbit/s, 960 steps: SSFusion-OI with the warm-up against the fifth study's without
+    cmd = "--model cnn --steps 960 --seeds 3 --eval-points 16 --world-size 4 --bandwidth 100mbit"
+    w = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-ssfusion-warmup", cmd)
+    f = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-fifth", cmd)
+    assert w["ddp"]["finals"] == f["ddp"]["finals"] and w["topka"] == f["topka"]
+    assert set(w["ssfusion_oi"]["code"]) == {"9052b94"}
+
+    def fig(r: dict, ddp: dict) -> tuple[str, ...]:
+        near = ddp["seconds_to_target"] / r["seconds_to_target"]
+        return (_gap_cell(r["finals"], ddp["finals"]), f"{near:.2f}",
+                f"{r['time_speedup']:.2f}", f"{r['step_speedup']:.2f}",
+                f"{100 * near / r['step_speedup']:.0f}", f"{100 * r['speedup_kept']:.0f}",
+                f"{1000 * r['step_s']:.1f}")
+
+    a, b = fig(w["ssfusion_oi"], w["ddp"]), fig(f["ssfusion_oi"], f["ddp"])
+    assert (f"SSFusion-OI ends {a[0]} points from DDP's {100 * w['ddp']['mean']:.2f} % ({b[0]} "
+            f"without the warm-up) and reaches 99 % of DDP's accuracy {a[1]}× faster than DDP "
+            f"({b[1]}× without), all of it {a[2]}× ({b[2]}×), its steps {a[3]}× DDP's ({b[3]}×): "
+            f"{a[4]} % of the step speed-up kept at 99 % ({b[4]} % without), {a[5]} % at all of "
+            f"it. The warm-up's 36 steps are where the time goes ({a[6]} ms a step over the run "
+            f"against {b[6]})") in section
 
 
 def test_accuracy_summary_row_of_the_fifth_100mbit_study_is_its_page():

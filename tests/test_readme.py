@@ -484,25 +484,31 @@ def test_readme_scheme_table_is_the_saved_results():
     10 % density bound. All recomputed from the saved JSON the table links."""
     from gradsync.schedule import schemes
 
-    # accuracy, with the defaults (momentum sent ahead at the scheme's share): the CNN at
-    # 75753fb on one machine (DDP's runs at 04e204b and 372cd61: the same DDP code), TinyGPT
-    # at 065be6e on another (per_tensor's share and the resent rule since: TinyGPT's buffers
-    # are all preconditioned and send nothing ahead)
-    study = _study("convergence-cnn-2026-12-06-fifth.json")
+    # accuracy, with the defaults (momentum sent ahead at the scheme's share, the SSFusion
+    # family's warm-up since 9052b94): the CNN at 75753fb on one machine (DDP's runs at
+    # 04e204b and 372cd61: the same DDP code), TinyGPT at 065be6e on another (per_tensor's
+    # share and the resent rule since; TinyGPT's buffers are all preconditioned and send
+    # nothing ahead, and AdamW's recipe replaces the SSFusion family's warm-up)
+    study = _study("convergence-cnn-2026-12-06-ssfusion-warmup.json")
     study.update(_study("convergence-lm-2026-12-05-defaults.json"))
     assert {c for r in study.values() for c in r["code"]} <= {"75753fb", "372cd61", "04e204b",
-                                                               "065be6e"}
-    assert {c for (m, s), r in study.items() if m == "cnn" and s != "ddp"
-            for c in r["code"]} == {"75753fb"}
+                                                               "065be6e", "9052b94"}
+    # the SSFusion family with its default warm-up (9052b94), the others as at 75753fb
+    assert {(s, c) for (m, s), r in study.items() if m == "cnn" and s != "ddp"
+            for c in r["code"]} == {(s, "9052b94" if s.startswith("ssfusion") else "75753fb")
+                                    for s in ("topka", "ssfusion", "ssfusion_oi", "densestream",
+                                              "oktopk", "per_tensor")}
     assert {r["seeds"] == list(range(1, 11)) for (m, _), r in study.items() if m == "cnn"} == {
         True}
     assert {r["seeds"] == [1, 2, 3] for (m, _), r in study.items() if m == "gpt_tiny"} == {True}
     # time to DDP's accuracy: one study on a 100 Mbit/s link, the CNN over 960 steps, 3 seeds:
     # DDP's training seconds to 99 % of its final accuracy over the scheme's (every seed must
     # get there), then to all of it (over the seeds that do, with how many)
-    name = "convergence-cnn-960-100mbit-2026-12-06-fifth.json"
+    name = "convergence-cnn-960-100mbit-2026-12-06-ssfusion-warmup.json"
     long = _study(name)
-    assert {c for r in long.values() for c in r["code"]} == {"75753fb"}
+    assert {(s, c) for (_, s), r in long.items() for c in r["code"]} == {
+        (s, "9052b94" if s.startswith("ssfusion") else "75753fb")
+        for s in ("ddp", "topka", "ssfusion", "ssfusion_oi", "oktopk")}
     assert all(r["seeds"] == [1, 2, 3] and r["metric"] == "test_accuracy" for r in long.values())
     assert all(m["steps"] == 960 and m["world_size"] == 4 and m["link"].startswith("tbf 100mbit")
                for m in json.loads((RESULTS / name).read_text())["meta"]["models"])
