@@ -102,11 +102,11 @@ class Scheme:
             the SSFusion family warms up"): SSFusion-OI on the CNN (10 seeds) +0.63 points
             paired with no warm-up, +0.95 vs DDP, for 1.46× the run's bytes; on ResNet-20
             (cosine schedule) +2.00 paired (5 seeds), −1.59 vs DDP (10 seeds); on ResNet-18
-            RESNET18. None for the other schemes: their sparsified tensors are the whole
-            message, so 40 % is 40 times a step's bytes at 1 % (TopkA on the CNN: 4.7× the
-            run's), beyond the 1.5× the CNN allows; a milder warm-up within it (2, 1.5 and
-            1.25 % for 40 steps each) left TopkA −1.57 and per_tensor −2.10 points behind DDP
-            on ResNet-20.
+            83.98 ± 0.18 % (3 seeds), worst loss 1.08× its start. None for the other schemes:
+            their sparsified tensors are the whole message, so 40 % is 40 times a step's
+            bytes at 1 % (TopkA on ResNet-20, DGC's 4 periods of 10 steps: 4.74× the run's),
+            beyond the 1.5× the CNN allows; a milder warm-up within it (2, 1.5 and 1.25 % for
+            40 steps each) left TopkA −1.57 and per_tensor −2.10 points behind DDP on ResNet-20.
         paper: where the scheme comes from.
     """
 
