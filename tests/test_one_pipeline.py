@@ -41,9 +41,12 @@ def _model() -> nn.Module:
                          nn.ReLU(), nn.Linear(32, 10))
 
 
-def _config(scheme: str, warmup: bool, plan: dict | None = None, ahead: float = 0.0
-            ) -> Config:
-    extra = dict(density_warmup=(1.0, 0.25), density_warmup_steps=2) if warmup else {}
+def _config(scheme: str, warmup: bool | tuple[float, ...], plan: dict | None = None,
+            ahead: float = 0.0) -> Config:
+    """``warmup``: True for DGC's warm-up (1.0, 0.25), 2 steps a period; a tuple: those
+    periods' densities; False: none (``Config``'s default for the scheme otherwise)."""
+    periods = (1.0, 0.25) if warmup is True else warmup
+    extra = dict(density_warmup=periods, density_warmup_steps=2) if warmup else {}
     return Config(scheme=scheme, density=D, sparsifier="topk", momentum=0.9, seed=7,
                   plan=plan, momentum_ahead=ahead, **extra)
 
@@ -75,7 +78,7 @@ def _recording(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
     return SPARSE_HOOK(state, bucket)
 
 
-def _train(rank: int, P: int, scheme: str, small_numel: int, warmup: bool,
+def _train(rank: int, P: int, scheme: str, small_numel: int, warmup: bool | tuple[float, ...],
            plan: dict | None, ahead: float) -> torch.Tensor:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
@@ -104,7 +107,7 @@ def _train(rank: int, P: int, scheme: str, small_numel: int, warmup: bool,
     return torch.cat([p.detach().reshape(-1) for p in model.parameters()])
 
 
-def _run(rank: int, P: int, scheme: str, small_numel: int, warmup: bool,
+def _run(rank: int, P: int, scheme: str, small_numel: int, warmup: bool | tuple[float, ...],
          ahead: float = 0.0) -> dict:
     # the engine's profiling steps run a provisional plan (a cost-model scheme's: every tensor
     # whole) before it takes Config.plan; the hook has none. Here the given plan runs from the
@@ -132,7 +135,9 @@ def _run(rank: int, P: int, scheme: str, small_numel: int, warmup: bool,
     ("ssfusion", 1000, True, 0.0), ("per_tensor", 0, True, 0.0),
     ("ssfusion_oi", 1000, True, 0.0),
     # momentum sent ahead (Config.momentum_ahead): the lead on the selected entries only
-    ("ssfusion_oi", 1000, True, 1 / 3), ("per_tensor", 0, False, 1 / 3)])
+    ("ssfusion_oi", 1000, True, 1 / 3), ("per_tensor", 0, False, 1 / 3),
+    # a warm-up period below a fifth of each tensor (10 % at 5 %): the lead at half its share
+    ("ssfusion_oi", 1000, (1.0, 0.1), 1 / 3)])
 @pytest.mark.parametrize("P", [2, 3])
 def test_the_hook_trains_as_the_engine_bit_for_bit(P, scheme, small_numel, warmup, ahead):
     out = run_distributed(_run, P, scheme, small_numel, warmup, ahead, timeout=300)

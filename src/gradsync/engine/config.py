@@ -6,6 +6,7 @@ the accepted values, so a typo fails before any process group work starts.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import math
 from dataclasses import asdict, dataclass, fields
@@ -329,11 +330,11 @@ class Config:
             raise ValueError(f"Config.density_warmup_steps must be an integer >= 0, and > 0 with "
                              f"density_warmup, got {steps!r}")
 
-    @property
+    @functools.cached_property
     def warmup(self) -> tuple[tuple[float, ...], int]:
         """``(density_warmup, density_warmup_steps)`` in force: the ones given, else the
         scheme's DGC warm-up (``Scheme.dgc_warmup``); none at density 1, where every entry is
-        sent anyway."""
+        sent anyway. Computed once: :meth:`density_at` reads it for every job of every step."""
         if self.density_warmup is not None:
             return self.density_warmup, int(self.density_warmup_steps or 0)
         periods, steps = schemes.get(self.scheme).dgc_warmup
