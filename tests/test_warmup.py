@@ -394,3 +394,46 @@ def test_both_doors_run_the_default_warmup_alike(P: int) -> None:
             assert m[0] > 10 * m[-1], (door, m)
         for e, h in zip(means["engine"], means["hook"]):
             assert abs(e - h) <= 0.1 * e, means
+
+
+def _resumed_mid_warmup(rank: int, P: int, scheme: str) -> bool:
+    """Six steps straight, and the same resumed from step 1's checkpoint in a new engine: the
+    collective that selects at a warm-up period's density (Ok-Topk, SparDL) comes back built
+    for that density, so its threshold and boundaries carry on (a collective rebuilt for the
+    target would be rebuilt again at the next step, its state lost)."""
+    import copy
+
+    def make():
+        model = build("mlp", seed=1)
+        return model, GradSync(model, Config(scheme=scheme, density=0.05, warmup_steps=1,
+                                             density_warmup=(0.5, 0.2), density_warmup_steps=3,
+                                             compress_single_rank=True))
+
+    def step(model, sync, t):
+        model.zero_grad(set_to_none=True)
+        x, y = image_batch(rank, t, 16)
+        nn.functional.cross_entropy(model(x), y).backward()
+        sync.synchronize()
+        with torch.no_grad():
+            for p in model.parameters():
+                p -= 0.1 * p.grad
+
+    model, sync = make()
+    for t in range(6):
+        step(model, sync, t)
+        if t == 1:  # inside the first period (steps 0–2 at 50 %)
+            saved = copy.deepcopy(model.state_dict()), copy.deepcopy(sync.state_dict())
+    straight = [p.clone() for p in model.parameters()]
+    sync.close()
+    model, sync = make()
+    model.load_state_dict(saved[0])
+    sync.load_state_dict(saved[1])
+    for t in range(2, 6):
+        step(model, sync, t)
+    sync.close()
+    return all(torch.equal(a, b) for a, b in zip(straight, model.parameters()))
+
+
+@pytest.mark.parametrize("P", [1, 2])
+def test_a_collective_of_a_warmup_density_resumes_bitwise(P: int) -> None:
+    assert all(run_distributed(_resumed_mid_warmup, P, "oktopk", timeout=180))

@@ -88,8 +88,12 @@ class Components:
             component.rescale(factor)
 
     def state_dict(self) -> dict[str, Any]:
+        """Every component's state, and the density each collective that selects on its own
+        was built for (DGC's warm-up rebuilds one per period: :meth:`collective`)."""
         return {"sparsifiers": {k: s.state_dict() for k, s in self.sparsifiers.items()},
-                "collectives": {k: c.state_dict() for k, c in self.collectives.items()}}
+                "collectives": {k: c.state_dict() for k, c in self.collectives.items()},
+                "collective_density": {k: c.density for k, c in self.collectives.items()
+                                       if "density" in self.collective_options}}
 
     def loaded(self, state: dict[str, Any]) -> tuple[dict[str, sparsify.Sparsifier],
                                                      dict[str, collectives.Collective]]:
@@ -101,8 +105,9 @@ class Components:
             sp.load_state_dict(s)
             sparsifiers[k] = sp
         colls = {}
+        built_for = state.get("collective_density", {})  # none before the warm-up's default
         for k, s in state.get("collectives", {}).items():  # none in older hook states
-            c = self.new_collective()
+            c = self.new_collective(built_for.get(k))
             c.load_state_dict(s)
             colls[k] = c
         return sparsifiers, colls

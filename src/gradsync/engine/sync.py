@@ -584,6 +584,7 @@ class GradSync:
             "feedback": self.ef.state_dict(),
             "sparsifiers": parts["sparsifiers"],
             "collectives": parts["collectives"],
+            "collective_density": parts["collective_density"],
             "bwd_times": [dict(t) for t in self._planning.warmup.samples],
             "total": self._counts.total.as_dict(),
             "drift": None if watch is None else watch.state_dict(),
