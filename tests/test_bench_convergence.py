@@ -92,6 +92,7 @@ def test_tiny_run_end_to_end(tmp_path, capsys):
     argv = ["--model", "cnn,gpt_tiny", "--data", "synthetic", "--schemes", "ddp,topka",
             "--seeds", "2", "--steps", str(steps), "--world-size", str(P), "--batch-size", "8",
             "--eval-points", "2", "--image-eval-batches", "3", "--lm-eval-batches", "2",
+            "--density-warmup", "off",  # 4 steps: TopkA at its density, not a warm-up's
             "--out", str(tmp_path / "out"), "--write-docs", str(docs)]
     assert conv.main(argv) == 0
     out = capsys.readouterr().out
@@ -584,34 +585,36 @@ def test_readme_density_warmup_claim_holds_in_the_written_results():
     assert all(2.45 <= x <= 3.65 for x in ratios), ratios
 
 
-def test_usage_resnet18_topka_warmup_claim_holds_in_the_written_results():
-    """usage.md: on ResNet-18, DGC's warm-up took TopkA from 2.14 points below DDP to 0.05 above
-    at 3.4× the bytes; 3.4 % every step gave −1.12. Checked against the three pages' JSON (the
-    same DDP runs in each) and Config.dgc_warmup's densities."""
+def test_usage_warmup_claims_hold_in_the_written_results():
+    """usage.md, DGC's density warm-up: its densities at 1 %, what it costs TopkA (bytes over a
+    160-step CNN run, the speed-up to 99 % of DDP's accuracy on 100 Mbit/s with and without
+    it), what it gains on ResNet-20, and TopkA's ResNet-18 finals with and without it, each
+    recomputed from the pages' JSON and Config.dgc_warmup."""
     from gradsync.engine.config import Config
 
-    root = Path(__file__).resolve().parents[1]
-    usage = " ".join((root / "docs/usage.md").read_text().split())
-    assert ("it took TopkA from 2.14 points below DDP to 0.05 above, at 3.4× the bytes over the "
-            "run; the same bytes sent evenly (3.4 % every step) gave −1.12") in usage
+    usage = " ".join((ROOT / "docs/usage.md").read_text().split())
     assert "sends 39.8, 15.8, 6.3 and 2.5 %" in usage
     assert [round(100 * d, 1) for d in Config.dgc_warmup(0.01, 4)] == [39.8, 15.8, 6.3, 2.5]
-
-    def rows(name: str) -> dict:
-        data = json.loads((root / f"docs/results/{name}.json").read_text())
-        return {r["scheme"]: r for r in data["rows"]}
-
-    study = rows("convergence-resnet18")
-    warm = rows("resnet18-topka-dgc-warmup/page")
-    even = rows("resnet18-topka-density-0.034/page")
-    for page in (warm, even):
-        assert page["ddp"]["finals"] == study["ddp"]["finals"]
-        assert len(page["topka"]["finals"]) == 3
-    for page, gap in ((study, -2.14), (warm, 0.05), (even, -1.12)):
-        assert round(100 * page["topka"]["diff_vs_ddp"]["mean"], 2) == gap
-    ratio = warm["topka"]["bytes_per_step"] / study["topka"]["bytes_per_step"]
-    assert round(ratio, 1) == 3.4
-    assert abs(even["topka"]["bytes_per_step"] / warm["topka"]["bytes_per_step"] - 1) < 0.02
+    cnn = _by_scheme("convergence-cnn-2026-12-06-dgc-warmup-every-scheme")["topka"]
+    old = _by_scheme("convergence-cnn-2026-12-06-fifth")["topka"]
+    cmd = "--model cnn --steps 960 --seeds 3 --eval-points 16 --world-size 4 --bandwidth 100mbit"
+    w = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-dgc-warmup-every-scheme", cmd)
+    f = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-fifth", cmd)
+    near = [m["ddp"]["seconds_to_target"] / m["topka"]["seconds_to_target"] for m in (w, f)]
+    r20 = _by_scheme("resnet20-cosine/dgc-warmup-every-scheme")
+    r20_old = _by_scheme("convergence-resnet20-cosine-2026-12-06-fifth")
+    gaps = [_mean_gap_points(m["topka"]["finals"], m["ddp"]["finals"]) for m in (r20_old, r20)]
+    assert (f"over a 160-step CNN run TopkA sends "
+            f"{cnn['run_bytes_per_step'] / old['run_bytes_per_step']:.1f}× a fixed 1 %'s, and on "
+            f"a 100 Mbit/s link it reaches 99 % of DDP's accuracy {near[0]:.2f}× as fast as DDP "
+            f"instead of {near[1]:.2f}×; on ResNet-20 it takes TopkA from {-gaps[0]:.2f} points "
+            f"below DDP to {-gaps[1]:.2f}.") in usage
+    r18 = [_by_scheme(name)["topka"]["finals"] for name in (
+        "convergence-resnet18-2026-12-06-dgc-warmup-every-scheme",
+        "convergence-resnet18-2026-12-06-fifth")]
+    assert (f"on ResNet-18 (3 seeds) TopkA ends alike with and without it "
+            f"({100 * statistics.mean(r18[0]):.2f} and {100 * statistics.mean(r18[1]):.2f} %)"
+            ) in usage
 
 
 def test_plans_note_names_schemes_whose_plan_varied_across_seeds():
@@ -1171,11 +1174,13 @@ def test_resume_refuses_a_run_of_another_configuration(tmp_path, capsys):
     assert conv.run_config(spec, "ssfusion_oi")["momentum_ahead"] == "scheme's 0.333333"
     spec = train.TrainSpec(schemes=["ssfusion_oi"], density=0.01)
     assert conv.run_config(spec, "ssfusion_oi")["momentum_ahead"] == "scheme's 1"
-    # the SSFusion family's DGC warm-up, its default since 2026-12-05, likewise (a kept run
-    # that said None trained without it); not under AdamW, whose recipe replaces it
-    cnn = train.TrainSpec(model="cnn", schemes=["ssfusion_oi", "topka"], density=0.01)
+    # the SSFusion family's DGC warm-up, its default since 2026-12-05, the other measured
+    # schemes' since, likewise (a kept run that said None trained without it); not under
+    # AdamW, whose recipe replaces it
+    cnn = train.TrainSpec(model="cnn", schemes=["ssfusion_oi", "topka", "gtopk"], density=0.01)
     assert conv.run_config(cnn, "ssfusion_oi")["density_warmup"] == "scheme's 4:9"
-    assert conv.run_config(cnn, "topka")["density_warmup"] is None  # TopkA has none
+    assert conv.run_config(cnn, "topka")["density_warmup"] == "scheme's 4:9"  # its own now
+    assert conv.run_config(cnn, "gtopk")["density_warmup"] is None  # not measured: none
     gpt = train.TrainSpec(model="gpt_tiny", schemes=["ssfusion_oi"], density=0.01)
     assert conv.run_config(gpt, "ssfusion_oi")["density_warmup"] is None  # AdamW's recipe
     off = train.TrainSpec(model="cnn", schemes=["ssfusion_oi"], density_warmup="off")
@@ -1749,36 +1754,38 @@ def test_accuracy_resnet18_today_claims_hold_in_the_written_results():
 
 def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     """README's BatchNorm bullet: the defaults' gaps on ResNet-20 under the cosine schedule
-    (since 75753fb), ResNet-18's TopkA before 372cd61 and since 75753fb against the AMD
-    machine's DDP runs,
-    SSFusion-OI's there, and what following the rate was worth to TopkA, recomputed from the
-    pages' finals."""
+    (DGC's warm-up since it became every measured scheme's; without it, 75753fb), SSFusion-OI's
+    over 10 seeds, ResNet-18's TopkA with and without the warm-up and before 372cd61 against
+    the AMD machine's DDP runs, SSFusion-OI's there, and what following the rate was worth to
+    TopkA, recomputed from the pages' finals."""
     readme = " ".join((ROOT / "README.md").read_text().split())
+    warm = _by_scheme("resnet20-cosine/dgc-warmup-every-scheme", "--model resnet20")
     now = _by_scheme("convergence-resnet20-cosine-2026-12-06-fifth", "--model resnet20")
     ddp = now["ddp"]["finals"]
-    gaps = {s: _gap_cell(now[s]["finals"], ddp)
-            for s in ("topka", "ssfusion_oi", "per_tensor")}
-    assert (f"5 seeds: TopkA {gaps['topka']}, SSFusion-OI {gaps['ssfusion_oi']}, per_tensor "
-            f"{gaps['per_tensor']} points vs DDP's {100 * statistics.mean(ddp):.2f} %") in readme
+    assert warm["ddp"]["finals"] == ddp
+    gaps = {s: _gap_cell(warm[s]["finals"], ddp) for s in ("topka", "per_tensor")}
+    before = {s: _gap_cell(now[s]["finals"], ddp) for s in ("topka", "ssfusion_oi", "per_tensor")}
+    assert (f"5 seeds, with the defaults: TopkA {gaps['topka']}, per_tensor {gaps['per_tensor']} "
+            f"points vs DDP's {100 * statistics.mean(ddp):.2f} % ({before['topka']} and "
+            f"{before['per_tensor']} without the warm-up;") in readme
+    oi = _by_scheme("resnet20-cosine/lead-follows-dgc-warmup-ssfusion-oi", "--model resnet20")
+    assert len(oi["ssfusion_oi"]["finals"]) == 10
+    assert (f"SSFusion-OI {_gap_cell(oi['ssfusion_oi']['finals'], oi['ddp']['finals'])} over 10 "
+            f"seeds ({before['ssfusion_oi']} without;") in readme
     r18 = _resnet18_today()
     since = _by_scheme("convergence-resnet18-2026-12-06-fifth", "--model resnet18")["topka"]
-    t, d = since["finals"], r18["ddp"]["finals"]
-    before = statistics.mean(r18["topka"]["finals"])
-    assert (f"ResNet-18 (3 seeds): TopkA {100 * statistics.mean(t):.2f} ± "
-            f"{100 * statistics.stdev(t):.2f} % against DDP's {100 * statistics.mean(d):.2f} ± "
-            f"{100 * statistics.stdev(d):.2f} % on the AMD machine, its worst loss "
-            f"{since['spike']:.2f}× its start ({100 * before:.2f} % and "
+    w18 = _by_scheme("convergence-resnet18-2026-12-06-dgc-warmup-every-scheme",
+                     "--model resnet18")["topka"]
+    d = r18["ddp"]["finals"]
+    assert (f"ResNet-18 (3 seeds): TopkA {_mean_sd(w18['finals'])} % with it, "
+            f"{_mean_sd(since['finals'])} % without, against DDP's {_mean_sd(d)} % on the AMD "
+            f"machine, its worst loss {w18['spike']:.2f}× its start "
+            f"({100 * statistics.mean(r18['topka']['finals']):.2f} % and "
             f"{r18['topka']['spike']:.2f}× before 372cd61") in readme
-    gap = _mean_gap_points(r18["ssfusion_oi"]["finals"], d)
-    assert f"SSFusion-OI {gap:+.2f} points ([study]" in readme
-    # with the SSFusion family's default warm-up (9052b94): ResNet-20 over 10 seeds, ResNet-18
-    warm = _by_scheme("resnet20-cosine/lead-follows-dgc-warmup-ssfusion-oi", "--model resnet20")
-    assert len(warm["ssfusion_oi"]["finals"]) == 10
-    assert (f"SSFusion-OI with its default warm-up "
-            f"{_gap_cell(warm['ssfusion_oi']['finals'], warm['ddp']['finals'])} points over 10 "
-            "seeds") in readme
     r18w = _by_scheme("convergence-resnet18-2026-12-06-ssfusion-warmup")["ssfusion_oi"]
-    assert f"without its warm-up, {_mean_sd(r18w['finals'])} % with it (the Intel" in readme
+    gap = _mean_gap_points(r18["ssfusion_oi"]["finals"], d)
+    assert (f"SSFusion-OI {_mean_sd(r18w['finals'])} % with it (the Intel machine), {gap:+.2f} "
+            "points without ([study]") in readme
     base = _by_scheme("convergence-resnet20-cosine")
     follow = _by_scheme("resnet20-cosine/follow")
     gain = statistics.mean(follow["topka"]["finals"]) - statistics.mean(base["topka"]["finals"])
@@ -2054,3 +2061,110 @@ def test_a_diverged_run_is_counted_and_the_study_goes_on(tmp_path, monkeypatch):
         assert all(math.isnan(f) for f in rows[s]["finals"])
     kept = json.loads((tmp_path / "out" / "runs" / "cnn-seed2-topka.json").read_text())
     assert kept["row"]["status"].startswith("diverged")
+
+
+def test_accuracy_dgc_warmup_for_every_scheme_claims_hold_in_the_written_results():
+    """accuracy.md, "DGC's warm-up for every scheme measured": the table (each scheme with the
+    warm-up against DDP, paired with the fifth's runs without it, bytes over the run), the
+    worst losses, the 100 Mbit/s figures against the fifth study's, and the warm-ups within
+    1.5× the bytes on ResNet-20, each recomputed from the pages' finals."""
+    section = " ".join(_accuracy().split("## DGC's warm-up for every scheme measured")[1]
+                       .split("## Preconditioned")[0].split())
+    cnn = _by_scheme("convergence-cnn-2026-12-06-dgc-warmup-every-scheme", "--model cnn")
+    r20 = _by_scheme("resnet20-cosine/dgc-warmup-every-scheme", "--model resnet20")
+    old = {"cnn": _by_scheme("convergence-cnn-2026-12-06-fifth"),
+           "r20": _by_scheme("convergence-resnet20-cosine-2026-12-06-fifth")}
+    assert "--density-warmup 4:9" in _results("convergence-cnn-2026-12-06-dgc-warmup-every-"
+                                              "scheme")["meta"]["command"]
+    assert cnn["ddp"]["finals"] == old["cnn"]["ddp"]["finals"]
+    assert r20["ddp"]["finals"] == old["r20"]["ddp"]["finals"]
+    assert all(r["diverged"] == 0 for m in (cnn, r20) for r in m.values())
+
+    def row(m: dict, was: dict, s: str) -> str:
+        a, d = m[s]["finals"], m["ddp"]["finals"]
+        ratio = m[s]["run_bytes_per_step"] / was[s]["run_bytes_per_step"]
+        return (f"**{_interval_cell(a, d)}** | "
+                f"{_paired_sd(a, was[s]['finals']).replace('-', '−')}", f"{ratio:.2f}")
+
+    for s, name in (("topka", "TopkA"), ("densestream", "DenseStream"), ("oktopk", "Ok-Topk"),
+                    ("per_tensor", "per_tensor")):
+        c, cb = row(cnn, old["cnn"], s)
+        line = f"| {name} | {c} | {cb} |"
+        if s in r20:
+            up = all(x > y for x, y in zip(r20[s]["finals"], old["r20"][s]["finals"]))
+            r, rb = row(r20, old["r20"], s)
+            line += f" {r}{' (every seed up)' if up else ''} | {rb} |"
+        assert line in section, line
+    spikes = {s: f"{cnn[s]['spike']:.2f}×" for s in cnn}
+    assert (f"The worst CNN loss after step 5 is {spikes['topka']} step 0's for TopkA and "
+            f"DenseStream, {spikes['oktopk']} for Ok-Topk, {spikes['per_tensor']} for "
+            f"per_tensor (DDP's own {spikes['ddp']}); on ResNet-20 {r20['topka']['spike']:.2f}× "
+            f"and {r20['per_tensor']['spike']:.2f}×") in section
+    assert spikes["topka"] == spikes["densestream"]
+    # 100 Mbit/s, 960 steps: TopkA and Ok-Topk with the warm-up against the fifth's without
+    cmd = "--model cnn --steps 960 --seeds 3 --eval-points 16 --world-size 4 --bandwidth 100mbit"
+    w = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-dgc-warmup-every-scheme", cmd)
+    f = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-fifth", cmd)
+    assert w["ddp"]["finals"] == f["ddp"]["finals"]
+
+    def near(r: dict) -> float:
+        return w["ddp"]["seconds_to_target"] / r["seconds_to_target"]
+
+    for s, name in (("topka", "TopkA"), ("oktopk", "Ok-Topk")):
+        assert (f"{name} ends at {_mean_sd(w[s]['finals'])} % "
+                f"({100 * statistics.mean(f[s]['finals']):.2f} without)") in section, s
+        assert (f"{near(w[s]):.2f}× as fast" if s == "topka" else
+                f"gets there {near(w[s]):.2f}× as fast") in section, s
+        assert (f"({near(f[s]):.2f}× without)" if s == "topka" else
+                f"({near(f[s]):.2f}×), all of it") in section, s
+        assert (f"all of it {w[s]['time_speedup']:.2f}× ({f[s]['time_speedup']:.2f}×)"
+                in section), s
+        assert min(near(w[s]) / w[s]["step_speedup"], w[s]["speedup_kept"]) >= 0.97
+
+    def first(r: dict) -> str:  # the seeds' seconds to the first evaluation, step 60
+        t = sorted(h[0]["elapsed_s"] for h in r["history"])
+        assert {h[0]["step"] for h in r["history"]} == {60}
+        return f"{t[0]:.1f}–{t[-1]:.1f}"
+
+    assert (f"its first 60 steps take {first(w['topka'])} s ({first(f['topka'])} without)"
+            in section)
+    for s, name in (("topka", "TopkA"), ("oktopk", "Ok-Topk")):
+        ratio = w[s]["run_bytes_per_step"] / f[s]["run_bytes_per_step"]
+        assert f"{name} {ratio:.2f}×" in section or f"{name} sends {ratio:.2f}×" in section, s
+    # warm-ups within the CNN's 1.5× (3 seeds) and DGC's without its first period (5 seeds)
+    base = old["r20"]["topka"]["finals"]
+    for page, text in (("topka-density-0.09-for-9", "9 % for 9 steps"),
+                       ("topka-density-0.25-for-3", "25 % for 3 steps"),
+                       ("topka-density-0.1-0.04-0.016-for-5", "(10, 4 and 1.6 %)"),
+                       ("topka-dgc-warmup-without-its-first-period",
+                        "(15.8, 6.3 and 2.5 % for 9 steps each)")):
+        m = _by_scheme(f"resnet20-cosine/{page}", "--model resnet20")["topka"]
+        n = len(m["finals"])
+        ratio = m["run_bytes_per_step"] / old["r20"]["topka"]["run_bytes_per_step"]
+        assert (f"{text} {_paired_sd(m['finals'], base[:n]).replace('-', '−')} ({n} seeds, "
+                f"{ratio:.2f}×") in section, page
+    dgc3 = _paired_sd(r20["topka"]["finals"][:3], base[:3])
+    assert f"DGC's 4 periods give {dgc3.split(' ±')[0]} on those three seeds" in section
+
+
+def test_readme_warmup_cost_line_holds_in_the_written_results():
+    """README, under its table: what DGC's warm-up costs TopkA on 100 Mbit/s (its speed-up to
+    99 % of DDP's accuracy with and without it), in bytes over a 160-step CNN run, and what it
+    gains paired with the runs without it (CNN 10 seeds, ResNet-20 5 seeds)."""
+    readme = " ".join((ROOT / "README.md").read_text().split())
+    cmd = "--model cnn --steps 960 --seeds 3 --eval-points 16 --world-size 4 --bandwidth 100mbit"
+    w = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-dgc-warmup-every-scheme", cmd)
+    f = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-fifth", cmd)
+    with_, without = (m["ddp"]["seconds_to_target"] / m["topka"]["seconds_to_target"]
+                      for m in (w, f))
+    assert round(1 - with_ / without, 1) == 0.2  # a fifth
+    cnn = _by_scheme("convergence-cnn-2026-12-06-dgc-warmup-every-scheme")["topka"]
+    old = _by_scheme("convergence-cnn-2026-12-06-fifth")["topka"]
+    r20 = _by_scheme("resnet20-cosine/dgc-warmup-every-scheme")["topka"]
+    r20_old = _by_scheme("convergence-resnet20-cosine-2026-12-06-fifth")["topka"]
+    ratio = cnn["run_bytes_per_step"] / old["run_bytes_per_step"]
+    gain = [_paired_sd(a["finals"], b["finals"]).split(" ±")[0]
+            for a, b in ((cnn, old), (r20, r20_old))]
+    assert (f"DGC's warm-up costs TopkA a fifth of that speed-up ({without:.2f}× without it) and "
+            f"{ratio:.1f}× the bytes of a 160-step run, for {gain[0]} points on the CNN and "
+            f"{gain[1]} on ResNet-20 (paired).") in readme

@@ -609,7 +609,8 @@ def _malformed(rank: int, P: int, sparsifier: str, segmented: bool | str,
     model = build("mlp", seed=3)
     ddp = DDP(model)
     state = gradsync.ddp.register(ddp, Config(scheme="per_tensor", density=0.05, momentum=0.9,
-                                              sparsifier=sparsifier), small_numel=1000)
+                                              sparsifier=sparsifier, density_warmup=()),
+                                  small_numel=1000)  # the target's capacity from the start
     armed, paths = [False], set()
     capped, plain = topka_mod.unpack_entries_capped, topka_mod.unpack_entries
 

@@ -15,6 +15,8 @@ from gradsync.testing import run_distributed
 
 D = 0.01
 HIGH = D * ds.CRITICAL_FACTOR
+# the adaptive schedule alone (the scheme's DGC warm-up off)
+ADAPTIVE = Config(scheme="topka", density=D, density_schedule="adaptive", density_warmup=())
 
 
 def _steps(sched: DensitySchedule, first: int, last: int) -> list[float]:
@@ -28,7 +30,7 @@ def _steps(sched: DensitySchedule, first: int, last: int) -> list[float]:
 
 
 def test_the_first_window_is_critical_then_the_target_until_the_norm_changes():
-    sched = DensitySchedule(Config(scheme="topka", density=D, density_schedule="adaptive"))
+    sched = DensitySchedule(ADAPTIVE)
     assert _steps(sched, 0, ds.WINDOW) == [HIGH] * ds.WINDOW
     assert sched.decide(100.0, ds.WINDOW) is False  # one statistic: nothing to compare
     assert _steps(sched, ds.WINDOW, 2 * ds.WINDOW) == [D] * ds.WINDOW
@@ -39,7 +41,7 @@ def test_the_first_window_is_critical_then_the_target_until_the_norm_changes():
 def test_a_critical_window_needs_the_change_and_the_budget():
     """After the first window a window is critical only if the norm moved by η or more and the
     run's mean density, that window included, stays within BUDGET × density."""
-    sched = DensitySchedule(Config(scheme="topka", density=D, density_schedule="adaptive"))
+    sched = DensitySchedule(ADAPTIVE)
     critical_at, n = [], 1.0
     for step in range(ds.WINDOW, 400, ds.WINDOW):
         _steps(sched, step - ds.WINDOW, step)
@@ -55,7 +57,7 @@ def test_a_critical_window_needs_the_change_and_the_budget():
 
 @pytest.mark.parametrize("n", [math.nan, math.inf])
 def test_a_non_finite_statistic_changes_nothing(n):
-    sched = DensitySchedule(Config(scheme="topka", density=D, density_schedule="adaptive"))
+    sched = DensitySchedule(ADAPTIVE)
     _steps(sched, 0, ds.WINDOW)
     sched.decide(1.0, ds.WINDOW)
     _steps(sched, ds.WINDOW, 200)
@@ -65,8 +67,12 @@ def test_a_non_finite_statistic_changes_nothing(n):
 
 
 def test_fixed_is_the_target_and_dgc_warmup_is_one_setting_of_it():
-    fixed = DensitySchedule(Config(scheme="topka", density=D))  # the default
+    fixed = DensitySchedule(Config(scheme="topka", density=D, density_warmup=()))
     assert _steps(fixed, 0, 30) == [D] * 30
+    # the default: the scheme's DGC warm-up (4 periods of 9 steps), then the target
+    default = DensitySchedule(Config(scheme="topka", density=D))
+    dgc = [D ** (e / 5) for e in (1, 2, 3, 4) for _ in range(9)]
+    assert _steps(default, 0, 40) == pytest.approx(dgc + [D] * 4, rel=1e-12)
     warm = Config(scheme="topka", density=D, density_schedule="fixed",
                   density_warmup=(0.2, 0.05), density_warmup_steps=5)
     assert _steps(DensitySchedule(warm), 0, 12) == [0.2] * 5 + [0.05] * 5 + [D] * 2
@@ -89,7 +95,7 @@ def test_config_names_the_schedules():
 
 
 def test_state_round_trip_and_malformed_entry():
-    cfg = Config(scheme="topka", density=D, density_schedule="adaptive")
+    cfg = Config(scheme="topka", density=D, density_schedule="adaptive", density_warmup=())
     sched = DensitySchedule(cfg)
     _steps(sched, 0, 20)
     sched.decide(3.0, 20)

@@ -79,15 +79,16 @@ def test_density_one_equals_allreduce(world_size):
             assert err < 1e-5, f"{key}: relative error {err}"
 
 
-def _train_sparse(rank, world_size, schemes, steps):
+def _train_sparse(rank, world_size, schemes, steps, **cfg):
     """At 1% density, parameters stay bitwise identical across ranks; collect digests. The
-    cost model's measurements are pinned (test_reliability trains on measured plans too)."""
+    cost model's measurements are pinned (test_reliability trains on measured plans too).
+    ``cfg``: more ``Config`` fields."""
     pin_profiles()
     out = {}
     for scheme in schemes:
         model = build("cnn", seed=3)
         opt = torch.optim.SGD(model.parameters(), lr=0.05)
-        sync = GradSync(model, Config(scheme=scheme, density=0.01, warmup_steps=2))
+        sync = GradSync(model, Config(scheme=scheme, density=0.01, warmup_steps=2, **cfg))
         for step in range(steps):
             opt.zero_grad(set_to_none=True)
             x, y = batch("cnn", rank, step)
@@ -127,7 +128,8 @@ def _where_topka_sums(rank, world_size):
 
     topka.add_at = spy
     try:
-        out = _train_sparse(rank, world_size, ["topka"], 3)
+        # at the target density (a warm-up period's messages have no fixed capacity)
+        out = _train_sparse(rank, world_size, ["topka"], 3, density_warmup=())
     finally:
         topka.add_at = add_at
     return names, out
@@ -903,7 +905,8 @@ def _malformed_alike(rank, world_size, scheme, who):
     from gradsync.collectives.comm import Comm
 
     model = build("mlp", seed=1)
-    sync = GradSync(model, Config(scheme=scheme, density=0.1, warmup_steps=1))
+    sync = GradSync(model, Config(scheme=scheme, density=0.1, warmup_steps=1,
+                                  density_warmup=()))  # a fixed capacity from the start
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     capped, armed, reduces = topka_mod.unpack_entries_capped, [False], []
 

@@ -559,7 +559,7 @@ def _engine_oktopk(rank, world_size, tau_prime, steps, resume_at):
         model = build("mlp", seed=1)
         # compress_single_rank: world size 1 selects too (by default it would be plain training)
         cfg = Config(scheme="oktopk", density=0.01, local_tau_prime=tau_prime, warmup_steps=1,
-                     compress_single_rank=True)
+                     compress_single_rank=True, density_warmup=())  # one k throughout
         return model, GradSync(model, cfg)
 
     def step(model, sync, s):

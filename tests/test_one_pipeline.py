@@ -44,9 +44,10 @@ def _model() -> nn.Module:
 def _config(scheme: str, warmup: bool | tuple[float, ...], plan: dict | None = None,
             ahead: float = 0.0) -> Config:
     """``warmup``: True for DGC's warm-up (1.0, 0.25), 2 steps a period; a tuple: those
-    periods' densities; False: none (``Config``'s default for the scheme otherwise)."""
+    periods' densities; False: none (not the scheme's default)."""
     periods = (1.0, 0.25) if warmup is True else warmup
-    extra = dict(density_warmup=periods, density_warmup_steps=2) if warmup else {}
+    extra = (dict(density_warmup=periods, density_warmup_steps=2) if warmup
+             else dict(density_warmup=()))
     return Config(scheme=scheme, density=D, sparsifier="topk", momentum=0.9, seed=7,
                   plan=plan, momentum_ahead=ahead, **extra)
 

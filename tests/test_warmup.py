@@ -31,7 +31,7 @@ WARM = (0.5, 0.2)
 def test_schedule_and_dgc_values() -> None:
     c = Config(density=0.05, density_warmup=WARM, density_warmup_steps=3)
     assert [c.density_at(s) for s in range(8)] == [0.5] * 3 + [0.2] * 3 + [0.05] * 2
-    assert Config(scheme="topka", density=0.05).density_at(0) == 0.05  # TopkA: none
+    assert Config(scheme="gtopk", density=0.05).density_at(0) == 0.05  # not measured: none
     assert Config(density=0.05, density_warmup=()).density_at(0) == 0.05  # () turns it off
     # DGC: 25%, 6.25%, 1.5625%, 0.39% before 0.1% — coeff^(e+1) with coeff = d^(1/(E+1))
     w = Config.dgc_warmup(0.001, 4)
@@ -39,8 +39,11 @@ def test_schedule_and_dgc_values() -> None:
     assert w[0] == pytest.approx(0.2512, abs=1e-4) and w[-1] == pytest.approx(0.00398, abs=1e-5)
 
 
-@pytest.mark.parametrize("scheme", ["ssfusion", "ssfusion_o", "ssfusion_oi"])
-def test_the_ssfusion_family_warms_up_by_default(scheme: str) -> None:
+WARMED = ("topka", "oktopk", "densestream", "per_tensor", "ssfusion", "ssfusion_o", "ssfusion_oi")
+
+
+@pytest.mark.parametrize("scheme", WARMED)
+def test_the_measured_schemes_warm_up_by_default(scheme: str) -> None:
     """``Scheme.dgc_warmup``: 4 periods of 9 steps, density^(e/5) for e = 1…4, then the
     target; DGC's own four values at 0.1 %; none at density 1 or with ``()``."""
     c = Config(scheme=scheme, density=0.01)
@@ -56,11 +59,15 @@ def test_the_ssfusion_family_warms_up_by_default(scheme: str) -> None:
     assert given.warmup == (WARM, 2)  # one given replaces the scheme's
 
 
-@pytest.mark.parametrize("scheme", ["topka", "densestream", "oktopk", "per_tensor", "dense",
-                                    "auto"])
-def test_the_other_schemes_have_no_default_warmup(scheme: str) -> None:
-    c = Config(scheme=scheme, density=0.01)
-    assert c.warmup == ((), 0) and c.density_at(0) == 0.01
+def test_the_other_schemes_have_no_default_warmup() -> None:
+    """The schemes not measured with it (and the dense ones) start at the target density."""
+    from gradsync.schedule import schemes
+
+    others = [s for s in schemes.SCHEMES if s not in WARMED]
+    assert {"dense", "dense_ovlp", "gtopk", "auto"} <= set(others)
+    for scheme in others:
+        c = Config(scheme=scheme, density=0.01)
+        assert c.warmup == ((), 0) and c.density_at(0) == 0.01, scheme
 
 
 def test_a_scheme_warmup_must_be_two_counts() -> None:
@@ -85,7 +92,7 @@ def test_checkpoints_compare_the_warmup_in_force() -> None:
     assert here.differences(here.to_dict(), keys) == []
     values = dict(old, density_warmup=list(here.warmup[0]), density_warmup_steps=9)
     assert here.differences(values, keys) == []
-    assert Config(scheme="topka").differences(dict(old, scheme="topka"), keys) == []
+    assert Config(scheme="gtopk").differences(dict(old, scheme="gtopk"), keys) == []
 
 
 @pytest.mark.parametrize("kw, match", [
@@ -378,13 +385,14 @@ def _default_warmup_bytes(rank: int, P: int, scheme: str) -> dict[str, list[int]
     return out
 
 
+@pytest.mark.parametrize("scheme", ["ssfusion_oi", "per_tensor"])
 @pytest.mark.parametrize("P", [2, 3])
-def test_both_doors_run_the_default_warmup_alike(P: int) -> None:
-    """SSFusion-OI's default warm-up (4 periods of 9 steps, 39.8 → 2.5 %) is what the engine
-    and the DDP hook (Lightning's, Accelerate's, the Trainer's door) send: each period's
-    bytes fall, the first is over 10× the target's, and the two doors send within 10 % of each
-    other in every period."""
-    for r in run_distributed(_default_warmup_bytes, P, "ssfusion_oi", timeout=300):
+def test_both_doors_run_the_default_warmup_alike(P: int, scheme: str) -> None:
+    """The default warm-up of the schemes the DDP hook runs (4 periods of 9 steps, 39.8 →
+    2.5 %) is what the engine and the hook (Lightning's, Accelerate's, the Trainer's door)
+    send: each period's bytes fall, the first is over 10× the target's, and the two doors send
+    within 10 % of each other in every period."""
+    for r in run_distributed(_default_warmup_bytes, P, scheme, timeout=300):
         means = {}
         for door, per_step in r.items():
             periods = [per_step[s:s + 8] for s in (1, 10, 19, 28)] + [per_step[37:]]

@@ -96,17 +96,19 @@ class Scheme:
             measured.
         dgc_warmup: ``Config.density_warmup``'s default as ``(periods, steps per period)`` of
             DGC's exponential warm-up (``Config.dgc_warmup``); ``(0, 0)``: none. 4 periods of 9
-            steps (:data:`DGC_WARMUP`: 39.8, 15.8, 6.3 and 2.5 % at 1 %) for the SSFusion
-            family, whose lead follows the density there (``engine.jobs.at_density``).
-            Measured at 1 %, P = 4 (docs/results/accuracy.md, "The lead follows the density:
-            the SSFusion family warms up"): SSFusion-OI on the CNN (10 seeds) +0.63 points
-            paired with no warm-up, +0.95 vs DDP, for 1.46× the run's bytes; on ResNet-20
-            (cosine schedule) +2.00 paired (5 seeds), −1.59 vs DDP (10 seeds); on ResNet-18
-            83.98 ± 0.18 % (3 seeds), worst loss 1.08× its start. None for the other schemes:
-            their sparsified tensors are the whole message, so 40 % is 40 times a step's
-            bytes at 1 % (TopkA on ResNet-20, DGC's 4 periods of 10 steps: 4.74× the run's),
-            beyond the 1.5× the CNN allows; a milder warm-up within it (2, 1.5 and 1.25 % for
-            40 steps each) left TopkA −1.57 and per_tensor −2.10 points behind DDP on ResNet-20.
+            steps (:data:`DGC_WARMUP`: 39.8, 15.8, 6.3 and 2.5 % at 1 %) for every scheme
+            measured with it (TopkA, Ok-Topk, DenseStream, per_tensor, the SSFusion family),
+            the lead following the density there (``engine.jobs.at_density``). Measured at
+            1 %, P = 4 (docs/results/accuracy.md, "DGC's warm-up for every scheme measured"):
+            on ResNet-20 (cosine schedule, 5 seeds) TopkA −0.45 and per_tensor −1.01 points vs
+            DDP (−2.27 and −2.41 without), SSFusion-OI +2.00 paired; on the CNN (10 seeds)
+            TopkA +1.01, DenseStream +0.98, Ok-Topk +0.37, per_tensor −0.31, SSFusion-OI
+            +0.95. The price is bytes: 40 % is 40 times a step's at 1 %, so over a 160-step
+            run TopkA sends 4.4× the fixed density's (SSFusion-OI 1.46×, whose small tensors
+            travel whole anyway), and on a 100 Mbit/s link (CNN, 960 steps) TopkA reaches 99 %
+            of DDP's accuracy 3.31× as fast as DDP instead of 4.12×. Warm-ups within 1.5× the
+            bytes (9 % for 9 steps, 25 % for 3, 2 → 1.25 % over 120) gained at most a third of
+            that on ResNet-20. None for the schemes not measured.
         paper: where the scheme comes from.
     """
 
@@ -151,7 +153,7 @@ _TABLE = (
     Scheme("dense", "fixed", overlap=False, ddp_hook=True,
            paper="PyTorch DDP without overlap (SSFusion §II 'Dense')"),
     Scheme("dense_ovlp", "fixed", paper="wait-free backpropagation (SSFusion §II 'DenseOvlp')"),
-    Scheme("topka", "single", "topka", momentum_ahead=THIRD,
+    Scheme("topka", "single", "topka", momentum_ahead=THIRD, dgc_warmup=DGC_WARMUP,
            paper="DenseStream §II 'TopkA' (all-gather of COO)"),
     Scheme("topkdsa", "single", "topkdsa", paper="DenseStream §II 'TopkDSA' (SparCML)"),
     Scheme("gtopk", "single", "gtopk", paper="Ok-Topk §2 'gTop-k' (Shi et al.)"),
@@ -161,11 +163,12 @@ _TABLE = (
            collective_kwargs=(("nonfinite", "skip_step"),),
            sparsifier="threshold", sparsifier_options=(("clock", "step"),),
            sparsifier_config=(("period", "local_tau_prime"),), momentum_ahead=THIRD,
+           dgc_warmup=DGC_WARMUP,
            paper="Ok-Topk §3, Algorithm 1 (local threshold reuse: lines 2–4)"),
     Scheme("densestream", "single", "densestream", momentum_ahead=THIRD,
-           paper="DenseStream §IV"),
+           dgc_warmup=DGC_WARMUP, paper="DenseStream §IV"),
     Scheme("per_tensor", "per_tensor", ddp_hook=True, momentum_ahead=THIRD,
-           paper="SSFusion §II-D per-tensor"),
+           dgc_warmup=DGC_WARMUP, paper="SSFusion §II-D per-tensor"),
     Scheme("multi_tensor", "mgwfbp", needs_cost_model=True,
            paper="SSFusion §II-D multi-tensor (MG-WFBP / OMGS)"),
     Scheme("omgs", "mgwfbp", needs_cost_model=True, paper="OMGS-SGD (= multi_tensor)"),

@@ -517,8 +517,9 @@ def run_config(spec: Any, scheme: str) -> dict[str, Any]:
         cfg["momentum_ahead"] = f"scheme's {share:.6g}"
     if (choice is not None and choice.scheme is not None and cfg["density_warmup"] is None
             and any(choice.scheme.dgc_warmup) and spec.density < 1 and not spec.adamw):
-        # the scheme's DGC warm-up, the SSFusion family's default since 9052b94 (a run
-        # kept before, where None meant none, differs); AdamW's recipe replaces it
+        # the scheme's DGC warm-up, the SSFusion family's default since 9052b94, the other
+        # measured schemes' since then (a run kept before, where None meant none, differs);
+        # AdamW's recipe replaces it
         cfg["density_warmup"] = "scheme's {}:{}".format(*choice.scheme.dgc_warmup)
     return json.loads(json.dumps(cfg))  # tuples as lists: what a file gives back
 

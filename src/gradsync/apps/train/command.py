@@ -79,7 +79,7 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
                    help="DGC's warm-up: PERIODS periods of STEPS steps at exponentially "
                         "decreasing densities before --density, or D1,D2,...:STEPS, each "
                         "period's density, or off (gradsync schemes; default: the scheme's, "
-                        "4:9 for the SSFusion family, none for the others)")
+                        "4:9 for TopkA, Ok-Topk, DenseStream, per_tensor and the SSFusion family)")
     p.add_argument("--density-schedule", choices=DENSITY_SCHEDULES, default=None,
                    help="gradsync schemes: 'adaptive' raises the density in the critical "
                         "regimes the gradient norm shows, 'fixed' sends --density at every step "
