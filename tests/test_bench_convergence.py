@@ -2145,6 +2145,18 @@ def test_accuracy_dgc_warmup_for_every_scheme_claims_hold_in_the_written_results
                 f"{ratio:.2f}×") in section, page
     dgc3 = _paired_sd(r20["topka"]["finals"][:3], base[:3])
     assert f"DGC's 4 periods give {dgc3.split(' ±')[0]} on those three seeds" in section
+    # ResNet-18, 3 seeds: against the AMD machine's DDP runs, and its runs without the warm-up
+    r18 = _by_scheme("convergence-resnet18-2026-12-06-dgc-warmup-every-scheme", "--model resnet18")
+    fifth = _by_scheme("convergence-resnet18-2026-12-06-fifth")["topka"]
+    amd = _by_scheme("convergence-resnet18-2026-12-05-defaults")
+    t, p = r18["topka"], r18["per_tensor"]
+    assert (f"TopkA {_mean_sd(t['finals'])} %, its worst loss {t['spike']:.2f}× its start "
+            f"({_mean_sd(fifth['finals'])} % without, 75753fb; paired "
+            f"{_paired_sd(t['finals'], fifth['finals']).split(' ±')[0].replace('-', '−')}); "
+            f"per_tensor {_mean_sd(p['finals'])} % (one seed at {100 * min(p['finals']):.2f} %; "
+            f"{_mean_sd(amd['per_tensor']['finals'])} % without it on the AMD machine, 2afb928)"
+            ) in section
+    assert statistics.mean(amd["ddp"]["finals"]) - statistics.mean(p["finals"]) > 0.015
 
 
 def test_readme_warmup_cost_line_holds_in_the_written_results():
