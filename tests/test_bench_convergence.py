@@ -77,6 +77,16 @@ def _mean_sd(finals: list[float]) -> str:
     return f"{100 * statistics.mean(finals):.2f} ± {100 * statistics.stdev(finals):.2f}"
 
 
+# the command of the 100 Mbit/s time-to-accuracy studies (CNN, 960 steps), which every page of
+# them names
+CNN_960 = "--model cnn --steps 960 --seeds 3 --eval-points 16 --world-size 4 --bandwidth 100mbit"
+
+
+def _to_target(rows: dict[str, dict], scheme: str) -> float:
+    """A study's speed-up to 99 % of DDP's accuracy: DDP's seconds to it over ``scheme``'s."""
+    return rows["ddp"]["seconds_to_target"] / rows[scheme]["seconds_to_target"]
+
+
 def _paired_points(a: list[float], b: list[float]) -> tuple[float, float]:
     """Mean of the paired differences ``a − b`` in points (accuracies are fractions) and the
     half-width of its 95 % t interval, computed here, not by the code under test."""
@@ -597,10 +607,9 @@ def test_usage_warmup_claims_hold_in_the_written_results():
     assert [round(100 * d, 1) for d in Config.dgc_warmup(0.01, 4)] == [39.8, 15.8, 6.3, 2.5]
     cnn = _by_scheme("convergence-cnn-2026-12-06-dgc-warmup-every-scheme")["topka"]
     old = _by_scheme("convergence-cnn-2026-12-06-fifth")["topka"]
-    cmd = "--model cnn --steps 960 --seeds 3 --eval-points 16 --world-size 4 --bandwidth 100mbit"
-    w = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-dgc-warmup-every-scheme", cmd)
-    f = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-fifth", cmd)
-    near = [m["ddp"]["seconds_to_target"] / m["topka"]["seconds_to_target"] for m in (w, f)]
+    w = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-dgc-warmup-every-scheme", CNN_960)
+    f = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-fifth", CNN_960)
+    near = [_to_target(m, "topka") for m in (w, f)]
     r20 = _by_scheme("resnet20-cosine/dgc-warmup-every-scheme")
     r20_old = _by_scheme("convergence-resnet20-cosine-2026-12-06-fifth")
     gaps = [_mean_gap_points(m["topka"]["finals"], m["ddp"]["finals"]) for m in (r20_old, r20)]
@@ -1951,9 +1960,8 @@ def test_accuracy_lead_following_the_density_claims_hold_in_the_written_results(
     assert f"paired with no warm-up {gains[0]} and {gains[1]}" in section
     assert r18["ssfusion_oi"]["spike"] < 2 and max(r["spike"] for r in cnn.values()) < 2
     # 100 Mbit/s, 960 steps: SSFusion-OI with the warm-up against the fifth study's without
-    cmd = "--model cnn --steps 960 --seeds 3 --eval-points 16 --world-size 4 --bandwidth 100mbit"
-    w = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-ssfusion-warmup", cmd)
-    f = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-fifth", cmd)
+    w = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-ssfusion-warmup", CNN_960)
+    f = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-fifth", CNN_960)
     assert w["ddp"]["finals"] == f["ddp"]["finals"] and w["topka"] == f["topka"]
     assert set(w["ssfusion_oi"]["code"]) == {"9052b94"}
 
@@ -2102,24 +2110,20 @@ def test_accuracy_dgc_warmup_for_every_scheme_claims_hold_in_the_written_results
             f"and {r20['per_tensor']['spike']:.2f}×") in section
     assert spikes["topka"] == spikes["densestream"]
     # 100 Mbit/s, 960 steps: TopkA and Ok-Topk with the warm-up against the fifth's without
-    cmd = "--model cnn --steps 960 --seeds 3 --eval-points 16 --world-size 4 --bandwidth 100mbit"
-    w = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-dgc-warmup-every-scheme", cmd)
-    f = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-fifth", cmd)
+    w = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-dgc-warmup-every-scheme", CNN_960)
+    f = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-fifth", CNN_960)
     assert w["ddp"]["finals"] == f["ddp"]["finals"]
-
-    def near(r: dict) -> float:
-        return w["ddp"]["seconds_to_target"] / r["seconds_to_target"]
 
     for s, name in (("topka", "TopkA"), ("oktopk", "Ok-Topk")):
         assert (f"{name} ends at {_mean_sd(w[s]['finals'])} % "
                 f"({100 * statistics.mean(f[s]['finals']):.2f} without)") in section, s
-        assert (f"{near(w[s]):.2f}× as fast" if s == "topka" else
-                f"gets there {near(w[s]):.2f}× as fast") in section, s
-        assert (f"({near(f[s]):.2f}× without)" if s == "topka" else
-                f"({near(f[s]):.2f}×), all of it") in section, s
+        assert (f"{_to_target(w, s):.2f}× as fast" if s == "topka" else
+                f"gets there {_to_target(w, s):.2f}× as fast") in section, s
+        assert (f"({_to_target(f, s):.2f}× without)" if s == "topka" else
+                f"({_to_target(f, s):.2f}×), all of it") in section, s
         assert (f"all of it {w[s]['time_speedup']:.2f}× ({f[s]['time_speedup']:.2f}×)"
                 in section), s
-        assert min(near(w[s]) / w[s]["step_speedup"], w[s]["speedup_kept"]) >= 0.97
+        assert min(_to_target(w, s) / w[s]["step_speedup"], w[s]["speedup_kept"]) >= 0.97
 
     def first(r: dict) -> str:  # the seeds' seconds to the first evaluation, step 60
         t = sorted(h[0]["elapsed_s"] for h in r["history"])
@@ -2164,11 +2168,9 @@ def test_readme_warmup_cost_line_holds_in_the_written_results():
     99 % of DDP's accuracy with and without it), in bytes over a 160-step CNN run, and what it
     gains paired with the runs without it (CNN 10 seeds, ResNet-20 5 seeds)."""
     readme = " ".join((ROOT / "README.md").read_text().split())
-    cmd = "--model cnn --steps 960 --seeds 3 --eval-points 16 --world-size 4 --bandwidth 100mbit"
-    w = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-dgc-warmup-every-scheme", cmd)
-    f = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-fifth", cmd)
-    with_, without = (m["ddp"]["seconds_to_target"] / m["topka"]["seconds_to_target"]
-                      for m in (w, f))
+    w = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-dgc-warmup-every-scheme", CNN_960)
+    f = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-fifth", CNN_960)
+    with_, without = (_to_target(m, "topka") for m in (w, f))
     assert round(1 - with_ / without, 1) == 0.2  # a fifth
     cnn = _by_scheme("convergence-cnn-2026-12-06-dgc-warmup-every-scheme")["topka"]
     old = _by_scheme("convergence-cnn-2026-12-06-fifth")["topka"]

@@ -105,7 +105,7 @@ class Components:
             sp.load_state_dict(s)
             sparsifiers[k] = sp
         colls = {}
-        built_for = state.get("collective_density", {})  # none before the warm-up's default
+        built_for = state.get("collective_density", {})  # none before 04f07dc: the target
         for k, s in state.get("collectives", {}).items():  # none in older hook states
             c = self.new_collective(built_for.get(k))
             c.load_state_dict(s)
