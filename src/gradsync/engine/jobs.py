@@ -45,7 +45,8 @@ from gradsync.schedule import Plan
 from gradsync.sparsegrad import SparseGrad, bincount, constant
 
 __all__ = ["RESENT", "InFlight", "Job", "JobResult", "Launched", "Mode", "Payload", "StepRun",
-           "Transport", "ahead", "at_density", "bounds", "concat", "plan_jobs", "resent"]
+           "Transport", "ahead", "at_density", "bounds", "concat", "plan_jobs", "resent",
+           "selected_share"]
 
 
 class Mode(StrEnum):
@@ -88,13 +89,22 @@ class Job:
         return self.collective if self.transport is Transport.COLLECTIVE else "allreduce"
 
 
-def at_density(job: Job, density: float, target: float) -> Job:
+def at_density(job: Job, density: float, target: float, numels: Sequence[int], P: int
+               ) -> Job:
     """``job`` during DGC's density warm-up (``Config.density_warmup``): every planned density
     scaled by ``density / target`` (capped at 1, so SSFusion's compensation keeps its shape) and
-    the collective's own selection at ``density``. Dense jobs are returned unchanged. At
-    density 1 every entry travels: a dense all-reduce through error feedback (the all-reduce
-    part of a per-tensor job, every tensor excluded), DDP's bytes instead of an all-gather of
-    every entry from every rank (P/2 times as many; AdamW's warm-up, ``gradsync.optim``).
+    the collective's own selection at ``density``. Dense jobs are returned unchanged.
+    ``numels``: the entries of each of ``job.names``; ``P``: the world size.
+
+    **Sent whole where a selection costs more.** A job that would select at least 1/P of its
+    entries (:func:`selected_share`) sends every entry instead: a dense all-reduce through
+    error feedback (the all-reduce part of a per-tensor job, every tensor excluded). An
+    all-gather of d·n entries, each an index and a value (twice a value's bytes), sends
+    (P − 1)·2d·n values' bytes per rank, a ring all-reduce of all n 2(P − 1)/P·n: from d = 1/P
+    on the selection sends at least DDP's bytes, and sending everything costs no more. So
+    density 1 (AdamW's warm-up, ``gradsync.optim``) is DDP's bytes, not P/2 times them, and so
+    is the first of DGC's four periods (39.8 % at 1 %) at P ≥ 3: at P = 4 it sent 2.4× DDP's
+    bytes per step (docs/results/accuracy.md, "A warm-up never sends more than DDP").
 
     The lead of momentum sent ahead (``gradsync.feedback``, "Ahead") shrinks by ``target /
     density`` (:attr:`Job.lead_share`): an entry selected at density d waits about 1/d steps,
@@ -105,14 +115,28 @@ def at_density(job: Job, density: float, target: float) -> Job:
     up")."""
     if job.mode is Mode.DENSE or density == target:
         return job
-    if density >= 1.0:
+    f = density / target
+    if density >= 1.0 or selected_share(job, f, target, numels) * P >= 1.0:
         return Job(job.names, Mode.PER_TENSOR, Transport.ALLREDUCE,
                    densities=dict.fromkeys(job.names))
-    f = density / target
     return replace(job, density=None if job.density is None else min(1.0, job.density * f),
                    densities={n: None if d is None else min(1.0, d * f)
                               for n, d in job.densities.items()},
                    collective_density=density, lead_share=min(1.0, target / density))
+
+
+def selected_share(job: Job, f: float, target: float, numels: Sequence[int]) -> float:
+    """The share of ``job``'s entries (``numels``, one per name) its selection takes with every
+    planned density scaled by ``f`` (capped at 1): a fused job's density (the target where it
+    has none of its own), a per-tensor job's entries over its tensors, whole ones at 1."""
+    if len(numels) != len(job.names):
+        raise ValueError(f"selected_share: {len(numels)} sizes for {len(job.names)} tensors")
+    n = sum(numels)
+    if job.mode is Mode.FUSED or not n:
+        return min(1.0, (target if job.density is None else job.density) * f)
+    took = sum(k if job.densities.get(name) is None else min(1.0, job.densities[name] * f) * k
+               for name, k in zip(job.names, numels, strict=True))
+    return took / n
 
 
 def plan_jobs(plan: Plan, collective: str, names: Sequence[str]) -> list[Job]:
