@@ -274,19 +274,21 @@ def test_ddp_hook_warmup_at_density_one_is_a_dense_allreduce(scheme: str) -> Non
         assert max(sent[2:]) < sent[1], (sent, ring)  # then 5 %: sparse again
 
 
-@pytest.mark.parametrize("scheme", ["topka", "oktopk", "densestream", "per_tensor", "ssfusion"])
+@pytest.mark.parametrize("scheme", ["topka", "per_tensor", "ssfusion", "oktopk", "densestream"])
 def test_a_warmup_period_selecting_1_over_P_or_more_costs_ddps_bytes(scheme: str) -> None:
-    """At P = 3 a period at 50 % (over 1/3 of every job's entries) sends every entry in a ring
-    all-reduce, DDP's bytes (an all-gather of the selection would send 1.5 times them); the
-    period at 20 % after it (under 1/3) is sparse again, and every step conserves.
-    DenseStream's blocks, summed over the union of three ranks' selections, still send
-    1.15-1.2 times the ring's bytes at 20 % here: the rule is the all-gather's."""
+    """At P = 3 a period at 50 % (over 1/3 of every job's entries) of a scheme whose collective
+    all-gathers the selection (TopkA's) sends every entry in a ring all-reduce, DDP's bytes (the
+    all-gather would send 1.5 times them); the period at 20 % after it (under 1/3) is sparse
+    again, and every step conserves. Ok-Topk and DenseStream reduce as they go and keep their
+    own collective (DenseStream's blocks, over the union of three ranks' selections, send
+    1.15-1.2 times the ring's bytes at 20 % here, so no fixed share would do for it)."""
+    gathers = scheme in ("topka", "per_tensor", "ssfusion")
     for rank_out in run_distributed(_whole_rank, 3, scheme, (0.5, 0.2)):
         sent, ring = rank_out["sent"], rank_out["ring"]
         assert rank_out["conserved"]
         # steps 1-2 at 50 % (step 0 profiles): the ring all-reduce's bytes, to its rounding
-        assert all(abs(b - ring) <= 8 for b in sent[1:3]), (sent, ring)
-        if scheme != "densestream":
+        assert all((abs(b - ring) <= 8) == gathers for b in sent[1:3]), (sent, ring)
+        if gathers:
             assert max(sent[3:6]) < 0.9 * ring, (sent, ring)  # 20 %: sparse
         assert ring not in sent[3:], (sent, ring)
         assert max(sent[6:]) < min(0.9 * min(sent[3:6]), ring / 2), (sent, ring)  # then 5 %
@@ -480,10 +482,12 @@ def test_a_collective_of_a_warmup_density_resumes_bitwise(P: int) -> None:
 
 
 def test_at_density_sends_whole_from_1_over_P() -> None:
-    """``at_density``'s rule on hand-made jobs: a fused job whole from a selection of 1/P of its
-    entries (50 % at P = 2, 33.3 % at 3, 25 % at 4, 12.5 % at 8), never at P = 1; a per-tensor
-    job counts its whole tensors' entries with the selected ones; all-reduce parts and dense
-    jobs pass through; wrong sizes are refused."""
+    """``at_density``'s rule on hand-made jobs: a fused TopkA job whole from a selection of 1/P
+    of its entries (50 % at P = 2, 33.3 % at 3, 25 % at 4, 12.5 % at 8), never at P = 1; a
+    per-tensor job counts its whole tensors' entries with the selected ones; Ok-Topk and
+    DenseStream keep their selection; dense jobs pass through; wrong sizes are refused."""
+    from dataclasses import replace
+
     from gradsync.engine.jobs import Job, Mode, Transport, at_density, selected_share
 
     fused = Job(("a", "b"), Mode.FUSED, Transport.COLLECTIVE, "topka", density=0.01)
@@ -504,6 +508,9 @@ def test_at_density_sends_whole_from_1_over_P() -> None:
     assert selected_share(per, 10.0, 0.01, [100, 900]) == pytest.approx(0.19)
     assert at_density(per, 0.1, 0.01, [100, 900], 5).densities == {"w": None, "c": 0.1}
     assert at_density(per, 0.1, 0.01, [100, 900], 6).transport is Transport.ALLREDUCE
+    for name in ("oktopk", "densestream"):  # they reduce as they go: their own selection
+        other = replace(fused, collective=name)
+        assert at_density(other, 0.5, 0.01, [600, 400], 4).collective_density == 0.5
     dense = Job(("a",), Mode.DENSE, Transport.ALLREDUCE)
     assert at_density(dense, 0.5, 0.01, [10], 4) is dense
     with pytest.raises(ValueError, match="2 tensors"):

@@ -39,6 +39,7 @@ from enum import StrEnum
 
 import torch
 
+from gradsync import collectives
 from gradsync.collectives.comm import CommStats
 from gradsync.engine.audit import values_at
 from gradsync.schedule import Plan
@@ -96,15 +97,20 @@ def at_density(job: Job, density: float, target: float, numels: Sequence[int], P
     the collective's own selection at ``density``. Dense jobs are returned unchanged.
     ``numels``: the entries of each of ``job.names``; ``P``: the world size.
 
-    **Sent whole where a selection costs more.** A job that would select at least 1/P of its
-    entries (:func:`selected_share`) sends every entry instead: a dense all-reduce through
-    error feedback (the all-reduce part of a per-tensor job, every tensor excluded). An
-    all-gather of d·n entries, each an index and a value (twice a value's bytes), sends
+    **Sent whole where a selection costs more.** At density 1, and where the job's collective
+    all-gathers the selection (:attr:`Collective.gathers <gradsync.collectives.Collective>`:
+    TopkA, so TopkA, per_tensor and the SSFusion family) and the job would select at least 1/P
+    of its entries (:func:`selected_share`), every entry travels instead: a dense all-reduce
+    through error feedback (the all-reduce part of a per-tensor job, every tensor excluded).
+    An all-gather of d·n entries, each an index and a value (twice a value's bytes), sends
     (P − 1)·2d·n values' bytes per rank, a ring all-reduce of all n 2(P − 1)/P·n: from d = 1/P
-    on the selection sends at least DDP's bytes, and sending everything costs no more. So
-    density 1 (AdamW's warm-up, ``gradsync.optim``) is DDP's bytes, not P/2 times them, and so
-    is the first of DGC's four periods (39.8 % at 1 %) at P ≥ 3: at P = 4 it sent 2.4× DDP's
-    bytes per step (docs/results/accuracy.md, "A warm-up never sends more than DDP").
+    on the selection sends at least DDP's bytes, and everything costs no more. So density 1
+    (AdamW's warm-up, ``gradsync.optim``) is DDP's bytes, not P/2 times them, and so is the
+    first of DGC's four periods (39.8 % at 1 %) at P ≥ 3: at P = 4 TopkA's sent 1.6× DDP's
+    bytes a step (docs/results/accuracy.md, "A warm-up step never gathers more than DDP
+    sends"). The other collectives reduce as they go, and their bytes at a density are their
+    own (DenseStream's 39.8 % at P = 4 sends fewer than DDP's on the CNN; at 20 %, P = 3 on
+    the MLP of tests/test_warmup.py more): they keep their selection.
 
     The lead of momentum sent ahead (``gradsync.feedback``, "Ahead") shrinks by ``target /
     density`` (:attr:`Job.lead_share`): an entry selected at density d waits about 1/d steps,
@@ -116,7 +122,9 @@ def at_density(job: Job, density: float, target: float, numels: Sequence[int], P
     if job.mode is Mode.DENSE or density == target:
         return job
     f = density / target
-    if density >= 1.0 or selected_share(job, f, target, numels) * P >= 1.0:
+    if density >= 1.0 or (job.transport is Transport.COLLECTIVE
+                          and collectives.registry.factory(job.collective).gathers
+                          and selected_share(job, f, target, numels) * P >= 1.0):
         return Job(job.names, Mode.PER_TENSOR, Transport.ALLREDUCE,
                    densities=dict.fromkeys(job.names))
     return replace(job, density=None if job.density is None else min(1.0, job.density * f),
