@@ -48,8 +48,7 @@ ENGINE_CASES = {
     "oktopk": Config(scheme="oktopk", density=0.05, warmup_steps=3, momentum=0.0),
 }
 FORMATS = ("plain", "dcp")
-HOOK_CFG = Config(scheme="ssfusion_oi", density=0.05, momentum=0.9,  # DGC: random streams
-                  density_warmup=())  # sparse from the start: the residuals to resume
+HOOK_CFG = Config(scheme="ssfusion_oi", density=0.05, momentum=0.9)  # DGC: random streams
 HOOK_TOTAL, HOOK_SAVE = 5, 3
 HOOK_SMALL = 1000  # the biases travel dense, the weights sparsified and compensated
 

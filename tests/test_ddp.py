@@ -101,11 +101,8 @@ def _threaded(rank: int, world_size: int, scheme: str, inline: bool, unused: boo
         pipeline.host_kernels = lambda t: False
     model = build("cnn", seed=4)
     ddp = DDP(model, bucket_cap_mb=0.1, find_unused_parameters=unused)
-    # no warm-up: its whole steps' all-reduce, summed per bucket inline and at the last
-    # bucket on the thread, adds in another order at P = 3 (pipeline.py, "split")
     state = gradsync.ddp.register(ddp, Config(scheme=scheme, density=0.02, momentum=0.9,
-                                              clip_norm=1.0, density_warmup=()),
-                                  small_numel=1000)
+                                              clip_norm=1.0), small_numel=1000)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     calls = []
     for step in range(6):

@@ -125,8 +125,7 @@ def _overflow(rank: int, P: int, policy: str) -> dict:
     ddp = DDP(model)
     state = gradsync.ddp.register(ddp, Config(scheme="per_tensor", density=0.05,
                                               sparsifier="topk", nonfinite=policy,
-                                              compress_single_rank=True, density_warmup=()),
-                                  small_numel=1000)  # sparse at step 1: a residual to spoil
+                                              compress_single_rank=True), small_numel=1000)
     name, first = next(iter(model.named_parameters()))
     big = {"on": False}
 

@@ -37,7 +37,7 @@ def _hook(rank: int, cfg: Config, unused: bool = False):
 def _side(rank: int, world_size: int, scheme: str, side: str, unused: bool) -> dict:
     """Five steps on one side of the trial, with momentum and clipping."""
     model, ddp, state = _hook(rank, Config(scheme=scheme, density=0.02, momentum=0.9,
-                                           clip_norm=1.0, density_warmup=()), unused)
+                                           clip_norm=1.0), unused)
     _verdict(state, side)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     calls = []

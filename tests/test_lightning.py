@@ -32,9 +32,7 @@ print(strategy.stats()["total"]["bytes_sent"])  # this rank's gradsync traffic
 trainer.save_checkpoint("last.ckpt")  # every rank's gradsync state, each its own
 """
 CONFIG = {"scheme": "per_tensor", "density": 0.1}  # the snippet's
-# 12 steps an epoch: at P = 2 DGC's warm-up sends its first 9 whole (63 % at 10 %, over 1/P:
-# engine.jobs.at_density), the next ones leave residuals in the epoch-1 checkpoint
-EPOCHS, SAMPLES, BATCH = 2, 384, 16
+EPOCHS, SAMPLES, BATCH = 2, 256, 16
 
 
 def _worker(out: str, phase: str) -> None:

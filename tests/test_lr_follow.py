@@ -30,7 +30,7 @@ STEPS = 6
 def _cfg(scheme: str) -> Config:
     # momentum 0: acc_t = f·residual_{t−1} + C_t exactly; compress_single_rank: P = 1 too
     return Config(scheme=scheme, density=0.1, momentum=0.0, sparsifier="topk",
-                  compress_single_rank=True, density_warmup=())  # residuals from step 0
+                  compress_single_rank=True)
 
 
 def _grad(rank: int, step: int) -> torch.Tensor:

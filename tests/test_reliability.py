@@ -100,8 +100,7 @@ def _replicas(rank: int, world_size: int, cases: list[tuple[str, float]], audit:
         model = build("mlp", seed=1)
         before = parameter_digest(model)[0]
         sync = GradSync(model, Config(scheme=scheme, density=0.05, warmup_steps=2,
-                                      momentum=momentum, check_every=check_every,
-                                      density_warmup=()),
+                                      momentum=momentum, check_every=check_every),
                         group=group, audit=audit)
         audits = []
         for step in range(STEPS):

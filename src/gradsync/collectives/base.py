@@ -100,10 +100,6 @@ class Collective(ABC):
     exact: bool = True  # does `dense` equal the sum of every rank's selection?
     # ``_reduce`` takes ``lazy``: it can leave the sum's writing to the caller (__call__)
     lazy_decode: bool = False
-    # every rank's selection reaches every other rank as it was sent (an all-gather): a rank
-    # sends (P − 1)·k entries, a ring all-reduce's bytes from k = n/P on (engine.jobs.at_density
-    # sends such a warm-up step whole)
-    gathers: bool = False
 
     def __init__(self, *, check_shapes: bool | str = True) -> None:
         if check_shapes not in (True, False, "changes"):

@@ -39,15 +39,13 @@ from enum import StrEnum
 
 import torch
 
-from gradsync import collectives
 from gradsync.collectives.comm import CommStats
 from gradsync.engine.audit import values_at
 from gradsync.schedule import Plan
 from gradsync.sparsegrad import SparseGrad, bincount, constant
 
 __all__ = ["RESENT", "InFlight", "Job", "JobResult", "Launched", "Mode", "Payload", "StepRun",
-           "Transport", "ahead", "at_density", "bounds", "concat", "plan_jobs", "resent",
-           "selected_share"]
+           "Transport", "ahead", "at_density", "bounds", "concat", "plan_jobs", "resent"]
 
 
 class Mode(StrEnum):
@@ -90,27 +88,13 @@ class Job:
         return self.collective if self.transport is Transport.COLLECTIVE else "allreduce"
 
 
-def at_density(job: Job, density: float, target: float, numels: Sequence[int], P: int
-               ) -> Job:
+def at_density(job: Job, density: float, target: float) -> Job:
     """``job`` during DGC's density warm-up (``Config.density_warmup``): every planned density
     scaled by ``density / target`` (capped at 1, so SSFusion's compensation keeps its shape) and
-    the collective's own selection at ``density``. Dense jobs are returned unchanged.
-    ``numels``: the entries of each of ``job.names``; ``P``: the world size.
-
-    **Sent whole where a selection costs more.** At density 1, and where the job's collective
-    all-gathers the selection (:attr:`Collective.gathers <gradsync.collectives.Collective>`:
-    TopkA, so TopkA, per_tensor and the SSFusion family) and the job would select at least 1/P
-    of its entries (:func:`selected_share`), every entry travels instead: a dense all-reduce
-    through error feedback (the all-reduce part of a per-tensor job, every tensor excluded).
-    An all-gather of d·n entries, each an index and a value (twice a value's bytes), sends
-    (P − 1)·2d·n values' bytes per rank, a ring all-reduce of all n 2(P − 1)/P·n: from d = 1/P
-    on the selection sends at least DDP's bytes, and everything costs no more. So density 1
-    (AdamW's warm-up, ``gradsync.optim``) is DDP's bytes, not P/2 times them, and so is the
-    first of DGC's four periods (39.8 % at 1 %) at P ≥ 3: at P = 4 TopkA's sent 1.6× DDP's
-    bytes a step (docs/results/accuracy.md, "A warm-up step never gathers more than DDP
-    sends"). The other collectives reduce as they go, and their bytes at a density are their
-    own (DenseStream's 39.8 % at P = 4 sends fewer than DDP's on the CNN; at 20 %, P = 3 on
-    the MLP of tests/test_warmup.py more): they keep their selection.
+    the collective's own selection at ``density``. Dense jobs are returned unchanged. At
+    density 1 every entry travels: a dense all-reduce through error feedback (the all-reduce
+    part of a per-tensor job, every tensor excluded), DDP's bytes instead of an all-gather of
+    every entry from every rank (P/2 times as many; AdamW's warm-up, ``gradsync.optim``).
 
     The lead of momentum sent ahead (``gradsync.feedback``, "Ahead") shrinks by ``target /
     density`` (:attr:`Job.lead_share`): an entry selected at density d waits about 1/d steps,
@@ -121,30 +105,14 @@ def at_density(job: Job, density: float, target: float, numels: Sequence[int], P
     up")."""
     if job.mode is Mode.DENSE or density == target:
         return job
-    f = density / target
-    if density >= 1.0 or (job.transport is Transport.COLLECTIVE
-                          and collectives.registry.factory(job.collective).gathers
-                          and selected_share(job, f, target, numels) * P >= 1.0):
+    if density >= 1.0:
         return Job(job.names, Mode.PER_TENSOR, Transport.ALLREDUCE,
                    densities=dict.fromkeys(job.names))
+    f = density / target
     return replace(job, density=None if job.density is None else min(1.0, job.density * f),
                    densities={n: None if d is None else min(1.0, d * f)
                               for n, d in job.densities.items()},
                    collective_density=density, lead_share=min(1.0, target / density))
-
-
-def selected_share(job: Job, f: float, target: float, numels: Sequence[int]) -> float:
-    """The share of ``job``'s entries (``numels``, one per name) its selection takes with every
-    planned density scaled by ``f`` (capped at 1): a fused job's density (the target where it
-    has none of its own), a per-tensor job's entries over its tensors, whole ones at 1."""
-    if len(numels) != len(job.names):
-        raise ValueError(f"selected_share: {len(numels)} sizes for {len(job.names)} tensors")
-    n = sum(numels)
-    if job.mode is Mode.FUSED or not n:
-        return min(1.0, (target if job.density is None else job.density) * f)
-    took = sum(k if job.densities.get(name) is None else min(1.0, job.densities[name] * f) * k
-               for name, k in zip(job.names, numels, strict=True))
-    return took / n
 
 
 def plan_jobs(plan: Plan, collective: str, names: Sequence[str]) -> list[Job]:
