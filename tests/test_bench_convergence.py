@@ -2182,3 +2182,38 @@ def test_readme_warmup_cost_line_holds_in_the_written_results():
     assert (f"DGC's warm-up costs TopkA a fifth of that speed-up ({without:.2f}× without it) and "
             f"{ratio:.1f}× the bytes of a 160-step run, for {gain[0]} points on the CNN and "
             f"{gain[1]} on ResNet-20 (paired).") in readme
+
+
+def test_accuracy_first_period_sent_whole_claims_hold_in_the_written_results():
+    """accuracy.md, "DGC's first period sent whole: tried, reverted": each scheme's row (against
+    DDP, paired with the all-gathered warm-up's runs of the section before, bytes over the run
+    against theirs), recomputed from the pages' finals; the same DDP runs throughout."""
+    section = " ".join(_accuracy().split("## DGC's first period sent whole: tried, reverted")[1]
+                       .split("## Preconditioned")[0].split())
+    cnn = _by_scheme("convergence-cnn-2026-12-06-warmup-whole", "--model cnn")
+    r20 = _by_scheme("resnet20-cosine/warmup-whole", "--model resnet20")
+    was = {"cnn": _by_scheme("convergence-cnn-2026-12-06-dgc-warmup-every-scheme"),
+           "r20": _by_scheme("resnet20-cosine/dgc-warmup-every-scheme")}
+    was["cnn"]["ssfusion"] = _by_scheme("convergence-cnn-2026-12-06-ssfusion-warmup")["ssfusion"]
+    assert cnn["ddp"]["finals"] == was["cnn"]["ddp"]["finals"]
+    assert r20["ddp"]["finals"] == was["r20"]["ddp"]["finals"]
+    assert cnn["ssfusion"]["finals"] == cnn["ssfusion_oi"]["finals"]  # the same plans here
+    assert {c for m in (cnn, r20) for s, r in m.items() if s != "ddp"
+            for c in r["code"]} == {"b31208f"}
+
+    def cells(m: dict, old: dict, s: str) -> tuple[str, str, float]:
+        a = m[s]["finals"]
+        mean, half = _paired_points(a, old[s]["finals"])
+        paired = (f"{_paired_sd(a, old[s]['finals'])} [{mean - half:+.2f}, {mean + half:+.2f}]"
+                  .replace("-", "−"))
+        ratio = m[s]["run_bytes_per_step"] / old[s]["run_bytes_per_step"]
+        return _interval_cell(a, m["ddp"]["finals"]), paired, ratio
+
+    for s, name in (("topka", "TopkA"), ("per_tensor", "per_tensor")):
+        c, cp, cb = cells(cnn, was["cnn"], s)
+        r, rp, rb = cells(r20, was["r20"], s)
+        down = sum(x < y for x, y in zip(r20[s]["finals"], was["r20"][s]["finals"]))
+        rp += f", {down} of 5 seeds down" if s == "topka" else ""
+        assert f"| {name} | {c} | {cp} | {cb:.2f} | {r} | {rp} | {rb:.2f} |" in section, s
+    c, cp, cb = cells(cnn, was["cnn"], "ssfusion")
+    assert f"| SSFusion, SSFusion-OI | {c} | {cp} | {cb:.2f} |" in section
