@@ -30,6 +30,11 @@ def _accuracy() -> str:
     return " ".join(ACCURACY.read_text().split())
 
 
+def _accuracy_from(heading: str, until: str = "## Preconditioned") -> str:
+    """:func:`_accuracy` from the section ``## heading`` to the heading ``until``."""
+    return _accuracy().split(f"## {heading}")[1].split(until)[0]
+
+
 def _results(name: str, command: str | None = None) -> dict:
     """A results page's JSON, ``docs/results/<name>.json``; with ``command``, its recorded
     command must start with ``python -m gradsync bench convergence `` and then ``command``."""
@@ -1908,8 +1913,7 @@ def test_accuracy_lead_following_the_density_claims_hold_in_the_written_results(
     (SSFusion-OI with the warm-up against DDP, paired with the fifth's runs without it, bytes
     over the run, worst loss), SSFusion's CNN runs equal to SSFusion-OI's, no divergence, the
     schemes without a warm-up kept bit for bit, and the ResNet-20 figures of the bullets."""
-    section = " ".join(_accuracy().split("## The lead follows the density")[1]
-                       .split("## Preconditioned")[0].split())
+    section = _accuracy_from("The lead follows the density")
     new = {"cnn": _by_scheme("convergence-cnn-2026-12-06-ssfusion-warmup", "--model cnn"),
            "r20": _by_scheme("resnet20-cosine/lead-follows-dgc-warmup-ssfusion-oi",
                              "--model resnet20"),
@@ -2076,8 +2080,7 @@ def test_accuracy_dgc_warmup_for_every_scheme_claims_hold_in_the_written_results
     warm-up against DDP, paired with the fifth's runs without it, bytes over the run), the
     worst losses, the 100 Mbit/s figures against the fifth study's, and the warm-ups within
     1.5× the bytes on ResNet-20, each recomputed from the pages' finals."""
-    section = " ".join(_accuracy().split("## DGC's warm-up for every scheme measured")[1]
-                       .split("## Preconditioned")[0].split())
+    section = _accuracy_from("DGC's warm-up for every scheme measured")
     cnn = _by_scheme("convergence-cnn-2026-12-06-dgc-warmup-every-scheme", "--model cnn")
     r20 = _by_scheme("resnet20-cosine/dgc-warmup-every-scheme", "--model resnet20")
     old = {"cnn": _by_scheme("convergence-cnn-2026-12-06-fifth"),
@@ -2188,8 +2191,7 @@ def test_accuracy_first_period_sent_whole_claims_hold_in_the_written_results():
     """accuracy.md, "DGC's first period sent whole: tried, reverted": each scheme's row (against
     DDP, paired with the all-gathered warm-up's runs of the section before, bytes over the run
     against theirs), recomputed from the pages' finals; the same DDP runs throughout."""
-    section = " ".join(_accuracy().split("## DGC's first period sent whole: tried, reverted")[1]
-                       .split("## Preconditioned")[0].split())
+    section = _accuracy_from("DGC's first period sent whole: tried, reverted")
     cnn = _by_scheme("convergence-cnn-2026-12-06-warmup-whole", "--model cnn")
     r20 = _by_scheme("resnet20-cosine/warmup-whole", "--model resnet20")
     was = {"cnn": _by_scheme("convergence-cnn-2026-12-06-dgc-warmup-every-scheme"),
