@@ -151,11 +151,10 @@ class Config:
             (DGC's four warm-up epochs); :meth:`dgc_warmup` builds the exponential schedule.
             After the last period the target ``density`` applies; inside one, momentum sent
             ahead leads by ``density / period's density`` of its share. ``None`` (default):
-            the scheme's (``Scheme.dgc_warmup``): for TopkA, Ok-Topk, DenseStream, per_tensor
-            and the SSFusion family 4 periods of 9 steps, 39.8 → 2.5 % at 1 % (ResNet-20:
-            TopkA −2.27 → −0.45 points vs DDP, at 4.4× the bytes of a 160-step run); none
-            for the schemes not measured. ``()``: none. :attr:`warmup` is the schedule in
-            force (none at density 1).
+            the scheme's (``Scheme.dgc_warmup``, with what it was measured to gain and cost):
+            for TopkA, Ok-Topk, DenseStream, per_tensor and the SSFusion family 4 periods of 9
+            steps, 39.8 → 2.5 % at 1 %; none for the schemes not measured. ``()``: none.
+            :attr:`warmup` is the schedule in force (none at density 1).
         density_warmup_steps: the length of one warm-up period in synchronized steps (an
             epoch's steps for DGC's per-epoch schedule); required (> 0) with a non-empty
             ``density_warmup``, ``None`` with the scheme's.
