@@ -445,3 +445,38 @@ def _resumed_mid_warmup(rank: int, P: int, scheme: str) -> bool:
 @pytest.mark.parametrize("P", [1, 2])
 def test_a_collective_of_a_warmup_density_resumes_bitwise(P: int) -> None:
     assert all(run_distributed(_resumed_mid_warmup, P, "oktopk", timeout=180))
+
+
+def _dense_selection_rank(rank: int, P: int, scheme: str) -> dict:
+    """Profiling step 0, then 50 % for 3 steps, 20 % for 3, then 5 %: bytes and entries
+    selected per step, and conservation."""
+    from gradsync.collectives.comm import ring_allreduce_bytes
+
+    pin_profiles(backward=True)
+    model = build("mlp", seed=2)
+    n = sum(p.numel() for p in model.parameters())
+    sync = GradSync(model, Config(scheme=scheme, density=0.05, sparsifier="topk",
+                                  warmup_steps=1, density_warmup=(0.5, 0.2),
+                                  density_warmup_steps=3, momentum=0.9), audit=True)
+    got, conserved = _audited_steps(
+        model, sync, rank, 8,
+        lambda: (sync.stats()["last"]["bytes_sent"],
+                 sum(r.sent_indices.numel() for r in sync.audit_log)))
+    return {"n": n, "ring": ring_allreduce_bytes(4 * n, P), "got": got, "conserved": conserved}
+
+
+@pytest.mark.parametrize("scheme", ["topka", "per_tensor"])
+def test_a_selection_of_1_over_P_or_more_travels_as_a_dense_allreduce(scheme: str) -> None:
+    """At P = 3 the 50 % period selects as before (half the entries, the rest kept in the
+    residual) but its selection travels densified in an all-reduce: DDP's bytes, not the 1.5×
+    an all-gather sends; 20 % (under 1/3) all-gathers again."""
+    for out in run_distributed(_dense_selection_rank, 3, scheme):
+        n, ring, got = out["n"], out["ring"], out["got"]
+        assert out["conserved"]
+        sent, picked = zip(*got)
+        # steps 1-2 at 50 % (step 0 profiles): the ring's bytes, with the dense call's first
+        # shape check and the agreement words, and half the entries selected
+        assert all(abs(b - ring) <= 0.001 * ring for b in sent[1:3]), (sent, ring)
+        assert all(abs(k - 0.5 * n) <= 0.01 * n for k in picked[1:3]), (picked, n)
+        assert max(sent[3:6]) < 0.9 * ring, (sent, ring)  # 20 %: all-gathered
+        assert all(abs(k - 0.2 * n) <= 0.01 * n for k in picked[3:6]), (picked, n)
