@@ -498,7 +498,7 @@ def test_single_process_without_process_group(compress):
 def _nonfinite(rank, world_size, policy, bad_rank, scheme):
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme=scheme, density=0.05, sparsifier="topk",
-                                  warmup_steps=1, nonfinite=policy))
+                                  warmup_steps=1, nonfinite=policy, density_warmup=()))
     results = []
     for step in range(4):
         model.zero_grad()

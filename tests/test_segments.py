@@ -264,7 +264,7 @@ def _one_buffer_rank(rank, world_size, sparsifier, on, capped):
     model = torch.nn.Sequential(*[m for _ in range(4) for m in (torch.nn.Linear(24, 24),
                                                                   torch.nn.Tanh())])
     sync = GradSync(model, Config(scheme="topka", density=0.05, sparsifier=sparsifier,
-                                  momentum=0.9, warmup_steps=1))
+                                  momentum=0.9, warmup_steps=1, density_warmup=()))
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     g = torch.Generator().manual_seed(1 + rank)
     real, exchanges = Comm.all_gather_counts, []

@@ -445,3 +445,73 @@ def _resumed_mid_warmup(rank: int, P: int, scheme: str) -> bool:
 @pytest.mark.parametrize("P", [1, 2])
 def test_a_collective_of_a_warmup_density_resumes_bitwise(P: int) -> None:
     assert all(run_distributed(_resumed_mid_warmup, P, "oktopk", timeout=180))
+
+
+def _dense_selection_rank(rank: int, P: int, scheme: str) -> dict:
+    """Profiling step 0, then 50 % for 3 steps, 20 % for 3, then 5 %: bytes and entries
+    selected per step, and conservation."""
+    from gradsync.collectives.comm import ring_allreduce_bytes
+
+    pin_profiles(backward=True)
+    model = build("mlp", seed=2)
+    n = sum(p.numel() for p in model.parameters())
+    sync = GradSync(model, Config(scheme=scheme, density=0.05, sparsifier="topk",
+                                  warmup_steps=1, density_warmup=(0.5, 0.2),
+                                  density_warmup_steps=3, momentum=0.9), audit=True)
+    got, conserved = _audited_steps(
+        model, sync, rank, 8,
+        lambda: (sync.stats()["last"]["bytes_sent"],
+                 sum(r.sent_indices.numel() for r in sync.audit_log)))
+    return {"n": n, "ring": ring_allreduce_bytes(4 * n, P), "got": got, "conserved": conserved}
+
+
+@pytest.mark.parametrize("scheme", ["topka", "per_tensor"])
+def test_a_selection_of_1_over_P_or_more_travels_as_a_dense_allreduce(scheme: str) -> None:
+    """At P = 3 the 50 % period selects as before (half the entries, the rest kept in the
+    residual) but its selection travels densified in an all-reduce: DDP's bytes, not the 1.5×
+    an all-gather sends; 20 % (under 1/3) all-gathers again."""
+    for out in run_distributed(_dense_selection_rank, 3, scheme):
+        n, ring, got = out["n"], out["ring"], out["got"]
+        assert out["conserved"]
+        sent, picked = zip(*got)
+        # steps 1-2 at 50 % (step 0 profiles): the ring's bytes, with the dense call's first
+        # shape check and the agreement words, and half the entries selected
+        assert all(abs(b - ring) <= 0.001 * ring for b in sent[1:3]), (sent, ring)
+        assert all(abs(k - 0.5 * n) <= 0.01 * n for k in picked[1:3]), (picked, n)
+        assert max(sent[3:6]) < 0.9 * ring, (sent, ring)  # 20 %: all-gathered
+        assert all(abs(k - 0.2 * n) <= 0.01 * n for k in picked[3:6]), (picked, n)
+
+
+def test_at_density_all_reduces_a_gathered_selection_from_1_over_P() -> None:
+    """``at_density``'s rule on hand-made jobs: a fused TopkA job's selection travels through
+    the ``dense`` collective from 1/P of its entries (50 % at P = 2, 33.3 % at 3, 25 % at 4,
+    12.5 % at 8; never at P = 1), at the same densities; a per-tensor job counts its whole
+    tensors' entries with the selected ones; Ok-Topk and DenseStream keep their collective;
+    dense jobs pass through; wrong sizes are refused."""
+    from dataclasses import replace
+
+    from gradsync.engine.jobs import Job, Mode, Transport, at_density, selected_share
+
+    fused = Job(("a", "b"), Mode.FUSED, Transport.COLLECTIVE, "topka", density=0.01)
+    for P, from_ in [(2, 0.5), (3, 1 / 3), (4, 0.25), (8, 0.125)]:
+        below = at_density(fused, from_ * 0.99, 0.01, [600, 400], P)
+        at = at_density(fused, from_, 0.01, [600, 400], P)
+        assert (below.collective, at.collective) == ("topka", "dense")
+        assert at.density == pytest.approx(from_) and at.transport is Transport.COLLECTIVE
+        assert at.lead_share == pytest.approx(0.01 / from_)
+    assert at_density(fused, 0.9, 0.01, [600, 400], 1).collective == "topka"
+    assert at_density(fused, 0.01, 0.01, [600, 400], 8) is fused  # the target: unchanged
+    # "w" (100 entries) whole, "c" (900) at 1 % → 10 %: 19 % of the entries, from P = 6
+    per = Job(("w", "c"), Mode.PER_TENSOR, Transport.COLLECTIVE, "topka",
+              densities={"w": None, "c": 0.01})
+    assert selected_share(per, 10.0, 0.01, [100, 900]) == pytest.approx(0.19)
+    assert at_density(per, 0.1, 0.01, [100, 900], 5).collective == "topka"
+    assert at_density(per, 0.1, 0.01, [100, 900], 6).densities == {"w": None, "c": 0.1}
+    assert at_density(per, 0.1, 0.01, [100, 900], 6).collective == "dense"
+    for name in ("oktopk", "densestream"):
+        assert at_density(replace(fused, collective=name), 0.5, 0.01, [600, 400],
+                          4).collective == name
+    dense = Job(("a",), Mode.DENSE, Transport.ALLREDUCE)
+    assert at_density(dense, 0.5, 0.01, [10], 4) is dense
+    with pytest.raises(ValueError, match="2 tensors"):
+        at_density(fused, 0.1, 0.01, [1000], 4)

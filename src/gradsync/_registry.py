@@ -41,13 +41,16 @@ class Registry(Generic[T]):
 
     def get(self, name: str, **options: object) -> T:
         """Build the ``name`` entry with ``options``; unknown names raise ``ValueError``."""
+        return self.factory(name)(**options)
+
+    def factory(self, name: str) -> Callable[..., T]:
+        """The ``name`` entry's factory (a class: its attributes), unbuilt."""
         try:
-            factory = self._factories[name]
+            return self._factories[name]
         except KeyError:
             raise ValueError(
                 f"unknown {self.kind} {name!r}; available: {', '.join(self.names())}"
             ) from None
-        return factory(**options)
 
     def names(self) -> list[str]:
         return sorted(self._factories)

@@ -100,6 +100,8 @@ class Collective(ABC):
     exact: bool = True  # does `dense` equal the sum of every rank's selection?
     # ``_reduce`` takes ``lazy``: it can leave the sum's writing to the caller (__call__)
     lazy_decode: bool = False
+    # every rank's selection reaches every rank as sent (an all-gather): (P − 1)·k entries sent
+    gathers: bool = False
 
     def __init__(self, *, check_shapes: bool | str = True) -> None:
         if check_shapes not in (True, False, "changes"):

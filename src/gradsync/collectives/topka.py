@@ -71,6 +71,7 @@ class TopkA(Collective):
     """TopkA: all-gather-v of every rank's entries, then a scatter-add in rank order."""
 
     lazy_decode = True  # the fixed-capacity exchange can leave the sum's writing to the caller
+    gathers = True
 
     def alike(self, sel: SparseGrad, group: dist.ProcessGroup | None = None) -> bool:
         """Always: every rank unpacks the same P messages."""

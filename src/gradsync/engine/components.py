@@ -45,6 +45,7 @@ class Components:
                                    **{f: getattr(cfg, f) for f in spec.collective_options}}
         self.sparsifiers: dict[str, sparsify.Sparsifier] = {}
         self.collectives: dict[str, collectives.Collective] = {}
+        self._dense: collectives.Collective | None = None
 
     def new_sparsifier(self, key: str, density: float) -> sparsify.Sparsifier:
         return sparsify.get(self.sparsifier_name, density=density,
@@ -67,10 +68,16 @@ class Components:
             self.sparsifiers[key] = sp
         return sp
 
-    def collective(self, key: str, density: float | None = None) -> collectives.Collective:
+    def collective(self, key: str, density: float | None = None, name: str | None = None
+                   ) -> collectives.Collective:
         """The collective of ``key``; ``density`` (DGC's warm-up) rebuilds one that selects at
         a density of its own (Ok-Topk, SparDL) when it differs; None means
-        ``Config.density``."""
+        ``Config.density``. ``name`` ``"dense"``: the stateless all-reduce of a densified
+        selection (``engine.jobs.at_density``), not kept."""
+        if name == "dense":
+            if self._dense is None:
+                self._dense = collectives.get("dense", check_shapes="changes")
+            return self._dense
         coll = self.collectives.get(key)
         if "density" in self.collective_options:
             want = self.collective_options["density"] if density is None else density

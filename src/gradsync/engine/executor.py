@@ -172,7 +172,7 @@ class Executor:
                 offload_s += s
             sels.append(part)
         sel = payload.message(job, sels)
-        coll = self._collective(f"job:{index}", job.collective_density)
+        coll = self._collective(f"job:{index}", job.collective_density, job.collective)
         alike = shows_alike(coll, sel, self.group)
         if alike:
             sel = carry_message(sel, finite)

@@ -39,6 +39,7 @@ from enum import StrEnum
 
 import torch
 
+from gradsync import collectives
 from gradsync.collectives.comm import CommStats
 from gradsync.engine.audit import values_at
 from gradsync.schedule import Plan
@@ -88,7 +89,8 @@ class Job:
         return self.collective if self.transport is Transport.COLLECTIVE else "allreduce"
 
 
-def at_density(job: Job, density: float, target: float) -> Job:
+def at_density(job: Job, density: float, target: float, numels: Sequence[int] = (),
+               P: int = 1) -> Job:
     """``job`` during DGC's density warm-up (``Config.density_warmup``): every planned density
     scaled by ``density / target`` (capped at 1, so SSFusion's compensation keeps its shape) and
     the collective's own selection at ``density``. Dense jobs are returned unchanged. At
@@ -109,10 +111,30 @@ def at_density(job: Job, density: float, target: float) -> Job:
         return Job(job.names, Mode.PER_TENSOR, Transport.ALLREDUCE,
                    densities=dict.fromkeys(job.names))
     f = density / target
-    return replace(job, density=None if job.density is None else min(1.0, job.density * f),
-                   densities={n: None if d is None else min(1.0, d * f)
-                              for n, d in job.densities.items()},
-                   collective_density=density, lead_share=min(1.0, target / density))
+    out = replace(job, density=None if job.density is None else min(1.0, job.density * f),
+                  densities={n: None if d is None else min(1.0, d * f)
+                             for n, d in job.densities.items()},
+                  collective_density=density, lead_share=min(1.0, target / density))
+    if (job.transport is Transport.COLLECTIVE and numels
+            and collectives.registry.factory(job.collective).gathers
+            and selected_share(job, f, target, numels) * P >= 1.0):
+        # an all-gather of it would send more than DDP: the same selection, densified and
+        # all-reduced (the `dense` collective), sums the same at DDP's bytes
+        out = replace(out, collective="dense")
+    return out
+
+
+def selected_share(job: Job, f: float, target: float, numels: Sequence[int]) -> float:
+    """The share of ``job``'s entries (``numels``, one per name) its selection takes with every
+    planned density scaled by ``f`` (capped at 1)."""
+    if len(numels) != len(job.names):
+        raise ValueError(f"selected_share: {len(numels)} sizes for {len(job.names)} tensors")
+    n = sum(numels)
+    if job.mode is Mode.FUSED or not n:
+        return min(1.0, (target if job.density is None else job.density) * f)
+    took = sum(k if job.densities.get(name) is None else min(1.0, job.densities[name] * f) * k
+               for name, k in zip(job.names, numels, strict=True))
+    return took / n
 
 
 def plan_jobs(plan: Plan, collective: str, names: Sequence[str]) -> list[Job]:

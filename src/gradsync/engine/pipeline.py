@@ -268,7 +268,8 @@ class BufferPipeline:
                     # alike on every rank
                     None if kept is None or known is not None
                     else job_check(parts[-1][1], kept), known or 0,
-                    shows_alike(owner.parts.collective("ddp"), sel, self.comm.group),
+                    shows_alike(owner.parts.collective("ddp", None, parts[-1][0].collective),
+                                sel, self.comm.group),
                     None if res is None else parts[-1][2].sent_at(sel, res.kept)))
                 owner.counts.tensors += len(self.names)
                 self._release()
@@ -374,9 +375,9 @@ class BufferPipeline:
                 # they expect), one value NaN, or one entry of NaN (carry_message)
                 sel = carry_message(payload.message(job, payload.selections), poison)
                 poison = None
-                res = owner.parts.collective("ddp")(sel, group=owner.group,
-                                                    step=owner.counts.steps,
-                                                    deferred=owner.scratch.wire_checks)
+                coll = owner.parts.collective("ddp", None, job.collective)
+                res = coll(sel, group=owner.group, step=owner.counts.steps,
+                           deferred=owner.scratch.wire_checks)
                 sums.append(res.dense)
                 stats += res.stats
             if left:  # a last bucket with no all-reduce part of its own

@@ -776,8 +776,9 @@ class GradSync:
         return p.grad.detach().reshape(-1)
 
     def _launch(self, job: Job, index: int) -> None:
-        job = at_density(job, self._planning.density.at(self.step), self.cfg.density)
         sizes = tuple(self._replica.numel[n] for n in job.names)
+        job = at_density(job, self._planning.density.at(self.step), self.cfg.density, sizes,
+                         self.P)
         grad, storage = self._gather(index, job.names)
         self._planning.density.observe(grad)
         prep = prepare(job, index, grad, sizes, self.ef, self._parts.sparsifier,

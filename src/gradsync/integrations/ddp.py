@@ -277,10 +277,10 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     split = hook_interleaves(state.scheme.interleave, buf.device.type)
     jobs = _bucket_jobs(tuple(pipe.names), tuple(pipe.numels), tuple(densities),
                         split or state.scheme.planner == "auto", state.scheme.collective)
-    # DGC's warm-up (Config.density_warmup), as the engine's jobs take it; at density 1 every
-    # entry travels in an all-reduce (DDP's bytes, not an all-gather of all of it)
-    d = state.density.at(state.counts.steps)
-    return pipe.sparse(buf, [at_density(job, d, state.cfg.density) for job in jobs])
+    # DGC's warm-up (Config.density_warmup) as the engine's jobs take it (jobs.at_density)
+    d, k = state.density.at(state.counts.steps), dict(zip(pipe.names, pipe.numels))
+    return pipe.sparse(buf, [at_density(job, d, state.cfg.density, [k[n] for n in job.names],
+                                        comm.size) for job in jobs])
 
 
 @functools.lru_cache(maxsize=256)
