@@ -10,6 +10,7 @@ averaging fails it.
 """
 
 import contextlib
+import itertools
 import math
 
 import pytest
@@ -138,13 +139,47 @@ def _run(rank: int, P: int, scheme: str, small_numel: int, warmup: bool | tuple[
     # momentum sent ahead (Config.momentum_ahead): the lead on the selected entries only
     ("ssfusion_oi", 1000, True, 1 / 3), ("per_tensor", 0, False, 1 / 3),
     # a warm-up period below a fifth of each tensor (10 % at 5 %): the lead at half its share
-    ("ssfusion_oi", 1000, (1.0, 0.1), 1 / 3)])
+    ("ssfusion_oi", 1000, (1.0, 0.1), 1 / 3),
+    # 60 % selects over 1/P of the entries at P = 2 and 3: that selection all-reduced densified
+    ("per_tensor", 0, (0.6, 0.1), 0.0), ("ssfusion_oi", 1000, (0.6, 0.1), 1 / 3)])
 @pytest.mark.parametrize("P", [2, 3])
 def test_the_hook_trains_as_the_engine_bit_for_bit(P, scheme, small_numel, warmup, ahead):
     out = run_distributed(_run, P, scheme, small_numel, warmup, ahead, timeout=300)
     for r in out:
         assert r["moved"] and r["led"] == bool(ahead)
         assert torch.equal(r["hook"], r["engine"]), (r["hook"] - r["engine"]).abs().max()
+
+
+def _hook_warmup_bytes(rank: int, P: int, scheme: str) -> dict:
+    """Bytes of each hook step with a 60 % period (steps 0-1), then 20 % (2-3), then 5 %."""
+    from gradsync.collectives.comm import ring_allreduce_bytes
+
+    model = _model()
+    net = DDP(model, bucket_cap_mb=25)
+    state = gradsync.ddp.register(net, Config(scheme=scheme, density=D, momentum=0.9,
+                                              density_warmup=(0.6, 0.2), density_warmup_steps=2))
+    sent = [0]
+    for step in range(6):
+        x, y = image_batch(rank, step, 16)
+        net.zero_grad()
+        nn.functional.cross_entropy(net(x), y).backward()
+        sent.append(state.stats()["total"]["bytes_sent"])
+    n = sum(p.numel() for p in model.parameters())
+    return {"steps": [b - a for a, b in itertools.pairwise(sent)],
+            "ring": ring_allreduce_bytes(4 * n, P)}
+
+
+@pytest.mark.parametrize("scheme", ["per_tensor", "ssfusion_oi"])
+def test_the_hook_all_reduces_a_warmup_selection_of_1_over_P_or_more(scheme):
+    """Through the DDP hook, as through the engine (``engine.jobs.at_density``): at P = 3 a
+    60 % period's selection travels densified in an all-reduce, about DDP's bytes (the ring's,
+    with the agreement words), not the 2.4× an all-gather of it sends; 20 % (under 1/3)
+    all-gathers again, and 5 % sends a fraction."""
+    for r in run_distributed(_hook_warmup_bytes, 3, scheme, timeout=300):
+        sent, ring = r["steps"], r["ring"]
+        assert all(abs(b - ring) <= 0.01 * ring for b in sent[:2]), (sent, ring)
+        assert all(b < 0.9 * ring for b in sent[2:4]), (sent, ring)
+        assert all(b < 0.3 * ring for b in sent[4:]), (sent, ring)
 
 
 class _Above(gradsync.sparsify.Sparsifier):
