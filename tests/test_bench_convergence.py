@@ -85,6 +85,12 @@ def _mean_sd(finals: list[float]) -> str:
 # the command of the 100 Mbit/s time-to-accuracy studies (CNN, 960 steps), which every page of
 # them names
 CNN_960 = "--model cnn --steps 960 --seeds 3 --eval-points 16 --world-size 4 --bandwidth 100mbit"
+# the studies of the defaults since be9aef9 (the warm-up's selection all-reduced where TopkA's
+# all-gather would send 1/P of a job's entries or more)
+WARMUP_CNN = "convergence-cnn-2026-12-06-warmup-dense-selection"
+WARMUP_960 = "convergence-cnn-960-100mbit-2026-12-06-warmup-dense-selection"
+WARMUP_R20 = "resnet20-cosine/warmup-dense-selection"
+WARMUP_R18 = "convergence-resnet18-2026-12-06-warmup-dense-selection"
 
 
 def _to_target(rows: dict[str, dict], scheme: str) -> float:
@@ -604,18 +610,19 @@ def test_usage_warmup_claims_hold_in_the_written_results():
     """usage.md, DGC's density warm-up: its densities at 1 %, what it costs TopkA (bytes over a
     160-step CNN run, the speed-up to 99 % of DDP's accuracy on 100 Mbit/s with and without
     it), what it gains on ResNet-20, and TopkA's ResNet-18 finals with and without it, each
-    recomputed from the pages' JSON and Config.dgc_warmup."""
+    recomputed from the pages' JSON (the warm-up's selection all-reduced where it would
+    all-gather 1/P or more, be9aef9) and Config.dgc_warmup."""
     from gradsync.engine.config import Config
 
     usage = " ".join((ROOT / "docs/usage.md").read_text().split())
     assert "sends 39.8, 15.8, 6.3 and 2.5 %" in usage
     assert [round(100 * d, 1) for d in Config.dgc_warmup(0.01, 4)] == [39.8, 15.8, 6.3, 2.5]
-    cnn = _by_scheme("convergence-cnn-2026-12-06-dgc-warmup-every-scheme")["topka"]
+    cnn = _by_scheme(WARMUP_CNN)["topka"]
     old = _by_scheme("convergence-cnn-2026-12-06-fifth")["topka"]
-    w = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-dgc-warmup-every-scheme", CNN_960)
+    w = _by_scheme(WARMUP_960, CNN_960)
     f = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-fifth", CNN_960)
     near = [_to_target(m, "topka") for m in (w, f)]
-    r20 = _by_scheme("resnet20-cosine/dgc-warmup-every-scheme")
+    r20 = _by_scheme(WARMUP_R20)
     r20_old = _by_scheme("convergence-resnet20-cosine-2026-12-06-fifth")
     gaps = [_mean_gap_points(m["topka"]["finals"], m["ddp"]["finals"]) for m in (r20_old, r20)]
     assert (f"over a 160-step CNN run TopkA sends "
@@ -624,8 +631,7 @@ def test_usage_warmup_claims_hold_in_the_written_results():
             f"instead of {near[1]:.2f}×; on ResNet-20 it takes TopkA from {-gaps[0]:.2f} points "
             f"below DDP to {-gaps[1]:.2f}.") in usage
     r18 = [_by_scheme(name)["topka"]["finals"] for name in (
-        "convergence-resnet18-2026-12-06-dgc-warmup-every-scheme",
-        "convergence-resnet18-2026-12-06-fifth")]
+        WARMUP_R18, "convergence-resnet18-2026-12-06-fifth")]
     assert (f"on ResNet-18 (3 seeds) TopkA ends alike with and without it "
             f"({100 * statistics.mean(r18[0]):.2f} and {100 * statistics.mean(r18[1]):.2f} %)"
             ) in usage
@@ -1768,12 +1774,13 @@ def test_accuracy_resnet18_today_claims_hold_in_the_written_results():
 
 def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     """README's BatchNorm bullet: the defaults' gaps on ResNet-20 under the cosine schedule
-    (DGC's warm-up since it became every measured scheme's; without it, 75753fb), SSFusion-OI's
+    (DGC's warm-up, its selection all-reduced where it would all-gather 1/P of a job's entries or
+    more; without it, 75753fb), SSFusion-OI's
     over 10 seeds, ResNet-18's TopkA with and without the warm-up and before 372cd61 against
     the AMD machine's DDP runs, SSFusion-OI's there, and what following the rate was worth to
     TopkA, recomputed from the pages' finals."""
     readme = " ".join((ROOT / "README.md").read_text().split())
-    warm = _by_scheme("resnet20-cosine/dgc-warmup-every-scheme", "--model resnet20")
+    warm = _by_scheme(WARMUP_R20, "--model resnet20")
     now = _by_scheme("convergence-resnet20-cosine-2026-12-06-fifth", "--model resnet20")
     ddp = now["ddp"]["finals"]
     assert warm["ddp"]["finals"] == ddp
@@ -1788,15 +1795,14 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
             f"seeds ({before['ssfusion_oi']} without;") in readme
     r18 = _resnet18_today()
     since = _by_scheme("convergence-resnet18-2026-12-06-fifth", "--model resnet18")["topka"]
-    w18 = _by_scheme("convergence-resnet18-2026-12-06-dgc-warmup-every-scheme",
-                     "--model resnet18")["topka"]
+    w18 = _by_scheme(WARMUP_R18, "--model resnet18")["topka"]
     d = r18["ddp"]["finals"]
     assert (f"ResNet-18 (3 seeds): TopkA {_mean_sd(w18['finals'])} % with it, "
             f"{_mean_sd(since['finals'])} % without, against DDP's {_mean_sd(d)} % on the AMD "
             f"machine, its worst loss {w18['spike']:.2f}× its start "
             f"({100 * statistics.mean(r18['topka']['finals']):.2f} % and "
             f"{r18['topka']['spike']:.2f}× before 372cd61") in readme
-    r18w = _by_scheme("convergence-resnet18-2026-12-06-ssfusion-warmup")["ssfusion_oi"]
+    r18w = _by_scheme(WARMUP_R18)["ssfusion_oi"]
     gap = _mean_gap_points(r18["ssfusion_oi"]["finals"], d)
     assert (f"SSFusion-OI {_mean_sd(r18w['finals'])} % with it (the Intel machine), {gap:+.2f} "
             "points without ([study]") in readme
@@ -2169,22 +2175,44 @@ def test_accuracy_dgc_warmup_for_every_scheme_claims_hold_in_the_written_results
 def test_readme_warmup_cost_line_holds_in_the_written_results():
     """README, under its table: what DGC's warm-up costs TopkA on 100 Mbit/s (its speed-up to
     99 % of DDP's accuracy with and without it), in bytes over a 160-step CNN run, and what it
-    gains paired with the runs without it (CNN 10 seeds, ResNet-20 5 seeds)."""
+    gains paired with the runs without it (CNN 10 seeds, ResNet-20 5 seeds), its selection
+    all-reduced where it would all-gather 1/P of a job's entries or more."""
     readme = " ".join((ROOT / "README.md").read_text().split())
-    w = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-dgc-warmup-every-scheme", CNN_960)
+    w = _by_scheme(WARMUP_960, CNN_960)
     f = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-fifth", CNN_960)
     with_, without = (_to_target(m, "topka") for m in (w, f))
-    assert round(1 - with_ / without, 1) == 0.2  # a fifth
-    cnn = _by_scheme("convergence-cnn-2026-12-06-dgc-warmup-every-scheme")["topka"]
+    cnn = _by_scheme(WARMUP_CNN)["topka"]
     old = _by_scheme("convergence-cnn-2026-12-06-fifth")["topka"]
-    r20 = _by_scheme("resnet20-cosine/dgc-warmup-every-scheme")["topka"]
+    r20 = _by_scheme(WARMUP_R20)["topka"]
     r20_old = _by_scheme("convergence-resnet20-cosine-2026-12-06-fifth")["topka"]
     ratio = cnn["run_bytes_per_step"] / old["run_bytes_per_step"]
     gain = [_paired_sd(a["finals"], b["finals"]).split(" ±")[0]
             for a, b in ((cnn, old), (r20, r20_old))]
-    assert (f"DGC's warm-up costs TopkA a fifth of that speed-up ({without:.2f}× without it) and "
-            f"{ratio:.1f}× the bytes of a 160-step run, for {gain[0]} points on the CNN and "
-            f"{gain[1]} on ResNet-20 (paired).") in readme
+    assert (f"DGC's warm-up costs TopkA {100 * (1 - with_ / without):.0f} % of that speed-up "
+            f"({without:.2f}× without it) and {ratio:.1f}× the bytes of a 160-step run, for "
+            f"{gain[0]} points on the CNN and {gain[1]} on ResNet-20 (paired); where a period "
+            "would select 1/P of a job's entries or more, TopkA's all-gather gives way to an "
+            "all-reduce of the same selection (DDP's bytes).") in readme
+
+
+def _all_gathered_warmup() -> dict[str, dict[str, dict]]:
+    """The runs of DGC's warm-up with every selection all-gathered (0fe7e73, SSFusion's
+    9052b94), by model and scheme: what the warm-up's later variants pair with."""
+    was = {"cnn": _by_scheme("convergence-cnn-2026-12-06-dgc-warmup-every-scheme"),
+           "r20": _by_scheme("resnet20-cosine/dgc-warmup-every-scheme")}
+    was["cnn"]["ssfusion"] = _by_scheme("convergence-cnn-2026-12-06-ssfusion-warmup")["ssfusion"]
+    return was
+
+
+def _warmup_cells(m: dict, old: dict, s: str) -> tuple[str, str, float]:
+    """Scheme ``s``'s cells in a warm-up variant's table: against DDP, paired with ``old``'s
+    runs with its 95 % interval, and the run's bytes over ``old``'s."""
+    a = m[s]["finals"]
+    mean, half = _paired_points(a, old[s]["finals"])
+    paired = (f"{_paired_sd(a, old[s]['finals'])} [{mean - half:+.2f}, {mean + half:+.2f}]"
+              .replace("-", "−"))
+    ratio = m[s]["run_bytes_per_step"] / old[s]["run_bytes_per_step"]
+    return _interval_cell(a, m["ddp"]["finals"]), paired, ratio
 
 
 def test_accuracy_first_period_sent_whole_claims_hold_in_the_written_results():
@@ -2194,28 +2222,85 @@ def test_accuracy_first_period_sent_whole_claims_hold_in_the_written_results():
     section = _accuracy_from("DGC's first period sent whole: tried, reverted")
     cnn = _by_scheme("convergence-cnn-2026-12-06-warmup-whole", "--model cnn")
     r20 = _by_scheme("resnet20-cosine/warmup-whole", "--model resnet20")
-    was = {"cnn": _by_scheme("convergence-cnn-2026-12-06-dgc-warmup-every-scheme"),
-           "r20": _by_scheme("resnet20-cosine/dgc-warmup-every-scheme")}
-    was["cnn"]["ssfusion"] = _by_scheme("convergence-cnn-2026-12-06-ssfusion-warmup")["ssfusion"]
+    was = _all_gathered_warmup()
     assert cnn["ddp"]["finals"] == was["cnn"]["ddp"]["finals"]
     assert r20["ddp"]["finals"] == was["r20"]["ddp"]["finals"]
     assert cnn["ssfusion"]["finals"] == cnn["ssfusion_oi"]["finals"]  # the same plans here
     assert {c for m in (cnn, r20) for s, r in m.items() if s != "ddp"
             for c in r["code"]} == {"b31208f"}
 
-    def cells(m: dict, old: dict, s: str) -> tuple[str, str, float]:
-        a = m[s]["finals"]
-        mean, half = _paired_points(a, old[s]["finals"])
-        paired = (f"{_paired_sd(a, old[s]['finals'])} [{mean - half:+.2f}, {mean + half:+.2f}]"
-                  .replace("-", "−"))
-        ratio = m[s]["run_bytes_per_step"] / old[s]["run_bytes_per_step"]
-        return _interval_cell(a, m["ddp"]["finals"]), paired, ratio
-
     for s, name in (("topka", "TopkA"), ("per_tensor", "per_tensor")):
-        c, cp, cb = cells(cnn, was["cnn"], s)
-        r, rp, rb = cells(r20, was["r20"], s)
+        c, cp, cb = _warmup_cells(cnn, was["cnn"], s)
+        r, rp, rb = _warmup_cells(r20, was["r20"], s)
         down = sum(x < y for x, y in zip(r20[s]["finals"], was["r20"][s]["finals"]))
         rp += f", {down} of 5 seeds down" if s == "topka" else ""
         assert f"| {name} | {c} | {cp} | {cb:.2f} | {r} | {rp} | {rb:.2f} |" in section, s
-    c, cp, cb = cells(cnn, was["cnn"], "ssfusion")
+    c, cp, cb = _warmup_cells(cnn, was["cnn"], "ssfusion")
     assert f"| SSFusion, SSFusion-OI | {c} | {cp} | {cb:.2f} |" in section
+
+
+def test_accuracy_warmup_selection_all_reduced_claims_hold_in_the_written_results():
+    """accuracy.md, "The warm-up's selection all-reduced" (the default since be9aef9): each
+    scheme's row (against DDP, paired with the all-gathered warm-up's runs, bytes over the run
+    against theirs), the bytes against a fixed 1 %, DenseStream's and Ok-Topk's runs unchanged,
+    ResNet-18, and the 100 Mbit/s speed-ups against the all-gathered runs', recomputed from the
+    pages' finals; the same DDP runs throughout."""
+    section = _accuracy_from("The warm-up's selection all-reduced")
+    cnn = _by_scheme(WARMUP_CNN, "--model cnn")
+    r20 = _by_scheme(WARMUP_R20, "--model resnet20")
+    was = _all_gathered_warmup()
+    assert cnn["ddp"]["finals"] == was["cnn"]["ddp"]["finals"]
+    assert r20["ddp"]["finals"] == was["r20"]["ddp"]["finals"]
+    assert cnn["ssfusion"]["finals"] == cnn["ssfusion_oi"]["finals"]  # the same plans here
+    for s in ("densestream", "oktopk"):  # a collective that does not gather: untouched
+        assert cnn[s]["finals"] == was["cnn"][s]["finals"], s
+        assert cnn[s]["run_bytes_per_step"] == was["cnn"][s]["run_bytes_per_step"], s
+
+    for s, name in (("topka", "TopkA"), ("per_tensor", "per_tensor")):
+        c, cp, cb = _warmup_cells(cnn, was["cnn"], s)
+        r, rp, rb = _warmup_cells(r20, was["r20"], s)
+        assert f"| {name} | {c} | {cp} | {cb:.2f} | {r} | {rp} | {rb:.2f} |" in section, s
+    gaps = {s: _mean_gap_points(r20[s]["finals"], r20["ddp"]["finals"]) for s in r20}
+    assert gaps["topka"] > -1.0 and gaps["per_tensor"] > -1.5  # issue 68's ResNet-20 bars
+    c, cp, cb = _warmup_cells(cnn, was["cnn"], "ssfusion")
+    assert f"| SSFusion, SSFusion-OI | {c} | {cp} | {cb:.2f} |" in section
+    fifth = _by_scheme("convergence-cnn-2026-12-06-fifth")
+    x = {s: f"{cnn[s]['run_bytes_per_step'] / fifth[s]['run_bytes_per_step']:.2f}×" for s in fifth
+         if s != "ddp"}
+    assert x["ssfusion"] == x["ssfusion_oi"]
+    assert (f"TopkA {x['topka']}, per_tensor {x['per_tensor']}, SSFusion and SSFusion-OI "
+            f"{x['ssfusion']}, DenseStream {x['densestream']}, Ok-Topk {x['oktopk']}.") in section
+    # ResNet-18, 3 seeds: against the AMD machine's DDP runs and the all-gathered warm-up's
+    r18 = _by_scheme(WARMUP_R18, "--model resnet18")
+    old18 = _by_scheme("convergence-resnet18-2026-12-06-dgc-warmup-every-scheme")
+    old18["ssfusion_oi"] = _by_scheme("convergence-resnet18-2026-12-06-ssfusion-warmup")[
+        "ssfusion_oi"]
+    ddp18 = _by_scheme("convergence-resnet18-2026-12-05-defaults")["ddp"]["finals"]
+    parts = [f"{name} {_mean_sd(r18[s]['finals'])} % ({_mean_sd(old18[s]['finals'])} %, "
+             f"{_paired_sd(r18[s]['finals'], old18[s]['finals']).replace('-', '−')})"
+             for s, name in (("topka", "TopkA"), ("ssfusion_oi", "SSFusion-OI"),
+                             ("per_tensor", "per_tensor"))]
+    assert (f"against the AMD machine's DDP {_mean_sd(ddp18)} %: {parts[0]}, {parts[1]}, "
+            f"{parts[2]}") in section
+    under = {s: _mean_gap_points(ddp18, r18[s]["finals"]) for s in r18}
+    assert under["topka"] < 1.0 and under["ssfusion_oi"] < 1.0 and under["per_tensor"] > 1.5
+    assert f"per_tensor, {under['per_tensor']:.2f} points under, still does not" in section
+    spikes = [f"{r18[s]['spike']:.2f}×" for s in ("topka", "ssfusion_oi", "per_tensor")]
+    ratios = [f"{r18[s]['run_bytes_per_step'] / old18[s]['run_bytes_per_step']:.2f}×"
+              for s in ("topka", "ssfusion_oi", "per_tensor")]
+    assert (f"worst loss after step 5 {spikes[0]}, {spikes[1]} and {spikes[2]} step 0's; run "
+            f"bytes {ratios[0]}, {ratios[1]} and {ratios[2]} the all-gathered runs'") in section
+    # 100 Mbit/s, 960 steps: against the all-gathered warm-up's runs, the same DDP runs
+    w = _by_scheme(WARMUP_960, CNN_960)
+    o = _by_scheme("convergence-cnn-960-100mbit-2026-12-06-dgc-warmup-every-scheme", CNN_960)
+    o |= {s: r for s, r in _by_scheme("convergence-cnn-960-100mbit-2026-12-06-ssfusion-warmup",
+                                      CNN_960).items() if s.startswith("ssfusion")}
+    assert w["ddp"]["finals"] == o["ddp"]["finals"]
+    near = {s: f"{_to_target(w, s):.2f}× ({_to_target(o, s):.2f}×" for s in w if s != "ddp"}
+    assert (f"TopkA {near['topka'].replace(' (', ' as fast as DDP (')} all-gathered), "
+            f"SSFusion-OI {near['ssfusion_oi']}), SSFusion {near['ssfusion']})") in section
+    full = [f"{r['time_speedup']:.2f}×" for r in (w["topka"], w["ssfusion_oi"], w["ssfusion"])]
+    was_full = [f"{r['time_speedup']:.2f}×" for r in (o["topka"], o["ssfusion_oi"],
+                                                      o["ssfusion"])]
+    assert (f"to all of it {full[0]}, {full[1]} and {full[2]} ({was_full[0]}, {was_full[1]}, "
+            f"{was_full[2]})") in section

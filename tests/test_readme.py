@@ -484,35 +484,37 @@ def test_readme_scheme_table_is_the_saved_results():
     10 % density bound. All recomputed from the saved JSON the table links."""
     from gradsync.schedule import schemes
 
-    # accuracy, with the defaults (momentum sent ahead at the scheme's share, DGC's warm-up):
-    # the CNN's SSFusion rows at 9052b94, the other schemes' with the warm-up given as today's
-    # default gives it (0fe7e73, --density-warmup 4:9), DDP's at 04e204b and 372cd61 (the same
-    # DDP code), all on one machine; TinyGPT at 065be6e on another (per_tensor's share and the
-    # resent rule since; TinyGPT's buffers are all preconditioned and send nothing ahead, and
-    # AdamW's recipe replaces the warm-up)
-    study = _study("convergence-cnn-2026-12-06-ssfusion-warmup.json")
-    study.update(_study("convergence-cnn-2026-12-06-dgc-warmup-every-scheme.json"))
+    # accuracy, with the defaults (momentum sent ahead at the scheme's share, DGC's warm-up, its
+    # selection all-reduced where TopkA's all-gather would send 1/P of a job's entries or more):
+    # the CNN's TopkA, SSFusion-OI and per_tensor at d25f0ca and 9727d04 (the rule's prototype
+    # and its tests; src/ as be9aef9's but a docstring), the others at be9aef9, DDP's at 04e204b
+    # and 372cd61 (the same DDP code), all on one machine; TinyGPT at 065be6e on another
+    # (per_tensor's share and the resent rule since; TinyGPT's buffers are all preconditioned and
+    # send nothing ahead, and AdamW's recipe replaces the warm-up)
+    study = _study("convergence-cnn-2026-12-06-warmup-dense-selection.json")
     study.update(_study("convergence-lm-2026-12-05-defaults.json"))
-    assert {c for r in study.values() for c in r["code"]} <= {"0fe7e73", "372cd61", "04e204b",
-                                                               "065be6e", "9052b94"}
+    assert {c for r in study.values() for c in r["code"]} <= {
+        "d25f0ca", "9727d04", "be9aef9", "372cd61", "04e204b", "065be6e"}
+    prototype = ("topka", "ssfusion_oi", "per_tensor")
     assert {(s, c) for (m, s), r in study.items() if m == "cnn" and s != "ddp"
-            for c in r["code"]} == {(s, "9052b94" if s.startswith("ssfusion") else "0fe7e73")
-                                    for s in ("topka", "ssfusion", "ssfusion_oi", "densestream",
-                                              "oktopk", "per_tensor")}
+            for c in r["code"]} == {(s, c) for s in prototype for c in ("d25f0ca", "9727d04")} | {
+                (s, "be9aef9") for s in ("ssfusion", "densestream", "oktopk")}
     assert {r["seeds"] == list(range(1, 11)) for (m, _), r in study.items() if m == "cnn"} == {
         True}
     assert {r["seeds"] == [1, 2, 3] for (m, _), r in study.items() if m == "gpt_tiny"} == {True}
     # time to DDP's accuracy: one study on a 100 Mbit/s link, the CNN over 960 steps, 3 seeds:
     # DDP's training seconds to 99 % of its final accuracy over the scheme's (every seed must
-    # get there), then to all of it (over the seeds that do, with how many); TopkA and Ok-Topk
-    # with the warm-up, beside the same DDP runs as the SSFusion rows
-    name = "convergence-cnn-960-100mbit-2026-12-06-dgc-warmup-every-scheme.json"
-    long = _study("convergence-cnn-960-100mbit-2026-12-06-ssfusion-warmup.json")
+    # get there), then to all of it (over the seeds that do, with how many); TopkA and the
+    # SSFusion family with the selection all-reduced (2756e29's tree, src/ as d25f0ca's), Ok-Topk
+    # (which the rule leaves alone: its CNN runs are bit for bit) at 0fe7e73, beside the same
+    # DDP runs
+    name = "convergence-cnn-960-100mbit-2026-12-06-warmup-dense-selection.json"
+    long = _study("convergence-cnn-960-100mbit-2026-12-06-dgc-warmup-every-scheme.json")
     ddp_runs = long["cnn", "ddp"]["finals"]
     long.update(_study(name))
     assert long["cnn", "ddp"]["finals"] == ddp_runs
     assert {(s, c) for (_, s), r in long.items() for c in r["code"]} == {
-        (s, {"ddp": "75753fb", "topka": "0fe7e73", "oktopk": "0fe7e73"}.get(s, "9052b94"))
+        (s, {"ddp": "75753fb", "oktopk": "0fe7e73"}.get(s, "2756e29"))
         for s in ("ddp", "topka", "ssfusion", "ssfusion_oi", "oktopk")}
     assert all(r["seeds"] == [1, 2, 3] and r["metric"] == "test_accuracy" for r in long.values())
     assert all(m["steps"] == 960 and m["world_size"] == 4 and m["link"].startswith("tbf 100mbit")

@@ -98,6 +98,15 @@ def at_density(job: Job, density: float, target: float, numels: Sequence[int] = 
     part of a per-tensor job, every tensor excluded), DDP's bytes instead of an all-gather of
     every entry from every rank (P/2 times as many; AdamW's warm-up, ``gradsync.optim``).
 
+    Below density 1, where the job's collective all-gathers the selection
+    (``Collective.gathers``: TopkA's) and the job would select 1/``P`` or more of its entries
+    (``numels``, one per name; :func:`selected_share`), the selection travels densified in an
+    all-reduce (``collective="dense"``): the same sum at DDP's bytes, where an all-gather sends
+    (P − 1)·2d values' bytes per entry against the ring's 2(P − 1)/P (1.6× DDP at P = 4 in
+    DGC's first period). The selection, residual and lead are as they would be
+    (docs/results/accuracy.md, "The warm-up's selection all-reduced"). No ``numels``: no such
+    check.
+
     The lead of momentum sent ahead (``gradsync.feedback``, "Ahead") shrinks by ``target /
     density`` (:attr:`Job.lead_share`): an entry selected at density d waits about 1/d steps,
     so it carries about u/d, and the lead c·u is the same share of that at every density.

@@ -98,17 +98,18 @@ class Scheme:
             DGC's exponential warm-up (``Config.dgc_warmup``); ``(0, 0)``: none. 4 periods of 9
             steps (:data:`DGC_WARMUP`: 39.8, 15.8, 6.3 and 2.5 % at 1 %) for every scheme
             measured with it (TopkA, Ok-Topk, DenseStream, per_tensor, the SSFusion family),
-            the lead following the density there (``engine.jobs.at_density``). Measured at
-            1 %, P = 4 (docs/results/accuracy.md, "DGC's warm-up for every scheme measured"):
-            on ResNet-20 (cosine schedule, 5 seeds) TopkA −0.45 and per_tensor −1.01 points vs
-            DDP (−2.27 and −2.41 without), SSFusion-OI +2.00 paired; on the CNN (10 seeds)
-            TopkA +1.01, DenseStream +0.98, Ok-Topk +0.37, per_tensor −0.31, SSFusion-OI
-            +0.95. The price is bytes: 40 % is 40 times a step's at 1 %, so over a 160-step
-            run TopkA sends 4.4× the fixed density's (SSFusion-OI 1.46×, whose small tensors
-            travel whole anyway), and on a 100 Mbit/s link (CNN, 960 steps) TopkA reaches 99 %
-            of DDP's accuracy 3.31× as fast as DDP instead of 4.12×. Warm-ups within 1.5× the
-            bytes (9 % for 9 steps, 25 % for 3, 2 → 1.25 % over 120) gained at most a third of
-            that on ResNet-20. None for the schemes not measured.
+            the lead following the density there, and a selection of 1/P of a job's entries
+            or more all-reduced densified where TopkA's collective would all-gather it
+            (``engine.jobs.at_density``). Measured at 1 %, P = 4 (docs/results/accuracy.md,
+            "The warm-up's selection all-reduced"): on ResNet-20 (cosine schedule, 5 seeds)
+            TopkA −0.61 and per_tensor −1.28 points vs DDP (−2.27 and −2.41 without); on the
+            CNN (10 seeds) TopkA +1.03, SSFusion-OI +0.99, DenseStream +0.98, Ok-Topk +0.37,
+            per_tensor +0.03. The price is bytes: 40 % is 40 times a step's at 1 %, so over a
+            160-step run TopkA sends 3.6× the fixed density's (SSFusion-OI 1.41×, whose small
+            tensors travel whole anyway), and on a 100 Mbit/s link (CNN, 960 steps) TopkA
+            reaches 99 % of DDP's accuracy 3.61× as fast as DDP instead of 4.12×. Warm-ups
+            within 1.5× the bytes (9 % for 9 steps, 25 % for 3, 2 → 1.25 % over 120) gained at
+            most a third of that on ResNet-20. None for the schemes not measured.
         paper: where the scheme comes from.
     """
 
