@@ -2304,3 +2304,39 @@ def test_accuracy_warmup_selection_all_reduced_claims_hold_in_the_written_result
                                                       o["ssfusion"])]
     assert (f"to all of it {full[0]}, {full[1]} and {full[2]} ({was_full[0]}, {was_full[1]}, "
             f"{was_full[2]})") in section
+
+
+def test_accuracy_tinygpt_dgc_warmup_after_the_freeze_claims_hold_in_the_written_results():
+    """accuracy.md, "AdamW on TinyGPT": DGC's warm-up after the recipe's whole steps against
+    none, over 1000 steps on one code and machine with one set of DDP runs (TopkA's runs
+    without it bit for bit the 2026-12-03 page's): each perplexity gap to DDP (ratio of means),
+    the paired change (per seed, in % of the run without it) and the bytes over the run."""
+    page = _accuracy()
+    cmd = "--model gpt_tiny --steps 1000 --seeds 3"
+    warm = _by_scheme("convergence-lm-1000-dgc-warmup-after-freeze", cmd)
+    base = _by_scheme("convergence-lm-1000-2026-12-06", cmd)
+    assert "--density-warmup 4:25" in _results(
+        "convergence-lm-1000-dgc-warmup-after-freeze")["meta"]["command"]
+    assert warm["ddp"]["finals"] == base["ddp"]["finals"]
+    old = _by_scheme("convergence-lm-1000-2026-12-03")
+    assert base["topka"]["finals"] == old["topka"]["finals"]
+    assert base["ddp"]["finals"] == old["ddp"]["finals"]
+    ddp = statistics.mean(base["ddp"]["finals"])
+
+    def gap(m: dict, s: str) -> str:
+        return f"{100 * (statistics.mean(m[s]['finals']) / ddp - 1):.2f}"
+
+    def paired(s: str) -> str:
+        d = [100 * (w / b - 1) for w, b in zip(warm[s]["finals"], base[s]["finals"],
+                                                strict=True)]
+        return f"{statistics.mean(d):+.2f} ± {statistics.stdev(d):.2f}".replace("-", "−")
+
+    def ratio(s: str) -> str:
+        return f"{warm[s]['run_bytes_per_step'] / base[s]['run_bytes_per_step']:.2f}×"
+
+    assert (f"TopkA ends {gap(warm, 'topka')} % and SSFusion-OI {gap(warm, 'ssfusion_oi')} % "
+            f"above DDP's perplexity, against {gap(base, 'topka')} and "
+            f"{gap(base, 'ssfusion_oi')} % without it") in page
+    assert (f"paired {paired('topka')} and {paired('ssfusion_oi')} %, for {ratio('topka')} and "
+            f"{ratio('ssfusion_oi')} the run's bytes") in page
+    assert max(float(gap(warm, s)) for s in ("topka", "ssfusion_oi")) > 3  # issue 68's bar
