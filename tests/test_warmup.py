@@ -493,25 +493,26 @@ def test_at_density_all_reduces_a_gathered_selection_from_1_over_P() -> None:
     from gradsync.engine.jobs import Job, Mode, Transport, at_density, selected_share
 
     fused = Job(("a", "b"), Mode.FUSED, Transport.COLLECTIVE, "topka", density=0.01)
+    ab = {"a": 600, "b": 400}
     for P, from_ in [(2, 0.5), (3, 1 / 3), (4, 0.25), (8, 0.125)]:
-        below = at_density(fused, from_ * 0.99, 0.01, [600, 400], P)
-        at = at_density(fused, from_, 0.01, [600, 400], P)
+        below = at_density(fused, from_ * 0.99, 0.01, ab, P)
+        at = at_density(fused, from_, 0.01, ab, P)
         assert (below.collective, at.collective) == ("topka", "dense")
         assert at.density == pytest.approx(from_) and at.transport is Transport.COLLECTIVE
         assert at.lead_share == pytest.approx(0.01 / from_)
-    assert at_density(fused, 0.9, 0.01, [600, 400], 1).collective == "topka"
-    assert at_density(fused, 0.01, 0.01, [600, 400], 8) is fused  # the target: unchanged
+    assert at_density(fused, 0.9, 0.01, ab, 1).collective == "topka"
+    assert at_density(fused, 0.01, 0.01, ab, 8) is fused  # the target: unchanged
     # "w" (100 entries) whole, "c" (900) at 1 % → 10 %: 19 % of the entries, from P = 6
     per = Job(("w", "c"), Mode.PER_TENSOR, Transport.COLLECTIVE, "topka",
               densities={"w": None, "c": 0.01})
-    assert selected_share(per, 10.0, 0.01, [100, 900]) == pytest.approx(0.19)
-    assert at_density(per, 0.1, 0.01, [100, 900], 5).collective == "topka"
-    assert at_density(per, 0.1, 0.01, [100, 900], 6).densities == {"w": None, "c": 0.1}
-    assert at_density(per, 0.1, 0.01, [100, 900], 6).collective == "dense"
+    wc = {"w": 100, "c": 900}
+    assert selected_share(per, 10.0, 0.01, wc) == pytest.approx(0.19)
+    assert at_density(per, 0.1, 0.01, wc, 5).collective == "topka"
+    assert at_density(per, 0.1, 0.01, wc, 6).densities == {"w": None, "c": 0.1}
+    assert at_density(per, 0.1, 0.01, wc, 6).collective == "dense"
     for name in ("oktopk", "densestream"):
-        assert at_density(replace(fused, collective=name), 0.5, 0.01, [600, 400],
-                          4).collective == name
+        assert at_density(replace(fused, collective=name), 0.5, 0.01, ab, 4).collective == name
     dense = Job(("a",), Mode.DENSE, Transport.ALLREDUCE)
-    assert at_density(dense, 0.5, 0.01, [10], 4) is dense
+    assert at_density(dense, 0.5, 0.01, {"a": 10}, 4) is dense
     with pytest.raises(ValueError, match="2 tensors"):
-        at_density(fused, 0.1, 0.01, [1000], 4)
+        at_density(fused, 0.1, 0.01, {"a": 1000}, 4)

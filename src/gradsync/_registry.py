@@ -44,7 +44,8 @@ class Registry(Generic[T]):
         return self.factory(name)(**options)
 
     def factory(self, name: str) -> Callable[..., T]:
-        """The ``name`` entry's factory (a class: its attributes), unbuilt."""
+        """The ``name`` entry's factory (for a class, its class attributes), unbuilt; unknown
+        names raise ``ValueError``."""
         try:
             return self._factories[name]
         except KeyError:

@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
@@ -46,7 +46,8 @@ from gradsync.schedule import Plan
 from gradsync.sparsegrad import SparseGrad, bincount, constant
 
 __all__ = ["RESENT", "InFlight", "Job", "JobResult", "Launched", "Mode", "Payload", "StepRun",
-           "Transport", "ahead", "at_density", "bounds", "concat", "plan_jobs", "resent"]
+           "Transport", "ahead", "at_density", "bounds", "concat", "plan_jobs", "resent",
+           "selected_share"]
 
 
 class Mode(StrEnum):
@@ -89,8 +90,8 @@ class Job:
         return self.collective if self.transport is Transport.COLLECTIVE else "allreduce"
 
 
-def at_density(job: Job, density: float, target: float, numels: Sequence[int] = (),
-               P: int = 1) -> Job:
+def at_density(job: Job, density: float, target: float, numel: Mapping[str, int], P: int
+               ) -> Job:
     """``job`` during DGC's density warm-up (``Config.density_warmup``): every planned density
     scaled by ``density / target`` (capped at 1, so SSFusion's compensation keeps its shape) and
     the collective's own selection at ``density``. Dense jobs are returned unchanged. At
@@ -100,12 +101,11 @@ def at_density(job: Job, density: float, target: float, numels: Sequence[int] = 
 
     Below density 1, where the job's collective all-gathers the selection
     (``Collective.gathers``: TopkA's) and the job would select 1/``P`` or more of its entries
-    (``numels``, one per name; :func:`selected_share`), the selection travels densified in an
+    (``numel``: each name's entries; :func:`selected_share`), the selection travels densified in an
     all-reduce (``collective="dense"``): the same sum at DDP's bytes, where an all-gather sends
     (P − 1)·2d values' bytes per entry against the ring's 2(P − 1)/P (1.6× DDP at P = 4 in
     DGC's first period). The selection, residual and lead are as they would be
-    (docs/results/accuracy.md, "The warm-up's selection all-reduced"). No ``numels``: no such
-    check.
+    (docs/results/accuracy.md, "The warm-up's selection all-reduced").
 
     The lead of momentum sent ahead (``gradsync.feedback``, "Ahead") shrinks by ``target /
     density`` (:attr:`Job.lead_share`): an entry selected at density d waits about 1/d steps,
@@ -124,25 +124,28 @@ def at_density(job: Job, density: float, target: float, numels: Sequence[int] = 
                   densities={n: None if d is None else min(1.0, d * f)
                              for n, d in job.densities.items()},
                   collective_density=density, lead_share=min(1.0, target / density))
-    if (job.transport is Transport.COLLECTIVE and numels
+    if (job.transport is Transport.COLLECTIVE
             and collectives.registry.factory(job.collective).gathers
-            and selected_share(job, f, target, numels) * P >= 1.0):
+            and selected_share(job, f, target, numel) * P >= 1.0):
         # an all-gather of it would send more than DDP: the same selection, densified and
         # all-reduced (the `dense` collective), sums the same at DDP's bytes
         out = replace(out, collective="dense")
     return out
 
 
-def selected_share(job: Job, f: float, target: float, numels: Sequence[int]) -> float:
-    """The share of ``job``'s entries (``numels``, one per name) its selection takes with every
-    planned density scaled by ``f`` (capped at 1)."""
-    if len(numels) != len(job.names):
-        raise ValueError(f"selected_share: {len(numels)} sizes for {len(job.names)} tensors")
-    n = sum(numels)
+def selected_share(job: Job, f: float, target: float, numel: Mapping[str, int]) -> float:
+    """The share of ``job``'s entries (``numel``: each name's) its selection takes with every
+    planned density scaled by ``f`` (capped at 1): a fused job's density (the target where it
+    has none of its own), a per-tensor job's entries over its tensors, whole ones at 1."""
+    missing = [name for name in job.names if name not in numel]
+    if missing:
+        raise ValueError(f"selected_share: no size for {missing} of the job's "
+                         f"{len(job.names)} tensors")
+    n = sum(numel[name] for name in job.names)
     if job.mode is Mode.FUSED or not n:
         return min(1.0, (target if job.density is None else job.density) * f)
-    took = sum(k if job.densities.get(name) is None else min(1.0, job.densities[name] * f) * k
-               for name, k in zip(job.names, numels, strict=True))
+    took = sum(numel[name] * (1.0 if job.densities.get(name) is None
+                              else min(1.0, job.densities[name] * f)) for name in job.names)
     return took / n
 
 

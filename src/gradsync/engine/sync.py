@@ -777,8 +777,8 @@ class GradSync:
 
     def _launch(self, job: Job, index: int) -> None:
         sizes = tuple(self._replica.numel[n] for n in job.names)
-        job = at_density(job, self._planning.density.at(self.step), self.cfg.density, sizes,
-                         self.P)
+        job = at_density(job, self._planning.density.at(self.step), self.cfg.density,
+                         self._replica.numel, self.P)
         grad, storage = self._gather(index, job.names)
         self._planning.density.observe(grad)
         prep = prepare(job, index, grad, sizes, self.ef, self._parts.sparsifier,

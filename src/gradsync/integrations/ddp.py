@@ -277,10 +277,10 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
     split = hook_interleaves(state.scheme.interleave, buf.device.type)
     jobs = _bucket_jobs(tuple(pipe.names), tuple(pipe.numels), tuple(densities),
                         split or state.scheme.planner == "auto", state.scheme.collective)
-    # DGC's warm-up (Config.density_warmup) as the engine's jobs take it (jobs.at_density)
-    d, k = state.density.at(state.counts.steps), dict(zip(pipe.names, pipe.numels))
-    return pipe.sparse(buf, [at_density(job, d, state.cfg.density, [k[n] for n in job.names],
-                                        comm.size) for job in jobs])
+    if (d := state.density.at(state.counts.steps)) != state.cfg.density:  # DGC's warm-up
+        k = dict(zip(pipe.names, pipe.numels))  # as the engine's jobs take it (at_density)
+        jobs = tuple(at_density(job, d, state.cfg.density, k, comm.size) for job in jobs)
+    return pipe.sparse(buf, jobs)
 
 
 @functools.lru_cache(maxsize=256)
