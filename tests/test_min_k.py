@@ -136,7 +136,7 @@ class _ResNetLike(nn.Module):
         self.fc = nn.Linear(64, 10)  # 640 (k = 6) + 10
 
 
-def _ssfusion_plan(model: nn.Module) -> gradsync.schedule.Plan:
+def _ssfusion_plan(model: nn.Module, density: float = 0.01) -> gradsync.schedule.Plan:
     from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
 
     numel = {n: p.numel() for n, p in reversed(list(model.named_parameters()))}
@@ -144,7 +144,7 @@ def _ssfusion_plan(model: nn.Module) -> gradsync.schedule.Plan:
                      backward=dict.fromkeys(numel, 1e-4), sparsify=AffineFit(2e-4, 1e-9),
                      offload=AffineFit(4e-4, 3e-9), allreduce=AlphaBeta(5e-5, 1e-9),
                      allgather=AlphaBeta(5e-5, 1e-9))
-    return make_plan("ssfusion", list(numel), numel, 0.01, cost)
+    return make_plan("ssfusion", list(numel), numel, density, cost)
 
 
 def test_the_ssfusion_family_sends_its_starved_tensors_whole_where_the_budget_has_room():
@@ -173,3 +173,48 @@ def test_the_ssfusion_family_sends_its_starved_tensors_whole_where_the_budget_ha
 
         chosen = _densities(state, numels, comm=_Four())
         assert sorted(n for n, d in zip(names, chosen) if d is None) == sorted(forced), wide
+
+
+@pytest.mark.parametrize("density", [0.01, 0.0125])
+def test_min_k_holds_at_the_compensated_density_in_both_doors(density):
+    """min_k is decided at the density a tensor is selected at, SSFusion's compensated d′, not
+    at the target: at 1.25 % the classifier (640 entries) gets 8 at the target but 7 at the d′
+    the other small tensors leave (≈ 1.15 %), so it travels whole too (ResNet-20's case: 6 of
+    640 a step at d′ = 0.97 %, 1.35 points below its 1 % runs). Checked here as the invariant,
+    computed independently from each door's densities: every sparsified tensor sends at least
+    min_k entries, the engine's plan and the DDP hook mark the same tensors whole."""
+    from gradsync.integrations.ddp import _densities
+
+    model = _ResNetLike(4)
+    plan = _ssfusion_plan(model, density)
+    planned = {t.name: t.density for b in plan.buffers for t in b.tensors}
+    numel = {n: p.numel() for n, p in model.named_parameters()}
+    assert all(round(d * numel[n]) >= 8 for n, d in planned.items() if d is not None), planned
+    whole = sorted(n for n, d in planned.items() if d is None)
+    assert "fc.weight" in whole, whole  # 6 entries at 1 %; at 1.25 % 7 at d′ (8 at the target)
+    state, _ = gradsync.ddp.hook(gradsync.Config(scheme="ssfusion", density=density), model,
+                                 small_numel=0)
+
+    class _Four:
+        size = 4
+
+    chosen = _densities(state, [p.numel() for p in model.parameters()], comm=_Four())
+    names = [n for n, _ in model.named_parameters()]
+    assert sorted(n for n, d in zip(names, chosen) if d is None) == whole
+    assert all(round(d * numel[n]) >= 8 for n, d in zip(names, chosen) if d is not None)
+
+
+def test_starved_marks_grow_to_their_own_compensated_density():
+    """``ssfusion.starved`` on hand-made sizes at 1 %, half an entry per element sent whole: a
+    400-entry vector is below min_k at the target (4 entries); an 800-entry one sends 8 at the
+    target but 7 at the d′ (0.90 %) the vector's 200 entries leave, so it is marked in a second
+    round; with d′'s floor at the target it is not; a round whose marks would exceed
+    MIN_K_SHARE of the budget is not taken (the first round's marks stand)."""
+    from gradsync.schedule.ssfusion import MIN_K_SHARE, starved
+
+    grows = [400, 800, 200_000]
+    assert starved(grows, 0.01, 8, 0.5) == [True, True, False]
+    assert starved(grows, 0.01, 8, 0.5, min_density=0.01) == [True, False, False]
+    tight = [400, 800, 60_000]  # the vector and the 800 would take 600 of a 306-entry share
+    assert 0.5 * 400 <= MIN_K_SHARE * 0.01 * sum(tight) < 0.5 * 1200
+    assert starved(tight, 0.01, 8, 0.5) == [True, False, False]

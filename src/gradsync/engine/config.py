@@ -118,7 +118,8 @@ class Config:
             (:func:`gradsync.schedule.ssfusion.starved`). DGC's reference sends
             biases and BatchNorm whole for the same reason: at k of a few entries the rest of a
             small tensor waits many steps and then lands as one stale, outsized step
-            (:func:`gradsync.schedule.plan.whole_below`). Decided at the target ``density``;
+            (:func:`gradsync.schedule.plan.whole_below`). Decided at the density a tensor is
+            selected at (the target; in the SSFusion family the compensated d′);
             fused buffers (``topka``, …) are selected as one vector and do not need it.
         nonfinite: ``"raise"`` (default: a NaN/Inf gradient raises ``ValueError`` naming the
             parameter) or ``"skip_step"`` (the step's gradients are zeroed on every rank,

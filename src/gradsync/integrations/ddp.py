@@ -222,7 +222,7 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
     """Per-tensor density of one bucket, None = sent whole: ``per_tensor`` every tensor at
     ``density``; ``auto`` all or none (:class:`AutoTrial`); SSFusion
     :func:`~gradsync.schedule.ssfusion.hook_plan` over the model's trainable parameters (or the
-    bucket's, without a model). Fewer than ``Config.min_k`` entries at ``density``: whole."""
+    bucket's, without a model). Fewer than ``Config.min_k`` entries at its density (d′): whole."""
     cfg, forced = state.cfg, True
     if state.scheme.planner == "auto":
         sparse = state.auto.sparse(
@@ -245,7 +245,7 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
             if why is not None and state.identity().rank == 0:
                 warnings.warn(why, stacklevel=2)
         chosen = [None if n < whole else d for n in numels]
-    return [None if d is None or (forced and target_k(n, cfg.density) < cfg.effective_min_k)
+    return [None if d is None or (forced and target_k(n, d) < cfg.effective_min_k)
             else d for n, d in zip(numels, chosen)]
 
 
