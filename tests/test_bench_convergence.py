@@ -1793,6 +1793,10 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     assert len(oi["ssfusion_oi"]["finals"]) == 10
     assert (f"SSFusion-OI {_gap_cell(oi['ssfusion_oi']['finals'], oi['ddp']['finals'])} over 10 "
             f"seeds ({before['ssfusion_oi']} without;") in readme
+    more = _by_scheme("resnet20-cosine/ssfusion-oi-density-0.0167", "--model resnet20")
+    assert more["ssfusion_oi"]["density"] == 0.0167 and len(more["ssfusion_oi"]["finals"]) == 5
+    assert (f", {_gap_cell(more['ssfusion_oi']['finals'], more['ddp']['finals'])} at 1.67 % "
+            "density (5 seeds: what it lacks is budget,") in readme
     r18 = _resnet18_today()
     since = _by_scheme("convergence-resnet18-2026-12-06-fifth", "--model resnet18")["topka"]
     w18 = _by_scheme(WARMUP_R18, "--model resnet18")["topka"]
@@ -2340,3 +2344,43 @@ def test_accuracy_tinygpt_dgc_warmup_after_the_freeze_claims_hold_in_the_written
     assert (f"paired {paired('topka')} and {paired('ssfusion_oi')} %, for {ratio('topka')} and "
             f"{ratio('ssfusion_oi')} the run's bytes") in page
     assert max(float(gap(warm, s)) for s in ("topka", "ssfusion_oi")) > 3  # issue 68's bar
+
+
+def test_accuracy_ssfusion_oi_budget_on_resnet20_claims_hold_in_the_written_results():
+    """accuracy.md, "SSFusion-OI on ResNet-20: its budget": SSFusion-OI at 1 % (seeds 1–5 of the
+    10-seed page), at 1.25 % before and after min_k moved to the compensated d′ (3082c2a), and
+    at 1.67 %, each against the same DDP runs, paired with the 1 % runs, MB per step and bytes
+    over the run against theirs, and the fix paired with the runs before it, recomputed from
+    the pages' finals."""
+    section = _accuracy_from("SSFusion-OI on ResNet-20: its budget")
+    cmd = "--model resnet20 --steps 160 --eval-points 4 --lr-schedule cosine"
+    one = _by_scheme("resnet20-cosine/lead-follows-dgc-warmup-ssfusion-oi", "--model resnet20")
+    pages = {name: _by_scheme(f"resnet20-cosine/ssfusion-oi-density-{name}", cmd)
+             for name in ("0.0125-min-k-at-target", "0.0125", "0.0167")}
+    ddp = one["ddp"]["finals"][:5]
+    o5 = one["ssfusion_oi"]["finals"][:5]
+    assert f"| 1 % (seeds 1–5 of the 10-seed page) | {_gap_cell(o5, ddp)} |" in section
+    assert f"{one['ssfusion_oi']['bytes_per_step'] / 1e6:.3f} | 1 |" in section
+    for name, label in (("0.0125-min-k-at-target", "1.25 %, `min_k` decided at the target"),
+                        ("0.0125", "1.25 %, `min_k` at the compensated d′"),
+                        ("0.0167", "1.67 %")):
+        rows = pages[name]
+        assert rows["ddp"]["finals"] == ddp, name
+        f = rows["ssfusion_oi"]["finals"]
+        mb = rows["ssfusion_oi"]["bytes_per_step"]
+        run = rows["ssfusion_oi"]["run_bytes_per_step"] / one["ssfusion_oi"]["run_bytes_per_step"]
+        cells = (f"{_interval_cell(f, ddp)} | {_paired_sd(f, o5).replace('-', '−')} | "
+                 f"{mb / 1e6:.3f} | {run:.2f} |")
+        assert f"| {label}" in section and cells in section, (name, cells)
+    before, after = (pages[n]["ssfusion_oi"]["finals"]
+                     for n in ("0.0125-min-k-at-target", "0.0125"))
+    assert all(b < o for b, o in zip(before, o5, strict=True))  # "every seed lower"
+    assert f"end {_interval_cell(after, before)} points above the ones before" in section
+    top = pages["0.0167"]["ssfusion_oi"]
+    ratio = top["bytes_per_step"] / one["ssfusion_oi"]["bytes_per_step"]
+    assert (f"SSFusion-OI ends {_gap_cell(top['finals'], ddp)} points from DDP, TopkA's gap at "
+            f"1 %, for {ratio:.2f}× the MB per step") in section
+    topka = _by_scheme(WARMUP_R20, "--model resnet20")
+    assert _gap_cell(topka["topka"]["finals"], topka["ddp"]["finals"]) == _gap_cell(
+        top["finals"], ddp)
+    assert f"ended {-_paired_points(before, o5)[0]:.2f} points below its own 1 % runs" in section

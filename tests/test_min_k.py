@@ -218,3 +218,26 @@ def test_starved_marks_grow_to_their_own_compensated_density():
     tight = [400, 800, 60_000]  # the vector and the 800 would take 600 of a 306-entry share
     assert 0.5 * 400 <= MIN_K_SHARE * 0.01 * sum(tight) < 0.5 * 1200
     assert starved(tight, 0.01, 8, 0.5) == [True, False, False]
+
+
+@pytest.mark.parametrize("model", ["cnn", "resnet20", "resnet18", "gpt_tiny"])
+def test_starved_at_one_percent_marks_what_the_target_marked(model):
+    """At the defaults (1 %, P = 4) counting entries at d′ marks the same tensors as deciding
+    at the target did before 3082c2a, computed here from the sizes (below min_k at 1 %, when
+    together within MIN_K_SHARE of the budget at half an entry per element): no default study
+    moves. At 1.25 % ResNet-20's classifier is the one tensor added."""
+    from gradsync.apps.models import build
+    from gradsync.schedule.ssfusion import MIN_K_SHARE, starved
+
+    numels = [p.numel() for p in build(model, device="meta").parameters()]
+
+    def at_target(density: float) -> list[bool]:
+        below = [max(1, round(density * n)) < 8 for n in numels]
+        fits = sum(0.5 * n for n, b in zip(numels, below) if b) <= MIN_K_SHARE * density * sum(
+            numels)
+        return below if fits else [False] * len(numels)
+
+    assert starved(numels, 0.01, 8, 0.5) == at_target(0.01)
+    added = [n for n, new, old in zip(numels, starved(numels, 0.0125, 8, 0.5),
+                                       at_target(0.0125)) if new != old]
+    assert added == ([640] if model == "resnet20" else []), added
