@@ -84,14 +84,21 @@ def test_every_scheme_covers_every_tensor_once_in_backward_order():
                 for t in b.tensors:
                     assert t.numel == numel[t.name]
             # the scheme's min_k (8): no planner sparsifies on its own a tensor that the target
-            # density would give fewer entries (SSFusion's compensation may lower d′ after),
-            # but SSFusion where those tensors would take over half its budget (starved)
+            # density would give fewer entries, but SSFusion where those tensors would take over
+            # half its budget (starved); SSFusion adds those under min_k at its d′
             k_min = SCHEMES[scheme].min_k
             forced = plan.info["whole_below_min_k"]
             if SCHEMES[scheme].planner == "ssfusion":
                 below = [n for n in names if target_k(numel[n], 0.01) < k_min]
                 share = sum(numel[n] for n in below) * allgather_charge(cm.P, cm.elem_bytes)
-                assert forced == (below if share <= 0.5 * 0.01 * sum(numel.values()) else [])
+                if share > 0.5 * 0.01 * sum(numel.values()):
+                    assert forced == []
+                else:
+                    assert set(below) <= set(forced)
+                    d = [t.density for b in plan.buffers for t in b.tensors
+                         if t.density is not None]
+                    assert all(target_k(numel[n], max(d)) < k_min for n in forced
+                               if n not in below), (scheme, forced, below)
             else:
                 assert all(target_k(t.numel, 0.01) >= k_min for b in plan.buffers
                            for t in b.tensors if b.mode == "per_tensor" and t.density is not None)
@@ -875,18 +882,33 @@ def test_every_planner_of_the_table_is_registered_once():
 def test_small_within_budget_excludes_the_smallest_until_the_budget(numels, density, small,
                                                                   charge, min_k):
     """Whole: every tensor that ``density`` gives fewer than ``min_k`` entries, when together
-    they take at most half the budget (else none of them for that reason); then, below the
-    returned size, the smallest sizes below ``small`` while the whole ones take at most a
-    quarter of the budget and the others, at the density floor, can still absorb them; one size
-    more would not fit (or is not small)."""
-    from gradsync.schedule.ssfusion import small_within_budget
+    they take at most half the budget (else none of them for that reason), and every tensor
+    under ``min_k`` at the compensated d′ those leave, unless adding them would break that half;
+    then, below the returned size, the smallest sizes below ``small`` while the whole ones take
+    at most a quarter of the budget and the others, at the density floor, can still absorb
+    them; one size more would not fit (or is not small)."""
+    from gradsync.schedule.ssfusion import compensate, small_within_budget
 
     floor = min(0.001, density)
     cut, info = small_within_budget(numels, small, density, 0.001, charge, min_k)
     k_target = density * sum(numels)
-    below = [max(1, min(n, round(density * n))) < min_k for n in numels]
-    share = sum(charge * n for n, b in zip(numels, below) if b)
-    forced = below if share <= 0.5 * k_target else [False] * len(numels)
+
+    def spent(marks: list[bool]) -> float:
+        return sum(charge * n for n, b in zip(numels, marks) if b)
+
+    def under(d: float | None) -> list[bool]:
+        return [d is not None and max(1, min(n, round(d * n))) < min_k for n in numels]
+
+    below = under(density)
+    forced = info["starved"]
+    if spent(below) > 0.5 * k_target:
+        assert forced == [False] * len(numels)
+    else:
+        assert all(f or not b for f, b in zip(forced, below))  # the target's marks, and more
+        assert spent(forced) <= 0.5 * k_target
+        d, _ = compensate(numels, [not f for f in forced], density, 0.001, charge)
+        more = [f or u for f, u in zip(forced, under(d))]
+        assert more == forced or spent(more) > 0.5 * k_target  # closed at its own d′
 
     def fits(c: int) -> bool:  # forced and the others below c whole: within a quarter, absorbed?
         whole = [f or n < c for n, f in zip(numels, forced)]
@@ -894,7 +916,6 @@ def test_small_within_budget_excludes_the_smallest_until_the_budget(numels, dens
         return sent <= 0.25 * k_target and sent + sum(
             max(1, round(floor * n)) for n, w in zip(numels, whole) if not w) < k_target
 
-    assert info["starved"] == forced
     for n, f in zip(numels, forced):
         if n < cut and not f:
             assert n < small
