@@ -1810,6 +1810,11 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     gap = _mean_gap_points(r18["ssfusion_oi"]["finals"], d)
     assert (f"SSFusion-OI {_mean_sd(r18w['finals'])} % with it (the Intel machine), {gap:+.2f} "
             "points without ([study]") in readme
+    pt = _by_scheme(WARMUP_R18)["per_tensor"]["finals"]
+    shares = _by_scheme("resnet18-budget/per-tensor-by-topka-shares",
+                        "--model resnet18")["per_tensor"]["finals"]
+    assert (f"; per_tensor {_mean_sd(pt)} %, the price of one density for every tensor "
+            f"({_mean_sd(shares)} % with TopkA's allocation, [study]") in readme
     base = _by_scheme("convergence-resnet20-cosine")
     follow = _by_scheme("resnet20-cosine/follow")
     gain = statistics.mean(follow["topka"]["finals"]) - statistics.mean(base["topka"]["finals"])
