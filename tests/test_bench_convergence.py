@@ -1796,7 +1796,11 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     more = _by_scheme("resnet20-cosine/ssfusion-oi-density-0.0167", "--model resnet20")
     assert more["ssfusion_oi"]["density"] == 0.0167 and len(more["ssfusion_oi"]["finals"]) == 5
     assert (f", {_gap_cell(more['ssfusion_oi']['finals'], more['ddp']['finals'])} at 1.67 % "
-            "density (5 seeds: what it lacks is budget,") in readme
+            "density (5 seeds, [study]") in readme
+    spread = _by_scheme("resnet20-cosine/ssfusion-oi-by-topka-shares", "--model resnet20")
+    assert spread["ddp"]["finals"] == oi["ddp"]["finals"][:5]
+    assert (f" and {_gap_cell(spread['ssfusion_oi']['finals'], spread['ddp']['finals'])} at 1 % "
+            "with its convolutions' entries spread as TopkA spreads them ([study]") in readme
     r18 = _resnet18_today()
     since = _by_scheme("convergence-resnet18-2026-12-06-fifth", "--model resnet18")["topka"]
     w18 = _by_scheme(WARMUP_R18, "--model resnet18")["topka"]
@@ -1811,10 +1815,10 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     assert (f"SSFusion-OI {_mean_sd(r18w['finals'])} % with it (the Intel machine), {gap:+.2f} "
             "points without ([study]") in readme
     pt = _by_scheme(WARMUP_R18)["per_tensor"]["finals"]
-    shares = _by_scheme("resnet18-budget/per-tensor-by-topka-shares",
-                        "--model resnet18")["per_tensor"]["finals"]
-    assert (f"; per_tensor {_mean_sd(pt)} %, the price of one density for every tensor "
-            f"({_mean_sd(shares)} % with TopkA's allocation, [study]") in readme
+    fed = _by_scheme("resnet18-budget/per-tensor-classifier-by-topka-share",
+                     "--model resnet18")["per_tensor"]["finals"]
+    assert (f"; per_tensor {_mean_sd(pt)} %, the price of its classifier's 1 % "
+            f"({_mean_sd(fed)} % with the classifier at TopkA's share, [study]") in readme
     base = _by_scheme("convergence-resnet20-cosine")
     follow = _by_scheme("resnet20-cosine/follow")
     gain = statistics.mean(follow["topka"]["finals"]) - statistics.mean(base["topka"]["finals"])

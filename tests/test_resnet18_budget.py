@@ -1,7 +1,7 @@
-"""docs/results/accuracy.md, "per_tensor on ResNet-18: one budget per tensor": every figure of
-the section recomputed from what it names — the `train --topk-shares` runs saved in
-docs/results/resnet18-budget/, the plans replayed there, and the study pages — here, not by
-the code under test."""
+"""docs/results/accuracy.md, "One density for every tensor": every figure of the section
+recomputed from what it names — the `train --topk-shares` runs saved in
+docs/results/resnet18-budget/ and docs/results/resnet20-cosine/budget/, the plans replayed
+there, and the study pages — here, not by the code under test."""
 
 from __future__ import annotations
 
@@ -14,11 +14,21 @@ import pytest
 from gradsync.apps.models import build
 from gradsync.engine.config import Config
 from gradsync.engine.warmup import given_plan
-from test_bench_convergence import WARMUP_R18, _by_scheme, _interval_cell, _mean_sd
+from test_bench_convergence import (
+    WARMUP_R18,
+    WARMUP_R20,
+    _by_scheme,
+    _gap_cell,
+    _interval_cell,
+    _mean_gap_points,
+    _mean_sd,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 BUDGET = ROOT / "docs/results/resnet18-budget"
+R20 = ROOT / "docs/results/resnet20-cosine/budget"
 PAGE = "resnet18-budget/per-tensor-by-topka-shares"
+PAGE_FC = "resnet18-budget/per-tensor-classifier-by-topka-share"
 MIN_K = 8  # Config.min_k's default: what the plans keep as each tensor's floor
 
 
@@ -29,12 +39,13 @@ def _k(n: int, d: float) -> int:
 
 def _section() -> str:
     text = (ROOT / "docs/results/accuracy.md").read_text()
-    body = text.split("## per_tensor on ResNet-18: one budget per tensor")[1]
+    body = text.split("## One density for every tensor: per_tensor on ResNet-18, SSFusion-OI "
+                      "on ResNet-20")[1]
     return " ".join(body.split("\n## ")[0].split())
 
 
-def _shares() -> dict[str, dict[str, dict]]:
-    runs = json.loads((BUDGET / "topk-shares-seed1.json").read_text())["runs"]
+def _shares(where: Path = BUDGET) -> dict[str, dict[str, dict]]:
+    runs = json.loads((where / "topk-shares-seed1.json").read_text())["runs"]
     return {s: r["topk_shares"]["tensors"] for s, r in runs.items()}
 
 
@@ -77,30 +88,121 @@ def test_shares_fit_resnet18_and_the_section_quotes_them():
         assert f"{frac * 100:.2f} % of {label}" in text, (name, frac)
 
 
+def _check_plan(plan_raw: dict, scheme: str, numel: dict[str, int], shares: dict[str, dict],
+                whole: set[str], budget: int) -> None:
+    """A replayed plan: ``whole`` sent whole, ``budget`` entries in all, each sparsified
+    tensor's entries in proportion to its share, floor MIN_K entries, cap its size."""
+    plan = given_plan(Config(scheme=scheme, density=0.01, plan=plan_raw), numel)
+    d = {t.name: t.density for b in plan.buffers for t in b.tensors}
+    assert {n for n, x in d.items() if x is None} == whole
+    e = {n: x * numel[n] for n, x in d.items() if x is not None}
+    assert sum(e.values()) == pytest.approx(budget, rel=1e-9)
+    assert sum(_k(numel[n], d[n]) for n in e) == pytest.approx(budget, abs=len(e))
+    assert min(e.values()) >= MIN_K - 1e-9 and all(e[n] <= numel[n] for n in e)
+    free = [n for n in e if MIN_K + 1e-6 < e[n] < numel[n] - 1e-6]
+    ratios = [e[n] / shares[n]["topk_share"] for n in free]
+    assert len(free) >= 15 and max(ratios) / min(ratios) == pytest.approx(1.0, abs=1e-9)
+    # a tensor held at its floor would get fewer than MIN_K by its share; one at its cap more
+    # than its entries
+    for n in e:
+        if n not in free:
+            want = shares[n]["topk_share"] * ratios[0]
+            assert want < MIN_K if e[n] <= MIN_K + 1e-6 else want > numel[n]
+
+
 def test_plans_give_each_tensor_its_topka_share_at_per_tensor_budget():
     numel = {n: p.numel() for n, p in build("resnet18", seed=0).named_parameters()}
-    shares = _shares()["topka"]
     whole = {n for n, c in numel.items() if _k(c, 0.01) < MIN_K}  # per_tensor's min_k rule
     budget = sum(_k(c, 0.01) for n, c in numel.items() if n not in whole)
     for seed in (1, 2, 3):
         raw = json.loads((BUDGET / f"plans/plans-resnet18-seed{seed}.json").read_text())
-        plan = given_plan(Config(scheme="per_tensor", density=0.01, plan=raw["per_tensor"]),
-                          numel)
+        _check_plan(raw["per_tensor"], "per_tensor", numel, _shares()["topka"], whole, budget)
+
+
+def test_classifier_plans_change_only_the_classifier_share():
+    """The plans of the third row: per_tensor's, the classifier at its density in the plans by
+    TopkA's shares, every other sparsified tensor at one density, the same total entries."""
+    numel = {n: p.numel() for n, p in build("resnet18", seed=0).named_parameters()}
+    whole = {n for n, c in numel.items() if _k(c, 0.01) < MIN_K}
+    budget = sum(_k(c, 0.01) for n, c in numel.items() if n not in whole)
+    by = json.loads((BUDGET / "plans/plans-resnet18-seed1.json").read_text())["per_tensor"]
+    fc = next(t["density"] for b in by["buffers"] for t in b["tensors"] if t["name"] == "fc.weight")
+    text = _section()
+    for seed in (1, 2, 3):
+        raw = json.loads((BUDGET / f"plans-classifier/plans-resnet18-seed{seed}.json").read_text())
+        plan = given_plan(Config(scheme="per_tensor", density=0.01, plan=raw["per_tensor"]), numel)
         d = {t.name: t.density for b in plan.buffers for t in b.tensors}
         assert {n for n, x in d.items() if x is None} == whole
-        e = {n: x * numel[n] for n, x in d.items() if x is not None}
-        assert sum(e.values()) == pytest.approx(budget, rel=1e-9)
-        assert sum(_k(numel[n], d[n]) for n in e) == pytest.approx(budget, abs=len(e))
-        assert min(e.values()) >= MIN_K - 1e-9 and all(e[n] <= numel[n] for n in e)
-        free = [n for n in e if MIN_K + 1e-6 < e[n] < numel[n] - 1e-6]
-        ratios = [e[n] / shares[n]["topk_share"] for n in free]
-        assert len(free) >= 15 and max(ratios) / min(ratios) == pytest.approx(1.0, abs=1e-9)
-        # a tensor held at its floor would get fewer than MIN_K by its share; one at its cap more
-        # than its entries
-        for n in e:
-            if n not in free:
-                want = shares[n]["topk_share"] * ratios[0]
-                assert want < MIN_K if e[n] <= MIN_K + 1e-6 else want > numel[n]
+        assert d["fc.weight"] == fc
+        rest = {x for n, x in d.items() if x is not None and n != "fc.weight"}
+        assert len(rest) == 1
+        assert sum(x * numel[n] for n, x in d.items() if x is not None) == pytest.approx(budget)
+        assert (f"the classifier at {100 * fc:.1f} % ({round(fc * numel['fc.weight']):,} entries"
+                f" a step), every other tensor at {100 * rest.pop():.2f} %") in text
+    shares = _by_scheme(PAGE)["per_tensor"]["finals"]
+    page = _by_scheme(PAGE_FC, "--model resnet18 --schemes ddp,per_tensor --seeds 3 --steps 160 "
+                               "--eval-points 1 --plans docs/results/resnet18-budget/"
+                               "plans-classifier")
+    dflt = _by_scheme(WARMUP_R18, "--model resnet18")["per_tensor"]["finals"]
+    fcf, ddp = page["per_tensor"]["finals"], page["ddp"]["finals"]
+    assert ddp == _by_scheme(PAGE)["ddp"]["finals"]
+    assert f"| {_mean_sd(fcf)} % | {_interval_cell(fcf, ddp)} vs DDP |" in text
+    assert f"{_interval_cell(fcf, dflt)} paired" in text
+    assert all(a > b for a, b in zip(fcf, shares, strict=True))
+    assert f"{_interval_cell(fcf, shares)} against the plans by TopkA's shares, every seed" in text
+    tk = _shares()["topka"]["fc.weight"]
+    sent = tk["topk_share"] * 0.01 * sum(numel.values())
+    assert (f"the classifier sends {_k(numel['fc.weight'], 0.01)} of its "
+            f"{numel['fc.weight']:,} weights a step, where TopkA sends about "
+            f"{round(sent, -1):,.0f}") in text
+    row = page["per_tensor"]
+    assert (f"| {row['bytes_per_step'] / 1e6:.2f} ({row['run_bytes_per_step'] / 1e6:.2f}) |"
+            in text)
+
+
+def test_resnet20_plans_and_study_as_the_section_says():
+    """SSFusion-OI on ResNet-20: each seed's plan of the 10-seed page (its whole tensors, its
+    entries at d′) with the convolutions' entries by TopkA's shares; the study against the
+    10-seed page's seeds 1–5 and their DDP runs."""
+    numel = {n: p.numel() for n, p in build("resnet20", seed=0).named_parameters()}
+    shares = _shares(R20)
+    assert {n: v["numel"] for n, v in shares["topka"].items()} == numel
+    text = _section()
+    N = sum(numel.values())
+    for name, label in (("layer1.0.conv2.weight", "of the first block's second convolution"),
+                        ("layer3.2.conv2.weight", "of the last")):
+        frac = shares["topka"][name]["topk_share"] * 0.01 * N / numel[name]
+        assert f"{frac * 100:.2f} % {label}" in text, (name, frac)
+    own = _by_scheme("resnet20-cosine/lead-follows-dgc-warmup-ssfusion-oi", "--model resnet20")
+    assert own["ssfusion_oi"]["seeds"][:5] == [1, 2, 3, 4, 5]
+    for seed in (1, 2, 3, 4, 5):
+        raw = json.loads((R20 / f"plans/plans-resnet20-seed{seed}.json").read_text())
+        ts = [t for b in raw["ssfusion_oi"]["buffers"] for t in b["tensors"]]
+        whole = {t["name"] for t in ts if t["density"] is None}
+        assert len(whole) == 41
+        d0 = raw["ssfusion_oi"]["info"]["compensation"]["density"]  # the plan's own d′
+        budget = sum(_k(numel[n], d0) for n in numel if n not in whole)
+        assert f"the same {budget:,} entries a step" in text
+        _check_plan(raw["ssfusion_oi"], "ssfusion_oi", numel, shares["topka"], whole, budget)
+    page = _by_scheme("resnet20-cosine/ssfusion-oi-by-topka-shares", "--model resnet20 --steps 160 "
+                      "--eval-points 4 --lr-schedule cosine --seeds 5 --schemes ddp,ssfusion_oi "
+                      "--plans docs/results/resnet20-cosine/budget/plans")
+    ddp = page["ddp"]["finals"]
+    assert ddp == own["ddp"]["finals"][:5]
+    by, o5 = page["ssfusion_oi"]["finals"], own["ssfusion_oi"]["finals"][:5]
+    assert f"| {_mean_sd(o5)} % | {_interval_cell(o5, ddp)} vs DDP |" in text
+    assert f"| {_mean_sd(by)} % | {_interval_cell(by, ddp)} vs DDP |" in text
+    ups = sum(a > b for a, b in zip(by, o5, strict=True))
+    assert f"{_interval_cell(by, o5)} paired, {ups} of 5 seeds higher" in text
+    for row in (own["ssfusion_oi"], page["ssfusion_oi"]):
+        assert f"| {row['bytes_per_step'] / 1e6:.3f} |" in text
+    assert _interval_cell(by, ddp).startswith("−0.") and ups >= 4
+    gain = _mean_gap_points(by, ddp) - _mean_gap_points(o5, ddp)
+    assert (f"of its {-_mean_gap_points(o5, ddp):.2f} points, about {gain:.2f} are the one "
+            "density for every convolution") in text
+    topka = _by_scheme(WARMUP_R20, "--model resnet20")
+    assert f"What remains (TopkA {_gap_cell(topka['topka']['finals'], topka['ddp']['finals'])})" \
+        in text
 
 
 def test_study_of_the_plans_as_the_section_says():
@@ -116,7 +218,8 @@ def test_study_of_the_plans_as_the_section_says():
     assert f"{_interval_cell(by, dflt)} paired" in text
     gains = [100 * (a - b) for a, b in zip(by, dflt, strict=True)]
     assert all(g > 0 for g in gains) and "every seed higher" in text
-    assert "Every seed gains (" + ", ".join(f"{g:+.2f}" for g in gains) + " points)" in text
+    assert ("Every seed gains with the shares (" + ", ".join(f"{g:+.2f}" for g in gains)
+            + " points)") in text
     assert (f"the spread falls from {100 * statistics.stdev(dflt):.2f} to "
             f"{100 * statistics.stdev(by):.2f}") in text
     for row in (default["per_tensor"], page["per_tensor"]):
