@@ -29,6 +29,7 @@ BUDGET = ROOT / "docs/results/resnet18-budget"
 R20 = ROOT / "docs/results/resnet20-cosine/budget"
 PAGE = "resnet18-budget/per-tensor-by-topka-shares"
 PAGE_FC = "resnet18-budget/per-tensor-classifier-by-topka-share"
+PAGE_WHOLE = "resnet18-budget/per-tensor-classifier-whole"
 MIN_K = 8  # Config.min_k's default: what the plans keep as each tensor's floor
 
 
@@ -155,9 +156,20 @@ def test_classifier_plans_change_only_the_classifier_share():
     assert (f"the classifier sends {_k(numel['fc.weight'], 0.01)} of its "
             f"{numel['fc.weight']:,} weights a step, where TopkA sends about "
             f"{round(sent, -1):,.0f}") in text
-    row = page["per_tensor"]
-    assert (f"| {row['bytes_per_step'] / 1e6:.2f} ({row['run_bytes_per_step'] / 1e6:.2f}) |"
-            in text)
+    whole_page = _by_scheme(PAGE_WHOLE, "--model resnet18 --schemes ddp,per_tensor --seeds 3 "
+                                        "--steps 160 --eval-points 1 --min-k 52")
+    whole = whole_page["per_tensor"]["finals"]
+    assert whole_page["ddp"]["finals"] == ddp
+    assert f"| {_mean_sd(whole)} % | {_interval_cell(whole, ddp)} vs DDP |" in text
+    assert f"| {_interval_cell(whole, dflt)} paired |" in text
+    assert f"{_mean_sd(whole)} %, {_interval_cell(whole, dflt).split(' ')[0]} paired" in text
+    assert ("its share against whole, seed by seed: "
+            + ", ".join(f"{100 * (a - b):+.2f}" for a, b in zip(fcf, whole, strict=True))
+            .replace("-", "−") + ")") in text
+    assert f"one {100 * min(whole):.2f} %" in text
+    for row in (page["per_tensor"], whole_page["per_tensor"]):
+        assert (f"| {row['bytes_per_step'] / 1e6:.2f} ({row['run_bytes_per_step'] / 1e6:.2f}) |"
+                in text)
 
 
 def test_resnet20_plans_and_study_as_the_section_says():
