@@ -50,11 +50,28 @@ def _shares(where: Path = BUDGET) -> dict[str, dict[str, dict]]:
     return {s: r["topk_shares"]["tensors"] for s, r in runs.items()}
 
 
+def _numel(model: str) -> dict[str, int]:
+    return {n: p.numel() for n, p in build(model, seed=0).named_parameters()}
+
+
+def _per_tensor_budget(numel: dict[str, int]) -> tuple[set[str], int]:
+    """per_tensor's default plan at 1 %: the tensors its ``min_k`` rule sends whole, and the
+    entries a step the others send."""
+    whole = {n for n, c in numel.items() if _k(c, 0.01) < MIN_K}
+    return whole, sum(_k(c, 0.01) for n, c in numel.items() if n not in whole)
+
+
+def _densities(plan_raw: dict, scheme: str, numel: dict[str, int]) -> dict[str, float | None]:
+    """A saved plan as the engine takes it (``Config.plan``): each tensor's density."""
+    plan = given_plan(Config(scheme=scheme, density=0.01, plan=plan_raw), numel)
+    return {t.name: t.density for b in plan.buffers for t in b.tensors}
+
+
 EARLY = ("stem.", "layers.0.", "layers.1.", "layers.2.", "layers.3.", "fc.")
 
 
 def test_shares_fit_resnet18_and_the_section_quotes_them():
-    numel = {n: p.numel() for n, p in build("resnet18", seed=0).named_parameters()}
+    numel = _numel("resnet18")
     shares = _shares()
     assert set(shares) == {"per_tensor", "topka"}
     for t in shares.values():
@@ -93,8 +110,7 @@ def _check_plan(plan_raw: dict, scheme: str, numel: dict[str, int], shares: dict
                 whole: set[str], budget: int) -> None:
     """A replayed plan: ``whole`` sent whole, ``budget`` entries in all, each sparsified
     tensor's entries in proportion to its share, floor MIN_K entries, cap its size."""
-    plan = given_plan(Config(scheme=scheme, density=0.01, plan=plan_raw), numel)
-    d = {t.name: t.density for b in plan.buffers for t in b.tensors}
+    d = _densities(plan_raw, scheme, numel)
     assert {n for n, x in d.items() if x is None} == whole
     e = {n: x * numel[n] for n, x in d.items() if x is not None}
     assert sum(e.values()) == pytest.approx(budget, rel=1e-9)
@@ -112,9 +128,8 @@ def _check_plan(plan_raw: dict, scheme: str, numel: dict[str, int], shares: dict
 
 
 def test_plans_give_each_tensor_its_topka_share_at_per_tensor_budget():
-    numel = {n: p.numel() for n, p in build("resnet18", seed=0).named_parameters()}
-    whole = {n for n, c in numel.items() if _k(c, 0.01) < MIN_K}  # per_tensor's min_k rule
-    budget = sum(_k(c, 0.01) for n, c in numel.items() if n not in whole)
+    numel = _numel("resnet18")
+    whole, budget = _per_tensor_budget(numel)
     for seed in (1, 2, 3):
         raw = json.loads((BUDGET / f"plans/plans-resnet18-seed{seed}.json").read_text())
         _check_plan(raw["per_tensor"], "per_tensor", numel, _shares()["topka"], whole, budget)
@@ -123,16 +138,14 @@ def test_plans_give_each_tensor_its_topka_share_at_per_tensor_budget():
 def test_classifier_plans_change_only_the_classifier_share():
     """The plans of the third row: per_tensor's, the classifier at its density in the plans by
     TopkA's shares, every other sparsified tensor at one density, the same total entries."""
-    numel = {n: p.numel() for n, p in build("resnet18", seed=0).named_parameters()}
-    whole = {n for n, c in numel.items() if _k(c, 0.01) < MIN_K}
-    budget = sum(_k(c, 0.01) for n, c in numel.items() if n not in whole)
+    numel = _numel("resnet18")
+    whole, budget = _per_tensor_budget(numel)
     by = json.loads((BUDGET / "plans/plans-resnet18-seed1.json").read_text())["per_tensor"]
     fc = next(t["density"] for b in by["buffers"] for t in b["tensors"] if t["name"] == "fc.weight")
     text = _section()
     for seed in (1, 2, 3):
         raw = json.loads((BUDGET / f"plans-classifier/plans-resnet18-seed{seed}.json").read_text())
-        plan = given_plan(Config(scheme="per_tensor", density=0.01, plan=raw["per_tensor"]), numel)
-        d = {t.name: t.density for b in plan.buffers for t in b.tensors}
+        d = _densities(raw["per_tensor"], "per_tensor", numel)
         assert {n for n, x in d.items() if x is None} == whole
         assert d["fc.weight"] == fc
         rest = {x for n, x in d.items() if x is not None and n != "fc.weight"}
@@ -176,7 +189,7 @@ def test_resnet20_plans_and_study_as_the_section_says():
     """SSFusion-OI on ResNet-20: each seed's plan of the 10-seed page (its whole tensors, its
     entries at d′) with the convolutions' entries by TopkA's shares; the study against the
     10-seed page's seeds 1–5 and their DDP runs."""
-    numel = {n: p.numel() for n, p in build("resnet20", seed=0).named_parameters()}
+    numel = _numel("resnet20")
     shares = _shares(R20)
     assert {n: v["numel"] for n, v in shares["topka"].items()} == numel
     text = _section()
