@@ -344,7 +344,7 @@ def test_spec_fills_model_defaults_validates_and_pickles():
                          "density",
                          "sparsifier", "seed", "warmup_steps", "eval_batches",
                          "density_warmup", "density_schedule", "clip_norm", "min_k",
-                         "momentum_masking", "momentum_ahead", "adam_warmup", "amp",
+                         "momentum_masking", "momentum_ahead", "budget", "adam_warmup", "amp",
                          "bandwidth", "latency", "replayed_plans", "topk_shares"]
     assert cfg["world_size"] == 4 and cfg["schemes"] == ["ddp", "oktopk"]
     assert cfg["amp"] is None and cfg["lr_schedule"] == "constant"
@@ -368,6 +368,13 @@ def test_spec_fills_model_defaults_validates_and_pickles():
     assert Runner(pt, torch.nn.Linear(2, 2), wide).gradsync_config(wide).min_k == 52
     assert (Runner(choice, torch.nn.Linear(2, 2), clipped).gradsync_config(clipped).min_k
             == gradsync.Config().min_k)
+    # --budget reaches Config.budget; unset, Config's default (even); a typo fails early
+    shared = train.TrainSpec(schemes=["per_tensor"], budget="gradient")
+    assert shared.config(2)["budget"] == "gradient" and cfg["budget"] is None
+    assert Runner(pt, torch.nn.Linear(2, 2), shared).gradsync_config(shared).budget == "gradient"
+    assert Runner(pt, torch.nn.Linear(2, 2), wide).gradsync_config(wide).budget == "even"
+    with pytest.raises(ValueError, match="budget"):
+        train.TrainSpec(schemes=["per_tensor"], budget="global")
     # --momentum-masking reaches Config.momentum_masking; unset, Config's default (off)
     masked = train.TrainSpec(schemes=["topka"], momentum_masking=True)
     assert masked.config(2)["momentum_masking"] is True and cfg["momentum_masking"] is None

@@ -17,6 +17,7 @@ import torch
 from gradsync import sparsify
 from gradsync.feedback import ErrorFeedback
 from gradsync.schedule import schemes
+from gradsync.schedule.budget import BUDGETS
 from gradsync.schedule.plan import Plan
 
 __all__ = ["ENGINE_SPARSIFIERS", "Config", "require_config"]
@@ -28,7 +29,7 @@ NONFINITE_POLICIES = ("raise", "skip_step")
 DENSITY_SCHEDULES = ("fixed", "adaptive")
 # What a config saved before a key existed meant by it (Config.differences).
 _BEFORE_THE_KEY: dict[str, Any] = {"min_k": 1, "density_schedule": "fixed",
-                                    "momentum_ahead": 0.0}
+                                    "momentum_ahead": 0.0, "budget": "even"}
 # the least density at which a scheme's share of 1 (momentum_ahead's default) applies; below it
 # the default share is at most 1/3 (Config.momentum_ahead)
 AHEAD_WHOLE_FROM = 0.01
@@ -195,6 +196,15 @@ class Config:
             averaged sparse update (a step many accumulated gradients large has already been
             sent), this bounds what each rank adds to its residual every step. The engine and
             the DDP hook apply it; the tensors of a plain dense all-reduce are not clipped.
+        budget: how a plan that sparsifies tensors one by one (``per_tensor``, the SSFusion
+            family, HiPress, Espresso) shares its entries: ``"even"`` (default, the papers'
+            rule) one density for every tensor it sparsifies; ``"gradient"`` each such tensor's
+            entries in proportion to its share of the gradient's L1 mass over the
+            ``warmup_steps`` profiling steps (summed over the ranks), which is how a global
+            top-k with error feedback shares them (:mod:`gradsync.schedule.budget`): the same
+            tensors whole, the same entries a step, at least ``min_k`` each. ``per_tensor``
+            then profiles ``warmup_steps`` steps at ``density`` before its plan is fixed. Other
+            schemes and a given ``plan`` ignore it; the DDP hook refuses it.
     """
 
     scheme: str = "ssfusion_oi"
@@ -221,6 +231,7 @@ class Config:
     plan: dict[str, Any] | None = None
     compress_single_rank: bool = False
     clip_norm: float | None = None
+    budget: str = "even"
 
     def __post_init__(self) -> None:
         if self.scheme not in schemes.SCHEMES:
@@ -273,7 +284,8 @@ class Config:
             raise ValueError(f"Config.compress_single_rank must be True or False, got "
                              f"{self.compress_single_rank!r}")
         self._check_density_schedule()
-
+        if self.budget not in BUDGETS:
+            raise ValueError(f"Config.budget must be one of {BUDGETS}, got {self.budget!r}")
         if self.plan is not None:
             if not isinstance(self.plan, dict):
                 raise ValueError(f"Config.plan must be a plan dict (Plan.to_dict()) or None, "

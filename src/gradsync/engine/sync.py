@@ -87,7 +87,7 @@ __all__ = ["GradSync"]
 _RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "warmup_steps", "bucket_mb",
                   "first_bucket_mb", "min_density", "seed", "local_tau_prime", "residual_dtype",
                   "density_warmup", "density_warmup_steps", "plan", "compress_single_rank",
-                  "clip_norm", "min_k", "density_schedule")
+                  "clip_norm", "min_k", "density_schedule", "budget")
 
 
 @dataclass
@@ -482,7 +482,8 @@ class GradSync:
             self.cfg, self._planning.warmup.samples, list(self.params), self._replica.numel,
             first.element_size(), self._parts.sparsifier_name, self.group, self.rank,
             self.P, device=first.device, comm=comm,
-            new_collective=self._parts.new_collective)
+            new_collective=self._parts.new_collective,
+            mass=self._planning.warmup.masses(list(self.params), comm))
         self._counts.last.add_traffic(comm.stats)  # profiling and the plan: this step's bytes
         self._counts.total.add_traffic(comm.stats)
         return plan
@@ -586,6 +587,7 @@ class GradSync:
             "collectives": parts["collectives"],
             "collective_density": parts["collective_density"],
             "bwd_times": [dict(t) for t in self._planning.warmup.samples],
+            "warmup_mass": self._planning.warmup.saved_mass(),
             "total": self._counts.total.as_dict(),
             "drift": None if watch is None else watch.state_dict(),
             "loss_scale": self._units.loss_scale,
@@ -616,8 +618,8 @@ class GradSync:
         if plan is not None:
             self._set_plan(plan)
         self._counts.step = int(state["step"])
-        self._planning.warmup = warmup.Warmup(int(state["warmup_left"]),
-                                     [dict(t) for t in state.get("bwd_times", [])])
+        self._planning.warmup = warmup.Warmup.loaded(
+            self.cfg, state, next(iter(self.params.values())).device)
         self._planning.cost = cost
         self.ef = ef
         self._parts.install(parts)
@@ -781,6 +783,8 @@ class GradSync:
                          self._replica.numel, self.P)
         grad, storage = self._gather(index, job.names)
         self._planning.density.observe(grad)
+        if self._planning.warmup.left > 0:
+            self._planning.warmup.weigh(job.names, sizes, grad)  # Config.budget="gradient"
         prep = prepare(job, index, grad, sizes, self.ef, self._parts.sparsifier,
                        self._exec.offload, self.step,
                        clip=None if self.cfg.clip_norm is None else (self.cfg.clip_norm, self.P),

@@ -32,7 +32,7 @@ import torch.distributed as dist
 from gradsync import schedule, sparsify
 from gradsync.collectives.comm import Comm
 from gradsync.engine.config import Config
-from gradsync.schedule import BufferPlan, Plan, costmodel, schemes
+from gradsync.schedule import BufferPlan, Plan, budget, costmodel, schemes
 
 __all__ = ["Warmup", "backward_profile", "final_plan", "from_rank0", "link_costs",
            "plan_kwargs", "provisional_plan"]
@@ -43,19 +43,62 @@ _FUSED_PLANNERS = ("single", "mgwfbp", "cupcake")
 
 @dataclass
 class Warmup:
-    """Profiling progress: steps left and the hook timestamps observed so far."""
+    """Profiling progress: steps left, the hook timestamps observed so far and, under
+    ``Config.budget="gradient"``, each tensor's Σ|g| over the steps (on its device)."""
 
     left: int
     samples: list[dict[str, float]] = field(default_factory=list)
+    mass: dict[str, torch.Tensor] | None = None  # None: the plan's budget is even
 
     @classmethod
     def for_config(cls, cfg: Config) -> Warmup:
-        """``warmup_steps`` for cost-model schemes, one step (the backward order) otherwise."""
-        return cls(cfg.warmup_steps if schemes.get(cfg.scheme).needs_cost_model else 1)
+        """``warmup_steps`` for cost-model schemes and for a budget by the gradient's mass,
+        one step (the backward order) otherwise."""
+        weighs = (cfg.budget == "gradient" and cfg.plan is None
+                  and schemes.get(cfg.scheme).planner in budget.APPORTIONED)
+        steps = cfg.warmup_steps if schemes.get(cfg.scheme).needs_cost_model or weighs else 1
+        return cls(steps, mass={} if weighs else None)
+
+    @classmethod
+    def loaded(cls, cfg: Config, state: dict[str, Any], device: torch.device) -> Warmup:
+        """The progress a ``GradSync.state_dict`` saved (its masses onto ``device``)."""
+        out = cls.for_config(cfg)
+        out.left = int(state["warmup_left"])
+        out.samples = [dict(t) for t in state.get("bwd_times", [])]
+        if out.mass is not None:
+            out.mass = {n: torch.tensor(float(v), device=device)
+                        for n, v in (state.get("warmup_mass") or {}).items()}
+        return out
+
+    def saved_mass(self) -> dict[str, float] | None:
+        """The masses so far, for a checkpoint (a host read, at saving only)."""
+        return None if self.mass is None else {n: float(v) for n, v in self.mass.items()}
 
     def observe(self, hook_times: dict[str, float]) -> None:
         if hook_times:
             self.samples.append(dict(hook_times))
+
+    def weigh(self, names: Sequence[str], sizes: Sequence[int], grad: torch.Tensor) -> None:
+        """Add a job's local gradient (``grad``: its tensors' flat concatenation) to their
+        masses: one fused L1 norm per job, kept on the device (read once, by :meth:`masses`)."""
+        if self.mass is None:
+            return
+        norms = torch._foreach_norm(list(grad.detach().split(list(sizes))), 1)
+        for n, v in zip(names, norms):
+            v = v.float()
+            self.mass[n] = v if n not in self.mass else self.mass[n] + v
+
+    def masses(self, names: Sequence[str], comm: Comm) -> dict[str, float] | None:
+        """Every rank's masses summed (one all-reduce of one value per tensor, through
+        ``comm``, which counts it), or ``None`` when the budget is even."""
+        if self.mass is None:
+            return None
+        dev = next(iter(self.mass.values())).device if self.mass else torch.device("cpu")
+        zero = torch.zeros((), dtype=torch.float32, device=dev)  # a tensor never launched
+        t = torch.stack([self.mass.get(n, zero) for n in names]).double()
+        if comm.size > 1:
+            comm.all_reduce(t)
+        return dict(zip(names, t.tolist()))
 
 
 def backward_profile(
@@ -136,6 +179,7 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
                group: dist.ProcessGroup | None, rank: int, P: int, device=None,
                comm: Comm | None = None,
                new_collective: Callable[[], Any] | None = None,
+               mass: dict[str, float] | None = None,
                ) -> tuple[Plan, costmodel.CostModel | None]:
     """After the profiling steps: cost model → plan on rank 0 → broadcast (every rank calls).
     The collectives' probes and the plan's broadcast go through ``comm``, which counts them.
@@ -152,7 +196,9 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
     scheme does too where no core is spare (``costmodel.spare_core``), where each buffer's call
     takes the backward's core: there SSFusion-OI's CNN plan at P = 2, 1 Gbit/s, had a second
     buffer of 320 entries sent whole, 1.5 ms a step slower than one (speed.md, "A sparse call
-    is not a raw all-gather").
+    is not a raw all-gather"). ``mass`` (:meth:`Warmup.masses`, the same on every rank):
+    the plan's sparse entries are shared by it (``Config.budget="gradient"``,
+    :func:`~gradsync.schedule.budget.apportion`).
     """
     order, backward = backward_profile(samples, list(names))
     spec = schemes.get(cfg.scheme)
@@ -186,6 +232,8 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
                       **({} if call_s is None else {"sparse_call_s": call_s,
                                                     "call_overhead_s": call_extra})})
         plan = schedule.make_plan(cfg.scheme, order, numel, cfg.density, cost, **plan_kwargs(cfg))
+        if mass is not None:
+            plan = budget.apportion(plan, mass, cfg.effective_min_k)
         payload = [{"plan": plan.to_dict(), "cost": cost.to_dict() if cost else None}]
     return from_rank0(payload, group, P, comm)
 

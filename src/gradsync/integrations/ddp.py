@@ -100,9 +100,9 @@ class HookState:
         if not self.scheme.ddp_hook:
             raise ValueError(f"the DDP hook supports schemes {DDP_SCHEMES}, got "
                              f"{self.cfg.scheme!r} (use gradsync.GradSync for the others)")
-        if self.cfg.plan is not None:
-            raise ValueError("the DDP hook takes no Config.plan: it decides per DDP bucket "
-                             "(Config.plan is for gradsync.GradSync)")
+        if self.cfg.plan is not None or self.cfg.budget != "even":
+            raise ValueError("the DDP hook takes no Config.plan and no budget='gradient': it "
+                             "decides per DDP bucket, at one density (use gradsync.GradSync)")
         if self.small_numel < 0:
             raise ValueError(f"small_numel must be >= 0, got {self.small_numel}")
         self.ef = self.cfg.new_feedback()

@@ -112,6 +112,7 @@ from gradsync.apps.common import code_revision, cpu_description, print_table, wr
 from gradsync.apps.train.spec import LR_SCHEDULES
 from gradsync.apps.train.summary import time_to
 from gradsync.engine.config import DENSITY_SCHEDULES, ENGINE_SPARSIFIERS
+from gradsync.schedule.budget import BUDGETS
 from gradsync.schedule.plan import MIN_K
 
 DEFAULT_SCHEMES = ("ddp", "ddp_powersgd", "per_tensor", "multi_tensor", "cupcake", "topka",
@@ -208,6 +209,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--min-k", type=int, default=None, metavar="K",
                    help="train's --min-k for the gradsync schemes "
                         f"(Config.min_k; default the scheme's: {MIN_K}, 1 for SSFusion)")
+    p.add_argument("--budget", choices=BUDGETS, default=None,
+                   help="train's --budget for the gradsync schemes (Config.budget; default "
+                        "even)")
     p.add_argument("--sparsifier", choices=ENGINE_SPARSIFIERS, default="dgc",
                    help="train's --sparsifier for the gradsync schemes (Config.sparsifier)")
     p.add_argument("--clip-norm", type=float, default=None, metavar="C",
@@ -346,7 +350,7 @@ def _spec(a: argparse.Namespace, model: str, seed: int, density: float,
                          progress=False, density_warmup=a.density_warmup,
                          density_schedule=a.density_schedule,
                          min_k=a.min_k, momentum_masking=a.momentum_masking,
-                         momentum_ahead=a.momentum_ahead,
+                         momentum_ahead=a.momentum_ahead, budget=a.budget,
                          adam_warmup=a.adam_warmup, amp=a.amp,
                          sparsifier=a.sparsifier, clip_norm=a.clip_norm,
                          bandwidth=a.bandwidth, latency=a.latency,
@@ -650,6 +654,7 @@ def _run_model(a: argparse.Namespace, model: str, density: float,
             "density_warmup": spec.density_warmup,
             "density_schedule": spec.density_schedule,
             "sparsifier": spec.sparsifier, "clip_norm": spec.clip_norm, "min_k": spec.min_k,
+            "budget": spec.budget,
             "momentum_masking": spec.momentum_masking, "momentum_ahead": spec.momentum_ahead,
             "adam_freeze_step": spec.adam_freeze_step(spec.steps) if spec.adamw else None,
             "amp": spec.amp,

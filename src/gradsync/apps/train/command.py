@@ -61,6 +61,7 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
     """The argument parser (``prog`` names the command in usage and errors)."""
     from gradsync.apps import models
     from gradsync.engine.config import DENSITY_SCHEDULES, ENGINE_SPARSIFIERS
+    from gradsync.schedule.budget import BUDGETS
 
     d = defaults()
     p = argparse.ArgumentParser(prog=prog, description=DESCRIPTION,
@@ -99,6 +100,11 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
                    help="gradsync schemes: a tensor sparsified on its own that would send "
                         "fewer than K entries per step travels whole "
                         f"(Config.min_k; default {MIN_K}; SSFusion's within half its budget)")
+    p.add_argument("--budget", choices=BUDGETS, default=None,
+                   help="gradsync schemes that sparsify tensor by tensor: 'gradient' shares the "
+                        "plan's entries by each tensor's share of the gradient's L1 mass over "
+                        "the profiling steps, 'even' gives every tensor one density "
+                        "(Config.budget; default even)")
     p.add_argument("--adam-warmup", type=int, default=None, metavar="STEPS",
                    help="AdamW with a sparse scheme: steps of exact AdamW, gradients sent "
                         "whole, before its variance freezes (gradsync.optim; default 10%% of "
@@ -183,7 +189,7 @@ def parse_args(argv: list[str] | None, parser: argparse.ArgumentParser | None = 
             step_sleep=a.step_sleep, inject_scheme=a.inject_scheme,
             density_warmup=a.density_warmup, density_schedule=a.density_schedule,
             clip_norm=a.clip_norm,
-            min_k=a.min_k, momentum_masking=a.momentum_masking,
+            min_k=a.min_k, momentum_masking=a.momentum_masking, budget=a.budget,
             momentum_ahead=a.momentum_ahead, adam_warmup=a.adam_warmup,
             amp=a.amp, plans=_read_plans(a.plan, p),
             topk_shares=a.topk_shares)

@@ -148,6 +148,8 @@ class Runner:
             extra.setdefault("momentum_ahead", spec.momentum_ahead)
         if spec.density_schedule is not None:
             extra.setdefault("density_schedule", spec.density_schedule)
+        if spec.budget is not None:
+            extra.setdefault("budget", spec.budget)
         return Config(scheme=self.choice.scheme.name, density=spec.density,
                       sparsifier=spec.sparsifier, seed=spec.seed,
                       momentum=MOMENTUM if self.momentum_correction else 0.0,

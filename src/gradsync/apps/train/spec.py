@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from gradsync.engine.config import DENSITY_SCHEDULES
+from gradsync.schedule.budget import BUDGETS
 from gradsync.schedule.schemes import SCHEMES, Scheme
 
 __all__ = ["ADAMW_LR", "AMP", "DATASETS", "DDP_HOOK_PREFIX", "DDP_PEERS", "DEFAULT_STEPS",
@@ -30,7 +31,7 @@ DDP_PEERS = ("ddp", "ddp_powersgd", "ddp_fp16")  # torch's own comm hooks, run a
 # bit for bit the same under any of them (bench convergence's kept DDP runs leave them out).
 GRADSYNC_FIELDS = ("density", "sparsifier", "density_warmup", "density_schedule", "clip_norm",
                    "min_k", "momentum_masking", "momentum_ahead",
-                   "adam_warmup", "topk_shares")
+                   "adam_warmup", "topk_shares", "budget")
 DDP_HOOK_PREFIX = "ddp_gradsync_"  # + a scheme with Scheme.ddp_hook: gradsync's DDP comm hook
 DATASETS = ("fashion-mnist", "text", "synthetic")
 RUNNERS = ("engine", "ddp_hook", "torch_ddp", "local", "meet")
@@ -176,6 +177,8 @@ class TrainSpec:
             Config's default, the scheme's share (``Scheme.momentum_ahead``).
         min_k: ``Config.min_k`` of the gradsync schemes: a tensor sparsified on its own that
             would send fewer entries per step travels whole; ``None``: Config's default.
+        budget: ``Config.budget`` of the gradsync schemes (``"gradient"``: a per-tensor plan's
+            entries by each tensor's share of the gradient's L1 mass); ``None``: Config's.
         adam_warmup: AdamW with a sparse scheme (:class:`gradsync.optim.FrozenVarianceAdamW`):
             the steps of exact AdamW, gradients sent whole, before the variance freezes
             (rounded up to whole ``density_warmup`` periods); ``None``:
@@ -224,6 +227,7 @@ class TrainSpec:
     density_schedule: str | None = None
     clip_norm: float | None = None
     min_k: int | None = None
+    budget: str | None = None
     momentum_masking: bool | None = None
     momentum_ahead: float | None = None
     adam_warmup: int | None = None
@@ -319,6 +323,8 @@ class TrainSpec:
             raise ValueError(f"clip_norm must be a finite number > 0, got {self.clip_norm!r}")
         if self.min_k is not None:
             _int("min_k", self.min_k, 1)
+        if self.budget not in (None, *BUDGETS):
+            raise ValueError(f"budget: unknown {self.budget!r}; choose from {', '.join(BUDGETS)}")
         if not (self.momentum_masking is None or isinstance(self.momentum_masking, bool)):
             raise ValueError(f"momentum_masking must be True, False or None, got "
                              f"{self.momentum_masking!r}")
@@ -442,7 +448,7 @@ class TrainSpec:
                 "density_warmup": self.density_warmup,
                 "density_schedule": self.density_schedule, "clip_norm": self.clip_norm,
                 "min_k": self.min_k, "momentum_masking": self.momentum_masking,
-                "momentum_ahead": self.momentum_ahead,
+                "momentum_ahead": self.momentum_ahead, "budget": self.budget,
                 "adam_warmup": self.adam_warmup,
                 "amp": self.amp,
                 "bandwidth": self.bandwidth, "latency": self.latency,

@@ -1,0 +1,82 @@
+"""Where a per-tensor plan's entries go: one density for every tensor, or each tensor's share
+of the gradient (``Config.budget``).
+
+SSFusion (§IV-B) and ``per_tensor`` select every tensor they sparsify at one density d (d′
+after compensation), so each tensor sends k_i = d·n_i entries a step. A global top-k with error
+feedback (TopkA) sends instead what crosses one threshold θ over the whole model: an entry
+whose gradient averages |g| crosses it about every θ/|g| steps, so tensor i's share of the k
+entries a step is close to its share of the gradient's L1 mass, m_i / Σ m. Measured on
+ResNet-18 and ResNet-20 (docs/results/accuracy.md, "One density for every tensor"), TopkA gives
+its classifier 48 % of its weights a step and per_tensor 1 %: per_tensor ended 3.28 points below
+DDP, and +0.28 with its entries moved by TopkA's shares (the same entries a step).
+
+:func:`apportion` keeps a plan's sparsified tensors, its tensors sent whole and its total
+entries K = Σ k_i, and gives tensor i
+
+    k_i = K · m_i / Σ m,  at least ``min_k`` (or n_i), at most n_i,
+
+the bounds met by water-filling: a tensor pushed past one is fixed at it and the rest of K is
+shared again by mass among the others. The masses are the engine's sums of |g| over its
+profiling steps (:mod:`gradsync.engine.warmup`); every rank plans from the same sums.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan
+
+__all__ = ["APPORTIONED", "BUDGETS", "apportion", "shares"]
+
+# Config.budget: "even" (one density, the papers' rule) or "gradient" (by L1 mass)
+BUDGETS = ("even", "gradient")
+# the planners whose plans sparsify tensors one by one, planned once after the warm-up (auto
+# re-plans on drift, the others fuse): Config.budget applies to them
+APPORTIONED = ("per_tensor", "ssfusion", "hipress", "espresso")
+
+
+def shares(k_total: int, numel: Mapping[str, int], mass: Mapping[str, float], min_k: int
+           ) -> dict[str, int]:
+    """Entries per tensor: ``k_total`` shared by ``mass`` within [min(min_k, n), n] for each
+    tensor of ``numel`` (water-filling; the sum is ``k_total`` up to rounding, or the bounds'
+    sum where they leave no choice). A tensor of no mass gets its floor."""
+    if k_total < 0 or min_k < 1 or any(m < 0 for m in mass.values()):
+        raise ValueError(f"shares: k_total >= 0, min_k >= 1 and masses >= 0 needed, got "
+                         f"{k_total!r}, {min_k!r}, {sorted(mass.values())[:1]}")
+    lo = {n: min(min_k, numel[n]) for n in numel}
+    fixed: dict[str, int] = {}
+    while True:
+        free = [n for n in numel if n not in fixed]
+        left = k_total - sum(fixed.values())
+        m = sum(mass[n] for n in free)
+        want = {n: left * mass[n] / m if m > 0 else 0.0 for n in free}
+        over = {n for n in free if want[n] > numel[n]}
+        under = {n for n in free if want[n] < lo[n]}
+        if not (over or under):
+            return {**fixed, **{n: max(lo[n], min(numel[n], round(want[n]))) for n in free}}
+        # fix the side that is further out of bounds first, so one pass cannot overshoot
+        if sum(want[n] - numel[n] for n in over) >= sum(lo[n] - want[n] for n in under):
+            fixed.update({n: numel[n] for n in over})
+        else:
+            fixed.update({n: lo[n] for n in under})
+
+
+def apportion(plan: Plan, mass: Mapping[str, float], min_k: int) -> Plan:
+    """``plan`` with the entries of its sparsified tensors (``per_tensor`` buffers, density
+    not None) shared by ``mass`` (:func:`shares`); the total and everything else is kept:
+    buffers, modes, tensors sent whole, offload and all-reduce choices. A plan without such
+    tensors, or whose masses are all zero, comes back unchanged."""
+    sparse = {t.name: t for b in plan.buffers if b.mode == "per_tensor"
+              for t in b.tensors if t.density is not None and t.numel > 0}
+    if not sparse or not any(mass.get(n, 0.0) > 0 for n in sparse):
+        return plan
+    missing = sorted(set(sparse) - set(mass))
+    if missing:
+        raise ValueError(f"apportion: no mass for {missing[:5]}")
+    k = shares(sum(t.k for t in sparse.values()), {n: t.numel for n, t in sparse.items()},
+               {n: float(mass[n]) for n in sparse}, min_k)
+    bufs = [b if b.mode != "per_tensor" else BufferPlan(
+        tuple(TensorPlan(t.name, t.numel, k[t.name] / t.numel, t.offload, t.allreduce)
+              if t.name in k else t for t in b.tensors), "per_tensor") for b in plan.buffers]
+    info = {**plan.info, "budget": "gradient"}
+    return Plan(scheme=plan.scheme, buffers=bufs, overlap=plan.overlap, info=info)

@@ -1,0 +1,183 @@
+"""``Config.budget="gradient"``: a per-tensor plan's entries shared by the gradient's L1 mass.
+
+The reference here is computed from the gradients the test gives each rank (constant, so the
+mass of tensor i over W profiling steps and P ranks is W · Σ_r Σ|c_i^r|), and the entries each
+tensor should get from that mass by hand, not through :func:`gradsync.schedule.budget.shares`.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch import nn
+
+import gradsync
+from gradsync.schedule import BufferPlan, Plan, TensorPlan, make_plan
+from gradsync.schedule.budget import apportion, shares
+from gradsync.testing import run_distributed
+
+# per_tensor at 1 %: k = 40, 40, 20 (100 entries a step); "bn" (k = 1) is sent whole (min_k)
+SIZES = {"a": 4000, "b": 4000, "c": 2000, "bn": 16}
+SCALE = {"a": 0.01, "b": 1.0, "c": 0.3, "bn": 1.0}  # |gradient| per entry, about
+W = 3  # profiling steps
+
+
+def _grads(rank: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + rank)
+    return {n: SCALE[n] * (0.5 + torch.rand(k, generator=g)) * (1 - 2 * (torch.rand(
+        k, generator=g) < 0.5)) for n, k in SIZES.items()}
+
+
+def _model() -> nn.ParameterDict:
+    return nn.ParameterDict({n: nn.Parameter(torch.zeros(k)) for n, k in SIZES.items()})
+
+
+def _train(sync: gradsync.GradSync, model: nn.ParameterDict, rank: int, steps: int) -> None:
+    c = _grads(rank)
+    for _ in range(steps):
+        for p in model.values():
+            p.grad = None
+        sum((p * c[n]).sum() for n, p in model.items()).backward()
+        sync.synchronize()
+
+
+def _plan_of(rank: int, world_size: int, scheme: str, budget: str) -> dict:
+    model = _model()
+    cfg = gradsync.Config(scheme=scheme, density=0.01, warmup_steps=W, budget=budget,
+                          compress_single_rank=True)
+    sync = gradsync.GradSync(model, cfg)
+    _train(sync, model, rank, W + 1)
+    plan = sync.plan
+    sync.close()
+    return {"k": {t.name: t.k for b in plan.buffers for t in b.tensors},
+            "whole": sorted(t.name for b in plan.buffers for t in b.tensors
+                            if t.density is None),
+            "digest": plan.digest()}
+
+
+@pytest.mark.parametrize("world_size", [1, 2, 3])
+def test_per_tensor_entries_follow_the_gradients_mass(world_size):
+    got = run_distributed(_plan_of, world_size, "per_tensor", "gradient")
+    even = run_distributed(_plan_of, world_size, "per_tensor", "even")[0]
+    assert len({r["digest"] for r in got}) == 1  # every rank runs rank 0's plan
+    k = got[0]["k"]
+    # the reference: masses from the gradients the ranks were given
+    mass = {n: W * sum(float(_grads(r)[n].abs().sum()) for r in range(world_size))
+            for n in SIZES}
+    total = sum(even["k"][n] for n in ("a", "b", "c"))
+    assert total == 100 and even["k"]["b"] == 40
+    # a's share (< 1 entry) is raised to min_k = 8; b and c share the other 92 by mass
+    assert k["a"] == 8
+    want_b = (total - 8) * mass["b"] / (mass["b"] + mass["c"])
+    assert abs(k["b"] - want_b) <= 1 and abs(k["b"] + k["c"] - (total - 8)) <= 1
+    assert k["b"] >= 2 * even["k"]["b"]  # the tensor that holds the mass gets it
+    assert got[0]["whole"] == even["whole"] == ["bn"]  # the same tensors travel whole
+
+
+def test_apportion_keeps_the_whole_tensors_the_modes_and_the_entries():
+    names = ["fc.bias", "fc.weight", "conv2", "bn", "conv1"]
+    numel = {"fc.bias": 10, "fc.weight": 640, "conv2": 36864, "bn": 64, "conv1": 9216}
+    even = make_plan("per_tensor", names, numel, 0.01)
+    mass = {"fc.bias": 1.0, "fc.weight": 50.0, "conv2": 30.0, "bn": 1.0, "conv1": 40.0}
+    out = apportion(even, mass, min_k=8)
+    before = {t.name: t for b in even.buffers for t in b.tensors}
+    after = {t.name: t for b in out.buffers for t in b.tensors}
+    assert [b.mode for b in out.buffers] == [b.mode for b in even.buffers]
+    assert {n for n, t in after.items() if t.density is None} == {
+        n for n, t in before.items() if t.density is None} == {"fc.bias", "fc.weight", "bn"}
+    sparse = ("conv2", "conv1")
+    assert sum(after[n].k for n in sparse) == sum(before[n].k for n in sparse) == 369 + 92
+    # conv1 holds 40/70 of the mass: 263 entries of 461, where one density gave it 92
+    assert after["conv1"].k == round(461 * 40 / 70) and after["conv2"].k == 461 - 263
+    assert out.info["budget"] == "gradient"
+    # offload and all-reduce choices are kept
+    flags = Plan("ssfusion_oi", [BufferPlan((TensorPlan("x", 1000, 0.01, offload=True),
+                                             TensorPlan("y", 50, None, allreduce=True),
+                                             TensorPlan("z", 3000, 0.01)), "per_tensor")])
+    moved = apportion(flags, {"x": 1.0, "y": 5.0, "z": 1.0}, 8)
+    assert [(t.offload, t.allreduce) for t in moved.buffers[0].tensors] == [
+        (True, False), (False, True), (False, False)]
+    assert [t.k for t in moved.buffers[0].tensors] == [20, 50, 20]
+
+
+def test_plans_with_nothing_to_share_come_back_unchanged():
+    numel = {"a": 1000, "b": 3000}
+    fused = make_plan("topka", ["a", "b"], numel, 0.01)
+    assert apportion(fused, {"a": 1.0, "b": 2.0}, 8) is fused
+    even = make_plan("per_tensor", ["a", "b"], numel, 0.01)
+    assert apportion(even, {"a": 0.0, "b": 0.0}, 8) is even  # no gradient seen: as planned
+    with pytest.raises(ValueError, match="no mass for"):
+        apportion(even, {"a": 1.0}, 8)
+
+
+def test_shares_by_hand():
+    n = {"x": 100, "y": 1000, "z": 1000}
+    # proportional inside the bounds
+    assert shares(100, n, {"x": 1.0, "y": 2.0, "z": 2.0}, 1) == {"x": 20, "y": 40, "z": 40}
+    # x would want 300 of its 100 entries: capped, the rest shared by y and z
+    assert shares(400, n, {"x": 3.0, "y": 0.5, "z": 0.5}, 1) == {"x": 100, "y": 150, "z": 150}
+    # z without mass keeps its floor, paid by the others
+    assert shares(100, n, {"x": 1.0, "y": 1.0, "z": 0.0}, 8) == {"x": 46, "y": 46, "z": 8}
+    # floors over the budget: every tensor at its floor (a tensor smaller than it: whole)
+    assert shares(5, {"x": 3, "y": 50}, {"x": 1.0, "y": 1.0}, 8) == {"x": 3, "y": 8}
+    with pytest.raises(ValueError, match="masses >= 0"):
+        shares(10, n, {"x": -1.0, "y": 1.0, "z": 1.0}, 1)
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.integers(1, 5000), st.floats(0.0, 1e3)), min_size=1, max_size=12),
+       st.floats(0.001, 0.2), st.integers(1, 16))
+def test_shares_stay_within_bounds_and_budget(tensors, density, min_k):
+    numel = {f"t{i}": n for i, (n, _) in enumerate(tensors)}
+    mass = {f"t{i}": m for i, (_, m) in enumerate(tensors)}
+    k_total = max(1, round(density * sum(numel.values())))
+    k = shares(k_total, numel, mass, min_k)
+    assert set(k) == set(numel)
+    lo = {t: min(min_k, numel[t]) for t in numel}
+    assert all(lo[t] <= k[t] <= numel[t] for t in numel)
+    floors, caps = sum(lo.values()), sum(numel.values())
+    if floors <= k_total <= caps and any(m > 0 for m in mass.values()):
+        assert abs(sum(k.values()) - k_total) <= len(numel)  # rounding, at most one each
+    # more mass per entry never means fewer entries per entry (among unbounded tensors)
+    free = [t for t in numel if lo[t] < k[t] < numel[t]]
+    for s in free:
+        for t in free:
+            if mass[s] / numel[s] > mass[t] / numel[t] * 1.5 and k[t] > 8:
+                assert k[s] / numel[s] >= k[t] / numel[t] * 0.99
+
+
+def _resumed(rank: int, world_size: int) -> dict:
+    model = _model()
+    cfg = gradsync.Config(scheme="per_tensor", density=0.01, warmup_steps=W, budget="gradient")
+    sync = gradsync.GradSync(model, cfg)
+    _train(sync, model, rank, 1)  # one profiling step, then a checkpoint
+    state = sync.state_dict()
+    sync.close()
+    fresh_model = _model()
+    fresh = gradsync.GradSync(fresh_model, cfg)
+    fresh.load_state_dict(state)
+    _train(fresh, fresh_model, rank, W)
+    digest = fresh.plan.digest()
+    fresh.close()
+    return {"digest": digest, "saved": sorted(state["warmup_mass"])}
+
+
+def test_a_checkpoint_during_the_profiling_steps_keeps_the_masses():
+    whole = run_distributed(_plan_of, 2, "per_tensor", "gradient")[0]["digest"]
+    for r in run_distributed(_resumed, 2):
+        assert r["saved"] == sorted(SIZES) and r["digest"] == whole
+
+
+def test_config_and_the_hook_refuse_what_they_cannot_run():
+    with pytest.raises(ValueError, match="budget"):
+        gradsync.Config(budget="global")
+    assert gradsync.Config().budget == "even"
+    with pytest.raises(ValueError, match="budget='gradient'"):
+        gradsync.ddp.hook(gradsync.Config(scheme="per_tensor", budget="gradient"))
+    # a resumed run must keep its budget: the plan depends on it
+    diff = gradsync.Config(budget="gradient").differences(gradsync.Config().to_dict(),
+                                                           ("budget",))
+    assert diff == ["budget: saved 'even', here 'gradient'"]
+    assert gradsync.Config().differences({"scheme": "ssfusion_oi"}, ("budget",)) == []
