@@ -483,7 +483,8 @@ class GradSync:
             first.element_size(), self._parts.sparsifier_name, self.group, self.rank,
             self.P, device=first.device, comm=comm,
             new_collective=self._parts.new_collective,
-            mass=self._planning.warmup.masses(list(self.params), comm))
+            mass=None if (m := self._planning.warmup.mass) is None
+            else m.totals(list(self.params), comm))
         self._counts.last.add_traffic(comm.stats)  # profiling and the plan: this step's bytes
         self._counts.total.add_traffic(comm.stats)
         return plan
@@ -587,7 +588,7 @@ class GradSync:
             "collectives": parts["collectives"],
             "collective_density": parts["collective_density"],
             "bwd_times": [dict(t) for t in self._planning.warmup.samples],
-            "warmup_mass": self._planning.warmup.saved_mass(),
+            "warmup_mass": None if (m := self._planning.warmup.mass) is None else m.saved(),
             "total": self._counts.total.as_dict(),
             "drift": None if watch is None else watch.state_dict(),
             "loss_scale": self._units.loss_scale,
@@ -783,8 +784,8 @@ class GradSync:
                          self._replica.numel, self.P)
         grad, storage = self._gather(index, job.names)
         self._planning.density.observe(grad)
-        if self._planning.warmup.left > 0:
-            self._planning.warmup.weigh(job.names, sizes, grad)  # Config.budget="gradient"
+        if self._planning.warmup.left > 0 and self._planning.warmup.mass is not None:
+            self._planning.warmup.mass.weigh(job.names, sizes, grad)  # Config.budget
         prep = prepare(job, index, grad, sizes, self.ef, self._parts.sparsifier,
                        self._exec.offload, self.step,
                        clip=None if self.cfg.clip_norm is None else (self.cfg.clip_norm, self.P),

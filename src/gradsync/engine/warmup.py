@@ -34,21 +34,59 @@ from gradsync.collectives.comm import Comm
 from gradsync.engine.config import Config
 from gradsync.schedule import BufferPlan, Plan, budget, costmodel, schemes
 
-__all__ = ["Warmup", "backward_profile", "final_plan", "from_rank0", "link_costs",
+__all__ = ["Masses", "Warmup", "backward_profile", "final_plan", "from_rank0", "link_costs",
            "plan_kwargs", "provisional_plan"]
 
 # The planners whose buffers are sparsified as one fused vector (the others: per tensor).
 _FUSED_PLANNERS = ("single", "mgwfbp", "cupcake")
 
 
+class Masses:
+    """Each tensor's Σ|g| over the profiling steps (``Config.budget="gradient"``), kept on the
+    gradients' device per job: one fused L1 norm, one stack and one add per job and step, one
+    host read when the plan is made (:meth:`totals`)."""
+
+    def __init__(self, saved: dict[str, float] | None = None,
+                 device: torch.device | None = None) -> None:
+        # per job (its tensors' names): their masses so far; a checkpoint's, one per tensor
+        self._jobs: dict[tuple[str, ...], torch.Tensor] = {
+            (n,): torch.tensor([float(v)], device=device) for n, v in (saved or {}).items()}
+
+    def weigh(self, names: Sequence[str], sizes: Sequence[int], grad: torch.Tensor) -> None:
+        """Add a job's local gradient (``grad``: its tensors' flat concatenation)."""
+        key = tuple(names)
+        v = torch.stack(torch._foreach_norm(list(grad.detach().split(list(sizes))), 1)).float()
+        self._jobs[key] = v if key not in self._jobs else self._jobs[key].add_(v)
+
+    def saved(self) -> dict[str, float]:
+        """The masses so far by tensor, for a checkpoint (a host read, at saving only)."""
+        out: dict[str, float] = {}
+        for key, v in self._jobs.items():
+            for n, x in zip(key, v.tolist()):
+                out[n] = out.get(n, 0.0) + x
+        return out
+
+    def totals(self, names: Sequence[str], comm: Comm) -> dict[str, float]:
+        """Every rank's masses of ``names`` summed (one all-reduce of one value per tensor,
+        through ``comm``, which counts it); a tensor never weighed counts 0."""
+        dev = next(iter(self._jobs.values())).device if self._jobs else torch.device("cpu")
+        t = torch.zeros(len(names), dtype=torch.float64, device=dev)
+        at = {n: i for i, n in enumerate(names)}
+        for key, v in self._jobs.items():
+            t.index_add_(0, torch.tensor([at[n] for n in key], device=dev), v.double())
+        if comm.size > 1:
+            comm.all_reduce(t)
+        return dict(zip(names, t.tolist()))
+
+
 @dataclass
 class Warmup:
     """Profiling progress: steps left, the hook timestamps observed so far and, under
-    ``Config.budget="gradient"``, each tensor's Σ|g| over the steps (on its device)."""
+    ``Config.budget="gradient"``, the gradient's masses (:class:`Masses`)."""
 
     left: int
     samples: list[dict[str, float]] = field(default_factory=list)
-    mass: dict[str, torch.Tensor] | None = None  # None: the plan's budget is even
+    mass: Masses | None = None  # None: the plan's budget is even
 
     @classmethod
     def for_config(cls, cfg: Config) -> Warmup:
@@ -57,7 +95,7 @@ class Warmup:
         weighs = (cfg.budget == "gradient" and cfg.plan is None
                   and schemes.get(cfg.scheme).planner in budget.APPORTIONED)
         steps = cfg.warmup_steps if schemes.get(cfg.scheme).needs_cost_model or weighs else 1
-        return cls(steps, mass={} if weighs else None)
+        return cls(steps, mass=Masses() if weighs else None)
 
     @classmethod
     def loaded(cls, cfg: Config, state: dict[str, Any], device: torch.device) -> Warmup:
@@ -66,39 +104,12 @@ class Warmup:
         out.left = int(state["warmup_left"])
         out.samples = [dict(t) for t in state.get("bwd_times", [])]
         if out.mass is not None:
-            out.mass = {n: torch.tensor(float(v), device=device)
-                        for n, v in (state.get("warmup_mass") or {}).items()}
+            out.mass = Masses(state.get("warmup_mass"), device)
         return out
-
-    def saved_mass(self) -> dict[str, float] | None:
-        """The masses so far, for a checkpoint (a host read, at saving only)."""
-        return None if self.mass is None else {n: float(v) for n, v in self.mass.items()}
 
     def observe(self, hook_times: dict[str, float]) -> None:
         if hook_times:
             self.samples.append(dict(hook_times))
-
-    def weigh(self, names: Sequence[str], sizes: Sequence[int], grad: torch.Tensor) -> None:
-        """Add a job's local gradient (``grad``: its tensors' flat concatenation) to their
-        masses: one fused L1 norm per job, kept on the device (read once, by :meth:`masses`)."""
-        if self.mass is None:
-            return
-        norms = torch._foreach_norm(list(grad.detach().split(list(sizes))), 1)
-        for n, v in zip(names, norms):
-            v = v.float()
-            self.mass[n] = v if n not in self.mass else self.mass[n] + v
-
-    def masses(self, names: Sequence[str], comm: Comm) -> dict[str, float] | None:
-        """Every rank's masses summed (one all-reduce of one value per tensor, through
-        ``comm``, which counts it), or ``None`` when the budget is even."""
-        if self.mass is None:
-            return None
-        dev = next(iter(self.mass.values())).device if self.mass else torch.device("cpu")
-        zero = torch.zeros((), dtype=torch.float32, device=dev)  # a tensor never launched
-        t = torch.stack([self.mass.get(n, zero) for n in names]).double()
-        if comm.size > 1:
-            comm.all_reduce(t)
-        return dict(zip(names, t.tolist()))
 
 
 def backward_profile(
@@ -196,7 +207,7 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
     scheme does too where no core is spare (``costmodel.spare_core``), where each buffer's call
     takes the backward's core: there SSFusion-OI's CNN plan at P = 2, 1 Gbit/s, had a second
     buffer of 320 entries sent whole, 1.5 ms a step slower than one (speed.md, "A sparse call
-    is not a raw all-gather"). ``mass`` (:meth:`Warmup.masses`, the same on every rank):
+    is not a raw all-gather"). ``mass`` (:meth:`Masses.totals`, the same on every rank):
     the plan's sparse entries are shared by it (``Config.budget="gradient"``,
     :func:`~gradsync.schedule.budget.apportion`).
     """
