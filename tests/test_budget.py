@@ -170,14 +170,83 @@ def test_a_checkpoint_during_the_profiling_steps_keeps_the_masses():
         assert r["saved"] == sorted(SIZES) and r["digest"] == whole
 
 
+class _Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = _model()
+
+    def forward(self, c: dict[str, torch.Tensor]) -> torch.Tensor:
+        return sum((p * c[n]).sum() for n, p in self.p.items())
+
+
+def _hook_densities(rank: int, world_size: int, scheme: str) -> dict:
+    net = _Net()
+    cfg = gradsync.Config(scheme=scheme, density=0.01, warmup_steps=W, budget="gradient")
+    ddp = nn.parallel.DistributedDataParallel(net)
+    state = gradsync.ddp.register(ddp, cfg)
+    c = _grads(rank)
+    seen = []
+    for _ in range(W + 2):
+        ddp.zero_grad(set_to_none=True)
+        ddp(c).backward()
+        seen.append(state.model.budget.density)
+    # the engine, from the same gradients: its plan's densities
+    model = _model()
+    sync = gradsync.GradSync(model, cfg)
+    _train(sync, model, rank, W + 1)
+    planned = {t.name.removeprefix("p."): t.density for b in sync.plan.buffers
+               for t in b.tensors}
+    sync.close()
+    return {"before": seen[:W], "hook": {n.removeprefix("p."): d for n, d in seen[-1].items()},
+            "engine": planned, "saved": state.state_dict()["budget"]}
+
+
+@pytest.mark.parametrize("world_size", [2, 3])
+def test_the_ddp_hook_shares_the_entries_as_the_engine_plans_them(world_size):
+    for r in run_distributed(_hook_densities, world_size, "per_tensor"):
+        assert r["before"] == [None] * W  # the profiling steps run at one density
+        assert r["hook"] == pytest.approx(r["engine"]) and r["hook"]["bn"] is None
+        assert r["hook"]["b"] >= 2 * 0.01  # the tensor that holds the mass gets the entries
+        # a checkpoint keeps the settled densities (HookState.state_dict)
+        assert r["saved"] == {"mass": None, "density": {f"p.{n}": d for n, d in r["hook"].items()}}
+
+
 def test_config_and_the_hook_refuse_what_they_cannot_run():
     with pytest.raises(ValueError, match="budget"):
         gradsync.Config(budget="global")
     assert gradsync.Config().budget == "even"
-    with pytest.raises(ValueError, match="budget='gradient'"):
+    with pytest.raises(ValueError, match="needs the model"):
         gradsync.ddp.hook(gradsync.Config(scheme="per_tensor", budget="gradient"))
+    # an even budget, or a scheme without per-tensor plans, needs nothing
+    gradsync.ddp.hook(gradsync.Config(scheme="auto", budget="gradient"))
     # a resumed run must keep its budget: the plan depends on it
     diff = gradsync.Config(budget="gradient").differences(gradsync.Config().to_dict(),
                                                            ("budget",))
     assert diff == ["budget: saved 'even', here 'gradient'"]
     assert gradsync.Config().differences({"scheme": "ssfusion_oi"}, ("budget",)) == []
+
+
+def test_the_hooks_masses_survive_a_checkpoint():
+    from gradsync.collectives.comm import Comm
+    from gradsync.integrations.budget import HookBudget
+
+    cfg = gradsync.Config(scheme="per_tensor", density=0.01, warmup_steps=W, budget="gradient")
+    sizes = list(SIZES.items())
+    c = _grads(0)
+    buf = torch.cat([c[n] for n in SIZES])
+    even = [0.01, 0.01, 0.01, None]  # bn: whole (min_k)
+
+    def run(stop: int | None) -> dict:
+        b = HookBudget(cfg, sizes)
+        for step in range(W + 1):
+            if step == stop:  # a restart: the state into a new hook's
+                saved, b = b.state_dict(), HookBudget(cfg, sizes)
+                b.load(saved)
+            b.settle(step, Comm(None), lambda ns: even)
+            b.weigh(step, list(SIZES), list(SIZES.values()), buf)
+        return b.density
+
+    whole = run(None)
+    assert whole["b"] > whole["a"] and whole["bn"] is None
+    assert run(1) == run(W) == whole  # restarted in the profiling steps, or after them
+    assert HookBudget(gradsync.Config(budget="even"), None).densities(["x"], [0.01]) == [0.01]

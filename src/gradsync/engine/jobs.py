@@ -30,6 +30,7 @@ jobs (wait-free backpropagation: a job launches as soon as all its tensors are r
 
 from __future__ import annotations
 
+import functools
 import itertools
 import time
 from collections.abc import Callable, Mapping, Sequence
@@ -42,11 +43,12 @@ import torch
 from gradsync import collectives
 from gradsync.collectives.comm import CommStats
 from gradsync.engine.audit import values_at
-from gradsync.schedule import Plan
+from gradsync.schedule import BufferPlan, Plan, TensorPlan
 from gradsync.sparsegrad import SparseGrad, bincount, constant
 
 __all__ = ["RESENT", "InFlight", "Job", "JobResult", "Launched", "Mode", "Payload", "StepRun",
-           "Transport", "ahead", "at_density", "bounds", "concat", "plan_jobs", "resent",
+           "Transport", "ahead", "at_density", "bounds", "bucket_jobs", "concat", "plan_jobs",
+           "resent",
            "selected_share"]
 
 
@@ -147,6 +149,21 @@ def selected_share(job: Job, f: float, target: float, numel: Mapping[str, int]) 
     took = sum(numel[name] * (1.0 if job.densities.get(name) is None
                               else min(1.0, job.densities[name] * f)) for name in job.names)
     return took / n
+
+
+@functools.lru_cache(maxsize=256)
+def bucket_jobs(names: tuple[str, ...], numels: tuple[int, ...],
+                densities: tuple[float | None, ...], to_allreduce: bool, collective: str
+                ) -> tuple[Job, ...]:
+    """A DDP bucket as jobs (a plan of one per-tensor buffer; each tensor's density, None:
+    sent whole): the tensors sent whole in an all-reduce part when ``to_allreduce``
+    (SSFusion-I, ``auto``), then the all-gather's, its tensors sent whole first (values
+    without indices), then the selected ones. Cached: DDP's buckets keep their layout and
+    densities."""
+    tensors = tuple(TensorPlan(n, k, d, allreduce=d is None and to_allreduce)
+                    for n, k, d in zip(names, numels, densities))
+    return tuple(plan_jobs(Plan("ddp_hook", [BufferPlan(tensors, "per_tensor")]), collective,
+                           names))
 
 
 def plan_jobs(plan: Plan, collective: str, names: Sequence[str]) -> list[Job]:

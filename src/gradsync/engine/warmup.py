@@ -73,7 +73,7 @@ class Masses:
         t = torch.zeros(len(names), dtype=torch.float64, device=dev)
         at = {n: i for i, n in enumerate(names)}
         for key, v in self._jobs.items():
-            t.index_add_(0, torch.tensor([at[n] for n in key], device=dev), v.double())
+            t.index_add_(0, torch.tensor([at[n] for n in key], device=dev), v.to(t))
         if comm.size > 1:
             comm.all_reduce(t)
         return dict(zip(names, t.tolist()))

@@ -16,7 +16,6 @@ instances do not; buckets are rebuilt after iteration 0, so state is keyed by pa
 under ``no_sync()`` the hook is not called. HookState is a ``Stateful`` (``"ddp_hook:<scheme>"``).
 """
 
-import functools
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -32,13 +31,14 @@ from gradsync.engine.components import Components
 from gradsync.engine.config import Config, require_config
 from gradsync.engine.consistency import signature_check
 from gradsync.engine.density import DensitySchedule
-from gradsync.engine.jobs import Job, at_density, plan_jobs
+from gradsync.engine.jobs import at_density, bucket_jobs
 from gradsync.engine.pipeline import BufferPipeline, Counts, Scratch
 from gradsync.engine.preconditioning import apply_scales, resolver
 from gradsync.engine.state import Identity, check_identity, check_params
 from gradsync.engine.trial import FUSION_SIDES, AutoTrial, fusion_from
 from gradsync.feedback import ErrorFeedback, Units, saved_rates, saved_scale
-from gradsync.schedule import BufferPlan, Plan, TensorPlan, schemes
+from gradsync.integrations.budget import HookBudget
+from gradsync.schedule import schemes
 from gradsync.schedule.ssfusion import (
     allgather_charge,
     allreduce_charge,
@@ -56,7 +56,7 @@ SMALL_NUMEL = 102_400  # SSFusion Insight #2: ~200 KB of fp32
 # Config fields that change the hook's trajectory: a checkpoint must be loaded with equal values.
 RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "min_density", "seed",
                  "residual_dtype", "density_warmup", "density_warmup_steps", "min_k",
-                 "clip_norm", "density_schedule")
+                 "clip_norm", "density_schedule", "budget")
 
 
 @dataclass
@@ -66,6 +66,8 @@ class _Model:
     names: dict[int, str] = field(default_factory=dict)  # id(param) -> name
     shapes: list[tuple[str, tuple[int, ...]]] | None = None  # the model's, when known
     trained: tuple[int, ...] | None = None  # numels of the parameters DDP reduces (trainable)
+    sizes: list[tuple[str, int]] | None = None  # and their names
+    budget: HookBudget = field(init=False)  # Config.budget's densities (HookState.__post_init__)
     checked: bool = False  # configuration agreed across ranks
     passthrough: bool = False  # P = 1 without Config.compress_single_rank: every bucket whole
 
@@ -100,14 +102,15 @@ class HookState:
         if not self.scheme.ddp_hook:
             raise ValueError(f"the DDP hook supports schemes {DDP_SCHEMES}, got "
                              f"{self.cfg.scheme!r} (use gradsync.GradSync for the others)")
-        if self.cfg.plan is not None or self.cfg.budget != "even":
-            raise ValueError("the DDP hook takes no Config.plan and no budget='gradient': it "
-                             "decides per DDP bucket, at one density (use gradsync.GradSync)")
+        if self.cfg.plan is not None:
+            raise ValueError("the DDP hook takes no Config.plan: it decides per DDP bucket "
+                             "(Config.plan is for gradsync.GradSync)")
         if self.small_numel < 0:
             raise ValueError(f"small_numel must be >= 0, got {self.small_numel}")
         self.ef = self.cfg.new_feedback()
         self.density = DensitySchedule(self.cfg)
         self.parts = Components(self.cfg, Comm(self.group).rank)  # the rank again at _agree
+        self.model.budget = HookBudget(self.cfg, self.model.sizes)
 
     def reconfigure(self, cfg: Config) -> None:
         """Run ``cfg`` instead, before the first call (:mod:`gradsync.integrations.adamw`)."""
@@ -177,6 +180,7 @@ class HookState:
                 "loss_scale": self.units.loss_scale, "lr": self.units.lr and list(self.units.lr),
                 "density_schedule": self.density.state_dict(),
                 **self.parts.state_dict(), **self.auto.state_dict(),
+                **self.model.budget.state_dict(),
                 "fusion": self.fusion.trial}
 
     def check_compatible(self, state: dict[str, Any]) -> None:
@@ -213,16 +217,18 @@ class HookState:
         self.counts.steps = int(state.get("steps", 0))
         self.units.loss_scale, self.units.lr = scale, rates
         self.auto = AutoTrial.from_state(state, self.auto.clock)
+        self.model.budget.load(state)
         self.fusion = fusion_from(state.get("fusion"), self.fusion.clock)
 
 
 def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
-               comm: Comm | None = None, device: torch.device | None = None
-               ) -> list[float | None]:
+               comm: Comm | None = None, device: torch.device | None = None,
+               names: list[str] | None = None) -> list[float | None]:
     """Per-tensor density of one bucket, None = sent whole: ``per_tensor`` every tensor at
     ``density``; ``auto`` all or none (:class:`AutoTrial`); SSFusion
     :func:`~gradsync.schedule.ssfusion.hook_plan` over the model's trainable parameters (or the
-    bucket's, without a model). Fewer than ``Config.min_k`` entries at its density (d′): whole."""
+    bucket's, without a model). Fewer than ``Config.min_k`` entries at its density (d′): whole.
+    With the tensors' ``names``, ``Config.budget``'s shares once settled (:class:`HookBudget`)."""
     cfg, forced = state.cfg, True
     if state.scheme.planner == "auto":
         sparse = state.auto.sparse(
@@ -245,8 +251,9 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
             if why is not None and state.identity().rank == 0:
                 warnings.warn(why, stacklevel=2)
         chosen = [None if n < whole else d for n in numels]
-    return [None if d is None or (forced and target_k(n, d) < cfg.effective_min_k)
-            else d for n, d in zip(numels, chosen)]
+    chosen = [None if d is None or (forced and target_k(n, d) < cfg.effective_min_k)
+              else d for n, d in zip(numels, chosen)]
+    return chosen if names is None else state.model.budget.densities(names, chosen)
 
 
 def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
@@ -264,10 +271,14 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         # dense, or P = 1 (Config.compress_single_rank): an all-reduce (velocities, clipped)
         clip = state.model.passthrough and state.cfg.clip_norm is not None
         return pipe.whole(buf, clip or any(state.ef.transforms(n) for n in names))
+    if bucket.index() == 0:  # at step warmup_steps: the ranks' masses summed (Config.budget)
+        state.model.budget.settle(state.counts.steps, comm, lambda ns: _densities(
+            state, ns, buf.element_size(), comm, buf.device))
+    state.model.budget.weigh(state.counts.steps, names, numels, buf)
     if state.scheme.planner != "auto" and (held := pipe.hold(buf)) is not None:
         return held  # merged buckets (engine/pipeline.py): it travels with the last one
     pipe, buf = pipe.merged(buf)
-    densities = _densities(state, pipe.numels, buf.element_size(), comm, buf.device)
+    densities = _densities(state, pipe.numels, buf.element_size(), comm, buf.device, pipe.names)
     if state.scheme.planner == "auto" and all(d is None for d in densities):
         # every tensor sent whole: DDP's own path, the all-reduce left in flight so the
         # backward goes on (a blocking one here held autograd: 0.69-0.87x DDP); through
@@ -275,26 +286,12 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         return pipe.whole(buf, True)
     # SSFusion-I (where a core is spare for it) and auto: the tensors sent whole all-reduced
     split = hook_interleaves(state.scheme.interleave, buf.device.type)
-    jobs = _bucket_jobs(tuple(pipe.names), tuple(pipe.numels), tuple(densities),
-                        split or state.scheme.planner == "auto", state.scheme.collective)
+    jobs = bucket_jobs(tuple(pipe.names), tuple(pipe.numels), tuple(densities),
+                       split or state.scheme.planner == "auto", state.scheme.collective)
     if (d := state.density.at(state.counts.steps)) != state.cfg.density:  # DGC's warm-up
         k = dict(zip(pipe.names, pipe.numels))  # as the engine's jobs take it (at_density)
         jobs = tuple(at_density(job, d, state.cfg.density, k, comm.size) for job in jobs)
     return pipe.sparse(buf, jobs)
-
-
-@functools.lru_cache(maxsize=256)
-def _bucket_jobs(names: tuple[str, ...], numels: tuple[int, ...],
-                 densities: tuple[float | None, ...], to_allreduce: bool, collective: str
-                 ) -> tuple[Job, ...]:
-    """The bucket as the engine's jobs (a plan of one per-tensor buffer): the tensors sent
-    whole in an all-reduce part (SSFusion-I, ``auto``), then the all-gather's, its tensors sent
-    whole first (values without indices), then the selected ones. Cached: DDP's buckets keep
-    their layout and densities."""
-    tensors = tuple(TensorPlan(n, k, d, allreduce=d is None and to_allreduce)
-                    for n, k, d in zip(names, numels, densities))
-    return tuple(plan_jobs(Plan("ddp_hook", [BufferPlan(tensors, "per_tensor")]), collective,
-                           names))
 
 
 def hook(cfg: Config, model: nn.Module | None = None, group: dist.ProcessGroup | None = None,
@@ -307,12 +304,14 @@ def hook(cfg: Config, model: nn.Module | None = None, group: dist.ProcessGroup |
     if model is not None and not isinstance(model, nn.Module):
         raise TypeError(f"gradsync.ddp.hook: model must be the nn.Module DDP wraps, got "
                         f"{type(model).__name__}")
-    state = HookState(cfg=cfg, group=group, small_numel=small_numel)
+    known = _Model()
     if model is not None:
-        state.model.names = {id(p): n for n, p in model.named_parameters()}
-        state.model.shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
+        known.names = {id(p): n for n, p in model.named_parameters()}
+        known.shapes = [(n, tuple(p.shape)) for n, p in model.named_parameters()]
         # frozen parameters never reach DDP's buckets: they take no part in the budget
-        state.model.trained = tuple(p.numel() for p in model.parameters() if p.requires_grad)
+        known.sizes = [(n, p.numel()) for n, p in model.named_parameters() if p.requires_grad]
+        known.trained = tuple(k for _, k in known.sizes)
+    state = HookState(cfg=cfg, group=group, small_numel=small_numel, model=known)
     if dist.is_available() and dist.is_initialized():
         _agree(state)
     return state, _sparse_hook
