@@ -250,3 +250,36 @@ def test_the_hooks_masses_survive_a_checkpoint():
     assert whole["b"] > whole["a"] and whole["bn"] is None
     assert run(1) == run(W) == whole  # restarted in the profiling steps, or after them
     assert HookBudget(gradsync.Config(budget="even"), None).densities(["x"], [0.01]) == [0.01]
+
+
+def test_weighing_costs_ops_per_job_and_nothing_after_the_profiling_steps(monkeypatch):
+    """Counted, not guessed: weighing a job of 40 tensors is a few ops (one fused norm, a
+    stack, an add), not a few per tensor, and it happens once per job in each profiling step
+    and never after them."""
+    from gradsync.engine.warmup import Masses
+    from test_engine import _ComputeOps
+
+    sizes = [16 * 16, 16] * 20
+    grad, masses = torch.randn(sum(sizes)), Masses()
+    names = [f"t{i}" for i in range(len(sizes))]
+    masses.weigh(names, sizes, grad)
+    with _ComputeOps() as weigh:
+        masses.weigh(names, sizes, grad)
+    assert 0 < weigh.count <= 4, weigh.count
+
+    calls: list[int] = []
+    real = Masses.weigh
+    monkeypatch.setattr(Masses, "weigh",
+                        lambda self, *a: calls.append(sync.step) or real(self, *a))
+    torch.manual_seed(0)
+    model = nn.Sequential(*[m for _ in range(20) for m in (nn.Linear(16, 16), nn.Tanh())])
+    sync = gradsync.GradSync(model, gradsync.Config(
+        scheme="per_tensor", density=0.05, momentum=0.9, warmup_steps=3, budget="gradient",
+        compress_single_rank=True))
+    for _ in range(8):
+        model.zero_grad(set_to_none=False)
+        model(torch.randn(8, 16)).square().mean().backward()
+        sync.synchronize()
+    jobs = len(sync._layout.jobs)  # the even plan's buffers, as in the profiling steps
+    sync.close()
+    assert sorted(calls) == [s for s in range(3) for _ in range(jobs)]
