@@ -204,9 +204,8 @@ class Config:
             top-k with error feedback shares them (:mod:`gradsync.schedule.budget`): the same
             tensors whole, the same entries a step, at least ``min_k`` each. ``per_tensor``
             then profiles ``warmup_steps`` steps at ``density`` before its plan is fixed. The
-            DDP hook does the same over the model's parameters (it needs the model:
-            ``gradsync.ddp.hook(cfg, model)``; ``register`` passes it). Other schemes and a
-            given ``plan`` ignore it.
+            DDP hook does the same over the model's parameters in its first ``warmup_steps``
+            steps. Other schemes and a given ``plan`` ignore it.
     """
 
     scheme: str = "ssfusion_oi"

@@ -7,7 +7,8 @@ weighed (:class:`~gradsync.engine.warmup.Masses`, one fused norm per bucket); at
 bucket of step ``warmup_steps`` the ranks sum the masses (one all-reduce), and the tensors the
 hook's own rule sparsifies, over the whole model, share their entries by them
 (:func:`~gradsync.schedule.budget.apportion`): the same densities on every rank from then on,
-the tensors sent whole and the entries a step unchanged, as in the engine's plan.
+the tensors sent whole and the entries a step unchanged, as in the engine's plan. Without the
+model (``gradsync.ddp.hook(cfg)``) the tensors are those its buckets brought in those steps.
 """
 
 from __future__ import annotations
@@ -34,10 +35,9 @@ class HookBudget:
 
     def __init__(self, cfg: Config, sizes: Sequence[tuple[str, int]] | None) -> None:
         active = cfg.budget == "gradient" and schemes.get(cfg.scheme).planner in APPORTIONED
-        if active and sizes is None:
-            raise ValueError("Config.budget='gradient' through the DDP hook needs the model's "
-                             "parameters: gradsync.ddp.hook(cfg, model) (register passes them)")
-        self.sizes = list(sizes or [])  # the trained parameters: (name, numel)
+        # the trained parameters (name, numel); without the model, those the buckets brought
+        self.sizes: dict[str, int] = dict(sizes or [])
+        self.given = sizes is not None
         self.steps, self.min_k = cfg.warmup_steps, cfg.effective_min_k
         self.mass: Masses | None = Masses() if active else None
         self.density: dict[str, float | None] | None = None  # settled: each tensor's
@@ -48,6 +48,8 @@ class HookBudget:
         ``warmup_steps`` steps."""
         if self.mass is not None and step < self.steps:
             self.mass.weigh(names, numels, buf)
+            if not self.given:
+                self.sizes.update(zip(names, numels))
 
     def settle(self, step: int, comm: Comm,
                even: Callable[[list[int]], list[float | None]]) -> None:
@@ -56,7 +58,7 @@ class HookBudget:
         tensors of these sizes (None: sent whole)."""
         if self.mass is None or step < self.steps:
             return
-        names, numels = [n for n, _ in self.sizes], [k for _, k in self.sizes]
+        names, numels = list(self.sizes), list(self.sizes.values())
         mass = self.mass.totals(names, comm)
         plan = Plan("ddp_hook", [BufferPlan(tuple(TensorPlan(n, k, d) for n, k, d in zip(
             names, numels, even(numels))), "per_tensor")])
@@ -74,7 +76,7 @@ class HookBudget:
 
     def state_dict(self) -> dict[str, Any]:
         return {"budget": {"mass": None if self.mass is None else self.mass.saved(),
-                           "density": self.density}}
+                           "density": self.density, "sizes": dict(self.sizes)}}
 
     def load(self, state: dict[str, Any], device: torch.device | None = None) -> None:
         """Restore :meth:`state_dict` (its masses onto ``device``); a state saved without one
@@ -84,3 +86,5 @@ class HookBudget:
             return
         self.density = saved["density"]
         self.mass = None if self.density is not None else Masses(saved["mass"], device)
+        if not self.given:
+            self.sizes.update(saved.get("sizes") or {})
