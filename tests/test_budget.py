@@ -122,8 +122,9 @@ def test_shares_by_hand():
     assert shares(100, n, {"x": 1.0, "y": 1.0, "z": 0.0}, 8) == {"x": 46, "y": 46, "z": 8}
     # floors over the budget: every tensor at its floor (a tensor smaller than it: whole)
     assert shares(5, {"x": 3, "y": 50}, {"x": 1.0, "y": 1.0}, 8) == {"x": 3, "y": 8}
-    with pytest.raises(ValueError, match="masses >= 0"):
-        shares(10, n, {"x": -1.0, "y": 1.0, "z": 1.0}, 1)
+    for bad in (-1.0, float("nan"), float("inf")):
+        with pytest.raises(ValueError, match="finite masses >= 0"):
+            shares(10, n, {"x": bad, "y": 1.0, "z": 1.0}, 1)
 
 
 @settings(max_examples=200, deadline=None)
@@ -285,3 +286,32 @@ def test_weighing_costs_ops_per_job_and_nothing_after_the_profiling_steps(monkey
     jobs = len(sync._layout.jobs)  # the even plan's buffers, as in the profiling steps
     sync.close()
     assert sorted(calls) == [s for s in range(3) for _ in range(jobs)]
+
+
+def _overflowed(rank: int, world_size: int) -> dict:
+    """A GradScaler's overflow in a profiling step (``nonfinite="skip_step"``): the step is
+    skipped and weighs nothing; the plan comes from the finite steps."""
+    model = _model()
+    cfg = gradsync.Config(scheme="per_tensor", density=0.01, warmup_steps=W, budget="gradient",
+                          nonfinite="skip_step")
+    sync = gradsync.GradSync(model, cfg)
+    c = _grads(rank)
+    kept = []
+    for step in range(W + 2):
+        for p in model.values():
+            p.grad = None
+        scale = float("inf") if step == 1 and rank == 0 else 1.0
+        sum((p * c[n] * scale).sum() for n, p in model.items()).backward()
+        kept.append(sync.synchronize())
+    k = {t.name: t.k for b in sync.plan.buffers for t in b.tensors}
+    sync.close()
+    return {"kept": kept, "k": k}
+
+
+def test_an_overflow_in_the_profiling_steps_weighs_nothing():
+    got = run_distributed(_overflowed, 2)
+    clean = run_distributed(_plan_of, 2, "per_tensor", "gradient")[0]["k"]
+    for r in got:
+        assert r["kept"] == [True, False] + [True] * W  # every rank skipped step 1
+        # W - 1 finite steps of constant gradients: the same shares as W of them
+        assert r["k"] == clean

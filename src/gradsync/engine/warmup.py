@@ -53,9 +53,11 @@ class Masses:
             (n,): torch.tensor([float(v)], device=device) for n, v in (saved or {}).items()}
 
     def weigh(self, names: Sequence[str], sizes: Sequence[int], grad: torch.Tensor) -> None:
-        """Add a job's local gradient (``grad``: its tensors' flat concatenation)."""
+        """Add a job's local gradient (``grad``: its tensors' flat concatenation). A tensor
+        whose gradient holds a NaN or Inf (an overflow a GradScaler skips) adds nothing."""
         key = tuple(names)
         v = torch.stack(torch._foreach_norm(list(grad.detach().split(list(sizes))), 1)).float()
+        v = torch.nan_to_num(v, nan=0.0, posinf=0.0)
         self._jobs[key] = v if key not in self._jobs else self._jobs[key].add_(v)
 
     def saved(self) -> dict[str, float]:

@@ -22,6 +22,7 @@ profiling steps (:mod:`gradsync.engine.warmup`); every rank plans from the same 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan
@@ -40,9 +41,9 @@ def shares(k_total: int, numel: Mapping[str, int], mass: Mapping[str, float], mi
     """Entries per tensor: ``k_total`` shared by ``mass`` within [min(min_k, n), n] for each
     tensor of ``numel`` (water-filling; the sum is ``k_total`` up to rounding, or the bounds'
     sum where they leave no choice). A tensor of no mass gets its floor."""
-    if k_total < 0 or min_k < 1 or any(m < 0 for m in mass.values()):
-        raise ValueError(f"shares: k_total >= 0, min_k >= 1 and masses >= 0 needed, got "
-                         f"{k_total!r}, {min_k!r}, {sorted(mass.values())[:1]}")
+    if k_total < 0 or min_k < 1 or not all(0 <= m < math.inf for m in mass.values()):
+        raise ValueError(f"shares: k_total >= 0, min_k >= 1 and finite masses >= 0 needed, got "
+                         f"{k_total!r}, {min_k!r}, {[m for m in mass.values() if not m >= 0][:1]}")
     lo = {n: min(min_k, numel[n]) for n in numel}
     fixed: dict[str, int] = {}
     while True:
