@@ -1797,10 +1797,14 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     assert more["ssfusion_oi"]["density"] == 0.0167 and len(more["ssfusion_oi"]["finals"]) == 5
     assert (f", {_gap_cell(more['ssfusion_oi']['finals'], more['ddp']['finals'])} at 1.67 % "
             "density (5 seeds, [study]") in readme
-    spread = _by_scheme("resnet20-cosine/ssfusion-oi-by-topka-shares", "--model resnet20")
+    spread = _by_scheme("budget-gradient/resnet20-cosine", "--model resnet20")
     assert spread["ddp"]["finals"] == oi["ddp"]["finals"][:5]
     assert (f" and {_gap_cell(spread['ssfusion_oi']['finals'], spread['ddp']['finals'])} at 1 % "
-            "with its convolutions' entries spread as TopkA spreads them ([study]") in readme
+            "with `Config(budget=\"gradient\")`, its entries shared by the gradient's mass, "
+            "which costs it ") in readme
+    r18g = _by_scheme("budget-gradient/resnet18", "--model resnet18")["ssfusion_oi"]["finals"]
+    cost = -_paired_points(r18g, _by_scheme(WARMUP_R18)["ssfusion_oi"]["finals"])[0]
+    assert f"which costs it {cost:.2f} points on ResNet-18 ([study]" in readme
     r18 = _resnet18_today()
     since = _by_scheme("convergence-resnet18-2026-12-06-fifth", "--model resnet18")["topka"]
     w18 = _by_scheme(WARMUP_R18, "--model resnet18")["topka"]
@@ -1819,6 +1823,8 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
                      "--model resnet18")["per_tensor"]["finals"]
     assert (f"; per_tensor {_mean_sd(pt)} %, the price of its classifier's 1 % "
             f"({_mean_sd(fed)} % with the classifier at TopkA's share, [study]") in readme
+    mass = _by_scheme("budget-gradient/resnet18", "--model resnet18")["per_tensor"]["finals"]
+    assert f"; {_mean_sd(mass)} % with `budget=\"gradient\"`, [study]" in readme
     base = _by_scheme("convergence-resnet20-cosine")
     follow = _by_scheme("resnet20-cosine/follow")
     gain = statistics.mean(follow["topka"]["finals"]) - statistics.mean(base["topka"]["finals"])

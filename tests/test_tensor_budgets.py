@@ -15,6 +15,7 @@ from gradsync.apps.models import build
 from gradsync.engine.config import Config
 from gradsync.engine.warmup import given_plan
 from test_bench_convergence import (
+    WARMUP_CNN,
     WARMUP_R18,
     WARMUP_R20,
     _by_scheme,
@@ -252,3 +253,79 @@ def test_study_of_the_plans_as_the_section_says():
                 in text)
     assert page["per_tensor"]["run_bytes_per_step"] < default["per_tensor"]["run_bytes_per_step"]
     assert statistics.mean(ddp) == pytest.approx(0.8311, abs=5e-5)
+
+
+# accuracy.md, "Entries by the gradient's mass": Config.budget="gradient" against the even
+# budget's runs of the same seeds (label of the row, its page, the even budget's page, scheme)
+GRADIENT_ROWS = (
+    ("ResNet-18 (3), per_tensor", "budget-gradient/resnet18", WARMUP_R18, "per_tensor"),
+    ("ResNet-18 (3), SSFusion-OI", "budget-gradient/resnet18", WARMUP_R18, "ssfusion_oi"),
+    ("ResNet-20 cosine (5), per_tensor", "budget-gradient/resnet20-cosine", WARMUP_R20,
+     "per_tensor"),
+    ("ResNet-20 cosine (5), SSFusion-OI", "budget-gradient/resnet20-cosine",
+     "resnet20-cosine/lead-follows-dgc-warmup-ssfusion-oi", "ssfusion_oi"),
+    ("CNN (10), per_tensor", "budget-gradient/cnn", WARMUP_CNN, "per_tensor"),
+    ("CNN (10), SSFusion-OI and SSFusion (the same plans)", "budget-gradient/cnn", WARMUP_CNN,
+     "ssfusion_oi"),
+)
+
+
+def _table_row(section: str, label: str) -> str:
+    """The markdown row of ``section`` that starts with ``label``, bold marks dropped."""
+    (line,) = [ln for ln in section.splitlines() if ln.startswith(f"| {label} |")]
+    return line.replace("**", "")
+
+
+def test_the_gradients_mass_table_holds_in_the_written_results():
+    """Every cell of the table recomputed from the pages: the runs of `--budget gradient`, the
+    even budget's of the same seeds, one set of DDP runs per model, the same bytes a step."""
+    text = (ROOT / "docs/results/accuracy.md").read_text()
+    section = text.split("## Entries by the gradient's mass")[1].split("## Plans move")[0]
+    for label, page, even_page, scheme in GRADIENT_ROWS:
+        rows = _by_scheme(page, "--model")
+        got, ddp = rows[scheme], rows["ddp"]["finals"]
+        n = len(got["finals"])
+        even = _by_scheme(even_page)[scheme]
+        assert even["seeds"][:n] == got["seeds"] == rows["ddp"]["seeds"], label
+        base = even["finals"][:n]
+        row = _table_row(section, label)
+        assert f"| {_mean_sd(base)} % | {_mean_sd(got['finals'])} % | " in row, label
+        assert f"| {_interval_cell(got['finals'], ddp)} |" in row, label
+        assert f"| {_interval_cell(got['finals'], base)}" in row, label
+        up = all(x > y for x, y in zip(got["finals"], base))
+        down = all(x < y for x, y in zip(got["finals"], base))
+        assert ("every seed lower" in row) == down, label
+        assert ("every seed" in row and not down) == up, label
+        mb = (even["bytes_per_step"] / 1e6, got["bytes_per_step"] / 1e6)
+        assert row.endswith(f"| {mb[0]:.3f} → {mb[1]:.3f} |") or row.endswith(
+            f"| {mb[0]:.2f} → {mb[1]:.2f} |"), (label, mb)
+        assert got["bytes_per_step"] == pytest.approx(even["bytes_per_step"], rel=0.01)
+    # SSFusion and SSFusion-OI train the same CNN plans: one row for both
+    cnn = _by_scheme("budget-gradient/cnn")
+    assert cnn["ssfusion"]["finals"] == cnn["ssfusion_oi"]["finals"]
+    # TinyGPT: perplexity, against the 1000-step page's runs
+    lm, before = _by_scheme("budget-gradient/lm-1000"), _by_scheme("convergence-lm-1000-2026-12-06")
+    assert lm["ddp"]["finals"] == before["ddp"]["finals"]
+    g, e = lm["ssfusion_oi"]["finals"], before["ssfusion_oi"]["finals"]
+    d = [x - y for x, y in zip(g, e, strict=True)]
+    m, h = statistics.mean(d), 4.303 * statistics.stdev(d) / 3 ** 0.5
+    row = _table_row(section, "TinyGPT, 1000 steps (3), SSFusion-OI (perplexity)")
+    assert (f"| {statistics.mean(e):.2f} ± {statistics.stdev(e):.2f} | "
+            f"{statistics.mean(g):.2f} ± {statistics.stdev(g):.2f} | "
+            f"+{statistics.mean(g) - statistics.mean(lm['ddp']['finals']):.2f} (+"
+            f"{100 * (statistics.mean(g) / statistics.mean(lm['ddp']['finals']) - 1):.1f} % of "
+            f"DDP's {statistics.mean(lm['ddp']['finals']):.2f}) | "
+            f"{m:+.2f} [{m - h:+.2f}, {m + h:+.2f}] (worse)").replace("-", "−") in row.replace(
+                "-", "−")
+    # the bars: per_tensor on ResNet-18 within 1.5 of DDP, SSFusion-OI on ResNet-20 within 1.0
+    r18, r20 = _by_scheme("budget-gradient/resnet18"), _by_scheme("budget-gradient/resnet20-cosine")
+    assert abs(_mean_gap_points(r18["per_tensor"]["finals"], r18["ddp"]["finals"])) <= 1.5
+    assert abs(_mean_gap_points(r20["ssfusion_oi"]["finals"], r20["ddp"]["finals"])) <= 1.0
+
+
+def test_the_budget_pages_ran_the_budget():
+    """Each page's command asked for it, and each run's plan shares its entries by mass."""
+    for page in ("budget-gradient/resnet18", "budget-gradient/resnet20-cosine",
+                 "budget-gradient/cnn", "budget-gradient/lm-1000"):
+        data = json.loads((ROOT / f"docs/results/{page}.json").read_text())
+        assert " --budget gradient " in data["meta"]["command"], page
