@@ -61,7 +61,7 @@ RESUME_FIELDS = ("scheme", "density", "sparsifier", "momentum", "min_density", "
 
 @dataclass
 class _Model:
-    """What the hook knows of the model and its ranks, set once."""
+    """What the hook knows of the model and its ranks, set once (its budget settles later)."""
 
     names: dict[int, str] = field(default_factory=dict)  # id(param) -> name
     shapes: list[tuple[str, tuple[int, ...]]] | None = None  # the model's, when known
