@@ -229,8 +229,9 @@ def test_config_and_the_hook_refuse_what_they_cannot_run():
     assert gradsync.Config().differences({"scheme": "ssfusion_oi"}, ("budget",)) == []
 
 
-def test_the_hooks_masses_survive_a_checkpoint():
+def test_the_hooks_masses_survive_a_checkpoint(monkeypatch):
     from gradsync.collectives.comm import Comm
+    from gradsync.engine.warmup import Masses
     from gradsync.integrations.budget import HookBudget
 
     cfg = gradsync.Config(scheme="per_tensor", density=0.01, warmup_steps=W, budget="gradient")
@@ -252,6 +253,16 @@ def test_the_hooks_masses_survive_a_checkpoint():
     whole = run(None)
     assert whole["b"] > whole["a"] and whole["bn"] is None
     assert run(1) == run(W) == whole  # restarted in the profiling steps, or after them
+    # the masses are summed on the device settle is given (the bucket's), not where a
+    # checkpoint left them (the CPU), which NCCL would refuse
+    restored = HookBudget(cfg, sizes)
+    restored.load({"budget": {"mass": {n: 1.0 for n in SIZES}, "density": None}})
+    seen = []
+    real = Masses.totals
+    monkeypatch.setattr(Masses, "totals", lambda self, names, comm, device=None: seen.append(
+        device) or real(self, names, comm, device))
+    restored.settle(W, Comm(None), lambda ns: even, torch.device("cpu"))
+    assert seen == [torch.device("cpu")] and restored.density["a"] == restored.density["b"]
     assert HookBudget(gradsync.Config(budget="even"), None).densities(["x"], [0.01]) == [0.01]
 
 

@@ -68,10 +68,13 @@ class Masses:
                 out[n] = out.get(n, 0.0) + x
         return out
 
-    def totals(self, names: Sequence[str], comm: Comm) -> dict[str, float]:
+    def totals(self, names: Sequence[str], comm: Comm,
+               device: torch.device | None = None) -> dict[str, float]:
         """Every rank's masses of ``names`` summed (one all-reduce of one value per tensor,
-        through ``comm``, which counts it); a tensor never weighed counts 0."""
-        dev = next(iter(self._jobs.values())).device if self._jobs else torch.device("cpu")
+        through ``comm``, which counts it, on ``device``: the gradients', which the group's
+        backend takes; default: the masses'); a tensor never weighed counts 0."""
+        dev = device or (next(iter(self._jobs.values())).device if self._jobs
+                         else torch.device("cpu"))
         t = torch.zeros(len(names), dtype=torch.float64, device=dev)
         at = {n: i for i, n in enumerate(names)}
         for key, v in self._jobs.items():

@@ -51,15 +51,16 @@ class HookBudget:
             if not self.given:
                 self.sizes.update(zip(names, numels))
 
-    def settle(self, step: int, comm: Comm,
-               even: Callable[[list[int]], list[float | None]]) -> None:
-        """At the first bucket of step ``warmup_steps``, on every rank: the masses summed and
-        the model's densities shared by them; ``even(numels)``: the hook's own densities of
-        tensors of these sizes (None: sent whole)."""
+    def settle(self, step: int, comm: Comm, even: Callable[[list[int]], list[float | None]],
+               device: torch.device | None = None) -> None:
+        """At the first bucket of step ``warmup_steps``, on every rank: the masses summed (on
+        ``device``, the bucket's: a checkpoint's masses come back on the CPU, which NCCL does
+        not take) and the model's densities shared by them; ``even(numels)``: the hook's own
+        densities of tensors of these sizes (None: sent whole)."""
         if self.mass is None or step < self.steps:
             return
         names, numels = list(self.sizes), list(self.sizes.values())
-        mass = self.mass.totals(names, comm)
+        mass = self.mass.totals(names, comm, device)
         plan = Plan("ddp_hook", [BufferPlan(tuple(TensorPlan(n, k, d) for n, k, d in zip(
             names, numels, even(numels))), "per_tensor")])
         self.density = {t.name: t.density for b in apportion(plan, mass, self.min_k).buffers
@@ -78,13 +79,13 @@ class HookBudget:
         return {"budget": {"mass": None if self.mass is None else self.mass.saved(),
                            "density": self.density, "sizes": dict(self.sizes)}}
 
-    def load(self, state: dict[str, Any], device: torch.device | None = None) -> None:
-        """Restore :meth:`state_dict` (its masses onto ``device``); a state saved without one
-        (or with an even budget) leaves this as built."""
+    def load(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict` (its masses on the CPU until :meth:`settle`); a state
+        saved without one (or with an even budget) leaves this as built."""
         saved = state.get("budget")
         if saved is None or (self.mass is None and self.density is None):
             return
         self.density = saved["density"]
-        self.mass = None if self.density is not None else Masses(saved["mass"], device)
+        self.mass = None if self.density is not None else Masses(saved["mass"])
         if not self.given:
             self.sizes.update(saved.get("sizes") or {})

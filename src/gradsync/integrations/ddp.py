@@ -273,7 +273,7 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         return pipe.whole(buf, clip or any(state.ef.transforms(n) for n in names))
     if bucket.index() == 0:  # at step warmup_steps: the ranks' masses summed (Config.budget)
         state.model.budget.settle(state.counts.steps, comm, lambda ns: _densities(
-            state, ns, buf.element_size(), comm, buf.device))
+            state, ns, buf.element_size(), comm, buf.device), buf.device)
     state.model.budget.weigh(state.counts.steps, names, numels, buf)
     if state.scheme.planner != "auto" and (held := pipe.hold(buf)) is not None:
         return held  # merged buckets (engine/pipeline.py): it travels with the last one
