@@ -76,6 +76,22 @@ def test_per_tensor_entries_follow_the_gradients_mass(world_size):
     assert got[0]["whole"] == even["whole"] == ["bn"]  # the same tensors travel whole
 
 
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_blend_shares_half_evenly_and_half_by_mass(world_size):
+    got = run_distributed(_plan_of, world_size, "per_tensor", "blend")
+    assert len({r["digest"] for r in got}) == 1
+    mass = {n: W * sum(float(_grads(r)[n].abs().sum()) for r in range(world_size))
+            for n in ("a", "b", "c")}
+    n = {t: SIZES[t] for t in mass}
+    # by hand: k_i = K (m_i/M + n_i/N) / 2 with K = 100; no bound binds here
+    for t in mass:
+        want = 100 * (mass[t] / sum(mass.values()) + n[t] / sum(n.values())) / 2
+        assert abs(got[0]["k"][t] - want) <= 1, (t, got[0]["k"], want)
+    assert got[0]["whole"] == ["bn"]
+    # between the two rules: a keeps at least half of its even 40, b gets more than its 40
+    assert 20 <= got[0]["k"]["a"] < 40 < got[0]["k"]["b"]
+
+
 def test_apportion_keeps_the_whole_tensors_the_modes_and_the_entries():
     names = ["fc.bias", "fc.weight", "conv2", "bn", "conv1"]
     numel = {"fc.bias": 10, "fc.weight": 640, "conv2": 36864, "bn": 64, "conv1": 9216}
@@ -92,6 +108,13 @@ def test_apportion_keeps_the_whole_tensors_the_modes_and_the_entries():
     # conv1 holds 40/70 of the mass: 263 entries of 461, where one density gave it 92
     assert after["conv1"].k == round(461 * 40 / 70) and after["conv2"].k == 461 - 263
     assert out.info["budget"] == "gradient"
+    # blend: half of the 461 entries by mass (263 / 198 above), half by size (92 / 369)
+    mixed = {t.name: t for b in apportion(even, mass, 8, "blend").buffers for t in b.tensors}
+    assert abs(mixed["conv1"].k - (263 + 92) / 2) <= 1 and abs(mixed["conv2"].k - (198 + 369)
+                                                                  / 2) <= 1
+    assert mixed["fc.weight"].density is None
+    with pytest.raises(ValueError, match="rule must be one of"):
+        apportion(even, mass, 8, "even")
     # offload and all-reduce choices are kept
     flags = Plan("ssfusion_oi", [BufferPlan((TensorPlan("x", 1000, 0.01, offload=True),
                                              TensorPlan("y", 50, None, allreduce=True),
@@ -180,9 +203,10 @@ class _Net(nn.Module):
         return sum((p * c[n]).sum() for n, p in self.p.items())
 
 
-def _hook_densities(rank: int, world_size: int, scheme: str, model_given: bool) -> dict:
+def _hook_densities(rank: int, world_size: int, scheme: str, model_given: bool,
+                    budget: str = "gradient") -> dict:
     net = _Net()
-    cfg = gradsync.Config(scheme=scheme, density=0.01, warmup_steps=W, budget="gradient")
+    cfg = gradsync.Config(scheme=scheme, density=0.01, warmup_steps=W, budget=budget)
     ddp = nn.parallel.DistributedDataParallel(net)
     if model_given:
         state = gradsync.ddp.register(ddp, cfg)
@@ -207,12 +231,15 @@ def _hook_densities(rank: int, world_size: int, scheme: str, model_given: bool) 
             "hook": {names.get(n, n).removeprefix("p."): d for n, d in seen[-1].items()}}
 
 
-@pytest.mark.parametrize(("world_size", "model_given"), [(2, True), (3, True), (2, False)])
-def test_the_ddp_hook_shares_the_entries_as_the_engine_plans_them(world_size, model_given):
-    for r in run_distributed(_hook_densities, world_size, "per_tensor", model_given):
+@pytest.mark.parametrize(("world_size", "model_given", "budget"), [
+    (2, True, "gradient"), (3, True, "gradient"), (2, False, "gradient"), (3, True, "blend")])
+def test_the_ddp_hook_shares_the_entries_as_the_engine_plans_them(world_size, model_given,
+                                                                   budget):
+    for r in run_distributed(_hook_densities, world_size, "per_tensor", model_given, budget):
         assert r["before"] == [None] * W  # the profiling steps run at one density
         assert r["hook"] == pytest.approx(r["engine"]) and r["hook"]["bn"] is None
-        assert r["hook"]["b"] >= 2 * 0.01  # the tensor that holds the mass gets the entries
+        # the tensor that holds the mass gets the entries (blend: half of them by mass)
+        assert r["hook"]["b"] >= (2 if budget == "gradient" else 1.5) * 0.01
         # a checkpoint keeps the settled densities (HookState.state_dict)
         assert sorted(r["saved"]["density"].values(), key=str) == sorted(
             r["hook"].values(), key=str)

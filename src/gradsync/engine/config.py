@@ -202,10 +202,11 @@ class Config:
             entries in proportion to its share of the gradient's L1 mass over the
             ``warmup_steps`` profiling steps (summed over the ranks), which is how a global
             top-k with error feedback shares them (:mod:`gradsync.schedule.budget`): the same
-            tensors whole, the same entries a step, at least ``min_k`` each. ``per_tensor``
-            then profiles ``warmup_steps`` steps at ``density`` before its plan is fixed. The
-            DDP hook does the same over the model's parameters in its first ``warmup_steps``
-            steps. Other schemes and a given ``plan`` ignore it.
+            tensors whole, the same entries a step, at least ``min_k`` each; ``"blend"`` half
+            of the entries each way. ``per_tensor`` then profiles ``warmup_steps`` steps at
+            ``density`` before its plan is fixed. The DDP hook does the same over the model's
+            parameters in its first ``warmup_steps`` steps. Other schemes and a given ``plan``
+            ignore it.
     """
 
     scheme: str = "ssfusion_oi"

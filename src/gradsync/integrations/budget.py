@@ -1,4 +1,5 @@
-"""``Config.budget="gradient"`` through the DDP hook (:mod:`gradsync.schedule.budget`).
+"""``Config.budget`` (``"gradient"``, ``"blend"``) through the DDP hook
+(:mod:`gradsync.schedule.budget`).
 
 The engine weighs the gradient in its profiling steps and plans once. The hook has no plan: it
 decides each bucket's densities at every call (``ddp._densities``). Here its first
@@ -34,11 +35,11 @@ class HookBudget:
     planner does not sparsify tensor by tensor."""
 
     def __init__(self, cfg: Config, sizes: Sequence[tuple[str, int]] | None) -> None:
-        active = cfg.budget == "gradient" and schemes.get(cfg.scheme).planner in APPORTIONED
+        active = cfg.budget != "even" and schemes.get(cfg.scheme).planner in APPORTIONED
         # the trained parameters (name, numel); without the model, those the buckets brought
         self.sizes: dict[str, int] = dict(sizes or [])
         self.given = sizes is not None
-        self.steps, self.min_k = cfg.warmup_steps, cfg.effective_min_k
+        self.steps, self.min_k, self.rule = cfg.warmup_steps, cfg.effective_min_k, cfg.budget
         self.mass: Masses | None = Masses() if active else None
         self.density: dict[str, float | None] | None = None  # settled: each tensor's
 
@@ -63,8 +64,8 @@ class HookBudget:
         mass = self.mass.totals(names, comm, device)
         plan = Plan("ddp_hook", [BufferPlan(tuple(TensorPlan(n, k, d) for n, k, d in zip(
             names, numels, even(numels))), "per_tensor")])
-        self.density = {t.name: t.density for b in apportion(plan, mass, self.min_k).buffers
-                        for t in b.tensors}
+        shared = apportion(plan, mass, self.min_k, self.rule)
+        self.density = {t.name: t.density for b in shared.buffers for t in b.tensors}
         self.mass = None
 
     def densities(self, names: Sequence[str], chosen: list[float | None]

@@ -178,7 +178,8 @@ class TrainSpec:
         min_k: ``Config.min_k`` of the gradsync schemes: a tensor sparsified on its own that
             would send fewer entries per step travels whole; ``None``: Config's default.
         budget: ``Config.budget`` of the gradsync schemes (``"gradient"``: a per-tensor plan's
-            entries by each tensor's share of the gradient's L1 mass); ``None``: Config's.
+            entries by each tensor's share of the gradient's L1 mass, ``"blend"``: half of
+            them so); ``None``: Config's.
         adam_warmup: AdamW with a sparse scheme (:class:`gradsync.optim.FrozenVarianceAdamW`):
             the steps of exact AdamW, gradients sent whole, before the variance freezes
             (rounded up to whole ``density_warmup`` periods); ``None``:
