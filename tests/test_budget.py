@@ -172,6 +172,50 @@ def test_shares_stay_within_bounds_and_budget(tensors, density, min_k):
                 assert k[s] / numel[s] >= k[t] / numel[t] * 0.99
 
 
+def _scaled_plan(rank: int, world_size: int, path: str, factor: float, told: bool) -> dict:
+    """Each tensor's entries (engine) or density (hook) after W profiling steps whose
+    gradients are ``factor`` times larger from step 2 on (a loss scale that grew), the owner
+    ``told`` so (``rescale``) or not; "a" holds the mass of steps 0-1, "b" that of 2 on."""
+    cfg = gradsync.Config(scheme="per_tensor", density=0.01, warmup_steps=W, budget="gradient",
+                          compress_single_rank=True)
+    c = _grads(rank)
+    if path == "engine":
+        model = _model()
+        owner = gradsync.GradSync(model, cfg)
+    else:
+        net = _Net()
+        ddp = nn.parallel.DistributedDataParallel(net)
+        owner = gradsync.ddp.register(ddp, cfg)
+    for step in range(W + 2):
+        if step == 2 and factor != 1 and told:
+            owner.rescale(factor)
+        w = {"a": 100.0 if step < 2 else 1.0, "b": 1.0, "c": 1.0, "bn": 1.0}
+        scaled = {n: c[n] * w[n] * (1.0 if step < 2 else factor) for n in c}
+        if path == "engine":
+            for p in model.values():
+                p.grad = None
+            sum((p * scaled[n]).sum() for n, p in model.items()).backward()
+            owner.synchronize()
+        else:
+            ddp.zero_grad(set_to_none=True)
+            ddp(scaled).backward()
+    if path == "hook":
+        return {n.split(".")[-1]: d for n, d in owner.model.budget.density.items()}
+    k = {t.name: t.k for b in owner.plan.buffers for t in b.tensors}
+    owner.close()
+    return k
+
+
+@pytest.mark.parametrize(("world_size", "path"), [(1, "engine"), (2, "engine"), (2, "hook")])
+def test_a_loss_scale_that_changes_in_the_profiling_steps_weighs_nothing(world_size, path):
+    """Masses are kept in the units of the loss scale, as residuals are: a power-of-two scale
+    that grows in the profiling steps plans exactly as the unscaled run does."""
+    plain = run_distributed(_scaled_plan, world_size, path, 1.0, True)[0]
+    assert run_distributed(_scaled_plan, world_size, path, 8.0, True)[0] == plain
+    # unit-blind masses would weigh the later steps 8 times: "a" would lose entries
+    assert run_distributed(_scaled_plan, world_size, path, 8.0, False)[0]["a"] < plain["a"]
+
+
 def _resumed(rank: int, world_size: int) -> dict:
     model = _model()
     cfg = gradsync.Config(scheme="per_tensor", density=0.01, warmup_steps=W, budget="gradient")

@@ -527,6 +527,8 @@ class GradSync:
     def _rescale_held(self, factor: float) -> None:
         self.ef.rescale(factor)  # checks the factor first
         self._parts.rescale(factor)
+        if self._planning.warmup.mass is not None:  # Config.budget's masses, in the same units
+            self._planning.warmup.mass.rescale(factor)
 
     def follow(self, what: Any) -> None:
         """Follow ``what`` from the next step on; call it once for each.

@@ -60,6 +60,13 @@ class Masses:
         v = torch.nan_to_num(v, nan=0.0, posinf=0.0)
         self._jobs[key] = v if key not in self._jobs else self._jobs[key].add_(v)
 
+    def rescale(self, factor: float) -> None:
+        """The gradients are ``factor`` times larger from now on (a loss scale that changed):
+        the masses so far are brought to the new units, as residuals are, so a step weighs
+        what its unscaled gradient does (a power of two: bit for bit the unscaled run's)."""
+        for v in self._jobs.values():
+            v.mul_(factor)
+
     def saved(self) -> dict[str, float]:
         """The masses so far by tensor, for a checkpoint (a host read, at saving only)."""
         out: dict[str, float] = {}

@@ -52,6 +52,11 @@ class HookBudget:
             if not self.given:
                 self.sizes.update(zip(names, numels))
 
+    def rescale(self, factor: float) -> None:
+        """The masses so far into a changed loss scale's units (:meth:`Masses.rescale`)."""
+        if self.mass is not None:
+            self.mass.rescale(factor)
+
     def settle(self, step: int, comm: Comm, even: Callable[[list[int]], list[float | None]],
                device: torch.device | None = None) -> None:
         """At the first bucket of step ``warmup_steps``, on every rank: the masses summed (on

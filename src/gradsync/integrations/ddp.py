@@ -131,6 +131,7 @@ class HookState:
         :meth:`gradsync.GradSync.rescale` does. Between steps, the same factor on every rank."""
         self.ef.rescale(factor)  # checks the factor first
         self.parts.rescale(factor)
+        self.model.budget.rescale(factor)  # Config.budget's masses, in the same units
 
     def follow(self, what: Any) -> None:
         """:meth:`gradsync.GradSync.follow` for the hook (an optimizer or a GradScaler), read
