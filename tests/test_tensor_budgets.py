@@ -280,7 +280,7 @@ def test_the_gradients_mass_table_holds_in_the_written_results():
     """Every cell of the table recomputed from the pages: the runs of `--budget gradient`, the
     even budget's of the same seeds, one set of DDP runs per model, the same bytes a step."""
     text = (ROOT / "docs/results/accuracy.md").read_text()
-    section = text.split("## Entries by the gradient's mass")[1].split("## Plans move")[0]
+    section = text.split("## Entries by the gradient's mass")[1].split("\n## ")[0]
     for label, page, even_page, scheme in GRADIENT_ROWS:
         rows = _by_scheme(page, "--model")
         got, ddp = rows[scheme], rows["ddp"]["finals"]
@@ -323,9 +323,70 @@ def test_the_gradients_mass_table_holds_in_the_written_results():
     assert abs(_mean_gap_points(r20["ssfusion_oi"]["finals"], r20["ddp"]["finals"])) <= 1.0
 
 
+# accuracy.md, "Half evenly, half by mass": Config.budget="blend" against the even budget's and
+# the gradient's runs of the same seeds (label, its page, the even budget's page, scheme)
+BLEND_ROWS = tuple((label, page.replace("gradient", "blend"), even, scheme)
+                   for label, page, even, scheme in GRADIENT_ROWS if "ResNet" in label)
+
+
+def test_the_blend_table_holds_in_the_written_results():
+    """Every cell recomputed from the pages: the runs of `--budget blend`, those of the even
+    budget and of `--budget gradient` of the same seeds, the blend page's own DDP runs."""
+    section = (ROOT / "docs/results/accuracy.md").read_text().split(
+        "## Half evenly, half by mass")[1].split("\n## ")[0]
+    for label, page, even_page, scheme in BLEND_ROWS:
+        rows = _by_scheme(page, "--model")
+        got, ddp = rows[scheme], rows["ddp"]["finals"]
+        n = len(got["finals"])
+        even = _by_scheme(even_page)[scheme]
+        mass = _by_scheme(page.replace("blend", "gradient"), "--model")[scheme]
+        assert even["seeds"][:n] == got["seeds"] == mass["seeds"] == rows["ddp"]["seeds"]
+        base = even["finals"][:n]
+        row = _table_row(section, label)
+        assert (f"| {_mean_sd(base)} % | {_mean_sd(mass['finals'])} % | "
+                f"{_mean_sd(got['finals'])} % | {_interval_cell(got['finals'], ddp)} | "
+                f"{_interval_cell(got['finals'], base)} |") in row, label
+        assert f"| {_interval_cell(got['finals'], mass['finals'])} |" in row, label
+        mb = (even["bytes_per_step"] / 1e6, got["bytes_per_step"] / 1e6)
+        assert row.endswith(f"| {mb[0]:.3f} → {mb[1]:.3f} |") or row.endswith(
+            f"| {mb[0]:.2f} → {mb[1]:.2f} |"), (label, mb)
+        assert got["bytes_per_step"] == pytest.approx(even["bytes_per_step"], rel=0.01)
+
+
 def test_the_budget_pages_ran_the_budget():
     """Each page's command asked for it, and each run's plan shares its entries by mass."""
     for page in ("budget-gradient/resnet18", "budget-gradient/resnet20-cosine",
-                 "budget-gradient/cnn", "budget-gradient/lm-1000"):
+                 "budget-gradient/cnn", "budget-gradient/lm-1000", "budget-blend/resnet18",
+                 "budget-blend/resnet20-cosine"):
         data = json.loads((ROOT / f"docs/results/{page}.json").read_text())
-        assert " --budget gradient " in data["meta"]["command"], page
+        rule = page.split("/")[0].removeprefix("budget-")
+        assert f" --budget {rule} " in data["meta"]["command"], page
+
+
+def test_the_blend_bars_hold_in_the_written_results():
+    """accuracy.md's bullets on "blend" and the README's clause: issue 68's ResNet bars
+    recomputed from the pages, each rule's misses, and what it costs SSFusion-OI on ResNet-18."""
+    section = (ROOT / "docs/results/accuracy.md").read_text().split(
+        "## Half evenly, half by mass")[1].split("\n## ")[0]
+    r18, r20 = _by_scheme("budget-blend/resnet18"), _by_scheme("budget-blend/resnet20-cosine")
+    gap = {(m, s): _mean_gap_points(r[s]["finals"], r["ddp"]["finals"])
+           for m, r in (("r18", r18), ("r20", r20)) for s in ("per_tensor", "ssfusion_oi")}
+    assert f"`per_tensor` on\n  ResNet-18 ends {gap['r18', 'per_tensor']:+.2f} vs DDP" in section
+    assert f"SSFusion-OI there {gap['r18', 'ssfusion_oi']:+.2f} (within 1.0" in section
+    def pts(x: float) -> str:  # the pages' minus sign
+        return f"{x:+.2f}".replace("-", "−")
+
+    assert f"`per_tensor` on ResNet-20\n  {pts(gap['r20', 'per_tensor'])} (within 1.5)" in section
+    assert abs(gap["r18", "per_tensor"]) <= 1.5 and abs(gap["r18", "ssfusion_oi"]) <= 1.0
+    assert abs(gap["r20", "per_tensor"]) <= 1.5 and 1.0 < abs(gap["r20", "ssfusion_oi"]) < 1.03
+    intel = _by_scheme("budget-gradient/resnet20-cosine")["ddp"]["finals"]
+    edge = _mean_gap_points(r20["ssfusion_oi"]["finals"], intel)
+    assert (f"SSFusion-OI on ResNet-20 {pts(gap['r20', 'ssfusion_oi'])} against this machine's "
+            f"DDP runs and {pts(edge)}") in section.replace("\n  ", " ")
+    oi, even = r18["ssfusion_oi"]["finals"], _by_scheme(WARMUP_R18)["ssfusion_oi"]["finals"]
+    seeds = ", ".join(pts(100 * (a - b)) for a, b in zip(oi, even))
+    assert f"(seeds {seeds})" in section.replace("\n  ", " ")
+    readme = (ROOT / "README.md").read_text()
+    assert (f", {pts(gap['r20', 'ssfusion_oi'])} with `budget=\"blend\"` (half of them by the "
+            f"mass), {pts(gap['r18', 'ssfusion_oi'])} vs DDP on ResNet-18 and per_tensor "
+            f"{pts(gap['r18', 'per_tensor'])} there ([study]") in readme
