@@ -104,8 +104,7 @@ class Warmup:
     def for_config(cls, cfg: Config) -> Warmup:
         """``warmup_steps`` for cost-model schemes and for a budget by the gradient's mass,
         one step (the backward order) otherwise."""
-        weighs = (cfg.budget != "even" and cfg.plan is None
-                  and schemes.get(cfg.scheme).planner in budget.APPORTIONED)
+        weighs = cfg.plan is None and budget.weighs(cfg.budget, schemes.get(cfg.scheme).planner)
         steps = cfg.warmup_steps if schemes.get(cfg.scheme).needs_cost_model or weighs else 1
         return cls(steps, mass=Masses() if weighs else None)
 

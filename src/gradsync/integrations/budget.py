@@ -23,7 +23,7 @@ from gradsync.collectives.comm import Comm
 from gradsync.engine.config import Config
 from gradsync.engine.warmup import Masses
 from gradsync.schedule import BufferPlan, Plan, TensorPlan, schemes
-from gradsync.schedule.budget import APPORTIONED, apportion
+from gradsync.schedule.budget import apportion, weighs
 
 __all__ = ["HookBudget"]
 
@@ -35,7 +35,7 @@ class HookBudget:
     planner does not sparsify tensor by tensor."""
 
     def __init__(self, cfg: Config, sizes: Sequence[tuple[str, int]] | None) -> None:
-        active = cfg.budget != "even" and schemes.get(cfg.scheme).planner in APPORTIONED
+        active = weighs(cfg.budget, schemes.get(cfg.scheme).planner)
         # the trained parameters (name, numel); without the model, those the buckets brought
         self.sizes: dict[str, int] = dict(sizes or [])
         self.given = sizes is not None

@@ -34,7 +34,7 @@ from collections.abc import Mapping
 
 from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan
 
-__all__ = ["APPORTIONED", "BUDGETS", "apportion", "shares"]
+__all__ = ["APPORTIONED", "BUDGETS", "apportion", "shares", "weighs"]
 
 # Config.budget: "even" (one density, the papers' rule), "gradient" (by L1 mass) or "blend"
 # (half of the entries each way)
@@ -42,6 +42,13 @@ BUDGETS = ("even", "gradient", "blend")
 # the planners whose plans sparsify tensors one by one, planned once after the warm-up (auto
 # re-plans on drift, the others fuse): Config.budget applies to them
 APPORTIONED = ("per_tensor", "ssfusion", "hipress", "espresso")
+
+
+def weighs(rule: str, planner: str) -> bool:
+    """Whether a plan by ``planner`` shares its entries by the gradient's mass under ``rule``
+    (a ``Config.budget``): the engine and the DDP hook then weigh the profiling steps'
+    gradients."""
+    return rule != "even" and planner in APPORTIONED
 
 
 def shares(k_total: int, numel: Mapping[str, int], mass: Mapping[str, float], min_k: int
