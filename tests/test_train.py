@@ -373,6 +373,10 @@ def test_spec_fills_model_defaults_validates_and_pickles():
     assert shared.config(2)["budget"] == "gradient" and cfg["budget"] is None
     assert Runner(pt, torch.nn.Linear(2, 2), shared).gradsync_config(shared).budget == "gradient"
     assert Runner(pt, torch.nn.Linear(2, 2), wide).gradsync_config(wide).budget == "even"
+    # --warmup-steps reaches every door's Config (the DDP hook's too: the steps Config.budget
+    # weighs), not only the engine's cost model
+    brief = train.TrainSpec(schemes=["per_tensor"], warmup_steps=2)
+    assert Runner(pt, torch.nn.Linear(2, 2), brief).gradsync_config(brief).warmup_steps == 2
     with pytest.raises(ValueError, match="budget"):
         train.TrainSpec(schemes=["per_tensor"], budget="global")
     # --momentum-masking reaches Config.momentum_masking; unset, Config's default (off)

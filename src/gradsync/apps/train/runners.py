@@ -138,6 +138,9 @@ class Runner:
         if self.choice.scheme is None:
             raise ValueError(f"{self.choice.name!r} is not a gradsync scheme")
         warm, period = spec.engine_warmup(self.steps or 1, self.momentum_correction)
+        # the profiling steps: the engine's cost model and, through either door, the steps
+        # whose gradients Config.budget weighs
+        extra.setdefault("warmup_steps", spec.warmup_steps)
         if spec.amp == "fp16":  # a GradScaler skips overflowing steps: so must gradsync
             extra.setdefault("nonfinite", "skip_step")
         if spec.min_k is not None:
@@ -195,8 +198,7 @@ class EngineRunner(Runner):
         from gradsync.engine import GradSync
 
         super().__init__(choice, model, spec, steps)
-        cfg = self.gradsync_config(spec, warmup_steps=spec.warmup_steps,
-                                   timeout_s=collective_timeout(spec.timeout),
+        cfg = self.gradsync_config(spec, timeout_s=collective_timeout(spec.timeout),
                                    plan=(spec.plans or {}).get(choice.name))
         rank0 = not dist.is_initialized() or dist.get_rank() == 0
         self._shares = TopkShares(cfg.density) if spec.topk_shares and rank0 else None
