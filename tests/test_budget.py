@@ -143,6 +143,13 @@ def test_shares_by_hand():
     assert shares(400, n, {"x": 3.0, "y": 0.5, "z": 0.5}, 1) == {"x": 100, "y": 150, "z": 150}
     # z without mass keeps its floor, paid by the others
     assert shares(100, n, {"x": 1.0, "y": 1.0, "z": 0.0}, 8) == {"x": 46, "y": 46, "z": 8}
+    # the tensor with the mass capped, only massless ones left: they share the rest by size
+    # (hypothesis found 5 entries of 37 spent as 2: t1 left at its floor)
+    assert shares(5, {"t0": 1, "t1": 36}, {"t0": 1.0, "t1": 0.0}, 1) == {"t0": 1, "t1": 4}
+    assert shares(41, {"x": 1, "y": 10, "z": 30}, {"x": 1.0, "y": 0.0, "z": 0.0}, 1) == {
+        "x": 1, "y": 10, "z": 30}
+    assert shares(21, {"x": 1, "y": 10, "z": 30}, {"x": 1.0, "y": 0.0, "z": 0.0}, 1) == {
+        "x": 1, "y": 5, "z": 15}
     # floors over the budget: every tensor at its floor (a tensor smaller than it: whole)
     assert shares(5, {"x": 3, "y": 50}, {"x": 1.0, "y": 1.0}, 8) == {"x": 3, "y": 8}
     for bad in (-1.0, float("nan"), float("inf")):

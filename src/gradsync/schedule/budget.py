@@ -55,7 +55,8 @@ def shares(k_total: int, numel: Mapping[str, int], mass: Mapping[str, float], mi
            ) -> dict[str, int]:
     """Entries per tensor: ``k_total`` shared by ``mass`` within [min(min_k, n), n] for each
     tensor of ``numel`` (water-filling; the sum is ``k_total`` up to rounding, or the bounds'
-    sum where they leave no choice). A tensor of no mass gets its floor."""
+    sum where they leave no choice). A tensor of no mass gets its floor, unless only such
+    tensors are left below their bounds: they then share the rest by size."""
     if k_total < 0 or min_k < 1 or not all(0 <= m < math.inf for m in mass.values()):
         raise ValueError(f"shares: k_total >= 0, min_k >= 1 and finite masses >= 0 needed, got "
                          f"{k_total!r}, {min_k!r}, {[m for m in mass.values() if not m >= 0][:1]}")
@@ -65,7 +66,10 @@ def shares(k_total: int, numel: Mapping[str, int], mass: Mapping[str, float], mi
         free = [n for n in numel if n not in fixed]
         left = k_total - sum(fixed.values())
         m = sum(mass[n] for n in free)
-        want = {n: left * mass[n] / m if m > 0 else 0.0 for n in free}
+        # only massless tensors left (the others at their bounds): the rest by size, evenly
+        w = mass if m > 0 else numel
+        total = m if m > 0 else sum(numel[n] for n in free)
+        want = {n: left * w[n] / total for n in free}
         over = {n for n in free if want[n] > numel[n]}
         under = {n for n in free if want[n] < lo[n]}
         if not (over or under):
