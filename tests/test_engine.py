@@ -1152,9 +1152,12 @@ def test_warmup_profiling_and_plan_broadcast_are_counted(cores):
     broadcasts the plan (a length word and a pickle). Without a spare core the warm-up also
     times the scheme's sparse call (``profile_sparse_call``): 1 + 5 TopkA calls of one entry
     (its count, 8 B, then the entry, 8 B), the first behind a shape check (four int64 words),
-    and the max-reduce of the medians (8 B)."""
+    and the max-reduce of the medians (8 B). The default budget (``"blend"``) sums the
+    profiling steps' masses, one float64 per tensor (:mod:`gradsync.engine.warmup`)."""
     sizes = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
-    probes = sum(6 * (s + s) for s in sizes) + 64 + (0 if cores >= 2 else 6 * 16 + 32 + 8)
+    masses = 8 * len(list(build("mlp", seed=1).parameters()))
+    probes = (sum(6 * (s + s) for s in sizes) + 64 + masses
+              + (0 if cores >= 2 else 6 * 16 + 32 + 8))
     out = run_distributed(_warmup_traffic_rank, 2, cores, timeout=180)
     extra = [s[1] - s[0] for s in out]  # the two profiling steps send the same gradients
     assert extra[1] == probes

@@ -28,8 +28,10 @@ def _run(rank: int, world_size: int, kind: str, min_k: int) -> dict:
     small = nn.Parameter(torch.zeros(SMALL))
     large = nn.Parameter(torch.zeros(LARGE))
     model = nn.ParameterList([small, large])
+    # one density for both tensors (budget="even"): the rule under test is min_k's, which the
+    # default budget's shares (the small tensor's mass would buy it entries) would hide
     cfg = gradsync.Config(scheme="per_tensor", density=0.01, momentum=0.9, min_k=min_k,
-                          warmup_steps=1)
+                          warmup_steps=1, budget="even")
     g = torch.Generator().manual_seed(rank)
     c_small = 1.0 + torch.rand(SMALL, generator=g)  # a constant gradient, ranks differ
     c_large = torch.rand(LARGE, generator=g)

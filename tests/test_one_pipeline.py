@@ -45,12 +45,14 @@ def _model() -> nn.Module:
 def _config(scheme: str, warmup: bool | tuple[float, ...], plan: dict | None = None,
             ahead: float = 0.0) -> Config:
     """``warmup``: True for DGC's warm-up (1.0, 0.25), 2 steps a period; a tuple: those
-    periods' densities; False: none (not the scheme's default)."""
+    periods' densities; False: none (not the scheme's default). One density for every tensor
+    (``budget="even"``): the engine's run is given the hook's plan, which a budget by the
+    gradient's mass would then leave behind (test_budget.py compares the two budgets)."""
     periods = (1.0, 0.25) if warmup is True else warmup
     extra = (dict(density_warmup=periods, density_warmup_steps=2) if warmup
              else dict(density_warmup=()))
     return Config(scheme=scheme, density=D, sparsifier="topk", momentum=0.9, seed=7,
-                  plan=plan, momentum_ahead=ahead, **extra)
+                  plan=plan, momentum_ahead=ahead, budget="even", **extra)
 
 
 def _plan(scheme: str, small_numel: int, P: int, order: list[str]) -> dict:

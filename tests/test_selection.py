@@ -153,8 +153,9 @@ def test_engine_and_ddp_hook_give_the_same_densities(P):
 def test_engine_runs_the_planned_model_wide_densities():
     model, _, numel = _cnn()
     # one process: compress_single_rank, else no sparsifier would run
+    # SSFusion's own rule (§IV-B: one density d′ for every sparsified tensor), budget="even"
     sync = GradSync(model, Config(scheme="ssfusion", density=DENSITY, warmup_steps=1,
-                                  compress_single_rank=True, density_warmup=()))
+                                  compress_single_rank=True, density_warmup=(), budget="even"))
     try:
         for step in range(3):
             x, y = image_batch(0, step, 16)

@@ -364,8 +364,9 @@ def test_the_budget_pages_ran_the_budget():
 
 
 def test_the_blend_bars_hold_in_the_written_results():
-    """accuracy.md's bullets on "blend" and the README's clause: issue 68's ResNet bars
-    recomputed from the pages, each rule's misses, and what it costs SSFusion-OI on ResNet-18."""
+    """accuracy.md's bullets on "blend": issue 68's ResNet bars recomputed from the pages, each
+    rule's misses, and what it costs SSFusion-OI on ResNet-18 (the README's BatchNorm bullet:
+    test_bench_convergence.py)."""
     section = (ROOT / "docs/results/accuracy.md").read_text().split(
         "## Half evenly, half by mass")[1].split("\n## ")[0]
     r18, r20 = _by_scheme("budget-blend/resnet18"), _by_scheme("budget-blend/resnet20-cosine")
@@ -386,7 +387,104 @@ def test_the_blend_bars_hold_in_the_written_results():
     oi, even = r18["ssfusion_oi"]["finals"], _by_scheme(WARMUP_R18)["ssfusion_oi"]["finals"]
     seeds = ", ".join(pts(100 * (a - b)) for a, b in zip(oi, even))
     assert f"(seeds {seeds})" in section.replace("\n  ", " ")
-    readme = (ROOT / "README.md").read_text()
-    assert (f", {pts(gap['r20', 'ssfusion_oi'])} with `budget=\"blend\"` (half of them by the "
-            f"mass), {pts(gap['r18', 'ssfusion_oi'])} vs DDP on ResNet-18 and per_tensor "
-            f"{pts(gap['r18', 'per_tensor'])} there ([study]") in readme
+
+
+def test_the_blend_default_figures_hold_in_the_written_results():
+    """accuracy.md, "Blend, the default": Config's default budget, every scheme's CNN gap to DDP
+    (10 seeds) and issue 68's CNN bars, TinyGPT's SSFusion-OI over 1000 steps against DDP and
+    paired with the even budget's runs, and the 60-step rows, recomputed from the pages' JSON
+    (each trained with --budget blend)."""
+    assert Config().budget == "blend"
+    section = " ".join((ROOT / "docs/results/accuracy.md").read_text().split(
+        "## Blend, the default: the CNN and TinyGPT")[1].split("\n## ")[0].split())
+    for page in ("convergence-cnn-2026-12-07-blend", "budget-blend/lm-1000",
+                 "convergence-lm-2026-12-07-blend"):
+        data = json.loads((ROOT / f"docs/results/{page}.json").read_text())
+        assert " --budget blend " in data["meta"]["command"] + " ", page
+    cnn = _by_scheme("convergence-cnn-2026-12-07-blend")
+    ddp = cnn["ddp"]["finals"]
+    gap = {s: _gap_cell(cnn[s]["finals"], ddp) for s in cnn if s != "ddp"}
+    assert all(len(r["finals"]) == 10 for r in cnn.values())
+    assert (f"DDP {_mean_sd(ddp)} %, TopkA {gap['topka']}, SSFusion and SSFusion-OI "
+            f"{gap['ssfusion']}, DenseStream {gap['densestream']}") in section
+    assert gap["ssfusion"] == gap["ssfusion_oi"]
+    assert f"Ok-Topk {gap['oktopk']}, per_tensor {gap['per_tensor']} (within 1.0)" in section
+    pts = {s: _mean_gap_points(cnn[s]["finals"], ddp) for s in gap}
+    assert all(pts[s] >= -0.5 for s in ("topka", "ssfusion", "ssfusion_oi", "densestream"))
+    assert pts["oktopk"] >= -1.0 and pts["per_tensor"] >= -1.0
+    even = _by_scheme(WARMUP_CNN)
+    assert (f"moved from {_gap_cell(even['topka']['finals'], even['ddp']['finals'])} to "
+            f"{gap['topka']} between the two machines") in section
+    # TinyGPT, 1000 steps: perplexity, its gap to DDP in percent, paired with the even runs
+    lm, lm_even = _by_scheme("budget-blend/lm-1000"), _by_scheme("convergence-lm-1000-2026-12-06")
+    d = statistics.mean(lm["ddp"]["finals"])
+    assert max(abs(a - b) for a, b in zip(lm["ddp"]["finals"], lm_even["ddp"]["finals"])) < 4e-6
+
+    def ppl(s: str) -> str:
+        f = lm[s]["finals"]
+        return (f"{statistics.mean(f):.2f} ± {statistics.stdev(f):.2f} "
+                f"(+{100 * (statistics.mean(f) / d - 1):.2f} %")
+
+    assert f"SSFusion-OI {ppl('ssfusion_oi')} of DDP's {d:.2f})" in section
+    assert f"per_tensor {ppl('per_tensor')};" in section
+    paired = [a - b for a, b in zip(lm["ssfusion_oi"]["finals"], lm_even["ssfusion_oi"]["finals"])]
+    seeds = ", ".join(f"{x:+.2f}".replace("-", "−") for x in paired)
+    assert f"{statistics.mean(paired):+.2f} of perplexity (seeds {seeds})" in section
+    # TinyGPT, 60 steps: the per-tensor schemes move, the others are the even study's runs
+    short, before = (_by_scheme("convergence-lm-2026-12-07-blend"),
+                     _by_scheme("convergence-lm-2026-12-05-defaults"))
+    assert {s for s in short if short[s]["finals"] != before[s]["finals"]} == {
+        "ssfusion", "ssfusion_oi", "per_tensor"}
+
+    def sd(r: dict) -> str:
+        return f"{statistics.mean(r['finals']):.2f} ± {statistics.stdev(r['finals']):.2f}"
+
+    assert (f"SSFusion and SSFusion-OI {sd(short['ssfusion_oi'])} "
+            f"({sd(before['ssfusion_oi'])} with one density), per_tensor "
+            f"{sd(short['per_tensor'])} ({sd(before['per_tensor'])})") in section
+    assert f"DDP's {sd(short['ddp'])}" in section
+    # usage.md's bullet on the budget: per_tensor on ResNet-18, one density against the blend
+    usage = " ".join((ROOT / "docs/usage.md").read_text().split())
+    r18, even18 = _by_scheme("budget-blend/resnet18"), _by_scheme(WARMUP_R18)
+    ddp18 = r18["ddp"]["finals"]
+    assert (f"`per_tensor` went from {-_mean_gap_points(even18['per_tensor']['finals'], ddp18):.2f}"
+            f" points below DDP to {_mean_gap_points(r18['per_tensor']['finals'], ddp18):.2f} "
+            "above") in usage
+    # the time to DDP's accuracy at 100 Mbit/s: the same machine and sources, DDP's finals
+    # those of the 2026-12-05 run on the AMD machine
+    tta = _by_scheme("convergence-cnn-960-100mbit-2026-12-07-blend")
+    assert " --budget blend " in json.loads((ROOT / "docs/results/convergence-cnn-960-100mbit-"
+                                             "2026-12-07-blend.json").read_text())["meta"][
+        "command"] + " "
+    assert tta["ddp"]["finals"] == _by_scheme("convergence-cnn-960-100mbit-2026-12-05")["ddp"][
+        "finals"]
+    order = ("topka", "ssfusion", "ssfusion_oi", "oktopk")
+    first = tta["ddp"]["seconds_to_target"]
+    near = [first / tta[s]["seconds_to_target"] for s in order]
+    steps = [tta[s]["step_speedup"] for s in order]
+    kept = sorted(100 * a / b for a, b in zip(near, steps))
+    assert (f"TopkA is {near[0]:.2f}×, SSFusion {near[1]:.2f}×, SSFusion-OI {near[2]:.2f}× and "
+            f"Ok-Topk {near[3]:.2f}× as fast as DDP, for steps {steps[0]:.2f}×, {steps[1]:.2f}×, "
+            f"{steps[2]:.2f}× and {steps[3]:.2f}× as fast: {kept[0]:.0f}–{kept[-1]:.0f} % of the "
+            f"step speed-up kept") in section
+    oi = 100 * near[2] / steps[2]
+    assert oi >= 85 and f"SSFusion-OI, the default, {oi:.0f} %)" in section
+    full = [f"{tta[s]['time_speedup']:.2f}×" for s in order]
+    assert f"To all of it: {full[0]}, {full[1]}, {full[2]} and {full[3]}, TopkA and Ok-Topk on 2 " \
+           "seeds of 3" in section
+    assert [tta[s]["reached_ddp"] for s in order] == [2, 3, 3, 2]
+    assert f"DDP {_mean_sd(tta['ddp']['finals'])} %" in section
+    # the even budget on the same machine, seeds and DDP runs: the blend paired with it
+    even_here = _by_scheme("budget-blend/cnn-even")
+    assert even_here["ddp"]["finals"] == ddp
+    cells = {s: (_mean_sd(even_here[s]["finals"]), _interval_cell(even_here[s]["finals"], ddp),
+                 _interval_cell(cnn[s]["finals"], even_here[s]["finals"]))
+             for s in ("per_tensor", "ssfusion_oi")}
+    assert (f"per_tensor {cells['per_tensor'][0]} % ({cells['per_tensor'][1]} vs DDP) and "
+            f"SSFusion-OI {cells['ssfusion_oi'][0]} % ({cells['ssfusion_oi'][1]})") in section
+    assert (f"the blend paired with it is {cells['per_tensor'][2]} points for per_tensor and "
+            f"{cells['ssfusion_oi'][2]} for SSFusion-OI") in section
+    mb = [f"{cnn[s]['bytes_per_step'] / 1e6:.4f}" for s in ("per_tensor", "ssfusion_oi")]
+    assert f"at the same bytes ({mb[0]} and {mb[1]} MB a step)" in section
+    assert all(abs(cnn[s]["bytes_per_step"] / even_here[s]["bytes_per_step"] - 1) < 1e-3
+               for s in ("per_tensor", "ssfusion_oi"))

@@ -197,16 +197,18 @@ class Config:
             sent), this bounds what each rank adds to its residual every step. The engine and
             the DDP hook apply it; the tensors of a plain dense all-reduce are not clipped.
         budget: how a plan that sparsifies tensors one by one (``per_tensor``, the SSFusion
-            family, HiPress, Espresso) shares its entries: ``"even"`` (default, the papers'
-            rule) one density for every tensor it sparsifies; ``"gradient"`` each such tensor's
-            entries in proportion to its share of the gradient's L1 mass over the
-            ``warmup_steps`` profiling steps (summed over the ranks), which is how a global
-            top-k with error feedback shares them (:mod:`gradsync.schedule.budget`): the same
-            tensors whole, the same entries a step, at least ``min_k`` each; ``"blend"`` half
-            of the entries each way. ``per_tensor`` then profiles ``warmup_steps`` steps at
-            ``density`` before its plan is fixed. The DDP hook does the same over the model's
-            parameters in its first ``warmup_steps`` steps. Other schemes and a given ``plan``
-            ignore it.
+            family, HiPress, Espresso) shares its entries: ``"even"`` (the papers' rule) one
+            density for every tensor it sparsifies; ``"gradient"`` each such tensor's entries
+            in proportion to its share of the gradient's L1 mass over the ``warmup_steps``
+            profiling steps (summed over the ranks), which is how a global top-k with error
+            feedback shares them (:mod:`gradsync.schedule.budget`): the same tensors whole,
+            the same entries a step, at least ``min_k`` each; ``"blend"`` (default) half of
+            the entries each way, which brought per_tensor and SSFusion-OI within a point of
+            DDP on ResNet-18 where each other rule left one of them 1.2 to 3.3 points below
+            (docs/results/accuracy.md, "Half evenly, half by mass"). ``per_tensor`` then
+            profiles ``warmup_steps`` steps at ``density`` before its plan is fixed. The DDP
+            hook does the same over the model's parameters in its first ``warmup_steps``
+            steps. Other schemes and a given ``plan`` ignore it.
     """
 
     scheme: str = "ssfusion_oi"
@@ -233,7 +235,7 @@ class Config:
     plan: dict[str, Any] | None = None
     compress_single_rank: bool = False
     clip_norm: float | None = None
-    budget: str = "even"
+    budget: str = "blend"
 
     def __post_init__(self) -> None:
         if self.scheme not in schemes.SCHEMES:

@@ -42,9 +42,9 @@ _FUSED_PLANNERS = ("single", "mgwfbp", "cupcake")
 
 
 class Masses:
-    """Each tensor's Σ|g| over the profiling steps (``Config.budget="gradient"``), kept on the
-    gradients' device per job: one fused L1 norm, one stack and one add per job and step, one
-    host read when the plan is made (:meth:`totals`)."""
+    """Each tensor's Σ|g| over the profiling steps (``Config.budget`` ``"blend"`` and
+    ``"gradient"``), kept on the gradients' device per job: one fused L1 norm, one stack and
+    one add per job and step, one host read when the plan is made (:meth:`totals`)."""
 
     def __init__(self, saved: dict[str, float] | None = None,
                  device: torch.device | None = None) -> None:
@@ -94,7 +94,7 @@ class Masses:
 @dataclass
 class Warmup:
     """Profiling progress: steps left, the hook timestamps observed so far and, under
-    ``Config.budget="gradient"``, the gradient's masses (:class:`Masses`)."""
+    ``Config.budget`` ``"blend"`` or ``"gradient"``, the gradient's masses (:class:`Masses`)."""
 
     left: int
     samples: list[dict[str, float]] = field(default_factory=list)
@@ -219,7 +219,7 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
     takes the backward's core: there SSFusion-OI's CNN plan at P = 2, 1 Gbit/s, had a second
     buffer of 320 entries sent whole, 1.5 ms a step slower than one (speed.md, "A sparse call
     is not a raw all-gather"). ``mass`` (:meth:`Masses.totals`, the same on every rank):
-    the plan's sparse entries are shared by it (``Config.budget="gradient"``,
+    the plan's sparse entries are shared by it (``Config.budget`` ``"blend"``, ``"gradient"``,
     :func:`~gradsync.schedule.budget.apportion`).
     """
     order, backward = backward_profile(samples, list(names))

@@ -23,8 +23,11 @@ shared again by mass among the others. ``"blend"`` shares half of K each way,
 so that no tensor gets less than half of what either rule gives it (bounds aside): at 1 % on
 ResNet-18, the mass alone lifted per_tensor (whose classifier had 1 % of its weights) by 4.17
 points but cost SSFusion-OI (its classifier already whole) 2.38, its wide convolutions left far
-below 1 %. The masses are the engine's sums of |g| over its
-profiling steps (:mod:`gradsync.engine.warmup`); every rank plans from the same sums.
+below 1 %. ``"blend"`` is ``Config``'s default: it kept the CNN's SSFusion family and
+``per_tensor`` within issue 68's bars and left TinyGPT where one density did
+(docs/results/accuracy.md, "Blend, the default"). The masses are the engine's sums of
+|g| over its profiling steps (:mod:`gradsync.engine.warmup`); every rank plans from the same
+sums.
 """
 
 from __future__ import annotations

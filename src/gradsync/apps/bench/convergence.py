@@ -211,7 +211,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"(Config.min_k; default the scheme's: {MIN_K}, 1 for SSFusion)")
     p.add_argument("--budget", choices=BUDGETS, default=None,
                    help="train's --budget for the gradsync schemes (Config.budget; default "
-                        "even)")
+                        "blend)")
     p.add_argument("--sparsifier", choices=ENGINE_SPARSIFIERS, default="dgc",
                    help="train's --sparsifier for the gradsync schemes (Config.sparsifier)")
     p.add_argument("--clip-norm", type=float, default=None, metavar="C",
@@ -519,6 +519,12 @@ def run_config(spec: Any, scheme: str) -> dict[str, Any]:
         share = Config(scheme=choice.scheme.name, density=spec.density,
                        momentum=MOMENTUM).effective_momentum_ahead
         cfg["momentum_ahead"] = f"scheme's {share:.6g}"
+    if choice is not None and choice.scheme is not None and cfg["budget"] is None:
+        # Config's budget, "blend" since 2026-12-07 (a run kept before, where None meant
+        # "even", differs; one given --budget blend is this run)
+        from gradsync.engine.config import Config
+
+        cfg["budget"] = Config.budget
     if (choice is not None and choice.scheme is not None and cfg["density_warmup"] is None
             and any(choice.scheme.dgc_warmup) and spec.density < 1 and not spec.adamw):
         # the scheme's DGC warm-up, the SSFusion family's default since 9052b94, the other
