@@ -1813,6 +1813,9 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
             f"{100 * statistics.mean(b):.2f} % on an AMD machine "
             f"({_gap_cell(even['per_tensor'], ddp)} and {_gap_cell(even['ssfusion_oi'], ddp)} "
             "with one density for every tensor, `Config(budget=\"even\")`") in readme
+    ten = _by_scheme("budget-blend/resnet20-cosine-10-seeds", "--model resnet20")
+    assert (f"SSFusion-OI {_interval_cell(ten['ssfusion_oi']['finals'], ten['ddp']['finals'])} "
+            "over 10 seeds on another AMD machine;") in readme
     r18 = _resnet18_today()
     w18 = _by_scheme(WARMUP_R18, "--model resnet18")
     d = r18["ddp"]["finals"]

@@ -488,3 +488,19 @@ def test_the_blend_default_figures_hold_in_the_written_results():
     assert f"at the same bytes ({mb[0]} and {mb[1]} MB a step)" in section
     assert all(abs(cnn[s]["bytes_per_step"] / even_here[s]["bytes_per_step"] - 1) < 1e-3
                for s in ("per_tensor", "ssfusion_oi"))
+    # SSFusion-OI on ResNet-20 over 10 seeds, the default budget, this machine's DDP runs
+    r20 = _by_scheme("budget-blend/resnet20-cosine-10-seeds")
+    meta = json.loads((ROOT / "docs/results/budget-blend/resnet20-cosine-10-seeds.json").read_text(
+    ))["meta"]
+    assert "--budget" not in meta["command"] and "--lr-schedule cosine" in meta["command"]
+    oi, base = r20["ssfusion_oi"]["finals"], r20["ddp"]["finals"]
+    assert len(oi) == len(base) == 10
+    assert (f"DDP {_mean_sd(base)} %, SSFusion-OI {_mean_sd(oi)} %, "
+            f"**{_interval_cell(oi, base)}** points; seeds 1–5 alone "
+            f"{_gap_cell(oi[:5], base[:5])} here") in section
+    assert _mean_gap_points(oi, base) < -1.0  # the bar is missed
+    avx2 = _by_scheme("budget-blend/resnet20-cosine")
+    assert all(a != b for a, b in zip(avx2["ddp"]["finals"], base[:5]))
+    lead = _by_scheme("resnet20-cosine/lead-follows-dgc-warmup-ssfusion-oi")
+    assert (f"one density gave {_gap_cell(lead['ssfusion_oi']['finals'], lead['ddp']['finals'])} "
+            "over 10 seeds") in section
