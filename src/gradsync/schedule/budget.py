@@ -69,9 +69,8 @@ def shares(k_total: int, numel: Mapping[str, int], mass: Mapping[str, float], mi
         free = [n for n in numel if n not in fixed]
         left = k_total - sum(fixed.values())
         m = sum(mass[n] for n in free)
-        # only massless tensors left (the others at their bounds): the rest by size, evenly
-        w = mass if m > 0 else numel
-        total = m if m > 0 else sum(numel[n] for n in free)
+        w = mass if m > 0 else numel  # only massless tensors left: the rest by size, evenly
+        total = sum(w[n] for n in free)
         want = {n: left * w[n] / total for n in free}
         over = {n for n in free if want[n] > numel[n]}
         under = {n for n in free if want[n] < lo[n]}

@@ -505,27 +505,26 @@ def run_config(spec: Any, scheme: str) -> dict[str, Any]:
     gradsync's schemes read (``GRADSYNC_FIELDS``: a study that changes only how gradsync
     compresses reuses its DDP runs); and the plan it replays, if any."""
     from gradsync.apps.train.spec import DDP_PEERS, GRADSYNC_FIELDS
+    from gradsync.engine.config import Config
 
     ignored = RUN_SPEC_IGNORED + (GRADSYNC_FIELDS if scheme in DDP_PEERS else ())
     cfg = {k: v for k, v in dataclasses.asdict(spec).items() if k not in ignored}
     cfg["plan"] = (spec.plans or {}).get(scheme)
     choice = next((c for c in spec.choices if c.name == scheme), None)
-    if choice is not None and choice.scheme is not None and cfg["momentum_ahead"] is None:
+    ours = choice is not None and choice.scheme is not None  # a gradsync scheme
+    if ours and cfg["momentum_ahead"] is None:
         # the scheme's share at this density under momentum correction, the default since
         # 2026-12-05 (a run kept before, where None meant 0, or under another share, differs)
         from gradsync.apps.train.runners import MOMENTUM
-        from gradsync.engine.config import Config
 
         share = Config(scheme=choice.scheme.name, density=spec.density,
                        momentum=MOMENTUM).effective_momentum_ahead
         cfg["momentum_ahead"] = f"scheme's {share:.6g}"
-    if choice is not None and choice.scheme is not None and cfg["budget"] is None:
+    if ours and cfg["budget"] is None:
         # Config's budget, "blend" since 2026-12-07 (a run kept before, where None meant
         # "even", differs; one given --budget blend is this run)
-        from gradsync.engine.config import Config
-
         cfg["budget"] = Config.budget
-    if (choice is not None and choice.scheme is not None and cfg["density_warmup"] is None
+    if (ours and cfg["density_warmup"] is None
             and any(choice.scheme.dgc_warmup) and spec.density < 1 and not spec.adamw):
         # the scheme's DGC warm-up, the SSFusion family's default since 9052b94, the other
         # measured schemes' since then (a run kept before, where None meant none, differs);
