@@ -1205,14 +1205,18 @@ def test_resume_refuses_a_run_of_another_configuration(tmp_path, capsys):
     assert conv.run_config(gpt, "ssfusion_oi")["density_warmup"] is None  # AdamW's recipe
     off = train.TrainSpec(model="cnn", schemes=["ssfusion_oi"], density_warmup="off")
     assert conv.run_config(off, "ssfusion_oi")["density_warmup"] == "off"
-    # Config.budget: "blend" since 2026-12-07, a run given --budget blend is the default's; a
-    # kept run that said None trained with the even budget, and one given --budget even is
-    # not the default's either; DDP's runs take no budget
-    assert run["config"]["budget"] == "blend"
-    given = train.TrainSpec(model="cnn", schemes=["ssfusion_oi"], budget="blend")
+    # Config.budget: the scheme's ("pooled" for the SSFusion family, "blend" for the others),
+    # since later on the day that made it "blend" for every scheme (None meant "even" before):
+    # a run given the scheme's budget is the default's, one given another is not; DDP's runs
+    # take no budget
+    assert run["config"]["budget"] == "blend"  # TopkA's
+    given = train.TrainSpec(model="cnn", schemes=["ssfusion_oi"], budget="pooled")
     assert conv.run_config(given, "ssfusion_oi") == conv.run_config(cnn, "ssfusion_oi")
-    even = train.TrainSpec(model="cnn", schemes=["ssfusion_oi"], budget="even")
-    assert conv.run_config(even, "ssfusion_oi")["budget"] == "even"
+    blend = train.TrainSpec(model="cnn", schemes=["ssfusion_oi", "per_tensor"], budget="blend")
+    assert conv.run_config(blend, "ssfusion_oi")["budget"] == "blend"
+    assert conv.run_config(cnn, "ssfusion_oi")["budget"] == "pooled"
+    per_tensor = train.TrainSpec(model="cnn", schemes=["ssfusion_oi", "per_tensor"])
+    assert conv.run_config(blend, "per_tensor") == conv.run_config(per_tensor, "per_tensor")
     assert "budget" not in conv.run_config(cnn, "ddp")
     run["config"]["momentum_ahead"] = None
     kept.write_text(json.dumps(run))
@@ -1788,8 +1792,10 @@ def test_accuracy_resnet18_today_claims_hold_in_the_written_results():
 def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     """README's BatchNorm bullet: the defaults' gaps on ResNet-20 under the cosine schedule
     (DGC's warm-up, its selection all-reduced where it would all-gather 1/P of a job's entries or
-    more; without it, 75753fb), per_tensor's and SSFusion-OI's with the blended budget (the
-    default since 2026-12-07) and with one density for every tensor (the same 5 seeds),
+    more; without it, 75753fb; TopkA over 10 seeds on the AMD AVX-512 machine), per_tensor's
+    and SSFusion-OI's with the blended budget (the default of both from 2026-12-07) and with
+    one density for every tensor (the same 5 seeds), SSFusion-OI's pooled (its default since;
+    10 seeds),
     ResNet-18's TopkA with the warm-up and before 372cd61 against the AMD machine's DDP runs,
     per_tensor's and SSFusion-OI's there with either budget, and what following the rate was
     worth to TopkA, recomputed from the pages' finals."""
@@ -1802,6 +1808,10 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     assert (f"5 seeds, with the defaults: TopkA {_gap_cell(warm['topka']['finals'], ddp)} points "
             f"vs DDP's {100 * statistics.mean(ddp):.2f} % ({before} without the warm-up;"
             ) in readme
+    topka = _by_scheme("budget-pooled/resnet20-cosine-topka-10-seeds", "--model resnet20")
+    assert (f"without the warm-up; "
+            f"{_interval_cell(topka['topka']['finals'], topka['ddp']['finals'])} over 10 seeds "
+            "on another AMD machine;") in readme
     blend = _by_scheme("budget-blend/resnet20-cosine", "--model resnet20")
     b = blend["ddp"]["finals"]
     oi = _by_scheme("resnet20-cosine/lead-follows-dgc-warmup-ssfusion-oi", "--model resnet20")
@@ -1810,12 +1820,17 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
             "ssfusion_oi": oi["ssfusion_oi"]["finals"][:5]}
     assert (f"per_tensor {_gap_cell(blend['per_tensor']['finals'], b)} and SSFusion-OI "
             f"{_gap_cell(blend['ssfusion_oi']['finals'], b)} vs DDP's "
-            f"{100 * statistics.mean(b):.2f} % on an AMD machine "
+            f"{100 * statistics.mean(b):.2f} % on an AMD machine, blended "
             f"({_gap_cell(even['per_tensor'], ddp)} and {_gap_cell(even['ssfusion_oi'], ddp)} "
             "with one density for every tensor, `Config(budget=\"even\")`") in readme
     ten = _by_scheme("budget-blend/resnet20-cosine-10-seeds", "--model resnet20")
-    assert (f"SSFusion-OI {_interval_cell(ten['ssfusion_oi']['finals'], ten['ddp']['finals'])} "
-            "over 10 seeds on another AMD machine;") in readme
+    pooled = _by_scheme("budget-pooled/resnet20-cosine", "--model resnet20")
+    assert pooled["ddp"]["finals"] == ten["ddp"]["finals"]
+    assert (f"SSFusion-OI with its buffers pooled, its default since, "
+            f"{_interval_cell(pooled['ssfusion_oi']['finals'], ten['ddp']['finals'])} over 10 "
+            f"seeds on the other AMD machine "
+            f"({_interval_cell(ten['ssfusion_oi']['finals'], ten['ddp']['finals'])} blended;"
+            ) in readme
     r18 = _resnet18_today()
     w18 = _by_scheme(WARMUP_R18, "--model resnet18")
     d = r18["ddp"]["finals"]
@@ -1825,9 +1840,12 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
             f"{r18['topka']['spike']:.2f}× before 372cd61") in readme
     b18 = _by_scheme("budget-blend/resnet18", "--model resnet18")
     assert b18["ddp"]["finals"] == d
+    p18 = _by_scheme("budget-pooled/resnet18", "--model resnet18")
+    assert p18["ddp"]["finals"] == d
     assert (f"per_tensor {_gap_cell(b18['per_tensor']['finals'], d)} and SSFusion-OI "
-            f"{_gap_cell(b18['ssfusion_oi']['finals'], d)} points vs DDP "
-            f"({_mean_sd(w18['per_tensor']['finals'])} % and "
+            f"{_gap_cell(p18['ssfusion_oi']['finals'], d)} points vs DDP, SSFusion-OI's buffers "
+            f"pooled ({_gap_cell(b18['ssfusion_oi']['finals'], d)} blended; "
+            f"{_mean_sd(w18['per_tensor']['finals'])} % and "
             f"{_mean_sd(w18['ssfusion_oi']['finals'])} % with one density") in readme
     base = _by_scheme("convergence-resnet20-cosine")
     follow = _by_scheme("resnet20-cosine/follow")

@@ -299,16 +299,17 @@ def test_the_ddp_hook_shares_the_entries_as_the_engine_plans_them(world_size, mo
 def test_config_and_the_hook_refuse_what_they_cannot_run():
     with pytest.raises(ValueError, match="budget"):
         gradsync.Config(budget="global")
-    assert gradsync.Config().budget == "blend"
+    assert gradsync.Config().budget is None  # the scheme's (test_pooled.py)
     # a resumed run must keep its budget: the plan depends on it
-    diff = gradsync.Config(budget="gradient").differences(gradsync.Config().to_dict(),
-                                                           ("budget",))
+    per = gradsync.Config(scheme="per_tensor")
+    diff = gradsync.Config(scheme="per_tensor", budget="gradient").differences(
+        per.to_dict(), ("budget",))
     assert diff == ["budget: saved 'blend', here 'gradient'"]
     # a checkpoint from before the key ran the even budget: the default (blend) refuses it
-    assert gradsync.Config().differences({"scheme": "ssfusion_oi"}, ("budget",)) == [
+    assert per.differences({"scheme": "per_tensor"}, ("budget",)) == [
         "budget: saved 'even', here 'blend'"]
-    assert gradsync.Config(budget="even").differences({"scheme": "ssfusion_oi"},
-                                                      ("budget",)) == []
+    assert gradsync.Config(scheme="per_tensor", budget="even").differences(
+        {"scheme": "per_tensor"}, ("budget",)) == []
 
 
 def test_the_hooks_masses_survive_a_checkpoint(monkeypatch):

@@ -193,7 +193,7 @@ def test_dense_plan_has_the_buckets_of_a_real_ddp(cap_mb):
         assert len(ours) >= 2  # the CNN is 1.7 MB: one 25 MB bucket would not overlap
 
 
-def _missing(rank, world_size, scheme):
+def _missing(rank, world_size, scheme, budget=None):
     with torch.random.fork_rng():
         torch.manual_seed(0)
         model = TwoScale()
@@ -207,7 +207,7 @@ def _missing(rank, world_size, scheme):
                 {"name": n, "numel": q.numel(), "density": None, "offload": False,
                  "allreduce": False} for n, q in reversed(list(model.named_parameters()))]}]}
     sync = GradSync(model, Config(scheme=scheme, density=0.01, sparsifier="topk",
-                                  warmup_steps=1, bucket_mb=25, plan=plan))
+                                  warmup_steps=1, bucket_mb=25, plan=plan, budget=budget))
     rates = []
     for step in range(4):
         model.zero_grad()
@@ -219,11 +219,16 @@ def _missing(rank, world_size, scheme):
     return rates[-1]
 
 
-@pytest.mark.parametrize("scheme,missing", [("per_tensor", False), ("ssfusion", False),
-                                            ("ssfusion_o", False), ("ssfusion_oi", False),
-                                            ("multi_tensor", True), ("topka", True)])
-def test_tensor_missing_rate(scheme, missing):
-    rates = run_distributed(_missing, 2, scheme, timeout=300)
+@pytest.mark.parametrize("scheme,budget,missing", [
+    ("per_tensor", None, False), ("ssfusion", "even", False), ("ssfusion_o", "blend", False),
+    ("ssfusion_oi", "even", False), ("multi_tensor", None, True), ("topka", None, True),
+    # the SSFusion family's default budget pools its sparsified tensors: one may send nothing
+    ("ssfusion", None, True), ("ssfusion_oi", None, True)])
+def test_tensor_missing_rate(scheme, budget, missing):
+    """SSFusion §III-A, Table I: one selection per tensor leaves none out (``per_tensor``,
+    SSFusion with one density per tensor); one over several tensors can (multi-tensor, TopkA,
+    and SSFusion's pooled budget, the default: TwoScale's small-gradient tensor)."""
+    rates = run_distributed(_missing, 2, scheme, budget, timeout=300)
     for r in rates:
         assert (r > 0) == missing, (scheme, r)
 
@@ -1124,14 +1129,15 @@ def test_broadcast_initial_is_validated():
     assert Config().broadcast_initial is True
 
 
-def _warmup_traffic_rank(rank: int, world_size: int, cores: float) -> list[int]:
+def _warmup_traffic_rank(rank: int, world_size: int, cores: float, budget: str | None
+                         ) -> list[int]:
     from conftest import image_batch
     from gradsync.schedule import costmodel
 
     costmodel.cores_per_rank = lambda: cores  # a spare core per rank, or none
     model = build("mlp", seed=1)
     sync = GradSync(model, Config(scheme="ssfusion", density=0.05, sparsifier="topk",
-                                  warmup_steps=2, check_every=0))
+                                  warmup_steps=2, check_every=0, budget=budget))
     sent = []
     for step in range(2):  # the two profiling steps; the plan is made after the second
         model.zero_grad(set_to_none=True)
@@ -1143,8 +1149,8 @@ def _warmup_traffic_rank(rank: int, world_size: int, cores: float) -> list[int]:
     return sent
 
 
-@pytest.mark.parametrize("cores", [4.0, 1.0])
-def test_warmup_profiling_and_plan_broadcast_are_counted(cores):
+@pytest.mark.parametrize(("cores", "budget"), [(4.0, None), (1.0, None), (4.0, "blend")])
+def test_warmup_profiling_and_plan_broadcast_are_counted(cores, budget):
     """The step that ends the warm-up also sends the cost model's collective probes and the
     plan's broadcast, and counts them. P = 2, the default probes: all-reduce and all-gather of
     1 KiB, 16 KiB, 128 KiB and 1 MiB, each 1 + 5 times (a ring all-reduce of s bytes sends s at
@@ -1152,13 +1158,14 @@ def test_warmup_profiling_and_plan_broadcast_are_counted(cores):
     broadcasts the plan (a length word and a pickle). Without a spare core the warm-up also
     times the scheme's sparse call (``profile_sparse_call``): 1 + 5 TopkA calls of one entry
     (its count, 8 B, then the entry, 8 B), the first behind a shape check (four int64 words),
-    and the max-reduce of the medians (8 B). The default budget (``"blend"``) sums the
-    profiling steps' masses, one float64 per tensor (:mod:`gradsync.engine.warmup`)."""
+    and the max-reduce of the medians (8 B). SSFusion's default budget (``"pooled"``) weighs
+    nothing; ``"blend"`` sums the profiling steps' masses, one float64 per tensor
+    (:mod:`gradsync.engine.warmup`)."""
     sizes = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
-    masses = 8 * len(list(build("mlp", seed=1).parameters()))
+    masses = 8 * len(list(build("mlp", seed=1).parameters())) * (budget == "blend")
     probes = (sum(6 * (s + s) for s in sizes) + 64 + masses
               + (0 if cores >= 2 else 6 * 16 + 32 + 8))
-    out = run_distributed(_warmup_traffic_rank, 2, cores, timeout=180)
+    out = run_distributed(_warmup_traffic_rank, 2, cores, budget, timeout=180)
     extra = [s[1] - s[0] for s in out]  # the two profiling steps send the same gradients
     assert extra[1] == probes
     assert extra[0] > probes + 8  # rank 0: the probes and the plan it broadcasts

@@ -43,21 +43,24 @@ def _model() -> nn.Module:
 
 
 def _config(scheme: str, warmup: bool | tuple[float, ...], plan: dict | None = None,
-            ahead: float = 0.0) -> Config:
+            ahead: float = 0.0, budget: str = "even") -> Config:
     """``warmup``: True for DGC's warm-up (1.0, 0.25), 2 steps a period; a tuple: those
     periods' densities; False: none (not the scheme's default). One density for every tensor
     (``budget="even"``): the engine's run is given the hook's plan, which a budget by the
-    gradient's mass would then leave behind (test_budget.py compares the two budgets)."""
+    gradient's mass would then leave behind (test_budget.py compares the two budgets); or
+    ``budget="pooled"``, which weighs nothing."""
     periods = (1.0, 0.25) if warmup is True else warmup
     extra = (dict(density_warmup=periods, density_warmup_steps=2) if warmup
              else dict(density_warmup=()))
     return Config(scheme=scheme, density=D, sparsifier="topk", momentum=0.9, seed=7,
-                  plan=plan, momentum_ahead=ahead, budget="even", **extra)
+                  plan=plan, momentum_ahead=ahead, budget=budget, **extra)
 
 
-def _plan(scheme: str, small_numel: int, P: int, order: list[str]) -> dict:
+def _plan(scheme: str, small_numel: int, P: int, order: list[str], pooled: bool = False
+          ) -> dict:
     """The hook's one bucket as an engine plan: DDP's order, the hook's own densities (size
-    threshold, compensation, Config.min_k), SSFusion-I's whole tensors in the all-reduce part."""
+    threshold, compensation, Config.min_k), SSFusion-I's whole tensors in the all-reduce part;
+    ``pooled``: the sparsified tensors by name, as the hook lays a pool out (engine.jobs)."""
     model = _model()
     state, _ = gradsync.ddp.hook(_config(scheme, False), model=model, small_numel=small_numel)
     numel = {n: p.numel() for n, p in model.named_parameters()}
@@ -71,6 +74,9 @@ def _plan(scheme: str, small_numel: int, P: int, order: list[str]) -> dict:
     tensors = tuple(TensorPlan(n, k, d, allreduce=d is None and interleave)
                     for n, k, d in zip(order, numels, dens))
     assert any(d is None for d in dens) and any(d is not None for d in dens)  # both kinds
+    if pooled:
+        tensors = (*[t for t in tensors if t.density is None],
+                   *sorted((t for t in tensors if t.density is not None), key=lambda t: t.name))
     return Plan(scheme, [BufferPlan(tensors, "per_tensor")]).to_dict()
 
 
@@ -83,16 +89,16 @@ def _recording(state: HookState, bucket: dist.GradBucket) -> torch.futures.Futur
 
 
 def _train(rank: int, P: int, scheme: str, small_numel: int, warmup: bool | tuple[float, ...],
-           plan: dict | None, ahead: float) -> torch.Tensor:
+           plan: dict | None, ahead: float, budget: str = "even") -> torch.Tensor:
     model = _model()
     opt = torch.optim.SGD(model.parameters(), lr=0.1)
     if plan is None:  # the hook
         net, sync = DDP(model, bucket_cap_mb=25), None
-        state, _ = gradsync.ddp.hook(_config(scheme, warmup, ahead=ahead), model=model,
-                                     small_numel=small_numel)
+        state, _ = gradsync.ddp.hook(_config(scheme, warmup, ahead=ahead, budget=budget),
+                                     model=model, small_numel=small_numel)
         net.register_comm_hook(state, _recording)
     else:
-        net, sync = model, GradSync(model, _config(scheme, warmup, plan, ahead))
+        net, sync = model, GradSync(model, _config(scheme, warmup, plan, ahead, budget))
     try:
         for step in range(STEPS):
             x, y = image_batch(rank, step, 16)
@@ -112,7 +118,7 @@ def _train(rank: int, P: int, scheme: str, small_numel: int, warmup: bool | tupl
 
 
 def _run(rank: int, P: int, scheme: str, small_numel: int, warmup: bool | tuple[float, ...],
-         ahead: float = 0.0) -> dict:
+         ahead: float = 0.0, budget: str = "even") -> dict:
     # the engine's profiling steps run a provisional plan (a cost-model scheme's: every tensor
     # whole) before it takes Config.plan; the hook has none. Here the given plan runs from the
     # first step, so the two paths start alike and only their pipelines are compared.
@@ -121,15 +127,18 @@ def _run(rank: int, P: int, scheme: str, small_numel: int, warmup: bool | tuple[
 
     costmodel.cores_per_rank = lambda: 4.0  # a spare core: the hook splits SSFusion-I's buckets
     profiling.provisional_plan = lambda cfg, order, numel: Plan.from_dict(cfg.plan)
-    hook = _train(rank, P, scheme, small_numel, warmup, None, ahead)
+    hook = _train(rank, P, scheme, small_numel, warmup, None, ahead, budget)
     assert len(ORDER) == STEPS and all(o == ORDER[1] for o in ORDER[1:])  # one bucket
-    plan = _plan(scheme, small_numel, P, ORDER[1])  # the layout after DDP's rebuild
-    engine = _train(rank, P, scheme, small_numel, warmup, plan, ahead)
+    plan = _plan(scheme, small_numel, P, ORDER[1], budget == "pooled")  # after DDP's rebuild
+    engine = _train(rank, P, scheme, small_numel, warmup, plan, ahead, budget)
+    pooled = budget == "pooled" and not torch.equal(engine, _train(
+        rank, P, scheme, small_numel, warmup, plan, ahead))  # the budget is in play
     start = torch.cat([p.detach().reshape(-1) for p in _model().parameters()])
     # the lead is in play: without it the engine trains to other parameters
     led = bool(ahead) and not torch.equal(engine, _train(rank, P, scheme, small_numel, warmup,
                                                          plan, 0.0))
-    return {"hook": hook, "engine": engine, "moved": not torch.equal(hook, start), "led": led}
+    return {"hook": hook, "engine": engine, "moved": not torch.equal(hook, start), "led": led,
+            "pooled": pooled}
 
 
 @pytest.mark.usefixtures("kernels")
@@ -149,6 +158,17 @@ def test_the_hook_trains_as_the_engine_bit_for_bit(P, scheme, small_numel, warmu
     out = run_distributed(_run, P, scheme, small_numel, warmup, ahead, timeout=300)
     for r in out:
         assert r["moved"] and r["led"] == bool(ahead)
+        assert torch.equal(r["hook"], r["engine"]), (r["hook"] - r["engine"]).abs().max()
+
+
+@pytest.mark.parametrize(("scheme", "small_numel", "warmup", "ahead"), [
+    ("per_tensor", 0, False, 0.0), ("ssfusion_oi", 1000, True, 1 / 3)])
+@pytest.mark.parametrize("P", [2, 3])
+def test_the_hook_pools_as_the_engine_bit_for_bit(P, scheme, small_numel, warmup, ahead):
+    """``Config.budget="pooled"`` through both doors: the same selections, bit for bit."""
+    out = run_distributed(_run, P, scheme, small_numel, warmup, ahead, "pooled", timeout=300)
+    for r in out:
+        assert r["moved"] and r["pooled"] and r["led"] == bool(ahead)
         assert torch.equal(r["hook"], r["engine"]), (r["hook"] - r["engine"]).abs().max()
 
 

@@ -368,11 +368,13 @@ def test_spec_fills_model_defaults_validates_and_pickles():
     assert Runner(pt, torch.nn.Linear(2, 2), wide).gradsync_config(wide).min_k == 52
     assert (Runner(choice, torch.nn.Linear(2, 2), clipped).gradsync_config(clipped).min_k
             == gradsync.Config().min_k)
-    # --budget reaches Config.budget; unset, Config's default (blend); a typo fails early
+    # --budget reaches Config.budget; unset, Config's default (the scheme's: per_tensor's
+    # blend); a typo fails early
     shared = train.TrainSpec(schemes=["per_tensor"], budget="gradient")
     assert shared.config(2)["budget"] == "gradient" and cfg["budget"] is None
     assert Runner(pt, torch.nn.Linear(2, 2), shared).gradsync_config(shared).budget == "gradient"
-    assert Runner(pt, torch.nn.Linear(2, 2), wide).gradsync_config(wide).budget == "blend"
+    unset = Runner(pt, torch.nn.Linear(2, 2), wide).gradsync_config(wide)
+    assert unset.budget is None and unset.effective_budget == "blend"
     # --warmup-steps reaches every door's Config (the DDP hook's too: the steps Config.budget
     # weighs), not only the engine's cost model
     brief = train.TrainSpec(schemes=["per_tensor"], warmup_steps=2)

@@ -202,13 +202,20 @@ class Config:
             in proportion to its share of the gradient's L1 mass over the ``warmup_steps``
             profiling steps (summed over the ranks), which is how a global top-k with error
             feedback shares them (:mod:`gradsync.schedule.budget`): the same tensors whole,
-            the same entries a step, at least ``min_k`` each; ``"blend"`` (default) half of
-            the entries each way, which brought per_tensor and SSFusion-OI within a point of
-            DDP on ResNet-18 where each other rule left one of them 1.2 to 3.3 points below
-            (docs/results/accuracy.md, "Half evenly, half by mass"). ``per_tensor`` then
-            profiles ``warmup_steps`` steps at ``density`` before its plan is fixed. The DDP
-            hook does the same over the model's parameters in its first ``warmup_steps``
-            steps. Other schemes and a given ``plan`` ignore it.
+            the same entries a step, at least ``min_k`` each; ``"blend"`` half of the
+            entries each way, which brought per_tensor and SSFusion-OI within a point of DDP
+            on ResNet-18 where each other rule left one of them 1.2 to 3.3 points below
+            (docs/results/accuracy.md, "Half evenly, half by mass"); ``"pooled"`` (ours) the
+            entries one density gives a job's sparsified tensors, Σ k_i, chosen each step by
+            one top-k over all of them, as TopkA's global selection shares the model's (a
+            tensor may then send none in a step: SSFusion §III-A's "tensor missing", which
+            error feedback catches up). ``None`` (default): the scheme's
+            (``Scheme.budget``, :attr:`effective_budget`): ``"pooled"`` for the SSFusion
+            family, ``"blend"`` for the others. Under ``"gradient"`` and ``"blend"``
+            ``per_tensor`` profiles ``warmup_steps`` steps at ``density`` before its plan is
+            fixed, and the DDP hook weighs the model's parameters in its first
+            ``warmup_steps`` steps. Other schemes and a given ``plan`` ignore it (a given
+            plan still pools under ``"pooled"``).
     """
 
     scheme: str = "ssfusion_oi"
@@ -235,7 +242,7 @@ class Config:
     plan: dict[str, Any] | None = None
     compress_single_rank: bool = False
     clip_norm: float | None = None
-    budget: str = "blend"
+    budget: str | None = None
 
     def __post_init__(self) -> None:
         if self.scheme not in schemes.SCHEMES:
@@ -288,8 +295,9 @@ class Config:
             raise ValueError(f"Config.compress_single_rank must be True or False, got "
                              f"{self.compress_single_rank!r}")
         self._check_density_schedule()
-        if self.budget not in BUDGETS:
-            raise ValueError(f"Config.budget must be one of {BUDGETS}, got {self.budget!r}")
+        if self.budget not in (None, *BUDGETS):
+            raise ValueError(f"Config.budget must be None (the scheme's) or one of {BUDGETS}, "
+                             f"got {self.budget!r}")
         if self.plan is not None:
             if not isinstance(self.plan, dict):
                 raise ValueError(f"Config.plan must be a plan dict (Plan.to_dict()) or None, "
@@ -390,6 +398,10 @@ class Config:
                 mine[k] = self.effective_min_k
                 theirs = (schemes.get(saved.get("scheme", self.scheme)).min_k
                           if theirs is None else theirs)
+            if k == "budget":  # the rule in force: None is the scheme's
+                mine[k] = self.effective_budget
+                theirs = (schemes.get(saved.get("scheme", self.scheme)).budget
+                          if theirs is None else theirs)
             if k == "momentum_ahead":  # the share in force, whichever way it was given
                 mine[k] = self.effective_momentum_ahead
                 theirs = _ahead_in_force(saved.get("scheme", self.scheme), theirs,
@@ -415,6 +427,17 @@ class Config:
         except ValueError:  # not a warm-up this version can run: compare as saved
             return self.warmup[part], saved.get(key)
         return self.warmup[part], theirs[part]
+
+    @property
+    def effective_budget(self) -> str:
+        """``budget`` in force: the one given, else the scheme's (``Scheme.budget``)."""
+        return schemes.get(self.scheme).budget if self.budget is None else self.budget
+
+    @property
+    def pooled(self) -> bool:
+        """Whether a per-tensor plan's jobs select their sparsified tensors as one
+        (``"pooled"`` in force, :attr:`gradsync.engine.jobs.Job.pools`)."""
+        return self.effective_budget == "pooled"
 
     @property
     def effective_min_k(self) -> int:

@@ -85,6 +85,10 @@ class Job:
     # the share of momentum sent ahead in force: 1 at the target density, ``target / density``
     # above it (at_density), so that the lead stays the same fraction of what an entry carries
     lead_share: float = 1.0
+    # Mode.PER_TENSOR under Config.budget "pooled": the job's sparsified tensors (after those
+    # sent whole) in pools of these many tensors, each pool's entries, Σ k(n_i, d_i), chosen
+    # by one selection over all of its tensors (prepare.select); (): one selection per tensor
+    pools: tuple[int, ...] = ()
 
     @property
     def wire(self) -> str:
@@ -153,21 +157,32 @@ def selected_share(job: Job, f: float, target: float, numel: Mapping[str, int]) 
 
 @functools.lru_cache(maxsize=256)
 def bucket_jobs(names: tuple[str, ...], numels: tuple[int, ...],
-                densities: tuple[float | None, ...], to_allreduce: bool, collective: str
-                ) -> tuple[Job, ...]:
+                densities: tuple[float | None, ...], to_allreduce: bool, collective: str,
+                buckets: tuple[int, ...] = ()) -> tuple[Job, ...]:
     """A DDP bucket as jobs (a plan of one per-tensor buffer; each tensor's density, None:
     sent whole): the tensors sent whole in an all-reduce part when ``to_allreduce``
     (SSFusion-I, ``auto``), then the all-gather's, its tensors sent whole first (values
-    without indices), then the selected ones. Cached: DDP's buckets keep their layout and
-    densities."""
+    without indices), then the selected ones. ``buckets`` (``Config.budget="pooled"``): how
+    many of ``names`` each DDP bucket holds, merged buckets several (``BufferPipeline.merged``);
+    each bucket's sparsified tensors are one pool, however the buckets travel. Cached: DDP's
+    buckets keep their layout and densities."""
     tensors = tuple(TensorPlan(n, k, d, allreduce=d is None and to_allreduce)
                     for n, k, d in zip(names, numels, densities))
-    return tuple(plan_jobs(Plan("ddp_hook", [BufferPlan(tensors, "per_tensor")]), collective,
-                           names))
+    at = list(itertools.accumulate(buckets, initial=0))
+    plan = Plan("ddp_hook", [BufferPlan(tensors, "per_tensor")])
+    return tuple(plan_jobs(plan, collective, names,
+                           [tensors[a:b] for a, b in itertools.pairwise(at)]))
 
 
-def plan_jobs(plan: Plan, collective: str, names: Sequence[str]) -> list[Job]:
-    """The jobs of ``plan`` in plan order; sparse ones go through ``collective``.
+def plan_jobs(plan: Plan, collective: str, names: Sequence[str],
+              pools: bool | Sequence[Sequence[TensorPlan]] = False) -> list[Job]:
+    """The jobs of ``plan`` in plan order; sparse ones go through ``collective``. ``pools``
+    (``Config.budget="pooled"``): True, each per-tensor buffer's sparsified tensors of its
+    all-gather job are one pool (:attr:`Job.pools`), in plan order (a plan is fixed for a run,
+    and a checkpoint keeps it); or the groups of the one buffer's tensors whose sparsified
+    ones are (the DDP hook's buckets), each laid out by name: a selection over a pool depends
+    on its layout (DGC samples positions), which must not follow DDP's bucket order, rebuilt
+    after the first step (a run resumed from a checkpoint would select otherwise).
 
     Raises ``ValueError`` unless the jobs cover every tensor in ``names`` exactly once.
     """
@@ -181,10 +196,18 @@ def plan_jobs(plan: Plan, collective: str, names: Sequence[str]) -> list[Job]:
                             density=buf.density))
         elif buf.mode == Mode.PER_TENSOR:
             buffer_ar = [t for t in buf.tensors if t.allreduce]  # SSFusion-I, §IV-D
+            groups = ([] if not pools else [buf.tensors] if pools is True else pools)
+            pooled = [[t for t in g if not t.allreduce and t.density is not None]
+                      for g in groups]
+            if pools is not True:  # DDP's buckets: by name
+                pooled = [sorted(g, key=lambda t: t.name) for g in pooled]
+            pooled = [g for g in pooled if g]
             # the tensors sent whole first: the selection's dense prefix, whose values
-            # travel without indices (concat, SparseGrad.dense_prefix)
+            # travel without indices (concat, SparseGrad.dense_prefix); then the pools
             buffer_ag = ([t for t in buf.tensors if not t.allreduce and t.density is None]
-                         + [t for t in buf.tensors if not t.allreduce and t.density is not None])
+                         + ([t for g in pooled for t in g] if pooled else
+                            [t for t in buf.tensors if not t.allreduce
+                             and t.density is not None]))
             for part, transport in ((buffer_ar, Transport.ALLREDUCE),
                                     (buffer_ag, Transport.COLLECTIVE)):
                 if part:
@@ -192,7 +215,9 @@ def plan_jobs(plan: Plan, collective: str, names: Sequence[str]) -> list[Job]:
                         tuple(t.name for t in part), Mode.PER_TENSOR, transport,
                         collective if transport is Transport.COLLECTIVE else "",
                         densities={t.name: t.density for t in part},
-                        offload=frozenset(t.name for t in part if t.offload)))
+                        offload=frozenset(t.name for t in part if t.offload),
+                        pools=(tuple(len(g) for g in pooled)
+                               if transport is Transport.COLLECTIVE else ())))
         else:
             raise ValueError(f"plan buffer mode {buf.mode!r} is unknown")
     covered = sorted(n for j in jobs for n in j.names)

@@ -192,8 +192,10 @@ class BufferPipeline:
         self.offsets = [0]
         for n in numels:
             self.offsets.append(self.offsets[-1] + n)
-        # merged (:meth:`merged`): each bucket's buffer and future (None: the last's own)
+        # merged (:meth:`merged`): each bucket's buffer and future (None: the last's own), and
+        # how many of the tensors each bucket holds
         self.spill: list[tuple[torch.Tensor, torch.futures.Future | None]] = []
+        self.buckets = (len(names),)
         self.defer = False  # split (:meth:`hold`): the all-reduce part goes with the last's
 
     def hold(self, buf: torch.Tensor) -> torch.futures.Future | None:
@@ -226,7 +228,13 @@ class BufferPipeline:
                               [n for p, _, _ in parts for n in p.names],
                               [k for p, _, _ in parts for k in p.numels], self.last)
         pipe.spill = [(b, f) for _, b, f in parts]
+        pipe.buckets = tuple(len(p.names) for p, _, _ in parts)
         return pipe, buf
+
+    def pools(self) -> tuple[int, ...]:
+        """``engine.jobs.bucket_jobs``' ``buckets`` under ``Config.budget="pooled"``: each DDP
+        bucket's sparsified tensors one pool, merged or split alike; else ()."""
+        return self.buckets if self.owner.cfg.pooled else ()
 
     def _release(self) -> None:
         """A merged pipeline's held buckets: their futures completed with their buffers (the

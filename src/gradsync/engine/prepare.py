@@ -28,7 +28,11 @@ For every tensor of the job, as soon as the job's tensors are all ready:
      the tensors selective sparsification excluded); an excluded tensor travels whole (its
      values, at the front of the job: the selection's dense prefix); a tensor SSFusion-O
      offloads (§IV-C) goes to the worker thread and travels as a future that the
-     communication thread waits for.
+     communication thread waits for. Under ``Config.budget="pooled"`` (the SSFusion family's
+     default, ours) the tensors it sparsifies are selected as one vector with the entries
+     their densities give them together, Σ k_i: which of them sends what follows the
+     accumulators each step, as TopkA's global top-k does, and the tensors excluded still
+     travel whole.
 
 The selections make no finiteness read of their own (``Sparsifier.select``'s ``checked``):
 step 1 checked the gradients, and an accumulator that overflowed (finite gradient and residual,
@@ -41,6 +45,7 @@ Only step 3 counts as inline sparsification time.
 
 from __future__ import annotations
 
+import itertools
 import time
 from collections.abc import Callable, Hashable, Sequence
 from concurrent.futures import Future
@@ -54,7 +59,7 @@ from gradsync.collectives import Collective
 from gradsync.engine.apply import missing_on_host
 from gradsync.engine.jobs import Job, Mode, Payload, Transport, bounds
 from gradsync.feedback import ErrorFeedback, clip_local
-from gradsync.sparsegrad import SparseGrad, finite_flag, host_kernels, iota, zero_unless
+from gradsync.sparsegrad import SparseGrad, finite_flag, host_kernels, iota, target_k, zero_unless
 from gradsync.sparsify import segments
 
 __all__ = ["Prepared", "accumulate", "carry", "carry_message", "prepare", "select",
@@ -188,6 +193,11 @@ def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],
         payload = Payload(selections=[sel], wire_dtype=wire,
                           missing=missing_on_host(sel.indices, sizes),
                           lead=_lead(lead, sizes, job.lead_share))
+    elif job.pools:  # Config.budget "pooled": which tensor's entries travel follows the
+        # accumulators; missing tensors are counted from what the collective kept
+        # (apply.job_check)
+        payload = Payload(selections=_select_pooled(job, acc, sizes, sparsifier, offload, step),
+                          wire_dtype=wire, lead=_lead(lead, sizes, job.lead_share))
     else:
         parts: list[SparseGrad | Future | None] = []
         inline: list[tuple[int, sparsify.Sparsifier, int, int]] = []
@@ -219,6 +229,34 @@ def select(job: Job, index: Hashable, acc: torch.Tensor, sizes: Sequence[int],
                           missing=None if job.offload else empty,
                           lead=_lead(lead, sizes, job.lead_share))
     return payload, time.perf_counter() - t0
+
+
+def _select_pooled(job: Job, acc: torch.Tensor, sizes: Sequence[int], sparsifier: Sparsifiers,
+                   offload: Offload | None, step: int) -> list[SparseGrad | Future]:
+    """A pooled per-tensor job's parts (:attr:`Job.pools`): its tensors sent whole as one
+    (they come first: plan_jobs), then per pool one selection of K = Σ k(n_i, d_i) entries,
+    the plan's, over the accumulators of its tensors (a pool of one: that tensor's own
+    sparsifier), on the worker where one of them is offloaded (SSFusion-O)."""
+    spans = list(bounds(job.names, sizes))
+    first = len(spans) - sum(job.pools)
+    if any(job.densities[n] is not None for n, _, _ in spans[:first]) or any(
+            job.densities[n] is None for n, _, _ in spans[first:]):
+        raise ValueError(f"a pooled job's tensors sent whole must come first: {job.names}")
+    whole = spans[first][1] if first < len(spans) else acc.numel()
+    parts: list[SparseGrad | Future] = [_sent_whole(acc, 0, whole)] if whole else []
+    for a, b in itertools.pairwise(itertools.accumulate(job.pools, initial=first)):
+        pool = spans[a:b]
+        k = sum(target_k(hi - lo, job.densities[n]) for n, lo, hi in pool)
+        start, end = pool[0][1], pool[-1][2]
+        if end == start:  # empty tensors only: nothing to select
+            continue
+        sp = (sparsifier(f"pooled:{pool[0][0]}", k / (end - start)) if len(pool) > 1
+              else sparsifier(pool[0][0], job.densities[pool[0][0]]))  # as unpooled
+        if offload is not None and any(n in job.offload for n, _, _ in pool):
+            parts.append(offload(sp, acc[start:end], step))
+        else:
+            parts.append(sparsify.select_each([(sp, acc[start:end])], step, checked=True)[0])
+    return parts
 
 
 def _lead(lead: tuple[torch.Tensor, float] | None, sizes: Sequence[int], share: float

@@ -726,7 +726,7 @@ class GradSync:
         # before the freeze, it cost TinyGPT's SSFusion +4.5 % perplexity, 19.92 -> 20.82)
 
     def _set_plan(self, plan: Plan) -> None:
-        jobs = plan_jobs(plan, self._parts.collective_name, list(self.params))
+        jobs = plan_jobs(plan, self._parts.collective_name, list(self.params), self.cfg.pooled)
         self._layout = _Layout(plan, jobs, {n: i for i, j in enumerate(jobs) for n in j.names},
                                [len(j.names) for j in jobs])
         run = self._run

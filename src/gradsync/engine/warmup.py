@@ -104,7 +104,8 @@ class Warmup:
     def for_config(cls, cfg: Config) -> Warmup:
         """``warmup_steps`` for cost-model schemes and for a budget by the gradient's mass,
         one step (the backward order) otherwise."""
-        weighs = cfg.plan is None and budget.weighs(cfg.budget, schemes.get(cfg.scheme).planner)
+        weighs = cfg.plan is None and budget.weighs(cfg.effective_budget,
+                                                    schemes.get(cfg.scheme).planner)
         steps = cfg.warmup_steps if schemes.get(cfg.scheme).needs_cost_model or weighs else 1
         return cls(steps, mass=Masses() if weighs else None)
 
@@ -255,7 +256,7 @@ def final_plan(cfg: Config, samples: list[dict[str, float]], names: Sequence[str
                                                     "call_overhead_s": call_extra})})
         plan = schedule.make_plan(cfg.scheme, order, numel, cfg.density, cost, **plan_kwargs(cfg))
         if mass is not None:
-            plan = budget.apportion(plan, mass, cfg.effective_min_k, cfg.budget)
+            plan = budget.apportion(plan, mass, cfg.effective_min_k, cfg.effective_budget)
         payload = [{"plan": plan.to_dict(), "cost": cost.to_dict() if cost else None}]
     return from_rank0(payload, group, P, comm)
 

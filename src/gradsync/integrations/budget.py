@@ -35,11 +35,12 @@ class HookBudget:
     planner does not sparsify tensor by tensor."""
 
     def __init__(self, cfg: Config, sizes: Sequence[tuple[str, int]] | None) -> None:
-        active = weighs(cfg.budget, schemes.get(cfg.scheme).planner)
+        active = weighs(cfg.effective_budget, schemes.get(cfg.scheme).planner)
         # the trained parameters (name, numel); without the model, those the buckets brought
         self.sizes: dict[str, int] = dict(sizes or [])
         self.given = sizes is not None
-        self.steps, self.min_k, self.rule = cfg.warmup_steps, cfg.effective_min_k, cfg.budget
+        self.steps, self.min_k = cfg.warmup_steps, cfg.effective_min_k
+        self.rule = cfg.effective_budget
         self.mass: Masses | None = Masses() if active else None
         self.density: dict[str, float | None] | None = None  # settled: each tensor's
 

@@ -287,8 +287,8 @@ def _sparse_hook(state: HookState, bucket: dist.GradBucket) -> torch.futures.Fut
         return pipe.whole(buf, True)
     # SSFusion-I (where a core is spare for it) and auto: the tensors sent whole all-reduced
     split = hook_interleaves(state.scheme.interleave, buf.device.type)
-    jobs = bucket_jobs(tuple(pipe.names), tuple(pipe.numels), tuple(densities),
-                       split or state.scheme.planner == "auto", state.scheme.collective)
+    jobs = bucket_jobs(tuple(pipe.names), tuple(pipe.numels), tuple(densities), split or
+                       state.scheme.planner == "auto", state.scheme.collective, pipe.pools())
     if (d := state.density.at(state.counts.steps)) != state.cfg.density:  # DGC's warm-up
         k = dict(zip(pipe.names, pipe.numels))  # as the engine's jobs take it (at_density)
         jobs = tuple(at_density(job, d, state.cfg.density, k, comm.size) for job in jobs)

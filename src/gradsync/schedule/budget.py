@@ -23,11 +23,16 @@ shared again by mass among the others. ``"blend"`` shares half of K each way,
 so that no tensor gets less than half of what either rule gives it (bounds aside): at 1 % on
 ResNet-18, the mass alone lifted per_tensor (whose classifier had 1 % of its weights) by 4.17
 points but cost SSFusion-OI (its classifier already whole) 2.38, its wide convolutions left far
-below 1 %. ``"blend"`` is ``Config``'s default: it kept the CNN's SSFusion family and
-``per_tensor`` within issue 68's bars and left TinyGPT where one density did
-(docs/results/accuracy.md, "Blend, the default"). The masses are the engine's sums of
-|g| over its profiling steps (:mod:`gradsync.engine.warmup`); every rank plans from the same
-sums.
+below 1 %. ``"blend"`` is ``per_tensor``'s, HiPress's and Espresso's default
+(``Scheme.budget``): it kept the CNN's SSFusion family and ``per_tensor`` within issue 68's
+bars and left TinyGPT where one density did (docs/results/accuracy.md, "Blend, the default").
+The masses are the engine's sums of |g| over its profiling steps
+(:mod:`gradsync.engine.warmup`); every rank plans from the same sums.
+
+``"pooled"``, the SSFusion family's default, shares nothing in the plan: it stays the even
+one, and each job selects its sparsified tensors' Σ k_i entries with one top-k over all of
+them, step by step (:attr:`gradsync.engine.jobs.Job.pools`; docs/results/accuracy.md,
+"SSFusion's buffers pooled").
 """
 
 from __future__ import annotations
@@ -39,9 +44,11 @@ from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan
 
 __all__ = ["APPORTIONED", "BUDGETS", "apportion", "shares", "weighs"]
 
-# Config.budget: "even" (one density, the papers' rule), "gradient" (by L1 mass) or "blend"
-# (half of the entries each way)
-BUDGETS = ("even", "gradient", "blend")
+# Config.budget: "even" (one density, the papers' rule), "gradient" (by L1 mass), "blend"
+# (half of the entries each way) or "pooled" (one selection over a job's sparsified tensors,
+# engine.jobs.Job.pools)
+BUDGETS = ("even", "gradient", "blend", "pooled")
+WEIGHED = ("gradient", "blend")  # the rules that share entries by the profiling steps' mass
 # the planners whose plans sparsify tensors one by one, planned once after the warm-up (auto
 # re-plans on drift, the others fuse): Config.budget applies to them
 APPORTIONED = ("per_tensor", "ssfusion", "hipress", "espresso")
@@ -51,7 +58,7 @@ def weighs(rule: str, planner: str) -> bool:
     """Whether a plan by ``planner`` shares its entries by the gradient's mass under ``rule``
     (a ``Config.budget``): the engine and the DDP hook then weigh the profiling steps'
     gradients."""
-    return rule != "even" and planner in APPORTIONED
+    return rule in WEIGHED and planner in APPORTIONED
 
 
 def shares(k_total: int, numel: Mapping[str, int], mass: Mapping[str, float], min_k: int

@@ -31,6 +31,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
 
+from gradsync.schedule.budget import BUDGETS
 from gradsync.schedule.plan import MIN_K
 
 __all__ = ["DGC_WARMUP", "PLANNERS", "SCHEMES", "THIRD", "Scheme", "get", "names"]
@@ -110,6 +111,12 @@ class Scheme:
             reaches 99 % of DDP's accuracy 3.61× as fast as DDP instead of 4.12×. Warm-ups
             within 1.5× the bytes (9 % for 9 steps, 25 % for 3, 2 → 1.25 % over 120) gained at
             most a third of that on ResNet-20. None for the schemes not measured.
+        budget: ``Config.budget``'s default for a plan that sparsifies tensors one by one
+            (:mod:`gradsync.schedule.budget`): ``"blend"`` for ``per_tensor``, HiPress and
+            Espresso; ``"pooled"`` for the SSFusion family, whose sparsified tensors of one
+            fusion buffer then share the buffer's entries through one selection, as TopkA's
+            global top-k shares the model's. Measured at 1 %, P = 4 (docs/results/accuracy.md,
+            "SSFusion's buffers pooled"). Other planners ignore it.
         paper: where the scheme comes from.
     """
 
@@ -129,6 +136,7 @@ class Scheme:
     min_k: int = MIN_K
     momentum_ahead: float = 0.0
     dgc_warmup: tuple[int, int] = (0, 0)
+    budget: str = "blend"
     paper: str = ""
 
     def __post_init__(self) -> None:
@@ -139,6 +147,8 @@ class Scheme:
             raise ValueError(f"scheme {self.name!r}: offload/interleave are SSFusion's")
         if not 0.0 <= self.momentum_ahead <= 1.0:
             raise ValueError(f"scheme {self.name!r}: momentum_ahead must be in [0, 1]")
+        if self.budget not in BUDGETS:
+            raise ValueError(f"scheme {self.name!r}: budget must be one of {BUDGETS}")
         periods, steps = self.dgc_warmup
         if periods < 0 or steps < 0 or bool(periods) != bool(steps):
             raise ValueError(f"scheme {self.name!r}: dgc_warmup must be (0, 0) or two "
@@ -175,11 +185,12 @@ _TABLE = (
     Scheme("omgs", "mgwfbp", needs_cost_model=True, paper="OMGS-SGD (= multi_tensor)"),
     Scheme("cupcake", "cupcake", needs_cost_model=True, paper="Cupcake (SSFusion §II-D)"),
     Scheme("ssfusion", "ssfusion", needs_cost_model=True, ddp_hook=True, momentum_ahead=1.0,
-           dgc_warmup=DGC_WARMUP, paper="SSFusion §IV-B selective sparsification"),
+           dgc_warmup=DGC_WARMUP, budget="pooled",
+           paper="SSFusion §IV-B selective sparsification"),
     Scheme("ssfusion_o", "ssfusion", needs_cost_model=True, offload=True, momentum_ahead=1.0,
-           dgc_warmup=DGC_WARMUP, paper="SSFusion §IV-C (SSFusion-O)"),
+           dgc_warmup=DGC_WARMUP, budget="pooled", paper="SSFusion §IV-C (SSFusion-O)"),
     Scheme("ssfusion_oi", "ssfusion", needs_cost_model=True, offload=True, interleave=True,
-           ddp_hook=True, momentum_ahead=1.0, dgc_warmup=DGC_WARMUP,
+           ddp_hook=True, momentum_ahead=1.0, dgc_warmup=DGC_WARMUP, budget="pooled",
            paper="SSFusion §IV-C/D (SSFusion-O + SSFusion-I)"),
     Scheme("hipress", "hipress", needs_cost_model=True,
            paper="HiPress (SOSP'21) CaSync selective compression + bulk synchronization"),

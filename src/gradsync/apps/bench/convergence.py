@@ -211,7 +211,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"(Config.min_k; default the scheme's: {MIN_K}, 1 for SSFusion)")
     p.add_argument("--budget", choices=BUDGETS, default=None,
                    help="train's --budget for the gradsync schemes (Config.budget; default "
-                        "blend)")
+                        "the scheme's: pooled for the SSFusion family, blend for the others)")
     p.add_argument("--sparsifier", choices=ENGINE_SPARSIFIERS, default="dgc",
                    help="train's --sparsifier for the gradsync schemes (Config.sparsifier)")
     p.add_argument("--clip-norm", type=float, default=None, metavar="C",
@@ -521,9 +521,10 @@ def run_config(spec: Any, scheme: str) -> dict[str, Any]:
                        momentum=MOMENTUM).effective_momentum_ahead
         cfg["momentum_ahead"] = f"scheme's {share:.6g}"
     if ours and cfg["budget"] is None:
-        # Config's budget, "blend" since 2026-12-07 (a run kept before, where None meant
-        # "even", differs; one given --budget blend is this run)
-        cfg["budget"] = Config.budget
+        # the scheme's budget (Config.effective_budget): "blend" since 2026-12-07, "pooled"
+        # for the SSFusion family since later that day (a run kept before, where None meant
+        # "even", then "blend" for every scheme, differs; one given that --budget is this run)
+        cfg["budget"] = Config(scheme=choice.scheme.name).effective_budget
     if (ours and cfg["density_warmup"] is None
             and any(choice.scheme.dgc_warmup) and spec.density < 1 and not spec.adamw):
         # the scheme's DGC warm-up, the SSFusion family's default since 9052b94, the other

@@ -104,7 +104,8 @@ def build_parser(prog: str = "python -m gradsync train") -> argparse.ArgumentPar
                    help="gradsync schemes that sparsify tensor by tensor: 'gradient' shares the "
                         "plan's entries by each tensor's share of the gradient's L1 mass over "
                         "the profiling steps, 'blend' half of them so, 'even' gives every tensor "
-                        "one density (Config.budget; default blend)")
+                        "one density, 'pooled' selects a buffer's tensors as one (Config.budget; "
+                        "default the scheme's: pooled for SSFusion, blend for the others)")
     p.add_argument("--adam-warmup", type=int, default=None, metavar="STEPS",
                    help="AdamW with a sparse scheme: steps of exact AdamW, gradients sent "
                         "whole, before its variance freezes (gradsync.optim; default 10%% of "

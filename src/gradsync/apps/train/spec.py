@@ -179,7 +179,8 @@ class TrainSpec:
             would send fewer entries per step travels whole; ``None``: Config's default.
         budget: ``Config.budget`` of the gradsync schemes (``"gradient"``: a per-tensor plan's
             entries by each tensor's share of the gradient's L1 mass, ``"blend"``: half of
-            them so); ``None``: Config's.
+            them so, ``"pooled"``: one selection over a buffer's tensors); ``None``: Config's,
+            the scheme's.
         adam_warmup: AdamW with a sparse scheme (:class:`gradsync.optim.FrozenVarianceAdamW`):
             the steps of exact AdamW, gradients sent whole, before the variance freezes
             (rounded up to whole ``density_warmup`` periods); ``None``:
