@@ -238,10 +238,7 @@ def _select_pooled(job: Job, acc: torch.Tensor, sizes: Sequence[int], sparsifier
     the plan's, over the accumulators of its tensors (a pool of one: that tensor's own
     sparsifier), on the worker where one of them is offloaded (SSFusion-O)."""
     spans = list(bounds(job.names, sizes))
-    first = len(spans) - sum(job.pools)
-    if any(job.densities[n] is not None for n, _, _ in spans[:first]) or any(
-            job.densities[n] is None for n, _, _ in spans[first:]):
-        raise ValueError(f"a pooled job's tensors sent whole must come first: {job.names}")
+    first = len(spans) - sum(job.pools)  # plan_jobs puts the pools last
     whole = spans[first][1] if first < len(spans) else acc.numel()
     parts: list[SparseGrad | Future] = [_sent_whole(acc, 0, whole)] if whole else []
     for a, b in itertools.pairwise(itertools.accumulate(job.pools, initial=first)):
