@@ -102,7 +102,7 @@ def _threaded(rank: int, world_size: int, scheme: str, inline: bool, unused: boo
     model = build("cnn", seed=4)
     ddp = DDP(model, bucket_cap_mb=0.1, find_unused_parameters=unused)
     state = gradsync.ddp.register(ddp, Config(scheme=scheme, density=0.02, momentum=0.9,
-                                              clip_norm=1.0), small_numel=1000)
+                                              clip_norm=1.0, budget="blend"), small_numel=1000)
     opt = torch.optim.SGD(ddp.parameters(), lr=0.05)
     calls = []
     for step in range(6):
@@ -213,8 +213,13 @@ def _sent(numels, ds):
 
 
 def test_compensation_keeps_bucket_budget():
-    state = HookState(cfg=Config(scheme="ssfusion", density=0.01, min_density=0.001))
     numels = [200_000, 300_000, 50, 1000, 64]
+    # the pooled budget (the family's default): one selection per bucket, nothing whole
+    pooled = HookState(cfg=Config(scheme="ssfusion", density=0.01, min_density=0.001))
+    assert _densities(pooled, numels) == [0.01] * 5
+    # the blended one: §IV-B's selective sparsification, compensated
+    state = HookState(cfg=Config(scheme="ssfusion", density=0.01, min_density=0.001,
+                                 budget="blend"))
     ds = _densities(state, numels)
     assert ds[2] is ds[3] is ds[4] is None and ds[0] == ds[1]
     assert 0.001 < ds[0] < 0.01
@@ -247,7 +252,7 @@ def test_compensation_keeps_bucket_budget():
     assert _densities(every, numels) == [0.01] * 5
 
 
-def _bucket_bytes(rank, world_size, scheme, cores=4.0):
+def _bucket_bytes(rank, world_size, scheme, cores=4.0, budget="blend"):
     from gradsync.collectives.comm import Comm
     from gradsync.schedule import costmodel
 
@@ -264,8 +269,8 @@ def _bucket_bytes(rank, world_size, scheme, cores=4.0):
     model = build("cnn", seed=4)
     ddp = DDP(model, bucket_cap_mb=25)  # one bucket: one hook call per step
     state = gradsync.ddp.register(ddp, Config(scheme=scheme, density=0.01, sparsifier="topk",
-                                              density_warmup=()),  # 1 % from the first step
-                                  small_numel=1000)
+                                              density_warmup=(),  # 1 % from the first step
+                                              budget=budget), small_numel=1000)
     sent = []
     for step in range(2):
         ddp.zero_grad(set_to_none=True)
@@ -287,6 +292,16 @@ def test_ssfusion_hooks_send_the_target_bytes(scheme, world_size):
         target = 0.01 * numel * 8 * (world_size - 1)
         assert all(abs(b - target) <= 0.005 * target for b in sent), (sent, target)
         assert reduced == ([522] * 2 if scheme == "ssfusion_oi" else []), reduced
+
+
+def test_ssfusion_oi_hook_pooled_sends_the_target_bytes_all_gathered():
+    """The pooled budget (the family's default): every tensor in its bucket's pool, so the
+    same bytes with nothing all-reduced (SSFusion-I's Buffer_AR is empty)."""
+    for sent, numel, reduced in run_distributed(_bucket_bytes, 3, "ssfusion_oi", 4.0, "pooled",
+                                                timeout=180):
+        target = 0.01 * numel * 8 * 2
+        assert all(abs(b - target) <= 0.005 * target for b in sent), (sent, target)
+        assert reduced == [], reduced
 
 
 @pytest.mark.parametrize("world_size", [2, 3])

@@ -117,13 +117,21 @@ def test_a_checkpoint_from_before_min_k_resumes_only_with_min_k_1():
     assert gradsync.Config(min_k=1).differences(saved, ("min_k",)) == []
     assert gradsync.Config(scheme="per_tensor").differences(
         {**saved, "scheme": "per_tensor"}, ("min_k",)) == ["min_k: saved 1, here 8"]
-    # the SSFusion family's too (it takes min_k 8 since, within half its budget): such a checkpoint
-    # resumes with min_k=1, and one saved with the number of the default resumes where the
-    # default is left unset
-    assert gradsync.Config().differences(saved, ("min_k",)) == ["min_k: saved 1, here 8"]
+    # the SSFusion family's under the blended budget too (it takes min_k 8 there, within half
+    # its budget): such a checkpoint resumes with min_k=1, and one saved with the number of the
+    # default resumes where the default is left unset
+    blend = gradsync.Config(budget="blend")
+    assert blend.differences(saved, ("min_k",)) == ["min_k: saved 1, here 8"]
     pt = gradsync.Config(scheme="per_tensor")
     assert pt.differences({**pt.to_dict(), "min_k": 8}, ("min_k",)) == []
-    assert pt.effective_min_k == 8 and gradsync.Config().effective_min_k == 8
+    assert pt.effective_min_k == 8 and blend.effective_min_k == 8
+    # under the pooled budget (the family's default) a pool's K counts, not a tensor's k: the
+    # default is 1, and a checkpoint saved pooled with min_k unset compares as 1, not as 8
+    pooled = gradsync.Config()
+    assert pooled.effective_min_k == 1 and pooled.differences(saved, ("min_k",)) == []
+    unset = {**pooled.to_dict(), "min_k": None}
+    assert gradsync.Config(min_k=8).differences(unset, ("min_k",)) == ["min_k: saved 1, here 8"]
+    assert gradsync.Config(scheme="per_tensor", budget="pooled").effective_min_k == 1
 
 
 class _ResNetLike(nn.Module):
@@ -138,7 +146,9 @@ class _ResNetLike(nn.Module):
         self.fc = nn.Linear(64, 10)  # 640 (k = 6) + 10
 
 
-def _ssfusion_plan(model: nn.Module, density: float = 0.01) -> gradsync.schedule.Plan:
+def _ssfusion_plan(model: nn.Module, density: float = 0.01, pooled: bool = False
+                   ) -> gradsync.schedule.Plan:
+    """The SSFusion planner's plan under the blended budget (min_k 8), or ``pooled``."""
     from gradsync.schedule.costmodel import AffineFit, AlphaBeta, CostModel
 
     numel = {n: p.numel() for n, p in reversed(list(model.named_parameters()))}
@@ -146,7 +156,7 @@ def _ssfusion_plan(model: nn.Module, density: float = 0.01) -> gradsync.schedule
                      backward=dict.fromkeys(numel, 1e-4), sparsify=AffineFit(2e-4, 1e-9),
                      offload=AffineFit(4e-4, 3e-9), allreduce=AlphaBeta(5e-5, 1e-9),
                      allgather=AlphaBeta(5e-5, 1e-9))
-    return make_plan("ssfusion", list(numel), numel, density, cost)
+    return make_plan("ssfusion", list(numel), numel, density, cost, pooled=pooled)
 
 
 def test_the_ssfusion_family_sends_its_starved_tensors_whole_where_the_budget_has_room():
@@ -165,8 +175,8 @@ def test_the_ssfusion_family_sends_its_starved_tensors_whole_where_the_budget_ha
         assert all(density[n] is None for n in forced)
         # the DDP hook makes the same min_k decisions over the model DDP wraps (small_numel 0:
         # no Insight #2 exclusions beside them), at P = 4 as the plan
-        state, _ = gradsync.ddp.hook(gradsync.Config(scheme="ssfusion", density=0.01), model,
-                                     small_numel=0)
+        blend = gradsync.Config(scheme="ssfusion", density=0.01, budget="blend")
+        state, _ = gradsync.ddp.hook(blend, model, small_numel=0)
         names = [n for n, _ in model.named_parameters()]
         numels = [p.numel() for p in model.parameters()]
 
@@ -175,6 +185,28 @@ def test_the_ssfusion_family_sends_its_starved_tensors_whole_where_the_budget_ha
 
         chosen = _densities(state, numels, comm=_Four())
         assert sorted(n for n, d in zip(names, chosen) if d is None) == sorted(forced), wide
+
+
+def test_pooled_buffers_send_nothing_whole_in_both_doors():
+    """Under the pooled budget (the SSFusion family's default) each buffer's tensors share one
+    top-k, so neither min_k nor Eq. 2 sends a tensor whole: the engine's plan and the DDP hook
+    sparsify every tensor of the model whose small tensors the blended budget sends whole."""
+    from gradsync.integrations.ddp import _densities
+
+    model = _ResNetLike(4)
+    assert any(t.density is None for b in _ssfusion_plan(model).buffers for t in b.tensors)
+    plan = _ssfusion_plan(model, pooled=True)
+    assert plan.info["whole_below_min_k"] == []
+    assert {e["eq2"] for e in plan.info["eq2"]} == {"pooled"}
+    assert all(t.density == 0.01 for b in plan.buffers for t in b.tensors), plan.to_dict()
+    state, _ = gradsync.ddp.hook(gradsync.Config(scheme="ssfusion", density=0.01), model,
+                                 small_numel=0)
+
+    class _Four:
+        size = 4
+
+    assert _densities(state, [p.numel() for p in model.parameters()], comm=_Four()) == [
+        0.01] * len(list(model.parameters()))
 
 
 @pytest.mark.parametrize("density", [0.01, 0.0125])
@@ -194,8 +226,8 @@ def test_min_k_holds_at_the_compensated_density_in_both_doors(density):
     assert all(round(d * numel[n]) >= 8 for n, d in planned.items() if d is not None), planned
     whole = sorted(n for n, d in planned.items() if d is None)
     assert "fc.weight" in whole, whole  # 6 entries at 1 %; at 1.25 % 7 at d′ (8 at the target)
-    state, _ = gradsync.ddp.hook(gradsync.Config(scheme="ssfusion", density=density), model,
-                                 small_numel=0)
+    blend = gradsync.Config(scheme="ssfusion", density=density, budget="blend")
+    state, _ = gradsync.ddp.hook(blend, model, small_numel=0)
 
     class _Four:
         size = 4

@@ -60,9 +60,11 @@ def _plan(scheme: str, small_numel: int, P: int, order: list[str], pooled: bool 
           ) -> dict:
     """The hook's one bucket as an engine plan: DDP's order, the hook's own densities (size
     threshold, compensation, Config.min_k), SSFusion-I's whole tensors in the all-reduce part;
-    ``pooled``: the sparsified tensors by name, as the hook lays a pool out (engine.jobs)."""
+    ``pooled``: the sparsified tensors by name, as the hook lays a pool out (engine.jobs), and
+    nothing sent whole (a pool's K counts, not a tensor's k: schedule/ssfusion.py)."""
     model = _model()
-    state, _ = gradsync.ddp.hook(_config(scheme, False), model=model, small_numel=small_numel)
+    state, _ = gradsync.ddp.hook(_config(scheme, False, budget="pooled" if pooled else "even"),
+                                 model=model, small_numel=small_numel)
     numel = {n: p.numel() for n, p in model.named_parameters()}
     numels = [numel[n] for n in order]
 
@@ -73,7 +75,8 @@ def _plan(scheme: str, small_numel: int, P: int, order: list[str], pooled: bool 
     interleave = hook_interleaves(state.scheme.interleave, "cpu")
     tensors = tuple(TensorPlan(n, k, d, allreduce=d is None and interleave)
                     for n, k, d in zip(order, numels, dens))
-    assert any(d is None for d in dens) and any(d is not None for d in dens)  # both kinds
+    # both kinds; under the pooled budget every tensor in the pool
+    assert any(d is None for d in dens) != pooled and any(d is not None for d in dens)
     if pooled:
         tensors = (*[t for t in tensors if t.density is None],
                    *sorted((t for t in tensors if t.density is not None), key=lambda t: t.name))
@@ -399,7 +402,7 @@ def _honoured(rank: int, P: int) -> dict:
     with warnings.catch_warnings(record=True) as seen:
         warnings.simplefilter("always")
         state = gradsync.ddp.register(net, Config(scheme="ssfusion_oi", density=0.01,
-                                                  min_k=8, min_density=0.01))
+                                                  min_k=8, min_density=0.01, budget="blend"))
         for step in range(3):
             net.zero_grad()
             net(torch.randn(4, 512, generator=torch.Generator().manual_seed(step + rank))).sum(

@@ -23,10 +23,11 @@ from gradsync.schedule import BufferPlan, Plan, TensorPlan
 from gradsync.sparsegrad import target_k
 from gradsync.testing import run_distributed
 
-# per_tensor at 1 %: k = 40, 40, 20 (K = 100 a step); "bn" (k = 1 < min_k) is sent whole
+# per_tensor at 1 %: k = 40, 40, 20 and 1 (K = 101 a step, bn in the pool: min_k's default is
+# 1 under the pooled budget); with min_k = 8 given, "bn" (k = 1) is sent whole and K = 100
 SIZES = {"a": 4000, "b": 4000, "c": 2000, "bn": 16}
 SCALE = {"a": 0.01, "b": 1.0, "c": 0.3, "bn": 1.0}  # |gradient| per entry, about
-SPARSE = ("a", "b", "c")
+SPARSE = ("a", "b", "c", "bn")
 STEPS = 4
 
 
@@ -35,37 +36,43 @@ def _grads(rank: int, step: int) -> dict[str, torch.Tensor]:
     return {n: SCALE[n] * torch.randn(k, generator=g) for n, k in SIZES.items()}
 
 
-def _config(budget: str, scheme: str = "per_tensor") -> gradsync.Config:
+def _config(budget: str, scheme: str = "per_tensor", min_k: int | None = None
+            ) -> gradsync.Config:
     return gradsync.Config(scheme=scheme, density=0.01, sparsifier="topk", warmup_steps=1,
-                           budget=budget, density_warmup=(), compress_single_rank=True)
+                           budget=budget, density_warmup=(), compress_single_rank=True,
+                           min_k=min_k)
 
 
-def _reference(P: int, order: list[str]) -> list[dict[str, torch.Tensor]]:
+def _reference(P: int, order: list[str], pool: tuple[str, ...] = SPARSE
+               ) -> list[dict[str, torch.Tensor]]:
     """Each step's averaged update, from every rank's gradients (``order``: the tensors'
-    in the accumulator; the top K of their entries is the same in any)."""
-    K = sum(target_k(SIZES[n], 0.01) for n in SPARSE)
-    residual = [torch.zeros(sum(SIZES[n] for n in order if n in SPARSE)) for _ in range(P)]
+    in the accumulator; the top K of their entries is the same in any): the top K of the
+    ``pool``'s entries taken together, every other tensor whole."""
+    K = sum(target_k(SIZES[n], 0.01) for n in pool)
+    order = [n for n in order if n in pool]
+    residual = [torch.zeros(sum(SIZES[n] for n in order)) for _ in range(P)]
     out = []
     for step in range(STEPS):
         total = {n: torch.zeros(k) for n, k in SIZES.items()}
         for r in range(P):
             g = _grads(r, step)
-            acc = residual[r] + torch.cat([g[n] for n in order if n in SPARSE])
+            acc = residual[r] + torch.cat([g[n] for n in order])
             sent = torch.zeros_like(acc)
             top = acc.abs().topk(K).indices
             sent[top] = acc[top]
             residual[r] = acc - sent
-            for n, part in zip([n for n in order if n in SPARSE],
-                               sent.split([SIZES[n] for n in order if n in SPARSE])):
+            for n, part in zip(order, sent.split([SIZES[n] for n in order])):
                 total[n] += part
-            total["bn"] += g["bn"]
+            for n in SIZES:
+                if n not in pool:
+                    total[n] += g[n]
         out.append({n: t / P for n, t in total.items()})
     return out
 
 
-def _engine(rank: int, P: int, budget: str) -> dict:
+def _engine(rank: int, P: int, budget: str, min_k: int | None = None) -> dict:
     model = nn.ParameterDict({n: nn.Parameter(torch.zeros(k)) for n, k in SIZES.items()})
-    sync = gradsync.GradSync(model, _config(budget))
+    sync = gradsync.GradSync(model, _config(budget, min_k=min_k))
     got = []
     for step in range(STEPS):
         g = _grads(rank, step)
@@ -81,10 +88,11 @@ def _engine(rank: int, P: int, budget: str) -> dict:
 
 @pytest.mark.parametrize("world_size", [1, 2, 3])
 def test_pooled_sends_the_top_k_of_the_tensors_together(world_size):
-    """Every step's update is the average of each rank's top K over a, b and c together (b's
-    large entries take most of them: one density gives b 40), and bn sent whole."""
+    """Every step's update is the average of each rank's top K over a, b, c and bn together
+    (b's large entries take most of them: one density gives b 40); bn is in the pool, not
+    sent whole, since min_k's default is 1 under the pooled budget."""
     out = run_distributed(_engine, world_size, "pooled")
-    even = run_distributed(_engine, world_size, "even")
+    even = run_distributed(_engine, world_size, "even", 1)  # bn sparsified too: K = 101
     for r, e in zip(out, even):
         want = _reference(world_size, [n for n in r["order"] if n in SIZES])
         for got, ref in zip(r["grads"], want):
@@ -97,6 +105,17 @@ def test_pooled_sends_the_top_k_of_the_tensors_together(world_size):
             assert int((g["a"] != 0).sum()) < int((h["a"] != 0).sum())
         # the same entries a step as one density sends: the same bytes
         assert r["bytes"] == e["bytes"], (r["bytes"], e["bytes"])
+
+
+@pytest.mark.parametrize("world_size", [1, 3])
+def test_pooled_with_min_k_given_sends_the_starved_tensor_whole(world_size):
+    """min_k = 8 given: bn (k = 1) travels whole, a, b and c share K = 100."""
+    out = run_distributed(_engine, world_size, "pooled", 8)
+    for r in out:
+        want = _reference(world_size, r["order"], ("a", "b", "c"))
+        for got, ref in zip(r["grads"], want):
+            for n in SIZES:
+                torch.testing.assert_close(got[n], ref[n], rtol=1e-6, atol=1e-7)
 
 
 class _Linear(nn.Module):
@@ -287,3 +306,104 @@ def test_the_pooled_default_figures_hold_in_the_written_results():
     assert (f"{100 * r20:.3f} % of ResNet-20's (tensor, step) pairs, "
             f"{100 * cnn['ssfusion_oi']['missing_rate']:.1f} on the CNN, {100 * lm:.1f} % on "
             f"TinyGPT over 1000 steps and {100 * short:.1f} % over 60") in flat
+
+
+def test_the_nothing_whole_figures_hold_in_the_written_results():
+    """accuracy.md, "Pooled buffers send nothing whole": its table and bullets, recomputed from
+    the pages' JSON against the pooled pages of the same machine and DDP runs (the change's
+    runs trained with every setting the default, the pages written with it)."""
+    import statistics
+    from pathlib import Path
+
+    from test_bench_convergence import _by_scheme, _interval_cell, _mean_sd
+
+    root = Path(__file__).resolve().parents[1]
+    text = (root / "docs/results/accuracy.md").read_text()
+    section = text.split("## Pooled buffers send nothing whole")[1].split("\n## ")[0]
+    flat = " ".join(section.split())
+
+    def mb(r: dict) -> str:
+        return f"{r['bytes_per_step'] / 1e6:.4f}"
+
+    pages = {"CNN": ("convergence-cnn-2026-12-07-nothing-whole",
+                     "convergence-cnn-2026-12-07-pooled"),
+             "ResNet-20": ("nothing-whole/resnet20-cosine", "budget-pooled/resnet20-cosine"),
+             "ResNet-18": ("nothing-whole/resnet18", "budget-pooled/resnet18")}
+    new = {k: _by_scheme(p) for k, (p, _) in pages.items()}
+    old = {k: _by_scheme(p) for k, (_, p) in pages.items()}
+    for first in pages:
+        s, b = new[first]["ssfusion_oi"]["finals"], old[first]["ssfusion_oi"]["finals"]
+        ddp = new[first]["ddp"]["finals"]
+        assert ddp == old[first]["ddp"]["finals"]  # the same DDP runs
+        assert _row_cells(section, first)[1:] == [
+            f"{_mean_sd(b)} %", f"{_mean_sd(s)} %", _interval_cell(s, ddp), _interval_cell(s, b),
+            f"{mb(old[first]['ssfusion_oi'])} → {mb(new[first]['ssfusion_oi'])}"], first
+        meta = json.loads((root / f"docs/results/{pages[first][0]}.json").read_text())["meta"]
+        assert "--budget" not in meta["command"] and "--min-k" not in meta["command"]
+    cnn, r20, r18 = new["CNN"], new["ResNet-20"], new["ResNet-18"]
+    assert cnn["ssfusion"]["finals"] == cnn["ssfusion_oi"]["finals"]  # the same plans
+    # ResNet-20: the seeds it gains on, and each rule's part (min_k alone at 1)
+    gains = sum(a > b for a, b in zip(r20["ssfusion_oi"]["finals"],
+                                      old["ResNet-20"]["ssfusion_oi"]["finals"]))
+    assert f"better on {gains} of 10 seeds than with tensors sent whole" in flat
+    k1 = _by_scheme("nothing-whole/resnet20-cosine-min-k-1")
+    assert k1["ddp"]["finals"] == r20["ddp"]["finals"]
+    k = k1["ssfusion_oi"]["finals"]
+    assert (f"SSFusion-OI ends at {_interval_cell(k, r20['ddp']['finals'])}, paired with the "
+            f"tensors sent whole {_interval_cell(k, old['ResNet-20']['ssfusion_oi']['finals'])}"
+            ) in flat
+    topka = _by_scheme("budget-pooled/resnet20-cosine-topka-10-seeds")
+    assert topka["ddp"]["finals"] == r20["ddp"]["finals"]
+    assert f"next to TopkA's {_interval_cell(topka['topka']['finals'], r20['ddp']['finals'])}" in (
+        flat)
+    # the CNN, against DDP and TopkA (the same runs as the pooled page's)
+    d = [100 * (a - b) for a, b in zip(cnn["ssfusion_oi"]["finals"],
+                                       old["CNN"]["ssfusion_oi"]["finals"])]
+    assert (f"seed 3 {d[2]:+.2f}, the others {min(d[:2] + d[3:]):+.2f} to "
+            f"{max(d[:2] + d[3:]):+.2f}".replace("-", "−")) in flat
+    vs = 100 * (statistics.mean(cnn["ssfusion_oi"]["finals"])
+                - statistics.mean(cnn["ddp"]["finals"]))
+    tk = 100 * (statistics.mean(cnn["topka"]["finals"]) - statistics.mean(cnn["ddp"]["finals"]))
+    assert f"now {vs:+.2f} points vs DDP" in flat and f"next to TopkA's {tk:+.2f}" in flat
+    # ResNet-18 by seed, and its worst loss after step 5
+    def seeds(r: dict) -> str:
+        g = [f"{100 * (a - b):+.2f}".replace("-", "−")
+             for a, b in zip(r["ssfusion_oi"]["finals"], r["ddp"]["finals"])]
+        return f"{', '.join(g[:-1])} and {g[-1]}"
+
+    assert (f"seeds {seeds(r18)} vs DDP (the pooled buffers beside tensors sent whole: "
+            f"{seeds(old['ResNet-18'])}), no loss after step 5 above "
+            f"{r18['ssfusion_oi']['spike']:.2f}× step 0's") in flat
+    assert r18["ssfusion_oi"]["spike"] < 2
+    # TinyGPT: perplexity ± sd (gap to DDP), by seed paired
+    for first, page, before, pct in (
+            ("TinyGPT, 1000", "nothing-whole/lm-1000", "budget-pooled/lm-1000", 2),
+            ("TinyGPT, 60", "convergence-lm-2026-12-07-nothing-whole",
+             "convergence-lm-2026-12-07-pooled", 1)):
+        n, o = _by_scheme(page), _by_scheme(before)
+        assert n["ddp"]["finals"] == o["ddp"]["finals"]
+
+        def ppl(r: dict, ddp: list[float], pct: int = pct) -> str:
+            f = r["finals"]
+            return (f"{statistics.mean(f):.2f} ± {statistics.stdev(f):.2f} "
+                    f"(+{100 * (statistics.mean(f) / statistics.mean(ddp) - 1):.{pct}f} %)")
+
+        by_seed = [a - b for a, b in zip(n["ssfusion_oi"]["finals"], o["ssfusion_oi"]["finals"])]
+        assert max(by_seed) < 0  # every seed lower
+        cells = _row_cells(section, first)
+        assert cells[1:3] == [ppl(o["ssfusion_oi"], o["ddp"]["finals"]),
+                              ppl(n["ssfusion_oi"], n["ddp"]["finals"])], first
+        assert cells[4] == ", ".join(f"{x:+.2f}".replace("-", "−") for x in by_seed) + (
+            " by seed"), first
+        assert cells[5] == (f"{o['ssfusion_oi']['bytes_per_step'] / 1e6:.3f} → "
+                            f"{n['ssfusion_oi']['bytes_per_step'] / 1e6:.3f}"), first
+    # the bytes: TopkA's over the run, and what goes missing
+    t20 = topka["topka"]
+    assert (f"ResNet-20 {mb(r20['ssfusion_oi'])} MB against TopkA's {mb(t20)}, the CNN "
+            f"{mb(cnn['ssfusion_oi'])} against {mb(cnn['topka'])}") in flat
+    lm60 = _by_scheme("convergence-lm-2026-12-07-nothing-whole")["ssfusion_oi"]
+    assert (f"rise from {100 * old['ResNet-20']['ssfusion_oi']['missing_rate']:.3f} % to "
+            f"{100 * r20['ssfusion_oi']['missing_rate']:.1f} % (TopkA "
+            f"{100 * t20['missing_rate']:.1f} %), the CNN's to "
+            f"{100 * cnn['ssfusion_oi']['missing_rate']:.1f} %, TinyGPT's at 60 steps to "
+            f"{100 * lm60['missing_rate']:.1f} %") in flat

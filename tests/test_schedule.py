@@ -77,8 +77,13 @@ def test_every_scheme_covers_every_tensor_once_in_backward_order():
     for seed in range(6):
         names, numel, cm = random_model(seed)
         for scheme in SCHEMES:
-            plan = make_plan(scheme, names, numel, 0.01, cm)
+            # one selection per tensor (the pooled budget sends nothing whole: below)
+            plan = make_plan(scheme, names, numel, 0.01, cm, pooled=False)
             assert plan.names == names, scheme
+            if SCHEMES[scheme].budget == "pooled":  # the scheme's default: its pools
+                pooled = make_plan(scheme, names, numel, 0.01, cm)
+                assert pooled.names == names and pooled.info["whole_below_min_k"] == []
+                assert all(t.density == 0.01 for b in pooled.buffers for t in b.tensors)
             assert plan.scheme == scheme
             for b in plan.buffers:
                 for t in b.tensors:
@@ -395,7 +400,8 @@ def test_eq2_on_random_plans_holds_where_reported_and_excludes_smallest_first():
     holds = unreachable = first_excludes = 0
     for seed in range(25):
         names, numel, cm = random_model(300 + seed)
-        plan = make_plan("ssfusion", names, numel, 0.01, cm, min_k=1)  # Eq. 2 as published
+        # Eq. 2 as published: one selection per tensor, no min_k
+        plan = make_plan("ssfusion", names, numel, 0.01, cm, min_k=1, pooled=False)
         groups = [[t.name for t in b.tensors] for b in plan.buffers]
         excluded_before: set[str] = set()
         for i, (buf, inf) in enumerate(zip(plan.buffers, plan.info["eq2"])):
@@ -514,7 +520,7 @@ def test_ssfusion_plan_sends_about_the_target_volume_with_one_model_wide_density
     checked = 0
     for seed in range(10):
         names, numel, cm = random_model(400 + seed, sizes=(64, 512, 200_000, 1_000_000))
-        plan = make_plan("ssfusion", names, numel, 0.01, cm)
+        plan = make_plan("ssfusion", names, numel, 0.01, cm, pooled=False)
         ds = {t.density for b in plan.buffers for t in b.tensors if t.density is not None}
         assert len(ds) <= 1  # §IV-B(i): one compensated density over the model
         # bytes per rank and peer: index + value per sparse entry, values only for a tensor
@@ -559,7 +565,7 @@ def test_offload_marks_exactly_the_tensors_that_finish_within_the_buffer_backwar
     checked = 0
     for seed in range(25):
         names, numel, cm = random_model(500 + seed)
-        plan = make_plan("ssfusion_o", names, numel, 0.01, cm)
+        plan = make_plan("ssfusion_o", names, numel, 0.01, cm, pooled=False)
         for buf in plan.buffers:
             bound = sum(cm.backward[t.name] for t in buf.tensors)
             clock = worker = 0.0
@@ -591,7 +597,7 @@ def test_offload_on_a_gpu_host_only_where_the_worker_is_also_faster():
     fast_worker = cost_model(numel, tb, sp=(4e-4, 3e-9), off=(1e-5, 1e-12))
 
     def offloaded(cm) -> list[bool]:
-        plan = make_plan("ssfusion_o", list(numel), numel, 0.01, cm)
+        plan = make_plan("ssfusion_o", list(numel), numel, 0.01, cm, pooled=False)
         return [t.offload for b in plan.buffers for t in b.tensors if t.density is not None]
 
     for cm, offloaded_on_gpu in ((slow_worker, False), (fast_worker, True)):
@@ -619,7 +625,7 @@ def test_a_cpu_host_offloads_only_where_the_worker_has_a_core_of_its_own(monkeyp
         cm.info.pop("cores_per_rank", None)
         if cores is not None:
             cm.info["cores_per_rank"] = cores
-        plan = make_plan("ssfusion_o", list(numel), numel, 0.01, cm)
+        plan = make_plan("ssfusion_o", list(numel), numel, 0.01, cm, pooled=False)
         return plan, [t.offload for b in plan.buffers for t in b.tensors if t.density is not None]
 
     _, before = offloaded(None)
@@ -697,7 +703,7 @@ def test_ssfusion_i_splits_without_a_spare_core_only_where_the_bytes_saved_pay()
         cm.info = {"device": "cpu", "cores_per_rank": cores}
         if call is not None:  # the warm-up's measured cost of a call above its start-ups
             cm.info["call_overhead_s"] = call
-        plan = make_plan("ssfusion_oi", list(numel), numel, 0.01, cm, min_k=1)
+        plan = make_plan("ssfusion_oi", list(numel), numel, 0.01, cm, min_k=1, pooled=False)
         return sum(t.allreduce for b in plan.buffers for t in b.tensors)
 
     assert split(cores=2.0, ag_beta=8e-9) == 4  # a spare core: the all-reduce is hidden
@@ -716,8 +722,8 @@ def test_ssfusion_oi_splits_every_buffer_at_its_best_split():
     for seed in range(20):
         names, numel, cm = random_model(600 + seed)
         cm.allgather = AlphaBeta(cm.allgather.alpha, cm.allreduce.beta * 20)  # AG expensive
-        plan = make_plan("ssfusion_oi", names, numel, 0.01, cm)
-        base = make_plan("ssfusion_o", names, numel, 0.01, cm)
+        plan = make_plan("ssfusion_oi", names, numel, 0.01, cm, pooled=False)
+        base = make_plan("ssfusion_o", names, numel, 0.01, cm, pooled=False)
         for buf, ref, sp in zip(plan.buffers, base.buffers, plan.info["split"]):
             # same exclusions and offloads as SSFusion-O; the all-reduce flags differ, and d′
             # only rises (compensation charges all-reduced tensors at their bytes)
@@ -758,8 +764,8 @@ def test_ssfusion_oi_sends_the_target_bytes_with_all_reduced_tensors_charged_at_
         names, numel, cm = random_model(900 + seed, sizes=(64, 512, 200_000, 1_000_000))
         cm.P = P
         cm.allgather = AlphaBeta(cm.allgather.alpha, cm.allreduce.beta * 20)  # AG expensive
-        plan = make_plan("ssfusion_oi", names, numel, 0.01, cm)
-        base = make_plan("ssfusion_o", names, numel, 0.01, cm)
+        plan = make_plan("ssfusion_oi", names, numel, 0.01, cm, pooled=False)
+        base = make_plan("ssfusion_o", names, numel, 0.01, cm, pooled=False)
         ts = [t for b in plan.buffers for t in b.tensors]
         if plan.info["compensation"]["floor"] or not any(t.allreduce for t in ts):
             continue

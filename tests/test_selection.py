@@ -124,7 +124,7 @@ def test_the_whole_share_leaves_the_cnn_plans_as_they_were(grouping, P, monkeypa
 
 def _hook_densities(rank, world_size, cut, buckets):
     model, _, numel = _cnn()
-    cfg = Config(scheme="ssfusion", density=DENSITY)
+    cfg = Config(scheme="ssfusion", density=DENSITY, budget="blend")  # §IV-B's selection
     state, _ = gradsync.integrations.ddp.hook(cfg, model=model, small_numel=cut)
     comm = Comm(None) if world_size > 1 else None
     return [_densities(state, [numel[n] for n in bucket], 4, comm) for bucket in buckets]
@@ -137,7 +137,8 @@ def test_engine_and_ddp_hook_give_the_same_densities(P):
     """At P ranks: the tensors sent whole are charged at their bytes on both sides (values
     only in the all-gather from P = 2 on; P = 1 sends nothing, the element count)."""
     _, names, numel = _cnn()
-    plan = make_plan("ssfusion", names, numel, DENSITY, _cnn_cost(names, numel, P=P))
+    plan = make_plan("ssfusion", names, numel, DENSITY, _cnn_cost(names, numel, P=P),
+                     pooled=False)
     planned = {t.name: t.density for b in plan.buffers for t in b.tensors}
     excluded = {n for n, d in planned.items() if d is None}
     # the hook excludes by size: choose the cut that excludes the same tensors
@@ -284,7 +285,8 @@ def test_ddp_hook_compensates_over_trainable_parameters_only():
     trained = {n: k for n, k in numel.items() if not n.startswith("classifier.1.")}
     cut, density = 100, 0.05
     excluded = {n for n, k in trained.items() if k < cut}
-    cfg = Config(scheme="ssfusion", density=density, min_k=1)  # SSFusion's exclusions only
+    cfg = Config(scheme="ssfusion", density=density, min_k=1,  # SSFusion's exclusions only
+                 budget="blend")
     state, _ = gradsync.integrations.ddp.hook(cfg, model=model, small_numel=cut)
     ds = _densities(state, [trained[n] for n in trained])
     d = _model_wide_density(trained, excluded, density)

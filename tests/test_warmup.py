@@ -280,7 +280,7 @@ def _plan_switch(rank, world_size, scheme, momentum, warmup, dense_after=0):
     extra = ({"density_warmup": (1.0,), "density_warmup_steps": warmup + dense_after}
              if dense_after else {})
     sync = GradSync(model, Config(scheme=scheme, density=0.05, momentum=momentum,
-                                  warmup_steps=warmup, **extra))
+                                  warmup_steps=warmup, budget="blend", **extra))
     u: dict[str, torch.Tensor] = {}
     out = []
     for step in range(warmup + 2 + dense_after):
@@ -318,6 +318,7 @@ def test_plan_switch_flushes_no_warmup_residual(scheme: str, world_size: int) ->
     holds nothing back, and at the switch every tensor sent whole is still the reference,
     with and without DGC's momentum correction. (With the old warm-up this test fails at the
     switch: there the whole tensors' largest error is 0.7–1.6× the reference's largest entry.)
+    Under the blended budget, where the plan sends tensors whole (the pooled one sends none).
     The tensors the plan sparsifies start their velocity afresh at the switch (u = g there),
     the whole ones keep theirs (the reference's)."""
     warmup = 3

@@ -30,6 +30,13 @@ DENSITY_SCHEDULES = ("fixed", "adaptive")
 # What a config saved before a key existed meant by it (Config.differences).
 _BEFORE_THE_KEY: dict[str, Any] = {"min_k": 1, "density_schedule": "fixed",
                                     "momentum_ahead": 0.0, "budget": "even"}
+
+
+def _min_k_in_force(scheme: str, budget: str) -> int:
+    """``Config.min_k``'s default for ``scheme`` under the budget rule ``budget``."""
+    return 1 if budget == "pooled" else schemes.get(scheme).min_k
+
+
 # the least density at which a scheme's share of 1 (momentum_ahead's default) applies; below it
 # the default share is at most 1/3 (Config.momentum_ahead)
 AHEAD_WHOLE_FROM = 0.01
@@ -113,7 +120,8 @@ class Config:
         min_k: a tensor sparsified on its own (``per_tensor``, the SSFusion family, HiPress,
             Espresso, ``auto``, the DDP hook) that would send fewer than ``min_k`` entries per
             step is sent whole instead (``None``, the default: the scheme's own, 8,
-            ``Scheme.min_k``; ``1`` sparsifies every tensor the planner chose to;
+            ``Scheme.min_k``, and 1 under the pooled budget, where a pool's K counts, not a
+            tensor's k; ``1`` sparsifies every tensor the planner chose to;
             :attr:`effective_min_k` is the value in force). In the SSFusion family, whose
             compensation pays for them, only where they fit half of its byte budget together
             (:func:`gradsync.schedule.ssfusion.starved`). DGC's reference sends
@@ -209,7 +217,10 @@ class Config:
             entries one density gives a job's sparsified tensors, Σ k_i, chosen each step by
             one top-k over all of them, as TopkA's global selection shares the model's (a
             tensor may then send none in a step: SSFusion §III-A's "tensor missing", which
-            error feedback catches up). ``None`` (default): the scheme's
+            error feedback catches up); nothing of a pool is sent whole for its size: SSFusion's
+            Eq. 2 excludes no tensor and ``min_k``'s default is 1
+            (:mod:`gradsync.schedule.ssfusion`, "Pooled buffers send nothing whole"), in the
+            engine and the DDP hook alike. ``None`` (default): the scheme's
             (``Scheme.budget``, :attr:`effective_budget`): ``"pooled"`` for the SSFusion
             family, ``"blend"`` for the others. Under ``"gradient"`` and ``"blend"``
             ``per_tensor`` profiles ``warmup_steps`` steps at ``density`` before its plan is
@@ -396,7 +407,9 @@ class Config:
             theirs = saved.get(k, _BEFORE_THE_KEY.get(k))
             if k == "min_k":  # the value in force: a default saved as its number is the same
                 mine[k] = self.effective_min_k
-                theirs = (schemes.get(saved.get("scheme", self.scheme)).min_k
+                scheme = saved.get("scheme", self.scheme)
+                rule = saved.get("budget", _BEFORE_THE_KEY["budget"])
+                theirs = (_min_k_in_force(scheme, rule or schemes.get(scheme).budget)
                           if theirs is None else theirs)
             if k == "budget":  # the rule in force: None is the scheme's
                 mine[k] = self.effective_budget
@@ -441,8 +454,10 @@ class Config:
 
     @property
     def effective_min_k(self) -> int:
-        """``min_k`` in force: the one given, else the scheme's (``Scheme.min_k``)."""
-        return schemes.get(self.scheme).min_k if self.min_k is None else self.min_k
+        """``min_k`` in force: the one given, else 1 under the pooled budget (a pool's K
+        counts, not a tensor's k) and the scheme's (``Scheme.min_k``) under the others."""
+        return (_min_k_in_force(self.scheme, self.effective_budget) if self.min_k is None
+                else self.min_k)
 
     @property
     def effective_momentum_ahead(self) -> float:

@@ -153,7 +153,7 @@ def backward_profile(
 def plan_kwargs(cfg: Config) -> dict[str, Any]:
     return {"bucket_bytes": schedule.bucket_bytes_of(cfg.bucket_mb),
             "first_bucket_bytes": schedule.bucket_bytes_of(cfg.first_bucket_mb),
-            "min_density": cfg.min_density, "min_k": cfg.effective_min_k}
+            "min_density": cfg.min_density, "min_k": cfg.effective_min_k, "pooled": cfg.pooled}
 
 
 def provisional_plan(cfg: Config, order: list[str], numel: dict[str, int]) -> Plan:

@@ -226,10 +226,9 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
                comm: Comm | None = None, device: torch.device | None = None,
                names: list[str] | None = None) -> list[float | None]:
     """Per-tensor density of one bucket, None = sent whole: ``per_tensor`` every tensor at
-    ``density``; ``auto`` all or none (:class:`AutoTrial`); SSFusion
-    :func:`~gradsync.schedule.ssfusion.hook_plan` over the model's trainable parameters (or the
-    bucket's, without a model). Fewer than ``Config.min_k`` entries at its density (d′): whole.
-    With the tensors' ``names``, ``Config.budget``'s shares once settled (:class:`HookBudget`)."""
+    ``density``; ``auto`` all or none (:class:`AutoTrial`); SSFusion :func:`hook_plan` over the
+    model's trainable parameters (the bucket's without one; pooled: no size threshold), whole
+    below ``Config.min_k`` entries at d′; with ``names``, ``Config.budget``'s shares (settled)."""
     cfg, forced = state.cfg, True
     if state.scheme.planner == "auto":
         sparse = state.auto.sparse(
@@ -243,8 +242,9 @@ def _densities(state: HookState, numels: list[int], elem_bytes: int = 4,
         P = comm.size if comm is not None else 1
         split = hook_interleaves(state.scheme.interleave, getattr(device, "type", "cpu"))
         charge = (allreduce_charge if split else allgather_charge)(P, elem_bytes)
+        small = 0 if cfg.pooled else state.small_numel  # a pool sends nothing whole for size
         whole, d, sent, forced = hook_plan(
-            state.model.trained or tuple(numels), state.small_numel, cfg.density,
+            state.model.trained or tuple(numels), small, cfg.density,
             cfg.min_density, charge, cfg.effective_min_k, allgather_charge(P, elem_bytes))
         if state.model.trained is not None and state.counts.sent_density is None:
             state.counts.sent_density = sent  # said once, on rank 0, when not honoured

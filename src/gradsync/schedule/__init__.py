@@ -90,6 +90,7 @@ class PlanInputs:
     first_bucket_bytes: int | None
     min_density: float
     min_k: int
+    pooled: bool = False
 
     def groups(self, mode: str, groups: list[list[str]]) -> list[BufferPlan]:
         """Buffers over ``groups``: all-reduced (``dense``), sparsified as one vector
@@ -175,7 +176,7 @@ def _ssfusion(job: PlanInputs) -> tuple[list[BufferPlan], dict[str, Any]]:
     assert cost is not None  # make_plan: the ssfusion rows need a cost model
     groups, _ = cupcake_groups(job.names, job.numel, cost, job.density)
     buffers, eq2 = selective_buffers(groups, job.numel, cost, job.density, job.min_density,
-                                     job.min_k)
+                                     job.min_k, pooled=job.pooled)
     forced = {n for buf in eq2 for n in buf["forced"]}
     info: dict[str, Any] = {"eq2": eq2, "whole_below_min_k": [
         n for n in job.names if n in forced]}
@@ -207,6 +208,7 @@ def make_plan(
     first_bucket_bytes: int | None = None,
     min_density: float = 0.001,
     min_k: int | None = None,
+    pooled: bool | None = None,
 ) -> Plan:
     """Plan ``scheme`` for the tensors ``names`` (backward order) at target ``density``.
 
@@ -221,9 +223,15 @@ def make_plan(
     plans what the engine runs. SSFusion's Eq. 2 and its compensation see the result, when the
     tensors it sends whole fit half of SSFusion's byte budget
     (:func:`~gradsync.schedule.ssfusion.starved`).
+
+    ``pooled``: each buffer's sparsified tensors are selected as one (``Config.budget``
+    ``"pooled"``); ``None``: the scheme's budget (``Scheme.budget``). Then ``min_k``'s default
+    is 1 (a pool's K counts, not a tensor's k) and SSFusion's Eq. 2 excludes nothing
+    (:func:`~gradsync.schedule.ssfusion.selective_buffers`).
     """
     spec = schemes.get(scheme)  # raises on an unknown scheme
-    min_k = spec.min_k if min_k is None else min_k
+    pooled = spec.budget == "pooled" if pooled is None else bool(pooled)
+    min_k = (1 if pooled else spec.min_k) if min_k is None else min_k
     needs = spec.needs_cost_model
     density = validate_density(density, "density")
     min_density = validate_density(min_density, "min_density")
@@ -254,7 +262,7 @@ def make_plan(
         raise ValueError(f"scheme {scheme!r} needs a cost model (gradsync.schedule.costmodel)")
 
     job = PlanInputs(spec, names, numel, density, cost, elem_bytes, bucket_bytes,
-                     first_bucket_bytes, min_density, min_k)
+                     first_bucket_bytes, min_density, min_k, pooled)
     buffers, info = PLANNER_FUNCTIONS[spec.planner](job)
     info = {"density": density, **info}
     if "whole_below_min_k" not in info:  # the other planners: after the fact

@@ -82,6 +82,7 @@ class Scheme:
             with none forced (5 seeds, each better); TinyGPT's take 66 %, and forcing them cost
             21.79 against 19.92 perplexity (60 steps, 3 seeds; d′ 0.0079 → 0.0034) and 7.74
             against 7.45 (SSFusion-OI, 1000 steps). The CNN's plans are the same either way.
+            Under the pooled budget (``budget``) ``Config`` takes 1 instead: a pool's K counts.
         momentum_ahead: ``Config.momentum_ahead``'s default: the share of a sent entry's
             velocity tail it carries ahead under DGC momentum correction without masking
             (``gradsync.feedback``, "Ahead"). Chosen per scheme from 1/3 and 1 at 1 %, P = 4

@@ -120,6 +120,21 @@ first convolution and classifier) take 40 % of the budget; sparsified, the class
 of its 640 entries a step and SSFusion ended 11.1 points below DDP, whole 1.1 (5 seeds).
 TinyGPT's biases and norms take 66 %; forced whole they halved the matrices' density (d′
 0.0079 → 0.0034) and cost 1.9 perplexity at 60 steps and 0.29 at 1000 (3 seeds).
+
+**Pooled buffers send nothing whole (ours).** Under ``Config.budget="pooled"``, the family's
+default, a buffer's sparsified tensors are selected by one top-k of K = Σ k_i
+(:attr:`gradsync.engine.jobs.Job.pools`). Eq. 2 excludes a tensor to save its own
+sparsification, T_gpu^j; a pool pays one selection over all of its elements, which excluding
+its smallest tensors shortens by their elements only (ResNet-20's 38 BatchNorm vectors are
+0.5 % of its pool), while what they then send whole takes up to :data:`WHOLE_SHARE` of the
+bytes from the others. So under pooling :func:`selective_buffers` excludes nothing (its info
+says ``eq2: "pooled"``) and ``min_k``'s default is 1: the pool, not a per-tensor k, gives a
+small tensor the entries its values earn, as TopkA's global selection does. SSFusion-I's
+Buffer_AR is then empty. The DDP hook does the same (every tensor of a bucket in its pool).
+``Config(budget="blend")`` is the paper's selective sparsification. Measured at 1 %, P = 4
+(docs/results/accuracy.md, "Pooled buffers send nothing whole"): SSFusion-OI on ResNet-20
+(cosine schedule, 10 seeds) +0.54 [+0.05, +1.03] points paired over its buffers pooled
+beside the tensors sent whole, when replaying plans that sparsify every tensor.
 """
 
 from __future__ import annotations
@@ -372,8 +387,8 @@ def _compensated(groups: Sequence[Sequence[str]], numel: dict[str, int], exclude
 # §IV-B: overlap-maximised selective sparsification
 # ---------------------------------------------------------------------------------------------
 def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: CostModel,
-                      density: float, min_density: float = 0.001, min_k: int = 1
-                      ) -> tuple[list[BufferPlan], list[dict[str, Any]]]:
+                      density: float, min_density: float = 0.001, min_k: int = 1,
+                      pooled: bool = False) -> tuple[list[BufferPlan], list[dict[str, Any]]]:
     """Per-tensor buffers over ``groups`` with Eq. 2 selection in every buffer and model-wide
     density-aware compensation; one info dict per buffer (the last compensation in each).
 
@@ -381,7 +396,10 @@ def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: Cost
     give fewer entries are excluded before Eq. 2 runs (:func:`~gradsync.schedule.plan.
     whole_below`), so the compensation charges what they send whole; Eq. 2 then excludes
     among the others; when they would take more than :data:`MIN_K_SHARE` of the budget none is
-    forced (:func:`starved`)."""
+    forced (:func:`starved`).
+
+    ``pooled`` (``Config.budget="pooled"``): Eq. 2 excludes nothing (module doc, "Pooled
+    buffers send nothing whole"); ``min_k`` still forces what it marks."""
     everything = [n for g in groups for n in g]
     floor = min(min_density, density)
     k_target = density * sum(numel[n] for n in everything)
@@ -406,7 +424,7 @@ def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: Cost
         dense_n = sum(numel[n] for n in excluded)
         sparse_floor = sum(k_floor[n] for n in everything if n not in excluded)
         e_max = 0
-        while e_max < len(names):
+        while e_max < len(names) and not pooled:
             n = ascending[e_max]
             if (dense_n + numel[n] + sparse_floor - k_floor[n] >= k_target
                     or (dense_n + numel[n]) * w_whole > WHOLE_SHARE * k_target):
@@ -431,7 +449,7 @@ def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: Cost
                 if best_t is None or t < best_t * (1 - 1e-6):
                     best_t, chosen = t, e
         excluded |= set(ascending[:chosen])
-        infos.append({"buffer": i, "eq2": status, "T_cm_prev": t_cm_prev,
+        infos.append({"buffer": i, "eq2": "pooled" if pooled else status, "T_cm_prev": t_cm_prev,
                       "T_comp": t_comp(chosen), "max_excluded": e_max,
                       "excluded": list(ascending[:chosen]),
                       "forced": [n for n in group if n in forced]})
