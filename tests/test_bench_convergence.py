@@ -1794,8 +1794,8 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     (DGC's warm-up, its selection all-reduced where it would all-gather 1/P of a job's entries or
     more; without it, 75753fb; TopkA over 10 seeds on the AMD AVX-512 machine), per_tensor's
     and SSFusion-OI's with the blended budget (the default of both from 2026-12-07) and with
-    one density for every tensor (the same 5 seeds), SSFusion-OI's pooled (its default since;
-    10 seeds),
+    one density for every tensor (the same 5 seeds), SSFusion-OI's pooled beside its small
+    tensors sent whole and with nothing whole (its default since; 10 seeds),
     ResNet-18's TopkA with the warm-up and before 372cd61 against the AMD machine's DDP runs,
     per_tensor's and SSFusion-OI's there with either budget, and what following the rate was
     worth to TopkA, recomputed from the pages' finals."""
@@ -1826,10 +1826,14 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
     ten = _by_scheme("budget-blend/resnet20-cosine-10-seeds", "--model resnet20")
     pooled = _by_scheme("budget-pooled/resnet20-cosine", "--model resnet20")
     assert pooled["ddp"]["finals"] == ten["ddp"]["finals"]
-    assert (f"SSFusion-OI with its buffers pooled, its default since, "
-            f"{_interval_cell(pooled['ssfusion_oi']['finals'], ten['ddp']['finals'])} over 10 "
+    whole = _by_scheme("nothing-whole/resnet20-cosine")
+    assert whole["ddp"]["finals"] == ten["ddp"]["finals"]
+    assert (f"SSFusion-OI with its buffers pooled and nothing sent whole, its default since, "
+            f"{_interval_cell(whole['ssfusion_oi']['finals'], ten['ddp']['finals'])} over 10 "
             f"seeds on the other AMD machine "
-            f"({_interval_cell(ten['ssfusion_oi']['finals'], ten['ddp']['finals'])} blended;"
+            f"({_interval_cell(pooled['ssfusion_oi']['finals'], ten['ddp']['finals'])} with its "
+            f"small tensors sent whole, "
+            f"{_interval_cell(ten['ssfusion_oi']['finals'], ten['ddp']['finals'])} blended;"
             ) in readme
     r18 = _resnet18_today()
     w18 = _by_scheme(WARMUP_R18, "--model resnet18")
@@ -1840,11 +1844,11 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
             f"{r18['topka']['spike']:.2f}× before 372cd61") in readme
     b18 = _by_scheme("budget-blend/resnet18", "--model resnet18")
     assert b18["ddp"]["finals"] == d
-    p18 = _by_scheme("budget-pooled/resnet18", "--model resnet18")
+    p18 = _by_scheme("nothing-whole/resnet18")
     assert p18["ddp"]["finals"] == d
     assert (f"per_tensor {_gap_cell(b18['per_tensor']['finals'], d)} and SSFusion-OI "
             f"{_gap_cell(p18['ssfusion_oi']['finals'], d)} points vs DDP, SSFusion-OI's buffers "
-            f"pooled ({_gap_cell(b18['ssfusion_oi']['finals'], d)} blended; "
+            f"pooled, nothing whole ({_gap_cell(b18['ssfusion_oi']['finals'], d)} blended; "
             f"{_mean_sd(w18['per_tensor']['finals'])} % and "
             f"{_mean_sd(w18['ssfusion_oi']['finals'])} % with one density") in readme
     base = _by_scheme("convergence-resnet20-cosine")

@@ -132,9 +132,10 @@ says ``eq2: "pooled"``) and ``min_k``'s default is 1: the pool, not a per-tensor
 small tensor the entries its values earn, as TopkA's global selection does. SSFusion-I's
 Buffer_AR is then empty. The DDP hook does the same (every tensor of a bucket in its pool).
 ``Config(budget="blend")`` is the paper's selective sparsification. Measured at 1 %, P = 4
-(docs/results/accuracy.md, "Pooled buffers send nothing whole"): SSFusion-OI on ResNet-20
-(cosine schedule, 10 seeds) +0.54 [+0.05, +1.03] points paired over its buffers pooled
-beside the tensors sent whole, when replaying plans that sparsify every tensor.
+(docs/results/accuracy.md, "Pooled buffers send nothing whole"), SSFusion-OI against its
+buffers pooled beside the tensors sent whole: ResNet-20 (cosine schedule, 10 seeds) −0.69
+points vs DDP instead of −1.23 (+0.54 [+0.05, +1.02] paired); the CNN −0.48 [−1.59, +0.63]
+paired (10 seeds, unresolved; +0.57 vs DDP); TinyGPT lower perplexity on every seed.
 """
 
 from __future__ import annotations
