@@ -192,6 +192,55 @@ def test_the_budget_in_force_is_the_schemes_unless_given():
                                               ("budget",)) == []
 
 
+def _mb(r: dict) -> str:
+    """A page row's MB per rank and step, as the sections write it."""
+    return f"{r['bytes_per_step'] / 1e6:.4f}"
+
+
+def _seeds_vs_ddp(r: dict) -> str:
+    """SSFusion-OI's finals against DDP's by seed, in points: "a, b and c"."""
+    d = [f"{100 * (a - b):+.2f}".replace("-", "−")
+         for a, b in zip(r["ssfusion_oi"]["finals"], r["ddp"]["finals"])]
+    return f"{', '.join(d[:-1])} and {d[-1]}"
+
+
+def _ppl_cell(r: dict, ddp: list[float], pct: int) -> str:
+    """Perplexity ± sd over seeds and its gap to DDP's mean, to ``pct`` decimals."""
+    import statistics
+
+    f = r["finals"]
+    return (f"{statistics.mean(f):.2f} ± {statistics.stdev(f):.2f} "
+            f"(+{100 * (statistics.mean(f) / statistics.mean(ddp) - 1):.{pct}f} %)")
+
+
+def _to_target(r: dict, s: str) -> str:
+    """How much faster than DDP scheme ``s`` reaches 99 % of DDP's accuracy (a 960-step page)."""
+    return f"{r['ddp']['seconds_to_target'] / r[s]['seconds_to_target']:.2f}×"
+
+
+def _kept(r: dict, s: str) -> str:
+    """The share of its step speed-up that scheme ``s`` keeps to 99 % of DDP's accuracy."""
+    first = r["ddp"]["seconds_to_target"]
+    return f"{100 * first / r[s]['seconds_to_target'] / r[s]['step_speedup']:.0f}"
+
+
+def _tta_claim(tta: dict, was: dict, finals_label: str, times_label: str) -> str:
+    """The sections' sentence on SSFusion's time to DDP's accuracy at 100 Mbit/s (960-step
+    pages ``tta`` and the one before, ``was``), up to what it keeps of its step speed-up."""
+    import statistics
+
+    from test_bench_convergence import _mean_sd
+
+    gap = 100 * (statistics.mean(tta["ssfusion"]["finals"])
+                 - statistics.mean(tta["ddp"]["finals"]))
+    return (f"end at {_mean_sd(tta['ssfusion']['finals'])} % ({gap:+.2f} points vs DDP; "
+            f"{_mean_sd(was['ssfusion']['finals'])} {finals_label}) and reach 99 % of DDP's "
+            f"accuracy {_to_target(tta, 'ssfusion')} and {_to_target(tta, 'ssfusion_oi')} as "
+            f"fast as DDP ({_to_target(was, 'ssfusion')} and {_to_target(was, 'ssfusion_oi')} "
+            f"{times_label}), for steps {tta['ssfusion']['step_speedup']:.2f}× and "
+            f"{tta['ssfusion_oi']['step_speedup']:.2f}× as fast:").replace("-0.", "−0.")
+
+
 def _row_cells(section: str, first: str) -> list[str]:
     line = next(x for x in section.splitlines() if x.startswith(f"| {first}"))
     return [c.strip() for c in line.strip("|").split("|")]
@@ -201,7 +250,6 @@ def test_the_pooled_default_figures_hold_in_the_written_results():
     """accuracy.md, "SSFusion's buffers pooled": every figure of its table and bullets,
     recomputed from the pages' JSON (SSFusion trained with --budget pooled, the pages written
     with the default, which is it), against the blended budget's pages of the same machine."""
-    import statistics
     from pathlib import Path
 
     from test_bench_convergence import _by_scheme, _interval_cell, _mean_sd
@@ -211,9 +259,6 @@ def test_the_pooled_default_figures_hold_in_the_written_results():
     section = text.split("## SSFusion's buffers pooled: `Config.budget=\"pooled\"`")[1].split(
         "\n## ")[0]
     flat = " ".join(section.split())
-
-    def mb(r: dict) -> str:
-        return f"{r['bytes_per_step'] / 1e6:.4f}"
 
     rows = {"CNN": ("convergence-cnn-2026-12-07-pooled", "convergence-cnn-2026-12-07-blend"),
             "ResNet-20": ("budget-pooled/resnet20-cosine",
@@ -225,18 +270,14 @@ def test_the_pooled_default_figures_hold_in_the_written_results():
         assert new["ddp"]["finals"] == old["ddp"]["finals"]  # the same DDP runs
         assert _row_cells(section, first)[1:] == [
             f"{_mean_sd(b)} %", f"{_mean_sd(s)} %", _interval_cell(s, ddp), _interval_cell(s, b),
-            f"{mb(old['ssfusion_oi'])} → {mb(new['ssfusion_oi'])}"], first
+            f"{_mb(old['ssfusion_oi'])} → {_mb(new['ssfusion_oi'])}"], first
     cnn = _by_scheme("convergence-cnn-2026-12-07-pooled")
     assert cnn["ssfusion"]["finals"] == cnn["ssfusion_oi"]["finals"]  # the same plans
     # ResNet-18: each seed against DDP, and the worst loss after step 5 (issue 68: within 2×)
     r18, r18b = _by_scheme("budget-pooled/resnet18"), _by_scheme("budget-blend/resnet18")
 
-    def seeds(r: dict) -> str:
-        d = [f"{100 * (a - b):+.2f}".replace("-", "−")
-             for a, b in zip(r["ssfusion_oi"]["finals"], r["ddp"]["finals"])]
-        return f"{', '.join(d[:-1])} and {d[-1]}"
-
-    assert (f"seeds {seeds(r18)} (the blend's {seeds(r18b).replace(' and ', ', ')}), no loss "
+    blend = _seeds_vs_ddp(r18b).replace(" and ", ", ")
+    assert (f"seeds {_seeds_vs_ddp(r18)} (the blend's {blend}), no loss "
             f"after step 5 above {r18['ssfusion_oi']['spike']:.2f}× step 0's (the blend's worst "
             f"{r18b['ssfusion_oi']['spike']:.2f}×)") in flat
     assert r18["ssfusion_oi"]["spike"] < 2
@@ -255,16 +296,11 @@ def test_the_pooled_default_figures_hold_in_the_written_results():
         new, old = _by_scheme(page), _by_scheme(before)
         assert new["ddp"]["finals"] == old["ddp"]["finals"]
 
-        def ppl(r: dict, ddp: list[float], pct: int = pct) -> str:
-            f = r["finals"]
-            return (f"{statistics.mean(f):.2f} ± {statistics.stdev(f):.2f} "
-                    f"(+{100 * (statistics.mean(f) / statistics.mean(ddp) - 1):.{pct}f} %)")
-
         seeds = ", ".join(f"{a - b:+.2f}".replace("-", "−") for a, b in zip(
             new["ssfusion_oi"]["finals"], old["ssfusion_oi"]["finals"]))
         cells = _row_cells(section, first)
-        assert cells[1:3] == [ppl(old["ssfusion_oi"], old["ddp"]["finals"]),
-                              ppl(new["ssfusion_oi"], new["ddp"]["finals"])], first
+        assert cells[1:3] == [_ppl_cell(old["ssfusion_oi"], old["ddp"]["finals"], pct),
+                              _ppl_cell(new["ssfusion_oi"], new["ddp"]["finals"], pct)], first
         assert cells[4] == f"{seeds} by seed", first
     # the same machine's TopkA and the gradient's mass on ResNet-20, 10 seeds
     topka = _by_scheme("budget-pooled/resnet20-cosine-topka-10-seeds")
@@ -280,21 +316,9 @@ def test_the_pooled_default_figures_hold_in_the_written_results():
     tta = _by_scheme("convergence-cnn-960-100mbit-2026-12-07-pooled")
     old = _by_scheme("convergence-cnn-960-100mbit-2026-12-07-blend")
     assert tta["ddp"]["finals"] == old["ddp"]["finals"]
-    first = tta["ddp"]["seconds_to_target"]
-
-    def near(r: dict, s: str) -> str:
-        return f"{first / r[s]['seconds_to_target']:.2f}×"
-
-    kept = {f"{100 * first / tta[s]['seconds_to_target'] / tta[s]['step_speedup']:.0f}"
-            for s in ("ssfusion", "ssfusion_oi")}
-    gap = 100 * (statistics.mean(tta["ssfusion"]["finals"])
-                 - statistics.mean(tta["ddp"]["finals"]))
-    assert (f"end at {_mean_sd(tta['ssfusion']['finals'])} % ({gap:+.2f}"
-            f" points vs DDP; {_mean_sd(old['ssfusion']['finals'])} blended) and reach 99 % of "
-            f"DDP's accuracy {near(tta, 'ssfusion')} and {near(tta, 'ssfusion_oi')} as fast as "
-            f"DDP ({near(old, 'ssfusion')} and {near(old, 'ssfusion_oi')} blended), for steps "
-            f"{tta['ssfusion']['step_speedup']:.2f}× and {tta['ssfusion_oi']['step_speedup']:.2f}×"
-            f" as fast: {kept.pop()} % of the step speed-up kept") in flat and not kept
+    kept = {_kept(tta, s) for s in ("ssfusion", "ssfusion_oi")}
+    assert (_tta_claim(tta, old, "blended", "blended")
+            + f" {kept.pop()} % of the step speed-up kept") in flat and not kept
     assert (f"all of it {tta['ssfusion']['time_speedup']:.2f}× and "
             f"{tta['ssfusion_oi']['time_speedup']:.2f}× on 2 seeds of 3 "
             f"({old['ssfusion']['time_speedup']:.2f}× and {old['ssfusion_oi']['time_speedup']:.2f}×"
@@ -322,9 +346,6 @@ def test_the_nothing_whole_figures_hold_in_the_written_results():
     section = text.split("## Pooled buffers send nothing whole")[1].split("\n## ")[0]
     flat = " ".join(section.split())
 
-    def mb(r: dict) -> str:
-        return f"{r['bytes_per_step'] / 1e6:.4f}"
-
     pages = {"CNN": ("convergence-cnn-2026-12-07-nothing-whole",
                      "convergence-cnn-2026-12-07-pooled"),
              "ResNet-20": ("nothing-whole/resnet20-cosine", "budget-pooled/resnet20-cosine"),
@@ -337,7 +358,7 @@ def test_the_nothing_whole_figures_hold_in_the_written_results():
         assert ddp == old[first]["ddp"]["finals"]  # the same DDP runs
         assert _row_cells(section, first)[1:] == [
             f"{_mean_sd(b)} %", f"{_mean_sd(s)} %", _interval_cell(s, ddp), _interval_cell(s, b),
-            f"{mb(old[first]['ssfusion_oi'])} → {mb(new[first]['ssfusion_oi'])}"], first
+            f"{_mb(old[first]['ssfusion_oi'])} → {_mb(new[first]['ssfusion_oi'])}"], first
         meta = json.loads((root / f"docs/results/{pages[first][0]}.json").read_text())["meta"]
         assert "--budget" not in meta["command"] and "--min-k" not in meta["command"]
     cnn, r20, r18 = new["CNN"], new["ResNet-20"], new["ResNet-18"]
@@ -366,13 +387,8 @@ def test_the_nothing_whole_figures_hold_in_the_written_results():
     tk = 100 * (statistics.mean(cnn["topka"]["finals"]) - statistics.mean(cnn["ddp"]["finals"]))
     assert f"now {vs:+.2f} points vs DDP" in flat and f"next to TopkA's {tk:+.2f}" in flat
     # ResNet-18 by seed, and its worst loss after step 5
-    def seeds(r: dict) -> str:
-        g = [f"{100 * (a - b):+.2f}".replace("-", "−")
-             for a, b in zip(r["ssfusion_oi"]["finals"], r["ddp"]["finals"])]
-        return f"{', '.join(g[:-1])} and {g[-1]}"
-
-    assert (f"seeds {seeds(r18)} vs DDP (the pooled buffers beside tensors sent whole: "
-            f"{seeds(old['ResNet-18'])}), no loss after step 5 above "
+    assert (f"seeds {_seeds_vs_ddp(r18)} vs DDP (the pooled buffers beside tensors sent whole: "
+            f"{_seeds_vs_ddp(old['ResNet-18'])}), no loss after step 5 above "
             f"{r18['ssfusion_oi']['spike']:.2f}× step 0's") in flat
     assert r18["ssfusion_oi"]["spike"] < 2
     # TinyGPT: perplexity ± sd (gap to DDP), by seed paired
@@ -383,24 +399,19 @@ def test_the_nothing_whole_figures_hold_in_the_written_results():
         n, o = _by_scheme(page), _by_scheme(before)
         assert n["ddp"]["finals"] == o["ddp"]["finals"]
 
-        def ppl(r: dict, ddp: list[float], pct: int = pct) -> str:
-            f = r["finals"]
-            return (f"{statistics.mean(f):.2f} ± {statistics.stdev(f):.2f} "
-                    f"(+{100 * (statistics.mean(f) / statistics.mean(ddp) - 1):.{pct}f} %)")
-
         by_seed = [a - b for a, b in zip(n["ssfusion_oi"]["finals"], o["ssfusion_oi"]["finals"])]
         assert max(by_seed) < 0  # every seed lower
         cells = _row_cells(section, first)
-        assert cells[1:3] == [ppl(o["ssfusion_oi"], o["ddp"]["finals"]),
-                              ppl(n["ssfusion_oi"], n["ddp"]["finals"])], first
+        assert cells[1:3] == [_ppl_cell(o["ssfusion_oi"], o["ddp"]["finals"], pct),
+                              _ppl_cell(n["ssfusion_oi"], n["ddp"]["finals"], pct)], first
         assert cells[4] == ", ".join(f"{x:+.2f}".replace("-", "−") for x in by_seed) + (
             " by seed"), first
         assert cells[5] == (f"{o['ssfusion_oi']['bytes_per_step'] / 1e6:.3f} → "
                             f"{n['ssfusion_oi']['bytes_per_step'] / 1e6:.3f}"), first
     # the bytes: TopkA's over the run, and what goes missing
     t20 = topka["topka"]
-    assert (f"ResNet-20 {mb(r20['ssfusion_oi'])} MB against TopkA's {mb(t20)}, the CNN "
-            f"{mb(cnn['ssfusion_oi'])} against {mb(cnn['topka'])}") in flat
+    assert (f"ResNet-20 {_mb(r20['ssfusion_oi'])} MB against TopkA's {_mb(t20)}, the CNN "
+            f"{_mb(cnn['ssfusion_oi'])} against {_mb(cnn['topka'])}") in flat
     lm60 = _by_scheme("convergence-lm-2026-12-07-nothing-whole")["ssfusion_oi"]
     assert (f"rise from {100 * old['ResNet-20']['ssfusion_oi']['missing_rate']:.3f} % to "
             f"{100 * r20['ssfusion_oi']['missing_rate']:.1f} % (TopkA "
@@ -411,22 +422,9 @@ def test_the_nothing_whole_figures_hold_in_the_written_results():
     tta = _by_scheme("convergence-cnn-960-100mbit-2026-12-07-nothing-whole")
     was = _by_scheme("convergence-cnn-960-100mbit-2026-12-07-pooled")
     assert all(tta[s]["finals"] == was[s]["finals"] for s in ("ddp", "topka", "oktopk"))
-
-    def near(r: dict, s: str) -> str:
-        return f"{r['ddp']['seconds_to_target'] / r[s]['seconds_to_target']:.2f}×"
-
-    first = tta["ddp"]["seconds_to_target"]
-    kept = [f"{100 * first / tta[s]['seconds_to_target'] / tta[s]['step_speedup']:.0f} %"
-            for s in ("ssfusion", "ssfusion_oi")]
-    gap = 100 * (statistics.mean(tta["ssfusion"]["finals"])
-                 - statistics.mean(tta["ddp"]["finals"]))
-    assert (f"end at {_mean_sd(tta['ssfusion']['finals'])} % ({gap:+.2f} points vs DDP; "
-            f"{_mean_sd(was['ssfusion']['finals'])} pooled beside tensors sent whole) and reach "
-            f"99 % of DDP's accuracy {near(tta, 'ssfusion')} and {near(tta, 'ssfusion_oi')} as "
-            f"fast as DDP ({near(was, 'ssfusion')} and {near(was, 'ssfusion_oi')} before), for "
-            f"steps {tta['ssfusion']['step_speedup']:.2f}× and "
-            f"{tta['ssfusion_oi']['step_speedup']:.2f}× as fast: {kept[0]} and {kept[1]} of the "
-            "step speed-up kept").replace("-0.", "−0.") in flat
+    kept = [f"{_kept(tta, s)} %" for s in ("ssfusion", "ssfusion_oi")]
+    assert (_tta_claim(tta, was, "pooled beside tensors sent whole", "before")
+            + f" {kept[0]} and {kept[1]} of the step speed-up kept") in flat
     assert min(float(k[:-2]) for k in kept) >= 85  # issue 68's bar
     assert all(tta[s]["reached_ddp"] == 3 for s in ("ssfusion", "ssfusion_oi"))
     assert (f"all of it {tta['ssfusion']['time_speedup']:.2f}× and "
