@@ -30,13 +30,6 @@ DENSITY_SCHEDULES = ("fixed", "adaptive")
 # What a config saved before a key existed meant by it (Config.differences).
 _BEFORE_THE_KEY: dict[str, Any] = {"min_k": 1, "density_schedule": "fixed",
                                     "momentum_ahead": 0.0, "budget": "even"}
-
-
-def _min_k_in_force(scheme: str, budget: str) -> int:
-    """``Config.min_k``'s default for ``scheme`` under the budget rule ``budget``."""
-    return 1 if budget == "pooled" else schemes.get(scheme).min_k
-
-
 # the least density at which a scheme's share of 1 (momentum_ahead's default) applies; below it
 # the default share is at most 1/3 (Config.momentum_ahead)
 AHEAD_WHOLE_FROM = 0.01
@@ -409,8 +402,8 @@ class Config:
                 mine[k] = self.effective_min_k
                 scheme = saved.get("scheme", self.scheme)
                 rule = saved.get("budget", _BEFORE_THE_KEY["budget"])
-                theirs = (_min_k_in_force(scheme, rule or schemes.get(scheme).budget)
-                          if theirs is None else theirs)
+                pooled = (rule or schemes.get(scheme).budget) == "pooled"
+                theirs = schemes.get(scheme).min_k_under(pooled) if theirs is None else theirs
             if k == "budget":  # the rule in force: None is the scheme's
                 mine[k] = self.effective_budget
                 theirs = (schemes.get(saved.get("scheme", self.scheme)).budget
@@ -456,8 +449,8 @@ class Config:
     def effective_min_k(self) -> int:
         """``min_k`` in force: the one given, else 1 under the pooled budget (a pool's K
         counts, not a tensor's k) and the scheme's (``Scheme.min_k``) under the others."""
-        return (_min_k_in_force(self.scheme, self.effective_budget) if self.min_k is None
-                else self.min_k)
+        return schemes.get(self.scheme).min_k_under(self.pooled) if self.min_k is None else (
+            self.min_k)
 
     @property
     def effective_momentum_ahead(self) -> float:

@@ -231,7 +231,7 @@ def make_plan(
     """
     spec = schemes.get(scheme)  # raises on an unknown scheme
     pooled = spec.budget == "pooled" if pooled is None else bool(pooled)
-    min_k = (1 if pooled else spec.min_k) if min_k is None else min_k
+    min_k = spec.min_k_under(pooled) if min_k is None else min_k
     needs = spec.needs_cost_model
     density = validate_density(density, "density")
     min_density = validate_density(min_density, "min_density")

@@ -155,6 +155,11 @@ class Scheme:
             raise ValueError(f"scheme {self.name!r}: dgc_warmup must be (0, 0) or two "
                              f"integers >= 1")
 
+    def min_k_under(self, pooled: bool) -> int:
+        """``Config.min_k``'s default: 1 where a buffer's tensors are pooled (``Config.budget``
+        ``"pooled"``: a pool's K counts, not a tensor's k), else :attr:`min_k`."""
+        return 1 if pooled else self.min_k
+
     @property
     def sparse(self) -> bool:
         """Whether gradients are compressed (error feedback, momentum correction apply)."""
