@@ -408,6 +408,11 @@ def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: Cost
     w_whole = allgather_charge(cost.P, cost.elem_bytes)  # the most an element sent whole costs
     marks = starved([numel[n] for n in everything], density, min_k, w_whole, min_density)
     forced = {n for n, f in zip(everything, marks) if f}
+    if pooled:  # module doc, "Pooled buffers send nothing whole": Eq. 2 has nothing to save
+        buffers, cinfo = _compensated(groups, numel, forced, density, min_density)
+        return buffers, [{"buffer": i, "eq2": "pooled", "excluded": [],
+                          "forced": [n for n in g if n in forced], **cinfo}
+                         for i, g in enumerate(groups)]
     excluded: set[str] = set(forced)
     infos: list[dict[str, Any]] = []
     for i, group in enumerate(groups):
@@ -425,7 +430,7 @@ def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: Cost
         dense_n = sum(numel[n] for n in excluded)
         sparse_floor = sum(k_floor[n] for n in everything if n not in excluded)
         e_max = 0
-        while e_max < len(names) and not pooled:
+        while e_max < len(names):
             n = ascending[e_max]
             if (dense_n + numel[n] + sparse_floor - k_floor[n] >= k_target
                     or (dense_n + numel[n]) * w_whole > WHOLE_SHARE * k_target):
@@ -450,7 +455,7 @@ def selective_buffers(groups: list[list[str]], numel: dict[str, int], cost: Cost
                 if best_t is None or t < best_t * (1 - 1e-6):
                     best_t, chosen = t, e
         excluded |= set(ascending[:chosen])
-        infos.append({"buffer": i, "eq2": "pooled" if pooled else status, "T_cm_prev": t_cm_prev,
+        infos.append({"buffer": i, "eq2": status, "T_cm_prev": t_cm_prev,
                       "T_comp": t_comp(chosen), "max_excluded": e_max,
                       "excluded": list(ascending[:chosen]),
                       "forced": [n for n in group if n in forced]})
