@@ -203,3 +203,13 @@ def pin_profiles(backward: bool = True) -> None:
             return order, {n: 1e-5 * (i + 1) for i, n in enumerate(order)}
         pinned.pinned = True
         warmup.backward_profile = pinned
+
+
+def probe_bytes_at_two_ranks() -> int:
+    """What one rank of two sends for the cost model's default collective probes
+    (``costmodel.profile_collectives``, lean): an all-reduce of s bytes and an all-gather of
+    s/2 per rank for s = 1 KiB … 1 MiB, 1 + 5 calls each, 1 + 3 from 128 KiB up (a ring
+    all-reduce of s bytes sends s at P = 2, an all-gather its s/2), then the max-reduce of the
+    8 medians (fp64, 64 B)."""
+    return sum((1 + (3 if s >= 1 << 17 else 5)) * (s + s // 2)
+               for s in (1 << 10, 1 << 14, 1 << 17, 1 << 20)) + 64

@@ -201,6 +201,92 @@ def _sparse_call(rank, world_size):
     return t, coll.calls, comm.stats.bytes_sent
 
 
+class _Link:
+    """A group of ``P`` ranks on an ideal α-β link, on an injected clock: each all-reduce of B
+    bytes takes Eq. 4's time, each all-gather of B bytes per rank Eq. 3's (written here from
+    the paper's equations, not taken from the code under test); it records every call."""
+
+    def __init__(self, P: int, alpha: float, beta: float, clock: _Clock):
+        self.size, self.alpha, self.beta, self.clock = P, alpha, beta, clock
+        self.calls: list[tuple[str, int]] = []
+
+    def barrier(self) -> None:
+        pass
+
+    def all_reduce(self, t, op=None):
+        if op is None:  # the probes; the closing max over the ranks costs nothing here
+            B, P = 4 * t.numel(), self.size
+            self.calls.append(("allreduce", B))
+            self.clock.now += 2 * (P - 1) * self.alpha + 2 * (P - 1) / P * B * self.beta
+        return t
+
+    def all_gather(self, t):
+        B, P = 4 * t.numel(), self.size
+        self.calls.append(("allgather", B))
+        self.clock.now += (P - 1) * self.alpha + (P - 1) * B * self.beta
+        return t.repeat(P)
+
+
+@pytest.mark.parametrize("P", [2, 3, 8])
+def test_lean_probes_fit_the_same_link_with_fewer_bytes(monkeypatch, P):
+    from gradsync.schedule import costmodel
+
+    clock = _Clock()
+    monkeypatch.setattr(costmodel, "time", clock)
+    alpha, beta = 2e-4, 8e-8  # 100 Mbit/s
+    sizes = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
+    fits, calls = {}, {}
+    for lean in (False, True):
+        link = _Link(P, alpha, beta, clock)
+        fits[lean] = profile_collectives(sizes=sizes, repeats=5, device="cpu", comm=link,
+                                         lean=lean)
+        calls[lean] = link.calls
+    for ar, ag in fits.values():  # both recover the link exactly
+        for fit in (ar, ag):
+            assert fit.alpha == pytest.approx(alpha, rel=1e-6)
+            assert fit.beta == pytest.approx(beta, rel=1e-6)
+    # in full: a warm-up and 5 timed calls of each collective at every size, B bytes each
+    assert calls[False] == [(kind, s) for s in sizes for kind in ("allreduce", "allgather")
+                            for _ in range(6)]
+    # lean: each rank all-gathers B/P bytes (whole fp32 values); 3 timed calls from 128 KB up
+    assert calls[True] == [(kind, s if kind == "allreduce" else 4 * (s // (4 * P)))
+                           for s in sizes
+                           for kind in ("allreduce", "allgather")
+                           for _ in range(4 if s >= 1 << 17 else 6)]
+    sent = {lean: sum((2 * (P - 1) / P if k == "allreduce" else P - 1) * b
+                      for k, b in calls[lean]) for lean in calls}  # bytes on each rank's link
+    assert sent[True] < 0.55 * sent[False]  # about half at P = 2, a third at P = 8
+
+
+def test_lean_probes_too_small_to_divide_are_timed_in_full(monkeypatch):
+    from gradsync.schedule import costmodel
+
+    clock = _Clock()
+    monkeypatch.setattr(costmodel, "time", clock)
+    link = _Link(8, 1e-4, 1e-9, clock)
+    _, ag = profile_collectives(sizes=(4, 16), repeats=1, device="cpu", comm=link)
+    assert {b for k, b in link.calls if k == "allgather"} == {4, 16}  # not both 4 bytes
+    assert ag.beta == pytest.approx(1e-9, rel=1e-6)
+
+
+def _probe_bytes(rank, world_size, lean):
+    from gradsync.collectives.comm import Comm
+
+    comm = Comm(None)
+    fit = profile_collectives(sizes=(1 << 10, 1 << 14, 1 << 17), repeats=2, comm=comm,
+                              lean=lean)
+    return fit, comm.stats.bytes_sent
+
+
+def test_lean_probes_send_fewer_bytes_and_agree_across_ranks():
+    full = run_distributed(_probe_bytes, 3, False, timeout=120)
+    lean = run_distributed(_probe_bytes, 3, True, timeout=120)
+    for out in (full, lean):
+        assert all(fit == out[0][0] for fit, _ in out)  # every rank plans with one fit
+    # counted at the torch.distributed calls: the all-gathers carry a third of the bytes
+    assert all(b < 0.7 * f for (_, b), (_, f) in zip(lean, full, strict=True))
+
+
 @pytest.mark.parametrize("P", [2, 3])
 def test_profile_sparse_call_times_one_call_alike_on_every_rank(P):
     assert profile_sparse_call(_Slow(), repeats=1) == 0.0  # one rank: nothing to time

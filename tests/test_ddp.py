@@ -12,7 +12,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 
 import gradsync.integrations.ddp
-from conftest import image_batch
+from conftest import image_batch, probe_bytes_at_two_ranks
 from gradsync import sparsify
 from gradsync.apps.models import build
 from gradsync.engine.config import Config
@@ -392,12 +392,11 @@ def _auto_hook_traffic(rank: int, world_size: int) -> list[int]:
 
 def test_auto_hook_counts_its_link_measurement():
     """The DDP hook's ``auto`` measures the link at its first call; that traffic is counted in
-    the call. P = 2, the default probes: all-reduce and all-gather of 1 KiB … 1 MiB, 1 + 5
-    times each (s bytes sent per call at P = 2), the 8 medians' max-reduce (64 B) and the
-    sparsifier fit's (16 B). Which way ``auto`` sends the bucket depends on the times it
+    the call. P = 2, the default probes (:func:`conftest.probe_bytes_at_two_ranks`) and the
+    sparsifier fit's max-reduce (16 B). Which way ``auto`` sends the bucket depends on the times it
     measured (a loaded machine makes it sparse): its sparse collective's first call adds its
     shape check (32 B), the dense all-reduce sends the gradient (4 B an entry at P = 2)."""
-    probes = sum(6 * (s + s) for s in (1 << 10, 1 << 14, 1 << 17, 1 << 20)) + 64 + 16
+    probes = probe_bytes_at_two_ranks() + 16
     dense = 4 * sum(p.numel() for p in build("mlp", seed=1).parameters())
     for first, second in run_distributed(_auto_hook_traffic, 2, timeout=180):
         shape = 0 if second == dense else 32  # sparse: smaller, and checked once

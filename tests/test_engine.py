@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
 import gradsync
-from conftest import batch, pin_profiles, segmented
+from conftest import batch, pin_profiles, probe_bytes_at_two_ranks, segmented
 from conftest import loss as model_loss
 from gradsync import sparsegrad, sparsify
 from gradsync.apps.models import build
@@ -1152,18 +1152,16 @@ def _warmup_traffic_rank(rank: int, world_size: int, cores: float, budget: str |
 @pytest.mark.parametrize(("cores", "budget"), [(4.0, None), (1.0, None), (4.0, "blend")])
 def test_warmup_profiling_and_plan_broadcast_are_counted(cores, budget):
     """The step that ends the warm-up also sends the cost model's collective probes and the
-    plan's broadcast, and counts them. P = 2, the default probes: all-reduce and all-gather of
-    1 KiB, 16 KiB, 128 KiB and 1 MiB, each 1 + 5 times (a ring all-reduce of s bytes sends s at
-    P = 2, an all-gather s), then a max-reduce of the 8 medians (fp64, 64 B); rank 0 also
-    broadcasts the plan (a length word and a pickle). Without a spare core the warm-up also
+    plan's broadcast, and counts them. P = 2, the default probes
+    (:func:`conftest.probe_bytes_at_two_ranks`); rank 0 also broadcasts the plan (a length
+    word and a pickle). Without a spare core the warm-up also
     times the scheme's sparse call (``profile_sparse_call``): 1 + 5 TopkA calls of one entry
     (its count, 8 B, then the entry, 8 B), the first behind a shape check (four int64 words),
     and the max-reduce of the medians (8 B). SSFusion's default budget (``"pooled"``) weighs
     nothing; ``"blend"`` sums the profiling steps' masses, one float64 per tensor
     (:mod:`gradsync.engine.warmup`)."""
-    sizes = (1 << 10, 1 << 14, 1 << 17, 1 << 20)
     masses = 8 * len(list(build("mlp", seed=1).parameters())) * (budget == "blend")
-    probes = (sum(6 * (s + s) for s in sizes) + 64 + masses
+    probes = (probe_bytes_at_two_ranks() + masses
               + (0 if cores >= 2 else 6 * 16 + 32 + 8))
     out = run_distributed(_warmup_traffic_rank, 2, cores, budget, timeout=180)
     extra = [s[1] - s[0] for s in out]  # the two profiling steps send the same gradients

@@ -40,7 +40,7 @@ from gradsync.testing import run_distributed
 
 def _collectives_rank(rank: int, world_size: int, sizes, repeats,
                       call_cpu: tuple | None = None) -> tuple[dict, dict, dict]:
-    ar, ag = profile_collectives(None, sizes=sizes, repeats=repeats)
+    ar, ag = profile_collectives(None, sizes=sizes, repeats=repeats, lean=False)
     return vars(ar), vars(ag), _collective_cpu(rank, call_cpu)
 
 
@@ -137,7 +137,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if not dist.is_initialized():
             dist.init_process_group("nccl" if args.device.startswith("cuda") else "gloo")
         rank, P = dist.get_rank(), dist.get_world_size()
-        coll = profile_collectives(None, sizes=sizes, repeats=args.repeats)
+        coll = profile_collectives(None, sizes=sizes, repeats=args.repeats, lean=False)
         # the collectives run on CPU tensors: a gloo group only
         gloo = dist.get_backend() == "gloo"
         samples = _collective_cpu(rank, call_cpu) if P > 1 and gloo else {}

@@ -86,8 +86,10 @@ def _rank(rank: int, world_size: int, model: str, schemes: list[str], density: f
     # α, β of this group's all-gather as gloo delivers them here (Eq. 3 fit), for comparison
     from gradsync.schedule.costmodel import profile_collectives
 
-    # an 8-byte point anchors α: the per-message cost comes from the smallest all-reduce
-    ar, ag = profile_collectives(None, sizes=(8, 1 << 10, 1 << 14, 1 << 17), repeats=5)
+    # an 8-byte point anchors α: the per-message cost comes from the smallest all-reduce;
+    # every size timed in full, as the simulator was validated
+    ar, ag = profile_collectives(None, sizes=(8, 1 << 10, 1 << 14, 1 << 17), repeats=5,
+                                 lean=False)
     # issue 14: the collectives' CPU work, fitted here under the same contention
     from gradsync.schedule.costmodel import profile_compute
 
