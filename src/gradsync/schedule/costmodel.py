@@ -491,10 +491,10 @@ def profile_collectives(
     if not lean or len(set(nb_ag)) < len(set(nb)):  # (sizes too small to divide: in full)
         nb_ag = nb
     ar, ag = [], []
-    for s, g in zip(nb, nb_ag, strict=True):
-        x, y = (torch.ones(n // 4, dtype=torch.float32, device=dev) for n in (s, g))
-        ar.append(timed(lambda x=x: comm.all_reduce(x), s))
-        ag.append(timed(lambda y=y: comm.all_gather(y), s))
+    for b, b_ag in zip(nb, nb_ag, strict=True):
+        x, y = (torch.ones(n // 4, dtype=torch.float32, device=dev) for n in (b, b_ag))
+        ar.append(timed(lambda x=x: comm.all_reduce(x), b))
+        ag.append(timed(lambda y=y: comm.all_gather(y), b))  # as long as the all-reduce's
     t = torch.tensor(ar + ag, dtype=torch.float64, device=dev)
     comm.all_reduce(t, op=dist.ReduceOp.MAX)
     t = t.cpu().tolist()
