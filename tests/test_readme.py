@@ -307,24 +307,28 @@ def _validation_medians(saved: dict, link: str) -> dict[str, dict[tuple[str, int
             for key in ("error", "error_run_plan")}
 
 
-def test_simulator_page_says_the_latest_set_misses_and_how():
-    """docs/results/simulator.md's first bullet: the sixth set's medians and single runs within
-    25 % per link, each run's own plan too, and that every median that misses over-predicts,
-    in the range it gives, with how many of the 100 Mbit/s misses are at P = 2."""
+@pytest.mark.parametrize("run_set, own_plan", [
+    ("seventh", "timing each run's own plan"),
+    ("sixth", "timing each run's own plan, `auto`'s now recorded")])
+def test_simulator_page_says_the_latest_sets_miss_and_how(run_set, own_plan):
+    """docs/results/simulator.md's first two bullets: the seventh (latest) and sixth sets'
+    medians and single runs within 25 % per link, each run's own plan too, and that every
+    median that misses over-predicts, in the range it gives, with how many of the 100 Mbit/s
+    misses are at P = 2."""
     text = _folded(RESULTS / "simulator.md")
-    sixth = json.loads((RESULTS / "validate-runs-5.json").read_text())["sets"]["sixth"]
+    saved = json.loads((RESULTS / "validate-runs-5.json").read_text())["sets"][run_set]
     got, missed = [], {}
     for link in ("1gbit", "100mbit"):
-        med = _validation_medians(sixth, link)
-        rows = sixth[link]["rows"]
+        med = _validation_medians(saved, link)
+        rows = saved[link]["rows"]
         got.append((sum(abs(e) <= 0.25 for e in med["error"].values()), len(med["error"]),
                     sum(abs(r["error"]) <= 0.25 for r in rows), len(rows),
                     sum(abs(e) <= 0.25 for e in med["error_run_plan"].values())))
         missed[link] = {k: e for k, e in med["error"].items() if abs(e) > 0.25}
     (a, n, sa, sn, ra), (b, _, sb, _, rb) = got
     assert (f"within 25 % for {a} of {n} scheme × P rows at 1 Gbit/s and {b} of {n} at "
-            f"100 Mbit/s (single runs {sa} and {sb} of {sn}; timing each run's own plan, "
-            f"`auto`'s now recorded, {ra} and {rb} of {n})") in text
+            f"100 Mbit/s (single runs {sa} and {sb} of {sn}; {own_plan}, {ra} and {rb} of "
+            f"{n})") in text
     every = [e for m in missed.values() for e in m.values()]
     assert min(every) > 0.25
     assert (f"over-predicts the step, by +{100 * min(every):.0f} to +{100 * max(every):.0f} %, "
@@ -470,6 +474,63 @@ def test_speed_page_table_is_the_saved_runs():
             f"{min(was):.1f}–{max(was):.1f}× faster at P = 4 on 100 Mbit/s (TopkA "
             f"{_speedup(old, '100mbit', 'topka', 4):.2f}×, SSFusion-OI "
             f"{_speedup(old, '100mbit', 'ssfusion_oi', 4):.2f}×)") in text
+
+
+def test_speed_page_seventh_set_and_its_alternation_are_the_saved_runs():
+    """docs/results/speed.md, "A seventh set: the host, not the code": the seventh set's
+    ratios and ``dense_ovlp``'s step, recomputed from its runs; the host-or-code alternation
+    (the sixth and seventh sets' code, two invocations of three runs each, alternating), each
+    code's medians over its six runs; and TopkA's step in the sixth set."""
+    from gradsync.schedule import schemes
+
+    text = " ".join((RESULTS / "speed.md").read_text().split())
+    new, old = _step_medians("seventh"), _step_medians("sixth")
+    sparse = [s for s in schemes.SCHEMES if schemes.get(s).sparse]
+    slow = {s: _speedup(new, "100mbit", s, 4) for s in sparse}
+    was = [_speedup(old, "100mbit", s, 4) for s in sparse]
+    assert (f"the sparse schemes {min(slow.values()):.1f}–{max(slow.values()):.1f}× "
+            f"`dense_ovlp` at P = 4 (TopkA {slow['topka']:.2f}×, SSFusion-OI "
+            f"{slow['ssfusion_oi']:.2f}×), where the table has {min(was):.1f}–{max(was):.1f}×"
+            ) in text
+    fast = {w: {s: _speedup(new, "1gbit", s, w) for s in sparse} for w in (2, 4, 8)}
+    at4 = sorted(fast[4].values())
+    assert min(fast[2].values()) >= 0.995 and sum(v > 1 for v in at4) == 11
+    assert [s for s, v in fast[8].items() if v > 1] == ["topka"]
+    assert (f"every sparse scheme at least as fast at P = 2 ({min(fast[2].values()):.2f}–"
+            f"{max(fast[2].values()):.2f}×), eleven of seventeen at P = 4 ({at4[0]:.2f}–"
+            f"{at4[-1]:.2f}×), TopkA alone at P = 8 ({fast[8]['topka']:.2f}×)") in text
+    def dense(m: dict, link: str) -> str:
+        return " / ".join(f"{1e3 * m[link, 'dense_ovlp', w]:.0f}" for w in (2, 4, 8))
+
+    assert (f"`dense_ovlp`'s own step was {dense(new, '1gbit')} ms at 1 Gbit/s and "
+            f"{dense(new, '100mbit')} ms at 100 Mbit/s (the table's {dense(old, '1gbit')} and "
+            f"{dense(old, '100mbit')})") in text
+    alt = json.loads((RESULTS / "validate-alternation-2026-12-07.json").read_text())
+    codes = [inv["code"] for inv in alt["invocations"]]
+    assert codes == ["6ea855d", "7aba086", "6ea855d", "7aba086"]
+    times: dict[tuple[str, str, int], list[float]] = {}
+    for inv in alt["invocations"]:
+        assert {r["run"] for r in inv["rows"]} == {0, 1, 2}
+        for r in inv["rows"]:
+            times.setdefault((inv["code"], r["scheme"], r["P"]), []).append(r["measured_s"])
+    assert all(len(v) == 6 for v in times.values())
+
+    def pair(code: str, scheme: str) -> str:
+        return " / ".join(f"{1e3 * statistics.median(times[code, scheme, w]):.1f}"
+                          for w in (2, 4))
+
+    said = ", ".join(f"{label} {pair('6ea855d', s)} → {pair('7aba086', s)} ms"
+                     for label, s in (("TopkA", "topka"), ("per_tensor", "per_tensor"),
+                                      ("SSFusion-OI", "ssfusion_oi"),
+                                      ("`dense_ovlp`", "dense_ovlp")))
+    assert f"P = 2 / 4, 6ea855d → 7aba086: {said}." in text
+    # TopkA and per_tensor within 10 % code for code at each P: the code is not the difference
+    for s in ("topka", "per_tensor"):
+        for w in (2, 4):
+            a, b = (statistics.median(times[c, s, w]) for c in ("6ea855d", "7aba086"))
+            assert abs(b / a - 1) < 0.1, (s, w, a, b)
+    assert (f"TopkA's step was {1e3 * old['100mbit', 'topka', 2]:.1f} / "
+            f"{1e3 * old['100mbit', 'topka', 4]:.1f} ms") in text
 
 
 def _study(name: str) -> dict[tuple[str, str], dict]:
