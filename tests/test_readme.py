@@ -510,21 +510,22 @@ def test_speed_page_seventh_set_and_its_alternation_are_the_saved_runs():
     codes = [inv["code"] for inv in alt["invocations"]]
     assert codes == ["6ea855d", "7aba086"] * 5
 
-    def medians(invocations: list[dict]) -> dict[tuple[str, str, int], float]:
+    def runs_of(invocations: list[dict]) -> dict[tuple[str, str, int], list[float]]:
+        """Each code's measured steps per scheme and P over ``invocations``."""
         times: dict[tuple[str, str, int], list[float]] = {}
         for inv in invocations:
             assert {r["run"] for r in inv["rows"]} == {0, 1, 2}
             for r in inv["rows"]:
                 times.setdefault((inv["code"], r["scheme"], r["P"]), []).append(r["measured_s"])
-        return {k: statistics.median(v) for k, v in times.items()}
+        return times
 
+    def medians(invocations: list[dict]) -> dict[tuple[str, str, int], float]:
+        return {k: statistics.median(v) for k, v in runs_of(invocations).items()}
+
+    # 15 runs a code, scheme and P (five pairs of three), per_tensor's 6 (the first two pairs)
+    assert {k: len(v) for k, v in runs_of(alt["invocations"]).items()} == {
+        k: 6 if k[1] == "per_tensor" else 15 for k in runs_of(alt["invocations"])}
     every = medians(alt["invocations"])
-    runs = {}
-    for inv in alt["invocations"]:
-        for r in inv["rows"]:
-            runs[inv["code"], r["scheme"]] = runs.get((inv["code"], r["scheme"]), 0) + 1
-    assert {k: n // 2 for k, n in runs.items()} == {  # rows per code and scheme, per P
-        (c, s): 6 if s == "per_tensor" else 15 for c, s in runs}
 
     def pair(code: str, scheme: str) -> str:
         return " / ".join(f"{1e3 * every[code, scheme, w]:.1f}" for w in (2, 4))
