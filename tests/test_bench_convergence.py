@@ -1366,6 +1366,76 @@ def test_accuracy_lm_density_claim_holds_in_the_written_results():
     assert (round(min(span), 1), round(max(span), 1)) == (4.6, 7.0)
 
 
+def test_accuracy_lm_2500_steps_claim_holds_in_the_written_results():
+    """accuracy.md, "Over 2500 steps the default is within 3 %": TinyGPT with the defaults at 1 %
+    over 2500 steps, recomputed from the page's runs: the finals and their gap to DDP, the paired
+    intervals (t over 3 seeds), the bytes against DDP's, the gap at step 1000 (DDP there as in the
+    1000-step study, to 1e-5), the first evaluation from which every gap stays within 3 %, and
+    the steps at which DDP's mean curve reaches each final."""
+    page = _accuracy()
+    rows = _by_scheme("convergence-lm-2500", "--model gpt_tiny --steps 2500 --seeds 3 "
+                      "--eval-points 25 --schemes ddp,topka,ssfusion_oi")
+    ddp = rows["ddp"]["finals"]
+    assert f"DDP {statistics.mean(ddp):.2f} ± {statistics.stdev(ddp):.2f}" == "DDP 6.30 ± 0.09"
+
+    def pct(xs: list[float], ref: list[float]) -> float:
+        return round(100 * (statistics.mean(xs) / statistics.mean(ref) - 1), 2)
+
+    t975 = 4.302652729911275  # t(0.975, 2)
+    for s, text in (("topka", "TopkA 6.42 ± 0.12 (+1.99 %)"),
+                    ("ssfusion_oi", "SSFusion-OI 6.40 ± 0.10 (+1.69 %)")):
+        f = rows[s]["finals"]
+        name = text.split(" ")[0]
+        got = f"{name} {statistics.mean(f):.2f} ± {statistics.stdev(f):.2f} (+{pct(f, ddp):.2f} %)"
+        assert got == text and got in page
+        assert pct(f, ddp) < 3
+        d = [x - y for x, y in zip(f, ddp, strict=True)]
+        half = t975 * statistics.stdev(d) / len(d) ** 0.5
+        m = statistics.mean(d)
+        assert f"{m:+.2f} [{m - half:+.2f}, {m + half:+.2f}]".replace("-", "−") in page
+    ratios = [rows["ddp"]["run_bytes_per_step"] / rows[s]["run_bytes_per_step"]
+              for s in ("topka", "ssfusion_oi")]
+    assert [round(r, 2) for r in ratios] == [7.35, 7.06]
+    assert [round(rows[s]["run_bytes_per_step"] / 1e6, 3) for s in ("ddp", "topka",
+                                                                     "ssfusion_oi")] \
+        == [0.809, 0.110, 0.115]
+    assert "for 7.35× and 7.06× fewer bytes over the run than DDP (0.110 and 0.115 MB" in page
+    curves = {s: rows[s]["history"] for s in rows}
+    steps = [p["step"] for p in curves["ddp"][0]]
+    assert steps == list(range(100, 2501, 100))
+
+    def gap(s: str, i: int) -> float:
+        return 100 * (statistics.mean(h[i]["perplexity"] for h in curves[s])
+                      / statistics.mean(h[i]["perplexity"] for h in curves["ddp"]) - 1)
+
+    at = steps.index(1000)
+    assert [round(gap(s, at), 2) for s in ("topka", "ssfusion_oi")] == [3.94, 4.04]
+    first_1000 = _by_scheme("convergence-lm-1000-2026-12-03")["ddp"]["finals"]
+    assert [h[at]["perplexity"] for h in curves["ddp"]] == pytest.approx(first_1000, abs=1e-5)
+    # the first evaluation from which both gaps stay within 3 % to the end
+    within = [all(gap(s, j) < 3 for s in ("topka", "ssfusion_oi") for j in range(i, len(steps)))
+              for i in range(len(steps))]
+    assert steps[within.index(True)] == 1600
+    tail = {s: max(gap(s, j) for j in range(steps.index(1600), len(steps)))
+            for s in ("topka", "ssfusion_oi")}
+    assert [round(v, 2) for v in tail.values()] == [2.85, 2.61]
+    assert "from step 1600 on it stays within 3 % at every evaluation (at most +2.85 and +2.61 %)" \
+        in page
+    ddp_mean = [statistics.mean(h[j]["perplexity"] for h in curves["ddp"])
+                for j in range(len(steps))]
+
+    def ddp_reaches(value: float) -> float:  # linear between evaluations, the first crossing
+        j = next(j for j in range(len(steps)) if ddp_mean[j] <= value)
+        a, b = ddp_mean[j - 1], ddp_mean[j]
+        return steps[j - 1] + (a - value) / (a - b) * (steps[j] - steps[j - 1])
+
+    reached = [ddp_reaches(statistics.mean(rows[s]["finals"])) for s in ("topka", "ssfusion_oi")]
+    assert [round(r) for r in reached] == [2033, 2074]
+    assert [round(r["step"]) for r in (rows["topka"]["ddp_steps"],
+                                       rows["ssfusion_oi"]["ddp_steps"])] == [2033, 2074]
+    assert "DDP reaches their finals at step 2033 and 2074 (81 and 83 % of the budget)" in page
+
+
 def test_accuracy_lm_adaptive_density_claim_holds_in_the_written_results():
     """accuracy.md: on TinyGPT over 1000 steps the adaptive schedule never raises the density
     after the AdamW warm-up: TopkA's finals are the fixed density's bit for bit (+4.56 %), its

@@ -715,6 +715,24 @@ def test_readme_longer_run_at_a_tenth_of_a_percent_is_the_saved_study():
     assert f"over 960 steps every scheme tried ends within {max(gaps):.2f} points of DDP" in text
 
 
+def test_readme_language_model_longer_run_is_the_saved_study():
+    """README: with today's defaults TinyGPT over 2500 steps ends the quoted percentages above
+    DDP's perplexity for TopkA and SSFusion-OI (computed here from the saved finals), at 1 %
+    with the defaults the study records, and its runs are of one commit."""
+    data = json.loads((RESULTS / "convergence-lm-2500.json").read_text())
+    info = data["meta"]["models"][0]
+    assert (info["model"], info["density"], info["steps"]) == ("gpt_tiny", 0.01, 2500)
+    rows = {r["scheme"]: r for r in data["rows"]}
+    assert sorted(rows) == ["ddp", "ssfusion_oi", "topka"]
+    assert all(r["seeds"] == [1, 2, 3] and r["diverged"] == 0 for r in rows.values())
+    assert {c for r in rows.values() for c in r["code"]} == {"e44c754"}
+    ddp = statistics.fmean(rows["ddp"]["finals"])
+    pct = [100 * (statistics.fmean(rows[s]["finals"]) / ddp - 1) for s in ("topka", "ssfusion_oi")]
+    text = " ".join(README.split())
+    assert (f"over 2500 steps TopkA and SSFusion-OI end +{pct[0]:.2f} and +{pct[1]:.2f} % above "
+            "DDP's perplexity ([study](docs/results/convergence-lm-2500.md))") in text
+
+
 def test_readme_and_architecture_stay_short():
     """The README is what a user reads in five minutes; docs/architecture.md is only the
     architecture. Measurement logs go to docs/results/, paper notes to docs/papers.md."""
