@@ -1471,6 +1471,20 @@ def test_accuracy_lm_2500_steps_claim_holds_in_the_written_results():
             for s in ("topka", "ssfusion_oi")] == [12.75, 11.91]
     assert [round(rows[s]["run_bytes_per_step"] / held[s]["run_bytes_per_step"], 2)
             for s in ("topka", "ssfusion_oi")] == [1.73, 1.69]
+    # 1000 steps with the 2500-step run's 250 exact steps: its finals are that run's step 1000
+    w250 = _by_scheme("convergence-lm-1000-adam-warmup-250",
+                      "--model gpt_tiny --steps 1000 --seeds 3 --eval-points 10 "
+                      "--schemes ddp,topka,ssfusion_oi --adam-warmup 250")
+    for s in ("ddp", "topka", "ssfusion_oi"):
+        assert w250[s]["finals"] == [h[at]["perplexity"] for h in curves[s]], s
+    assert w250["ddp"]["finals"] == _by_scheme("convergence-lm-1000")["ddp"]["finals"]
+    assert "its DDP runs retrained, bit for bit those of [convergence-lm-1000.md]" in page
+    w250_gap = [pct(w250[s]["finals"], w250["ddp"]["finals"]) for s in ("topka", "ssfusion_oi")]
+    assert w250_gap == [3.94, 4.04] and min(w250_gap) > 3
+    assert [round(w250["ddp"]["run_bytes_per_step"] / w250[s]["run_bytes_per_step"], 2)
+            for s in ("topka", "ssfusion_oi")] == [3.57, 3.41]
+    assert ("TopkA ends +3.94 % and SSFusion-OI +4.04 %, for 3.57× and 3.41× fewer bytes than "
+            "DDP: every final bit for bit the 2500-step runs' evaluation at step 1000") in page
     assert ("for 12.75× and 11.91× fewer bytes than DDP. So both close it: 2.5 times the steps "
             "take 1.1–1.5 points off the gap with the same warm-up, and the default's 250 steps "
             "of exact AdamW about 1.5 more, for 1.73× and 1.69× the run's bytes") in page
