@@ -1366,61 +1366,69 @@ def test_accuracy_lm_density_claim_holds_in_the_written_results():
     assert (round(min(span), 1), round(max(span), 1)) == (4.6, 7.0)
 
 
+def _perplexity_gap(finals: list[float], ddp: list[float]) -> float:
+    """A scheme's mean perplexity over DDP's, in percent above it, to two decimals."""
+    return round(100 * (statistics.mean(finals) / statistics.mean(ddp) - 1), 2)
+
+
+def _curve_gap(curves: dict[str, list[list[dict]]], scheme: str, i: int) -> float:
+    """The mean curves' gap at evaluation ``i``: ``scheme``'s mean perplexity over DDP's, in
+    percent (``curves``: each scheme's per-seed histories)."""
+    return 100 * (statistics.mean(h[i]["perplexity"] for h in curves[scheme])
+                  / statistics.mean(h[i]["perplexity"] for h in curves["ddp"]) - 1)
+
+
+def _check_perplexity_row(page: str, finals: list[float], ddp: list[float], text: str) -> None:
+    """``text`` ("Name mean ± std (+gap %)") and the paired interval (t over the seeds) are the
+    page's, recomputed from ``finals`` against DDP's on the same seeds."""
+    name = text.split(" ")[0]
+    got = (f"{name} {statistics.mean(finals):.2f} ± {statistics.stdev(finals):.2f} "
+           f"(+{_perplexity_gap(finals, ddp):.2f} %)")
+    assert got == text and got in page
+    d = [x - y for x, y in zip(finals, ddp, strict=True)]
+    t975 = {2: 4.302652729911275}[len(d) - 1]  # t(0.975, n − 1)
+    half, m = t975 * statistics.stdev(d) / len(d) ** 0.5, statistics.mean(d)
+    assert f"{m:+.2f} [{m - half:+.2f}, {m + half:+.2f}]".replace("-", "−") in page
+
+
 def test_accuracy_lm_2500_steps_claim_holds_in_the_written_results():
-    """accuracy.md, "Over 2500 steps the default is within 3 %": TinyGPT with the defaults at 1 %
-    over 2500 steps, recomputed from the page's runs: the finals and their gap to DDP, the paired
-    intervals (t over 3 seeds), the bytes against DDP's, the gap at step 1000 (DDP there as in the
-    1000-step study, to 1e-5), the first evaluation from which every gap stays within 3 %, and
-    the steps at which DDP's mean curve reaches each final; then the same budget with the warm-up
-    held at the 1000-step study's 100 steps (the same DDP runs): its finals above 3 %, its gap at
-    step 1000, what the budget and the longer warm-up each take off it, and the bytes."""
+    """accuracy.md, "Over 2500 steps the defaults are within 3 %": TinyGPT with the defaults at
+    1 % over 2500 steps, recomputed from the page's runs: the finals, their gap to DDP and paired
+    intervals, the bytes against DDP's, the gap at step 1000 (DDP there as in the 1000-step
+    study, to 1e-5), the first evaluation from which every gap stays within 3 %, and the steps
+    at which DDP's mean curve reaches each final. Then the same budget with the warm-up held at
+    100 steps (the same DDP runs): finals above 3 %, what the budget and the longer warm-up each
+    take off the gap, and the bytes; and 1000 steps with the 250-step warm-up, whose finals are
+    the 2500-step runs' step 1000 bit for bit."""
     page = _accuracy()
+    sc = ("topka", "ssfusion_oi")
     rows = _by_scheme("convergence-lm-2500", "--model gpt_tiny --steps 2500 --seeds 3 "
                       "--eval-points 25 --schemes ddp,topka,ssfusion_oi")
     ddp = rows["ddp"]["finals"]
     assert f"DDP {statistics.mean(ddp):.2f} ± {statistics.stdev(ddp):.2f}" == "DDP 6.30 ± 0.09"
-
-    def pct(xs: list[float], ref: list[float]) -> float:
-        return round(100 * (statistics.mean(xs) / statistics.mean(ref) - 1), 2)
-
-    t975 = 4.302652729911275  # t(0.975, 2)
-    for s, text in (("topka", "TopkA 6.42 ± 0.12 (+1.99 %)"),
-                    ("ssfusion_oi", "SSFusion-OI 6.40 ± 0.10 (+1.69 %)")):
-        f = rows[s]["finals"]
-        name = text.split(" ")[0]
-        got = f"{name} {statistics.mean(f):.2f} ± {statistics.stdev(f):.2f} (+{pct(f, ddp):.2f} %)"
-        assert got == text and got in page
-        assert pct(f, ddp) < 3
-        d = [x - y for x, y in zip(f, ddp, strict=True)]
-        half = t975 * statistics.stdev(d) / len(d) ** 0.5
-        m = statistics.mean(d)
-        assert f"{m:+.2f} [{m - half:+.2f}, {m + half:+.2f}]".replace("-", "−") in page
-    ratios = [rows["ddp"]["run_bytes_per_step"] / rows[s]["run_bytes_per_step"]
-              for s in ("topka", "ssfusion_oi")]
-    assert [round(r, 2) for r in ratios] == [7.35, 7.06]
-    assert [round(rows[s]["run_bytes_per_step"] / 1e6, 3) for s in ("ddp", "topka",
-                                                                     "ssfusion_oi")] \
+    _check_perplexity_row(page, rows["topka"]["finals"], ddp, "TopkA 6.42 ± 0.12 (+1.99 %)")
+    _check_perplexity_row(page, rows["ssfusion_oi"]["finals"], ddp,
+                          "SSFusion-OI 6.40 ± 0.10 (+1.69 %)")
+    assert max(_perplexity_gap(rows[s]["finals"], ddp) for s in sc) < 3
+    assert [round(rows["ddp"]["run_bytes_per_step"] / rows[s]["run_bytes_per_step"], 2)
+            for s in sc] == [7.35, 7.06]
+    assert [round(rows[s]["run_bytes_per_step"] / 1e6, 3) for s in ("ddp", *sc)] \
         == [0.809, 0.110, 0.115]
     assert "for 7.35× and 7.06× fewer bytes over the run than DDP (0.110 and 0.115 MB" in page
     curves = {s: rows[s]["history"] for s in rows}
     steps = [p["step"] for p in curves["ddp"][0]]
     assert steps == list(range(100, 2501, 100))
-
-    def gap(s: str, i: int) -> float:
-        return 100 * (statistics.mean(h[i]["perplexity"] for h in curves[s])
-                      / statistics.mean(h[i]["perplexity"] for h in curves["ddp"]) - 1)
-
     at = steps.index(1000)
-    assert [round(gap(s, at), 2) for s in ("topka", "ssfusion_oi")] == [3.94, 4.04]
+    assert [round(_curve_gap(curves, s, at), 2) for s in sc] == [3.94, 4.04]
     first_1000 = _by_scheme("convergence-lm-1000-2026-12-03")["ddp"]["finals"]
     assert [h[at]["perplexity"] for h in curves["ddp"]] == pytest.approx(first_1000, abs=1e-5)
     # the first evaluation from which both gaps stay within 3 % to the end
-    within = [all(gap(s, j) < 3 for s in ("topka", "ssfusion_oi") for j in range(i, len(steps)))
+    within = [all(_curve_gap(curves, s, j) < 3 for s in sc for j in range(i, len(steps)))
               for i in range(len(steps))]
     assert steps[within.index(True)] == 1600
-    tail = {s: max(gap(s, j) for j in range(steps.index(1600), len(steps)))
-            for s in ("topka", "ssfusion_oi")}
-    assert [round(v, 2) for v in tail.values()] == [2.85, 2.61]
+    tail = [max(_curve_gap(curves, s, j) for j in range(steps.index(1600), len(steps)))
+            for s in sc]
+    assert [round(v, 2) for v in tail] == [2.85, 2.61]
     assert "from step 1600 on it stays within 3 % at every evaluation (at most +2.85 and +2.61 %)" \
         in page
     ddp_mean = [statistics.mean(h[j]["perplexity"] for h in curves["ddp"])
@@ -1431,63 +1439,49 @@ def test_accuracy_lm_2500_steps_claim_holds_in_the_written_results():
         a, b = ddp_mean[j - 1], ddp_mean[j]
         return steps[j - 1] + (a - value) / (a - b) * (steps[j] - steps[j - 1])
 
-    reached = [ddp_reaches(statistics.mean(rows[s]["finals"])) for s in ("topka", "ssfusion_oi")]
+    reached = [ddp_reaches(statistics.mean(rows[s]["finals"])) for s in sc]
     assert [round(r) for r in reached] == [2033, 2074]
-    assert [round(r["step"]) for r in (rows["topka"]["ddp_steps"],
-                                       rows["ssfusion_oi"]["ddp_steps"])] == [2033, 2074]
+    assert [round(rows[s]["ddp_steps"]["step"]) for s in sc] == [2033, 2074]
     assert "DDP reaches their finals at step 2033 and 2074 (81 and 83 % of the budget)" in page
     # the same budget with the warm-up held at 100 steps: the same DDP runs
     held = _by_scheme("convergence-lm-2500-adam-warmup-100",
                       "--model gpt_tiny --steps 2500 --seeds 3 --eval-points 25 "
                       "--schemes ddp,topka,ssfusion_oi --adam-warmup 100")
     assert held["ddp"]["finals"] == ddp
-    for s, text in (("topka", "TopkA 6.52 ± 0.12 (+3.49 %)"),
-                    ("ssfusion_oi", "SSFusion-OI 6.50 ± 0.09 (+3.25 %)")):
-        f = held[s]["finals"]
-        name = text.split(" ")[0]
-        got = f"{name} {statistics.mean(f):.2f} ± {statistics.stdev(f):.2f} (+{pct(f, ddp):.2f} %)"
-        assert got == text and got in page
-        d = [x - y for x, y in zip(f, ddp, strict=True)]
-        half = t975 * statistics.stdev(d) / len(d) ** 0.5
-        m = statistics.mean(d)
-        assert f"{m:+.2f} [{m - half:+.2f}, {m + half:+.2f}]".replace("-", "−") in page
+    _check_perplexity_row(page, held["topka"]["finals"], ddp, "TopkA 6.52 ± 0.12 (+3.49 %)")
+    _check_perplexity_row(page, held["ssfusion_oi"]["finals"], ddp,
+                          "SSFusion-OI 6.50 ± 0.09 (+3.25 %)")
     short = {s: held[s]["history"] for s in held}
-
-    def held_gap(s: str, i: int) -> float:
-        return 100 * (statistics.mean(h[i]["perplexity"] for h in short[s])
-                      / statistics.mean(h[i]["perplexity"] for h in short["ddp"]) - 1)
-
-    at_1000 = [held_gap(s, at) for s in ("topka", "ssfusion_oi")]
+    at_1000 = [_curve_gap(short, s, at) for s in sc]
     assert [round(g, 2) for g in at_1000] == [4.94, 4.32]
     assert "from +4.94 and +4.32 % at step 1000 of those runs" in page
-    end = [pct(held[s]["finals"], ddp) for s in ("topka", "ssfusion_oi")]
-    assert all(e > 3 for e in end)
+    end = [_perplexity_gap(held[s]["finals"], ddp) for s in sc]
+    assert min(end) > 3
     off = [a - e for a, e in zip(at_1000, end, strict=True)]
     assert [round(v, 1) for v in sorted(off)] == [1.1, 1.5]  # "1.1–1.5 points"
-    more = [e - pct(rows[s]["finals"], ddp) for e, s in zip(end, ("topka", "ssfusion_oi"),
-                                                           strict=True)]
+    more = [e - _perplexity_gap(rows[s]["finals"], ddp) for e, s in zip(end, sc, strict=True)]
     assert all(abs(m - 1.5) < 0.1 for m in more)  # "about 1.5 more"
     assert [round(rows["ddp"]["run_bytes_per_step"] / held[s]["run_bytes_per_step"], 2)
-            for s in ("topka", "ssfusion_oi")] == [12.75, 11.91]
+            for s in sc] == [12.75, 11.91]
     assert [round(rows[s]["run_bytes_per_step"] / held[s]["run_bytes_per_step"], 2)
-            for s in ("topka", "ssfusion_oi")] == [1.73, 1.69]
+            for s in sc] == [1.73, 1.69]
+    assert ("for 12.75× and 11.91× fewer bytes than DDP. So both close it: 2.5 times the steps "
+            "take 1.1–1.5 points off the gap with the same warm-up, and the default's 250 steps "
+            "of exact AdamW about 1.5 more, for 1.73× and 1.69× the run's bytes") in page
     # 1000 steps with the 2500-step run's 250 exact steps: its finals are that run's step 1000
     w250 = _by_scheme("convergence-lm-1000-adam-warmup-250",
                       "--model gpt_tiny --steps 1000 --seeds 3 --eval-points 10 "
                       "--schemes ddp,topka,ssfusion_oi --adam-warmup 250")
-    for s in ("ddp", "topka", "ssfusion_oi"):
+    for s in ("ddp", *sc):
         assert w250[s]["finals"] == [h[at]["perplexity"] for h in curves[s]], s
     assert w250["ddp"]["finals"] == _by_scheme("convergence-lm-1000")["ddp"]["finals"]
     assert "its DDP runs retrained, bit for bit those of [convergence-lm-1000.md]" in page
-    w250_gap = [pct(w250[s]["finals"], w250["ddp"]["finals"]) for s in ("topka", "ssfusion_oi")]
+    w250_gap = [_perplexity_gap(w250[s]["finals"], w250["ddp"]["finals"]) for s in sc]
     assert w250_gap == [3.94, 4.04] and min(w250_gap) > 3
     assert [round(w250["ddp"]["run_bytes_per_step"] / w250[s]["run_bytes_per_step"], 2)
-            for s in ("topka", "ssfusion_oi")] == [3.57, 3.41]
+            for s in sc] == [3.57, 3.41]
     assert ("TopkA ends +3.94 % and SSFusion-OI +4.04 %, for 3.57× and 3.41× fewer bytes than "
             "DDP: every final bit for bit the 2500-step runs' evaluation at step 1000") in page
-    assert ("for 12.75× and 11.91× fewer bytes than DDP. So both close it: 2.5 times the steps "
-            "take 1.1–1.5 points off the gap with the same warm-up, and the default's 250 steps "
-            "of exact AdamW about 1.5 more, for 1.73× and 1.69× the run's bytes") in page
 
 
 def test_accuracy_lm_adaptive_density_claim_holds_in_the_written_results():
