@@ -1403,7 +1403,7 @@ def test_accuracy_lm_2500_steps_claim_holds_in_the_written_results():
     page = _accuracy()
     sc = ("topka", "ssfusion_oi")
     rows = _by_scheme("convergence-lm-2500", "--model gpt_tiny --steps 2500 --seeds 3 "
-                      "--eval-points 25 --schemes ddp,topka,ssfusion_oi")
+                      "--eval-points 25 --schemes ddp,topka,ssfusion,ssfusion_oi,oktopk")
     ddp = rows["ddp"]["finals"]
     assert f"DDP {statistics.mean(ddp):.2f} ± {statistics.stdev(ddp):.2f}" == "DDP 6.30 ± 0.09"
     _check_perplexity_row(page, rows["topka"]["finals"], ddp, "TopkA 6.42 ± 0.12 (+1.99 %)")
@@ -1443,6 +1443,13 @@ def test_accuracy_lm_2500_steps_claim_holds_in_the_written_results():
     assert [round(r) for r in reached] == [2033, 2074]
     assert [round(rows[s]["ddp_steps"]["step"]) for s in sc] == [2033, 2074]
     assert "DDP reaches their finals at step 2033 and 2074 (81 and 83 % of the budget)" in page
+    # the README's other two rows, added to the same page
+    assert rows["ssfusion"]["finals"] == rows["ssfusion_oi"]["finals"]
+    ok = rows["oktopk"]["finals"]
+    text = f"Ok-Topk ends {statistics.mean(ok):.2f} ± {statistics.stdev(ok):.2f}, " \
+           f"+{_perplexity_gap(ok, ddp):.2f} %"
+    assert text == "Ok-Topk ends 6.64 ± 0.10, +5.43 %" and text in page
+    assert "SSFusion's finals are SSFusion-OI's bit for bit" in page
     # the same budget with the warm-up held at 100 steps: the same DDP runs
     held = _by_scheme("convergence-lm-2500-adam-warmup-100",
                       "--model gpt_tiny --steps 2500 --seeds 3 --eval-points 25 "
