@@ -98,13 +98,20 @@ def _to_target(rows: dict[str, dict], scheme: str) -> float:
     return rows["ddp"]["seconds_to_target"] / rows[scheme]["seconds_to_target"]
 
 
-def _paired_points(a: list[float], b: list[float]) -> tuple[float, float]:
-    """Mean of the paired differences ``a − b`` in points (accuracies are fractions) and the
-    half-width of its 95 % t interval, computed here, not by the code under test."""
-    d = [100 * (x - y) for x, y in zip(a, b, strict=True)]
+def _paired_points(a: list[float], b: list[float], scale: float = 100.0
+                   ) -> tuple[float, float]:
+    """Mean of the paired differences ``a − b`` in points (accuracies are fractions; ``scale``
+    1 keeps a perplexity's own units) and the half-width of its 95 % t interval, computed here,
+    not by the code under test."""
+    d = [scale * (x - y) for x, y in zip(a, b, strict=True)]
     m = sum(d) / len(d)
     sd = (sum((x - m) ** 2 for x in d) / (len(d) - 1)) ** 0.5
     return m, T975_BY_DF[len(d) - 1] * sd / math.sqrt(len(d))
+
+
+def _perplexity_gap(finals: list[float], ddp: list[float]) -> float:
+    """A scheme's mean perplexity over DDP's, in percent above it, to two decimals."""
+    return round(100 * (statistics.mean(finals) / statistics.mean(ddp) - 1), 2)
 
 
 def test_tiny_run_end_to_end(tmp_path, capsys):
@@ -1340,7 +1347,7 @@ def test_accuracy_lm_density_claim_holds_in_the_written_results():
     assert topka[0.01]["finals"] == base["topka"]["finals"]
 
     def pct(finals: list[float]) -> float:
-        return round(100 * (statistics.mean(finals) / statistics.mean(ddp) - 1), 2)
+        return _perplexity_gap(finals, ddp)
 
     got = [pct(topka[d]["finals"]) for d in (0.5, 0.1, 0.03, 0.02, 0.01)]
     assert got == [-0.38, 1.06, 2.16, 2.05, 4.56]
@@ -1366,11 +1373,6 @@ def test_accuracy_lm_density_claim_holds_in_the_written_results():
     assert (round(min(span), 1), round(max(span), 1)) == (4.6, 7.0)
 
 
-def _perplexity_gap(finals: list[float], ddp: list[float]) -> float:
-    """A scheme's mean perplexity over DDP's, in percent above it, to two decimals."""
-    return round(100 * (statistics.mean(finals) / statistics.mean(ddp) - 1), 2)
-
-
 def _curve_gap(curves: dict[str, list[list[dict]]], scheme: str, i: int) -> float:
     """The mean curves' gap at evaluation ``i``: ``scheme``'s mean perplexity over DDP's, in
     percent (``curves``: each scheme's per-seed histories)."""
@@ -1385,9 +1387,7 @@ def _check_perplexity_row(page: str, finals: list[float], ddp: list[float], text
     got = (f"{name} {statistics.mean(finals):.2f} ± {statistics.stdev(finals):.2f} "
            f"(+{_perplexity_gap(finals, ddp):.2f} %)")
     assert got == text and got in page
-    d = [x - y for x, y in zip(finals, ddp, strict=True)]
-    t975 = {2: 4.302652729911275}[len(d) - 1]  # t(0.975, n − 1)
-    half, m = t975 * statistics.stdev(d) / len(d) ** 0.5, statistics.mean(d)
+    m, half = _paired_points(finals, ddp, scale=1.0)
     assert f"{m:+.2f} [{m - half:+.2f}, {m + half:+.2f}]".replace("-", "−") in page
 
 
@@ -1507,8 +1507,7 @@ def test_accuracy_lm_adaptive_density_claim_holds_in_the_written_results():
     assert adaptive["topka"]["finals"] == fixed["topka"]["finals"]
     extra = adaptive["topka"]["bytes_per_step"] - fixed["topka"]["bytes_per_step"]
     assert 0 <= extra < 1, extra  # the schedule's 4-byte norm word, every 10 steps
-    ddp = statistics.mean(fixed["ddp"]["finals"])
-    assert round(100 * (statistics.mean(adaptive["ssfusion_oi"]["finals"]) / ddp - 1), 2) == 5.59
+    assert _perplexity_gap(adaptive["ssfusion_oi"]["finals"], fixed["ddp"]["finals"]) == 5.59
 
 
 def test_accuracy_momentum_ahead_claims_hold_in_the_written_results():

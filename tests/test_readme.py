@@ -556,6 +556,14 @@ def _study(name: str) -> dict[tuple[str, str], dict]:
     return {(r["model"], r["scheme"]): r for r in rows}
 
 
+def _perplexity_gaps(name: str) -> dict[str, float]:
+    """A language-model study's schemes (DDP aside): mean perplexity over DDP's, in percent
+    above it, from the saved finals."""
+    rows = {r["scheme"]: r for r in json.loads((RESULTS / name).read_text())["rows"]}
+    ddp = statistics.fmean(rows.pop("ddp")["finals"])
+    return {s: 100 * (statistics.fmean(r["finals"]) / ddp - 1) for s, r in rows.items()}
+
+
 def test_readme_scheme_table_is_the_saved_results():
     """README, "Which scheme when": each row's speed-ups (P = 4, the fifth validation set),
     its CNN gap to DDP (paired, 10 seeds) and TinyGPT perplexity against DDP's (3 seeds) from
@@ -584,6 +592,7 @@ def test_readme_scheme_table_is_the_saved_results():
     assert all(r["seeds"] == [1, 2, 3] and r["diverged"] == 0 for r in lm2500.values())
     assert ("| TinyGPT perplexity vs DDP after 2500 steps "
             "([study](docs/results/convergence-lm-2500.md)) |") in README
+    lm_gaps = _perplexity_gaps("convergence-lm-2500.json")
     assert {r["seeds"] == list(range(1, 11)) for (m, _), r in study.items() if m == "cnn"} == {
         True}
     assert {r["seeds"] == [1, 2, 3] for (m, _), r in study.items() if m == "gpt_tiny"} == {True}
@@ -649,9 +658,7 @@ def test_readme_scheme_table_is_the_saved_results():
                        + full), (trained, tta)
         gap = 100 * study["cnn", trained]["diff_vs_ddp"]["mean"]
         assert cnn == ("0" if ddp else f"{gap:+.2f} points".replace("-", "−")), (trained, cnn)
-        ppl = 100 * (statistics.fmean(lm2500["gpt_tiny", trained]["finals"])
-                     / statistics.fmean(lm2500["gpt_tiny", "ddp"]["finals"]) - 1)
-        assert lm == ("0" if ddp else f"{ppl:+.1f} %".replace("-", "−")), (trained, lm)
+        assert lm == ("0" if ddp else f"{lm_gaps[trained]:+.1f} %".replace("-", "−")), (trained, lm)
         mega = study["cnn", trained]["bytes_per_step"] / 1e6
         assert mb == (f"{mega:.2f}" if mega >= 1 else f"{mega:.3f}"), (trained, mb)
     text = " ".join(README.split())
@@ -727,15 +734,10 @@ def test_readme_language_model_budget_sentence_is_the_saved_studies():
     scheme ends in the quoted range above DDP's perplexity; over the table's 2500 steps, with the
     warm-up held at 100 exact steps, TopkA and SSFusion-OI end at the quoted percentages, above
     3 % where the defaults' 2500-step runs are below it. All computed here from the finals."""
-    def gaps(name: str) -> dict[str, float]:
-        rows = {r["scheme"]: r for r in json.loads((RESULTS / name).read_text())["rows"]}
-        ddp = statistics.fmean(rows.pop("ddp")["finals"])
-        return {s: 100 * (statistics.fmean(r["finals"]) / ddp - 1) for s, r in rows.items()}
-
-    short = gaps("convergence-lm-2026-12-07-nothing-whole.json")
+    short = _perplexity_gaps("convergence-lm-2026-12-07-nothing-whole.json")
     assert len(short) == 6
-    held = gaps("convergence-lm-2500-adam-warmup-100.json")
-    full = gaps("convergence-lm-2500.json")
+    held = _perplexity_gaps("convergence-lm-2500-adam-warmup-100.json")
+    full = _perplexity_gaps("convergence-lm-2500.json")
     assert all(full[s] < 3 < held[s] for s in ("topka", "ssfusion_oi"))
     text = " ".join(README.split())
     assert (f"TinyGPT's gap narrows with the budget: after 60 steps every scheme ends "
