@@ -34,10 +34,15 @@ ANY_P = [1, 2, 3, 5, 6, 7, 8, 12, 100]
 def test_dense_and_topka_volumes(P):
     n, k = 100_000, 1_000
     assert words(patterns.dense_ring(P, n)) == pytest.approx(2 * n * (P - 1) / P)
-    assert words(patterns.topka(P, n, k)) == pytest.approx(2 * k * (P - 1))
+    papers = patterns.topka(P, n, k, implementation="papers")
+    assert words(papers) == pytest.approx(2 * k * (P - 1))
     # messages: ring all-reduce 2(P−1), ring all-gather P−1 (Eq. 4 / Eq. 3)
     assert sum(s.messages for s in patterns.dense_ring(P, n)) == 2 * (P - 1)
-    assert sum(s.messages for s in patterns.topka(P, n, k)) == P - 1
+    assert sum(s.messages for s in papers) == P - 1
+    # gradsync on gloo: the same bytes in Bruck's doubling from P = 4 (⌈log2 P⌉ rounds)
+    gloo = patterns.topka(P, n, k)
+    assert words(gloo) == pytest.approx(2 * k * (P - 1))
+    assert sum(s.messages for s in gloo) == (P - 1 if P < 4 else math.ceil(math.log2(P)))
 
 
 @pytest.mark.parametrize("P", POW2)
@@ -63,8 +68,10 @@ def test_topkdsa_volume_between_table1_bounds(P):
 @pytest.mark.parametrize("P", POW2)
 def test_gtopk_volume(P):
     n, k = 1 << 20, 5000
-    assert words(patterns.gtopk(P, n, k)) == pytest.approx(4 * k * math.log2(P))
-    assert sum(s.messages for s in patterns.gtopk(P, n, k)) == 2 * math.log2(P)
+    for implementation, per_round in (("papers", 1), ("gloo", 2)):  # gloo: a header first
+        steps = patterns.gtopk(P, n, k, implementation=implementation)
+        assert words(steps) == pytest.approx(4 * k * math.log2(P))
+        assert sum(s.messages for s in steps) == 2 * math.log2(P) * per_round
 
 
 @pytest.mark.parametrize("P", ANY_P[1:])
@@ -73,9 +80,9 @@ def test_oktopk_volume_bounds(P):
     counts = 8 * (P - 1) / WORD  # the counts all-gather: P int64 per rank, P − 1 received
     lower = 2 * k * (P - 1) / P  # Theorem 3.1
     upper = 6 * k * (P - 1) / P  # Eq. 3
-    best = patterns.oktopk(P, n, k, outside=0.0, amortised=False)
-    typical = patterns.oktopk(P, n, k, amortised=False)
-    worst = patterns.oktopk(P, n, k, balance=True, amortised=False)
+    best = patterns.oktopk(P, n, k, outside=0.0, amortised=False, implementation="papers")
+    typical = patterns.oktopk(P, n, k, amortised=False, implementation="papers")
+    worst = patterns.oktopk(P, n, k, balance=True, amortised=False, implementation="papers")
     assert words(best) - counts == pytest.approx(lower)
     assert words(typical) - counts == pytest.approx(4 * k * (P - 1) / P)
     assert words(worst) - counts == pytest.approx(upper)
@@ -83,6 +90,25 @@ def test_oktopk_volume_bounds(P):
     lg = math.ceil(math.log2(P))
     assert sum(s.messages for s in typical) == (P - 1) + 2 * lg
     assert sum(s.messages for s in worst) == 2 * (P - 1) + 2 * lg
+
+
+@pytest.mark.parametrize("P", [2, 3, 4, 5, 8, 16])
+def test_oktopk_on_gloo_sends_what_gradsync_sends(P):
+    """gradsync's Ok-Topk on gloo: one exchange of k entries at P = 2; up to P = 4 the counts
+    inside the split-and-reduce messages (no counts all-gather); beyond, the heads (4 + P
+    words per rank) in rounds of their own; the allgatherv in Bruck's doubling from P = 4."""
+    n, k, E = 1 << 22, 40_000, 8
+    steps = patterns.oktopk(P, n, k, amortised=False)
+    rounds = P - 1 if P < 4 else math.ceil(math.log2(P))
+    if P == 2:
+        assert steps == [patterns.Step(1, k * E)]
+        return
+    heads = 0 if P <= 4 else rounds
+    assert sum(s.messages for s in steps) == (P - 1) + heads + rounds
+    entries = sum(s.nbytes for s in steps if not s.control)
+    assert entries == pytest.approx(4 * k * (P - 1) / P * WORD)  # Table 1's typical volume
+    assert sum(s.nbytes for s in steps if s.control) == pytest.approx(
+        (P - 1) * (4 + P) * 8 * (P > 4))
 
 
 @pytest.mark.parametrize("P", POW2)
@@ -152,13 +178,17 @@ def test_topka_time_grows_with_P_and_one_buffer_timeline():
         r = sim.predict("topka", cost, P, net, 0.01, forward_s=0.01, step_s=0.001)
         assert r["iteration_s"] > prev
         prev = r["iteration_s"]
-        # iteration = forward + Σ T_b + T_sparsify(n) + (P−1)(α + k·8·β) + step
+        # iteration = forward + Σ T_b + T_sparsify(n) + rounds·α + (P−1)·k·8·β + step, the
+        # rounds of gradsync's all-gather on gloo: P − 1 up to P = 3, then ⌈log2 P⌉
         k = round(0.01 * n)
-        expect = 0.01 + 6 * 0.002 + (1e-4 + 1e-8 * n) + (P - 1) * (50e-6 + k * 8 * 8e-9) + 0.001
+        rounds = P - 1 if P < 4 else math.ceil(math.log2(P))
+        expect = (0.01 + 6 * 0.002 + (1e-4 + 1e-8 * n) + rounds * 50e-6
+                  + (P - 1) * k * 8 * 8e-9 + 0.001)
         assert r["iteration_s"] == pytest.approx(expect)
-    # Ok-Topk's volume stays below 6k(P−1)/P words while TopkA's grows with P
+    # Ok-Topk's volume stays below 6k(P−1)/P words while TopkA's grows with P (on gloo beyond
+    # P = 4 the heads travel apart: 4 + P words per rank, P − 1 received)
     r = sim.predict("oktopk", cost, 256, net, 0.01)
-    assert r["volume_bytes"] / WORD <= 6 * round(0.01 * n) * 255 / 256 + 8 * 255 / WORD
+    assert r["volume_bytes"] / WORD <= 6 * round(0.01 * n) * 255 / 256 + 260 * 8 * 255 / WORD
 
 
 def test_fusion_schemes_use_the_planned_network():
@@ -190,13 +220,15 @@ def test_every_scheme_of_the_table_is_predicted_by_its_planner_and_collective():
     for name, r in rows.items():
         sch = schemes.get(name)
         assert math.isfinite(r["iteration_s"]) and r["iteration_s"] > 0
-        if sch.planner == "single":  # one buffer, reduced by the scheme's own collective
+        if sch.planner == "single" and name != "gaussiank":  # its own collective, one buffer
             assert r["buffers"] == 1 and r["collective"] == sch.collective
-        else:
+        elif sch.planner != "single":
             assert r["collective"] == ("allreduce+topka" if sch.sparse else "allreduce")
-    # Gaussian-k selects differently but sends what TopkA sends
-    assert rows["gaussiank"]["volume_bytes"] == rows["topka"]["volume_bytes"]
-    assert rows["gaussiank"]["collective"] == "topka"
+    # Gaussian-k selects differently and sends what TopkA sends, its counts first (its
+    # sparsifier keeps no fixed capacity): 8 bytes a rank more in as many rounds again
+    assert rows["gaussiank"]["collective"] == "gaussiank"
+    assert rows["gaussiank"]["volume_bytes"] == rows["topka"]["volume_bytes"] + 7 * 8
+    assert rows["gaussiank"]["messages"] == 2 * rows["topka"]["messages"] == 2 * 3
     assert rows["oktopk"]["volume_bytes"] != rows["topka"]["volume_bytes"]
 
 def write_table(path):
@@ -228,6 +260,26 @@ def test_simulate_command_writes_rows(tmp_path, capsys):
         assert r["iteration_s"] > r["backward_s"] == pytest.approx(6 * 0.002)
     assert doc["meta"]["alpha_s"] == pytest.approx(50e-6)
     assert doc["meta"]["beta_s_per_byte"] == pytest.approx(8e-9)
+    assert doc["meta"]["implementation"] == "gloo"
+
+
+def test_simulate_prices_the_papers_algorithms_on_request(tmp_path):
+    """``--implementation papers``: TopkA's ring, P − 1 start-ups where gradsync's gloo
+    all-gather makes ⌈log2 P⌉; the same bytes. ``--validate`` checks gloo's alone."""
+    table = tmp_path / "layers.csv"
+    write_table(table)
+    got = {}
+    for imp in ("gloo", "papers"):
+        out = tmp_path / imp
+        assert sim.main(["--table", str(table), "--schemes", "topka", "--workers", "16",
+                         "--implementation", imp, "--out", str(out)]) == 0
+        got[imp] = json.loads((out / "simulate.json").read_text())["rows"][0]
+    assert got["gloo"]["messages"] == 4 and got["papers"]["messages"] == 15
+    assert got["gloo"]["volume_bytes"] == got["papers"]["volume_bytes"]
+    assert got["papers"]["iteration_s"] - got["gloo"]["iteration_s"] == pytest.approx(11 * 50e-6)
+    with pytest.raises(ValueError, match="implementation gloo"):
+        sim.main(["--table", str(table), "--validate", "--implementation", "papers",
+                  "--out", str(tmp_path)])
 
 
 def test_simulate_command_reads_a_cost_model_json(tmp_path):
@@ -289,9 +341,11 @@ def test_prediction_includes_the_collectives_compute():
         b = sim.predict("topka", bare, P, net, 0.01)
         r = sim.predict("topka", cost, P, net, 0.01)
         assert b["compute_s"] == 0.0 and r["link_s"] == pytest.approx(b["comm_s"])
-        # TopkA: P−1 payload + P−1 counts + 2(P−1) shape-check messages; P·k entries merged,
-        # (P−1)·k sent and received entries coded twice; one merge/codec call per payload step
-        expect = (4 * (P - 1) * 3e-4 + (P - 1) * 1e-5 + 2e-8 * P * k + (P - 1) * 2e-5
+        # TopkA on gloo: its rounds' messages (P − 1 up to P = 3, then ⌈log2 P⌉; no shape
+        # check, no counts); P·k entries merged, (P−1)·k sent and received entries coded
+        # twice; one merge/codec call per round
+        rounds = P - 1 if P < 4 else math.ceil(math.log2(P))
+        expect = (rounds * 3e-4 + rounds * 1e-5 + 2e-8 * P * k + rounds * 2e-5
                   + 5e-8 * 2 * (P - 1) * k)
         assert r["compute_s"] == pytest.approx(expect)
         assert r["iteration_s"] == pytest.approx(b["iteration_s"] + expect)
@@ -446,24 +500,37 @@ def test_validate_on_shaped_links(tmp_path):
 @pytest.mark.parametrize(("P", "k", "calls"), [(2, 10_000, 1), (4, 10_000, 1), (8, 10_000, 1),
                                               (4, 20_000, 4), (8, 100_000, 4)])
 def test_oktopk_exact_threshold_rate_sets_its_amortised_start_ups(P, k, calls):
-    """The amortised control step: one all-reduce of P numbers every τ = 64 steps and, in the
+    """The amortised control steps: one all-reduce of P numbers every τ = 64 steps and, in the
     given share of steps, the exact threshold's calls: one all-gather of k magnitudes while 4k
-    bytes fit in EXACT_GATHER_MAX (64 KiB), else 4 all-reduces (8-bit digits of a float32);
-    each call costs a small all-reduce's 2⌈log2 P⌉ start-ups (recursive doubling)."""
+    bytes fit in EXACT_GATHER_MAX (64 KiB), else 4 all-reduces (8-bit digits of a float32).
+    The papers' pattern prices each call as a small all-reduce, 2⌈log2 P⌉ start-ups (recursive
+    doubling); on gloo gradsync's all-gather takes its rounds (P − 1 up to P = 3, ⌈log2 P⌉
+    from 4), and at P = 2 θ needs no call (one exchange: every rank holds every entry)."""
     n = 1_000_000
     lg = math.ceil(math.log2(P))
-    for rate, want in ((None, 2 * lg / 64 + calls * 2 * lg / 32), (0.0, 2 * lg / 64),
-                       (1.0, 2 * lg / 64 + calls * 2 * lg)):
-        steps = patterns.oktopk(P, n, k, exact_rate=rate)
-        assert steps[-1].nbytes == 0 and steps[-1].messages == pytest.approx(want)
-        base = patterns.oktopk(P, n, k, amortised=False)
-        assert steps[:-1] == base  # the payload steps do not depend on the rate
-    with pytest.raises(ValueError, match="exact_rate"):
-        patterns.oktopk(P, n, k, exact_rate=1.5)
-    alpha = 1e-3  # a predicted row grows by the extra start-ups times α
-    lo = patterns.comm_time(patterns.pattern("oktopk", P, n, k, oktopk_exact_rate=0.0), alpha, 0)
-    hi = patterns.comm_time(patterns.pattern("oktopk", P, n, k, oktopk_exact_rate=1.0), alpha, 0)
-    assert hi - lo == pytest.approx(calls * 2 * lg * alpha)
+    gather = P - 1 if P < 4 else lg
+    for implementation in ("papers", "gloo"):
+        per_call = gather if implementation == "gloo" and calls == 1 else calls * 2 * lg
+        if implementation == "gloo" and P == 2:
+            assert patterns.oktopk(P, n, k) == patterns.oktopk(P, n, k, amortised=False)
+            continue
+        for rate, want in ((None, 2 * lg / 64 + per_call / 32), (0.0, 2 * lg / 64),
+                           (1.0, 2 * lg / 64 + per_call)):
+            steps = patterns.oktopk(P, n, k, exact_rate=rate, implementation=implementation)
+            amortised = [s for s in steps if s.nbytes == 0]
+            assert len(amortised) == 2
+            assert sum(s.messages for s in amortised) == pytest.approx(want)
+            base = patterns.oktopk(P, n, k, amortised=False, implementation=implementation)
+            assert steps[:-2] == base  # the payload steps do not depend on the rate
+        with pytest.raises(ValueError, match="exact_rate"):
+            patterns.oktopk(P, n, k, exact_rate=1.5, implementation=implementation)
+        alpha = 1e-3  # a predicted row grows by the extra start-ups times α
+        kw = {"implementation": implementation}
+        lo = patterns.comm_time(patterns.pattern("oktopk", P, n, k, oktopk_exact_rate=0.0,
+                                                 **kw), alpha, 0)
+        hi = patterns.comm_time(patterns.pattern("oktopk", P, n, k, oktopk_exact_rate=1.0,
+                                                 **kw), alpha, 0)
+        assert hi - lo == pytest.approx(per_call * alpha)
 
 
 # ----------------------------------------------------------------------------- contention
@@ -488,13 +555,13 @@ def test_contention_floor_four_ranks_on_two_cores_by_hand():
                        contention=Contention(cores=2))
     assert busy["cpu_floor_s"] == pytest.approx(0.0252)
     assert busy["iteration_s"] == old["iteration_s"]
-    # each torch.distributed call's CPU: TopkA at P = 4 makes the shape check, the counts
-    # all-gather and 3 point-to-point steps
-    assert busy["dist_calls"] == 5
+    # each torch.distributed call's CPU: TopkA at P = 4 on gloo makes Bruck's 2 rounds of
+    # point-to-point messages (no shape check, no counts: the engine's steady state)
+    assert busy["dist_calls"] == 2
     calls = sim.predict("topka", cost, 4, net, 0.01, forward_s=0.010, step_s=0.001,
                         contention=Contention(cores=2, share=1.0, call_cpu_s=1e-3))
-    assert calls["cpu_floor_s"] == pytest.approx(4 * (0.0252 + 5 * 1e-3) / 2)
-    assert calls["iteration_s"] == pytest.approx(0.0604)
+    assert calls["cpu_floor_s"] == pytest.approx(4 * (0.0252 + 2 * 1e-3) / 2)
+    assert calls["iteration_s"] == pytest.approx(0.0544)
     # enough cores: no floor binds (3 threads per rank, 4 ranks, 12 cores)
     many = sim.predict("topka", cost, 4, net, 0.01, forward_s=0.010, step_s=0.001,
                        contention=Contention(cores=12, share=1.0))
@@ -649,16 +716,23 @@ def test_simulate_command_cores_turns_contention_on(tmp_path):
 
 
 def test_work_counts_torch_distributed_calls():
-    """``Work.dist_calls``: Ok-Topk at P = 8 makes 7 split-and-reduce, 3 counts and 3
-    allgatherv point-to-point steps, one shape check, and with the exact threshold in every
-    step one all-gather of k magnitudes (+ the boundaries' all-reduce every τ = 64 steps);
-    TopkA: the shape check, the counts all-gather and P − 1 ring steps; the dense ring
-    all-reduce is one call."""
+    """``Work.dist_calls``. The papers' patterns: Ok-Topk at P = 8 makes 7 split-and-reduce,
+    3 counts and 3 allgatherv point-to-point steps, one shape check, and with the exact
+    threshold in every step one all-gather of k magnitudes (+ the boundaries' all-reduce every
+    τ = 64 steps); TopkA: the shape check, the counts all-gather and P − 1 ring steps. On gloo
+    (the engine's steady state: no shape check, no counts) Ok-Topk's 13 steps and its exact
+    θ's 3 rounds, TopkA's 3 rounds; TopkDSA adds its agreement word (one all-reduce) to its
+    2 × 6 messages. The dense ring all-reduce is one call."""
     n, k = 1_000_000, 10_000
-    ok = patterns.pattern("oktopk", 8, n, k, oktopk_exact_rate=1.0)
-    assert patterns.work("oktopk", ok, 8, k).dist_calls == pytest.approx(1 + 13 + 1 + 1 / 64)
-    ta = patterns.pattern("topka", 8, n, k)
-    assert patterns.work("topka", ta, 8, k).dist_calls == 2 + 7
+    for imp, want_ok, want_ta in (("papers", 1 + 13 + 1 + 1 / 64, 2 + 7),
+                                  ("gloo", 13 + 3 + 1 / 64, 3)):
+        ok = patterns.pattern("oktopk", 8, n, k, oktopk_exact_rate=1.0, implementation=imp)
+        w = patterns.work("oktopk", ok, 8, k, implementation=imp)
+        assert w.dist_calls == pytest.approx(want_ok)
+        ta = patterns.pattern("topka", 8, n, k, implementation=imp)
+        assert patterns.work("topka", ta, 8, k, implementation=imp).dist_calls == want_ta
+    dsa = patterns.pattern("topkdsa", 8, n, k)
+    assert patterns.work("topkdsa", dsa, 8, k).dist_calls == 1 + 12
     assert patterns.work("dense", patterns.dense_ring(8, n), 8, 0).dist_calls == 1
     assert patterns.work("topka", [], 1, 0).dist_calls == 0
 
@@ -817,10 +891,10 @@ def test_the_collectives_cpu_delays_the_backward_on_a_shared_core():
 
 
 def test_a_sparse_buffer_pays_the_start_ups_of_the_collective_it_calls():
-    """A fused buffer's TopkA call runs the shape check (a small ring all-reduce, 2(P−1)
-    messages), the counts all-gather (P−1) and the payload (P−1), as the one-buffer TopkA
-    does: the timeline prices 4(P−1) start-ups per sparse buffer, where it priced 2(P−1) and
-    under-predicted every fusion scheme against the one-buffer path."""
+    """A fused buffer's TopkA call sends what the one-buffer TopkA sends on gloo: its rounds
+    of point-to-point messages (P − 1 up to P = 3, then Bruck's ⌈log2 P⌉; the buffer's
+    description agreed once, fixed capacity: no shape check, no counts), and the timeline
+    prices those start-ups per sparse buffer, as the one-buffer path does."""
     from gradsync.schedule.costmodel import ComputeCost
     from gradsync.schedule.plan import BufferPlan, Plan, TensorPlan
 
@@ -833,9 +907,10 @@ def test_a_sparse_buffer_pays_the_start_ups_of_the_collective_it_calls():
     for P in (2, 3, 4, 8):
         single = sim.predict("topka", cost, P, net, 0.01)
         fused = sim.predict("multi_tensor", cost, P, net, 0.01, plan=one)
-        assert single["rounds"] == fused["rounds"] == 4 * (P - 1)
-        assert fused["compute_s"] == pytest.approx(4 * (P - 1) * msg)
-        assert single["compute_s"] == pytest.approx(4 * (P - 1) * msg)
+        rounds = P - 1 if P < 4 else math.ceil(math.log2(P))
+        assert single["rounds"] == fused["rounds"] == rounds
+        assert fused["compute_s"] == pytest.approx(rounds * msg)
+        assert single["compute_s"] == pytest.approx(rounds * msg)
         dense = sim.predict("dense", cost, P, net, 0.01)
         assert dense["rounds"] == 2 * (P - 1)
 

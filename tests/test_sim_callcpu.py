@@ -122,9 +122,10 @@ def test_one_buffer_prediction_grows_by_exactly_the_measured_cpu_over_the_micro_
     cost = with_compute()
     net = sim.Network(50e-6, 8 / 1e9)
     k = 2100
-    micro = ((P - 1) * MERGE.a + MERGE.b * P * k + (P - 1) * CODEC.a
+    rounds = P - 1 if P < 4 else int(math.log2(P))  # gradsync's all-gather on gloo
+    micro = (rounds * MERGE.a + MERGE.b * P * k + rounds * CODEC.a
              + CODEC.b * 2 * (P - 1) * k)
-    msg = 4 * (P - 1) * MESSAGE
+    msg = rounds * MESSAGE
     calls = CollectiveCPU.from_samples(P, {"topka": [[k // 4, 0.010 + 1e-6 * (k // 4)],
                                                      [k, 0.010 + 1e-6 * k]]})
     cpu = 0.010 + 1e-6 * k
@@ -188,9 +189,9 @@ def test_contention_floor_counts_the_measured_cpu_instead_of_micro_terms_and_cal
     """Ok-Topk at P = 4 on 2 cores, a profile of one rank alone (σ = 1): W = forward 10 ms +
     Σ T_b 12 ms + T_sparsify(210 000) 2.2 ms + step 1 ms = 25.2 ms without the micro terms;
     the measured 8 ms per call replaces the micro terms and every call of a step, and only the
-    amortised small calls (1/64 + 1/32 at the default rates: the boundaries' all-reduce and the
-    exact threshold's all-gather, Work.amortised_calls) still pay the 8-byte call's 1 ms:
-    floor = 4·(25.2 + 8 + (1/64 + 1/32)·1) / 2 ms."""
+    amortised small calls (1/64 + 2/32 at the default rates: the boundaries' all-reduce and the
+    exact threshold's all-gather, Bruck's 2 rounds on gloo, Work.amortised_calls) still pay
+    the 8-byte call's 1 ms: floor = 4·(25.2 + 8 + (1/64 + 2/32)·1) / 2 ms."""
     cost = with_compute()
     net = sim.Network(1e-6, 8 / 1e10)
     P, k = 4, 2100
@@ -201,7 +202,7 @@ def test_contention_floor_counts_the_measured_cpu_instead_of_micro_terms_and_cal
     new = sim.predict("oktopk", cost, P, net, 0.01, collective_cpu=calls, **kw)
     steps = patterns.pattern("oktopk", P, 210_000, k)
     w = patterns.work("oktopk", steps, P, k)
-    assert w.amortised_calls == pytest.approx(1 / 64 + 1 / 32)
+    assert w.amortised_calls == pytest.approx(1 / 64 + 2 / 32)
     assert new["dist_calls"] == pytest.approx(w.amortised_calls)
     assert new["cpu_work_s"] == pytest.approx(0.0252)
     assert new["cpu_floor_s"] == pytest.approx(4 * (0.0252 + 0.008 + w.amortised_calls * 1e-3)
@@ -243,7 +244,7 @@ def test_a_one_buffer_collective_on_fewer_cores_than_ranks_takes_p_over_c_of_its
     assert on(4)["compute_s"] == pytest.approx(alone["compute_s"])
     assert on(16)["compute_s"] == pytest.approx(alone["compute_s"])
     assert on(2)["comm_s"] - alone["comm_s"] == pytest.approx(0.008)
-    assert on(2)["cpu_floor_s"] == pytest.approx(4 * (0.0252 + 0.008 + (1 / 64 + 1 / 32) * 1e-3)
+    assert on(2)["cpu_floor_s"] == pytest.approx(4 * (0.0252 + 0.008 + (1 / 64 + 2 / 32) * 1e-3)
                                                  / 2)
     # without a measured CPU per call, the merges and codec (micro) scale the same way
     micro = on(None, collective_cpu=None)
@@ -256,8 +257,10 @@ def test_work_separates_the_amortised_calls():
     n, k = 1_000_000, 10_000
     ok = patterns.pattern("oktopk", 8, n, k, oktopk_exact_rate=1.0)
     w = patterns.work("oktopk", ok, 8, k)
-    assert w.amortised_calls == pytest.approx(1 + 1 / 64)
-    assert w.dist_calls - w.amortised_calls == pytest.approx(1 + 13)
+    # on gloo: the exact θ's all-gather in 3 rounds, the boundaries' all-reduce every 64 steps;
+    # the 13 steps' messages (no shape check: the engine's steady state)
+    assert w.amortised_calls == pytest.approx(3 + 1 / 64)
+    assert w.dist_calls - w.amortised_calls == pytest.approx(13)
     assert patterns.work("topka", patterns.pattern("topka", 8, n, k), 8, k).amortised_calls == 0
 
 
@@ -266,22 +269,51 @@ def test_profile_collective_cpu_on_two_ranks():
     from gradsync.testing import run_distributed
 
     res = run_distributed(_profile_rank, 2)
-    assert res[0] == res[1]  # the maximum over ranks on both
-    out = res[0]
-    assert set(out) == {"topka", "oktopk"}  # dense_ovlp has no sparse collective
+    assert [r[0] for r in res] == [res[0][0]] * 2  # the maximum over ranks on both
+    out, sends = res[0]
+    # dense_ovlp has no sparse collective; Gaussian-k's TopkA gathers counts first
+    assert set(out) == {"topka", "gaussiank", "oktopk"}
     for pts in out.values():
         assert [p[0] for p in pts] == [25, 50, 100]  # k/4, k/2, k of n = 10 000 at 1 %
         for _, cpu, wall in pts:
             assert 0 < cpu < 1 and 0 < wall < 5
+    # called as the engine calls them: each size's description agreed once (one small
+    # all-reduce, at its first call), then at P = 2 one message a call (TopkA at its
+    # capacity, Ok-Topk's one exchange), two for Gaussian-k (its count, then its entries)
+    for name, per_call in (("topka", 1), ("oktopk", 1), ("gaussiank", 2)):
+        assert sends[name] == {"isend": 3 * (1 + 3) * per_call, "all_reduce": 3 + 1}, name
 
 
 def _profile_rank(rank, world_size):
+    import collections
+
     import torch
+    import torch.distributed as dist
 
     from gradsync.apps.sim.callcpu import profile_collective_cpu
 
     flat = torch.randn(10_000, generator=torch.Generator().manual_seed(rank))
-    return profile_collective_cpu(["dense_ovlp", "topka", "oktopk"], flat, 0.01, repeats=3)
+    calls: collections.Counter = collections.Counter()
+    real = {op: getattr(dist, op) for op in ("isend", "all_reduce")}
+
+    def counted(op):
+        def call(*a, **k):
+            calls[op] += 1
+            return real[op](*a, **k)
+        return call
+
+    out, sends = {}, {}
+    try:
+        for op in real:
+            setattr(dist, op, counted(op))
+        for scheme in ("topka", "gaussiank", "oktopk"):  # one at a time, to count each
+            calls.clear()
+            out.update(profile_collective_cpu(["dense_ovlp", scheme], flat, 0.01, repeats=3))
+            sends[scheme] = dict(calls)
+    finally:
+        for op, fn in real.items():
+            setattr(dist, op, fn)
+    return out, sends
 
 
 def test_profile_command_stores_it_and_simulate_uses_it(tmp_path, capsys):

@@ -203,8 +203,9 @@ class Predictor:
             cost, fwd, stp, _ = self.costs[workload]
             ln = self.prof["links"][link]
             net = Network(ln["alpha"], 8.0 / ln["bits_per_s"])
+            # the papers' algorithms: the experiments it predicts ran them, not gradsync's
             self.cache[key] = predict(scheme, cost, P, net, density, forward_s=fwd, step_s=stp,
-                                      densestream_ratio=ratio)
+                                      densestream_ratio=ratio, implementation="papers")
         return self.cache[key]
 
     def label(self, *workloads: str) -> str:

@@ -116,6 +116,7 @@ __all__ = [
     "CommStats",
     "backend_devices",
     "exchange_objects",
+    "gather_rounds",
     "outside_backward",
     "ring_allreduce_bytes",
 ]
@@ -290,6 +291,20 @@ def backend_devices(backend: str) -> dict[str, str]:
 #: (module docstring).
 EMULATE_BACKEND_ENV = "GRADSYNC_EMULATE_BACKEND"
 LONG_BLOCK_BYTES = 1 << 20  # per round the doubling saves: longer blocks go round the ring
+
+
+def gather_rounds(p: int, block_bytes: float, long_block_bytes: int = LONG_BLOCK_BYTES
+                  ) -> list[int]:
+    """The rounds of a gloo all-gather of P blocks of ``block_bytes`` (their mean), as the
+    blocks each round's one message carries (module docstring, ``all_gather``): Bruck's
+    doubling, ``min(d, P − d)`` for d = 1, 2, 4, … < P, where it saves rounds (P ≥ 4) and the
+    blocks are shorter than ``long_block_bytes`` per round it saves; otherwise the ring, P − 1
+    rounds of one block. :meth:`Comm._rounds` sends them; the simulator prices them
+    (``gradsync.apps.sim.patterns``)."""
+    saved = (p - 1) - (p - 1).bit_length()  # the rounds the doubling saves: P − 1 − ⌈log2 P⌉
+    if saved <= 0 or block_bytes >= long_block_bytes * saved:
+        return [1] * (p - 1)
+    return [min(1 << j, p - (1 << j)) for j in range((p - 1).bit_length())]
 
 
 class _Staged:
@@ -714,15 +729,13 @@ class Comm:
         otherwise the ring: step s = 0 … P − 2, ``(−1, r − s, 1)``, the block received in the
         step before passed on to rank r + 1 (module docstring, ``all_gather``)."""
         p, r = self.size, self.rank
-        saved = (p - 1) - (p - 1).bit_length()  # the rounds the doubling saves: P − 1 − ⌈log2 P⌉
-        if saved <= 0 or block_bytes >= self.long_block_bytes * saved:
+        blocks = gather_rounds(p, block_bytes, self.long_block_bytes)
+        if len(blocks) == p - 1:  # the ring (also the doubling's own rounds where P ≤ 3)
             for s in range(p - 1):
                 yield -1, (r - s) % p, 1
             return
-        d = 1
-        while d < p:
-            yield d, r, min(d, p - d)
-            d *= 2
+        for j, n in enumerate(blocks):
+            yield 1 << j, r, n
 
     def _gather_rounds(self, flat: torch.Tensor, counts: list[int]) -> None:
         """Fill every rank's block of ``flat`` (blocks of ``counts`` elements in rank order;

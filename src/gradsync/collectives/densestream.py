@@ -103,7 +103,7 @@ from gradsync.formats import densestream as dsfmt
 from gradsync.formats.wire import BITS_DTYPES, check_index_bytes, wire_index_bytes
 from gradsync.sparsegrad import SparseGrad, densify, sparse_sum
 
-__all__ = ["DenseStreamAllreduce"]
+__all__ = ["BOUNDED_MAX", "DenseStreamAllreduce"]
 
 _HEAD = dsfmt.HEADER_BYTES  # an encoding's header, which announces it
 # The verdict word ahead of an allgather or unfold message's announcement (module doc,

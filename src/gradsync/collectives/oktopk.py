@@ -136,7 +136,7 @@ from gradsync.sparsegrad import (
     validate_density,
 )
 
-__all__ = ["OkTopk", "exact_threshold_calls"]
+__all__ = ["BALANCE_FACTOR", "BOUNDED_MAX", "OkTopk", "exact_threshold_calls"]
 
 # Split and reduce where a receive may be longer than its message (gloo): each message carries
 # its entry count ahead of its entries (wire.pack_entries_counted), one round instead of the
@@ -144,6 +144,7 @@ __all__ = ["OkTopk", "exact_threshold_calls"]
 BOUNDED_MAX = 64 * 2**20
 RADIX_BITS = 8  # radix select: 256 bins per round, over the 32 bits of a float32
 RADIX_ROUNDS = 32 // RADIX_BITS  # all-reduces per exact threshold
+BALANCE_FACTOR = 4.0  # data balancing when the largest count > this × the mean (§5.3)
 EXACT_GATHER_MAX = 64 << 10  # a rank's k float32 magnitudes up to this: θ from one all-gather
 
 
@@ -210,7 +211,7 @@ class OkTopk(Collective):
         k: int | None = None,
         tau: int = 64,
         tau_prime: int = 32,
-        balance_factor: float = 4.0,
+        balance_factor: float = BALANCE_FACTOR,
         bucket: int = 4,
         nudge: float = 0.02,
         recompute_band: tuple[float, float] | None = None,

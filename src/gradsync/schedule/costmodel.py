@@ -311,12 +311,16 @@ class CostModel:
         """Message start-ups of one ring all-reduce: 2(P−1)."""
         return 2 * (self.P - 1)
 
-    def startups_allgather(self) -> int:
-        """Message start-ups of one sparse all-gather call (TopkA, ``collectives/topka.py``):
-        the base class's shape check (a small ring all-reduce, 2(P−1)), the counts all-gather
-        (P−1) and the payload (P−1): 4(P−1), as ``apps/sim/patterns.work`` counts the
-        one-buffer schemes' call."""
-        return 4 * (self.P - 1)
+    def startups_allgather(self, nbytes_per_rank: float = 0.0) -> int:
+        """Message start-ups of one sparse all-gather call (TopkA, ``collectives/topka.py``)
+        of ``nbytes_per_rank``, as the engine makes it on gloo, where these CPU terms are
+        measured: its rounds of point-to-point messages
+        (:func:`~gradsync.collectives.comm.gather_rounds`: ⌈log2 P⌉ from P = 4, else P − 1);
+        no shape check (agreed once per buffer) and no counts (fixed capacity), as
+        ``apps/sim/patterns`` counts the one-buffer schemes' call (tests/test_sim_messages.py)."""
+        from gradsync.collectives.comm import gather_rounds  # torch: not at import
+
+        return len(gather_rounds(self.P, nbytes_per_rank))
 
     def t_compute_allreduce(self, nbytes: int) -> float:
         """CPU work of a ring all-reduce (``compute``): its start-ups' software cost."""
@@ -331,7 +335,8 @@ class CostModel:
         if self.compute is None or self.P == 1:
             return 0.0
         p, m = self.P, nbytes_per_rank / self.entry_bytes
-        return self.compute.collective(self.startups_allgather(), merged=(p - 1) * m,
+        return self.compute.collective(self.startups_allgather(nbytes_per_rank),
+                                       merged=(p - 1) * m,
                                        encoded=p * m, calls=p - 1)
 
     # -- JSON ----------------------------------------------------------------------------

@@ -197,7 +197,7 @@ def _communicate(buf: BufferPlan, cost: CostModel, r_ar: float, r_ag: float, ch:
         start = s
         row.update(ar_ready=r_ar, ar_start=s, ar_end=ch.free)
     if has_ag:
-        s = ch.run(r_ag, cost.t_allgather(ag_bytes), cost.startups_allgather() * round_s,
+        s = ch.run(r_ag, cost.t_allgather(ag_bytes), cost.startups_allgather(ag_bytes) * round_s,
                    cost.t_compute_allgather(ag_bytes))
         start = s if start is None else start
         row.update(ag_ready=r_ag, ag_start=s, ag_end=ch.free)

@@ -40,6 +40,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from gradsync.apps.sim import patterns
 from gradsync.schedule.costmodel import AffineFit, fit_affine
 
 __all__ = ["CollectiveCPU", "fit_collective_cpu", "profile_collective_cpu"]
@@ -173,7 +174,10 @@ def profile_collective_cpu(schemes: Sequence[str], flat: Any, density: float, *,
     Every rank must call it; collectives named by no sparse scheme are skipped.
 
     The collective and its options are the scheme's (``Scheme.collective``, a ``density``
-    option set to m/n as the engine sets it)."""
+    option set to m/n as the engine sets it), called as the engine calls it: the ranks agree
+    on the selection's description once (``check_shapes="changes"``), and a selection has a
+    capacity where the scheme's sparsifier keeps at most k. Keyed by the pattern of the
+    scheme's collective (:func:`~gradsync.apps.sim.patterns.collective_of`)."""
     import torch
     import torch.distributed as dist
 
@@ -184,23 +188,26 @@ def profile_collective_cpu(schemes: Sequence[str], flat: Any, density: float, *,
 
     if repeats < 1:
         raise ValueError(f"repeats must be >= 1, got {repeats}")
-    colls: dict[str, bool] = {}
+    colls: dict[str, tuple[str, bool, bool]] = {}  # pattern → collective, density, capacity
     for s in schemes:
         sch = table.get(s)
         if sch.sparse:
-            colls[sch.collective] = colls.get(sch.collective, False) or (
-                "density" in sch.collective_options)
+            key = patterns.collective_of(s)
+            takes = colls[key][1] if key in colls else False
+            colls[key] = (sch.collective, takes or "density" in sch.collective_options,
+                          patterns.fixed_capacity(s))
     n = int(flat.numel())
     k = entries(n, density)
     sizes = sorted({max(1, min(n, round(f * k))) for f in fractions})
     mags = flat.detach().abs().float()
     out: dict[str, list[list[float]]] = {}
-    for name, takes_density in colls.items():
+    for name, (collective, takes_density, capped) in colls.items():
         rows = []
         for m in sizes:
             idx = torch.topk(mags, m, sorted=False).indices.sort().values
-            sel = SparseGrad(idx, flat.detach()[idx].clone(), n)
-            coll = collectives.get(name, **({"density": m / n} if takes_density else {}))
+            sel = SparseGrad(idx, flat.detach()[idx].clone(), n, capacity=m if capped else None)
+            coll = collectives.get(collective, check_shapes="changes",
+                                   **({"density": m / n} if takes_density else {}))
             coll(sel, group, 0)
             cpu, wall = [], []
             for step in range(1, repeats + 1):

@@ -22,8 +22,9 @@ communication) on C < 3P cores, they do not; :class:`Contention` adds the terms 
   as the process CPU time of one 8-byte all-reduce call on the idle group (0.2–0.5 ms on a
   2-core machine with 2–8 ranks, ten times the merge and codec start-ups; more under load).
   The calls are counted per collective (``dist_calls`` of
-  :func:`gradsync.apps.sim.patterns.work`: one per point-to-point step and per control
-  collective; a fusion buffer's all-reduce is one call, its sparse all-gather P + 1):
+  :func:`gradsync.apps.sim.patterns.work`: one per point-to-point message and per control
+  collective; a fusion buffer's all-reduce is one call, its sparse all-gather its rounds,
+  ``CostModel.startups_allgather``):
 
       T ≥ P·(σ·W + calls·call_cpu_s) / C.
 

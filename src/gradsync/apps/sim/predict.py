@@ -110,7 +110,8 @@ class _WithCallCPU(CostModel):
         base = super().t_compute_allgather(nbytes_per_rank)
         if self.call is None or self.P == 1:
             return base
-        msg = self.startups_allgather() * self.compute.message if self.compute is not None else 0.0
+        msg = (self.startups_allgather(nbytes_per_rank) * self.compute.message
+               if self.compute is not None else 0.0)
         return msg + max(base - msg, self.call(nbytes_per_rank / self.entry_bytes))
 
 
@@ -164,7 +165,7 @@ def predict(
     first_bucket_bytes: int | None = None,
     min_density: float = 0.001, oktopk_exact_rate: float | None = None,
     contention: Contention | None = None, collective_cpu: CollectiveCPU | None = None,
-    plan: Plan | None = None,
+    plan: Plan | None = None, implementation: str = "gloo",
 ) -> dict[str, Any]:
     """One row: predicted iteration time of ``scheme`` at P ranks and its breakdown.
     ``oktopk_exact_rate``: the share of steps in which Ok-Topk computes its threshold exactly
@@ -178,6 +179,10 @@ def predict(
     ``plan``: time this plan (made for ``scheme``, over the cost model's tensors) instead of
     the one the scheme's planner makes from ``base`` — ``simulate --validate`` passes the plan
     a measured run used; ignored by one-buffer schemes (``planner="single"``), which have one.
+    ``implementation``: whose messages a one-buffer collective sends
+    (:data:`gradsync.apps.sim.patterns.IMPLEMENTATIONS`): ``"gloo"``, gradsync's on gloo (what
+    ``simulate`` measures and validates), or ``"papers"``, the papers' algorithms
+    (``report cluster``).
 
     Row terms: ``rounds`` synchronising rounds (start-ups of the payload and control
     messages), ``round_wait_s`` what the loaded rounds add to ``comm_s`` (``contention.round_s``
@@ -204,14 +209,16 @@ def predict(
         def union(m: float) -> float:
             return patterns.union_density(d, m, union_gamma)
 
-        coll = sch.collective
+        coll = patterns.collective_of(scheme)
         steps = patterns.pattern(coll, cost.P, n, k, union=union, value_bytes=cost.elem_bytes,
                                  densestream_ratio=densestream_ratio,
-                                 oktopk_exact_rate=oktopk_exact_rate)
+                                 oktopk_exact_rate=oktopk_exact_rate,
+                                 implementation=implementation)
         backward = sum(cost.backward[t] for t in cost.order)
         sparsify = scheme_sparsify(cost, scheme)(n)
         link = patterns.comm_time(steps, net.alpha, net.beta)
-        w = patterns.work(coll, steps, cost.P, k, cost.elem_bytes)
+        w = patterns.work(coll, steps, cost.P, k, cost.elem_bytes,
+                          implementation=implementation)
         rounds = sum(s.messages for s in steps) + w.control
         msg_s = micro = 0.0
         if cost.compute is not None:  # issue 14: the collective's CPU work
@@ -245,7 +252,7 @@ def predict(
                              f"model's {len(cost.order)}")
         row["plan_digest"] = plan.digest()
         p = cost.P
-        fit = (collective_cpu.fit(sch.collective, p)
+        fit = (collective_cpu.fit(patterns.collective_of(scheme), p)
                if collective_cpu is not None and sch.sparse and p > 1 else None)
         timed = _with_call(cost, fit)
         tl = timeline_of(plan, timed, round_s=contention.round_s if contention else 0.0,
@@ -258,16 +265,16 @@ def predict(
             if ar:  # one gloo all-reduce: its start-ups' software cost, no merge or codec
                 compute += cost.t_compute_allreduce(b["ar_bytes"])
                 calls += 1
-            if ag:  # TopkA: shape check, counts, P − 1 point-to-point steps
+            ag_rounds = cost.startups_allgather(b["ag_bytes"]) if ag else 0
+            if ag:  # TopkA: gradsync's rounds of point-to-point messages
                 compute += timed.t_compute_allgather(b["ag_bytes"])
                 if fit is None or p == 1:
-                    work += max(0.0, cost.t_compute_allgather(b["ag_bytes"])
-                                - cost.startups_allgather() * msg)
-                    calls += p + 1
+                    work += max(0.0, cost.t_compute_allgather(b["ag_bytes"]) - ag_rounds * msg)
+                    calls += ag_rounds
                 else:
                     call_cpu += fit(b["ag_bytes"] / cost.entry_bytes)
             # the start-ups t_compute_allreduce / t_compute_allgather price
-            rounds += cost.startups_allreduce() * ar + cost.startups_allgather() * ag
+            rounds += cost.startups_allreduce() * ar + ag_rounds
         calls *= p > 1
         wait = tl.round_wait
         vol = sum(b["ar_bytes"] * 2 * (p - 1) / p + b["ag_bytes"] * (p - 1) for b in tl.buffers)

@@ -46,6 +46,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from gradsync.apps.sim import patterns
 from gradsync.apps.sim.callcpu import CollectiveCPU
 from gradsync.apps.sim.contention import Contention
 from gradsync.apps.sim.predict import (
@@ -116,6 +117,10 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
     p.add_argument("--oktopk-exact-rate", type=float, default=None,
                    help="share of steps in which Ok-Topk computes its threshold exactly "
                         "(default 1/32, the paper's reuse; --validate measures it)")
+    p.add_argument("--implementation", default="gloo", choices=patterns.IMPLEMENTATIONS,
+                   help="whose messages the one-buffer collectives send: gloo, gradsync's on "
+                        "gloo (counted in real calls; what --validate checks), or papers, the "
+                        "papers' algorithms (rings, counts apart; what report cluster prices)")
     p.add_argument("--cores", type=float, default=None,
                    help="CPU contention (apps/sim/contention.py): the cores P ranks share; "
                         "off unless given (--validate: this machine's count)")
@@ -154,6 +159,9 @@ def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
         raise ValueError(f"--densestream-ratio must be > 0, got {a.densestream_ratio}")
     if a.oktopk_exact_rate is not None and not 0.0 <= a.oktopk_exact_rate <= 1.0:
         raise ValueError(f"--oktopk-exact-rate must be in [0, 1], got {a.oktopk_exact_rate}")
+    if a.validate and a.implementation != "gloo":
+        raise ValueError("--validate runs gradsync on gloo: it checks --implementation gloo, "
+                         f"not {a.implementation!r}")
     for name in ("batch", "repeats", "steps", "validate_runs"):
         if getattr(a, name) < 1:
             raise ValueError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(a, name)}")
@@ -218,7 +226,8 @@ def predict_all(a: argparse.Namespace, cost: CostModel, fwd: float, stp: float,
                                 first_bucket_bytes=bucket_bytes_of(a.first_bucket_mb),
                                 oktopk_exact_rate=a.oktopk_exact_rate,
                                 contention=a.contention,
-                                collective_cpu=getattr(a, "collective_cpu", None)))
+                                collective_cpu=getattr(a, "collective_cpu", None),
+                                implementation=a.implementation))
     return rows
 
 
@@ -253,6 +262,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     meta = {"note": NOTE, "source": src, "bandwidth": a.bandwidth, "latency": a.latency,
             "alpha_s": a.net.alpha, "beta_s_per_byte": a.net.beta, "density": a.density,
             "union_gamma": a.union_gamma, "densestream_ratio": a.densestream_ratio,
+            "implementation": a.implementation,
             "forward_s": fwd, "step_s": stp, "cost_model": cost.to_dict()}
     j, png = write_outputs("simulate", rows, a.out, meta=meta, plot=plot_vs_p(
         rows, f"{cost.info.get('model', a.model)}, d={a.density}, {a.bandwidth}, "
