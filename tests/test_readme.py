@@ -311,7 +311,7 @@ def _validation_medians(saved: dict, link: str) -> dict[str, dict[tuple[str, int
     ("seventh", "timing each run's own plan"),
     ("sixth", "timing each run's own plan, `auto`'s now recorded")])
 def test_simulator_page_says_the_latest_sets_miss_and_how(run_set, own_plan):
-    """docs/results/simulator.md's first two bullets: the seventh (latest) and sixth sets'
+    """docs/results/simulator.md's bullets on the seventh and sixth sets'
     medians and single runs within 25 % per link, each run's own plan too, and that every
     median that misses over-predicts, in the range it gives, with how many of the 100 Mbit/s
     misses are at P = 2."""
@@ -334,6 +334,79 @@ def test_simulator_page_says_the_latest_sets_miss_and_how(run_set, own_plan):
     assert (f"over-predicts the step, by +{100 * min(every):.0f} to +{100 * max(every):.0f} %, "
             f"and {sum(P == 2 for _, P in missed['100mbit'])} of the "
             f"{len(missed['100mbit'])} misses at 100 Mbit/s are at P = 2") in text
+
+
+def test_simulator_page_eighth_set_against_the_patterns_before():
+    """docs/results/simulator.md, the latest set and "The messages gradsync sends": the eighth
+    set's medians and single runs within 25 % per link, each run's own plan too; its misses all
+    under-predictions at P = 4 and 8 on 100 Mbit/s, in the range given; the same runs predicted
+    with the patterns before (``predicted_previous_s``) and their misses' range; the seventh
+    set's row of the table; and the SSFusion-O and Espresso figures of the last bullet, all
+    recomputed from the saved runs."""
+    import statistics
+
+    text = _folded(RESULTS / "simulator.md")
+    sets = json.loads((RESULTS / "validate-runs-5.json").read_text())["sets"]
+    eighth, seventh = sets["eighth"], sets["seventh"]
+
+    def err(r: dict, key: str) -> float:
+        return (r[key] - r["measured_s"]) / r["measured_s"]
+
+    got, before, misses, prev_misses = {}, {}, {}, {}
+    for link in ("1gbit", "100mbit"):
+        med = _validation_medians(eighth, link)
+        rows = eighth[link]["rows"]
+        groups: dict[tuple[str, int], list[dict]] = {}
+        for r in rows:
+            groups.setdefault((r["scheme"], r["P"]), []).append(r)
+        prev = {k: statistics.median(err(r, "predicted_previous_s") for r in g)
+                for k, g in groups.items()}
+        got[link] = (sum(abs(e) <= 0.25 for e in med["error"].values()), len(rows),
+                     sum(abs(r["error"]) <= 0.25 for r in rows),
+                     sum(abs(e) <= 0.25 for e in med["error_run_plan"].values()))
+        before[link] = (sum(abs(e) <= 0.25 for e in prev.values()),
+                        sum(abs(err(r, "predicted_previous_s")) <= 0.25 for r in rows))
+        misses[link] = {k: e for k, e in med["error"].items() if abs(e) > 0.25}
+        prev_misses[link] = [e for e in prev.values() if abs(e) > 0.25]
+    (a, sn, sa, ra), (b, _, sb, rb) = got["1gbit"], got["100mbit"]
+    assert (f"within 25 % for {a} of 57 scheme × P rows at 1 Gbit/s and {b} of 57 at 100 Mbit/s "
+            f"(single runs {sa} and {sb} of {sn}; timing each run's own plan, {ra} and {rb} of "
+            f"57)") in text
+    assert not misses["1gbit"] and all(P in (4, 8) for _, P in misses["100mbit"])
+    every = list(misses["100mbit"].values())
+    assert max(every) < -0.25
+    lo, hi = -100 * min(every), -100 * max(every)
+    assert f"under-predicts the step, by −{lo:.0f} to −{hi:.0f} %" in text
+    assert {s for s, _ in misses["100mbit"]} == {"ssfusion_o", "espresso", "auto"}
+    (pa, psa), (pb, psb) = before["1gbit"], before["100mbit"]
+    allprev = prev_misses["1gbit"] + prev_misses["100mbit"]
+    assert min(allprev) > 0.25
+    assert (f"The same runs predicted with the patterns before: {pa} and {pb} of 57 (single "
+            f"runs {psa} and {psb} of 285), every miss an over-prediction, by "
+            f"+{100 * min(allprev):.0f} to +{100 * max(allprev):.0f} %") in text
+    # the table: the seventh set, the eighth's runs with the patterns before, the eighth
+    s1, s100 = (_validation_medians(seventh, link)["error"] for link in ("1gbit", "100mbit"))
+    singles7 = [sum(abs(r["error"]) <= 0.25 for r in seventh[link]["rows"])
+                for link in ("1gbit", "100mbit")]
+    row7 = (f"| {sum(abs(e) <= 0.25 for e in s1.values())} | "
+            f"{sum(abs(e) <= 0.25 for e in s100.values())} | {singles7[0]}, {singles7[1]} |")
+    assert f"(7aba086: the patterns and CPU profile before) {row7}" in text
+    assert f"the patterns before | {pa} | {pb} | {psa}, {psb} |" in text
+    assert f"**the eighth set** | **{a}** | **{b}** | **{sa}, {sb}** |" in text
+    # the last bullet's medians over the runs, 100 Mbit/s, P = 8
+
+    def med8(scheme: str, key: str) -> float:
+        return 1e3 * statistics.median(r[key] for r in eighth["100mbit"]["rows"]
+                                       if r["scheme"] == scheme and r["P"] == 8)
+
+    assert (f"SSFusion-O at P = 8 measured {med8('ssfusion_o', 'measured_comm_s'):.0f} ms in "
+            f"its collectives and {med8('ssfusion_o', 'measured_wait_s'):.0f} ms of exposed "
+            f"wait, where the prediction has {med8('ssfusion_o', 'predicted_comm_s'):.0f} and "
+            f"{med8('ssfusion_o', 'predicted_exposed_comm_s'):.0f} ms") in text
+    assert (f"({med8('ssfusion_o', 'predicted_s'):.0f} ms against "
+            f"{med8('ssfusion_o', 'measured_s'):.0f} measured)") in text
+    assert (f"Espresso's collectives took {med8('espresso', 'measured_comm_s'):.0f} ms against "
+            f"{med8('espresso', 'predicted_comm_s'):.0f}") in text
 
 
 def test_readme_simulator_validation_figures_are_the_saved_runs():
