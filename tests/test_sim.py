@@ -909,6 +909,7 @@ def test_a_sparse_buffer_pays_the_start_ups_of_the_collective_it_calls():
         fused = sim.predict("multi_tensor", cost, P, net, 0.01, plan=one)
         rounds = P - 1 if P < 4 else math.ceil(math.log2(P))
         assert single["rounds"] == fused["rounds"] == rounds
+        assert single["messages"] == fused["messages"] == rounds
         assert fused["compute_s"] == pytest.approx(rounds * msg)
         assert single["compute_s"] == pytest.approx(rounds * msg)
         dense = sim.predict("dense", cost, P, net, 0.01)

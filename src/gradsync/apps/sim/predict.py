@@ -278,7 +278,8 @@ def predict(
         calls *= p > 1
         wait = tl.round_wait
         vol = sum(b["ar_bytes"] * 2 * (p - 1) / p + b["ag_bytes"] * (p - 1) for b in tl.buffers)
-        msgs = sum(2 * (p - 1) * ("ar_start" in b) + (p - 1) * ("ag_start" in b)
+        msgs = sum(2 * (p - 1) * ("ar_start" in b)
+                   + (cost.startups_allgather(b["ag_bytes"]) if "ag_start" in b else 0)
                    for b in tl.buffers)
         row.update(collective=f"allreduce+{sch.collective}" if sch.sparse else "allreduce",
                    backward_s=tl.backward, sparsify_s=tl.sparsify, comm_s=tl.comm,
