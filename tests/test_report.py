@@ -4,11 +4,14 @@ numbers that can be worked out by hand (or are published) come out right."""
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
 
 from gradsync.apps import cli, report
+
+RESULTS = Path(__file__).resolve().parents[1] / "docs" / "results"
 
 
 def _run(tmp_path, table: str) -> list[dict]:
@@ -131,6 +134,72 @@ def test_report_cluster_prints_every_paper_row_and_labels_the_profile(tmp_path, 
     assert doc["meta"]["profile"] == "derived from published figures"
 
 
+def test_report_cluster_json_names_the_profile_it_read(tmp_path):
+    """`report cluster --profile F` writes F's label in its JSON's meta, not the bundled
+    profile's (the command wrote "derived from published figures" for a measured profile)."""
+    from gradsync.apps import report_cluster as rc
+
+    prof = rc.load_profile()
+    prof["label"] = "a copy of the bundled profile, relabelled"
+    path = tmp_path / "prof.json"
+    path.write_text(json.dumps(prof))
+    assert report.main(["cluster", "--quick", "--profile", str(path), "--out",
+                        str(tmp_path)]) == 0
+    doc = json.loads((tmp_path / "report_cluster.json").read_text())
+    assert doc["meta"]["profile"] == prof["label"]
+
+
+def _signed(v: float) -> str:
+    """A table's whole number: a sign on both sides of 0, the typographic minus."""
+    text = f"{v:.0f}".replace("-", "−")
+    return "0" if text in ("0", "−0") else ("+" if v > 0 else "") + text
+
+
+def test_simulator_page_cluster_table_is_the_saved_pages():
+    """docs/results/simulator.md's table of `report cluster` under the three profiles: every
+    cell recomputed from the saved pages it names (SSFusion-(O+I)'s gains, Ok-Topk's speed-ups,
+    DenseStream Table II's rows within 25 %), and the sentence on what measured T_b move."""
+    text = (RESULTS / "simulator.md").read_text()
+    pages = {n: {r["row"]: r for r in json.loads(
+        (RESULTS / f"report-cluster-{n}.json").read_text())["rows"]}
+        for n in ("derived", "h100-tb-only", "h100")}
+    gains = {"HiPress": "hipress", "Ok-Topk/SparDL": "oktopk/spardl", "Espresso": "espresso",
+             "OMGS/Cupcake": "omgs/cupcake", "SSFusion-O": "ssfusion_o"}
+    moved = []
+    for name, key in gains.items():
+        row = f"ssfusion_oi over {key} (3 models, 16-64 GPUs)"
+        cells = [f"{_signed(p[row]['predicted_lo'])} to {_signed(p[row]['predicted_hi'])}"
+                 for p in pages.values()]
+        assert f"| SSFusion-(O+I) over {name} | " in text
+        assert f"% | {cells[0]} | {cells[1]} | {cells[2]} |" in text, (name, cells)
+        if key != "ssfusion_o":
+            moved += [pages["h100-tb-only"][row][b] - pages["derived"][row][b]
+                      for b in ("predicted_lo", "predicted_hi")]
+    assert f"move SSFusion's predicted gains by {_signed(min(moved))} to {_signed(max(moved))}" \
+        " points" in text
+    ok = "BERT, 256 GPUs: Ok-Topk speed-up over Dense/DenseOvlp/TopkA/TopkDSA/gTopk/Gaussiank"
+    d, t, m = (pages[n][ok] for n in pages)
+    assert (d["predicted_lo"], d["predicted_hi"]) == (t["predicted_lo"], t["predicted_hi"])
+    assert (f"× | {d['predicted_lo']:.2f} to {d['predicted_hi']:.2f} | same | "
+            f"{m['predicted_lo']:.2f} to {m['predicted_hi']:.2f} |") in text
+    within = [sum(abs(r["error_rel"]) <= 0.25 for r in p.values()
+                  if r["figure"] == "DenseStream Table II") for p in pages.values()]
+    assert f"| — | {within[0]} of 20 | {within[1]} of 20 | {within[2]} of 20 |" in text
+
+
+def test_saved_derived_cluster_page_is_what_the_code_predicts(tmp_path):
+    """docs/results/report-cluster-derived.json is what `report cluster` gives on today's
+    code: a change to the simulator that moves its rows has to rerun the page."""
+    assert report.main(["cluster", "--out", str(tmp_path)]) == 0
+    fresh = json.loads((tmp_path / "report_cluster.json").read_text())["rows"]
+    saved = json.loads((RESULTS / "report-cluster-derived.json").read_text())["rows"]
+    assert len(fresh) == len(saved)
+    for f, s in zip(fresh, saved):
+        assert f.keys() == s.keys()
+        for k, v in f.items():
+            assert v == (pytest.approx(s[k], rel=1e-9) if isinstance(v, float) else s[k]), k
+
+
 def test_cluster_profile_cites_every_number_and_dense_ring_is_eq4(tmp_path):
     from gradsync.apps import report_cluster as rc
 
@@ -190,3 +259,4 @@ def test_profile_cluster_measures_a_profile_report_cluster_reads(tmp_path, capsy
     assert p.label("resnet152", "bert_large").startswith(prof["label"] + " (derived")
     row = p.row("resnet152", "dense", 16, "100gbit")
     assert row["iteration_s"] > sum(m["backward_s"])  # the backward pass is on its path
+

@@ -446,8 +446,9 @@ def main(argv: list[str] | None = None) -> int:
         jpath, _ = write_outputs(f"report_{name.replace('-', '_')}", rows, a.out,
                                  meta={"table": name, "quick": a.quick,
                                        "seconds": time.perf_counter() - t0}
-                                 | ({"profile": report_cluster.LABEL} if name == "cluster"
-                                    else {}))
+                                 | ({"profile": report_cluster.load_profile(
+                                     getattr(ns, "profile", None))["label"]}
+                                    if name == "cluster" else {}))
         print(f"wrote {jpath}")
     return 0
 
