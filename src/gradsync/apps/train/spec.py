@@ -18,6 +18,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from gradsync.engine.config import DENSITY_SCHEDULES
+from gradsync.integrations.adamw import WARMUP_SHARE
 from gradsync.schedule.budget import BUDGETS
 from gradsync.schedule.schemes import SCHEMES, Scheme
 
@@ -40,9 +41,6 @@ DEFAULT_STEPS = 50
 SGD_LR, ADAMW_LR = 0.05, 3e-3
 # TrainSpec.lr_schedule: the learning rate over a run, the same for every scheme (None: constant)
 LR_SCHEDULES = ("constant", "cosine")
-# AdamW under compression (gradsync.optim): the share of a run's steps spent in exact AdamW with
-# gradients sent whole before the variance freezes, when TrainSpec.adam_warmup is not given.
-ADAM_WARMUP_SHARE = 0.1
 
 
 @dataclass(frozen=True)
@@ -184,7 +182,9 @@ class TrainSpec:
         adam_warmup: AdamW with a sparse scheme (:class:`gradsync.optim.FrozenVarianceAdamW`):
             the steps of exact AdamW, gradients sent whole, before the variance freezes
             (rounded up to whole ``density_warmup`` periods); ``None``:
-            :data:`ADAM_WARMUP_SHARE` of the run's steps, at least 1.
+            the integrations' share of the run's steps
+            (:data:`gradsync.integrations.adamw.WARMUP_SHARE`), at least 1 (not their
+            ``MIN_WARMUP``: the harness's short runs would be sent whole throughout).
         amp: automatic mixed precision for every scheme: ``"bf16"`` (``torch.autocast`` in
             bfloat16) or ``"fp16"`` (autocast in float16 with a ``torch.amp.GradScaler``; the
             gradsync schemes follow it, ``GradSync.follow``/``HookState.follow``, with
@@ -391,7 +391,7 @@ class TrainSpec:
         """The optimizer step after which :class:`~gradsync.optim.FrozenVarianceAdamW` freezes
         its variance in a run of ``steps`` steps (:attr:`adam_warmup`)."""
         w = (self.adam_warmup if self.adam_warmup is not None
-             else max(1, math.ceil(ADAM_WARMUP_SHARE * steps)))
+             else max(1, math.ceil(WARMUP_SHARE * steps)))
         _, period = self.warmup_schedule()
         return math.ceil(w / period) * period if period else w
 
