@@ -4,6 +4,7 @@ numbers that can be worked out by hand (or are published) come out right."""
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import pytest
@@ -259,4 +260,11 @@ def test_profile_cluster_measures_a_profile_report_cluster_reads(tmp_path, capsy
     assert p.label("resnet152", "bert_large").startswith(prof["label"] + " (derived")
     row = p.row("resnet152", "dense", 16, "100gbit")
     assert row["iteration_s"] > sum(m["backward_s"])  # the backward pass is on its path
+    # --quick derives a measured workload's times from FLOPs: measured on a device without a
+    # known peak (the CPU here), it refuses with the fix instead of predicting from NaN
+    assert math.isnan(prof["gpus"][prof["workloads"]["resnet152"]["gpu"]]["peak_flops"])
+    with pytest.raises(ValueError, match="run without --quick"):
+        rc.cost_model(prof, "resnet152", quick=True)
+    with pytest.raises(ValueError, match="run without --quick"):
+        report.main(["cluster", "--quick", "--profile", str(path), "--out", str(tmp_path)])
 

@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -174,6 +175,11 @@ def cost_model(prof: dict[str, Any], workload: str, quick: bool = False):
         order = [name for name, _ in reversed(shapes)]  # gradients become ready output-first
         numel = {name: max(1, round(n * scale)) for name, n in shapes}
         n = sum(numel.values())
+        if not math.isfinite(gpu["peak_flops"]):  # profile-cluster on a device it has no peak of
+            raise ValueError(f"report cluster --quick: {workload} was measured on "
+                             f"{wl['gpu']!r}, whose peak FLOP/s the profile does not give, so "
+                             "its times cannot be derived from FLOPs; run without --quick to "
+                             "use the measured times")
         flops = training_flops(prof, wl, n, wl["batch"], wl.get("tokens"))
         t = flops / (gpu["peak_flops"] * prof["mfu"][wl["kind"]]["value"])
         backward_total, forward = t * 2 / 3, t / 3
