@@ -117,3 +117,26 @@ def test_rounds_counts_exchanges_once_and_lone_messages_each():
     assert _rounds(list("SSRR")) == 4  # a fold: header and stream out, then back
     assert _rounds(list("RRsr")) == 3
     assert _rounds(list("sss")) == 3
+
+
+def test_simulator_page_message_table_is_the_patterns():
+    """docs/results/simulator.md, "The messages gradsync sends": each cell of its table is the
+    gloo pattern's messages at the CNN's n (checked against the code above), TopkDSA's agreement
+    word as ``+ 1``, and in brackets the papers' pattern's payload + control messages."""
+    from pathlib import Path
+
+    text = (Path(__file__).resolve().parents[1] / "docs/results/simulator.md").read_text()
+    n = 421_642
+    k = entries(n, 0.01)
+    names = ("topka", "gaussiank", "topkdsa", "gtopk", "oktopk", "densestream", "spardl")
+    for P in (2, 3, 4, 8):
+        cells = []
+        for name in names:
+            gloo = patterns.pattern(name, P, n, k)
+            papers = patterns.pattern(name, P, n, k, implementation="papers")
+            sent = sum(s.messages for s in gloo if s.nbytes > 0)
+            before = sum(s.messages for s in papers if s.nbytes > 0)
+            control = patterns.work(name, papers, P, k, implementation="papers").control
+            agree = " + 1" if name in patterns.AGREEMENT else ""
+            cells.append(f"{sent:g}{agree} ({before:g} + {control:g})")
+        assert f"| {P} | " + " | ".join(cells) + " |" in text, (P, cells)
