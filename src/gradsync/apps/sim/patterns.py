@@ -103,7 +103,7 @@ IMPLEMENTATIONS = ("gloo", "papers")
 #: the collectives whose result does not show a rank's NaN alike on every rank
 #: (``Collective.alike`` False): the engine's step all-reduces one agreement word for them
 AGREEMENT = ("topkdsa",)
-HEADER_BYTES = 8  # a count word sent ahead of a variable-size message (TopkDSA, gTop-k)
+HEADER_BYTES = 8  # a selection's count word: Gaussian-k's, all-gathered before its entries
 TAU = 64  # Ok-Topk / DenseStream region re-evaluation period τ
 TAU_PRIME = 32  # Ok-Topk threshold re-evaluation period τ′
 
