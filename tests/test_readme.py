@@ -393,6 +393,37 @@ def test_simulator_page_eighth_set_against_the_patterns_before():
     assert f"(7aba086: the patterns and CPU profile before) {row7}" in text
     assert f"the patterns before | {pa} | {pb} | {psa}, {psb} |" in text
     assert f"**the eighth set** | **{a}** | **{b}** | **{sa}, {sb}** |" in text
+    # the ninth set, the same code right after: its figures, its misses, the patterns before
+    ninth = sets["ninth"]
+    n9, b9, m9 = {}, {}, []
+    for link in ("1gbit", "100mbit"):
+        med = _validation_medians(ninth, link)
+        rows = ninth[link]["rows"]
+        n9[link] = (sum(abs(e) <= 0.25 for e in med["error"].values()),
+                    sum(abs(r["error"]) <= 0.25 for r in rows),
+                    sum(abs(e) <= 0.25 for e in med["error_run_plan"].values()))
+        groups9: dict[tuple[str, int], list[dict]] = {}
+        for r in rows:
+            groups9.setdefault((r["scheme"], r["P"]), []).append(r)
+        b9[link] = (sum(abs(statistics.median(err(r, "predicted_previous_s") for r in g)) <= 0.25
+                        for g in groups9.values()),
+                    sum(abs(err(r, "predicted_previous_s")) <= 0.25 for r in rows))
+        m9 += [(k, e) for k, e in med["error"].items() if abs(e) > 0.25]
+    (a9, s9a, r9a), (b9_, s9b, r9b) = n9["1gbit"], n9["100mbit"]
+    assert (f"Ninth set, right after on the same code: within 25 % for {a9} of 57 scheme × P rows "
+            f"at 1 Gbit/s and {b9_} of 57 at 100 Mbit/s (single runs {s9a} and {s9b} of 285; "
+            f"timing each run's own plan, {r9a} and {r9b} of 57)") in text
+    over = [(k, e) for k, e in m9 if e > 0]
+    under = [e for _, e in m9 if e < 0]
+    assert over == [(("gtopk", 4), over[0][1])] and all(P in (4, 8) for (_, P), _ in m9)
+    assert (f"all misses but one under-predict, by −{-100 * min(under):.0f} to "
+            f"−{-100 * max(under):.0f} %") in text
+    assert f"with the patterns before, {b9['1gbit'][0]} and {b9['100mbit'][0]} of 57" in text
+    assert (f"the ninth set's runs, the patterns before | {b9['1gbit'][0]} | "
+            f"{b9['100mbit'][0]} | {b9['1gbit'][1]}, {b9['100mbit'][1]} |") in text
+    assert (f"the ninth set (4cb5169, the same code, right after) | {a9} | {b9_} | "
+            f"{s9a}, {s9b} |") in text
+    assert f"gTop-k at P = 4, 100 Mbit/s, +{100 * over[0][1]:.0f} %" in text
     # the last bullet's medians over the runs, 100 Mbit/s, P = 8
 
     def med8(scheme: str, key: str) -> float:
