@@ -103,7 +103,7 @@ from gradsync.formats import densestream as dsfmt
 from gradsync.formats.wire import BITS_DTYPES, check_index_bytes, wire_index_bytes
 from gradsync.sparsegrad import SparseGrad, densify, sparse_sum
 
-__all__ = ["BOUNDED_MAX", "DenseStreamAllreduce"]
+__all__ = ["DenseStreamAllreduce", "fits_one_round"]
 
 _HEAD = dsfmt.HEADER_BYTES  # an encoding's header, which announces it
 # The verdict word ahead of an allgather or unfold message's announcement (module doc,
@@ -119,6 +119,13 @@ def _bound(spans: list[tuple[int, int]], iw: int, vb: int) -> int:
     """The most bytes a message of encodings of the ranges ``spans`` can take, its
     announcement included (module doc, "One round per exchange")."""
     return sum(2 * _HEAD + (hi - lo) * (2 * iw + vb) for lo, hi in spans)
+
+
+def fits_one_round(spans: list[list[tuple[int, int]]], iw: int, vb: int) -> bool:
+    """Whether every message of encodings of ``spans`` (each message's ranges) fits a bounded
+    receive, so it travels in one round (module doc, "One round per exchange"; the
+    simulator's pattern asks the same)."""
+    return all(_bound(s, iw, vb) <= BOUNDED_MAX for s in spans)
 
 
 def _halves(sel: SparseGrad, lo: int, mid: int, hi: int) -> tuple[SparseGrad, SparseGrad]:
@@ -257,8 +264,7 @@ class DenseStreamAllreduce(Collective):
         """Whether the messages of encodings of ``spans`` (each message's ranges, known at
         both ends) travel in one round each (module doc, "One round per exchange")."""
         vb = like.values.element_size()
-        return comm.bounded(like.device) and all(_bound(s, iw, vb) <= BOUNDED_MAX
-                                                 for s in spans)
+        return comm.bounded(like.device) and fits_one_round(list(spans), iw, vb)
 
     def _bounded(self, msg: torch.Tensor | None, dst: int, src: int, comm: Comm,
                  like: SparseGrad, iw: int, spans: list[tuple[int, int]],

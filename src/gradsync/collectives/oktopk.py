@@ -136,7 +136,8 @@ from gradsync.sparsegrad import (
     validate_density,
 )
 
-__all__ = ["BALANCE_FACTOR", "BOUNDED_MAX", "OkTopk", "exact_threshold_calls"]
+__all__ = ["BALANCE_FACTOR", "BOUNDED_MAX", "OkTopk", "counts_fit_inline", "exact_threshold_calls",
+           "pair_fits"]
 
 # Split and reduce where a receive may be longer than its message (gloo): each message carries
 # its entry count ahead of its entries (wire.pack_entries_counted), one round instead of the
@@ -146,6 +147,22 @@ RADIX_BITS = 8  # radix select: 256 bins per round, over the 32 bits of a float3
 RADIX_ROUNDS = 32 // RADIX_BITS  # all-reduces per exact threshold
 BALANCE_FACTOR = 4.0  # data balancing when the largest count > this × the mean (§5.3)
 EXACT_GATHER_MAX = 64 << 10  # a rank's k float32 magnitudes up to this: θ from one all-gather
+
+
+def pair_fits(P: int, n: int, eb: int) -> bool:
+    """Whether Ok-Topk's one exchange at P = 2 fits a bounded receive: a whole tensor's
+    entries of ``eb`` bytes, their count ahead, in :data:`BOUNDED_MAX` (:meth:`OkTopk._pair`;
+    the simulator's pattern asks the same)."""
+    return P == 2 and COUNT_BYTES + n * eb <= BOUNDED_MAX
+
+
+def counts_fit_inline(P: int, widest: float, eb: int,
+                      balance_factor: float = BALANCE_FACTOR) -> bool:
+    """Whether Ok-Topk's counts can travel ahead of each region's entries (no balancing can run
+    at P ≤ ``balance_factor``, and the widest region's bounded receive fits
+    :data:`BOUNDED_MAX`: :meth:`OkTopk._counts_inline`; the simulator's pattern asks the
+    same)."""
+    return balance_factor >= P and (4 + P) * COUNT_BYTES + widest * eb <= BOUNDED_MAX
 
 
 def exact_threshold_calls(k: int) -> int:
@@ -449,9 +466,8 @@ class OkTopk(Collective):
         and the CPU's own kernels run (a block's count is read on arrival: free there). Every
         rank decides alike."""
         widest = max(b - a for a, b in itertools.pairwise(edges))
-        return (comm.size <= self.balance_factor and self.recompute_band is None
-                and host_kernels(idx) and comm.bounded(idx.device)
-                and (4 + comm.size) * COUNT_BYTES + widest * eb <= BOUNDED_MAX)
+        return (self.recompute_band is None and host_kernels(idx) and comm.bounded(idx.device)
+                and counts_fit_inline(comm.size, widest, eb, self.balance_factor))
 
     @staticmethod
     def _pair(comm: Comm, n: int, eb: int, idx: torch.Tensor) -> bool:
@@ -459,8 +475,7 @@ class OkTopk(Collective):
         be longer than its message (:meth:`Comm.bounded`, gloo), the CPU's own kernels run,
         and a buffer of a whole tensor's entries fits in :data:`BOUNDED_MAX`. Every rank
         decides alike (n and the entry size are checked alike by the shape check)."""
-        return (comm.size == 2 and host_kernels(idx) and comm.bounded(idx.device)
-                and COUNT_BYTES + n * eb <= BOUNDED_MAX)
+        return pair_fits(comm.size, n, eb) and host_kernels(idx) and comm.bounded(idx.device)
 
     def alike(self, sel: SparseGrad, group: dist.ProcessGroup | None = None) -> bool:
         """On the CPU's kernels: at P = 2 in one exchange (:meth:`_reduce_pair`) each rank

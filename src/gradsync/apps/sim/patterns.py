@@ -67,8 +67,8 @@ from dataclasses import dataclass
 
 from gradsync import sparsify
 from gradsync.collectives.comm import gather_rounds
-from gradsync.collectives.densestream import BOUNDED_MAX as DENSESTREAM_BOUNDED
-from gradsync.collectives.oktopk import BALANCE_FACTOR, BOUNDED_MAX, exact_threshold_calls
+from gradsync.collectives.densestream import fits_one_round
+from gradsync.collectives.oktopk import counts_fit_inline, exact_threshold_calls, pair_fits
 from gradsync.engine.config import Config
 from gradsync.formats.wire import COUNT_BYTES
 from gradsync.schedule import schemes
@@ -314,7 +314,7 @@ def oktopk(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4, *
     of each rank's k entries, θ computed locally (``OkTopk._pair``); up to P = 4, where no
     balancing can run, the counts travel ahead of each message (``OkTopk._counts_inline``: no
     counts all-gather); the allgatherv in gradsync's rounds (:func:`_rounds`). Each where a
-    bounded receive fits :data:`~gradsync.collectives.oktopk.BOUNDED_MAX`, as the code decides.
+    bounded receive fits (``oktopk.pair_fits``, ``counts_fit_inline``), as the code decides.
     """
     _check(P, n, k)
     _implementation(implementation)
@@ -322,7 +322,7 @@ def oktopk(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4, *
         return []
     E = index_bytes + value_bytes
     gloo = implementation == "gloo"
-    if gloo and P == 2 and COUNT_BYTES + n * E <= BOUNDED_MAX:
+    if gloo and pair_fits(P, n, E):
         return [Step(1, k * E)]
     if outside is None:
         outside = (P - 1) / P
@@ -330,8 +330,7 @@ def oktopk(P: int, n: int, k: int, value_bytes: int = 4, index_bytes: int = 4, *
         raise ValueError(f"outside must be in [0, 1], got {outside!r}")
     steps = [Step(1, k * outside / (P - 1) * E) for _ in range(P - 1)]  # split and reduce
     lg = (int(P) - 1).bit_length()  # ⌈log2 P⌉
-    inline = (gloo and P <= BALANCE_FACTOR and not balance
-              and (4 + P) * COUNT_BYTES + n / P * E <= BOUNDED_MAX)
+    inline = gloo and not balance and counts_fit_inline(P, n / P, E)
     if gloo and not inline:
         steps += _rounds(P, (4 + P) * COUNT_BYTES, True)  # the heads (counts, flags)
     elif not gloo:
@@ -372,7 +371,7 @@ def densestream(P: int, n: int, k: int, union: Union, value_bytes: int = 4,
 
     ``implementation="gloo"``: what gradsync's collective sends there. Each exchange is one
     message where a receive of its span's longest encoding fits
-    :data:`~gradsync.collectives.densestream.BOUNDED_MAX` (the announcement travels in it),
+    a bounded receive (``densestream.fits_one_round``; the announcement travels in it),
     else two (the announcement first); at P = 2 the whole selection in one exchange
     (``DenseStreamAllreduce._reduce_pair``), where that bound allows.
     """
@@ -389,10 +388,10 @@ def densestream(P: int, n: int, k: int, union: Union, value_bytes: int = 4,
         return min(span * rho * per, span * K + 2 * index_bytes)
 
     def step(span: float, rho: float) -> Step:
-        one = implementation != "gloo" or span * (2 * index_bytes + K) <= DENSESTREAM_BOUNDED
+        one = implementation != "gloo" or fits_one_round([[(0, span)]], index_bytes, K)
         return Step(1 if one else 2, size(span, rho))
 
-    if implementation == "gloo" and P == 2 and n * (2 * index_bytes + K) <= DENSESTREAM_BOUNDED:
+    if implementation == "gloo" and P == 2 and fits_one_round([[(0, n)]], index_bytes, K):
         return [step(n, k / n if n else 0.0)]
     m = int(P).bit_length() - 1  # log2 P′
     Pp = 2**m
