@@ -336,6 +336,81 @@ def test_simulator_page_says_the_latest_sets_miss_and_how(run_set, own_plan):
             f"{len(missed['100mbit'])} misses at 100 Mbit/s are at P = 2") in text
 
 
+def test_simulator_page_all_gather_priced_as_an_all_reduce_call():
+    """docs/results/simulator.md, the latest set and "An all-gather call priced as an
+    all-reduce call": per set and link, the medians and single runs within 25 % before
+    (3fda245's simulator: the eighth and ninth sets' ``predicted_s``, the tenth's
+    ``predicted_previous_s``) and now (``predicted_priced_s``, the tenth's ``predicted_s``),
+    each run's own plan too, the totals over the three sets, the misses now, and the latest
+    set's bullet, all recomputed from the saved runs."""
+    text = _folded(RESULTS / "simulator.md")
+    sets = json.loads((RESULTS / "validate-runs-5.json").read_text())["sets"]
+    keys = {"eighth": (("predicted_s", "error_run_plan"),
+                       ("predicted_priced_s", "error_run_plan_priced")),
+            "ninth": (("predicted_s", "error_run_plan"),
+                      ("predicted_priced_s", "error_run_plan_priced")),
+            "tenth": (("predicted_previous_s", "error_run_plan_previous"),
+                      ("predicted_s", "error_run_plan"))}
+
+    def counts(rows: list[dict], pred: str, plan: str) -> tuple:
+        groups: dict[tuple[str, int], list[dict]] = {}
+        for r in rows:
+            groups.setdefault((r["scheme"], r["P"]), []).append(r)
+        assert len(groups) == 57 and all(len(g) == 5 for g in groups.values())
+
+        def err(r: dict) -> float:
+            return (r[pred] - r["measured_s"]) / r["measured_s"]
+
+        med = {k: statistics.median(err(r) for r in g) for k, g in groups.items()}
+        ran = sum(abs(statistics.median(r[plan] for r in g)) <= 0.25 for g in groups.values())
+        return (sum(abs(e) <= 0.25 for e in med.values()), ran,
+                sum(abs(err(r)) <= 0.25 for r in rows),
+                {k: e for k, e in med.items() if abs(e) > 0.25})
+
+    got = {(s, link, when): counts(sets[s][link]["rows"], *keys[s][when])
+           for s in keys for link in ("1gbit", "100mbit") for when in (0, 1)}
+    for s in keys:
+        cells = []
+        for when in (0, 1):
+            (a, ra, sa, _), (b, rb, sb, _) = got[s, "1gbit", when], got[s, "100mbit", when]
+            bold = "**" if s == "tenth" and when else ""
+            cells += [f"{bold}{a} ({ra}){bold}", f"{bold}{b} ({rb}){bold}",
+                      f"{bold}{sa}, {sb}{bold}"]
+        name = "**tenth**" if s == "tenth" else s
+        assert f"| {name} | {' | '.join(cells)} |" in text, (s, cells)
+    total = [sum(got[s, link, when][0] for s in keys for link in ("1gbit", "100mbit"))
+             for when in (0, 1)]
+    singles = [sum(got[s, link, when][2] for s in keys for link in ("1gbit", "100mbit"))
+               for when in (0, 1)]
+    assert (f"Over the three sets, {total[1]} of 342 medians are within 25 % ({total[0]} "
+            f"before) and {singles[1]} of 1710 single runs ({singles[0]})") in text
+    # the misses now: the tenth set's at 100 Mbit/s only, in the page's words
+    m1, m100 = got["tenth", "1gbit", 1][3], got["tenth", "100mbit", 1][3]
+    assert not m1 and set(m100) == {("auto", 2), ("espresso", 2), ("hipress", 2), ("topkdsa", 4)}
+    under = [e for k, e in m100.items() if k[1] == 2]
+    assert max(under) < -0.25 and m100["topkdsa", 4] > 0.25
+    assert (f"`auto`, Espresso and HiPress at P = 2, −{-100 * min(under):.0f} to "
+            f"−{-100 * max(under):.0f} %; TopkDSA at P = 4 +{100 * m100['topkdsa', 4]:.0f} %"
+            ) in text
+    assert {k: round(100 * e) for k, e in got["eighth", "1gbit", 1][3].items()} == {
+        ("ssfusion", 2): 26, ("espresso", 8): 28}
+    assert not got["eighth", "100mbit", 1][3]
+    assert {k: round(100 * e) for k, e in got["ninth", "1gbit", 1][3].items()} == {
+        ("hipress", 8): -30, ("spardl", 8): -27}
+    assert {k: round(100 * e) for k, e in got["ninth", "100mbit", 1][3].items()} == {
+        ("gtopk", 4): 26}
+    # the latest set's bullet
+    (a, ra, sa, _), (b, rb, sb, _) = got["tenth", "1gbit", 1], got["tenth", "100mbit", 1]
+    assert (f"within 25 % for {a} of 57 scheme × P rows at 1 Gbit/s and {b} of 57 at "
+            f"100 Mbit/s (single runs {sa} and {sb} of 285; timing each run's own plan, {ra} "
+            f"and {rb} of 57)") in text
+    assert (f"The same runs with 3fda245's simulator: {got['tenth', '1gbit', 0][0]} and "
+            f"{got['tenth', '100mbit', 0][0]} of 57; the eighth and ninth sets' runs "
+            f"re-predicted with the new price: {got['eighth', '1gbit', 1][0]} and "
+            f"{got['eighth', '100mbit', 1][0]}, {got['ninth', '1gbit', 1][0]} and "
+            f"{got['ninth', '100mbit', 1][0]}") in text
+
+
 def test_simulator_page_eighth_set_against_the_patterns_before():
     """docs/results/simulator.md, the latest set and "The messages gradsync sends": the eighth
     set's medians and single runs within 25 % per link, each run's own plan too; its misses all

@@ -312,12 +312,12 @@ class CostModel:
         return 2 * (self.P - 1)
 
     def startups_allgather(self, nbytes_per_rank: float = 0.0) -> int:
-        """Message start-ups of one sparse all-gather call (TopkA, ``collectives/topka.py``)
-        of ``nbytes_per_rank``, as the engine makes it on gloo, where these CPU terms are
-        measured: its rounds of point-to-point messages
-        (:func:`~gradsync.collectives.comm.gather_rounds`: ⌈log2 P⌉ from P = 4, else P − 1);
-        no shape check (agreed once per buffer) and no counts (fixed capacity), as
-        ``apps/sim/patterns`` counts the one-buffer schemes' call (tests/test_sim_messages.py)."""
+        """The messages of one sparse all-gather call (TopkA, ``collectives/topka.py``) of
+        ``nbytes_per_rank``, as the engine makes it on gloo: its rounds of point-to-point
+        messages (:func:`~gradsync.collectives.comm.gather_rounds`: ⌈log2 P⌉ from P = 4, else
+        P − 1); no shape check (agreed once per buffer) and no counts (fixed capacity), as
+        ``apps/sim/patterns`` counts the one-buffer schemes' call (tests/test_sim_messages.py).
+        Their software is priced as an all-reduce call's (:meth:`t_startups_allgather`)."""
         from gradsync.collectives.comm import gather_rounds  # torch: not at import
 
         return len(gather_rounds(self.P, nbytes_per_rank))
@@ -328,16 +328,31 @@ class CostModel:
             return 0.0
         return self.compute.collective(self.startups_allreduce())
 
+    def t_startups_allgather(self, nbytes_per_rank: float) -> float:
+        """The software cost of a sparse all-gather call's start-ups, the part of
+        :meth:`t_compute_allgather` that is latency, not merges and codec: priced as an
+        all-reduce call's, 2(P − 1) at ``compute.message`` (the per-message price the
+        all-reduce fit gives), not as its rounds (:meth:`startups_allgather`, the messages
+        it sends). gradsync's all-gather drives each round from Python, a send and a receive
+        the communication thread waits for, where gloo's ring runs its steps back to back in
+        C++: ``bench rounds`` measured an 8-byte call of it at 1.5–3.2× an 8-byte all-reduce
+        call (docs/results/rounds-cpu.md), and pricing its rounds under-predicted the fusion
+        schemes at P = 4 and 8 (docs/results/simulator.md, "An all-gather call priced as an
+        all-reduce call"). 0 without ``compute`` or with one rank; ``nbytes_per_rank`` does
+        not change it."""
+        if self.compute is None or self.P == 1:
+            return 0.0
+        return self.startups_allreduce() * self.compute.message
+
     def t_compute_allgather(self, nbytes_per_rank: int) -> float:
         """CPU work of a sparse all-gather of COO entries (``compute``): its start-ups'
-        software cost (:meth:`startups_allgather`) and the P−1 received messages, each decoded
-        and merged (``nbytes_per_rank`` / entry_bytes entries per message)."""
+        software cost (:meth:`t_startups_allgather`) and the P−1 received messages, each
+        decoded and merged (``nbytes_per_rank`` / entry_bytes entries per message)."""
         if self.compute is None or self.P == 1:
             return 0.0
         p, m = self.P, nbytes_per_rank / self.entry_bytes
-        return self.compute.collective(self.startups_allgather(nbytes_per_rank),
-                                       merged=(p - 1) * m,
-                                       encoded=p * m, calls=p - 1)
+        return self.t_startups_allgather(nbytes_per_rank) + self.compute.collective(
+            0, merged=(p - 1) * m, encoded=p * m, calls=p - 1)
 
     # -- JSON ----------------------------------------------------------------------------
     def to_dict(self) -> dict[str, Any]:

@@ -17,15 +17,18 @@ The pipeline of SSFusion Fig. 1 / Fig. 7 / Fig. 8 / Fig. 10 as a recurrence:
   T2 = max(T_AR, compute of the rest) + T_AG of §IV-D.
 * ``overlap=False`` (Dense vs DenseOvlp): the channel opens only after the last gradient.
 * ``round_s`` (CPU contention, ``gradsync.apps.sim.contention``; 0 by default): while the
-  compute stream runs, every start-up of a part (``CostModel.startups_allreduce``/
-  ``startups_allgather``, what ``t_compute_allreduce``/``t_compute_allgather`` price) costs
-  ``round_s`` more: its rounds wait for busy cores. Once the compute stream ends they run at
-  the idle price. A part of idle duration b that starts at s, with L = start-ups·round_s,
-  therefore progresses at the rate b/(b + L) until the compute stream ends at E and at full
-  speed after: it takes b + min(L, (E − s)·L/(b + L)). (Charging the whole L to every part
-  that starts before E made a part that starts just before the end of the backward wait as
-  if the backward went on: per-tensor plans at P = 8 were over-predicted by up to +59 %.) A
-  part that starts after the compute stream ends pays nothing more.
+  compute stream runs, every part's call costs what the profiled 8-byte all-reduce call cost
+  above its idle price, L = 2(P − 1)·``round_s`` (``round_s`` spreads that extra over the
+  ring's rounds, ``CostModel.startups_allreduce``). An all-gather part pays a whole call's L
+  too, whatever its rounds, as its software is priced as an all-reduce call's
+  (``CostModel.t_startups_allgather``; docs/results/simulator.md, "An all-gather call priced
+  as an all-reduce call"). Once the compute stream ends they run at the idle price. A part
+  of idle duration b that starts at s therefore progresses at the rate b/(b + L) until the
+  compute stream ends at E and at full speed after: it takes b + min(L, (E − s)·L/(b + L)).
+  (Charging the whole L to every part that starts before E made a part that starts just
+  before the end of the backward wait as if the backward went on: per-tensor plans at P = 8
+  were over-predicted by up to +59 %.) A part that starts after the compute stream ends pays
+  nothing more.
 * ``steal`` (CPU contention; 0 by default): the share of a part's CPU (``CostModel.
   t_compute_allreduce``/``t_compute_allgather``: message software, merges and codec, or the
   collective's measured CPU per call) that the compute stream loses while both run, for
@@ -165,10 +168,9 @@ class _Channel:
     shift: float = 0.0
 
     def run(self, ready: float, base: float, loaded: float, cpu: float) -> float:
-        """One part, ready at ``ready``, of idle duration ``base``, whose start-ups cost
-        ``loaded`` more while the compute stream runs and whose CPU is ``cpu``: it starts when
-        it is ready and the channel is free. Returns its start; the channel is free at its
-        end."""
+        """One part, ready at ``ready``, of idle duration ``base``, whose call costs ``loaded``
+        more while the compute stream runs and whose CPU is ``cpu``: it starts when it is ready
+        and the channel is free. Returns its start; the channel is free at its end."""
         s = max(ready, self.free)
         extra = _loaded_extra(base, loaded, self.end - s)
         d = base + extra
@@ -190,15 +192,13 @@ def _communicate(buf: BufferPlan, cost: CostModel, r_ar: float, r_ag: float, ch:
     (has_ar, ar_bytes), (has_ag, ag_bytes) = _parts(buf, cost)
     row: dict[str, Any] = {"mode": buf.mode, "tensors": len(buf.tensors),
                            "ar_bytes": ar_bytes, "ag_bytes": ag_bytes}
-    start = None
+    start, loaded = None, cost.startups_allreduce() * round_s  # one call's (module doc)
     if has_ar:
-        s = ch.run(r_ar, cost.t_allreduce(ar_bytes), cost.startups_allreduce() * round_s,
-                   cost.t_compute_allreduce(ar_bytes))
+        s = ch.run(r_ar, cost.t_allreduce(ar_bytes), loaded, cost.t_compute_allreduce(ar_bytes))
         start = s
         row.update(ar_ready=r_ar, ar_start=s, ar_end=ch.free)
     if has_ag:
-        s = ch.run(r_ag, cost.t_allgather(ag_bytes), cost.startups_allgather(ag_bytes) * round_s,
-                   cost.t_compute_allgather(ag_bytes))
+        s = ch.run(r_ag, cost.t_allgather(ag_bytes), loaded, cost.t_compute_allgather(ag_bytes))
         start = s if start is None else start
         row.update(ag_ready=r_ag, ag_start=s, ag_end=ch.free)
     row.update(ready=max(r_ar if has_ar else 0.0, r_ag if has_ag else 0.0), start=start,

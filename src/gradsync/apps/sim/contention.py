@@ -36,8 +36,10 @@ communication) on C < 3P cores, they do not; :class:`Contention` adds the terms 
   round costs above its idle price: the same 8-byte all-reduce timed on the group idle and
   with every rank running backward passes in a loop (:func:`profile_round_latency`), the
   difference spread over the ring's 2(P − 1) rounds (:func:`round_extra`). The timeline
-  (:func:`gradsync.schedule.simulate`, ``round_s``) charges it to the start-ups of a buffer
-  that run before the compute stream ends (WFBP overlap): a buffer that starts during the
+  (:func:`gradsync.schedule.simulate`, ``round_s``) charges that call's extra, 2(P − 1)·
+  ``round_s``, to each call of a buffer (its all-reduce, its all-gather, whatever the
+  all-gather's rounds: a call waits once for the ranks' threads) that runs before the compute
+  stream ends (WFBP overlap): a buffer that starts during the
   backward progresses at the loaded rate until the backward ends and at the idle rate after;
   a one-buffer collective
   (``planner="single"``) starts after the backward and sparsification, and its rounds pay the
@@ -60,7 +62,7 @@ communication) on C < 3P cores, they do not; :class:`Contention` adds the terms 
   DenseStream, gTop-k, SparDL, Gaussian-k and TopkDSA at P = 8 on 2 cores was under-predicted
   by 29–55 % (median over four sets of five validation runs; +2…−21 % with it), and the
   iteration held only through the work floor. A fusion buffer sent during the backward pass
-  is priced by the loaded rounds and ``steal`` instead.
+  is priced by the loaded calls and ``steal`` instead.
 
 ``contention=None`` (the default of :func:`gradsync.apps.sim.predict.predict`) leaves every
 prediction as it was.

@@ -110,8 +110,7 @@ class _WithCallCPU(CostModel):
         base = super().t_compute_allgather(nbytes_per_rank)
         if self.call is None or self.P == 1:
             return base
-        msg = (self.startups_allgather(nbytes_per_rank) * self.compute.message
-               if self.compute is not None else 0.0)
+        msg = self.t_startups_allgather(nbytes_per_rank)
         return msg + max(base - msg, self.call(nbytes_per_rank / self.entry_bytes))
 
 
@@ -185,9 +184,9 @@ def predict(
     (``report cluster``).
 
     Row terms: ``rounds`` synchronising rounds (start-ups of the payload and control
-    messages), ``round_wait_s`` what the loaded rounds add to ``comm_s`` (``contention.round_s``
-    per start-up of a buffer that starts during the backward; a one-buffer collective starts
-    after it and pays the idle price),
+    messages), ``round_wait_s`` what loaded calls add to ``comm_s`` (2(P − 1)·``contention.
+    round_s`` per call of a buffer that starts during the backward; a one-buffer collective
+    starts after it and pays the idle price),
     ``cpu_work_s`` the profiled work of one rank (forward, backward, sparsification, the
     collective's merges and codec where no CPU per call was measured, step),
     ``collective_cpu_s`` the measured CPU of its collective calls (None where not measured),
@@ -257,7 +256,6 @@ def predict(
         timed = _with_call(cost, fit)
         tl = timeline_of(plan, timed, round_s=contention.round_s if contention else 0.0,
                          steal=contention.steal(p) if contention else 0.0)
-        msg = cost.compute.message if cost.compute is not None else 0.0
         compute = rounds = calls = work = 0.0
         call_cpu = None if fit is None else 0.0
         for b in tl.buffers:
@@ -269,7 +267,8 @@ def predict(
             if ag:  # TopkA: gradsync's rounds of point-to-point messages
                 compute += timed.t_compute_allgather(b["ag_bytes"])
                 if fit is None or p == 1:
-                    work += max(0.0, cost.t_compute_allgather(b["ag_bytes"]) - ag_rounds * msg)
+                    work += max(0.0, cost.t_compute_allgather(b["ag_bytes"])
+                                - cost.t_startups_allgather(b["ag_bytes"]))
                     calls += ag_rounds
                 else:
                     call_cpu += fit(b["ag_bytes"] / cost.entry_bytes)
