@@ -317,7 +317,7 @@ class CostModel:
         messages (:func:`~gradsync.collectives.comm.gather_rounds`: ⌈log2 P⌉ from P = 4, else
         P − 1); no shape check (agreed once per buffer) and no counts (fixed capacity), as
         ``apps/sim/patterns`` counts the one-buffer schemes' call (tests/test_sim_messages.py).
-        Their software is priced as an all-reduce call's (:meth:`t_startups_allgather`)."""
+        Their software: :meth:`t_startups_allgather`."""
         from gradsync.collectives.comm import gather_rounds  # torch: not at import
 
         return len(gather_rounds(self.P, nbytes_per_rank))
@@ -329,20 +329,14 @@ class CostModel:
         return self.compute.collective(self.startups_allreduce())
 
     def t_startups_allgather(self, nbytes_per_rank: float) -> float:
-        """The software cost of a sparse all-gather call's start-ups, the part of
-        :meth:`t_compute_allgather` that is latency, not merges and codec: priced as an
-        all-reduce call's, 2(P − 1) at ``compute.message`` (the per-message price the
-        all-reduce fit gives), not as its rounds (:meth:`startups_allgather`, the messages
-        it sends). gradsync's all-gather drives each round from Python, a send and a receive
-        the communication thread waits for, where gloo's ring runs its steps back to back in
-        C++: ``bench rounds`` measured an 8-byte call of it at 1.5–3.2× an 8-byte all-reduce
-        call (docs/results/rounds-cpu.md), and pricing its rounds under-predicted the fusion
-        schemes at P = 4 and 8 (docs/results/simulator.md, "An all-gather call priced as an
-        all-reduce call"). 0 without ``compute`` or with one rank; ``nbytes_per_rank`` does
-        not change it."""
+        """The software cost of a sparse all-gather call's rounds (:meth:`startups_allgather`,
+        ``compute.message`` each): the part of :meth:`t_compute_allgather` that is latency,
+        not merges and codec; 0 without ``compute`` or with one rank. The simulator stretches
+        it where ranks share cores (``apps/sim/predict``, docs/results/simulator.md, "An
+        all-gather's rounds on shared cores")."""
         if self.compute is None or self.P == 1:
             return 0.0
-        return self.startups_allreduce() * self.compute.message
+        return self.startups_allgather(nbytes_per_rank) * self.compute.message
 
     def t_compute_allgather(self, nbytes_per_rank: int) -> float:
         """CPU work of a sparse all-gather of COO entries (``compute``): its start-ups'

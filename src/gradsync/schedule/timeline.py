@@ -20,11 +20,11 @@ The pipeline of SSFusion Fig. 1 / Fig. 7 / Fig. 8 / Fig. 10 as a recurrence:
   compute stream runs, every part's call costs what the profiled 8-byte all-reduce call cost
   above its idle price, L = 2(P − 1)·``round_s`` (``round_s`` spreads that extra over the
   ring's rounds, ``CostModel.startups_allreduce``). An all-gather part pays a whole call's L
-  too, whatever its rounds, as its software is priced as an all-reduce call's
-  (``CostModel.t_startups_allgather``; docs/results/simulator.md, "An all-gather call priced
-  as an all-reduce call"). Once the compute stream ends they run at the idle price. A part
-  of idle duration b that starts at s therefore progresses at the rate b/(b + L) until the
-  compute stream ends at E and at full speed after: it takes b + min(L, (E − s)·L/(b + L)).
+  too, whatever its rounds: a call waits once for the ranks' threads, and its rounds follow
+  (docs/results/simulator.md, "An all-gather's rounds on shared cores"). Once the compute
+  stream ends they run at the idle price. A part of idle duration b that starts at s
+  therefore progresses at the rate b/(b + L) until the compute stream ends at E and at full
+  speed after: it takes b + min(L, (E − s)·L/(b + L)).
   (Charging the whole L to every part that starts before E made a part that starts just
   before the end of the backward wait as if the backward went on: per-tensor plans at P = 8
   were over-predicted by up to +59 %.) A part that starts after the compute stream ends pays

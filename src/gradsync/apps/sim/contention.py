@@ -62,7 +62,9 @@ communication) on C < 3P cores, they do not; :class:`Contention` adds the terms 
   DenseStream, gTop-k, SparDL, Gaussian-k and TopkDSA at P = 8 on 2 cores was under-predicted
   by 29–55 % (median over four sets of five validation runs; +2…−21 % with it), and the
   iteration held only through the work floor. A fusion buffer sent during the backward pass
-  is priced by the loaded calls and ``steal`` instead.
+  is priced by the loaded calls and ``steal`` instead, and the rounds of its all-gather,
+  each a Python exchange whose peers must be scheduled, cost P/C of their idle software
+  (``gradsync.apps.sim.predict``'s timed cost model).
 
 ``contention=None`` (the default of :func:`gradsync.apps.sim.predict.predict`) leaves every
 prediction as it was.

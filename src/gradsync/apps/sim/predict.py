@@ -98,13 +98,20 @@ def at_scale(base: CostModel, P: int, net: Network) -> CostModel:
 
 
 @dataclass
-class _WithCallCPU(CostModel):
-    """A cost model whose sparse all-gather (a fusion buffer's collective) costs at least its
-    measured CPU per call (:class:`~gradsync.apps.sim.callcpu.CollectiveCPU`): the message
-    start-ups' software cost plus max(merges and codec, ``call(m)``) for m entries per rank.
-    The timeline times buffers with it; the plan is made without it (:func:`engine_view`)."""
+class _Timed(CostModel):
+    """The cost model the timeline times fusion buffers with (the plan is made without it:
+    :func:`engine_view`). Its sparse all-gather's rounds cost ``busy`` (``Contention.busy``,
+    P/C ranks per core, at least 1) times their idle software: each is a Python ``sendrecv``
+    whose peers must be scheduled on the shared cores (docs/results/simulator.md, "An
+    all-gather's rounds on shared cores"). With ``call``, the call costs at least its
+    measured CPU (:class:`~gradsync.apps.sim.callcpu.CollectiveCPU`): the rounds' software
+    plus max(merges and codec, ``call(m)``) for m entries per rank."""
 
     call: AffineFit | None = None
+    busy: float = 1.0
+
+    def t_startups_allgather(self, nbytes_per_rank: float) -> float:
+        return self.busy * super().t_startups_allgather(nbytes_per_rank)
 
     def t_compute_allgather(self, nbytes_per_rank: int) -> float:
         base = super().t_compute_allgather(nbytes_per_rank)
@@ -147,14 +154,14 @@ def planned(scheme: str, base: CostModel, P: int, net: Network, density: float, 
                      first_bucket_bytes=first_bucket_bytes, min_density=min_density)
 
 
-def _with_call(cost: CostModel, call: AffineFit | None) -> CostModel:
-    if call is None:
+def _timed(cost: CostModel, call: AffineFit | None, busy: float) -> CostModel:
+    if call is None and busy == 1.0:
         return cost
-    return _WithCallCPU(P=cost.P, order=list(cost.order), numel=dict(cost.numel),
-                        elem_bytes=cost.elem_bytes, backward=dict(cost.backward),
-                        sparsify=cost.sparsify, offload=cost.offload,
-                        allreduce=cost.allreduce, allgather=cost.allgather,
-                        info=dict(cost.info), compute=cost.compute, call=call)
+    return _Timed(P=cost.P, order=list(cost.order), numel=dict(cost.numel),
+                  elem_bytes=cost.elem_bytes, backward=dict(cost.backward),
+                  sparsify=cost.sparsify, offload=cost.offload, allreduce=cost.allreduce,
+                  allgather=cost.allgather, info=dict(cost.info), compute=cost.compute,
+                  call=call, busy=busy)
 
 
 def predict(
@@ -253,7 +260,7 @@ def predict(
         p = cost.P
         fit = (collective_cpu.fit(patterns.collective_of(scheme), p)
                if collective_cpu is not None and sch.sparse and p > 1 else None)
-        timed = _with_call(cost, fit)
+        timed = _timed(cost, fit, contention.busy(p) if contention else 1.0)
         tl = timeline_of(plan, timed, round_s=contention.round_s if contention else 0.0,
                          steal=contention.steal(p) if contention else 0.0)
         compute = rounds = calls = work = 0.0
