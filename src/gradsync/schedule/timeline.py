@@ -24,11 +24,10 @@ The pipeline of SSFusion Fig. 1 / Fig. 7 / Fig. 8 / Fig. 10 as a recurrence:
   (docs/results/simulator.md, "An all-gather's rounds on shared cores"). Once the compute
   stream ends they run at the idle price. A part of idle duration b that starts at s
   therefore progresses at the rate b/(b + L) until the compute stream ends at E and at full
-  speed after: it takes b + min(L, (E − s)·L/(b + L)).
-  (Charging the whole L to every part that starts before E made a part that starts just
-  before the end of the backward wait as if the backward went on: per-tensor plans at P = 8
-  were over-predicted by up to +59 %.) A part that starts after the compute stream ends pays
-  nothing more.
+  speed after: it takes b + min(L, (E − s)·L/(b + L)). (Charging the whole L to every part
+  that starts before E made a part that starts just before the end of the backward wait as
+  if the backward went on: per-tensor plans at P = 8 were over-predicted by up to +59 %.) A
+  part that starts after the compute stream ends pays nothing more.
 * ``steal`` (CPU contention; 0 by default): the share of a part's CPU (``CostModel.
   t_compute_allreduce``/``t_compute_allgather``: message software, merges and codec, or the
   collective's measured CPU per call) that the compute stream loses while both run, for

@@ -39,9 +39,8 @@ communication) on C < 3P cores, they do not; :class:`Contention` adds the terms 
   (:func:`gradsync.schedule.simulate`, ``round_s``) charges that call's extra, 2(P − 1)·
   ``round_s``, to each call of a buffer (its all-reduce, its all-gather, whatever the
   all-gather's rounds: a call waits once for the ranks' threads) that runs before the compute
-  stream ends (WFBP overlap): a buffer that starts during the
-  backward progresses at the loaded rate until the backward ends and at the idle rate after;
-  a one-buffer collective
+  stream ends (WFBP overlap): a buffer that starts during the backward progresses at the
+  loaded rate until the backward ends and at the idle rate after; a one-buffer collective
   (``planner="single"``) starts after the backward and sparsification, and its rounds pay the
   idle price (``ComputeCost.message``). Charging every round of every collective the loaded
   price over-predicted the sparse schemes at P = 8 by +28…+117 % (docs/results/simulator.md).
