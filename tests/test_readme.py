@@ -415,6 +415,86 @@ def test_simulator_page_all_gather_rounds_on_shared_cores():
             f"{got['ninth', '100mbit', 1][0]}") in text
 
 
+def test_simulator_page_eleventh_set_out_of_sample():
+    """docs/results/simulator.md, the latest set and "Out of sample: the eleventh set": its
+    medians, each run's own plan and single runs within 25 % per link for the rule it ran with
+    (``predicted_s``, the command's), 3fda245's (``predicted_previous_s``) and c1cc620's
+    all-reduce-call price (``predicted_allreduce_call_s``), their misses, and the totals over
+    the four sets, recomputed from the saved runs."""
+    text = _folded(RESULTS / "simulator.md")
+    sets = json.loads((RESULTS / "validate-runs-5.json").read_text())["sets"]
+    e11 = sets["eleventh"]
+
+    def counts(rows: list[dict], pred: str, plan: str) -> tuple:
+        groups: dict[tuple[str, int], list[dict]] = {}
+        for r in rows:
+            groups.setdefault((r["scheme"], r["P"]), []).append(r)
+        assert len(groups) == 57 and all(len(g) == 5 for g in groups.values())
+
+        def err(r: dict) -> float:
+            return (r[pred] - r["measured_s"]) / r["measured_s"]
+
+        med = {k: statistics.median(err(r) for r in g) for k, g in groups.items()}
+        return (sum(abs(e) <= 0.25 for e in med.values()),
+                sum(abs(statistics.median(r[plan] for r in g)) <= 0.25 for g in groups.values()),
+                sum(abs(err(r)) <= 0.25 for r in rows),
+                {k: e for k, e in med.items() if abs(e) > 0.25})
+
+    rules = {"now": ("predicted_s", "error_run_plan"),
+             "before": ("predicted_previous_s", "error_run_plan_previous"),
+             "call": ("predicted_allreduce_call_s", "error_run_plan_allreduce_call")}
+    got = {(w, link): counts(e11[link]["rows"], *rules[w])
+           for w in rules for link in ("1gbit", "100mbit")}
+    for r in e11["1gbit"]["rows"] + e11["100mbit"]["rows"]:  # the command's own prediction
+        assert r["error"] == pytest.approx((r["predicted_s"] - r["measured_s"])
+                                           / r["measured_s"])
+    rows = {"before": "3fda245's simulator", "call": "the all-reduce-call price (c1cc620)",
+            "now": "**P/C on shared cores (446bc15)**"}
+    for w, label in rows.items():
+        (a, ra, sa, _), (b, rb, sb, _) = got[w, "1gbit"], got[w, "100mbit"]
+        bold = "**" if w == "now" else ""
+        assert (f"| {label} | {bold}{a} ({ra}){bold} | {bold}{b} ({rb}){bold} | "
+                f"{bold}{sa}, {sb}{bold} |") in text, w
+    m_now = {**got["now", "1gbit"][3], **got["now", "100mbit"][3]}
+    assert set(m_now) == {("cupcake", 8)} and ("cupcake", 8) in got["now", "1gbit"][3]
+    assert f"Cupcake at P = 8 −{-100 * m_now['cupcake', 8]:.0f} % (1 Gbit/s)" in text
+    assert not got["call", "1gbit"][3] and not got["call", "100mbit"][3]
+    before = [e for link in ("1gbit", "100mbit") for e in got["before", link][3].values()]
+    assert max(before) < -0.25
+    assert f"| −{-100 * min(before):.0f} to −{-100 * max(before):.0f} %: the planner" in text
+    (a, ra, sa, _), (b, rb, sb, _) = got["now", "1gbit"], got["now", "100mbit"]
+    assert (f"within 25 % for {a} of 57 scheme × P rows at 1 Gbit/s and {b} of 57 at 100 Mbit/s "
+            f"(single runs {sa} and {sb} of 285; timing each run's own plan, {ra} and {rb} of "
+            f"57)") in text
+    assert (f"The same runs with 3fda245's simulator: {got['before', '1gbit'][0]} and "
+            f"{got['before', '100mbit'][0]} of 57") in text
+    out = [sum(got[w, link][0] for link in ("1gbit", "100mbit")) for w in ("now", "call")]
+    assert (f"{out[0]} and {out[1]} of 114 medians, against "
+            f"{got['before', '1gbit'][0] + got['before', '100mbit'][0]} before") in text
+    # over the four sets, each rule's stored predictions (the eighth, ninth and tenth sets
+    # re-predicted from their saved profiles)
+    stored = {"now": {"eighth": "predicted_priced_s", "ninth": "predicted_priced_s",
+                      "tenth": "predicted_s", "eleventh": "predicted_s"},
+              "call": {s: "predicted_allreduce_call_s"
+                       for s in ("eighth", "ninth", "tenth", "eleventh")}}
+    tot = {w: [sum(counts(sets[s][link]["rows"], key, "error_run_plan")[i]
+                   for s, key in stored[w].items() for link in ("1gbit", "100mbit"))
+               for i in (0, 2)] for w in stored}
+    assert (f"(over the four sets {tot['call'][0]} against {tot['now'][0]} of 456 medians, "
+            f"{tot['call'][1]} against {tot['now'][1]} of 2280 single runs)") in text
+    three = [sum(counts(sets[s][link]["rows"], "predicted_allreduce_call_s",
+                        "error_run_plan")[i]
+                 for s in ("eighth", "ninth", "tenth") for link in ("1gbit", "100mbit"))
+             for i in (0, 2)]
+    assert (f"the all-gather call priced as an all-reduce call, 2(P − 1) messages: {three[0]} of "
+            f"342 ({three[1]} single runs)") in text
+    gain = [counts(sets["tenth"][link]["rows"], "predicted_allreduce_call_s",
+                   "error_run_plan")[0]
+            - counts(sets["tenth"][link]["rows"], "predicted_previous_s", "error_run_plan")[0]
+            for link in ("1gbit", "100mbit")]
+    assert f"before the tenth ran, and gained {gain[0]} and {gain[1]} rows on it" in text
+
+
 def test_simulator_page_eighth_set_against_the_patterns_before():
     """docs/results/simulator.md, the latest set and "The messages gradsync sends": the eighth
     set's medians and single runs within 25 % per link, each run's own plan too; its misses all
