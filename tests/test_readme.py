@@ -336,6 +336,25 @@ def test_simulator_page_says_the_latest_sets_miss_and_how(run_set, own_plan):
             f"{len(missed['100mbit'])} misses at 100 Mbit/s are at P = 2") in text
 
 
+def _rule_counts(rows: list[dict], pred: str, plan: str) -> tuple:
+    """One link of a saved validation set under one rule's stored predictions (``pred``, and
+    ``plan`` the error timing each run's own plan): the scheme × P medians within 25 %, the
+    own-plan medians within 25 %, the single runs within 25 %, and the missing medians."""
+    groups: dict[tuple[str, int], list[dict]] = {}
+    for r in rows:
+        groups.setdefault((r["scheme"], r["P"]), []).append(r)
+    assert len(groups) == 57 and all(len(g) == 5 for g in groups.values())
+
+    def err(r: dict) -> float:
+        return (r[pred] - r["measured_s"]) / r["measured_s"]
+
+    med = {k: statistics.median(err(r) for r in g) for k, g in groups.items()}
+    return (sum(abs(e) <= 0.25 for e in med.values()),
+            sum(abs(statistics.median(r[plan] for r in g)) <= 0.25 for g in groups.values()),
+            sum(abs(err(r)) <= 0.25 for r in rows),
+            {k: e for k, e in med.items() if abs(e) > 0.25})
+
+
 def test_simulator_page_all_gather_rounds_on_shared_cores():
     """docs/results/simulator.md, the latest set and "An all-gather's rounds on shared
     cores": per set and link, the medians and single runs within 25 % before
@@ -352,22 +371,7 @@ def test_simulator_page_all_gather_rounds_on_shared_cores():
             "tenth": (("predicted_previous_s", "error_run_plan_previous"),
                       ("predicted_s", "error_run_plan"))}
 
-    def counts(rows: list[dict], pred: str, plan: str) -> tuple:
-        groups: dict[tuple[str, int], list[dict]] = {}
-        for r in rows:
-            groups.setdefault((r["scheme"], r["P"]), []).append(r)
-        assert len(groups) == 57 and all(len(g) == 5 for g in groups.values())
-
-        def err(r: dict) -> float:
-            return (r[pred] - r["measured_s"]) / r["measured_s"]
-
-        med = {k: statistics.median(err(r) for r in g) for k, g in groups.items()}
-        ran = sum(abs(statistics.median(r[plan] for r in g)) <= 0.25 for g in groups.values())
-        return (sum(abs(e) <= 0.25 for e in med.values()), ran,
-                sum(abs(err(r)) <= 0.25 for r in rows),
-                {k: e for k, e in med.items() if abs(e) > 0.25})
-
-    got = {(s, link, when): counts(sets[s][link]["rows"], *keys[s][when])
+    got = {(s, link, when): _rule_counts(sets[s][link]["rows"], *keys[s][when])
            for s in keys for link in ("1gbit", "100mbit") for when in (0, 1)}
     for s in keys:
         cells = []
@@ -425,25 +429,10 @@ def test_simulator_page_eleventh_set_out_of_sample():
     sets = json.loads((RESULTS / "validate-runs-5.json").read_text())["sets"]
     e11 = sets["eleventh"]
 
-    def counts(rows: list[dict], pred: str, plan: str) -> tuple:
-        groups: dict[tuple[str, int], list[dict]] = {}
-        for r in rows:
-            groups.setdefault((r["scheme"], r["P"]), []).append(r)
-        assert len(groups) == 57 and all(len(g) == 5 for g in groups.values())
-
-        def err(r: dict) -> float:
-            return (r[pred] - r["measured_s"]) / r["measured_s"]
-
-        med = {k: statistics.median(err(r) for r in g) for k, g in groups.items()}
-        return (sum(abs(e) <= 0.25 for e in med.values()),
-                sum(abs(statistics.median(r[plan] for r in g)) <= 0.25 for g in groups.values()),
-                sum(abs(err(r)) <= 0.25 for r in rows),
-                {k: e for k, e in med.items() if abs(e) > 0.25})
-
     rules = {"now": ("predicted_s", "error_run_plan"),
              "before": ("predicted_previous_s", "error_run_plan_previous"),
              "call": ("predicted_allreduce_call_s", "error_run_plan_allreduce_call")}
-    got = {(w, link): counts(e11[link]["rows"], *rules[w])
+    got = {(w, link): _rule_counts(e11[link]["rows"], *rules[w])
            for w in rules for link in ("1gbit", "100mbit")}
     for r in e11["1gbit"]["rows"] + e11["100mbit"]["rows"]:  # the command's own prediction
         assert r["error"] == pytest.approx((r["predicted_s"] - r["measured_s"])
@@ -477,20 +466,20 @@ def test_simulator_page_eleventh_set_out_of_sample():
                       "tenth": "predicted_s", "eleventh": "predicted_s"},
               "call": {s: "predicted_allreduce_call_s"
                        for s in ("eighth", "ninth", "tenth", "eleventh")}}
-    tot = {w: [sum(counts(sets[s][link]["rows"], key, "error_run_plan")[i]
+    tot = {w: [sum(_rule_counts(sets[s][link]["rows"], key, "error_run_plan")[i]
                    for s, key in stored[w].items() for link in ("1gbit", "100mbit"))
                for i in (0, 2)] for w in stored}
     assert (f"(over the four sets {tot['call'][0]} against {tot['now'][0]} of 456 medians, "
             f"{tot['call'][1]} against {tot['now'][1]} of 2280 single runs)") in text
-    three = [sum(counts(sets[s][link]["rows"], "predicted_allreduce_call_s",
+    three = [sum(_rule_counts(sets[s][link]["rows"], "predicted_allreduce_call_s",
                         "error_run_plan")[i]
                  for s in ("eighth", "ninth", "tenth") for link in ("1gbit", "100mbit"))
              for i in (0, 2)]
     assert (f"the all-gather call priced as an all-reduce call, 2(P − 1) messages: {three[0]} of "
             f"342 ({three[1]} single runs)") in text
-    gain = [counts(sets["tenth"][link]["rows"], "predicted_allreduce_call_s",
+    gain = [_rule_counts(sets["tenth"][link]["rows"], "predicted_allreduce_call_s",
                    "error_run_plan")[0]
-            - counts(sets["tenth"][link]["rows"], "predicted_previous_s", "error_run_plan")[0]
+            - _rule_counts(sets["tenth"][link]["rows"], "predicted_previous_s", "error_run_plan")[0]
             for link in ("1gbit", "100mbit")]
     assert f"before the tenth ran, and gained {gain[0]} and {gain[1]} rows on it" in text
 
