@@ -263,7 +263,8 @@ def predict(
         timed = _timed(cost, fit, contention.busy(p) if contention else 1.0)
         tl = timeline_of(plan, timed, round_s=contention.round_s if contention else 0.0,
                          steal=contention.steal(p) if contention else 0.0)
-        compute = rounds = calls = work = 0.0
+        compute = calls = work = 0.0
+        rounds = 0  # start-ups: the row's messages too
         call_cpu = None if fit is None else 0.0
         for b in tl.buffers:
             ar, ag = "ar_start" in b, "ag_start" in b
@@ -284,16 +285,13 @@ def predict(
         calls *= p > 1
         wait = tl.round_wait
         vol = sum(b["ar_bytes"] * 2 * (p - 1) / p + b["ag_bytes"] * (p - 1) for b in tl.buffers)
-        msgs = sum(2 * (p - 1) * ("ar_start" in b)
-                   + (cost.startups_allgather(b["ag_bytes"]) if "ag_start" in b else 0)
-                   for b in tl.buffers)
         row.update(collective=f"allreduce+{sch.collective}" if sch.sparse else "allreduce",
                    backward_s=tl.backward, sparsify_s=tl.sparsify, comm_s=tl.comm,
                    link_s=tl.comm - compute - wait, compute_s=compute, rounds=rounds,
                    round_wait_s=wait, dist_calls=calls, collective_cpu_s=call_cpu,
                    collective_work_s=work, exposed_comm_s=tl.exposed_comm,
                    sync_end_s=tl.iteration, volume_bytes=vol,
-                   messages=msgs, buffers=len(plan.buffers), union_density=None)
+                   messages=rounds, buffers=len(plan.buffers), union_density=None)
     row["forward_s"] = forward_s
     row["step_s"] = step_s
     row["iteration_s"] = forward_s + row["sync_end_s"] + step_s
