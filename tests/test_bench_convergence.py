@@ -1914,51 +1914,30 @@ def test_accuracy_resnet18_today_claims_hold_in_the_written_results():
 
 
 def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
-    """README's BatchNorm bullet: the defaults' gaps on ResNet-20 under the cosine schedule
-    (DGC's warm-up, its selection all-reduced where it would all-gather 1/P of a job's entries or
-    more; without it, 75753fb; TopkA over 10 seeds on the AMD AVX-512 machine), per_tensor's
-    and SSFusion-OI's with the blended budget (the default of both from 2026-12-07) and with
-    one density for every tensor (the same 5 seeds), SSFusion-OI's pooled beside its small
-    tensors sent whole and with nothing whole (its default since; 10 seeds),
-    ResNet-18's TopkA with the warm-up and before 372cd61 against the AMD machine's DDP runs,
-    per_tensor's and SSFusion-OI's there with either budget, and what following the rate was
-    worth to TopkA, recomputed from the pages' finals."""
+    """README's BatchNorm bullet: the defaults' gaps on ResNet-20 under the cosine schedule, all
+    three schemes trained at one commit (accuracy.md, "The defaults on one commit"), SSFusion-OI's
+    over 10 seeds, TopkA's without DGC's warm-up (75753fb, the Intel machine); ResNet-18's TopkA
+    with the warm-up and before 372cd61 against the AMD machine's DDP runs, per_tensor's and
+    SSFusion-OI's there with either budget; and what following the rate was worth to TopkA,
+    recomputed from the pages' finals."""
     readme = " ".join((ROOT / "README.md").read_text().split())
-    warm = _by_scheme(WARMUP_R20, "--model resnet20")
-    now = _by_scheme("convergence-resnet20-cosine-2026-12-06-fifth", "--model resnet20")
-    ddp = now["ddp"]["finals"]
-    assert warm["ddp"]["finals"] == ddp
-    before = _gap_cell(now["topka"]["finals"], ddp)
-    assert (f"5 seeds, with the defaults: TopkA {_gap_cell(warm['topka']['finals'], ddp)} points "
-            f"vs DDP's {100 * statistics.mean(ddp):.2f} % ({before} without the warm-up;"
-            ) in readme
-    topka = _by_scheme("budget-pooled/resnet20-cosine-topka-10-seeds", "--model resnet20")
-    assert (f"without the warm-up; "
-            f"{_interval_cell(topka['topka']['finals'], topka['ddp']['finals'])} over 10 seeds "
-            "on another AMD machine;") in readme
-    blend = _by_scheme("budget-blend/resnet20-cosine", "--model resnet20")
-    b = blend["ddp"]["finals"]
-    oi = _by_scheme("resnet20-cosine/lead-follows-dgc-warmup-ssfusion-oi", "--model resnet20")
-    assert oi["ddp"]["finals"][:5] == ddp and oi["ssfusion_oi"]["seeds"][:5] == [1, 2, 3, 4, 5]
-    even = {"per_tensor": warm["per_tensor"]["finals"],
-            "ssfusion_oi": oi["ssfusion_oi"]["finals"][:5]}
-    assert (f"per_tensor {_gap_cell(blend['per_tensor']['finals'], b)} and SSFusion-OI "
-            f"{_gap_cell(blend['ssfusion_oi']['finals'], b)} vs DDP's "
-            f"{100 * statistics.mean(b):.2f} % on an AMD machine, blended "
-            f"({_gap_cell(even['per_tensor'], ddp)} and {_gap_cell(even['ssfusion_oi'], ddp)} "
-            "with one density for every tensor, `Config(budget=\"even\")`") in readme
+    r20 = _by_scheme(f"defaults-{ONE_COMMIT}/resnet20-cosine", "--model resnet20")
+    d20 = r20["ddp"]["finals"]
+    gaps = {s: _gap_cell(r20[s]["finals"], d20) for s in ("topka", "ssfusion_oi", "per_tensor")}
+    assert (f"5 seeds, the defaults at {ONE_COMMIT}: TopkA {gaps['topka']}, SSFusion-OI "
+            f"{gaps['ssfusion_oi']} and per_tensor {gaps['per_tensor']} points vs DDP's "
+            f"{100 * statistics.mean(d20):.2f} %") in readme
     ten = _by_scheme("budget-blend/resnet20-cosine-10-seeds", "--model resnet20")
-    pooled = _by_scheme("budget-pooled/resnet20-cosine", "--model resnet20")
-    assert pooled["ddp"]["finals"] == ten["ddp"]["finals"]
     whole = _by_scheme("nothing-whole/resnet20-cosine")
     assert whole["ddp"]["finals"] == ten["ddp"]["finals"]
-    assert (f"SSFusion-OI with its buffers pooled and nothing sent whole, its default since, "
-            f"{_interval_cell(whole['ssfusion_oi']['finals'], ten['ddp']['finals'])} over 10 "
-            f"seeds on the other AMD machine "
-            f"({_interval_cell(pooled['ssfusion_oi']['finals'], ten['ddp']['finals'])} with its "
-            f"small tensors sent whole, "
-            f"{_interval_cell(ten['ssfusion_oi']['finals'], ten['ddp']['finals'])} blended;"
-            ) in readme
+    assert (f"SSFusion-OI {_interval_cell(whole['ssfusion_oi']['finals'], ten['ddp']['finals'])}"
+            " over 10 seeds") in readme
+    # TopkA without the warm-up (75753fb), beside the same DDP runs as with it (the Intel machine)
+    warm = _by_scheme(WARMUP_R20, "--model resnet20")
+    now = _by_scheme("convergence-resnet20-cosine-2026-12-06-fifth", "--model resnet20")
+    assert warm["ddp"]["finals"] == now["ddp"]["finals"]
+    assert (f"TopkA {_gap_cell(now['topka']['finals'], now['ddp']['finals'])} without the "
+            "warm-up, on an Intel machine") in readme
     r18 = _resnet18_today()
     w18 = _by_scheme(WARMUP_R18, "--model resnet18")
     d = r18["ddp"]["finals"]
@@ -2550,3 +2529,97 @@ def test_accuracy_ssfusion_oi_budget_on_resnet20_claims_hold_in_the_written_resu
     assert _gap_cell(topka["topka"]["finals"], topka["ddp"]["finals"]) == _gap_cell(
         top["finals"], ddp)
     assert f"ended {-_paired_points(before, o5)[0]:.2f} points below its own 1 % runs" in section
+
+
+# Today's defaults, each study trained on one commit, on one machine, with no setting but the
+# study's own (accuracy.md, "The defaults on one commit"): the pages in defaults-<commit>/
+ONE_COMMIT = "a9938c2"
+ONE_COMMIT_SCHEMES = ("topka", "ssfusion", "ssfusion_oi", "densestream", "oktopk", "per_tensor")
+ONE_COMMIT_STUDIES = (  # (page, the table's label for it, its command after `--model`)
+    ("cnn", "CNN, 160 steps, 10 seeds: accuracy, Δ vs DDP in points",
+     "cnn --schemes ddp,topka,ssfusion,ssfusion_oi,densestream,oktopk,per_tensor "),
+    ("resnet20-cosine", "ResNet-20, cosine rate, 160 steps, 5 seeds: accuracy, Δ in points",
+     "resnet20 --steps 160 --eval-points 4 --lr-schedule cosine --seeds 5 "
+     "--schemes ddp,topka,ssfusion_oi,per_tensor "),
+    ("lm-60", "TinyGPT, 60 steps, 3 seeds: perplexity, Δ in its units",
+     "gpt_tiny --schemes ddp,topka,ssfusion,ssfusion_oi,densestream,oktopk,per_tensor "),
+    ("lm-1000", "TinyGPT, 1000 steps, 3 seeds: perplexity, Δ in its units",
+     "gpt_tiny --steps 1000 --seeds 3 --eval-points 10 --schemes ddp,topka,ssfusion_oi "),
+)
+
+
+def _one_commit_cells(rows: dict[str, dict], perplexity: bool) -> list[str]:
+    """One study's row of the one-commit table: DDP's mean ± sd, then per scheme the paired
+    Δ vs DDP with its 95 % interval (and, for perplexity, the means' gap in percent)."""
+    ddp = rows["ddp"]["finals"]
+    if perplexity:
+        cells = [f"{statistics.mean(ddp):.2f} ± {statistics.stdev(ddp):.2f}"]
+    else:
+        cells = [f"{_mean_sd(ddp)} %"]
+    for s in ONE_COMMIT_SCHEMES:
+        if s not in rows:
+            cells.append("")
+            continue
+        a = rows[s]["finals"]
+        if not perplexity:
+            cells.append(_interval_cell(a, ddp))
+            continue
+        m, h = _paired_points(a, ddp, scale=1.0)
+        cells.append(f"{_perplexity_gap(a, ddp):+.2f} %: {m:+.2f} [{m - h:+.2f}, {m + h:+.2f}]"
+                     .replace("-", "−"))
+    return cells
+
+
+def _folded_row(label: str, cells: list[str]) -> str:
+    """A table row as :func:`_accuracy` folds it (an empty cell's two spaces become one)."""
+    return " ".join(f"| {label} | {' | '.join(cells)} |".split())
+
+
+def test_accuracy_defaults_on_one_commit():
+    """accuracy.md, "The defaults on one commit": every cell of its table from the pages of one
+    study per model, every run trained at one commit with the defaults (no setting beyond the
+    study's own), and the CNN's runs bit for bit the runs the README quoted before."""
+    text = _accuracy_from("The defaults on one commit", "## Summary")
+    for page, label, command in ONE_COMMIT_STUDIES:
+        data = _results(f"defaults-{ONE_COMMIT}/{page}", "--model " + command)
+        rows = {r["scheme"]: r for r in data["rows"]}
+        assert {c for r in rows.values() for c in r["code"]} == {ONE_COMMIT}, page
+        assert all(r["diverged"] == 0 for r in rows.values()), page
+        for flag in ("--density ", "--budget", "--density-warmup", "--momentum-ahead", "--plans"):
+            assert flag not in data["meta"]["command"], (page, flag)
+        cells = _one_commit_cells(rows, page.startswith("lm"))
+        assert _folded_row(label, cells) in text, (page, cells)
+    # the CNN's bytes over its 160 steps (DGC's warm-up included), and the time to DDP's accuracy
+    # on a 100 Mbit/s link over 960 steps
+    cnn = _by_scheme(f"defaults-{ONE_COMMIT}/cnn")
+    mb = [f"{cnn[s]['bytes_per_step'] / 1e6:.3f}" for s in ("ddp", *ONE_COMMIT_SCHEMES)]
+    assert _folded_row("CNN, 160 steps: MB per rank and step, DGC's warm-up included", mb) in text
+    long = _by_scheme(f"defaults-{ONE_COMMIT}/cnn-960-100mbit",
+                      CNN_960 + " --schemes ddp,topka,ssfusion,ssfusion_oi,oktopk ")
+    assert {c for r in long.values() for c in r["code"]} == {ONE_COMMIT}
+    tta = [f"{1e3 * long['ddp']['step_s']:.0f} ms a step"] + [
+        "" if s not in long else f"{_to_target(long, s):.2f}× / {long[s]['time_speedup']:.2f}×"
+        + ("" if long[s]["reached_ddp"] == 3 else f" ({long[s]['reached_ddp']} of 3 seeds)")
+        for s in ONE_COMMIT_SCHEMES]
+    assert _folded_row("CNN, 960 steps at 100 Mbit/s, 3 seeds: DDP's time to 99 % / all of its "
+                       "accuracy over the scheme's", tta) in text
+    near = sorted(_to_target(long, s) / long[s]["step_speedup"] for s in long if s != "ddp")
+    full = sorted(long[s]["speedup_kept"] for s in long if s != "ddp")
+    assert (f"every scheme keeps {100 * near[0]:.0f}–{100 * near[-1]:.0f} % of its step "
+            f"speed-up to 99 % of DDP's accuracy and {100 * full[0]:.0f}–{100 * full[-1]:.0f} % "
+            "to all of it") in text
+    # the runs the README quoted until this study, assembled from runs of several commits: the
+    # same finals, seed by seed, for every scheme; ResNet-20's DDP and SSFusion-OI runs are the
+    # first five seeds of the ten-seed study on the same machine type
+    for page, before in (("cnn", "convergence-cnn-2026-12-07-nothing-whole"),
+                         ("cnn-960-100mbit", "convergence-cnn-960-100mbit-2026-12-07-lean-probes"),
+                         ("lm-60", "convergence-lm-2026-12-07-nothing-whole")):
+        now, was = _by_scheme(f"defaults-{ONE_COMMIT}/{page}"), _by_scheme(before)
+        assert {s: r["finals"] for s, r in now.items()} == {
+            s: r["finals"] for s, r in was.items()}, page
+        assert all(now[s]["bytes_per_step"] == was[s]["bytes_per_step"] for s in now), page
+    r20, ten = _by_scheme(f"defaults-{ONE_COMMIT}/resnet20-cosine"), _by_scheme(
+        "nothing-whole/resnet20-cosine")
+    assert all(r20[s]["finals"] == ten[s]["finals"][:5] for s in ("ddp", "ssfusion_oi"))
+    worst = max(r["spike"] for r in r20.values())
+    assert f"No ResNet-20 loss after step 5 above {worst:.2f}× step 0's" in text

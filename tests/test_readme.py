@@ -19,6 +19,7 @@ import pytest
 
 import test_accelerate
 import test_lightning
+from test_bench_convergence import ONE_COMMIT
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -825,19 +826,22 @@ def test_readme_scheme_table_is_the_saved_results():
 
     # accuracy, with the defaults (momentum sent ahead at the scheme's share, DGC's warm-up, its
     # selection all-reduced where TopkA's all-gather would send 1/P of a job's entries or more,
-    # the scheme's budget): the CNN and TinyGPT, every scheme and DDP trained from a5c6ec3's
-    # sources with --budget blend on one machine, SSFusion and SSFusion-OI retrained there
-    # with --budget pooled (their default since), each run beside the same seeds' DDP runs,
-    # and again at 2a3c1ef, where a pool sends nothing whole (the default since); the pages,
-    # written with the defaults, say no code (a copy of src/ trained them)
-    study = _study("convergence-cnn-2026-12-07-nothing-whole.json")
-    study.update(_study("convergence-lm-2026-12-07-nothing-whole.json"))
-    for page in ("convergence-cnn-2026-12-07", "convergence-lm-2026-12-07"):
-        for before, after in (("blend", "pooled"), ("pooled", "nothing-whole")):
-            was, now = _study(f"{page}-{before}.json"), _study(f"{page}-{after}.json")
-            assert {k for k in now if now[k]["finals"] != was[k]["finals"]} == {
-                (k[0], s) for k in now for s in ("ssfusion", "ssfusion_oi") if k[1] == s}
-    assert {c for r in study.values() for c in r["code"]} == {None}
+    # the scheme's budget): the CNN and TinyGPT over 60 steps, every run trained at one commit
+    # (accuracy.md, "The defaults on one commit"); the CNN's runs are bit for bit those the
+    # README quoted before, assembled from the blend, pooled and nothing-whole studies (SSFusion
+    # and SSFusion-OI retrained at each step, the others kept)
+    study = _study(f"defaults-{ONE_COMMIT}/cnn.json")
+    study.update(_study(f"defaults-{ONE_COMMIT}/lm-60.json"))
+    was = _study("convergence-cnn-2026-12-07-nothing-whole.json")
+    assert {k: r["finals"] for k, r in was.items()} == {
+        k: r["finals"] for k, r in study.items() if k[0] == "cnn"}
+    for before, after in (("blend", "pooled"), ("pooled", "nothing-whole")):
+        old, now = (_study(f"convergence-cnn-2026-12-07-{x}.json") for x in (before, after))
+        assert {k for k in now if now[k]["finals"] != old[k]["finals"]} == {
+            ("cnn", s) for s in ("ssfusion", "ssfusion_oi")}
+    assert {c for r in study.values() for c in r["code"]} == {ONE_COMMIT}
+    assert (f"Which code trained each study: {ONE_COMMIT} for the CNN columns, e44c754 for "
+            "TinyGPT's, 6ea855d for the step speed-ups") in " ".join(README.split())
     # TinyGPT's column: the defaults over 2500 steps, one commit, 3 seeds
     lm2500 = _study("convergence-lm-2500.json")
     assert {c for r in lm2500.values() for c in r["code"]} == {"e44c754"}
@@ -850,21 +854,18 @@ def test_readme_scheme_table_is_the_saved_results():
     assert {r["seeds"] == [1, 2, 3] for (m, _), r in study.items() if m == "gpt_tiny"} == {True}
     # time to DDP's accuracy: one study on a 100 Mbit/s link, the CNN over 960 steps, 3 seeds:
     # DDP's training seconds to 99 % of its final accuracy over the scheme's (every seed must
-    # get there), then to all of it (over the seeds that do, with how many); the same machine
-    # and sources; SSFusion and SSFusion-OI retrained at 6b1baf4, whose lean probes left their
-    # plans and so their training bit for bit as on the page before, and their time shorter
-    name = "convergence-cnn-960-100mbit-2026-12-07-lean-probes.json"
+    # get there), then to all of it (over the seeds that do, with how many); trained at the same
+    # commit, its finals bit for bit the study the README quoted before (lean probes, 6b1baf4),
+    # its times this run's
+    name = f"defaults-{ONE_COMMIT}/cnn-960-100mbit.json"
     long = _study(name)
-    was = _study("convergence-cnn-960-100mbit-2026-12-07-nothing-whole.json")
+    was = _study("convergence-cnn-960-100mbit-2026-12-07-lean-probes.json")
     assert {k: r["finals"] for k, r in long.items()} == {k: r["finals"] for k, r in was.items()}
-    assert all(long[k]["run_bytes_per_step"] < was[k]["run_bytes_per_step"]
-               for k in long if k[1] in ("ssfusion", "ssfusion_oi"))
-    assert {c for r in long.values() for c in r["code"]} == {None}
+    assert {c for r in long.values() for c in r["code"]} == {ONE_COMMIT}
     assert set(long) == {("cnn", s) for s in ("ddp", "topka", "ssfusion", "ssfusion_oi",
                                               "oktopk")}
     meta = json.loads((RESULTS / name).read_text())["meta"]
-    for page in (name, "convergence-cnn-2026-12-07-nothing-whole.json",
-                 "convergence-lm-2026-12-07-nothing-whole.json"):
+    for page in (name, f"defaults-{ONE_COMMIT}/cnn.json", f"defaults-{ONE_COMMIT}/lm-60.json"):
         assert "--budget" not in json.loads((RESULTS / page).read_text())["meta"]["command"]
     # the same DDP, TopkA and Ok-Topk runs as the blend and pooled studies at 100 Mbit/s
     before = _study("convergence-cnn-960-100mbit-2026-12-07-blend.json")
@@ -986,7 +987,7 @@ def test_readme_language_model_budget_sentence_is_the_saved_studies():
     scheme ends in the quoted range above DDP's perplexity; over the table's 2500 steps, with the
     warm-up held at 100 exact steps, TopkA and SSFusion-OI end at the quoted percentages, above
     3 % where the defaults' 2500-step runs are below it. All computed here from the finals."""
-    short = _perplexity_gaps("convergence-lm-2026-12-07-nothing-whole.json")
+    short = _perplexity_gaps(f"defaults-{ONE_COMMIT}/lm-60.json")
     assert len(short) == 6
     held = _perplexity_gaps("convergence-lm-2500-adam-warmup-100.json")
     full = _perplexity_gaps("convergence-lm-2500.json")
@@ -994,7 +995,7 @@ def test_readme_language_model_budget_sentence_is_the_saved_studies():
     text = " ".join(README.split())
     assert (f"TinyGPT's gap narrows with the budget: after 60 steps every scheme ends "
             f"{min(short.values()):.1f}–{max(short.values()):.1f} % above DDP's perplexity "
-            "([study](docs/results/convergence-lm-2026-12-07-nothing-whole.md)); over the table's "
+            f"([study](docs/results/defaults-{ONE_COMMIT}/lm-60.md)); over the table's "
             "2500 steps part of the gain is the exact-AdamW warm-up, 10 % of the steps: with 100 "
             f"steps TopkA and SSFusion-OI end +{held['topka']:.2f} and "
             f"+{held['ssfusion_oi']:.2f} %.") in text
