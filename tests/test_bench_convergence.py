@@ -2591,9 +2591,24 @@ def test_accuracy_defaults_on_one_commit():
         assert _folded_row(label, cells) in text, (page, cells)
     # the CNN's bytes over its 160 steps (DGC's warm-up included), and the time to DDP's accuracy
     # on a 100 Mbit/s link over 960 steps
+    every = ("ddp", *ONE_COMMIT_SCHEMES)
     cnn = _by_scheme(f"defaults-{ONE_COMMIT}/cnn")
-    mb = [f"{cnn[s]['bytes_per_step'] / 1e6:.3f}" for s in ("ddp", *ONE_COMMIT_SCHEMES)]
-    assert _folded_row("CNN, 160 steps: MB per rank and step, DGC's warm-up included", mb) in text
+    mb = [f"{cnn[s]['run_bytes_per_step'] / 1e6:.3f}" for s in every]
+    assert _folded_row("CNN, 160 steps: MB per rank and step, every step counted", mb) in text
+    # against the same schemes without DGC's warm-up (one seed: their bytes do not depend on it)
+    fixed = _by_scheme(f"defaults-{ONE_COMMIT}/cnn-no-warmup-seed-1",
+                       "--model cnn --schemes ddp,topka,ssfusion,ssfusion_oi,densestream,oktopk,"
+                       "per_tensor --seeds 1 --density-warmup off ")
+    times = {s: cnn[s]["run_bytes_per_step"] / fixed[s]["run_bytes_per_step"] for s in every}
+    assert _folded_row("the same over a fixed 1 %'s (seed 1, DGC's warm-up off)",
+                       [f"{times[s]:.2f}×" for s in every]) in text
+    sparse = sorted(times[s] for s in ONE_COMMIT_SCHEMES)
+    assert sparse[0] == times["ssfusion_oi"] and sparse[-1] == times["oktopk"]
+    assert (f"bytes to {sparse[0]:.2f}× (the SSFusion family, whose cost-model probes both runs "
+            f"pay) to {sparse[-1]:.2f}× (Ok-Topk)") in text
+    topka = cnn["topka"]
+    assert (f"TopkA's warm-up run sends {topka['bytes_per_step'] / 1e6:.3f} MB a step, not "
+            f"{topka['run_bytes_per_step'] / 1e6:.3f}") in text
     long = _by_scheme(f"defaults-{ONE_COMMIT}/cnn-960-100mbit",
                       CNN_960 + " --schemes ddp,topka,ssfusion,ssfusion_oi,oktopk ")
     assert {c for r in long.values() for c in r["code"]} == {ONE_COMMIT}
