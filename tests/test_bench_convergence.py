@@ -23,11 +23,13 @@ T975_BY_DF = {2: 4.302653, 4: 2.776445, 9: 2.262157}  # t(0.975, df) from the st
 
 
 ACCURACY = RESULTS / "accuracy.md"  # the README's accuracy figures live on this page
+HISTORY = RESULTS / "accuracy-history.md"  # the studies behind the defaults, with the index
 
 
 def _accuracy() -> str:
-    """docs/results/accuracy.md with its line breaks and runs of spaces folded to one space."""
-    return " ".join(ACCURACY.read_text().split())
+    """docs/results/accuracy.md and accuracy-history.md, one after the other, with their line
+    breaks and runs of spaces folded to one space."""
+    return " ".join((ACCURACY.read_text() + "\n" + HISTORY.read_text()).split())
 
 
 def _accuracy_from(heading: str, until: str = "## Preconditioned") -> str:
@@ -39,7 +41,7 @@ def _results(name: str, command: str | None = None) -> dict:
     """A results page's JSON, ``docs/results/<name>.json``; with ``command``, its recorded
     command must start with ``python -m gradsync bench convergence `` and then ``command``."""
     path = RESULTS / f"{name}.json"
-    if not path.exists():  # a superseded page, kept for the history accuracy.md tells
+    if not path.exists():  # a superseded page, kept for the history accuracy-history.md tells
         path = RESULTS / "archive" / f"{name}.json"
     data = json.loads(path.read_text())
     if command is not None:
@@ -394,11 +396,12 @@ def test_readme_accuracy_paragraph_links_the_written_results(monkeypatch):
     itself)."""
     root = Path(__file__).resolve().parents[1]
     monkeypatch.chdir(root)  # recorded paths (--plans, --write-docs) are relative to it
-    page = ACCURACY.read_text()
+    page = HISTORY.read_text()
     section = page.split("## Summary", 1)[1].split("\n## ", 1)[0]
     assert "`python -m gradsync bench convergence`" in section and "`--write-docs`" in section
     pages = sorted({"docs/results/" + name
-                    for name in re.findall(r"\]\(([\w.-]+\.md)\)", section)})
+                    for name in re.findall(r"\]\(((?:archive/)?[\w.-]+\.md)\)", section)
+                    if not name.endswith("README.md")})
     assert "docs/results/convergence.md" in pages
     prefix = "python -m gradsync bench convergence"
     for rel in pages:
@@ -409,7 +412,9 @@ def test_readme_accuracy_paragraph_links_the_written_results(monkeypatch):
         assert command.startswith(prefix), rel
         a = conv.parse_args(shlex.split(command.removeprefix(prefix)))
         assert "ddp" in a.scheme_list and all(conv.seeds_for(a, m) >= 2 for m in a.models), rel
-        assert a.write_docs and Path(a.write_docs).as_posix().endswith(rel), (rel, a.write_docs)
+        # an archived page was written one folder up, before it moved (archive/README.md)
+        written = rel.replace("results/archive/", "results/")
+        assert a.write_docs and Path(a.write_docs).as_posix().endswith(written), (rel, a.write_docs)
         assert "| scheme |" in page and "Δ vs ddp [95% CI]" in page, rel
         for other in ("json", "png"):
             sibling = Path(rel).with_suffix("." + other).name
@@ -527,7 +532,6 @@ def test_readme_two_epoch_cnn_claim_holds_in_the_written_results():
     89.63 %, the run since they send excluded tensors as values) are not below the multi-tensor
     ones (89.30–89.62 %). Checked against the JSON of the three pages, which ran the same DDP;
     the last one's SSFusion rows replace the earlier pages'."""
-    root = Path(__file__).resolve().parents[1]
     readme = _accuracy()
     claim = ("Over two epochs (960 steps) it closes for every sparse scheme but per_tensor: they "
              "end 0.23–0.56 points below DDP's 89.86 %, per_tensor 1.39, and the SSFusion "
@@ -535,7 +539,7 @@ def test_readme_two_epoch_cnn_claim_holds_in_the_written_results():
     assert claim in readme
     rows: dict[str, dict] = {}
     for name in ("convergence-cnn-960", "convergence-cnn-960-rest", "convergence-cnn-960-values"):
-        data = json.loads((root / f"docs/results/{name}.json").read_text())
+        data = _results(name)
         assert [m["steps"] for m in data["meta"]["models"] if m["model"] == "cnn"] == [960]
         page = {r["scheme"]: r for r in data["rows"] if r["model"] == "cnn"}
         assert all(len(r["finals"]) == 3 for r in page.values())
@@ -560,7 +564,6 @@ def test_readme_ssfusion_values_claim_holds_in_the_written_results():
     1000 TinyGPT steps against 8.11 before, at the same bytes per step (within 1 %); in the
     default study both SSFusion schemes end within half a point of DDP's 83.82 % on the CNN
     (83.49 and 83.41 %). Checked against the JSON the command wrote next to each page."""
-    root = Path(__file__).resolve().parents[1]
     readme = _accuracy()
     assert ("at the same bytes per step SSFusion reaches perplexity 7.53 over 1000 steps, "
             "against 8.11 when every element sent whole carried its index") in readme
@@ -568,7 +571,7 @@ def test_readme_ssfusion_values_claim_holds_in_the_written_results():
             "83.82 % on the CNN (83.49 and 83.41 %)") in readme
 
     def rows(name: str, model: str) -> tuple[dict, int]:
-        data = json.loads((root / f"docs/results/{name}.json").read_text())
+        data = _results(name)
         steps = next(m["steps"] for m in data["meta"]["models"] if m["model"] == model)
         return {r["scheme"]: r for r in data["rows"] if r["model"] == model}, steps
 
@@ -590,14 +593,13 @@ def test_readme_density_warmup_claim_holds_in_the_written_results():
     """accuracy.md: with DGC's warm-up over one epoch, TopkA ends 0.40 points below DDP (from
     1.24), per_tensor 1.95 (from 2.47), SSFusion 0.92 (from 1.23), at 2.5–3.6× the bytes.
     Checked against the JSON of both pages."""
-    root = Path(__file__).resolve().parents[1]
     readme = _accuracy()
     claim = ("TopkA ends 0.40 points below DDP (from 1.24), per_tensor 1.95 (from 2.47) and "
              "SSFusion 0.92 (from 1.23), while each rank sends 2.5–3.6× the bytes")
     assert claim in readme and "--density-warmup 4:24" in readme
 
     def rows(name: str) -> dict:
-        data = json.loads((root / f"docs/results/{name}.json").read_text())
+        data = _results(name)
         assert [m["steps"] for m in data["meta"]["models"] if m["model"] == "cnn"] == [480]
         return {r["scheme"]: r for r in data["rows"] if r["model"] == "cnn"}
 
@@ -695,7 +697,7 @@ def test_readme_accuracy_section_names_the_plan_replay():
     """docs/results/accuracy.md's summary: the page names the schemes whose plan varied (plans_note,
     tested above), plans go to ``--out`` and ``--plans DIR`` replays them (the replay test
     above)."""
-    section = ACCURACY.read_text().split("## Summary", 1)[1].split("\n## ")[0]
+    section = HISTORY.read_text().split("## Summary", 1)[1].split("\n## ")[0]
     text = " ".join(section.split())
     assert "the page names the schemes whose plan varied across seeds" in text
     assert "every job's plans are written to `--out`, and `--plans DIR` replays them" in text
@@ -728,13 +730,12 @@ def test_readme_ssfusion_oi_byte_charged_claim_holds_in_the_written_results():
     """accuracy.md: over 1000 steps SSFusion-OI reaches 7.45 against DDP's 7.06 and per_tensor's
     7.40, at per_tensor's bytes per step (8.12 before). Checked against the JSON of the two
     pages the command wrote."""
-    root = Path(__file__).resolve().parents[1]
     readme = _accuracy()
     assert ("over 1000 steps it reaches perplexity 7.45 against DDP's 7.06 and per_tensor's "
             "7.40, at per_tensor's bytes per step") in readme and "8.12 when" in readme
 
     def rows(name: str) -> dict:
-        data = json.loads((root / f"docs/results/{name}.json").read_text())
+        data = _results(name)
         assert [m["steps"] for m in data["meta"]["models"]] == [1000]
         return {r["scheme"]: r for r in data["rows"]}
 
@@ -1392,8 +1393,8 @@ def _check_perplexity_row(page: str, finals: list[float], ddp: list[float], text
 
 
 def test_accuracy_lm_2500_steps_claim_holds_in_the_written_results():
-    """accuracy.md, "Over 2500 steps the defaults are within 3 %": TinyGPT with the defaults at
-    1 % over 2500 steps, recomputed from the page's runs: the finals, their gap to DDP and paired
+    """accuracy-history.md, "Over 2500 steps the defaults are within 3 %": TinyGPT with the defaults
+    at 1 % over 2500 steps, recomputed from the page's runs: the finals, their gap to DDP and paired
     intervals, the bytes against DDP's, the gap at step 1000 (DDP there as in the 1000-step
     study, to 1e-5), the first evaluation from which every gap stays within 3 %, and the steps
     at which DDP's mean curve reaches each final. Then the same budget with the warm-up held at
@@ -1511,8 +1512,8 @@ def test_accuracy_lm_adaptive_density_claim_holds_in_the_written_results():
 
 
 def test_accuracy_momentum_ahead_claims_hold_in_the_written_results():
-    """accuracy.md, "Momentum sent ahead": at a = 1/3 on the CNN (10 seeds, the same DDP runs
-    and seeds as without it) TopkA, DenseStream, Ok-Topk and per_tensor move from below DDP to
+    """accuracy-history.md, "Momentum sent ahead": at a = 1/3 on the CNN (10 seeds, the same DDP
+    runs and seeds as without it) TopkA, DenseStream, Ok-Topk and per_tensor move from below DDP to
     within issue 68's bars at the same bytes, SSFusion-OI (on the same plans) does not; on
     ResNet-20 and TinyGPT TopkA moves as the page says. Every figure recomputed here."""
     page = _accuracy()
@@ -1607,8 +1608,8 @@ def test_the_plot_draws_a_curve_that_went_non_finite():
 
 
 def test_accuracy_default_momentum_ahead_claims_hold_in_the_written_results():
-    """accuracy.md, "Momentum sent ahead", "The default": the default study's CNN runs are bit
-    for bit the runs at each scheme's share (Config's, read here) on the explicit pages, issue
+    """accuracy-history.md, "Momentum sent ahead", "The default": the default study's CNN runs are
+    bit for bit the runs at each scheme's share (Config's, read here) on the explicit pages, issue
     68's CNN bars hold at the bytes without it, ResNet-20's figures at 0, 1/3 and 1 and with the
     defaults are the pages', and at 100 Mbit/s every scheme ends at or above DDP and reaches
     99 % of its accuracy sooner than its step speed-up alone would."""
@@ -1683,7 +1684,7 @@ def test_accuracy_default_momentum_ahead_claims_hold_in_the_written_results():
         tta = long["ddp"]["seconds_to_target"] / r["seconds_to_target"]
         cell = f"| {100 * (r['mean'] - ddp_mean):+.2f}; {tta:.2f}× |"
         assert any(line.startswith(f"| {name} | ") and line.endswith(cell)
-                   for line in ACCURACY.read_text().splitlines()), (scheme, cell)
+                   for line in HISTORY.read_text().splitlines()), (scheme, cell)
         assert r["steps_to_target"] < long["ddp"]["steps_to_target"]
     oi = long["ssfusion_oi"]
     kept = long["ddp"]["seconds_to_target"] / oi["seconds_to_target"] / oi["step_speedup"]
@@ -1693,8 +1694,8 @@ def test_accuracy_default_momentum_ahead_claims_hold_in_the_written_results():
 
 
 def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
-    """accuracy.md, "Learning-rate schedules": ResNet-20 under the cosine schedule, every page
-    on the same DDP runs; each row of its table recomputed from the pages' finals, the paired
+    """accuracy-history.md, "Learning-rate schedules": ResNet-20 under the cosine schedule, every
+    page on the same DDP runs; each row of its table recomputed from the pages' finals, the paired
     gains of following the rate, and the CNN's warm-up figures against the default study."""
     page = _accuracy()
     names = {"base": "convergence-resnet20-cosine", "follow": "resnet20-cosine/follow",
@@ -1796,7 +1797,7 @@ def test_accuracy_learning_rate_schedule_claims_hold_in_the_written_results():
 
 
 def test_accuracy_reverted_ssfusion_warmup_default_claims_hold_in_the_written_results():
-    """accuracy.md, "DGC's warm-up as the SSFusion family's default: reverted": each cell of
+    """accuracy-history.md, "DGC's warm-up as the SSFusion family's default: reverted": each cell of
     its table recomputed from the pages' finals (SSFusion-OI against DDP, and paired with the
     same seeds' runs without the warm-up), the bytes of every step against those runs', the
     loss spikes; the CNN's and ResNet-20's runs bit for bit those of ``--density-warmup 4:9``;
@@ -1859,8 +1860,8 @@ def test_accuracy_reverted_ssfusion_warmup_default_claims_hold_in_the_written_re
 
 
 def test_accuracy_tinygpt_cosine_claims_hold_in_the_written_results():
-    """accuracy.md, "Learning-rate schedules": TinyGPT over 1000 steps with the rate annealed,
-    each perplexity and its gap to DDP recomputed from the page's finals."""
+    """accuracy-history.md, "Learning-rate schedules": TinyGPT over 1000 steps with the rate
+    annealed, each perplexity and its gap to DDP recomputed from the page's finals."""
     page = _accuracy()
     rows = _by_scheme(
         "convergence-lm-1000-cosine", "--model gpt_tiny --steps 1000 --seeds 3")
@@ -1897,8 +1898,8 @@ def _resnet18_today() -> dict[str, dict]:
 
 
 def test_accuracy_resnet18_today_claims_hold_in_the_written_results():
-    """accuracy.md, "ResNet-18 with today's defaults": each row recomputed from the pages, the
-    spikes, and the paired cost of momentum sent ahead to TopkA."""
+    """accuracy-history.md, "ResNet-18 with today's defaults": each row recomputed from the pages,
+    the spikes, and the paired cost of momentum sent ahead to TopkA."""
     page = _accuracy()
     r18 = _resnet18_today()
     ddp = r18["ddp"]["finals"]
@@ -1961,8 +1962,8 @@ def test_readme_resnet20_cosine_claim_holds_in_the_written_results():
 
 
 def test_accuracy_resent_claims_hold_in_the_written_results():
-    """accuracy.md, "Momentum sent ahead skips the tensors a step resends": the table's cells
-    (the CNN before, since and without a lead, on one machine with one set of DDP runs;
+    """accuracy-history.md, "Momentum sent ahead skips the tensors a step resends": the table's
+    cells (the CNN before, since and without a lead, on one machine with one set of DDP runs;
     ResNet-18's TopkA), the other schemes, ResNet-20, and the paired worth of the lead."""
     page = _accuracy()
     section = page[page.index("## Momentum sent ahead skips"):page.index("## Preconditioned")]
@@ -2012,7 +2013,7 @@ def test_accuracy_resent_claims_hold_in_the_written_results():
 
 
 def test_accuracy_fifth_claims_hold_in_the_written_results():
-    """accuracy.md, "Resent means over a fifth of a tensor": each cell of the table (the 4×
+    """accuracy-history.md, "Resent means over a fifth of a tensor": each cell of the table (the 4×
     rule's pages and the fifth's, one machine, one set of DDP runs per model; ResNet-18's TopkA),
     the paired column, per-tensor selections bit for bit under both rules, and the bullets."""
     page = _accuracy()
@@ -2063,7 +2064,7 @@ def test_accuracy_fifth_claims_hold_in_the_written_results():
 
 
 def test_accuracy_lead_following_the_density_claims_hold_in_the_written_results():
-    """accuracy.md, "The lead follows the density: the SSFusion family warms up": the table
+    """accuracy-history.md, "The lead follows the density: the SSFusion family warms up": the table
     (SSFusion-OI with the warm-up against DDP, paired with the fifth's runs without it, bytes
     over the run, worst loss), SSFusion's CNN runs equal to SSFusion-OI's, no divergence, the
     schemes without a warm-up kept bit for bit, and the ResNet-20 figures of the bullets."""
@@ -2145,7 +2146,7 @@ def test_accuracy_summary_row_of_the_fifth_100mbit_study_is_its_page():
     accuracy and its step speed-up over DDP's, and the share of the step speed-up kept."""
     name = "convergence-cnn-960-100mbit-2026-12-06-fifth"
     page = " ".join(_accuracy().split())
-    row = page[page.index(f"| [{name}.md]({name}.md) |"):
+    row = page[page.index(f"| [{name}.md](archive/{name}.md) |"):
                page.index("| [convergence-cnn-960-100mbit-2026-12-05.md]")]
     r = _by_scheme(name, "--model cnn --steps 960 --seeds 3 --eval-points 16 --world-size 4 "
                          "--bandwidth 100mbit")
@@ -2230,8 +2231,8 @@ def test_a_diverged_run_is_counted_and_the_study_goes_on(tmp_path, monkeypatch):
 
 
 def test_accuracy_dgc_warmup_for_every_scheme_claims_hold_in_the_written_results():
-    """accuracy.md, "DGC's warm-up for every scheme measured": the table (each scheme with the
-    warm-up against DDP, paired with the fifth's runs without it, bytes over the run), the
+    """accuracy-history.md, "DGC's warm-up for every scheme measured": the table (each scheme with
+    the warm-up against DDP, paired with the fifth's runs without it, bytes over the run), the
     worst losses, the 100 Mbit/s figures against the fifth study's, and the warm-ups within
     1.5× the bytes on ResNet-20, each recomputed from the pages' finals."""
     section = _accuracy_from("DGC's warm-up for every scheme measured")
@@ -2365,9 +2366,9 @@ def _warmup_cells(m: dict, old: dict, s: str) -> tuple[str, str, float]:
 
 
 def test_accuracy_first_period_sent_whole_claims_hold_in_the_written_results():
-    """accuracy.md, "DGC's first period sent whole: tried, reverted": each scheme's row (against
-    DDP, paired with the all-gathered warm-up's runs of the section before, bytes over the run
-    against theirs), recomputed from the pages' finals; the same DDP runs throughout."""
+    """accuracy-history.md, "DGC's first period sent whole: tried, reverted": each scheme's row
+    (against DDP, paired with the all-gathered warm-up's runs of the section before, bytes over the
+    run against theirs), recomputed from the pages' finals; the same DDP runs throughout."""
     section = _accuracy_from("DGC's first period sent whole: tried, reverted")
     cnn = _by_scheme("convergence-cnn-2026-12-06-warmup-whole", "--model cnn")
     r20 = _by_scheme("resnet20-cosine/warmup-whole", "--model resnet20")
@@ -2389,7 +2390,7 @@ def test_accuracy_first_period_sent_whole_claims_hold_in_the_written_results():
 
 
 def test_accuracy_warmup_selection_all_reduced_claims_hold_in_the_written_results():
-    """accuracy.md, "The warm-up's selection all-reduced" (the default since be9aef9): each
+    """accuracy-history.md, "The warm-up's selection all-reduced" (the default since be9aef9): each
     scheme's row (against DDP, paired with the all-gathered warm-up's runs, bytes over the run
     against theirs), the bytes against a fixed 1 %, DenseStream's and Ok-Topk's runs unchanged,
     ResNet-18, and the 100 Mbit/s speed-ups against the all-gathered runs', recomputed from the
@@ -2456,7 +2457,7 @@ def test_accuracy_warmup_selection_all_reduced_claims_hold_in_the_written_result
 
 
 def test_accuracy_tinygpt_dgc_warmup_after_the_freeze_claims_hold_in_the_written_results():
-    """accuracy.md, "AdamW on TinyGPT": DGC's warm-up after the recipe's whole steps against
+    """accuracy-history.md, "AdamW on TinyGPT": DGC's warm-up after the recipe's whole steps against
     none, over 1000 steps on one code and machine with one set of DDP runs (TopkA's runs
     without it bit for bit the 2026-12-03 page's): each perplexity gap to DDP (ratio of means),
     the paired change (per seed, in % of the run without it) and the bytes over the run."""
@@ -2492,8 +2493,8 @@ def test_accuracy_tinygpt_dgc_warmup_after_the_freeze_claims_hold_in_the_written
 
 
 def test_accuracy_ssfusion_oi_budget_on_resnet20_claims_hold_in_the_written_results():
-    """accuracy.md, "SSFusion-OI on ResNet-20: its budget": SSFusion-OI at 1 % (seeds 1–5 of the
-    10-seed page), at 1.25 % before and after min_k moved to the compensated d′ (3082c2a), and
+    """accuracy-history.md, "SSFusion-OI on ResNet-20: its budget": SSFusion-OI at 1 % (seeds 1–5 of
+    the 10-seed page), at 1.25 % before and after min_k moved to the compensated d′ (3082c2a), and
     at 1.67 %, each against the same DDP runs, paired with the 1 % runs, MB per step and bytes
     over the run against theirs, and the fix paired with the runs before it, recomputed from
     the pages' finals."""
@@ -2665,3 +2666,37 @@ def test_accuracy_defaults_on_one_commit():
     assert all(r20[s]["finals"] == ten[s]["finals"][:5] for s in ("ddp", "ssfusion_oi"))
     worst = max(r["spike"] for r in r20.values())
     assert f"No ResNet-20 loss after step 5 above {worst:.2f}× step 0's" in text
+
+
+def test_accuracy_what_each_default_rests_on_is_configs():
+    """accuracy.md, "What each default rests on": each row's default is what ``Config`` gives at
+    ``scheme`` and ``density=0.01`` (the momentum sent ahead under DGC's momentum correction),
+    and the AdamW row's share is the recipe's."""
+    from gradsync.engine.config import Config
+    from gradsync.integrations.adamw import WARMUP_SHARE
+
+    section = " ".join(ACCURACY.read_text().split("## What each default rests on")[1].split())
+    warmed = ("topka", "oktopk", "densestream", "per_tensor", "ssfusion", "ssfusion_o",
+              "ssfusion_oi")
+    periods = {Config(scheme=s, density=0.01).warmup for s in warmed}
+    assert len(periods) == 1
+    (densities, steps), = periods
+    cells = ", ".join(f"{100 * d:.1f}" for d in densities[:-1]) + f" and {100 * densities[-1]:.1f}"
+    assert (f"DGC's warm-up, {len(densities)} periods of {steps} steps ({cells} % at 1 %), for "
+            "TopkA, Ok-Topk, DenseStream, per_tensor and the SSFusion family") in section
+    assert Config(scheme="multi_tensor", density=0.01).warmup == ((), 0)  # the others: none
+    ahead = {s: Config(scheme=s, density=0.01, momentum=0.9).effective_momentum_ahead
+             for s in warmed}
+    assert {ahead[s] for s in ("topka", "densestream", "oktopk", "per_tensor")} == {1 / 3}
+    assert {ahead[s] for s in ("ssfusion", "ssfusion_o", "ssfusion_oi")} == {1.0}
+    assert ("a third of a sent entry's velocity tail for TopkA, DenseStream, Ok-Topk and "
+            "per_tensor, all of it for the SSFusion family") in section
+    family = [Config(scheme=s, density=0.01) for s in ("ssfusion", "ssfusion_o", "ssfusion_oi")]
+    assert {(c.effective_budget, c.effective_min_k) for c in family} == {("pooled", 1)}
+    per_tensor = Config(scheme="per_tensor", density=0.01)
+    assert (per_tensor.effective_budget, per_tensor.effective_min_k) == ("blend", 8)
+    assert "| `Config.min_k` 8 where tensors are sparsified one by one outside a pool |" in section
+    assert Config().momentum_masking is False
+    assert "(`Config.momentum_masking=False`)" in section
+    assert f"for the first {100 * WARMUP_SHARE:.0f} % of the steps" in section
+    assert {Config().density_schedule, Config().clip_norm} == {"fixed", None}

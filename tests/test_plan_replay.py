@@ -258,7 +258,7 @@ def test_readme_replay_sentence_names_what_these_tests_run():
 
 
 def test_tinygpt_budget_plans_keep_the_budget_and_follow_the_shares():
-    """docs/results/accuracy.md, "Why SSFusion trails on TinyGPT": the plans in
+    """docs/results/accuracy-history.md, "Why SSFusion trails on TinyGPT": the plans in
     docs/results/tinygpt-budget/ fit gpt_tiny, spend the entries of the plans they replace
     (per_tensor: 1 % of the model; SSFusion: the study's plan for that seed, the same tensors
     sent whole), and give each sparsified tensor a density in proportion to its measured
@@ -317,7 +317,7 @@ def test_readme_tinygpt_gap_split_is_the_saved_runs():
     from gradsync.sparsify import target_k
 
     root = Path(__file__).resolve().parents[1]
-    text = " ".join((root / "docs/results/accuracy.md").read_text().split())
+    text = " ".join((root / "docs/results/accuracy-history.md").read_text().split())
     m = re.search(r"SSFusion ends ([\d.]+) of perplexity above TopkA at the same bytes\. "
                   r"`train --topk-shares` records.*?the weights' allocation \(([\d.]+)\), the "
                   r"LayerNorm and bias tensors SSFusion sends whole, which take (\d+) % of "

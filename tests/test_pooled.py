@@ -9,8 +9,6 @@ every rank's message; not through the engine's selection code.
 
 from __future__ import annotations
 
-import json
-
 import pytest
 import torch
 import torch.distributed as dist
@@ -247,15 +245,15 @@ def _row_cells(section: str, first: str) -> list[str]:
 
 
 def test_the_pooled_default_figures_hold_in_the_written_results():
-    """accuracy.md, "SSFusion's buffers pooled": every figure of its table and bullets,
+    """accuracy-history.md, "SSFusion's buffers pooled": every figure of its table and bullets,
     recomputed from the pages' JSON (SSFusion trained with --budget pooled, the pages written
     with the default, which is it), against the blended budget's pages of the same machine."""
     from pathlib import Path
 
-    from test_bench_convergence import _by_scheme, _interval_cell, _mean_sd
+    from test_bench_convergence import _by_scheme, _interval_cell, _mean_sd, _results
 
     root = Path(__file__).resolve().parents[1]
-    text = (root / "docs/results/accuracy.md").read_text()
+    text = (root / "docs/results/accuracy-history.md").read_text()
     section = text.split("## SSFusion's buffers pooled: `Config.budget=\"pooled\"`")[1].split(
         "\n## ")[0]
     flat = " ".join(section.split())
@@ -285,7 +283,7 @@ def test_the_pooled_default_figures_hold_in_the_written_results():
     for page in ("convergence-cnn-2026-12-07-pooled", "budget-pooled/resnet20-cosine",
                  "budget-pooled/lm-1000", "convergence-lm-2026-12-07-pooled",
                  "budget-pooled/resnet18"):
-        meta = json.loads((root / f"docs/results/{page}.json").read_text())["meta"]
+        meta = _results(page)["meta"]
         assert "--budget" not in meta["command"], page
         assert all(m["budget"] is None for m in meta["models"]), page
     # TinyGPT: perplexity ± sd (gap to DDP), by seed paired with the blend's runs
@@ -333,16 +331,16 @@ def test_the_pooled_default_figures_hold_in_the_written_results():
 
 
 def test_the_nothing_whole_figures_hold_in_the_written_results():
-    """accuracy.md, "Pooled buffers send nothing whole": its table and bullets, recomputed from
-    the pages' JSON against the pooled pages of the same machine and DDP runs (the change's
+    """accuracy-history.md, "Pooled buffers send nothing whole": its table and bullets, recomputed
+    from the pages' JSON against the pooled pages of the same machine and DDP runs (the change's
     runs trained with every setting the default, the pages written with it)."""
     import statistics
     from pathlib import Path
 
-    from test_bench_convergence import _by_scheme, _interval_cell, _mean_sd
+    from test_bench_convergence import _by_scheme, _interval_cell, _mean_sd, _results
 
     root = Path(__file__).resolve().parents[1]
-    text = (root / "docs/results/accuracy.md").read_text()
+    text = (root / "docs/results/accuracy-history.md").read_text()
     section = text.split("## Pooled buffers send nothing whole")[1].split("\n## ")[0]
     flat = " ".join(section.split())
 
@@ -359,7 +357,7 @@ def test_the_nothing_whole_figures_hold_in_the_written_results():
         assert _row_cells(section, first)[1:] == [
             f"{_mean_sd(b)} %", f"{_mean_sd(s)} %", _interval_cell(s, ddp), _interval_cell(s, b),
             f"{_mb(old[first]['ssfusion_oi'])} → {_mb(new[first]['ssfusion_oi'])}"], first
-        meta = json.loads((root / f"docs/results/{pages[first][0]}.json").read_text())["meta"]
+        meta = _results(pages[first][0])["meta"]
         assert "--budget" not in meta["command"] and "--min-k" not in meta["command"]
     cnn, r20, r18 = new["CNN"], new["ResNet-20"], new["ResNet-18"]
     assert cnn["ssfusion"]["finals"] == cnn["ssfusion_oi"]["finals"]  # the same plans

@@ -804,15 +804,21 @@ def test_speed_page_seventh_set_and_its_alternation_are_the_saved_runs():
             f"{1e3 * old['100mbit', 'topka', 4]:.1f} ms") in text
 
 
+def _result(name: str) -> Path:
+    """``docs/results/<name>``, or the archived page of that name (archive/README.md)."""
+    path = RESULTS / name
+    return path if path.exists() else RESULTS / "archive" / name
+
+
 def _study(name: str) -> dict[tuple[str, str], dict]:
-    rows = json.loads((RESULTS / name).read_text())["rows"]
+    rows = json.loads(_result(name).read_text())["rows"]
     return {(r["model"], r["scheme"]): r for r in rows}
 
 
 def _perplexity_gaps(name: str) -> dict[str, float]:
     """A language-model study's schemes (DDP aside): mean perplexity over DDP's, in percent
     above it, from the saved finals."""
-    rows = {r["scheme"]: r for r in json.loads((RESULTS / name).read_text())["rows"]}
+    rows = {r["scheme"]: r for r in json.loads(_result(name).read_text())["rows"]}
     ddp = statistics.fmean(rows.pop("ddp")["finals"])
     return {s: 100 * (statistics.fmean(r["finals"]) / ddp - 1) for s, r in rows.items()}
 
@@ -1000,7 +1006,8 @@ def test_readme_and_architecture_stay_short():
 # -- links between the pages, and the section names the code cites --
 
 DOC_PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")),
-             *(RESULTS / f"{name}.md" for name in ("accuracy", "speed", "simulator", "gpu"))]
+             *(RESULTS / f"{name}.md" for name in ("accuracy", "accuracy-history", "speed",
+                                                   "simulator", "gpu", "archive/README"))]
 
 
 def _anchors(page: Path) -> set[str]:

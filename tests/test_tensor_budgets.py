@@ -1,4 +1,4 @@
-"""docs/results/accuracy.md, "One density for every tensor": every figure of the section
+"""docs/results/accuracy-history.md, "One density for every tensor": every figure of the section
 recomputed from what it names — the `train --topk-shares` runs saved in
 docs/results/resnet18-budget/ and docs/results/resnet20-cosine/budget/, the plans replayed
 there, and the study pages — here, not by the code under test."""
@@ -23,6 +23,7 @@ from test_bench_convergence import (
     _interval_cell,
     _mean_gap_points,
     _mean_sd,
+    _results,
 )
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,7 +41,7 @@ def _k(n: int, d: float) -> int:
 
 
 def _section() -> str:
-    text = (ROOT / "docs/results/accuracy.md").read_text()
+    text = (ROOT / "docs/results/accuracy-history.md").read_text()
     body = text.split("## One density for every tensor: per_tensor on ResNet-18, SSFusion-OI "
                       "on ResNet-20")[1]
     return " ".join(body.split("\n## ")[0].split())
@@ -255,7 +256,7 @@ def test_study_of_the_plans_as_the_section_says():
     assert statistics.mean(ddp) == pytest.approx(0.8311, abs=5e-5)
 
 
-# accuracy.md, "Entries by the gradient's mass": Config.budget="gradient" against the even
+# accuracy-history.md, "Entries by the gradient's mass": Config.budget="gradient" against the even
 # budget's runs of the same seeds (label of the row, its page, the even budget's page, scheme)
 GRADIENT_ROWS = (
     ("ResNet-18 (3), per_tensor", "budget-gradient/resnet18", WARMUP_R18, "per_tensor"),
@@ -279,7 +280,7 @@ def _table_row(section: str, label: str) -> str:
 def test_the_gradients_mass_table_holds_in_the_written_results():
     """Every cell of the table recomputed from the pages: the runs of `--budget gradient`, the
     even budget's of the same seeds, one set of DDP runs per model, the same bytes a step."""
-    text = (ROOT / "docs/results/accuracy.md").read_text()
+    text = (ROOT / "docs/results/accuracy-history.md").read_text()
     section = text.split("## Entries by the gradient's mass")[1].split("\n## ")[0]
     for label, page, even_page, scheme in GRADIENT_ROWS:
         rows = _by_scheme(page, "--model")
@@ -323,8 +324,8 @@ def test_the_gradients_mass_table_holds_in_the_written_results():
     assert abs(_mean_gap_points(r20["ssfusion_oi"]["finals"], r20["ddp"]["finals"])) <= 1.0
 
 
-# accuracy.md, "Half evenly, half by mass": Config.budget="blend" against the even budget's and
-# the gradient's runs of the same seeds (label, its page, the even budget's page, scheme)
+# accuracy-history.md, "Half evenly, half by mass": Config.budget="blend" against the even budget's
+# and the gradient's runs of the same seeds (label, its page, the even budget's page, scheme)
 BLEND_ROWS = tuple((label, page.replace("gradient", "blend"), even, scheme)
                    for label, page, even, scheme in GRADIENT_ROWS if "ResNet" in label)
 
@@ -332,7 +333,7 @@ BLEND_ROWS = tuple((label, page.replace("gradient", "blend"), even, scheme)
 def test_the_blend_table_holds_in_the_written_results():
     """Every cell recomputed from the pages: the runs of `--budget blend`, those of the even
     budget and of `--budget gradient` of the same seeds, the blend page's own DDP runs."""
-    section = (ROOT / "docs/results/accuracy.md").read_text().split(
+    section = (ROOT / "docs/results/accuracy-history.md").read_text().split(
         "## Half evenly, half by mass")[1].split("\n## ")[0]
     for label, page, even_page, scheme in BLEND_ROWS:
         rows = _by_scheme(page, "--model")
@@ -358,7 +359,7 @@ def test_the_budget_pages_ran_the_budget():
     for page in ("budget-gradient/resnet18", "budget-gradient/resnet20-cosine",
                  "budget-gradient/cnn", "budget-gradient/lm-1000", "budget-blend/resnet18",
                  "budget-blend/resnet20-cosine"):
-        data = json.loads((ROOT / f"docs/results/{page}.json").read_text())
+        data = _results(page)
         rule = page.split("/")[0].removeprefix("budget-")
         assert f" --budget {rule} " in data["meta"]["command"], page
 
@@ -367,7 +368,7 @@ def test_the_blend_bars_hold_in_the_written_results():
     """accuracy.md's bullets on "blend": issue 68's ResNet bars recomputed from the pages, each
     rule's misses, and what it costs SSFusion-OI on ResNet-18 (the README's BatchNorm bullet:
     test_bench_convergence.py)."""
-    section = (ROOT / "docs/results/accuracy.md").read_text().split(
+    section = (ROOT / "docs/results/accuracy-history.md").read_text().split(
         "## Half evenly, half by mass")[1].split("\n## ")[0]
     r18, r20 = _by_scheme("budget-blend/resnet18"), _by_scheme("budget-blend/resnet20-cosine")
     gap = {(m, s): _mean_gap_points(r[s]["finals"], r["ddp"]["finals"])
@@ -390,17 +391,17 @@ def test_the_blend_bars_hold_in_the_written_results():
 
 
 def test_the_blend_default_figures_hold_in_the_written_results():
-    """accuracy.md, "Blend, the default": Config's default budget, every scheme's CNN gap to DDP
-    (10 seeds) and issue 68's CNN bars, TinyGPT's SSFusion-OI over 1000 steps against DDP and
+    """accuracy-history.md, "Blend, the default": Config's default budget, every scheme's CNN gap to
+    DDP (10 seeds) and issue 68's CNN bars, TinyGPT's SSFusion-OI over 1000 steps against DDP and
     paired with the even budget's runs, and the 60-step rows, recomputed from the pages' JSON
     (each trained with --budget blend)."""
     # per_tensor's default still; the SSFusion family's was until it pooled (test_pooled.py)
     assert Config(scheme="per_tensor").effective_budget == "blend"
-    section = " ".join((ROOT / "docs/results/accuracy.md").read_text().split(
+    section = " ".join((ROOT / "docs/results/accuracy-history.md").read_text().split(
         "## Blend, the default: the CNN and TinyGPT")[1].split("\n## ")[0].split())
     for page in ("convergence-cnn-2026-12-07-blend", "budget-blend/lm-1000",
                  "convergence-lm-2026-12-07-blend"):
-        data = json.loads((ROOT / f"docs/results/{page}.json").read_text())
+        data = _results(page)
         assert " --budget blend " in data["meta"]["command"] + " ", page
     cnn = _by_scheme("convergence-cnn-2026-12-07-blend")
     ddp = cnn["ddp"]["finals"]
@@ -454,9 +455,8 @@ def test_the_blend_default_figures_hold_in_the_written_results():
     # the time to DDP's accuracy at 100 Mbit/s: the same machine and sources, DDP's finals
     # those of the 2026-12-05 run on the AMD machine
     tta = _by_scheme("convergence-cnn-960-100mbit-2026-12-07-blend")
-    assert " --budget blend " in json.loads((ROOT / "docs/results/convergence-cnn-960-100mbit-"
-                                             "2026-12-07-blend.json").read_text())["meta"][
-        "command"] + " "
+    assert " --budget blend " in _results("convergence-cnn-960-100mbit-2026-12-07-blend")[
+        "meta"]["command"] + " "
     assert tta["ddp"]["finals"] == _by_scheme("convergence-cnn-960-100mbit-2026-12-05")["ddp"][
         "finals"]
     order = ("topka", "ssfusion", "ssfusion_oi", "oktopk")

@@ -34,7 +34,7 @@ momentum's ``g / (1 − m)``, ten times less at ``m = 0.9``, and the more often 
 (the higher the density) the more of the momentum is lost. Without masking the velocity
 carries on after a send, and each entry's cumulative update is exactly dense momentum's,
 delayed until the entry is sent. Measured, masking cost TopkA accuracy on the CNN and
-perplexity on TinyGPT, more at 10 % density than at 1 % (docs/results/accuracy.md, "Momentum
+perplexity on TinyGPT, more at 10 % density than at 1 % (docs/results/accuracy-history.md, "Momentum
 factor masking"). ``ErrorFeedback`` keeps DGC's rule by default (``masking=True``); the
 engine's ``Config.momentum_masking`` defaults to ``False``.
 
@@ -53,7 +53,7 @@ a tensor of which the selection takes over a fifth of the entries (``engine.jobs
 classifier whose entries are sent step after step, where a lead only amplifies what
 oscillates; it broke TopkA on ResNet-18). Measured on the CNN at 1 % (P = 4, SGD, 10 seeds):
 ``a = 1/3`` turned TopkA's gap to DDP into a gain, almost all of it from the tensors the
-selection takes most of, below a fifth (the output layer's 14 %; docs/results/accuracy.md,
+selection takes most of, below a fifth (the output layer's 14 %; docs/results/accuracy-history.md,
 "Momentum sent ahead" and "... skips the tensors a step resends"). A preconditioned buffer
 (AdamW's frozen variance) has a share of its own, ``ahead_preconditioned``: ``Config``'s
 default sends nothing ahead there (measured: TinyGPT, 2 ranks, 8 steps, AdamW's recipe with

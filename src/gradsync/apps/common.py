@@ -83,7 +83,7 @@ def _fmt(v: Any) -> str:
 def cpu_description() -> str:
     """The CPU's model name and the kernels torch picked for it, e.g. ``"AMD EPYC; torch CPU
     kernels AVX2"``. Float results are bit for bit reproducible only on the same kernels: the
-    same code and seed rounded differently on another host (docs/results/accuracy.md,
+    same code and seed rounded differently on another host (docs/results/accuracy-history.md,
     "Reproducible on the same kernels only")."""
     name = platform.processor() or platform.machine()
     try:

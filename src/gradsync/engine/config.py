@@ -95,7 +95,7 @@ class Config:
             points below DDP to between −0.01 and +0.74, and TopkA's ResNet-18 loss rose to
             6.84× its start; since, TopkA +0.70 (−0.98 without a lead), DenseStream +0.66,
             Ok-Topk +0.34, and on ResNet-18 TopkA 84.41 % with its loss at most 1.11× (docs/
-            results/accuracy.md, "Resent means over a fifth of a tensor"). A number
+            results/accuracy-history.md, "Resent means over a fifth of a tensor"). A number
             excludes ``momentum_masking``; checkpoints saved before this option resume with
             ``0``.
         warmup_steps: online-profiling iterations before a cost-model plan is fixed
@@ -206,7 +206,7 @@ class Config:
             the same entries a step, at least ``min_k`` each; ``"blend"`` half of the
             entries each way, which brought per_tensor and SSFusion-OI within a point of DDP
             on ResNet-18 where each other rule left one of them 1.2 to 3.3 points below
-            (docs/results/accuracy.md, "Half evenly, half by mass"); ``"pooled"`` (ours) the
+            (docs/results/accuracy-history.md, "Half evenly, half by mass"); ``"pooled"`` (ours) the
             entries one density gives a job's sparsified tensors, Σ k_i, chosen each step by
             one top-k over all of them, as TopkA's global selection shares the model's (a
             tensor may then send none in a step: SSFusion §III-A's "tensor missing", which

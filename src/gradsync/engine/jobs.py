@@ -111,15 +111,15 @@ def at_density(job: Job, density: float, target: float, numel: Mapping[str, int]
     all-reduce (``collective="dense"``): the same sum at DDP's bytes, where an all-gather sends
     (P − 1)·2d values' bytes per entry against the ring's 2(P − 1)/P (1.6× DDP at P = 4 in
     DGC's first period). The selection, residual and lead are as they would be
-    (docs/results/accuracy.md, "The warm-up's selection all-reduced").
+    (docs/results/accuracy-history.md, "The warm-up's selection all-reduced").
 
     The lead of momentum sent ahead (``gradsync.feedback``, "Ahead") shrinks by ``target /
     density`` (:attr:`Job.lead_share`): an entry selected at density d waits about 1/d steps,
     so it carries about u/d, and the lead c·u is the same share of that at every density.
     A whole lead at a warm-up density sends entries that owe no debt yet c velocities ahead at
     once, a burst: DGC's 4 periods with the SSFusion family's c = 9 diverged the CNN on 1 seed
-    of 10 (docs/results/accuracy.md, "The lead follows the density: the SSFusion family warms
-    up")."""
+    of 10 (docs/results/accuracy-history.md, "The lead follows the density: the SSFusion family
+    warms up")."""
     if job.mode is Mode.DENSE or density == target:
         return job
     if density >= 1.0:
@@ -452,7 +452,7 @@ def resent(idx: torch.Tensor, sizes: Sequence[int]) -> torch.Tensor:
     0.54 at c = 3. Measured on ResNet-18 (TopkA, 1 %): its classifier, 38 % of whose entries
     a step selects, spiked the loss to 6.6× step 0's within 3 steps with a lead of 3, and
     did not spike without a lead there; the CNN's output layer (14 %) gains from its lead
-    (docs/results/accuracy.md, "Resent means over a fifth of a tensor": a fifth lies between
+    (docs/results/accuracy-history.md, "Resent means over a fifth of a tensor": a fifth lies between
     the two, read off those measurements)."""
     ends = constant(tuple(itertools.accumulate(sizes)), idx.dtype, idx.device)
     seg = torch.searchsorted(ends, idx, right=True)

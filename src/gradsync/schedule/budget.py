@@ -6,9 +6,9 @@ after compensation), so each tensor sends k_i = d·n_i entries a step. A global 
 feedback (TopkA) sends instead what crosses one threshold θ over the whole model: an entry
 whose gradient averages |g| crosses it about every θ/|g| steps, so tensor i's share of the k
 entries a step is close to its share of the gradient's L1 mass, m_i / Σ m. Measured on
-ResNet-18 and ResNet-20 (docs/results/accuracy.md, "One density for every tensor"), TopkA gives
-its classifier 48 % of its weights a step and per_tensor 1 %: per_tensor ended 3.28 points below
-DDP, and +0.28 with its entries moved by TopkA's shares (the same entries a step).
+ResNet-18 and ResNet-20 (docs/results/accuracy-history.md, "One density for every tensor"), TopkA
+gives its classifier 48 % of its weights a step and per_tensor 1 %: per_tensor ended 3.28 points
+below DDP, and +0.28 with its entries moved by TopkA's shares (the same entries a step).
 
 :func:`apportion` keeps a plan's sparsified tensors, its tensors sent whole and its total
 entries K = Σ k_i, and gives tensor i
@@ -25,13 +25,13 @@ ResNet-18, the mass alone lifted per_tensor (whose classifier had 1 % of its wei
 points but cost SSFusion-OI (its classifier already whole) 2.38, its wide convolutions left far
 below 1 %. ``"blend"`` is ``per_tensor``'s, HiPress's and Espresso's default
 (``Scheme.budget``): it kept the CNN's SSFusion family and ``per_tensor`` within issue 68's
-bars and left TinyGPT where one density did (docs/results/accuracy.md, "Blend, the default").
-The masses are the engine's sums of |g| over its profiling steps
+bars and left TinyGPT where one density did (docs/results/accuracy-history.md, "Blend, the
+default"). The masses are the engine's sums of |g| over its profiling steps
 (:mod:`gradsync.engine.warmup`); every rank plans from the same sums.
 
 ``"pooled"``, the SSFusion family's default, shares nothing in the plan: it stays the even
 one, and each job selects its sparsified tensors' Σ k_i entries with one top-k over all of
-them, step by step (:attr:`gradsync.engine.jobs.Job.pools`; docs/results/accuracy.md,
+them, step by step (:attr:`gradsync.engine.jobs.Job.pools`; docs/results/accuracy-history.md,
 "SSFusion's buffers pooled").
 """
 

@@ -77,16 +77,16 @@ class Scheme:
             others' density, only where those tensors fit half of its byte budget
             (:func:`~gradsync.schedule.ssfusion.starved`, ``MIN_K_SHARE``); beyond it its own
             budgeted exclusions (Eq. 2) decide. Measured (1 %, P = 4, paired by seed;
-            docs/results/accuracy.md, "min_k in the SSFusion family"): ResNet-20's small tensors
-            take 40 % of the budget, and SSFusion with them whole ends 74.19 % against 64.17 %
-            with none forced (5 seeds, each better); TinyGPT's take 66 %, and forcing them cost
-            21.79 against 19.92 perplexity (60 steps, 3 seeds; d′ 0.0079 → 0.0034) and 7.74
+            docs/results/accuracy-history.md, "min_k in the SSFusion family"): ResNet-20's small
+            tensors take 40 % of the budget, and SSFusion with them whole ends 74.19 % against
+            64.17 % with none forced (5 seeds, each better); TinyGPT's take 66 %, and forcing them
+            cost 21.79 against 19.92 perplexity (60 steps, 3 seeds; d′ 0.0079 → 0.0034) and 7.74
             against 7.45 (SSFusion-OI, 1000 steps). The CNN's plans are the same either way.
             Under the pooled budget (``budget``) ``Config`` takes 1 instead: a pool's K counts.
         momentum_ahead: ``Config.momentum_ahead``'s default: the share of a sent entry's
             velocity tail it carries ahead under DGC momentum correction without masking
             (``gradsync.feedback``, "Ahead"). Chosen per scheme from 1/3 and 1 at 1 %, P = 4
-            (docs/results/accuracy.md, "Momentum sent ahead"), in points against DDP on the
+            (docs/results/accuracy-history.md, "Momentum sent ahead"), in points against DDP on the
             CNN (10 seeds) and ResNet-20 (5 seeds): 1/3 for TopkA (CNN +0.48 against −0.19 at
             1; ResNet-20 −4.04 against −11.89), DenseStream (+0.62, +0.17), Ok-Topk (−0.01;
             1 diverged on one seed with its thresholds reused between exact ones, and trained
@@ -102,7 +102,7 @@ class Scheme:
             measured with it (TopkA, Ok-Topk, DenseStream, per_tensor, the SSFusion family),
             the lead following the density there, and a selection of 1/P of a job's entries
             or more all-reduced densified where TopkA's collective would all-gather it
-            (``engine.jobs.at_density``). Measured at 1 %, P = 4 (docs/results/accuracy.md,
+            (``engine.jobs.at_density``). Measured at 1 %, P = 4 (docs/results/accuracy-history.md,
             "The warm-up's selection all-reduced"): on ResNet-20 (cosine schedule, 5 seeds)
             TopkA −0.61 and per_tensor −1.28 points vs DDP (−2.27 and −2.41 without); on the
             CNN (10 seeds) TopkA +1.03, SSFusion-OI +0.99, DenseStream +0.98, Ok-Topk +0.37,
@@ -116,8 +116,9 @@ class Scheme:
             (:mod:`gradsync.schedule.budget`): ``"blend"`` for ``per_tensor``, HiPress and
             Espresso; ``"pooled"`` for the SSFusion family, whose sparsified tensors of one
             fusion buffer then share the buffer's entries through one selection, as TopkA's
-            global top-k shares the model's. Measured at 1 %, P = 4 (docs/results/accuracy.md,
-            "SSFusion's buffers pooled"). Other planners ignore it.
+            global top-k shares the model's. Measured at 1 %, P = 4
+            (docs/results/accuracy-history.md, "SSFusion's buffers pooled"). Other planners ignore
+            it.
         paper: where the scheme comes from.
     """
 

@@ -115,9 +115,9 @@ the others' density, so only where they fit :data:`MIN_K_SHARE` (half) of the by
 together; otherwise none is forced, and Eq. 2's exclusions within :data:`WHOLE_SHARE` decide
 (:func:`starved`, for the engine and the DDP hook alike). A tensor's entries are counted at the
 compensated d′ it would be selected at, not at the target. Measured at 1 %, P = 4 (docs/results/
-accuracy.md, "min_k in the SSFusion family"): ResNet-20's small tensors (its BatchNorm vectors,
-first convolution and classifier) take 40 % of the budget; sparsified, the classifier sends 5
-of its 640 entries a step and SSFusion ended 11.1 points below DDP, whole 1.1 (5 seeds).
+accuracy-history.md, "min_k in the SSFusion family"): ResNet-20's small tensors (its BatchNorm
+vectors, first convolution and classifier) take 40 % of the budget; sparsified, the classifier sends
+5 of its 640 entries a step and SSFusion ended 11.1 points below DDP, whole 1.1 (5 seeds).
 TinyGPT's biases and norms take 66 %; forced whole they halved the matrices' density (d′
 0.0079 → 0.0034) and cost 1.9 perplexity at 60 steps and 0.29 at 1000 (3 seeds).
 
@@ -132,7 +132,7 @@ says ``eq2: "pooled"``) and ``min_k``'s default is 1: the pool, not a per-tensor
 small tensor the entries its values earn, as TopkA's global selection does. SSFusion-I's
 Buffer_AR is then empty. The DDP hook does the same (every tensor of a bucket in its pool).
 ``Config(budget="blend")`` is the paper's selective sparsification. Measured at 1 %, P = 4
-(docs/results/accuracy.md, "Pooled buffers send nothing whole"), SSFusion-OI against its
+(docs/results/accuracy-history.md, "Pooled buffers send nothing whole"), SSFusion-OI against its
 buffers pooled beside the tensors sent whole: ResNet-20 (cosine schedule, 10 seeds) −0.69
 points vs DDP instead of −1.23 (+0.54 [+0.05, +1.02] paired); the CNN −0.48 [−1.59, +0.63]
 paired (10 seeds, unresolved; +0.57 vs DDP); TinyGPT lower perplexity on every seed.
@@ -310,7 +310,7 @@ def starved(numels: Sequence[int], density: float, min_k: int, charge: float,
     share is not taken: the marks before it stand. Decided at the target alone, ResNet-20's
     classifier (640 entries: 8 at 1.25 %, whole at 1 %) was sparsified at 1.25 % with d′ =
     0.97 %, 6 entries a step, and SSFusion-OI ended 2.79 points below DDP there against 1.44 at
-    1 % (docs/results/accuracy.md, "SSFusion-OI on ResNet-20: its budget")."""
+    1 % (docs/results/accuracy-history.md, "SSFusion-OI on ResNet-20: its budget")."""
     budget = MIN_K_SHARE * density * sum(numels)
 
     def fits(marks: list[bool]) -> bool:

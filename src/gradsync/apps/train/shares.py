@@ -1,8 +1,8 @@
 """Where one global budget would go: each tensor's share of a global top-k of the accumulators.
 
 SSFusion gives every tensor its own budget (§IV-B), TopkA one budget over the whole model; the
-issue behind this (docs/results/accuracy.md, "Why SSFusion trails on TinyGPT, measured") is which
-tensors a global selection would feed. ``train --topk-shares`` measures it on rank 0: the
+issue behind this (docs/results/accuracy-history.md, "Why SSFusion trails on TinyGPT, measured") is
+which tensors a global selection would feed. ``train --topk-shares`` measures it on rank 0: the
 engine's audit records (:class:`gradsync.engine.audit.AuditRecord`) hand over every tensor's
 accumulator ``acc`` of a step — the gradient after error feedback, momentum correction and
 preconditioning, what the scheme selects from — and for each step that sent anything sparse,
