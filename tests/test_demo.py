@@ -35,3 +35,8 @@ def test_demo_evaluates_the_whole_test_split(tmp_path: Path, capsys) -> None:
     assert reached == (max(p["test_accuracy"] for p in runs[1]["history"])
                        >= ddp["test_accuracy"])
     assert ("not reached" in out) == (not reached)
+    # the MB column is what the run sent, every step counted (DGC's warm-up included), not the
+    # steady state after the first warmup_steps + 1 steps that the samples/s column reads
+    every, after = (f" {topka[k] / 1e6:.4g} " for k in ("run_bytes_per_step", "bytes_per_step"))
+    assert every != after and every in out and after not in out
+    assert "MB sent/step/rank: the mean over every step, DGC's denser first steps included" in out

@@ -76,7 +76,7 @@ def main(argv: list[str] | None = None) -> int:
         t, x = s.get("s_to_ddp"), s.get("time_speedup_vs_ddp")
         rows.append([s["scheme"], s["samples_per_s"],
                      f"{s['speedup_vs_ddp']:.2f}x" if s["speedup_vs_ddp"] else "-",
-                     s["mb_per_step"], 100 * s.get("test_accuracy", float("nan")),
+                     s["run_bytes_per_step"] / 1e6, 100 * s.get("test_accuracy", float("nan")),
                      "not reached" if t is None else f"{t:.1f}",
                      "-" if t is None or x is None else f"{x:.2f}x"])
     print_table(f"gradsync demo — {spec.model}, P={spec.world_size}, {link['link']}, "
@@ -91,6 +91,9 @@ def main(argv: list[str] | None = None) -> int:
     print(f"test accuracy: {', '.join(str(n) for n in sorted(seen)) or 'no'} images of the "
           f"{spec.data} test split, after the same number of steps for every scheme (one "
           "seed; `python -m gradsync bench convergence` gives mean ± std over seeds)")
+    print(f"samples/s and the step speed-up: the median step after the first "
+          f"{spec.warmup_steps + 1} (the cost model's profiling); MB sent/step/rank: the mean "
+          "over every step, DGC's denser first steps included, what the run sent")
     print(f"time to ddp's accuracy: training seconds until a scheme's test accuracy reaches "
           f"ddp's final one, read from {EVAL_POINTS} evaluations per run (linear between them); "
           "speed-up vs ddp (time) is ddp's seconds to it over the scheme's, the gain a user "
