@@ -37,13 +37,18 @@ def _accuracy_from(heading: str, until: str = "## Preconditioned") -> str:
     return _accuracy().split(f"## {heading}")[1].split(until)[0]
 
 
+def _result_file(name: str) -> Path:
+    """``docs/results/<name>``, or the archived file of that name: a superseded page, kept for
+    the history accuracy-history.md tells (archive/README.md)."""
+    path = RESULTS / name
+    return path if path.exists() else RESULTS / "archive" / name
+
+
 def _results(name: str, command: str | None = None) -> dict:
-    """A results page's JSON, ``docs/results/<name>.json``; with ``command``, its recorded
-    command must start with ``python -m gradsync bench convergence `` and then ``command``."""
-    path = RESULTS / f"{name}.json"
-    if not path.exists():  # a superseded page, kept for the history accuracy-history.md tells
-        path = RESULTS / "archive" / f"{name}.json"
-    data = json.loads(path.read_text())
+    """A results page's JSON, ``docs/results/<name>.json`` (:func:`_result_file`); with
+    ``command``, its recorded command must start with ``python -m gradsync bench convergence ``
+    and then ``command``."""
+    data = json.loads(_result_file(f"{name}.json").read_text())
     if command is not None:
         assert data["meta"]["command"].startswith(
             "python -m gradsync bench convergence " + command), data["meta"]["command"]

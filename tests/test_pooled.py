@@ -248,12 +248,9 @@ def test_the_pooled_default_figures_hold_in_the_written_results():
     """accuracy-history.md, "SSFusion's buffers pooled": every figure of its table and bullets,
     recomputed from the pages' JSON (SSFusion trained with --budget pooled, the pages written
     with the default, which is it), against the blended budget's pages of the same machine."""
-    from pathlib import Path
+    from test_bench_convergence import HISTORY, _by_scheme, _interval_cell, _mean_sd, _results
 
-    from test_bench_convergence import _by_scheme, _interval_cell, _mean_sd, _results
-
-    root = Path(__file__).resolve().parents[1]
-    text = (root / "docs/results/accuracy-history.md").read_text()
+    text = HISTORY.read_text()
     section = text.split("## SSFusion's buffers pooled: `Config.budget=\"pooled\"`")[1].split(
         "\n## ")[0]
     flat = " ".join(section.split())
@@ -335,12 +332,10 @@ def test_the_nothing_whole_figures_hold_in_the_written_results():
     from the pages' JSON against the pooled pages of the same machine and DDP runs (the change's
     runs trained with every setting the default, the pages written with it)."""
     import statistics
-    from pathlib import Path
 
-    from test_bench_convergence import _by_scheme, _interval_cell, _mean_sd, _results
+    from test_bench_convergence import HISTORY, _by_scheme, _interval_cell, _mean_sd, _results
 
-    root = Path(__file__).resolve().parents[1]
-    text = (root / "docs/results/accuracy-history.md").read_text()
+    text = HISTORY.read_text()
     section = text.split("## Pooled buffers send nothing whole")[1].split("\n## ")[0]
     flat = " ".join(section.split())
 

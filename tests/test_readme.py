@@ -19,7 +19,7 @@ import pytest
 
 import test_accelerate
 import test_lightning
-from test_bench_convergence import ONE_COMMIT
+from test_bench_convergence import ONE_COMMIT, _result_file
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
@@ -804,21 +804,15 @@ def test_speed_page_seventh_set_and_its_alternation_are_the_saved_runs():
             f"{1e3 * old['100mbit', 'topka', 4]:.1f} ms") in text
 
 
-def _result(name: str) -> Path:
-    """``docs/results/<name>``, or the archived page of that name (archive/README.md)."""
-    path = RESULTS / name
-    return path if path.exists() else RESULTS / "archive" / name
-
-
 def _study(name: str) -> dict[tuple[str, str], dict]:
-    rows = json.loads(_result(name).read_text())["rows"]
+    rows = json.loads(_result_file(name).read_text())["rows"]
     return {(r["model"], r["scheme"]): r for r in rows}
 
 
 def _perplexity_gaps(name: str) -> dict[str, float]:
     """A language-model study's schemes (DDP aside): mean perplexity over DDP's, in percent
     above it, from the saved finals."""
-    rows = {r["scheme"]: r for r in json.loads(_result(name).read_text())["rows"]}
+    rows = {r["scheme"]: r for r in json.loads(_result_file(name).read_text())["rows"]}
     ddp = statistics.fmean(rows.pop("ddp")["finals"])
     return {s: 100 * (statistics.fmean(r["finals"]) / ddp - 1) for s, r in rows.items()}
 

@@ -15,6 +15,7 @@ from gradsync.apps.models import build
 from gradsync.engine.config import Config
 from gradsync.engine.warmup import given_plan
 from test_bench_convergence import (
+    HISTORY,
     WARMUP_CNN,
     WARMUP_R18,
     WARMUP_R20,
@@ -41,7 +42,7 @@ def _k(n: int, d: float) -> int:
 
 
 def _section() -> str:
-    text = (ROOT / "docs/results/accuracy-history.md").read_text()
+    text = HISTORY.read_text()
     body = text.split("## One density for every tensor: per_tensor on ResNet-18, SSFusion-OI "
                       "on ResNet-20")[1]
     return " ".join(body.split("\n## ")[0].split())
@@ -280,7 +281,7 @@ def _table_row(section: str, label: str) -> str:
 def test_the_gradients_mass_table_holds_in_the_written_results():
     """Every cell of the table recomputed from the pages: the runs of `--budget gradient`, the
     even budget's of the same seeds, one set of DDP runs per model, the same bytes a step."""
-    text = (ROOT / "docs/results/accuracy-history.md").read_text()
+    text = HISTORY.read_text()
     section = text.split("## Entries by the gradient's mass")[1].split("\n## ")[0]
     for label, page, even_page, scheme in GRADIENT_ROWS:
         rows = _by_scheme(page, "--model")
@@ -333,7 +334,7 @@ BLEND_ROWS = tuple((label, page.replace("gradient", "blend"), even, scheme)
 def test_the_blend_table_holds_in_the_written_results():
     """Every cell recomputed from the pages: the runs of `--budget blend`, those of the even
     budget and of `--budget gradient` of the same seeds, the blend page's own DDP runs."""
-    section = (ROOT / "docs/results/accuracy-history.md").read_text().split(
+    section = HISTORY.read_text().split(
         "## Half evenly, half by mass")[1].split("\n## ")[0]
     for label, page, even_page, scheme in BLEND_ROWS:
         rows = _by_scheme(page, "--model")
@@ -368,7 +369,7 @@ def test_the_blend_bars_hold_in_the_written_results():
     """accuracy.md's bullets on "blend": issue 68's ResNet bars recomputed from the pages, each
     rule's misses, and what it costs SSFusion-OI on ResNet-18 (the README's BatchNorm bullet:
     test_bench_convergence.py)."""
-    section = (ROOT / "docs/results/accuracy-history.md").read_text().split(
+    section = HISTORY.read_text().split(
         "## Half evenly, half by mass")[1].split("\n## ")[0]
     r18, r20 = _by_scheme("budget-blend/resnet18"), _by_scheme("budget-blend/resnet20-cosine")
     gap = {(m, s): _mean_gap_points(r[s]["finals"], r["ddp"]["finals"])
@@ -397,7 +398,7 @@ def test_the_blend_default_figures_hold_in_the_written_results():
     (each trained with --budget blend)."""
     # per_tensor's default still; the SSFusion family's was until it pooled (test_pooled.py)
     assert Config(scheme="per_tensor").effective_budget == "blend"
-    section = " ".join((ROOT / "docs/results/accuracy-history.md").read_text().split(
+    section = " ".join(HISTORY.read_text().split(
         "## Blend, the default: the CNN and TinyGPT")[1].split("\n## ")[0].split())
     for page in ("convergence-cnn-2026-12-07-blend", "budget-blend/lm-1000",
                  "convergence-lm-2026-12-07-blend"):

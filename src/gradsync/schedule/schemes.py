@@ -117,8 +117,8 @@ class Scheme:
             Espresso; ``"pooled"`` for the SSFusion family, whose sparsified tensors of one
             fusion buffer then share the buffer's entries through one selection, as TopkA's
             global top-k shares the model's. Measured at 1 %, P = 4
-            (docs/results/accuracy-history.md, "SSFusion's buffers pooled"). Other planners ignore
-            it.
+            (docs/results/accuracy-history.md, "SSFusion's buffers pooled"). Other planners
+            ignore it.
         paper: where the scheme comes from.
     """
 
